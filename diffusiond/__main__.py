@@ -1,0 +1,3 @@
+from diffusiond.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""The worker protocol: one msgspec struct per frame kind.
+
+Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE.
+Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
+dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL.
+
+Bodies carry descriptors and parameters, never bulk data: outputs live in the shared arena and
+frames only point at them. Structs are msgpack-encoded by ``frames``; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import msgspec
+
+from diffusiond.ipc.tensors import TensorDesc
+
+OutputDType = Literal["uint8", "float16", "float32"]
+
+
+class Kind(enum.IntEnum):
+    # engine -> worker
+    INIT = 1
+    EXECUTE = 2
+    CANCEL = 3
+    RELEASE = 4
+    SLEEP = 5
+    WAKE = 6
+    SHUTDOWN = 7
+    TRACE = 8
+    # worker -> engine
+    HELLO = 32
+    READY = 33
+    COMPUTE_DONE = 34
+    PROGRESS = 35
+    OUTPUT_READY = 36
+    REQUEST_ENDED = 37
+    ACK = 38
+    FATAL = 39
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a worker needs to start; sent in INIT so no argument parsing or pickling."""
+
+    worker_id: int
+    model_name: str
+    model_spec: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    output_mode: Literal["async", "sync"] = "async"
+    arena_bytes: int = 256 << 20
+    slot_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0
+    progress_interval_s: float = 0.1
+    options: dict[str, str] = {}
+    # Test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY".
+    fault: str = ""
+
+
+class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Parameters shared by every request of a batch. Frozen and hashable: it is the batch key."""
+
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    num_frames: int | None = None
+    scheduler: str | None = None
+    output_dtype: OutputDType = "uint8"
+
+
+class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One output to produce: the unit of batching, cancellation and delivery."""
+
+    request_id: str
+    prompt: str
+    seed: int
+    negative_prompt: str | None = None
+
+
+class Init(msgspec.Struct, frozen=True):
+    config: WorkerConfig
+
+
+class Execute(msgspec.Struct, frozen=True):
+    batch_id: int
+    params: BatchParams
+    requests: list[RequestSpec]
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    request_ids: list[str]
+
+
+class Release(msgspec.Struct, frozen=True):
+    slot_ids: list[int]
+
+
+class Sleep(msgspec.Struct, frozen=True):
+    pass
+
+
+class Wake(msgspec.Struct, frozen=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, frozen=True):
+    pass
+
+
+class Trace(msgspec.Struct, frozen=True):
+    """Ask the worker for its recorded event trace (diagnostics and ordering proofs in tests)."""
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """First frame of a worker; the arena's memfd travels with it (SCM_RIGHTS)."""
+
+    worker_id: int
+    pid: int
+    arena_bytes: int
+
+
+class Ready(msgspec.Struct, frozen=True):
+    model_name: str
+    task: str
+    device: str
+    load_ms: float
+
+
+class ComputeDone(msgspec.Struct, frozen=True):
+    batch_id: int
+    compute_ms: float
+    steps_run: int
+
+
+class Progress(msgspec.Struct, frozen=True):
+    batch_id: int
+    step: int
+    total: int
+
+
+class OutputReady(msgspec.Struct, frozen=True):
+    """One request's output is in shared memory. ``tensor`` says where; a dedicated fd may follow."""
+
+    request_id: str
+    batch_id: int
+    tensor: TensorDesc
+    copy_ms: float
+
+
+class RequestEnded(msgspec.Struct, frozen=True):
+    """A request ended without an output: failed (with the reason) or cancelled."""
+
+    request_id: str
+    batch_id: int
+    status: Literal["failed", "cancelled"]
+    message: str
+    stage: str
+
+
+class TraceEvent(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    batch_id: int
+    t_ns: int
+
+
+class Ack(msgspec.Struct, frozen=True):
+    """Answer to SLEEP, WAKE, SHUTDOWN and TRACE."""
+
+    command: int
+    ok: bool
+    message: str = ""
+    trace: list[TraceEvent] = []
+
+
+class Fatal(msgspec.Struct, frozen=True):
+    """The worker is about to exit because of an unrecoverable error."""
+
+    message: str
+
+
+KIND_OF: dict[type[msgspec.Struct], Kind] = {
+    Init: Kind.INIT,
+    Execute: Kind.EXECUTE,
+    Cancel: Kind.CANCEL,
+    Release: Kind.RELEASE,
+    Sleep: Kind.SLEEP,
+    Wake: Kind.WAKE,
+    Shutdown: Kind.SHUTDOWN,
+    Trace: Kind.TRACE,
+    Hello: Kind.HELLO,
+    Ready: Kind.READY,
+    ComputeDone: Kind.COMPUTE_DONE,
+    Progress: Kind.PROGRESS,
+    OutputReady: Kind.OUTPUT_READY,
+    RequestEnded: Kind.REQUEST_ENDED,
+    Ack: Kind.ACK,
+    Fatal: Kind.FATAL,
+}
+TYPE_OF: dict[Kind, type[msgspec.Struct]] = {kind: cls for cls, kind in KIND_OF.items()}

@@ -1,0 +1,43 @@
+"""Shared fixtures. Everything here runs real processes and real sockets; nothing is mocked."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shm_entries() -> set[str]:
+    """Names in /dev/shm: memfd-backed memory must never appear here."""
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def memfd_maps(pid: int | str = "self") -> list[str]:
+    """memfd mappings of a process, from /proc/PID/maps."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return [line for line in f if "memfd:" in line]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache folder for the embedded models for the whole run (tiny is built once)."""
+    path = Path(os.environ.get("DIFFUSIOND_TEST_CACHE") or tmp_path_factory.mktemp("model-cache"))
+    os.environ["DIFFUSIOND_CACHE"] = str(path)
+    return path
+
+
+
+def pytest_asyncio_loop_factories(config, item):  # type: ignore[no-untyped-def]
+    """The daemon runs on uvloop; so do the async tests."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
