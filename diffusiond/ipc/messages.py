@@ -173,6 +173,11 @@ class Ack(msgspec.Struct, frozen=True):
     ok: bool
     message: str = ""
     trace: list[TraceEvent] = []
+    # the worker's own view of its shared memory, for metrics and leak checks
+    arena_in_use: int = 0
+    arena_high_water: int = 0
+    slots_in_use: int = 0
+    dedicated_bytes: int = 0
 
 
 class Fatal(msgspec.Struct, frozen=True):

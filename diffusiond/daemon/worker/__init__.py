@@ -1,0 +1,11 @@
+"""The worker process: one per device, spawned by the engine, connected by one channel.
+
+Three threads, each with one job:
+
+- the event loop thread (``process``) owns the channel and is its only writer; it reads commands;
+- the compute thread (``compute``) runs forward passes back to back on the default CUDA stream;
+- the copy thread (``copier``) moves each finished output off the device into an arena slot on a
+  side stream, while the compute thread is already on the next batch.
+
+Threads hand frames to the loop with ``Channel.post_threadsafe``; nothing else writes.
+"""

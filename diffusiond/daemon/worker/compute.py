@@ -1,0 +1,168 @@
+"""The compute thread: forward passes back to back, never waiting for an output copy.
+
+After each batch it records a CUDA event on the default stream, announces COMPUTE_DONE and hands
+the device outputs to the copy thread, then takes the next batch at once: the engine keeps one
+queued, so the GPU goes from one forward straight into the next. Control items (SLEEP, WAKE,
+SHUTDOWN) travel through the same queue, so they run after the batches sent before them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from diffusiond.daemon.worker.copier import Copier, CopyJob
+from diffusiond.daemon.worker.state import SharedState
+from diffusiond.ipc.messages import Ack, ComputeDone, Execute, Fatal, Kind, Progress, RequestEnded
+from diffusiond.pipelines.base import Interrupted, Pipeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Control:
+    command: Literal["sleep", "wake", "shutdown"]
+
+
+_KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN}
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Errors after which the device (and so this process) cannot be trusted any more."""
+    if type(exc).__name__ == "AcceleratorError":
+        return True
+    text = str(exc)
+    return any(s in text for s in _FATAL_TEXT)
+
+
+_FATAL_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure", "ECC error")
+
+
+class ComputeThread:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        copier: Copier,
+        state: SharedState,
+        post: Callable[..., None],
+        *,
+        sync_output: bool,
+        progress_interval_s: float,
+        drain_timeout_s: float,
+        on_exit: Callable[[int], None],
+    ) -> None:
+        self.pipeline = pipeline
+        self.copier = copier
+        self.state = state
+        self.post = post
+        self.sync_output = sync_output
+        self.progress_interval_s = progress_interval_s
+        self.drain_timeout_s = drain_timeout_s
+        self.on_exit = on_exit
+        self.cuda = pipeline.device.type == "cuda"
+        self.queue: queue.Queue[Execute | Control] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if isinstance(item, Control):
+                if self._control(item):
+                    return
+                continue
+            try:
+                self._execute(item)
+            except BaseException as exc:  # a device error: this process is done
+                log.exception("unrecoverable error in batch %d", item.batch_id)
+                self.post(Fatal(message=f"unrecoverable device error in batch {item.batch_id}: {exc}"))
+                self.on_exit(70)
+                return
+
+    def _execute(self, batch: Execute) -> None:
+        live = [r for r in batch.requests if not self.state.is_cancelled(r.request_id)]
+        for r in batch.requests:
+            if r not in live:
+                self._end(batch.batch_id, r.request_id, "cancelled", "cancelled while queued on the worker")
+        if not live:
+            return
+        live_ids = [r.request_id for r in live]
+        last_post = 0.0
+
+        def on_step(step: int, total: int) -> bool:
+            nonlocal last_post
+            now = time.monotonic()
+            if step == total or now - last_post >= self.progress_interval_s:
+                last_post = now
+                self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
+            return not self.state.all_cancelled(live_ids)
+
+        self.state.record("compute_start", batch.batch_id)
+        t0 = time.perf_counter()
+        try:
+            outputs = self.pipeline.run(batch.params, live, on_step)
+        except Interrupted as exc:
+            for rid in live_ids:
+                self._end(batch.batch_id, rid, "cancelled", f"cancelled during compute ({exc})")
+            return
+        except torch.OutOfMemoryError as exc:
+            if self.cuda:
+                torch.cuda.empty_cache()
+            self._fail_all(batch.batch_id, live_ids, f"out of device memory: {exc}")
+            return
+        except Exception as exc:
+            if is_fatal(exc):
+                raise
+            log.exception("batch %d failed", batch.batch_id)
+            self._fail_all(batch.batch_id, live_ids, f"{type(exc).__name__}: {exc}")
+            return
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        compute_ms = (time.perf_counter() - t0) * 1000
+        self.state.record("compute_end", batch.batch_id)
+        self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms, steps_run=batch.params.steps))
+        job = CopyJob(batch.batch_id, batch.params, live, outputs, event)
+        if self.sync_output:
+            self.copier.process(job)
+        else:
+            self.copier.submit(job)
+
+    def _control(self, item: Control) -> bool:
+        """Drain copies (bounded), then act. Returns True when the thread should end."""
+        self.state.record(f"drain_start_{item.command}", 0)
+        drained = self.state.drain(self.drain_timeout_s)
+        self.state.record(f"drain_end_{item.command}", 0)
+        message = "" if drained else f"copy thread did not drain within {self.drain_timeout_s}s"
+        ok = drained
+        try:
+            if item.command == "sleep":
+                self.pipeline.sleep()
+            elif item.command == "wake":
+                self.pipeline.wake()
+        except Exception as exc:
+            ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
+        self.state.record(item.command, 0)
+        self.post(Ack(command=_KIND[item.command], ok=ok, message=message))
+        if item.command == "shutdown":
+            self.on_exit(0 if drained else 1)
+            return True
+        return False
+
+    def _fail_all(self, batch_id: int, request_ids: list[str], message: str) -> None:
+        for rid in request_ids:
+            self._end(batch_id, rid, "failed", message)
+
+    def _end(self, batch_id: int, request_id: str, status: str, message: str) -> None:
+        self.state.finish(request_id)
+        self.post(RequestEnded(request_id, batch_id, status, message, "computing"))  # type: ignore[arg-type]

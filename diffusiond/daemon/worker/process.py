@@ -1,0 +1,230 @@
+"""The worker's event loop thread: owns the channel, dispatches commands, starts the threads.
+
+Start-up: wait for INIT, create the arena (registered with CUDA when the device is a GPU), send
+HELLO with the arena fd, load the model off the loop, send READY (or FATAL and exit non-zero).
+If the engine goes away (channel EOF) the worker exits at once: it has nobody to deliver to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from diffusiond.daemon.worker.compute import ComputeThread, Control
+from diffusiond.daemon.worker.copier import Copier
+from diffusiond.daemon.worker.state import Faults, SharedState
+from diffusiond.ipc import cuda_host
+from diffusiond.ipc.arena import Arena
+from diffusiond.ipc.channel import Channel
+from diffusiond.ipc.errors import ArenaError
+from diffusiond.ipc.frames import KIND_OFFSET, Frame
+from diffusiond.ipc.messages import (
+    Ack,
+    Cancel,
+    Execute,
+    Fatal,
+    Hello,
+    Init,
+    Kind,
+    Ready,
+    Release,
+    Shutdown,
+    Sleep,
+    Trace,
+    Wake,
+    WorkerConfig,
+)
+
+log = logging.getLogger("diffusiond.worker")
+
+
+class Worker:
+    def __init__(self, sock: socket.socket) -> None:
+        self.channel = Channel(sock, name=f"worker[{os.getpid()}]")
+        self.state = SharedState()
+        self.config: WorkerConfig | None = None
+        self.arena: Arena | None = None
+        self.copier: Copier | None = None
+        self.compute: ComputeThread | None = None
+        self.pending: list[Execute | Control] = []  # commands that arrive while the model loads
+        self.exit_code: asyncio.Future[int] | None = None
+        self._init_task: asyncio.Future[None] | None = None
+        self.shutting_down = False
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.exit_code = loop.create_future()
+        self.channel.start(self._on_frame, self._on_close)
+        code = await self.exit_code
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.channel.drain(), 5)
+        return code
+
+    def exit(self, code: int) -> None:
+        """Thread-safe: ask the loop to finish with ``code``."""
+        assert self.exit_code is not None
+        fut = self.exit_code
+        fut.get_loop().call_soon_threadsafe(lambda: fut.done() or fut.set_result(code))
+
+    # channel callbacks (loop thread) --------------------------------------------------------
+    def _on_close(self, reason: BaseException | None) -> None:
+        log.info("channel closed (%s); exiting", reason)
+        # The compute thread may be deep in a forward; there is no one left to deliver to.
+        os._exit(0 if reason is None or self.shutting_down else 1)
+
+    def _on_frame(self, frame: Frame) -> None:
+        msg = frame.msg
+        if isinstance(msg, Init):
+            self._init_task = asyncio.ensure_future(self._init(msg.config))
+        elif isinstance(msg, Execute):
+            self.state.admit([r.request_id for r in msg.requests])
+            self._enqueue(msg)
+        elif isinstance(msg, Cancel):
+            self.state.cancel(msg.request_ids)
+        elif isinstance(msg, Release):
+            self._release(msg.slot_ids)
+        elif isinstance(msg, Sleep):
+            self._enqueue(Control("sleep"))
+        elif isinstance(msg, Wake):
+            self._enqueue(Control("wake"))
+        elif isinstance(msg, Shutdown):
+            self.shutting_down = True
+            self._enqueue(Control("shutdown"))
+        elif isinstance(msg, Trace):
+            self.channel.post(self._trace_ack())
+        else:
+            log.error("unexpected %s frame from the engine", frame.kind.name)
+
+    def _trace_ack(self) -> Ack:
+        with self.state.lock:
+            events = list(self.state.trace)
+        arena, copier = self.arena, self.copier
+        return Ack(
+            command=Kind.TRACE,
+            ok=True,
+            trace=events,
+            arena_in_use=arena.in_use if arena else 0,
+            arena_high_water=arena.high_water if arena else 0,
+            slots_in_use=arena.slots_in_use if arena else 0,
+            dedicated_bytes=copier.dedicated_bytes if copier else 0,
+        )
+
+    def _enqueue(self, item: Execute | Control) -> None:
+        if self.compute is None:
+            self.pending.append(item)
+        else:
+            self.compute.queue.put(item)
+
+    def _release(self, slot_ids: list[int]) -> None:
+        for sid in slot_ids:
+            try:
+                assert self.copier is not None
+                self.copier.release(sid)
+            except (ArenaError, AssertionError) as exc:
+                log.warning("release of slot %d: %s", sid, exc)
+
+    # start-up -------------------------------------------------------------------------------
+    async def _init(self, config: WorkerConfig) -> None:
+        self.config = config
+        faults = Faults.parse(config.fault)
+        if faults.frame is not None:
+            self.channel.fault_hook = _frame_fault(*faults.frame)
+        is_cuda = config.device.startswith("cuda")
+        if is_cuda:
+            import torch
+
+            torch.cuda.set_device(torch.device(config.device))
+        hooks = {"on_map": cuda_host.register, "on_unmap": cuda_host.unregister} if is_cuda else {}
+        self.arena = Arena(config.arena_bytes, name=f"diffusiond-arena-w{config.worker_id}", **hooks)
+        self.channel.post(Hello(config.worker_id, os.getpid(), self.arena.capacity), [self.arena.fd])
+        t0 = time.perf_counter()
+        try:
+            pipeline = await asyncio.to_thread(self._load, config)
+        except Exception as exc:
+            log.exception("loading %s failed", config.model_spec)
+            self.channel.post(Fatal(message=f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}"))
+            self.exit(1)
+            return
+        load_ms = (time.perf_counter() - t0) * 1000
+        self.copier = Copier(
+            self.arena,
+            self.state,
+            self.channel.post_threadsafe,
+            device=pipeline.device,
+            slot_timeout_s=config.slot_timeout_s,
+            faults=faults,
+        )
+        self.compute = ComputeThread(
+            pipeline,
+            self.copier,
+            self.state,
+            self.channel.post_threadsafe,
+            sync_output=config.output_mode == "sync",
+            progress_interval_s=config.progress_interval_s,
+            drain_timeout_s=config.drain_timeout_s,
+            on_exit=self.exit,
+        )
+        self.copier.start()
+        self.compute.start()
+        self.channel.post(Ready(config.model_name, str(pipeline.task), str(pipeline.device), load_ms))
+        for item in self.pending:
+            self.compute.queue.put(item)
+        self.pending.clear()
+
+    @staticmethod
+    def _load(config: WorkerConfig):  # type: ignore[no-untyped-def]
+        from diffusiond.pipelines import load_pipeline
+
+        return load_pipeline(
+            config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype,
+            options=config.options,
+        )
+
+
+def _frame_fault(action: str, kind_name: str):  # type: ignore[no-untyped-def]
+    """Test-only: tamper with the first outgoing frame of ``kind_name`` (see ``Faults``)."""
+    target = Kind[kind_name]
+    fired = False
+
+    def hook(data: bytes) -> bytes | None:
+        nonlocal fired
+        if fired or data[KIND_OFFSET] != target:
+            return data
+        fired = True
+        if action == "drop_frame":
+            return None
+        if action == "dup_frame":
+            return data + data
+        corrupted = bytearray(data)
+        corrupted[-1] ^= 0xFF
+        return bytes(corrupted)
+
+    return hook
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="diffusiond-worker", description="diffusiond worker (spawned by the engine)")
+    parser.add_argument("--fd", type=int, required=True, help="inherited channel socket fd")
+    parser.add_argument("--log-level", default=os.environ.get("DIFFUSIOND_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    )
+    # The engine handles SIGINT/SIGTERM for the process group and tells us to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=args.fd)
+    import uvloop
+
+    code = uvloop.run(Worker(sock).run())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # daemon threads may sit in native code; do not wait for interpreter teardown

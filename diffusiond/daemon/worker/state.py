@@ -1,0 +1,113 @@
+"""State shared by the worker's threads: in-flight requests, cancellations, trace, faults.
+
+Everything here is guarded by one lock and touched briefly; no thread holds it while computing
+or copying.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from diffusiond.ipc.messages import TraceEvent
+
+
+@dataclass
+class Faults:
+    """Test-only fault injection, parsed from ``WorkerConfig.fault`` (empty in normal runs).
+
+    ``copy_gate``: the copy thread finishes batch k only after compute of a later batch started
+    (proves compute does not wait for copies; bounded, so a wrong implementation fails, not hangs).
+    ``copy_delay_ms=N``: hold each copy N ms (makes an in-flight copy observable for drain tests).
+    ``fail_copy``: every copy raises. ``exit_in_copy``: the process dies mid-copy.
+    ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
+    outgoing frame of that kind on the wire.
+    """
+
+    copy_gate: bool = False
+    copy_delay_ms: int = 0
+    fail_copy: bool = False
+    exit_in_copy: bool = False
+    frame: tuple[str, str] | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Faults:
+        f = cls()
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key == "copy_gate":
+                f.copy_gate = True
+            elif key == "copy_delay_ms":
+                f.copy_delay_ms = int(value)
+            elif key == "fail_copy":
+                f.fail_copy = True
+            elif key == "exit_in_copy":
+                f.exit_in_copy = True
+            elif key in ("drop_frame", "dup_frame", "corrupt_frame"):
+                f.frame = (key, value.upper())
+            else:
+                raise ValueError(f"unknown fault {key!r}")
+        return f
+
+
+@dataclass
+class SharedState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    changed: threading.Condition = field(init=False)
+    in_flight: set[str] = field(default_factory=set)
+    cancelled: set[str] = field(default_factory=set)
+    trace: list[TraceEvent] = field(default_factory=list)
+    copies_pending: int = 0
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
+
+    def record(self, name: str, batch_id: int) -> None:
+        with self.lock:
+            self.trace.append(TraceEvent(name, batch_id, time.monotonic_ns()))
+            if len(self.trace) > 10_000:
+                del self.trace[:5_000]
+            self.changed.notify_all()
+
+    def wait_for_event(self, name: str, after_batch: int, timeout: float) -> bool:
+        """Wait until ``name`` is recorded for a batch id above ``after_batch`` (copy_gate)."""
+        with self.lock:
+            return self.changed.wait_for(
+                lambda: any(e.name == name and e.batch_id > after_batch for e in self.trace), timeout
+            )
+
+    def admit(self, request_ids: list[str]) -> None:
+        with self.lock:
+            self.in_flight.update(request_ids)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        with self.lock:
+            self.cancelled.update(r for r in request_ids if r in self.in_flight)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        with self.lock:
+            return request_id in self.cancelled
+
+    def all_cancelled(self, request_ids: list[str]) -> bool:
+        with self.lock:
+            return all(r in self.cancelled for r in request_ids)
+
+    def finish(self, request_id: str) -> None:
+        with self.lock:
+            self.in_flight.discard(request_id)
+            self.cancelled.discard(request_id)
+
+    def copy_queued(self) -> None:
+        with self.lock:
+            self.copies_pending += 1
+
+    def copy_done(self) -> None:
+        with self.lock:
+            self.copies_pending -= 1
+            self.changed.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (bounded) until no copy is queued or running."""
+        with self.lock:
+            return self.changed.wait_for(lambda: self.copies_pending == 0, timeout)

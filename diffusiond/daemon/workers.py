@@ -1,0 +1,289 @@
+"""The engine's side of one worker process: spawn, handshake, channel, arena mapping, commands.
+
+A ``WorkerHandle`` is the only thing in the engine that knows a worker is a process. It maps the
+worker's arena read-only once (from HELLO), maps dedicated output buffers as they arrive, routes
+the frames that concern jobs to the engine, and turns every way a worker can end (exit code,
+signal, protocol error, FATAL) into one sentence handed to ``on_lost`` exactly once.
+
+Workers are started with ``sys.executable -m diffusiond.daemon.worker --fd N``: a fresh
+interpreter (never a fork of a process that may hold CUDA state), configured by an INIT frame
+(no pickle, no command-line encoding of the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+
+from diffusiond.ipc.arena import MappedView
+from diffusiond.ipc.channel import Channel, socketpair
+from diffusiond.ipc.errors import ChannelClosed, ProtocolError
+from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.messages import (
+    Ack,
+    Cancel,
+    Execute,
+    Fatal,
+    Hello,
+    Init,
+    Kind,
+    OutputReady,
+    Ready,
+    Release,
+    Shutdown,
+    Sleep,
+    Trace,
+    Wake,
+    WorkerConfig,
+)
+from diffusiond.ipc.tensors import TensorDesc, as_numpy
+
+log = logging.getLogger(__name__)
+
+State = Literal["starting", "ready", "sleeping", "stopping", "dead"]
+FrameCallback = Callable[["WorkerHandle", Frame], None]
+LostCallback = Callable[["WorkerHandle", str], None]
+
+
+class WorkerStartError(Exception):
+    pass
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with code {returncode}"
+
+
+class WorkerHandle:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        on_frame: FrameCallback,
+        on_lost: LostCallback,
+        log_level: str = "INFO",
+    ) -> None:
+        self.config = config
+        self.id = config.worker_id
+        self.on_frame = on_frame
+        self.on_lost = on_lost
+        self.log_level = log_level
+        self.state: State = "starting"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.channel: Channel | None = None
+        self.arena: MappedView | None = None
+        self.dedicated: dict[int, MappedView] = {}
+        self.ready: Ready | None = None
+        self.fatal: str | None = None
+        self.lost_reason: str | None = None
+        self.started_at = time.monotonic()
+        self._ready_fut: asyncio.Future[Ready] | None = None
+        self._acks: dict[int, asyncio.Future[Ack]] = {}
+        self._exited: asyncio.Future[int] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.id} (pid {self.pid}, {self.config.device})"
+
+    # lifecycle ------------------------------------------------------------------------------
+    async def start(self, timeout: float) -> Ready:
+        """Spawn, send INIT, wait for HELLO and READY. Raises WorkerStartError with the cause."""
+        loop = asyncio.get_running_loop()
+        self._ready_fut = loop.create_future()
+        self._exited = loop.create_future()
+        mine, theirs = socketpair()
+        env = dict(os.environ, DIFFUSIOND_LOG_LEVEL=self.log_level)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "diffusiond.daemon.worker", "--fd", str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self.channel = Channel(mine, name=f"worker {self.id}")
+        self.channel.start(self._on_frame, self._on_close)
+        self.channel.post(Init(self.config))
+        try:
+            self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), timeout)
+        except TimeoutError:
+            self.kill()
+            spec = self.config.model_spec
+            raise WorkerStartError(f"{self.name} did not load {spec!r} within {timeout:.0f}s") from None
+        except WorkerStartError:
+            raise
+        self.state = "ready"
+        log.info("%s ready: %s on %s in %.0f ms", self.name, self.ready.model_name, self.ready.device,
+                 self.ready.load_ms)
+        return self.ready
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    async def stop(self, timeout: float) -> None:
+        """Graceful: SHUTDOWN (the worker drains its copies first), then wait; SIGKILL on timeout."""
+        if self.state == "dead":
+            return
+        self.state = "stopping"
+        with contextlib.suppress(Exception):
+            await self.command(Shutdown(), timeout)
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                log.warning("%s did not exit within %.0fs; killing it", self.name, timeout)
+                self.kill()
+                await self.proc.wait()
+        if self.channel is not None:
+            self.channel.close()
+        await self.wait_lost()
+
+    async def wait_lost(self) -> str:
+        """Wait until the worker is gone (its channel closed and the process reaped)."""
+        assert self._exited is not None
+        await asyncio.shield(self._exited)
+        return self.lost_reason or ""
+
+    # commands -------------------------------------------------------------------------------
+    def execute(self, batch: Execute) -> None:
+        self._post(batch)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        if self.state != "dead":
+            self._post(Cancel(request_ids))
+
+    async def command(self, msg: Sleep | Wake | Shutdown | Trace, timeout: float) -> Ack:
+        from diffusiond.ipc.messages import KIND_OF
+
+        kind = KIND_OF[type(msg)]
+        fut = self._acks.get(kind)
+        if fut is None or fut.done():
+            fut = asyncio.get_running_loop().create_future()
+            self._acks[kind] = fut
+        self._post(msg)
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    def _post(self, msg: object) -> None:
+        if self.channel is None or self.channel.closed:
+            raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
+        self.channel.post(msg)  # type: ignore[arg-type]
+
+    # outputs --------------------------------------------------------------------------------
+    def buffer(self, desc: TensorDesc) -> memoryview:
+        """The read-only mapping an output lives in (pass with ``desc`` to ``as_numpy``)."""
+        if desc.dedicated:
+            return self.dedicated[desc.slot_id].view
+        if self.arena is None:
+            raise ChannelClosed(f"{self.name} has no arena mapped")
+        return self.arena.view
+
+    def array(self, desc: TensorDesc) -> np.ndarray:
+        return as_numpy(self.buffer(desc), desc)
+
+    def release(self, desc: TensorDesc) -> None:
+        """The engine is done with an output: unmap a dedicated buffer, give the slot back."""
+        if desc.dedicated:
+            view = self.dedicated.pop(desc.slot_id, None)
+            if view is not None and not view.close():
+                log.warning("dedicated output %d still has readers; unmapped when they finish", desc.slot_id)
+        if self.state != "dead" and self.channel is not None and not self.channel.closed:
+            self.channel.post(Release([desc.slot_id]))
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.arena.nbytes if self.arena else 0
+
+    # channel callbacks ----------------------------------------------------------------------
+    def _on_frame(self, frame: Frame) -> None:
+        msg = frame.msg
+        if isinstance(msg, OutputReady) and msg.tensor.dedicated:
+            if len(frame.fds) != 1:
+                self._protocol_error(f"dedicated output {msg.request_id} arrived with {len(frame.fds)} fds")
+                return
+            self.dedicated[msg.tensor.slot_id] = MappedView(frame.fds[0], msg.tensor.nbytes)
+        elif frame.fds:
+            for fd in frame.fds[1 if isinstance(msg, Hello) else 0 :]:
+                os.close(fd)
+        if isinstance(msg, Hello):
+            if not frame.fds:
+                self._protocol_error("HELLO arrived without the arena fd")
+                return
+            self.arena = MappedView(frame.fds[0], msg.arena_bytes)
+        elif isinstance(msg, Ready):
+            if self._ready_fut and not self._ready_fut.done():
+                self._ready_fut.set_result(msg)
+        elif isinstance(msg, Ack):
+            fut = self._acks.get(msg.command)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            if msg.command == Kind.SLEEP and msg.ok:
+                self.state = "sleeping"
+            elif msg.command == Kind.WAKE and msg.ok:
+                self.state = "ready"
+        elif isinstance(msg, Fatal):
+            self.fatal = msg.message
+            log.error("%s: %s", self.name, msg.message)
+            if self._ready_fut and not self._ready_fut.done():
+                self._ready_fut.set_exception(WorkerStartError(msg.message))
+        else:
+            self.on_frame(self, frame)
+
+    def _protocol_error(self, text: str) -> None:
+        assert self.channel is not None
+        self.channel.close(ProtocolError(text))
+
+    def _on_close(self, reason: BaseException | None) -> None:
+        asyncio.ensure_future(self._reap(reason))  # noqa: RUF006 - _exited holds the outcome
+
+    async def _reap(self, reason: BaseException | None) -> None:
+        assert self.proc is not None and self._exited is not None
+        if isinstance(reason, ProtocolError):
+            self.kill()  # nothing it sends can be trusted any more
+        try:
+            rc = await asyncio.wait_for(self.proc.wait(), 10)
+        except TimeoutError:
+            self.kill()
+            rc = await self.proc.wait()
+        was = self.state
+        self.state = "dead"
+        parts = [f"{self.name} {describe_exit(rc)}"]
+        if isinstance(reason, ProtocolError):
+            parts.append(f"after a protocol error on its channel: {reason}")
+        if self.fatal:
+            parts.append(f"({self.fatal})")
+        self.lost_reason = " ".join(parts)
+        for fut in self._acks.values():
+            if not fut.done():
+                fut.set_exception(ChannelClosed(self.lost_reason))
+        if self._ready_fut and not self._ready_fut.done():
+            self._ready_fut.set_exception(WorkerStartError(self.lost_reason))
+        if not self._exited.done():
+            self._exited.set_result(rc)
+        if was != "stopping":
+            self.on_lost(self, self.lost_reason)
+        for view in self.dedicated.values():
+            view.close()
+        self.dedicated.clear()
+        if self.arena is not None and self.arena.close():
+            self.arena = None
