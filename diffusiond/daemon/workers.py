@@ -89,6 +89,7 @@ class WorkerHandle:
         self.channel: Channel | None = None
         self.arena: MappedView | None = None
         self.dedicated: dict[int, MappedView] = {}
+        self.held: dict[int, int] = {}  # slot id -> bytes, for outputs the engine has not released
         self.ready: Ready | None = None
         self.fatal: str | None = None
         self.lost_reason: str | None = None
@@ -203,16 +204,28 @@ class WorkerHandle:
 
     def release(self, desc: TensorDesc) -> None:
         """The engine is done with an output: unmap a dedicated buffer, give the slot back."""
+        self.held.pop(desc.slot_id, None)
         if desc.dedicated:
             view = self.dedicated.pop(desc.slot_id, None)
             if view is not None and not view.close():
                 log.warning("dedicated output %d still has readers; unmapped when they finish", desc.slot_id)
         if self.state != "dead" and self.channel is not None and not self.channel.closed:
             self.channel.post(Release([desc.slot_id]))
+        elif self.state == "dead":
+            self._unmap_when_unused()
+
+    def _unmap_when_unused(self) -> None:
+        """A dead worker's outputs stay readable (the mapping keeps the memory) until released."""
+        if self.arena is not None and not self.held and self.arena.close():
+            self.arena = None
 
     @property
-    def arena_bytes(self) -> int:
+    def arena_capacity(self) -> int:
         return self.arena.nbytes if self.arena else 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self.held.values())
 
     # channel callbacks ----------------------------------------------------------------------
     def _on_frame(self, frame: Frame) -> None:
@@ -247,6 +260,8 @@ class WorkerHandle:
             if self._ready_fut and not self._ready_fut.done():
                 self._ready_fut.set_exception(WorkerStartError(msg.message))
         else:
+            if isinstance(msg, OutputReady):
+                self.held[msg.tensor.slot_id] = msg.tensor.nbytes
             self.on_frame(self, frame)
 
     def _protocol_error(self, text: str) -> None:
@@ -282,8 +297,6 @@ class WorkerHandle:
             self._exited.set_result(rc)
         if was != "stopping":
             self.on_lost(self, self.lost_reason)
-        for view in self.dedicated.values():
-            view.close()
-        self.dedicated.clear()
-        if self.arena is not None and self.arena.close():
-            self.arena = None
+        for slot_id in [s for s in self.dedicated if s not in self.held]:
+            self.dedicated.pop(slot_id).close()
+        self._unmap_when_unused()

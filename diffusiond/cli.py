@@ -1,0 +1,274 @@
+"""The ``diffusiond`` command: ``serve`` starts a daemon; every other command is a client of one.
+
+The commands and exit codes are the contract in API.md (0 success, 1 job failed or rejected,
+2 usage error, 3 daemon not reachable), because scripts branch on them. Client commands go through
+``diffusiond.client`` like any other program would; only ``serve`` touches the daemon package, and
+imports the server lazily so that ``generate`` starts fast and never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import uvloop
+
+from diffusiond import __version__
+from diffusiond.cli_generate import (
+    FORMATS,
+    GenerateState,
+    UsageError,
+    cancel_after_interrupt,
+    parse_size,
+    positive_float,
+    positive_int,
+    run_generate,
+)
+from diffusiond.client import Client, DaemonError, DaemonUnreachable
+from diffusiond.daemon.config import ConfigError, build_config, default_socket_path, load_toml
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+QUICK_TIMEOUT_S = 30.0
+"""Bound for requests that should answer at once (status, models, cancel): a hung daemon is an error."""
+
+SERVE_FIELDS = (
+    "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
+    "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
+    "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads",
+)  # fmt: skip
+"""Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def octal_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an octal mode such as 0600 or 660, got {text!r}") from None
+    if not 0 <= mode <= 0o7777:
+        raise argparse.ArgumentTypeError(f"mode {text!r} is out of range")
+    return mode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffusiond", description="A local generation daemon for diffusion models.")
+    parser.add_argument("--version", action="version", version=f"diffusiond {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sock = argparse.ArgumentParser(add_help=False)
+    sock.add_argument(
+        "--socket", metavar="PATH", help="daemon socket (default: $DIFFUSIOND_SOCKET, then the runtime directory)"
+    )
+    _add_serve(sub)
+
+    g = sub.add_parser("generate", parents=[sock], help="generate images or videos and write them to files")
+    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument(
+        "-o", "--output", metavar="PATH", help="output file (default: <job id>.<ext>; -n N adds -0, -1, ...)"
+    )
+    g.add_argument("--model", metavar="NAME")
+    g.add_argument("-n", type=positive_int, metavar="N", help="number of outputs")
+    g.add_argument("--size", type=parse_size, metavar="WxH")
+    g.add_argument("--steps", type=positive_int, metavar="N")
+    g.add_argument("--guidance", type=float, metavar="G")
+    g.add_argument("--negative", metavar="TEXT", help="negative prompt")
+    g.add_argument("--seed", type=int, metavar="S")
+    g.add_argument("--format", choices=FORMATS, help="output format (default: from -o's extension, else png)")
+    g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
+    g.add_argument("--fps", type=positive_int, metavar="N")
+    g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
+    g.add_argument("--json", action="store_true", help="print one JSON object with the job and the files")
+
+    s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_status)
+    m = sub.add_parser("models", parents=[sock], help="list the loaded models")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_models)
+    c = sub.add_parser("cancel", parents=[sock], help="cancel a queued or running job")
+    c.add_argument("job_id", metavar="JOB_ID")
+    c.set_defaults(func=_cancel)
+    sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=_sleep)
+    sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=_wake)
+    return parser
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    add = p.add_argument
+    add("--config", metavar="FILE", help="TOML file; flags override its values")
+    add("--socket", metavar="PATH")
+    add("--model", action="append", metavar="SPEC", help="tiny, a folder, a hub id or a .safetensors file; NAME=SPEC")
+    add("--device", metavar="DEV", help="cpu, cuda (every GPU) or cuda:0,cuda:1")
+    add("--workers", type=positive_int, metavar="N", help="workers per model on cpu")
+    add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
+    add("--max-batch", type=int, metavar="N")
+    add("--batch-wait-ms", type=float, metavar="MS")
+    add("--queue-size", type=int, metavar="N")
+    add("--job-timeout", dest="job_timeout_s", type=float, metavar="S")
+    add("--output-mode", metavar="MODE", help="async or sync")
+    add("--arena-mb", type=int, metavar="MB")
+    add("--tcp", metavar="HOST:PORT", help="also listen on TCP (needs --token-file)")
+    add("--token-file", metavar="FILE")
+    add("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL", help=", ".join(LOG_LEVELS))
+    add("--socket-mode", type=octal_mode, metavar="MODE", help="octal, default 0600")
+    add("--socket-group", metavar="GROUP")
+    add("--allow-uid", action="append", type=int, metavar="UID", help="repeatable; checked with SO_PEERCRED")
+    add("--retention-s", type=float, metavar="S")
+    add("--drain-grace-s", type=float, metavar="S")
+    add("--png-compress-level", type=int, metavar="N")
+    add("--encode-threads", type=int, metavar="N")
+    p.set_defaults(func=None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse's own usage errors (2), --help and --version (0)
+        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_USAGE)
+    if args.command == "serve":
+        return serve(args)
+    socket_path = args.socket or default_socket_path()
+    try:
+        if args.command == "generate":
+            return _generate(args, socket_path)
+        # sleep drains running jobs and wake reloads models: both may rightly take minutes.
+        timeout = None if args.command in ("sleep", "wake") else QUICK_TIMEOUT_S
+        return _run(args.func(args, Client(socket_path, timeout)))
+    except UsageError as exc:
+        print(f"diffusiond {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DaemonUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except DaemonError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except TimeoutError:
+        print(f"error: the daemon at {socket_path} did not answer in time", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    return uvloop.run(coro)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Validate the whole configuration before anything starts, then run the daemon until it stops."""
+    overrides = {name: getattr(args, name) for name in SERVE_FIELDS if getattr(args, name) is not None}
+    try:
+        file_values = load_toml(args.config) if args.config else {}
+        config = build_config(file_values, overrides)
+    except (ConfigError, ValueError, TypeError) as exc:
+        print(f"diffusiond serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from diffusiond.daemon.server import serve as run_server  # heavy: engine, workers
+
+    return int(run_server(config) or 0)
+
+
+def _generate(args: argparse.Namespace, socket_path: str) -> int:
+    state = GenerateState(socket_path)
+    try:
+        return _run(run_generate(args, state))
+    except KeyboardInterrupt:
+        # Ctrl-C outside the loop's own handling (e.g. a second one): still cancel the job.
+        if state.job_id is not None and not state.finished:
+            try:
+                return _run(cancel_after_interrupt(state))
+            except KeyboardInterrupt:
+                pass
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# client commands ------------------------------------------------------------------------
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    cells = [headers, *rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _mib(n: object) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if isinstance(n, int | float) else "?"
+
+
+async def _status(args: argparse.Namespace, client: Client) -> int:
+    async with client:
+        health = await client.health()
+        ready = await client.ready()
+    if args.json:
+        print(json.dumps({**health, "ready": ready}))
+        return EXIT_OK
+    state = f"{health.get('status', '?')}, {'ready' if ready else 'not ready'}"
+    if health.get("sleeping"):
+        state += ", sleeping"
+    print(f"diffusiond {health.get('version', '?')} at {client.socket_path}: {state}")
+    workers = health.get("workers") or []
+    if workers:
+        keys = ["id", "model", "device", "state", "pid", "restarts"]
+        print(_table([[str(w.get(k, "")) for k in keys] for w in workers], keys))
+    else:
+        print("no workers")
+    print(f"queue depth: {health.get('queue_depth', '?')}")
+    jobs = health.get("jobs") or {}
+    print("jobs: " + (", ".join(f"{k}={v}" for k, v in jobs.items() if v) or "none"))
+    if "arena_bytes_in_use" in health:
+        print(f"arena in use: {_mib(health['arena_bytes_in_use'])}")
+    return EXIT_OK
+
+
+async def _models(args: argparse.Namespace, client: Client) -> int:
+    async with client:
+        models = await client.models()
+    if args.json:
+        print(json.dumps(models))
+        return EXIT_OK
+    keys = ["id", "task", "device", "state"]
+    print(_table([[str(m.get(k, "")) for k in keys] for m in models.get("data") or []], keys))
+    return EXIT_OK
+
+
+async def _cancel(args: argparse.Namespace, client: Client) -> int:
+    async with client:
+        try:
+            job = await client.cancel(args.job_id)
+        except DaemonError as exc:
+            if exc.status != 409:
+                raise
+            try:
+                status = (await client.job(args.job_id)).get("status", "finished")
+            except DaemonError:
+                status = "finished"
+            print(f"job {args.job_id} already finished ({status})", file=sys.stderr)
+            return EXIT_FAILED
+    print(f"job {job.get('id', args.job_id)} {job.get('status', 'cancelled')}")
+    return EXIT_OK
+
+
+async def _sleep(args: argparse.Namespace, client: Client) -> int:
+    async with client:
+        answer = await client.sleep()
+    print(f"daemon asleep{_took(answer)}: device memory freed; `diffusiond wake` takes it back")
+    return EXIT_OK
+
+
+async def _wake(args: argparse.Namespace, client: Client) -> int:
+    async with client:
+        answer = await client.wake()
+    print(f"daemon awake{_took(answer)}")
+
+
+def _took(answer: dict[str, Any]) -> str:
+    took = answer.get("took_ms")
+    return f" (took {took / 1000:.1f} s)" if isinstance(took, int | float) else ""
+    return EXIT_OK

@@ -1,0 +1,275 @@
+"""``diffusiond generate``: submit one job, follow it, write its outputs to files.
+
+Kept apart from ``cli.py`` because it is the one command with real behaviour: output naming,
+format inference, progress, atomic downloads and cancel-on-interrupt. The helpers are plain
+functions so they can be tested without a daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffusiond.cli_progress import ProgressBar
+from diffusiond.client import Client, DaemonError
+
+FORMATS = ("png", "jpeg", "webp", "gif", "mp4", "npy")
+EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp", "gif": "gif", "mp4": "mp4", "npy": "npy"}
+FORMAT_OF_SUFFIX = {f".{ext}": fmt for fmt, ext in EXTENSIONS.items()} | {".jpeg": "jpeg"}
+FORMAT_OF_CONTENT_TYPE = {
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "image/webp": "webp",
+    "image/gif": "gif",
+    "video/mp4": "mp4",
+    "application/x-npy": "npy",
+}
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+CLIENT_GRACE_S = 5.0
+"""Extra client-side wait beyond --timeout, so the daemon's own deadline error (with its stage)
+normally arrives first and the client-side bound only catches a daemon that stopped answering."""
+
+RESUBSCRIBE = 3
+"""How often to re-open an event stream the daemon closed before the job ended (e.g. a proxy)."""
+
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A command-line mistake found after parsing; exits 2 like argparse's own errors."""
+
+
+@dataclass
+class GenerateState:
+    """What an interrupt handler outside the event loop needs to cancel the right job."""
+
+    socket_path: str
+    job_id: str | None = None
+    finished: bool = False
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``WxH`` -> (width, height); an argparse type, so a bad value is a usage error (exit 2)."""
+    w, sep, h = text.lower().partition("x")
+    if not sep or not w.strip().isdigit() or not h.strip().isdigit() or int(w) <= 0 or int(h) <= 0:
+        raise argparse.ArgumentTypeError(f"expected WxH with positive integers, e.g. 512x512, got {text!r}")
+    return int(w), int(h)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def choose_format(fmt: str | None, output: str | None) -> str | None:
+    """--format, else what -o's extension says; None lets the daemon pick its model's default.
+
+    Not sending a format when nothing asked for one matters for video models: their default is a
+    video format, which a blanket ``png`` would break.
+    """
+    if fmt:
+        return fmt
+    if output:
+        return FORMAT_OF_SUFFIX.get(Path(output).suffix.lower())
+    return None
+
+
+def extension_for(fmt: str | None, content_type: str | None = None) -> str:
+    """The file extension for default names: the format asked for, else what was served, else png."""
+    if fmt is None and content_type:
+        fmt = FORMAT_OF_CONTENT_TYPE.get(content_type.split(";")[0].strip().lower())
+    return EXTENSIONS.get(fmt or "png", "png")
+
+
+def output_paths(job_id: str, output: str | None, ext: str, count: int) -> list[Path]:
+    """Where each of ``count`` outputs goes: -o PATH (or ``<job id>.<ext>``), indexed when count > 1.
+
+    ``-o`` naming an existing directory puts default-named files in it.
+    """
+    if output is None or Path(output).is_dir():
+        base = Path(output or ".") / f"{job_id}.{ext}"
+        if output is None:
+            base = Path(base.name)
+    else:
+        base = Path(output)
+    if count <= 1:
+        return [base]
+    return [base.with_name(f"{base.stem}-{k}{base.suffix}") for k in range(count)]
+
+
+def check_output_dir(output: str | None) -> None:
+    """Fail before submitting, not after minutes of GPU time, when the outputs cannot be written."""
+    if output is None:
+        return
+    parent = Path(output) if Path(output).is_dir() else Path(output).parent
+    if not parent.is_dir():
+        raise UsageError(f"directory {str(parent)!r} for -o does not exist")
+
+
+def build_body(args: argparse.Namespace, fmt: str | None) -> dict[str, Any]:
+    """The POST /v1/jobs body with only what the user gave, so the daemon's defaults stay in charge."""
+    body: dict[str, Any] = {"prompt": args.prompt}
+    if args.size is not None:
+        body["width"], body["height"] = args.size
+    for key, value in (
+        ("model", args.model),
+        ("n", args.n),
+        ("steps", args.steps),
+        ("guidance_scale", args.guidance),
+        ("negative_prompt", args.negative),
+        ("seed", args.seed),
+        ("output_format", fmt),
+        ("num_frames", args.frames),
+        ("fps", args.fps),
+        ("timeout_s", args.timeout),
+    ):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+def describe_failure(job: dict[str, Any]) -> str:
+    err = job.get("error") or {}
+    message = err.get("message") if isinstance(err, dict) else str(err)
+    if not message:
+        message = f"job {job.get('id')} {job.get('status', 'failed')}"
+    stage = err.get("stage") if isinstance(err, dict) else None
+    return f"{message} (stage: {stage})" if stage else message
+
+
+async def follow(client: Client, job_id: str, bar: ProgressBar) -> dict[str, Any]:
+    """Wait for the job's end through its events, drawing progress; returns the final job."""
+    for _ in range(RESUBSCRIBE):
+        async with aclosing(client.events(job_id)) as events:
+            async for name, data in events:
+                if name == "progress":
+                    step, total = data.get("step"), data.get("total")
+                    steps = (step if isinstance(step, int) else None, total if isinstance(total, int) else None)
+                    bar.update(*steps, stage="computing")  # steps only come while computing
+                elif name == "status":
+                    bar.update_from_job(data)
+                elif name in ("done", "error") and data.get("status") in TERMINAL_STATUSES:
+                    if name == "done":
+                        bar.complete()
+                    return data
+        job = await client.job(job_id)  # the stream ended early: ask where the job is
+        if job.get("status") in TERMINAL_STATUSES:
+            return job
+    raise DaemonError(0, "stream_ended", f"the daemon kept closing the event stream of job {job_id} early")
+
+
+async def download(client: Client, job_id: str, index: int, path: Path) -> int:
+    """Stream one output to a temp file beside ``path``, then rename: never a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            size = await client.stream_output(job_id, index, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size
+
+
+async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
+    bar = ProgressBar(sys.stderr)
+    async with Client(state.socket_path) as client:
+        try:
+            return await _generate(client, args, state, bar)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # we handle the interrupt: let the cleanup below await normally
+            bar.close()
+            return await interrupted(client, state)
+        finally:
+            bar.close()
+
+
+async def _generate(client: Client, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:
+    check_output_dir(args.output)
+    fmt = choose_format(args.format, args.output)
+    job = await client.create_job(build_body(args, fmt))
+    job_id = state.job_id = str(job["id"])
+    bar.update_from_job(job)
+    try:
+        async with asyncio.timeout(None if args.timeout is None else args.timeout + CLIENT_GRACE_S):
+            job = await follow(client, job_id, bar)
+    except TimeoutError:
+        bar.close()
+        await cancel_quietly(client, job_id)
+        print(f"error: job {job_id} did not finish within {args.timeout:g} s; cancelled it", file=sys.stderr)
+        return 1
+    state.finished = True
+    bar.close()
+    if job.get("status") != "succeeded":
+        print(f"error: {describe_failure(job)}", file=sys.stderr)
+        return 1
+
+    outputs = sorted(job.get("outputs") or [], key=lambda o: int(o.get("index", 0)))
+    count = max([args.n or 1, len(outputs)] + [int(o.get("index", 0)) + 1 for o in outputs])
+    ext = extension_for(fmt, outputs[0].get("content_type") if outputs else None)
+    paths = output_paths(job_id, args.output, ext, count)
+    files = []
+    for out in outputs:
+        index = int(out.get("index", 0))
+        path = paths[index]
+        size = await download(client, job_id, index, path)
+        files.append({"path": str(path), "seed": out.get("seed"), "bytes": size})
+        if not args.json:
+            print(f"{path}  seed={out.get('seed')}", flush=True)
+    if args.json:
+        print(json.dumps({"job": job, "files": files}))
+    return 0
+
+
+async def cancel_quietly(client: Client, job_id: str) -> dict[str, Any] | None:
+    """Best-effort cancel on the way out: the job may have just finished or the daemon gone."""
+    try:
+        async with asyncio.timeout(5.0):
+            return await client.cancel(job_id)
+    except Exception:
+        return None
+
+
+async def interrupted(client: Client, state: GenerateState) -> int:
+    """Ctrl-C: cancel the job (no point computing for nobody) and say so."""
+    if state.job_id is None:
+        print("interrupted", file=sys.stderr)
+    elif state.finished:
+        print(f"interrupted; job {state.job_id} had already finished", file=sys.stderr)
+    else:
+        await cancel_quietly(client, state.job_id)
+        state.finished = True
+        print(f"cancelled job {state.job_id}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+async def cancel_after_interrupt(state: GenerateState) -> int:
+    """The same, for a KeyboardInterrupt that landed outside the event loop's own handling."""
+    async with Client(state.socket_path) as client:
+        return await interrupted(client, state)

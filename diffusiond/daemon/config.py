@@ -1,0 +1,213 @@
+"""Daemon configuration as data: defaults, TOML file, command-line overrides, validation.
+
+Precedence: built-in defaults < ``--config FILE`` (TOML) < command-line flags. Every field has
+the same name in all three (dashes on the command line, underscores in TOML). Validation errors
+name the field and the accepted values, because a daemon that dies at start with a bare
+traceback is a bad first experience.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+OUTPUT_MODES = ("async", "sync")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def default_socket_path(env: dict[str, str] | None = None) -> str:
+    """The socket path when none is given, in the order API.md fixes."""
+    env = dict(os.environ) if env is None else env
+    if env.get("DIFFUSIOND_SOCKET"):
+        return env["DIFFUSIOND_SOCKET"]
+    if env.get("RUNTIME_DIRECTORY"):  # set by systemd's RuntimeDirectory=
+        return str(Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "diffusiond.sock")
+    if env.get("XDG_RUNTIME_DIR"):
+        return str(Path(env["XDG_RUNTIME_DIR"]) / "diffusiond" / "diffusiond.sock")
+    return f"/tmp/diffusiond-{os.getuid()}/diffusiond.sock"
+
+
+def model_name_for(spec: str) -> str:
+    """A short, stable name for a model spec: what clients put in ``"model"``."""
+    if spec.startswith("synthetic"):
+        return "synthetic"
+    if spec.startswith("random:"):
+        return spec
+    p = Path(spec)
+    if spec.endswith((".safetensors", ".ckpt")):
+        return p.stem
+    if p.is_dir() or spec.startswith(("/", ".", "~")):
+        return p.name or spec
+    return spec
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    spec: str
+    devices: tuple[str, ...] = ("cpu",)  # one worker per entry
+    dtype: str = "float32"
+    options: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_chars: int = 10_000
+    max_n: int = 16
+    min_size: int = 64
+    max_size: int = 4096
+    max_steps: int = 500
+    max_frames: int = 1024
+    max_body_bytes: int = 1 << 20
+    max_timeout_s: float = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    models: tuple[ModelConfig, ...] = (ModelConfig(name="tiny", spec="tiny"),)
+    socket: str | None = None
+    socket_mode: int = 0o600
+    socket_group: str | None = None
+    allow_uid: tuple[int, ...] = ()
+    tcp: str | None = None
+    token_file: str | None = None
+    max_batch: int = 4
+    batch_wait_ms: float = 0.0
+    queue_size: int = 256
+    job_timeout_s: float = 600.0
+    output_mode: str = "async"
+    arena_mb: int = 512
+    retention_s: float = 600.0
+    drain_grace_s: float = 30.0
+    encode_threads: int = max(1, min(4, os.cpu_count() or 1))
+    png_compress_level: int = 4
+    worker_start_timeout_s: float = 900.0
+    restart_backoff_s: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0, 10.0)
+    log_level: str = "info"
+    limits: Limits = Limits()
+    fault: str = ""  # test-only worker fault injection; empty in normal runs
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or default_socket_path()
+
+    def validate(self) -> DaemonConfig:
+        if not self.models:
+            raise ConfigError("no model configured; give --model tiny (or a folder, hub id or .safetensors file)")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"model names must be unique, got {names}; use --model NAME=SPEC")
+        for m in self.models:
+            if m.dtype not in DTYPES:
+                raise ConfigError(f"model {m.name!r}: dtype {m.dtype!r} is not one of {', '.join(DTYPES)}")
+            if not m.devices:
+                raise ConfigError(f"model {m.name!r} has no device")
+        if self.output_mode not in OUTPUT_MODES:
+            raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
+        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("batch_wait_ms", "retention_s", "drain_grace_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.job_timeout_s <= 0:
+            raise ConfigError(f"job_timeout_s must be positive, got {self.job_timeout_s}")
+        if not 0 <= self.png_compress_level <= 9:
+            raise ConfigError(f"png_compress_level must be 0-9, got {self.png_compress_level}")
+        if self.tcp and not self.token_file:
+            raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
+        if self.tcp and ":" not in self.tcp:
+            raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
+        return self
+
+
+def parse_devices(device: str, workers: int) -> tuple[str, ...]:
+    """``cpu`` with N workers, ``cuda`` (every visible GPU), or an explicit ``cuda:0,cuda:1`` list."""
+    parts = [d.strip() for d in device.split(",") if d.strip()]
+    if parts == ["cpu"]:
+        return ("cpu",) * max(1, workers)
+    if parts == ["cuda"]:
+        import torch  # only here: the engine otherwise never needs torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError("--device cuda, but no CUDA device is visible (check nvidia-smi, CUDA_VISIBLE_DEVICES)")
+        return tuple(f"cuda:{i}" for i in range(count))
+    for p in parts:
+        if p != "cpu" and not (p.startswith("cuda:") and p[5:].isdigit()):
+            raise ConfigError(f"device {p!r} is not cpu, cuda or cuda:N")
+    return tuple(parts)
+
+
+def parse_model_arg(arg: str) -> tuple[str, str]:
+    """``SPEC`` or ``NAME=SPEC`` -> (name, spec)."""
+    name, sep, spec = arg.partition("=")
+    if sep and name and "/" not in name:
+        return name, spec
+    return model_name_for(arg), arg
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> DaemonConfig:
+    """Merge TOML values and flag overrides into a validated config.
+
+    Models: ``[[models]]`` tables (name, spec, device, workers, dtype, options) in the file; the
+    flags ``--model``/``--device``/``--workers``/``--dtype`` replace the file's list when given.
+    """
+    values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
+    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    device = str(values.pop("device", "cpu"))
+    workers = int(values.pop("workers", 1))
+    dtype = str(values.pop("dtype", "float32"))
+    model_args = values.pop("model", None)
+    tables = values.pop("models", None)
+    models: list[ModelConfig] = []
+    if model_args:
+        for arg in model_args if isinstance(model_args, list) else [model_args]:
+            name, spec = parse_model_arg(str(arg))
+            models.append(ModelConfig(name=name, spec=spec, devices=parse_devices(device, workers), dtype=dtype))
+    elif tables:
+        for t in tables:
+            if "spec" not in t:
+                raise ConfigError(f"[[models]] entry {t} has no spec")
+            models.append(
+                ModelConfig(
+                    name=str(t.get("name") or model_name_for(t["spec"])),
+                    spec=str(t["spec"]),
+                    devices=parse_devices(str(t.get("device", device)), int(t.get("workers", workers))),
+                    dtype=str(t.get("dtype", dtype)),
+                    options={str(k): str(v) for k, v in dict(t.get("options", {})).items()},
+                )
+            )
+    else:
+        models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype))
+    if "limits" in values:
+        values["limits"] = replace(Limits(), **dict(values["limits"]))
+    for key in ("allow_uid", "restart_backoff_s"):
+        if key in values:
+            values[key] = tuple(values[key])
+    if isinstance(values.get("socket_mode"), str):
+        values["socket_mode"] = int(values["socket_mode"], 8)
+    try:
+        return DaemonConfig(models=tuple(models), **values).validate()
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,493 @@
+"""The engine: one event loop that owns every job, every worker and every output.
+
+Single-threaded state: all mutations happen on the loop, so there are no locks and no races
+between "an output arrived" and "someone started waiting for it". Frames from workers land on
+the Job that was created at admission; encoders run in a thread pool and report back to the
+loop. Every path a job can take ends in ``_end``, which releases whatever the job still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusiond import __version__
+from diffusiond.daemon.config import DaemonConfig, ModelConfig
+from diffusiond.daemon.errors import ApiError
+from diffusiond.daemon.jobs import Item, Job, JobRequest, Stage, Status
+from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.outputs import Outputs
+from diffusiond.daemon.scheduler import QueueFull, Scheduler, Wait
+from diffusiond.daemon.workers import WorkerHandle, WorkerStartError
+from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.messages import (
+    ComputeDone,
+    Execute,
+    OutputReady,
+    Progress,
+    RequestEnded,
+    RequestSpec,
+    Sleep,
+    Wake,
+    WorkerConfig,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BATCHES_PER_WORKER = 2  # one computing, one waiting: the GPU never waits for the engine
+DEFAULTS = {
+    "tiny": {"width": 128, "height": 128, "steps": 4, "guidance": 5.0},
+    "synthetic": {"width": 512, "height": 512, "steps": 4, "guidance": 1.0},
+}
+GENERIC_DEFAULTS = {"width": 512, "height": 512, "steps": 25, "guidance": 7.5, "num_frames": 9}
+
+
+@dataclass(eq=False)
+class Batch:
+    id: int
+    worker: WorkerHandle
+    items: list[Item]
+    open_items: int
+    computing: bool = False
+    compute_done: bool = False
+    done_at: float = 0.0
+
+
+@dataclass(eq=False)
+class Model:
+    config: ModelConfig
+    workers: list[WorkerHandle] = field(default_factory=list)
+    task: str = "text-to-image"
+    defaults: dict[str, float] = field(default_factory=dict)
+    restarts: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def state(self) -> str:
+        states = {w.state for w in self.workers}
+        for s in ("ready", "sleeping", "starting"):
+            if s in states:
+                return s
+        return "unavailable"
+
+
+class Engine:
+    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.models = {m.name: Model(m, defaults=dict(DEFAULTS.get(m.spec.split(":")[0], GENERIC_DEFAULTS)))
+                       for m in config.models}
+        self.jobs: dict[str, Job] = {}
+        self.items: dict[str, Item] = {}
+        self.batches: dict[int, Batch] = {}
+        self.in_flight: dict[WorkerHandle, collections.deque[Batch]] = {}
+        self.scheduler = Scheduler(queue_size=config.queue_size, max_batch=config.max_batch,
+                                   batch_wait_s=config.batch_wait_ms / 1000)
+        self.executor = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="encode")
+        self.outputs = Outputs(self, self.executor)
+        self.accepting = False
+        self.draining = False
+        self.paused = False  # sleeping or on the way there: nothing is dispatched
+        self.stopping = False
+        self.started_at = time.time()
+        self._batch_ids = 0
+        self._worker_ids = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._changed = asyncio.Event()
+        self.metrics.bind(self.snapshot)
+
+    # lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every worker; fail with the first worker's reason if a model cannot load."""
+        starts = []
+        for model in self.models.values():
+            for device in model.config.devices:
+                starts.append(self._start_worker(model, device))
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        self.accepting = True
+
+    def _new_handle(self, model: Model, device: str) -> WorkerHandle:
+        self._worker_ids += 1
+        wc = WorkerConfig(
+            worker_id=self._worker_ids - 1,
+            model_name=model.name,
+            model_spec=model.config.spec,
+            device=device,
+            dtype=model.config.dtype,
+            output_mode=self.config.output_mode,  # type: ignore[arg-type]
+            arena_bytes=self.config.arena_mb << 20,
+            drain_timeout_s=self.config.drain_grace_s,
+            options=dict(model.config.options),
+            fault=self.config.fault,
+        )
+        return WorkerHandle(wc, on_frame=self._on_frame, on_lost=self._on_lost,
+                            log_level=self.config.log_level.upper())
+
+    async def _start_worker(self, model: Model, device: str, replacing: WorkerHandle | None = None) -> None:
+        handle = self._new_handle(model, device)
+        if replacing is not None and replacing in model.workers:
+            model.workers[model.workers.index(replacing)] = handle
+        else:
+            model.workers.append(handle)
+        self.in_flight[handle] = collections.deque()
+        ready = await handle.start(self.config.worker_start_timeout_s)
+        model.task = ready.task
+        if self.paused:
+            await handle.command(Sleep(), self.config.drain_grace_s)
+        self.dispatch()
+
+    async def drain(self, grace: float) -> None:
+        """Stop admitting; give accepted jobs ``grace`` seconds to finish; fail what is left."""
+        self.accepting = False
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while any(not j.terminal for j in self.jobs.values()) and time.monotonic() < deadline:
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+        for job in [j for j in self.jobs.values() if not j.terminal]:
+            self._end(job, Status.FAILED, "shutting_down",
+                      f"the daemon shut down before the job finished (grace period {grace:g}s, stage "
+                      f"{job.stage.label})")
+
+    async def stop(self) -> None:
+        self.stopping = True
+        handles = [w for m in self.models.values() for w in m.workers]
+        await asyncio.gather(*(w.stop(self.config.drain_grace_s) for w in handles), return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()
+        for job in list(self.jobs.values()):
+            self.outputs.release_all(job)
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    async def sleep(self) -> None:
+        """Drain the workers, then have each move its weights off the device."""
+        self.paused = True
+        await self._wait_idle(self.config.drain_grace_s)
+        acks = await asyncio.gather(
+            *(w.command(Sleep(), self.config.drain_grace_s) for m in self.models.values() for w in m.workers
+              if w.state == "ready"), return_exceptions=True)
+        bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
+        if bad:
+            raise ApiError(500, "sleep_failed", f"sleep failed on {len(bad)} worker(s): {bad[0]}")
+
+    async def wake(self) -> None:
+        acks = await asyncio.gather(
+            *(w.command(Wake(), self.config.worker_start_timeout_s) for m in self.models.values()
+              for w in m.workers if w.state == "sleeping"), return_exceptions=True)
+        self.paused = False
+        self.dispatch()
+        bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
+        if bad:
+            raise ApiError(500, "wake_failed", f"wake failed on {len(bad)} worker(s): {bad[0]}")
+
+    async def _wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(self.in_flight.values()) and time.monotonic() < deadline:
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+
+    # admission ------------------------------------------------------------------------------
+    def model(self, name: str | None) -> Model:
+        if name is None:
+            return next(iter(self.models.values()))
+        try:
+            return self.models[name]
+        except KeyError:
+            raise ApiError(404, "model_not_found",
+                           f"model {name!r} is not served here; models: {', '.join(self.models)}",
+                           field="model") from None
+
+    def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
+        if not self.accepting:
+            reason = "draining for shutdown" if self.draining else "starting"
+            self.metrics.rejected_total.labels("unavailable").inc()
+            raise ApiError(503, "unavailable", f"the daemon is {reason}; not accepting jobs",
+                           headers={"Retry-After": "5"})
+        model = self.models[req.model]
+        if model.state == "unavailable" and not any(w.state == "starting" for w in model.workers):
+            raise ApiError(503, "no_worker", f"model {model.name!r} has no running worker")
+        job = Job(req, sync=sync)
+        base = req.seed if req.seed is not None else random.randrange(2**31)
+        job.items = [Item(job, i, seed=base + i) for i in range(req.n)]
+        try:
+            self.scheduler.admit(job)
+        except QueueFull as exc:
+            self.metrics.rejected_total.labels("queue_full").inc()
+            raise ApiError(429, "queue_full", f"{exc}; retry later", headers={"Retry-After": "1"}) from None
+        self.jobs[job.id] = job
+        for item in job.items:
+            self.items[item.request_id] = item
+        timeout = req.timeout_s or self.config.job_timeout_s
+        job.deadline = asyncio.get_running_loop().call_later(timeout, self._on_deadline, job, timeout)
+        self.dispatch()
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.terminal:
+            raise ApiError(409, "job_finished", f"job {job_id} already finished ({job.status.value})")
+        self._end(job, Status.CANCELLED, "cancelled", "cancelled by the client")
+        return job
+
+    def get(self, job_id: str) -> Job:
+        try:
+            return self.jobs[job_id]
+        except KeyError:
+            raise ApiError(404, "job_not_found", f"no job {job_id!r} (unknown, or its retention ended)") from None
+
+    # dispatch -------------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        if self.paused or self.stopping:
+            return
+        now = time.monotonic()
+        wake_at: float | None = None
+        for model in self.models.values():
+            while True:
+                ready = [w for w in model.workers if w.state == "ready"
+                         and len(self.in_flight[w]) < MAX_BATCHES_PER_WORKER]
+                if not ready:
+                    break
+                got = self.scheduler.next_batch(model.name, now)
+                if got is None:
+                    break
+                if isinstance(got, Wait):
+                    wake_at = got.until if wake_at is None else min(wake_at, got.until)
+                    break
+                worker = min(ready, key=lambda w: len(self.in_flight[w]))
+                self._send(worker, got)
+        if wake_at is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_at(
+                asyncio.get_running_loop().time() + max(0.0, wake_at - now), self.dispatch)
+
+    def _send(self, worker: WorkerHandle, items: list[Item]) -> None:
+        self._batch_ids += 1
+        batch = Batch(self._batch_ids, worker, items, open_items=len(items))
+        req = items[0].job.request
+        msg = Execute(batch.id, req.batch_params(), [
+            RequestSpec(request_id=i.request_id, prompt=i.job.request.prompt, seed=i.seed,
+                        negative_prompt=i.job.request.negative_prompt) for i in items])
+        try:
+            worker.execute(msg)
+        except Exception as exc:
+            log.warning("could not send batch to %s: %s", worker.name, exc)
+            self.scheduler.requeue_front(items)
+            return
+        self.batches[batch.id] = batch
+        for i in items:
+            i.worker, i.batch_id = worker, batch.id
+        self.metrics.batch_size.observe(len(items))
+        queue = self.in_flight[worker]
+        queue.append(batch)
+        if len(queue) == 1:
+            self._start_computing(batch)
+
+    def _start_computing(self, batch: Batch) -> None:
+        batch.computing = True
+        now = time.monotonic()
+        for item in batch.items:
+            if item.job.terminal:
+                continue
+            item.stage = Stage.COMPUTING
+            job = item.job
+            if job.status == Status.QUEUED:
+                job.status = Status.RUNNING
+                queued_ms = (now - job.t0) * 1000
+                job.add_timing("queued", queued_ms)
+                self.metrics.stage_seconds.labels("queued").observe(queued_ms / 1000)
+                job.emit("status", job.to_json())
+
+    def _leave_compute(self, batch: Batch) -> None:
+        """The worker is done computing ``batch``: the next one it holds is now computing."""
+        queue = self.in_flight.get(batch.worker)
+        if queue and batch in queue:
+            queue.remove(batch)
+            if queue and not queue[0].computing:
+                self._start_computing(queue[0])
+        self._changed.set()
+        self.dispatch()
+
+    # frames from workers --------------------------------------------------------------------
+    def _on_frame(self, worker: WorkerHandle, frame: Frame) -> None:
+        msg = frame.msg
+        if isinstance(msg, OutputReady):
+            self._on_output(worker, msg)
+        elif isinstance(msg, Progress):
+            batch = self.batches.get(msg.batch_id)
+            for job in {i.job.id: i.job for i in batch.items}.values() if batch else ():
+                if not job.terminal:
+                    job.progress = (msg.step, msg.total)
+                    job.emit("progress", {"step": msg.step, "total": msg.total})
+        elif isinstance(msg, ComputeDone):
+            batch = self.batches.get(msg.batch_id)
+            if batch is None:
+                return
+            batch.compute_done = True
+            batch.done_at = time.monotonic()
+            self.metrics.stage_seconds.labels("compute").observe(msg.compute_ms / 1000)
+            for item in batch.items:
+                if not item.job.terminal and item.stage <= Stage.COMPUTING:
+                    item.stage = Stage.COPYING
+                    item.job.add_timing("compute", msg.compute_ms)
+            self._leave_compute(batch)
+        elif isinstance(msg, RequestEnded):
+            item = self.items.get(msg.request_id)
+            if item is not None and not item.job.terminal:
+                if msg.status == "failed":
+                    self._end(item.job, Status.FAILED, "generation_failed",
+                              f"{msg.message} (on {worker.name})", stage=msg.stage)
+                else:  # the worker cancelled it on our behalf (only after we asked)
+                    self._end(item.job, Status.CANCELLED, "cancelled", msg.message)
+            self._item_closed(msg.batch_id)
+
+    def _on_output(self, worker: WorkerHandle, msg: OutputReady) -> None:
+        item = self.items.get(msg.request_id)
+        batch = self.batches.get(msg.batch_id)
+        if item is None or item.job.terminal or item.desc is not None:
+            worker.release(msg.tensor)  # a late output of a job that ended: give the slot back now
+        else:
+            item.desc = msg.tensor
+            item.stage = Stage.ENCODING
+            if batch is not None and batch.done_at:
+                copy_ms = (time.monotonic() - batch.done_at) * 1000
+                item.job.add_timing("copy", copy_ms)
+                self.metrics.stage_seconds.labels("copy").observe(copy_ms / 1000)
+            self.outputs.deliver(item)
+        self._item_closed(msg.batch_id)
+
+    def _item_closed(self, batch_id: int) -> None:
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            return
+        batch.open_items -= 1
+        if batch.open_items <= 0:
+            del self.batches[batch_id]
+            if not batch.compute_done:
+                self._leave_compute(batch)
+
+    def item_ready(self, item: Item) -> None:
+        """Called by Outputs when an item's output can be served."""
+        item.done = True
+        item.stage = Stage.DONE
+        job = item.job
+        if all(i.done for i in job.items):
+            self._end(job, Status.SUCCEEDED)
+        else:
+            job.emit("status", job.to_json())
+
+    def item_failed(self, item: Item, message: str, stage: Stage) -> None:
+        self._end(item.job, Status.FAILED, "output_failed", message, stage=stage.label)
+
+    # endings --------------------------------------------------------------------------------
+    def _end(self, job: Job, status: Status, code: str = "", message: str = "", stage: str | None = None) -> None:
+        stage_label = stage or job.stage.label
+        error = None if status == Status.SUCCEEDED else {"code": code, "message": message, "stage": stage_label}
+        if not job.end(status, error):
+            return
+        self.scheduler.remove(job)
+        cancels: dict[WorkerHandle, list[str]] = collections.defaultdict(list)
+        for item in job.items:
+            if status != Status.SUCCEEDED:
+                if item.worker is not None and not item.done and item.desc is None:
+                    cancels[item.worker].append(item.request_id)
+                self.outputs.release(item)
+        for worker, ids in cancels.items():
+            with contextlib.suppress(Exception):
+                worker.cancel(ids)
+        self.metrics.jobs_total.labels(status.value).inc()
+        if status != Status.SUCCEEDED:
+            log.info("job %s %s: %s", job.id, status.value, message)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.config.retention_s, self._expire, job.id)
+        self._changed.set()
+
+    def _on_deadline(self, job: Job, timeout: float) -> None:
+        job.deadline = None
+        stage = job.stage.label
+        where = f" on {', '.join(job.workers())}" if job.workers() else ""
+        self._end(job, Status.FAILED, "deadline_exceeded",
+                  f"job {job.id} passed its deadline of {timeout:g}s while {stage}{where}", stage=stage)
+
+    def _expire(self, job_id: str) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        self.outputs.release_all(job)
+        for item in job.items:
+            self.items.pop(item.request_id, None)
+
+    def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
+        """A worker ended: fail what it was working on (not what it already delivered), replace it."""
+        log.error("%s", reason)
+        for batch in list(self.batches.values()):
+            if batch.worker is not worker:
+                continue
+            for item in batch.items:
+                if not item.job.terminal and item.desc is None and not item.done:
+                    self._end(item.job, Status.FAILED, "worker_lost",
+                              f"{reason} while the job was {item.stage.label}", stage=item.stage.label)
+            del self.batches[batch.id]
+        self.in_flight.pop(worker, None)
+        self._changed.set()
+        if self.stopping:
+            return
+        model = self.models[worker.config.model_name]
+        model.restarts += 1
+        self.metrics.worker_restarts.labels(model.name).inc()
+        task = asyncio.ensure_future(self._restart(model, worker))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, model: Model, old: WorkerHandle) -> None:
+        backoff = self.config.restart_backoff_s
+        attempt = 0
+        while not self.stopping:
+            uptime = time.monotonic() - old.started_at
+            delay = backoff[min(attempt, len(backoff) - 1)] if uptime < 60 or attempt else backoff[0]
+            await asyncio.sleep(delay)
+            try:
+                await self._start_worker(model, old.config.device, replacing=old)
+                log.info("replaced %s", old.name)
+                return
+            except (WorkerStartError, OSError) as exc:
+                log.error("restarting a worker for %s failed: %s", model.name, exc)
+                old = model.workers[-1] if model.workers else old
+                attempt += 1
+
+    # views ----------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        by_status: dict[str, int] = dict.fromkeys((s.value for s in Status), 0)
+        for j in self.jobs.values():
+            by_status[j.status.value] += 1
+        return {
+            "version": __version__,
+            "status": "ok" if all(m.state == "ready" or self.paused for m in self.models.values()) else "degraded",
+            "accepting": self.accepting,
+            "sleeping": self.paused,
+            "queue_depth": self.scheduler.depth,
+            "jobs": by_status,
+            "workers": [
+                {"id": w.id, "model": m.name, "device": w.config.device, "state": w.state, "pid": w.pid,
+                 "restarts": m.restarts, "batches_in_flight": len(self.in_flight.get(w, ())),
+                 "arena_bytes": w.arena_capacity, "arena_bytes_in_use": w.held_bytes}
+                for m in self.models.values() for w in m.workers
+            ],
+            "arena_bytes_in_use": sum(w.held_bytes for m in self.models.values() for w in m.workers),
+        }

@@ -1,0 +1,58 @@
+"""Prometheus metrics. Counters and histograms are updated as things happen; gauges are read from
+the engine's state at scrape time, so they can never drift from it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.snapshot()
+        yield GaugeMetricFamily("diffusiond_queue_depth", "Jobs waiting for a worker", value=s["queue_depth"])
+        jobs = GaugeMetricFamily("diffusiond_jobs_held", "Jobs held by the daemon (not yet expired), by status", labels=["status"])
+        for status, n in s["jobs"].items():
+            jobs.add_metric([status], n)
+        yield jobs
+        arena = GaugeMetricFamily(
+            "diffusiond_arena_bytes_in_use", "Shared-memory bytes held by outputs, per worker", labels=["worker"]
+        )
+        for w in s["workers"]:
+            arena.add_metric([str(w["id"])], w["arena_bytes_in_use"])
+        yield arena
+        workers = GaugeMetricFamily("diffusiond_workers", "Workers by state", labels=["model", "state"])
+        for w in s["workers"]:
+            workers.add_metric([w["model"], w["state"]], 1)
+        yield workers
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.jobs_total = Counter("diffusiond_jobs_total", "Jobs that ended, by status", ["status"],
+                                  registry=self.registry)
+        self.rejected_total = Counter("diffusiond_rejected_total", "Requests refused at admission, by reason",
+                                      ["reason"], registry=self.registry)
+        self.batch_size = Histogram("diffusiond_batch_size", "Outputs per batch sent to a worker",
+                                    buckets=(1, 2, 4, 8, 16, 32), registry=self.registry)
+        self.stage_seconds = Histogram("diffusiond_stage_seconds", "Time spent per stage", ["stage"],
+                                       buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.worker_restarts = Counter("diffusiond_worker_restarts_total", "Workers replaced after they ended",
+                                       ["model"], registry=self.registry)
+
+    def bind(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_StateCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

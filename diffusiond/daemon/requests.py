@@ -1,0 +1,190 @@
+"""Request validation: JSON bodies -> ``JobRequest``, or a 400 that names the field.
+
+Bodies are decoded by msgspec into typed structs (unknown fields in the jobs API are refused, so
+a typo never silently falls back to a default), then checked against the limits of API.md. The
+OpenAI-shaped endpoint accepts OpenAI's own fields that have no meaning here and ignores them,
+so unmodified OpenAI clients work.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from diffusiond.daemon.config import Limits
+from diffusiond.daemon.encoders import IMAGE_FORMATS, VIDEO_FORMATS
+from diffusiond.daemon.errors import ApiError, bad_request
+from diffusiond.daemon.jobs import JobRequest
+
+OUTPUT_DTYPES = ("uint8", "float16", "float32")
+T = TypeVar("T")
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+_PATH = re.compile(r"`\$\.?([A-Za-z_][\w]*)")
+
+
+class JobBody(msgspec.Struct, forbid_unknown_fields=True):
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    output_format: str | None = None
+    output_dtype: str = "uint8"
+    num_frames: int | None = None
+    fps: int | None = None
+    timeout_s: float | None = None
+    scheduler: str | None = None
+
+
+class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    size: str | None = None
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    timeout_s: float | None = None
+    scheduler: str | None = None
+    # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
+    quality: Any = None
+    style: Any = None
+    user: Any = None
+    background: Any = None
+    moderation: Any = None
+    output_compression: Any = None
+    stream: Any = None
+    partial_images: Any = None
+
+
+def decode(body: bytes, cls: type[T]) -> T:
+    if not body.strip():
+        raise bad_request("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=cls)
+    except msgspec.ValidationError as exc:
+        m = _PATH.search(str(exc))
+        raise bad_request(f"invalid request: {exc}", field=m.group(1) if m else None) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _range(name: str, value: float | None, lo: float, hi: float) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise bad_request(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
+
+
+def check(
+    req: dict[str, Any], limits: Limits, model: Any, *, size_field: str | None = None
+) -> JobRequest:
+    """Apply limits and the model's defaults. ``model`` is the engine's ModelInfo."""
+    prompt = req["prompt"]
+    if not prompt.strip():
+        raise bad_request("prompt must not be empty", field="prompt")
+    if len(prompt) > limits.max_prompt_chars:
+        raise bad_request(
+            f"prompt is {len(prompt)} characters; the limit is {limits.max_prompt_chars}", field="prompt"
+        )
+    neg = req.get("negative_prompt")
+    if neg is not None and len(neg) > limits.max_prompt_chars:
+        raise bad_request(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
+    _range("n", req["n"], 1, limits.max_n)
+    d = model.defaults
+    width = req.get("width") or int(d["width"])
+    height = req.get("height") or int(d["height"])
+    for name, v in (("width", width), ("height", height)):
+        field = size_field or name
+        if not limits.min_size <= v <= limits.max_size or v % 8:
+            raise bad_request(
+                f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
+                field=field,
+            )
+    steps = req.get("steps") or int(d["steps"])
+    _range(req.get("steps_field", "steps"), steps, 1, limits.max_steps)
+    guidance = req.get("guidance_scale")
+    guidance = float(d["guidance"]) if guidance is None else guidance
+    _range("guidance_scale", guidance, 0, 100)
+    seed = req.get("seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise bad_request(f"seed must be between 0 and 2**63-1, got {seed}", field="seed")
+    video = model.task == "text-to-video"
+    frames = req.get("num_frames")
+    if frames is not None and not video:
+        raise bad_request(
+            f"num_frames is only for text-to-video models; {model.name!r} is {model.task}", field="num_frames"
+        )
+    if video:
+        frames = frames or int(d.get("num_frames", 9))
+        _range("num_frames", frames, 1, limits.max_frames)
+    fps = req.get("fps")
+    if fps is not None and not video:
+        raise bad_request(f"fps is only for text-to-video models; {model.name!r} is {model.task}", field="fps")
+    _range("fps", fps, 1, 240)
+    fmt = req.get("output_format") or ("mp4" if video else "png")
+    allowed = VIDEO_FORMATS if video else IMAGE_FORMATS
+    if fmt not in allowed:
+        raise bad_request(
+            f"output_format {fmt!r} is not available for {model.task}; use one of {', '.join(sorted(allowed))}",
+            field="output_format",
+        )
+    dtype = req.get("output_dtype", "uint8")
+    if dtype not in OUTPUT_DTYPES:
+        raise bad_request(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}", field="output_dtype")
+    if dtype != "uint8" and fmt != "npy":
+        raise bad_request("raw float output (output_dtype) needs output_format 'npy'", field="output_dtype")
+    timeout = req.get("timeout_s")
+    if timeout is not None:
+        _range("timeout_s", timeout, 0.001, limits.max_timeout_s)
+    return JobRequest(
+        model=model.name,
+        prompt=prompt,
+        n=req["n"],
+        width=width,
+        height=height,
+        steps=steps,
+        guidance=guidance,
+        output_format=fmt,
+        seed=seed,
+        negative_prompt=neg,
+        num_frames=frames,
+        fps=fps or 16,
+        timeout_s=timeout,
+        output_dtype=dtype,
+        scheduler=req.get("scheduler"),
+    )
+
+
+def parse_job(body: bytes, limits: Limits, resolve_model: Any) -> JobRequest:
+    b = decode(body, JobBody)
+    model = resolve_model(b.model)
+    return check(msgspec.structs.asdict(b), limits, model)
+
+
+def parse_images(body: bytes, limits: Limits, resolve_model: Any) -> tuple[JobRequest, str]:
+    b = decode(body, ImagesBody)
+    if b.response_format not in ("b64_json", "url"):
+        raise bad_request("response_format must be 'b64_json' or 'url'", field="response_format")
+    model = resolve_model(b.model)
+    req = msgspec.structs.asdict(b)
+    if b.size is not None and b.size != "auto":
+        m = _SIZE.match(b.size)
+        if not m:
+            raise bad_request(f"size must look like 512x512, got {b.size!r}", field="size")
+        req["width"], req["height"] = int(m.group(1)), int(m.group(2))
+    req["steps"] = b.num_inference_steps
+    req["steps_field"] = "num_inference_steps"
+    return check(req, limits, model, size_field="size"), b.response_format
+
+
+def unknown_model(name: str | None, known: list[str]) -> ApiError:
+    return ApiError(404, "model_not_found", f"model {name!r} is not served here; models: {', '.join(known)}",
+                    field="model")

@@ -1,0 +1,95 @@
+"""Admission and batching: which queued outputs go to a worker next, and together with what.
+
+Pure bookkeeping with no I/O, so its rules are easy to read and test:
+
+- admission is bounded (``queue_size`` jobs waiting); beyond it the caller answers 429;
+- a batch always starts from the oldest waiting item of a model and takes the items behind it
+  that share its batch key (size, steps, guidance, frames, scheduler, output dtype), up to
+  ``max_batch``; so an item with another key waits for at most one batch;
+- with ``batch_wait`` > 0 a partial batch is held back until its oldest item has waited that
+  long, to give compatible requests a chance to join.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from diffusiond.daemon.jobs import Item, Job
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Wait:
+    """No batch yet; ask again at ``until`` (monotonic seconds)."""
+
+    until: float
+
+
+class Scheduler:
+    def __init__(self, *, queue_size: int, max_batch: int, batch_wait_s: float) -> None:
+        self.queue_size = queue_size
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
+        self._pending: dict[str, collections.deque[Item]] = collections.defaultdict(collections.deque)
+        self._queued_jobs: dict[str, Job] = {}
+
+    @property
+    def depth(self) -> int:
+        """Jobs with at least one output not yet sent to a worker."""
+        return len(self._queued_jobs)
+
+    @property
+    def items_waiting(self) -> int:
+        return sum(len(q) for q in self._pending.values())
+
+    def waiting(self, model: str) -> int:
+        return len(self._pending[model])
+
+    def admit(self, job: Job) -> None:
+        if len(self._queued_jobs) >= self.queue_size:
+            raise QueueFull(f"the queue holds {len(self._queued_jobs)} jobs, its limit")
+        self._queued_jobs[job.id] = job
+        self._pending[job.request.model].extend(job.items)
+
+    def remove(self, job: Job) -> list[Item]:
+        """Take a job's waiting items out of the queue (cancel, deadline, shutdown)."""
+        if self._queued_jobs.pop(job.id, None) is None:
+            return []
+        q = self._pending[job.request.model]
+        mine = [i for i in q if i.job is job]
+        if mine:
+            self._pending[job.request.model] = collections.deque(i for i in q if i.job is not job)
+        return mine
+
+    def requeue_front(self, items: list[Item]) -> None:
+        """Put items back at the head (a dispatch that could not be sent)."""
+        for item in reversed(items):
+            self._pending[item.job.request.model].appendleft(item)
+            self._queued_jobs.setdefault(item.job.id, item.job)
+
+    def next_batch(self, model: str, now: float) -> list[Item] | Wait | None:
+        q = self._pending[model]
+        if not q:
+            return None
+        head = q[0]
+        key = head.job.request.batch_params()
+        batch = [head]
+        for item in list(q)[1:]:
+            if len(batch) >= self.max_batch:
+                break
+            if item.job.request.batch_params() == key:
+                batch.append(item)
+        if len(batch) < self.max_batch and self.batch_wait_s > 0:
+            until = head.enqueued_at + self.batch_wait_s
+            if now < until:
+                return Wait(until)
+        taken = {id(i) for i in batch}
+        self._pending[model] = collections.deque(i for i in q if id(i) not in taken)
+        for job in {i.job.id: i.job for i in batch}.values():
+            if not any(i.job is job for i in self._pending[model]):
+                self._queued_jobs.pop(job.id, None)
+        return batch

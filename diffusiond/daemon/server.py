@@ -1,0 +1,178 @@
+"""``diffusiond serve``: wire the engine, the HTTP API, the sockets, signals and systemd together.
+
+Order matters and is deliberate: the listening socket comes first (so /health and /ready answer
+503 "starting" while models load), then the workers, then READY=1. SIGTERM or SIGINT stops
+admission (503), lets accepted jobs finish within the drain grace, stops the workers, removes the
+socket and exits 0; a second signal skips the rest of the grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from diffusiond import __version__
+from diffusiond.daemon import systemd
+from diffusiond.daemon.api import create_app
+from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.engine import Engine
+from diffusiond.daemon.workers import WorkerStartError
+
+log = logging.getLogger("diffusiond")
+
+
+class StartupError(Exception):
+    pass
+
+
+def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
+    """Create the listening socket with its final mode from the first instant (umask), refusing to
+    take over a socket another daemon is still serving."""
+    p = Path(path)
+    if not p.parent.exists():
+        p.parent.mkdir(mode=0o700, parents=True)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise StartupError(f"{path} exists and is not a socket; remove it or choose another --socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            p.unlink()  # stale socket from a daemon that did not clean up
+        else:
+            raise StartupError(f"another daemon is already listening on {path}; stop it or choose another --socket")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    if group:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise StartupError(f"--socket-group {group!r} does not exist") from None
+    sock.listen(512)
+    return sock
+
+
+def read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise StartupError(f"cannot read --token-file {path}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise StartupError(f"the token in {path} is shorter than 16 characters; use a long random token")
+    return token
+
+
+async def run(config: DaemonConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals
+        signals += 1
+        log.info("received %s%s", sig.name, "; stopping now" if signals > 1 else "; draining")
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    engine = Engine(config)
+    token = read_token(config.token_file) if config.tcp and config.token_file else None
+    app = create_app(engine, token=token)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    created_socket: str | None = None
+    inherited = systemd.listen_fds()
+    if inherited:
+        for s in inherited:
+            await web.SockSite(runner, s).start()
+        where = f"{len(inherited)} socket(s) from systemd"
+    else:
+        sock = bind_unix(config.socket_path, config.socket_mode, config.socket_group)
+        created_socket = config.socket_path
+        await web.SockSite(runner, sock).start()
+        where = config.socket_path
+    if config.tcp:
+        host, _, port = config.tcp.rpartition(":")
+        await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+        where += f" and tcp {config.tcp} (bearer token required)"
+    log.info("diffusiond %s listening on %s; loading %s", __version__, where,
+             ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models))
+    systemd.notify("STATUS=loading models")
+    watchdog = systemd.watchdog_interval()
+    watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
+    code = 0
+    try:
+        start = asyncio.ensure_future(engine.start())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([start, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()
+            systemd.notify("READY=1", f"STATUS=serving on {where}")
+            log.info("ready: admitting jobs")
+            grace = config.drain_grace_s
+            await stop.wait()
+        else:
+            start.cancel()
+            grace = 0.0
+        stopper.cancel()
+        systemd.notify("STOPPING=1", "STATUS=draining")
+        drain = asyncio.ensure_future(engine.drain(grace))
+        second = asyncio.ensure_future(_second_signal(stop, lambda: signals))
+        await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
+        second.cancel()
+        if not drain.done():
+            drain.cancel()
+            await engine.drain(0)
+    except (WorkerStartError, StartupError) as exc:
+        log.error("cannot start: %s", exc)
+        systemd.notify(f"STATUS=failed: {exc}")
+        code = 1
+    finally:
+        if watchdog_task:
+            watchdog_task.cancel()
+        await engine.stop()
+        await runner.cleanup()
+        if created_socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(created_socket)
+        log.info("stopped")
+    return code
+
+
+async def _second_signal(stop: asyncio.Event, count: object) -> None:
+    while count() < 2:  # type: ignore[operator]
+        stop.clear()
+        await stop.wait()
+
+
+def serve(config: DaemonConfig) -> int:
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s diffusiond[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    import uvloop
+
+    try:
+        return uvloop.run(run(config))
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return 1

@@ -1,0 +1,271 @@
+"""``DiffusersPipeline``: the ``Pipeline`` protocol over any diffusers text-to-image or text-to-video pipeline.
+
+The worker speaks one small protocol; diffusers has hundreds of pipeline classes with slightly
+different ``__call__`` signatures. This adapter is the single place that bridges them: one call
+per batch with a generator per request (so batching never changes a request's output), outputs
+left on the device as float [0, 1] (so the worker's async output path does the copy), a per-step
+callback that can stop the run (so cancellation is prompt), and schedulers picked by short name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.pipelines.base import Interrupted, PipelineError, StepCallback, Task, generators
+
+log = logging.getLogger(__name__)
+
+# Short names the API accepts -> diffusers scheduler class names. "flow-match" is the only one
+# valid for flow-matching models (SD3, Flux, Wan...); the others only for noise-prediction ones.
+SCHEDULERS: dict[str, str] = {
+    "euler": "EulerDiscreteScheduler",
+    "euler-a": "EulerAncestralDiscreteScheduler",
+    "dpm++": "DPMSolverMultistepScheduler",
+    "ddim": "DDIMScheduler",
+    "unipc": "UniPCMultistepScheduler",
+    "flow-match": "FlowMatchEulerDiscreteScheduler",
+}
+FLOW_SCHEDULERS = frozenset({"flow-match"})
+
+# Class-name fragments of pipelines that need an input image/video/mask or produce something
+# other than plain pictures: they cannot serve a prompt-only request.
+_REFUSED_FRAGMENTS = (
+    "Img2Img",
+    "Image2Image",
+    "ImageToImage",
+    "Inpaint",
+    "ImageToVideo",
+    "Image2Video",
+    "VideoToVideo",
+    "Video2Video",
+    "I2V",
+    "Control",
+    "Upscale",
+    "Pix2Pix",
+    "Depth2Img",
+    "Variation",
+    "Edit",
+    "Transfer",
+    "LDM3D",
+    "Audio",
+)
+# ``__call__`` arguments that mean "this pipeline needs an input besides the prompt".
+_INPUT_ARGS = frozenset({"image", "mask_image", "control_image", "video", "image_embeds", "init_image", "conditions"})
+# What a prompt-only pipeline we can drive (size, steps, per-step stop) must accept.
+_REQUIRED_ARGS = frozenset({"prompt", "height", "width", "num_inference_steps", "callback_on_step_end"})
+_FRAME_ARGS = ("num_frames", "video_length")
+
+
+def call_args(cls: type) -> frozenset[str]:
+    """Names ``cls.__call__`` accepts; how we adapt to each pipeline's own signature."""
+    try:
+        return frozenset(inspect.signature(cls.__call__).parameters)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def task_for_class(cls: type) -> Task:
+    """Decide from the class alone (before any weights load) whether and how we can serve it."""
+    name = cls.__name__
+    args = call_args(cls)
+    needs_input = sorted(_INPUT_ARGS & args)
+    missing = sorted(_REQUIRED_ARGS - args)
+    fragment = next((f for f in _REFUSED_FRAGMENTS if f in name), None)
+    if fragment or needs_input or missing:
+        why = (
+            f"its name marks it as a {fragment!r} pipeline"
+            if fragment
+            else f"it needs inputs besides the prompt ({', '.join(needs_input)})"
+            if needs_input
+            else f"its __call__ lacks {', '.join(missing)}"
+        )
+        raise PipelineError(
+            f"pipeline class {name} is not a text-to-image or text-to-video pipeline ({why}); "
+            "diffusiond serves prompt-only generation: use the model's text-to-image/video variant"
+        )
+    if "Video" in name or any(a in args for a in _FRAME_ARGS):
+        return Task.TEXT_TO_VIDEO
+    return Task.TEXT_TO_IMAGE
+
+
+def _is_flow_scheduler(scheduler: Any) -> bool:
+    """Flow-matching models need flow schedulers; their config says so in one of a few ways."""
+    config = getattr(scheduler, "config", {}) or {}
+    return (
+        "FlowMatch" in type(scheduler).__name__
+        or bool(config.get("use_flow_sigmas"))
+        or config.get("prediction_type") == "flow_prediction"
+    )
+
+
+class _Stop(Exception):
+    """Raised inside diffusers' step callback to leave the denoising loop at once."""
+
+    def __init__(self, step: int, total: int) -> None:
+        super().__init__(step, total)
+        self.step = step
+        self.total = total
+
+
+class DiffusersPipeline:
+    """Drives one loaded diffusers pipeline; runs are serial (schedulers hold per-run state)."""
+
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        name: str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        options: Mapping[str, str] | None = None,
+    ) -> None:
+        options = dict(options or {})
+        self.name = name
+        self.task = task_for_class(type(pipe))
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._pipe = pipe
+        self._args = call_args(type(pipe))
+        self._frames_arg = next((a for a in _FRAME_ARGS if a in self._args), None)
+        self._default_scheduler = pipe.scheduler
+        self._flow = _is_flow_scheduler(pipe.scheduler)
+        self._schedulers: dict[str, Any] = {}
+        self._offload = options.get("cpu_offload") == "1"
+        self._asleep = False
+
+        if getattr(pipe, "safety_checker", None) is not None:
+            # The checker blacks out outputs and costs a CLIP pass per image; callers filter themselves.
+            pipe.safety_checker = None
+        pipe.set_progress_bar_config(disable=True)
+        for option, method in (("vae_tiling", "enable_tiling"), ("vae_slicing", "enable_slicing")):
+            if options.get(option) == "1":
+                vae = getattr(pipe, "vae", None)
+                if vae is None or not hasattr(vae, method):
+                    raise PipelineError(f"{option}=1: {type(pipe).__name__} has no VAE that supports it")
+                getattr(vae, method)()
+        if self._offload:
+            if self.device.type == "cpu":
+                raise PipelineError("cpu_offload=1 needs an accelerator device; the model is on cpu already")
+            try:
+                pipe.enable_model_cpu_offload(device=self.device)
+            except ImportError as exc:
+                raise PipelineError(f"cpu_offload=1 needs the accelerate package: {exc}") from exc
+        else:
+            pipe.to(self.device)
+
+    @property
+    def pipe(self) -> Any:
+        """The wrapped diffusers pipeline (tests and diagnostics only)."""
+        return self._pipe
+
+    def _scheduler(self, short: str | None) -> Any:
+        """One scheduler object per name, built from the model's own config so its betas/shift match."""
+        if short is None:
+            return self._default_scheduler
+        if short not in SCHEDULERS:
+            raise PipelineError(f"unknown scheduler {short!r}; known: {', '.join(SCHEDULERS)}")
+        if (short in FLOW_SCHEDULERS) != self._flow:
+            allowed = sorted(FLOW_SCHEDULERS) if self._flow else sorted(set(SCHEDULERS) - FLOW_SCHEDULERS)
+            kind = "flow-matching" if self._flow else "noise-prediction"
+            raise PipelineError(
+                f"scheduler {short!r} does not fit {self.name} (a {kind} model); use one of {', '.join(allowed)}"
+            )
+        cached = self._schedulers.get(short)
+        if cached is None:
+            import diffusers
+
+            cls = getattr(diffusers, SCHEDULERS[short])
+            cached = cls.from_config(self._default_scheduler.config)
+            self._schedulers[short] = cached
+        return cached
+
+    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback) -> list[torch.Tensor]:
+        """One diffusers call for the whole batch: one forward per step serves every request."""
+        if not requests:
+            return []
+        if self._asleep:
+            raise PipelineError(f"model {self.name} is asleep; wake it before running")
+        pipe = self._pipe
+        pipe.scheduler = self._scheduler(params.scheduler)
+        kwargs: dict[str, Any] = {
+            "prompt": [r.prompt for r in requests],
+            "height": params.height,
+            "width": params.width,
+            "num_inference_steps": params.steps,
+            "generator": generators(requests),
+            "output_type": "pt",
+            "return_dict": False,
+        }
+        if "guidance_scale" in self._args:
+            kwargs["guidance_scale"] = params.guidance
+        if "negative_prompt" in self._args:
+            kwargs["negative_prompt"] = [r.negative_prompt or "" for r in requests]
+        if params.num_frames is not None:
+            if self.task is not Task.TEXT_TO_VIDEO or self._frames_arg is None:
+                raise PipelineError(f"model {self.name} makes images; num_frames does not apply")
+            kwargs[self._frames_arg] = params.num_frames
+
+        def step_end(p: Any, i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            total = int(getattr(p, "_num_timesteps", 0) or params.steps)
+            if not on_step(i + 1, total):
+                # Raising (rather than setting ``_interrupt``) also skips the VAE decode: diffusers
+                # pipelines that honour ``_interrupt`` still decode the half-denoised latents.
+                raise _Stop(i + 1, total)
+            return tensors
+
+        kwargs["callback_on_step_end"] = step_end
+        try:
+            out = pipe(**kwargs)
+        except _Stop as stop:
+            pipe.maybe_free_model_hooks()  # the call's own cleanup was skipped; offload stays consistent
+            raise Interrupted(stop.step, stop.total) from None
+        except ValueError as exc:
+            # diffusers' check_inputs: size not divisible by the VAE factor, prompt too long...
+            raise PipelineError(f"{self.name} refused the request: {exc}") from exc
+        return self._split(out[0] if isinstance(out, tuple) else out, len(requests))
+
+    def _split(self, batch: Any, n: int) -> list[torch.Tensor]:
+        """Per-request views of the batch output: (C,H,W) images or (F,C,H,W) videos."""
+        want = 4 if self.task is Task.TEXT_TO_VIDEO else 3
+        items = list(batch) if isinstance(batch, list | tuple) else list(batch.unbind(0))
+        if len(items) != n:
+            raise PipelineError(f"{self.name} returned {len(items)} outputs for {n} requests")
+        result: list[torch.Tensor] = []
+        for item in items:
+            if not isinstance(item, torch.Tensor) or item.dim() != want:
+                shape = tuple(item.shape) if isinstance(item, torch.Tensor) else type(item).__name__
+                raise PipelineError(f"{self.name} returned an output of shape {shape}; expected {want} dims")
+            result.append(item)
+        return result
+
+    def sleep(self) -> None:
+        """Free the accelerator for someone else; weights wait in host memory."""
+        if self._asleep:
+            return
+        self._asleep = True
+        if self.device.type == "cpu":
+            return
+        if not self._offload:  # offloaded models already live on the host between calls
+            self._move("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Bring weights back so the next run pays no transfer."""
+        if not self._asleep:
+            return
+        self._asleep = False
+        if self.device.type != "cpu" and not self._offload:
+            self._move(self.device)
+
+    def _move(self, device: str | torch.device) -> None:
+        """Move each module; ``pipe.to("cpu")`` would warn that half-precision models cannot run there."""
+        for component in self._pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.to(device)

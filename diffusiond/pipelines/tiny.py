@@ -1,0 +1,168 @@
+"""The embedded ``tiny`` model: a real Stable Diffusion pipeline with random weights, built in code.
+
+It exists so the daemon, the CLI demo and the tests run the real diffusers code path (tokenizer,
+text encoder, UNet, scheduler, VAE, ``from_pretrained``) on a machine with no network and no GPU.
+It is a few MB, built deterministically, saved once as safetensors into the diffusiond cache and
+then loaded back through the ordinary local-folder loader, so ``tiny`` tests what real models use.
+The outputs are structured noise: the weights are random, the numerics are not faked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
+TINY_VERSION = "tiny-v1"
+# CLIP's usual context; the text encoder is so small that 77 positions cost nothing.
+MAX_TOKENS = 77
+BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+def cache_root() -> Path:
+    """The diffusiond cache: ``$DIFFUSIOND_CACHE``, else ``$XDG_CACHE_HOME/diffusiond``, else ~/.cache."""
+    explicit = os.environ.get("DIFFUSIOND_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "diffusiond"
+
+
+def ensure_tiny(cache_dir: Path | None = None) -> Path:
+    """Return the tiny model's folder, building it first if no complete one exists.
+
+    ``cache_dir`` is the diffusiond cache root (default ``cache_root()``); the model lives in
+    ``<cache_dir>/models/tiny-v1``. The folder appears atomically (built beside it, then renamed),
+    so a reader never sees a half-written model and concurrent builders agree on one winner.
+    """
+    models = (cache_dir if cache_dir is not None else cache_root()) / "models"
+    final = models / TINY_VERSION
+    if (final / "model_index.json").is_file():
+        return final
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}.build-", dir=models))
+    try:
+        _build(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its build first (the target is a non-empty folder now).
+            if not (final / "model_index.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _byte_chars() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for bytes (same table as GPT-2 and CLIP)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _write_tokenizer_files(folder: Path) -> int:
+    """Write a vocab where every byte is a token (alone and word-final) and no merges.
+
+    With no merges, BPE splits every word into single byte tokens, so any prompt in any script
+    tokenizes without unknown tokens. Returns the vocabulary size.
+    """
+    chars = _byte_chars()
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab[BOS] = len(vocab)
+    vocab[EOS] = len(vocab)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    return len(vocab)
+
+
+def _build(out: Path) -> None:
+    """Build the pipeline with fixed seeds and save it (safetensors only) into ``out``."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    tok_src = out / ".tokenizer-src"
+    vocab_size = _write_tokenizer_files(tok_src)
+    tokenizer = CLIPTokenizer.from_pretrained(str(tok_src), model_max_length=MAX_TOKENS)
+    # fork_rng: building must not disturb the caller's global RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = UNet2DConditionModel(
+            sample_size=32,
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+        torch.manual_seed(0)
+        # Two levels: vae_scale_factor 2, so 64x64 images denoise 32x32 latents.
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(32, 64),
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            latent_channels=4,
+            layers_per_block=1,
+            norm_num_groups=32,
+            sample_size=64,
+        )
+        torch.manual_seed(0)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=vocab_size,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=MAX_TOKENS,
+                layer_norm_eps=1e-5,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        timestep_spacing="trailing",  # few-step friendly: the first step starts from pure noise
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        image_encoder=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    # Keep the plain vocab/merges too: any transformers version can rebuild the tokenizer from them.
+    for name in ("vocab.json", "merges.txt"):
+        target = out / "tokenizer" / name
+        if not target.exists():
+            shutil.copyfile(tok_src / name, target)
+    shutil.rmtree(tok_src)

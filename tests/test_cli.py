@@ -1,0 +1,429 @@
+"""The CLI and client without a real daemon: usage errors, socket paths, serve's config checks,
+output naming, the SSE parser, and the generate flow against a small stand-in that speaks the
+API.md job contract over a real Unix socket (end-to-end tests against the real daemon live elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from diffusiond.cli import main
+from diffusiond.cli_generate import choose_format, extension_for, output_paths
+from diffusiond.cli_progress import render
+from diffusiond.client import SSEParser
+from diffusiond.daemon.config import default_socket_path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT_COMMANDS = [["status"], ["models"], ["cancel", "j_123"], ["sleep"], ["wake"], ["generate", "a cat"]]
+
+
+def assert_unreachable_message(err: str, path: str) -> None:
+    assert path in err
+    assert f"diffusiond serve --socket {path}" in err
+    assert "systemctl --user start diffusiond.socket" in err
+
+
+# usage errors --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["generate", "x", "--size", "512"], "WxH"),
+        (["generate", "x", "--size", "0x512"], "WxH"),
+        (["generate", "x", "--format", "bmp"], "invalid choice"),
+        (["generate", "x", "-n", "0"], "at least 1"),
+        (["generate", "x", "--timeout", "-1"], "positive"),
+        (["generate"], "PROMPT"),
+        ([], "COMMAND"),
+        (["serve", "--socket-mode", "999"], "octal"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_output_directory_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "x", "--socket", str(tmp_path / "s"), "-o", str(tmp_path / "no" / "a.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# no daemon -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", CLIENT_COMMANDS, ids=lambda c: c[0])
+def test_no_daemon_exits_3_and_says_how_to_start_one(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "none.sock")
+    assert main([*command, "--socket", path]) == 3
+    assert_unreachable_message(capsys.readouterr().err, path)
+
+
+def test_stale_socket_file_is_unreachable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)  # bound, never listening: connect() is refused
+        assert main(["status", "--socket", path]) == 3
+    assert_unreachable_message(capsys.readouterr().err, path)
+
+
+def test_no_daemon_as_a_subprocess(tmp_path: Path) -> None:
+    path = str(tmp_path / "none.sock")
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffusiond", "models", "--socket", path], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 3
+    assert_unreachable_message(proc.stderr, path)
+
+
+# socket path resolution --------------------------------------------------------------------
+ENV_KEYS = ("DIFFUSIOND_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_socket_resolution_order(tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: Any) -> None:
+    assert default_socket_path() == f"/tmp/diffusiond-{os.getuid()}/diffusiond.sock"
+    steps = [
+        ("XDG_RUNTIME_DIR", str(tmp_path / "xdg"), str(tmp_path / "xdg" / "diffusiond" / "diffusiond.sock")),
+        ("RUNTIME_DIRECTORY", str(tmp_path / "rt"), str(tmp_path / "rt" / "diffusiond.sock")),
+        ("DIFFUSIOND_SOCKET", str(tmp_path / "env.sock"), str(tmp_path / "env.sock")),
+    ]
+    for key, value, expected in steps:  # each step outranks the ones set before it
+        clean_env.setenv(key, value)
+        assert default_socket_path() == expected
+        assert main(["status"]) == 3
+        assert_unreachable_message(capsys.readouterr().err, expected)
+    flag = str(tmp_path / "flag.sock")
+    assert main(["status", "--socket", flag]) == 3
+    err = capsys.readouterr().err
+    assert_unreachable_message(err, flag)
+    assert str(tmp_path / "env.sock") not in err
+
+
+def test_runtime_directory_uses_the_first_entry(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("RUNTIME_DIRECTORY", f"{tmp_path}/a:{tmp_path}/b")
+    assert default_socket_path() == f"{tmp_path}/a/diffusiond.sock"
+
+
+# serve's configuration -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "toml", "needle"),
+    [
+        (["--output-mode", "bogus"], None, "output_mode"),
+        (["--tcp", "127.0.0.1:8080"], None, "--token-file"),
+        (["--max-batch", "0"], None, "max_batch"),
+        (["--png-compress-level", "12"], None, "png_compress_level"),
+        ([], "queue_size = [", "not valid TOML"),
+        ([], "no_such_setting = 1", "unknown setting"),
+        (["--output-mode", "sync"], 'output_mode = "bogus"\n', None),  # the flag overrides the file
+    ],
+)
+def test_serve_rejects_bad_config_before_starting(
+    args: list[str], toml: str | None, needle: str | None, tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    if toml is not None:
+        (tmp_path / "c.toml").write_text(toml)
+        args = [*args, "--config", str(tmp_path / "c.toml")]
+    if needle is None:
+        # Valid after merging: serve must go on to the server, which we replace to start nothing.
+        started: list[Any] = []
+        fake = type(sys)("diffusiond.daemon.server")
+        fake.serve = lambda config: started.append(config) or 0  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "diffusiond.daemon.server", fake)
+        assert main(["serve", *args, "--socket", str(tmp_path / "s.sock")]) == 0
+        assert started[0].output_mode == "sync"
+        assert started[0].socket == str(tmp_path / "s.sock")
+        return
+    monkeypatch.delitem(sys.modules, "diffusiond.daemon.server", raising=False)
+    assert main(["serve", *args]) == 2
+    assert needle in capsys.readouterr().err
+    assert "diffusiond.daemon.server" not in sys.modules
+
+
+def test_serve_missing_config_file(tmp_path: Path, capsys: Any) -> None:
+    assert main(["serve", "--config", str(tmp_path / "nope.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_serve_flags_reach_the_config(tmp_path: Path, monkeypatch: Any) -> None:
+    got: list[Any] = []
+    fake = type(sys)("diffusiond.daemon.server")
+    fake.serve = lambda config: got.append(config) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "diffusiond.daemon.server", fake)
+    argv = ["serve", "--model", "a=tiny", "--model", "tiny", "--workers", "2", "--socket-mode", "0660"]
+    argv += ["--allow-uid", "1000", "--allow-uid", "1001", "--job-timeout", "9", "--encode-threads", "3"]
+    assert main(argv) == 0
+    cfg = got[0]
+    assert [m.name for m in cfg.models] == ["a", "tiny"] and cfg.models[0].devices == ("cpu", "cpu")
+    assert (cfg.socket_mode, cfg.allow_uid, cfg.job_timeout_s, cfg.encode_threads) == (0o660, (1000, 1001), 9.0, 3)
+
+
+# output naming and formats --------------------------------------------------------------------
+def test_output_paths() -> None:
+    assert output_paths("j_1", None, "png", 1) == [Path("j_1.png")]
+    assert output_paths("j_1", None, "jpg", 3) == [Path("j_1-0.jpg"), Path("j_1-1.jpg"), Path("j_1-2.jpg")]
+    assert output_paths("j_1", "out/cat.png", "png", 1) == [Path("out/cat.png")]
+    assert output_paths("j_1", "out/cat.png", "png", 3) == [Path(f"out/cat-{k}.png") for k in range(3)]
+
+
+def test_output_into_a_directory(tmp_path: Path) -> None:
+    assert output_paths("j_1", str(tmp_path), "mp4", 2) == [tmp_path / "j_1-0.mp4", tmp_path / "j_1-1.mp4"]
+
+
+def test_format_choice() -> None:
+    assert choose_format("webp", "x.png") == "webp"
+    assert choose_format(None, "x.JPG") == "jpeg"
+    assert choose_format(None, "x.mp4") == "mp4"
+    assert choose_format(None, "x.unknown") is None
+    assert choose_format(None, None) is None
+    assert extension_for(None) == "png"
+    assert extension_for(None, "video/mp4") == "mp4"
+    assert extension_for("jpeg", "image/png") == "jpg"
+
+
+def test_progress_bar_text() -> None:
+    assert render(7, 20, width=10) == "[####......] 7/20 steps"
+    assert render(0, 0, width=4) == "[....] 0/0 steps"
+    assert render(25, 20, "encoding", width=4) == "[####] 20/20 steps  encoding"
+
+
+# SSE parsing ---------------------------------------------------------------------------------
+STREAM = (
+    b"\xef\xbb\xbf: a comment line, then a keep-alive\r\n:\r\n\r\n"
+    b'event: progress\r\ndata: {"step": 1, "total": 20}\r\n\r\n'
+    b'event: status\ndata: {"note":\ndata: "caf\xc3\xa9"}\nid: 7\nretry: 100\n\n'
+    b"event: nodata\n\n"
+    b"data:plain\rdata: two\r\r"
+    b'event: done\ndata: {"status": "succeeded"}\n\n'
+)
+EXPECTED = [
+    ("progress", '{"step": 1, "total": 20}'),
+    ("status", '{"note":\n"café"}'),
+    ("message", "plain\ntwo"),
+    ("done", '{"status": "succeeded"}'),
+]
+
+
+def feed_in_pieces(cuts: list[int]) -> list[tuple[str, str]]:
+    parser, out, start = SSEParser(), [], 0
+    for cut in [*cuts, len(STREAM)]:
+        out += parser.feed(STREAM[start:cut])
+        start = cut
+    return out
+
+
+def test_sse_whole() -> None:
+    assert feed_in_pieces([]) == EXPECTED
+
+
+def test_sse_every_single_split_point() -> None:
+    # Covers a split between CR and LF, inside "data:", and inside the two bytes of "é".
+    for cut in range(1, len(STREAM)):
+        assert feed_in_pieces([cut]) == EXPECTED, cut
+
+
+def test_sse_byte_by_byte() -> None:
+    assert feed_in_pieces(list(range(1, len(STREAM)))) == EXPECTED
+
+
+def test_sse_waits_for_the_blank_line() -> None:
+    parser = SSEParser()
+    assert parser.feed(b"event: progress\ndata: {}\n") == []
+    assert parser.feed(b"\n") == [("progress", "{}")]
+
+
+# generate and friends against a stand-in daemon ----------------------------------------------
+class StubDaemon:
+    """Just enough of API.md's job endpoints to drive the client; the prompt picks the behaviour."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.requests: list[tuple[str, str, Any]] = []
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.subscribed = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def job_json(self, job_id: str, status: str, **extra: Any) -> dict[str, Any]:
+        return {"id": job_id, "status": status, "stage": "queued", "progress": {"step": 0, "total": 4},
+                "outputs": [], "error": None, "timings_ms": {}, "model": "tiny", "created": 0, **extra}  # fmt: skip
+
+    async def create(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(("POST", request.path, body))
+        if body["prompt"] == "reject":
+            err = {"code": "invalid_request", "message": "width must be a multiple of 8", "field": "width"}
+            return web.json_response({"error": err}, status=400)
+        job_id = f"j_{len(self.jobs) + 1}"
+        self.jobs[job_id] = body
+        return web.json_response(self.job_json(job_id, "queued"), status=202)
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        job_id = request.match_info["id"]
+        body = self.jobs[job_id]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        text = "".join(f"event: progress\ndata: {json.dumps({'step': s, 'total': 4})}\n\n" for s in range(1, 3))
+        if body["prompt"] == "fail":
+            err = {"code": "worker_crashed", "message": "the worker died", "stage": "computing"}
+            text += f"event: error\ndata: {json.dumps(self.job_json(job_id, 'failed', error=err))}\n\n"
+        elif body["prompt"] != "hang":
+            n = body.get("n", 1)
+            outputs = [{"index": k, "url": f"/v1/jobs/{job_id}/outputs/{k}", "content_type": "image/png",
+                        "seed": 100 + k, "bytes": 6} for k in range(n)]  # fmt: skip
+            text += f"event: done\ndata: {json.dumps(self.job_json(job_id, 'succeeded', outputs=outputs))}\n\n"
+        data = text.encode()
+        for i in range(0, len(data), 7):  # awkward chunks on the wire too
+            await resp.write(data[i : i + 7])
+        self.subscribed.set()
+        if body["prompt"] == "hang":
+            await asyncio.sleep(3600)
+        return resp
+
+    async def output(self, request: web.Request) -> web.Response:
+        return web.Response(body=b"PNG-" + request.match_info["k"].encode() + b"\n", content_type="image/png")
+
+    async def delete(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["id"]
+        self.requests.append(("DELETE", request.path, None))
+        if job_id == "j_done":
+            return web.json_response({"error": {"code": "conflict", "message": "finished"}}, status=409)
+        if job_id not in self.jobs:
+            return web.json_response({"error": {"code": "not_found", "message": f"no job {job_id}"}}, status=404)
+        return web.json_response(self.job_json(job_id, "cancelled"))
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        return web.json_response(self.job_json(request.match_info["id"], "succeeded"))
+
+    async def health(self, request: web.Request) -> web.Response:
+        worker = {"id": "tiny-0", "model": "tiny", "device": "cpu", "state": "ready", "pid": 42, "restarts": 0}
+        return web.json_response({"status": "ok", "version": "0.1.0", "workers": [worker], "queue_depth": 0,
+                                  "jobs": {"succeeded": 3}, "arena_bytes_in_use": 1 << 20})  # fmt: skip
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(text="ready")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "tiny", "task": "text-to-image", "device": "cpu", "state": "ready"}]})
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/jobs", self.create)
+        app.router.add_get("/v1/jobs/{id}", self.get_job)
+        app.router.add_delete("/v1/jobs/{id}", self.delete)
+        app.router.add_get("/v1/jobs/{id}/events", self.events)
+        app.router.add_get("/v1/jobs/{id}/outputs/{k}", self.output)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/v1/models", self.models)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.UnixSite(self._runner, self.path).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def __enter__(self) -> StubDaemon:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def stub(tmp_path: Path) -> Iterator[StubDaemon]:
+    with StubDaemon(str(tmp_path / "d.sock")) as daemon:
+        yield daemon
+
+
+def test_generate_writes_indexed_files(stub: StubDaemon, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "cat.png"
+    argv = ["generate", "a cat", "--socket", stub.path, "-o", str(out), "-n", "3", "--size", "64x128", "--seed", "5"]
+    assert main(argv) == 0
+    assert stub.requests[0][2] == {"prompt": "a cat", "n": 3, "width": 64, "height": 128, "seed": 5,
+                                   "output_format": "png"}  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{tmp_path / f'cat-{k}.png'}  seed={100 + k}" for k in range(3)]
+    assert [(tmp_path / f"cat-{k}.png").read_bytes() for k in range(3)] == [b"PNG-%d\n" % k for k in range(3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cat-0.png", "cat-1.png", "cat-2.png", "d.sock"]
+
+
+def test_generate_json_and_default_name(
+    stub: StubDaemon, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "a dog", "--socket", stub.path, "--json"]) == 0
+    assert stub.requests[0][2] == {"prompt": "a dog"}
+    result = json.loads(capsys.readouterr().out)
+    assert result["job"]["status"] == "succeeded"
+    assert result["files"] == [{"path": "j_1.png", "seed": 100, "bytes": 6}]
+    assert (tmp_path / "j_1.png").read_bytes() == b"PNG-0\n"
+
+
+def test_generate_failure_exits_1_with_the_daemons_message(stub: StubDaemon, capsys: Any) -> None:
+    assert main(["generate", "fail", "--socket", stub.path]) == 1
+    assert "error: the worker died (stage: computing)" in capsys.readouterr().err
+
+
+def test_generate_rejected_exits_1(stub: StubDaemon, capsys: Any) -> None:
+    assert main(["generate", "reject", "--socket", stub.path]) == 1
+    err = capsys.readouterr().err
+    assert "width must be a multiple of 8" in err and "field width" in err
+
+
+def test_generate_timeout_cancels(stub: StubDaemon, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("diffusiond.cli_generate.CLIENT_GRACE_S", 0.0)
+    assert main(["generate", "hang", "--socket", stub.path, "--timeout", "0.5"]) == 1
+    assert "did not finish within 0.5 s" in capsys.readouterr().err
+    assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_ctrl_c_cancels_the_job(stub: StubDaemon, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffusiond", "generate", "hang", "--socket", stub.path],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert stub.subscribed.wait(60)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "cancelled job j_1" in err
+    assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
+    assert main(["status", "--socket", stub.path]) == 0
+    out = capsys.readouterr().out
+    assert "0.1.0" in out and "ready" in out and "tiny-0" in out and "succeeded=3" in out
+    assert main(["status", "--socket", stub.path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ready"] is True
+    assert main(["models", "--socket", stub.path]) == 0
+    assert capsys.readouterr().out.split("\n")[1].split() == ["tiny", "text-to-image", "cpu", "ready"]
+    assert main(["cancel", "j_done", "--socket", stub.path]) == 1
+    assert "job j_done already finished (succeeded)" in capsys.readouterr().err
+    assert main(["cancel", "j_404", "--socket", stub.path]) == 1
+    assert "no job j_404" in capsys.readouterr().err
