@@ -41,3 +41,30 @@ def pytest_asyncio_loop_factories(config, item):  # type: ignore[no-untyped-def]
     import uvloop
 
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path, model_cache: Path):  # type: ignore[no-untyped-def]
+    """Start real daemons: ``daemon_factory("--model", "tiny", ...)``; all stopped at teardown."""
+    from daemonkit import Daemon
+
+    started: list[Daemon] = []
+
+    def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> Daemon:
+        n = len(started)
+        d = Daemon(tmp_path / f"d{n}.sock", list(args), tmp_path / f"d{n}.log",
+                   env={"DIFFUSIOND_CACHE": str(model_cache), **(env or {})})
+        started.append(d)
+        if start:
+            d.start()
+        return d
+
+    yield make
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture
+def daemon(daemon_factory):  # type: ignore[no-untyped-def]
+    """A daemon on tiny with two CPU workers, batching up to 4."""
+    return daemon_factory("--model", "tiny", "--workers", "2", "--max-batch", "4", "--job-timeout", "120")

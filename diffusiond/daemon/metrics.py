@@ -21,7 +21,9 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.snapshot()
         yield GaugeMetricFamily("diffusiond_queue_depth", "Jobs waiting for a worker", value=s["queue_depth"])
-        jobs = GaugeMetricFamily("diffusiond_jobs_held", "Jobs held by the daemon (not yet expired), by status", labels=["status"])
+        jobs = GaugeMetricFamily(
+            "diffusiond_jobs_held", "Jobs held by the daemon (not yet expired), by status", labels=["status"]
+        )
         for status, n in s["jobs"].items():
             jobs.add_metric([status], n)
         yield jobs

@@ -55,6 +55,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 30.0
     progress_interval_s: float = 0.1
     options: dict[str, str] = {}
+    # Record CUDA events around forwards and copies (GPU-side ordering proofs; small overhead).
+    trace_gpu: bool = False
     # Test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY".
     fault: str = ""
 
@@ -173,6 +175,8 @@ class Ack(msgspec.Struct, frozen=True):
     ok: bool
     message: str = ""
     trace: list[TraceEvent] = []
+    # with trace_gpu: the same kind of events, timed by the GPU (ns since the first one)
+    gpu_trace: list[TraceEvent] = []
     # the worker's own view of its shared memory, for metrics and leak checks
     arena_in_use: int = 0
     arena_high_water: int = 0

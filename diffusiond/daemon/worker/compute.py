@@ -107,6 +107,7 @@ class ComputeThread:
             return not self.state.all_cancelled(live_ids)
 
         self.state.record("compute_start", batch.batch_id)
+        self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
         try:
             outputs = self.pipeline.run(batch.params, live, on_step)
@@ -125,6 +126,7 @@ class ComputeThread:
             log.exception("batch %d failed", batch.batch_id)
             self._fail_all(batch.batch_id, live_ids, f"{type(exc).__name__}: {exc}")
             return
+        self.state.record_gpu("compute_end", batch.batch_id)
         event = None
         if self.cuda:
             event = torch.cuda.Event()

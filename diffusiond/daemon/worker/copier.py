@@ -102,8 +102,11 @@ class Copier:
             self.state.wait_for_event("compute_start", job.batch_id, timeout=10.0)
         if self.stream is not None and job.event is not None:
             self.stream.wait_event(job.event)
+            self.state.record_gpu("copy_start", job.batch_id, self.stream)
         for req, out in zip(job.requests, job.outputs, strict=True):
             self._copy_one(job, req, out)
+        if self.stream is not None:
+            self.state.record_gpu("copy_end", job.batch_id, self.stream)
         job.outputs.clear()  # the last references to the batch's device memory
         self.state.record("copy_end", job.batch_id)
 

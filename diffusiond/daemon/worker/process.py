@@ -110,6 +110,7 @@ class Worker:
             command=Kind.TRACE,
             ok=True,
             trace=events,
+            gpu_trace=self.state.gpu_trace(),
             arena_in_use=arena.in_use if arena else 0,
             arena_high_water=arena.high_water if arena else 0,
             slots_in_use=arena.slots_in_use if arena else 0,
@@ -134,6 +135,7 @@ class Worker:
     async def _init(self, config: WorkerConfig) -> None:
         self.config = config
         faults = Faults.parse(config.fault)
+        self.state.trace_gpu = config.trace_gpu and config.device.startswith("cuda")
         if faults.frame is not None:
             self.channel.fault_hook = _frame_fault(*faults.frame)
         is_cuda = config.device.startswith("cuda")

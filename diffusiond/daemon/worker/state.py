@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from diffusiond.ipc.messages import TraceEvent
 
@@ -59,6 +60,8 @@ class SharedState:
     cancelled: set[str] = field(default_factory=set)
     trace: list[TraceEvent] = field(default_factory=list)
     copies_pending: int = 0
+    trace_gpu: bool = False
+    gpu_events: list[tuple[str, int, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
@@ -69,6 +72,29 @@ class SharedState:
             if len(self.trace) > 10_000:
                 del self.trace[:5_000]
             self.changed.notify_all()
+
+    def record_gpu(self, name: str, batch_id: int, stream: Any = None) -> None:
+        """A timed CUDA event on ``stream`` (default: current): where the GPU, not the CPU, was."""
+        if not self.trace_gpu:
+            return
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        with self.lock:
+            self.gpu_events.append((name, batch_id, ev))
+
+    def gpu_trace(self) -> list[TraceEvent]:
+        with self.lock:
+            events = list(self.gpu_events)
+        if not events:
+            return []
+        base = events[0][2]
+        out = []
+        for name, batch_id, ev in events:
+            ev.synchronize()
+            out.append(TraceEvent(name, batch_id, int(base.elapsed_time(ev) * 1e6)))
+        return out
 
     def wait_for_event(self, name: str, after_batch: int, timeout: float) -> bool:
         """Wait until ``name`` is recorded for a batch id above ``after_batch`` (copy_gate)."""

@@ -1,0 +1,134 @@
+"""Run a real daemon for end-to-end tests: ``diffusiond serve`` in a subprocess on a temporary
+Unix socket, with real workers, and an aiohttp client over that socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from conftest import ROOT
+
+
+class Daemon:
+    def __init__(self, socket_path: Path, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.socket = socket_path
+        self.args = args
+        self.log_path = log_path
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 120) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *self.args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists() and self._ready():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log()}")
+
+    def _ready(self) -> bool:
+        import socket as s
+
+        try:
+            c = s.socket(s.AF_UNIX, s.SOCK_STREAM)
+            c.settimeout(2)
+            c.connect(str(self.socket))
+            c.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = c.recv(4096)
+            c.close()
+            return b" 200 " in data.split(b"\r\n", 1)[0]
+        except OSError:
+            return False
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except FileNotFoundError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(Exception):
+            self._log.close()
+
+    def worker_pids(self) -> list[int]:
+        """Children of the daemon process (its workers), from /proc."""
+        assert self.proc is not None
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                            pids.append(int(entry))
+                except (OSError, IndexError, ValueError):
+                    continue
+        return pids
+
+
+@contextlib.asynccontextmanager
+async def http(socket_path: Path) -> AsyncIterator[aiohttp.ClientSession]:
+    conn = aiohttp.UnixConnector(path=str(socket_path))
+    async with aiohttp.ClientSession(connector=conn, base_url="http://diffusiond") as session:
+        yield session
+
+
+async def sse(session: aiohttp.ClientSession, job_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """All events of a job's stream until done/error."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    async with session.get(f"/v1/jobs/{job_id}/events") as resp:
+        assert resp.status == 200
+        name = None
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: ") and name:
+                events.append((name, json.loads(line[6:])))
+                if name in ("done", "error"):
+                    return events
+    return events
+
+
+async def wait_job(session: aiohttp.ClientSession, job_id: str, timeout: float = 120) -> dict[str, Any]:
+    async def poll() -> dict[str, Any]:
+        while True:
+            async with session.get(f"/v1/jobs/{job_id}") as r:
+                job = await r.json()
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                return job
+            await asyncio.sleep(0.05)
+
+    return await asyncio.wait_for(poll(), timeout)

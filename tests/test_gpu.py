@@ -1,0 +1,101 @@
+"""GPU tests of the output path, run on the H200 through the device tool (skipped without CUDA).
+
+Ordering is shown by CUDA events timed by the GPU itself, never by wall-clock assertions.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from workerkit import Driver, config
+
+from diffusiond.ipc import messages as m
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)"),
+]
+
+# 4096x4096x3 float32 = 201 MB per output: a copy long enough to see on a GPU timeline.
+BIG = m.BatchParams(width=4096, height=4096, steps=4, guidance=1.0, output_dtype="float32")
+
+
+def gpu_events(ack: m.Ack) -> dict[tuple[str, int], int]:
+    return {(e.name, e.batch_id): e.t_ns for e in ack.gpu_trace}
+
+
+def gpu_config(mode: str = "async", **kw: object) -> m.WorkerConfig:
+    return config("synthetic:compute_ms=60", device="cuda:0", output_mode=mode, trace_gpu=True,
+                  arena_bytes=2 << 30, **kw)
+
+
+async def test_gpu_copy_runs_on_a_side_stream_and_overlaps_the_next_forward() -> None:
+    async with Driver(gpu_config()) as d:
+        rids = []
+        bids = []
+        for k in range(4):
+            b, r = d.submit(BIG, [k])
+            bids.append(b)
+            rids += r
+        await d.wait(rids)
+        t = gpu_events(await d.trace())
+    for k, nxt in itertools.pairwise(bids):
+        copy_start, copy_end = t[("copy_start", k)], t[("copy_end", k)]
+        next_start, next_end = t[("compute_start", nxt)], t[("compute_end", nxt)]
+        # the copy of batch k and the forward of batch k+1 were on the GPU at the same time
+        assert copy_start < next_end and next_start < copy_end, (k, t)
+
+
+async def test_gpu_sync_mode_copies_before_the_next_forward() -> None:
+    async with Driver(gpu_config("sync")) as d:
+        b0, r0 = d.submit(BIG, [0])
+        b1, r1 = d.submit(BIG, [1])
+        await d.wait(r0 + r1)
+        t = gpu_events(await d.trace())
+    assert t[("copy_end", b0)] <= t[("compute_start", b1)]
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+async def test_gpu_output_bytes_match_a_plain_cpu_copy(dtype: str) -> None:
+    from diffusiond.daemon.worker.copier import to_output_layout
+    from diffusiond.pipelines import load_pipeline
+
+    params = m.BatchParams(width=1024, height=768, steps=2, guidance=1.0, output_dtype=dtype)  # type: ignore[arg-type]
+    pipe = load_pipeline("synthetic:compute_ms=5", device="cuda:0")
+    reqs = [m.RequestSpec(request_id=str(i), prompt="p", seed=s) for i, s in enumerate([3, 4, 5])]
+    expected = [to_output_layout(o, dtype).cpu().numpy() for o in pipe.run(params, reqs, lambda s, t: True)]
+    async with Driver(config("synthetic:compute_ms=5", device="cuda:0")) as d:
+        results = await d.run(params, [3, 4, 5])
+    for r, e in zip(results, expected, strict=True):
+        assert r.array is not None and r.array.dtype == e.dtype and np.array_equal(r.array, e)
+
+
+async def test_gpu_tiny_model_runs_on_cuda_and_matches_across_modes(model_cache: object) -> None:
+    params = m.BatchParams(width=64, height=64, steps=2, guidance=5.0)
+    async with Driver(config(device="cuda:0", output_mode="async")) as a:
+        out_a = await a.run(params, [1, 2])
+    async with Driver(config(device="cuda:0", output_mode="sync")) as s:
+        out_s = await s.run(params, [1, 2])
+    for x, y in zip(out_a, out_s, strict=True):
+        assert x.array is not None and np.array_equal(x.array, y.array)
+
+
+def test_gpu_arena_is_registered_and_copies_land_exactly() -> None:
+    from diffusiond.ipc import cuda_host
+    from diffusiond.ipc.arena import Arena
+    from diffusiond.ipc.tensors import as_torch, describe, write_tensor
+
+    arena = Arena(64 << 20, on_map=cuda_host.register, on_unmap=cuda_host.unregister)
+    assert cuda_host.is_registered(arena.address)
+    src = torch.randint(0, 256, (8, 1024, 1024), dtype=torch.uint8, device="cuda")
+    view = src[5]  # one request's view of a batch tensor
+    slot = arena.allocate(view.numel())
+    write_tensor(arena.buffer(slot), view, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(as_torch(arena._view, describe(view, slot.id, slot.offset)), view.cpu())
+    arena.release(slot.id)
+    arena.close()
+    assert not cuda_host.is_registered(arena.address)
