@@ -11,8 +11,8 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import sys
-import tempfile
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +184,9 @@ async def follow(client: Client, job_id: str, bar: ProgressBar) -> dict[str, Any
 
 async def download(client: Client, job_id: str, index: int, path: Path) -> int:
     """Stream one output to a temp file beside ``path``, then rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
+    # Not mkstemp: its 0600 would stick to the output; 0666 here lets the umask decide, as for any file.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             size = await client.stream_output(job_id, index, f)
