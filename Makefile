@@ -18,6 +18,9 @@ test: $(STAMP)
 	$(PY) -m ruff check diffusiond tests
 	$(PY) -m pytest -q
 
+demo: $(STAMP)
+	PY=$(PY) scripts/demo.sh
+
 lint: $(STAMP)
 	$(PY) -m ruff check diffusiond tests
 	$(PY) -m ruff format --check diffusiond tests

@@ -147,9 +147,10 @@ def parse_devices(device: str, workers: int) -> tuple[str, ...]:
 
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
-    """``SPEC`` or ``NAME=SPEC`` -> (name, spec)."""
+    """``SPEC`` or ``NAME=SPEC`` -> (name, spec). A spec may itself hold ``=`` (``synthetic:compute_ms=40``):
+    what precedes the first ``=`` is a name only if it has no ``/`` or ``:``, which names never do."""
     name, sep, spec = arg.partition("=")
-    if sep and name and "/" not in name:
+    if sep and name and not any(c in name for c in "/:"):
         return name, spec
     return model_name_for(arg), arg
 

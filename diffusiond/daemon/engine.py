@@ -106,6 +106,8 @@ class Engine:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed = asyncio.Event()
         self.metrics.bind(self.snapshot)
+        for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
+            self.metrics.worker_restarts.labels(name)
 
     # lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:

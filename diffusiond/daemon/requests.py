@@ -22,6 +22,7 @@ OUTPUT_DTYPES = ("uint8", "float16", "float32")
 T = TypeVar("T")
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 _PATH = re.compile(r"`\$\.?([A-Za-z_][\w]*)")
+_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")  # msgspec's wording
 
 
 class JobBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -72,7 +73,7 @@ def decode(body: bytes, cls: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as exc:
-        m = _PATH.search(str(exc))
+        m = _PATH.search(str(exc)) or _FIELD.search(str(exc))
         raise bad_request(f"invalid request: {exc}", field=m.group(1) if m else None) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
@@ -99,8 +100,9 @@ def check(
         raise bad_request(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
     _range("n", req["n"], 1, limits.max_n)
     d = model.defaults
-    width = req.get("width") or int(d["width"])
-    height = req.get("height") or int(d["height"])
+    # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
+    width = int(d["width"]) if req.get("width") is None else req["width"]
+    height = int(d["height"]) if req.get("height") is None else req["height"]
     for name, v in (("width", width), ("height", height)):
         field = size_field or name
         if not limits.min_size <= v <= limits.max_size or v % 8:
@@ -108,7 +110,7 @@ def check(
                 f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
                 field=field,
             )
-    steps = req.get("steps") or int(d["steps"])
+    steps = int(d["steps"]) if req.get("steps") is None else req["steps"]
     _range(req.get("steps_field", "steps"), steps, 1, limits.max_steps)
     guidance = req.get("guidance_scale")
     guidance = float(d["guidance"]) if guidance is None else guidance
@@ -123,7 +125,7 @@ def check(
             f"num_frames is only for text-to-video models; {model.name!r} is {model.task}", field="num_frames"
         )
     if video:
-        frames = frames or int(d.get("num_frames", 9))
+        frames = int(d.get("num_frames", 9)) if frames is None else frames
         _range("num_frames", frames, 1, limits.max_frames)
     fps = req.get("fps")
     if fps is not None and not video:

@@ -211,6 +211,24 @@ def _frame_fault(action: str, kind_name: str):  # type: ignore[no-untyped-def]
     return hook
 
 
+def _quiet_libraries() -> None:
+    """Progress bars and deprecation chatter from the model libraries would flood the daemon's
+    log (the journal, under systemd) at every worker start; keep them for --log-level debug."""
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffusiond-worker", description="diffusiond worker (spawned by the engine)")
     parser.add_argument("--fd", type=int, required=True, help="inherited channel socket fd")
@@ -221,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
     )
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        _quiet_libraries()
     # The engine handles SIGINT/SIGTERM for the process group and tells us to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# `make demo`: start a daemon on the embedded tiny model on a temporary socket, generate one
+# image with the CLI, stop the daemon. Needs nothing from the network beyond the pip install.
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+dir=$(mktemp -d)
+sock="$dir/diffusiond.sock"
+out=${DEMO_OUT:-demo.png}
+export DIFFUSIOND_CACHE=${DIFFUSIOND_CACHE:-$dir/cache}
+"$PY" -m diffusiond serve --socket "$sock" --model tiny --log-level warning &
+pid=$!
+trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
+for _ in $(seq 1 600); do
+  [ -S "$sock" ] && "$PY" -m diffusiond status --socket "$sock" --json 2>/dev/null | grep -q '"ready": true' && break
+  kill -0 $pid 2>/dev/null || { echo "the daemon exited during start-up" >&2; exit 1; }
+  sleep 0.2
+done
+"$PY" -m diffusiond status --socket "$sock"
+"$PY" -m diffusiond generate "a lighthouse at dusk, oil painting" --socket "$sock" \
+  --size 256x256 --steps 8 --seed 42 -o "$out"
+echo "wrote $out (the tiny model has random weights: expect colourful noise, not a lighthouse)"
