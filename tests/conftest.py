@@ -50,9 +50,10 @@ def daemon_factory(tmp_path: Path, model_cache: Path):  # type: ignore[no-untype
 
     started: list[Daemon] = []
 
-    def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> Daemon:
+    def make(*args: str, env: dict[str, str] | None = None, start: bool = True,
+             socket_dir: Path | None = None) -> Daemon:
         n = len(started)
-        d = Daemon(tmp_path / f"d{n}.sock", list(args), tmp_path / f"d{n}.log",
+        d = Daemon((socket_dir or tmp_path) / f"d{n}.sock", list(args), tmp_path / f"d{n}.log",
                    env={"DIFFUSIOND_CACHE": str(model_cache), **(env or {})})
         started.append(d)
         if start:

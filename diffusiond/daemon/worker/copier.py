@@ -99,7 +99,7 @@ class Copier:
     def process(self, job: CopyJob) -> None:
         self.state.record("copy_start", job.batch_id)
         if self.faults.copy_gate:
-            self.state.wait_for_event("compute_start", job.batch_id, timeout=10.0)
+            self.state.wait_for_later_compute(job.batch_id, timeout=10.0)
         if self.stream is not None and job.event is not None:
             self.stream.wait_event(job.event)
             self.state.record_gpu("copy_start", job.batch_id, self.stream)

@@ -96,12 +96,18 @@ class SharedState:
             out.append(TraceEvent(name, batch_id, int(base.elapsed_time(ev) * 1e6)))
         return out
 
-    def wait_for_event(self, name: str, after_batch: int, timeout: float) -> bool:
-        """Wait until ``name`` is recorded for a batch id above ``after_batch`` (copy_gate)."""
-        with self.lock:
-            return self.changed.wait_for(
-                lambda: any(e.name == name and e.batch_id > after_batch for e in self.trace), timeout
+    def wait_for_later_compute(self, batch_id: int, timeout: float) -> bool:
+        """copy_gate: wait until a forward after ``batch_id`` started, or a drain began (then no
+        later batch is coming and holding the copy back would only delay the drain)."""
+
+        def seen() -> bool:
+            return any(
+                (e.name == "compute_start" and e.batch_id > batch_id) or e.name.startswith("drain_start")
+                for e in self.trace
             )
+
+        with self.lock:
+            return self.changed.wait_for(seen, timeout)
 
     def admit(self, request_ids: list[str]) -> None:
         with self.lock:
