@@ -42,11 +42,8 @@ from diffusiond.ipc.messages import (
 log = logging.getLogger(__name__)
 
 MAX_BATCHES_PER_WORKER = 2  # one computing, one waiting: the GPU never waits for the engine
-DEFAULTS = {
-    "tiny": {"width": 128, "height": 128, "steps": 4, "guidance": 5.0},
-    "synthetic": {"width": 512, "height": 512, "steps": 4, "guidance": 1.0},
-}
-GENERIC_DEFAULTS = {"width": 512, "height": 512, "steps": 25, "guidance": 7.5, "num_frames": 9}
+# Used for fields a request leaves out, until the model's READY brings its own suggestions.
+GENERIC_DEFAULTS = {"width": 512, "height": 512, "steps": 25, "guidance": 7.5, "num_frames": 9, "fps": 16}
 
 
 @dataclass(eq=False)
@@ -85,8 +82,7 @@ class Engine:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        self.models = {m.name: Model(m, defaults=dict(DEFAULTS.get(m.spec.split(":")[0], GENERIC_DEFAULTS)))
-                       for m in config.models}
+        self.models = {m.name: Model(m, defaults=dict(GENERIC_DEFAULTS)) for m in config.models}
         self.jobs: dict[str, Job] = {}
         self.items: dict[str, Item] = {}
         self.batches: dict[int, Batch] = {}
@@ -148,6 +144,7 @@ class Engine:
         self.in_flight[handle] = collections.deque()
         ready = await handle.start(self.config.worker_start_timeout_s)
         model.task = ready.task
+        model.defaults = {**GENERIC_DEFAULTS, **ready.defaults}
         if self.paused:
             await handle.command(Sleep(), self.config.drain_grace_s)
         self.dispatch()

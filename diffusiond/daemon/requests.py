@@ -131,6 +131,7 @@ def check(
     if fps is not None and not video:
         raise bad_request(f"fps is only for text-to-video models; {model.name!r} is {model.task}", field="fps")
     _range("fps", fps, 1, 240)
+    fps = fps or int(d.get("fps", 16))
     fmt = req.get("output_format") or ("mp4" if video else "png")
     allowed = VIDEO_FORMATS if video else IMAGE_FORMATS
     if fmt not in allowed:
@@ -158,7 +159,7 @@ def check(
         seed=seed,
         negative_prompt=neg,
         num_frames=frames,
-        fps=fps or 16,
+        fps=fps,
         timeout_s=timeout,
         output_dtype=dtype,
         scheduler=req.get("scheduler"),

@@ -129,6 +129,7 @@ class Ready(msgspec.Struct, frozen=True):
     task: str
     device: str
     load_ms: float
+    defaults: dict[str, float] = {}  # request defaults the model suggests (width, height, steps, ...)
 
 
 class ComputeDone(msgspec.Struct, frozen=True):

@@ -42,12 +42,28 @@ class Interrupted(Exception):
         self.total = total
 
 
+# Request defaults a pipeline suggests (the engine fills omitted fields with them): width,
+# height, steps, guidance and, for video, num_frames and fps.
+Defaults = dict[str, float]
+
+
+def default_settings(pipe: object, *, steps: int = 25, guidance: float = 7.5) -> Defaults:
+    """Native resolution of a diffusers pipeline: the denoiser's sample size times the VAE factor."""
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
+    factor = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None) or 8
+    side = int(sample[0] if isinstance(sample, (list, tuple)) else sample or 64) * int(factor)
+    side = max(64, min(side, 2048)) // 8 * 8
+    return {"width": side, "height": side, "steps": steps, "guidance": guidance}
+
+
 @runtime_checkable
 class Pipeline(Protocol):
     name: str
     task: Task
     device: torch.device
     dtype: torch.dtype
+    defaults: Defaults
 
     def run(
         self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback

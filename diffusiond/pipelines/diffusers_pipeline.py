@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
-from diffusiond.pipelines.base import Interrupted, PipelineError, StepCallback, Task, generators
+from diffusiond.pipelines.base import Interrupted, PipelineError, StepCallback, Task, default_settings, generators
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ class DiffusersPipeline:
         self._schedulers: dict[str, Any] = {}
         self._offload = options.get("cpu_offload") == "1"
         self._asleep = False
+        self.defaults = default_settings(pipe)
+        if self.task == Task.TEXT_TO_VIDEO:
+            self.defaults.update(num_frames=9, fps=16, steps=30, guidance=5.0)
 
         if getattr(pipe, "safety_checker", None) is not None:
             # The checker blacks out outputs and costs a CLIP pass per image; callers filter themselves.

@@ -108,7 +108,9 @@ def load_pipeline(
     if spec == "tiny":
         from diffusiond.pipelines.tiny import ensure_tiny
 
-        return load_folder(ensure_tiny(), name=name or "tiny", device=dev, dtype=torch_dtype, options=opts)
+        pipe = load_folder(ensure_tiny(), name=name or "tiny", device=dev, dtype=torch_dtype, options=opts)
+        pipe.defaults = {"width": 128, "height": 128, "steps": 4, "guidance": 5.0}  # quick on a CPU
+        return pipe
     if not spec:
         raise PipelineError(f"empty model spec; accepted: {ACCEPTED_FORMS}")
     path = Path(spec).expanduser()

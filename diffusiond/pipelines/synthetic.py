@@ -69,6 +69,9 @@ class SyntheticPipeline:
         else:
             raise PipelineError(f"synthetic: unknown task {task!r}; use image or video")
         self.compute_ms = self._number(opts, "compute_ms", DEFAULT_COMPUTE_MS)
+        self.defaults: dict[str, float] = {"width": 512, "height": 512, "steps": 4, "guidance": 1.0}
+        if self.task == Task.TEXT_TO_VIDEO:
+            self.defaults.update(num_frames=16, fps=16)
         side = int(self._number(opts, "matrix", 2048 if self.device.type == "cuda" else 256))
         if side < 1:
             raise PipelineError(f"synthetic: matrix must be positive, got {side}")

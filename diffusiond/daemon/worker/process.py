@@ -175,7 +175,8 @@ class Worker:
         )
         self.copier.start()
         self.compute.start()
-        self.channel.post(Ready(config.model_name, str(pipeline.task), str(pipeline.device), load_ms))
+        defaults = dict(getattr(pipeline, "defaults", {}))
+        self.channel.post(Ready(config.model_name, str(pipeline.task), str(pipeline.device), load_ms, defaults))
         for item in self.pending:
             self.compute.queue.put(item)
         self.pending.clear()
