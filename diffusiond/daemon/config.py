@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 OUTPUT_MODES = ("async", "sync")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -121,6 +122,10 @@ class DaemonConfig:
             raise ConfigError(f"job_timeout_s must be positive, got {self.job_timeout_s}")
         if not 0 <= self.png_compress_level <= 9:
             raise ConfigError(f"png_compress_level must be 0-9, got {self.png_compress_level}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(f"socket_mode {self.socket_mode:o} is not a permission mode (0000-0777)")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
         if self.tcp and ":" not in self.tcp:
@@ -207,7 +212,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         if key in values:
             values[key] = tuple(values[key])
     if isinstance(values.get("socket_mode"), str):
-        values["socket_mode"] = int(values["socket_mode"], 8)
+        try:
+            values["socket_mode"] = int(values["socket_mode"], 8)
+        except ValueError:
+            raise ConfigError(f"socket_mode {values['socket_mode']!r} is not an octal mode like 0600") from None
     try:
         return DaemonConfig(models=tuple(models), **values).validate()
     except TypeError as exc:
