@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cancel)
     sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=_sleep)
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=_wake)
+    from diffusiond.bench import add_parser as add_bench
+
+    add_bench(sub)
     return parser
 
 
@@ -133,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_USAGE)
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        from diffusiond.bench import run as run_bench
+
+        return run_bench(args)
     socket_path = args.socket or default_socket_path()
     try:
         if args.command == "generate":

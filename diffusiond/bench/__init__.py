@@ -1,0 +1,15 @@
+"""``diffusiond bench``: the daemon against the forward-only limit, its own sync mode, and a
+hand-written server, side by side in one run on the same model.
+
+- ``limit``: the pipeline called in a loop in this process, outputs left on the device, one
+  synchronize at the end: the ceiling for that model, size and batch.
+- ``async``: the daemon as shipped, over its Unix socket, driven by concurrent clients that
+  create jobs, follow their events and download every output.
+- ``sync``: the same daemon with ``--output-mode sync`` (copy and pack before the next forward).
+- ``naive``: the server people write by hand (``bench/naive.py``): one aiohttp handler that calls
+  the pipeline under a lock with PIL output and encodes the PNG inline. Labelled as the baseline.
+"""
+
+from diffusiond.bench.runner import add_parser, run
+
+__all__ = ["add_parser", "run"]
