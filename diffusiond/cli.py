@@ -37,7 +37,7 @@ QUICK_TIMEOUT_S = 30.0
 SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
-    "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads",
+    "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -125,6 +125,7 @@ def _add_serve(sub: Any) -> None:
     add("--drain-grace-s", type=float, metavar="S")
     add("--png-compress-level", type=int, metavar="N")
     add("--encode-threads", type=int, metavar="N")
+    add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     p.set_defaults(func=None)
 
 
@@ -273,9 +274,9 @@ async def _wake(args: argparse.Namespace, client: Client) -> int:
     async with client:
         answer = await client.wake()
     print(f"daemon awake{_took(answer)}")
+    return EXIT_OK
 
 
 def _took(answer: dict[str, Any]) -> str:
     took = answer.get("took_ms")
     return f" (took {took / 1000:.1f} s)" if isinstance(took, int | float) else ""
-    return EXIT_OK

@@ -226,7 +226,8 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     snap = request.app[ENGINE].snapshot()
-    ok = all(w["state"] in ("ready", "sleeping") for w in snap["workers"]) and bool(snap["workers"])
+    ok = bool(snap["workers"]) and all(w["state"] in ("ready", "sleeping") and w["answering"]
+                                       for w in snap["workers"])
     return web.json_response(snap, status=200 if ok else 503)
 
 

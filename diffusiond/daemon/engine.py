@@ -42,6 +42,7 @@ from diffusiond.ipc.messages import (
 log = logging.getLogger(__name__)
 
 MAX_BATCHES_PER_WORKER = 2  # one computing, one waiting: the GPU never waits for the engine
+PING_INTERVAL_S = 1.0
 # Used for fields a request leaves out, until the model's READY brings its own suggestions.
 GENERIC_DEFAULTS = {"width": 512, "height": 512, "steps": 25, "guidance": 7.5, "num_frames": 9, "fps": 16}
 
@@ -117,8 +118,20 @@ class Engine:
         if errors:
             raise errors[0]
         self.accepting = True
+        heartbeat = asyncio.ensure_future(self._heartbeat())
+        self._tasks.add(heartbeat)
 
-    def _new_handle(self, model: Model, device: str) -> WorkerHandle:
+    async def _heartbeat(self) -> None:
+        """Ping every worker each second: a lost frame shows up as a sequence gap within a second,
+        and /health can tell a live worker from a wedged one."""
+        while not self.stopping:
+            await asyncio.sleep(PING_INTERVAL_S)
+            for model in self.models.values():
+                for w in model.workers:
+                    with contextlib.suppress(Exception):
+                        w.ping()
+
+    def _new_handle(self, model: Model, device: str, *, replacement: bool = False) -> WorkerHandle:
         self._worker_ids += 1
         wc = WorkerConfig(
             worker_id=self._worker_ids - 1,
@@ -130,13 +143,13 @@ class Engine:
             arena_bytes=self.config.arena_mb << 20,
             drain_timeout_s=self.config.drain_grace_s,
             options=dict(model.config.options),
-            fault=self.config.fault,
+            fault="" if replacement else self.config.fault,  # test faults hit first workers only
         )
         return WorkerHandle(wc, on_frame=self._on_frame, on_lost=self._on_lost,
                             log_level=self.config.log_level.upper())
 
     async def _start_worker(self, model: Model, device: str, replacing: WorkerHandle | None = None) -> None:
-        handle = self._new_handle(model, device)
+        handle = self._new_handle(model, device, replacement=replacing is not None)
         if replacing is not None and replacing in model.workers:
             model.workers[model.workers.index(replacing)] = handle
         else:
@@ -484,6 +497,7 @@ class Engine:
             "jobs": by_status,
             "workers": [
                 {"id": w.id, "model": m.name, "device": w.config.device, "state": w.state, "pid": w.pid,
+                 "answering": w.answering(3 * PING_INTERVAL_S + 1),
                  "restarts": m.restarts, "batches_in_flight": len(self.in_flight.get(w, ())),
                  "arena_bytes": w.arena_capacity, "arena_bytes_in_use": w.held_bytes}
                 for m in self.models.values() for w in m.workers

@@ -37,6 +37,7 @@ from diffusiond.ipc.messages import (
     Init,
     Kind,
     OutputReady,
+    Ping,
     Ready,
     Release,
     Shutdown,
@@ -97,6 +98,7 @@ class WorkerHandle:
         self._ready_fut: asyncio.Future[Ready] | None = None
         self._acks: dict[int, asyncio.Future[Ack]] = {}
         self._exited: asyncio.Future[int] | None = None
+        self.last_frame_at = time.monotonic()
 
     @property
     def pid(self) -> int | None:
@@ -228,8 +230,16 @@ class WorkerHandle:
         return sum(self.held.values())
 
     # channel callbacks ----------------------------------------------------------------------
+    def ping(self) -> None:
+        if self.state in ("ready", "sleeping") and self.channel is not None and not self.channel.closed:
+            self.channel.post(Ping())
+
+    def answering(self, within: float) -> bool:
+        return time.monotonic() - self.last_frame_at <= within
+
     def _on_frame(self, frame: Frame) -> None:
         msg = frame.msg
+        self.last_frame_at = time.monotonic()
         if isinstance(msg, OutputReady) and msg.tensor.dedicated:
             if len(frame.fds) != 1:
                 self._protocol_error(f"dedicated output {msg.request_id} arrived with {len(frame.fds)} fds")

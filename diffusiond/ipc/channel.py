@@ -215,7 +215,7 @@ def _close_fds(fds: list[int]) -> None:
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
-    """A connected AF_UNIX stream pair; the second end is inheritable for a child process."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    b.set_inheritable(True)
-    return a, b
+    """A connected AF_UNIX stream pair. Both ends stay close-on-exec: hand one to exactly one
+    child with ``pass_fds``. An inheritable end would leak into every other child spawned while
+    it is open, and a dead worker's channel would then never see EOF."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,6 +1,6 @@
 """The worker protocol: one msgspec struct per frame kind.
 
-Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE.
+Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE, PING.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL.
 
@@ -30,6 +30,7 @@ class Kind(enum.IntEnum):
     WAKE = 6
     SHUTDOWN = 7
     TRACE = 8
+    PING = 9
     # worker -> engine
     HELLO = 32
     READY = 33
@@ -116,6 +117,11 @@ class Trace(msgspec.Struct, frozen=True):
     """Ask the worker for its recorded event trace (diagnostics and ordering proofs in tests)."""
 
 
+class Ping(msgspec.Struct, frozen=True):
+    """Heartbeat. The answer proves the worker's loop is alive, and, being the next frame on the
+    channel, exposes a lost frame at once instead of when the next real frame happens to come."""
+
+
 class Hello(msgspec.Struct, frozen=True):
     """First frame of a worker; the arena's memfd travels with it (SCM_RIGHTS)."""
 
@@ -170,7 +176,7 @@ class TraceEvent(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Ack(msgspec.Struct, frozen=True):
-    """Answer to SLEEP, WAKE, SHUTDOWN and TRACE."""
+    """Answer to SLEEP, WAKE, SHUTDOWN, TRACE and PING."""
 
     command: int
     ok: bool
@@ -200,6 +206,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Wake: Kind.WAKE,
     Shutdown: Kind.SHUTDOWN,
     Trace: Kind.TRACE,
+    Ping: Kind.PING,
     Hello: Kind.HELLO,
     Ready: Kind.READY,
     ComputeDone: Kind.COMPUTE_DONE,

@@ -94,6 +94,27 @@ def task_for_class(cls: type) -> Task:
     return Task.TEXT_TO_IMAGE
 
 
+def frame_step(pipe: Any) -> int:
+    """Output frames per latent frame after the first: a video VAE that compresses time by k
+    decodes 1 + k*(latent frames - 1) frames, so only counts of the form k*n+1 come out whole.
+    Pipelines round other counts silently (Wan, LTX), which would hand back fewer frames than asked."""
+    for attr in ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"):
+        step = getattr(pipe, attr, None)
+        if isinstance(step, int) and step > 1:
+            return step
+    return 1
+
+
+def check_frames(name: str, step: int, frames: int) -> None:
+    """Refuse a frame count the model cannot make, naming the nearest ones it can."""
+    if step > 1 and (frames - 1) % step:
+        below = (frames - 1) // step * step + 1
+        raise PipelineError(
+            f"{name} makes videos of {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, {1 + 3 * step}, ...); "
+            f"num_frames={frames} is not one: use {below} or {below + step}"
+        )
+
+
 def _is_flow_scheduler(scheduler: Any) -> bool:
     """Flow-matching models need flow schedulers; their config says so in one of a few ways."""
     config = getattr(scheduler, "config", {}) or {}
@@ -115,6 +136,9 @@ class _Stop(Exception):
 
 class DiffusersPipeline:
     """Drives one loaded diffusers pipeline; runs are serial (schedulers hold per-run state)."""
+
+    # True for models built in code with random weights (``random:<preset>``): outputs are noise.
+    synthetic_weights: bool = False
 
     def __init__(
         self,
@@ -139,8 +163,11 @@ class DiffusersPipeline:
         self._offload = options.get("cpu_offload") == "1"
         self._asleep = False
         self.defaults = default_settings(pipe)
+        self.frame_step = frame_step(pipe) if self.task == Task.TEXT_TO_VIDEO else 1
         if self.task == Task.TEXT_TO_VIDEO:
             self.defaults.update(num_frames=9, fps=16, steps=30, guidance=5.0)
+            if self.frame_step > 1:  # valid num_frames: 1 + k * num_frames_step
+                self.defaults["num_frames_step"] = self.frame_step
 
         if getattr(pipe, "safety_checker", None) is not None:
             # The checker blacks out outputs and costs a CLIP pass per image; callers filter themselves.
@@ -212,6 +239,7 @@ class DiffusersPipeline:
         if params.num_frames is not None:
             if self.task is not Task.TEXT_TO_VIDEO or self._frames_arg is None:
                 raise PipelineError(f"model {self.name} makes images; num_frames does not apply")
+            check_frames(self.name, self.frame_step, params.num_frames)
             kwargs[self._frames_arg] = params.num_frames
 
         def step_end(p: Any, i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -231,10 +259,15 @@ class DiffusersPipeline:
         except ValueError as exc:
             # diffusers' check_inputs: size not divisible by the VAE factor, prompt too long...
             raise PipelineError(f"{self.name} refused the request: {exc}") from exc
-        return self._split(out[0] if isinstance(out, tuple) else out, len(requests))
+        return self._split(out[0] if isinstance(out, tuple) else out, len(requests), params)
 
-    def _split(self, batch: Any, n: int) -> list[torch.Tensor]:
-        """Per-request views of the batch output: (C,H,W) images or (F,C,H,W) videos."""
+    def _split(self, batch: Any, n: int, params: BatchParams) -> list[torch.Tensor]:
+        """Per-request views of the batch output: (C,H,W) images or (F,C,H,W) videos.
+
+        Sizes and frame counts are checked against the request: some pipelines round a size or a
+        frame count they cannot make (with a log warning at most), and a client must never get a
+        smaller output than it asked for without an error saying why.
+        """
         want = 4 if self.task is Task.TEXT_TO_VIDEO else 3
         items = list(batch) if isinstance(batch, list | tuple) else list(batch.unbind(0))
         if len(items) != n:
@@ -244,6 +277,14 @@ class DiffusersPipeline:
             if not isinstance(item, torch.Tensor) or item.dim() != want:
                 shape = tuple(item.shape) if isinstance(item, torch.Tensor) else type(item).__name__
                 raise PipelineError(f"{self.name} returned an output of shape {shape}; expected {want} dims")
+            size = (int(item.shape[-2]), int(item.shape[-1]))
+            if size != (params.height, params.width):
+                raise PipelineError(
+                    f"{self.name} made {size[1]}x{size[0]} outputs for a {params.width}x{params.height} request; "
+                    "the model rounds sizes it cannot make: ask for a size it supports"
+                )
+            if want == 4 and params.num_frames is not None and item.shape[0] != params.num_frames:
+                raise PipelineError(f"{self.name} made {item.shape[0]} frames for num_frames={params.num_frames}")
             result.append(item)
         return result
 

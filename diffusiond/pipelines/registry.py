@@ -37,10 +37,13 @@ KNOWN_OPTIONS = frozenset(
         "compute_ms",  # synthetic: device work per batch
         "task",  # synthetic: "image" or "video"
         "matrix",  # synthetic: side of the square matrices of the workload
+        "save",  # random:<preset>: "0" builds on the device and skips the save/load round trip
     }
 )
 ACCEPTED_FORMS = (
-    "'tiny' (embedded random-weight model, no download), "
+    "'tiny' or 'tiny-video' (embedded random-weight models, no download), "
+    "'random:<preset>' (a real architecture at full size with random weights, for benchmarks: "
+    "random:sd15, random:sdxl, random:flux-dev, random:wan-1.3b), "
     "'synthetic' or 'synthetic:compute_ms=40,task=video' (no diffusers, for benchmarks), "
     "a local folder with a diffusers model_index.json, "
     "a path to a single-file '.safetensors' checkpoint, "
@@ -111,6 +114,16 @@ def load_pipeline(
         pipe = load_folder(ensure_tiny(), name=name or "tiny", device=dev, dtype=torch_dtype, options=opts)
         pipe.defaults = {"width": 128, "height": 128, "steps": 4, "guidance": 5.0}  # quick on a CPU
         return pipe
+    if spec == "tiny-video":
+        from diffusiond.pipelines.tiny_video import DEFAULTS, ensure_tiny_video
+
+        pipe = load_folder(ensure_tiny_video(), name=name or "tiny-video", device=dev, dtype=torch_dtype, options=opts)
+        pipe.defaults = {**pipe.defaults, **DEFAULTS}  # keeps the adapter's num_frames_step
+        return pipe
+    if spec.startswith("random:"):
+        from diffusiond.pipelines.presets import load_preset
+
+        return load_preset(spec.removeprefix("random:"), name=name, device=dev, dtype=torch_dtype, options=opts)
     if not spec:
         raise PipelineError(f"empty model spec; accepted: {ACCEPTED_FORMS}")
     path = Path(spec).expanduser()

@@ -33,6 +33,7 @@ from diffusiond.ipc.messages import (
     Hello,
     Init,
     Kind,
+    Ping,
     Ready,
     Release,
     Shutdown,
@@ -99,6 +100,8 @@ class Worker:
             self._enqueue(Control("shutdown"))
         elif isinstance(msg, Trace):
             self.channel.post(self._trace_ack())
+        elif isinstance(msg, Ping):
+            self.channel.post(Ack(command=Kind.PING, ok=True))
         else:
             log.error("unexpected %s frame from the engine", frame.kind.name)
 
