@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -146,7 +147,15 @@ class Engine:
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
         )
         return WorkerHandle(wc, on_frame=self._on_frame, on_lost=self._on_lost,
-                            log_level=self.config.log_level.upper())
+                            log_level=self.config.log_level.upper(), env=self._thread_env(device))
+
+    def _thread_env(self, device: str) -> dict[str, str]:
+        """CPU workers share the cores: each gets its share of math threads, so N workers do
+        not run N x cores threads (oversubscribed BLAS can be ten times slower, not N times)."""
+        if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        cpu_workers = sum(m.config.devices.count("cpu") for m in self.models.values())
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, cpu_workers)))}
 
     async def _start_worker(self, model: Model, device: str, replacing: WorkerHandle | None = None) -> None:
         handle = self._new_handle(model, device, replacement=replacing is not None)

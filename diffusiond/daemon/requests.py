@@ -116,8 +116,9 @@ def check(
     guidance = float(d["guidance"]) if guidance is None else guidance
     _range("guidance_scale", guidance, 0, 100)
     seed = req.get("seed")
-    if seed is not None and not 0 <= seed < 2**63:
-        raise bad_request(f"seed must be between 0 and 2**63-1, got {seed}", field="seed")
+    top = 2**63 - req["n"]  # output k gets seed + k, and each must fit a torch.Generator seed
+    if seed is not None and not 0 <= seed <= top:
+        raise bad_request(f"seed must be between 0 and {top} (2**63 - n), got {seed}", field="seed")
     video = model.task == "text-to-video"
     frames = req.get("num_frames")
     if frames is not None and not video:

@@ -79,8 +79,10 @@ class WorkerHandle:
         on_frame: FrameCallback,
         on_lost: LostCallback,
         log_level: str = "INFO",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.config = config
+        self.env = env or {}
         self.id = config.worker_id
         self.on_frame = on_frame
         self.on_lost = on_lost
@@ -115,7 +117,7 @@ class WorkerHandle:
         self._ready_fut = loop.create_future()
         self._exited = loop.create_future()
         mine, theirs = socketpair()
-        env = dict(os.environ, DIFFUSIOND_LOG_LEVEL=self.log_level)
+        env = {**os.environ, "DIFFUSIOND_LOG_LEVEL": self.log_level, **self.env}
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "diffusiond.daemon.worker", "--fd", str(theirs.fileno()),

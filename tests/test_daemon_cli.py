@@ -1,0 +1,398 @@
+"""The ``diffusiond`` command line against a real daemon, run as a user runs it: a subprocess
+(``python -m diffusiond ...``), judged by its exit code (API.md: 0 success, 1 failed or rejected,
+2 usage, 3 no daemon), what it prints and the files it writes.
+
+One daemon serves the module (``tiny``, and ``hold``, a synthetic model whose batches never finish
+within a test, for a job that must be running when the CLI cancels it); the demo flow starts its
+own, the way a person would, through ``diffusiond serve`` and ``$DIFFUSIOND_SOCKET``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from daemonkit import Daemon, http, wait_job
+from PIL import Image
+
+from conftest import ROOT
+from diffusiond.cli import main
+
+HOLD_MODEL = "hold=synthetic:compute_ms=300000"
+ENV = {"OMP_NUM_THREADS": "1"}  # see test_daemon_lifecycle.py
+FAST = ["--size", "64x64", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def cli_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("cli")
+    d = Daemon(
+        tmp / "d.sock",
+        ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120"],
+        tmp / "d.log",
+        env={"DIFFUSIOND_CACHE": str(model_cache), **ENV},
+    )
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def sock(cli_daemon: Daemon) -> str:
+    assert cli_daemon.proc is not None and cli_daemon.proc.poll() is None, cli_daemon.log()
+    return str(cli_daemon.socket)
+
+
+def cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``diffusiond ARGS`` in a fresh interpreter, with the socket variables of this machine unset."""
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("DIFFUSIOND_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "diffusiond", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env={**base, **(env or {})},
+        timeout=timeout,
+        check=False,
+    )
+
+
+def seeds(stdout: str) -> dict[str, int]:
+    """``PATH  seed=S`` lines -> {PATH: S}."""
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)  seed=(\d+)$", stdout, re.M)}
+
+
+def image(path: Path) -> Image.Image:
+    img = Image.open(path)
+    img.load()
+    return img
+
+
+# generate -------------------------------------------------------------------------------------
+def test_generate_writes_a_png_and_prints_path_and_seed(sock: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.png"
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    img = image(out)
+    assert img.format == "PNG" and img.size == (64, 64)
+    printed = seeds(r.stdout)
+    assert list(printed) == [str(out)]
+    assert not list(tmp_path.glob(".*.part"))  # no half-written leftovers
+    # the printed seed reproduces the image
+    again = tmp_path / "again.png"
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "--seed", str(printed[str(out)]), "-o", str(again))
+    assert r.returncode == 0, r.stderr
+    assert seeds(r.stdout) == {str(again): printed[str(out)]}
+    assert again.read_bytes() == out.read_bytes()
+
+
+def test_generate_n2_writes_indexed_files(sock: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.png"
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "-n", "2", "--seed", "40", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert not out.exists()
+    first, second = tmp_path / "out-0.png", tmp_path / "out-1.png"
+    assert seeds(r.stdout) == {str(first): 40, str(second): 41}
+    assert image(first).size == image(second).size == (64, 64)
+    assert first.read_bytes() != second.read_bytes()
+
+
+def test_generate_json(sock: str, tmp_path: Path) -> None:
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "--seed", "5", "--json", "-o", str(tmp_path / "j.png"))
+    assert r.returncode == 0, r.stderr
+    answer = json.loads(r.stdout)
+    assert answer["job"]["status"] == "succeeded" and answer["job"]["id"].startswith("j_")
+    (f,) = answer["files"]
+    assert f["path"] == str(tmp_path / "j.png") and f["seed"] == 5
+    assert f["bytes"] == (tmp_path / "j.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "name", "check"),
+    [
+        (["-o", "x.jpg"], "x.jpg", "JPEG"),
+        (["--format", "webp", "-o", "x.webp"], "x.webp", "WEBP"),
+        (["-o", "x.npy"], "x.npy", "npy"),
+    ],
+)
+def test_generate_format_from_flag_or_extension(
+    sock: str, tmp_path: Path, args: list[str], name: str, check: str
+) -> None:
+    r = cli("generate", "a fox", "--socket", sock, *FAST, *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    if check == "npy":
+        a = np.load(tmp_path / name, allow_pickle=False)
+        assert a.shape == (64, 64, 3) and a.dtype == np.uint8
+    else:
+        assert image(tmp_path / name).format == check
+
+
+def test_generate_without_o_names_the_file_after_the_job(sock: str, tmp_path: Path) -> None:
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    answer = json.loads(r.stdout)
+    assert answer["files"][0]["path"] == f"{answer['job']['id']}.png"
+    assert image(tmp_path / f"{answer['job']['id']}.png").size == (64, 64)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--size", "63x64"], "width must be a multiple of 8 between 64 and 4096, got 63"),
+        (["--steps", "501"], "steps must be between 1 and 500, got 501"),
+        (["--model", "nope"], "model 'nope' is not served here"),
+        (["--frames", "4"], "num_frames is only for text-to-video models"),
+    ],
+)
+def test_rejected_request_exits_1_with_the_daemons_message(
+    sock: str, tmp_path: Path, args: list[str], message: str
+) -> None:
+    r = cli("generate", "a fox", "--socket", sock, "-o", str(tmp_path / "x.png"), *args)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_failed_job_exits_1_with_the_reason_and_stage(sock: str, tmp_path: Path) -> None:
+    r = cli(
+        "generate",
+        "x",
+        "--socket",
+        sock,
+        "--model",
+        "hold",
+        "--size",
+        "64x64",
+        "--steps",
+        "500",
+        "--timeout",
+        "1",
+        "-o",
+        str(tmp_path / "x.png"),
+    )
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "passed its deadline of 1s while computing" in r.stderr and "stage: computing" in r.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_interrupt_cancels_the_job(sock: str, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diffusiond",
+            "generate",
+            "interrupt me",
+            "--socket",
+            sock,
+            "--model",
+            "hold",
+            "--size",
+            "64x64",
+            "--steps",
+            "500",
+            "-o",
+            str(tmp_path / "x.png"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        job = asyncio.run(_running_job(sock, "interrupt me"))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert f"cancelled job {job['id']}" in err
+    assert asyncio.run(_job(sock, job["id"]))["status"] == "cancelled"
+
+
+async def _running_job(sock: str, prompt: str, timeout: float = 60) -> dict[str, Any]:
+    async with http(Path(sock)) as s:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            async with s.get("/v1/jobs") as r:
+                jobs = [j for j in (await r.json())["data"] if j["request"]["prompt"] == prompt]
+            if jobs and jobs[0]["status"] == "running" and jobs[0]["progress"]["step"] >= 1:
+                return jobs[0]
+            await asyncio.sleep(0.05)
+    pytest.fail(f"no running job with prompt {prompt!r} after {timeout}s")
+
+
+async def _job(sock: str, job_id: str) -> dict[str, Any]:
+    async with http(Path(sock)) as s:
+        return await wait_job(s, job_id, timeout=30)
+
+
+# no daemon ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "a fox"], ["status"], ["models"], ["cancel", "j_1"], ["sleep"], ["wake"]],
+    ids=lambda c: c[0],
+)
+def test_no_daemon_exits_3_and_says_how_to_start_one(tmp_path: Path, command: list[str]) -> None:
+    path = str(tmp_path / "none.sock")
+    r = cli(*command, "--socket", path)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert path in r.stderr and f"diffusiond serve --socket {path}" in r.stderr
+    assert r.stdout == ""
+
+
+# status, models, cancel, sleep, wake ----------------------------------------------------------
+def test_status_and_models(sock: str, cli_daemon: Daemon) -> None:
+    r = cli("status", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert f"at {sock}: ok, ready" in r.stdout
+    assert re.search(r"^id\s+model\s+device\s+state\s+pid\s+restarts$", r.stdout, re.M)
+    for pid in cli_daemon.worker_pids():
+        assert re.search(rf"\bready\s+{pid}\s+0$", r.stdout, re.M), r.stdout
+    r = cli("status", "--socket", sock, "--json")
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    assert status["ready"] is True and sorted(w["model"] for w in status["workers"]) == ["hold", "tiny"]
+
+    r = cli("models", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^tiny\s+text-to-image\s+cpu\s+ready$", r.stdout, re.M), r.stdout
+    assert re.search(r"^hold\s+text-to-image\s+cpu\s+ready$", r.stdout, re.M), r.stdout
+    r = cli("models", "--socket", sock, "--json")
+    assert r.returncode == 0, r.stderr
+    assert [m["id"] for m in json.loads(r.stdout)["data"]] == ["tiny", "hold"]
+
+
+def test_cancel(sock: str) -> None:
+    r = cli("cancel", "j_0000000000000000", "--socket", sock)
+    assert r.returncode == 1
+    assert "no job 'j_0000000000000000'" in r.stderr
+
+    async def submit() -> str:
+        async with (
+            http(Path(sock)) as s,
+            s.post(
+                "/v1/jobs", json={"model": "hold", "prompt": "cancel me", "width": 64, "height": 64, "steps": 500}
+            ) as r,
+        ):
+            assert r.status == 202
+            return str((await r.json())["id"])
+
+    job_id = asyncio.run(submit())
+    r = cli("cancel", job_id, "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"job {job_id} cancelled"
+    assert asyncio.run(_job(sock, job_id))["status"] == "cancelled"
+    r = cli("cancel", job_id, "--socket", sock)
+    assert r.returncode == 1
+    assert f"job {job_id} already finished (cancelled)" in r.stderr
+
+
+def test_sleep_and_wake(sock: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        r = cli("sleep", "--socket", sock)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("daemon asleep")
+        r = cli("status", "--socket", sock, "--json")
+        assert json.loads(r.stdout)["sleeping"] is True
+        assert "sleeping" in cli("status", "--socket", sock).stdout
+    finally:
+        r = cli("wake", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("daemon awake")
+    assert json.loads(cli("status", "--socket", sock, "--json").stdout)["sleeping"] is False
+    # the same commands in-process return the documented exit code, not just a falsy value
+    assert main(["sleep", "--socket", sock]) == 0
+    assert main(["wake", "--socket", sock]) == 0
+    assert "daemon awake" in capsys.readouterr().out
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "-o", str(tmp_path / "awake.png"))
+    assert r.returncode == 0, r.stderr
+
+
+# the demo -------------------------------------------------------------------------------------
+def test_make_demo_script(tmp_path: Path, model_cache: Path) -> None:
+    """``make demo`` runs scripts/demo.sh: serve, wait for ready, status, generate, stop."""
+    out = tmp_path / "demo.png"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {
+        **os.environ,
+        **ENV,
+        "PY": sys.executable,
+        "DEMO_OUT": str(out),
+        "TMPDIR": str(scratch),
+        "DIFFUSIOND_CACHE": str(model_cache),
+    }
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert ": ok, ready" in r.stdout and f"wrote {out}" in r.stdout
+    assert seeds(r.stdout) == {str(out): 42}
+    img = image(out)
+    assert img.format == "PNG" and img.size == (256, 256)
+    # the script's own folder (mktemp -d: socket, cache) is gone, so its daemon stopped
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("tmp.")] == []
+
+
+def test_serve_and_clients_find_each_other_through_DIFFUSIOND_SOCKET(tmp_path: Path, model_cache: Path) -> None:
+    """The same flow by hand with no --socket anywhere: ``serve`` in the background, ``status``
+    until ready, ``generate`` with the model's defaults, ``models``, SIGTERM."""
+    env = {"DIFFUSIOND_SOCKET": str(tmp_path / "demo.sock"), "DIFFUSIOND_CACHE": str(model_cache), **ENV}
+    log = (tmp_path / "serve.log").open("wb")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "diffusiond", "serve", "--model", "tiny"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            r = cli("status", env=env)
+            if r.returncode == 0 and ", ready" in r.stdout:
+                break
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the daemon never became ready"
+            assert r.returncode in (0, 3), r.stderr
+            time.sleep(0.2)
+        r = cli("generate", "a lighthouse at dusk", "-o", "lighthouse.png", cwd=tmp_path, env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("lighthouse.png  seed=")
+        assert image(tmp_path / "lighthouse.png").format == "PNG"
+        r = cli("models", env=env)
+        assert r.returncode == 0 and r.stdout.splitlines()[1].startswith("tiny"), r.stdout
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        log.close()
+    assert not (tmp_path / "demo.sock").exists()
+    r = cli("status", env=env)
+    assert r.returncode == 3 and "diffusiond serve" in r.stderr
