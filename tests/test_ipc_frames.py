@@ -23,6 +23,7 @@ SAMPLES: list[msgspec.Struct] = [
     m.Wake(),
     m.Shutdown(),
     m.Trace(),
+    m.Ping(),
     m.Hello(worker_id=1, pid=123, arena_bytes=1 << 20),
     m.Ready(model_name="tiny", task="text-to-image", device="cpu", load_ms=12.5),
     m.ComputeDone(batch_id=3, compute_ms=10.0, steps_run=2),
