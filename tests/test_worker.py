@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from workerkit import Driver, config, events
 
 from conftest import memfd_maps, shm_entries
 from diffusiond.ipc import messages as m
-from workerkit import Driver, config, events
 
 TINY = m.BatchParams(width=64, height=64, steps=2, guidance=5.0)
 
@@ -176,7 +176,7 @@ async def test_worker_drain_before_sleep_and_shutdown_waits_for_in_flight_copy()
         sleep_ack = await d.handle.command(m.Sleep(), timeout=30)
         assert sleep_ack.ok and d.done(r0[0])
         await d.handle.command(m.Wake(), timeout=30)
-        b1, r1 = d.submit(params, [2])
+        _, r1 = d.submit(params, [2])
         order = events(await d.handle.command(m.Trace(), timeout=30))
         await d.handle.stop(timeout=30)
         assert d.handle.proc is not None and d.handle.proc.returncode == 0
