@@ -128,6 +128,13 @@ def check(
     if video:
         frames = int(d.get("num_frames", 9)) if frames is None else frames
         _range("num_frames", frames, 1, limits.max_frames)
+        step = int(d.get("num_frames_step", 1))  # e.g. LTX makes 8k+1 frames, Wan 4k+1
+        if step > 1 and (frames - 1) % step:
+            lower = (frames - 1) // step * step + 1
+            raise bad_request(
+                f"num_frames must be {step}k+1 for {model.name!r}; use {lower} or {lower + step}, got {frames}",
+                field="num_frames",
+            )
     fps = req.get("fps")
     if fps is not None and not video:
         raise bad_request(f"fps is only for text-to-video models; {model.name!r} is {model.task}", field="fps")

@@ -139,6 +139,15 @@ WAN_VAE = {
     "temperal_downsample": [False, True, True], "dropout": 0.0,
 }  # fmt: skip
 SD_BETAS = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+FLUX_SCHEDULER = {
+    "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}  # fmt: skip
+# Wan 2.1 480p: UniPC on flow sigmas with shift 3.
+WAN_SCHEDULER = {
+    "prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0, "num_train_timesteps": 1000,
+    "solver_order": 2, "beta_schedule": "linear",
+}  # fmt: skip
 
 CLIP_TOKENIZER = Tok("clip", 49408, 77)
 
@@ -197,11 +206,7 @@ PRESETS: dict[str, Preset] = {
                 "text_encoder_2": Net("T5EncoderModel", T5_XXL),
                 "tokenizer": CLIP_TOKENIZER,
                 "tokenizer_2": Tok("t5", 32100, 512, extra_ids=100),
-                "scheduler": Sched(
-                    "FlowMatchEulerDiscreteScheduler",
-                    {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
-                     "base_image_seq_len": 256, "max_image_seq_len": 4096},
-                ),  # fmt: skip
+                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER),
                 "image_encoder": None,
                 "feature_extractor": None,
             },
@@ -216,11 +221,7 @@ PRESETS: dict[str, Preset] = {
                 "vae": Net("AutoencoderKLWan", WAN_VAE),
                 "text_encoder": Net("UMT5EncoderModel", UMT5_XXL),
                 "tokenizer": Tok("t5", 256300, 512, extra_ids=300),
-                "scheduler": Sched(
-                    "UniPCMultistepScheduler",
-                    {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0,
-                     "num_train_timesteps": 1000, "solver_order": 2, "beta_schedule": "linear"},
-                ),  # fmt: skip
+                "scheduler": Sched("UniPCMultistepScheduler", WAN_SCHEDULER),
                 "transformer_2": None,
             },
             defaults={"width": 832, "height": 480, "steps": 50, "guidance": 5.0, "num_frames": 81, "fps": 16},
@@ -276,7 +277,8 @@ def build_part(part: Part, device: torch.device | str = "meta", dtype: torch.dty
         from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, t5_tokenizer
 
         if part.kind == "clip":
-            return clip_tokenizer(part.size, max_length=part.max_length, **({"pad_token": part.pad} if part.pad else {}))
+            pad = {"pad_token": part.pad} if part.pad else {}
+            return clip_tokenizer(part.size, max_length=part.max_length, **pad)
         return t5_tokenizer(part.size - part.extra_ids, extra_ids=part.extra_ids, max_length=part.max_length)
     cls = _class(part.cls)
     if isinstance(part, Sched):

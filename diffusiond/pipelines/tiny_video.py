@@ -3,7 +3,7 @@
 What ``tiny`` is for images, this is for video: the daemon's video path (frames through the
 worker, the arena, the MP4/GIF/WebP encoders) runs the real diffusers code (T5 tokenizer and
 encoder, ``LTXPipeline``, the LTX video transformer, its causal video VAE, a flow-matching
-scheduler, ``from_pretrained``) on a CPU with no network. It is under 1 MB, saved once as
+scheduler, ``from_pretrained``) on a CPU with no network. It is about 2 MB, saved once as
 safetensors into ``<cache>/models/tiny-video-v1`` and loaded back through the folder loader.
 
 Why LTX: of the diffusers text-to-video pipelines it is the one whose models load without the
@@ -40,7 +40,8 @@ def ensure_tiny_video(cache_dir: Path | None = None) -> Path:
 
 def _build(out: Path) -> None:
     """Build the pipeline with fixed seeds and save it (safetensors only) into ``out``."""
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
+    from diffusers import LTXVideoTransformer3DModel as Transformer
     from transformers import T5Config, T5EncoderModel
 
     from diffusiond.pipelines.gen_tokenizers import t5_tokenizer
@@ -64,7 +65,7 @@ def _build(out: Path) -> None:
             )
         )
         torch.manual_seed(0)
-        transformer = LTXVideoTransformer3DModel(
+        transformer = Transformer(
             in_channels=8,
             out_channels=8,
             patch_size=1,

@@ -1,0 +1,213 @@
+"""``random:<preset>``: real architectures at their published sizes, with random weights.
+
+Full-size presets are never built here (gigabytes, minutes on 2 cores): their architectures are
+instantiated on the ``meta`` device, which allocates nothing, and each component's parameter count
+is compared with the published figure. The build/save/load machinery runs on scaled-down copies
+of the tables. The generated tokenizers are built at their real vocabulary sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.pipelines import PipelineError, Task, load_pipeline
+from diffusiond.pipelines import presets as presets_module
+from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
+from diffusiond.pipelines.presets import CLIP_L, NOTICE, PRESETS, Net, Preset, Tok, build_part, parameter_counts
+from diffusiond.pipelines.registry import ACCEPTED_FORMS
+
+# Published parameter counts, per component. Sources: the model cards and papers (SD 1.5 UNet
+# 859.52M, SDXL UNet 2.567B, OpenCLIP bigG text tower 694.7M, CLIP ViT-L/14 text tower 123.06M,
+# SD VAE 83.65M, FLUX.1-dev transformer "12B" = 11.90B, T5-XXL encoder 4.762B) and, for Wan 2.1,
+# the released files' sizes (transformer 2.84 GB in bf16 = 1.42B, umT5-XXL encoder 11.36 GB in
+# bf16 = 5.68B, VAE 508 MB in fp32 = 127M).
+PUBLISHED: dict[str, dict[str, float]] = {
+    "sd15": {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6},
+    "sdxl": {"unet": 2.567e9, "text_encoder": 123.06e6, "text_encoder_2": 694.7e6, "vae": 83.65e6},
+    "flux-dev": {"transformer": 11.90e9, "text_encoder": 123.06e6, "text_encoder_2": 4.762e9, "vae": 83.82e6},
+    "wan-1.3b": {"transformer": 1.42e9, "text_encoder": 5.68e9, "vae": 127e6},
+}
+PROMPTS = ["a photo of an astronaut riding a horse", "", "ünïcödé 日本語 🐱 <|endoftext|> </s> \t\n", "x" * 2000]
+
+
+def req(seed: int, prompt: str = "a red fox") -> RequestSpec:
+    return RequestSpec(request_id=f"p{seed}", prompt=prompt, seed=seed)
+
+
+def always(_step: int, _total: int) -> bool:
+    return True
+
+
+@functools.cache
+def tokenizer(part: Tok) -> Any:
+    return build_part(part)
+
+
+def test_every_preset_is_checked_here_and_listed_in_the_accepted_forms() -> None:
+    assert set(PUBLISHED) == set(PRESETS)
+    for key in PRESETS:
+        assert f"random:{key}" in ACCEPTED_FORMS
+
+
+@pytest.mark.parametrize("key", list(PRESETS))
+def test_architecture_matches_the_published_size(key: str) -> None:
+    counts = parameter_counts(PRESETS[key])
+    assert set(counts) == set(PUBLISHED[key]), "every model component has a published figure"
+    for component, published in PUBLISHED[key].items():
+        assert counts[component] == pytest.approx(published, rel=0.01), (key, component, counts[component])
+
+
+@pytest.mark.parametrize("key", list(PRESETS))
+def test_generated_tokenizers_have_the_real_vocab_and_take_any_prompt(key: str) -> None:
+    preset = PRESETS[key]
+    toks = {k: p for k, p in preset.parts.items() if isinstance(p, Tok)}
+    assert toks
+    for name, part in toks.items():
+        tok = tokenizer(part)
+        assert len(tok) == part.size
+        # The matching text encoder's embedding table covers every id the tokenizer can produce.
+        encoder = preset.parts[name.replace("tokenizer", "text_encoder")]
+        assert isinstance(encoder, Net)
+        rows = encoder.config["vocab_size"]
+        assert rows >= part.size
+        for prompt in PROMPTS:
+            ids = tok(prompt, padding="max_length", max_length=part.max_length, truncation=True).input_ids
+            assert len(ids) == part.max_length
+            assert all(0 <= i < part.size for i in ids)
+        if part.kind == "clip":
+            # CLIP pools at the highest id, which must be the end token: real layout, real ids.
+            assert (tok.bos_token_id, tok.eos_token_id) == (49406, 49407)
+        else:
+            assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+            assert tok.convert_tokens_to_ids("<extra_id_0>") == part.size - 1
+
+
+def test_unknown_preset_is_an_error_listing_the_presets() -> None:
+    with pytest.raises(PipelineError) as err:
+        load_pipeline("random:xyz")
+    for key in PRESETS:
+        assert f"random:{key}" in str(err.value)
+
+
+def test_save_option_must_be_0_or_1() -> None:
+    with pytest.raises(PipelineError, match="save must be 0 or 1"):
+        load_pipeline("random:sd15", options={"save": "no"})
+
+
+def test_synthetic_names_always_say_random() -> None:
+    preset = PRESETS["sd15"]
+    assert presets_module.synthetic_name(None, preset) == "random:sd15"
+    assert presets_module.synthetic_name("random:sd15", preset) == "random:sd15"
+    assert presets_module.synthetic_name("sd15", preset) == "sd15 (random weights)"
+
+
+# --- the machinery, on scaled-down tables ------------------------------------------------------
+
+SMALL_CLIP = {**CLIP_L, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "projection_dim": 32}  # fmt: skip
+SMALL_SD = dataclasses.replace(
+    PRESETS["sd15"],
+    name="test-sd15",
+    parts={
+        **PRESETS["sd15"].parts,
+        "unet": Net("UNet2DConditionModel", {
+            "sample_size": 32, "block_out_channels": (32, 64), "layers_per_block": 1, "cross_attention_dim": 32,
+            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"), "attention_head_dim": 8,
+            "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"), "norm_num_groups": 32}),
+        "vae": Net("AutoencoderKL", {
+            "block_out_channels": (32, 64), "down_block_types": ("DownEncoderBlock2D",) * 2,
+            "up_block_types": ("UpDecoderBlock2D",) * 2, "layers_per_block": 1, "norm_num_groups": 32}),
+        "text_encoder": Net("CLIPTextModel", SMALL_CLIP),
+    },
+    defaults={"width": 64, "height": 64, "steps": 2, "guidance": 7.5},
+)  # fmt: skip
+SMALL_WAN = dataclasses.replace(
+    PRESETS["wan-1.3b"],
+    name="test-wan",
+    parts={
+        **PRESETS["wan-1.3b"].parts,
+        "transformer": Net("WanTransformer3DModel", {
+            "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 16,
+            "out_channels": 16, "text_dim": 32, "freq_dim": 256, "ffn_dim": 32, "num_layers": 2,
+            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32}),
+        "vae": Net("AutoencoderKLWan", {
+            "base_dim": 3, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
+            "temperal_downsample": [False, True, True]}),
+        "text_encoder": Net("UMT5EncoderModel", {
+            **presets_module.UMT5_XXL, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 2,
+            "relative_attention_num_buckets": 8}),
+    },
+    defaults={"width": 32, "height": 32, "steps": 2, "guidance": 5.0, "num_frames": 5, "fps": 16},
+)  # fmt: skip
+
+
+@pytest.fixture
+def small_presets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The scaled-down presets, registered by name, building into a cache of their own."""
+    for preset in (SMALL_SD, SMALL_WAN):
+        monkeypatch.setitem(PRESETS, preset.name, preset)
+    monkeypatch.setenv("DIFFUSIOND_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_preset_builds_saves_and_loads_back_labelled_synthetic(
+    small_presets: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=presets_module.__name__):
+        pipe = load_pipeline("random:test-sd15")
+    assert isinstance(pipe, DiffusersPipeline)
+    assert NOTICE in caplog.text and NOTICE == "random weights: outputs are noise; for benchmarks only"
+    assert (pipe.name, pipe.synthetic_weights, pipe.task) == ("random:test-sd15", True, Task.TEXT_TO_IMAGE)
+    assert pipe.defaults == SMALL_SD.defaults
+    folder = small_presets / "models" / "random-test-sd15-v1"
+    assert (folder / "model_index.json").is_file()
+    assert sorted(p.name for p in (folder / "unet").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert [p.name for p in (small_presets / "models").iterdir()] == [folder.name], "no build leftovers"
+    assert len(pipe.pipe.tokenizer) == 49408
+    (image,) = pipe.run(BatchParams(width=64, height=64, steps=2, guidance=7.5), [req(1)], always)
+    assert image.shape == (3, 64, 64) and 0.0 <= image.min().item() <= image.max().item() <= 1.0
+    # A second load finds the cache: same weights, no rebuild.
+    again = load_pipeline("random:test-sd15", name="bench")
+    assert again.name == "bench (random weights)"
+    assert torch.equal(again.pipe.unet.conv_in.weight, pipe.pipe.unet.conv_in.weight)  # type: ignore[attr-defined]
+
+
+def test_preset_with_save_0_is_served_as_built(small_presets: Path) -> None:
+    pipe = load_pipeline("random:test-wan", options={"save": "0"})
+    assert isinstance(pipe, DiffusersPipeline)
+    assert (pipe.synthetic_weights, pipe.task) == (True, Task.TEXT_TO_VIDEO)
+    assert not (small_presets / "models").exists(), "save=0 writes nothing"
+    assert pipe.defaults["num_frames_step"] == 4
+    (video,) = pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=5), [req(2)], always)
+    assert video.shape == (5, 3, 32, 32)
+    with pytest.raises(PipelineError, match=r"4k\+1 frames .*use 5 or 9"):
+        pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=6), [req(2)], always)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is not None, reason="accelerate is installed")
+def test_wan_with_save_needs_accelerate_and_says_so(small_presets: Path) -> None:
+    with pytest.raises(PipelineError, match="accelerate"):
+        load_pipeline("random:test-wan")
+
+
+def test_building_leaves_the_callers_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    presets_module.build_pipeline(SMALL_SD, "cpu", torch.float32)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_preset_tables_are_frozen_data() -> None:
+    assert all(isinstance(p, Preset) for p in PRESETS.values())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["sd15"].name = "x"  # type: ignore[misc]
