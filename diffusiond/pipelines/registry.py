@@ -122,8 +122,12 @@ def load_pipeline(
         return pipe
     if spec.startswith("random:"):
         from diffusiond.pipelines.presets import load_preset
+        from diffusiond.pipelines.synthetic import parse_spec_options
 
-        return load_preset(spec.removeprefix("random:"), name=name, device=dev, dtype=torch_dtype, options=opts)
+        key, _, rest = spec.removeprefix("random:").partition(",")  # random:wan-1.3b,save=0
+        opts = {**parse_spec_options(":" + rest), **opts}
+        _check_options(opts)
+        return load_preset(key, name=name, device=dev, dtype=torch_dtype, options=opts)
     if not spec:
         raise PipelineError(f"empty model spec; accepted: {ACCEPTED_FORMS}")
     path = Path(spec).expanduser()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The issue-6 workloads on a GPU machine, one `diffusiond bench` run each; tables and JSON go to
+# ${OUT:-bench-out}. Usage: scripts/gpu_bench.sh WORKLOAD...   (see the case list below)
+set -uo pipefail
+out=${OUT:-bench-out}
+mkdir -p "$out"
+run() {
+  local name=$1; shift
+  echo "=== $name: diffusiond bench $*" | tee -a "$out/tables.md"
+  python3 -m diffusiond bench "$@" --json > "$out/$name.json" 2> "$out/$name.log"
+  local rc=$?
+  if [ $rc -ne 0 ]; then echo "FAILED ($rc)"; tail -20 "$out/$name.log"; return; fi
+  python3 - "$out/$name.json" <<'PY' | tee -a "$out/tables.md"
+import json, sys
+from diffusiond.bench.runner import table
+print(table(json.load(open(sys.argv[1]))))
+print()
+PY
+}
+for w in "$@"; do
+  case $w in
+    sd15-512) run sd15-512 --model random:sd15 --size 512x512 --steps 4 --format png --requests 48 ;;
+    sd15-1024) run sd15-1024 --model random:sd15 --size 1024x1024 --steps 20 --format png --requests 8 ;;
+    sd15-512-b8) run sd15-512-b8 --model random:sd15 --size 512x512 --steps 4 --batch 8 --format png --requests 64 ;;
+    synthetic-300mb) run synthetic-300mb --model synthetic:compute_ms=500,task=video --size 1024x1024 \
+        --frames 100 --steps 10 --format npy --requests 12 ;;
+    video-mp4) run video-mp4 --model random:wan-1.3b,save=0 --size 832x480 --frames 33 --steps 10 --format mp4 \
+        --requests 3 --concurrency 2 --modes limit,async,sync ;;
+    *) echo "unknown workload $w" ;;
+  esac
+done
