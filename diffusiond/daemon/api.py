@@ -153,8 +153,12 @@ async def job_output(request: web.Request) -> web.StreamResponse:
     if item.data is not None:
         return web.Response(body=item.data, content_type=item.content_type, headers=headers)
     if item.desc is None:
-        raise ApiError(410, "output_released", f"output {k} of job {job.id} was released")
+        raise ApiError(410, "output_released",
+                       f"output {k} of job {job.id} was already streamed: npy outputs are sent once, straight "
+                       "from shared memory, and then released; fetch it once, or ask for png/webp/mp4 to keep "
+                       "an encoded copy")
     engine.outputs.pin(item)
+    delivered = False
     try:
         header, payload = engine.outputs.npy_parts(item)
         resp = web.StreamResponse(headers={**headers, "Content-Type": item.content_type})
@@ -164,11 +168,14 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         for off in range(0, len(payload), STREAM_CHUNK):
             await resp.write(payload[off : off + STREAM_CHUNK])
         await resp.write_eof()
+        delivered = True
         return resp
     finally:
         with contextlib.suppress(NameError):
             del payload
         engine.outputs.unpin(item)
+        if delivered:
+            engine.outputs.streamed(item)
 
 
 # OpenAI-shaped --------------------------------------------------------------------------------

@@ -103,6 +103,9 @@ class Engine:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed = asyncio.Event()
+        # sleep and wake run one at a time, in the order they came: a wake that arrives while a sleep
+        # is still draining must not finish first and then be undone by that sleep's SLEEP commands
+        self._power = asyncio.Lock()
         self.metrics.bind(self.snapshot)
         for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
             self.metrics.worker_restarts.labels(name)
@@ -197,21 +200,23 @@ class Engine:
 
     async def sleep(self) -> None:
         """Drain the workers, then have each move its weights off the device."""
-        self.paused = True
-        await self._wait_idle(self.config.drain_grace_s)
-        acks = await asyncio.gather(
-            *(w.command(Sleep(), self.config.drain_grace_s) for m in self.models.values() for w in m.workers
-              if w.state == "ready"), return_exceptions=True)
+        async with self._power:
+            self.paused = True
+            await self._wait_idle(self.config.drain_grace_s)
+            acks = await asyncio.gather(
+                *(w.command(Sleep(), self.config.drain_grace_s) for m in self.models.values() for w in m.workers
+                  if w.state == "ready"), return_exceptions=True)
         bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
         if bad:
             raise ApiError(500, "sleep_failed", f"sleep failed on {len(bad)} worker(s): {bad[0]}")
 
     async def wake(self) -> None:
-        acks = await asyncio.gather(
-            *(w.command(Wake(), self.config.worker_start_timeout_s) for m in self.models.values()
-              for w in m.workers if w.state == "sleeping"), return_exceptions=True)
-        self.paused = False
-        self.dispatch()
+        async with self._power:
+            acks = await asyncio.gather(
+                *(w.command(Wake(), self.config.worker_start_timeout_s) for m in self.models.values()
+                  for w in m.workers if w.state == "sleeping"), return_exceptions=True)
+            self.paused = False
+            self.dispatch()
         bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
         if bad:
             raise ApiError(500, "wake_failed", f"wake failed on {len(bad)} worker(s): {bad[0]}")
@@ -284,13 +289,14 @@ class Engine:
                          and len(self.in_flight[w]) < MAX_BATCHES_PER_WORKER]
                 if not ready:
                     break
-                got = self.scheduler.next_batch(model.name, now)
+                worker = min(ready, key=lambda w: len(self.in_flight[w]))
+                # An idle worker takes whatever is there; a busy one only a full batch (see Scheduler).
+                got = self.scheduler.next_batch(model.name, now, partial_ok=not self.in_flight[worker])
                 if got is None:
                     break
                 if isinstance(got, Wait):
                     wake_at = got.until if wake_at is None else min(wake_at, got.until)
                     break
-                worker = min(ready, key=lambda w: len(self.in_flight[w]))
                 self._send(worker, got)
         if wake_at is not None:
             if self._timer is not None:

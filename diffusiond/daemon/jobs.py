@@ -97,6 +97,7 @@ class Item:
     done: bool = False  # output available to clients
     pins: int = 0  # readers of the slot right now (encoder, a streaming response)
     release_pending: bool = False  # released while pinned: give the slot back at the last unpin
+    spilling: bool = False  # being copied out of the arena into ``data`` (arena pressure)
     enqueued_at: float = field(default_factory=time.monotonic)
 
     @property

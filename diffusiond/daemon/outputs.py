@@ -7,6 +7,11 @@ slot's own bytes; such a slot is held until the job's retention ends or the job 
 
 A slot that something is still reading is "pinned"; a release while pinned is deferred to the
 last unpin, so a slot is never handed back while an encoder or a response reads it.
+
+An npy slot goes back to the worker as soon as the output has been streamed once. Outputs that
+nobody fetches would hold their slots until retention ends; when they take more than half of a
+worker's arena, the oldest are spilled (copied once into engine memory, off the loop) so the
+arena never fills for good and new outputs keep the zero-copy path.
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ class Outputs:
         fmt = item.job.request.output_format
         item.content_type = content_type(fmt)
         if fmt == "npy":
-            assert item.desc is not None
-            item.nbytes = npy_size(np.dtype(item.desc.dtype), item.desc.shape)
+            assert item.desc is not None and item.worker is not None
+            item.nbytes = npy_size(np.dtype(_np_dtype(item.desc.dtype)), item.desc.shape)
             self.engine.item_ready(item)
+            self._relieve(item.worker)
             return
         task = asyncio.ensure_future(self._encode(item, fmt))
         self._tasks.add(task)
@@ -108,11 +114,54 @@ class Outputs:
             self.release(item)
             item.data = None
 
+    def _relieve(self, worker: object) -> None:
+        """Spill the oldest unfetched npy outputs while they hold over half of the worker's arena."""
+        capacity = getattr(worker, "arena_capacity", 0)
+        if not capacity or getattr(worker, "held_bytes", 0) <= capacity // 2:
+            return
+        held = [i for i in self.engine.items.values()
+                if i.worker is worker and i.desc is not None and i.done and not i.pins and not i.spilling]
+        excess = worker.held_bytes - capacity // 2  # type: ignore[attr-defined]
+        for item in sorted(held, key=lambda i: i.enqueued_at):
+            if excess <= 0:
+                break
+            assert item.desc is not None
+            excess -= item.desc.nbytes
+            task = asyncio.ensure_future(self._spill(item))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _spill(self, item: Item) -> None:
+        item.spilling = True
+        self.pin(item)
+        try:
+            header, payload = self.npy_parts(item)
+            data = await asyncio.get_running_loop().run_in_executor(self.executor, _join, header, payload)
+            del payload
+            item.data = data
+        finally:
+            self.unpin(item)
+            item.spilling = False
+        self.release(item)
+        log.info("spilled output %s (%d bytes) out of the arena", item.request_id, len(data))
+
+    def streamed(self, item: Item) -> None:
+        """A client received the whole npy output: the slot's job is done."""
+        self.release(item)
+
     # reading --------------------------------------------------------------------------------
     def npy_parts(self, item: Item) -> tuple[bytes, memoryview]:
         """Header and a zero-copy view of the payload; pin the item while writing them out."""
         assert item.worker is not None and item.desc is not None
         desc = item.desc
-        header = npy_header(np.dtype(desc.dtype if desc.dtype != "bfloat16" else "uint16"), desc.shape)
+        header = npy_header(np.dtype(_np_dtype(desc.dtype)), desc.shape)
         buf = item.worker.buffer(desc)
         return header, buf[desc.offset : desc.offset + desc.nbytes]
+
+
+def _np_dtype(name: str) -> str:
+    return "uint16" if name == "bfloat16" else name  # numpy has no bfloat16: raw 16-bit words
+
+
+def _join(header: bytes, payload: memoryview) -> bytes:
+    return header + payload.tobytes()

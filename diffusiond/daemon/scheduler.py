@@ -7,7 +7,10 @@ Pure bookkeeping with no I/O, so its rules are easy to read and test:
   that share its batch key (size, steps, guidance, frames, scheduler, output dtype), up to
   ``max_batch``; so an item with another key waits for at most one batch;
 - with ``batch_wait`` > 0 a partial batch is held back until its oldest item has waited that
-  long, to give compatible requests a chance to join.
+  long, to give compatible requests a chance to join;
+- ``partial_ok=False`` asks for a full batch or nothing: the engine uses it for a worker that is
+  still busy, so a half-empty batch is not committed to it while the requests that would fill it
+  are still on their way (it would otherwise shrink every following batch).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class Scheduler:
             self._pending[item.job.request.model].appendleft(item)
             self._queued_jobs.setdefault(item.job.id, item.job)
 
-    def next_batch(self, model: str, now: float) -> list[Item] | Wait | None:
+    def next_batch(self, model: str, now: float, *, partial_ok: bool = True) -> list[Item] | Wait | None:
         q = self._pending[model]
         if not q:
             return None
@@ -83,6 +86,8 @@ class Scheduler:
                 break
             if item.job.request.batch_params() == key:
                 batch.append(item)
+        if len(batch) < self.max_batch and not partial_ok:
+            return None
         if len(batch) < self.max_batch and self.batch_wait_s > 0:
             until = head.enqueued_at + self.batch_wait_s
             if now < until:

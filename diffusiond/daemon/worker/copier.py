@@ -140,7 +140,7 @@ class Copier:
 
     def _copy(self, job: CopyJob, out: torch.Tensor) -> tuple[Any, int | None]:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with ctx:
+        with ctx, torch.inference_mode():
             host = to_output_layout(out, job.params.output_dtype)
             nbytes = nbytes_of(host)
             try:

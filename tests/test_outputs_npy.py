@@ -1,0 +1,63 @@
+"""npy outputs: streamed once straight from the arena, then the slot goes back; outputs nobody
+fetches are spilled out of the arena under pressure, so it never fills for good."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import numpy as np
+from daemonkit import http, wait_job
+
+BIG = {"prompt": "p", "width": 512, "height": 512, "steps": 1, "output_format": "npy", "output_dtype": "float32"}
+ONE_OUTPUT = 512 * 512 * 3 * 4  # 3 MiB
+
+
+async def _health(s: Any) -> dict[str, Any]:
+    async with s.get("/health") as r:
+        return await r.json()
+
+
+async def _submit(s: Any, seed: int) -> str:
+    async with s.post("/v1/jobs", json={**BIG, "seed": seed}) as r:
+        assert r.status == 202, await r.text()
+        return (await r.json())["id"]
+
+
+async def test_npy_output_is_streamed_once_then_released(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "64")
+    async with http(d.socket) as s:
+        job = await wait_job(s, await _submit(s, 1))
+        assert (await _health(s))["arena_bytes_in_use"] >= ONE_OUTPUT
+        async with s.get(job["outputs"][0]["url"]) as r:
+            arr = np.load(io.BytesIO(await r.read()))
+        assert arr.shape == (512, 512, 3) and arr.dtype == np.float32
+        assert (await _health(s))["arena_bytes_in_use"] == 0
+        async with s.get(job["outputs"][0]["url"]) as r:
+            assert r.status == 410 and "streamed" in (await r.json())["error"]["message"]
+
+
+async def test_unfetched_npy_outputs_are_spilled_so_the_arena_never_fills(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    # an 16 MiB arena holds five 3 MiB outputs; twelve are made and none fetched until the end
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "16", "--retention-s", "600")
+    async with http(d.socket) as s:
+        jobs = []
+        for seed in range(12):
+            jobs.append(await wait_job(s, await _submit(s, seed), timeout=60))
+        assert all(j["status"] == "succeeded" for j in jobs), [j["error"] for j in jobs]
+
+        async def settled() -> int:
+            while (used := (await _health(s))["arena_bytes_in_use"]) > 8 << 20:
+                await asyncio.sleep(0.05)
+            return used
+
+        assert await asyncio.wait_for(settled(), 30) <= 8 << 20  # at most half the arena stays held
+        first = None
+        for j in jobs:  # spilled or not, every output arrives intact
+            async with s.get(j["outputs"][0]["url"]) as r:
+                assert r.status == 200
+                arr = np.load(io.BytesIO(await r.read()))
+            assert arr.shape == (512, 512, 3)
+            first = arr if first is None else first
+        assert not np.array_equal(first, arr)
