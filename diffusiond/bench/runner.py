@@ -109,6 +109,15 @@ def run(args: argparse.Namespace) -> int:
             results.append(run_daemon(setup, mode))
         else:
             results.append(run_naive(setup))
+    if "limit" in modes and len(modes) > 1:
+        # Measured again at the end: host speed drifts on shared machines, and the ratio to the
+        # limit should not flatter the daemon because the first limit run was a slow one.
+        print("bench: running limit again ...", file=sys.stderr, flush=True)
+        again = run_limit(setup)
+        first = next(r for r in results if r.mode == "limit")
+        best = max(first, again, key=lambda r: r.throughput)
+        best.note += f"; best of two runs ({first.throughput:.2f} and {again.throughput:.2f} req/s)"
+        results[results.index(first)] = best
     report = {"setup": asdict(setup), "machine": machine(setup.device), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["diffusiond", *sys.argv[1:]]), "modes": [asdict(r) for r in results]}
     limit = next((r.throughput for r in results if r.mode == "limit"), None)
