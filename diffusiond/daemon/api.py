@@ -140,11 +140,12 @@ async def _sse(resp: web.StreamResponse, event: str, data: dict[str, Any]) -> No
 async def job_output(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     job = engine.get(request.match_info["job_id"])
-    try:
-        k = int(request.match_info["k"])
-        item = job.items[k]
-    except (ValueError, IndexError):
-        raise ApiError(404, "output_not_found", f"job {job.id} has outputs 0..{len(job.items) - 1}") from None
+    raw = request.match_info["k"]
+    # ASCII digits only: int() would also take "-1" (Python's last item), " 1", "1_0" and non-ASCII digits
+    k = int(raw) if raw.isascii() and raw.isdigit() else -1
+    if not 0 <= k < len(job.items):
+        raise ApiError(404, "output_not_found", f"job {job.id} has outputs 0..{len(job.items) - 1}")
+    item = job.items[k]
     if not item.done:
         raise ApiError(409, "output_not_ready", f"output {k} of job {job.id} is not ready (job {job.status.value})",
                        stage=job.stage.label)

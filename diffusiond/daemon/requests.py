@@ -19,6 +19,11 @@ from diffusiond.daemon.errors import ApiError, bad_request
 from diffusiond.daemon.jobs import JobRequest
 
 OUTPUT_DTYPES = ("uint8", "float16", "float32")
+# The scheduler short names the pipelines know (pipelines.diffusers_pipeline.SCHEDULERS, which a test
+# keeps equal; not imported, the engine never loads torch). Checked at admission, so a name that is
+# unknown, or that does not fit the model, is a 400 naming the field, not a job failing in the worker.
+SCHEDULER_NAMES = ("euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match")
+FLOW_SCHEDULER_NAMES = ("flow-match",)
 T = TypeVar("T")
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 _PATH = re.compile(r"`\$\.?([A-Za-z_][\w]*)")
@@ -155,6 +160,18 @@ def check(
     timeout = req.get("timeout_s")
     if timeout is not None:
         _range("timeout_s", timeout, 0.001, limits.max_timeout_s)
+    scheduler = req.get("scheduler")
+    if scheduler is not None:
+        if scheduler not in SCHEDULER_NAMES:
+            raise bad_request(f"scheduler {scheduler!r} is not one of {', '.join(SCHEDULER_NAMES)}", field="scheduler")
+        flow = d.get("flow_scheduler")  # sent by models that have schedulers; others ignore the field
+        if flow is not None and (scheduler in FLOW_SCHEDULER_NAMES) != bool(flow):
+            fits = [s for s in SCHEDULER_NAMES if (s in FLOW_SCHEDULER_NAMES) == bool(flow)]
+            raise bad_request(
+                f"scheduler {scheduler!r} does not fit {model.name!r} (a "
+                f"{'flow-matching' if flow else 'noise-prediction'} model); use one of {', '.join(fits)}",
+                field="scheduler",
+            )
     return JobRequest(
         model=model.name,
         prompt=prompt,
@@ -170,7 +187,7 @@ def check(
         fps=fps,
         timeout_s=timeout,
         output_dtype=dtype,
-        scheduler=req.get("scheduler"),
+        scheduler=scheduler,
     )
 
 

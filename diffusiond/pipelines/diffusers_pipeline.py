@@ -190,6 +190,11 @@ class DiffusersPipeline:
             pipe.to(self.device)
 
     @property
+    def flow_scheduler(self) -> bool:
+        """True for a flow-matching model (only flow schedulers fit), False for a noise-prediction one."""
+        return self._flow
+
+    @property
     def pipe(self) -> Any:
         """The wrapped diffusers pipeline (tests and diagnostics only)."""
         return self._pipe

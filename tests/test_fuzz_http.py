@@ -1,0 +1,418 @@
+"""Property-based fuzzing of the HTTP API against one real daemon (issue 7).
+
+Hypothesis generates JSON bodies that mix the real field names with values of every type (huge
+and negative numbers, NaN, unicode, null, nested lists and objects), undecodable garbage, random
+Content-Type values, and random methods and paths under ``/v1/``. Every answer must be a
+deliberate one: below 500 (a valid body may run, so 2xx is fine, and a synchronous request whose
+``timeout_s`` is tiny may end 504 with ``deadline_exceeded``), every error in the one JSON shape
+``{"error": {"code", "message"}}``, and an accepted job must be within the configured limits.
+After the fuzzing the daemon must be healthy, its log free of unhandled exceptions, and a normal
+job must succeed. Requests must not reach files: model names and job or output ids that look like
+paths are unknown names (404), never paths.
+
+The daemon runs with small limits (size 128, n 4, steps 8, frames 8) so that whatever valid body
+Hypothesis finds is cheap to run; accepted jobs are cancelled at once. The requests go through a
+bare ``http.client`` over the socket, which sends header values and paths as given.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import pytest
+from daemonkit import Daemon
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+CONFIG = """
+[[models]]
+name = "fz"
+spec = "synthetic:compute_ms=50"
+
+[[models]]
+name = "fv"
+spec = "synthetic:task=video,compute_ms=50"
+
+[[models]]
+name = "tiny"
+spec = "tiny"
+
+[limits]
+max_size = 128
+max_n = 4
+max_steps = 8
+max_frames = 8
+"""
+LIMITS = {"max_size": 128, "max_n": 4, "max_steps": 8, "max_frames": 8}
+MODELS = ("fz", "fv", "tiny")
+# 150 examples per test in the suite; FUZZ_EXAMPLES=5000 for a longer hunt
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+TIMEOUT_S = 30.0  # a valid body's job at these limits takes well under a second
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("diffusiond", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.unix_path)
+        self.sock = sock
+
+
+def call(sock: Path, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = UnixHTTPConnection(str(sock), TIMEOUT_S)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def call_json(sock: Path, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    status, _, raw = call(sock, method, path, data, {"Content-Type": "application/json"})
+    return status, json.loads(raw)
+
+
+def check_answer(method: str, path: str, status: int, headers: dict[str, str], data: bytes,
+                 sent: Any = None) -> Any:
+    """The properties every answer must have; returns the parsed body (None if not JSON)."""
+    where = f"{method} {path!r} {sent!r} -> {status} {data[:300]!r}"
+    body: Any = None
+    if method != "HEAD" and headers.get("content-type", "").startswith("application/json"):
+        body = json.loads(data)
+    if status >= 400 and method != "HEAD":
+        assert headers.get("content-type", "").startswith("application/json"), where
+        assert isinstance(body, dict) and set(body) == {"error"}, where
+        err = body["error"]
+        assert isinstance(err, dict) and isinstance(err.get("code"), str) and err["code"], where
+        assert isinstance(err.get("message"), str) and err["message"], where
+    if status == 504:  # a valid synchronous request with a deadline shorter than its job
+        assert path == "/v1/images/generations" and body["error"]["code"] == "deadline_exceeded", where
+    else:
+        assert status < 500, where
+        assert 200 <= status < 300 or status in (400, 404, 405, 409, 413, 429), where
+    return body
+
+
+@pytest.fixture(scope="module")
+def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    (tmp / "diffusiond.toml").write_text(CONFIG)
+    d = Daemon(tmp / "d.sock", ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30",
+                                "--job-timeout", "60", "--max-batch", "4"],
+               tmp / "d.log", env={"DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def sock(fuzz_daemon: Daemon) -> Path:
+    return fuzz_daemon.socket
+
+
+@pytest.fixture(scope="module")
+def real_job(sock: Path) -> str:
+    """A finished job, so generated paths can reach its outputs and events."""
+    status, job = call_json(sock, "POST", "/v1/jobs", {"model": "fz", "prompt": "real", "width": 64, "height": 64,
+                                                      "steps": 1})
+    assert status == 202, job
+    deadline = time.monotonic() + 60
+    while job["status"] not in ("succeeded", "failed", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job = call_json(sock, "GET", f"/v1/jobs/{job['id']}")[1]
+    assert job["status"] == "succeeded", job
+    return str(job["id"])
+
+
+def cancel_if_accepted(sock: Path, status: int, body: Any) -> None:
+    """Accepted jobs are cancelled at once: the fuzzing must not pile up work."""
+    if status == 202:
+        code, answer = call_json(sock, "DELETE", f"/v1/jobs/{body['id']}")
+        assert code in (200, 409), answer
+
+
+# strategies -----------------------------------------------------------------------------------
+INTERESTING: list[Any] = [
+    "", " ", "64", "64x64", "128x128", "auto", "npy", "png", "jpeg", "webp", "mp4", "gif", "float32", "float16",
+    "uint8", "bfloat16", "euler", "flow-match", "../../etc/passwd", "/etc/passwd", "tiny/../x", "\x00", "\u202e",
+    "ﬀ", "💥", "%s%n", "${jndi:x}", 0, -1, 1, 7, 8, 64, 65, 128, 136, 4096, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63),
+    10**30, 0.5, -0.0, 1e-300, 1e308, math.inf, -math.inf, math.nan, True, False, None,
+]
+scalars = st.one_of(
+    st.sampled_from(INTERESTING),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(),
+    st.text(max_size=40),
+)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.text(max_size=8), inner, max_size=4), max_leaves=8)
+
+JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
+              "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler"]
+IMAGE_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
+                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "quality", "style",
+                "user", "background", "moderation", "output_compression", "stream", "partial_images"]
+# plausible values per field, so that many bodies get past decoding into the range checks
+PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
+    "prompt": st.text(max_size=30) | st.sampled_from(["a fox", " ", "x" * 10_001]),
+    "model": st.sampled_from([*MODELS, None, "../../etc/passwd", "/etc/passwd", "tiny/../x", "TINY", ""]),
+    "n": st.integers(min_value=-1, max_value=6),
+    "width": st.sampled_from([56, 63, 64, 72, 128, 129, 136, 0, -64]),
+    "height": st.sampled_from([56, 64, 72, 128, 136]),
+    "size": st.sampled_from(["64x64", "128x72", "72x128", "136x64", "64x", "x64", "64X64", "auto", "0x0",
+                             "64x64x64", " 64x64"]),
+    "steps": st.integers(min_value=-1, max_value=9),
+    "num_inference_steps": st.integers(min_value=-1, max_value=9),
+    "guidance_scale": st.floats(min_value=-1, max_value=101) | st.sampled_from([math.nan, math.inf]),
+    "seed": st.integers(min_value=-1, max_value=2**64),
+    "output_format": st.sampled_from(["png", "jpeg", "webp", "npy", "mp4", "gif", "bmp", "PNG", ""]),
+    "output_dtype": st.sampled_from(["uint8", "float16", "float32", "bfloat16", "int64"]),
+    "num_frames": st.integers(min_value=-1, max_value=9),
+    "fps": st.integers(min_value=-1, max_value=241),
+    "timeout_s": st.sampled_from([0, 0.0001, 0.001, 0.01, 5.0, -1.0, 1e9, math.nan]),
+    "scheduler": st.sampled_from(["euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match", "bogus", ""]),
+    "response_format": st.sampled_from(["b64_json", "url", "file", ""]),
+}
+
+
+def valid_base(fields: list[str], model: str) -> dict[str, Any]:
+    """A body the daemon accepts, for the endpoint whose fields are ``fields``."""
+    if "size" in fields:
+        return {"prompt": "a fox", "model": model, "size": "64x64", "num_inference_steps": 2,
+                **({"output_format": "webp"} if model == "fv" else {})}
+    return {"prompt": "a fox", "model": model, "width": 64, "height": 64, "steps": 2,
+            **({"num_frames": 4} if model == "fv" else {})}
+
+
+@st.composite
+def bodies(draw: st.DrawFn, fields: list[str]) -> Any:
+    """A third: a valid body with a field or two changed (plausible or wild values); a half: an
+    object built from the real field names with plausible or wild values; the rest: any JSON."""
+    mode = draw(st.integers(0, 5))
+    if mode == 0:
+        return draw(values)
+    if mode <= 2:
+        body = valid_base(fields, draw(st.sampled_from(MODELS)))
+        names = draw(st.lists(st.sampled_from(fields), unique=True, max_size=2))
+    else:
+        body = {}
+        names = draw(st.lists(st.sampled_from(fields), unique=True, max_size=len(fields)))
+    for name in names:
+        plausible = PLAUSIBLE.get(name)
+        body[name] = draw(plausible if plausible is not None and draw(st.booleans()) else values)
+    if mode > 2 and draw(st.booleans()):
+        body["prompt"] = draw(PLAUSIBLE["prompt"])
+    if draw(st.integers(0, 5)) == 0:
+        body.update(draw(st.dictionaries(st.text(max_size=10), values, max_size=2)))
+    return body
+
+
+header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60)
+content_types = st.one_of(
+    st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                     "application/json; charset=utf-16", "application/json; charset=latin-1", "*/*", ""]),
+    header_values,
+)
+
+
+def within_limits(job: dict[str, Any]) -> None:
+    """What an accepted job asked for is inside the configured limits."""
+    r = job["request"]
+    assert 1 <= r["n"] <= LIMITS["max_n"], job
+    for side in ("width", "height"):
+        assert 64 <= r[side] <= LIMITS["max_size"] and r[side] % 8 == 0, job
+    assert 1 <= r["steps"] <= LIMITS["max_steps"], job
+    assert r["num_frames"] is None or 1 <= r["num_frames"] <= LIMITS["max_frames"], job
+    assert job["model"] in MODELS and r["prompt"].strip(), job
+
+
+# fuzz tests -----------------------------------------------------------------------------------
+@FUZZ
+@given(body=bodies(JOB_FIELDS), content_type=content_types)
+def test_fuzz_job_bodies(sock: Path, body: Any, content_type: str) -> None:
+    data = json.dumps(body).encode()
+    status, headers, raw = call(sock, "POST", "/v1/jobs", data, {"Content-Type": content_type})
+    answer = check_answer("POST", "/v1/jobs", status, headers, raw, body)
+    event(f"HTTP {status}")
+    if status == 202:
+        within_limits(answer)
+    cancel_if_accepted(sock, status, answer)
+
+
+@FUZZ
+@given(body=bodies(IMAGE_FIELDS))
+def test_fuzz_images_bodies(sock: Path, body: Any) -> None:
+    data = json.dumps(body).encode()
+    status, headers, raw = call(sock, "POST", "/v1/images/generations", data, {"Content-Type": "application/json"})
+    answer = check_answer("POST", "/v1/images/generations", status, headers, raw, body)
+    event(f"HTTP {status}")
+    if status == 200:
+        assert isinstance(answer["data"], list) and answer["data"], answer
+
+
+@FUZZ
+@given(data=st.binary(max_size=300) | st.text(max_size=100).map(str.encode),
+       path=st.sampled_from(["/v1/jobs", "/v1/images/generations"]), content_type=content_types)
+def test_fuzz_garbage_bodies(sock: Path, data: bytes, path: str, content_type: str) -> None:
+    status, headers, raw = call(sock, "POST", path, data, {"Content-Type": content_type})
+    answer = check_answer("POST", path, status, headers, raw, data)
+    event(f"HTTP {status}")
+    cancel_if_accepted(sock, status, answer)
+
+
+SEGMENTS = ["v1", "jobs", "images", "generations", "models", "outputs", "events", "admin", "health", "metrics",
+            "0", "1", "-1", "99999999999999999999", "..", ".", "%2e%2e", "..%2F..%2Fetc", "%2F", "%00", "etc",
+            "passwd", "j_0000000000000000", "", "~", "%", "%zz", "%ff", "?", "#", ";", "*"]
+
+
+ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/outputs/{k}", "/v1/models",
+          "/v1/images/generations", "/v1/admin/{k}"]
+
+
+@st.composite
+def paths(draw: st.DrawFn, job_id: str) -> str:
+    """Half: a real route with its ids replaced (the real job, traversal, junk); half: any segments."""
+    segment = st.sampled_from([*SEGMENTS, job_id]) | st.text(max_size=12).map(quote)
+    if draw(st.booleans()):
+        path = draw(st.sampled_from(ROUTES)).format(id=draw(segment), k=draw(segment))
+    else:
+        path = "/v1/" + "/".join(draw(st.lists(segment, max_size=5)))
+    if draw(st.booleans()):
+        path += "?" + quote(draw(st.text(max_size=20)), safe="=&")
+    low = unquote(path).lower()
+    assume("sleep" not in low and "wake" not in low)  # admin power commands are tested elsewhere
+    return path
+
+
+# Methods HTTP knows. A token the HTTP parser does not know ("FOO") is refused by aiohttp's parser
+# before any routing, with a plain-text 400: see test_unknown_method_is_refused_by_the_parser.
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "PROPFIND", "SEARCH", "PURGE"]
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_methods_paths_and_headers(sock: Path, real_job: str, data: st.DataObject) -> None:
+    method = data.draw(st.sampled_from(METHODS))
+    path = data.draw(paths(real_job))
+    assume(not (method == "DELETE" and real_job in path))  # keep the real job for the other examples
+    headers = {"Content-Type": data.draw(content_types)}
+    for name in data.draw(st.lists(st.sampled_from(["Accept", "X-Foo", "Authorization", "User-Agent", "Range",
+                                                    "If-None-Match", "Accept-Encoding"]), unique=True, max_size=3)):
+        headers[name] = data.draw(header_values)
+    body = data.draw(st.none() | st.binary(max_size=64))
+    status, got, raw = call(sock, method, path, body, headers)
+    answer = check_answer(method, path, status, got, raw, (headers, body))
+    event(f"HTTP {status}")
+    cancel_if_accepted(sock, status, answer)
+
+
+# targeted: requests cannot name files ---------------------------------------------------------
+@pytest.mark.parametrize("model", ["../../etc/passwd", "/etc/passwd", "tiny/../x", "./tiny", "~/tiny", "tiny/",
+                                   "/dev/zero", "file:///etc/passwd", "synthetic:compute_ms=1", "tiny\x00"])
+def test_model_names_that_look_like_paths_are_unknown_models(sock: Path, model: str) -> None:
+    for path, body in (("/v1/jobs", {"model": model, "prompt": "x"}),
+                       ("/v1/images/generations", {"model": model, "prompt": "x"})):
+        status, answer = call_json(sock, "POST", path, body)
+        assert status == 404, answer
+        assert answer["error"]["code"] == "model_not_found" and answer["error"]["field"] == "model", answer
+    status, listing = call_json(sock, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in listing["data"]] == list(MODELS)
+
+
+@pytest.mark.parametrize("suffix", ["..%2F..%2Fetc/outputs/0", "..%2F..%2Fetc%2Fpasswd", "%2E%2E/outputs/0",
+                                    "{job}/outputs/..%2F..%2Fetc%2Fpasswd", "{job}/outputs/%2e%2e",
+                                    "{job}/outputs/-1", "{job}/outputs/1", "{job}/outputs/0x0", "{job}/outputs/%200",
+                                    "{job}/outputs/0_0", "{job}/outputs/+0", "{job}/outputs/%D9%A0",
+                                    "{job}/outputs/1e0",
+                                    "{job}%2F..%2F..%2Fetc/outputs/0", "{job}/../../../etc/passwd"])
+def test_job_and_output_ids_that_look_like_paths_are_404(sock: Path, real_job: str, suffix: str) -> None:
+    path = "/v1/jobs/" + suffix.format(job=real_job)
+    status, headers, raw = call(sock, "GET", path)
+    answer = check_answer("GET", path, status, headers, raw)
+    assert status == 404, (path, answer)
+    assert b"root:" not in raw
+
+
+def test_unknown_method_is_refused_by_the_parser(sock: Path) -> None:
+    """aiohttp's HTTP parser refuses a method it does not know before any routing: a plain-text
+    400 (outside the JSON error shape, which only the application's middleware can give), and the
+    connection is closed. Nothing reaches the engine."""
+    status, _, raw = call(sock, "FOO", "/v1/jobs")  # no body: the server closes right after its answer
+    assert status == 400 and b"method" in raw.lower(), raw
+    status, h = call_json(sock, "GET", "/health")
+    assert status == 200 and h["status"] == "ok", h
+
+
+@pytest.mark.parametrize(("model", "scheduler", "fits"), [
+    ("tiny", "bogus", False), ("tiny", "", False), ("tiny", "flow-match", False), ("tiny", "ddim", True),
+    ("tiny", "euler", True), ("fz", "bogus", False), ("fz", "flow-match", True), ("fz", "unipc", True),
+])
+def test_scheduler_is_checked_at_admission(sock: Path, model: str, scheduler: str, fits: bool) -> None:
+    """An unknown scheduler, or one the model cannot use, is a 400 naming the field on both
+    endpoints (it used to be accepted and fail in the worker: a 500 on the synchronous one)."""
+    job = {"model": model, "prompt": "x", "width": 64, "height": 64, "steps": 2, "scheduler": scheduler}
+    images = {"model": model, "prompt": "x", "size": "64x64", "num_inference_steps": 2, "scheduler": scheduler}
+    status, answer = call_json(sock, "POST", "/v1/jobs", job)
+    if fits:
+        assert status == 202, answer
+        cancel_if_accepted(sock, status, answer)
+        status, answer = call_json(sock, "POST", "/v1/images/generations", images)
+        assert status == 200, answer
+        return
+    assert status == 400 and answer["error"]["field"] == "scheduler", answer
+    assert repr(scheduler) in answer["error"]["message"], answer
+    status, answer = call_json(sock, "POST", "/v1/images/generations", images)
+    assert status == 400 and answer["error"]["field"] == "scheduler", answer
+
+
+def test_scheduler_names_checked_at_admission_are_the_pipelines() -> None:
+    from diffusiond.daemon.requests import FLOW_SCHEDULER_NAMES, SCHEDULER_NAMES
+    from diffusiond.pipelines.diffusers_pipeline import FLOW_SCHEDULERS, SCHEDULERS
+
+    assert set(SCHEDULER_NAMES) == set(SCHEDULERS) and set(FLOW_SCHEDULER_NAMES) == set(FLOW_SCHEDULERS)
+
+
+def test_daemon_is_healthy_after_the_fuzzing(sock: Path, fuzz_daemon: Daemon) -> None:
+    """Runs last in this module (pytest keeps file order): the fuzzing left no damage behind."""
+    deadline = time.monotonic() + 60
+    while True:
+        status, h = call_json(sock, "GET", "/health")
+        if (h["jobs"]["queued"] == h["jobs"]["running"] == 0 and h["queue_depth"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status == 200 and h["status"] == "ok", h
+    assert h["jobs"]["queued"] == h["jobs"]["running"] == 0 and h["queue_depth"] == 0, h
+    assert all(w["restarts"] == 0 and w["state"] == "ready" for w in h["workers"]), h
+    for model in MODELS:
+        body = {"model": model, "prompt": "after the fuzz", "width": 64, "height": 64, "steps": 2}
+        status, job = call_json(sock, "POST", "/v1/jobs", {**body, "num_frames": 4} if model == "fv" else body)
+        assert status == 202, job
+        while job["status"] in ("queued", "running") and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
+            job = call_json(sock, "GET", f"/v1/jobs/{job['id']}")[1]
+        assert job["status"] == "succeeded", job
+        status, _, raw = call(sock, "GET", job["outputs"][0]["url"])
+        assert status == 200 and len(raw) == job["outputs"][0]["bytes"]
+    log = fuzz_daemon.log_path.read_text(errors="replace")
+    assert "Error handling request" not in log and "Traceback" not in log.split("ready: admitting jobs", 1)[-1], \
+        log[-4000:]
