@@ -514,12 +514,11 @@ async def test_full_arena_fails_the_job_naming_the_sizes_instead_of_hanging(daem
 
     What holds the arena here is an output a client is still reading (a reader that stalls):
     unfetched outputs no longer fill it (they are spilled once they hold over half of it), but
-    an output being streamed is pinned. The wait is ``WorkerConfig.slot_timeout_s``, 30 s, which
-    the daemon's configuration cannot set: this test takes that long.
+    an output being streamed is pinned. The wait is ``--slot-timeout-s``, set to 3 s here.
     """
     arena = 8 * MIB
     d: Daemon = daemon_factory("--model", "big=synthetic:compute_ms=5", "--arena-mb", "8", "--retention-s", "600",
-                               env=ENV)
+                               "--slot-timeout-s", "3", env=ENV)
     base = {"model": "big", "prompt": "fill", "width": 1024, "steps": 2, "output_format": "npy"}
     held, large = 1024 * 1360 * 3, 1024 * 1400 * 3  # just under half the arena; just over what is left
     assert held <= arena // 2 and large > arena - held
@@ -544,7 +543,7 @@ async def test_full_arena_fails_the_job_naming_the_sizes_instead_of_hanging(daem
             assert failed["status"] == "failed", failed
             err = failed["error"]
             assert err["stage"] == "copying" and err["code"] == "generation_failed", err
-            assert f"no free slot of {large} bytes after 30.0s" in err["message"], err
+            assert f"no free slot of {large} bytes after 3.0s" in err["message"], err
             assert f"{held} of {arena} bytes in use in 1 slots" in err["message"], err
             assert f"largest free range {arena - held} bytes" in err["message"], err
             assert "--arena-mb" in err["message"] and "worker 0 (pid " in err["message"], err

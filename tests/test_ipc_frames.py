@@ -32,6 +32,7 @@ SAMPLES: list[msgspec.Struct] = [
     m.RequestEnded(request_id="r1", batch_id=3, status="failed", message="boom", stage="computing"),
     m.Ack(command=m.Kind.TRACE, ok=True, message="", trace=[m.TraceEvent("compute_start", 3, 99)]),
     m.Fatal(message="device lost"),
+    m.SlotWait(request_id="r1", nbytes=1 << 20, in_use=3 << 20, capacity=4 << 20),
 ]
 
 

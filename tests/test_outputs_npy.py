@@ -61,3 +61,36 @@ async def test_unfetched_npy_outputs_are_spilled_so_the_arena_never_fills(daemon
             assert arr.shape == (512, 512, 3)
             first = arr if first is None else first
         assert not np.array_equal(first, arr)
+
+
+async def test_a_copy_waiting_for_a_slot_makes_the_engine_spill_unfetched_outputs(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """An unfetched output just under half the arena is not spilled by the half-arena rule, yet
+    leaves too little room for a slightly larger next output: the copy thread's SLOT_WAIT makes
+    the engine spill it, and the next job succeeds instead of failing after the slot timeout."""
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "8", "--retention-s", "600",
+                       "--slot-timeout-s", "20")
+    base = {"prompt": "p", "width": 1024, "steps": 1, "output_format": "npy"}
+    async with http(d.socket) as s:
+        async with s.post("/v1/jobs", json={**base, "height": 1360, "seed": 1}) as r:
+            first = await wait_job(s, (await r.json())["id"])
+        assert (await _health(s))["arena_bytes_in_use"] >= 1024 * 1360 * 3  # held: under half the arena
+        async with s.post("/v1/jobs", json={**base, "height": 1400, "seed": 2}) as r:
+            second = await wait_job(s, (await r.json())["id"], timeout=60)
+        assert second["status"] == "succeeded", second["error"]
+        assert second["timings_ms"]["total"] < 20_000  # it did not wait the slot timeout out
+        async with s.get(first["outputs"][0]["url"]) as r:  # the spilled output is still served
+            assert np.load(io.BytesIO(await r.read())).shape == (1360, 1024, 3)
+
+
+async def test_an_output_over_the_size_limit_is_413_at_admission(daemon_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = tmp_path / "limits.toml"
+    cfg.write_text("[limits]\nmax_output_bytes = 110_000_000\n")  # 110 MB
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--config", str(cfg))
+    body = {"prompt": "p", "width": 2048, "height": 2048, "output_format": "npy", "output_dtype": "float32"}
+    async with http(d.socket) as s:
+        async with s.post("/v1/jobs", json={**body, "n": 2}) as r:  # 2 x 48 MiB: fits
+            assert r.status == 202
+        async with s.post("/v1/jobs", json={**body, "n": 3}) as r:  # 3 x 48 MiB: does not
+            err = (await r.json())["error"]
+            assert r.status == 413 and err["code"] == "output_too_large" and err["field"] == "n", err
+            assert "limit is 0.1 GiB" in err["message"]

@@ -68,6 +68,9 @@ class Limits:
     max_frames: int = 1024
     max_body_bytes: int = 1 << 20
     max_timeout_s: float = 24 * 3600.0
+    # Bytes one job may ask to produce (n x frames x width x height x 3 x dtype size): beyond it,
+    # 413 at admission rather than a failure in the worker's allocator.
+    max_output_bytes: int = 16 << 30
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class DaemonConfig:
     job_timeout_s: float = 600.0
     output_mode: str = "async"
     arena_mb: int = 512
+    slot_timeout_s: float = 30.0  # how long a copy waits for a free arena slot before failing
     retention_s: float = 600.0
     drain_grace_s: float = 30.0
     encode_threads: int = max(1, min(4, os.cpu_count() or 1))
@@ -115,7 +119,7 @@ class DaemonConfig:
         for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("batch_wait_ms", "retention_s", "drain_grace_s"):
+        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.job_timeout_s <= 0:

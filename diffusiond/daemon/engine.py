@@ -36,6 +36,7 @@ from diffusiond.ipc.messages import (
     RequestEnded,
     RequestSpec,
     Sleep,
+    SlotWait,
     Wake,
     WorkerConfig,
 )
@@ -145,6 +146,7 @@ class Engine:
             dtype=model.config.dtype,
             output_mode=self.config.output_mode,  # type: ignore[arg-type]
             arena_bytes=self.config.arena_mb << 20,
+            slot_timeout_s=self.config.slot_timeout_s,
             drain_timeout_s=self.config.drain_grace_s,
             options=dict(model.config.options),
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
@@ -374,6 +376,10 @@ class Engine:
                     item.stage = Stage.COPYING
                     item.job.add_timing("compute", msg.compute_ms)
             self._leave_compute(batch)
+        elif isinstance(msg, SlotWait):
+            log.info("%s waits for %d bytes of arena (%d of %d in use); spilling unfetched outputs",
+                     worker.name, msg.nbytes, msg.in_use, msg.capacity)
+            self.outputs.relieve(worker, need=msg.nbytes - (msg.capacity - msg.in_use))
         elif isinstance(msg, RequestEnded):
             item = self.items.get(msg.request_id)
             if item is not None and not item.job.terminal:

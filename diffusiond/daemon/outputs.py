@@ -47,7 +47,7 @@ class Outputs:
             assert item.desc is not None and item.worker is not None
             item.nbytes = npy_size(np.dtype(_np_dtype(item.desc.dtype)), item.desc.shape)
             self.engine.item_ready(item)
-            self._relieve(item.worker)
+            self.relieve(item.worker)
             return
         task = asyncio.ensure_future(self._encode(item, fmt))
         self._tasks.add(task)
@@ -114,14 +114,16 @@ class Outputs:
             self.release(item)
             item.data = None
 
-    def _relieve(self, worker: object) -> None:
-        """Spill the oldest unfetched npy outputs while they hold over half of the worker's arena."""
+    def relieve(self, worker: object, need: int = 0) -> None:
+        """Spill the oldest unfetched npy outputs: while they hold over half of the worker's arena,
+        or (``need`` > 0, the worker is waiting for a slot) until ``need`` more bytes are free."""
         capacity = getattr(worker, "arena_capacity", 0)
-        if not capacity or getattr(worker, "held_bytes", 0) <= capacity // 2:
+        held_bytes = getattr(worker, "held_bytes", 0)
+        excess = max(need, held_bytes - capacity // 2)
+        if not capacity or excess <= 0:
             return
         held = [i for i in self.engine.items.values()
                 if i.worker is worker and i.desc is not None and i.done and not i.pins and not i.spilling]
-        excess = worker.held_bytes - capacity // 2  # type: ignore[attr-defined]
         for item in sorted(held, key=lambda i: i.enqueued_at):
             if excess <= 0:
                 break

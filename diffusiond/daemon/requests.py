@@ -172,6 +172,13 @@ def check(
                 f"{'flow-matching' if flow else 'noise-prediction'} model); use one of {', '.join(fits)}",
                 field="scheduler",
             )
+    elem = {"uint8": 1, "float16": 2, "float32": 4}[dtype]
+    out_bytes = req["n"] * (frames or 1) * width * height * 3 * elem
+    if out_bytes > limits.max_output_bytes:
+        raise ApiError(413, "output_too_large",
+                       f"the job would produce {out_bytes / 2**30:.1f} GiB of output (n x frames x width x height x "
+                       f"3 x {elem} bytes); the limit is {limits.max_output_bytes / 2**30:.1f} GiB: ask for fewer "
+                       "or smaller outputs", field="n" if req["n"] > 1 else ("num_frames" if frames else "width"))
     return JobRequest(
         model=model.name,
         prompt=prompt,

@@ -2,7 +2,7 @@
 
 Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE, PING.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
-dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL.
+dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT.
 
 Bodies carry descriptors and parameters, never bulk data: outputs live in the shared arena and
 frames only point at them. Structs are msgpack-encoded by ``frames``; nothing is pickled.
@@ -40,6 +40,7 @@ class Kind(enum.IntEnum):
     REQUEST_ENDED = 37
     ACK = 38
     FATAL = 39
+    SLOT_WAIT = 40
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,6 +198,16 @@ class Fatal(msgspec.Struct, frozen=True):
     message: str
 
 
+class SlotWait(msgspec.Struct, frozen=True):
+    """The copy thread is waiting for ``nbytes`` of arena: the engine should give slots back
+    (it spills outputs nobody has fetched). Back-pressure made visible, not a failure."""
+
+    request_id: str
+    nbytes: int
+    in_use: int
+    capacity: int
+
+
 KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Init: Kind.INIT,
     Execute: Kind.EXECUTE,
@@ -215,5 +226,6 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     RequestEnded: Kind.REQUEST_ENDED,
     Ack: Kind.ACK,
     Fatal: Kind.FATAL,
+    SlotWait: Kind.SLOT_WAIT,
 }
 TYPE_OF: dict[Kind, type[msgspec.Struct]] = {kind: cls for cls, kind in KIND_OF.items()}

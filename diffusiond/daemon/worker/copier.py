@@ -27,7 +27,7 @@ import torch
 from diffusiond.daemon.worker.state import Faults, SharedState
 from diffusiond.ipc.arena import Arena, DedicatedBuffer
 from diffusiond.ipc.errors import ArenaFull, SlotTooLarge
-from diffusiond.ipc.messages import BatchParams, OutputReady, RequestEnded, RequestSpec
+from diffusiond.ipc.messages import BatchParams, OutputReady, RequestEnded, RequestSpec, SlotWait
 from diffusiond.ipc.tensors import describe, nbytes_of, write_tensor
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class Copier:
                 os._exit(3)
             if self.faults.copy_delay_ms:
                 time.sleep(self.faults.copy_delay_ms / 1000)
-            desc, fd = self._copy(job, out)
+            desc, fd = self._copy(job, out, req.request_id)
         except ArenaFull as exc:
             self._end(job, req, "failed", str(exc))
             return
@@ -138,13 +138,16 @@ class Copier:
         else:
             self.post(msg, [fd], close_fds=True)
 
-    def _copy(self, job: CopyJob, out: torch.Tensor) -> tuple[Any, int | None]:
+    def _copy(self, job: CopyJob, out: torch.Tensor, request_id: str) -> tuple[Any, int | None]:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx, torch.inference_mode():
             host = to_output_layout(out, job.params.output_dtype)
             nbytes = nbytes_of(host)
             try:
-                slot = self.arena.allocate(nbytes, timeout=self.slot_timeout_s)
+                slot = self.arena.try_allocate(nbytes)
+                if slot is None:
+                    self.post(SlotWait(request_id, nbytes, self.arena.in_use, self.arena.capacity))
+                    slot = self.arena.allocate(nbytes, timeout=self.slot_timeout_s)
             except SlotTooLarge:
                 return self._copy_dedicated(host, nbytes)
             try:
