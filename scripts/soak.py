@@ -1,9 +1,10 @@
 """Soak: many requests at high concurrency against a real daemon, with cancels, dropped
 connections and never-fetched results mixed in; resource use before and after.
 
-    python scripts/soak.py [--requests 2000] [--concurrency 64] [--seconds 600] [--json]
+    python scripts/soak.py [--requests 2000] [--concurrency 64] [--seconds 600] [--retention-s 5]
 
-Starts ``diffusiond serve --model tiny`` on a temporary socket (or uses ``--socket``), runs a
+Prints one JSON report; exits 1 if any request went wrong or anything was left behind.
+Starts ``diffusiond serve --model tiny`` (two CPU workers) on a temporary socket, runs a
 bounded number of requests (it also stops at ``--seconds``), then waits for the daemon to go
 idle and compares: RSS and open fds of the daemon and its workers, arena bytes in use, jobs
 by status, /dev/shm entries. Every request's outcome is checked: a job must end in exactly one
@@ -147,7 +148,6 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--retention-s", type=float, default=5.0, help="daemon retention (never-fetched outputs)")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     random.seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="diffusiond-soak-"))

@@ -11,11 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from conftest import ROOT
 
@@ -132,3 +133,52 @@ async def wait_job(session: aiohttp.ClientSession, job_id: str, timeout: float =
             await asyncio.sleep(0.05)
 
     return await asyncio.wait_for(poll(), timeout)
+
+
+# small request helpers shared by the end-to-end tests ---------------------------------------
+async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+
+    async def poll() -> Any:
+        while True:
+            result = await check()
+            if result:
+                return result
+            await asyncio.sleep(0.05)
+
+    try:
+        return await asyncio.wait_for(poll(), timeout)
+    except TimeoutError:
+        pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+
+
+async def get(s: aiohttp.ClientSession, path: str) -> tuple[int, dict[str, Any]]:
+    async with s.get(path) as r:
+        return r.status, await r.json()
+
+
+async def submit(s: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, Any]:
+    async with s.post("/v1/jobs", json=body) as r:
+        job = await r.json()
+        assert r.status == 202, job
+        return job
+
+
+async def delete(s: aiohttp.ClientSession, job_id: str) -> tuple[int, dict[str, Any]]:
+    async with s.delete(f"/v1/jobs/{job_id}") as r:
+        return r.status, await r.json()
+
+
+async def health(s: aiohttp.ClientSession) -> dict[str, Any]:
+    return (await get(s, "/health"))[1]
+
+
+async def idle(s: aiohttp.ClientSession) -> bool:
+    h = await health(s)
+    return (
+        h["queue_depth"] == 0
+        and h["arena_bytes_in_use"] == 0
+        and h["jobs"]["queued"] == 0
+        and h["jobs"]["running"] == 0
+        and all(w["batches_in_flight"] == 0 for w in h["workers"])
+    )

@@ -27,14 +27,14 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, sse
+from daemonkit import Daemon, delete, get, health, idle, sse, submit, until
 
 from conftest import memfd_maps, shm_entries
 
@@ -67,39 +67,6 @@ async def client(sock: Path) -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-
-    async def poll() -> Any:
-        while True:
-            result = await check()
-            if result:
-                return result
-            await asyncio.sleep(0.05)
-
-    try:
-        return await asyncio.wait_for(poll(), timeout)
-    except TimeoutError:
-        pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-
-
-async def get(s: aiohttp.ClientSession, path: str) -> tuple[int, dict[str, Any]]:
-    async with s.get(path) as r:
-        return r.status, await r.json()
-
-
-async def submit(s: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, Any]:
-    async with s.post("/v1/jobs", json=body) as r:
-        job = await r.json()
-        assert r.status == 202, job
-        return job
-
-
-async def delete(s: aiohttp.ClientSession, job_id: str) -> tuple[int, dict[str, Any]]:
-    async with s.delete(f"/v1/jobs/{job_id}") as r:
-        return r.status, await r.json()
-
-
 async def job_state(s: aiohttp.ClientSession, job_id: str) -> dict[str, Any]:
     status, job = await get(s, f"/v1/jobs/{job_id}")
     assert status == 200, job
@@ -122,21 +89,6 @@ async def reaches(s: aiohttp.ClientSession, job_id: str, stage: str, timeout: fl
         return job if job["stage"] == stage or job["status"] in TERMINAL else None
 
     return await until(check, timeout, f"job {job_id} to reach {stage}")
-
-
-async def health(s: aiohttp.ClientSession) -> dict[str, Any]:
-    return (await get(s, "/health"))[1]
-
-
-async def idle(s: aiohttp.ClientSession) -> bool:
-    h = await health(s)
-    return (
-        h["queue_depth"] == 0
-        and h["arena_bytes_in_use"] == 0
-        and h["jobs"]["queued"] == 0
-        and h["jobs"]["running"] == 0
-        and all(w["batches_in_flight"] == 0 for w in h["workers"])
-    )
 
 
 async def jobs_total(s: aiohttp.ClientSession) -> Counter[str]:
