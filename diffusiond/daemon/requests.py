@@ -219,7 +219,3 @@ def parse_images(body: bytes, limits: Limits, resolve_model: Any) -> tuple[JobRe
     req["steps_field"] = "num_inference_steps"
     return check(req, limits, model, size_field="size"), b.response_format
 
-
-def unknown_model(name: str | None, known: list[str]) -> ApiError:
-    return ApiError(404, "model_not_found", f"model {name!r} is not served here; models: {', '.join(known)}",
-                    field="model")

@@ -45,13 +45,6 @@ class Scheduler:
         """Jobs with at least one output not yet sent to a worker."""
         return len(self._queued_jobs)
 
-    @property
-    def items_waiting(self) -> int:
-        return sum(len(q) for q in self._pending.values())
-
-    def waiting(self, model: str) -> int:
-        return len(self._pending[model])
-
     def admit(self, job: Job) -> None:
         if len(self._queued_jobs) >= self.queue_size:
             raise QueueFull(f"the queue holds {len(self._queued_jobs)} jobs, its limit")

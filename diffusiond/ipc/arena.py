@@ -162,10 +162,6 @@ class Arena:
         with self._cond:
             return len(self._slots)
 
-    def owns(self, slot_id: int) -> bool:
-        with self._cond:
-            return slot_id in self._slots
-
     def buffer(self, slot: Slot) -> memoryview:
         """Writable view of exactly the slot's requested bytes."""
         return self._view[slot.offset : slot.offset + slot.nbytes]
