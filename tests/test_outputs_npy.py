@@ -94,3 +94,29 @@ async def test_an_output_over_the_size_limit_is_413_at_admission(daemon_factory,
             err = (await r.json())["error"]
             assert r.status == 413 and err["code"] == "output_too_large" and err["field"] == "n", err
             assert "limit is 0.1 GiB" in err["message"]
+
+
+async def test_a_download_that_stalls_is_closed_and_the_output_stays_fetchable(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A reader that stops reading is cut off after --stream-stall-s; the slot is no longer
+    pinned (so it can be spilled or released) and the output can be fetched again in full."""
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "128", "--stream-stall-s", "1")
+    big = {"prompt": "p", "width": 2048, "height": 2048, "steps": 1, "output_format": "npy",
+           "output_dtype": "float32", "seed": 5}  # 48 MiB: far more than the socket buffers hold
+    async with http(d.socket) as s:
+        async with s.post("/v1/jobs", json=big) as r:
+            job = await wait_job(s, (await r.json())["id"])
+        reader, writer = await asyncio.open_unix_connection(str(d.socket), limit=64 << 10)
+        writer.write(f"GET {job['outputs'][0]['url']} HTTP/1.1\r\nHost: d\r\n\r\n".encode())
+        await reader.readexactly(4096)  # ... and stop reading
+
+        async def logged() -> None:
+            while "stopped reading" not in d.log():
+                await asyncio.sleep(0.1)
+
+        await asyncio.wait_for(logged(), 30)
+        rest = await asyncio.wait_for(reader.read(), 30)  # what was in flight, then EOF: it was cut
+        assert 4096 + len(rest) < 2048 * 2048 * 3 * 4
+        writer.close()
+        async with s.get(job["outputs"][0]["url"]) as r:
+            arr = np.load(io.BytesIO(await r.read()))
+        assert arr.shape == (2048, 2048, 3) and arr.dtype == np.float32

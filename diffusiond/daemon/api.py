@@ -165,9 +165,17 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**headers, "Content-Type": item.content_type})
         resp.content_length = len(header) + len(payload)
         await resp.prepare(request)
-        await resp.write(header)
-        for off in range(0, len(payload), STREAM_CHUNK):
-            await resp.write(payload[off : off + STREAM_CHUNK])
+        stall = engine.config.stream_stall_s
+        try:
+            await asyncio.wait_for(resp.write(header), stall)
+            for off in range(0, len(payload), STREAM_CHUNK):
+                await asyncio.wait_for(resp.write(payload[off : off + STREAM_CHUNK]), stall)
+        except TimeoutError:
+            # A reader that stopped reading must not pin shared memory for ever: drop it.
+            log.warning("client stopped reading output %d of job %s for %gs; closing", k, job.id, stall)
+            if request.transport is not None:
+                request.transport.close()
+            return resp
         await resp.write_eof()
         delivered = True
         return resp

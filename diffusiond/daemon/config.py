@@ -89,6 +89,7 @@ class DaemonConfig:
     output_mode: str = "async"
     arena_mb: int = 512
     slot_timeout_s: float = 30.0  # how long a copy waits for a free arena slot before failing
+    stream_stall_s: float = 120.0  # an output download that makes no progress this long is closed
     retention_s: float = 600.0
     drain_grace_s: float = 30.0
     encode_threads: int = max(1, min(4, os.cpu_count() or 1))
@@ -119,7 +120,7 @@ class DaemonConfig:
         for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s"):
+        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.job_timeout_s <= 0:
