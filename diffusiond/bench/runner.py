@@ -67,7 +67,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--guidance", type=float, default=5.0)
     p.add_argument("--batch", type=int, default=1, help="outputs per forward (daemon: --max-batch)")
     p.add_argument("--requests", type=int, default=64, help="measured requests per mode (one output each)")
-    p.add_argument("--concurrency", type=int, default=None, help="concurrent clients (default: 2 x batch + 2)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="concurrent clients (default: 3 x batch + 2, so a full batch is always waiting)")
     p.add_argument("--format", default="png", choices=("png", "jpeg", "webp", "npy", "mp4"))
     p.add_argument("--frames", type=int, default=None, help="frames per output (video models)")
     p.add_argument("--output-dtype", default="uint8", choices=("uint8", "float16", "float32"))
@@ -88,7 +89,7 @@ def _setup(args: argparse.Namespace) -> Setup:
     per_output = width * height * 3 * (args.frames or 1) * {"uint8": 1, "float16": 2, "float32": 4}[args.output_dtype]
     arena_mb = args.arena_mb or max(256, (4 * args.batch + 2) * per_output // (1 << 20) + 64)
     return Setup(model=args.model, device=device, dtype=dtype, width=width, height=height, steps=args.steps,
-                 batch=args.batch, requests=args.requests, concurrency=args.concurrency or 2 * args.batch + 2,
+                 batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,
                  format=args.format, frames=args.frames, output_dtype=args.output_dtype, guidance=args.guidance,
                  arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms)
 

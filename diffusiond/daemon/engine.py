@@ -67,6 +67,8 @@ class Model:
     task: str = "text-to-image"
     defaults: dict[str, float] = field(default_factory=dict)
     restarts: int = 0
+    crash_streak: int = 0  # consecutive workers that died within a minute of starting
+    replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
 
     @property
     def name(self) -> str:
@@ -169,7 +171,16 @@ class Engine:
         else:
             model.workers.append(handle)
         self.in_flight[handle] = collections.deque()
-        ready = await handle.start(self.config.worker_start_timeout_s)
+        try:
+            ready = await handle.start(self.config.worker_start_timeout_s)
+        except BaseException:
+            # put things back as they were: the caller decides whether to try again
+            self.in_flight.pop(handle, None)
+            if replacing is not None:
+                model.workers[model.workers.index(handle)] = replacing
+            else:
+                model.workers.remove(handle)
+            raise
         model.task = ready.task
         model.defaults = {**GENERIC_DEFAULTS, **ready.defaults}
         if self.paused:
@@ -248,7 +259,8 @@ class Engine:
             raise ApiError(503, "unavailable", f"the daemon is {reason}; not accepting jobs",
                            headers={"Retry-After": "5"})
         model = self.models[req.model]
-        if model.state == "unavailable" and not any(w.state == "starting" for w in model.workers):
+        if model.state == "unavailable" and not model.replacing and not any(w.state == "starting"
+                                                                            for w in model.workers):
             raise ApiError(503, "no_worker", f"model {model.name!r} has no running worker")
         job = Job(req, sync=sync)
         base = req.seed if req.seed is not None else random.randrange(2**31)
@@ -484,25 +496,29 @@ class Engine:
         model = self.models[worker.config.model_name]
         model.restarts += 1
         self.metrics.worker_restarts.labels(model.name).inc()
+        model.replacing += 1  # now, not when the task starts: admission must see it at once
         task = asyncio.ensure_future(self._restart(model, worker))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _restart(self, model: Model, old: WorkerHandle) -> None:
+        """Replace ``old`` after a back-off that grows while workers keep dying young (a crash
+        loop must not spin) and starts over once one has lived a minute."""
         backoff = self.config.restart_backoff_s
-        attempt = 0
-        while not self.stopping:
-            uptime = time.monotonic() - old.started_at
-            delay = backoff[min(attempt, len(backoff) - 1)] if uptime < 60 or attempt else backoff[0]
-            await asyncio.sleep(delay)
-            try:
-                await self._start_worker(model, old.config.device, replacing=old)
-                log.info("replaced %s", old.name)
-                return
-            except (WorkerStartError, OSError) as exc:
-                log.error("restarting a worker for %s failed: %s", model.name, exc)
-                old = model.workers[-1] if model.workers else old
-                attempt += 1
+        model.crash_streak = model.crash_streak + 1 if time.monotonic() - old.started_at < 60 else 0
+        attempt = model.crash_streak
+        try:
+            while not self.stopping:
+                await asyncio.sleep(backoff[min(attempt, len(backoff) - 1)])
+                try:
+                    await self._start_worker(model, old.config.device, replacing=old)
+                    log.info("replaced %s", old.name)
+                    return
+                except (WorkerStartError, OSError) as exc:
+                    log.error("restarting a worker for %s failed: %s", model.name, exc)
+                    attempt += 1
+        finally:
+            model.replacing -= 1
 
     # views ----------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -307,7 +307,7 @@ class WorkerHandle:
             self._ready_fut.set_exception(WorkerStartError(self.lost_reason))
         if not self._exited.done():
             self._exited.set_result(rc)
-        if was != "stopping":
+        if was in ("ready", "sleeping"):  # one that never became ready is reported by start()
             self.on_lost(self, self.lost_reason)
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()
