@@ -100,8 +100,10 @@ class Daemon:
 
 
 @contextlib.asynccontextmanager
-async def http(socket_path: Path) -> AsyncIterator[aiohttp.ClientSession]:
-    conn = aiohttp.UnixConnector(path=str(socket_path))
+async def http(socket_path: Path, *, limit: int = 100) -> AsyncIterator[aiohttp.ClientSession]:
+    """An aiohttp session over the daemon's socket; ``limit=0`` lifts the connection cap (tests
+    that keep many streams open at once)."""
+    conn = aiohttp.UnixConnector(path=str(socket_path), limit=limit)
     async with aiohttp.ClientSession(connector=conn, base_url="http://diffusiond") as session:
         yield session
 
@@ -182,3 +184,12 @@ async def idle(s: aiohttp.ClientSession) -> bool:
         and h["jobs"]["running"] == 0
         and all(w["batches_in_flight"] == 0 for w in h["workers"])
     )
+
+
+async def when_idle(d: Daemon) -> Path:
+    """A shared daemon's socket once it is idle (nothing queued or in flight, no slot held), so
+    each test using a module-wide daemon starts clean."""
+    assert d.proc is not None and d.proc.poll() is None, d.log()
+    async with http(d.socket) as s:
+        await until(lambda: idle(s), 60, "the shared daemon to go idle")
+    return d.socket

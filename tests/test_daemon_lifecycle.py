@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemonkit import Daemon, delete, get, health, http, idle, sse, submit, until, wait_job
+from daemonkit import Daemon, delete, get, health, http, idle, sse, submit, until, wait_job, when_idle
 
 from conftest import shm_entries
 
@@ -57,10 +57,7 @@ def life_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> 
 @pytest.fixture
 async def sock(life_daemon: Daemon) -> Path:
     """The shared daemon, idle: nothing queued or in flight, no slot held (a test starts clean)."""
-    assert life_daemon.proc is not None and life_daemon.proc.poll() is None, life_daemon.log()
-    async with http(life_daemon.socket) as s:
-        await until(lambda: idle(s), 60, "the daemon to go idle")
-    return life_daemon.socket
+    return await when_idle(life_daemon)
 
 
 # helpers --------------------------------------------------------------------------------------

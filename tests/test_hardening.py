@@ -27,14 +27,14 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, delete, get, health, idle, sse, submit, until
+from daemonkit import Daemon, delete, get, health, http, idle, sse, submit, until, when_idle
 
 from conftest import memfd_maps, shm_entries
 
@@ -59,12 +59,9 @@ BIG_BYTES = 2048 * 2048 * 3 * 4
 
 
 # helpers --------------------------------------------------------------------------------------
-@contextlib.asynccontextmanager
-async def client(sock: Path) -> AsyncIterator[aiohttp.ClientSession]:
-    """Like ``daemonkit.http`` without the connection cap: race tests keep many streams open."""
-    conn = aiohttp.UnixConnector(path=str(sock), limit=0)
-    async with aiohttp.ClientSession(connector=conn, base_url="http://diffusiond") as session:
-        yield session
+def client(sock: Path) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientSession]:
+    """``daemonkit.http`` without the connection cap: race tests keep many streams open."""
+    return http(sock, limit=0)
 
 
 async def job_state(s: aiohttp.ClientSession, job_id: str) -> dict[str, Any]:
@@ -160,10 +157,7 @@ def race_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> 
 @pytest.fixture
 async def race(race_daemon: Daemon) -> Path:
     """The race daemon, idle: nothing queued or in flight, no slot held."""
-    assert race_daemon.proc is not None and race_daemon.proc.poll() is None, race_daemon.log()
-    async with client(race_daemon.socket) as s:
-        await until(lambda: idle(s), 60, "the race daemon to go idle")
-    return race_daemon.socket
+    return await when_idle(race_daemon)
 
 
 # 1. cancel races ------------------------------------------------------------------------------

@@ -53,10 +53,11 @@ class Outputs:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def options(self, job: Job) -> EncodeOptions:
-        r = job.request
-        meta = {"prompt": r.prompt, "model": r.model, "steps": str(r.steps), "guidance_scale": f"{r.guidance:g}",
-                "size": f"{r.width}x{r.height}", "software": "diffusiond"}
+    def options(self, item: Item) -> EncodeOptions:
+        """What the file says about itself (PNG tEXt, MP4 comment): enough to reproduce it."""
+        r = item.job.request
+        meta = {"prompt": r.prompt, "model": r.model, "seed": str(item.seed), "steps": str(r.steps),
+                "guidance_scale": f"{r.guidance:g}", "size": f"{r.width}x{r.height}", "software": "diffusiond"}
         if r.negative_prompt:
             meta["negative_prompt"] = r.negative_prompt
         return EncodeOptions(png_compress_level=self.engine.config.png_compress_level, fps=r.fps, metadata=meta)
@@ -64,9 +65,7 @@ class Outputs:
     async def _encode(self, item: Item, fmt: str) -> None:
         assert item.worker is not None and item.desc is not None
         job = item.job
-        opts = self.options(job)
-        meta = dict(opts.metadata, seed=str(item.seed))
-        opts = EncodeOptions(png_compress_level=opts.png_compress_level, fps=opts.fps, metadata=meta)
+        opts = self.options(item)
         array = item.worker.array(item.desc)
         self.pin(item)
         t0 = time.perf_counter()
