@@ -234,9 +234,16 @@ class Engine:
         if bad:
             raise ApiError(500, "wake_failed", f"wake failed on {len(bad)} worker(s): {bad[0]}")
 
+    def _busy(self) -> bool:
+        """Work that has left the queue and not yet come back: a batch computing or copying, or an
+        output still encoding. Sleep waits for all of it, so that when it answers nothing is running."""
+        return (any(self.in_flight.values()) or bool(self.batches)
+                or any(i.stage in (Stage.COPYING, Stage.ENCODING)
+                       for j in self.jobs.values() if not j.terminal for i in j.items))
+
     async def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while any(self.in_flight.values()) and time.monotonic() < deadline:
+        while self._busy() and time.monotonic() < deadline:
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
@@ -436,6 +443,7 @@ class Engine:
             self._end(job, Status.SUCCEEDED)
         else:
             job.emit("status", job.to_json())
+            self._changed.set()
 
     def item_failed(self, item: Item, message: str, stage: Stage) -> None:
         self._end(item.job, Status.FAILED, "output_failed", message, stage=stage.label)
