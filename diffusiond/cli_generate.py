@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import sys
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -198,18 +199,51 @@ async def download(client: Client, job_id: str, index: int, path: Path) -> int:
 
 
 async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
+    """Run the job; on Ctrl-C stop waiting for it, cancel it and say so.
+
+    The interrupt is a flag raced against the work rather than a cancellation delivered into
+    it: if a library under the work swallowed the CancelledError (a read of the event stream
+    that absorbs it), the cancel would be lost and Ctrl-C would hang. A second Ctrl-C stops
+    the clean-up too (``KeyboardInterrupt``, handled in ``cli.py``).
+    """
     bar = ProgressBar(sys.stderr)
-    async with Client(state.socket_path) as client:
-        try:
-            return await _generate(client, args, state, bar)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()  # we handle the interrupt: let the cleanup below await normally
+    loop = asyncio.get_running_loop()
+    interrupt = asyncio.Event()
+
+    def on_sigint() -> None:
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        interrupt.set()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        handling = True
+    except (ValueError, RuntimeError):  # not the main thread: signals are not ours to take
+        handling = False
+    try:
+        async with Client(state.socket_path) as client:
+            work = asyncio.ensure_future(_generate(client, args, state, bar))
+            stop = asyncio.ensure_future(interrupt.wait())
+            try:
+                await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                if not work.done():
+                    work.cancel()
+            if not interrupt.is_set() or (work.done() and not work.cancelled()):
+                return work.result()
             bar.close()
-            return await interrupted(client, state)
-        finally:
-            bar.close()
+            code = await interrupted(client, state)
+        # The client is closed now, so a work task that ignored its cancel has lost its
+        # connection and ends; collect it so its exception is not reported as unretrieved.
+        await asyncio.wait({work}, timeout=5.0)
+        if work.done() and not work.cancelled():
+            work.exception()
+        return code
+    finally:
+        bar.close()
+        if handling:
+            loop.remove_signal_handler(signal.SIGINT)
 
 
 async def _generate(client: Client, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:

@@ -409,7 +409,12 @@ def test_ctrl_c_cancels_the_job(stub: StubDaemon, tmp_path: Path) -> None:
     assert stub.subscribed.wait(60)
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"generate ignored Ctrl-C for 30 s; its stderr: {err!r}")
     assert proc.returncode == 130, err
     assert "cancelled job j_1" in err
     assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
