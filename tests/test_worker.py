@@ -213,3 +213,25 @@ async def test_worker_bad_model_spec_fails_start_with_the_reason() -> None:
     with pytest.raises(WorkerStartError, match="no-such-model"):
         async with Driver(config("/nonexistent/no-such-model")):
             pass
+
+
+@pytest.mark.parametrize("src", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("wire", ["uint8", "float16", "float32"])
+def test_cpu_output_layout_is_bit_identical_to_the_torch_path(src: str, wire: str) -> None:
+    """On CPU the copy thread converts with numpy (no OpenMP team beside the forward); what
+    reaches a client must still be exactly what the device path computes, half-way values included."""
+    import torch
+
+    from diffusiond.daemon.worker.copier import to_output_layout
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 17, 9), (5, 3, 8, 8)):  # an image (C, H, W) and a video (F, C, H, W)
+        x = torch.rand(shape, generator=g) * 1.4 - 0.2  # outside [0, 1] too: clamped
+        x.view(-1)[:256] = (torch.arange(256) + 0.5) / 255  # exactly half-way between two uint8 levels
+        x = x.to(getattr(torch, src))
+        ref = x.float().permute(1, 2, 0) if x.dim() == 3 else x.float().permute(0, 2, 3, 1)
+        expected = ((ref.clamp(0, 1) * 255).round().to(torch.uint8) if wire == "uint8"
+                    else ref.to(getattr(torch, wire))).contiguous().numpy()  # fmt: skip
+        got = to_output_layout(x, wire).numpy()
+        assert got.dtype == expected.dtype and got.shape == expected.shape and got.flags.c_contiguous
+        assert np.array_equal(got.view(np.uint8), expected.view(np.uint8)), (src, wire, shape)

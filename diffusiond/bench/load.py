@@ -20,6 +20,8 @@ class LoadResult:
     latencies_ms: list[float]
     stages: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     bytes_received: int = 0
+    since_ns: int = 0  # time.monotonic_ns() when the measured phase began (warm-up before it)
+    trace: list[dict[str, Any]] | None = None  # GET /v1/admin/trace after the run, with --trace
 
 
 def _body(s: Any, prompt: str, seed: int) -> dict[str, Any]:
@@ -32,7 +34,7 @@ def _body(s: Any, prompt: str, seed: int) -> dict[str, Any]:
     return body
 
 
-async def _run(sock: Path, s: Any, one: Any) -> LoadResult:
+async def _run(sock: Path, s: Any, one: Any, fetch_trace: bool = False) -> LoadResult:
     conn = aiohttp.UnixConnector(path=str(sock), limit=s.concurrency * 2 + 4)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
     async with aiohttp.ClientSession(connector=conn, base_url="http://diffusiond", timeout=timeout) as session:
@@ -48,9 +50,15 @@ async def _run(sock: Path, s: Any, one: Any) -> LoadResult:
                 remaining -= 1
                 await one(session, next(seeds), result)
 
+        result.since_ns = time.monotonic_ns()
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(s.concurrency)))
         result.seconds = time.perf_counter() - t0
+        if fetch_trace:
+            async with session.get("/v1/admin/trace") as r:
+                if r.status != 200:
+                    raise RuntimeError(f"trace: {r.status} {await r.text()}")
+                result.trace = (await r.json())["workers"]
         return result
 
 
@@ -84,7 +92,7 @@ async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
             for k, v in final["timings_ms"].items():
                 result.stages[k].append(v)
 
-    return await _run(sock, s, one)
+    return await _run(sock, s, one, fetch_trace=s.trace)
 
 
 async def drive_naive(sock: Path, s: Any, prompt: str) -> LoadResult:

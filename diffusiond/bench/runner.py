@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from diffusiond.bench.load import LoadResult, drive_daemon, drive_naive
+from diffusiond.bench.trace import summarize
 
 MODES = ("limit", "async", "sync", "naive")
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
@@ -43,6 +44,7 @@ class Setup:
     guidance: float
     arena_mb: int
     batch_wait_ms: float
+    trace: bool = False
 
 
 @dataclass
@@ -55,6 +57,7 @@ class ModeResult:
     p99_ms: float | None
     stages_ms: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    trace: dict[str, Any] | None = None  # TraceSummary fields, with --trace
 
 
 def add_parser(sub: Any) -> None:
@@ -75,6 +78,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--arena-mb", type=int, default=None, help="default: room for 4 batches of outputs")
     p.add_argument("--batch-wait-ms", type=float, default=0.0)
+    p.add_argument("--trace", action="store_true",
+                   help="also say where the worker's time goes: forward and idle times, CUDA-timed on a GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=None)
 
@@ -91,7 +96,7 @@ def _setup(args: argparse.Namespace) -> Setup:
     return Setup(model=args.model, device=device, dtype=dtype, width=width, height=height, steps=args.steps,
                  batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,
                  format=args.format, frames=args.frames, output_dtype=args.output_dtype, guidance=args.guidance,
-                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms)
+                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, trace=args.trace)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,7 +167,30 @@ def table(report: dict[str, Any]) -> str:
             f"{f(st.get('queued'))} | {f(st.get('compute'))} | {f(st.get('copy'))} | {f(st.get('encode'))} |"
         )
     notes = [f"{r['mode']}: {r['note']}" for r in report["modes"] if r["note"]]
-    return "\n".join(lines + (["", *notes] if notes else []))
+    return "\n".join(lines + (["", *notes] if notes else []) + trace_table(report))
+
+
+def trace_table(report: dict[str, Any]) -> list[str]:
+    """With --trace: forward time and idle time per batch, host-timed and GPU-timed."""
+    rows = [r for r in report["modes"] if r.get("trace")]
+    if not rows:
+        return []
+
+    def f(v: float | None, scale: float = 1.0) -> str:
+        return "-" if v is None else f"{v * scale:.1f}"
+
+    lines = ["", "Where the time goes (median forward, mean idle between forwards, per batch; busy = share of the "
+             "window spent in forwards; overlap = share of copy time that ran during a forward):", "",
+             "| mode | batches | forward ms | idle ms | busy % | GPU forward ms | GPU idle ms | GPU busy % "
+             "| GPU copy ms | copy overlap % |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["trace"]
+        lines.append(
+            f"| {r['mode']} | {t['batches']} | {f(t['forward_ms'])} | {f(t['host_gap_ms'])} | {f(t['host_busy'], 100)} "
+            f"| {f(t['gpu_forward_ms'])} | {f(t['gpu_gap_ms'])} | {f(t['gpu_busy'], 100)} | {f(t['gpu_copy_ms'])} "
+            f"| {f(t['copy_overlap'], 100)} |"
+        )
+    return lines
 
 
 # limit ----------------------------------------------------------------------------------------
@@ -183,13 +211,32 @@ def run_limit(s: Setup) -> ModeResult:
             pipe.run(params, reqs, lambda a, b: True)
         if cuda:
             torch.cuda.synchronize()
+        events: list[tuple[str, int, int]] = []
+        gpu_marks: list[tuple[str, int, Any]] = []
+
+        def mark(name: str, k: int) -> None:
+            if not s.trace:
+                return
+            events.append((name, k, time.monotonic_ns()))
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                gpu_marks.append((name, k, ev))
+
         t0 = time.perf_counter()
         outs = None
-        for _ in range(batches):
+        for k in range(batches):
+            mark("compute_start", k)
             outs = pipe.run(params, reqs, lambda a, b: True)
+            mark("compute_end", k)
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        trace = None
+        if s.trace:
+            gpu_events = [(n, k, int(gpu_marks[0][2].elapsed_time(ev) * 1e6)) for n, k, ev in gpu_marks]
+            summary = summarize(events, gpu_events)  # type: ignore[arg-type]
+            trace = asdict(summary) if summary else None
     del pipe, outs
     gc.collect()
     if cuda:
@@ -197,7 +244,7 @@ def run_limit(s: Setup) -> ModeResult:
     n = batches * s.batch
     per_batch = elapsed / batches * 1000
     return ModeResult("limit", n, elapsed, n / elapsed, None, None, {"compute": per_batch},
-                      note=f"forward only, outputs left on the device; {per_batch:.1f} ms per batch")
+                      note=f"forward only, outputs left on the device; {per_batch:.1f} ms per batch", trace=trace)
 
 
 # daemon modes ---------------------------------------------------------------------------------
@@ -244,6 +291,8 @@ def run_daemon(s: Setup, mode: str) -> ModeResult:
                 "--device", s.device, "--dtype", s.dtype, "--max-batch", str(s.batch), "--output-mode", mode,
                 "--arena-mb", str(s.arena_mb), "--batch-wait-ms", str(s.batch_wait_ms),
                 "--queue-size", str(max(256, s.requests * 2)), "--log-level", "warning"]
+        if s.trace:
+            argv.append("--trace")
         with _process(argv, sock, Path(tmp) / "log"):
             res = asyncio.run(drive_daemon(sock, s, PROMPT))
     return _result(mode, res)
@@ -266,4 +315,9 @@ def _result(mode: str, r: LoadResult, note: str = "") -> ModeResult:
         return lat[min(len(lat) - 1, int(p / 100 * len(lat)))]
 
     stages = {k: sum(v) / len(v) for k, v in r.stages.items() if v}
-    return ModeResult(mode, len(lat), r.seconds, len(lat) / r.seconds, pct(50), pct(99), stages, note)
+    trace = None
+    if r.trace:  # one worker per bench daemon
+        w = r.trace[0]
+        summary = summarize(w["events"], w["gpu_events"], since_ns=r.since_ns)
+        trace = asdict(summary) if summary else None
+    return ModeResult(mode, len(lat), r.seconds, len(lat) / r.seconds, pct(50), pct(99), stages, note, trace)

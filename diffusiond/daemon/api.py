@@ -272,6 +272,13 @@ async def admin_wake(request: web.Request) -> web.Response:
     return web.json_response({"sleeping": False, "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
 
 
+async def admin_trace(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not engine.config.trace:
+        raise ApiError(409, "trace_off", "the daemon was started without --trace; restart it with --trace to record")
+    return web.json_response({"workers": await engine.trace()})
+
+
 def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
     cfg = engine.config
     app = web.Application(
@@ -292,4 +299,5 @@ def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/admin/sleep", admin_sleep)
     app.router.add_post("/v1/admin/wake", admin_wake)
+    app.router.add_get("/v1/admin/trace", admin_trace)
     return app

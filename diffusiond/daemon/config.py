@@ -98,6 +98,9 @@ class DaemonConfig:
     restart_backoff_s: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0, 10.0)
     log_level: str = "info"
     limits: Limits = Limits()
+    # Diagnostics: each worker keeps a timeline of its forwards and copies, with CUDA events on a
+    # GPU, served at GET /v1/admin/trace (what `diffusiond bench --trace` reads).
+    trace: bool = False
     fault: str = ""  # test-only worker fault injection; empty in normal runs
 
     @property

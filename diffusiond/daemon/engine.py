@@ -37,6 +37,7 @@ from diffusiond.ipc.messages import (
     RequestSpec,
     Sleep,
     SlotWait,
+    Trace,
     Wake,
     WorkerConfig,
 )
@@ -151,6 +152,7 @@ class Engine:
             slot_timeout_s=self.config.slot_timeout_s,
             drain_timeout_s=self.config.drain_grace_s,
             options=dict(model.config.options),
+            trace_gpu=self.config.trace,
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
         )
         return WorkerHandle(wc, on_frame=self._on_frame, on_lost=self._on_lost,
@@ -247,6 +249,19 @@ class Engine:
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+
+    async def trace(self) -> list[dict[str, Any]]:
+        """Each ready worker's timeline (``--trace``): host events, and CUDA-timed ones on a GPU."""
+        handles = [w for m in self.models.values() for w in m.workers if w.state == "ready"]
+        acks = await asyncio.gather(*(w.command(Trace(), 30.0) for w in handles), return_exceptions=True)
+        out = []
+        for w, ack in zip(handles, acks, strict=True):
+            if isinstance(ack, BaseException):
+                raise ApiError(503, "worker_unavailable", f"{w.name} did not send its trace: {ack}")
+            out.append({"id": w.id, "pid": w.pid, "model": w.config.model_name, "device": w.config.device,
+                        "events": [[e.name, e.batch_id, e.t_ns] for e in ack.trace],
+                        "gpu_events": [[e.name, e.batch_id, e.t_ns] for e in ack.gpu_trace]})
+        return out
 
     # admission ------------------------------------------------------------------------------
     def model(self, name: str | None) -> Model:

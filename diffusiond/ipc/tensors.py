@@ -31,6 +31,9 @@ _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
 }
 
 
+_NUMPY_NATIVE = frozenset(_NUMPY_DTYPES) - {"bfloat16"}
+
+
 class TensorDesc(msgspec.Struct, frozen=True, kw_only=True):
     """A dense, C-contiguous tensor at ``offset`` of slot ``slot_id``.
 
@@ -102,7 +105,11 @@ def write_tensor(buffer: memoryview, tensor: torch.Tensor, *, non_blocking: bool
     if need > len(buffer):
         raise ValueError(f"tensor of {need} bytes does not fit a buffer of {len(buffer)} bytes")
     dst = host_tensor(buffer[:need], tensor.dtype, tuple(tensor.shape))
-    if need:
+    if need and tensor.device.type == "cpu" and dtype_name(tensor) in _NUMPY_NATIVE:
+        # numpy copies on this thread only; a large torch copy_ would start an OpenMP team here
+        # and slow the forward running beside it (see worker/copier.py, _output_layout_numpy)
+        np.copyto(dst.numpy(), tensor.numpy())
+    elif need:
         dst.copy_(tensor, non_blocking=non_blocking)
     return dst
 

@@ -83,6 +83,8 @@ class SharedState:
         ev.record(stream)
         with self.lock:
             self.gpu_events.append((name, batch_id, ev))
+            if len(self.gpu_events) > 20_000:  # bounded, like the host trace: a long run keeps its tail
+                del self.gpu_events[:10_000]
 
     def gpu_trace(self) -> list[TraceEvent]:
         with self.lock:
