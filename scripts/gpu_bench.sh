@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The issue-6 workloads on a GPU machine, one `diffusiond bench` run each; tables and JSON go to
 # ${OUT:-bench-out}. Usage: scripts/gpu_bench.sh WORKLOAD...   (see the case list below)
+# BENCH_EXTRA adds flags to every run, e.g. BENCH_EXTRA=--trace for the where-the-time-goes table.
 set -uo pipefail
 out=${OUT:-bench-out}
 mkdir -p "$out"
 run() {
   local name=$1; shift
   echo "=== $name: diffusiond bench $*" | tee -a "$out/tables.md"
-  python3 -m diffusiond bench "$@" --json > "$out/$name.json" 2> "$out/$name.log"
+  python3 -m diffusiond bench "$@" ${BENCH_EXTRA:-} --json > "$out/$name.json" 2> "$out/$name.log"
   local rc=$?
   if [ $rc -ne 0 ]; then echo "FAILED ($rc)"; tail -20 "$out/$name.log"; return; fi
   python3 - "$out/$name.json" <<'PY' | tee -a "$out/tables.md"

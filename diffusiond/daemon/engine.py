@@ -4,6 +4,11 @@ Single-threaded state: all mutations happen on the loop, so there are no locks a
 between "an output arrived" and "someone started waiting for it". Frames from workers land on
 the Job that was created at admission; encoders run in a thread pool and report back to the
 loop. Every path a job can take ends in ``_end``, which releases whatever the job still holds.
+
+It is longer than the other modules on purpose: every transition of a job, a batch or a worker
+is here, so the invariants (nothing lost, nothing left hanging) can be checked in one file.
+Encoding and serving outputs (``outputs.py``), queueing (``scheduler.py``) and the worker
+processes (``workers.py``) live apart.
 """
 
 from __future__ import annotations
