@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import av
@@ -99,12 +98,15 @@ def test_a_size_the_model_cannot_make_is_refused(tiny_video: DiffusersPipeline) 
         tiny_video.run(clip(size=72), [req(1)], always)
 
 
-def test_a_batch_runs_in_about_a_second_on_a_cpu(tiny_video: DiffusersPipeline) -> None:
-    """The point of tiny-video: CI can afford it. Measured: ~0.2 s on 2 cores; the bound is loose."""
-    tiny_video.run(clip(), [req(0)], always)  # warm-up
-    start = time.perf_counter()
-    tiny_video.run(clip(), [req(1)], always)
-    assert time.perf_counter() - start < 5.0
+def test_tiny_video_stays_small_enough_for_ci(tiny_video: DiffusersPipeline) -> None:
+    """The point of tiny-video: CI can afford it (a batch took ~0.2 s on the 2-core box). Its size
+    is what keeps it so, and unlike a stopwatch the count does not depend on the machine."""
+    import torch
+
+    params = {name: sum(p.numel() for p in c.parameters())
+              for name, c in tiny_video._pipe.components.items() if isinstance(c, torch.nn.Module)}  # fmt: skip
+    assert {"transformer", "vae", "text_encoder"} <= set(params), params
+    assert sum(params.values()) < 1_000_000, params  # 0.41 M today
 
 
 def test_frames_encode_to_an_mp4_of_exactly_those_frames(tiny_video: DiffusersPipeline) -> None:
