@@ -204,16 +204,16 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
     The interrupt is a flag raced against the work rather than a cancellation delivered into
     it: if a library under the work swallowed the CancelledError (a read of the event stream
     that absorbs it), the cancel would be lost and Ctrl-C would hang. A second Ctrl-C stops
-    the clean-up too (``KeyboardInterrupt``, handled in ``cli.py``).
+    waiting for the daemon to confirm the cancel.
     """
     bar = ProgressBar(sys.stderr)
     loop = asyncio.get_running_loop()
-    interrupt = asyncio.Event()
+    interrupt, give_up = asyncio.Event(), asyncio.Event()
 
     def on_sigint() -> None:
-        if interrupt.is_set():
-            raise KeyboardInterrupt
-        interrupt.set()
+        if give_up.is_set():
+            raise KeyboardInterrupt  # a third: leave by the outer handler in cli.py
+        (give_up if interrupt.is_set() else interrupt).set()
 
     try:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
@@ -233,7 +233,7 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
             if not interrupt.is_set() or (work.done() and not work.cancelled()):
                 return work.result()
             bar.close()
-            code = await interrupted(client, state)
+            code = await interrupted(client, state, give_up)
         # The client is closed now, so a work task that ignored its cancel has lost its
         # connection and ends; collect it so its exception is not reported as unretrieved.
         await asyncio.wait({work}, timeout=5.0)
@@ -257,8 +257,9 @@ async def _generate(client: Client, args: argparse.Namespace, state: GenerateSta
             job = await follow(client, job_id, bar)
     except TimeoutError:
         bar.close()
-        await cancel_quietly(client, job_id)
-        print(f"error: job {job_id} did not finish within {args.timeout:g} s; cancelled it", file=sys.stderr)
+        confirmed = await cancel_quietly(client, job_id) is not None
+        what = "cancelled it" if confirmed else f"the daemon did not confirm its cancel (`diffusiond cancel {job_id}`)"
+        print(f"error: job {job_id} did not finish within {args.timeout:g} s; {what}", file=sys.stderr)
         return 1
     state.finished = True
     bar.close()
@@ -283,25 +284,39 @@ async def _generate(client: Client, args: argparse.Namespace, state: GenerateSta
     return 0
 
 
-async def cancel_quietly(client: Client, job_id: str) -> dict[str, Any] | None:
-    """Best-effort cancel on the way out: the job may have just finished or the daemon gone."""
-    try:
-        async with asyncio.timeout(5.0):
-            return await client.cancel(job_id)
-    except Exception:
-        return None
+async def cancel_quietly(client: Client, job_id: str, give_up: asyncio.Event | None = None) -> dict[str, Any] | None:
+    """Best-effort cancel on the way out: the job may have just finished or the daemon gone.
+
+    Bounded (5 s), and ``give_up`` (a second Ctrl-C) ends the wait at once. None when the
+    daemon did not confirm.
+    """
+    call = asyncio.ensure_future(client.cancel(job_id))
+    waits: set[asyncio.Future[Any]] = {call}
+    if give_up is not None:
+        waits.add(asyncio.ensure_future(give_up.wait()))
+    done, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    if call in done and not call.cancelled() and call.exception() is None:
+        return call.result()
+    return None
 
 
-async def interrupted(client: Client, state: GenerateState) -> int:
-    """Ctrl-C: cancel the job (no point computing for nobody) and say so."""
+async def interrupted(client: Client, state: GenerateState, give_up: asyncio.Event | None = None) -> int:
+    """Ctrl-C: cancel the job (no point computing for nobody) and say what became of it."""
     if state.job_id is None:
         print("interrupted", file=sys.stderr)
     elif state.finished:
         print(f"interrupted; job {state.job_id} had already finished", file=sys.stderr)
     else:
-        await cancel_quietly(client, state.job_id)
+        answer = await cancel_quietly(client, state.job_id, give_up)
         state.finished = True
-        print(f"cancelled job {state.job_id}", file=sys.stderr)
+        if answer is not None:
+            print(f"cancelled job {state.job_id}", file=sys.stderr)
+        else:
+            print(f"interrupted; the daemon did not confirm the cancel of job {state.job_id}: "
+                  f"check it with `diffusiond status`, cancel it with `diffusiond cancel {state.job_id}`",
+                  file=sys.stderr)
     return EXIT_INTERRUPTED
 
 

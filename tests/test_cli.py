@@ -259,6 +259,7 @@ class StubDaemon:
         self.requests: list[tuple[str, str, Any]] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.subscribed = threading.Event()
+        self.deleting = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -286,7 +287,7 @@ class StubDaemon:
         if body["prompt"] == "fail":
             err = {"code": "worker_crashed", "message": "the worker died", "stage": "computing"}
             text += f"event: error\ndata: {json.dumps(self.job_json(job_id, 'failed', error=err))}\n\n"
-        elif body["prompt"] != "hang":
+        elif body["prompt"] not in ("hang", "stuck"):
             n = body.get("n", 1)
             outputs = [{"index": k, "url": f"/v1/jobs/{job_id}/outputs/{k}", "content_type": "image/png",
                         "seed": 100 + k, "bytes": 6} for k in range(n)]  # fmt: skip
@@ -295,7 +296,7 @@ class StubDaemon:
         for i in range(0, len(data), 7):  # awkward chunks on the wire too
             await resp.write(data[i : i + 7])
         self.subscribed.set()
-        if body["prompt"] == "hang":
+        if body["prompt"] in ("hang", "stuck"):
             await asyncio.sleep(3600)
         return resp
 
@@ -305,6 +306,9 @@ class StubDaemon:
     async def delete(self, request: web.Request) -> web.Response:
         job_id = request.match_info["id"]
         self.requests.append(("DELETE", request.path, None))
+        if self.jobs.get(job_id, {}).get("prompt") == "stuck":  # a daemon that no longer answers
+            self.deleting.set()
+            await asyncio.sleep(3600)
         if job_id == "j_done":
             return web.json_response({"error": {"code": "conflict", "message": "finished"}}, status=409)
         if job_id not in self.jobs:
@@ -418,6 +422,26 @@ def test_ctrl_c_cancels_the_job(stub: StubDaemon, tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert "cancelled job j_1" in err
     assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_a_second_ctrl_c_exits_when_the_daemon_does_not_answer_the_cancel(stub: StubDaemon, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffusiond", "generate", "stuck", "--socket", stub.path],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert stub.subscribed.wait(60)
+        proc.send_signal(signal.SIGINT)
+        assert stub.deleting.wait(30), "the first Ctrl-C did not send the cancel"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)  # the cancel is given up on, bounded, not awaited
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "the daemon did not confirm the cancel of job j_1" in err and "diffusiond cancel j_1" in err, err
 
 
 def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
