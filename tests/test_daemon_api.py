@@ -416,6 +416,13 @@ async def test_unknown_job_and_delete_of_a_finished_job(sock: Path) -> None:
     assert status == 200 and again["status"] == "succeeded"
 
 
+async def test_trace_without_trace_flag_says_how_to_turn_it_on(sock: Path) -> None:
+    async with http(sock) as s:
+        status, answer = await get_json(s, "/v1/admin/trace")
+    assert status == 409 and answer["error"]["code"] == "trace_off", answer
+    assert "--trace" in answer["error"]["message"]
+
+
 async def test_queue_full_is_429_with_retry_after(daemon_factory: Any) -> None:
     d = daemon_factory("--queue-size", "1", "--model", "synthetic:compute_ms=3000", "--job-timeout", "120")
     body = {"prompt": "x", "width": SIZE, "height": SIZE, "steps": 8}
