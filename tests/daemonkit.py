@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,26 @@ import aiohttp
 import pytest
 
 from conftest import ROOT
+
+
+@contextlib.contextmanager
+def shared_daemon(tmp: Path, args: list[str], model_cache: Path, env: dict[str, str] | None = None) -> Iterator[Daemon]:
+    """A started daemon in ``tmp`` (socket d.sock, log d.log) for a module-scoped fixture."""
+    d = Daemon(tmp / "d.sock", args, tmp / "d.log", env={"DIFFUSIOND_CACHE": str(model_cache), **(env or {})})
+    try:
+        d.start()
+        yield d
+    finally:
+        d.stop()
+
+
+def gone(pid: int) -> bool:
+    """The process no longer exists (reaped or never was)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 class Daemon:

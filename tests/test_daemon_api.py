@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, http, sse, wait_job
+from daemonkit import Daemon, http, shared_daemon, sse, wait_job
 from PIL import Image
 
 SIZE = 64
@@ -56,15 +56,8 @@ def api_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> I
     tmp = tmp_path_factory.mktemp("api")
     config = tmp / "diffusiond.toml"
     config.write_text(CONFIG)
-    d = Daemon(
-        tmp / "d.sock",
-        ["--config", str(config), "--max-batch", "4", "--job-timeout", "120"],
-        tmp / "d.log",
-        env={"DIFFUSIOND_CACHE": str(model_cache)},
-    )
-    d.start()
-    yield d
-    d.stop()
+    with shared_daemon(tmp, ["--config", str(config), "--max-batch", "4", "--job-timeout", "120"], model_cache) as d:
+        yield d
 
 
 @pytest.fixture

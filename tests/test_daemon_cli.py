@@ -23,13 +23,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from daemonkit import Daemon, http, wait_job
+from daemonkit import Daemon, http, shared_daemon, wait_job
 from PIL import Image
 
 from conftest import ROOT
 from diffusiond.cli import main
 
 HOLD_MODEL = "hold=synthetic:compute_ms=300000"
+HOLD_JOB = ["--model", "hold", "--size", "64x64", "--steps", "500"]
+"""A generate that computes until it is cancelled or its deadline passes."""
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_daemon_lifecycle.py
 FAST = ["--size", "64x64", "--steps", "2"]
 
@@ -37,15 +39,8 @@ FAST = ["--size", "64x64", "--steps", "2"]
 @pytest.fixture(scope="module")
 def cli_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("cli")
-    d = Daemon(
-        tmp / "d.sock",
-        ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120"],
-        tmp / "d.log",
-        env={"DIFFUSIOND_CACHE": str(model_cache), **ENV},
-    )
-    d.start()
-    yield d
-    d.stop()
+    with shared_daemon(tmp, ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120"], model_cache, ENV) as d:
+        yield d
 
 
 @pytest.fixture
@@ -169,22 +164,7 @@ def test_rejected_request_exits_1_with_the_daemons_message(
 
 
 def test_failed_job_exits_1_with_the_reason_and_stage(sock: str, tmp_path: Path) -> None:
-    r = cli(
-        "generate",
-        "x",
-        "--socket",
-        sock,
-        "--model",
-        "hold",
-        "--size",
-        "64x64",
-        "--steps",
-        "500",
-        "--timeout",
-        "1",
-        "-o",
-        str(tmp_path / "x.png"),
-    )
+    r = cli("generate", "x", "--socket", sock, *HOLD_JOB, "--timeout", "1", "-o", str(tmp_path / "x.png"))
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "passed its deadline of 1s while computing" in r.stderr and "stage: computing" in r.stderr
     assert not (tmp_path / "x.png").exists()
@@ -192,23 +172,8 @@ def test_failed_job_exits_1_with_the_reason_and_stage(sock: str, tmp_path: Path)
 
 def test_interrupt_cancels_the_job(sock: str, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "diffusiond",
-            "generate",
-            "interrupt me",
-            "--socket",
-            sock,
-            "--model",
-            "hold",
-            "--size",
-            "64x64",
-            "--steps",
-            "500",
-            "-o",
-            str(tmp_path / "x.png"),
-        ],
+        [sys.executable, "-m", "diffusiond", "generate", "interrupt me", "--socket", sock, *HOLD_JOB,
+         "-o", str(tmp_path / "x.png")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

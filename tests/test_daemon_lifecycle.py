@@ -28,7 +28,21 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemonkit import Daemon, delete, get, health, http, idle, sse, submit, until, wait_job, when_idle
+from daemonkit import (
+    Daemon,
+    delete,
+    get,
+    gone,
+    health,
+    http,
+    idle,
+    shared_daemon,
+    sse,
+    submit,
+    until,
+    wait_job,
+    when_idle,
+)
 
 from conftest import shm_entries
 
@@ -43,15 +57,9 @@ ENV = {"OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def life_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("life")
-    d = Daemon(
-        tmp / "d.sock",
-        ["--model", "tiny", "--model", SLOW_MODEL, "--model", HOLD_MODEL, "--job-timeout", "120"],
-        tmp / "d.log",
-        env={"DIFFUSIOND_CACHE": str(model_cache), **ENV},
-    )
-    d.start()
-    yield d
-    d.stop()
+    args = ["--model", "tiny", "--model", SLOW_MODEL, "--model", HOLD_MODEL, "--job-timeout", "120"]
+    with shared_daemon(tmp, args, model_cache, ENV) as d:
+        yield d
 
 
 @pytest.fixture
@@ -82,14 +90,6 @@ async def batches_sent(s: aiohttp.ClientSession) -> float:
         text = await r.text()
     (line,) = [x for x in text.splitlines() if x.startswith("diffusiond_batch_size_count ")]
     return float(line.split()[1])
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 # cancel ---------------------------------------------------------------------------------------

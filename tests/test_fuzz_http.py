@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import pytest
-from daemonkit import Daemon
+from daemonkit import Daemon, shared_daemon
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -114,12 +114,9 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
 def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("fuzz")
     (tmp / "diffusiond.toml").write_text(CONFIG)
-    d = Daemon(tmp / "d.sock", ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30",
-                                "--job-timeout", "60", "--max-batch", "4"],
-               tmp / "d.log", env={"DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
-    d.start()
-    yield d
-    d.stop()
+    args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4"]
+    with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, delete, get, health, http, idle, sse, submit, until, when_idle
+from daemonkit import Daemon, delete, get, gone, health, http, idle, shared_daemon, sse, submit, until, when_idle
 
 from conftest import memfd_maps, shm_entries
 
@@ -127,31 +127,16 @@ def synthetic_output(width: int, height: int, seed: int, dtype: str = "uint8") -
         torch.set_num_threads(threads)
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def start_daemon(tmp: Path, model_cache: Path, args: list[str]) -> Daemon:
-    d = Daemon(tmp / "d.sock", args, tmp / "d.log", env={"DIFFUSIOND_CACHE": str(model_cache), **ENV})
-    d.start()
-    return d
-
-
 # the shared race daemon -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def race_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("race"), model_cache, [
+    with shared_daemon(tmp_path_factory.mktemp("race"), [
         "--model", "tiny", "--model", "slow=synthetic:compute_ms=400", "--model", "cp=synthetic:compute_ms=1",
         "--model", "vid=synthetic:task=video,compute_ms=20",
         "--max-batch", "4", "--encode-threads", "1", "--job-timeout", "120",
         "--test-fault", "copy_delay_ms=200",
-    ])
-    yield d
-    d.stop()
+    ], model_cache, ENV) as d:
+        yield d
 
 
 @pytest.fixture
@@ -322,11 +307,10 @@ async def test_outputs_over_the_limits_are_400_naming_the_field(race: Path) -> N
 # 2. large outputs: a stalled reader, a reader that hangs up, results nobody fetches -------------
 @pytest.fixture(scope="module")
 def big_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("big"), model_cache, [
+    with shared_daemon(tmp_path_factory.mktemp("big"), [
         "--model", "big=synthetic:compute_ms=5", "--arena-mb", "160", "--retention-s", "4", "--job-timeout", "120",
-    ])
-    yield d
-    d.stop()
+    ], model_cache, ENV) as d:
+        yield d
 
 
 @pytest.fixture

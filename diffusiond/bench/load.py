@@ -23,6 +23,13 @@ class LoadResult:
     since_ns: int = 0  # time.monotonic_ns() when the measured phase began (warm-up before it)
     trace: list[dict[str, Any]] | None = None  # GET /v1/admin/trace after the run, with --trace
 
+    def record(self, t0: float, received: int, stages: dict[str, float] | None = None) -> None:
+        """One finished request, timed from ``t0`` (perf_counter) to its last byte."""
+        self.latencies_ms.append((time.perf_counter() - t0) * 1000)
+        self.bytes_received += received
+        for k, v in (stages or {}).items():
+            self.stages[k].append(v)
+
 
 def _body(s: Any, prompt: str, seed: int) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt": prompt, "width": s.width, "height": s.height, "steps": s.steps,
@@ -87,10 +94,7 @@ async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
                 async for chunk in r.content.iter_chunked(1 << 20):
                     received += len(chunk)
         if result is not None:
-            result.latencies_ms.append((time.perf_counter() - t0) * 1000)
-            result.bytes_received += received
-            for k, v in final["timings_ms"].items():
-                result.stages[k].append(v)
+            result.record(t0, received, final["timings_ms"])
 
     return await _run(sock, s, one, fetch_trace=s.trace)
 
@@ -103,7 +107,6 @@ async def drive_naive(sock: Path, s: Any, prompt: str) -> LoadResult:
             if r.status != 200:
                 raise RuntimeError(f"naive server: {r.status} {data[:200]!r}")
         if result is not None:
-            result.latencies_ms.append((time.perf_counter() - t0) * 1000)
-            result.bytes_received += len(data)
+            result.record(t0, len(data))
 
     return await _run(sock, s, one)

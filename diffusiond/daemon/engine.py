@@ -242,11 +242,12 @@ class Engine:
             raise ApiError(500, "wake_failed", f"wake failed on {len(bad)} worker(s): {bad[0]}")
 
     def _busy(self) -> bool:
-        """Work that has left the queue and not yet come back: a batch computing or copying, or an
-        output still encoding. Sleep waits for all of it, so that when it answers nothing is running."""
-        return (any(self.in_flight.values()) or bool(self.batches)
-                or any(i.stage in (Stage.COPYING, Stage.ENCODING)
-                       for j in self.jobs.values() if not j.terminal for i in j.items))
+        """Work that has left the queue and not yet come back: a batch still open (computing or
+        copying; it closes when its last output lands) or an output still encoding. Sleep waits
+        for all of it, so that when it answers nothing is running."""
+        return bool(self.batches) or any(
+            i.stage == Stage.ENCODING for j in self.jobs.values() if not j.terminal for i in j.items
+        )
 
     async def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
