@@ -20,13 +20,13 @@ PY
 }
 for w in "$@"; do
   case $w in
-    sd15-512) run sd15-512 --model random:sd15 --size 512x512 --steps 4 --format png --requests 48 ;;
-    sd15-1024) run sd15-1024 --model random:sd15 --size 1024x1024 --steps 20 --format png --requests 6 --concurrency 3 ;;
-    sd15-512-b8) run sd15-512-b8 --model random:sd15 --size 512x512 --steps 4 --batch 8 --format png --requests 64 ;;
+    sd15-512) run sd15-512 --model random:sd15 --size 512x512 --steps 4 --format png --requests 96 ;;
+    sd15-1024) run sd15-1024 --model random:sd15 --size 1024x1024 --steps 20 --format png --requests 12 --concurrency 3 ;;
+    sd15-512-b8) run sd15-512-b8 --model random:sd15 --size 512x512 --steps 4 --batch 8 --format png --requests 128 ;;
     synthetic-300mb) run synthetic-300mb --model synthetic:compute_ms=500,task=video --size 1024x1024 \
-        --frames 100 --steps 10 --format npy --requests 12 ;;
+        --frames 100 --steps 10 --format npy --requests 16 ;;
     video-mp4) run video-mp4 --model random:wan-1.3b,save=0 --size 832x480 --frames 33 --steps 10 --format mp4 \
-        --requests 3 --concurrency 2 --modes limit,async,sync ;;
+        --requests 4 --concurrency 2 --modes limit,async,sync ;;
     *) echo "unknown workload $w" ;;
   esac
 done

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from diffusiond.bench.load import steady_throughput
 from diffusiond.bench.trace import intervals, summarize
 
 MS = 1_000_000
@@ -62,6 +63,22 @@ def test_gpu_summary_overlap_counts_only_copy_time_inside_forwards() -> None:
     assert s.copy_overlap == pytest.approx(5 / 8)
 
 
+def test_steady_throughput_counts_whole_batches_after_the_first() -> None:
+    # batches of 4 every 2 s, outputs of a batch arriving over 0.3 s; a partial first batch of 1
+    finished = [(10.0, 1, True)]
+    for b in range(2, 6):
+        finished += [(10.0 + 2 * (b - 1) + 0.1 * k, b, True) for k in range(4)]
+    finished += [(18.5, 5, False), (20.3, 6, False)]  # extras: one shares batch 5, one after the end
+    # window: end of batch 1 (10.0) to end of batch 5 (max 18.5); batches 2-5 hold 4+4+4+5 outputs
+    assert steady_throughput(finished) == pytest.approx(17 / 8.5)
+
+
+def test_steady_throughput_without_batch_ids_and_with_too_few_batches() -> None:
+    assert steady_throughput([(1.0, None, True), (1.5, None, True), (3.0, None, True)]) == pytest.approx(2 / 2.0)
+    assert steady_throughput([(1.0, 7, True), (1.2, 7, True)]) is None  # one batch: no interval to time
+    assert steady_throughput([]) is None
+
+
 def _bench(*extra: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "diffusiond", "bench", "--model", "tiny", "--size", "64x64", "--steps", "2",
             "--batch", "2", "--requests", "4", "--device", "cpu", *extra]  # fmt: skip
@@ -81,6 +98,7 @@ def test_bench_runs_every_mode_on_tiny_and_reports_where_the_time_goes(model_cac
         m = modes[name]
         assert m["requests"] == 4 and m["throughput"] > 0 and m["p50_ms"] <= m["p99_ms"], m
         assert m["ratio_to_limit"] == pytest.approx(m["throughput"] / modes["limit"]["throughput"], rel=1e-2)
+        assert m["wall_throughput"] == pytest.approx(4 / m["seconds"]), m
     for name in ("async", "sync"):  # the daemon's own job records give the stage times
         assert {"queued", "compute", "encode"} <= set(modes[name]["stages_ms"]), modes[name]
         t = modes[name]["trace"]

@@ -204,8 +204,9 @@ async def test_get_job_shape(sock: Path) -> None:
         "content_type": "image/png",
         "seed": 9,
         "bytes": out["bytes"],
+        "batch": out["batch"],
     }
-    assert out["bytes"] > 0
+    assert out["bytes"] > 0 and isinstance(out["batch"], int)
 
 
 # output formats -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import itertools
 import json
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,19 +17,62 @@ import aiohttp
 
 @dataclass
 class LoadResult:
-    seconds: float
+    seconds: float  # from the start of the measured phase to the last measured request's last byte
     latencies_ms: list[float]
     stages: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     bytes_received: int = 0
     since_ns: int = 0  # time.monotonic_ns() when the measured phase began (warm-up before it)
     trace: list[dict[str, Any]] | None = None  # GET /v1/admin/trace after the run, with --trace
+    # (last byte, batch id or None, measured?) of every request after the warm-up, the extra
+    # ones that keep the load on until the last measured request is done included
+    finished: list[tuple[float, int | None, bool]] = field(default_factory=list)
 
-    def record(self, t0: float, received: int, stages: dict[str, float] | None = None) -> None:
-        """One finished request, timed from ``t0`` (perf_counter) to its last byte."""
-        self.latencies_ms.append((time.perf_counter() - t0) * 1000)
-        self.bytes_received += received
-        for k, v in (stages or {}).items():
+    def record(self, done: Done, measured: bool) -> None:
+        self.finished.append((done.t1, done.batch, measured))
+        if not measured:
+            return
+        self.latencies_ms.append((done.t1 - done.t0) * 1000)
+        self.bytes_received += done.received
+        for k, v in done.stages.items():
             self.stages[k].append(v)
+
+    def steady_throughput(self) -> float | None:
+        return steady_throughput(self.finished)
+
+
+@dataclass
+class Done:
+    """One request, from its first byte sent (``t0``) to its output's last byte (``t1``)."""
+
+    t0: float
+    t1: float
+    received: int
+    stages: dict[str, float] = field(default_factory=dict)
+    batch: int | None = None  # the forward that computed it; None where the server does not say
+
+
+def steady_throughput(finished: list[tuple[float, int | None, bool]]) -> float | None:
+    """Requests per second between the first and the last batch that hold measured requests.
+
+    The comparable figure to ``limit``, which times forwards back to back: it leaves out the
+    pipeline's fill (the first batch's wait, forward, copy and encode) and its drain, which a
+    run of a few dozen requests would otherwise charge to throughput once. Counting whole
+    batches, by the id the daemon gives each output, keeps the window exact when outputs arrive
+    in bursts; the first batch's requests are outside the window (it ends where the window
+    starts). Requests without a batch id count as batches of one. None with fewer than two
+    batches.
+    """
+    groups: dict[object, list[float]] = defaultdict(list)
+    measured: set[object] = set()
+    for k, (t1, batch, is_measured) in enumerate(finished):
+        key: object = ("request", k) if batch is None else batch
+        groups[key].append(t1)
+        if is_measured:
+            measured.add(key)
+    ends = sorted((max(groups[key]), len(groups[key])) for key in measured)
+    if len(ends) < 2 or ends[-1][0] <= ends[0][0]:
+        return None
+    return sum(n for _, n in ends[1:]) / (ends[-1][0] - ends[0][0])
 
 
 def _body(s: Any, prompt: str, seed: int) -> dict[str, Any]:
@@ -41,26 +85,33 @@ def _body(s: Any, prompt: str, seed: int) -> dict[str, Any]:
     return body
 
 
-async def _run(sock: Path, s: Any, one: Any, fetch_trace: bool = False) -> LoadResult:
+async def _run(sock: Path, s: Any, one: Callable[[aiohttp.ClientSession, int], Awaitable[Done]],
+               fetch_trace: bool = False) -> LoadResult:
     conn = aiohttp.UnixConnector(path=str(sock), limit=s.concurrency * 2 + 4)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
     async with aiohttp.ClientSession(connector=conn, base_url="http://diffusiond", timeout=timeout) as session:
         seeds = itertools.count()
         # warm-up, not measured: first forwards, allocator growth, encoder pools
-        await asyncio.gather(*(one(session, next(seeds), None) for _ in range(max(s.concurrency, s.batch * 2))))
+        await asyncio.gather(*(one(session, next(seeds)) for _ in range(max(s.concurrency, s.batch * 2))))
         result = LoadResult(0.0, [])
-        remaining = s.requests
+        submitted = 0
+        last_measured = asyncio.Event()
+        t0 = time.perf_counter()
 
         async def client() -> None:
-            nonlocal remaining
-            while remaining > 0:
-                remaining -= 1
-                await one(session, next(seeds), result)
+            # Clients keep submitting until the last measured request is done, so the batches
+            # that hold measured requests are formed under full load, as in a long run.
+            nonlocal submitted
+            while not last_measured.is_set():
+                measured = submitted < s.requests
+                submitted += 1
+                result.record(await one(session, next(seeds)), measured)
+                if len(result.latencies_ms) == s.requests and not last_measured.is_set():
+                    result.seconds = time.perf_counter() - t0
+                    last_measured.set()
 
         result.since_ns = time.monotonic_ns()
-        t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(s.concurrency)))
-        result.seconds = time.perf_counter() - t0
         if fetch_trace:
             async with session.get("/v1/admin/trace") as r:
                 if r.status != 200:
@@ -70,7 +121,7 @@ async def _run(sock: Path, s: Any, one: Any, fetch_trace: bool = False) -> LoadR
 
 
 async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
-    async def one(session: aiohttp.ClientSession, seed: int, result: LoadResult | None) -> None:
+    async def one(session: aiohttp.ClientSession, seed: int) -> Done:
         t0 = time.perf_counter()
         async with session.post("/v1/jobs", json=_body(s, prompt, seed)) as r:
             job = await r.json()
@@ -93,20 +144,19 @@ async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
             async with session.get(out["url"]) as r:
                 async for chunk in r.content.iter_chunked(1 << 20):
                     received += len(chunk)
-        if result is not None:
-            result.record(t0, received, final["timings_ms"])
+        batch = final["outputs"][0].get("batch") if final["outputs"] else None
+        return Done(t0, time.perf_counter(), received, final["timings_ms"], batch)
 
     return await _run(sock, s, one, fetch_trace=s.trace)
 
 
 async def drive_naive(sock: Path, s: Any, prompt: str) -> LoadResult:
-    async def one(session: aiohttp.ClientSession, seed: int, result: LoadResult | None) -> None:
+    async def one(session: aiohttp.ClientSession, seed: int) -> Done:
         t0 = time.perf_counter()
         async with session.post("/generate", json=_body(s, prompt, seed)) as r:
             data = await r.read()
             if r.status != 200:
                 raise RuntimeError(f"naive server: {r.status} {data[:200]!r}")
-        if result is not None:
-            result.record(t0, len(data))
+        return Done(t0, time.perf_counter(), len(data))
 
     return await _run(sock, s, one)

@@ -52,12 +52,13 @@ class ModeResult:
     mode: str
     requests: int
     seconds: float
-    throughput: float
+    throughput: float  # steady state: what the ratio to the limit is taken from
     p50_ms: float | None
     p99_ms: float | None
     stages_ms: dict[str, float] = field(default_factory=dict)
     note: str = ""
     trace: dict[str, Any] | None = None  # TraceSummary fields, with --trace
+    wall_throughput: float | None = None  # measured requests / seconds, fill and drain included
 
 
 def add_parser(sub: Any) -> None:
@@ -152,22 +153,29 @@ def table(report: dict[str, Any]) -> str:
         + (f", {s['frames']} frames" if s["frames"] else ""),
         f"machine: {report['machine']}; {report['date']}",
         "",
-        "| mode | req/s | x limit | p50 ms | p99 ms | queued ms | compute ms | copy ms | encode ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | req/s | x limit | wall req/s | p50 ms | p99 ms | queued ms | compute ms | copy ms | encode ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
 
+    def g(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
     for r in report["modes"]:
         st = r["stages_ms"]
         ratio = "-" if r["ratio_to_limit"] is None else f"{r['ratio_to_limit']:.3f}"
         lines.append(
-            f"| {r['mode']} | {r['throughput']:.2f} | {ratio} | {f(r['p50_ms'])} | {f(r['p99_ms'])} | "
+            f"| {r['mode']} | {r['throughput']:.2f} | {ratio} | {g(r.get('wall_throughput'))} | "
+            f"{f(r['p50_ms'])} | {f(r['p99_ms'])} | "
             f"{f(st.get('queued'))} | {f(st.get('compute'))} | {f(st.get('copy'))} | {f(st.get('encode'))} |"
         )
     notes = [f"{r['mode']}: {r['note']}" for r in report["modes"] if r["note"]]
-    return "\n".join(lines + (["", *notes] if notes else []) + trace_table(report))
+    legend = ["", "req/s: steady state, from the end of the first batch of measured requests to the end of the "
+              "last (what x limit compares; the limit times forwards back to back); wall req/s: measured "
+              "requests over the whole measured phase, the pipeline's fill and drain included."]
+    return "\n".join(lines + legend + (["", *notes] if notes else []) + trace_table(report))
 
 
 def trace_table(report: dict[str, Any]) -> list[str]:
@@ -315,9 +323,11 @@ def _result(mode: str, r: LoadResult, note: str = "") -> ModeResult:
         return lat[min(len(lat) - 1, int(p / 100 * len(lat)))]
 
     stages = {k: sum(v) / len(v) for k, v in r.stages.items() if v}
+    wall = len(lat) / r.seconds
     trace = None
     if r.trace:  # one worker per bench daemon
         w = r.trace[0]
         summary = summarize(w["events"], w["gpu_events"], since_ns=r.since_ns)
         trace = asdict(summary) if summary else None
-    return ModeResult(mode, len(lat), r.seconds, len(lat) / r.seconds, pct(50), pct(99), stages, note, trace)
+    steady = r.steady_throughput()
+    return ModeResult(mode, len(lat), r.seconds, steady or wall, pct(50), pct(99), stages, note, trace, wall)

@@ -178,6 +178,7 @@ class Job:
                     "content_type": i.content_type,
                     "seed": i.seed,
                     "bytes": i.nbytes,
+                    "batch": i.batch_id,
                 }
                 for i in self.items
                 if i.done
