@@ -201,8 +201,13 @@ class Copier:
         return describe(host, slot_id, 0, dedicated=True), buf.fd
 
     def _sync(self) -> None:
+        """Wait for this thread's copies, sleeping rather than spinning.
+
+        A default CUDA event spins in the driver while it waits, and this wait overlaps the next
+        forward, whose kernel launches on the compute thread go through the same driver.
+        """
         if self.stream is not None:
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)
             done.record(self.stream)
             done.synchronize()
 
