@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from diffusiond.bench.load import steady_throughput
+from diffusiond.bench.load import LoadResult, steady_throughput
 from diffusiond.bench.trace import intervals, summarize
 
 MS = 1_000_000
@@ -71,12 +71,14 @@ def test_steady_throughput_counts_whole_batches_after_the_first() -> None:
     finished += [(18.5, 5, False), (20.3, 6, False)]  # extras: one shares batch 5, one after the end
     # window: end of batch 1 (10.0) to end of batch 5 (max 18.5); batches 2-5 hold 4+4+4+5 outputs
     assert steady_throughput(finished) == pytest.approx(17 / 8.5)
+    assert LoadResult(0.0, [], finished=finished).batch_sizes() == [1, 4, 4, 4, 5]  # batch 6: extras only
 
 
 def test_steady_throughput_without_batch_ids_and_with_too_few_batches() -> None:
     assert steady_throughput([(1.0, None, True), (1.5, None, True), (3.0, None, True)]) == pytest.approx(2 / 2.0)
     assert steady_throughput([(1.0, 7, True), (1.2, 7, True)]) is None  # one batch: no interval to time
     assert steady_throughput([]) is None
+    assert LoadResult(0.0, [], finished=[(1.0, None, True)]).batch_sizes() == []  # no ids: nothing to say
 
 
 def _bench(*extra: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -101,6 +103,7 @@ def test_bench_runs_every_mode_on_tiny_and_reports_where_the_time_goes(model_cac
         assert m["wall_throughput"] == pytest.approx(4 / m["seconds"]), m
     for name in ("async", "sync"):  # the daemon's own job records give the stage times
         assert {"queued", "compute", "encode"} <= set(modes[name]["stages_ms"]), modes[name]
+        assert "batches hold measured requests" in modes[name]["note"], modes[name]
         t = modes[name]["trace"]
         assert t is not None and t["batches"] >= 2 and 0 < t["host_busy"] <= 1, t
         assert t["gpu_forward_ms"] is None  # CPU: no CUDA timeline

@@ -39,6 +39,12 @@ class LoadResult:
     def steady_throughput(self) -> float | None:
         return steady_throughput(self.finished)
 
+    def batch_sizes(self) -> list[int]:
+        """Outputs per forward, for the batches that hold measured requests (daemon modes)."""
+        if not any(batch is not None for _, batch, _ in self.finished):
+            return []
+        return [n for _, n in measured_batches(self.finished)]
+
 
 @dataclass
 class Done:
@@ -51,16 +57,11 @@ class Done:
     batch: int | None = None  # the forward that computed it; None where the server does not say
 
 
-def steady_throughput(finished: list[tuple[float, int | None, bool]]) -> float | None:
-    """Requests per second between the first and the last batch that hold measured requests.
+def measured_batches(finished: list[tuple[float, int | None, bool]]) -> list[tuple[float, int]]:
+    """(end, outputs) of each batch that holds a measured request, in order of their ends.
 
-    The comparable figure to ``limit``, which times forwards back to back: it leaves out the
-    pipeline's fill (the first batch's wait, forward, copy and encode) and its drain, which a
-    run of a few dozen requests would otherwise charge to throughput once. Counting whole
-    batches, by the id the daemon gives each output, keeps the window exact when outputs arrive
-    in bursts; the first batch's requests are outside the window (it ends where the window
-    starts). Requests without a batch id count as batches of one. None with fewer than two
-    batches.
+    A batch ends with the last byte of its last output. Requests without a batch id (the naive
+    server) count as batches of one.
     """
     groups: dict[object, list[float]] = defaultdict(list)
     measured: set[object] = set()
@@ -69,7 +70,20 @@ def steady_throughput(finished: list[tuple[float, int | None, bool]]) -> float |
         groups[key].append(t1)
         if is_measured:
             measured.add(key)
-    ends = sorted((max(groups[key]), len(groups[key])) for key in measured)
+    return sorted((max(groups[key]), len(groups[key])) for key in measured)
+
+
+def steady_throughput(finished: list[tuple[float, int | None, bool]]) -> float | None:
+    """Requests per second between the first and the last batch that hold measured requests.
+
+    The comparable figure to ``limit``, which times forwards back to back: it leaves out the
+    pipeline's fill (the first batch's wait, forward, copy and encode) and its drain, which a
+    run of a few dozen requests would otherwise charge to throughput once. Counting whole
+    batches, by the id the daemon gives each output, keeps the window exact when outputs arrive
+    in bursts; the first batch's requests are outside the window (it ends where the window
+    starts). None with fewer than two batches.
+    """
+    ends = measured_batches(finished)
     if len(ends) < 2 or ends[-1][0] <= ends[0][0]:
         return None
     return sum(n for _, n in ends[1:]) / (ends[-1][0] - ends[0][0])

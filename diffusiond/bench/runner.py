@@ -303,7 +303,7 @@ def run_daemon(s: Setup, mode: str) -> ModeResult:
             argv.append("--trace")
         with _process(argv, sock, Path(tmp) / "log"):
             res = asyncio.run(drive_daemon(sock, s, PROMPT))
-    return _result(mode, res)
+    return _result(mode, res, s.batch)
 
 
 def run_naive(s: Setup) -> ModeResult:
@@ -313,10 +313,10 @@ def run_naive(s: Setup) -> ModeResult:
                 "--device", s.device, "--dtype", s.dtype]
         with _process(argv, sock, Path(tmp) / "log"):
             res = asyncio.run(drive_naive(sock, s, PROMPT))
-    return _result("naive", res, note="hand-written baseline: pipeline under a lock, PIL, PNG inline")
+    return _result("naive", res, s.batch, note="hand-written baseline: pipeline under a lock, PIL, PNG inline")
 
 
-def _result(mode: str, r: LoadResult, note: str = "") -> ModeResult:
+def _result(mode: str, r: LoadResult, batch: int, note: str = "") -> ModeResult:
     lat = sorted(r.latencies_ms)
 
     def pct(p: float) -> float:
@@ -330,4 +330,9 @@ def _result(mode: str, r: LoadResult, note: str = "") -> ModeResult:
         summary = summarize(w["events"], w["gpu_events"], since_ns=r.since_ns)
         trace = asdict(summary) if summary else None
     steady = r.steady_throughput()
+    sizes = r.batch_sizes()
+    if sizes:  # a batch below --batch costs a whole forward: the first thing to look at in a gap
+        full = sum(n >= batch for n in sizes)
+        note = (f"{len(sizes)} batches hold measured requests, {sum(sizes) / len(sizes):.2f} outputs each on "
+                f"average, {full} of them full ({batch})")
     return ModeResult(mode, len(lat), r.seconds, steady or wall, pct(50), pct(99), stages, note, trace, wall)
