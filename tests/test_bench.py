@@ -120,3 +120,5 @@ def test_bench_table_and_a_clear_error_for_an_unknown_mode(model_cache: Path) ->
     assert "Where the time goes" in table and table.count("| limit |") == 2
     bad = _bench("--modes", "limit,fast", env=env)
     assert bad.returncode == 2 and "unknown mode(s) ['fast']" in bad.stderr
+    zero = _bench("--requests", "0", env=env)  # would otherwise wait forever for a first measured request
+    assert zero.returncode == 2 and "--requests: must be at least 1, got 0" in zero.stderr

@@ -22,6 +22,7 @@ import aiohttp
 
 from diffusiond.bench.load import LoadResult, drive_daemon, drive_naive
 from diffusiond.bench.trace import summarize
+from diffusiond.cli_generate import parse_size, positive_int
 
 MODES = ("limit", "async", "sync", "naive")
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
@@ -66,18 +67,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default="tiny", metavar="SPEC")
     p.add_argument("--device", default=None, help="default: cuda:0 if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
-    p.add_argument("--size", default="512x512", metavar="WxH")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--size", default="512x512", type=parse_size, metavar="WxH")
+    p.add_argument("--steps", type=positive_int, default=4)
     p.add_argument("--guidance", type=float, default=5.0)
-    p.add_argument("--batch", type=int, default=1, help="outputs per forward (daemon: --max-batch)")
-    p.add_argument("--requests", type=int, default=64, help="measured requests per mode (one output each)")
-    p.add_argument("--concurrency", type=int, default=None,
+    p.add_argument("--batch", type=positive_int, default=1, help="outputs per forward (daemon: --max-batch)")
+    p.add_argument("--requests", type=positive_int, default=64, help="measured requests per mode (one output each)")
+    p.add_argument("--concurrency", type=positive_int, default=None,
                    help="concurrent clients (default: 3 x batch + 2, so a full batch is always waiting)")
     p.add_argument("--format", default="png", choices=("png", "jpeg", "webp", "npy", "mp4"))
-    p.add_argument("--frames", type=int, default=None, help="frames per output (video models)")
+    p.add_argument("--frames", type=positive_int, default=None, help="frames per output (video models)")
     p.add_argument("--output-dtype", default="uint8", choices=("uint8", "float16", "float32"))
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
-    p.add_argument("--arena-mb", type=int, default=None, help="default: room for 4 batches of outputs")
+    p.add_argument("--arena-mb", type=positive_int, default=None, help="default: room for 4 batches of outputs")
     p.add_argument("--batch-wait-ms", type=float, default=0.0)
     p.add_argument("--trace", action="store_true",
                    help="also say where the worker's time goes: forward and idle times, CUDA-timed on a GPU")
@@ -90,8 +91,7 @@ def _setup(args: argparse.Namespace) -> Setup:
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("float16" if device.startswith("cuda") else "float32")
-    w, _, h = args.size.partition("x")
-    width, height = int(w), int(h)
+    width, height = args.size
     per_output = width * height * 3 * (args.frames or 1) * {"uint8": 1, "float16": 2, "float32": 4}[args.output_dtype]
     arena_mb = args.arena_mb or max(256, (4 * args.batch + 2) * per_output // (1 << 20) + 64)
     return Setup(model=args.model, device=device, dtype=dtype, width=width, height=height, steps=args.steps,
