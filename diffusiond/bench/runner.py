@@ -23,6 +23,7 @@ import aiohttp
 from diffusiond.bench.load import LoadResult, drive_daemon, drive_naive
 from diffusiond.bench.trace import summarize
 from diffusiond.cli_generate import parse_size, positive_int
+from diffusiond.ipc.tensors import itemsize
 
 MODES = ("limit", "async", "sync", "naive")
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
@@ -92,7 +93,7 @@ def _setup(args: argparse.Namespace) -> Setup:
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("float16" if device.startswith("cuda") else "float32")
     width, height = args.size
-    per_output = width * height * 3 * (args.frames or 1) * {"uint8": 1, "float16": 2, "float32": 4}[args.output_dtype]
+    per_output = width * height * 3 * (args.frames or 1) * itemsize(args.output_dtype)
     arena_mb = args.arena_mb or max(256, (4 * args.batch + 2) * per_output // (1 << 20) + 64)
     return Setup(model=args.model, device=device, dtype=dtype, width=width, height=height, steps=args.steps,
                  batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,

@@ -11,6 +11,7 @@ stream ran while a forward was running.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -92,9 +93,8 @@ def summarize(events: list[Event], gpu_events: list[Event], since_ns: int = 0) -
     copies = intervals(gpu_events, "copy_start", "copy_end", ids)
     copy_ns = sum(c.end_ns - c.start_ns for c in copies)
     overlap = sum(_overlap_ns(c, gpu) for c in copies)
-    return TraceSummary(
-        summary.batches, summary.forward_ms, summary.host_gap_ms, summary.host_busy,
-        gpu_forward_ms=_median([i.ms for i in gpu]), gpu_gap_ms=gpu_gap, gpu_busy=gpu_busy,
+    return dataclasses.replace(
+        summary, gpu_forward_ms=_median([i.ms for i in gpu]), gpu_gap_ms=gpu_gap, gpu_busy=gpu_busy,
         gpu_copy_ms=copy_ns / len(copies) / 1e6 if copies else None,
         copy_overlap=overlap / copy_ns if copy_ns > 0 else None,
-    )  # fmt: skip
+    )

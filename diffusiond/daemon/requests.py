@@ -17,6 +17,7 @@ from diffusiond.daemon.config import Limits
 from diffusiond.daemon.encoders import IMAGE_FORMATS, VIDEO_FORMATS
 from diffusiond.daemon.errors import ApiError, bad_request
 from diffusiond.daemon.jobs import JobRequest
+from diffusiond.ipc.tensors import itemsize
 
 OUTPUT_DTYPES = ("uint8", "float16", "float32")
 # The scheduler short names the pipelines know (pipelines.diffusers_pipeline.SCHEDULERS, which a test
@@ -172,7 +173,7 @@ def check(
                 f"{'flow-matching' if flow else 'noise-prediction'} model); use one of {', '.join(fits)}",
                 field="scheduler",
             )
-    elem = {"uint8": 1, "float16": 2, "float32": 4}[dtype]
+    elem = itemsize(dtype)
     out_bytes = req["n"] * (frames or 1) * width * height * 3 * elem
     if out_bytes > limits.max_output_bytes:
         raise ApiError(413, "output_too_large",
