@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from diffusiond.bench.load import LoadResult, steady_throughput
+from diffusiond.bench.report import ModeResult, compare, per_mode
 from diffusiond.bench.trace import intervals, summarize
 
 MS = 1_000_000
@@ -81,43 +82,78 @@ def test_steady_throughput_without_batch_ids_and_with_too_few_batches() -> None:
     assert LoadResult(0.0, [], finished=[(1.0, None, True)]).batch_sizes() == []  # no ids: nothing to say
 
 
+def _run(mode: str, throughput: float, sizes: list[int] | None = None) -> ModeResult:
+    return ModeResult(mode, 8, 1.0, throughput, None, None, batch_sizes=sizes or [])
+
+
+def test_each_daemon_run_is_compared_with_the_limit_runs_around_it() -> None:
+    # the GPU slows through the run: 10, 9, 8 req/s from the limit; the daemon at 0.95 of its neighbours
+    runs = [_run("limit", 10.0), _run("async", 9.025, [8, 8]), _run("limit", 9.0), _run("async", 8.075, [8, 4]),
+            _run("limit", 8.0), _run("naive", 4.0)]  # fmt: skip
+    compare(runs)
+    assert [r.ratio_to_limit for r in runs] == [1.111, 0.95, 1.0, 0.95, 0.889, 0.5]  # naive: the last limit only
+    rows = {r["mode"]: r for r in per_mode(runs, batch=8)}
+    assert rows["async"]["ratio_to_limit"] == 0.95  # the best-of-limits would have said 0.9025 and 0.8075
+    assert rows["async"]["throughput"] == pytest.approx((9.025 + 8.075) / 2) and rows["async"]["runs"] == 2
+    assert rows["async"]["note"] == "4 batches hold measured requests, 7.00 outputs each on average, 3 of them full (8)"
+    assert rows["limit"]["ratio_to_limit"] == 1.0 and rows["limit"]["throughput"] == 9.0
+
+
+def test_without_a_limit_run_there_is_no_ratio() -> None:
+    runs = [_run("async", 5.0), _run("sync", 4.0)]
+    compare(runs)
+    assert all(r.ratio_to_limit is None for r in runs)
+    assert all(row["ratio_to_limit"] is None for row in per_mode(runs, batch=1))
+
+
 def _bench(*extra: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "diffusiond", "bench", "--model", "tiny", "--size", "64x64", "--steps", "2",
             "--batch", "2", "--requests", "4", "--device", "cpu", *extra]  # fmt: skip
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
-def test_bench_runs_every_mode_on_tiny_and_reports_where_the_time_goes(model_cache: Path) -> None:
+def test_bench_runs_every_mode_in_rounds_on_tiny_and_reports_where_the_time_goes(model_cache: Path) -> None:
     env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
-    done = _bench("--trace", "--json", env=env)
+    done = _bench("--rounds", "2", "--trace", "--json", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["setup"]["model"] == "tiny" and report["date"] and report["machine"]
+    assert report["setup"]["model"] == "tiny" and report["setup"]["rounds"] == 2
+    assert report["date"] and report["machine"]
+    # the limit around every daemon run, daemon order swapped in round 2, the baseline last
+    assert [r["mode"] for r in report["runs"]] == ["limit", "async", "sync", "limit", "sync", "async", "limit", "naive"]
+    runs = report["runs"]
+    for i in (1, 2, 4, 5):  # each daemon run against the mean of the limit runs on either side of it
+        around = [r["throughput"] for r in runs[:i] if r["mode"] == "limit"][-1:] + \
+                 [r["throughput"] for r in runs[i:] if r["mode"] == "limit"][:1]
+        assert runs[i]["ratio_to_limit"] == pytest.approx(runs[i]["throughput"] / (sum(around) / 2), abs=1e-3)
+    assert runs[7]["ratio_to_limit"] == pytest.approx(runs[7]["throughput"] / runs[6]["throughput"], abs=1e-3)
     modes = {m["mode"]: m for m in report["modes"]}
     assert set(modes) == {"limit", "async", "sync", "naive"}
-    assert modes["limit"]["ratio_to_limit"] == 1.0
-    for name in ("async", "sync", "naive"):
-        m = modes[name]
-        assert m["requests"] == 4 and m["throughput"] > 0 and m["p50_ms"] <= m["p99_ms"], m
-        assert m["ratio_to_limit"] == pytest.approx(m["throughput"] / modes["limit"]["throughput"], rel=1e-2)
-        assert m["wall_throughput"] == pytest.approx(4 / m["seconds"]), m
-    for name in ("async", "sync"):  # the daemon's own job records give the stage times
-        assert {"queued", "compute", "encode"} <= set(modes[name]["stages_ms"]), modes[name]
-        assert "batches hold measured requests" in modes[name]["note"], modes[name]
-        t = modes[name]["trace"]
-        assert t is not None and t["batches"] >= 2 and 0 < t["host_busy"] <= 1, t
-        assert t["gpu_forward_ms"] is None  # CPU: no CUDA timeline
-    assert modes["limit"]["trace"]["batches"] == 2  # 4 requests at batch 2
-    assert modes["naive"]["trace"] is None  # the baseline has no worker to trace
+    assert modes["limit"]["ratio_to_limit"] == 1.0 and modes["limit"]["runs"] == 3
+    for name in ("async", "sync"):
+        m, mine = modes[name], [r for r in runs if r["mode"] == name]
+        assert m["runs"] == 2 and m["requests"] == 8 and m["p50_ms"] <= m["p99_ms"], m
+        assert m["ratio_to_limit"] == pytest.approx(sum(r["ratio_to_limit"] for r in mine) / 2, abs=1e-3)
+        assert {"queued", "compute", "encode"} <= set(m["stages_ms"]), m  # from the daemon's own job records
+        assert "batches hold measured requests" in m["note"], m
+        for r in mine:
+            assert r["wall_throughput"] == pytest.approx(4 / r["seconds"]), r
+            assert sum(r["batch_sizes"]) >= 4 and max(r["batch_sizes"]) <= 2, r
+            t = r["trace"]
+            assert t is not None and t["batches"] >= 2 and 0 < t["host_busy"] <= 1, t
+            assert t["gpu_forward_ms"] is None  # CPU: no CUDA timeline
+    assert all(r["trace"]["batches"] == 2 for r in runs if r["mode"] == "limit")  # 4 requests at batch 2
+    assert runs[7]["trace"] is None  # the baseline has no worker to trace
 
 
 def test_bench_table_and_a_clear_error_for_an_unknown_mode(model_cache: Path) -> None:
     env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
-    done = _bench("--modes", "limit,async", "--trace", env=env)
+    done = _bench("--modes", "limit,async", "--rounds", "1", "--trace", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     table = done.stdout
-    assert "| mode | req/s | x limit |" in table and "| async |" in table
-    assert "Where the time goes" in table and table.count("| limit |") == 2
+    assert "| mode | req/s | x limit |" in table and "| async |" in table and "1 round," not in table
+    assert "Runs, in the order they ran" in table  # limit, async, limit: more runs than modes
+    assert "Where the time goes" in table and "| 3 | limit |" in table
     bad = _bench("--modes", "limit,fast", env=env)
     assert bad.returncode == 2 and "unknown mode(s) ['fast']" in bad.stderr
     zero = _bench("--requests", "0", env=env)  # would otherwise wait forever for a first measured request

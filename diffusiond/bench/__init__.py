@@ -8,6 +8,8 @@ hand-written server, side by side in one run on the same model.
 - ``sync``: the same daemon with ``--output-mode sync`` (copy and pack before the next forward).
 - ``naive``: the server people write by hand (``bench/naive.py``): one aiohttp handler that calls
   the pipeline under a lock with PIL output and encodes the PNG inline. Labelled as the baseline.
+
+Every mode runs in rounds with the limit measured around each daemon run (``report.py`` says why).
 """
 
 from diffusiond.bench.runner import add_parser, run

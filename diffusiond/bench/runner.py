@@ -1,11 +1,17 @@
-"""The benchmark driver: runs each mode in turn on one model and prints one table."""
+"""The benchmark driver: runs each mode in rounds on one model and prints one table.
+
+Order of a run: the limit's pipeline is loaded in this process and the daemons (``async``,
+``sync``) are started side by side, idle while they are not driven. Each round measures the
+limit, then each daemon mode (their order swapped every other round), and a last limit run
+closes the sequence, so every daemon run has a limit run on each side (``report.compare``). The
+hand-written baseline runs once at the end, after the daemons have stopped.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import platform
@@ -14,53 +20,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from diffusiond.bench.limit import PROMPT, Limit
 from diffusiond.bench.load import LoadResult, drive_daemon, drive_naive
+from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
 from diffusiond.cli_generate import parse_size, positive_int
 from diffusiond.ipc.tensors import itemsize
 
 MODES = ("limit", "async", "sync", "naive")
-PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
-
-
-@dataclass
-class Setup:
-    model: str
-    device: str
-    dtype: str
-    width: int
-    height: int
-    steps: int
-    batch: int
-    requests: int
-    concurrency: int
-    format: str
-    frames: int | None
-    output_dtype: str
-    guidance: float
-    arena_mb: int
-    batch_wait_ms: float
-    trace: bool = False
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    requests: int
-    seconds: float
-    throughput: float  # steady state: what the ratio to the limit is taken from
-    p50_ms: float | None
-    p99_ms: float | None
-    stages_ms: dict[str, float] = field(default_factory=dict)
-    note: str = ""
-    trace: dict[str, Any] | None = None  # TraceSummary fields, with --trace
-    wall_throughput: float | None = None  # measured requests / seconds, fill and drain included
+DAEMON_MODES = ("async", "sync")
 
 
 def add_parser(sub: Any) -> None:
@@ -72,7 +47,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=positive_int, default=4)
     p.add_argument("--guidance", type=float, default=5.0)
     p.add_argument("--batch", type=positive_int, default=1, help="outputs per forward (daemon: --max-batch)")
-    p.add_argument("--requests", type=positive_int, default=64, help="measured requests per mode (one output each)")
+    p.add_argument("--requests", type=positive_int, default=64,
+                   help="measured requests per mode and round (one output each)")
     p.add_argument("--concurrency", type=positive_int, default=None,
                    help="concurrent clients (default: 3 x batch + 2, so a full batch is always waiting)")
     p.add_argument("--format", default="png", choices=("png", "jpeg", "webp", "npy", "mp4"))
@@ -81,6 +57,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--arena-mb", type=positive_int, default=None, help="default: room for 4 batches of outputs")
     p.add_argument("--batch-wait-ms", type=float, default=0.0)
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="measure every mode this many times, the limit around each daemon run (GPU speed drifts)")
     p.add_argument("--trace", action="store_true",
                    help="also say where the worker's time goes: forward and idle times, CUDA-timed on a GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -98,7 +76,7 @@ def _setup(args: argparse.Namespace) -> Setup:
     return Setup(model=args.model, device=device, dtype=dtype, width=width, height=height, steps=args.steps,
                  batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,
                  format=args.format, frames=args.frames, output_dtype=args.output_dtype, guidance=args.guidance,
-                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, trace=args.trace)
+                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, rounds=args.rounds, trace=args.trace)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,34 +86,44 @@ def run(args: argparse.Namespace) -> int:
         print(f"diffusiond bench: error: unknown mode(s) {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
     setup = _setup(args)
-    results: list[ModeResult] = []
-    for mode in modes:
-        print(f"bench: running {mode} ...", file=sys.stderr, flush=True)
-        if mode == "limit":
-            results.append(run_limit(setup))
-        elif mode in ("async", "sync"):
-            results.append(run_daemon(setup, mode))
-        else:
-            results.append(run_naive(setup))
-    if "limit" in modes and len(modes) > 1:
-        # Measured again at the end: host speed drifts on shared machines, and the ratio to the
-        # limit should not flatter the daemon because the first limit run was a slow one.
-        print("bench: running limit again ...", file=sys.stderr, flush=True)
-        again = run_limit(setup)
-        first = next(r for r in results if r.mode == "limit")
-        best = max(first, again, key=lambda r: r.throughput)
-        best.note += f"; best of two runs ({first.throughput:.2f} and {again.throughput:.2f} req/s)"
-        results[results.index(first)] = best
+    runs = measure(setup, modes)
+    compare(runs)
     report = {"setup": asdict(setup), "machine": machine(setup.device), "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(["diffusiond", *sys.argv[1:]]), "modes": [asdict(r) for r in results]}
-    limit = next((r.throughput for r in results if r.mode == "limit"), None)
-    for r in report["modes"]:
-        r["ratio_to_limit"] = round(r["throughput"] / limit, 3) if limit else None
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print(table(report))
+              "command": " ".join(["diffusiond", *sys.argv[1:]]), "modes": per_mode(runs, setup.batch),
+              "runs": [asdict(r) for r in runs]}
+    print(json.dumps(report, indent=1) if args.json else table(report))
     return 0
+
+
+def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
+    """Every measured run, in the order it ran."""
+    runs: list[ModeResult] = []
+    daemon_modes = [m for m in modes if m in DAEMON_MODES]
+
+    def log(what: str) -> None:
+        print(f"bench: {what} ...", file=sys.stderr, flush=True)
+
+    with contextlib.ExitStack() as stack:
+        limit = None
+        if "limit" in modes:
+            log("loading the limit's pipeline")
+            limit = Limit(s)
+            stack.callback(limit.close)
+        socks = stack.enter_context(_daemons(s, daemon_modes)) if daemon_modes else {}
+        for k in range(s.rounds):
+            if limit:
+                log(f"round {k + 1}/{s.rounds}: limit")
+                runs.append(limit.measure(k))
+            for mode in daemon_modes if k % 2 == 0 else daemon_modes[::-1]:
+                log(f"round {k + 1}/{s.rounds}: {mode}")
+                runs.append(_result(mode, asyncio.run(drive_daemon(socks[mode], s, PROMPT)), k))
+        if limit and len(modes) > 1:
+            log("limit, closing the sequence")
+            runs.append(limit.measure(s.rounds - 1))
+    if "naive" in modes:
+        log("naive")
+        runs.append(run_naive(s))
+    return runs
 
 
 def machine(device: str) -> str:
@@ -146,123 +134,12 @@ def machine(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
 
 
-def table(report: dict[str, Any]) -> str:
-    s = report["setup"]
-    lines = [
-        f"model {s['model']} on {s['device']} ({s['dtype']}), {s['width']}x{s['height']}, {s['steps']} steps, "
-        f"batch {s['batch']}, {s['requests']} requests, concurrency {s['concurrency']}, format {s['format']}"
-        + (f", {s['frames']} frames" if s["frames"] else ""),
-        f"machine: {report['machine']}; {report['date']}",
-        "",
-        "| mode | req/s | x limit | wall req/s | p50 ms | p99 ms | queued ms | compute ms | copy ms | encode ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def f(v: float | None) -> str:
-        return "-" if v is None else f"{v:.1f}"
-
-    def g(v: float | None) -> str:
-        return "-" if v is None else f"{v:.2f}"
-
-    for r in report["modes"]:
-        st = r["stages_ms"]
-        ratio = "-" if r["ratio_to_limit"] is None else f"{r['ratio_to_limit']:.3f}"
-        lines.append(
-            f"| {r['mode']} | {r['throughput']:.2f} | {ratio} | {g(r.get('wall_throughput'))} | "
-            f"{f(r['p50_ms'])} | {f(r['p99_ms'])} | "
-            f"{f(st.get('queued'))} | {f(st.get('compute'))} | {f(st.get('copy'))} | {f(st.get('encode'))} |"
-        )
-    notes = [f"{r['mode']}: {r['note']}" for r in report["modes"] if r["note"]]
-    legend = ["", "req/s: steady state, from the end of the first batch of measured requests to the end of the "
-              "last (what x limit compares; the limit times forwards back to back); wall req/s: measured "
-              "requests over the whole measured phase, the pipeline's fill and drain included."]
-    return "\n".join(lines + legend + (["", *notes] if notes else []) + trace_table(report))
-
-
-def trace_table(report: dict[str, Any]) -> list[str]:
-    """With --trace: forward time and idle time per batch, host-timed and GPU-timed."""
-    rows = [r for r in report["modes"] if r.get("trace")]
-    if not rows:
-        return []
-
-    def f(v: float | None, scale: float = 1.0) -> str:
-        return "-" if v is None else f"{v * scale:.1f}"
-
-    lines = ["", "Where the time goes (median forward, mean idle between forwards, per batch; busy = share of the "
-             "window spent in forwards; overlap = share of copy time that ran during a forward):", "",
-             "| mode | batches | forward ms | idle ms | busy % | GPU forward ms | GPU idle ms | GPU busy % "
-             "| GPU copy ms | copy overlap % |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t = r["trace"]
-        lines.append(
-            f"| {r['mode']} | {t['batches']} | {f(t['forward_ms'])} | {f(t['host_gap_ms'])} | {f(t['host_busy'], 100)} "
-            f"| {f(t['gpu_forward_ms'])} | {f(t['gpu_gap_ms'])} | {f(t['gpu_busy'], 100)} | {f(t['gpu_copy_ms'])} "
-            f"| {f(t['copy_overlap'], 100)} |"
-        )
-    return lines
-
-
-# limit ----------------------------------------------------------------------------------------
-def run_limit(s: Setup) -> ModeResult:
-    import torch
-
-    from diffusiond.ipc.messages import BatchParams, RequestSpec
-    from diffusiond.pipelines import load_pipeline
-
-    pipe = load_pipeline(s.model, device=s.device, dtype=s.dtype)
-    params = BatchParams(width=s.width, height=s.height, steps=s.steps, guidance=s.guidance, num_frames=s.frames,
-                         output_dtype=s.output_dtype)  # type: ignore[arg-type]
-    batches = max(1, s.requests // s.batch)
-    reqs = [RequestSpec(request_id=str(i), prompt=PROMPT, seed=i) for i in range(s.batch)]
-    cuda = s.device.startswith("cuda")
-    with torch.inference_mode():
-        for _ in range(2):
-            pipe.run(params, reqs, lambda a, b: True)
-        if cuda:
-            torch.cuda.synchronize()
-        events: list[tuple[str, int, int]] = []
-        gpu_marks: list[tuple[str, int, Any]] = []
-
-        def mark(name: str, k: int) -> None:
-            if not s.trace:
-                return
-            events.append((name, k, time.monotonic_ns()))
-            if cuda:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                gpu_marks.append((name, k, ev))
-
-        t0 = time.perf_counter()
-        outs = None
-        for k in range(batches):
-            mark("compute_start", k)
-            outs = pipe.run(params, reqs, lambda a, b: True)
-            mark("compute_end", k)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        trace = None
-        if s.trace:
-            gpu_events = [(n, k, int(gpu_marks[0][2].elapsed_time(ev) * 1e6)) for n, k, ev in gpu_marks]
-            summary = summarize(events, gpu_events)  # type: ignore[arg-type]
-            trace = asdict(summary) if summary else None
-    del pipe, outs
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    n = batches * s.batch
-    per_batch = elapsed / batches * 1000
-    return ModeResult("limit", n, elapsed, n / elapsed, None, None, {"compute": per_batch},
-                      note=f"forward only, outputs left on the device; {per_batch:.1f} ms per batch", trace=trace)
-
-
-# daemon modes ---------------------------------------------------------------------------------
+# processes ------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _process(argv: list[str], sock: Path, log: Path):  # type: ignore[no-untyped-def]
+def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_ready(proc, sock, log)
             yield proc
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -293,31 +170,37 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, timeout: f
     asyncio.run(poll())
 
 
-def run_daemon(s: Setup, mode: str) -> ModeResult:
-    with tempfile.TemporaryDirectory(prefix="diffusiond-bench-") as tmp:
-        sock = Path(tmp) / "d.sock"
-        argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--model", s.model,
-                "--device", s.device, "--dtype", s.dtype, "--max-batch", str(s.batch), "--output-mode", mode,
-                "--arena-mb", str(s.arena_mb), "--batch-wait-ms", str(s.batch_wait_ms),
-                "--queue-size", str(max(256, s.requests * 2)), "--log-level", "warning"]
-        if s.trace:
-            argv.append("--trace")
-        with _process(argv, sock, Path(tmp) / "log"):
-            res = asyncio.run(drive_daemon(sock, s, PROMPT))
-    return _result(mode, res, s.batch)
+@contextlib.contextmanager
+def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
+    """One daemon per mode, started together (their model loads overlap), each on its own socket."""
+    with tempfile.TemporaryDirectory(prefix="diffusiond-bench-") as tmp, contextlib.ExitStack() as stack:
+        started = []
+        for mode in modes:
+            sock, log = Path(tmp) / f"{mode}.sock", Path(tmp) / f"{mode}.log"
+            argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--model", s.model,
+                    "--device", s.device, "--dtype", s.dtype, "--max-batch", str(s.batch), "--output-mode", mode,
+                    "--arena-mb", str(s.arena_mb), "--batch-wait-ms", str(s.batch_wait_ms),
+                    "--queue-size", str(max(256, s.requests * 2)), "--log-level", "warning"]
+            if s.trace:
+                argv.append("--trace")
+            started.append((stack.enter_context(_process(argv, log)), sock, log))
+        for proc, sock, log in started:
+            _wait_ready(proc, sock, log)
+        yield {mode: sock for mode, (_, sock, _) in zip(modes, started, strict=True)}
 
 
 def run_naive(s: Setup) -> ModeResult:
     with tempfile.TemporaryDirectory(prefix="diffusiond-bench-") as tmp:
-        sock = Path(tmp) / "n.sock"
+        sock, log = Path(tmp) / "n.sock", Path(tmp) / "log"
         argv = [sys.executable, "-m", "diffusiond.bench.naive", "--socket", str(sock), "--model", s.model,
                 "--device", s.device, "--dtype", s.dtype]
-        with _process(argv, sock, Path(tmp) / "log"):
+        with _process(argv, log) as proc:
+            _wait_ready(proc, sock, log)
             res = asyncio.run(drive_naive(sock, s, PROMPT))
-    return _result("naive", res, s.batch, note="hand-written baseline: pipeline under a lock, PIL, PNG inline")
+    return _result("naive", res, s.rounds - 1, note="hand-written baseline: pipeline under a lock, PIL, PNG inline")
 
 
-def _result(mode: str, r: LoadResult, batch: int, note: str = "") -> ModeResult:
+def _result(mode: str, r: LoadResult, round_: int, note: str = "") -> ModeResult:
     lat = sorted(r.latencies_ms)
 
     def pct(p: float) -> float:
@@ -330,10 +213,5 @@ def _result(mode: str, r: LoadResult, batch: int, note: str = "") -> ModeResult:
         w = r.trace[0]
         summary = summarize(w["events"], w["gpu_events"], since_ns=r.since_ns)
         trace = asdict(summary) if summary else None
-    steady = r.steady_throughput()
-    sizes = r.batch_sizes()
-    if sizes:  # a batch below --batch costs a whole forward: the first thing to look at in a gap
-        full = sum(n >= batch for n in sizes)
-        note = (f"{len(sizes)} batches hold measured requests, {sum(sizes) / len(sizes):.2f} outputs each on "
-                f"average, {full} of them full ({batch})")
-    return ModeResult(mode, len(lat), r.seconds, steady or wall, pct(50), pct(99), stages, note, trace, wall)
+    return ModeResult(mode, len(lat), r.seconds, r.steady_throughput() or wall, pct(50), pct(99), stages, note,
+                      trace, wall, r.batch_sizes(), round_)
