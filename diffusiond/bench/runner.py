@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,9 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
             limit = Limit(s)
             stack.callback(limit.close)
         socks = stack.enter_context(_daemons(s, daemon_modes)) if daemon_modes else {}
+        for mode in daemon_modes:  # a fresh worker's first forwards are slow: not in round 1's figure
+            log(f"warming up {mode}")
+            asyncio.run(drive_daemon(socks[mode], replace(s, requests=s.concurrency + 4 * s.batch), PROMPT))
         for k in range(s.rounds):
             if limit:
                 log(f"round {k + 1}/{s.rounds}: limit")
