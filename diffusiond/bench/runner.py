@@ -112,7 +112,7 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
         socks = stack.enter_context(_daemons(s, daemon_modes)) if daemon_modes else {}
         for mode in daemon_modes:  # a fresh worker's first forwards are slow: not in round 1's figure
             log(f"warming up {mode}")
-            asyncio.run(drive_daemon(socks[mode], replace(s, requests=s.concurrency + 4 * s.batch), PROMPT))
+            asyncio.run(drive_daemon(socks[mode], replace(s, requests=2 * s.batch), PROMPT))
         for k in range(s.rounds):
             if limit:
                 log(f"round {k + 1}/{s.rounds}: limit")
