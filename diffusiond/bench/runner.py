@@ -110,7 +110,7 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
             limit = Limit(s)
             stack.callback(limit.close)
         socks = stack.enter_context(_daemons(s, daemon_modes)) if daemon_modes else {}
-        for mode in daemon_modes:  # a fresh worker's first forwards are slow: not in round 1's figure
+        for mode in daemon_modes:  # round 1 is not a fresh worker's first run (once the slowest one)
             log(f"warming up {mode}")
             asyncio.run(drive_daemon(socks[mode], replace(s, requests=2 * s.batch), PROMPT))
         for k in range(s.rounds):
