@@ -40,6 +40,17 @@ def test_host_summary_busy_share_and_idle_between_forwards() -> None:
     assert s.gpu_forward_ms is None and s.copy_overlap is None
 
 
+def test_a_slow_minority_of_forwards_shows_in_the_mean_not_the_median() -> None:
+    events, gpu = [], []
+    for b, (start, ms) in enumerate(((0, 10), (10, 10), (20, 40)), 1):  # back to back: 10, 10 and 40 ms
+        events += [("compute_start", b, start * MS), ("compute_end", b, (start + ms) * MS)]
+    gpu = list(events)
+    s = summarize(events, gpu)
+    assert s is not None
+    assert (s.forward_ms, s.forward_mean_ms) == (10.0, 20.0)
+    assert (s.gpu_forward_ms, s.gpu_forward_mean_ms) == (10.0, 20.0)
+
+
 def test_warm_up_forwards_before_since_are_left_out() -> None:
     events = [("compute_start", 1, 0), ("compute_end", 1, 100 * MS),
               ("compute_start", 2, 200 * MS), ("compute_end", 2, 210 * MS)]  # fmt: skip

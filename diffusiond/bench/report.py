@@ -118,6 +118,12 @@ def _r(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _two(t: dict[str, Any], key: str) -> str:
+    """Median / mean; reports written before the mean was recorded have the median only."""
+    mean = t.get(f"{key}_mean_ms")
+    return _f(t[f"{key}_ms"]) + ("" if mean is None else f" / {mean:.1f}")
+
+
 def table(report: dict[str, Any]) -> str:
     s = report["setup"]
     rounds = s.get("rounds", 1)
@@ -165,15 +171,15 @@ def trace_table(report: dict[str, Any]) -> list[str]:
     rows = [(i, r) for i, r in enumerate(report.get("runs", []), 1) if r.get("trace")]
     if not rows:
         return []
-    lines = ["", "Where the time goes (median forward, mean idle between forwards, per batch; busy = share of the "
+    lines = ["", "Where the time goes (forward: median / mean; idle: mean between forwards; busy = share of the "
              "window spent in forwards; overlap = share of copy time that ran during a forward):", "",
              "| # | mode | batches | forward ms | idle ms | busy % | GPU forward ms | GPU idle ms | GPU busy % "
              "| GPU copy ms | copy overlap % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in rows:
         t = r["trace"]
         lines.append(
-            f"| {i} | {r['mode']} | {t['batches']} | {_f(t['forward_ms'])} | {_f(t['host_gap_ms'])} "
-            f"| {_f(t['host_busy'], 100)} | {_f(t['gpu_forward_ms'])} | {_f(t['gpu_gap_ms'])} "
+            f"| {i} | {r['mode']} | {t['batches']} | {_two(t, 'forward')} | {_f(t['host_gap_ms'])} "
+            f"| {_f(t['host_busy'], 100)} | {_two(t, 'gpu_forward')} | {_f(t['gpu_gap_ms'])} "
             f"| {_f(t['gpu_busy'], 100)} | {_f(t['gpu_copy_ms'])} | {_f(t['copy_overlap'], 100)} |"
         )
     return lines

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,10 @@ class TraceSummary:
     gpu_busy: float | None = None  # share of the GPU window spent in forwards
     gpu_copy_ms: float | None = None  # mean copy on the side stream
     copy_overlap: float | None = None  # share of copy time that ran while a forward ran
+    # Means beside the medians: throughput follows the mean, and a mean well above the median
+    # says a few slow forwards, not all of them, made a run slow.
+    forward_mean_ms: float | None = None
+    gpu_forward_mean_ms: float | None = None
 
 
 def intervals(events: Iterable[Event], start: str, end: str, batch_ids: set[int] | None = None) -> list[Interval]:
@@ -61,12 +66,6 @@ def intervals(events: Iterable[Event], start: str, end: str, batch_ids: set[int]
     )
 
 
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
 def _busy_and_gap(spans: list[Interval]) -> tuple[float, float]:
     window = spans[-1].end_ns - spans[0].start_ns
     busy = sum(i.end_ns - i.start_ns for i in spans)
@@ -84,7 +83,8 @@ def summarize(events: list[Event], gpu_events: list[Event], since_ns: int = 0) -
     if not host:
         return None
     busy, gap = _busy_and_gap(host)
-    summary = TraceSummary(len(host), _median([i.ms for i in host]), gap, busy)
+    summary = TraceSummary(len(host), statistics.median([i.ms for i in host]), gap, busy,
+                           forward_mean_ms=statistics.fmean(i.ms for i in host))
     ids = {i.batch_id for i in host}
     gpu = intervals(gpu_events, "compute_start", "compute_end", ids)
     if len(gpu) < 2:
@@ -94,7 +94,8 @@ def summarize(events: list[Event], gpu_events: list[Event], since_ns: int = 0) -
     copy_ns = sum(c.end_ns - c.start_ns for c in copies)
     overlap = sum(_overlap_ns(c, gpu) for c in copies)
     return dataclasses.replace(
-        summary, gpu_forward_ms=_median([i.ms for i in gpu]), gpu_gap_ms=gpu_gap, gpu_busy=gpu_busy,
+        summary, gpu_forward_ms=statistics.median([i.ms for i in gpu]), gpu_gap_ms=gpu_gap, gpu_busy=gpu_busy,
+        gpu_forward_mean_ms=statistics.fmean(i.ms for i in gpu),
         gpu_copy_ms=copy_ns / len(copies) / 1e6 if copies else None,
         copy_overlap=overlap / copy_ns if copy_ns > 0 else None,
     )
