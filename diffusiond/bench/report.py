@@ -70,9 +70,9 @@ def compare(runs: list[ModeResult]) -> None:
         if r.mode == "limit":
             r.ratio_to_limit = round(r.throughput / median, 3)
             continue
-        around = [runs[j].throughput for j in (max((j for j in limits if j < i), default=None),
-                                               min((j for j in limits if j > i), default=None)) if j is not None]
-        r.ratio_to_limit = round(r.throughput / statistics.fmean(around), 3)
+        before = [runs[j].throughput for j in limits if j < i][-1:]
+        after = [runs[j].throughput for j in limits if j > i][:1]
+        r.ratio_to_limit = round(r.throughput / statistics.fmean(before + after), 3)
 
 
 def per_mode(runs: list[ModeResult], batch: int) -> list[dict[str, Any]]:
