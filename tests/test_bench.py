@@ -169,3 +169,26 @@ def test_bench_table_and_a_clear_error_for_an_unknown_mode(model_cache: Path) ->
     assert bad.returncode == 2 and "unknown mode(s) ['fast']" in bad.stderr
     zero = _bench("--requests", "0", env=env)  # would otherwise wait forever for a first measured request
     assert zero.returncode == 2 and "--requests: must be at least 1, got 0" in zero.stderr
+    wait = _bench("--batch-wait-ms", "-5", env=env)
+    assert wait.returncode == 2 and "--batch-wait-ms: must not be negative, got -5" in wait.stderr
+
+
+def test_bench_says_in_one_line_why_it_cannot_run(model_cache: Path) -> None:
+    env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
+    limit = _bench("--model", "/no/such/model", "--modes", "limit", env=env)  # fails in this process
+    assert limit.returncode == 1 and "Traceback" not in limit.stderr, limit.stderr[-2000:]
+    assert "diffusiond bench: error: unrecognised model spec '/no/such/model'" in limit.stderr
+    daemon = _bench("--model", "/no/such/model", "--modes", "async", env=env)  # fails in the daemon it starts
+    assert daemon.returncode == 1, daemon.stderr[-2000:]
+    assert "diffusiond bench: error: diffusiond serve exited with 1 before it was ready" in daemon.stderr
+    assert "cannot start: loading model" in daemon.stderr  # the daemon's own reason, from its log
+
+
+def test_bench_on_a_cuda_device_without_cuda_is_a_clear_error(model_cache: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache)}
+    done = _bench("--device", "cuda:0", env=env)
+    assert done.returncode == 1 and "--device cuda:0, but no CUDA device is visible" in done.stderr

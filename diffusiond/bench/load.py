@@ -15,6 +15,10 @@ from typing import Any
 import aiohttp
 
 
+class BenchError(RuntimeError):
+    """A server under test refused or failed a request, or did not start: the run cannot go on."""
+
+
 @dataclass
 class LoadResult:
     seconds: float  # from the start of the measured phase to the last measured request's last byte
@@ -129,7 +133,7 @@ async def _run(sock: Path, s: Any, one: Callable[[aiohttp.ClientSession, int], A
         if fetch_trace:
             async with session.get("/v1/admin/trace") as r:
                 if r.status != 200:
-                    raise RuntimeError(f"trace: {r.status} {await r.text()}")
+                    raise BenchError(f"GET /v1/admin/trace answered {r.status}: {await r.text()}")
                 result.trace = (await r.json())["workers"]
         return result
 
@@ -140,7 +144,7 @@ async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
         async with session.post("/v1/jobs", json=_body(s, prompt, seed)) as r:
             job = await r.json()
             if r.status != 202:
-                raise RuntimeError(f"job refused: {job}")
+                raise BenchError(f"the daemon refused a job ({r.status}): {job}")
         final = None
         async with session.get(f"/v1/jobs/{job['id']}/events") as r:
             event = None
@@ -152,7 +156,7 @@ async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
                     final = json.loads(line[6:])
                     break
         if final is None or final["status"] != "succeeded":
-            raise RuntimeError(f"job failed: {final}")
+            raise BenchError(f"a job did not succeed: {final}")
         received = 0
         for out in final["outputs"]:
             async with session.get(out["url"]) as r:
@@ -170,7 +174,7 @@ async def drive_naive(sock: Path, s: Any, prompt: str) -> LoadResult:
         async with session.post("/generate", json=_body(s, prompt, seed)) as r:
             data = await r.read()
             if r.status != 200:
-                raise RuntimeError(f"naive server: {r.status} {data[:200]!r}")
+                raise BenchError(f"the naive server answered {r.status}: {data[:200]!r}")
         return Done(t0, time.perf_counter(), len(data))
 
     return await _run(sock, s, one)

@@ -28,11 +28,12 @@ from typing import Any
 import aiohttp
 
 from diffusiond.bench.limit import PROMPT, Limit
-from diffusiond.bench.load import LoadResult, drive_daemon, drive_naive
+from diffusiond.bench.load import BenchError, LoadResult, drive_daemon, drive_naive
 from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
 from diffusiond.cli_generate import parse_size, positive_int
 from diffusiond.ipc.tensors import itemsize
+from diffusiond.pipelines.base import PipelineError
 
 MODES = ("limit", "async", "sync", "naive")
 DAEMON_MODES = ("async", "sync")
@@ -56,7 +57,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--output-dtype", default="uint8", choices=("uint8", "float16", "float32"))
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--arena-mb", type=positive_int, default=None, help="default: room for 4 batches of outputs")
-    p.add_argument("--batch-wait-ms", type=float, default=0.0)
+    p.add_argument("--batch-wait-ms", type=non_negative_float, default=0.0,
+                   help="how long the daemon waits to fill a batch (serve --batch-wait-ms)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="measure every mode this many times, the limit around each daemon run (GPU speed drifts)")
     p.add_argument("--trace", action="store_true",
@@ -65,10 +67,28 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=None)
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def argv_name(proc: subprocess.Popen[bytes]) -> str:
+    """``diffusiond serve`` or ``the naive server``: which process a message is about."""
+    args = [str(a) for a in proc.args]  # type: ignore[union-attr]
+    return "the naive server" if "diffusiond.bench.naive" in args else "diffusiond serve"
+
+
 def _setup(args: argparse.Namespace) -> Setup:
     import torch
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchError(f"--device {device}, but no CUDA device is visible (check nvidia-smi, CUDA_VISIBLE_DEVICES)")
     dtype = args.dtype or ("float16" if device.startswith("cuda") else "float32")
     width, height = args.size
     per_output = width * height * 3 * (args.frames or 1) * itemsize(args.output_dtype)
@@ -85,8 +105,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"diffusiond bench: error: unknown mode(s) {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
-    setup = _setup(args)
-    runs = measure(setup, modes)
+    try:
+        setup = _setup(args)
+        runs = measure(setup, modes)
+    except (BenchError, PipelineError) as exc:
+        print(f"diffusiond bench: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     compare(runs)
     report = {"setup": asdict(setup), "machine": machine(setup.device), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["diffusiond", *sys.argv[1:]]), "modes": per_mode(runs, setup.batch),
@@ -158,7 +184,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, timeout: f
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+                raise BenchError(f"{argv_name(proc)} exited with {proc.returncode} before it was ready; its log ends:\n"
+                                 f"{log.read_text()[-4000:]}")
             if sock.exists():
                 try:
                     conn = aiohttp.UnixConnector(path=str(sock))
@@ -168,7 +195,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, timeout: f
                 except aiohttp.ClientError:
                     pass
             await asyncio.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s")
+        raise BenchError(f"{argv_name(proc)} was not ready after {timeout:.0f} s; its log is {log}")
 
     asyncio.run(poll())
 
