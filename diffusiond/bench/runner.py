@@ -40,27 +40,34 @@ DAEMON_MODES = ("async", "sync")
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="measure the daemon against the forward-only limit and baselines")
-    p.add_argument("--model", default="tiny", metavar="SPEC")
+    p = sub.add_parser(
+        "bench", help="measure the daemon against the forward-only limit and baselines",
+        description="Runs the modes on one model and prints one table: limit (the pipeline in a loop in this "
+                    "process, outputs left on the device), async (the daemon as shipped), sync (the daemon with "
+                    "--output-mode sync) and naive (a hand-written server, the baseline). Figures and how to "
+                    "read them: docs/benchmarks.md.")
+    p.add_argument("--model", default="tiny", metavar="SPEC", help="as serve --model (default: tiny)")
     p.add_argument("--device", default=None, help="default: cuda:0 if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
-    p.add_argument("--size", default="512x512", type=parse_size, metavar="WxH")
-    p.add_argument("--steps", type=positive_int, default=4)
-    p.add_argument("--guidance", type=float, default=5.0)
+    p.add_argument("--size", default="512x512", type=parse_size, metavar="WxH", help="default: 512x512")
+    p.add_argument("--steps", type=positive_int, default=4, help="default: 4")
+    p.add_argument("--guidance", type=float, default=5.0, help="default: 5.0")
     p.add_argument("--batch", type=positive_int, default=1, help="outputs per forward (daemon: --max-batch)")
     p.add_argument("--requests", type=positive_int, default=64,
-                   help="measured requests per mode and round (one output each)")
+                   help="measured requests per mode and round, one output each (default: 64)")
     p.add_argument("--concurrency", type=positive_int, default=None,
                    help="concurrent clients (default: 3 x batch + 2, so a full batch is always waiting)")
     p.add_argument("--format", default="png", choices=("png", "jpeg", "webp", "npy", "mp4"))
     p.add_argument("--frames", type=positive_int, default=None, help="frames per output (video models)")
     p.add_argument("--output-dtype", default="uint8", choices=("uint8", "float16", "float32"))
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated subset of {','.join(MODES)} (default: all)")
     p.add_argument("--arena-mb", type=positive_int, default=None, help="default: room for 4 batches of outputs")
     p.add_argument("--batch-wait-ms", type=non_negative_float, default=0.0,
                    help="how long the daemon waits to fill a batch (serve --batch-wait-ms)")
     p.add_argument("--rounds", type=positive_int, default=3,
-                   help="measure every mode this many times, the limit around each daemon run (GPU speed drifts)")
+                   help="measure every mode this many times, the limit around each daemon run, since GPU speed "
+                        "drifts (default: 3)")
     p.add_argument("--trace", action="store_true",
                    help="also say where the worker's time goes: forward and idle times, CUDA-timed on a GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
