@@ -80,11 +80,6 @@ def per_mode(runs: list[ModeResult], batch: int) -> list[dict[str, Any]]:
     rows = []
     for mode in dict.fromkeys(r.mode for r in runs):
         mine = [r for r in runs if r.mode == mode]
-
-        def med(values: list[float | None]) -> float | None:
-            present = [v for v in values if v is not None]
-            return statistics.median(present) if present else None
-
         stages: dict[str, list[float]] = {}
         for r in mine:
             for k, v in r.stages_ms.items():
@@ -94,16 +89,20 @@ def per_mode(runs: list[ModeResult], batch: int) -> list[dict[str, Any]]:
         if sizes:  # a batch below --batch costs a whole forward: the first thing to look at in a gap
             note = (f"{len(sizes)} batches hold measured requests, {sum(sizes) / len(sizes):.2f} outputs each on "
                     f"average, {sum(n >= batch for n in sizes)} of them full ({batch})")
-        ratio = 1.0 if mode == "limit" else med([r.ratio_to_limit for r in mine])
         rows.append({
             "mode": mode, "runs": len(mine), "requests": sum(r.requests for r in mine),
             "throughput": statistics.median(r.throughput for r in mine),
-            "ratio_to_limit": ratio if any(r.mode == "limit" for r in runs) else None,
-            "wall_throughput": med([r.wall_throughput for r in mine]),
-            "p50_ms": med([r.p50_ms for r in mine]), "p99_ms": med([r.p99_ms for r in mine]),
+            "ratio_to_limit": 1.0 if mode == "limit" else _median([r.ratio_to_limit for r in mine]),
+            "wall_throughput": _median([r.wall_throughput for r in mine]),
+            "p50_ms": _median([r.p50_ms for r in mine]), "p99_ms": _median([r.p99_ms for r in mine]),
             "stages_ms": {k: statistics.fmean(v) for k, v in stages.items()}, "note": note,
         })  # fmt: skip
     return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def _f(v: float | None, scale: float = 1.0) -> str:

@@ -84,12 +84,6 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def argv_name(proc: subprocess.Popen[bytes]) -> str:
-    """``diffusiond serve`` or ``the naive server``: which process a message is about."""
-    args = [str(a) for a in proc.args]  # type: ignore[union-attr]
-    return "the naive server" if "diffusiond.bench.naive" in args else "diffusiond serve"
-
-
 def _setup(args: argparse.Namespace) -> Setup:
     import torch
 
@@ -145,7 +139,7 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
         socks = stack.enter_context(_daemons(s, daemon_modes)) if daemon_modes else {}
         for mode in daemon_modes:  # round 1 is not a fresh worker's first run (once the slowest one)
             log(f"warming up {mode}")
-            asyncio.run(drive_daemon(socks[mode], replace(s, requests=2 * s.batch), PROMPT))
+            asyncio.run(drive_daemon(socks[mode], replace(s, requests=2 * s.batch, trace=False), PROMPT))
         for k in range(s.rounds):
             if limit:
                 log(f"round {k + 1}/{s.rounds}: limit")
@@ -186,12 +180,12 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
                 proc.wait()
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, timeout: float = 1800) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, name: str, timeout: float = 1800) -> None:
     async def poll() -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise BenchError(f"{argv_name(proc)} exited with {proc.returncode} before it was ready; its log ends:\n"
+                raise BenchError(f"{name} exited with {proc.returncode} before it was ready; its log ends:\n"
                                  f"{log.read_text()[-4000:]}")
             if sock.exists():
                 try:
@@ -202,7 +196,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, timeout: f
                 except aiohttp.ClientError:
                     pass
             await asyncio.sleep(0.2)
-        raise BenchError(f"{argv_name(proc)} was not ready after {timeout:.0f} s; its log is {log}")
+        raise BenchError(f"{name} was not ready after {timeout:.0f} s; its log is {log}")
 
     asyncio.run(poll())
 
@@ -222,7 +216,7 @@ def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
                 argv.append("--trace")
             started.append((stack.enter_context(_process(argv, log)), sock, log))
         for proc, sock, log in started:
-            _wait_ready(proc, sock, log)
+            _wait_ready(proc, sock, log, "diffusiond serve")
         yield {mode: sock for mode, (_, sock, _) in zip(modes, started, strict=True)}
 
 
@@ -232,7 +226,7 @@ def run_naive(s: Setup) -> ModeResult:
         argv = [sys.executable, "-m", "diffusiond.bench.naive", "--socket", str(sock), "--model", s.model,
                 "--device", s.device, "--dtype", s.dtype]
         with _process(argv, log) as proc:
-            _wait_ready(proc, sock, log)
+            _wait_ready(proc, sock, log, "the naive server")
             res = asyncio.run(drive_naive(sock, s, PROMPT))
     return _result("naive", res, s.rounds - 1, note="hand-written baseline: pipeline under a lock, PIL, PNG inline")
 
