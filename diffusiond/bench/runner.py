@@ -196,7 +196,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, name: str,
                 except aiohttp.ClientError:
                     pass
             await asyncio.sleep(0.2)
-        raise BenchError(f"{name} was not ready after {timeout:.0f} s; its log is {log}")
+        # the log lives in a temporary folder that goes with this run: quote it, do not point to it
+        raise BenchError(f"{name} was not ready after {timeout:.0f} s; its log ends:\n{log.read_text()[-4000:]}")
 
     asyncio.run(poll())
 
