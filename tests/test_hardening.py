@@ -112,7 +112,7 @@ def synthetic_output(width: int, height: int, seed: int, dtype: str = "uint8") -
     """What a ``synthetic`` model's worker puts in the arena for ``seed``, computed here."""
     import torch
 
-    from diffusiond.daemon.worker.copier import to_output_layout
+    from diffusiond.worker.copier import to_output_layout
     from diffusiond.ipc.messages import BatchParams
     from diffusiond.pipelines.synthetic import SyntheticPipeline
 

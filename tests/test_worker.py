@@ -35,7 +35,7 @@ async def test_worker_batches_of_1_and_8_give_per_request_outputs() -> None:
 async def test_worker_output_bytes_match_the_bare_pipeline() -> None:
     import torch
 
-    from diffusiond.daemon.worker.copier import to_output_layout
+    from diffusiond.worker.copier import to_output_layout
     from diffusiond.pipelines import load_pipeline
 
     pipe = load_pipeline("tiny")
@@ -208,7 +208,7 @@ async def test_worker_exits_when_the_engine_goes_away() -> None:
 
 
 async def test_worker_bad_model_spec_fails_start_with_the_reason() -> None:
-    from diffusiond.daemon.workers import WorkerStartError
+    from diffusiond.daemon.worker_handle import WorkerStartError
 
     with pytest.raises(WorkerStartError, match="no-such-model"):
         async with Driver(config("/nonexistent/no-such-model")):
@@ -222,7 +222,7 @@ def test_cpu_output_layout_is_bit_identical_to_the_torch_path(src: str, wire: st
     reaches a client must still be exactly what the device path computes, half-way values included."""
     import torch
 
-    from diffusiond.daemon.worker.copier import to_output_layout
+    from diffusiond.worker.copier import to_output_layout
 
     g = torch.Generator().manual_seed(0)
     for shape in ((3, 17, 9), (5, 3, 8, 8)):  # an image (C, H, W) and a video (F, C, H, W)

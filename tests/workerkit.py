@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffusiond.daemon.workers import WorkerHandle
+from diffusiond.daemon.worker_handle import WorkerHandle
 from diffusiond.ipc import messages as m
 from diffusiond.ipc.frames import Frame
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from PIL import Image
 
 from diffusiond.daemon.encoders import EncodeOptions, encode
-from diffusiond.daemon.worker.copier import to_output_layout
+from diffusiond.worker.copier import to_output_layout
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline

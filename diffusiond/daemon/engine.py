@@ -8,7 +8,7 @@ loop. Every path a job can take ends in ``_end``, which releases whatever the jo
 It is longer than the other modules on purpose: every transition of a job, a batch or a worker
 is here, so the invariants (nothing lost, nothing left hanging) can be checked in one file.
 Encoding and serving outputs (``outputs.py``), queueing (``scheduler.py``) and the worker
-processes (``workers.py``) live apart.
+processes (``worker_handle.py``) live apart.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from diffusiond.daemon.jobs import Item, Job, JobRequest, Stage, Status
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import Outputs
 from diffusiond.daemon.scheduler import QueueFull, Scheduler, Wait
-from diffusiond.daemon.workers import WorkerHandle, WorkerStartError
+from diffusiond.daemon.worker_handle import WorkerHandle, WorkerStartError
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
     ComputeDone,

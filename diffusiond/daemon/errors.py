@@ -1,27 +1,128 @@
-"""The one error type the HTTP layer turns into ``{"error": {...}}`` with a status code."""
+"""The engine's domain errors: what went wrong, in the engine's words, with no HTTP in them.
+
+The engine and the request checks raise these; the HTTP layer (``api.py``) picks the status
+code and headers for each class in one table, the way Starlette's exception handlers do. So the
+engine can be driven by tests, or by another front end, without knowing HTTP exists.
+
+    EngineError
+    ├── InvalidRequest        a field is wrong (names the field)
+    │   └── OutputTooLarge    the job would make more bytes than the limit
+    ├── NotFound              ModelNotFound, JobNotFound, OutputNotFound
+    ├── Conflict              JobFinished, OutputNotReady, TraceOff
+    ├── OutputReleased        an npy output that was already streamed once
+    ├── QueueFull             the admission queue is full (``retry_after_s``)
+    ├── Unavailable           NotAccepting, NoWorker, WorkerUnavailable (``retry_after_s``)
+    └── PowerFailed           sleep or wake failed on a worker
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
+
+from diffusiond.protocol import ErrorCode
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        field: str | None = None,
-        stage: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
+class EngineError(Exception):
+    code: ClassVar[ErrorCode] = ErrorCode.INVALID_REQUEST
+
+    def __init__(self, message: str, *, field: str | None = None, stage: str | None = None,
+                 code: ErrorCode | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
-        self.code = code
         self.message = message
         self.field = field
         self.stage = stage
+        self.retry_after_s = retry_after_s
+        if code is not None:
+            self.code = code  # type: ignore[misc]  # an instance may be more precise than its class
+
+    def body(self) -> dict[str, Any]:
+        """The ``{"error": {...}}`` document every error response carries."""
+        err: dict[str, Any] = {"code": str(self.code), "message": self.message}
+        if self.field is not None:
+            err["field"] = self.field
+        if self.stage is not None:
+            err["stage"] = self.stage
+        return {"error": err}
+
+
+class InvalidRequest(EngineError):
+    code = ErrorCode.INVALID_REQUEST
+
+
+class OutputTooLarge(InvalidRequest):
+    code = ErrorCode.OUTPUT_TOO_LARGE
+
+
+class NotFound(EngineError):
+    code = ErrorCode.NOT_FOUND
+
+
+class ModelNotFound(NotFound):
+    code = ErrorCode.MODEL_NOT_FOUND
+
+
+class JobNotFound(NotFound):
+    code = ErrorCode.JOB_NOT_FOUND
+
+
+class OutputNotFound(NotFound):
+    code = ErrorCode.OUTPUT_NOT_FOUND
+
+
+class Conflict(EngineError):
+    code = ErrorCode.JOB_FINISHED
+
+
+class JobFinished(Conflict):
+    code = ErrorCode.JOB_FINISHED
+
+
+class OutputNotReady(Conflict):
+    code = ErrorCode.OUTPUT_NOT_READY
+
+
+class TraceOff(Conflict):
+    code = ErrorCode.TRACE_OFF
+
+
+class OutputReleased(EngineError):
+    code = ErrorCode.OUTPUT_RELEASED
+
+
+class QueueFull(EngineError):
+    code = ErrorCode.QUEUE_FULL
+
+
+class Unavailable(EngineError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class NotAccepting(Unavailable):
+    code = ErrorCode.UNAVAILABLE
+
+
+class NoWorker(Unavailable):
+    code = ErrorCode.NO_WORKER
+
+
+class WorkerUnavailable(Unavailable):
+    code = ErrorCode.WORKER_UNAVAILABLE
+
+
+class PowerFailed(EngineError):
+    code = ErrorCode.SLEEP_FAILED
+
+
+def invalid(message: str, field: str | None = None, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> InvalidRequest:
+    """The 400 every request check raises: the message says what is wrong and with which value."""
+    return InvalidRequest(message, field=field, code=code)
+
+
+class ApiError(Exception):  # TRANSITIONAL: removed once every raise site uses the domain errors above
+    def __init__(self, status: int, code: str, message: str, *, field: str | None = None,
+                 stage: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.field, self.stage = status, code, message, field, stage
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from diffusiond.ipc.messages import BatchParams
 from diffusiond.ipc.tensors import TensorDesc
 
 if TYPE_CHECKING:
-    from diffusiond.daemon.workers import WorkerHandle
+    from diffusiond.daemon.worker_handle import WorkerHandle
 
 
 class Status(enum.StrEnum):

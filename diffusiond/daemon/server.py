@@ -26,7 +26,7 @@ from diffusiond.daemon import systemd
 from diffusiond.daemon.api import create_app
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.engine import Engine
-from diffusiond.daemon.workers import WorkerStartError
+from diffusiond.daemon.worker_handle import WorkerStartError
 
 log = logging.getLogger("diffusiond")
 

@@ -5,7 +5,7 @@ worker's arena read-only once (from HELLO), maps dedicated output buffers as the
 the frames that concern jobs to the engine, and turns every way a worker can end (exit code,
 signal, protocol error, FATAL) into one sentence handed to ``on_lost`` exactly once.
 
-Workers are started with ``sys.executable -m diffusiond.daemon.worker --fd N``: a fresh
+Workers are started with ``sys.executable -m diffusiond.worker --fd N``: a fresh
 interpreter (never a fork of a process that may hold CUDA state), configured by an INIT frame
 (no pickle, no command-line encoding of the config).
 """
@@ -120,7 +120,7 @@ class WorkerHandle:
         env = {**os.environ, "DIFFUSIOND_LOG_LEVEL": self.log_level, **self.env}
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "diffusiond.daemon.worker", "--fd", str(theirs.fileno()),
+                sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
                 pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
             )
         finally:

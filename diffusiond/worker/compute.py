@@ -18,8 +18,8 @@ from typing import Literal
 
 import torch
 
-from diffusiond.daemon.worker.copier import Copier, CopyJob
-from diffusiond.daemon.worker.state import SharedState
+from diffusiond.worker.copier import Copier, CopyJob
+from diffusiond.worker.state import SharedState
 from diffusiond.ipc.messages import Ack, ComputeDone, Execute, Fatal, Kind, Progress, RequestEnded
 from diffusiond.pipelines.base import Interrupted, Pipeline
 

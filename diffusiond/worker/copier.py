@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusiond.daemon.worker.state import Faults, SharedState
+from diffusiond.worker.state import Faults, SharedState
 from diffusiond.ipc.arena import Arena, DedicatedBuffer
 from diffusiond.ipc.errors import ArenaFull, SlotTooLarge
 from diffusiond.ipc.messages import BatchParams, OutputReady, RequestEnded, RequestSpec, SlotWait

@@ -17,9 +17,9 @@ import socket
 import sys
 import time
 
-from diffusiond.daemon.worker.compute import ComputeThread, Control
-from diffusiond.daemon.worker.copier import Copier
-from diffusiond.daemon.worker.state import Faults, SharedState
+from diffusiond.worker.compute import ComputeThread, Control
+from diffusiond.worker.copier import Copier
+from diffusiond.worker.state import Faults, SharedState
 from diffusiond.ipc import cuda_host
 from diffusiond.ipc.arena import Arena
 from diffusiond.ipc.channel import Channel

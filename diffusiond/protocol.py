@@ -1,0 +1,204 @@
+"""The vocabulary that every side of diffusiond shares: client, CLI, engine and worker.
+
+Each closed set the HTTP API speaks (output formats with their content types and file
+extensions, output dtypes, scheduler names, job statuses and stages, SSE event names, error
+codes, log levels) is written down here once. The module imports nothing but the standard
+library, so the client and the CLI can use it without loading torch, and the daemon's request
+checks can use it without loading the encoders (Pillow, PyAV).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final, Literal, get_args
+
+# outputs ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One output format: how its bytes are served and named, and what it can hold."""
+
+    name: str
+    content_type: str
+    extension: str
+    image: bool  # takes an image (H, W, 3), and a one-frame video as its image
+    video: bool  # takes a video (F, H, W, 3)
+
+
+FORMATS: Final[Mapping[str, OutputFormat]] = MappingProxyType({
+    f.name: f
+    for f in (
+        OutputFormat("png", "image/png", "png", image=True, video=False),
+        OutputFormat("jpeg", "image/jpeg", "jpg", image=True, video=False),
+        OutputFormat("webp", "image/webp", "webp", image=True, video=True),  # animated for videos
+        OutputFormat("gif", "image/gif", "gif", image=False, video=True),
+        OutputFormat("mp4", "video/mp4", "mp4", image=False, video=True),
+        OutputFormat("npy", "application/x-npy", "npy", image=True, video=True),  # raw, not encoded
+    )
+})
+"""Every output format, by the name a request uses."""
+
+IMAGE_FORMATS: Final[frozenset[str]] = frozenset(f.name for f in FORMATS.values() if f.image)
+VIDEO_FORMATS: Final[frozenset[str]] = frozenset(f.name for f in FORMATS.values() if f.video)
+FORMAT_OF_CONTENT_TYPE: Final[Mapping[str, str]] = MappingProxyType(
+    {f.content_type: f.name for f in FORMATS.values()})
+FORMAT_OF_SUFFIX: Final[Mapping[str, str]] = MappingProxyType(
+    {f".{f.extension}": f.name for f in FORMATS.values()} | {".jpeg": "jpeg"})
+"""File suffix (lower case, with the dot) -> format; ``.jpeg`` is read as well as ``.jpg``."""
+
+OutputDtype = Literal["uint8", "float16", "float32"]
+OUTPUT_DTYPES: Final[tuple[OutputDtype, ...]] = get_args(OutputDtype)
+"""What a worker hands out: uint8 NHWC (converted on the device), or raw floats for ``npy``."""
+
+ModelDtype = Literal["float32", "float16", "bfloat16"]
+MODEL_DTYPES: Final[tuple[ModelDtype, ...]] = get_args(ModelDtype)
+"""The dtypes a model can be loaded in (``serve --dtype``)."""
+
+OutputMode = Literal["async", "sync"]
+OUTPUT_MODES: Final[tuple[OutputMode, ...]] = get_args(OutputMode)
+"""``async``: the copy thread overlaps the next forward; ``sync``: the baseline that does not."""
+
+# schedulers -------------------------------------------------------------------------------------
+
+SCHEDULERS: Final[tuple[str, ...]] = ("euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match")
+"""The scheduler short names a request may use; the pipelines map each to a diffusers class."""
+
+FLOW_SCHEDULERS: Final[frozenset[str]] = frozenset({"flow-match"})
+"""The ones for flow-matching models (SD3, Flux, Wan); the rest are for noise-prediction models."""
+
+
+def schedulers_for(flow: bool) -> tuple[str, ...]:
+    """The scheduler names that fit a flow-matching (``flow``) or a noise-prediction model."""
+    return tuple(s for s in SCHEDULERS if (s in FLOW_SCHEDULERS) == flow)
+
+
+# video ------------------------------------------------------------------------------------------
+
+
+def frame_count_neighbours(frames: int, step: int) -> tuple[int, int] | None:
+    """None if ``frames`` has the form ``step*k + 1`` (LTX makes 8k+1 frames, Wan 4k+1); else
+    the nearest valid counts below and above it, to put in the error message."""
+    if step <= 1 or (frames - 1) % step == 0:
+        return None
+    lower = (frames - 1) // step * step + 1
+    return lower, lower + step
+
+
+# jobs -------------------------------------------------------------------------------------------
+
+
+class JobStatus(enum.StrEnum):
+    """A job's status moves forward only: queued -> running -> one of the terminal three."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES: Final[frozenset[JobStatus]] = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+class Stage(enum.IntEnum):
+    """Where a job's work is. Ordered: a job is in the least advanced stage of its outputs."""
+
+    QUEUED = 0
+    COMPUTING = 1
+    COPYING = 2
+    ENCODING = 3
+    DONE = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Event(enum.StrEnum):
+    """Server-Sent Event names on ``/v1/jobs/{id}/events``."""
+
+    STATUS = "status"
+    PROGRESS = "progress"
+    DONE = "done"  # the job succeeded; the stream ends
+    ERROR = "error"  # the job failed or was cancelled; the stream ends
+
+
+TERMINAL_EVENTS: Final[frozenset[Event]] = frozenset({Event.DONE, Event.ERROR})
+"""Events after which a job's stream has nothing more to say."""
+
+
+class ErrorCode(enum.StrEnum):
+    """The ``error.code`` of every error body, and of a failed job's ``error``."""
+
+    # the request
+    INVALID_REQUEST = "invalid_request"
+    INVALID_JSON = "invalid_json"
+    REQUEST_TOO_LARGE = "request_too_large"
+    OUTPUT_TOO_LARGE = "output_too_large"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    HTTP_ERROR = "http_error"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    # the daemon's state
+    MODEL_NOT_FOUND = "model_not_found"
+    JOB_NOT_FOUND = "job_not_found"
+    JOB_FINISHED = "job_finished"
+    OUTPUT_NOT_FOUND = "output_not_found"
+    OUTPUT_NOT_READY = "output_not_ready"
+    OUTPUT_RELEASED = "output_released"
+    QUEUE_FULL = "queue_full"
+    UNAVAILABLE = "unavailable"
+    NO_WORKER = "no_worker"
+    WORKER_UNAVAILABLE = "worker_unavailable"
+    SLEEP_FAILED = "sleep_failed"
+    WAKE_FAILED = "wake_failed"
+    TRACE_OFF = "trace_off"
+    # how a job ended, other than by succeeding
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    SHUTTING_DOWN = "shutting_down"
+    WORKER_LOST = "worker_lost"
+    GENERATION_FAILED = "generation_failed"
+    OUTPUT_FAILED = "output_failed"
+
+
+# service ----------------------------------------------------------------------------------------
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LOG_LEVELS: Final[tuple[LogLevel, ...]] = get_args(LogLevel)
+
+
+class WorkerState(enum.StrEnum):
+    """A worker as ``/health`` shows it."""
+
+    STARTING = "starting"
+    READY = "ready"
+    SLEEPING = "sleeping"
+    STOPPING = "stopping"
+    DEAD = "dead"
+
+
+class ModelState(enum.StrEnum):
+    """A model as ``/v1/models`` shows it: the best state among its workers."""
+
+    READY = "ready"
+    SLEEPING = "sleeping"
+    STARTING = "starting"
+    UNAVAILABLE = "unavailable"
+
+
+class Task(enum.StrEnum):
+    """What a model makes from a prompt."""
+
+    TEXT_TO_IMAGE = "text-to-image"
+    TEXT_TO_VIDEO = "text-to-video"
