@@ -60,8 +60,8 @@ async def test_gpu_sync_mode_copies_before_the_next_forward() -> None:
 
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
 async def test_gpu_output_bytes_match_a_plain_cpu_copy(dtype: str) -> None:
-    from diffusiond.worker.copier import to_output_layout
     from diffusiond.pipelines import load_pipeline
+    from diffusiond.worker.copier import to_output_layout
 
     params = m.BatchParams(width=1024, height=768, steps=2, guidance=1.0, output_dtype=dtype)  # type: ignore[arg-type]
     pipe = load_pipeline("synthetic:compute_ms=5", device="cuda:0")

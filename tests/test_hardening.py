@@ -112,9 +112,9 @@ def synthetic_output(width: int, height: int, seed: int, dtype: str = "uint8") -
     """What a ``synthetic`` model's worker puts in the arena for ``seed``, computed here."""
     import torch
 
-    from diffusiond.worker.copier import to_output_layout
     from diffusiond.ipc.messages import BatchParams
     from diffusiond.pipelines.synthetic import SyntheticPipeline
+    from diffusiond.worker.copier import to_output_layout
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the workers: a computation split otherwise can differ in the last bit

@@ -35,8 +35,8 @@ async def test_worker_batches_of_1_and_8_give_per_request_outputs() -> None:
 async def test_worker_output_bytes_match_the_bare_pipeline() -> None:
     import torch
 
-    from diffusiond.worker.copier import to_output_layout
     from diffusiond.pipelines import load_pipeline
+    from diffusiond.worker.copier import to_output_layout
 
     pipe = load_pipeline("tiny")
     reqs = [m.RequestSpec(request_id="x", prompt="a red fox", seed=42)]

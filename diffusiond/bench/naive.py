@@ -19,10 +19,10 @@ from aiohttp import web
 from PIL import Image
 
 from diffusiond.daemon.encoders import EncodeOptions, encode
-from diffusiond.worker.copier import to_output_layout
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
+from diffusiond.worker.copier import to_output_layout
 
 
 def make_app(spec: str, device: str, dtype: str) -> web.Application:

@@ -18,10 +18,10 @@ from typing import Literal
 
 import torch
 
-from diffusiond.worker.copier import Copier, CopyJob
-from diffusiond.worker.state import SharedState
 from diffusiond.ipc.messages import Ack, ComputeDone, Execute, Fatal, Kind, Progress, RequestEnded
 from diffusiond.pipelines.base import Interrupted, Pipeline
+from diffusiond.worker.copier import Copier, CopyJob
+from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusiond.worker.state import Faults, SharedState
 from diffusiond.ipc.arena import Arena, DedicatedBuffer
 from diffusiond.ipc.errors import ArenaFull, SlotTooLarge
 from diffusiond.ipc.messages import BatchParams, OutputReady, RequestEnded, RequestSpec, SlotWait
 from diffusiond.ipc.tensors import describe, nbytes_of, write_tensor
+from diffusiond.worker.state import Faults, SharedState
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,6 @@ import socket
 import sys
 import time
 
-from diffusiond.worker.compute import ComputeThread, Control
-from diffusiond.worker.copier import Copier
-from diffusiond.worker.state import Faults, SharedState
 from diffusiond.ipc import cuda_host
 from diffusiond.ipc.arena import Arena
 from diffusiond.ipc.channel import Channel
@@ -42,6 +39,9 @@ from diffusiond.ipc.messages import (
     Wake,
     WorkerConfig,
 )
+from diffusiond.worker.compute import ComputeThread, Control
+from diffusiond.worker.copier import Copier
+from diffusiond.worker.state import Faults, SharedState
 
 log = logging.getLogger("diffusiond.worker")
 
