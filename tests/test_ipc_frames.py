@@ -25,7 +25,7 @@ SAMPLES: list[msgspec.Struct] = [
     m.Trace(),
     m.Ping(),
     m.Hello(worker_id=1, pid=123, arena_bytes=1 << 20),
-    m.Ready(model_name="tiny", task="text-to-image", device="cpu", load_ms=12.5),
+    m.Ready(model_name="tiny", device="cpu", load_ms=12.5, capabilities=m.Capabilities(task="text-to-video", fps=8)),
     m.ComputeDone(batch_id=3, compute_ms=10.0, steps_run=2),
     m.Progress(batch_id=3, step=1, total=2),
     m.OutputReady(request_id="r1", batch_id=3, tensor=DESC, copy_ms=0.25),

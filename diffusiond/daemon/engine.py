@@ -34,6 +34,7 @@ from diffusiond.daemon.scheduler import QueueFull, Scheduler, Wait
 from diffusiond.daemon.worker_handle import WorkerHandle, WorkerStartError
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
+    Capabilities,
     ComputeDone,
     Execute,
     OutputReady,
@@ -51,8 +52,6 @@ log = logging.getLogger(__name__)
 
 MAX_BATCHES_PER_WORKER = 2  # one computing, one waiting: the GPU never waits for the engine
 PING_INTERVAL_S = 1.0
-# Used for fields a request leaves out, until the model's READY brings its own suggestions.
-GENERIC_DEFAULTS = {"width": 512, "height": 512, "steps": 25, "guidance": 7.5, "num_frames": 9, "fps": 16}
 
 
 @dataclass(eq=False)
@@ -70,8 +69,7 @@ class Batch:
 class Model:
     config: ModelConfig
     workers: list[WorkerHandle] = field(default_factory=list)
-    task: str = "text-to-image"
-    defaults: dict[str, float] = field(default_factory=dict)
+    capabilities: Capabilities = field(default_factory=Capabilities)  # generic until the first READY
     restarts: int = 0
     crash_streak: int = 0  # consecutive workers that died within a minute of starting
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
@@ -79,6 +77,10 @@ class Model:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def task(self) -> str:
+        return self.capabilities.task
 
     @property
     def state(self) -> str:
@@ -93,7 +95,7 @@ class Engine:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        self.models = {m.name: Model(m, defaults=dict(GENERIC_DEFAULTS)) for m in config.models}
+        self.models = {m.name: Model(m) for m in config.models}
         self.jobs: dict[str, Job] = {}
         self.items: dict[str, Item] = {}
         self.batches: dict[int, Batch] = {}
@@ -188,8 +190,7 @@ class Engine:
             else:
                 model.workers.remove(handle)
             raise
-        model.task = ready.task
-        model.defaults = {**GENERIC_DEFAULTS, **ready.defaults}
+        model.capabilities = ready.capabilities
         if self.paused:
             await handle.command(Sleep(), self.config.drain_grace_s)
         self.dispatch()

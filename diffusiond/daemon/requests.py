@@ -105,10 +105,10 @@ def check(
     if neg is not None and len(neg) > limits.max_prompt_chars:
         raise bad_request(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
     _range("n", req["n"], 1, limits.max_n)
-    d = model.defaults
+    d = model.capabilities
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
-    width = int(d["width"]) if req.get("width") is None else req["width"]
-    height = int(d["height"]) if req.get("height") is None else req["height"]
+    width = d.width if req.get("width") is None else req["width"]
+    height = d.height if req.get("height") is None else req["height"]
     for name, v in (("width", width), ("height", height)):
         field = size_field or name
         if not limits.min_size <= v <= limits.max_size or v % 8:
@@ -116,10 +116,10 @@ def check(
                 f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
                 field=field,
             )
-    steps = int(d["steps"]) if req.get("steps") is None else req["steps"]
+    steps = d.steps if req.get("steps") is None else req["steps"]
     _range(req.get("steps_field", "steps"), steps, 1, limits.max_steps)
     guidance = req.get("guidance_scale")
-    guidance = float(d["guidance"]) if guidance is None else guidance
+    guidance = d.guidance if guidance is None else guidance
     _range("guidance_scale", guidance, 0, 100)
     seed = req.get("seed")
     top = 2**63 - req["n"]  # output k gets seed + k, and each must fit a torch.Generator seed
@@ -132,9 +132,9 @@ def check(
             f"num_frames is only for text-to-video models; {model.name!r} is {model.task}", field="num_frames"
         )
     if video:
-        frames = int(d.get("num_frames", 9)) if frames is None else frames
+        frames = d.num_frames if frames is None else frames
         _range("num_frames", frames, 1, limits.max_frames)
-        step = int(d.get("num_frames_step", 1))  # e.g. LTX makes 8k+1 frames, Wan 4k+1
+        step = d.num_frames_step  # e.g. LTX makes 8k+1 frames, Wan 4k+1
         if step > 1 and (frames - 1) % step:
             lower = (frames - 1) // step * step + 1
             raise bad_request(
@@ -145,7 +145,7 @@ def check(
     if fps is not None and not video:
         raise bad_request(f"fps is only for text-to-video models; {model.name!r} is {model.task}", field="fps")
     _range("fps", fps, 1, 240)
-    fps = fps or int(d.get("fps", 16))
+    fps = fps or d.fps
     fmt = req.get("output_format") or ("mp4" if video else "png")
     allowed = VIDEO_FORMATS if video else IMAGE_FORMATS
     if fmt not in allowed:
@@ -165,7 +165,7 @@ def check(
     if scheduler is not None:
         if scheduler not in SCHEDULER_NAMES:
             raise bad_request(f"scheduler {scheduler!r} is not one of {', '.join(SCHEDULER_NAMES)}", field="scheduler")
-        flow = d.get("flow_scheduler")  # sent by models that have schedulers; others ignore the field
+        flow = d.flow_scheduler  # sent by models that have schedulers; others ignore the field
         if flow is not None and (scheduler in FLOW_SCHEDULER_NAMES) != bool(flow):
             fits = [s for s in SCHEDULER_NAMES if (s in FLOW_SCHEDULER_NAMES) == bool(flow)]
             raise bad_request(

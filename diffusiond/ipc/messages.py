@@ -16,8 +16,7 @@ from typing import Literal
 import msgspec
 
 from diffusiond.ipc.tensors import TensorDesc
-
-OutputDType = Literal["uint8", "float16", "float32"]
+from diffusiond.protocol import OutputDtype, OutputMode
 
 
 class Kind(enum.IntEnum):
@@ -51,7 +50,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_spec: str
     device: str = "cpu"
     dtype: str = "float32"
-    output_mode: Literal["async", "sync"] = "async"
+    output_mode: OutputMode = "async"
     arena_bytes: int = 256 << 20
     slot_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
@@ -72,7 +71,7 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     guidance: float
     num_frames: int | None = None
     scheduler: str | None = None
-    output_dtype: OutputDType = "uint8"
+    output_dtype: OutputDtype = "uint8"
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,12 +130,28 @@ class Hello(msgspec.Struct, frozen=True):
     arena_bytes: int
 
 
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What a loaded model makes, what it suggests for fields a request leaves out, and which
+    request values fit it. The pipeline declares it; admission checks requests against it, so a
+    value that cannot run is a 400 naming the field, not a job failing in the worker."""
+
+    task: str = "text-to-image"  # protocol.Task
+    width: int = 512
+    height: int = 512
+    steps: int = 25
+    guidance: float = 7.5
+    num_frames: int = 9  # video models only
+    fps: int = 16  # video models only
+    num_frames_step: int = 1  # frame counts must be step*k + 1 (Wan 4, LTX 8)
+    flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
+    synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
+
+
 class Ready(msgspec.Struct, frozen=True):
     model_name: str
-    task: str
     device: str
     load_ms: float
-    defaults: dict[str, float] = {}  # request defaults the model suggests (width, height, steps, ...)
+    capabilities: Capabilities
 
 
 class ComputeDone(msgspec.Struct, frozen=True):

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 
 # Called after each denoising step with (steps_done, total). Returning False stops the run at
 # that step; ``run`` then raises ``Interrupted``.
@@ -83,3 +83,14 @@ class Pipeline(Protocol):
 def generators(requests: Sequence[RequestSpec]) -> list[torch.Generator]:
     """One CPU generator per request: same seed, same noise, whatever the batch or device."""
     return [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+
+
+def capabilities_of(pipe: object) -> Capabilities:  # TRANSITIONAL: until every pipeline declares its capabilities
+    cap = getattr(pipe, "capabilities", None)
+    if isinstance(cap, Capabilities):
+        return cap
+    d = dict(getattr(pipe, "defaults", {}))
+    flow = getattr(pipe, "flow_scheduler", None)
+    fields = {k: type(getattr(Capabilities(), k))(v) for k, v in d.items() if k in Capabilities.__struct_fields__}
+    return Capabilities(task=str(getattr(pipe, "task", "text-to-image")), flow_scheduler=flow,
+                        synthetic_weights=bool(getattr(pipe, "synthetic_weights", False)), **fields)

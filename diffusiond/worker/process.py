@@ -178,11 +178,9 @@ class Worker:
         )
         self.copier.start()
         self.compute.start()
-        defaults = dict(getattr(pipeline, "defaults", {}))
-        flow = getattr(pipeline, "flow_scheduler", None)
-        if flow is not None:  # which scheduler names fit this model: admission checks them (requests.py)
-            defaults["flow_scheduler"] = float(flow)
-        self.channel.post(Ready(config.model_name, str(pipeline.task), str(pipeline.device), load_ms, defaults))
+        from diffusiond.pipelines.base import capabilities_of
+
+        self.channel.post(Ready(config.model_name, str(pipeline.device), load_ms, capabilities_of(pipeline)))
         for item in self.pending:
             self.compute.queue.put(item)
         self.pending.clear()
