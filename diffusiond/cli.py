@@ -1,24 +1,28 @@
 """The ``diffusiond`` command: ``serve`` starts a daemon; every other command is a client of one.
 
-The commands and exit codes are the contract in API.md (0 success, 1 job failed or rejected,
-2 usage error, 3 daemon not reachable), because scripts branch on them. Client commands go through
-``diffusiond.client`` like any other program would; only ``serve`` touches the daemon package, and
-imports the server lazily so that ``generate`` starts fast and never loads torch.
+The commands and exit codes are the contract in API.md (0 success, 1 job failed or rejected, or
+the daemon did not answer within the time asked, 2 usage error, 3 daemon not reachable), because
+scripts branch on them. Client commands go through ``diffusiond.client`` like any other program
+would. Nothing imported at module level loads torch, diffusers, numpy, Pillow or PyAV (a test
+holds it), and neither the daemon's configuration nor the server is imported until ``serve``
+runs, so client commands and ``--help`` start in a fraction of the time a torch import takes.
+
+Output piped into a program that stops reading (``diffusiond status | head -1``) ends the command
+quietly with exit 141 (128 + SIGPIPE): what a shell reports for any other tool killed by that
+signal, so a ``set -o pipefail`` script sees the same from this one, and no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-import uvloop
-
 from diffusiond import __version__
 from diffusiond.cli_generate import (
-    FORMATS,
     GenerateState,
     UsageError,
     cancel_after_interrupt,
@@ -27,10 +31,11 @@ from diffusiond.cli_generate import (
     positive_int,
     run_generate,
 )
-from diffusiond.client import Client, DaemonError, DaemonUnreachable
-from diffusiond.daemon.config import ConfigError, build_config, default_socket_path, load_toml
+from diffusiond.client import Client, ClientError, DaemonError, DaemonUnreachable
+from diffusiond.protocol import FORMATS, LOG_LEVELS, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
 QUICK_TIMEOUT_S = 30.0
 """Bound for requests that should answer at once (status, models, cancel): a hung daemon is an error."""
 
@@ -42,8 +47,6 @@ SERVE_FIELDS = (
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def octal_mode(text: str) -> int:
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--guidance", type=float, metavar="G")
     g.add_argument("--negative", metavar="TEXT", help="negative prompt")
     g.add_argument("--seed", type=int, metavar="S")
-    g.add_argument("--format", choices=FORMATS, help="output format (default: from -o's extension, else png)")
+    g.add_argument("--format", choices=tuple(FORMATS), help="output format (default: from -o's extension, else png)")
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
@@ -135,6 +138,26 @@ def _add_serve(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit, where a broken pipe is a message on stderr and exit 120
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _quiet_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's own flush at exit finds nowhere to fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a real file (tests capture it): nothing will flush it
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -159,22 +182,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DaemonUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except DaemonError as exc:
+    except ClientError as exc:  # DaemonError, or ClientTimeout: the daemon is there, but busy or stuck
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except TimeoutError:
-        print(f"error: the daemon at {socket_path} did not answer in time", file=sys.stderr)
-        return EXIT_UNREACHABLE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
+    import uvloop  # here: --help and usage errors never need an event loop
+
     return uvloop.run(coro)
 
 
 def serve(args: argparse.Namespace) -> int:
     """Validate the whole configuration before anything starts, then run the daemon until it stops."""
+    from diffusiond.daemon.config import ConfigError, build_config, load_toml
+
     overrides = {name: getattr(args, name) for name in SERVE_FIELDS if getattr(args, name) is not None}
     try:
         file_values = load_toml(args.config) if args.config else {}
@@ -199,7 +223,7 @@ def _generate(args: argparse.Namespace, socket_path: str) -> int:
             except KeyboardInterrupt:
                 pass
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 # client commands ------------------------------------------------------------------------

@@ -14,33 +14,17 @@ import os
 import secrets
 import signal
 import sys
-from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diffusiond.cli_progress import ProgressBar
-from diffusiond.client import Client, DaemonError
-
-FORMATS = ("png", "jpeg", "webp", "gif", "mp4", "npy")
-EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp", "gif": "gif", "mp4": "mp4", "npy": "npy"}
-FORMAT_OF_SUFFIX = {f".{ext}": fmt for fmt, ext in EXTENSIONS.items()} | {".jpeg": "jpeg"}
-FORMAT_OF_CONTENT_TYPE = {
-    "image/png": "png",
-    "image/jpeg": "jpeg",
-    "image/webp": "webp",
-    "image/gif": "gif",
-    "video/mp4": "mp4",
-    "application/x-npy": "npy",
-}
-TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+from diffusiond.client import Client, ClientError, ClientTimeout
+from diffusiond.protocol import FORMAT_OF_CONTENT_TYPE, FORMAT_OF_SUFFIX, FORMATS, Event, JobStatus
 
 CLIENT_GRACE_S = 5.0
 """Extra client-side wait beyond --timeout, so the daemon's own deadline error (with its stage)
 normally arrives first and the client-side bound only catches a daemon that stopped answering."""
-
-RESUBSCRIBE = 3
-"""How often to re-open an event stream the daemon closed before the job ended (e.g. a proxy)."""
 
 EXIT_INTERRUPTED = 130
 
@@ -103,7 +87,8 @@ def extension_for(fmt: str | None, content_type: str | None = None) -> str:
     """The file extension for default names: the format asked for, else what was served, else png."""
     if fmt is None and content_type:
         fmt = FORMAT_OF_CONTENT_TYPE.get(content_type.split(";")[0].strip().lower())
-    return EXTENSIONS.get(fmt or "png", "png")
+    known = FORMATS.get(fmt) if fmt is not None else None
+    return (known or FORMATS["png"]).extension
 
 
 def output_paths(job_id: str, output: str | None, ext: str, count: int) -> list[Path]:
@@ -162,25 +147,20 @@ def describe_failure(job: dict[str, Any]) -> str:
     return f"{message} (stage: {stage})" if stage else message
 
 
-async def follow(client: Client, job_id: str, bar: ProgressBar) -> dict[str, Any]:
+async def follow(client: Client, job_id: str, bar: ProgressBar, timeout: float | None = None) -> dict[str, Any]:
     """Wait for the job's end through its events, drawing progress; returns the final job."""
-    for _ in range(RESUBSCRIBE):
-        async with aclosing(client.events(job_id)) as events:
-            async for name, data in events:
-                if name == "progress":
-                    step, total = data.get("step"), data.get("total")
-                    steps = (step if isinstance(step, int) else None, total if isinstance(total, int) else None)
-                    bar.update(*steps, stage="computing")  # steps only come while computing
-                elif name == "status":
-                    bar.update_from_job(data)
-                elif name in ("done", "error") and data.get("status") in TERMINAL_STATUSES:
-                    if name == "done":
-                        bar.complete()
-                    return data
-        job = await client.job(job_id)  # the stream ended early: ask where the job is
-        if job.get("status") in TERMINAL_STATUSES:
-            return job
-    raise DaemonError(0, "stream_ended", f"the daemon kept closing the event stream of job {job_id} early")
+
+    def draw(name: str, data: dict[str, Any]) -> None:
+        if name == Event.PROGRESS:
+            step, total = data.get("step"), data.get("total")
+            steps = (step if isinstance(step, int) else None, total if isinstance(total, int) else None)
+            bar.update(*steps, stage="computing")  # steps only come while computing
+        elif name == Event.STATUS:
+            bar.update_from_job(data)
+        elif name == Event.DONE:
+            bar.complete()
+
+    return await client.wait(job_id, timeout=timeout, on_event=draw)
 
 
 async def download(client: Client, job_id: str, index: int, path: Path) -> int:
@@ -253,9 +233,8 @@ async def _generate(client: Client, args: argparse.Namespace, state: GenerateSta
     job_id = state.job_id = str(job["id"])
     bar.update_from_job(job)
     try:
-        async with asyncio.timeout(None if args.timeout is None else args.timeout + CLIENT_GRACE_S):
-            job = await follow(client, job_id, bar)
-    except TimeoutError:
+        job = await follow(client, job_id, bar, None if args.timeout is None else args.timeout + CLIENT_GRACE_S)
+    except ClientTimeout:
         bar.close()
         confirmed = await cancel_quietly(client, job_id) is not None
         what = "cancelled it" if confirmed else f"the daemon did not confirm its cancel (`diffusiond cancel {job_id}`)"
@@ -263,7 +242,7 @@ async def _generate(client: Client, args: argparse.Namespace, state: GenerateSta
         return 1
     state.finished = True
     bar.close()
-    if job.get("status") != "succeeded":
+    if job.get("status") != JobStatus.SUCCEEDED:
         print(f"error: {describe_failure(job)}", file=sys.stderr)
         return 1
 
@@ -275,7 +254,13 @@ async def _generate(client: Client, args: argparse.Namespace, state: GenerateSta
     for out in outputs:
         index = int(out.get("index", 0))
         path = paths[index]
-        size = await download(client, job_id, index, path)
+        try:
+            size = await download(client, job_id, index, path)
+        except ClientError:
+            raise
+        except OSError as exc:  # the user's disk or directory, not the daemon: say which file
+            print(f"error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         files.append({"path": str(path), "seed": out.get("seed"), "bytes": size})
         if not args.json:
             print(f"{path}  seed={out.get('seed')}", flush=True)

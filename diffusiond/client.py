@@ -2,41 +2,67 @@
 
 The CLI is a thin shell over this module, and Python users (a training loop, a notebook) can use it
 directly instead of hand-writing HTTP: it knows the socket-path rules, turns the daemon's JSON errors
-into one exception type, follows a job's Server-Sent Events, and streams outputs to files without
-holding a whole video in memory.
+into exceptions, follows a job's Server-Sent Events, and streams outputs to files without holding a
+whole video in memory.
 
-It deliberately depends on nothing of the daemon but ``diffusiond.daemon.config`` (for the socket-path
-rules), so importing it never pulls in torch or the engine.
+Every failure a caller can meet comes out as one of these, so ``except ClientError`` is enough to
+keep aiohttp's and asyncio's own exceptions out of a caller's code:
+
+    ClientError
+    ├── DaemonUnreachable    nothing answers on the socket, or the connection died mid-answer
+    ├── DaemonError          the daemon answered with an error: status, code, message, field,
+    │                        stage, retry_after (HTTP 4xx/5xx, or an answer that made no sense)
+    └── ClientTimeout        a request, or a wait for a job, took longer than the caller allowed
+                             (also a ``TimeoutError``, which is what such code caught before)
+
+A job that fails or is cancelled is not an exception: ``wait`` returns the job, whose ``status``
+and ``error`` say what happened. Writing an output to a file can still raise ``OSError``; that
+is the caller's file, not the daemon.
+
+It depends on nothing of the daemon (the socket-path rules are in ``diffusiond.protocol``), so
+importing it never pulls in torch, the engine, or the encoders.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import aiohttp
 
-from diffusiond.daemon.config import default_socket_path
+from diffusiond.protocol import TERMINAL_EVENTS, TERMINAL_STATUSES, default_socket_path
+
+__all__ = [
+    "BASE_URL", "Client", "ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable", "SSEParser",
+    "default_socket_path",
+]  # fmt: skip
 
 BASE_URL = "http://diffusiond"
 """The host part is ignored on a Unix socket; a fixed name keeps URLs readable in logs."""
 
-TERMINAL_EVENTS = frozenset({"done", "error"})
-"""SSE events after which a job's stream has nothing more to say."""
-
 _CHUNK = 256 * 1024
 _CONNECT_TIMEOUT_S = 30.0
+_RESUBSCRIBE = 3
+"""How often ``wait`` re-opens an event stream the daemon closed before the job ended."""
+
+EventCallback = Callable[[str, dict[str, Any]], None]
 
 
-class DaemonError(Exception):
+class ClientError(Exception):
+    """The root of every exception this module raises; see the tree in the module docstring."""
+
+
+class DaemonError(ClientError):
     """The daemon answered, and the answer was an error (a rejected request, an unknown job, ...).
 
     One type for every HTTP error, carrying the daemon's own code and message, so callers can
-    branch on ``status``/``code`` and show ``str(exc)`` to a person as it is.
+    branch on ``status``/``code`` and show ``str(exc)`` to a person as it is. ``status`` is 0
+    for errors found on this side (an event stream that kept ending early).
     """
 
     def __init__(
@@ -67,7 +93,7 @@ class DaemonError(Exception):
         return f"{self.message} ({', '.join(details)})"
 
 
-class DaemonUnreachable(Exception):
+class DaemonUnreachable(ClientError):
     """Nothing answers on the socket (missing, refused, or the connection died).
 
     The message names the path tried and how to start a daemon, because the usual cause is simply
@@ -86,6 +112,25 @@ class DaemonUnreachable(Exception):
             "`systemctl --user start diffusiond.socket`,\n"
             "or point the client at a running daemon with --socket PATH or $DIFFUSIOND_SOCKET."
         )
+
+
+class ClientTimeout(ClientError, TimeoutError):
+    """A request or a wait took longer than the caller allowed.
+
+    Kept apart from DaemonUnreachable: the daemon may well be alive and busy (a long sleep, a
+    queue full of work), and the job behind a timed-out wait is still there, so the message
+    says what timed out and after how long rather than suggesting the daemon is gone.
+    """
+
+    def __init__(self, socket_path: str, what: str, seconds: float | None) -> None:
+        self.socket_path = socket_path
+        self.what = what
+        self.seconds = seconds
+        super().__init__(socket_path, what, seconds)
+
+    def __str__(self) -> str:
+        limit = f"longer than {self.seconds:g} s" if self.seconds is not None else "too long"
+        return f"{self.what} (daemon at {self.socket_path}) took {limit}"
 
 
 class SSEParser:
@@ -161,7 +206,8 @@ class Client:
     """One connection pool to one daemon. Use ``async with Client() as c:`` or call ``close()``.
 
     ``timeout`` bounds every request, an event stream included, so leave it ``None`` when
-    following jobs that may run long; connecting is bounded either way.
+    following jobs that may run long (``wait`` takes its own bound); connecting is bounded
+    either way.
     """
 
     def __init__(self, socket_path: str | None = None, timeout: float | None = None) -> None:
@@ -186,10 +232,9 @@ class Client:
     def _open(self) -> aiohttp.ClientSession:
         # Created lazily, inside the running loop: aiohttp binds a session to the loop it starts on.
         if self._session is None:
-            connect = _CONNECT_TIMEOUT_S if self.timeout is None else min(self.timeout, _CONNECT_TIMEOUT_S)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=self.socket_path),
-                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=connect),
+                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=self._connect_s()),
             )
         return self._session
 
@@ -200,8 +245,8 @@ class Client:
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """A response whose status is in ``ok``; any other status becomes a DaemonError.
 
-        Connection failures, before or during the body, become DaemonUnreachable, so callers
-        have exactly two exception types to think about.
+        aiohttp's and asyncio's exceptions, raised before the answer or while its body is read
+        inside the ``async with``, become this module's own (see the tree at the top).
         """
         session = self._open()
         try:
@@ -209,12 +254,21 @@ class Client:
                 if resp.status not in ok:
                     raise await _error_from(resp)
                 yield resp
-        except TimeoutError:
-            raise  # aiohttp's timeouts are also connection errors; a timeout is the clearer of the two
+        except ClientError:
+            raise
+        except aiohttp.ConnectionTimeoutError as exc:  # the socket is there; its backlog did not move
+            raise ClientTimeout(self.socket_path, f"connecting for {method} {path}", self._connect_s()) from exc
         except aiohttp.ClientConnectorError as exc:
             raise DaemonUnreachable(self.socket_path, _reason(exc)) from exc
+        except TimeoutError as exc:  # aiohttp's timeouts are also connection errors: the clearer of the two
+            raise ClientTimeout(self.socket_path, f"{method} {path}", self.timeout) from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise DaemonUnreachable(self.socket_path, f"connection lost: {_reason(exc)}") from exc
+        except aiohttp.ClientError as exc:  # something answered, but not in HTTP that makes sense
+            raise DaemonUnreachable(self.socket_path, f"not a diffusiond answer: {_reason(exc)}") from exc
+
+    def _connect_s(self) -> float:
+        return _CONNECT_TIMEOUT_S if self.timeout is None else min(self.timeout, _CONNECT_TIMEOUT_S)
 
     async def _json(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> dict[str, Any]:
         async with self._request(method, path, ok=ok, **kwargs) as resp:
@@ -228,12 +282,12 @@ class Client:
     async def job(self, job_id: str) -> dict[str, Any]:
         return await self._json("GET", f"/v1/jobs/{_q(job_id)}")
 
-    async def events(self, job_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def events(self, job_id: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """The job's events as (name, data) until ``done`` or ``error``.
 
         A late subscriber gets the current state replayed, so calling this after the job has
         finished still yields its final event. If the daemon closes the stream early the iterator
-        just ends; ``job()`` then tells the truth about where the job got to.
+        just ends; ``job()`` then tells the truth about where the job got to (``wait`` does that).
         """
         parser = SSEParser()
         headers = {"Accept": "text/event-stream"}
@@ -243,6 +297,33 @@ class Client:
                     yield name, _decode(data)
                     if name in TERMINAL_EVENTS:
                         return
+
+    async def wait(
+        self, job_id: str, *, timeout: float | None = None, on_event: EventCallback | None = None
+    ) -> dict[str, Any]:
+        """Follow the job until it ends and return it as the daemon last described it.
+
+        A failed or cancelled job is returned, not raised: look at its ``status`` and ``error``.
+        ``on_event`` sees every event on the way (progress, status). ``timeout`` bounds the whole
+        wait, a ClientTimeout past it; the job itself goes on (cancel it if it should not).
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                for _ in range(_RESUBSCRIBE):
+                    async with aclosing(self.events(job_id)) as events:
+                        async for name, data in events:
+                            if on_event is not None:
+                                on_event(name, data)
+                            if name in TERMINAL_EVENTS and data.get("status") in TERMINAL_STATUSES:
+                                return data
+                    job = await self.job(job_id)  # the stream ended early: ask where the job is
+                    if job.get("status") in TERMINAL_STATUSES:
+                        return job
+        except ClientError:
+            raise
+        except TimeoutError as exc:
+            raise ClientTimeout(self.socket_path, f"waiting for job {job_id}", timeout) from exc
+        raise DaemonError(0, "stream_ended", f"the daemon kept closing the event stream of job {job_id} early")
 
     async def output(self, job_id: str, k: int) -> bytes:
         """Output ``k`` in memory; prefer ``stream_output`` for videos and raw arrays."""
@@ -272,7 +353,7 @@ class Client:
             body = await resp.read()
             report = _parse_json(body, resp.status)
             if resp.status == 503 and "error" in report:
-                raise await _error_from(resp)
+                raise _error_of(report, resp)
         return report
 
     async def ready(self) -> bool:
@@ -314,18 +395,28 @@ def _reason(exc: BaseException) -> str:
 async def _error_from(resp: aiohttp.ClientResponse) -> DaemonError:
     """The daemon's ``{"error": {...}}`` body as a DaemonError; anything else still gets a message."""
     text = await resp.text(errors="replace")
-    retry = resp.headers.get("Retry-After")
-    retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
     try:
-        err = json.loads(text)["error"]
-        return DaemonError(
-            resp.status,
-            str(err.get("code") or f"http_{resp.status}"),
-            str(err.get("message") or resp.reason or ""),
-            err.get("field"),
-            err.get("stage"),
-            retry_after,
-        )
+        return _error_of(json.loads(text), resp)
     except (ValueError, KeyError, TypeError, AttributeError):
         message = text.strip()[:200] or resp.reason or "error"
-        return DaemonError(resp.status, f"http_{resp.status}", message, retry_after=retry_after)
+        return DaemonError(resp.status, f"http_{resp.status}", message, retry_after=_retry_after(resp))
+
+
+def _error_of(body: Any, resp: aiohttp.ClientResponse) -> DaemonError:
+    """An error document already read (``health`` reads its body before it knows) as a DaemonError;
+    KeyError and friends when the body is not one."""
+    err = body["error"]
+    field, stage = err.get("field"), err.get("stage")
+    return DaemonError(
+        resp.status,
+        str(err.get("code") or f"http_{resp.status}"),
+        str(err.get("message") or resp.reason or ""),
+        None if field is None else str(field),
+        None if stage is None else str(stage),
+        _retry_after(resp),
+    )
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    retry = resp.headers.get("Retry-After")
+    return float(retry) if retry and retry.replace(".", "", 1).isdigit() else None

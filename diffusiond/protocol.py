@@ -2,18 +2,42 @@
 
 Each closed set the HTTP API speaks (output formats with their content types and file
 extensions, output dtypes, scheduler names, job statuses and stages, SSE event names, error
-codes, log levels) is written down here once. The module imports nothing but the standard
-library, so the client and the CLI can use it without loading torch, and the daemon's request
-checks can use it without loading the encoders (Pillow, PyAV).
+codes, log levels), and where the socket is looked for, is written down here once. The module
+imports nothing but the standard library, so the client and the CLI can use it without loading
+torch, and the daemon's request checks can use it without loading the encoders (Pillow, PyAV).
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Final, Literal, get_args
+
+# the socket -------------------------------------------------------------------------------------
+
+SOCKET_ENV: Final = "DIFFUSIOND_SOCKET"
+SOCKET_NAME: Final = "diffusiond.sock"
+
+
+def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """The socket path when none is given, in the order API.md fixes.
+
+    Here, not in the daemon's config, because client and daemon must agree on it and the
+    client must not load the daemon to find out.
+    """
+    env = os.environ if env is None else env
+    if env.get(SOCKET_ENV):
+        return env[SOCKET_ENV]
+    if env.get("RUNTIME_DIRECTORY"):  # set by systemd's RuntimeDirectory=
+        return str(Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / SOCKET_NAME)
+    if env.get("XDG_RUNTIME_DIR"):
+        return str(Path(env["XDG_RUNTIME_DIR"]) / "diffusiond" / SOCKET_NAME)
+    return f"/tmp/diffusiond-{os.getuid()}/{SOCKET_NAME}"
+
 
 # outputs ----------------------------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ from aiohttp import web
 from diffusiond.cli import main
 from diffusiond.cli_generate import choose_format, extension_for, output_paths
 from diffusiond.cli_progress import render
-from diffusiond.client import SSEParser
-from diffusiond.daemon.config import default_socket_path
+from diffusiond.client import Client, ClientError, ClientTimeout, DaemonError, DaemonUnreachable, SSEParser
+from diffusiond.protocol import default_socket_path
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_COMMANDS = [["status"], ["models"], ["cancel", "j_123"], ["sleep"], ["wake"], ["generate", "a cat"]]
@@ -456,3 +456,102 @@ def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
     assert "job j_done already finished (succeeded)" in capsys.readouterr().err
     assert main(["cancel", "j_404", "--socket", stub.path]) == 1
     assert "no job j_404" in capsys.readouterr().err
+
+
+# exceptions: one root, nothing of aiohttp's or asyncio's leaks --------------------------------
+def test_client_exceptions_share_one_root() -> None:
+    assert issubclass(DaemonError, ClientError) and issubclass(DaemonUnreachable, ClientError)
+    assert issubclass(ClientTimeout, ClientError) and issubclass(ClientTimeout, TimeoutError)
+
+
+@pytest.fixture
+def silent_socket(tmp_path: Path) -> Iterator[str]:
+    """A socket that accepts connections (the kernel's backlog does) and never answers."""
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+        s.listen(16)
+        yield path
+
+
+def test_a_daemon_that_does_not_answer_is_a_one_line_timeout(
+    silent_socket: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("diffusiond.cli.QUICK_TIMEOUT_S", 0.3)
+    assert main(["status", "--socket", silent_socket]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: GET /health (daemon at {silent_socket}) took longer than 0.3 s\n", err
+
+
+def test_client_timeout_is_a_client_error(silent_socket: str) -> None:
+    async def ask() -> None:
+        async with Client(silent_socket, timeout=0.2) as client:
+            await client.models()
+
+    with pytest.raises(ClientTimeout) as info:
+        asyncio.run(ask())
+    assert info.value.seconds == 0.2 and info.value.what == "GET /v1/models"
+
+
+def test_wait_past_its_timeout_raises_client_timeout(stub: StubDaemon) -> None:
+    async def wait() -> None:
+        async with Client(stub.path) as client:
+            job = await client.create_job({"prompt": "hang"})
+            await client.wait(job["id"], timeout=0.3)
+
+    with pytest.raises(ClientTimeout, match=r"waiting for job j_1 .* took longer than 0\.3 s"):
+        asyncio.run(wait())
+
+
+def test_wait_returns_a_failed_job_rather_than_raising(stub: StubDaemon) -> None:
+    async def wait() -> dict[str, Any]:
+        async with Client(stub.path) as client:
+            job = await client.create_job({"prompt": "fail"})
+            seen: list[str] = []
+            final = await client.wait(job["id"], on_event=lambda name, data: seen.append(name))
+            assert seen == ["progress", "progress", "error"]
+            return final
+
+    assert asyncio.run(wait())["status"] == "failed"
+
+
+def test_something_that_is_not_http_on_the_socket_is_unreachable(tmp_path: Path) -> None:
+    path = str(tmp_path / "garbage.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+
+    async def ask() -> None:
+        async with Client(path, timeout=10) as client:
+            await client.health()
+
+    try:
+        with pytest.raises(DaemonUnreachable):
+            asyncio.run(ask())
+    finally:
+        thread.join(10)
+        server.close()
+
+
+# a reader that stops reading ------------------------------------------------------------------
+@pytest.mark.parametrize("args", [["status"], ["models", "--json"]], ids=" ".join)
+def test_a_closed_pipe_on_stdout_exits_141_without_a_traceback(stub: StubDaemon, args: list[str]) -> None:
+    """``diffusiond status | head -1`` once head has gone: the read end is closed before the CLI
+    writes a byte, so the write fails every time, not only when the timing is unlucky."""
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "diffusiond", *args, "--socket", stub.path],
+                            stdout=write, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    os.close(write)
+    os.close(read)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err
+    assert err == "", err

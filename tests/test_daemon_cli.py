@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -268,6 +269,17 @@ def test_cancel(sock: str) -> None:
     r = cli("cancel", job_id, "--socket", sock)
     assert r.returncode == 1
     assert f"job {job_id} already finished (cancelled)" in r.stderr
+
+
+@pytest.mark.parametrize(("command", "reader"), [("status", "head -1"), ("models --json", "head -c1")])
+def test_output_into_a_reader_that_stops_early_ends_quietly(sock: str, command: str, reader: str) -> None:
+    """A shell pipeline, as people type it: whether the CLI still writes after the reader has gone
+    depends on timing (exit 0 or 141), but it never prints a traceback."""
+    cli_ = f"{shlex.quote(sys.executable)} -m diffusiond {command} --socket {shlex.quote(sock)}"
+    script = f"{cli_} | {reader}; echo; echo \"rc=${{PIPESTATUS[0]}}\""
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert r.stderr == "", r.stderr
+    assert re.search(r"^rc=(0|141)$", r.stdout, re.M), r.stdout
 
 
 def test_sleep_and_wake(sock: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

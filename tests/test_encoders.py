@@ -14,9 +14,6 @@ from PIL import Image
 
 from diffusiond.daemon import encoders
 from diffusiond.daemon.encoders import (
-    FORMATS,
-    IMAGE_FORMATS,
-    VIDEO_FORMATS,
     EncodeOptions,
     content_type,
     encode,
@@ -26,6 +23,7 @@ from diffusiond.daemon.encoders import (
     npy_size,
     to_uint8,
 )
+from diffusiond.protocol import FORMATS, IMAGE_FORMATS, VIDEO_FORMATS
 
 METADATA = {"prompt": "a lighthouse at dusk", "seed": "42", "steps": "20", "model": "tiny"}
 
@@ -71,7 +69,7 @@ def decode_mp4(data: bytes) -> tuple[av.video.stream.VideoStream, list[av.VideoF
 
 
 def test_formats_and_content_types() -> None:
-    assert dict(FORMATS) == {
+    assert {name: f.content_type for name, f in FORMATS.items()} == {
         "png": "image/png",
         "jpeg": "image/jpeg",
         "webp": "image/webp",
@@ -79,9 +77,15 @@ def test_formats_and_content_types() -> None:
         "mp4": "video/mp4",
         "npy": "application/x-npy",
     }
-    assert all(content_type(fmt) == ctype for fmt, ctype in FORMATS.items())
+    assert all(content_type(name) == f.content_type for name, f in FORMATS.items())
     assert {"png", "jpeg", "webp", "npy"} == IMAGE_FORMATS
     assert {"mp4", "webp", "gif", "npy"} == VIDEO_FORMATS
+
+
+def test_every_format_the_protocol_offers_has_an_encoder() -> None:
+    """The API admits what protocol.py lists; an encoder missing for one would fail jobs, not requests."""
+    assert set(encoders._STILL_ENCODERS) | {"npy"} == IMAGE_FORMATS
+    assert set(encoders._VIDEO_ENCODERS) | {"npy"} == VIDEO_FORMATS
 
 
 def test_unknown_format_names_the_known_ones() -> None:

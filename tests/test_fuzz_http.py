@@ -383,10 +383,10 @@ def test_scheduler_is_checked_at_admission(sock: Path, model: str, scheduler: st
 
 
 def test_scheduler_names_checked_at_admission_are_the_pipelines() -> None:
-    from diffusiond.daemon.requests import FLOW_SCHEDULER_NAMES, SCHEDULER_NAMES
+    from diffusiond import protocol
     from diffusiond.pipelines.diffusers_pipeline import FLOW_SCHEDULERS, SCHEDULERS
 
-    assert set(SCHEDULER_NAMES) == set(SCHEDULERS) and set(FLOW_SCHEDULER_NAMES) == set(FLOW_SCHEDULERS)
+    assert set(protocol.SCHEDULERS) == set(SCHEDULERS) and set(protocol.FLOW_SCHEDULERS) == set(FLOW_SCHEDULERS)
 
 
 def test_daemon_is_healthy_after_the_fuzzing(sock: Path, fuzz_daemon: Daemon) -> None:

@@ -10,6 +10,9 @@ hand-written server, side by side in one run on the same model.
   the pipeline under a lock with PIL output and encodes the PNG inline. Labelled as the baseline.
 
 Every mode runs in rounds with the limit measured around each daemon run (``report.py`` says why).
+
+The CLI builds this command's parser for every command, ``--help`` included, so importing the
+package must not load torch: the runner imports the pipelines only inside ``run``.
 """
 
 from diffusiond.bench.runner import add_parser, run

@@ -14,6 +14,9 @@ from typing import Any
 
 import aiohttp
 
+from diffusiond.client import SSEParser
+from diffusiond.protocol import TERMINAL_EVENTS, JobStatus
+
 
 class BenchError(RuntimeError):
     """A server under test refused or failed a request, or did not start: the run cannot go on."""
@@ -147,15 +150,15 @@ async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
                 raise BenchError(f"the daemon refused a job ({r.status}): {job}")
         final = None
         async with session.get(f"/v1/jobs/{job['id']}/events") as r:
-            event = None
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: ") and event in ("done", "error"):
-                    final = json.loads(line[6:])
+            parser = SSEParser()
+            async for chunk in r.content.iter_any():
+                for name, data in parser.feed(chunk):
+                    if name in TERMINAL_EVENTS:
+                        final = json.loads(data)
+                        break
+                if final is not None:
                     break
-        if final is None or final["status"] != "succeeded":
+        if final is None or final["status"] != JobStatus.SUCCEEDED:
             raise BenchError(f"a job did not succeed: {final}")
         received = 0
         for out in final["outputs"]:

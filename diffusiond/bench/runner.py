@@ -32,8 +32,11 @@ from diffusiond.bench.load import BenchError, LoadResult, drive_daemon, drive_na
 from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
 from diffusiond.cli_generate import parse_size, positive_int
-from diffusiond.ipc.tensors import itemsize
-from diffusiond.pipelines.base import PipelineError
+from diffusiond.protocol import FORMATS, OUTPUT_DTYPES
+
+# Nothing here at module level may load torch or numpy: ``diffusiond --help`` builds this parser,
+# and every client command builds the whole parser. The pipeline's modules are imported where a
+# run needs them.
 
 MODES = ("limit", "async", "sync", "naive")
 DAEMON_MODES = ("async", "sync")
@@ -57,9 +60,9 @@ def add_parser(sub: Any) -> None:
                    help="measured requests per mode and round, one output each (default: 64)")
     p.add_argument("--concurrency", type=positive_int, default=None,
                    help="concurrent clients (default: 3 x batch + 2, so a full batch is always waiting)")
-    p.add_argument("--format", default="png", choices=("png", "jpeg", "webp", "npy", "mp4"))
+    p.add_argument("--format", default="png", choices=tuple(FORMATS))
     p.add_argument("--frames", type=positive_int, default=None, help="frames per output (video models)")
-    p.add_argument("--output-dtype", default="uint8", choices=("uint8", "float16", "float32"))
+    p.add_argument("--output-dtype", default="uint8", choices=OUTPUT_DTYPES)
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {','.join(MODES)} (default: all)")
     p.add_argument("--arena-mb", type=positive_int, default=None, help="default: room for 4 batches of outputs")
@@ -87,6 +90,8 @@ def non_negative_float(text: str) -> float:
 def _setup(args: argparse.Namespace) -> Setup:
     import torch
 
+    from diffusiond.ipc.tensors import itemsize
+
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"--device {device}, but no CUDA device is visible (check nvidia-smi, CUDA_VISIBLE_DEVICES)")
@@ -101,6 +106,8 @@ def _setup(args: argparse.Namespace) -> Setup:
 
 
 def run(args: argparse.Namespace) -> int:
+    from diffusiond.pipelines.base import PipelineError
+
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:

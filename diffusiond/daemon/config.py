@@ -14,39 +14,19 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-OUTPUT_MODES = ("async", "sync")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DTYPES = ("float32", "float16", "bfloat16")
+from diffusiond.protocol import LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES
+from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 
 class ConfigError(ValueError):
     pass
 
 
-def default_socket_path(env: dict[str, str] | None = None) -> str:
-    """The socket path when none is given, in the order API.md fixes."""
-    env = dict(os.environ) if env is None else env
-    if env.get("DIFFUSIOND_SOCKET"):
-        return env["DIFFUSIOND_SOCKET"]
-    if env.get("RUNTIME_DIRECTORY"):  # set by systemd's RuntimeDirectory=
-        return str(Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "diffusiond.sock")
-    if env.get("XDG_RUNTIME_DIR"):
-        return str(Path(env["XDG_RUNTIME_DIR"]) / "diffusiond" / "diffusiond.sock")
-    return f"/tmp/diffusiond-{os.getuid()}/diffusiond.sock"
-
-
 def model_name_for(spec: str) -> str:
-    """A short, stable name for a model spec: what clients put in ``"model"``."""
-    if spec.startswith("synthetic"):
-        return "synthetic"
-    if spec.startswith("random:"):
-        return spec
-    p = Path(spec)
-    if spec.endswith((".safetensors", ".ckpt")):
-        return p.stem
-    if p.is_dir() or spec.startswith(("/", ".", "~")):
-        return p.name or spec
-    return spec
+    """A short, stable name for a model spec; the rule is the spec grammar's (``pipelines.spec``)."""
+    from diffusiond.pipelines import spec as model_spec  # torch-free
+
+    return model_spec.model_name_for(spec)
 
 
 @dataclass(frozen=True)
@@ -114,8 +94,8 @@ class DaemonConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"model names must be unique, got {names}; use --model NAME=SPEC")
         for m in self.models:
-            if m.dtype not in DTYPES:
-                raise ConfigError(f"model {m.name!r}: dtype {m.dtype!r} is not one of {', '.join(DTYPES)}")
+            if m.dtype not in MODEL_DTYPES:
+                raise ConfigError(f"model {m.name!r}: dtype {m.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
             if not m.devices:
                 raise ConfigError(f"model {m.name!r} has no device")
         if self.output_mode not in OUTPUT_MODES:
@@ -160,12 +140,10 @@ def parse_devices(device: str, workers: int) -> tuple[str, ...]:
 
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
-    """``SPEC`` or ``NAME=SPEC`` -> (name, spec). A spec may itself hold ``=`` (``synthetic:compute_ms=40``):
-    what precedes the first ``=`` is a name only if it has no ``/`` or ``:``, which names never do."""
-    name, sep, spec = arg.partition("=")
-    if sep and name and not any(c in name for c in "/:"):
-        return name, spec
-    return model_name_for(arg), arg
+    """``SPEC`` or ``NAME=SPEC`` -> (name, spec); the rule is the spec grammar's (``pipelines.spec``)."""
+    from diffusiond.pipelines import spec as model_spec  # torch-free
+
+    return model_spec.parse_model_arg(arg)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

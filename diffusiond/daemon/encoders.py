@@ -39,23 +39,7 @@ from av.video.reformatter import ColorRange, Colorspace
 from numpy.lib import format as npy_format
 from PIL import Image, PngImagePlugin
 
-FORMATS: Final[Mapping[str, str]] = MappingProxyType(
-    {
-        "png": "image/png",
-        "jpeg": "image/jpeg",
-        "webp": "image/webp",
-        "gif": "image/gif",
-        "mp4": "video/mp4",
-        "npy": "application/x-npy",
-    }
-)
-"""Every output format, with the content type its bytes are served as."""
-
-IMAGE_FORMATS: Final[frozenset[str]] = frozenset({"png", "jpeg", "webp", "npy"})
-"""Formats that take an image ``(H, W, 3)`` (and a single-frame video, as its image)."""
-
-VIDEO_FORMATS: Final[frozenset[str]] = frozenset({"mp4", "webp", "gif", "npy"})
-"""Formats that take a video ``(F, H, W, 3)``; webp and gif are written animated."""
+from diffusiond.protocol import FORMATS, IMAGE_FORMATS, VIDEO_FORMATS
 
 # Tried in order. libx264 is the reference encoder and ships in PyAV's wheels; "h264" lets FFmpeg
 # pick its default H.264 encoder; the rest are hardware or alternative encoders that a custom
@@ -137,7 +121,7 @@ DEFAULT_OPTIONS: Final[EncodeOptions] = EncodeOptions()
 def content_type(fmt: str) -> str:
     """The HTTP content type for ``fmt``; a ValueError naming the known formats if there is none."""
     try:
-        return FORMATS[fmt]
+        return FORMATS[fmt].content_type
     except KeyError:
         raise ValueError(f"unknown output format {fmt!r}; known formats: {_names(FORMATS)}") from None
 
@@ -500,4 +484,4 @@ def npy_payload(array: np.ndarray) -> memoryview:
     """
     if not array.flags.c_contiguous:
         raise ValueError(f"array of shape {array.shape} is not C-contiguous; npy_payload does not copy")
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data  # ndarray.data: the memoryview, typed as one

@@ -1,30 +1,56 @@
-"""Request validation: JSON bodies -> ``JobRequest``, or a 400 that names the field.
+"""Request validation: JSON bodies -> ``JobRequest``, or an ``InvalidRequest`` that names the field.
 
 Bodies are decoded by msgspec into typed structs (unknown fields in the jobs API are refused, so
-a typo never silently falls back to a default), then checked against the limits of API.md. The
-OpenAI-shaped endpoint accepts OpenAI's own fields that have no meaning here and ignores them,
-so unmodified OpenAI clients work.
+a typo never silently falls back to a default), then checked against the limits of API.md and
+the model's ``Capabilities``, so a value that cannot run is refused at admission instead of
+failing a job in the worker. The OpenAI-shaped endpoint accepts OpenAI's own fields that have
+no meaning here and ignores them, so unmodified OpenAI clients work.
+
+The closed sets checked here (formats, dtypes, scheduler names) come from ``protocol.py``, not
+from the encoders or the pipelines, so admission loads neither Pillow/PyAV nor torch. The errors
+carry no HTTP status: ``api.py`` maps them (``errors.py``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 
 from diffusiond.daemon.config import Limits
-from diffusiond.daemon.encoders import IMAGE_FORMATS, VIDEO_FORMATS
-from diffusiond.daemon.errors import ApiError, bad_request
+from diffusiond.daemon.errors import OutputTooLarge, invalid
 from diffusiond.daemon.jobs import JobRequest
+from diffusiond.ipc.messages import Capabilities
 from diffusiond.ipc.tensors import itemsize
+from diffusiond.protocol import (
+    IMAGE_FORMATS,
+    OUTPUT_DTYPES,
+    SCHEDULERS,
+    VIDEO_FORMATS,
+    ErrorCode,
+    OutputDtype,
+    Task,
+    frame_count_neighbours,
+    schedulers_for,
+)
 
-OUTPUT_DTYPES = ("uint8", "float16", "float32")
-# The scheduler short names the pipelines know (pipelines.diffusers_pipeline.SCHEDULERS, which a test
-# keeps equal; not imported, the engine never loads torch). Checked at admission, so a name that is
-# unknown, or that does not fit the model, is a 400 naming the field, not a job failing in the worker.
-SCHEDULER_NAMES = ("euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match")
-FLOW_SCHEDULER_NAMES = ("flow-match",)
+
+class ModelLike(Protocol):
+    """What admission needs of a model: its name and what it can make. The engine's ``Model``
+    fits; tests can pass anything with these two attributes."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+
+ModelResolver = Callable[[str | None], ModelLike]
+"""The model a request names (None: the default one); raises ModelNotFound for an unknown name."""
+
 T = TypeVar("T")
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 _PATH = re.compile(r"`\$\.?([A-Za-z_][\w]*)")
@@ -75,35 +101,36 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
 
 def decode(body: bytes, cls: type[T]) -> T:
     if not body.strip():
-        raise bad_request("request body is empty; send a JSON object", code="invalid_json")
+        raise invalid("request body is empty; send a JSON object", code=ErrorCode.INVALID_JSON)
     try:
         return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as exc:
         m = _PATH.search(str(exc)) or _FIELD.search(str(exc))
-        raise bad_request(f"invalid request: {exc}", field=m.group(1) if m else None) from None
+        raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
     except msgspec.DecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise invalid(f"request body is not valid JSON: {exc}", code=ErrorCode.INVALID_JSON) from None
 
 
 def _range(name: str, value: float | None, lo: float, hi: float) -> None:
     if value is not None and not lo <= value <= hi:
-        raise bad_request(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
+        raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
 
 
 def check(
-    req: dict[str, Any], limits: Limits, model: Any, *, size_field: str | None = None
+    req: dict[str, Any], limits: Limits, model: ModelLike, *, size_field: str | None = None
 ) -> JobRequest:
-    """Apply limits and the model's defaults. ``model`` is the engine's ModelInfo."""
+    """Apply limits and the model's defaults; ``req`` is a decoded body as a dict, so both
+    endpoints share one set of checks (``size_field`` names the field the user actually sent)."""
     prompt = req["prompt"]
     if not prompt.strip():
-        raise bad_request("prompt must not be empty", field="prompt")
+        raise invalid("prompt must not be empty", field="prompt")
     if len(prompt) > limits.max_prompt_chars:
-        raise bad_request(
+        raise invalid(
             f"prompt is {len(prompt)} characters; the limit is {limits.max_prompt_chars}", field="prompt"
         )
     neg = req.get("negative_prompt")
     if neg is not None and len(neg) > limits.max_prompt_chars:
-        raise bad_request(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
+        raise invalid(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
     _range("n", req["n"], 1, limits.max_n)
     d = model.capabilities
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
@@ -112,7 +139,7 @@ def check(
     for name, v in (("width", width), ("height", height)):
         field = size_field or name
         if not limits.min_size <= v <= limits.max_size or v % 8:
-            raise bad_request(
+            raise invalid(
                 f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
                 field=field,
             )
@@ -124,62 +151,63 @@ def check(
     seed = req.get("seed")
     top = 2**63 - req["n"]  # output k gets seed + k, and each must fit a torch.Generator seed
     if seed is not None and not 0 <= seed <= top:
-        raise bad_request(f"seed must be between 0 and {top} (2**63 - n), got {seed}", field="seed")
-    video = model.task == "text-to-video"
+        raise invalid(f"seed must be between 0 and {top} (2**63 - n), got {seed}", field="seed")
+    video = d.task == Task.TEXT_TO_VIDEO
     frames = req.get("num_frames")
     if frames is not None and not video:
-        raise bad_request(
-            f"num_frames is only for text-to-video models; {model.name!r} is {model.task}", field="num_frames"
+        raise invalid(
+            f"num_frames is only for text-to-video models; {model.name!r} is {d.task}", field="num_frames"
         )
     if video:
         frames = d.num_frames if frames is None else frames
         _range("num_frames", frames, 1, limits.max_frames)
         step = d.num_frames_step  # e.g. LTX makes 8k+1 frames, Wan 4k+1
-        if step > 1 and (frames - 1) % step:
-            lower = (frames - 1) // step * step + 1
-            raise bad_request(
-                f"num_frames must be {step}k+1 for {model.name!r}; use {lower} or {lower + step}, got {frames}",
+        nearest = frame_count_neighbours(frames, step)
+        if nearest is not None:
+            lower, upper = nearest
+            raise invalid(
+                f"num_frames must be {step}k+1 for {model.name!r}; use {lower} or {upper}, got {frames}",
                 field="num_frames",
             )
     fps = req.get("fps")
     if fps is not None and not video:
-        raise bad_request(f"fps is only for text-to-video models; {model.name!r} is {model.task}", field="fps")
+        raise invalid(f"fps is only for text-to-video models; {model.name!r} is {d.task}", field="fps")
     _range("fps", fps, 1, 240)
     fps = fps or d.fps
     fmt = req.get("output_format") or ("mp4" if video else "png")
     allowed = VIDEO_FORMATS if video else IMAGE_FORMATS
     if fmt not in allowed:
-        raise bad_request(
-            f"output_format {fmt!r} is not available for {model.task}; use one of {', '.join(sorted(allowed))}",
+        raise invalid(
+            f"output_format {fmt!r} is not available for {d.task}; use one of {', '.join(sorted(allowed))}",
             field="output_format",
         )
     dtype = req.get("output_dtype", "uint8")
     if dtype not in OUTPUT_DTYPES:
-        raise bad_request(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}", field="output_dtype")
+        raise invalid(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}", field="output_dtype")
     if dtype != "uint8" and fmt != "npy":
-        raise bad_request("raw float output (output_dtype) needs output_format 'npy'", field="output_dtype")
+        raise invalid("raw float output (output_dtype) needs output_format 'npy'", field="output_dtype")
     timeout = req.get("timeout_s")
     if timeout is not None:
         _range("timeout_s", timeout, 0.001, limits.max_timeout_s)
     scheduler = req.get("scheduler")
     if scheduler is not None:
-        if scheduler not in SCHEDULER_NAMES:
-            raise bad_request(f"scheduler {scheduler!r} is not one of {', '.join(SCHEDULER_NAMES)}", field="scheduler")
-        flow = d.flow_scheduler  # sent by models that have schedulers; others ignore the field
-        if flow is not None and (scheduler in FLOW_SCHEDULER_NAMES) != bool(flow):
-            fits = [s for s in SCHEDULER_NAMES if (s in FLOW_SCHEDULER_NAMES) == bool(flow)]
-            raise bad_request(
+        if scheduler not in SCHEDULERS:
+            raise invalid(f"scheduler {scheduler!r} is not one of {', '.join(SCHEDULERS)}", field="scheduler")
+        flow = d.flow_scheduler  # set by models that have schedulers; the others ignore the field
+        if flow is not None and scheduler not in schedulers_for(flow):
+            raise invalid(
                 f"scheduler {scheduler!r} does not fit {model.name!r} (a "
-                f"{'flow-matching' if flow else 'noise-prediction'} model); use one of {', '.join(fits)}",
+                f"{'flow-matching' if flow else 'noise-prediction'} model); use one of "
+                f"{', '.join(schedulers_for(flow))}",
                 field="scheduler",
             )
     elem = itemsize(dtype)
     out_bytes = req["n"] * (frames or 1) * width * height * 3 * elem
     if out_bytes > limits.max_output_bytes:
-        raise ApiError(413, "output_too_large",
-                       f"the job would produce {out_bytes / 2**30:.1f} GiB of output (n x frames x width x height x "
-                       f"3 x {elem} bytes); the limit is {limits.max_output_bytes / 2**30:.1f} GiB: ask for fewer "
-                       "or smaller outputs", field="n" if req["n"] > 1 else ("num_frames" if frames else "width"))
+        raise OutputTooLarge(
+            f"the job would produce {out_bytes / 2**30:.1f} GiB of output (n x frames x width x height x "
+            f"3 x {elem} bytes); the limit is {limits.max_output_bytes / 2**30:.1f} GiB: ask for fewer "
+            "or smaller outputs", field="n" if req["n"] > 1 else ("num_frames" if frames else "width"))
     return JobRequest(
         model=model.name,
         prompt=prompt,
@@ -194,27 +222,27 @@ def check(
         num_frames=frames,
         fps=fps,
         timeout_s=timeout,
-        output_dtype=dtype,
+        output_dtype=cast(OutputDtype, dtype),  # checked above against OUTPUT_DTYPES
         scheduler=scheduler,
     )
 
 
-def parse_job(body: bytes, limits: Limits, resolve_model: Any) -> JobRequest:
+def parse_job(body: bytes, limits: Limits, resolve_model: ModelResolver) -> JobRequest:
     b = decode(body, JobBody)
     model = resolve_model(b.model)
     return check(msgspec.structs.asdict(b), limits, model)
 
 
-def parse_images(body: bytes, limits: Limits, resolve_model: Any) -> tuple[JobRequest, str]:
+def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver) -> tuple[JobRequest, str]:
     b = decode(body, ImagesBody)
     if b.response_format not in ("b64_json", "url"):
-        raise bad_request("response_format must be 'b64_json' or 'url'", field="response_format")
+        raise invalid("response_format must be 'b64_json' or 'url'", field="response_format")
     model = resolve_model(b.model)
     req = msgspec.structs.asdict(b)
     if b.size is not None and b.size != "auto":
         m = _SIZE.match(b.size)
         if not m:
-            raise bad_request(f"size must look like 512x512, got {b.size!r}", field="size")
+            raise invalid(f"size must look like 512x512, got {b.size!r}", field="size")
         req["width"], req["height"] = int(m.group(1)), int(m.group(2))
     req["steps"] = b.num_inference_steps
     req["steps_field"] = "num_inference_steps"
