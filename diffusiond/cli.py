@@ -31,7 +31,7 @@ from diffusiond.cli_generate import (
     positive_int,
     run_generate,
 )
-from diffusiond.client import Client, ClientError, DaemonError, DaemonUnreachable
+from diffusiond.client import Client, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.protocol import FORMATS, LOG_LEVELS, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -179,10 +179,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except UsageError as exc:
         print(f"diffusiond {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except DaemonUnreachable as exc:
+    except (DaemonUnreachable, ClientTimeout) as exc:  # a daemon that stopped answering is not reachable
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except ClientError as exc:  # DaemonError, or ClientTimeout: the daemon is there, but busy or stuck
+    except ClientError as exc:  # DaemonError: the daemon answered, and refused
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

@@ -474,11 +474,11 @@ def silent_socket(tmp_path: Path) -> Iterator[str]:
         yield path
 
 
-def test_a_daemon_that_does_not_answer_is_a_one_line_timeout(
+def test_a_daemon_that_does_not_answer_exits_3_with_a_one_line_timeout(
     silent_socket: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("diffusiond.cli.QUICK_TIMEOUT_S", 0.3)
-    assert main(["status", "--socket", silent_socket]) == 1
+    assert main(["status", "--socket", silent_socket]) == 3
     err = capsys.readouterr().err
     assert err == f"error: GET /health (daemon at {silent_socket}) took longer than 0.3 s\n", err
 
