@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond import protocol
+from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines import Interrupted, Pipeline, PipelineError, Task, load_pipeline
 from diffusiond.pipelines.base import generators
 from diffusiond.pipelines.diffusers_pipeline import SCHEDULERS, DiffusersPipeline, task_for_class
@@ -65,6 +66,10 @@ def test_tiny_is_built_once_as_safetensors_in_the_cache(tiny: DiffusersPipeline,
     assert isinstance(tiny, Pipeline)
     assert (tiny.name, tiny.task, tiny.dtype) == ("tiny", Task.TEXT_TO_IMAGE, torch.float32)
     assert tiny.device == torch.device("cpu")
+    # Declared at construction: the tiny model's quick defaults over what the adapter infers.
+    assert tiny.capabilities == Capabilities(
+        task="text-to-image", width=128, height=128, steps=4, guidance=5.0, flow_scheduler=False
+    )
 
 
 def test_tiny_build_that_loses_the_rename_race_uses_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,6 +173,10 @@ def test_on_step_false_interrupts_at_that_step(tiny: DiffusersPipeline) -> None:
     assert len(run(tiny, [req(1)])) == 1  # the pipeline is usable afterwards
 
 
+def test_scheduler_classes_are_for_exactly_the_protocols_names() -> None:
+    assert tuple(SCHEDULERS) == protocol.SCHEDULERS
+
+
 @pytest.mark.parametrize("name", sorted(set(SCHEDULERS) - {"flow-match"}))
 def test_each_sd_scheduler_runs_on_tiny(tiny: DiffusersPipeline, name: str) -> None:
     params = BatchParams(width=64, height=64, steps=2, guidance=5.0, scheduler=name)
@@ -214,6 +223,8 @@ def test_folder_from_diffusers_save_pretrained_loads(tiny_components: dict[str, 
     StableDiffusionPipeline(**tiny_components).save_pretrained(str(tmp_path / "mine"), safe_serialization=True)
     pipe = load_pipeline(str(tmp_path / "mine"))
     assert pipe.name == "mine" and pipe.task is Task.TEXT_TO_IMAGE
+    # Nothing overrides a plain folder's defaults: the native size (UNet sample 32 x VAE factor 2).
+    assert pipe.capabilities == Capabilities(task="text-to-image", width=64, height=64, flow_scheduler=False)
     assert run(pipe, [req(1)])[0].shape == (3, 64, 64)
 
 
@@ -289,6 +300,7 @@ def test_synthetic_shapes_and_determinism() -> None:
     pipe = load_pipeline("synthetic:compute_ms=2")
     assert isinstance(pipe, SyntheticPipeline) and isinstance(pipe, Pipeline)
     assert pipe.task is Task.TEXT_TO_IMAGE and pipe.compute_ms == 2.0 and pipe.matmuls_per_batch() >= 1
+    assert pipe.capabilities == Capabilities(task="text-to-image", width=512, height=512, steps=4, guidance=1.0)
     params = BatchParams(width=40, height=24, steps=3, guidance=1.0)
     alone = run(pipe, [req(9)], params)[0]
     batch = run(pipe, [req(1), req(9), req(2)], params)
@@ -302,6 +314,9 @@ def test_synthetic_shapes_and_determinism() -> None:
 def test_synthetic_options_steps_and_interrupt() -> None:
     pipe = load_pipeline("synthetic:compute_ms=0,task=video", name="bench")
     assert (pipe.name, pipe.task) == ("bench", Task.TEXT_TO_VIDEO)
+    assert pipe.capabilities == Capabilities(
+        task="text-to-video", width=512, height=512, steps=4, guidance=1.0, num_frames=16, fps=16
+    )
     seen: list[tuple[int, int]] = []
     with pytest.raises(Interrupted) as info:
         pipe.run(P64, [req(1)], lambda s, n: seen.append((s, n)) or s < 1)

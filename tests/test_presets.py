@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines import PipelineError, Task, load_pipeline
 from diffusiond.pipelines import presets as presets_module
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.presets import CLIP_L, NOTICE, PRESETS, Net, Preset, Tok, build_part, parameter_counts
-from diffusiond.pipelines.registry import ACCEPTED_FORMS
+from diffusiond.pipelines.spec import ACCEPTED_FORMS
 
 # Published parameter counts, per component. Sources: the model cards and papers (SD 1.5 UNet
 # 859.52M, SDXL UNet 2.567B, OpenCLIP bigG text tower 694.7M, CLIP ViT-L/14 text tower 123.06M,
@@ -166,8 +166,10 @@ def test_preset_builds_saves_and_loads_back_labelled_synthetic(
         pipe = load_pipeline("random:test-sd15")
     assert isinstance(pipe, DiffusersPipeline)
     assert NOTICE in caplog.text and NOTICE == "random weights: outputs are noise; for benchmarks only"
-    assert (pipe.name, pipe.synthetic_weights, pipe.task) == ("random:test-sd15", True, Task.TEXT_TO_IMAGE)
-    assert pipe.defaults == SMALL_SD.defaults
+    assert (pipe.name, pipe.task) == ("random:test-sd15", Task.TEXT_TO_IMAGE)
+    assert pipe.capabilities == Capabilities(
+        task="text-to-image", **SMALL_SD.defaults, flow_scheduler=False, synthetic_weights=True
+    )
     folder = small_presets / "models" / "random-test-sd15-v1"
     assert (folder / "model_index.json").is_file()
     assert sorted(p.name for p in (folder / "unet").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
@@ -184,9 +186,11 @@ def test_preset_builds_saves_and_loads_back_labelled_synthetic(
 def test_preset_with_save_0_is_served_as_built(small_presets: Path) -> None:
     pipe = load_pipeline("random:test-wan", options={"save": "0"})
     assert isinstance(pipe, DiffusersPipeline)
-    assert (pipe.synthetic_weights, pipe.task) == (True, Task.TEXT_TO_VIDEO)
+    assert pipe.task is Task.TEXT_TO_VIDEO
     assert not (small_presets / "models").exists(), "save=0 writes nothing"
-    assert pipe.defaults["num_frames_step"] == 4
+    assert pipe.capabilities == Capabilities(
+        task="text-to-video", **SMALL_WAN.defaults, num_frames_step=4, flow_scheduler=True, synthetic_weights=True
+    )
     (video,) = pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=5), [req(2)], always)
     assert video.shape == (5, 3, 32, 32)
     with pytest.raises(PipelineError, match=r"4k\+1 frames .*use 5 or 9"):

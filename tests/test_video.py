@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines import PipelineError, Task, load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.tiny_video import DEFAULTS, TINY_VIDEO_VERSION, ensure_tiny_video
@@ -61,7 +61,9 @@ def test_tiny_video_is_an_ltx_pipeline_saved_as_safetensors(tiny_video: Diffuser
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")], "build leftovers in the cache"
     assert type(tiny_video.pipe).__name__ == "LTXPipeline"
     assert (tiny_video.name, tiny_video.task, tiny_video.dtype) == ("tiny-video", Task.TEXT_TO_VIDEO, torch.float32)
-    assert tiny_video.defaults == {**DEFAULTS, "num_frames_step": 8}
+    assert tiny_video.capabilities == Capabilities(
+        task="text-to-video", **DEFAULTS, num_frames_step=8, flow_scheduler=True
+    )
 
 
 @pytest.mark.parametrize("frames", [9, 17, 1])

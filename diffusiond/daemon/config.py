@@ -14,19 +14,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from diffusiond.pipelines.spec import model_name_for, parse_model_arg
 from diffusiond.protocol import LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 
 class ConfigError(ValueError):
     pass
-
-
-def model_name_for(spec: str) -> str:
-    """A short, stable name for a model spec; the rule is the spec grammar's (``pipelines.spec``)."""
-    from diffusiond.pipelines import spec as model_spec  # torch-free
-
-    return model_spec.model_name_for(spec)
 
 
 @dataclass(frozen=True)
@@ -137,13 +131,6 @@ def parse_devices(device: str, workers: int) -> tuple[str, ...]:
         if p != "cpu" and not (p.startswith("cuda:") and p[5:].isdigit()):
             raise ConfigError(f"device {p!r} is not cpu, cuda or cuda:N")
     return tuple(parts)
-
-
-def parse_model_arg(arg: str) -> tuple[str, str]:
-    """``SPEC`` or ``NAME=SPEC`` -> (name, spec); the rule is the spec grammar's (``pipelines.spec``)."""
-    from diffusiond.pipelines import spec as model_spec  # torch-free
-
-    return model_spec.parse_model_arg(arg)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

@@ -5,56 +5,69 @@ own prompt, negative prompt and seed. It returns one tensor per request, still o
 float in [0, 1]: ``(C, H, W)`` for images, ``(F, C, H, W)`` for video. Conversion to uint8 and
 the copy to shared memory are the worker's job, so every pipeline gets the async output path.
 
+What a pipeline can do (task, request defaults, frame rule, which schedulers fit, whether its
+weights are random) is its ``capabilities``, fixed when it is constructed: the worker sends them
+in READY and admission checks requests against them, so nothing may change them after loading.
+
 Seeds: each request gets its own ``torch.Generator`` seeded with its seed, so a request gives the
 same output alone or inside a batch.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
+import msgspec
 import torch
 
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
+from diffusiond.pipelines.errors import Interrupted, PipelineError
+from diffusiond.protocol import Task
+
+__all__ = [
+    "Capabilities",
+    "Interrupted",
+    "Pipeline",
+    "PipelineError",
+    "RequestDefaults",
+    "StepCallback",
+    "Task",
+    "generators",
+    "native_side",
+    "with_defaults",
+]
 
 # Called after each denoising step with (steps_done, total). Returning False stops the run at
 # that step; ``run`` then raises ``Interrupted``.
 StepCallback = Callable[[int, int], bool]
 
 
-class Task(enum.StrEnum):
-    TEXT_TO_IMAGE = "text-to-image"
-    TEXT_TO_VIDEO = "text-to-video"
+class RequestDefaults(TypedDict, total=False):
+    """Request defaults a model knows better than its adapter can infer (the published model's
+    native size and steps, a tiny model's CPU-friendly ones); they override the inferred ones."""
+
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    num_frames: int
+    fps: int
 
 
-class PipelineError(Exception):
-    """A model could not be loaded or a request cannot run; the message says what to do."""
+def with_defaults(capabilities: Capabilities, defaults: RequestDefaults | None) -> Capabilities:
+    """``capabilities`` with ``defaults`` laid over them."""
+    return msgspec.structs.replace(capabilities, **defaults) if defaults else capabilities
 
 
-class Interrupted(Exception):
-    """The step callback asked to stop (every request of the batch was cancelled)."""
-
-    def __init__(self, step: int, total: int) -> None:
-        super().__init__(f"stopped at step {step} of {total}")
-        self.step = step
-        self.total = total
-
-
-# Request defaults a pipeline suggests (the engine fills omitted fields with them): width,
-# height, steps, guidance and, for video, num_frames and fps.
-Defaults = dict[str, float]
-
-
-def default_settings(pipe: object, *, steps: int = 25, guidance: float = 7.5) -> Defaults:
-    """Native resolution of a diffusers pipeline: the denoiser's sample size times the VAE factor."""
+def native_side(pipe: Any) -> int:
+    """Native resolution of a diffusers pipeline: the denoiser's sample size times the VAE factor,
+    so an omitted size gives what the model was trained at."""
     denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
     sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
     factor = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None) or 8
-    side = int(sample[0] if isinstance(sample, (list, tuple)) else sample or 64) * int(factor)
-    side = max(64, min(side, 2048)) // 8 * 8
-    return {"width": side, "height": side, "steps": steps, "guidance": guidance}
+    side = int(sample[0] if isinstance(sample, list | tuple) else sample or 64) * int(factor)
+    return max(64, min(side, 2048)) // 8 * 8
 
 
 @runtime_checkable
@@ -63,11 +76,9 @@ class Pipeline(Protocol):
     task: Task
     device: torch.device
     dtype: torch.dtype
-    defaults: Defaults
+    capabilities: Capabilities
 
-    def run(
-        self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback
-    ) -> list[torch.Tensor]:
+    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback) -> list[torch.Tensor]:
         """Run one batch; one float [0, 1] tensor per request, on ``self.device``."""
         ...
 
@@ -83,14 +94,3 @@ class Pipeline(Protocol):
 def generators(requests: Sequence[RequestSpec]) -> list[torch.Generator]:
     """One CPU generator per request: same seed, same noise, whatever the batch or device."""
     return [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
-
-
-def capabilities_of(pipe: object) -> Capabilities:  # TRANSITIONAL: until every pipeline declares its capabilities
-    cap = getattr(pipe, "capabilities", None)
-    if isinstance(cap, Capabilities):
-        return cap
-    d = dict(getattr(pipe, "defaults", {}))
-    flow = getattr(pipe, "flow_scheduler", None)
-    fields = {k: type(getattr(Capabilities(), k))(v) for k, v in d.items() if k in Capabilities.__struct_fields__}
-    return Capabilities(task=str(getattr(pipe, "task", "text-to-image")), flow_scheduler=flow,
-                        synthetic_weights=bool(getattr(pipe, "synthetic_weights", False)), **fields)

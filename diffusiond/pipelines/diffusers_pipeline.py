@@ -10,20 +10,28 @@ callback that can stop the run (so cancellation is prompt), and schedulers picke
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec
-from diffusiond.pipelines.base import Interrupted, PipelineError, StepCallback, Task, default_settings, generators
+from diffusiond import protocol
+from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
+from diffusiond.pipelines.base import (
+    Interrupted,
+    PipelineError,
+    RequestDefaults,
+    StepCallback,
+    Task,
+    generators,
+    native_side,
+    with_defaults,
+)
+from diffusiond.protocol import FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
 
-log = logging.getLogger(__name__)
+__all__ = ["FLOW_SCHEDULERS", "SCHEDULERS", "DiffusersPipeline", "check_frames", "task_for_class"]
 
-# Short names the API accepts -> diffusers scheduler class names. "flow-match" is the only one
-# valid for flow-matching models (SD3, Flux, Wan...); the others only for noise-prediction ones.
-SCHEDULERS: dict[str, str] = {
+_SCHEDULER_CLASSES = {
     "euler": "EulerDiscreteScheduler",
     "euler-a": "EulerAncestralDiscreteScheduler",
     "dpm++": "DPMSolverMultistepScheduler",
@@ -31,7 +39,9 @@ SCHEDULERS: dict[str, str] = {
     "unipc": "UniPCMultistepScheduler",
     "flow-match": "FlowMatchEulerDiscreteScheduler",
 }
-FLOW_SCHEDULERS = frozenset({"flow-match"})
+# The scheduler names requests may use (protocol.SCHEDULERS) -> diffusers class names; keyed by the
+# protocol's list so a name added there without a class here fails at import, not in a request.
+SCHEDULERS: dict[str, str] = {name: _SCHEDULER_CLASSES[name] for name in protocol.SCHEDULERS}
 
 # Class-name fragments of pipelines that need an input image/video/mask or produce something
 # other than plain pictures: they cannot serve a prompt-only request.
@@ -65,7 +75,7 @@ _FRAME_ARGS = ("num_frames", "video_length")
 def call_args(cls: type) -> frozenset[str]:
     """Names ``cls.__call__`` accepts; how we adapt to each pipeline's own signature."""
     try:
-        return frozenset(inspect.signature(cls.__call__).parameters)  # type: ignore[attr-defined]
+        return frozenset(inspect.signature(cls.__call__).parameters)
     except (TypeError, ValueError):
         return frozenset()
 
@@ -107,11 +117,11 @@ def frame_step(pipe: Any) -> int:
 
 def check_frames(name: str, step: int, frames: int) -> None:
     """Refuse a frame count the model cannot make, naming the nearest ones it can."""
-    if step > 1 and (frames - 1) % step:
-        below = (frames - 1) // step * step + 1
+    near = frame_count_neighbours(frames, step)
+    if near is not None:
         raise PipelineError(
             f"{name} makes videos of {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, {1 + 3 * step}, ...); "
-            f"num_frames={frames} is not one: use {below} or {below + step}"
+            f"num_frames={frames} is not one: use {near[0]} or {near[1]}"
         )
 
 
@@ -135,10 +145,12 @@ class _Stop(Exception):
 
 
 class DiffusersPipeline:
-    """Drives one loaded diffusers pipeline; runs are serial (schedulers hold per-run state)."""
+    """Drives one loaded diffusers pipeline; runs are serial (schedulers hold per-run state).
 
-    # True for models built in code with random weights (``random:<preset>``): outputs are noise.
-    synthetic_weights: bool = False
+    ``defaults`` override the request defaults inferred from the model (a published model's own
+    steps and size); ``synthetic_weights`` marks models built in code with random weights
+    (``random:<preset>``), whose outputs are noise. Both only reach ``capabilities``.
+    """
 
     def __init__(
         self,
@@ -148,6 +160,8 @@ class DiffusersPipeline:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         options: Mapping[str, str] | None = None,
+        defaults: RequestDefaults | None = None,
+        synthetic_weights: bool = False,
     ) -> None:
         options = dict(options or {})
         self.name = name
@@ -162,12 +176,21 @@ class DiffusersPipeline:
         self._schedulers: dict[str, Any] = {}
         self._offload = options.get("cpu_offload") == "1"
         self._asleep = False
-        self.defaults = default_settings(pipe)
-        self.frame_step = frame_step(pipe) if self.task == Task.TEXT_TO_VIDEO else 1
-        if self.task == Task.TEXT_TO_VIDEO:
-            self.defaults.update(num_frames=9, fps=16, steps=30, guidance=5.0)
-            if self.frame_step > 1:  # valid num_frames: 1 + k * num_frames_step
-                self.defaults["num_frames_step"] = self.frame_step
+        video = self.task is Task.TEXT_TO_VIDEO
+        side = native_side(pipe)
+        inferred = Capabilities(
+            task=self.task.value,
+            width=side,
+            height=side,
+            steps=30 if video else 25,
+            guidance=5.0 if video else 7.5,
+            num_frames=9,
+            fps=16,
+            num_frames_step=frame_step(pipe) if video else 1,  # valid num_frames: 1 + k * step
+            flow_scheduler=self._flow,
+            synthetic_weights=synthetic_weights,
+        )
+        self.capabilities = with_defaults(inferred, defaults)
 
         if getattr(pipe, "safety_checker", None) is not None:
             # The checker blacks out outputs and costs a CLIP pass per image; callers filter themselves.
@@ -190,11 +213,6 @@ class DiffusersPipeline:
             pipe.to(self.device)
 
     @property
-    def flow_scheduler(self) -> bool:
-        """True for a flow-matching model (only flow schedulers fit), False for a noise-prediction one."""
-        return self._flow
-
-    @property
     def pipe(self) -> Any:
         """The wrapped diffusers pipeline (tests and diagnostics only)."""
         return self._pipe
@@ -206,7 +224,7 @@ class DiffusersPipeline:
         if short not in SCHEDULERS:
             raise PipelineError(f"unknown scheduler {short!r}; known: {', '.join(SCHEDULERS)}")
         if (short in FLOW_SCHEDULERS) != self._flow:
-            allowed = sorted(FLOW_SCHEDULERS) if self._flow else sorted(set(SCHEDULERS) - FLOW_SCHEDULERS)
+            allowed = sorted(schedulers_for(self._flow))
             kind = "flow-matching" if self._flow else "noise-prediction"
             raise PipelineError(
                 f"scheduler {short!r} does not fit {self.name} (a {kind} model); use one of {', '.join(allowed)}"
@@ -244,7 +262,7 @@ class DiffusersPipeline:
         if params.num_frames is not None:
             if self.task is not Task.TEXT_TO_VIDEO or self._frames_arg is None:
                 raise PipelineError(f"model {self.name} makes images; num_frames does not apply")
-            check_frames(self.name, self.frame_step, params.num_frames)
+            check_frames(self.name, self.capabilities.num_frames_step, params.num_frames)
             kwargs[self._frames_arg] = params.num_frames
 
         def step_end(p: Any, i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ ordinary folder loader, so benchmarks measure the path real models take. Saving 
 be slow: option ``save=0`` skips the round trip and serves the pipeline as built.
 
 The outputs are noise. Everything a user sees says so: the pipeline's name, its
-``synthetic_weights`` attribute, and a warning logged at every load.
+``capabilities.synthetic_weights``, and a warning logged at every load.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ from typing import Any, Literal
 
 import torch
 
-from diffusiond.pipelines.base import Defaults, Pipeline, PipelineError
+from diffusiond.pipelines.base import PipelineError, RequestDefaults
+from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
+from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, t5_tokenizer
+from diffusiond.pipelines.loaders import load_folder
+from diffusiond.pipelines.modelcache import ensure_built
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ class Preset:
     source: str  # the published model whose shapes these are
     pipeline: str  # diffusers pipeline class
     parts: Mapping[str, Part]
-    defaults: Defaults  # the published model's native size, steps, guidance (and frames, fps)
+    defaults: RequestDefaults  # the published model's native size, steps, guidance (and frames, fps)
     pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # from_pretrained of a model with float32-pinned modules (Wan) needs the accelerate package.
     needs_accelerate: bool = False
@@ -247,7 +251,7 @@ def folder_name(preset: Preset) -> str:
     return f"random-{preset.name}-{PRESET_VERSION}"
 
 
-def _class(name: str) -> type:
+def _class(name: str) -> type[Any]:
     import diffusers
     import transformers
 
@@ -274,15 +278,13 @@ def build_part(part: Part, device: torch.device | str = "meta", dtype: torch.dty
     if part is None:
         return None
     if isinstance(part, Tok):
-        from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, t5_tokenizer
-
         if part.kind == "clip":
             pad = {"pad_token": part.pad} if part.pad else {}
             return clip_tokenizer(part.size, max_length=part.max_length, **pad)
         return t5_tokenizer(part.size - part.extra_ids, extra_ids=part.extra_ids, max_length=part.max_length)
     cls = _class(part.cls)
     if isinstance(part, Sched):
-        return cls.from_config(dict(part.config))  # type: ignore[attr-defined]
+        return cls.from_config(dict(part.config))
     with _init_on(torch.device(device), dtype):
         config_class = getattr(cls, "config_class", None)
         if config_class is not None and cls.__module__.startswith("transformers"):
@@ -337,12 +339,8 @@ def load_preset(
     dtype: torch.dtype,
     options: Mapping[str, str],
     cache_dir: Path | None = None,
-) -> Pipeline:
+) -> DiffusersPipeline:
     """Build (or find in the cache) ``random:<key>`` and wrap it like any loaded model."""
-    from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
-    from diffusiond.pipelines.modelcache import ensure_built
-    from diffusiond.pipelines.registry import load_folder
-
     preset = get_preset(key)
     save = options.get("save", "1")
     if save not in {"0", "1"}:
@@ -350,17 +348,17 @@ def load_preset(
     label = synthetic_name(name, preset)
     log.warning("%s (%s shapes): %s", label, preset.source, NOTICE)
     if save == "0":
-        pipe: Any = DiffusersPipeline(
-            build_pipeline(preset, device, dtype), name=label, device=device, dtype=dtype, options=options
+        return DiffusersPipeline(
+            build_pipeline(preset, device, dtype), name=label, device=device, dtype=dtype, options=options,
+            defaults=preset.defaults, synthetic_weights=True,
+        )  # fmt: skip
+    if preset.needs_accelerate and importlib.util.find_spec("accelerate") is None:
+        raise PipelineError(
+            f"random:{preset.name} loads back through from_pretrained, which for {preset.pipeline} needs the "
+            "accelerate package: install it, or set option save=0 to use the model as built"
         )
-    else:
-        if preset.needs_accelerate and importlib.util.find_spec("accelerate") is None:
-            raise PipelineError(
-                f"random:{preset.name} loads back through from_pretrained, which for {preset.pipeline} needs the "
-                "accelerate package: install it, or set option save=0 to use the model as built"
-            )
-        folder = ensure_built(folder_name(preset), lambda out: _save(preset, out, device, dtype), cache_dir)
-        pipe = load_folder(folder, name=label, device=device, dtype=dtype, options=options)
-    pipe.synthetic_weights = True
-    pipe.defaults = {**pipe.defaults, **preset.defaults}
-    return pipe  # type: ignore[no-any-return]
+    folder = ensure_built(folder_name(preset), lambda out: _save(preset, out, device, dtype), cache_dir)
+    return load_folder(
+        folder, name=label, device=device, dtype=dtype, options=options, defaults=preset.defaults,
+        synthetic_weights=True,
+    )  # fmt: skip

@@ -14,10 +14,11 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
+import msgspec
 import torch
 import torch.nn.functional as F
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import Interrupted, PipelineError, StepCallback, Task
 
 DEFAULT_COMPUTE_MS = 20.0
@@ -28,18 +29,6 @@ _CALIBRATE_S = 0.01
 _CALIBRATE_ROUNDS = 5
 _MIN_MATMUL_MS = 0.1
 _MAX_SIDE = 8192
-
-
-def parse_spec_options(spec: str) -> dict[str, str]:
-    """Options from ``synthetic:k=v,k=v``; malformed pairs are errors, not ignored."""
-    _, _, rest = spec.partition(":")
-    options: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise PipelineError(f"bad option {part!r} in model spec {spec!r}; expected key=value pairs")
-        options[key.strip()] = value.strip()
-    return options
 
 
 def _sync(device: torch.device) -> None:
@@ -70,9 +59,11 @@ class SyntheticPipeline:
         else:
             raise PipelineError(f"synthetic: unknown task {task!r}; use image or video")
         self.compute_ms = self._number(opts, "compute_ms", DEFAULT_COMPUTE_MS)
-        self.defaults: dict[str, float] = {"width": 512, "height": 512, "steps": 4, "guidance": 1.0}
-        if self.task == Task.TEXT_TO_VIDEO:
-            self.defaults.update(num_frames=16, fps=16)
+        # It takes no scheduler names (flow_scheduler None). Its outputs are noise by design, but it
+        # has no weights: synthetic_weights labels random-weight models that pass for real ones.
+        image = Capabilities(task=self.task.value, width=512, height=512, steps=4, guidance=1.0)
+        video = self.task is Task.TEXT_TO_VIDEO
+        self.capabilities = msgspec.structs.replace(image, num_frames=16, fps=16) if video else image
         side = int(self._number(opts, "matrix", 2048 if self.device.type == "cuda" else 256))
         if side < 1:
             raise PipelineError(f"synthetic: matrix must be positive, got {side}")
@@ -86,7 +77,6 @@ class SyntheticPipeline:
                 side *= 2
                 self._allocate(side)
                 self.ms_per_matmul = self._calibrate()
-        self.matrix_side = side
         self._asleep = False
 
     def _allocate(self, side: int) -> None:

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import torch
 
+from diffusiond.pipelines.base import RequestDefaults
+
 # Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
 TINY_VERSION = "tiny-v1"
 # CLIP's usual context; the text encoder is so small that 77 positions cost nothing.
 MAX_TOKENS = 77
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+# Request defaults: quick on a CPU.
+DEFAULTS: RequestDefaults = {"width": 128, "height": 128, "steps": 4, "guidance": 5.0}
 
 
 def cache_root() -> Path:

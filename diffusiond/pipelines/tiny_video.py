@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from diffusiond.pipelines.base import Defaults
+from diffusiond.pipelines.base import RequestDefaults
+from diffusiond.pipelines.gen_tokenizers import t5_tokenizer
 from diffusiond.pipelines.modelcache import ensure_built
 
 # Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
 TINY_VIDEO_VERSION = "tiny-video-v1"
 # Quick on a CPU; 64 is the smallest side above one latent pixel (LTX sizes are multiples of 32).
-DEFAULTS: Defaults = {"width": 64, "height": 64, "steps": 4, "guidance": 3.0, "num_frames": 9, "fps": 8}
+DEFAULTS: RequestDefaults = {"width": 64, "height": 64, "steps": 4, "guidance": 3.0, "num_frames": 9, "fps": 8}
 # LTX's own default prompt length; the encoder is so small that 128 positions cost nothing.
 MAX_TOKENS = 128
 # Tokenizer pieces: enough for printable ASCII and every lowercase letter pair; no sentinels.
@@ -43,8 +44,6 @@ def _build(out: Path) -> None:
     from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
     from diffusers import LTXVideoTransformer3DModel as Transformer
     from transformers import T5Config, T5EncoderModel
-
-    from diffusiond.pipelines.gen_tokenizers import t5_tokenizer
 
     tokenizer = t5_tokenizer(VOCAB_PIECES, extra_ids=0, max_length=MAX_TOKENS)
     with torch.random.fork_rng(devices=[]):  # building must not disturb the caller's global RNG

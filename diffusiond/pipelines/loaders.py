@@ -1,0 +1,206 @@
+"""Loaders for diffusers models on disk or in the HF cache: a folder, a hub id, a single checkpoint.
+
+Every model diffusiond serves through diffusers ends up here, including the ones built in code
+(``tiny``, ``tiny-video``, ``random:<preset>`` are saved and loaded back through ``load_folder``),
+so the path benchmarks measure is the one real models take. Each refuses a pipeline class it
+cannot serve before any weights load, and loads safetensors only unless ``allow_unsafe_weights=1``
+(pickled weights can run code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusiond.pipelines.base import PipelineError, RequestDefaults
+from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_class
+
+# Single-file checkpoint model types (diffusers' own inference) -> pipeline class to load with.
+_SINGLE_FILE_CLASSES: tuple[tuple[str, str], ...] = (
+    ("xl_base", "StableDiffusionXLPipeline"),
+    ("playground-v2-5", "StableDiffusionXLPipeline"),
+    ("v1", "StableDiffusionPipeline"),
+    ("v2", "StableDiffusionPipeline"),
+    ("sd3", "StableDiffusion3Pipeline"),
+    ("sd35_large", "StableDiffusion3Pipeline"),
+    ("sd35_medium", "StableDiffusion3Pipeline"),
+    ("flux-dev", "FluxPipeline"),
+    ("flux-schnell", "FluxPipeline"),
+    ("ltx-video", "LTXPipeline"),
+)
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """diffusers renamed ``torch_dtype`` to ``dtype`` (the old name warns); pass whichever it wants."""
+    from diffusers.utils import deprecation_utils
+
+    return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
+
+
+def _hub_offline() -> bool:
+    """Read at call time: the hub libraries read HF_HUB_OFFLINE once, at import."""
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return flag in {"1", "ON", "YES", "TRUE"} or bool(constants.HF_HUB_OFFLINE)
+
+
+def _pipeline_class(class_name: str, where: str) -> type[Any]:
+    """The diffusers class named by a model_index.json, refused before any weights load."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None) if class_name else None
+    if not isinstance(cls, type):
+        raise PipelineError(
+            f"{where} names pipeline class {class_name!r}, which diffusers {diffusers.__version__} does not have "
+            "(custom or newer pipeline?)"
+        )
+    task_for_class(cls)  # raises PipelineError naming the class when we cannot serve it
+    return cls
+
+
+def _read_index(path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(index, dict):
+        raise PipelineError(f"{path} is not a diffusers model index (not a JSON object)")
+    return index
+
+
+def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str]) -> dict[str, Any]:
+    """from_pretrained arguments shared by folder and hub loads."""
+    kwargs: dict[str, Any] = _dtype_kwarg(dtype)
+    # safetensors only, unless explicitly allowed: .bin weights are pickles and can run code.
+    kwargs["use_safetensors"] = None if opts.get("allow_unsafe_weights") == "1" else True
+    if "safety_checker" in index:
+        # Skip loading a component we would discard anyway.
+        kwargs["safety_checker"] = None
+        kwargs["requires_safety_checker"] = False
+    return kwargs
+
+
+def load_folder(
+    path: Path,
+    *,
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    options: Mapping[str, str],
+    defaults: RequestDefaults | None = None,
+    synthetic_weights: bool = False,
+) -> DiffusersPipeline:
+    """A local diffusers folder (``save_pretrained`` layout); the models built in code take it too,
+    and declare what only they know (CPU-friendly defaults, random weights) through the keywords."""
+    index_path = path / "model_index.json"
+    if not index_path.is_file():
+        raise PipelineError(f"folder {str(path)!r} has no model_index.json; it is not a diffusers pipeline folder")
+    index = _read_index(index_path)
+    cls = _pipeline_class(str(index.get("_class_name", "")), str(index_path))
+    try:
+        pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options))
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+        hint = ""
+        if "safetensors" in str(exc) and options.get("allow_unsafe_weights") != "1":
+            hint = " (only safetensors weights load by default; allow_unsafe_weights=1 permits .bin)"
+        raise PipelineError(f"cannot load {cls.__name__} from {str(path)!r}: {exc}{hint}") from exc
+    return DiffusersPipeline(
+        pipe,
+        name=name,
+        device=device,
+        dtype=dtype,
+        options=options,
+        defaults=defaults,
+        synthetic_weights=synthetic_weights,
+    )
+
+
+def load_hub(
+    repo_id: str, *, name: str, device: torch.device, dtype: torch.dtype, options: Mapping[str, str]
+) -> DiffusersPipeline:
+    """A hub id, through the normal HF cache; the daemon never hides a failed download."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cache = constants.HF_HUB_CACHE
+    cached_index = try_to_load_from_cache(repo_id, "model_index.json")
+    not_cached = (
+        f"model {repo_id!r} is not in the Hugging Face cache ({cache}) and could not be downloaded; "
+        f"download it first, e.g. `hf download {repo_id}` (older hubs: `huggingface-cli download {repo_id}`), "
+        "or pass a local folder"
+    )
+    index: dict[str, Any] = {}
+    if isinstance(cached_index, str):  # refuse an unservable class before fetching any weights
+        index = _read_index(Path(cached_index))
+        _pipeline_class(str(index.get("_class_name", "")), f"{repo_id}/model_index.json")
+    local_only = options.get("local_files_only") == "1" or _hub_offline()
+    if not isinstance(cached_index, str) and local_only:
+        raise PipelineError(not_cached)
+    from diffusers import DiffusionPipeline
+
+    kwargs = _load_kwargs(index, dtype, options)
+    if local_only:
+        kwargs["local_files_only"] = True
+    try:
+        pipe = DiffusionPipeline.from_pretrained(repo_id, **kwargs)
+    except Exception as exc:  # network errors come in many types (requests, httpx, hub errors)
+        if not isinstance(cached_index, str):
+            raise PipelineError(f"{not_cached}: {type(exc).__name__}: {exc}") from exc
+        raise PipelineError(f"cannot load {repo_id!r} from the HF cache ({cache}): {exc}") from exc
+    task_for_class(type(pipe))
+    return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options)
+
+
+def _single_file_class(path: Path, options: Mapping[str, str]) -> type[Any]:
+    """Pick the class for a checkpoint from its tensor names and shapes (read lazily, no weights)."""
+    explicit = options.get("pipeline_class")
+    if explicit:
+        return _pipeline_class(explicit, "option pipeline_class")
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}  # noqa: SIM118
+        model_type = infer_diffusers_model_type(shapes)
+    except Exception as exc:
+        raise PipelineError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
+    for prefix, class_name in _SINGLE_FILE_CLASSES:
+        if model_type == prefix or model_type.startswith(prefix + "-"):
+            return _pipeline_class(class_name, f"checkpoint type {model_type!r}")
+    raise PipelineError(
+        f"checkpoint {str(path)!r} looks like a {model_type!r} model, which diffusiond does not load from a "
+        "single file; set option pipeline_class=<diffusers class> or use a diffusers folder"
+    )
+
+
+def load_single_file(
+    path: Path, *, name: str, device: torch.device, dtype: torch.dtype, options: Mapping[str, str]
+) -> DiffusersPipeline:
+    """A single ``.safetensors`` checkpoint; diffusers needs the model's configs beside it (``config``)."""
+    cls = _single_file_class(path, options)
+    if not hasattr(cls, "from_single_file"):
+        raise PipelineError(f"diffusers cannot load {cls.__name__} from a single file; use a diffusers folder")
+    kwargs: dict[str, Any] = _dtype_kwarg(dtype)
+    if _hub_offline():
+        kwargs["local_files_only"] = True
+    if options.get("config"):
+        kwargs["config"] = options["config"]
+    if cls.__name__.startswith("StableDiffusion"):
+        kwargs["safety_checker"] = None
+    try:
+        pipe = cls.from_single_file(str(path), **kwargs)
+    except Exception as exc:  # conversion, config download and key mismatches raise many types
+        from huggingface_hub import constants
+
+        raise PipelineError(
+            f"cannot load {cls.__name__} from single file {str(path)!r}: {type(exc).__name__}: {exc}. "
+            f"diffusers needs the model's configs: from the HF cache ({constants.HF_HUB_CACHE}) or the network, "
+            "or a local diffusers folder given as option config=<folder>"
+        ) from exc
+    return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options)

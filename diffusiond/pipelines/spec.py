@@ -1,0 +1,144 @@
+"""Model specs: the one grammar in which a config file, a CLI flag and a worker name a model.
+
+The daemon reads specs long before any worker loads one (``--model NAME=SPEC``, the short model
+name clients use), and the registry reads them again to load; both go through this module so the
+two can never disagree. It imports neither torch nor diffusers, so the config and the CLI stay
+fast to start.
+
+Grammar::
+
+    arg     := SPEC | NAME "=" SPEC          (NAME has no "/" or ":")
+    SPEC    := "tiny" | "tiny-video"
+             | "synthetic" [":" OPTIONS]
+             | "random:" PRESET ["," OPTIONS]
+             | FOLDER | FILE.safetensors | ORG/NAME (hub id)
+    OPTIONS := KEY "=" VALUE ("," KEY "=" VALUE)*
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from diffusiond.pipelines.errors import PipelineError
+
+# Every option any loader understands; others are refused so a typo does not pass silently.
+KNOWN_OPTIONS = frozenset(
+    {
+        "allow_unsafe_weights",  # "1": allow pickle-based weights (.bin) when no safetensors exist
+        "cpu_offload",  # "1": enable_model_cpu_offload (accelerator devices only)
+        "vae_tiling",  # "1": decode large images in tiles
+        "vae_slicing",  # "1": decode a batch one image at a time
+        "pipeline_class",  # single-file checkpoints: diffusers class to load it with
+        "config",  # single-file checkpoints: local diffusers folder or hub id with the configs
+        "local_files_only",  # "1": hub ids: never touch the network, only the HF cache
+        "compute_ms",  # synthetic: device work per batch
+        "task",  # synthetic: "image" or "video"
+        "matrix",  # synthetic: side of the square matrices of the workload
+        "save",  # random:<preset>: "0" builds on the device and skips the save/load round trip
+    }
+)
+ACCEPTED_FORMS = (
+    "'tiny' or 'tiny-video' (embedded random-weight models, no download), "
+    "'random:<preset>' (a real architecture at full size with random weights, for benchmarks: "
+    "random:sd15, random:sdxl, random:flux-dev, random:wan-1.3b), "
+    "'synthetic' or 'synthetic:compute_ms=40,task=video' (no diffusers, for benchmarks), "
+    "a local folder with a diffusers model_index.json, "
+    "a path to a single-file '.safetensors' checkpoint, "
+    "or a Hugging Face hub id 'org/name' already in the HF cache"
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+
+Kind = Literal["synthetic", "tiny", "tiny-video", "random", "folder", "checkpoint", "hub"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A spec read but not loaded: which loader takes it, and what it names."""
+
+    kind: Kind
+    # The preset name for ``random``, the (user-expanded) path for ``folder`` and ``checkpoint``,
+    # the hub id for ``hub``; the spec itself otherwise.
+    target: str
+    # Options written inside the spec (``synthetic:k=v``, ``random:preset,k=v``); options given
+    # beside the spec (config ``options``) take precedence over these.
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+def parse_options(text: str, spec: str) -> dict[str, str]:
+    """``k=v,k=v`` pairs; a malformed pair is an error, never ignored, so a typo is seen at start."""
+    options: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise PipelineError(f"bad option {part!r} in model spec {spec!r}; expected key=value pairs")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def check_options(options: Mapping[str, str]) -> None:
+    """Refuse options no loader reads: a misspelt ``cpu_ofload=1`` must not load silently without it."""
+    unknown = sorted(set(options) - KNOWN_OPTIONS)
+    if unknown:
+        raise PipelineError(f"unknown model option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}")
+
+
+def parse_spec(spec: str) -> ModelSpec:
+    """Which loader takes ``spec``; resolution is ordered, so a folder named like a hub id is a folder.
+
+    Reads the file system (is it a folder?) but loads nothing. A spec no loader takes is an error
+    listing every accepted form.
+    """
+    spec = spec.strip()
+    if spec == "synthetic" or spec.startswith("synthetic:"):
+        return ModelSpec("synthetic", spec, parse_options(spec.partition(":")[2], spec))
+    if spec == "tiny":
+        return ModelSpec("tiny", spec)
+    if spec == "tiny-video":
+        return ModelSpec("tiny-video", spec)
+    if spec.startswith("random:"):
+        key, _, rest = spec.removeprefix("random:").partition(",")  # random:wan-1.3b,save=0
+        return ModelSpec("random", key, parse_options(rest, spec))
+    if not spec:
+        raise PipelineError(f"empty model spec; accepted: {ACCEPTED_FORMS}")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return ModelSpec("folder", str(path))
+    lower = spec.lower()
+    if lower.endswith(".safetensors"):
+        return ModelSpec("checkpoint", str(path))
+    if lower.endswith(_PICKLE_SUFFIXES):
+        raise PipelineError(
+            f"{spec!r} is a pickle-based checkpoint; diffusiond loads only safetensors "
+            "(convert it, or use a diffusers folder)"
+        )
+    if _HUB_ID.match(spec):
+        return ModelSpec("hub", spec)
+    raise PipelineError(f"unrecognised model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
+
+
+def model_name_for(spec: str) -> str:
+    """A short, stable name for a model spec: what clients put in ``"model"``."""
+    if spec.startswith("synthetic"):
+        return "synthetic"
+    if spec.startswith("random:"):
+        return spec
+    p = Path(spec)
+    if spec.endswith((".safetensors", ".ckpt")):
+        return p.stem
+    if p.is_dir() or spec.startswith(("/", ".", "~")):
+        return p.name or spec
+    return spec
+
+
+def parse_model_arg(arg: str) -> tuple[str, str]:
+    """``SPEC`` or ``NAME=SPEC`` -> (name, spec). A spec may itself hold ``=`` (``synthetic:compute_ms=40``):
+    what precedes the first ``=`` is a name only if it has no ``/`` or ``:``, which names never do."""
+    name, sep, spec = arg.partition("=")
+    if sep and name and not any(c in name for c in "/:"):
+        return name, spec
+    return model_name_for(arg), arg
