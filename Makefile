@@ -14,17 +14,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m ruff check diffusiond tests
+test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	PY=$(PY) scripts/demo.sh
 
-# Lint is `ruff check` (rules and the 120-column limit in pyproject.toml). Layout is by hand:
-# the code keeps related arguments on one line where `ruff format` would put one per line.
+# Lint is `ruff check` (rules and the 120-column limit in pyproject.toml), then mypy on the
+# package ([tool.mypy] in pyproject.toml: strict for ipc, protocol, daemon, worker, client and CLI). Layout is
+# by hand: the code keeps related arguments on one line where `ruff format` would put one per line.
 lint: $(STAMP)
 	$(PY) -m ruff check diffusiond tests
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -66,7 +66,7 @@ async def child(fd: int, mode: str, count: int, shape: tuple[int, ...]) -> None:
         slot = arena.allocate(t.numel())
         write_tensor(arena.buffer(slot), t)
         t0 = time.monotonic_ns()
-        ch.post(m.OutputReady(request_id=str(t0), batch_id=0, tensor=describe(t, slot.id, slot.offset), copy_ms=0))
+        ch.post(m.OutputReady(request_id=str(t0), batch_id=0, tensor=describe(t, slot.id, slot.offset)))
         await acks.get()
         arena.release(slot.id)
     await ch.drain()
@@ -160,7 +160,7 @@ def main() -> None:
         print(f"| {name} | {pct(xs, 50):.1f} us | {pct(xs, 99):.1f} us | {statistics.mean(xs):.1f} us |")
     from diffusiond.ipc.frames import FrameEncoder
 
-    frame = FrameEncoder().encode(m.OutputReady("j_0123456789abcdef/0", 1, describe(batch[5], 1, 0), 0.5))
+    frame = FrameEncoder().encode(m.OutputReady("j_0123456789abcdef/0", 1, describe(batch[5], 1, 0)))
     print(f"pickle size of one request's view of a 32x3x512x512 float32 batch: {view_pickle / 1e6:.1f} MB "
           f"(the view itself: {batch[5].numel() * 4 / 1e6:.1f} MB; its OUTPUT_READY frame: {len(frame)} bytes)")
 

@@ -42,7 +42,7 @@ async def main(fd: int, nbytes: int, mode: str) -> None:
     ch = Channel(sock, name="peer")
     ch.start(on_frame, on_close)
     ch.post(Hello(worker_id=7, pid=os.getpid(), arena_bytes=arena.capacity), [arena.fd])
-    ch.post(OutputReady(request_id="r0", batch_id=0, tensor=desc, copy_ms=0.0))
+    ch.post(OutputReady(request_id="r0", batch_id=0, tensor=desc))
     await ch.drain()
     if mode == "hold":
         await asyncio.sleep(3600)

@@ -1,4 +1,4 @@
-"""The HTTP API of API.md against a real daemon process: ``diffusiond serve`` on a temporary Unix
+"""The HTTP API of docs/api.md against a real daemon process: ``diffusiond serve`` on a temporary Unix
 socket with real worker subprocesses, talked to over the socket by aiohttp and by the official
 ``openai`` client.
 

@@ -1,4 +1,4 @@
-"""Faults on the worker channel and in the worker, against a real daemon (issue 7).
+"""Faults on the worker channel and in the worker, against a real daemon.
 
 Frames are tampered with on the wire by the worker's test-only fault injector (``--test-fault``,
 off in normal runs, applied to the first worker only so its replacement is healthy). Every case

@@ -1,4 +1,4 @@
-"""Hardening against a real daemon (issue 7, the remaining items): cancel races across every
+"""Hardening against a real daemon: cancel races across every
 stage, clients that stall or vanish in the middle of a large output or never fetch it, outputs
 larger than the arena and an arena that is full, deadlines in the copying and encoding stages,
 SIGTERM and sleep/wake with work queued and running, and requests for outputs over the limits.

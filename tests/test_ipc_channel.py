@@ -127,7 +127,7 @@ async def test_channel_outputs_of_32_requests_of_900kb_all_delivered() -> None:
         out = batch[i]
         slot = arena.allocate(out.numel())
         write_tensor(arena.buffer(slot), out)
-        a.post(m.OutputReady(f"r{i}", 0, describe(out, slot.id, slot.offset), 0.0))
+        a.post(m.OutputReady(f"r{i}", 0, describe(out, slot.id, slot.offset)))
     frames = await inbox.wait_for(32)
     for i, f in enumerate(frames):
         arr = as_numpy(peer_view.view, f.msg.tensor)  # type: ignore[attr-defined]
@@ -144,7 +144,7 @@ async def test_channel_frame_sent_before_reader_started_is_delivered() -> None:
     """Seed 001 defect 4 in its new form: an output that arrives before anyone waits is kept."""
     a, b = await pair()
     Inbox(a)
-    a.post(m.OutputReady("early", 0, describe_fake(), 0.0))
+    a.post(m.OutputReady("early", 0, describe_fake()))
     await a.drain()
     await asyncio.sleep(0)  # the bytes sit in the socket; nobody is reading yet
     inbox = Inbox(b)

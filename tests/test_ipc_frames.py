@@ -26,9 +26,9 @@ SAMPLES: list[msgspec.Struct] = [
     m.Ping(),
     m.Hello(worker_id=1, pid=123, arena_bytes=1 << 20),
     m.Ready(model_name="tiny", device="cpu", load_ms=12.5, capabilities=m.Capabilities(task="text-to-video", fps=8)),
-    m.ComputeDone(batch_id=3, compute_ms=10.0, steps_run=2),
+    m.ComputeDone(batch_id=3, compute_ms=10.0),
     m.Progress(batch_id=3, step=1, total=2),
-    m.OutputReady(request_id="r1", batch_id=3, tensor=DESC, copy_ms=0.25),
+    m.OutputReady(request_id="r1", batch_id=3, tensor=DESC),
     m.RequestEnded(request_id="r1", batch_id=3, status="failed", message="boom", stage="computing"),
     m.Ack(command=m.Kind.TRACE, ok=True, message="", trace=[m.TraceEvent("compute_start", 3, 99)]),
     m.Fatal(message="device lost"),
@@ -100,7 +100,7 @@ def test_frame_corrupted_body_detected() -> None:
 def test_frame_invalid_descriptor_rejected() -> None:
     """A body that parses but describes an impossible tensor never reaches the engine's state."""
     bad = msgspec.msgpack.encode(
-        {"request_id": "r", "batch_id": 0, "copy_ms": 0.0,
+        {"request_id": "r", "batch_id": 0,
          "tensor": {"dtype": "uint8", "shape": [4], "nbytes": 999, "slot_id": 1}}
     )
     import struct

@@ -134,7 +134,7 @@ async def test_worker_holds_slots_until_the_engine_releases_them() -> None:
         held = await d.trace()
         for r in results:
             assert r.desc is not None
-            d.handle.release(r.desc)
+            d.handle.return_slot(r.desc)
         after = await d.trace()
     assert held.slots_in_use == 2 and held.arena_in_use >= 2 * 64 * 64 * 3
     assert after.slots_in_use == 0
@@ -208,11 +208,31 @@ async def test_worker_exits_when_the_engine_goes_away() -> None:
 
 
 async def test_worker_bad_model_spec_fails_start_with_the_reason() -> None:
-    from diffusiond.daemon.worker_handle import WorkerStartError
+    from diffusiond.daemon.link import WorkerStartError
 
     with pytest.raises(WorkerStartError, match="no-such-model"):
         async with Driver(config("/nonexistent/no-such-model")):
             pass
+
+
+@pytest.mark.parametrize(
+    ("fault", "words"),
+    [
+        ("fail_start", "start-up failed: RuntimeError: injected start-up failure"),  # after the model loaded
+        ("no_such_fault", "unknown fault 'no_such_fault'"),  # before HELLO
+    ],
+    ids=["after-load", "before-hello"],
+)
+async def test_worker_start_up_failure_is_reported_as_fatal_with_the_reason(fault: str, words: str) -> None:
+    """Any exception in start-up is FATAL with its message and exit 1, not a worker stuck in
+    "starting" until the engine's start timeout."""
+    from diffusiond.daemon.link import WorkerStartError
+
+    d = Driver(config(fault=fault))
+    with pytest.raises(WorkerStartError, match=words):
+        await asyncio.wait_for(d.handle.start(timeout=120), 60)
+    assert d.handle.proc is not None
+    assert await asyncio.wait_for(d.handle.proc.wait(), 30) == 1
 
 
 @pytest.mark.parametrize("src", ["float32", "float16", "bfloat16"])

@@ -11,6 +11,8 @@ import numpy as np
 from diffusiond.daemon.worker_handle import WorkerHandle
 from diffusiond.ipc import messages as m
 from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.tensors import as_numpy
+from diffusiond.protocol import WorkerState
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Driver:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.handle.state != "dead":
+        if self.handle.state != WorkerState.DEAD:
             await self.handle.stop(timeout=30)
 
     def _on_lost(self, handle: WorkerHandle, reason: str) -> None:
@@ -53,9 +55,9 @@ class Driver:
         if isinstance(msg, m.OutputReady):
             r = self.results[msg.request_id]
             r.desc = msg.tensor
-            r.array = handle.array(msg.tensor).copy()
+            r.array = as_numpy(handle.buffer(msg.tensor), msg.tensor).copy()
             if self.release:
-                handle.release(msg.tensor)
+                handle.return_slot(msg.tensor)
         elif isinstance(msg, m.RequestEnded):
             self.results[msg.request_id].ended = msg
         elif isinstance(msg, m.ComputeDone):

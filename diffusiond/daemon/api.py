@@ -1,15 +1,17 @@
-"""The HTTP API (API.md): OpenAI-shaped images endpoint, jobs with SSE, service endpoints.
+"""The HTTP edge (docs/api.md): OpenAI-shaped images endpoint, jobs with SSE, service endpoints.
 
-Handlers are thin: parse and validate (``requests``), call the engine, render JSON. Every error
-leaves as ``{"error": {...}}`` through one middleware, including aiohttp's own (413 for a body
-over the limit, 404/405 for unknown routes), so clients only ever parse one error shape.
+Handlers are thin: parse and validate (``requests``), call the engine, render JSON (``views``).
+The engine raises domain errors and knows nothing of HTTP; the status code of each is chosen
+here, in one table (``STATUS_OF_ERROR``), next to the one for jobs that failed
+(``STATUS_OF_FAILURE``). Every error leaves as ``{"error": {...}}`` through one middleware,
+including aiohttp's own (413 for a body over the limit, 404/405 for unknown routes), so clients
+only ever parse one error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hmac
 import json
 import logging
@@ -22,11 +24,13 @@ from typing import Any
 
 from aiohttp import web
 
+from diffusiond.daemon import errors, views
 from diffusiond.daemon.engine import Engine
-from diffusiond.daemon.errors import ApiError
-from diffusiond.daemon.jobs import Status
+from diffusiond.daemon.errors import EngineError
+from diffusiond.daemon.jobs import Job
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diffusiond.daemon.requests import parse_images, parse_job
+from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, ErrorCode, Event, JobStatus, ModelState
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +38,66 @@ ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SSE_HEARTBEAT_S = 15.0
 STREAM_CHUNK = 4 << 20
-_FAILURE_STATUS = {"deadline_exceeded": 504, "shutting_down": 503, "cancelled": 409}
+
+# The status code of every domain error, by class (the most specific class listed wins).
+STATUS_OF_ERROR: dict[type[EngineError], int] = {
+    errors.InvalidRequest: 400,
+    errors.OutputTooLarge: 413,
+    errors.NotFound: 404,
+    errors.Conflict: 409,
+    errors.OutputReleased: 410,
+    errors.QueueFull: 429,
+    errors.Unavailable: 503,
+    errors.PowerFailed: 500,
+}
+# The status code of a synchronous request whose job ended without succeeding, by failure code.
+STATUS_OF_FAILURE: dict[str, int] = {
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.CANCELLED: 409,
+}
+STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 
 
-def error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+class HttpError(EngineError):
+    """An error that only the HTTP edge can have (access control, aiohttp's own refusals)."""
+
+    def __init__(self, status: int, code: ErrorCode, message: str, *, headers: dict[str, str] | None = None,
+                 stage: str | None = None) -> None:
+        super().__init__(message, code=code, stage=stage)
+        self.status = status
+        self.headers = headers or {}
+
+
+def status_of(err: EngineError) -> int:
+    if isinstance(err, HttpError):
+        return err.status
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF_ERROR:
+            return STATUS_OF_ERROR[cls]
+    return 500
+
+
+def error_response(err: EngineError) -> web.Response:
+    headers = dict(err.headers) if isinstance(err, HttpError) else {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = f"{err.retry_after_s:g}"
+    return web.json_response(err.body(), status=status_of(err), headers=headers)
 
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as err:
+    except EngineError as err:
         return error_response(err)
     except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(ApiError(413, "request_too_large", f"request body is too large: {exc.text}"))
+        return error_response(HttpError(413, ErrorCode.REQUEST_TOO_LARGE, f"request body is too large: {exc.text}"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        return error_response(ApiError(exc.status, code, f"{exc.reason}: {request.method} {request.path}"))
+        code = STATUS_OF_HTTP_ERROR_CODE.get(exc.status, ErrorCode.HTTP_ERROR)
+        return error_response(HttpError(exc.status, code, f"{exc.reason}: {request.method} {request.path}"))
 
 
 def peer_uid(request: web.Request) -> int | None:
@@ -61,7 +105,8 @@ def peer_uid(request: web.Request) -> int | None:
     if sock is None or sock.family != socket.AF_UNIX:
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any:
@@ -76,12 +121,13 @@ def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any
             if allow_uid:
                 uid = peer_uid(request)
                 if uid not in allowed:
-                    raise ApiError(403, "forbidden", f"uid {uid} is not allowed to use this daemon (--allow-uid)")
+                    raise HttpError(403, ErrorCode.FORBIDDEN,
+                                    f"uid {uid} is not allowed to use this daemon (--allow-uid)")
         else:
             given = request.headers.get("Authorization", "")
             if token is None or not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise ApiError(401, "unauthorized", "this listener needs 'Authorization: Bearer <token>'",
-                               headers={"WWW-Authenticate": "Bearer"})
+                raise HttpError(401, ErrorCode.UNAUTHORIZED, "this listener needs 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return access
@@ -90,22 +136,21 @@ def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any
 # jobs -----------------------------------------------------------------------------------------
 async def create_job(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req = parse_job(await request.read(), engine.config.limits, lambda m: _model_info(engine, m))
+    req = parse_job(await request.read(), engine.config.limits, engine.model)
     job = engine.submit(req)
-    return web.json_response(job.to_json(), status=202, headers={"Location": f"/v1/jobs/{job.id}"})
+    return web.json_response(views.job(job), status=202, headers={"Location": views.job_url(job.id)})
 
 
 async def list_jobs(request: web.Request) -> web.Response:
-    jobs = sorted(request.app[ENGINE].jobs.values(), key=lambda j: j.created, reverse=True)
-    return web.json_response({"object": "list", "data": [j.to_json() for j in jobs[:100]]})
+    return web.json_response({"object": "list", "data": [views.job(j) for j in request.app[ENGINE].recent(100)]})
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE].get(request.match_info["job_id"]).to_json())
+    return web.json_response(views.job(request.app[ENGINE].get(request.match_info["job_id"])))
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE].cancel(request.match_info["job_id"]).to_json())
+    return web.json_response(views.job(request.app[ENGINE].cancel(request.match_info["job_id"])))
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
@@ -113,28 +158,34 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
-    queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-    job.listeners.add(queue)
+    # Rendered as it happens (a later render would show a later state), written as the client reads.
+    queue: asyncio.Queue[tuple[Event, bytes]] = asyncio.Queue()
+
+    def listener(e: Event, j: Job) -> None:
+        queue.put_nowait((e, _sse(e, views.event(e, j))))
+
+    job.listeners.add(listener)
     try:
-        await _sse(resp, "status", job.to_json())  # a late subscriber gets the current state first
+        await resp.write(_sse(Event.STATUS, views.job(job)))  # a late subscriber gets the current state first
         if job.terminal:
-            await _sse(resp, "done" if job.status == Status.SUCCEEDED else "error", job.to_json())
+            final = Event.DONE if job.status == JobStatus.SUCCEEDED else Event.ERROR
+            await resp.write(_sse(final, views.job(job)))
             return resp
         while True:
             try:
-                event, data = await asyncio.wait_for(queue.get(), SSE_HEARTBEAT_S)
+                e, chunk = await asyncio.wait_for(queue.get(), SSE_HEARTBEAT_S)
             except TimeoutError:
                 await resp.write(b": keep-alive\n\n")
                 continue
-            await _sse(resp, event, data)
-            if event in ("done", "error"):
+            await resp.write(chunk)
+            if e in TERMINAL_EVENTS:
                 return resp
     finally:
-        job.listeners.discard(queue)
+        job.listeners.discard(listener)
 
 
-async def _sse(resp: web.StreamResponse, event: str, data: dict[str, Any]) -> None:
-    await resp.write(f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode())
+def _sse(e: Event, data: dict[str, Any]) -> bytes:
+    return f"event: {e.value}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 async def job_output(request: web.Request) -> web.StreamResponse:
@@ -143,33 +194,20 @@ async def job_output(request: web.Request) -> web.StreamResponse:
     raw = request.match_info["k"]
     # ASCII digits only: int() would also take "-1" (Python's last item), " 1", "1_0" and non-ASCII digits
     k = int(raw) if raw.isascii() and raw.isdigit() else -1
-    if not 0 <= k < len(job.items):
-        raise ApiError(404, "output_not_found", f"job {job.id} has outputs 0..{len(job.items) - 1}")
-    item = job.items[k]
-    if not item.done:
-        raise ApiError(409, "output_not_ready", f"output {k} of job {job.id} is not ready (job {job.status.value})",
-                       stage=job.stage.label)
-    ext = job.request.output_format
-    headers = {"Content-Disposition": f'inline; filename="{job.id}-{k}.{ext}"', "X-Seed": str(item.seed)}
-    if item.data is not None:
-        return web.Response(body=item.data, content_type=item.content_type, headers=headers)
-    if item.desc is None:
-        raise ApiError(410, "output_released",
-                       f"output {k} of job {job.id} was already streamed: npy outputs are sent once, straight "
-                       "from shared memory, and then released; fetch it once, or ask for png/webp/mp4 to keep "
-                       "an encoded copy")
-    engine.outputs.pin(item)
-    delivered = False
-    try:
-        header, payload = engine.outputs.npy_parts(item)
-        resp = web.StreamResponse(headers={**headers, "Content-Type": item.content_type})
-        resp.content_length = len(header) + len(payload)
+    headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
+               "Content-Type": FORMATS[job.request.output_format].content_type}
+    async with engine.open_output(job, k) as read:
+        headers["X-Seed"] = str(job.items[k].seed)
+        if not read.header:
+            return web.Response(body=read.payload, headers=headers)
+        resp = web.StreamResponse(headers=headers)
+        resp.content_length = len(read)
         await resp.prepare(request)
         stall = engine.config.stream_stall_s
         try:
-            await asyncio.wait_for(resp.write(header), stall)
-            for off in range(0, len(payload), STREAM_CHUNK):
-                await asyncio.wait_for(resp.write(payload[off : off + STREAM_CHUNK]), stall)
+            await asyncio.wait_for(resp.write(read.header), stall)
+            for off in range(0, len(read.payload), STREAM_CHUNK):
+                await asyncio.wait_for(resp.write(read.payload[off : off + STREAM_CHUNK]), stall)
         except TimeoutError:
             # A reader that stopped reading must not pin shared memory for ever: drop it.
             log.warning("client stopped reading output %d of job %s for %gs; closing", k, job.id, stall)
@@ -177,21 +215,14 @@ async def job_output(request: web.Request) -> web.StreamResponse:
                 request.transport.close()
             return resp
         await resp.write_eof()
-        delivered = True
+        read.complete = True
         return resp
-    finally:
-        with contextlib.suppress(NameError):
-            del payload
-        engine.outputs.unpin(item)
-        if delivered:
-            engine.outputs.streamed(item)
 
 
 # OpenAI-shaped --------------------------------------------------------------------------------
 async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req, response_format = parse_images(await request.read(), engine.config.limits,
-                                        lambda m: _model_info(engine, m))
+    req, response_format = parse_images(await request.read(), engine.config.limits, engine.model)
     job = engine.submit(req, sync=True)
     try:
         await job.finished.wait()
@@ -199,49 +230,26 @@ async def images_generations(request: web.Request) -> web.Response:
         if not job.terminal:
             engine.cancel(job.id)
         raise
-    if job.status != Status.SUCCEEDED:
+    if job.status != JobStatus.SUCCEEDED:
         err = job.error or {}
-        code = err.get("code", "generation_failed")
-        raise ApiError(_FAILURE_STATUS.get(code, 500), code, err.get("message", "the job failed"),
-                       stage=err.get("stage"))
-    data = []
-    for item in job.items:
-        entry: dict[str, Any] = {"revised_prompt": None, "seed": item.seed}
-        if response_format == "url":
-            entry["url"] = f"/v1/jobs/{job.id}/outputs/{item.index}"
-        else:
-            entry["b64_json"] = base64.b64encode(_output_bytes(engine, item)).decode()
-        data.append(entry)
-    if response_format != "url":
-        engine.outputs.release_all(job)  # delivered: the synchronous caller will not come back
+        code = ErrorCode(err.get("code", ErrorCode.GENERATION_FAILED))
+        raise HttpError(STATUS_OF_FAILURE.get(code, 500), code, err.get("message", "the job failed"),
+                        stage=err.get("stage"))
+    if response_format == "url":
+        data = [{"revised_prompt": None, "seed": i.seed, "url": views.output_url(job.id, i.index)} for i in job.items]
+    else:  # delivered whole: the synchronous caller will not come back, so nothing is kept
+        data = [{"revised_prompt": None, "seed": i.seed, "b64_json": base64.b64encode(b).decode()}
+                for i, b in zip(job.items, engine.output_bytes(job), strict=True)]
     return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
 
 
-def _output_bytes(engine: Engine, item: Any) -> bytes:
-    if item.data is not None:
-        return item.data
-    header, payload = engine.outputs.npy_parts(item)
-    out = header + bytes(payload)
-    del payload
-    return out
-
-
 # service --------------------------------------------------------------------------------------
-def _model_info(engine: Engine, name: str | None) -> Any:
-    return engine.model(name)
-
-
 async def models(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
-             "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state,
-             "synthetic": m.config.spec.startswith(("random:", "synthetic"))}
-            for m in engine.models.values()]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response(views.models(request.app[ENGINE].models()))
 
 
 async def health(request: web.Request) -> web.Response:
-    snap = request.app[ENGINE].snapshot()
+    snap = views.health(request.app[ENGINE])
     ok = bool(snap["workers"]) and all(w["state"] in ("ready", "sleeping") and w["answering"]
                                        for w in snap["workers"])
     return web.json_response(snap, status=200 if ok else 503)
@@ -249,7 +257,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if engine.accepting and any(m.state in ("ready", "sleeping") for m in engine.models.values()):
+    if engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING) for m in engine.models()):
         return web.json_response({"ready": True})
     reason = "draining" if engine.draining else "starting"
     return web.json_response({"ready": False, "reason": reason}, status=503)
@@ -275,8 +283,8 @@ async def admin_wake(request: web.Request) -> web.Response:
 async def admin_trace(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if not engine.config.trace:
-        raise ApiError(409, "trace_off", "the daemon was started without --trace; restart it with --trace to record")
-    return web.json_response({"workers": await engine.trace()})
+        raise errors.TraceOff("the daemon was started without --trace; restart it with --trace to record")
+    return web.json_response(views.trace(await engine.trace()))
 
 
 def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
@@ -286,6 +294,7 @@ def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
         middlewares=[errors_middleware, make_access_middleware(cfg.allow_uid, token)],
     )
     app[ENGINE] = engine
+    engine.metrics.bind(lambda: views.health(engine))
     app.router.add_post("/v1/images/generations", images_generations)
     app.router.add_post("/v1/jobs", create_job)
     app.router.add_get("/v1/jobs", list_jobs)

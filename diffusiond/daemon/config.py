@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
-from diffusiond.protocol import LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES
+from diffusiond.protocol import LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 
@@ -60,7 +60,7 @@ class DaemonConfig:
     batch_wait_ms: float = 0.0
     queue_size: int = 256
     job_timeout_s: float = 600.0
-    output_mode: str = "async"
+    output_mode: OutputMode = "async"
     arena_mb: int = 512
     slot_timeout_s: float = 30.0  # how long a copy waits for a free arena slot before failing
     stream_stall_s: float = 120.0  # an output download that makes no progress this long is closed

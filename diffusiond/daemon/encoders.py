@@ -147,7 +147,8 @@ def to_uint8(array: np.ndarray) -> np.ndarray:
     np.round(scaled, out=scaled)
     np.clip(scaled, 0, 255, out=scaled)
     np.nan_to_num(scaled, copy=False, nan=0.0)
-    return scaled.astype(np.uint8)
+    out: np.ndarray = scaled.astype(np.uint8)
+    return out
 
 
 def encode(array: np.ndarray, fmt: str, options: EncodeOptions = DEFAULT_OPTIONS) -> bytes:
@@ -302,7 +303,7 @@ def h264_encoder() -> str:
     available = av.codecs_available
     for name in _H264_CANDIDATES:
         if name in available and _can_open_encoder(name):
-            return av.Codec(name, "w").name
+            return str(av.Codec(name, "w").name)
     raise RuntimeError(
         "mp4 output needs an H.264 encoder, and none of these opens in this PyAV/FFmpeg build: "
         f"{', '.join(_H264_CANDIDATES)}; install PyAV's binary wheel (it bundles libx264)"

@@ -23,7 +23,7 @@ from diffusiond.protocol import ErrorCode
 
 
 class EngineError(Exception):
-    code: ClassVar[ErrorCode] = ErrorCode.INVALID_REQUEST
+    default_code: ClassVar[ErrorCode] = ErrorCode.INVALID_REQUEST
 
     def __init__(self, message: str, *, field: str | None = None, stage: str | None = None,
                  code: ErrorCode | None = None, retry_after_s: float | None = None) -> None:
@@ -32,8 +32,7 @@ class EngineError(Exception):
         self.field = field
         self.stage = stage
         self.retry_after_s = retry_after_s
-        if code is not None:
-            self.code = code  # type: ignore[misc]  # an instance may be more precise than its class
+        self.code: ErrorCode = code or self.default_code  # an instance may be more precise than its class
 
     def body(self) -> dict[str, Any]:
         """The ``{"error": {...}}`` document every error response carries."""
@@ -46,93 +45,74 @@ class EngineError(Exception):
 
 
 class InvalidRequest(EngineError):
-    code = ErrorCode.INVALID_REQUEST
+    default_code = ErrorCode.INVALID_REQUEST
 
 
 class OutputTooLarge(InvalidRequest):
-    code = ErrorCode.OUTPUT_TOO_LARGE
+    default_code = ErrorCode.OUTPUT_TOO_LARGE
 
 
 class NotFound(EngineError):
-    code = ErrorCode.NOT_FOUND
+    default_code = ErrorCode.NOT_FOUND
 
 
 class ModelNotFound(NotFound):
-    code = ErrorCode.MODEL_NOT_FOUND
+    default_code = ErrorCode.MODEL_NOT_FOUND
 
 
 class JobNotFound(NotFound):
-    code = ErrorCode.JOB_NOT_FOUND
+    default_code = ErrorCode.JOB_NOT_FOUND
 
 
 class OutputNotFound(NotFound):
-    code = ErrorCode.OUTPUT_NOT_FOUND
+    default_code = ErrorCode.OUTPUT_NOT_FOUND
 
 
 class Conflict(EngineError):
-    code = ErrorCode.JOB_FINISHED
+    default_code = ErrorCode.JOB_FINISHED
 
 
 class JobFinished(Conflict):
-    code = ErrorCode.JOB_FINISHED
+    default_code = ErrorCode.JOB_FINISHED
 
 
 class OutputNotReady(Conflict):
-    code = ErrorCode.OUTPUT_NOT_READY
+    default_code = ErrorCode.OUTPUT_NOT_READY
 
 
 class TraceOff(Conflict):
-    code = ErrorCode.TRACE_OFF
+    default_code = ErrorCode.TRACE_OFF
 
 
 class OutputReleased(EngineError):
-    code = ErrorCode.OUTPUT_RELEASED
+    default_code = ErrorCode.OUTPUT_RELEASED
 
 
 class QueueFull(EngineError):
-    code = ErrorCode.QUEUE_FULL
+    default_code = ErrorCode.QUEUE_FULL
 
 
 class Unavailable(EngineError):
-    code = ErrorCode.UNAVAILABLE
+    default_code = ErrorCode.UNAVAILABLE
 
 
 class NotAccepting(Unavailable):
-    code = ErrorCode.UNAVAILABLE
+    default_code = ErrorCode.UNAVAILABLE
 
 
 class NoWorker(Unavailable):
-    code = ErrorCode.NO_WORKER
+    default_code = ErrorCode.NO_WORKER
 
 
 class WorkerUnavailable(Unavailable):
-    code = ErrorCode.WORKER_UNAVAILABLE
+    default_code = ErrorCode.WORKER_UNAVAILABLE
 
 
 class PowerFailed(EngineError):
-    code = ErrorCode.SLEEP_FAILED
+    default_code = ErrorCode.SLEEP_FAILED
 
 
 def invalid(message: str, field: str | None = None, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> InvalidRequest:
     """The 400 every request check raises: the message says what is wrong and with which value."""
     return InvalidRequest(message, field=field, code=code)
 
-
-class ApiError(Exception):  # TRANSITIONAL: removed once every raise site uses the domain errors above
-    def __init__(self, status: int, code: str, message: str, *, field: str | None = None,
-                 stage: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.field, self.stage = status, code, message, field, stage
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.field is not None:
-            err["field"] = self.field
-        if self.stage is not None:
-            err["stage"] = self.stage
-        return {"error": err}
-
-
-def bad_request(message: str, field: str | None = None, code: str = "invalid_request") -> ApiError:
-    return ApiError(400, code, message, field=field)

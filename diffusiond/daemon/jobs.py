@@ -6,48 +6,26 @@ outputs are ``Item``s: the unit of batching, copying and encoding (``RequestSpec
 
 Status moves forward only: queued -> running -> succeeded | failed | cancelled, and the terminal
 transition happens exactly once (``Job.end``); listeners (SSE streams, waiting handlers) learn
-about it through ``Job.events``/``Job.finished``.
+about it through ``Job.listeners`` (called on the loop, in order) and ``Job.finished``. What a
+client sees of a job (its JSON, its URLs) is drawn by the HTTP layer (``views.py``), not here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from diffusiond.daemon.link import WorkerLink
 from diffusiond.ipc.messages import BatchParams
 from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
-if TYPE_CHECKING:
-    from diffusiond.daemon.worker_handle import WorkerHandle
-
-
-class Status(enum.StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED})
-
-
-class Stage(enum.IntEnum):
-    """Ordered: a job is in the least advanced stage of its items."""
-
-    QUEUED = 0
-    COMPUTING = 1
-    COPYING = 2
-    ENCODING = 3
-    DONE = 4
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
+Listener = Callable[[Event, "Job"], None]
+"""Told of every event of a job, on the loop, as it happens (an SSE stream renders it at once)."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +45,7 @@ class JobRequest:
     num_frames: int | None = None
     fps: int = 16
     timeout_s: float | None = None
-    output_dtype: str = "uint8"
+    output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
 
     def batch_params(self) -> BatchParams:
@@ -78,7 +56,7 @@ class JobRequest:
             guidance=self.guidance,
             num_frames=self.num_frames,
             scheduler=self.scheduler,
-            output_dtype=self.output_dtype,  # type: ignore[arg-type]
+            output_dtype=self.output_dtype,
         )
 
 
@@ -88,13 +66,11 @@ class Item:
     index: int
     seed: int
     stage: Stage = Stage.QUEUED
-    worker: WorkerHandle | None = None
+    worker: WorkerLink | None = None
     batch_id: int | None = None
     desc: TensorDesc | None = None  # set while this item holds a slot in its worker's arena
-    data: bytes | None = None  # encoded output (formats other than npy)
-    content_type: str = ""
+    data: bytes | None = None  # encoded output (formats other than npy), or a spilled npy
     nbytes: int = 0
-    done: bool = False  # output available to clients
     pins: int = 0  # readers of the slot right now (encoder, a streaming response)
     release_pending: bool = False  # released while pinned: give the slot back at the last unpin
     spilling: bool = False  # being copied out of the arena into ``data`` (arena pressure)
@@ -104,6 +80,11 @@ class Item:
     def request_id(self) -> str:
         return f"{self.job.id}/{self.index}"
 
+    @property
+    def done(self) -> bool:
+        """Its output can be served to clients."""
+        return self.stage == Stage.DONE
+
 
 @dataclass(eq=False)
 class Job:
@@ -111,24 +92,24 @@ class Job:
     id: str = field(default_factory=lambda: "j_" + secrets.token_hex(8))
     created: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.monotonic)
-    status: Status = Status.QUEUED
+    status: JobStatus = JobStatus.QUEUED
     progress: tuple[int, int] = (0, 0)
     error: dict[str, Any] | None = None
     items: list[Item] = field(default_factory=list)
     timings_ms: dict[str, float] = field(default_factory=dict)
     ended_at: float | None = None
     sync: bool = False  # submitted through the synchronous endpoint
-    listeners: set[asyncio.Queue[tuple[str, dict[str, Any]]]] = field(default_factory=set)
+    listeners: set[Listener] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None
 
     @property
     def terminal(self) -> bool:
-        return self.status in TERMINAL
+        return self.status.terminal
 
     @property
     def stage(self) -> Stage:
-        if self.status == Status.SUCCEEDED:
+        if self.status == JobStatus.SUCCEEDED:
             return Stage.DONE
         live = [i.stage for i in self.items if not i.done]
         return min(live) if live else Stage.DONE
@@ -141,11 +122,11 @@ class Job:
         self.timings_ms[stage] = max(self.timings_ms.get(stage, 0.0), round(ms, 3))
 
     # events --------------------------------------------------------------------------------
-    def emit(self, event: str, data: dict[str, Any]) -> None:
-        for q in list(self.listeners):
-            q.put_nowait((event, data))
+    def emit(self, event: Event) -> None:
+        for listener in list(self.listeners):
+            listener(event, self)
 
-    def end(self, status: Status, error: dict[str, Any] | None = None) -> bool:
+    def end(self, status: JobStatus, error: dict[str, Any] | None = None) -> bool:
         """The one terminal transition. Returns False if the job had already ended."""
         if self.terminal:
             return False
@@ -156,44 +137,6 @@ class Job:
             self.deadline.cancel()
             self.deadline = None
         self.timings_ms["total"] = round((self.ended_at - self.t0) * 1000, 3)
-        body = self.to_json()
-        self.emit("done" if status == Status.SUCCEEDED else "error", body)
+        self.emit(Event.DONE if status == JobStatus.SUCCEEDED else Event.ERROR)
         self.finished.set()
         return True
-
-    def to_json(self) -> dict[str, Any]:
-        r = self.request
-        return {
-            "id": self.id,
-            "object": "job",
-            "model": r.model,
-            "created": int(self.created),
-            "status": self.status.value,
-            "stage": self.stage.label,
-            "progress": {"step": self.progress[0], "total": self.progress[1] or r.steps},
-            "outputs": [
-                {
-                    "index": i.index,
-                    "url": f"/v1/jobs/{self.id}/outputs/{i.index}",
-                    "content_type": i.content_type,
-                    "seed": i.seed,
-                    "bytes": i.nbytes,
-                    "batch": i.batch_id,
-                }
-                for i in self.items
-                if i.done
-            ],
-            "error": self.error,
-            "timings_ms": dict(self.timings_ms),
-            "request": {
-                "prompt": r.prompt,
-                "n": r.n,
-                "width": r.width,
-                "height": r.height,
-                "steps": r.steps,
-                "guidance_scale": r.guidance,
-                "output_format": r.output_format,
-                "num_frames": r.num_frames,
-                "seed": r.seed,
-            },
-        }

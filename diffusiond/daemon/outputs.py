@@ -1,17 +1,21 @@
-"""Outputs: from a slot in a worker's arena to bytes a client can fetch.
+"""Outputs: from a slot in a worker's arena to bytes a client can fetch; the one owner of slots.
+
+Every slot an output holds goes back to its worker from this module and nowhere else: after
+encoding, after the one stream of an npy output, when its job fails or is cancelled, when the
+job's retention ends, when the engine stops, and at once for an output that arrives for a job
+that already ended. The engine tells this module what happened (``deliver``, ``discard``,
+``expire``, ``drop_late``); it never hands a slot back itself.
 
 Encoded formats (PNG, JPEG, WebP, GIF, MP4) are produced in a thread pool straight from the
-read-only mapping (no copy), and the slot goes back to the worker as soon as the encoder is
-done. ``npy`` outputs are not encoded at all: the HTTP layer streams a header and then the
-slot's own bytes; such a slot is held until the job's retention ends or the job is released.
+read-only mapping (no copy), and the slot goes back as soon as the encoder is done. ``npy``
+outputs are not encoded: the HTTP layer streams a header and then the slot's own bytes, through
+``open``, which pins the slot while it is read. A slot that something is still reading is never
+handed back: a release while pinned is deferred to the last unpin.
 
-A slot that something is still reading is "pinned"; a release while pinned is deferred to the
-last unpin, so a slot is never handed back while an encoder or a response reads it.
-
-An npy slot goes back to the worker as soon as the output has been streamed once. Outputs that
-nobody fetches would hold their slots until retention ends; when they take more than half of a
-worker's arena, the oldest are spilled (copied once into engine memory, off the loop) so the
-arena never fills for good and new outputs keep the zero-copy path.
+Outputs that nobody fetches would hold their slots until retention ends; when they take more
+than half of a worker's arena, or a worker waits for room (SLOT_WAIT), the oldest are spilled
+(copied once into engine memory, off the loop) so the arena never fills for good and new
+outputs keep the zero-copy path.
 """
 
 from __future__ import annotations
@@ -19,149 +23,219 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
-from diffusiond.daemon.encoders import EncodeOptions, content_type, encode, npy_header, npy_size
-from diffusiond.daemon.jobs import Item, Job, Stage
-
-if TYPE_CHECKING:
-    from diffusiond.daemon.engine import Engine
+from diffusiond.daemon.encoders import EncodeOptions, encode, npy_header, npy_size
+from diffusiond.daemon.errors import OutputNotReady, OutputReleased
+from diffusiond.daemon.jobs import Item, Job
+from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.metrics import Metrics
+from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
+from diffusiond.protocol import Stage
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class OutputRead:
+    """One read of an output: ``header`` then ``payload`` (a view of shared memory for npy).
+
+    The reader sets ``complete`` once every byte went out: an npy slot has then done its job and
+    goes back to the worker when the read ends."""
+
+    header: bytes
+    payload: bytes | memoryview
+    complete: bool = False
+
+    def __len__(self) -> int:
+        return len(self.header) + len(self.payload)
+
+
 class Outputs:
-    def __init__(self, engine: Engine, executor: Executor) -> None:
-        self.engine = engine
+    def __init__(self, executor: Executor, metrics: Metrics, *, png_compress_level: int,
+                 on_ready: Callable[[Item], None], on_failed: Callable[[Item, str, Stage], None]) -> None:
         self.executor = executor
+        self.metrics = metrics
+        self.png_compress_level = png_compress_level
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self._holding: set[Item] = set()  # items that hold a slot in a worker's arena
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def deliver(self, item: Item) -> None:
-        """An item's output has landed in shared memory; make it servable."""
+    # what the engine tells us ------------------------------------------------------------------
+    def deliver(self, item: Item, desc: TensorDesc) -> None:
+        """An item's output has landed in shared memory: make it servable."""
+        item.desc = desc
+        self._holding.add(item)
+        item.stage = Stage.ENCODING
         fmt = item.job.request.output_format
-        item.content_type = content_type(fmt)
         if fmt == "npy":
-            assert item.desc is not None and item.worker is not None
-            item.nbytes = npy_size(np.dtype(_np_dtype(item.desc.dtype)), item.desc.shape)
-            self.engine.item_ready(item)
+            item.nbytes = npy_size(numpy_dtype(desc.dtype), desc.shape)
+            self._on_ready(item)
+            assert item.worker is not None
             self.relieve(item.worker)
             return
-        task = asyncio.ensure_future(self._encode(item, fmt))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._keep(self._encode(item, fmt))
 
-    def options(self, item: Item) -> EncodeOptions:
+    def drop_late(self, worker: WorkerLink, desc: TensorDesc) -> None:
+        """An output nobody can use (its job ended first, or a duplicate): the slot goes back now."""
+        worker.return_slot(desc)
+
+    def discard(self, job: Job) -> None:
+        """The job failed or was cancelled: nothing of it will be served."""
+        for item in job.items:
+            self._free(item)
+
+    def expire(self, job: Job) -> None:
+        """Retention ended (or a synchronous caller took its bytes): forget every output."""
+        for item in job.items:
+            self._free(item)
+            item.data = None
+
+    def close(self) -> None:
+        """The engine stops: every slot goes back (its worker may already be gone)."""
+        for item in list(self._holding):
+            self._free(item)
+
+    # reading ------------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def open(self, item: Item) -> AsyncIterator[OutputRead]:
+        """Read one output; its slot stays pinned until the block ends."""
+        job = item.job
+        if not item.done:
+            raise OutputNotReady(f"output {item.index} of job {job.id} is not ready (job {job.status.value})",
+                                 stage=job.stage.label)
+        if item.data is not None:
+            yield OutputRead(b"", item.data)
+            return
+        if item.desc is None:
+            raise OutputReleased(
+                f"output {item.index} of job {job.id} was already streamed: npy outputs are sent once, straight "
+                "from shared memory, and then released; fetch it once, or ask for png/webp/mp4 to keep an "
+                "encoded copy")
+        self._pin(item)
+        read = OutputRead(*self._npy_parts(item))
+        try:
+            yield read
+        finally:
+            complete = read.complete
+            read.payload = b""  # drop the view of shared memory before the slot can go back
+            self._unpin(item)
+            if complete:
+                self._free(item)
+
+    def read_all(self, item: Item) -> bytes:
+        """The whole output as bytes (the synchronous endpoint's base64); copies an npy once."""
+        if item.data is not None:
+            return item.data
+        header, payload = self._npy_parts(item)
+        try:
+            return header + bytes(payload)
+        finally:
+            payload.release()
+
+    def _npy_parts(self, item: Item) -> tuple[bytes, memoryview]:
+        assert item.worker is not None and item.desc is not None
+        desc = item.desc
+        buf = item.worker.buffer(desc)
+        return npy_header(numpy_dtype(desc.dtype), desc.shape), buf[desc.offset : desc.offset + desc.nbytes]
+
+    # encoding -----------------------------------------------------------------------------------
+    def _options(self, item: Item) -> EncodeOptions:
         """What the file says about itself (PNG tEXt, MP4 comment): enough to reproduce it."""
         r = item.job.request
         meta = {"prompt": r.prompt, "model": r.model, "seed": str(item.seed), "steps": str(r.steps),
                 "guidance_scale": f"{r.guidance:g}", "size": f"{r.width}x{r.height}", "software": "diffusiond"}
         if r.negative_prompt:
             meta["negative_prompt"] = r.negative_prompt
-        return EncodeOptions(png_compress_level=self.engine.config.png_compress_level, fps=r.fps, metadata=meta)
+        return EncodeOptions(png_compress_level=self.png_compress_level, fps=r.fps, metadata=meta)
 
     async def _encode(self, item: Item, fmt: str) -> None:
         assert item.worker is not None and item.desc is not None
         job = item.job
-        opts = self.options(item)
-        array = item.worker.array(item.desc)
-        self.pin(item)
+        opts = self._options(item)
+        array = as_numpy(item.worker.buffer(item.desc), item.desc)
+        self._pin(item)
         t0 = time.perf_counter()
         try:
             data = await asyncio.get_running_loop().run_in_executor(self.executor, encode, array, fmt, opts)
         except Exception as exc:
             log.exception("encoding %s of %s failed", fmt, item.request_id)
-            self.engine.item_failed(item, f"encoding the output as {fmt} failed: {exc}", Stage.ENCODING)
+            self._on_failed(item, f"encoding the output as {fmt} failed: {exc}", Stage.ENCODING)
             return
         finally:
             del array
-            self.unpin(item)
+            self._unpin(item)
         ms = (time.perf_counter() - t0) * 1000
         job.add_timing("encode", ms)
-        self.engine.metrics.stage_seconds.labels("encode").observe(ms / 1000)
-        self.release(item)  # the bytes are ours now; the slot goes back to the worker
+        self.metrics.stage_seconds.labels("encode").observe(ms / 1000)
+        self._free(item)  # the bytes are ours now; the slot goes back to the worker
         if job.terminal:
             return
         item.data = data
         item.nbytes = len(data)
-        self.engine.item_ready(item)
+        self._on_ready(item)
 
-    # slot lifetime --------------------------------------------------------------------------
-    def pin(self, item: Item) -> None:
+    # slot lifetime ------------------------------------------------------------------------------
+    def _pin(self, item: Item) -> None:
         item.pins += 1
 
-    def unpin(self, item: Item) -> None:
+    def _unpin(self, item: Item) -> None:
         item.pins -= 1
         if item.pins == 0 and item.release_pending:
             item.release_pending = False
-            self.release(item)
+            self._free(item)
 
-    def release(self, item: Item) -> None:
+    def _free(self, item: Item) -> None:
+        """Give the item's slot back to its worker, now or (while pinned) at the last unpin."""
         if item.desc is None:
             return
         if item.pins:
             item.release_pending = True
             return
         desc, item.desc = item.desc, None
+        self._holding.discard(item)
         if item.worker is not None:
-            item.worker.release(desc)
+            item.worker.return_slot(desc)
 
-    def release_all(self, job: Job) -> None:
-        for item in job.items:
-            self.release(item)
-            item.data = None
-
-    def relieve(self, worker: object, need: int = 0) -> None:
+    def relieve(self, worker: WorkerLink, need: int = 0) -> None:
         """Spill the oldest unfetched npy outputs: while they hold over half of the worker's arena,
         or (``need`` > 0, the worker is waiting for a slot) until ``need`` more bytes are free."""
-        capacity = getattr(worker, "arena_capacity", 0)
-        held_bytes = getattr(worker, "held_bytes", 0)
-        excess = max(need, held_bytes - capacity // 2)
+        capacity = worker.arena_capacity
+        excess = max(need, worker.held_bytes - capacity // 2)
         if not capacity or excess <= 0:
             return
-        held = [i for i in self.engine.items.values()
+        held = [i for i in self._holding
                 if i.worker is worker and i.desc is not None and i.done and not i.pins and not i.spilling]
         for item in sorted(held, key=lambda i: i.enqueued_at):
             if excess <= 0:
                 break
             assert item.desc is not None
             excess -= item.desc.nbytes
-            task = asyncio.ensure_future(self._spill(item))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._keep(self._spill(item))
 
     async def _spill(self, item: Item) -> None:
         item.spilling = True
-        self.pin(item)
+        self._pin(item)
         try:
-            header, payload = self.npy_parts(item)
+            header, payload = self._npy_parts(item)
             data = await asyncio.get_running_loop().run_in_executor(self.executor, _join, header, payload)
-            del payload
+            payload.release()
             item.data = data
         finally:
-            self.unpin(item)
+            self._unpin(item)
             item.spilling = False
-        self.release(item)
+        self._free(item)
         log.info("spilled output %s (%d bytes) out of the arena", item.request_id, len(data))
 
-    def streamed(self, item: Item) -> None:
-        """A client received the whole npy output: the slot's job is done."""
-        self.release(item)
-
-    # reading --------------------------------------------------------------------------------
-    def npy_parts(self, item: Item) -> tuple[bytes, memoryview]:
-        """Header and a zero-copy view of the payload; pin the item while writing them out."""
-        assert item.worker is not None and item.desc is not None
-        desc = item.desc
-        header = npy_header(np.dtype(_np_dtype(desc.dtype)), desc.shape)
-        buf = item.worker.buffer(desc)
-        return header, buf[desc.offset : desc.offset + desc.nbytes]
-
-
-def _np_dtype(name: str) -> str:
-    return "uint16" if name == "bfloat16" else name  # numpy has no bfloat16: raw 16-bit words
+    def _keep(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _join(header: bytes, payload: memoryview) -> bytes:

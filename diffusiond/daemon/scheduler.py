@@ -2,7 +2,7 @@
 
 Pure bookkeeping with no I/O, so its rules are easy to read and test:
 
-- admission is bounded (``queue_size`` jobs waiting); beyond it the caller answers 429;
+- admission is bounded (``queue_size`` jobs waiting): the engine refuses a job while ``full``;
 - a batch always starts from the oldest waiting item of a model and takes the items behind it
   that share its batch key (size, steps, guidance, frames, scheduler, output dtype), up to
   ``max_batch``; so an item with another key waits for at most one batch;
@@ -19,10 +19,6 @@ import collections
 from dataclasses import dataclass
 
 from diffusiond.daemon.jobs import Item, Job
-
-
-class QueueFull(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -45,9 +41,12 @@ class Scheduler:
         """Jobs with at least one output not yet sent to a worker."""
         return len(self._queued_jobs)
 
+    @property
+    def full(self) -> bool:
+        return len(self._queued_jobs) >= self.queue_size
+
     def admit(self, job: Job) -> None:
-        if len(self._queued_jobs) >= self.queue_size:
-            raise QueueFull(f"the queue holds {len(self._queued_jobs)} jobs, its limit")
+        """Queue a job's items; the caller checked ``full`` first."""
         self._queued_jobs[job.id] = job
         self._pending[job.request.model].extend(job.items)
 

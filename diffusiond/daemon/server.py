@@ -17,6 +17,7 @@ import signal
 import socket
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -26,7 +27,7 @@ from diffusiond.daemon import systemd
 from diffusiond.daemon.api import create_app
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.engine import Engine
-from diffusiond.daemon.worker_handle import WorkerStartError
+from diffusiond.daemon.link import WorkerStartError
 
 log = logging.getLogger("diffusiond")
 
@@ -57,15 +58,24 @@ def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
     old = os.umask(0o177)
     try:
         sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot create the socket {path}: {exc.strerror}") from None
     finally:
         os.umask(old)
-    os.chmod(path, mode)
-    if group:
-        try:
-            os.chown(path, -1, grp.getgrnam(group).gr_gid)
-        except KeyError:
-            raise StartupError(f"--socket-group {group!r} does not exist") from None
-    sock.listen(512)
+    try:
+        os.chmod(path, mode)
+        if group:
+            try:
+                os.chown(path, -1, grp.getgrnam(group).gr_gid)
+            except KeyError:
+                raise StartupError(f"--socket-group {group!r} does not exist") from None
+        sock.listen(512)
+    except BaseException:  # leave no socket file behind that nothing serves
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
     return sock
 
 
@@ -93,33 +103,38 @@ async def run(config: DaemonConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    engine = Engine(config)
     token = read_token(config.token_file) if config.tcp and config.token_file else None
+    engine = Engine(config)
     app = create_app(engine, token=token)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
-    await runner.setup()
     created_socket: str | None = None
-    inherited = systemd.listen_fds()
-    if inherited:
-        for s in inherited:
-            await web.SockSite(runner, s).start()
-        where = f"{len(inherited)} socket(s) from systemd"
-    else:
-        sock = bind_unix(config.socket_path, config.socket_mode, config.socket_group)
-        created_socket = config.socket_path
-        await web.SockSite(runner, sock).start()
-        where = config.socket_path
-    if config.tcp:
-        host, _, port = config.tcp.rpartition(":")
-        await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
-        where += f" and tcp {config.tcp} (bearer token required)"
-    log.info("diffusiond %s listening on %s; loading %s", __version__, where,
-             ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models))
-    systemd.notify("STATUS=loading models")
-    watchdog = systemd.watchdog_interval()
-    watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
+    watchdog_task: asyncio.Future[None] | None = None
     code = 0
+    # Everything started from here on is stopped in the ``finally`` below, whichever step fails.
     try:
+        await runner.setup()
+        inherited = systemd.listen_fds()
+        if inherited:
+            for s in inherited:
+                await web.SockSite(runner, s).start()
+            where = f"{len(inherited)} socket(s) from systemd"
+        else:
+            sock = bind_unix(config.socket_path, config.socket_mode, config.socket_group)
+            created_socket = config.socket_path
+            await web.SockSite(runner, sock).start()
+            where = config.socket_path
+        if config.tcp:
+            host, _, port = config.tcp.rpartition(":")
+            try:
+                await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+            except OSError as exc:
+                raise StartupError(f"cannot listen on tcp {config.tcp}: {exc.strerror or exc}") from None
+            where += f" and tcp {config.tcp} (bearer token required)"
+        log.info("diffusiond %s listening on %s; loading %s", __version__, where,
+                 ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models))
+        systemd.notify("STATUS=loading models")
+        watchdog = systemd.watchdog_interval()
+        watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
         start = asyncio.ensure_future(engine.start())
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait([start, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -157,8 +172,8 @@ async def run(config: DaemonConfig) -> int:
     return code
 
 
-async def _second_signal(stop: asyncio.Event, count: object) -> None:
-    while count() < 2:  # type: ignore[operator]
+async def _second_signal(stop: asyncio.Event, count: Callable[[], int]) -> None:
+    while count() < 2:
         stop.clear()
         await stop.wait()
 

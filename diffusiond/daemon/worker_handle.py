@@ -1,6 +1,7 @@
 """The engine's side of one worker process: spawn, handshake, channel, arena mapping, commands.
 
-A ``WorkerHandle`` is the only thing in the engine that knows a worker is a process. It maps the
+A ``WorkerHandle`` is the only thing in the engine that knows a worker is a process (the pool and
+the engine see it as a ``pool.WorkerLink``). It maps the
 worker's arena read-only once (from HELLO), maps dedicated output buffers as they arrive, routes
 the frames that concern jobs to the engine, and turns every way a worker can end (exit code,
 signal, protocol error, FATAL) into one sentence handed to ``on_lost`` exactly once.
@@ -19,16 +20,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from typing import Literal
 
-import numpy as np
-
+from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerStartError
 from diffusiond.ipc.arena import MappedView
 from diffusiond.ipc.channel import Channel, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
+    KIND_OF,
     Ack,
     Cancel,
     Execute,
@@ -46,17 +45,10 @@ from diffusiond.ipc.messages import (
     Wake,
     WorkerConfig,
 )
-from diffusiond.ipc.tensors import TensorDesc, as_numpy
+from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.protocol import WorkerState
 
 log = logging.getLogger(__name__)
-
-State = Literal["starting", "ready", "sleeping", "stopping", "dead"]
-FrameCallback = Callable[["WorkerHandle", Frame], None]
-LostCallback = Callable[["WorkerHandle", str], None]
-
-
-class WorkerStartError(Exception):
-    pass
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -78,7 +70,6 @@ class WorkerHandle:
         *,
         on_frame: FrameCallback,
         on_lost: LostCallback,
-        log_level: str = "INFO",
         env: dict[str, str] | None = None,
     ) -> None:
         self.config = config
@@ -86,8 +77,7 @@ class WorkerHandle:
         self.id = config.worker_id
         self.on_frame = on_frame
         self.on_lost = on_lost
-        self.log_level = log_level
-        self.state: State = "starting"
+        self.state = WorkerState.STARTING
         self.proc: asyncio.subprocess.Process | None = None
         self.channel: Channel | None = None
         self.arena: MappedView | None = None
@@ -117,7 +107,7 @@ class WorkerHandle:
         self._ready_fut = loop.create_future()
         self._exited = loop.create_future()
         mine, theirs = socketpair()
-        env = {**os.environ, "DIFFUSIOND_LOG_LEVEL": self.log_level, **self.env}
+        env = {**os.environ, **self.env}
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
@@ -134,9 +124,7 @@ class WorkerHandle:
             self.kill()
             spec = self.config.model_spec
             raise WorkerStartError(f"{self.name} did not load {spec!r} within {timeout:.0f}s") from None
-        except WorkerStartError:
-            raise
-        self.state = "ready"
+        self.state = WorkerState.READY
         log.info("%s ready: %s on %s in %.0f ms", self.name, self.ready.model_name, self.ready.device,
                  self.ready.load_ms)
         return self.ready
@@ -148,9 +136,9 @@ class WorkerHandle:
 
     async def stop(self, timeout: float) -> None:
         """Graceful: SHUTDOWN (the worker drains its copies first), then wait; SIGKILL on timeout."""
-        if self.state == "dead":
+        if self.state == WorkerState.DEAD:
             return
-        self.state = "stopping"
+        self.state = WorkerState.STOPPING
         with contextlib.suppress(Exception):
             await self.command(Shutdown(), timeout)
         if self.proc is not None:
@@ -175,12 +163,10 @@ class WorkerHandle:
         self._post(batch)
 
     def cancel(self, request_ids: list[str]) -> None:
-        if self.state != "dead":
+        if self.state != WorkerState.DEAD:
             self._post(Cancel(request_ids))
 
     async def command(self, msg: Sleep | Wake | Shutdown | Trace, timeout: float) -> Ack:
-        from diffusiond.ipc.messages import KIND_OF
-
         kind = KIND_OF[type(msg)]
         fut = self._acks.get(kind)
         if fut is None or fut.done():
@@ -189,10 +175,10 @@ class WorkerHandle:
         self._post(msg)
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
-    def _post(self, msg: object) -> None:
+    def _post(self, msg: Execute | Cancel | Sleep | Wake | Shutdown | Trace) -> None:
         if self.channel is None or self.channel.closed:
             raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
-        self.channel.post(msg)  # type: ignore[arg-type]
+        self.channel.post(msg)
 
     # outputs --------------------------------------------------------------------------------
     def buffer(self, desc: TensorDesc) -> memoryview:
@@ -203,19 +189,16 @@ class WorkerHandle:
             raise ChannelClosed(f"{self.name} has no arena mapped")
         return self.arena.view
 
-    def array(self, desc: TensorDesc) -> np.ndarray:
-        return as_numpy(self.buffer(desc), desc)
-
-    def release(self, desc: TensorDesc) -> None:
+    def return_slot(self, desc: TensorDesc) -> None:
         """The engine is done with an output: unmap a dedicated buffer, give the slot back."""
         self.held.pop(desc.slot_id, None)
         if desc.dedicated:
             view = self.dedicated.pop(desc.slot_id, None)
             if view is not None and not view.close():
                 log.warning("dedicated output %d still has readers; unmapped when they finish", desc.slot_id)
-        if self.state != "dead" and self.channel is not None and not self.channel.closed:
+        if self.state != WorkerState.DEAD and self.channel is not None and not self.channel.closed:
             self.channel.post(Release([desc.slot_id]))
-        elif self.state == "dead":
+        elif self.state == WorkerState.DEAD:
             self._unmap_when_unused()
 
     def _unmap_when_unused(self) -> None:
@@ -233,7 +216,8 @@ class WorkerHandle:
 
     # channel callbacks ----------------------------------------------------------------------
     def ping(self) -> None:
-        if self.state in ("ready", "sleeping") and self.channel is not None and not self.channel.closed:
+        live = self.state in (WorkerState.READY, WorkerState.SLEEPING)
+        if live and self.channel is not None and not self.channel.closed:
             self.channel.post(Ping())
 
     def answering(self, within: float) -> bool:
@@ -263,9 +247,9 @@ class WorkerHandle:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             if msg.command == Kind.SLEEP and msg.ok:
-                self.state = "sleeping"
+                self.state = WorkerState.SLEEPING
             elif msg.command == Kind.WAKE and msg.ok:
-                self.state = "ready"
+                self.state = WorkerState.READY
         elif isinstance(msg, Fatal):
             self.fatal = msg.message
             log.error("%s: %s", self.name, msg.message)
@@ -293,7 +277,7 @@ class WorkerHandle:
             self.kill()
             rc = await self.proc.wait()
         was = self.state
-        self.state = "dead"
+        self.state = WorkerState.DEAD
         parts = [f"{self.name} {describe_exit(rc)}"]
         if isinstance(reason, ProtocolError):
             parts.append(f"after a protocol error on its channel: {reason}")
@@ -307,7 +291,7 @@ class WorkerHandle:
             self._ready_fut.set_exception(WorkerStartError(self.lost_reason))
         if not self._exited.done():
             self._exited.set_result(rc)
-        if was in ("ready", "sleeping"):  # one that never became ready is reported by start()
+        if was in (WorkerState.READY, WorkerState.SLEEPING):  # one that never became ready is reported by start()
             self.on_lost(self, self.lost_reason)
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()

@@ -1,5 +1,9 @@
 """The transport between the engine and its workers, kept free of daemon and pipeline imports.
 
+The one import from the rest of the package is ``diffusiond.protocol``, the stdlib-only vocabulary
+module (``messages`` takes ``OutputDtype`` and ``OutputMode`` from it), so the engine and the
+worker agree on those names with the HTTP API without ``ipc`` depending on either side.
+
 - ``frames``: fixed binary header + msgspec body, per-direction sequence numbers, size limit.
 - ``messages``: the typed body of every frame kind (the worker protocol).
 - ``channel``: async framed transport over an AF_UNIX stream socket, with SCM_RIGHTS fd passing.

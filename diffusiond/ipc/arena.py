@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from diffusiond.ipc.errors import ArenaError, ArenaFull, SlotTooLarge
 
-MapHook = Callable[[int, int], None]  # (address, nbytes)
+MapHook = Callable[[int, int], object]  # (address, nbytes); any return value is ignored
 ALIGN = 4096
 
 

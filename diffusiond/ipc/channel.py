@@ -8,6 +8,10 @@ is no lossy path.
 One writer: ``post`` may only be called on the loop's thread (it raises otherwise). Threads hand
 frames to the loop with ``post_threadsafe`` (``loop.call_soon_threadsafe``), so frames from many
 threads are serialised by the loop and can never interleave on the wire.
+
+``encoder`` turns each message into the bytes that go on the wire. The worker's test-only fault
+injector swaps in a subclass that tampers with one frame; an encoder that returns no bytes drops
+the frame (its sequence number stays spent, so the peer sees the gap).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class Channel:
         sock.setblocking(False)
         self.sock = sock
         self.name = name
-        self._encoder = FrameEncoder(max_body)
+        self.encoder = FrameEncoder(max_body)
         self._decoder = FrameDecoder(max_body)
         self._out: collections.deque[tuple[memoryview, list[int], list[int]]] = collections.deque()
         self._out_bytes = 0
@@ -56,10 +60,6 @@ class Channel:
         self._drained.set()
         self.closed = False
         self.close_reason: BaseException | None = None
-        self.frames_sent = 0
-        self.frames_received = 0
-        # Test-only fault injection (issue 7): a callable that may rewrite or drop outgoing bytes.
-        self.fault_hook: Callable[[bytes], bytes | None] | None = None
 
     # lifecycle ------------------------------------------------------------------------------
     def start(self, on_frame: FrameHandler, on_close: CloseHandler) -> None:
@@ -108,14 +108,9 @@ class Channel:
             if close_fds:
                 _close_fds(list(fds))
             raise ChannelClosed(f"{self.name} is closed: {self.close_reason}")
-        data = self._encoder.encode(msg, len(fds))  # raises FrameTooLarge before anything is queued
-        if self.fault_hook is not None:
-            data = self.fault_hook(data)  # type: ignore[assignment]
-            if data is None:
-                return
+        data = self.encoder.encode(msg, len(fds))  # raises FrameTooLarge before anything is queued
         self._out.append((memoryview(data), list(fds), list(fds) if close_fds else []))
         self._out_bytes += len(data)
-        self.frames_sent += 1
         if not self._writing:
             self._flush()
 
@@ -136,10 +131,6 @@ class Channel:
             await self._drained.wait()
         if self.closed and self.close_reason is not None:
             raise ChannelClosed(f"{self.name} is closed: {self.close_reason}")
-
-    async def send(self, msg: msgspec.Struct, fds: Sequence[int] = ()) -> None:
-        self.post(msg, fds)
-        await self.drain()
 
     @property
     def pending_bytes(self) -> int:
@@ -186,9 +177,9 @@ class Channel:
             return
         for level, type_, payload in anc:
             if level == socket.SOL_SOCKET and type_ == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                self._in_fds.extend(fds)
+                received = array.array("i")
+                received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+                self._in_fds.extend(received)
         if not data:
             self.close(ChannelClosed(f"{self.name}: peer closed the connection"))
             return
@@ -198,7 +189,6 @@ class Channel:
                 if nfds > len(self._in_fds):
                     raise ProtocolError(f"{kind.name} frame {seq} announces {nfds} fds, {len(self._in_fds)} arrived")
                 fds = [self._in_fds.popleft() for _ in range(nfds)]
-                self.frames_received += 1
                 assert self._on_frame is not None
                 self._on_frame(Frame(kind, seq, msg, fds))
                 if self.closed:

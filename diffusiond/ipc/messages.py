@@ -157,7 +157,6 @@ class Ready(msgspec.Struct, frozen=True):
 class ComputeDone(msgspec.Struct, frozen=True):
     batch_id: int
     compute_ms: float
-    steps_run: int
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -172,7 +171,9 @@ class OutputReady(msgspec.Struct, frozen=True):
     request_id: str
     batch_id: int
     tensor: TensorDesc
-    copy_ms: float
+
+
+EndStatus = Literal["failed", "cancelled"]
 
 
 class RequestEnded(msgspec.Struct, frozen=True):
@@ -180,7 +181,7 @@ class RequestEnded(msgspec.Struct, frozen=True):
 
     request_id: str
     batch_id: int
-    status: Literal["failed", "cancelled"]
+    status: EndStatus
     message: str
     stage: str
 

@@ -60,6 +60,11 @@ class TensorDesc(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"negative offset {self.offset} or slot id {self.slot_id}")
 
 
+def numpy_dtype(dtype: str) -> np.dtype[Any]:
+    """How numpy reads a tensor of ``dtype`` (bfloat16 as raw uint16 words)."""
+    return _NUMPY_DTYPES[dtype]
+
+
 def itemsize(dtype: str) -> int:
     return _NUMPY_DTYPES[dtype].itemsize
 

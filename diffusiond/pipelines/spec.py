@@ -121,6 +121,12 @@ def parse_spec(spec: str) -> ModelSpec:
     raise PipelineError(f"unrecognised model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
 
 
+def is_synthetic(spec: str) -> bool:
+    """Whether the spec names a model whose outputs are not pictures of anything (random weights,
+    or no model at all): clients are told, so nobody mistakes its noise for a result."""
+    return spec.startswith(("synthetic", "random:"))
+
+
 def model_name_for(spec: str) -> str:
     """A short, stable name for a model spec: what clients put in ``"model"``."""
     if spec.startswith("synthetic"):

@@ -8,4 +8,7 @@ Three threads, each with one job:
   side stream, while the compute thread is already on the next batch.
 
 Threads hand frames to the loop with ``Channel.post_threadsafe``; nothing else writes.
+
+``faults`` holds the test-only fault injection (``WorkerConfig.fault``); ``process`` imports and
+installs it only when a fault is set, so a normal run checks for none.
 """

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from diffusiond.ipc.messages import Ack, ComputeDone, Execute, Fatal, Kind, Progress, RequestEnded
+from diffusiond.ipc.messages import Ack, ComputeDone, EndStatus, Execute, Fatal, Kind, Progress, RequestEnded
 from diffusiond.pipelines.base import Interrupted, Pipeline
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
@@ -134,7 +134,7 @@ class ComputeThread:
             event.record()
         compute_ms = (time.perf_counter() - t0) * 1000
         self.state.record("compute_end", batch.batch_id)
-        self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms, steps_run=batch.params.steps))
+        self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms))
         job = CopyJob(batch.batch_id, batch.params, live, outputs, event)
         if self.sync_output:
             self.copier.process(job)
@@ -166,6 +166,6 @@ class ComputeThread:
         for rid in request_ids:
             self._end(batch_id, rid, "failed", message)
 
-    def _end(self, batch_id: int, request_id: str, status: str, message: str) -> None:
+    def _end(self, batch_id: int, request_id: str, status: EndStatus, message: str) -> None:
         self.state.finish(request_id)
-        self.post(RequestEnded(request_id, batch_id, status, message, "computing"))  # type: ignore[arg-type]
+        self.post(RequestEnded(request_id, batch_id, status, message, "computing"))

@@ -17,19 +17,17 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from diffusiond.ipc.arena import Arena, DedicatedBuffer
 from diffusiond.ipc.errors import ArenaFull, SlotTooLarge
-from diffusiond.ipc.messages import BatchParams, OutputReady, RequestEnded, RequestSpec, SlotWait
-from diffusiond.ipc.tensors import describe, nbytes_of, write_tensor
-from diffusiond.worker.state import Faults, SharedState
+from diffusiond.ipc.messages import BatchParams, EndStatus, OutputReady, RequestEnded, RequestSpec, SlotWait
+from diffusiond.ipc.tensors import TensorDesc, describe, nbytes_of, write_tensor
+from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +40,7 @@ class CopyJob:
     params: BatchParams
     requests: list[RequestSpec]
     outputs: list[torch.Tensor]
-    event: Any  # torch.cuda.Event recorded after the forward, or None on CPU
+    event: torch.cuda.Event | None  # recorded after the forward; None on CPU
 
 
 def to_output_layout(out: torch.Tensor, output_dtype: str) -> torch.Tensor:
@@ -92,20 +90,18 @@ class Copier:
         *,
         device: torch.device,
         slot_timeout_s: float,
-        faults: Faults,
     ) -> None:
         self.arena = arena
         self.state = state
         self.post = post
         self.device = device
         self.slot_timeout_s = slot_timeout_s
-        self.faults = faults
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.dedicated: dict[int, int] = {}  # slot id -> bytes, until the engine releases it
         self._next_dedicated = 1 << 40  # ids that can never collide with arena slot ids
         self._lock = threading.Lock()
-        self.queue: queue.Queue[CopyJob | None] = queue.Queue()
+        self.queue: queue.Queue[CopyJob] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="copy", daemon=True)
 
     def start(self) -> None:
@@ -116,7 +112,8 @@ class Copier:
         self.queue.put(job)
 
     def _run(self) -> None:
-        while (job := self.queue.get()) is not None:
+        while True:  # a daemon thread: it ends with the process
+            job = self.queue.get()
             try:
                 self.process(job)
             finally:
@@ -124,8 +121,6 @@ class Copier:
 
     def process(self, job: CopyJob) -> None:
         self.state.record("copy_start", job.batch_id)
-        if self.faults.copy_gate:
-            self.state.wait_for_later_compute(job.batch_id, timeout=10.0)
         if self.stream is not None and job.event is not None:
             self.stream.wait_event(job.event)
             self.state.record_gpu("copy_start", job.batch_id, self.stream)
@@ -140,14 +135,7 @@ class Copier:
         if self.state.is_cancelled(req.request_id):
             self._end(job, req, "cancelled", "cancelled before its output was copied")
             return
-        t0 = time.perf_counter()
         try:
-            if self.faults.fail_copy:
-                raise RuntimeError("injected copy failure (fault fail_copy)")
-            if self.faults.exit_in_copy:
-                os._exit(3)
-            if self.faults.copy_delay_ms:
-                time.sleep(self.faults.copy_delay_ms / 1000)
             desc, fd = self._copy(job, out, req.request_id)
         except ArenaFull as exc:
             self._end(job, req, "failed", str(exc))
@@ -156,15 +144,14 @@ class Copier:
             log.exception("copy of %s failed", req.request_id)
             self._end(job, req, "failed", f"copy failed: {type(exc).__name__}: {exc}")
             return
-        copy_ms = (time.perf_counter() - t0) * 1000
         self.state.finish(req.request_id)
-        msg = OutputReady(request_id=req.request_id, batch_id=job.batch_id, tensor=desc, copy_ms=copy_ms)
+        msg = OutputReady(request_id=req.request_id, batch_id=job.batch_id, tensor=desc)
         if fd is None:
             self.post(msg)
         else:
             self.post(msg, [fd], close_fds=True)
 
-    def _copy(self, job: CopyJob, out: torch.Tensor, request_id: str) -> tuple[Any, int | None]:
+    def _copy(self, job: CopyJob, out: torch.Tensor, request_id: str) -> tuple[TensorDesc, int | None]:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx, torch.inference_mode():
             host = to_output_layout(out, job.params.output_dtype)
@@ -184,7 +171,7 @@ class Copier:
                 raise
             return describe(host, slot.id, slot.offset), None
 
-    def _copy_dedicated(self, host: torch.Tensor, nbytes: int) -> tuple[Any, int]:
+    def _copy_dedicated(self, host: torch.Tensor, nbytes: int) -> tuple[TensorDesc, int]:
         buf = DedicatedBuffer(nbytes)
         try:
             write_tensor(buf.buffer(), host, non_blocking=self.cuda)
@@ -222,10 +209,7 @@ class Copier:
         with self._lock:
             return sum(self.dedicated.values())
 
-    def _end(self, job: CopyJob, req: RequestSpec, status: str, message: str) -> None:
+    def _end(self, job: CopyJob, req: RequestSpec, status: EndStatus, message: str) -> None:
         self.state.finish(req.request_id)
-        self.post(RequestEnded(req.request_id, job.batch_id, status, message, "copying"))  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        self.queue.put(None)
+        self.post(RequestEnded(req.request_id, job.batch_id, status, message, "copying"))
 

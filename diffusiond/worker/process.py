@@ -1,7 +1,8 @@
 """The worker's event loop thread: owns the channel, dispatches commands, starts the threads.
 
 Start-up: wait for INIT, create the arena (registered with CUDA when the device is a GPU), send
-HELLO with the arena fd, load the model off the loop, send READY (or FATAL and exit non-zero).
+HELLO with the arena fd, load the model off the loop, send READY. Any failure on the way is sent
+as FATAL, with the reason, and the worker exits 1.
 If the engine goes away (channel EOF) the worker exits at once: it has nobody to deliver to.
 """
 
@@ -16,12 +17,13 @@ import signal
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from diffusiond.ipc import cuda_host
 from diffusiond.ipc.arena import Arena
 from diffusiond.ipc.channel import Channel
-from diffusiond.ipc.errors import ArenaError
-from diffusiond.ipc.frames import KIND_OFFSET, Frame
+from diffusiond.ipc.errors import ArenaError, ChannelClosed
+from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
     Ack,
     Cancel,
@@ -41,7 +43,10 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.worker.compute import ComputeThread, Control
 from diffusiond.worker.copier import Copier
-from diffusiond.worker.state import Faults, SharedState
+from diffusiond.worker.state import SharedState
+
+if TYPE_CHECKING:
+    from diffusiond.pipelines.base import Pipeline
 
 log = logging.getLogger("diffusiond.worker")
 
@@ -72,7 +77,12 @@ class Worker:
         """Thread-safe: ask the loop to finish with ``code``."""
         assert self.exit_code is not None
         fut = self.exit_code
-        fut.get_loop().call_soon_threadsafe(lambda: fut.done() or fut.set_result(code))
+
+        def finish() -> None:
+            if not fut.done():
+                fut.set_result(code)
+
+        fut.get_loop().call_soon_threadsafe(finish)
 
     # channel callbacks (loop thread) --------------------------------------------------------
     def _on_close(self, reason: BaseException | None) -> None:
@@ -136,41 +146,60 @@ class Worker:
 
     # start-up -------------------------------------------------------------------------------
     async def _init(self, config: WorkerConfig) -> None:
+        """Start up; any failure is posted as FATAL, with the reason, and the process exits 1.
+
+        The engine waits for READY; a start-up that fails silently would leave it waiting until
+        its start timeout, with no reason to give.
+        """
+        try:
+            await self._start(config)
+        except Exception as exc:
+            log.exception("start-up failed")
+            message = str(exc) if isinstance(exc, _StartError) else f"start-up failed: {type(exc).__name__}: {exc}"
+            with contextlib.suppress(ChannelClosed):
+                self.channel.post(Fatal(message=message))
+            self.exit(1)
+
+    async def _start(self, config: WorkerConfig) -> None:
         self.config = config
-        faults = Faults.parse(config.fault)
-        self.state.trace_gpu = config.trace_gpu and config.device.startswith("cuda")
-        if faults.frame is not None:
-            self.channel.fault_hook = _frame_fault(*faults.frame)
+        faults = None
+        if config.fault:  # test-only; see worker/faults.py
+            from diffusiond.worker.faults import Faults, tamper
+
+            faults = Faults.parse(config.fault)
+            if faults.frame is not None:
+                self.channel.encoder = tamper(self.channel.encoder, *faults.frame)
         is_cuda = config.device.startswith("cuda")
+        self.state.trace_gpu = config.trace_gpu and is_cuda
         if is_cuda:
             import torch
 
             torch.cuda.set_device(torch.device(config.device))
-        hooks = {"on_map": cuda_host.register, "on_unmap": cuda_host.unregister} if is_cuda else {}
-        self.arena = Arena(config.arena_bytes, name=f"diffusiond-arena-w{config.worker_id}", **hooks)
+        self.arena = Arena(
+            config.arena_bytes, name=f"diffusiond-arena-w{config.worker_id}",
+            on_map=cuda_host.register if is_cuda else None, on_unmap=cuda_host.unregister if is_cuda else None,
+        )
         self.channel.post(Hello(config.worker_id, os.getpid(), self.arena.capacity), [self.arena.fd])
         t0 = time.perf_counter()
         try:
             pipeline = await asyncio.to_thread(self._load, config)
         except Exception as exc:
-            log.exception("loading %s failed", config.model_spec)
-            self.channel.post(Fatal(message=f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}"))
-            self.exit(1)
-            return
+            raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
         load_ms = (time.perf_counter() - t0) * 1000
-        self.copier = Copier(
-            self.arena,
-            self.state,
-            self.channel.post_threadsafe,
-            device=pipeline.device,
-            slot_timeout_s=config.slot_timeout_s,
-            faults=faults,
-        )
+        post = self.channel.post_threadsafe
+        if faults is None:
+            self.copier = Copier(self.arena, self.state, post, device=pipeline.device,
+                                 slot_timeout_s=config.slot_timeout_s)
+        else:
+            from diffusiond.worker.faults import FaultyCopier
+
+            self.copier = FaultyCopier(self.arena, self.state, post, device=pipeline.device,
+                                       slot_timeout_s=config.slot_timeout_s, faults=faults)
         self.compute = ComputeThread(
             pipeline,
             self.copier,
             self.state,
-            self.channel.post_threadsafe,
+            post,
             sync_output=config.output_mode == "sync",
             progress_interval_s=config.progress_interval_s,
             drain_timeout_s=config.drain_timeout_s,
@@ -178,15 +207,13 @@ class Worker:
         )
         self.copier.start()
         self.compute.start()
-        from diffusiond.pipelines.base import capabilities_of
-
-        self.channel.post(Ready(config.model_name, str(pipeline.device), load_ms, capabilities_of(pipeline)))
+        self.channel.post(Ready(config.model_name, str(pipeline.device), load_ms, pipeline.capabilities))
         for item in self.pending:
             self.compute.queue.put(item)
         self.pending.clear()
 
     @staticmethod
-    def _load(config: WorkerConfig):  # type: ignore[no-untyped-def]
+    def _load(config: WorkerConfig) -> Pipeline:
         from diffusiond.pipelines import load_pipeline
 
         return load_pipeline(
@@ -195,25 +222,8 @@ class Worker:
         )
 
 
-def _frame_fault(action: str, kind_name: str):  # type: ignore[no-untyped-def]
-    """Test-only: tamper with the first outgoing frame of ``kind_name`` (see ``Faults``)."""
-    target = Kind[kind_name]
-    fired = False
-
-    def hook(data: bytes) -> bytes | None:
-        nonlocal fired
-        if fired or data[KIND_OFFSET] != target:
-            return data
-        fired = True
-        if action == "drop_frame":
-            return None
-        if action == "dup_frame":
-            return data + data
-        corrupted = bytearray(data)
-        corrupted[-1] ^= 0xFF
-        return bytes(corrupted)
-
-    return hook
+class _StartError(Exception):
+    """A start-up failure whose message already says what failed."""
 
 
 def _quiet_libraries() -> None:

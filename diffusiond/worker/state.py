@@ -1,4 +1,4 @@
-"""State shared by the worker's threads: in-flight requests, cancellations, trace, faults.
+"""State shared by the worker's threads: in-flight requests, cancellations, copies pending, trace.
 
 Everything here is guarded by one lock and touched briefly; no thread holds it while computing
 or copying.
@@ -9,47 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from diffusiond.ipc.messages import TraceEvent
 
-
-@dataclass
-class Faults:
-    """Test-only fault injection, parsed from ``WorkerConfig.fault`` (empty in normal runs).
-
-    ``copy_gate``: the copy thread finishes batch k only after compute of a later batch started
-    (proves compute does not wait for copies; bounded, so a wrong implementation fails, not hangs).
-    ``copy_delay_ms=N``: hold each copy N ms (makes an in-flight copy observable for drain tests).
-    ``fail_copy``: every copy raises. ``exit_in_copy``: the process dies mid-copy.
-    ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
-    outgoing frame of that kind on the wire.
-    """
-
-    copy_gate: bool = False
-    copy_delay_ms: int = 0
-    fail_copy: bool = False
-    exit_in_copy: bool = False
-    frame: tuple[str, str] | None = None
-
-    @classmethod
-    def parse(cls, spec: str) -> Faults:
-        f = cls()
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, _, value = part.partition("=")
-            if key == "copy_gate":
-                f.copy_gate = True
-            elif key == "copy_delay_ms":
-                f.copy_delay_ms = int(value)
-            elif key == "fail_copy":
-                f.fail_copy = True
-            elif key == "exit_in_copy":
-                f.exit_in_copy = True
-            elif key in ("drop_frame", "dup_frame", "corrupt_frame"):
-                f.frame = (key, value.upper())
-            else:
-                raise ValueError(f"unknown fault {key!r}")
-        return f
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -61,7 +26,7 @@ class SharedState:
     trace: list[TraceEvent] = field(default_factory=list)
     copies_pending: int = 0
     trace_gpu: bool = False
-    gpu_events: list[tuple[str, int, Any]] = field(default_factory=list)
+    gpu_events: list[tuple[str, int, torch.cuda.Event]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
@@ -73,7 +38,7 @@ class SharedState:
                 del self.trace[:5_000]
             self.changed.notify_all()
 
-    def record_gpu(self, name: str, batch_id: int, stream: Any = None) -> None:
+    def record_gpu(self, name: str, batch_id: int, stream: torch.cuda.Stream | None = None) -> None:
         """A timed CUDA event on ``stream`` (default: current): where the GPU, not the CPU, was."""
         if not self.trace_gpu:
             return
@@ -97,19 +62,6 @@ class SharedState:
             ev.synchronize()
             out.append(TraceEvent(name, batch_id, int(base.elapsed_time(ev) * 1e6)))
         return out
-
-    def wait_for_later_compute(self, batch_id: int, timeout: float) -> bool:
-        """copy_gate: wait until a forward after ``batch_id`` started, or a drain began (then no
-        later batch is coming and holding the copy back would only delay the drain)."""
-
-        def seen() -> bool:
-            return any(
-                (e.name == "compute_start" and e.batch_id > batch_id) or e.name.startswith("drain_start")
-                for e in self.trace
-            )
-
-        with self.lock:
-            return self.changed.wait_for(seen, timeout)
 
     def admit(self, request_ids: list[str]) -> None:
         with self.lock:

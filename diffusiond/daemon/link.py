@@ -1,0 +1,54 @@
+"""The engine's view of one worker: what the engine and the pool may ask of it, and nothing else.
+
+``worker_handle.WorkerHandle`` is the real one, a process behind a channel; tests use in-process
+fakes of the same shape, so the engine's transitions can be checked without processes (the way
+vLLM's ``InprocClient`` runs its core).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.messages import Ack, Execute, Ready, Shutdown, Sleep, Trace, Wake, WorkerConfig
+from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.protocol import WorkerState
+
+
+class WorkerStartError(Exception):
+    """A worker did not become ready; the message says why (its FATAL, exit status or timeout)."""
+
+
+class WorkerLink(Protocol):
+    """The engine's handle on one worker. ``WorkerHandle`` is the real one (a process)."""
+
+    id: int
+    config: WorkerConfig
+    state: WorkerState
+    started_at: float
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def arena_capacity(self) -> int: ...
+    @property
+    def held_bytes(self) -> int: ...
+
+    async def start(self, timeout: float) -> Ready: ...
+    async def stop(self, timeout: float) -> None: ...
+    async def command(self, msg: Sleep | Wake | Shutdown | Trace, timeout: float) -> Ack: ...
+    def execute(self, batch: Execute) -> None: ...
+    def cancel(self, request_ids: list[str]) -> None: ...
+    def buffer(self, desc: TensorDesc) -> memoryview: ...
+    def return_slot(self, desc: TensorDesc) -> None: ...
+    def ping(self) -> None: ...
+    def answering(self, within: float) -> bool: ...
+
+
+FrameCallback = Callable[["WorkerLink", Frame], None]
+"""A frame that concerns jobs (the handle keeps the ones about itself: HELLO, READY, ACK, FATAL)."""
+LostCallback = Callable[["WorkerLink", str], None]
+"""The worker ended; called once, with one sentence that says how."""

@@ -1,0 +1,249 @@
+"""The worker pool: which workers exist, and keeping them alive (the engine's arbiter).
+
+The engine decides what work goes where; the pool decides which workers there are. It spawns
+one worker per (model, device), pings them, replaces one that ended (after a back-off that grows
+while workers keep dying young, so a crash loop cannot spin), and fans sleep, wake, trace and
+stop out to all of them. Frames and losses go straight to the engine's callbacks: the pool never
+looks inside a job.
+
+The engine reaches a worker only through ``link.WorkerLink``, so tests can give the pool a
+``spawn`` that makes in-process fakes and drive every transition of the engine without a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusiond.daemon.config import DaemonConfig, ModelConfig
+from diffusiond.daemon.errors import ModelNotFound, PowerFailed, WorkerUnavailable
+from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerLink, WorkerStartError
+from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.worker_handle import WorkerHandle
+from diffusiond.ipc.messages import Ack, Capabilities, Sleep, Trace, Wake, WorkerConfig
+from diffusiond.protocol import ErrorCode, ModelState, WorkerState
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 1.0
+
+
+Spawn = Callable[[WorkerConfig, dict[str, str], FrameCallback, LostCallback], WorkerLink]
+
+
+def spawn_process(config: WorkerConfig, env: dict[str, str], on_frame: FrameCallback,
+                  on_lost: LostCallback) -> WorkerLink:
+    return WorkerHandle(config, on_frame=on_frame, on_lost=on_lost, env=env)
+
+
+@dataclass(eq=False)
+class Model:
+    config: ModelConfig
+    workers: list[WorkerLink] = field(default_factory=list)
+    capabilities: Capabilities = field(default_factory=Capabilities)  # generic until the first READY
+    restarts: int = 0
+    crash_streak: int = 0  # consecutive workers that died within a minute of starting
+    replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def task(self) -> str:
+        return self.capabilities.task
+
+    @property
+    def state(self) -> ModelState:
+        states = {w.state for w in self.workers}
+        for s in (ModelState.READY, ModelState.SLEEPING, ModelState.STARTING):
+            if WorkerState(s.value) in states:
+                return s
+        return ModelState.UNAVAILABLE
+
+    def can_take_jobs(self) -> bool:
+        """A worker is up, starting or on its way back: a job admitted now will be run."""
+        return self.state != ModelState.UNAVAILABLE or self.replacing > 0 or any(
+            w.state == WorkerState.STARTING for w in self.workers)
+
+
+class WorkerPool:
+    def __init__(self, config: DaemonConfig, metrics: Metrics, *, on_frame: FrameCallback,
+                 on_lost: LostCallback, on_ready: Callable[[WorkerLink], None],
+                 spawn: Spawn = spawn_process) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.models = {m.name: Model(m) for m in config.models}
+        self.paused = False  # sleeping or on the way there: new workers go to sleep at once
+        self.stopping = False
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._on_ready = on_ready
+        self._spawn = spawn
+        self._worker_ids = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
+            self.metrics.worker_restarts.labels(name)
+
+    def model(self, name: str | None) -> Model:
+        if name is None:
+            return next(iter(self.models.values()))
+        try:
+            return self.models[name]
+        except KeyError:
+            raise ModelNotFound(f"model {name!r} is not served here; models: {', '.join(self.models)}",
+                                field="model") from None
+
+    def workers(self, *states: WorkerState) -> Iterator[tuple[Model, WorkerLink]]:
+        for model in self.models.values():
+            for w in model.workers:
+                if not states or w.state in states:
+                    yield model, w
+
+    # lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every worker; fail with the first worker's reason if a model cannot load."""
+        starts = [self._start_worker(model, device) for model in self.models.values()
+                  for device in model.config.devices]
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        self._keep(self._heartbeat())
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await asyncio.gather(*(w.stop(self.config.drain_grace_s) for _, w in self.workers()),
+                             return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _keep(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _heartbeat(self) -> None:
+        """Ping every worker each second: a lost frame shows up as a sequence gap within a second,
+        and /health can tell a live worker from a wedged one."""
+        while not self.stopping:
+            await asyncio.sleep(PING_INTERVAL_S)
+            for _, w in self.workers():
+                with contextlib.suppress(Exception):
+                    w.ping()
+
+    def _worker_config(self, model: Model, device: str, *, replacement: bool) -> WorkerConfig:
+        self._worker_ids += 1
+        return WorkerConfig(
+            worker_id=self._worker_ids - 1,
+            model_name=model.name,
+            model_spec=model.config.spec,
+            device=device,
+            dtype=model.config.dtype,
+            output_mode=self.config.output_mode,
+            arena_bytes=self.config.arena_mb << 20,
+            slot_timeout_s=self.config.slot_timeout_s,
+            drain_timeout_s=self.config.drain_grace_s,
+            options=dict(model.config.options),
+            trace_gpu=self.config.trace,
+            fault="" if replacement else self.config.fault,  # test faults hit first workers only
+        )
+
+    def _env(self, device: str) -> dict[str, str]:
+        """The log level, read before INIT arrives. CPU workers share the cores: each gets its
+        share of math threads, so N workers do not run N x cores threads (oversubscribed BLAS
+        can be ten times slower, not N times)."""
+        env = {"DIFFUSIOND_LOG_LEVEL": self.config.log_level.upper()}
+        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            cpu_workers = sum(m.config.devices.count("cpu") for m in self.models.values())
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, cpu_workers)))
+        return env
+
+    async def _start_worker(self, model: Model, device: str, replacing: WorkerLink | None = None) -> None:
+        wc = self._worker_config(model, device, replacement=replacing is not None)
+        handle = self._spawn(wc, self._env(device), self._on_frame, self._lost)
+        if replacing is not None and replacing in model.workers:
+            model.workers[model.workers.index(replacing)] = handle
+        else:
+            model.workers.append(handle)
+        try:
+            ready = await handle.start(self.config.worker_start_timeout_s)
+        except BaseException:
+            # put things back as they were: the caller decides whether to try again
+            if replacing is not None:
+                model.workers[model.workers.index(handle)] = replacing
+            else:
+                model.workers.remove(handle)
+            raise
+        model.capabilities = ready.capabilities
+        if self.paused:
+            await handle.command(Sleep(), self.config.drain_grace_s)
+        self._on_ready(handle)
+
+    # losing and replacing workers ------------------------------------------------------------
+    def _lost(self, worker: WorkerLink, reason: str) -> None:
+        """A worker ended: the engine fails what it held, then it is replaced (unless stopping)."""
+        log.error("%s", reason)
+        self._on_lost(worker, reason)
+        if self.stopping:
+            return
+        model = self.models[worker.config.model_name]
+        model.restarts += 1
+        self.metrics.worker_restarts.labels(model.name).inc()
+        model.replacing += 1  # now, not when the task starts: admission must see it at once
+        self._keep(self._restart(model, worker))
+
+    async def _restart(self, model: Model, old: WorkerLink) -> None:
+        backoff = self.config.restart_backoff_s
+        model.crash_streak = model.crash_streak + 1 if time.monotonic() - old.started_at < 60 else 0
+        attempt = model.crash_streak
+        try:
+            while not self.stopping:
+                await asyncio.sleep(backoff[min(attempt, len(backoff) - 1)])
+                try:
+                    await self._start_worker(model, old.config.device, replacing=old)
+                    log.info("replaced %s", old.name)
+                    return
+                except (WorkerStartError, OSError) as exc:
+                    log.error("restarting a worker for %s failed: %s", model.name, exc)
+                    attempt += 1
+        finally:
+            model.replacing -= 1
+
+    # fan-out --------------------------------------------------------------------------------
+    async def sleep_all(self) -> None:
+        """Have each ready worker move its weights off the device (the engine drained first)."""
+        self.paused = True
+        await self._fan_out(Sleep(), WorkerState.READY, self.config.drain_grace_s, ErrorCode.SLEEP_FAILED)
+
+    async def wake_all(self) -> None:
+        try:
+            await self._fan_out(Wake(), WorkerState.SLEEPING, self.config.worker_start_timeout_s,
+                                ErrorCode.WAKE_FAILED)
+        finally:
+            self.paused = False
+
+    async def _fan_out(self, msg: Sleep | Wake, state: WorkerState, timeout: float, code: ErrorCode) -> None:
+        acks = await asyncio.gather(*(w.command(msg, timeout) for _, w in self.workers(state)),
+                                    return_exceptions=True)
+        bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
+        if bad:
+            verb = "sleep" if isinstance(msg, Sleep) else "wake"
+            raise PowerFailed(f"{verb} failed on {len(bad)} worker(s): {bad[0]}", code=code)
+
+    async def trace(self) -> list[tuple[WorkerLink, Ack]]:
+        """Each ready worker's timeline (``--trace``)."""
+        handles = [w for _, w in self.workers(WorkerState.READY)]
+        acks = await asyncio.gather(*(w.command(Trace(), 30.0) for w in handles), return_exceptions=True)
+        out = []
+        for w, ack in zip(handles, acks, strict=True):
+            if isinstance(ack, BaseException):
+                raise WorkerUnavailable(f"{w.name} did not send its trace: {ack}")
+            out.append((w, ack))
+        return out

@@ -1,0 +1,112 @@
+"""What clients see of the engine's objects: the JSON of jobs, events, models, health and traces.
+
+Drawn here, at the HTTP edge, and only here, so a field or a URL is written once and the engine
+never formats anything for a client. docs/api.md describes these documents.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from diffusiond import __version__
+from diffusiond.daemon.jobs import Job
+from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.pool import PING_INTERVAL_S, Model
+from diffusiond.ipc.messages import Ack
+from diffusiond.pipelines.spec import is_synthetic
+from diffusiond.protocol import FORMATS, Event, ModelState
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.engine import Engine
+
+
+def job_url(job_id: str) -> str:
+    return f"/v1/jobs/{job_id}"
+
+
+def output_url(job_id: str, k: int) -> str:
+    return f"/v1/jobs/{job_id}/outputs/{k}"
+
+
+def output_filename(job: Job, k: int) -> str:
+    return f"{job.id}-{k}.{FORMATS[job.request.output_format].extension}"
+
+
+def job(j: Job) -> dict[str, Any]:
+    r = j.request
+    content_type = FORMATS[r.output_format].content_type
+    return {
+        "id": j.id,
+        "object": "job",
+        "model": r.model,
+        "created": int(j.created),
+        "status": j.status.value,
+        "stage": j.stage.label,
+        "progress": {"step": j.progress[0], "total": j.progress[1] or r.steps},
+        "outputs": [
+            {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,
+             "bytes": i.nbytes, "batch": i.batch_id}
+            for i in j.items
+            if i.done
+        ],
+        "error": j.error,
+        "timings_ms": dict(j.timings_ms),
+        "request": {
+            "prompt": r.prompt,
+            "n": r.n,
+            "width": r.width,
+            "height": r.height,
+            "steps": r.steps,
+            "guidance_scale": r.guidance,
+            "output_format": r.output_format,
+            "num_frames": r.num_frames,
+            "seed": r.seed,
+        },
+    }
+
+
+def event(e: Event, j: Job) -> dict[str, Any]:
+    """The data of one Server-Sent Event: the step for ``progress``, else the whole job."""
+    if e == Event.PROGRESS:
+        return {"step": j.progress[0], "total": j.progress[1]}
+    return job(j)
+
+
+def models(ms: list[Model]) -> dict[str, Any]:
+    data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
+             "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
+             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec)}
+            for m in ms]
+    return {"object": "list", "data": data}
+
+
+def health(engine: Engine) -> dict[str, Any]:
+    """``/health``'s body, which ``/metrics`` reads its gauges from, so they never disagree."""
+    pool = engine.pool
+    workers = list(pool.workers())
+    return {
+        "version": __version__,
+        "status": "ok" if all(m.state == ModelState.READY or pool.paused for m in pool.models.values())
+        else "degraded",
+        "accepting": engine.accepting,
+        "sleeping": pool.paused,
+        "queue_depth": engine.scheduler.depth,
+        "jobs": engine.jobs_by_status(),
+        "workers": [
+            {"id": w.id, "model": m.name, "device": w.config.device, "state": w.state.value, "pid": w.pid,
+             "answering": w.answering(3 * PING_INTERVAL_S + 1),
+             "restarts": m.restarts, "batches_in_flight": engine.batches_in_flight(w),
+             "arena_bytes": w.arena_capacity, "arena_bytes_in_use": w.held_bytes}
+            for m, w in workers
+        ],
+        "arena_bytes_in_use": sum(w.held_bytes for _, w in workers),
+    }
+
+
+def trace(acks: list[tuple[WorkerLink, Ack]]) -> dict[str, Any]:
+    return {"workers": [
+        {"id": w.id, "pid": w.pid, "model": w.config.model_name, "device": w.config.device,
+         "events": [[e.name, e.batch_id, e.t_ns] for e in ack.trace],
+         "gpu_events": [[e.name, e.batch_id, e.t_ns] for e in ack.gpu_trace]}
+        for w, ack in acks
+    ]}

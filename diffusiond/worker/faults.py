@@ -1,0 +1,144 @@
+"""Test-only fault injection, installed only when ``WorkerConfig.fault`` names one.
+
+In a normal run none of this is imported: the worker builds a plain ``Copier`` and keeps the
+channel's own encoder, so neither the copy thread nor the channel checks for faults. With a
+fault, ``process`` builds a ``FaultyCopier`` instead and, for a frame fault, gives the channel a
+``TamperingEncoder``. The tests that use them: ``test_worker.py``, ``test_faults.py``,
+``test_hardening.py`` (``serve --test-fault``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from diffusiond.ipc.arena import Arena
+from diffusiond.ipc.frames import KIND_OFFSET, FrameEncoder
+from diffusiond.ipc.messages import Kind
+from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.worker.copier import Copier, CopyJob, Post
+from diffusiond.worker.state import SharedState
+
+FRAME_FAULTS = ("drop_frame", "dup_frame", "corrupt_frame")
+
+
+@dataclass
+class Faults:
+    """Parsed from ``WorkerConfig.fault``, a comma-separated list.
+
+    ``copy_gate``: the copy thread finishes batch k only after compute of a later batch started
+    (proves compute does not wait for copies; bounded, so a wrong implementation fails, not hangs).
+    ``copy_delay_ms=N``: hold each copy N ms (makes an in-flight copy observable for drain tests).
+    ``fail_copy``: every copy raises. ``exit_in_copy``: the process dies mid-copy.
+    ``fail_start``: start-up fails after the model loaded (the worker must report it as FATAL).
+    ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
+    outgoing frame of that kind on the wire.
+    """
+
+    copy_gate: bool = False
+    copy_delay_ms: int = 0
+    fail_copy: bool = False
+    exit_in_copy: bool = False
+    fail_start: bool = False
+    frame: tuple[str, Kind] | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Faults:
+        f = cls()
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key == "copy_gate":
+                f.copy_gate = True
+            elif key == "copy_delay_ms":
+                f.copy_delay_ms = int(value)
+            elif key == "fail_copy":
+                f.fail_copy = True
+            elif key == "exit_in_copy":
+                f.exit_in_copy = True
+            elif key == "fail_start":
+                f.fail_start = True
+            elif key in FRAME_FAULTS:
+                try:
+                    f.frame = (key, Kind[value.upper()])
+                except KeyError:
+                    raise ValueError(f"fault {key}: unknown frame kind {value!r}") from None
+            else:
+                raise ValueError(f"unknown fault {key!r}")
+        return f
+
+
+class FaultyCopier(Copier):
+    """A ``Copier`` that applies the copy faults before each request's copy."""
+
+    def __init__(
+        self, arena: Arena, state: SharedState, post: Post, *, device: torch.device, slot_timeout_s: float,
+        faults: Faults,
+    ) -> None:
+        if faults.fail_start:
+            raise RuntimeError("injected start-up failure (fault fail_start)")
+        super().__init__(arena, state, post, device=device, slot_timeout_s=slot_timeout_s)
+        self.faults = faults
+        self._gated: set[int] = set()
+
+    def _copy(self, job: CopyJob, out: torch.Tensor, request_id: str) -> tuple[TensorDesc, int | None]:
+        f = self.faults
+        if f.copy_gate and job.batch_id not in self._gated:
+            self._gated.add(job.batch_id)  # once per batch, before its first copy
+            self._wait_for_later_compute(job.batch_id, timeout=10.0)
+        if f.fail_copy:
+            raise RuntimeError("injected copy failure (fault fail_copy)")
+        if f.exit_in_copy:
+            os._exit(3)
+        if f.copy_delay_ms:
+            time.sleep(f.copy_delay_ms / 1000)
+        return super()._copy(job, out, request_id)
+
+    def _wait_for_later_compute(self, batch_id: int, timeout: float) -> bool:
+        """Wait until a forward after ``batch_id`` started, or a drain began (then no later batch
+        is coming and holding the copy back would only delay the drain)."""
+        state = self.state
+
+        def seen() -> bool:
+            return any(
+                (e.name == "compute_start" and e.batch_id > batch_id) or e.name.startswith("drain_start")
+                for e in state.trace
+            )
+
+        with state.lock:
+            return state.changed.wait_for(seen, timeout)
+
+
+class TamperingEncoder(FrameEncoder):
+    """Encodes like ``FrameEncoder``, then tampers with the first frame of one kind: ``drop_frame``
+    returns no bytes (the channel then sends nothing, but the sequence number is spent),
+    ``dup_frame`` the frame twice, ``corrupt_frame`` the frame with its last byte flipped."""
+
+    def __init__(self, action: str, kind: Kind, max_body: int) -> None:
+        super().__init__(max_body)
+        self.action = action
+        self.kind = kind
+        self.fired = False
+
+    def encode(self, msg: msgspec.Struct, nfds: int = 0) -> bytes:
+        data = super().encode(msg, nfds)
+        if self.fired or data[KIND_OFFSET] != self.kind:
+            return data
+        self.fired = True
+        if self.action == "drop_frame":
+            return b""
+        if self.action == "dup_frame":
+            return data + data
+        corrupted = bytearray(data)
+        corrupted[-1] ^= 0xFF
+        return bytes(corrupted)
+
+
+def tamper(encoder: FrameEncoder, action: str, kind: Kind) -> TamperingEncoder:
+    """A ``TamperingEncoder`` that continues ``encoder``'s sequence numbers."""
+    tampering = TamperingEncoder(action, kind, encoder.max_body)
+    tampering.next_seq = encoder.next_seq
+    return tampering

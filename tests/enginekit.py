@@ -1,0 +1,209 @@
+"""The engine without processes: a fake worker with the shape of ``link.WorkerLink``.
+
+A test builds an ``Engine`` whose pool spawns ``FakeWorker``s, then plays the worker's side by
+hand: it reads the EXECUTE and CANCEL messages the engine sent, and answers with the frames a
+real worker would send (progress, compute done, an output in a fake arena, a failure), in any
+order it likes, or makes the worker die. Every transition of a job can then be checked in
+milliseconds, the way vLLM's ``InprocClient`` runs its engine core in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from diffusiond.daemon.config import DaemonConfig, ModelConfig
+from diffusiond.daemon.engine import Engine
+from diffusiond.daemon.jobs import Job, JobRequest
+from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerStartError
+from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.messages import (
+    KIND_OF,
+    Ack,
+    Capabilities,
+    ComputeDone,
+    Execute,
+    OutputReady,
+    Progress,
+    Ready,
+    RequestEnded,
+    Shutdown,
+    Sleep,
+    SlotWait,
+    Trace,
+    Wake,
+    WorkerConfig,
+)
+from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.protocol import WorkerState
+
+CAPS = Capabilities(width=64, height=64, steps=2, guidance=1.0)
+ARENA = 1 << 20
+
+
+class FakeWorker:
+    """Records what the engine asks; the test answers through ``send``/``output``/``die``."""
+
+    def __init__(self, config: WorkerConfig, on_frame: FrameCallback, on_lost: LostCallback,
+                 *, fail_start: str | None = None) -> None:
+        self.id = config.worker_id
+        self.config = config
+        self.state = WorkerState.STARTING
+        self.started_at = time.monotonic()
+        self.on_frame = on_frame
+        self.on_lost = on_lost
+        self.fail_start = fail_start
+        self.executed: list[Execute] = []
+        self.cancelled: list[str] = []
+        self.commands: list[Any] = []
+        self.returned: list[int] = []  # slot ids given back, in order
+        self.held: dict[int, int] = {}
+        self.arena = bytearray(ARENA)
+        self._next_slot = 0
+        self._seq = 0
+
+    # WorkerLink ---------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return f"fake worker {self.id}"
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def arena_capacity(self) -> int:
+        return ARENA
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self.held.values())
+
+    async def start(self, timeout: float) -> Ready:
+        await asyncio.sleep(0)
+        if self.fail_start:
+            self.state = WorkerState.DEAD
+            raise WorkerStartError(self.fail_start)
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, "cpu", 1.0, CAPS)
+
+    async def stop(self, timeout: float) -> None:
+        self.state = WorkerState.DEAD
+
+    async def command(self, msg: Sleep | Wake | Shutdown | Trace, timeout: float) -> Ack:
+        self.commands.append(msg)
+        if isinstance(msg, Sleep):
+            self.state = WorkerState.SLEEPING
+        elif isinstance(msg, Wake):
+            self.state = WorkerState.READY
+        return Ack(KIND_OF[type(msg)], True)
+
+    def execute(self, batch: Execute) -> None:
+        self.executed.append(batch)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        self.cancelled.extend(request_ids)
+
+    def buffer(self, desc: TensorDesc) -> memoryview:
+        return memoryview(self.arena).toreadonly()
+
+    def return_slot(self, desc: TensorDesc) -> None:
+        assert desc.slot_id in self.held, f"slot {desc.slot_id} returned twice or never handed out"
+        del self.held[desc.slot_id]
+        self.returned.append(desc.slot_id)
+
+    def ping(self) -> None:
+        pass
+
+    def answering(self, within: float) -> bool:
+        return self.state != WorkerState.DEAD
+
+    # the worker's side, played by the test --------------------------------------------------
+    def send(self, msg: Any) -> None:
+        self._seq += 1
+        self.on_frame(self, Frame(KIND_OF[type(msg)], self._seq, msg))
+
+    def progress(self, batch: Execute, step: int) -> None:
+        self.send(Progress(batch.batch_id, step, batch.params.steps))
+
+    def compute_done(self, batch: Execute) -> None:
+        self.send(ComputeDone(batch.batch_id, 5.0))
+
+    def output(self, batch: Execute, k: int = 0, value: int = 128) -> TensorDesc:
+        """Put request ``k``'s image (H, W, 3 uint8 filled with ``value``) in the arena, send OUTPUT_READY."""
+        p = batch.params
+        nbytes = p.height * p.width * 3
+        offset = self._next_slot * nbytes % (ARENA - nbytes)
+        self.arena[offset : offset + nbytes] = bytes([value]) * nbytes
+        slot = self._next_slot
+        self._next_slot += 1
+        desc = TensorDesc(dtype="uint8", shape=(p.height, p.width, 3), nbytes=nbytes, slot_id=slot, offset=offset)
+        self.held[slot] = nbytes
+        self.send(OutputReady(batch.requests[k].request_id, batch.batch_id, desc))
+        return desc
+
+    def finish(self, batch: Execute) -> None:
+        """The usual run of a batch: compute, then every output."""
+        self.compute_done(batch)
+        for k in range(len(batch.requests)):
+            self.output(batch, k)
+
+    def fail(self, batch: Execute, k: int = 0, message: str = "CUDA out of memory") -> None:
+        self.send(RequestEnded(batch.requests[k].request_id, batch.batch_id, "failed", message, "computing"))
+
+    def slot_wait(self, nbytes: int) -> None:
+        self.send(SlotWait("r", nbytes, self.held_bytes, ARENA))
+
+    def die(self, how: str = "was killed by signal SIGKILL") -> None:
+        self.state = WorkerState.DEAD
+        self.on_lost(self, f"{self.name} {how}")
+
+
+class Harness:
+    """An engine with fake workers, and the workers it spawned, in order."""
+
+    def __init__(self, **overrides: Any) -> None:
+        models = overrides.pop("models", (ModelConfig(name="m", spec="fake"),))
+        fail_starts: list[str | None] = overrides.pop("fail_starts", [])
+        config = DaemonConfig(models=models, restart_backoff_s=(0.0,), encode_threads=1, **overrides)
+        self.spawned: list[FakeWorker] = []
+
+        def spawn(wc: WorkerConfig, env: dict[str, str], on_frame: FrameCallback, on_lost: LostCallback) -> FakeWorker:
+            fail = fail_starts.pop(0) if fail_starts else None
+            w = FakeWorker(wc, on_frame, on_lost, fail_start=fail)
+            self.spawned.append(w)
+            return w
+
+        self.engine = Engine(config, spawn=spawn)
+
+    @property
+    def worker(self) -> FakeWorker:
+        """The live worker of the first model (the newest one spawned for it)."""
+        return self.spawned[-1]
+
+    def submit(self, n: int = 1, **fields: Any) -> Job:
+        req = JobRequest(model="m", prompt="a lighthouse", n=n, width=64, height=64, steps=2, guidance=1.0,
+                         output_format=fields.pop("output_format", "png"), seed=fields.pop("seed", 7))
+        return self.engine.submit(dataclasses.replace(req, **fields))
+
+    async def settle(self, job: Job | None = None, timeout: float = 5.0) -> None:
+        """Let the loop run queued callbacks and encoder tasks (until ``job`` ends, if given)."""
+        if job is not None:
+            await asyncio.wait_for(job.finished.wait(), timeout)
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    async def close(self) -> None:
+        await self.engine.stop()
+
+
+def image(data: bytes) -> np.ndarray:
+    import io
+
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)))
