@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-6 workloads on a GPU machine, one `diffusiond bench` run each; tables and JSON go to
+# The benchmark workloads (docs/benchmarks.md) on a GPU machine, one `diffusiond bench` run each; tables and JSON go to
 # ${OUT:-bench-out}. Usage: scripts/gpu_bench.sh WORKLOAD...   (see the case list below)
 # BENCH_EXTRA adds flags to every run, e.g. BENCH_EXTRA=--trace for the where-the-time-goes table.
 # Every workload runs 3 rounds (bench's default) but the video one, 2: a round there takes 1.5 min.
