@@ -1,6 +1,6 @@
 """The ``diffusiond`` command: ``serve`` starts a daemon; every other command is a client of one.
 
-The commands and exit codes are the contract in API.md (0 success, 1 job failed or rejected, or
+The commands and exit codes are the contract in docs/api.md (0 success, 1 job failed or rejected, or
 the daemon did not answer within the time asked, 2 usage error, 3 daemon not reachable), because
 scripts branch on them. Client commands go through ``diffusiond.client`` like any other program
 would. Nothing imported at module level loads torch, diffusers, numpy, Pillow or PyAV (a test

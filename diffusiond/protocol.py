@@ -24,7 +24,7 @@ SOCKET_NAME: Final = "diffusiond.sock"
 
 
 def default_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """The socket path when none is given, in the order API.md fixes.
+    """The socket path when none is given, in the order docs/api.md fixes.
 
     Here, not in the daemon's config, because client and daemon must agree on it and the
     client must not load the daemon to find out.

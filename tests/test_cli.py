@@ -1,6 +1,6 @@
 """The CLI and client without a real daemon: usage errors, socket paths, serve's config checks,
 output naming, the SSE parser, and the generate flow against a small stand-in that speaks the
-API.md job contract over a real Unix socket (end-to-end tests against the real daemon live elsewhere).
+docs/api.md job contract over a real Unix socket (end-to-end tests against the real daemon live elsewhere).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def test_sse_waits_for_the_blank_line() -> None:
 
 # generate and friends against a stand-in daemon ----------------------------------------------
 class StubDaemon:
-    """Just enough of API.md's job endpoints to drive the client; the prompt picks the behaviour."""
+    """Just enough of docs/api.md's job endpoints to drive the client; the prompt picks the behaviour."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -1,5 +1,5 @@
 """The ``diffusiond`` command line against a real daemon, run as a user runs it: a subprocess
-(``python -m diffusiond ...``), judged by its exit code (API.md: 0 success, 1 failed or rejected,
+(``python -m diffusiond ...``), judged by its exit code (docs/api.md: 0 success, 1 failed or rejected,
 2 usage, 3 no daemon), what it prints and the files it writes.
 
 One daemon serves the module (``tiny``, and ``hold``, a synthetic model whose batches never finish

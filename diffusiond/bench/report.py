@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffusiond.protocol import OutputDtype
+
 
 @dataclass
 class Setup:
@@ -28,7 +30,7 @@ class Setup:
     concurrency: int
     format: str
     frames: int | None
-    output_dtype: str
+    output_dtype: OutputDtype
     guidance: float
     arena_mb: int
     batch_wait_ms: float

@@ -16,8 +16,9 @@ import itertools
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-Event = Sequence[object]  # [name, batch_id, t_ns], as GET /v1/admin/trace returns them
+Event = Sequence[Any]  # [name, batch_id, t_ns], as GET /v1/admin/trace returns them (JSON: checked by int())
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def intervals(events: Iterable[Event], start: str, end: str, batch_ids: set[int]
     starts: dict[int, int] = {}
     ends: dict[int, int] = {}
     for name, batch_id, t_ns in events:
-        b, t = int(batch_id), int(t_ns)  # type: ignore[call-overload]
+        b, t = int(batch_id), int(t_ns)
         if batch_ids is not None and b not in batch_ids:
             continue
         if name == start:
@@ -77,7 +78,7 @@ def _overlap_ns(span: Interval, others: list[Interval]) -> int:
     return sum(max(0, min(span.end_ns, o.end_ns) - max(span.start_ns, o.start_ns)) for o in others)
 
 
-def summarize(events: list[Event], gpu_events: list[Event], since_ns: int = 0) -> TraceSummary | None:
+def summarize(events: Sequence[Event], gpu_events: Sequence[Event], since_ns: int = 0) -> TraceSummary | None:
     """The forwards that started at or after ``since_ns`` (host clock; warm-up excluded)."""
     host = [i for i in intervals(events, "compute_start", "compute_end") if i.start_ns >= since_ns]
     if not host:

@@ -1,7 +1,7 @@
 """Request validation: JSON bodies -> ``JobRequest``, or an ``InvalidRequest`` that names the field.
 
 Bodies are decoded by msgspec into typed structs (unknown fields in the jobs API are refused, so
-a typo never silently falls back to a default), then checked against the limits of API.md and
+a typo never silently falls back to a default), then checked against the limits of docs/api.md and
 the model's ``Capabilities``, so a value that cannot run is refused at admission instead of
 failing a job in the worker. The OpenAI-shaped endpoint accepts OpenAI's own fields that have
 no meaning here and ignores them, so unmodified OpenAI clients work.
