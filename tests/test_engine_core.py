@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import io
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
 from enginekit import Harness, image
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.jobs import Job
@@ -284,3 +287,66 @@ async def test_a_duplicate_output_frame_is_given_back_not_served_twice(h: Harnes
     h.worker.output(batch, 0)  # a second OUTPUT_READY for the same request
     await h.settle(job)
     assert h.worker.returned == [1] and list(h.worker.held) == [0]
+
+
+# Any interleaving: the worker's frames, cancels, worker deaths and new jobs in any order -------
+ACTIONS = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(1, 3), st.sampled_from(["png", "npy"])),
+    st.tuples(st.just("cancel"), st.integers(0, 20)),
+    st.tuples(st.sampled_from(["finish", "compute_done", "output", "fail", "progress"]), st.integers(0, 5)),
+    st.tuples(st.just("die")),
+    st.tuples(st.just("settle")),
+), max_size=40)
+
+
+async def play(actions: list[tuple[Any, ...]]) -> None:
+    h = Harness(max_batch=2, queue_size=8, job_timeout_s=30)
+    await h.engine.start()
+    jobs: list[Job] = []
+    for action in actions:
+        kind = action[0]
+        w = h.worker
+        batches = [b for b in w.executed if b.batch_id in h.engine.batches]
+        if kind == "submit":
+            try:
+                jobs.append(h.submit(n=action[1], output_format=action[2]))
+            except (errors.QueueFull, errors.NoWorker):
+                pass
+        elif kind == "cancel" and jobs:
+            job = jobs[action[1] % len(jobs)]
+            if not job.terminal:
+                h.engine.cancel(job.id)
+        elif kind == "die" and w.state == WorkerState.READY:
+            w.die()
+        elif kind == "settle":
+            for _ in range(20):
+                await asyncio.sleep(0)
+        elif batches and w.state == WorkerState.READY:
+            batch = batches[action[1] % len(batches)]
+            k = action[1] % len(batch.requests)
+            if kind == "finish":
+                w.finish(batch)
+            elif kind == "compute_done":
+                w.compute_done(batch)
+            elif kind == "output":
+                w.output(batch, k)
+            elif kind == "fail":
+                w.fail(batch, k)
+            else:
+                w.progress(batch, 1)
+    await asyncio.sleep(0.05)  # encodes in flight land; replacements start
+    await h.engine.drain(0)
+    for job in jobs:
+        assert job.terminal, job.id
+        if job.status != JobStatus.SUCCEEDED:
+            assert job.error and job.error["code"] and job.error["message"] and job.error["stage"]
+    await h.close()
+    leaked = {w.name: w.held for w in h.spawned if w.held}
+    assert not leaked, f"slots never given back: {leaked}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=ACTIONS)
+def test_any_interleaving_ends_every_job_with_a_reason_and_gives_every_slot_back(
+        actions: list[tuple[Any, ...]]) -> None:
+    asyncio.run(play(actions))
