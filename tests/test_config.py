@@ -63,3 +63,15 @@ def test_config_socket_path_order() -> None:
     assert default_socket_path({"RUNTIME_DIRECTORY": "/run/diffusiond"}) == "/run/diffusiond/diffusiond.sock"
     assert default_socket_path({"XDG_RUNTIME_DIR": "/x"}) == "/x/diffusiond/diffusiond.sock"
     assert default_socket_path({}).startswith("/tmp/diffusiond-")
+
+
+def test_device_cuda_without_a_gpu_is_a_config_error_naming_the_flag() -> None:
+    import torch
+
+    from diffusiond.daemon.config import parse_devices
+
+    if torch.cuda.is_available():
+        assert parse_devices("cuda", 1) == tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+    else:
+        with pytest.raises(ConfigError, match="--device cuda, but no CUDA device is visible"):
+            parse_devices("cuda", 1)

@@ -9,6 +9,8 @@ traceback is a bad first experience.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -115,15 +117,24 @@ class DaemonConfig:
         return self
 
 
+def _cuda_device_count() -> int:
+    """Asked of a child interpreter: the engine process never loads torch (a second of start-up
+    and hundreds of MB that only the workers need)."""
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigError(f"--device cuda: could not count the CUDA devices with torch: {exc}") from None
+    return int(out.stdout.strip() or 0)
+
+
 def parse_devices(device: str, workers: int) -> tuple[str, ...]:
     """``cpu`` with N workers, ``cuda`` (every visible GPU), or an explicit ``cuda:0,cuda:1`` list."""
     parts = [d.strip() for d in device.split(",") if d.strip()]
     if parts == ["cpu"]:
         return ("cpu",) * max(1, workers)
     if parts == ["cuda"]:
-        import torch  # only here: the engine otherwise never needs torch
-
-        count = torch.cuda.device_count()
+        count = _cuda_device_count()
         if count == 0:
             raise ConfigError("--device cuda, but no CUDA device is visible (check nvidia-smi, CUDA_VISIBLE_DEVICES)")
         return tuple(f"cuda:{i}" for i in range(count))
