@@ -31,7 +31,7 @@ from diffusiond.cli_generate import (
     positive_int,
     run_generate,
 )
-from diffusiond.client import Client, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
+from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.protocol import FORMATS, LOG_LEVELS, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -175,7 +175,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return _generate(args, socket_path)
         # sleep drains running jobs and wake reloads models: both may rightly take minutes.
         timeout = None if args.command in ("sleep", "wake") else QUICK_TIMEOUT_S
-        return _run(args.func(args, Client(socket_path, timeout)))
+        return _run(args.func(args, AsyncClient(socket_path, timeout)))
     except UsageError as exc:
         print(f"diffusiond {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -239,7 +239,7 @@ def _mib(n: object) -> str:
     return f"{n / (1 << 20):.1f} MiB" if isinstance(n, int | float) else "?"
 
 
-async def _status(args: argparse.Namespace, client: Client) -> int:
+async def _status(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         health = await client.health()
         ready = await client.ready()
@@ -264,7 +264,7 @@ async def _status(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
-async def _models(args: argparse.Namespace, client: Client) -> int:
+async def _models(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         models = await client.models()
     if args.json:
@@ -275,7 +275,7 @@ async def _models(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
-async def _cancel(args: argparse.Namespace, client: Client) -> int:
+async def _cancel(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         try:
             job = await client.cancel(args.job_id)
@@ -292,14 +292,14 @@ async def _cancel(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
-async def _sleep(args: argparse.Namespace, client: Client) -> int:
+async def _sleep(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         answer = await client.sleep()
     print(f"daemon asleep{_took(answer)}: device memory freed; `diffusiond wake` takes it back")
     return EXIT_OK
 
 
-async def _wake(args: argparse.Namespace, client: Client) -> int:
+async def _wake(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         answer = await client.wake()
     print(f"daemon awake{_took(answer)}")

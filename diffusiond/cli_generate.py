@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.cli_progress import ProgressBar
-from diffusiond.client import Client, ClientError, ClientTimeout
+from diffusiond.client import AsyncClient, ClientError, ClientTimeout
 from diffusiond.protocol import FORMAT_OF_CONTENT_TYPE, FORMAT_OF_SUFFIX, FORMATS, Event, JobStatus
 
 CLIENT_GRACE_S = 5.0
@@ -147,7 +147,7 @@ def describe_failure(job: dict[str, Any]) -> str:
     return f"{message} (stage: {stage})" if stage else message
 
 
-async def follow(client: Client, job_id: str, bar: ProgressBar, timeout: float | None = None) -> dict[str, Any]:
+async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: float | None = None) -> dict[str, Any]:
     """Wait for the job's end through its events, drawing progress; returns the final job."""
 
     def draw(name: str, data: dict[str, Any]) -> None:
@@ -163,7 +163,7 @@ async def follow(client: Client, job_id: str, bar: ProgressBar, timeout: float |
     return await client.wait(job_id, timeout=timeout, on_event=draw)
 
 
-async def download(client: Client, job_id: str, index: int, path: Path) -> int:
+async def download(client: AsyncClient, job_id: str, index: int, path: Path) -> int:
     """Stream one output to a temp file beside ``path``, then rename: never a half-written file."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
     # Not mkstemp: its 0600 would stick to the output; 0666 here lets the umask decide, as for any file.
@@ -201,7 +201,7 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
     except (ValueError, RuntimeError):  # not the main thread: signals are not ours to take
         handling = False
     try:
-        async with Client(state.socket_path) as client:
+        async with AsyncClient(state.socket_path) as client:
             work = asyncio.ensure_future(_generate(client, args, state, bar))
             stop = asyncio.ensure_future(interrupt.wait())
             try:
@@ -226,7 +226,7 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
             loop.remove_signal_handler(signal.SIGINT)
 
 
-async def _generate(client: Client, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:
+async def _generate(client: AsyncClient, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:
     check_output_dir(args.output)
     fmt = choose_format(args.format, args.output)
     job = await client.create_job(build_body(args, fmt))
@@ -269,7 +269,9 @@ async def _generate(client: Client, args: argparse.Namespace, state: GenerateSta
     return 0
 
 
-async def cancel_quietly(client: Client, job_id: str, give_up: asyncio.Event | None = None) -> dict[str, Any] | None:
+async def cancel_quietly(
+    client: AsyncClient, job_id: str, give_up: asyncio.Event | None = None
+) -> dict[str, Any] | None:
     """Best-effort cancel on the way out: the job may have just finished or the daemon gone.
 
     Bounded (5 s), and ``give_up`` (a second Ctrl-C) ends the wait at once. None when the
@@ -287,7 +289,7 @@ async def cancel_quietly(client: Client, job_id: str, give_up: asyncio.Event | N
     return None
 
 
-async def interrupted(client: Client, state: GenerateState, give_up: asyncio.Event | None = None) -> int:
+async def interrupted(client: AsyncClient, state: GenerateState, give_up: asyncio.Event | None = None) -> int:
     """Ctrl-C: cancel the job (no point computing for nobody) and say what became of it."""
     if state.job_id is None:
         print("interrupted", file=sys.stderr)
@@ -307,5 +309,5 @@ async def interrupted(client: Client, state: GenerateState, give_up: asyncio.Eve
 
 async def cancel_after_interrupt(state: GenerateState) -> int:
     """The same, for a KeyboardInterrupt that landed outside the event loop's own handling."""
-    async with Client(state.socket_path) as client:
+    async with AsyncClient(state.socket_path) as client:
         return await interrupted(client, state)

@@ -1,9 +1,9 @@
-"""An async client for a running diffusiond, over its Unix socket.
+"""The async client for a running diffusiond, over its Unix socket (the sync ``Client`` wraps it).
 
 The CLI is a thin shell over this module, and Python users (a training loop, a notebook) can use it
 directly instead of hand-writing HTTP: it knows the socket-path rules, turns the daemon's JSON errors
-into exceptions, follows a job's Server-Sent Events, and streams outputs to files without holding a
-whole video in memory.
+into exceptions, follows a job's Server-Sent Events, streams outputs to files without holding a
+whole video in memory, and hands outputs over as PIL images, numpy arrays or bytes.
 
 Every failure a caller can meet comes out as one of these, so ``except ClientError`` is enough to
 keep aiohttp's and asyncio's own exceptions out of a caller's code:
@@ -12,34 +12,54 @@ keep aiohttp's and asyncio's own exceptions out of a caller's code:
     ├── DaemonUnreachable    nothing answers on the socket, or the connection died mid-answer
     ├── DaemonError          the daemon answered with an error: status, code, message, field,
     │                        stage, retry_after (HTTP 4xx/5xx, or an answer that made no sense)
-    └── ClientTimeout        a request, or a wait for a job, took longer than the caller allowed
-                             (also a ``TimeoutError``, which is what such code caught before)
+    ├── ClientTimeout        a request, or a wait for a job, took longer than the caller allowed
+    │                        (also a ``TimeoutError``, which is what such code caught before)
+    ├── JobFailed            ``generate`` (or ``outputs``) met a job that failed or was cancelled:
+    │                        job_id, status, code, message, stage, and the job itself
+    └── ZeroCopyUnavailable  (``diffusiond.zerocopy``) no shared-memory path to the outputs here
 
-A job that fails or is cancelled is not an exception: ``wait`` returns the job, whose ``status``
-and ``error`` say what happened. Writing an output to a file can still raise ``OSError``; that
-is the caller's file, not the daemon.
+A job that fails or is cancelled is not an exception for ``wait``: it returns the job, whose
+``status`` and ``error`` say what happened, because a caller that waits on a handle asked about
+the job; ``generate`` asked for images, so it raises JobFailed. Writing an output to a file can
+still raise ``OSError``; that is the caller's file, not the daemon.
 
 It depends on nothing of the daemon (the socket-path rules are in ``diffusiond.protocol``), so
-importing it never pulls in torch, the engine, or the encoders.
+importing it never pulls in torch, the engine, or the encoders; numpy and PIL are imported only
+when an output is asked for as an array or an image.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypedDict, overload
 from urllib.parse import quote
 
 import aiohttp
+from typing_extensions import Unpack
 
-from diffusiond.protocol import TERMINAL_EVENTS, TERMINAL_STATUSES, default_socket_path
+from diffusiond.client_errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable, JobFailed
+from diffusiond.client_outputs import Mapped, decoded, image_of, read_npy
+from diffusiond.protocol import (
+    FORMAT_OF_CONTENT_TYPE,
+    TERMINAL_EVENTS,
+    TERMINAL_STATUSES,
+    JobStatus,
+    OutputDtype,
+    default_socket_path,
+)  # fmt: skip
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+    from PIL import Image
 
 __all__ = [
-    "BASE_URL", "Client", "ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable", "SSEParser",
-    "default_socket_path",
+    "BASE_URL", "AsyncClient", "AsyncJobHandle", "ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable",
+    "JobFailed", "JobParams", "Output", "SSEParser", "default_socket_path",
 ]  # fmt: skip
 
 BASE_URL = "http://diffusiond"
@@ -50,87 +70,31 @@ _CONNECT_TIMEOUT_S = 30.0
 _RESUBSCRIBE = 3
 """How often ``wait`` re-opens an event stream the daemon closed before the job ended."""
 
+_CANCEL_GRACE_S = 5.0
+"""How long a cancel on the way out (an interrupt, a dropped handle, a timeout) may take."""
+
 EventCallback = Callable[[str, dict[str, Any]], None]
+Output = Literal["pil", "array", "bytes"]
+"""How ``generate`` and ``outputs`` hand outputs over: PIL images, numpy arrays, encoded bytes."""
 
 
-class ClientError(Exception):
-    """The root of every exception this module raises; see the tree in the module docstring."""
+class JobParams(TypedDict, total=False):
+    """The job fields of docs/api.md, as ``generate`` and ``submit`` take them; left out means the
+    daemon's default for the model. ``size`` is ``(width, height)`` or ``"WxH"``."""
 
-
-class DaemonError(ClientError):
-    """The daemon answered, and the answer was an error (a rejected request, an unknown job, ...).
-
-    One type for every HTTP error, carrying the daemon's own code and message, so callers can
-    branch on ``status``/``code`` and show ``str(exc)`` to a person as it is. ``status`` is 0
-    for errors found on this side (an event stream that kept ending early).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        field: str | None = None,
-        stage: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        self.status = status
-        self.code = code
-        self.message = message
-        self.field = field
-        self.stage = stage
-        self.retry_after = retry_after
-        super().__init__(status, code, message, field, stage)
-
-    def __str__(self) -> str:
-        details = [self.code, f"HTTP {self.status}"]
-        if self.field:
-            details.append(f"field {self.field}")
-        if self.stage:
-            details.append(f"stage {self.stage}")
-        if self.retry_after is not None:
-            details.append(f"retry after {self.retry_after:g} s")
-        return f"{self.message} ({', '.join(details)})"
-
-
-class DaemonUnreachable(ClientError):
-    """Nothing answers on the socket (missing, refused, or the connection died).
-
-    The message names the path tried and how to start a daemon, because the usual cause is simply
-    that none is running, or that client and daemon disagree about the path.
-    """
-
-    def __init__(self, socket_path: str, reason: str) -> None:
-        self.socket_path = socket_path
-        self.reason = reason
-        super().__init__(socket_path, reason)
-
-    def __str__(self) -> str:
-        return (
-            f"no diffusiond reachable at {self.socket_path} ({self.reason}).\n"
-            f"Start one with `diffusiond serve --socket {self.socket_path}` or "
-            "`systemctl --user start diffusiond.socket`,\n"
-            "or point the client at a running daemon with --socket PATH or $DIFFUSIOND_SOCKET."
-        )
-
-
-class ClientTimeout(ClientError, TimeoutError):
-    """A request or a wait took longer than the caller allowed.
-
-    Kept apart from DaemonUnreachable: the daemon may well be alive and busy (a long sleep, a
-    queue full of work), and the job behind a timed-out wait is still there, so the message
-    says what timed out and after how long rather than suggesting the daemon is gone.
-    """
-
-    def __init__(self, socket_path: str, what: str, seconds: float | None) -> None:
-        self.socket_path = socket_path
-        self.what = what
-        self.seconds = seconds
-        super().__init__(socket_path, what, seconds)
-
-    def __str__(self) -> str:
-        limit = f"longer than {self.seconds:g} s" if self.seconds is not None else "too long"
-        return f"{self.what} (daemon at {self.socket_path}) took {limit}"
+    n: int
+    size: tuple[int, int] | str
+    steps: int
+    guidance_scale: float
+    negative_prompt: str
+    seed: int
+    output_format: str
+    output_dtype: OutputDtype
+    num_frames: int
+    fps: int
+    scheduler: str
+    timeout_s: float
+    model: str
 
 
 class SSEParser:
@@ -202,20 +166,30 @@ def _decode(data: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"data": value}
 
 
-class Client:
-    """One connection pool to one daemon. Use ``async with Client() as c:`` or call ``close()``.
+class AsyncClient:
+    """One connection pool to one daemon. Use ``async with AsyncClient() as c:`` or ``close()``.
 
     ``timeout`` bounds every request, an event stream included, so leave it ``None`` when
     following jobs that may run long (``wait`` takes its own bound); connecting is bounded
-    either way.
+    either way. ``zero_copy`` picks how arrays come over: ``None`` maps the daemon's shared
+    memory when it is on this machine and falls back to the HTTP ``npy`` stream for good the
+    first time it cannot, ``False`` always streams, ``True`` raises rather than stream.
     """
 
-    def __init__(self, socket_path: str | None = None, timeout: float | None = None) -> None:
+    def __init__(
+        self, socket_path: str | None = None, timeout: float | None = None, *, zero_copy: bool | None = None
+    ) -> None:
         self.socket_path = socket_path or default_socket_path()
         self.timeout = timeout
+        self.zero_copy = zero_copy
         self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mapper: Mapped | None = None
+        self._mapper_lock = asyncio.Lock()
+        self._no_zero_copy = zero_copy is False
+        self._background: set[asyncio.Task[Any]] = set()  # cancels on their way out
 
-    async def __aenter__(self) -> Client:
+    async def __aenter__(self) -> AsyncClient:
         self._open()
         return self
 
@@ -225,6 +199,12 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        """Close the pool, after giving the cancels of dropped or interrupted jobs their few seconds."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=_CANCEL_GRACE_S)
+        mapper, self._mapper = self._mapper, None
+        if mapper is not None:
+            mapper.close()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
@@ -232,6 +212,7 @@ class Client:
     def _open(self) -> aiohttp.ClientSession:
         # Created lazily, inside the running loop: aiohttp binds a session to the loop it starts on.
         if self._session is None:
+            self._loop = asyncio.get_running_loop()
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=self.socket_path),
                 timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=self._connect_s()),
@@ -368,6 +349,250 @@ class Client:
 
     async def wake(self) -> dict[str, Any]:
         return await self._json("POST", "/v1/admin/wake")
+
+    # the high-level API -------------------------------------------------------------------
+    async def submit(self, prompt: str, **params: Unpack[JobParams]) -> AsyncJobHandle:
+        """Submit a job and return its handle at once; dropping the handle unfinished cancels it."""
+        return AsyncJobHandle(self, await self.create_job(job_body(prompt, params)))
+
+    @overload
+    async def generate(self, prompt: str, *, output: Literal["pil"] = ..., on_event: EventCallback | None = ...,
+                       **params: Unpack[JobParams]) -> list[Image.Image]: ...
+    @overload
+    async def generate(self, prompt: str, *, output: Literal["array"], on_event: EventCallback | None = ...,
+                       **params: Unpack[JobParams]) -> list[NDArray[Any]]: ...
+    @overload
+    async def generate(self, prompt: str, *, output: Literal["bytes"], on_event: EventCallback | None = ...,
+                       **params: Unpack[JobParams]) -> list[bytes]: ...  # fmt: skip
+
+    async def generate(
+        self, prompt: str, *, output: Output = "pil", on_event: EventCallback | None = None, **params: Unpack[JobParams]
+    ) -> list[Any]:
+        """Submit, wait, and return the outputs in index order; JobFailed if the job did not succeed.
+
+        ``output="pil"`` asks for PNG unless ``output_format`` says otherwise (so a video model
+        needs ``gif``/``webp`` here, or ``output="array"``); ``"array"`` asks for ``npy``, in
+        ``output_dtype``; ``"bytes"`` keeps the daemon's default format. With ``timeout_s`` the
+        wait is bounded a little past the daemon's own deadline, so the daemon's error, with its
+        stage, normally arrives first. An interrupt, or that bound, cancels the job.
+        """
+        params = _params_for(output, params)
+        job = await self.submit(prompt, **params)
+        deadline = params.get("timeout_s")
+        try:
+            final = await job.wait(None if deadline is None else deadline + _CANCEL_GRACE_S, on_event=on_event)
+        except ClientTimeout:
+            await job._cancel_on_the_way_out()
+            raise
+        return await job._fetch(output, final)
+
+    async def _array(self, job_id: str, k: int) -> NDArray[Any]:
+        """An npy output: mapped from shared memory where possible, else streamed over HTTP."""
+        mapper = await self._zero_copy_mapper()
+        if mapper is not None:
+            from diffusiond.zerocopy import ZeroCopyUnavailable
+
+            try:
+                return mapper.hand_out(await asyncio.to_thread(mapper.mapper.array, job_id, k))
+            except ZeroCopyUnavailable:
+                if self.zero_copy:
+                    raise
+                self._give_up_zero_copy()
+        async with self._request("GET", f"/v1/jobs/{_q(job_id)}/outputs/{int(k)}") as resp:
+            try:
+                return await read_npy(resp.content)
+            except asyncio.IncompleteReadError as exc:
+                raise DaemonUnreachable(self.socket_path, "connection lost in the middle of an array") from exc
+
+    async def _zero_copy_mapper(self) -> Mapped | None:
+        """The output mapper, opened once; None once zero-copy is off or known not to work here."""
+        async with self._mapper_lock:
+            if self._mapper is None and not self._no_zero_copy:
+                try:
+                    from diffusiond.zerocopy import OutputMapper, ZeroCopyUnavailable
+                except ImportError as exc:  # an install without the module: HTTP is the only path
+                    if self.zero_copy:
+                        raise ClientError(f"zero-copy outputs are not available here: {exc}") from exc
+                    self._no_zero_copy = True
+                    return None
+                try:
+                    self._mapper = Mapped(await asyncio.to_thread(OutputMapper, self.socket_path, timeout=30.0))
+                except ZeroCopyUnavailable:
+                    if self.zero_copy:
+                        raise
+                    self._no_zero_copy = True
+            return self._mapper
+
+    def _give_up_zero_copy(self) -> None:
+        self._no_zero_copy = True
+        mapper, self._mapper = self._mapper, None
+        if mapper is not None:
+            mapper.close()
+
+    def _cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]:
+        """Start a bounded, quiet cancel that outlives the caller's own cancellation."""
+        task = asyncio.ensure_future(self._cancel_quietly(job_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _cancel_quietly(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            return await asyncio.wait_for(self.cancel(job_id), _CANCEL_GRACE_S)
+        except (ClientError, TimeoutError):  # finished already (409), or the daemon is gone
+            return None
+
+
+class AsyncJobHandle:
+    """A submitted job: follow it, wait for it, cancel it, fetch its outputs.
+
+    A handle dropped while its job may still run cancels the job (on the client's loop, if it
+    still runs): nobody is left to read the outputs, and a GPU should not compute for nobody.
+    Waiting, events and cancelling update ``job``, the last state seen, and once the handle has
+    seen the job end, dropping it costs nothing.
+    """
+
+    def __init__(self, client: AsyncClient, job: dict[str, Any]) -> None:
+        self.client = client
+        self.id = str(job["id"])
+        self.job = job
+        self._finalizer = weakref.finalize(self, _cancel_dropped, client, self.id)
+        self._finalizer.atexit = False  # at exit no loop runs to send it
+        self._seen(job)
+
+    def __repr__(self) -> str:
+        return f"<AsyncJobHandle {self.id} {self.job.get('status')}>"
+
+    @property
+    def finished(self) -> bool:
+        return self.job.get("status") in TERMINAL_STATUSES
+
+    def _seen(self, job: dict[str, Any]) -> dict[str, Any]:
+        if "status" in job:
+            self.job = job
+            if self.finished:
+                self._finalizer.detach()
+        return job
+
+    async def refresh(self) -> dict[str, Any]:
+        """The job as the daemon describes it now."""
+        return self._seen(await self.client.job(self.id))
+
+    async def events(self) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """(name, data) events until ``done`` or ``error`` (see ``AsyncClient.events``)."""
+        async with aclosing(self.client.events(self.id)) as events:
+            async for name, data in events:
+                if name != "progress":
+                    self._seen(data)
+                yield name, data
+
+    async def wait(self, timeout: float | None = None, *, on_event: EventCallback | None = None) -> dict[str, Any]:
+        """The final job, failed or cancelled ones included (look at ``status``); ClientTimeout
+        after ``timeout`` leaves the job running. Cancelling the task that waits cancels the job."""
+        if self.finished:
+            return self.job
+        return self._seen(await self._interruptible(self.client.wait(self.id, timeout=timeout, on_event=on_event)))
+
+    async def cancel(self) -> dict[str, Any]:
+        """Cancel the job and return it; a job that had already finished is returned as it ended."""
+        try:
+            return self._seen(await self.client.cancel(self.id))
+        except DaemonError as exc:
+            if exc.status != 409:
+                raise
+        return await self.refresh()
+
+    @overload
+    async def outputs(self, output: Literal["pil"] = ...) -> list[Image.Image]: ...
+    @overload
+    async def outputs(self, output: Literal["array"]) -> list[NDArray[Any]]: ...
+    @overload
+    async def outputs(self, output: Literal["bytes"]) -> list[bytes]: ...
+
+    async def outputs(self, output: Output = "pil") -> list[Any]:
+        """Every output in index order, once the job has ended; JobFailed unless it succeeded.
+
+        ``npy`` outputs come as arrays (``"pil"`` turns uint8 images into images); encoded ones
+        are decoded for ``"pil"`` and ``"array"``. An ``npy`` output can be read once only (the
+        daemon then frees its memory): ask for it once, or ask for an encoded format.
+        """
+        return await self._fetch(output, await self.wait())
+
+    async def _fetch(self, output: Output, job: dict[str, Any]) -> list[Any]:
+        if job.get("status") != JobStatus.SUCCEEDED:
+            raise JobFailed(job)
+        found: list[Any] = []
+        for out in sorted(job.get("outputs") or [], key=lambda o: int(o.get("index", 0))):
+            k, ctype = int(out.get("index", 0)), str(out.get("content_type") or "").split(";")[0].strip()
+            if output != "bytes" and FORMAT_OF_CONTENT_TYPE.get(ctype) == "npy":
+                array = await self.client._array(self.id, k)
+                found.append(array if output == "array" else image_of(array))
+                continue
+            data = await self.client.output(self.id, k)
+            found.append(data if output == "bytes" else decoded(data, output == "array"))
+        return found
+
+    async def _interruptible(self, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return await work
+        except asyncio.CancelledError:  # Ctrl-C under asyncio.run, a task cancelled, a sync caller's interrupt
+            await self._cancel_on_the_way_out()
+            raise
+
+    async def _cancel_on_the_way_out(self) -> None:
+        self._finalizer.detach()  # one cancel is enough
+        await asyncio.wait({self.client._cancel_soon(self.id)}, timeout=_CANCEL_GRACE_S)
+
+
+def _cancel_dropped(client: AsyncClient, job_id: str) -> None:
+    """The finalizer of a handle dropped unfinished. Runs wherever the GC runs, so it only
+    schedules the cancel on the client's loop, and only while that loop runs and the pool is open."""
+    loop = client._loop
+    if loop is None or loop.is_closed() or not loop.is_running() or client._session is None:
+        return
+    try:
+        loop.call_soon_threadsafe(client._cancel_soon, job_id)
+    except RuntimeError:  # the loop closed in between
+        pass
+
+
+def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
+    """The POST /v1/jobs body: only what was given, so the daemon's defaults stay in charge."""
+    body: dict[str, Any] = {"prompt": prompt}
+    for key, value in params.items():
+        if key not in JobParams.__annotations__:
+            raise TypeError(f"unknown job parameter {key!r}")
+        if value is None:
+            continue
+        if key == "size":
+            body["width"], body["height"] = _size(value)
+        else:
+            body[key] = value
+    return body
+
+
+def _size(size: Any) -> tuple[int, int]:
+    if isinstance(size, str):
+        w, sep, h = size.lower().partition("x")
+        if sep and w.strip().isdigit() and h.strip().isdigit():
+            return int(w), int(h)
+        raise ValueError(f"size must be (width, height) or 'WxH', got {size!r}")
+    width, height = size
+    return int(width), int(height)
+
+
+def _params_for(output: Output, params: JobParams) -> JobParams:
+    """The format that makes ``output`` cheap: PNG (lossless) for images, ``npy`` for arrays."""
+    fmt = params.get("output_format")
+    if output == "array":
+        if fmt not in (None, "npy"):
+            raise ValueError(f"output='array' comes from npy outputs, not {fmt!r}")
+        return {**params, "output_format": "npy"}
+    if output == "pil":
+        return {**params, "output_format": fmt or "png"}
+    if output != "bytes":
+        raise ValueError(f"output must be 'pil', 'array' or 'bytes', not {output!r}")
+    return params
 
 
 def _q(job_id: str) -> str:

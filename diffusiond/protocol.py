@@ -39,6 +39,12 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> str:
     return f"/tmp/diffusiond-{os.getuid()}/{SOCKET_NAME}"
 
 
+def output_socket_path(socket_path: str) -> str:
+    """Where a daemon listening on ``socket_path`` hands outputs out by fd (``daemon/handoff.py``):
+    beside it, so a client that knows one knows the other."""
+    return socket_path + ".out"
+
+
 # outputs ----------------------------------------------------------------------------------------
 
 
@@ -187,6 +193,7 @@ class ErrorCode(enum.StrEnum):
     SLEEP_FAILED = "sleep_failed"
     WAKE_FAILED = "wake_failed"
     TRACE_OFF = "trace_off"
+    NOT_SHARED = "not_shared"  # the output socket cannot hand this output out by fd: fetch it over HTTP
     # how a job ended, other than by succeeding
     CANCELLED = "cancelled"
     DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -111,6 +111,9 @@ class FakeWorker:
     def buffer(self, desc: TensorDesc) -> memoryview:
         return memoryview(self.arena).toreadonly()
 
+    def share(self, desc: TensorDesc) -> tuple[int, int] | None:
+        return None
+
     def return_slot(self, desc: TensorDesc) -> None:
         assert desc.slot_id in self.held, f"slot {desc.slot_id} returned twice or never handed out"
         del self.held[desc.slot_id]

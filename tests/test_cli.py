@@ -24,7 +24,7 @@ from aiohttp import web
 from diffusiond.cli import main
 from diffusiond.cli_generate import choose_format, extension_for, output_paths
 from diffusiond.cli_progress import render
-from diffusiond.client import Client, ClientError, ClientTimeout, DaemonError, DaemonUnreachable, SSEParser
+from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable, SSEParser
 from diffusiond.protocol import default_socket_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -485,7 +485,7 @@ def test_a_daemon_that_does_not_answer_exits_3_with_a_one_line_timeout(
 
 def test_client_timeout_is_a_client_error(silent_socket: str) -> None:
     async def ask() -> None:
-        async with Client(silent_socket, timeout=0.2) as client:
+        async with AsyncClient(silent_socket, timeout=0.2) as client:
             await client.models()
 
     with pytest.raises(ClientTimeout) as info:
@@ -495,7 +495,7 @@ def test_client_timeout_is_a_client_error(silent_socket: str) -> None:
 
 def test_wait_past_its_timeout_raises_client_timeout(stub: StubDaemon) -> None:
     async def wait() -> None:
-        async with Client(stub.path) as client:
+        async with AsyncClient(stub.path) as client:
             job = await client.create_job({"prompt": "hang"})
             await client.wait(job["id"], timeout=0.3)
 
@@ -505,7 +505,7 @@ def test_wait_past_its_timeout_raises_client_timeout(stub: StubDaemon) -> None:
 
 def test_wait_returns_a_failed_job_rather_than_raising(stub: StubDaemon) -> None:
     async def wait() -> dict[str, Any]:
-        async with Client(stub.path) as client:
+        async with AsyncClient(stub.path) as client:
             job = await client.create_job({"prompt": "fail"})
             seen: list[str] = []
             final = await client.wait(job["id"], on_event=lambda name, data: seen.append(name))
@@ -531,7 +531,7 @@ def test_something_that_is_not_http_on_the_socket_is_unreachable(tmp_path: Path)
     thread.start()
 
     async def ask() -> None:
-        async with Client(path, timeout=10) as client:
+        async with AsyncClient(path, timeout=10) as client:
             await client.health()
 
     try:

@@ -64,3 +64,16 @@ def test_a_usage_error_loads_nothing_heavy(tmp_path: Path) -> None:
     r, modules = run_cli(["generate", "x", "--size", "big"], tmp_path)
     assert r.returncode == 2 and "expected WxH" in r.stderr
     assert not HEAVY & modules
+
+
+@pytest.mark.parametrize("code", ["import diffusiond", "from diffusiond import Client, AsyncClient, JobFailed"])
+def test_the_python_client_loads_nothing_heavy_until_an_output_needs_it(code: str, tmp_path: Path) -> None:
+    """``import diffusiond`` is done by every process of the package; the client classes are
+    loaded on first use, and numpy and PIL only when an output is asked for as an array or image."""
+    probe = f"import sys\n{code}\nprint('\\n'.join(sorted(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=True)  # fmt: skip
+    modules = set(r.stdout.split())
+    assert not HEAVY & modules, sorted(HEAVY & modules)
+    assert not [m for m in modules if m.startswith(DAEMON_SIDE)]
+    assert ("aiohttp" in modules) is ("Client" in code)

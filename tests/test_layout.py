@@ -68,8 +68,12 @@ RULES = [
      "the worker process talks to the engine only through ipc"),
     ("diffusiond.daemon", ["diffusiond.worker", "diffusiond.client", "diffusiond.cli"],
      "the engine starts workers as processes; it shares only ipc, the vocabulary and the spec grammar"),
-    ("diffusiond.client", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
-     "the client speaks HTTP over the socket, like any program"),
+    *[(client, ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
+       "the client speaks HTTP over the socket, like any program (zerocopy.py is its one way into ipc)")
+      for client in ("diffusiond.client", "diffusiond.client_sync", "diffusiond.client_errors",
+                     "diffusiond.client_outputs", "diffusiond.cli_generate")],
+    ("diffusiond.zerocopy", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines"],
+     "a local program maps outputs through ipc's frames and descriptors, never the engine's code"),
 ]
 
 

@@ -42,6 +42,7 @@ from diffusiond.ipc.messages import (
     RequestSpec,
     SlotWait,
 )
+from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage, WorkerState
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,14 @@ class Engine:
     def open_output(self, job: Job, k: int) -> AbstractAsyncContextManager[OutputRead]:
         """Read output ``k`` of ``job`` (see ``Outputs.open``)."""
         return self.outputs.open(self._item(job, k))
+
+    def lease_output(self, job_id: str, k: int) -> tuple[Item, TensorDesc, int, int]:
+        """Pin output ``k`` of a job for a local client that maps it (the output socket)."""
+        item = self._item(self.get(job_id), k)
+        return (item, *self.outputs.lease(item))
+
+    def end_lease(self, item: Item) -> None:
+        self.outputs.unlease(item)
 
     def output_bytes(self, job: Job) -> list[bytes]:
         """Every output of a finished job as bytes, for a caller that will not come back for

@@ -8,7 +8,7 @@ engine can be driven by tests, or by another front end, without knowing HTTP exi
     ├── InvalidRequest        a field is wrong (names the field)
     │   └── OutputTooLarge    the job would make more bytes than the limit
     ├── NotFound              ModelNotFound, JobNotFound, OutputNotFound
-    ├── Conflict              JobFinished, OutputNotReady, TraceOff
+    ├── Conflict              JobFinished, OutputNotReady, TraceOff, NotShared
     ├── OutputReleased        an npy output that was already streamed once
     ├── QueueFull             the admission queue is full (``retry_after_s``)
     ├── Unavailable           NotAccepting, NoWorker, WorkerUnavailable (``retry_after_s``)
@@ -86,6 +86,12 @@ class TraceOff(Conflict):
 
 class OutputReleased(EngineError):
     default_code = ErrorCode.OUTPUT_RELEASED
+
+
+class NotShared(Conflict):
+    """The output exists but not as sealed shared memory (encoded, spilled, or an old kernel)."""
+
+    default_code = ErrorCode.NOT_SHARED
 
 
 class QueueFull(EngineError):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffusiond.daemon.encoders import EncodeOptions, encode, npy_header, npy_size
-from diffusiond.daemon.errors import OutputNotReady, OutputReleased
+from diffusiond.daemon.errors import NotShared, OutputNotReady, OutputReleased
 from diffusiond.daemon.jobs import Item, Job
 from diffusiond.daemon.link import WorkerLink
 from diffusiond.daemon.metrics import Metrics
@@ -127,6 +127,31 @@ class Outputs:
             self._unpin(item)
             if complete:
                 self._free(item)
+
+    def lease(self, item: Item) -> tuple[TensorDesc, int, int]:
+        """Pin an npy output for a program on this machine that maps it: its descriptor, the fd
+        of the sealed memory it lies in, and that memory's size. Counts as its one delivery: the
+        slot goes back at ``unlease`` (the client dropped its arrays or hung up)."""
+        job = item.job
+        if not item.done:
+            raise OutputNotReady(f"output {item.index} of job {job.id} is not ready (job {job.status.value})",
+                                 stage=job.stage.label)
+        if item.desc is None:
+            if item.data is not None:
+                raise NotShared(f"output {item.index} of job {job.id} is not in shared memory (format "
+                                f"{job.request.output_format}, or spilled); fetch it over HTTP")
+            raise OutputReleased(f"output {item.index} of job {job.id} was already delivered once and released")
+        assert item.worker is not None
+        shared = item.worker.share(item.desc)
+        if shared is None:
+            raise NotShared("this kernel cannot seal shared memory against writes (Linux 5.1+), so outputs are "
+                            "not handed out by fd; fetch them over HTTP")
+        self._pin(item)
+        return item.desc, *shared
+
+    def unlease(self, item: Item) -> None:
+        item.release_pending = True
+        self._unpin(item)
 
     def read_all(self, item: Item) -> bytes:
         """The whole output as bytes (the synchronous endpoint's base64); copies an npy once."""

@@ -27,7 +27,9 @@ from diffusiond.daemon import systemd
 from diffusiond.daemon.api import create_app
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.engine import Engine
+from diffusiond.daemon.handoff import OutputSocket
 from diffusiond.daemon.link import WorkerStartError
+from diffusiond.protocol import output_socket_path
 
 log = logging.getLogger("diffusiond")
 
@@ -109,20 +111,30 @@ async def run(config: DaemonConfig) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     created_socket: str | None = None
     watchdog_task: asyncio.Future[None] | None = None
+    output_socket: OutputSocket | None = None
     code = 0
     # Everything started from here on is stopped in the ``finally`` below, whichever step fails.
     try:
         await runner.setup()
         inherited = systemd.listen_fds()
+        unix_path: str | None = None
         if inherited:
             for s in inherited:
                 await web.SockSite(runner, s).start()
+                if s.family == socket.AF_UNIX and unix_path is None:
+                    unix_path = str(s.getsockname()) or None
             where = f"{len(inherited)} socket(s) from systemd"
         else:
             sock = bind_unix(config.socket_path, config.socket_mode, config.socket_group)
-            created_socket = config.socket_path
+            created_socket = unix_path = config.socket_path
             await web.SockSite(runner, sock).start()
             where = config.socket_path
+        if unix_path is not None:
+            output_socket = OutputSocket(engine, output_socket_path(unix_path))
+            try:
+                await output_socket.start()
+            except OSError as exc:
+                raise StartupError(f"cannot create the output socket {output_socket.path}: {exc.strerror}") from None
         if config.tcp:
             host, _, port = config.tcp.rpartition(":")
             try:
@@ -163,6 +175,8 @@ async def run(config: DaemonConfig) -> int:
     finally:
         if watchdog_task:
             watchdog_task.cancel()
+        if output_socket is not None:
+            await output_socket.close()
         await engine.stop()
         await runner.cleanup()
         if created_socket:

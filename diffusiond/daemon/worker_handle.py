@@ -22,7 +22,7 @@ import sys
 import time
 
 from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerStartError
-from diffusiond.ipc.arena import MappedView
+from diffusiond.ipc.arena import MappedView, is_sealed
 from diffusiond.ipc.channel import Channel, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError
 from diffusiond.ipc.frames import Frame
@@ -189,6 +189,14 @@ class WorkerHandle:
             raise ChannelClosed(f"{self.name} has no arena mapped")
         return self.arena.view
 
+    def share(self, desc: TensorDesc) -> tuple[int, int] | None:
+        """The fd an output lives in and its size, to hand to a local client; None where the
+        memory is not sealed against writes (then only its bytes may leave, over HTTP)."""
+        view = self.dedicated.get(desc.slot_id) if desc.dedicated else self.arena
+        if view is None or view.fd is None:
+            return None
+        return view.fd, view.nbytes
+
     def return_slot(self, desc: TensorDesc) -> None:
         """The engine is done with an output: unmap a dedicated buffer, give the slot back."""
         self.held.pop(desc.slot_id, None)
@@ -230,7 +238,8 @@ class WorkerHandle:
             if len(frame.fds) != 1:
                 self._protocol_error(f"dedicated output {msg.request_id} arrived with {len(frame.fds)} fds")
                 return
-            self.dedicated[msg.tensor.slot_id] = MappedView(frame.fds[0], msg.tensor.nbytes)
+            self.dedicated[msg.tensor.slot_id] = MappedView(frame.fds[0], msg.tensor.nbytes,
+                                                            close_fd=not is_sealed(frame.fds[0]))
         elif frame.fds:
             for fd in frame.fds[1 if isinstance(msg, Hello) else 0 :]:
                 os.close(fd)
@@ -238,7 +247,7 @@ class WorkerHandle:
             if not frame.fds:
                 self._protocol_error("HELLO arrived without the arena fd")
                 return
-            self.arena = MappedView(frame.fds[0], msg.arena_bytes)
+            self.arena = MappedView(frame.fds[0], msg.arena_bytes, close_fd=not is_sealed(frame.fds[0]))
         elif isinstance(msg, Ready):
             if self._ready_fut and not self._ready_fut.done():
                 self._ready_fut.set_result(msg)

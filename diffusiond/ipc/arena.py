@@ -17,7 +17,9 @@ once, so device-to-host copies land in it at full PCIe speed; see ``ipc.cuda_hos
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
@@ -35,15 +37,34 @@ def _align(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; not in Python's fcntl module
+
+
 def memfd(name: str, nbytes: int) -> int:
-    """An anonymous shared-memory file of ``nbytes`` (close-on-exec; sealed size is not needed)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """An anonymous shared-memory file of ``nbytes`` (close-on-exec, sealable)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def seal_future_writes(fd: int) -> None:
+    """After the owner has mapped ``fd`` read-write: nobody may write to it any more except
+    through that mapping. Whoever gets the fd later (the engine, a local client it hands an
+    output to) can map it read-only and nothing else: not even by reopening /proc/PID/fd/N
+    read-write, which memfd would otherwise allow. Kernels before 5.1 lack the seal; there the
+    engine does not hand fds to clients (``sealed`` says which)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+
+
+def is_sealed(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE)
+    except OSError:
+        return False
 
 
 def address_of(mm: mmap.mmap) -> int:
@@ -78,6 +99,8 @@ class Arena:
         self.capacity = _align(nbytes)
         self.fd = memfd(name, self.capacity)
         self._mm = mmap.mmap(self.fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with contextlib.suppress(OSError):
+            seal_future_writes(self.fd)
         self._view = memoryview(self._mm)
         self._on_unmap = on_unmap
         self.address = address_of(self._mm)
@@ -187,6 +210,8 @@ class DedicatedBuffer:
         self.nbytes = nbytes
         self.fd = memfd(name, max(nbytes, 1))
         self._mm = mmap.mmap(self.fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with contextlib.suppress(OSError):
+            seal_future_writes(self.fd)
         self._view = memoryview(self._mm)
 
     def buffer(self) -> memoryview:
@@ -208,9 +233,13 @@ class MappedView:
             raise ArenaError(f"shared memory fd is {size} bytes, the peer announced {nbytes}")
         try:
             self._mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            if close_fd:
-                os.close(fd)  # the mapping keeps the memory alive; no fd to leak
+        except BaseException:
+            os.close(fd)
+            raise
+        if close_fd:
+            os.close(fd)  # the mapping keeps the memory alive; no fd to leak
+        # kept (``close_fd=False``) only when the memory is sealed, so it can be handed on read-only
+        self.fd: int | None = None if close_fd else fd
         self.nbytes = nbytes
         self.view = memoryview(self._mm)
 
@@ -221,4 +250,7 @@ class MappedView:
             self._mm.close()
         except BufferError:
             return False
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         return True

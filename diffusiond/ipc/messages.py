@@ -3,6 +3,7 @@
 Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE, PING.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT.
+Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
 
 Bodies carry descriptors and parameters, never bulk data: outputs live in the shared arena and
 frames only point at them. Structs are msgpack-encoded by ``frames``; nothing is pickled.
@@ -40,6 +41,12 @@ class Kind(enum.IntEnum):
     ACK = 38
     FATAL = 39
     SLOT_WAIT = 40
+    # local client -> engine, on the output socket
+    FETCH = 64
+    UNPIN = 65
+    # engine -> local client, on the output socket
+    LEASE = 96
+    REFUSED = 97
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -224,6 +231,41 @@ class SlotWait(msgspec.Struct, frozen=True):
     capacity: int
 
 
+# The output socket: a program on the same machine takes an output by file descriptor -------------
+
+
+class Fetch(msgspec.Struct, frozen=True):
+    """Ask for output ``index`` of job ``job_id``; the answer is LEASE (fd attached) or REFUSED."""
+
+    job_id: str
+    index: int
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """The output lies at ``tensor.offset`` of the attached fd (``map_bytes`` long, sealed: it maps
+    read-only). The engine keeps the slot until UNPIN or the connection closes."""
+
+    lease: int
+    tensor: TensorDesc
+    map_bytes: int
+
+
+class Refused(msgspec.Struct, frozen=True):
+    """No fd for this fetch: the HTTP status and the error body the HTTP API would have given."""
+
+    job_id: str
+    index: int
+    status: int
+    code: str
+    message: str
+
+
+class Unpin(msgspec.Struct, frozen=True):
+    """The client dropped every array over this lease: its slot may go back."""
+
+    lease: int
+
+
 KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Init: Kind.INIT,
     Execute: Kind.EXECUTE,
@@ -243,5 +285,9 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Ack: Kind.ACK,
     Fatal: Kind.FATAL,
     SlotWait: Kind.SLOT_WAIT,
+    Fetch: Kind.FETCH,
+    Unpin: Kind.UNPIN,
+    Lease: Kind.LEASE,
+    Refused: Kind.REFUSED,
 }
 TYPE_OF: dict[Kind, type[msgspec.Struct]] = {kind: cls for cls, kind in KIND_OF.items()}

@@ -1,0 +1,117 @@
+"""The exceptions of the diffusiond client, in a module of their own.
+
+They sit below both ``diffusiond.client`` (which re-exports them: import them from there) and
+``diffusiond.zerocopy`` (whose ZeroCopyUnavailable is a ClientError), so the client can use the
+zero-copy path without the two modules importing each other. The tree, and when each is raised,
+is in ``diffusiond.client``'s docstring and docs/api.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable", "JobFailed"]
+
+
+class ClientError(Exception):
+    """The root of every exception this module raises; see the tree in the module docstring."""
+
+
+class DaemonError(ClientError):
+    """The daemon answered, and the answer was an error (a rejected request, an unknown job, ...).
+
+    One type for every HTTP error, carrying the daemon's own code and message, so callers can
+    branch on ``status``/``code`` and show ``str(exc)`` to a person as it is. ``status`` is 0
+    for errors found on this side (an event stream that kept ending early).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        stage: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.stage = stage
+        self.retry_after = retry_after
+        super().__init__(status, code, message, field, stage)
+
+    def __str__(self) -> str:
+        details = [self.code, f"HTTP {self.status}"]
+        if self.field:
+            details.append(f"field {self.field}")
+        if self.stage:
+            details.append(f"stage {self.stage}")
+        if self.retry_after is not None:
+            details.append(f"retry after {self.retry_after:g} s")
+        return f"{self.message} ({', '.join(details)})"
+
+
+class DaemonUnreachable(ClientError):
+    """Nothing answers on the socket (missing, refused, or the connection died).
+
+    The message names the path tried and how to start a daemon, because the usual cause is simply
+    that none is running, or that client and daemon disagree about the path.
+    """
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        self.socket_path = socket_path
+        self.reason = reason
+        super().__init__(socket_path, reason)
+
+    def __str__(self) -> str:
+        return (
+            f"no diffusiond reachable at {self.socket_path} ({self.reason}).\n"
+            f"Start one with `diffusiond serve --socket {self.socket_path}` or "
+            "`systemctl --user start diffusiond.socket`,\n"
+            "or point the client at a running daemon with --socket PATH or $DIFFUSIOND_SOCKET."
+        )
+
+
+class ClientTimeout(ClientError, TimeoutError):
+    """A request or a wait took longer than the caller allowed.
+
+    Kept apart from DaemonUnreachable: the daemon may well be alive and busy (a long sleep, a
+    queue full of work), and the job behind a timed-out wait is still there, so the message
+    says what timed out and after how long rather than suggesting the daemon is gone.
+    """
+
+    def __init__(self, socket_path: str, what: str, seconds: float | None) -> None:
+        self.socket_path = socket_path
+        self.what = what
+        self.seconds = seconds
+        super().__init__(socket_path, what, seconds)
+
+    def __str__(self) -> str:
+        limit = f"longer than {self.seconds:g} s" if self.seconds is not None else "too long"
+        return f"{self.what} (daemon at {self.socket_path}) took {limit}"
+
+
+class JobFailed(ClientError):
+    """A job ended failed or cancelled where the caller asked for its outputs.
+
+    Carries the daemon's account (``code``, ``message``, ``stage``: where the job was when it
+    ended) and the whole final ``job`` document, so a caller can tell a deadline from a bad
+    prompt without parsing the message.
+    """
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.job_id = str(job.get("id"))
+        self.status = str(job.get("status") or "failed")
+        error = job.get("error")
+        err: dict[str, Any] = error if isinstance(error, dict) else {}
+        self.code = str(err.get("code") or self.status)
+        self.message = str(err.get("message") or f"job {self.job_id} {self.status}")
+        self.stage = None if err.get("stage") is None else str(err["stage"])
+        super().__init__(job)
+
+    def __str__(self) -> str:
+        stage = f", stage {self.stage}" if self.stage else ""
+        return f"job {self.job_id} {self.status}: {self.message} ({self.code}{stage})"

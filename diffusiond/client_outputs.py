@@ -1,0 +1,120 @@
+"""How a job's outputs become PIL images and numpy arrays on the client's side, and how long
+the daemon memory under a zero-copy array stays the array's.
+
+Apart from ``client.py`` so that numpy and PIL stay out of it: each is imported inside the
+function that needs it, the first time an output is asked for in that form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from diffusiond.client_errors import DaemonError
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+    from PIL import Image
+
+_CHUNK = 256 * 1024
+
+
+def decoded(data: bytes, as_array: bool) -> Any:
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    if not as_array:
+        return image
+    import numpy as np
+
+    return np.asarray(image.convert("RGB"))
+
+
+def image_of(array: NDArray[Any]) -> Image.Image:
+    """An npy image as a PIL image: floats in [0, 1] are scaled to uint8; a video has no one image."""
+    import numpy as np
+    from PIL import Image
+
+    if array.ndim != 3:
+        raise ValueError(f"an array of shape {array.shape} is not one image: ask for output='array'")
+    if array.dtype != np.uint8:
+        array = (np.clip(array.astype(np.float32), 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    return Image.fromarray(np.ascontiguousarray(array))
+
+
+async def read_npy(stream: aiohttp.StreamReader) -> NDArray[Any]:
+    """An ``.npy`` body read straight into the array's own memory (one copy, no second buffer
+    of the whole output), with numpy's own header reader. Object arrays are refused: loading
+    one would unpickle."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    head = await stream.readexactly(10)  # magic, version, and the first two bytes of the header length
+    if head[:6] != b"\x93NUMPY":
+        raise DaemonError(200, "bad_response", "the daemon's array output is not an .npy stream")
+    if head[6] >= 2:
+        head += await stream.readexactly(2)  # versions 2 and 3 give the length in 4 bytes
+    header = await stream.readexactly(int.from_bytes(head[8:], "little"))
+    fp = io.BytesIO(head + header)
+    version = npy.read_magic(fp)
+    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+    shape, fortran, dtype = read_header(fp)
+    if dtype.hasobject:
+        raise DaemonError(200, "bad_response", "the daemon's array output holds Python objects")
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    raw = np.empty(count * dtype.itemsize, np.uint8)
+    view, filled = raw.data, 0
+    while filled < len(raw):
+        chunk = await stream.read(min(_CHUNK, len(raw) - filled))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", len(raw) - filled)
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return raw.view(dtype).reshape(shape, order="F" if fortran else "C")
+
+
+class Mapped:
+    """A zero-copy mapper, kept open while any array it handed out lives.
+
+    Closing the mapper lets the daemon reuse the memory under its arrays, and an array kept past
+    ``with Client() as c:`` must not change under its reader: so closing the client only marks
+    the mapper, and the last array's end closes it. Each array's memory (the root of its
+    ``base`` chain) holds this object through a finalizer.
+    """
+
+    def __init__(self, mapper: Any) -> None:
+        self.mapper = mapper
+        self._live = 0
+        self._closing = False
+        self._lock = threading.RLock()  # reentrant: the GC may run ``_gone`` inside ``hand_out``
+
+    def hand_out(self, array: NDArray[Any]) -> NDArray[Any]:
+        root: Any = array
+        while getattr(root, "base", None) is not None:
+            root = root.base
+        with self._lock:
+            self._live += 1
+        weakref.finalize(root, self._gone)
+        return array
+
+    def _gone(self) -> None:
+        with self._lock:
+            self._live -= 1
+            last = self._closing and self._live == 0
+        if last:  # in the GC's thread, maybe inside the mapper's own lock: close from elsewhere
+            threading.Thread(target=self.mapper.close, name="diffusiond-unmap", daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            now = self._live == 0
+        if now:
+            self.mapper.close()

@@ -1,0 +1,245 @@
+"""The blocking client: ``with diffusiond.Client() as c: images = c.generate("a cat")``.
+
+A thin shell over ``AsyncClient`` rather than a second implementation: it runs one on a private
+event loop in a background thread, so the two cannot drift apart, event iteration and a dropped
+handle's cancel work the same way, and a caller's Ctrl-C can reach the job (the interrupt lands
+in the calling thread, which cancels the coroutine on the loop, which cancels the job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import weakref
+from collections.abc import Coroutine, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+
+from typing_extensions import Unpack
+
+from diffusiond.client import _CANCEL_GRACE_S, AsyncClient, AsyncJobHandle, EventCallback, JobParams, Output
+from diffusiond.client_errors import ClientError
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+    from PIL import Image
+
+__all__ = ["Client", "JobHandle"]
+
+T = TypeVar("T")
+_tasks: set[asyncio.Future[Any]] = set()  # a loop holds its tasks only weakly
+
+
+def _keep(task: asyncio.Future[Any]) -> None:
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+class Client:
+    """One daemon, one connection pool, one background thread. Use ``with Client() as c:`` or
+    call ``close()``; the parameters are ``AsyncClient``'s. Safe to share between threads."""
+
+    def __init__(
+        self, socket_path: str | None = None, timeout: float | None = None, *, zero_copy: bool | None = None
+    ) -> None:
+        self._async = AsyncClient(socket_path, timeout, zero_copy=zero_copy)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=_serve, args=(self._loop,), name="diffusiond-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+        # A client dropped without close() still ends its thread (without waiting on the GC's thread).
+        self._finalizer = weakref.finalize(self, _stop_soon, self._loop, self._async)
+
+    @property
+    def socket_path(self) -> str:
+        return self._async.socket_path
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the pool (after the cancels still under way) and end the background thread."""
+        if self._closed:
+            return
+        try:
+            self._call(self._async.close())
+        finally:
+            self._closed = True
+            self._finalizer.detach()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(_CANCEL_GRACE_S * 2)
+
+    def _call(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` on the loop and wait for it. On KeyboardInterrupt the coroutine is
+        cancelled (so a job it waits on is cancelled too) and given a few seconds to do so."""
+        if self._closed or threading.current_thread() is self._thread:
+            work.close()
+            # From the client's own thread (an on_event callback) the wait could never end.
+            raise ClientError("the client is closed" if self._closed else "a Client called from its own thread")
+        finished = threading.Event()
+
+        async def run() -> T:
+            try:
+                return await work
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            finished.wait(_CANCEL_GRACE_S + 1)
+            raise
+
+    # the high-level API -------------------------------------------------------------------
+    def submit(self, prompt: str, **params: Unpack[JobParams]) -> JobHandle:
+        """Submit a job and return its handle at once; dropping the handle unfinished cancels it."""
+        return JobHandle(self, self._call(self._async.submit(prompt, **params)))
+
+    @overload
+    def generate(self, prompt: str, *, output: Literal["pil"] = ..., on_event: EventCallback | None = ...,
+                 **params: Unpack[JobParams]) -> list[Image.Image]: ...
+    @overload
+    def generate(self, prompt: str, *, output: Literal["array"], on_event: EventCallback | None = ...,
+                 **params: Unpack[JobParams]) -> list[NDArray[Any]]: ...
+    @overload
+    def generate(self, prompt: str, *, output: Literal["bytes"], on_event: EventCallback | None = ...,
+                 **params: Unpack[JobParams]) -> list[bytes]: ...  # fmt: skip
+
+    def generate(
+        self, prompt: str, *, output: Output = "pil", on_event: EventCallback | None = None, **params: Unpack[JobParams]
+    ) -> list[Any]:
+        """``AsyncClient.generate``, blocking: JobFailed if the job fails; Ctrl-C cancels it.
+        ``on_event`` runs on the client's thread: keep it short."""
+        return self._call(self._async.generate(prompt, output=output, on_event=on_event, **params))
+
+    # the job API and the service ----------------------------------------------------------
+    def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call(self._async.create_job(body))
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._call(self._async.job(job_id))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a job; a DaemonError with status 409 if it had already finished."""
+        return self._call(self._async.cancel(job_id))
+
+    def output(self, job_id: str, k: int) -> bytes:
+        return self._call(self._async.output(job_id, k))
+
+    def models(self) -> dict[str, Any]:
+        return self._call(self._async.models())
+
+    def health(self) -> dict[str, Any]:
+        return self._call(self._async.health())
+
+    def ready(self) -> bool:
+        return self._call(self._async.ready())
+
+    def sleep(self) -> dict[str, Any]:
+        return self._call(self._async.sleep())
+
+    def wake(self) -> dict[str, Any]:
+        return self._call(self._async.wake())
+
+
+class JobHandle:
+    """``AsyncJobHandle``, blocking. Dropping it unfinished cancels the job, on the client's
+    thread: the garbage collector never waits on the daemon."""
+
+    def __init__(self, client: Client, handle: AsyncJobHandle) -> None:
+        self.client = client
+        self._handle = handle  # the only reference: when this handle goes, its finalizer cancels
+        self.id = handle.id
+
+    def __repr__(self) -> str:
+        return f"<JobHandle {self.id} {self.job.get('status')}>"
+
+    @property
+    def job(self) -> dict[str, Any]:
+        """The job as last seen (``refresh`` asks the daemon)."""
+        return self._handle.job
+
+    @property
+    def finished(self) -> bool:
+        return self._handle.finished
+
+    def refresh(self) -> dict[str, Any]:
+        return self.client._call(self._handle.refresh())
+
+    def events(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(name, data) events until ``done`` or ``error``; leaving the loop early closes the stream."""
+        events = self._handle.events()
+
+        async def step() -> tuple[str, dict[str, Any]] | None:
+            try:
+                return await anext(events)
+            except StopAsyncIteration:
+                return None
+
+        try:
+            while (event := self.client._call(step())) is not None:
+                yield event
+        finally:  # maybe run by the GC, maybe on the client's thread: do not wait there
+            if threading.current_thread() is self.client._thread:
+                _keep(asyncio.ensure_future(events.aclose()))
+            elif not self.client._closed:
+                self.client._call(events.aclose())
+
+    def wait(self, timeout: float | None = None, *, on_event: EventCallback | None = None) -> dict[str, Any]:
+        """The final job, failed or cancelled ones included (look at ``status``); ClientTimeout
+        after ``timeout`` leaves the job running; Ctrl-C cancels it."""
+        return self.client._call(self._handle.wait(timeout, on_event=on_event))
+
+    def cancel(self) -> dict[str, Any]:
+        """Cancel the job and return it; a job that had already finished is returned as it ended."""
+        return self.client._call(self._handle.cancel())
+
+    @overload
+    def outputs(self, output: Literal["pil"] = ...) -> list[Image.Image]: ...
+    @overload
+    def outputs(self, output: Literal["array"]) -> list[NDArray[Any]]: ...
+    @overload
+    def outputs(self, output: Literal["bytes"]) -> list[bytes]: ...
+
+    def outputs(self, output: Output = "pil") -> list[Any]:
+        """Waits for the end, then every output in index order; JobFailed unless it succeeded."""
+        return self.client._call(self._handle.outputs(output))
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    # Ctrl-C must land in the caller's thread, which is the one waiting and able to cancel: a
+    # SIGINT taken by this thread would only set a flag that the blocked caller never sees.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+
+def _stop_soon(loop: asyncio.AbstractEventLoop, client: AsyncClient) -> None:
+    """The finalizer of a Client never closed: close its pool and stop its loop, without waiting."""
+
+    async def stop() -> None:
+        try:
+            await client.close()
+        finally:
+            loop.stop()
+
+    if not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(lambda: _keep(loop.create_task(stop())))
+        except RuntimeError:  # closed in between
+            pass

@@ -1,0 +1,145 @@
+"""The output socket: outputs handed to programs on this machine as file descriptors, not bytes.
+
+An output already lies in shared memory (a worker's memfd arena, or a dedicated memfd). A
+program of the daemon's own user can map that memory and read the output where it is: no copy
+in the engine, none over a socket, none into the reader. This is the second hop of the output
+path, after the worker -> engine hop that ``ipc`` already makes without copies.
+
+Why a second Unix socket beside the HTTP one: an fd travels only with ``sendmsg`` (SCM_RIGHTS)
+on a Unix socket that we read and write ourselves, and aiohttp's transports (uvloop's in
+particular) give no access to that. The socket speaks the frames of ``ipc`` (numbered msgspec
+messages, fds attached): FETCH(job, k) -> LEASE(fd) or REFUSED(the HTTP status and error the
+HTTP API would have given), then UNPIN(lease) when the program dropped its arrays.
+
+What keeps it safe:
+- Only processes of the daemon's own user may connect (socket mode 0600, and SO_PEERCRED checked
+  again): they could read the daemon's memory through /proc anyway, so an fd gives them nothing
+  new. Other ``--allow-uid`` users use HTTP.
+- The memory is sealed against writes (``F_SEAL_FUTURE_WRITE``, set by the worker right after it
+  mapped it): the fd maps read-only, even reopened through /proc. A daemon on a kernel without
+  the seal answers REFUSED ``not_shared`` and the client falls back to HTTP.
+- A lease pins its slot; the slot goes back at UNPIN or when the connection closes, which the
+  kernel does for a program that dies, so a killed client never holds an arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from diffusiond.daemon.api import status_of  # the status a client sees is the HTTP edge's, here too
+from diffusiond.daemon.errors import EngineError
+from diffusiond.daemon.jobs import Item
+from diffusiond.ipc.channel import Channel
+from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class OutputSocket:
+    def __init__(self, engine: Engine, path: str) -> None:
+        self.engine = engine
+        self.path = path
+        self._server: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[_Connection] = set()
+
+    async def start(self) -> None:
+        p = Path(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            if p.is_socket():
+                p.unlink()  # our own from an earlier run: the HTTP socket's bind already proved none serves
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        sock.listen(64)
+        sock.setblocking(False)
+        self._server = sock
+        self._accepting = asyncio.ensure_future(self._accept())
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for conn in list(self._connections):
+            conn.channel.close()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def _accept(self) -> None:
+        assert self._server is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            client, _ = await loop.sock_accept(self._server)
+            uid = _peer_uid(client)
+            if uid != os.getuid():
+                log.warning("output socket: refused uid %s (only the daemon's own user maps outputs)", uid)
+                client.close()
+                continue
+            conn = _Connection(self, Channel(client, name="output socket client"))
+            self._connections.add(conn)
+            conn.channel.start(conn.on_frame, conn.on_close)
+
+
+class _Connection:
+    """One client: its leases live exactly as long as the connection, or until UNPIN."""
+
+    def __init__(self, server: OutputSocket, channel: Channel) -> None:
+        self.server = server
+        self.channel = channel
+        self.leases: dict[int, Item] = {}
+        self._next = 0
+
+    def on_frame(self, frame: Frame) -> None:
+        msg = frame.msg
+        for fd in frame.fds:  # a client has no business sending fds
+            os.close(fd)
+        if isinstance(msg, Fetch):
+            self._fetch(msg)
+        elif isinstance(msg, Unpin):
+            item = self.leases.pop(msg.lease, None)
+            if item is not None:
+                self.server.engine.end_lease(item)
+        else:
+            self.channel.close(ValueError(f"unexpected {type(msg).__name__} on the output socket"))
+
+    def _fetch(self, msg: Fetch) -> None:
+        try:
+            item, desc, fd, size = self.server.engine.lease_output(msg.job_id, msg.index)
+        except EngineError as err:
+            self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
+            return
+        self._next += 1
+        self.leases[self._next] = item
+        self.channel.post(Lease(self._next, desc, size), [fd])
+
+    def on_close(self, reason: BaseException | None) -> None:
+        if reason is not None:
+            log.info("output socket client went away: %s", reason)
+        for item in self.leases.values():
+            self.server.engine.end_lease(item)
+        self.leases.clear()
+        self.server._connections.discard(self)
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)

@@ -1,0 +1,227 @@
+"""Outputs handed to local programs by file descriptor (the output socket), against a real daemon:
+the arrays are the model's bytes, they outlive the job's retention while held, their slots come
+back when they are dropped or their holder is killed, and nobody can write through the fd."""
+
+from __future__ import annotations
+
+import gc
+import io
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from daemonkit import Daemon, shared_daemon
+
+from conftest import ROOT
+from diffusiond.client import DaemonError
+from diffusiond.ipc.arena import is_sealed
+from diffusiond.zerocopy import OutputMapper, ZeroCopyUnavailable
+
+VIDEO = "video=synthetic:task=video,compute_ms=5"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("zerocopy")
+    args = ["--model", "tiny", "--model", VIDEO, "--retention-s", "5", "--arena-mb", "64"]
+    with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        yield d
+
+
+def call(d: Daemon, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    import http.client
+    import json
+    import socket
+
+    class Conn(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.connect(str(d.socket))
+
+    c = Conn("diffusiond", timeout=60)
+    c.request(method, path, json.dumps(body) if body else None, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, r.read()
+
+
+def run_job(d: Daemon, **body: Any) -> str:
+    import json
+
+    status, data = call(d, "POST", "/v1/jobs", {"prompt": "a lighthouse", "output_format": "npy", **body})
+    assert status == 202, data
+    job = json.loads(data)["id"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = json.loads(call(d, "GET", f"/v1/jobs/{job}")[1])
+        if state["status"] in ("succeeded", "failed", "cancelled"):
+            assert state["status"] == "succeeded", state
+            return str(job)
+        time.sleep(0.05)
+    raise TimeoutError(job)
+
+
+def arena_in_use(d: Daemon) -> int:
+    import json
+
+    return int(json.loads(call(d, "GET", "/health")[1])["arena_bytes_in_use"])
+
+
+def wait_for(check: Any, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        gc.collect()
+        time.sleep(0.05)
+
+
+def test_arrays_are_the_models_bytes_read_only_and_without_a_copy(daemon: Daemon) -> None:
+    mapped, streamed = run_job(daemon, seed=11, n=2), run_job(daemon, seed=11, n=2)
+    with OutputMapper(str(daemon.socket)) as m:
+        for k in range(2):
+            a = m.array(mapped, k)
+            b = np.load(io.BytesIO(call(daemon, "GET", f"/v1/jobs/{streamed}/outputs/{k}")[1]))
+            assert a.shape == (128, 128, 3) and a.dtype == np.uint8
+            assert np.array_equal(a, b)
+            assert not a.flags.writeable and not a.flags.owndata
+            with pytest.raises(ValueError, match="read-only"):
+                a[0, 0, 0] = 0
+
+
+def test_float_and_video_outputs_keep_their_dtype_and_shape(daemon: Daemon) -> None:
+    job = run_job(daemon, model="video", width=64, height=64, steps=1, num_frames=5, output_dtype="float16")
+    with OutputMapper(str(daemon.socket)) as m:
+        a = m.array(job, 0)
+        assert a.shape == (5, 64, 64, 3) and a.dtype == np.float16
+        assert float(a.min()) >= 0.0 and float(a.max()) <= 1.0
+
+
+def test_the_array_outlives_the_jobs_retention_and_its_slot_returns_when_dropped(daemon: Daemon) -> None:
+    wait_for(lambda: arena_in_use(daemon) == 0, "an idle arena")
+    job = run_job(daemon, seed=5)
+    m = OutputMapper(str(daemon.socket))
+    a = m.array(job, 0)
+    copy = a.copy()
+    view = a[10:20]  # a view keeps the memory as the array does
+    del a
+    time.sleep(5.5)  # retention is 5 s
+    assert call(daemon, "GET", f"/v1/jobs/{job}")[0] == 404, "the job's record is gone"
+    assert arena_in_use(daemon) > 0, "the held output still has its slot"
+    assert np.array_equal(view, copy[10:20])
+    del view
+    wait_for(lambda: arena_in_use(daemon) == 0, "the slot to come back after the last array went")
+    m.close()
+
+
+def test_an_output_is_delivered_once_and_other_errors_are_the_http_ones(daemon: Daemon) -> None:
+    job = run_job(daemon)
+    with OutputMapper(str(daemon.socket)) as m:
+        a = m.array(job, 0)
+        del a
+        gc.collect()
+        wait_for(lambda: call(daemon, "GET", f"/v1/jobs/{job}/outputs/0")[0] == 410, "the output to be released")
+        with pytest.raises(DaemonError) as exc:
+            m.array(job, 0)
+        assert exc.value.status == 410 and exc.value.code == "output_released"
+        with pytest.raises(DaemonError) as exc:
+            m.array("j_missing", 0)
+        assert exc.value.status == 404 and exc.value.code == "job_not_found"
+        with pytest.raises(DaemonError) as exc:
+            m.array(job, 7)
+        assert exc.value.status == 404 and exc.value.code == "output_not_found"
+        png = run_job(daemon, output_format="png")
+        with pytest.raises(DaemonError) as exc:
+            m.array(png, 0)
+        assert exc.value.code == "not_shared" and "HTTP" in exc.value.message
+
+
+def test_no_writable_mapping_can_be_had_from_the_fd(daemon: Daemon) -> None:
+    job = run_job(daemon)
+    with OutputMapper(str(daemon.socket)) as m:
+        from diffusiond.ipc.messages import Fetch, Lease
+
+        with m._lock:  # the raw lease, as a hostile client would hold it
+            m._sock.sendall(m._encoder.encode(Fetch(job, 0)))
+            msg, fds = m._receive()
+        assert isinstance(msg, Lease) and len(fds) == 1
+        fd = fds[0]
+        try:
+            assert is_sealed(fd)
+            with pytest.raises(OSError):
+                mmap.mmap(fd, msg.map_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError):
+                os.pwrite(fd, b"x", msg.tensor.offset)
+            reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # memfd allows the reopen; the seal does not
+            try:
+                with pytest.raises(OSError):
+                    mmap.mmap(reopened, msg.map_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                with pytest.raises(OSError):
+                    os.pwrite(reopened, b"x", msg.tensor.offset)
+            finally:
+                os.close(reopened)
+        finally:
+            os.close(fd)
+
+
+def test_a_client_killed_while_holding_ten_outputs_frees_them_all(daemon: Daemon) -> None:
+    wait_for(lambda: arena_in_use(daemon) == 0, "an idle arena")
+    job = run_job(daemon, n=10)
+    holder = textwrap.dedent(f"""
+        import sys, time
+        from diffusiond.zerocopy import OutputMapper
+        m = OutputMapper({str(daemon.socket)!r})
+        held = [m.array({job!r}, k) for k in range(10)]
+        print(sum(int(a[0, 0, 0]) >= 0 for a in held), flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "10"
+        assert arena_in_use(daemon) > 0
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    wait_for(lambda: arena_in_use(daemon) == 0, "the killed client's ten slots to come back")
+
+
+def test_many_clients_at_once(daemon: Daemon) -> None:
+    jobs = [run_job(daemon, seed=100 + i, n=2) for i in range(3)]
+    errors: list[BaseException] = []
+
+    def client(job: str) -> None:
+        try:
+            with OutputMapper(str(daemon.socket)) as m:
+                arrays = [m.array(job, k) for k in range(2)]
+                assert all(a.shape == (128, 128, 3) for a in arrays)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not errors, errors
+
+
+def test_no_output_socket_means_fall_back(tmp_path: Path) -> None:
+    with pytest.raises(ZeroCopyUnavailable, match="no output socket"):
+        OutputMapper(str(tmp_path / "nothing.sock"))
+
+
+def test_only_the_daemons_user_can_reach_the_output_socket(daemon: Daemon) -> None:
+    import stat
+
+    st = os.stat(str(daemon.socket) + ".out")
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
