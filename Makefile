@@ -24,7 +24,7 @@ demo: $(STAMP)
 # package ([tool.mypy] in pyproject.toml: strict for ipc, protocol, daemon, worker, client and CLI). Layout is
 # by hand: the code keeps related arguments on one line where `ruff format` would put one per line.
 lint: $(STAMP)
-	$(PY) -m ruff check diffusiond tests
+	$(PY) -m ruff check diffusiond tests examples scripts
 	$(PY) -m mypy
 
 clean:

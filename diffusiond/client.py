@@ -48,6 +48,7 @@ from diffusiond.protocol import (
     FORMAT_OF_CONTENT_TYPE,
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
+    ErrorCode,
     JobStatus,
     OutputDtype,
     default_socket_path,
@@ -398,6 +399,11 @@ class AsyncClient:
                 if self.zero_copy:
                     raise
                 self._give_up_zero_copy()
+            except DaemonError as exc:
+                # not in shared memory (spilled under arena pressure, or an old kernel): this one
+                # output comes over HTTP; the next may be mapped again
+                if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
+                    raise
         async with self._request("GET", f"/v1/jobs/{_q(job_id)}/outputs/{int(k)}") as resp:
             try:
                 return await read_npy(resp.content)

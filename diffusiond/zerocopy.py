@@ -33,6 +33,9 @@ from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.protocol import default_socket_path, output_socket_path
 
 _PAGE = mmap.ALLOCATIONGRANULARITY
+# Map the pages in one go instead of one fault per 4 KiB page on first read: the memory is already
+# resident (the worker wrote it), so this only fills page tables, several times faster in bulk.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _RECV = 64 * 1024
 
 
@@ -118,7 +121,7 @@ class OutputMapper:
         start = desc.offset - desc.offset % _PAGE
         length = desc.offset + desc.nbytes - start
         try:
-            mm = mmap.mmap(fd, max(length, 1), mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+            mm = mmap.mmap(fd, max(length, 1), mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ, offset=start)
         finally:
             os.close(fd)  # the mapping keeps the memory
         raw = np.frombuffer(mm, dtype=np.uint8, count=desc.nbytes, offset=desc.offset - start)

@@ -225,3 +225,18 @@ def test_only_the_daemons_user_can_reach_the_output_socket(daemon: Daemon) -> No
 
     st = os.stat(str(daemon.socket) + ".out")
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+
+
+def test_an_output_spilled_out_of_shared_memory_comes_over_http(tmp_path: Path, model_cache: Path) -> None:
+    """Unfetched outputs over half a small arena are copied out of it (spilled): the client takes
+    those over HTTP and the rest by fd, and the caller gets its arrays either way."""
+    from diffusiond import Client
+
+    args = ["--model", "tiny", "--arena-mb", "1"]
+    with shared_daemon(tmp_path, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d, Client(str(d.socket)) as c:
+        handles = [c.submit("a lighthouse", n=4, seed=10 * i, output_format="npy") for i in range(4)]
+        for h in handles:
+            h.wait(timeout=120)
+        arrays = [a for h in handles for a in h.outputs("array")]
+        assert len(arrays) == 16 and all(a.shape == (128, 128, 3) and a.dtype == np.uint8 for a in arrays)
+        assert any(not a.flags.writeable for a in arrays), "the outputs still in the arena came by fd"

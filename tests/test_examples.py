@@ -1,0 +1,47 @@
+"""The examples in examples/ run as a user runs them: a subprocess against a real daemon on ``tiny``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemonkit import Daemon, shared_daemon
+
+import diffusiond
+from conftest import ROOT
+
+ENV = {"OMP_NUM_THREADS": "1"}  # see test_daemon_lifecycle.py
+
+
+@pytest.fixture(scope="module")
+def example_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    with shared_daemon(tmp_path_factory.mktemp("examples"), ["--model", "tiny"], model_cache, ENV) as d:
+        yield d
+
+
+def test_train_loop_streams_batches_and_gives_the_memory_back(example_daemon: Daemon) -> None:
+    sock = str(example_daemon.socket)
+    args = ["--socket", sock, "--batches", "3", "--batch", "2", "--size", "64x64", "--steps", "2", "--in-flight", "2"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_loop.py"), *args],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, **ENV}, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{example_daemon.log()}"
+    steps = re.findall(r"^step (\d+)  loss \S+  images \(2, 3, 64, 64\)", done.stdout, re.M)
+    assert steps == ["1", "2", "3"], done.stdout
+    assert re.search(r"^3 steps in \S+ s: \S+ steps/s", done.stdout, re.M), done.stdout
+
+    # Every output was taken (zero-copy lease or HTTP stream) and the example has exited, so no
+    # slot may stay held: a lease ends at UNPIN or when the dead client's connection closes.
+    with diffusiond.Client(sock, timeout=10) as client:
+        deadline = time.monotonic() + 15
+        while (health := client.health())["arena_bytes_in_use"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health["arena_bytes_in_use"] == 0, health
+        assert health["jobs"].get("succeeded") == 3, health
