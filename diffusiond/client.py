@@ -36,11 +36,10 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypedDict, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypedDict, Unpack, overload
 from urllib.parse import quote
 
 import aiohttp
-from typing_extensions import Unpack
 
 from diffusiond.client_errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable, JobFailed
 from diffusiond.client_outputs import Mapped, decoded, image_of, read_npy

@@ -14,9 +14,7 @@ import threading
 import weakref
 from collections.abc import Coroutine, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
-
-from typing_extensions import Unpack
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
 from diffusiond.client import _CANCEL_GRACE_S, AsyncClient, AsyncJobHandle, EventCallback, JobParams, Output
 from diffusiond.client_errors import ClientError

@@ -33,6 +33,10 @@ SAMPLES: list[msgspec.Struct] = [
     m.Ack(command=m.Kind.TRACE, ok=True, message="", trace=[m.TraceEvent("compute_start", 3, 99)]),
     m.Fatal(message="device lost"),
     m.SlotWait(request_id="r1", nbytes=1 << 20, in_use=3 << 20, capacity=4 << 20),
+    m.Fetch(job_id="j_0123456789abcdef", index=1),
+    m.Lease(lease=7, tensor=DESC, map_bytes=1 << 20),
+    m.Refused(job_id="j_x", index=0, status=410, code="output_released", message="already delivered"),
+    m.Unpin(lease=7),
 ]
 
 
