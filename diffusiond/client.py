@@ -31,25 +31,32 @@ when an output is asked for as an array or an image.
 from __future__ import annotations
 
 import asyncio
-import json
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypedDict, Unpack, overload
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, overload
 
 import aiohttp
 
 from diffusiond.client_errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable, JobFailed
+from diffusiond.client_http import (
+    SSEParser,
+    decode_event,
+    error_from,
+    error_of,
+    parse_json,
+    quote_id,
+    reason,
+)
 from diffusiond.client_outputs import Mapped, decoded, image_of, read_npy
+from diffusiond.client_params import JobParams, Output, job_body, params_for
 from diffusiond.protocol import (
     FORMAT_OF_CONTENT_TYPE,
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
     ErrorCode,
     JobStatus,
-    OutputDtype,
     default_socket_path,
 )  # fmt: skip
 
@@ -74,96 +81,6 @@ _CANCEL_GRACE_S = 5.0
 """How long a cancel on the way out (an interrupt, a dropped handle, a timeout) may take."""
 
 EventCallback = Callable[[str, dict[str, Any]], None]
-Output = Literal["pil", "array", "bytes"]
-"""How ``generate`` and ``outputs`` hand outputs over: PIL images, numpy arrays, encoded bytes."""
-
-
-class JobParams(TypedDict, total=False):
-    """The job fields of docs/api.md, as ``generate`` and ``submit`` take them; left out means the
-    daemon's default for the model. ``size`` is ``(width, height)`` or ``"WxH"``."""
-
-    n: int
-    size: tuple[int, int] | str
-    steps: int
-    guidance_scale: float
-    negative_prompt: str
-    seed: int
-    output_format: str
-    output_dtype: OutputDtype
-    num_frames: int
-    fps: int
-    scheduler: str
-    timeout_s: float
-    model: str
-
-
-class SSEParser:
-    """An incremental Server-Sent Events parser: feed it bytes as they arrive, get whole events.
-
-    Chunk boundaries from the network fall anywhere (inside a line, between CR and LF, inside a
-    UTF-8 character), so bytes are buffered until a line is complete and decoded per line. Follows
-    the WHATWG rules that matter here: CR, LF or CRLF end a line; ``:`` lines are comments; several
-    ``data:`` lines join with newlines; an event with no data is not dispatched.
-    """
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self._event = ""
-        self._data: list[str] = []
-        self._first = True
-
-    def feed(self, chunk: bytes) -> list[tuple[str, str]]:
-        """Events completed by ``chunk``, as (name, data) with name defaulting to ``message``."""
-        self._buf += chunk
-        out: list[tuple[str, str]] = []
-        while True:
-            line = self._next_line()
-            if line is None:
-                return out
-            event = self._line(line)
-            if event is not None:
-                out.append(event)
-
-    def _next_line(self) -> str | None:
-        buf = self._buf
-        cr, lf = buf.find(b"\r"), buf.find(b"\n")
-        if cr < 0 and lf < 0:
-            return None
-        if cr >= 0 and (lf < 0 or cr < lf):
-            if cr + 1 == len(buf):
-                return None  # a CR at the end may be the first half of CRLF: wait for more
-            end, skip = cr, 2 if buf[cr + 1 : cr + 2] == b"\n" else 1
-        else:
-            end, skip = lf, 1
-        raw, self._buf = buf[:end], buf[end + skip :]
-        if self._first:
-            self._first = False
-            raw = raw.removeprefix(b"\xef\xbb\xbf")
-        return raw.decode("utf-8", errors="replace")
-
-    def _line(self, line: str) -> tuple[str, str] | None:
-        if not line:
-            event, data = self._event or "message", self._data
-            self._event, self._data = "", []
-            return (event, "\n".join(data)) if data else None
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "event":
-            self._event = value
-        elif name == "data":
-            self._data.append(value)
-        return None  # id and retry mean nothing to a client that does not reconnect
-
-
-def _decode(data: str) -> dict[str, Any]:
-    """Event data as a dict; a non-JSON payload is kept rather than failing the whole stream."""
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return {"data": data}
-    return value if isinstance(value, dict) else {"data": value}
 
 
 class AsyncClient:
@@ -233,27 +150,27 @@ class AsyncClient:
         try:
             async with session.request(method, BASE_URL + path, **kwargs) as resp:
                 if resp.status not in ok:
-                    raise await _error_from(resp)
+                    raise await error_from(resp)
                 yield resp
         except ClientError:
             raise
         except aiohttp.ConnectionTimeoutError as exc:  # the socket is there; its backlog did not move
             raise ClientTimeout(self.socket_path, f"connecting for {method} {path}", self._connect_s()) from exc
         except aiohttp.ClientConnectorError as exc:
-            raise DaemonUnreachable(self.socket_path, _reason(exc)) from exc
+            raise DaemonUnreachable(self.socket_path, reason(exc)) from exc
         except TimeoutError as exc:  # aiohttp's timeouts are also connection errors: the clearer of the two
             raise ClientTimeout(self.socket_path, f"{method} {path}", self.timeout) from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise DaemonUnreachable(self.socket_path, f"connection lost: {_reason(exc)}") from exc
+            raise DaemonUnreachable(self.socket_path, f"connection lost: {reason(exc)}") from exc
         except aiohttp.ClientError as exc:  # something answered, but not in HTTP that makes sense
-            raise DaemonUnreachable(self.socket_path, f"not a diffusiond answer: {_reason(exc)}") from exc
+            raise DaemonUnreachable(self.socket_path, f"not a diffusiond answer: {reason(exc)}") from exc
 
     def _connect_s(self) -> float:
         return _CONNECT_TIMEOUT_S if self.timeout is None else min(self.timeout, _CONNECT_TIMEOUT_S)
 
     async def _json(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> dict[str, Any]:
         async with self._request(method, path, ok=ok, **kwargs) as resp:
-            return _parse_json(await resp.read(), resp.status)
+            return parse_json(await resp.read(), resp.status)
 
     # jobs ----------------------------------------------------------------------------------
     async def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -261,7 +178,7 @@ class AsyncClient:
         return await self._json("POST", "/v1/jobs", ok=(202,), json=body)
 
     async def job(self, job_id: str) -> dict[str, Any]:
-        return await self._json("GET", f"/v1/jobs/{_q(job_id)}")
+        return await self._json("GET", f"/v1/jobs/{quote_id(job_id)}")
 
     async def events(self, job_id: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """The job's events as (name, data) until ``done`` or ``error``.
@@ -272,10 +189,10 @@ class AsyncClient:
         """
         parser = SSEParser()
         headers = {"Accept": "text/event-stream"}
-        async with self._request("GET", f"/v1/jobs/{_q(job_id)}/events", headers=headers) as resp:
+        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/events", headers=headers) as resp:
             async for chunk in resp.content.iter_any():
                 for name, data in parser.feed(chunk):
-                    yield name, _decode(data)
+                    yield name, decode_event(data)
                     if name in TERMINAL_EVENTS:
                         return
 
@@ -308,13 +225,13 @@ class AsyncClient:
 
     async def output(self, job_id: str, k: int) -> bytes:
         """Output ``k`` in memory; prefer ``stream_output`` for videos and raw arrays."""
-        async with self._request("GET", f"/v1/jobs/{_q(job_id)}/outputs/{int(k)}") as resp:
+        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
             return await resp.read()
 
     async def stream_output(self, job_id: str, k: int, fileobj: BinaryIO) -> int:
         """Write output ``k`` to ``fileobj`` chunk by chunk; returns the byte count."""
         written = 0
-        async with self._request("GET", f"/v1/jobs/{_q(job_id)}/outputs/{int(k)}") as resp:
+        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
             async for chunk in resp.content.iter_chunked(_CHUNK):
                 fileobj.write(chunk)
                 written += len(chunk)
@@ -322,7 +239,7 @@ class AsyncClient:
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel a job; a DaemonError with status 409 if it had already finished."""
-        return await self._json("DELETE", f"/v1/jobs/{_q(job_id)}")
+        return await self._json("DELETE", f"/v1/jobs/{quote_id(job_id)}")
 
     # service -------------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -332,9 +249,9 @@ class AsyncClient:
         """The health report. A degraded daemon may answer 503 with the same body: still returned."""
         async with self._request("GET", "/health", ok=(200, 503)) as resp:
             body = await resp.read()
-            report = _parse_json(body, resp.status)
+            report = parse_json(body, resp.status)
             if resp.status == 503 and "error" in report:
-                raise _error_of(report, resp)
+                raise error_of(report, resp)
         return report
 
     async def ready(self) -> bool:
@@ -376,7 +293,7 @@ class AsyncClient:
         wait is bounded a little past the daemon's own deadline, so the daemon's error, with its
         stage, normally arrives first. An interrupt, or that bound, cancels the job.
         """
-        params = _params_for(output, params)
+        params = params_for(output, params)
         job = await self.submit(prompt, **params)
         deadline = params.get("timeout_s")
         try:
@@ -403,7 +320,7 @@ class AsyncClient:
                 # output comes over HTTP; the next may be mapped again
                 if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
                     raise
-        async with self._request("GET", f"/v1/jobs/{_q(job_id)}/outputs/{int(k)}") as resp:
+        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
             try:
                 return await read_npy(resp.content)
             except asyncio.IncompleteReadError as exc:
@@ -561,92 +478,3 @@ def _cancel_dropped(client: AsyncClient, job_id: str) -> None:
         pass
 
 
-def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
-    """The POST /v1/jobs body: only what was given, so the daemon's defaults stay in charge."""
-    body: dict[str, Any] = {"prompt": prompt}
-    for key, value in params.items():
-        if key not in JobParams.__annotations__:
-            raise TypeError(f"unknown job parameter {key!r}")
-        if value is None:
-            continue
-        if key == "size":
-            body["width"], body["height"] = _size(value)
-        else:
-            body[key] = value
-    return body
-
-
-def _size(size: Any) -> tuple[int, int]:
-    if isinstance(size, str):
-        w, sep, h = size.lower().partition("x")
-        if sep and w.strip().isdigit() and h.strip().isdigit():
-            return int(w), int(h)
-        raise ValueError(f"size must be (width, height) or 'WxH', got {size!r}")
-    width, height = size
-    return int(width), int(height)
-
-
-def _params_for(output: Output, params: JobParams) -> JobParams:
-    """The format that makes ``output`` cheap: PNG (lossless) for images, ``npy`` for arrays."""
-    fmt = params.get("output_format")
-    if output == "array":
-        if fmt not in (None, "npy"):
-            raise ValueError(f"output='array' comes from npy outputs, not {fmt!r}")
-        return {**params, "output_format": "npy"}
-    if output == "pil":
-        return {**params, "output_format": fmt or "png"}
-    if output != "bytes":
-        raise ValueError(f"output must be 'pil', 'array' or 'bytes', not {output!r}")
-    return params
-
-
-def _q(job_id: str) -> str:
-    return quote(str(job_id), safe="")
-
-
-def _parse_json(body: bytes, status: int) -> dict[str, Any]:
-    if not body.strip():
-        return {}
-    try:
-        value = json.loads(body)
-    except ValueError as exc:
-        raise DaemonError(status, "bad_response", f"the daemon answered non-JSON: {body[:200]!r}") from exc
-    return value if isinstance(value, dict) else {"data": value}
-
-
-def _reason(exc: BaseException) -> str:
-    """The most specific cause: 'No such file or directory' beats aiohttp's wrapper text."""
-    os_error = getattr(exc, "os_error", None)
-    if isinstance(os_error, OSError) and os_error.strerror:
-        return os_error.strerror
-    return str(exc) or type(exc).__name__
-
-
-async def _error_from(resp: aiohttp.ClientResponse) -> DaemonError:
-    """The daemon's ``{"error": {...}}`` body as a DaemonError; anything else still gets a message."""
-    text = await resp.text(errors="replace")
-    try:
-        return _error_of(json.loads(text), resp)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        message = text.strip()[:200] or resp.reason or "error"
-        return DaemonError(resp.status, f"http_{resp.status}", message, retry_after=_retry_after(resp))
-
-
-def _error_of(body: Any, resp: aiohttp.ClientResponse) -> DaemonError:
-    """An error document already read (``health`` reads its body before it knows) as a DaemonError;
-    KeyError and friends when the body is not one."""
-    err = body["error"]
-    field, stage = err.get("field"), err.get("stage")
-    return DaemonError(
-        resp.status,
-        str(err.get("code") or f"http_{resp.status}"),
-        str(err.get("message") or resp.reason or ""),
-        None if field is None else str(field),
-        None if stage is None else str(stage),
-        _retry_after(resp),
-    )
-
-
-def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
-    retry = resp.headers.get("Retry-After")
-    return float(retry) if retry and retry.replace(".", "", 1).isdigit() else None

@@ -71,7 +71,8 @@ RULES = [
     *[(client, ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
        "the client speaks HTTP over the socket, like any program (zerocopy.py is its one way into ipc)")
       for client in ("diffusiond.client", "diffusiond.client_sync", "diffusiond.client_errors",
-                     "diffusiond.client_outputs", "diffusiond.cli_generate")],
+                     "diffusiond.client_outputs", "diffusiond.client_http", "diffusiond.client_params",
+                     "diffusiond.cli_generate")],
     ("diffusiond.zerocopy", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines"],
      "a local program maps outputs through ipc's frames and descriptors, never the engine's code"),
 ]

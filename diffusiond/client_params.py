@@ -1,0 +1,69 @@
+"""What a job asks for, as the Python client takes it: the typed parameters of ``generate`` and
+``submit``, and how they become a jobs API body (docs/api.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+from diffusiond.protocol import OutputDtype
+
+Output = Literal["pil", "array", "bytes"]
+"""How ``generate`` and ``outputs`` hand outputs over: PIL images, numpy arrays, encoded bytes."""
+
+
+class JobParams(TypedDict, total=False):
+    """The job fields of docs/api.md, as ``generate`` and ``submit`` take them; left out means the
+    daemon's default for the model. ``size`` is ``(width, height)`` or ``"WxH"``."""
+
+    n: int
+    size: tuple[int, int] | str
+    steps: int
+    guidance_scale: float
+    negative_prompt: str
+    seed: int
+    output_format: str
+    output_dtype: OutputDtype
+    num_frames: int
+    fps: int
+    scheduler: str
+    timeout_s: float
+    model: str
+
+
+def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
+    """The POST /v1/jobs body: only what was given, so the daemon's defaults stay in charge."""
+    body: dict[str, Any] = {"prompt": prompt}
+    for key, value in params.items():
+        if key not in JobParams.__annotations__:
+            raise TypeError(f"unknown job parameter {key!r}")
+        if value is None:
+            continue
+        if key == "size":
+            body["width"], body["height"] = _size(value)
+        else:
+            body[key] = value
+    return body
+
+
+def _size(size: Any) -> tuple[int, int]:
+    if isinstance(size, str):
+        w, sep, h = size.lower().partition("x")
+        if sep and w.strip().isdigit() and h.strip().isdigit():
+            return int(w), int(h)
+        raise ValueError(f"size must be (width, height) or 'WxH', got {size!r}")
+    width, height = size
+    return int(width), int(height)
+
+
+def params_for(output: Output, params: JobParams) -> JobParams:
+    """The format that makes ``output`` cheap: PNG (lossless) for images, ``npy`` for arrays."""
+    fmt = params.get("output_format")
+    if output == "array":
+        if fmt not in (None, "npy"):
+            raise ValueError(f"output='array' comes from npy outputs, not {fmt!r}")
+        return {**params, "output_format": "npy"}
+    if output == "pil":
+        return {**params, "output_format": fmt or "png"}
+    if output != "bytes":
+        raise ValueError(f"output must be 'pil', 'array' or 'bytes', not {output!r}")
+    return params
