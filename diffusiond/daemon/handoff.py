@@ -87,7 +87,12 @@ class OutputSocket:
         assert self._server is not None
         loop = asyncio.get_running_loop()
         while True:
-            client, _ = await loop.sock_accept(self._server)
+            try:
+                client, _ = await loop.sock_accept(self._server)
+            except OSError as exc:  # out of fds, say: keep serving the connections we have
+                log.warning("output socket: accept failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
             uid = _peer_uid(client)
             if uid != os.getuid():
                 log.warning("output socket: refused uid %s (only the daemon's own user maps outputs)", uid)
