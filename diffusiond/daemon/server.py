@@ -133,8 +133,10 @@ async def run(config: DaemonConfig) -> int:
             output_socket = OutputSocket(engine, output_socket_path(unix_path))
             try:
                 await output_socket.start()
-            except OSError as exc:
-                raise StartupError(f"cannot create the output socket {output_socket.path}: {exc.strerror}") from None
+            except OSError as exc:  # zero-copy is an extra: clients fall back to HTTP without it
+                log.warning("no output socket at %s (%s): local clients will take outputs over HTTP",
+                            output_socket.path, exc.strerror or exc)
+                output_socket = None
         if config.tcp:
             host, _, port = config.tcp.rpartition(":")
             try:
