@@ -240,3 +240,14 @@ def test_an_output_spilled_out_of_shared_memory_comes_over_http(tmp_path: Path, 
         arrays = [a for h in handles for a in h.outputs("array")]
         assert len(arrays) == 16 and all(a.shape == (128, 128, 3) and a.dtype == np.uint8 for a in arrays)
         assert any(not a.flags.writeable for a in arrays), "the outputs still in the arena came by fd"
+
+
+def test_a_daemon_that_cannot_make_its_output_socket_still_serves_over_http(tmp_path: Path, model_cache: Path) -> None:
+    (tmp_path / "d.sock.out").mkdir()  # the path is taken by something that is not ours to remove
+    from diffusiond import Client
+
+    with shared_daemon(tmp_path, ["--model", "tiny"], model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        assert "no output socket at" in d.log()
+        with Client(str(d.socket)) as c:
+            [a] = c.generate("a lighthouse", seed=1, output="array")
+            assert a.shape == (128, 128, 3) and a.flags.writeable, "came over HTTP, into the client's memory"
