@@ -33,7 +33,7 @@ VIDEO = "video=synthetic:task=video,compute_ms=5"
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("zerocopy")
-    args = ["--model", "tiny", "--model", VIDEO, "--retention-s", "5", "--arena-mb", "64"]
+    args = ["--model", "tiny", "--model", VIDEO, "--arena-mb", "64"]
     with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
         yield d
 
@@ -106,21 +106,20 @@ def test_float_and_video_outputs_keep_their_dtype_and_shape(daemon: Daemon) -> N
         assert float(a.min()) >= 0.0 and float(a.max()) <= 1.0
 
 
-def test_the_array_outlives_the_jobs_retention_and_its_slot_returns_when_dropped(daemon: Daemon) -> None:
-    wait_for(lambda: arena_in_use(daemon) == 0, "an idle arena")
-    job = run_job(daemon, seed=5)
-    m = OutputMapper(str(daemon.socket))
-    a = m.array(job, 0)
-    copy = a.copy()
-    view = a[10:20]  # a view keeps the memory as the array does
-    del a
-    time.sleep(5.5)  # retention is 5 s
-    assert call(daemon, "GET", f"/v1/jobs/{job}")[0] == 404, "the job's record is gone"
-    assert arena_in_use(daemon) > 0, "the held output still has its slot"
-    assert np.array_equal(view, copy[10:20])
-    del view
-    wait_for(lambda: arena_in_use(daemon) == 0, "the slot to come back after the last array went")
-    m.close()
+def test_the_array_outlives_the_jobs_retention_and_its_slot_returns_when_dropped(
+        tmp_path: Path, model_cache: Path) -> None:
+    args = ["--model", "tiny", "--retention-s", "2"]
+    with shared_daemon(tmp_path, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d, OutputMapper(str(d.socket)) as m:
+        job = run_job(d, seed=5)
+        a = m.array(job, 0)
+        copy = a.copy()
+        view = a[10:20]  # a view keeps the memory as the array does
+        del a
+        wait_for(lambda: call(d, "GET", f"/v1/jobs/{job}")[0] == 404, "the job's retention to end")
+        assert arena_in_use(d) > 0, "the held output still has its slot"
+        assert np.array_equal(view, copy[10:20])
+        del view
+        wait_for(lambda: arena_in_use(d) == 0, "the slot to come back after the last array went")
 
 
 def test_an_output_is_delivered_once_and_other_errors_are_the_http_ones(daemon: Daemon) -> None:
