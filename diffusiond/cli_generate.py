@@ -229,7 +229,8 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
 async def _generate(client: AsyncClient, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:
     check_output_dir(args.output)
     fmt = choose_format(args.format, args.output)
-    job = await client.create_job(build_body(args, fmt))
+    job = await client.create_job(build_body(args, fmt), on_wait=lambda: print(
+        "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr))
     job_id = state.job_id = str(job["id"])
     bar.update_from_job(job)
     try:

@@ -31,6 +31,7 @@ when an output is asked for as an array or an image.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing, asynccontextmanager
@@ -76,6 +77,10 @@ _CHUNK = 256 * 1024
 _CONNECT_TIMEOUT_S = 30.0
 _RESUBSCRIBE = 3
 """How often ``wait`` re-opens an event stream the daemon closed before the job ended."""
+
+START_WAIT_S = 900.0
+"""How long a submit waits for a daemon that is still loading its models (the daemon's own
+default bound on a model load)."""
 
 _CANCEL_GRACE_S = 5.0
 """How long a cancel on the way out (an interrupt, a dropped handle, a timeout) may take."""
@@ -173,9 +178,33 @@ class AsyncClient:
             return parse_json(await resp.read(), resp.status)
 
     # jobs ----------------------------------------------------------------------------------
-    async def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Submit a job; returns it (``queued``) as soon as the daemon has admitted it."""
-        return await self._json("POST", "/v1/jobs", ok=(202,), json=body)
+    async def create_job(self, body: dict[str, Any], *, wait_start_s: float = START_WAIT_S,
+                         on_wait: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Submit a job; returns it (``queued``) as soon as the daemon has admitted it.
+
+        A daemon still loading its models answers 503: the job is offered again, every second,
+        for up to ``wait_start_s`` seconds while ``/ready`` says it is starting, so that
+        ``diffusiond serve &`` followed at once by a request works. ``on_wait`` is called once,
+        when the waiting begins. A daemon that is draining, or that failed to start, is an error
+        at once."""
+        deadline = time.monotonic() + wait_start_s
+        while True:
+            try:
+                return await self._json("POST", "/v1/jobs", ok=(202,), json=body)
+            except DaemonError as exc:
+                if exc.status != 503 or exc.code != ErrorCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
+                if not await self._starting():
+                    raise
+            if on_wait is not None:
+                on_wait()
+                on_wait = None
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    async def _starting(self) -> bool:
+        async with self._request("GET", "/ready", ok=(200, 503)) as resp:
+            body = parse_json(await resp.read(), resp.status)
+        return resp.status == 503 and body.get("reason") == "starting"
 
     async def job(self, job_id: str) -> dict[str, Any]:
         return await self._json("GET", f"/v1/jobs/{quote_id(job_id)}")

@@ -49,13 +49,18 @@ class Daemon:
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 120) -> None:
+    def spawn(self) -> None:
+        """Start the process and return at once (``start`` also waits until it is ready)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )
+
+    def start(self, timeout: float = 120) -> None:
+        self.spawn()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -35,6 +35,7 @@ class Faults:
     ``copy_delay_ms=N``: hold each copy N ms (makes an in-flight copy observable for drain tests).
     ``fail_copy``: every copy raises. ``exit_in_copy``: the process dies mid-copy.
     ``fail_start``: start-up fails after the model loaded (the worker must report it as FATAL).
+    ``load_delay_ms=N``: loading the model takes N ms longer (a daemon that is slow to get ready).
     ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
     outgoing frame of that kind on the wire.
     """
@@ -44,6 +45,7 @@ class Faults:
     fail_copy: bool = False
     exit_in_copy: bool = False
     fail_start: bool = False
+    load_delay_ms: int = 0
     frame: tuple[str, Kind] | None = None
 
     @classmethod
@@ -61,6 +63,8 @@ class Faults:
                 f.exit_in_copy = True
             elif key == "fail_start":
                 f.fail_start = True
+            elif key == "load_delay_ms":
+                f.load_delay_ms = int(value)
             elif key in FRAME_FAULTS:
                 try:
                     f.frame = (key, Kind[value.upper()])

@@ -181,6 +181,8 @@ class Worker:
         )
         self.channel.post(Hello(config.worker_id, os.getpid(), self.arena.capacity), [self.arena.fd])
         t0 = time.perf_counter()
+        if faults is not None and faults.load_delay_ms:
+            await asyncio.sleep(faults.load_delay_ms / 1000)
         try:
             pipeline = await asyncio.to_thread(self._load, config)
         except Exception as exc:
