@@ -16,7 +16,6 @@ machine, or of another user): use the HTTP npy stream, as ``diffusiond.Client`` 
 
 from __future__ import annotations
 
-import array
 import collections
 import mmap
 import os
@@ -27,7 +26,8 @@ import weakref
 import numpy as np
 
 from diffusiond.client_errors import ClientError, DaemonError
-from diffusiond.ipc.frames import MAX_FDS, FrameDecoder, FrameEncoder
+from diffusiond.ipc.channel import recv_with_fds
+from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.protocol import default_socket_path, output_socket_path
@@ -36,7 +36,6 @@ _PAGE = mmap.ALLOCATIONGRANULARITY
 # Map the pages in one go instead of one fault per 4 KiB page on first read: the memory is already
 # resident (the worker wrote it), so this only fills page tables, several times faster in bulk.
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_RECV = 64 * 1024
 
 
 class ZeroCopyUnavailable(ClientError):
@@ -103,12 +102,8 @@ class OutputMapper:
     def _receive(self) -> tuple[object, list[int]]:
         fds: list[int] = []
         while True:
-            data, ancdata, _flags, _addr = self._sock.recvmsg(_RECV, socket.CMSG_SPACE(MAX_FDS * 4))
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    got = array.array("i")
-                    got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-                    fds.extend(got)
+            data, got = recv_with_fds(self._sock)
+            fds.extend(got)
             if not data:
                 raise ConnectionResetError("the daemon closed the output socket")
             frames = self._decoder.feed(data)

@@ -105,10 +105,8 @@ class Outputs:
     @asynccontextmanager
     async def open(self, item: Item) -> AsyncIterator[OutputRead]:
         """Read one output; its slot stays pinned until the block ends."""
+        _check_ready(item)
         job = item.job
-        if not item.done:
-            raise OutputNotReady(f"output {item.index} of job {job.id} is not ready (job {job.status.value})",
-                                 stage=job.stage.label)
         if item.data is not None:
             yield OutputRead(b"", item.data)
             return
@@ -132,10 +130,8 @@ class Outputs:
         """Pin an npy output for a program on this machine that maps it: its descriptor, the fd
         of the sealed memory it lies in, and that memory's size. Counts as its one delivery: the
         slot goes back at ``unlease`` (the client dropped its arrays or hung up)."""
+        _check_ready(item)
         job = item.job
-        if not item.done:
-            raise OutputNotReady(f"output {item.index} of job {job.id} is not ready (job {job.status.value})",
-                                 stage=job.stage.label)
         if item.desc is None:
             if item.data is not None:
                 raise NotShared(f"output {item.index} of job {job.id} is not in shared memory (format "
@@ -261,6 +257,13 @@ class Outputs:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _check_ready(item: Item) -> None:
+    if not item.done:
+        job = item.job
+        raise OutputNotReady(f"output {item.index} of job {job.id} is not ready (job {job.status.value})",
+                             stage=job.stage.label)
 
 
 def _join(header: bytes, payload: memoryview) -> bytes:

@@ -169,17 +169,13 @@ class Channel:
     # receiving ------------------------------------------------------------------------------
     def _on_readable(self) -> None:
         try:
-            data, anc, _flags, _addr = self.sock.recvmsg(_RECV_BYTES, _ANC_SPACE)
+            data, fds = recv_with_fds(self.sock)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self.close(ChannelClosed(f"{self.name}: receive failed: {exc}"))
             return
-        for level, type_, payload in anc:
-            if level == socket.SOL_SOCKET and type_ == socket.SCM_RIGHTS:
-                received = array.array("i")
-                received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
-                self._in_fds.extend(received)
+        self._in_fds.extend(fds)
         if not data:
             self.close(ChannelClosed(f"{self.name}: peer closed the connection"))
             return
@@ -196,6 +192,19 @@ class Channel:
         except ProtocolError as exc:
             log.error("%s: %s", self.name, exc)
             self.close(exc)
+
+
+def recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One ``recvmsg``: the bytes, and the fds that came with them (SCM_RIGHTS), in order.
+    Also the blocking read of a peer that is not a ``Channel`` (``diffusiond.zerocopy``)."""
+    data, anc, _flags, _addr = sock.recvmsg(_RECV_BYTES, _ANC_SPACE)
+    fds: list[int] = []
+    for level, type_, payload in anc:
+        if level == socket.SOL_SOCKET and type_ == socket.SCM_RIGHTS:
+            received = array.array("i")
+            received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+            fds.extend(received)
+    return data, fds
 
 
 def _close_fds(fds: list[int]) -> None:
