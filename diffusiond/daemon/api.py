@@ -104,6 +104,11 @@ def peer_uid(request: web.Request) -> int | None:
     sock: socket.socket | None = request.transport.get_extra_info("socket") if request.transport else None
     if sock is None or sock.family != socket.AF_UNIX:
         return None
+    return socket_peer_uid(sock)
+
+
+def socket_peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return int(uid)

@@ -29,11 +29,10 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from diffusiond.daemon.api import status_of  # the status a client sees is the HTTP edge's, here too
+from diffusiond.daemon.api import socket_peer_uid, status_of  # the HTTP edge's rules, here too
 from diffusiond.daemon.errors import EngineError
 from diffusiond.daemon.jobs import Item
 from diffusiond.ipc.channel import Channel
@@ -93,7 +92,7 @@ class OutputSocket:
                 log.warning("output socket: accept failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            uid = _peer_uid(client)
+            uid = socket_peer_uid(client)
             if uid != os.getuid():
                 log.warning("output socket: refused uid %s (only the daemon's own user maps outputs)", uid)
                 client.close()
@@ -142,9 +141,3 @@ class _Connection:
             self.server.engine.end_lease(item)
         self.leases.clear()
         self.server._connections.discard(self)
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)

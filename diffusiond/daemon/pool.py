@@ -62,9 +62,9 @@ class Model:
     @property
     def state(self) -> ModelState:
         states = {w.state for w in self.workers}
-        for s in (ModelState.READY, ModelState.SLEEPING, ModelState.STARTING):
-            if WorkerState(s.value) in states:
-                return s
+        for best in (WorkerState.READY, WorkerState.SLEEPING, WorkerState.STARTING):
+            if best in states:
+                return ModelState(best.value)
         return ModelState.UNAVAILABLE
 
     def can_take_jobs(self) -> bool:
