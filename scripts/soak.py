@@ -55,6 +55,20 @@ def tree_stats(pid: int) -> dict[str, Any]:
     return {"daemon": proc_stats(pid), "workers": {k: proc_stats(k) for k in kids}}
 
 
+def settled_stats(pid: int) -> dict[str, Any]:
+    """``tree_stats`` once the daemon's fd count holds still: the server closes the socket of the
+    HTTP request that just asked whether it was idle a moment after the client did, so a single
+    read can count that connection (before and after must compare like with like)."""
+    stats = tree_stats(pid)
+    for _ in range(20):
+        time.sleep(0.1)
+        again = tree_stats(pid)
+        if again["daemon"]["fds"] == stats["daemon"]["fds"]:
+            return again
+        stats = again
+    return stats
+
+
 async def one(session: aiohttp.ClientSession, kind: str, seed: int, outcomes: Counter[str], errors: list[str]) -> None:
     body = {**BODY, "seed": seed}
     if kind in ("sync", "disconnect_sync"):
@@ -165,12 +179,12 @@ def main() -> int:
             time.sleep(0.2)
         asyncio.run(drive(sock, 40, 8, 60))  # warm-up: allocator, encoders, first batches
         asyncio.run(wait_idle(sock))
-        before = {"tree": tree_stats(proc.pid), "health": asyncio.run(health(sock))}
+        before = {"tree": settled_stats(proc.pid), "health": asyncio.run(health(sock))}
         outcomes, errors, elapsed, samples = asyncio.run(
             drive(sock, args.requests, args.concurrency, args.seconds, proc.pid))
         time.sleep(args.retention_s + 1.5)  # let never-fetched outputs reach the end of their retention
         idle = asyncio.run(wait_idle(sock))
-        after = {"tree": tree_stats(proc.pid), "health": idle}
+        after = {"tree": settled_stats(proc.pid), "health": idle}
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(120)
