@@ -43,7 +43,7 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace",
+    "slot_timeout_s", "stream_stall_s", "trace", "preview_decoder",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -133,6 +133,8 @@ def _add_serve(sub: Any) -> None:
     add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
     add("--trace", action="store_true", default=None,
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
+    add("--preview-decoder", metavar="PATH",
+        help="a diffusers AutoencoderTiny folder (TAESD) to draw previews with (default: linear latent factors)")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     p.set_defaults(func=None)
 

@@ -92,6 +92,9 @@ OutputMode = Literal["async", "sync"]
 OUTPUT_MODES: Final[tuple[OutputMode, ...]] = get_args(OutputMode)
 """``async``: the copy thread overlaps the next forward; ``sync``: the baseline that does not."""
 
+PREVIEW_FORMATS: Final[tuple[str, ...]] = ("jpeg", "webp", "png")
+"""What a preview may be encoded as: jpeg and webp for pages, png for terminals (kitty shows only PNG)."""
+
 # schedulers -------------------------------------------------------------------------------------
 
 SCHEDULERS: Final[tuple[str, ...]] = ("euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match")
@@ -160,6 +163,7 @@ class Event(enum.StrEnum):
     PROGRESS = "progress"
     DONE = "done"  # the job succeeded; the stream ends
     ERROR = "error"  # the job failed or was cancelled; the stream ends
+    PREVIEW = "preview"  # a cheap picture of one output while it denoises (requests with "preview")
 
 
 TERMINAL_EVENTS: Final[frozenset[Event]] = frozenset({Event.DONE, Event.ERROR})
@@ -193,6 +197,7 @@ class ErrorCode(enum.StrEnum):
     SLEEP_FAILED = "sleep_failed"
     WAKE_FAILED = "wake_failed"
     TRACE_OFF = "trace_off"
+    PREVIEW_NOT_FOUND = "preview_not_found"  # no preview of that output yet (or the job asked for none)
     NOT_SHARED = "not_shared"  # the output socket cannot hand this output out by fd: fetch it over HTTP
     # how a job ended, other than by succeeding
     CANCELLED = "cancelled"

@@ -103,6 +103,8 @@ def _body(s: Any, prompt: str, seed: int) -> dict[str, Any]:
         body["num_frames"] = s.frames
     if s.output_dtype != "uint8":
         body["output_dtype"] = s.output_dtype
+    if getattr(s, "preview_every", 0):  # the naive server has no previews; the daemon draws 256 px jpegs
+        body["preview"] = {"every": s.preview_every}
     return body
 
 

@@ -36,6 +36,8 @@ class Setup:
     batch_wait_ms: float
     rounds: int = 1
     trace: bool = False
+    previews: tuple[int, ...] = (0,)  # --preview-every: each daemon mode runs once per value (0: none)
+    preview_every: int = 0  # the value of the run being driven
 
 
 @dataclass

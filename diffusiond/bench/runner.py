@@ -71,6 +71,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="measure every mode this many times, the limit around each daemon run, since GPU speed "
                         "drifts (default: 3)")
+    p.add_argument("--preview-every", type=preview_list, default=(0,), metavar="N[,N...]",
+                   help="ask the daemon for a preview every N steps; several values (0 = none) run each daemon "
+                        "mode once per value, in the same rounds, to measure what previews cost (default: 0)")
     p.add_argument("--trace", action="store_true",
                    help="also say where the worker's time goes: forward and idle times, CUDA-timed on a GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -85,6 +88,16 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
     return value
+
+
+def preview_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected step counts like 0,1,5, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected step counts of 0 or more, like 0,1,5, got {text!r}")
+    return values
 
 
 def _setup(args: argparse.Namespace) -> Setup:
@@ -102,7 +115,8 @@ def _setup(args: argparse.Namespace) -> Setup:
     return Setup(model=args.model, device=device, dtype=dtype, width=width, height=height, steps=args.steps,
                  batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,
                  format=args.format, frames=args.frames, output_dtype=args.output_dtype, guidance=args.guidance,
-                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, rounds=args.rounds, trace=args.trace)
+                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, rounds=args.rounds, trace=args.trace,
+                 previews=args.preview_every)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,9 +165,12 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
             if limit:
                 log(f"round {k + 1}/{s.rounds}: limit")
                 runs.append(limit.measure(k))
-            for mode in daemon_modes if k % 2 == 0 else daemon_modes[::-1]:
-                log(f"round {k + 1}/{s.rounds}: {mode}")
-                runs.append(_result(mode, asyncio.run(drive_daemon(socks[mode], s, PROMPT)), k))
+            variants = [(mode, every) for mode in daemon_modes for every in s.previews]
+            for mode, every in variants if k % 2 == 0 else variants[::-1]:
+                name = f"{mode}+preview/{every}" if every else mode
+                log(f"round {k + 1}/{s.rounds}: {name}")
+                res = asyncio.run(drive_daemon(socks[mode], replace(s, preview_every=every), PROMPT))
+                runs.append(_result(name, res, k))
         if limit and len(modes) > 1:
             log("limit, closing the sequence")
             runs.append(limit.measure(s.rounds - 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import logging
@@ -27,7 +28,7 @@ from aiohttp import web
 from diffusiond.daemon import errors, views
 from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.errors import EngineError
-from diffusiond.daemon.jobs import Job
+from diffusiond.daemon.jobs import Job, Preview
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diffusiond.daemon.requests import parse_images, parse_job
 from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, ErrorCode, Event, JobStatus, ModelState
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SSE_HEARTBEAT_S = 15.0
+# The kernel's send buffer of an event stream (Linux doubles it). Unix sockets default to about
+# 208 KiB, which holds seconds of previews: a reader that lags would see old pictures, and none
+# would be dropped. Events are small; this holds a few previews, so a lagging reader's stream
+# backs up here, where the newest preview replaces the older one.
+SSE_SNDBUF = 16 << 10
 STREAM_CHUNK = 4 << 20
 
 # The status code of every domain error, by class (the most specific class listed wins).
@@ -159,14 +165,33 @@ async def delete_job(request: web.Request) -> web.Response:
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
-    job = request.app[ENGINE].get(request.match_info["job_id"])
+    engine = request.app[ENGINE]
+    job = engine.get(request.match_info["job_id"])
+    metrics = engine.metrics
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
+    sock: socket.socket | None = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and job.request.preview is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SNDBUF)
     await resp.prepare(request)
     # Rendered as it happens (a later render would show a later state), written as the client reads.
-    queue: asyncio.Queue[tuple[Event, bytes]] = asyncio.Queue()
+    # Previews are the exception: a reader that lags must not pile them up, so only the newest one
+    # of each output waits here (an int in the queue says which), and it is rendered when written.
+    queue: asyncio.Queue[tuple[Event, bytes | int]] = asyncio.Queue()
+    pending: dict[int, Preview] = {}
 
     def listener(e: Event, j: Job) -> None:
+        if e == Event.PREVIEW:
+            p = j.last_preview
+            if p is None:
+                return
+            if p.index in pending:
+                metrics.previews_dropped.inc()  # replaced before this reader got to it
+            else:
+                queue.put_nowait((e, p.index))
+            pending[p.index] = p
+            return
         queue.put_nowait((e, _sse(e, views.event(e, j))))
 
     job.listeners.add(listener)
@@ -176,17 +201,41 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             final = Event.DONE if job.status == JobStatus.SUCCEEDED else Event.ERROR
             await resp.write(_sse(final, views.job(job)))
             return resp
+        for item in job.items:  # ... and the latest previews
+            if item.preview is not None and item.index not in pending:
+                pending[item.index] = item.preview
+                queue.put_nowait((Event.PREVIEW, item.index))
         while True:
             try:
                 e, chunk = await asyncio.wait_for(queue.get(), SSE_HEARTBEAT_S)
             except TimeoutError:
                 await resp.write(b": keep-alive\n\n")
                 continue
+            if isinstance(chunk, int):
+                preview = pending.pop(chunk)
+                await resp.write(_sse(e, views.preview(job, preview)))
+                metrics.previews_sent.inc()
+                continue
             await resp.write(chunk)
             if e in TERMINAL_EVENTS:
                 return resp
     finally:
         job.listeners.discard(listener)
+
+
+async def job_preview(request: web.Request) -> web.Response:
+    """The latest preview of one output, as a file (what a page's <img> or a terminal shows)."""
+    engine = request.app[ENGINE]
+    preview = engine.preview(request.match_info["job_id"], _index(request.match_info["k"]))
+    return web.Response(body=preview.data, headers={
+        "Content-Type": FORMATS[preview.format].content_type, "Cache-Control": "no-store",
+        "X-Preview-Step": str(preview.step), "X-Preview-Total": str(preview.total)})
+
+
+def _index(raw: str) -> int:
+    """An output index from the path: ASCII digits only (int() would also take "-1", Python's last
+    item, " 1", "1_0" and non-ASCII digits); anything else is -1, which no output has."""
+    return int(raw) if raw.isascii() and raw.isdigit() else -1
 
 
 def _sse(e: Event, data: dict[str, Any]) -> bytes:
@@ -196,9 +245,7 @@ def _sse(e: Event, data: dict[str, Any]) -> bytes:
 async def job_output(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     job = engine.get(request.match_info["job_id"])
-    raw = request.match_info["k"]
-    # ASCII digits only: int() would also take "-1" (Python's last item), " 1", "1_0" and non-ASCII digits
-    k = int(raw) if raw.isascii() and raw.isdigit() else -1
+    k = _index(request.match_info["k"])
     headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
                "Content-Type": FORMATS[job.request.output_format].content_type}
     async with engine.open_output(job, k) as read:
@@ -307,6 +354,7 @@ def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
     app.router.add_delete("/v1/jobs/{job_id}", delete_job)
     app.router.add_get("/v1/jobs/{job_id}/events", job_events)
     app.router.add_get("/v1/jobs/{job_id}/outputs/{k}", job_output)
+    app.router.add_get("/v1/jobs/{job_id}/preview/{k}", job_preview)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

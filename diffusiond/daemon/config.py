@@ -77,6 +77,9 @@ class DaemonConfig:
     # Diagnostics: each worker keeps a timeline of its forwards and copies, with CUDA events on a
     # GPU, served at GET /v1/admin/trace (what `diffusiond bench --trace` reads).
     trace: bool = False
+    # A diffusers AutoencoderTiny folder that decodes previews for every model (a model's own
+    # ``preview_decoder`` option wins); without it, each model family's linear factors.
+    preview_decoder: str | None = None
     fault: str = ""  # test-only worker fault injection; empty in normal runs
 
     @property
@@ -110,6 +113,9 @@ class DaemonConfig:
             raise ConfigError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode {self.socket_mode:o} is not a permission mode (0000-0777)")
+        if self.preview_decoder and not Path(self.preview_decoder).expanduser().is_dir():
+            raise ConfigError(f"preview_decoder {self.preview_decoder!r} is not a folder; give a diffusers "
+                              "AutoencoderTiny folder (with its config.json), or leave it out for built-in previews")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
         if self.tcp and ":" not in self.tcp:

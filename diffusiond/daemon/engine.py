@@ -24,12 +24,21 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from diffusiond.daemon.config import DaemonConfig
-from diffusiond.daemon.errors import JobFinished, JobNotFound, NotAccepting, NoWorker, OutputNotFound, QueueFull
-from diffusiond.daemon.jobs import Item, Job, JobRequest
+from diffusiond.daemon.errors import (
+    JobFinished,
+    JobNotFound,
+    NotAccepting,
+    NoWorker,
+    OutputNotFound,
+    PreviewNotFound,
+    QueueFull,
+)
+from diffusiond.daemon.jobs import Item, Job, JobRequest, Preview
 from diffusiond.daemon.link import WorkerLink
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import OutputRead, Outputs
 from diffusiond.daemon.pool import Model, Spawn, WorkerPool, spawn_process
+from diffusiond.daemon.previews import Previews
 from diffusiond.daemon.scheduler import Scheduler, Wait
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
@@ -37,6 +46,7 @@ from diffusiond.ipc.messages import (
     ComputeDone,
     Execute,
     OutputReady,
+    PreviewReady,
     Progress,
     RequestEnded,
     RequestSpec,
@@ -77,6 +87,7 @@ class Engine:
         self.executor = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="encode")
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed)
+        self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
         self.accepting = False
         self.draining = False
         self.stopping = False
@@ -112,6 +123,7 @@ class Engine:
     async def stop(self) -> None:
         self.stopping = True
         await self.pool.stop()
+        self.previews.close()
         self.outputs.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
@@ -214,6 +226,16 @@ class Engine:
         finally:
             self.outputs.expire(job)
 
+    def preview(self, job_id: str, k: int) -> Preview:
+        """The latest preview of output ``k`` of a job."""
+        job = self.get(job_id)
+        item = self._item(job, k)
+        if item.preview is None:
+            why = ("it did not ask for previews" if job.request.preview is None
+                   else f"its first comes after step {job.request.preview.every}")
+            raise PreviewNotFound(f"output {k} of job {job_id} has no preview yet ({why})")
+        return item.preview
+
     def _item(self, job: Job, k: int) -> Item:
         if not 0 <= k < len(job.items):
             raise OutputNotFound(f"job {job.id} has outputs 0..{len(job.items) - 1}")
@@ -252,7 +274,8 @@ class Engine:
         req = items[0].job.request
         msg = Execute(batch.id, req.batch_params(), [
             RequestSpec(request_id=i.request_id, prompt=i.job.request.prompt, seed=i.seed,
-                        negative_prompt=i.job.request.negative_prompt) for i in items])
+                        negative_prompt=i.job.request.negative_prompt, **_preview_fields(i.job.request))
+            for i in items])
         try:
             worker.execute(msg)
         except Exception as exc:
@@ -307,6 +330,8 @@ class Engine:
             for job in self._jobs_of(batch.items if batch else ()):
                 job.progress = (msg.step, msg.total)
                 job.emit(Event.PROGRESS)
+        elif isinstance(msg, PreviewReady):
+            self.previews.deliver(worker, self.items.get(msg.request_id), msg)
         elif isinstance(msg, ComputeDone):
             batch = self.batches.get(msg.batch_id)
             if batch is None:
@@ -368,6 +393,14 @@ class Engine:
         else:
             job.emit(Event.STATUS)
             self._changed.set()
+
+    def _on_preview(self, item: Item) -> None:
+        job = item.job
+        job.last_preview = item.preview
+        try:
+            job.emit(Event.PREVIEW)
+        finally:
+            job.last_preview = None
 
     def _on_item_failed(self, item: Item, message: str, stage: Stage) -> None:
         self._end(item.job, JobStatus.FAILED, ErrorCode.OUTPUT_FAILED, message, stage=stage.label)
@@ -432,3 +465,9 @@ class Engine:
         for j in self.jobs.values():
             counts[j.status.value] += 1
         return counts
+
+
+def _preview_fields(req: JobRequest) -> dict[str, int]:
+    """The worker's share of a request's previews (encoding them is the engine's)."""
+    p = req.preview
+    return {} if p is None else {"preview_every": p.every, "preview_max_side": p.max_side}

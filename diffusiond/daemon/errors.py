@@ -68,6 +68,10 @@ class OutputNotFound(NotFound):
     default_code = ErrorCode.OUTPUT_NOT_FOUND
 
 
+class PreviewNotFound(NotFound):
+    default_code = ErrorCode.PREVIEW_NOT_FOUND
+
+
 class Conflict(EngineError):
     default_code = ErrorCode.JOB_FINISHED
 

@@ -29,6 +29,27 @@ Listener = Callable[[Event, "Job"], None]
 
 
 @dataclass(frozen=True)
+class PreviewSpec:
+    """What a request asked of previews: a picture every ``every`` steps, ``format``, at most
+    ``max_side`` pixels on its longer side."""
+
+    every: int
+    format: str = "jpeg"
+    max_side: int = 256
+
+
+@dataclass(frozen=True)
+class Preview:
+    """The latest preview of one output, encoded."""
+
+    index: int
+    step: int
+    total: int
+    format: str
+    data: bytes
+
+
+@dataclass(frozen=True)
 class JobRequest:
     """A validated request; what ``requests.parse_*`` produce and the engine consumes."""
 
@@ -47,6 +68,7 @@ class JobRequest:
     timeout_s: float | None = None
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
+    preview: PreviewSpec | None = None  # None: no previews (the default)
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -75,6 +97,7 @@ class Item:
     release_pending: bool = False  # released while pinned: give the slot back at the last unpin
     spilling: bool = False  # being copied out of the arena into ``data`` (arena pressure)
     enqueued_at: float = field(default_factory=time.monotonic)
+    preview: Preview | None = None  # the latest one (kept with the job, for GET .../preview/{k})
 
     @property
     def request_id(self) -> str:
@@ -102,6 +125,7 @@ class Job:
     listeners: set[Listener] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None
+    last_preview: Preview | None = None  # what a PREVIEW event is about, while it is emitted
 
     @property
     def terminal(self) -> bool:

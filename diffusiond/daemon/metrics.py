@@ -50,6 +50,12 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32), registry=self.registry)
         self.stage_seconds = Histogram("diffusiond_stage_seconds", "Time spent per stage", ["stage"],
                                        buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.previews_sent = Counter("diffusiond_previews_sent", "Preview events written to SSE streams",
+                                     registry=self.registry)
+        self.previews_dropped = Counter(
+            "diffusiond_previews_dropped",
+            "Previews replaced by a newer one before a stream (or the encoder) got to them",
+            registry=self.registry)
         self.worker_restarts = Counter("diffusiond_worker_restarts_total", "Workers replaced after they ended",
                                        ["model"], registry=self.registry)
 

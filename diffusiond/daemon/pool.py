@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.config import DaemonConfig, ModelConfig
@@ -150,10 +151,16 @@ class WorkerPool:
             arena_bytes=self.config.arena_mb << 20,
             slot_timeout_s=self.config.slot_timeout_s,
             drain_timeout_s=self.config.drain_grace_s,
-            options=dict(model.config.options),
+            options=self._options(model),
             trace_gpu=self.config.trace,
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
         )
+
+    def _options(self, model: Model) -> dict[str, str]:
+        """The model's options, with the daemon-wide preview decoder unless the model names its own."""
+        decoder = self.config.preview_decoder
+        extra = {"preview_decoder": str(Path(decoder).expanduser())} if decoder else {}
+        return {**extra, **model.config.options}
 
     def _env(self, device: str) -> dict[str, str]:
         """The log level, read before INIT arrives. CPU workers share the cores: each gets its

@@ -21,12 +21,13 @@ import msgspec
 
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.errors import OutputTooLarge, invalid
-from diffusiond.daemon.jobs import JobRequest
+from diffusiond.daemon.jobs import JobRequest, PreviewSpec
 from diffusiond.ipc.messages import Capabilities
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.protocol import (
     IMAGE_FORMATS,
     OUTPUT_DTYPES,
+    PREVIEW_FORMATS,
     SCHEDULERS,
     VIDEO_FORMATS,
     ErrorCode,
@@ -52,9 +53,16 @@ ModelResolver = Callable[[str | None], ModelLike]
 """The model a request names (None: the default one); raises ModelNotFound for an unknown name."""
 
 T = TypeVar("T")
+MIN_PREVIEW_SIDE, MAX_PREVIEW_SIDE = 16, 1024  # previews are glimpses; the output is the full picture
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
-_PATH = re.compile(r"`\$\.?([A-Za-z_][\w]*)")
+_PATH = re.compile(r"`\$\.?([A-Za-z_][\w.]*)")
 _FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")  # msgspec's wording
+
+
+class PreviewBody(msgspec.Struct, forbid_unknown_fields=True):
+    every: int = 1
+    format: str = "jpeg"
+    max_side: int = 256
 
 
 class JobBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -73,6 +81,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     fps: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    preview: PreviewBody | None = None
 
 
 class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,6 +97,7 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     seed: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    preview: PreviewBody | None = None  # extra_body in the openai client
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     quality: Any = None
     style: Any = None
@@ -201,6 +211,7 @@ def check(
                 f"{', '.join(schedulers_for(flow))}",
                 field="scheduler",
             )
+    preview = _preview(req.get("preview"), model, steps)
     elem = itemsize(dtype)
     out_bytes = req["n"] * (frames or 1) * width * height * 3 * elem
     if out_bytes > limits.max_output_bytes:
@@ -224,7 +235,27 @@ def check(
         timeout_s=timeout,
         output_dtype=cast(OutputDtype, dtype),  # checked above against OUTPUT_DTYPES
         scheduler=scheduler,
+        preview=preview,
     )
+
+
+def _preview(body: PreviewBody | None, model: ModelLike, steps: int) -> PreviewSpec | None:
+    """``preview`` of a request: every N steps (1..steps), a picture format, a side in pixels."""
+    if body is None:
+        return None
+    if not model.capabilities.previews:
+        raise invalid(f"model {model.name!r} cannot show previews (no preview decoder for its latents); "
+                      "leave out preview", field="preview")
+    every, fmt, side = body.every, body.format, body.max_side
+    if not 1 <= every <= steps:
+        raise invalid(f"preview.every must be between 1 and steps ({steps}), got {every}", field="preview.every")
+    if fmt not in PREVIEW_FORMATS:
+        raise invalid(f"preview.format must be one of {', '.join(PREVIEW_FORMATS)}, got {fmt!r}",
+                      field="preview.format")
+    if not MIN_PREVIEW_SIDE <= side <= MAX_PREVIEW_SIDE:
+        raise invalid(f"preview.max_side must be between {MIN_PREVIEW_SIDE} and {MAX_PREVIEW_SIDE}, got {side}",
+                      field="preview.max_side")
+    return PreviewSpec(every=every, format=fmt, max_side=side)
 
 
 def parse_job(body: bytes, limits: Limits, resolve_model: ModelResolver) -> JobRequest:

@@ -6,10 +6,11 @@ never formats anything for a client. docs/api.md describes these documents.
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any
 
 from diffusiond import __version__
-from diffusiond.daemon.jobs import Job
+from diffusiond.daemon.jobs import Job, Preview
 from diffusiond.daemon.link import WorkerLink
 from diffusiond.daemon.pool import PING_INTERVAL_S, Model
 from diffusiond.ipc.messages import Ack
@@ -26,6 +27,10 @@ def job_url(job_id: str) -> str:
 
 def output_url(job_id: str, k: int) -> str:
     return f"/v1/jobs/{job_id}/outputs/{k}"
+
+
+def preview_url(job_id: str, k: int) -> str:
+    return f"/v1/jobs/{job_id}/preview/{k}"
 
 
 def output_filename(job: Job, k: int) -> str:
@@ -61,6 +66,8 @@ def job(j: Job) -> dict[str, Any]:
             "output_format": r.output_format,
             "num_frames": r.num_frames,
             "seed": r.seed,
+            "preview": None if r.preview is None else {"every": r.preview.every, "format": r.preview.format,
+                                                       "max_side": r.preview.max_side},
         },
     }
 
@@ -70,6 +77,12 @@ def event(e: Event, j: Job) -> dict[str, Any]:
     if e == Event.PROGRESS:
         return {"step": j.progress[0], "total": j.progress[1]}
     return job(j)
+
+
+def preview(j: Job, p: Preview) -> dict[str, Any]:
+    """The data of a ``preview`` event: the picture inline (base64), and where the latest one is."""
+    return {"job_id": j.id, "index": p.index, "step": p.step, "total": p.total, "format": p.format,
+            "image": base64.b64encode(p.data).decode(), "url": preview_url(j.id, p.index)}
 
 
 def models(ms: list[Model]) -> dict[str, Any]:

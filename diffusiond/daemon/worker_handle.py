@@ -37,6 +37,7 @@ from diffusiond.ipc.messages import (
     Kind,
     OutputReady,
     Ping,
+    PreviewReady,
     Ready,
     Release,
     Shutdown,
@@ -265,7 +266,7 @@ class WorkerHandle:
             if self._ready_fut and not self._ready_fut.done():
                 self._ready_fut.set_exception(WorkerStartError(msg.message))
         else:
-            if isinstance(msg, OutputReady):
+            if isinstance(msg, OutputReady | PreviewReady):
                 self.held[msg.tensor.slot_id] = msg.tensor.nbytes
             self.on_frame(self, frame)
 

@@ -2,7 +2,7 @@
 
 Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE, PING.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
-dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT.
+dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
 
 Bodies carry descriptors and parameters, never bulk data: outputs live in the shared arena and
@@ -41,6 +41,7 @@ class Kind(enum.IntEnum):
     ACK = 38
     FATAL = 39
     SLOT_WAIT = 40
+    PREVIEW_READY = 41
     # local client -> engine, on the output socket
     FETCH = 64
     UNPIN = 65
@@ -88,6 +89,10 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str
     seed: int
     negative_prompt: str | None = None
+    # Previews (per request, not in the batch key: they never change the output, so a request
+    # that wants them still batches with one that does not). 0 = none.
+    preview_every: int = 0
+    preview_max_side: int = 0
 
 
 class Init(msgspec.Struct, frozen=True):
@@ -152,6 +157,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     num_frames_step: int = 1  # frame counts must be step*k + 1 (Wan 4, LTX 8)
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
+    previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -231,6 +237,18 @@ class SlotWait(msgspec.Struct, frozen=True):
     capacity: int
 
 
+class PreviewReady(msgspec.Struct, frozen=True):
+    """A small uint8 (H, W, 3) picture of one request after ``step`` of ``total`` steps, in an
+    arena slot the engine gives back (RELEASE) as soon as it has encoded it. Previews are best
+    effort: the worker sends none when its few preview slots are taken."""
+
+    request_id: str
+    batch_id: int
+    step: int
+    total: int
+    tensor: TensorDesc
+
+
 # The output socket: a program on the same machine takes an output by file descriptor -------------
 
 
@@ -285,6 +303,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Ack: Kind.ACK,
     Fatal: Kind.FATAL,
     SlotWait: Kind.SLOT_WAIT,
+    PreviewReady: Kind.PREVIEW_READY,
     Fetch: Kind.FETCH,
     Unpin: Kind.UNPIN,
     Lease: Kind.LEASE,

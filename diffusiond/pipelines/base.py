@@ -30,6 +30,7 @@ __all__ = [
     "Interrupted",
     "Pipeline",
     "PipelineError",
+    "PreviewSink",
     "RequestDefaults",
     "StepCallback",
     "Task",
@@ -41,6 +42,11 @@ __all__ = [
 # Called after each denoising step with (steps_done, total). Returning False stops the run at
 # that step; ``run`` then raises ``Interrupted``.
 StepCallback = Callable[[int, int], bool]
+
+# Called at the steps where requests asked for a preview, with (steps_done, total, pictures):
+# pictures pairs a request's index in the batch with its float [0, 1] (3, H, W) picture, still on
+# the device. It must only launch work and enqueue: it runs inside the denoising loop.
+PreviewSink = Callable[[int, int, list[tuple[int, torch.Tensor]]], None]
 
 
 class RequestDefaults(TypedDict, total=False):
@@ -78,8 +84,11 @@ class Pipeline(Protocol):
     dtype: torch.dtype
     capabilities: Capabilities
 
-    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback) -> list[torch.Tensor]:
-        """Run one batch; one float [0, 1] tensor per request, on ``self.device``."""
+    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback,
+            on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
+        """Run one batch; one float [0, 1] tensor per request, on ``self.device``. Pipelines whose
+        capabilities declare ``previews`` call ``on_preview`` every ``preview_every`` steps of a
+        request that asks for it (not at the last step: the output itself comes next)."""
         ...
 
     def sleep(self) -> None:

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from diffusiond import protocol
@@ -20,6 +21,7 @@ from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import (
     Interrupted,
     PipelineError,
+    PreviewSink,
     RequestDefaults,
     StepCallback,
     Task,
@@ -27,6 +29,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
+from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.protocol import FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
 
 __all__ = ["FLOW_SCHEDULERS", "SCHEDULERS", "DiffusersPipeline", "check_frames", "task_for_class"]
@@ -211,6 +214,8 @@ class DiffusersPipeline:
                 raise PipelineError(f"cpu_offload=1 needs the accelerate package: {exc}") from exc
         else:
             pipe.to(self.device)
+        self._previewer: Previewer | None = make_previewer(pipe, options.get("preview_decoder", ""), self.device, dtype)
+        self.capabilities = msgspec.structs.replace(self.capabilities, previews=self._previewer is not None)
 
     @property
     def pipe(self) -> Any:
@@ -238,7 +243,8 @@ class DiffusersPipeline:
             self._schedulers[short] = cached
         return cached
 
-    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback) -> list[torch.Tensor]:
+    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback,
+            on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
         """One diffusers call for the whole batch: one forward per step serves every request."""
         if not requests:
             return []
@@ -265,8 +271,16 @@ class DiffusersPipeline:
             check_frames(self.name, self.capabilities.num_frames_step, params.num_frames)
             kwargs[self._frames_arg] = params.num_frames
 
+        previewer = self._previewer if on_preview is not None else None
+        wants = [(k, r.preview_every, r.preview_max_side) for k, r in enumerate(requests) if r.preview_every > 0]
+
         def step_end(p: Any, i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             total = int(getattr(p, "_num_timesteps", 0) or params.steps)
+            due = [(k, side) for k, every, side in wants if (i + 1) % every == 0 and i + 1 < total]
+            if previewer is not None and due and isinstance(tensors.get("latents"), torch.Tensor):
+                assert on_preview is not None
+                pictures = previewer(tensors["latents"], [k for k, _ in due], params, [s for _, s in due])
+                on_preview(i + 1, total, [(k, pic) for (k, _), pic in zip(due, pictures, strict=True)])
             if not on_step(i + 1, total):
                 # Raising (rather than setting ``_interrupt``) also skips the VAE decode: diffusers
                 # pipelines that honour ``_interrupt`` still decode the half-denoised latents.

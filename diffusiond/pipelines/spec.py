@@ -32,6 +32,7 @@ KNOWN_OPTIONS = frozenset(
         "cpu_offload",  # "1": enable_model_cpu_offload (accelerator devices only)
         "vae_tiling",  # "1": decode large images in tiles
         "vae_slicing",  # "1": decode a batch one image at a time
+        "preview_decoder",  # a diffusers AutoencoderTiny folder for previews (else the family's factors)
         "pipeline_class",  # single-file checkpoints: diffusers class to load it with
         "config",  # single-file checkpoints: local diffusers folder or hub id with the configs
         "local_files_only",  # "1": hub ids: never touch the network, only the HF cache

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
-from diffusiond.pipelines.base import Interrupted, PipelineError, StepCallback, Task
+from diffusiond.pipelines.base import Interrupted, PipelineError, PreviewSink, StepCallback, Task
 
 DEFAULT_COMPUTE_MS = 20.0
 # Outputs are bilinear upsamplings of a coarse random grid: image-like smoothness gives encoders a
@@ -132,7 +132,8 @@ class SyntheticPipeline:
             return 0
         return max(1, round(self.compute_ms / self.ms_per_matmul))
 
-    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback) -> list[torch.Tensor]:
+    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback,
+            on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
         """Spend the calibrated work over the steps, then make each request's output from its seed."""
         if self._asleep:
             raise PipelineError(f"model {self.name} is asleep; wake it before running")

@@ -20,7 +20,7 @@ import torch
 
 from diffusiond.ipc.messages import Ack, ComputeDone, EndStatus, Execute, Fatal, Kind, Progress, RequestEnded
 from diffusiond.pipelines.base import Interrupted, Pipeline
-from diffusiond.worker.copier import Copier, CopyJob
+from diffusiond.worker.copier import Copier, CopyJob, PreviewJob
 from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,28 @@ class ComputeThread:
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
             return not self.state.all_cancelled(live_ids)
 
+        def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
+            """Inside the denoising loop: launch the uint8 conversion, mark it, hand it over. The
+            copy thread waits for the mark; this thread goes straight on to the next step."""
+            for k, picture in pictures:
+                request_id = live[k].request_id
+                if not self.copier.preview_room() or self.state.is_cancelled(request_id):
+                    self.copier.previews_skipped += 1
+                    continue
+                event = None
+                if self.cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                job = PreviewJob(batch.batch_id, request_id, step, total, picture, event)
+                self.copier.submit(job)
+
         self.state.record("compute_start", batch.batch_id)
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():  # no autograd bookkeeping: less host time per kernel launch
-                outputs = self.pipeline.run(batch.params, live, on_step)
+                outputs = self.pipeline.run(batch.params, live, on_step,
+                                            on_preview if any(r.preview_every for r in live) else None)
         except Interrupted as exc:
             for rid in live_ids:
                 self._end(batch.batch_id, rid, "cancelled", f"cancelled during compute ({exc})")

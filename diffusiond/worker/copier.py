@@ -8,6 +8,12 @@ their copies are done, so the caching allocator cannot hand their memory to the 
 
 On CPU the same code runs with plain copies. In ``sync`` output mode the compute thread calls
 ``process`` itself before its next forward (the "async off" baseline).
+
+Previews (``PreviewJob``) take the same road, smaller: the compute thread's step callback marks
+the projected picture with an event and enqueues it; this thread converts and copies it into an
+arena slot and sends PREVIEW_READY. At most ``PREVIEW_SLOTS`` previews are queued or held by the
+engine at once, and a preview never waits for room (``try_allocate`` only): previews are dropped,
+outputs are never starved of slots.
 """
 
 from __future__ import annotations
@@ -25,13 +31,26 @@ import torch
 
 from diffusiond.ipc.arena import Arena, DedicatedBuffer
 from diffusiond.ipc.errors import ArenaFull, SlotTooLarge
-from diffusiond.ipc.messages import BatchParams, EndStatus, OutputReady, RequestEnded, RequestSpec, SlotWait
+from diffusiond.ipc.messages import (
+    BatchParams,
+    EndStatus,
+    OutputReady,
+    PreviewReady,
+    RequestEnded,
+    RequestSpec,
+    SlotWait,
+)
 from diffusiond.ipc.tensors import TensorDesc, describe, nbytes_of, write_tensor
 from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
 
 Post = Callable[..., None]  # Channel.post_threadsafe
+
+# Previews queued here or held by the engine (until it has encoded them), per worker. A preview
+# is small (256 px: 192 KiB as uint8) and the engine frees it within milliseconds, so a few
+# cover every request of a batch; beyond them previews are skipped, never waited for.
+PREVIEW_SLOTS = 16
 
 
 @dataclass
@@ -41,6 +60,16 @@ class CopyJob:
     requests: list[RequestSpec]
     outputs: list[torch.Tensor]
     event: torch.cuda.Event | None  # recorded after the forward; None on CPU
+
+
+@dataclass
+class PreviewJob:
+    batch_id: int
+    request_id: str
+    step: int
+    total: int
+    picture: torch.Tensor | None  # float [0, 1] (3, H, W) on the device, until copied
+    event: torch.cuda.Event | None  # recorded after the projection; None on CPU
 
 
 def to_output_layout(out: torch.Tensor, output_dtype: str) -> torch.Tensor:
@@ -101,23 +130,72 @@ class Copier:
         self.dedicated: dict[int, int] = {}  # slot id -> bytes, until the engine releases it
         self._next_dedicated = 1 << 40  # ids that can never collide with arena slot ids
         self._lock = threading.Lock()
-        self.queue: queue.Queue[CopyJob] = queue.Queue()
+        self._previews = 0  # queued or held by the engine (bounded by PREVIEW_SLOTS)
+        self._preview_slots: set[int] = set()
+        self.previews_skipped = 0  # no room: the engine had not given enough preview slots back
+        self.queue: queue.Queue[CopyJob | PreviewJob] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="copy", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, job: CopyJob) -> None:
+    def submit(self, job: CopyJob | PreviewJob) -> None:
+        if isinstance(job, PreviewJob):
+            with self._lock:
+                self._previews += 1
         self.state.copy_queued()
         self.queue.put(job)
+
+    def preview_room(self) -> bool:
+        """Whether one more preview may be queued (the compute thread asks before enqueueing)."""
+        with self._lock:
+            return self._previews < PREVIEW_SLOTS
 
     def _run(self) -> None:
         while True:  # a daemon thread: it ends with the process
             job = self.queue.get()
             try:
-                self.process(job)
+                if isinstance(job, PreviewJob):
+                    self.process_preview(job)
+                else:
+                    self.process(job)
             finally:
                 self.state.copy_done()
+
+    def process_preview(self, job: PreviewJob) -> None:
+        """Copy one preview into a slot of its own and announce it; on any trouble, skip it."""
+        picture, job.picture = job.picture, None
+        posted = False
+        try:
+            if picture is None or self.state.is_cancelled(job.request_id):
+                return
+            if self.stream is not None and job.event is not None:
+                self.stream.wait_event(job.event)
+            ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+            with ctx, torch.inference_mode():
+                host = to_output_layout(picture, "uint8")
+                slot = self.arena.try_allocate(nbytes_of(host))
+                if slot is None:
+                    self.previews_skipped += 1
+                    return
+                try:
+                    write_tensor(self.arena.buffer(slot), host, non_blocking=self.cuda)
+                    self._sync()
+                except BaseException:
+                    self.arena.release(slot.id)
+                    raise
+            with self._lock:
+                self._preview_slots.add(slot.id)
+            desc = describe(host, slot.id, slot.offset)
+            self.post(PreviewReady(job.request_id, job.batch_id, job.step, job.total, desc))
+            posted = True
+        except Exception:
+            log.exception("preview of %s at step %d failed; skipped", job.request_id, job.step)
+        finally:
+            del picture  # after _sync: the side stream is done reading it
+            if not posted:
+                with self._lock:
+                    self._previews -= 1
 
     def process(self, job: CopyJob) -> None:
         self.state.record("copy_start", job.batch_id)
@@ -202,6 +280,9 @@ class Copier:
         with self._lock:
             if self.dedicated.pop(slot_id, None) is not None:
                 return
+            if slot_id in self._preview_slots:
+                self._preview_slots.discard(slot_id)
+                self._previews -= 1
         self.arena.release(slot_id)
 
     @property

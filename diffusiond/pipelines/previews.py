@@ -1,0 +1,179 @@
+"""Preview decoders: the picture a request is turning into, from its latents, for a few microseconds.
+
+The full VAE decode costs about as much as several denoising steps, so a preview never uses it.
+The default is the model family's published linear latent -> RGB factors (``preview_factors``):
+one small matmul at latent resolution. A diffusers ``AutoencoderTiny`` folder (TAESD and its
+kin, ``serve --preview-decoder PATH``) gives sharper pictures for a little more.
+
+Both take the latents diffusers' step callback hands out, whatever their layout (images
+``(B, C, h, w)``; Wan videos ``(B, C, F, h, w)``; Flux and LTX pack theirs into tokens
+``(B, S, D)``), and return one float [0, 1] ``(3, H, W)`` picture per asked request, on the
+latents' device, scaled so the longer side is the request's ``max_side`` or the output's own,
+whichever is smaller. Videos are previewed by their first frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from diffusiond.ipc.messages import BatchParams
+from diffusiond.pipelines import preview_factors as pf
+from diffusiond.pipelines.errors import PipelineError
+
+FAMILIES: dict[str, tuple[tuple[pf.Row, ...], pf.Row]] = {
+    "sd15": (pf.SD15, pf.SD15_BIAS),
+    "sdxl": (pf.SDXL, pf.SDXL_BIAS),
+    "flux": (pf.FLUX, pf.FLUX_BIAS),
+    "wan": (pf.WAN, pf.WAN_BIAS),
+    "ltx": (pf.LTX, pf.LTX_BIAS),
+}
+
+
+def family_of(pipe: Any) -> str | None:
+    """The latent family of a diffusers pipeline, or None when no factors are known for it.
+
+    By class name, then checked against the VAE's latent channels: a fine-tune with another VAE
+    would otherwise get pictures made of the wrong factors."""
+    name = type(pipe).__name__
+    family = (
+        "flux" if name.startswith("Flux")
+        else "wan" if name.startswith("Wan")
+        else "ltx" if name.startswith("LTX")
+        else "sdxl" if name.startswith("StableDiffusionXL")
+        else "sd15" if name.startswith("StableDiffusion") and not name.startswith("StableDiffusion3")
+        else None
+    )
+    if family is None:
+        return None
+    channels = getattr(getattr(getattr(pipe, "vae", None), "config", None), "latent_channels", None)
+    return family if channels in (None, len(FAMILIES[family][0])) else None
+
+
+class Previewer(Protocol):
+    def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams,
+                 max_sides: Sequence[int]) -> list[torch.Tensor]:
+        """One float [0, 1] (3, H, W) picture per index of ``latents``' batch."""
+        ...
+
+
+def preview_size(params: BatchParams, max_side: int) -> tuple[int, int]:
+    """(H, W) of a preview: the output's aspect, the longer side ``max_side`` at most."""
+    longer = max(params.width, params.height)
+    scale = min(1.0, max_side / longer)
+    return max(1, round(params.height * scale)), max(1, round(params.width * scale))
+
+
+def unpack_flux(latents: torch.Tensor, params: BatchParams, vae_scale_factor: int) -> torch.Tensor:
+    """Flux's (B, h/2 * w/2, 4C) tokens -> (B, C, h, w): the inverse of ``FluxPipeline._pack_latents``."""
+    b, _seq, d = latents.shape
+    h = 2 * (params.height // (vae_scale_factor * 2))
+    w = 2 * (params.width // (vae_scale_factor * 2))
+    x = latents.view(b, h // 2, w // 2, d // 4, 2, 2)
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
+def unpack_ltx(latents: torch.Tensor, frames: int, height: int, width: int, p: int, pt: int) -> torch.Tensor:
+    """LTX's (B, F/pt * h/p * w/p, C*pt*p*p) tokens -> (B, C, F, h, w) (``LTXPipeline._pack_latents``
+    inverted); ``frames``, ``height``, ``width`` are latent sizes."""
+    b = latents.shape[0]
+    x = latents.reshape(b, frames // pt, height // p, width // p, -1, pt, p, p)
+    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, -1, frames, height, width)
+
+
+class _Spatial:
+    """Brings a family's step-callback latents to (n, C, h, w) for the asked indices."""
+
+    def __init__(self, pipe: Any, family: str | None) -> None:
+        self.pipe = pipe
+        self.family = family
+
+    def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams) -> torch.Tensor:
+        x = latents[list(indices)]
+        if x.dim() == 3:  # packed tokens
+            if self.family == "flux":
+                x = unpack_flux(x, params, int(getattr(self.pipe, "vae_scale_factor", 8)))
+            elif self.family == "ltx":
+                pipe = self.pipe
+                ts = int(getattr(pipe, "vae_temporal_compression_ratio", 8))
+                ss = int(getattr(pipe, "vae_spatial_compression_ratio", 32))
+                frames = ((params.num_frames or 1) - 1) // ts + 1
+                x = unpack_ltx(x, frames, params.height // ss, params.width // ss,
+                               int(getattr(pipe, "transformer_spatial_patch_size", 1)),
+                               int(getattr(pipe, "transformer_temporal_patch_size", 1)))
+            else:
+                raise PipelineError(f"previews: packed latents of shape {tuple(latents.shape)} from an unknown family")
+        if x.dim() == 5:  # (n, C, F, h, w): the first frame
+            x = x[:, :, 0]
+        return x
+
+
+def _resize(rgb: torch.Tensor, params: BatchParams, max_sides: Sequence[int]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    cache: dict[tuple[int, int], torch.Tensor] = {}
+    for k, side in enumerate(max_sides):
+        size = preview_size(params, side)
+        if size not in cache:  # requests of a batch mostly ask for the same size: one interpolate
+            down = size[0] < rgb.shape[-2]
+            cache[size] = F.interpolate(rgb, size=size, mode="bilinear", align_corners=False, antialias=down)
+        out.append(cache[size][k])
+    return out
+
+
+class LinearPreviewer:
+    """The family's published factors: ``rgb = latents . factors + bias``, mapped from [-1, 1]."""
+
+    def __init__(self, pipe: Any, family: str) -> None:
+        factors, bias = FAMILIES[family]
+        self.family = family
+        self.spatial = _Spatial(pipe, family)
+        self._weight = torch.tensor(factors, dtype=torch.float32)  # (C, 3)
+        self._bias = torch.tensor(bias, dtype=torch.float32)
+        self._on: torch.device | None = None
+
+    def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams,
+                 max_sides: Sequence[int]) -> list[torch.Tensor]:
+        x = self.spatial(latents, indices, params).float()
+        if self._on != x.device:  # moved once, not per step
+            self._weight, self._bias, self._on = self._weight.to(x.device), self._bias.to(x.device), x.device
+        rgb = torch.einsum("nchw,cr->nrhw", x, self._weight) + self._bias.view(1, 3, 1, 1)
+        rgb = ((rgb + 1) / 2).clamp(0, 1)
+        return _resize(rgb, params, max_sides)
+
+
+class TinyAutoencoderPreviewer:
+    """A diffusers ``AutoencoderTiny`` (TAESD, TAESDXL, TAEF1, ...) decodes the latents at 1/8 of
+    the VAE's cost; its latent channels must match the model's."""
+
+    def __init__(self, pipe: Any, path: str, device: torch.device, dtype: torch.dtype) -> None:
+        try:
+            from diffusers import AutoencoderTiny
+
+            vae = AutoencoderTiny.from_pretrained(path, torch_dtype=dtype)
+        except Exception as exc:
+            raise PipelineError(f"--preview-decoder {path}: not a diffusers AutoencoderTiny folder ({exc})") from exc
+        self.vae = vae.to(device).eval()
+        self.dtype = dtype
+        self.spatial = _Spatial(pipe, family_of(pipe))
+        want = getattr(getattr(getattr(pipe, "vae", None), "config", None), "latent_channels", None)
+        have = self.vae.config.latent_channels
+        if want is not None and want != have:
+            raise PipelineError(f"--preview-decoder {path} decodes {have}-channel latents; the model makes {want}")
+
+    def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams,
+                 max_sides: Sequence[int]) -> list[torch.Tensor]:
+        x = self.spatial(latents, indices, params).to(self.dtype)
+        rgb = self.vae.decode(x, return_dict=False)[0].float()  # [-1, 1], diffusers' convention
+        return _resize(((rgb + 1) / 2).clamp(0, 1), params, max_sides)
+
+
+def make_previewer(pipe: Any, decoder: str, device: torch.device, dtype: torch.dtype) -> Previewer | None:
+    """The previewer for ``pipe``: the tiny autoencoder at ``decoder`` if given, else the family's
+    factors; None when neither fits (the model then declares no previews)."""
+    if decoder:
+        return TinyAutoencoderPreviewer(pipe, decoder, device, dtype)
+    family = family_of(pipe)
+    return LinearPreviewer(pipe, family) if family else None
