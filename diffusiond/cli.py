@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
+    g.add_argument("--preview", nargs="?", const=1, type=positive_int, metavar="N",
+                   help="show the picture every N steps (default 1) while it forms, in terminals that show images "
+                        "(kitty, iTerm2, WezTerm); elsewhere nothing extra")
     g.add_argument("--json", action="store_true", help="print one JSON object with the job and the files")
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffusiond.cli_preview import PREVIEW_FORMAT, PreviewPane, pane_for
 from diffusiond.cli_progress import ProgressBar
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout
 from diffusiond.protocol import FORMAT_OF_CONTENT_TYPE, FORMAT_OF_SUFFIX, FORMATS, Event, JobStatus
@@ -116,9 +117,12 @@ def check_output_dir(output: str | None) -> None:
         raise UsageError(f"directory {str(parent)!r} for -o does not exist")
 
 
-def build_body(args: argparse.Namespace, fmt: str | None) -> dict[str, Any]:
-    """The POST /v1/jobs body with only what the user gave, so the daemon's defaults stay in charge."""
+def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | None = None) -> dict[str, Any]:
+    """The POST /v1/jobs body with only what the user gave, so the daemon's defaults stay in charge.
+    Previews only when ``pane`` can show them: nobody would see them otherwise."""
     body: dict[str, Any] = {"prompt": args.prompt}
+    if pane is not None and getattr(args, "preview", None):
+        body["preview"] = {"every": args.preview, "format": PREVIEW_FORMAT[pane.protocol]}
     if args.size is not None:
         body["width"], body["height"] = args.size
     for key, value in (
@@ -147,11 +151,15 @@ def describe_failure(job: dict[str, Any]) -> str:
     return f"{message} (stage: {stage})" if stage else message
 
 
-async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: float | None = None) -> dict[str, Any]:
-    """Wait for the job's end through its events, drawing progress; returns the final job."""
+async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: float | None = None,
+                 pane: PreviewPane | None = None) -> dict[str, Any]:
+    """Wait for the job's end through its events, drawing progress (and previews); returns the final job."""
 
     def draw(name: str, data: dict[str, Any]) -> None:
-        if name == Event.PROGRESS:
+        if name == Event.PREVIEW:
+            if pane is not None:
+                pane.show(data)
+        elif name == Event.PROGRESS:
             step, total = data.get("step"), data.get("total")
             steps = (step if isinstance(step, int) else None, total if isinstance(total, int) else None)
             bar.update(*steps, stage="computing")  # steps only come while computing
@@ -229,12 +237,13 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
 async def _generate(client: AsyncClient, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:
     check_output_dir(args.output)
     fmt = choose_format(args.format, args.output)
-    job = await client.create_job(build_body(args, fmt), on_wait=lambda: print(
+    pane = pane_for(sys.stderr) if getattr(args, "preview", None) else None
+    job = await client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
         "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr))
     job_id = state.job_id = str(job["id"])
     bar.update_from_job(job)
     try:
-        job = await follow(client, job_id, bar, None if args.timeout is None else args.timeout + CLIENT_GRACE_S)
+        job = await follow(client, job_id, bar, None if args.timeout is None else args.timeout + CLIENT_GRACE_S, pane)
     except ClientTimeout:
         bar.close()
         confirmed = await cancel_quietly(client, job_id) is not None

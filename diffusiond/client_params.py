@@ -28,6 +28,7 @@ class JobParams(TypedDict, total=False):
     scheduler: str
     timeout_s: float
     model: str
+    preview: dict[str, Any]  # {"every": N, "format": "jpeg"|"webp"|"png", "max_side": 256}: preview events
 
 
 def job_body(prompt: str, params: JobParams) -> dict[str, Any]:

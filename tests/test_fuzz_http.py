@@ -165,10 +165,10 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
     st.text(max_size=8), inner, max_size=4), max_leaves=8)
 
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
-              "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler"]
+              "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "preview"]
 IMAGE_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                 "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "quality", "style",
-                "user", "background", "moderation", "output_compression", "stream", "partial_images"]
+                "user", "background", "moderation", "output_compression", "stream", "partial_images", "preview"]
 # plausible values per field, so that many bodies get past decoding into the range checks
 PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "prompt": st.text(max_size=30) | st.sampled_from(["a fox", " ", "x" * 10_001]),
@@ -189,6 +189,11 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "timeout_s": st.sampled_from([0, 0.0001, 0.001, 0.01, 5.0, -1.0, 1e9, math.nan]),
     "scheduler": st.sampled_from(["euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match", "bogus", ""]),
     "response_format": st.sampled_from(["b64_json", "url", "file", ""]),
+    "preview": st.fixed_dictionaries({}, optional={
+        "every": st.integers(min_value=-1, max_value=10) | values,
+        "format": st.sampled_from(["jpeg", "webp", "png", "gif", "JPEG", ""]) | values,
+        "max_side": st.sampled_from([0, 15, 16, 64, 256, 1024, 1025, -1]) | values,
+    }) | values,
 }
 
 
@@ -241,6 +246,11 @@ def within_limits(job: dict[str, Any]) -> None:
     assert 1 <= r["steps"] <= LIMITS["max_steps"], job
     assert r["num_frames"] is None or 1 <= r["num_frames"] <= LIMITS["max_frames"], job
     assert job["model"] in MODELS and r["prompt"].strip(), job
+    p = r["preview"]
+    if p is not None:
+        assert job["model"] == "tiny", job  # the synthetic models have no preview decoder
+        assert 1 <= p["every"] <= r["steps"] and p["format"] in ("jpeg", "webp", "png"), job
+        assert 16 <= p["max_side"] <= 1024, job
 
 
 # fuzz tests -----------------------------------------------------------------------------------
@@ -277,12 +287,13 @@ def test_fuzz_garbage_bodies(sock: Path, data: bytes, path: str, content_type: s
     cancel_if_accepted(sock, status, answer)
 
 
-SEGMENTS = ["v1", "jobs", "images", "generations", "models", "outputs", "events", "admin", "health", "metrics",
-            "0", "1", "-1", "99999999999999999999", "..", ".", "%2e%2e", "..%2F..%2Fetc", "%2F", "%00", "etc",
-            "passwd", "j_0000000000000000", "", "~", "%", "%zz", "%ff", "?", "#", ";", "*"]
+SEGMENTS = ["v1", "jobs", "images", "generations", "models", "outputs", "events", "preview", "admin", "health",
+            "metrics", "0", "1", "-1", "99999999999999999999", "..", ".", "%2e%2e", "..%2F..%2Fetc", "%2F", "%00",
+            "etc", "passwd", "j_0000000000000000", "", "~", "%", "%zz", "%ff", "?", "#", ";", "*"]
 
 
-ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/outputs/{k}", "/v1/models",
+ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/outputs/{k}",
+          "/v1/jobs/{id}/preview/{k}", "/v1/models",
           "/v1/images/generations", "/v1/admin/{k}"]
 
 

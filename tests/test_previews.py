@@ -122,26 +122,23 @@ async def test_a_reader_that_stops_reading_does_not_hold_the_job_and_gets_the_la
         sent0 = await _metric(s, "diffusiond_previews_sent_total")
         steps = 12
         job = await submit(s, _body(steps=steps, preview={"every": 1, "format": "png"}))
-        async with aiohttp.UnixConnector(path=str(previews_daemon.socket)) as conn, \
-                aiohttp.ClientSession(connector=conn, base_url="http://diffusiond",
-                                      read_bufsize=2**16) as slow:
-            async with slow.get(f"/v1/jobs/{job['id']}/events") as stream:
-                assert stream.status == 200
-                final = await wait_job(s, job["id"], timeout=300)  # while the stream is not read at all
-                assert final["status"] == "succeeded"
-                async with s.get(f"/v1/jobs/{job['id']}/preview/0") as r:
-                    assert r.status == 200
-                    latest_step = int(r.headers["X-Preview-Step"])
-                events = []
-                name = None
-                async for raw in stream.content:
-                    line = raw.decode().rstrip("\n")
-                    if line.startswith("event: "):
-                        name = line[7:]
-                    elif line.startswith("data: ") and name:
-                        events.append((name, json.loads(line[6:])))
-                        if name == "done":
-                            break
+        async with http(previews_daemon.socket) as slow, slow.get(f"/v1/jobs/{job['id']}/events") as stream:
+            assert stream.status == 200
+            final = await wait_job(s, job["id"], timeout=300)  # while the stream is not read at all
+            assert final["status"] == "succeeded"
+            async with s.get(f"/v1/jobs/{job['id']}/preview/0") as r:
+                assert r.status == 200
+                latest_step = int(r.headers["X-Preview-Step"])
+            events = []
+            name = None
+            async for raw in stream.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: ") and name:
+                    events.append((name, json.loads(line[6:])))
+                    if name == "done":
+                        break
         previews = [d["step"] for n, d in events if n == "preview"]
         assert events[-1][0] == "done"
         assert previews and previews[-1] == latest_step == steps - 1, (previews, latest_step)
@@ -189,7 +186,7 @@ async def test_the_openai_endpoint_takes_preview_in_extra_body(previews_daemon: 
         async with s.post("/v1/images/generations", json=body) as r:
             out = await r.json()
             assert r.status == 200, out
-        status, job = await get(s, f"/v1/jobs/{out['job_id']}")
+        _, job = await get(s, f"/v1/jobs/{out['job_id']}")
         assert job["request"]["preview"] == {"every": 1, "format": "jpeg", "max_side": 256}
         async with s.get(f"/v1/jobs/{out['job_id']}/preview/0") as r:
             assert r.status == 200 and r.headers["Content-Type"] == "image/jpeg"

@@ -1,0 +1,158 @@
+"""Preview decoders (pipelines/previews.py) with real diffusers code on CPU: latent layouts of each
+family brought back to pictures, the family chosen from the pipeline, sizes, the tiny autoencoder
+path, and the step callback's contract (which steps, which requests, never the last step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import AutoencoderTiny, FluxPipeline, LTXPipeline
+
+from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.pipelines import PipelineError, load_pipeline
+from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
+from diffusiond.pipelines.previews import (
+    FAMILIES,
+    LinearPreviewer,
+    TinyAutoencoderPreviewer,
+    family_of,
+    preview_size,
+    unpack_flux,
+    unpack_ltx,
+)
+
+
+def test_flux_tokens_unpack_to_the_latents_diffusers_packed() -> None:
+    params = BatchParams(width=256, height=128, steps=1, guidance=1.0)
+    latents = torch.randn(2, 16, 128 // 8, 256 // 8)  # vae_scale_factor 8
+    packed = FluxPipeline._pack_latents(latents, 2, 16, latents.shape[2], latents.shape[3])
+    assert torch.equal(unpack_flux(packed, params, 8), latents)
+
+
+@pytest.mark.parametrize(("p", "pt"), [(1, 1), (2, 1), (2, 2)])
+def test_ltx_tokens_unpack_to_the_latents_diffusers_packed(p: int, pt: int) -> None:
+    latents = torch.randn(2, 8, 4, 6, 10)
+    packed = LTXPipeline._pack_latents(latents, p, pt)
+    assert torch.equal(unpack_ltx(packed, 4, 6, 10, p, pt), latents)
+
+
+def test_every_family_has_three_factors_per_latent_channel() -> None:
+    channels = {"sd15": 4, "sdxl": 4, "flux": 16, "wan": 16, "ltx": 128}
+    for family, (factors, bias) in FAMILIES.items():
+        assert len(factors) == channels[family] and all(len(row) == 3 for row in factors)
+        assert len(bias) == 3
+
+
+class _Config:
+    def __init__(self, latent_channels: int) -> None:
+        self.latent_channels = latent_channels
+
+
+class _Vae:
+    def __init__(self, latent_channels: int) -> None:
+        self.config = _Config(latent_channels)
+
+
+def _pipe(class_name: str, latent_channels: int) -> object:
+    cls = type(class_name, (), {})
+    pipe = cls()
+    pipe.vae = _Vae(latent_channels)  # type: ignore[attr-defined]
+    return pipe
+
+
+@pytest.mark.parametrize(("name", "channels", "family"), [
+    ("StableDiffusionPipeline", 4, "sd15"),
+    ("StableDiffusionXLPipeline", 4, "sdxl"),
+    ("FluxPipeline", 16, "flux"),
+    ("WanPipeline", 16, "wan"),
+    ("LTXPipeline", 128, "ltx"),
+    ("StableDiffusion3Pipeline", 16, None),  # no factors here: no previews rather than wrong ones
+    ("StableDiffusionPipeline", 16, None),  # a fine-tune with another VAE: the factors would not fit
+    ("KandinskyPipeline", 4, None),
+])
+def test_the_family_comes_from_the_class_and_must_fit_the_vae(name: str, channels: int, family: str | None) -> None:
+    assert family_of(_pipe(name, channels)) == family
+
+
+def test_preview_size_keeps_the_aspect_and_never_grows() -> None:
+    p = BatchParams(width=1024, height=576, steps=1, guidance=1.0)
+    assert preview_size(p, 256) == (144, 256)
+    assert preview_size(p, 4096) == (576, 1024)
+
+
+def test_linear_previews_are_pictures_in_range_of_each_asked_request_and_size() -> None:
+    pipe = _pipe("StableDiffusionXLPipeline", 4)
+    previewer = LinearPreviewer(pipe, "sdxl")
+    params = BatchParams(width=1024, height=768, steps=1, guidance=1.0)
+    latents = torch.randn(3, 4, 96, 128) * 3
+    pics = previewer(latents, [0, 2], params, [256, 64])
+    assert [tuple(p.shape) for p in pics] == [(3, 192, 256), (3, 48, 64)]
+    assert all(p.min() >= 0 and p.max() <= 1 for p in pics)
+    # the first picture is request 0's, not request 1's
+    alone = previewer(latents[:1], [0], params, [256])[0]
+    assert torch.allclose(alone, pics[0])
+
+
+def test_wan_video_latents_preview_their_first_frame() -> None:
+    previewer = LinearPreviewer(_pipe("WanPipeline", 16), "wan")
+    params = BatchParams(width=64, height=64, steps=1, guidance=1.0, num_frames=9)
+    latents = torch.randn(1, 16, 3, 8, 8)
+    first = previewer(latents, [0], params, [64])[0]
+    changed = latents.clone()
+    changed[:, :, 1:] = 0
+    assert torch.equal(previewer(changed, [0], params, [64])[0], first)
+
+
+@pytest.fixture(scope="module")
+def taesd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random-weight AutoencoderTiny saved as diffusers saves TAESD."""
+    torch.manual_seed(0)
+    vae = AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+                          latent_channels=4)
+    path = tmp_path_factory.mktemp("taesd")
+    vae.save_pretrained(path)
+    return path
+
+
+def test_tiny_autoencoder_previews_decode_at_the_vae_scale(taesd: Path) -> None:
+    previewer = TinyAutoencoderPreviewer(_pipe("StableDiffusionPipeline", 4), str(taesd), torch.device("cpu"),
+                                         torch.float32)
+    params = BatchParams(width=256, height=256, steps=1, guidance=1.0)
+    pics = previewer(torch.randn(2, 4, 32, 32), [1], params, [128])
+    assert len(pics) == 1 and tuple(pics[0].shape) == (3, 128, 128)
+    assert pics[0].min() >= 0 and pics[0].max() <= 1
+
+
+def test_a_preview_decoder_that_does_not_fit_is_refused_with_the_reason(taesd: Path, tmp_path: Path) -> None:
+    with pytest.raises(PipelineError, match="decodes 4-channel latents; the model makes 16"):
+        TinyAutoencoderPreviewer(_pipe("FluxPipeline", 16), str(taesd), torch.device("cpu"), torch.float32)
+    with pytest.raises(PipelineError, match="not a diffusers AutoencoderTiny folder"):
+        TinyAutoencoderPreviewer(_pipe("FluxPipeline", 16), str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def _spec(rid: str, every: int = 0, side: int = 0) -> RequestSpec:
+    return RequestSpec(request_id=rid, prompt="a red fox", seed=1, preview_every=every, preview_max_side=side)
+
+
+def test_tiny_calls_the_sink_every_n_steps_for_the_requests_that_asked(model_cache: Path) -> None:
+    pipe = load_pipeline("tiny")
+    assert isinstance(pipe, DiffusersPipeline) and pipe.capabilities.previews
+    calls: list[tuple[int, int, list[tuple[int, tuple[int, ...]]]]] = []
+    params = BatchParams(width=64, height=64, steps=6, guidance=5.0)
+    reqs = [_spec("a", every=2, side=32), _spec("b"), _spec("c", every=3, side=64)]
+    pipe.run(params, reqs, lambda _s, _t: True,
+             lambda step, total, pics: calls.append((step, total, [(k, tuple(p.shape)) for k, p in pics])))
+    assert calls == [
+        (2, 6, [(0, (3, 32, 32))]),
+        (3, 6, [(2, (3, 64, 64))]),
+        (4, 6, [(0, (3, 32, 32))]),
+        # step 6 is the last: the output itself comes next, for both
+    ]
+
+
+def test_tiny_with_a_preview_decoder_option_uses_it(model_cache: Path, taesd: Path) -> None:
+    pipe = load_pipeline("tiny", options={"preview_decoder": str(taesd)})
+    assert isinstance(pipe, DiffusersPipeline)
+    assert isinstance(pipe._previewer, TinyAutoencoderPreviewer)
