@@ -30,6 +30,8 @@ from diffusiond.daemon.config import DaemonConfig, parse_host_port
 from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.handoff import OutputSocket
 from diffusiond.daemon.link import WorkerStartError
+from diffusiond.daemon.web import bind_tcp, create_web_app, sign_in_url
+from diffusiond.daemon.webauth import host_port
 from diffusiond.protocol import output_socket_path
 
 log = logging.getLogger("diffusiond")
@@ -148,8 +150,8 @@ async def run(config: DaemonConfig) -> int:
                 raise StartupError(f"cannot listen on tcp {config.tcp}: {exc.strerror or exc}") from None
             where += f" and tcp {config.tcp} (bearer token required)"
         if config.web is not None:
-            web_runner = await _start_web(engine, config.web, token, web_address)
-            where += f" and the web page on {config.web}"
+            web_runner, bound = await _start_web(engine, config.web, token, web_address)
+            where += f" and the web page on {bound}"
         log.info("diffusiond %s listening on %s; loading %s", __version__, where,
                  ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models))
         systemd.notify("STATUS=loading models")
@@ -196,11 +198,10 @@ async def run(config: DaemonConfig) -> int:
     return code
 
 
-async def _start_web(engine: Engine, address: str, token: str | None, web_address: WebAddress) -> web.AppRunner:
+async def _start_web(engine: Engine, address: str, token: str | None,
+                     web_address: WebAddress) -> tuple[web.AppRunner, str]:
     """The page and the API on TCP behind a token: ``--token-file``'s, else a random one, logged
     once inside the sign-in URL (``diffusiond web-url`` gives it again)."""
-    from diffusiond.daemon.web import bind_tcp, create_web_app, sign_in_url
-
     host, port = parse_host_port(address, "--web")
     try:
         sock = bind_tcp(host, port)
@@ -217,9 +218,10 @@ async def _start_web(engine: Engine, address: str, token: str | None, web_addres
         await runner.cleanup()
         sock.close()
         raise
-    web_address.url = sign_in_url(host, sock.getsockname()[1], token)
+    port = sock.getsockname()[1]  # the real one when --web asked for port 0
+    web_address.url = sign_in_url(host, port, token)
     log.info("web page: open %s", web_address.url)
-    return runner
+    return runner, host_port(host or "0.0.0.0", port)
 
 
 async def _second_signal(stop: asyncio.Event, count: Callable[[], int]) -> None:
