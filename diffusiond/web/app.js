@@ -129,11 +129,15 @@ async function loadModels() {
 }
 
 async function loadHealth() {
+  // /health answers 503 with the same report while a worker is not ready: show it either way.
   try {
-    const h = await api("GET", "/health");
-    $("daemon-state").textContent = `${h.version} · ${h.status}${h.sleeping ? " · sleeping" : ""}`;
-  } catch (err) {
-    if (err.error && err.status !== 401) $("daemon-state").textContent = err.message;
+    const resp = await fetch("/health", { credentials: "same-origin" });
+    const h = await resp.json();
+    if (h.version) {
+      $("daemon-state").textContent = `${h.version} · ${h.status}${h.sleeping ? " · sleeping" : ""}`;
+    }
+  } catch (_) {
+    $("daemon-state").textContent = "";
   }
 }
 
@@ -240,7 +244,14 @@ function finish(job) {
   state.events = null;
   state.job = null;
   setStatus(job);
-  if (job.status === "succeeded") $("progress").value = $("progress").max;
+  if (job.status === "succeeded") {
+    $("progress").value = $("progress").max;
+    const first = (job.outputs || [])[0];
+    if (first && first.content_type.startsWith("image/")) {  // the result takes the last preview's place
+      $("preview").src = first.url;
+      $("preview").hidden = false;
+    }
+  }
   setBusy(false);
   refreshGallery();
 }
