@@ -22,6 +22,7 @@ from daemonkit import Daemon, http, shared_daemon
 
 from conftest import ROOT
 from diffusiond.daemon import webauth
+from diffusiond.daemon.config import ConfigError, parse_host_port
 
 TOKEN = "web-test-token-0123456789abcdef"
 HOLD = {"model": "hold", "prompt": "held", "width": 64, "height": 64, "steps": 500}
@@ -74,6 +75,15 @@ def test_only_the_page_and_its_files_are_public() -> None:
                          ("GET", "/metrics"), ("GET", "/health"), ("GET", "/static/../daemon/web.py"),
                          ("POST", "/static/app.js")):
         assert not webauth.is_public(method, path), (method, path)
+
+
+def test_web_addresses_are_host_port_with_ipv6_in_brackets() -> None:
+    assert parse_host_port("127.0.0.1:7860", "--web") == ("127.0.0.1", 7860)
+    assert parse_host_port("[::1]:0", "--web") == ("::1", 0)
+    assert parse_host_port(":7860", "--web") == ("", 7860)  # every address
+    for bad in ("7860", "::1:7860", "localhost:http", "localhost:65536", "localhost:"):
+        with pytest.raises(ConfigError, match="--web"):
+            parse_host_port(bad, "--web")
 
 
 def test_the_cookie_is_named_per_port_so_two_daemons_keep_their_sign_ins() -> None:

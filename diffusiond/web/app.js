@@ -225,7 +225,8 @@ function follow(job) {
     preview.dataset.count = String(Number(preview.dataset.count) + 1);
   });
   for (const name of ["done", "error"]) {
-    events.addEventListener(name, (ev) => finish(JSON.parse(ev.data)));
+    // "error" is also EventSource's own event for a broken connection (no data): onerror handles that
+    events.addEventListener(name, (ev) => { if (ev.data) finish(JSON.parse(ev.data)); });
   }
   events.onerror = async () => {
     if (events.readyState !== EventSource.CLOSED || state.job !== job) return;
