@@ -7,7 +7,7 @@ const $ = (id) => document.getElementById(id);
 const EXTENSIONS = { "image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif",
                      "video/mp4": "mp4", "application/x-npy": "npy" };
 const PREVIEW = { every: 1, format: "jpeg", max_side: 256 };  // the request's "preview" field
-const state = { job: null, events: null, previews: true, models: [] };
+const state = { job: null, events: null, previews: true, models: [], image: null };
 
 class ApiError extends Error {
   constructor(message, status, error) { super(message); this.status = status; this.error = error || {}; }
@@ -74,8 +74,15 @@ function formRequest() {
     const value = number(id);
     if (value !== undefined) body[field] = value;
   }
-  const loras = [...document.querySelectorAll("#lora-list input:checked")].map((box) => ({ name: box.value }));
+  const loras = [...document.querySelectorAll("#lora-list .lora")]
+    .filter((row) => !row.hidden && row.querySelector("input[type=checkbox]").checked)
+    .map((row) => ({ name: row.dataset.name, weight: Number(row.querySelector("input[type=number]").value || 1) }));
   if (loras.length) body.loras = loras;
+  if (!$("input-image").hidden && state.image) {
+    body.image = state.image;  // a data: URL, read when the file was chosen
+    const strength = number("strength");
+    if (strength !== undefined) body.strength = strength;
+  }
   if ($("previews").checked && state.previews) body.preview = { ...PREVIEW };
   return body;
 }
@@ -92,6 +99,11 @@ function fillForm(job) {
   $("n").value = r.n ?? 1;
   const seed = r.seed ?? (job.outputs && job.outputs.length ? job.outputs[0].seed : null);
   $("seed").value = seed ?? "";
+  const weights = new Map((r.loras || []).map((l) => [l.name, l.weight]));
+  for (const row of document.querySelectorAll("#lora-list .lora")) {
+    row.querySelector("input[type=checkbox]").checked = weights.has(row.dataset.name);
+    if (weights.has(row.dataset.name)) row.querySelector("input[type=number]").value = weights.get(row.dataset.name);
+  }
   modelChanged();
   $("prompt").focus();
 }
@@ -100,11 +112,18 @@ function rollDice() {
   $("seed").value = crypto.getRandomValues(new Uint32Array(1))[0];
 }
 
-// Where the LoRA and input-image work plugs in: shown only when the daemon and the model can use them.
+// LoRAs and an input image: shown only when the daemon and the selected model can use them
+// (GET /v1/loras answers; the model's "edits" in /v1/models lists image-to-image or inpainting).
 function modelChanged() {
   const model = selectedModel();
-  const caps = (model && model.capabilities) || {};
-  $("input-image").hidden = !(caps.image_input || (caps.inputs || []).includes("image"));
+  $("input-image").hidden = !(model && (model.edits || []).length);
+  let shown = 0;
+  for (const row of document.querySelectorAll("#lora-list .lora")) {
+    const fits = JSON.parse(row.dataset.models);
+    row.hidden = !(model && (fits === null || fits.includes(model.id)));
+    shown += row.hidden ? 0 : 1;
+  }
+  $("loras").hidden = shown === 0;
 }
 
 async function loadLoras() {
@@ -114,10 +133,25 @@ async function loadLoras() {
   } catch (_) {
     return;  // no LoRA support in this daemon: the section stays hidden
   }
-  const items = (list && list.data) || [];
-  $("lora-list").replaceChildren(...items.map((l) => el("label", { className: "check" },
-    el("input", { type: "checkbox", value: l.id || l.name }), ` ${l.id || l.name}`)));
-  $("loras").hidden = items.length === 0;
+  $("lora-list").replaceChildren(...((list && list.data) || []).map((l) => {
+    const row = el("div", { className: "lora row" },
+      el("label", { className: "check" }, el("input", { type: "checkbox" }), ` ${l.name}`),
+      el("input", { type: "number", step: "0.05", value: "1", title: "weight" }));
+    row.dataset.name = l.name;
+    row.dataset.models = JSON.stringify(l.models ?? null);
+    return row;
+  }));
+  modelChanged();
+}
+
+function readImage() {
+  state.image = null;
+  const file = $("image").files[0];
+  if (!file) return;
+  const reader = new FileReader();
+  reader.onload = () => { state.image = reader.result; };
+  reader.onerror = () => showError(`could not read ${file.name}`);
+  reader.readAsDataURL(file);
 }
 
 async function loadModels() {
@@ -322,6 +356,7 @@ async function start() {
   $("dice").addEventListener("click", rollDice);
   $("refresh").addEventListener("click", refreshGallery);
   $("model").addEventListener("change", modelChanged);
+  $("image").addEventListener("change", readImage);
   document.addEventListener("keydown", (ev) => {
     if ((ev.ctrlKey || ev.metaKey) && ev.key === "Enter") {
       ev.preventDefault();
