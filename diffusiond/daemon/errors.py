@@ -72,6 +72,10 @@ class PreviewNotFound(NotFound):
     default_code = ErrorCode.PREVIEW_NOT_FOUND
 
 
+class WebOff(NotFound):
+    default_code = ErrorCode.WEB_OFF
+
+
 class Conflict(EngineError):
     default_code = ErrorCode.JOB_FINISHED
 
