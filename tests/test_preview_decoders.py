@@ -1,6 +1,7 @@
 """Preview decoders (pipelines/previews.py) with real diffusers code on CPU: latent layouts of each
 family brought back to pictures, the family chosen from the pipeline, sizes, the tiny autoencoder
-path, and the step callback's contract (which steps, which requests, never the last step)."""
+path, the step callback's contract (which steps, which requests, never the last step), and the
+copy thread's bound on previews (never waiting for arena room, never in an output's way)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from diffusers import AutoencoderTiny, FluxPipeline, LTXPipeline
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.ipc.arena import Arena
+from diffusiond.ipc.messages import BatchParams, OutputReady, PreviewReady, RequestSpec
 from diffusiond.pipelines import PipelineError, load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.previews import (
@@ -22,6 +24,8 @@ from diffusiond.pipelines.previews import (
     unpack_flux,
     unpack_ltx,
 )
+from diffusiond.worker.copier import PREVIEW_SLOTS, Copier, CopyJob, PreviewJob
+from diffusiond.worker.state import SharedState
 
 
 def test_flux_tokens_unpack_to_the_latents_diffusers_packed() -> None:
@@ -58,7 +62,7 @@ class _Vae:
 def _pipe(class_name: str, latent_channels: int) -> object:
     cls = type(class_name, (), {})
     pipe = cls()
-    pipe.vae = _Vae(latent_channels)  # type: ignore[attr-defined]
+    pipe.vae = _Vae(latent_channels)
     return pipe
 
 
@@ -156,3 +160,42 @@ def test_tiny_with_a_preview_decoder_option_uses_it(model_cache: Path, taesd: Pa
     pipe = load_pipeline("tiny", options={"preview_decoder": str(taesd)})
     assert isinstance(pipe, DiffusersPipeline)
     assert isinstance(pipe._previewer, TinyAutoencoderPreviewer)
+
+
+# the copy thread's share: bounded, never waiting, never in an output's way ----------------------
+def _copier(arena_bytes: int) -> tuple[Copier, list[object]]:
+    posted: list[object] = []
+    state = SharedState()
+    state.admit(["r0"])
+    copier = Copier(Arena(arena_bytes), state, lambda msg, *a, **k: posted.append(msg), device=torch.device("cpu"),
+                    slot_timeout_s=1.0)
+    return copier, posted
+
+
+def test_previews_in_flight_are_bounded_and_a_released_one_makes_room() -> None:
+    copier, posted = _copier(16 << 20)
+    picture = torch.rand(3, 16, 16)
+    for step in range(PREVIEW_SLOTS + 3):
+        if copier.preview_room():
+            job = PreviewJob(1, "r0", step + 1, 40, picture, None)
+            copier.submit(job)
+            copier.process_preview(copier.queue.get_nowait())
+    ready = [m for m in posted if isinstance(m, PreviewReady)]
+    assert len(ready) == PREVIEW_SLOTS and not copier.preview_room()
+    assert ready[0].tensor.shape == (16, 16, 3) and ready[0].tensor.dtype == "uint8"
+    copier.release(ready[0].tensor.slot_id)
+    assert copier.preview_room()
+
+
+def test_a_preview_never_waits_for_arena_room_and_outputs_still_get_theirs() -> None:
+    copier, posted = _copier(64 << 10)
+    big = copier.arena.allocate(48 << 10)  # most of the arena is taken
+    job = PreviewJob(1, "r0", 1, 4, torch.rand(3, 96, 96), None)  # 27 KiB: does not fit now
+    copier.submit(job)
+    copier.process_preview(copier.queue.get_nowait())
+    assert not [m for m in posted if isinstance(m, PreviewReady)]
+    assert copier.preview_room()  # the skipped one holds nothing
+    copier.arena.release(big.id)
+    params = BatchParams(width=64, height=64, steps=4, guidance=1.0)
+    copier.process(CopyJob(1, params, [_spec("r0")], [torch.rand(3, 64, 64)], None))
+    assert [m for m in posted if isinstance(m, OutputReady)]

@@ -107,12 +107,12 @@ class ComputeThread:
             return not self.state.all_cancelled(live_ids)
 
         def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
-            """Inside the denoising loop: launch the uint8 conversion, mark it, hand it over. The
-            copy thread waits for the mark; this thread goes straight on to the next step."""
+            """Inside the denoising loop, after the pipeline launched the projection: mark it with
+            an event and hand it to the copy thread, which waits for the mark on its own stream;
+            this thread goes straight on to the next step. No room: the preview is skipped."""
             for k, picture in pictures:
                 request_id = live[k].request_id
                 if not self.copier.preview_room() or self.state.is_cancelled(request_id):
-                    self.copier.previews_skipped += 1
                     continue
                 event = None
                 if self.cuda:

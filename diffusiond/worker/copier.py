@@ -132,7 +132,6 @@ class Copier:
         self._lock = threading.Lock()
         self._previews = 0  # queued or held by the engine (bounded by PREVIEW_SLOTS)
         self._preview_slots: set[int] = set()
-        self.previews_skipped = 0  # no room: the engine had not given enough preview slots back
         self.queue: queue.Queue[CopyJob | PreviewJob] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="copy", daemon=True)
 
@@ -175,8 +174,7 @@ class Copier:
             with ctx, torch.inference_mode():
                 host = to_output_layout(picture, "uint8")
                 slot = self.arena.try_allocate(nbytes_of(host))
-                if slot is None:
-                    self.previews_skipped += 1
+                if slot is None:  # the arena is busy with outputs: they come first
                     return
                 try:
                     write_tensor(self.arena.buffer(slot), host, non_blocking=self.cuda)
