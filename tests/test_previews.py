@@ -52,6 +52,22 @@ async def _output(s: aiohttp.ClientSession, job_id: str, k: int = 0) -> bytes:
         return await r.read()
 
 
+async def _read_events(stream: aiohttp.ClientResponse) -> list[tuple[str, dict[str, Any]]]:
+    """Every event until ``done``, read in chunks (lines of base64 are longer than a small buffer)."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    buf = b""
+    async for chunk in stream.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            block, buf = buf.split(b"\n\n", 1)
+            fields = dict(line.split(": ", 1) for line in block.decode().split("\n") if ": " in line)
+            if "event" in fields:
+                events.append((fields["event"], json.loads(fields["data"])))
+                if fields["event"] == "done":
+                    return events
+    return events
+
+
 def _body(**extra: Any) -> dict[str, Any]:
     return {"prompt": "a lighthouse at dusk", "steps": STEPS, "seed": 7, "width": 128, "height": 96, **extra}
 
@@ -121,28 +137,24 @@ async def test_a_reader_that_stops_reading_does_not_hold_the_job_and_gets_the_la
         dropped0 = await _metric(s, "diffusiond_previews_dropped_total")
         sent0 = await _metric(s, "diffusiond_previews_sent_total")
         steps = 12
-        job = await submit(s, _body(steps=steps, preview={"every": 1, "format": "png"}))
-        async with http(previews_daemon.socket) as slow, slow.get(f"/v1/jobs/{job['id']}/events") as stream:
+        job = await submit(s, _body(steps=steps, width=192, height=144, preview={"every": 1, "format": "png"}))
+        # a client that buffers little (2 KiB before it stops reading the socket), so what the
+        # stream can hold is the daemon's doing, not aiohttp's 128 KiB on this side
+        conn = aiohttp.UnixConnector(path=str(previews_daemon.socket))
+        async with aiohttp.ClientSession(connector=conn, base_url="http://diffusiond", read_bufsize=1024) as slow, \
+                slow.get(f"/v1/jobs/{job['id']}/events") as stream:
             assert stream.status == 200
             final = await wait_job(s, job["id"], timeout=300)  # while the stream is not read at all
             assert final["status"] == "succeeded"
             async with s.get(f"/v1/jobs/{job['id']}/preview/0") as r:
                 assert r.status == 200
                 latest_step = int(r.headers["X-Preview-Step"])
-            events = []
-            name = None
-            async for raw in stream.content:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: ") and name:
-                    events.append((name, json.loads(line[6:])))
-                    if name == "done":
-                        break
+                latest_bytes = len(await r.read())
+            events = await _read_events(stream)
         previews = [d["step"] for n, d in events if n == "preview"]
         assert events[-1][0] == "done"
         assert previews and previews[-1] == latest_step == steps - 1, (previews, latest_step)
-        assert len(previews) < steps - 1, "every preview was queued behind the stalled reader"
+        assert len(previews) < steps - 1, f"every preview ({latest_bytes} bytes each) was queued behind the reader"
         dropped = await _metric(s, "diffusiond_previews_dropped_total") - dropped0
         sent = await _metric(s, "diffusiond_previews_sent_total") - sent0
         assert dropped >= 1
