@@ -43,7 +43,7 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace",
+    "slot_timeout_s", "stream_stall_s", "trace", "input_dir",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -131,6 +131,8 @@ def _add_serve(sub: Any) -> None:
     add("--encode-threads", type=int, metavar="N")
     add("--slot-timeout-s", type=float, metavar="S", help="how long a copy waits for a free arena slot (30)")
     add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
+    add("--input-dir", metavar="DIR",
+        help="edits on /v1/jobs may name input images by path, only inside DIR (default: no paths)")
     add("--trace", action="store_true", default=None,
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -102,7 +104,9 @@ class FakeWorker:
             self.state = WorkerState.READY
         return Ack(KIND_OF[type(msg)], True)
 
-    def execute(self, batch: Execute) -> None:
+    def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:
+        for fd in fds:  # like the channel: sent, then closed
+            os.close(fd)
         self.executed.append(batch)
 
     def cancel(self, request_ids: list[str]) -> None:

@@ -43,6 +43,7 @@ STREAM_CHUNK = 4 << 20
 STATUS_OF_ERROR: dict[type[EngineError], int] = {
     errors.InvalidRequest: 400,
     errors.OutputTooLarge: 413,
+    errors.UploadTooLarge: 413,
     errors.NotFound: 404,
     errors.Conflict: 409,
     errors.OutputReleased: 410,
