@@ -113,6 +113,7 @@ def _read_path(src: Source, limits: Limits, input_dir: str | None) -> bytes:
 def _open(data: bytes, field: str, limits: Limits) -> Image.Image:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
+    img: Image.Image
     try:
         img = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, ValueError):
@@ -151,12 +152,12 @@ def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: flo
     w0, h0 = img.size
     w = width if width is not None else w0 // 8 * 8
     h = height if height is not None else h0 // 8 * 8
-    if width is None or height is None:
-        if not (limits.min_size <= w <= limits.max_size and limits.min_size <= h <= limits.max_size):
-            raise invalid(
-                f"{image.field} is {w0}x{h0}; outputs are {limits.min_size} to {limits.max_size} pixels a side: "
-                "send a larger or smaller image, or a size to resize it to", field=image.field,
-                code=ErrorCode.INVALID_IMAGE)
+    if (width is None or height is None) and not (
+            limits.min_size <= w <= limits.max_size and limits.min_size <= h <= limits.max_size):
+        raise invalid(
+            f"{image.field} is {w0}x{h0}; outputs are {limits.min_size} to {limits.max_size} pixels a side: "
+            "send a larger or smaller image, or a size to resize it to", field=image.field,
+            code=ErrorCode.INVALID_IMAGE)
     plane = None
     if mask is not None:
         m = _open(_bytes_of(mask, limits, input_dir), mask.field, limits)

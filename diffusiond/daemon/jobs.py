@@ -48,7 +48,8 @@ class JobRequest:
     timeout_s: float | None = None
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
-    edit: EditInput | None = field(default=None, compare=False)  # an edit's decoded input; the job owns it and closes it at its end
+    # an edit's decoded input; the job owns it and the engine closes it when the job ends
+    edit: EditInput | None = field(default=None, compare=False)
 
     def batch_params(self) -> BatchParams:
         return BatchParams(

@@ -153,6 +153,14 @@ def _range(name: str, value: float | None, lo: float, hi: float) -> None:
         raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
 
 
+def check_side(name: str, v: int, limits: Limits, size_field: str | None = None) -> None:
+    if not limits.min_size <= v <= limits.max_size or v % 8:
+        raise invalid(
+            f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
+            field=size_field or name,
+        )
+
+
 def check(
     req: dict[str, Any], limits: Limits, model: ModelLike, *, size_field: str | None = None,
     edit: EditInput | None = None,
@@ -183,13 +191,8 @@ def check(
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
     width = d.width if req.get("width") is None else req["width"]
     height = d.height if req.get("height") is None else req["height"]
-    for name, v in (("width", width), ("height", height)):
-        field = size_field or name
-        if not limits.min_size <= v <= limits.max_size or v % 8:
-            raise invalid(
-                f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
-                field=field,
-            )
+    check_side("width", width, limits, size_field)
+    check_side("height", height, limits, size_field)
     steps = d.steps if req.get("steps") is None else req["steps"]
     _range(req.get("steps_field", "steps"), steps, 1, limits.max_steps)
     guidance = req.get("guidance_scale")
@@ -279,8 +282,10 @@ def check(
     )
 
 
-def plan_edit(req: dict[str, Any], model: ModelLike, *, image_field: str = "image",
-              mask_field: str = "mask") -> tuple[Source, Source | None, Task, float] | None:
+def plan_edit(
+    req: dict[str, Any], model: ModelLike, limits: Limits, *, image_field: str = "image", mask_field: str = "mask",
+    size_field: str | None = None,
+) -> tuple[Source, Source | None, Task, float] | None:
     """The sources, task and strength of an edit (None: not an edit), checked against the model
     before any pixel is decoded. ``req`` has ``image``/``image_path``/``mask``/``mask_path`` as
     base64 text or paths, or ``image_bytes``/``mask_bytes`` (multipart uploads)."""
@@ -316,13 +321,10 @@ def plan_edit(req: dict[str, Any], model: ModelLike, *, image_field: str = "imag
                       field="strength")
     if req.get("num_frames") is not None:
         raise invalid("num_frames does not apply to image edits", field="num_frames")
+    for side in ("width", "height"):  # before the image is resized to them
+        if req.get(side) is not None:
+            check_side(side, req[side], limits, size_field)
     return image, mask, task, float(strength)
-
-
-def parse_job(body: bytes, limits: Limits, resolve_model: ModelResolver) -> JobRequest:
-    b = decode(body, JobBody)
-    model = resolve_model(b.model)
-    return check(msgspec.structs.asdict(b), limits, model)
 
 
 def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver) -> tuple[JobRequest, str]:

@@ -47,7 +47,7 @@ class InputBuffer:
         self.fd = memfd(name, self.nbytes)
         try:
             for a, d in zip(arrays, descs, strict=True):
-                view = memoryview(a).cast("B")
+                view = memoryview(a.tobytes()) if not a.flags.c_contiguous else memoryview(a.data).cast("B")
                 done = 0
                 while done < len(view):
                     done += os.pwrite(self.fd, view[done:], d.offset + done)

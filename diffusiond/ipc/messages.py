@@ -1,6 +1,7 @@
 """The worker protocol: one msgspec struct per frame kind.
 
-Engine -> worker: INIT, EXECUTE (input images' memfds attached, for edits), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE, PING.
+Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
+TRACE, PING.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
