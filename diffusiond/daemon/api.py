@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from diffusiond.daemon import errors, inputs, requests, views
 from diffusiond.daemon.engine import Engine
@@ -391,7 +392,7 @@ async def read_edit_form(
                     text[name] = data.decode()
                 except UnicodeDecodeError:
                     raise errors.invalid(f"field {name!r} is not UTF-8 text", field=name) from None
-    except (ValueError, AssertionError, aiohttp.ClientPayloadError, RuntimeError) as exc:
+    except (ValueError, AssertionError, RuntimeError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:
         raise errors.invalid(f"the multipart body is malformed: {exc}") from None
     return text, images, mask
 
