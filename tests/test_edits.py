@@ -42,8 +42,9 @@ def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterato
     (tmp / "outside.png").write_bytes(png_bytes(blocky(8)))
     config = tmp / "d.toml"
     config.write_text("[limits]\nmax_upload_bytes = 200000\nmax_input_pixels = 300000\n")
-    args = ["--config", str(config), "--model", "tiny", "--workers", "1", "--max-batch", "4",
-            "--batch-wait-ms", "400", "--job-timeout", "120", "--input-dir", str(inputs)]
+    args = ["--config", str(config), "--model", "tiny", "--model", "plain=synthetic:compute_ms=5",
+            "--workers", "1", "--max-batch", "4", "--batch-wait-ms", "400", "--job-timeout", "120",
+            "--input-dir", str(inputs)]
     with shared_daemon(tmp, args, model_cache) as d:
         yield d.socket
 
@@ -82,7 +83,8 @@ def openai_edit(sock: Path, image: bytes | list[bytes], mask: bytes | None = Non
     transport = httpx.HTTPTransport(uds=str(sock))
     with httpx.Client(transport=transport, timeout=120) as hc:
         client = openai.OpenAI(base_url="http://diffusiond/v1", api_key="unused", http_client=hc)
-        files = [("in.png", b, "image/png") for b in image] if isinstance(image, list) else ("in.png", image, "image/png")
+        one = ("in.png", image, "image/png")
+        files = [("in.png", b, "image/png") for b in image] if isinstance(image, list) else one
         kwargs: dict[str, Any] = {"mask": ("mask.png", mask, "image/png")} if mask is not None else {}
         return client.images.edit(model="tiny", image=files, prompt="a red barn", n=1, size=f"{SIZE}x{SIZE}",
                                   response_format="b64_json", extra_body=extra, **kwargs)
@@ -235,3 +237,13 @@ async def test_bad_edits_are_refused_naming_the_field(sock: Path) -> None:
             assert status == 400 and body["error"]["field"] == field, (body_in.keys(), body)
         status, body = await post_job(s, {"prompt": "x", "image": base64.b64encode(good + b"\0" * 200_001).decode()})
         assert status == 413, body
+
+
+async def test_a_model_without_edits_answers_400_naming_model_and_task(sock: Path) -> None:
+    async with http(sock) as s:
+        async with s.get("/v1/models") as r:
+            listed = {m["id"]: m for m in (await r.json())["data"]}
+        assert listed["tiny"]["edits"] == ["image-to-image", "inpainting"] and listed["plain"]["edits"] == []
+        status, body = await post_form(s, {"prompt": "x", "model": "plain"}, {"image": png_bytes(blocky(1))})
+    assert status == 400 and body["error"]["field"] == "model", body
+    assert "'plain'" in body["error"]["message"] and "image-to-image" in body["error"]["message"], body
