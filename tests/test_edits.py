@@ -43,6 +43,7 @@ def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterato
     config = tmp / "d.toml"
     config.write_text("[limits]\nmax_upload_bytes = 200000\nmax_input_pixels = 300000\n")
     args = ["--config", str(config), "--model", "tiny", "--model", "plain=synthetic:compute_ms=5",
+            "--model", "tiny-inpaint",
             "--workers", "1", "--max-batch", "4", "--batch-wait-ms", "400", "--job-timeout", "120",
             "--input-dir", str(inputs)]
     with shared_daemon(tmp, args, model_cache) as d:
@@ -75,7 +76,8 @@ def decode(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")).astype(np.float64)
 
 
-def openai_edit(sock: Path, image: bytes | list[bytes], mask: bytes | None = None, **extra: Any) -> Any:
+def openai_edit(sock: Path, image: bytes | list[bytes], mask: bytes | None = None, model: str = "tiny",
+                **extra: Any) -> Any:
     """``client.images.edit`` of the official client, unmodified, over the Unix socket."""
     import httpx
     import openai
@@ -86,7 +88,7 @@ def openai_edit(sock: Path, image: bytes | list[bytes], mask: bytes | None = Non
         one = ("in.png", image, "image/png")
         files = [("in.png", b, "image/png") for b in image] if isinstance(image, list) else one
         kwargs: dict[str, Any] = {"mask": ("mask.png", mask, "image/png")} if mask is not None else {}
-        return client.images.edit(model="tiny", image=files, prompt="a red barn", n=1, size=f"{SIZE}x{SIZE}",
+        return client.images.edit(model=model, image=files, prompt="a red barn", n=1, size=f"{SIZE}x{SIZE}",
                                   response_format="b64_json", extra_body=extra, **kwargs)
 
 
@@ -247,3 +249,17 @@ async def test_a_model_without_edits_answers_400_naming_model_and_task(sock: Pat
         status, body = await post_form(s, {"prompt": "x", "model": "plain"}, {"image": png_bytes(blocky(1))})
     assert status == 400 and body["error"]["field"] == "model", body
     assert "'plain'" in body["error"]["message"] and "image-to-image" in body["error"]["message"], body
+
+
+async def test_the_dedicated_inpainting_model_inpaints_and_does_nothing_else(sock: Path) -> None:
+    src = blocky(9)
+    mask, repaint = square_mask()
+    result = await asyncio.to_thread(openai_edit, sock, png_bytes(src), mask, model="tiny-inpaint",
+                                     num_inference_steps=4, seed=5)
+    diff = np.abs(decode(result.data[0].b64_json) - src).mean(axis=2)
+    assert float(diff[~repaint].mean()) < MASKED_OUT and float(diff[repaint].mean()) > FAR
+    async with http(sock) as s:
+        status, body = await post_job(s, {"model": "tiny-inpaint", "prompt": "x"})
+        assert status == 400 and body["error"]["field"] == "image" and "inpainting" in body["error"]["message"]
+        status, body = await post_form(s, {"prompt": "x", "model": "tiny-inpaint"}, {"image": png_bytes(src)})
+        assert status == 400 and body["error"]["field"] == "model" and "image-to-image" in body["error"]["message"]

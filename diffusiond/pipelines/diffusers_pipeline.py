@@ -31,7 +31,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
-from diffusiond.protocol import FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
+from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,21 @@ def call_args(cls: type) -> frozenset[str]:
         return frozenset()
 
 
+# Edit pipelines a folder may name as its own class (a dedicated inpainting model, say): name
+# fragments, and the ``__call__`` arguments they must have for us to drive them.
+_EDIT_CLASSES = (
+    (("Inpaint",), frozenset({"image", "mask_image", "strength"}), Task.INPAINTING),
+    (("Img2Img", "Image2Image"), frozenset({"image", "strength"}), Task.IMAGE_TO_IMAGE),
+)
+
+
 def task_for_class(cls: type) -> Task:
     """Decide from the class alone (before any weights load) whether and how we can serve it."""
     name = cls.__name__
     args = call_args(cls)
+    for fragments, needs, task in _EDIT_CLASSES:
+        if any(f in name for f in fragments) and needs <= args and _REQUIRED_ARGS - {"height", "width"} <= args:
+            return task
     needs_input = sorted(_INPUT_ARGS & args)
     missing = sorted(_REQUIRED_ARGS - args)
     fragment = next((f for f in _REFUSED_FRAGMENTS if f in name), None)
@@ -215,7 +226,11 @@ class DiffusersPipeline:
             flow_scheduler=self._flow,
             synthetic_weights=synthetic_weights,
         )
-        self._edit_pipes = _edit_pipes(pipe) if self.task is Task.TEXT_TO_IMAGE else {}
+        self._edit_pipes: dict[Task, Any] = (
+            _edit_pipes(pipe) if self.task is Task.TEXT_TO_IMAGE
+            else {self.task: pipe} if self.task in EDIT_TASKS  # a dedicated model: its one edit
+            else {}
+        )
         inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes))
         self.capabilities = with_defaults(inferred, defaults)
 
@@ -270,6 +285,8 @@ class DiffusersPipeline:
         """One diffusers call for the whole batch: one forward per step serves every request."""
         if not requests:
             return []
+        if self.task in EDIT_TASKS:
+            raise PipelineError(f"model {self.name} does {self.task.value} only; it needs an input image")
         return self._call(self._pipe, self._args, params, requests, on_step, {})
 
     def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
@@ -281,14 +298,22 @@ class DiffusersPipeline:
         pipe = self._edit_pipes.get(task) if task is not None else None
         if pipe is None:
             raise PipelineError(f"model {self.name} cannot do {params.edit}")
-        images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2)
-        extra: dict[str, Any] = {"image": images.float() / 255, "strength": params.strength}
-        if task is Task.INPAINTING:
-            masks = [m for _, m in inputs]
-            if any(m is None for m in masks):
-                raise PipelineError("an inpainting request came without its mask")
-            extra["mask_image"] = torch.from_numpy(np.stack(masks)).permute(0, 3, 1, 2).float() / 255  # type: ignore[arg-type]
-        return self._call(pipe, call_args(type(pipe)), params, requests, on_step, extra)
+        images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2).float() / 255
+        extra: dict[str, Any] = {"image": images, "strength": params.strength}
+        if task is not Task.INPAINTING:
+            return self._call(pipe, call_args(type(pipe)), params, requests, on_step, extra)
+        planes = [m for _, m in inputs]
+        if any(m is None for m in planes):
+            raise PipelineError("an inpainting request came without its mask")
+        masks = torch.from_numpy(np.stack(planes)).permute(0, 3, 1, 2).float() / 255  # type: ignore[arg-type]
+        extra["mask_image"] = masks
+        outputs = self._call(pipe, call_args(type(pipe)), params, requests, on_step, extra)
+        # Outside the mask the answer is the input itself, as A1111 and diffusers' ``apply_overlay``
+        # make it: the VAE round trip (and a dedicated inpainting UNet) would otherwise shift those
+        # pixels a little, and the user asked for them to stay.
+        device, dtype = outputs[0].device, outputs[0].dtype
+        images, masks = images.to(device, dtype), masks.to(device, dtype)
+        return [out * m + img * (1 - m) for out, img, m in zip(outputs, images, masks, strict=True)]
 
     def _call(self, pipe: Any, args: frozenset[str], params: BatchParams, requests: Sequence[RequestSpec],
               on_step: StepCallback, extra: dict[str, Any]) -> list[torch.Tensor]:

@@ -179,9 +179,14 @@ def passthrough_vae() -> Any:
     return vae
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, *, inpaint: bool = False) -> None:
     """Build the pipeline with fixed seeds and save it (safetensors only) into ``out``."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import (
+        EulerDiscreteScheduler,
+        StableDiffusionInpaintPipeline,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     tok_src = out / ".tokenizer-src"
@@ -192,7 +197,7 @@ def _build(out: Path) -> None:
         torch.manual_seed(0)
         unet = UNet2DConditionModel(
             sample_size=32,
-            in_channels=4,
+            in_channels=9 if inpaint else 4,
             out_channels=4,
             block_out_channels=(32, 64),
             layers_per_block=1,
@@ -226,7 +231,8 @@ def _build(out: Path) -> None:
         timestep_spacing="trailing",  # few-step friendly: the first step starts from pure noise
         steps_offset=1,
     )
-    pipe = StableDiffusionPipeline(
+    cls = StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline
+    pipe = cls(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
