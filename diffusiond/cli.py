@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
+    g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
+    g.add_argument("--mask", metavar="FILE",
+                   help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
+    g.add_argument("--strength", type=float, metavar="S",
+                   help="how much of --image to repaint, in (0, 1] (default 0.8; 1.0 with --mask)")
     g.add_argument("--json", action="store_true", help="print one JSON object with the job and the files")
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")

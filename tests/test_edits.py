@@ -263,3 +263,40 @@ async def test_the_dedicated_inpainting_model_inpaints_and_does_nothing_else(soc
         assert status == 400 and body["error"]["field"] == "image" and "inpainting" in body["error"]["message"]
         status, body = await post_form(s, {"prompt": "x", "model": "tiny-inpaint"}, {"image": png_bytes(src)})
         assert status == 400 and body["error"]["field"] == "model" and "image-to-image" in body["error"]["message"]
+
+
+# the CLI and the Python client ------------------------------------------------------------------
+def test_cli_generate_with_image_and_mask_writes_the_inpainted_file(sock: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = blocky(10)
+    mask, repaint = square_mask()
+    (tmp_path / "in.png").write_bytes(png_bytes(src))
+    (tmp_path / "m.png").write_bytes(mask)
+    out = tmp_path / "out.png"
+    r = subprocess.run(
+        [sys.executable, "-m", "diffusiond", "generate", "a boat", "--socket", str(sock), "--image",
+         str(tmp_path / "in.png"), "--mask", str(tmp_path / "m.png"), "--strength", "0.6", "--steps", "8",
+         "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    diff = np.abs(np.asarray(Image.open(out).convert("RGB")).astype(np.float64) - src).mean(axis=2)
+    assert float(diff[~repaint].mean()) < MASKED_OUT and float(diff[repaint].mean()) > 5
+    r = subprocess.run([sys.executable, "-m", "diffusiond", "generate", "x", "--socket", str(sock), "--image",
+                        str(tmp_path / "missing.png")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "missing.png" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "diffusiond", "generate", "x", "--socket", str(sock), "--image",
+                        str(tmp_path / "in.png"), "--strength", "3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "strength" in r.stderr, r.stderr
+
+
+def test_python_client_edits_from_a_file_or_bytes(sock: Path, tmp_path: Path) -> None:
+    from diffusiond import Client
+
+    src = blocky(11)
+    (tmp_path / "in.png").write_bytes(png_bytes(src))
+    with Client(str(sock)) as c:
+        from_file = c.generate("x", image=tmp_path / "in.png", strength=STRENGTH_NEAR_0, steps=STEPS_NEAR_0, seed=4)
+        from_bytes = c.generate("x", image=png_bytes(src), strength=STRENGTH_NEAR_0, steps=STEPS_NEAR_0, seed=4)
+    a, b = (np.asarray(im.convert("RGB")).astype(np.float64) for im in (*from_file, *from_bytes))
+    assert np.array_equal(a, b) and float(np.abs(a - src).mean()) < CLOSE
