@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import http, shared_daemon, wait_job
+from daemonkit import Daemon, http, idle, shared_daemon, until, wait_job
 from PIL import Image
 
 SIZE = 64
@@ -34,7 +36,7 @@ MASKED_OUT = 1.0
 
 
 @pytest.fixture(scope="module")
-def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Path]:
+def edits_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("edits")
     inputs = tmp / "inputs"
     inputs.mkdir()
@@ -47,7 +49,12 @@ def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterato
             "--workers", "1", "--max-batch", "4", "--batch-wait-ms", "400", "--job-timeout", "120",
             "--input-dir", str(inputs)]
     with shared_daemon(tmp, args, model_cache) as d:
-        yield d.socket
+        yield d
+
+
+@pytest.fixture(scope="module")
+def sock(edits_daemon: Daemon) -> Path:
+    return edits_daemon.socket
 
 
 def blocky(seed: int, size: int = SIZE) -> np.ndarray:
@@ -300,3 +307,21 @@ def test_python_client_edits_from_a_file_or_bytes(sock: Path, tmp_path: Path) ->
         from_bytes = c.generate("x", image=png_bytes(src), strength=STRENGTH_NEAR_0, steps=STEPS_NEAR_0, seed=4)
     a, b = (np.asarray(im.convert("RGB")).astype(np.float64) for im in (*from_file, *from_bytes))
     assert np.array_equal(a, b) and float(np.abs(a - src).mean()) < CLOSE
+
+
+async def test_no_input_buffer_outlives_its_job(sock: Path, edits_daemon: Daemon) -> None:
+    """Runs last: every edit above has ended (succeeded, or refused at admission), so neither the
+    engine nor a worker may still hold an input memfd (``ipc.inputs``)."""
+    async with http(sock) as s:
+        await until(lambda: idle(s), 60, "the daemon to be idle")
+
+    def held(pid: int) -> list[str]:
+        links = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        return [link for link in links if "diffusiond-input" in link]
+
+    assert edits_daemon.proc is not None
+    for pid in (edits_daemon.proc.pid, *edits_daemon.worker_pids()):
+        assert held(pid) == [], pid
