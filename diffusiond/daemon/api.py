@@ -149,9 +149,11 @@ def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any
 async def create_job(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     limits = engine.config.limits
-    # a job may carry base64 images: its body may be as large as an upload
-    b = requests.decode(await read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes)),
-                        requests.JobBody)
+    # a job may carry base64 images: its body may then be as large as an upload, and only then
+    body = await read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
+    b = requests.decode(body, requests.JobBody)
+    if len(body) > limits.max_body_bytes and b.image is None and b.mask is None:
+        raise _too_large(len(body), limits.max_body_bytes)
     model = engine.model(b.model)
     fields = msgspec.structs.asdict(b)
     edit = await decode_edit(engine, fields, model)
