@@ -42,6 +42,7 @@ def edits_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) ->
     inputs.mkdir()
     (inputs / "in.png").write_bytes(png_bytes(blocky(7)))
     (tmp / "outside.png").write_bytes(png_bytes(blocky(8)))
+    (inputs / "link.png").symlink_to(tmp / "outside.png")  # inside by name, outside in fact
     config = tmp / "d.toml"
     config.write_text("[limits]\nmax_upload_bytes = 200000\nmax_input_pixels = 300000\n")
     args = ["--config", str(config), "--model", "tiny", "--model", "plain=synthetic:compute_ms=5",
@@ -175,7 +176,7 @@ async def test_job_reads_an_image_path_only_inside_the_input_dir(sock: Path) -> 
         assert status == 202, job
         done = await wait_job(s, job["id"])
         assert float(np.abs(await output(s, done) - blocky(7)).mean()) < CLOSE
-        for path in ("../outside.png", str(sock.parent / "outside.png"), "missing.png"):
+        for path in ("../outside.png", str(sock.parent / "outside.png"), "link.png", "missing.png", "."):
             status, body = await post_job(s, {"prompt": "x", "image_path": path})
             assert status == 400 and body["error"]["field"] == "image_path", (path, body)
 
