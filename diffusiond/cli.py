@@ -282,7 +282,9 @@ async def _models(args: argparse.Namespace, client: AsyncClient) -> int:
         print(json.dumps(models))
         return EXIT_OK
     keys = ["id", "task", "device", "state"]
-    print(_table([[str(m.get(k, "")) for k in keys] for m in models.get("data") or []], keys))
+    rows = [[str(m.get(k, "")) for k in keys] + [",".join(m.get("edits") or []) or "-"]
+            for m in models.get("data") or []]
+    print(_table(rows, [*keys, "edits"]))
     return EXIT_OK
 
 
