@@ -110,6 +110,10 @@ class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
     style: Any = None
     user: Any = None
     complexity: Any = None
+    frame_count: Any = None
+    frame_duration_ms: Any = None
+    safety_identifier: Any = None
+    svg: Any = None
 
 
 class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -352,6 +356,8 @@ def openai_fields(req: dict[str, Any]) -> dict[str, Any]:
 
 def edits_form(fields: dict[str, str]) -> dict[str, Any]:
     """The text fields of a multipart edit, typed (form values are text: "0.6" is read as 0.6)."""
+    # OpenAI's nested options arrive flattened (svg[effort]=...): as ignored as the rest of svg
+    fields = {k: v for k, v in fields.items() if not k.startswith("svg[")}
     try:
         form = msgspec.convert(fields, EditsForm, strict=False)
     except msgspec.ValidationError as exc:
