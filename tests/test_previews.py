@@ -226,3 +226,16 @@ def test_the_preview_url_of_an_unknown_output_is_404(previews_daemon: Daemon) ->
             assert status == 404 and err["error"]["code"] == "job_not_found"
 
     asyncio.run(go())
+
+
+async def test_an_edit_shows_previews_too(previews_daemon: Daemon) -> None:
+    """Image-to-image on tiny (an input image on /v1/jobs) denoises like any job: previews come."""
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 80, 40)).save(buf, format="PNG")
+    async with http(previews_daemon.socket) as s:
+        job = await submit(s, {"prompt": "a red square", "steps": 8, "strength": 1.0, "seed": 2,
+                               "image": base64.b64encode(buf.getvalue()).decode(), "preview": {"every": 2}})
+        events = await sse(s, job["id"])
+        assert events[-1][0] == "done", events[-1]
+        previews = [d for n, d in events if n == "preview"]
+        assert previews and all(_image(base64.b64decode(p["image"])).size == (64, 64) for p in previews)
