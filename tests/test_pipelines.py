@@ -69,7 +69,7 @@ def test_tiny_is_built_once_as_safetensors_in_the_cache(tiny: DiffusersPipeline,
     # Declared at construction: the tiny model's quick defaults over what the adapter infers.
     assert tiny.capabilities == Capabilities(
         task="text-to-image", width=128, height=128, steps=4, guidance=5.0, flow_scheduler=False,
-        edits=("image-to-image", "inpainting"),
+        edits=("image-to-image", "inpainting"), previews=True,  # an SD 1.5 layout: the SD 1.5 factors
     )
 
 
@@ -226,7 +226,7 @@ def test_folder_from_diffusers_save_pretrained_loads(tiny_components: dict[str, 
     assert pipe.name == "mine" and pipe.task is Task.TEXT_TO_IMAGE
     # Nothing overrides a plain folder's defaults: the native size (UNet sample 32 x VAE factor 2).
     assert pipe.capabilities == Capabilities(task="text-to-image", width=64, height=64, flow_scheduler=False,
-                                             edits=("image-to-image", "inpainting"))
+                                             edits=("image-to-image", "inpainting"), previews=True)
     assert run(pipe, [req(1)])[0].shape == (3, 64, 64)
     # the edit pipelines come from from_pipe: the same modules, no second copy of any weight
     shared = {id(m) for m in pipe.pipe.components.values() if isinstance(m, torch.nn.Module)}

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -168,7 +169,8 @@ def test_preset_builds_saves_and_loads_back_labelled_synthetic(
     assert NOTICE in caplog.text and NOTICE == "random weights: outputs are noise; for benchmarks only"
     assert (pipe.name, pipe.task) == ("random:test-sd15", Task.TEXT_TO_IMAGE)
     assert pipe.capabilities == Capabilities(
-        task="text-to-image", **SMALL_SD.defaults, flow_scheduler=False, synthetic_weights=True
+        task="text-to-image", **SMALL_SD.defaults, flow_scheduler=False, synthetic_weights=True, previews=True,
+        edits=("image-to-image", "inpainting"),  # an SD pipeline: from_pipe makes both (main's edits)
     )
     folder = small_presets / "models" / "random-test-sd15-v1"
     assert (folder / "model_index.json").is_file()
@@ -189,10 +191,15 @@ def test_preset_with_save_0_is_served_as_built(small_presets: Path) -> None:
     assert pipe.task is Task.TEXT_TO_VIDEO
     assert not (small_presets / "models").exists(), "save=0 writes nothing"
     assert pipe.capabilities == Capabilities(
-        task="text-to-video", **SMALL_WAN.defaults, num_frames_step=4, flow_scheduler=True, synthetic_weights=True
+        task="text-to-video", **SMALL_WAN.defaults, num_frames_step=4, flow_scheduler=True, synthetic_weights=True,
+        previews=True,  # Wan's 16-channel latents: the Wan 2.1 factors
     )
-    (video,) = pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=5), [req(2)], always)
+    shown: list[tuple[int, int, tuple[int, ...]]] = []
+    wants = msgspec.structs.replace(req(2), preview_every=1, preview_max_side=16)
+    (video,) = pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=5), [wants], always,
+                        lambda step, total, pics: shown.extend((step, k, tuple(p.shape)) for k, p in pics))
     assert video.shape == (5, 3, 32, 32)
+    assert shown == [(1, 0, (3, 16, 16))]  # its first frame, after step 1 of 2
     with pytest.raises(PipelineError, match=r"4k\+1 frames .*use 5 or 9"):
         pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=6), [req(2)], always)
 
