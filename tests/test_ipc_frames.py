@@ -16,7 +16,9 @@ DESC = TensorDesc(dtype="uint8", shape=(64, 64, 3), nbytes=64 * 64 * 3, slot_id=
 PARAMS = m.BatchParams(width=64, height=64, steps=2, guidance=7.5, num_frames=None, scheduler="euler")
 SAMPLES: list[msgspec.Struct] = [
     m.Init(m.WorkerConfig(worker_id=1, model_name="tiny", model_spec="tiny", options={"a": "b"})),
-    m.Execute(3, PARAMS, [m.RequestSpec(request_id="r1", prompt="a cat", seed=1, negative_prompt="dog")]),
+    m.Execute(3, PARAMS, [m.RequestSpec(request_id="r1", prompt="a cat", seed=1, negative_prompt="dog"),
+                          m.RequestSpec(request_id="r2", prompt="a cat", seed=2, preview_every=2,
+                                        preview_max_side=256)]),
     m.Cancel(["r1", "r2"]),
     m.Release([1, 2, 3]),
     m.Sleep(),
@@ -33,6 +35,7 @@ SAMPLES: list[msgspec.Struct] = [
     m.Ack(command=m.Kind.TRACE, ok=True, message="", trace=[m.TraceEvent("compute_start", 3, 99)]),
     m.Fatal(message="device lost"),
     m.SlotWait(request_id="r1", nbytes=1 << 20, in_use=3 << 20, capacity=4 << 20),
+    m.PreviewReady(request_id="r1", batch_id=3, step=4, total=20, tensor=DESC),
     m.Fetch(job_id="j_0123456789abcdef", index=1),
     m.Lease(lease=7, tensor=DESC, map_bytes=1 << 20),
     m.Refused(job_id="j_x", index=0, status=410, code="output_released", message="already delivered"),
