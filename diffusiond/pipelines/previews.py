@@ -21,15 +21,27 @@ import torch
 import torch.nn.functional as F
 
 from diffusiond.ipc.messages import BatchParams
-from diffusiond.pipelines import preview_factors as pf
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.preview_factors import (
+    FLUX,
+    FLUX_BIAS,
+    LTX,
+    LTX_BIAS,
+    SD15,
+    SD15_BIAS,
+    SDXL,
+    SDXL_BIAS,
+    WAN,
+    WAN_BIAS,
+    Row,
+)
 
-FAMILIES: dict[str, tuple[tuple[pf.Row, ...], pf.Row]] = {
-    "sd15": (pf.SD15, pf.SD15_BIAS),
-    "sdxl": (pf.SDXL, pf.SDXL_BIAS),
-    "flux": (pf.FLUX, pf.FLUX_BIAS),
-    "wan": (pf.WAN, pf.WAN_BIAS),
-    "ltx": (pf.LTX, pf.LTX_BIAS),
+FAMILIES: dict[str, tuple[tuple[Row, ...], Row]] = {
+    "sd15": (SD15, SD15_BIAS),
+    "sdxl": (SDXL, SDXL_BIAS),
+    "flux": (FLUX, FLUX_BIAS),
+    "wan": (WAN, WAN_BIAS),
+    "ltx": (LTX, LTX_BIAS),
 }
 
 
