@@ -181,6 +181,8 @@ class ErrorCode(enum.StrEnum):
     FORBIDDEN = "forbidden"
     # the daemon's state
     MODEL_NOT_FOUND = "model_not_found"
+    LORA_NOT_FOUND = "lora_not_found"
+    LORA_EXISTS = "lora_exists"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FINISHED = "job_finished"
     OUTPUT_NOT_FOUND = "output_not_found"

@@ -29,7 +29,7 @@ from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.errors import EngineError
 from diffusiond.daemon.jobs import Job
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from diffusiond.daemon.requests import parse_images, parse_job
+from diffusiond.daemon.requests import AddLoraBody, decode, parse_images, parse_job
 from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, ErrorCode, Event, JobStatus, ModelState
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any
 # jobs -----------------------------------------------------------------------------------------
 async def create_job(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req = parse_job(await request.read(), engine.config.limits, engine.model)
+    req = parse_job(await request.read(), engine.config.limits, engine.model, loras=engine.check_loras)
     job = engine.submit(req)
     return web.json_response(views.job(job), status=202, headers={"Location": views.job_url(job.id)})
 
@@ -227,7 +227,8 @@ async def job_output(request: web.Request) -> web.StreamResponse:
 # OpenAI-shaped --------------------------------------------------------------------------------
 async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req, response_format = parse_images(await request.read(), engine.config.limits, engine.model)
+    req, response_format = parse_images(await request.read(), engine.config.limits, engine.model,
+                                        loras=engine.check_loras)
     job = engine.submit(req, sync=True)
     try:
         await job.finished.wait()
@@ -285,6 +286,19 @@ async def admin_wake(request: web.Request) -> web.Response:
     return web.json_response({"sleeping": False, "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
 
 
+async def list_loras(request: web.Request) -> web.Response:
+    return web.json_response(views.loras(request.app[ENGINE]))
+
+
+async def admin_add_lora(request: web.Request) -> web.Response:
+    """Register a LoRA at run time: ``{"name": ..., "path": ...}``; 201 with its entry, or a 4xx
+    naming the field (the daemon goes on either way)."""
+    engine = request.app[ENGINE]
+    body = decode(await request.read(), AddLoraBody)
+    info = await engine.add_lora(body.name, body.path)
+    return web.json_response(views.lora(engine, info), status=201)
+
+
 async def admin_trace(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if not engine.config.trace:
@@ -314,4 +328,6 @@ def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
     app.router.add_post("/v1/admin/sleep", admin_sleep)
     app.router.add_post("/v1/admin/wake", admin_wake)
     app.router.add_get("/v1/admin/trace", admin_trace)
+    app.router.add_get("/v1/loras", list_loras)
+    app.router.add_post("/v1/loras", admin_add_lora)
     return app

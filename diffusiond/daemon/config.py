@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from diffusiond.daemon.loras import LoraFileError, read_lora
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
 from diffusiond.protocol import LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
@@ -44,6 +45,7 @@ class Limits:
     max_frames: int = 1024
     max_body_bytes: int = 1 << 20
     max_timeout_s: float = 24 * 3600.0
+    max_lora_weight: float = 4.0  # a request's LoRA weights lie in [-max, max]
     # Bytes one job may ask to produce (n x frames x width x height x 3 x dtype size): beyond it,
     # 413 at admission rather than a failure in the worker's allocator.
     max_output_bytes: int = 16 << 30
@@ -78,6 +80,10 @@ class DaemonConfig:
     # GPU, served at GET /v1/admin/trace (what `diffusiond bench --trace` reads).
     trace: bool = False
     fault: str = ""  # test-only worker fault injection; empty in normal runs
+    # LoRA adapters by name (--lora NAME=PATH, TOML [loras]); each worker keeps at most max_loras
+    # of them loaded (least recently used ones are unloaded), and a request names at most that many.
+    loras: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 8
 
     @property
     def socket_path(self) -> str:
@@ -96,7 +102,7 @@ class DaemonConfig:
                 raise ConfigError(f"model {m.name!r} has no device")
         if self.output_mode not in OUTPUT_MODES:
             raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
-        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
+        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s"):
@@ -112,6 +118,11 @@ class DaemonConfig:
             raise ConfigError(f"socket_mode {self.socket_mode:o} is not a permission mode (0000-0777)")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
+        for name, path in self.loras.items():
+            try:
+                read_lora(name, path)
+            except LoraFileError as exc:
+                raise ConfigError(str(exc)) from None
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         return self
@@ -154,6 +165,21 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
+def parse_loras(value: Any) -> dict[str, str]:
+    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    out: dict[str, str] = {}
+    for arg in value if isinstance(value, list) else [value]:
+        name, sep, path = str(arg).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
+        if name.strip() in out:
+            raise ConfigError(f"LoRA name {name.strip()!r} is given twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> DaemonConfig:
     """Merge TOML values and flag overrides into a validated config.
 
@@ -190,6 +216,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
             )
     else:
         models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype))
+    if "loras" in values:
+        values["loras"] = parse_loras(values["loras"])
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("allow_uid", "restart_backoff_s"):

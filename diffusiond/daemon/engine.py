@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.errors import JobFinished, JobNotFound, NotAccepting, NoWorker, OutputNotFound, QueueFull
 from diffusiond.daemon.jobs import Item, Job, JobRequest
-from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.link import WorkerLink, WorkerStartError
+from diffusiond.daemon.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import OutputRead, Outputs
 from diffusiond.daemon.pool import Model, Spawn, WorkerPool, spawn_process
@@ -66,6 +67,7 @@ class Engine:
                  spawn: Spawn = spawn_process) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        self.loras = LoraRegistry(config.loras, config.max_loras)
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.jobs: dict[str, Job] = {}
@@ -97,6 +99,9 @@ class Engine:
     async def start(self) -> None:
         """Start every worker; fail with the first worker's reason if a model cannot load."""
         await self.pool.start()
+        unfit = self.loras.unfit_at_start(self.models())
+        if unfit:
+            raise WorkerStartError(unfit)
         self.accepting = True
 
     async def drain(self, grace: float) -> None:
@@ -153,6 +158,15 @@ class Engine:
 
     def models(self) -> list[Model]:
         return list(self.pool.models.values())
+
+    def check_loras(self, model: str, loras: list[tuple[str, float]]) -> None:
+        """Admission: the adapters a request names exist, fit its model, and are not too many."""
+        self.loras.resolve(self.pool.model(model), loras)
+
+    async def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Register an adapter at run time (admin): checked by every live worker against its model."""
+        return await self.loras.add(name, path, self.models(), self.config.worker_start_timeout_s,
+                                    self.pool.lora_paths)
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         if not self.accepting:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffusiond.daemon.link import WorkerLink
-from diffusiond.ipc.messages import BatchParams
+from diffusiond.ipc.messages import BatchParams, LoraRef
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
@@ -47,6 +47,7 @@ class JobRequest:
     timeout_s: float | None = None
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
+    loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -57,7 +58,13 @@ class JobRequest:
             num_frames=self.num_frames,
             scheduler=self.scheduler,
             output_dtype=self.output_dtype,
+            loras=self.lora_refs(),
         )
+
+    def lora_refs(self) -> tuple[LoraRef, ...]:
+        """The adapters that act: a weight of 0 changes nothing, so it neither loads an adapter nor
+        keeps the request from batching with base-model requests."""
+        return tuple(LoraRef(name, weight) for name, weight in self.loras if weight != 0)
 
 
 @dataclass(eq=False)

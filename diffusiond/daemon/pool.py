@@ -50,6 +50,7 @@ class Model:
     restarts: int = 0
     crash_streak: int = 0  # consecutive workers that died within a minute of starting
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
+    lora_errors: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
 
     @property
     def name(self) -> str:
@@ -87,6 +88,7 @@ class WorkerPool:
         self._on_ready = on_ready
         self._spawn = spawn
         self._worker_ids = 0
+        self.lora_paths: dict[str, str] = dict(config.loras)  # what each new worker loads (runtime ones too)
         self._tasks: set[asyncio.Task[Any]] = set()
         for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
             self.metrics.worker_restarts.labels(name)
@@ -153,6 +155,8 @@ class WorkerPool:
             options=dict(model.config.options),
             trace_gpu=self.config.trace,
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
+            loras=dict(self.lora_paths),
+            max_loras=self.config.max_loras,
         )
 
     def _env(self, device: str) -> dict[str, str]:
@@ -182,6 +186,11 @@ class WorkerPool:
                 model.workers.remove(handle)
             raise
         model.capabilities = ready.capabilities
+        for name in self.lora_paths:  # each worker loaded every adapter: the latest one's word stands
+            if name in ready.lora_errors:
+                model.lora_errors[name] = ready.lora_errors[name]
+            else:
+                model.lora_errors.pop(name, None)
         if self.paused:
             await handle.command(Sleep(), self.config.drain_grace_s)
         self._on_ready(handle)

@@ -57,6 +57,18 @@ _PATH = re.compile(r"`\$\.?([A-Za-z_][\w]*)")
 _FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")  # msgspec's wording
 
 
+class LoraBody(msgspec.Struct, forbid_unknown_fields=True):
+    """One entry of ``loras``: a registered adapter and its weight."""
+
+    name: str
+    weight: float = 1.0
+
+
+LoraCheck = Callable[[str, list[tuple[str, float]]], None]
+"""Admission of a request's adapters against the registry (unknown name, does not fit the model,
+too many): ``Engine.check_loras``."""
+
+
 class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str
     model: str | None = None
@@ -73,6 +85,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     fps: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    loras: list[LoraBody] | None = None
 
 
 class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,6 +101,7 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     seed: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    loras: list[LoraBody] | None = None
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     quality: Any = None
     style: Any = None
@@ -97,6 +111,13 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     output_compression: Any = None
     stream: Any = None
     partial_images: Any = None
+
+
+class AddLoraBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/loras``: register the adapter at ``path`` (a folder or a .safetensors file) as ``name``."""
+
+    name: str
+    path: str
 
 
 def decode(body: bytes, cls: type[T]) -> T:
@@ -116,8 +137,27 @@ def _range(name: str, value: float | None, lo: float, hi: float) -> None:
         raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
 
 
+def check_lora_list(entries: list[Any] | None, limits: Limits) -> tuple[tuple[str, float], ...]:
+    """The shape of ``loras``: names not repeated, weights in range; sorted by name, so the same set
+    in any order is one batch key and one sum (adapter order changes float rounding)."""
+    if not entries:
+        return ()
+    pairs = [(e["name"], e["weight"]) if isinstance(e, dict) else (e.name, e.weight) for e in entries]
+    top = limits.max_lora_weight
+    seen: set[str] = set()
+    for name, weight in pairs:
+        if name in seen:
+            raise invalid(f"LoRA {name!r} is named twice in loras; give each adapter once", field="loras")
+        seen.add(name)
+        if not -top <= weight <= top:
+            raise invalid(f"the weight of LoRA {name!r} must be between {-top:g} and {top:g}, got {weight:g}",
+                          field="loras")
+    return tuple(sorted(pairs))
+
+
 def check(
-    req: dict[str, Any], limits: Limits, model: ModelLike, *, size_field: str | None = None
+    req: dict[str, Any], limits: Limits, model: ModelLike, *, size_field: str | None = None,
+    loras: LoraCheck | None = None,
 ) -> JobRequest:
     """Apply limits and the model's defaults; ``req`` is a decoded body as a dict, so both
     endpoints share one set of checks (``size_field`` names the field the user actually sent)."""
@@ -201,6 +241,11 @@ def check(
                 f"{', '.join(schedulers_for(flow))}",
                 field="scheduler",
             )
+    lora_pairs = check_lora_list(req.get("loras"), limits)
+    if lora_pairs:
+        if loras is None:
+            raise invalid("this daemon takes no LoRA adapters", field="loras")
+        loras(model.name, list(lora_pairs))
     elem = itemsize(dtype)
     out_bytes = req["n"] * (frames or 1) * width * height * 3 * elem
     if out_bytes > limits.max_output_bytes:
@@ -224,16 +269,19 @@ def check(
         timeout_s=timeout,
         output_dtype=cast(OutputDtype, dtype),  # checked above against OUTPUT_DTYPES
         scheduler=scheduler,
+        loras=lora_pairs,
     )
 
 
-def parse_job(body: bytes, limits: Limits, resolve_model: ModelResolver) -> JobRequest:
+def parse_job(body: bytes, limits: Limits, resolve_model: ModelResolver, *,
+              loras: LoraCheck | None = None) -> JobRequest:
     b = decode(body, JobBody)
     model = resolve_model(b.model)
-    return check(msgspec.structs.asdict(b), limits, model)
+    return check(msgspec.structs.asdict(b), limits, model, loras=loras)
 
 
-def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver) -> tuple[JobRequest, str]:
+def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver, *,
+                 loras: LoraCheck | None = None) -> tuple[JobRequest, str]:
     b = decode(body, ImagesBody)
     if b.response_format not in ("b64_json", "url"):
         raise invalid("response_format must be 'b64_json' or 'url'", field="response_format")
@@ -246,5 +294,5 @@ def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver) -> t
         req["width"], req["height"] = int(m.group(1)), int(m.group(2))
     req["steps"] = b.num_inference_steps
     req["steps_field"] = "num_inference_steps"
-    return check(req, limits, model, size_field="size"), b.response_format
+    return check(req, limits, model, size_field="size", loras=loras), b.response_format
 

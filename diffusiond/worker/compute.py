@@ -18,8 +18,20 @@ from typing import Literal
 
 import torch
 
-from diffusiond.ipc.messages import Ack, ComputeDone, EndStatus, Execute, Fatal, Kind, Progress, RequestEnded
-from diffusiond.pipelines.base import Interrupted, Pipeline
+from diffusiond.ipc.messages import (
+    Ack,
+    AddLora,
+    ComputeDone,
+    EndStatus,
+    Execute,
+    Fatal,
+    Kind,
+    LoraRef,
+    Progress,
+    RequestEnded,
+)
+from diffusiond.pipelines.base import Interrupted, Pipeline, PipelineError
+from diffusiond.pipelines.loras import Adapters
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
 
@@ -57,8 +69,10 @@ class ComputeThread:
         progress_interval_s: float,
         drain_timeout_s: float,
         on_exit: Callable[[int], None],
+        adapters: Adapters | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.adapters = adapters
         self.copier = copier
         self.state = state
         self.post = post
@@ -67,7 +81,7 @@ class ComputeThread:
         self.drain_timeout_s = drain_timeout_s
         self.on_exit = on_exit
         self.cuda = pipeline.device.type == "cuda"
-        self.queue: queue.Queue[Execute | Control] = queue.Queue()
+        self.queue: queue.Queue[Execute | Control | AddLora] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
 
     def start(self) -> None:
@@ -79,6 +93,9 @@ class ComputeThread:
             if isinstance(item, Control):
                 if self._control(item):
                     return
+                continue
+            if isinstance(item, AddLora):
+                self._add_lora(item)
                 continue
             try:
                 self._execute(item)
@@ -110,6 +127,7 @@ class ComputeThread:
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
         try:
+            self.activate_loras(batch.params.loras)
             with torch.inference_mode():  # no autograd bookkeeping: less host time per kernel launch
                 outputs = self.pipeline.run(batch.params, live, on_step)
         except Interrupted as exc:
@@ -140,6 +158,25 @@ class ComputeThread:
             self.copier.process(job)
         else:
             self.copier.submit(job)
+
+    def activate_loras(self, loras: tuple[LoraRef, ...]) -> None:
+        """The batch's LoRA adapters, and only those, act on its forward (none: the base model).
+        The one place adapters change; here, between forwards, so no batch sees another's."""
+        if self.adapters is not None:
+            self.adapters.activate(loras)
+        elif loras:
+            raise PipelineError(f"model {self.pipeline.name} takes no LoRA adapters")
+
+    def _add_lora(self, item: AddLora) -> None:
+        """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
+        if self.adapters is None:
+            why = f"model {self.pipeline.name} takes no LoRA adapters"
+        else:
+            why = self.adapters.register(item.name, item.path)
+        self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
+
+    def loaded_loras(self) -> list[str]:
+        return list(self.adapters.loaded) if self.adapters is not None else []
 
     def _control(self, item: Control) -> bool:
         """Drain copies (bounded), then act. Returns True when the thread should end."""
