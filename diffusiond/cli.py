@@ -26,6 +26,7 @@ from diffusiond.cli_generate import (
     GenerateState,
     UsageError,
     cancel_after_interrupt,
+    lora_arg,
     parse_size,
     positive_float,
     positive_int,
@@ -43,7 +44,7 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace",
+    "slot_timeout_s", "stream_stall_s", "trace", "lora", "max_loras",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
+    g.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:WEIGHT]",
+                   help="apply a LoRA the daemon serves (see GET /v1/loras), weight 1 if left out; repeatable")
     g.add_argument("--json", action="store_true", help="print one JSON object with the job and the files")
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
@@ -133,6 +136,11 @@ def _add_serve(sub: Any) -> None:
     add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
     add("--trace", action="store_true", default=None,
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
+    add("--lora", action="append", metavar="NAME=PATH",
+        help="serve a LoRA adapter: a folder written by save_lora_weights or a .safetensors file "
+             "(diffusers or kohya layout); repeatable")
+    add("--max-loras", type=positive_int, metavar="N",
+        help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     p.set_defaults(func=None)
 

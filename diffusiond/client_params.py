@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from diffusiond.protocol import OutputDtype
@@ -28,6 +29,7 @@ class JobParams(TypedDict, total=False):
     scheduler: str
     timeout_s: float
     model: str
+    loras: Mapping[str, float] | Sequence[tuple[str, float]]  # LoRA name -> weight (GET /v1/loras)
 
 
 def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
@@ -40,6 +42,9 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
             continue
         if key == "size":
             body["width"], body["height"] = _size(value)
+        elif key == "loras":
+            pairs: Any = value.items() if isinstance(value, Mapping) else value
+            body["loras"] = [{"name": str(name), "weight": float(weight)} for name, weight in pairs]
         else:
             body[key] = value
     return body

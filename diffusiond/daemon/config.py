@@ -187,7 +187,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     flags ``--model``/``--device``/``--workers``/``--dtype`` replace the file's list when given.
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
-    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype"}
+    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "lora"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -216,7 +216,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
             )
     else:
         models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype))
-    if "loras" in values:
+    lora_args = values.pop("lora", None)  # --lora NAME=PATH flags replace the file's [loras] table
+    if lora_args is not None:
+        values["loras"] = parse_loras(lora_args)
+    elif "loras" in values:
         values["loras"] = parse_loras(values["loras"])
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
