@@ -1,6 +1,6 @@
 """LoRA adapters per request, end to end: real daemons on ``tiny`` with LoRAs built in code.
 
-The adapters are built once per session (``lorakit``): ``ink`` (UNet and text encoder), ``dots``
+The adapters are built once per session (``lora_files`` in conftest.py): ``ink`` (UNet and text encoder), ``dots``
 (UNet only, another seed), ``ink-kohya`` (``ink`` rewritten in the kohya layout, which diffusers
 converts on load), ``misfit`` (``ink`` with one matrix of the wrong shape for tiny) and a
 safetensors file that holds no LoRA at all. Outputs are compared as raw ``npy`` bytes, so
@@ -22,33 +22,12 @@ from typing import Any
 import aiohttp
 import pytest
 from daemonkit import Daemon, get, http, shared_daemon, submit, wait_job, when_idle
-from lorakit import build_lora, to_kohya
+from lorakit import build_lora
 
 from conftest import ROOT
 
 SIZE = 64
 FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7}
-
-
-@pytest.fixture(scope="session")
-def lora_files(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
-    """The adapters of the module docstring, built once per test session."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    root = tmp_path_factory.mktemp("loras")
-    ink = build_lora(root / "ink", seed=1)
-    dots = build_lora(root / "dots", seed=2, text_encoder=False)
-    kohya = to_kohya(ink, root / "ink-kohya.safetensors")
-    weights = load_file(str(ink / "pytorch_lora_weights.safetensors"))
-    key = next(k for k in sorted(weights) if k.startswith("unet.") and ".lora_A." in k)
-    weights[key] = torch.zeros(weights[key].shape[0], weights[key].shape[1] + 8)  # in-features tiny lacks
-    (root / "misfit").mkdir()
-    save_file(weights, str(root / "misfit" / "pytorch_lora_weights.safetensors"))
-    save_file({"encoder.weight": torch.zeros(4, 4)}, str(root / "not-a-lora.safetensors"))
-    (root / "text.safetensors").write_text("hello")
-    return {"ink": ink, "dots": dots, "ink-kohya": kohya, "misfit": root / "misfit",
-            "not-a-lora": root / "not-a-lora.safetensors", "text": root / "text.safetensors"}
 
 
 def lora_args(files: dict[str, Path], *names: str) -> list[str]:

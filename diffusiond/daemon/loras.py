@@ -73,6 +73,9 @@ def read_lora(name: str, path: str) -> LoraInfo:
     bad_name = check_name(name)
     if bad_name:
         raise LoraFileError(bad_name)
+    if not path.strip() or "\x00" in path:
+        raise LoraFileError(f"LoRA {name!r}: the path {path!r} is empty or holds a NUL character; give a folder "
+                            "written by save_lora_weights or a .safetensors file")
     file = weights_file(path)
     where = f"LoRA {name!r} ({file})"
     try:
@@ -178,7 +181,7 @@ class LoraRegistry:
                 raise LoraExists(f"a LoRA named {name!r} is already registered ({self.loras[name].path})",
                                  field="name")
             try:
-                info = read_lora(name, path)
+                info = await asyncio.to_thread(read_lora, name, path)  # file I/O: off the loop
             except LoraFileError as exc:
                 field = "name" if check_name(name) else "path"
                 raise InvalidRequest(str(exc), field=field) from None
