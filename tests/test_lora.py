@@ -244,6 +244,8 @@ async def test_post_lora_adds_one_at_run_time_and_a_bad_one_fails_alone(
             ({"name": "nolora", "path": str(lora_files["not-a-lora"])}, 400, "path", "holds no LoRA weights"),
             ({"name": "misfit", "path": str(lora_files["misfit"])}, 400, "path", "fits no model served here"),
             ({"name": "bad name!", "path": str(late)}, 400, "name", "must be 1-64 characters"),
+            ({"name": "rel", "path": "late"}, 400, "path", "is relative"),
+            ({"name": "pickle", "path": str(tmp_path / "late.bin")}, 400, "path", "not a .safetensors file"),
             ({"name": "x"}, 400, "path", "missing required field"),
         ):
             got, answer = await post(s, "/v1/loras", request)

@@ -168,7 +168,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def parse_loras(value: Any) -> dict[str, str]:
     """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
     if isinstance(value, dict):
-        return {str(k): str(v) for k, v in value.items()}
+        return {str(k): _absolute(str(v)) for k, v in value.items()}
     out: dict[str, str] = {}
     for arg in value if isinstance(value, list) else [value]:
         name, sep, path = str(arg).partition("=")
@@ -176,8 +176,14 @@ def parse_loras(value: Any) -> dict[str, str]:
             raise ConfigError(f"--lora wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
         if name.strip() in out:
             raise ConfigError(f"LoRA name {name.strip()!r} is given twice")
-        out[name.strip()] = path.strip()
+        out[name.strip()] = _absolute(path.strip())
     return out
+
+
+def _absolute(path: str) -> str:
+    """Paths as the user meant them from where they ran ``serve``: workers and later requests may
+    run elsewhere (systemd starts the daemon in /)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> DaemonConfig:

@@ -76,8 +76,14 @@ def read_lora(name: str, path: str) -> LoraInfo:
     if not path.strip() or "\x00" in path:
         raise LoraFileError(f"LoRA {name!r}: the path {path!r} is empty or holds a NUL character; give a folder "
                             "written by save_lora_weights or a .safetensors file")
+    if not os.path.isabs(os.path.expanduser(path)):
+        raise LoraFileError(f"LoRA {name!r}: the path {path!r} is relative; give an absolute path (the daemon's "
+                            "working directory is not yours)")
     file = weights_file(path)
     where = f"LoRA {name!r} ({file})"
+    if file.suffix != ".safetensors":
+        # diffusers would read another suffix with torch.load (pickle): only safetensors are served
+        raise LoraFileError(f"{where} is not a .safetensors file; LoRA files are read as safetensors only")
     try:
         size = os.path.getsize(file)
         with open(file, "rb") as f:
