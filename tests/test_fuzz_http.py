@@ -362,7 +362,8 @@ def test_job_and_output_ids_that_look_like_paths_are_404(sock: Path, real_job: s
     assert b"root:" not in raw
 
 
-@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/zero", "/proc/self/environ", "/", "../../etc/shadow", "",
+@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/zero", "/dev/stdin", "/proc/self/fd/0", "/proc/self/environ",
+                                  "/", "../../etc/shadow", "",
                                   "\x00", "/etc/passwd\x00.safetensors"])
 def test_lora_paths_that_are_not_loras_are_refused_and_nothing_of_the_file_leaks(sock: Path, path: str) -> None:
     status, answer = call_json(sock, "POST", "/v1/loras", {"name": "probe", "path": path})

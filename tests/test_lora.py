@@ -232,6 +232,7 @@ async def test_get_loras_lists_each_with_rank_layout_models_and_loaded(sock: Pat
 async def test_post_lora_adds_one_at_run_time_and_a_bad_one_fails_alone(
         sock: Path, lora_files: dict[str, Path], tmp_path: Path) -> None:
     late = build_lora(tmp_path / "late", seed=5)
+    (tmp_path / "late.bin").write_bytes((late / "pytorch_lora_weights.safetensors").read_bytes())
     async with http(sock) as s:
         status, body = await post(s, "/v1/loras", {"name": "late", "path": str(late)})
         assert status == 201, body

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -81,15 +82,14 @@ def read_lora(name: str, path: str) -> LoraInfo:
                             "working directory is not yours)")
     file = weights_file(path)
     where = f"LoRA {name!r} ({file})"
-    if file.suffix != ".safetensors":
-        # diffusers would read another suffix with torch.load (pickle): only safetensors are served
-        raise LoraFileError(f"{where} is not a .safetensors file; LoRA files are read as safetensors only")
     try:
-        size = os.path.getsize(file)
+        st = os.stat(file)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+            raise LoraFileError(f"{where} is not a regular file")
         with open(file, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+            if not 2 <= n <= min(MAX_HEADER_BYTES, st.st_size - 8):
                 raise LoraFileError(f"{where} is not a safetensors file (no valid header)")
             header = json.loads(f.read(n))
     except FileNotFoundError:
@@ -102,6 +102,9 @@ def read_lora(name: str, path: str) -> LoraInfo:
         raise LoraFileError(f"{where} is not a safetensors file (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise LoraFileError(f"{where} is not a safetensors file (its header is not a JSON object)")
+    if file.suffix != ".safetensors":
+        # diffusers would read another suffix with torch.load (pickle): only safetensors are served
+        raise LoraFileError(f"{where} is not a .safetensors file; LoRA files are read as safetensors only")
     return _describe(name, path, where, header)
 
 
