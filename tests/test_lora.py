@@ -211,10 +211,11 @@ async def test_bad_loras_are_refused_naming_the_field(sock: Path, loras: Any, st
 # the registry ----------------------------------------------------------------------------------
 
 
-async def test_get_loras_lists_each_with_rank_layout_models_and_loaded(sock: Path,
+async def test_get_loras_lists_each_with_rank_layout_models_and_the_lru_of_loaded_ones(sock: Path,
                                                                         lora_files: dict[str, Path]) -> None:
     async with http(sock) as s:
-        await run(s, [{"name": "dots", "weight": 1.0}])
+        for name in ("ink", "dots", "ink-kohya"):  # three adapters, two kept loaded (--max-loras 2)
+            await run(s, [{"name": name, "weight": 1.0}])
         await asyncio.sleep(2.5)  # the loaded list comes with the workers' heartbeat answers (each second)
         status, body = await get(s, "/v1/loras")
     assert status == 200
@@ -226,7 +227,8 @@ async def test_get_loras_lists_each_with_rank_layout_models_and_loaded(sock: Pat
     assert by_name["ink"]["targets"] == ["text_encoder", "unet"] and by_name["dots"]["targets"] == ["unet"]
     assert by_name["ink-kohya"]["targets"] == ["text_encoder", "unet"]
     assert all(e["models"] == ["tiny"] and e["unfit"] == {} for e in by_name.values())
-    assert by_name["dots"]["loaded"] is True
+    # the least recently used one was unloaded to make room; the two used last stay loaded
+    assert {n for n, e in by_name.items() if e["loaded"]} == {"dots", "ink-kohya"}
 
 
 async def test_post_lora_adds_one_at_run_time_and_a_bad_one_fails_alone(

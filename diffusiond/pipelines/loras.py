@@ -94,14 +94,19 @@ class Adapters:
             raise PipelineError(f"{len(wanted)} LoRA adapters in one batch; this worker keeps at most "
                                 f"{self.max_loaded} loaded (--max-loras)")
         names = [r.name for r in wanted]
-        for name in names:
-            if name in self.loaded:
-                self.loaded.move_to_end(name)
-            else:
-                self._make_room(keep=set(names))
-                self._load(name)
-        self.pipe.enable_lora()
-        self.pipe.set_adapters(names, [r.weight for r in wanted])
+        try:
+            for name in names:
+                if name in self.loaded:
+                    self.loaded.move_to_end(name)
+                else:
+                    self._make_room(keep=set(names))
+                    self._load(name)
+            self.pipe.enable_lora()
+            self.pipe.set_adapters(names, [r.weight for r in wanted])
+        except BaseException:
+            self.active = ()  # half switched: fail this batch, and leave the base model for the next
+            self.pipe.disable_lora()
+            raise
         self.active = wanted
 
     # loading --------------------------------------------------------------------------------
