@@ -17,6 +17,7 @@ set of slots with ``enable_lora_hotswap(target_rank=...)`` before compiling and
 from __future__ import annotations
 
 import collections
+import importlib.util
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,13 +41,15 @@ def lora_source(path: str) -> tuple[str, dict[str, Any]]:
 def adapters_for(pipeline: Any, registered: Mapping[str, str], max_loaded: int) -> Adapters | None:
     """The adapters of a loaded ``Pipeline``, or None where its diffusers pipeline has no LoRA loader."""
     pipe = getattr(pipeline, "pipe", None)
-    if pipe is None or not Adapters.supported(pipe):
+    if pipe is None or not Adapters.supported(pipe) or importlib.util.find_spec("peft") is None:
         return None
     return Adapters(pipe, str(getattr(pipeline, "name", "the model")), registered, max_loaded)
 
 
 def unsupported(pipeline: Any) -> str:
     """Why a pipeline takes no LoRA: for the error of each adapter registered for it."""
+    if importlib.util.find_spec("peft") is None:  # diffusers' LoRA loading runs on PEFT
+        return "LoRA adapters need the peft package: pip install 'diffusiond[lora]'"
     pipe = getattr(pipeline, "pipe", pipeline)
     return f"model {getattr(pipeline, 'name', '?')} ({type(pipe).__name__}) takes no LoRA adapters"
 

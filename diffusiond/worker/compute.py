@@ -31,7 +31,7 @@ from diffusiond.ipc.messages import (
     RequestEnded,
 )
 from diffusiond.pipelines.base import Interrupted, Pipeline, PipelineError
-from diffusiond.pipelines.loras import Adapters
+from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
 
@@ -165,14 +165,11 @@ class ComputeThread:
         if self.adapters is not None:
             self.adapters.activate(loras)
         elif loras:
-            raise PipelineError(f"model {self.pipeline.name} takes no LoRA adapters")
+            raise PipelineError(unsupported(self.pipeline))
 
     def _add_lora(self, item: AddLora) -> None:
         """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
-        if self.adapters is None:
-            why = f"model {self.pipeline.name} takes no LoRA adapters"
-        else:
-            why = self.adapters.register(item.name, item.path)
+        why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
         self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
 
     def loaded_loras(self) -> list[str]:
