@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import base64
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypedDict
+from pathlib import Path
+from typing import Any, Literal, TypedDict, cast
 
 from diffusiond.protocol import OutputDtype
 
@@ -30,6 +33,17 @@ class JobParams(TypedDict, total=False):
     timeout_s: float
     model: str
     loras: Mapping[str, float] | Sequence[tuple[str, float]]  # LoRA name -> weight (GET /v1/loras)
+    # edits: the input image (and mask) as the file's bytes or a local file's path (sent base64),
+    # or a path the daemon reads itself under its --input-dir (image_path, mask_path)
+    image: ImageInput
+    mask: ImageInput
+    image_path: str
+    mask_path: str
+    strength: float
+
+
+ImageInput = bytes | str | os.PathLike[str]
+"""An edit's image or mask: the encoded file (PNG, JPEG, WebP) as bytes, or a local file to read."""
 
 
 def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
@@ -45,9 +59,17 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
         elif key == "loras":
             pairs: Any = value.items() if isinstance(value, Mapping) else value
             body["loras"] = [{"name": str(name), "weight": float(weight)} for name, weight in pairs]
+        elif key in ("image", "mask"):
+            body[key] = image_b64(cast(ImageInput, value))
         else:
             body[key] = value
     return body
+
+
+def image_b64(value: ImageInput) -> str:
+    """An edit's image or mask for a JSON body: the file's bytes, base64-encoded."""
+    data = value if isinstance(value, bytes) else Path(value).read_bytes()
+    return base64.b64encode(data).decode("ascii")
 
 
 def _size(size: Any) -> tuple[int, int]:

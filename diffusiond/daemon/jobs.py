@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffusiond.daemon.inputs import EditInput
 from diffusiond.daemon.link import WorkerLink
 from diffusiond.ipc.messages import BatchParams, LoraRef
 from diffusiond.ipc.tensors import TensorDesc
@@ -48,6 +49,8 @@ class JobRequest:
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
     loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
+    # an edit's decoded input; the job owns it and the engine closes it when the job ends
+    edit: EditInput | None = field(default=None, compare=False)
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -59,6 +62,8 @@ class JobRequest:
             scheduler=self.scheduler,
             output_dtype=self.output_dtype,
             loras=self.lora_refs(),
+            edit=self.edit.task.value if self.edit else None,
+            strength=self.edit.strength if self.edit else None,
         )
 
     def lora_refs(self) -> tuple[LoraRef, ...]:
