@@ -146,6 +146,21 @@ async def test_no_contamination_between_base_and_adapter_requests(
     assert dots not in (fresh_base, ink_first)
 
 
+async def test_adapters_apply_to_image_to_image_edits_and_leave_them_clean_after(sock: Path) -> None:
+    """Edits run from_pipe pipelines on the same modules: the adapters act there too, and a plain
+    edit after one with adapters is the same as before."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (SIZE, SIZE), (40, 120, 200)).save(buf, format="PNG")
+    edit = {"image": base64.b64encode(buf.getvalue()).decode(), "strength": 0.9}
+    async with http(sock) as s:
+        plain = await run(s, **edit)
+        with_ink = await run(s, [{"name": "ink", "weight": 1.0}], **edit)
+        plain_after = await run(s, **edit)
+    assert with_ink != plain == plain_after
+
+
 # the record of what was applied --------------------------------------------------------------
 
 
