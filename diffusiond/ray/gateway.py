@@ -1,0 +1,55 @@
+"""The HTTP ingress: what Serve's proxy calls for every request to the application.
+
+It reads the route (and, in a job's path, the replica that holds the job), answers the requests
+that reach no daemon itself (unknown routes, malformed job ids), and passes the rest to the
+daemon deployment through a handle whose router (``router.JobRouter``) picks the replica. The
+answer streams back unchanged but for job ids, which the replica has already bound to itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from diffusiond.ray import ids
+from diffusiond.ray.replica import Call, Head
+
+
+class Gateway:
+    """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
+
+    def __init__(self, daemons: Any) -> None:
+        self.daemons = daemons.options(stream=True)
+
+    async def __call__(self, request: Request) -> Response:
+        try:
+            replica, path = ids.route(request.method, request.url.path)
+        except ids.RouteError as exc:
+            return JSONResponse(ids.error_body(exc.code, str(exc), exc.field), status_code=exc.status)
+        body = await request.body()
+        key = None
+        if replica is None and request.method == "POST":
+            try:
+                key = ids.batch_key(json.loads(body))
+            except ValueError:
+                key = None  # the daemon answers 400 invalid_json naming what is wrong
+        call = Call(request.method, path, request.url.query, request.headers.get("content-type"), body, replica)
+        stream = self.daemons.forward.remote(msgspec.msgpack.encode(call), replica=replica, batch_key=key)
+        head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
+
+        async def rest() -> AsyncIterator[bytes]:
+            done = False
+            try:
+                async for chunk in stream:
+                    yield chunk
+                done = True
+            finally:
+                if not done:  # the client went away: the replica closes the daemon's request (a sync job is cancelled)
+                    stream.cancel()
+
+        return StreamingResponse(rest(), status_code=head.status, headers=dict(head.headers))

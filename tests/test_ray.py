@@ -1,0 +1,217 @@
+"""diffusiond on Ray Serve, on a real local Ray cluster bound to 127.0.0.1: two replicas of
+``tiny``, each a real daemon with a real worker, reached through Serve's HTTP proxy.
+
+One cluster and one application for the module (starting Ray and two daemons is most of the
+time); the tests run in file order and the last one shuts Serve down."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'diffusiond[ray]')")
+serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'diffusiond[ray]')")
+
+import aiohttp  # noqa: E402
+
+from conftest import ROOT, shm_entries  # noqa: E402
+from diffusiond.ray import build  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+DAEMON_SOCKET = re.compile(r"diffusiond-ray-([A-Za-z0-9]+)-[^/]*/d\.sock")
+GEN = {"model": "tiny", "size": "64x64", "num_inference_steps": 2}  # OpenAI-shaped
+JOB = {"model": "tiny", "width": 64, "height": 64, "steps": 2}  # the jobs API
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cmdline(pid: int | str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def parent(pid: int | str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def daemons() -> dict[str, int]:
+    """Replica id -> pid of the diffusiond daemon it runs (found by its private socket's path)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            cmd = cmdline(entry)
+            m = DAEMON_SOCKET.search(cmd)
+            if m and " serve " in cmd:
+                out[m[1]] = int(entry)
+    return out
+
+
+def children(pids: set[int]) -> set[int]:
+    return {int(e) for e in os.listdir("/proc") if e.isdigit() and parent(e) in pids}
+
+
+@pytest.fixture(scope="module")
+def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
+    shm_before = shm_entries()
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray puts Unix sockets under it
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, _temp_dir=tmp,
+             logging_level="warning", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build({"model": "tiny", "replicas": "2", "cpus_per_replica": "0", "health_check_period_s": "2",
+                     "daemon_args": "--max-batch 4 --job-timeout 120 --drain-grace-s 10"})
+        serve.run(app, name="diffusiond", route_prefix="/")
+        pids = set(daemons().values())
+        yield {"url": f"http://127.0.0.1:{port}", "shm_before": shm_before, "pids": pids | children(pids)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def generate(s: aiohttp.ClientSession, seed: int) -> tuple[int, dict[str, Any]]:
+    async with s.post("/v1/images/generations", json={**GEN, "prompt": f"a cat {seed}", "seed": seed}) as r:
+        return r.status, await r.json()
+
+
+def replica_of(job_id: str) -> str:
+    return job_id.split(".", 1)[0]
+
+
+async def test_32_concurrent_requests_through_the_proxy_all_succeed_and_both_replicas_serve(cluster) -> None:
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        answers = await asyncio.wait_for(asyncio.gather(*(generate(s, i) for i in range(32))), 300)
+    assert [st for st, _ in answers] == [200] * 32, [b for st, b in answers if st != 200][:2]
+    for _, body in answers:
+        assert base64.b64decode(body["data"][0]["b64_json"]).startswith(PNG)
+    served = {replica_of(b["job_id"]) for _, b in answers}
+    assert served == set(daemons()), "every answer names one of the two running replicas, and both served some"
+
+
+async def test_a_jobs_events_output_and_cancel_reach_the_replica_that_holds_it(cluster) -> None:
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with s.post("/v1/jobs", json={**JOB, "prompt": "a lighthouse", "n": 2, "seed": 3}) as r:
+            job = await r.json()
+            assert r.status == 202, job
+            assert r.headers["Location"] == f"/v1/jobs/{job['id']}"
+        assert replica_of(job["id"]) in daemons()
+        events = []
+        async with s.get(f"/v1/jobs/{job['id']}/events") as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            name = None
+            async for raw in r.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: ") and name:
+                    events.append((name, json.loads(line[6:])))
+                    if name in ("done", "error"):
+                        break
+        assert events[-1][0] == "done", events[-1]
+        final = events[-1][1]
+        assert final["id"] == job["id"] and final["status"] == "succeeded"
+        assert [o["url"] for o in final["outputs"]] == [f"/v1/jobs/{job['id']}/outputs/{k}" for k in (0, 1)]
+        for out in final["outputs"]:
+            async with s.get(out["url"]) as r:
+                assert r.status == 200 and r.headers["Content-Type"] == "image/png"
+                assert (await r.read()).startswith(PNG)
+        async with s.get(f"/v1/jobs/{job['id']}") as r:
+            assert (await r.json())["id"] == job["id"]
+        async with s.delete(f"/v1/jobs/{job['id']}") as r:
+            assert r.status == 409 and (await r.json())["error"]["code"] == "job_finished"
+
+
+async def test_ids_of_replicas_that_never_were_and_routes_not_served_get_clear_errors(cluster) -> None:
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with s.get("/v1/jobs/zz9zz9zz.j_0123456789abcdef") as r:
+            err = (await r.json())["error"]
+            assert r.status == 410 and err["code"] == "replica_gone" and "zz9zz9zz" in err["message"]
+        async with s.get("/v1/jobs/j_0123456789abcdef") as r:
+            err = (await r.json())["error"]
+            assert r.status == 404 and "REPLICA.j_HEX" in err["message"]
+        async with s.post("/v1/admin/sleep") as r:
+            assert r.status == 404 and "its socket" in (await r.json())["error"]["message"]
+        async with s.get("/v1/models") as r:
+            assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+        async with s.post("/v1/images/generations", json={**GEN, "prompt": "x", "n": 99}) as r:
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["field"] == "n"
+
+
+async def test_a_replica_whose_daemon_is_killed_mid_load_fails_its_jobs_with_a_reason_and_is_replaced(cluster) -> None:
+    before = daemons()
+    assert len(before) == 2
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with s.post("/v1/jobs", json={**JOB, "prompt": "held", "steps": 40}) as r:
+            held = (await r.json())["id"]
+        victim = replica_of(held)
+        load = [asyncio.create_task(generate(s, 100 + i)) for i in range(16)]
+        await asyncio.sleep(1.0)
+        os.kill(before[victim], signal.SIGKILL)
+        answers = await asyncio.wait_for(asyncio.gather(*load), 300)  # none hangs
+        for status, body in answers:
+            if status != 200:
+                assert status == 503 and body["error"]["code"] == "replica_unavailable", body
+                assert victim in body["error"]["message"] and "killed by signal 9" in body["error"]["message"]
+        assert sum(st == 200 for st, _ in answers) >= 1, "the other replica kept serving"
+
+        async def held_job_status() -> tuple[int, dict[str, Any]]:
+            async with s.get(f"/v1/jobs/{held}") as r:
+                return r.status, await r.json()
+
+        deadline = time.monotonic() + 180
+        status, body = await held_job_status()
+        while status != 410 and time.monotonic() < deadline:  # 503 naming the replica until Serve replaces it
+            assert status == 503 and victim in body["error"]["message"], body
+            await asyncio.sleep(1)
+            status, body = await held_job_status()
+        assert status == 410 and body["error"]["code"] == "replica_gone" and victim in body["error"]["message"]
+
+        async def replaced() -> bool:
+            now = daemons()
+            return len(now) == 2 and victim not in now
+        while not await replaced() and time.monotonic() < deadline:
+            await asyncio.sleep(1)
+        assert await replaced(), f"Serve did not start a new replica in place of {victim}: {daemons()}"
+        answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 200 + i) for i in range(8))), 180)
+        assert [st for st, _ in answers] == [200] * 8
+
+
+def test_serve_shutdown_leaves_no_daemon_no_worker_and_nothing_in_dev_shm(cluster) -> None:
+    pids = set(daemons().values())
+    workers = children(pids)
+    assert pids and workers, "each replica runs a daemon with a worker"
+    serve.shutdown()
+    deadline = time.monotonic() + 60
+    alive = lambda: {p for p in pids | workers | cluster["pids"] if cmdline(p)}  # noqa: E731
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(), [cmdline(p) for p in alive()]
+    assert not daemons()
+    leftover = {n for n in shm_entries() - cluster["shm_before"] if "diffusiond" in n or n.startswith("torch_")}
+    assert not leftover
+    assert not list(Path(tempfile.gettempdir()).glob("diffusiond-ray-*"))
