@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import tempfile
@@ -85,8 +86,10 @@ def main() -> None:
     from diffusiond.ray import build
 
     port = free_port()
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # a one-machine cluster on 127.0.0.1, not the host's address
+    tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: Ray puts Unix sockets under it
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, logging_level="warning", log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="rb", dir="/tmp"))
+             _temp_dir=tmp)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build({"model": args.model, "replicas": "1", "cpus_per_replica": "0",
@@ -95,6 +98,7 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     summary = {}
     for name, ms in results.items():
         q = statistics.quantiles(ms, n=10)

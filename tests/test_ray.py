@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import tempfile
@@ -21,6 +23,10 @@ from typing import Any
 
 import pytest
 
+# On Linux Ray swaps 127.0.0.1 for the host's reachable address (and listens on every interface)
+# unless told this is a one-machine cluster, as it assumes on macOS and Windows. Ray reads this
+# when it is imported, so it is set before; the fixture checks that it took.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'diffusiond[ray]')")
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'diffusiond[ray]')")
 
@@ -82,6 +88,7 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, _temp_dir=tmp,
              logging_level="warning", log_to_driver=False)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"), "the test cluster stays on loopback"
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build({"model": "tiny", "replicas": "2", "cpus_per_replica": "0", "health_check_period_s": "2",
@@ -92,6 +99,7 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def generate(s: aiohttp.ClientSession, seed: int, steps: int = 2) -> tuple[int, dict[str, Any]]:
@@ -248,6 +256,56 @@ async def test_a_replica_whose_daemon_is_killed_mid_load_fails_its_jobs_with_a_r
         await until(workers_gone, 60, "the killed daemon's workers to exit")
         answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 200 + i) for i in range(8))), 180)
         assert [st for st, _ in answers] == [200] * 8
+
+
+async def test_a_client_that_goes_away_cancels_its_synchronous_job_in_the_daemon(cluster) -> None:
+    running = daemons()
+    body = {**GEN, "prompt": "nobody waits for this", "num_inference_steps": 500}
+
+    async def running_job() -> tuple[int, str] | None:
+        for pid in running.values():
+            async with http(Path(daemon_socket(pid))) as d, d.get("/v1/jobs") as r:
+                for job in (await r.json())["data"]:
+                    if job["request"]["prompt"] == body["prompt"] and job["status"] == "running":
+                        return pid, job["id"]
+        return None
+
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        request = asyncio.create_task(s.post("/v1/images/generations", json=body))
+        pid, job_id = await until(running_job, 120, "the job to run in a daemon")
+        request.cancel()  # the client hangs up: proxy -> gateway -> replica -> daemon
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+
+    async def ended() -> dict[str, Any] | None:
+        async with http(Path(daemon_socket(pid))) as d, d.get(f"/v1/jobs/{job_id}") as r:
+            job = dict(await r.json())
+        return job if job["status"] in ("succeeded", "failed", "cancelled") else None
+
+    job = await until(ended, 60, "the daemon to end the job")
+    assert job["status"] == "cancelled" and job["progress"]["step"] < 500
+
+
+async def test_a_killed_replica_actor_takes_its_daemon_and_workers_with_it(cluster) -> None:
+    running = daemons()
+    victim = sorted(running)[0]
+    gone = {running[victim]} | children({running[victim]})
+    actor = ray.get_actor(f"SERVE_REPLICA::diffusiond#diffusiond#{victim}", namespace="serve")
+    ray.kill(actor)  # no __del__: the replica's process just ends
+
+    async def all_gone() -> bool:
+        return not {p for p in gone if cmdline(p)}
+
+    await until(all_gone, 60, "the daemon and workers of the killed replica to exit")
+
+    async def replaced() -> bool:
+        now = daemons()
+        return len(now) == 2 and victim not in now
+
+    await until(replaced, 180, f"Serve to start a replica in place of {victim}")
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 300 + i) for i in range(8))), 180)
+    assert [st for st, _ in answers] == [200] * 8
 
 
 def test_serve_shutdown_leaves_no_daemon_no_worker_and_nothing_in_dev_shm(cluster) -> None:

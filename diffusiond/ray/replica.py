@@ -10,8 +10,9 @@ headers, msgpack), then the body in chunks, so SSE progress and output bytes flo
 Lifetime: the daemon dies with the replica. ``__del__`` (Serve's graceful stop) sends SIGTERM,
 which drains and stops the workers, and waits; the daemon also gets SIGTERM from the kernel if
 the replica's process dies without a goodbye (``PR_SET_PDEATHSIG``), so a killed actor leaves no
-daemon and no workers behind. ``check_health`` fails once the daemon has exited, and Serve then
-replaces the replica.
+daemon and no workers behind (and the next health check of a replica on that node removes its
+private directory). ``check_health`` fails once the daemon has exited, and Serve then replaces
+the replica.
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def encode_error(status: int, code: ErrorCode, message: str) -> list[bytes]:
     return [msgspec.msgpack.encode(head), json.dumps(ids.error_body(code, message)).encode()]
 
 
+def remove_stale_dirs(tmp: Path) -> None:
+    """Remove the private directories (socket, daemon log) of replicas on this node whose daemon
+    is gone. A replica stopped by Serve removes its own in ``__del__``; one whose process was
+    killed cannot, so the living replicas' health checks do it for them."""
+    for d in tmp.glob("diffusiond-ray-*"):
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / "daemon.pid").read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or a replica still starting its daemon
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -92,6 +112,7 @@ class DaemonReplica:
             [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *serve_args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, start_new_session=True,
         )
+        (self.dir / "daemon.pid").write_text(str(self.proc.pid))
         log.info("replica %s: daemon pid %d on %s (GPUs %s)", self.replica, self.proc.pid, self.socket, gpus or "none")
         self._session: aiohttp.ClientSession | None = None
         self._wait_ready(start_timeout_s)
@@ -151,6 +172,7 @@ class DaemonReplica:
         reason = self._gone_reason()
         if reason:
             raise RuntimeError(reason)
+        remove_stale_dirs(self.dir.parent)
         if await self._health() is None:
             raise RuntimeError(f"replica {self.replica}: its diffusiond daemon does not answer /health")
 
