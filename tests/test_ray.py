@@ -76,6 +76,12 @@ def daemons() -> dict[str, int]:
     return out
 
 
+def serve_running() -> int:
+    """Replicas Serve counts as running (a replacement's daemon exists before its model is loaded)."""
+    states = serve.status().applications["diffusiond"].deployments["diffusiond"].replica_states
+    return int(states.get("RUNNING", 0)) if set(states) == {"RUNNING"} else 0
+
+
 def children(pids: set[int]) -> set[int]:
     return {int(e) for e in os.listdir("/proc") if e.isdigit() and parent(e) in pids}
 
@@ -246,7 +252,7 @@ async def test_a_replica_whose_daemon_is_killed_mid_load_fails_its_jobs_with_a_r
 
         async def replaced() -> bool:
             now = daemons()
-            return len(now) == 2 and victim not in now
+            return len(now) == 2 and victim not in now and serve_running() == 2
         while not await replaced() and time.monotonic() < deadline:
             await asyncio.sleep(1)
         assert await replaced(), f"Serve did not start a new replica in place of {victim}: {daemons()}"
@@ -291,7 +297,18 @@ async def test_a_killed_replica_actor_takes_its_daemon_and_workers_with_it(clust
     victim = sorted(running)[0]
     gone = {running[victim]} | children({running[victim]})
     actor = ray.get_actor(f"SERVE_REPLICA::diffusiond#diffusiond#{victim}", namespace="serve")
-    ray.kill(actor)  # no __del__: the replica's process just ends
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        load = [asyncio.create_task(generate(s, 400 + i, steps=20)) for i in range(8)]
+
+        async def victim_busy() -> bool:
+            return await daemon_jobs(running[victim], "running", "queued") >= 1
+
+        await until(victim_busy, 120, "the victim to take work")
+        ray.kill(actor)  # no __del__: the replica's process just ends
+        answers = await asyncio.wait_for(asyncio.gather(*load), 300)
+    failed = [body for status, body in answers if status != 200]
+    assert failed and all(b["error"]["code"] == "replica_unavailable" for b in failed), failed
+    assert "ended before it answered" in failed[0]["error"]["message"]
 
     async def all_gone() -> bool:
         return not {p for p in gone if cmdline(p)}
@@ -300,7 +317,7 @@ async def test_a_killed_replica_actor_takes_its_daemon_and_workers_with_it(clust
 
     async def replaced() -> bool:
         now = daemons()
-        return len(now) == 2 and victim not in now
+        return len(now) == 2 and victim not in now and serve_running() == 2
 
     await until(replaced, 180, f"Serve to start a replica in place of {victim}")
     async with aiohttp.ClientSession(base_url=cluster["url"]) as s:

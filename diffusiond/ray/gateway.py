@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from diffusiond.protocol import ErrorCode
 from diffusiond.ray import ids
 from diffusiond.ray.replica import Call, Head
 
@@ -40,7 +41,13 @@ class Gateway:
                 key = None  # the daemon answers 400 invalid_json naming what is wrong
         call = Call(request.method, path, request.url.query, request.headers.get("content-type"), body, replica)
         stream = self.daemons.forward.remote(msgspec.msgpack.encode(call), replica=replica, batch_key=key)
-        head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
+        try:
+            head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
+        except Exception as exc:  # the replica's process died (RayActorError, ...) before it answered
+            which = f"replica {replica}" if replica else "the replica that took this request"
+            message = (f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. "
+                       "A job it held is lost with it: submit again")
+            return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE, message), status_code=503)
 
         async def rest() -> AsyncIterator[bytes]:
             done = False
