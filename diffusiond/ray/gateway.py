@@ -20,6 +20,9 @@ from diffusiond.protocol import ErrorCode
 from diffusiond.ray import ids
 from diffusiond.ray.replica import Call, Head
 
+# A request crosses Ray's object store whole; the daemon has its own, smaller limit (1 MiB by default).
+MAX_BODY_BYTES = 64 << 20
+
 
 class Gateway:
     """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
@@ -32,6 +35,10 @@ class Gateway:
             replica, path = ids.route(request.method, request.url.path)
         except ids.RouteError as exc:
             return JSONResponse(ids.error_body(exc.code, str(exc), exc.field), status_code=exc.status)
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return JSONResponse(ids.error_body(ErrorCode.REQUEST_TOO_LARGE,
+                                               f"the request body is over {MAX_BODY_BYTES >> 20} MiB, the most "
+                                               "the Ray gateway passes on to a daemon"), status_code=413)
         body = await request.body()
         key = None
         if replica is None and request.method == "POST":

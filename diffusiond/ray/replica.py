@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +88,18 @@ def remove_stale_dirs(tmp: Path) -> None:
             continue
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with(parent: int) -> Callable[[], None]:
+    """What the child runs between fork and exec: ask the kernel for SIGTERM when the replica's
+    thread that started it ends, and exit at once if the replica is already gone (no signal would
+    ever come). libc is loaded here, before the fork, not in the child."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    def child() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return child
 
 
 class DaemonReplica:
@@ -110,7 +119,8 @@ class DaemonReplica:
         self._log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - closed in __del__
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *serve_args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, start_new_session=True,
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
         )
         (self.dir / "daemon.pid").write_text(str(self.proc.pid))
         log.info("replica %s: daemon pid %d on %s (GPUs %s)", self.replica, self.proc.pid, self.socket, gpus or "none")
