@@ -42,6 +42,7 @@ from diffusiond.ray import ids
 log = logging.getLogger("diffusiond.ray")
 
 CHUNK = 256 << 10
+BIG_JSON = 1 << 20
 PR_SET_PDEATHSIG = 1
 # headers that belong to one hop, or that are wrong once a body is rewritten
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"})
@@ -254,6 +255,12 @@ class DaemonReplica:
             for part in encode_error(503, ErrorCode.REPLICA_UNAVAILABLE, message):
                 yield part
 
+    def _bind(self, body: bytes) -> bytes:
+        try:
+            return json.dumps(ids.bind_document(json.loads(body), self.replica), separators=(",", ":")).encode()
+        except ValueError:
+            return body
+
     async def _relay(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         ctype = resp.headers.get("Content-Type", "")
         rewrite = ctype.startswith(("application/json", "text/event-stream"))
@@ -263,10 +270,8 @@ class DaemonReplica:
             headers.append(("content-length", str(resp.content_length)))
         if ctype.startswith("application/json"):
             body = await resp.read()
-            try:
-                body = json.dumps(ids.bind_document(json.loads(body), self.replica), separators=(",", ":")).encode()
-            except ValueError:
-                pass
+            # b64 images make a synchronous answer megabytes of JSON: parse those off the loop
+            body = await asyncio.to_thread(self._bind, body) if len(body) > BIG_JSON else self._bind(body)
             yield msgspec.msgpack.encode(Head(resp.status, headers))
             yield body
         elif ctype.startswith("text/event-stream"):
