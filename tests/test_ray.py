@@ -195,6 +195,20 @@ async def test_ids_of_replicas_that_never_were_and_routes_not_served_get_clear_e
             assert r.status == 400 and err["field"] == "n"
 
 
+def test_the_official_openai_client_generates_and_edits_through_the_proxy(cluster) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", timeout=120)
+    extra = {"seed": 5, "num_inference_steps": 2}
+    made = client.images.generate(model="tiny", prompt="a barn", size="64x64", response_format="b64_json",
+                                  extra_body=extra)
+    png = base64.b64decode(made.data[0].b64_json or "")
+    assert png.startswith(PNG)
+    edited = client.images.edit(model="tiny", image=("in.png", png, "image/png"), prompt="a red barn", n=1,
+                                size="64x64", response_format="b64_json", extra_body=extra)
+    assert base64.b64decode(edited.data[0].b64_json or "").startswith(PNG)
+
+
 async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> None:
     running = daemons()
     asleep, awake = sorted(running)
