@@ -51,6 +51,8 @@ def job(j: Job) -> dict[str, Any]:
         ],
         "error": j.error,
         "timings_ms": dict(j.timings_ms),
+        "approximations": list(j.approximations),
+        "compiled": j.compiled or None,
         "request": {
             "prompt": r.prompt,
             "n": r.n,
@@ -75,7 +77,8 @@ def event(e: Event, j: Job) -> dict[str, Any]:
 def models(ms: list[Model]) -> dict[str, Any]:
     data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
              "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
-             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec)}
+             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
+             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations)}
             for m in ms]
     return {"object": "list", "data": data}
 

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from diffusiond import protocol
@@ -27,6 +28,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
+from diffusiond.pipelines.speedups import apply_speedups
 from diffusiond.protocol import FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
 
 __all__ = ["FLOW_SCHEDULERS", "SCHEDULERS", "DiffusersPipeline", "check_frames", "task_for_class"]
@@ -211,6 +213,9 @@ class DiffusersPipeline:
                 raise PipelineError(f"cpu_offload=1 needs the accelerate package: {exc}") from exc
         else:
             pipe.to(self.device)
+        approximations = apply_speedups(pipe, options, self.device)
+        if approximations:
+            self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations)
 
     @property
     def pipe(self) -> Any:

@@ -4,6 +4,9 @@ After each batch it records a CUDA event on the default stream, announces COMPUT
 the device outputs to the copy thread, then takes the next batch at once: the engine keeps one
 queued, so the GPU goes from one forward straight into the next. Control items (SLEEP, WAKE,
 SHUTDOWN) travel through the same queue, so they run after the batches sent before them.
+
+Warm-up (``--warmup``) runs here too, before READY: a compiled model's CUDA graphs belong to
+the thread that captured them, and the shapes compiled here are the ones later batches replay.
 """
 
 from __future__ import annotations
@@ -12,13 +15,25 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from diffusiond.ipc.messages import Ack, ComputeDone, EndStatus, Execute, Fatal, Kind, Progress, RequestEnded
+from diffusiond.ipc.messages import (
+    Ack,
+    BatchParams,
+    ComputeDone,
+    EndStatus,
+    Execute,
+    Fatal,
+    Kind,
+    Progress,
+    RequestEnded,
+    RequestSpec,
+    WarmupShape,
+)
 from diffusiond.pipelines.base import Interrupted, Pipeline
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
@@ -57,6 +72,8 @@ class ComputeThread:
         progress_interval_s: float,
         drain_timeout_s: float,
         on_exit: Callable[[int], None],
+        warmup: Sequence[WarmupShape] = (),
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.copier = copier
@@ -66,6 +83,8 @@ class ComputeThread:
         self.progress_interval_s = progress_interval_s
         self.drain_timeout_s = drain_timeout_s
         self.on_exit = on_exit
+        self.warmup = list(warmup)
+        self.on_ready = on_ready
         self.cuda = pipeline.device.type == "cuda"
         self.queue: queue.Queue[Execute | Control] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
@@ -74,6 +93,15 @@ class ComputeThread:
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._warm_up()
+        except BaseException as exc:
+            log.exception("warm-up failed")
+            self.post(Fatal(message=f"warm-up failed: {type(exc).__name__}: {exc}"))
+            self.on_exit(1)
+            return
+        if self.on_ready is not None:
+            self.on_ready()
         while True:
             item = self.queue.get()
             if isinstance(item, Control):
@@ -87,6 +115,24 @@ class ComputeThread:
                 self.post(Fatal(message=f"unrecoverable device error in batch {item.batch_id}: {exc}"))
                 self.on_exit(70)
                 return
+
+    def _warm_up(self) -> None:
+        """Run each warm-up shape twice (CUDA-graph trees record a graph on its second run), so
+        the first client of that shape pays neither compilation nor capture."""
+        caps = self.pipeline.capabilities
+        frames = caps.num_frames if caps.task == "text-to-video" else None
+        for shape in self.warmup:
+            params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
+                                 num_frames=frames)
+            requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
+            t0 = time.perf_counter()
+            for _ in range(2):
+                with torch.inference_mode():
+                    self.pipeline.run(params, requests, lambda _step, _total: True)
+            if self.cuda:
+                torch.cuda.synchronize()
+            log.info("warmed up %dx%d batch %d in %.1f s", shape.width, shape.height, shape.batch,
+                     time.perf_counter() - t0)
 
     def _execute(self, batch: Execute) -> None:
         live = [r for r in batch.requests if not self.state.is_cancelled(r.request_id)]
@@ -106,6 +152,9 @@ class ComputeThread:
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
             return not self.state.all_cancelled(live_ids)
 
+        will_compile = getattr(self.pipeline, "will_compile", None)
+        if will_compile is not None and will_compile(batch.params, len(live)):
+            self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, compiling=True))
         self.state.record("compute_start", batch.batch_id)
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
