@@ -20,14 +20,14 @@ bench() {
 for step in "$@"; do
   case $step in
     ready)
-      for k in cold warm; do
-        echo "=== ready $k" >> "$out/ready.txt"
-        timeout 400 python3 scripts/ready_time.py /tmp/rt.sock "$out/ready-$k.log" -- $serve \
+      for k in cold:${COLD_S:-280} warm:${WARM_S:-100}; do
+        echo "=== ready ${k%%:*}" >> "$out/ready.txt"
+        timeout "${k##*:}" python3 scripts/ready_time.py /tmp/rt.sock "$out/ready-${k%%:*}.log" -- $serve \
           --compile ${MODE:-reduce-overhead} --warmup 512x512:1 >> "$out/ready.txt" 2>&1
       done ;;
     bench512)
-      bench sd15-512-compiled 300 --model random:sd15 --size 512x512 --steps 4 --format png --requests 48 \
-        --concurrency 4 --compile ${MODE:-reduce-overhead} --rounds 1 --sweep 1,8 ;;
+      bench sd15-512-compiled ${BENCH_S:-200} --model random:sd15 --size 512x512 --steps 4 --format png \
+        --requests 32 --concurrency 4 --compile ${MODE:-reduce-overhead} --rounds 1 --sweep 8 ;;
     sweep)
       bench sd15-512-b8-compiled 400 --model random:sd15 --size 512x512 --steps 4 --format png --requests 64 \
         --batch 8 --concurrency 8 --compile ${MODE:-reduce-overhead} --rounds 1 --sweep 1,2,4,16 --modes limit,async ;;
@@ -35,7 +35,7 @@ for step in "$@"; do
       bench sd15-1024-compiled 400 --model random:sd15 --size 1024x1024 --steps 20 --format png --requests 8 \
         --concurrency 2 --compile ${MODE:-default} --rounds 1 ;;
     tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "compile or cuda_graph" \
+      timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "compile or cuda_graph" \
         > "$out/gpu-tests.txt" 2>&1; echo "rc=$?" >> "$out/gpu-tests.txt" ;;
   esac
 done

@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+
+def is_ready(sock: str) -> bool:
+    """GET /ready over the Unix socket, stdlib only (the GPU machine has no extra HTTP client)."""
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(sock)
+            s.sendall(b"GET /ready HTTP/1.0\r\nHost: d\r\n\r\n")
+            return s.recv(64).split(b" ")[1:2] == [b"200"]
+    except OSError:
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -25,14 +36,10 @@ def main(argv: list[str]) -> int:
                                 stdout=out, stderr=subprocess.STDOUT)
     ready = None
     try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://d", timeout=5) as client:
-            while proc.poll() is None and ready is None:
-                try:
-                    if client.get("/ready").status_code == 200:
-                        ready = time.perf_counter() - t0
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+        while proc.poll() is None and ready is None:
+            if is_ready(sock):
+                ready = time.perf_counter() - t0
+            time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
