@@ -99,9 +99,25 @@ def test_a_new_shape_compiles_once_and_the_output_is_the_eager_one() -> None:
     assert not pipe.will_compile(other, 2)
     run(pipe, other, [3, 4])
     assert compilations() == first
-    assert pipe.will_compile(TINY, 1)  # another batch size is another shape
-    run(pipe, TINY, [5])
+    assert pipe.will_compile(TINY, 3)  # a larger batch is another shape (a smaller one runs padded)
+    run(pipe, TINY, [5, 6, 7])
     assert compilations() > first
+
+
+def test_a_smaller_batch_runs_padded_in_a_compiled_larger_one() -> None:
+    eager = load_pipeline("tiny", device="cpu", dtype="float32")
+    alone = run(eager, TINY, [7])
+    pipe = CompiledPipeline(load_pipeline("tiny", device="cpu", dtype="float32"), "default", EAGER_BACKEND)
+    run(pipe, TINY, [1, 2, 3])
+    compiled = compilations()
+    assert pipe.run_size(TINY, 1) == 3 and not pipe.will_compile(TINY, 1)
+    padded = run(pipe, TINY, [7])
+    assert compilations() == compiled  # served by the batch-3 graphs
+    assert padded.shape == alone.shape  # the padding's outputs are dropped
+    # the request's own output, up to float rounding (as alone or in any batch: test_pipelines.py)
+    diff = (padded * 255).round().int() - (alone * 255).round().int()
+    assert diff.abs().max().item() <= 1
+    assert pipe.run_size(TINY, 4) == 4 and pipe.will_compile(TINY, 4)  # larger: a shape of its own
 
 
 def test_shapes_past_the_bound_are_not_announced_as_compiling() -> None:
@@ -135,7 +151,7 @@ def test_unknown_cache_and_bad_threshold_are_refused() -> None:
 
 
 def test_fp8_without_a_capable_gpu_says_what_it_needs() -> None:
-    with pytest.raises(PipelineError, match="compute capability 8.9"):
+    with pytest.raises(PipelineError, match=r"compute capability 8\.9"):
         load_pipeline("tiny", device="cpu", dtype="float32", options={"fp8": "1"})
 
 
@@ -168,10 +184,10 @@ async def test_daemon_warms_up_before_ready_and_a_new_shape_shows_compiling(tmp_
     d = Daemon(tmp_path / "d.sock", ["--config", str(toml)], tmp_path / "d.log", env=env)
     d.start(timeout=600)  # /ready answers 200 only once the worker has run the warm-up shape
     try:
-        async with http(d.socket_path) as s:
-            body = {"prompt": "a red fox", "size": "64x64", "steps": 2, "seed": 1}
+        async with http(d.socket) as s:
+            body = {"prompt": "a red fox", "width": 64, "height": 64, "steps": 2, "seed": 1}
             warmed = await wait_job(s, (await submit(s, body))["id"], timeout=300)
-            new = await wait_job(s, (await submit(s, {**body, "size": "64x96"}))["id"], timeout=300)
+            new = await wait_job(s, (await submit(s, {**body, "height": 96}))["id"], timeout=300)
             async with s.get(warmed["outputs"][0]["url"]) as r:
                 meta = png_text(await r.read())
             async with s.get("/v1/models") as r:
@@ -193,7 +209,7 @@ async def test_an_approximate_cache_is_named_in_every_output(tmp_path: Path, mod
                env={"DIFFUSIOND_CACHE": str(model_cache)})
     d.start(timeout=600)
     try:
-        async with http(d.socket_path) as s:
+        async with http(d.socket) as s:
             job = await wait_job(s, (await submit(s, {"prompt": "a red fox", "model": "v", "n": 2, "steps": 2,
                                                       "output_format": "gif"}))["id"], timeout=300)
             comments = []

@@ -14,6 +14,13 @@ its own, exact for that shape and replayable as a CUDA graph. ``compile_shapes``
 module keeps (dynamo's recompile limit); a shape past the bound runs eager, so a client sending
 ever new sizes cannot make the worker compile (or hold CUDA graphs) without end.
 
+A batch smaller than a batch size already compiled for its size runs padded to that size (the
+smallest such), with copies of its last request whose outputs are dropped: a forward of 8 costs
+far less than compiling a graph for 5 (minutes) or running it eager. Each request keeps its own
+generator, so its output is the one it gets in any batch (equal up to float rounding, as
+tests/test_pipelines.py measures). Warm up the largest batch (``--warmup 512x512:8``) and every
+smaller batch of that size is served by its graph.
+
 The compile is lazy: torch compiles a shape when it first runs. The worker runs the ``--warmup``
 shapes before it reports ready, and for any other new shape it tells the engine (stage
 ``compiling``) before the batch starts, using ``will_compile``.
@@ -153,19 +160,33 @@ class CompiledPipeline:
                 encoder.compile(**kw)
                 self.compiled.append(name)
 
-    def will_compile(self, params: BatchParams, batch: int) -> bool:
-        """Whether running this shape compiles (a new shape, within the bound)."""
+    def run_size(self, params: BatchParams, batch: int) -> int:
+        """The batch size a batch of ``batch`` runs at: its own when compiled or when no larger
+        size of its shape is, else the smallest larger compiled one (padded)."""
         key = shape_key(params, batch)
+        if key in self._seen:
+            return batch
+        larger = [k[0] for k in self._seen if k[1:] == key[1:] and k[0] > batch]
+        return min(larger, default=batch)
+
+    def will_compile(self, params: BatchParams, batch: int) -> bool:
+        """Whether running this batch compiles (a new shape, within the bound)."""
+        key = shape_key(params, self.run_size(params, batch))
         return key not in self._seen and len(self._seen) < self.max_shapes
 
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback) -> list[torch.Tensor]:
-        key = shape_key(params, len(requests))
+        n = len(requests)
+        size = self.run_size(params, n)
+        if size > n:
+            last = requests[-1]
+            requests = [*requests, *(msgspec.structs.replace(last, request_id=f"{last.request_id}+pad{i}")
+                                     for i in range(size - n))]
         if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
             # CUDA-graph trees: a new iteration starts here, so outputs of the last run may be reused.
             torch.compiler.cudagraph_mark_step_begin()
-        outputs = self.inner.run(params, requests, on_step)
+        outputs = self.inner.run(params, requests, on_step)[:n]
         if len(self._seen) < self.max_shapes:
-            self._seen.add(key)
+            self._seen.add(shape_key(params, size))
         # No copy of the outputs is needed for the CUDA-graph modes: the decoder's output (which
         # lives in the graph's memory pool) is denormalised into a fresh tensor by the pipeline.
         return outputs
