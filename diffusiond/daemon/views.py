@@ -55,6 +55,7 @@ def job(j: Job) -> dict[str, Any]:
         "compiled": j.compiled or None,
         "request": {
             "prompt": r.prompt,
+            "negative_prompt": r.negative_prompt,
             "n": r.n,
             "width": r.width,
             "height": r.height,
@@ -63,6 +64,7 @@ def job(j: Job) -> dict[str, Any]:
             "output_format": r.output_format,
             "num_frames": r.num_frames,
             "seed": r.seed,
+            "scheduler": r.scheduler,
         },
     }
 
