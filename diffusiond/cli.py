@@ -43,7 +43,7 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace", "web", "compile", "warmup",
+    "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
+    g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
+    g.add_argument("--mask", metavar="FILE",
+                   help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
+    g.add_argument("--strength", type=float, metavar="S",
+                   help="how much of --image to repaint, in (0, 1] (default 0.8; 1.0 with --mask)")
     g.add_argument("--json", action="store_true", help="print one JSON object with the job and the files")
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
@@ -135,6 +140,8 @@ def _add_serve(sub: Any) -> None:
     add("--encode-threads", type=int, metavar="N")
     add("--slot-timeout-s", type=float, metavar="S", help="how long a copy waits for a free arena slot (30)")
     add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
+    add("--input-dir", metavar="DIR",
+        help="edits on /v1/jobs may name input images by path, only inside DIR (default: no paths)")
     add("--trace", action="store_true", default=None,
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
     add("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
@@ -279,7 +286,9 @@ async def _models(args: argparse.Namespace, client: AsyncClient) -> int:
         print(json.dumps(models))
         return EXIT_OK
     keys = ["id", "task", "device", "state"]
-    print(_table([[str(m.get(k, "")) for k in keys] for m in models.get("data") or []], keys))
+    rows = [[str(m.get(k, "")) for k in keys] + [",".join(m.get("edits") or []) or "-"]
+            for m in models.get("data") or []]
+    print(_table(rows, [*keys, "edits"]))
     return EXIT_OK
 
 

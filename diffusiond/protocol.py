@@ -184,6 +184,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_JSON = "invalid_json"
     REQUEST_TOO_LARGE = "request_too_large"
     OUTPUT_TOO_LARGE = "output_too_large"
+    INVALID_IMAGE = "invalid_image"  # an edit's input image or mask cannot be used (field says which)
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     HTTP_ERROR = "http_error"
@@ -246,3 +247,10 @@ class Task(enum.StrEnum):
 
     TEXT_TO_IMAGE = "text-to-image"
     TEXT_TO_VIDEO = "text-to-video"
+    # edits: made from an input image (and, for inpainting, a mask of the area to repaint)
+    IMAGE_TO_IMAGE = "image-to-image"
+    INPAINTING = "inpainting"
+
+
+EDIT_TASKS: Final[frozenset[Task]] = frozenset({Task.IMAGE_TO_IMAGE, Task.INPAINTING})
+"""The tasks a request asks for by sending an image (``/v1/images/edits``, ``image`` on ``/v1/jobs``)."""

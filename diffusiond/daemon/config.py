@@ -71,6 +71,10 @@ class Limits:
     # Bytes one job may ask to produce (n x frames x width x height x 3 x dtype size): beyond it,
     # 413 at admission rather than a failure in the worker's allocator.
     max_output_bytes: int = 16 << 30
+    # Edits: the bytes of one request that carries images (a multipart upload, or a JSON body with
+    # base64 images), and the pixels of one decoded input image (a small file can decode huge).
+    max_upload_bytes: int = 32 << 20
+    max_input_pixels: int = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class DaemonConfig:
     # GPU, served at GET /v1/admin/trace (what `diffusiond bench --trace` reads).
     trace: bool = False
     fault: str = ""  # test-only worker fault injection; empty in normal runs
+    # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
+    input_dir: str | None = None
 
     @property
     def socket_path(self) -> str:
@@ -142,6 +148,10 @@ class DaemonConfig:
             raise ConfigError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode {self.socket_mode:o} is not a permission mode (0000-0777)")
+        if self.limits.max_upload_bytes < 1 or self.limits.max_input_pixels < 1:
+            raise ConfigError("limits.max_upload_bytes and limits.max_input_pixels must be at least 1")
+        if self.input_dir is not None and not Path(self.input_dir).is_dir():
+            raise ConfigError(f"input_dir {self.input_dir!r} is not a folder")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
         if self.tcp and ":" not in self.tcp:

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -156,6 +157,14 @@ class Engine:
         return list(self.pool.models.values())
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
+        try:
+            return self._submit(req, sync)
+        except BaseException:
+            if req.edit is not None:  # refused: nobody else will close its input
+                req.edit.close()
+            raise
+
+    def _submit(self, req: JobRequest, sync: bool) -> Job:
         if not self.accepting:
             reason = "draining for shutdown" if self.draining else "starting"
             self.metrics.rejected_total.labels("unavailable").inc()
@@ -252,13 +261,15 @@ class Engine:
         self._batch_ids += 1
         batch = Batch(self._batch_ids, worker, items, open_items=len(items))
         req = items[0].job.request
-        msg = Execute(batch.id, req.batch_params(), [
-            RequestSpec(request_id=i.request_id, prompt=i.job.request.prompt, seed=i.seed,
-                        negative_prompt=i.job.request.negative_prompt) for i in items])
+        fds: list[int] = []
         try:
-            worker.execute(msg)
+            msg = Execute(batch.id, req.batch_params(), self._specs(items, fds))
+            worker.execute(msg, fds)
         except Exception as exc:
             log.warning("could not send batch to %s: %s", worker.name, exc)
+            for fd in fds:  # sent frames close theirs; these never left
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             self.scheduler.requeue_front(items)
             return
         self.batches[batch.id] = batch
@@ -269,6 +280,24 @@ class Engine:
         queue.append(batch)
         if len(queue) == 1:
             self._start_computing(batch)
+
+    @staticmethod
+    def _specs(items: list[Item], fds: list[int]) -> list[RequestSpec]:
+        """The requests of a batch; each edit's input buffer joins ``fds`` once per job (its own
+        duplicate, which the channel closes once sent), and its requests point at it."""
+        index: dict[str, int] = {}
+        specs = []
+        for i in items:
+            r = i.job.request
+            ref = None
+            if r.edit is not None:
+                if i.job.id not in index:
+                    index[i.job.id] = len(fds)
+                    fds.append(r.edit.buffer.dup())
+                ref = r.edit.buffer.ref(index[i.job.id])
+            specs.append(RequestSpec(request_id=i.request_id, prompt=r.prompt, seed=i.seed,
+                                     negative_prompt=r.negative_prompt, input=ref))
+        return specs
 
     def _start_computing(self, batch: Batch) -> None:
         batch.computing = True
@@ -395,6 +424,8 @@ class Engine:
                                                             "stage": stage_label}
         if not job.end(status, error):
             return
+        if job.request.edit is not None:  # batches already sent hold their own fds
+            job.request.edit.close()
         self.scheduler.remove(job)
         if status != JobStatus.SUCCEEDED:
             cancels: dict[WorkerLink, list[str]] = collections.defaultdict(list)

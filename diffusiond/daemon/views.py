@@ -65,6 +65,9 @@ def job(j: Job) -> dict[str, Any]:
             "num_frames": r.num_frames,
             "seed": r.seed,
             "scheduler": r.scheduler,
+            # edits: which, and how strongly (the input image itself is not echoed back)
+            "task": r.edit.task.value if r.edit else None,
+            "strength": r.edit.strength if r.edit else None,
         },
     }
 
@@ -80,6 +83,7 @@ def models(ms: list[Model]) -> dict[str, Any]:
     data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
              "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
              "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
+             "edits": list(m.capabilities.edits),
              "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations)}
             for m in ms]
     return {"object": "list", "data": data}

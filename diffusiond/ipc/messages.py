@@ -1,6 +1,7 @@
 """The worker protocol: one msgspec struct per frame kind.
 
-Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE, PING.
+Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
+TRACE, PING.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
@@ -93,6 +94,19 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     num_frames: int | None = None
     scheduler: str | None = None
     output_dtype: OutputDtype = "uint8"
+    # edits (image-to-image, inpainting): requests differing here never share a batch
+    edit: str | None = None  # protocol.Task of an edit; None: from the prompt alone
+    strength: float | None = None
+
+
+class InputRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request's input image (and mask) lie: in file descriptor ``fd`` (an index into the
+    fds that came with the EXECUTE frame), a sealed memfd written by the engine. The frame carries
+    only these descriptors; the pixels never travel in a frame."""
+
+    fd: int
+    image: TensorDesc  # uint8 (H, W, 3)
+    mask: TensorDesc | None = None  # uint8 (H, W, 1): 255 where the image is repainted
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +116,7 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str
     seed: int
     negative_prompt: str | None = None
+    input: InputRef | None = None  # edits only
 
 
 class Init(msgspec.Struct, frozen=True):
@@ -166,6 +181,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     num_frames_step: int = 1  # frame counts must be step*k + 1 (Wan 4, LTX 8)
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
+    edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
     # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
     approximations: tuple[str, ...] = ()
     compiled: str = ""  # the torch.compile mode, "" when eager

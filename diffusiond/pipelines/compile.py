@@ -41,7 +41,7 @@ import msgspec
 import torch
 
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
-from diffusiond.pipelines.base import Pipeline, PipelineError, StepCallback, Task
+from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, StepCallback, Task
 from diffusiond.protocol import COMPILE_MODES
 
 __all__ = ["CompiledPipeline", "compilations", "set_cache_dir", "shape_key"]
@@ -164,7 +164,7 @@ class CompiledPipeline:
         """The batch size a batch of ``batch`` runs at: its own when compiled or when no larger
         size of its shape is, else the smallest larger compiled one (padded)."""
         key = shape_key(params, batch)
-        if key in self._seen:
+        if key in self._seen or params.edit is not None:  # edits run unpadded (their inputs are per request)
             return batch
         larger = [k[0] for k in self._seen if k[1:] == key[1:] and k[0] > batch]
         return min(larger, default=batch)
@@ -189,6 +189,20 @@ class CompiledPipeline:
             self._seen.add(shape_key(params, size))
         # No copy of the outputs is needed for the CUDA-graph modes: the decoder's output (which
         # lives in the graph's memory pool) is denormalised into a fresh tensor by the pipeline.
+        return outputs
+
+    def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
+             on_step: StepCallback) -> list[torch.Tensor]:
+        """Edits run on the diffusers pipeline ``from_pipe`` builds from the same modules, so they
+        run compiled too; a model that cannot edit says so."""
+        edit = getattr(self.inner, "edit", None)
+        if edit is None:
+            raise PipelineError(f"model {self.name} cannot edit images")
+        if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()
+        outputs: list[torch.Tensor] = edit(params, requests, inputs, on_step)
+        if len(self._seen) < self.max_shapes:
+            self._seen.add(shape_key(params, len(requests)))
         return outputs
 
     def sleep(self) -> None:

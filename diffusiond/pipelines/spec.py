@@ -8,7 +8,7 @@ fast to start.
 Grammar::
 
     arg     := SPEC | NAME "=" SPEC          (NAME has no "/" or ":")
-    SPEC    := "tiny" | "tiny-video"
+    SPEC    := "tiny" | "tiny-inpaint" | "tiny-video"
              | "synthetic" [":" OPTIONS]
              | "random:" PRESET ["," OPTIONS]
              | FOLDER | FILE.safetensors | ORG/NAME (hub id)
@@ -48,7 +48,7 @@ KNOWN_OPTIONS = frozenset(
     }
 )
 ACCEPTED_FORMS = (
-    "'tiny' or 'tiny-video' (embedded random-weight models, no download), "
+    "'tiny', 'tiny-inpaint' or 'tiny-video' (embedded random-weight models, no download), "
     "'random:<preset>' (a real architecture at full size with random weights, for benchmarks: "
     "random:sd15, random:sdxl, random:flux-dev, random:wan-1.3b), "
     "'synthetic' or 'synthetic:compute_ms=40,task=video' (no diffusers, for benchmarks), "
@@ -59,7 +59,7 @@ ACCEPTED_FORMS = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
-Kind = Literal["synthetic", "tiny", "tiny-video", "random", "folder", "checkpoint", "hub"]
+Kind = Literal["synthetic", "tiny", "tiny-inpaint", "tiny-video", "random", "folder", "checkpoint", "hub"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,8 @@ def parse_spec(spec: str) -> ModelSpec:
         return ModelSpec("tiny", spec)
     if spec == "tiny-video":
         return ModelSpec("tiny-video", spec)
+    if spec == "tiny-inpaint":
+        return ModelSpec("tiny-inpaint", spec)
     if spec.startswith("random:"):
         key, _, rest = spec.removeprefix("random:").partition(",")  # random:wan-1.3b,save=0
         return ModelSpec("random", key, parse_options(rest, spec))

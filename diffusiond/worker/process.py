@@ -41,7 +41,7 @@ from diffusiond.ipc.messages import (
     Wake,
     WorkerConfig,
 )
-from diffusiond.worker.compute import ComputeThread, Control
+from diffusiond.worker.compute import ComputeThread, Control, Edit
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.state import SharedState
 
@@ -59,7 +59,7 @@ class Worker:
         self.arena: Arena | None = None
         self.copier: Copier | None = None
         self.compute: ComputeThread | None = None
-        self.pending: list[Execute | Control] = []  # commands that arrive while the model loads
+        self.pending: list[Execute | Edit | Control] = []  # commands that arrive while the model loads
         self.exit_code: asyncio.Future[int] | None = None
         self._init_task: asyncio.Future[None] | None = None
         self.shutting_down = False
@@ -96,7 +96,7 @@ class Worker:
             self._init_task = asyncio.ensure_future(self._init(msg.config))
         elif isinstance(msg, Execute):
             self.state.admit([r.request_id for r in msg.requests])
-            self._enqueue(msg)
+            self._enqueue(Edit(msg, frame.fds) if frame.fds else msg)
         elif isinstance(msg, Cancel):
             self.state.cancel(msg.request_ids)
         elif isinstance(msg, Release):
@@ -130,7 +130,7 @@ class Worker:
             dedicated_bytes=copier.dedicated_bytes if copier else 0,
         )
 
-    def _enqueue(self, item: Execute | Control) -> None:
+    def _enqueue(self, item: Execute | Edit | Control) -> None:
         if self.compute is None:
             self.pending.append(item)
         else:
