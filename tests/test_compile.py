@@ -120,6 +120,25 @@ def test_a_smaller_batch_runs_padded_in_a_compiled_larger_one() -> None:
     assert pipe.run_size(TINY, 4) == 4 and pipe.will_compile(TINY, 4)  # larger: a shape of its own
 
 
+def test_a_compiled_model_edits_images_with_the_same_modules() -> None:
+    import numpy as np
+
+    params = m.BatchParams(width=64, height=64, steps=2, guidance=5.0, edit="image-to-image", strength=0.6)
+    reqs = [m.RequestSpec(request_id="e", prompt="a red barn", seed=3)]
+    inputs = [(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8), None)]
+    eager = load_pipeline("tiny", device="cpu", dtype="float32")
+    with torch.inference_mode():
+        want = eager.edit(params, reqs, inputs, lambda _s, _t: True)  # type: ignore[attr-defined]
+    pipe = CompiledPipeline(load_pipeline("tiny", device="cpu", dtype="float32"), "default", EAGER_BACKEND)
+    assert pipe.capabilities.edits == eager.capabilities.edits and "image-to-image" in pipe.capabilities.edits
+    before = compilations()
+    with torch.inference_mode():
+        got = pipe.edit(params, reqs, inputs, lambda _s, _t: True)
+    assert compilations() > before  # from_pipe shares the compiled UNet, VAE decoder and text encoder
+    assert torch.equal(torch.stack(got), torch.stack(want))
+    assert pipe.run_size(params, 1) == 1  # edits are not padded
+
+
 def test_shapes_past_the_bound_are_not_announced_as_compiling() -> None:
     pipe = CompiledPipeline(load_pipeline("tiny", device="cpu", dtype="float32"), "default",
                             {**EAGER_BACKEND, "compile_shapes": "1"})
