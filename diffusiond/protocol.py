@@ -215,6 +215,9 @@ class ErrorCode(enum.StrEnum):
     WORKER_LOST = "worker_lost"
     GENERATION_FAILED = "generation_failed"
     OUTPUT_FAILED = "output_failed"
+    # diffusiond on Ray Serve (diffusiond.ray): the replica that holds a job
+    REPLICA_GONE = "replica_gone"  # 410: the replica that held the job no longer exists
+    REPLICA_UNAVAILABLE = "replica_unavailable"  # 503: the replica's daemon died or does not answer
 
 
 # service ----------------------------------------------------------------------------------------
