@@ -120,6 +120,13 @@ def frame_count_neighbours(frames: int, step: int) -> tuple[int, int] | None:
     return lower, lower + step
 
 
+# compilation ------------------------------------------------------------------------------------
+
+COMPILE_MODES: Final[tuple[str, ...]] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``--compile`` values: torch.compile's modes. ``reduce-overhead`` and ``max-autotune`` replay
+CUDA graphs for shapes that repeat; the others launch kernels one by one."""
+
+
 # jobs -------------------------------------------------------------------------------------------
 
 
@@ -145,10 +152,11 @@ class Stage(enum.IntEnum):
     """Where a job's work is. Ordered: a job is in the least advanced stage of its outputs."""
 
     QUEUED = 0
-    COMPUTING = 1
-    COPYING = 2
-    ENCODING = 3
-    DONE = 4
+    COMPILING = 1  # the worker compiles the model for a shape it has not run yet (``--compile``)
+    COMPUTING = 2
+    COPYING = 3
+    ENCODING = 4
+    DONE = 5
 
     @property
     def label(self) -> str:

@@ -61,6 +61,7 @@ class Batch:
     computing: bool = False
     compute_done: bool = False
     done_at: float = 0.0
+    compiling_since: float = 0.0  # when the worker said it compiles this batch's shape
 
 
 class Engine:
@@ -185,7 +186,8 @@ class Engine:
         model = self.pool.model(req.model)
         if not model.can_take_jobs():
             raise NoWorker(f"model {model.name!r} has no running worker")
-        job = Job(req, sync=sync)
+        job = Job(req, sync=sync, approximations=model.capabilities.approximations,
+                  compiled=model.capabilities.compiled)
         base = req.seed if req.seed is not None else random.randrange(2**31)
         job.items = [Item(job, i, seed=base + i) for i in range(req.n)]
         if self.scheduler.full:
@@ -347,7 +349,20 @@ class Engine:
             self._on_output(worker, msg)
         elif isinstance(msg, Progress):
             batch = self.batches.get(msg.batch_id)
-            for job in self._jobs_of(batch.items if batch else ()):
+            items = batch.items if batch else []
+            # COMPILING is entered from COMPUTING when the worker says the shape is new, and left
+            # at the first step: a stage change is a STATUS event, so clients see it as it happens.
+            stage, old = (Stage.COMPILING, Stage.COMPUTING) if msg.compiling else (Stage.COMPUTING, Stage.COMPILING)
+            moved = [i for i in items if not i.job.terminal and i.stage == old]
+            for item in moved:
+                item.stage = stage
+            if batch is not None and msg.compiling:
+                batch.compiling_since = time.monotonic()
+            for job in self._jobs_of(moved):
+                if batch is not None and not msg.compiling:  # part of compute, as the job's timings show
+                    job.add_timing("compiling", (time.monotonic() - batch.compiling_since) * 1000)
+                job.emit(Event.STATUS)
+            for job in self._jobs_of(items):
                 job.progress = (msg.step, msg.total)
                 job.emit(Event.PROGRESS)
         elif isinstance(msg, ComputeDone):

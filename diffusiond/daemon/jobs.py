@@ -110,6 +110,10 @@ class Job:
     items: list[Item] = field(default_factory=list)
     timings_ms: dict[str, float] = field(default_factory=dict)
     ended_at: float | None = None
+    # What the model ran with that the default path does not: approximate speed-ups (named in
+    # every output) and the torch.compile mode; from the model's capabilities at admission.
+    approximations: tuple[str, ...] = ()
+    compiled: str = ""
     sync: bool = False  # submitted through the synchronous endpoint
     listeners: set[Listener] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)

@@ -52,6 +52,8 @@ def job(j: Job) -> dict[str, Any]:
         ],
         "error": j.error,
         "timings_ms": dict(j.timings_ms),
+        "approximations": list(j.approximations),
+        "compiled": j.compiled or None,
         "request": {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt,
@@ -104,7 +106,8 @@ def models(ms: list[Model]) -> dict[str, Any]:
     data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
              "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
              "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
-             "edits": list(m.capabilities.edits)}
+             "edits": list(m.capabilities.edits),
+             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations)}
             for m in ms]
     return {"object": "list", "data": data}
 

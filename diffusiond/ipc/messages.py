@@ -51,6 +51,15 @@ class Kind(enum.IntEnum):
     REFUSED = 97
 
 
+class WarmupShape(msgspec.Struct, frozen=True):
+    """A shape the worker runs once before READY (``--warmup 512x512:8``), so that compiling it
+    (and capturing its CUDA graph) is paid at start-up, not by a client."""
+
+    width: int
+    height: int
+    batch: int = 1
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a worker needs to start; sent in INIT so no argument parsing or pickling."""
 
@@ -65,6 +74,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 30.0
     progress_interval_s: float = 0.1
     options: dict[str, str] = {}
+    # torch.compile mode (protocol.COMPILE_MODES), "" for the eager model; the shapes to run
+    # before READY; where inductor keeps what it compiled, so a restart is warm.
+    compile: str = ""
+    warmup: list[WarmupShape] = []
+    compile_cache_dir: str = ""
     # Record CUDA events around forwards and copies (GPU-side ordering proofs; small overhead).
     trace_gpu: bool = False
     # Test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY".
@@ -190,6 +204,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
+    # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
+    approximations: tuple[str, ...] = ()
+    compiled: str = ""  # the torch.compile mode, "" when eager
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -209,6 +226,8 @@ class Progress(msgspec.Struct, frozen=True):
     batch_id: int
     step: int
     total: int
+    # The batch's shape is new to a compiled model: the worker is compiling it (stage ``compiling``).
+    compiling: bool = False
 
 
 class OutputReady(msgspec.Struct, frozen=True):

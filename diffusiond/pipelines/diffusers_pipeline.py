@@ -31,6 +31,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
+from diffusiond.pipelines.speedups import apply_speedups
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,9 @@ class DiffusersPipeline:
                 raise PipelineError(f"cpu_offload=1 needs the accelerate package: {exc}") from exc
         else:
             pipe.to(self.device)
+        approximations = apply_speedups(pipe, options, self.device)
+        if approximations:
+            self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations)
 
     @property
     def pipe(self) -> Any:

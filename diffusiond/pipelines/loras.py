@@ -50,6 +50,9 @@ def unsupported(pipeline: Any) -> str:
     """Why a pipeline takes no LoRA: for the error of each adapter registered for it."""
     if importlib.util.find_spec("peft") is None:  # diffusers' LoRA loading runs on PEFT
         return "LoRA adapters need the peft package: pip install 'diffusiond[lora]'"
+    if getattr(pipeline, "inner", None) is not None and getattr(pipeline, "mode", None):  # CompiledPipeline
+        return (f"model {pipeline.name} is compiled (--compile): LoRA adapters there need hot-swapping "
+                "(enable_lora_hotswap before compiling), which is not wired yet; serve it without --compile")
     pipe = getattr(pipeline, "pipe", pipeline)
     return f"model {getattr(pipeline, 'name', '?')} ({type(pipe).__name__}) takes no LoRA adapters"
 

@@ -4,6 +4,9 @@ After each batch it records a CUDA event on the default stream, announces COMPUT
 the device outputs to the copy thread, then takes the next batch at once: the engine keeps one
 queued, so the GPU goes from one forward straight into the next. Control items (SLEEP, WAKE,
 SHUTDOWN) travel through the same queue, so they run after the batches sent before them.
+
+Warm-up (``--warmup``) runs here too, before READY: a compiled model's CUDA graphs belong to
+the thread that captured them, and the shapes compiled here are the ones later batches replay.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +28,7 @@ from diffusiond.ipc.inputs import read_inputs
 from diffusiond.ipc.messages import (
     Ack,
     AddLora,
+    BatchParams,
     ComputeDone,
     EndStatus,
     Execute,
@@ -34,6 +38,7 @@ from diffusiond.ipc.messages import (
     Progress,
     RequestEnded,
     RequestSpec,
+    WarmupShape,
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
@@ -90,6 +95,8 @@ class ComputeThread:
         drain_timeout_s: float,
         on_exit: Callable[[int], None],
         adapters: Adapters | None = None,
+        warmup: Sequence[WarmupShape] = (),
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.adapters = adapters
@@ -100,6 +107,8 @@ class ComputeThread:
         self.progress_interval_s = progress_interval_s
         self.drain_timeout_s = drain_timeout_s
         self.on_exit = on_exit
+        self.warmup = list(warmup)
+        self.on_ready = on_ready
         self.cuda = pipeline.device.type == "cuda"
         self.queue: queue.Queue[Execute | Edit | Control | AddLora] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
@@ -108,6 +117,15 @@ class ComputeThread:
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._warm_up()
+        except BaseException as exc:
+            log.exception("warm-up failed")
+            self.post(Fatal(message=f"warm-up failed: {type(exc).__name__}: {exc}"))
+            self.on_exit(1)
+            return
+        if self.on_ready is not None:
+            self.on_ready()
         while True:
             item = self.queue.get()
             if isinstance(item, Control):
@@ -125,6 +143,24 @@ class ComputeThread:
                 self.post(Fatal(message=f"unrecoverable device error in batch {batch.batch_id}: {exc}"))
                 self.on_exit(70)
                 return
+
+    def _warm_up(self) -> None:
+        """Run each warm-up shape twice (CUDA-graph trees record a graph on its second run), so
+        the first client of that shape pays neither compilation nor capture."""
+        caps = self.pipeline.capabilities
+        frames = caps.num_frames if caps.task == "text-to-video" else None
+        for shape in self.warmup:
+            params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
+                                 num_frames=frames)
+            requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
+            t0 = time.perf_counter()
+            for _ in range(2):
+                with torch.inference_mode():
+                    self.pipeline.run(params, requests, lambda _step, _total: True)
+            if self.cuda:
+                torch.cuda.synchronize()
+            log.info("warmed up %dx%d batch %d in %.1f s", shape.width, shape.height, shape.batch,
+                     time.perf_counter() - t0)
 
     def _execute(self, batch: Execute, fds: list[int]) -> None:
         live = [r for r in batch.requests if not self.state.is_cancelled(r.request_id)]
@@ -156,6 +192,9 @@ class ComputeThread:
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
             return not self.state.all_cancelled(live_ids)
 
+        will_compile = getattr(self.pipeline, "will_compile", None)
+        if will_compile is not None and will_compile(batch.params, len(live)):
+            self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, compiling=True))
         self.state.record("compute_start", batch.batch_id)
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()

@@ -193,7 +193,6 @@ class Worker:
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
-        load_ms = (time.perf_counter() - t0) * 1000
         post = self.channel.post_threadsafe
         if faults is None:
             self.copier = Copier(self.arena, self.state, post, device=pipeline.device,
@@ -213,23 +212,31 @@ class Worker:
             drain_timeout_s=config.drain_timeout_s,
             on_exit=self.exit,
             adapters=adapters,
+            warmup=config.warmup,
+            on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
+                                        (time.perf_counter() - t0) * 1000, pipeline.capabilities,
+                                        lora_errors=lora_errors)),
         )
-        self.copier.start()
-        self.compute.start()
-        self.channel.post(Ready(config.model_name, str(pipeline.device), load_ms, pipeline.capabilities,
-                                lora_errors=lora_errors))
         for item in self.pending:
             self.compute.queue.put(item)
         self.pending.clear()
+        self.copier.start()
+        self.compute.start()  # it sends READY once the warm-up shapes have run
 
     @staticmethod
     def _load(config: WorkerConfig) -> Pipeline:
         from diffusiond.pipelines import load_pipeline
 
-        return load_pipeline(
+        pipeline = load_pipeline(
             config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype,
             options=config.options,
         )
+        if not config.compile:
+            return pipeline
+        from diffusiond.pipelines.compile import CompiledPipeline, set_cache_dir
+
+        set_cache_dir(config.compile_cache_dir)
+        return CompiledPipeline(pipeline, config.compile, config.options)
 
 
     @staticmethod
