@@ -26,13 +26,14 @@ from diffusiond.cli_generate import (
     GenerateState,
     UsageError,
     cancel_after_interrupt,
+    lora_arg,
     parse_size,
     positive_float,
     positive_int,
     run_generate,
 )
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
-from diffusiond.protocol import DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, default_socket_path
+from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
@@ -43,7 +44,8 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "preview_decoder",
+    "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
+    "preview_decoder",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -88,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preview", nargs="?", const=1, type=positive_int, metavar="N",
                    help="show the picture every N steps (default 1) while it forms, in terminals that show images "
                         "(kitty, iTerm2, WezTerm); elsewhere nothing extra")
+    g.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:WEIGHT]",
+                   help="apply a LoRA the daemon serves (see GET /v1/loras), weight 1 if left out; repeatable")
     g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
@@ -149,6 +153,15 @@ def _add_serve(sub: Any) -> None:
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
     add("--preview-decoder", metavar="PATH",
         help="a diffusers AutoencoderTiny folder (TAESD) to draw previews with (default: linear latent factors)")
+    add("--lora", action="append", metavar="NAME=PATH",
+        help="serve a LoRA adapter: a folder written by save_lora_weights or a .safetensors file "
+             "(diffusers or kohya layout); repeatable")
+    add("--max-loras", type=positive_int, metavar="N",
+        help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
+    add("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+        help="torch.compile every model (MODE: " + ", ".join(COMPILE_MODES) + "; default: default); "
+             "reduce-overhead replays CUDA graphs")
+    add("--warmup", metavar="WxH:B,...", help="shapes each worker runs before it is ready, e.g. 512x512:1,512x512:8")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     p.set_defaults(func=None)
 

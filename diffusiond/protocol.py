@@ -123,6 +123,13 @@ def frame_count_neighbours(frames: int, step: int) -> tuple[int, int] | None:
     return lower, lower + step
 
 
+# compilation ------------------------------------------------------------------------------------
+
+COMPILE_MODES: Final[tuple[str, ...]] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``--compile`` values: torch.compile's modes. ``reduce-overhead`` and ``max-autotune`` replay
+CUDA graphs for shapes that repeat; the others launch kernels one by one."""
+
+
 # jobs -------------------------------------------------------------------------------------------
 
 
@@ -148,10 +155,11 @@ class Stage(enum.IntEnum):
     """Where a job's work is. Ordered: a job is in the least advanced stage of its outputs."""
 
     QUEUED = 0
-    COMPUTING = 1
-    COPYING = 2
-    ENCODING = 3
-    DONE = 4
+    COMPILING = 1  # the worker compiles the model for a shape it has not run yet (``--compile``)
+    COMPUTING = 2
+    COPYING = 3
+    ENCODING = 4
+    DONE = 5
 
     @property
     def label(self) -> str:
@@ -191,6 +199,8 @@ class ErrorCode(enum.StrEnum):
     WEB_OFF = "web_off"  # `diffusiond web-url` asked a daemon started without --web
     # the daemon's state
     MODEL_NOT_FOUND = "model_not_found"
+    LORA_NOT_FOUND = "lora_not_found"
+    LORA_EXISTS = "lora_exists"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FINISHED = "job_finished"
     OUTPUT_NOT_FOUND = "output_not_found"
@@ -212,6 +222,9 @@ class ErrorCode(enum.StrEnum):
     WORKER_LOST = "worker_lost"
     GENERATION_FAILED = "generation_failed"
     OUTPUT_FAILED = "output_failed"
+    # diffusiond on Ray Serve (diffusiond.ray): the replica that holds a job
+    REPLICA_GONE = "replica_gone"  # 410: the replica that held the job no longer exists
+    REPLICA_UNAVAILABLE = "replica_unavailable"  # 503: the replica's daemon died or does not answer
 
 
 # service ----------------------------------------------------------------------------------------

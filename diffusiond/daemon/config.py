@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from diffusiond.daemon.loras import LoraFileError, read_lora
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
-from diffusiond.protocol import DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
+from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 
@@ -32,6 +33,30 @@ class ModelConfig:
     devices: tuple[str, ...] = ("cpu",)  # one worker per entry
     dtype: str = "float32"
     options: dict[str, str] = field(default_factory=dict)
+    compile: str = ""  # a torch.compile mode (protocol.COMPILE_MODES), "" for eager
+    warmup: tuple[tuple[int, int, int], ...] = ()  # (width, height, batch) run before the worker is ready
+
+
+def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``512x512:1,1024x1024:4`` (WxH or WxH:BATCH, batch 1 when left out) -> shapes to warm up."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        size, _, batch = part.partition(":")
+        w, x, h = size.partition("x")
+        if not (x and w.isdigit() and h.isdigit() and (batch.isdigit() or not batch)):
+            raise ConfigError(f"warmup {part!r} is not WxH or WxH:BATCH (e.g. --warmup 512x512:1,512x512:8)")
+        shape = (int(w), int(h), int(batch or 1))
+        if min(shape) < 1:
+            raise ConfigError(f"warmup {part!r}: width, height and batch must be at least 1")
+        shapes.append(shape)
+    return tuple(shapes)
+
+
+def compile_cache_dir() -> Path:
+    """Where workers keep compiled kernels (inductor, Triton), so a restarted daemon is warm:
+    ``compile-cache`` in the daemon's state directory ($XDG_STATE_HOME/diffusiond)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "diffusiond" / "compile-cache"
 
 
 @dataclass(frozen=True)
@@ -44,6 +69,7 @@ class Limits:
     max_frames: int = 1024
     max_body_bytes: int = 1 << 20
     max_timeout_s: float = 24 * 3600.0
+    max_lora_weight: float = 4.0  # a request's LoRA weights lie in [-max, max]
     # Bytes one job may ask to produce (n x frames x width x height x 3 x dtype size): beyond it,
     # 413 at admission rather than a failure in the worker's allocator.
     max_output_bytes: int = 16 << 30
@@ -87,6 +113,10 @@ class DaemonConfig:
     # ``preview_decoder`` option wins); without it, each model family's linear factors.
     preview_decoder: str | None = None
     fault: str = ""  # test-only worker fault injection; empty in normal runs
+    # LoRA adapters by name (--lora NAME=PATH, TOML [loras]); each worker keeps at most max_loras
+    # of them loaded (least recently used ones are unloaded), and a request names at most that many.
+    loras: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 8
     # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
     input_dir: str | None = None
 
@@ -105,9 +135,15 @@ class DaemonConfig:
                 raise ConfigError(f"model {m.name!r}: dtype {m.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
             if not m.devices:
                 raise ConfigError(f"model {m.name!r} has no device")
+            if m.compile and m.compile not in COMPILE_MODES:
+                raise ConfigError(f"model {m.name!r}: compile {m.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+            for w, h, batch in m.warmup:
+                if batch > self.max_batch:
+                    raise ConfigError(f"model {m.name!r}: warmup {w}x{h}:{batch} is a batch larger than "
+                                      f"max_batch {self.max_batch}; no request would run that shape")
         if self.output_mode not in OUTPUT_MODES:
             raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
-        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
+        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s"):
@@ -130,6 +166,11 @@ class DaemonConfig:
             raise ConfigError(f"input_dir {self.input_dir!r} is not a folder")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
+        for name, path in self.loras.items():
+            try:
+                read_lora(name, path)
+            except LoraFileError as exc:
+                raise ConfigError(str(exc)) from None
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
@@ -186,6 +227,27 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
+def parse_loras(value: Any) -> dict[str, str]:
+    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
+    if isinstance(value, dict):
+        return {str(k): _absolute(str(v)) for k, v in value.items()}
+    out: dict[str, str] = {}
+    for arg in value if isinstance(value, list) else [value]:
+        name, sep, path = str(arg).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
+        if name.strip() in out:
+            raise ConfigError(f"LoRA name {name.strip()!r} is given twice")
+        out[name.strip()] = _absolute(path.strip())
+    return out
+
+
+def _absolute(path: str) -> str:
+    """Paths as the user meant them from where they ran ``serve``: workers and later requests may
+    run elsewhere (systemd starts the daemon in /)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> DaemonConfig:
     """Merge TOML values and flag overrides into a validated config.
 
@@ -193,20 +255,24 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     flags ``--model``/``--device``/``--workers``/``--dtype`` replace the file's list when given.
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
-    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype"}
+    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
+                                                      "lora"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     device = str(values.pop("device", "cpu"))
     workers = int(values.pop("workers", 1))
     dtype = str(values.pop("dtype", "float32"))
+    compile_mode = _compile_mode(values.pop("compile", ""))
+    warmup = _warmup(values.pop("warmup", ""))
     model_args = values.pop("model", None)
     tables = values.pop("models", None)
     models: list[ModelConfig] = []
     if model_args:
         for arg in model_args if isinstance(model_args, list) else [model_args]:
             name, spec = parse_model_arg(str(arg))
-            models.append(ModelConfig(name=name, spec=spec, devices=parse_devices(device, workers), dtype=dtype))
+            models.append(ModelConfig(name=name, spec=spec, devices=parse_devices(device, workers), dtype=dtype,
+                                      compile=compile_mode, warmup=warmup))
     elif tables:
         for t in tables:
             if "spec" not in t:
@@ -218,10 +284,18 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                     devices=parse_devices(str(t.get("device", device)), int(t.get("workers", workers))),
                     dtype=str(t.get("dtype", dtype)),
                     options={str(k): str(v) for k, v in dict(t.get("options", {})).items()},
+                    compile=_compile_mode(t.get("compile", compile_mode)),
+                    warmup=_warmup(t["warmup"]) if "warmup" in t else warmup,
                 )
             )
     else:
-        models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype))
+        models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype,
+                                  compile=compile_mode, warmup=warmup))
+    lora_args = values.pop("lora", None)  # --lora NAME=PATH flags replace the file's [loras] table
+    if lora_args is not None:
+        values["loras"] = parse_loras(lora_args)
+    elif "loras" in values:
+        values["loras"] = parse_loras(values["loras"])
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("allow_uid", "restart_backoff_s"):
@@ -236,3 +310,19 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         return DaemonConfig(models=tuple(models), **values).validate()
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _compile_mode(value: Any) -> str:
+    """TOML ``compile = true`` means inductor's default mode, ``false`` eager; a string names a mode."""
+    if value is True:
+        return "default"
+    if value is False or value is None:
+        return ""
+    return str(value)
+
+
+def _warmup(value: Any) -> tuple[tuple[int, int, int], ...]:
+    """A string (``"512x512:1,512x512:8"``, as on the command line) or a TOML list of them."""
+    if isinstance(value, list | tuple):
+        return tuple(shape for v in value for shape in parse_warmup(str(v)))
+    return parse_warmup(str(value))

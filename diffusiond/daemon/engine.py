@@ -35,7 +35,8 @@ from diffusiond.daemon.errors import (
     QueueFull,
 )
 from diffusiond.daemon.jobs import Item, Job, JobRequest, Preview
-from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.link import WorkerLink, WorkerStartError
+from diffusiond.daemon.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import OutputRead, Outputs
 from diffusiond.daemon.pool import Model, Spawn, WorkerPool, spawn_process
@@ -70,6 +71,7 @@ class Batch:
     computing: bool = False
     compute_done: bool = False
     done_at: float = 0.0
+    compiling_since: float = 0.0  # when the worker said it compiles this batch's shape
 
 
 class Engine:
@@ -77,6 +79,7 @@ class Engine:
                  spawn: Spawn = spawn_process) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        self.loras = LoraRegistry(config.loras, config.max_loras)
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.jobs: dict[str, Job] = {}
@@ -109,6 +112,9 @@ class Engine:
     async def start(self) -> None:
         """Start every worker; fail with the first worker's reason if a model cannot load."""
         await self.pool.start()
+        unfit = self.loras.unfit_at_start(self.models())
+        if unfit:
+            raise WorkerStartError(unfit)
         self.accepting = True
 
     async def drain(self, grace: float) -> None:
@@ -167,6 +173,15 @@ class Engine:
     def models(self) -> list[Model]:
         return list(self.pool.models.values())
 
+    def check_loras(self, model: str, loras: list[tuple[str, float]]) -> None:
+        """Admission: the adapters a request names exist, fit its model, and are not too many."""
+        self.loras.resolve(self.pool.model(model), loras)
+
+    async def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Register an adapter at run time (admin): checked by every live worker against its model."""
+        return await self.loras.add(name, path, self.models(), self.config.worker_start_timeout_s,
+                                    self.pool.lora_paths)
+
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         try:
             return self._submit(req, sync)
@@ -183,7 +198,8 @@ class Engine:
         model = self.pool.model(req.model)
         if not model.can_take_jobs():
             raise NoWorker(f"model {model.name!r} has no running worker")
-        job = Job(req, sync=sync)
+        job = Job(req, sync=sync, approximations=model.capabilities.approximations,
+                  compiled=model.capabilities.compiled)
         base = req.seed if req.seed is not None else random.randrange(2**31)
         job.items = [Item(job, i, seed=base + i) for i in range(req.n)]
         if self.scheduler.full:
@@ -355,7 +371,20 @@ class Engine:
             self._on_output(worker, msg)
         elif isinstance(msg, Progress):
             batch = self.batches.get(msg.batch_id)
-            for job in self._jobs_of(batch.items if batch else ()):
+            items = batch.items if batch else []
+            # COMPILING is entered from COMPUTING when the worker says the shape is new, and left
+            # at the first step: a stage change is a STATUS event, so clients see it as it happens.
+            stage, old = (Stage.COMPILING, Stage.COMPUTING) if msg.compiling else (Stage.COMPUTING, Stage.COMPILING)
+            moved = [i for i in items if not i.job.terminal and i.stage == old]
+            for item in moved:
+                item.stage = stage
+            if batch is not None and msg.compiling:
+                batch.compiling_since = time.monotonic()
+            for job in self._jobs_of(moved):
+                if batch is not None and not msg.compiling:  # part of compute, as the job's timings show
+                    job.add_timing("compiling", (time.monotonic() - batch.compiling_since) * 1000)
+                job.emit(Event.STATUS)
+            for job in self._jobs_of(items):
                 job.progress = (msg.step, msg.total)
                 job.emit(Event.PROGRESS)
         elif isinstance(msg, PreviewReady):

@@ -21,7 +21,7 @@ from typing import Any
 
 from diffusiond.daemon.inputs import EditInput
 from diffusiond.daemon.link import WorkerLink
-from diffusiond.ipc.messages import BatchParams
+from diffusiond.ipc.messages import BatchParams, LoraRef
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
@@ -70,6 +70,7 @@ class JobRequest:
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
     preview: PreviewSpec | None = None  # None: no previews (the default)
+    loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
     edit: EditInput | None = field(default=None, compare=False)
 
@@ -82,9 +83,15 @@ class JobRequest:
             num_frames=self.num_frames,
             scheduler=self.scheduler,
             output_dtype=self.output_dtype,
+            loras=self.lora_refs(),
             edit=self.edit.task.value if self.edit else None,
             strength=self.edit.strength if self.edit else None,
         )
+
+    def lora_refs(self) -> tuple[LoraRef, ...]:
+        """The adapters that act: a weight of 0 changes nothing, so it neither loads an adapter nor
+        keeps the request from batching with base-model requests."""
+        return tuple(LoraRef(name, weight) for name, weight in self.loras if weight != 0)
 
 
 @dataclass(eq=False)
@@ -126,6 +133,10 @@ class Job:
     items: list[Item] = field(default_factory=list)
     timings_ms: dict[str, float] = field(default_factory=dict)
     ended_at: float | None = None
+    # What the model ran with that the default path does not: approximate speed-ups (named in
+    # every output) and the torch.compile mode; from the model's capabilities at admission.
+    approximations: tuple[str, ...] = ()
+    compiled: str = ""
     sync: bool = False  # submitted through the synchronous endpoint
     listeners: set[Listener] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffusiond.daemon.config import DaemonConfig, ModelConfig
+from diffusiond.daemon.config import DaemonConfig, ModelConfig, compile_cache_dir
 from diffusiond.daemon.errors import ModelNotFound, PowerFailed, WorkerUnavailable
 from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerLink, WorkerStartError
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.worker_handle import WorkerHandle
-from diffusiond.ipc.messages import Ack, Capabilities, Sleep, Trace, Wake, WorkerConfig
+from diffusiond.ipc.messages import Ack, Capabilities, Sleep, Trace, Wake, WarmupShape, WorkerConfig
 from diffusiond.protocol import ErrorCode, ModelState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class Model:
     restarts: int = 0
     crash_streak: int = 0  # consecutive workers that died within a minute of starting
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
+    lora_errors: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
 
     @property
     def name(self) -> str:
@@ -88,6 +89,7 @@ class WorkerPool:
         self._on_ready = on_ready
         self._spawn = spawn
         self._worker_ids = 0
+        self.lora_paths: dict[str, str] = dict(config.loras)  # what each new worker loads (runtime ones too)
         self._tasks: set[asyncio.Task[Any]] = set()
         for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
             self.metrics.worker_restarts.labels(name)
@@ -152,8 +154,13 @@ class WorkerPool:
             slot_timeout_s=self.config.slot_timeout_s,
             drain_timeout_s=self.config.drain_grace_s,
             options=self._options(model),
+            compile=model.config.compile,
+            warmup=[WarmupShape(w, h, b) for w, h, b in model.config.warmup],
+            compile_cache_dir=str(compile_cache_dir()) if model.config.compile else "",
             trace_gpu=self.config.trace,
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
+            loras=dict(self.lora_paths),
+            max_loras=self.config.max_loras,
         )
 
     def _options(self, model: Model) -> dict[str, str]:
@@ -189,6 +196,11 @@ class WorkerPool:
                 model.workers.remove(handle)
             raise
         model.capabilities = ready.capabilities
+        for name in self.lora_paths:  # each worker loaded every adapter: the latest one's word stands
+            if name in ready.lora_errors:
+                model.lora_errors[name] = ready.lora_errors[name]
+            else:
+                model.lora_errors.pop(name, None)
         if self.paused:
             await handle.command(Sleep(), self.config.drain_grace_s)
         self._on_ready(handle)

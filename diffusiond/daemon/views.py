@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from diffusiond import __version__
 from diffusiond.daemon.jobs import Job, Preview
 from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.loras import LoraInfo
 from diffusiond.daemon.pool import PING_INTERVAL_S, Model
 from diffusiond.ipc.messages import Ack
 from diffusiond.pipelines.spec import is_synthetic
@@ -56,6 +57,8 @@ def job(j: Job) -> dict[str, Any]:
         ],
         "error": j.error,
         "timings_ms": dict(j.timings_ms),
+        "approximations": list(j.approximations),
+        "compiled": j.compiled or None,
         "request": {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt,
@@ -68,6 +71,7 @@ def job(j: Job) -> dict[str, Any]:
             "num_frames": r.num_frames,
             "seed": r.seed,
             "scheduler": r.scheduler,
+            "loras": lora_list(r.loras),
             # edits: which, and how strongly (the input image itself is not echoed back)
             "task": r.edit.task.value if r.edit else None,
             "strength": r.edit.strength if r.edit else None,
@@ -75,6 +79,27 @@ def job(j: Job) -> dict[str, Any]:
                                                        "max_side": r.preview.max_side},
         },
     }
+
+
+def lora_list(pairs: tuple[tuple[str, float], ...]) -> list[dict[str, Any]]:
+    return [{"name": n, "weight": w} for n, w in pairs]
+
+
+def lora(engine: Engine, info: LoraInfo) -> dict[str, Any]:
+    """One entry of ``GET /v1/loras``: what the file is, which served models it fits (and why not
+    the others), and whether a worker has it loaded right now (as of the last heartbeat)."""
+    models = engine.models()
+    return {
+        "name": info.name, "object": "lora", "path": info.path, "layout": info.layout, "rank": info.rank,
+        "targets": list(info.targets),
+        "models": [m.name for m in models if info.name not in m.lora_errors],
+        "unfit": {m.name: m.lora_errors[info.name] for m in models if info.name in m.lora_errors},
+        "loaded": any(info.name in w.loras_loaded for m in models for w in m.workers),
+    }
+
+
+def loras(engine: Engine) -> dict[str, Any]:
+    return {"object": "list", "data": [lora(engine, i) for i in engine.loras.loras.values()]}
 
 
 def event(e: Event, j: Job) -> dict[str, Any]:
@@ -94,7 +119,8 @@ def models(ms: list[Model]) -> dict[str, Any]:
     data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
              "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
              "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
-             "edits": list(m.capabilities.edits)}
+             "edits": list(m.capabilities.edits),
+             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations)}
             for m in ms]
     return {"object": "list", "data": data}
 

@@ -1,7 +1,7 @@
 """The worker protocol: one msgspec struct per frame kind.
 
 Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
-TRACE, PING.
+TRACE, PING, ADD_LORA.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
@@ -32,6 +32,7 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 7
     TRACE = 8
     PING = 9
+    ADD_LORA = 10
     # worker -> engine
     HELLO = 32
     READY = 33
@@ -51,6 +52,15 @@ class Kind(enum.IntEnum):
     REFUSED = 97
 
 
+class WarmupShape(msgspec.Struct, frozen=True):
+    """A shape the worker runs once before READY (``--warmup 512x512:8``), so that compiling it
+    (and capturing its CUDA graph) is paid at start-up, not by a client."""
+
+    width: int
+    height: int
+    batch: int = 1
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a worker needs to start; sent in INIT so no argument parsing or pickling."""
 
@@ -65,10 +75,27 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 30.0
     progress_interval_s: float = 0.1
     options: dict[str, str] = {}
+    # torch.compile mode (protocol.COMPILE_MODES), "" for the eager model; the shapes to run
+    # before READY; where inductor keeps what it compiled, so a restart is warm.
+    compile: str = ""
+    warmup: list[WarmupShape] = []
+    compile_cache_dir: str = ""
     # Record CUDA events around forwards and copies (GPU-side ordering proofs; small overhead).
     trace_gpu: bool = False
     # Test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY".
     fault: str = ""
+    # LoRA adapters the worker may be asked for (name -> file or folder), checked against the model
+    # at start-up; and how many it keeps loaded at once (least recently used ones are unloaded).
+    loras: dict[str, str] = {}
+    max_loras: int = 8
+
+
+class LoraRef(msgspec.Struct, frozen=True, array_like=True):
+    """One adapter of a batch and its weight. Part of the batch key: requests batch together only
+    with the same adapters at the same weights."""
+
+    name: str
+    weight: float
 
 
 class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +108,7 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     num_frames: int | None = None
     scheduler: str | None = None
     output_dtype: OutputDtype = "uint8"
+    loras: tuple[LoraRef, ...] = ()  # sorted by name; weight-0 adapters left out (they change nothing)
     # edits (image-to-image, inpainting): requests differing here never share a batch
     edit: str | None = None  # protocol.Task of an edit; None: from the prompt alone
     strength: float | None = None
@@ -144,6 +172,14 @@ class Trace(msgspec.Struct, frozen=True):
     """Ask the worker for its recorded event trace (diagnostics and ordering proofs in tests)."""
 
 
+class AddLora(msgspec.Struct, frozen=True):
+    """Register an adapter at run time (``POST /v1/loras``): the worker loads it to check that it fits
+    the model and answers ACK, ok or with the reason. Runs between batches, on the compute thread."""
+
+    name: str
+    path: str
+
+
 class Ping(msgspec.Struct, frozen=True):
     """Heartbeat. The answer proves the worker's loop is alive, and, being the next frame on the
     channel, exposes a lost frame at once instead of when the next real frame happens to come."""
@@ -174,6 +210,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")
     edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
+    # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
+    approximations: tuple[str, ...] = ()
+    compiled: str = ""  # the torch.compile mode, "" when eager
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -181,6 +220,7 @@ class Ready(msgspec.Struct, frozen=True):
     device: str
     load_ms: float
     capabilities: Capabilities
+    lora_errors: dict[str, str] = {}  # WorkerConfig.loras that do not fit the model: name -> why
 
 
 class ComputeDone(msgspec.Struct, frozen=True):
@@ -192,6 +232,8 @@ class Progress(msgspec.Struct, frozen=True):
     batch_id: int
     step: int
     total: int
+    # The batch's shape is new to a compiled model: the worker is compiling it (stage ``compiling``).
+    compiling: bool = False
 
 
 class OutputReady(msgspec.Struct, frozen=True):
@@ -235,6 +277,7 @@ class Ack(msgspec.Struct, frozen=True):
     arena_high_water: int = 0
     slots_in_use: int = 0
     dedicated_bytes: int = 0
+    loras_loaded: list[str] = []  # adapters loaded in the worker now (PING answers), for GET /v1/loras
 
 
 class Fatal(msgspec.Struct, frozen=True):
@@ -310,6 +353,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Shutdown: Kind.SHUTDOWN,
     Trace: Kind.TRACE,
     Ping: Kind.PING,
+    AddLora: Kind.ADD_LORA,
     Hello: Kind.HELLO,
     Ready: Kind.READY,
     ComputeDone: Kind.COMPUTE_DONE,

@@ -33,6 +33,7 @@ from diffusiond.pipelines.base import (
     with_defaults,
 )
 from diffusiond.pipelines.previews import Previewer, make_previewer
+from diffusiond.pipelines.speedups import apply_speedups
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,9 @@ class DiffusersPipeline:
             pipe.to(self.device)
         self._previewer: Previewer | None = make_previewer(pipe, options.get("preview_decoder", ""), self.device, dtype)
         self.capabilities = msgspec.structs.replace(self.capabilities, previews=self._previewer is not None)
+        approximations = apply_speedups(pipe, options, self.device)
+        if approximations:
+            self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations)
 
     @property
     def pipe(self) -> Any:

@@ -40,6 +40,12 @@ KNOWN_OPTIONS = frozenset(
         "task",  # synthetic: "image" or "video"
         "matrix",  # synthetic: side of the square matrices of the workload
         "save",  # random:<preset>: "0" builds on the device and skips the save/load round trip
+        "cache",  # approximate: "fbc[:threshold]" or "taylorseer[:interval]" (pipelines/speedups.py)
+        "fp8",  # approximate: "1": fp8 denoiser through torchao (pipelines/speedups.py)
+        "compile_backend",  # --compile: torch.compile backend (default inductor; aot_eager for CPU tests)
+        "compile_shapes",  # --compile: at most this many shapes compiled per module (default 8)
+        "fuse_qkv",  # --compile: "1": fuse the attention QKV projections
+        "channels_last",  # --compile: "1": channels_last memory format for the UNet and the VAE decoder
     }
 )
 ACCEPTED_FORMS = (

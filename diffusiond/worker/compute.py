@@ -4,6 +4,9 @@ After each batch it records a CUDA event on the default stream, announces COMPUT
 the device outputs to the copy thread, then takes the next batch at once: the engine keeps one
 queued, so the GPU goes from one forward straight into the next. Control items (SLEEP, WAKE,
 SHUTDOWN) travel through the same queue, so they run after the batches sent before them.
+
+Warm-up (``--warmup``) runs here too, before READY: a compiled model's CUDA graphs belong to
+the thread that captured them, and the shapes compiled here are the ones later batches replay.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,16 +27,21 @@ from diffusiond.ipc.errors import ArenaError
 from diffusiond.ipc.inputs import read_inputs
 from diffusiond.ipc.messages import (
     Ack,
+    AddLora,
+    BatchParams,
     ComputeDone,
     EndStatus,
     Execute,
     Fatal,
     Kind,
+    LoraRef,
     Progress,
     RequestEnded,
     RequestSpec,
+    WarmupShape,
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
+from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.worker.copier import Copier, CopyJob, PreviewJob
 from diffusiond.worker.state import SharedState
 
@@ -86,8 +94,12 @@ class ComputeThread:
         progress_interval_s: float,
         drain_timeout_s: float,
         on_exit: Callable[[int], None],
+        adapters: Adapters | None = None,
+        warmup: Sequence[WarmupShape] = (),
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.adapters = adapters
         self.copier = copier
         self.state = state
         self.post = post
@@ -95,19 +107,33 @@ class ComputeThread:
         self.progress_interval_s = progress_interval_s
         self.drain_timeout_s = drain_timeout_s
         self.on_exit = on_exit
+        self.warmup = list(warmup)
+        self.on_ready = on_ready
         self.cuda = pipeline.device.type == "cuda"
-        self.queue: queue.Queue[Execute | Edit | Control] = queue.Queue()
+        self.queue: queue.Queue[Execute | Edit | Control | AddLora] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._warm_up()
+        except BaseException as exc:
+            log.exception("warm-up failed")
+            self.post(Fatal(message=f"warm-up failed: {type(exc).__name__}: {exc}"))
+            self.on_exit(1)
+            return
+        if self.on_ready is not None:
+            self.on_ready()
         while True:
             item = self.queue.get()
             if isinstance(item, Control):
                 if self._control(item):
                     return
+                continue
+            if isinstance(item, AddLora):
+                self._add_lora(item)
                 continue
             batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
             try:
@@ -117,6 +143,24 @@ class ComputeThread:
                 self.post(Fatal(message=f"unrecoverable device error in batch {batch.batch_id}: {exc}"))
                 self.on_exit(70)
                 return
+
+    def _warm_up(self) -> None:
+        """Run each warm-up shape twice (CUDA-graph trees record a graph on its second run), so
+        the first client of that shape pays neither compilation nor capture."""
+        caps = self.pipeline.capabilities
+        frames = caps.num_frames if caps.task == "text-to-video" else None
+        for shape in self.warmup:
+            params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
+                                 num_frames=frames)
+            requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
+            t0 = time.perf_counter()
+            for _ in range(2):
+                with torch.inference_mode():
+                    self.pipeline.run(params, requests, lambda _step, _total: True)
+            if self.cuda:
+                torch.cuda.synchronize()
+            log.info("warmed up %dx%d batch %d in %.1f s", shape.width, shape.height, shape.batch,
+                     time.perf_counter() - t0)
 
     def _execute(self, batch: Execute, fds: list[int]) -> None:
         live = [r for r in batch.requests if not self.state.is_cancelled(r.request_id)]
@@ -153,6 +197,8 @@ class ComputeThread:
             an event and hand it to the copy thread, which waits for the mark on its own stream;
             this thread goes straight on to the next step. No room: the preview is skipped."""
             for k, picture in pictures:
+                if k >= len(live):  # a pipeline's padding, not a request
+                    continue
                 request_id = live[k].request_id
                 if not self.copier.preview_room() or self.state.is_cancelled(request_id):
                     continue
@@ -163,10 +209,14 @@ class ComputeThread:
                 job = PreviewJob(batch.batch_id, request_id, step, total, picture, event)
                 self.copier.submit(job)
 
+        will_compile = getattr(self.pipeline, "will_compile", None)
+        if will_compile is not None and will_compile(batch.params, len(live)):
+            self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, compiling=True))
         self.state.record("compute_start", batch.batch_id)
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
         try:
+            self.activate_loras(batch.params.loras)
             with torch.inference_mode():  # no autograd bookkeeping: less host time per kernel launch
                 sink = on_preview if any(r.preview_every for r in live) else None
                 if batch.params.edit is None:
@@ -203,6 +253,22 @@ class ComputeThread:
             self.copier.process(job)
         else:
             self.copier.submit(job)
+
+    def activate_loras(self, loras: tuple[LoraRef, ...]) -> None:
+        """The batch's LoRA adapters, and only those, act on its forward (none: the base model).
+        The one place adapters change; here, between forwards, so no batch sees another's."""
+        if self.adapters is not None:
+            self.adapters.activate(loras)
+        elif loras:
+            raise PipelineError(unsupported(self.pipeline))
+
+    def _add_lora(self, item: AddLora) -> None:
+        """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
+        why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
+        self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
+
+    def loaded_loras(self) -> list[str]:
+        return list(self.adapters.loaded) if self.adapters is not None else []
 
     @staticmethod
     def _inputs(requests: list[RequestSpec], fds: list[int]) -> list[EditArrays]:
