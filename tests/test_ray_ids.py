@@ -17,6 +17,8 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
     assert ids.route("DELETE", "/v1/jobs/k3x9q2ab.j_0123456789abcdef") == ("k3x9q2ab", "/v1/jobs/j_0123456789abcdef")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/events") == ("k3x9q2ab", "/v1/jobs/j_0a/events")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/outputs/1") == ("k3x9q2ab", "/v1/jobs/j_0a/outputs/1")
+    assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/preview/0") == ("k3x9q2ab", "/v1/jobs/j_0a/preview/0")
+    assert ids.route("GET", "/v1/loras") == (None, "/v1/loras")
     assert ids.route("POST", "/v1/jobs") == (None, "/v1/jobs")
     assert ids.route("POST", "/v1/images/generations") == (None, "/v1/images/generations")
 

@@ -17,14 +17,15 @@ from diffusiond.protocol import ErrorCode
 SEP = "."
 _DAEMON_ID = re.compile(r"j_[0-9a-f]+")
 _REPLICA = re.compile(r"[A-Za-z0-9_-]+")
-_JOB_PATH = re.compile(r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+)?)")
+_JOB_PATH = re.compile(r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+|/preview/[^/]+)?)")
 
 # Routes the gateway forwards; the admin routes (sleep, wake, trace) act on one daemon and stay on its socket.
 UNBOUND_ROUTES = frozenset({
     ("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
-    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"),
+    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/loras"), ("GET", "/health"), ("GET", "/ready"),
+    ("GET", "/metrics"),
 })
-BOUND_METHODS = {"": ("GET", "DELETE"), "/events": ("GET",), "/outputs": ("GET",)}
+BOUND_METHODS = {"": ("GET", "DELETE"), "/events": ("GET",), "/outputs": ("GET",), "/preview": ("GET",)}
 
 
 class RouteError(ValueError):
@@ -55,7 +56,7 @@ def route(method: str, path: str) -> tuple[str | None, str]:
     m = _JOB_PATH.fullmatch(path)
     if m is not None:
         rest = m["rest"]
-        allowed = BOUND_METHODS["/outputs" if rest.startswith("/outputs") else rest]
+        allowed = BOUND_METHODS[next((p for p in ("/outputs", "/preview") if rest.startswith(p)), rest)]
         if method not in allowed:
             raise RouteError(405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} {path}: allowed are {', '.join(allowed)}")
         replica, daemon_id = unbind(m["job"])
@@ -103,7 +104,7 @@ def batch_key(body: dict[str, Any]) -> str | None:
     if not isinstance(body, dict) or "prompt" not in body:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
-                                   "guidance_scale", "scheduler", "output_dtype", "num_frames")]
+                                   "guidance_scale", "scheduler", "output_dtype", "num_frames", "loras", "strength")]
     return repr(parts)
 
 
