@@ -161,6 +161,54 @@ async def test_adapters_apply_to_image_to_image_edits_and_leave_them_clean_after
     assert with_ink != plain == plain_after
 
 
+async def test_multipart_edits_take_loras_in_each_spelling_clients_send(sock: Path) -> None:
+    """/v1/images/edits is a form: the official client flattens extra_body's list of objects to
+    loras[][name]/loras[][weight]; curl users write JSON text or the CLI's name:weight. All three
+    give the adapters' output, the same bytes as the JSON edit on /v1/jobs."""
+    import httpx
+    import openai
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (SIZE, SIZE), (40, 120, 200)).save(buf, format="PNG")
+    image = buf.getvalue()
+    common = {"num_inference_steps": 2, "seed": 7, "strength": 0.9}
+
+    def openai_edit(extra: dict[str, Any]) -> Image.Image:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=120) as hc:
+            client = openai.OpenAI(base_url="http://diffusiond/v1", api_key="unused", http_client=hc)
+            result = client.images.edit(model="tiny", image=("in.png", image, "image/png"), prompt=FAST["prompt"],
+                                        size=f"{SIZE}x{SIZE}", response_format="b64_json",
+                                        extra_body={**common, **extra})
+        assert result.data is not None and result.data[0].b64_json is not None
+        return Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
+
+    async def form_edit(s: aiohttp.ClientSession, loras: str) -> tuple[int, Any]:
+        form = aiohttp.FormData(default_to_multipart=True)
+        for k, v in {"prompt": FAST["prompt"], "model": "tiny", "size": f"{SIZE}x{SIZE}", "loras": loras,
+                     **{k: str(v) for k, v in common.items()}}.items():
+            form.add_field(k, v)
+        form.add_field("image", image, filename="in.png", content_type="image/png")
+        async with s.post("/v1/images/edits", data=form) as r:
+            return r.status, await r.json()
+
+    two = [{"name": "ink", "weight": 0.8}, {"name": "dots", "weight": 0.25}]
+    flattened = await asyncio.to_thread(openai_edit, {"loras": two})
+    plain = await asyncio.to_thread(openai_edit, {})
+    assert flattened.text["loras"] == "dots:0.25, ink:0.8"
+    assert flattened.tobytes() != plain.tobytes()
+    async with http(sock) as s:
+        for spelling in (json.dumps(two), "ink:0.8, dots:0.25"):
+            status, body = await form_edit(s, spelling)
+            assert status == 200, body
+            got = Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"])))
+            assert got.tobytes() == flattened.tobytes(), spelling
+        status, body = await form_edit(s, "nope:1")
+        assert (status, body["error"]["code"], body["error"]["field"]) == (404, "lora_not_found", "loras")
+        status, body = await form_edit(s, "[{")
+        assert (status, body["error"]["field"]) == (400, "loras")
+
+
 # the record of what was applied --------------------------------------------------------------
 
 

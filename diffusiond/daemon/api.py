@@ -390,7 +390,7 @@ async def images_edits(request: web.Request) -> web.Response:
             edits.append(edit)
         for edit in edits:
             jobs.append(engine.submit(requests.check(fields, engine.config.limits, model, size_field="size",
-                                                     edit=edit), sync=True))
+                                                     edit=edit, loras=engine.check_loras), sync=True))
     except BaseException:
         for edit in edits:
             edit.close()  # those already submitted are closed by their jobs too; closing twice is harmless
@@ -405,15 +405,15 @@ async def images_edits(request: web.Request) -> web.Response:
 
 async def read_edit_form(
     request: web.Request, limit: int
-) -> tuple[dict[str, str], list[tuple[str, bytes]], bytes | None]:
-    """The text fields, the images (field name, bytes) and the mask of a multipart edit, read
+) -> tuple[list[tuple[str, str]], list[tuple[str, bytes]], bytes | None]:
+    """The text fields (in order, repeats kept), the images (field name, bytes) and the mask of a multipart edit, read
     part by part with the whole body held to ``limit`` bytes; a malformed body is a 400."""
     if not request.content_type.startswith("multipart/"):
         raise errors.invalid(f"/v1/images/edits takes multipart/form-data (as OpenAI's does), got "
                              f"{request.content_type or 'no content type'!r}")
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
-    text: dict[str, str] = {}
+    text: list[tuple[str, str]] = []
     images: list[tuple[str, bytes]] = []
     mask: bytes | None = None
     size = 0
@@ -440,7 +440,7 @@ async def read_edit_form(
                 raise errors.invalid(f"unexpected file field {name!r}; files go in 'image' and 'mask'", field=name)
             else:
                 try:
-                    text[name] = data.decode()
+                    text.append((name, data.decode()))
                 except UnicodeDecodeError:
                     raise errors.invalid(f"field {name!r} is not UTF-8 text", field=name) from None
     except (ValueError, AssertionError, RuntimeError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:

@@ -121,6 +121,7 @@ class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
     timeout_s: float | None = None
     scheduler: str | None = None
     strength: float | None = None
+    loras: list[LoraBody] | None = None  # see ``form_loras`` for the spellings a form can use
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     background: Any = None
     input_fidelity: Any = None
@@ -432,10 +433,24 @@ def openai_fields(req: dict[str, Any]) -> dict[str, Any]:
     return req
 
 
-def edits_form(fields: dict[str, str]) -> dict[str, Any]:
-    """The text fields of a multipart edit, typed (form values are text: "0.6" is read as 0.6)."""
-    # OpenAI's nested options arrive flattened (svg[effort]=...): as ignored as the rest of svg
-    fields = {k: v for k, v in fields.items() if not k.startswith("svg[")}
+def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """The text fields of a multipart edit, typed (form values are text: "0.6" is read as 0.6).
+
+    ``pairs`` keep the form's order and repeats, which ``loras`` needs (see ``form_loras``); any
+    other field given twice is refused rather than silently taking one of the two values."""
+    fields: dict[str, Any] = {}
+    lora_parts: list[tuple[str, str]] = []
+    for name, value in pairs:
+        if name == "loras" or name.startswith("loras["):
+            lora_parts.append((name, value))
+        elif name.startswith("svg["):  # OpenAI's nested options arrive flattened: as ignored as svg itself
+            continue
+        elif name in fields:
+            raise invalid(f"field {name!r} is given twice; send it once", field=name)
+        else:
+            fields[name] = value
+    if lora_parts:
+        fields["loras"] = form_loras(lora_parts)
     try:
         form = msgspec.convert(fields, EditsForm, strict=False)
     except msgspec.ValidationError as exc:
@@ -443,3 +458,41 @@ def edits_form(fields: dict[str, str]) -> dict[str, Any]:
         raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
     return openai_fields(msgspec.structs.asdict(form))
 
+
+def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """``loras`` of a multipart form, in any of the three spellings clients send:
+
+    - the official openai client's flattening of ``extra_body={"loras": [{"name", "weight"}]}``:
+      every ``loras[][name]``, then every ``loras[][weight]`` (the k-th weight is the k-th name's);
+    - JSON text in one ``loras`` field, as ``/v1/jobs`` takes it;
+    - the CLI's shorthand in one ``loras`` field: ``ink:0.8,dots`` (weight 1 when left out).
+
+    Values stay text here: ``msgspec.convert`` types and checks them with the rest of the form."""
+    entries: list[dict[str, str]] = []
+    for name, value in parts:
+        if name == "loras":
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    decoded = msgspec.json.decode(text)
+                except msgspec.DecodeError:
+                    raise invalid(f"loras is not valid JSON: {text[:80]!r}", field="loras") from None
+                if not isinstance(decoded, list) or not all(isinstance(e, dict) for e in decoded):
+                    raise invalid('loras must be a list of {"name", "weight"} objects', field="loras")
+                entries.extend(decoded)
+            else:
+                for spec in filter(None, (p.strip() for p in text.split(","))):
+                    lname, _, weight = spec.partition(":")
+                    entries.append({"name": lname, "weight": weight or "1"})
+        elif name in ("loras[][name]", "loras[][weight]"):
+            continue  # paired below: httpx sends every name first, then every weight
+        else:
+            raise invalid(f"unexpected form field {name!r}; send loras as loras[][name] and loras[][weight], "
+                          "as JSON text, or as name:weight,name:weight", field="loras")
+    names = [v for n, v in parts if n == "loras[][name]"]
+    weights = [v for n, v in parts if n == "loras[][weight]"]
+    if len(weights) != len(names):
+        raise invalid(f"loras has {len(names)} names and {len(weights)} weights; give each adapter both",
+                      field="loras")
+    entries.extend({"name": n, "weight": w} for n, w in zip(names, weights, strict=True))
+    return entries
