@@ -43,7 +43,8 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace",
+    "slot_timeout_s", "stream_stall_s", "trace", "state_dir", "persist", "reset_state", "keep_days", "keep_gb",
+    "retention_check_s", "state_fault",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -133,7 +134,17 @@ def _add_serve(sub: Any) -> None:
     add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
     add("--trace", action="store_true", default=None,
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
+    add("--state-dir", metavar="DIR",
+        help="jobs and outputs kept across restarts (default: $XDG_STATE_HOME/diffusiond, ~/.local/state/diffusiond)")
+    add("--no-persist", dest="persist", action="store_false", default=None,
+        help="keep jobs and outputs in memory only: a restart loses them")
+    add("--reset-state", action="store_true", default=None,
+        help="move a corrupt or foreign state database aside and start with an empty one")
+    add("--keep-days", type=float, metavar="D", help="delete finished jobs and their outputs after D days")
+    add("--keep-gb", type=float, metavar="GB", help="delete the oldest finished jobs while outputs take more")
+    add("--retention-check-s", type=float, help=argparse.SUPPRESS)
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
+    add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)
 
 

@@ -194,6 +194,8 @@ class ErrorCode(enum.StrEnum):
     WAKE_FAILED = "wake_failed"
     TRACE_OFF = "trace_off"
     NOT_SHARED = "not_shared"  # the output socket cannot hand this output out by fd: fetch it over HTTP
+    INSUFFICIENT_STORAGE = "insufficient_storage"  # the state dir's disk is full (507)
+    STATE_FAILED = "state_failed"  # the state database could not be written (not a full disk)
     # how a job ended, other than by succeeding
     CANCELLED = "cancelled"
     DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -49,12 +49,15 @@ STATUS_OF_ERROR: dict[type[EngineError], int] = {
     errors.QueueFull: 429,
     errors.Unavailable: 503,
     errors.PowerFailed: 500,
+    errors.InsufficientStorage: 507,
+    errors.StateWriteFailed: 500,
 }
 # The status code of a synchronous request whose job ended without succeeding, by failure code.
 STATUS_OF_FAILURE: dict[str, int] = {
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.CANCELLED: 409,
+    ErrorCode.INSUFFICIENT_STORAGE: 507,
 }
 STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 
@@ -141,25 +144,44 @@ def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any
 # jobs -----------------------------------------------------------------------------------------
 async def create_job(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req = parse_job(await request.read(), engine.config.limits, engine.model)
-    job = engine.submit(req)
+    body = await request.read()
+    await engine.described()  # a request that comes while models load is completed with their own defaults
+    job = await engine.accept(parse_job(body, engine.config.limits, engine.model))
     return web.json_response(views.job(job), status=202, headers={"Location": views.job_url(job.id)})
 
 
+HISTORY_LIMIT = 100
+HISTORY_MAX_LIMIT = 1000
+
+
 async def list_jobs(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [views.job(j) for j in request.app[ENGINE].recent(100)]})
+    """History, newest first: ``?status=&model=&before=<job id>&limit=``."""
+    q = request.query
+    status = None
+    if q.get("status"):
+        try:
+            status = JobStatus(q["status"])
+        except ValueError:
+            raise errors.invalid(f"status {q['status']!r} is not one of {', '.join(s.value for s in JobStatus)}",
+                                 "status") from None
+    raw = q.get("limit", str(HISTORY_LIMIT))
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= HISTORY_MAX_LIMIT):
+        raise errors.invalid(f"limit {raw!r} is not a whole number from 1 to {HISTORY_MAX_LIMIT}", "limit")
+    page = await request.app[ENGINE].history(status, q.get("model") or None, q.get("before") or None, int(raw))
+    return web.json_response(views.history(page.jobs, page.next_before))
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return web.json_response(views.job(request.app[ENGINE].get(request.match_info["job_id"])))
+    return web.json_response(views.job(await request.app[ENGINE].find(request.match_info["job_id"])))
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    return web.json_response(views.job(request.app[ENGINE].cancel(request.match_info["job_id"])))
+    job, deleted = await request.app[ENGINE].remove(request.match_info["job_id"])
+    return web.json_response({**views.job(job), "deleted": deleted})
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
-    job = request.app[ENGINE].get(request.match_info["job_id"])
+    job = await request.app[ENGINE].find(request.match_info["job_id"])
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -195,7 +217,7 @@ def _sse(e: Event, data: dict[str, Any]) -> bytes:
 
 async def job_output(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    job = engine.get(request.match_info["job_id"])
+    job = await engine.find(request.match_info["job_id"])
     raw = request.match_info["k"]
     # ASCII digits only: int() would also take "-1" (Python's last item), " 1", "1_0" and non-ASCII digits
     k = int(raw) if raw.isascii() and raw.isdigit() else -1
@@ -227,8 +249,10 @@ async def job_output(request: web.Request) -> web.StreamResponse:
 # OpenAI-shaped --------------------------------------------------------------------------------
 async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req, response_format = parse_images(await request.read(), engine.config.limits, engine.model)
-    job = engine.submit(req, sync=True)
+    body = await request.read()
+    await engine.described()
+    req, response_format = parse_images(body, engine.config.limits, engine.model)
+    job = await engine.accept(req, sync=True)
     try:
         await job.finished.wait()
     except asyncio.CancelledError:  # the client went away: nobody will read the result
@@ -244,7 +268,7 @@ async def images_generations(request: web.Request) -> web.Response:
         data = [{"revised_prompt": None, "seed": i.seed, "url": views.output_url(job.id, i.index)} for i in job.items]
     else:  # delivered whole: the synchronous caller will not come back, so nothing is kept
         data = [{"revised_prompt": None, "seed": i.seed, "b64_json": base64.b64encode(b).decode()}
-                for i, b in zip(job.items, engine.output_bytes(job), strict=True)]
+                for i, b in zip(job.items, await engine.output_bytes(job), strict=True)]
     return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
 
 

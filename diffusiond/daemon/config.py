@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,17 @@ from diffusiond.protocol import default_socket_path as default_socket_path  # re
 
 class ConfigError(ValueError):
     pass
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where the daemon keeps what must outlive it (jobs, outputs; later caches):
+    ``$XDG_STATE_HOME/diffusiond``, else ``~/.local/state/diffusiond``. The system unit's
+    ``StateDirectory=`` sets ``$STATE_DIRECTORY``, which wins over both."""
+    env = os.environ if env is None else env
+    if env.get("STATE_DIRECTORY"):
+        return env["STATE_DIRECTORY"].split(":")[0]
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "diffusiond")
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,18 @@ class DaemonConfig:
     # GPU, served at GET /v1/admin/trace (what `diffusiond bench --trace` reads).
     trace: bool = False
     fault: str = ""  # test-only worker fault injection; empty in normal runs
+    # Durable jobs (store.py): the state dir holds the job database and the output files.
+    state_dir: str | None = None
+    persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
+    reset_state: bool = False  # a corrupt or foreign database is moved aside instead of stopping the start
+    keep_days: float = 0.0  # finished jobs older than this are deleted with their outputs (0: no age limit)
+    keep_gb: float = 0.0  # the oldest finished jobs go while their outputs take more than this (0: no limit)
+    retention_check_s: float = 60.0  # how often the retention task looks
+    state_fault: str = ""  # test-only fault injection in the state dir (see store.StateFaults)
+
+    @property
+    def state_path(self) -> str:
+        return self.state_dir or default_state_dir()
 
     @property
     def socket_path(self) -> str:
@@ -99,7 +123,8 @@ class DaemonConfig:
         for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s"):
+        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s",
+                     "keep_days", "keep_gb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.job_timeout_s <= 0:
@@ -110,6 +135,8 @@ class DaemonConfig:
             raise ConfigError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode {self.socket_mode:o} is not a permission mode (0000-0777)")
+        if self.retention_check_s <= 0:
+            raise ConfigError(f"retention_check_s must be positive, got {self.retention_check_s}")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
         if self.tcp and ":" not in self.tcp:

@@ -75,6 +75,7 @@ class Item:
     release_pending: bool = False  # released while pinned: give the slot back at the last unpin
     spilling: bool = False  # being copied out of the arena into ``data`` (arena pressure)
     enqueued_at: float = field(default_factory=time.monotonic)
+    file: str | None = None  # the output's file in the state dir, once written (durable jobs)
 
     @property
     def request_id(self) -> str:
@@ -99,6 +100,7 @@ class Job:
     timings_ms: dict[str, float] = field(default_factory=dict)
     ended_at: float | None = None
     sync: bool = False  # submitted through the synchronous endpoint
+    attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None

@@ -50,6 +50,7 @@ def job(j: Job) -> dict[str, Any]:
             if i.done
         ],
         "error": j.error,
+        "attempts": j.attempts,
         "timings_ms": dict(j.timings_ms),
         "request": {
             "prompt": r.prompt,
@@ -63,6 +64,12 @@ def job(j: Job) -> dict[str, Any]:
             "seed": r.seed,
         },
     }
+
+
+def history(jobs: list[Job], next_before: str | None) -> dict[str, Any]:
+    """A page of ``GET /v1/jobs``: ``next_before`` is the ``before=`` of the next page (null: the last)."""
+    return {"object": "list", "data": [job(j) for j in jobs], "has_more": next_before is not None,
+            "next_before": next_before}
 
 
 def event(e: Event, j: Job) -> dict[str, Any]:
