@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from diffusiond.cli_generate import (
     run_generate,
 )
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
-from diffusiond.protocol import FORMATS, LOG_LEVELS, default_socket_path
+from diffusiond.protocol import FORMATS, LOG_LEVELS, JobStatus, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
@@ -97,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cancel", parents=[sock], help="cancel a queued or running job")
     c.add_argument("job_id", metavar="JOB_ID")
     c.set_defaults(func=_cancel)
+    h = sub.add_parser("history", parents=[sock], help="list jobs, newest first (kept across restarts)")
+    h.add_argument("--status", choices=[st.value for st in JobStatus])
+    h.add_argument("--model", metavar="NAME")
+    h.add_argument("--before", metavar="JOB_ID", help="the jobs admitted before this one (the next page)")
+    h.add_argument("--limit", type=positive_int, default=20, metavar="N", help="at most N jobs (20)")
+    h.add_argument("--json", action="store_true", help="the daemon's page as JSON")
+    h.set_defaults(func=_history)
     sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=_sleep)
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=_wake)
     from diffusiond.bench import add_parser as add_bench
@@ -301,6 +309,28 @@ async def _cancel(args: argparse.Namespace, client: AsyncClient) -> int:
             return EXIT_FAILED
     print(f"job {job.get('id', args.job_id)} {job.get('status', 'cancelled')}")
     return EXIT_OK
+
+
+async def _history(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        page = await client.history(status=args.status, model=args.model, before=args.before, limit=args.limit)
+    if args.json:
+        print(json.dumps(page))
+        return EXIT_OK
+    keys = ["id", "created", "model", "status", "outputs", "attempts", "prompt"]
+    rows = [[j.get("id", ""), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.get("created", 0))),
+             j.get("model", ""), j.get("status", "") + (f" ({j['error']['code']})" if j.get("error") else ""),
+             str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
+            for j in page.get("data") or []]
+    print(_table(rows, keys) if rows else "no jobs")
+    if page.get("next_before"):
+        print(f"more: diffusiond history --before {page['next_before']}")
+    return EXIT_OK
+
+
+def _clip(text: str, width: int = 40) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 async def _sleep(args: argparse.Namespace, client: AsyncClient) -> int:

@@ -176,7 +176,13 @@ async def get_job(request: web.Request) -> web.Response:
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    job, deleted = await request.app[ENGINE].remove(request.match_info["job_id"])
+    """Cancel a job that has not finished; delete a finished one (record and output files).
+    ``?finished=keep`` only cancels: 409 for a finished job (what a client's cancel sends)."""
+    engine = request.app[ENGINE]
+    job_id = request.match_info["job_id"]
+    if request.query.get("finished") == "keep":
+        return web.json_response({**views.job(engine.cancel(job_id)), "deleted": False})
+    job, deleted = await engine.remove(job_id)
     return web.json_response({**views.job(job), "deleted": deleted})
 
 

@@ -99,6 +99,7 @@ class Engine:
         # is still draining must not finish first and then be undone by that sleep's SLEEP commands
         self._power = asyncio.Lock()
         self._retention: asyncio.Task[None] | None = None
+        self._pool_starting = False  # workers are being started: a model without one yet will have one
 
     @property
     def paused(self) -> bool:
@@ -114,11 +115,16 @@ class Engine:
         self.accepting = True
         if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
             self._retention = asyncio.ensure_future(self._retain_forever())
+        self._pool_starting = True
+        self._changed.set()
         try:
             await self.pool.start()
         except BaseException:
             self.accepting = False  # what was admitted stays queued (on disk, when jobs persist)
             raise
+        finally:
+            self._pool_starting = False
+            self._changed.set()
 
     async def recover(self) -> None:
         """Queue again, in their admission order, the jobs the last run accepted and did not
@@ -160,6 +166,7 @@ class Engine:
 
     async def stop(self) -> None:
         self.stopping = True
+        self._changed.set()
         if self._retention is not None:
             self._retention.cancel()
         await self.pool.stop()
@@ -209,11 +216,17 @@ class Engine:
         return list(self.pool.models.values())
 
     async def described(self) -> None:
-        """Wait until every model's defaults and limits are its own (its first READY, or
-        remembered from the last run), so a request admitted while models load is completed and
-        checked the way it will run; a model that cannot start is not waited for."""
-        await self._wait_until(lambda: all(m.known or not m.can_take_jobs() for m in self.pool.models.values()),
-                               self.config.worker_start_timeout_s)
+        """Wait until jobs are admitted (the state dir is read) and every model's defaults and
+        limits are its own (its first READY, or remembered from the last run), so a request that
+        comes while models load is completed and checked the way it will run. Not waited for: a
+        daemon that is stopping, or a model whose workers could not start."""
+        def settled() -> bool:
+            if self.draining or self.stopping:
+                return True
+            return self.accepting and all(m.known or not (self._pool_starting or m.can_take_jobs())
+                                          for m in self.pool.models.values())
+
+        await self._wait_until(settled, self.config.worker_start_timeout_s)
 
     async def accept(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job and return once it is recorded (on disk when jobs persist): what a 202 promises."""
@@ -232,7 +245,7 @@ class Engine:
             self.metrics.rejected_total.labels("unavailable").inc()
             raise NotAccepting(f"the daemon is {reason}; not accepting jobs", retry_after_s=5)
         model = self.pool.model(req.model)
-        if not model.can_take_jobs():
+        if not model.can_take_jobs() and not self._pool_starting:
             raise NoWorker(f"model {model.name!r} has no running worker")
         job = Job(req, sync=sync)
         base = req.seed if req.seed is not None else random.randrange(2**31)
