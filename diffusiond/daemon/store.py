@@ -263,7 +263,8 @@ class SqliteStore(Store):
 
     def _later(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn`` in the store's thread after what is already queued; log a failure."""
-        fut = asyncio.ensure_future(self._run(fn, *args))
+        # submitted now, not from a task that starts later: the thread runs writes in call order
+        fut = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
         self._pending.add(fut)
         fut.add_done_callback(self._updated)
 
