@@ -309,6 +309,7 @@ async def test_outputs_over_the_limits_are_400_naming_the_field(race: Path) -> N
 def big_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     with shared_daemon(tmp_path_factory.mktemp("big"), [
         "--model", "big=synthetic:compute_ms=5", "--arena-mb", "160", "--retention-s", "4", "--job-timeout", "120",
+        "--no-persist",  # the arena and in-memory retention on their own: nothing kept in a state dir
     ], model_cache, ENV) as d:
         yield d
 
@@ -408,6 +409,7 @@ async def test_outputs_larger_than_the_arena_get_a_dedicated_memfd_with_the_righ
     daemon_factory: Any,
 ) -> None:
     d: Daemon = daemon_factory("--model", "big=synthetic:compute_ms=5", "--arena-mb", "1", "--retention-s", "120",
+                               "--no-persist",
                                env=ENV)
     assert d.proc is not None
     base = {"model": "big", "prompt": "dedicated", "steps": 2}
@@ -448,6 +450,7 @@ async def test_full_arena_fails_the_job_naming_the_sizes_instead_of_hanging(daem
     """
     arena = 8 * MIB
     d: Daemon = daemon_factory("--model", "big=synthetic:compute_ms=5", "--arena-mb", "8", "--retention-s", "600",
+                               "--no-persist",
                                "--slot-timeout-s", "3", env=ENV)
     base = {"model": "big", "prompt": "fill", "width": 1024, "steps": 2, "output_format": "npy"}
     held, large = 1024 * 1360 * 3, 1024 * 1400 * 3  # just under half the arena; just over what is left

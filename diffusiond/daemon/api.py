@@ -292,7 +292,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING) for m in engine.models()):
+    if engine.started and engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING)
+                                                   for m in engine.models()):
         return web.json_response({"ready": True})
     reason = "draining" if engine.draining else "starting"
     return web.json_response({"ready": False, "reason": reason}, status=503)

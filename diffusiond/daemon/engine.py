@@ -89,6 +89,7 @@ class Engine:
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
         self.accepting = False
+        self.started = False  # every worker has started once: /ready may say so
         self.draining = False
         self.stopping = False
         self.started_at = time.time()
@@ -119,6 +120,7 @@ class Engine:
         self._changed.set()
         try:
             await self.pool.start()
+            self.started = True
         except BaseException:
             self.accepting = False  # what was admitted stays queued (on disk, when jobs persist)
             raise
