@@ -36,6 +36,7 @@ class Setup:
     batch_wait_ms: float
     rounds: int = 1
     trace: bool = False
+    persist: bool = True  # the daemons keep jobs in a state dir (their own, temporary), as serve does
 
 
 @dataclass

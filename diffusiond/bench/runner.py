@@ -73,6 +73,9 @@ def add_parser(sub: Any) -> None:
                         "drifts (default: 3)")
     p.add_argument("--trace", action="store_true",
                    help="also say where the worker's time goes: forward and idle times, CUDA-timed on a GPU")
+    p.add_argument("--no-persist", dest="persist", action="store_false",
+                   help="daemons keep jobs in memory only (serve --no-persist); by default each has a temporary "
+                        "state dir, as a served daemon has its own")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=None)
 
@@ -102,7 +105,8 @@ def _setup(args: argparse.Namespace) -> Setup:
     return Setup(model=args.model, device=device, dtype=dtype, width=width, height=height, steps=args.steps,
                  batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,
                  format=args.format, frames=args.frames, output_dtype=args.output_dtype, guidance=args.guidance,
-                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, rounds=args.rounds, trace=args.trace)
+                 arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, rounds=args.rounds, trace=args.trace,
+                 persist=args.persist)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,6 +226,8 @@ def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
                     "--queue-size", str(max(256, s.requests * 2)), "--log-level", "warning"]
             if s.trace:
                 argv.append("--trace")
+            # each daemon its own state dir: two daemons on one refuse to start
+            argv += ["--state-dir", str(Path(tmp) / f"{mode}.state")] if s.persist else ["--no-persist"]
             started.append((stack.enter_context(_process(argv, log)), sock, log))
         for proc, sock, log in started:
             _wait_ready(proc, sock, log, "diffusiond serve")
