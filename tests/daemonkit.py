@@ -200,6 +200,12 @@ async def delete(s: aiohttp.ClientSession, job_id: str) -> tuple[int, dict[str, 
         return r.status, await r.json()
 
 
+async def cancel(s: aiohttp.ClientSession, job_id: str) -> tuple[int, dict[str, Any]]:
+    """DELETE that only cancels (``?finished=keep``): 409 for a finished job, which a plain DELETE deletes."""
+    async with s.delete(f"/v1/jobs/{job_id}?finished=keep") as r:
+        return r.status, await r.json()
+
+
 async def health(s: aiohttp.ClientSession) -> dict[str, Any]:
     return (await get(s, "/health"))[1]
 

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, delete, get, gone, health, http, idle, shared_daemon, sse, submit, until, when_idle
+from daemonkit import Daemon, cancel, delete, get, gone, health, http, idle, shared_daemon, sse, submit, until, when_idle
 
 from conftest import memfd_maps, shm_entries
 
@@ -169,26 +169,26 @@ async def test_cancel_races_every_job_ends_once_and_counters_agree(race: Path) -
             follower = asyncio.ensure_future(sse(s, job_id)) if i % 2 == 0 else None
             answer: tuple[int, dict[str, Any]] | None = None
             if when == "immediately":
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when == "random":
                 await asyncio.sleep(delay)
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when == "after_progress":
                 async def progressed() -> bool:
                     j = await job_state(s, job_id)
                     return j["progress"]["step"] >= 1 or j["status"] in TERMINAL
 
                 await until(progressed, 60, f"job {job_id} to report progress")
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when in ("in_copying", "in_encoding"):
                 await reaches(s, job_id, when[3:])
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when == "after_done":
                 await finished(s, job_id)
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             final = await finished(s, job_id)
             events = await asyncio.wait_for(follower, 60) if follower else await sse(s, job_id)
-            again = await delete(s, job_id)  # a finished job stays finished
+            again = await cancel(s, job_id)  # a finished job stays finished
             results.append({"i": i, "id": job_id, "when": when, "answer": answer, "final": final,
                             "events": events, "again": again})
 
