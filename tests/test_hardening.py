@@ -34,7 +34,21 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, cancel, delete, get, gone, health, http, idle, shared_daemon, sse, submit, until, when_idle
+from daemonkit import (
+    Daemon,
+    cancel,
+    delete,
+    get,
+    gone,
+    health,
+    http,
+    idle,
+    shared_daemon,
+    sse,
+    submit,
+    until,
+    when_idle,
+)
 
 from conftest import memfd_maps, shm_entries
 
