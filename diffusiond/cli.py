@@ -33,7 +33,7 @@ from diffusiond.cli_generate import (
     run_generate,
 )
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
-from diffusiond.protocol import FORMATS, LOG_LEVELS, JobStatus, default_socket_path
+from diffusiond.protocol import DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
@@ -44,8 +44,8 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace", "state_dir", "persist", "reset_state", "keep_days", "keep_gb",
-    "retention_check_s", "state_fault",
+    "slot_timeout_s", "stream_stall_s", "trace", "web", "state_dir", "persist", "reset_state", "keep_days",
+    "keep_gb", "retention_check_s", "state_fault",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(func=_history)
     sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=_sleep)
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=_wake)
+    sub.add_parser("web-url", parents=[sock], help="print the web page's sign-in URL (serve --web)").set_defaults(
+        func=_web_url)
     from diffusiond.bench import add_parser as add_bench
 
     add_bench(sub)
@@ -129,7 +131,9 @@ def _add_serve(sub: Any) -> None:
     add("--output-mode", metavar="MODE", help="async or sync")
     add("--arena-mb", type=int, metavar="MB")
     add("--tcp", metavar="HOST:PORT", help="also listen on TCP (needs --token-file)")
-    add("--token-file", metavar="FILE")
+    add("--token-file", metavar="FILE", help="the token of --tcp and --web (at least 16 characters)")
+    add("--web", nargs="?", const=DEFAULT_WEB_ADDRESS, metavar="HOST:PORT",
+        help=f"serve the web page and the API on TCP behind a token (default {DEFAULT_WEB_ADDRESS})")
     add("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL", help=", ".join(LOG_LEVELS))
     add("--socket-mode", type=octal_mode, metavar="MODE", help="octal, default 0600")
     add("--socket-group", metavar="GROUP")
@@ -344,6 +348,13 @@ async def _wake(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         answer = await client.wake()
     print(f"daemon awake{_took(answer)}")
+    return EXIT_OK
+
+
+async def _web_url(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:  # a daemon without --web: DaemonError 404 web_off, printed by _main (exit 1)
+        url = await client.web_url()
+    print(url)
     return EXIT_OK
 
 

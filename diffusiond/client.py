@@ -307,6 +307,10 @@ class AsyncClient:
     async def wake(self) -> dict[str, Any]:
         return await self._json("POST", "/v1/admin/wake")
 
+    async def web_url(self) -> str:
+        """The web page's sign-in URL (it carries the token); DaemonError 404 ``web_off`` without ``--web``."""
+        return str((await self._json("GET", "/v1/admin/web"))["url"])
+
     # the high-level API -------------------------------------------------------------------
     async def submit(self, prompt: str, **params: Unpack[JobParams]) -> AsyncJobHandle:
         """Submit a job and return its handle at once; dropping the handle unfinished cancels it."""

@@ -147,6 +147,9 @@ class Client:
     def wake(self) -> dict[str, Any]:
         return self._call(self._async.wake())
 
+    def web_url(self) -> str:
+        return self._call(self._async.web_url())
+
 
 class JobHandle:
     """``AsyncJobHandle``, blocking. Dropping it unfinished cancels the job, on the client's

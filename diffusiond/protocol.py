@@ -21,6 +21,8 @@ from typing import Final, Literal, get_args
 
 SOCKET_ENV: Final = "DIFFUSIOND_SOCKET"
 SOCKET_NAME: Final = "diffusiond.sock"
+DEFAULT_WEB_ADDRESS: Final = "127.0.0.1:7860"
+"""Where ``serve --web`` listens when no HOST:PORT is given (the port Gradio UIs use)."""
 
 
 def default_socket_path(env: Mapping[str, str] | None = None) -> str:
@@ -179,6 +181,9 @@ class ErrorCode(enum.StrEnum):
     HTTP_ERROR = "http_error"
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
+    WRONG_HOST = "wrong_host"  # the web listener: a Host header that does not name it (DNS rebinding)
+    CROSS_ORIGIN = "cross_origin"  # the web listener: a request sent by another site's page
+    WEB_OFF = "web_off"  # `diffusiond web-url` asked a daemon started without --web
     # the daemon's state
     MODEL_NOT_FOUND = "model_not_found"
     JOB_NOT_FOUND = "job_not_found"

@@ -29,9 +29,10 @@ WRAPPER = (
 )
 
 CLIENT_COMMANDS = [["status"], ["status", "--json"], ["models"], ["models", "--json"], ["cancel", "j_1"],
-                   ["sleep"], ["wake"], ["generate", "a fox", "-o", "fox.png"]]  # fmt: skip
+                   ["sleep"], ["wake"], ["web-url"], ["generate", "a fox", "-o", "fox.png"]]  # fmt: skip
 HELP = [["--help"], ["serve", "--help"], ["bench", "--help"], ["generate", "--help"], ["status", "--help"],
-        ["models", "--help"], ["cancel", "--help"], ["sleep", "--help"], ["wake", "--help"], ["--version"]]  # fmt: skip
+        ["models", "--help"], ["cancel", "--help"], ["sleep", "--help"], ["wake", "--help"], ["web-url", "--help"],
+        ["--version"]]  # fmt: skip
 
 
 def run_cli(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], set[str]]:

@@ -20,6 +20,7 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -323,14 +324,28 @@ async def admin_trace(request: web.Request) -> web.Response:
     return web.json_response(views.trace(await engine.trace()))
 
 
-def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
-    cfg = engine.config
-    app = web.Application(
-        client_max_size=cfg.limits.max_body_bytes,
-        middlewares=[errors_middleware, make_access_middleware(cfg.allow_uid, token)],
-    )
-    app[ENGINE] = engine
-    engine.metrics.bind(lambda: views.health(engine))
+@dataclass
+class WebAddress:
+    """The web listener's sign-in URL, filled in once it listens (``diffusiond web-url`` reads it)."""
+
+    url: str | None = None
+
+
+WEB: web.AppKey[WebAddress] = web.AppKey("web", WebAddress)
+
+
+async def admin_web(request: web.Request) -> web.Response:
+    if peer_uid(request) is None:  # the URL carries the token: only for this machine's socket users
+        raise HttpError(403, ErrorCode.FORBIDDEN,
+                        "the web page's URL is only given over the Unix socket: run `diffusiond web-url` there")
+    url = request.app[WEB].url
+    if url is None:
+        raise errors.WebOff("this daemon has no web listener; start it with `diffusiond serve --web [HOST:PORT]`")
+    return web.json_response({"url": url})
+
+
+def add_api_routes(app: web.Application) -> None:
+    """The API's routes, the same on every listener (the Unix socket, --tcp, the web page's /v1)."""
     app.router.add_post("/v1/images/generations", images_generations)
     app.router.add_post("/v1/jobs", create_job)
     app.router.add_get("/v1/jobs", list_jobs)
@@ -345,4 +360,17 @@ def create_app(engine: Engine, *, token: str | None = None) -> web.Application:
     app.router.add_post("/v1/admin/sleep", admin_sleep)
     app.router.add_post("/v1/admin/wake", admin_wake)
     app.router.add_get("/v1/admin/trace", admin_trace)
+
+
+def create_app(engine: Engine, *, token: str | None = None, web_address: WebAddress | None = None) -> web.Application:
+    cfg = engine.config
+    app = web.Application(
+        client_max_size=cfg.limits.max_body_bytes,
+        middlewares=[errors_middleware, make_access_middleware(cfg.allow_uid, token)],
+    )
+    app[ENGINE] = engine
+    app[WEB] = web_address or WebAddress()
+    engine.metrics.bind(lambda: views.health(engine))
+    add_api_routes(app)
+    app.router.add_get("/v1/admin/web", admin_web)
     return app

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
-from diffusiond.protocol import LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
+from diffusiond.protocol import DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 
@@ -70,6 +70,8 @@ class DaemonConfig:
     allow_uid: tuple[int, ...] = ()
     tcp: str | None = None
     token_file: str | None = None
+    # The web page and the API under /v1 on TCP, behind a token (daemon/web.py): HOST:PORT.
+    web: str | None = None
     max_batch: int = 4
     batch_wait_ms: float = 0.0
     queue_size: int = 256
@@ -141,7 +143,21 @@ class DaemonConfig:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
+        if self.web is not None:
+            parse_host_port(self.web, "--web")
         return self
+
+
+def parse_host_port(text: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT`` (all addresses); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"{flag}: put an IPv6 address in brackets, like [::1]:7860; got {text!r}")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{flag} wants HOST:PORT with a port of 0-65535, like {DEFAULT_WEB_ADDRESS}; got {text!r}")
+    return host, int(port)
 
 
 def _cuda_device_count() -> int:

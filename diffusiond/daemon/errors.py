@@ -70,6 +70,10 @@ class OutputNotFound(NotFound):
     default_code = ErrorCode.OUTPUT_NOT_FOUND
 
 
+class WebOff(NotFound):
+    default_code = ErrorCode.WEB_OFF
+
+
 class Conflict(EngineError):
     default_code = ErrorCode.JOB_FINISHED
 

@@ -52,6 +52,10 @@ class Metrics:
                                        buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.worker_restarts = Counter("diffusiond_worker_restarts_total", "Workers replaced after they ended",
                                        ["model"], registry=self.registry)
+        self.web_sessions = Counter("diffusiond_web_sessions_total", "Sign-ins to the web page (token URL opened)",
+                                    registry=self.registry)
+        self.web_refused = Counter("diffusiond_web_refused_total", "Web listener requests refused, by reason",
+                                   ["reason"], registry=self.registry)
 
     def bind(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_StateCollector(snapshot))

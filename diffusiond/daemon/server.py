@@ -14,6 +14,7 @@ import contextlib
 import grp
 import logging
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -25,13 +26,15 @@ from aiohttp import web
 
 from diffusiond import __version__
 from diffusiond.daemon import systemd
-from diffusiond.daemon.api import create_app
-from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.api import WebAddress, create_app
+from diffusiond.daemon.config import DaemonConfig, parse_host_port
 from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.handoff import OutputSocket
 from diffusiond.daemon.link import WorkerStartError
 from diffusiond.daemon.statedir import StateDirError
 from diffusiond.daemon.store import SqliteStore
+from diffusiond.daemon.web import bind_tcp, create_web_app, sign_in_url
+from diffusiond.daemon.webauth import host_port
 from diffusiond.protocol import output_socket_path
 
 log = logging.getLogger("diffusiond")
@@ -108,12 +111,14 @@ async def run(config: DaemonConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    token = read_token(config.token_file) if config.tcp and config.token_file else None
+    token = read_token(config.token_file) if config.token_file and (config.tcp or config.web) else None
     store = SqliteStore(config.state_path, reset=config.reset_state, faults=config.state_fault) if config.persist \
         else None
     engine = Engine(config, store=store)
-    app = create_app(engine, token=token)
+    web_address = WebAddress()
+    app = create_app(engine, token=token if config.tcp else None, web_address=web_address)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    web_runner: web.AppRunner | None = None
     created_socket: str | None = None
     watchdog_task: asyncio.Future[None] | None = None
     output_socket: OutputSocket | None = None
@@ -149,6 +154,9 @@ async def run(config: DaemonConfig) -> int:
             except OSError as exc:
                 raise StartupError(f"cannot listen on tcp {config.tcp}: {exc.strerror or exc}") from None
             where += f" and tcp {config.tcp} (bearer token required)"
+        if config.web is not None:
+            web_runner, bound = await _start_web(engine, config.web, token, web_address)
+            where += f" and the web page on {bound}"
         log.info("diffusiond %s listening on %s; loading %s; %s", __version__, where,
                  ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models),
                  f"jobs kept in {config.state_path}" if config.persist else "jobs kept in memory only (--no-persist)")
@@ -186,12 +194,40 @@ async def run(config: DaemonConfig) -> int:
         if output_socket is not None:
             await output_socket.close()
         await engine.stop()
+        if web_runner is not None:
+            await web_runner.cleanup()
         await runner.cleanup()
         if created_socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(created_socket)
         log.info("stopped")
     return code
+
+
+async def _start_web(engine: Engine, address: str, token: str | None,
+                     web_address: WebAddress) -> tuple[web.AppRunner, str]:
+    """The page and the API on TCP behind a token: ``--token-file``'s, else a random one, logged
+    once inside the sign-in URL (``diffusiond web-url`` gives it again)."""
+    host, port = parse_host_port(address, "--web")
+    try:
+        sock = bind_tcp(host, port)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on --web {address}: {exc.strerror or exc}; "
+                           "choose another port with --web HOST:PORT") from None
+    token = token or secrets.token_urlsafe(32)
+    runner = web.AppRunner(create_web_app(engine, token=token, listen_host=host), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=5)
+    try:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+    except BaseException:
+        await runner.cleanup()
+        sock.close()
+        raise
+    port = sock.getsockname()[1]  # the real one when --web asked for port 0
+    web_address.url = sign_in_url(host, port, token)
+    log.info("web page: open %s", web_address.url)
+    return runner, host_port(host or "0.0.0.0", port)
 
 
 async def _second_signal(stop: asyncio.Event, count: Callable[[], int]) -> None:

@@ -54,6 +54,7 @@ def job(j: Job) -> dict[str, Any]:
         "timings_ms": dict(j.timings_ms),
         "request": {
             "prompt": r.prompt,
+            "negative_prompt": r.negative_prompt,
             "n": r.n,
             "width": r.width,
             "height": r.height,
@@ -62,6 +63,7 @@ def job(j: Job) -> dict[str, Any]:
             "output_format": r.output_format,
             "num_frames": r.num_frames,
             "seed": r.seed,
+            "scheduler": r.scheduler,
         },
     }
 

@@ -1,0 +1,117 @@
+"""The web listener (``serve --web``): the page at ``/`` and the same API under ``/v1``, on TCP.
+
+Browsers cannot reach a Unix socket, so this listener is TCP, and anything on the machine (or, on
+a non-loopback address, the network) can connect; the page and every API route are therefore
+behind a token, as Jupyter does it: without ``--token-file`` the daemon makes a random one and
+logs one URL that carries it. Opening that URL sets an HttpOnly, SameSite=Strict cookie and
+redirects to ``/`` (so the token leaves the address bar and the history). The rules themselves
+(Host, Origin, cookie or bearer) are in ``webauth.py``; this module applies them, serves the page
+from the package (``diffusiond/web/``, plain files, no build step) and reuses the API's handlers
+through ``api.add_api_routes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from diffusiond.daemon import webauth
+from diffusiond.daemon.api import ENGINE, Handler, HttpError, add_api_routes, errors_middleware
+from diffusiond.daemon.engine import Engine
+from diffusiond.daemon.metrics import Metrics
+from diffusiond.protocol import ErrorCode
+
+log = logging.getLogger(__name__)
+
+PAGE_DIR = Path(__file__).resolve().parent.parent / "web"
+# The page loads nothing from elsewhere and may not be framed (clickjacking); previews come as data: URLs.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; media-src 'self' blob:; "
+                               "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+SIGN_IN = "open the URL that `diffusiond web-url` prints (it carries the token)"
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else starts so the URL (and a port 0's real
+    port) is known; an address in use is a message, not a traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host or "0.0.0.0", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def sign_in_url(listen_host: str, port: int, token: str) -> str:
+    return f"http://{webauth.host_port(webauth.url_host(listen_host), port)}/?token={token}"
+
+
+def make_web_access(token: str, listen_host: str, metrics: Metrics) -> Middleware:
+    def refuse(status: int, code: ErrorCode, message: str) -> HttpError:
+        metrics.web_refused.labels(code.value).inc()
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return HttpError(status, code, message, headers=headers)
+
+    @web.middleware
+    async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
+        local = request.transport.get_extra_info("sockname") if request.transport else None
+        if not local:
+            raise HttpError(400, ErrorCode.HTTP_ERROR, "the connection closed")
+        hosts = webauth.own_hosts(str(local[0]), int(local[1]), listen_host)
+        if not webauth.host_allowed(request.headers.get("Host"), hosts):
+            raise refuse(403, ErrorCode.WRONG_HOST,
+                         f"Host {request.headers.get('Host')!r} is not this listener's address "
+                         f"({', '.join(sorted(hosts))}); open the page as `diffusiond web-url` prints it")
+        origin = request.headers.get("Origin")
+        if origin is not None and not webauth.origin_allowed(origin, hosts):
+            raise refuse(403, ErrorCode.CROSS_ORIGIN,
+                         f"requests from the page of {origin!r} are refused; only this listener's own page may call it")
+        cookie = webauth.cookie_name(int(local[1]))
+        if request.path == "/" and "token" in request.query:
+            if not webauth.same_token(request.query["token"], token):
+                raise refuse(401, ErrorCode.UNAUTHORIZED, f"the token in this URL is not this daemon's; {SIGN_IN}")
+            metrics.web_sessions.inc()
+            resp = web.Response(status=303, headers={"Location": "/"})
+            resp.set_cookie(cookie, token, httponly=True, samesite="Strict", path="/")
+            return resp
+        if not webauth.is_public(request.method, request.path) and not webauth.authorized(
+            token, request.cookies.get(cookie), request.headers.get("Authorization")
+        ):
+            raise refuse(401, ErrorCode.UNAUTHORIZED,
+                         f"not signed in: {SIGN_IN}, or send 'Authorization: Bearer <token>'")
+        return await handler(request)
+
+    return access
+
+
+async def page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(PAGE_DIR / "index.html", headers={"Cache-Control": "no-store"})
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.update(SECURITY_HEADERS)
+
+
+def create_web_app(engine: Engine, *, token: str, listen_host: str) -> web.Application:
+    app = web.Application(
+        client_max_size=engine.config.limits.max_body_bytes,
+        middlewares=[errors_middleware, make_web_access(token, listen_host, engine.metrics)],
+    )
+    app[ENGINE] = engine
+    app.on_response_prepare.append(_security_headers)
+    add_api_routes(app)
+    app.router.add_get("/", page)
+    app.router.add_static("/static", PAGE_DIR, follow_symlinks=False)
+    return app

@@ -1,0 +1,201 @@
+"""The web page in a real browser: Debian's headless Chromium driven by Playwright, against a real
+daemon (``serve --web`` on loopback, real workers), as a person uses it: sign in with the token
+URL, generate on ``tiny`` and watch the progress, see the image in the gallery, download it, use
+its settings again, cancel a long job; and a browser without the cookie gets nothing.
+
+Playwright is pointed at /usr/bin/chromium (``launch(executable_path=...)``); its own browser
+download is never used. Set DIFFUSIOND_SCREENSHOTS=DIR to keep screenshots of the page (the
+README's come from there).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from daemonkit import Daemon, shared_daemon
+
+CHROMIUM = Path(os.environ.get("DIFFUSIOND_CHROMIUM", "/usr/bin/chromium"))
+if not CHROMIUM.exists():
+    pytest.skip(f"no Chromium at {CHROMIUM}: `apt-get install chromium` (make test does it as root)",
+                allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="no playwright: pip install -e '.[test]'")
+
+HOLD_MODEL = "hold=synthetic:compute_ms=300000"  # computes until cancelled (test_daemon_lifecycle.py)
+ENV = {"OMP_NUM_THREADS": "1"}
+TIMEOUT_MS = 120_000  # a shared two-core machine: generous, and only ever reached by a failure
+SHOTS = os.environ.get("DIFFUSIOND_SCREENSHOTS")
+
+
+@pytest.fixture(scope="module")
+def web_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("webpage")
+    args = ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120", "--web", "127.0.0.1:0"]
+    with shared_daemon(tmp, args, model_cache, ENV) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def sign_in_url(web_daemon: Daemon) -> str:
+    from diffusiond import Client
+
+    with Client(str(web_daemon.socket)) as c:
+        return c.web_url()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def context(browser: Any) -> Iterator[Any]:
+    ctx = browser.new_context(accept_downloads=True, viewport={"width": 1200, "height": 860})
+    ctx.set_default_timeout(TIMEOUT_MS)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def page(context: Any, sign_in_url: str) -> Iterator[Any]:
+    """A signed-in page, ready (models listed); fails the test on any uncaught script error."""
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    pg.goto(sign_in_url)
+    pg.wait_for_selector("body[data-ready=true]")
+    yield pg
+    assert errors == [], errors
+
+
+def shot(page: Any, name: str) -> None:
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SHOTS) / f"{name}.png"), full_page=True)
+
+
+def over_socket(d: Daemon, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """The daemon's own answer over its Unix socket (httpx: Playwright's sync API already runs an
+    event loop in this thread, so no asyncio here)."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.socket)), base_url="http://diffusiond") as c:
+        r = c.request(method, path, json=body)
+    return r.status_code, r.json() if r.headers["Content-Type"].startswith("application/json") else r.content
+
+
+def fill(page: Any, **fields: str) -> None:
+    for name, value in fields.items():
+        page.fill(f"#{name}", value)
+
+
+def test_sign_in_generate_on_tiny_watch_progress_then_gallery_download_and_reuse(
+    page: Any, context: Any, web_daemon: Daemon, sign_in_url: str
+) -> None:
+    base = sign_in_url.split("/?token=")[0]
+    assert page.url == f"{base}/"  # the token left the address bar (and the history)
+    [cookie] = [c for c in context.cookies() if c["name"].startswith("diffusiond_token_")]
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert page.locator("#model option").all_inner_texts() == ["tiny (text-to-image)", "hold (text-to-image)"]
+    assert page.is_hidden("#loras") and page.is_hidden("#input-image")  # not in this daemon, nor for tiny
+
+    page.click("#dice")
+    assert page.input_value("#seed").isdigit()
+    page.select_option("#model", "tiny")
+    fill(page, prompt="a lighthouse at dusk", negative="blurry", width="64", height="64", steps="30", seed="1234",
+         guidance="6.5")
+    page.press("#prompt", "Control+Enter")
+
+    page.wait_for_function("() => Number(document.getElementById('progress').dataset.events) > 0")
+    job_id = page.inner_text("#job-id")
+    assert job_id.startswith("j_")
+    card = f'article[data-job-id="{job_id}"]'
+    page.wait_for_selector(f'{card}[data-status="succeeded"]')
+    page.wait_for_function(f"() => document.querySelector('{card} img')?.naturalWidth === 64")
+    assert page.get_attribute("#status", "data-status") == "succeeded"
+    assert page.evaluate("() => document.getElementById('progress').value === document.getElementById('progress').max")
+    meta = page.inner_text(card)
+    assert "a lighthouse at dusk" in meta and "not: blurry" in meta
+    for words in ("tiny", "64×64", "30 steps", "guidance 6.5", "seed 1234"):
+        assert words in meta, (words, meta)
+    shot(page, "web-page")
+
+    with page.expect_download() as download:
+        page.click(f"{card} a.download")
+    assert download.value.suggested_filename == f"{job_id}-0.png"
+    status, original = over_socket(web_daemon, "GET", f"/v1/jobs/{job_id}/outputs/0")
+    assert status == 200 and Path(download.value.path()).read_bytes() == original
+
+    fill(page, prompt="", negative="", width="", height="", steps="", seed="", guidance="")
+    page.click(f"{card} button.reuse")
+    assert [page.input_value(f"#{f}") for f in ("prompt", "negative", "width", "height", "steps", "seed", "guidance")] \
+        == ["a lighthouse at dusk", "blurry", "64", "64", "30", "1234", "6.5"]
+    assert page.input_value("#model") == "tiny"
+
+
+def test_cancel_a_long_job_from_the_page(page: Any, web_daemon: Daemon) -> None:
+    page.select_option("#model", "hold")
+    fill(page, prompt="a job that computes until cancelled", width="64", height="64", steps="500", seed="")
+    page.uncheck("#previews")
+    page.click("#generate")
+    page.wait_for_function("() => Number(document.getElementById('progress').dataset.events) > 0")
+    job_id = page.inner_text("#job-id")
+    assert page.is_enabled("#cancel") and page.is_disabled("#generate")  # one job at a time from the form
+    shot(page, "web-page-running")
+    page.click("#cancel")
+    page.wait_for_selector('#status[data-status="cancelled"]')
+    status, job = over_socket(web_daemon, "GET", f"/v1/jobs/{job_id}")
+    assert status == 200 and job["status"] == "cancelled" and job["error"]["code"] == "cancelled"
+    page.wait_for_selector(f'article[data-job-id="{job_id}"][data-status="cancelled"]')
+    assert page.is_enabled("#generate") and page.is_disabled("#cancel")
+
+
+def test_a_browser_without_the_cookie_is_refused(browser: Any, web_daemon: Daemon, sign_in_url: str) -> None:
+    base = sign_in_url.split("/?token=")[0]
+    ctx = browser.new_context()
+    try:
+        pg = ctx.new_page()
+        pg.goto(f"{base}/")
+        pg.wait_for_selector("#signin", state="visible")
+        assert pg.is_hidden("#app")
+        assert "diffusiond web-url" in pg.inner_text("#signin")
+        shot(pg, "web-page-signed-out")
+        prompt = "sent without the cookie"
+        answer = pg.evaluate("""async (prompt) => {
+            const r = await fetch('/v1/jobs', {method: 'POST', headers: {'Content-Type': 'application/json'},
+                                               body: JSON.stringify({prompt, model: 'hold'})});
+            return [r.status, (await r.json()).error.code];
+        }""", prompt)
+        assert answer == [401, "unauthorized"]
+        listed = over_socket(web_daemon, "GET", "/v1/jobs")[1]["data"]
+        assert [j for j in listed if j["request"]["prompt"] == prompt] == []
+        # a wrong token in the URL signs nothing in
+        pg.goto(f"{base}/?token=wrong")
+        assert [c for c in ctx.cookies() if c["name"].startswith("diffusiond_token_")] == []
+    finally:
+        ctx.close()
+
+
+def test_previews_appear_while_tiny_denoises(page: Any, web_daemon: Daemon) -> None:
+    """Needs the previews half of issue 14 (SSE ``preview`` events); skipped while the daemon
+    refuses the ``preview`` field, so it starts checking the day that work lands."""
+    status, answer = over_socket(web_daemon, "POST", "/v1/jobs", {
+        "model": "tiny", "prompt": "probe", "width": 64, "height": 64, "steps": 1,
+        "preview": {"every": 1, "format": "jpeg", "max_side": 256}})
+    if status == 400 and str(answer["error"].get("field", "")).startswith("preview"):
+        pytest.skip("this daemon does not take the 'preview' field yet (previews, issue 14)")
+    assert status == 202, answer
+    page.select_option("#model", "tiny")
+    fill(page, prompt="previews please", width="64", height="64", steps="100", seed="7")
+    page.check("#previews")
+    page.click("#generate")
+    page.wait_for_function("() => Number(document.getElementById('preview').dataset.count) > 0")
+    page.wait_for_function("() => document.getElementById('preview').naturalWidth > 0")  # a real image decoded
+    assert page.is_visible("#preview")
+    page.wait_for_selector('#status[data-status="succeeded"]')
+    shot(page, "web-page-preview")
