@@ -45,7 +45,7 @@ SERVE_FIELDS = (
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "state_dir", "persist", "reset_state", "keep_days",
-    "keep_gb", "retention_check_s", "state_fault",
+    "keep_gb", "retention_check_s", "state_fault", "state_sync",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -152,6 +152,8 @@ def _add_serve(sub: Any) -> None:
         help="keep jobs and outputs in memory only: a restart loses them")
     add("--reset-state", action="store_true", default=None,
         help="move a corrupt or foreign state database aside and start with an empty one")
+    add("--state-sync", choices=("normal", "full"),
+        help="normal: accepted jobs survive any daemon crash; full: a power cut too (an fsync per job)")
     add("--keep-days", type=float, metavar="D", help="delete finished jobs and their outputs after D days")
     add("--keep-gb", type=float, metavar="GB", help="delete the oldest finished jobs while outputs take more")
     add("--retention-check-s", type=float, help=argparse.SUPPRESS)

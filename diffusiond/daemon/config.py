@@ -26,6 +26,9 @@ class ConfigError(ValueError):
     pass
 
 
+STATE_SYNC = ("normal", "full")
+
+
 def default_state_dir(env: Mapping[str, str] | None = None) -> str:
     """Where the daemon keeps what must outlive it (jobs, outputs; later caches):
     ``$XDG_STATE_HOME/diffusiond``, else ``~/.local/state/diffusiond``. The system unit's
@@ -100,6 +103,8 @@ class DaemonConfig:
     keep_gb: float = 0.0  # the oldest finished jobs go while their outputs take more than this (0: no limit)
     retention_check_s: float = 60.0  # how often the retention task looks
     state_fault: str = ""  # test-only fault injection in the state dir (see store.StateFaults)
+    # "normal": an accepted job survives any crash of the daemon; "full": a power cut too (an fsync per job)
+    state_sync: str = "normal"
 
     @property
     def state_path(self) -> str:
@@ -137,6 +142,8 @@ class DaemonConfig:
             raise ConfigError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode {self.socket_mode:o} is not a permission mode (0000-0777)")
+        if self.state_sync not in STATE_SYNC:
+            raise ConfigError(f"state_sync {self.state_sync!r} is not one of {', '.join(STATE_SYNC)}")
         if self.retention_check_s <= 0:
             raise ConfigError(f"retention_check_s must be positive, got {self.retention_check_s}")
         if self.tcp and not self.token_file:

@@ -112,8 +112,8 @@ async def run(config: DaemonConfig) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
 
     token = read_token(config.token_file) if config.token_file and (config.tcp or config.web) else None
-    store = SqliteStore(config.state_path, reset=config.reset_state, faults=config.state_fault) if config.persist \
-        else None
+    store = SqliteStore(config.state_path, reset=config.reset_state, faults=config.state_fault,
+                        sync=config.state_sync) if config.persist else None
     engine = Engine(config, store=store)
     web_address = WebAddress()
     app = create_app(engine, token=token if config.tcp else None, web_address=web_address)
