@@ -179,6 +179,7 @@ class SqliteStore(Store):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-db")
         self._con: sqlite3.Connection | None = None
         self._pending: set[asyncio.Future[Any]] = set()
+        self._closed = False
 
     # the one thread ---------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -266,6 +267,9 @@ class SqliteStore(Store):
 
     def _later(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn`` in the store's thread after what is already queued; log a failure."""
+        if self._closed:  # the daemon is stopping: a late change (a job failed by the shutdown) is not kept
+            log.warning("the state database is closed; a late change to a job was not recorded")
+            return
         # submitted now, not from a task that starts later: the thread runs writes in call order
         fut = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
         self._pending.add(fut)
@@ -374,6 +378,7 @@ class SqliteStore(Store):
         return (self.outputs_dir / name).read_bytes()
 
     async def close(self) -> None:
+        self._closed = True
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._con is not None:
