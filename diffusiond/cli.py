@@ -33,7 +33,7 @@ from diffusiond.cli_generate import (
     run_generate,
 )
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
-from diffusiond.protocol import DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
+from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
@@ -44,8 +44,8 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace", "web", "state_dir", "persist", "reset_state", "keep_days",
-    "keep_gb", "retention_check_s", "state_fault", "state_sync",
+    "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "state_dir", "persist",
+    "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
+    g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
+    g.add_argument("--mask", metavar="FILE",
+                   help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
+    g.add_argument("--strength", type=float, metavar="S",
+                   help="how much of --image to repaint, in (0, 1] (default 0.8; 1.0 with --mask)")
     g.add_argument("--json", action="store_true", help="print one JSON object with the job and the files")
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
@@ -144,6 +149,8 @@ def _add_serve(sub: Any) -> None:
     add("--encode-threads", type=int, metavar="N")
     add("--slot-timeout-s", type=float, metavar="S", help="how long a copy waits for a free arena slot (30)")
     add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
+    add("--input-dir", metavar="DIR",
+        help="edits on /v1/jobs may name input images by path, only inside DIR (default: no paths)")
     add("--trace", action="store_true", default=None,
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
     add("--state-dir", metavar="DIR",
@@ -157,6 +164,10 @@ def _add_serve(sub: Any) -> None:
     add("--keep-days", type=float, metavar="D", help="delete finished jobs and their outputs after D days")
     add("--keep-gb", type=float, metavar="GB", help="delete the oldest finished jobs while outputs take more")
     add("--retention-check-s", type=float, help=argparse.SUPPRESS)
+    add("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+        help="torch.compile every model (MODE: " + ", ".join(COMPILE_MODES) + "; default: default); "
+             "reduce-overhead replays CUDA graphs")
+    add("--warmup", metavar="WxH:B,...", help="shapes each worker runs before it is ready, e.g. 512x512:1,512x512:8")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)
@@ -296,7 +307,9 @@ async def _models(args: argparse.Namespace, client: AsyncClient) -> int:
         print(json.dumps(models))
         return EXIT_OK
     keys = ["id", "task", "device", "state"]
-    print(_table([[str(m.get(k, "")) for k in keys] for m in models.get("data") or []], keys))
+    rows = [[str(m.get(k, "")) for k in keys] + [",".join(m.get("edits") or []) or "-"]
+            for m in models.get("data") or []]
+    print(_table(rows, [*keys, "edits"]))
     return EXIT_OK
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from diffusiond.cli_progress import ProgressBar
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout
+from diffusiond.client_params import image_b64
 from diffusiond.protocol import FORMAT_OF_CONTENT_TYPE, FORMAT_OF_SUFFIX, FORMATS, Event, JobStatus
 
 CLIENT_GRACE_S = 5.0
@@ -132,9 +133,18 @@ def build_body(args: argparse.Namespace, fmt: str | None) -> dict[str, Any]:
         ("num_frames", args.frames),
         ("fps", args.fps),
         ("timeout_s", args.timeout),
+        ("strength", args.strength),
     ):
         if value is not None:
             body[key] = value
+    for key, path in (("image", args.image), ("mask", args.mask)):
+        if path is not None:
+            try:
+                body[key] = image_b64(path)
+            except OSError as exc:
+                raise UsageError(f"--{key} {path}: {exc.strerror or exc}") from None
+    if args.mask is not None and args.image is None:
+        raise UsageError("--mask needs --image: the mask says which part of that image to repaint")
     return body
 
 

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict
+import base64
+import os
+from pathlib import Path
+from typing import Any, Literal, TypedDict, cast
 
 from diffusiond.protocol import OutputDtype
 
@@ -28,6 +31,17 @@ class JobParams(TypedDict, total=False):
     scheduler: str
     timeout_s: float
     model: str
+    # edits: the input image (and mask) as the file's bytes or a local file's path (sent base64),
+    # or a path the daemon reads itself under its --input-dir (image_path, mask_path)
+    image: ImageInput
+    mask: ImageInput
+    image_path: str
+    mask_path: str
+    strength: float
+
+
+ImageInput = bytes | str | os.PathLike[str]
+"""An edit's image or mask: the encoded file (PNG, JPEG, WebP) as bytes, or a local file to read."""
 
 
 def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
@@ -40,9 +54,17 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
             continue
         if key == "size":
             body["width"], body["height"] = _size(value)
+        elif key in ("image", "mask"):
+            body[key] = image_b64(cast(ImageInput, value))
         else:
             body[key] = value
     return body
+
+
+def image_b64(value: ImageInput) -> str:
+    """An edit's image or mask for a JSON body: the file's bytes, base64-encoded."""
+    data = value if isinstance(value, bytes) else Path(value).read_bytes()
+    return base64.b64encode(data).decode("ascii")
 
 
 def _size(size: Any) -> tuple[int, int]:

@@ -120,6 +120,13 @@ def frame_count_neighbours(frames: int, step: int) -> tuple[int, int] | None:
     return lower, lower + step
 
 
+# compilation ------------------------------------------------------------------------------------
+
+COMPILE_MODES: Final[tuple[str, ...]] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``--compile`` values: torch.compile's modes. ``reduce-overhead`` and ``max-autotune`` replay
+CUDA graphs for shapes that repeat; the others launch kernels one by one."""
+
+
 # jobs -------------------------------------------------------------------------------------------
 
 
@@ -145,10 +152,11 @@ class Stage(enum.IntEnum):
     """Where a job's work is. Ordered: a job is in the least advanced stage of its outputs."""
 
     QUEUED = 0
-    COMPUTING = 1
-    COPYING = 2
-    ENCODING = 3
-    DONE = 4
+    COMPILING = 1  # the worker compiles the model for a shape it has not run yet (``--compile``)
+    COMPUTING = 2
+    COPYING = 3
+    ENCODING = 4
+    DONE = 5
 
     @property
     def label(self) -> str:
@@ -176,6 +184,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_JSON = "invalid_json"
     REQUEST_TOO_LARGE = "request_too_large"
     OUTPUT_TOO_LARGE = "output_too_large"
+    INVALID_IMAGE = "invalid_image"  # an edit's input image or mask cannot be used (field says which)
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     HTTP_ERROR = "http_error"
@@ -201,6 +210,7 @@ class ErrorCode(enum.StrEnum):
     NOT_SHARED = "not_shared"  # the output socket cannot hand this output out by fd: fetch it over HTTP
     INSUFFICIENT_STORAGE = "insufficient_storage"  # the state dir's disk is full (507)
     STATE_FAILED = "state_failed"  # the state database could not be written (not a full disk)
+    INPUT_LOST = "input_lost"  # an edit interrupted by a crash: its input image was not kept to run it again
     # how a job ended, other than by succeeding
     CANCELLED = "cancelled"
     DEADLINE_EXCEEDED = "deadline_exceeded"
@@ -208,6 +218,9 @@ class ErrorCode(enum.StrEnum):
     WORKER_LOST = "worker_lost"
     GENERATION_FAILED = "generation_failed"
     OUTPUT_FAILED = "output_failed"
+    # diffusiond on Ray Serve (diffusiond.ray): the replica that holds a job
+    REPLICA_GONE = "replica_gone"  # 410: the replica that held the job no longer exists
+    REPLICA_UNAVAILABLE = "replica_unavailable"  # 503: the replica's daemon died or does not answer
 
 
 # service ----------------------------------------------------------------------------------------
@@ -240,3 +253,10 @@ class Task(enum.StrEnum):
 
     TEXT_TO_IMAGE = "text-to-image"
     TEXT_TO_VIDEO = "text-to-video"
+    # edits: made from an input image (and, for inpainting, a mask of the area to repaint)
+    IMAGE_TO_IMAGE = "image-to-image"
+    INPAINTING = "inpainting"
+
+
+EDIT_TASKS: Final[frozenset[Task]] = frozenset({Task.IMAGE_TO_IMAGE, Task.INPAINTING})
+"""The tasks a request asks for by sending an image (``/v1/images/edits``, ``image`` on ``/v1/jobs``)."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.jobs import Job, JobRequest
 from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerStartError
 from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.inputs import read_inputs
 from diffusiond.ipc.messages import (
     KIND_OF,
     Ack,
@@ -58,6 +61,7 @@ class FakeWorker:
         self.on_lost = on_lost
         self.fail_start = fail_start
         self.executed: list[Execute] = []
+        self.inputs: list[list[tuple[np.ndarray, np.ndarray | None] | None]] = []  # per batch, per request
         self.cancelled: list[str] = []
         self.commands: list[Any] = []
         self.returned: list[int] = []  # slot ids given back, in order
@@ -102,7 +106,11 @@ class FakeWorker:
             self.state = WorkerState.READY
         return Ack(KIND_OF[type(msg)], True)
 
-    def execute(self, batch: Execute) -> None:
+    def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:
+        # what a worker would read of each request's input (edits), before the fds are closed
+        self.inputs.append([read_inputs(fds, r.input) if r.input else None for r in batch.requests])
+        for fd in fds:  # like the channel: sent, then closed
+            os.close(fd)
         self.executed.append(batch)
 
     def cancel(self, request_ids: list[str]) -> None:

@@ -192,3 +192,19 @@ def test_bench_on_a_cuda_device_without_cuda_is_a_clear_error(model_cache: Path)
     env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache)}
     done = _bench("--device", "cuda:0", env=env)
     assert done.returncode == 1 and "--device cuda:0, but no CUDA device is visible" in done.stderr
+
+
+def test_bench_sweep_reports_each_concurrency_with_its_slo_attainment(model_cache: Path) -> None:
+    env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for scale in ("1000", "0.001"):  # every request within 1000 x the alone latency; none within 0.001 x
+        done = _bench("--modes", "async", "--rounds", "1", "--concurrency", "2", "--sweep", "1,2",
+                      "--slo-scale", scale, "--json", env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[scale] = {r["mode"]: r for r in json.loads(done.stdout)["runs"]}
+    assert set(runs["1000"]) == {"async", "async@c1"}
+    assert (runs["1000"]["async"]["concurrency"], runs["1000"]["async@c1"]["concurrency"]) == (2, 1)
+    assert {r["slo_attainment"] for r in runs["1000"].values()} == {1.0}
+    assert {r["slo_attainment"] for r in runs["0.001"].values()} == {0.0}
+    bad = _bench("--sweep", "1,x", env=env)
+    assert bad.returncode == 2 and "expected whole numbers separated by commas, got '1,x'" in bad.stderr

@@ -350,3 +350,38 @@ async def play(actions: list[tuple[Any, ...]]) -> None:
 def test_any_interleaving_ends_every_job_with_a_reason_and_gives_every_slot_back(
         actions: list[tuple[Any, ...]]) -> None:
     asyncio.run(play(actions))
+
+
+
+async def test_edits_reach_the_worker_by_fd_and_each_input_is_closed_when_its_job_ends(h: Harness) -> None:
+    from diffusiond.daemon.inputs import EditInput
+    from diffusiond.ipc.inputs import InputBuffer
+    from diffusiond.protocol import Task
+
+    def edit(value: int, masked: bool) -> EditInput:
+        img = np.full((64, 64, 3), value, np.uint8)
+        mask = np.full((64, 64, 1), 255, np.uint8) if masked else None
+        return EditInput(Task.INPAINTING if masked else Task.IMAGE_TO_IMAGE, 0.5, InputBuffer(img, mask), 64, 64)
+
+    a, b, c = edit(10, False), edit(20, False), edit(30, True)
+    first, second = h.submit(n=2, edit=a), h.submit(edit=b)
+    batch = h.worker.executed[0]
+    assert batch.params.edit == "image-to-image" and batch.params.strength == 0.5
+    got = h.worker.inputs[0]
+    assert [int(x[0][0, 0, 0]) for x in got if x is not None] == [10, 10]  # the second job waits: a busy worker
+    h.worker.finish(batch)
+    await h.settle(first)
+    assert first.status == JobStatus.SUCCEEDED and a.buffer.fd == -1  # closed at its end
+    await h.settle()
+    assert [int(x[0][0, 0, 0]) for x in h.worker.inputs[1] if x is not None] == [20]
+    h.engine.cancel(second.id)  # a cancelled job's input goes too
+    assert b.buffer.fd == -1
+    h.worker.finish(h.worker.executed[1])  # its late output goes back; the worker is free
+    await h.settle()
+    inpaint = h.submit(edit=c)
+    await h.settle()
+    assert h.worker.executed[-1].params.edit == "inpainting"
+    ((img, mask),) = [x for x in h.worker.inputs[-1] if x is not None]
+    assert mask is not None and int(img[0, 0, 0]) == 30 and int(mask[0, 0, 0]) == 255
+    h.engine.cancel(inpaint.id)
+    assert c.buffer.fd == -1

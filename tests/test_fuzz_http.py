@@ -17,6 +17,7 @@ bare ``http.client`` over the socket, which sends header values and paths as giv
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import math
@@ -53,6 +54,7 @@ max_steps = 8
 max_frames = 8
 """
 LIMITS = {"max_size": 128, "max_n": 4, "max_steps": 8, "max_frames": 8}
+SYNC_PATHS = ("/v1/images/generations", "/v1/images/edits")
 MODELS = ("fz", "fv", "tiny")
 # 150 examples per test in the suite; FUZZ_EXAMPLES=5000 for a longer hunt
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None,
@@ -103,7 +105,7 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
         assert isinstance(err, dict) and isinstance(err.get("code"), str) and err["code"], where
         assert isinstance(err.get("message"), str) and err["message"], where
     if status == 504:  # a valid synchronous request with a deadline shorter than its job
-        assert path == "/v1/images/generations" and body["error"]["code"] == "deadline_exceeded", where
+        assert path in SYNC_PATHS and body["error"]["code"] == "deadline_exceeded", where
     else:
         assert status < 500, where
         assert 200 <= status < 300 or status in (400, 404, 405, 409, 413, 429), where
@@ -114,7 +116,10 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
 def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("fuzz")
     (tmp / "diffusiond.toml").write_text(CONFIG)
-    args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4"]
+    (tmp / "inputs").mkdir()
+    (tmp / "inputs" / "in.png").write_bytes(PNG_64)  # for image_path; nothing else is readable
+    args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",
+            "--input-dir", str(tmp / "inputs")]
     with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
         yield d
 
@@ -165,10 +170,29 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
     st.text(max_size=8), inner, max_size=4), max_leaves=8)
 
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
-              "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler"]
+              "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler",
+              "image", "image_path", "mask", "mask_path", "strength"]
+EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
+               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
+               "background", "input_fidelity", "user"]
 IMAGE_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                 "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "quality", "style",
                 "user", "background", "moderation", "output_compression", "stream", "partial_images"]
+
+
+def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, (40, 120, 200, 0)[: len(mode)] if mode != "L" else 255).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG_64, PNG_72, MASK_64, MASK_72 = _png((64, 64)), _png((72, 64)), _png((64, 64), "RGBA"), _png((72, 72), "RGBA")
+IMAGE_BYTES = [PNG_64, PNG_72, MASK_64, MASK_72, b"", b"\x89PNG\r\n\x1a\n", PNG_64[:40], b"GIF89a", b"\0" * 64,
+               _png((4000, 10), "L"), _png((60, 60))]
 # plausible values per field, so that many bodies get past decoding into the range checks
 PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "prompt": st.text(max_size=30) | st.sampled_from(["a fox", " ", "x" * 10_001]),
@@ -189,6 +213,12 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "timeout_s": st.sampled_from([0, 0.0001, 0.001, 0.01, 5.0, -1.0, 1e9, math.nan]),
     "scheduler": st.sampled_from(["euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match", "bogus", ""]),
     "response_format": st.sampled_from(["b64_json", "url", "file", ""]),
+    "image": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode())
+    | st.sampled_from(["", "%%%", "data:image/png;base64," + base64.b64encode(PNG_64).decode(), "AAAA"]),
+    "mask": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode()),
+    "image_path": st.sampled_from(["in.png", "../in.png", "/etc/passwd", "", ".", "/dev/zero", "in.png\x00"]),
+    "mask_path": st.sampled_from(["in.png", "/etc/shadow", "..", "x/../../y"]),
+    "strength": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, 0.5, math.nan, 1e-9]),
 }
 
 
@@ -269,12 +299,60 @@ def test_fuzz_images_bodies(sock: Path, body: Any) -> None:
 
 @FUZZ
 @given(data=st.binary(max_size=300) | st.text(max_size=100).map(str.encode),
-       path=st.sampled_from(["/v1/jobs", "/v1/images/generations"]), content_type=content_types)
+       path=st.sampled_from(["/v1/jobs", "/v1/images/generations", "/v1/images/edits"]), content_type=content_types)
 def test_fuzz_garbage_bodies(sock: Path, data: bytes, path: str, content_type: str) -> None:
     status, headers, raw = call(sock, "POST", path, data, {"Content-Type": content_type})
     answer = check_answer("POST", path, status, headers, raw, data)
     event(f"HTTP {status}")
     cancel_if_accepted(sock, status, answer)
+
+
+@st.composite
+def edit_forms(draw: st.DrawFn) -> tuple[bytes, str, Any]:
+    """A multipart body for /v1/images/edits: text fields from the real names with plausible or
+    wild values (as text, as a form sends them), image and mask parts that are images, images of
+    the wrong size, or junk; now and then a part without a name, a broken boundary or a cut body."""
+    boundary = draw(st.sampled_from(["b0und", "x" * 70, "--", "a b"]))
+    parts: list[bytes] = []
+    fields: dict[str, Any] = {}
+    base = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_steps": "4", "strength": "0.5"}
+    names = draw(st.lists(st.sampled_from(EDIT_FIELDS), unique=True, max_size=3))
+    if draw(st.booleans()):
+        fields.update(base)
+    for name in names:
+        plausible = PLAUSIBLE.get(name)
+        fields[name] = draw(plausible if plausible is not None and draw(st.booleans()) else values)
+    for name, value in fields.items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        parts.append(f'Content-Disposition: form-data; name="{name}"\r\n\r\n{text}'.encode(errors="replace"))
+    files = draw(st.lists(st.sampled_from(["image", "image[]", "mask", "other", ""]), max_size=3))
+    if "prompt" in fields and draw(st.booleans()):  # a valid start: an image that fits
+        parts.append(b'Content-Disposition: form-data; name="image"; filename="f.png"\r\n\r\n' + PNG_64)
+    for name in files:
+        data = draw(st.sampled_from(IMAGE_BYTES))
+        parts.append(f'Content-Disposition: form-data; name="{name}"; filename="f.png"\r\n'
+                     f"Content-Type: image/png\r\n\r\n".encode() + data)
+    body = b"".join(b"--" + boundary.encode() + b"\r\n" + p + b"\r\n" for p in parts) + f"--{boundary}--\r\n".encode()
+    cut = draw(st.sampled_from([None, None, None, 0, 10, len(body) // 2, len(body) - 3]))
+    if cut is not None:
+        body = body[:cut]
+    ctype = draw(st.sampled_from([f"multipart/form-data; boundary={boundary}",
+                                  f'multipart/form-data; boundary="{boundary}"', "multipart/form-data",
+                                  "multipart/mixed; boundary=zz", "application/json"]))
+    return body, ctype, fields
+
+
+@FUZZ
+@given(form=edit_forms())
+def test_fuzz_edit_forms(sock: Path, form: tuple[bytes, str, Any]) -> None:
+    body, ctype, fields = form
+    status, headers, raw = call(sock, "POST", "/v1/images/edits", body, {"Content-Type": ctype})
+    answer = check_answer("POST", "/v1/images/edits", status, headers, raw, fields)
+    event(f"HTTP {status}")
+    if status == 200:
+        assert isinstance(answer["data"], list) and answer["data"], answer
+    elif status == 400:
+        assert answer["error"]["code"] in ("invalid_request", "invalid_image", "invalid_json"), answer
 
 
 SEGMENTS = ["v1", "jobs", "images", "generations", "models", "outputs", "events", "admin", "health", "metrics",
@@ -283,7 +361,7 @@ SEGMENTS = ["v1", "jobs", "images", "generations", "models", "outputs", "events"
 
 
 ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/outputs/{k}", "/v1/models",
-          "/v1/images/generations", "/v1/admin/{k}"]
+          "/v1/images/generations", "/v1/images/edits", "/v1/admin/{k}"]
 
 
 @st.composite

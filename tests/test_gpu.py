@@ -99,3 +99,43 @@ def test_gpu_arena_is_registered_and_copies_land_exactly() -> None:
     arena.release(slot.id)
     arena.close()
     assert not cuda_host.is_registered(arena.address)
+
+
+# --compile ------------------------------------------------------------------------------------
+# Compiled kernels fuse and reorder float operations, so a compiled model's output differs from the
+# eager one by rounding; in float32 that stays within this many uint8 levels per pixel (it is
+# exact run to run, and bit-identical when replayed from a CUDA graph).
+COMPILE_TOLERANCE_LEVELS = 2
+TINY = m.BatchParams(width=64, height=64, steps=4, guidance=5.0)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+async def test_gpu_compiled_output_matches_eager_within_tolerance(model_cache: object, mode: str) -> None:
+    async with Driver(config(device="cuda:0")) as eager:
+        want = await eager.run(TINY, [1, 2])
+    async with Driver(config(device="cuda:0", compile=mode, warmup=[m.WarmupShape(64, 64, 2)]),
+                      start_timeout=600) as compiled:
+        got = await compiled.run(TINY, [1, 2])
+        again = await compiled.run(TINY, [1, 2])
+    for w, g, a in zip(want, got, again, strict=True):
+        assert w.array is not None and g.array is not None and a.array is not None
+        diff = np.abs(w.array.astype(np.int16) - g.array.astype(np.int16))
+        assert diff.max() <= COMPILE_TOLERANCE_LEVELS, f"{mode}: max {diff.max()}, mean {diff.mean():.4f}"
+        assert np.array_equal(g.array, a.array)  # run to run, bit for bit
+        assert not g.compiling  # the warm-up compiled this shape before READY
+
+
+def test_gpu_cuda_graph_replays_are_bit_identical_and_compile_once(model_cache: object) -> None:
+    from diffusiond.pipelines import load_pipeline
+    from diffusiond.pipelines.compile import CompiledPipeline, compilations
+
+    pipe = CompiledPipeline(load_pipeline("tiny", device="cuda:0", dtype="float16"), "reduce-overhead")
+    reqs = [m.RequestSpec(request_id=str(i), prompt="a red fox", seed=i) for i in range(2)]
+    outs = []
+    with torch.inference_mode():
+        for k in range(5):
+            outs.append(torch.stack(pipe.run(TINY, reqs, lambda _s, _t: True)).cpu())
+            if k == 1:  # compiled on the first run, graphs recorded by the second
+                compiled = compilations()
+    assert compilations() == compiled  # runs 3-5 replay: nothing compiled again
+    assert all(torch.equal(outs[1], o) for o in outs[2:])

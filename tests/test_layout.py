@@ -75,6 +75,14 @@ RULES = [
                      "diffusiond.cli_generate")],
     ("diffusiond.zerocopy", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines"],
      "a local program maps outputs through ipc's frames and descriptors, never the engine's code"),
+    ("diffusiond.ray", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
+     "the Ray Serve adapter runs the daemon as a process and speaks HTTP to it, like any client"),
+    *[(package, ["diffusiond.ray"], "Ray is an optional extra on top of the daemon: nothing below it may need it")
+      for package in ("diffusiond.protocol", "diffusiond.ipc", "diffusiond.daemon", "diffusiond.worker",
+                      "diffusiond.pipelines", "diffusiond.client", "diffusiond.client_sync", "diffusiond.client_errors",
+                      "diffusiond.client_outputs", "diffusiond.client_http", "diffusiond.client_params",
+                      "diffusiond.zerocopy", "diffusiond.cli", "diffusiond.cli_generate", "diffusiond.cli_progress",
+                      "diffusiond.bench")],
 ]
 
 
@@ -128,5 +136,14 @@ def test_the_engine_process_never_loads_torch() -> None:
     costs) lives in the workers."""
     code = "import sys, diffusiond.daemon.server; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
            "('torch', 'diffusers', 'transformers')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_ray_loads_only_with_the_ray_adapter() -> None:
+    """``diffusiond[ray]`` is optional: the package, the client and the CLI load without it, and
+    ``import diffusiond.ray`` (what ``serve run`` does first) loads Ray only when ``build`` runs."""
+    code = "import sys, diffusiond, diffusiond.client, diffusiond.cli, diffusiond.ray; " \
+           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

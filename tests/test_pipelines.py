@@ -68,7 +68,8 @@ def test_tiny_is_built_once_as_safetensors_in_the_cache(tiny: DiffusersPipeline,
     assert tiny.device == torch.device("cpu")
     # Declared at construction: the tiny model's quick defaults over what the adapter infers.
     assert tiny.capabilities == Capabilities(
-        task="text-to-image", width=128, height=128, steps=4, guidance=5.0, flow_scheduler=False
+        task="text-to-image", width=128, height=128, steps=4, guidance=5.0, flow_scheduler=False,
+        edits=("image-to-image", "inpainting"),
     )
 
 
@@ -224,16 +225,24 @@ def test_folder_from_diffusers_save_pretrained_loads(tiny_components: dict[str, 
     pipe = load_pipeline(str(tmp_path / "mine"))
     assert pipe.name == "mine" and pipe.task is Task.TEXT_TO_IMAGE
     # Nothing overrides a plain folder's defaults: the native size (UNet sample 32 x VAE factor 2).
-    assert pipe.capabilities == Capabilities(task="text-to-image", width=64, height=64, flow_scheduler=False)
+    assert pipe.capabilities == Capabilities(task="text-to-image", width=64, height=64, flow_scheduler=False,
+                                             edits=("image-to-image", "inpainting"))
     assert run(pipe, [req(1)])[0].shape == (3, 64, 64)
+    # the edit pipelines come from from_pipe: the same modules, no second copy of any weight
+    shared = {id(m) for m in pipe.pipe.components.values() if isinstance(m, torch.nn.Module)}
+    for edit_pipe in pipe._edit_pipes.values():
+        modules = {id(m) for m in edit_pipe.components.values() if isinstance(m, torch.nn.Module)}
+        assert modules and modules <= shared, type(edit_pipe).__name__
 
 
-def test_img2img_folder_is_refused_by_class_name(tiny_components: dict[str, object], tmp_path: Path) -> None:
+def test_img2img_folder_serves_image_to_image_only(tiny_components: dict[str, object], tmp_path: Path) -> None:
     from diffusers import StableDiffusionImg2ImgPipeline
 
     StableDiffusionImg2ImgPipeline(**tiny_components).save_pretrained(str(tmp_path / "i2i"), safe_serialization=True)
-    with pytest.raises(PipelineError, match="StableDiffusionImg2ImgPipeline"):
-        load_pipeline(str(tmp_path / "i2i"))
+    pipe = load_pipeline(str(tmp_path / "i2i"))
+    assert pipe.capabilities.task == "image-to-image" and pipe.capabilities.edits == ("image-to-image",)
+    with pytest.raises(PipelineError, match="needs an input image"):
+        run(pipe, [req(1)])
 
 
 def test_task_for_class() -> None:
@@ -242,7 +251,9 @@ def test_task_for_class() -> None:
     assert task_for_class(diffusers.StableDiffusionPipeline) is Task.TEXT_TO_IMAGE
     assert task_for_class(diffusers.WanPipeline) is Task.TEXT_TO_VIDEO
     assert task_for_class(diffusers.AnimateDiffPipeline) is Task.TEXT_TO_VIDEO
-    for refused in ("StableDiffusionInpaintPipeline", "WanImageToVideoPipeline", "StableDiffusionControlNetPipeline"):
+    assert task_for_class(diffusers.StableDiffusionInpaintPipeline) is Task.INPAINTING
+    assert task_for_class(diffusers.StableDiffusionXLImg2ImgPipeline) is Task.IMAGE_TO_IMAGE
+    for refused in ("WanImageToVideoPipeline", "StableDiffusionControlNetPipeline", "StableDiffusionUpscalePipeline"):
         with pytest.raises(PipelineError, match=refused):
             task_for_class(getattr(diffusers, refused))
 

@@ -77,3 +77,34 @@ def test_scheduler_models_do_not_mix() -> None:
     s.admit(job(model="y"))
     assert len(s.next_batch("x", now=0)) == 1  # type: ignore[arg-type]
     assert len(s.next_batch("y", now=0)) == 1  # type: ignore[arg-type]
+
+
+def test_a_batch_takes_at_most_max_fds_edits_with_their_own_input_and_all_outputs_of_each() -> None:
+    """Each edit's input image reaches the worker as one fd of the batch's frame, and a frame
+    carries at most MAX_FDS: a batch takes outputs of at most that many edit jobs (however many
+    outputs each has), and the rest wait for the next batch."""
+    import numpy as np
+
+    from diffusiond.daemon.inputs import EditInput
+    from diffusiond.ipc.frames import MAX_FDS
+    from diffusiond.ipc.inputs import InputBuffer
+    from diffusiond.protocol import Task
+
+    s = Scheduler(queue_size=100, max_batch=64, batch_wait_s=0)
+    edits = []
+    for k in range(MAX_FDS + 3):
+        edit = EditInput(Task.IMAGE_TO_IMAGE, 0.5, InputBuffer(np.zeros((64, 64, 3), np.uint8)), 64, 64)
+        j = Job(JobRequest(model="m", prompt="p", n=2, width=64, height=64, steps=2, guidance=1.0,
+                           output_format="png", edit=edit))
+        j.items = [Item(j, i, seed=k * 10 + i) for i in range(2)]
+        s.admit(j)
+        edits.append(j)
+    try:
+        first, second = s.next_batch("m", now=1.0), s.next_batch("m", now=1.0)
+        assert isinstance(first, list) and isinstance(second, list)
+        assert [i.job for i in first] == [j for j in edits[:MAX_FDS] for _ in range(2)]
+        assert [i.job for i in second] == [j for j in edits[MAX_FDS:] for _ in range(2)]
+    finally:
+        for j in edits:
+            assert j.request.edit is not None
+            j.request.edit.close()

@@ -102,7 +102,10 @@ def test_sign_in_generate_on_tiny_watch_progress_then_gallery_download_and_reuse
     [cookie] = [c for c in context.cookies() if c["name"].startswith("diffusiond_token_")]
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert page.locator("#model option").all_inner_texts() == ["tiny (text-to-image)", "hold (text-to-image)"]
-    assert page.is_hidden("#loras") and page.is_hidden("#input-image")  # not in this daemon, nor for tiny
+    assert page.is_hidden("#loras")  # this daemon has none
+    assert page.is_visible("#input-image")  # tiny edits images (image-to-image, inpainting)
+    page.select_option("#model", "hold")
+    assert page.is_hidden("#input-image")  # a synthetic model does not
 
     page.click("#dice")
     assert page.input_value("#seed").isdigit()

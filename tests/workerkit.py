@@ -22,6 +22,7 @@ class Result:
     desc: m.TensorDesc | None = None  # type: ignore[name-defined]
     ended: m.RequestEnded | None = None
     progress: list[int] = field(default_factory=list)
+    compiling: bool = False  # the worker said it compiles this request's batch shape
 
 
 class Driver:
@@ -29,8 +30,9 @@ class Driver:
 
     _ids = itertools.count()
 
-    def __init__(self, config: m.WorkerConfig, *, release: bool = True) -> None:
+    def __init__(self, config: m.WorkerConfig, *, release: bool = True, start_timeout: float = 120) -> None:
         self.release = release
+        self.start_timeout = start_timeout
         self.results: dict[str, Result] = {}
         self.batch_of: dict[str, int] = {}
         self.compute_done: list[int] = []
@@ -39,7 +41,7 @@ class Driver:
         self.handle = WorkerHandle(config, on_frame=self._on_frame, on_lost=self._on_lost)
 
     async def __aenter__(self) -> Driver:
-        await self.handle.start(timeout=120)
+        await self.handle.start(timeout=self.start_timeout)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -66,6 +68,7 @@ class Driver:
             for rid, b in self.batch_of.items():
                 if b == msg.batch_id:
                     self.results[rid].progress.append(msg.step)
+                    self.results[rid].compiling |= msg.compiling
         self._changed.set()
 
     def submit(self, params: m.BatchParams, seeds: list[int], prompt: str = "a red fox") -> tuple[int, list[str]]:

@@ -20,7 +20,10 @@ PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detail
 
 
 class Limit:
-    def __init__(self, s: Setup) -> None:
+    """``limit`` (the eager pipeline) or, with ``compiled``, ``limit-compiled`` (the pipeline as
+    ``--compile`` runs it: the ceiling a compiled daemon is measured against)."""
+
+    def __init__(self, s: Setup, compiled: bool = False) -> None:
         import torch
 
         from diffusiond.ipc.messages import BatchParams, RequestSpec
@@ -28,12 +31,20 @@ class Limit:
 
         self.setup = s
         self.cuda = s.device.startswith("cuda")
+        self.mode = "limit-compiled" if compiled else "limit"
         self.pipe = load_pipeline(s.model, device=s.device, dtype=s.dtype)
+        if compiled:
+            from diffusiond.pipelines.compile import CompiledPipeline
+
+            self.pipe = CompiledPipeline(self.pipe, s.compile or "default")
         self.params = BatchParams(width=s.width, height=s.height, steps=s.steps, guidance=s.guidance,
                                   num_frames=s.frames, output_dtype=s.output_dtype)
         self.reqs = [RequestSpec(request_id=str(i), prompt=PROMPT, seed=i) for i in range(s.batch)]
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            self._forward()  # first call: kernels chosen, allocator grown
+            for _ in range(3 if compiled else 1):  # first calls: compiled, CUDA graphs recorded, allocator grown
+                self._forward()
+        self.warmup_s = time.perf_counter() - t0
 
     def _forward(self) -> Any:
         return self.pipe.run(self.params, self.reqs, lambda step, total: True)
@@ -76,8 +87,11 @@ class Limit:
             trace = asdict(summary) if summary else None
         n = batches * s.batch
         per_batch = elapsed / batches * 1000
-        return ModeResult("limit", n, elapsed, n / elapsed, None, None, {"compute": per_batch},
-                          note="forward only, outputs left on the device", trace=trace, round=round_)
+        note = "forward only, outputs left on the device"
+        if self.mode == "limit-compiled":
+            note += f"; compiled ({s.compile or 'default'}), first calls took {self.warmup_s:.0f} s"
+        return ModeResult(self.mode, n, elapsed, n / elapsed, None, None, {"compute": per_batch},
+                          note=note, trace=trace, round=round_)
 
     def close(self) -> None:
         import torch

@@ -37,6 +37,9 @@ class Setup:
     rounds: int = 1
     trace: bool = False
     persist: bool = True  # the daemons keep jobs in a state dir (their own, temporary), as serve does
+    compile: str = ""  # torch.compile mode of the daemons and of limit-compiled; "" for eager
+    slo_scale: float = 3.0  # a request meets its SLO under slo_scale x the single-request latency
+    sweep: tuple[int, ...] = ()  # client concurrencies to run the daemon modes at, besides --concurrency
 
 
 @dataclass
@@ -56,6 +59,8 @@ class ModeResult:
     batch_sizes: list[int] = field(default_factory=list)  # outputs per forward holding measured requests
     round: int = 0
     ratio_to_limit: float | None = None  # against the limit runs around this one
+    concurrency: int | None = None  # clients, for daemon runs
+    slo_attainment: float | None = None  # share of measured requests within the SLO (daemon runs)
 
 
 def compare(runs: list[ModeResult]) -> None:
@@ -98,6 +103,7 @@ def per_mode(runs: list[ModeResult], batch: int) -> list[dict[str, Any]]:
             "ratio_to_limit": 1.0 if mode == "limit" else _median([r.ratio_to_limit for r in mine]),
             "wall_throughput": _median([r.wall_throughput for r in mine]),
             "p50_ms": _median([r.p50_ms for r in mine]), "p99_ms": _median([r.p99_ms for r in mine]),
+            "slo_attainment": _median([r.slo_attainment for r in mine]),
             "stages_ms": {k: statistics.fmean(v) for k, v in stages.items()}, "note": note,
         })  # fmt: skip
     return rows
@@ -135,20 +141,24 @@ def table(report: dict[str, Any]) -> str:
         + (f", {s['frames']} frames" if s["frames"] else "") + f", {rounds} round{'s' * (rounds != 1)}",
         f"machine: {report['machine']}; {report['date']}",
         "",
-        "| mode | req/s | x limit | wall req/s | p50 ms | p99 ms | queued ms | compute ms | copy ms | encode ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | req/s | x limit | wall req/s | p50 ms | p99 ms | SLO % | queued ms | compute ms | copy ms "
+        "| encode ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["modes"]:
         st = r["stages_ms"]
         lines.append(
             f"| {r['mode']} | {r['throughput']:.2f} | {_r(r['ratio_to_limit'])} | {_g(r.get('wall_throughput'))} | "
-            f"{_f(r['p50_ms'])} | {_f(r['p99_ms'])} | "
+            f"{_f(r['p50_ms'])} | {_f(r['p99_ms'])} | {_f(r.get('slo_attainment'), 100)} | "
             f"{_f(st.get('queued'))} | {_f(st.get('compute'))} | {_f(st.get('copy'))} | {_f(st.get('encode'))} |"
         )
     legend = ["", "req/s: steady state, from the end of the first batch of measured requests to the end of the "
               "last (what x limit compares; the limit times forwards back to back); wall req/s: measured "
               "requests over the whole measured phase, the pipeline's fill and drain included. x limit: each "
-              "run against the mean of the limit runs just before and after it; per mode, medians over its runs."]
+              "run against the mean of the limit runs just before and after it; per mode, medians over its runs. "
+              f"SLO %: measured requests whose latency was under {s.get('slo_scale', 3.0):g} x the single-request "
+              "latency measured before the rounds (--slo-scale); MODE@cN: the daemon at N concurrent clients "
+              "(--sweep)."]
     notes = [f"{r['mode']}: {r['note']}" for r in report["modes"] if r["note"]]
     return "\n".join(lines + legend + (["", *notes] if notes else []) + runs_table(report) + trace_table(report))
 

@@ -32,13 +32,15 @@ from diffusiond.bench.load import BenchError, LoadResult, drive_daemon, drive_na
 from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
 from diffusiond.cli_generate import parse_size, positive_int
-from diffusiond.protocol import FORMATS, OUTPUT_DTYPES
+from diffusiond.protocol import COMPILE_MODES, FORMATS, OUTPUT_DTYPES
 
 # Nothing here at module level may load torch or numpy: ``diffusiond --help`` builds this parser,
 # and every client command builds the whole parser. The pipeline's modules are imported where a
 # run needs them.
 
-MODES = ("limit", "async", "sync", "naive")
+MODES = ("limit", "limit-compiled", "async", "sync", "naive")
+DEFAULT_MODES = "limit,async,sync,naive"
+COMPILED_MODES = "limit,limit-compiled,async"  # the default with --compile
 DAEMON_MODES = ("async", "sync")
 
 
@@ -63,8 +65,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--format", default="png", choices=tuple(FORMATS))
     p.add_argument("--frames", type=positive_int, default=None, help="frames per output (video models)")
     p.add_argument("--output-dtype", default="uint8", choices=OUTPUT_DTYPES)
-    p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated subset of {','.join(MODES)} (default: all)")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated subset of {','.join(MODES)} (default: {DEFAULT_MODES}; "
+                        f"with --compile: {COMPILED_MODES})")
+    p.add_argument("--compile", nargs="?", const="default", default="", choices=COMPILE_MODES, metavar="MODE",
+                   help="run the daemons with --compile MODE (and --warmup of the measured shapes), and "
+                        "limit-compiled with the same mode; x limit stays against the eager limit")
+    p.add_argument("--slo-scale", type=positive_float, default=3.0,
+                   help="a request meets its SLO when its latency is under this x the single-request latency "
+                        "measured before the rounds (default: 3)")
+    p.add_argument("--sweep", type=concurrencies, default=(), metavar="N,N,...",
+                   help="also run the daemon modes at each of these client concurrencies, e.g. 1,2,4,8,16")
     p.add_argument("--arena-mb", type=positive_int, default=None, help="default: room for 4 batches of outputs")
     p.add_argument("--batch-wait-ms", type=non_negative_float, default=0.0,
                    help="how long the daemon waits to fill a batch (serve --batch-wait-ms)")
@@ -78,6 +89,23 @@ def add_parser(sub: Any) -> None:
                         "state dir, as a served daemon has its own")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=None)
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be positive, got 0")
+    return value
+
+
+def concurrencies(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected client counts of at least 1, got {text!r}")
+    return values
 
 
 def non_negative_float(text: str) -> float:
@@ -106,13 +134,14 @@ def _setup(args: argparse.Namespace) -> Setup:
                  batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,
                  format=args.format, frames=args.frames, output_dtype=args.output_dtype, guidance=args.guidance,
                  arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, rounds=args.rounds, trace=args.trace,
-                 persist=args.persist)
+                 persist=args.persist, compile=args.compile, slo_scale=args.slo_scale, sweep=args.sweep)
 
 
 def run(args: argparse.Namespace) -> int:
     from diffusiond.pipelines.base import PipelineError
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    chosen = args.modes or (COMPILED_MODES if args.compile else DEFAULT_MODES)
+    modes = [m.strip() for m in chosen.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         print(f"diffusiond bench: error: unknown mode(s) {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
@@ -142,25 +171,32 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
         print(f"bench: {what} ...", file=sys.stderr, flush=True)
 
     with contextlib.ExitStack() as stack:
-        limit = None
-        if "limit" in modes:
-            log("loading the limit's pipeline")
-            limit = Limit(s)
-            stack.callback(limit.close)
+        limits: list[Limit] = []
+        for mode in ("limit", "limit-compiled"):
+            if mode in modes:
+                log(f"loading the {mode} pipeline")
+                limits.append(Limit(s, compiled=mode == "limit-compiled"))
+                stack.callback(limits[-1].close)
         socks = stack.enter_context(_daemons(s, daemon_modes)) if daemon_modes else {}
+        slo_ms: dict[str, float] = {}
         for mode in daemon_modes:  # round 1 is not a fresh worker's first run (once the slowest one)
             log(f"warming up {mode}")
             asyncio.run(drive_daemon(socks[mode], replace(s, requests=2 * s.batch, trace=False), PROMPT))
+            alone = asyncio.run(drive_daemon(socks[mode], replace(s, requests=4, concurrency=1, trace=False), PROMPT))
+            slo_ms[mode] = s.slo_scale * sorted(alone.latencies_ms)[len(alone.latencies_ms) // 2]
         for k in range(s.rounds):
-            if limit:
-                log(f"round {k + 1}/{s.rounds}: limit")
+            for limit in limits:
+                log(f"round {k + 1}/{s.rounds}: {limit.mode}")
                 runs.append(limit.measure(k))
             for mode in daemon_modes if k % 2 == 0 else daemon_modes[::-1]:
-                log(f"round {k + 1}/{s.rounds}: {mode}")
-                runs.append(_result(mode, asyncio.run(drive_daemon(socks[mode], s, PROMPT)), k))
-        if limit and len(modes) > 1:
+                for c in (s.concurrency, *(c for c in s.sweep if c != s.concurrency)):
+                    name = mode if c == s.concurrency else f"{mode}@c{c}"
+                    log(f"round {k + 1}/{s.rounds}: {name}")
+                    load = asyncio.run(drive_daemon(socks[mode], replace(s, concurrency=c), PROMPT))
+                    runs.append(_result(name, load, k, slo_ms=slo_ms[mode], concurrency=c))
+        if limits and len(modes) > 1:
             log("limit, closing the sequence")
-            runs.append(limit.measure(s.rounds - 1))
+            runs.append(limits[0].measure(s.rounds - 1))
     if "naive" in modes:
         log("naive")
         runs.append(run_naive(s))
@@ -228,6 +264,8 @@ def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
                 argv.append("--trace")
             # each daemon its own state dir: two daemons on one refuse to start
             argv += ["--state-dir", str(Path(tmp) / f"{mode}.state")] if s.persist else ["--no-persist"]
+            if s.compile:  # the measured shape compiled before ready, as a deployment would
+                argv += ["--compile", s.compile, "--warmup", f"{s.width}x{s.height}:{s.batch}"]
             started.append((stack.enter_context(_process(argv, log)), sock, log))
         for proc, sock, log in started:
             _wait_ready(proc, sock, log, "diffusiond serve")
@@ -245,7 +283,8 @@ def run_naive(s: Setup) -> ModeResult:
     return _result("naive", res, s.rounds - 1, note="hand-written baseline: pipeline under a lock, PIL, PNG inline")
 
 
-def _result(mode: str, r: LoadResult, round_: int, note: str = "") -> ModeResult:
+def _result(mode: str, r: LoadResult, round_: int, note: str = "", slo_ms: float | None = None,
+            concurrency: int | None = None) -> ModeResult:
     lat = sorted(r.latencies_ms)
 
     def pct(p: float) -> float:
@@ -258,5 +297,6 @@ def _result(mode: str, r: LoadResult, round_: int, note: str = "") -> ModeResult
         w = r.trace[0]
         summary = summarize(w["events"], w["gpu_events"], since_ns=r.since_ns)
         trace = asdict(summary) if summary else None
+    slo = None if slo_ms is None else sum(v <= slo_ms for v in lat) / len(lat)
     return ModeResult(mode, len(lat), r.seconds, r.steady_throughput() or wall, pct(50), pct(99), stages, note,
-                      trace, wall, r.batch_sizes(), round_)
+                      trace, wall, r.batch_sizes(), round_, concurrency=concurrency, slo_attainment=slo)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hmac
 import json
 import logging
@@ -23,14 +24,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+import aiohttp
+import msgspec
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from diffusiond.daemon import errors, views
+from diffusiond.daemon import errors, inputs, requests, views
 from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.errors import EngineError
+from diffusiond.daemon.inputs import EditInput
 from diffusiond.daemon.jobs import Job
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from diffusiond.daemon.requests import parse_images, parse_job
+from diffusiond.daemon.requests import parse_images
 from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, ErrorCode, Event, JobStatus, ModelState
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,7 @@ STREAM_CHUNK = 4 << 20
 STATUS_OF_ERROR: dict[type[EngineError], int] = {
     errors.InvalidRequest: 400,
     errors.OutputTooLarge: 413,
+    errors.UploadTooLarge: 413,
     errors.NotFound: 404,
     errors.Conflict: 409,
     errors.OutputReleased: 410,
@@ -145,14 +151,64 @@ def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any
 # jobs -----------------------------------------------------------------------------------------
 async def create_job(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    body = await request.read()
+    limits = engine.config.limits
+    # a job may carry base64 images: its body may then be as large as an upload, and only then
+    body = await read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
+    b = requests.decode(body, requests.JobBody)
+    if len(body) > limits.max_body_bytes and b.image is None and b.mask is None:
+        raise _too_large(len(body), limits.max_body_bytes)
     await engine.described()  # a request that comes while models load is completed with their own defaults
-    job = await engine.accept(parse_job(body, engine.config.limits, engine.model))
+    model = engine.model(b.model)
+    fields = msgspec.structs.asdict(b)
+    edit = await decode_edit(engine, fields, model)
+    try:
+        req = requests.check(fields, limits, model, edit=edit)
+    except BaseException:
+        if edit is not None:
+            edit.close()
+        raise
+    job = await engine.accept(req)
     return web.json_response(views.job(job), status=202, headers={"Location": views.job_url(job.id)})
 
 
 HISTORY_LIMIT = 100
 HISTORY_MAX_LIMIT = 1000
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it passes ``limit`` bytes (never buffered past it)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(request.content_length, limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> HttpError:
+    return HttpError(413, ErrorCode.REQUEST_TOO_LARGE,
+                     f"request body is too large: {size} bytes or more, the limit is {limit} (limits.max_upload_bytes "
+                     "for requests with images, limits.max_body_bytes for the others)")
+
+
+async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, image_field: str = "image",
+                      mask_field: str = "mask", size_field: str | None = None) -> EditInput | None:
+    """An edit's input, decoded and checked in the encode pool (never on the loop); None if
+    the request is not an edit."""
+    plan = requests.plan_edit(fields, model, engine.config.limits, image_field=image_field, mask_field=mask_field,
+                              size_field=size_field)
+    if plan is None:
+        return None
+    image, mask, task, strength = plan
+    cfg = engine.config
+    work = functools.partial(inputs.decode_edit, image, mask, task=task, strength=strength,
+                             width=fields.get("width"), height=fields.get("height"), limits=cfg.limits,
+                             input_dir=cfg.input_dir)
+    return await asyncio.get_running_loop().run_in_executor(engine.executor, work)
 
 
 async def list_jobs(request: web.Request) -> web.Response:
@@ -260,23 +316,119 @@ async def images_generations(request: web.Request) -> web.Response:
     await engine.described()
     req, response_format = parse_images(body, engine.config.limits, engine.model)
     job = await engine.accept(req, sync=True)
+    data = await _finish_sync([job], engine, response_format)
+    return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
+
+
+async def _finish_sync(jobs: list[Job], engine: Engine, response_format: str) -> list[dict[str, Any]]:
+    """Wait for synchronous jobs and draw OpenAI's ``data`` list, in order; a client that goes
+    away cancels them (nobody will read the result), a failure of any is the answer."""
     try:
-        await job.finished.wait()
-    except asyncio.CancelledError:  # the client went away: nobody will read the result
-        if not job.terminal:
-            engine.cancel(job.id)
+        for job in jobs:
+            await job.finished.wait()
+    except asyncio.CancelledError:
+        for job in jobs:
+            if not job.terminal:
+                engine.cancel(job.id)
         raise
-    if job.status != JobStatus.SUCCEEDED:
-        err = job.error or {}
+    failed = next((j for j in jobs if j.status != JobStatus.SUCCEEDED), None)
+    if failed is not None:
+        for job in jobs:  # the answer is the failure: the others' outputs will not be fetched
+            if job.status == JobStatus.SUCCEEDED:
+                engine.outputs.expire(job)
+        err = failed.error or {}
         code = ErrorCode(err.get("code", ErrorCode.GENERATION_FAILED))
         raise HttpError(STATUS_OF_FAILURE.get(code, 500), code, err.get("message", "the job failed"),
                         stage=err.get("stage"))
-    if response_format == "url":
-        data = [{"revised_prompt": None, "seed": i.seed, "url": views.output_url(job.id, i.index)} for i in job.items]
-    else:  # delivered whole: the synchronous caller will not come back, so nothing is kept
-        data = [{"revised_prompt": None, "seed": i.seed, "b64_json": base64.b64encode(b).decode()}
-                for i, b in zip(job.items, await engine.output_bytes(job), strict=True)]
-    return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
+    data: list[dict[str, Any]] = []
+    for job in jobs:
+        if response_format == "url":
+            data += [{"revised_prompt": None, "seed": i.seed, "url": views.output_url(job.id, i.index)}
+                     for i in job.items]
+        else:  # delivered whole: the synchronous caller will not come back, so nothing is kept
+            data += [{"revised_prompt": None, "seed": i.seed, "b64_json": base64.b64encode(b).decode()}
+                     for i, b in zip(job.items, await engine.output_bytes(job), strict=True)]
+    return data
+
+
+async def images_edits(request: web.Request) -> web.Response:
+    """OpenAI's edits endpoint: a multipart form with ``image`` (or several ``image[]``), an
+    optional ``mask`` (for the first image, as OpenAI's) and text fields. Each image is one job
+    (``n`` outputs each), run side by side; the answer lists their outputs in the order of the images."""
+    engine = request.app[ENGINE]
+    text, images, mask = await read_edit_form(request, engine.config.limits.max_upload_bytes)
+    await engine.described()
+    fields = requests.edits_form(text)
+    model = engine.model(fields.get("model"))
+    if not images:
+        raise errors.invalid("send the image to edit as the multipart file field 'image'", field="image")
+    edits: list[EditInput] = []
+    jobs: list[Job] = []
+    try:
+        for k, (name, data) in enumerate(images):  # as OpenAI's: the mask applies to the first image
+            edit = await decode_edit(engine, {**fields, "image_bytes": data, "mask_bytes": mask if k == 0 else None},
+                                     model,
+                                     image_field=name, size_field="size")
+            assert edit is not None
+            edits.append(edit)
+        for edit in edits:
+            jobs.append(await engine.accept(requests.check(fields, engine.config.limits, model, size_field="size",
+                                                           edit=edit), sync=True))
+    except BaseException:
+        for edit in edits:
+            edit.close()  # those already submitted are closed by their jobs too; closing twice is harmless
+        for job in jobs:
+            if not job.terminal:
+                engine.cancel(job.id)
+        raise
+    out = await _finish_sync(jobs, engine, fields["response_format"])
+    return web.json_response({"created": int(jobs[0].created), "data": out, "job_id": jobs[0].id,
+                              "job_ids": [j.id for j in jobs]})
+
+
+async def read_edit_form(
+    request: web.Request, limit: int
+) -> tuple[dict[str, str], list[tuple[str, bytes]], bytes | None]:
+    """The text fields, the images (field name, bytes) and the mask of a multipart edit, read
+    part by part with the whole body held to ``limit`` bytes; a malformed body is a 400."""
+    if not request.content_type.startswith("multipart/"):
+        raise errors.invalid(f"/v1/images/edits takes multipart/form-data (as OpenAI's does), got "
+                             f"{request.content_type or 'no content type'!r}")
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(request.content_length, limit)
+    text: dict[str, str] = {}
+    images: list[tuple[str, bytes]] = []
+    mask: bytes | None = None
+    size = 0
+    try:
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise errors.invalid("nested multipart bodies are not accepted")
+            name = part.name or ""
+            chunks: list[bytes] = []
+            while piece := await part.read_chunk(1 << 16):
+                size += len(piece)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(piece)
+            data = b"".join(chunks)
+            if name in ("image", "image[]"):
+                images.append((name, data))
+            elif name == "mask":
+                if mask is not None:
+                    raise errors.invalid("send one mask", field="mask")
+                mask = data
+            elif part.filename is not None:
+                raise errors.invalid(f"unexpected file field {name!r}; files go in 'image' and 'mask'", field=name)
+            else:
+                try:
+                    text[name] = data.decode()
+                except UnicodeDecodeError:
+                    raise errors.invalid(f"field {name!r} is not UTF-8 text", field=name) from None
+    except (ValueError, AssertionError, RuntimeError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:
+        raise errors.invalid(f"the multipart body is malformed: {exc}") from None
+    return text, images, mask
 
 
 # service --------------------------------------------------------------------------------------
@@ -347,6 +499,7 @@ async def admin_web(request: web.Request) -> web.Response:
 def add_api_routes(app: web.Application) -> None:
     """The API's routes, the same on every listener (the Unix socket, --tcp, the web page's /v1)."""
     app.router.add_post("/v1/images/generations", images_generations)
+    app.router.add_post("/v1/images/edits", images_edits)
     app.router.add_post("/v1/jobs", create_job)
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job_id}", get_job)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
-from diffusiond.protocol import DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
+from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 
@@ -47,6 +47,30 @@ class ModelConfig:
     devices: tuple[str, ...] = ("cpu",)  # one worker per entry
     dtype: str = "float32"
     options: dict[str, str] = field(default_factory=dict)
+    compile: str = ""  # a torch.compile mode (protocol.COMPILE_MODES), "" for eager
+    warmup: tuple[tuple[int, int, int], ...] = ()  # (width, height, batch) run before the worker is ready
+
+
+def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``512x512:1,1024x1024:4`` (WxH or WxH:BATCH, batch 1 when left out) -> shapes to warm up."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        size, _, batch = part.partition(":")
+        w, x, h = size.partition("x")
+        if not (x and w.isdigit() and h.isdigit() and (batch.isdigit() or not batch)):
+            raise ConfigError(f"warmup {part!r} is not WxH or WxH:BATCH (e.g. --warmup 512x512:1,512x512:8)")
+        shape = (int(w), int(h), int(batch or 1))
+        if min(shape) < 1:
+            raise ConfigError(f"warmup {part!r}: width, height and batch must be at least 1")
+        shapes.append(shape)
+    return tuple(shapes)
+
+
+def compile_cache_dir() -> Path:
+    """Where workers keep compiled kernels (inductor, Triton), so a restarted daemon is warm:
+    ``compile-cache`` in the daemon's state directory ($XDG_STATE_HOME/diffusiond)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "diffusiond" / "compile-cache"
 
 
 @dataclass(frozen=True)
@@ -62,6 +86,10 @@ class Limits:
     # Bytes one job may ask to produce (n x frames x width x height x 3 x dtype size): beyond it,
     # 413 at admission rather than a failure in the worker's allocator.
     max_output_bytes: int = 16 << 30
+    # Edits: the bytes of one request that carries images (a multipart upload, or a JSON body with
+    # base64 images), and the pixels of one decoded input image (a small file can decode huge).
+    max_upload_bytes: int = 32 << 20
+    max_input_pixels: int = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,8 @@ class DaemonConfig:
     @property
     def state_path(self) -> str:
         return self.state_dir or default_state_dir()
+    # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
+    input_dir: str | None = None
 
     @property
     def socket_path(self) -> str:
@@ -125,6 +155,12 @@ class DaemonConfig:
                 raise ConfigError(f"model {m.name!r}: dtype {m.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
             if not m.devices:
                 raise ConfigError(f"model {m.name!r} has no device")
+            if m.compile and m.compile not in COMPILE_MODES:
+                raise ConfigError(f"model {m.name!r}: compile {m.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+            for w, h, batch in m.warmup:
+                if batch > self.max_batch:
+                    raise ConfigError(f"model {m.name!r}: warmup {w}x{h}:{batch} is a batch larger than "
+                                      f"max_batch {self.max_batch}; no request would run that shape")
         if self.output_mode not in OUTPUT_MODES:
             raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
         for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
@@ -146,6 +182,10 @@ class DaemonConfig:
             raise ConfigError(f"state_sync {self.state_sync!r} is not one of {', '.join(STATE_SYNC)}")
         if self.retention_check_s <= 0:
             raise ConfigError(f"retention_check_s must be positive, got {self.retention_check_s}")
+        if self.limits.max_upload_bytes < 1 or self.limits.max_input_pixels < 1:
+            raise ConfigError("limits.max_upload_bytes and limits.max_input_pixels must be at least 1")
+        if self.input_dir is not None and not Path(self.input_dir).is_dir():
+            raise ConfigError(f"input_dir {self.input_dir!r} is not a folder")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
         if self.tcp and ":" not in self.tcp:
@@ -211,20 +251,23 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     flags ``--model``/``--device``/``--workers``/``--dtype`` replace the file's list when given.
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
-    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype"}
+    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     device = str(values.pop("device", "cpu"))
     workers = int(values.pop("workers", 1))
     dtype = str(values.pop("dtype", "float32"))
+    compile_mode = _compile_mode(values.pop("compile", ""))
+    warmup = _warmup(values.pop("warmup", ""))
     model_args = values.pop("model", None)
     tables = values.pop("models", None)
     models: list[ModelConfig] = []
     if model_args:
         for arg in model_args if isinstance(model_args, list) else [model_args]:
             name, spec = parse_model_arg(str(arg))
-            models.append(ModelConfig(name=name, spec=spec, devices=parse_devices(device, workers), dtype=dtype))
+            models.append(ModelConfig(name=name, spec=spec, devices=parse_devices(device, workers), dtype=dtype,
+                                      compile=compile_mode, warmup=warmup))
     elif tables:
         for t in tables:
             if "spec" not in t:
@@ -236,10 +279,13 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                     devices=parse_devices(str(t.get("device", device)), int(t.get("workers", workers))),
                     dtype=str(t.get("dtype", dtype)),
                     options={str(k): str(v) for k, v in dict(t.get("options", {})).items()},
+                    compile=_compile_mode(t.get("compile", compile_mode)),
+                    warmup=_warmup(t["warmup"]) if "warmup" in t else warmup,
                 )
             )
     else:
-        models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype))
+        models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype,
+                                  compile=compile_mode, warmup=warmup))
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("allow_uid", "restart_backoff_s"):
@@ -254,3 +300,19 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         return DaemonConfig(models=tuple(models), **values).validate()
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _compile_mode(value: Any) -> str:
+    """TOML ``compile = true`` means inductor's default mode, ``false`` eager; a string names a mode."""
+    if value is True:
+        return "default"
+    if value is False or value is None:
+        return ""
+    return str(value)
+
+
+def _warmup(value: Any) -> tuple[tuple[int, int, int], ...]:
+    """A string (``"512x512:1,512x512:8"``, as on the command line) or a TOML list of them."""
+    if isinstance(value, list | tuple):
+        return tuple(shape for v in value for shape in parse_warmup(str(v)))
+    return parse_warmup(str(value))

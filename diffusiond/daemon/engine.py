@@ -17,6 +17,7 @@ import collections
 import contextlib
 import functools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -69,6 +70,7 @@ class Batch:
     computing: bool = False
     compute_done: bool = False
     done_at: float = 0.0
+    compiling_since: float = 0.0  # when the worker said it compiles this batch's shape
 
 
 class Engine:
@@ -145,6 +147,11 @@ class Engine:
             self.jobs[job.id] = job
             for item in job.items:
                 self.items[item.request_id] = item
+            if job.id in self.store.lost_inputs:
+                self._end(job, JobStatus.FAILED, ErrorCode.INPUT_LOST,
+                          "the daemon stopped before this edit finished, and an edit's input image is not kept in "
+                          "the state dir: submit it again")
+                continue
             if job.request.model not in self.pool.models:
                 self._end(job, JobStatus.FAILED, ErrorCode.MODEL_NOT_FOUND,
                           f"model {job.request.model!r} is no longer served here (the daemon restarted with "
@@ -242,6 +249,14 @@ class Engine:
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job (in memory; ``accept`` also records it)."""
+        try:
+            return self._submit(req, sync)
+        except BaseException:
+            if req.edit is not None:  # refused: nobody else will close its input
+                req.edit.close()
+            raise
+
+    def _submit(self, req: JobRequest, sync: bool) -> Job:
         if not self.accepting:
             reason = "draining for shutdown" if self.draining else "starting"
             self.metrics.rejected_total.labels("unavailable").inc()
@@ -249,7 +264,8 @@ class Engine:
         model = self.pool.model(req.model)
         if not model.can_take_jobs() and not self._pool_starting:
             raise NoWorker(f"model {model.name!r} has no running worker")
-        job = Job(req, sync=sync)
+        job = Job(req, sync=sync, approximations=model.capabilities.approximations,
+                  compiled=model.capabilities.compiled)
         base = req.seed if req.seed is not None else random.randrange(2**31)
         job.items = [Item(job, i, seed=base + i) for i in range(req.n)]
         if self.scheduler.full:
@@ -402,13 +418,15 @@ class Engine:
         self._batch_ids += 1
         batch = Batch(self._batch_ids, worker, items, open_items=len(items))
         req = items[0].job.request
-        msg = Execute(batch.id, req.batch_params(), [
-            RequestSpec(request_id=i.request_id, prompt=i.job.request.prompt, seed=i.seed,
-                        negative_prompt=i.job.request.negative_prompt) for i in items])
+        fds: list[int] = []
         try:
-            worker.execute(msg)
+            msg = Execute(batch.id, req.batch_params(), self._specs(items, fds))
+            worker.execute(msg, fds)
         except Exception as exc:
             log.warning("could not send batch to %s: %s", worker.name, exc)
+            for fd in fds:  # sent frames close theirs; these never left
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             self.scheduler.requeue_front(items)
             return
         self.batches[batch.id] = batch
@@ -419,6 +437,24 @@ class Engine:
         queue.append(batch)
         if len(queue) == 1:
             self._start_computing(batch)
+
+    @staticmethod
+    def _specs(items: list[Item], fds: list[int]) -> list[RequestSpec]:
+        """The requests of a batch; each edit's input buffer joins ``fds`` once per job (its own
+        duplicate, which the channel closes once sent), and its requests point at it."""
+        index: dict[str, int] = {}
+        specs = []
+        for i in items:
+            r = i.job.request
+            ref = None
+            if r.edit is not None:
+                if i.job.id not in index:
+                    index[i.job.id] = len(fds)
+                    fds.append(r.edit.buffer.dup())
+                ref = r.edit.buffer.ref(index[i.job.id])
+            specs.append(RequestSpec(request_id=i.request_id, prompt=r.prompt, seed=i.seed,
+                                     negative_prompt=r.negative_prompt, input=ref))
+        return specs
 
     def _start_computing(self, batch: Batch) -> None:
         batch.computing = True
@@ -461,7 +497,20 @@ class Engine:
             self._on_output(worker, msg)
         elif isinstance(msg, Progress):
             batch = self.batches.get(msg.batch_id)
-            for job in self._jobs_of(batch.items if batch else ()):
+            items = batch.items if batch else []
+            # COMPILING is entered from COMPUTING when the worker says the shape is new, and left
+            # at the first step: a stage change is a STATUS event, so clients see it as it happens.
+            stage, old = (Stage.COMPILING, Stage.COMPUTING) if msg.compiling else (Stage.COMPUTING, Stage.COMPILING)
+            moved = [i for i in items if not i.job.terminal and i.stage == old]
+            for item in moved:
+                item.stage = stage
+            if batch is not None and msg.compiling:
+                batch.compiling_since = time.monotonic()
+            for job in self._jobs_of(moved):
+                if batch is not None and not msg.compiling:  # part of compute, as the job's timings show
+                    job.add_timing("compiling", (time.monotonic() - batch.compiling_since) * 1000)
+                job.emit(Event.STATUS)
+            for job in self._jobs_of(items):
                 job.progress = (msg.step, msg.total)
                 job.emit(Event.PROGRESS)
         elif isinstance(msg, ComputeDone):
@@ -539,6 +588,8 @@ class Engine:
         if not job.end(status, error):
             return
         self.store.update(job)
+        if job.request.edit is not None:  # batches already sent hold their own fds
+            job.request.edit.close()
         self.scheduler.remove(job)
         if status != JobStatus.SUCCEEDED:
             cancels: dict[WorkerLink, list[str]] = collections.defaultdict(list)

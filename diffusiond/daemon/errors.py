@@ -6,7 +6,8 @@ engine can be driven by tests, or by another front end, without knowing HTTP exi
 
     EngineError
     ├── InvalidRequest        a field is wrong (names the field)
-    │   └── OutputTooLarge    the job would make more bytes than the limit
+    │   ├── OutputTooLarge    the job would make more bytes than the limit
+    │   └── UploadTooLarge    an edit's images are over the upload limit
     ├── NotFound              ModelNotFound, JobNotFound, OutputNotFound
     ├── Conflict              JobFinished, OutputNotReady, TraceOff, NotShared
     ├── OutputReleased        an npy output that was already streamed once
@@ -52,6 +53,12 @@ class InvalidRequest(EngineError):
 
 class OutputTooLarge(InvalidRequest):
     default_code = ErrorCode.OUTPUT_TOO_LARGE
+
+
+class UploadTooLarge(InvalidRequest):
+    """A request's images are over ``limits.max_upload_bytes`` (413, like any body over its limit)."""
+
+    default_code = ErrorCode.REQUEST_TOO_LARGE
 
 
 class NotFound(EngineError):

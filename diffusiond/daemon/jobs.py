@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffusiond.daemon.inputs import EditInput
 from diffusiond.daemon.link import WorkerLink
 from diffusiond.ipc.messages import BatchParams
 from diffusiond.ipc.tensors import TensorDesc
@@ -47,6 +48,8 @@ class JobRequest:
     timeout_s: float | None = None
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
+    # an edit's decoded input; the job owns it and the engine closes it when the job ends
+    edit: EditInput | None = field(default=None, compare=False)
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -57,6 +60,8 @@ class JobRequest:
             num_frames=self.num_frames,
             scheduler=self.scheduler,
             output_dtype=self.output_dtype,
+            edit=self.edit.task.value if self.edit else None,
+            strength=self.edit.strength if self.edit else None,
         )
 
 
@@ -99,6 +104,10 @@ class Job:
     items: list[Item] = field(default_factory=list)
     timings_ms: dict[str, float] = field(default_factory=dict)
     ended_at: float | None = None
+    # What the model ran with that the default path does not: approximate speed-ups (named in
+    # every output) and the torch.compile mode; from the model's capabilities at admission.
+    approximations: tuple[str, ...] = ()
+    compiled: str = ""
     sync: bool = False  # submitted through the synchronous endpoint
     attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)

@@ -238,6 +238,10 @@ class Outputs:
                 "guidance_scale": f"{r.guidance:g}", "size": f"{r.width}x{r.height}", "software": "diffusiond"}
         if r.negative_prompt:
             meta["negative_prompt"] = r.negative_prompt
+        if item.job.approximations:  # the output is not the model's exact one: say how it differs
+            meta["approximations"] = ", ".join(item.job.approximations)
+        if item.job.compiled:
+            meta["compiled"] = item.job.compiled
         return EncodeOptions(png_compress_level=self.png_compress_level, fps=r.fps, metadata=meta)
 
     async def _encode(self, item: Item, fmt: str) -> None:

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffusiond.daemon.config import DaemonConfig, ModelConfig
+from diffusiond.daemon.config import DaemonConfig, ModelConfig, compile_cache_dir
 from diffusiond.daemon.errors import ModelNotFound, PowerFailed, WorkerUnavailable
 from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerLink, WorkerStartError
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.worker_handle import WorkerHandle
-from diffusiond.ipc.messages import Ack, Capabilities, Sleep, Trace, Wake, WorkerConfig
+from diffusiond.ipc.messages import Ack, Capabilities, Sleep, Trace, Wake, WarmupShape, WorkerConfig
 from diffusiond.protocol import ErrorCode, ModelState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,9 @@ class WorkerPool:
             slot_timeout_s=self.config.slot_timeout_s,
             drain_timeout_s=self.config.drain_grace_s,
             options=dict(model.config.options),
+            compile=model.config.compile,
+            warmup=[WarmupShape(w, h, b) for w, h, b in model.config.warmup],
+            compile_cache_dir=str(compile_cache_dir()) if model.config.compile else "",
             trace_gpu=self.config.trace,
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
         )

@@ -21,10 +21,12 @@ import msgspec
 
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.errors import OutputTooLarge, invalid
+from diffusiond.daemon.inputs import EditInput, Source
 from diffusiond.daemon.jobs import JobRequest
 from diffusiond.ipc.messages import Capabilities
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.protocol import (
+    EDIT_TASKS,
     IMAGE_FORMATS,
     OUTPUT_DTYPES,
     SCHEDULERS,
@@ -73,6 +75,45 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     fps: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    # edits: the input image as base64 (or a data URL), or a path under --input-dir; same for the mask
+    image: str | None = None
+    image_path: str | None = None
+    mask: str | None = None
+    mask_path: str | None = None
+    strength: float | None = None
+
+
+class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
+    """The text fields of a multipart ``/v1/images/edits`` request (the files are read apart)."""
+
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    size: str | None = None
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    timeout_s: float | None = None
+    scheduler: str | None = None
+    strength: float | None = None
+    # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
+    background: Any = None
+    input_fidelity: Any = None
+    moderation: Any = None
+    output_compression: Any = None
+    partial_images: Any = None
+    quality: Any = None
+    stream: Any = None
+    style: Any = None
+    user: Any = None
+    complexity: Any = None
+    frame_count: Any = None
+    frame_duration_ms: Any = None
+    safety_identifier: Any = None
+    svg: Any = None
 
 
 class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -116,11 +157,29 @@ def _range(name: str, value: float | None, lo: float, hi: float) -> None:
         raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
 
 
+def check_side(name: str, v: int, limits: Limits, size_field: str | None = None) -> None:
+    if not limits.min_size <= v <= limits.max_size or v % 8:
+        raise invalid(
+            f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
+            field=size_field or name,
+        )
+
+
 def check(
-    req: dict[str, Any], limits: Limits, model: ModelLike, *, size_field: str | None = None
+    req: dict[str, Any], limits: Limits, model: ModelLike, *, size_field: str | None = None,
+    edit: EditInput | None = None,
 ) -> JobRequest:
     """Apply limits and the model's defaults; ``req`` is a decoded body as a dict, so both
-    endpoints share one set of checks (``size_field`` names the field the user actually sent)."""
+    endpoints share one set of checks (``size_field`` names the field the user actually sent).
+    ``edit`` is the decoded input of an edit (``plan_edit``, then ``inputs.decode_edit``): its size is the
+    output's size."""
+    if edit is None and req.get("strength") is not None:
+        raise invalid("strength applies only to edits: send an image with it", field="strength")
+    if edit is not None:
+        req = {**req, "width": edit.width, "height": edit.height}
+    elif model.capabilities.task in EDIT_TASKS:
+        raise invalid(f"model {model.name!r} does {model.capabilities.task} only: send an image "
+                      "(/v1/images/edits, or image on /v1/jobs)", field="image")
     prompt = req["prompt"]
     if not prompt.strip():
         raise invalid("prompt must not be empty", field="prompt")
@@ -136,13 +195,8 @@ def check(
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
     width = d.width if req.get("width") is None else req["width"]
     height = d.height if req.get("height") is None else req["height"]
-    for name, v in (("width", width), ("height", height)):
-        field = size_field or name
-        if not limits.min_size <= v <= limits.max_size or v % 8:
-            raise invalid(
-                f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
-                field=field,
-            )
+    check_side("width", width, limits, size_field)
+    check_side("height", height, limits, size_field)
     steps = d.steps if req.get("steps") is None else req["steps"]
     _range(req.get("steps_field", "steps"), steps, 1, limits.max_steps)
     guidance = req.get("guidance_scale")
@@ -153,6 +207,10 @@ def check(
     if seed is not None and not 0 <= seed <= top:
         raise invalid(f"seed must be between 0 and {top} (2**63 - n), got {seed}", field="seed")
     video = d.task == Task.TEXT_TO_VIDEO
+    if edit is not None and steps * edit.strength < 1:
+        raise invalid(
+            f"strength {edit.strength:g} x {steps} steps runs no denoising step; raise strength to at least "
+            f"{1 / steps:.3g} or the steps to at least {int(1 / edit.strength) + 1}", field="strength")
     frames = req.get("num_frames")
     if frames is not None and not video:
         raise invalid(
@@ -224,27 +282,86 @@ def check(
         timeout_s=timeout,
         output_dtype=cast(OutputDtype, dtype),  # checked above against OUTPUT_DTYPES
         scheduler=scheduler,
+        edit=edit,
     )
 
 
-def parse_job(body: bytes, limits: Limits, resolve_model: ModelResolver) -> JobRequest:
-    b = decode(body, JobBody)
-    model = resolve_model(b.model)
-    return check(msgspec.structs.asdict(b), limits, model)
+def plan_edit(
+    req: dict[str, Any], model: ModelLike, limits: Limits, *, image_field: str = "image", mask_field: str = "mask",
+    size_field: str | None = None,
+) -> tuple[Source, Source | None, Task, float] | None:
+    """The sources, task and strength of an edit (None: not an edit), checked against the model
+    before any pixel is decoded. ``req`` has ``image``/``image_path``/``mask``/``mask_path`` as
+    base64 text or paths, or ``image_bytes``/``mask_bytes`` (multipart uploads)."""
+    def source(field: str, path_field: str, raw: str) -> Source | None:
+        if req.get(raw) is not None:
+            return Source(field, data=req[raw])
+        b64, path = req.get(field), req.get(path_field)
+        if b64 is not None and path is not None:
+            raise invalid(f"send {field} or {path_field}, not both", field=field)
+        if b64 is not None:
+            return Source(field, b64=b64)
+        if path is not None:
+            return Source(path_field, path=path)
+        return None
+
+    image = source(image_field, "image_path", "image_bytes")
+    mask = source(mask_field, "mask_path", "mask_bytes")
+    if image is None:
+        if mask is not None:
+            raise invalid("a mask needs an image to apply to: send image too", field=mask.field)
+        return None
+    task = Task.INPAINTING if mask is not None else Task.IMAGE_TO_IMAGE
+    d = model.capabilities
+    if task.value not in d.edits and d.task != task.value:
+        can = ", ".join(d.edits) if d.edits else "no edits"
+        raise invalid(f"model {model.name!r} cannot do {task.value} (it does {d.task}; {can}); "
+                      "pick a model that has it (GET /v1/models lists each model's tasks)", field="model")
+    strength = req.get("strength")
+    if strength is None:
+        strength = 1.0 if task == Task.INPAINTING else 0.8  # diffusers' own defaults
+    if not 0 < strength <= 1:
+        raise invalid(f"strength must be in (0, 1] (0 keeps the image, 1 repaints it all), got {strength:g}",
+                      field="strength")
+    if req.get("num_frames") is not None:
+        raise invalid("num_frames does not apply to image edits", field="num_frames")
+    for side in ("width", "height"):  # before the image is resized to them
+        if req.get(side) is not None:
+            check_side(side, req[side], limits, size_field)
+    return image, mask, task, float(strength)
 
 
 def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver) -> tuple[JobRequest, str]:
     b = decode(body, ImagesBody)
-    if b.response_format not in ("b64_json", "url"):
-        raise invalid("response_format must be 'b64_json' or 'url'", field="response_format")
     model = resolve_model(b.model)
-    req = msgspec.structs.asdict(b)
-    if b.size is not None and b.size != "auto":
-        m = _SIZE.match(b.size)
-        if not m:
-            raise invalid(f"size must look like 512x512, got {b.size!r}", field="size")
-        req["width"], req["height"] = int(m.group(1)), int(m.group(2))
-    req["steps"] = b.num_inference_steps
-    req["steps_field"] = "num_inference_steps"
+    req = openai_fields(msgspec.structs.asdict(b))
     return check(req, limits, model, size_field="size"), b.response_format
+
+
+def openai_fields(req: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI-shaped fields (``size``, ``num_inference_steps``, ``response_format``) in the
+    names ``check`` reads."""
+    if req["response_format"] not in ("b64_json", "url"):
+        raise invalid("response_format must be 'b64_json' or 'url'", field="response_format")
+    size = req.get("size")
+    if size is not None and size != "auto":
+        m = _SIZE.match(size)
+        if not m:
+            raise invalid(f"size must look like 512x512, got {size!r}", field="size")
+        req["width"], req["height"] = int(m.group(1)), int(m.group(2))
+    req["steps"] = req.get("num_inference_steps")
+    req["steps_field"] = "num_inference_steps"
+    return req
+
+
+def edits_form(fields: dict[str, str]) -> dict[str, Any]:
+    """The text fields of a multipart edit, typed (form values are text: "0.6" is read as 0.6)."""
+    # OpenAI's nested options arrive flattened (svg[effort]=...): as ignored as the rest of svg
+    fields = {k: v for k, v in fields.items() if not k.startswith("svg[")}
+    try:
+        form = msgspec.convert(fields, EditsForm, strict=False)
+    except msgspec.ValidationError as exc:
+        m = _PATH.search(str(exc)) or _FIELD.search(str(exc))
+        raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
+    return openai_fields(msgspec.structs.asdict(form))
 

@@ -5,7 +5,8 @@ Pure bookkeeping with no I/O, so its rules are easy to read and test:
 - admission is bounded (``queue_size`` jobs waiting): the engine refuses a job while ``full``;
 - a batch always starts from the oldest waiting item of a model and takes the items behind it
   that share its batch key (size, steps, guidance, frames, scheduler, output dtype), up to
-  ``max_batch``; so an item with another key waits for at most one batch;
+  ``max_batch`` (and at most ``MAX_FDS`` edits with their own input image: each goes to the
+  worker as one fd of the batch's frame); so an item with another key waits for at most one batch;
 - with ``batch_wait`` > 0 a partial batch is held back until its oldest item has waited that
   long, to give compatible requests a chance to join;
 - ``partial_ok=False`` asks for a full batch or nothing: the engine uses it for a worker that is
@@ -19,6 +20,7 @@ import collections
 from dataclasses import dataclass
 
 from diffusiond.daemon.jobs import Item, Job
+from diffusiond.ipc.frames import MAX_FDS
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,15 @@ class Scheduler:
         head = q[0]
         key = head.job.request.batch_params()
         batch = [head]
+        inputs = {head.job.id} if head.job.request.edit is not None else set()
         for item in list(q)[1:]:
             if len(batch) >= self.max_batch:
                 break
             if item.job.request.batch_params() == key:
+                if item.job.request.edit is not None and item.job.id not in inputs:
+                    if len(inputs) >= MAX_FDS:  # each edit's input travels as one fd of the frame
+                        continue
+                    inputs.add(item.job.id)
                 batch.append(item)
         if len(batch) < self.max_batch and not partial_ok:
             return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -65,6 +66,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     timings TEXT NOT NULL DEFAULT '{}',
     outputs TEXT NOT NULL DEFAULT '[]',      -- JSON list of {index, file, bytes}
     bytes INTEGER NOT NULL DEFAULT 0,        -- the output files' total size (retention by size)
+    edit INTEGER NOT NULL DEFAULT 0,         -- an edit: its input image is not kept, it cannot run again
     ended REAL
 );
 CREATE TABLE IF NOT EXISTS models (
@@ -120,6 +122,7 @@ class Store:
 
     persistent = False
     root: Path | None = None
+    lost_inputs: frozenset[str] = frozenset()  # unfinished edits from ``open``: their input images were not kept
 
     async def open(self) -> list[Job]:
         """Take the state dir; return the jobs a crash left unfinished, in admission order."""
@@ -207,6 +210,7 @@ class SqliteStore(Store):
         except BaseException:
             self._lock.release()
             raise
+        self.lost_inputs = frozenset(r["id"] for r in rows if r["edit"])
         return [self._job(r) for r in rows]
 
     def _open(self) -> list[sqlite3.Row]:
@@ -417,7 +421,8 @@ def _row(job: Job) -> dict[str, Any]:
         "stage": job.stage.label,
         "sync": int(job.sync),
         "attempts": job.attempts,
-        "request": msgspec.json.encode(job.request).decode(),
+        "request": msgspec.json.encode(_without_input(job.request)).decode(),
+        "edit": int(getattr(job.request, "edit", None) is not None),
         "seeds": json.dumps([i.seed for i in job.items]),
         "error": json.dumps(job.error) if job.error else None,
         "timings": json.dumps(job.timings_ms),
@@ -425,6 +430,14 @@ def _row(job: Job) -> dict[str, Any]:
         "bytes": sum(i.nbytes for i in written),
         "ended": time.time() if job.terminal else None,
     }
+
+
+def _without_input(request: JobRequest) -> JobRequest:
+    """The request as stored: an edit's decoded input image (shared memory, owned by the live
+    job) is not; the row says it was an edit (``Store.lost_inputs``)."""
+    if getattr(request, "edit", None) is None:
+        return request
+    return dataclasses.replace(request, edit=None)
 
 
 def _fsync_dir(path: Path) -> None:

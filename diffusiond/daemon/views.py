@@ -52,6 +52,8 @@ def job(j: Job) -> dict[str, Any]:
         "error": j.error,
         "attempts": j.attempts,
         "timings_ms": dict(j.timings_ms),
+        "approximations": list(j.approximations),
+        "compiled": j.compiled or None,
         "request": {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt,
@@ -64,6 +66,9 @@ def job(j: Job) -> dict[str, Any]:
             "num_frames": r.num_frames,
             "seed": r.seed,
             "scheduler": r.scheduler,
+            # edits: which, and how strongly (the input image itself is not echoed back)
+            "task": r.edit.task.value if r.edit else None,
+            "strength": r.edit.strength if r.edit else None,
         },
     }
 
@@ -84,7 +89,9 @@ def event(e: Event, j: Job) -> dict[str, Any]:
 def models(ms: list[Model]) -> dict[str, Any]:
     data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
              "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
-             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec)}
+             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
+             "edits": list(m.capabilities.edits),
+             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations)}
             for m in ms]
     return {"object": "list", "data": data}
 

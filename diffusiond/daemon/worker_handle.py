@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 
 from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerStartError
 from diffusiond.ipc.arena import MappedView, is_sealed
@@ -159,8 +160,10 @@ class WorkerHandle:
         return self.lost_reason or ""
 
     # commands -------------------------------------------------------------------------------
-    def execute(self, batch: Execute) -> None:
-        self._post(batch)
+    def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:
+        if self.channel is None or self.channel.closed:
+            raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
+        self.channel.post(batch, fds, close_fds=True)
 
     def cancel(self, request_ids: list[str]) -> None:
         if self.state != WorkerState.DEAD:

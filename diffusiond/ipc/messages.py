@@ -1,6 +1,7 @@
 """The worker protocol: one msgspec struct per frame kind.
 
-Engine -> worker: INIT, EXECUTE, CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN, TRACE, PING.
+Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
+TRACE, PING.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
@@ -49,6 +50,15 @@ class Kind(enum.IntEnum):
     REFUSED = 97
 
 
+class WarmupShape(msgspec.Struct, frozen=True):
+    """A shape the worker runs once before READY (``--warmup 512x512:8``), so that compiling it
+    (and capturing its CUDA graph) is paid at start-up, not by a client."""
+
+    width: int
+    height: int
+    batch: int = 1
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a worker needs to start; sent in INIT so no argument parsing or pickling."""
 
@@ -63,6 +73,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 30.0
     progress_interval_s: float = 0.1
     options: dict[str, str] = {}
+    # torch.compile mode (protocol.COMPILE_MODES), "" for the eager model; the shapes to run
+    # before READY; where inductor keeps what it compiled, so a restart is warm.
+    compile: str = ""
+    warmup: list[WarmupShape] = []
+    compile_cache_dir: str = ""
     # Record CUDA events around forwards and copies (GPU-side ordering proofs; small overhead).
     trace_gpu: bool = False
     # Test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY".
@@ -79,6 +94,19 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     num_frames: int | None = None
     scheduler: str | None = None
     output_dtype: OutputDtype = "uint8"
+    # edits (image-to-image, inpainting): requests differing here never share a batch
+    edit: str | None = None  # protocol.Task of an edit; None: from the prompt alone
+    strength: float | None = None
+
+
+class InputRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request's input image (and mask) lie: in file descriptor ``fd`` (an index into the
+    fds that came with the EXECUTE frame), a sealed memfd written by the engine. The frame carries
+    only these descriptors; the pixels never travel in a frame."""
+
+    fd: int
+    image: TensorDesc  # uint8 (H, W, 3)
+    mask: TensorDesc | None = None  # uint8 (H, W, 1): 255 where the image is repainted
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +116,7 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str
     seed: int
     negative_prompt: str | None = None
+    input: InputRef | None = None  # edits only
 
 
 class Init(msgspec.Struct, frozen=True):
@@ -152,6 +181,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     num_frames_step: int = 1  # frame counts must be step*k + 1 (Wan 4, LTX 8)
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
+    edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
+    # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
+    approximations: tuple[str, ...] = ()
+    compiled: str = ""  # the torch.compile mode, "" when eager
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -170,6 +203,8 @@ class Progress(msgspec.Struct, frozen=True):
     batch_id: int
     step: int
     total: int
+    # The batch's shape is new to a compiled model: the worker is compiling it (stage ``compiling``).
+    compiling: bool = False
 
 
 class OutputReady(msgspec.Struct, frozen=True):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import msgspec
+import numpy as np
 import torch
 
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
@@ -27,6 +28,8 @@ from diffusiond.protocol import Task
 
 __all__ = [
     "Capabilities",
+    "EditArrays",
+    "EditingPipeline",
     "Interrupted",
     "Pipeline",
     "PipelineError",
@@ -88,6 +91,23 @@ class Pipeline(Protocol):
 
     def wake(self) -> None:
         """Bring the weights back onto the device."""
+        ...
+
+
+EditArrays = tuple[np.ndarray, np.ndarray | None]
+"""One edit's input: the image, uint8 (H, W, 3), and for inpainting the mask, uint8 (H, W, 1), 255
+where to repaint (``ipc.inputs.read_inputs``)."""
+
+
+@runtime_checkable
+class EditingPipeline(Protocol):
+    """A pipeline that can also edit images (its ``capabilities.edits`` say which tasks)."""
+
+    name: str
+
+    def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
+             on_step: StepCallback) -> list[torch.Tensor]:
+        """Run one batch of ``params.edit``; ``inputs[i]`` belongs to ``requests[i]``."""
         ...
 
 

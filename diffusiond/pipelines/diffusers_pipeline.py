@@ -10,14 +10,18 @@ callback that can stop the run (so cancellation is prompt), and schedulers picke
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+import numpy as np
 import torch
 
 from diffusiond import protocol
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import (
+    EditArrays,
     Interrupted,
     PipelineError,
     RequestDefaults,
@@ -27,7 +31,10 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
-from diffusiond.protocol import FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
+from diffusiond.pipelines.speedups import apply_speedups
+from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FLOW_SCHEDULERS", "SCHEDULERS", "DiffusersPipeline", "check_frames", "task_for_class"]
 
@@ -80,10 +87,21 @@ def call_args(cls: type) -> frozenset[str]:
         return frozenset()
 
 
+# Edit pipelines a folder may name as its own class (a dedicated inpainting model, say): name
+# fragments, and the ``__call__`` arguments they must have for us to drive them.
+_EDIT_CLASSES = (
+    (("Inpaint",), frozenset({"image", "mask_image", "strength"}), Task.INPAINTING),
+    (("Img2Img", "Image2Image"), frozenset({"image", "strength"}), Task.IMAGE_TO_IMAGE),
+)
+
+
 def task_for_class(cls: type) -> Task:
     """Decide from the class alone (before any weights load) whether and how we can serve it."""
     name = cls.__name__
     args = call_args(cls)
+    for fragments, needs, task in _EDIT_CLASSES:
+        if any(f in name for f in fragments) and needs <= args and _REQUIRED_ARGS - {"height", "width"} <= args:
+            return task
     needs_input = sorted(_INPUT_ARGS & args)
     missing = sorted(_REQUIRED_ARGS - args)
     fragment = next((f for f in _REFUSED_FRAGMENTS if f in name), None)
@@ -102,6 +120,25 @@ def task_for_class(cls: type) -> Task:
     if "Video" in name or any(a in args for a in _FRAME_ARGS):
         return Task.TEXT_TO_VIDEO
     return Task.TEXT_TO_IMAGE
+
+
+_EDIT_AUTO_CLASSES = {Task.IMAGE_TO_IMAGE: "AutoPipelineForImage2Image", Task.INPAINTING: "AutoPipelineForInpainting"}
+
+
+def _edit_pipes(pipe: Any) -> dict[Task, Any]:
+    """The image-to-image and inpainting pipelines diffusers has for ``pipe``'s family (SD 1.5,
+    SDXL, SD3, Flux, ...), built with ``from_pipe``: they share every component with ``pipe``, so
+    no weight is loaded or held twice. A family without one is simply left out (``capabilities``
+    then say so, and admission answers 400 naming model and task)."""
+    import diffusers
+
+    pipes: dict[Task, Any] = {}
+    for task, auto in _EDIT_AUTO_CLASSES.items():
+        try:
+            pipes[task] = getattr(diffusers, auto).from_pipe(pipe)
+        except (ValueError, KeyError, AttributeError, TypeError) as exc:
+            log.debug("%s has no %s pipeline: %s", type(pipe).__name__, task.value, exc)
+    return pipes
 
 
 def frame_step(pipe: Any) -> int:
@@ -190,12 +227,19 @@ class DiffusersPipeline:
             flow_scheduler=self._flow,
             synthetic_weights=synthetic_weights,
         )
+        self._edit_pipes: dict[Task, Any] = (
+            _edit_pipes(pipe) if self.task is Task.TEXT_TO_IMAGE
+            else {self.task: pipe} if self.task in EDIT_TASKS  # a dedicated model: its one edit
+            else {}
+        )
+        inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes))
         self.capabilities = with_defaults(inferred, defaults)
 
         if getattr(pipe, "safety_checker", None) is not None:
             # The checker blacks out outputs and costs a CLIP pass per image; callers filter themselves.
             pipe.safety_checker = None
-        pipe.set_progress_bar_config(disable=True)
+        for p in (pipe, *self._edit_pipes.values()):
+            p.set_progress_bar_config(disable=True)
         for option, method in (("vae_tiling", "enable_tiling"), ("vae_slicing", "enable_slicing")):
             if options.get(option) == "1":
                 vae = getattr(pipe, "vae", None)
@@ -211,6 +255,9 @@ class DiffusersPipeline:
                 raise PipelineError(f"cpu_offload=1 needs the accelerate package: {exc}") from exc
         else:
             pipe.to(self.device)
+        approximations = apply_speedups(pipe, options, self.device)
+        if approximations:
+            self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations)
 
     @property
     def pipe(self) -> Any:
@@ -242,22 +289,54 @@ class DiffusersPipeline:
         """One diffusers call for the whole batch: one forward per step serves every request."""
         if not requests:
             return []
+        if self.task in EDIT_TASKS:
+            raise PipelineError(f"model {self.name} does {self.task.value} only; it needs an input image")
+        return self._call(self._pipe, self._args, params, requests, on_step, {})
+
+    def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
+             on_step: StepCallback) -> list[torch.Tensor]:
+        """A batch of edits on the pipeline built for it with ``from_pipe`` (the same weights)."""
+        if not requests:
+            return []
+        task = Task(params.edit) if params.edit in set(Task) else None
+        pipe = self._edit_pipes.get(task) if task is not None else None
+        if pipe is None:
+            raise PipelineError(f"model {self.name} cannot do {params.edit}")
+        images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2).float() / 255
+        extra: dict[str, Any] = {"image": images, "strength": params.strength}
+        if task is not Task.INPAINTING:
+            return self._call(pipe, call_args(type(pipe)), params, requests, on_step, extra)
+        planes = [m for _, m in inputs]
+        if any(m is None for m in planes):
+            raise PipelineError("an inpainting request came without its mask")
+        masks = torch.from_numpy(np.stack(planes)).permute(0, 3, 1, 2).float() / 255  # type: ignore[arg-type]
+        extra["mask_image"] = masks
+        outputs = self._call(pipe, call_args(type(pipe)), params, requests, on_step, extra)
+        # Outside the mask the answer is the input itself, as A1111 and diffusers' ``apply_overlay``
+        # make it: the VAE round trip (and a dedicated inpainting UNet) would otherwise shift those
+        # pixels a little, and the user asked for them to stay.
+        device, dtype = outputs[0].device, outputs[0].dtype
+        images, masks = images.to(device, dtype), masks.to(device, dtype)
+        return [out * m + img * (1 - m) for out, img, m in zip(outputs, images, masks, strict=True)]
+
+    def _call(self, pipe: Any, args: frozenset[str], params: BatchParams, requests: Sequence[RequestSpec],
+              on_step: StepCallback, extra: dict[str, Any]) -> list[torch.Tensor]:
         if self._asleep:
             raise PipelineError(f"model {self.name} is asleep; wake it before running")
-        pipe = self._pipe
         pipe.scheduler = self._scheduler(params.scheduler)
         kwargs: dict[str, Any] = {
             "prompt": [r.prompt for r in requests],
-            "height": params.height,
-            "width": params.width,
             "num_inference_steps": params.steps,
             "generator": generators(requests),
             "output_type": "pt",
             "return_dict": False,
+            **extra,
         }
-        if "guidance_scale" in self._args:
+        if "height" in args:  # image-to-image pipelines take the size from the image
+            kwargs["height"], kwargs["width"] = params.height, params.width
+        if "guidance_scale" in args:
             kwargs["guidance_scale"] = params.guidance
-        if "negative_prompt" in self._args:
+        if "negative_prompt" in args:
             kwargs["negative_prompt"] = [r.negative_prompt or "" for r in requests]
         if params.num_frames is not None:
             if self.task is not Task.TEXT_TO_VIDEO or self._frames_arg is None:

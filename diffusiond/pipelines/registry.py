@@ -20,6 +20,7 @@ from diffusiond.pipelines.spec import check_options, parse_spec
 from diffusiond.pipelines.synthetic import SyntheticPipeline
 from diffusiond.pipelines.tiny import DEFAULTS as TINY_DEFAULTS
 from diffusiond.pipelines.tiny import ensure_tiny
+from diffusiond.pipelines.tiny_inpaint import ensure_tiny_inpaint
 from diffusiond.pipelines.tiny_video import DEFAULTS as TINY_VIDEO_DEFAULTS
 from diffusiond.pipelines.tiny_video import ensure_tiny_video
 
@@ -74,6 +75,11 @@ def load_pipeline(
     if parsed.kind == "tiny":
         return load_folder(
             ensure_tiny(), name=name or "tiny", device=dev, dtype=torch_dtype, options=opts,
+            defaults=TINY_DEFAULTS,
+        )  # fmt: skip
+    if parsed.kind == "tiny-inpaint":
+        return load_folder(
+            ensure_tiny_inpaint(), name=name or "tiny-inpaint", device=dev, dtype=torch_dtype, options=opts,
             defaults=TINY_DEFAULTS,
         )  # fmt: skip
     if parsed.kind == "tiny-video":

@@ -8,7 +8,7 @@ fast to start.
 Grammar::
 
     arg     := SPEC | NAME "=" SPEC          (NAME has no "/" or ":")
-    SPEC    := "tiny" | "tiny-video"
+    SPEC    := "tiny" | "tiny-inpaint" | "tiny-video"
              | "synthetic" [":" OPTIONS]
              | "random:" PRESET ["," OPTIONS]
              | FOLDER | FILE.safetensors | ORG/NAME (hub id)
@@ -39,10 +39,16 @@ KNOWN_OPTIONS = frozenset(
         "task",  # synthetic: "image" or "video"
         "matrix",  # synthetic: side of the square matrices of the workload
         "save",  # random:<preset>: "0" builds on the device and skips the save/load round trip
+        "cache",  # approximate: "fbc[:threshold]" or "taylorseer[:interval]" (pipelines/speedups.py)
+        "fp8",  # approximate: "1": fp8 denoiser through torchao (pipelines/speedups.py)
+        "compile_backend",  # --compile: torch.compile backend (default inductor; aot_eager for CPU tests)
+        "compile_shapes",  # --compile: at most this many shapes compiled per module (default 8)
+        "fuse_qkv",  # --compile: "1": fuse the attention QKV projections
+        "channels_last",  # --compile: "1": channels_last memory format for the UNet and the VAE decoder
     }
 )
 ACCEPTED_FORMS = (
-    "'tiny' or 'tiny-video' (embedded random-weight models, no download), "
+    "'tiny', 'tiny-inpaint' or 'tiny-video' (embedded random-weight models, no download), "
     "'random:<preset>' (a real architecture at full size with random weights, for benchmarks: "
     "random:sd15, random:sdxl, random:flux-dev, random:wan-1.3b), "
     "'synthetic' or 'synthetic:compute_ms=40,task=video' (no diffusers, for benchmarks), "
@@ -53,7 +59,7 @@ ACCEPTED_FORMS = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
-Kind = Literal["synthetic", "tiny", "tiny-video", "random", "folder", "checkpoint", "hub"]
+Kind = Literal["synthetic", "tiny", "tiny-inpaint", "tiny-video", "random", "folder", "checkpoint", "hub"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ def parse_spec(spec: str) -> ModelSpec:
         return ModelSpec("tiny", spec)
     if spec == "tiny-video":
         return ModelSpec("tiny-video", spec)
+    if spec == "tiny-inpaint":
+        return ModelSpec("tiny-inpaint", spec)
     if spec.startswith("random:"):
         key, _, rest = spec.removeprefix("random:").partition(",")  # random:wan-1.3b,save=0
         return ModelSpec("random", key, parse_options(rest, spec))

@@ -14,13 +14,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from diffusiond.pipelines.base import RequestDefaults
 
 # Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
-TINY_VERSION = "tiny-v1"
+TINY_VERSION = "tiny-v2"
 # CLIP's usual context; the text encoder is so small that 77 positions cost nothing.
 MAX_TOKENS = 77
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -42,7 +43,7 @@ def ensure_tiny(cache_dir: Path | None = None) -> Path:
     """Return the tiny model's folder, building it first if no complete one exists.
 
     ``cache_dir`` is the diffusiond cache root (default ``cache_root()``); the model lives in
-    ``<cache_dir>/models/tiny-v1``. The folder appears atomically (built beside it, then renamed),
+    ``<cache_dir>/models/tiny-v2``. The folder appears atomically (built beside it, then renamed),
     so a reader never sees a half-written model and concurrent builders agree on one winner.
     """
     models = (cache_dir if cache_dir is not None else cache_root()) / "models"
@@ -94,9 +95,98 @@ def _write_tokenizer_files(folder: Path) -> int:
     return len(vocab)
 
 
-def _build(out: Path) -> None:
+_PAIR_SCALE = 1e-6  # see passthrough_vae
+
+
+def passthrough_vae() -> Any:
+    """A real ``AutoencoderKL`` whose weights are set, not learned, so that decode(encode(x)) is x
+    (to ~1e-6) for images made of 2x2 blocks, and a 2x subsample / nearest upsample of any other.
+
+    Random VAE weights would turn every input image into noise, and then no test could tell
+    whether an edit kept its input: with this VAE, image-to-image at a low strength must come
+    back close to its input, and inpainting must leave unmasked pixels alone, or the test fails.
+    Latents are the image's RGB (and a zero fourth channel), at half the resolution.
+
+    How, with the architecture unchanged: every ResNet's second conv and every attention's output
+    projection are zero, so each block passes its input through; down/upsampling convs pick one
+    tap; the two GroupNorm+SiLU stages that every path crosses are made linear by carrying each
+    value as a pair (a*v, -a*v): each group's mean is then exactly 0, with a tiny ``a`` its variance
+    is far below the norm's eps, so the norm is a fixed gain of 1/sqrt(eps), and
+    SiLU(z) - SiLU(-z) = z exactly, which the next conv takes. The log-variance is -30, so sampling
+    the latent distribution adds noise of ~3e-7.
+    """
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),  # two levels: vae_scale_factor 2, 64x64 images denoise 32x32 latents
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=16,  # groups of 2 (decoder) and 4 (encoder) channels: whole (v, -v) pairs
+        sample_size=64,
+        scaling_factor=1.0,
+    )
+    a = _PAIR_SCALE
+    gain = 1.0 / (a * 1000.0)  # undoes a and the norm's 1/sqrt(1e-6)
+
+    def eye(conv: torch.nn.Conv2d, tap: int) -> None:
+        w = conv.weight
+        w.zero_()
+        if conv.bias is not None:
+            conv.bias.zero_()
+        for c in range(min(w.shape[0], w.shape[1])):
+            w[c, c, tap, tap] = 1
+
+    def split(conv: torch.nn.Conv2d, n: int) -> None:  # n values -> pairs (a v, -a v)
+        eye(conv, 1)
+        conv.weight.zero_()
+        for k in range(n):
+            conv.weight[2 * k, k, 1, 1] = a
+            conv.weight[2 * k + 1, k, 1, 1] = -a
+
+    def join(conv: torch.nn.Conv2d, n: int) -> None:  # pairs -> n values
+        eye(conv, 1)
+        conv.weight.zero_()
+        for k in range(n):
+            conv.weight[k, 2 * k, 1, 1] = gain
+            conv.weight[k, 2 * k + 1, 1, 1] = -gain
+
+    with torch.no_grad():
+        for m in vae.modules():
+            if type(m).__name__ == "ResnetBlock2D":
+                m.conv2.weight.zero_()
+                m.conv2.bias.zero_()
+                if m.conv_shortcut is not None:
+                    eye(m.conv_shortcut, 0)
+            elif type(m).__name__ == "Attention":
+                m.to_out[0].weight.zero_()
+                m.to_out[0].bias.zero_()
+        eye(vae.encoder.down_blocks[0].downsamplers[0].conv, 1)
+        eye(vae.decoder.up_blocks[0].upsamplers[0].conv, 1)
+        split(vae.encoder.conv_in, 3)
+        join(vae.encoder.conv_out, 3)
+        vae.encoder.conv_out.bias[4:] = -30.0  # log-variance: a near-deterministic latent
+        split(vae.decoder.conv_in, 4)
+        join(vae.decoder.conv_out, 3)
+        eye(vae.quant_conv, 0)
+        eye(vae.post_quant_conv, 0)
+        for norm in (vae.encoder.conv_norm_out, vae.decoder.conv_norm_out):
+            norm.weight.fill_(1)
+            norm.bias.zero_()
+    return vae
+
+
+def _build(out: Path, *, inpaint: bool = False) -> None:
     """Build the pipeline with fixed seeds and save it (safetensors only) into ``out``."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import (
+        EulerDiscreteScheduler,
+        StableDiffusionInpaintPipeline,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     tok_src = out / ".tokenizer-src"
@@ -107,7 +197,7 @@ def _build(out: Path) -> None:
         torch.manual_seed(0)
         unet = UNet2DConditionModel(
             sample_size=32,
-            in_channels=4,
+            in_channels=9 if inpaint else 4,
             out_channels=4,
             block_out_channels=(32, 64),
             layers_per_block=1,
@@ -118,18 +208,7 @@ def _build(out: Path) -> None:
             norm_num_groups=32,
         )
         torch.manual_seed(0)
-        # Two levels: vae_scale_factor 2, so 64x64 images denoise 32x32 latents.
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            block_out_channels=(32, 64),
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            latent_channels=4,
-            layers_per_block=1,
-            norm_num_groups=32,
-            sample_size=64,
-        )
+        vae = passthrough_vae()
         torch.manual_seed(0)
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
@@ -152,7 +231,8 @@ def _build(out: Path) -> None:
         timestep_spacing="trailing",  # few-step friendly: the first step starts from pure noise
         steps_offset=1,
     )
-    pipe = StableDiffusionPipeline(
+    cls = StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline
+    pipe = cls(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,

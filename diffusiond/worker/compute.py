@@ -4,22 +4,41 @@ After each batch it records a CUDA event on the default stream, announces COMPUT
 the device outputs to the copy thread, then takes the next batch at once: the engine keeps one
 queued, so the GPU goes from one forward straight into the next. Control items (SLEEP, WAKE,
 SHUTDOWN) travel through the same queue, so they run after the batches sent before them.
+
+Warm-up (``--warmup``) runs here too, before READY: a compiled model's CUDA graphs belong to
+the thread that captured them, and the shapes compiled here are the ones later batches replay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from diffusiond.ipc.messages import Ack, ComputeDone, EndStatus, Execute, Fatal, Kind, Progress, RequestEnded
-from diffusiond.pipelines.base import Interrupted, Pipeline
+from diffusiond.ipc.errors import ArenaError
+from diffusiond.ipc.inputs import read_inputs
+from diffusiond.ipc.messages import (
+    Ack,
+    BatchParams,
+    ComputeDone,
+    EndStatus,
+    Execute,
+    Fatal,
+    Kind,
+    Progress,
+    RequestEnded,
+    RequestSpec,
+    WarmupShape,
+)
+from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
 
@@ -29,6 +48,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Control:
     command: Literal["sleep", "wake", "shutdown"]
+
+
+@dataclass(frozen=True)
+class Edit:
+    """A batch of edits and the fds of its input buffers (``ipc.inputs``), read and closed by
+    the compute thread: the loop thread only passes them on."""
+
+    batch: Execute
+    fds: list[int]
 
 
 _KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN}
@@ -45,6 +73,12 @@ def is_fatal(exc: BaseException) -> bool:
 _FATAL_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure", "ECC error")
 
 
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class ComputeThread:
     def __init__(
         self,
@@ -57,6 +91,8 @@ class ComputeThread:
         progress_interval_s: float,
         drain_timeout_s: float,
         on_exit: Callable[[int], None],
+        warmup: Sequence[WarmupShape] = (),
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.copier = copier
@@ -66,36 +102,78 @@ class ComputeThread:
         self.progress_interval_s = progress_interval_s
         self.drain_timeout_s = drain_timeout_s
         self.on_exit = on_exit
+        self.warmup = list(warmup)
+        self.on_ready = on_ready
         self.cuda = pipeline.device.type == "cuda"
-        self.queue: queue.Queue[Execute | Control] = queue.Queue()
+        self.queue: queue.Queue[Execute | Edit | Control] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._warm_up()
+        except BaseException as exc:
+            log.exception("warm-up failed")
+            self.post(Fatal(message=f"warm-up failed: {type(exc).__name__}: {exc}"))
+            self.on_exit(1)
+            return
+        if self.on_ready is not None:
+            self.on_ready()
         while True:
             item = self.queue.get()
             if isinstance(item, Control):
                 if self._control(item):
                     return
                 continue
+            batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
             try:
-                self._execute(item)
+                self._execute(batch, fds)
             except BaseException as exc:  # a device error: this process is done
-                log.exception("unrecoverable error in batch %d", item.batch_id)
-                self.post(Fatal(message=f"unrecoverable device error in batch {item.batch_id}: {exc}"))
+                log.exception("unrecoverable error in batch %d", batch.batch_id)
+                self.post(Fatal(message=f"unrecoverable device error in batch {batch.batch_id}: {exc}"))
                 self.on_exit(70)
                 return
 
-    def _execute(self, batch: Execute) -> None:
+    def _warm_up(self) -> None:
+        """Run each warm-up shape twice (CUDA-graph trees record a graph on its second run), so
+        the first client of that shape pays neither compilation nor capture."""
+        caps = self.pipeline.capabilities
+        frames = caps.num_frames if caps.task == "text-to-video" else None
+        for shape in self.warmup:
+            params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
+                                 num_frames=frames)
+            requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
+            t0 = time.perf_counter()
+            for _ in range(2):
+                with torch.inference_mode():
+                    self.pipeline.run(params, requests, lambda _step, _total: True)
+            if self.cuda:
+                torch.cuda.synchronize()
+            log.info("warmed up %dx%d batch %d in %.1f s", shape.width, shape.height, shape.batch,
+                     time.perf_counter() - t0)
+
+    def _execute(self, batch: Execute, fds: list[int]) -> None:
         live = [r for r in batch.requests if not self.state.is_cancelled(r.request_id)]
         for r in batch.requests:
             if r not in live:
                 self._end(batch.batch_id, r.request_id, "cancelled", "cancelled while queued on the worker")
         if not live:
+            close_fds(fds)
             return
         live_ids = [r.request_id for r in live]
+        inputs: list[EditArrays] = []
+        if batch.params.edit is not None:
+            try:
+                inputs = self._inputs(live, fds)
+            except (ArenaError, OSError, ValueError) as exc:
+                self._fail_all(batch.batch_id, live_ids, f"could not read the input image: {exc}")
+                return
+            finally:
+                close_fds(fds)
+        else:
+            close_fds(fds)
         last_post = 0.0
 
         def on_step(step: int, total: int) -> bool:
@@ -106,12 +184,20 @@ class ComputeThread:
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
             return not self.state.all_cancelled(live_ids)
 
+        will_compile = getattr(self.pipeline, "will_compile", None)
+        if will_compile is not None and will_compile(batch.params, len(live)):
+            self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, compiling=True))
         self.state.record("compute_start", batch.batch_id)
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():  # no autograd bookkeeping: less host time per kernel launch
-                outputs = self.pipeline.run(batch.params, live, on_step)
+                if batch.params.edit is None:
+                    outputs = self.pipeline.run(batch.params, live, on_step)
+                elif isinstance(self.pipeline, EditingPipeline):
+                    outputs = self.pipeline.edit(batch.params, live, inputs, on_step)
+                else:
+                    raise PipelineError(f"model {self.pipeline.name} cannot do {batch.params.edit}")
         except Interrupted as exc:
             for rid in live_ids:
                 self._end(batch.batch_id, rid, "cancelled", f"cancelled during compute ({exc})")
@@ -140,6 +226,16 @@ class ComputeThread:
             self.copier.process(job)
         else:
             self.copier.submit(job)
+
+    @staticmethod
+    def _inputs(requests: list[RequestSpec], fds: list[int]) -> list[EditArrays]:
+        """Each request's input image and mask, copied out of the buffers that came with the batch."""
+        result: list[EditArrays] = []
+        for r in requests:
+            if r.input is None:
+                raise ValueError(f"request {r.request_id} of an edit batch has no input image")
+            result.append(read_inputs(fds, r.input))
+        return result
 
     def _control(self, item: Control) -> bool:
         """Drain copies (bounded), then act. Returns True when the thread should end."""

@@ -41,7 +41,7 @@ from diffusiond.ipc.messages import (
     Wake,
     WorkerConfig,
 )
-from diffusiond.worker.compute import ComputeThread, Control
+from diffusiond.worker.compute import ComputeThread, Control, Edit
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.state import SharedState
 
@@ -59,7 +59,7 @@ class Worker:
         self.arena: Arena | None = None
         self.copier: Copier | None = None
         self.compute: ComputeThread | None = None
-        self.pending: list[Execute | Control] = []  # commands that arrive while the model loads
+        self.pending: list[Execute | Edit | Control] = []  # commands that arrive while the model loads
         self.exit_code: asyncio.Future[int] | None = None
         self._init_task: asyncio.Future[None] | None = None
         self.shutting_down = False
@@ -96,7 +96,7 @@ class Worker:
             self._init_task = asyncio.ensure_future(self._init(msg.config))
         elif isinstance(msg, Execute):
             self.state.admit([r.request_id for r in msg.requests])
-            self._enqueue(msg)
+            self._enqueue(Edit(msg, frame.fds) if frame.fds else msg)
         elif isinstance(msg, Cancel):
             self.state.cancel(msg.request_ids)
         elif isinstance(msg, Release):
@@ -130,7 +130,7 @@ class Worker:
             dedicated_bytes=copier.dedicated_bytes if copier else 0,
         )
 
-    def _enqueue(self, item: Execute | Control) -> None:
+    def _enqueue(self, item: Execute | Edit | Control) -> None:
         if self.compute is None:
             self.pending.append(item)
         else:
@@ -187,7 +187,6 @@ class Worker:
             pipeline = await asyncio.to_thread(self._load, config)
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
-        load_ms = (time.perf_counter() - t0) * 1000
         post = self.channel.post_threadsafe
         if faults is None:
             self.copier = Copier(self.arena, self.state, post, device=pipeline.device,
@@ -206,22 +205,30 @@ class Worker:
             progress_interval_s=config.progress_interval_s,
             drain_timeout_s=config.drain_timeout_s,
             on_exit=self.exit,
+            warmup=config.warmup,
+            on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
+                                        (time.perf_counter() - t0) * 1000, pipeline.capabilities)),
         )
-        self.copier.start()
-        self.compute.start()
-        self.channel.post(Ready(config.model_name, str(pipeline.device), load_ms, pipeline.capabilities))
         for item in self.pending:
             self.compute.queue.put(item)
         self.pending.clear()
+        self.copier.start()
+        self.compute.start()  # it sends READY once the warm-up shapes have run
 
     @staticmethod
     def _load(config: WorkerConfig) -> Pipeline:
         from diffusiond.pipelines import load_pipeline
 
-        return load_pipeline(
+        pipeline = load_pipeline(
             config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype,
             options=config.options,
         )
+        if not config.compile:
+            return pipeline
+        from diffusiond.pipelines.compile import CompiledPipeline, set_cache_dir
+
+        set_cache_dir(config.compile_cache_dir)
+        return CompiledPipeline(pipeline, config.compile, config.options)
 
 
 class _StartError(Exception):

@@ -1,0 +1,175 @@
+"""An edit's input image and mask: from the bytes a client sent to a sealed buffer for the worker.
+
+Decoding, resizing and checking an image costs milliseconds to seconds, so it all runs in the
+encode thread pool (``decode_edit`` is called there), never on the event loop. What a client can
+get wrong here is answered with an ``InvalidRequest`` naming the field: bytes that are not an
+image, an image over the pixel limit (checked from the header, before the pixels are decoded, so
+a small file that decodes to gigapixels costs nothing), a mask whose size differs from the image,
+a path outside ``--input-dir``.
+
+Masks follow the OpenAI edits API: where the mask PNG is transparent (alpha 0) the image is
+repainted. A mask without an alpha channel is read the diffusers way: white is repainted. The
+worker gets the mask as one uint8 channel, 255 where to repaint.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from diffusiond.daemon.config import Limits
+from diffusiond.daemon.errors import UploadTooLarge, invalid
+from diffusiond.ipc.inputs import InputBuffer
+from diffusiond.protocol import ErrorCode, Task
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one input comes from: bytes the client sent, or a path under ``--input-dir``."""
+
+    field: str  # the request field, for error messages
+    data: bytes | None = None
+    b64: str | None = None
+    path: str | None = None
+
+
+@dataclass
+class EditInput:
+    """A decoded, validated edit input, owned by its job (the engine closes it when the job ends)."""
+
+    task: Task
+    strength: float
+    buffer: InputBuffer
+    width: int
+    height: int
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def _bytes_of(src: Source, limits: Limits, input_dir: str | None) -> bytes:
+    if src.data is not None:
+        data = src.data
+    elif src.b64 is not None:
+        text = src.b64
+        if text.startswith("data:"):  # a data URL: data:image/png;base64,....
+            text = text.partition(",")[2]
+        if len(text) * 3 // 4 > limits.max_upload_bytes:
+            raise UploadTooLarge(f"{src.field} is over the upload limit of {limits.max_upload_bytes} bytes",
+                                 field=src.field)
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise invalid(f"{src.field} is not valid base64 (send the image file's bytes, base64-encoded)",
+                          field=src.field, code=ErrorCode.INVALID_IMAGE) from None
+    else:
+        assert src.path is not None
+        data = _read_path(src, limits, input_dir)
+    if len(data) > limits.max_upload_bytes:
+        raise UploadTooLarge(f"{src.field} is {len(data)} bytes; the upload limit is {limits.max_upload_bytes}",
+                             field=src.field)
+    return data
+
+
+def _read_path(src: Source, limits: Limits, input_dir: str | None) -> bytes:
+    """Read a file only if it lies inside ``input_dir`` once every symlink is resolved."""
+    assert src.path is not None
+    if input_dir is None:
+        raise invalid(f"{src.field}: this daemon reads no input files (it was started without --input-dir); "
+                      "send the image itself", field=src.field)
+    root = Path(input_dir).resolve()
+    target = (root / src.path).resolve()  # an absolute src.path replaces root here, then fails the check
+    if not target.is_relative_to(root):
+        raise invalid(f"{src.field} {src.path!r} is outside the input folder; name a file inside --input-dir",
+                      field=src.field)
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise invalid(f"{src.field} {src.path!r} cannot be read: {exc.strerror}", field=src.field) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise invalid(f"{src.field} {src.path!r} is not a regular file", field=src.field)
+        if st.st_size > limits.max_upload_bytes:
+            raise UploadTooLarge(f"{src.field} {src.path!r} is {st.st_size} bytes; the upload limit is "
+                                 f"{limits.max_upload_bytes}", field=src.field)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limits.max_upload_bytes + 1)
+    finally:
+        os.close(fd)
+
+
+def _open(data: bytes, field: str, limits: Limits) -> Image.Image:
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    img: Image.Image
+    try:
+        img = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise invalid(f"{field} is not an image Pillow can read (send PNG, JPEG or WebP)",
+                      field=field, code=ErrorCode.INVALID_IMAGE) from None
+    w, h = img.size
+    if w * h > limits.max_input_pixels:
+        raise invalid(f"{field} is {w}x{h} = {w * h} pixels; the limit is {limits.max_input_pixels}",
+                      field=field, code=ErrorCode.INVALID_IMAGE)
+    try:
+        img.load()
+        img = ImageOps.exif_transpose(img) or img  # what the camera meant, as viewers show it
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise invalid(f"{field} could not be decoded: {exc}", field=field, code=ErrorCode.INVALID_IMAGE) from None
+    return img
+
+
+def _mask_plane(img: Image.Image) -> np.ndarray:
+    """255 where the image is to be repainted: transparent areas of a mask with alpha, else white."""
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        alpha = np.asarray(img.convert("RGBA"))[..., 3]
+        return (255 - alpha).astype(np.uint8)
+    return np.asarray(img.convert("L"), dtype=np.uint8)
+
+
+def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: float,
+                width: int | None, height: int | None, limits: Limits, input_dir: str | None) -> EditInput:
+    """Decode, check and resize an edit's inputs into a sealed buffer (in the encode pool).
+
+    The output size is ``width`` x ``height`` when the request gave one, else the image's own
+    size rounded down to a multiple of 8 (what the models need); the image and mask are resized
+    to it."""
+    from PIL import Image
+
+    img = _open(_bytes_of(image, limits, input_dir), image.field, limits)
+    w0, h0 = img.size
+    w = width if width is not None else w0 // 8 * 8
+    h = height if height is not None else h0 // 8 * 8
+    if (width is None or height is None) and not (
+            limits.min_size <= w <= limits.max_size and limits.min_size <= h <= limits.max_size):
+        raise invalid(
+            f"{image.field} is {w0}x{h0}; outputs are {limits.min_size} to {limits.max_size} pixels a side: "
+            "send a larger or smaller image, or a size to resize it to", field=image.field,
+            code=ErrorCode.INVALID_IMAGE)
+    plane = None
+    if mask is not None:
+        m = _open(_bytes_of(mask, limits, input_dir), mask.field, limits)
+        if m.size != (w0, h0):
+            raise invalid(f"{mask.field} is {m.size[0]}x{m.size[1]} but {image.field} is {w0}x{h0}; "
+                          "a mask must have the size of its image", field=mask.field, code=ErrorCode.INVALID_IMAGE)
+        plane = _mask_plane(m)
+        if (w, h) != (w0, h0):
+            plane = np.asarray(Image.fromarray(plane).resize((w, h), Image.Resampling.BILINEAR))
+        plane = plane[..., None]
+    rgb = img.convert("RGB")
+    if (w, h) != (w0, h0):
+        rgb = rgb.resize((w, h), Image.Resampling.LANCZOS)
+    buffer = InputBuffer(np.asarray(rgb, dtype=np.uint8), plane)
+    return EditInput(task=task, strength=strength, buffer=buffer, width=w, height=h)

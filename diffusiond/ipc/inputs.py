@@ -1,0 +1,100 @@
+"""Input images on their way to a worker: one sealed memfd per job, passed by SCM_RIGHTS.
+
+The output path keeps bulk data out of frames (the arena); inputs do the same the other way. The
+engine decodes an edit's image (and mask) once, at admission, into an ``InputBuffer``: a memfd
+holding the uint8 arrays back to back, written with ``pwrite`` (never mapped writable) and then
+sealed against any change (write, grow, shrink, and further seals). An EXECUTE frame carries a
+duplicate of the fd for each job in the batch, and the requests' ``InputRef`` say where in it
+their arrays lie. The worker maps it read-only, copies the arrays out and closes it at once, so a
+job's input costs one decode and one copy, however many outputs it has and wherever it runs.
+
+The seals mean the worker reads exactly what admission validated: nothing that holds the fd (the
+engine included) can change the bytes after the fact. memfd memory has no name and is freed by the
+kernel when the last fd and mapping go, so a crash on either side leaks nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from diffusiond.ipc.arena import ALIGN, memfd
+from diffusiond.ipc.errors import ArenaError
+from diffusiond.ipc.messages import InputRef
+from diffusiond.ipc.tensors import TensorDesc, as_numpy
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
+class InputBuffer:
+    """An edit's input image and optional mask in a sealed memfd (the engine's side)."""
+
+    def __init__(self, image: np.ndarray, mask: np.ndarray | None = None, *, name: str = "diffusiond-input") -> None:
+        arrays = [np.ascontiguousarray(image, dtype=np.uint8)]
+        if mask is not None:
+            arrays.append(np.ascontiguousarray(mask, dtype=np.uint8))
+        descs: list[TensorDesc] = []
+        offset = 0
+        for a in arrays:
+            descs.append(TensorDesc(dtype="uint8", shape=tuple(a.shape), nbytes=a.nbytes, slot_id=0, offset=offset))
+            offset += (a.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        self.nbytes = max(offset, 1)
+        self.fd = memfd(name, self.nbytes)
+        try:
+            for a, d in zip(arrays, descs, strict=True):
+                view = memoryview(a.tobytes()) if not a.flags.c_contiguous else memoryview(a.data).cast("B")
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(self.fd, view[done:], d.offset + done)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.image = descs[0]
+        self.mask = descs[1] if mask is not None else None
+
+    def ref(self, fd_index: int) -> InputRef:
+        """The descriptor a request carries when this buffer is fd ``fd_index`` of its frame."""
+        return InputRef(fd=fd_index, image=self.image, mask=self.mask)
+
+    def dup(self) -> int:
+        """A new fd for one frame (the channel closes it once sent, whatever becomes of the job)."""
+        if self.fd < 0:
+            raise ArenaError("input buffer is closed")
+        return os.dup(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+def read_inputs(fds: Sequence[int], ref: InputRef) -> tuple[np.ndarray, np.ndarray | None]:
+    """The worker's side: copies of the image and mask that ``ref`` points at in ``fds``.
+
+    Refuses memory that is not sealed against writes: the worker must compute on what the
+    engine validated, not on bytes someone may still change."""
+    if not 0 <= ref.fd < len(fds):
+        raise ArenaError(f"input refers to fd {ref.fd}; the frame brought {len(fds)}")
+    fd = fds[ref.fd]
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if not seals & fcntl.F_SEAL_WRITE:
+        raise ArenaError("input memory is not sealed against writes")
+    size = os.fstat(fd).st_size
+    need = max(d.offset + d.nbytes for d in (ref.image, ref.mask) if d is not None)
+    if need > size:
+        raise ArenaError(f"input descriptor needs {need} bytes; the memfd holds {size}")
+    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            image = as_numpy(view, ref.image).copy()
+            mask = as_numpy(view, ref.mask).copy() if ref.mask is not None else None
+        finally:
+            view.release()
+    return image, mask

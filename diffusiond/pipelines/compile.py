@@ -1,0 +1,212 @@
+"""``--compile``: torch.compile of a diffusers pipeline's modules, and which batch shapes are new to it.
+
+On small images a GPU spends most of a forward waiting for Python to launch kernels; compiling
+the denoiser and the VAE decoder fuses those kernels, and the CUDA-graph modes replay a whole
+forward with one launch. What is compiled, and how:
+
+- a transformer denoiser (DiT: Flux, SD3, Wan, LTX) regionally, ``compile_repeated_blocks``:
+  its blocks are one code object compiled once, so compiling takes seconds instead of minutes;
+- a UNet whole: its blocks differ, and the whole graph is what fuses across them;
+- the VAE decoder and the text encoders whole.
+
+Shapes are static (``dynamic=False``): each (batch, size, frames, guidance on/off) is a graph of
+its own, exact for that shape and replayable as a CUDA graph. ``compile_shapes`` bounds how many a
+module keeps (dynamo's recompile limit); a shape past the bound runs eager, so a client sending
+ever new sizes cannot make the worker compile (or hold CUDA graphs) without end.
+
+A batch smaller than a batch size already compiled for its size runs padded to that size (the
+smallest such), with copies of its last request whose outputs are dropped: a forward of 8 costs
+far less than compiling a graph for 5 (minutes) or running it eager. Each request keeps its own
+generator, so its output is the one it gets in any batch (equal up to float rounding, as
+tests/test_pipelines.py measures). Warm up the largest batch (``--warmup 512x512:8``) and every
+smaller batch of that size is served by its graph.
+
+The compile is lazy: torch compiles a shape when it first runs. The worker runs the ``--warmup``
+shapes before it reports ready, and for any other new shape it tells the engine (stage
+``compiling``) before the batch starts, using ``will_compile``.
+
+LoRA hot-swap on a compiled model: diffusers' ``enable_lora_hotswap(target_rank=...)`` must be
+called before the modules are compiled. ``CompiledPipeline.compile`` calls ``before_compile``
+(a hook, None by default) on the diffusers pipeline first, for the LoRA feature to set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
+from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, StepCallback, Task
+from diffusiond.protocol import COMPILE_MODES
+
+__all__ = ["CompiledPipeline", "compilations", "set_cache_dir", "shape_key"]
+
+DEFAULT_MAX_SHAPES = 8
+_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def set_cache_dir(path: str) -> None:
+    """Keep inductor's and Triton's compiled artefacts under ``path``: with the state dir's
+    ``compile-cache`` a restart loads kernels instead of compiling them again (FX graph cache and
+    AOT autograd cache are on by default in torch 2.4+ and live under the inductor cache dir).
+    Read by torch when it compiles, so it must be set before the first compile, not before import."""
+    if not path:
+        return
+    Path(path).mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(path) / "triton"))
+
+
+def compilations() -> int:
+    """Graphs dynamo has compiled in this process (every module and shape counts one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def shape_key(params: BatchParams, batch: int) -> tuple[int, int, int, int, bool]:
+    """What makes a compiled graph of the pipeline's modules differ: the tensors' shapes. Steps,
+    seeds, prompts and the guidance value are data, not shapes; guidance on or off is a shape (it
+    doubles the denoiser's batch)."""
+    return (batch, params.width, params.height, params.num_frames or 0, params.guidance > 1.0)
+
+
+def _bound_recompiles(max_shapes: int) -> None:
+    """Each compiled module keeps at most ``max_shapes`` graphs; past that dynamo runs it eager."""
+    import torch._dynamo
+
+    config: Any = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.6
+        if hasattr(config, name):
+            setattr(config, name, max_shapes)
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * max_shapes)
+
+
+class CompiledPipeline:
+    """A ``Pipeline`` whose diffusers modules are compiled; runs, sleeps and wakes like the eager one."""
+
+    before_compile: Callable[[Any], None] | None = None  # e.g. LoRA: enable_lora_hotswap on the diffusers pipe
+
+    def __init__(self, inner: Pipeline, mode: str, options: Mapping[str, str] | None = None) -> None:
+        opts = dict(options or {})
+        if mode not in COMPILE_MODES:
+            raise PipelineError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+        pipe = getattr(inner, "pipe", None)
+        if pipe is None:
+            raise PipelineError(f"--compile: model {inner.name} is not a diffusers pipeline; nothing to compile")
+        self.inner = inner
+        self.name, self.task, self.device, self.dtype = inner.name, inner.task, inner.device, inner.dtype
+        self.mode = mode
+        self.backend = opts.get("compile_backend", "inductor")
+        try:
+            self.max_shapes = int(opts.get("compile_shapes", DEFAULT_MAX_SHAPES))
+        except ValueError:
+            raise PipelineError(f"compile_shapes={opts['compile_shapes']!r} is not a whole number") from None
+        if self.max_shapes < 1:
+            raise PipelineError(f"compile_shapes must be at least 1, got {self.max_shapes}")
+        self.capabilities: Capabilities = msgspec.structs.replace(inner.capabilities, compiled=mode)
+        self._seen: set[tuple[int, int, int, int, bool]] = set()
+        self.compiled: list[str] = []  # which modules, for the log and the tests
+        self._prepare(pipe, opts)
+        self.compile(pipe)
+
+    def _prepare(self, pipe: Any, opts: Mapping[str, str]) -> None:
+        """Layout changes that can pay with a compiled model; opt-in, since measured on the H200
+        (issue 17) channels_last with fused QKV was slower than eager at batch 8 and at 1024²."""
+        denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+        if opts.get("fuse_qkv") == "1":
+            if not hasattr(pipe, "fuse_qkv_projections"):
+                raise PipelineError(f"fuse_qkv=1: {type(pipe).__name__} cannot fuse its QKV projections")
+            pipe.fuse_qkv_projections()
+        if opts.get("channels_last") == "1":
+            for module in (denoiser, getattr(getattr(pipe, "vae", None), "decoder", None)):
+                if module is not None:
+                    module.to(memory_format=torch.channels_last)
+
+    def compile(self, pipe: Any) -> None:
+        """Mark the modules for compilation; torch compiles each shape when it first runs."""
+        if self.before_compile is not None:
+            self.before_compile(pipe)
+        _bound_recompiles(self.max_shapes)
+        kw: dict[str, Any] = {"backend": self.backend, "dynamic": False}
+        if self.backend == "inductor":
+            kw["mode"] = self.mode
+        transformer = getattr(pipe, "transformer", None)
+        if transformer is not None and getattr(transformer, "_repeated_blocks", None):
+            transformer.compile_repeated_blocks(fullgraph=True, **kw)
+            self.compiled.append("transformer (regional: " + ", ".join(transformer._repeated_blocks) + ")")
+        elif transformer is not None:
+            transformer.compile(**kw)
+            self.compiled.append("transformer")
+        unet = getattr(pipe, "unet", None)
+        if unet is not None:
+            unet.compile(**kw)
+            self.compiled.append("unet")
+        decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+        if decoder is not None and self.task is Task.TEXT_TO_IMAGE:
+            # Video VAEs decode in temporal tiles of changing shape and cache frames between them:
+            # compiled, they recompile per tile. Left eager.
+            decoder.compile(**kw)
+            self.compiled.append("vae.decoder")
+        for name in _TEXT_ENCODERS:
+            encoder = getattr(pipe, name, None)
+            if isinstance(encoder, torch.nn.Module):
+                encoder.compile(**kw)
+                self.compiled.append(name)
+
+    def run_size(self, params: BatchParams, batch: int) -> int:
+        """The batch size a batch of ``batch`` runs at: its own when compiled or when no larger
+        size of its shape is, else the smallest larger compiled one (padded)."""
+        key = shape_key(params, batch)
+        if key in self._seen or params.edit is not None:  # edits run unpadded (their inputs are per request)
+            return batch
+        larger = [k[0] for k in self._seen if k[1:] == key[1:] and k[0] > batch]
+        return min(larger, default=batch)
+
+    def will_compile(self, params: BatchParams, batch: int) -> bool:
+        """Whether running this batch compiles (a new shape, within the bound)."""
+        key = shape_key(params, self.run_size(params, batch))
+        return key not in self._seen and len(self._seen) < self.max_shapes
+
+    def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback) -> list[torch.Tensor]:
+        n = len(requests)
+        size = self.run_size(params, n)
+        if size > n:
+            last = requests[-1]
+            requests = [*requests, *(msgspec.structs.replace(last, request_id=f"{last.request_id}+pad{i}")
+                                     for i in range(size - n))]
+        if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
+            # CUDA-graph trees: a new iteration starts here, so outputs of the last run may be reused.
+            torch.compiler.cudagraph_mark_step_begin()
+        outputs = self.inner.run(params, requests, on_step)[:n]
+        if len(self._seen) < self.max_shapes:
+            self._seen.add(shape_key(params, size))
+        # No copy of the outputs is needed for the CUDA-graph modes: the decoder's output (which
+        # lives in the graph's memory pool) is denormalised into a fresh tensor by the pipeline.
+        return outputs
+
+    def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
+             on_step: StepCallback) -> list[torch.Tensor]:
+        """Edits run on the diffusers pipeline ``from_pipe`` builds from the same modules, so they
+        run compiled too; a model that cannot edit says so."""
+        edit = getattr(self.inner, "edit", None)
+        if edit is None:
+            raise PipelineError(f"model {self.name} cannot edit images")
+        if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()
+        outputs: list[torch.Tensor] = edit(params, requests, inputs, on_step)
+        if len(self._seen) < self.max_shapes:
+            self._seen.add(shape_key(params, len(requests)))
+        return outputs
+
+    def sleep(self) -> None:
+        self.inner.sleep()
+
+    def wake(self) -> None:
+        self.inner.wake()

@@ -1,0 +1,82 @@
+"""Opt-in approximate speed-ups: outputs differ from the model's own, so each is named in every output.
+
+- ``cache=fbc[:THRESHOLD]``: diffusers' First Block Cache (reuse the rest of the network's residual
+  while the first block's output changes less than THRESHOLD, default 0.05);
+- ``cache=taylorseer[:INTERVAL]``: diffusers' TaylorSeer cache (predict features between full steps
+  every INTERVAL steps, default 5);
+- ``fp8=1``: float8 weights and activations for the denoiser's linear layers through torchao, on
+  GPUs with fp8 matrix units (compute capability 8.9+: Ada, Hopper). torchao is not a dependency:
+  the option says so when it is missing.
+
+Both cache hooks exist only on diffusers' transformer denoisers (``CacheMixin``: Flux, SD3, Wan,
+LTX, ...); a UNet model (SD 1.5, SDXL) refuses the option at load, naming the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from diffusiond.pipelines.errors import PipelineError
+
+__all__ = ["apply_speedups"]
+
+
+def _number(option: str, text: str, kind: type[float] | type[int]) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise PipelineError(f"{option}: {text!r} is not a {'number' if kind is float else 'whole number'}") from None
+    if value <= 0:
+        raise PipelineError(f"{option}: must be positive, got {text}")
+    return value
+
+
+def _cache_config(value: str) -> tuple[Any, str]:
+    import diffusers
+
+    kind, _, arg = value.partition(":")
+    if kind == "fbc":
+        threshold = _number(f"cache={value}", arg, float) if arg else 0.05
+        return diffusers.FirstBlockCacheConfig(threshold=threshold), f"first-block-cache(threshold={threshold:g})"
+    if kind == "taylorseer":
+        interval = int(_number(f"cache={value}", arg, int)) if arg else 5
+        return diffusers.TaylorSeerCacheConfig(cache_interval=interval), f"taylorseer-cache(interval={interval})"
+    raise PipelineError(f"cache={value!r}: known caches are fbc[:THRESHOLD] and taylorseer[:INTERVAL]")
+
+
+def _fp8(denoiser: Any, device: torch.device) -> str:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise PipelineError("fp8=1 needs a CUDA GPU with fp8 matrix units (compute capability 8.9+: Ada, Hopper)")
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+    except ImportError as exc:
+        raise PipelineError(f"fp8=1 needs the torchao package (pip install torchao): {exc}") from exc
+    quantize_(denoiser, Float8DynamicActivationFloat8WeightConfig())
+    return "fp8-weights-and-activations(torchao)"
+
+
+def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) -> tuple[str, ...]:
+    """Apply the approximate speed-ups ``options`` ask for; their names, for every output's metadata."""
+    names: list[str] = []
+    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if options.get("fp8") == "1":
+        if denoiser is None:
+            raise PipelineError(f"fp8=1: {type(pipe).__name__} has no denoiser to quantize")
+        names.append(_fp8(denoiser, device))
+    cache = options.get("cache")
+    if cache:
+        from diffusers.models.cache_utils import CacheMixin
+
+        if not isinstance(denoiser, CacheMixin):
+            kind = type(denoiser).__name__
+            raise PipelineError(
+                f"cache={cache}: the model's denoiser ({kind}) has no diffusers cache hooks; they exist on "
+                "transformer models (Flux, SD3, Wan, LTX, ...), not on UNet models (SD 1.5, SDXL)"
+            )
+        config, name = _cache_config(cache)
+        denoiser.enable_cache(config)
+        names.append(name)
+    return tuple(names)

@@ -1,0 +1,131 @@
+"""The application builder: ``serve run diffusiond.ray:build model=sd=/models/sd15 replicas=2 gpus_per_replica=1``.
+
+The arguments are strings from ``serve run`` or typed values from a ``serve deploy`` YAML; both
+go through ``Options.parse``, which names the argument and what it accepts when one is wrong
+(before any replica starts, so a typo is one line, not a crashed deployment).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ARGS_HELP = {
+    "model": "model spec(s) for `diffusiond serve --model`, comma-separated (default tiny)",
+    "replicas": "a number of replicas, or 'auto' to scale on the daemons' queue length (default 1)",
+    "min_replicas": "with replicas=auto: the fewest replicas, 0 scales to zero (default 1)",
+    "max_replicas": "with replicas=auto: the most replicas (default 4)",
+    "target_load": "with replicas=auto: jobs queued or running per replica to aim for (default 4)",
+    "gpus_per_replica": "GPUs Ray gives each replica's daemon (default 0)",
+    "cpus_per_replica": "CPUs Ray reserves for each replica (default 1)",
+    "device": "the daemon's --device (default cuda with GPUs, else cpu)",
+    "config": "a TOML file for the daemon's --config (the same DaemonConfig as on one machine)",
+    "daemon_args": "further `diffusiond serve` flags, as one shell-quoted string",
+    "max_ongoing_requests": "requests in flight per replica before Serve queues at the router (default 64)",
+    "batch_affinity": "batchable requests stay on one replica while its queue is shorter than this (default 4)",
+    "health_check_period_s": "how often Serve asks each replica's daemon /health (default 10)",
+    "start_timeout_s": "how long a replica waits for its daemon to load its models (default 600)",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    model: tuple[str, ...] = ("tiny",)
+    replicas: int | None = 1  # None: autoscaling
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_load: float = 4.0
+    gpus_per_replica: float = 0.0
+    cpus_per_replica: float = 1.0
+    device: str | None = None
+    config: str | None = None
+    daemon_args: tuple[str, ...] = field(default=())
+    max_ongoing_requests: int = 64
+    batch_affinity: int = 4
+    health_check_period_s: float = 10.0
+    start_timeout_s: float = 600.0
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Options:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown argument(s) {', '.join(unknown)}; diffusiond.ray:build takes: "
+                             + "; ".join(f"{k}: {v}" for k, v in ARGS_HELP.items()))
+        values: dict[str, Any] = {}
+        for name, raw in args.items():
+            values[name] = _convert(name, raw)
+        opts = cls(**values)
+        if opts.replicas is None and not 0 <= opts.min_replicas <= opts.max_replicas:
+            raise ValueError(f"min_replicas={opts.min_replicas} and max_replicas={opts.max_replicas}: "
+                             "need 0 <= min_replicas <= max_replicas")
+        return opts
+
+    def serve_args(self) -> list[str]:
+        """The daemon's command line after ``diffusiond serve --socket PATH``."""
+        out: list[str] = []
+        if self.config:
+            out += ["--config", self.config]
+        for m in self.model:
+            out += ["--model", m]
+        device = self.device or ("cuda" if self.gpus_per_replica > 0 else "cpu")
+        return [*out, "--device", device, *self.daemon_args]
+
+
+def _convert(name: str, raw: Any) -> Any:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{name}={raw!r}: expected {what} ({ARGS_HELP[name]})")
+
+    if name == "model":
+        items = raw if isinstance(raw, list) else str(raw).split(",")
+        models = tuple(str(m).strip() for m in items if str(m).strip())
+        if not models:
+            raise bad("at least one model spec")
+        return models
+    if name == "daemon_args":
+        return tuple(raw) if isinstance(raw, list) else tuple(shlex.split(str(raw)))
+    if name in ("device", "config"):
+        return str(raw)
+    if name == "replicas" and str(raw).strip().lower() == "auto":
+        return None
+    integer = name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests", "batch_affinity")
+    try:
+        value = int(str(raw)) if integer else float(str(raw))
+    except ValueError:
+        raise bad("an integer" if integer else "a number") from None
+    low = 1 if name in ("replicas", "max_replicas", "max_ongoing_requests", "batch_affinity") else 0
+    if value < low or (name in ("health_check_period_s", "start_timeout_s", "target_load") and value <= 0):
+        raise bad(f"a value >= {low}" if value < low else "a positive number")
+    return value
+
+
+def build(args: dict[str, Any]) -> Any:
+    """The Serve application: a gateway (the HTTP ingress) in front of the daemon replicas."""
+    from ray import serve
+
+    from diffusiond.ray.gateway import Gateway
+    from diffusiond.ray.replica import DaemonReplica
+    from diffusiond.ray.router import JobRouter
+
+    opts = Options.parse(dict(args))
+    scaling: dict[str, Any] = {"num_replicas": opts.replicas}
+    if opts.replicas is None:
+        scaling = {"autoscaling_config": {
+            "min_replicas": opts.min_replicas, "max_replicas": opts.max_replicas,
+            "target_ongoing_requests": opts.target_load,
+            "policy": {"policy_function": "diffusiond.ray.router:queue_policy"}}}
+    daemons = serve.deployment(
+        name="diffusiond",
+        max_ongoing_requests=opts.max_ongoing_requests,
+        ray_actor_options={"num_cpus": opts.cpus_per_replica, "num_gpus": opts.gpus_per_replica},
+        health_check_period_s=opts.health_check_period_s,
+        health_check_timeout_s=max(30.0, opts.health_check_period_s),
+        graceful_shutdown_timeout_s=90.0,  # the daemon's own drain grace (30 s by default), then its workers stop
+        request_router_config={
+            "request_router_class": JobRouter, "request_router_kwargs": {"batch_affinity": opts.batch_affinity},
+            "request_routing_stats_period_s": 2.0, "request_routing_stats_timeout_s": 10.0},
+        **scaling,
+    )(DaemonReplica)
+    gateway = serve.deployment(name="gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)(Gateway)
+    return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s))

@@ -1,0 +1,69 @@
+"""The HTTP ingress: what Serve's proxy calls for every request to the application.
+
+It reads the route (and, in a job's path, the replica that holds the job), answers the requests
+that reach no daemon itself (unknown routes, malformed job ids), and passes the rest to the
+daemon deployment through a handle whose router (``router.JobRouter``) picks the replica. The
+answer streams back unchanged but for job ids, which the replica has already bound to itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from diffusiond.protocol import ErrorCode
+from diffusiond.ray import ids
+from diffusiond.ray.replica import Call, Head
+
+# A request crosses Ray's object store whole; the daemon has its own, smaller limit (1 MiB by default).
+MAX_BODY_BYTES = 64 << 20
+
+
+class Gateway:
+    """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
+
+    def __init__(self, daemons: Any) -> None:
+        self.daemons = daemons.options(stream=True)
+
+    async def __call__(self, request: Request) -> Response:
+        try:
+            replica, path = ids.route(request.method, request.url.path)
+        except ids.RouteError as exc:
+            return JSONResponse(ids.error_body(exc.code, str(exc), exc.field), status_code=exc.status)
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return JSONResponse(ids.error_body(ErrorCode.REQUEST_TOO_LARGE,
+                                               f"the request body is over {MAX_BODY_BYTES >> 20} MiB, the most "
+                                               "the Ray gateway passes on to a daemon"), status_code=413)
+        body = await request.body()
+        key = None
+        if replica is None and request.method == "POST":
+            try:
+                key = ids.batch_key(json.loads(body))
+            except ValueError:
+                key = None  # the daemon answers 400 invalid_json naming what is wrong
+        call = Call(request.method, path, request.url.query, request.headers.get("content-type"), body, replica)
+        stream = self.daemons.forward.remote(msgspec.msgpack.encode(call), replica=replica, batch_key=key)
+        try:
+            head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
+        except Exception as exc:  # the replica's process died (RayActorError, ...) before it answered
+            which = f"replica {replica}" if replica else "the replica that took this request"
+            message = (f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. "
+                       "A job it held is lost with it: submit again")
+            return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE, message), status_code=503)
+
+        async def rest() -> AsyncIterator[bytes]:
+            done = False
+            try:
+                async for chunk in stream:
+                    yield chunk
+                done = True
+            finally:
+                if not done:  # the client went away: the replica closes the daemon's request (a sync job is cancelled)
+                    stream.cancel()
+
+        return StreamingResponse(rest(), status_code=head.status, headers=dict(head.headers))

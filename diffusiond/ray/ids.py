@@ -1,0 +1,114 @@
+"""Job ids that carry their replica, and the routes that need one.
+
+A daemon's job lives in that daemon's memory (its outputs in its workers' shared memory), so a
+request about a job must reach the replica that runs that daemon. The id a client gets is the
+daemon's id with the replica's Serve id in front (``"k3x9q2ab.j_0123456789abcdef"``): the
+gateway reads the replica from the path alone, with no table to keep in step and nothing lost
+when a gateway restarts. Pure functions, no Ray, so they are tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from diffusiond.protocol import ErrorCode
+
+SEP = "."
+_DAEMON_ID = re.compile(r"j_[0-9a-f]+")
+_REPLICA = re.compile(r"[A-Za-z0-9_-]+")
+_JOB_PATH = re.compile(r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+)?)")
+
+# Routes the gateway forwards; the admin routes (sleep, wake, trace) act on one daemon and stay on its socket.
+UNBOUND_ROUTES = frozenset({
+    ("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
+    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"),
+})
+BOUND_METHODS = {"": ("GET", "DELETE"), "/events": ("GET",), "/outputs": ("GET",)}
+
+
+class RouteError(ValueError):
+    """A request the gateway answers itself: ``status`` and ``code`` for the error body."""
+
+    def __init__(self, status: int, code: ErrorCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.field = field
+
+
+def bind(replica: str, daemon_id: str) -> str:
+    return f"{replica}{SEP}{daemon_id}"
+
+
+def unbind(job_id: str) -> tuple[str, str]:
+    """(replica, daemon's id) of a client's job id, or RouteError 404 naming the id."""
+    replica, sep, daemon_id = job_id.partition(SEP)
+    if not sep or not _REPLICA.fullmatch(replica) or not _DAEMON_ID.fullmatch(daemon_id):
+        raise RouteError(404, ErrorCode.JOB_NOT_FOUND,
+                         f"no job {job_id!r}: job ids here look like REPLICA.j_HEX, as POST /v1/jobs returned them")
+    return replica, daemon_id
+
+
+def route(method: str, path: str) -> tuple[str | None, str]:
+    """(replica the request must reach or None for any, the path to send to that daemon)."""
+    m = _JOB_PATH.fullmatch(path)
+    if m is not None:
+        rest = m["rest"]
+        allowed = BOUND_METHODS["/outputs" if rest.startswith("/outputs") else rest]
+        if method not in allowed:
+            raise RouteError(405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} {path}: allowed are {', '.join(allowed)}")
+        replica, daemon_id = unbind(m["job"])
+        return replica, f"/v1/jobs/{daemon_id}{rest}"
+    if (method, path) in UNBOUND_ROUTES:
+        return None, path
+    if any(path == p for _, p in UNBOUND_ROUTES):
+        methods = sorted(mm for mm, p in UNBOUND_ROUTES if p == path)
+        raise RouteError(405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} {path}: allowed are {', '.join(methods)}")
+    raise RouteError(404, ErrorCode.NOT_FOUND,
+                     f"{path} is not served through Ray Serve (admin routes act on one daemon: use its socket)")
+
+
+def bind_document(doc: Any, replica: str) -> Any:
+    """The daemon's JSON with every job id and job URL it names bound to ``replica``.
+
+    Only the fields that hold ids are touched (``id``/``job_id`` values that are job ids, job
+    ``url``s), so a prompt that happens to contain ``j_...`` goes through as written."""
+    if isinstance(doc, list):
+        return [bind_document(v, replica) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in ("id", "job_id") and isinstance(value, str) and _DAEMON_ID.fullmatch(value):
+            out[key] = bind(replica, value)
+        elif key == "url" and isinstance(value, str) and value.startswith("/v1/jobs/j_"):
+            out[key] = "/v1/jobs/" + bind(replica, value.removeprefix("/v1/jobs/"))
+        elif key == "request":  # what the client sent: kept as it was
+            out[key] = value
+        else:
+            out[key] = bind_document(value, replica)
+    return out
+
+
+def bind_header(value: str, replica: str) -> str:
+    """``Location`` and ``Content-Disposition`` name the daemon's id: bind it there too."""
+    return _DAEMON_ID.sub(lambda m: bind(replica, m[0]), value, count=1)
+
+
+def batch_key(body: dict[str, Any]) -> str | None:
+    """The part of a generation request that decides whether two requests can share a forward
+    pass (the daemon's own batching key, as far as the body shows it). None for a body that is not
+    a generation request."""
+    if not isinstance(body, dict) or "prompt" not in body:
+        return None
+    parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
+                                   "guidance_scale", "scheduler", "output_dtype", "num_frames")]
+    return repr(parts)
+
+
+def error_body(code: ErrorCode, message: str, field: str | None = None) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": code.value, "message": message}
+    if field is not None:
+        err["field"] = field
+    return {"error": err}

@@ -1,0 +1,288 @@
+"""One Serve replica: one real diffusiond daemon in a subprocess, reached over its private socket.
+
+The daemon is the same program as on a workstation (``python -m diffusiond serve``, the same
+flags or TOML ``DaemonConfig``), so every guarantee it keeps there (async output path, cancel,
+deadlines, no lost output, a job that always ends with a reason) holds here unchanged. The
+replica only moves bytes: a request comes in as a msgpack ``Call``, goes to the daemon over its
+Unix socket with aiohttp, and the answer goes back as a stream: first the head (status and
+headers, msgpack), then the body in chunks, so SSE progress and output bytes flow as they come.
+
+Lifetime: the daemon dies with the replica. ``__del__`` (Serve's graceful stop) sends SIGTERM,
+which drains and stops the workers, and waits; the daemon also gets SIGTERM from the kernel if
+the replica's process dies without a goodbye (``PR_SET_PDEATHSIG``), so a killed actor leaves no
+daemon and no workers behind (and the next health check of a replica on that node removes its
+private directory). ``check_health`` fails once the daemon has exited, and Serve then replaces
+the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from diffusiond.protocol import ErrorCode
+from diffusiond.ray import ids
+
+log = logging.getLogger("diffusiond.ray")
+
+CHUNK = 256 << 10
+BIG_JSON = 1 << 20
+PR_SET_PDEATHSIG = 1
+# headers that belong to one hop, or that are wrong once a body is rewritten
+HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"})
+
+
+class Call(msgspec.Struct, frozen=True):
+    """An HTTP request on its way from the gateway to a replica (msgpack on the wire, never pickle)."""
+
+    method: str
+    path: str
+    query: str = ""
+    content_type: str | None = None
+    body: bytes = b""
+    replica: str | None = None  # the replica the job id named; None for any
+
+
+class Head(msgspec.Struct, frozen=True):
+    status: int
+    headers: list[tuple[str, str]]
+
+
+def encode_error(status: int, code: ErrorCode, message: str) -> list[bytes]:
+    """The head and body of an error the replica answers itself."""
+    head = Head(status, [("content-type", "application/json")])
+    return [msgspec.msgpack.encode(head), json.dumps(ids.error_body(code, message)).encode()]
+
+
+def remove_stale_dirs(tmp: Path) -> None:
+    """Remove the private directories (socket, daemon log) of replicas on this node whose daemon
+    is gone. A replica stopped by Serve removes its own in ``__del__``; one whose process was
+    killed cannot, so the living replicas' health checks do it for them."""
+    for d in tmp.glob("diffusiond-ray-*"):
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / "daemon.pid").read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or a replica still starting its daemon
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """What the child runs between fork and exec: ask the kernel for SIGTERM when the replica's
+    thread that started it ends, and exit at once if the replica is already gone (no signal would
+    ever come). libc is loaded here, before the fork, not in the child."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+    def child() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return child
+
+
+class DaemonReplica:
+    """The body of the Serve deployment (``app.build`` wraps it in ``serve.deployment``)."""
+
+    def __init__(self, serve_args: list[str], start_timeout_s: float = 600.0, stop_timeout_s: float = 60.0) -> None:
+        import ray
+        from ray import serve
+
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.stop_timeout_s = stop_timeout_s
+        self.dir = Path(tempfile.mkdtemp(prefix=f"diffusiond-ray-{self.replica}-"))
+        self.socket = self.dir / "d.sock"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        gpus = [str(g) for g in ray.get_gpu_ids()]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # the GPUs Ray gave this replica, and no others
+        self._log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - closed in __del__
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *serve_args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
+        (self.dir / "daemon.pid").write_text(str(self.proc.pid))
+        log.info("replica %s: daemon pid %d on %s (GPUs %s)", self.replica, self.proc.pid, self.socket, gpus or "none")
+        self._session: aiohttp.ClientSession | None = None
+        self._wait_ready(start_timeout_s)
+
+    # the daemon -------------------------------------------------------------------------------
+    def _wait_ready(self, timeout_s: float) -> None:
+        import socket as s
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"replica {self.replica}: the diffusiond daemon exited with {self.proc.returncode} "
+                                   f"while starting:\n{self.daemon_log()}")
+            with contextlib.suppress(OSError), s.socket(s.AF_UNIX, s.SOCK_STREAM) as c:
+                c.settimeout(5)
+                c.connect(str(self.socket))
+                c.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if b" 200 " in c.recv(4096).split(b"\r\n", 1)[0]:
+                    return
+            time.sleep(0.2)
+        self._stop()
+        raise RuntimeError(f"replica {self.replica}: the daemon was not ready after {timeout_s:g}s:\n"
+                           f"{self.daemon_log()}")
+
+    def daemon_log(self) -> str:
+        try:
+            return (self.dir / "daemon.log").read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def _gone_reason(self) -> str | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"replica {self.replica}: its diffusiond daemon {how}; Serve will replace the replica"
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            conn = aiohttp.UnixConnector(path=str(self.socket), limit=0)
+            self._session = aiohttp.ClientSession(connector=conn, base_url="http://diffusiond",
+                                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        return self._session
+
+    async def _health(self) -> dict[str, Any] | None:
+        try:
+            async with self._http().get("/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                doc: dict[str, Any] = await r.json()
+                return doc
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    # Serve's hooks -----------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Fail once the daemon has exited or stopped answering; a daemon that is replacing a
+        worker is still healthy (it does that itself)."""
+        reason = self._gone_reason()
+        if reason:
+            raise RuntimeError(reason)
+        remove_stale_dirs(self.dir.parent)
+        if await self._health() is None:
+            raise RuntimeError(f"replica {self.replica}: its diffusiond daemon does not answer /health")
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the router reads: a sleeping or draining daemon takes no new work."""
+        h = None if self._gone_reason() else await self._health()
+        if h is None:
+            return {"accepting": False, "queue_depth": 0}
+        return {"accepting": bool(h.get("accepting")) and not h.get("sleeping"), "queue_depth": h.get("queue_depth", 0)}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The daemon's own load for the autoscaling policy: jobs waiting plus jobs running."""
+        h = None if self._gone_reason() else await self._health()
+        if h is None:
+            return {"daemon_load": 0.0}
+        running = float((h.get("jobs") or {}).get("running", 0))
+        return {"daemon_load": float(h.get("queue_depth", 0)) + running}
+
+    def __del__(self) -> None:
+        """Serve's graceful stop (and the collector's, a no-op by then): SIGTERM, wait, clean up."""
+        if hasattr(self, "proc"):
+            self._stop()
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("replica %s: daemon did not stop in %gs; killing it", self.replica, self.stop_timeout_s)
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(Exception):
+            self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # requests --------------------------------------------------------------------------------------
+    async def forward(self, raw: bytes, replica: str | None = None,
+                      batch_key: str | None = None) -> AsyncIterator[bytes]:
+        """Answer one call: a msgpack ``Head``, then the body's chunks. ``replica`` and
+        ``batch_key`` are for the router (``router.JobRouter`` reads them from the call)."""
+        call = msgspec.msgpack.decode(raw, type=Call)
+        if call.replica is not None and call.replica != self.replica:
+            # The router sends a job here only when its replica is no longer among the running ones.
+            for part in encode_error(410, ErrorCode.REPLICA_GONE,
+                                     f"the job's replica {call.replica} is gone (restarted or scaled down), and the "
+                                     "job and its outputs with it; submit the job again"):
+                yield part
+            return
+        reason = self._gone_reason()
+        if reason:
+            for part in encode_error(503, ErrorCode.REPLICA_UNAVAILABLE, reason):
+                yield part
+            return
+        headers = {"Content-Type": call.content_type} if call.content_type else {}
+        url = call.path + (f"?{call.query}" if call.query else "")
+        started = False
+        try:
+            async with self._http().request(call.method, url, data=call.body or None, headers=headers) as resp:
+                async for part in self._relay(resp):
+                    started = True
+                    yield part
+        except aiohttp.ClientConnectionError as exc:
+            if started:  # the head went out: the stream ends short, as a dropped connection does
+                raise
+            await asyncio.sleep(0.2)  # the daemon's exit status, if it died, is known a moment later
+            message = (self._gone_reason()
+                       or f"replica {self.replica}: its diffusiond daemon dropped the request ({exc})")
+            for part in encode_error(503, ErrorCode.REPLICA_UNAVAILABLE, message):
+                yield part
+
+    def _bind(self, body: bytes) -> bytes:
+        try:
+            return json.dumps(ids.bind_document(json.loads(body), self.replica), separators=(",", ":")).encode()
+        except ValueError:
+            return body
+
+    async def _relay(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        ctype = resp.headers.get("Content-Type", "")
+        rewrite = ctype.startswith(("application/json", "text/event-stream"))
+        headers = [(k.lower(), ids.bind_header(v, self.replica) if k.lower() in ("location", "content-disposition")
+                    else v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS]
+        if not rewrite and resp.content_length is not None:
+            headers.append(("content-length", str(resp.content_length)))
+        if ctype.startswith("application/json"):
+            body = await resp.read()
+            # b64 images make a synchronous answer megabytes of JSON: parse those off the loop
+            body = await asyncio.to_thread(self._bind, body) if len(body) > BIG_JSON else self._bind(body)
+            yield msgspec.msgpack.encode(Head(resp.status, headers))
+            yield body
+        elif ctype.startswith("text/event-stream"):
+            yield msgspec.msgpack.encode(Head(resp.status, headers))
+            async for line in resp.content:  # one SSE line at a time: `data:` lines carry the job
+                if line.startswith(b"data: "):
+                    with contextlib.suppress(ValueError):
+                        doc = ids.bind_document(json.loads(line[6:]), self.replica)
+                        line = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+                yield line
+        else:
+            yield msgspec.msgpack.encode(Head(resp.status, headers))
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                yield chunk

@@ -1,0 +1,355 @@
+"""diffusiond on Ray Serve, on a real local Ray cluster bound to 127.0.0.1: two replicas of
+``tiny``, each a real daemon with a real worker, reached through Serve's HTTP proxy.
+
+One cluster and one application for the module (starting Ray and two daemons is most of the
+time); the tests run in file order and the last one shuts Serve down."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# On Linux Ray swaps 127.0.0.1 for the host's reachable address (and listens on every interface)
+# unless told this is a one-machine cluster, as it assumes on macOS and Windows. Ray reads this
+# when it is imported, so it is set before; the fixture checks that it took.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'diffusiond[ray]')")
+serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'diffusiond[ray]')")
+
+import aiohttp  # noqa: E402
+from daemonkit import http, until  # noqa: E402
+
+from conftest import ROOT, shm_entries  # noqa: E402
+from diffusiond.ray import build  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+DAEMON_SOCKET = re.compile(r"diffusiond-ray-([A-Za-z0-9]+)-[^/]*/d\.sock")
+GEN = {"model": "tiny", "size": "64x64", "num_inference_steps": 2}  # OpenAI-shaped
+JOB = {"model": "tiny", "width": 64, "height": 64, "steps": 2}  # the jobs API
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cmdline(pid: int | str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def parent(pid: int | str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def daemons() -> dict[str, int]:
+    """Replica id -> pid of the diffusiond daemon it runs (found by its private socket's path)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            cmd = cmdline(entry)
+            m = DAEMON_SOCKET.search(cmd)
+            if m and " serve " in cmd:
+                out[m[1]] = int(entry)
+    return out
+
+
+def serve_running() -> int:
+    """Replicas Serve counts as running (a replacement's daemon exists before its model is loaded)."""
+    states = serve.status().applications["diffusiond"].deployments["diffusiond"].replica_states
+    return int(states.get("RUNNING", 0)) if set(states) == {"RUNNING"} else 0
+
+
+def children(pids: set[int]) -> set[int]:
+    return {int(e) for e in os.listdir("/proc") if e.isdigit() and parent(e) in pids}
+
+
+@pytest.fixture(scope="module")
+def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
+    shm_before = shm_entries()
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray puts Unix sockets under it
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, _temp_dir=tmp,
+             logging_level="warning", log_to_driver=False)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"), "the test cluster stays on loopback"
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build({"model": "tiny", "replicas": "2", "cpus_per_replica": "0", "health_check_period_s": "2",
+                     "daemon_args": "--max-batch 4 --job-timeout 120 --drain-grace-s 10"})
+        serve.run(app, name="diffusiond", route_prefix="/")
+        pids = set(daemons().values())
+        yield {"url": f"http://127.0.0.1:{port}", "shm_before": shm_before, "pids": pids | children(pids)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def generate(s: aiohttp.ClientSession, seed: int, steps: int = 2) -> tuple[int, dict[str, Any]]:
+    body = {**GEN, "prompt": f"a cat {seed}", "seed": seed, "num_inference_steps": steps}
+    async with s.post("/v1/images/generations", json=body) as r:
+        return r.status, await r.json()
+
+
+def daemon_socket(pid: int) -> str:
+    m = re.search(r"--socket (\S+)", cmdline(pid))
+    assert m, cmdline(pid)
+    return m[1]
+
+
+async def daemon_health(pid: int) -> dict[str, Any]:
+    """A replica's daemon asked directly on its private socket, as its replica does."""
+    async with http(Path(daemon_socket(pid))) as d, d.get("/health") as r:
+        return dict(await r.json())
+
+
+async def daemon_jobs(pid: int, *statuses: str) -> int:
+    jobs = (await daemon_health(pid))["jobs"]
+    return sum(jobs.get(st, 0) for st in statuses)
+
+
+def replica_of(job_id: str) -> str:
+    return job_id.split(".", 1)[0]
+
+
+async def test_32_concurrent_requests_through_the_proxy_all_succeed_and_both_replicas_serve(cluster) -> None:
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        answers = await asyncio.wait_for(asyncio.gather(*(generate(s, i) for i in range(32))), 300)
+    assert [st for st, _ in answers] == [200] * 32, [b for st, b in answers if st != 200][:2]
+    for _, body in answers:
+        assert base64.b64decode(body["data"][0]["b64_json"]).startswith(PNG)
+    served = {replica_of(b["job_id"]) for _, b in answers}
+    assert served == set(daemons()), "every answer names one of the two running replicas, and both served some"
+
+
+async def test_a_jobs_events_output_and_cancel_reach_the_replica_that_holds_it(cluster) -> None:
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with s.post("/v1/jobs", json={**JOB, "prompt": "a lighthouse", "n": 2, "seed": 3}) as r:
+            job = await r.json()
+            assert r.status == 202, job
+            assert r.headers["Location"] == f"/v1/jobs/{job['id']}"
+        assert replica_of(job["id"]) in daemons()
+        events = []
+        async with s.get(f"/v1/jobs/{job['id']}/events") as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            name = None
+            async for raw in r.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: ") and name:
+                    events.append((name, json.loads(line[6:])))
+                    if name in ("done", "error"):
+                        break
+        assert events[-1][0] == "done", events[-1]
+        final = events[-1][1]
+        assert final["id"] == job["id"] and final["status"] == "succeeded"
+        assert [o["url"] for o in final["outputs"]] == [f"/v1/jobs/{job['id']}/outputs/{k}" for k in (0, 1)]
+        for out in final["outputs"]:
+            async with s.get(out["url"]) as r:
+                assert r.status == 200 and r.headers["Content-Type"] == "image/png"
+                assert (await r.read()).startswith(PNG)
+        async with s.get(f"/v1/jobs/{job['id']}") as r:
+            assert (await r.json())["id"] == job["id"]
+        async with s.delete(f"/v1/jobs/{job['id']}") as r:
+            assert r.status == 409 and (await r.json())["error"]["code"] == "job_finished"
+
+
+async def test_ids_of_replicas_that_never_were_and_routes_not_served_get_clear_errors(cluster) -> None:
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with s.get("/v1/jobs/zz9zz9zz.j_0123456789abcdef") as r:
+            err = (await r.json())["error"]
+            assert r.status == 410 and err["code"] == "replica_gone" and "zz9zz9zz" in err["message"]
+        async with s.get("/v1/jobs/j_0123456789abcdef") as r:
+            err = (await r.json())["error"]
+            assert r.status == 404 and "REPLICA.j_HEX" in err["message"]
+        async with s.post("/v1/admin/sleep") as r:
+            assert r.status == 404 and "its socket" in (await r.json())["error"]["message"]
+        async with s.get("/v1/models") as r:
+            assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+        async with s.post("/v1/images/generations", json={**GEN, "prompt": "x", "n": 99}) as r:
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["field"] == "n"
+
+
+def test_the_official_openai_client_generates_and_edits_through_the_proxy(cluster) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", timeout=120)
+    extra = {"seed": 5, "num_inference_steps": 2}
+    made = client.images.generate(model="tiny", prompt="a barn", size="64x64", response_format="b64_json",
+                                  extra_body=extra)
+    png = base64.b64decode(made.data[0].b64_json or "")
+    assert png.startswith(PNG)
+    edited = client.images.edit(model="tiny", image=("in.png", png, "image/png"), prompt="a red barn", n=1,
+                                size="64x64", response_format="b64_json", extra_body=extra)
+    assert base64.b64decode(edited.data[0].b64_json or "").startswith(PNG)
+
+
+async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> None:
+    running = daemons()
+    asleep, awake = sorted(running)
+    async with http(Path(daemon_socket(running[asleep]))) as d, d.post("/v1/admin/sleep") as r:
+        assert r.status == 200
+    try:
+        # the router learns it from the replicas' routing stats, sent every 2 s in this app
+        await asyncio.sleep(6)
+        async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+            answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 50 + i) for i in range(8))), 120)
+        assert [st for st, _ in answers] == [200] * 8
+        assert {replica_of(b["job_id"]) for _, b in answers} == {awake}
+    finally:
+        async with http(Path(daemon_socket(running[asleep]))) as d, d.post("/v1/admin/wake") as r:
+            assert r.status == 200
+    await asyncio.sleep(6)
+
+
+async def test_a_replica_whose_daemon_is_killed_mid_load_fails_its_jobs_with_a_reason_and_is_replaced(cluster) -> None:
+    before = daemons()
+    assert len(before) == 2
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with s.post("/v1/jobs", json={**JOB, "prompt": "held", "steps": 40}) as r:
+            held = (await r.json())["id"]
+        victim = replica_of(held)
+        victim_workers = children({before[victim]})
+        load = [asyncio.create_task(generate(s, 100 + i, steps=20)) for i in range(16)]
+        # kill it while it is computing some of the load, not after it finished
+        async def victim_busy() -> bool:
+            return await daemon_jobs(before[victim], "running", "queued") >= 2
+
+        await until(victim_busy, 120, "the victim to take work")
+        os.kill(before[victim], signal.SIGKILL)
+        answers = await asyncio.wait_for(asyncio.gather(*load), 300)  # none hangs
+        failed = [body for status, body in answers if status != 200]
+        for body in failed:
+            assert body["error"]["code"] == "replica_unavailable", body
+            assert victim in body["error"]["message"] and "killed by signal 9" in body["error"]["message"]
+        assert failed, "the victim's jobs failed with a reason"
+        assert len(failed) < len(answers), "the other replica kept serving"
+        served = {replica_of(b["job_id"]) for st, b in answers if st == 200}
+        assert victim not in served or len(served) == 2
+
+        async def held_job_status() -> tuple[int, dict[str, Any]]:
+            async with s.get(f"/v1/jobs/{held}") as r:
+                return r.status, await r.json()
+
+        deadline = time.monotonic() + 180
+        status, body = await held_job_status()
+        while status != 410 and time.monotonic() < deadline:  # 503 naming the replica until Serve replaces it
+            assert status == 503 and victim in body["error"]["message"], body
+            await asyncio.sleep(1)
+            status, body = await held_job_status()
+        assert status == 410 and body["error"]["code"] == "replica_gone" and victim in body["error"]["message"]
+
+        async def replaced() -> bool:
+            now = daemons()
+            return len(now) == 2 and victim not in now and serve_running() == 2
+        while not await replaced() and time.monotonic() < deadline:
+            await asyncio.sleep(1)
+        assert await replaced(), f"Serve did not start a new replica in place of {victim}: {daemons()}"
+        async def workers_gone() -> bool:
+            return not {p for p in victim_workers if cmdline(p)}
+
+        await until(workers_gone, 60, "the killed daemon's workers to exit")
+        answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 200 + i) for i in range(8))), 180)
+        assert [st for st, _ in answers] == [200] * 8
+
+
+async def test_a_client_that_goes_away_cancels_its_synchronous_job_in_the_daemon(cluster) -> None:
+    running = daemons()
+    body = {**GEN, "prompt": "nobody waits for this", "num_inference_steps": 500}
+
+    async def running_job() -> tuple[int, str] | None:
+        for pid in running.values():
+            async with http(Path(daemon_socket(pid))) as d, d.get("/v1/jobs") as r:
+                for job in (await r.json())["data"]:
+                    if job["request"]["prompt"] == body["prompt"] and job["status"] == "running":
+                        return pid, job["id"]
+        return None
+
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        request = asyncio.create_task(s.post("/v1/images/generations", json=body))
+        pid, job_id = await until(running_job, 120, "the job to run in a daemon")
+        request.cancel()  # the client hangs up: proxy -> gateway -> replica -> daemon
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+
+    async def ended() -> dict[str, Any] | None:
+        async with http(Path(daemon_socket(pid))) as d, d.get(f"/v1/jobs/{job_id}") as r:
+            job = dict(await r.json())
+        return job if job["status"] in ("succeeded", "failed", "cancelled") else None
+
+    job = await until(ended, 60, "the daemon to end the job")
+    assert job["status"] == "cancelled" and job["progress"]["step"] < 500
+
+
+async def test_a_killed_replica_actor_takes_its_daemon_and_workers_with_it(cluster) -> None:
+    running = daemons()
+    victim = sorted(running)[0]
+    gone = {running[victim]} | children({running[victim]})
+    actor = ray.get_actor(f"SERVE_REPLICA::diffusiond#diffusiond#{victim}", namespace="serve")
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        load = [asyncio.create_task(generate(s, 400 + i, steps=20)) for i in range(8)]
+
+        async def victim_busy() -> bool:
+            return await daemon_jobs(running[victim], "running", "queued") >= 1
+
+        await until(victim_busy, 120, "the victim to take work")
+        ray.kill(actor)  # no __del__: the replica's process just ends
+        answers = await asyncio.wait_for(asyncio.gather(*load), 300)
+    failed = [body for status, body in answers if status != 200]
+    assert failed and all(b["error"]["code"] == "replica_unavailable" for b in failed), failed
+    assert "ended before it answered" in failed[0]["error"]["message"]
+
+    async def all_gone() -> bool:
+        return not {p for p in gone if cmdline(p)}
+
+    await until(all_gone, 60, "the daemon and workers of the killed replica to exit")
+
+    async def replaced() -> bool:
+        now = daemons()
+        return len(now) == 2 and victim not in now and serve_running() == 2
+
+    await until(replaced, 180, f"Serve to start a replica in place of {victim}")
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 300 + i) for i in range(8))), 180)
+    assert [st for st, _ in answers] == [200] * 8
+
+
+def test_serve_shutdown_leaves_no_daemon_no_worker_and_nothing_in_dev_shm(cluster) -> None:
+    pids = set(daemons().values())
+    workers = children(pids)
+    assert pids and workers, "each replica runs a daemon with a worker"
+    serve.shutdown()
+    deadline = time.monotonic() + 60
+    alive = lambda: {p for p in pids | workers | cluster["pids"] if cmdline(p)}  # noqa: E731
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(), [cmdline(p) for p in alive()]
+    assert not daemons()
+    leftover = {n for n in shm_entries() - cluster["shm_before"] if "diffusiond" in n or n.startswith("torch_")}
+    assert not leftover
+    assert not list(Path(tempfile.gettempdir()).glob("diffusiond-ray-*"))

@@ -1,0 +1,89 @@
+"""The Ray Serve adapter's pure parts, without a cluster: which replica a request must reach,
+job ids bound to their replica in what the daemon answers, and the builder's arguments (what
+``serve run diffusiond.ray:build ...`` users type)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from diffusiond.ray import ids
+from diffusiond.ray.app import Options
+
+
+def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() -> None:
+    assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0123456789abcdef") == ("k3x9q2ab", "/v1/jobs/j_0123456789abcdef")
+    assert ids.route("DELETE", "/v1/jobs/k3x9q2ab.j_0123456789abcdef") == ("k3x9q2ab", "/v1/jobs/j_0123456789abcdef")
+    assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/events") == ("k3x9q2ab", "/v1/jobs/j_0a/events")
+    assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/outputs/1") == ("k3x9q2ab", "/v1/jobs/j_0a/outputs/1")
+    assert ids.route("POST", "/v1/jobs") == (None, "/v1/jobs")
+    assert ids.route("POST", "/v1/images/generations") == (None, "/v1/images/generations")
+
+
+@pytest.mark.parametrize(("method", "path", "status", "says"), [
+    ("GET", "/v1/jobs/j_0123456789abcdef", 404, "REPLICA.j_HEX"),  # a daemon's bare id: which replica?
+    ("GET", "/v1/jobs/k3x9q2ab.nope", 404, "REPLICA.j_HEX"),
+    ("POST", "/v1/jobs/k3x9q2ab.j_0a/events", 405, "allowed are GET"),
+    ("DELETE", "/v1/jobs", 405, "allowed are GET, POST"),
+    ("POST", "/v1/admin/sleep", 404, "use its socket"),
+])
+def test_requests_no_daemon_can_answer_get_an_error_that_says_why(method: str, path: str, status: int,
+                                                                   says: str) -> None:
+    with pytest.raises(ids.RouteError) as err:
+        ids.route(method, path)
+    assert err.value.status == status and says in str(err.value)
+
+
+def test_job_ids_and_urls_are_bound_to_the_replica_and_the_prompt_is_left_as_sent() -> None:
+    job = {"id": "j_0a", "object": "job", "outputs": [{"index": 0, "url": "/v1/jobs/j_0a/outputs/0"}],
+           "request": {"prompt": "j_0a", "n": 1}, "error": None}
+    assert ids.bind_document(job, "r1") == {
+        "id": "r1.j_0a", "object": "job", "outputs": [{"index": 0, "url": "/v1/jobs/r1.j_0a/outputs/0"}],
+        "request": {"prompt": "j_0a", "n": 1}, "error": None}
+    listing = {"object": "list", "data": [{"id": "j_0b"}, {"id": "tiny"}]}
+    assert ids.bind_document(listing, "r1")["data"] == [{"id": "r1.j_0b"}, {"id": "tiny"}]
+    assert ids.bind_document({"created": 1, "data": [], "job_id": "j_0c"}, "r1")["job_id"] == "r1.j_0c"
+    assert ids.bind_header('inline; filename="j_0c-0.png"', "r1") == 'inline; filename="r1.j_0c-0.png"'
+
+
+def test_the_builder_reads_serve_run_strings_and_deploy_yaml_values_alike() -> None:
+    cli = Options.parse({"model": "sd=/models/sd15", "replicas": "2", "gpus_per_replica": "1"})
+    yaml = Options.parse({"model": ["sd=/models/sd15"], "replicas": 2, "gpus_per_replica": 1})
+    assert cli == yaml
+    assert cli.serve_args() == ["--model", "sd=/models/sd15", "--device", "cuda"]
+    auto = Options.parse({"model": "a=tiny,b=tiny", "replicas": "auto", "min_replicas": "0",
+                          "daemon_args": "--max-batch 8 --job-timeout 60"})
+    assert auto.replicas is None and auto.min_replicas == 0
+    assert auto.serve_args() == ["--model", "a=tiny", "--model", "b=tiny", "--device", "cpu",
+                                 "--max-batch", "8", "--job-timeout", "60"]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ({"replica": "2"}, "unknown argument(s) replica"),
+    ({"replicas": "two"}, "replicas='two': expected an integer"),
+    ({"replicas": "0"}, "replicas='0': expected a value >= 1"),
+    ({"gpus_per_replica": "-1"}, "gpus_per_replica='-1': expected a value >= 0"),
+    ({"model": ""}, "model='': expected at least one model spec"),
+    ({"replicas": "auto", "min_replicas": "3", "max_replicas": "2"}, "min_replicas=3 and max_replicas=2"),
+])
+def test_a_wrong_builder_argument_is_named_with_what_it_accepts(args: dict[str, str], says: str) -> None:
+    with pytest.raises(ValueError) as err:
+        Options.parse(args)
+    assert says in str(err.value)
+
+
+def test_autoscaling_asks_for_replicas_by_the_daemons_own_queue() -> None:
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'diffusiond[ray]')")
+    from ray.serve.config import AutoscalingConfig
+
+    from diffusiond.ray.router import queue_policy
+
+    config = AutoscalingConfig(min_replicas=0, max_replicas=8, target_ongoing_requests=4)
+
+    def ctx(loads: dict[str, float]) -> object:
+        return types.SimpleNamespace(aggregated_metrics={"daemon_load": loads}, target_num_replicas=2, config=config)
+
+    assert queue_policy(ctx({"a": 9, "b": 8}))[0] == 5  # 17 jobs queued or running, 4 per replica
+    assert queue_policy(ctx({"a": 0, "b": 0}))[0] == 0  # idle: down to min_replicas (Serve clamps)
+    assert queue_policy(ctx({}))[0] == 2  # no figures yet: stay where we are
