@@ -128,3 +128,23 @@ async def test_the_lock_is_held_until_close(tmp_path: Path) -> None:
     await store.close()
     again, _ = await reopened(tmp_path)
     await again.close()
+
+
+async def test_an_edit_is_recorded_without_its_input_and_flagged_after_a_crash(tmp_path: Path) -> None:
+    import dataclasses
+
+    class FakeInput:  # stands for inputs.EditInput: decoded pixels in shared memory, not storable
+        def close(self) -> None:
+            pass
+
+    store, _ = await reopened(tmp_path)
+    edit = job(dataclasses.replace(REQ, edit=FakeInput()))  # type: ignore[arg-type]
+    plain = job()
+    await store.add(edit)
+    await store.add(plain)
+    await store.close()
+    store, left = await reopened(tmp_path)
+    assert [j.id for j in left] == [edit.id, plain.id]
+    assert store.lost_inputs == {edit.id}  # the engine ends it failed (input_lost) instead of running it
+    assert left[0].request.edit is None and left[0].request.prompt == REQ.prompt
+    await store.close()
