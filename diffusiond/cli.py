@@ -27,6 +27,7 @@ from diffusiond.cli_generate import (
     GenerateState,
     UsageError,
     cancel_after_interrupt,
+    lora_arg,
     parse_size,
     positive_float,
     positive_int,
@@ -44,8 +45,8 @@ SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
-    "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "state_dir", "persist",
-    "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
+    "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
+    "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
+    g.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:WEIGHT]",
+                   help="apply a LoRA the daemon serves (see GET /v1/loras), weight 1 if left out; repeatable")
     g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
@@ -153,6 +156,11 @@ def _add_serve(sub: Any) -> None:
         help="edits on /v1/jobs may name input images by path, only inside DIR (default: no paths)")
     add("--trace", action="store_true", default=None,
         help="keep a timeline of forwards and copies (CUDA-timed on GPUs) at GET /v1/admin/trace")
+    add("--lora", action="append", metavar="NAME=PATH",
+        help="serve a LoRA adapter: a folder written by save_lora_weights or a .safetensors file "
+             "(diffusers or kohya layout); repeatable")
+    add("--max-loras", type=positive_int, metavar="N",
+        help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
     add("--state-dir", metavar="DIR",
         help="jobs and outputs kept across restarts (default: $XDG_STATE_HOME/diffusiond, ~/.local/state/diffusiond)")
     add("--no-persist", dest="persist", action="store_false", default=None,

@@ -71,6 +71,19 @@ def positive_float(text: str) -> float:
     return value
 
 
+def lora_arg(text: str) -> dict[str, Any]:
+    """``--lora NAME[:WEIGHT]`` -> one entry of the request's ``loras`` (weight 1 when left out)."""
+    name, sep, weight = text.rpartition(":") if ":" in text else (text, "", "")
+    if not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME or NAME:WEIGHT (e.g. ink:0.8), got {text!r}")
+    if not sep:
+        return {"name": name.strip(), "weight": 1.0}
+    try:
+        return {"name": name.strip(), "weight": float(weight)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the weight in --lora {text!r} is not a number") from None
+
+
 def choose_format(fmt: str | None, output: str | None) -> str | None:
     """--format, else what -o's extension says; None lets the daemon pick its model's default.
 
@@ -133,6 +146,7 @@ def build_body(args: argparse.Namespace, fmt: str | None) -> dict[str, Any]:
         ("num_frames", args.frames),
         ("fps", args.fps),
         ("timeout_s", args.timeout),
+        ("loras", getattr(args, "lora", None)),
         ("strength", args.strength),
     ):
         if value is not None:

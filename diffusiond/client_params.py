@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypedDict, cast
 
@@ -31,6 +32,7 @@ class JobParams(TypedDict, total=False):
     scheduler: str
     timeout_s: float
     model: str
+    loras: Mapping[str, float] | Sequence[tuple[str, float]]  # LoRA name -> weight (GET /v1/loras)
     # edits: the input image (and mask) as the file's bytes or a local file's path (sent base64),
     # or a path the daemon reads itself under its --input-dir (image_path, mask_path)
     image: ImageInput
@@ -54,6 +56,9 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
             continue
         if key == "size":
             body["width"], body["height"] = _size(value)
+        elif key == "loras":
+            pairs: Any = value.items() if isinstance(value, Mapping) else value
+            body["loras"] = [{"name": str(name), "weight": float(weight)} for name, weight in pairs]
         elif key in ("image", "mask"):
             body[key] = image_b64(cast(ImageInput, value))
         else:

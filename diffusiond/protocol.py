@@ -195,6 +195,8 @@ class ErrorCode(enum.StrEnum):
     WEB_OFF = "web_off"  # `diffusiond web-url` asked a daemon started without --web
     # the daemon's state
     MODEL_NOT_FOUND = "model_not_found"
+    LORA_NOT_FOUND = "lora_not_found"
+    LORA_EXISTS = "lora_exists"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FINISHED = "job_finished"
     OUTPUT_NOT_FOUND = "output_not_found"

@@ -45,6 +45,29 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def lora_files(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
+    """LoRA adapters built in code on tiny, once per session (see lorakit.py): ``ink`` (UNet and
+    text encoder), ``dots`` (UNet only), ``ink-kohya`` (ink in the kohya layout), ``misfit`` (ink
+    with one matrix of a shape tiny lacks), and two files that are no LoRA at all."""
+    import torch
+    from lorakit import build_lora, to_kohya
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("loras")
+    ink = build_lora(root / "ink", seed=1)
+    dots = build_lora(root / "dots", seed=2, text_encoder=False)
+    kohya = to_kohya(ink, root / "ink-kohya.safetensors")
+    weights = load_file(str(ink / "pytorch_lora_weights.safetensors"))
+    key = next(k for k in sorted(weights) if k.startswith("unet.") and ".lora_A." in k)
+    weights[key] = torch.zeros(weights[key].shape[0], weights[key].shape[1] + 8)  # in-features tiny lacks
+    (root / "misfit").mkdir()
+    save_file(weights, str(root / "misfit" / "pytorch_lora_weights.safetensors"))
+    save_file({"encoder.weight": torch.zeros(4, 4)}, str(root / "not-a-lora.safetensors"))
+    (root / "text.safetensors").write_text("hello")
+    return {"ink": ink, "dots": dots, "ink-kohya": kohya, "misfit": root / "misfit",
+            "not-a-lora": root / "not-a-lora.safetensors", "text": root / "text.safetensors"}
+
 
 def pytest_asyncio_loop_factories(config, item):  # type: ignore[no-untyped-def]
     """The daemon runs on uvloop; so do the async tests."""

@@ -21,7 +21,7 @@ import numpy as np
 from diffusiond.daemon.config import DaemonConfig, ModelConfig
 from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.jobs import Job, JobRequest
-from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerStartError
+from diffusiond.daemon.link import Command, FrameCallback, LostCallback, WorkerStartError
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.inputs import read_inputs
 from diffusiond.ipc.messages import (
@@ -34,10 +34,8 @@ from diffusiond.ipc.messages import (
     Progress,
     Ready,
     RequestEnded,
-    Shutdown,
     Sleep,
     SlotWait,
-    Trace,
     Wake,
     WorkerConfig,
 )
@@ -57,6 +55,7 @@ class FakeWorker:
         self.config = config
         self.state = WorkerState.STARTING
         self.started_at = time.monotonic()
+        self.loras_loaded: list[str] = []
         self.on_frame = on_frame
         self.on_lost = on_lost
         self.fail_start = fail_start
@@ -98,7 +97,7 @@ class FakeWorker:
     async def stop(self, timeout: float) -> None:
         self.state = WorkerState.DEAD
 
-    async def command(self, msg: Sleep | Wake | Shutdown | Trace, timeout: float) -> Ack:
+    async def command(self, msg: Command, timeout: float) -> Ack:
         self.commands.append(msg)
         if isinstance(msg, Sleep):
             self.state = WorkerState.SLEEPING

@@ -56,6 +56,8 @@ max_frames = 8
 LIMITS = {"max_size": 128, "max_n": 4, "max_steps": 8, "max_frames": 8}
 SYNC_PATHS = ("/v1/images/generations", "/v1/images/edits")
 MODELS = ("fz", "fv", "tiny")
+LORAS = ("ink", "dots")
+MAX_LORAS = 2
 # 150 examples per test in the suite; FUZZ_EXAMPLES=5000 for a longer hunt
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -113,9 +115,12 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
+                lora_files: dict[str, Path]) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("fuzz")
-    (tmp / "diffusiond.toml").write_text(CONFIG)
+    # ink fits tiny and not the synthetic models: a request may be refused for either reason
+    (tmp / "diffusiond.toml").write_text(f"max_loras = {MAX_LORAS}\n{CONFIG}\n[loras]\n"
+                                         f'ink = "{lora_files["ink"]}"\ndots = "{lora_files["dots"]}"\n')
     (tmp / "inputs").mkdir()
     (tmp / "inputs" / "in.png").write_bytes(PNG_64)  # for image_path; nothing else is readable
     args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",
@@ -171,13 +176,13 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
 
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler",
-              "image", "image_path", "mask", "mask_path", "strength"]
+              "image", "image_path", "mask", "mask_path", "strength", "loras"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
                "background", "input_fidelity", "user"]
 IMAGE_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                 "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "quality", "style",
-                "user", "background", "moderation", "output_compression", "stream", "partial_images"]
+                "user", "background", "moderation", "output_compression", "stream", "partial_images", "loras"]
 
 
 def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
@@ -213,6 +218,10 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "timeout_s": st.sampled_from([0, 0.0001, 0.001, 0.01, 5.0, -1.0, 1e9, math.nan]),
     "scheduler": st.sampled_from(["euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match", "bogus", ""]),
     "response_format": st.sampled_from(["b64_json", "url", "file", ""]),
+    "loras": st.lists(st.fixed_dictionaries(
+        {"name": st.sampled_from([*LORAS, "nope", "", "../ink", "INK"])},
+        optional={"weight": st.floats(min_value=-5, max_value=5) | st.sampled_from([0, 4, -4, math.nan, math.inf])},
+    ), max_size=3),
     "image": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode())
     | st.sampled_from(["", "%%%", "data:image/png;base64," + base64.b64encode(PNG_64).decode(), "AAAA"]),
     "mask": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode()),
@@ -271,6 +280,9 @@ def within_limits(job: dict[str, Any]) -> None:
     assert 1 <= r["steps"] <= LIMITS["max_steps"], job
     assert r["num_frames"] is None or 1 <= r["num_frames"] <= LIMITS["max_frames"], job
     assert job["model"] in MODELS and r["prompt"].strip(), job
+    assert len(r["loras"]) <= MAX_LORAS and len({e["name"] for e in r["loras"]}) == len(r["loras"]), job
+    assert all(e["name"] in LORAS and -4 <= e["weight"] <= 4 for e in r["loras"]), job
+    assert not r["loras"] or job["model"] == "tiny", job  # the synthetic models take no LoRA
 
 
 # fuzz tests -----------------------------------------------------------------------------------
@@ -361,7 +373,7 @@ SEGMENTS = ["v1", "jobs", "images", "generations", "models", "outputs", "events"
 
 
 ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/outputs/{k}", "/v1/models",
-          "/v1/images/generations", "/v1/images/edits", "/v1/admin/{k}"]
+          "/v1/images/generations", "/v1/images/edits", "/v1/admin/{k}", "/v1/loras"]
 
 
 @st.composite
@@ -426,6 +438,17 @@ def test_job_and_output_ids_that_look_like_paths_are_404(sock: Path, real_job: s
     answer = check_answer("GET", path, status, headers, raw)
     assert status == 404, (path, answer)
     assert b"root:" not in raw
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/zero", "/dev/stdin", "/proc/self/fd/0", "/proc/self/environ",
+                                  "/", "../../etc/shadow", "",
+                                  "\x00", "/etc/passwd\x00.safetensors"])
+def test_lora_paths_that_are_not_loras_are_refused_and_nothing_of_the_file_leaks(sock: Path, path: str) -> None:
+    status, answer = call_json(sock, "POST", "/v1/loras", {"name": "probe", "path": path})
+    assert status == 400 and answer["error"]["field"] == "path", answer
+    assert "root:" not in answer["error"]["message"] and "PATH=" not in answer["error"]["message"], answer
+    status, listing = call_json(sock, "GET", "/v1/loras")
+    assert status == 200 and sorted(e["name"] for e in listing["data"]) == sorted(LORAS), listing
 
 
 def test_unknown_method_is_refused_by_the_parser(sock: Path) -> None:

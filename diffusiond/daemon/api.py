@@ -35,7 +35,7 @@ from diffusiond.daemon.errors import EngineError
 from diffusiond.daemon.inputs import EditInput
 from diffusiond.daemon.jobs import Job
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from diffusiond.daemon.requests import parse_images
+from diffusiond.daemon.requests import AddLoraBody, decode, parse_images
 from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, ErrorCode, Event, JobStatus, ModelState
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ async def create_job(request: web.Request) -> web.Response:
     fields = msgspec.structs.asdict(b)
     edit = await decode_edit(engine, fields, model)
     try:
-        req = requests.check(fields, limits, model, edit=edit)
+        req = requests.check(fields, limits, model, edit=edit, loras=engine.check_loras)
     except BaseException:
         if edit is not None:
             edit.close()
@@ -314,7 +314,7 @@ async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = await request.read()
     await engine.described()
-    req, response_format = parse_images(body, engine.config.limits, engine.model)
+    req, response_format = parse_images(body, engine.config.limits, engine.model, loras=engine.check_loras)
     job = await engine.accept(req, sync=True)
     data = await _finish_sync([job], engine, response_format)
     return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
@@ -469,6 +469,19 @@ async def admin_wake(request: web.Request) -> web.Response:
     return web.json_response({"sleeping": False, "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
 
 
+async def list_loras(request: web.Request) -> web.Response:
+    return web.json_response(views.loras(request.app[ENGINE]))
+
+
+async def admin_add_lora(request: web.Request) -> web.Response:
+    """Register a LoRA at run time: ``{"name": ..., "path": ...}``; 201 with its entry, or a 4xx
+    naming the field (the daemon goes on either way)."""
+    engine = request.app[ENGINE]
+    body = decode(await request.read(), AddLoraBody)
+    info = await engine.add_lora(body.name, body.path)
+    return web.json_response(views.lora(engine, info), status=201)
+
+
 async def admin_trace(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if not engine.config.trace:
@@ -513,6 +526,8 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/admin/sleep", admin_sleep)
     app.router.add_post("/v1/admin/wake", admin_wake)
     app.router.add_get("/v1/admin/trace", admin_trace)
+    app.router.add_get("/v1/loras", list_loras)
+    app.router.add_post("/v1/loras", admin_add_lora)
 
 
 def create_app(engine: Engine, *, token: str | None = None, web_address: WebAddress | None = None) -> web.Application:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from diffusiond.daemon.loras import LoraFileError, read_lora
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
@@ -83,6 +84,7 @@ class Limits:
     max_frames: int = 1024
     max_body_bytes: int = 1 << 20
     max_timeout_s: float = 24 * 3600.0
+    max_lora_weight: float = 4.0  # a request's LoRA weights lie in [-max, max]
     # Bytes one job may ask to produce (n x frames x width x height x 3 x dtype size): beyond it,
     # 413 at admission rather than a failure in the worker's allocator.
     max_output_bytes: int = 16 << 30
@@ -123,6 +125,10 @@ class DaemonConfig:
     # GPU, served at GET /v1/admin/trace (what `diffusiond bench --trace` reads).
     trace: bool = False
     fault: str = ""  # test-only worker fault injection; empty in normal runs
+    # LoRA adapters by name (--lora NAME=PATH, TOML [loras]); each worker keeps at most max_loras
+    # of them loaded (least recently used ones are unloaded), and a request names at most that many.
+    loras: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 8
     # Durable jobs (store.py): the state dir holds the job database and the output files.
     state_dir: str | None = None
     persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
@@ -163,7 +169,7 @@ class DaemonConfig:
                                       f"max_batch {self.max_batch}; no request would run that shape")
         if self.output_mode not in OUTPUT_MODES:
             raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
-        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads"):
+        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s",
@@ -188,6 +194,11 @@ class DaemonConfig:
             raise ConfigError(f"input_dir {self.input_dir!r} is not a folder")
         if self.tcp and not self.token_file:
             raise ConfigError("--tcp needs --token-file: a TCP listener without a bearer token is refused")
+        for name, path in self.loras.items():
+            try:
+                read_lora(name, path)
+            except LoraFileError as exc:
+                raise ConfigError(str(exc)) from None
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
@@ -244,6 +255,27 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
+def parse_loras(value: Any) -> dict[str, str]:
+    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
+    if isinstance(value, dict):
+        return {str(k): _absolute(str(v)) for k, v in value.items()}
+    out: dict[str, str] = {}
+    for arg in value if isinstance(value, list) else [value]:
+        name, sep, path = str(arg).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
+        if name.strip() in out:
+            raise ConfigError(f"LoRA name {name.strip()!r} is given twice")
+        out[name.strip()] = _absolute(path.strip())
+    return out
+
+
+def _absolute(path: str) -> str:
+    """Paths as the user meant them from where they ran ``serve``: workers and later requests may
+    run elsewhere (systemd starts the daemon in /)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> DaemonConfig:
     """Merge TOML values and flag overrides into a validated config.
 
@@ -251,7 +283,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     flags ``--model``/``--device``/``--workers``/``--dtype`` replace the file's list when given.
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
-    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup"}
+    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
+                                                      "lora"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -286,6 +319,11 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     else:
         models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype,
                                   compile=compile_mode, warmup=warmup))
+    lora_args = values.pop("lora", None)  # --lora NAME=PATH flags replace the file's [loras] table
+    if lora_args is not None:
+        values["loras"] = parse_loras(lora_args)
+    elif "loras" in values:
+        values["loras"] = parse_loras(values["loras"])
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("allow_uid", "restart_backoff_s"):

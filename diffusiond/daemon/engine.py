@@ -36,7 +36,8 @@ from diffusiond.daemon.errors import (
     QueueFull,
 )
 from diffusiond.daemon.jobs import Item, Job, JobRequest
-from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.link import WorkerLink, WorkerStartError
+from diffusiond.daemon.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import OutputRead, Outputs
 from diffusiond.daemon.pool import Model, Spawn, WorkerPool, spawn_process
@@ -79,6 +80,7 @@ class Engine:
         self.config = config
         self.metrics = metrics or Metrics()
         self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
+        self.loras = LoraRegistry(config.loras, config.max_loras)
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.jobs: dict[str, Job] = {}
@@ -113,7 +115,7 @@ class Engine:
     async def start(self) -> None:
         """Take back what the last run left unfinished, admit jobs, then start every worker (jobs
         admitted meanwhile wait in the queue); fail with the first worker's reason if a model
-        cannot load."""
+        cannot load, or if a LoRA adapter fits no model."""
         await self.recover()
         self.accepting = True
         if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
@@ -122,6 +124,9 @@ class Engine:
         self._changed.set()
         try:
             await self.pool.start()
+            unfit = self.loras.unfit_at_start(self.models())
+            if unfit:
+                raise WorkerStartError(unfit)
             self.started = True
         except BaseException:
             self.accepting = False  # what was admitted stays queued (on disk, when jobs persist)
@@ -246,6 +251,15 @@ class Engine:
             self._end(job, JobStatus.FAILED, err.code, err.message)
             raise
         return job
+
+    def check_loras(self, model: str, loras: list[tuple[str, float]]) -> None:
+        """Admission: the adapters a request names exist, fit its model, and are not too many."""
+        self.loras.resolve(self.pool.model(model), loras)
+
+    async def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Register an adapter at run time (admin): checked by every live worker against its model."""
+        return await self.loras.add(name, path, self.models(), self.config.worker_start_timeout_s,
+                                    self.pool.lora_paths)
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job (in memory; ``accept`` also records it)."""

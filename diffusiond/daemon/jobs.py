@@ -21,7 +21,7 @@ from typing import Any
 
 from diffusiond.daemon.inputs import EditInput
 from diffusiond.daemon.link import WorkerLink
-from diffusiond.ipc.messages import BatchParams
+from diffusiond.ipc.messages import BatchParams, LoraRef
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
@@ -48,6 +48,7 @@ class JobRequest:
     timeout_s: float | None = None
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
+    loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
     edit: EditInput | None = field(default=None, compare=False)
 
@@ -60,9 +61,15 @@ class JobRequest:
             num_frames=self.num_frames,
             scheduler=self.scheduler,
             output_dtype=self.output_dtype,
+            loras=self.lora_refs(),
             edit=self.edit.task.value if self.edit else None,
             strength=self.edit.strength if self.edit else None,
         )
+
+    def lora_refs(self) -> tuple[LoraRef, ...]:
+        """The adapters that act: a weight of 0 changes nothing, so it neither loads an adapter nor
+        keeps the request from batching with base-model requests."""
+        return tuple(LoraRef(name, weight) for name, weight in self.loras if weight != 0)
 
 
 @dataclass(eq=False)

@@ -11,9 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from diffusiond.ipc.frames import Frame
-from diffusiond.ipc.messages import Ack, Execute, Ready, Shutdown, Sleep, Trace, Wake, WorkerConfig
+from diffusiond.ipc.messages import Ack, AddLora, Execute, Ready, Shutdown, Sleep, Trace, Wake, WorkerConfig
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import WorkerState
+
+Command = Sleep | Wake | Shutdown | Trace | AddLora
+"""What a worker answers with an ACK (one outstanding per kind)."""
 
 
 class WorkerStartError(Exception):
@@ -27,6 +30,7 @@ class WorkerLink(Protocol):
     config: WorkerConfig
     state: WorkerState
     started_at: float
+    loras_loaded: list[str]  # LoRA adapters loaded in the worker, as of its last heartbeat answer
 
     @property
     def name(self) -> str: ...
@@ -39,7 +43,7 @@ class WorkerLink(Protocol):
 
     async def start(self, timeout: float) -> Ready: ...
     async def stop(self, timeout: float) -> None: ...
-    async def command(self, msg: Sleep | Wake | Shutdown | Trace, timeout: float) -> Ack: ...
+    async def command(self, msg: Command, timeout: float) -> Ack: ...
     def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:
         """Send a batch; ``fds`` (edits' input buffers) go with it and are closed once sent."""
         ...

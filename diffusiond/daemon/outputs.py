@@ -238,6 +238,8 @@ class Outputs:
                 "guidance_scale": f"{r.guidance:g}", "size": f"{r.width}x{r.height}", "software": "diffusiond"}
         if r.negative_prompt:
             meta["negative_prompt"] = r.negative_prompt
+        if r.loras:  # as A1111 writes them in prompts: name:weight
+            meta["loras"] = ", ".join(f"{name}:{weight:g}" for name, weight in r.loras)
         if item.job.approximations:  # the output is not the model's exact one: say how it differs
             meta["approximations"] = ", ".join(item.job.approximations)
         if item.job.compiled:

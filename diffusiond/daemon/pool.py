@@ -51,6 +51,7 @@ class Model:
     restarts: int = 0
     crash_streak: int = 0  # consecutive workers that died within a minute of starting
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
+    lora_errors: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
 
     @property
     def name(self) -> str:
@@ -88,6 +89,7 @@ class WorkerPool:
         self._on_ready = on_ready
         self._spawn = spawn
         self._worker_ids = 0
+        self.lora_paths: dict[str, str] = dict(config.loras)  # what each new worker loads (runtime ones too)
         self._tasks: set[asyncio.Task[Any]] = set()
         for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
             self.metrics.worker_restarts.labels(name)
@@ -157,6 +159,8 @@ class WorkerPool:
             compile_cache_dir=str(compile_cache_dir()) if model.config.compile else "",
             trace_gpu=self.config.trace,
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
+            loras=dict(self.lora_paths),
+            max_loras=self.config.max_loras,
         )
 
     def _env(self, device: str) -> dict[str, str]:
@@ -187,6 +191,11 @@ class WorkerPool:
             raise
         model.capabilities = ready.capabilities
         model.known = True
+        for name in self.lora_paths:  # each worker loaded every adapter: the latest one's word stands
+            if name in ready.lora_errors:
+                model.lora_errors[name] = ready.lora_errors[name]
+            else:
+                model.lora_errors.pop(name, None)
         if self.paused:
             await handle.command(Sleep(), self.config.drain_grace_s)
         self._on_ready(handle)

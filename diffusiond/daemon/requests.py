@@ -59,6 +59,18 @@ _PATH = re.compile(r"`\$\.?([A-Za-z_][\w]*)")
 _FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")  # msgspec's wording
 
 
+class LoraBody(msgspec.Struct, forbid_unknown_fields=True):
+    """One entry of ``loras``: a registered adapter and its weight."""
+
+    name: str
+    weight: float = 1.0
+
+
+LoraCheck = Callable[[str, list[tuple[str, float]]], None]
+"""Admission of a request's adapters against the registry (unknown name, does not fit the model,
+too many): ``Engine.check_loras``."""
+
+
 class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str
     model: str | None = None
@@ -75,6 +87,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     fps: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    loras: list[LoraBody] | None = None
     # edits: the input image as base64 (or a data URL), or a path under --input-dir; same for the mask
     image: str | None = None
     image_path: str | None = None
@@ -129,6 +142,7 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     seed: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    loras: list[LoraBody] | None = None
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     quality: Any = None
     style: Any = None
@@ -138,6 +152,13 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     output_compression: Any = None
     stream: Any = None
     partial_images: Any = None
+
+
+class AddLoraBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/loras``: register the adapter at ``path`` (a folder or a .safetensors file) as ``name``."""
+
+    name: str
+    path: str
 
 
 def decode(body: bytes, cls: type[T]) -> T:
@@ -157,6 +178,24 @@ def _range(name: str, value: float | None, lo: float, hi: float) -> None:
         raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
 
 
+def check_lora_list(entries: list[Any] | None, limits: Limits) -> tuple[tuple[str, float], ...]:
+    """The shape of ``loras``: names not repeated, weights in range; sorted by name, so the same set
+    in any order is one batch key and one sum (adapter order changes float rounding)."""
+    if not entries:
+        return ()
+    pairs = [(e["name"], e["weight"]) if isinstance(e, dict) else (e.name, e.weight) for e in entries]
+    top = limits.max_lora_weight
+    seen: set[str] = set()
+    for name, weight in pairs:
+        if name in seen:
+            raise invalid(f"LoRA {name!r} is named twice in loras; give each adapter once", field="loras")
+        seen.add(name)
+        if not -top <= weight <= top:
+            raise invalid(f"the weight of LoRA {name!r} must be between {-top:g} and {top:g}, got {weight:g}",
+                          field="loras")
+    return tuple(sorted(pairs))
+
+
 def check_side(name: str, v: int, limits: Limits, size_field: str | None = None) -> None:
     if not limits.min_size <= v <= limits.max_size or v % 8:
         raise invalid(
@@ -167,6 +206,7 @@ def check_side(name: str, v: int, limits: Limits, size_field: str | None = None)
 
 def check(
     req: dict[str, Any], limits: Limits, model: ModelLike, *, size_field: str | None = None,
+    loras: LoraCheck | None = None,
     edit: EditInput | None = None,
 ) -> JobRequest:
     """Apply limits and the model's defaults; ``req`` is a decoded body as a dict, so both
@@ -259,6 +299,11 @@ def check(
                 f"{', '.join(schedulers_for(flow))}",
                 field="scheduler",
             )
+    lora_pairs = check_lora_list(req.get("loras"), limits)
+    if lora_pairs:
+        if loras is None:
+            raise invalid("this daemon takes no LoRA adapters", field="loras")
+        loras(model.name, list(lora_pairs))
     elem = itemsize(dtype)
     out_bytes = req["n"] * (frames or 1) * width * height * 3 * elem
     if out_bytes > limits.max_output_bytes:
@@ -282,6 +327,7 @@ def check(
         timeout_s=timeout,
         output_dtype=cast(OutputDtype, dtype),  # checked above against OUTPUT_DTYPES
         scheduler=scheduler,
+        loras=lora_pairs,
         edit=edit,
     )
 
@@ -331,11 +377,12 @@ def plan_edit(
     return image, mask, task, float(strength)
 
 
-def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver) -> tuple[JobRequest, str]:
+def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver, *,
+                 loras: LoraCheck | None = None) -> tuple[JobRequest, str]:
     b = decode(body, ImagesBody)
     model = resolve_model(b.model)
     req = openai_fields(msgspec.structs.asdict(b))
-    return check(req, limits, model, size_field="size"), b.response_format
+    return check(req, limits, model, size_field="size", loras=loras), b.response_format
 
 
 def openai_fields(req: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from diffusiond import __version__
 from diffusiond.daemon.jobs import Job
 from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.loras import LoraInfo
 from diffusiond.daemon.pool import PING_INTERVAL_S, Model
 from diffusiond.ipc.messages import Ack
 from diffusiond.pipelines.spec import is_synthetic
@@ -66,6 +67,7 @@ def job(j: Job) -> dict[str, Any]:
             "num_frames": r.num_frames,
             "seed": r.seed,
             "scheduler": r.scheduler,
+            "loras": lora_list(r.loras),
             # edits: which, and how strongly (the input image itself is not echoed back)
             "task": r.edit.task.value if r.edit else None,
             "strength": r.edit.strength if r.edit else None,
@@ -77,6 +79,27 @@ def history(jobs: list[Job], next_before: str | None) -> dict[str, Any]:
     """A page of ``GET /v1/jobs``: ``next_before`` is the ``before=`` of the next page (null: the last)."""
     return {"object": "list", "data": [job(j) for j in jobs], "has_more": next_before is not None,
             "next_before": next_before}
+
+
+def lora_list(pairs: tuple[tuple[str, float], ...]) -> list[dict[str, Any]]:
+    return [{"name": n, "weight": w} for n, w in pairs]
+
+
+def lora(engine: Engine, info: LoraInfo) -> dict[str, Any]:
+    """One entry of ``GET /v1/loras``: what the file is, which served models it fits (and why not
+    the others), and whether a worker has it loaded right now (as of the last heartbeat)."""
+    models = engine.models()
+    return {
+        "name": info.name, "object": "lora", "path": info.path, "layout": info.layout, "rank": info.rank,
+        "targets": list(info.targets),
+        "models": [m.name for m in models if info.name not in m.lora_errors],
+        "unfit": {m.name: m.lora_errors[info.name] for m in models if info.name in m.lora_errors},
+        "loaded": any(info.name in w.loras_loaded for m in models for w in m.workers),
+    }
+
+
+def loras(engine: Engine) -> dict[str, Any]:
+    return {"object": "list", "data": [lora(engine, i) for i in engine.loras.loras.values()]}
 
 
 def event(e: Event, j: Job) -> dict[str, Any]:

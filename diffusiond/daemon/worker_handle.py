@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerStartError
+from diffusiond.daemon.link import Command, FrameCallback, LostCallback, WorkerStartError
 from diffusiond.ipc.arena import MappedView, is_sealed
 from diffusiond.ipc.channel import Channel, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError
@@ -41,9 +41,6 @@ from diffusiond.ipc.messages import (
     Ready,
     Release,
     Shutdown,
-    Sleep,
-    Trace,
-    Wake,
     WorkerConfig,
 )
 from diffusiond.ipc.tensors import TensorDesc
@@ -92,6 +89,7 @@ class WorkerHandle:
         self._acks: dict[int, asyncio.Future[Ack]] = {}
         self._exited: asyncio.Future[int] | None = None
         self.last_frame_at = time.monotonic()
+        self.loras_loaded: list[str] = []
 
     @property
     def pid(self) -> int | None:
@@ -169,7 +167,7 @@ class WorkerHandle:
         if self.state != WorkerState.DEAD:
             self._post(Cancel(request_ids))
 
-    async def command(self, msg: Sleep | Wake | Shutdown | Trace, timeout: float) -> Ack:
+    async def command(self, msg: Command, timeout: float) -> Ack:
         kind = KIND_OF[type(msg)]
         fut = self._acks.get(kind)
         if fut is None or fut.done():
@@ -178,7 +176,7 @@ class WorkerHandle:
         self._post(msg)
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
-    def _post(self, msg: Execute | Cancel | Sleep | Wake | Shutdown | Trace) -> None:
+    def _post(self, msg: Execute | Cancel | Command) -> None:
         if self.channel is None or self.channel.closed:
             raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
         self.channel.post(msg)
@@ -258,6 +256,8 @@ class WorkerHandle:
             fut = self._acks.get(msg.command)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            if msg.command == Kind.PING:
+                self.loras_loaded = msg.loras_loaded
             if msg.command == Kind.SLEEP and msg.ok:
                 self.state = WorkerState.SLEEPING
             elif msg.command == Kind.WAKE and msg.ok:

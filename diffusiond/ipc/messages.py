@@ -1,7 +1,7 @@
 """The worker protocol: one msgspec struct per frame kind.
 
 Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
-TRACE, PING.
+TRACE, PING, ADD_LORA.
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
@@ -32,6 +32,7 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 7
     TRACE = 8
     PING = 9
+    ADD_LORA = 10
     # worker -> engine
     HELLO = 32
     READY = 33
@@ -82,6 +83,18 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     trace_gpu: bool = False
     # Test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY".
     fault: str = ""
+    # LoRA adapters the worker may be asked for (name -> file or folder), checked against the model
+    # at start-up; and how many it keeps loaded at once (least recently used ones are unloaded).
+    loras: dict[str, str] = {}
+    max_loras: int = 8
+
+
+class LoraRef(msgspec.Struct, frozen=True, array_like=True):
+    """One adapter of a batch and its weight. Part of the batch key: requests batch together only
+    with the same adapters at the same weights."""
+
+    name: str
+    weight: float
 
 
 class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +107,7 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     num_frames: int | None = None
     scheduler: str | None = None
     output_dtype: OutputDtype = "uint8"
+    loras: tuple[LoraRef, ...] = ()  # sorted by name; weight-0 adapters left out (they change nothing)
     # edits (image-to-image, inpainting): requests differing here never share a batch
     edit: str | None = None  # protocol.Task of an edit; None: from the prompt alone
     strength: float | None = None
@@ -153,6 +167,14 @@ class Trace(msgspec.Struct, frozen=True):
     """Ask the worker for its recorded event trace (diagnostics and ordering proofs in tests)."""
 
 
+class AddLora(msgspec.Struct, frozen=True):
+    """Register an adapter at run time (``POST /v1/loras``): the worker loads it to check that it fits
+    the model and answers ACK, ok or with the reason. Runs between batches, on the compute thread."""
+
+    name: str
+    path: str
+
+
 class Ping(msgspec.Struct, frozen=True):
     """Heartbeat. The answer proves the worker's loop is alive, and, being the next frame on the
     channel, exposes a lost frame at once instead of when the next real frame happens to come."""
@@ -192,6 +214,7 @@ class Ready(msgspec.Struct, frozen=True):
     device: str
     load_ms: float
     capabilities: Capabilities
+    lora_errors: dict[str, str] = {}  # WorkerConfig.loras that do not fit the model: name -> why
 
 
 class ComputeDone(msgspec.Struct, frozen=True):
@@ -248,6 +271,7 @@ class Ack(msgspec.Struct, frozen=True):
     arena_high_water: int = 0
     slots_in_use: int = 0
     dedicated_bytes: int = 0
+    loras_loaded: list[str] = []  # adapters loaded in the worker now (PING answers), for GET /v1/loras
 
 
 class Fatal(msgspec.Struct, frozen=True):
@@ -311,6 +335,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Shutdown: Kind.SHUTDOWN,
     Trace: Kind.TRACE,
     Ping: Kind.PING,
+    AddLora: Kind.ADD_LORA,
     Hello: Kind.HELLO,
     Ready: Kind.READY,
     ComputeDone: Kind.COMPUTE_DONE,

@@ -27,18 +27,21 @@ from diffusiond.ipc.errors import ArenaError
 from diffusiond.ipc.inputs import read_inputs
 from diffusiond.ipc.messages import (
     Ack,
+    AddLora,
     BatchParams,
     ComputeDone,
     EndStatus,
     Execute,
     Fatal,
     Kind,
+    LoraRef,
     Progress,
     RequestEnded,
     RequestSpec,
     WarmupShape,
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
+from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
 
@@ -91,10 +94,12 @@ class ComputeThread:
         progress_interval_s: float,
         drain_timeout_s: float,
         on_exit: Callable[[int], None],
+        adapters: Adapters | None = None,
         warmup: Sequence[WarmupShape] = (),
         on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.adapters = adapters
         self.copier = copier
         self.state = state
         self.post = post
@@ -105,7 +110,7 @@ class ComputeThread:
         self.warmup = list(warmup)
         self.on_ready = on_ready
         self.cuda = pipeline.device.type == "cuda"
-        self.queue: queue.Queue[Execute | Edit | Control] = queue.Queue()
+        self.queue: queue.Queue[Execute | Edit | Control | AddLora] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
 
     def start(self) -> None:
@@ -126,6 +131,9 @@ class ComputeThread:
             if isinstance(item, Control):
                 if self._control(item):
                     return
+                continue
+            if isinstance(item, AddLora):
+                self._add_lora(item)
                 continue
             batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
             try:
@@ -191,6 +199,7 @@ class ComputeThread:
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
         try:
+            self.activate_loras(batch.params.loras)
             with torch.inference_mode():  # no autograd bookkeeping: less host time per kernel launch
                 if batch.params.edit is None:
                     outputs = self.pipeline.run(batch.params, live, on_step)
@@ -226,6 +235,22 @@ class ComputeThread:
             self.copier.process(job)
         else:
             self.copier.submit(job)
+
+    def activate_loras(self, loras: tuple[LoraRef, ...]) -> None:
+        """The batch's LoRA adapters, and only those, act on its forward (none: the base model).
+        The one place adapters change; here, between forwards, so no batch sees another's."""
+        if self.adapters is not None:
+            self.adapters.activate(loras)
+        elif loras:
+            raise PipelineError(unsupported(self.pipeline))
+
+    def _add_lora(self, item: AddLora) -> None:
+        """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
+        why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
+        self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
+
+    def loaded_loras(self) -> list[str]:
+        return list(self.adapters.loaded) if self.adapters is not None else []
 
     @staticmethod
     def _inputs(requests: list[RequestSpec], fds: list[int]) -> list[EditArrays]:

@@ -26,6 +26,7 @@ from diffusiond.ipc.errors import ArenaError, ChannelClosed
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
     Ack,
+    AddLora,
     Cancel,
     Execute,
     Fatal,
@@ -47,6 +48,7 @@ from diffusiond.worker.state import SharedState
 
 if TYPE_CHECKING:
     from diffusiond.pipelines.base import Pipeline
+    from diffusiond.pipelines.loras import Adapters
 
 log = logging.getLogger("diffusiond.worker")
 
@@ -59,7 +61,7 @@ class Worker:
         self.arena: Arena | None = None
         self.copier: Copier | None = None
         self.compute: ComputeThread | None = None
-        self.pending: list[Execute | Edit | Control] = []  # commands that arrive while the model loads
+        self.pending: list[Execute | Edit | Control | AddLora] = []  # commands that arrive while the model loads
         self.exit_code: asyncio.Future[int] | None = None
         self._init_task: asyncio.Future[None] | None = None
         self.shutting_down = False
@@ -110,8 +112,11 @@ class Worker:
             self._enqueue(Control("shutdown"))
         elif isinstance(msg, Trace):
             self.channel.post(self._trace_ack())
+        elif isinstance(msg, AddLora):
+            self._enqueue(msg)  # on the compute thread, between batches: never under a forward
         elif isinstance(msg, Ping):
-            self.channel.post(Ack(command=Kind.PING, ok=True))
+            loaded = self.compute.loaded_loras() if self.compute is not None else []
+            self.channel.post(Ack(command=Kind.PING, ok=True, loras_loaded=loaded))
         else:
             log.error("unexpected %s frame from the engine", frame.kind.name)
 
@@ -130,7 +135,7 @@ class Worker:
             dedicated_bytes=copier.dedicated_bytes if copier else 0,
         )
 
-    def _enqueue(self, item: Execute | Edit | Control) -> None:
+    def _enqueue(self, item: Execute | Edit | Control | AddLora) -> None:
         if self.compute is None:
             self.pending.append(item)
         else:
@@ -187,6 +192,7 @@ class Worker:
             pipeline = await asyncio.to_thread(self._load, config)
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
+        adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         post = self.channel.post_threadsafe
         if faults is None:
             self.copier = Copier(self.arena, self.state, post, device=pipeline.device,
@@ -205,9 +211,11 @@ class Worker:
             progress_interval_s=config.progress_interval_s,
             drain_timeout_s=config.drain_timeout_s,
             on_exit=self.exit,
+            adapters=adapters,
             warmup=config.warmup,
             on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
-                                        (time.perf_counter() - t0) * 1000, pipeline.capabilities)),
+                                        (time.perf_counter() - t0) * 1000, pipeline.capabilities,
+                                        lora_errors=lora_errors)),
         )
         for item in self.pending:
             self.compute.queue.put(item)
@@ -229,6 +237,19 @@ class Worker:
 
         set_cache_dir(config.compile_cache_dir)
         return CompiledPipeline(pipeline, config.compile, config.options)
+
+
+    @staticmethod
+    def _load_loras(pipeline: Pipeline, config: WorkerConfig) -> tuple[Adapters | None, dict[str, str]]:
+        """Check every configured adapter against the model by loading it; name -> why for those
+        that do not fit (the engine decides whether that stops the daemon)."""
+        from diffusiond.pipelines.loras import adapters_for, unsupported
+
+        adapters = adapters_for(pipeline, {}, config.max_loras)
+        if adapters is None:
+            return None, dict.fromkeys(config.loras, unsupported(pipeline))
+        errors = {name: why for name, path in config.loras.items() if (why := adapters.register(name, path))}
+        return adapters, errors
 
 
 class _StartError(Exception):
