@@ -82,7 +82,7 @@ async def test_request_fields_added_later_are_carried_and_old_rows_still_read(tm
     await store.close()
     con = sqlite3.connect(tmp_path / "jobs.db")  # a row written by a newer version, and one by an older
     (raw,) = con.execute("SELECT request FROM jobs WHERE id = ?", (j.id,)).fetchone()
-    newer = {**json.loads(raw), "loras": [{"name": "x", "scale": 0.5}]}
+    newer = {**json.loads(raw), "a_field_from_a_newer_version": {"x": 1}}
     older = {k: v for k, v in json.loads(raw).items() if k not in ("scheduler", "output_dtype")}
     con.execute("UPDATE jobs SET request = ? WHERE id = ?", (json.dumps(newer), j.id))
     con.execute("INSERT INTO jobs (id, created, model, status, stage, request, seeds) VALUES (?, 1, 'tiny', "
