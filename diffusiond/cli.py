@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from diffusiond.cli_generate import (
     run_generate,
 )
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
-from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, default_socket_path
+from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
@@ -46,6 +47,7 @@ SERVE_FIELDS = (
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
     "preview_decoder",
+    "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -108,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cancel", parents=[sock], help="cancel a queued or running job")
     c.add_argument("job_id", metavar="JOB_ID")
     c.set_defaults(func=_cancel)
+    h = sub.add_parser("history", parents=[sock], help="list jobs, newest first (kept across restarts)")
+    h.add_argument("--status", choices=[st.value for st in JobStatus])
+    h.add_argument("--model", metavar="NAME")
+    h.add_argument("--before", metavar="JOB_ID", help="the jobs admitted before this one (the next page)")
+    h.add_argument("--limit", type=positive_int, default=20, metavar="N", help="at most N jobs (20)")
+    h.add_argument("--json", action="store_true", help="the daemon's page as JSON")
+    h.set_defaults(func=_history)
     sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=_sleep)
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=_wake)
     sub.add_parser("web-url", parents=[sock], help="print the web page's sign-in URL (serve --web)").set_defaults(
@@ -158,11 +167,23 @@ def _add_serve(sub: Any) -> None:
              "(diffusers or kohya layout); repeatable")
     add("--max-loras", type=positive_int, metavar="N",
         help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
+    add("--state-dir", metavar="DIR",
+        help="jobs and outputs kept across restarts (default: $XDG_STATE_HOME/diffusiond, ~/.local/state/diffusiond)")
+    add("--no-persist", dest="persist", action="store_false", default=None,
+        help="keep jobs and outputs in memory only: a restart loses them")
+    add("--reset-state", action="store_true", default=None,
+        help="move a corrupt or foreign state database aside and start with an empty one")
+    add("--state-sync", choices=("normal", "full"),
+        help="normal: accepted jobs survive any daemon crash; full: a power cut too (an fsync per job)")
+    add("--keep-days", type=float, metavar="D", help="delete finished jobs and their outputs after D days")
+    add("--keep-gb", type=float, metavar="GB", help="delete the oldest finished jobs while outputs take more")
+    add("--retention-check-s", type=float, help=argparse.SUPPRESS)
     add("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
         help="torch.compile every model (MODE: " + ", ".join(COMPILE_MODES) + "; default: default); "
              "reduce-overhead replays CUDA graphs")
     add("--warmup", metavar="WxH:B,...", help="shapes each worker runs before it is ready, e.g. 512x512:1,512x512:8")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
+    add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)
 
 
@@ -321,6 +342,28 @@ async def _cancel(args: argparse.Namespace, client: AsyncClient) -> int:
             return EXIT_FAILED
     print(f"job {job.get('id', args.job_id)} {job.get('status', 'cancelled')}")
     return EXIT_OK
+
+
+async def _history(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        page = await client.history(status=args.status, model=args.model, before=args.before, limit=args.limit)
+    if args.json:
+        print(json.dumps(page))
+        return EXIT_OK
+    keys = ["id", "created", "model", "status", "outputs", "attempts", "prompt"]
+    rows = [[j.get("id", ""), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.get("created", 0))),
+             j.get("model", ""), j.get("status", "") + (f" ({j['error']['code']})" if j.get("error") else ""),
+             str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
+            for j in page.get("data") or []]
+    print(_table(rows, keys) if rows else "no jobs")
+    if page.get("next_before"):
+        print(f"more: diffusiond history --before {page['next_before']}")
+    return EXIT_OK
+
+
+def _clip(text: str, width: int = 40) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 async def _sleep(args: argparse.Namespace, client: AsyncClient) -> int:

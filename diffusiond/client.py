@@ -267,8 +267,19 @@ class AsyncClient:
         return written
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
-        """Cancel a job; a DaemonError with status 409 if it had already finished."""
+        """Cancel a job; a DaemonError with status 409 if it had already finished (``finished=keep``:
+        a cancel that comes too late must not delete the result, which a plain DELETE does)."""
+        return await self._json("DELETE", f"/v1/jobs/{quote_id(job_id)}", params={"finished": "keep"})
+
+    async def delete(self, job_id: str) -> dict[str, Any]:
+        """Cancel a job that has not finished; delete a finished one with its outputs."""
         return await self._json("DELETE", f"/v1/jobs/{quote_id(job_id)}")
+
+    async def history(self, *, status: str | None = None, model: str | None = None, before: str | None = None,
+                      limit: int | None = None) -> dict[str, Any]:
+        """A page of jobs, newest first; its ``next_before`` continues it."""
+        given = {"status": status, "model": model, "before": before, "limit": limit}
+        return await self._json("GET", "/v1/jobs", params={k: str(v) for k, v in given.items() if v is not None})
 
     # service -------------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:

@@ -215,6 +215,9 @@ class ErrorCode(enum.StrEnum):
     TRACE_OFF = "trace_off"
     PREVIEW_NOT_FOUND = "preview_not_found"  # no preview of that output yet (or the job asked for none)
     NOT_SHARED = "not_shared"  # the output socket cannot hand this output out by fd: fetch it over HTTP
+    INSUFFICIENT_STORAGE = "insufficient_storage"  # the state dir's disk is full (507)
+    STATE_FAILED = "state_failed"  # the state database could not be written (not a full disk)
+    INPUT_LOST = "input_lost"  # an edit interrupted by a crash: its input image was not kept to run it again
     # how a job ended, other than by succeeding
     CANCELLED = "cancelled"
     DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -27,6 +27,16 @@ def memfd_maps(pid: int | str = "self") -> list[str]:
         return []
 
 
+@pytest.fixture(scope="session", autouse=True)
+def state_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Daemons that tests start without a --state-dir keep their jobs here, never in the
+    user's real ~/.local/state (tests/daemonkit.py gives each daemon its own)."""
+    path = tmp_path_factory.mktemp("state-home")
+    os.environ["XDG_STATE_HOME"] = str(path)
+    os.environ.pop("STATE_DIRECTORY", None)
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache folder for the embedded models for the whole run (tiny is built once)."""

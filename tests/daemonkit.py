@@ -44,6 +44,10 @@ def gone(pid: int) -> bool:
 class Daemon:
     def __init__(self, socket_path: Path, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.socket = socket_path
+        # each daemon its own state dir beside its socket (two daemons on one dir refuse to run)
+        if not {"--state-dir", "--no-persist"} & set(args):
+            args = [*args, "--state-dir", str(socket_path.with_suffix(".state"))]
+        self.state_dir = Path(args[args.index("--state-dir") + 1]) if "--state-dir" in args else None
         self.args = args
         self.log_path = log_path
         self.env = env or {}
@@ -193,6 +197,12 @@ async def submit(s: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, An
 
 async def delete(s: aiohttp.ClientSession, job_id: str) -> tuple[int, dict[str, Any]]:
     async with s.delete(f"/v1/jobs/{job_id}") as r:
+        return r.status, await r.json()
+
+
+async def cancel(s: aiohttp.ClientSession, job_id: str) -> tuple[int, dict[str, Any]]:
+    """DELETE that only cancels (``?finished=keep``): 409 for a finished job, which a plain DELETE deletes."""
+    async with s.delete(f"/v1/jobs/{job_id}?finished=keep") as r:
         return r.status, await r.json()
 
 

@@ -400,14 +400,20 @@ async def test_unknown_job_and_delete_of_a_finished_job(sock: Path) -> None:
             assert r.status == 404
         job = await run_job(s, {**FAST, "prompt": "x"})
         assert job["status"] == "succeeded"
-        async with s.delete(f"/v1/jobs/{job['id']}") as r:
+        async with s.delete(f"/v1/jobs/{job['id']}?finished=keep") as r:  # a cancel that came too late
             assert r.status == 409
             err = (await r.json())["error"]
         assert err["code"] == "job_finished" and "succeeded" in err["message"]
         status, answer = await get_json(s, f"/v1/jobs/{job['id']}/outputs/1")
         assert status == 404 and answer["error"]["code"] == "output_not_found"
         status, again = await get_json(s, f"/v1/jobs/{job['id']}")
-    assert status == 200 and again["status"] == "succeeded"
+        assert status == 200 and again["status"] == "succeeded"
+        async with s.delete(f"/v1/jobs/{job['id']}") as r:  # a plain DELETE of a finished job deletes it
+            assert r.status == 200
+            deleted = await r.json()
+        assert deleted["deleted"] is True and deleted["status"] == "succeeded"
+        status, answer = await get_json(s, f"/v1/jobs/{job['id']}")
+    assert status == 404 and answer["error"]["code"] == "job_not_found"
 
 
 async def test_trace_without_trace_flag_says_how_to_turn_it_on(sock: Path) -> None:

@@ -34,7 +34,21 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, delete, get, gone, health, http, idle, shared_daemon, sse, submit, until, when_idle
+from daemonkit import (
+    Daemon,
+    cancel,
+    delete,
+    get,
+    gone,
+    health,
+    http,
+    idle,
+    shared_daemon,
+    sse,
+    submit,
+    until,
+    when_idle,
+)
 
 from conftest import memfd_maps, shm_entries
 
@@ -169,26 +183,26 @@ async def test_cancel_races_every_job_ends_once_and_counters_agree(race: Path) -
             follower = asyncio.ensure_future(sse(s, job_id)) if i % 2 == 0 else None
             answer: tuple[int, dict[str, Any]] | None = None
             if when == "immediately":
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when == "random":
                 await asyncio.sleep(delay)
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when == "after_progress":
                 async def progressed() -> bool:
                     j = await job_state(s, job_id)
                     return j["progress"]["step"] >= 1 or j["status"] in TERMINAL
 
                 await until(progressed, 60, f"job {job_id} to report progress")
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when in ("in_copying", "in_encoding"):
                 await reaches(s, job_id, when[3:])
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             elif when == "after_done":
                 await finished(s, job_id)
-                answer = await delete(s, job_id)
+                answer = await cancel(s, job_id)
             final = await finished(s, job_id)
             events = await asyncio.wait_for(follower, 60) if follower else await sse(s, job_id)
-            again = await delete(s, job_id)  # a finished job stays finished
+            again = await cancel(s, job_id)  # a finished job stays finished
             results.append({"i": i, "id": job_id, "when": when, "answer": answer, "final": final,
                             "events": events, "again": again})
 
@@ -309,6 +323,7 @@ async def test_outputs_over_the_limits_are_400_naming_the_field(race: Path) -> N
 def big_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     with shared_daemon(tmp_path_factory.mktemp("big"), [
         "--model", "big=synthetic:compute_ms=5", "--arena-mb", "160", "--retention-s", "4", "--job-timeout", "120",
+        "--no-persist",  # the arena and in-memory retention on their own: nothing kept in a state dir
     ], model_cache, ENV) as d:
         yield d
 
@@ -408,6 +423,7 @@ async def test_outputs_larger_than_the_arena_get_a_dedicated_memfd_with_the_righ
     daemon_factory: Any,
 ) -> None:
     d: Daemon = daemon_factory("--model", "big=synthetic:compute_ms=5", "--arena-mb", "1", "--retention-s", "120",
+                               "--no-persist",
                                env=ENV)
     assert d.proc is not None
     base = {"model": "big", "prompt": "dedicated", "steps": 2}
@@ -448,6 +464,7 @@ async def test_full_arena_fails_the_job_naming_the_sizes_instead_of_hanging(daem
     """
     arena = 8 * MIB
     d: Daemon = daemon_factory("--model", "big=synthetic:compute_ms=5", "--arena-mb", "8", "--retention-s", "600",
+                               "--no-persist",
                                "--slot-timeout-s", "3", env=ENV)
     base = {"model": "big", "prompt": "fill", "width": 1024, "steps": 2, "output_format": "npy"}
     held, large = 1024 * 1360 * 3, 1024 * 1400 * 3  # just under half the arena; just over what is left

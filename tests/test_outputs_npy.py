@@ -26,7 +26,8 @@ async def _submit(s: Any, seed: int) -> str:
 
 
 async def test_npy_output_is_streamed_once_then_released(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "64")
+    # in memory only (--no-persist): with a state dir an npy output is also kept as a file, fetchable again
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "64", "--no-persist")
     async with http(d.socket) as s:
         job = await wait_job(s, await _submit(s, 1))
         assert (await _health(s))["arena_bytes_in_use"] >= ONE_OUTPUT
@@ -40,7 +41,7 @@ async def test_npy_output_is_streamed_once_then_released(daemon_factory) -> None
 
 async def test_unfetched_npy_outputs_are_spilled_so_the_arena_never_fills(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     # an 16 MiB arena holds five 3 MiB outputs; twelve are made and none fetched until the end
-    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "16", "--retention-s", "600")
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "16", "--retention-s", "600", "--no-persist")
     async with http(d.socket) as s:
         jobs = []
         for seed in range(12):
@@ -67,7 +68,7 @@ async def test_a_copy_waiting_for_a_slot_makes_the_engine_spill_unfetched_output
     """An unfetched output just under half the arena is not spilled by the half-arena rule, yet
     leaves too little room for a slightly larger next output: the copy thread's SLOT_WAIT makes
     the engine spill it, and the next job succeeds instead of failing after the slot timeout."""
-    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "8", "--retention-s", "600",
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "8", "--retention-s", "600", "--no-persist",
                        "--slot-timeout-s", "20")
     base = {"prompt": "p", "width": 1024, "steps": 1, "output_format": "npy"}
     async with http(d.socket) as s:

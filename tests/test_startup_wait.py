@@ -1,7 +1,8 @@
-"""A request that arrives while the daemon is still loading its models: the CLI and the Python
-client wait for it (the daemon answers 503 'starting' until then), instead of failing, so that
-`diffusiond serve &` followed at once by `diffusiond generate` works, as does a socket-activated
-first request."""
+"""A request that arrives while the daemon is still loading its models is served, not refused, so
+that `diffusiond serve &` followed at once by `diffusiond generate` works, as does a
+socket-activated first request. On a first start (the model's defaults not yet known) the daemon
+holds the request until the model has loaded; later starts accept it at once (test_durable.py).
+The CLI and the Python client also still resubmit on a 503 'starting' from an older daemon."""
 
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ def test_generate_right_after_serve_waits_for_the_models(tmp_path: Path, model_c
              "-o", str(tmp_path / "out.png"), "--seed", "1"],
             capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert out.returncode == 0, out.stderr + d.log()
-        assert "loading its models" in out.stderr
         assert (tmp_path / "out.png").stat().st_size > 0
     finally:
         d.stop()

@@ -33,7 +33,9 @@ VIDEO = "video=synthetic:task=video,compute_ms=5"
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("zerocopy")
-    args = ["--model", "tiny", "--model", VIDEO, "--arena-mb", "64"]
+    # in memory only: these tests are about outputs in shared memory (with a state dir an output
+    # whose slot went back is served again from its file)
+    args = ["--model", "tiny", "--model", VIDEO, "--arena-mb", "64", "--no-persist"]
     with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
         yield d
 
@@ -108,7 +110,7 @@ def test_float_and_video_outputs_keep_their_dtype_and_shape(daemon: Daemon) -> N
 
 def test_the_array_outlives_the_jobs_retention_and_its_slot_returns_when_dropped(
         tmp_path: Path, model_cache: Path) -> None:
-    args = ["--model", "tiny", "--retention-s", "2"]
+    args = ["--model", "tiny", "--retention-s", "2", "--no-persist"]
     with shared_daemon(tmp_path, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d, OutputMapper(str(d.socket)) as m:
         job = run_job(d, seed=5)
         a = m.array(job, 0)

@@ -36,6 +36,7 @@ class Setup:
     batch_wait_ms: float
     rounds: int = 1
     trace: bool = False
+    persist: bool = True  # the daemons keep jobs in a state dir (their own, temporary), as serve does
     compile: str = ""  # torch.compile mode of the daemons and of limit-compiled; "" for eager
     slo_scale: float = 3.0  # a request meets its SLO under slo_scale x the single-request latency
     sweep: tuple[int, ...] = ()  # client concurrencies to run the daemon modes at, besides --concurrency

@@ -87,6 +87,9 @@ def add_parser(sub: Any) -> None:
                         "mode once per value, in the same rounds, to measure what previews cost (default: 0)")
     p.add_argument("--trace", action="store_true",
                    help="also say where the worker's time goes: forward and idle times, CUDA-timed on a GPU")
+    p.add_argument("--no-persist", dest="persist", action="store_false",
+                   help="daemons keep jobs in memory only (serve --no-persist); by default each has a temporary "
+                        "state dir, as a served daemon has its own")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=None)
 
@@ -144,7 +147,7 @@ def _setup(args: argparse.Namespace) -> Setup:
                  batch=args.batch, requests=args.requests, concurrency=args.concurrency or 3 * args.batch + 2,
                  format=args.format, frames=args.frames, output_dtype=args.output_dtype, guidance=args.guidance,
                  arena_mb=arena_mb, batch_wait_ms=args.batch_wait_ms, rounds=args.rounds, trace=args.trace,
-                 compile=args.compile, slo_scale=args.slo_scale, sweep=args.sweep,
+                 persist=args.persist, compile=args.compile, slo_scale=args.slo_scale, sweep=args.sweep,
                  previews=args.preview_every)
 
 
@@ -277,6 +280,8 @@ def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
                     "--queue-size", str(max(256, s.requests * 2)), "--log-level", "warning"]
             if s.trace:
                 argv.append("--trace")
+            # each daemon its own state dir: two daemons on one refuse to start
+            argv += ["--state-dir", str(Path(tmp) / f"{mode}.state")] if s.persist else ["--no-persist"]
             if s.compile:  # the measured shape compiled before ready, as a deployment would
                 argv += ["--compile", s.compile, "--warmup", f"{s.width}x{s.height}:{s.batch}"]
             started.append((stack.enter_context(_process(argv, log)), sock, log))

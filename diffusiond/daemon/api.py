@@ -62,12 +62,15 @@ STATUS_OF_ERROR: dict[type[EngineError], int] = {
     errors.QueueFull: 429,
     errors.Unavailable: 503,
     errors.PowerFailed: 500,
+    errors.InsufficientStorage: 507,
+    errors.StateWriteFailed: 500,
 }
 # The status code of a synchronous request whose job ended without succeeding, by failure code.
 STATUS_OF_FAILURE: dict[str, int] = {
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.CANCELLED: 409,
+    ErrorCode.INSUFFICIENT_STORAGE: 507,
 }
 STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 
@@ -160,6 +163,7 @@ async def create_job(request: web.Request) -> web.Response:
     b = requests.decode(body, requests.JobBody)
     if len(body) > limits.max_body_bytes and b.image is None and b.mask is None:
         raise _too_large(len(body), limits.max_body_bytes)
+    await engine.described()  # a request that comes while models load is completed with their own defaults
     model = engine.model(b.model)
     fields = msgspec.structs.asdict(b)
     edit = await decode_edit(engine, fields, model)
@@ -169,8 +173,12 @@ async def create_job(request: web.Request) -> web.Response:
         if edit is not None:
             edit.close()
         raise
-    job = engine.submit(req)
+    job = await engine.accept(req)
     return web.json_response(views.job(job), status=202, headers={"Location": views.job_url(job.id)})
+
+
+HISTORY_LIMIT = 100
+HISTORY_MAX_LIMIT = 1000
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -210,20 +218,40 @@ async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, ima
 
 
 async def list_jobs(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [views.job(j) for j in request.app[ENGINE].recent(100)]})
+    """History, newest first: ``?status=&model=&before=<job id>&limit=``."""
+    q = request.query
+    status = None
+    if q.get("status"):
+        try:
+            status = JobStatus(q["status"])
+        except ValueError:
+            raise errors.invalid(f"status {q['status']!r} is not one of {', '.join(s.value for s in JobStatus)}",
+                                 "status") from None
+    raw = q.get("limit", str(HISTORY_LIMIT))
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= HISTORY_MAX_LIMIT):
+        raise errors.invalid(f"limit {raw!r} is not a whole number from 1 to {HISTORY_MAX_LIMIT}", "limit")
+    page = await request.app[ENGINE].history(status, q.get("model") or None, q.get("before") or None, int(raw))
+    return web.json_response(views.history(page.jobs, page.next_before))
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return web.json_response(views.job(request.app[ENGINE].get(request.match_info["job_id"])))
+    return web.json_response(views.job(await request.app[ENGINE].find(request.match_info["job_id"])))
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    return web.json_response(views.job(request.app[ENGINE].cancel(request.match_info["job_id"])))
+    """Cancel a job that has not finished; delete a finished one (record and output files).
+    ``?finished=keep`` only cancels: 409 for a finished job (what a client's cancel sends)."""
+    engine = request.app[ENGINE]
+    job_id = request.match_info["job_id"]
+    if request.query.get("finished") == "keep":
+        return web.json_response({**views.job(engine.cancel(job_id)), "deleted": False})
+    job, deleted = await engine.remove(job_id)
+    return web.json_response({**views.job(job), "deleted": deleted})
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    job = engine.get(request.match_info["job_id"])
+    job = await engine.find(request.match_info["job_id"])
     metrics = engine.metrics
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
@@ -301,7 +329,7 @@ def _sse(e: Event, data: dict[str, Any]) -> bytes:
 
 async def job_output(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    job = engine.get(request.match_info["job_id"])
+    job = await engine.find(request.match_info["job_id"])
     k = _index(request.match_info["k"])
     headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
                "Content-Type": FORMATS[job.request.output_format].content_type}
@@ -331,9 +359,10 @@ async def job_output(request: web.Request) -> web.StreamResponse:
 # OpenAI-shaped --------------------------------------------------------------------------------
 async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req, response_format = parse_images(await request.read(), engine.config.limits, engine.model,
-                                        loras=engine.check_loras)
-    job = engine.submit(req, sync=True)
+    body = await request.read()
+    await engine.described()
+    req, response_format = parse_images(body, engine.config.limits, engine.model, loras=engine.check_loras)
+    job = await engine.accept(req, sync=True)
     data = await _finish_sync([job], engine, response_format)
     return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
 
@@ -365,7 +394,7 @@ async def _finish_sync(jobs: list[Job], engine: Engine, response_format: str) ->
                      for i in job.items]
         else:  # delivered whole: the synchronous caller will not come back, so nothing is kept
             data += [{"revised_prompt": None, "seed": i.seed, "b64_json": base64.b64encode(b).decode()}
-                     for i, b in zip(job.items, engine.output_bytes(job), strict=True)]
+                     for i, b in zip(job.items, await engine.output_bytes(job), strict=True)]
     return data
 
 
@@ -375,6 +404,7 @@ async def images_edits(request: web.Request) -> web.Response:
     (``n`` outputs each), run side by side; the answer lists their outputs in the order of the images."""
     engine = request.app[ENGINE]
     text, images, mask = await read_edit_form(request, engine.config.limits.max_upload_bytes)
+    await engine.described()
     fields = requests.edits_form(text)
     model = engine.model(fields.get("model"))
     if not images:
@@ -389,8 +419,8 @@ async def images_edits(request: web.Request) -> web.Response:
             assert edit is not None
             edits.append(edit)
         for edit in edits:
-            jobs.append(engine.submit(requests.check(fields, engine.config.limits, model, size_field="size",
-                                                     edit=edit, loras=engine.check_loras), sync=True))
+            jobs.append(await engine.accept(requests.check(fields, engine.config.limits, model, size_field="size",
+                                                           edit=edit, loras=engine.check_loras), sync=True))
     except BaseException:
         for edit in edits:
             edit.close()  # those already submitted are closed by their jobs too; closing twice is harmless
@@ -462,7 +492,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING) for m in engine.models()):
+    if engine.started and engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING)
+                                                   for m in engine.models()):
         return web.json_response({"ready": True})
     reason = "draining" if engine.draining else "starting"
     return web.json_response({"ready": False, "reason": reason}, status=503)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,20 @@ from diffusiond.protocol import default_socket_path as default_socket_path  # re
 
 class ConfigError(ValueError):
     pass
+
+
+STATE_SYNC = ("normal", "full")
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where the daemon keeps what must outlive it (jobs, outputs; later caches):
+    ``$XDG_STATE_HOME/diffusiond``, else ``~/.local/state/diffusiond``. The system unit's
+    ``StateDirectory=`` sets ``$STATE_DIRECTORY``, which wins over both."""
+    env = os.environ if env is None else env
+    if env.get("STATE_DIRECTORY"):
+        return env["STATE_DIRECTORY"].split(":")[0]
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "diffusiond")
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,20 @@ class DaemonConfig:
     # of them loaded (least recently used ones are unloaded), and a request names at most that many.
     loras: dict[str, str] = field(default_factory=dict)
     max_loras: int = 8
+    # Durable jobs (store.py): the state dir holds the job database and the output files.
+    state_dir: str | None = None
+    persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
+    reset_state: bool = False  # a corrupt or foreign database is moved aside instead of stopping the start
+    keep_days: float = 0.0  # finished jobs older than this are deleted with their outputs (0: no age limit)
+    keep_gb: float = 0.0  # the oldest finished jobs go while their outputs take more than this (0: no limit)
+    retention_check_s: float = 60.0  # how often the retention task looks
+    state_fault: str = ""  # test-only fault injection in the state dir (see store.StateFaults)
+    # "normal": an accepted job survives any crash of the daemon; "full": a power cut too (an fsync per job)
+    state_sync: str = "normal"
+
+    @property
+    def state_path(self) -> str:
+        return self.state_dir or default_state_dir()
     # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
     input_dir: str | None = None
 
@@ -146,7 +175,8 @@ class DaemonConfig:
         for name in ("max_batch", "queue_size", "arena_mb", "encode_threads", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s"):
+        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s",
+                     "keep_days", "keep_gb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.job_timeout_s <= 0:
@@ -160,6 +190,10 @@ class DaemonConfig:
         if self.preview_decoder and not Path(self.preview_decoder).expanduser().is_dir():
             raise ConfigError(f"preview_decoder {self.preview_decoder!r} is not a folder; give a diffusers "
                               "AutoencoderTiny folder (with its config.json), or leave it out for built-in previews")
+        if self.state_sync not in STATE_SYNC:
+            raise ConfigError(f"state_sync {self.state_sync!r} is not one of {', '.join(STATE_SYNC)}")
+        if self.retention_check_s <= 0:
+            raise ConfigError(f"retention_check_s must be positive, got {self.retention_check_s}")
         if self.limits.max_upload_bytes < 1 or self.limits.max_input_pixels < 1:
             raise ConfigError("limits.max_upload_bytes and limits.max_input_pixels must be at least 1")
         if self.input_dir is not None and not Path(self.input_dir).is_dir():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.errors import (
+    EngineError,
     JobFinished,
     JobNotFound,
     NotAccepting,
@@ -42,6 +44,7 @@ from diffusiond.daemon.outputs import OutputRead, Outputs
 from diffusiond.daemon.pool import Model, Spawn, WorkerPool, spawn_process
 from diffusiond.daemon.previews import Previews
 from diffusiond.daemon.scheduler import Scheduler, Wait
+from diffusiond.daemon.store import Page, Store
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
     Ack,
@@ -76,9 +79,10 @@ class Batch:
 
 class Engine:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None, *,
-                 spawn: Spawn = spawn_process) -> None:
+                 spawn: Spawn = spawn_process, store: Store | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
         self.loras = LoraRegistry(config.loras, config.max_loras)
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
@@ -90,9 +94,10 @@ class Engine:
                                    batch_wait_s=config.batch_wait_ms / 1000)
         self.executor = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="encode")
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
-                               on_ready=self._on_item_ready, on_failed=self._on_item_failed)
+                               on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
         self.accepting = False
+        self.started = False  # every worker has started once: /ready may say so
         self.draining = False
         self.stopping = False
         self.started_at = time.time()
@@ -102,6 +107,8 @@ class Engine:
         # sleep and wake run one at a time, in the order they came: a wake that arrives while a sleep
         # is still draining must not finish first and then be undone by that sleep's SLEEP commands
         self._power = asyncio.Lock()
+        self._retention: asyncio.Task[None] | None = None
+        self._pool_starting = False  # workers are being started: a model without one yet will have one
 
     @property
     def paused(self) -> bool:
@@ -110,12 +117,60 @@ class Engine:
 
     # lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start every worker; fail with the first worker's reason if a model cannot load."""
-        await self.pool.start()
-        unfit = self.loras.unfit_at_start(self.models())
-        if unfit:
-            raise WorkerStartError(unfit)
+        """Take back what the last run left unfinished, admit jobs, then start every worker (jobs
+        admitted meanwhile wait in the queue); fail with the first worker's reason if a model
+        cannot load, or if a LoRA adapter fits no model."""
+        await self.recover()
         self.accepting = True
+        if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
+            self._retention = asyncio.ensure_future(self._retain_forever())
+        self._pool_starting = True
+        self._changed.set()
+        try:
+            await self.pool.start()
+            unfit = self.loras.unfit_at_start(self.models())
+            if unfit:
+                raise WorkerStartError(unfit)
+            self.started = True
+        except BaseException:
+            self.accepting = False  # what was admitted stays queued (on disk, when jobs persist)
+            raise
+        finally:
+            self._pool_starting = False
+            self._changed.set()
+
+    async def recover(self) -> None:
+        """Queue again, in their admission order, the jobs the last run accepted and did not
+        finish. One that had started runs again from the start (its seeds are fixed, so its
+        outputs are the ones it would have made) and counts the attempt."""
+        jobs = await self.store.open()
+        remembered = await self.store.capabilities()
+        for model in self.pool.models.values():
+            caps = remembered.get(_model_key(model))
+            if caps is not None and not model.known:
+                model.capabilities, model.known = caps, True
+        for job in jobs:
+            if job.status == JobStatus.RUNNING:
+                job.attempts += 1
+            job.status = JobStatus.QUEUED
+            self.jobs[job.id] = job
+            for item in job.items:
+                self.items[item.request_id] = item
+            if job.id in self.store.lost_inputs:
+                self._end(job, JobStatus.FAILED, ErrorCode.INPUT_LOST,
+                          "the daemon stopped before this edit finished, and an edit's input image is not kept in "
+                          "the state dir: submit it again")
+                continue
+            if job.request.model not in self.pool.models:
+                self._end(job, JobStatus.FAILED, ErrorCode.MODEL_NOT_FOUND,
+                          f"model {job.request.model!r} is no longer served here (the daemon restarted with "
+                          f"models {', '.join(self.pool.models)})")
+                continue
+            self.scheduler.admit(job)  # over the queue limit if need be: these were accepted already
+            self._arm_deadline(job)
+            self.store.update(job)
+        if jobs:
+            log.info("resuming %d job(s) the last run did not finish", len(jobs))
 
     async def drain(self, grace: float) -> None:
         """Stop admitting; give accepted jobs ``grace`` seconds to finish; fail what is left."""
@@ -129,10 +184,16 @@ class Engine:
 
     async def stop(self) -> None:
         self.stopping = True
+        self._changed.set()
+        if self._retention is not None:
+            self._retention.cancel()
         await self.pool.stop()
         self.previews.close()
         self.outputs.close()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        # off the loop: an output file may be half-way through its write
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.executor.shutdown, wait=True, cancel_futures=True))
+        await self.store.close()
 
     async def sleep(self) -> None:
         """Let running work finish, then have each worker move its weights off the device."""
@@ -173,6 +234,29 @@ class Engine:
     def models(self) -> list[Model]:
         return list(self.pool.models.values())
 
+    async def described(self) -> None:
+        """Wait until jobs are admitted (the state dir is read) and every model's defaults and
+        limits are its own (its first READY, or remembered from the last run), so a request that
+        comes while models load is completed and checked the way it will run. Not waited for: a
+        daemon that is stopping, or a model whose workers could not start."""
+        def settled() -> bool:
+            if self.draining or self.stopping:
+                return True
+            return self.accepting and all(m.known or not (self._pool_starting or m.can_take_jobs())
+                                          for m in self.pool.models.values())
+
+        await self._wait_until(settled, self.config.worker_start_timeout_s)
+
+    async def accept(self, req: JobRequest, *, sync: bool = False) -> Job:
+        """Admit a job and return once it is recorded (on disk when jobs persist): what a 202 promises."""
+        job = self.submit(req, sync=sync)
+        try:
+            await self.store.add(job)
+        except EngineError as err:
+            self._end(job, JobStatus.FAILED, err.code, err.message)
+            raise
+        return job
+
     def check_loras(self, model: str, loras: list[tuple[str, float]]) -> None:
         """Admission: the adapters a request names exist, fit its model, and are not too many."""
         self.loras.resolve(self.pool.model(model), loras)
@@ -183,6 +267,7 @@ class Engine:
                                     self.pool.lora_paths)
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
+        """Admit a job (in memory; ``accept`` also records it)."""
         try:
             return self._submit(req, sync)
         except BaseException:
@@ -196,7 +281,7 @@ class Engine:
             self.metrics.rejected_total.labels("unavailable").inc()
             raise NotAccepting(f"the daemon is {reason}; not accepting jobs", retry_after_s=5)
         model = self.pool.model(req.model)
-        if not model.can_take_jobs():
+        if not model.can_take_jobs() and not self._pool_starting:
             raise NoWorker(f"model {model.name!r} has no running worker")
         job = Job(req, sync=sync, approximations=model.capabilities.approximations,
                   compiled=model.capabilities.compiled)
@@ -209,10 +294,13 @@ class Engine:
         self.jobs[job.id] = job
         for item in job.items:
             self.items[item.request_id] = item
-        timeout = req.timeout_s or self.config.job_timeout_s
-        job.deadline = asyncio.get_running_loop().call_later(timeout, self._on_deadline, job, timeout)
+        self._arm_deadline(job)
         self.dispatch()
         return job
+
+    def _arm_deadline(self, job: Job) -> None:
+        timeout = job.request.timeout_s or self.config.job_timeout_s
+        job.deadline = asyncio.get_running_loop().call_later(timeout, self._on_deadline, job, timeout)
 
     def cancel(self, job_id: str) -> Job:
         job = self.get(job_id)
@@ -222,13 +310,75 @@ class Engine:
         return job
 
     def get(self, job_id: str) -> Job:
+        """A job still in memory (one not yet finished always is)."""
         try:
             return self.jobs[job_id]
         except KeyError:
             raise JobNotFound(f"no job {job_id!r} (unknown, or its retention ended)") from None
 
+    async def find(self, job_id: str) -> Job:
+        """A job in memory, else (a finished one) from the state dir."""
+        job = self.jobs.get(job_id)
+        if job is None and job_id not in self.outputs.deleting:
+            job = await self.store.load(job_id)
+        if job is None or job.id in self.outputs.deleting:
+            raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or its retention ended)")
+        return job
+
     def recent(self, limit: int) -> list[Job]:
         return sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)[:limit]
+
+    async def history(self, status: JobStatus | None, model: str | None, before: str | None, limit: int) -> Page:
+        """Jobs newest first; ``before`` (a job id) continues a page. Jobs in memory are shown as
+        they are now, which may be ahead of their record."""
+        if not self.store.persistent:
+            jobs = sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)
+            if before is not None:
+                ids = [j.id for j in jobs]
+                jobs = jobs[ids.index(before) + 1:] if before in ids else []
+            jobs = [j for j in jobs if (status is None or j.status == status) and (model is None
+                                                                                   or j.request.model == model)]
+            return Page(jobs[:limit], jobs[limit - 1].id if len(jobs) > limit else None)
+        page = await self.store.page(status.value if status else None, model, before, limit)
+        return Page([self.jobs.get(j.id, j) for j in page.jobs], page.next_before)
+
+    async def remove(self, job_id: str) -> tuple[Job, bool]:
+        """DELETE: cancel a job that has not finished; forget a finished one, record and outputs.
+        Returns the job and whether it was deleted."""
+        job = await self.find(job_id)
+        if not job.terminal:
+            return self.cancel(job_id), False
+        await self._delete(job)
+        return job, True
+
+    async def _delete(self, job: Job) -> None:
+        self.outputs.deleting.add(job.id)  # from here on nobody starts reading it
+        try:
+            self._expire(job.id)
+            await self.store.delete(job)
+        finally:
+            self.outputs.deleting.discard(job.id)
+
+    async def _retain_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retention_check_s)
+            try:
+                await self.retain()
+            except Exception:
+                log.exception("the retention pass failed; it runs again in %gs", self.config.retention_check_s)
+
+    async def retain(self) -> int:
+        """Delete finished jobs past ``keep_days`` or beyond ``keep_gb``, oldest first, except
+        those whose outputs a client is reading right now (the next pass takes them)."""
+        deleted = 0
+        for job in await self.store.expired(self.config.keep_days, int(self.config.keep_gb * 1e9)):
+            if self.outputs.reading.get(job.id):
+                continue
+            await self._delete(job)
+            deleted += 1
+        if deleted:
+            log.info("retention deleted %d finished job(s) and their outputs", deleted)
+        return deleted
 
     # outputs --------------------------------------------------------------------------------
     def open_output(self, job: Job, k: int) -> AbstractAsyncContextManager[OutputRead]:
@@ -243,11 +393,11 @@ class Engine:
     def end_lease(self, item: Item) -> None:
         self.outputs.unlease(item)
 
-    def output_bytes(self, job: Job) -> list[bytes]:
+    async def output_bytes(self, job: Job) -> list[bytes]:
         """Every output of a finished job as bytes, for a caller that will not come back for
-        them (the synchronous endpoint): what they held is released at once."""
+        them (the synchronous endpoint): what they held in memory is released at once."""
         try:
-            return [self.outputs.read_all(i) for i in job.items]
+            return [await self.outputs.read_all(i) for i in job.items]
         finally:
             self.outputs.expire(job)
 
@@ -345,6 +495,7 @@ class Engine:
             job = item.job
             if job.status == JobStatus.QUEUED:
                 job.status = JobStatus.RUNNING
+                self.store.update(job)
                 queued_ms = (now - job.t0) * 1000
                 job.add_timing("queued", queued_ms)
                 self.metrics.stage_seconds.labels("queued").observe(queued_ms / 1000)
@@ -363,6 +514,10 @@ class Engine:
     # frames from workers --------------------------------------------------------------------
     def _on_worker_ready(self, worker: WorkerLink) -> None:
         self.in_flight[worker] = collections.deque()
+        model = self.pool.models.get(worker.config.model_name)
+        if model is not None:
+            self.store.remember(_model_key(model), model.capabilities)
+        self._changed.set()
         self.dispatch()
 
     def _on_frame(self, worker: WorkerLink, frame: Frame) -> None:
@@ -459,8 +614,9 @@ class Engine:
         finally:
             job.last_preview = None
 
-    def _on_item_failed(self, item: Item, message: str, stage: Stage) -> None:
-        self._end(item.job, JobStatus.FAILED, ErrorCode.OUTPUT_FAILED, message, stage=stage.label)
+    def _on_item_failed(self, item: Item, message: str, stage: Stage,
+                        code: ErrorCode = ErrorCode.OUTPUT_FAILED) -> None:
+        self._end(item.job, JobStatus.FAILED, code, message, stage=stage.label)
 
     # endings --------------------------------------------------------------------------------
     def _end(self, job: Job, status: JobStatus, code: ErrorCode | None = None, message: str = "",
@@ -470,6 +626,7 @@ class Engine:
                                                             "stage": stage_label}
         if not job.end(status, error):
             return
+        self.store.update(job)
         if job.request.edit is not None:  # batches already sent hold their own fds
             job.request.edit.close()
         self.scheduler.remove(job)
@@ -530,3 +687,9 @@ def _preview_fields(req: JobRequest) -> dict[str, int]:
     """The worker's share of a request's previews (encoding them is the engine's)."""
     p = req.preview
     return {} if p is None else {"preview_every": p.every, "preview_max_side": p.max_side}
+
+
+def _model_key(model: Model) -> str:
+    """What a model's remembered capabilities are filed under: the same name serving another
+    spec after a restart must not inherit them."""
+    return f"{model.name}={model.config.spec}"

@@ -13,7 +13,9 @@ engine can be driven by tests, or by another front end, without knowing HTTP exi
     ├── OutputReleased        an npy output that was already streamed once
     ├── QueueFull             the admission queue is full (``retry_after_s``)
     ├── Unavailable           NotAccepting, NoWorker, WorkerUnavailable (``retry_after_s``)
-    └── PowerFailed           sleep or wake failed on a worker
+    ├── PowerFailed           sleep or wake failed on a worker
+    ├── InsufficientStorage   the state dir's disk is full (names the dir)
+    └── StateWriteFailed      the state dir could not be written for another reason
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ class WorkerUnavailable(Unavailable):
 
 class PowerFailed(EngineError):
     default_code = ErrorCode.SLEEP_FAILED
+
+
+class InsufficientStorage(EngineError):
+    default_code = ErrorCode.INSUFFICIENT_STORAGE
+
+
+class StateWriteFailed(EngineError):
+    default_code = ErrorCode.STATE_FAILED
 
 
 def invalid(message: str, field: str | None = None, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> InvalidRequest:

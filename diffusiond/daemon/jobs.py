@@ -110,6 +110,7 @@ class Item:
     spilling: bool = False  # being copied out of the arena into ``data`` (arena pressure)
     enqueued_at: float = field(default_factory=time.monotonic)
     preview: Preview | None = None  # the latest one (kept with the job, for GET .../preview/{k})
+    file: str | None = None  # the output's file in the state dir, once written (durable jobs)
 
     @property
     def request_id(self) -> str:
@@ -138,6 +139,7 @@ class Job:
     approximations: tuple[str, ...] = ()
     compiled: str = ""
     sync: bool = False  # submitted through the synchronous endpoint
+    attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None

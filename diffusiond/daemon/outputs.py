@@ -16,6 +16,14 @@ Outputs that nobody fetches would hold their slots until retention ends; when th
 than half of a worker's arena, or a worker waits for room (SLOT_WAIT), the oldest are spilled
 (copied once into engine memory, off the loop) so the arena never fills for good and new
 outputs keep the zero-copy path.
+
+When jobs persist (``store.py``), every output is also written to a file in the state dir before
+it counts as ready (encoded bytes, or an npy's header and slot), in the same thread pool: the
+memory copy of an encoded output is dropped, and an npy's slot serves the zero-copy paths until
+it goes back. From then on reads come from the file (whole, off the loop), so an output is
+fetchable any number of times, after its slot went back, and after a restart. ``reading``
+counts the reads of each job's files under way; retention and DELETE skip or wait for nothing
+else (``deleting`` stops new reads of a job being deleted).
 """
 
 from __future__ import annotations
@@ -30,12 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffusiond.daemon.encoders import EncodeOptions, encode, npy_header, npy_size
-from diffusiond.daemon.errors import NotShared, OutputNotReady, OutputReleased
+from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, OutputNotReady, OutputReleased
 from diffusiond.daemon.jobs import Item, Job
 from diffusiond.daemon.link import WorkerLink
 from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.store import Store
 from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
-from diffusiond.protocol import Stage
+from diffusiond.protocol import FORMATS, ErrorCode, Stage
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +66,12 @@ class OutputRead:
 
 class Outputs:
     def __init__(self, executor: Executor, metrics: Metrics, *, png_compress_level: int,
-                 on_ready: Callable[[Item], None], on_failed: Callable[[Item, str, Stage], None]) -> None:
+                 on_ready: Callable[[Item], None], on_failed: Callable[[Item, str, Stage, ErrorCode], None],
+                 store: Store | None = None) -> None:
         self.executor = executor
+        self.store = store or Store()
+        self.reading: dict[str, int] = {}  # job id -> reads of its files under way
+        self.deleting: set[str] = set()  # jobs being deleted: no new read starts
         self.metrics = metrics
         self.png_compress_level = png_compress_level
         self._on_ready = on_ready
@@ -75,6 +88,9 @@ class Outputs:
         fmt = item.job.request.output_format
         if fmt == "npy":
             item.nbytes = npy_size(numpy_dtype(desc.dtype), desc.shape)
+            if self.store.persistent:
+                self._keep(self._persist_npy(item))
+                return
             self._on_ready(item)
             assert item.worker is not None
             self.relieve(item.worker)
@@ -110,6 +126,9 @@ class Outputs:
         if item.data is not None:
             yield OutputRead(b"", item.data)
             return
+        if item.desc is None and item.file is not None:
+            yield OutputRead(b"", await self._read_file(item))
+            return
         if item.desc is None:
             raise OutputReleased(
                 f"output {item.index} of job {job.id} was already streamed: npy outputs are sent once, straight "
@@ -133,7 +152,7 @@ class Outputs:
         _check_ready(item)
         job = item.job
         if item.desc is None:
-            if item.data is not None:
+            if item.data is not None or item.file is not None:
                 raise NotShared(f"output {item.index} of job {job.id} is not in shared memory (format "
                                 f"{job.request.output_format}, or spilled); fetch it over HTTP")
             raise OutputReleased(f"output {item.index} of job {job.id} was already delivered once and released")
@@ -149,15 +168,61 @@ class Outputs:
         item.release_pending = True
         self._unpin(item)
 
-    def read_all(self, item: Item) -> bytes:
+    async def read_all(self, item: Item) -> bytes:
         """The whole output as bytes (the synchronous endpoint's base64); copies an npy once."""
         if item.data is not None:
             return item.data
+        if item.desc is None and item.file is not None:
+            return await self._read_file(item)
         header, payload = self._npy_parts(item)
         try:
             return header + bytes(payload)
         finally:
             payload.release()
+
+    async def _read_file(self, item: Item) -> bytes:
+        job = item.job
+        assert item.file is not None
+        if job.id in self.deleting:
+            raise OutputNotFound(f"output {item.index} of job {job.id} is being deleted")
+        self.reading[job.id] = self.reading.get(job.id, 0) + 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.read_output, item.file)
+        except FileNotFoundError:
+            raise OutputNotFound(f"the file of output {item.index} of job {job.id} is gone from the state dir "
+                                 "(deleted, or its retention ended)") from None
+        finally:
+            self.reading[job.id] -= 1
+            if not self.reading[job.id]:
+                del self.reading[job.id]
+
+    async def _write_file(self, item: Item, parts: list[bytes | memoryview]) -> bool:
+        """Write an output's file; False (and the job failed) if it could not be written."""
+        job = item.job
+        ext = FORMATS[job.request.output_format].extension
+        try:
+            name, size = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.store.write_output, job.id, item.index, ext, parts)
+        except Exception as exc:
+            code = exc.code if isinstance(exc, EngineError) else ErrorCode.OUTPUT_FAILED
+            message = exc.message if isinstance(exc, EngineError) else f"writing the output file failed: {exc}"
+            self._on_failed(item, message, Stage.ENCODING, code)
+            return False
+        item.file, item.nbytes = name, size
+        return True
+
+    async def _persist_npy(self, item: Item) -> None:
+        header, payload = self._npy_parts(item)
+        self._pin(item)
+        try:
+            written = await self._write_file(item, [header, payload])
+        finally:
+            payload.release()
+            self._unpin(item)
+        if written and not item.job.terminal:
+            self._on_ready(item)
+            assert item.worker is not None
+            self.relieve(item.worker)
 
     def _npy_parts(self, item: Item) -> tuple[bytes, memoryview]:
         assert item.worker is not None and item.desc is not None
@@ -192,7 +257,8 @@ class Outputs:
             data = await asyncio.get_running_loop().run_in_executor(self.executor, encode, array, fmt, opts)
         except Exception as exc:
             log.exception("encoding %s of %s failed", fmt, item.request_id)
-            self._on_failed(item, f"encoding the output as {fmt} failed: {exc}", Stage.ENCODING)
+            self._on_failed(item, f"encoding the output as {fmt} failed: {exc}", Stage.ENCODING,
+                            ErrorCode.OUTPUT_FAILED)
             return
         finally:
             del array
@@ -203,8 +269,12 @@ class Outputs:
         self._free(item)  # the bytes are ours now; the slot goes back to the worker
         if job.terminal:
             return
-        item.data = data
-        item.nbytes = len(data)
+        if self.store.persistent:
+            if not await self._write_file(item, [data]) or job.terminal:
+                return
+        else:
+            item.data = data
+            item.nbytes = len(data)
         self._on_ready(item)
 
     # slot lifetime ------------------------------------------------------------------------------
@@ -243,7 +313,10 @@ class Outputs:
                 break
             assert item.desc is not None
             excess -= item.desc.nbytes
-            self._keep(self._spill(item))
+            if item.file is not None:  # already on disk: the slot can simply go back
+                self._free(item)
+            else:
+                self._keep(self._spill(item))
 
     async def _spill(self, item: Item) -> None:
         item.spilling = True

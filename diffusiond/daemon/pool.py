@@ -48,6 +48,7 @@ class Model:
     config: ModelConfig
     workers: list[WorkerLink] = field(default_factory=list)
     capabilities: Capabilities = field(default_factory=Capabilities)  # generic until the first READY
+    known: bool = False  # ``capabilities`` are the model's own (a READY, or remembered from the last run)
     restarts: int = 0
     crash_streak: int = 0  # consecutive workers that died within a minute of starting
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
@@ -196,6 +197,7 @@ class WorkerPool:
                 model.workers.remove(handle)
             raise
         model.capabilities = ready.capabilities
+        model.known = True
         for name in self.lora_paths:  # each worker loaded every adapter: the latest one's word stands
             if name in ready.lora_errors:
                 model.lora_errors[name] = ready.lora_errors[name]

@@ -1,7 +1,8 @@
 """``diffusiond serve``: wire the engine, the HTTP API, the sockets, signals and systemd together.
 
 Order matters and is deliberate: the listening socket comes first (so /health and /ready answer
-503 "starting" while models load), then the workers, then READY=1. SIGTERM or SIGINT stops
+503 "starting" while models load), then the state dir (its lock, the jobs a crash left), then job
+admission (jobs that come while models load wait in the queue), then the workers, then READY=1. SIGTERM or SIGINT stops
 admission (503), lets accepted jobs finish within the drain grace, stops the workers, removes the
 socket and exits 0; a second signal skips the rest of the grace.
 """
@@ -30,6 +31,8 @@ from diffusiond.daemon.config import DaemonConfig, parse_host_port
 from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.handoff import OutputSocket
 from diffusiond.daemon.link import WorkerStartError
+from diffusiond.daemon.statedir import StateDirError
+from diffusiond.daemon.store import SqliteStore
 from diffusiond.daemon.web import bind_tcp, create_web_app, sign_in_url
 from diffusiond.daemon.webauth import host_port
 from diffusiond.protocol import output_socket_path
@@ -109,7 +112,9 @@ async def run(config: DaemonConfig) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
 
     token = read_token(config.token_file) if config.token_file and (config.tcp or config.web) else None
-    engine = Engine(config)
+    store = SqliteStore(config.state_path, reset=config.reset_state, faults=config.state_fault,
+                        sync=config.state_sync) if config.persist else None
+    engine = Engine(config, store=store)
     web_address = WebAddress()
     app = create_app(engine, token=token if config.tcp else None, web_address=web_address)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
@@ -152,8 +157,9 @@ async def run(config: DaemonConfig) -> int:
         if config.web is not None:
             web_runner, bound = await _start_web(engine, config.web, token, web_address)
             where += f" and the web page on {bound}"
-        log.info("diffusiond %s listening on %s; loading %s", __version__, where,
-                 ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models))
+        log.info("diffusiond %s listening on %s; loading %s; %s", __version__, where,
+                 ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models),
+                 f"jobs kept in {config.state_path}" if config.persist else "jobs kept in memory only (--no-persist)")
         systemd.notify("STATUS=loading models")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
@@ -178,7 +184,7 @@ async def run(config: DaemonConfig) -> int:
         if not drain.done():
             drain.cancel()
             await engine.drain(0)
-    except (WorkerStartError, StartupError) as exc:
+    except (WorkerStartError, StartupError, StateDirError) as exc:
         log.error("cannot start: %s", exc)
         systemd.notify(f"STATUS=failed: {exc}")
         code = 1

@@ -56,6 +56,7 @@ def job(j: Job) -> dict[str, Any]:
             if i.done
         ],
         "error": j.error,
+        "attempts": j.attempts,
         "timings_ms": dict(j.timings_ms),
         "approximations": list(j.approximations),
         "compiled": j.compiled or None,
@@ -79,6 +80,12 @@ def job(j: Job) -> dict[str, Any]:
                                                        "max_side": r.preview.max_side},
         },
     }
+
+
+def history(jobs: list[Job], next_before: str | None) -> dict[str, Any]:
+    """A page of ``GET /v1/jobs``: ``next_before`` is the ``before=`` of the next page (null: the last)."""
+    return {"object": "list", "data": [job(j) for j in jobs], "has_more": next_before is not None,
+            "next_before": next_before}
 
 
 def lora_list(pairs: tuple[tuple[str, float], ...]) -> list[dict[str, Any]]:

@@ -295,7 +295,8 @@ async function cancel() {
   if (!state.job) return;
   $("status").textContent = "cancelling…";
   try {
-    await api("DELETE", `/v1/jobs/${encodeURIComponent(state.job.id)}`);
+    // finished=keep: a cancel that comes after the end must not delete the result (a plain DELETE does)
+    await api("DELETE", `/v1/jobs/${encodeURIComponent(state.job.id)}?finished=keep`);
   } catch (err) {
     if (err.status !== 409) showError(err.message);  // 409: it had already finished
   }

@@ -1,0 +1,448 @@
+"""Durable jobs: every accepted job, its status and its outputs, kept in the state dir.
+
+The engine keeps its jobs in memory and tells one collaborator, the store, what happened to
+them: ``add`` (awaited before the 202 goes out, so an accepted job is on disk), ``update``
+(started, ended: fire-and-forget, written in order), ``write_output`` (an output's encoded
+bytes, in the encode pool) and, at start, ``open`` (the jobs a crash interrupted). ``Store``
+itself does nothing: it is ``--no-persist`` and what the engine tests use. ``SqliteStore`` keeps
+them in ``DIR/jobs.db`` (SQLite, WAL; commits fsynced with ``--state-sync full``) and ``DIR/outputs/``.
+
+Why one thread: sqlite3 connections are not to be shared between threads, and the event loop
+must never wait for a disk. A single-thread executor is that thread and its queue: statements
+run one at a time in the order the loop sent them, so an update can never overtake the insert
+of the same job, and each call gives the loop a future.
+
+Why the request is stored as msgspec JSON of ``JobRequest``: a field added to the request later
+is carried (and read back) without a line here; fields missing from old rows take their
+defaults. Output files are written whole to a temp file, fsynced, renamed over their final
+name (``<job>-<k>.<ext>``, so a second run of a job replaces its file and never makes a second
+one) and the folder fsynced: a file under its final name is always complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import sqlite3
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from diffusiond.daemon.errors import InsufficientStorage, StateWriteFailed
+from diffusiond.daemon.jobs import Item, Job, JobRequest
+from diffusiond.daemon.statedir import StateDirError, StateLock, move_aside, prepare
+from diffusiond.ipc.messages import Capabilities
+from diffusiond.protocol import JobStatus, Stage
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+APPLICATION_ID = 0x64696664  # "difd": marks the file as ours (PRAGMA application_id)
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- admission order: the queue's order after a restart
+    id TEXT NOT NULL UNIQUE,
+    created REAL NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    stage TEXT NOT NULL,
+    sync INTEGER NOT NULL DEFAULT 0,
+    attempts INTEGER NOT NULL DEFAULT 1,
+    request TEXT NOT NULL,                   -- msgspec JSON of JobRequest
+    seeds TEXT NOT NULL,                     -- JSON list, one per output
+    error TEXT,                              -- JSON object, for jobs that did not succeed
+    timings TEXT NOT NULL DEFAULT '{}',
+    outputs TEXT NOT NULL DEFAULT '[]',      -- JSON list of {index, file, bytes}
+    bytes INTEGER NOT NULL DEFAULT 0,        -- the output files' total size (retention by size)
+    edit INTEGER NOT NULL DEFAULT 0,         -- an edit: its input image is not kept, it cannot run again
+    ended REAL
+);
+CREATE TABLE IF NOT EXISTS models (
+    name TEXT PRIMARY KEY,
+    capabilities TEXT NOT NULL               -- msgspec JSON of Capabilities, from the model's last READY
+);
+CREATE INDEX IF NOT EXISTS jobs_model ON jobs (model, seq);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
+"""
+LIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+
+
+@dataclass
+class StateFaults:
+    """Test-only faults (``serve --test-state-fault``), comma-separated.
+
+    ``enospc_file=PATH``: while PATH exists, every write to the state dir fails with ENOSPC (a
+    full disk, switched on and off by the test). ``write_delay_ms=N``: each output file write
+    stops N ms half-way through (a crash there must leave no partial file served).
+    """
+
+    enospc_file: str | None = None
+    write_delay_ms: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> StateFaults:
+        f = cls()
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key == "enospc_file":
+                f.enospc_file = value
+            elif key == "write_delay_ms":
+                f.write_delay_ms = int(value)
+            else:
+                raise ValueError(f"unknown state fault {key!r}")
+        return f
+
+    def check_space(self) -> None:
+        if self.enospc_file and os.path.exists(self.enospc_file):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of history, newest first; ``next_before`` continues it (None: the last page)."""
+
+    jobs: list[Job]
+    next_before: str | None
+
+
+class Store:
+    """Jobs kept in memory only (``--no-persist``, engine tests): every hook does nothing."""
+
+    persistent = False
+    root: Path | None = None
+    lost_inputs: frozenset[str] = frozenset()  # unfinished edits from ``open``: their input images were not kept
+
+    async def open(self) -> list[Job]:
+        """Take the state dir; return the jobs a crash left unfinished, in admission order."""
+        return []
+
+    async def capabilities(self) -> dict[str, Capabilities]:
+        """What each model said of itself when it last loaded: a request that comes while it
+        loads again is completed with its own defaults without waiting for it."""
+        return {}
+
+    def remember(self, model: str, capabilities: Capabilities) -> None:
+        """Keep what a model said of itself (its READY) for the next start."""
+
+    async def add(self, job: Job) -> None:
+        """Record a newly admitted job; returns once it is on disk."""
+
+    def update(self, job: Job) -> None:
+        """Record a job's new status (started, ended); written in order, without waiting."""
+
+    async def load(self, job_id: str) -> Job | None:
+        """A job that is no longer in memory, from disk."""
+        return None
+
+    async def page(self, status: str | None, model: str | None, before: str | None, limit: int) -> Page:
+        return Page([], None)
+
+    async def delete(self, job: Job) -> None:
+        """Forget a finished job: its record, then its files."""
+
+    async def expired(self, keep_days: float, keep_bytes: int) -> list[Job]:
+        """Finished jobs past the retention limits, oldest first."""
+        return []
+
+    def write_output(self, job_id: str, index: int, ext: str, parts: Sequence[bytes | memoryview]) -> tuple[str, int]:
+        """Write one output atomically (called in the encode pool); its file name and size."""
+        raise NotImplementedError("outputs are not written when jobs are not persisted")
+
+    def read_output(self, name: str) -> bytes:
+        raise FileNotFoundError(name)
+
+    async def close(self) -> None:
+        pass
+
+
+class SqliteStore(Store):
+    persistent = True
+
+    def __init__(self, root: str | Path, *, reset: bool = False, faults: str = "", sync: str = "normal") -> None:
+        self.dir = Path(root)
+        self.root = self.dir
+        self.db_path = self.dir / "jobs.db"
+        self.outputs_dir = self.dir / "outputs"
+        self.reset = reset
+        self.sync = sync  # "normal" or "full" (config.STATE_SYNC)
+        self.faults = StateFaults.parse(faults)
+        self._lock = StateLock(self.dir)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-db")
+        self._con: sqlite3.Connection | None = None
+        self._pending: set[asyncio.Future[Any]] = set()
+        self._closed = False
+
+    # the one thread ---------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def _db(self) -> sqlite3.Connection:
+        assert self._con is not None, "the store is not open"
+        return self._con
+
+    def _failure(self, exc: Exception, what: str) -> Exception:
+        """The domain error for a failed write: a full disk names the state dir (507)."""
+        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL)
+        if full:
+            return InsufficientStorage(f"the disk holding the state dir {self.root} is full: could not {what}; free "
+                                       "space there (or lower --keep-gb / --keep-days) and retry")
+        return StateWriteFailed(f"could not {what} in the state dir {self.root}: {exc}")
+
+    # start --------------------------------------------------------------------------------------
+    async def open(self) -> list[Job]:
+        prepare(self.dir)
+        self._lock.acquire()
+        try:
+            rows = await self._run(self._open)
+        except BaseException:
+            self._lock.release()
+            raise
+        self.lost_inputs = frozenset(r["id"] for r in rows if r["edit"])
+        return [self._job(r) for r in rows]
+
+    def _open(self) -> list[sqlite3.Row]:
+        for leftover in self.outputs_dir.glob(".*.tmp"):  # a write a crash cut short: never served
+            leftover.unlink(missing_ok=True)
+        try:
+            con = self._connect()
+        except sqlite3.DatabaseError as exc:
+            if not self.reset:
+                raise StateDirError(
+                    f"{self.db_path} is not a diffusiond state database ({exc}); move it away, or start with "
+                    "--reset-state to have it moved aside") from None
+            aside = move_aside(self.db_path)
+            log.warning("moved the unreadable state database %s aside to %s (%s)", self.db_path, aside, exc)
+            con = self._connect()
+        self._con = con
+        return con.execute(f"SELECT * FROM jobs WHERE status IN {LIVE} ORDER BY seq").fetchall()
+
+    def _connect(self) -> sqlite3.Connection:
+        con = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
+        try:
+            con.row_factory = sqlite3.Row
+            app = con.execute("PRAGMA application_id").fetchone()[0]
+            tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            if app != APPLICATION_ID and tables:
+                raise sqlite3.DatabaseError(f"it holds tables {', '.join(tables)} and no diffusiond mark")
+            if app == APPLICATION_ID:
+                check = con.execute("PRAGMA quick_check").fetchone()[0]
+                if check != "ok":
+                    raise sqlite3.DatabaseError(f"integrity check: {check}")
+            con.execute("PRAGMA journal_mode = WAL")
+            # NORMAL: a commit is in the WAL (the OS has it) before the 202: it survives any crash of the
+            # daemon. FULL also fsyncs each commit: it survives a power cut too, at ~2 ms per job here.
+            con.execute(f"PRAGMA synchronous = {self.sync.upper()}")  # a 202 means the job survives a power cut too
+            con.executescript(SCHEMA)
+            con.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    # models -------------------------------------------------------------------------------------
+    async def capabilities(self) -> dict[str, Capabilities]:
+        rows = await self._run(lambda: self._db().execute("SELECT name, capabilities FROM models").fetchall())
+        out = {}
+        for name, caps in rows:
+            with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):  # an older shape: wait for READY
+                out[name] = msgspec.json.decode(caps, type=Capabilities)
+        return out
+
+    def remember(self, model: str, capabilities: Capabilities) -> None:
+        caps = msgspec.json.encode(capabilities).decode()
+        self._later(self._db_execute, "INSERT OR REPLACE INTO models (name, capabilities) VALUES (?, ?)", (model, caps))
+
+    def _db_execute(self, sql: str, params: tuple[Any, ...]) -> None:
+        self._db().execute(sql, params)
+
+    def _later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn`` in the store's thread after what is already queued; log a failure."""
+        if self._closed:  # the daemon is stopping: a late change (a job failed by the shutdown) is not kept
+            log.warning("the state database is closed; a late change to a job was not recorded")
+            return
+        # submitted now, not from a task that starts later: the thread runs writes in call order
+        fut = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        self._pending.add(fut)
+        fut.add_done_callback(self._updated)
+
+    # jobs ---------------------------------------------------------------------------------------
+    async def add(self, job: Job) -> None:
+        row = _row(job)
+        try:
+            await self._run(self._insert, row)
+        except (OSError, sqlite3.Error) as exc:
+            raise self._failure(exc, f"record job {job.id}") from None
+
+    def _insert(self, row: dict[str, Any]) -> None:
+        self.faults.check_space()
+        names = ", ".join(row)
+        self._db().execute(f"INSERT INTO jobs ({names}) VALUES ({', '.join(':' + k for k in row)})", row)
+
+    def update(self, job: Job) -> None:
+        self._later(self._update, _row(job))
+
+    def _updated(self, fut: asyncio.Future[Any]) -> None:
+        self._pending.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("could not write to %s: %s", self.db_path, fut.exception())
+
+    def _update(self, row: dict[str, Any]) -> None:
+        # Only a live record moves: a job ends once, across restarts too.
+        sets = ", ".join(f"{k} = :{k}" for k in row if k not in ("id", "created", "model", "request", "seeds"))
+        self._db().execute(f"UPDATE jobs SET {sets} WHERE id = :id AND status IN {LIVE}", row)
+
+    async def load(self, job_id: str) -> Job | None:
+        row = await self._run(self._get, job_id)
+        return None if row is None else self._job(row)
+
+    def _get(self, job_id: str) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self._db().execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return row
+
+    async def page(self, status: str | None, model: str | None, before: str | None, limit: int) -> Page:
+        rows = await self._run(self._page, status, model, before, limit + 1)
+        jobs = [self._job(r) for r in rows[:limit]]
+        return Page(jobs, jobs[-1].id if len(rows) > limit else None)
+
+    def _page(self, status: str | None, model: str | None, before: str | None, limit: int) -> list[sqlite3.Row]:
+        return self._db().execute(
+            "SELECT * FROM jobs WHERE (:status IS NULL OR status = :status) AND (:model IS NULL OR model = :model) "
+            "AND (:before IS NULL OR seq < (SELECT seq FROM jobs WHERE id = :before)) ORDER BY seq DESC LIMIT :limit",
+            {"status": status, "model": model, "before": before, "limit": limit}).fetchall()
+
+    async def delete(self, job: Job) -> None:
+        files = [i.file for i in job.items if i.file]
+        await self._run(self._delete, job.id, files)
+
+    def _delete(self, job_id: str, files: list[str]) -> None:
+        self._db().execute("DELETE FROM jobs WHERE id = ?", (job_id,))  # first: nobody finds the files after
+        for name in files:
+            (self.outputs_dir / name).unlink(missing_ok=True)
+
+    async def expired(self, keep_days: float, keep_bytes: int) -> list[Job]:
+        rows = await self._run(self._expired, keep_days, keep_bytes)
+        return [self._job(r) for r in rows]
+
+    def _expired(self, keep_days: float, keep_bytes: int) -> list[sqlite3.Row]:
+        rows = self._db().execute(f"SELECT * FROM jobs WHERE status NOT IN {LIVE} ORDER BY seq").fetchall()
+        cutoff = time.time() - keep_days * 86400 if keep_days else None
+        total = sum(r["bytes"] for r in rows)
+        out = []
+        for r in rows:
+            if (cutoff is not None and r["created"] < cutoff) or (keep_bytes and total > keep_bytes):
+                out.append(r)
+                total -= r["bytes"]
+        return out
+
+    # output files (encode pool threads) -------------------------------------------------------
+    def write_output(self, job_id: str, index: int, ext: str, parts: Sequence[bytes | memoryview]) -> tuple[str, int]:
+        name = f"{job_id}-{index}.{ext}"
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.outputs_dir)
+        size = 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for part in parts:
+                    self.faults.check_space()
+                    view = memoryview(part).cast("B")
+                    if self.faults.write_delay_ms:
+                        half = len(view) // 2
+                        f.write(view[:half])
+                        f.flush()
+                        time.sleep(self.faults.write_delay_ms / 1000)
+                        view = view[half:]
+                    f.write(view)
+                    size += len(part) if isinstance(part, bytes) else part.nbytes
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.outputs_dir / name)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise self._failure(exc, f"write output {index} of job {job_id}") from None
+            raise
+        _fsync_dir(self.outputs_dir)
+        return name, size
+
+    def read_output(self, name: str) -> bytes:
+        return (self.outputs_dir / name).read_bytes()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._con is not None:
+            con, self._con = self._con, None
+            await self._run(con.close)
+        self._thread.shutdown(wait=True)
+        self._lock.release()
+
+    # rows <-> jobs ------------------------------------------------------------------------------
+    def _job(self, row: sqlite3.Row) -> Job:
+        request = msgspec.json.decode(row["request"], type=JobRequest)
+        status = JobStatus(row["status"])
+        job = Job(request, id=row["id"], created=row["created"], status=status, sync=bool(row["sync"]),
+                  attempts=row["attempts"], error=json.loads(row["error"]) if row["error"] else None,
+                  timings_ms=json.loads(row["timings"]))
+        stage = Stage[row["stage"].upper()] if status.terminal else Stage.QUEUED
+        files = {o["index"]: o for o in json.loads(row["outputs"])}
+        for k, seed in enumerate(json.loads(row["seeds"])):
+            item = Item(job, k, seed=seed, stage=stage)
+            if status == JobStatus.SUCCEEDED and k in files:
+                item.file, item.nbytes, item.stage = files[k]["file"], files[k]["bytes"], Stage.DONE
+            job.items.append(item)
+        if status.terminal:
+            job.finished.set()
+        return job
+
+
+def _row(job: Job) -> dict[str, Any]:
+    """What the database holds of a job (read on the loop, written in the store's thread)."""
+    written = [i for i in job.items if i.file]
+    return {
+        "id": job.id,
+        "created": job.created,
+        "model": job.request.model,
+        "status": job.status.value,
+        "stage": job.stage.label,
+        "sync": int(job.sync),
+        "attempts": job.attempts,
+        "request": msgspec.json.encode(_without_input(job.request)).decode(),
+        "edit": int(getattr(job.request, "edit", None) is not None),
+        "seeds": json.dumps([i.seed for i in job.items]),
+        "error": json.dumps(job.error) if job.error else None,
+        "timings": json.dumps(job.timings_ms),
+        "outputs": json.dumps([{"index": i.index, "file": i.file, "bytes": i.nbytes} for i in written]),
+        "bytes": sum(i.nbytes for i in written),
+        "ended": time.time() if job.terminal else None,
+    }
+
+
+def _without_input(request: JobRequest) -> JobRequest:
+    """The request as stored: an edit's decoded input image (shared memory, owned by the live
+    job) is not; the row says it was an edit (``Store.lost_inputs``)."""
+    if getattr(request, "edit", None) is None:
+        return request
+    return dataclasses.replace(request, edit=None)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,150 @@
+"""The store on its own (no daemon): what its record of a job promises across a restart.
+
+Each test opens a ``SqliteStore`` on a temporary state dir, closes it, and opens it again the way
+a restarted daemon does."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from diffusiond.daemon.jobs import Item, Job, JobRequest
+from diffusiond.daemon.statedir import StateDirError
+from diffusiond.daemon.store import SqliteStore
+from diffusiond.ipc.messages import Capabilities
+from diffusiond.protocol import JobStatus, Stage
+
+REQ = JobRequest(model="tiny", prompt="a fox", n=2, width=64, height=64, steps=2, guidance=1.0,
+                 output_format="png", seed=5)
+
+
+def job(req: JobRequest = REQ) -> Job:
+    j = Job(req)
+    j.items = [Item(j, k, seed=100 + k) for k in range(req.n)]
+    return j
+
+
+async def reopened(root: Path) -> tuple[SqliteStore, list[Job]]:
+    store = SqliteStore(root)
+    return store, await store.open()
+
+
+async def test_an_unfinished_job_comes_back_whole_and_in_order(tmp_path: Path) -> None:
+    store, left = await reopened(tmp_path)
+    assert left == []
+    first, second = job(), job(JobRequest(**{**REQ.__dict__, "prompt": "second", "n": 1}))
+    await store.add(first)
+    await store.add(second)
+    first.status = JobStatus.RUNNING
+    store.update(first)
+    await store.close()
+
+    store, left = await reopened(tmp_path)
+    assert [j.id for j in left] == [first.id, second.id]
+    back = left[0]
+    assert back.request == REQ and back.status == JobStatus.RUNNING and back.created == first.created
+    assert [(i.index, i.seed, i.stage) for i in back.items] == [(0, 100, Stage.QUEUED), (1, 101, Stage.QUEUED)]
+    await store.close()
+
+
+async def test_a_job_ends_once_even_if_a_later_write_says_otherwise(tmp_path: Path) -> None:
+    store, _ = await reopened(tmp_path)
+    j = job()
+    await store.add(j)
+    for k, item in enumerate(j.items):
+        item.file, item.nbytes = store.write_output(j.id, k, "png", [b"\x89PNG" + bytes([k]) * 10])
+        item.stage = Stage.DONE
+    assert j.end(JobStatus.SUCCEEDED)
+    store.update(j)
+    j.status, j.error = JobStatus.FAILED, {"code": "shutting_down", "message": "late", "stage": "done"}
+    store.update(j)  # a record that ended does not move again
+    await store.close()
+
+    store, left = await reopened(tmp_path)
+    assert left == []
+    back = await store.load(j.id)
+    assert back is not None and back.status == JobStatus.SUCCEEDED and back.error is None
+    want = [(f"{j.id}-0.png", 14, True), (f"{j.id}-1.png", 14, True)]
+    assert [(i.file, i.nbytes, i.done) for i in back.items] == want
+    assert store.read_output(f"{j.id}-1.png") == b"\x89PNG" + b"\x01" * 10
+    await store.delete(back)
+    assert await store.load(j.id) is None and sorted(p.name for p in (tmp_path / "outputs").iterdir()) == []
+    await store.close()
+
+
+async def test_request_fields_added_later_are_carried_and_old_rows_still_read(tmp_path: Path) -> None:
+    store, _ = await reopened(tmp_path)
+    j = job()
+    await store.add(j)
+    await store.close()
+    con = sqlite3.connect(tmp_path / "jobs.db")  # a row written by a newer version, and one by an older
+    (raw,) = con.execute("SELECT request FROM jobs WHERE id = ?", (j.id,)).fetchone()
+    newer = {**json.loads(raw), "a_field_from_a_newer_version": {"x": 1}}
+    older = {k: v for k, v in json.loads(raw).items() if k not in ("scheduler", "output_dtype")}
+    con.execute("UPDATE jobs SET request = ? WHERE id = ?", (json.dumps(newer), j.id))
+    con.execute("INSERT INTO jobs (id, created, model, status, stage, request, seeds) VALUES (?, 1, 'tiny', "
+                "'queued', 'queued', ?, '[1, 2]')", ("j_old", json.dumps(older)))
+    con.commit()
+    con.close()
+    store, left = await reopened(tmp_path)
+    assert [j.request for j in left] == [REQ, REQ]
+    await store.close()
+
+
+async def test_retention_by_size_takes_the_oldest_finished_first(tmp_path: Path) -> None:
+    store, _ = await reopened(tmp_path)
+    jobs = [job() for _ in range(4)]
+    for j in jobs:
+        await store.add(j)
+    for j in jobs[:3]:  # three finished with 2 x 100 bytes each; the last one still queued
+        for k, item in enumerate(j.items):
+            item.file, item.nbytes = store.write_output(j.id, k, "png", [b"x" * 100])
+            item.stage = Stage.DONE
+        j.end(JobStatus.SUCCEEDED)
+        store.update(j)
+    assert [j.id for j in await store.expired(0, 450)] == [jobs[0].id]  # 600 bytes -> 400
+    assert [j.id for j in await store.expired(0, 100)] == [j.id for j in jobs[:3]]
+    assert await store.expired(0, 0) == []  # no limit
+    await store.close()
+
+
+async def test_capabilities_are_remembered_for_the_next_start(tmp_path: Path) -> None:
+    store, _ = await reopened(tmp_path)
+    caps = Capabilities(width=128, height=128, steps=2, guidance=1.0)
+    store.remember("tiny=tiny", caps)
+    await store.close()
+    store, _ = await reopened(tmp_path)
+    assert await store.capabilities() == {"tiny=tiny": caps}
+    await store.close()
+
+
+async def test_the_lock_is_held_until_close(tmp_path: Path) -> None:
+    store, _ = await reopened(tmp_path)
+    with pytest.raises(StateDirError, match=r"in use by another diffusiond \(pid \d+\)"):
+        await SqliteStore(tmp_path).open()
+    await store.close()
+    again, _ = await reopened(tmp_path)
+    await again.close()
+
+
+async def test_an_edit_is_recorded_without_its_input_and_flagged_after_a_crash(tmp_path: Path) -> None:
+    import dataclasses
+
+    class FakeInput:  # stands for inputs.EditInput: decoded pixels in shared memory, not storable
+        def close(self) -> None:
+            pass
+
+    store, _ = await reopened(tmp_path)
+    edit = job(dataclasses.replace(REQ, edit=FakeInput()))  # type: ignore[arg-type]
+    plain = job()
+    await store.add(edit)
+    await store.add(plain)
+    await store.close()
+    store, left = await reopened(tmp_path)
+    assert [j.id for j in left] == [edit.id, plain.id]
+    assert store.lost_inputs == {edit.id}  # the engine ends it failed (input_lost) instead of running it
+    assert left[0].request.edit is None and left[0].request.prompt == REQ.prompt
+    await store.close()
