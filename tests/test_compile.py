@@ -73,8 +73,14 @@ def test_bad_compile_settings_are_refused_naming_the_value(values: dict[str, obj
 
 
 def test_compile_cache_lives_in_the_state_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A restarted daemon finds its compiled kernels where it keeps its jobs: --state-dir, or the
+    XDG default when none is given."""
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
-    assert compile_cache_dir() == tmp_path / "diffusiond" / "compile-cache"
+    default = build_config({}, {"model": ["tiny"]})
+    assert compile_cache_dir(default.state_path) == tmp_path / "diffusiond" / "compile-cache"
+    given = build_config({}, {"model": ["tiny"], "state_dir": str(tmp_path / "s")})
+    assert compile_cache_dir(given.state_path) == tmp_path / "s" / "compile-cache"
 
 
 # the pipeline ------------------------------------------------------------------------------------

@@ -67,11 +67,11 @@ def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
     return tuple(shapes)
 
 
-def compile_cache_dir() -> Path:
+def compile_cache_dir(state_dir: str) -> Path:
     """Where workers keep compiled kernels (inductor, Triton), so a restarted daemon is warm:
-    ``compile-cache`` in the daemon's state directory ($XDG_STATE_HOME/diffusiond)."""
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "diffusiond" / "compile-cache"
+    ``compile-cache`` in the daemon's state dir (``--state-dir``; kept with ``--no-persist`` too,
+    since it is a cache, not state)."""
+    return Path(state_dir) / "compile-cache"
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,12 @@ class DaemonConfig:
     # "normal": an accepted job survives any crash of the daemon; "full": a power cut too (an fsync per job)
     state_sync: str = "normal"
 
+    # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
+    input_dir: str | None = None
+
     @property
     def state_path(self) -> str:
         return self.state_dir or default_state_dir()
-    # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
-    input_dir: str | None = None
 
     @property
     def socket_path(self) -> str:

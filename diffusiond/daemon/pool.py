@@ -157,7 +157,7 @@ class WorkerPool:
             options=self._options(model),
             compile=model.config.compile,
             warmup=[WarmupShape(w, h, b) for w, h, b in model.config.warmup],
-            compile_cache_dir=str(compile_cache_dir()) if model.config.compile else "",
+            compile_cache_dir=str(compile_cache_dir(self.config.state_path)) if model.config.compile else "",
             trace_gpu=self.config.trace,
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
             loras=dict(self.lora_paths),
