@@ -103,9 +103,14 @@ def test_gpu_arena_is_registered_and_copies_land_exactly() -> None:
 
 # --compile ------------------------------------------------------------------------------------
 # Compiled kernels fuse and reorder float operations, so a compiled model's output differs from the
-# eager one by rounding; in float32 that stays within this many uint8 levels per pixel (it is
-# exact run to run, and bit-identical when replayed from a CUDA graph).
-COMPILE_TOLERANCE_LEVELS = 2
+# eager one by rounding (it is exact run to run, and bit-identical when replayed from a CUDA graph).
+# The bound is on the mean and on the worst pixel, in uint8 levels. Measured on the H200
+# (2026-12-01, float32, 64x64, 4 steps): max 2 on the first tiny; max 6, mean 0.068 on tiny-v2,
+# whose VAE is set to reproduce its input and carries a rounding difference in the latents
+# further into the pixels. A real error (a wrong scheduler step, a swapped batch item) moves the
+# mean by tens of levels.
+COMPILE_TOLERANCE_LEVELS = 8
+COMPILE_TOLERANCE_MEAN = 0.25
 TINY = m.BatchParams(width=64, height=64, steps=4, guidance=5.0)
 
 
@@ -121,6 +126,7 @@ async def test_gpu_compiled_output_matches_eager_within_tolerance(model_cache: o
         assert w.array is not None and g.array is not None and a.array is not None
         diff = np.abs(w.array.astype(np.int16) - g.array.astype(np.int16))
         assert diff.max() <= COMPILE_TOLERANCE_LEVELS, f"{mode}: max {diff.max()}, mean {diff.mean():.4f}"
+        assert diff.mean() <= COMPILE_TOLERANCE_MEAN, f"{mode}: max {diff.max()}, mean {diff.mean():.4f}"
         assert np.array_equal(g.array, a.array)  # run to run, bit for bit
         assert not g.compiling  # the warm-up compiled this shape before READY
 
