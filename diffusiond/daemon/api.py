@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import functools
 import hmac
 import json
 import logging
@@ -25,12 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
-from aiohttp import BodyPartReader, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
-from diffusiond.daemon import errors, inputs, requests, views
+from diffusiond.daemon import bodies, errors, requests, views
 from diffusiond.daemon.engine import Engine
 from diffusiond.daemon.errors import EngineError
 from diffusiond.daemon.inputs import EditInput
@@ -159,14 +156,14 @@ async def create_job(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     limits = engine.config.limits
     # a job may carry base64 images: its body may then be as large as an upload, and only then
-    body = await read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
+    body = await bodies.read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
     b = requests.decode(body, requests.JobBody)
     if len(body) > limits.max_body_bytes and b.image is None and b.mask is None:
-        raise _too_large(len(body), limits.max_body_bytes)
+        raise bodies.too_large(len(body), limits.max_body_bytes)
     await engine.described()  # a request that comes while models load is completed with their own defaults
     model = engine.model(b.model)
     fields = msgspec.structs.asdict(b)
-    edit = await decode_edit(engine, fields, model)
+    edit = await bodies.decode_edit(engine, fields, model)
     try:
         req = requests.check(fields, limits, model, edit=edit, loras=engine.check_loras)
     except BaseException:
@@ -179,42 +176,6 @@ async def create_job(request: web.Request) -> web.Response:
 
 HISTORY_LIMIT = 100
 HISTORY_MAX_LIMIT = 1000
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, refused with 413 as soon as it passes ``limit`` bytes (never buffered past it)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(request.content_length, limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(size: int, limit: int) -> HttpError:
-    return HttpError(413, ErrorCode.REQUEST_TOO_LARGE,
-                     f"request body is too large: {size} bytes or more, the limit is {limit} (limits.max_upload_bytes "
-                     "for requests with images, limits.max_body_bytes for the others)")
-
-
-async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, image_field: str = "image",
-                      mask_field: str = "mask", size_field: str | None = None) -> EditInput | None:
-    """An edit's input, decoded and checked in the encode pool (never on the loop); None if
-    the request is not an edit."""
-    plan = requests.plan_edit(fields, model, engine.config.limits, image_field=image_field, mask_field=mask_field,
-                              size_field=size_field)
-    if plan is None:
-        return None
-    image, mask, task, strength = plan
-    cfg = engine.config
-    work = functools.partial(inputs.decode_edit, image, mask, task=task, strength=strength,
-                             width=fields.get("width"), height=fields.get("height"), limits=cfg.limits,
-                             input_dir=cfg.input_dir)
-    return await asyncio.get_running_loop().run_in_executor(engine.executor, work)
 
 
 async def list_jobs(request: web.Request) -> web.Response:
@@ -230,12 +191,12 @@ async def list_jobs(request: web.Request) -> web.Response:
     raw = q.get("limit", str(HISTORY_LIMIT))
     if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= HISTORY_MAX_LIMIT):
         raise errors.invalid(f"limit {raw!r} is not a whole number from 1 to {HISTORY_MAX_LIMIT}", "limit")
-    page = await request.app[ENGINE].history(status, q.get("model") or None, q.get("before") or None, int(raw))
+    page = await request.app[ENGINE].history.page(status, q.get("model") or None, q.get("before") or None, int(raw))
     return web.json_response(views.history(page.jobs, page.next_before))
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return web.json_response(views.job(await request.app[ENGINE].find(request.match_info["job_id"])))
+    return web.json_response(views.job(await request.app[ENGINE].history.find(request.match_info["job_id"])))
 
 
 async def delete_job(request: web.Request) -> web.Response:
@@ -245,13 +206,13 @@ async def delete_job(request: web.Request) -> web.Response:
     job_id = request.match_info["job_id"]
     if request.query.get("finished") == "keep":
         return web.json_response({**views.job(engine.cancel(job_id)), "deleted": False})
-    job, deleted = await engine.remove(job_id)
+    job, deleted = await engine.history.remove(job_id)
     return web.json_response({**views.job(job), "deleted": deleted})
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    job = await engine.find(request.match_info["job_id"])
+    job = await engine.history.find(request.match_info["job_id"])
     metrics = engine.metrics
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
@@ -329,7 +290,7 @@ def _sse(e: Event, data: dict[str, Any]) -> bytes:
 
 async def job_output(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    job = await engine.find(request.match_info["job_id"])
+    job = await engine.history.find(request.match_info["job_id"])
     k = _index(request.match_info["k"])
     headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
                "Content-Type": FORMATS[job.request.output_format].content_type}
@@ -403,7 +364,7 @@ async def images_edits(request: web.Request) -> web.Response:
     optional ``mask`` (for the first image, as OpenAI's) and text fields. Each image is one job
     (``n`` outputs each), run side by side; the answer lists their outputs in the order of the images."""
     engine = request.app[ENGINE]
-    text, images, mask = await read_edit_form(request, engine.config.limits.max_upload_bytes)
+    text, images, mask = await bodies.read_edit_form(request, engine.config.limits.max_upload_bytes)
     await engine.described()
     fields = requests.edits_form(text)
     model = engine.model(fields.get("model"))
@@ -413,9 +374,8 @@ async def images_edits(request: web.Request) -> web.Response:
     jobs: list[Job] = []
     try:
         for k, (name, data) in enumerate(images):  # as OpenAI's: the mask applies to the first image
-            edit = await decode_edit(engine, {**fields, "image_bytes": data, "mask_bytes": mask if k == 0 else None},
-                                     model,
-                                     image_field=name, size_field="size")
+            one = {**fields, "image_bytes": data, "mask_bytes": mask if k == 0 else None}
+            edit = await bodies.decode_edit(engine, one, model, image_field=name, size_field="size")
             assert edit is not None
             edits.append(edit)
         for edit in edits:
@@ -431,51 +391,6 @@ async def images_edits(request: web.Request) -> web.Response:
     out = await _finish_sync(jobs, engine, fields["response_format"])
     return web.json_response({"created": int(jobs[0].created), "data": out, "job_id": jobs[0].id,
                               "job_ids": [j.id for j in jobs]})
-
-
-async def read_edit_form(
-    request: web.Request, limit: int
-) -> tuple[list[tuple[str, str]], list[tuple[str, bytes]], bytes | None]:
-    """The text fields (in order, repeats kept), the images (field name, bytes) and the mask of a multipart edit, read
-    part by part with the whole body held to ``limit`` bytes; a malformed body is a 400."""
-    if not request.content_type.startswith("multipart/"):
-        raise errors.invalid(f"/v1/images/edits takes multipart/form-data (as OpenAI's does), got "
-                             f"{request.content_type or 'no content type'!r}")
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(request.content_length, limit)
-    text: list[tuple[str, str]] = []
-    images: list[tuple[str, bytes]] = []
-    mask: bytes | None = None
-    size = 0
-    try:
-        reader = await request.multipart()
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                raise errors.invalid("nested multipart bodies are not accepted")
-            name = part.name or ""
-            chunks: list[bytes] = []
-            while piece := await part.read_chunk(1 << 16):
-                size += len(piece)
-                if size > limit:
-                    raise _too_large(size, limit)
-                chunks.append(piece)
-            data = b"".join(chunks)
-            if name in ("image", "image[]"):
-                images.append((name, data))
-            elif name == "mask":
-                if mask is not None:
-                    raise errors.invalid("send one mask", field="mask")
-                mask = data
-            elif part.filename is not None:
-                raise errors.invalid(f"unexpected file field {name!r}; files go in 'image' and 'mask'", field=name)
-            else:
-                try:
-                    text.append((name, data.decode()))
-                except UnicodeDecodeError:
-                    raise errors.invalid(f"field {name!r} is not UTF-8 text", field=name) from None
-    except (ValueError, AssertionError, RuntimeError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:
-        raise errors.invalid(f"the multipart body is malformed: {exc}") from None
-    return text, images, mask
 
 
 # service --------------------------------------------------------------------------------------

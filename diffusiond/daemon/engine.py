@@ -6,8 +6,10 @@ frames from workers land on it in whatever order they come. Every path a job can
 ``_end``, which tells the outputs module to give back whatever the job still holds.
 
 What is not here: which workers exist and keeping them alive (``pool.py``), queueing rules
-(``scheduler.py``), slots, encoding and reading outputs (``outputs.py``), and HTTP (``api.py``
-picks status codes for the domain errors raised here; ``views.py`` draws the JSON).
+(``scheduler.py``), slots, encoding and reading outputs (``outputs.py``), previews
+(``previews.py``), LoRA registration (``loras.py``), the state dir (``store.py``) and finished
+jobs looked up later (``history.py``), and HTTP (``api.py`` picks status codes for the domain
+errors raised here; ``views.py`` draws the JSON).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from diffusiond.daemon.errors import (
     PreviewNotFound,
     QueueFull,
 )
+from diffusiond.daemon.history import History
 from diffusiond.daemon.jobs import Item, Job, JobRequest, Preview
 from diffusiond.daemon.link import WorkerLink, WorkerStartError
 from diffusiond.daemon.loras import LoraInfo, LoraRegistry
@@ -44,7 +47,7 @@ from diffusiond.daemon.outputs import OutputRead, Outputs
 from diffusiond.daemon.pool import Model, Spawn, WorkerPool, spawn_process
 from diffusiond.daemon.previews import Previews
 from diffusiond.daemon.scheduler import Scheduler, Wait
-from diffusiond.daemon.store import Page, Store
+from diffusiond.daemon.store import Store
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
     Ack,
@@ -96,6 +99,7 @@ class Engine:
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
+        self.history = History(config, self.jobs, self.store, self.outputs, cancel=self.cancel, expire=self._expire)
         self.accepting = False
         self.started = False  # every worker has started once: /ready may say so
         self.draining = False
@@ -123,7 +127,7 @@ class Engine:
         await self.recover()
         self.accepting = True
         if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
-            self._retention = asyncio.ensure_future(self._retain_forever())
+            self._retention = asyncio.ensure_future(self.history.retain_forever())
         self._pool_starting = True
         self._changed.set()
         try:
@@ -316,69 +320,8 @@ class Engine:
         except KeyError:
             raise JobNotFound(f"no job {job_id!r} (unknown, or its retention ended)") from None
 
-    async def find(self, job_id: str) -> Job:
-        """A job in memory, else (a finished one) from the state dir."""
-        job = self.jobs.get(job_id)
-        if job is None and job_id not in self.outputs.deleting:
-            job = await self.store.load(job_id)
-        if job is None or job.id in self.outputs.deleting:
-            raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or its retention ended)")
-        return job
-
     def recent(self, limit: int) -> list[Job]:
         return sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)[:limit]
-
-    async def history(self, status: JobStatus | None, model: str | None, before: str | None, limit: int) -> Page:
-        """Jobs newest first; ``before`` (a job id) continues a page. Jobs in memory are shown as
-        they are now, which may be ahead of their record."""
-        if not self.store.persistent:
-            jobs = sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)
-            if before is not None:
-                ids = [j.id for j in jobs]
-                jobs = jobs[ids.index(before) + 1:] if before in ids else []
-            jobs = [j for j in jobs if (status is None or j.status == status) and (model is None
-                                                                                   or j.request.model == model)]
-            return Page(jobs[:limit], jobs[limit - 1].id if len(jobs) > limit else None)
-        page = await self.store.page(status.value if status else None, model, before, limit)
-        return Page([self.jobs.get(j.id, j) for j in page.jobs], page.next_before)
-
-    async def remove(self, job_id: str) -> tuple[Job, bool]:
-        """DELETE: cancel a job that has not finished; forget a finished one, record and outputs.
-        Returns the job and whether it was deleted."""
-        job = await self.find(job_id)
-        if not job.terminal:
-            return self.cancel(job_id), False
-        await self._delete(job)
-        return job, True
-
-    async def _delete(self, job: Job) -> None:
-        self.outputs.deleting.add(job.id)  # from here on nobody starts reading it
-        try:
-            self._expire(job.id)
-            await self.store.delete(job)
-        finally:
-            self.outputs.deleting.discard(job.id)
-
-    async def _retain_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.retention_check_s)
-            try:
-                await self.retain()
-            except Exception:
-                log.exception("the retention pass failed; it runs again in %gs", self.config.retention_check_s)
-
-    async def retain(self) -> int:
-        """Delete finished jobs past ``keep_days`` or beyond ``keep_gb``, oldest first, except
-        those whose outputs a client is reading right now (the next pass takes them)."""
-        deleted = 0
-        for job in await self.store.expired(self.config.keep_days, int(self.config.keep_gb * 1e9)):
-            if self.outputs.reading.get(job.id):
-                continue
-            await self._delete(job)
-            deleted += 1
-        if deleted:
-            log.info("retention deleted %d finished job(s) and their outputs", deleted)
-        return deleted
 
     # outputs --------------------------------------------------------------------------------
     def open_output(self, job: Job, k: int) -> AbstractAsyncContextManager[OutputRead]:

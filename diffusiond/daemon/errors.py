@@ -7,7 +7,7 @@ engine can be driven by tests, or by another front end, without knowing HTTP exi
     EngineError
     ├── InvalidRequest        a field is wrong (names the field)
     │   ├── OutputTooLarge    the job would make more bytes than the limit
-    │   └── UploadTooLarge    an edit's images are over the upload limit
+    │   └── UploadTooLarge    a body or an edit's images over their size limit
     ├── NotFound              ModelNotFound, JobNotFound, OutputNotFound
     ├── Conflict              JobFinished, OutputNotReady, TraceOff, NotShared
     ├── OutputReleased        an npy output that was already streamed once
@@ -56,7 +56,7 @@ class OutputTooLarge(InvalidRequest):
 
 
 class UploadTooLarge(InvalidRequest):
-    """A request's images are over ``limits.max_upload_bytes`` (413, like any body over its limit)."""
+    """A body over ``limits.max_body_bytes``, or its images over ``limits.max_upload_bytes`` (413)."""
 
     default_code = ErrorCode.REQUEST_TOO_LARGE
 

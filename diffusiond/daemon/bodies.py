@@ -1,0 +1,102 @@
+"""Request bodies at the HTTP edge, read without buffering past their limits: a JSON body, the
+multipart form of an edit, and an edit's images, decoded and checked in the encode pool.
+
+Apart from ``api.py`` because this is where untrusted bytes are taken in: every size limit and
+every malformed-body refusal is here, before a handler sees a field. Refusals are domain errors
+(``errors.py``); their status codes are the edge's (``api.STATUS_OF_ERROR``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import aiohttp
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from diffusiond.daemon import errors, inputs, requests
+from diffusiond.daemon.engine import Engine
+from diffusiond.daemon.errors import UploadTooLarge
+from diffusiond.daemon.inputs import EditInput
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it passes ``limit`` bytes (never buffered past it)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(request.content_length, limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(size: int, limit: int) -> UploadTooLarge:
+    return UploadTooLarge(f"request body is too large: {size} bytes or more, the limit is {limit} "
+                          "(limits.max_upload_bytes for requests with images, limits.max_body_bytes for the others)")
+
+
+async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, image_field: str = "image",
+                      mask_field: str = "mask", size_field: str | None = None) -> EditInput | None:
+    """An edit's input, decoded and checked in the encode pool (never on the loop); None if
+    the request is not an edit."""
+    plan = requests.plan_edit(fields, model, engine.config.limits, image_field=image_field, mask_field=mask_field,
+                              size_field=size_field)
+    if plan is None:
+        return None
+    image, mask, task, strength = plan
+    cfg = engine.config
+    work = functools.partial(inputs.decode_edit, image, mask, task=task, strength=strength,
+                             width=fields.get("width"), height=fields.get("height"), limits=cfg.limits,
+                             input_dir=cfg.input_dir)
+    return await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+
+
+async def read_edit_form(
+    request: web.Request, limit: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, bytes]], bytes | None]:
+    """The text fields (in order, repeats kept), the images (field name, bytes) and the mask of a multipart edit, read
+    part by part with the whole body held to ``limit`` bytes; a malformed body is a 400."""
+    if not request.content_type.startswith("multipart/"):
+        raise errors.invalid(f"/v1/images/edits takes multipart/form-data (as OpenAI's does), got "
+                             f"{request.content_type or 'no content type'!r}")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(request.content_length, limit)
+    text: list[tuple[str, str]] = []
+    images: list[tuple[str, bytes]] = []
+    mask: bytes | None = None
+    size = 0
+    try:
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise errors.invalid("nested multipart bodies are not accepted")
+            name = part.name or ""
+            chunks: list[bytes] = []
+            while piece := await part.read_chunk(1 << 16):
+                size += len(piece)
+                if size > limit:
+                    raise too_large(size, limit)
+                chunks.append(piece)
+            data = b"".join(chunks)
+            if name in ("image", "image[]"):
+                images.append((name, data))
+            elif name == "mask":
+                if mask is not None:
+                    raise errors.invalid("send one mask", field="mask")
+                mask = data
+            elif part.filename is not None:
+                raise errors.invalid(f"unexpected file field {name!r}; files go in 'image' and 'mask'", field=name)
+            else:
+                try:
+                    text.append((name, data.decode()))
+                except UnicodeDecodeError:
+                    raise errors.invalid(f"field {name!r} is not UTF-8 text", field=name) from None
+    except (ValueError, AssertionError, RuntimeError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:
+        raise errors.invalid(f"the multipart body is malformed: {exc}") from None
+    return text, images, mask
