@@ -89,6 +89,7 @@ class Engine:
         self.loras = LoraRegistry(config.loras, config.max_loras)
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
+        self.pool.lora_target_rank = self.loras.start_rank
         self.jobs: dict[str, Job] = {}
         self.items: dict[str, Item] = {}
         self.batches: dict[int, Batch] = {}

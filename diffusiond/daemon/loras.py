@@ -152,6 +152,8 @@ class LoraRegistry:
         self.loras: dict[str, LoraInfo] = {}
         for name, path in paths.items():
             self.loras[name] = read_lora(name, path)
+        # A compiled model's hot-swap slots are made at start this large; adapters added later must fit.
+        self.start_rank = max((info.rank for info in self.loras.values()), default=0)
         self._adding = asyncio.Lock()  # one at a time: a worker answers one ADD_LORA at a time
 
     @property

@@ -91,6 +91,7 @@ class WorkerPool:
         self._spawn = spawn
         self._worker_ids = 0
         self.lora_paths: dict[str, str] = dict(config.loras)  # what each new worker loads (runtime ones too)
+        self.lora_target_rank = 0  # the engine sets it: the largest rank registered at start (compiled models)
         self._tasks: set[asyncio.Task[Any]] = set()
         for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
             self.metrics.worker_restarts.labels(name)
@@ -162,6 +163,7 @@ class WorkerPool:
             fault="" if replacement else self.config.fault,  # test faults hit first workers only
             loras=dict(self.lora_paths),
             max_loras=self.config.max_loras,
+            lora_target_rank=self.lora_target_rank,
         )
 
     def _options(self, model: Model) -> dict[str, str]:

@@ -88,6 +88,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # at start-up; and how many it keeps loaded at once (least recently used ones are unloaded).
     loras: dict[str, str] = {}
     max_loras: int = 8
+    # A compiled model's LoRA hot-swap slots are this rank: the largest rank of the adapters
+    # registered at start (0: none, so a compiled model takes no LoRA).
+    lora_target_rank: int = 0
 
 
 class LoraRef(msgspec.Struct, frozen=True, array_like=True):

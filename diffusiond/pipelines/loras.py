@@ -8,10 +8,9 @@ diffusers computes exactly as the base model (no residue of an earlier batch). A
 batch is deleted to make room.
 
 ``activate`` is the one place a batch's adapters take effect: the compute thread calls it right
-before the forward. A compiled model (the speed work) will instead load every adapter into one
-set of slots with ``enable_lora_hotswap(target_rank=...)`` before compiling and
-``load_lora_weights(..., hotswap=True)`` here, so that switching never recompiles; only
-``_load`` and ``activate`` change for that.
+before the forward. A compiled model cannot switch that way (injecting, deleting or activating an
+adapter changes the traced graph: a recompile each time), so ``HotSwapAdapters`` keeps a fixed
+set of slots instead, see there.
 """
 
 from __future__ import annotations
@@ -38,12 +37,22 @@ def lora_source(path: str) -> tuple[str, dict[str, Any]]:
     return str(p.parent), {"weight_name": p.name}
 
 
-def adapters_for(pipeline: Any, registered: Mapping[str, str], max_loaded: int) -> Adapters | None:
-    """The adapters of a loaded ``Pipeline``, or None where its diffusers pipeline has no LoRA loader."""
-    pipe = getattr(pipeline, "pipe", None)
+def adapters_for(pipeline: Any, registered: Mapping[str, str], max_loaded: int,
+                 target_rank: int = 0) -> Adapters | None:
+    """The adapters of a loaded ``Pipeline``, or None where its diffusers pipeline has no LoRA loader.
+    A compiled one (``CompiledPipeline``) gets hot-swap slots when ``target_rank`` (the largest rank
+    of the adapters registered at start) is known, else none."""
+    inner = getattr(pipeline, "inner", None)
+    compiled = inner is not None and bool(getattr(pipeline, "mode", ""))
+    pipe = getattr(inner if compiled else pipeline, "pipe", None)
     if pipe is None or not Adapters.supported(pipe) or importlib.util.find_spec("peft") is None:
         return None
-    return Adapters(pipe, str(getattr(pipeline, "name", "the model")), registered, max_loaded)
+    name = str(getattr(pipeline, "name", "the model"))
+    if compiled:
+        if target_rank < 1 or getattr(pipe, "unet", None) is None:
+            return None
+        return HotSwapAdapters(pipe, name, registered, max_loaded, target_rank)
+    return Adapters(pipe, name, registered, max_loaded)
 
 
 def unsupported(pipeline: Any) -> str:
@@ -51,8 +60,9 @@ def unsupported(pipeline: Any) -> str:
     if importlib.util.find_spec("peft") is None:  # diffusers' LoRA loading runs on PEFT
         return "LoRA adapters need the peft package: pip install 'diffusiond[lora]'"
     if getattr(pipeline, "inner", None) is not None and getattr(pipeline, "mode", None):  # CompiledPipeline
-        return (f"model {pipeline.name} is compiled (--compile): LoRA adapters there need hot-swapping "
-                "(enable_lora_hotswap before compiling), which is not wired yet; serve it without --compile")
+        return (f"model {pipeline.name} is compiled (--compile) and its LoRA slots were not made at start: "
+                "hot-swapping needs at least one adapter registered when the daemon starts (--lora NAME=PATH); "
+                "its rank bounds the ranks of those added later")
     pipe = getattr(pipeline, "pipe", pipeline)
     return f"model {getattr(pipeline, 'name', '?')} ({type(pipe).__name__}) takes no LoRA adapters"
 
@@ -152,3 +162,146 @@ class Adapters:
 
     def _adapter_names(self) -> set[str]:
         return {a for names in self.pipe.get_list_adapters().values() for a in names}
+
+
+class HotSwapAdapters(Adapters):
+    """The adapters of a compiled model: ``slots`` adapter slots in the UNet, made once before the
+    first forward and never changed in structure, so a switch never recompiles.
+
+    The slots are made from the first adapter registered: it is injected once per slot, padded to
+    ``target_rank`` and its scalings made tensors (peft's ``prepare_model_for_compiled_hotswap``,
+    what diffusers' ``enable_lora_hotswap`` runs, but over every slot). From then on an adapter
+    enters a slot by ``load_lora_weights(..., hotswap=True)`` (weights copied in place), and a batch
+    sets each slot's scaling tensor in place: the adapter's own scaling times the request's weight,
+    or 0 for a slot the batch does not use. "No LoRA" is every slot at 0, which adds exactly 0 to each
+    base output (LoRA layers stay enabled: disabling them would be another graph).
+
+    Limits, from diffusers/peft: the text encoder cannot be hot-swapped (it is compiled too), so an
+    adapter with text-encoder weights is refused; an adapter's rank must not exceed ``target_rank``
+    and it may target only modules the first adapter targets (others: peft's "unexpected keys").
+    """
+
+    def __init__(self, pipe: Any, model_name: str, registered: Mapping[str, str], slots: int,
+                 target_rank: int) -> None:
+        super().__init__(pipe, model_name, registered, slots)
+        self.target_rank = target_rank
+        self.slots = [f"diffusiond_slot{i}" for i in range(self.max_loaded)]
+        self.in_slot: dict[str, str] = {}  # slot -> adapter name in it; a slot not here is free
+        self.scalings: dict[str, list[tuple[Any, float]]] = {}  # slot -> (LoRA layer, its scaling at weight 1)
+
+    @staticmethod
+    def supported(pipe: Any) -> bool:
+        return Adapters.supported(pipe)
+
+    def register(self, name: str, path: str) -> str:
+        self.paths[name] = path
+        try:
+            self._check(name)
+            if not self.scalings:
+                self._make_slots(name)
+            else:
+                slot = self._free_slot(keep=set())
+                self._swap(slot, name)
+                self._set_scales({})
+                self.active = ()
+        except Exception as exc:
+            self.paths.pop(name, None)
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def activate(self, loras: Sequence[LoraRef]) -> None:
+        wanted = tuple(loras)
+        if wanted == self.active:
+            return
+        if len(wanted) > len(self.slots):
+            raise PipelineError(f"{len(wanted)} LoRA adapters in one batch; this compiled model has "
+                                f"{len(self.slots)} LoRA slots (--max-loras)")
+        names = {r.name for r in wanted}
+        weights: dict[str, float] = {}
+        try:
+            for ref in wanted:
+                slot = next((s for s, n in self.in_slot.items() if n == ref.name), None)
+                if slot is None:
+                    slot = self._free_slot(keep=names)
+                    self._swap(slot, ref.name)
+                weights[slot] = ref.weight
+                self.loaded.move_to_end(ref.name)
+            self._set_scales(weights)
+        except BaseException:
+            self.active = ()
+            self._set_scales({})  # the base model for the next batch
+            raise
+        self.active = wanted
+
+    # slots ------------------------------------------------------------------------------------
+    def _source(self, name: str) -> tuple[str, dict[str, Any]]:
+        path = self.paths.get(name)
+        if path is None:
+            raise PipelineError(f"LoRA {name!r} is not registered with this worker")
+        return lora_source(path)
+
+    def _check(self, name: str) -> None:
+        """Refuse what cannot be hot-swapped, before anything in the model changes."""
+        where, kwargs = self._source(name)
+        state = self.pipe.lora_state_dict(where, **kwargs)
+        state = state[0] if isinstance(state, tuple) else state
+        if any(not k.startswith("unet.") for k in state):
+            raise PipelineError(f"model {self.model_name} is compiled (--compile) and only the UNet's LoRA layers "
+                                "can be hot-swapped; this adapter also has text-encoder weights: serve the model "
+                                "without --compile to use it")
+        ranks = [v.shape[0] for k, v in state.items() if ".lora_A." in k or k.endswith("lora_A.weight")]
+        if ranks and max(ranks) > self.target_rank:
+            raise PipelineError(f"its rank {max(ranks)} is above {self.target_rank}, the largest rank of the adapters "
+                                f"registered when compiled model {self.model_name} started (its LoRA slots are that "
+                                "size); register it at start (--lora) so the slots are made large enough")
+
+    def _make_slots(self, first: str) -> None:
+        """Inject ``first`` into every slot, then pad and make scalings tensors. The modules are
+        marked for compiling already, but nothing is traced before the warm-up, which runs later."""
+        from peft.utils.hotswap import prepare_model_for_compiled_hotswap
+
+        where, kwargs = self._source(first)
+        for slot in self.slots:
+            self.pipe.load_lora_weights(where, adapter_name=slot, **kwargs)
+        self.pipe.set_adapters(self.slots, [1.0] * len(self.slots))
+        prepare_model_for_compiled_hotswap(self.pipe.unet, target_rank=self.target_rank, check_compiled="ignore")
+        for slot in self.slots:
+            self._record(slot, first)
+        self.in_slot = {self.slots[0]: first}  # the others hold a copy, free to be overwritten
+        self._set_scales({})
+        log.info("made %d LoRA hot-swap slots of rank %d from %s", len(self.slots), self.target_rank, first)
+
+    def _free_slot(self, keep: set[str]) -> str:
+        """A slot for a new adapter: a free one, else the least recently used one not in ``keep``."""
+        free = next((s for s in self.slots if s not in self.in_slot), None)
+        if free is not None:
+            return free
+        for name in self.loaded:  # oldest use first
+            if name not in keep:
+                return next(s for s, n in self.in_slot.items() if n == name)
+        raise PipelineError("no LoRA slot is free for this batch")
+
+    def _swap(self, slot: str, name: str) -> None:
+        where, kwargs = self._source(name)
+        self.pipe.load_lora_weights(where, adapter_name=slot, hotswap=True, **kwargs)
+        self._record(slot, name)
+        log.info("hot-swapped LoRA %s into %s", name, slot)
+
+    def _record(self, slot: str, name: str) -> None:
+        """Keep the slot's scalings at weight 1 (what the hot-swap set: alpha / rank per layer)."""
+        from peft.tuners.lora import LoraLayer
+
+        old = self.in_slot.pop(slot, None)
+        if old is not None and old not in self.in_slot.values():
+            self.loaded.pop(old, None)
+        self.in_slot[slot] = name
+        self.loaded[name] = None
+        self.scalings[slot] = [(m, float(m.scaling[slot])) for m in self.pipe.unet.modules()
+                               if isinstance(m, LoraLayer) and slot in m.scaling]
+
+    def _set_scales(self, weights: Mapping[str, float]) -> None:
+        """Each slot's scaling tensors in place: weight x the adapter's scaling; 0 for unused slots."""
+        for slot, layers in self.scalings.items():
+            w = weights.get(slot, 0.0)
+            for module, scaling in layers:
+                module.scaling[slot].fill_(w * scaling)

@@ -245,7 +245,7 @@ class Worker:
         that do not fit (the engine decides whether that stops the daemon)."""
         from diffusiond.pipelines.loras import adapters_for, unsupported
 
-        adapters = adapters_for(pipeline, {}, config.max_loras)
+        adapters = adapters_for(pipeline, {}, config.max_loras, config.lora_target_rank)
         if adapters is None:
             return None, dict.fromkeys(config.loras, unsupported(pipeline))
         errors = {name: why for name, path in config.loras.items() if (why := adapters.register(name, path))}
