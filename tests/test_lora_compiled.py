@@ -1,0 +1,139 @@
+"""LoRA adapters on a compiled model (``--compile``): hot-swapped into fixed slots, never recompiled.
+
+CPU tests compile with torch's "eager" backend (as tests/test_compile.py): dynamo traces the
+graphs and guards them exactly as with inductor, so a switch that changed the graph would show as
+a compilation, and the kernels are the eager ones, so the compiled outputs equal the uncompiled
+model's bit for bit (inductor's tolerance is test_gpu's). Compilations are dynamo's own counter,
+read in the process that compiles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from daemonkit import Daemon, http, submit, wait_job
+from lorakit import build_lora
+
+from diffusiond.ipc import messages as m
+from diffusiond.pipelines import load_pipeline
+from diffusiond.pipelines.compile import CompiledPipeline, compilations
+from diffusiond.pipelines.loras import Adapters, HotSwapAdapters, adapters_for, unsupported
+
+EAGER_BACKEND = {"compile_backend": "eager"}
+TINY = m.BatchParams(width=64, height=64, steps=2, guidance=5.0)
+A = (m.LoraRef("a", 1.0),)
+B = (m.LoraRef("b", 0.7),)
+AB = (m.LoraRef("a", 0.5), m.LoraRef("b", 1.0))
+
+
+@pytest.fixture(scope="module")
+def unet_loras(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
+    """UNet-only adapters of different ranks (4 and 2: the slots are padded to the largest)."""
+    root = tmp_path_factory.mktemp("hotswap-loras")
+    return {"a": build_lora(root / "a", seed=11, rank=4, text_encoder=False),
+            "b": build_lora(root / "b", seed=12, rank=2, text_encoder=False),
+            "big": build_lora(root / "big", seed=13, rank=8, text_encoder=False),
+            "te": build_lora(root / "te", seed=14, rank=4, text_encoder=True)}
+
+
+def run(pipe: object, seeds: tuple[int, ...] = (1,)) -> torch.Tensor:
+    reqs = [m.RequestSpec(request_id=str(s), prompt="a red fox", seed=s) for s in seeds]
+    with torch.inference_mode():
+        return torch.stack(pipe.run(TINY, reqs, lambda _s, _t: True))  # type: ignore[attr-defined]
+
+
+def compiled_tiny() -> CompiledPipeline:
+    return CompiledPipeline(load_pipeline("tiny", device="cpu", dtype="float32"), "default", EAGER_BACKEND)
+
+
+def test_switching_adapters_on_a_compiled_model_never_recompiles_and_matches_the_eager_model(
+        unet_loras: dict[str, Path]) -> None:
+    eager = load_pipeline("tiny", device="cpu", dtype="float32")
+    reference = adapters_for(eager, {}, 2)
+    assert type(reference) is Adapters
+    assert reference.register("a", str(unet_loras["a"])) == reference.register("b", str(unet_loras["b"])) == ""
+    want: dict[tuple[m.LoraRef, ...], torch.Tensor] = {}
+    for loras in ((), A, B, AB):
+        reference.activate(loras)
+        want[loras] = run(eager)
+
+    base_without_hotswap = run(compiled_tiny())
+    pipe = compiled_tiny()
+    adapters = adapters_for(pipe, {}, 2, target_rank=4)
+    assert isinstance(adapters, HotSwapAdapters)
+    assert adapters.register("a", str(unet_loras["a"])) == adapters.register("b", str(unet_loras["b"])) == ""
+    base = run(pipe)  # warm-up: the one compilation of this shape, LoRA slots included
+    warm = compilations()
+    assert torch.equal(base, base_without_hotswap)  # zeroed slots add exactly nothing
+    assert torch.equal(base, want[()])
+    for loras in (A, B, (), A, AB, B, ()):
+        adapters.activate(loras)
+        got = run(pipe)
+        assert torch.equal(got, want[loras]), loras
+        assert loras == () or not torch.equal(got, base)
+    assert compilations() == warm  # A, B, none, A again, both: weights swapped in place, no new graph
+
+
+def test_what_cannot_be_hot_swapped_is_refused_at_registration_saying_why(unet_loras: dict[str, Path]) -> None:
+    pipe = compiled_tiny()
+    adapters = adapters_for(pipe, {}, 2, target_rank=4)
+    assert adapters is not None
+    why = adapters.register("big", str(unet_loras["big"]))
+    assert "rank 8 is above 4" in why and "register it at start (--lora)" in why
+    why = adapters.register("te", str(unet_loras["te"]))
+    assert "text-encoder weights" in why and "without --compile" in why
+    assert adapters.register("a", str(unet_loras["a"])) == ""
+    assert set(adapters.paths) == {"a"}  # the refused ones left nothing behind
+    with pytest.raises(Exception, match="not registered"):
+        adapters.activate((m.LoraRef("big", 1.0),))
+    # no adapter at start: no slots, and the reason names what to do
+    assert adapters_for(compiled_tiny(), {}, 2, target_rank=0) is None
+    assert "--lora NAME=PATH" in unsupported(compiled_tiny())
+
+
+async def test_compiled_daemon_swaps_adapters_per_request_like_the_uncompiled_model(
+        tmp_path: Path, model_cache: Path, unet_loras: dict[str, Path]) -> None:
+    """One daemon, tiny twice: ``plain`` eager and ``fast`` compiled; the same adapters on both."""
+    toml = tmp_path / "d.toml"
+    toml.write_text(
+        'max_batch = 1\nmax_loras = 2\n'
+        f'[loras]\na = "{unet_loras["a"]}"\nb = "{unet_loras["b"]}"\nte = "{unet_loras["te"]}"\n'
+        '[[models]]\nname = "plain"\nspec = "tiny"\n'
+        '[[models]]\nname = "fast"\nspec = "tiny"\ncompile = "default"\nwarmup = "64x64:1"\n'
+        'options = { compile_backend = "eager" }\n')
+    env = {"DIFFUSIOND_CACHE": str(model_cache), "XDG_STATE_HOME": str(tmp_path / "state")}
+    d = Daemon(tmp_path / "d.sock", ["--config", str(toml)], tmp_path / "d.log", env=env)
+    d.start(timeout=600)
+    try:
+        async with http(d.socket) as s:
+            async def out(model: str, loras: tuple[m.LoraRef, ...]) -> bytes:
+                body = {"model": model, "prompt": "a red fox", "width": 64, "height": 64, "steps": 2, "seed": 3,
+                        "output_format": "npy", "loras": [{"name": r.name, "weight": r.weight} for r in loras]}
+                job = await wait_job(s, (await submit(s, body))["id"], timeout=300)
+                assert job["status"] == "succeeded", job
+                assert "compiling" not in job["timings_ms"] or model == "plain"  # warmed up: no new graph
+                async with s.get(job["outputs"][0]["url"]) as r:
+                    return await r.read()
+
+            fast = [await out("fast", loras) for loras in (A, B, (), A, AB)]
+            plain = [await out("plain", loras) for loras in (A, B, (), A, AB)]
+            async with s.post("/v1/jobs", json={"model": "fast", "prompt": "x", "width": 64, "height": 64,
+                                                "loras": [{"name": "te"}]}) as r:
+                te_status, te_answer = r.status, await r.json()
+            async with s.post("/v1/loras", json={"name": "big", "path": str(unet_loras["big"])}) as r:
+                big_status, big_answer = r.status, await r.json()
+            async with s.post("/v1/jobs", json={"model": "fast", "prompt": "x", "width": 64, "height": 64,
+                                                "loras": [{"name": "big"}]}) as r:
+                big_job_status, big_job = r.status, await r.json()
+    finally:
+        d.stop()
+    assert fast == plain  # eager backend: bit for bit the uncompiled model's outputs
+    assert fast[0] == fast[3] and len({fast[0], fast[1], fast[2], fast[4]}) == 4
+    assert te_status == 400 and te_answer["error"]["field"] == "loras"
+    assert "text-encoder weights" in te_answer["error"]["message"]
+    assert big_status == 201, big_answer  # it fits the uncompiled model ...
+    assert "rank 8 is above 4" in big_answer["unfit"]["fast"]  # ... not the compiled one's slots, and says why
+    assert big_job_status == 400 and big_job["error"]["field"] == "loras"
+    assert "rank 8 is above 4" in big_job["error"]["message"]
