@@ -25,15 +25,15 @@ The compile is lazy: torch compiles a shape when it first runs. The worker runs 
 shapes before it reports ready, and for any other new shape it tells the engine (stage
 ``compiling``) before the batch starts, using ``will_compile``.
 
-LoRA hot-swap on a compiled model: diffusers' ``enable_lora_hotswap(target_rank=...)`` must be
-called before the modules are compiled. ``CompiledPipeline.compile`` calls ``before_compile``
-(a hook, None by default) on the diffusers pipeline first, for the LoRA feature to set.
+LoRA on a compiled model: its hot-swap slots must be in the modules before they are traced.
+Marking a module (``module.compile``) traces nothing, so the worker makes the slots after this
+(``pipelines/loras.HotSwapAdapters``) and before its warm-up, the first forward.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +91,6 @@ def _bound_recompiles(max_shapes: int) -> None:
 class CompiledPipeline:
     """A ``Pipeline`` whose diffusers modules are compiled; runs, sleeps and wakes like the eager one."""
 
-    before_compile: Callable[[Any], None] | None = None  # e.g. LoRA: enable_lora_hotswap on the diffusers pipe
-
     def __init__(self, inner: Pipeline, mode: str, options: Mapping[str, str] | None = None) -> None:
         opts = dict(options or {})
         if mode not in COMPILE_MODES:
@@ -131,8 +129,6 @@ class CompiledPipeline:
 
     def compile(self, pipe: Any) -> None:
         """Mark the modules for compilation; torch compiles each shape when it first runs."""
-        if self.before_compile is not None:
-            self.before_compile(pipe)
         _bound_recompiles(self.max_shapes)
         kw: dict[str, Any] = {"backend": self.backend, "dynamic": False}
         if self.backend == "inductor":

@@ -189,10 +189,6 @@ class HotSwapAdapters(Adapters):
         self.in_slot: dict[str, str] = {}  # slot -> adapter name in it; a slot not here is free
         self.scalings: dict[str, list[tuple[Any, float]]] = {}  # slot -> (LoRA layer, its scaling at weight 1)
 
-    @staticmethod
-    def supported(pipe: Any) -> bool:
-        return Adapters.supported(pipe)
-
     def register(self, name: str, path: str) -> str:
         self.paths[name] = path
         try:
