@@ -76,7 +76,15 @@ def test_switching_adapters_on_a_compiled_model_never_recompiles_and_matches_the
     assert compilations() == warm  # A, B, none, A again, both: weights swapped in place, no new graph
 
 
-def test_what_cannot_be_hot_swapped_is_refused_at_registration_saying_why(unet_loras: dict[str, Path]) -> None:
+def test_what_cannot_be_hot_swapped_is_refused_at_registration_saying_why(unet_loras: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(unet_loras["a"] / "pytorch_lora_weights.safetensors"))
+    key = next(k for k in sorted(weights) if ".lora_A." in k)
+    weights[key] = torch.zeros(weights[key].shape[0], weights[key].shape[1] + 8)  # in-features tiny lacks
+    (tmp_path / "misfit").mkdir()
+    save_file(weights, str(tmp_path / "misfit" / "pytorch_lora_weights.safetensors"))
     pipe = compiled_tiny()
     adapters = adapters_for(pipe, {}, 2, target_rank=4)
     assert adapters is not None
@@ -84,7 +92,8 @@ def test_what_cannot_be_hot_swapped_is_refused_at_registration_saying_why(unet_l
     assert "rank 8 is above 4" in why and "register it at start (--lora)" in why
     why = adapters.register("te", str(unet_loras["te"]))
     assert "text-encoder weights" in why and "without --compile" in why
-    assert adapters.register("a", str(unet_loras["a"])) == ""
+    assert "size mismatch" in adapters.register("misfit", str(tmp_path / "misfit"))  # fails making the slots
+    assert adapters.register("a", str(unet_loras["a"])) == ""  # ... and left none behind: "a" makes them
     assert set(adapters.paths) == {"a"}  # the refused ones left nothing behind
     with pytest.raises(Exception, match="not registered"):
         adapters.activate((m.LoraRef("big", 1.0),))

@@ -245,7 +245,7 @@ class HotSwapAdapters(Adapters):
             raise PipelineError(f"model {self.model_name} is compiled (--compile) and only the UNet's LoRA layers "
                                 "can be hot-swapped; this adapter also has text-encoder weights: serve the model "
                                 "without --compile to use it")
-        ranks = [v.shape[0] for k, v in state.items() if ".lora_A." in k or k.endswith("lora_A.weight")]
+        ranks = [v.shape[0] for k, v in state.items() if any(d in k for d in (".lora_A.", ".lora.down.", "lora_down"))]
         if ranks and max(ranks) > self.target_rank:
             raise PipelineError(f"its rank {max(ranks)} is above {self.target_rank}, the largest rank of the adapters "
                                 f"registered when compiled model {self.model_name} started (its LoRA slots are that "
@@ -257,10 +257,17 @@ class HotSwapAdapters(Adapters):
         from peft.utils.hotswap import prepare_model_for_compiled_hotswap
 
         where, kwargs = self._source(first)
-        for slot in self.slots:
-            self.pipe.load_lora_weights(where, adapter_name=slot, **kwargs)
-        self.pipe.set_adapters(self.slots, [1.0] * len(self.slots))
-        prepare_model_for_compiled_hotswap(self.pipe.unet, target_rank=self.target_rank, check_compiled="ignore")
+        try:
+            for slot in self.slots:
+                self.pipe.load_lora_weights(where, adapter_name=slot, **kwargs)
+            self.pipe.set_adapters(self.slots, [1.0] * len(self.slots))
+            prepare_model_for_compiled_hotswap(self.pipe.unet, target_rank=self.target_rank,
+                                               check_compiled="ignore")
+        except BaseException:  # e.g. it does not fit the model: no slot stays, the next adapter makes them
+            made = [s for s in self.slots if s in self._adapter_names()]
+            if made:
+                self.pipe.delete_adapters(made)
+            raise
         for slot in self.slots:
             self._record(slot, first)
         self.in_slot = {self.slots[0]: first}  # the others hold a copy, free to be overwritten
