@@ -241,8 +241,11 @@ async def test_sleep_drains_then_holds_jobs_until_wake(sock: Path) -> None:
 
 # stopping the daemon, killing a worker --------------------------------------------------------
 async def test_sigterm_drains_in_flight_work_then_exits_cleanly(daemon_factory: Any) -> None:
+    # --no-persist: without a state dir, what cannot finish fails with the reason (with one, it waits
+    # there for the next start: test_durable.py)
     d: Daemon = daemon_factory(
-        "--model", SLOW_MODEL, "--model", HOLD_MODEL, "--drain-grace-s", "120", "--job-timeout", "300", env=ENV
+        "--model", SLOW_MODEL, "--model", HOLD_MODEL, "--drain-grace-s", "120", "--job-timeout", "300",
+        "--no-persist", env=ENV
     )
     assert d.proc is not None
     workers = d.worker_pids()

@@ -5,6 +5,7 @@ and a state dir is one daemon's, with a database that is ours or a refusal namin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import io
 import json
@@ -110,6 +111,58 @@ async def test_sigkill_of_the_engine_then_restart_every_job_succeeds_once_with_i
     ids = [j["id"] for j in page["data"]]
     assert sorted(ids) == sorted({j["id"] for j in jobs + again}), "a job is listed twice or missing"
     assert files(state) == sorted(f"{j['id']}-0.png" for j in jobs + again), "duplicate or stray output files"
+
+
+async def test_a_clean_shutdown_keeps_unfinished_jobs_for_the_next_start(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    """SIGTERM (a restart, a reboot) with jobs that cannot finish within the grace: the async ones
+    are not failed but wait in the state dir, their streams told nothing worse than their status,
+    and the next start runs them to the bytes they would have had. A synchronous request is
+    answered 503 now (its caller would not come back for a result later)."""
+    state = tmp_path / "state"
+    first = daemon_factory(*serve_args(state, "--test-fault", "copy_delay_ms=3000", "--drain-grace-s", "0.5"),
+                           env=ENV)
+    async with http(first.socket) as s:
+        jobs = [await submit(s, {**BODY, "prompt": f"harbour {i}", "seed": 60 + i}) for i in range(3)]
+
+        async def follow(job_id: str) -> str:
+            async with s.get(f"/v1/jobs/{job_id}/events") as r:
+                chunks = []
+                with contextlib.suppress(aiohttp.ClientError):
+                    async for chunk in r.content.iter_any():
+                        chunks.append(chunk)
+                return b"".join(chunks).decode()
+
+        async def sync_call() -> tuple[int, dict[str, Any]]:
+            body = {"model": "tiny", "prompt": "sync", "size": "64x64", "num_inference_steps": 2}
+            async with s.post("/v1/images/generations", json=body) as r:
+                return r.status, await r.json()
+
+        async def started() -> bool:
+            return (await get(s, f"/v1/jobs/{jobs[0]['id']}"))[1]["status"] == "running"
+
+        await until(started, 60, "the first job to start")
+        stream = asyncio.ensure_future(follow(jobs[0]["id"]))
+        sync = asyncio.ensure_future(sync_call())
+        await asyncio.sleep(0.3)  # the synchronous job is queued behind them
+        first.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(first.wait, 60) == 0, first.log()
+        text = await asyncio.wait_for(stream, 30)
+        status, answer = await asyncio.wait_for(sync, 30)
+    assert "event: error" not in text and "event: status" in text, text
+    assert status == 503 and answer["error"]["code"] == "shutting_down", (status, answer)
+    assert "stays in the state dir" in first.log()
+
+    second = daemon_factory(*serve_args(state), env=ENV)
+    async with http(second.socket) as s:
+        ends = [await wait_job(s, j["id"], timeout=300) for j in jobs]
+        assert [e["status"] for e in ends] == ["succeeded"] * 3, ends
+        # the first had started (it runs again from the start); the others had too if the worker took them
+        assert ends[0]["attempts"] == 2 and all(e["attempts"] in (1, 2) for e in ends), ends
+        got = [await output(s, e) for e in ends]
+        again = [await submit(s, {**BODY, "prompt": f"harbour {i}", "seed": 60 + i}) for i in range(3)]
+        want = [await output(s, await wait_job(s, j["id"], timeout=300)) for j in again]
+    assert got == want
 
 
 async def test_finished_jobs_and_their_outputs_outlive_a_restart(daemon_factory: Factory, tmp_path: Path) -> None:

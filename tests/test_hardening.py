@@ -512,8 +512,11 @@ async def test_full_arena_fails_the_job_naming_the_sizes_instead_of_hanging(daem
 async def test_sigterm_under_load_ends_every_job_and_leaves_nothing(daemon_factory: Any) -> None:
     shm_before = shm_entries()
     grace = 5.0
+    # --no-persist: every job must end here (with a state dir, the unfinished wait there for the
+    # next start instead: test_durable.py)
     d: Daemon = daemon_factory("--model", "tiny", "--model", "hold=synthetic:compute_ms=300000",
-                               "--max-batch", "4", "--drain-grace-s", str(grace), "--job-timeout", "300", env=ENV)
+                               "--max-batch", "4", "--drain-grace-s", str(grace), "--job-timeout", "300",
+                               "--no-persist", env=ENV)
     assert d.proc is not None
     workers = d.worker_pids()
     assert len(workers) == 2

@@ -114,6 +114,7 @@ class Engine:
         self._power = asyncio.Lock()
         self._retention: asyncio.Task[None] | None = None
         self._pool_starting = False  # workers are being started: a model without one yet will have one
+        self._suspended: set[str] = set()  # jobs a clean shutdown left to the next start (``_suspend``)
 
     @property
     def paused(self) -> bool:
@@ -178,14 +179,34 @@ class Engine:
             log.info("resuming %d job(s) the last run did not finish", len(jobs))
 
     async def drain(self, grace: float) -> None:
-        """Stop admitting; give accepted jobs ``grace`` seconds to finish; fail what is left."""
+        """Stop admitting; give accepted jobs ``grace`` seconds to finish; then what is left either
+        waits in the state dir for the next start (``_suspend``) or fails with the reason."""
         self.accepting = False
         self.draining = True
         await self._wait_until(lambda: not any(not j.terminal for j in self.jobs.values()), grace)
         for job in [j for j in self.jobs.values() if not j.terminal]:
+            if self.store.persistent and not job.sync and job.request.edit is None:
+                self._suspend(job)
+                continue
             self._end(job, JobStatus.FAILED, ErrorCode.SHUTTING_DOWN,
                       f"the daemon shut down before the job finished (grace period {grace:g}s, stage "
                       f"{job.stage.label})")
+
+    def _suspend(self, job: Job) -> None:
+        """Leave a job to the next start, as a crash would, but on purpose: a restart or a reboot
+        must not cost a user the jobs they queued. Its record stays queued or running (running
+        ones run again from the start, their seeds fixed), and this process ends it no more: not by
+        its deadline, nor by the workers stopping under it. Synchronous jobs are not kept (their
+        caller is answered now and would not come back for the result), nor edits (their input
+        image is not in the state dir)."""
+        self._suspended.add(job.id)
+        if job.deadline is not None:
+            job.deadline.cancel()
+            job.deadline = None
+        self.scheduler.remove(job)
+        job.emit(Event.STATUS)
+        log.info("job %s (%s) stays in the state dir: it resumes when the daemon starts again",
+                 job.id, job.stage.label)
 
     async def stop(self) -> None:
         self.stopping = True
@@ -565,6 +586,8 @@ class Engine:
     # endings --------------------------------------------------------------------------------
     def _end(self, job: Job, status: JobStatus, code: ErrorCode | None = None, message: str = "",
              stage: str | None = None) -> None:
+        if job.id in self._suspended:  # left to the next start: its record must stay as it is
+            return
         stage_label = stage or job.stage.label
         error = None if status == JobStatus.SUCCEEDED else {"code": str(code), "message": message,
                                                             "stage": stage_label}
