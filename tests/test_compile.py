@@ -205,8 +205,9 @@ async def test_daemon_warms_up_before_ready_and_a_new_shape_shows_compiling(tmp_
     toml = tmp_path / "d.toml"
     toml.write_text('max_batch = 1\n[[models]]\nname = "tiny"\nspec = "tiny"\ncompile = "default"\n'
                     'warmup = "64x64:1"\noptions = { compile_backend = "eager" }\n')
-    env = {"DIFFUSIOND_CACHE": str(model_cache), "XDG_STATE_HOME": str(tmp_path / "state")}
-    d = Daemon(tmp_path / "d.sock", ["--config", str(toml)], tmp_path / "d.log", env=env)
+    env = {"DIFFUSIOND_CACHE": str(model_cache)}
+    d = Daemon(tmp_path / "d.sock", ["--config", str(toml), "--state-dir", str(tmp_path / "state")], tmp_path / "d.log",
+               env=env)
     d.start(timeout=600)  # /ready answers 200 only once the worker has run the warm-up shape
     try:
         async with http(d.socket) as s:
@@ -224,7 +225,7 @@ async def test_daemon_warms_up_before_ready_and_a_new_shape_shows_compiling(tmp_
     assert new["timings_ms"]["compiling"] > 0  # a new shape: the job went through the compiling stage
     assert warmed["compiled"] == meta["compiled"] == models[0]["compile"] == "default"
     assert warmed["approximations"] == [] and "approximations" not in meta  # compile is no approximation
-    assert (tmp_path / "state" / "diffusiond" / "compile-cache").is_dir()
+    assert (tmp_path / "state" / "compile-cache").is_dir()  # in the state dir: a restart finds it warm
 
 
 async def test_an_approximate_cache_is_named_in_every_output(tmp_path: Path, model_cache: Path) -> None:
