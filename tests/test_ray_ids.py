@@ -5,6 +5,7 @@ job ids bound to their replica in what the daemon answers, and the builder's arg
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,15 @@ def test_autoscaling_asks_for_replicas_by_the_daemons_own_queue() -> None:
     assert queue_policy(ctx({"a": 9, "b": 8}))[0] == 5  # 17 jobs queued or running, 4 per replica
     assert queue_policy(ctx({"a": 0, "b": 0}))[0] == 0  # idle: down to min_replicas (Serve clamps)
     assert queue_policy(ctx({}))[0] == 2  # no figures yet: stay where we are
+
+
+def test_each_replicas_daemon_keeps_its_jobs_in_a_state_dir_of_its_own(tmp_path: Path) -> None:
+    """A state dir holds one daemon (a lock): two replicas on one node must not share one, or the
+    second's daemon refuses to start."""
+    from diffusiond.ray.replica import own_state_dir
+
+    private = tmp_path / "replica-a"
+    assert own_state_dir(["--model", "tiny"], private, "a")[-2:] == ["--state-dir", str(private / "state")]
+    shared = own_state_dir(["--state-dir", "/mnt/shared", "--model", "tiny"], private, "a")
+    assert shared[:2] == ["--state-dir", "/mnt/shared/a"]
+    assert own_state_dir(["--no-persist"], private, "a") == ["--no-persist"]

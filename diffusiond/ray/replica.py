@@ -119,7 +119,8 @@ class DaemonReplica:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # the GPUs Ray gave this replica, and no others
         self._log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - closed in __del__
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *serve_args],
+            [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket),
+             *own_state_dir(serve_args, self.dir, self.replica)],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             preexec_fn=_die_with(os.getpid()),
         )
@@ -286,3 +287,19 @@ class DaemonReplica:
             yield msgspec.msgpack.encode(Head(resp.status, headers))
             async for chunk in resp.content.iter_chunked(CHUNK):
                 yield chunk
+
+
+def own_state_dir(serve_args: list[str], private: Path, replica: str) -> list[str]:
+    """The daemon's arguments with a state dir of this replica's own: a state dir holds one
+    daemon (its lock), and replicas on one node would otherwise all take the XDG default. Given
+    ``--state-dir DIR`` (a shared volume, say), the replica uses ``DIR/<replica id>``; given
+    none, its private directory; ``--no-persist`` is left as it is."""
+    args = list(serve_args)
+    if "--no-persist" in args:
+        return args
+    if "--state-dir" in args:
+        i = args.index("--state-dir") + 1
+        if i < len(args):
+            args[i] = str(Path(args[i]) / replica)
+        return args
+    return [*args, "--state-dir", str(private / "state")]
