@@ -57,4 +57,6 @@ def test_an_edit_frame_carries_descriptors_not_pixels() -> None:
         frame = FrameEncoder().encode(msg, nfds=1)
     finally:
         buf.close()
-    assert len(frame) < 1024, f"{len(frame)} bytes for 4 edits of a 4 MB input"
+    # descriptors and the requests' own fields (a few hundred bytes each), three orders of
+    # magnitude under one input's 4 MB: the pixels went by fd
+    assert len(frame) < 4096, f"{len(frame)} bytes for 4 edits of a 4 MB input"
