@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +87,9 @@ def children(pids: set[int]) -> set[int]:
     return {int(e) for e in os.listdir("/proc") if e.isdigit() and parent(e) in pids}
 
 
+START_LIMIT_S = 600.0  # two replicas loading tiny on the 2-core CI box take well under a minute
+
+
 @pytest.fixture(scope="module")
 def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     shm_before = shm_entries()
@@ -99,7 +103,15 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build({"model": "tiny", "replicas": "2", "cpus_per_replica": "0", "health_check_period_s": "2",
                      "daemon_args": "--max-batch 4 --job-timeout 120 --drain-grace-s 10"})
-        serve.run(app, name="diffusiond", route_prefix="/")
+        # serve.run waits for every replica to be healthy, and Serve retries a replica that fails
+        # to start for ever: bounded here, so a replica that cannot start fails the tests with
+        # Serve's own message instead of hanging the suite
+        runner = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "diffusiond", "route_prefix": "/"},
+                                  daemon=True)
+        runner.start()
+        runner.join(START_LIMIT_S)
+        if runner.is_alive():
+            pytest.fail(f"the application was not running after {START_LIMIT_S:g}s: {serve.status().applications}")
         pids = set(daemons().values())
         yield {"url": f"http://127.0.0.1:{port}", "shm_before": shm_before, "pids": pids | children(pids)}
     finally:
@@ -174,8 +186,15 @@ async def test_a_jobs_events_output_and_cancel_reach_the_replica_that_holds_it(c
                 assert (await r.read()).startswith(PNG)
         async with s.get(f"/v1/jobs/{job['id']}") as r:
             assert (await r.json())["id"] == job["id"]
-        async with s.delete(f"/v1/jobs/{job['id']}") as r:
+        # a client's cancel that comes too late (?finished=keep) keeps the result; a plain DELETE of a
+        # finished job deletes it on its replica, record and files
+        async with s.delete(f"/v1/jobs/{job['id']}", params={"finished": "keep"}) as r:
             assert r.status == 409 and (await r.json())["error"]["code"] == "job_finished"
+        async with s.delete(f"/v1/jobs/{job['id']}") as r:
+            body = await r.json()
+            assert r.status == 200 and body["deleted"] is True and body["id"] == job["id"], body
+        async with s.get(f"/v1/jobs/{job['id']}") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "job_not_found"
 
 
 async def test_ids_of_replicas_that_never_were_and_routes_not_served_get_clear_errors(cluster) -> None:
