@@ -90,7 +90,9 @@ async def one(session: aiohttp.ClientSession, kind: str, seed: int, outcomes: Co
         job = await r.json()
     if kind == "cancel":
         await asyncio.sleep(random.random() * 0.3)
-        async with session.delete(f"/v1/jobs/{job['id']}") as r:
+        # a cancel, as clients send it: a job that finished first keeps its result (409), where a
+        # plain DELETE would delete it
+        async with session.delete(f"/v1/jobs/{job['id']}", params={"finished": "keep"}) as r:
             outcomes[f"cancel:{r.status}"] += 1
     if kind == "never_fetch":
         outcomes["never_fetch:submitted"] += 1
@@ -169,7 +171,8 @@ def main() -> int:
     shm_before = set(os.listdir("/dev/shm"))
     log = open(tmp / "log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--model", "tiny",
-                             "--workers", "2", "--max-batch", "8", "--retention-s", str(args.retention_s),
+                             "--state-dir", str(tmp / "state"), "--workers", "2", "--max-batch", "8",
+                             "--retention-s", str(args.retention_s),
                              "--queue-size", str(max(256, args.concurrency * 2)), "--log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
