@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffusiond.ipc.arena import Arena, DedicatedBuffer
+from diffusiond.ipc.arena import Arena, DedicatedBuffer, Slot
 from diffusiond.ipc.errors import ArenaFull, SlotTooLarge
 from diffusiond.ipc.messages import (
     BatchParams,
@@ -176,12 +176,7 @@ class Copier:
                 slot = self.arena.try_allocate(nbytes_of(host))
                 if slot is None:  # the arena is busy with outputs: they come first
                     return
-                try:
-                    write_tensor(self.arena.buffer(slot), host, non_blocking=self.cuda)
-                    self._sync()
-                except BaseException:
-                    self.arena.release(slot.id)
-                    raise
+                self._fill(slot, host)
             with self._lock:
                 self._preview_slots.add(slot.id)
             desc = describe(host, slot.id, slot.offset)
@@ -239,12 +234,7 @@ class Copier:
                     slot = self.arena.allocate(nbytes, timeout=self.slot_timeout_s)
             except SlotTooLarge:
                 return self._copy_dedicated(host, nbytes)
-            try:
-                write_tensor(self.arena.buffer(slot), host, non_blocking=self.cuda)
-                self._sync()
-            except BaseException:
-                self.arena.release(slot.id)
-                raise
+            self._fill(slot, host)
             return describe(host, slot.id, slot.offset), None
 
     def _copy_dedicated(self, host: torch.Tensor, nbytes: int) -> tuple[TensorDesc, int]:
@@ -262,6 +252,16 @@ class Copier:
             self._next_dedicated += 1
             self.dedicated[slot_id] = nbytes
         return describe(host, slot_id, 0, dedicated=True), buf.fd
+
+    def _fill(self, slot: Slot, host: torch.Tensor) -> None:
+        """Copy ``host`` into its arena slot and wait for it; a failed copy gives the slot back
+        (outputs and previews alike: nobody else knows the slot yet)."""
+        try:
+            write_tensor(self.arena.buffer(slot), host, non_blocking=self.cuda)
+            self._sync()
+        except BaseException:
+            self.arena.release(slot.id)
+            raise
 
     def _sync(self) -> None:
         """Wait for this thread's copies, sleeping rather than spinning.
