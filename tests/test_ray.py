@@ -18,7 +18,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 DAEMON_SOCKET = re.compile(r"diffusiond-ray-([A-Za-z0-9]+)-[^/]*/d\.sock")
 GEN = {"model": "tiny", "size": "64x64", "num_inference_steps": 2}  # OpenAI-shaped
 JOB = {"model": "tiny", "width": 64, "height": 64, "steps": 2}  # the jobs API
+# enough steps that a job of tiny stays queued or running for a second or more even on an idle box:
+# long enough to be seen in its daemon and still be there when the test kills that daemon
+LONG_STEPS = 60
 
 
 def free_port() -> int:
@@ -120,8 +123,9 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def generate(s: aiohttp.ClientSession, seed: int, steps: int = 2) -> tuple[int, dict[str, Any]]:
-    body = {**GEN, "prompt": f"a cat {seed}", "seed": seed, "num_inference_steps": steps}
+async def generate(s: aiohttp.ClientSession, seed: int, steps: int = 2,
+                   prompt: str = "a cat") -> tuple[int, dict[str, Any]]:
+    body = {**GEN, "prompt": f"{prompt} {seed}", "seed": seed, "num_inference_steps": steps}
     async with s.post("/v1/images/generations", json=body) as r:
         return r.status, await r.json()
 
@@ -132,19 +136,61 @@ def daemon_socket(pid: int) -> str:
     return m[1]
 
 
-async def daemon_health(pid: int) -> dict[str, Any]:
-    """A replica's daemon asked directly on its private socket, as its replica does."""
-    async with http(Path(daemon_socket(pid))) as d, d.get("/health") as r:
-        return dict(await r.json())
-
-
-async def daemon_jobs(pid: int, *statuses: str) -> int:
-    jobs = (await daemon_health(pid))["jobs"]
-    return sum(jobs.get(st, 0) for st in statuses)
-
-
 def replica_of(job_id: str) -> str:
     return job_id.split(".", 1)[0]
+
+
+async def unfinished(running: dict[str, int], prompt: str) -> dict[str, int]:
+    """Replica id -> the jobs whose prompt starts with ``prompt`` that its daemon holds queued or
+    running, asked of each daemon on its own socket: where the router really sent the work."""
+    held = {}
+    for replica, pid in running.items():
+        n = 0
+        async with http(Path(daemon_socket(pid))) as d:
+            for status in ("queued", "running"):
+                async with d.get("/v1/jobs", params={"status": status}) as r:
+                    n += sum(str(j["request"]["prompt"]).startswith(prompt) for j in (await r.json())["data"])
+        held[replica] = n
+    return held
+
+
+Load = list[asyncio.Task[tuple[int, dict[str, Any]]]]
+
+
+async def load_until(s: aiohttp.ClientSession, running: dict[str, int], prompt: str, seed: int,
+                     enough: Callable[[dict[str, int]], bool], what: str, first: int = 8, most: int = 32,
+                     timeout: float = 120.0) -> tuple[Load, dict[str, int]]:
+    """Long synchronous requests through the proxy until the work the daemons hold is ``enough``.
+
+    Which replica takes a request is the router's choice (least loaded, batch affinity, routing
+    stats a few seconds old), so a test that needs work on some replica looks where the requests
+    went instead of assuming: ``first`` are sent at once, then one more whenever every unanswered
+    one has reached a daemon and the work is still not ``enough`` (at most ``most`` in all).
+    Returns the requests, still running, and the jobs each replica held when it was enough."""
+    load: Load = []
+
+    def send() -> None:
+        n = seed + len(load)
+        load.append(asyncio.create_task(generate(s, n, steps=LONG_STEPS, prompt=prompt)))
+
+    for _ in range(first):
+        send()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            held = await unfinished(running, prompt)
+            if enough(held):
+                return load, held
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout:g}s waiting for {what}: {len(load)} requests sent, "
+                            f"{sum(t.done() for t in load)} answered, the replicas hold {held} of them")
+            if sum(held.values()) >= sum(not t.done() for t in load) and len(load) < most:
+                send()
+            await asyncio.sleep(0.05)
+    except BaseException:
+        for t in load:
+            t.cancel()
+        raise
 
 
 async def test_32_concurrent_requests_through_the_proxy_all_succeed_and_both_replicas_serve(cluster) -> None:
@@ -250,16 +296,16 @@ async def test_a_replica_whose_daemon_is_killed_mid_load_fails_its_jobs_with_a_r
     before = daemons()
     assert len(before) == 2
     async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
-        async with s.post("/v1/jobs", json={**JOB, "prompt": "held", "steps": 40}) as r:
+        async with s.post("/v1/jobs", json={**JOB, "prompt": "held", "steps": LONG_STEPS}) as r:
             held = (await r.json())["id"]
         victim = replica_of(held)
         victim_workers = children({before[victim]})
-        load = [asyncio.create_task(generate(s, 100 + i, steps=20)) for i in range(16)]
-        # kill it while it is computing some of the load, not after it finished
-        async def victim_busy() -> bool:
-            return await daemon_jobs(before[victim], "running", "queued") >= 2
-
-        await until(victim_busy, 120, "the victim to take work")
+        # kill it while it is computing some of the load and the other replica some more, not after
+        # the load finished: requests go on until both replicas hold some of it
+        load, _ = await load_until(
+            s, before, "mid-load", 100,
+            lambda jobs: jobs[victim] >= 1 and any(n for r, n in jobs.items() if r != victim),
+            f"the load to reach both the victim {victim} and the other replica")
         os.kill(before[victim], signal.SIGKILL)
         answers = await asyncio.wait_for(asyncio.gather(*load), 300)  # none hangs
         failed = [body for status, body in answers if status != 200]
@@ -327,20 +373,18 @@ async def test_a_client_that_goes_away_cancels_its_synchronous_job_in_the_daemon
 
 async def test_a_killed_replica_actor_takes_its_daemon_and_workers_with_it(cluster) -> None:
     running = daemons()
-    victim = sorted(running)[0]
-    gone = {running[victim]} | children({running[victim]})
-    actor = ray.get_actor(f"SERVE_REPLICA::diffusiond#diffusiond#{victim}", namespace="serve")
     async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
-        load = [asyncio.create_task(generate(s, 400 + i, steps=20)) for i in range(8)]
-
-        async def victim_busy() -> bool:
-            return await daemon_jobs(running[victim], "running", "queued") >= 1
-
-        await until(victim_busy, 120, "the victim to take work")
+        # the victim is a replica that holds some of the load: the router may send all of it to one
+        load, jobs = await load_until(s, running, "actor-kill", 400, lambda jobs: any(jobs.values()),
+                                      "a replica to take some of the load")
+        victim = max(sorted(jobs), key=jobs.__getitem__)
+        gone = {running[victim]} | children({running[victim]})
+        actor = ray.get_actor(f"SERVE_REPLICA::diffusiond#diffusiond#{victim}", namespace="serve")
         ray.kill(actor)  # no __del__: the replica's process just ends
         answers = await asyncio.wait_for(asyncio.gather(*load), 300)
     failed = [body for status, body in answers if status != 200]
-    assert failed and all(b["error"]["code"] == "replica_unavailable" for b in failed), failed
+    assert failed, f"{victim} held {jobs[victim]} of the load when its actor was killed, yet every request succeeded"
+    assert all(b["error"]["code"] == "replica_unavailable" for b in failed), failed
     assert "ended before it answered" in failed[0]["error"]["message"]
 
     async def all_gone() -> bool:
