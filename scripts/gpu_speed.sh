@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Issue 17's GPU measurements in one device call: restart-to-ready (cold, then warm compile cache),
-# the compiled bench at 512²/4 steps, and the --compile GPU tests. Results in ${OUT:-speed-out}.
-# Usage: scripts/gpu_speed.sh STEP...   (ready, bench512, tests, sweep, bench1024)
+# The H200 measurements of docs/benchmarks.md that need compiled models, sweeps or A/B designs, as
+# steps a device call runs in order; each step is bounded by `timeout` so one that overruns leaves
+# the others their time. Results (JSON, logs, tables.md) in ${OUT:-speed-out}.
+# Usage: scripts/gpu_speed.sh STEP...
+#   ready bench512 bench1024 tests     restart-to-ready, the compiled benches, the --compile GPU tests
+#   sweep                              batch 8 compiled at several concurrencies (old form of b8compiled)
+#   curve512 curve1024                 throughput and p50/p99 per --max-batch x client concurrency, eager
+#   b8compiled                         --max-batch 8 with --compile reduce-overhead at concurrency 8 and 16
+#   flux                               random:flux-dev 1024², 28 steps, bf16, regional compile against eager
+#   persist                            the daemon with its state dir against --no-persist, same rounds
+#   previews-ab                        previews' cost, interleaved request by request (bench_preview_ab.py)
 set -uo pipefail
 out=${OUT:-speed-out}
 mkdir -p "$out"
@@ -35,7 +43,34 @@ for step in "$@"; do
       bench sd15-1024-compiled 400 --model random:sd15 --size 1024x1024 --steps 20 --format png --requests 8 \
         --concurrency 2 --compile ${MODE:-default} --rounds 1 ;;
     tests)
-      timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "compile or cuda_graph" \
-        > "$out/gpu-tests.txt" 2>&1; echo "rc=$?" >> "$out/gpu-tests.txt" ;;
+      timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+        -k "${TESTS_K:-compile or cuda_graph or lora}" > "$out/gpu-tests.txt" 2>&1; echo "rc=$?" >> "$out/gpu-tests.txt" ;;
+    curve512)
+      for b in ${BATCHES:-1 4 8}; do
+        bench sd15-512-curve-b$b ${CURVE_S:-110} --model random:sd15 --size 512x512 --steps 4 --format png \
+          --requests 32 --batch $b --concurrency 1 --sweep 2,4,8,16 --modes limit,async --rounds 1 \
+          --batch-wait-ms ${WAIT:-0}
+      done ;;
+    curve1024)
+      for b in ${BATCHES:-1 4}; do
+        bench sd15-1024-curve-b$b ${CURVE_S:-150} --model random:sd15 --size 1024x1024 --steps 20 --format png \
+          --requests 8 --batch $b --concurrency 1 --sweep 2,4,8 --modes limit,async --rounds 1
+      done ;;
+    b8compiled)
+      bench sd15-512-b8-compiled ${BENCH_S:-280} --model random:sd15 --size 512x512 --steps 4 --format png \
+        --requests 64 --batch 8 --concurrency 8 --sweep 16 --compile reduce-overhead --modes limit,async --rounds 1 ;;
+    flux)
+      bench flux-dev-1024-compiled ${FLUX_S:-450} --model random:flux-dev,save=0 --dtype bfloat16 --size 1024x1024 \
+        --steps 28 --guidance 3.5 --format png --requests 3 --concurrency 2 --compile default --modes limit,async \
+        --rounds 1 ;;
+    persist)
+      bench sd15-512-persist ${PERSIST_S:-150} --model random:sd15 --size 512x512 --steps 4 --format png \
+        --requests 32 --concurrency 4 --modes async,async-memory --rounds ${ROUNDS:-4} ;;
+    previews-ab)
+      timeout ${AB_S:-260} python3 scripts/bench_preview_ab.py --model random:sdxl --size 1024x1024 --steps 20 \
+        --cycles ${CYCLES:-16} --json > "$out/previews-ab.json" 2> "$out/previews-ab.log"
+      echo "=== previews-ab rc=$?" >> "$out/tables.md"
+      python3 -c "import json,sys; sys.path.insert(0, 'scripts'); from bench_preview_ab import table; \
+print(table(json.load(open(sys.argv[1]))['summary']))" "$out/previews-ab.json" >> "$out/tables.md" 2>&1 ;;
   esac
 done

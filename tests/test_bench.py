@@ -208,3 +208,13 @@ def test_bench_sweep_reports_each_concurrency_with_its_slo_attainment(model_cach
     assert {r["slo_attainment"] for r in runs["0.001"].values()} == {0.0}
     bad = _bench("--sweep", "1,x", env=env)
     assert bad.returncode == 2 and "expected whole numbers separated by commas, got '1,x'" in bad.stderr
+
+
+def test_bench_prices_the_state_dir_with_a_memory_only_daemon_in_the_same_rounds(model_cache: Path) -> None:
+    env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
+    done = _bench("--modes", "async,async-memory", "--rounds", "2", "--json", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    # the two daemons alternate, so a drift of the machine's speed falls on both alike
+    assert [r["mode"] for r in report["runs"]] == ["async", "async-memory", "async-memory", "async"]
+    assert all(r["requests"] == 4 and r["throughput"] > 0 for r in report["runs"])

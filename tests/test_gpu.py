@@ -145,3 +145,61 @@ def test_gpu_cuda_graph_replays_are_bit_identical_and_compile_once(model_cache: 
                 compiled = compilations()
     assert compilations() == compiled  # runs 3-5 replay: nothing compiled again
     assert all(torch.equal(outs[1], o) for o in outs[2:])
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_lora_hot_swap_on_an_inductor_compiled_model_never_recompiles(
+        model_cache: object, tmp_path: object, mode: str) -> None:
+    """The CPU test (test_lora_compiled.py) proves it with the eager backend; this is inductor's
+    kernels and, with reduce-overhead, CUDA graphs, whose captured weights must be the slots that
+    a swap writes into in place."""
+    from pathlib import Path
+
+    from lorakit import build_lora
+
+    from diffusiond.pipelines import load_pipeline
+    from diffusiond.pipelines.compile import CompiledPipeline, compilations
+    from diffusiond.pipelines.loras import Adapters, HotSwapAdapters, adapters_for
+
+    root = Path(str(tmp_path))
+    files = {"a": build_lora(root / "a", seed=11, rank=4, text_encoder=False),
+             "b": build_lora(root / "b", seed=12, rank=2, text_encoder=False)}
+    a, b = (m.LoraRef("a", 1.0),), (m.LoraRef("b", 0.7),)
+    both = (m.LoraRef("a", 0.5), m.LoraRef("b", 1.0))
+    reqs = [m.RequestSpec(request_id=str(i), prompt="a red fox", seed=i) for i in range(2)]
+
+    def run(pipe: object) -> np.ndarray:
+        with torch.inference_mode():
+            out = torch.stack(pipe.run(TINY, reqs, lambda _s, _t: True))  # type: ignore[attr-defined]
+        return out.float().mul(255).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+
+    eager = load_pipeline("tiny", device="cuda:0", dtype="float32")
+    reference = adapters_for(eager, {}, 2)
+    assert type(reference) is Adapters
+    for name, path in files.items():
+        assert reference.register(name, str(path)) == ""
+    want = {}
+    for loras in ((), a, b, both):
+        reference.activate(loras)
+        want[loras] = run(eager)
+
+    pipe = CompiledPipeline(load_pipeline("tiny", device="cuda:0", dtype="float32"), mode)
+    adapters = adapters_for(pipe, {}, 2, target_rank=4)
+    assert isinstance(adapters, HotSwapAdapters)
+    for name, path in files.items():
+        assert adapters.register(name, str(path)) == ""
+    run(pipe)
+    run(pipe)  # compiled on the first run; with reduce-overhead, graphs recorded by the second
+    warm = compilations()
+    seen: dict[tuple[m.LoraRef, ...], np.ndarray] = {}
+    for loras in (a, b, (), a, both, b, ()):
+        adapters.activate(loras)
+        got = run(pipe)
+        diff = np.abs(got.astype(np.int16) - want[loras].astype(np.int16))
+        assert diff.max() <= COMPILE_TOLERANCE_LEVELS and diff.mean() <= COMPILE_TOLERANCE_MEAN, \
+            f"{mode} {loras}: max {diff.max()}, mean {diff.mean():.4f}"
+        if loras in seen:
+            assert np.array_equal(seen[loras], got), f"{mode} {loras}: not the same bytes as its first run"
+        seen[loras] = got
+    assert not np.array_equal(seen[a], seen[()]) and not np.array_equal(seen[a], seen[b])
+    assert compilations() == warm, f"{mode}: a switch recompiled ({warm} -> {compilations()})"

@@ -5,6 +5,9 @@ hand-written server, side by side in one run on the same model.
   synchronize at the end: the ceiling for that model, size and batch.
 - ``async``: the daemon as shipped, over its Unix socket, driven by concurrent clients that
   create jobs, follow their events and download every output.
+- ``async-memory``: the same daemon with ``--no-persist`` (jobs in memory only), run in the same
+  rounds as ``async`` to price the state dir (the database write before each 202, the output
+  files).
 - ``sync``: the same daemon with ``--output-mode sync`` (copy and pack before the next forward).
 - ``naive``: the server people write by hand (``bench/naive.py``): one aiohttp handler that calls
   the pipeline under a lock with PIL output and encodes the PNG inline. Labelled as the baseline.

@@ -38,19 +38,21 @@ from diffusiond.protocol import COMPILE_MODES, FORMATS, OUTPUT_DTYPES
 # and every client command builds the whole parser. The pipeline's modules are imported where a
 # run needs them.
 
-MODES = ("limit", "limit-compiled", "async", "sync", "naive")
+MODES = ("limit", "limit-compiled", "async", "async-memory", "sync", "naive")
 DEFAULT_MODES = "limit,async,sync,naive"
 COMPILED_MODES = "limit,limit-compiled,async"  # the default with --compile
-DAEMON_MODES = ("async", "sync")
+DAEMON_MODES = ("async", "async-memory", "sync")
+# the daemon mode with --no-persist, run in the same rounds as the persisted one to price the state dir
+MEMORY_SUFFIX = "-memory"
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench", help="measure the daemon against the forward-only limit and baselines",
         description="Runs the modes on one model and prints one table: limit (the pipeline in a loop in this "
-                    "process, outputs left on the device), async (the daemon as shipped), sync (the daemon with "
-                    "--output-mode sync) and naive (a hand-written server, the baseline). Figures and how to "
-                    "read them: docs/benchmarks.md.")
+                    "process, outputs left on the device), async (the daemon as shipped), async-memory (the same "
+                    "with --no-persist), sync (the daemon with --output-mode sync) and naive (a hand-written "
+                    "server, the baseline). Figures and how to read them: docs/benchmarks.md.")
     p.add_argument("--model", default="tiny", metavar="SPEC", help="as serve --model (default: tiny)")
     p.add_argument("--device", default=None, help="default: cuda:0 if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
@@ -275,13 +277,15 @@ def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
         for mode in modes:
             sock, log = Path(tmp) / f"{mode}.sock", Path(tmp) / f"{mode}.log"
             argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--model", s.model,
-                    "--device", s.device, "--dtype", s.dtype, "--max-batch", str(s.batch), "--output-mode", mode,
+                    "--device", s.device, "--dtype", s.dtype, "--max-batch", str(s.batch),
+                    "--output-mode", mode.removesuffix(MEMORY_SUFFIX),
                     "--arena-mb", str(s.arena_mb), "--batch-wait-ms", str(s.batch_wait_ms),
                     "--queue-size", str(max(256, s.requests * 2)), "--log-level", "warning"]
             if s.trace:
                 argv.append("--trace")
             # each daemon its own state dir: two daemons on one refuse to start
-            argv += ["--state-dir", str(Path(tmp) / f"{mode}.state")] if s.persist else ["--no-persist"]
+            persist = s.persist and not mode.endswith(MEMORY_SUFFIX)
+            argv += ["--state-dir", str(Path(tmp) / f"{mode}.state")] if persist else ["--no-persist"]
             if s.compile:  # the measured shape compiled before ready, as a deployment would
                 argv += ["--compile", s.compile, "--warmup", f"{s.width}x{s.height}:{s.batch}"]
             started.append((stack.enter_context(_process(argv, log)), sock, log))
