@@ -11,6 +11,10 @@ the same cycle; the median over cycles is the figure, and the mean ratio the thr
 
     python scripts/bench_preview_ab.py --model random:sdxl --size 1024x1024 --steps 20 --cycles 16
 
+Forward times on a shared H200 varied by ±15 % from one forward to the next (2026-12-01), so the
+pairs only cancel slow drift; the spread of the ratios says how many cycles a figure needs.
+``--budget-s`` ends the run in time with the cycles completed so far.
+
 Prints one Markdown table, and the raw per-request rows with ``--json``.
 """
 
@@ -58,7 +62,8 @@ async def one(session: aiohttp.ClientSession, s: Setup, seed: int) -> dict[str, 
     raise BenchError(f"job {job['id']}: its event stream ended without a terminal event")
 
 
-async def drive(sock: Path, s: Setup, arms: list[int], cycles: int, concurrency: int) -> list[dict[str, Any]]:
+async def drive(sock: Path, s: Setup, arms: list[int], cycles: int, concurrency: int,
+                budget_s: float) -> list[dict[str, Any]]:
     # cycle k runs the arms rotated by k, so no variant always follows the same one
     order = [(k, arms[(i + k) % len(arms)]) for k in range(cycles) for i in range(len(arms))]
     rows: list[dict[str, Any]] = []
@@ -69,9 +74,12 @@ async def drive(sock: Path, s: Setup, arms: list[int], cycles: int, concurrency:
             await one(session, replace(s, preview_every=every), 10_000 + every)
         todo = iter(enumerate(order))
         seeds = itertools.count()
+        stop_at = time.monotonic() + budget_s
 
         async def client() -> None:
             for index, (cycle, every) in todo:
+                if time.monotonic() > stop_at:  # out of time: what ran so far is the result
+                    return
                 final = await one(session, replace(s, preview_every=every), next(seeds))
                 rows.append({"index": index, "cycle": cycle, "every": every,
                              "batch": final["outputs"][0]["batch"], "compute_ms": final["timings_ms"]["compute"]})
@@ -90,6 +98,7 @@ def summarize(rows: list[dict[str, Any]], arms: list[int]) -> list[dict[str, Any
     by_cycle: dict[int, dict[int, float]] = {}
     for r in rows:
         by_cycle.setdefault(r["cycle"], {})[r["every"]] = r[key]
+    by_cycle = {k: c for k, c in by_cycle.items() if len(c) == len(arms)}  # a cycle cut short by the budget
     out = []
     for every in arms:
         times = [c[every] for c in by_cycle.values() if every in c]
@@ -121,6 +130,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--arms", default="0,1,5", help="preview every N steps, 0 = none (must include 0)")
     p.add_argument("--cycles", type=int, default=16)
+    p.add_argument("--budget-s", type=float, default=float("inf"),
+                   help="start no request after this many seconds of measuring; complete cycles are the result")
     p.add_argument("--concurrency", type=int, default=2, help="2 keeps the worker busy without a deep queue")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -135,7 +146,7 @@ def main() -> int:
     t0 = time.monotonic()
     with _daemons(s, ["async"]) as socks:
         print(f"daemon ready after {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        rows = asyncio.run(drive(socks["async"], s, arms, args.cycles, args.concurrency))
+        rows = asyncio.run(drive(socks["async"], s, arms, args.cycles, args.concurrency, args.budget_s))
     summary = summarize(rows, arms)
     print(json.dumps({"setup": vars(args), "summary": summary, "rows": rows}, indent=1) if args.json
           else table(summary))

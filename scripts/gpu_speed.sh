@@ -68,7 +68,7 @@ for step in "$@"; do
         --requests 32 --concurrency 4 --modes async,async-memory --rounds ${ROUNDS:-4} ;;
     previews-ab)
       timeout ${AB_S:-260} python3 scripts/bench_preview_ab.py --model random:sdxl --size 1024x1024 --steps 20 \
-        --cycles ${CYCLES:-16} --json > "$out/previews-ab.json" 2> "$out/previews-ab.log"
+        --cycles ${CYCLES:-16} --budget-s $(( ${AB_S:-260} - 60 )) --json > "$out/previews-ab.json" 2> "$out/previews-ab.log"
       echo "=== previews-ab rc=$?" >> "$out/tables.md"
       python3 -c "import json,sys; sys.path.insert(0, 'scripts'); from bench_preview_ab import table; \
 print(table(json.load(open(sys.argv[1]))['summary']))" "$out/previews-ab.json" >> "$out/tables.md" 2>&1 ;;

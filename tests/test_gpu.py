@@ -203,3 +203,27 @@ def test_gpu_lora_hot_swap_on_an_inductor_compiled_model_never_recompiles(
         seen[loras] = got
     assert not np.array_equal(seen[a], seen[()]) and not np.array_equal(seen[a], seen[b])
     assert compilations() == warm, f"{mode}: a switch recompiled ({warm} -> {compilations()})"
+
+
+@pytest.mark.parametrize("indices", [[0], [1, 2], [0, 2]])
+def test_gpu_a_preview_never_synchronizes_the_device(indices: list[int]) -> None:
+    """The forward's host thread runs ahead of the GPU; a preview that waited for the GPU would
+    stall it at every step it is drawn on (docs/benchmarks.md, previews)."""
+    from diffusiond.pipelines.previews import LinearPreviewer
+
+    class Sdxl:  # what family_of and the factors need of a pipeline
+        pass
+
+    previewer = LinearPreviewer(Sdxl(), "sdxl")
+    latents = torch.randn(3, 4, 128, 128, device="cuda:0", dtype=torch.float16)
+    params = m.BatchParams(width=1024, height=1024, steps=20, guidance=5.0)
+    previewer(latents, indices, params, [256] * len(indices))  # first call moves the factors
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pictures = previewer(latents, indices, params, [256] * len(indices))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [tuple(p.shape) for p in pictures] == [(3, 256, 256)] * len(indices)
+    want = previewer(latents[indices], list(range(len(indices))), params, [256] * len(indices))
+    assert all(torch.equal(p, w) for p, w in zip(pictures, want, strict=True))
