@@ -326,3 +326,29 @@ async def test_no_input_buffer_outlives_its_job(sock: Path, edits_daemon: Daemon
     assert edits_daemon.proc is not None
     for pid in (edits_daemon.proc.pid, *edits_daemon.worker_pids()):
         assert held(pid) == [], pid
+
+
+async def test_a_multipart_edit_takes_preview_as_the_openai_client_flattens_it_or_as_json(sock: Path) -> None:
+    """The official client sends extra_body's objects in a form as preview[every]=2 and so on;
+    curl users write JSON text. Either way the job asks for previews, as a JSON edit would."""
+    image = png_bytes(blocky(3))
+    common = {"num_inference_steps": 4, "strength": 0.9}
+
+    async def newest_preview(s: aiohttp.ClientSession, prompt: str) -> Any:
+        async with s.get("/v1/jobs", params={"limit": "20"}) as r:
+            jobs = [j for j in (await r.json())["data"] if j["request"]["prompt"] == prompt]
+        return jobs[0]["request"]["preview"]
+
+    result = await asyncio.to_thread(openai_edit, sock, image, **common, preview={"every": 2, "max_side": 32})
+    assert result.data[0].b64_json
+    async with http(sock) as s:
+        assert await newest_preview(s, "a red barn") == {"every": 2, "format": "jpeg", "max_side": 32}
+        fields = {"prompt": "a blue barn", "model": "tiny", "size": f"{SIZE}x{SIZE}",
+                  **{k: str(v) for k, v in common.items()}}
+        status, body = await post_form(s, {**fields, "preview": '{"every": 3, "format": "png"}'}, {"image": image})
+        assert status == 200, body
+        assert await newest_preview(s, "a blue barn") == {"every": 3, "format": "png", "max_side": 256}
+        for bad, field in (({"preview[every]": "0"}, "preview.every"), ({"preview": "{"}, "preview"),
+                           ({"preview[colour]": "red"}, "preview")):
+            status, body = await post_form(s, {**fields, **bad}, {"image": image})
+            assert (status, body["error"]["field"]) == (400, field), (bad, body)

@@ -122,6 +122,7 @@ class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
     scheduler: str | None = None
     strength: float | None = None
     loras: list[LoraBody] | None = None  # see ``form_loras`` for the spellings a form can use
+    preview: PreviewBody | None = None  # ``preview[every]`` etc., as the openai client flattens it, or JSON text
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     background: Any = None
     input_fidelity: Any = None
@@ -440,9 +441,24 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     other field given twice is refused rather than silently taking one of the two values."""
     fields: dict[str, Any] = {}
     lora_parts: list[tuple[str, str]] = []
+    preview: dict[str, Any] = {}
     for name, value in pairs:
         if name == "loras" or name.startswith("loras["):
             lora_parts.append((name, value))
+        elif name.startswith("preview["):  # preview[every]=5: the openai client's flattening of an object
+            key = name.removeprefix("preview[").removesuffix("]")
+            if key in preview or "preview" in fields:
+                raise invalid(f"field {name!r} is given twice; send it once", field="preview")
+            preview[key] = value
+        elif name == "preview":
+            if preview or "preview" in fields:
+                raise invalid("field 'preview' is given twice; send it once", field="preview")
+            try:
+                fields["preview"] = msgspec.json.decode(value)
+            except msgspec.DecodeError:
+                raise invalid(f'preview is not valid JSON: {value[:80]!r}; send {{"every": 5}} '
+                              "or the fields preview[every], preview[format], preview[max_side]",
+                              field="preview") from None
         elif name.startswith("svg["):  # OpenAI's nested options arrive flattened: as ignored as svg itself
             continue
         elif name in fields:
@@ -451,6 +467,8 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
             fields[name] = value
     if lora_parts:
         fields["loras"] = form_loras(lora_parts)
+    if preview:
+        fields["preview"] = preview
     try:
         form = msgspec.convert(fields, EditsForm, strict=False)
     except msgspec.ValidationError as exc:
