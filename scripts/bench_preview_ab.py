@@ -34,32 +34,10 @@ from typing import Any
 import aiohttp
 
 from diffusiond.bench.limit import PROMPT
-from diffusiond.bench.load import BenchError, _body
+from diffusiond.bench.load import run_job
 from diffusiond.bench.report import Setup
 from diffusiond.bench.runner import _daemons
 from diffusiond.bench.trace import intervals
-from diffusiond.client import SSEParser
-from diffusiond.protocol import TERMINAL_EVENTS
-
-
-async def one(session: aiohttp.ClientSession, s: Setup, seed: int) -> dict[str, Any]:
-    async with session.post("/v1/jobs", json=_body(s, PROMPT, seed)) as r:
-        job = await r.json()
-        if r.status != 202:
-            raise BenchError(f"the daemon refused a job ({r.status}): {job}")
-    async with session.get(f"/v1/jobs/{job['id']}/events") as r:
-        parser = SSEParser()
-        async for chunk in r.content.iter_any():
-            for name, data in parser.feed(chunk):
-                if name in TERMINAL_EVENTS:
-                    final: dict[str, Any] = json.loads(data)
-                    if final["status"] != "succeeded":
-                        raise BenchError(f"a job did not succeed: {final}")
-                    for out in final["outputs"]:
-                        async with session.get(out["url"]) as o:
-                            await o.read()
-                    return final
-    raise BenchError(f"job {job['id']}: its event stream ended without a terminal event")
 
 
 async def drive(sock: Path, s: Setup, arms: list[int], cycles: int, concurrency: int,
@@ -71,7 +49,7 @@ async def drive(sock: Path, s: Setup, arms: list[int], cycles: int, concurrency:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
     async with aiohttp.ClientSession(connector=conn, base_url="http://diffusiond", timeout=timeout) as session:
         for every in arms:  # warm-up: first forwards, allocator growth, the preview encoder's pool
-            await one(session, replace(s, preview_every=every), 10_000 + every)
+            await run_job(session, replace(s, preview_every=every), PROMPT, 10_000 + every)
         todo = iter(enumerate(order))
         seeds = itertools.count()
         stop_at = time.monotonic() + budget_s
@@ -80,7 +58,7 @@ async def drive(sock: Path, s: Setup, arms: list[int], cycles: int, concurrency:
             for index, (cycle, every) in todo:
                 if time.monotonic() > stop_at:  # out of time: what ran so far is the result
                     return
-                final = await one(session, replace(s, preview_every=every), next(seeds))
+                final, _ = await run_job(session, replace(s, preview_every=every), PROMPT, next(seeds))
                 rows.append({"index": index, "cycle": cycle, "every": every,
                              "batch": final["outputs"][0]["batch"], "compute_ms": final["timings_ms"]["compute"]})
 

@@ -141,7 +141,7 @@ async def sse(session: aiohttp.ClientSession, job_id: str) -> list[tuple[str, di
     """All events of a job's stream until done/error."""
     events: list[tuple[str, dict[str, Any]]] = []
     async with session.get(f"/v1/jobs/{job_id}/events") as resp:
-        assert resp.status == 200
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         name = None
         async for raw in resp.content:
             line = raw.decode().rstrip("\n")

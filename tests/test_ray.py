@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -32,7 +31,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'diff
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'diffusiond[ray]')")
 
 import aiohttp  # noqa: E402
-from daemonkit import http, until  # noqa: E402
+from daemonkit import http, sse, until  # noqa: E402
 
 from conftest import ROOT, shm_entries  # noqa: E402
 from diffusiond.ray import build  # noqa: E402
@@ -210,18 +209,7 @@ async def test_a_jobs_events_output_and_cancel_reach_the_replica_that_holds_it(c
             assert r.status == 202, job
             assert r.headers["Location"] == f"/v1/jobs/{job['id']}"
         assert replica_of(job["id"]) in daemons()
-        events = []
-        async with s.get(f"/v1/jobs/{job['id']}/events") as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            name = None
-            async for raw in r.content:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: ") and name:
-                    events.append((name, json.loads(line[6:])))
-                    if name in ("done", "error"):
-                        break
+        events = await sse(s, job["id"])
         assert events[-1][0] == "done", events[-1]
         final = events[-1][1]
         assert final["id"] == job["id"] and final["status"] == "succeeded"

@@ -143,30 +143,37 @@ async def _run(sock: Path, s: Any, one: Callable[[aiohttp.ClientSession, int], A
         return result
 
 
+async def run_job(session: aiohttp.ClientSession, s: Any, prompt: str, seed: int) -> tuple[dict[str, Any], int]:
+    """One job as a client runs it: create it, follow its events to the end, download every
+    output. Returns the terminal event's job and the bytes received."""
+    async with session.post("/v1/jobs", json=_body(s, prompt, seed)) as r:
+        job = await r.json()
+        if r.status != 202:
+            raise BenchError(f"the daemon refused a job ({r.status}): {job}")
+    final = None
+    async with session.get(f"/v1/jobs/{job['id']}/events") as r:
+        parser = SSEParser()
+        async for chunk in r.content.iter_any():
+            for name, data in parser.feed(chunk):
+                if name in TERMINAL_EVENTS:
+                    final = json.loads(data)
+                    break
+            if final is not None:
+                break
+    if final is None or final["status"] != JobStatus.SUCCEEDED:
+        raise BenchError(f"a job did not succeed: {final}")
+    received = 0
+    for out in final["outputs"]:
+        async with session.get(out["url"]) as r:
+            async for chunk in r.content.iter_chunked(1 << 20):
+                received += len(chunk)
+    return final, received
+
+
 async def drive_daemon(sock: Path, s: Any, prompt: str) -> LoadResult:
     async def one(session: aiohttp.ClientSession, seed: int) -> Done:
         t0 = time.perf_counter()
-        async with session.post("/v1/jobs", json=_body(s, prompt, seed)) as r:
-            job = await r.json()
-            if r.status != 202:
-                raise BenchError(f"the daemon refused a job ({r.status}): {job}")
-        final = None
-        async with session.get(f"/v1/jobs/{job['id']}/events") as r:
-            parser = SSEParser()
-            async for chunk in r.content.iter_any():
-                for name, data in parser.feed(chunk):
-                    if name in TERMINAL_EVENTS:
-                        final = json.loads(data)
-                        break
-                if final is not None:
-                    break
-        if final is None or final["status"] != JobStatus.SUCCEEDED:
-            raise BenchError(f"a job did not succeed: {final}")
-        received = 0
-        for out in final["outputs"]:
-            async with session.get(out["url"]) as r:
-                async for chunk in r.content.iter_chunked(1 << 20):
-                    received += len(chunk)
+        final, received = await run_job(session, s, prompt, seed)
         batch = final["outputs"][0].get("batch") if final["outputs"] else None
         return Done(t0, time.perf_counter(), received, final["timings_ms"], batch)
 
