@@ -10,6 +10,7 @@
 #   flux                               random:flux-dev 1024², 28 steps, bf16, regional compile against eager
 #   persist                            the daemon with its state dir against --no-persist, same rounds
 #   previews-ab                        previews' cost, interleaved request by request (bench_preview_ab.py)
+#   ray                                one Ray Serve replica against its own daemon's socket (bench_ray.py)
 set -uo pipefail
 out=${OUT:-speed-out}
 mkdir -p "$out"
@@ -72,5 +73,9 @@ for step in "$@"; do
       echo "=== previews-ab rc=$?" >> "$out/tables.md"
       python3 -c "import json,sys; sys.path.insert(0, 'scripts'); from bench_preview_ab import table; \
 print(table(json.load(open(sys.argv[1]))['summary']))" "$out/previews-ab.json" >> "$out/tables.md" 2>&1 ;;
+    ray)
+      timeout ${RAY_S:-280} python3 scripts/bench_ray.py --model random:sd15 --size 512x512 --steps 20 --gpus 1 \
+        --requests ${RAY_N:-20} --concurrency 4 --rounds 3 --json "$out/ray.json" > "$out/ray.txt" 2>&1
+      echo "=== ray rc=$?" >> "$out/tables.md"; grep -E "p50|req/s|throughput" "$out/ray.txt" >> "$out/tables.md" ;;
   esac
 done
