@@ -76,6 +76,8 @@ print(table(json.load(open(sys.argv[1]))['summary']))" "$out/previews-ab.json" >
     ray)
       timeout ${RAY_S:-280} python3 scripts/bench_ray.py --model random:sd15 --size 512x512 --steps 20 --gpus 1 \
         --requests ${RAY_N:-20} --concurrency 4 --rounds 3 --json "$out/ray.json" > "$out/ray.txt" 2>&1
-      echo "=== ray rc=$?" >> "$out/tables.md"; grep -E "p50|req/s|throughput" "$out/ray.txt" >> "$out/tables.md" ;;
+      echo "=== ray rc=$?" >> "$out/tables.md"
+      pkill -9 -f 'raylet|gcs_server|ray::|diffusiond-ray' 2>/dev/null  # what a timed-out run leaves holding the GPU
+      grep -E "p50|req/s|throughput" "$out/ray.txt" >> "$out/tables.md" ;;
   esac
 done
