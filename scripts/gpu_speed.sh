@@ -8,7 +8,7 @@
 #   curve512 curve1024                 throughput and p50/p99 per --max-batch x client concurrency, eager
 #   b8compiled                         --max-batch 8 with --compile reduce-overhead at concurrency 8 and 16
 #   flux                               random:flux-dev 1024², 28 steps, bf16, regional compile against eager
-#   persist                            the daemon with its state dir against --no-persist, same rounds
+#   persist                            the daemon with its state dir against --no-persist, same rounds (TRACE=1: --trace)
 #   previews-ab                        previews' cost, interleaved request by request (bench_preview_ab.py)
 #   ray                                one Ray Serve replica against its own daemon's socket (bench_ray.py)
 set -uo pipefail
@@ -66,7 +66,7 @@ for step in "$@"; do
         --rounds 1 ;;
     persist)
       bench sd15-512-persist ${PERSIST_S:-150} --model random:sd15 --size 512x512 --steps 4 --format png \
-        --requests 32 --concurrency 4 --modes async,async-memory --rounds ${ROUNDS:-4} ;;
+        --requests 32 --concurrency 4 --modes async,async-memory --rounds ${ROUNDS:-4} ${TRACE:+--trace} ;;
     previews-ab)
       timeout ${AB_S:-260} python3 scripts/bench_preview_ab.py --model random:sdxl --size 1024x1024 --steps 20 \
         --cycles ${CYCLES:-16} --budget-s $(( ${AB_S:-260} - 60 )) --json > "$out/previews-ab.json" 2> "$out/previews-ab.log"
