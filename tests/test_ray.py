@@ -17,6 +17,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,27 @@ async def test_32_concurrent_requests_through_the_proxy_all_succeed_and_both_rep
         assert base64.b64decode(body["data"][0]["b64_json"]).startswith(PNG)
     served = {replica_of(b["job_id"]) for _, b in answers}
     assert served == set(daemons()), "every answer names one of the two running replicas, and both served some"
+
+
+async def test_a_burst_of_batchable_jobs_spreads_over_both_replicas(cluster) -> None:
+    """Jobs answer 202 at once, so Serve's count of calls in flight never sees them queue: the
+    router weighs replicas by what their daemons hold, and batch affinity lets go at 4."""
+    running = daemons()
+    ids: list[str] = []
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        try:
+            for i in range(12):  # one after another: each has its 202 before the next is sent
+                body = {**JOB, "steps": LONG_STEPS, "prompt": f"a burst {i}", "seed": i}
+                async with s.post("/v1/jobs", json=body) as r:
+                    job = await r.json()
+                    assert r.status == 202, job
+                    ids.append(job["id"])
+            by_replica = Counter(replica_of(j) for j in ids)
+            assert set(by_replica) == set(running), f"the 12 jobs went {dict(by_replica)}"
+        finally:
+            for j in ids:
+                async with s.delete(f"/v1/jobs/{j}") as r:
+                    await r.read()
 
 
 async def test_a_jobs_events_output_and_cancel_reach_the_replica_that_holds_it(cluster) -> None:

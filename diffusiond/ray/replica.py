@@ -70,6 +70,13 @@ def encode_error(status: int, code: ErrorCode, message: str) -> list[bytes]:
     return [msgspec.msgpack.encode(head), json.dumps(ids.error_body(code, message)).encode()]
 
 
+def daemon_load(health: dict[str, Any]) -> int:
+    """Jobs a daemon holds, queued plus running, from its ``/health``: what routing and
+    autoscaling weigh replicas by (Serve's own count is of calls in flight, and a job submitted
+    through ``POST /v1/jobs`` stops being one at its 202)."""
+    return int(health.get("queue_depth", 0)) + int((health.get("jobs") or {}).get("running", 0))
+
+
 def remove_stale_dirs(tmp: Path) -> None:
     """Remove the private directories (socket, daemon log) of replicas on this node whose daemon
     is gone. A replica stopped by Serve removes its own in ``__del__``; one whose process was
@@ -127,6 +134,7 @@ class DaemonReplica:
         (self.dir / "daemon.pid").write_text(str(self.proc.pid))
         log.info("replica %s: daemon pid %d on %s (GPUs %s)", self.replica, self.proc.pid, self.socket, gpus or "none")
         self._session: aiohttp.ClientSession | None = None
+        self._stats_seq = 0
         self._wait_ready(start_timeout_s)
 
     # the daemon -------------------------------------------------------------------------------
@@ -189,19 +197,19 @@ class DaemonReplica:
             raise RuntimeError(f"replica {self.replica}: its diffusiond daemon does not answer /health")
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What the router reads: a sleeping or draining daemon takes no new work."""
+        """What the router reads: whether the daemon takes new work (not sleeping or draining) and
+        its load, numbered so that the router knows which of its own sends a report already counts."""
+        self._stats_seq += 1
         h = None if self._gone_reason() else await self._health()
         if h is None:
-            return {"accepting": False, "queue_depth": 0}
-        return {"accepting": bool(h.get("accepting")) and not h.get("sleeping"), "queue_depth": h.get("queue_depth", 0)}
+            return {"accepting": False, "load": 0, "seq": self._stats_seq}
+        return {"accepting": bool(h.get("accepting")) and not h.get("sleeping"), "load": daemon_load(h),
+                "seq": self._stats_seq}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """The daemon's own load for the autoscaling policy: jobs waiting plus jobs running."""
+        """The daemon's own load for the autoscaling policy."""
         h = None if self._gone_reason() else await self._health()
-        if h is None:
-            return {"daemon_load": 0.0}
-        running = float((h.get("jobs") or {}).get("running", 0))
-        return {"daemon_load": float(h.get("queue_depth", 0)) + running}
+        return {"daemon_load": 0.0 if h is None else float(daemon_load(h))}
 
     def __del__(self) -> None:
         """Serve's graceful stop (and the collector's, a no-op by then): SIGTERM, wait, clean up."""

@@ -9,10 +9,15 @@ names and to no other (it waits for a free slot there rather than spill). When t
 not among the running ones any more it is gone for good (Serve never reuses a replica id): the
 request then goes to any replica, which answers 410 naming the replica that held the job.
 
-New work goes by load: replicas whose daemon reports sleeping or draining (``accepting`` in
-``record_routing_stats``) are left out, requests that can share a forward pass go to the replica
-that took the last such request while its queue is shorter than ``batch_affinity``, and
-otherwise Serve's queue-length probing picks the least loaded of all replicas (bounded by
+New work goes by load, and load is the jobs a daemon holds, not Serve's count of calls in flight:
+a job submitted through ``POST /v1/jobs`` stops being a call at its 202 and goes on queueing in
+the daemon. Each replica reports its daemon's queued plus running jobs every couple of seconds
+(``record_routing_stats``, numbered); the router adds what it sent the replica since the report
+it last saw, and takes Serve's in-flight count instead when that is higher (synchronous calls a
+report has not caught up with yet). Replicas whose daemon reports sleeping or draining
+(``accepting``) are left out; requests that can share a forward pass go to the replica that took
+the last such request while its load is under ``batch_affinity``; otherwise the least loaded
+replicas come first, and Serve picks among them by its queue-length probing (bounded by
 ``max_ongoing_requests``).
 """
 
@@ -29,6 +34,20 @@ class JobRouter(RequestRouter):
     def initialize_state(self, batch_affinity: int = 4, **kwargs: Any) -> None:
         self.batch_affinity = batch_affinity
         self.last_for_key: dict[str, str] = {}
+        # replica -> (the number of its last report seen, requests sent to it since that report)
+        self.sent: dict[str, tuple[int, int]] = {}
+        self.seen: dict[str, int] = {}
+
+    def load(self, replica: RunningReplica) -> int:
+        """The jobs ``replica``'s daemon holds, as far as this router can tell."""
+        rid = replica.replica_id.unique_id
+        stats = replica.routing_stats
+        seq = int(stats.get("seq", -1))
+        self.seen[rid] = seq
+        since_seq, sent = self.sent.get(rid, (seq, 0))
+        reported = int(stats.get("load", 0)) + (sent if since_seq == seq else 0)
+        in_flight = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return max(reported, in_flight)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -41,22 +60,31 @@ class JobRouter(RequestRouter):
         accepting = [r for r in candidate_replicas if r.routing_stats.get("accepting", True)]
         if not accepting:  # every daemon is asleep or draining: one of them answers 503 with its reason
             return [candidate_replicas]
+        if len(self.sent) > 2 * len(candidate_replicas) + 8:  # replicas long gone
+            live = {r.replica_id.unique_id for r in candidate_replicas}
+            self.sent = {k: v for k, v in self.sent.items() if k in live}
+        loads = {r.replica_id.unique_id: self.load(r) for r in accepting}
         key = kwargs.get("batch_key")
         if key is not None:
             preferred = self.last_for_key.get(key)
             for r in accepting:
-                if r.replica_id.unique_id == preferred:
-                    queued = self.replica_queue_len_cache.get(r.replica_id)
-                    if queued is not None and queued < self.batch_affinity:
-                        return [[r], accepting]
-        return [accepting]
+                if r.replica_id.unique_id == preferred and loads[preferred] < self.batch_affinity:
+                    return [[r], accepting]
+        least = min(loads.values())
+        return [[r for r in accepting if loads[r.replica_id.unique_id] == least], accepting]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        if pending_request.kwargs.get("replica") is not None:
+            return  # about a job the replica holds already: no new load
+        rid = replica_id.unique_id
+        seq = self.seen.get(rid, -1)
+        since_seq, sent = self.sent.get(rid, (seq, 0))
+        self.sent[rid] = (seq, sent + 1 if since_seq == seq else 1)
         key = pending_request.kwargs.get("batch_key")
         if key is not None:
             if len(self.last_for_key) > 1024:
                 self.last_for_key.clear()
-            self.last_for_key[key] = replica_id.unique_id
+            self.last_for_key[key] = rid
 
 
 def queue_policy(ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
