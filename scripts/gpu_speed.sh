@@ -11,6 +11,7 @@
 #   persist                            the daemon with its state dir against --no-persist, same rounds (TRACE=1: --trace)
 #   previews-ab                        previews' cost, interleaved request by request (bench_preview_ab.py)
 #   ray                                one Ray Serve replica against its own daemon's socket (bench_ray.py)
+#   profile-previews                   kernel traces of forwards with and without previews, summarised
 set -uo pipefail
 out=${OUT:-speed-out}
 mkdir -p "$out"
@@ -73,6 +74,14 @@ for step in "$@"; do
       echo "=== previews-ab rc=$?" >> "$out/tables.md"
       python3 -c "import json,sys; sys.path.insert(0, 'scripts'); from bench_preview_ab import table; \
 print(table(json.load(open(sys.argv[1]))['summary']))" "$out/previews-ab.json" >> "$out/tables.md" 2>&1 ;;
+    profile-previews)
+      DIFFUSIOND_TORCH_PROFILE=$out/prof:3:${PROF_N:-12} timeout ${PROF_S:-200} python3 scripts/bench_preview_ab.py \
+        --model random:sdxl --size 1024x1024 --steps 20 --cycles ${PROF_CYCLES:-5} --budget-s $(( ${PROF_S:-200} - 40 )) \
+        --json > "$out/profile-ab.json" 2> "$out/profile-ab.log"
+      echo "=== profile-previews rc=$?" >> "$out/tables.md"
+      python3 scripts/profile_summary.py "$out/prof" >> "$out/tables.md" 2>&1
+      for p in p0 p1 p5; do ls "$out"/prof/*-$p.json.gz 2>/dev/null | head -1 | xargs -r -I{} mv {} "$out/"; done
+      rm -rf "$out/prof" ;;  # megabytes a trace: one per arm comes back, and the summary
     ray)
       timeout ${RAY_S:-280} python3 scripts/bench_ray.py --model random:sd15 --size 512x512 --steps 20 --gpus 1 \
         --requests ${RAY_N:-20} --concurrency 4 --rounds 3 --json "$out/ray.json" > "$out/ray.txt" 2>&1

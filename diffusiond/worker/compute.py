@@ -42,6 +42,7 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
+from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob, PreviewJob
 from diffusiond.worker.state import SharedState
 
@@ -110,6 +111,7 @@ class ComputeThread:
         self.warmup = list(warmup)
         self.on_ready = on_ready
         self.cuda = pipeline.device.type == "cuda"
+        self.profiler = profile.from_env()
         self.queue: queue.Queue[Execute | Edit | Control | AddLora] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
 
@@ -217,8 +219,11 @@ class ComputeThread:
         t0 = time.perf_counter()
         try:
             self.activate_loras(batch.params.loras)
-            with torch.inference_mode():  # no autograd bookkeeping: less host time per kernel launch
-                sink = on_preview if any(r.preview_every for r in live) else None
+            every = min((r.preview_every for r in live if r.preview_every), default=0)
+            profiled = self.profiler.forward(batch.batch_id, every) if self.profiler else contextlib.nullcontext()
+            # inference_mode: no autograd bookkeeping, so less host time per kernel launch
+            with torch.inference_mode(), profiled:
+                sink = on_preview if every else None
                 if batch.params.edit is None:
                     outputs = self.pipeline.run(batch.params, live, on_step, sink)
                 elif isinstance(self.pipeline, EditingPipeline):
