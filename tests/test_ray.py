@@ -36,6 +36,7 @@ from daemonkit import http, sse, until  # noqa: E402
 
 from conftest import ROOT, shm_entries  # noqa: E402
 from diffusiond.ray import build  # noqa: E402
+from diffusiond.ray.app import ROUTING_STATS_PERIOD_S  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 DAEMON_SOCKET = re.compile(r"diffusiond-ray-([A-Za-z0-9]+)-[^/]*/d\.sock")
@@ -154,6 +155,16 @@ async def unfinished(running: dict[str, int], prompt: str) -> dict[str, int]:
     return held
 
 
+async def idle(running: dict[str, int]) -> bool:
+    """No daemon holds a job, queued or running (asked of each on its own socket)."""
+    for pid in running.values():
+        async with http(Path(daemon_socket(pid))) as d, d.get("/health") as r:
+            h = await r.json()
+        if h["queue_depth"] or h["jobs"].get("running", 0):
+            return False
+    return True
+
+
 Load = list[asyncio.Task[tuple[int, dict[str, Any]]]]
 
 
@@ -207,11 +218,17 @@ async def test_a_burst_of_batchable_jobs_spreads_over_both_replicas(cluster) -> 
     """Jobs answer 202 at once, so Serve's count of calls in flight never sees them queue: the
     router weighs replicas by what their daemons hold, and batch affinity lets go at 4."""
     running = daemons()
+    # the router sees a daemon's load as of its last report: let the reports catch up with the
+    # earlier tests' work (both daemons idle) first, as a user's burst after a quiet spell would
+    await until(lambda: idle(running), timeout=60, what="both daemons idle")
+    await asyncio.sleep(2.5 * ROUTING_STATS_PERIOD_S)
     ids: list[str] = []
     async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
         try:
             for i in range(12):  # one after another: each has its 202 before the next is sent
-                body = {**JOB, "steps": LONG_STEPS, "prompt": f"a burst {i}", "seed": i}
+                # 500 steps: the daemons still hold the first jobs while the last are sent (each
+                # is cancelled at its next step at the end)
+                body = {**JOB, "steps": 500, "prompt": f"a burst {i}", "seed": i}
                 async with s.post("/v1/jobs", json=body) as r:
                     job = await r.json()
                     assert r.status == 202, job
@@ -291,7 +308,7 @@ async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> N
         assert r.status == 200
     try:
         # the router learns it from the replicas' routing stats, sent every 2 s in this app
-        await asyncio.sleep(6)
+        await asyncio.sleep(3 * ROUTING_STATS_PERIOD_S)
         async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
             answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 50 + i) for i in range(8))), 120)
         assert [st for st, _ in answers] == [200] * 8
@@ -299,7 +316,7 @@ async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> N
     finally:
         async with http(Path(daemon_socket(running[asleep]))) as d, d.post("/v1/admin/wake") as r:
             assert r.status == 200
-    await asyncio.sleep(6)
+    await asyncio.sleep(3 * ROUTING_STATS_PERIOD_S)
 
 
 async def test_a_replica_whose_daemon_is_killed_mid_load_fails_its_jobs_with_a_reason_and_is_replaced(cluster) -> None:

@@ -100,6 +100,11 @@ def _convert(name: str, raw: Any) -> Any:
     return value
 
 
+# How often each replica reports its daemon's load and whether it takes work (``router``): the
+# router's view of a daemon is this much behind, plus Serve's broadcast to the routers.
+ROUTING_STATS_PERIOD_S = 2.0
+
+
 def build(args: dict[str, Any]) -> Any:
     """The Serve application: a gateway (the HTTP ingress) in front of the daemon replicas."""
     from ray import serve
@@ -124,7 +129,7 @@ def build(args: dict[str, Any]) -> Any:
         graceful_shutdown_timeout_s=90.0,  # the daemon's own drain grace (30 s by default), then its workers stop
         request_router_config={
             "request_router_class": JobRouter, "request_router_kwargs": {"batch_affinity": opts.batch_affinity},
-            "request_routing_stats_period_s": 2.0, "request_routing_stats_timeout_s": 10.0},
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S, "request_routing_stats_timeout_s": 10.0},
         **scaling,
     )(DaemonReplica)
     gateway = serve.deployment(name="gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)(Gateway)

@@ -12,9 +12,9 @@ request then goes to any replica, which answers 410 naming the replica that held
 New work goes by load, and load is the jobs a daemon holds, not Serve's count of calls in flight:
 a job submitted through ``POST /v1/jobs`` stops being a call at its 202 and goes on queueing in
 the daemon. Each replica reports its daemon's queued plus running jobs every couple of seconds
-(``record_routing_stats``, numbered); the router adds what it sent the replica since the report
-it last saw, and takes Serve's in-flight count instead when that is higher (synchronous calls a
-report has not caught up with yet). Replicas whose daemon reports sleeping or draining
+(``record_routing_stats``, numbered), and the router adds what it sent the replica since the
+report it last saw. Serve's count of calls in flight is a floor: it is current for synchronous
+requests, but a job stops being a call at its 202. Replicas whose daemon reports sleeping or draining
 (``accepting``) are left out; requests that can share a forward pass go to the replica that took
 the last such request while its load is under ``batch_affinity``; otherwise the least loaded
 replicas come first, and Serve picks among them by its queue-length probing (bounded by
@@ -46,6 +46,8 @@ class JobRouter(RequestRouter):
         self.seen[rid] = seq
         since_seq, sent = self.sent.get(rid, (seq, 0))
         reported = int(stats.get("load", 0)) + (sent if since_seq == seq else 0)
+        # Serve's count of calls in flight there, updated as each is sent: it sees a burst of
+        # synchronous requests at once, before their routing is confirmed or any report follows
         in_flight = self.replica_queue_len_cache.get(replica.replica_id) or 0
         return max(reported, in_flight)
 
