@@ -69,6 +69,11 @@ def parent(pid: int | str) -> int | None:
         return None
 
 
+# The test cluster's temporary folder: Ray's, and (through TMPDIR) where its replicas put their
+# daemons' folders, so the tests find this cluster's daemons and not another run's on the machine.
+CLUSTER_TMP = ""
+
+
 def daemons() -> dict[str, int]:
     """Replica id -> pid of the diffusiond daemon it runs (found by its private socket's path)."""
     out = {}
@@ -76,7 +81,7 @@ def daemons() -> dict[str, int]:
         if entry.isdigit():
             cmd = cmdline(entry)
             m = DAEMON_SOCKET.search(cmd)
-            if m and " serve " in cmd:
+            if m and " serve " in cmd and f"--socket {CLUSTER_TMP}/" in cmd:
                 out[m[1]] = int(entry)
     return out
 
@@ -98,8 +103,11 @@ START_LIMIT_S = 600.0  # two replicas loading tiny on the 2-core CI box take wel
 def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     shm_before = shm_entries()
     port = free_port()
-    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray puts Unix sockets under it
+    global CLUSTER_TMP
+    tmp = CLUSTER_TMP = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray puts Unix sockets under it
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    tmpdir_before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = tmp  # inherited by Ray's processes, so the replicas' daemon folders go there
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, _temp_dir=tmp,
              logging_level="warning", log_to_driver=False)
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"), "the test cluster stays on loopback"
@@ -121,6 +129,10 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        if tmpdir_before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = tmpdir_before
         shutil.rmtree(tmp, ignore_errors=True)
 
 
