@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -71,32 +72,63 @@ async def drive(sock: Path, s: Setup, arms: list[int], cycles: int, concurrency:
     return sorted(rows, key=lambda r: r["index"])
 
 
+BOOTSTRAP = 5000  # resamples for the median's interval
+
+
 def summarize(rows: list[dict[str, Any]], arms: list[int]) -> list[dict[str, Any]]:
+    """Per arm: forward times, and its ratios to the no-preview forward of the same cycle (rows
+    from several runs, as ``--from`` reads them, carry ``run`` so that their cycles stay apart).
+    The median ratio comes with a bootstrap 95 % interval (resampled cycles, a fixed seed) and the
+    number of cycles in which the arm was slower: how far the noise leaves the figure open."""
     key = "gpu_ms" if all(r["gpu_ms"] is not None for r in rows) else "compute_ms"
-    by_cycle: dict[int, dict[int, float]] = {}
+    by_cycle: dict[tuple[int, int], dict[int, float]] = {}
     for r in rows:
-        by_cycle.setdefault(r["cycle"], {})[r["every"]] = r[key]
+        by_cycle.setdefault((r.get("run", 0), r["cycle"]), {})[r["every"]] = r[key]
     by_cycle = {k: c for k, c in by_cycle.items() if len(c) == len(arms)}  # a cycle cut short by the budget
     out = []
+    rng = random.Random(0)
     for every in arms:
-        times = [c[every] for c in by_cycle.values() if every in c]
-        ratios = sorted(c[every] / c[0] for c in by_cycle.values() if every in c and 0 in c)
+        times = [c[every] for c in by_cycle.values()]
+        ratios = sorted(c[every] / c[0] for c in by_cycle.values())
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP))
         out.append({"every": every, "timed": key, "forwards": len(times), "median_ms": statistics.median(times),
                     "mean_ms": statistics.fmean(times), "ratio_median": statistics.median(ratios),
-                    "ratio_mean": statistics.fmean(ratios), "ratio_q1": q[0], "ratio_q3": q[2]})
+                    "ratio_mean": statistics.fmean(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
+                    "ratio_median_ci95": [medians[int(0.025 * BOOTSTRAP)], medians[int(0.975 * BOOTSTRAP) - 1]],
+                    "slower": sum(x > 1 for x in ratios)})
     return out
 
 
 def table(summary: list[dict[str, Any]]) -> str:
-    lines = ["| previews | forwards | forward ms (median / mean) | x no previews: median of pairs | mean | IQR |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| previews | forwards | forward ms (median / mean) | x no previews: median of pairs "
+             "| its 95 % interval | mean | IQR | pairs slower |", "|---|---|---|---|---|---|---|---|"]
     for m in summary:
         name = ("every step" if m["every"] == 1 else f"every {m['every']} steps") if m["every"] else "none"
+        low, high = m.get("ratio_median_ci95") or (None, None)
+        interval = f"{low:.4f}-{high:.4f}" if m["every"] and low is not None else "-"
+        slower = f"{m['slower']} of {m['forwards']}" if m["every"] and "slower" in m else "-"
         lines.append(f"| {name} | {m['forwards']} | {m['median_ms']:.1f} / {m['mean_ms']:.1f} | "
-                     f"{m['ratio_median']:.4f} | {m['ratio_mean']:.4f} | {m['ratio_q1']:.4f}-{m['ratio_q3']:.4f} |")
+                     f"{m['ratio_median']:.4f} | {interval} | {m['ratio_mean']:.4f} | "
+                     f"{m['ratio_q1']:.4f}-{m['ratio_q3']:.4f} | {slower} |")
     timed = summary[0]["timed"]
     return "\n".join(lines) + f"\n\nforwards timed by: {timed} (gpu_ms: CUDA events on the default stream)"
+
+
+def merged(paths: list[str]) -> tuple[list[dict[str, Any]], list[int]]:
+    """The rows of several saved runs (``--json`` output), each run's cycles kept apart."""
+    rows: list[dict[str, Any]] = []
+    arms: list[int] | None = None
+    for run, path in enumerate(paths):
+        with open(path) as f:
+            doc = json.load(f)
+        these = [int(a) for a in str(doc["setup"]["arms"]).split(",")]
+        if arms is not None and these != arms:
+            raise SystemExit(f"{path}: arms {these} differ from the first run's {arms}; merge like with like")
+        arms = these
+        rows += [{**r, "run": run} for r in doc["rows"]]
+    assert arms is not None
+    return rows, arms
 
 
 def main() -> int:
@@ -112,7 +144,13 @@ def main() -> int:
                    help="start no request after this many seconds of measuring; complete cycles are the result")
     p.add_argument("--concurrency", type=int, default=2, help="2 keeps the worker busy without a deep queue")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--from", dest="saved", nargs="+", metavar="JSON",
+                   help="run nothing: summarize these saved runs (--json output) together")
     args = p.parse_args()
+    if args.saved:
+        rows, arms = merged(args.saved)
+        print(table(summarize(rows, arms)))
+        return 0
     arms = [int(a) for a in args.arms.split(",")]
     if 0 not in arms:
         p.error("--arms must include 0, the variant the others are compared with")
