@@ -60,9 +60,12 @@ async def timed(session: aiohttp.ClientSession, body: dict[str, Any]) -> float:
     return (time.perf_counter() - t) * 1000
 
 
+def request_body(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "prompt": "a lighthouse", "size": args.size, "num_inference_steps": args.steps}
+
+
 async def measure(url: str, sock: str, args: argparse.Namespace) -> dict[str, list[float]]:
-    w, h = args.size.split("x")
-    body = {"model": args.model, "prompt": "a lighthouse", "size": f"{w}x{h}", "num_inference_steps": args.steps}
+    body = request_body(args)
     out: dict[str, list[float]] = {"serve proxy": [], "daemon socket": []}
     async with aiohttp.ClientSession(base_url=url) as proxy, \
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock), base_url="http://d") as direct:
@@ -76,8 +79,7 @@ async def measure(url: str, sock: str, args: argparse.Namespace) -> dict[str, li
 
 
 async def throughput(url: str, sock: str, args: argparse.Namespace) -> dict[str, list[float]]:
-    w, h = args.size.split("x")
-    body = {"model": args.model, "prompt": "a lighthouse", "size": f"{w}x{h}", "num_inference_steps": args.steps}
+    body = request_body(args)
     out: dict[str, list[float]] = {"serve proxy": [], "daemon socket": []}
     limit = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(base_url=url, connector=limit) as proxy, \

@@ -37,6 +37,7 @@ from daemonkit import http, sse, until  # noqa: E402
 from conftest import ROOT, shm_entries  # noqa: E402
 from diffusiond.ray import build  # noqa: E402
 from diffusiond.ray.app import ROUTING_STATS_PERIOD_S  # noqa: E402
+from diffusiond.ray.replica import daemon_load  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 DAEMON_SOCKET = re.compile(r"diffusiond-ray-([A-Za-z0-9]+)-[^/]*/d\.sock")
@@ -106,8 +107,8 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     global CLUSTER_TMP
     tmp = CLUSTER_TMP = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray puts Unix sockets under it
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    tmpdir_before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = tmp  # inherited by Ray's processes, so the replicas' daemon folders go there
+    env = pytest.MonkeyPatch()
+    env.setenv("TMPDIR", tmp)  # inherited by Ray's processes, so the replicas' daemon folders go there
     ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, _temp_dir=tmp,
              logging_level="warning", log_to_driver=False)
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"), "the test cluster stays on loopback"
@@ -129,10 +130,7 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     finally:
         serve.shutdown()
         ray.shutdown()
-        if tmpdir_before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = tmpdir_before
+        env.undo()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -171,9 +169,8 @@ async def idle(running: dict[str, int]) -> bool:
     """No daemon holds a job, queued or running (asked of each on its own socket)."""
     for pid in running.values():
         async with http(Path(daemon_socket(pid))) as d, d.get("/health") as r:
-            h = await r.json()
-        if h["queue_depth"] or h["jobs"].get("running", 0):
-            return False
+            if daemon_load(await r.json()):
+                return False
     return True
 
 
@@ -319,7 +316,7 @@ async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> N
     async with http(Path(daemon_socket(running[asleep]))) as d, d.post("/v1/admin/sleep") as r:
         assert r.status == 200
     try:
-        # the router learns it from the replicas' routing stats, sent every 2 s in this app
+        # the router learns it from the replicas' routing stats, sent every ROUTING_STATS_PERIOD_S
         await asyncio.sleep(3 * ROUTING_STATS_PERIOD_S)
         async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
             answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 50 + i) for i in range(8))), 120)

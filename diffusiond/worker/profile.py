@@ -46,12 +46,11 @@ class ForwardProfiler:
         if not self.skip < self.seen <= self.skip + self.count:
             yield
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        cuda = torch.cuda.is_available()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
             yield
-            if torch.cuda.is_available():
+            if cuda:
                 torch.cuda.synchronize()  # the copy thread's work for this forward's previews lands in it
         path = self.dir / f"{os.getpid()}-b{batch_id}-p{preview_every}.json.gz"
         prof.export_chrome_trace(str(path))
