@@ -11,11 +11,17 @@ synchronising CUDA calls (the copy thread's event waits are expected; one on the
 is a stall). Then the longest gaps on the forward stream of one trace per group,
 with the kernels on either side: a cost that previews add and the kernels do not account for
 shows up there. The forward stream is the stream with the most busy time.
+
+``--host-op NAME`` (default ``aten::linear``) adds the host side: how long the forward thread's
+NAME ops took, overall and in the 5 ms after another thread of the worker made a CUDA call. An
+eager forward is bound by its host thread, so a thread that slows it there costs the forward
+even when the GPU's kernels are unchanged (docs/benchmarks.md, previews).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -86,18 +92,47 @@ def summarize(events: list[dict[str, Any]], gaps_wanted: int) -> dict[str, Any] 
     }
 
 
+def host_ops(events: list[dict[str, Any]], name: str) -> dict[str, float] | None:
+    """The forward thread's ``name`` op durations (µs): overall, and near other threads' CUDA calls."""
+    per_thread: dict[Any, int] = defaultdict(int)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            per_thread[e.get("tid")] += 1
+    if not per_thread:
+        return None
+    forward = max(per_thread, key=lambda t: per_thread[t])
+    ops = [e for e in events if e.get("tid") == forward and e.get("name") == name]
+    marks = sorted(e["ts"] for e in events if e.get("tid") != forward and e.get("cat") == "cuda_runtime")
+    if not ops:
+        return None
+    near, far = [], []
+    for e in ops:
+        i = bisect.bisect_right(marks, e["ts"]) - 1
+        (near if i >= 0 and e["ts"] - marks[i] < 5000 else far).append(e["dur"])
+    return {"ops": len(ops), "median_us": statistics.median(e["dur"] for e in ops),
+            "near": len(near), "near_median_us": statistics.median(near) if near else float("nan"),
+            "far_median_us": statistics.median(far) if far else float("nan")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
     p.add_argument("--gaps", type=int, default=8, help="longest gaps to list per group")
+    p.add_argument("--host-op", default="aten::linear", help="the forward thread's op to time (host side)")
     args = p.parse_args()
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    hosts: dict[str, list[dict[str, float]]] = defaultdict(list)
     paths = sorted(args.dir.glob("*.json*"))
     for path in paths:
         m = re.search(r"-p(\d+)\.json", path.name)
-        summary = summarize(load(path), args.gaps)
+        group = f"every {m[1]}" if m and m[1] != "0" else "none"
+        events = load(path)
+        summary = summarize(events, args.gaps)
         if summary is not None:
-            groups[f"every {m[1]}" if m and m[1] != "0" else "none"].append(summary)
+            groups[group].append(summary)
+        host = host_ops(events, args.host_op)
+        if host is not None:
+            hosts[group].append(host)
     if not groups:
         print(f"no GPU activity in the {len(paths)} traces under {args.dir} (a CPU run, or no traces yet)")
         return
@@ -113,6 +148,15 @@ def main() -> None:
         print(f"\n{name}: synchronising calls {rows[0]['sync_names'] or 'none'}; longest gaps on the forward stream:")
         for ms, where in rows[0]["top_gaps"]:
             print(f"  {ms:8.3f} ms  {where}")
+    if hosts:
+        print(f"\n| previews | traces | {args.host_op} ops | median µs | ops within 5 ms after another thread's "
+              "CUDA call | their median µs | the others' median µs |")
+        print("|---|---|---|---|---|---|---|")
+        for name, hs in sorted(hosts.items()):
+            def med(key: str, hs: list[dict[str, float]] = hs) -> float:
+                return statistics.median(h[key] for h in hs)
+            print(f"| {name} | {len(hs)} | {med('ops'):.0f} | {med('median_us'):.1f} | {med('near'):.0f} | "
+                  f"{med('near_median_us'):.1f} | {med('far_median_us'):.1f} |")
 
 
 if __name__ == "__main__":

@@ -208,8 +208,16 @@ def test_gpu_lora_hot_swap_on_an_inductor_compiled_model_never_recompiles(
 @pytest.mark.parametrize("indices", [[0], [1, 2], [0, 2]])
 def test_gpu_a_preview_never_synchronizes_the_device(indices: list[int]) -> None:
     """The forward's host thread runs ahead of the GPU; a preview that waited for the GPU would
-    stall it at every step it is drawn on (docs/benchmarks.md, previews)."""
+    stall it at every step it is drawn on (docs/benchmarks.md, previews). Drawing the picture
+    and queueing its copy into the registered arena (worker/previews.py) both only launch."""
+    import msgspec
+
+    from diffusiond.ipc import cuda_host
+    from diffusiond.ipc.arena import Arena, Slot
+    from diffusiond.ipc.tensors import as_torch
     from diffusiond.pipelines.previews import LinearPreviewer
+    from diffusiond.worker.previews import PreviewOutbox
+    from diffusiond.worker.state import SharedState
 
     class Sdxl:  # what family_of and the factors need of a pipeline
         pass
@@ -218,12 +226,26 @@ def test_gpu_a_preview_never_synchronizes_the_device(indices: list[int]) -> None
     latents = torch.randn(3, 4, 128, 128, device="cuda:0", dtype=torch.float16)
     params = m.BatchParams(width=1024, height=1024, steps=20, guidance=5.0)
     previewer(latents, indices, params, [256] * len(indices))  # first call moves the factors
+    arena = Arena(16 << 20, on_map=cuda_host.register, on_unmap=cuda_host.unregister)
+    posted: list[m.PreviewReady] = []
+    outbox = PreviewOutbox(arena, SharedState(), posted.append, cuda=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         pictures = previewer(latents, indices, params, [256] * len(indices))
+        for k, picture in enumerate(pictures):
+            assert outbox.offer(1, f"r{k}", 5, 20, picture)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert [tuple(p.shape) for p in pictures] == [(3, 256, 256)] * len(indices)
+    assert [tuple(p.shape) for p in pictures] == [(256, 256, 3)] * len(indices)
     want = previewer(latents[indices], list(range(len(indices))), params, [256] * len(indices))
     assert all(torch.equal(p, w) for p, w in zip(pictures, want, strict=True))
+    torch.cuda.synchronize()
+    outbox.flush()
+    assert len(posted) == len(indices)
+    for ready, picture in zip(posted, pictures, strict=True):
+        desc = ready.tensor  # read as the engine does; cloned, so no view outlives the arena
+        landed = as_torch(arena.buffer(Slot(desc.slot_id, desc.offset, desc.nbytes)),
+                          msgspec.structs.replace(desc, offset=0)).clone()
+        assert torch.equal(landed, picture.cpu())
+    arena.close()  # unregisters: the next case's arena may be mapped at the same address

@@ -1,18 +1,20 @@
 """Preview decoders (pipelines/previews.py) with real diffusers code on CPU: latent layouts of each
 family brought back to pictures, the family chosen from the pipeline, sizes, the tiny autoencoder
 path, the step callback's contract (which steps, which requests, never the last step), and the
-copy thread's bound on previews (never waiting for arena room, never in an output's way)."""
+worker's bound on previews (never waiting for arena room, never in an output's way)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from diffusers import AutoencoderTiny, FluxPipeline, LTXPipeline
 
-from diffusiond.ipc.arena import Arena
+from diffusiond.ipc.arena import Arena, Slot
 from diffusiond.ipc.messages import BatchParams, OutputReady, PreviewReady, RequestSpec
+from diffusiond.ipc.tensors import as_torch
 from diffusiond.pipelines import PipelineError, load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.previews import (
@@ -24,7 +26,8 @@ from diffusiond.pipelines.previews import (
     unpack_flux,
     unpack_ltx,
 )
-from diffusiond.worker.copier import PREVIEW_SLOTS, Copier, CopyJob, PreviewJob
+from diffusiond.worker.copier import Copier, CopyJob
+from diffusiond.worker.previews import PREVIEW_SLOTS, PendingPreview
 from diffusiond.worker.state import SharedState
 
 
@@ -92,11 +95,25 @@ def test_linear_previews_are_pictures_in_range_of_each_asked_request_and_size() 
     params = BatchParams(width=1024, height=768, steps=1, guidance=1.0)
     latents = torch.randn(3, 4, 96, 128) * 3
     pics = previewer(latents, [0, 2], params, [256, 64])
-    assert [tuple(p.shape) for p in pics] == [(3, 192, 256), (3, 48, 64)]
-    assert all(p.min() >= 0 and p.max() <= 1 for p in pics)
+    assert [(tuple(p.shape), p.dtype) for p in pics] == [((192, 256, 3), torch.uint8), ((48, 64, 3), torch.uint8)]
+    assert all(p.is_contiguous() for p in pics)  # each can be copied into its slot as it is
     # the first picture is request 0's, not request 1's
     alone = previewer(latents[:1], [0], params, [256])[0]
-    assert torch.allclose(alone, pics[0])
+    assert torch.equal(alone, pics[0])
+
+
+def test_linear_previews_are_the_factors_picture_rounded_to_bytes() -> None:
+    """Folding the factors, the [-1, 1] -> [0, 255] mapping and the rounding into one
+    convolution gives the picture the factors describe: rgb = latents . factors + bias."""
+    previewer = LinearPreviewer(_pipe("StableDiffusionXLPipeline", 4), "sdxl")
+    params = BatchParams(width=64, height=64, steps=1, guidance=1.0)
+    latents = torch.randn(1, 4, 8, 8) * 2
+    factors, bias = (torch.tensor(t, dtype=torch.float32) for t in FAMILIES["sdxl"])
+    rgb = torch.einsum("nchw,cr->nhwr", latents, factors)[0] + bias
+    want = ((rgb.clamp(-1, 1) + 1) * 127.5).round()
+    got = previewer(latents, [0], params, [8])[0].float()  # 8 px: the latents' own size, no resize
+    assert (got - want).abs().max() <= 1  # float rounding at the .5 boundaries
+    assert (got == want).float().mean() > 0.95
 
 
 def test_wan_video_latents_preview_their_first_frame() -> None:
@@ -125,8 +142,7 @@ def test_tiny_autoencoder_previews_decode_at_the_vae_scale(taesd: Path) -> None:
                                          torch.float32)
     params = BatchParams(width=256, height=256, steps=1, guidance=1.0)
     pics = previewer(torch.randn(2, 4, 32, 32), [1], params, [128])
-    assert len(pics) == 1 and tuple(pics[0].shape) == (3, 128, 128)
-    assert pics[0].min() >= 0 and pics[0].max() <= 1
+    assert len(pics) == 1 and tuple(pics[0].shape) == (128, 128, 3) and pics[0].dtype == torch.uint8
 
 
 def test_a_preview_decoder_that_does_not_fit_is_refused_with_the_reason(taesd: Path, tmp_path: Path) -> None:
@@ -149,9 +165,9 @@ def test_tiny_calls_the_sink_every_n_steps_for_the_requests_that_asked(model_cac
     pipe.run(params, reqs, lambda _s, _t: True,
              lambda step, total, pics: calls.append((step, total, [(k, tuple(p.shape)) for k, p in pics])))
     assert calls == [
-        (2, 6, [(0, (3, 32, 32))]),
-        (3, 6, [(2, (3, 64, 64))]),
-        (4, 6, [(0, (3, 32, 32))]),
+        (2, 6, [(0, (32, 32, 3))]),
+        (3, 6, [(2, (64, 64, 3))]),
+        (4, 6, [(0, (32, 32, 3))]),
         # step 6 is the last: the output itself comes next, for both
     ]
 
@@ -162,8 +178,8 @@ def test_tiny_with_a_preview_decoder_option_uses_it(model_cache: Path, taesd: Pa
     assert isinstance(pipe._previewer, TinyAutoencoderPreviewer)
 
 
-# the copy thread's share: bounded, never waiting, never in an output's way ----------------------
-def _copier(arena_bytes: int) -> tuple[Copier, list[object]]:
+# the worker's share: bounded, never waiting, never in an output's way ---------------------------
+def _outbox(arena_bytes: int) -> tuple[Copier, list[object]]:
     posted: list[object] = []
     state = SharedState()
     state.admit(["r0"])
@@ -172,30 +188,63 @@ def _copier(arena_bytes: int) -> tuple[Copier, list[object]]:
     return copier, posted
 
 
+def _picture(side: int) -> torch.Tensor:
+    return torch.randint(0, 256, (side, side, 3), dtype=torch.uint8)
+
+
 def test_previews_in_flight_are_bounded_and_a_released_one_makes_room() -> None:
-    copier, posted = _copier(16 << 20)
-    picture = torch.rand(3, 16, 16)
-    for step in range(PREVIEW_SLOTS + 3):
-        if copier.preview_room():
-            job = PreviewJob(1, "r0", step + 1, 40, picture, None)
-            copier.submit(job)
-            copier.process_preview(copier.queue.get_nowait())
+    copier, posted = _outbox(16 << 20)
+    previews = copier.previews
+    offered = [previews.offer(1, "r0", step + 1, 40, _picture(16)) for step in range(PREVIEW_SLOTS + 3)]
+    previews.flush()
     ready = [m for m in posted if isinstance(m, PreviewReady)]
-    assert len(ready) == PREVIEW_SLOTS and not copier.preview_room()
+    assert offered == [True] * PREVIEW_SLOTS + [False] * 3
+    assert [m.step for m in ready] == list(range(1, PREVIEW_SLOTS + 1))
     assert ready[0].tensor.shape == (16, 16, 3) and ready[0].tensor.dtype == "uint8"
-    copier.release(ready[0].tensor.slot_id)
-    assert copier.preview_room()
+    copier.release(ready[0].tensor.slot_id)  # the engine has encoded it
+    assert previews.offer(1, "r0", 40, 40, _picture(16))
+
+
+def test_a_preview_lands_in_its_slot_as_the_picture_it_was() -> None:
+    copier, posted = _outbox(1 << 20)
+    picture = _picture(24)
+    assert copier.previews.offer(7, "r0", 3, 10, picture)
+    copier.previews.flush()
+    (ready,) = posted
+    assert isinstance(ready, PreviewReady) and (ready.batch_id, ready.step, ready.total) == (7, 3, 10)
+    desc = ready.tensor
+    slot = Slot(desc.slot_id, desc.offset, desc.nbytes)
+    # the slot's own bytes, as the engine reads them through its mapping of the arena
+    assert torch.equal(as_torch(copier.arena.buffer(slot), msgspec.structs.replace(desc, offset=0)), picture)
 
 
 def test_a_preview_never_waits_for_arena_room_and_outputs_still_get_theirs() -> None:
-    copier, posted = _copier(64 << 10)
+    copier, posted = _outbox(64 << 10)
     big = copier.arena.allocate(48 << 10)  # most of the arena is taken
-    job = PreviewJob(1, "r0", 1, 4, torch.rand(3, 96, 96), None)  # 27 KiB: does not fit now
-    copier.submit(job)
-    copier.process_preview(copier.queue.get_nowait())
+    assert not copier.previews.offer(1, "r0", 1, 4, _picture(96))  # 27 KiB: does not fit now
+    copier.previews.flush()
     assert not [m for m in posted if isinstance(m, PreviewReady)]
-    assert copier.preview_room()  # the skipped one holds nothing
+    assert copier.previews.in_flight == 0  # the skipped one holds nothing
     copier.arena.release(big.id)
     params = BatchParams(width=64, height=64, steps=4, guidance=1.0)
     copier.process(CopyJob(1, params, [_spec("r0")], [torch.rand(3, 64, 64)], None))
     assert [m for m in posted if isinstance(m, OutputReady)]
+
+
+def test_previews_of_a_cancelled_request_are_skipped() -> None:
+    copier, posted = _outbox(1 << 20)
+    copier.state.cancel(["r0"])
+    assert not copier.previews.offer(1, "r0", 1, 4, _picture(8))
+    copier.previews.flush()
+    assert posted == [] and copier.previews.in_flight == 0
+
+
+def test_previews_still_in_flight_after_a_forward_are_posted_by_the_copy_thread() -> None:
+    copier, posted = _outbox(1 << 20)
+    copier.previews.offer(1, "r0", 1, 4, _picture(8))  # not flushed: as if its copy had not landed
+    copier.submit_previews()
+    assert copier.previews.take_pending() == []
+    job = copier.queue.get_nowait()
+    assert isinstance(job, PendingPreview)
+    copier.previews.finish(job)  # what the copy thread does with it
+    assert [m.step for m in posted if isinstance(m, PreviewReady)] == [1]

@@ -47,8 +47,8 @@ __all__ = [
 StepCallback = Callable[[int, int], bool]
 
 # Called at the steps where requests asked for a preview, with (steps_done, total, pictures):
-# pictures pairs a request's index in the batch with its float [0, 1] (3, H, W) picture, still on
-# the device. It must only launch work and enqueue: it runs inside the denoising loop.
+# pictures pairs a request's index in the batch with its uint8 (H, W, 3) picture, still on the
+# device. It must only launch work and enqueue: it runs inside the denoising loop.
 PreviewSink = Callable[[int, int, list[tuple[int, torch.Tensor]]], None]
 
 

@@ -7,9 +7,15 @@ kin, ``serve --preview-decoder PATH``) gives sharper pictures for a little more.
 
 Both take the latents diffusers' step callback hands out, whatever their layout (images
 ``(B, C, h, w)``; Wan videos ``(B, C, F, h, w)``; Flux and LTX pack theirs into tokens
-``(B, S, D)``), and return one float [0, 1] ``(3, H, W)`` picture per asked request, on the
+``(B, S, D)``), and return one uint8 ``(H, W, 3)`` picture per asked request, on the
 latents' device, scaled so the longer side is the request's ``max_side`` or the output's own,
 whichever is smaller. Videos are previewed by their first frame.
+
+They run on the forward's own thread, between two denoising steps, and in an eager forward
+that thread is what bounds the speed (the GPU waits for its launches), so every tensor op here
+is paid by the forward. Hence the few ops: the linear factors, the [-1, 1] -> [0, 255] mapping
+and the rounding offset are folded into one 1x1 convolution, and the picture comes out in the
+wire's layout and dtype from one copy, ready for the worker to move into the arena as it is.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def family_of(pipe: Any) -> str | None:
 class Previewer(Protocol):
     def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams,
                  max_sides: Sequence[int]) -> list[torch.Tensor]:
-        """One float [0, 1] (3, H, W) picture per index of ``latents``' batch."""
+        """One uint8 (H, W, 3) picture per index of ``latents``' batch, on its device."""
         ...
 
 
@@ -135,14 +141,24 @@ class _Spatial:
         return x
 
 
-def _resize(rgb: torch.Tensor, params: BatchParams, max_sides: Sequence[int]) -> list[torch.Tensor]:
+def _pictures(rgb: torch.Tensor, params: BatchParams, max_sides: Sequence[int]) -> list[torch.Tensor]:
+    """(n, 3, h, w) float on the 0-255 scale plus 0.5 -> one uint8 (H, W, 3) picture per request.
+
+    The +0.5 makes the conversion's truncation round to nearest; resizing is linear, so adding
+    it before the resize is the same as after.
+    """
     out: list[torch.Tensor] = []
     cache: dict[tuple[int, int], torch.Tensor] = {}
     for k, side in enumerate(max_sides):
         size = preview_size(params, side)
-        if size not in cache:  # requests of a batch mostly ask for the same size: one interpolate
-            down = size[0] < rgb.shape[-2]
-            cache[size] = F.interpolate(rgb, size=size, mode="bilinear", align_corners=False, antialias=down)
+        if size not in cache:  # requests of a batch mostly ask for the same size: one resize
+            x = rgb
+            if size != tuple(rgb.shape[-2:]):
+                down = size[0] < rgb.shape[-2]
+                x = F.interpolate(rgb, size=size, mode="bilinear", align_corners=False, antialias=down)
+            pictures = torch.empty((x.shape[0], *size, 3), dtype=torch.uint8, device=x.device)
+            pictures.copy_(x.clamp(0, 255).permute(0, 2, 3, 1))  # NHWC and uint8 in one kernel
+            cache[size] = pictures
         out.append(cache[size][k])
     return out
 
@@ -154,8 +170,10 @@ class LinearPreviewer:
         factors, bias = FAMILIES[family]
         self.family = family
         self.spatial = _Spatial(pipe, family)
-        self._weight = torch.tensor(factors, dtype=torch.float32)  # (C, 3)
-        self._bias = torch.tensor(bias, dtype=torch.float32)
+        # [-1, 1] -> [0, 255] (x * 127.5 + 127.5), and +0.5 for _pictures' rounding
+        w = torch.tensor(factors, dtype=torch.float32).T * 127.5  # (3, C)
+        self._weight = w[:, :, None, None].contiguous()  # a 1x1 convolution's (3, C, 1, 1)
+        self._bias = torch.tensor(bias, dtype=torch.float32) * 127.5 + 128.0
         self._on: torch.device | None = None
 
     def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams,
@@ -163,9 +181,7 @@ class LinearPreviewer:
         x = self.spatial(latents, indices, params).float()
         if self._on != x.device:  # moved once, not per step
             self._weight, self._bias, self._on = self._weight.to(x.device), self._bias.to(x.device), x.device
-        rgb = torch.einsum("nchw,cr->nrhw", x, self._weight) + self._bias.view(1, 3, 1, 1)
-        rgb = ((rgb + 1) / 2).clamp(0, 1)
-        return _resize(rgb, params, max_sides)
+        return _pictures(F.conv2d(x, self._weight, self._bias), params, max_sides)
 
 
 class TinyAutoencoderPreviewer:
@@ -191,7 +207,7 @@ class TinyAutoencoderPreviewer:
                  max_sides: Sequence[int]) -> list[torch.Tensor]:
         x = self.spatial(latents, indices, params).to(self.dtype)
         rgb = self.vae.decode(x, return_dict=False)[0].float()  # [-1, 1], diffusers' convention
-        return _resize(((rgb + 1) / 2).clamp(0, 1), params, max_sides)
+        return _pictures(rgb.mul_(127.5).add_(128.0), params, max_sides)
 
 
 def make_previewer(pipe: Any, decoder: str, device: torch.device, dtype: torch.dtype) -> Previewer | None:

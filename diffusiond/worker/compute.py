@@ -43,7 +43,7 @@ from diffusiond.ipc.messages import (
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.worker import profile
-from diffusiond.worker.copier import Copier, CopyJob, PreviewJob
+from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -186,8 +186,11 @@ class ComputeThread:
             close_fds(fds)
         last_post = 0.0
 
+        previews = self.copier.previews
+
         def on_step(step: int, total: int) -> bool:
             nonlocal last_post
+            previews.flush()
             now = time.monotonic()
             if step == total or now - last_post >= self.progress_interval_s:
                 last_post = now
@@ -195,21 +198,10 @@ class ComputeThread:
             return not self.state.all_cancelled(live_ids)
 
         def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
-            """Inside the denoising loop, after the pipeline launched the projection: mark it with
-            an event and hand it to the copy thread, which waits for the mark on its own stream;
-            this thread goes straight on to the next step. No room: the preview is skipped."""
+            """Inside the denoising loop: launches only (worker/previews.py says why on this thread)."""
             for k, picture in pictures:
-                if k >= len(live):  # a pipeline's padding, not a request
-                    continue
-                request_id = live[k].request_id
-                if not self.copier.preview_room() or self.state.is_cancelled(request_id):
-                    continue
-                event = None
-                if self.cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-                job = PreviewJob(batch.batch_id, request_id, step, total, picture, event)
-                self.copier.submit(job)
+                if k < len(live):  # beyond: a pipeline's padding, not a request
+                    previews.offer(batch.batch_id, live[k].request_id, step, total, picture)
 
         will_compile = getattr(self.pipeline, "will_compile", None)
         if will_compile is not None and will_compile(batch.params, len(live)):
@@ -245,6 +237,8 @@ class ComputeThread:
             log.exception("batch %d failed", batch.batch_id)
             self._fail_all(batch.batch_id, live_ids, f"{type(exc).__name__}: {exc}")
             return
+        finally:
+            self.copier.submit_previews()  # ahead of the outputs' CopyJob
         self.state.record_gpu("compute_end", batch.batch_id)
         event = None
         if self.cuda:

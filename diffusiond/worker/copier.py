@@ -9,11 +9,8 @@ their copies are done, so the caching allocator cannot hand their memory to the 
 On CPU the same code runs with plain copies. In ``sync`` output mode the compute thread calls
 ``process`` itself before its next forward (the "async off" baseline).
 
-Previews (``PreviewJob``) take the same road, smaller: the compute thread's step callback marks
-the projected picture with an event and enqueues it; this thread converts and copies it into an
-arena slot and sends PREVIEW_READY. At most ``PREVIEW_SLOTS`` previews are queued or held by the
-engine at once, and a preview never waits for room (``try_allocate`` only): previews are dropped,
-outputs are never starved of slots.
+Previews take another road (``worker/previews.py``): the compute thread queues their copies
+itself, and this thread only finishes the few still in flight when a forward ends.
 """
 
 from __future__ import annotations
@@ -35,23 +32,17 @@ from diffusiond.ipc.messages import (
     BatchParams,
     EndStatus,
     OutputReady,
-    PreviewReady,
     RequestEnded,
     RequestSpec,
     SlotWait,
 )
 from diffusiond.ipc.tensors import TensorDesc, describe, nbytes_of, write_tensor
+from diffusiond.worker.previews import PendingPreview, PreviewOutbox
 from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
 
 Post = Callable[..., None]  # Channel.post_threadsafe
-
-# Previews queued here or held by the engine (until it has encoded them), per worker. A preview
-# is small (256 px: 192 KiB as uint8) and the engine frees it within milliseconds, so a few
-# cover every request of a batch; beyond them previews are skipped, never waited for.
-PREVIEW_SLOTS = 16
-
 
 @dataclass
 class CopyJob:
@@ -60,16 +51,6 @@ class CopyJob:
     requests: list[RequestSpec]
     outputs: list[torch.Tensor]
     event: torch.cuda.Event | None  # recorded after the forward; None on CPU
-
-
-@dataclass
-class PreviewJob:
-    batch_id: int
-    request_id: str
-    step: int
-    total: int
-    picture: torch.Tensor | None  # float [0, 1] (3, H, W) on the device, until copied
-    event: torch.cuda.Event | None  # recorded after the projection; None on CPU
 
 
 def to_output_layout(out: torch.Tensor, output_dtype: str) -> torch.Tensor:
@@ -130,65 +111,32 @@ class Copier:
         self.dedicated: dict[int, int] = {}  # slot id -> bytes, until the engine releases it
         self._next_dedicated = 1 << 40  # ids that can never collide with arena slot ids
         self._lock = threading.Lock()
-        self._previews = 0  # queued or held by the engine (bounded by PREVIEW_SLOTS)
-        self._preview_slots: set[int] = set()
-        self.queue: queue.Queue[CopyJob | PreviewJob] = queue.Queue()
+        self.previews = PreviewOutbox(arena, state, post, cuda=self.cuda)
+        self.queue: queue.Queue[CopyJob | PendingPreview] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="copy", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, job: CopyJob | PreviewJob) -> None:
-        if isinstance(job, PreviewJob):
-            with self._lock:
-                self._previews += 1
+    def submit(self, job: CopyJob | PendingPreview) -> None:
         self.state.copy_queued()
         self.queue.put(job)
 
-    def preview_room(self) -> bool:
-        """Whether one more preview may be queued (the compute thread asks before enqueueing)."""
-        with self._lock:
-            return self._previews < PREVIEW_SLOTS
+    def submit_previews(self) -> None:
+        """After a forward: the previews whose copies are still in flight, ahead of its outputs."""
+        for preview in self.previews.take_pending():
+            self.submit(preview)
 
     def _run(self) -> None:
         while True:  # a daemon thread: it ends with the process
             job = self.queue.get()
             try:
-                if isinstance(job, PreviewJob):
-                    self.process_preview(job)
+                if isinstance(job, PendingPreview):
+                    self.previews.finish(job)
                 else:
                     self.process(job)
             finally:
                 self.state.copy_done()
-
-    def process_preview(self, job: PreviewJob) -> None:
-        """Copy one preview into a slot of its own and announce it; on any trouble, skip it."""
-        picture, job.picture = job.picture, None
-        posted = False
-        try:
-            if picture is None or self.state.is_cancelled(job.request_id):
-                return
-            if self.stream is not None and job.event is not None:
-                self.stream.wait_event(job.event)
-            ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-            with ctx, torch.inference_mode():
-                host = to_output_layout(picture, "uint8")
-                slot = self.arena.try_allocate(nbytes_of(host))
-                if slot is None:  # the arena is busy with outputs: they come first
-                    return
-                self._fill(slot, host)
-            with self._lock:
-                self._preview_slots.add(slot.id)
-            desc = describe(host, slot.id, slot.offset)
-            self.post(PreviewReady(job.request_id, job.batch_id, job.step, job.total, desc))
-            posted = True
-        except Exception:
-            log.exception("preview of %s at step %d failed; skipped", job.request_id, job.step)
-        finally:
-            del picture  # after _sync: the side stream is done reading it
-            if not posted:
-                with self._lock:
-                    self._previews -= 1
 
     def process(self, job: CopyJob) -> None:
         self.state.record("copy_start", job.batch_id)
@@ -278,10 +226,8 @@ class Copier:
         with self._lock:
             if self.dedicated.pop(slot_id, None) is not None:
                 return
-            if slot_id in self._preview_slots:
-                self._preview_slots.discard(slot_id)
-                self._previews -= 1
-        self.arena.release(slot_id)
+        if not self.previews.release(slot_id):
+            self.arena.release(slot_id)
 
     @property
     def dedicated_bytes(self) -> int:
