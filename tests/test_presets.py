@@ -199,7 +199,7 @@ def test_preset_with_save_0_is_served_as_built(small_presets: Path) -> None:
     (video,) = pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=5), [wants], always,
                         lambda step, total, pics: shown.extend((step, k, tuple(p.shape)) for k, p in pics))
     assert video.shape == (5, 3, 32, 32)
-    assert shown == [(1, 0, (3, 16, 16))]  # its first frame, after step 1 of 2
+    assert shown == [(1, 0, (16, 16, 3))]  # its first frame (uint8 HWC), after step 1 of 2
     with pytest.raises(PipelineError, match=r"4k\+1 frames .*use 5 or 9"):
         pipe.run(BatchParams(width=32, height=32, steps=2, guidance=5.0, num_frames=6), [req(2)], always)
 
