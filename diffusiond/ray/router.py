@@ -62,9 +62,10 @@ class JobRouter(RequestRouter):
         accepting = [r for r in candidate_replicas if r.routing_stats.get("accepting", True)]
         if not accepting:  # every daemon is asleep or draining: one of them answers 503 with its reason
             return [candidate_replicas]
-        if len(self.sent) > 2 * len(candidate_replicas) + 8:  # replicas long gone
+        if len(self.seen) > 2 * len(candidate_replicas) + 8:  # replicas long gone (seen holds every one loaded)
             live = {r.replica_id.unique_id for r in candidate_replicas}
             self.sent = {k: v for k, v in self.sent.items() if k in live}
+            self.seen = {k: v for k, v in self.seen.items() if k in live}
         loads = {r.replica_id.unique_id: self.load(r) for r in accepting}
         key = kwargs.get("batch_key")
         if key is not None:

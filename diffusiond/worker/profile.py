@@ -51,7 +51,7 @@ class ForwardProfiler:
         with torch.profiler.profile(activities=activities) as prof:
             yield
             if cuda:
-                torch.cuda.synchronize()  # the copy thread's work for this forward's previews lands in it
+                torch.cuda.synchronize()  # the forward's last kernels and its previews' copies land in it
         path = self.dir / f"{os.getpid()}-b{batch_id}-p{preview_every}.json.gz"
         prof.export_chrome_trace(str(path))
         log.info("profiled batch %d into %s", batch_id, path)
