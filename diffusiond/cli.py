@@ -15,15 +15,16 @@ signal, so a ``set -o pipefail`` script sees the same from this one, and no trac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from diffusiond import __version__
-from diffusiond.cli_generate import (
+from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonUnreachable
+from diffusiond.commands import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
+from diffusiond.commands.admin import cancel, history, models, sleep, status, wake, web_url
+from diffusiond.commands.generate import (
     GenerateState,
     UsageError,
     cancel_after_interrupt,
@@ -33,11 +34,8 @@ from diffusiond.cli_generate import (
     positive_int,
     run_generate,
 )
-from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
 QUICK_TIMEOUT_S = 30.0
 """Bound for requests that should answer at once (status, models, cancel): a hung daemon is an error."""
 
@@ -103,24 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=_status)
+    s.set_defaults(func=status)
     m = sub.add_parser("models", parents=[sock], help="list the loaded models")
     m.add_argument("--json", action="store_true")
-    m.set_defaults(func=_models)
+    m.set_defaults(func=models)
     c = sub.add_parser("cancel", parents=[sock], help="cancel a queued or running job")
     c.add_argument("job_id", metavar="JOB_ID")
-    c.set_defaults(func=_cancel)
+    c.set_defaults(func=cancel)
     h = sub.add_parser("history", parents=[sock], help="list jobs, newest first (kept across restarts)")
     h.add_argument("--status", choices=[st.value for st in JobStatus])
     h.add_argument("--model", metavar="NAME")
     h.add_argument("--before", metavar="JOB_ID", help="the jobs admitted before this one (the next page)")
     h.add_argument("--limit", type=positive_int, default=20, metavar="N", help="at most N jobs (20)")
     h.add_argument("--json", action="store_true", help="the daemon's page as JSON")
-    h.set_defaults(func=_history)
-    sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=_sleep)
-    sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=_wake)
+    h.set_defaults(func=history)
+    sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=sleep)
+    sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=wake)
     sub.add_parser("web-url", parents=[sock], help="print the web page's sign-in URL (serve --web)").set_defaults(
-        func=_web_url)
+        func=web_url)
     from diffusiond.bench import add_parser as add_bench
 
     add_bench(sub)
@@ -274,119 +272,3 @@ def _generate(args: argparse.Namespace, socket_path: str) -> int:
                 pass
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-# client commands ------------------------------------------------------------------------
-
-
-def _table(rows: list[list[str]], headers: list[str]) -> str:
-    cells = [headers, *rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
-
-
-def _mib(n: object) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if isinstance(n, int | float) else "?"
-
-
-async def _status(args: argparse.Namespace, client: AsyncClient) -> int:
-    async with client:
-        health = await client.health()
-        ready = await client.ready()
-    if args.json:
-        print(json.dumps({**health, "ready": ready}))
-        return EXIT_OK
-    state = f"{health.get('status', '?')}, {'ready' if ready else 'not ready'}"
-    if health.get("sleeping"):
-        state += ", sleeping"
-    print(f"diffusiond {health.get('version', '?')} at {client.socket_path}: {state}")
-    workers = health.get("workers") or []
-    if workers:
-        keys = ["id", "model", "device", "state", "pid", "restarts"]
-        print(_table([[str(w.get(k, "")) for k in keys] for w in workers], keys))
-    else:
-        print("no workers")
-    print(f"queue depth: {health.get('queue_depth', '?')}")
-    jobs = health.get("jobs") or {}
-    print("jobs: " + (", ".join(f"{k}={v}" for k, v in jobs.items() if v) or "none"))
-    if "arena_bytes_in_use" in health:
-        print(f"arena in use: {_mib(health['arena_bytes_in_use'])}")
-    return EXIT_OK
-
-
-async def _models(args: argparse.Namespace, client: AsyncClient) -> int:
-    async with client:
-        models = await client.models()
-    if args.json:
-        print(json.dumps(models))
-        return EXIT_OK
-    keys = ["id", "task", "device", "state"]
-    rows = [[str(m.get(k, "")) for k in keys] + [",".join(m.get("edits") or []) or "-"]
-            for m in models.get("data") or []]
-    print(_table(rows, [*keys, "edits"]))
-    return EXIT_OK
-
-
-async def _cancel(args: argparse.Namespace, client: AsyncClient) -> int:
-    async with client:
-        try:
-            job = await client.cancel(args.job_id)
-        except DaemonError as exc:
-            if exc.status != 409:
-                raise
-            try:
-                status = (await client.job(args.job_id)).get("status", "finished")
-            except DaemonError:
-                status = "finished"
-            print(f"job {args.job_id} already finished ({status})", file=sys.stderr)
-            return EXIT_FAILED
-    print(f"job {job.get('id', args.job_id)} {job.get('status', 'cancelled')}")
-    return EXIT_OK
-
-
-async def _history(args: argparse.Namespace, client: AsyncClient) -> int:
-    async with client:
-        page = await client.history(status=args.status, model=args.model, before=args.before, limit=args.limit)
-    if args.json:
-        print(json.dumps(page))
-        return EXIT_OK
-    keys = ["id", "created", "model", "status", "outputs", "attempts", "prompt"]
-    rows = [[j.get("id", ""), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.get("created", 0))),
-             j.get("model", ""), j.get("status", "") + (f" ({j['error']['code']})" if j.get("error") else ""),
-             str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
-            for j in page.get("data") or []]
-    print(_table(rows, keys) if rows else "no jobs")
-    if page.get("next_before"):
-        print(f"more: diffusiond history --before {page['next_before']}")
-    return EXIT_OK
-
-
-def _clip(text: str, width: int = 40) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-async def _sleep(args: argparse.Namespace, client: AsyncClient) -> int:
-    async with client:
-        answer = await client.sleep()
-    print(f"daemon asleep{_took(answer)}: device memory freed; `diffusiond wake` takes it back")
-    return EXIT_OK
-
-
-async def _wake(args: argparse.Namespace, client: AsyncClient) -> int:
-    async with client:
-        answer = await client.wake()
-    print(f"daemon awake{_took(answer)}")
-    return EXIT_OK
-
-
-async def _web_url(args: argparse.Namespace, client: AsyncClient) -> int:
-    async with client:  # a daemon without --web: DaemonError 404 web_off, printed by _main (exit 1)
-        url = await client.web_url()
-    print(url)
-    return EXIT_OK
-
-
-def _took(answer: dict[str, Any]) -> str:
-    took = answer.get("took_ms")
-    return f" (took {took / 1000:.1f} s)" if isinstance(took, int | float) else ""

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from diffusiond.daemon.config import Limits
-from diffusiond.daemon.inputs import Source, decode_edit
+from diffusiond.daemon.core.inputs import Source, decode_edit
 from diffusiond.protocol import Task
 
 

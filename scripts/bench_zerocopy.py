@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusiond.zerocopy import OutputMapper
+from diffusiond.client.zerocopy import OutputMapper
 
 
 class _Conn(http.client.HTTPConnection):

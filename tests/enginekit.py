@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from diffusiond.daemon.config import DaemonConfig, ModelConfig
-from diffusiond.daemon.engine import Engine
-from diffusiond.daemon.jobs import Job, JobRequest
-from diffusiond.daemon.link import Command, FrameCallback, LostCallback, WorkerStartError
+from diffusiond.daemon.core.engine import Engine
+from diffusiond.daemon.core.jobs import Job, JobRequest
+from diffusiond.daemon.workers.link import Command, FrameCallback, LostCallback, WorkerStartError
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.inputs import read_inputs
 from diffusiond.ipc.messages import (

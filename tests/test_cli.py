@@ -22,9 +22,9 @@ import pytest
 from aiohttp import web
 
 from diffusiond.cli import main
-from diffusiond.cli_generate import choose_format, extension_for, output_paths
-from diffusiond.cli_progress import render
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable, SSEParser
+from diffusiond.commands.generate import choose_format, extension_for, output_paths
+from diffusiond.commands.progress import render
 from diffusiond.protocol import default_socket_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -399,7 +399,7 @@ def test_generate_rejected_exits_1(stub: StubDaemon, capsys: Any) -> None:
 
 
 def test_generate_timeout_cancels(stub: StubDaemon, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("diffusiond.cli_generate.CLIENT_GRACE_S", 0.0)
+    monkeypatch.setattr("diffusiond.commands.generate.CLIENT_GRACE_S", 0.0)
     assert main(["generate", "hang", "--socket", stub.path, "--timeout", "0.5"]) == 1
     assert "did not finish within 0.5 s" in capsys.readouterr().err
     assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests

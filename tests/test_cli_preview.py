@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from diffusiond.cli_preview import KITTY_IMAGE_ID, image_protocol, iterm2_image, kitty_image
+from diffusiond.commands.preview import KITTY_IMAGE_ID, image_protocol, iterm2_image, kitty_image
 
 NOT_A_TERMINAL_OF_IMAGES = {"TERM": "xterm-256color"}
 

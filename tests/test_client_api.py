@@ -24,7 +24,7 @@ from PIL import Image
 
 import diffusiond
 from diffusiond import AsyncClient, Client, ClientError, DaemonError, JobFailed
-from diffusiond.client_sync import JobHandle
+from diffusiond.client.sync import JobHandle
 
 HOLD = {"model": "hold", "size": (64, 64), "steps": 500}
 """A job that computes until it is cancelled or its deadline passes."""
@@ -64,9 +64,9 @@ def running(handle: JobHandle) -> None:
 
 # the package -------------------------------------------------------------------------------
 def test_the_package_exports_the_client_and_one_exception_tree() -> None:
-    from diffusiond import client, client_sync
+    from diffusiond.client import aio, sync
 
-    assert diffusiond.Client is client_sync.Client and diffusiond.AsyncClient is client.AsyncClient
+    assert diffusiond.Client is sync.Client and diffusiond.AsyncClient is aio.AsyncClient
     assert all(issubclass(e, ClientError) for e in (DaemonError, JobFailed, diffusiond.DaemonUnreachable))
     with pytest.raises(AttributeError):
         _ = diffusiond.NoSuchName  # type: ignore[attr-defined]

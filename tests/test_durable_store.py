@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from diffusiond.daemon.jobs import Item, Job, JobRequest
-from diffusiond.daemon.statedir import StateDirError
-from diffusiond.daemon.store import SqliteStore
+from diffusiond.daemon.core.jobs import Item, Job, JobRequest
+from diffusiond.daemon.state.statedir import StateDirError
+from diffusiond.daemon.state.store import SqliteStore
 from diffusiond.ipc.messages import Capabilities
 from diffusiond.protocol import JobStatus, Stage
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from diffusiond.daemon import encoders
-from diffusiond.daemon.encoders import (
+from diffusiond.daemon.outputs import encoders
+from diffusiond.daemon.outputs.encoders import (
     EncodeOptions,
     content_type,
     encode,

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffusiond.daemon import errors
-from diffusiond.daemon.jobs import Job
-from diffusiond.daemon.link import WorkerStartError
+from diffusiond.daemon.core.jobs import Job
+from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.ipc.messages import Sleep, Wake
 from diffusiond.protocol import ErrorCode, Event, JobStatus, WorkerState
 
@@ -123,7 +123,7 @@ async def test_cancel_while_computing_asks_the_worker_and_a_late_output_goes_str
     await h.settle()
     assert job.status == JobStatus.CANCELLED
     assert h.worker.held == {} and h.worker.returned == [0]
-    assert not h.engine.batches
+    assert not h.engine.flights.batches
 
 
 @pytest.mark.parametrize("stage", ["queued", "computing", "copying"])
@@ -306,7 +306,7 @@ async def play(actions: list[tuple[Any, ...]]) -> None:
     for action in actions:
         kind = action[0]
         w = h.worker
-        batches = [b for b in w.executed if b.batch_id in h.engine.batches]
+        batches = [b for b in w.executed if b.batch_id in h.engine.flights.batches]
         if kind == "submit":
             try:
                 jobs.append(h.submit(n=action[1], output_format=action[2]))
@@ -354,7 +354,7 @@ def test_any_interleaving_ends_every_job_with_a_reason_and_gives_every_slot_back
 
 
 async def test_edits_reach_the_worker_by_fd_and_each_input_is_closed_when_its_job_ends(h: Harness) -> None:
-    from diffusiond.daemon.inputs import EditInput
+    from diffusiond.daemon.core.inputs import EditInput
     from diffusiond.ipc.inputs import InputBuffer
     from diffusiond.protocol import Task
 

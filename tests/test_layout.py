@@ -43,7 +43,7 @@ def imports(path: Path, *, module_level_only: bool = False) -> list[tuple[str, i
                 mod = child.module or ""
                 if mod.startswith("diffusiond"):
                     found.append((mod, child.lineno))
-                    # ``from diffusiond.daemon import views`` imports the module diffusiond.daemon.views
+                    # ``from diffusiond.daemon import views`` imports the module diffusiond.daemon.edge.views
                     found.extend((f"{mod}.{a.name}", child.lineno) for a in child.names)
             visit(child, top and not nested and not type_only)
 
@@ -59,31 +59,60 @@ def under(module: str, package: str) -> bool:
 # (importer package, packages it must not import, why)
 RULES = [
     ("diffusiond.ipc", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.client",
-                        "diffusiond.cli", "diffusiond.bench"], "ipc is the layer between processes: it imports "
-     "nothing of the package but the stdlib-only vocabulary in protocol.py"),
+                        "diffusiond.cli", "diffusiond.commands", "diffusiond.bench"], "ipc is the layer between "
+     "processes: it imports nothing of the package but the stdlib-only vocabulary in protocol.py"),
     ("diffusiond.protocol", ["diffusiond."], "the vocabulary is the bottom of the graph"),
-    ("diffusiond.pipelines", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.client", "diffusiond.cli"],
+    ("diffusiond.pipelines", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.client", "diffusiond.cli",
+                              "diffusiond.commands"],
      "pipelines are used by the worker and know nothing of the processes"),
-    ("diffusiond.worker", ["diffusiond.daemon", "diffusiond.client", "diffusiond.cli"],
+    ("diffusiond.worker", ["diffusiond.daemon", "diffusiond.client", "diffusiond.cli", "diffusiond.commands"],
      "the worker process talks to the engine only through ipc"),
-    ("diffusiond.daemon", ["diffusiond.worker", "diffusiond.client", "diffusiond.cli"],
+    ("diffusiond.daemon", ["diffusiond.worker", "diffusiond.client", "diffusiond.cli", "diffusiond.commands",
+                           "diffusiond.zerocopy"],
      "the engine starts workers as processes; it shares only ipc, the vocabulary and the spec grammar"),
-    *[(client, ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
-       "the client speaks HTTP over the socket, like any program (zerocopy.py is its one way into ipc)")
-      for client in ("diffusiond.client", "diffusiond.client_sync", "diffusiond.client_errors",
-                     "diffusiond.client_outputs", "diffusiond.client_http", "diffusiond.client_params",
-                     "diffusiond.cli_generate")],
-    ("diffusiond.zerocopy", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines"],
-     "a local program maps outputs through ipc's frames and descriptors, never the engine's code"),
+    ("diffusiond.client", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.cli",
+                           "diffusiond.commands", "diffusiond.bench"],
+     "the client library speaks HTTP over the socket, like any program; the command line is built on it, "
+     "not the other way round"),
+    ("diffusiond.commands", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
+     "the command line is a client: it reaches the daemon only through diffusiond.client"),
+    ("diffusiond.cli", ["diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
+     "the command line is a client (serve imports the daemon's config and server, lazily)"),
     ("diffusiond.ray", ["diffusiond.daemon", "diffusiond.worker", "diffusiond.pipelines", "diffusiond.ipc"],
      "the Ray Serve adapter runs the daemon as a process and speaks HTTP to it, like any client"),
     *[(package, ["diffusiond.ray"], "Ray is an optional extra on top of the daemon: nothing below it may need it")
       for package in ("diffusiond.protocol", "diffusiond.ipc", "diffusiond.daemon", "diffusiond.worker",
-                      "diffusiond.pipelines", "diffusiond.client", "diffusiond.client_sync", "diffusiond.client_errors",
-                      "diffusiond.client_outputs", "diffusiond.client_http", "diffusiond.client_params",
-                      "diffusiond.zerocopy", "diffusiond.cli", "diffusiond.cli_generate", "diffusiond.cli_progress",
-                      "diffusiond.bench")],
+                      "diffusiond.pipelines", "diffusiond.client", "diffusiond.zerocopy", "diffusiond.cli",
+                      "diffusiond.commands", "diffusiond.bench")],
 ]
+
+# Modules in one room of the engine that another room must not import: the HTTP edge is the top
+# (status codes are chosen there), so nothing below it may reach back up into it.
+ENGINE_ROOMS = ["diffusiond.daemon.edge", "diffusiond.daemon.core", "diffusiond.daemon.workers",
+                "diffusiond.daemon.outputs", "diffusiond.daemon.state"]
+BELOW_THE_EDGE = [r for r in ENGINE_ROOMS if r != "diffusiond.daemon.edge"]
+
+
+def test_the_client_library_and_the_command_line_live_in_their_own_packages() -> None:
+    """From the tree one sees where the client library ends and the command line begins: nothing
+    client-side sits at the package's top under a prefix."""
+    top = sorted(p.stem for p in ROOT.glob("*.py"))
+    assert top == ["__init__", "__main__", "cli", "protocol", "zerocopy"], top
+    assert (ROOT / "client" / "__init__.py").exists() and (ROOT / "commands" / "__init__.py").exists()
+
+
+def test_nothing_below_the_edge_imports_it() -> None:
+    broken = [f"{path.relative_to(ROOT.parent)}:{line} imports {mod}"
+              for name, path in modules().items() if any(under(name, r) for r in BELOW_THE_EDGE)
+              for mod, line in imports(path) if under(mod, "diffusiond.daemon.edge")]
+    assert not broken, "\n".join(broken)
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """A module that long has more than one job: split it along them (docs/architecture.md)."""
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
 
 
 def test_layering_between_processes_and_the_layer_between_them() -> None:

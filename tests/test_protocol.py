@@ -49,8 +49,8 @@ def test_client_loads_no_daemon_module_nor_torch() -> None:
 
 
 def test_request_checks_load_neither_pillow_nor_pyav() -> None:
-    modules = loaded_after("import diffusiond.daemon.requests")
-    assert not {"av", "PIL", "torch", "diffusers", "diffusiond.daemon.encoders"} & modules
+    modules = loaded_after("import diffusiond.daemon.edge.requests")
+    assert not {"av", "PIL", "torch", "diffusers", "diffusiond.daemon.outputs.encoders"} & modules
 
 
 def test_formats_table() -> None:

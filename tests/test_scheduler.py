@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from diffusiond.daemon.jobs import Item, Job, JobRequest
-from diffusiond.daemon.scheduler import Scheduler, Wait
+from diffusiond.daemon.core.jobs import Item, Job, JobRequest
+from diffusiond.daemon.core.scheduler import Scheduler, Wait
 
 
 def job(size: int = 64, n: int = 1, model: str = "m", at: float = 0.0) -> Job:
@@ -85,7 +85,7 @@ def test_a_batch_takes_at_most_max_fds_edits_with_their_own_input_and_all_output
     outputs each has), and the rest wait for the next batch."""
     import numpy as np
 
-    from diffusiond.daemon.inputs import EditInput
+    from diffusiond.daemon.core.inputs import EditInput
     from diffusiond.ipc.frames import MAX_FDS
     from diffusiond.ipc.inputs import InputBuffer
     from diffusiond.protocol import Task

@@ -112,7 +112,7 @@ def test_tiny_video_stays_small_enough_for_ci(tiny_video: DiffusersPipeline) -> 
 
 
 def test_frames_encode_to_an_mp4_of_exactly_those_frames(tiny_video: DiffusersPipeline) -> None:
-    from diffusiond.daemon.encoders import EncodeOptions, encode
+    from diffusiond.daemon.outputs.encoders import EncodeOptions, encode
 
     (video,) = tiny_video.run(clip(9), [req(3)], always)
     array = to_u8(video).permute(0, 2, 3, 1).contiguous().numpy()  # F,H,W,C as the worker delivers

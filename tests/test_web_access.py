@@ -21,8 +21,8 @@ import pytest
 from daemonkit import Daemon, http, shared_daemon
 
 from conftest import ROOT
-from diffusiond.daemon import webauth
 from diffusiond.daemon.config import ConfigError, parse_host_port
+from diffusiond.daemon.edge import webauth
 
 TOKEN = "web-test-token-0123456789abcdef"
 HOLD = {"model": "hold", "prompt": "held", "width": 64, "height": 64, "steps": 500}

@@ -208,7 +208,7 @@ async def test_worker_exits_when_the_engine_goes_away() -> None:
 
 
 async def test_worker_bad_model_spec_fails_start_with_the_reason() -> None:
-    from diffusiond.daemon.link import WorkerStartError
+    from diffusiond.daemon.workers.link import WorkerStartError
 
     with pytest.raises(WorkerStartError, match="no-such-model"):
         async with Driver(config("/nonexistent/no-such-model")):
@@ -226,7 +226,7 @@ async def test_worker_bad_model_spec_fails_start_with_the_reason() -> None:
 async def test_worker_start_up_failure_is_reported_as_fatal_with_the_reason(fault: str, words: str) -> None:
     """Any exception in start-up is FATAL with its message and exit 1, not a worker stuck in
     "starting" until the engine's start timeout."""
-    from diffusiond.daemon.link import WorkerStartError
+    from diffusiond.daemon.workers.link import WorkerStartError
 
     d = Driver(config(fault=fault))
     with pytest.raises(WorkerStartError, match=words):

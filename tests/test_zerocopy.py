@@ -24,8 +24,8 @@ from daemonkit import Daemon, shared_daemon
 
 from conftest import ROOT
 from diffusiond.client import DaemonError
+from diffusiond.client.zerocopy import OutputMapper, ZeroCopyUnavailable
 from diffusiond.ipc.arena import is_sealed
-from diffusiond.zerocopy import OutputMapper, ZeroCopyUnavailable
 
 VIDEO = "video=synthetic:task=video,compute_ms=5"
 
@@ -179,7 +179,7 @@ def test_a_client_killed_while_holding_ten_outputs_frees_them_all(daemon: Daemon
     job = run_job(daemon, n=10)
     holder = textwrap.dedent(f"""
         import sys, time
-        from diffusiond.zerocopy import OutputMapper
+        from diffusiond.client.zerocopy import OutputMapper
         m = OutputMapper({str(daemon.socket)!r})
         held = [m.array({job!r}, k) for k in range(10)]
         print(sum(int(a[0, 0, 0]) >= 0 for a in held), flush=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffusiond.daemon.worker_handle import WorkerHandle
+from diffusiond.daemon.workers.handle import WorkerHandle
 from diffusiond.ipc import messages as m
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.tensors import as_numpy

@@ -18,7 +18,7 @@ import torch
 from aiohttp import web
 from PIL import Image
 
-from diffusiond.daemon.encoders import EncodeOptions, encode
+from diffusiond.daemon.outputs.encoders import EncodeOptions, encode
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline

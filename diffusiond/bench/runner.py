@@ -31,7 +31,7 @@ from diffusiond.bench.limit import PROMPT, Limit
 from diffusiond.bench.load import BenchError, LoadResult, drive_daemon, drive_naive
 from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
-from diffusiond.cli_generate import parse_size, positive_int
+from diffusiond.commands.generate import parse_size, positive_int
 from diffusiond.protocol import COMPILE_MODES, FORMATS, OUTPUT_DTYPES
 
 # Nothing here at module level may load torch or numpy: ``diffusiond --help`` builds this parser,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from diffusiond.daemon.loras import LoraFileError, read_lora
+from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home

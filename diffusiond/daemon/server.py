@@ -26,15 +26,15 @@ from aiohttp import web
 
 from diffusiond import __version__
 from diffusiond.daemon import systemd
-from diffusiond.daemon.api import WebAddress, create_app
 from diffusiond.daemon.config import DaemonConfig, parse_host_port
-from diffusiond.daemon.engine import Engine
-from diffusiond.daemon.handoff import OutputSocket
-from diffusiond.daemon.link import WorkerStartError
-from diffusiond.daemon.statedir import StateDirError
-from diffusiond.daemon.store import SqliteStore
-from diffusiond.daemon.web import bind_tcp, create_web_app, sign_in_url
-from diffusiond.daemon.webauth import host_port
+from diffusiond.daemon.core.engine import Engine
+from diffusiond.daemon.edge.api import WebAddress, create_app
+from diffusiond.daemon.edge.handoff import OutputSocket
+from diffusiond.daemon.edge.web import bind_tcp, create_web_app, sign_in_url
+from diffusiond.daemon.edge.webauth import host_port
+from diffusiond.daemon.state.statedir import StateDirError
+from diffusiond.daemon.state.store import SqliteStore
+from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.protocol import output_socket_path
 
 log = logging.getLogger("diffusiond")

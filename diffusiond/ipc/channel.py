@@ -196,7 +196,7 @@ class Channel:
 
 def recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
     """One ``recvmsg``: the bytes, and the fds that came with them (SCM_RIGHTS), in order.
-    Also the blocking read of a peer that is not a ``Channel`` (``diffusiond.zerocopy``)."""
+    Also the blocking read of a peer that is not a ``Channel`` (``diffusiond.client.zerocopy``)."""
     data, anc, _flags, _addr = sock.recvmsg(_RECV_BYTES, _ANC_SPACE)
     fds: list[int] = []
     for level, type_, payload in anc:

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from diffusiond.daemon.encoders import EncodeOptions, encode
-from diffusiond.daemon.jobs import Item, Preview
-from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.core.jobs import Item, Preview
 from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.outputs.encoders import EncodeOptions, encode
+from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import PreviewReady
 from diffusiond.ipc.tensors import as_numpy
 from diffusiond.protocol import Stage

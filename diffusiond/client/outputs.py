@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from diffusiond.client_errors import DaemonError
+from diffusiond.client.errors import DaemonError
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray

@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from diffusiond.client_errors import DaemonError
+from diffusiond.client.errors import DaemonError
 
 
 class SSEParser:

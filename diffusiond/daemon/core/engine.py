@@ -5,11 +5,12 @@ between "an output arrived" and "someone started waiting for it". A Job exists f
 frames from workers land on it in whatever order they come. Every path a job can take ends in
 ``_end``, which tells the outputs module to give back whatever the job still holds.
 
-What is not here: which workers exist and keeping them alive (``pool.py``), queueing rules
-(``scheduler.py``), slots, encoding and reading outputs (``outputs.py``), previews
-(``previews.py``), LoRA registration (``loras.py``), the state dir (``store.py``) and finished
-jobs looked up later (``history.py``), and HTTP (``api.py`` picks status codes for the domain
-errors raised here; ``views.py`` draws the JSON).
+What is not here: batches on their way through a worker (``flights.py``), queueing rules
+(``scheduler.py``), which workers exist and keeping them alive (``workers/pool.py``), slots,
+encoding and reading outputs (``outputs/slots.py``), previews (``outputs/previews.py``), LoRA
+registration (``loras.py``), the state dir (``state/store.py``) and finished jobs looked up later
+(``state/history.py``), and HTTP (``http/api.py`` picks status codes for the domain errors raised
+here; ``http/views.py`` draws the JSON).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import collections
 import contextlib
 import functools
 import logging
-import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 
 from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.core.flights import Flights
+from diffusiond.daemon.core.jobs import Item, Job, JobRequest, Preview
+from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
+from diffusiond.daemon.core.scheduler import Scheduler
 from diffusiond.daemon.errors import (
     EngineError,
     JobFinished,
@@ -38,47 +41,27 @@ from diffusiond.daemon.errors import (
     PreviewNotFound,
     QueueFull,
 )
-from diffusiond.daemon.history import History
-from diffusiond.daemon.jobs import Item, Job, JobRequest, Preview
-from diffusiond.daemon.link import WorkerLink, WorkerStartError
-from diffusiond.daemon.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.metrics import Metrics
-from diffusiond.daemon.outputs import OutputRead, Outputs
-from diffusiond.daemon.pool import Model, Spawn, WorkerPool, spawn_process
-from diffusiond.daemon.previews import Previews
-from diffusiond.daemon.scheduler import Scheduler, Wait
-from diffusiond.daemon.store import Store
+from diffusiond.daemon.outputs.previews import Previews
+from diffusiond.daemon.outputs.slots import OutputRead, Outputs
+from diffusiond.daemon.state.history import History
+from diffusiond.daemon.state.store import Store
+from diffusiond.daemon.workers.link import WorkerLink, WorkerStartError
+from diffusiond.daemon.workers.pool import Model, Spawn, WorkerPool, spawn_process
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
     Ack,
     ComputeDone,
-    Execute,
     OutputReady,
     PreviewReady,
     Progress,
     RequestEnded,
-    RequestSpec,
     SlotWait,
 )
 from diffusiond.ipc.tensors import TensorDesc
-from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage, WorkerState
+from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage
 
 log = logging.getLogger(__name__)
-
-MAX_BATCHES_PER_WORKER = 2  # one computing, one waiting: the GPU never waits for the engine
-
-
-@dataclass(eq=False)
-class Batch:
-    id: int
-    worker: WorkerLink
-    items: list[Item]
-    open_items: int
-    computing: bool = False
-    compute_done: bool = False
-    done_at: float = 0.0
-    compiling_since: float = 0.0  # when the worker said it compiles this batch's shape
-
 
 class Engine:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None, *,
@@ -92,13 +75,14 @@ class Engine:
         self.pool.lora_target_rank = self.loras.start_rank
         self.jobs: dict[str, Job] = {}
         self.items: dict[str, Item] = {}
-        self.batches: dict[int, Batch] = {}
-        self.in_flight: dict[WorkerLink, collections.deque[Batch]] = {}
         self.scheduler = Scheduler(queue_size=config.queue_size, max_batch=config.max_batch,
                                    batch_wait_s=config.batch_wait_ms / 1000)
+        self._changed = asyncio.Event()
         self.executor = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="encode")
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
+        self.flights = Flights(self.pool, self.scheduler, self.outputs, self.store, self.metrics,
+                               held=lambda: self.paused or self.stopping, changed=self._changed)
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
         self.history = History(config, self.jobs, self.store, self.outputs, cancel=self.cancel, expire=self._expire)
         self.accepting = False
@@ -106,9 +90,6 @@ class Engine:
         self.draining = False
         self.stopping = False
         self.started_at = time.time()
-        self._batch_ids = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._changed = asyncio.Event()
         # sleep and wake run one at a time, in the order they came: a wake that arrives while a sleep
         # is still draining must not finish first and then be undone by that sleep's SLEEP commands
         self._power = asyncio.Lock()
@@ -239,7 +220,7 @@ class Engine:
         """Work that has left the queue and not yet come back: a batch still open (computing or
         copying; it closes when its last output lands) or an output still encoding. Sleep waits
         for all of it, so that when it answers nothing is running."""
-        return bool(self.batches) or any(
+        return bool(self.flights.batches) or any(
             i.stage == Stage.ENCODING for j in self.jobs.values() if not j.terminal for i in j.items
         )
 
@@ -364,7 +345,12 @@ class Engine:
         try:
             return [await self.outputs.read_all(i) for i in job.items]
         finally:
-            self.outputs.expire(job)
+            self.release_outputs(job)
+
+    def release_outputs(self, job: Job) -> None:
+        """Give back what a finished job's outputs hold in memory now, for a caller that will not
+        fetch them (a synchronous request answered with another job's failure)."""
+        self.outputs.expire(job)
 
     def preview(self, job_id: str, k: int) -> Preview:
         """The latest preview of output ``k`` of a job."""
@@ -381,104 +367,12 @@ class Engine:
             raise OutputNotFound(f"job {job.id} has outputs 0..{len(job.items) - 1}")
         return job.items[k]
 
-    # dispatch -------------------------------------------------------------------------------
     def dispatch(self) -> None:
-        if self.paused or self.stopping:
-            return
-        now = time.monotonic()
-        wake_at: float | None = None
-        for model in self.pool.models.values():
-            while True:
-                ready = [w for w in model.workers if w.state == WorkerState.READY
-                         and len(self.in_flight.setdefault(w, collections.deque())) < MAX_BATCHES_PER_WORKER]
-                if not ready:
-                    break
-                worker = min(ready, key=lambda w: len(self.in_flight[w]))
-                # An idle worker takes whatever is there; a busy one only a full batch (see Scheduler).
-                got = self.scheduler.next_batch(model.name, now, partial_ok=not self.in_flight[worker])
-                if got is None:
-                    break
-                if isinstance(got, Wait):
-                    wake_at = got.until if wake_at is None else min(wake_at, got.until)
-                    break
-                self._send(worker, got)
-        if wake_at is not None:
-            if self._timer is not None:
-                self._timer.cancel()
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(loop.time() + max(0.0, wake_at - now), self.dispatch)
-
-    def _send(self, worker: WorkerLink, items: list[Item]) -> None:
-        self._batch_ids += 1
-        batch = Batch(self._batch_ids, worker, items, open_items=len(items))
-        req = items[0].job.request
-        fds: list[int] = []
-        try:
-            msg = Execute(batch.id, req.batch_params(), self._specs(items, fds))
-            worker.execute(msg, fds)
-        except Exception as exc:
-            log.warning("could not send batch to %s: %s", worker.name, exc)
-            for fd in fds:  # sent frames close theirs; these never left
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self.scheduler.requeue_front(items)
-            return
-        self.batches[batch.id] = batch
-        for i in items:
-            i.worker, i.batch_id = worker, batch.id
-        self.metrics.batch_size.observe(len(items))
-        queue = self.in_flight[worker]
-        queue.append(batch)
-        if len(queue) == 1:
-            self._start_computing(batch)
-
-    @staticmethod
-    def _specs(items: list[Item], fds: list[int]) -> list[RequestSpec]:
-        """The requests of a batch; each edit's input buffer joins ``fds`` once per job (its own
-        duplicate, which the channel closes once sent), and its requests point at it."""
-        index: dict[str, int] = {}
-        specs = []
-        for i in items:
-            r = i.job.request
-            ref = None
-            if r.edit is not None:
-                if i.job.id not in index:
-                    index[i.job.id] = len(fds)
-                    fds.append(r.edit.buffer.dup())
-                ref = r.edit.buffer.ref(index[i.job.id])
-            specs.append(RequestSpec(request_id=i.request_id, prompt=r.prompt, seed=i.seed,
-                                     negative_prompt=r.negative_prompt, input=ref, **_preview_fields(r)))
-        return specs
-
-    def _start_computing(self, batch: Batch) -> None:
-        batch.computing = True
-        now = time.monotonic()
-        for item in batch.items:
-            if item.job.terminal:
-                continue
-            item.stage = Stage.COMPUTING
-            job = item.job
-            if job.status == JobStatus.QUEUED:
-                job.status = JobStatus.RUNNING
-                self.store.update(job)
-                queued_ms = (now - job.t0) * 1000
-                job.add_timing("queued", queued_ms)
-                self.metrics.stage_seconds.labels("queued").observe(queued_ms / 1000)
-                job.emit(Event.STATUS)
-
-    def _leave_compute(self, batch: Batch) -> None:
-        """The worker is done computing ``batch``: the next one it holds is now computing."""
-        queue = self.in_flight.get(batch.worker)
-        if queue and batch in queue:
-            queue.remove(batch)
-            if queue and not queue[0].computing:
-                self._start_computing(queue[0])
-        self._changed.set()
-        self.dispatch()
+        self.flights.dispatch()
 
     # frames from workers --------------------------------------------------------------------
     def _on_worker_ready(self, worker: WorkerLink) -> None:
-        self.in_flight[worker] = collections.deque()
+        self.flights.worker_ready(worker)
         model = self.pool.models.get(worker.config.model_name)
         if model is not None:
             self.store.remember(_model_key(model), model.capabilities)
@@ -488,39 +382,13 @@ class Engine:
     def _on_frame(self, worker: WorkerLink, frame: Frame) -> None:
         msg = frame.msg
         if isinstance(msg, OutputReady):
-            self._on_output(worker, msg)
+            self.flights.on_output(worker, self.items.get(msg.request_id), msg)
         elif isinstance(msg, Progress):
-            batch = self.batches.get(msg.batch_id)
-            items = batch.items if batch else []
-            # COMPILING is entered from COMPUTING when the worker says the shape is new, and left
-            # at the first step: a stage change is a STATUS event, so clients see it as it happens.
-            stage, old = (Stage.COMPILING, Stage.COMPUTING) if msg.compiling else (Stage.COMPUTING, Stage.COMPILING)
-            moved = [i for i in items if not i.job.terminal and i.stage == old]
-            for item in moved:
-                item.stage = stage
-            if batch is not None and msg.compiling:
-                batch.compiling_since = time.monotonic()
-            for job in self._jobs_of(moved):
-                if batch is not None and not msg.compiling:  # part of compute, as the job's timings show
-                    job.add_timing("compiling", (time.monotonic() - batch.compiling_since) * 1000)
-                job.emit(Event.STATUS)
-            for job in self._jobs_of(items):
-                job.progress = (msg.step, msg.total)
-                job.emit(Event.PROGRESS)
+            self.flights.on_progress(msg)
         elif isinstance(msg, PreviewReady):
             self.previews.deliver(worker, self.items.get(msg.request_id), msg)
         elif isinstance(msg, ComputeDone):
-            batch = self.batches.get(msg.batch_id)
-            if batch is None:
-                return
-            batch.compute_done = True
-            batch.done_at = time.monotonic()
-            self.metrics.stage_seconds.labels("compute").observe(msg.compute_ms / 1000)
-            for item in batch.items:
-                if not item.job.terminal and item.stage <= Stage.COMPUTING:
-                    item.stage = Stage.COPYING
-                    item.job.add_timing("compute", msg.compute_ms)
-            self._leave_compute(batch)
+            self.flights.on_compute_done(msg)
         elif isinstance(msg, SlotWait):
             log.info("%s waits for %d bytes of arena (%d of %d in use); spilling unfetched outputs",
                      worker.name, msg.nbytes, msg.in_use, msg.capacity)
@@ -533,34 +401,7 @@ class Engine:
                               f"{msg.message} (on {worker.name})", stage=msg.stage)
                 else:  # the worker cancelled it on our behalf (only after we asked)
                     self._end(ended.job, JobStatus.CANCELLED, ErrorCode.CANCELLED, msg.message)
-            self._item_closed(msg.batch_id)
-
-    @staticmethod
-    def _jobs_of(items: Iterable[Item]) -> list[Job]:
-        return list({i.job.id: i.job for i in items if not i.job.terminal}.values())
-
-    def _on_output(self, worker: WorkerLink, msg: OutputReady) -> None:
-        item = self.items.get(msg.request_id)
-        batch = self.batches.get(msg.batch_id)
-        if item is None or item.job.terminal or item.desc is not None or item.stage >= Stage.ENCODING:
-            self.outputs.drop_late(worker, msg.tensor)
-        else:
-            if batch is not None and batch.done_at:
-                copy_ms = (time.monotonic() - batch.done_at) * 1000
-                item.job.add_timing("copy", copy_ms)
-                self.metrics.stage_seconds.labels("copy").observe(copy_ms / 1000)
-            self.outputs.deliver(item, msg.tensor)
-        self._item_closed(msg.batch_id)
-
-    def _item_closed(self, batch_id: int) -> None:
-        batch = self.batches.get(batch_id)
-        if batch is None:
-            return
-        batch.open_items -= 1
-        if batch.open_items <= 0:
-            del self.batches[batch_id]
-            if not batch.compute_done:
-                self._leave_compute(batch)
+            self.flights.item_closed(msg.batch_id)
 
     def _on_item_ready(self, item: Item) -> None:
         item.stage = Stage.DONE
@@ -628,32 +469,21 @@ class Engine:
 
     def _on_lost(self, worker: WorkerLink, reason: str) -> None:
         """A worker ended: fail what it was working on (not what it already delivered)."""
-        for batch in list(self.batches.values()):
-            if batch.worker is not worker:
-                continue
-            for item in batch.items:
-                if not item.job.terminal and item.desc is None and not item.done:
-                    self._end(item.job, JobStatus.FAILED, ErrorCode.WORKER_LOST,
-                              f"{reason} while the job was {item.stage.label}", stage=item.stage.label)
-            del self.batches[batch.id]
-        self.in_flight.pop(worker, None)
+        for item in self.flights.lost(worker):
+            if not item.job.terminal:
+                self._end(item.job, JobStatus.FAILED, ErrorCode.WORKER_LOST,
+                          f"{reason} while the job was {item.stage.label}", stage=item.stage.label)
         self._changed.set()
 
     # what /health and /metrics read ---------------------------------------------------------
     def batches_in_flight(self, worker: WorkerLink) -> int:
-        return len(self.in_flight.get(worker, ()))
+        return self.flights.batches_in_flight(worker)
 
     def jobs_by_status(self) -> dict[str, int]:
         counts = dict.fromkeys((s.value for s in JobStatus), 0)
         for j in self.jobs.values():
             counts[j.status.value] += 1
         return counts
-
-
-def _preview_fields(req: JobRequest) -> dict[str, int]:
-    """The worker's share of a request's previews (encoding them is the engine's)."""
-    p = req.preview
-    return {} if p is None else {"preview_every": p.every, "preview_max_side": p.max_side}
 
 
 def _model_key(model: Model) -> str:

@@ -19,9 +19,10 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from diffusiond.daemon import webauth
-from diffusiond.daemon.api import ENGINE, Handler, HttpError, add_api_routes, errors_middleware
-from diffusiond.daemon.engine import Engine
+from diffusiond.daemon.core.engine import Engine
+from diffusiond.daemon.edge import webauth
+from diffusiond.daemon.edge.api import add_api_routes
+from diffusiond.daemon.edge.status import ENGINE, Handler, HttpError, errors_middleware
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.protocol import ErrorCode
 

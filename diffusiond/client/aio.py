@@ -2,26 +2,9 @@
 
 The CLI is a thin shell over this module, and Python users (a training loop, a notebook) can use it
 directly instead of hand-writing HTTP: it knows the socket-path rules, turns the daemon's JSON errors
-into exceptions, follows a job's Server-Sent Events, streams outputs to files without holding a
-whole video in memory, and hands outputs over as PIL images, numpy arrays or bytes.
-
-Every failure a caller can meet comes out as one of these, so ``except ClientError`` is enough to
-keep aiohttp's and asyncio's own exceptions out of a caller's code:
-
-    ClientError
-    ├── DaemonUnreachable    nothing answers on the socket, or the connection died mid-answer
-    ├── DaemonError          the daemon answered with an error: status, code, message, field,
-    │                        stage, retry_after (HTTP 4xx/5xx, or an answer that made no sense)
-    ├── ClientTimeout        a request, or a wait for a job, took longer than the caller allowed
-    │                        (also a ``TimeoutError``, which is what such code caught before)
-    ├── JobFailed            ``generate`` (or ``outputs``) met a job that failed or was cancelled:
-    │                        job_id, status, code, message, stage, and the job itself
-    └── ZeroCopyUnavailable  (``diffusiond.zerocopy``) no shared-memory path to the outputs here
-
-A job that fails or is cancelled is not an exception for ``wait``: it returns the job, whose
-``status`` and ``error`` say what happened, because a caller that waits on a handle asked about
-the job; ``generate`` asked for images, so it raises JobFailed. Writing an output to a file can
-still raise ``OSError``; that is the caller's file, not the daemon.
+into exceptions (the tree is in ``diffusiond.client``'s docstring), follows a job's Server-Sent
+Events, streams outputs to files without holding a whole video in memory, and hands outputs over as
+PIL images, numpy arrays or bytes. A submitted job is an ``AsyncJobHandle`` (``handle.py``).
 
 It depends on nothing of the daemon (the socket-path rules are in ``diffusiond.protocol``), so
 importing it never pulls in torch, the engine, or the encoders; numpy and PIL are imported only
@@ -32,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, overload
 
 import aiohttp
 
-from diffusiond.client_errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable, JobFailed
-from diffusiond.client_http import (
+from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable
+from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback
+from diffusiond.client.outputs import Mapped, read_npy
+from diffusiond.client.params import JobParams, Output, job_body, params_for
+from diffusiond.client.transport import (
     SSEParser,
     decode_event,
     error_from,
@@ -50,14 +35,10 @@ from diffusiond.client_http import (
     quote_id,
     reason,
 )
-from diffusiond.client_outputs import Mapped, decoded, image_of, read_npy
-from diffusiond.client_params import JobParams, Output, job_body, params_for
 from diffusiond.protocol import (
-    FORMAT_OF_CONTENT_TYPE,
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
     ErrorCode,
-    JobStatus,
     default_socket_path,
 )  # fmt: skip
 
@@ -65,10 +46,7 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
     from PIL import Image
 
-__all__ = [
-    "BASE_URL", "AsyncClient", "AsyncJobHandle", "ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable",
-    "JobFailed", "JobParams", "Output", "SSEParser", "default_socket_path",
-]  # fmt: skip
+__all__ = ["BASE_URL", "AsyncClient", "EventCallback"]
 
 BASE_URL = "http://diffusiond"
 """The host part is ignored on a Unix socket; a fixed name keeps URLs readable in logs."""
@@ -82,10 +60,7 @@ START_WAIT_S = 900.0
 """How long a submit waits for a daemon that is still loading its models (the daemon's own
 default bound on a model load)."""
 
-_CANCEL_GRACE_S = 5.0
-"""How long a cancel on the way out (an interrupt, a dropped handle, a timeout) may take."""
 
-EventCallback = Callable[[str, dict[str, Any]], None]
 
 
 class AsyncClient:
@@ -123,7 +98,7 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the pool, after giving the cancels of dropped or interrupted jobs their few seconds."""
         if self._background:
-            await asyncio.wait(set(self._background), timeout=_CANCEL_GRACE_S)
+            await asyncio.wait(set(self._background), timeout=CANCEL_GRACE_S)
         mapper, self._mapper = self._mapper, None
         if mapper is not None:
             mapper.close()
@@ -341,17 +316,17 @@ class AsyncClient:
         job = await self.submit(prompt, **params)
         deadline = params.get("timeout_s")
         try:
-            final = await job.wait(None if deadline is None else deadline + _CANCEL_GRACE_S, on_event=on_event)
+            final = await job.wait(None if deadline is None else deadline + CANCEL_GRACE_S, on_event=on_event)
         except ClientTimeout:
             await job._cancel_on_the_way_out()
             raise
         return await job._fetch(output, final)
 
-    async def _array(self, job_id: str, k: int) -> NDArray[Any]:
+    async def array(self, job_id: str, k: int) -> NDArray[Any]:
         """An npy output: mapped from shared memory where possible, else streamed over HTTP."""
         mapper = await self._zero_copy_mapper()
         if mapper is not None:
-            from diffusiond.zerocopy import ZeroCopyUnavailable
+            from diffusiond.client.zerocopy import ZeroCopyUnavailable
 
             try:
                 return mapper.hand_out(await asyncio.to_thread(mapper.mapper.array, job_id, k))
@@ -375,7 +350,7 @@ class AsyncClient:
         async with self._mapper_lock:
             if self._mapper is None and not self._no_zero_copy:
                 try:
-                    from diffusiond.zerocopy import OutputMapper, ZeroCopyUnavailable
+                    from diffusiond.client.zerocopy import OutputMapper, ZeroCopyUnavailable
                 except ImportError as exc:  # an install without the module: HTTP is the only path
                     if self.zero_copy:
                         raise ClientError(f"zero-copy outputs are not available here: {exc}") from exc
@@ -395,130 +370,26 @@ class AsyncClient:
         if mapper is not None:
             mapper.close()
 
-    def _cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]:
+    def cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]:
         """Start a bounded, quiet cancel that outlives the caller's own cancellation."""
         task = asyncio.ensure_future(self._cancel_quietly(job_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
+    def cancel_from_any_thread(self, job_id: str) -> None:
+        """Schedule ``cancel_soon`` on this client's loop from any thread (a dropped handle's
+        finalizer runs wherever the GC runs): only while that loop runs and the pool is open."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running() or self._session is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self.cancel_soon, job_id)
+        except RuntimeError:  # the loop closed in between
+            pass
+
     async def _cancel_quietly(self, job_id: str) -> dict[str, Any] | None:
         try:
-            return await asyncio.wait_for(self.cancel(job_id), _CANCEL_GRACE_S)
+            return await asyncio.wait_for(self.cancel(job_id), CANCEL_GRACE_S)
         except (ClientError, TimeoutError):  # finished already (409), or the daemon is gone
             return None
-
-
-class AsyncJobHandle:
-    """A submitted job: follow it, wait for it, cancel it, fetch its outputs.
-
-    A handle dropped while its job may still run cancels the job (on the client's loop, if it
-    still runs): nobody is left to read the outputs, and a GPU should not compute for nobody.
-    Waiting, events and cancelling update ``job``, the last state seen, and once the handle has
-    seen the job end, dropping it costs nothing.
-    """
-
-    def __init__(self, client: AsyncClient, job: dict[str, Any]) -> None:
-        self.client = client
-        self.id = str(job["id"])
-        self.job = job
-        self._finalizer = weakref.finalize(self, _cancel_dropped, client, self.id)
-        self._finalizer.atexit = False  # at exit no loop runs to send it
-        self._seen(job)
-
-    def __repr__(self) -> str:
-        return f"<AsyncJobHandle {self.id} {self.job.get('status')}>"
-
-    @property
-    def finished(self) -> bool:
-        return self.job.get("status") in TERMINAL_STATUSES
-
-    def _seen(self, job: dict[str, Any]) -> dict[str, Any]:
-        if "status" in job:
-            self.job = job
-            if self.finished:
-                self._finalizer.detach()
-        return job
-
-    async def refresh(self) -> dict[str, Any]:
-        """The job as the daemon describes it now."""
-        return self._seen(await self.client.job(self.id))
-
-    async def events(self) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-        """(name, data) events until ``done`` or ``error`` (see ``AsyncClient.events``)."""
-        async with aclosing(self.client.events(self.id)) as events:
-            async for name, data in events:
-                if name != "progress":
-                    self._seen(data)
-                yield name, data
-
-    async def wait(self, timeout: float | None = None, *, on_event: EventCallback | None = None) -> dict[str, Any]:
-        """The final job, failed or cancelled ones included (look at ``status``); ClientTimeout
-        after ``timeout`` leaves the job running. Cancelling the task that waits cancels the job."""
-        if self.finished:
-            return self.job
-        return self._seen(await self._interruptible(self.client.wait(self.id, timeout=timeout, on_event=on_event)))
-
-    async def cancel(self) -> dict[str, Any]:
-        """Cancel the job and return it; a job that had already finished is returned as it ended."""
-        try:
-            return self._seen(await self.client.cancel(self.id))
-        except DaemonError as exc:
-            if exc.status != 409:
-                raise
-        return await self.refresh()
-
-    @overload
-    async def outputs(self, output: Literal["pil"] = ...) -> list[Image.Image]: ...
-    @overload
-    async def outputs(self, output: Literal["array"]) -> list[NDArray[Any]]: ...
-    @overload
-    async def outputs(self, output: Literal["bytes"]) -> list[bytes]: ...
-
-    async def outputs(self, output: Output = "pil") -> list[Any]:
-        """Every output in index order, once the job has ended; JobFailed unless it succeeded.
-
-        ``npy`` outputs come as arrays (``"pil"`` turns uint8 images into images); encoded ones
-        are decoded for ``"pil"`` and ``"array"``. An ``npy`` output can be read once only (the
-        daemon then frees its memory): ask for it once, or ask for an encoded format.
-        """
-        return await self._fetch(output, await self.wait())
-
-    async def _fetch(self, output: Output, job: dict[str, Any]) -> list[Any]:
-        if job.get("status") != JobStatus.SUCCEEDED:
-            raise JobFailed(job)
-        found: list[Any] = []
-        for out in sorted(job.get("outputs") or [], key=lambda o: int(o.get("index", 0))):
-            k, ctype = int(out.get("index", 0)), str(out.get("content_type") or "").split(";")[0].strip()
-            if output != "bytes" and FORMAT_OF_CONTENT_TYPE.get(ctype) == "npy":
-                array = await self.client._array(self.id, k)
-                found.append(array if output == "array" else image_of(array))
-                continue
-            data = await self.client.output(self.id, k)
-            found.append(data if output == "bytes" else decoded(data, output == "array"))
-        return found
-
-    async def _interruptible(self, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
-        try:
-            return await work
-        except asyncio.CancelledError:  # Ctrl-C under asyncio.run, a task cancelled, a sync caller's interrupt
-            await self._cancel_on_the_way_out()
-            raise
-
-    async def _cancel_on_the_way_out(self) -> None:
-        self._finalizer.detach()  # one cancel is enough
-        await asyncio.wait({self.client._cancel_soon(self.id)}, timeout=_CANCEL_GRACE_S)
-
-
-def _cancel_dropped(client: AsyncClient, job_id: str) -> None:
-    """The finalizer of a handle dropped unfinished. Runs wherever the GC runs, so it only
-    schedules the cancel on the client's loop, and only while that loop runs and the pool is open."""
-    loop = client._loop
-    if loop is None or loop.is_closed() or not loop.is_running() or client._session is None:
-        return
-    try:
-        loop.call_soon_threadsafe(client._cancel_soon, job_id)
-    except RuntimeError:  # the loop closed in between
-        pass
-
-

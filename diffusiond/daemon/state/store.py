@@ -39,9 +39,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from diffusiond.daemon.core.jobs import Item, Job, JobRequest
 from diffusiond.daemon.errors import InsufficientStorage, StateWriteFailed
-from diffusiond.daemon.jobs import Item, Job, JobRequest
-from diffusiond.daemon.statedir import StateDirError, StateLock, move_aside, prepare
+from diffusiond.daemon.state.statedir import StateDirError, StateLock, move_aside, prepare
 from diffusiond.ipc.messages import Capabilities
 from diffusiond.protocol import JobStatus, Stage
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from diffusiond.daemon.jobs import Item, Job
+from diffusiond.daemon.core.jobs import Item, Job
 from diffusiond.ipc.frames import MAX_FDS
 
 

@@ -10,16 +10,16 @@ import base64
 from typing import TYPE_CHECKING, Any
 
 from diffusiond import __version__
-from diffusiond.daemon.jobs import Job, Preview
-from diffusiond.daemon.link import WorkerLink
-from diffusiond.daemon.loras import LoraInfo
-from diffusiond.daemon.pool import PING_INTERVAL_S, Model
+from diffusiond.daemon.core.jobs import Job, Preview
+from diffusiond.daemon.core.loras import LoraInfo
+from diffusiond.daemon.workers.link import WorkerLink
+from diffusiond.daemon.workers.pool import PING_INTERVAL_S, Model
 from diffusiond.ipc.messages import Ack
 from diffusiond.pipelines.spec import is_synthetic
 from diffusiond.protocol import FORMATS, Event, ModelState
 
 if TYPE_CHECKING:
-    from diffusiond.daemon.engine import Engine
+    from diffusiond.daemon.core.engine import Engine
 
 
 def job_url(job_id: str) -> str:

@@ -16,8 +16,10 @@ from collections.abc import Coroutine, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
-from diffusiond.client import _CANCEL_GRACE_S, AsyncClient, AsyncJobHandle, EventCallback, JobParams, Output
-from diffusiond.client_errors import ClientError
+from diffusiond.client.aio import AsyncClient, EventCallback
+from diffusiond.client.errors import ClientError
+from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle
+from diffusiond.client.params import JobParams, Output
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -71,7 +73,7 @@ class Client:
             self._closed = True
             self._finalizer.detach()
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(_CANCEL_GRACE_S * 2)
+            self._thread.join(CANCEL_GRACE_S * 2)
 
     def _call(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the loop and wait for it. On KeyboardInterrupt the coroutine is
@@ -93,7 +95,7 @@ class Client:
             return future.result()
         except KeyboardInterrupt:
             future.cancel()
-            finished.wait(_CANCEL_GRACE_S + 1)
+            finished.wait(CANCEL_GRACE_S + 1)
             raise
 
     # the high-level API -------------------------------------------------------------------

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from diffusiond.daemon.link import Command, FrameCallback, LostCallback, WorkerStartError
+from diffusiond.daemon.workers.link import Command, FrameCallback, LostCallback, WorkerStartError
 from diffusiond.ipc.arena import MappedView, is_sealed
 from diffusiond.ipc.channel import Channel, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffusiond.daemon.inputs import EditInput
-from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.core.inputs import EditInput
+from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import BatchParams, LoraRef
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage

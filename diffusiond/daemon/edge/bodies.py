@@ -16,10 +16,12 @@ import aiohttp
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from diffusiond.daemon import errors, inputs, requests
-from diffusiond.daemon.engine import Engine
+from diffusiond.daemon import errors
+from diffusiond.daemon.core import inputs
+from diffusiond.daemon.core.engine import Engine
+from diffusiond.daemon.core.inputs import EditInput
+from diffusiond.daemon.edge import requests
 from diffusiond.daemon.errors import UploadTooLarge
-from diffusiond.daemon.inputs import EditInput
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from diffusiond.daemon.errors import Conflict, InvalidRequest, NotFound, Unavailable
-from diffusiond.daemon.link import WorkerLink
+from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import AddLora
 from diffusiond.protocol import ErrorCode, WorkerState
 

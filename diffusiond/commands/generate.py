@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffusiond.cli_preview import PREVIEW_FORMAT, PreviewPane, pane_for
-from diffusiond.cli_progress import ProgressBar
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout
-from diffusiond.client_params import image_b64
+from diffusiond.client.params import image_b64
+from diffusiond.commands.preview import PREVIEW_FORMAT, PreviewPane, pane_for
+from diffusiond.commands.progress import ProgressBar
 from diffusiond.protocol import FORMAT_OF_CONTENT_TYPE, FORMAT_OF_SUFFIX, FORMATS, Event, JobStatus
 
 CLIENT_GRACE_S = 5.0

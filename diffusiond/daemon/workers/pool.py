@@ -24,9 +24,9 @@ from typing import Any
 
 from diffusiond.daemon.config import DaemonConfig, ModelConfig, compile_cache_dir
 from diffusiond.daemon.errors import ModelNotFound, PowerFailed, WorkerUnavailable
-from diffusiond.daemon.link import FrameCallback, LostCallback, WorkerLink, WorkerStartError
 from diffusiond.daemon.metrics import Metrics
-from diffusiond.daemon.worker_handle import WorkerHandle
+from diffusiond.daemon.workers.handle import WorkerHandle
+from diffusiond.daemon.workers.link import FrameCallback, LostCallback, WorkerLink, WorkerStartError
 from diffusiond.ipc.messages import Ack, Capabilities, Sleep, Trace, Wake, WarmupShape, WorkerConfig
 from diffusiond.protocol import ErrorCode, ModelState, WorkerState
 

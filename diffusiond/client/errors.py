@@ -1,7 +1,7 @@
 """The exceptions of the diffusiond client, in a module of their own.
 
 They sit below both ``diffusiond.client`` (which re-exports them: import them from there) and
-``diffusiond.zerocopy`` (whose ZeroCopyUnavailable is a ClientError), so the client can use the
+``diffusiond.client.zerocopy`` (whose ZeroCopyUnavailable is a ClientError), so the client can use the
 zero-copy path without the two modules importing each other. The tree, and when each is raised,
 is in ``diffusiond.client``'s docstring and docs/api.md.
 """

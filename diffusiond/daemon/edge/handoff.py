@@ -32,15 +32,16 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from diffusiond.daemon.api import socket_peer_uid, status_of  # the HTTP edge's rules, here too
+from diffusiond.daemon.core.jobs import Item
+from diffusiond.daemon.edge.access import socket_peer_uid  # the HTTP edge's rules, here too
+from diffusiond.daemon.edge.status import status_of
 from diffusiond.daemon.errors import EngineError
-from diffusiond.daemon.jobs import Item
 from diffusiond.ipc.channel import Channel
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin
 
 if TYPE_CHECKING:
-    from diffusiond.daemon.engine import Engine
+    from diffusiond.daemon.core.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import logging
 from collections.abc import Callable
 
 from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.errors import JobNotFound
-from diffusiond.daemon.jobs import Job
-from diffusiond.daemon.outputs import Outputs
-from diffusiond.daemon.store import Page, Store
+from diffusiond.daemon.outputs.slots import Outputs
+from diffusiond.daemon.state.store import Page, Store
 from diffusiond.protocol import JobStatus
 
 log = logging.getLogger(__name__)

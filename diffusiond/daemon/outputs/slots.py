@@ -37,12 +37,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from diffusiond.daemon.encoders import EncodeOptions, encode, npy_header, npy_size
+from diffusiond.daemon.core.jobs import Item, Job
 from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, OutputNotReady, OutputReleased
-from diffusiond.daemon.jobs import Item, Job
-from diffusiond.daemon.link import WorkerLink
 from diffusiond.daemon.metrics import Metrics
-from diffusiond.daemon.store import Store
+from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
+from diffusiond.daemon.state.store import Store
+from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
 from diffusiond.protocol import FORMATS, ErrorCode, Stage
 

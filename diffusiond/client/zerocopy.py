@@ -1,0 +1,153 @@
+"""Zero-copy outputs for programs on the daemon's machine: map the shared memory an output lies in.
+
+The client side of the output socket (``daemon/handoff.py`` says how the daemon side works and
+why it is safe). ``OutputMapper.array(job_id, k)`` asks the daemon for output ``k`` of a job,
+receives the file descriptor of the sealed memory it lies in, maps the pages that hold it
+read-only, and returns a numpy array over them: no byte is copied between the GPU's copy into
+shared memory and your program reading the array (``torch.from_numpy`` keeps it that way).
+
+The daemon keeps that memory for you until every array over it (views and tensors made from it
+included) has been garbage-collected: then the mapping is closed and the daemon told. If your
+program dies, the kernel closes the connection and the daemon takes the memory back.
+
+``ZeroCopyUnavailable`` means there is no such path here (a daemon reached over TCP, on another
+machine, or of another user): use the HTTP npy stream, as ``diffusiond.Client`` does by itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import socket
+import threading
+import weakref
+
+import numpy as np
+
+from diffusiond.client.errors import ClientError, DaemonError
+from diffusiond.ipc.channel import recv_with_fds
+from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
+from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin
+from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.protocol import default_socket_path, output_socket_path
+
+_PAGE = mmap.ALLOCATIONGRANULARITY
+# Map the pages in one go instead of one fault per 4 KiB page on first read: the memory is already
+# resident (the worker wrote it), so this only fills page tables, several times faster in bulk.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class ZeroCopyUnavailable(ClientError):
+    """No output socket to reach (or it refused us): fetch outputs over HTTP instead."""
+
+
+class OutputMapper:
+    """One connection to a daemon's output socket; safe to share between threads."""
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float | None = 30.0) -> None:
+        self.path = output_socket_path(socket_path or default_socket_path())
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise ZeroCopyUnavailable(f"no output socket at {self.path} ({exc.strerror or exc})") from None
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._unpins: collections.deque[int] = collections.deque()
+        self._encoder = FrameEncoder()
+        self._decoder = FrameDecoder()
+        self.closed = False
+
+    def __enter__(self) -> OutputMapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Hang up: the daemon takes back every output this mapper still holds. Arrays already
+        handed out stay readable (the mapping is ours), but the memory may be reused under them,
+        so drop them first."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._sock.close()
+
+    def array(self, job_id: str, k: int) -> np.ndarray:
+        """Output ``k`` of a finished npy job, as a read-only array over the daemon's memory."""
+        with self._lock:
+            if self.closed:
+                raise ZeroCopyUnavailable("this OutputMapper is closed")
+            try:
+                self._sock.sendall(self._encoder.encode(Fetch(job_id, k)))
+                msg, fds = self._receive()
+                self._send_unpins()
+            except TimeoutError:
+                raise ZeroCopyUnavailable(f"the output socket {self.path} did not answer in time") from None
+            except OSError as exc:
+                raise ZeroCopyUnavailable(f"the output socket {self.path} failed: {exc}") from None
+        if isinstance(msg, Refused):
+            for fd in fds:
+                os.close(fd)
+            raise DaemonError(msg.status, msg.code, msg.message)
+        if not isinstance(msg, Lease) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ZeroCopyUnavailable(f"unexpected answer from {self.path}: {type(msg).__name__}")
+        return self._map(msg, fds[0])
+
+    def _receive(self) -> tuple[object, list[int]]:
+        fds: list[int] = []
+        while True:
+            data, got = recv_with_fds(self._sock)
+            fds.extend(got)
+            if not data:
+                raise ConnectionResetError("the daemon closed the output socket")
+            frames = self._decoder.feed(data)
+            if frames:
+                _kind, _seq, _nfds, msg = frames[0]
+                return msg, fds
+
+    def _map(self, lease: Lease, fd: int) -> np.ndarray:
+        desc = lease.tensor
+        start = desc.offset - desc.offset % _PAGE
+        length = desc.offset + desc.nbytes - start
+        try:
+            mm = mmap.mmap(fd, max(length, 1), mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ, offset=start)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+        raw = np.frombuffer(mm, dtype=np.uint8, count=desc.nbytes, offset=desc.offset - start)
+        # Every array over this memory (views, slices, tensors made from them) holds the mapping
+        # alive through its buffer; when the last one goes, the mapping is unmapped and collected,
+        # and only then is the daemon told it may reuse the memory.
+        weakref.finalize(mm, _release, weakref.ref(self), lease.lease)
+        return raw.view(numpy_dtype(desc.dtype)).reshape(desc.shape)
+
+    def _unpin(self, lease: int) -> None:
+        """Called by the garbage collector, in whatever thread it runs, perhaps inside ``array``
+        of this very mapper: so never wait for the lock. Whoever holds it sends the queue."""
+        self._unpins.append(lease)
+        while self._unpins and self._lock.acquire(blocking=False):
+            try:
+                self._send_unpins()
+            finally:
+                self._lock.release()
+
+    def _send_unpins(self) -> None:
+        while self._unpins:
+            lease = self._unpins.popleft()
+            if self.closed:
+                continue  # hung up: the daemon took back everything this connection held
+            try:
+                self._sock.sendall(self._encoder.encode(Unpin(lease)))
+            except OSError:
+                self.closed = True  # the daemon is gone, and with it what we held
+
+
+def _release(mapper: weakref.ref[OutputMapper], lease: int) -> None:
+    m = mapper()
+    if m is not None:
+        m._unpin(lease)

@@ -1,0 +1,130 @@
+"""The commands that ask a daemon about itself or tell it one thing: status, models, history,
+cancel, sleep, wake, web-url.
+
+Each is ``async def command(args, client) -> exit code`` over ``AsyncClient``, so ``cli.py`` runs
+them all the same way and maps the client's exceptions to exit codes in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from diffusiond.client import AsyncClient, DaemonError
+from diffusiond.commands import EXIT_FAILED, EXIT_OK
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    cells = [headers, *rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _mib(n: object) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if isinstance(n, int | float) else "?"
+
+
+async def status(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        health = await client.health()
+        ready = await client.ready()
+    if args.json:
+        print(json.dumps({**health, "ready": ready}))
+        return EXIT_OK
+    state = f"{health.get('status', '?')}, {'ready' if ready else 'not ready'}"
+    if health.get("sleeping"):
+        state += ", sleeping"
+    print(f"diffusiond {health.get('version', '?')} at {client.socket_path}: {state}")
+    workers = health.get("workers") or []
+    if workers:
+        keys = ["id", "model", "device", "state", "pid", "restarts"]
+        print(_table([[str(w.get(k, "")) for k in keys] for w in workers], keys))
+    else:
+        print("no workers")
+    print(f"queue depth: {health.get('queue_depth', '?')}")
+    jobs = health.get("jobs") or {}
+    print("jobs: " + (", ".join(f"{k}={v}" for k, v in jobs.items() if v) or "none"))
+    if "arena_bytes_in_use" in health:
+        print(f"arena in use: {_mib(health['arena_bytes_in_use'])}")
+    return EXIT_OK
+
+
+async def models(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        models = await client.models()
+    if args.json:
+        print(json.dumps(models))
+        return EXIT_OK
+    keys = ["id", "task", "device", "state"]
+    rows = [[str(m.get(k, "")) for k in keys] + [",".join(m.get("edits") or []) or "-"]
+            for m in models.get("data") or []]
+    print(_table(rows, [*keys, "edits"]))
+    return EXIT_OK
+
+
+async def cancel(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        try:
+            job = await client.cancel(args.job_id)
+        except DaemonError as exc:
+            if exc.status != 409:
+                raise
+            try:
+                status = (await client.job(args.job_id)).get("status", "finished")
+            except DaemonError:
+                status = "finished"
+            print(f"job {args.job_id} already finished ({status})", file=sys.stderr)
+            return EXIT_FAILED
+    print(f"job {job.get('id', args.job_id)} {job.get('status', 'cancelled')}")
+    return EXIT_OK
+
+
+async def history(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        page = await client.history(status=args.status, model=args.model, before=args.before, limit=args.limit)
+    if args.json:
+        print(json.dumps(page))
+        return EXIT_OK
+    keys = ["id", "created", "model", "status", "outputs", "attempts", "prompt"]
+    rows = [[j.get("id", ""), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.get("created", 0))),
+             j.get("model", ""), j.get("status", "") + (f" ({j['error']['code']})" if j.get("error") else ""),
+             str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
+            for j in page.get("data") or []]
+    print(_table(rows, keys) if rows else "no jobs")
+    if page.get("next_before"):
+        print(f"more: diffusiond history --before {page['next_before']}")
+    return EXIT_OK
+
+
+def _clip(text: str, width: int = 40) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+async def sleep(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        answer = await client.sleep()
+    print(f"daemon asleep{_took(answer)}: device memory freed; `diffusiond wake` takes it back")
+    return EXIT_OK
+
+
+async def wake(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        answer = await client.wake()
+    print(f"daemon awake{_took(answer)}")
+    return EXIT_OK
+
+
+async def web_url(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:  # a daemon without --web: DaemonError 404 web_off, printed by _main (exit 1)
+        url = await client.web_url()
+    print(url)
+    return EXIT_OK
+
+
+def _took(answer: dict[str, Any]) -> str:
+    took = answer.get("took_ms")
+    return f" (took {took / 1000:.1f} s)" if isinstance(took, int | float) else ""

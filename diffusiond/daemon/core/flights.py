@@ -1,0 +1,236 @@
+"""Batches in flight: from the queue to a worker, through compute and copy, until the last output lands.
+
+The engine (``engine.py``) owns jobs and their endings; this module owns the other half of the
+loop's state, the batches a worker holds. It takes batches from the scheduler for each ready
+worker (at most ``MAX_BATCHES_PER_WORKER``: one computing, one waiting, so the GPU never waits for
+the engine), sends them, and turns the worker's per-batch frames (progress, compiling, compute
+done, outputs) into stages on the batch's items. It never ends a job: what a worker says about a
+job's fate goes back to the engine, which has the one ending (``Engine._end``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from diffusiond.daemon.core.jobs import Item, Job, JobRequest
+from diffusiond.daemon.core.scheduler import Scheduler, Wait
+from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.outputs.slots import Outputs
+from diffusiond.daemon.state.store import Store
+from diffusiond.daemon.workers.link import WorkerLink
+from diffusiond.daemon.workers.pool import WorkerPool
+from diffusiond.ipc.messages import ComputeDone, Execute, OutputReady, Progress, RequestSpec
+from diffusiond.protocol import Event, JobStatus, Stage, WorkerState
+
+log = logging.getLogger(__name__)
+
+MAX_BATCHES_PER_WORKER = 2  # one computing, one waiting: the GPU never waits for the engine
+
+
+@dataclass(eq=False)
+class Batch:
+    id: int
+    worker: WorkerLink
+    items: list[Item]
+    open_items: int
+    computing: bool = False
+    compute_done: bool = False
+    done_at: float = 0.0
+    compiling_since: float = 0.0  # when the worker said it compiles this batch's shape
+
+
+class Flights:
+    def __init__(self, pool: WorkerPool, scheduler: Scheduler, outputs: Outputs, store: Store, metrics: Metrics,
+                 *, held: Callable[[], bool], changed: asyncio.Event) -> None:
+        self.pool, self.scheduler, self.outputs, self.store, self.metrics = pool, scheduler, outputs, store, metrics
+        self.held = held  # sleeping or stopping: nothing is dispatched
+        self.changed = changed
+        self.batches: dict[int, Batch] = {}
+        self.in_flight: dict[WorkerLink, collections.deque[Batch]] = {}
+        self._batch_ids = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def dispatch(self) -> None:
+        if self.held():
+            return
+        now = time.monotonic()
+        wake_at: float | None = None
+        for model in self.pool.models.values():
+            while True:
+                ready = [w for w in model.workers if w.state == WorkerState.READY
+                         and len(self.in_flight.setdefault(w, collections.deque())) < MAX_BATCHES_PER_WORKER]
+                if not ready:
+                    break
+                worker = min(ready, key=lambda w: len(self.in_flight[w]))
+                # An idle worker takes whatever is there; a busy one only a full batch (see Scheduler).
+                got = self.scheduler.next_batch(model.name, now, partial_ok=not self.in_flight[worker])
+                if got is None:
+                    break
+                if isinstance(got, Wait):
+                    wake_at = got.until if wake_at is None else min(wake_at, got.until)
+                    break
+                self._send(worker, got)
+        if wake_at is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at(loop.time() + max(0.0, wake_at - now), self.dispatch)
+
+    def _send(self, worker: WorkerLink, items: list[Item]) -> None:
+        self._batch_ids += 1
+        batch = Batch(self._batch_ids, worker, items, open_items=len(items))
+        req = items[0].job.request
+        fds: list[int] = []
+        try:
+            msg = Execute(batch.id, req.batch_params(), self._specs(items, fds))
+            worker.execute(msg, fds)
+        except Exception as exc:
+            log.warning("could not send batch to %s: %s", worker.name, exc)
+            for fd in fds:  # sent frames close theirs; these never left
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.scheduler.requeue_front(items)
+            return
+        self.batches[batch.id] = batch
+        for i in items:
+            i.worker, i.batch_id = worker, batch.id
+        self.metrics.batch_size.observe(len(items))
+        queue = self.in_flight[worker]
+        queue.append(batch)
+        if len(queue) == 1:
+            self._start_computing(batch)
+
+    @staticmethod
+    def _specs(items: list[Item], fds: list[int]) -> list[RequestSpec]:
+        """The requests of a batch; each edit's input buffer joins ``fds`` once per job (its own
+        duplicate, which the channel closes once sent), and its requests point at it."""
+        index: dict[str, int] = {}
+        specs = []
+        for i in items:
+            r = i.job.request
+            ref = None
+            if r.edit is not None:
+                if i.job.id not in index:
+                    index[i.job.id] = len(fds)
+                    fds.append(r.edit.buffer.dup())
+                ref = r.edit.buffer.ref(index[i.job.id])
+            specs.append(RequestSpec(request_id=i.request_id, prompt=r.prompt, seed=i.seed,
+                                     negative_prompt=r.negative_prompt, input=ref, **_preview_fields(r)))
+        return specs
+
+    def _start_computing(self, batch: Batch) -> None:
+        batch.computing = True
+        now = time.monotonic()
+        for item in batch.items:
+            if item.job.terminal:
+                continue
+            item.stage = Stage.COMPUTING
+            job = item.job
+            if job.status == JobStatus.QUEUED:
+                job.status = JobStatus.RUNNING
+                self.store.update(job)
+                queued_ms = (now - job.t0) * 1000
+                job.add_timing("queued", queued_ms)
+                self.metrics.stage_seconds.labels("queued").observe(queued_ms / 1000)
+                job.emit(Event.STATUS)
+
+    def _leave_compute(self, batch: Batch) -> None:
+        """The worker is done computing ``batch``: the next one it holds is now computing."""
+        queue = self.in_flight.get(batch.worker)
+        if queue and batch in queue:
+            queue.remove(batch)
+            if queue and not queue[0].computing:
+                self._start_computing(queue[0])
+        self.changed.set()
+        self.dispatch()
+
+    # what the worker says of a batch ---------------------------------------------------------
+    def worker_ready(self, worker: WorkerLink) -> None:
+        self.in_flight[worker] = collections.deque()
+
+    def on_progress(self, msg: Progress) -> None:
+        batch = self.batches.get(msg.batch_id)
+        items = batch.items if batch else []
+        # COMPILING is entered from COMPUTING when the worker says the shape is new, and left
+        # at the first step: a stage change is a STATUS event, so clients see it as it happens.
+        stage, old = (Stage.COMPILING, Stage.COMPUTING) if msg.compiling else (Stage.COMPUTING, Stage.COMPILING)
+        moved = [i for i in items if not i.job.terminal and i.stage == old]
+        for item in moved:
+            item.stage = stage
+        if batch is not None and msg.compiling:
+            batch.compiling_since = time.monotonic()
+        for job in _jobs_of(moved):
+            if batch is not None and not msg.compiling:  # part of compute, as the job's timings show
+                job.add_timing("compiling", (time.monotonic() - batch.compiling_since) * 1000)
+            job.emit(Event.STATUS)
+        for job in _jobs_of(items):
+            job.progress = (msg.step, msg.total)
+            job.emit(Event.PROGRESS)
+
+    def on_compute_done(self, msg: ComputeDone) -> None:
+        batch = self.batches.get(msg.batch_id)
+        if batch is None:
+            return
+        batch.compute_done = True
+        batch.done_at = time.monotonic()
+        self.metrics.stage_seconds.labels("compute").observe(msg.compute_ms / 1000)
+        for item in batch.items:
+            if not item.job.terminal and item.stage <= Stage.COMPUTING:
+                item.stage = Stage.COPYING
+                item.job.add_timing("compute", msg.compute_ms)
+        self._leave_compute(batch)
+
+    def on_output(self, worker: WorkerLink, item: Item | None, msg: OutputReady) -> None:
+        """An output of a batch landed: hand it to the outputs, or straight back when its job has
+        ended or it came twice."""
+        batch = self.batches.get(msg.batch_id)
+        if item is None or item.job.terminal or item.desc is not None or item.stage >= Stage.ENCODING:
+            self.outputs.drop_late(worker, msg.tensor)
+        else:
+            if batch is not None and batch.done_at:
+                copy_ms = (time.monotonic() - batch.done_at) * 1000
+                item.job.add_timing("copy", copy_ms)
+                self.metrics.stage_seconds.labels("copy").observe(copy_ms / 1000)
+            self.outputs.deliver(item, msg.tensor)
+        self.item_closed(msg.batch_id)
+
+    def item_closed(self, batch_id: int) -> None:
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            return
+        batch.open_items -= 1
+        if batch.open_items <= 0:
+            del self.batches[batch_id]
+            if not batch.compute_done:
+                self._leave_compute(batch)
+
+    def lost(self, worker: WorkerLink) -> list[Item]:
+        """A worker ended: forget its batches, and return the items it had not delivered."""
+        undelivered = []
+        for batch in list(self.batches.values()):
+            if batch.worker is not worker:
+                continue
+            undelivered += [i for i in batch.items if not i.job.terminal and i.desc is None and not i.done]
+            del self.batches[batch.id]
+        self.in_flight.pop(worker, None)
+        return undelivered
+
+    def batches_in_flight(self, worker: WorkerLink) -> int:
+        return len(self.in_flight.get(worker, ()))
+
+
+def _jobs_of(items: Iterable[Item]) -> list[Job]:
+    return list({i.job.id: i.job for i in items if not i.job.terminal}.values())
+
+
+def _preview_fields(req: JobRequest) -> dict[str, int]:
+    """The worker's share of a request's previews (encoding them is the engine's)."""
+    p = req.preview
+    return {} if p is None else {"preview_every": p.every, "preview_max_side": p.max_side}

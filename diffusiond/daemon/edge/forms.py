@@ -1,0 +1,196 @@
+"""OpenAI's Images request bodies: the JSON of ``/v1/images/generations`` and the multipart form of
+``/v1/images/edits``, in OpenAI's field names, read into the fields ``requests.check`` takes.
+
+OpenAI's own fields that have no meaning for a local diffusion model are accepted and ignored, so
+the official openai client works unmodified; a form's values are text, typed here, and its
+repeated and flattened fields (``loras[][name]``, ``preview[every]``) are read the ways that
+client and curl send them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from diffusiond.daemon.config import Limits
+from diffusiond.daemon.core.jobs import JobRequest
+from diffusiond.daemon.edge.requests import (
+    FIELD_PATH,
+    MISSING_FIELD,
+    SIZE,
+    LoraBody,
+    LoraCheck,
+    ModelResolver,
+    PreviewBody,
+    check,
+    decode,
+)
+from diffusiond.daemon.errors import invalid
+
+
+class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
+    """The text fields of a multipart ``/v1/images/edits`` request (the files are read apart)."""
+
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    size: str | None = None
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    timeout_s: float | None = None
+    scheduler: str | None = None
+    strength: float | None = None
+    loras: list[LoraBody] | None = None  # see ``form_loras`` for the spellings a form can use
+    preview: PreviewBody | None = None  # ``preview[every]`` etc., as the openai client flattens it, or JSON text
+    # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
+    background: Any = None
+    input_fidelity: Any = None
+    moderation: Any = None
+    output_compression: Any = None
+    partial_images: Any = None
+    quality: Any = None
+    stream: Any = None
+    style: Any = None
+    user: Any = None
+    complexity: Any = None
+    frame_count: Any = None
+    frame_duration_ms: Any = None
+    safety_identifier: Any = None
+    svg: Any = None
+
+
+class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    size: str | None = None
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    timeout_s: float | None = None
+    scheduler: str | None = None
+    preview: PreviewBody | None = None  # extra_body in the openai client
+    loras: list[LoraBody] | None = None
+    # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
+    quality: Any = None
+    style: Any = None
+    user: Any = None
+    background: Any = None
+    moderation: Any = None
+    output_compression: Any = None
+    stream: Any = None
+    partial_images: Any = None
+
+
+def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver, *,
+                 loras: LoraCheck | None = None) -> tuple[JobRequest, str]:
+    b = decode(body, ImagesBody)
+    model = resolve_model(b.model)
+    req = openai_fields(msgspec.structs.asdict(b))
+    return check(req, limits, model, size_field="size", loras=loras), b.response_format
+
+
+def openai_fields(req: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI-shaped fields (``size``, ``num_inference_steps``, ``response_format``) in the
+    names ``check`` reads."""
+    if req["response_format"] not in ("b64_json", "url"):
+        raise invalid("response_format must be 'b64_json' or 'url'", field="response_format")
+    size = req.get("size")
+    if size is not None and size != "auto":
+        m = SIZE.match(size)
+        if not m:
+            raise invalid(f"size must look like 512x512, got {size!r}", field="size")
+        req["width"], req["height"] = int(m.group(1)), int(m.group(2))
+    req["steps"] = req.get("num_inference_steps")
+    req["steps_field"] = "num_inference_steps"
+    return req
+
+
+def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """The text fields of a multipart edit, typed (form values are text: "0.6" is read as 0.6).
+
+    ``pairs`` keep the form's order and repeats, which ``loras`` needs (see ``form_loras``); any
+    other field given twice is refused rather than silently taking one of the two values."""
+    fields: dict[str, Any] = {}
+    lora_parts: list[tuple[str, str]] = []
+    preview: dict[str, Any] = {}
+    for name, value in pairs:
+        if name == "loras" or name.startswith("loras["):
+            lora_parts.append((name, value))
+        elif name.startswith("preview["):  # preview[every]=5: the openai client's flattening of an object
+            key = name.removeprefix("preview[").removesuffix("]")
+            if key in preview or "preview" in fields:
+                raise invalid(f"field {name!r} is given twice; send it once", field="preview")
+            preview[key] = value
+        elif name == "preview":
+            if preview or "preview" in fields:
+                raise invalid("field 'preview' is given twice; send it once", field="preview")
+            try:
+                fields["preview"] = msgspec.json.decode(value)
+            except msgspec.DecodeError:
+                raise invalid(f'preview is not valid JSON: {value[:80]!r}; send {{"every": 5}} '
+                              "or the fields preview[every], preview[format], preview[max_side]",
+                              field="preview") from None
+        elif name.startswith("svg["):  # OpenAI's nested options arrive flattened: as ignored as svg itself
+            continue
+        elif name in fields:
+            raise invalid(f"field {name!r} is given twice; send it once", field=name)
+        else:
+            fields[name] = value
+    if lora_parts:
+        fields["loras"] = form_loras(lora_parts)
+    if preview:
+        fields["preview"] = preview
+    try:
+        form = msgspec.convert(fields, EditsForm, strict=False)
+    except msgspec.ValidationError as exc:
+        m = FIELD_PATH.search(str(exc)) or MISSING_FIELD.search(str(exc))
+        raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
+    return openai_fields(msgspec.structs.asdict(form))
+
+
+def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """``loras`` of a multipart form, in any of the three spellings clients send:
+
+    - the official openai client's flattening of ``extra_body={"loras": [{"name", "weight"}]}``:
+      every ``loras[][name]``, then every ``loras[][weight]`` (the k-th weight is the k-th name's);
+    - JSON text in one ``loras`` field, as ``/v1/jobs`` takes it;
+    - the CLI's shorthand in one ``loras`` field: ``ink:0.8,dots`` (weight 1 when left out).
+
+    Values stay text here: ``msgspec.convert`` types and checks them with the rest of the form."""
+    entries: list[dict[str, str]] = []
+    for name, value in parts:
+        if name == "loras":
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    decoded = msgspec.json.decode(text)
+                except msgspec.DecodeError:
+                    raise invalid(f"loras is not valid JSON: {text[:80]!r}", field="loras") from None
+                if not isinstance(decoded, list) or not all(isinstance(e, dict) for e in decoded):
+                    raise invalid('loras must be a list of {"name", "weight"} objects', field="loras")
+                entries.extend(decoded)
+            else:
+                for spec in filter(None, (p.strip() for p in text.split(","))):
+                    lname, _, weight = spec.partition(":")
+                    entries.append({"name": lname, "weight": weight or "1"})
+        elif name in ("loras[][name]", "loras[][weight]"):
+            continue  # paired below: httpx sends every name first, then every weight
+        else:
+            raise invalid(f"unexpected form field {name!r}; send loras as loras[][name] and loras[][weight], "
+                          "as JSON text, or as name:weight,name:weight", field="loras")
+    names = [v for n, v in parts if n == "loras[][name]"]
+    weights = [v for n, v in parts if n == "loras[][weight]"]
+    if len(weights) != len(names):
+        raise invalid(f"loras has {len(names)} names and {len(weights)} weights; give each adapter both",
+                      field="loras")
+    entries.extend({"name": n, "weight": w} for n, w in zip(names, weights, strict=True))
+    return entries

@@ -1,0 +1,195 @@
+"""The jobs API (docs/api.md, "Jobs"): submit, look up, page through history, delete, follow by
+Server-Sent Events, read outputs and previews. Handlers are thin: parse and validate
+(``requests``), call the engine, render JSON (``views``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from diffusiond.daemon import errors
+from diffusiond.daemon.core.jobs import Job, Preview
+from diffusiond.daemon.edge import bodies, requests, views
+from diffusiond.daemon.edge.status import ENGINE
+from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, Event, JobStatus
+
+log = logging.getLogger(__name__)
+
+SSE_HEARTBEAT_S = 15.0
+# The kernel's send buffer of an event stream (Linux doubles it). Unix sockets default to about
+# 208 KiB, which holds seconds of previews: a reader that lags would see old pictures, and none
+# would be dropped. Events are small; this holds a few previews, so a lagging reader's stream
+# backs up here, where the newest preview replaces the older one.
+SSE_SNDBUF = 16 << 10
+STREAM_CHUNK = 4 << 20
+
+async def create_job(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    limits = engine.config.limits
+    # a job may carry base64 images: its body may then be as large as an upload, and only then
+    body = await bodies.read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
+    b = requests.decode(body, requests.JobBody)
+    if len(body) > limits.max_body_bytes and b.image is None and b.mask is None:
+        raise bodies.too_large(len(body), limits.max_body_bytes)
+    await engine.described()  # a request that comes while models load is completed with their own defaults
+    model = engine.model(b.model)
+    fields = msgspec.structs.asdict(b)
+    edit = await bodies.decode_edit(engine, fields, model)
+    try:
+        req = requests.check(fields, limits, model, edit=edit, loras=engine.check_loras)
+    except BaseException:
+        if edit is not None:
+            edit.close()
+        raise
+    job = await engine.accept(req)
+    return web.json_response(views.job(job), status=202, headers={"Location": views.job_url(job.id)})
+
+
+HISTORY_LIMIT = 100
+HISTORY_MAX_LIMIT = 1000
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    """History, newest first: ``?status=&model=&before=<job id>&limit=``."""
+    q = request.query
+    status = None
+    if q.get("status"):
+        try:
+            status = JobStatus(q["status"])
+        except ValueError:
+            raise errors.invalid(f"status {q['status']!r} is not one of {', '.join(s.value for s in JobStatus)}",
+                                 "status") from None
+    raw = q.get("limit", str(HISTORY_LIMIT))
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= HISTORY_MAX_LIMIT):
+        raise errors.invalid(f"limit {raw!r} is not a whole number from 1 to {HISTORY_MAX_LIMIT}", "limit")
+    page = await request.app[ENGINE].history.page(status, q.get("model") or None, q.get("before") or None, int(raw))
+    return web.json_response(views.history(page.jobs, page.next_before))
+
+
+async def get_job(request: web.Request) -> web.Response:
+    return web.json_response(views.job(await request.app[ENGINE].history.find(request.match_info["job_id"])))
+
+
+async def delete_job(request: web.Request) -> web.Response:
+    """Cancel a job that has not finished; delete a finished one (record and output files).
+    ``?finished=keep`` only cancels: 409 for a finished job (what a client's cancel sends)."""
+    engine = request.app[ENGINE]
+    job_id = request.match_info["job_id"]
+    if request.query.get("finished") == "keep":
+        return web.json_response({**views.job(engine.cancel(job_id)), "deleted": False})
+    job, deleted = await engine.history.remove(job_id)
+    return web.json_response({**views.job(job), "deleted": deleted})
+
+
+async def job_events(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    job = await engine.history.find(request.match_info["job_id"])
+    metrics = engine.metrics
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    sock: socket.socket | None = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and job.request.preview is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SNDBUF)
+    await resp.prepare(request)
+    # Rendered as it happens (a later render would show a later state), written as the client reads.
+    # Previews are the exception: a reader that lags must not pile them up, so only the newest one
+    # of each output waits here (an int in the queue says which), and it is rendered when written.
+    queue: asyncio.Queue[tuple[Event, bytes | int]] = asyncio.Queue()
+    pending: dict[int, Preview] = {}
+
+    def listener(e: Event, j: Job) -> None:
+        if e == Event.PREVIEW:
+            p = j.last_preview
+            if p is None:
+                return
+            if p.index in pending:
+                metrics.previews_dropped.inc()  # replaced before this reader got to it
+            else:
+                queue.put_nowait((e, p.index))
+            pending[p.index] = p
+            return
+        queue.put_nowait((e, _sse(e, views.event(e, j))))
+
+    job.listeners.add(listener)
+    try:
+        await resp.write(_sse(Event.STATUS, views.job(job)))  # a late subscriber gets the current state first
+        if job.terminal:
+            final = Event.DONE if job.status == JobStatus.SUCCEEDED else Event.ERROR
+            await resp.write(_sse(final, views.job(job)))
+            return resp
+        for item in job.items:  # ... and the latest previews
+            if item.preview is not None and item.index not in pending:
+                pending[item.index] = item.preview
+                queue.put_nowait((Event.PREVIEW, item.index))
+        while True:
+            try:
+                e, chunk = await asyncio.wait_for(queue.get(), SSE_HEARTBEAT_S)
+            except TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+                continue
+            if isinstance(chunk, int):
+                preview = pending.pop(chunk)
+                await resp.write(_sse(e, views.preview(job, preview)))
+                metrics.previews_sent.inc()
+                continue
+            await resp.write(chunk)
+            if e in TERMINAL_EVENTS:
+                return resp
+    finally:
+        job.listeners.discard(listener)
+
+
+async def job_preview(request: web.Request) -> web.Response:
+    """The latest preview of one output, as a file (what a page's <img> or a terminal shows)."""
+    engine = request.app[ENGINE]
+    preview = engine.preview(request.match_info["job_id"], _index(request.match_info["k"]))
+    return web.Response(body=preview.data, headers={
+        "Content-Type": FORMATS[preview.format].content_type, "Cache-Control": "no-store",
+        "X-Preview-Step": str(preview.step), "X-Preview-Total": str(preview.total)})
+
+
+def _index(raw: str) -> int:
+    """An output index from the path: ASCII digits only (int() would also take "-1", Python's last
+    item, " 1", "1_0" and non-ASCII digits); anything else is -1, which no output has."""
+    return int(raw) if raw.isascii() and raw.isdigit() else -1
+
+
+def _sse(e: Event, data: dict[str, Any]) -> bytes:
+    return f"event: {e.value}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def job_output(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    job = await engine.history.find(request.match_info["job_id"])
+    k = _index(request.match_info["k"])
+    headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
+               "Content-Type": FORMATS[job.request.output_format].content_type}
+    async with engine.open_output(job, k) as read:
+        headers["X-Seed"] = str(job.items[k].seed)
+        if not read.header:
+            return web.Response(body=read.payload, headers=headers)
+        resp = web.StreamResponse(headers=headers)
+        resp.content_length = len(read)
+        await resp.prepare(request)
+        stall = engine.config.stream_stall_s
+        try:
+            await asyncio.wait_for(resp.write(read.header), stall)
+            for off in range(0, len(read.payload), STREAM_CHUNK):
+                await asyncio.wait_for(resp.write(read.payload[off : off + STREAM_CHUNK]), stall)
+        except TimeoutError:
+            # A reader that stopped reading must not pin shared memory for ever: drop it.
+            log.warning("client stopped reading output %d of job %s for %gs; closing", k, job.id, stall)
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        await resp.write_eof()
+        read.complete = True
+        return resp

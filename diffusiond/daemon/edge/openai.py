@@ -1,0 +1,94 @@
+"""OpenAI's Images endpoints (``/v1/images/generations``, ``/v1/images/edits``): synchronous, so a
+client that goes away cancels its jobs, and what they made is handed over whole and released."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+from aiohttp import web
+
+from diffusiond.daemon import errors
+from diffusiond.daemon.core.engine import Engine
+from diffusiond.daemon.core.inputs import EditInput
+from diffusiond.daemon.core.jobs import Job
+from diffusiond.daemon.edge import bodies, requests, views
+from diffusiond.daemon.edge.forms import edits_form, parse_images
+from diffusiond.daemon.edge.status import ENGINE, STATUS_OF_FAILURE, HttpError
+from diffusiond.protocol import ErrorCode, JobStatus
+
+
+async def images_generations(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    body = await request.read()
+    await engine.described()
+    req, response_format = parse_images(body, engine.config.limits, engine.model, loras=engine.check_loras)
+    job = await engine.accept(req, sync=True)
+    data = await _finish_sync([job], engine, response_format)
+    return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
+
+
+async def _finish_sync(jobs: list[Job], engine: Engine, response_format: str) -> list[dict[str, Any]]:
+    """Wait for synchronous jobs and draw OpenAI's ``data`` list, in order; a client that goes
+    away cancels them (nobody will read the result), a failure of any is the answer."""
+    try:
+        for job in jobs:
+            await job.finished.wait()
+    except asyncio.CancelledError:
+        for job in jobs:
+            if not job.terminal:
+                engine.cancel(job.id)
+        raise
+    failed = next((j for j in jobs if j.status != JobStatus.SUCCEEDED), None)
+    if failed is not None:
+        for job in jobs:  # the answer is the failure: the others' outputs will not be fetched
+            if job.status == JobStatus.SUCCEEDED:
+                engine.release_outputs(job)
+        err = failed.error or {}
+        code = ErrorCode(err.get("code", ErrorCode.GENERATION_FAILED))
+        raise HttpError(STATUS_OF_FAILURE.get(code, 500), code, err.get("message", "the job failed"),
+                        stage=err.get("stage"))
+    data: list[dict[str, Any]] = []
+    for job in jobs:
+        if response_format == "url":
+            data += [{"revised_prompt": None, "seed": i.seed, "url": views.output_url(job.id, i.index)}
+                     for i in job.items]
+        else:  # delivered whole: the synchronous caller will not come back, so nothing is kept
+            data += [{"revised_prompt": None, "seed": i.seed, "b64_json": base64.b64encode(b).decode()}
+                     for i, b in zip(job.items, await engine.output_bytes(job), strict=True)]
+    return data
+
+
+async def images_edits(request: web.Request) -> web.Response:
+    """OpenAI's edits endpoint: a multipart form with ``image`` (or several ``image[]``), an
+    optional ``mask`` (for the first image, as OpenAI's) and text fields. Each image is one job
+    (``n`` outputs each), run side by side; the answer lists their outputs in the order of the images."""
+    engine = request.app[ENGINE]
+    text, images, mask = await bodies.read_edit_form(request, engine.config.limits.max_upload_bytes)
+    await engine.described()
+    fields = edits_form(text)
+    model = engine.model(fields.get("model"))
+    if not images:
+        raise errors.invalid("send the image to edit as the multipart file field 'image'", field="image")
+    edits: list[EditInput] = []
+    jobs: list[Job] = []
+    try:
+        for k, (name, data) in enumerate(images):  # as OpenAI's: the mask applies to the first image
+            one = {**fields, "image_bytes": data, "mask_bytes": mask if k == 0 else None}
+            edit = await bodies.decode_edit(engine, one, model, image_field=name, size_field="size")
+            assert edit is not None
+            edits.append(edit)
+        for edit in edits:
+            jobs.append(await engine.accept(requests.check(fields, engine.config.limits, model, size_field="size",
+                                                           edit=edit, loras=engine.check_loras), sync=True))
+    except BaseException:
+        for edit in edits:
+            edit.close()  # those already submitted are closed by their jobs too; closing twice is harmless
+        for job in jobs:
+            if not job.terminal:
+                engine.cancel(job.id)
+        raise
+    out = await _finish_sync(jobs, engine, fields["response_format"])
+    return web.json_response({"created": int(jobs[0].created), "data": out, "job_id": jobs[0].id,
+                              "job_ids": [j.id for j in jobs]})

@@ -1,0 +1,85 @@
+"""Status codes, chosen here and only here: the engine raises domain errors and knows nothing of HTTP.
+
+One table gives the status of every domain error (``STATUS_OF_ERROR``), one the status of a
+synchronous request whose job failed (``STATUS_OF_FAILURE``). Every error leaves as
+``{"error": {...}}`` through ``errors_middleware``, aiohttp's own included (413 for a body over the
+limit, 404/405 for unknown routes), so clients only ever parse one error shape. The output
+socket (``handoff.py``) answers its refusals with the same statuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from diffusiond.daemon import errors
+from diffusiond.daemon.core.engine import Engine
+from diffusiond.daemon.errors import EngineError
+from diffusiond.protocol import ErrorCode
+
+ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The status code of every domain error, by class (the most specific class listed wins).
+STATUS_OF_ERROR: dict[type[EngineError], int] = {
+    errors.InvalidRequest: 400,
+    errors.OutputTooLarge: 413,
+    errors.UploadTooLarge: 413,
+    errors.NotFound: 404,
+    errors.Conflict: 409,
+    errors.OutputReleased: 410,
+    errors.QueueFull: 429,
+    errors.Unavailable: 503,
+    errors.PowerFailed: 500,
+    errors.InsufficientStorage: 507,
+    errors.StateWriteFailed: 500,
+}
+# The status code of a synchronous request whose job ended without succeeding, by failure code.
+STATUS_OF_FAILURE: dict[str, int] = {
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.CANCELLED: 409,
+    ErrorCode.INSUFFICIENT_STORAGE: 507,
+}
+STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+
+
+class HttpError(EngineError):
+    """An error that only the HTTP edge can have (access control, aiohttp's own refusals)."""
+
+    def __init__(self, status: int, code: ErrorCode, message: str, *, headers: dict[str, str] | None = None,
+                 stage: str | None = None) -> None:
+        super().__init__(message, code=code, stage=stage)
+        self.status = status
+        self.headers = headers or {}
+
+
+def status_of(err: EngineError) -> int:
+    if isinstance(err, HttpError):
+        return err.status
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF_ERROR:
+            return STATUS_OF_ERROR[cls]
+    return 500
+
+
+def error_response(err: EngineError) -> web.Response:
+    headers = dict(err.headers) if isinstance(err, HttpError) else {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = f"{err.retry_after_s:g}"
+    return web.json_response(err.body(), status=status_of(err), headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except EngineError as err:
+        return error_response(err)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(HttpError(413, ErrorCode.REQUEST_TOO_LARGE, f"request body is too large: {exc.text}"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = STATUS_OF_HTTP_ERROR_CODE.get(exc.status, ErrorCode.HTTP_ERROR)
+        return error_response(HttpError(exc.status, code, f"{exc.reason}: {request.method} {request.path}"))
