@@ -225,10 +225,13 @@ class Residency:
             return Fits(name, load_from, f"{name} needs {what}, more than {m.device} can free: trying it on the "
                                          f"{format_bytes(free)} free")
         if not self._leaving_bytes(m.device):
-            # A standstill: nothing runs, and only models with queued jobs hold the memory; each would wait
-            # for the others forever. The least recently used of them leave; their jobs wait to load again.
+            # A standstill: nothing runs, and the memory is held by models whose queued jobs cannot start
+            # either (their smallest measured run does not fit); each would wait for the others forever.
+            # The least recently used of them leave; their jobs wait to load again.
+            spare = free + sum(c.weight_bytes for c in idle)
             stuck = sorted((o for o in others if o.tier == "device" and o.queued and not o.pinned
-                            and o.leaving is None), key=lambda o: (o.last_used, o.name))
+                            and o.leaving is None and self._least_run(o) > spare),
+                           key=lambda o: (o.last_used, o.name))
             for c in stuck:
                 if room >= floor:
                     break
@@ -242,6 +245,10 @@ class Residency:
         if m.device in self._headroom:
             short += f" (other programs leave {format_bytes(max(self._headroom[m.device], 0))} beyond the reserve)"
         return Wait(name, WAITING_FOR_MEMORY, short + ": waiting for memory")
+
+    def _least_run(self, m: _Model) -> int:
+        """A lower bound of the working memory of any run of ``m``: its smallest measured peak (or 0)."""
+        return min(self.measurements.peaks(m.name, m.weight_bytes).values(), default=0)
 
     def _too_large(self, m: _Model, shape: Shape | None, known: int, est: Estimate, budget: int,
                    pinned: list[_Model]) -> TooLarge:

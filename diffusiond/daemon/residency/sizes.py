@@ -259,13 +259,11 @@ def _parse(raw: bytes, path: Path, what: str) -> Any:
     """JSON with its nesting and numbers bounded before the parser sees it (no recursion, no huge ints)."""
     brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     for _ in range(MAX_DEPTH):  # each pass removes the innermost level, in C, however long the text
-        shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
-        if shorter == brackets:
-            break
-        brackets = shorter
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+    if brackets and brackets.replace(b"[]", b"").replace(b"{}", b"") != brackets:
+        raise WeightsError(f"{path}: its {what} is nested more than {MAX_DEPTH} levels deep; it is not a valid file")
     if brackets:
-        raise WeightsError(f"{path}: its {what} is nested more than {MAX_DEPTH} levels deep or has unbalanced "
-                           "brackets; it is not a valid file")
+        raise WeightsError(f"{path}: its {what} is not valid JSON (its brackets do not balance)")
     try:
         text = raw.decode("utf-8")
         return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
