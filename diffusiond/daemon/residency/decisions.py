@@ -1,0 +1,133 @@
+"""What the room answers: each decision is a frozen value with the reason a log line or an error carries.
+
+Decisions say what should happen; the engine makes it happen (it sends the worker its commands) and
+reports back through ``Residency``'s transitions. Nothing here refers to processes or time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Final, Literal
+
+from diffusiond.daemon.residency.working import Shape
+
+Tier = Literal["device", "host", "disk", "loading"]
+"""Where a model's weights are: on its device, in host memory, only in its files, or on their way in."""
+
+MODEL_TOO_LARGE: Final = "model_too_large"
+OUT_OF_MEMORY: Final = "out_of_memory"
+# A job's stages while the room holds it back, as the jobs API and SSE ``status`` events name them.
+LOADING: Final = "loading"
+WAITING_FOR_MEMORY: Final = "waiting_for_memory"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One model's weights leaving a tier: device -> host or disk, or host -> disk."""
+
+    model: str
+    src: Tier
+    dst: Tier
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fits:
+    """The job may run now; if ``load_from`` is set, after loading the model from that tier."""
+
+    model: str
+    load_from: Tier | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Make room first: start these moves, in order, then ask ``plan`` again once they are done."""
+
+    model: str
+    moves: tuple[Move, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do now; ask again after the next transition. ``stage`` is what the job reports meanwhile."""
+
+    model: str
+    stage: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class TooLarge:
+    """The job can never run within the budget: refuse it at admission (``reason`` is the message)."""
+
+    model: str
+    need: int
+    budget: int
+    hints: tuple[str, ...]
+    reason: str
+    code: str = MODEL_TOO_LARGE
+
+
+Plan = Fits | Evict | Wait | TooLarge
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """Other programs took the device's memory: these idle models leave; ``waiting`` if that is not enough."""
+
+    device: str
+    moves: tuple[Move, ...]
+    waiting: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class OomRetry:
+    """First out-of-memory of a run: start these moves (idle models leave), empty the cache, run it again."""
+
+    model: str
+    moves: tuple[Move, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class OomSplit:
+    """The retry failed too: run the batch as these two halves, each with ``attempt=2`` if it fails."""
+
+    model: str
+    halves: tuple[Shape, Shape]
+    reason: str
+
+
+@dataclass(frozen=True)
+class OomFail:
+    """Out of memory for good: fail this job (only this job) with ``code`` and ``reason`` as its message."""
+
+    model: str
+    reason: str
+    code: str = OUT_OF_MEMORY
+
+
+OomDecision = OomRetry | OomSplit | OomFail
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One model as ``GET /v1/models`` and ``diffusiond ps`` show it."""
+
+    name: str
+    device: str
+    residency: Tier
+    device_bytes: int
+    host_bytes: int
+    keep_alive_until: float | None  # None: not on the device, or kept there forever (``forever``)
+    forever: bool
+    pinned: bool
+    queued: int
+    running: int
+    reason: str  # why it is where it is: the last transition's reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,486 @@
+"""The room's decisions and its bookkeeping: what is loaded where, within which budget, until when.
+
+Two kinds of method, kept apart so a test can ask "what would happen" without anything happening:
+
+- queries (``plan``, ``expired``, ``pressure``, ``on_oom``, ``evict``, ``preload``, ``snapshot``) read the
+  state and return a decision (``decisions.py``) with its reason; they change nothing;
+- reports (``queue``/``start``/``finish``, ``loading_started``/``loaded``/``load_failed``,
+  ``unloading``/``unloaded``/``unload_failed``, ``worker_died``, ``measured``) tell the room what the
+  engine did or saw, and are the only writers of the state.
+
+The engine starts each move it is handed (``unloading``) before it asks again, and a job is queued
+(``queue``) from admission on, so a model with work is never chosen to leave. Memory held is counted
+until a worker says it is free: a model on its way out still counts, so two plans never spend the
+same bytes. Time is passed in, never read, so every rule can be tested step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from diffusiond.daemon.residency.decisions import (
+    LOADING,
+    WAITING_FOR_MEMORY,
+    Evict,
+    Fits,
+    ModelStatus,
+    Move,
+    OomDecision,
+    OomFail,
+    OomRetry,
+    OomSplit,
+    Plan,
+    Pressure,
+    Tier,
+    TooLarge,
+    Wait,
+)
+from diffusiond.daemon.residency.units import FOREVER, format_bytes
+from diffusiond.daemon.residency.working import Estimate, Measurements, Shape, default_working
+
+DEFAULT_KEEP_ALIVE_S = 300.0
+
+
+class ResidencyError(RuntimeError):
+    """A report that contradicts the room's state (a bug in the caller): it names the model and both states."""
+
+
+@dataclass
+class _Model:
+    name: str
+    device: str
+    weight_bytes: int
+    pinned: bool
+    keep_alive_s: float | None
+    hints: tuple[str, ...]
+    tier: Tier = "disk"
+    loading_from: Tier | None = None
+    leaving: Move | None = None
+    last_used: float = float("-inf")
+    deadline: float = FOREVER
+    queued: int = 0
+    running: list[tuple[Shape, int, int]] = field(default_factory=list)  # (shape, reserved bytes, jobs)
+    reason: str = "not loaded yet"
+
+    @property
+    def resident(self) -> bool:
+        return self.tier in ("device", "loading")
+
+    @property
+    def idle(self) -> bool:
+        return self.queued == 0 and not self.running
+
+    @property
+    def reserved(self) -> int:
+        return sum(r for _, r, _ in self.running)
+
+
+class Residency:
+    """Budgets per device and in host memory, and every model's place within them."""
+
+    def __init__(self, devices: Mapping[str, int], host_bytes: int, *, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+                 max_keep_alive_s: float = FOREVER, measurements: Measurements | None = None,
+                 working_default: Callable[[int, Shape], int] = default_working) -> None:
+        """``devices``: device name -> bytes its models may use (weights and working memory together);
+        ``host_bytes``: what weights may take in host memory off their devices. A device whose name
+        starts with ``cpu`` has no host tier: its memory is host memory, so a model leaving it goes to disk."""
+        for name, budget in {**devices, "host memory": host_bytes}.items():
+            if budget < 0:
+                raise ValueError(f"the budget of {name} is {budget} bytes; a budget cannot be negative")
+        self.budgets = dict(devices)
+        self.host_budget = host_bytes
+        self.keep_alive_s = keep_alive_s
+        self.max_keep_alive_s = max_keep_alive_s
+        self.measurements = measurements or Measurements()
+        self._working_default = working_default
+        self._models: dict[str, _Model] = {}
+        self._headroom: dict[str, int] = {}  # device -> free minus reserve, as last measured and adjusted since
+
+    # ---- models ------------------------------------------------------------------------------------------
+
+    def add(self, name: str, device: str, weight_bytes: int, *, pinned: bool = False,
+            keep_alive_s: float | None = None, hints: Sequence[str] = ()) -> None:
+        """Register a configured model (on disk). ``hints``: what would make it fit, where it supports them
+        (offloading, a quantized variant); ``keep_alive_s`` overrides the daemon's default for it."""
+        if name in self._models:
+            raise ValueError(f"model {name!r} is already known to the residency room")
+        if device not in self.budgets:
+            raise ValueError(f"model {name!r}: device {device!r} has no budget (devices: {', '.join(self.budgets)})")
+        if weight_bytes < 0:
+            raise ValueError(f"model {name!r}: weight bytes {weight_bytes} is negative")
+        self._models[name] = _Model(name, device, weight_bytes, pinned, keep_alive_s, tuple(hints))
+
+    def _get(self, name: str) -> _Model:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise ResidencyError(f"model {name!r} is not known to the residency room") from None
+
+    def estimate(self, name: str, shape: Shape) -> Estimate:
+        m = self._get(name)
+        est = self.measurements.estimate(name, m.weight_bytes, shape)
+        if est.measured:
+            return est
+        return Estimate(self._working_default(m.weight_bytes, shape), False, est.how)
+
+    # ---- accounting --------------------------------------------------------------------------------------
+
+    def device_used(self, device: str) -> int:
+        """Bytes the room counts as held on ``device``: resident weights plus running jobs' working memory."""
+        return sum((m.weight_bytes if m.resident else 0) + m.reserved
+                   for m in self._models.values() if m.device == device)
+
+    def host_used(self) -> int:
+        return sum(m.weight_bytes for m in self._models.values()
+                   if m.tier == "host" or m.loading_from == "host"
+                   or (m.leaving is not None and m.leaving.dst == "host"))
+
+    def _free(self, device: str) -> int:
+        free = self.budgets[device] - self.device_used(device)
+        return min(free, self._headroom[device]) if device in self._headroom else free
+
+    def _leaving_bytes(self, device: str) -> int:
+        return sum(m.weight_bytes for m in self._models.values()
+                   if m.device == device and m.leaving is not None and m.leaving.src == "device")
+
+    def _idle_on(self, device: str, but: str = "") -> list[_Model]:
+        """Who may leave ``device`` to make room: idle, not pinned, not already leaving; least recent first."""
+        found = [m for m in self._models.values() if m.device == device and m.tier == "device" and m.idle
+                 and not m.pinned and m.leaving is None and m.name != but]
+        return sorted(found, key=lambda m: (m.last_used, m.name))
+
+    def _moves_off_device(self, leaving: Iterable[_Model], reason: str) -> tuple[Move, ...]:
+        """Device -> host for each, making room in host memory by dropping its least recently used models
+        (older than the one arriving) to disk; a model that cannot have host room goes to disk itself."""
+        moves: list[Move] = []
+        host_free = self.host_budget - self.host_used()
+        droppable = sorted((m for m in self._models.values() if m.tier == "host" and m.leaving is None
+                            and m.idle), key=lambda m: (m.last_used, m.name))
+        for m in leaving:
+            if m.device.startswith("cpu"):
+                moves.append(Move(m.name, "device", "disk", reason))
+                continue
+            while host_free < m.weight_bytes and droppable and droppable[0].last_used <= m.last_used:
+                d = droppable.pop(0)
+                moves.append(Move(d.name, "host", "disk", f"host memory is full ({format_bytes(self.host_budget)}"
+                                  f" budget) and {d.name} is its least recently used model"))
+                host_free += d.weight_bytes
+            if host_free >= m.weight_bytes:
+                moves.append(Move(m.name, "device", "host", reason))
+                host_free -= m.weight_bytes
+            else:
+                moves.append(Move(m.name, "device", "disk", f"{reason}; no room for it in host memory "
+                                  f"({format_bytes(max(host_free, 0))} free of {format_bytes(self.host_budget)})"))
+        return tuple(moves)
+
+    # ---- queries -----------------------------------------------------------------------------------------
+
+    def plan(self, name: str, shape: Shape | None) -> Plan:
+        """Can a job of ``shape`` (None: only the weights, for a load by hand or a preload) run now?"""
+        m = self._get(name)
+        budget = self.budgets[m.device]
+        est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "weights only")
+        known = est.nbytes if est.measured else 0  # a guess never refuses a job: the OOM path corrects it
+        pinned = [p for p in self._models.values()
+                  if p.device == m.device and p.pinned and p.resident and p.name != name]
+        pinned_bytes = sum(p.weight_bytes for p in pinned)
+        if m.weight_bytes + known > budget - pinned_bytes:
+            return self._too_large(m, shape, known, est, budget, pinned)
+        if m.tier == "loading":
+            return Wait(name, LOADING, f"{name} is loading onto {m.device}")
+        if m.leaving is not None:
+            return Wait(name, LOADING, f"{name} is leaving {m.device} ({m.leaving.reason}); "
+                                       "it can be loaded again once it has")
+        load_from = None if m.tier == "device" else m.tier
+        weights = 0 if load_from is None else m.weight_bytes
+        free, soon = self._free(m.device), self._free(m.device) + self._leaving_bytes(m.device)
+        need = weights + est.nbytes
+        what = f"{format_bytes(need)} ({'weights and ' if weights else ''}{est.how})"
+        if need <= free:
+            return Fits(name, load_from, f"{what} fits in the {format_bytes(free)} free on {m.device}")
+        if need <= soon:
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {m.device}")
+        idle = self._idle_on(m.device, but=name)
+        picked, room = [], soon
+        for c in idle:
+            if room >= need:
+                break
+            picked.append(c)
+            room += c.weight_bytes
+        if room >= need:
+            return Evict(name, self._moves_off_device(picked, f"making room for {name} on {m.device}"),
+                         f"{name} needs {what}; {format_bytes(free)} free on {m.device}")
+        others = [o for o in self._models.values() if o.device == m.device and o.name != name]
+        running = sorted(o.name for o in others if o.running)
+        if running:
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what} and {m.device} has {format_bytes(free)} "
+                                                  f"free: waiting for the runs of {', '.join(running)}")
+        floor = weights + known  # the least it could run in: the estimate is a guess, the OOM path its check
+        room = soon + sum(c.weight_bytes for c in idle)
+        if floor <= room:
+            if idle:
+                return Evict(name, self._moves_off_device(idle, f"making room for {name} on {m.device}"),
+                             f"{name} needs {what}, more than {m.device} can free: clearing it and trying")
+            return Fits(name, load_from, f"{name} needs {what}, more than {m.device} can free: trying it on the "
+                                         f"{format_bytes(free)} free")
+        if not self._leaving_bytes(m.device):
+            # A standstill: nothing runs, and the memory is held by models whose queued jobs cannot start
+            # either (their smallest measured run does not fit); each would wait for the others forever.
+            # The least recently used of them leave; their jobs wait to load again.
+            spare = free + sum(c.weight_bytes for c in idle)
+            stuck = sorted((o for o in others if o.tier == "device" and o.queued and not o.pinned
+                            and o.leaving is None and self._least_run(o) > spare),
+                           key=lambda o: (o.last_used, o.name))
+            for c in stuck:
+                if room >= floor:
+                    break
+                idle.append(c)
+                room += c.weight_bytes
+            if room >= floor:
+                return Evict(name, self._moves_off_device(idle, f"making room for {name} on {m.device}, where "
+                                                                "nothing runs and queued models hold the memory"),
+                             f"{name} needs {what}: a standstill of queued models on {m.device} is broken")
+        short = f"{name} needs {what} and {m.device} has {format_bytes(max(free, 0))} free"
+        if m.device in self._headroom:
+            short += f" (other programs leave {format_bytes(max(self._headroom[m.device], 0))} beyond the reserve)"
+        return Wait(name, WAITING_FOR_MEMORY, short + ": waiting for memory")
+
+    def _least_run(self, m: _Model) -> int:
+        """A lower bound of the working memory of any run of ``m``: its smallest measured peak (or 0)."""
+        return min(self.measurements.peaks(m.name, m.weight_bytes).values(), default=0)
+
+    def _too_large(self, m: _Model, shape: Shape | None, known: int, est: Estimate, budget: int,
+                   pinned: list[_Model]) -> TooLarge:
+        need = m.weight_bytes + known
+        pinned_bytes = sum(p.weight_bytes for p in pinned)
+        working = f" + {format_bytes(known)} of working memory for {shape} ({est.how})" if known else ""
+        beside = (f", and {', '.join(sorted(p.name for p in pinned))} (pinned) hold {format_bytes(pinned_bytes)} "
+                  "of it" if pinned else "")
+        hints = [f"a larger --device-memory for {m.device} (at least {format_bytes(need + pinned_bytes)})"]
+        if pinned:
+            hints.append(f"unpinning {', '.join(sorted(p.name for p in pinned))}")
+        if known:
+            hints.append("a smaller size or batch")
+        hints.extend(m.hints or ("CPU offloading or a quantized variant, where the model supports them",))
+        message = (f"model {m.name!r} cannot fit on {m.device}: it needs {format_bytes(need)} "
+                   f"({format_bytes(m.weight_bytes)} of weights{working}) and the budget there is "
+                   f"{format_bytes(budget)}{beside}. What would make it fit: {'; '.join(hints)}")
+        return TooLarge(m.name, need, budget, tuple(hints), message)
+
+    def expired(self, now: float) -> tuple[Move, ...]:
+        """Models whose keep-alive has run out: off the device, soonest deadline first."""
+        due = sorted((m for m in self._models.values() if m.tier == "device" and m.idle and not m.pinned
+                      and m.leaving is None and m.deadline <= now), key=lambda m: (m.deadline, m.name))
+        return self._moves_off_device(due, "keep_alive expired")
+
+    def next_expiry(self) -> float | None:
+        """When ``expired`` will next have something to say (for the engine's timer), if ever."""
+        deadlines = [m.deadline for m in self._models.values() if m.tier == "device" and m.idle
+                     and not m.pinned and m.leaving is None and m.deadline != FOREVER]
+        return min(deadlines, default=None)
+
+    def pressure(self, device: str, free_bytes: int, reserve_bytes: int) -> Pressure:
+        """The device's real free memory, measured (NVML): keep ``reserve_bytes`` of it free for other
+        programs by sending idle models away. Also remembered: ``plan`` spends no more than it leaves."""
+        if device not in self.budgets:
+            raise ResidencyError(f"device {device!r} has no budget (devices: {', '.join(self.budgets)})")
+        self._headroom[device] = free_bytes - reserve_bytes
+        deficit = reserve_bytes - free_bytes - self._leaving_bytes(device)
+        state = f"{format_bytes(free_bytes)} free on {device}, reserve {format_bytes(reserve_bytes)}"
+        if deficit <= 0:
+            return Pressure(device, (), False, f"{state}: nothing to do")
+        picked = []
+        for c in self._idle_on(device):
+            if deficit <= 0:
+                break
+            picked.append(c)
+            deficit -= c.weight_bytes
+        moves = self._moves_off_device(picked, f"other programs need the memory: {state}")
+        if deficit > 0:
+            return Pressure(device, moves, True, f"{state}: {format_bytes(deficit)} short even with every idle "
+                                                 "model gone; new jobs wait for memory")
+        return Pressure(device, moves, False, f"{state}: {len(picked)} idle model(s) leave")
+
+    def on_oom(self, name: str, shape: Shape, attempt: int) -> OomDecision:
+        """A run of ``shape`` ran out of device memory; ``attempt`` 0 for its first run, 1 for the retry,
+        2 for a half of a split batch. Only the job pays: the worker and the other models go on."""
+        m = self._get(name)
+        if attempt == 0:
+            idle = self._idle_on(m.device, but=name)
+            return OomRetry(name, self._moves_off_device(idle, f"{name} ran out of memory at {shape}"),
+                            f"out of memory at {shape}: {len(idle)} idle model(s) leave, then it runs again")
+        if attempt == 1 and shape.batch > 1:
+            return OomSplit(name, shape.halves(), f"out of memory again at {shape}: running it as two halves")
+        est = self.estimate(name, shape)
+        split = ", and as halves of a larger batch" if attempt >= 2 else ""
+        return OomFail(name, f"out of memory running {name} on {m.device} at {shape}, after evicting idle models "
+                             f"and retrying{split}: the budget is {format_bytes(self.budgets[m.device])} "
+                             f"({format_bytes(m.weight_bytes)} of it the weights; working memory {est.how}: "
+                             f"{format_bytes(est.nbytes)}). Try a smaller size or batch, a larger --device-memory, "
+                             "or fewer programs on the GPU")
+
+    def evict(self, name: str, reason: str) -> Evict | Wait:
+        """By hand (``unload``, ``sleep``): off the device even if pinned, or out of host memory; not while
+        it has work, which would only load it again."""
+        m = self._get(name)
+        if not m.idle:
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} has {m.queued} job(s) queued and {len(m.running)} "
+                                                  "running; it can leave once they are done")
+        if m.leaving is not None or m.tier == "loading":
+            return Wait(name, LOADING, f"{name} is {'leaving' if m.leaving else 'loading'}; ask again after")
+        if m.tier == "device":
+            return Evict(name, self._moves_off_device([m], reason), reason)
+        moves = (Move(name, "host", "disk", reason),) if m.tier == "host" else ()
+        return Evict(name, moves, reason)
+
+    def preload(self, names: Sequence[str]) -> list[str]:
+        """Of ``names`` (in the order configured), those whose weights fit together in their budgets."""
+        free = {d: self._free(d) for d in self.budgets}
+        chosen = []
+        for name in names:
+            m = self._get(name)
+            if m.tier in ("device", "loading") or m.leaving is not None:
+                continue
+            if m.weight_bytes <= free[m.device]:
+                free[m.device] -= m.weight_bytes
+                chosen.append(name)
+        return chosen
+
+    def snapshot(self) -> list[ModelStatus]:
+        out = []
+        for m in sorted(self._models.values(), key=lambda m: m.name):
+            on = m.tier == "device"
+            out.append(ModelStatus(
+                name=m.name, device=m.device, residency=m.tier,
+                device_bytes=m.weight_bytes + m.reserved if m.resident else 0,
+                host_bytes=m.weight_bytes if m.tier == "host" or m.loading_from == "host" else 0,
+                keep_alive_until=m.deadline if on and m.deadline != FOREVER else None,
+                forever=on and m.deadline == FOREVER, pinned=m.pinned, queued=m.queued,
+                running=sum(j for _, _, j in m.running), reason=m.reason))
+        return out
+
+    # ---- reports: jobs -----------------------------------------------------------------------------------
+
+    def keep_alive_for(self, name: str, requested_s: float | None) -> float:
+        """A request's keep-alive, capped by ``max_keep_alive_s``; None: the model's, else the daemon's."""
+        m = self._get(name)
+        if requested_s is None:
+            return m.keep_alive_s if m.keep_alive_s is not None else self.keep_alive_s
+        if requested_s < 0:
+            raise ValueError(f"keep_alive {requested_s} s is negative; use units.FOREVER for forever")
+        return min(requested_s, self.max_keep_alive_s)
+
+    def touch(self, name: str, keep_alive_s: float | None, now: float) -> None:
+        """A job used the model: its keep-alive timer starts again from ``now``."""
+        m = self._get(name)
+        keep = self.keep_alive_for(name, keep_alive_s)
+        m.last_used = now
+        m.deadline = FOREVER if keep == FOREVER else now + keep
+
+    def queue(self, name: str, jobs: int = 1) -> None:
+        """Jobs admitted for the model: from now on it has work and is never chosen to leave."""
+        self._get(name).queued += jobs
+
+    def unqueue(self, name: str, jobs: int = 1) -> None:
+        """Queued jobs that ended before they ran (cancelled, failed, refused)."""
+        m = self._get(name)
+        if jobs > m.queued:
+            raise ResidencyError(f"{name}: {jobs} job(s) leave the queue but only {m.queued} are queued")
+        m.queued -= jobs
+
+    def start(self, name: str, shape: Shape, now: float, jobs: int = 1) -> None:
+        """A batch of ``jobs`` queued jobs starts as one run of ``shape``; its working memory is reserved."""
+        m = self._get(name)
+        if m.tier != "device" or m.leaving is not None:
+            raise ResidencyError(f"{name}: a run starts but the model is {m.tier}"
+                                 f"{' and leaving' if m.leaving else ''}, not on {m.device}")
+        self.unqueue(name, jobs)
+        reserved = self.estimate(name, shape).nbytes
+        m.running.append((shape, reserved, jobs))
+        m.last_used = now
+        self._adjust(m.device, -reserved)
+
+    def finish(self, name: str, shape: Shape, now: float, jobs: int = 1, keep_alive_s: float | None = None) -> None:
+        """The run ended (done, failed or cancelled): its memory is free and the keep-alive starts over."""
+        m = self._get(name)
+        for i, (s, reserved, n) in enumerate(m.running):
+            if s == shape and n == jobs:
+                del m.running[i]
+                self._adjust(m.device, reserved)
+                break
+        else:
+            raise ResidencyError(f"{name}: a run of {shape} ({jobs} job(s)) finished that was not running")
+        self.touch(name, keep_alive_s, now)
+
+    def measured(self, name: str, shape: Shape, peak_bytes: int) -> None:
+        """A worker's peak for a run, above the weights: later plans for the shape use it."""
+        self.measurements.record(name, self._get(name).weight_bytes, shape, peak_bytes)
+
+    # ---- reports: moves ----------------------------------------------------------------------------------
+
+    def _adjust(self, device: str, delta: int) -> None:
+        if device in self._headroom:
+            self._headroom[device] += delta
+
+    def loading_started(self, name: str) -> None:
+        m = self._get(name)
+        if m.tier not in ("host", "disk") or m.leaving is not None:
+            raise ResidencyError(f"{name}: a load starts but the model is {m.tier}, not in host memory or on disk")
+        m.loading_from, m.tier, m.reason = m.tier, "loading", f"loading from {m.tier}"
+        self._adjust(m.device, -m.weight_bytes)
+
+    def loaded(self, name: str, now: float) -> None:
+        """On the device; its keep-alive counts from now, so a preloaded model nobody uses leaves in time."""
+        m = self._get(name)
+        if m.tier != "loading":
+            raise ResidencyError(f"{name}: loaded, but it was {m.tier}, not loading")
+        m.tier, m.loading_from, m.reason = "device", None, f"loaded onto {m.device}"
+        self.touch(name, None, now)
+
+    def load_failed(self, name: str, reason: str) -> None:
+        m = self._get(name)
+        if m.tier != "loading":
+            raise ResidencyError(f"{name}: a load failed, but it was {m.tier}, not loading")
+        m.tier, m.loading_from, m.reason = "disk", None, f"load failed: {reason}"
+        self._adjust(m.device, m.weight_bytes)
+
+    def unloading(self, move: Move) -> None:
+        """The engine started ``move``; the bytes stay counted where they were until ``unloaded``."""
+        m = self._get(move.model)
+        if m.tier != move.src or m.leaving is not None:
+            raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} starts but the model is {m.tier}"
+                                 f"{' and already leaving' if m.leaving else ''}")
+        m.leaving = move
+
+    def unloaded(self, move: Move) -> None:
+        m = self._get(move.model)
+        if m.leaving != move:
+            raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} finished that had not started")
+        m.tier, m.leaving, m.reason = move.dst, None, move.reason
+        if move.src == "device":
+            self._adjust(m.device, m.weight_bytes)
+
+    def unload_failed(self, move: Move, reason: str) -> None:
+        """The move did not happen; the model stays where it was (a dead worker is ``worker_died``'s)."""
+        m = self._get(move.model)
+        if m.leaving != move:
+            raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} failed that had not started")
+        m.leaving, m.reason = None, f"{move.src} -> {move.dst} failed: {reason}"
+
+    def worker_died(self, names: Iterable[str], reason: str) -> None:
+        """Everything the worker held is gone, on the device and in its host buffers: back to disk. Its runs
+        ended (the engine fails their jobs); jobs still queued stay queued for the next worker."""
+        for name in names:
+            m = self._get(name)
+            freed = (m.weight_bytes if m.resident else 0) + m.reserved
+            during = " during its load" if m.tier == "loading" else ""
+            m.tier, m.loading_from, m.leaving, m.running = "disk", None, None, []
+            m.reason = f"worker died{during}: {reason}"
+            self._adjust(m.device, freed)
+
+    def set_budget(self, device: str, device_bytes: int) -> None:
+        """A budget resolved late (a share of a device whose total the first worker reported)."""
+        if device_bytes < 0:
+            raise ValueError(f"the budget of {device} is {device_bytes} bytes; a budget cannot be negative")
+        self.budgets[device] = device_bytes

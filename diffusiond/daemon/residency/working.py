@@ -1,0 +1,153 @@
+"""Working memory: what a forward needs on top of the weights, per shape, measured and remembered.
+
+A model's weights are known from its files; what one forward needs besides (activations, the VAE's decode,
+the allocator's slack) depends on width, height, batch and frames, and only a run can tell. Workers
+report each shape's peak after it runs; the engine keeps them in its state dir (``to_dict``/``from_dict``)
+so a restarted daemon plans with measurements, not guesses. Until a model has run, a conservative
+default stands in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+DEFAULT_PER_MEGAPIXEL: Final = 3 * 1024**3
+"""Default working bytes per million output pixels (per frame, per batch item): above SDXL's and FLUX's
+measured peaks at 1024x1024 in bf16 with the VAE's decode, so the default errs towards evicting more."""
+DEFAULT_WEIGHT_SHARE: Final = 0.25
+"""Plus this share of the weights, for what grows with the model (its text encoders' activations, buffers)."""
+EXTRAPOLATION_MARGIN: Final = 1.25
+"""A shape larger than any measured one: linear in pixels, plus this margin for what grows faster."""
+FORMAT_VERSION: Final = 1
+
+_KEY: Final = re.compile(r"(\d{1,6})x(\d{1,6})x(\d{1,4})x(\d{1,5})")
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """What a forward's working memory depends on: output size, batch and frames (1 for an image)."""
+
+    width: int
+    height: int
+    batch: int = 1
+    frames: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("width", "height", "batch", "frames"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"shape {name} must be a positive integer, got {v!r}")
+
+    @property
+    def elements(self) -> int:
+        return self.width * self.height * self.batch * self.frames
+
+    @property
+    def key(self) -> str:
+        """The shape as it is stored in the state dir: ``WxHxBATCHxFRAMES``."""
+        return f"{self.width}x{self.height}x{self.batch}x{self.frames}"
+
+    @classmethod
+    def from_key(cls, key: str) -> Shape:
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"shape key {key[:60]!r} is not WIDTHxHEIGHTxBATCHxFRAMES (e.g. 1024x1024x1x1)")
+        w, h, b, f = (int(g) for g in m.groups())
+        return cls(w, h, b, f)
+
+    def halves(self) -> tuple[Shape, Shape]:
+        """The two batches an out-of-memory batch is retried as (the first takes the odd one)."""
+        if self.batch < 2:
+            raise ValueError(f"a batch of {self.batch} cannot be split")
+        first = (self.batch + 1) // 2
+        return (Shape(self.width, self.height, first, self.frames),
+                Shape(self.width, self.height, self.batch - first, self.frames))
+
+    def __str__(self) -> str:
+        frames = f", {self.frames} frames" if self.frames > 1 else ""
+        return f"{self.width}x{self.height}, batch {self.batch}{frames}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Working bytes for one shape, and whether a measurement stands behind them."""
+
+    nbytes: int
+    measured: bool
+    how: str
+
+
+def default_working(weight_bytes: int, shape: Shape) -> int:
+    """The guess before a model's first run: generous, since a low guess ends in an out-of-memory retry."""
+    return int(weight_bytes * DEFAULT_WEIGHT_SHARE + DEFAULT_PER_MEGAPIXEL * shape.elements / 1e6)
+
+
+class Measurements:
+    """Peak working bytes per model and shape; stale ones (the weights changed) are not used."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, tuple[int, dict[Shape, int]]] = {}
+
+    def record(self, model: str, weight_bytes: int, shape: Shape, peak_bytes: int) -> None:
+        """Keep the largest peak seen for the shape: a plan built on it should not fail the next run."""
+        if peak_bytes < 0:
+            raise ValueError(f"{model}: a peak of {peak_bytes} working bytes for {shape} is negative")
+        known, peaks = self._models.get(model, (weight_bytes, {}))
+        if known != weight_bytes:
+            peaks = {}  # another model under the same name: its measurements say nothing about this one
+        peaks[shape] = max(peak_bytes, peaks.get(shape, 0))
+        self._models[model] = (weight_bytes, peaks)
+
+    def peaks(self, model: str, weight_bytes: int) -> Mapping[Shape, int]:
+        known, peaks = self._models.get(model, (weight_bytes, {}))
+        return peaks if known == weight_bytes else {}
+
+    def estimate(self, model: str, weight_bytes: int, shape: Shape) -> Estimate:
+        """From this shape's peak; else the smallest peak of a larger shape (working memory grows with
+        the pixels); else a smaller shape's scaled linearly with a margin; else ``default_working``."""
+        peaks = self.peaks(model, weight_bytes)
+        if shape in peaks:
+            return Estimate(peaks[shape], True, f"measured at {shape}")
+        larger = [(peak, s) for s, peak in peaks.items() if s.elements >= shape.elements]
+        if larger:
+            peak, s = min(larger)
+            return Estimate(peak, True, f"measured at the larger {s}")
+        if peaks:
+            scaled = max(int(peak * shape.elements / s.elements * EXTRAPOLATION_MARGIN) for s, peak in peaks.items())
+            return Estimate(scaled, True, "scaled from smaller measured shapes")
+        return Estimate(default_working(weight_bytes, shape), False, "default estimate (not measured yet)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": FORMAT_VERSION,
+                "models": {name: {"weight_bytes": wb, "peaks": {s.key: p for s, p in sorted(peaks.items())}}
+                           for name, (wb, peaks) in sorted(self._models.items())}}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Measurements:
+        """What ``to_dict`` wrote, checked: the state dir is a file anyone could have edited."""
+        where = "working-memory measurements"
+        if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: expected an object with \"version\": {FORMAT_VERSION}")
+        models = data.get("models")
+        if not isinstance(models, dict):
+            raise ValueError(f"{where}: expected \"models\" to be an object of model name -> measurements")
+        out = cls()
+        for name, entry in models.items():
+            wb = entry.get("weight_bytes") if isinstance(entry, dict) else None
+            peaks = entry.get("peaks") if isinstance(entry, dict) else None
+            if not isinstance(wb, int) or not _count(wb) or not isinstance(peaks, dict):
+                raise ValueError(f"{where}: model {str(name)[:80]!r} needs \"weight_bytes\" (a non-negative "
+                                 "integer) and \"peaks\" (an object of shape key -> bytes)")
+            for key, peak in peaks.items():
+                if not _count(peak):
+                    raise ValueError(f"{where}: model {name!r} shape {str(key)[:60]!r}: peak must be a "
+                                     f"non-negative integer, got {str(peak)[:40]}")
+                out.record(str(name), wb, Shape.from_key(str(key)), peak)
+        return out
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
