@@ -22,7 +22,15 @@ from typing import Any
 
 from diffusiond import __version__
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonUnreachable
-from diffusiond.commands import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
+from diffusiond.commands import (
+    EXIT_BROKEN_PIPE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    residency,
+)
 from diffusiond.commands.admin import cancel, history, models, sleep, status, wake, web_url
 from diffusiond.commands.generate import (
     GenerateState,
@@ -46,6 +54,7 @@ SERVE_FIELDS = (
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
     "preview_decoder",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
+    "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -115,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--limit", type=positive_int, default=20, metavar="N", help="at most N jobs (20)")
     h.add_argument("--json", action="store_true", help="the daemon's page as JSON")
     h.set_defaults(func=history)
+    p = sub.add_parser("ps", parents=[sock], help="show where each model is: device, host memory or disk, until when")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=residency.ps)
+    p = sub.add_parser("load", parents=[sock], help="bring a model onto its device now")
+    p.add_argument("model", metavar="NAME")
+    p.set_defaults(func=residency.load)
+    p = sub.add_parser("unload", parents=[sock], help="take a model off its device once its work is done")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("model", metavar="NAME", nargs="?")
+    which.add_argument("--all", action="store_true", help="every model")
+    p.set_defaults(func=residency.unload)
     sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=sleep)
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=wake)
     sub.add_parser("web-url", parents=[sock], help="print the web page's sign-in URL (serve --web)").set_defaults(
@@ -180,6 +200,13 @@ def _add_serve(sub: Any) -> None:
         help="torch.compile every model (MODE: " + ", ".join(COMPILE_MODES) + "; default: default); "
              "reduce-overhead replays CUDA graphs")
     add("--warmup", metavar="WxH:B,...", help="shapes each worker runs before it is ready, e.g. 512x512:1,512x512:8")
+    add("--keep-alive", metavar="DURATION",
+        help="how long a model nobody uses stays on its device: 5m (default), 30s, 1h; 0 leaves at once, -1 stays")
+    add("--max-keep-alive", metavar="DURATION", help="the longest keep_alive a request may ask for (default: any)")
+    add("--device-memory", metavar="SIZE",
+        help="what models on one device may take (e.g. 20GiB); idle models leave to make room (default: no bound)")
+    add("--host-memory", metavar="SIZE", help="weights kept in host memory off their devices (default: no bound)")
+    add("--pin", action="append", metavar="NAME", help="this model never leaves its device for another; repeatable")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)
@@ -222,7 +249,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.command == "generate":
             return _generate(args, socket_path)
         # sleep drains running jobs and wake reloads models: both may rightly take minutes.
-        timeout = None if args.command in ("sleep", "wake") else QUICK_TIMEOUT_S
+        timeout = None if args.command in ("sleep", "wake", "load", "unload") else QUICK_TIMEOUT_S
         return _run(args.func(args, AsyncClient(socket_path, timeout)))
     except UsageError as exc:
         print(f"diffusiond {args.command}: error: {exc}", file=sys.stderr)

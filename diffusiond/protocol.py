@@ -199,6 +199,7 @@ class ErrorCode(enum.StrEnum):
     WEB_OFF = "web_off"  # `diffusiond web-url` asked a daemon started without --web
     # the daemon's state
     MODEL_NOT_FOUND = "model_not_found"
+    MODEL_TOO_LARGE = "model_too_large"  # it cannot fit the device budget even alone (residency)
     LORA_NOT_FOUND = "lora_not_found"
     LORA_EXISTS = "lora_exists"
     JOB_NOT_FOUND = "job_not_found"

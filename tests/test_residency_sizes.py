@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from diffusiond.daemon.residency.sizes import (
-    MAX_HEADER_BYTES, WeightsError, choose_variant, component_files, model_weights, read_header,
+    MAX_HEADER_BYTES,
+    WeightsError,
+    choose_variant,
+    component_files,
+    model_weights,
+    read_header,
 )
 
 

@@ -260,6 +260,14 @@ class AsyncClient:
     async def models(self) -> dict[str, Any]:
         return await self._json("GET", "/v1/models")
 
+    async def load(self, model: str) -> dict[str, Any]:
+        """Bring ``model`` onto its device now (making room as the daemon's budget allows); its entry."""
+        return await self._json("POST", f"/v1/models/{quote_id(model)}/load")
+
+    async def unload(self, model: str) -> dict[str, Any]:
+        """Take ``model`` off its device once its work is done; its entry (``residency`` says where)."""
+        return await self._json("POST", f"/v1/models/{quote_id(model)}/unload")
+
     async def health(self) -> dict[str, Any]:
         """The health report. A degraded daemon may answer 503 with the same body: still returned."""
         async with self._request("GET", "/health", ok=(200, 503)) as resp:

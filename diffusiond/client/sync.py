@@ -143,6 +143,12 @@ class Client:
     def ready(self) -> bool:
         return self._call(self._async.ready())
 
+    def load(self, model: str) -> dict[str, Any]:
+        return self._call(self._async.load(model))
+
+    def unload(self, model: str) -> dict[str, Any]:
+        return self._call(self._async.unload(model))
+
     def sleep(self) -> dict[str, Any]:
         return self._call(self._async.sleep())
 

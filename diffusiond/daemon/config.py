@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
+from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.pipelines.spec import model_name_for, parse_model_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
@@ -50,6 +51,8 @@ class ModelConfig:
     options: dict[str, str] = field(default_factory=dict)
     compile: str = ""  # a torch.compile mode (protocol.COMPILE_MODES), "" for eager
     warmup: tuple[tuple[int, int, int], ...] = ()  # (width, height, batch) run before the worker is ready
+    keep_alive_s: float | None = None  # TOML ``keep_alive``: this model's, over the daemon's --keep-alive
+    pinned: bool = False  # TOML ``pin = true`` or --pin NAME: never leaves its device for another model
 
 
 def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -145,6 +148,23 @@ class DaemonConfig:
 
     # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
     input_dir: str | None = None
+    # Residency (daemon/residency/): how long an unused model stays on its device, the most a request
+    # may ask for (math.inf: forever), and the bytes models may take on each device and off it.
+    keep_alive_s: float = 300.0
+    max_keep_alive_s: float = FOREVER
+    device_memory: str | None = None  # a size (8GiB) or a fraction of the device (0.8); None: no budget
+    host_memory: str | None = None  # weights kept in host memory off their devices; None: no bound
+    pin: tuple[str, ...] = ()
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """The budget of each device. A fraction needs the device's total, which the engine does not
+        measure yet: it is refused in ``validate`` until it does."""
+        return _bytes(self.device_memory)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return _bytes(self.host_memory)
 
     @property
     def state_path(self) -> str:
@@ -210,7 +230,39 @@ class DaemonConfig:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
             parse_host_port(self.web, "--web")
+        for name in ("device_memory", "host_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    size = parse_size(value)
+                except ValueError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+                if size.share is not None:
+                    raise ConfigError(f"{name} {value!r}: a fraction of the device is not supported yet; give a "
+                                      "size such as 20GiB")
+        if self.max_keep_alive_s < 0:
+            raise ConfigError(f"max_keep_alive must not be negative, got {self.max_keep_alive_s}")
+        unknown_pins = sorted(set(self.pin) - {m.name for m in self.models})
+        if unknown_pins:
+            raise ConfigError(f"--pin {', '.join(unknown_pins)}: no such model (models: "
+                              f"{', '.join(m.name for m in self.models)})")
         return self
+
+
+NO_BUDGET = 1 << 62
+"""The budget where none is set: more than any device, so residency only moves models by keep-alive."""
+
+
+def _bytes(value: str | None) -> int:
+    return NO_BUDGET if value is None else parse_size(value).resolve(None)
+
+
+def duration(value: Any, name: str) -> float:
+    """A keep-alive as flags, TOML and requests give it (``5m``, ``300``, ``0``, ``-1``), in seconds."""
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def parse_host_port(text: str, flag: str) -> tuple[str, int]:
@@ -291,7 +343,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
     known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
-                                                      "lora"}
+                                                      "lora", "keep_alive", "max_keep_alive"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -321,6 +373,9 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                     options={str(k): str(v) for k, v in dict(t.get("options", {})).items()},
                     compile=_compile_mode(t.get("compile", compile_mode)),
                     warmup=_warmup(t["warmup"]) if "warmup" in t else warmup,
+                    keep_alive_s=duration(t["keep_alive"], f"model {t.get('name', t['spec'])!r}: keep_alive")
+                    if "keep_alive" in t else None,
+                    pinned=bool(t.get("pin", False)),
                 )
             )
     else:
@@ -333,6 +388,12 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         values["loras"] = parse_loras(values["loras"])
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
+    for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)
+        if key in values:
+            values[f"{key}_s"] = duration(values.pop(key), key)
+    if "pin" in values:
+        values["pin"] = tuple(values["pin"]) if isinstance(values["pin"], list | tuple) else (str(values["pin"]),)
+        models = [replace(m, pinned=m.pinned or m.name in values["pin"]) for m in models]
     for key in ("allow_uid", "restart_backoff_s"):
         if key in values:
             values[key] = tuple(values[key])

@@ -115,6 +115,12 @@ class QueueFull(EngineError):
     default_code = ErrorCode.QUEUE_FULL
 
 
+class ModelTooLarge(InvalidRequest):
+    """The job's model cannot fit its device's budget even alone: no wait would help."""
+
+    default_code = ErrorCode.MODEL_TOO_LARGE
+
+
 class Unavailable(EngineError):
     default_code = ErrorCode.UNAVAILABLE
 

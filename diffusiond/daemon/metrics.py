@@ -58,6 +58,13 @@ class Metrics:
             registry=self.registry)
         self.worker_restarts = Counter("diffusiond_worker_restarts_total", "Workers replaced after they ended",
                                        ["model"], registry=self.registry)
+        self.model_loads_total = Counter("diffusiond_model_loads_total", "Models brought onto their device",
+                                         ["model"], registry=self.registry)
+        self.model_evictions_total = Counter("diffusiond_model_evictions_total",
+                                             "Models that left their device, by reason", ["model", "reason"],
+                                             registry=self.registry)
+        self.model_load_seconds = Histogram("diffusiond_model_load_seconds", "Time to bring a model onto its device",
+                                            buckets=(0.1, 0.3, 1, 3, 10, 30, 100, 300), registry=self.registry)
         self.web_sessions = Counter("diffusiond_web_sessions_total", "Sign-ins to the web page (token URL opened)",
                                     registry=self.registry)
         self.web_refused = Counter("diffusiond_web_refused_total", "Web listener requests refused, by reason",

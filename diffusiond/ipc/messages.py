@@ -216,6 +216,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
     approximations: tuple[str, ...] = ()
     compiled: str = ""  # the torch.compile mode, "" when eager
+    # Its modules' parameters and buffers as loaded: what residency counts it at on its device (the
+    # worker fills it in at READY; remembered in the state dir with the rest, so a model that ran
+    # before is placed within the budget without loading it first).
+    weight_bytes: int = 0
 
 
 class Ready(msgspec.Struct, frozen=True):

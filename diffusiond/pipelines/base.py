@@ -103,6 +103,24 @@ class Pipeline(Protocol):
         ...
 
 
+def weight_bytes(pipeline: Pipeline) -> int:
+    """The bytes of a pipeline's modules (parameters and buffers, each tensor once), as residency
+    counts a model: read off the loaded modules, so it is what the device really holds."""
+    inner = getattr(pipeline, "inner", pipeline)  # a compiled pipeline wraps the loaded one
+    seen: set[int] = set()
+    total = 0
+    components = getattr(getattr(inner, "_pipe", None), "components", None) or vars(inner)
+    for module in components.values():
+        if not isinstance(module, torch.nn.Module):
+            continue
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
 EditArrays = tuple[np.ndarray, np.ndarray | None]
 """One edit's input: the image, uint8 (H, W, 3), and for inpainting the mask, uint8 (H, W, 1), 255
 where to repaint (``ipc.inputs.read_inputs``)."""

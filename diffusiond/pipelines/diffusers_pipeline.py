@@ -32,6 +32,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
+from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.speedups import apply_speedups
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
@@ -215,6 +216,7 @@ class DiffusersPipeline:
         self._schedulers: dict[str, Any] = {}
         self._offload = options.get("cpu_offload") == "1"
         self._asleep = False
+        self._hostcopy: HostCopy | None = None
         video = self.task is Task.TEXT_TO_VIDEO
         side = native_side(pipe)
         inferred = Capabilities(
@@ -411,7 +413,7 @@ class DiffusersPipeline:
         if self.device.type == "cpu":
             return
         if not self._offload:  # offloaded models already live on the host between calls
-            self._move("cpu")
+            self._host().leave()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -421,10 +423,11 @@ class DiffusersPipeline:
             return
         self._asleep = False
         if self.device.type != "cpu" and not self._offload:
-            self._move(self.device)
+            self._host().come_back()
 
-    def _move(self, device: str | torch.device) -> None:
-        """Move each module; ``pipe.to("cpu")`` would warn that half-precision models cannot run there."""
-        for component in self._pipe.components.values():
-            if isinstance(component, torch.nn.Module):
-                component.to(device)
+    def _host(self) -> HostCopy:
+        """The weights' pinned host side (hostcopy.py), made on the first move and kept."""
+        if self._hostcopy is None:
+            modules = [c for c in self._pipe.components.values() if isinstance(c, torch.nn.Module)]
+            self._hostcopy = HostCopy(modules, self.device)
+        return self._hostcopy

@@ -19,6 +19,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from diffusiond.ipc import cuda_host
 from diffusiond.ipc.arena import Arena
 from diffusiond.ipc.channel import Channel
@@ -42,6 +44,7 @@ from diffusiond.ipc.messages import (
     Wake,
     WorkerConfig,
 )
+from diffusiond.pipelines.base import weight_bytes
 from diffusiond.worker.compute import ComputeThread, Control, Edit
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.state import SharedState
@@ -214,7 +217,9 @@ class Worker:
             adapters=adapters,
             warmup=config.warmup,
             on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
-                                        (time.perf_counter() - t0) * 1000, pipeline.capabilities,
+                                        (time.perf_counter() - t0) * 1000,
+                                        msgspec.structs.replace(pipeline.capabilities,
+                                                                weight_bytes=weight_bytes(pipeline)),
                                         lora_errors=lora_errors)),
         )
         for item in self.pending:

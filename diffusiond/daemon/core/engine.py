@@ -35,6 +35,7 @@ from diffusiond.daemon.errors import (
     EngineError,
     JobFinished,
     JobNotFound,
+    ModelTooLarge,
     NotAccepting,
     NoWorker,
     OutputNotFound,
@@ -44,6 +45,7 @@ from diffusiond.daemon.errors import (
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.previews import Previews
 from diffusiond.daemon.outputs.slots import OutputRead, Outputs
+from diffusiond.daemon.residency.keeper import Keeper, shape_of
 from diffusiond.daemon.state.history import History
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink, WorkerStartError
@@ -81,8 +83,9 @@ class Engine:
         self.executor = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="encode")
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
+        self.keeper = Keeper(config, self.pool, self.metrics, on_change=self.dispatch)
         self.flights = Flights(self.pool, self.scheduler, self.outputs, self.store, self.metrics,
-                               held=lambda: self.paused or self.stopping, changed=self._changed)
+                               held=lambda: self.paused or self.stopping, changed=self._changed, keeper=self.keeper)
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
         self.history = History(config, self.jobs, self.store, self.outputs, cancel=self.cancel, expire=self._expire)
         self.accepting = False
@@ -114,11 +117,12 @@ class Engine:
         self._pool_starting = True
         self._changed.set()
         try:
-            await self.pool.start()
+            await self.keeper.preload()
             unfit = self.loras.unfit_at_start(self.models())
             if unfit:
                 raise WorkerStartError(unfit)
             self.started = True
+            self.keeper.started()
         except BaseException:
             self.accepting = False  # what was admitted stays queued (on disk, when jobs persist)
             raise
@@ -192,6 +196,7 @@ class Engine:
     async def stop(self) -> None:
         self.stopping = True
         self._changed.set()
+        self.keeper.stop()
         if self._retention is not None:
             self._retention.cancel()
         await self.pool.stop()
@@ -264,6 +269,20 @@ class Engine:
             raise
         return job
 
+    async def load_model(self, name: str) -> None:
+        """By hand: the model onto its device now (``POST /v1/models/{name}/load``)."""
+        model = self.pool.model(name)
+        try:
+            await self.keeper.load(model)
+        except ValueError as exc:
+            raise ModelTooLarge(str(exc), field="name") from None
+        except TimeoutError as exc:
+            raise NoWorker(str(exc)) from None
+
+    async def unload_model(self, name: str) -> None:
+        """By hand: the model off its device once its work is done (``POST /v1/models/{name}/unload``)."""
+        await self.keeper.unload(self.pool.model(name), "unloaded by hand")
+
     def check_loras(self, model: str, loras: list[tuple[str, float]]) -> None:
         """Admission: the adapters a request names exist, fit its model, and are not too many."""
         self.loras.resolve(self.pool.model(model), loras)
@@ -297,6 +316,10 @@ class Engine:
         if self.scheduler.full:
             self.metrics.rejected_total.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.scheduler.depth} jobs, its limit; retry later", retry_after_s=1)
+        too_large = self.keeper.admit(model.name, shape_of(req.width, req.height, 1, req.num_frames), req.n)
+        if too_large is not None:
+            self.metrics.rejected_total.labels("model_too_large").inc()
+            raise ModelTooLarge(too_large.reason, field="model")
         self.scheduler.admit(job)
         self.jobs[job.id] = job
         for item in job.items:
@@ -376,6 +399,7 @@ class Engine:
         model = self.pool.models.get(worker.config.model_name)
         if model is not None:
             self.store.remember(_model_key(model), model.capabilities)
+            self.keeper.worker_ready(model)
         self._changed.set()
         self.dispatch()
 
@@ -438,6 +462,7 @@ class Engine:
         if job.request.edit is not None:  # batches already sent hold their own fds
             job.request.edit.close()
         self.scheduler.remove(job)
+        self.keeper.unqueue(job.request.model, sum(1 for i in job.items if i.batch_id is None))
         if status != JobStatus.SUCCEEDED:
             cancels: dict[WorkerLink, list[str]] = collections.defaultdict(list)
             for item in job.items:
@@ -469,6 +494,7 @@ class Engine:
 
     def _on_lost(self, worker: WorkerLink, reason: str) -> None:
         """A worker ended: fail what it was working on (not what it already delivered)."""
+        self.keeper.worker_lost(worker.config.model_name, reason)
         for item in self.flights.lost(worker):
             if not item.job.terminal:
                 self._end(item.job, JobStatus.FAILED, ErrorCode.WORKER_LOST,

@@ -23,6 +23,8 @@ from diffusiond.daemon.core.jobs import Item, Job, JobRequest
 from diffusiond.daemon.core.scheduler import Scheduler, Wait
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.slots import Outputs
+from diffusiond.daemon.residency.keeper import Keeper, shape_of
+from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import WorkerPool
@@ -48,10 +50,11 @@ class Batch:
 
 class Flights:
     def __init__(self, pool: WorkerPool, scheduler: Scheduler, outputs: Outputs, store: Store, metrics: Metrics,
-                 *, held: Callable[[], bool], changed: asyncio.Event) -> None:
+                 *, held: Callable[[], bool], changed: asyncio.Event, keeper: Keeper) -> None:
         self.pool, self.scheduler, self.outputs, self.store, self.metrics = pool, scheduler, outputs, store, metrics
         self.held = held  # sleeping or stopping: nothing is dispatched
         self.changed = changed
+        self.keeper = keeper  # residency: whether a model may take work now, and what its batches hold
         self.batches: dict[int, Batch] = {}
         self.in_flight: dict[WorkerLink, collections.deque[Batch]] = {}
         self._batch_ids = 0
@@ -63,6 +66,14 @@ class Flights:
         now = time.monotonic()
         wake_at: float | None = None
         for model in self.pool.models.values():
+            waiting = self.scheduler.waiting(model.name)
+            if not waiting:
+                continue
+            head = waiting[0].request
+            if not self.keeper.may_dispatch(model, shape_of(head.width, head.height, 1, head.num_frames)):
+                self._hold(waiting, self.keeper.why_waiting(model.name))
+                continue
+            self._hold(waiting, None)
             while True:
                 ready = [w for w in model.workers if w.state == WorkerState.READY
                          and len(self.in_flight.setdefault(w, collections.deque())) < MAX_BATCHES_PER_WORKER]
@@ -83,6 +94,14 @@ class Flights:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_at(loop.time() + max(0.0, wake_at - now), self.dispatch)
 
+    @staticmethod
+    def _hold(jobs: list[Job], why: str | None) -> None:
+        """Queued jobs say why they wait (``loading``, ``waiting_for_memory``): a STATUS event when it changes."""
+        for job in jobs:
+            if job.held != why and not job.terminal:
+                job.held = why
+                job.emit(Event.STATUS)
+
     def _send(self, worker: WorkerLink, items: list[Item]) -> None:
         self._batch_ids += 1
         batch = Batch(self._batch_ids, worker, items, open_items=len(items))
@@ -101,6 +120,7 @@ class Flights:
         self.batches[batch.id] = batch
         for i in items:
             i.worker, i.batch_id = worker, batch.id
+        self.keeper.batch_started(worker.config.model_name, _shape(items))
         self.metrics.batch_size.observe(len(items))
         queue = self.in_flight[worker]
         queue.append(batch)
@@ -208,6 +228,7 @@ class Flights:
         batch.open_items -= 1
         if batch.open_items <= 0:
             del self.batches[batch_id]
+            self._finished(batch)
             if not batch.compute_done:
                 self._leave_compute(batch)
 
@@ -219,11 +240,21 @@ class Flights:
                 continue
             undelivered += [i for i in batch.items if not i.job.terminal and i.desc is None and not i.done]
             del self.batches[batch.id]
+            self._finished(batch)
         self.in_flight.pop(worker, None)
         return undelivered
 
+    def _finished(self, batch: Batch) -> None:
+        req = batch.items[0].job.request
+        self.keeper.batch_finished(batch.worker.config.model_name, _shape(batch.items), req.keep_alive_s)
+
     def batches_in_flight(self, worker: WorkerLink) -> int:
         return len(self.in_flight.get(worker, ()))
+
+
+def _shape(items: list[Item]) -> Shape:
+    req = items[0].job.request
+    return shape_of(req.width, req.height, len(items), req.num_frames)
 
 
 def _jobs_of(items: Iterable[Item]) -> list[Job]:

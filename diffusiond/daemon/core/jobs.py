@@ -71,6 +71,7 @@ class JobRequest:
     scheduler: str | None = None
     preview: PreviewSpec | None = None  # None: no previews (the default)
     loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
+    keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
     edit: EditInput | None = field(default=None, compare=False)
 
@@ -144,6 +145,7 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None
     last_preview: Preview | None = None  # what a PREVIEW event is about, while it is emitted
+    held: str | None = None  # queued, and why: its model is "loading" or it is "waiting_for_memory"
 
     @property
     def terminal(self) -> bool:
@@ -155,6 +157,12 @@ class Job:
             return Stage.DONE
         live = [i.stage for i in self.items if not i.done]
         return min(live) if live else Stage.DONE
+
+    @property
+    def stage_label(self) -> str:
+        """The stage as clients read it: a queued job held back by residency says why."""
+        stage = self.stage
+        return self.held if self.held and stage == Stage.QUEUED else stage.label
 
     def workers(self) -> list[str]:
         return sorted({i.worker.name for i in self.items if i.worker is not None and not i.done})

@@ -68,6 +68,10 @@ class Scheduler:
             self._pending[item.job.request.model].appendleft(item)
             self._queued_jobs.setdefault(item.job.id, item.job)
 
+    def waiting(self, model: str) -> list[Job]:
+        """The jobs with outputs queued for ``model``, in queue order (residency shows them why they wait)."""
+        return list({i.job.id: i.job for i in self._pending[model]}.values())
+
     def next_batch(self, model: str, now: float, *, partial_ok: bool = True) -> list[Item] | Wait | None:
         q = self._pending[model]
         if not q:

@@ -28,19 +28,21 @@ from diffusiond.protocol import ErrorCode, ModelState
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response(views.models(request.app[ENGINE].models()))
+    return web.json_response(views.models(request.app[ENGINE]))
 
 
 async def health(request: web.Request) -> web.Response:
-    snap = views.health(request.app[ENGINE])
-    ok = bool(snap["workers"]) and all(w["state"] in ("ready", "sleeping") and w["answering"]
-                                       for w in snap["workers"])
+    engine = request.app[ENGINE]
+    snap = views.health(engine)
+    retired = all(m.retired for m in engine.models())  # residency stopped every model's workers: all is well
+    ok = (bool(snap["workers"]) or retired) and all(w["state"] in ("ready", "sleeping") and w["answering"]
+                                                    for w in snap["workers"])
     return web.json_response(snap, status=200 if ok else 503)
 
 
 async def ready(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if engine.started and engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING)
+    if engine.started and engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING) or m.retired
                                                    for m in engine.models()):
         return web.json_response({"ready": True})
     reason = "draining" if engine.draining else "starting"
@@ -62,6 +64,24 @@ async def admin_wake(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     await request.app[ENGINE].wake()
     return web.json_response({"sleeping": False, "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
+
+
+async def model_load(request: web.Request) -> web.Response:
+    """``POST /v1/models/{name}/load``: onto its device now, making room as residency allows."""
+    engine = request.app[ENGINE]
+    t0 = time.perf_counter()
+    await engine.load_model(request.match_info["name"])
+    return web.json_response({**views.model(engine, engine.model(request.match_info["name"])),
+                              "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
+
+
+async def model_unload(request: web.Request) -> web.Response:
+    """``POST /v1/models/{name}/unload``: off its device once its work is done."""
+    engine = request.app[ENGINE]
+    t0 = time.perf_counter()
+    await engine.unload_model(request.match_info["name"])
+    return web.json_response({**views.model(engine, engine.model(request.match_info["name"])),
+                              "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
 
 
 async def list_loras(request: web.Request) -> web.Response:
@@ -116,6 +136,8 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_get("/v1/jobs/{job_id}/outputs/{k}", job_output)
     app.router.add_get("/v1/jobs/{job_id}/preview/{k}", job_preview)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/models/{name}/load", model_load)
+    app.router.add_post("/v1/models/{name}/unload", model_unload)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -12,6 +12,7 @@ carry no HTTP status: ``status.py`` maps them (``errors.py``).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
@@ -22,6 +23,7 @@ from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core.inputs import EditInput, Source
 from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
 from diffusiond.daemon.errors import OutputTooLarge, invalid
+from diffusiond.daemon.residency.units import parse_duration
 from diffusiond.ipc.messages import Capabilities
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.protocol import (
@@ -102,6 +104,8 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     mask: str | None = None
     mask_path: str | None = None
     strength: float | None = None
+    # how long the model stays on its device after this job: "10m", seconds, 0, -1 (as Ollama's field)
+    keep_alive: str | float | None = None
 
 
 class AddLoraBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -281,7 +285,23 @@ def check(
         preview=preview,
         loras=lora_pairs,
         edit=edit,
+        keep_alive_s=_keep_alive(req.get("keep_alive")),
     )
+
+
+def _keep_alive(value: Any) -> float | None:
+    """``keep_alive`` of a request in seconds (a negative one: forever); the daemon caps it later."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise invalid(f"keep_alive must be a duration such as \"10m\" or a number of seconds, got {value!r}",
+                      field="keep_alive")
+    if isinstance(value, int | float) and not math.isfinite(value) and value > 0:
+        raise invalid("keep_alive must be finite; use -1 to keep the model forever", field="keep_alive")
+    try:
+        return parse_duration(value if isinstance(value, str) else float(value))
+    except (ValueError, OverflowError) as exc:
+        raise invalid(f"keep_alive: {exc}", field="keep_alive") from None
 
 
 def _preview(body: PreviewBody | None, model: ModelLike, steps: int) -> PreviewSpec | None:

@@ -7,6 +7,7 @@ never formats anything for a client. docs/api.md describes these documents.
 from __future__ import annotations
 
 import base64
+import time
 from typing import TYPE_CHECKING, Any
 
 from diffusiond import __version__
@@ -47,7 +48,7 @@ def job(j: Job) -> dict[str, Any]:
         "model": r.model,
         "created": int(j.created),
         "status": j.status.value,
-        "stage": j.stage.label,
+        "stage": j.stage_label,
         "progress": {"step": j.progress[0], "total": j.progress[1] or r.steps},
         "outputs": [
             {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,
@@ -122,14 +123,29 @@ def preview(j: Job, p: Preview) -> dict[str, Any]:
             "image": base64.b64encode(p.data).decode(), "url": preview_url(j.id, p.index)}
 
 
-def models(ms: list[Model]) -> dict[str, Any]:
-    data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
-             "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
-             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
-             "edits": list(m.capabilities.edits),
-             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations)}
-            for m in ms]
-    return {"object": "list", "data": data}
+def models(engine: Engine) -> dict[str, Any]:
+    return {"object": "list", "data": [model(engine, m) for m in engine.models()]}
+
+
+def model(engine: Engine, m: Model) -> dict[str, Any]:
+    """One model: what it makes, and where it is (residency: device, host, disk or loading, the bytes
+    in each, its keep-alive as a Unix time, pinned, its outputs queued and running)."""
+    where = engine.keeper.snapshot().get(m.name)
+    now_wall, now = time.time(), time.monotonic()
+    until = where.keep_alive_until if where is not None else None
+    return {"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
+            "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
+            "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
+            "edits": list(m.capabilities.edits),
+            "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
+            "residency": where.residency if where is not None else ("disk" if m.retired else "loading"),
+            "device_bytes": where.device_bytes if where is not None else 0,
+            "host_bytes": where.host_bytes if where is not None else 0,
+            "keep_alive_until": None if until is None else round(now_wall + (until - now), 3),
+            "keep_alive_forever": bool(where and where.forever),
+            "pinned": m.config.pinned, "queued": where.queued if where is not None else 0,
+            "running": where.running if where is not None else 0,
+            "residency_reason": where.reason if where is not None else ""}
 
 
 def health(engine: Engine) -> dict[str, Any]:

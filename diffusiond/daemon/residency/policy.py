@@ -111,6 +111,15 @@ class Residency:
             raise ValueError(f"model {name!r}: weight bytes {weight_bytes} is negative")
         self._models[name] = _Model(name, device, weight_bytes, pinned, keep_alive_s, tuple(hints))
 
+    def has(self, name: str) -> bool:
+        return name in self._models
+
+    def tier(self, name: str) -> Tier:
+        return self._get(name).tier
+
+    def queued(self, name: str) -> int:
+        return self._get(name).queued
+
     def _get(self, name: str) -> _Model:
         try:
             return self._models[name]

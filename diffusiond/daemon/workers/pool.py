@@ -53,6 +53,7 @@ class Model:
     crash_streak: int = 0  # consecutive workers that died within a minute of starting
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
     lora_errors: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
+    retired: bool = False  # residency stopped its workers (weights back on disk); a job starts them again
 
     @property
     def name(self) -> str:
@@ -72,7 +73,7 @@ class Model:
 
     def can_take_jobs(self) -> bool:
         """A worker is up, starting or on its way back: a job admitted now will be run."""
-        return self.state != ModelState.UNAVAILABLE or self.replacing > 0 or any(
+        return self.retired or self.state != ModelState.UNAVAILABLE or self.replacing > 0 or any(
             w.state == WorkerState.STARTING for w in self.workers)
 
 
@@ -93,6 +94,7 @@ class WorkerPool:
         self.lora_paths: dict[str, str] = dict(config.loras)  # what each new worker loads (runtime ones too)
         self.lora_target_rank = 0  # the engine sets it: the largest rank registered at start (compiled models)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._beating = False
         for name in self.models:  # export restarts 0 from the start: a missing series is not a zero
             self.metrics.worker_restarts.labels(name)
 
@@ -112,15 +114,18 @@ class WorkerPool:
                     yield model, w
 
     # lifecycle ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Start every worker; fail with the first worker's reason if a model cannot load."""
-        starts = [self._start_worker(model, device) for model in self.models.values()
+    async def start(self, models: list[Model] | None = None) -> None:
+        """Start the workers of ``models`` (all, by default) side by side; fail with the first worker's
+        reason if a model cannot load. The heartbeat starts with the first call."""
+        starts = [self._start_worker(model, device) for model in (self.models.values() if models is None else models)
                   for device in model.config.devices]
         results = await asyncio.gather(*starts, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        self._keep(self._heartbeat())
+        if not self._beating:
+            self._beating = True
+            self._keep(self._heartbeat())
 
     async def stop(self) -> None:
         self.stopping = True
@@ -252,9 +257,32 @@ class WorkerPool:
         finally:
             self.paused = False
 
-    async def _fan_out(self, msg: Sleep | Wake, state: WorkerState, timeout: float, code: ErrorCode) -> None:
-        acks = await asyncio.gather(*(w.command(msg, timeout) for _, w in self.workers(state)),
-                                    return_exceptions=True)
+    # one model's workers, for residency (daemon/residency/keeper.py) ------------------------------
+    async def sleep_model(self, model: Model) -> None:
+        """Its weights leave the device for its workers' host memory (they stay up, so waking is a copy)."""
+        await self._fan_out(Sleep(), WorkerState.READY, self.config.drain_grace_s, ErrorCode.SLEEP_FAILED,
+                            [model])
+
+    async def wake_model(self, model: Model) -> None:
+        await self._fan_out(Wake(), WorkerState.SLEEPING, self.config.worker_start_timeout_s, ErrorCode.WAKE_FAILED,
+                            [model])
+
+    async def retire(self, model: Model) -> None:
+        """Stop the model's workers on purpose (not a loss: nothing is replaced); ``revive`` starts them."""
+        model.retired = True
+        workers, model.workers = list(model.workers), []
+        await asyncio.gather(*(w.stop(self.config.drain_grace_s) for w in workers), return_exceptions=True)
+
+    async def revive(self, model: Model) -> None:
+        try:
+            await asyncio.gather(*(self._start_worker(model, d) for d in model.config.devices))
+        finally:
+            model.retired = not model.workers
+
+    async def _fan_out(self, msg: Sleep | Wake, state: WorkerState, timeout: float, code: ErrorCode,
+                       models: list[Model] | None = None) -> None:
+        targets = [w for m in (models or list(self.models.values())) for w in m.workers if w.state == state]
+        acks = await asyncio.gather(*(w.command(msg, timeout) for w in targets), return_exceptions=True)
         bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
         if bad:
             verb = "sleep" if isinstance(msg, Sleep) else "wake"

@@ -1,0 +1,72 @@
+"""``ps``, ``load`` and ``unload``: what is loaded where, and moving a model by hand.
+
+``ps`` is ``ollama ps`` for this daemon: per model, where its weights are (``device``, ``host``,
+``disk``, ``loading``), the bytes on the device and in host memory, until when its keep-alive holds
+it, whether it is pinned, and its outputs queued and running, all from ``GET /v1/models``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from diffusiond.client import AsyncClient
+from diffusiond.commands import EXIT_OK
+
+KEYS = ["name", "device", "residency", "on device", "in host", "until", "pinned", "queued", "running"]
+
+
+def _size(n: object) -> str:
+    if not isinstance(n, int | float) or not n:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _until(m: dict[str, object]) -> str:
+    if m.get("keep_alive_forever"):
+        return "forever"
+    until = m.get("keep_alive_until")
+    if not isinstance(until, int | float):
+        return "-"
+    left = until - time.time()
+    return f"{time.strftime('%H:%M:%S', time.localtime(until))} (in {max(0, round(left))} s)"
+
+
+async def ps(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        models = (await client.models()).get("data") or []
+    if args.json:
+        print(json.dumps(models))
+        return EXIT_OK
+    rows = [[str(m.get("id", "")), str(m.get("device", "")), str(m.get("residency", "")),
+             _size(m.get("device_bytes")), _size(m.get("host_bytes")), _until(m), "yes" if m.get("pinned") else "no",
+             str(m.get("queued", 0)), str(m.get("running", 0))] for m in models]
+    cells = [KEYS, *rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(KEYS))]
+    print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells))
+    return EXIT_OK
+
+
+async def load(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        m = await client.load(args.model)
+    print(f"{m.get('id', args.model)}: {m.get('residency')} on {m.get('device')}{_took(m)}")
+    return EXIT_OK
+
+
+async def unload(args: argparse.Namespace, client: AsyncClient) -> int:
+    async with client:
+        names = [str(m["id"]) for m in (await client.models()).get("data") or []] if args.all else [args.model]
+        for name in names:
+            m = await client.unload(name)
+            print(f"{m.get('id', name)}: {m.get('residency')}{_took(m)}")
+    return EXIT_OK
+
+
+def _took(m: dict[str, object]) -> str:
+    took = m.get("took_ms")
+    return f" (took {took / 1000:.1f} s)" if isinstance(took, int | float) else ""

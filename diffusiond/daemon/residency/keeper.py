@@ -1,0 +1,262 @@
+"""Residency carried out: the policy (``policy.py``) decides, the keeper makes it happen through the pool.
+
+The keeper is the engine's one door to residency. The engine tells it what jobs do (admitted,
+started, finished, ended unrun) and asks it, before each dispatch, which models may take work
+now; the keeper asks the policy, starts the moves it answers with, and reports each move's end
+back to the policy, so the policy's picture is always what the workers really did. Every move is
+logged with the policy's reason.
+
+A move, by tier (one worker per model and device, as the pool starts them):
+- device -> host: SLEEP the model's workers (weights wait in their host memory; see the worker);
+- device or host -> disk: stop the model's workers (everything they held is freed, the CUDA
+  context included); a job that needs the model again starts them anew;
+- host -> device: WAKE; disk -> device: start the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.residency.decisions import (
+    LOADING,
+    WAITING_FOR_MEMORY,
+    Evict,
+    Fits,
+    ModelStatus,
+    Move,
+    TooLarge,
+    Wait,
+)
+from diffusiond.daemon.residency.policy import Residency, ResidencyError
+from diffusiond.daemon.residency.working import Shape
+from diffusiond.daemon.workers.pool import Model, WorkerPool
+from diffusiond.protocol import WorkerState
+
+log = logging.getLogger(__name__)
+
+EXPIRY_CHECK_S = 0.5
+"""How often keep-alives are looked at: a model leaves within this of its time."""
+
+
+def shape_of(width: int, height: int, batch: int, frames: int | None) -> Shape:
+    return Shape(width, height, batch, frames or 1)
+
+
+class Keeper:
+    def __init__(self, config: DaemonConfig, pool: WorkerPool, metrics: Metrics, *,
+                 on_change: Callable[[], None]) -> None:
+        self.config, self.pool, self.metrics = config, pool, metrics
+        self.on_change = on_change  # a move ended: the engine dispatches again
+        budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
+        self.policy = Residency(budgets, config.host_memory_bytes, keep_alive_s=config.keep_alive_s,
+                                max_keep_alive_s=config.max_keep_alive_s)
+        self.moving: set[str] = set()
+        self._expiry: asyncio.Task[None] | None = None
+        self._moves: set[asyncio.Task[None]] = set()
+
+    # what the engine tells ------------------------------------------------------------------------
+    def started(self) -> None:
+        self._expiry = asyncio.ensure_future(self._expire_forever())
+
+    def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+
+    async def preload(self) -> None:
+        """Start the models' workers. Without a budget, all at once (as before residency). With one,
+        in the order configured: a model that ran before (its size remembered in the state dir) and
+        does not fit beside those loaded already is not loaded at all; one never seen is loaded once,
+        to learn its capabilities and size, and leaves again at once if it does not fit."""
+        if self.config.device_memory is None:
+            await self.pool.start()
+            return
+        for model in self.pool.models.values():
+            if model.known and model.capabilities.weight_bytes:
+                self._register(model)
+                if not isinstance(self.policy.plan(model.name, None), Fits):
+                    model.retired = True
+                    log.info("%s stays on disk at start: it does not fit beside the models before it", model.name)
+                    continue
+            await self.pool.start([model])
+            plan = self.policy.plan(model.name, None)
+            over = self.policy.device_used(model.config.devices[0]) > self.policy.budgets[model.config.devices[0]]
+            if over or isinstance(plan, TooLarge):
+                move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
+                await self._move(model, move)
+
+    def _register(self, model: Model) -> None:
+        if not self.policy.has(model.name):
+            self.policy.add(model.name, model.config.devices[0], model.capabilities.weight_bytes,
+                            pinned=model.config.pinned, keep_alive_s=model.config.keep_alive_s)
+
+    def worker_ready(self, model: Model) -> None:
+        """A worker has the model's weights on its device (at start, or after a move back)."""
+        name = model.name
+        self._register(model)
+        if self.policy.tier(name) in ("disk", "host") and name not in self.moving:
+            self.policy.loading_started(name)
+        if self.policy.tier(name) == "loading" and name not in self.moving:
+            self.policy.loaded(name, time.monotonic())
+            self.metrics.model_loads_total.labels(name).inc()
+
+    def known(self, name: str) -> bool:
+        return self.policy.has(name)
+
+    def admit(self, name: str, shape: Shape, outputs: int) -> TooLarge | None:
+        """At admission: a job the model can never run within the budget is refused (``TooLarge``)."""
+        if not self.known(name):
+            return None
+        plan = self.policy.plan(name, shape)
+        if isinstance(plan, TooLarge):
+            return plan
+        self.policy.queue(name, outputs)
+        return None
+
+    def unqueue(self, name: str, outputs: int) -> None:
+        if self.known(name) and outputs:
+            self.policy.unqueue(name, min(outputs, self.policy.queued(name)))
+
+    def batch_started(self, name: str, shape: Shape) -> None:
+        if self.known(name):
+            missing = shape.batch - self.policy.queued(name)
+            if missing > 0:  # admitted before the model was known (resumed from the state dir, or at start)
+                self.policy.queue(name, missing)
+            try:
+                self.policy.start(name, shape, time.monotonic(), jobs=shape.batch)
+            except ResidencyError as exc:  # the books are off; the batch runs regardless, and it is said
+                log.error("residency: %s", exc)
+
+    def batch_finished(self, name: str, shape: Shape, keep_alive_s: float | None) -> None:
+        if self.known(name):
+            with contextlib.suppress(ResidencyError):  # a worker lost under it: worker_died settled the counts
+                self.policy.finish(name, shape, time.monotonic(), jobs=shape.batch, keep_alive_s=keep_alive_s)
+
+    def worker_lost(self, name: str, reason: str) -> None:
+        if self.known(name) and name not in self.moving:
+            self.policy.worker_died([name], reason)
+
+    # what the engine asks ---------------------------------------------------------------------------
+    def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
+        """May ``model`` take a batch of ``shape`` now? If not, the moves that will let it are started."""
+        name = model.name
+        if name in self.moving:
+            return False  # its move ends with a dispatch of its own
+        if not self.known(name):
+            return True  # not loaded yet at start: the pool's start brings it
+        plan = self.policy.plan(name, shape)
+        if isinstance(plan, Fits):
+            if plan.load_from is None:
+                return True
+            self._start(self._load(model, plan.load_from, plan.reason))
+        elif isinstance(plan, Evict):
+            for move in plan.moves:
+                self._start(self._move(self.pool.models[move.model], move))
+        elif isinstance(plan, Wait):
+            log.debug("%s waits: %s", name, plan.reason)
+        return False
+
+    def why_waiting(self, name: str) -> str:
+        """The stage a queued job of ``name`` shows while residency holds it back."""
+        if name in self.moving or (self.known(name) and self.policy.tier(name) in ("host", "disk", "loading")):
+            return LOADING
+        return WAITING_FOR_MEMORY
+
+    def snapshot(self) -> dict[str, ModelStatus]:
+        return {s.name: s for s in self.policy.snapshot()}
+
+    async def load(self, model: Model) -> None:
+        """By hand (``POST /v1/models/{name}/load``): onto its device, making room as the policy says."""
+        for _ in range(100):
+            plan = self.policy.plan(model.name, None)
+            if isinstance(plan, TooLarge):
+                raise ValueError(plan.reason)
+            if isinstance(plan, Fits) and plan.load_from is None and model.name not in self.moving:
+                return
+            if model.name not in self.moving:
+                self.may_dispatch(model, None)
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{model.name} did not load within 10 s")
+
+    async def unload(self, model: Model, reason: str) -> ModelStatus:
+        """By hand (``POST /v1/models/{name}/unload``, ``sleep``): off its device once it has no work."""
+        got = self.policy.evict(model.name, reason)
+        if isinstance(got, Evict):
+            for move in got.moves:
+                await self._move(model, move)
+        return self.snapshot()[model.name]
+
+    # moves ------------------------------------------------------------------------------------------
+    def _start(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._moves.add(task)
+        task.add_done_callback(self._moves.discard)
+
+    async def _load(self, model: Model, src: str, reason: str) -> None:
+        name = model.name
+        self.moving.add(name)
+        t0 = time.monotonic()
+        log.info("loading %s from %s: %s", name, src, reason)
+        self.policy.loading_started(name)
+        try:
+            if src == "host":
+                await self.pool.wake_model(model)
+            else:
+                await self.pool.revive(model)
+        except Exception as exc:
+            log.error("loading %s failed: %s", name, exc)
+            self.policy.load_failed(name, str(exc))
+            self.moving.discard(name)
+            self.on_change()
+            return
+        self.policy.loaded(name, time.monotonic())
+        self.metrics.model_loads_total.labels(name).inc()
+        self.metrics.model_load_seconds.observe(time.monotonic() - t0)
+        self.moving.discard(name)
+        self.on_change()
+
+    async def _move(self, model: Model, move: Move) -> None:
+        name = model.name
+        if name in self.moving:
+            return
+        self.moving.add(name)
+        log.info("%s leaves %s for %s: %s", name, move.src, move.dst, move.reason)
+        self.policy.unloading(move)
+        try:
+            if move.dst == "host":
+                await self.pool.sleep_model(model)
+            else:
+                await self.pool.retire(model)
+        except Exception as exc:
+            log.error("moving %s to %s failed: %s", name, move.dst, exc)
+            self.policy.unload_failed(move, str(exc))
+        else:
+            self.policy.unloaded(move)
+            self.metrics.model_evictions_total.labels(name, _reason_label(move.reason)).inc()
+        finally:
+            self.moving.discard(name)
+            self.on_change()
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_S)
+            for move in self.policy.expired(time.monotonic()):
+                model = self.pool.models.get(move.model)
+                if model is not None and move.model not in self.moving and any(
+                        w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers):
+                    await self._move(model, move)
+
+
+def _reason_label(reason: str) -> str:
+    """A bounded label for the evictions metric (the reason text itself is for the log)."""
+    for word, label in (("keep", "keep_alive"), ("room", "room"), ("hand", "by_hand"), ("pressure", "pressure"),
+                        ("sleep", "sleep")):
+        if word in reason:
+            return label
+    return "other"

@@ -1,0 +1,189 @@
+"""Residency against a real daemon on CPU: models leave their device by keep-alive and to make room
+within ``--device-memory``, come back when a job needs them, and every job still gets its bytes.
+
+Three models with different weights (copies of tiny's folder, one UNet tensor changed in each),
+loaded by the same loading code a user's diffusers folder goes through. On a CPU device a model
+that leaves goes to disk (its worker stops: the memory really is freed), so each return is a load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from daemonkit import Daemon, get, http, until
+
+from diffusiond.daemon.residency.working import Shape, default_working
+
+JOB = {"width": 64, "height": 64, "steps": 2, "seed": 7, "output_format": "png"}
+
+
+@pytest.fixture(scope="module")
+def three_models(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
+    from safetensors.torch import load_file, save_file
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for k, name in enumerate("abc"):
+        folder = root / name
+        shutil.copytree(ensure_tiny(), folder)
+        path = next((folder / "unet").glob("*.safetensors"))
+        weights = load_file(str(path))
+        key = sorted(k for k in weights if k.endswith("conv_out.weight"))[0]
+        weights[key] = weights[key] * (1.0 + 0.5 * k)  # each model its own weights
+        save_file(weights, str(path))
+        out[name] = folder
+    return out
+
+
+def started(daemon_factory: Any, *args: str) -> Daemon:
+    """A daemon whose start loads models one after another on a shared 2-core box: given time."""
+    d: Daemon = daemon_factory(*args, start=False)
+    d.start(timeout=600)
+    return d
+
+
+def model_args(models: dict[str, Path]) -> list[str]:
+    return [a for name, path in models.items() for a in ("--model", f"{name}={path}")]
+
+
+async def models_by_name(s: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
+    status, body = await get(s, "/v1/models")
+    assert status == 200, body
+    return {m["id"]: m for m in body["data"]}
+
+
+async def run(s: aiohttp.ClientSession, model: str, **extra: Any) -> bytes:
+    async with s.post("/v1/jobs", json={"prompt": "a lighthouse", "model": model, **JOB, **extra}) as r:
+        job = await r.json()
+        assert r.status == 202, job
+
+    async def done() -> bool:
+        nonlocal job
+        job = (await get(s, f"/v1/jobs/{job['id']}"))[1]
+        return job["status"] in ("succeeded", "failed", "cancelled")
+
+    await until(done, 120, f"job {job['id']} on {model}")
+    assert job["status"] == "succeeded", job
+    async with s.get(f"/v1/jobs/{job['id']}/outputs/0") as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def test_a_budget_that_holds_one_model_serves_all_three_with_the_same_bytes(
+        three_models: dict[str, Path], daemon_factory: Any) -> None:
+    free = started(daemon_factory, *model_args(three_models), "--no-persist", "--keep-alive", "-1")
+
+    async def reference() -> tuple[dict[str, bytes], int]:
+        async with http(free.socket) as s:
+            out = {m: await run(s, m) for m in "abc"}
+            weights = max(m["device_bytes"] for m in (await models_by_name(s)).values())
+        return out, weights
+
+    expected, weights = asyncio.run(reference())
+    assert weights > 0, "the workers count their weights at READY"
+    free.stop()
+    # one model and its working memory at 64x64 fit; a second model's weights do not
+    budget = weights + default_working(weights, Shape(64, 64)) + weights // 2
+    d = started(daemon_factory, *model_args(three_models), "--no-persist", "--device-memory", str(budget),
+                               "--keep-alive", "-1")
+
+    async def go() -> None:
+        async with http(d.socket) as s:
+            seen: list[dict[str, dict[str, Any]]] = []
+            stop = asyncio.Event()
+
+            async def sample() -> None:
+                while not stop.is_set():
+                    seen.append(await models_by_name(s))
+                    await asyncio.sleep(0.05)
+
+            sampler = asyncio.ensure_future(sample())
+            try:
+                for m in "abcabc":
+                    assert await run(s, m) == expected[m], f"model {m} under a budget made other bytes"
+            finally:
+                stop.set()
+                await sampler
+            for snap in seen:
+                on_device = sum(m["device_bytes"] for m in snap.values() if m["residency"] == "device")
+                assert on_device <= budget, snap
+            assert any(m["residency"] == "disk" for snap in seen for m in snap.values()), \
+                "with a budget for one, the others were off the device"
+            metrics = await (await s.get("/metrics")).text()
+            assert 'diffusiond_model_evictions_total{model="a",reason="room"}' in metrics
+
+    asyncio.run(go())
+
+
+def test_keep_alive_takes_an_idle_model_off_its_device_and_a_job_brings_it_back(
+        three_models: dict[str, Path], daemon_factory: Any) -> None:
+    d = started(daemon_factory, "--model", f"a={three_models['a']}", "--no-persist", "--keep-alive", "1s")
+
+    async def go() -> None:
+        async with http(d.socket) as s:
+            first = await run(s, "a")
+
+            async def gone() -> bool:
+                return (await models_by_name(s))["a"]["residency"] == "disk"
+
+            await until(gone, 30, "model a to leave after its 1 s keep-alive")
+            assert (await get(s, "/health"))[0] == 200, "a model off its device is not a sick daemon"
+            assert (await get(s, "/ready"))[0] == 200
+            assert await run(s, "a") == first
+            a = (await models_by_name(s))["a"]
+            assert a["residency"] == "device" and a["keep_alive_until"] is not None
+            # a request's keep_alive of 0: off the device right after the job
+            await run(s, "a", keep_alive=0)
+            await until(gone, 30, "model a to leave after a job with keep_alive 0")
+
+    asyncio.run(go())
+
+
+def test_a_pinned_model_stays_and_unload_and_load_move_a_model_by_hand(
+        three_models: dict[str, Path], daemon_factory: Any) -> None:
+    d = started(daemon_factory, "--model", f"a={three_models['a']}", "--model", f"b={three_models['b']}", "--no-persist",
+                       "--keep-alive", "1s", "--pin", "a")
+
+    async def go() -> None:
+        async with http(d.socket) as s:
+            await run(s, "a")
+            await run(s, "b")
+
+            async def b_gone() -> bool:
+                return (await models_by_name(s))["b"]["residency"] == "disk"
+
+            await until(b_gone, 30, "model b to leave after its keep-alive")
+            a = (await models_by_name(s))["a"]
+            assert a["residency"] == "device" and a["pinned"], a
+            async with s.post("/v1/models/b/load") as r:
+                body = await r.json()
+                assert r.status == 200 and body["residency"] == "device", body
+            async with s.post("/v1/models/a/unload") as r:
+                body = await r.json()
+                assert r.status == 200 and body["residency"] == "disk", body
+            async with s.post("/v1/models/nope/unload") as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+
+    asyncio.run(go())
+
+
+def test_a_model_bigger_than_the_budget_is_refused_at_admission_with_what_it_needs(
+        three_models: dict[str, Path], daemon_factory: Any) -> None:
+    d = started(daemon_factory, "--model", f"a={three_models['a']}", "--no-persist", "--device-memory", "1MiB")
+
+    async def go() -> None:
+        async with http(d.socket) as s, s.post("/v1/jobs", json={"prompt": "x", **JOB}) as r:
+            body = await r.json()
+            assert r.status == 400, body
+            err = body["error"]
+            assert err["code"] == "model_too_large" and err["field"] == "model", err
+            assert "1.0 MiB" in err["message"] or "1 MiB" in err["message"], err["message"]
+
+    asyncio.run(go())
