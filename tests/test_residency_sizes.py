@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from diffusiond.daemon.residency.sizes import (
-    MAX_HEADER_BYTES, WeightsError, choose_variant, component_files, model_weights, read_header,
-)
+from diffusiond.daemon.residency import sizes
+from diffusiond.daemon.residency.sizes import WeightsError, choose_variant, component_files, model_weights, read_header
 
 
 def tensors(seed: int, dtype: type = np.float32, n: int = 3) -> dict[str, np.ndarray]:
@@ -143,7 +142,7 @@ def test_a_checkpoint_named_with_dots_is_no_variant(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("name", "header", "data", "length", "expected"), [
     ("short", b"", b"", None, "shorter than the 8-byte"),
-    ("huge", b"{}", b"", MAX_HEADER_BYTES + 1, "over the limit of 100000000"),
+    ("huge", b"{}", b"", sizes.MAX_HEADER_BYTES + 1, "over the limit of 100000000"),
     ("past-end", b"{}", b"", 10_000, "truncated: its header length is 10000"),
     ("not-json", "{hello", b"", None, "not valid JSON"),
     ("not-utf8", b'{"\xff": 1}', b"", None, "not UTF-8"),

@@ -42,7 +42,7 @@ def test_toml_values_arrive_typed_and_follow_the_same_rule() -> None:
 
 
 def test_a_share_needs_the_device_total() -> None:
-    with pytest.raises(ValueError, match="total is not known.*20GiB"):
+    with pytest.raises(ValueError, match=r"total is not known.*20GiB"):
         Size(share=0.5).resolve(None)
 
 
