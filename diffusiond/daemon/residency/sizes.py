@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Final
 
 MAX_HEADER_BYTES: Final = 100_000_000
-"""Far above any real header (FLUX.1's transformer: about 100 kB) and far below memory trouble."""
+"""The safetensors library's own limit, far above any real header (FLUX.1's transformer: about 100 kB). A
+hostile header this long, full of valid numbers, still takes seconds and about 1 GB to parse, so the engine
+should size models off its event loop (a thread)."""
 MAX_INDEX_BYTES: Final = 50_000_000
 """A sharded model's ``*.safetensors.index.json`` (a few hundred kB for the largest models)."""
 MAX_DEPTH: Final = 3
