@@ -23,7 +23,11 @@ WAITING_FOR_MEMORY: Final = "waiting_for_memory"
 
 @dataclass(frozen=True)
 class Move:
-    """One model's weights leaving a tier: device -> host or disk, or host -> disk."""
+    """One model's weights leaving a tier: device -> host or disk, or host -> disk.
+
+    Moves come in the order to carry them out: a host -> disk drop makes the room in host memory that the
+    device -> host move after it fills, so the drop (freeing buffers, no copy) finishes before that starts.
+    """
 
     model: str
     src: Tier

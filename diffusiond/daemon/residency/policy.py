@@ -167,7 +167,7 @@ class Residency:
         droppable = sorted((m for m in self._models.values() if m.tier == "host" and m.leaving is None
                             and m.idle), key=lambda m: (m.last_used, m.name))
         for m in leaving:
-            if m.device.startswith("cpu"):
+            if m.device.startswith("cpu") or not self.host_budget:
                 moves.append(Move(m.name, "device", "disk", reason))
                 continue
             while host_free < m.weight_bytes and droppable and droppable[0].last_used <= m.last_used:
@@ -189,7 +189,7 @@ class Residency:
         """Can a job of ``shape`` (None: only the weights, for a load by hand or a preload) run now?"""
         m = self._get(name)
         budget = self.budgets[m.device]
-        est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "weights only")
+        est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "no run yet")
         known = est.nbytes if est.measured else 0  # a guess never refuses a job: the OOM path corrects it
         pinned = [p for p in self._models.values()
                   if p.device == m.device and p.pinned and p.resident and p.name != name]
@@ -231,8 +231,11 @@ class Residency:
             if idle:
                 return Evict(name, self._moves_off_device(idle, f"making room for {name} on {m.device}"),
                              f"{name} needs {what}, more than {m.device} can free: clearing it and trying")
-            return Fits(name, load_from, f"{name} needs {what}, more than {m.device} can free: trying it on the "
-                                         f"{format_bytes(free)} free")
+            if floor <= free:
+                return Fits(name, load_from, f"{name} needs {what}, more than {m.device} can free: trying it on "
+                                             f"the {format_bytes(free)} free")
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {format_bytes(floor)}: waiting for models leaving "
+                                                  f"{m.device}")
         if not self._leaving_bytes(m.device):
             # A standstill: nothing runs, and the memory is held by models whose queued jobs cannot start
             # either (their smallest measured run does not fit); each would wait for the others forever.
@@ -405,7 +408,8 @@ class Residency:
             raise ResidencyError(f"{name}: a run starts but the model is {m.tier}"
                                  f"{' and leaving' if m.leaving else ''}, not on {m.device}")
         self.unqueue(name, jobs)
-        reserved = self.estimate(name, shape).nbytes
+        # a run tried on less than its estimate (a guess, or memory taken since its plan) holds what was free
+        reserved = min(self.estimate(name, shape).nbytes, max(self._free(m.device), 0))
         m.running.append((shape, reserved, jobs))
         m.last_used = now
         self._adjust(m.device, -reserved)

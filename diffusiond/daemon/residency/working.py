@@ -107,7 +107,8 @@ class Measurements:
 
     def estimate(self, model: str, weight_bytes: int, shape: Shape) -> Estimate:
         """From this shape's peak; else the smallest peak of a larger shape (working memory grows with
-        the pixels); else a smaller shape's scaled linearly with a margin; else ``default_working``."""
+        the pixels); else the largest measured shape's, scaled linearly with a margin; else
+        ``default_working``."""
         peaks = self.peaks(model, weight_bytes)
         if shape in peaks:
             return Estimate(peaks[shape], True, f"measured at {shape}")
@@ -116,8 +117,10 @@ class Measurements:
             peak, s = min(larger)
             return Estimate(peak, True, f"measured at the larger {s}")
         if peaks:
-            scaled = max(int(peak * shape.elements / s.elements * EXTRAPOLATION_MARGIN) for s, peak in peaks.items())
-            return Estimate(scaled, True, "scaled from smaller measured shapes")
+            # from the largest one measured: a small shape's peak is mostly fixed costs, which do not scale
+            peak, s = max((p, s) for s, p in peaks.items() if s.elements == max(t.elements for t in peaks))
+            scaled = int(peak * shape.elements / s.elements * EXTRAPOLATION_MARGIN)
+            return Estimate(scaled, True, f"scaled from {s}, the largest measured")
         return Estimate(default_working(weight_bytes, shape), False, "default estimate (not measured yet)")
 
     def to_dict(self) -> dict[str, Any]:

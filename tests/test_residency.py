@@ -1,0 +1,576 @@
+"""The residency room's rules, step by step, against a fake engine that carries out its decisions: fit,
+evict, the host tier, keep-alive, pin, pressure from other programs, out-of-memory retries, every
+transition (a worker dying mid-load among them), and random request streams that never break the budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from diffusiond.daemon.residency import decisions as dec
+from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge, Wait
+from diffusiond.daemon.residency.policy import Residency, ResidencyError
+from diffusiond.daemon.residency.units import FOREVER
+from diffusiond.daemon.residency.working import Measurements, Shape
+
+G = 1024**3
+S = Shape(64, 64)
+
+
+def room(budget: int = 6 * G, host: int = 0, models: dict[str, int] | None = None, working: int = G,
+         **kw: object) -> Residency:
+    """Models of 4 GiB by default, each with 1 GiB of working memory measured for ``S``."""
+    r = Residency({"cuda:0": budget}, host, **kw)  # type: ignore[arg-type]
+    for name, wb in (models or {"a": 4 * G, "b": 4 * G, "c": 4 * G}).items():
+        r.add(name, "cuda:0", wb)
+        r.measured(name, S, working)
+    return r
+
+
+@dataclass
+class Engine:
+    """Does what the room decides, at once, and checks the budget after every step."""
+
+    r: Residency
+    now: float = 0.0
+    loads: list[tuple[str, str]] = field(default_factory=list)
+    moves: list[Move] = field(default_factory=list)
+
+    def check(self) -> None:
+        for device, budget in self.r.budgets.items():
+            assert self.r.device_used(device) <= budget
+            on = sum(s.device_bytes for s in self.r.snapshot() if s.device == device and s.residency == "device")
+            assert on <= budget
+        assert self.r.host_used() <= self.r.host_budget
+
+    def move(self, moves: tuple[Move, ...]) -> None:
+        status = {s.name: s for s in self.r.snapshot()}
+        for mv in moves:
+            assert status[mv.model].running == 0 and status[mv.model].queued == 0, mv
+            self.r.unloading(mv)
+            self.r.unloaded(mv)
+            self.moves.append(mv)
+            self.check()
+
+    def admit(self, name: str, shape: Shape = S) -> Fits | Wait | TooLarge:
+        """Plan until the job may run (loading it if need be), or until the room says wait or refuse."""
+        for _ in range(10):
+            d = self.r.plan(name, shape)
+            if isinstance(d, Evict):
+                self.move(d.moves)
+                continue
+            if isinstance(d, Fits) and d.load_from:
+                self.r.loading_started(name)
+                self.check()
+                self.r.loaded(name, self.now)
+                self.loads.append((name, d.load_from))
+            return d
+        raise AssertionError("the room kept asking for evictions")
+
+    def run(self, name: str, shape: Shape = S, keep_alive_s: float | None = None) -> None:
+        self.r.queue(name)
+        d = self.admit(name, shape)
+        assert isinstance(d, Fits), d
+        self.r.start(name, shape, self.now)
+        self.check()
+        self.now += 1
+        self.r.finish(name, shape, self.now, keep_alive_s=keep_alive_s)
+        self.check()
+
+
+def on_device(r: Residency) -> list[str]:
+    return [s.name for s in r.snapshot() if s.residency == "device"]
+
+
+def tier(r: Residency, name: str) -> str:
+    return next(s.residency for s in r.snapshot() if s.name == name)
+
+
+def test_a_budget_that_holds_one_of_three_models_serves_a_b_c_a_b_c() -> None:
+    e = Engine(room())
+    for name in "abcabc":
+        e.run(name)
+        assert on_device(e.r) == [name]
+    assert all(mv.reason == f"making room for {nxt} on cuda:0" for mv, nxt in zip(e.moves, "bcabc", strict=True))
+    assert [src for _, src in e.loads] == ["disk"] * 6  # no host tier: every model comes back from its files
+
+
+def test_evicted_models_wait_in_host_memory_and_its_least_recently_used_drop_to_disk() -> None:
+    e = Engine(room(host=9 * G))  # host memory holds two
+    for name in "abc":
+        e.run(name)
+    assert (tier(e.r, "a"), tier(e.r, "b"), tier(e.r, "c")) == ("host", "host", "device")
+    e.run("a")
+    assert e.loads[-1] == ("a", "host")
+    # c left the device before a's host copy was freed (a loads after c's move), so b made room for it
+    assert (tier(e.r, "b"), tier(e.r, "c")) == ("disk", "host")
+    assert e.r.host_used() == 4 * G
+    e2 = Engine(room(host=5 * G))  # holds one
+    for name in "abc":
+        e2.run(name)
+    assert (tier(e2.r, "a"), tier(e2.r, "b")) == ("disk", "host")
+    drop = next(mv for mv in e2.moves if mv.src == "host")
+    assert drop.model == "a" and "host memory is full" in drop.reason
+    snap = {s.name: s for s in e2.r.snapshot()}
+    assert snap["b"].host_bytes == 4 * G and snap["b"].device_bytes == 0 and snap["a"].host_bytes == 0
+
+
+def test_a_model_more_recent_than_the_host_models_is_not_dropped_for_an_older_one() -> None:
+    r = room(host=5 * G)
+    e = Engine(r)
+    e.run("a")
+    e.run("b")  # a -> host
+    assert tier(r, "a") == "host"
+    d = r.evict("b", "by hand")
+    assert isinstance(d, Evict) and [(m.model, m.dst) for m in d.moves] == [("a", "disk"), ("b", "host")]
+
+
+def test_models_that_fit_together_stay_together() -> None:
+    e = Engine(room(budget=20 * G))
+    for name in "abcabc":
+        e.run(name)
+    assert sorted(on_device(e.r)) == ["a", "b", "c"] and not e.moves
+
+
+def test_a_pinned_model_stays() -> None:
+    r = Residency({"cuda:0": 10 * G}, 0)
+    r.add("p", "cuda:0", 4 * G, pinned=True)
+    for name in "ab":
+        r.add(name, "cuda:0", 4 * G)
+    for name in "pab":
+        r.measured(name, S, G)
+    e = Engine(r)
+    for name in "pabab":
+        e.run(name)
+        assert "p" in on_device(r)
+    assert all(mv.model != "p" for mv in e.moves)
+    assert r.expired(1e12) == tuple(mv for mv in r.expired(1e12) if mv.model != "p")
+    assert "p" not in [mv.model for mv in r.expired(1e12)]
+    assert [s.pinned for s in r.snapshot() if s.name == "p"] == [True]
+    d = r.evict("p", "unloaded by request")  # by hand, a pinned model leaves too
+    assert isinstance(d, Evict) and [mv.model for mv in d.moves] == ["p"]
+
+
+def test_a_model_with_a_queued_or_running_job_is_never_evicted() -> None:
+    r = room()
+    e = Engine(r)
+    e.run("a")
+    r.queue("a")
+    d = r.plan("b", S)
+    assert isinstance(d, Wait) and d.stage == dec.WAITING_FOR_MEMORY
+    r.start("a", S, e.now)
+    d = r.plan("b", S)
+    assert isinstance(d, Wait) and "waiting for the runs of a" in d.reason
+    assert isinstance(r.evict("a", "by hand"), Wait)
+    r.finish("a", S, e.now)
+    d = r.plan("b", S)
+    assert isinstance(d, Evict) and [mv.model for mv in d.moves] == ["a"]
+
+
+def test_evicts_the_least_recently_used_idle_model_first_and_only_as_many_as_needed() -> None:
+    r = room(budget=13 * G, models={"a": 4 * G, "b": 4 * G, "c": 4 * G, "d": 4 * G})
+    e = Engine(r)
+    for name in "bac":
+        e.run(name)
+    d = r.plan("d", S)
+    assert isinstance(d, Evict) and [mv.model for mv in d.moves] == ["b"]
+
+
+def test_keep_alive_expires_and_every_job_resets_it() -> None:
+    r = room(budget=20 * G)
+    e = Engine(r)
+    e.run("a")  # finished at t=1; default keep-alive 5 minutes
+    assert r.next_expiry() == 301
+    assert r.expired(300.9) == ()
+    e.now = 200
+    e.run("a")  # finished at 201
+    assert r.expired(301) == () and r.next_expiry() == 501
+    (mv,) = r.expired(501)
+    assert (mv.model, mv.src, mv.dst, mv.reason) == ("a", "device", "disk", "keep_alive expired")
+    snap = next(s for s in r.snapshot() if s.name == "a")
+    assert snap.keep_alive_until == 501 and not snap.forever
+
+
+def test_keep_alive_zero_leaves_at_once_and_minus_one_never() -> None:
+    r = room(budget=20 * G)
+    e = Engine(r)
+    e.run("a", keep_alive_s=0)
+    assert [mv.model for mv in r.expired(e.now)] == ["a"]
+    e.run("b", keep_alive_s=FOREVER)
+    assert "b" not in [mv.model for mv in r.expired(1e15)]
+    snap = next(s for s in r.snapshot() if s.name == "b")
+    assert snap.keep_alive_until is None and snap.forever
+    r.queue("a")  # a model with work does not expire, whatever its deadline
+    assert r.expired(1e15) == ()
+
+
+def test_a_requested_keep_alive_is_capped_and_a_models_own_overrides_the_default() -> None:
+    r = Residency({"cuda:0": 20 * G}, 0, keep_alive_s=300, max_keep_alive_s=600)
+    r.add("a", "cuda:0", G)
+    r.add("t", "cuda:0", G, keep_alive_s=1800)
+    assert r.keep_alive_for("a", None) == 300
+    assert r.keep_alive_for("t", None) == 1800  # the admin's TOML is not capped
+    assert r.keep_alive_for("a", 3600) == 600
+    assert r.keep_alive_for("a", FOREVER) == 600  # a client cannot pin memory the admin did not allow
+    assert r.keep_alive_for("a", 0) == 0
+    with pytest.raises(ValueError, match="negative"):
+        r.keep_alive_for("a", -1)
+    r.touch("a", 3600, now=10)
+    assert r.next_expiry() is None  # not on the device: nothing to expire
+    e = Engine(r)
+    e.run("a", keep_alive_s=3600)
+    assert r.next_expiry() == e.now + 600
+
+
+def test_a_model_that_cannot_fit_even_alone_is_too_large_with_what_would_make_it_fit() -> None:
+    r = Residency({"cuda:0": 6 * G}, 0)
+    r.add("big", "cuda:0", 8 * G)
+    r.add("q", "cuda:0", 8 * G, hints=("--quantize fp8 (this model supports it)",))
+    d = r.plan("big", S)
+    assert isinstance(d, TooLarge) and d.code == "model_too_large"
+    assert (d.need, d.budget) == (8 * G, 6 * G)
+    assert "needs 8.00 GiB" in d.reason and "budget there is 6.00 GiB" in d.reason
+    assert "--device-memory for cuda:0 (at least 8.00 GiB)" in d.reason
+    assert "offloading" in d.reason and "quantized" in d.reason
+    q = r.plan("q", None)
+    assert isinstance(q, TooLarge) and "--quantize fp8" in q.reason and "offloading" not in q.reason
+
+
+def test_measured_working_memory_counts_towards_too_large_but_a_guess_does_not() -> None:
+    r = Residency({"cuda:0": 6 * G}, 0)
+    r.add("m", "cuda:0", 5 * G)
+    big = Shape(2048, 2048, 4)
+    assert isinstance(r.plan("m", big), Fits)  # not measured: the default guess is large, but only a guess
+    r.measured("m", big, 2 * G)
+    d = r.plan("m", big)
+    assert isinstance(d, TooLarge) and d.need == 7 * G
+    assert "2.00 GiB of working memory for 2048x2048, batch 4" in d.reason and "smaller size or batch" in d.reason
+
+
+def test_pinned_models_can_make_another_too_large() -> None:
+    r = Residency({"cuda:0": 10 * G}, 0)
+    r.add("p", "cuda:0", 4 * G, pinned=True)
+    r.add("m", "cuda:0", 7 * G)
+    Engine(r).run("p")
+    d = r.plan("m", None)
+    assert isinstance(d, TooLarge) and "unpinning p" in d.reason and "p (pinned) hold 4.00 GiB" in d.reason
+
+
+def test_pressure_from_other_programs_evicts_idle_models_and_makes_jobs_wait() -> None:
+    r = room(budget=20 * G, models={"a": 4 * G, "b": 4 * G, "c": 4 * G})
+    e = Engine(r)
+    for name in "abc":
+        e.run(name)
+    assert r.pressure("cuda:0", free_bytes=10 * G, reserve_bytes=G).moves == ()
+    p = r.pressure("cuda:0", free_bytes=G // 2, reserve_bytes=G)
+    assert [mv.model for mv in p.moves] == ["a"] and not p.waiting
+    assert "other programs need the memory" in p.moves[0].reason
+    e.move(p.moves)
+    d = r.plan("a", S)  # a came back: no room left beside other programs
+    assert isinstance(d, Evict)
+    r.queue("b")
+    r.queue("c")
+    p = r.pressure("cuda:0", free_bytes=0, reserve_bytes=12 * G)
+    assert p.moves == () and p.waiting and "new jobs wait for memory" in p.reason
+    d = r.plan("a", S)
+    assert isinstance(d, Wait) and d.stage == dec.WAITING_FOR_MEMORY and "other programs" in d.reason
+    r.pressure("cuda:0", free_bytes=30 * G, reserve_bytes=G)
+    assert isinstance(r.plan("a", S), Fits)
+
+
+def test_pressure_counts_models_already_leaving_and_never_takes_a_pinned_one() -> None:
+    r = Residency({"cuda:0": 20 * G}, 0)
+    r.add("p", "cuda:0", 4 * G, pinned=True)
+    r.add("a", "cuda:0", 4 * G)
+    r.add("b", "cuda:0", 4 * G)
+    e = Engine(r)
+    for name in "pab":
+        e.run(name)
+    first = r.pressure("cuda:0", free_bytes=0, reserve_bytes=3 * G)
+    assert [mv.model for mv in first.moves] == ["a"]
+    r.unloading(first.moves[0])
+    again = r.pressure("cuda:0", free_bytes=0, reserve_bytes=3 * G)
+    assert again.moves == ()  # a's 4 GiB are on their way out already
+    worse = r.pressure("cuda:0", free_bytes=0, reserve_bytes=20 * G)
+    assert [mv.model for mv in worse.moves] == ["b"] and worse.waiting
+
+
+def test_out_of_memory_evicts_idle_models_retries_splits_and_then_fails_the_job_only() -> None:
+    r = room(budget=20 * G)
+    e = Engine(r)
+    for name in "abc":
+        e.run(name)
+    r.queue("c")
+    batch = Shape(1024, 1024, 4)
+    first = r.on_oom("a", batch, attempt=0)
+    assert isinstance(first, dec.OomRetry) and [mv.model for mv in first.moves] == ["b"]  # c has work
+    split = r.on_oom("a", batch, attempt=1)
+    assert isinstance(split, dec.OomSplit) and split.halves == (Shape(1024, 1024, 2), Shape(1024, 1024, 2))
+    assert r.on_oom("a", Shape(64, 64, 3), 1).halves == (Shape(64, 64, 2), Shape(64, 64, 1))  # type: ignore
+    fail = r.on_oom("a", split.halves[0], attempt=2)
+    assert isinstance(fail, dec.OomFail) and fail.code == "out_of_memory"
+    assert "1024x1024, batch 2" in fail.reason and "budget is 20.00 GiB" in fail.reason
+    assert "halves" in fail.reason
+    single = r.on_oom("a", S, attempt=1)
+    assert isinstance(single, dec.OomFail) and "64x64, batch 1" in single.reason
+
+
+def test_measurements_are_used_and_round_trip_through_the_state_dir() -> None:
+    r = room()
+    r.measured("a", Shape(512, 512), 3 * G)
+    assert r.estimate("a", Shape(512, 512)).nbytes == 3 * G
+    assert r.estimate("a", Shape(256, 256)).nbytes == 3 * G  # the smallest larger shape bounds it
+    assert r.estimate("a", Shape(1024, 1024)).nbytes == int(3 * G * 4 * 1.25)  # from 512x512, the largest
+    r.add("new", "cuda:0", G)
+    assert not r.estimate("new", S).measured
+    back = Measurements.from_dict(r.measurements.to_dict())
+    assert back.to_dict() == r.measurements.to_dict()
+    r2 = room(measurements=back)
+    assert r2.estimate("a", Shape(512, 512)).measured
+    r3 = Residency({"cuda:0": G}, 0, measurements=back)
+    r3.add("a", "cuda:0", 5 * G)  # another model under the name: the old peaks say nothing
+    assert not r3.estimate("a", Shape(512, 512)).measured
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ([], "version"), ({"version": 2, "models": {}}, "version"), ({"version": 1}, "models"),
+    ({"version": 1, "models": {"a": {"weight_bytes": -1, "peaks": {}}}}, "weight_bytes"),
+    ({"version": 1, "models": {"a": {"weight_bytes": 1, "peaks": {"64x64": 1}}}}, "WIDTHxHEIGHTxBATCHxFRAMES"),
+    ({"version": 1, "models": {"a": {"weight_bytes": 1, "peaks": {"64x64x1x1": "x"}}}}, "non-negative integer"),
+])
+def test_a_damaged_measurements_file_is_refused_clearly(data: object, expected: str) -> None:
+    with pytest.raises(ValueError, match=expected):
+        Measurements.from_dict(data)
+
+
+def test_loading_transitions_and_the_stage_a_job_waits_in() -> None:
+    r = room(host=8 * G)
+    r.queue("a")
+    d = r.plan("a", S)
+    assert isinstance(d, Fits) and d.load_from == "disk"
+    r.loading_started("a")
+    snap = next(s for s in r.snapshot() if s.name == "a")
+    assert (snap.residency, snap.device_bytes, snap.queued) == ("loading", 4 * G, 1)
+    w = r.plan("a", S)
+    assert isinstance(w, Wait) and w.stage == dec.LOADING
+    assert isinstance(r.plan("b", S), Wait)  # a's weights are counted while it loads
+    r.load_failed("a", "unet/diffusion_pytorch_model.safetensors: truncated")
+    snap = next(s for s in r.snapshot() if s.name == "a")
+    assert snap.residency == "disk" and "load failed: unet/" in snap.reason and r.device_used("cuda:0") == 0
+    r.loading_started("a")
+    r.loaded("a", now=5)
+    r.start("a", S, now=5)
+    snap = next(s for s in r.snapshot() if s.name == "a")
+    assert (snap.residency, snap.device_bytes, snap.running, snap.queued) == ("device", 5 * G, 1, 0)
+    assert set(snap.to_dict()) >= {"residency", "device_bytes", "host_bytes", "keep_alive_until", "pinned",
+                                   "queued", "running"}
+
+
+def test_a_worker_that_dies_mid_load_returns_its_models_to_disk_with_the_reason() -> None:
+    r = room(budget=20 * G, host=20 * G)
+    e = Engine(r)
+    e.run("b")
+    r.queue("a")
+    r.queue("b")
+    r.start("b", S, e.now)
+    r.loading_started("a")
+    r.worker_died(["a", "b"], "exit code -9 (SIGKILL)")
+    snaps = {s.name: s for s in r.snapshot()}
+    assert snaps["a"].residency == "disk" and snaps["a"].reason == "worker died during its load: exit code -9 (SIGKILL)"
+    assert snaps["b"].residency == "disk" and snaps["b"].running == 0
+    assert snaps["a"].queued == 1  # its job waits for the next worker
+    assert r.device_used("cuda:0") == 0
+    d = r.plan("a", S)
+    assert isinstance(d, Fits) and d.load_from == "disk"
+
+
+def test_a_model_on_its_way_out_is_still_counted() -> None:
+    r = room()
+    e = Engine(r)
+    e.run("a")
+    (mv,) = r.evict("a", "unloaded by request").moves  # type: ignore[union-attr]
+    r.unloading(mv)
+    assert isinstance(r.plan("a", S), Wait)
+    d = r.plan("b", S)
+    assert isinstance(d, Wait) and "leaving" in d.reason
+    r.unloaded(mv)
+    assert isinstance(r.plan("b", S), Fits)
+
+
+def test_a_failed_move_leaves_the_model_where_it_was() -> None:
+    r = room()
+    e = Engine(r)
+    e.run("a")
+    (mv,) = r.evict("a", "by hand").moves  # type: ignore[union-attr]
+    r.unloading(mv)
+    r.unload_failed(mv, "worker busy")
+    assert tier(r, "a") == "device" and "failed: worker busy" in next(s.reason for s in r.snapshot())
+
+
+def test_a_cpu_device_has_no_host_tier() -> None:
+    r = Residency({"cpu": 6 * G}, 100 * G)
+    for name in "ab":
+        r.add(name, "cpu", 4 * G)
+        r.measured(name, S, G)
+    e = Engine(r)
+    e.run("a")
+    e.run("b")
+    assert [(mv.model, mv.dst) for mv in e.moves] == [("a", "disk")]
+
+
+def test_preload_takes_what_fits_in_the_order_configured() -> None:
+    r = room(budget=9 * G, models={"a": 4 * G, "big": 8 * G, "b": 4 * G, "c": 4 * G})
+    assert r.preload(["a", "big", "b", "c"]) == ["a", "b"]
+
+
+def test_a_standstill_of_queued_models_that_cannot_start_is_broken() -> None:
+    r = room(budget=10 * G, working=3 * G)  # two fit as weights, not with a run beside them
+    e = Engine(r)
+    for name in "ab":
+        e.admit(name, shape=None)  # type: ignore[arg-type]
+    assert sorted(on_device(r)) == ["a", "b"]
+    r.queue("a")
+    r.queue("b")
+    d = r.plan("a", S)
+    assert isinstance(d, Evict) and [mv.model for mv in d.moves] == ["b"] and "standstill" in d.reason
+
+
+def test_a_share_of_the_device_resolves_into_a_budget_once_its_total_is_known() -> None:
+    from diffusiond.daemon.residency import parse_size
+    r = Residency({"cuda:0": 0}, 0)
+    r.add("a", "cuda:0", 4 * G)
+    assert isinstance(r.plan("a", None), TooLarge)
+    r.set_budget("cuda:0", parse_size("0.5").resolve(16 * G))
+    assert isinstance(r.plan("a", None), Fits)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        r.set_budget("cuda:0", -1)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        Residency({"cuda:0": G}, -1)
+
+
+def test_reports_that_contradict_the_state_are_refused() -> None:
+    r = room()
+    with pytest.raises(ResidencyError, match="not on cuda:0"):
+        r.start("a", S, 0)
+    with pytest.raises(ResidencyError, match="not loading"):
+        r.loaded("a", 0)
+    with pytest.raises(ResidencyError, match="only 0 are queued"):
+        r.unqueue("a")
+    with pytest.raises(ResidencyError, match="had not started"):
+        r.unloaded(Move("a", "device", "host", "x"))
+    with pytest.raises(ResidencyError, match="not known"):
+        r.plan("nope", S)
+    Engine(r).run("a")
+    with pytest.raises(ResidencyError, match="not running"):
+        r.finish("a", S, 0)
+    with pytest.raises(ValueError, match="already known"):
+        r.add("a", "cuda:0", 1)
+    with pytest.raises(ValueError, match="has no budget"):
+        r.add("z", "cuda:7", 1)
+
+
+# ---- random streams ------------------------------------------------------------------------------------
+
+request = st.tuples(st.just("request"), st.sampled_from("abcd"),
+                    st.sampled_from([S, Shape(128, 128, 2), Shape(32, 32)]), st.sampled_from([None, 0.0, 5.0, FOREVER]))
+ops = st.lists(st.one_of(
+    request, request, request,
+    st.tuples(st.just("finish"), st.integers(0, 7)),
+    st.tuples(st.just("tick"), st.floats(0, 20)),
+    st.tuples(st.just("pressure"), st.integers(0, 12), st.integers(0, 4)),
+    st.tuples(st.just("measure"), st.sampled_from("abcd"), st.integers(0, 4)),
+    st.tuples(st.just("complete")),
+), min_size=5, max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.booleans(), st.integers(0, 9), st.booleans())
+def test_random_streams_never_exceed_the_budget_nor_evict_busy_or_pinned_models(
+        steps: list[tuple[object, ...]], pin: bool, host: int, slow_moves: bool) -> None:
+    """With ``slow_moves``, each move off a device finishes only at a later step (a worker copying), so
+    plans made meanwhile see models on their way out."""
+    r = Residency({"cuda:0": 9 * G}, host * G, keep_alive_s=10)
+    for name, wb in zip("abcd", (4, 3, 5, 2), strict=True):
+        r.add(name, "cuda:0", wb * G, pinned=pin and name == "d")
+    e = Engine(r)
+    waiting: list[tuple[str, Shape, float | None]] = []
+    runs: list[tuple[str, Shape, float | None]] = []
+    pending: list[Move] = []
+
+    def move(moves: tuple[Move, ...]) -> None:
+        snaps = {s.name: s for s in r.snapshot()}
+        running_on = any(s.running for s in snaps.values())
+        for mv in moves:
+            s = snaps[mv.model]
+            assert s.running == 0 and not s.pinned, mv
+            assert s.queued == 0 or not running_on, mv  # queued models leave only to break a standstill
+            r.unloading(mv)
+            if slow_moves and mv.src == "device":  # a copy; a drop from host memory only frees buffers
+                pending.append(mv)
+            else:
+                r.unloaded(mv)
+            e.check()
+
+    def complete() -> None:
+        while pending:
+            r.unloaded(pending.pop(0))
+            e.check()
+
+    def pump() -> None:
+        for _ in range(50):
+            for i, (name, shape, _) in enumerate(waiting):
+                d = r.plan(name, shape)
+                event(type(d).__name__)
+                if isinstance(d, Evict):
+                    move(d.moves)
+                    break
+                if isinstance(d, TooLarge):
+                    r.unqueue(name)
+                    del waiting[i]
+                    break
+                if isinstance(d, Fits):
+                    if d.load_from:
+                        r.loading_started(name)
+                        e.check()
+                        r.loaded(name, e.now)
+                    r.start(name, shape, e.now)
+                    e.check()
+                    runs.append(waiting.pop(i))
+                    break
+            else:
+                return
+
+    for step in steps:
+        if step[0] == "request":
+            _, name, shape, keep = step
+            r.queue(name)  # type: ignore[arg-type]
+            waiting.append((name, shape, keep))  # type: ignore[arg-type]
+        elif step[0] == "finish" and runs:
+            name, shape, keep = runs.pop(int(step[1]) % len(runs))  # type: ignore[call-overload]
+            r.finish(name, shape, e.now, keep_alive_s=keep)
+        elif step[0] == "tick":
+            e.now += float(step[1])  # type: ignore[arg-type]
+            move(r.expired(e.now))
+        elif step[0] == "pressure":
+            move(r.pressure("cuda:0", int(step[1]) * G, int(step[2]) * G).moves)  # type: ignore[call-overload]
+        elif step[0] == "complete":
+            complete()
+        elif step[0] == "measure":
+            r.measured(str(step[1]), S, int(step[2]) * G)  # type: ignore[call-overload]
+        e.check()
+        pump()
+    # every job that was admitted runs in the end, once other programs give the memory back
+    r.pressure("cuda:0", 100 * G, 0)
+    for _ in range(100):
+        complete()
+        pump()
+        if runs:
+            name, shape, keep = runs.pop(0)
+            r.finish(name, shape, e.now, keep_alive_s=keep)
+        elif not pending:
+            break
+    assert waiting == []
+    assert all(s.queued == 0 and s.running == 0 for s in r.snapshot())
