@@ -148,8 +148,8 @@ def test_keep_alive_takes_an_idle_model_off_its_device_and_a_job_brings_it_back(
 
 def test_a_pinned_model_stays_and_unload_and_load_move_a_model_by_hand(
         three_models: dict[str, Path], daemon_factory: Any) -> None:
-    d = started(daemon_factory, "--model", f"a={three_models['a']}", "--model", f"b={three_models['b']}", "--no-persist",
-                       "--keep-alive", "1s", "--pin", "a")
+    d = started(daemon_factory, "--model", f"a={three_models['a']}", "--model", f"b={three_models['b']}",
+                "--no-persist", "--keep-alive", "1s", "--pin", "a")
 
     async def go() -> None:
         async with http(d.socket) as s:
