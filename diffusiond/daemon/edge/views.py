@@ -126,7 +126,7 @@ def models(ms: list[Model]) -> dict[str, Any]:
     data = [{"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
              "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
              "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
-             "edits": list(m.capabilities.edits),
+             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
              "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations)}
             for m in ms]
     return {"object": "list", "data": data}
