@@ -15,6 +15,7 @@ signal, so a ``set -o pipefail`` script sees the same from this one, and no trac
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Coroutine, Sequence
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=wake)
     sub.add_parser("web-url", parents=[sock], help="print the web page's sign-in URL (serve --web)").set_defaults(
         func=web_url)
+    sub.add_parser("socket", parents=[sock], help="print the socket path the other commands use "
+                   "(--socket, $DIFFUSIOND_SOCKET, $XDG_RUNTIME_DIR/diffusiond, else /tmp/diffusiond-$UID)")
     from diffusiond.bench import add_parser as add_bench
 
     add_bench(sub)
@@ -235,9 +238,14 @@ def _quiet_stdout() -> None:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            unknown_arguments(parser, args.command, extras)
     except SystemExit as exc:  # argparse's own usage errors (2), --help and --version (0)
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_USAGE)
+    if args.command == "socket":  # what a script puts in S=$(diffusiond socket) for curl --unix-socket
+        print(args.socket or default_socket_path())
+        return EXIT_OK
     if args.command == "serve":
         return serve(args)
     if args.command == "bench":
@@ -262,6 +270,17 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> None:
+    """Arguments the command does not take: its own usage, not the top level's (argparse's default
+    for a subcommand), and the nearest flag it has, as ``git`` does: ``--sise`` -> ``--size``."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub: argparse.ArgumentParser = commands.choices[command]
+    flags = [f for a in sub._actions for f in a.option_strings if f.startswith("--")]
+    hints = [f"{e} -> {close[0]}" for e in extras if e.startswith("-")
+             for close in [difflib.get_close_matches(e.split("=", 1)[0], flags, n=1, cutoff=0.6)] if close]
+    sub.error(f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# `make demo`: start a daemon on the embedded tiny model on a temporary socket, generate one
-# image with the CLI, stop the daemon. Needs nothing from the network beyond the pip install.
+# `make demo`: start a daemon on the embedded tiny model on a temporary socket and state dir,
+# generate one image with the CLI, stop the daemon. Its own socket and state dir, so it runs
+# beside a daemon you already have and leaves nothing in your history. Needs nothing from the
+# network beyond the pip install.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 dir=$(mktemp -d)
 sock="$dir/diffusiond.sock"
 out=${DEMO_OUT:-demo.png}
 export DIFFUSIOND_CACHE=${DIFFUSIOND_CACHE:-$dir/cache}
-"$PY" -m diffusiond serve --socket "$sock" --model tiny --log-level warning &
+"$PY" -m diffusiond serve --socket "$sock" --state-dir "$dir/state" --model tiny --log-level warning &
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 1 600); do

@@ -165,6 +165,7 @@ def test_bench_table_and_a_clear_error_for_an_unknown_mode(model_cache: Path) ->
     assert "| mode | req/s | x limit |" in table and "| async |" in table and "1 round," not in table
     assert "Runs, in the order they ran" in table  # limit, async, limit: more runs than modes
     assert "Where the time goes" in table and "| 3 | limit |" in table
+    assert "note: measured on the CPU. These figures do not measure" in table  # no CPU ratio read as a result
     bad = _bench("--modes", "limit,fast", env=env)
     assert bad.returncode == 2 and "unknown mode(s) ['fast']" in bad.stderr
     zero = _bench("--requests", "0", env=env)  # would otherwise wait forever for a first measured request
@@ -177,11 +178,11 @@ def test_bench_says_in_one_line_why_it_cannot_run(model_cache: Path) -> None:
     env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
     limit = _bench("--model", "/no/such/model", "--modes", "limit", env=env)  # fails in this process
     assert limit.returncode == 1 and "Traceback" not in limit.stderr, limit.stderr[-2000:]
-    assert "diffusiond bench: error: unrecognised model spec '/no/such/model'" in limit.stderr
+    assert "diffusiond bench: error: /no/such/model does not exist; give a diffusers folder" in limit.stderr
     daemon = _bench("--model", "/no/such/model", "--modes", "async", env=env)  # fails in the daemon it starts
     assert daemon.returncode == 1, daemon.stderr[-2000:]
-    assert "diffusiond bench: error: diffusiond serve exited with 1 before it was ready" in daemon.stderr
-    assert "cannot start: loading model" in daemon.stderr  # the daemon's own reason, from its log
+    assert "diffusiond bench: error: diffusiond serve exited with 2 before it was ready" in daemon.stderr
+    assert "/no/such/model does not exist" in daemon.stderr  # the daemon's own reason, checked before its start
 
 
 def test_bench_on_a_cuda_device_without_cuda_is_a_clear_error(model_cache: Path) -> None:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from diffusiond.cli import main
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable, SSEParser
-from diffusiond.commands.generate import choose_format, extension_for, output_paths
+from diffusiond.commands.generate import UsageError, choose_format, extension_for, output_paths
 from diffusiond.commands.progress import render
 from diffusiond.protocol import default_socket_path
 
@@ -189,7 +189,9 @@ def test_output_into_a_directory(tmp_path: Path) -> None:
 
 
 def test_format_choice() -> None:
-    assert choose_format("webp", "x.png") == "webp"
+    assert choose_format("webp", "x.webp") == choose_format("webp", "x.out") == "webp"
+    with pytest.raises(UsageError, match=r"--format mp4 and -o clip.png disagree \(.png is png\); name the file .mp4"):
+        choose_format("mp4", "clip.png")  # MP4 bytes in a .png: refused, naming both
     assert choose_format(None, "x.JPG") == "jpeg"
     assert choose_format(None, "x.mp4") == "mp4"
     assert choose_format(None, "x.unknown") is None

@@ -32,6 +32,7 @@ CLIENT_COMMANDS = [["status"], ["status", "--json"], ["models"], ["models", "--j
                    ["sleep"], ["wake"], ["web-url"], ["generate", "a fox", "-o", "fox.png"]]  # fmt: skip
 HELP = [["--help"], ["serve", "--help"], ["bench", "--help"], ["generate", "--help"], ["status", "--help"],
         ["models", "--help"], ["cancel", "--help"], ["sleep", "--help"], ["wake", "--help"], ["web-url", "--help"],
+        ["socket", "--help"],
         ["--version"]]  # fmt: skip
 
 

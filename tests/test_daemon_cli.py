@@ -316,6 +316,7 @@ def test_make_demo_script(tmp_path: Path, model_cache: Path) -> None:
         "DEMO_OUT": str(out),
         "TMPDIR": str(scratch),
         "DIFFUSIOND_CACHE": str(model_cache),
+        "XDG_STATE_HOME": str(tmp_path / "state-home"),  # the user's state dir: the demo must not write there
     }
     r = subprocess.run(
         ["bash", str(ROOT / "scripts" / "demo.sh")],
@@ -331,7 +332,8 @@ def test_make_demo_script(tmp_path: Path, model_cache: Path) -> None:
     assert seeds(r.stdout) == {str(out): 42}
     img = image(out)
     assert img.format == "PNG" and img.size == (256, 256)
-    # the script's own folder (mktemp -d: socket, cache) is gone, so its daemon stopped
+    assert not (tmp_path / "state-home").exists()  # its own state dir: no demo job in the user's history
+    # the script's own folder (mktemp -d: socket, cache, state) is gone, so its daemon stopped
     assert [p.name for p in scratch.iterdir() if p.name.startswith("tmp.")] == []
 
 

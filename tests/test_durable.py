@@ -231,7 +231,7 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["id", "created", "model", "status"]
     assert [line.split()[0] for line in lines[1:]] == newest_first[:3]
-    assert "cancelled (cancelled)" in lines[1] and "succeeded" in lines[2]
+    assert "cancelled" in lines[1] and "(cancelled)" not in lines[1] and "succeeded" in lines[2]  # no code twice
     out = subprocess.run([sys.executable, "-m", "diffusiond", "history", "--json", "--limit", "1", "--status",
                           "succeeded", "--socket", str(d.socket)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -243,6 +243,10 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
     async with http(again.socket) as s:
         _, page = await get(s, "/v1/jobs")
     assert [j["id"] for j in page["data"]] == newest_first[:3], "history after a restart"
+    out = subprocess.run([sys.executable, "-m", "diffusiond", "status", "--socket", str(again.socket)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr  # the restarted daemon holds no job of its own, history does
+    assert "jobs in this run: none; history keeps earlier ones (`diffusiond history`)" in out.stdout, out.stdout
 
 
 async def test_retention_deletes_old_finished_jobs_and_their_files(daemon_factory: Factory, tmp_path: Path) -> None:

@@ -174,7 +174,7 @@ scalars = st.one_of(
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.text(max_size=8), inner, max_size=4), max_leaves=8)
 
-JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
+JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler",
               "image", "image_path", "mask", "mask_path", "strength", "loras",
               "preview"]
@@ -240,7 +240,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
 
 def valid_base(fields: list[str], model: str) -> dict[str, Any]:
     """A body the daemon accepts, for the endpoint whose fields are ``fields``."""
-    if "size" in fields:
+    if "num_inference_steps" in fields:  # OpenAI's bodies (/v1/jobs takes size too, beside width and height)
         return {"prompt": "a fox", "model": model, "size": "64x64", "num_inference_steps": 2,
                 **({"output_format": "webp"} if model == "fv" else {})}
     return {"prompt": "a fox", "model": model, "width": 64, "height": 64, "steps": 2,

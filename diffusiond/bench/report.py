@@ -134,6 +134,14 @@ def _two(t: dict[str, Any], key: str) -> str:
     return _f(t[f"{key}_ms"]) + ("" if mean is None else f" / {mean:.1f}")
 
 
+CPU_NOTE = ("note: measured on the CPU. These figures do not measure what the daemon is built for (the GPU "
+            "path: a copy thread overlapping forwards, pinned shared memory), and the modes compete with the "
+            "forwards for the same cores, so ratios to the limit (a naive server far above 1x) say nothing about a "
+            "GPU; run on a CUDA device for figures that mean something.")
+"""Printed under a table measured off the GPU: a ratio like the naive server at 10.8x the limit on a
+2-core box reads as a result unless something says it is not one."""
+
+
 def table(report: dict[str, Any]) -> str:
     s = report["setup"]
     rounds = s.get("rounds", 1)
@@ -162,6 +170,8 @@ def table(report: dict[str, Any]) -> str:
               "latency measured before the rounds (--slo-scale); MODE@cN: the daemon at N concurrent clients "
               "(--sweep)."]
     notes = [f"{r['mode']}: {r['note']}" for r in report["modes"] if r["note"]]
+    if not str(s["device"]).startswith("cuda"):
+        legend += ["", CPU_NOTE]
     return "\n".join(lines + legend + (["", *notes] if notes else []) + runs_table(report) + trace_table(report))
 
 

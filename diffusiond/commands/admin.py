@@ -28,9 +28,13 @@ def _mib(n: object) -> str:
 
 
 async def status(args: argparse.Namespace, client: AsyncClient) -> int:
+    """The health report in words. /health counts the jobs this daemon process holds; after a
+    restart those are none while history still lists earlier ones, so the line says which it
+    counts and points at history when it has jobs (one page of one job tells)."""
     async with client:
         health = await client.health()
         ready = await client.ready()
+        kept = False if args.json else await _history_kept(client)
     if args.json:
         print(json.dumps({**health, "ready": ready}))
         return EXIT_OK
@@ -46,10 +50,19 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
         print("no workers")
     print(f"queue depth: {health.get('queue_depth', '?')}")
     jobs = health.get("jobs") or {}
-    print("jobs: " + (", ".join(f"{k}={v}" for k, v in jobs.items() if v) or "none"))
+    line = "jobs in this run: " + (", ".join(f"{k}={v}" for k, v in jobs.items() if v) or "none")
+    print(line + ("; history keeps earlier ones (`diffusiond history`)" if kept else ""))
     if "arena_bytes_in_use" in health:
         print(f"arena in use: {_mib(health['arena_bytes_in_use'])}")
     return EXIT_OK
+
+
+async def _history_kept(client: AsyncClient) -> bool:
+    """Whether history lists any job; a daemon without a history endpoint (an older one) has none to show."""
+    try:
+        return bool((await client.history(limit=1)).get("data"))
+    except DaemonError:
+        return False
 
 
 async def models(args: argparse.Namespace, client: AsyncClient) -> int:
@@ -90,13 +103,22 @@ async def history(args: argparse.Namespace, client: AsyncClient) -> int:
         return EXIT_OK
     keys = ["id", "created", "model", "status", "outputs", "attempts", "prompt"]
     rows = [[j.get("id", ""), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.get("created", 0))),
-             j.get("model", ""), j.get("status", "") + (f" ({j['error']['code']})" if j.get("error") else ""),
+             j.get("model", ""), _status(j),
              str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
             for j in page.get("data") or []]
     print(_table(rows, keys) if rows else "no jobs")
     if page.get("next_before"):
         print(f"more: diffusiond history --before {page['next_before']}")
     return EXIT_OK
+
+
+def _status(job: dict[str, Any]) -> str:
+    """``failed (deadline_exceeded)``; the error's code only where it says more than the status
+    (a cancelled job's code is ``cancelled``)."""
+    status = str(job.get("status", ""))
+    err = job.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    return f"{status} ({code})" if code and code != status else status
 
 
 def _clip(text: str, width: int = 40) -> str:

@@ -22,13 +22,24 @@ from diffusiond.client import AsyncClient, ClientError, ClientTimeout
 from diffusiond.client.params import image_b64
 from diffusiond.commands.preview import PREVIEW_FORMAT, PreviewPane, pane_for
 from diffusiond.commands.progress import ProgressBar
-from diffusiond.protocol import FORMAT_OF_CONTENT_TYPE, FORMAT_OF_SUFFIX, FORMATS, Event, JobStatus
+from diffusiond.protocol import (
+    FORMAT_OF_CONTENT_TYPE,
+    FORMAT_OF_SUFFIX,
+    FORMATS,
+    TERMINAL_STATUSES,
+    Event,
+    JobStatus,
+)
 
 CLIENT_GRACE_S = 5.0
 """Extra client-side wait beyond --timeout, so the daemon's own deadline error (with its stage)
 normally arrives first and the client-side bound only catches a daemon that stopped answering."""
 
 EXIT_INTERRUPTED = 130
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Each ends generate as Ctrl-C does: the job is cancelled (nobody will read its outputs), the exit
+status is 128 + the signal, as a shell reports a process that signal ended. ``timeout 60 diffusiond
+generate ...`` sends SIGTERM; a closed terminal sends SIGHUP."""
 
 
 class UsageError(Exception):
@@ -42,6 +53,7 @@ class GenerateState:
     socket_path: str
     job_id: str | None = None
     finished: bool = False
+    stopped_by: int = signal.SIGINT  # the signal that stopped it: the exit status is 128 + it
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -90,12 +102,18 @@ def choose_format(fmt: str | None, output: str | None) -> str | None:
 
     Not sending a format when nothing asked for one matters for video models: their default is a
     video format, which a blanket ``png`` would break.
+
+    A ``--format`` that -o's extension contradicts (``--format mp4 -o clip.png``) is a usage
+    error naming both: writing MP4 bytes under a .png name would mislead every program that
+    opens the file by its name.
     """
+    named = FORMAT_OF_SUFFIX.get(Path(output).suffix.lower()) if output and not Path(output).is_dir() else None
     if fmt:
+        if named is not None and named != fmt:
+            raise UsageError(f"--format {fmt} and -o {output} disagree ({Path(output or '').suffix} is {named}); "
+                             f"name the file .{FORMATS[fmt].extension}, or leave out --format")
         return fmt
-    if output:
-        return FORMAT_OF_SUFFIX.get(Path(output).suffix.lower())
-    return None
+    return named
 
 
 def extension_for(fmt: str | None, content_type: str | None = None) -> str:
@@ -222,16 +240,20 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
     loop = asyncio.get_running_loop()
     interrupt, give_up = asyncio.Event(), asyncio.Event()
 
-    def on_sigint() -> None:
+    def on_signal(signum: int) -> None:
         if give_up.is_set():
             raise KeyboardInterrupt  # a third: leave by the outer handler in cli.py
+        if not interrupt.is_set():
+            state.stopped_by = signum
         (give_up if interrupt.is_set() else interrupt).set()
 
+    handled: list[int] = []
     try:
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
-        handling = True
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, on_signal, signum)
+            handled.append(signum)
     except (ValueError, RuntimeError):  # not the main thread: signals are not ours to take
-        handling = False
+        pass
     try:
         async with AsyncClient(state.socket_path) as client:
             work = asyncio.ensure_future(_generate(client, args, state, bar))
@@ -254,8 +276,8 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
         return code
     finally:
         bar.close()
-        if handling:
-            loop.remove_signal_handler(signal.SIGINT)
+        for taken in handled:
+            loop.remove_signal_handler(taken)
 
 
 async def _generate(client: AsyncClient, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:
@@ -265,13 +287,17 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     job = await client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
         "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr))
     job_id = state.job_id = str(job["id"])
+    bar.job_id = job_id
+    if await asleep(client):
+        print(f"diffusiond is asleep: job {job_id} waits in its queue until `diffusiond wake`", file=sys.stderr)
     bar.update_from_job(job)
     try:
         job = await follow(client, job_id, bar, None if args.timeout is None else args.timeout + CLIENT_GRACE_S, pane)
     except ClientTimeout:
         bar.close()
-        confirmed = await cancel_quietly(client, job_id) is not None
-        what = "cancelled it" if confirmed else f"the daemon did not confirm its cancel (`diffusiond cancel {job_id}`)"
+        ended = await cancel_quietly(client, job_id)
+        what = ("cancelled it" if ended == JobStatus.CANCELLED else f"it had {ended} meanwhile" if ended
+                else f"the daemon did not confirm its cancel (`diffusiond cancel {job_id}`)")
         print(f"error: job {job_id} did not finish within {args.timeout:g} s; {what}", file=sys.stderr)
         return 1
     state.finished = True
@@ -303,42 +329,67 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     return 0
 
 
-async def cancel_quietly(
-    client: AsyncClient, job_id: str, give_up: asyncio.Event | None = None
-) -> dict[str, Any] | None:
-    """Best-effort cancel on the way out: the job may have just finished or the daemon gone.
+async def asleep(client: AsyncClient) -> bool:
+    """Whether the daemon sleeps (``diffusiond sleep``): it admits the job and queues it until a
+    wake, so without a word generate would wait in silence. A health report that cannot be read
+    says nothing either way."""
+    try:
+        return bool((await client.health()).get("sleeping"))
+    except ClientError:
+        return False
 
-    Bounded (5 s), and ``give_up`` (a second Ctrl-C) ends the wait at once. None when the
-    daemon did not confirm.
+
+async def cancel_quietly(client: AsyncClient, job_id: str, give_up: asyncio.Event | None = None) -> str | None:
+    """Best-effort cancel on the way out; the status the job ended with, None when unknown.
+
+    Bounded (5 s for the cancel, 5 more to ask), and ``give_up`` (a second Ctrl-C) ends the wait
+    at once. A cancel refused with 409 means the job had already ended, perhaps cancelled
+    (the race with a cancel of its own, or with its deadline): the job is then asked for, so
+    the user is told what became of it, not that the daemon "did not confirm".
     """
     call = asyncio.ensure_future(client.cancel(job_id))
     waits: set[asyncio.Future[Any]] = {call}
-    if give_up is not None:
-        waits.add(asyncio.ensure_future(give_up.wait()))
-    done, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    if call in done and not call.cancelled() and call.exception() is None:
-        return call.result()
-    return None
+    stop = asyncio.ensure_future(give_up.wait()) if give_up is not None else None
+    if stop is not None:
+        waits.add(stop)
+    ask: asyncio.Future[dict[str, Any]] | None = None
+    try:
+        done, _ = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+        if call in done and call.exception() is None:
+            return str(call.result().get("status") or JobStatus.CANCELLED)
+        if stop is not None and stop.done():
+            return None
+        ask = asyncio.ensure_future(client.job(job_id))
+        waits = {ask} if stop is None else {ask, stop}
+        done, _ = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+        if ask in done and ask.exception() is None and ask.result().get("status") in TERMINAL_STATUSES:
+            return str(ask.result()["status"])
+        return None
+    finally:
+        for task in (call, stop, ask):
+            if task is not None and not task.done():
+                task.cancel()
 
 
 async def interrupted(client: AsyncClient, state: GenerateState, give_up: asyncio.Event | None = None) -> int:
-    """Ctrl-C: cancel the job (no point computing for nobody) and say what became of it."""
+    """Ctrl-C (or SIGTERM, SIGHUP): cancel the job (no point computing for nobody) and say what
+    became of it; the exit status is 128 + the signal."""
+    code = 128 + int(state.stopped_by)
     if state.job_id is None:
         print("interrupted", file=sys.stderr)
     elif state.finished:
         print(f"interrupted; job {state.job_id} had already finished", file=sys.stderr)
     else:
-        answer = await cancel_quietly(client, state.job_id, give_up)
+        ended = await cancel_quietly(client, state.job_id, give_up)
         state.finished = True
-        if answer is not None:
+        if ended == JobStatus.CANCELLED:
             print(f"cancelled job {state.job_id}", file=sys.stderr)
+        elif ended is not None:
+            print(f"interrupted; job {state.job_id} had already {ended}", file=sys.stderr)
         else:
             print(f"interrupted; the daemon did not confirm the cancel of job {state.job_id}: "
-                  f"check it with `diffusiond status`, cancel it with `diffusiond cancel {state.job_id}`",
-                  file=sys.stderr)
-    return EXIT_INTERRUPTED
+                  f"`diffusiond cancel {state.job_id}` cancels it if it still runs", file=sys.stderr)
+    return code
 
 
 async def cancel_after_interrupt(state: GenerateState) -> int:

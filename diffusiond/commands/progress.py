@@ -1,14 +1,23 @@
 """A one-line progress bar for ``diffusiond generate``, drawn on stderr.
 
-No dependency (tqdm and friends would be the CLI's only reason to need them), and it draws only on a
-terminal: when stderr is a file or a pipe, carriage-return animation is noise in someone's log.
+No dependency (tqdm and friends would be the CLI's only reason to need them). The bar is drawn
+only on a terminal: when stderr is a file or a pipe, carriage-return animation is noise in
+someone's log. There a plain line comes now and then instead (``job j_... step 5/20 (25 %)``),
+at each tenth of the steps but at most once a second, and at least every ``LOG_EVERY_S`` while
+steps come: a five-minute job in a script's log must not look hung.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TextIO
 
 WIDTH = 30
+LOG_EVERY_S = 5.0
+"""On a stream that is not a terminal, a progress line at least this often while steps come."""
+LOG_MIN_GAP_S = 1.0
+"""...and at most once in this long, so a fast job writes a line or two, not one per step."""
 
 
 def render(step: int, total: int, stage: str = "", width: int = WIDTH) -> str:
@@ -23,12 +32,18 @@ def render(step: int, total: int, stage: str = "", width: int = WIDTH) -> str:
 class ProgressBar:
     """Redraws one line in place; ``close()`` ends the line so later messages start clean."""
 
-    def __init__(self, stream: TextIO, enabled: bool | None = None) -> None:
+    def __init__(self, stream: TextIO, enabled: bool | None = None, *, lines: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.stream = stream
         if enabled is None:
             isatty = getattr(stream, "isatty", None)
             enabled = bool(isatty and isatty())
         self.enabled = enabled
+        self.lines = not enabled if lines is None else lines  # plain lines now and then, off a terminal
+        self.job_id = ""  # named in those lines (a log may hold several jobs)
+        self._clock = clock
+        self._logged_at: float | None = None
+        self._logged: tuple[int, int] = (0, 0)
         self._step = 0
         self._total = 0
         self._stage = ""
@@ -62,11 +77,28 @@ class ProgressBar:
 
     def _draw(self) -> None:
         if not self.enabled:
+            self._line()
             return
         line = render(self._step, self._total, self._stage)
         self.stream.write("\r" + line + " " * max(0, self._drawn - len(line)))
         self.stream.flush()
         self._drawn = len(line)
+
+    def _line(self) -> None:
+        """A plain progress line when a new tenth of the steps is reached (at most once a second)
+        or ``LOG_EVERY_S`` have passed since the last line; the first step always gets one."""
+        if not self.lines or self._total <= 0 or self._step <= 0 or (self._step, self._total) == self._logged:
+            return
+        now = self._clock()
+        if self._logged_at is not None:
+            since = now - self._logged_at
+            new_tenth = self._step * 10 // self._total > self._logged[0] * 10 // max(1, self._logged[1])
+            if since < LOG_MIN_GAP_S or (not new_tenth and since < LOG_EVERY_S):
+                return
+        who = f"job {self.job_id} " if self.job_id else ""
+        self.stream.write(f"{who}step {self._step}/{self._total} ({100 * self._step // self._total} %)\n")
+        self.stream.flush()
+        self._logged_at, self._logged = now, (self._step, self._total)
 
     def close(self) -> None:
         if self.enabled and self._drawn:

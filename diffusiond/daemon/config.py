@@ -19,7 +19,8 @@ from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
-from diffusiond.pipelines.spec import model_name_for, parse_model_arg
+from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import check_spec, model_name_for, parse_model_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
@@ -181,6 +182,10 @@ class DaemonConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"model names must be unique, got {names}; use --model NAME=SPEC")
         for m in self.models:
+            try:
+                check_spec(m.spec)
+            except PipelineError as exc:
+                raise ConfigError(f"model {m.name!r}: {exc}") from None
             if m.dtype not in MODEL_DTYPES:
                 raise ConfigError(f"model {m.name!r}: dtype {m.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
             if not m.devices:

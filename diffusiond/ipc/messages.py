@@ -209,6 +209,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     num_frames: int = 9  # video models only
     fps: int = 16  # video models only
     num_frames_step: int = 1  # frame counts must be step*k + 1 (Wan 4, LTX 8)
+    # width and height must be multiples of this: the VAE's spatial factor times the denoiser's
+    # patch (SD 8, SD3 and Wan 16, LTX 32); other sizes fail inside the pipeline, or are rounded
+    size_step: int = 8
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")

@@ -155,6 +155,24 @@ def frame_step(pipe: Any) -> int:
     return 1
 
 
+def size_step(pipe: Any) -> int:
+    """The multiple width and height must be: the VAE's spatial compression times the denoiser's
+    patch side. LTX asks for multiples of 32 and fails on others inside the transformer; SD3 and
+    Wan patch 2x2 latents (16); Flux packs 2x2 latents too. Declared in the capabilities so
+    admission refuses other sizes with the nearest valid ones, never a job failing mid-compute."""
+    ltx = getattr(pipe, "vae_spatial_compression_ratio", None)
+    if isinstance(ltx, int) and ltx > 0:
+        patch = getattr(pipe, "transformer_spatial_patch_size", 1)
+        return max(8, ltx * (patch if isinstance(patch, int) and patch > 0 else 1))
+    factor = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+    patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", None)
+    side = patch[-1] if isinstance(patch, list | tuple) and patch else patch
+    side = side if isinstance(side, int) and side > 0 else 1
+    if hasattr(pipe, "_pack_latents"):  # Flux: 2x2 latent patches packed into tokens
+        side = max(side, 2)
+    return max(8, int(factor) * side)
+
+
 def check_frames(name: str, step: int, frames: int) -> None:
     """Refuse a frame count the model cannot make, naming the nearest ones it can."""
     near = frame_count_neighbours(frames, step)
@@ -218,7 +236,8 @@ class DiffusersPipeline:
         self._asleep = False
         self._hostcopy: HostCopy | None = None
         video = self.task is Task.TEXT_TO_VIDEO
-        side = native_side(pipe)
+        multiple = size_step(pipe)
+        side = max(multiple, native_side(pipe) // multiple * multiple)  # the default size must be one it makes
         inferred = Capabilities(
             task=self.task.value,
             width=side,
@@ -228,6 +247,7 @@ class DiffusersPipeline:
             num_frames=9,
             fps=16,
             num_frames_step=frame_step(pipe) if video else 1,  # valid num_frames: 1 + k * step
+            size_step=multiple,
             flow_scheduler=self._flow,
             synthetic_weights=synthetic_weights,
         )

@@ -127,7 +127,41 @@ def parse_spec(spec: str) -> ModelSpec:
         )
     if _HUB_ID.match(spec):
         return ModelSpec("hub", spec)
+    if spec.startswith(("/", "./", "../", "~")):  # a path, never a hub id: say what is wrong with it
+        raise PipelineError(f"{spec} does not exist; {_WHAT_TO_GIVE}")
     raise PipelineError(f"unrecognised model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
+
+
+_WHAT_TO_GIVE = ("give a diffusers folder (with model_index.json), a .safetensors file, "
+                 "a hub id already in the Hugging Face cache, or tiny")
+
+
+def check_spec(spec: str) -> None:
+    """What can be known of a spec before any worker starts, without torch and without the network.
+
+    Called by the daemon's configuration, so a missing folder, file or uncached hub id is one clear
+    line and exit 2 before the start, instead of a worker's traceback per attempt (the loaders
+    raise the same errors later; this only moves them forward). The hub cache is read with
+    ``try_to_load_from_cache``, which looks at the cache folder and never at the network.
+    """
+    parsed = parse_spec(spec)
+    if parsed.kind == "checkpoint" and not Path(parsed.target).is_file():
+        raise PipelineError(f"{spec.strip()} does not exist; {_WHAT_TO_GIVE}")
+    if parsed.kind == "hub" and not _hub_cached(parsed.target):
+        raise PipelineError(
+            f"{parsed.target} is neither a folder nor a hub id in the Hugging Face cache; download it first "
+            f"(`hf download {parsed.target}`, older hubs: `huggingface-cli download {parsed.target}`), "
+            "or give a diffusers folder (with model_index.json), a .safetensors file, or tiny")
+
+
+def _hub_cached(repo_id: str) -> bool:
+    """Whether the HF cache holds the repo's model_index.json (HF_HOME and HF_HUB_CACHE respected).
+    Without huggingface_hub the loaders could not read the hub anyway: nothing to say here then."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - a dependency of diffusers
+        return True
+    return isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str)
 
 
 def is_synthetic(spec: str) -> bool:

@@ -40,7 +40,7 @@ async def create_job(request: web.Request) -> web.Response:
         raise bodies.too_large(len(body), limits.max_body_bytes)
     await engine.described()  # a request that comes while models load is completed with their own defaults
     model = engine.model(b.model)
-    fields = msgspec.structs.asdict(b)
+    fields = requests.sized(msgspec.structs.asdict(b))  # "size": "512x512" -> width, height
     edit = await bodies.decode_edit(engine, fields, model)
     try:
         req = requests.check(fields, limits, model, edit=edit, loras=engine.check_loras)

@@ -86,6 +86,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     n: int = 1
     width: int | None = None
     height: int | None = None
+    size: str | None = None  # "512x512", as /v1/images/generations takes it; or width and height
     steps: int | None = None
     guidance_scale: float | None = None
     negative_prompt: str | None = None
@@ -150,12 +151,39 @@ def check_lora_list(entries: list[Any] | None, limits: Limits) -> tuple[tuple[st
     return tuple(sorted(pairs))
 
 
-def check_side(name: str, v: int, limits: Limits, size_field: str | None = None) -> None:
-    if not limits.min_size <= v <= limits.max_size or v % 8:
-        raise invalid(
-            f"{name} must be a multiple of 8 between {limits.min_size} and {limits.max_size}, got {v}",
-            field=size_field or name,
-        )
+def sized(req: dict[str, Any]) -> dict[str, Any]:
+    """``size`` ("512x512") on /v1/jobs -> width and height, so both endpoints take the same
+    spelling; given with width or height that disagree, a 400 naming ``size`` (which one was
+    meant cannot be guessed). Later errors about the sides name ``size``, the field sent."""
+    size = req.get("size")
+    if size is None:
+        return req
+    m = SIZE.match(size) if isinstance(size, str) else None
+    if not m:
+        raise invalid(f"size must look like 512x512 (width x height), got {size!r}", field="size")
+    width, height = int(m.group(1)), int(m.group(2))
+    for name, value in (("width", width), ("height", height)):
+        if req.get(name) is not None and req[name] != value:
+            raise invalid(f"size {size} and {name} {req[name]} disagree; send size, or width and height",
+                          field="size")
+    return {**req, "width": width, "height": height, "size_field": "size"}
+
+
+def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
+               model: ModelLike | None = None) -> None:
+    """A side within the limits and a multiple of 8; and of the model's own ``size_step`` (LTX 32),
+    naming the nearest sides it makes, as frame counts do, instead of failing while computing."""
+    step = max(8, model.capabilities.size_step) if model is not None else 8
+    inside = limits.min_size <= v <= limits.max_size
+    if inside and v % step == 0:
+        return
+    if not inside or v % 8 or model is None:
+        raise invalid(f"{name} must be a multiple of {step} between {limits.min_size} and {limits.max_size}, got {v}",
+                      field=size_field or name)
+    lower = v // step * step
+    near = " or ".join(str(s) for s in (lower, lower + step) if limits.min_size <= s <= limits.max_size)
+    raise invalid(f"{name} must be a multiple of {step} for {model.name!r}; use {near or 'another size'}, got {v}",
+                  field=size_field or name)
 
 
 def check(
@@ -167,6 +195,7 @@ def check(
     endpoints share one set of checks (``size_field`` names the field the user actually sent).
     ``edit`` is the decoded input of an edit (``plan_edit``, then ``inputs.decode_edit``): its size is the
     output's size."""
+    size_field = size_field or req.get("size_field")
     if edit is None and req.get("strength") is not None:
         raise invalid("strength applies only to edits: send an image with it", field="strength")
     if edit is not None:
@@ -189,8 +218,8 @@ def check(
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
     width = d.width if req.get("width") is None else req["width"]
     height = d.height if req.get("height") is None else req["height"]
-    check_side("width", width, limits, size_field)
-    check_side("height", height, limits, size_field)
+    check_side("width", width, limits, size_field, model)
+    check_side("height", height, limits, size_field, model)
     steps = d.steps if req.get("steps") is None else req["steps"]
     _range(req.get("steps_field", "steps"), steps, 1, limits.max_steps)
     guidance = req.get("guidance_scale")
@@ -351,8 +380,9 @@ def plan_edit(
     task = Task.INPAINTING if mask is not None else Task.IMAGE_TO_IMAGE
     d = model.capabilities
     if task.value not in d.edits and d.task != task.value:
-        can = ", ".join(d.edits) if d.edits else "no edits"
-        raise invalid(f"model {model.name!r} cannot do {task.value} (it does {d.task}; {can}); "
+        others = [e for e in d.edits if e != d.task]  # a dedicated inpainting model: said once
+        can = f"it does {d.task}" + (f"; also {', '.join(others)}" if others else "")
+        raise invalid(f"model {model.name!r} cannot do {task.value} ({can}); "
                       "pick a model that has it (GET /v1/models lists each model's tasks)", field="model")
     strength = req.get("strength")
     if strength is None:
@@ -362,7 +392,8 @@ def plan_edit(
                       field="strength")
     if req.get("num_frames") is not None:
         raise invalid("num_frames does not apply to image edits", field="num_frames")
+    size_field = size_field or req.get("size_field")
     for side in ("width", "height"):  # before the image is resized to them
         if req.get(side) is not None:
-            check_side(side, req[side], limits, size_field)
+            check_side(side, req[side], limits, size_field, model)
     return image, mask, task, float(strength)

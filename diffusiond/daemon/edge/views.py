@@ -136,7 +136,7 @@ def model(engine: Engine, m: Model) -> dict[str, Any]:
     return {"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
             "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
-            "edits": list(m.capabilities.edits),
+            "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
             "residency": where.residency if where is not None else ("disk" if m.retired else "loading"),
             "device_bytes": where.device_bytes if where is not None else 0,
