@@ -28,7 +28,7 @@ from diffusiond.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 
-PAGE_DIR = Path(__file__).resolve().parent.parent / "web"
+PAGE_DIR = Path(__file__).resolve().parents[2] / "web"  # diffusiond/web
 # The page loads nothing from elsewhere and may not be framed (clickjacking); previews come as data: URLs.
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; media-src 'self' blob:; "
