@@ -77,7 +77,7 @@ def open_image(data: bytes, field: str, limits: Limits) -> Image.Image:
     except Image.DecompressionBombError as exc:  # only if something switched Pillow's bound back on
         raise _refuse(field, f"has too many pixels ({exc}); the limit is {limits.max_input_pixels} "
                              "(limits.max_input_pixels): send a smaller image") from None
-    except Exception as exc:  # noqa: BLE001 - a decoder's failure on hostile bytes, whatever its type
+    except Exception as exc:  # a decoder's failure on hostile bytes, whatever its type
         raise _refuse(field, f"is not a readable {ACCEPTED_NAMES} file: its header is broken "
                              f"({type(exc).__name__}: {str(exc)[:120]})") from None
     try:
@@ -90,7 +90,7 @@ def open_image(data: bytes, field: str, limits: Limits) -> Image.Image:
         try:
             img.load()
             return ImageOps.exif_transpose(img) or img  # what the camera meant, as viewers show it
-        except Exception as exc:  # noqa: BLE001 - as above: the pixels are not decodable
+        except Exception as exc:  # as above: the pixels are not decodable
             raise _refuse(field, f"could not be decoded ({img.format} {w}x{h}): "
                                  f"{type(exc).__name__}: {str(exc)[:120]}") from None
     except BaseException:
@@ -117,7 +117,7 @@ def _grey8(img: Image.Image) -> np.ndarray:
 def _convert(img: Image.Image, mode: str, field: str) -> Image.Image:
     try:
         return img.convert(mode)
-    except Exception as exc:  # noqa: BLE001 - a mode Pillow cannot convert, or a decoder fault that shows late
+    except Exception as exc:  # a mode Pillow cannot convert, or a decoder fault shown late
         raise _refuse(field, f"is a {img.mode} picture that cannot be converted to {mode} ({exc}); "
                              "send an RGB or greyscale image") from None
 
