@@ -163,9 +163,15 @@ MAX_INDEX_DIGITS = 9  # no job has a billion outputs; int() of over 4,300 digits
 
 def _index(raw: str) -> int:
     """An output index from the path: ASCII digits only (int() would also take "-1", Python's last
-    item, " 1", "1_0" and non-ASCII digits), at most ``MAX_INDEX_DIGITS`` of them; anything else
-    is -1, which no output has (a 404, as any index past the job's outputs)."""
-    return int(raw) if len(raw) <= MAX_INDEX_DIGITS and raw.isascii() and raw.isdigit() else -1
+    item, " 1", "1_0" and non-ASCII digits); anything else is -1, which no output has (a 404, as
+    any index past the job's outputs). More than ``MAX_INDEX_DIGITS`` digits is a 400 naming
+    ``k``, before int() sees them."""
+    if not (raw.isascii() and raw.isdigit()):
+        return -1
+    if len(raw) > MAX_INDEX_DIGITS:
+        raise errors.invalid(f"output index k has {len(raw)} digits; a job's outputs are numbered from 0 "
+                             "(see the job's outputs list)", "k")
+    return int(raw)
 
 
 def _sse(e: Event, data: dict[str, Any]) -> bytes:
