@@ -264,7 +264,7 @@ class ClientErrorLog(logging.Filter):
         cause = exc.__cause__ if isinstance(exc, RequestPayloadError) and exc.__cause__ else exc
         detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
         skipped = f" ({self.skipped} more since the last such line)" if self.skipped else ""
-        record.msg, record.args = "refused a malformed HTTP request (%s): %s%s", (record.getMessage(), detail, skipped)
+        record.msg, record.args = "refused a malformed HTTP request: %s%s", (detail, skipped)
         record.levelno, record.levelname = logging.INFO, "INFO"
         record.exc_info = record.exc_text = None
         self.last, self.skipped = now, 0
