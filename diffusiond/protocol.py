@@ -197,6 +197,7 @@ class ErrorCode(enum.StrEnum):
     WRONG_HOST = "wrong_host"  # the web listener: a Host header that does not name it (DNS rebinding)
     CROSS_ORIGIN = "cross_origin"  # the web listener: a request sent by another site's page
     WEB_OFF = "web_off"  # `diffusiond web-url` asked a daemon started without --web
+    INTERNAL_ERROR = "internal_error"  # 500: a bug in the daemon; the message's id is in its log, with the traceback
     # the daemon's state
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_TOO_LARGE = "model_too_large"  # it cannot fit the device budget even alone (residency)

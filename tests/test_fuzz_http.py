@@ -503,6 +503,306 @@ def test_scheduler_names_checked_at_admission_are_the_pipelines() -> None:
     assert set(protocol.SCHEDULERS) == set(SCHEDULERS) and set(protocol.FLOW_SCHEDULERS) == set(FLOW_SCHEDULERS)
 
 
+# issue 26: inputs that were 500s -----------------------------------------------------------------
+# Each is a regression test (the defect's own input) and a family for the fuzzers above: a new
+# field or listener behaviour gets its cases here in the same change.
+JSON = {"Content-Type": "application/json"}
+BOMB_SIDE = 30000  # 900 MP: past Pillow's own bound (179 MP), which used to fire before the daemon's
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def bomb(fmt: str, side: int = BOMB_SIDE) -> bytes:
+    """A small file whose header claims ``side`` x ``side`` pixels, in each format that has one."""
+    import struct
+    import zlib
+
+    if fmt == "png":
+        return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0))
+                + _chunk(b"IDAT", zlib.compress(b"\0" * 100)) + _chunk(b"IEND", b""))
+    if fmt == "bmp":
+        return b"BM" + struct.pack("<IHHI", 0, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, side, side, 1, 24, 0, 0,
+                                                                       0, 0, 0, 0)
+    if fmt == "gif":
+        return base64.b64decode("R0lGODlh/////4AAAAAAAP///ywAAAAA/////wACAkQBADs=")  # the issue's own: 65535 a side
+    if fmt == "jpeg":
+        sof = b"\xff\xc0" + struct.pack(">HBHHB", 17, 8, side, side, 3) + b"\x01\x22\x00\x02\x11\x01\x03\x11\x01"
+        sos = b"\xff\xda\x00\x0c\x03\x01\x00\x02\x11\x03\x11\x00\x3f\x00"
+        return b"\xff\xd8" + sof + sos + b"\0" * 64 + b"\xff\xd9"
+    if fmt == "webp":
+        side = min(side, 16383)  # WebP's own limit: 268 MP
+        body = b"WEBPVP8X" + struct.pack("<I", 10) + b"\0" * 4 + (side - 1).to_bytes(3, "little") * 2
+        return b"RIFF" + struct.pack("<I", len(body)) + body
+    assert fmt == "tiff"
+    tags = [(256, 4, side), (257, 4, side), (258, 3, 8), (259, 3, 1), (262, 3, 1), (273, 4, 8), (277, 3, 1),
+            (278, 4, side), (279, 4, 1)]
+    ifd = b"".join(struct.pack("<HHII", t, k, 1, v) if k == 4 else struct.pack("<HHIHH", t, k, 1, v, 0)
+                   for t, k, v in tags)
+    return b"II*\0" + struct.pack("<I", 8) + struct.pack("<H", len(tags)) + ifd + b"\0\0\0\0"
+
+
+def picture(fmt: str, mode: str, size: tuple[int, int] = (64, 64), **save: Any) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def multipart(fields: list[tuple[bytes, bytes, bool]], boundary: str = "b0und") -> tuple[bytes, dict[str, str]]:
+    """A multipart body of (name, value, is_file) parts, names as raw bytes."""
+    parts = []
+    for name, value, is_file in fields:
+        disposition = b'Content-Disposition: form-data; name="' + name + b'"' + (b'; filename="f"' if is_file else b"")
+        parts.append(b"--" + boundary.encode() + b"\r\n" + disposition + b"\r\n\r\n" + value + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+EDIT_TEXT = [(b"prompt", b"x", False), (b"model", b"tiny", False), (b"size", b"64x64", False),
+             (b"num_inference_steps", b"2", False)]
+
+
+def refused(status: int, headers: dict[str, str], raw: bytes, field: str | None, code: str | None = None,
+            statuses: tuple[int, ...] = (400,)) -> dict[str, Any]:
+    answer = check_answer("POST", "?", status, headers, raw)
+    assert status in statuses, (status, answer)
+    if field is not None:
+        assert answer["error"].get("field") == field, answer
+    if code is not None:
+        assert answer["error"]["code"] == code, answer
+    return dict(answer["error"])
+
+
+@pytest.mark.parametrize("fmt", ["png", "bmp", "gif", "jpeg", "webp", "tiff"])
+@pytest.mark.parametrize("where", ["image", "mask", "multipart", "multipart-mask", "image_path"])
+def test_an_image_header_past_pillows_bound_is_a_400_naming_the_field(sock: Path, fmt: str, where: str) -> None:
+    data = bomb(fmt)
+    if where in ("image", "mask"):
+        body = {"prompt": "x", "model": "tiny", "width": 64, "height": 64, "steps": 2,
+                "image": base64.b64encode(data if where == "image" else PNG_64).decode()}
+        if where == "mask":
+            body["mask"] = base64.b64encode(data).decode()
+        status, headers, raw = call(sock, "POST", "/v1/jobs", json.dumps(body).encode(),
+                                    {"Content-Type": "application/json"})
+        field = where
+    elif where == "image_path":
+        (sock.parent / "inputs" / f"bomb.{fmt}").write_bytes(data)
+        body = {"prompt": "x", "model": "tiny", "steps": 2, "image_path": f"bomb.{fmt}"}
+        status, headers, raw = call(sock, "POST", "/v1/jobs", json.dumps(body).encode(),
+                                    {"Content-Type": "application/json"})
+        field = "image_path"
+    else:
+        files = [(b"image", data, True)] if where == "multipart" else [(b"image", PNG_64, True), (b"mask", data, True)]
+        form, headers_out = multipart(EDIT_TEXT + files)
+        status, headers, raw = call(sock, "POST", "/v1/images/edits", form, headers_out)
+        field = "image" if where == "multipart" else "mask"
+    err = refused(status, headers, raw, field, "invalid_image")
+    if fmt != "webp":  # libwebp will not open a header without a picture: refused as undecodable, not by size
+        assert f"{BOMB_SIDE if fmt != 'gif' else 65535}x" in err["message"] and "16777216" in err["message"], err
+
+
+def _other_formats() -> list[tuple[str, bytes]]:
+    out = [("qoi", b"qoif" + b"\0\0\0\x40\0\0\0\x40\x03\x00" + b"\0" * 32), ("dds", picture("DDS", "RGBA")),
+           ("spider", picture("SPIDER", "F")), ("ico", picture("ICO", "RGBA")), ("psd", b"8BPS\0\1" + b"\0" * 40),
+           ("pdf", b"%PDF-1.4\n"), ("tga", picture("TGA", "RGB")), ("pcx", picture("PCX", "RGB")),
+           ("ppm", picture("PPM", "RGB"))]
+    return out
+
+
+@pytest.mark.parametrize(("name", "data"), _other_formats())
+def test_a_format_outside_the_allow_list_is_refused_as_invalid_image(sock: Path, name: str, data: bytes) -> None:
+    body = {"prompt": "x", "model": "tiny", "width": 64, "height": 64, "steps": 2,
+            "image": base64.b64encode(data).decode()}
+    status, headers, raw = call(sock, "POST", "/v1/jobs", json.dumps(body).encode(), JSON)
+    err = refused(status, headers, raw, "image", "invalid_image")
+    assert "PNG, JPEG, WebP, GIF, BMP or TIFF" in err["message"], err
+
+
+MODES = [("TIFF", "LAB", {}), ("JPEG", "CMYK", {}), ("PNG", "I;16", {}), ("TIFF", "I;16", {}), ("TIFF", "F", {}),
+         ("TIFF", "I", {}), ("PNG", "P", {"transparency": 0}), ("PNG", "1", {}), ("GIF", "P", {}), ("TIFF", "CMYK", {}),
+         ("TIFF", "YCbCr", {}), ("PNG", "LA", {}), ("BMP", "RGB", {}), ("WEBP", "RGBA", {}), ("TIFF", "RGBA", {})]
+
+
+@pytest.mark.parametrize(("fmt", "mode", "save"), MODES, ids=[f"{f}-{m}" for f, m, _ in MODES])
+def test_every_mode_of_the_accepted_formats_is_converted_as_image_and_as_mask(sock: Path, fmt: str, mode: str,
+                                                                              save: dict[str, Any]) -> None:
+    data = base64.b64encode(picture(fmt, mode, **save)).decode()
+    for body in ({"image": data}, {"image": base64.b64encode(PNG_64).decode(), "mask": data}):
+        full = {"prompt": "x", "model": "tiny", "steps": 2, **body}
+        status, headers, raw = call(sock, "POST", "/v1/jobs", json.dumps(full).encode(),
+                                    {"Content-Type": "application/json"})
+        answer = check_answer("POST", "/v1/jobs", status, headers, raw, (fmt, mode))
+        assert status == 202, answer
+        cancel_if_accepted(sock, status, answer)
+
+
+@pytest.mark.parametrize("path", ["in.png\x00", "in.png\x00.png", "x" * 300, "a/" * 3000 + "in.png", "loop",
+                                  "loop/in.png", "é" * 200, " ", ""])
+@pytest.mark.parametrize("field", ["image_path", "mask_path"])
+def test_a_path_no_file_can_have_is_a_400_naming_the_field(sock: Path, path: str, field: str) -> None:
+    loop = sock.parent / "inputs" / "loop"
+    if not loop.is_symlink():
+        loop.symlink_to("loop")  # a symlink loop inside --input-dir
+    body: dict[str, Any] = {"prompt": "x", "model": "tiny", "steps": 2, field: path}
+    if field == "mask_path":
+        body["image_path"] = "in.png"
+    data = json.dumps(body).encode()  # a lone surrogate goes as its \\udcff escape
+    status, headers, raw = call(sock, "POST", "/v1/jobs", data, {"Content-Type": "application/json"})
+    refused(status, headers, raw, field)
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs?limit=" + "9" * 5000, "/v1/jobs?limit=1" + "0" * 4400,
+                                  "/v1/jobs/{job}/outputs/" + "9" * 5000, "/v1/jobs/{job}/preview/" + "9" * 5000,
+                                  "/v1/jobs/{job}/outputs/" + "0" * 4301, "/v1/jobs/{job}/outputs/9999999999"])
+def test_an_index_or_limit_of_thousands_of_digits_is_a_400_naming_it(sock: Path, real_job: str, path: str) -> None:
+    path = path.format(job=real_job)
+    status, headers, raw = call(sock, "GET", path)
+    answer = check_answer("GET", path[:80], status, headers, raw)
+    assert status == 400, answer
+    assert answer["error"]["field"] == ("limit" if "limit" in path else "k"), answer
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/jobs", "n"), ("/v1/jobs", "steps"), ("/v1/jobs", "seed"),
+                                             ("/v1/jobs", "width"), ("/v1/jobs", "fps"),
+                                             ("/v1/images/generations", "n"),
+                                             ("/v1/images/generations", "num_inference_steps")])
+@pytest.mark.parametrize("digits", [310, 400, 4000])
+def test_a_json_integer_past_a_float_is_a_400_naming_the_field(sock: Path, path: str, field: str,
+                                                               digits: int) -> None:
+    body = b'{"prompt": "x", "model": "fz", "%s": 1%s}' % (field.encode(), b"0" * (digits - 1))
+    status, headers, raw = call(sock, "POST", path, body, {"Content-Type": "application/json"})
+    refused(status, headers, raw, field)
+
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/jobs", '{"prompt": "x", "loras": ' + DEEP + "}"), ("/v1/jobs", DEEP), ("/v1/jobs", '{"a":' * 5000 + "1"),
+    ("/v1/images/generations", '{"prompt": "x", "user": ' + DEEP + "}"),
+    ("/v1/images/generations", '{"prompt": "x", "quality": {"a": ' + DEEP + "}}"),
+    ("/v1/loras", '{"name": ' + DEEP + "}")])
+def test_json_nested_past_msgspecs_depth_is_a_400(sock: Path, path: str, body: str) -> None:
+    status, headers, raw = call(sock, "POST", path, body.encode(), {"Content-Type": "application/json"})
+    refused(status, headers, raw, None)
+
+
+@pytest.mark.parametrize("name", [b"loras", b"preview"])
+def test_nested_json_in_an_edit_forms_text_field_is_a_400_naming_it(sock: Path, name: bytes) -> None:
+    form, headers_out = multipart([*EDIT_TEXT, (name, DEEP.encode(), False), (b"image", PNG_64, True)])
+    status, headers, raw = call(sock, "POST", "/v1/images/edits", form, headers_out)
+    refused(status, headers, raw, name.decode())
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "GZIP"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/images/generations", "/v1/images/edits", "/v1/loras"])
+def test_a_body_not_in_its_content_encoding_is_a_400(sock: Path, path: str, encoding: str) -> None:
+    if path == "/v1/images/edits":
+        body, headers_out = multipart([*EDIT_TEXT, (b"image", PNG_64, True)])
+    else:
+        body, headers_out = b'{"prompt": "x", "name": "n", "path": "/x"}', {"Content-Type": "application/json"}
+    status, headers, raw = call(sock, "POST", path, body, {**headers_out, "Content-Encoding": encoding})
+    err = refused(status, headers, raw, None)
+    assert "Content-Encoding" in err["message"], err
+    status, h = call_json(sock, "GET", "/health")
+    assert status == 200, h
+
+
+@pytest.mark.parametrize("name", [b"pro\xffmpt", b"\xff", b"image\xfe", b"\xc3"])
+def test_an_edit_form_field_name_that_is_not_utf8_is_a_400(sock: Path, name: bytes) -> None:
+    form, headers_out = multipart([*EDIT_TEXT, (name, b"v", False), (b"image", PNG_64, True)])
+    status, headers, raw = call(sock, "POST", "/v1/images/edits", form, headers_out)
+    refused(status, headers, raw, None)
+
+
+def test_lora_paths_and_headers_that_break_the_reader_are_400s_naming_the_file(sock: Path) -> None:
+    import struct
+
+    folder = sock.parent / "loras"
+    folder.mkdir(exist_ok=True)
+    deep, digits = folder / "deep.safetensors", folder / "digits.safetensors"
+    for file, header in ((deep, b"[" * 100_000 + b"]" * 100_000),
+                         (digits, b'{"a.lora_A.weight": {"shape": [1%s]}}' % (b"0" * 5000))):
+        file.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    for path in ("/" + "x" * 5000, "/tmp/" + "y" * 300, "/tmp/" + "z/" * 3000, str(deep), str(digits)):
+        status, answer = call_json(sock, "POST", "/v1/loras", {"name": "probe", "path": path})
+        assert status == 400 and answer["error"]["field"] == "path", answer
+        if path in (str(deep), str(digits)):
+            assert path in answer["error"]["message"], answer
+
+
+@st.composite
+def mutated_images(draw: st.DrawFn) -> bytes:
+    """A real file of an accepted format (some modes each, a bomb header now and then), with bytes
+    flipped, cut or inserted: what a decoder meets from a broken upload or a hostile one."""
+    fmt, mode = draw(st.sampled_from([("PNG", "RGB"), ("PNG", "RGBA"), ("PNG", "I;16"), ("JPEG", "RGB"),
+                                      ("JPEG", "CMYK"), ("WEBP", "RGB"), ("GIF", "P"), ("BMP", "RGB"),
+                                      ("TIFF", "LAB"), ("TIFF", "RGB"), ("BOMB", "")]))
+    data = bytearray(bomb(draw(st.sampled_from(["png", "bmp", "gif", "jpeg", "tiff"]))) if fmt == "BOMB"
+                     else _SEEDS[(fmt, mode)])
+    for _ in range(draw(st.integers(0, 4))):
+        if not data:
+            break
+        at = draw(st.integers(0, len(data) - 1))
+        op = draw(st.integers(0, 2))
+        if op == 0:
+            data[at] = draw(st.integers(0, 255))
+        elif op == 1:
+            del data[at:at + draw(st.integers(1, 64))]
+        else:
+            data[at:at] = draw(st.binary(min_size=1, max_size=16))
+    return bytes(data)
+
+
+_SEEDS = {(f, m): picture(f, m, (64, 64)) for f, m in [
+    ("PNG", "RGB"), ("PNG", "RGBA"), ("PNG", "I;16"), ("JPEG", "RGB"), ("JPEG", "CMYK"), ("WEBP", "RGB"),
+    ("GIF", "P"), ("BMP", "RGB"), ("TIFF", "LAB"), ("TIFF", "RGB")]}
+
+
+@FUZZ
+@given(data=mutated_images(), as_mask=st.booleans())
+def test_fuzz_image_inputs(sock: Path, data: bytes, as_mask: bool) -> None:
+    b64 = base64.b64encode(data).decode()
+    body = {"prompt": "x", "model": "tiny", "width": 64, "height": 64, "steps": 2,
+            **({"image": base64.b64encode(PNG_64).decode(), "mask": b64} if as_mask else {"image": b64})}
+    status, headers, raw = call(sock, "POST", "/v1/jobs", json.dumps(body).encode(), JSON)
+    answer = check_answer("POST", "/v1/jobs", status, headers, raw, len(data))
+    event(f"HTTP {status}")
+    if status == 400:
+        assert answer["error"]["field"] in ("image", "mask"), answer
+    cancel_if_accepted(sock, status, answer)
+
+
+@FUZZ
+@given(encoding=st.sampled_from(["gzip", "deflate", "br", "identity", "x-gzip", "gzip, gzip"]) | header_values,
+       data=st.binary(max_size=200),
+       path=st.sampled_from(["/v1/jobs", "/v1/images/generations", "/v1/images/edits", "/v1/loras"]))
+def test_fuzz_content_encodings(sock: Path, encoding: str, data: bytes, path: str) -> None:
+    try:
+        status, headers, raw = call(sock, "POST", path, data, {"Content-Type": "application/json",
+                                                               "Content-Encoding": encoding})
+    except (BrokenPipeError, ConnectionResetError):  # refused at the header, closed before the body was sent
+        assert call_json(sock, "GET", "/health")[0] == 200
+        return
+    if status == 400 and headers.get("content-type", "").startswith("text/plain"):
+        # aiohttp's parser refuses, with its own text page and before any routing (as it does a method it
+        # does not know), an encoding it does not take (br without brotli, a list), and a body that it
+        # finds is not in its encoding while parsing (a short one, all in one packet: at its end)
+        assert raw and len(raw) < 300, raw
+        return
+    answer = check_answer("POST", path, status, headers, raw, (encoding, data))
+    event(f"HTTP {status}")
+    cancel_if_accepted(sock, status, answer)
+
+
 def test_daemon_is_healthy_after_the_fuzzing(sock: Path, fuzz_daemon: Daemon) -> None:
     """Runs last in this module (pytest keeps file order): the fuzzing left no damage behind."""
     deadline = time.monotonic() + 60

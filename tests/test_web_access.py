@@ -224,7 +224,8 @@ def test_the_page_may_not_be_framed_or_load_from_elsewhere(base: str) -> None:
 
 def test_web_url_is_not_given_over_the_web_listener_itself(base: str) -> None:
     r = httpx.get(f"{base}/v1/admin/web", headers={"Authorization": f"Bearer {TOKEN}"})
-    assert r.status_code == 404  # the route exists on the Unix socket only
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text  # docs/api.md: 403
+    assert TOKEN not in r.text
 
 
 def test_a_random_token_without_token_file_and_web_url_without_web(daemon_factory) -> None:  # type: ignore[no-untyped-def]
@@ -265,3 +266,45 @@ def _metric(c: httpx.Client, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     assert m, text
     return float(m.group(1))
+
+
+def raw_request(base: str, lines: list[bytes]) -> tuple[int, dict[str, object]]:
+    """One request with header bytes as given (httpx would refuse or re-encode them)."""
+    host, port = urlsplit(base).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as c:
+        c.sendall(b"GET /v1/models HTTP/1.1\r\nHost: " + f"{host}:{port}".encode() + b"\r\nConnection: close\r\n"
+                  + b"".join(line + b"\r\n" for line in lines) + b"\r\n")
+        data = b""
+        while chunk := c.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"application/json" in head, data
+    return status, __import__("json").loads(body)
+
+
+@pytest.mark.parametrize(("lines", "status", "code"), [
+    ([b"Origin: http://["], 403, "cross_origin"),
+    ([b"Origin: http://[::1"], 403, "cross_origin"),
+    ([b"Origin: \xff\xfe"], 403, "cross_origin"),
+    ([b"Authorization: Bearer \xff" + TOKEN.encode()], 401, "unauthorized"),
+    ([b"Authorization: Bearer " + TOKEN.encode() + b"\xc3"], 401, "unauthorized"),
+    ([b"Cookie: diffusiond_token_{port}=\xff\xfe"], 401, "unauthorized"),
+    ([b"Authorization: \xff"], 401, "unauthorized"),
+    ([b"Origin: {base}", b"Origin: http://attacker.example", b"Authorization: Bearer " + TOKEN.encode()], 403,
+     "cross_origin"),
+    ([b"Origin: http://attacker.example", b"Origin: {base}", b"Authorization: Bearer " + TOKEN.encode()], 403,
+     "cross_origin"),
+    ([b"Origin: {base}", b"Origin: {base}", b"Authorization: Bearer " + TOKEN.encode()], 403, "cross_origin"),
+    ([b"Origin: {base}", b"Authorization: Bearer " + TOKEN.encode()], 200, None),
+])
+def test_headers_that_broke_the_checks_are_refused_before_any_token(base: str, lines: list[bytes], status: int,
+                                                                     code: str | None) -> None:
+    """An Origin urlsplit rejects (403), a token or cookie that is not UTF-8 (401: it is simply not
+    the token), two Origin headers (403: with the first checked, a foreign second went through)."""
+    port = str(urlsplit(base).port).encode()
+    lines = [line.replace(b"{base}", base.encode()).replace(b"{port}", port) for line in lines]
+    got, answer = raw_request(base, lines)
+    assert got == status, answer
+    if code is not None:
+        assert answer["error"]["code"] == code, answer  # type: ignore[index]

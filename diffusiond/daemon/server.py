@@ -19,10 +19,13 @@ import signal
 import socket
 import stat
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from diffusiond import __version__
 from diffusiond.daemon import systemd
@@ -236,12 +239,45 @@ async def _second_signal(stop: asyncio.Event, count: Callable[[], int]) -> None:
         await stop.wait()
 
 
+class ClientErrorLog(logging.Filter):
+    """aiohttp's server logs every request its HTTP parser refuses (a malformed request line, a
+    header too long, a body not in its Content-Encoding) at ERROR with a traceback, though it
+    answers them 400 itself: anyone who reaches a port could fill the log. This filter, on the
+    ``aiohttp.server`` logger, turns each into one INFO line without the traceback, at most one
+    per ``every_s`` seconds (the next line counts those left out). Anything else aiohttp logs
+    passes untouched: a real fault keeps its traceback."""
+
+    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every_s, self.clock = every_s, clock
+        self.last = -every_s
+        self.skipped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, (HttpProcessingError, RequestPayloadError)):
+            return True
+        now = self.clock()
+        if now - self.last < self.every_s or not logging.getLogger(record.name).isEnabledFor(logging.INFO):
+            self.skipped += 1
+            return False
+        cause = exc.__cause__ if isinstance(exc, RequestPayloadError) and exc.__cause__ else exc
+        detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+        skipped = f" ({self.skipped} more since the last such line)" if self.skipped else ""
+        record.msg, record.args = "refused a malformed HTTP request: %s%s", (detail, skipped)
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info = record.exc_text = None
+        self.last, self.skipped = now, 0
+        return True
+
+
 def serve(config: DaemonConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s diffusiond[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("aiohttp.server").addFilter(ClientErrorLog())
     import uvloop
 
     try:

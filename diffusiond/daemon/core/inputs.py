@@ -3,9 +3,11 @@
 Decoding, resizing and checking an image costs milliseconds to seconds, so it all runs in the
 encode thread pool (``decode_edit`` is called there), never on the event loop. What a client can
 get wrong here is answered with an ``InvalidRequest`` naming the field: bytes that are not an
-image, an image over the pixel limit (checked from the header, before the pixels are decoded, so
-a small file that decodes to gigapixels costs nothing), a mask whose size differs from the image,
-a path outside ``--input-dir``.
+image, an image over the pixel limit, a mask whose size differs from the image, a path outside
+``--input-dir`` or one no file can have (a NUL byte, too long, a symlink loop). Pictures are
+decoded by ``images.py``, the engine's one decoder: its format allow-list, its pixel bound
+(checked from the header, before the pixels are decoded, so a small file that decodes to
+gigapixels costs nothing) and every decoder error as ``invalid_image``.
 
 Masks follow the OpenAI edits API: where the mask PNG is transparent (alpha 0) the image is
 repainted. A mask without an alpha channel is read the diffusers way: white is repainted. The
@@ -16,22 +18,20 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from diffusiond.daemon.config import Limits
+from diffusiond.daemon.core import images
 from diffusiond.daemon.errors import UploadTooLarge, invalid
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.protocol import ErrorCode, Task
 
-if TYPE_CHECKING:
-    from PIL import Image
+MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 4096  # Linux's NAME_MAX and PATH_MAX
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,37 @@ def _bytes_of(src: Source, limits: Limits, input_dir: str | None) -> bytes:
     return data
 
 
+def _check_path_text(src: Source) -> None:
+    """Refuse, as text and before any system call, a path no file can have: the OS would raise
+    ValueError (a NUL byte) or ENAMETOOLONG, and the message could not say which field."""
+    assert src.path is not None
+    path = src.path
+    if not path.strip() or "\x00" in path:
+        raise invalid(f"{src.field} {path[:80]!r} is empty or holds a NUL character; name a file inside --input-dir",
+                      field=src.field)
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError:
+        raise invalid(f"{src.field} {path[:80]!r} cannot be a file name", field=src.field) from None
+    longest = max(len(part) for part in encoded.split(b"/"))
+    if len(encoded) >= MAX_PATH_BYTES or longest > MAX_NAME_BYTES:
+        raise invalid(f"{src.field} is too long for a file name ({len(encoded)} bytes, a part of {longest}; "
+                      f"the system allows {MAX_NAME_BYTES} a name and {MAX_PATH_BYTES - 1} in all)", field=src.field)
+
+
 def _read_path(src: Source, limits: Limits, input_dir: str | None) -> bytes:
     """Read a file only if it lies inside ``input_dir`` once every symlink is resolved."""
     assert src.path is not None
     if input_dir is None:
         raise invalid(f"{src.field}: this daemon reads no input files (it was started without --input-dir); "
                       "send the image itself", field=src.field)
+    _check_path_text(src)
     root = Path(input_dir).resolve()
-    target = (root / src.path).resolve()  # an absolute src.path replaces root here, then fails the check
+    try:
+        target = (root / src.path).resolve()  # an absolute src.path replaces root here, then fails the check
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11's resolve)
+        raise invalid(f"{src.field} {src.path!r} cannot be resolved: {getattr(exc, 'strerror', None) or exc}; "
+                      "name a file inside --input-dir", field=src.field) from None
     if not target.is_relative_to(root):
         raise invalid(f"{src.field} {src.path!r} is outside the input folder; name a file inside --input-dir",
                       field=src.field)
@@ -110,35 +133,6 @@ def _read_path(src: Source, limits: Limits, input_dir: str | None) -> bytes:
         os.close(fd)
 
 
-def _open(data: bytes, field: str, limits: Limits) -> Image.Image:
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    img: Image.Image
-    try:
-        img = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError):
-        raise invalid(f"{field} is not an image Pillow can read (send PNG, JPEG or WebP)",
-                      field=field, code=ErrorCode.INVALID_IMAGE) from None
-    w, h = img.size
-    if w * h > limits.max_input_pixels:
-        raise invalid(f"{field} is {w}x{h} = {w * h} pixels; the limit is {limits.max_input_pixels}",
-                      field=field, code=ErrorCode.INVALID_IMAGE)
-    try:
-        img.load()
-        img = ImageOps.exif_transpose(img) or img  # what the camera meant, as viewers show it
-    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
-        raise invalid(f"{field} could not be decoded: {exc}", field=field, code=ErrorCode.INVALID_IMAGE) from None
-    return img
-
-
-def _mask_plane(img: Image.Image) -> np.ndarray:
-    """255 where the image is to be repainted: transparent areas of a mask with alpha, else white."""
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-        alpha = np.asarray(img.convert("RGBA"))[..., 3]
-        return (255 - alpha).astype(np.uint8)
-    return np.asarray(img.convert("L"), dtype=np.uint8)
-
-
 def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: float,
                 width: int | None, height: int | None, limits: Limits, input_dir: str | None) -> EditInput:
     """Decode, check and resize an edit's inputs into a sealed buffer (in the encode pool).
@@ -148,7 +142,7 @@ def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: flo
     to it."""
     from PIL import Image
 
-    img = _open(_bytes_of(image, limits, input_dir), image.field, limits)
+    img = images.open_image(_bytes_of(image, limits, input_dir), image.field, limits)
     w0, h0 = img.size
     w = width if width is not None else w0 // 8 * 8
     h = height if height is not None else h0 // 8 * 8
@@ -160,16 +154,16 @@ def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: flo
             code=ErrorCode.INVALID_IMAGE)
     plane = None
     if mask is not None:
-        m = _open(_bytes_of(mask, limits, input_dir), mask.field, limits)
+        m = images.open_image(_bytes_of(mask, limits, input_dir), mask.field, limits)
         if m.size != (w0, h0):
             raise invalid(f"{mask.field} is {m.size[0]}x{m.size[1]} but {image.field} is {w0}x{h0}; "
                           "a mask must have the size of its image", field=mask.field, code=ErrorCode.INVALID_IMAGE)
-        plane = _mask_plane(m)
+        plane = images.mask_array(m, mask.field)
         if (w, h) != (w0, h0):
             plane = np.asarray(Image.fromarray(plane).resize((w, h), Image.Resampling.BILINEAR))
         plane = plane[..., None]
-    rgb = img.convert("RGB")
+    rgb = images.rgb_array(img, image.field)
     if (w, h) != (w0, h0):
-        rgb = rgb.resize((w, h), Image.Resampling.LANCZOS)
-    buffer = InputBuffer(np.asarray(rgb, dtype=np.uint8), plane)
+        rgb = np.asarray(Image.fromarray(rgb).resize((w, h), Image.Resampling.LANCZOS))
+    buffer = InputBuffer(rgb, plane)
     return EditInput(task=task, strength=strength, buffer=buffer, width=w, height=h)

@@ -80,7 +80,11 @@ def read_lora(name: str, path: str) -> LoraInfo:
     if not os.path.isabs(os.path.expanduser(path)):
         raise LoraFileError(f"LoRA {name!r}: the path {path!r} is relative; give an absolute path (the daemon's "
                             "working directory is not yours)")
-    file = weights_file(path)
+    try:
+        file = weights_file(path)  # is_dir: ENAMETOOLONG and the like are the path's fault
+    except OSError as exc:
+        raise LoraFileError(f"LoRA {name!r}: the path {path[:120]!r} cannot be a file's "
+                            f"({exc.strerror or exc}); give a folder or a .safetensors file") from None
     where = f"LoRA {name!r} ({file})"
     try:
         st = os.stat(file)
@@ -94,12 +98,14 @@ def read_lora(name: str, path: str) -> LoraInfo:
             header = json.loads(f.read(n))
     except FileNotFoundError:
         hint = f" (a folder must hold {DIFFUSERS_WEIGHT_NAME}, as save_lora_weights writes it)" \
-            if Path(path).expanduser().is_dir() else ""
+            if file != Path(path).expanduser() else ""
         raise LoraFileError(f"{where} does not exist{hint}") from None
     except OSError as exc:
         raise LoraFileError(f"{where} cannot be read: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise LoraFileError(f"{where} is not a safetensors file (its header is not JSON)") from None
+    except RecursionError:
+        raise LoraFileError(f"{where} is not a safetensors file (its header nests too deeply)") from None
+    except ValueError:  # UnicodeDecodeError, JSONDecodeError, and int() of a number over 4,300 digits
+        raise LoraFileError(f"{where} is not a safetensors file (its header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise LoraFileError(f"{where} is not a safetensors file (its header is not a JSON object)")
     if file.suffix != ".safetensors":

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.engine import Engine
-from diffusiond.daemon.edge import views
+from diffusiond.daemon.edge import bodies, views
 from diffusiond.daemon.edge.access import make_access_middleware, peer_uid
 from diffusiond.daemon.edge.jobs import create_job, delete_job, get_job, job_events, job_output, job_preview, list_jobs
 from diffusiond.daemon.edge.openai import images_edits, images_generations
@@ -92,7 +92,7 @@ async def admin_add_lora(request: web.Request) -> web.Response:
     """Register a LoRA at run time: ``{"name": ..., "path": ...}``; 201 with its entry, or a 4xx
     naming the field (the daemon goes on either way)."""
     engine = request.app[ENGINE]
-    body = decode(await request.read(), AddLoraBody)
+    body = decode(await bodies.read_body(request, engine.config.limits.max_body_bytes), AddLoraBody)
     info = await engine.add_lora(body.name, body.path)
     return web.json_response(views.lora(engine, info), status=201)
 

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core import inputs
@@ -30,12 +31,37 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         raise too_large(request.content_length, limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(size, limit)
+            chunks.append(chunk)
+    except (RequestPayloadError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:
+        raise unreadable(request, exc) from None
     return b"".join(chunks)
+
+
+def unreadable(request: web.Request, exc: BaseException) -> errors.InvalidRequest:
+    """A body aiohttp could not take in: most often a ``Content-Encoding`` (gzip, deflate) that the
+    bytes are not in, which aiohttp finds only while reading (as ``RequestPayloadError``)."""
+    encoding = request.headers.get("Content-Encoding")
+    cause = exc.__cause__ or exc
+    detail = f"{type(cause).__name__}: {cause}".strip().rstrip(":")[:200]
+    if encoding:
+        return errors.invalid(f"the request body is not valid {encoding[:40]!r} data, as its Content-Encoding "
+                              f"header says ({detail}); send it uncompressed, or compressed as the header says")
+    return errors.invalid(f"the request body could not be read ({detail})")
+
+
+def _surrogates(text: str) -> bool:
+    """Whether ``text`` holds lone surrogates: aiohttp decodes bytes that are not UTF-8 into them,
+    and they cannot be encoded again (msgspec, logging, a JSON answer would fail on them)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def too_large(size: int, limit: int) -> UploadTooLarge:
@@ -79,6 +105,9 @@ async def read_edit_form(
             if not isinstance(part, BodyPartReader):
                 raise errors.invalid("nested multipart bodies are not accepted")
             name = part.name or ""
+            if not name.isprintable() or _surrogates(name):
+                raise errors.invalid(f"a form field's name {name[:60]!r} is not printable UTF-8 text; name fields "
+                                     "as docs/api.md does (prompt, image, mask, ...)")
             chunks: list[bytes] = []
             while piece := await part.read_chunk(1 << 16):
                 size += len(piece)
@@ -99,6 +128,8 @@ async def read_edit_form(
                     text.append((name, data.decode()))
                 except UnicodeDecodeError:
                     raise errors.invalid(f"field {name!r} is not UTF-8 text", field=name) from None
+    except RequestPayloadError as exc:
+        raise unreadable(request, exc) from None
     except (ValueError, AssertionError, RuntimeError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:
         raise errors.invalid(f"the multipart body is malformed: {exc}") from None
     return text, images, mask

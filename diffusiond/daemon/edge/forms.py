@@ -24,6 +24,7 @@ from diffusiond.daemon.edge.requests import (
     ModelResolver,
     PreviewBody,
     check,
+    check_int_sizes,
     decode,
 )
 from diffusiond.daemon.errors import invalid
@@ -135,7 +136,7 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
                 raise invalid("field 'preview' is given twice; send it once", field="preview")
             try:
                 fields["preview"] = msgspec.json.decode(value)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
                 raise invalid(f'preview is not valid JSON: {value[:80]!r}; send {{"every": 5}} '
                               "or the fields preview[every], preview[format], preview[max_side]",
                               field="preview") from None
@@ -154,6 +155,7 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     except msgspec.ValidationError as exc:
         m = FIELD_PATH.search(str(exc)) or MISSING_FIELD.search(str(exc))
         raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
+    check_int_sizes(form)
     return openai_fields(msgspec.structs.asdict(form))
 
 
@@ -173,7 +175,7 @@ def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
             if text.startswith("["):
                 try:
                     decoded = msgspec.json.decode(text)
-                except msgspec.DecodeError:
+                except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
                     raise invalid(f"loras is not valid JSON: {text[:80]!r}", field="loras") from None
                 if not isinstance(decoded, list) or not all(isinstance(e, dict) for e in decoded):
                     raise invalid('loras must be a list of {"name", "weight"} objects', field="loras")

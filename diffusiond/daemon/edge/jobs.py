@@ -67,8 +67,10 @@ async def list_jobs(request: web.Request) -> web.Response:
             raise errors.invalid(f"status {q['status']!r} is not one of {', '.join(s.value for s in JobStatus)}",
                                  "status") from None
     raw = q.get("limit", str(HISTORY_LIMIT))
-    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= HISTORY_MAX_LIMIT):
-        raise errors.invalid(f"limit {raw!r} is not a whole number from 1 to {HISTORY_MAX_LIMIT}", "limit")
+    # the length first: int() of over 4,300 digits raises ValueError (CPython's guard against slow conversion)
+    if not (len(raw) <= 8 and raw.isascii() and raw.isdigit() and 1 <= int(raw) <= HISTORY_MAX_LIMIT):
+        raise errors.invalid(f"limit {raw[:40]!r}{'...' if len(raw) > 40 else ''} is not a whole number "
+                             f"from 1 to {HISTORY_MAX_LIMIT}", "limit")
     page = await request.app[ENGINE].history.page(status, q.get("model") or None, q.get("before") or None, int(raw))
     return web.json_response(views.history(page.jobs, page.next_before))
 
@@ -156,10 +158,20 @@ async def job_preview(request: web.Request) -> web.Response:
         "X-Preview-Step": str(preview.step), "X-Preview-Total": str(preview.total)})
 
 
+MAX_INDEX_DIGITS = 9  # no job has a billion outputs; int() of over 4,300 digits would raise ValueError
+
+
 def _index(raw: str) -> int:
     """An output index from the path: ASCII digits only (int() would also take "-1", Python's last
-    item, " 1", "1_0" and non-ASCII digits); anything else is -1, which no output has."""
-    return int(raw) if raw.isascii() and raw.isdigit() else -1
+    item, " 1", "1_0" and non-ASCII digits); anything else is -1, which no output has (a 404, as
+    any index past the job's outputs). More than ``MAX_INDEX_DIGITS`` digits is a 400 naming
+    ``k``, before int() sees them."""
+    if not (raw.isascii() and raw.isdigit()):
+        return -1
+    if len(raw) > MAX_INDEX_DIGITS:
+        raise errors.invalid(f"output index k has {len(raw)} digits; a job's outputs are numbered from 0 "
+                             "(see the job's outputs list)", "k")
+    return int(raw)
 
 
 def _sse(e: Event, data: dict[str, Any]) -> bytes:

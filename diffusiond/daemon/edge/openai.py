@@ -21,7 +21,7 @@ from diffusiond.protocol import ErrorCode, JobStatus
 
 async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    body = await request.read()
+    body = await bodies.read_body(request, engine.config.limits.max_body_bytes)
     await engine.described()
     req, response_format = parse_images(body, engine.config.limits, engine.model, loras=engine.check_loras)
     job = await engine.accept(req, sync=True)

@@ -116,21 +116,54 @@ class AddLoraBody(msgspec.Struct, forbid_unknown_fields=True):
     path: str
 
 
+MAX_INT_DIGITS = 20  # every integer field's range fits here (seeds are below 2**63); more is a typo or a probe
+
+
 def decode(body: bytes, cls: type[T]) -> T:
+    """A JSON body as ``cls``, or a 400: not JSON, nested too deep for msgspec (``RecursionError``,
+    even inside a field that is ignored), a field of the wrong type, or an integer so large that
+    no field's range can hold it (refused here, by its length, before a range check formats it)."""
     if not body.strip():
         raise invalid("request body is empty; send a JSON object", code=ErrorCode.INVALID_JSON)
     try:
-        return msgspec.json.decode(body, type=cls)
+        decoded = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as exc:
         m = FIELD_PATH.search(str(exc)) or MISSING_FIELD.search(str(exc))
         raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", code=ErrorCode.INVALID_JSON) from None
+    except RecursionError:
+        raise invalid("request body is nested too deeply (over about 1,000 levels of lists or objects); "
+                      "no field of this API nests more than 3", code=ErrorCode.INVALID_JSON) from None
+    if isinstance(decoded, msgspec.Struct):
+        check_int_sizes(decoded)
+    return decoded
+
+
+def check_int_sizes(struct: msgspec.Struct) -> None:
+    """Refuse an integer field of more than ``MAX_INT_DIGITS`` digits: msgspec takes any size, and
+    formatting one of over 308 digits as a float (a range message's ``:g``) overflows. Only the
+    fields typed int: OpenAI's ignored fields stay ignored, whatever they hold."""
+    hints = type(struct).__annotations__
+    for name, value in msgspec.structs.asdict(struct).items():
+        if "int" not in str(hints.get(name, "")):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 66:
+            raise invalid(f"{name} is a number of over {MAX_INT_DIGITS} digits; see docs/api.md for its range",
+                          field=name)
 
 
 def _range(name: str, value: float | None, lo: float, hi: float) -> None:
     if value is not None and not lo <= value <= hi:
-        raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", field=name)
+        raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {_show(value)}", field=name)
+
+
+def _show(value: float) -> str:
+    """A number for a message: ``:g`` of a float, an integer as it is (``:g`` of an int over 10**308
+    raises OverflowError) unless it is too long to be worth showing."""
+    if isinstance(value, int):
+        return str(value) if abs(value).bit_length() <= 66 else f"a number of over {MAX_INT_DIGITS} digits"
+    return f"{value:g}"
 
 
 def check_lora_list(entries: list[Any] | None, limits: Limits) -> tuple[tuple[str, float], ...]:

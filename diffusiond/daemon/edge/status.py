@@ -5,10 +5,17 @@ synchronous request whose job failed (``STATUS_OF_FAILURE``). Every error leaves
 ``{"error": {...}}`` through ``errors_middleware``, aiohttp's own included (413 for a body over the
 limit, 404/405 for unknown routes), so clients only ever parse one error shape. The output
 socket (``handoff.py``) answers its refusals with the same statuses.
+
+The last resort is here too: an exception nobody expected (a bug, or an input no check foresaw)
+answers 500 ``internal_error`` in the same shape, never aiohttp's plain-text page. Its message
+carries an id (``err_<hex>``) that is also in the one log line written for it, with the
+traceback, so a user's report leads to the cause without the cause leaking to the user.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -17,6 +24,8 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.errors import EngineError
 from diffusiond.protocol import ErrorCode
+
+log = logging.getLogger(__name__)
 
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -83,3 +92,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise
         code = STATUS_OF_HTTP_ERROR_CODE.get(exc.status, ErrorCode.HTTP_ERROR)
         return error_response(HttpError(exc.status, code, f"{exc.reason}: {request.method} {request.path}"))
+    except Exception:  # the last resort: see the module's docstring
+        return internal_error(request)
+
+
+def internal_error(request: web.Request) -> web.Response:
+    """The answer to an exception nobody expected (called inside its ``except``): one log line at
+    ERROR with the traceback and an id, and the same id in a 500 of the one error shape."""
+    err_id = f"err_{secrets.token_hex(6)}"
+    log.exception("%s: unexpected error answering %s %s", err_id, request.method, request.path[:200])
+    return error_response(HttpError(
+        500, ErrorCode.INTERNAL_ERROR,
+        f"the daemon failed on this request ({err_id}); this is a bug in diffusiond: please report it with "
+        f"this id, which is also in the daemon's log with the details"))

@@ -21,7 +21,7 @@ from aiohttp.typedefs import Middleware
 
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.edge import webauth
-from diffusiond.daemon.edge.api import add_api_routes
+from diffusiond.daemon.edge.api import add_api_routes, admin_web
 from diffusiond.daemon.edge.status import ENGINE, Handler, HttpError, errors_middleware
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.protocol import ErrorCode
@@ -75,7 +75,11 @@ def make_web_access(token: str, listen_host: str, metrics: Metrics) -> Middlewar
             raise refuse(403, ErrorCode.WRONG_HOST,
                          f"Host {request.headers.get('Host')!r} is not this listener's address "
                          f"({', '.join(sorted(hosts))}); open the page as `diffusiond web-url` prints it")
-        origin = request.headers.get("Origin")
+        origins = request.headers.getall("Origin", [])
+        if len(origins) > 1:  # a browser sends one; with two, a check of the first would let a foreign second through
+            raise refuse(403, ErrorCode.CROSS_ORIGIN,
+                         f"the request has {len(origins)} Origin headers; a request has at most one")
+        origin = origins[0] if origins else None
         if origin is not None and not webauth.origin_allowed(origin, hosts):
             raise refuse(403, ErrorCode.CROSS_ORIGIN,
                          f"requests from the page of {origin!r} are refused; only this listener's own page may call it")
@@ -113,6 +117,7 @@ def create_web_app(engine: Engine, *, token: str, listen_host: str) -> web.Appli
     app[ENGINE] = engine
     app.on_response_prepare.append(_security_headers)
     add_api_routes(app)
+    app.router.add_get("/v1/admin/web", admin_web)  # a 403 here (docs/api.md): the URL is for the Unix socket only
     app.router.add_get("/", page)
     app.router.add_static("/static", PAGE_DIR, follow_symlinks=False)
     return app

@@ -72,16 +72,25 @@ def host_allowed(host_header: str | None, hosts: frozenset[str]) -> bool:
 
 def origin_allowed(origin: str, hosts: frozenset[str]) -> bool:
     """An Origin is ``scheme://host[:port]``; only this listener's own, over http, is ours
-    (``null``, sent by sandboxed frames and files, is not)."""
-    parts = urlsplit(origin)
+    (``null``, sent by sandboxed frames and files, is not; nor is one ``urlsplit`` cannot parse,
+    such as ``http://[``, which raises ValueError)."""
+    try:
+        parts = urlsplit(origin)
+        netloc = parts.netloc
+    except ValueError:
+        return False
     if parts.scheme != "http" or parts.path not in ("", "/") or parts.query or parts.fragment:
         return False
-    return parts.netloc.lower() in hosts
+    return netloc.lower() in hosts
 
 
 def same_token(given: str | None, token: str) -> bool:
-    """Constant-time, on bytes (``hmac.compare_digest`` refuses non-ASCII str)."""
-    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+    """Constant-time, on bytes (``hmac.compare_digest`` refuses non-ASCII str). A header's bytes
+    that are not UTF-8 reach us as lone surrogates (aiohttp decodes with surrogateescape), which
+    ``str.encode`` refuses: they are encoded back to the bytes that were sent, so such a value is
+    simply not the token."""
+    return given is not None and hmac.compare_digest(given.encode(errors="surrogateescape"),
+                                                     token.encode())
 
 
 def authorized(token: str, cookie: str | None, authorization: str | None) -> bool:
