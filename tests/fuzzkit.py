@@ -863,7 +863,8 @@ def urls(draw: st.DrawFn, ctx: Ctx) -> Req:
     else:
         query = draw(st.sampled_from(["format=png", "x=%ff", "=", "&&", "a=" + "9" * 5000]))
         path = f"/v1/jobs/{job}/outputs/{k}?{query}"
-    return Req("urls", draw(listener(ctx)), method, path.encode(), [], b"")
+    # percent-encoded as a client library would (raw spaces or non-ASCII break the request line itself)
+    return Req("urls", draw(listener(ctx)), method, quote(path, safe="/?=&%+").encode(), [], b"")
 
 
 @st.composite
