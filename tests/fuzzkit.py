@@ -284,16 +284,22 @@ def nested(depth: int, kind: str = "list") -> Raw:
 
 
 DIGITS_4301 = "9" * 4301
-NASTY: list[Any] = [
-    Raw(str(10**309)), Raw("-" + str(10**309)), Raw(DIGITS_4301), Raw("-" + DIGITS_4301), Raw("1" + "0" * 5000),
-    Raw("1e309"), Raw("-1e309"), Raw("1e-400"), Raw("0." + "0" * 5000 + "1"), Raw("1" * 4300 + ".5"),
-    Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), math.nan, math.inf, -math.inf, 2**63, 2**64, -(2**63) - 1,
-    10**30, -1, 0, 1, 1.5, -0.0, 1e308, True, False, None, "", " ", "1", "64", "64x64", "nan", "inf", "1e309",
-    DIGITS_4301, "\x00", "\ud800", "\udfff", Utf8("\ud800x"), "\u202e", "💥" * 50, "x" * 20_000, [], {}, [1],
-    {"a": 1}, [[[]]], nested(1001), nested(1500, "dict"), nested(3000, "mixed"), nested(100_000),
-    Raw('"\\ud800"'), Raw('"\\u0000"'),
-]
-nasty_values = st.sampled_from(NASTY)
+# by kind, each kind drawn as often as the others: a rare kind is not starved by a long list
+NASTY_KINDS: dict[str, list[Any]] = {
+    "huge numbers": [Raw(str(10**309)), Raw("-" + str(10**309)), Raw(DIGITS_4301), Raw("-" + DIGITS_4301),
+                     Raw("1" + "0" * 5000), Raw("1" * 4300 + ".5"), Raw("0." + "0" * 5000 + "1"), 2**63, 2**64,
+                     -(2**63) - 1, 10**30],
+    "non-finite": [Raw("1e309"), Raw("-1e309"), Raw("1e-400"), Raw("NaN"), Raw("Infinity"), Raw("-Infinity"),
+                   math.nan, math.inf, -math.inf, 1e308],
+    "wrong types": [-1, 0, 1, 1.5, -0.0, True, False, None, "", " ", "1", "64", "64x64", "nan", "inf", "1e309",
+                    DIGITS_4301, [], {}, [1], {"a": 1}, [[[]]]],
+    "deep nesting": [nested(1001), nested(1500, "dict"), nested(3000, "mixed"), nested(100_000),
+                     [{"name": nested(1200)}], {"every": nested(1200, "dict")}],
+    "unicode": ["\x00", "\ud800", "\udfff", Utf8("\ud800x"), "\u202e", "💥" * 50, "x" * 20_000, Raw('"\\ud800"'),
+                Raw('"\\u0000"'), "ﬀ", "\u0301" * 100],
+}
+NASTY: list[Any] = [v for values in NASTY_KINDS.values() for v in values]
+nasty_values = st.one_of([st.sampled_from(values) for values in NASTY_KINDS.values()])
 
 
 # images of every format, and what can go wrong with them -----------------------------------------
@@ -556,6 +562,8 @@ GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format"
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
                "background", "input_fidelity", "user", "loras", "preview"]
+NUMERIC_FIELDS = {"n", "width", "height", "steps", "num_inference_steps", "guidance_scale", "seed", "num_frames", "fps",
+                  "timeout_s", "strength", "output_compression", "partial_images"}
 UNKNOWN_FIELDS = ["zz", "", "\x00", "\ud800", "prompt ", "PROMPT", "__proto__", "x" * 300]
 
 
@@ -591,8 +599,10 @@ def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
 def json_body(draw: st.DrawFn, ctx: Ctx, base: dict[str, Any], fields: list[str]) -> Any:
     """A valid body with one to three fields changed or added (a real field or an unknown one)."""
     body = dict(base)
+    numeric = [f for f in fields if f in NUMERIC_FIELDS]
     for _ in range(draw(st.integers(1, 3))):
-        name = draw(st.sampled_from(fields) | st.sampled_from(UNKNOWN_FIELDS))
+        # the numbers get half the draws: their range checks are where conversions overflow
+        name = draw(st.sampled_from(numeric) | st.sampled_from(fields) | st.sampled_from(UNKNOWN_FIELDS))
         body[name] = draw(field_value(ctx, name))
     if draw(st.integers(0, 9)) == 0:
         return draw(nasty_values)  # a document that is not an object at all
@@ -873,12 +883,12 @@ def loras_post(draw: st.DrawFn, ctx: Ctx) -> Req:
     names of every kind. New valid registrations are few (four names), so the registry stays small."""
     long_component = "/tmp/" + "a" * 300 + ".safetensors"
     long_path = "/tmp/" + "a/" * 3000 + "x.safetensors"
-    path = draw(st.sampled_from([*ctx.lora_paths, long_component, long_path, "", "relative.safetensors",
-                                 "/nonexistent.safetensors", "/etc/passwd", "/tmp/x\x00.safetensors",
-                                 "\ud800.safetensors", "/dev/zero", "/proc/self/environ", "~/x.safetensors",
-                                 *([ctx.valid_lora] if ctx.valid_lora else [])]) | nasty_values)
-    name = draw(st.sampled_from([*ctx.loras, "fz0", "fz1", "fz2", "fz3", "", "x" * 65, "a b", "../x", "é", "\x00",
-                                 "\ud800"]) | nasty_values)
+    others = [long_component, long_path, "", "relative.safetensors", "/nonexistent.safetensors", "/etc/passwd",
+              "/tmp/x\x00.safetensors", "\ud800.safetensors", "/dev/zero", "/proc/self/environ", "~/x.safetensors",
+              *([ctx.valid_lora] if ctx.valid_lora else [])]
+    path = draw(st.sampled_from(ctx.lora_paths or ["/nonexistent"]) | st.sampled_from(others) | nasty_values)
+    name = draw(st.sampled_from(["fz0", "fz1", "fz2", "fz3"]) | st.sampled_from(
+        [*ctx.loras, "", "x" * 65, "a b", "../x", "é", "\x00", "\ud800"]) | nasty_values)
     body: Any = {"name": name, "path": path}
     if draw(st.integers(0, 5)) == 0:
         body[draw(st.sampled_from(UNKNOWN_FIELDS))] = draw(nasty_values)

@@ -58,7 +58,10 @@ def ctx(fuzz_daemon: tuple[Daemon, Ctx]) -> Ctx:
 def test_every_input_gets_a_deliberate_answer(ctx: Ctx, family: str) -> None:
     strategy = fuzzkit.strategies(ctx)[family]
 
-    @settings(max_examples=examples(family), deadline=None,
+    # derandomized by default: `make test` sends the same inputs every run (new ones come from
+    # DIFFUSIOND_FUZZ_EXAMPLES runs and scripts/fuzz.py)
+    @settings(max_examples=examples(family), deadline=None, derandomize=not SCALE,
+              database=settings.default.database if SCALE else None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
     @given(req=strategy)
     def run(req: Req) -> None:
