@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from diffusiond.pipelines.registry import load_pipeline  # noqa: E402
+from diffusiond.pipelines.registry import load_pipeline
 
 
 def timed(fn: Any) -> float:
