@@ -716,6 +716,35 @@ def test_a_body_not_in_its_content_encoding_is_a_400(sock: Path, path: str, enco
     assert status == 200, h
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "x-gzip"])
+def test_a_compressed_json_body_is_read_as_its_content_encoding_says(sock: Path, encoding: str) -> None:
+    import gzip
+    import zlib
+
+    body = json.dumps({"prompt": "a fox", "width": 64, "height": 64, "steps": 1}).encode()
+    packed = zlib.compress(body) if encoding == "deflate" else gzip.compress(body)
+    status, _, raw = call(sock, "POST", "/v1/jobs", packed,
+                          {"Content-Type": "application/json", "Content-Encoding": encoding})
+    assert status == 202, raw
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, deflate"])
+def test_an_encoding_the_daemon_does_not_take_is_a_json_400_naming_it(sock: Path, encoding: str) -> None:
+    status, headers, raw = call(sock, "POST", "/v1/jobs", b'{"prompt": "x"}',
+                                {"Content-Type": "application/json", "Content-Encoding": encoding})
+    err = refused(status, headers, raw, None)
+    assert encoding.split(",")[0] in err["message"] and "uncompressed" in err["message"], err
+
+
+def test_a_compressed_body_that_inflates_past_the_limit_is_a_413(sock: Path) -> None:
+    import gzip
+
+    bomb = gzip.compress(b'{"prompt": "' + b"a" * (64 << 20) + b'"}')  # 64 MiB inflated, about 64 KiB sent
+    status, headers, raw = call(sock, "POST", "/v1/jobs", bomb,
+                                {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 413 and headers.get("content-type", "").startswith("application/json"), (status, raw[:200])
+
+
 @pytest.mark.parametrize("name", [b"pro\xffmpt", b"\xff", b"image\xfe", b"\xc3"])
 def test_an_edit_form_field_name_that_is_not_utf8_is_a_400(sock: Path, name: bytes) -> None:
     form, headers_out = multipart([*EDIT_TEXT, (name, b"v", False), (b"image", PNG_64, True)])

@@ -118,8 +118,9 @@ def known_inputs(ctx: Ctx) -> dict[str, tuple[Req, set[int]]]:
         "png-bomb-form": (_edit_form((b"prompt", b"x"), image=corpus["png-bomb"]), {400, 413}),
         "dds-unknown-format": (_job({"prompt": "x", "image": fuzzkit.as_base64(corpus["dds-fourcc-flag"], 0)}),
                                {400}),
+        # a LAB mask is read by its lightness (core/images.py converts every mode it accepts): taken, or refused
         "lab-tiff-mask": (_job({"prompt": "x", "image": fuzzkit.as_base64(corpus["png-rgb"], 0),
-                                "mask": fuzzkit.as_base64(corpus["tiff-lab"], 0)}), {400}),
+                                "mask": fuzzkit.as_base64(corpus["tiff-lab"], 0)}), {202, 400}),
         "spider-not-an-allowed-format": (_job({"prompt": "x", "image": fuzzkit.as_base64(corpus["spider-rgb"], 0)}),
                                          {400}),
         "image-path-nul": (_job({"prompt": "x", "image_path": "png-rgb\x00"}), {400}),

@@ -120,7 +120,8 @@ async def run(config: DaemonConfig) -> int:
     engine = Engine(config, store=store)
     web_address = WebAddress()
     app = create_app(engine, token=token if config.tcp else None, web_address=web_address)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5,
+                           auto_decompress=False)  # bodies.py decodes, within its limits
     web_runner: web.AppRunner | None = None
     created_socket: str | None = None
     watchdog_task: asyncio.Future[None] | None = None
@@ -219,7 +220,7 @@ async def _start_web(engine: Engine, address: str, token: str | None,
                            "choose another port with --web HOST:PORT") from None
     token = token or secrets.token_urlsafe(32)
     runner = web.AppRunner(create_web_app(engine, token=token, listen_host=host), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=5)
+                           access_log=None, shutdown_timeout=5, auto_decompress=False)
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import zlib
 from typing import Any
 
 import aiohttp
@@ -24,9 +25,17 @@ from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.edge import requests
 from diffusiond.daemon.errors import UploadTooLarge
 
+ENCODINGS = ("gzip", "x-gzip", "deflate")
+"""The Content-Encodings a body may come in. The server is started with ``auto_decompress=False``
+(daemon/server.py): aiohttp's own decoding answers an encoding it lacks a library for (br, zstd)
+with a plain-text 400 from its parser and bounds nothing after decompression; here every refusal
+is the JSON shape, and the decompressed bytes are held to the same limit as a plain body."""
+
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, refused with 413 as soon as it passes ``limit`` bytes (never buffered past it)."""
+    """The whole body, refused with 413 as soon as it passes ``limit`` bytes (never buffered past it),
+    decompressed (and still held to ``limit``) when its Content-Encoding says so."""
+    encoding = _encoding(request)
     if request.content_length is not None and request.content_length > limit:
         raise too_large(request.content_length, limit)
     chunks: list[bytes] = []
@@ -39,7 +48,41 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             chunks.append(chunk)
     except (RequestPayloadError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:
         raise unreadable(request, exc) from None
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    return body if encoding is None else _decompress(request, body, encoding, limit)
+
+
+def _encoding(request: web.Request) -> str | None:
+    """The body's Content-Encoding, one of ``ENCODINGS``, or None for a plain body; any other a 400."""
+    raw = request.headers.getall("Content-Encoding", [])
+    names = [n.strip().lower() for v in raw for n in v.split(",") if n.strip() and n.strip().lower() != "identity"]
+    if not names:
+        return None
+    if len(names) > 1 or names[0] not in ENCODINGS:
+        shown = ", ".join(names)[:60]
+        raise errors.invalid(f"Content-Encoding {shown!r} is not accepted; send the body uncompressed, or "
+                             f"compressed once with {' or '.join(ENCODINGS[::2])}")
+    return names[0]
+
+
+def _decompress(request: web.Request, body: bytes, encoding: str, limit: int) -> bytes:
+    # gzip: the gzip header (wbits 16+); deflate: zlib-wrapped as HTTP says, or raw as some clients send
+    tries = (31,) if encoding in ("gzip", "x-gzip") else (15, -15)
+    last: Exception | None = None
+    for wbits in tries:
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(body, limit + 1)
+        except zlib.error as exc:
+            last = exc
+            continue
+        if len(out) > limit or d.unconsumed_tail:
+            raise too_large(limit + 1, limit)
+        if not d.eof:
+            last = zlib.error("the compressed data ends early")
+            continue
+        return out
+    raise unreadable(request, last or zlib.error("not compressed data"))
 
 
 def unreadable(request: web.Request, exc: BaseException) -> errors.InvalidRequest:
@@ -95,6 +138,9 @@ async def read_edit_form(
                              f"{request.content_type or 'no content type'!r}")
     if request.content_length is not None and request.content_length > limit:
         raise too_large(request.content_length, limit)
+    if _encoding(request) is not None:
+        raise errors.invalid("send the edit's multipart form uncompressed (no Content-Encoding): its images "
+                             "are compressed already")
     text: list[tuple[str, str]] = []
     images: list[tuple[str, bytes]] = []
     mask: bytes | None = None

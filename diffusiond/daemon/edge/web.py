@@ -105,6 +105,18 @@ async def page(request: web.Request) -> web.FileResponse:
     return web.FileResponse(PAGE_DIR / "index.html", headers={"Cache-Control": "no-store"})
 
 
+# The page's files, named: a path from the request never reaches the file system (aiohttp's static
+# route resolved any name it was given, and a name past the file system's length limit was a 500).
+STATIC = {p.name: p for p in PAGE_DIR.iterdir() if p.suffix in (".html", ".js", ".css", ".svg")}
+
+
+async def static(request: web.Request) -> web.FileResponse:
+    path = STATIC.get(request.match_info["name"])
+    if path is None:
+        raise web.HTTPNotFound()
+    return web.FileResponse(path)
+
+
 async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
     response.headers.update(SECURITY_HEADERS)
 
@@ -119,5 +131,5 @@ def create_web_app(engine: Engine, *, token: str, listen_host: str) -> web.Appli
     add_api_routes(app)
     app.router.add_get("/v1/admin/web", admin_web)  # a 403 here (docs/api.md): the URL is for the Unix socket only
     app.router.add_get("/", page)
-    app.router.add_static("/static", PAGE_DIR, follow_symlinks=False)
+    app.router.add_get("/static/{name:.*}", static)
     return app
