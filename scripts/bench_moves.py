@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--pageable", type=int, default=1, help="also time module.to() both ways (1 round)")
     ap.add_argument("--json", metavar="OUT")
     a = ap.parse_args()
-    pipe: Any = load_pipeline(f"{a.preset}:save=0", device="cuda", dtype=a.dtype)
+    pipe: Any = load_pipeline(f"{a.preset},save=0", device="cuda", dtype=a.dtype)
     from diffusiond.pipelines.base import weight_bytes
 
     nbytes = weight_bytes(pipe)
