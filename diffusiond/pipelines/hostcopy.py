@@ -1,10 +1,13 @@
 """A model's weights between its device and page-locked host memory, at the bus's speed.
 
 ``module.to("cpu")`` copies each tensor into fresh pageable memory, one blocking copy after another:
-about 1.5 GB/s on the H200's host, 26 s for SDXL and FLUX together. Here each tensor gets one
-page-locked (pinned) host buffer the first time the model leaves its device, kept for the model's
-life and reused by every later move, so a move is one asynchronous copy per tensor on a side stream
-and a single wait at the end; pinned memory is what lets the copy engine run at PCIe/NVLink speed.
+about 1.5 GB/s on the H200's host, 26 s for SDXL and FLUX together. Here the first time a model
+leaves its device its weights get one host block, registered with CUDA once (page-locked, as the
+output arena is: ``ipc/cuda_host.py``) and carved into a view per tensor; the block is kept for the
+model's life and reused by every later move, so a move is one asynchronous copy per tensor on a
+side stream and a single wait at the end, at the copy engine's speed. One block registered, not a
+pinned allocation per tensor: torch's pinned allocator rounds each allocation up to a power of two
+and pins tensor by tensor, which made a first move of FLUX take 40 s on the H200.
 The weights exist once in host memory (the pinned buffers), whether the model is on its device or
 not; the device copy is allocated again on each return, so leaving frees the device for real.
 
@@ -17,6 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
+from diffusiond.ipc import cuda_host
+
+ALIGN = 512  # every view starts on this boundary: any dtype's view of the block is aligned
 
 
 def _tensors(modules: list[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
@@ -40,8 +47,27 @@ class HostCopy:
     def __init__(self, modules: list[torch.nn.Module], device: torch.device) -> None:
         self.modules = modules
         self.device = device
-        self._pinned: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its pinned host buffer
+        self._pinned: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its view of the host block
+        self._blocks: list[torch.Tensor] = []  # kept alive (and registered) for the model's life
         self.nbytes = 0
+
+    def _carve(self, tensors: list[torch.Tensor]) -> None:
+        """One host block for every tensor still without one, registered with CUDA; a view each."""
+        todo = [t for t in tensors if id(t) not in self._pinned]
+        if not todo:
+            return
+        offsets, total = [], 0
+        for t in todo:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        block = torch.empty(total, dtype=torch.uint8)
+        if self.device.type == "cuda":
+            cuda_host.register(block.data_ptr(), total)
+        for t, off in zip(todo, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            self._pinned[id(t)] = block[off:off + n].view(t.dtype).view(t.shape)
+        self._blocks.append(block)
+        self.nbytes += total
 
     def leave(self) -> None:
         """Device -> pinned host; the device memory is given back to the allocator."""
@@ -50,14 +76,10 @@ class HostCopy:
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))  # the last forward is done with them
-            for owner, name, t, is_param in _tensors(self.modules):
-                if t.device.type == "cpu":
-                    continue
-                host = self._pinned.get(id(t))
-                if host is None:
-                    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=stream is not None)
-                    self._pinned[id(t)] = host
-                    self.nbytes += host.numel() * host.element_size()
+            on_device = [(o, n, t, p) for o, n, t, p in _tensors(self.modules) if t.device.type != "cpu"]
+            self._carve([t for _, _, t, _ in on_device])
+            for owner, name, t, is_param in on_device:
+                host = self._pinned[id(t)]
                 host.copy_(t.detach(), non_blocking=True)
                 moved.append((owner, name, t, is_param, host))
         if stream is not None:
