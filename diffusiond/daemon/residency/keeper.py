@@ -31,6 +31,7 @@ from diffusiond.daemon.residency.decisions import (
     Fits,
     ModelStatus,
     Move,
+    OomRetry,
     TooLarge,
     Wait,
 )
@@ -141,6 +142,19 @@ class Keeper:
     def worker_lost(self, name: str, reason: str) -> None:
         if self.known(name) and name not in self.moving:
             self.policy.worker_died([name], reason)
+
+    def on_oom(self, name: str, shape: Shape) -> None:
+        """A worker ran out of memory running ``shape`` and retries (worker/compute.py): the idle models
+        on its device leave (``policy.on_oom``), so the retry's halves and the jobs after find room.
+        The worker does not wait for them: a job's retry costs no round trip to the engine."""
+        if not self.known(name):
+            return
+        decision = self.policy.on_oom(name, shape, 0)
+        log.warning("%s: %s", name, decision.reason)
+        for move in decision.moves if isinstance(decision, OomRetry) else ():
+            model = self.pool.models.get(move.model)
+            if model is not None:
+                self._start(self._move(model, move))
 
     # what the engine asks ---------------------------------------------------------------------------
     def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
