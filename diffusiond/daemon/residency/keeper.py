@@ -36,6 +36,7 @@ from diffusiond.daemon.residency.decisions import (
     Wait,
 )
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
+from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
@@ -52,7 +53,7 @@ def shape_of(width: int, height: int, batch: int, frames: int | None) -> Shape:
 
 class Keeper:
     def __init__(self, config: DaemonConfig, pool: WorkerPool, metrics: Metrics, *,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], read_free: FreeReader | None = None) -> None:
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
@@ -61,14 +62,28 @@ class Keeper:
         self.moving: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None
         self._moves: set[asyncio.Task[None]] = set()
+        self.read_free = read_free  # tests: a fake NVML; None: NVML itself (residency/pressure.py)
+        self.pressure: PressureWatch | None = None
+        self._watch: asyncio.Task[None] | None = None
 
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
         self._expiry = asyncio.ensure_future(self._expire_forever())
+        gpus = [m.config.devices[0] for m in self.pool.models.values() if m.config.devices[0].startswith("cuda")]
+        if gpus:  # other programs come first: watch the GPUs' real free memory
+            self.pressure = PressureWatch(self.policy, gpus, self.config.reserve_memory_bytes,
+                                          move=self._pressure_move, on_change=self.on_change, read=self.read_free)
+            self._watch = asyncio.ensure_future(self.pressure.run())
 
     def stop(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
+        for task in (self._expiry, self._watch):
+            if task is not None:
+                task.cancel()
+
+    def _pressure_move(self, move: Move) -> None:
+        model = self.pool.models.get(move.model)
+        if model is not None and move.model not in self.moving:
+            self._start(self._move(model, move))
 
     async def preload(self) -> None:
         """Start the models' workers. Without a budget, all at once (as before residency). With one,
