@@ -99,7 +99,7 @@ def test_while_memory_is_short_new_jobs_wait_and_go_on_when_it_is_back() -> None
 def test_memory_freed_without_a_wait_also_dispatches() -> None:
     """A job may wait on headroom (its model needs more than is free beyond the reserve) without any
     deficit: when free memory grows, the engine dispatches again."""
-    r, f, watch = _room()
+    _r, f, watch = _room()
     f.free = {1: 5 * G, 0: 40 * G}
     watch.poll()
     assert f.dispatches == 0
@@ -109,7 +109,7 @@ def test_memory_freed_without_a_wait_also_dispatches() -> None:
 
 
 def test_a_device_nvml_cannot_read_is_logged_once_and_the_others_are_watched(caplog: pytest.LogCaptureFixture) -> None:
-    r, f, watch = _room()
+    _r, _f, watch = _room()
 
     def read(ident: int | str) -> int:
         if ident == 1:
@@ -129,7 +129,7 @@ async def test_without_nvml_the_watch_says_so_once_and_does_nothing(monkeypatch:
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(pressure.importlib, "import_module", missing)
-    r, f, watch = _room()
+    _r, f, watch = _room()
     watch.read = None
     with caplog.at_level(logging.INFO):
         await asyncio.wait_for(watch.run(interval_s=0.01), 1)  # returns: nothing to watch with

@@ -64,6 +64,7 @@ class Keeper:
         self._moves: set[asyncio.Task[None]] = set()
         self.read_free = read_free  # tests: a fake NVML; None: NVML itself (residency/pressure.py)
         self.pressure: PressureWatch | None = None
+        self._held: dict[str, str] = {}  # model -> the stage of the policy's last Wait for it
         self._watch: asyncio.Task[None] | None = None
 
     # what the engine tells ------------------------------------------------------------------------
@@ -182,6 +183,7 @@ class Keeper:
         plan = self.policy.plan(name, shape)
         if isinstance(plan, Fits):
             if plan.load_from is None:
+                self._held.pop(name, None)
                 return True
             self._start(self._load(model, plan.load_from, plan.reason))
         elif isinstance(plan, Evict):
@@ -189,10 +191,16 @@ class Keeper:
                 self._start(self._move(self.pool.models[move.model], move))
         elif isinstance(plan, Wait):
             log.debug("%s waits: %s", name, plan.reason)
+            self._held[name] = plan.stage
+            return False
+        self._held.pop(name, None)
         return False
 
     def why_waiting(self, name: str) -> str:
-        """The stage a queued job of ``name`` shows while residency holds it back."""
+        """The stage a queued job of ``name`` shows while residency holds it back: the policy's own word
+        when it said wait (a model off its device that waits for memory, not for its load), else by tier."""
+        if name in self._held and name not in self.moving:
+            return self._held[name]
         if name in self.moving or (self.known(name) and self.policy.tier(name) in ("host", "disk", "loading")):
             return LOADING
         return WAITING_FOR_MEMORY
