@@ -136,3 +136,20 @@ async def test_without_nvml_the_watch_says_so_once_and_does_nothing(monkeypatch:
     assert any("NVML is missing" in rec.getMessage() and "diffusiond[gpu]" in rec.getMessage()
                for rec in caplog.records)
     assert f.moves == []
+
+
+def test_reserve_memory_defaults_to_a_gib_and_takes_a_size_not_a_fraction() -> None:
+    from diffusiond.daemon.config import ConfigError, DaemonConfig, ModelConfig
+
+    models = (ModelConfig(name="tiny", spec="tiny"),)
+    assert DaemonConfig(models=models).validate().reserve_memory_bytes == G
+    assert DaemonConfig(models=models, reserve_memory="2GiB").validate().reserve_memory_bytes == 2 * G
+    with pytest.raises(ConfigError, match="reserve_memory"):
+        DaemonConfig(models=models, reserve_memory="0.5").validate()
+
+
+def test_pressure_and_oom_evictions_have_their_own_metric_labels() -> None:
+    from diffusiond.daemon.residency.keeper import _reason_label
+
+    assert _reason_label("other programs need the memory: 0 B free on cuda:0, reserve 1.0 GiB") == "pressure"
+    assert _reason_label("a ran out of memory at 64x64, batch 1") == "oom"

@@ -293,7 +293,7 @@ class Keeper:
 def _reason_label(reason: str) -> str:
     """A bounded label for the evictions metric (the reason text itself is for the log)."""
     for word, label in (("keep", "keep_alive"), ("room", "room"), ("hand", "by_hand"), ("pressure", "pressure"),
-                        ("sleep", "sleep")):
+                        ("other programs", "pressure"), ("ran out of memory", "oom"), ("sleep", "sleep")):
         if word in reason:
             return label
     return "other"
