@@ -56,6 +56,7 @@ SERVE_FIELDS = (
     "preview_decoder",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin",
+    "reserve_memory",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -209,6 +210,8 @@ def _add_serve(sub: Any) -> None:
     add("--device-memory", metavar="SIZE",
         help="what models on one device may take (e.g. 20GiB); idle models leave to make room (default: no bound)")
     add("--host-memory", metavar="SIZE", help="weights kept in host memory off their devices (default: no bound)")
+    add("--reserve-memory", metavar="SIZE",
+        help="free memory left to other programs on each GPU: below it idle models leave and new jobs wait (1GiB)")
     add("--pin", action="append", metavar="NAME", help="this model never leaves its device for another; repeatable")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)

@@ -226,6 +226,7 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"
     WORKER_LOST = "worker_lost"
     GENERATION_FAILED = "generation_failed"
+    OUT_OF_MEMORY = "out_of_memory"  # the forward ran out of memory, also when retried (in halves); the daemon goes on
     OUTPUT_FAILED = "output_failed"
     # diffusiond on Ray Serve (diffusiond.ray): the replica that holds a job
     REPLICA_GONE = "replica_gone"  # 410: the replica that held the job no longer exists

@@ -202,3 +202,28 @@ def test_previews_appear_while_tiny_denoises(page: Any, web_daemon: Daemon) -> N
     assert page.is_visible("#preview")
     page.wait_for_selector('#status[data-status="succeeded"]')
     shot(page, "web-page-preview")
+
+
+def test_the_residency_panel_shows_what_is_where_and_follows_a_move(page: Any, web_daemon: Daemon) -> None:
+    """Each model's row: device, residency, bytes, keep-alive, pinned, queued/running; refreshed every
+    few seconds from GET /v1/models, so a model unloaded by hand shows as off its device by itself."""
+    rows = page.locator("#residency-rows tr")
+    assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.model)")) == ["hold", "tiny"]
+    tiny = '#residency-rows tr[data-model="tiny"]'
+    page.wait_for_selector(f'{tiny}[data-residency="device"]')
+    assert page.inner_text(f"{tiny} .device").endswith("iB"), "tiny's weights are on its device"
+    assert page.inner_text(f"{tiny} .until") not in ("", "—")  # the default keep-alive: a time
+    assert page.inner_text(f"{tiny} .pinned") == ""
+    assert page.inner_text(f"{tiny} .queued") == "0" and page.inner_text(f"{tiny} .running") == "0"
+    def post(path: str) -> int:  # a move may take longer than over_socket's 5 s (a load starts a worker)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(web_daemon.socket)), base_url="http://diffusiond",
+                          timeout=120) as c:
+            return c.post(path).status_code
+
+    assert post("/v1/models/tiny/unload") == 200
+    try:
+        page.wait_for_selector(f'{tiny}[data-residency="disk"]', timeout=15_000)  # within a refresh or two
+        assert page.inner_text(f"{tiny} .device") == "0" and page.inner_text(f"{tiny} .until") == "—"
+        shot(page, "web-page-residency")
+    finally:
+        assert post("/v1/models/tiny/load") == 200

@@ -156,12 +156,19 @@ class DaemonConfig:
     device_memory: str | None = None  # a size (8GiB) or a fraction of the device (0.8); None: no budget
     host_memory: str | None = None  # weights kept in host memory off their devices; None: no bound
     pin: tuple[str, ...] = ()
+    # Free memory kept for other programs on each GPU (residency/pressure.py); None: 1 GiB.
+    reserve_memory: str | None = None
 
     @property
     def device_memory_bytes(self) -> int:
         """The budget of each device. A fraction needs the device's total, which the engine does not
         measure yet: it is refused in ``validate`` until it does."""
         return _bytes(self.device_memory)
+
+    @property
+    def reserve_memory_bytes(self) -> int:
+        """What the pressure watch keeps free on each GPU: other programs come first (1 GiB by default)."""
+        return 1 << 30 if self.reserve_memory is None else parse_size(self.reserve_memory).resolve(None)
 
     @property
     def host_memory_bytes(self) -> int:
@@ -235,7 +242,7 @@ class DaemonConfig:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
             parse_host_port(self.web, "--web")
-        for name in ("device_memory", "host_memory"):
+        for name in ("device_memory", "host_memory", "reserve_memory"):
             value = getattr(self, name)
             if value is not None:
                 try:

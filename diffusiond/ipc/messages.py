@@ -244,6 +244,9 @@ class Progress(msgspec.Struct, frozen=True):
     total: int
     # The batch's shape is new to a compiled model: the worker is compiling it (stage ``compiling``).
     compiling: bool = False
+    # The forward ran out of memory and runs again (in halves, for a batch): the engine may send idle
+    # models on this device away meanwhile (residency's on_oom).
+    oom_retry: bool = False
 
 
 class OutputReady(msgspec.Struct, frozen=True):
@@ -265,6 +268,7 @@ class RequestEnded(msgspec.Struct, frozen=True):
     status: EndStatus
     message: str
     stage: str
+    code: str = ""  # a protocol.ErrorCode for the job's error (out_of_memory); empty: generation_failed
 
 
 class TraceEvent(msgspec.Struct, frozen=True, array_like=True):

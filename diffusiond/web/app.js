@@ -157,6 +157,7 @@ function readImage() {
 async function loadModels() {
   const list = await api("GET", "/v1/models");
   state.models = list.data || [];
+  showResidency(state.models);
   $("model").replaceChildren(...state.models.map((m) =>
     el("option", { value: m.id, textContent: `${m.id} (${m.task}${m.state === "ready" ? "" : ", " + m.state})` })));
   modelChanged();
@@ -349,6 +350,48 @@ async function refreshGallery() {
   }
 }
 
+// what is where: the residency panel ----------------------------------------------------------
+
+const RESIDENCY_EVERY_MS = 3000;
+
+function formatBytes(n) {
+  if (!n) return "0";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let k = 0;
+  while (n >= 1024 && k < units.length - 1) { n /= 1024; k += 1; }
+  return `${k === 0 ? n : n.toFixed(1)} ${units[k]}`;
+}
+
+function keptUntil(m) {
+  if (m.keep_alive_forever) return "forever";
+  if (m.keep_alive_until === null || m.keep_alive_until === undefined) return "—";
+  const left = Math.max(0, Math.round(m.keep_alive_until - Date.now() / 1000));
+  const at = new Date(m.keep_alive_until * 1000).toLocaleTimeString();
+  return `${at} (in ${left >= 120 ? Math.round(left / 60) + " min" : left + " s"})`;
+}
+
+function showResidency(models) {
+  $("residency-rows").replaceChildren(...models.map((m) => {
+    const cell = (text, cls) => el("td", { textContent: String(text), className: cls || "" });
+    const row = el("tr", { title: m.residency_reason || "" },
+      cell(m.id), cell(m.device), cell(m.residency || "?", "where"), cell(formatBytes(m.device_bytes), "num device"),
+      cell(formatBytes(m.host_bytes), "num host"), cell(keptUntil(m), "until"), cell(m.pinned ? "pinned" : "", "pinned"),
+      cell(m.queued || 0, "num queued"), cell(m.running || 0, "num running"));
+    row.dataset.model = m.id;
+    row.dataset.residency = m.residency || "";
+    return row;
+  }));
+  $("residency-updated").textContent = `· ${new Date().toLocaleTimeString()}`;
+}
+
+async function refreshResidency() {
+  try {
+    showResidency((await api("GET", "/v1/models")).data || []);
+  } catch (err) {
+    $("residency-updated").textContent = err.status === 401 ? "" : `· not updated: ${err.message}`;
+  }
+}
+
 // start ----------------------------------------------------------------------------------------
 
 async function start() {
@@ -371,6 +414,7 @@ async function start() {
     return;
   }
   await Promise.all([loadHealth(), loadLoras(), refreshGallery()]);
+  setInterval(refreshResidency, RESIDENCY_EVERY_MS);
   document.body.dataset.ready = "true";
 }
 

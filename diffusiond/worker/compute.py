@@ -42,6 +42,7 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
+from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.state import SharedState
@@ -77,6 +78,14 @@ def is_fatal(exc: BaseException) -> bool:
 _FATAL_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure", "ECC error")
 
 
+def is_oom(exc: BaseException) -> bool:
+    """Out of memory: CUDA's allocator (``torch.OutOfMemoryError``), Python's own, or torch's CPU
+    allocator, which raises a plain RuntimeError naming itself. A job's problem, never the process's."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
 def close_fds(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -98,6 +107,7 @@ class ComputeThread:
         adapters: Adapters | None = None,
         warmup: Sequence[WarmupShape] = (),
         on_ready: Callable[[], None] | None = None,
+        before_forward: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.adapters = adapters
@@ -110,6 +120,8 @@ class ComputeThread:
         self.on_exit = on_exit
         self.warmup = list(warmup)
         self.on_ready = on_ready
+        self.before_forward = before_forward  # tests only (worker/faults.py): e.g. an injected out-of-memory
+        self._ended: set[str] = set()  # the current batch's requests already ended: each ends exactly once
         self.cuda = pipeline.device.type == "cuda"
         self.profiler = profile.from_env()
         self.queue: queue.Queue[Execute | Edit | Control | AddLora] = queue.Queue()
@@ -165,6 +177,7 @@ class ComputeThread:
                      time.perf_counter() - t0)
 
     def _execute(self, batch: Execute, fds: list[int]) -> None:
+        self._ended.clear()
         live = [r for r in batch.requests if not self.state.is_cancelled(r.request_id)]
         for r in batch.requests:
             if r not in live:
@@ -197,11 +210,27 @@ class ComputeThread:
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
             return not self.state.all_cancelled(live_ids)
 
-        def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
-            """Inside the denoising loop: launches only (worker/previews.py says why on this thread)."""
-            for k, picture in pictures:
-                if k < len(live):  # beyond: a pipeline's padding, not a request
-                    previews.offer(batch.batch_id, live[k].request_id, step, total, picture)
+        def sink_for(requests: list[RequestSpec]) -> Callable[[int, int, list[tuple[int, torch.Tensor]]], None]:
+            def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
+                """Inside the denoising loop: launches only (worker/previews.py says why on this thread)."""
+                for k, picture in pictures:
+                    if k < len(requests):  # beyond: a pipeline's padding, not a request
+                        previews.offer(batch.batch_id, requests[k].request_id, step, total, picture)
+            return on_preview
+
+        def forward(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
+            if self.before_forward is not None:
+                self.before_forward()
+            every = min((r.preview_every for r in requests if r.preview_every), default=0)
+            profiled = self.profiler.forward(batch.batch_id, every) if self.profiler else contextlib.nullcontext()
+            # inference_mode: no autograd bookkeeping, so less host time per kernel launch
+            with torch.inference_mode(), profiled:
+                sink = sink_for(requests) if every else None
+                if batch.params.edit is None:
+                    return self.pipeline.run(batch.params, requests, on_step, sink)
+                if isinstance(self.pipeline, EditingPipeline):
+                    return self.pipeline.edit(batch.params, requests, arrays, on_step, sink)
+                raise PipelineError(f"model {self.pipeline.name} cannot do {batch.params.edit}")
 
         will_compile = getattr(self.pipeline, "will_compile", None)
         if will_compile is not None and will_compile(batch.params, len(live)):
@@ -211,25 +240,10 @@ class ComputeThread:
         t0 = time.perf_counter()
         try:
             self.activate_loras(batch.params.loras)
-            every = min((r.preview_every for r in live if r.preview_every), default=0)
-            profiled = self.profiler.forward(batch.batch_id, every) if self.profiler else contextlib.nullcontext()
-            # inference_mode: no autograd bookkeeping, so less host time per kernel launch
-            with torch.inference_mode(), profiled:
-                sink = on_preview if every else None
-                if batch.params.edit is None:
-                    outputs = self.pipeline.run(batch.params, live, on_step, sink)
-                elif isinstance(self.pipeline, EditingPipeline):
-                    outputs = self.pipeline.edit(batch.params, live, inputs, on_step, sink)
-                else:
-                    raise PipelineError(f"model {self.pipeline.name} cannot do {batch.params.edit}")
+            live, outputs = self._run_or_retry(batch, live, inputs, forward)
         except Interrupted as exc:
             for rid in live_ids:
                 self._end(batch.batch_id, rid, "cancelled", f"cancelled during compute ({exc})")
-            return
-        except torch.OutOfMemoryError as exc:
-            if self.cuda:
-                torch.cuda.empty_cache()
-            self._fail_all(batch.batch_id, live_ids, f"out of device memory: {exc}")
             return
         except Exception as exc:
             if is_fatal(exc):
@@ -239,6 +253,8 @@ class ComputeThread:
             return
         finally:
             self.copier.submit_previews()  # ahead of the outputs' CopyJob
+        if not live:  # every part ran out of memory; each request has ended with out_of_memory
+            return
         self.state.record_gpu("compute_end", batch.batch_id)
         event = None
         if self.cuda:
@@ -252,6 +268,59 @@ class ComputeThread:
             self.copier.process(job)
         else:
             self.copier.submit(job)
+
+    def _run_or_retry(
+        self, batch: Execute, live: list[RequestSpec], inputs: list[EditArrays],
+        forward: Callable[[list[RequestSpec], list[EditArrays]], list[torch.Tensor]],
+    ) -> tuple[list[RequestSpec], list[torch.Tensor]]:
+        """The batch's forward; out of memory, once more after emptying the allocator's cache, as two
+        halves when it holds more than one request (seeds are per request, so a half gives what it
+        would alone). What still runs out fails with ``out_of_memory``; the rest goes on. Returns the
+        requests that have outputs, and those outputs. The engine hears of the retry (``oom_retry``)
+        and sends idle models on this device away; the retry does not wait for that (the other
+        models' workers are other processes): it helps the halves and the jobs after."""
+        try:
+            return live, forward(live, inputs)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            first = exc
+        self._empty_cache()
+        split = len(live) > 1
+        log.warning("batch %d (%s) ran out of memory; retrying%s: %s", batch.batch_id, _shape(batch, len(live)),
+                    " as two halves" if split else "", _first_line(first))
+        self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, oom_retry=True))
+        mid = (len(live) + 1) // 2
+        parts = [(live[:mid], inputs[:mid]), (live[mid:], inputs[mid:])] if split else [(live, inputs)]
+        done: list[RequestSpec] = []
+        outputs: list[torch.Tensor] = []
+        for requests, arrays in parts:
+            try:
+                outputs.extend(forward(requests, arrays))
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                self._empty_cache()
+                message = self._oom_message(batch, len(live), len(requests) if split else 0, exc)
+                log.warning("batch %d: %s", batch.batch_id, message)
+                for r in requests:
+                    self._end(batch.batch_id, r.request_id, "failed", message, code=ErrorCode.OUT_OF_MEMORY)
+                continue
+            done.extend(requests)
+        return done, outputs
+
+    def _empty_cache(self) -> None:
+        """Give the allocator's cached blocks back, so the retry starts from what is really in use."""
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def _oom_message(self, batch: Execute, size: int, part: int, exc: BaseException) -> str:
+        where = f" (this half: {part})" if part else ""
+        return (f"out of memory running {self.pipeline.name} on {self.pipeline.device} at "
+                f"{_shape(batch, size)}{where}, even after emptying the allocator's cache and retrying"
+                f"{' the batch in halves' if part else ''}: {_first_line(exc)}. What would help: a smaller size, "
+                "fewer frames or a smaller batch (--max-batch), fewer models or other programs on the device "
+                "(--device-memory), or CPU offloading where the model supports it")
 
     def activate_loras(self, loras: tuple[LoraRef, ...]) -> None:
         """The batch's LoRA adapters, and only those, act on its forward (none: the base model).
@@ -304,6 +373,22 @@ class ComputeThread:
         for rid in request_ids:
             self._end(batch_id, rid, "failed", message)
 
-    def _end(self, batch_id: int, request_id: str, status: EndStatus, message: str) -> None:
+    def _end(self, batch_id: int, request_id: str, status: EndStatus, message: str, code: str = "") -> None:
+        if request_id in self._ended:  # ended by the out-of-memory path already: once only
+            return
+        self._ended.add(request_id)
         self.state.finish(request_id)
-        self.post(RequestEnded(request_id, batch_id, status, message, "computing"))
+        self.post(RequestEnded(request_id, batch_id, status, message, "computing", code=code))
+
+
+def _shape(batch: Execute, size: int) -> str:
+    """What a person reads in an out-of-memory message: WxH, frames where a video, the batch."""
+    p = batch.params
+    frames = f", {p.num_frames} frames" if p.num_frames else ""
+    return f"{p.width}x{p.height}{frames}, batch of {size}"
+
+
+def _first_line(exc: BaseException) -> str:
+    """torch's out-of-memory text runs to a paragraph of allocator advice; its first sentence says enough."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

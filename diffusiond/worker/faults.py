@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -36,6 +37,10 @@ class Faults:
     ``fail_copy``: every copy raises. ``exit_in_copy``: the process dies mid-copy.
     ``fail_start``: start-up fails after the model loaded (the worker must report it as FATAL).
     ``load_delay_ms=N``: loading the model takes N ms longer (a daemon that is slow to get ready).
+    ``oom=N``: the first N forwards run out of memory (``torch.OutOfMemoryError`` on a GPU,
+    ``MemoryError`` on a CPU) before they start: the out-of-memory retry, without a huge allocation.
+    ``memory_fraction=F``: the worker's CUDA allocator may take only F of the device
+    (``torch.cuda.set_per_process_memory_fraction``), so a large size really runs out of memory.
     ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
     outgoing frame of that kind on the wire.
     """
@@ -46,6 +51,8 @@ class Faults:
     exit_in_copy: bool = False
     fail_start: bool = False
     load_delay_ms: int = 0
+    oom: int = 0
+    memory_fraction: float = 0.0
     frame: tuple[str, Kind] | None = None
 
     @classmethod
@@ -65,6 +72,10 @@ class Faults:
                 f.fail_start = True
             elif key == "load_delay_ms":
                 f.load_delay_ms = int(value)
+            elif key == "oom":
+                f.oom = int(value)
+            elif key == "memory_fraction":
+                f.memory_fraction = float(value)
             elif key in FRAME_FAULTS:
                 try:
                     f.frame = (key, Kind[value.upper()])
@@ -73,6 +84,21 @@ class Faults:
             else:
                 raise ValueError(f"unknown fault {key!r}")
         return f
+
+
+def forward_fault(faults: Faults | None, cuda: bool) -> Callable[[], None] | None:
+    """The compute thread's hook before each forward (``oom=N``), or None when no forward fault is set."""
+    if faults is None or not faults.oom:
+        return None
+    left = [faults.oom]
+
+    def before_forward() -> None:
+        if left[0] > 0:
+            left[0] -= 1
+            error = torch.OutOfMemoryError if cuda else MemoryError
+            raise error(f"injected out of memory (fault oom={faults.oom}, {left[0]} more to come)")
+
+    return before_forward
 
 
 class FaultyCopier(Copier):

@@ -183,6 +183,8 @@ class Worker:
             import torch
 
             torch.cuda.set_device(torch.device(config.device))
+            if faults is not None and faults.memory_fraction:  # tests only: a real out-of-memory, on a big GPU
+                torch.cuda.set_per_process_memory_fraction(faults.memory_fraction)
         self.arena = Arena(
             config.arena_bytes, name=f"diffusiond-arena-w{config.worker_id}",
             on_map=cuda_host.register if is_cuda else None, on_unmap=cuda_host.unregister if is_cuda else None,
@@ -197,11 +199,14 @@ class Worker:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         post = self.channel.post_threadsafe
+        before_forward = None
         if faults is None:
             self.copier = Copier(self.arena, self.state, post, device=pipeline.device,
                                  slot_timeout_s=config.slot_timeout_s)
         else:
-            from diffusiond.worker.faults import FaultyCopier
+            from diffusiond.worker.faults import FaultyCopier, forward_fault
+
+            before_forward = forward_fault(faults, is_cuda)
 
             self.copier = FaultyCopier(self.arena, self.state, post, device=pipeline.device,
                                        slot_timeout_s=config.slot_timeout_s, faults=faults)
@@ -216,6 +221,7 @@ class Worker:
             on_exit=self.exit,
             adapters=adapters,
             warmup=config.warmup,
+            before_forward=before_forward,
             on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
                                         (time.perf_counter() - t0) * 1000,
                                         msgspec.structs.replace(pipeline.capabilities,

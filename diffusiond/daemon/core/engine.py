@@ -420,9 +420,9 @@ class Engine:
         elif isinstance(msg, RequestEnded):
             ended = self.items.get(msg.request_id)
             if ended is not None and not ended.job.terminal:
-                if msg.status == "failed":
-                    self._end(ended.job, JobStatus.FAILED, ErrorCode.GENERATION_FAILED,
-                              f"{msg.message} (on {worker.name})", stage=msg.stage)
+                if msg.status == "failed":  # the worker's code (out_of_memory) where it gave one
+                    code = ErrorCode(msg.code) if msg.code in set(ErrorCode) else ErrorCode.GENERATION_FAILED
+                    self._end(ended.job, JobStatus.FAILED, code, f"{msg.message} (on {worker.name})", stage=msg.stage)
                 else:  # the worker cancelled it on our behalf (only after we asked)
                     self._end(ended.job, JobStatus.CANCELLED, ErrorCode.CANCELLED, msg.message)
             self.flights.item_closed(msg.batch_id)

@@ -49,6 +49,7 @@ STATUS_OF_FAILURE: dict[str, int] = {
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.CANCELLED: 409,
     ErrorCode.INSUFFICIENT_STORAGE: 507,
+    ErrorCode.OUT_OF_MEMORY: 507,  # the request asked for more memory than the device had (WebDAV's "insufficient")
 }
 STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 

@@ -31,10 +31,12 @@ from diffusiond.daemon.residency.decisions import (
     Fits,
     ModelStatus,
     Move,
+    OomRetry,
     TooLarge,
     Wait,
 )
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
+from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
@@ -51,7 +53,7 @@ def shape_of(width: int, height: int, batch: int, frames: int | None) -> Shape:
 
 class Keeper:
     def __init__(self, config: DaemonConfig, pool: WorkerPool, metrics: Metrics, *,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], read_free: FreeReader | None = None) -> None:
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
@@ -60,14 +62,29 @@ class Keeper:
         self.moving: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None
         self._moves: set[asyncio.Task[None]] = set()
+        self.read_free = read_free  # tests: a fake NVML; None: NVML itself (residency/pressure.py)
+        self.pressure: PressureWatch | None = None
+        self._held: dict[str, str] = {}  # model -> the stage of the policy's last Wait for it
+        self._watch: asyncio.Task[None] | None = None
 
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
         self._expiry = asyncio.ensure_future(self._expire_forever())
+        gpus = [m.config.devices[0] for m in self.pool.models.values() if m.config.devices[0].startswith("cuda")]
+        if gpus:  # other programs come first: watch the GPUs' real free memory
+            self.pressure = PressureWatch(self.policy, gpus, self.config.reserve_memory_bytes,
+                                          move=self._pressure_move, on_change=self.on_change, read=self.read_free)
+            self._watch = asyncio.ensure_future(self.pressure.run())
 
     def stop(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
+        for task in (self._expiry, self._watch):
+            if task is not None:
+                task.cancel()
+
+    def _pressure_move(self, move: Move) -> None:
+        model = self.pool.models.get(move.model)
+        if model is not None and move.model not in self.moving:
+            self._start(self._move(model, move))
 
     async def preload(self) -> None:
         """Start the models' workers. Without a budget, all at once (as before residency). With one,
@@ -142,6 +159,19 @@ class Keeper:
         if self.known(name) and name not in self.moving:
             self.policy.worker_died([name], reason)
 
+    def on_oom(self, name: str, shape: Shape) -> None:
+        """A worker ran out of memory running ``shape`` and retries (worker/compute.py): the idle models
+        on its device leave (``policy.on_oom``), so the retry's halves and the jobs after find room.
+        The worker does not wait for them: a job's retry costs no round trip to the engine."""
+        if not self.known(name):
+            return
+        decision = self.policy.on_oom(name, shape, 0)
+        log.warning("%s: %s", name, decision.reason)
+        for move in decision.moves if isinstance(decision, OomRetry) else ():
+            model = self.pool.models.get(move.model)
+            if model is not None:
+                self._start(self._move(model, move))
+
     # what the engine asks ---------------------------------------------------------------------------
     def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
         """May ``model`` take a batch of ``shape`` now? If not, the moves that will let it are started."""
@@ -153,6 +183,7 @@ class Keeper:
         plan = self.policy.plan(name, shape)
         if isinstance(plan, Fits):
             if plan.load_from is None:
+                self._held.pop(name, None)
                 return True
             self._start(self._load(model, plan.load_from, plan.reason))
         elif isinstance(plan, Evict):
@@ -160,10 +191,16 @@ class Keeper:
                 self._start(self._move(self.pool.models[move.model], move))
         elif isinstance(plan, Wait):
             log.debug("%s waits: %s", name, plan.reason)
+            self._held[name] = plan.stage
+            return False
+        self._held.pop(name, None)
         return False
 
     def why_waiting(self, name: str) -> str:
-        """The stage a queued job of ``name`` shows while residency holds it back."""
+        """The stage a queued job of ``name`` shows while residency holds it back: the policy's own word
+        when it said wait (a model off its device that waits for memory, not for its load), else by tier."""
+        if name in self._held and name not in self.moving:
+            return self._held[name]
         if name in self.moving or (self.known(name) and self.policy.tier(name) in ("host", "disk", "loading")):
             return LOADING
         return WAITING_FOR_MEMORY
@@ -256,7 +293,7 @@ class Keeper:
 def _reason_label(reason: str) -> str:
     """A bounded label for the evictions metric (the reason text itself is for the log)."""
     for word, label in (("keep", "keep_alive"), ("room", "room"), ("hand", "by_hand"), ("pressure", "pressure"),
-                        ("sleep", "sleep")):
+                        ("other programs", "pressure"), ("ran out of memory", "oom"), ("sleep", "sleep")):
         if word in reason:
             return label
     return "other"
