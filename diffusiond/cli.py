@@ -55,7 +55,7 @@ SERVE_FIELDS = (
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
     "preview_decoder",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
-    "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin",
+    "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("socket", parents=[sock], help="print the socket path the other commands use "
                    "(--socket, $DIFFUSIOND_SOCKET, $XDG_RUNTIME_DIR/diffusiond, else /tmp/diffusiond-$UID)")
     from diffusiond.bench import add_parser as add_bench
+    from diffusiond.commands.fit import add_parser as add_fit
 
     add_bench(sub)
+    add_fit(sub)
     return parser
 
 
@@ -210,6 +212,9 @@ def _add_serve(sub: Any) -> None:
         help="what models on one device may take (e.g. 20GiB); idle models leave to make room (default: no bound)")
     add("--host-memory", metavar="SIZE", help="weights kept in host memory off their devices (default: no bound)")
     add("--pin", action="append", metavar="NAME", help="this model never leaves its device for another; repeatable")
+    add("--offload", choices=("none", "model", "group", "sequential", "auto"), metavar="MODE",
+        help="what of every model stays on its device: none, model, group (blocks streamed in), sequential, or "
+             "auto (the fastest that fits --device-memory, from the files' headers; see diffusiond fit)")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)
@@ -248,6 +253,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return serve(args)
+    if args.command == "fit":  # reads files, no daemon: headers only, no torch
+        from diffusiond.commands.fit import run as run_fit
+
+        return run_fit(args)
     if args.command == "bench":
         from diffusiond.bench import run as run_bench
 
