@@ -143,11 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("socket", parents=[sock], help="print the socket path the other commands use "
                    "(--socket, $DIFFUSIOND_SOCKET, $XDG_RUNTIME_DIR/diffusiond, else /tmp/diffusiond-$UID)")
     from diffusiond.bench import add_parser as add_bench
-    from diffusiond.commands.fit import add_parser as add_fit
 
     add_bench(sub)
-    add_fit(sub)
+    _add_fit(sub)
     return parser
+
+
+def _add_fit(sub: Any) -> None:
+    """``fit``'s flags; the command itself is daemon/residency/fit_command.py (it reads files, not a socket)."""
+    p = sub.add_parser("fit", help="list the configurations of a model that fit a device, from its files' headers")
+    p.add_argument("spec", metavar="SPEC",
+                   help="a diffusers folder, a hub id in the HF cache, a .safetensors file, or FILE.gguf,base=FOLDER")
+    p.add_argument("--device-memory", metavar="SIZE", help="the device budget (e.g. 24GiB); without it, only list")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
+                   help="the dtype the model would be loaded at (default bfloat16)")
+    p.add_argument("--working", metavar="SIZE",
+                   help="working memory counted beside the weights (default: residency's estimate at --size; 0: none)")
+    p.add_argument("--size", default="1024x1024", metavar="WxH", help="output size of the working estimate (1024x1024)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cuda (default), or cpu: nothing can be offloaded there, so only resident ones are listed")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=None)
 
 
 def _add_serve(sub: Any) -> None:
@@ -254,7 +270,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "fit":  # reads files, no daemon: headers only, no torch
-        from diffusiond.commands.fit import run as run_fit
+        from diffusiond.daemon.residency.fit_command import run as run_fit
 
         return run_fit(args)
     if args.command == "bench":

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
+from diffusiond.daemon.residency.fit import choose_auto
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.daemon.residency.fit import choose_auto
 from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home

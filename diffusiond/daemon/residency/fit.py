@@ -252,7 +252,8 @@ def choose_offload(report: FitReport) -> tuple[str, str]:
     for c in exact:
         if c.fits:
             return c.name, f"{c.name}: needs {c.needs} bytes of the {report.budget}-byte budget"
-    return (exact[-1].name if exact else "none"), "nothing fits the budget of " f"{report.budget} bytes: " + tried(report)
+    least = exact[-1].name if exact else "none"
+    return least, f"{least}, though nothing fits the budget of {report.budget} bytes: {tried(report)}"
 
 
 def tried(report: FitReport) -> str:

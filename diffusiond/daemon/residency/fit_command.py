@@ -3,7 +3,11 @@
 A user with a 24 GB card and a 34 GB model wants to know whether it runs, and how, without a load that
 fails after minutes. The arithmetic is ``daemon/residency/fit.py``'s, over the files' headers (safetensors,
 GGUF), and the daemon's ``offload=auto`` takes the same list's first exact entry; this module only prints
-it. No torch, numpy or daemon (tests/test_cli_imports.py): the headers are read with the standard library.
+it. No torch or numpy (tests/test_cli_imports.py): the headers are read with the standard library.
+
+It lives beside the arithmetic rather than in ``commands/`` because it is no client of a daemon: it reads
+files as the engine's residency does, and ``commands/`` may reach the daemon only through the client
+(tests/test_layout.py). ``cli.py`` dispatches to it lazily, as it does to ``serve``.
 
 Exit codes: 0 when a configuration fits (or no budget was given: then it only lists), 1 when none fits (the
 list of what each needed is printed), 2 when the spec cannot be sized (no files, a corrupt header).
@@ -15,31 +19,17 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Any
 
-from diffusiond.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from diffusiond.daemon.residency.fit import FitReport, choose_offload, configurations, model_tensors, tried
+from diffusiond.daemon.residency.sizes import WeightsError
+from diffusiond.daemon.residency.units import format_bytes, parse_size
+from diffusiond.daemon.residency.working import Shape
+from diffusiond.pipelines.errors import PipelineError
 
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("fit", help="list the configurations of a model that fit a device, from its files' headers")
-    p.add_argument("spec", metavar="SPEC",
-                   help="a diffusers folder, a hub id in the HF cache, a .safetensors file, or FILE.gguf,base=FOLDER")
-    p.add_argument("--device-memory", metavar="SIZE", help="the device budget (e.g. 24GiB); without it, only list")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
-                   help="the dtype the model would be loaded at (default bfloat16)")
-    p.add_argument("--working", metavar="SIZE",
-                   help="working memory to count beside the weights (default: residency's estimate at --size; 0: "
-                        "weights only)")
-    p.add_argument("--size", default="1024x1024", metavar="WxH", help="output size of the working estimate (1024x1024)")
-    p.add_argument("--device", default="cuda", metavar="DEV",
-                   help="cuda (default) or cpu: on a CPU nothing can be offloaded, so only resident ones are listed")
-    p.add_argument("--json", action="store_true", help="one JSON object")
-    p.set_defaults(func=None)
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # commands/__init__.py's codes (the daemon may not import them)
 
 
 def _size(text: str, flag: str) -> int:
-    from diffusiond.daemon.residency.units import parse_size
-
     size = parse_size(text)
     if size.nbytes is None:
         raise ValueError(f"{flag} {text!r}: give bytes (24GiB, 20G, 8000000000), not a share of the device")
@@ -47,12 +37,6 @@ def _size(text: str, flag: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from diffusiond.daemon.residency.fit import choose_offload, configurations, model_tensors, tried
-    from diffusiond.daemon.residency.sizes import WeightsError
-    from diffusiond.daemon.residency.units import format_bytes
-    from diffusiond.daemon.residency.working import Shape
-    from diffusiond.pipelines.errors import PipelineError
-
     try:
         budget = _size(args.device_memory, "--device-memory") if args.device_memory else None
         working = _size(args.working, "--working") if args.working is not None else None
@@ -66,8 +50,6 @@ def run(args: argparse.Namespace) -> int:
     except (WeightsError, PipelineError, ValueError) as exc:
         print(f"diffusiond fit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from diffusiond.daemon.residency.fit import FitReport
-
     at = {name: sum(t.bytes_at(args.dtype) for t in ts) for name, ts in components.items()}
     report = FitReport(args.spec, args.dtype, budget, at, rows, tuple(notes))
     chosen, why = choose_offload(report)
