@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fluxkit import build_flux, tiny_transformer, write_gguf
 
 from conftest import ROOT
 from diffusiond.daemon.config import ConfigError, build_config
@@ -23,7 +24,6 @@ from diffusiond.daemon.residency.gguf_header import BLOCK, read_gguf
 from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.pipelines import offload
 from diffusiond.pipelines.base import weight_bytes
-from fluxkit import build_flux, tiny_transformer, write_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -71,10 +71,10 @@ def test_a_corrupt_or_truncated_gguf_is_an_error_naming_the_file(tmp_path: Path)
     write_gguf(tiny_transformer(), tmp_path / "t.gguf")
     data = (tmp_path / "t.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
-    with pytest.raises(WeightsError, match="cut.gguf.*(truncated|past the end)"):
+    with pytest.raises(WeightsError, match=r"cut\.gguf.*(truncated|past the end)"):
         read_gguf(tmp_path / "cut.gguf")
     (tmp_path / "bad.gguf").write_bytes(b"GGML" + data[4:])
-    with pytest.raises(WeightsError, match="bad.gguf: not a GGUF file"):
+    with pytest.raises(WeightsError, match=r"bad\.gguf: not a GGUF file"):
         read_gguf(tmp_path / "bad.gguf")
     (tmp_path / "huge.gguf").write_bytes(data[:8] + (2**40).to_bytes(8, "little") + data[16:])
     with pytest.raises(WeightsError, match="claims 1099511627776 tensors, over the limit"):

@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from daemonkit import get, http, submit, wait_job
+from fluxkit import build_flux, tiny_transformer, write_gguf
 from PIL import Image
 
 from conftest import ROOT
-from daemonkit import get, http, submit, wait_job
-from fluxkit import build_flux, tiny_transformer, write_gguf
 
 pytest.importorskip("gguf")
 

@@ -72,7 +72,7 @@ async def models(args: argparse.Namespace, client: AsyncClient) -> int:
         print(json.dumps(models))
         return EXIT_OK
     keys = ["id", "task", "device", "state", "offload"]
-    rows = [[str(m.get(k, "")) for k in keys] + [",".join(m.get("edits") or []) or "-",
+    rows = [[str(m.get(k) or "-") for k in keys] + [",".join(m.get("edits") or []) or "-",
                                                  ",".join(m.get("approximations") or []) or "-"]
             for m in models.get("data") or []]
     print(_table(rows, [*keys, "edits", "approximations"]))
