@@ -55,7 +55,7 @@ SERVE_FIELDS = (
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
     "preview_decoder",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
-    "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin",
+    "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
     "reserve_memory",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
@@ -146,7 +146,25 @@ def build_parser() -> argparse.ArgumentParser:
     from diffusiond.bench import add_parser as add_bench
 
     add_bench(sub)
+    _add_fit(sub)
     return parser
+
+
+def _add_fit(sub: Any) -> None:
+    """``fit``'s flags; the command itself is daemon/residency/fit_command.py (it reads files, not a socket)."""
+    p = sub.add_parser("fit", help="list the configurations of a model that fit a device, from its files' headers")
+    p.add_argument("spec", metavar="SPEC",
+                   help="a diffusers folder, a hub id in the HF cache, a .safetensors file, or FILE.gguf,base=FOLDER")
+    p.add_argument("--device-memory", metavar="SIZE", help="the device budget (e.g. 24GiB); without it, only list")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
+                   help="the dtype the model would be loaded at (default bfloat16)")
+    p.add_argument("--working", metavar="SIZE",
+                   help="working memory counted beside the weights (default: residency's estimate at --size; 0: none)")
+    p.add_argument("--size", default="1024x1024", metavar="WxH", help="output size of the working estimate (1024x1024)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cuda (default), or cpu: nothing can be offloaded there, so only resident ones are listed")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=None)
 
 
 def _add_serve(sub: Any) -> None:
@@ -213,6 +231,9 @@ def _add_serve(sub: Any) -> None:
     add("--reserve-memory", metavar="SIZE",
         help="free memory left to other programs on each GPU: below it idle models leave and new jobs wait (1GiB)")
     add("--pin", action="append", metavar="NAME", help="this model never leaves its device for another; repeatable")
+    add("--offload", choices=("none", "model", "group", "sequential", "auto"), metavar="MODE",
+        help="what of every model stays on its device: none, model, group (blocks streamed in), sequential, or "
+             "auto (the fastest that fits --device-memory, from the files' headers; see diffusiond fit)")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)
@@ -251,6 +272,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_OK
     if args.command == "serve":
         return serve(args)
+    if args.command == "fit":  # reads files, no daemon: headers only, no torch
+        from diffusiond.daemon.residency.fit_command import run as run_fit
+
+        return run_fit(args)
     if args.command == "bench":
         from diffusiond.bench import run as run_bench
 

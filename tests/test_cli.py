@@ -453,7 +453,7 @@ def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
     assert main(["status", "--socket", stub.path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ready"] is True
     assert main(["models", "--socket", stub.path]) == 0
-    assert capsys.readouterr().out.split("\n")[1].split() == ["tiny", "text-to-image", "cpu", "ready", "-"]
+    assert capsys.readouterr().out.split("\n")[1].split() == ["tiny", "text-to-image", "cpu", "ready", "-", "-", "-"]
     assert main(["cancel", "j_done", "--socket", stub.path]) == 1
     assert "job j_done already finished (succeeded)" in capsys.readouterr().err
     assert main(["cancel", "j_404", "--socket", stub.path]) == 1

@@ -32,7 +32,7 @@ CLIENT_COMMANDS = [["status"], ["status", "--json"], ["models"], ["models", "--j
                    ["sleep"], ["wake"], ["web-url"], ["generate", "a fox", "-o", "fox.png"]]  # fmt: skip
 HELP = [["--help"], ["serve", "--help"], ["bench", "--help"], ["generate", "--help"], ["status", "--help"],
         ["models", "--help"], ["cancel", "--help"], ["sleep", "--help"], ["wake", "--help"], ["web-url", "--help"],
-        ["socket", "--help"],
+        ["socket", "--help"], ["fit", "--help"],
         ["--version"]]  # fmt: skip
 
 
@@ -79,3 +79,18 @@ def test_the_python_client_loads_nothing_heavy_until_an_output_needs_it(code: st
     assert not HEAVY & modules, sorted(HEAVY & modules)
     assert not [m for m in modules if m.startswith(DAEMON_SIDE)]
     assert ("aiohttp" in modules) is ("Client" in code)
+
+
+def test_fit_reads_headers_without_torch(tmp_path: Path) -> None:
+    """``diffusiond fit`` sizes a model in the command line process: headers read with the standard library
+    (safetensors here; GGUF likewise, daemon/residency/gguf_header.py), so no torch, numpy or msgspec."""
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}}).encode()
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
+    r, modules = run_cli(["fit", str(tmp_path / "m.safetensors"), "--device-memory", "1KB", "--working", "0"],
+                         tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "offload=auto would run it with none" in r.stdout
+    assert not HEAVY & modules, sorted(HEAVY & modules)

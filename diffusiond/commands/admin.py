@@ -71,10 +71,11 @@ async def models(args: argparse.Namespace, client: AsyncClient) -> int:
     if args.json:
         print(json.dumps(models))
         return EXIT_OK
-    keys = ["id", "task", "device", "state"]
-    rows = [[str(m.get(k, "")) for k in keys] + [",".join(m.get("edits") or []) or "-"]
+    keys = ["id", "task", "device", "state", "offload"]
+    rows = [[str(m.get(k) or "-") for k in keys] + [",".join(m.get("edits") or []) or "-",
+                                                 ",".join(m.get("approximations") or []) or "-"]
             for m in models.get("data") or []]
-    print(_table(rows, [*keys, "edits"]))
+    print(_table(rows, [*keys, "edits", "approximations"]))
     return EXIT_OK
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
+from diffusiond.daemon.residency.fit import choose_auto
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.spec import check_spec, model_name_for, parse_model_arg
+from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
@@ -54,6 +55,7 @@ class ModelConfig:
     warmup: tuple[tuple[int, int, int], ...] = ()  # (width, height, batch) run before the worker is ready
     keep_alive_s: float | None = None  # TOML ``keep_alive``: this model's, over the daemon's --keep-alive
     pinned: bool = False  # TOML ``pin = true`` or --pin NAME: never leaves its device for another model
+    offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
 
 
 def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -355,7 +357,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
     known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
-                                                      "lora", "keep_alive", "max_keep_alive"}
+                                                      "lora", "keep_alive", "max_keep_alive", "offload"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -365,6 +367,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     compile_mode = _compile_mode(values.pop("compile", ""))
     warmup = _warmup(values.pop("warmup", ""))
     model_args = values.pop("model", None)
+    offload = values.pop("offload", None)  # --offload MODE (or TOML's top-level offload): every model's
+    forced = overrides.get("offload") is not None  # the flag wins over a [[models]] table's own
     tables = values.pop("models", None)
     models: list[ModelConfig] = []
     if model_args:
@@ -382,7 +386,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                     spec=str(t["spec"]),
                     devices=parse_devices(str(t.get("device", device)), int(t.get("workers", workers))),
                     dtype=str(t.get("dtype", dtype)),
-                    options={str(k): str(v) for k, v in dict(t.get("options", {})).items()},
+                    options={str(k): str(v) for k, v in dict(t.get("options", {})).items()}
+                    | ({"offload": str(t["offload"])} if "offload" in t else {}),
                     compile=_compile_mode(t.get("compile", compile_mode)),
                     warmup=_warmup(t["warmup"]) if "warmup" in t else warmup,
                     keep_alive_s=duration(t["keep_alive"], f"model {t.get('name', t['spec'])!r}: keep_alive")
@@ -393,6 +398,9 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     else:
         models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype,
                                   compile=compile_mode, warmup=warmup))
+    if offload is not None:
+        models = [replace(m, options={**m.options, "offload": str(offload)}) if forced or "offload" not in m.options
+                  else m for m in models]
     lora_args = values.pop("lora", None)  # --lora NAME=PATH flags replace the file's [loras] table
     if lora_args is not None:
         values["loras"] = parse_loras(lora_args)
@@ -415,9 +423,30 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         except ValueError:
             raise ConfigError(f"socket_mode {values['socket_mode']!r} is not an octal mode like 0600") from None
     try:
-        return DaemonConfig(models=tuple(models), **values).validate()
+        config = DaemonConfig(models=tuple(models), **values).validate()
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
+    return replace(config, models=tuple(_resolve_offload(m, config) for m in config.models))
+
+
+def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:
+    """``offload=auto`` made concrete from the files' headers and the device budget (residency/fit.py), so the
+    worker is told what to do and residency counts what it will hold; other modes checked against the rest."""
+    try:
+        mode = offload_mode(m.options)
+    except PipelineError as exc:
+        raise ConfigError(f"model {m.name!r}: {exc}") from None
+    if mode != "none" and m.compile:
+        raise ConfigError(f"model {m.name!r}: --compile with offload={mode} is refused (offload hooks move weights "
+                          "inside the forward, which breaks the compiled graph); drop one of the two")
+    if mode != "none" and mode != "auto" and all(d == "cpu" for d in m.devices):
+        raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
+                          "host memory already, so there is nothing to offload to (use offload=none or auto)")
+    if mode != "auto":
+        return m
+    chosen, reason = choose_auto(m.spec, m.options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
+                                 budget=config.device_memory_bytes if config.device_memory else None)
+    return replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}")
 
 
 def _compile_mode(value: Any) -> str:

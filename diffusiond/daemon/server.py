@@ -164,6 +164,9 @@ async def run(config: DaemonConfig) -> int:
         log.info("diffusiond %s listening on %s; loading %s; %s", __version__, where,
                  ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models),
                  f"jobs kept in {config.state_path}" if config.persist else "jobs kept in memory only (--no-persist)")
+        for m in config.models:
+            if m.offload_reason:
+                log.info("model %s: %s", m.name, m.offload_reason)
         systemd.notify("STATUS=loading models")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None

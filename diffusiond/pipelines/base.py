@@ -105,8 +105,13 @@ class Pipeline(Protocol):
 
 def weight_bytes(pipeline: Pipeline) -> int:
     """The bytes of a pipeline's modules (parameters and buffers, each tensor once), as residency
-    counts a model: read off the loaded modules, so it is what the device really holds."""
+    counts a model: read off the loaded modules, so it is what the device really holds. An offloaded
+    model counts what its offload keeps on the device (pipelines/offload.py), not what it owns."""
     inner = getattr(pipeline, "inner", pipeline)  # a compiled pipeline wraps the loaded one
+    offloaded = getattr(inner, "device_weight_bytes", None)  # an offloaded model keeps only part on the device
+    counted = offloaded() if callable(offloaded) else None
+    if isinstance(counted, int):
+        return counted
     seen: set[int] = set()
     total = 0
     components = getattr(getattr(inner, "_pipe", None), "components", None) or vars(inner)

@@ -98,6 +98,10 @@ class CompiledPipeline:
         pipe = getattr(inner, "pipe", None)
         if pipe is None:
             raise PipelineError(f"--compile: model {inner.name} is not a diffusers pipeline; nothing to compile")
+        offload = getattr(inner, "offload", "none")
+        if offload != "none":  # hooks move weights between devices inside the forward, which dynamo cannot trace
+            raise PipelineError(f"--compile with offload={offload} (model {inner.name}) is refused: offload hooks "
+                                "move weights inside the forward and break the compiled graph; drop one of the two")
         self.inner = inner
         self.name, self.task, self.device, self.dtype = inner.name, inner.task, inner.device, inner.dtype
         self.mode = mode

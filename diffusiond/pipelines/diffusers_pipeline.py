@@ -33,7 +33,9 @@ from diffusiond.pipelines.base import (
     with_defaults,
 )
 from diffusiond.pipelines.hostcopy import HostCopy
+from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.previews import Previewer, make_previewer
+from diffusiond.pipelines.spec import offload_mode
 from diffusiond.pipelines.speedups import apply_speedups
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
 
@@ -207,7 +209,8 @@ class DiffusersPipeline:
 
     ``defaults`` override the request defaults inferred from the model (a published model's own
     steps and size); ``synthetic_weights`` marks models built in code with random weights
-    (``random:<preset>``), whose outputs are noise. Both only reach ``capabilities``.
+    (``random:<preset>``), whose outputs are noise; ``approximations`` name what the weights themselves
+    approximate (a GGUF file's quantization). They only reach ``capabilities``.
     """
 
     def __init__(
@@ -220,6 +223,7 @@ class DiffusersPipeline:
         options: Mapping[str, str] | None = None,
         defaults: RequestDefaults | None = None,
         synthetic_weights: bool = False,
+        approximations: tuple[str, ...] = (),
     ) -> None:
         options = dict(options or {})
         self.name = name
@@ -232,7 +236,12 @@ class DiffusersPipeline:
         self._default_scheduler = pipe.scheduler
         self._flow = _is_flow_scheduler(pipe.scheduler)
         self._schedulers: dict[str, Any] = {}
-        self._offload = options.get("cpu_offload") == "1"
+        mode = offload_mode(options)
+        if mode == "auto":  # the daemon resolves auto from the files and its budget; loaded alone, keep it all
+            log.info("%s: offload=auto without a budget to choose by: everything stays on the device", name)
+            mode = "none"
+        self.offload = mode
+        self._offload = mode != "none"
         self._asleep = False
         self._hostcopy: HostCopy | None = None
         video = self.task is Task.TEXT_TO_VIDEO
@@ -271,19 +280,18 @@ class DiffusersPipeline:
                     raise PipelineError(f"{option}=1: {type(pipe).__name__} has no VAE that supports it")
                 getattr(vae, method)()
         if self._offload:
-            if self.device.type == "cpu":
-                raise PipelineError("cpu_offload=1 needs an accelerator device; the model is on cpu already")
-            try:
-                pipe.enable_model_cpu_offload(device=self.device)
-            except ImportError as exc:
-                raise PipelineError(f"cpu_offload=1 needs the accelerate package: {exc}") from exc
+            apply_offload(pipe, mode, self.device)
         else:
             pipe.to(self.device)
         self._previewer: Previewer | None = make_previewer(pipe, options.get("preview_decoder", ""), self.device, dtype)
         self.capabilities = msgspec.structs.replace(self.capabilities, previews=self._previewer is not None)
-        approximations = apply_speedups(pipe, options, self.device)
-        if approximations:
-            self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations)
+        approximations = (*approximations, *apply_speedups(pipe, options, self.device))  # a GGUF's quantization first
+        self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode)
+
+    def device_weight_bytes(self) -> int | None:
+        """What residency counts this model at when it is offloaded (``base.weight_bytes``): only what the
+        offload keeps on the device (pipelines/offload.py); None when it is all resident (count the modules)."""
+        return device_bytes(self._pipe, self.offload) if self._offload else None
 
     @property
     def pipe(self) -> Any:

@@ -9,6 +9,7 @@ cannot serve before any weights load, and loads safetensors only unless ``allow_
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Mapping
@@ -204,3 +205,62 @@ def load_single_file(
             "or a local diffusers folder given as option config=<folder>"
         ) from exc
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options)
+
+
+def _base_folder(base: str, path: Path) -> Path:
+    """The diffusers folder a GGUF transformer's pipeline comes from: a folder, or a hub id's cached snapshot."""
+    from diffusiond.pipelines.spec import parse_spec
+
+    if not base:
+        raise PipelineError(
+            f"{path} is a GGUF file, which holds only the transformer: name the rest of the pipeline with "
+            f"base=<diffusers folder or hub id>, e.g. --model flux={path},base=black-forest-labs/FLUX.1-dev")
+    parsed = parse_spec(base)
+    if parsed.kind == "folder":
+        return Path(parsed.target)
+    if parsed.kind == "hub":
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(parsed.target, local_files_only=True,
+                                          allow_patterns=["*.json", "*.txt", "*.model", "*.safetensors"]))
+        except Exception as exc:  # the hub's own errors: not cached, partial snapshot
+            raise PipelineError(f"base={base}: not in the Hugging Face cache ({exc}); download it first "
+                                f"(`hf download {parsed.target}`) or give a diffusers folder") from exc
+    raise PipelineError(f"base={base}: expected a diffusers folder (with model_index.json) or a hub id in the HF cache")
+
+
+def load_gguf(
+    path: Path, *, name: str, device: torch.device, dtype: torch.dtype, options: Mapping[str, str]
+) -> DiffusersPipeline:
+    """A GGUF transformer (as downloaded: city96's FLUX Q8_0 and the like) in the pipeline of ``base=``, through
+    diffusers' GGUF support: the weights stay quantized on the device, each layer dequantized to ``dtype`` as it
+    runs, so the quantization is named in every output's approximations."""
+    import diffusers
+
+    root = _base_folder(options.get("base", ""), path)
+    index = _read_index(root / "model_index.json") if (root / "model_index.json").is_file() else {}
+    if not index:
+        raise PipelineError(f"base {str(root)!r} has no model_index.json; it is not a diffusers pipeline folder")
+    cls = _pipeline_class(str(index.get("_class_name", "")), str(root / "model_index.json"))
+    entry = index.get("transformer")
+    tcls = getattr(diffusers, str(entry[1]), None) if isinstance(entry, list) and len(entry) == 2 else None
+    if not isinstance(tcls, type) or not hasattr(tcls, "from_single_file"):
+        raise PipelineError(f"base {str(root)!r} ({cls.__name__}) has no transformer diffusers can load from a GGUF "
+                            f"file (its model_index.json names {entry!r}); GGUF files replace a transformer")
+    if importlib.util.find_spec("gguf") is None:
+        raise PipelineError("GGUF models need the gguf package: pip install 'diffusiond[gguf]' (or pip install gguf)")
+    try:
+        transformer = tcls.from_single_file(
+            str(path), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype), config=str(root),
+            subfolder="transformer", **_dtype_kwarg(dtype))
+        pipe = cls.from_pretrained(str(root), transformer=transformer, **_load_kwargs(index, dtype, options))
+    except Exception as exc:  # conversion and key mismatches raise many types
+        raise PipelineError(f"cannot load {tcls.__name__} from GGUF file {str(path)!r} with base {str(root)!r}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    kinds = sorted({getattr(p.quant_type, "name", str(p.quant_type)) for p in transformer.parameters()
+                    if getattr(p, "quant_type", None) is not None and str(getattr(p.quant_type, "name", "")) not in
+                    ("F32", "F16", "BF16")})
+    approx = tuple(f"gguf-{k}(transformer, dequantized per layer to {str(dtype).removeprefix('torch.')})"
+                   for k in kinds)
+    return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options, approximations=approx)

@@ -47,6 +47,8 @@ def adapters_for(pipeline: Any, registered: Mapping[str, str], max_loaded: int,
     pipe = getattr(inner if compiled else pipeline, "pipe", None)
     if pipe is None or not Adapters.supported(pipe) or importlib.util.find_spec("peft") is None:
         return None
+    if _offload_refused(pipeline):
+        return None
     name = str(getattr(pipeline, "name", "the model"))
     if compiled:
         if target_rank < 1 or getattr(pipe, "unet", None) is None:
@@ -63,8 +65,19 @@ def unsupported(pipeline: Any) -> str:
         return (f"model {pipeline.name} is compiled (--compile) and its LoRA slots were not made at start: "
                 "hot-swapping needs at least one adapter registered when the daemon starts (--lora NAME=PATH); "
                 "its rank bounds the ranks of those added later")
+    mode = _offload_refused(pipeline)
+    if mode:
+        return (f"model {getattr(pipeline, 'name', '?')} runs with offload={mode}, whose hooks move each layer's "
+                "weights in and out; diffusiond does not add LoRA layers under them (unverified to keep the adapter "
+                "on the layer's device): serve it with offload=model or none to use adapters")
     pipe = getattr(pipeline, "pipe", pipeline)
     return f"model {getattr(pipeline, 'name', '?')} ({type(pipe).__name__}) takes no LoRA adapters"
+
+
+def _offload_refused(pipeline: Any) -> str:
+    """The offload mode under which adapters are refused (group, sequential), else ""."""
+    mode = str(getattr(getattr(pipeline, "inner", pipeline), "offload", "none"))
+    return mode if mode in ("group", "sequential") else ""
 
 
 class Adapters:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from diffusiond.pipelines.base import Pipeline, PipelineError
-from diffusiond.pipelines.loaders import load_folder, load_hub, load_single_file
+from diffusiond.pipelines.loaders import load_folder, load_gguf, load_hub, load_single_file
 from diffusiond.pipelines.presets import load_preset
 from diffusiond.pipelines.spec import check_options, parse_spec
 from diffusiond.pipelines.synthetic import SyntheticPipeline
@@ -96,4 +96,8 @@ def load_pipeline(
         if not path.is_file():
             raise PipelineError(f"checkpoint file {spec.strip()!r} does not exist")
         return load_single_file(path, name=name or path.stem, device=dev, dtype=torch_dtype, options=opts)
+    if parsed.kind == "gguf":
+        if not path.is_file():
+            raise PipelineError(f"GGUF file {parsed.target!r} does not exist")
+        return load_gguf(path, name=name or path.stem, device=dev, dtype=torch_dtype, options=opts)
     return load_hub(parsed.target, name=name or parsed.target, device=dev, dtype=torch_dtype, options=opts)

@@ -12,6 +12,7 @@ Grammar::
              | "synthetic" [":" OPTIONS]
              | "random:" PRESET ["," OPTIONS]
              | FOLDER | FILE.safetensors | ORG/NAME (hub id)
+             | FILE.gguf ",base=" (FOLDER | ORG/NAME)   (a GGUF transformer; the rest from the base)
     OPTIONS := KEY "=" VALUE ("," KEY "=" VALUE)*
 """
 
@@ -29,7 +30,9 @@ from diffusiond.pipelines.errors import PipelineError
 KNOWN_OPTIONS = frozenset(
     {
         "allow_unsafe_weights",  # "1": allow pickle-based weights (.bin) when no safetensors exist
-        "cpu_offload",  # "1": enable_model_cpu_offload (accelerator devices only)
+        "cpu_offload",  # "1": enable_model_cpu_offload (accelerator devices only); the same as offload=model
+        "offload",  # none|model|group|sequential|auto: what stays on the device (pipelines/offload.py)
+        "base",  # a .gguf transformer: the diffusers folder or hub id with the rest of the pipeline
         "vae_tiling",  # "1": decode large images in tiles
         "vae_slicing",  # "1": decode a batch one image at a time
         "preview_decoder",  # a diffusers AutoencoderTiny folder for previews (else the family's factors)
@@ -55,12 +58,14 @@ ACCEPTED_FORMS = (
     "'synthetic' or 'synthetic:compute_ms=40,task=video' (no diffusers, for benchmarks), "
     "a local folder with a diffusers model_index.json, "
     "a path to a single-file '.safetensors' checkpoint, "
+    "a '.gguf' transformer with option base=<diffusers folder or hub id> for the rest of the pipeline, "
     "or a Hugging Face hub id 'org/name' already in the HF cache"
 )
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
-Kind = Literal["synthetic", "tiny", "tiny-inpaint", "tiny-video", "random", "folder", "checkpoint", "hub"]
+Kind = Literal["synthetic", "tiny", "tiny-inpaint", "tiny-video", "random", "folder", "checkpoint", "gguf", "hub"]
+OFFLOAD_MODES = ("none", "model", "group", "sequential", "auto")
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,23 @@ def check_options(options: Mapping[str, str]) -> None:
     unknown = sorted(set(options) - KNOWN_OPTIONS)
     if unknown:
         raise PipelineError(f"unknown model option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}")
+    offload_mode(options)
+
+
+def offload_mode(options: Mapping[str, str]) -> str:
+    """The ``offload`` option, with ``cpu_offload=1`` read as its older name for ``offload=model``; a value
+    outside OFFLOAD_MODES, or the two options disagreeing, is refused rather than one silently winning."""
+    mode = options.get("offload", "")
+    if mode and mode not in OFFLOAD_MODES:
+        raise PipelineError(f"offload={mode!r} is not one of {', '.join(OFFLOAD_MODES)}")
+    legacy = options.get("cpu_offload", "")
+    if legacy not in ("", "0", "1"):
+        raise PipelineError(f"cpu_offload={legacy!r}: use 1 (the same as offload=model) or 0")
+    if legacy == "1":
+        if mode not in ("", "model"):
+            raise PipelineError(f"cpu_offload=1 means offload=model, but offload={mode} is given too; keep one")
+        return "model"
+    return mode or "none"
 
 
 def parse_spec(spec: str) -> ModelSpec:
@@ -120,6 +142,9 @@ def parse_spec(spec: str) -> ModelSpec:
     lower = spec.lower()
     if lower.endswith(".safetensors"):
         return ModelSpec("checkpoint", str(path))
+    head, sep, rest = spec.partition(",")  # flux-Q8_0.gguf,base=/models/flux-dev
+    if head.lower().endswith(".gguf"):
+        return ModelSpec("gguf", str(Path(head).expanduser()), parse_options(rest, spec) if sep else {})
     if lower.endswith(_PICKLE_SUFFIXES):
         raise PipelineError(
             f"{spec!r} is a pickle-based checkpoint; diffusiond loads only safetensors "
@@ -145,8 +170,10 @@ def check_spec(spec: str) -> None:
     ``try_to_load_from_cache``, which looks at the cache folder and never at the network.
     """
     parsed = parse_spec(spec)
-    if parsed.kind == "checkpoint" and not Path(parsed.target).is_file():
-        raise PipelineError(f"{spec.strip()} does not exist; {_WHAT_TO_GIVE}")
+    if parsed.kind in ("checkpoint", "gguf") and not Path(parsed.target).is_file():
+        raise PipelineError(f"{parsed.target} does not exist; {_WHAT_TO_GIVE}")
+    if parsed.kind == "gguf" and parsed.options.get("base"):
+        check_spec(parsed.options["base"])
     if parsed.kind == "hub" and not _hub_cached(parsed.target):
         raise PipelineError(
             f"{parsed.target} is neither a folder nor a hub id in the Hugging Face cache; download it first "
@@ -179,6 +206,8 @@ def model_name_for(spec: str) -> str:
     p = Path(spec)
     if spec.endswith((".safetensors", ".ckpt")):
         return p.stem
+    if ".gguf" in spec.lower():
+        return Path(spec.partition(",")[0]).stem
     if p.is_dir() or spec.startswith(("/", ".", "~")):
         return p.name or spec
     return spec

@@ -138,6 +138,7 @@ def model(engine: Engine, m: Model) -> dict[str, Any]:
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
+            "offload": m.capabilities.offload,
             "residency": where.residency if where is not None else ("disk" if m.retired else "loading"),
             "device_bytes": where.device_bytes if where is not None else 0,
             "host_bytes": where.host_bytes if where is not None else 0,

@@ -204,6 +204,18 @@ def read_header(path: str | os.PathLike[str]) -> WeightFile:
     return _describe(p, header, size - 8 - n)
 
 
+def read_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, int]]:
+    """Each tensor's (dtype, bytes as stored), by name: what ``fit`` groups into blocks and modules to size
+    offloaded configurations. The header is checked exactly as ``read_header`` checks it (read twice: once
+    per kilobyte of header, against whole gigabytes of weights)."""
+    read_header(path)  # every bound and consistency check, with its error naming the file
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = _parse(f.read(n), Path(path), "safetensors header")
+    return {name: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0])
+            for name, e in header.items() if name != "__metadata__"}
+
+
 def _describe(p: Path, header: Any, data_bytes: int) -> WeightFile:
     if not isinstance(header, dict):
         raise WeightsError(f"{p}: its safetensors header is not a JSON object")

@@ -1,0 +1,275 @@
+"""Which configurations of a model fit a device, from its files' headers alone (``diffusiond fit``, ``offload=auto``).
+
+A model too big for the card can still run: fp8 storage halves the denoiser, group offloading keeps only a few
+blocks on the device while the next ones are copied in on a side stream, model offloading keeps one component,
+sequential offloading one layer. Which of these fits is arithmetic over the tensors' sizes, so it is answered
+before anything loads, in the command line process and the engine (neither loads torch): safetensors headers
+(``sizes.read_tensors``) and GGUF headers (``gguf_header.read_gguf``).
+
+What each configuration keeps on the device, and the rule the worker counts by too (pipelines/offload.py, on
+the loaded modules, so that residency's budget and this page agree):
+
+- ``none``: every tensor, at the model's dtype (quantized GGUF tensors as stored: diffusers keeps them so and
+  dequantizes each layer's weight as it runs).
+- ``fp8``: the denoiser's float tensors at 1 byte each (torchao's fp8 weights; biases and norms really stay at
+  the dtype, so this is an under-count of a few per cent), the rest as ``none``. Approximate: outputs differ.
+- ``group``: the denoiser by diffusers' ``block_level`` groups (each direct child that is a ModuleList of blocks
+  is split one block per group; everything else of the denoiser is one group on the device for the whole
+  forward), the other components by ``leaf_level`` groups (one leaf module each). With ``use_stream`` the next
+  group is copied while the current one runs, so the estimate is, for the largest component: what is always
+  there plus twice its largest group. All weights wait in pinned host memory.
+- ``model``: the largest component (diffusers' model offload moves one whole component at a time).
+- ``sequential``: the largest leaf module (accelerate moves each layer's weights in for its forward).
+
+Working memory (activations) is counted beside the weights as residency does (``working.default_working`` at a
+1024x1024 image unless told), because a configuration whose weights fit but whose forward does not is no fit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES, read_gguf
+from diffusiond.daemon.residency.sizes import (
+    DTYPE_BITS,
+    FLOATS,
+    TARGET_BYTES,
+    WeightsError,
+    component_files,
+    read_tensors,
+)
+from diffusiond.daemon.residency.working import Shape, default_working
+from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import parse_spec
+
+MODES: Final = ("none", "model", "group", "sequential", "auto")
+"""The values of the ``offload`` model option (docs/api.md)."""
+ORDER: Final = ("none", "fp8", "group", "model", "sequential")
+"""Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping the approximate fp8)."""
+DENOISERS: Final = ("transformer", "unet")
+_BLOCK = re.compile(r"^([A-Za-z_]\w*)\.(\d+)\.")
+# single-file checkpoints (original layouts): key prefix -> component
+_CHECKPOINT_PREFIXES: Final = (("model.diffusion_model.", "unet"), ("first_stage_model.", "vae"), ("vae.", "vae"),
+                               ("cond_stage_model.", "text_encoder"), ("conditioner.", "text_encoder"),
+                               ("text_encoders.", "text_encoder"))
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    kind: str  # a safetensors dtype (BF16, F32, ...) or a ggml type (Q8_0, F16, ...)
+    stored: int  # bytes in the file
+    elements: int
+
+    def bytes_at(self, dtype: str) -> int:
+        """On the device at the model's dtype: floats converted, quantized and integer tensors as stored."""
+        return self.elements * TARGET_BYTES[dtype] if self.kind in FLOATS | FLOAT_TYPES else self.stored
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One way to run the model: its option, what it keeps on the device and in host memory."""
+
+    name: str  # ORDER's
+    option: str  # the model option that asks for it
+    device_bytes: int  # weights kept on the device (the figure residency counts the model at)
+    host_bytes: int  # weights waiting in host memory
+    working_bytes: int  # activations, estimated as residency does
+    approximations: tuple[str, ...] = ()
+    fits: bool | None = None  # None: no budget was given
+    note: str = ""
+
+    @property
+    def needs(self) -> int:
+        return self.device_bytes + self.working_bytes
+
+
+@dataclass(frozen=True)
+class FitReport:
+    spec: str
+    dtype: str
+    budget: int | None
+    components: Mapping[str, int]  # bytes at the dtype, per component
+    configurations: tuple[Configuration, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fitting(self) -> tuple[Configuration, ...]:
+        return tuple(c for c in self.configurations if c.fits is not False)
+
+
+def model_tensors(spec: str, options: Mapping[str, str] | None = None,
+                  dtype: str = "bfloat16") -> tuple[dict[str, list[Tensor]], list[str]]:
+    """Component -> tensors of the model a spec names, read from headers; and notes on what was assumed.
+    Specs built in code (tiny, random:, synthetic) have no files to read: a WeightsError says so."""
+    parsed = parse_spec(spec)
+    opts = {**parsed.options, **(options or {})}
+    notes: list[str] = []
+    if parsed.kind == "hub":
+        return _folder(_hub_folder(parsed.target), dtype), notes
+    if parsed.kind == "folder":
+        return _folder(Path(parsed.target), dtype), notes
+    if parsed.kind == "checkpoint":
+        return _checkpoint(Path(parsed.target)), notes
+    if parsed.kind == "gguf":
+        components = {"transformer": gguf_tensors(Path(parsed.target))}
+        base = opts.get("base", "")
+        if base:
+            rest = model_tensors(base, {}, dtype)[0]
+            components.update({k: v for k, v in rest.items() if k != "transformer"})
+        else:
+            notes.append("no base= given: only the GGUF transformer is counted, not the rest of the pipeline")
+        return components, notes
+    raise WeightsError(f"{spec}: a model built in code ({parsed.kind}) has no files whose headers could be read; "
+                       "fit sizes diffusers folders, hub ids in the HF cache, .safetensors and .gguf files")
+
+
+def gguf_tensors(path: Path) -> list[Tensor]:
+    return [Tensor(t.name, t.kind, t.nbytes, t.elements) for t in read_gguf(path).values()]
+
+
+def _safetensors(path: Path) -> list[Tensor]:
+    return [Tensor(name, kind, nbytes, nbytes * 8 // DTYPE_BITS[kind])
+            for name, (kind, nbytes) in read_tensors(path).items()]
+
+
+def _folder(path: Path, dtype: str) -> dict[str, list[Tensor]]:
+    index = path / "model_index.json"
+    if not index.is_file():  # one component's folder
+        return {path.name: [t for f in component_files(path, dtype) for t in _safetensors(f.path)]}
+    components = {}
+    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
+        files = component_files(sub, dtype)
+        if files:
+            components[sub.name] = [t for f in files for t in _safetensors(f.path)]
+    if not components:
+        raise WeightsError(f"{path}: a diffusers folder without any .safetensors weights in its components")
+    return components
+
+
+def _checkpoint(path: Path) -> dict[str, list[Tensor]]:
+    components: dict[str, list[Tensor]] = {}
+    for t in _safetensors(path):
+        where = next((c for prefix, c in _CHECKPOINT_PREFIXES if t.name.startswith(prefix)), "transformer")
+        components.setdefault(where, []).append(t)
+    return components
+
+
+def _hub_folder(repo_id: str) -> Path:
+    from huggingface_hub import try_to_load_from_cache
+
+    index = try_to_load_from_cache(repo_id, "model_index.json")
+    if not isinstance(index, str):
+        raise WeightsError(f"{repo_id} is not in the Hugging Face cache; download it first (`hf download {repo_id}`)")
+    return Path(index).parent
+
+
+def _by(tensors: Iterable[Tensor], key: str, dtype: str) -> dict[str, int]:
+    """Bytes per block (``key="block"``: ``name.N`` of a direct child list, the rest under "") or per leaf
+    module (``key="leaf"``: the name less its last part)."""
+    out: dict[str, int] = {}
+    for t in tensors:
+        if key == "block":
+            m = _BLOCK.match(t.name)
+            group = f"{m.group(1)}.{m.group(2)}" if m else ""
+        else:
+            group = t.name.rsplit(".", 1)[0]
+        out[group] = out.get(group, 0) + t.bytes_at(dtype)
+    return out
+
+
+def group_bytes(component: str, tensors: list[Tensor], dtype: str) -> int:
+    """What group offloading keeps of one component on the device (the module docstring's rule)."""
+    if component in DENOISERS:
+        blocks = _by(tensors, "block", dtype)
+        always = blocks.pop("", 0)
+        return always + 2 * max(blocks.values(), default=0)
+    return 2 * max(_by(tensors, "leaf", dtype).values(), default=0)
+
+
+def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget: int | None = None,
+                   working: int | None = None, shape: Shape | None = None, on_cpu: bool = False,
+                   ) -> tuple[Configuration, ...]:
+    """Every configuration, fastest first, with what it needs; ``fits`` against ``budget`` when one is given.
+    ``working`` replaces the working-memory estimate (0: weights only). On a CPU there is nothing to offload
+    to, so only the resident configurations are listed."""
+    if dtype not in TARGET_BYTES:
+        raise WeightsError(f"dtype {dtype!r} is not one of {', '.join(TARGET_BYTES)}")
+    shape = shape or Shape(1024, 1024)
+    at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
+    total = sum(at.values())
+    quantized = sorted({t.kind for ts in components.values() for t in ts if t.kind not in FLOATS | FLOAT_TYPES
+                        and t.kind not in DTYPE_BITS})
+    base_approx = tuple(f"gguf-{k}" for k in quantized)
+    denoiser = next((c for c in DENOISERS if c in components), None)
+    rows: list[tuple[str, str, int, int, tuple[str, ...], str]] = [
+        ("none", "offload=none", total, 0, base_approx, "everything resident")]
+    if denoiser and not quantized:
+        floats = [t for t in components[denoiser] if t.kind in FLOATS]
+        fp8 = total - sum(t.bytes_at(dtype) for t in floats) + sum(t.elements for t in floats)
+        rows.append(("fp8", "fp8=1", fp8, 0, ("fp8-weights-and-activations(torchao)",),
+                     f"{denoiser} at 1 byte per parameter (biases and norms stay at {dtype}: a few % more); "
+                     "needs a CUDA GPU of compute capability 8.9+ and torchao"))
+    if not on_cpu:
+        group = max((group_bytes(c, ts, dtype) for c, ts in components.items()), default=0)
+        leaf = max((max(_by(ts, "leaf", dtype).values(), default=0) for ts in components.values()), default=0)
+        rows += [
+            ("group", "offload=group", min(group, total), total, base_approx,
+             "denoiser one block per group, other components one layer per group, next group prefetched on a "
+             "CUDA stream"),
+            ("model", "offload=model", max(at.values(), default=0), total, base_approx,
+             f"one component at a time (the largest: {max(at, key=lambda k: at[k]) if at else '-'})"),
+            ("sequential", "offload=sequential", leaf, total, base_approx, "one layer at a time (slowest)"),
+        ]
+    out = []
+    for name, option, device, host, approx, note in rows:
+        work = default_working(device, shape) if working is None else working
+        fits = None if budget is None else device + work <= budget
+        out.append(Configuration(name, option, device, host, work, approx, fits, note))
+    return tuple(out)
+
+
+def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, working: int | None = None,
+        options: Mapping[str, str] | None = None, on_cpu: bool = False) -> FitReport:
+    """``diffusiond fit``: the model's configurations from its headers, fastest first."""
+    components, notes = model_tensors(spec, options, dtype)
+    rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu)
+    at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
+    return FitReport(spec, dtype, budget, at, rows, tuple(notes))
+
+
+def choose_offload(report: FitReport) -> tuple[str, str]:
+    """``offload=auto``: the fastest exact configuration that fits (fp8 is never chosen for the user: it
+    changes outputs), and why. Nothing fitting gives ``sequential``, the least on the device, and a reason
+    naming every configuration and what it needed: residency then refuses the model's jobs as too large."""
+    exact = [c for c in report.configurations if c.name != "fp8"]
+    if report.budget is None:
+        return "none", "no --device-memory budget: everything stays resident"
+    for c in exact:
+        if c.fits:
+            return c.name, f"{c.name}: needs {c.needs} bytes of the {report.budget}-byte budget"
+    least = exact[-1].name if exact else "none"
+    return least, f"{least}, though nothing fits the budget of {report.budget} bytes: {tried(report)}"
+
+
+def tried(report: FitReport) -> str:
+    """Every configuration and what it needed, for an error a user acts on."""
+    return "; ".join(f"{c.name} ({c.option}) needs {c.needs} bytes on the device" for c in report.configurations)
+
+
+def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bool,
+                budget: int | None) -> tuple[str, str]:
+    """What ``offload=auto`` runs a configured model with, and why (logged at the daemon's start)."""
+    if on_cpu:
+        return "none", "none: a CPU device holds the weights in host memory already"
+    if budget is None:
+        return "none", "none: no --device-memory budget to fit"
+    try:
+        report = fit(spec, dtype=dtype, budget=budget, options=options)
+    except (WeightsError, PipelineError) as exc:
+        return "none", f"none: the model's size is not known before it loads ({exc})"
+    return choose_offload(report)

@@ -1,0 +1,79 @@
+"""``diffusiond fit SPEC``: which configurations of a model fit a device, before anything is loaded.
+
+A user with a 24 GB card and a 34 GB model wants to know whether it runs, and how, without a load that
+fails after minutes. The arithmetic is ``daemon/residency/fit.py``'s, over the files' headers (safetensors,
+GGUF), and the daemon's ``offload=auto`` takes the same list's first exact entry; this module only prints
+it. No torch or numpy (tests/test_cli_imports.py): the headers are read with the standard library.
+
+It lives beside the arithmetic rather than in ``commands/`` because it is no client of a daemon: it reads
+files as the engine's residency does, and ``commands/`` may reach the daemon only through the client
+(tests/test_layout.py). ``cli.py`` dispatches to it lazily, as it does to ``serve``.
+
+Exit codes: 0 when a configuration fits (or no budget was given: then it only lists), 1 when none fits (the
+list of what each needed is printed), 2 when the spec cannot be sized (no files, a corrupt header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from diffusiond.daemon.residency.fit import FitReport, choose_offload, configurations, model_tensors, tried
+from diffusiond.daemon.residency.sizes import WeightsError
+from diffusiond.daemon.residency.units import format_bytes, parse_size
+from diffusiond.daemon.residency.working import Shape
+from diffusiond.pipelines.errors import PipelineError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # commands/__init__.py's codes (the daemon may not import them)
+
+
+def _size(text: str, flag: str) -> int:
+    size = parse_size(text)
+    if size.nbytes is None:
+        raise ValueError(f"{flag} {text!r}: give bytes (24GiB, 20G, 8000000000), not a share of the device")
+    return size.nbytes
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        budget = _size(args.device_memory, "--device-memory") if args.device_memory else None
+        working = _size(args.working, "--working") if args.working is not None else None
+        w, x, h = args.size.partition("x")
+        if not (x and w.isdigit() and h.isdigit()):
+            raise ValueError(f"--size {args.size!r}: expected WxH, e.g. 1024x1024")
+        shape = Shape(int(w), int(h))
+        components, notes = model_tensors(args.spec, {}, args.dtype)
+        rows = configurations(components, args.dtype, budget=budget, working=working, shape=shape,
+                              on_cpu=args.device == "cpu")
+    except (WeightsError, PipelineError, ValueError) as exc:
+        print(f"diffusiond fit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    at = {name: sum(t.bytes_at(args.dtype) for t in ts) for name, ts in components.items()}
+    report = FitReport(args.spec, args.dtype, budget, at, rows, tuple(notes))
+    chosen, why = choose_offload(report)
+    fitting = report.fitting
+    if args.json:
+        print(json.dumps({"spec": args.spec, "dtype": args.dtype, "budget": budget, "components": at,
+                          "configurations": [asdict(c) | {"needs": c.needs} for c in rows],
+                          "fits": bool(fitting), "auto": chosen if fitting else None, "notes": list(notes)}))
+    else:
+        total = sum(at.values())
+        print(f"{args.spec}: {format_bytes(total)} of weights at {args.dtype} "
+              f"({', '.join(f'{k} {format_bytes(v)}' for k, v in at.items())})"
+              + (f"; budget {format_bytes(budget)}" if budget is not None else ""))
+        keys = ["config", "option", "on device", "working", "in host", "fits", "approximations"]
+        cells = [keys] + [[c.name, c.option, format_bytes(c.device_bytes), format_bytes(c.working_bytes),
+                           format_bytes(c.host_bytes), "-" if c.fits is None else "yes" if c.fits else "no",
+                           ",".join(c.approximations) or "-"] for c in rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(keys))]
+        print("\n".join("  ".join(v.ljust(wd) for v, wd in zip(r, widths, strict=True)).rstrip() for r in cells))
+        for note in notes:
+            print(f"note: {note}")
+        if budget is not None and fitting:
+            print(f"offload=auto would run it with {why}")
+    if budget is not None and not fitting:
+        print(f"diffusiond fit: nothing fits {format_bytes(budget)}: {tried(report)}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

@@ -1,0 +1,104 @@
+"""``offload=model|group|sequential``: running a model bigger than its device, and what it then keeps there.
+
+- ``model``: diffusers' ``enable_model_cpu_offload``: one whole component on the device at a time.
+- ``group``: diffusers' group offloading. The denoiser is split ``block_level``, one block per group (the
+  direct children that are ModuleLists of blocks; the rest of it is one group), the other components
+  ``leaf_level`` (their blocks sit deeper, T5's under ``encoder.block``, so block level would move a whole
+  9 GB encoder as one group). On CUDA ``use_stream=True`` copies the next group from pinned host memory on
+  a side stream while the current one computes, which is what keeps the GPU busy.
+- ``sequential``: ``enable_sequential_cpu_offload``: each layer's weights are moved in for its forward.
+
+``device_bytes`` is what residency counts such a model at (``base.weight_bytes``): the same rule as
+``daemon/residency/fit.py`` applies to the files' headers, here applied to the loaded modules, so a model
+placed by ``fit``'s figures is counted by the same figures once it runs: the largest component for
+``model``, the largest leaf for ``sequential``, and for ``group`` the largest component's always-resident
+group plus twice its largest group (the one computing and the one being prefetched).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from diffusiond.pipelines.errors import PipelineError
+
+MODES = ("model", "group", "sequential")
+DENOISERS = ("transformer", "unet")
+
+
+def apply_offload(pipe: Any, mode: str, device: torch.device) -> None:
+    """Set ``pipe`` up to run on ``device`` with ``mode``; the errors name the option and what to do."""
+    if device.type == "cpu":
+        raise PipelineError(f"offload={mode} needs an accelerator device: on cpu the weights are in host memory "
+                            "already, so there is nothing to offload to; use offload=none (or leave it out)")
+    try:
+        if mode == "model":
+            pipe.enable_model_cpu_offload(device=device)
+        elif mode == "sequential":
+            pipe.enable_sequential_cpu_offload(device=device)
+        elif mode == "group":
+            stream = device.type == "cuda"
+            for name, module in _modules(pipe).items():
+                _group(module, name in DENOISERS, device, stream)
+        else:
+            raise PipelineError(f"offload={mode!r} is not one of none, {', '.join(MODES)}")
+    except ImportError as exc:
+        raise PipelineError(f"offload={mode} needs the accelerate package (pip install accelerate): {exc}") from exc
+
+
+def _group(module: torch.nn.Module, denoiser: bool, device: torch.device, stream: bool) -> None:
+    from diffusers.hooks import apply_group_offloading
+
+    apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"),
+                           offload_type="block_level" if denoiser else "leaf_level",
+                           num_blocks_per_group=1 if denoiser else None, use_stream=stream)
+
+
+def _modules(pipe: Any) -> dict[str, torch.nn.Module]:
+    return {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+
+
+def _bytes(tensors: Any, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _own(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _all(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _largest_leaf(module: torch.nn.Module) -> int:
+    return max((_bytes(_own(m), set()) for m in module.modules()), default=0)
+
+
+def _group_bytes(name: str, module: torch.nn.Module) -> int:
+    if name not in DENOISERS:
+        return 2 * _largest_leaf(module)
+    always = _bytes(_own(module), set())
+    largest = 0
+    for child in module.children():
+        if isinstance(child, torch.nn.ModuleList | torch.nn.Sequential):
+            largest = max([largest, *(_bytes(_all(block), set()) for block in child)])
+        else:
+            always += _bytes(_all(child), set())
+    return always + 2 * largest
+
+
+def device_bytes(pipe: Any, mode: str) -> int:
+    """What ``mode`` keeps of ``pipe`` on the device at most (the module docstring's rule)."""
+    modules = _modules(pipe)
+    if mode == "model":
+        return max((_bytes(_all(m), set()) for m in modules.values()), default=0)
+    if mode == "sequential":
+        return max((_largest_leaf(m) for m in modules.values()), default=0)
+    return max((_group_bytes(n, m) for n, m in modules.items()), default=0)
