@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 
 from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.core import resume
 from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest, Preview
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
@@ -131,67 +132,10 @@ class Engine:
             self._changed.set()
 
     async def recover(self) -> None:
-        """Queue again, in their admission order, the jobs the last run accepted and did not
-        finish. One that had started runs again from the start (its seeds are fixed, so its
-        outputs are the ones it would have made) and counts the attempt."""
-        jobs = await self.store.open()
-        remembered = await self.store.capabilities()
-        for model in self.pool.models.values():
-            caps = remembered.get(_model_key(model))
-            if caps is not None and not model.known:
-                model.capabilities, model.known = caps, True
-        for job in jobs:
-            if job.status == JobStatus.RUNNING:
-                job.attempts += 1
-            job.status = JobStatus.QUEUED
-            self.jobs[job.id] = job
-            for item in job.items:
-                self.items[item.request_id] = item
-            if job.id in self.store.lost_inputs:
-                self._end(job, JobStatus.FAILED, ErrorCode.INPUT_LOST,
-                          "the daemon stopped before this edit finished, and an edit's input image is not kept in "
-                          "the state dir: submit it again")
-                continue
-            if job.request.model not in self.pool.models:
-                self._end(job, JobStatus.FAILED, ErrorCode.MODEL_NOT_FOUND,
-                          f"model {job.request.model!r} is no longer served here (the daemon restarted with "
-                          f"models {', '.join(self.pool.models)})")
-                continue
-            self.scheduler.admit(job)  # over the queue limit if need be: these were accepted already
-            self._arm_deadline(job)
-            self.store.update(job)
-        if jobs:
-            log.info("resuming %d job(s) the last run did not finish", len(jobs))
+        await resume.recover(self)
 
     async def drain(self, grace: float) -> None:
-        """Stop admitting; give accepted jobs ``grace`` seconds to finish; then what is left either
-        waits in the state dir for the next start (``_suspend``) or fails with the reason."""
-        self.accepting = False
-        self.draining = True
-        await self._wait_until(lambda: not any(not j.terminal for j in self.jobs.values()), grace)
-        for job in [j for j in self.jobs.values() if not j.terminal]:
-            if self.store.persistent and not job.sync and job.request.edit is None:
-                self._suspend(job)
-                continue
-            self._end(job, JobStatus.FAILED, ErrorCode.SHUTTING_DOWN,
-                      f"the daemon shut down before the job finished (grace period {grace:g}s, stage "
-                      f"{job.stage.label})")
-
-    def _suspend(self, job: Job) -> None:
-        """Leave a job to the next start, as a crash would, but on purpose: a restart or a reboot
-        must not cost a user the jobs they queued. Its record stays queued or running (running
-        ones run again from the start, their seeds fixed), and this process ends it no more: not by
-        its deadline, nor by the workers stopping under it. Synchronous jobs are not kept (their
-        caller is answered now and would not come back for the result), nor edits (their input
-        image is not in the state dir)."""
-        self._suspended.add(job.id)
-        if job.deadline is not None:
-            job.deadline.cancel()
-            job.deadline = None
-        self.scheduler.remove(job)
-        job.emit(Event.STATUS)
-        log.info("job %s (%s) stays in the state dir: it resumes when the daemon starts again",
-                 job.id, job.stage.label)
+        await resume.drain(self, grace)
 
     async def stop(self) -> None:
         self.stopping = True
@@ -398,7 +342,7 @@ class Engine:
         self.flights.worker_ready(worker)
         model = self.pool.models.get(worker.config.model_name)
         if model is not None:
-            self.store.remember(_model_key(model), model.capabilities)
+            self.store.remember(resume.model_key(model), model.capabilities)
             self.keeper.worker_ready(model)
         self._changed.set()
         self.dispatch()
@@ -510,9 +454,3 @@ class Engine:
         for j in self.jobs.values():
             counts[j.status.value] += 1
         return counts
-
-
-def _model_key(model: Model) -> str:
-    """What a model's remembered capabilities are filed under: the same name serving another
-    spec after a restart must not inherit them."""
-    return f"{model.name}={model.config.spec}"
