@@ -180,6 +180,10 @@ class Keeper:
             return False  # its move ends with a dispatch of its own
         if not self.known(name):
             return True  # not loaded yet at start: the pool's start brings it
+        states = {w.state for w in model.workers}
+        replaced = model.replacing or WorkerState.STARTING in states
+        if not model.retired and WorkerState.READY not in states and replaced:
+            return False  # a worker that died is being replaced by the pool: its READY dispatches
         plan = self.policy.plan(name, shape)
         if isinstance(plan, Fits):
             if plan.load_from is None:
