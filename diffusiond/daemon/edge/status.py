@@ -85,6 +85,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except EngineError as err:
+        if status_of(err) >= 500:  # the daemon's own failure (not the client's): always in the log, with why
+            log.warning("%s %s answered %d %s: %s", request.method, request.path[:200], status_of(err), err.code,
+                        err.message)
         return error_response(err)
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(HttpError(413, ErrorCode.REQUEST_TOO_LARGE, f"request body is too large: {exc.text}"))

@@ -248,7 +248,9 @@ class WorkerPool:
     async def sleep_all(self) -> None:
         """Have each ready worker move its weights off the device (the engine drained first)."""
         self.paused = True
-        await self._fan_out(Sleep(), WorkerState.READY, self.config.drain_grace_s, ErrorCode.SLEEP_FAILED)
+        # bounded by the load timeout, not the drain grace: a model's first move off the device pins its
+        # host block (25 s for FLUX.1-dev on the H200), and a sleep that gives up early leaves it half-moved
+        await self._fan_out(Sleep(), WorkerState.READY, self.config.worker_start_timeout_s, ErrorCode.SLEEP_FAILED)
 
     async def wake_all(self) -> None:
         try:
@@ -260,7 +262,7 @@ class WorkerPool:
     # one model's workers, for residency (daemon/residency/keeper.py) ------------------------------
     async def sleep_model(self, model: Model) -> None:
         """Its weights leave the device for its workers' host memory (they stay up, so waking is a copy)."""
-        await self._fan_out(Sleep(), WorkerState.READY, self.config.drain_grace_s, ErrorCode.SLEEP_FAILED,
+        await self._fan_out(Sleep(), WorkerState.READY, self.config.worker_start_timeout_s, ErrorCode.SLEEP_FAILED,
                             [model])
 
     async def wake_model(self, model: Model) -> None:
