@@ -784,8 +784,10 @@ def web_auth(draw: st.DrawFn, ctx: Ctx) -> Req:
     Each input says which statuses its rules allow (``must``)."""
     port = ctx.target.web_port
     token = (ctx.target.token or "").encode()
-    own_origins = [f"http://127.0.0.1:{port}".encode(), f"http://localhost:{port}".encode()]
-    foreign = [b"http://[", b"http://]", b"http://[::1", b"null", b"", b"http://127.0.0.1:%d/" % port,
+    # the listener's own, with the trailing "/" some non-browser clients add (webauth.origin_allowed takes it)
+    own_origins = [f"http://127.0.0.1:{port}".encode(), f"http://localhost:{port}".encode(),
+                   f"http://127.0.0.1:{port}/".encode()]
+    foreign = [b"http://[", b"http://]", b"http://[::1", b"null", b"",
                b"https://127.0.0.1:%d" % port, b"http://attacker.example", b"http://127.0.0.1:99999",
                b"http://127.0.0.1:-1", b"http://127.0.0.1:%d\xff" % port, b"http://%zz", b"http://user@127.0.0.1",
                b"\xff\xfe", b"http://127.0.0.1:" + b"9" * 5000, b"file://", b"http://127.0.0.1:%d.evil" % port]

@@ -192,6 +192,7 @@ def test_preset_with_save_0_is_served_as_built(small_presets: Path) -> None:
     assert not (small_presets / "models").exists(), "save=0 writes nothing"
     assert pipe.capabilities == Capabilities(
         task="text-to-video", **SMALL_WAN.defaults, num_frames_step=4, flow_scheduler=True, synthetic_weights=True,
+        size_step=16,
         previews=True,  # Wan's 16-channel latents: the Wan 2.1 factors
     )
     shown: list[tuple[int, int, tuple[int, ...]]] = []

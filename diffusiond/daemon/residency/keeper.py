@@ -213,8 +213,11 @@ class Keeper:
         return {s.name: s for s in self.policy.snapshot()}
 
     async def load(self, model: Model) -> None:
-        """By hand (``POST /v1/models/{name}/load``): onto its device, making room as the policy says."""
-        for _ in range(100):
+        """By hand (``POST /v1/models/{name}/load``): onto its device, making room as the policy says.
+        Bounded as a worker's start is (``worker_start_timeout_s``): a load from disk is one."""
+        limit = self.config.worker_start_timeout_s
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
             plan = self.policy.plan(model.name, None)
             if isinstance(plan, TooLarge):
                 raise ValueError(plan.reason)
@@ -223,7 +226,7 @@ class Keeper:
             if model.name not in self.moving:
                 self.may_dispatch(model, None)
             await asyncio.sleep(0.1)
-        raise TimeoutError(f"{model.name} did not load within 10 s")
+        raise TimeoutError(f"{model.name} did not load within {limit:g} s (worker_start_timeout_s)")
 
     async def unload(self, model: Model, reason: str) -> ModelStatus:
         """By hand (``POST /v1/models/{name}/unload``, ``sleep``): off its device once it has no work."""
