@@ -121,8 +121,21 @@ async def test_different_adapter_sets_never_share_a_batch(sock: Path) -> None:
             if sets[i] != sets[j]:
                 assert batch[i] != batch[j], f"jobs {i} and {j} ({sets[i]} / {sets[j]}) shared batch {batch[i]}"
     assert any(batch[i] == batch[i + 3] for i in range(3)), f"no equal adapter sets batched together: {batch}"
-    for k, out in enumerate(outputs):  # and batching changed no output
-        assert out == solo[k % 3], f"job {k} ({sets[k]}) differs from the same request run alone"
+    for k, out in enumerate(outputs):  # and batching changed no output beyond what batched kernels round
+        assert_same_but_rounding(out, solo[k % 3], f"job {k} ({sets[k]}) against the same request run alone")
+
+
+def assert_same_but_rounding(a: bytes, b: bytes, what: str) -> None:
+    """Equal up to the README's promise across batch sizes: batched CPU kernels may round a few
+    pixels by one 8-bit step (on some CPUs a batch of two differs from one in a byte or two). An
+    adapter applied to the wrong request, or not at all, changes far more than that."""
+    import numpy as np
+
+    x, y = (np.load(io.BytesIO(v)).astype(np.int16) for v in (a, b))
+    assert x.shape == y.shape, what
+    diff = np.abs(x - y)
+    assert diff.max() <= 1 and np.count_nonzero(diff) <= diff.size // 100, \
+        f"{what}: {np.count_nonzero(diff)} of {diff.size} values differ, by up to {diff.max()}"
 
 
 async def test_no_contamination_between_base_and_adapter_requests(
