@@ -555,7 +555,7 @@ JOB_BASE = {"prompt": "a fox", "model": "tiny", "width": 64, "height": 64, "step
 GEN_BASE = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_steps": 1}
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "image", "image_path",
-              "mask", "mask_path", "strength", "loras", "preview"]
+              "mask", "mask_path", "strength", "loras", "preview", "keep_alive"]
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",

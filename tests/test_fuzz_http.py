@@ -177,7 +177,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler",
               "image", "image_path", "mask", "mask_path", "strength", "loras",
-              "preview"]
+              "preview", "keep_alive"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
                "background", "input_fidelity", "user"]
@@ -234,6 +234,8 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "mask": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode()),
     "image_path": st.sampled_from(["in.png", "../in.png", "/etc/passwd", "", ".", "/dev/zero", "in.png\x00"]),
     "mask_path": st.sampled_from(["in.png", "/etc/shadow", "..", "x/../../y"]),
+    "keep_alive": st.sampled_from(["10m", "0", "-1", "1h30m", "250ms", "5 m", "m5", "", "1e400s", "9" * 5000,
+                                   0, -1, 2.5, 1e309, True, None, [], {"s": 1}]),
     "strength": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, 0.5, math.nan, 1e-9]),
 }
 
@@ -714,6 +716,15 @@ def test_a_body_not_in_its_content_encoding_is_a_400(sock: Path, path: str, enco
     assert "Content-Encoding" in err["message"], err
     status, h = call_json(sock, "GET", "/health")
     assert status == 200, h
+
+
+@pytest.mark.parametrize("value", ["10m", 0, -1, "1h30m", 30, "bogus", "9" * 5000, 1e308, True, [], {"s": 1}, "-5m"])
+def test_keep_alive_is_taken_as_a_duration_or_refused_naming_it(sock: Path, value: Any) -> None:
+    status, body = call_json(sock, "POST", "/v1/jobs", {"prompt": "a fox", "width": 64, "height": 64, "steps": 1,
+                                                        "keep_alive": value})
+    if status == 202:
+        return
+    assert status == 400 and body["error"]["field"] == "keep_alive", body
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "x-gzip"])
