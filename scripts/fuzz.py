@@ -246,8 +246,12 @@ def own_daemon(tmp: Path) -> Any:
         yield fuzzkit.make_ctx(Target(str(d.socket), port, fuzzkit.FUZZ_TOKEN), inputs, crafted, loras["ink"])
     finally:
         d.stop()
-        print(f"daemon log: {len(d.log_path.read_bytes())} bytes, "
-              f"{d.log_path.read_text(errors='replace').count('Traceback')} tracebacks", file=sys.stderr)
+        text = d.log_path.read_text(errors="replace")
+        kept = Path.cwd() / "fuzz-daemon.log"  # the temp dir goes: a log with tracebacks is worth reading
+        if "Traceback" in text:
+            kept.write_text(text)
+        print(f"daemon log: {len(text)} bytes, {text.count('Traceback')} tracebacks"
+              + (f" (kept in {kept})" if "Traceback" in text else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":
