@@ -718,6 +718,13 @@ def test_a_body_not_in_its_content_encoding_is_a_400(sock: Path, path: str, enco
     assert status == 200, h
 
 
+@pytest.mark.parametrize("name", ["nope", "..%2F..%2Fetc", "%00", "x" * 5000, "%ff%fe", "tiny%2F..", "%20"])
+@pytest.mark.parametrize("verb", ["load", "unload"])
+def test_a_move_by_hand_of_a_model_that_is_not_served_is_a_404_naming_it(sock: Path, name: str, verb: str) -> None:
+    status, body = call_json(sock, "POST", f"/v1/models/{name}/{verb}")
+    assert status == 404 and body["error"]["code"] in ("model_not_found", "not_found"), body
+
+
 @pytest.mark.parametrize("value", ["10m", 0, -1, "1h30m", 30, "bogus", "9" * 5000, 1e308, True, [], {"s": 1}, "-5m"])
 def test_keep_alive_is_taken_as_a_duration_or_refused_naming_it(sock: Path, value: Any) -> None:
     status, body = call_json(sock, "POST", "/v1/jobs", {"prompt": "a fox", "width": 64, "height": 64, "steps": 1,

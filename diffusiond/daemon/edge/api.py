@@ -11,6 +11,7 @@ document that goes out), ``web.py`` and ``webauth.py`` (the page's listener), ``
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -68,19 +69,20 @@ async def admin_wake(request: web.Request) -> web.Response:
 
 async def model_load(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}/load``: onto its device now, making room as residency allows."""
-    engine = request.app[ENGINE]
-    t0 = time.perf_counter()
-    await engine.load_model(request.match_info["name"])
-    return web.json_response({**views.model(engine, engine.model(request.match_info["name"])),
-                              "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
+    return await _moved(request, request.app[ENGINE].load_model)
 
 
 async def model_unload(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}/unload``: off its device once its work is done."""
-    engine = request.app[ENGINE]
+    return await _moved(request, request.app[ENGINE].unload_model)
+
+
+async def _moved(request: web.Request, move: Callable[[str], Awaitable[None]]) -> web.Response:
+    """The model's entry after a move by hand, with how long the move took."""
+    engine, name = request.app[ENGINE], request.match_info["name"]
     t0 = time.perf_counter()
-    await engine.unload_model(request.match_info["name"])
-    return web.json_response({**views.model(engine, engine.model(request.match_info["name"])),
+    await move(name)
+    return web.json_response({**views.model(engine, engine.model(name)),
                               "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
 
 
