@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from diffusiond import __version__
 from diffusiond.daemon.core.jobs import Job, Preview
 from diffusiond.daemon.core.loras import LoraInfo
+from diffusiond.daemon.residency.decisions import ModelStatus
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import PING_INTERVAL_S, Model
 from diffusiond.ipc.messages import Ack
@@ -124,13 +125,14 @@ def preview(j: Job, p: Preview) -> dict[str, Any]:
 
 
 def models(engine: Engine) -> dict[str, Any]:
-    return {"object": "list", "data": [model(engine, m) for m in engine.models()]}
+    places = engine.keeper.snapshot()  # once for the list, not once per model
+    return {"object": "list", "data": [model(engine, m, places.get(m.name)) for m in engine.models()]}
 
 
-def model(engine: Engine, m: Model) -> dict[str, Any]:
+def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[str, Any]:
     """One model: what it makes, and where it is (residency: device, host, disk or loading, the bytes
     in each, its keep-alive as a Unix time, pinned, its outputs queued and running)."""
-    where = engine.keeper.snapshot().get(m.name)
+    where = where or engine.keeper.snapshot().get(m.name)
     now_wall, now = time.time(), time.monotonic()
     until = where.keep_alive_until if where is not None else None
     return {"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
