@@ -2,15 +2,19 @@
 
 CPU tests compile with torch's "eager" backend (as tests/test_compile.py): dynamo traces the
 graphs and guards them exactly as with inductor, so a switch that changed the graph would show as
-a compilation, and the kernels are the eager ones, so the compiled outputs equal the uncompiled
-model's bit for bit (inductor's tolerance is test_gpu's). Compilations are dynamo's own counter,
-read in the process that compiles.
+a compilation, and the kernels are the eager ones. The base model's outputs then equal the uncompiled
+model's bit for bit; an adapter in a slot differs by float rounding only (a rank padded to the slot's
+and a weight kept as a tensor so that it can change without a new graph: about 4e-5 on pixels in
+[0, 1], where an adapter moves them by up to 1), so adapters are compared to 1e-3 (inductor's
+tolerance is test_gpu's). Compilations are dynamo's own counter, read in the process that compiles.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from daemonkit import Daemon, http, submit, wait_job
@@ -26,6 +30,7 @@ TINY = m.BatchParams(width=64, height=64, steps=2, guidance=5.0)
 A = (m.LoraRef("a", 1.0),)
 B = (m.LoraRef("b", 0.7),)
 AB = (m.LoraRef("a", 0.5), m.LoraRef("b", 1.0))
+ADAPTER_ATOL = 1e-3  # float rounding of a padded slot (see above), far below what an adapter changes
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +76,8 @@ def test_switching_adapters_on_a_compiled_model_never_recompiles_and_matches_the
     for loras in (A, B, (), A, AB, B, ()):
         adapters.activate(loras)
         got = run(pipe)
-        assert torch.equal(got, want[loras]), loras
-        assert loras == () or not torch.equal(got, base)
+        assert torch.allclose(got, want[loras], atol=ADAPTER_ATOL, rtol=0), loras
+        assert loras == () or not torch.allclose(got, base, atol=ADAPTER_ATOL, rtol=0)
     assert compilations() == warm  # A, B, none, A again, both: weights swapped in place, no new graph
 
 
@@ -117,14 +122,15 @@ async def test_compiled_daemon_swaps_adapters_per_request_like_the_uncompiled_mo
     d.start(timeout=600)
     try:
         async with http(d.socket) as s:
-            async def out(model: str, loras: tuple[m.LoraRef, ...]) -> bytes:
+            async def out(model: str, loras: tuple[m.LoraRef, ...]) -> np.ndarray:
                 body = {"model": model, "prompt": "a red fox", "width": 64, "height": 64, "steps": 2, "seed": 3,
-                        "output_format": "npy", "loras": [{"name": r.name, "weight": r.weight} for r in loras]}
+                        "output_format": "npy", "output_dtype": "float32",
+                        "loras": [{"name": r.name, "weight": r.weight} for r in loras]}
                 job = await wait_job(s, (await submit(s, body))["id"], timeout=300)
                 assert job["status"] == "succeeded", job
                 assert "compiling" not in job["timings_ms"] or model == "plain"  # warmed up: no new graph
                 async with s.get(job["outputs"][0]["url"]) as r:
-                    return await r.read()
+                    return np.load(io.BytesIO(await r.read()))
 
             fast = [await out("fast", loras) for loras in (A, B, (), A, AB)]
             plain = [await out("plain", loras) for loras in (A, B, (), A, AB)]
@@ -138,8 +144,11 @@ async def test_compiled_daemon_swaps_adapters_per_request_like_the_uncompiled_mo
                 big_job_status, big_job = r.status, await r.json()
     finally:
         d.stop()
-    assert fast == plain  # eager backend: bit for bit the uncompiled model's outputs
-    assert fast[0] == fast[3] and len({fast[0], fast[1], fast[2], fast[4]}) == 4
+    for got, want in zip(fast, plain, strict=True):  # eager backend: the uncompiled model's outputs
+        assert np.allclose(got.astype(np.float32), want.astype(np.float32), atol=ADAPTER_ATOL, rtol=0)
+    assert np.array_equal(fast[0], fast[3])  # the same adapter again: the same output
+    distinct = [fast[0], fast[1], fast[2], fast[4]]  # A, B, none, A+B: each its own picture
+    assert all(not np.allclose(x, y, atol=ADAPTER_ATOL) for i, x in enumerate(distinct) for y in distinct[i + 1:])
     assert te_status == 400 and te_answer["error"]["field"] == "loras"
     assert "text-encoder weights" in te_answer["error"]["message"]
     assert big_status == 201, big_answer  # it fits the uncompiled model ...
