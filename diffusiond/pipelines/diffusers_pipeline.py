@@ -35,6 +35,7 @@ from diffusiond.pipelines.base import (
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.previews import Previewer, make_previewer
+from diffusiond.pipelines.quant import apply_quant, parse_quant
 from diffusiond.pipelines.spec import offload_mode
 from diffusiond.pipelines.speedups import apply_speedups
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
@@ -279,13 +280,15 @@ class DiffusersPipeline:
                 if vae is None or not hasattr(vae, method):
                     raise PipelineError(f"{option}=1: {type(pipe).__name__} has no VAE that supports it")
                 getattr(vae, method)()
+        quantized = apply_quant(pipe, parse_quant(options["quant"]), self.device, dtype) if options.get("quant") else ()
         if self._offload:
             apply_offload(pipe, mode, self.device)
         else:
             pipe.to(self.device)
         self._previewer: Previewer | None = make_previewer(pipe, options.get("preview_decoder", ""), self.device, dtype)
         self.capabilities = msgspec.structs.replace(self.capabilities, previews=self._previewer is not None)
-        approximations = (*approximations, *apply_speedups(pipe, options, self.device))  # a GGUF's quantization first
+        # a GGUF's quantization first, then quant='s, then the speed-ups'
+        approximations = (*approximations, *quantized, *apply_speedups(pipe, options, self.device))
         self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode)
 
     def device_weight_bytes(self) -> int | None:

@@ -20,6 +20,7 @@ import torch
 
 from diffusiond.pipelines.base import PipelineError, RequestDefaults
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_class
+from diffusiond.pipelines.quant import load_time_config, parse_quant
 
 # Single-file checkpoint model types (diffusers' own inference) -> pipeline class to load with.
 _SINGLE_FILE_CLASSES: tuple[tuple[str, str], ...] = (
@@ -75,9 +76,15 @@ def _read_index(path: Path) -> dict[str, Any]:
     return index
 
 
-def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str]) -> dict[str, Any]:
-    """from_pretrained arguments shared by folder and hub loads."""
+def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str],
+                 device: torch.device) -> dict[str, Any]:
+    """from_pretrained arguments shared by folder and hub loads; ``quant=``'s bitsandbytes methods are
+    applied here, while the files are read (pipelines/quant.py)."""
     kwargs: dict[str, Any] = _dtype_kwarg(dtype)
+    if opts.get("quant"):
+        config = load_time_config(parse_quant(opts["quant"]), index, dtype, device)
+        if config is not None:
+            kwargs["quantization_config"] = config
     # safetensors only, unless explicitly allowed: .bin weights are pickles and can run code.
     kwargs["use_safetensors"] = None if opts.get("allow_unsafe_weights") == "1" else True
     if "safety_checker" in index:
@@ -105,7 +112,7 @@ def load_folder(
     index = _read_index(index_path)
     cls = _pipeline_class(str(index.get("_class_name", "")), str(index_path))
     try:
-        pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options))
+        pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options, device))
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         hint = ""
         if "safetensors" in str(exc) and options.get("allow_unsafe_weights") != "1":
@@ -144,7 +151,7 @@ def load_hub(
         raise PipelineError(not_cached)
     from diffusers import DiffusionPipeline
 
-    kwargs = _load_kwargs(index, dtype, options)
+    kwargs = _load_kwargs(index, dtype, options, device)
     if local_only:
         kwargs["local_files_only"] = True
     try:
@@ -248,13 +255,16 @@ def load_gguf(
     if not isinstance(tcls, type) or not hasattr(tcls, "from_single_file"):
         raise PipelineError(f"base {str(root)!r} ({cls.__name__}) has no transformer diffusers can load from a GGUF "
                             f"file (its model_index.json names {entry!r}); GGUF files replace a transformer")
+    if "transformer" in (parse_quant(options["quant"]) if options.get("quant") else {}):
+        raise PipelineError(f"quant: the transformer of {path.name} is quantized by its GGUF file already; quant= "
+                            "may name the base's other components (for example text_encoder_2:fp8-storage)")
     if importlib.util.find_spec("gguf") is None:
         raise PipelineError("GGUF models need the gguf package: pip install 'diffusiond[gguf]' (or pip install gguf)")
     try:
         transformer = tcls.from_single_file(
             str(path), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype), config=str(root),
             subfolder="transformer", **_dtype_kwarg(dtype))
-        pipe = cls.from_pretrained(str(root), transformer=transformer, **_load_kwargs(index, dtype, options))
+        pipe = cls.from_pretrained(str(root), transformer=transformer, **_load_kwargs(index, dtype, options, device))
     except Exception as exc:  # conversion and key mismatches raise many types
         raise PipelineError(f"cannot load {tcls.__name__} from GGUF file {str(path)!r} with base {str(root)!r}: "
                             f"{type(exc).__name__}: {exc}") from exc

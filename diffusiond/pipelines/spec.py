@@ -7,13 +7,15 @@ fast to start.
 
 Grammar::
 
-    arg     := SPEC | NAME "=" SPEC          (NAME has no "/" or ":")
-    SPEC    := "tiny" | "tiny-inpaint" | "tiny-video"
-             | "synthetic" [":" OPTIONS]
+    arg     := SPEC | NAME "=" SPEC          (NAME has no "/", ":" or ",")
+    SPEC    := "synthetic" [":" OPTIONS]
              | "random:" PRESET ["," OPTIONS]
-             | FOLDER | FILE.safetensors | ORG/NAME (hub id)
-             | FILE.gguf ",base=" (FOLDER | ORG/NAME)   (a GGUF transformer; the rest from the base)
-    OPTIONS := KEY "=" VALUE ("," KEY "=" VALUE)*
+             | FILE.gguf ",base=" (FOLDER | ORG/NAME) ["," OPTIONS]   (a GGUF transformer; the rest from the base)
+             | MODEL ["," OPTIONS]
+    MODEL   := "tiny" | "tiny-inpaint" | "tiny-video" | FOLDER | FILE.safetensors | ORG/NAME (hub id)
+    OPTIONS := KEY "=" VALUE ("," KEY "=" VALUE)*   (``quant``'s value may hold commas: parse_options)
+
+A folder whose own name holds a comma is still that folder: the whole spec is tried as a path first.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ KNOWN_OPTIONS = frozenset(
         "save",  # random:<preset>: "0" builds on the device and skips the save/load round trip
         "cache",  # approximate: "fbc[:threshold]" or "taylorseer[:interval]" (pipelines/speedups.py)
         "fp8",  # approximate: "1": fp8 denoiser through torchao (pipelines/speedups.py)
+        "quant",  # approximate: COMPONENT:METHOD,... weights in fewer bits per component (pipelines/quant.py)
         "compile_backend",  # --compile: torch.compile backend (default inductor; aot_eager for CPU tests)
         "compile_shapes",  # --compile: at most this many shapes compiled per module (default 8)
         "fuse_qkv",  # --compile: "1": fuse the attention QKV projections
@@ -84,8 +87,13 @@ class ModelSpec:
 def parse_options(text: str, spec: str) -> dict[str, str]:
     """``k=v,k=v`` pairs; a malformed pair is an error, never ignored, so a typo is seen at start."""
     options: dict[str, str] = {}
+    last = ""
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
+        if not sep and last == "quant" and ":" in part:  # quant=transformer:nf4,text_encoder_2:int8
+            options["quant"] += "," + part
+            continue
+        last = key.strip()
         if not sep or not key.strip():
             raise PipelineError(f"bad option {part!r} in model spec {spec!r}; expected key=value pairs")
         options[key.strip()] = value.strip()
@@ -98,6 +106,10 @@ def check_options(options: Mapping[str, str]) -> None:
     if unknown:
         raise PipelineError(f"unknown model option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}")
     offload_mode(options)
+    if "quant" in options:
+        from diffusiond.pipelines.quant import parse_quant
+
+        parse_quant(options["quant"])
 
 
 def offload_mode(options: Mapping[str, str]) -> str:
@@ -125,6 +137,11 @@ def parse_spec(spec: str) -> ModelSpec:
     spec = spec.strip()
     if spec == "synthetic" or spec.startswith("synthetic:"):
         return ModelSpec("synthetic", spec, parse_options(spec.partition(":")[2], spec))
+    head, sep, rest = spec.partition(",")
+    if sep and not spec.startswith("random:") and not head.lower().endswith(".gguf") \
+            and not Path(spec).expanduser().exists():  # MODEL,OPTIONS: tiny,quant=unet:fp8-storage
+        inner = parse_spec(head)
+        return ModelSpec(inner.kind, inner.target, {**inner.options, **parse_options(rest, spec)})
     if spec == "tiny":
         return ModelSpec("tiny", spec)
     if spec == "tiny-video":
@@ -170,6 +187,7 @@ def check_spec(spec: str) -> None:
     ``try_to_load_from_cache``, which looks at the cache folder and never at the network.
     """
     parsed = parse_spec(spec)
+    check_options(parsed.options)
     if parsed.kind in ("checkpoint", "gguf") and not Path(parsed.target).is_file():
         raise PipelineError(f"{parsed.target} does not exist; {_WHAT_TO_GIVE}")
     if parsed.kind == "gguf" and parsed.options.get("base"):
@@ -203,6 +221,9 @@ def model_name_for(spec: str) -> str:
         return "synthetic"
     if spec.startswith("random:"):
         return spec
+    head, sep, _ = spec.partition(",")
+    if sep and ".gguf" not in head.lower() and not Path(spec).expanduser().exists():
+        return model_name_for(head)  # MODEL,OPTIONS: named for the model
     p = Path(spec)
     if spec.endswith((".safetensors", ".ckpt")):
         return p.stem
@@ -215,8 +236,8 @@ def model_name_for(spec: str) -> str:
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
     """``SPEC`` or ``NAME=SPEC`` -> (name, spec). A spec may itself hold ``=`` (``synthetic:compute_ms=40``):
-    what precedes the first ``=`` is a name only if it has no ``/`` or ``:``, which names never do."""
+    what precedes the first ``=`` is a name only if it has no ``/``, ``:`` or ``,``, which names never do."""
     name, sep, spec = arg.partition("=")
-    if sep and name and not any(c in name for c in "/:"):
+    if sep and name and not any(c in name for c in "/:,"):
         return name, spec
     return model_name_for(arg), arg

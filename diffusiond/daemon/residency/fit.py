@@ -11,8 +11,9 @@ the loaded modules, so that residency's budget and this page agree):
 
 - ``none``: every tensor, at the model's dtype (quantized GGUF tensors as stored: diffusers keeps them so and
   dequantizes each layer's weight as it runs).
-- ``fp8``: the denoiser's float tensors at 1 byte each (torchao's fp8 weights; biases and norms really stay at
-  the dtype, so this is an under-count of a few per cent), the rest as ``none``. Approximate: outputs differ.
+- ``fp8``: the denoiser's float tensors at 1 byte each (``quant=transformer:fp8-storage``, pipelines/quant.py;
+  norms and embeddings really stay at the dtype, so this is an under-count of a few per cent), the rest as
+  ``none``. Approximate: outputs differ.
 - ``group``: the denoiser by diffusers' ``block_level`` groups (each direct child that is a ModuleList of blocks
   is split one block per group; everything else of the denoiser is one group on the device for the whole
   forward), the other components by ``leaf_level`` groups (one leaf module each). With ``use_stream`` the next
@@ -211,9 +212,9 @@ def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget
     if denoiser and not quantized:
         floats = [t for t in components[denoiser] if t.kind in FLOATS]
         fp8 = total - sum(t.bytes_at(dtype) for t in floats) + sum(t.elements for t in floats)
-        rows.append(("fp8", "fp8=1", fp8, 0, ("fp8-weights-and-activations(torchao)",),
-                     f"{denoiser} at 1 byte per parameter (biases and norms stay at {dtype}: a few % more); "
-                     "needs a CUDA GPU of compute capability 8.9+ and torchao"))
+        rows.append(("fp8", f"quant={denoiser}:fp8-storage", fp8, 0, (f"fp8-storage({denoiser}, computed in {dtype})",),
+                     f"{denoiser}'s weights stored at 1 byte per parameter and cast to {dtype} per layer (norms "
+                     f"and embeddings stay at {dtype}: a few % more); any device, no extra package"))
     if not on_cpu:
         group = max((group_bytes(c, ts, dtype) for c, ts in components.items()), default=0)
         leaf = max((max(_by(ts, "leaf", dtype).values(), default=0) for ts in components.values()), default=0)
