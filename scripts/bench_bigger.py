@@ -1,0 +1,249 @@
+"""Models bigger than the card (issue 28): FLUX.1-dev offloaded or quantized, against itself fully resident.
+
+    python scripts/bench_bigger.py --out DIR [--configs resident,group,fp8,q8,q4] [--budget-gib 24]
+        [--images 2] [--steps 28] [--size 1024] [--folder FLUX_FOLDER] [--device cuda|cpu]
+
+``--folder`` runs a diffusers FLUX folder of your own (the real FLUX.1-dev, say) instead of the random one;
+``--device cpu`` with a tiny folder is a dry run of the script itself (no budget, no offload there).
+
+Each configuration runs in a process of its own, so that what one leaves in the allocator does not count
+against the next: ``random:flux-dev`` (bf16, random weights) built on the GPU with the daemon's preset code
+and wrapped in the daemon's ``DiffusersPipeline`` with the configuration's options, then one warm-up image
+and ``--images`` timed ones (28 steps at 1024x1024, the same seed and prompt for all). The budget is
+enforced for the runs with ``torch.cuda.set_per_process_memory_fraction`` (set after the build, which
+needs the full model on the GPU once), so a configuration that overruns it really fails:
+
+- ``resident``: everything on the device, no budget (the reference);
+- ``group``: ``offload=group`` (diffusers' group offloading on CUDA streams), within the budget;
+- ``fp8``: ``quant=transformer:fp8-storage,text_encoder_2:fp8-storage``, no offload, within the budget;
+- ``q8``, ``q4``: the transformer quantized to GGUF Q8_0 / Q4_0 (written here from the random weights with
+  the ``gguf`` package's writer; the blocks are quantized with torch on the GPU, by the ggml formulas) and
+  loaded back through diffusers' GGUF support as the daemon's loader does; no budget.
+
+Each writes ``DIR/<config>.json`` (seconds per image, peak device memory) and its last image and final
+latents (``.npy``); the driver then reports each one's speed against ``resident`` and the PSNR of its image
+and latents against the resident ones. Times are wall clock around the pipeline call with the GPU drained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CONFIGS = {
+    "resident": ({}, False),
+    "group": ({"offload": "group"}, True),
+    "fp8": ({"quant": "transformer:fp8-storage,text_encoder_2:fp8-storage"}, True),
+    "q8": ({}, False),
+    "q4": ({}, False),
+}
+
+
+def quantize_q8_0(w: Any) -> Any:
+    """ggml's Q8_0 on the GPU: blocks of 32, d = max|x| / 127 (fp16), q = round(x / d) (int8)."""
+    import torch
+
+    rows, cols = w.shape
+    x = w.float().reshape(rows, cols // 32, 32)
+    d = x.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(x * inv).to(torch.int8)
+    out = torch.cat([d.half().view(torch.uint8).reshape(rows, cols // 32, 2), q.view(torch.uint8)], -1)
+    return out.reshape(rows, cols // 32 * 34).cpu().numpy()
+
+
+def quantize_q4_0(w: Any) -> Any:
+    """ggml's Q4_0: d = (the value of largest magnitude) / -8, q = min(15, trunc(x / d + 8.5)), two per byte."""
+    import torch
+
+    rows, cols = w.shape
+    x = w.float().reshape(rows, cols // 32, 32)
+    idx = x.abs().argmax(-1, keepdim=True)
+    d = torch.gather(x, -1, idx) / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.clamp(torch.trunc(x * inv + 8.5), 0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    out = torch.cat([d.half().view(torch.uint8).reshape(rows, cols // 32, 2), packed], -1)
+    return out.reshape(rows, cols // 32 * 18).cpu().numpy()
+
+
+def write_gguf(module: Any, path: Path, qtype: str) -> None:
+    import gguf
+    import numpy as np
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    quant = quantize_q8_0 if qtype == "Q8_0" else quantize_q4_0
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    for name, t in module.state_dict().items():
+        if t.ndim == 2 and t.shape[1] % 32 == 0 and t.numel() >= 256 * 32:
+            q = quant(t)
+            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(t.float().cpu().numpy(), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def one(a: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+
+    from diffusiond.pipelines.base import weight_bytes
+    from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
+    from diffusiond.pipelines.presets import PRESETS, build_pipeline
+
+    options, budgeted = CONFIGS[a.config]
+    gguf_named: tuple[str, ...] = ()
+    cuda = a.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    if a.folder:
+        import diffusers
+
+        pipe = diffusers.FluxPipeline.from_pretrained(a.folder, torch_dtype=dtype).to(a.device)
+    else:
+        pipe = build_pipeline(PRESETS["flux-dev"], a.device, dtype)
+    if a.config in ("q8", "q4"):
+        import diffusers
+
+        qtype = "Q8_0" if a.config == "q8" else "Q4_0"
+        cfg = Path(a.out) / "transformer-config"
+        pipe.transformer.save_config(str(cfg))
+        gguf_path = Path(a.scratch) / f"flux-{qtype}.gguf"
+        write_gguf(pipe.transformer, gguf_path, qtype)
+        pipe.transformer = None
+        torch.cuda.empty_cache()
+        transformer = diffusers.FluxTransformer2DModel.from_single_file(
+            str(gguf_path), config=str(cfg), torch_dtype=dtype,
+            quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype))
+        pipe.transformer = transformer.to(a.device)
+        options = {}
+        gguf_named = (f"gguf-{qtype}(transformer, dequantized per layer to {str(dtype).removeprefix('torch.')})",)
+    if "offload" in options:
+        pipe.to("cpu")  # built on the GPU; group offloading starts from host memory
+    if cuda:
+        torch.cuda.empty_cache()
+    dp = DiffusersPipeline(pipe, name="flux", device=a.device, dtype=dtype, options=options)
+    if cuda:
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        if budgeted:
+            torch.cuda.set_per_process_memory_fraction(a.budget_gib * 2**30 / total)
+        torch.cuda.reset_peak_memory_stats()
+    built_s = time.perf_counter() - t0
+    latents: dict[str, Any] = {}
+
+    def keep(p: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        latents["x"] = kw["latents"]
+        return kw
+
+    def image() -> tuple[float, Any]:
+        sync()
+        s = time.perf_counter()
+        out = dp.pipe(prompt="a red fox in the snow", num_inference_steps=a.steps, height=a.size, width=a.size,
+                      guidance_scale=3.5, generator=torch.Generator(a.device).manual_seed(0), output_type="pt",
+                      callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"])
+        sync()
+        return time.perf_counter() - s, out.images[0]
+
+    warm, _ = image()
+    times, img = [], None
+    for _ in range(a.images):
+        dt, img = image()
+        times.append(dt)
+    assert img is not None
+    np.save(Path(a.out) / f"{a.config}-image.npy", img.half().cpu().numpy())
+    np.save(Path(a.out) / f"{a.config}-latents.npy", latents["x"].float().cpu().numpy())
+    result = {"config": a.config, "options": options, "budget_gib": a.budget_gib if budgeted else None,
+              "build_s": built_s, "warmup_s": warm, "image_s": times, "mean_s": sum(times) / len(times),
+              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+              "device_weight_gib": weight_bytes(dp) / 2**30,
+              "approximations": [*gguf_named, *dp.capabilities.approximations],
+              "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
+    (Path(a.out) / f"{a.config}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result), flush=True)
+
+
+def psnr(a: Any, b: Any) -> float:
+    import numpy as np
+
+    peak = max(float(np.abs(b).max()), 1e-12)
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(peak**2 / mse)
+
+
+def drive(a: argparse.Namespace) -> None:
+    import numpy as np
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + a.deadline
+    for name in a.configs.split(","):
+        cmd = [sys.executable, __file__, "--one", name, "--out", a.out, "--scratch", a.scratch, "--device", a.device,
+               *(["--folder", a.folder] if a.folder else []),
+               "--budget-gib", str(a.budget_gib), "--images", str(a.images), "--steps", str(a.steps),
+               "--size", str(a.size)]
+        with open(out / f"{name}.log", "w") as log:
+            try:
+                left = min(a.timeout, deadline - time.monotonic())
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(left, 1)).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        print(f"{name}: rc={rc}", flush=True)
+        for f in Path(a.scratch).glob("*.gguf"):
+            f.unlink()
+    ref = json.loads((out / "resident.json").read_text()) if (out / "resident.json").is_file() else None
+    rows = []
+    for name in a.configs.split(","):
+        path = out / f"{name}.json"
+        if not path.is_file():
+            rows.append({"config": name, "failed": (out / f"{name}.log").read_text()[-600:]})
+            continue
+        r = json.loads(path.read_text())
+        if ref is not None:
+            r["speed_vs_resident"] = ref["mean_s"] / r["mean_s"]
+            if name != "resident":
+                for kind in ("image", "latents"):
+                    r[f"psnr_{kind}_db"] = psnr(np.load(out / f"{name}-{kind}.npy"),
+                                                np.load(out / f"resident-{kind}.npy"))
+        rows.append(r)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if k not in ("options",)}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scratch", default="/tmp/bench-bigger")
+    ap.add_argument("--configs", default="resident,group,fp8,q8,q4")
+    ap.add_argument("--budget-gib", type=float, default=24.0)
+    ap.add_argument("--images", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--folder", help="a diffusers FLUX folder instead of random:flux-dev")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
+    ap.add_argument("--deadline", type=float, default=3600, help="seconds for all of them")
+    ap.add_argument("--one", dest="config", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    Path(a.scratch).mkdir(parents=True, exist_ok=True)
+    if a.config:
+        one(a)
+    else:
+        drive(a)
+
+
+if __name__ == "__main__":
+    main()
