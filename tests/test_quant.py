@@ -99,6 +99,12 @@ def test_a_daemon_names_the_quantization_in_the_model_and_every_job(daemon_facto
     assert entry["approximations"] == [name]
     assert job["status"] == "succeeded", job
     assert job["approximations"] == [name]
+    ps = subprocess.run([sys.executable, "-m", "diffusiond", "ps", "--socket", str(d.socket)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+    assert ps.returncode == 0, ps.stderr
+    header, row = ps.stdout.splitlines()[:2]
+    assert header.split()[-2:] == ["offload", "approximations"]
+    assert row.split()[0] == "tiny" and row.split()[-2:] == ["none", "fp8-storage(unet)"], ps.stdout
 
 
 def test_a_typo_in_quant_stops_the_daemon_at_start_with_the_reason(tmp_path: Path, model_cache: Path) -> None:

@@ -2,7 +2,8 @@
 
 ``ps`` is ``ollama ps`` for this daemon: per model, where its weights are (``device``, ``host``,
 ``disk``, ``loading``), the bytes on the device and in host memory, until when its keep-alive holds
-it, whether it is pinned, and its outputs queued and running, all from ``GET /v1/models``.
+it, whether it is pinned, its outputs queued and running, and how it is made to fit (its offload mode and
+the quantizations among its approximations), all from ``GET /v1/models``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 from diffusiond.client import AsyncClient
 from diffusiond.commands import EXIT_OK
 
-KEYS = ["name", "device", "residency", "on device", "in host", "until", "pinned", "queued", "running"]
+KEYS = ["name", "device", "residency", "on device", "in host", "until", "pinned", "queued", "running", "offload",
+        "approximations"]
 
 
 def _size(n: object) -> str:
@@ -44,11 +46,21 @@ async def ps(args: argparse.Namespace, client: AsyncClient) -> int:
         return EXIT_OK
     rows = [[str(m.get("id", "")), str(m.get("device", "")), str(m.get("residency", "")),
              _size(m.get("device_bytes")), _size(m.get("host_bytes")), _until(m), "yes" if m.get("pinned") else "no",
-             str(m.get("queued", 0)), str(m.get("running", 0))] for m in models]
+             str(m.get("queued", 0)), str(m.get("running", 0)), str(m.get("offload") or "none"), _approx(m)]
+            for m in models]
     cells = [KEYS, *rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(KEYS))]
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells))
     return EXIT_OK
+
+
+def _approx(m: dict[str, object]) -> str:
+    """Each approximation by its method and what it applies to (``fp8-storage(transformer)``); ``--json``
+    and ``diffusiond models`` have the full text (``..., computed in bfloat16``)."""
+    names = m.get("approximations")
+    if not isinstance(names, list) or not names:
+        return "-"
+    return ", ".join(str(a).split(",")[0] + (")" if "," in str(a) else "") for a in names)
 
 
 async def load(args: argparse.Namespace, client: AsyncClient) -> int:
