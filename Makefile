@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: lint browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The browser tests (tests/test_web_page.py) drive the distribution's Chromium through Playwright,
 # never Playwright's own download (no network on many workstations). Installed here when missing

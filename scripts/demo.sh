@@ -19,5 +19,5 @@ for _ in $(seq 1 600); do
 done
 "$PY" -m diffusiond status --socket "$sock"
 "$PY" -m diffusiond generate "a lighthouse at dusk, oil painting" --socket "$sock" \
-  --size 256x256 --steps 8 --seed 42 -o "$out"
+  --size 128x128 --steps 8 --seed 42 -o "$out"
 echo "wrote $out (the tiny model has random weights: expect colourful noise, not a lighthouse)"

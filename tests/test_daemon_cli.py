@@ -332,7 +332,7 @@ def test_make_demo_script(tmp_path: Path, model_cache: Path) -> None:
     assert ": ok, ready" in r.stdout and f"wrote {out}" in r.stdout
     assert seeds(r.stdout) == {str(out): 42}
     img = image(out)
-    assert img.format == "PNG" and img.size == (256, 256)
+    assert img.format == "PNG" and img.size == (128, 128)
     assert not (tmp_path / "state-home").exists()  # its own state dir: no demo job in the user's history
     # the script's own folder (mktemp -d: socket, cache, state) is gone, so its daemon stopped
     assert [p.name for p in scratch.iterdir() if p.name.startswith("tmp.")] == []
