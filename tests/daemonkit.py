@@ -128,6 +128,18 @@ class Daemon:
         return pids
 
 
+def sigkill(d: Daemon) -> None:
+    """Kill the engine process the way a crash would; its workers follow (channel EOF)."""
+    assert d.proc is not None
+    workers = d.worker_pids()
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while not all(gone(p) for p in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their engine"
+        time.sleep(0.05)
+
+
 @contextlib.asynccontextmanager
 async def http(socket_path: Path, *, limit: int = 100) -> AsyncIterator[aiohttp.ClientSession]:
     """An aiohttp session over the daemon's socket; ``limit=0`` lifts the connection cap (tests

@@ -140,8 +140,10 @@ class FakeWorker:
     def progress(self, batch: Execute, step: int) -> None:
         self.send(Progress(batch.batch_id, step, batch.params.steps))
 
-    def compute_done(self, batch: Execute) -> None:
-        self.send(ComputeDone(batch.batch_id, 5.0))
+    def compute_done(self, batch: Execute, working_bytes: int | None = None) -> None:
+        """COMPUTE_DONE; ``working_bytes``: the peak a real worker measured (worker/memory.py)."""
+        self.send(ComputeDone(batch.batch_id, 5.0, working_bytes=working_bytes,
+                              working_batch=len(batch.requests) if working_bytes is not None else 0))
 
     def output(self, batch: Execute, k: int = 0, value: int = 128) -> TensorDesc:
         """Put request ``k``'s image (H, W, 3 uint8 filled with ``value``) in the arena, send OUTPUT_READY."""
@@ -179,6 +181,7 @@ class Harness:
     def __init__(self, **overrides: Any) -> None:
         models = overrides.pop("models", (ModelConfig(name="m", spec="fake"),))
         fail_starts: list[str | None] = overrides.pop("fail_starts", [])
+        store = overrides.pop("store", None)  # a SqliteStore: what the engine keeps in a state dir
         config = DaemonConfig(models=models, restart_backoff_s=(0.0,), encode_threads=1, **overrides)
         self.spawned: list[FakeWorker] = []
 
@@ -188,7 +191,7 @@ class Harness:
             self.spawned.append(w)
             return w
 
-        self.engine = Engine(config, spawn=spawn)
+        self.engine = Engine(config, spawn=spawn, store=store)
 
     @property
     def worker(self) -> FakeWorker:

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemonkit import Daemon, get, gone, http, submit, until, wait_job
+from daemonkit import Daemon, get, http, sigkill, submit, until, wait_job
 from PIL import Image
 
 from conftest import ROOT
@@ -40,18 +40,6 @@ async def output(s: aiohttp.ClientSession, job: dict[str, Any], k: int = 0) -> b
     async with s.get(f"/v1/jobs/{job['id']}/outputs/{k}") as r:
         assert r.status == 200, await r.text()
         return await r.read()
-
-
-def sigkill(d: Daemon) -> None:
-    """Kill the engine process the way a crash would; its workers follow (channel EOF)."""
-    assert d.proc is not None
-    workers = d.worker_pids()
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait(30)
-    deadline = time.monotonic() + 30
-    while not all(gone(p) for p in workers):
-        assert time.monotonic() < deadline, f"workers {workers} outlived their engine"
-        time.sleep(0.05)
 
 
 def files(state: Path) -> list[str]:

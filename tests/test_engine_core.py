@@ -385,3 +385,43 @@ async def test_edits_reach_the_worker_by_fd_and_each_input_is_closed_when_its_jo
     assert mask is not None and int(img[0, 0, 0]) == 30 and int(mask[0, 0, 0]) == 255
     h.engine.cancel(inpaint.id)
     assert c.buffer.fd == -1
+
+
+async def test_a_resumed_job_for_a_model_the_preload_leaves_on_disk_is_loaded_for_at_once(tmp_path: Any) -> None:
+    """With a budget for one model, a restart's preload loads ``a`` and leaves ``b`` on disk (their sizes
+    remembered). A job for ``b`` the last run left queued must start b's load as soon as the start is
+    done: no READY of b's comes to dispatch it, and without one it waited for a's keep-alive (forever at
+    -1). Found by test_residency_daemon.py's SIGKILL during a load."""
+    import msgspec
+    from enginekit import CAPS
+
+    from diffusiond.daemon.config import ModelConfig
+    from diffusiond.daemon.residency.units import FOREVER
+    from diffusiond.daemon.state.store import SqliteStore
+
+    models = (ModelConfig(name="a", spec="fake-a"), ModelConfig(name="b", spec="fake-b"))
+    first = Harness(models=models, store=SqliteStore(tmp_path))
+    await first.engine.start()
+    job = first.submit(model="b")
+    await first.engine.store.add(job)  # what ``accept`` adds before the 202
+    await first.settle()
+    await first.close()  # as a crash leaves it: the job is live in the state dir
+
+    again = Harness(models=models, store=SqliteStore(tmp_path), device_memory="150", keep_alive_s=FOREVER)
+    for m in again.engine.models():  # remembered from the last run: 100 bytes each, so one fits
+        m.capabilities, m.known = msgspec.structs.replace(CAPS, weight_bytes=100), True
+    await again.engine.start()
+    assert not any(w.config.model_name == "b" for w in again.spawned), "b stays on disk at start"
+
+    async def b_ran() -> bool:
+        while not any(w.config.model_name == "b" and w.executed for w in again.spawned):
+            await asyncio.sleep(0.01)
+        return True
+
+    assert await asyncio.wait_for(b_ran(), 5), "the resumed job never reached b"
+    worker = next(w for w in again.spawned if w.config.model_name == "b")
+    worker.finish(worker.executed[0])
+    resumed = again.engine.jobs[job.id]
+    await again.settle(resumed)
+    assert resumed.status == JobStatus.SUCCEEDED
+    await again.close()

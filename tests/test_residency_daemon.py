@@ -1,5 +1,6 @@
 """Residency against a real daemon on CPU: models leave their device by keep-alive and to make room
-within ``--device-memory``, come back when a job needs them, and every job still gets its bytes.
+within ``--device-memory``, come back when a job needs them, and every job still gets its bytes, even
+when the daemon is killed while a job waits for its model's load.
 
 Three models with different weights (copies of tiny's folder, one UNet tensor changed in each),
 loaded by the same loading code a user's diffusers folder goes through. On a CPU device a model
@@ -15,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemonkit import Daemon, get, http, until
+from daemonkit import Daemon, get, http, sigkill, submit, until, wait_job
 
 from diffusiond.daemon.residency.working import Shape, default_working
 
@@ -187,3 +188,55 @@ def test_a_model_bigger_than_the_budget_is_refused_at_admission_with_what_it_nee
             assert "1.0 MiB" in err["message"] or "1 MiB" in err["message"], err["message"]
 
     asyncio.run(go())
+
+
+def test_sigkill_of_the_daemon_during_a_load_then_a_restart_loses_no_job(
+        three_models: dict[str, Path], daemon_factory: Any, tmp_path: Path) -> None:
+    """The durable-jobs contract (docs/api.md) across a crash in residency's busiest moment: a budget for
+    one model, a job for the other, which sends the first away and loads its own from disk (held 4 s by
+    the test fault ``load_delay_ms``); the engine is SIGKILLed while the job is ``loading``. The restart
+    on the same state dir loads a and leaves b on disk, and the job, queued again, loads b and runs to
+    its output. (It used to wait for a's keep-alive: nothing dispatched a job for a model the start left
+    on disk; test_engine_core.py holds that case in process.)"""
+    two = {k: three_models[k] for k in "ab"}
+    weights = max(sum(f.stat().st_size for f in p.rglob("*.safetensors")) for p in two.values())
+    args = (*model_args(two), "--state-dir", str(tmp_path / "state"), "--device-memory", str(weights * 3 // 2),
+            "--job-timeout", "600", "--keep-alive", "-1", "--test-fault", "load_delay_ms=4000")
+    first = started(daemon_factory, *args)
+    seen: dict[str, Any] = {}
+
+    async def crash() -> str:
+        async with http(first.socket) as s:
+            assert (await models_by_name(s))["b"]["residency"] == "disk", "the budget holds one model: b waits"
+            job = await submit(s, {"prompt": "a lighthouse", "model": "b", **JOB})
+
+            async def loading() -> bool:
+                now = (await get(s, f"/v1/jobs/{job['id']}"))[1]
+                b = (await models_by_name(s))["b"]
+                seen.update(job=now, b=b)
+                return now["stage"] == "loading" and b["residency"] == "loading" and bool(first.worker_pids())
+
+            await until(loading, 120, "the job to wait while b loads from disk")
+            return str(job["id"])
+
+    job_id = asyncio.run(crash())
+    assert seen["job"]["status"] == "queued", seen
+    sigkill(first)  # the engine and, by their channels' end, the worker mid-load
+
+    second = started(daemon_factory, *args)
+
+    async def resumed() -> dict[str, Any]:
+        async with http(second.socket) as s:
+            try:  # a and b load in about 15 s each here; a job left waiting (keep-alive -1) never ends
+                end = await wait_job(s, job_id, timeout=240)
+            except TimeoutError:
+                job = (await get(s, f"/v1/jobs/{job_id}"))[1]
+                pytest.fail(f"the resumed job is stuck {job['status']} in {job['stage']}:\n{second.log()}")
+            if end["status"] == "succeeded":
+                async with s.get(f"/v1/jobs/{job_id}/outputs/0") as r:
+                    assert r.status == 200 and (await r.read()).startswith(b"\x89PNG")
+            return end
+
+    end = asyncio.run(resumed())
+    assert end["status"] == "succeeded", f"the job was not run after the restart: {end}\n{second.log()}"
+    assert end["attempts"] == 1, "it never started before the crash: this is its first run"

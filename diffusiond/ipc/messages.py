@@ -237,6 +237,12 @@ class Ready(msgspec.Struct, frozen=True):
 class ComputeDone(msgspec.Struct, frozen=True):
     batch_id: int
     compute_ms: float
+    # The forward's peak working memory above what was there before it (worker/memory.py says how it is
+    # measured on each device), for ``working_batch`` requests: residency plans the shape with it and
+    # remembers it in the state dir. None: not measured (a retry after running out of memory, a batch
+    # that compiled, a device or system without a cheap honest figure).
+    working_bytes: int | None = None
+    working_batch: int = 0
 
 
 class Progress(msgspec.Struct, frozen=True):

@@ -45,6 +45,7 @@ from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob
+from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,9 @@ class ComputeThread:
         self.on_ready = on_ready
         self.before_forward = before_forward  # tests only (worker/faults.py): e.g. an injected out-of-memory
         self._ended: set[str] = set()  # the current batch's requests already ended: each ends exactly once
+        self._retried = False  # the current batch ran out of memory once: its peak is not its need
+        # each batch's working memory, for residency (worker/memory.py)
+        self.meter = PeakMeter(pipeline.device, offloaded=pipeline.capabilities.offload != "none")
         self.cuda = pipeline.device.type == "cuda"
         self.profiler = profile.from_env()
         self.queue: queue.Queue[Execute | Edit | Control | AddLora] = queue.Queue()
@@ -233,13 +237,17 @@ class ComputeThread:
                 raise PipelineError(f"model {self.pipeline.name} cannot do {batch.params.edit}")
 
         will_compile = getattr(self.pipeline, "will_compile", None)
-        if will_compile is not None and will_compile(batch.params, len(live)):
+        compiling = will_compile is not None and will_compile(batch.params, len(live))
+        if compiling:
             self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, compiling=True))
         self.state.record("compute_start", batch.batch_id)
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
+        ran = len(live)
+        self._retried = False
         try:
-            self.activate_loras(batch.params.loras)
+            self.activate_loras(batch.params.loras)  # before the meter: an adapter's weights are not working memory
+            self.meter.start()
             live, outputs = self._run_or_retry(batch, live, inputs, forward)
         except Interrupted as exc:
             for rid in live_ids:
@@ -261,8 +269,12 @@ class ComputeThread:
             event = torch.cuda.Event()
             event.record()
         compute_ms = (time.perf_counter() - t0) * 1000
+        # a peak after running out of memory, or while compiling, is not what the shape needs: not reported
+        working = self.meter.stop(outputs)
+        measured = working is not None and not self._retried and not compiling
         self.state.record("compute_end", batch.batch_id)
-        self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms))
+        self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms,
+                              working_bytes=working if measured else None, working_batch=ran if measured else 0))
         job = CopyJob(batch.batch_id, batch.params, live, outputs, event)
         if self.sync_output:
             self.copier.process(job)
@@ -285,6 +297,7 @@ class ComputeThread:
             if not is_oom(exc):
                 raise
             first = exc
+        self._retried = True
         self._empty_cache()
         split = len(live) > 1
         log.warning("batch %d (%s) ran out of memory; retrying%s: %s", batch.batch_id, _shape(batch, len(live)),

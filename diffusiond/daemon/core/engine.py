@@ -124,6 +124,10 @@ class Engine:
                 raise WorkerStartError(unfit)
             self.started = True
             self.keeper.started()
+            # Jobs resumed or admitted while the models loaded, for a model the preload left on disk: no
+            # READY of its will come to dispatch them, so without this they would wait for another
+            # model's event (a keep-alive running out; with -1, forever).
+            self.dispatch()
         except BaseException:
             self.accepting = False  # what was admitted stays queued (on disk, when jobs persist)
             raise

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest
+from diffusiond.daemon.core.resume import model_key
 from diffusiond.daemon.core.scheduler import Scheduler, Wait
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.slots import Outputs
@@ -202,12 +203,24 @@ class Flights:
             return
         batch.compute_done = True
         batch.done_at = time.monotonic()
+        if msg.working_bytes is not None:
+            self._measured(batch, msg.working_bytes, msg.working_batch or len(batch.items))
         self.metrics.stage_seconds.labels("compute").observe(msg.compute_ms / 1000)
         for item in batch.items:
             if not item.job.terminal and item.stage <= Stage.COMPUTING:
                 item.stage = Stage.COPYING
                 item.job.add_timing("compute", msg.compute_ms)
         self._leave_compute(batch)
+
+    def _measured(self, batch: Batch, working_bytes: int, ran: int) -> None:
+        """The worker measured the batch's working memory: residency plans with it from now on, and
+        the state dir keeps it (filed as the model's capabilities are) for the next start."""
+        req = batch.items[0].job.request
+        name = batch.worker.config.model_name
+        entry = self.keeper.measured(name, shape_of(req.width, req.height, ran, req.num_frames), working_bytes)
+        model = self.pool.models.get(name)
+        if entry is not None and model is not None:
+            self.store.remember_working(model_key(model), entry)
 
     def on_output(self, worker: WorkerLink, item: Item | None, msg: OutputReady) -> None:
         """An output of a batch landed: hand it to the outputs, or straight back when its job has

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from diffusiond.daemon.core.jobs import Item, Job
 from diffusiond.daemon.core.scheduler import Scheduler
+from diffusiond.daemon.residency.keeper import Keeper
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import ErrorCode, Event, JobStatus
@@ -25,6 +26,7 @@ class Engine(Protocol):
     store: Store
     pool: WorkerPool
     scheduler: Scheduler
+    keeper: Keeper
     jobs: dict[str, Job]
     items: dict[str, Item]
     accepting: bool
@@ -49,6 +51,10 @@ async def recover(self: Engine) -> None:
         caps = remembered.get(model_key(model))
         if caps is not None and not model.known:
             model.capabilities, model.known = caps, True
+    # and what their runs were measured to need (filed like the capabilities: another spec, another model)
+    working = await self.store.working_memory()
+    self.keeper.remembered({m.name: working[model_key(m)] for m in self.pool.models.values()
+                            if model_key(m) in working})
     for job in jobs:
         if job.status == JobStatus.RUNNING:
             job.attempts += 1

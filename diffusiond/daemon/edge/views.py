@@ -131,7 +131,8 @@ def models(engine: Engine) -> dict[str, Any]:
 
 def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[str, Any]:
     """One model: what it makes, and where it is (residency: device, host, disk or loading, the bytes
-    in each, its keep-alive as a Unix time, pinned, its outputs queued and running)."""
+    in each, its keep-alive as a Unix time, pinned, its outputs queued and running), and the working
+    memory its runs were measured at, per shape, which residency plans with (remembered across restarts)."""
     where = where or engine.keeper.snapshot().get(m.name)
     now_wall, now = time.time(), time.monotonic()
     until = where.keep_alive_until if where is not None else None
@@ -148,7 +149,8 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "keep_alive_forever": bool(where and where.forever),
             "pinned": m.config.pinned, "queued": where.queued if where is not None else 0,
             "running": where.running if where is not None else 0,
-            "residency_reason": where.reason if where is not None else ""}
+            "residency_reason": where.reason if where is not None else "",
+            "working_memory": engine.keeper.working(m)}
 
 
 def health(engine: Engine) -> dict[str, Any]:

@@ -172,6 +172,33 @@ class Keeper:
             if model is not None:
                 self._start(self._move(model, move))
 
+    # working memory, measured (worker/memory.py) and remembered (the state dir) -----------------------
+    def measured(self, name: str, shape: Shape, peak_bytes: int) -> dict[str, Any] | None:
+        """A worker measured a run's working memory: later plans for the shape use it. Returns the model's
+        measurements when they changed (a new shape, a larger peak), for the engine to keep in the state
+        dir; None when they did not, so a steady stream of batches writes nothing."""
+        if not self.known(name):
+            return None
+        measurements = self.policy.measurements
+        before = measurements.entry(name)
+        self.policy.measured(name, shape, peak_bytes)
+        after = measurements.entry(name)
+        return after if after != before else None
+
+    def remembered(self, entries: dict[str, Any]) -> None:
+        """At start, the measurements the last run kept (model name -> ``Measurements.entry``), so the first
+        plans use them; one that does not read is logged and measured again."""
+        for name, entry in entries.items():
+            try:
+                self.policy.measurements.load(name, entry)
+            except ValueError as exc:
+                log.warning("%s; it is measured again as it runs", exc)
+
+    def working(self, model: Model) -> dict[str, int]:
+        """The model's measured working bytes per shape key (``WxHxBATCHxFRAMES``), for its weights now."""
+        peaks = self.policy.measurements.peaks(model.name, model.capabilities.weight_bytes)
+        return {s.key: p for s, p in sorted(peaks.items())}
+
     # what the engine asks ---------------------------------------------------------------------------
     def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
         """May ``model`` take a batch of ``shape`` now? If not, the moves that will let it are started."""

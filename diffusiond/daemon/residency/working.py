@@ -123,14 +123,41 @@ class Measurements:
             return Estimate(scaled, True, f"scaled from {s}, the largest measured")
         return Estimate(default_working(weight_bytes, shape), False, "default estimate (not measured yet)")
 
+    def entry(self, model: str) -> dict[str, Any] | None:
+        """One model's measurements as the state dir keeps them (``load`` reads it back), or None."""
+        if model not in self._models:
+            return None
+        wb, peaks = self._models[model]
+        return {"weight_bytes": wb, "peaks": {s.key: p for s, p in sorted(peaks.items())}}
+
+    def load(self, model: str, entry: Any) -> None:
+        """What ``entry`` wrote, checked: the state dir is a file anyone could have edited. A bad entry
+        raises ValueError naming the model and adds nothing of it."""
+        where = "working-memory measurements"
+        wb = entry.get("weight_bytes") if isinstance(entry, dict) else None
+        peaks = entry.get("peaks") if isinstance(entry, dict) else None
+        if not isinstance(wb, int) or not _count(wb) or not isinstance(peaks, dict):
+            raise ValueError(f"{where}: model {str(model)[:80]!r} needs \"weight_bytes\" (a non-negative "
+                             "integer) and \"peaks\" (an object of shape key -> bytes)")
+        checked = []
+        for key, peak in peaks.items():
+            if not _count(peak):
+                raise ValueError(f"{where}: model {model!r} shape {str(key)[:60]!r}: peak must be a "
+                                 f"non-negative integer, got {str(peak)[:40]}")
+            try:
+                checked.append((Shape.from_key(str(key)), peak))
+            except ValueError as exc:
+                raise ValueError(f"{where}: model {model!r}: {exc}") from None
+        for shape, peak in checked:
+            self.record(model, wb, shape, peak)
+
     def to_dict(self) -> dict[str, Any]:
         return {"version": FORMAT_VERSION,
-                "models": {name: {"weight_bytes": wb, "peaks": {s.key: p for s, p in sorted(peaks.items())}}
-                           for name, (wb, peaks) in sorted(self._models.items())}}
+                "models": {name: self.entry(name) for name in sorted(self._models)}}
 
     @classmethod
     def from_dict(cls, data: Any) -> Measurements:
-        """What ``to_dict`` wrote, checked: the state dir is a file anyone could have edited."""
+        """What ``to_dict`` wrote, checked (``load`` for each model)."""
         where = "working-memory measurements"
         if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
             raise ValueError(f"{where}: expected an object with \"version\": {FORMAT_VERSION}")
@@ -139,16 +166,7 @@ class Measurements:
             raise ValueError(f"{where}: expected \"models\" to be an object of model name -> measurements")
         out = cls()
         for name, entry in models.items():
-            wb = entry.get("weight_bytes") if isinstance(entry, dict) else None
-            peaks = entry.get("peaks") if isinstance(entry, dict) else None
-            if not isinstance(wb, int) or not _count(wb) or not isinstance(peaks, dict):
-                raise ValueError(f"{where}: model {str(name)[:80]!r} needs \"weight_bytes\" (a non-negative "
-                                 "integer) and \"peaks\" (an object of shape key -> bytes)")
-            for key, peak in peaks.items():
-                if not _count(peak):
-                    raise ValueError(f"{where}: model {name!r} shape {str(key)[:60]!r}: peak must be a "
-                                     f"non-negative integer, got {str(peak)[:40]}")
-                out.record(str(name), wb, Shape.from_key(str(key)), peak)
+            out.load(str(name), entry)
         return out
 
 

@@ -31,7 +31,7 @@ import os
 import sqlite3
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +72,10 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS models (
     name TEXT PRIMARY KEY,
     capabilities TEXT NOT NULL               -- msgspec JSON of Capabilities, from the model's last READY
+);
+CREATE TABLE IF NOT EXISTS working (
+    name TEXT PRIMARY KEY,                   -- the model's key, as in models
+    peaks TEXT NOT NULL                      -- JSON of residency.working.Measurements.entry: peaks per shape
 );
 CREATE INDEX IF NOT EXISTS jobs_model ON jobs (model, seq);
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
@@ -135,6 +139,14 @@ class Store:
 
     def remember(self, model: str, capabilities: Capabilities) -> None:
         """Keep what a model said of itself (its READY) for the next start."""
+
+    async def working_memory(self) -> dict[str, Any]:
+        """The working memory each model's runs were measured at (residency/working.py's entries), so a
+        restarted daemon plans with measurements instead of its conservative default."""
+        return {}
+
+    def remember_working(self, model: str, entry: Mapping[str, Any]) -> None:
+        """Keep a model's measured working memory (all its shapes) for the next start."""
 
     async def add(self, job: Job) -> None:
         """Record a newly admitted job; returns once it is on disk."""
@@ -265,6 +277,21 @@ class SqliteStore(Store):
     def remember(self, model: str, capabilities: Capabilities) -> None:
         caps = msgspec.json.encode(capabilities).decode()
         self._later(self._db_execute, "INSERT OR REPLACE INTO models (name, capabilities) VALUES (?, ?)", (model, caps))
+
+    async def working_memory(self) -> dict[str, Any]:
+        rows = await self._run(lambda: self._db().execute("SELECT name, peaks FROM working").fetchall())
+        out = {}
+        for name, peaks in rows:
+            try:
+                out[name] = json.loads(peaks)  # checked where it is read (Measurements.load)
+            except ValueError:
+                log.warning("the remembered working memory of %s in %s does not read; it is measured again",
+                            name, self.db_path)
+        return out
+
+    def remember_working(self, model: str, entry: Mapping[str, Any]) -> None:
+        self._later(self._db_execute, "INSERT OR REPLACE INTO working (name, peaks) VALUES (?, ?)",
+                    (model, json.dumps(entry)))
 
     def _db_execute(self, sql: str, params: tuple[Any, ...]) -> None:
         self._db().execute(sql, params)
