@@ -425,3 +425,20 @@ async def test_a_resumed_job_for_a_model_the_preload_leaves_on_disk_is_loaded_fo
     await again.settle(resumed)
     assert resumed.status == JobStatus.SUCCEEDED
     await again.close()
+
+
+async def test_a_model_nothing_fits_refuses_every_job_with_what_was_tried() -> None:
+    """offload=auto found no configuration within the budget (config.py): the model's jobs are refused at
+    admission with that list, instead of queueing for a load that cannot fit."""
+    from diffusiond.daemon.config import ModelConfig
+
+    tried = "nothing fits the --device-memory budget of 1 GiB with offload=auto: none (offload=none) needs 30 GiB"
+    h = Harness(models=(ModelConfig(name="m", spec="fake", nothing_fits=tried),), device_memory="1GiB")
+    await h.engine.start()
+    try:
+        with pytest.raises(errors.ModelTooLarge) as refused:
+            h.submit()
+        assert tried in str(refused.value) and "model 'm' cannot run on cpu" in str(refused.value)
+        assert h.engine.scheduler.depth == 0 and not any(w.executed for w in h.spawned)
+    finally:
+        await h.close()

@@ -157,6 +157,17 @@ def test_auto_takes_the_fastest_exact_configuration_that_fits(flux: Path) -> Non
     assert choose_auto("tiny", {}, "bfloat16", on_cpu=False, budget=10)[0] == "none"  # not sizable: resident
 
 
+def test_a_model_nothing_fits_has_its_jobs_refused_naming_every_configuration_tried(flux: Path) -> None:
+    config = build_config({}, {"model": [f"f={flux}"], "offload": "auto", "device_memory": "1KB",
+                               "device": "cuda:0"})
+    unfit = config.models[0].nothing_fits  # what keeper.admit answers every job of it with (model_too_large)
+    assert unfit.startswith("nothing fits the --device-memory budget of 1000 B with offload=auto: ")
+    for name in ("none", "group", "model", "sequential"):
+        assert f"{name} (offload={name}) needs " in unfit
+    roomy = build_config({}, {"model": [f"f={flux}"], "offload": "auto", "device_memory": "16GB", "device": "cuda:0"})
+    assert roomy.models[0].nothing_fits == "" and roomy.models[0].options["offload"] == "none"
+
+
 def test_working_memory_counts_beside_the_weights(flux: Path) -> None:
     bare = fit(str(flux), budget=2**30, working=0).configurations[0]
     estimated = fit(str(flux), budget=2**30).configurations[0]  # residency's estimate at 1024x1024

@@ -56,6 +56,7 @@ class ModelConfig:
     keep_alive_s: float | None = None  # TOML ``keep_alive``: this model's, over the daemon's --keep-alive
     pinned: bool = False  # TOML ``pin = true`` or --pin NAME: never leaves its device for another model
     offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
+    nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
 
 
 def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -444,9 +445,10 @@ def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:
                           "host memory already, so there is nothing to offload to (use offload=none or auto)")
     if mode != "auto":
         return m
-    chosen, reason = choose_auto(m.spec, m.options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
-                                 budget=config.device_memory_bytes if config.device_memory else None)
-    return replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}")
+    chosen, reason, unfit = choose_auto(m.spec, m.options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
+                                        budget=config.device_memory_bytes if config.device_memory else None)
+    return replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}",
+                   nothing_fits=unfit)
 
 
 def _compile_mode(value: Any) -> str:

@@ -43,6 +43,7 @@ from diffusiond.daemon.residency.sizes import (
     component_files,
     read_tensors,
 )
+from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape, default_working
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import parse_spec
@@ -259,18 +260,27 @@ def choose_offload(report: FitReport) -> tuple[str, str]:
 
 def tried(report: FitReport) -> str:
     """Every configuration and what it needed, for an error a user acts on."""
-    return "; ".join(f"{c.name} ({c.option}) needs {c.needs} bytes on the device" for c in report.configurations)
+    return "; ".join(f"{c.name} ({c.option}) needs {format_bytes(c.needs)} on the device"
+                     for c in report.configurations)
 
 
 def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bool,
-                budget: int | None) -> tuple[str, str]:
-    """What ``offload=auto`` runs a configured model with, and why (logged at the daemon's start)."""
+                budget: int | None) -> tuple[str, str, str]:
+    """What ``offload=auto`` runs a configured model with, why (logged at the daemon's start), and, when no
+    configuration fits the budget, the message its jobs are refused with (``model_too_large``): every
+    configuration tried and what it needed. Empty when one fits, or when the model cannot be sized."""
     if on_cpu:
-        return "none", "none: a CPU device holds the weights in host memory already"
+        return "none", "none: a CPU device holds the weights in host memory already", ""
     if budget is None:
-        return "none", "none: no --device-memory budget to fit"
+        return "none", "none: no --device-memory budget to fit", ""
     try:
         report = fit(spec, dtype=dtype, budget=budget, options=options)
     except (WeightsError, PipelineError) as exc:
-        return "none", f"none: the model's size is not known before it loads ({exc})"
-    return choose_offload(report)
+        return "none", f"none: the model's size is not known before it loads ({exc})", ""
+    chosen, why = choose_offload(report)
+    if any(c.fits for c in report.configurations if c.name != "fp8"):
+        return chosen, why, ""
+    fp8 = next((c for c in report.configurations if c.name == "fp8" and c.fits), None)
+    hint = f"; {fp8.option} (approximate) would fit: ask for it with quant=" if fp8 is not None else ""
+    return chosen, why, (f"nothing fits the --device-memory budget of {format_bytes(budget)} with offload=auto: "
+                         f"{tried(report)}{hint}")

@@ -127,7 +127,13 @@ class Keeper:
         return self.policy.has(name)
 
     def admit(self, name: str, shape: Shape, outputs: int) -> TooLarge | None:
-        """At admission: a job the model can never run within the budget is refused (``TooLarge``)."""
+        """At admission: a job the model can never run within the budget is refused (``TooLarge``); so is
+        every job of a model for which ``offload=auto`` found no configuration that fits (config.py)."""
+        model = self.pool.models.get(name)
+        if model is not None and model.config.nothing_fits:
+            budget = self.config.device_memory_bytes or 0
+            return TooLarge(name, 0, budget, (), f"model {name!r} cannot run on {model.config.devices[0]}: "
+                                                 f"{model.config.nothing_fits}")
         if not self.known(name):
             return None
         plan = self.policy.plan(name, shape)
