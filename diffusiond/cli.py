@@ -56,7 +56,7 @@ SERVE_FIELDS = (
     "preview_decoder",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
-    "reserve_memory",
+    "reserve_memory", "preload",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -231,6 +231,9 @@ def _add_serve(sub: Any) -> None:
     add("--reserve-memory", metavar="SIZE",
         help="free memory left to other programs on each GPU: below it idle models leave and new jobs wait (1GiB)")
     add("--pin", action="append", metavar="NAME", help="this model never leaves its device for another; repeatable")
+    add("--preload", action="append", metavar="NAME|all|none",
+        help="models the start loads (repeatable or a,b); the others load when a job needs them "
+             "(default: those that fit, in order; none when systemd socket-activates the daemon)")
     add("--offload", choices=("none", "model", "group", "sequential", "auto"), metavar="MODE",
         help="what of every model stays on its device: none, model, group (blocks streamed in), sequential, or "
              "auto (the fastest that fits --device-memory, from the files' headers; see diffusiond fit)")

@@ -75,3 +75,53 @@ def test_device_cuda_without_a_gpu_is_a_config_error_naming_the_flag() -> None:
     else:
         with pytest.raises(ConfigError, match="--device cuda, but no CUDA device is visible"):
             parse_devices("cuda", 1)
+
+
+def test_preload_flag_toml_and_tables_in_their_order_of_precedence(tmp_path: Path) -> None:
+    from diffusiond.daemon.residency.preload import choose
+
+    f = tmp_path / "c.toml"
+    f.write_text('preload = "b"\n[[models]]\nname = "a"\nspec = "tiny"\npreload = true\n'
+                 '[[models]]\nname = "b"\nspec = "tiny"\n[[models]]\nname = "c"\nspec = "tiny"\npreload = false\n')
+    cfg = build_config(load_toml(f), {})
+    assert cfg.preload == ("b",) and [m.preload for m in cfg.models] == [True, None, False]
+    # a table's own word wins over the file's top level; the top level decides for the rest
+    assert {n: w for n, (w, _) in choose([(m.name, m.preload) for m in cfg.models], cfg.preload, False).items()} \
+        == {"a": True, "b": True, "c": False}
+    # --preload replaces every word of the file, the tables' own included
+    flag = build_config(load_toml(f), {"preload": ["c"]})
+    assert flag.preload == ("c",) and all(m.preload is None for m in flag.models)
+    assert [w for w, _ in choose([(m.name, m.preload) for m in flag.models], flag.preload, False).values()] \
+        == [False, False, True]
+    # repeatable and comma lists, in the order given, each name once
+    assert build_config({}, {"model": ["a=tiny", "b=tiny"], "preload": ["b,a", "b"]}).preload == ("b", "a")
+    assert build_config({"preload": False}, {}).preload == ("none",)
+    assert build_config({"preload": ["all"]}, {}).preload == ("all",)
+
+
+def test_preload_default_is_what_fits_and_none_when_socket_activated() -> None:
+    from diffusiond.daemon.residency.preload import choose
+
+    models = [("a", None), ("b", True)]
+    assert {n: w for n, (w, _) in choose(models, None, False).items()} == {"a": True, "b": True}
+    # socket-activated: nothing the configuration did not ask for; an explicit word still counts
+    assert {n: w for n, (w, _) in choose(models, None, True).items()} == {"a": False, "b": True}
+    assert {n: w for n, (w, _) in choose([("a", None)], ("all",), True).items()} == {"a": True}
+    assert "socket-activated" in choose(models, None, True)["a"][1]
+
+
+@pytest.mark.parametrize(
+    ("values", "overrides", "words"),
+    [
+        ({}, {"model": ["a=tiny", "b=tiny"], "preload": ["c"]}, r"--preload c: no such model \(models: a, b"),
+        ({}, {"preload": ["tiny,all"]}, "'all' stands alone"),
+        ({}, {"preload": [" , "]}, "preload is empty; give model names"),
+        ({"preload": 3}, {}, "preload 3 is not a model name"),
+        ({"models": [{"name": "a", "spec": "tiny", "preload": "no"}]}, {},
+         "model 'a': preload 'no' is not true or false"),
+    ],
+)
+def test_preload_errors_name_the_value_and_what_is_accepted(values: dict[str, object], overrides: dict[str, object],
+                                                            words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        build_config(values, overrides)

@@ -76,6 +76,9 @@ def test_daemon_socket_activation_and_notify(tmp_path: Path, model_cache: Path) 
         # the daemon serves on the inherited socket and did not create its own
         assert b'"ready": true' in _get(listen_path, "/ready")
         assert not (tmp_path / "unused.sock").exists()
+        # socket-activated, it loads nothing it was not asked to: no worker, the model on disk
+        assert b'"workers": []' in _get(listen_path, "/health")
+        assert b'"residency": "disk"' in _get(listen_path, "/v1/models")
         proc.send_signal(signal.SIGTERM)
         rest = _recv_all(notify, "STOPPING=1", 60)
         assert "STOPPING=1" in rest

@@ -19,6 +19,7 @@ from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.residency.fit import choose_auto
+from diffusiond.daemon.residency.preload import check_preload, parse_preload
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg
@@ -55,6 +56,7 @@ class ModelConfig:
     warmup: tuple[tuple[int, int, int], ...] = ()  # (width, height, batch) run before the worker is ready
     keep_alive_s: float | None = None  # TOML ``keep_alive``: this model's, over the daemon's --keep-alive
     pinned: bool = False  # TOML ``pin = true`` or --pin NAME: never leaves its device for another model
+    preload: bool | None = None  # TOML ``preload = true|false``: over the file's top-level preload, under --preload
     offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
     nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
 
@@ -159,6 +161,9 @@ class DaemonConfig:
     device_memory: str | None = None  # a size (8GiB) or a fraction of the device (0.8); None: no budget
     host_memory: str | None = None  # weights kept in host memory off their devices; None: no bound
     pin: tuple[str, ...] = ()
+    # Which models the start loads (residency/preload.py): names, ("all",) or ("none",); None: the default
+    # (those that fit, in order; none in a socket-activated daemon). The others load when a job needs them.
+    preload: tuple[str, ...] | None = None
     # Free memory kept for other programs on each GPU (residency/pressure.py); None: 1 GiB.
     reserve_memory: str | None = None
 
@@ -261,6 +266,10 @@ class DaemonConfig:
         if unknown_pins:
             raise ConfigError(f"--pin {', '.join(unknown_pins)}: no such model (models: "
                               f"{', '.join(m.name for m in self.models)})")
+        try:
+            check_preload(self.preload, [m.name for m in self.models])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return self
 
 
@@ -394,6 +403,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                     keep_alive_s=duration(t["keep_alive"], f"model {t.get('name', t['spec'])!r}: keep_alive")
                     if "keep_alive" in t else None,
                     pinned=bool(t.get("pin", False)),
+                    preload=_own_preload(t),
                 )
             )
     else:
@@ -412,6 +422,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)
         if key in values:
             values[f"{key}_s"] = duration(values.pop(key), key)
+    if "preload" in values:  # --preload replaces every other word on it, the tables' own included
+        values["preload"] = _preload(values["preload"])
+        if overrides.get("preload") is not None:
+            models = [replace(m, preload=None) for m in models]
     if "pin" in values:
         values["pin"] = tuple(values["pin"]) if isinstance(values["pin"], list | tuple) else (str(values["pin"]),)
         models = [replace(m, pinned=m.pinned or m.name in values["pin"]) for m in models]
@@ -449,6 +463,21 @@ def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:
                                         budget=config.device_memory_bytes if config.device_memory else None)
     return replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}",
                    nothing_fits=unfit)
+
+
+def _preload(value: Any) -> tuple[str, ...]:
+    try:
+        return parse_preload(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _own_preload(table: dict[str, Any]) -> bool | None:
+    """A ``[[models]]`` table's ``preload``: true or false (a string such as "no" would read as true)."""
+    value = table.get("preload")
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"model {table.get('name', table['spec'])!r}: preload {value!r} is not true or false")
+    return value
 
 
 def _compile_mode(value: Any) -> str:

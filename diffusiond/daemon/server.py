@@ -161,7 +161,7 @@ async def run(config: DaemonConfig) -> int:
         if config.web is not None:
             web_runner, bound = await _start_web(engine, config.web, token, web_address)
             where += f" and the web page on {bound}"
-        log.info("diffusiond %s listening on %s; loading %s; %s", __version__, where,
+        log.info("diffusiond %s listening on %s; models %s; %s", __version__, where,
                  ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models),
                  f"jobs kept in {config.state_path}" if config.persist else "jobs kept in memory only (--no-persist)")
         for m in config.models:
@@ -170,7 +170,7 @@ async def run(config: DaemonConfig) -> int:
         systemd.notify("STATUS=loading models")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
-        start = asyncio.ensure_future(engine.start())
+        start = asyncio.ensure_future(engine.start(socket_activated=bool(inherited)))
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait([start, stopper], return_when=asyncio.FIRST_COMPLETED)
         if start.done():

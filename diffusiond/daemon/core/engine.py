@@ -107,10 +107,11 @@ class Engine:
         return self.pool.paused
 
     # lifecycle ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Take back what the last run left unfinished, admit jobs, then start every worker (jobs
-        admitted meanwhile wait in the queue); fail with the first worker's reason if a model
-        cannot load, or if a LoRA adapter fits no model."""
+    async def start(self, *, socket_activated: bool = False) -> None:
+        """Take back what the last run left unfinished, admit jobs, then load the models the start
+        loads (``residency/preload.py``: by default those that fit; none when systemd started the
+        daemon on a connection); jobs admitted meanwhile wait in the queue. Fail with the first
+        worker's reason if a model cannot load, or if a LoRA adapter fits no model."""
         await self.recover()
         self.accepting = True
         if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
@@ -118,7 +119,7 @@ class Engine:
         self._pool_starting = True
         self._changed.set()
         try:
-            await self.keeper.preload()
+            await self.keeper.preload(socket_activated)
             unfit = self.loras.unfit_at_start(self.models())
             if unfit:
                 raise WorkerStartError(unfit)
@@ -194,18 +195,29 @@ class Engine:
     def models(self) -> list[Model]:
         return list(self.pool.models.values())
 
-    async def described(self) -> None:
-        """Wait until jobs are admitted (the state dir is read) and every model's defaults and
-        limits are its own (its first READY, or remembered from the last run), so a request that
-        comes while models load is completed and checked the way it will run. Not waited for: a
-        daemon that is stopping, or a model whose workers could not start."""
+    async def described(self, name: str | None = None) -> None:
+        """Wait until jobs are admitted (the state dir is read) and the model a request names (the
+        first, by default) has its own defaults and limits (its first READY, or remembered from the
+        last run), so a request that comes while models load is completed and checked the way it will
+        run. A model never seen that waits on disk is loaded now, for this request (``Keeper.learn``):
+        a 503 naming the model when that load fails. Not waited for: a daemon that is stopping, a model
+        whose workers could not start, or a name not served (the caller's ``model`` says 404)."""
+        if name is not None and name not in self.pool.models:
+            return
+        model = self.pool.model(name)
+
         def settled() -> bool:
             if self.draining or self.stopping:
                 return True
-            return self.accepting and all(m.known or not (self._pool_starting or m.can_take_jobs())
-                                          for m in self.pool.models.values())
+            return self.accepting and (model.known or model.retired
+                                       or not (self._pool_starting or model.can_take_jobs()))
 
         await self._wait_until(settled, self.config.worker_start_timeout_s)
+        unfit = bool(model.config.nothing_fits)  # refused at admission: no load to learn it
+        if not model.known and model.retired and not unfit and not (self.draining or self.stopping):
+            failed = await self.keeper.learn(model)
+            if failed is not None:
+                raise NoWorker(f"model {model.name!r} could not be loaded: {failed}")
 
     async def accept(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job and return once it is recorded (on disk when jobs persist): what a 202 promises."""
@@ -220,6 +232,10 @@ class Engine:
     async def load_model(self, name: str) -> None:
         """By hand: the model onto its device now (``POST /v1/models/{name}/load``)."""
         model = self.pool.model(name)
+        if not self.keeper.known(name) and model.retired:  # never seen: its first load places it
+            failed = await self.keeper.learn(model)
+            if failed is not None:
+                raise NoWorker(f"model {name!r} could not be loaded: {failed}")
         try:
             await self.keeper.load(model)
         except ValueError as exc:

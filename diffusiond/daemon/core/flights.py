@@ -24,6 +24,7 @@ from diffusiond.daemon.core.resume import model_key
 from diffusiond.daemon.core.scheduler import Scheduler, Wait
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.slots import Outputs
+from diffusiond.daemon.residency.decisions import LOADING
 from diffusiond.daemon.residency.keeper import Keeper, shape_of
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.state.store import Store
@@ -72,7 +73,8 @@ class Flights:
                 continue
             head = waiting[0].request
             if not self.keeper.may_dispatch(model, shape_of(head.width, head.height, 1, head.num_frames)):
-                self._hold(waiting, self.keeper.why_waiting(model.name))
+                why = self.keeper.why_waiting(model.name)
+                self._hold(waiting, why, self.keeper.load_bytes(model) if why == LOADING else None)
                 continue
             self._hold(waiting, None)
             while True:
@@ -96,10 +98,14 @@ class Flights:
             self._timer = loop.call_at(loop.time() + max(0.0, wake_at - now), self.dispatch)
 
     @staticmethod
-    def _hold(jobs: list[Job], why: str | None) -> None:
-        """Queued jobs say why they wait (``loading``, ``waiting_for_memory``): a STATUS event when it changes."""
+    def _hold(jobs: list[Job], why: str | None, load_bytes: int | None = None) -> None:
+        """Queued jobs say why they wait (``loading``, ``waiting_for_memory``): a STATUS event when it changes.
+        While ``loading``, what they wait for: the model's weights (``Keeper.load_bytes``)."""
         for job in jobs:
-            if job.held != why and not job.terminal:
+            if job.terminal:
+                continue
+            job.load_bytes = load_bytes
+            if job.held != why:
                 job.held = why
                 job.emit(Event.STATUS)
 

@@ -146,6 +146,7 @@ class Job:
     deadline: asyncio.TimerHandle | None = None
     last_preview: Preview | None = None  # what a PREVIEW event is about, while it is emitted
     held: str | None = None  # queued, and why: its model is "loading" or it is "waiting_for_memory"
+    load_bytes: int | None = None  # while "loading": the model's weights as last counted (None: never loaded)
 
     @property
     def terminal(self) -> bool:

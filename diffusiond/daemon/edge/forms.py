@@ -91,9 +91,13 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     partial_images: Any = None
 
 
-def parse_images(body: bytes, limits: Limits, resolve_model: ModelResolver, *,
+def images_body(body: bytes) -> ImagesBody:
+    """The JSON of ``/v1/images/generations``, decoded once: its model is known before the rest is checked."""
+    return decode(body, ImagesBody)
+
+
+def parse_images(b: ImagesBody, limits: Limits, resolve_model: ModelResolver, *,
                  loras: LoraCheck | None = None) -> tuple[JobRequest, str]:
-    b = decode(body, ImagesBody)
     model = resolve_model(b.model)
     req = openai_fields(msgspec.structs.asdict(b))
     return check(req, limits, model, size_field="size", loras=loras), b.response_format

@@ -38,7 +38,7 @@ async def create_job(request: web.Request) -> web.Response:
     b = requests.decode(body, requests.JobBody)
     if len(body) > limits.max_body_bytes and b.image is None and b.mask is None:
         raise bodies.too_large(len(body), limits.max_body_bytes)
-    await engine.described()  # a request that comes while models load is completed with their own defaults
+    await engine.described(b.model)  # completed with its model's own defaults, even while it loads
     model = engine.model(b.model)
     fields = requests.sized(msgspec.structs.asdict(b))  # "size": "512x512" -> width, height
     edit = await bodies.decode_edit(engine, fields, model)

@@ -14,7 +14,7 @@ from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.edge import bodies, requests, views
-from diffusiond.daemon.edge.forms import edits_form, parse_images
+from diffusiond.daemon.edge.forms import edits_form, images_body, parse_images
 from diffusiond.daemon.edge.status import ENGINE, STATUS_OF_FAILURE, HttpError
 from diffusiond.protocol import ErrorCode, JobStatus
 
@@ -22,8 +22,9 @@ from diffusiond.protocol import ErrorCode, JobStatus
 async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = await bodies.read_body(request, engine.config.limits.max_body_bytes)
-    await engine.described()
-    req, response_format = parse_images(body, engine.config.limits, engine.model, loras=engine.check_loras)
+    b = images_body(body)
+    await engine.described(b.model)
+    req, response_format = parse_images(b, engine.config.limits, engine.model, loras=engine.check_loras)
     job = await engine.accept(req, sync=True)
     data = await _finish_sync([job], engine, response_format)
     return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
@@ -66,8 +67,8 @@ async def images_edits(request: web.Request) -> web.Response:
     (``n`` outputs each), run side by side; the answer lists their outputs in the order of the images."""
     engine = request.app[ENGINE]
     text, images, mask = await bodies.read_edit_form(request, engine.config.limits.max_upload_bytes)
-    await engine.described()
     fields = edits_form(text)
+    await engine.described(fields.get("model"))
     model = engine.model(fields.get("model"))
     if not images:
         raise errors.invalid("send the image to edit as the multipart file field 'image'", field="image")

@@ -51,6 +51,9 @@ def job(j: Job) -> dict[str, Any]:
         "status": j.status.value,
         "stage": j.stage_label,
         "progress": {"step": j.progress[0], "total": j.progress[1] or r.steps},
+        # what a job in stage "loading" waits for; bytes_loaded stays null: no load reports it as it reads
+        "loading": {"model": r.model, "bytes_loaded": None, "bytes_total": j.load_bytes}
+        if j.stage_label == "loading" else None,
         "outputs": [
             {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,
              "bytes": i.nbytes, "batch": i.batch_id}
@@ -159,7 +162,8 @@ def health(engine: Engine) -> dict[str, Any]:
     workers = list(pool.workers())
     return {
         "version": __version__,
-        "status": "ok" if all(m.state == ModelState.READY or pool.paused for m in pool.models.values())
+        # a model residency left on disk (never loaded, or sent away) has no worker to be sick
+        "status": "ok" if all(m.state == ModelState.READY or m.retired or pool.paused for m in pool.models.values())
         else "degraded",
         "accepting": engine.accepting,
         "sleeping": pool.paused,

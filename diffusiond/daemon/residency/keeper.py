@@ -11,6 +11,11 @@ A move, by tier (one worker per model and device, as the pool starts them):
 - device or host -> disk: stop the model's workers (everything they held is freed, the CUDA
   context included); a job that needs the model again starts them anew;
 - host -> device: WAKE; disk -> device: start the workers.
+
+Load on demand: the start loads only the models ``preload.py`` chooses (by default those that fit);
+every other model starts on disk with no worker at all, and its first job loads it. A model never
+seen before (nothing remembered in the state dir) has no size or defaults yet: its first request
+loads it (``learn``) and is completed and checked with what the worker then reports.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from diffusiond.daemon.residency.decisions import (
     Wait,
 )
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
+from diffusiond.daemon.residency.preload import choose
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
@@ -66,6 +72,7 @@ class Keeper:
         self.pressure: PressureWatch | None = None
         self._held: dict[str, str] = {}  # model -> the stage of the policy's last Wait for it
         self._watch: asyncio.Task[None] | None = None
+        self._learning: dict[str, asyncio.Task[str | None]] = {}  # model -> its first load (``learn``)
 
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
@@ -86,15 +93,28 @@ class Keeper:
         if model is not None and move.model not in self.moving:
             self._start(self._move(model, move))
 
-    async def preload(self) -> None:
-        """Start the models' workers. Without a budget, all at once (as before residency). With one,
-        in the order configured: a model that ran before (its size remembered in the state dir) and
-        does not fit beside those loaded already is not loaded at all; one never seen is loaded once,
-        to learn its capabilities and size, and leaves again at once if it does not fit."""
+    async def preload(self, socket_activated: bool = False) -> None:
+        """Load the models the configuration chooses (``preload.py``); every other one stays on disk, with
+        no worker, until a job needs it. Without a budget the chosen start side by side. With one, in the
+        order configured: a model that ran before (its size remembered in the state dir) and does not fit
+        beside those loaded already is not loaded at all; one never seen is loaded once, to learn its
+        capabilities and size, and leaves again at once if it does not fit."""
+        models = list(self.pool.models.values())
+        wanted = choose([(m.name, m.config.preload) for m in models], self.config.preload, socket_activated)
+        for model in models:
+            want, why = wanted[model.name]
+            if want and model.config.nothing_fits:
+                want, why = False, model.config.nothing_fits
+                wanted[model.name] = (want, why)
+            log.info("%s %s at start: %s", model.name, "loads" if want else "stays on disk", why)
+            if not want:
+                self._on_disk(model)
+        chosen = [m for m in models if wanted[m.name][0]]
         if self.config.device_memory is None:
-            await self.pool.start()
+            await self.pool.start(chosen)  # with none chosen, this starts only the heartbeat
             return
-        for model in self.pool.models.values():
+        await self.pool.start([])
+        for model in chosen:
             if model.known and model.capabilities.weight_bytes:
                 self._register(model)
                 if not isinstance(self.policy.plan(model.name, None), Fits):
@@ -107,6 +127,13 @@ class Keeper:
             if over or isinstance(plan, TooLarge):
                 move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
                 await self._move(model, move)
+
+    def _on_disk(self, model: Model) -> None:
+        """Not loaded at start: no worker (``retired``: a job starts them); placed in the budget now when
+        its size is remembered, else by its first load (``learn``)."""
+        model.retired = True
+        if model.known and model.capabilities.weight_bytes:
+            self._register(model)
 
     def _register(self, model: Model) -> None:
         if not self.policy.has(model.name):
@@ -212,6 +239,9 @@ class Keeper:
         if name in self.moving:
             return False  # its move ends with a dispatch of its own
         if not self.known(name):
+            if model.retired:  # on disk and never placed: its first load tells the policy its size
+                self._start_learning(model)
+                return False
             return True  # not loaded yet at start: the pool's start brings it
         states = {w.state for w in model.workers}
         replaced = model.replacing or WorkerState.STARTING in states
@@ -242,6 +272,13 @@ class Keeper:
             return LOADING
         return WAITING_FOR_MEMORY
 
+    @staticmethod
+    def load_bytes(model: Model) -> int | None:
+        """What a job waiting for ``model``'s load waits for: its weights as its worker last counted them
+        (remembered in the state dir), or None for a model never loaded. The bytes read so far are not
+        counted: neither a worker's load (diffusers reads whole files) nor a wake reports them."""
+        return model.capabilities.weight_bytes or None if model.known else None
+
     def snapshot(self) -> dict[str, ModelStatus]:
         return {s.name: s for s in self.policy.snapshot()}
 
@@ -261,13 +298,13 @@ class Keeper:
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{model.name} did not load within {limit:g} s (worker_start_timeout_s)")
 
-    async def unload(self, model: Model, reason: str) -> ModelStatus:
-        """By hand (``POST /v1/models/{name}/unload``, ``sleep``): off its device once it has no work."""
-        got = self.policy.evict(model.name, reason)
+    async def unload(self, model: Model, reason: str) -> None:
+        """By hand (``POST /v1/models/{name}/unload``, ``sleep``): off its device once it has no work.
+        A model the policy does not know yet has never been loaded (on disk since the start): nothing to do."""
+        got = self.policy.evict(model.name, reason) if self.known(model.name) else None
         if isinstance(got, Evict):
             for move in got.moves:
                 await self._move(model, move)
-        return self.snapshot()[model.name]
 
     # moves ------------------------------------------------------------------------------------------
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -297,6 +334,52 @@ class Keeper:
         self.metrics.model_load_seconds.observe(time.monotonic() - t0)
         self.moving.discard(name)
         self.on_change()
+
+    async def learn(self, model: Model) -> str | None:
+        """A model never seen and not preloaded has neither defaults nor a size: a request for it waits
+        for its first load (the one its job would make anyway) and is completed with what the worker
+        reports, rather than load every model once at start, which would take the memory an idle
+        daemon should leave free. Returns why the load failed, or None; one load for all who wait."""
+        return await asyncio.shield(self._start_learning(model))
+
+    def _start_learning(self, model: Model) -> asyncio.Task[str | None]:
+        task = self._learning.get(model.name)
+        if task is None:
+            task = self._learning[model.name] = asyncio.ensure_future(self._learn(model))
+            task.add_done_callback(lambda _: self._learning.pop(model.name, None))
+        return task
+
+    async def _learn(self, model: Model) -> str | None:
+        """Its first load. Nothing is dispatched to it (``moving``) until the size it reports is placed:
+        it stays if it fits; idle models leave if that makes room (as they would for its job); else it
+        leaves at once, as at start, and its jobs wait to load it again once there is room."""
+        name = model.name
+        self.moving.add(name)
+        t0 = time.monotonic()
+        log.info("loading %s for the first time, to learn its defaults and size", name)
+        try:
+            await self.pool.revive(model)  # its READY registers it in the policy, on disk (``worker_ready``)
+        except Exception as exc:
+            log.error("loading %s failed: %s", name, exc)
+            self.moving.discard(name)
+            self.on_change()
+            return str(exc)
+        plan = None
+        if self.policy.has(name):  # else no READY came (the daemon is stopping): nothing to place
+            self.policy.loading_started(name)
+            self.policy.loaded(name, time.monotonic())
+            self.metrics.model_loads_total.labels(name).inc()
+            self.metrics.model_load_seconds.observe(time.monotonic() - t0)
+            plan = self.policy.plan(name, None)
+        self.moving.discard(name)
+        if isinstance(plan, Evict):
+            for move in plan.moves:
+                self._start(self._move(self.pool.models[move.model], move))
+        elif plan is not None and not isinstance(plan, Fits):
+            await self._move(model, Move(name, "device", "disk", f"its first load showed it does not fit: "
+                                                                 f"{plan.reason}"))
+        self.on_change()
+        return None
 
     async def _move(self, model: Model, move: Move) -> None:
         name = model.name
