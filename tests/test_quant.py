@@ -112,3 +112,24 @@ def test_a_typo_in_quant_stops_the_daemon_at_start_with_the_reason(tmp_path: Pat
                           "--model", "tiny,quant=unet:fp9"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "unet:fp9 is not a method" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_lora_on_an_fp8_stored_model_computes_in_the_models_dtype(tmp_path: Path, model_cache: Path) -> None:
+    """peft would make the adapter's matrices float8 like the layer it wraps; they are kept in float32, so
+    the adapter applies and does what it does on the unquantized model, to rounding."""
+    from lorakit import build_lora
+
+    from diffusiond.pipelines.loras import adapters_for
+
+    lora = build_lora(tmp_path / "ink", seed=11, rank=4, text_encoder=True)
+    out = {}
+    for label, options in (("plain", {}), ("fp8", {"quant": "unet:fp8-storage,text_encoder:fp8-storage"})):
+        pipe = load_pipeline("tiny", device="cpu", dtype="float32", options=options)
+        adapters = adapters_for(pipe, {}, 2)
+        assert adapters is not None and adapters.register("ink", str(lora)) == ""
+        base = run(pipe)
+        adapters.activate((m.LoraRef("ink", 1.0),))
+        out[label] = run(pipe)
+        assert not torch.equal(out[label], base)  # the adapter changed the picture
+    psnr = 10 * torch.log10(1 / torch.mean((out["fp8"] - out["plain"]) ** 2))
+    assert psnr > 10, f"the adapter on fp8 storage is not the adapter: PSNR {psnr:.1f} dB"

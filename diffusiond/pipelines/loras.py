@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from diffusiond.ipc.messages import LoraRef
 from diffusiond.pipelines.errors import PipelineError
 
@@ -161,6 +163,7 @@ class Adapters:
             raise
         if name not in self._adapter_names() - before:
             raise PipelineError(f"no module of {self.model_name} matched the LoRA's weights")
+        _lift_from_storage_dtype(self.pipe, name)
         self.loaded[name] = None
         self.active = ()  # loading may change which adapters the model has active
         self.pipe.disable_lora()
@@ -321,3 +324,31 @@ class HotSwapAdapters(Adapters):
             w = weights.get(slot, 0.0)
             for module, scaling in layers:
                 module.scaling[slot].fill_(w * scaling)
+
+
+def _lift_from_storage_dtype(pipe: Any, name: str) -> None:
+    """peft makes an adapter's matrices in its base layer's dtype, which under ``quant=...:fp8-storage``
+    (pipelines/quant.py) is float8: a dtype no matmul takes. The adapter is small, so it is kept in the
+    dtype its layer computes in instead, which is also what the adapter was trained in."""
+    for component in pipe.components.values():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        for module in component.modules():
+            for attr in ("lora_A", "lora_B"):
+                layer = getattr(module, attr, None)
+                if not isinstance(layer, torch.nn.ModuleDict) or name not in layer:
+                    continue
+                inner = layer[name]
+                weight = getattr(inner, "weight", None)
+                if isinstance(weight, torch.Tensor) and weight.dtype in _STORAGE_DTYPES:
+                    inner.to(_compute_dtype(component))
+
+
+_STORAGE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _compute_dtype(component: torch.nn.Module) -> torch.dtype:
+    """The dtype the layerwise-cast component computes in: its hooks' own, as diffusers reads it."""
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    return get_parameter_dtype(component)
