@@ -56,7 +56,7 @@ SERVE_FIELDS = (
     "preview_decoder",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
-    "reserve_memory", "preload",
+    "reserve_memory", "preload", "max_model_wait",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -230,6 +230,9 @@ def _add_serve(sub: Any) -> None:
     add("--host-memory", metavar="SIZE", help="weights kept in host memory off their devices (default: no bound)")
     add("--reserve-memory", metavar="SIZE",
         help="free memory left to other programs on each GPU: below it idle models leave and new jobs wait (1GiB)")
+    add("--max-model-wait", metavar="DURATION",
+        help="the longest a job waits behind another model's jobs for their device before that model yields it: "
+             "30s (default), 2m; -1: no bound")
     add("--pin", action="append", metavar="NAME", help="this model never leaves its device for another; repeatable")
     add("--preload", action="append", metavar="NAME|all|none",
         help="models the start loads (repeatable or a,b); the others load when a job needs them "

@@ -14,8 +14,9 @@ run() {
   if [ $rc -ne 0 ]; then echo "FAILED ($rc)"; tail -20 "$out/$name.log"; return; fi
   python3 - "$out/$name.json" <<'PY' | tee -a "$out/tables.md"
 import json, sys
-from diffusiond.bench.report import table
-print(table(json.load(open(sys.argv[1]))))
+from diffusiond.bench import alternate, report
+r = json.load(open(sys.argv[1]))
+print((alternate.table if "alternate" in r else report.table)(r))
 print()
 PY
 }
@@ -28,6 +29,8 @@ for w in "$@"; do
         --frames 100 --steps 10 --format npy --requests 16 ;;
     video-mp4) run video-mp4 --model random:wan-1.3b,save=0 --size 832x480 --frames 33 --steps 10 --format mp4 \
         --requests 4 --concurrency 2 --modes limit,async,sync --rounds 2 ;;
+    sdxl-alternate) run sdxl-alternate --alternate random:sdxl random:sdxl --device-memory 12GiB \
+        --size 1024x1024 --steps 20 --format png --requests 24 --concurrency 4 --rounds 2 ;;
     *) echo "unknown workload $w" ;;
   esac
 done

@@ -10,12 +10,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from diffusiond.bench.load import LoadResult, steady_throughput
-from diffusiond.bench.report import ModeResult, compare, per_mode
+from diffusiond.bench.load import LoadResult, _body, steady_throughput
+from diffusiond.bench.report import ModeResult, Setup, compare, per_mode
 from diffusiond.bench.trace import intervals, summarize
 
 MS = 1_000_000
@@ -219,3 +220,48 @@ def test_bench_prices_the_state_dir_with_a_memory_only_daemon_in_the_same_rounds
     # the two daemons alternate, so a drift of the machine's speed falls on both alike
     assert [r["mode"] for r in report["runs"]] == ["async", "async-memory", "async-memory", "async"]
     assert all(r["requests"] == 4 and r["throughput"] > 0 for r in report["runs"])
+
+
+# --alternate: two models, requests alternating between them, under a budget against both resident ----------
+
+def _setup(**kw: object) -> Setup:
+    return Setup(model="m", device="cuda:0", dtype="float16", width=64, height=64, steps=2, batch=1, requests=4,
+                 concurrency=4, format="png", frames=None, output_dtype="uint8", guidance=1.0, arena_mb=256,
+                 batch_wait_ms=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_alternating_requests_go_to_each_model_in_turn_in_the_order_they_are_sent() -> None:
+    s = _setup(models=("a", "b"))
+    assert [_body(s, "p", seed)["model"] for seed in range(5)] == ["a", "b", "a", "b", "a"]
+    assert "model" not in _body(_setup(), "p", 0), "one model: the daemon's default"
+
+
+def test_the_alternate_figure_is_the_median_of_each_rounds_budget_over_its_resident_run() -> None:
+    from diffusiond.bench.alternate import per_mode as alternate_rows
+    from diffusiond.bench.alternate import ratio, table
+
+    runs = [ModeResult(mode, 8, 1.0, tp, 100.0, 200.0, note=f"{moved} model loads", wall_throughput=tp, round=k)
+            for mode, tp, k, moved in (("resident", 10.0, 0, 0), ("budget", 9.0, 0, 6), ("budget", 4.0, 1, 5),
+                                       ("resident", 5.0, 1, 0), ("resident", 8.0, 2, 0), ("budget", 8.0, 2, 7))]
+    assert ratio(runs) == 0.9  # 0.9, 0.8, 1.0
+    assert ratio(runs[:1]) is None
+    rows = {r["mode"]: r for r in alternate_rows(runs)}
+    assert rows["budget"]["throughput"] == 8.0 and rows["budget"]["loads"] == ["6 model loads", "5 model loads",
+                                                                                  "7 model loads"]
+    report = {"setup": asdict(_setup(rounds=3)), "machine": "m", "date": "d", "ratio": ratio(runs),
+              "alternate": {"a": "A", "b": "B", "device_memory": "12GiB", "max_model_wait": None},
+              "modes": alternate_rows(runs), "runs": [asdict(r) for r in runs]}
+    text = table(report)
+    assert "budget: --device-memory 12GiB" in text and "0.900 (target >= 0.85)" in text
+    assert "moved no model" not in text and "measured on the CPU" not in text
+    runs[1].note = "0 model loads"
+    report["runs"] = [asdict(r) for r in runs]
+    assert "warning: a budget run moved no model: the budget held both" in table(report)
+
+
+def test_alternate_says_what_it_needs_and_what_does_not_apply(model_cache: Path) -> None:
+    env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache)}
+    bare = _bench("--alternate", "tiny", "tiny", env=env)
+    assert bare.returncode == 2 and "--alternate needs --device-memory SIZE" in bare.stderr, bare.stderr
+    modes = _bench("--alternate", "tiny", "tiny", "--device-memory", "10MB", "--modes", "async", env=env)
+    assert modes.returncode == 2 and "--modes does not apply to --alternate" in modes.stderr, modes.stderr

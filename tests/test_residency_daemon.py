@@ -1,6 +1,7 @@
 """Residency against a real daemon on CPU: models leave their device by keep-alive and to make room
 within ``--device-memory``, come back when a job needs them, and every job still gets its bytes, even
-when the daemon is killed while a job waits for its model's load.
+when the daemon is killed while a job waits for its model's load; and turns (``--max-model-wait``): a
+model with a steady stream yields its device to another's waiting job.
 
 Three models with different weights (copies of tiny's folder, one UNet tensor changed in each),
 loaded by the same loading code a user's diffusers folder goes through. On a CPU device a model
@@ -10,7 +11,9 @@ that leaves goes to disk (its worker stops: the memory really is freed), so each
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import aiohttp
 import pytest
 from daemonkit import Daemon, get, http, sigkill, submit, until, wait_job
 
+from diffusiond.daemon.residency.sizes import model_weights
 from diffusiond.daemon.residency.working import Shape, default_working
 
 JOB = {"width": 64, "height": 64, "steps": 2, "seed": 7, "output_format": "png"}
@@ -240,3 +244,88 @@ def test_sigkill_of_the_daemon_during_a_load_then_a_restart_loses_no_job(
     end = asyncio.run(resumed())
     assert end["status"] == "succeeded", f"the job was not run after the restart: {end}\n{second.log()}"
     assert end["attempts"] == 1, "it never started before the crash: this is its first run"
+
+
+@pytest.fixture(scope="module")
+def turns_daemon(three_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+                 model_cache: Path) -> Iterator[Daemon]:
+    """Models a and b under a budget that holds the weights of one and not of two (working memory is a guess
+    until measured, and a guess never keeps a model that has the device to itself from running), one output per
+    batch, and a job waits at most 1 s behind the other model's before that model yields the device."""
+    weights = model_weights(three_models["a"]).bytes_at("float32")
+    budget = weights + weights // 2
+    tmp = tmp_path_factory.mktemp("turns")
+    args = [*model_args({m: three_models[m] for m in "ab"}), "--no-persist", "--device-memory", str(budget),
+            "--max-model-wait", "1s", "--max-batch", "1", "--keep-alive", "-1"]
+    d = Daemon(tmp / "d.sock", args, tmp / "d.log", env={"DIFFUSIOND_CACHE": str(model_cache)})
+    try:
+        d.start(timeout=600)
+        yield d
+    finally:
+        d.stop()
+
+
+def test_a_job_of_the_model_off_the_device_runs_while_the_other_keeps_a_steady_stream(turns_daemon: Daemon) -> None:
+    d = turns_daemon
+
+    async def go() -> None:
+        async with http(d.socket) as s:
+            events: list[tuple[str, str]] = []  # (what, job id), in the order it happened
+            stages: set[str] = set()  # what a's queued jobs said while b waited
+            b_done = asyncio.Event()
+
+            async def stream_a() -> None:
+                while not b_done.is_set():
+                    job = await submit(s, {"prompt": "a lighthouse", "model": "a", **JOB, "n": 2})
+                    events.append(("submitted a", job["id"]))
+                    final = await wait_job(s, job["id"], 300)
+                    assert final["status"] == "succeeded", final
+                    events.append(("done a", job["id"]))
+
+            async def sample() -> None:
+                while not b_done.is_set():
+                    stages.update(j["stage"] for j in (await get(s, "/v1/jobs?status=queued&model=a"))[1]["data"])
+                    await asyncio.sleep(0.1)
+
+            async def a_ran() -> bool:
+                return any(e == "done a" for e, _ in events)
+
+            streams = [asyncio.ensure_future(stream_a()) for _ in range(4)]
+            await until(a_ran, 120, "a's stream to run")
+            sampler = asyncio.ensure_future(sample())
+            b = await submit(s, {"prompt": "a lighthouse", "model": "b", **JOB})
+            final = await wait_job(s, b["id"], 300)
+            events.append(("done b", b["id"]))
+            b_done.set()
+            await asyncio.gather(*streams, sampler)
+            assert final["status"] == "succeeded", final
+            at = events.index(("done b", b["id"]))
+            before = {j for e, j in events[:at] if e == "submitted a"}
+            after = {j for e, j in events[at:] if e == "done a"}
+            assert before & after, "b's job waited for a's stream to stop: " + str(events)
+            assert "waiting_for_turn" in stages, stages
+            metrics = await (await s.get("/metrics")).text()
+            assert 'diffusiond_model_evictions_total{model="a",reason="max_model_wait"}' in metrics
+        assert "a is held: a job of b has waited" in d.log()
+
+    asyncio.run(go())
+
+
+def test_an_alternating_stream_from_four_clients_all_succeeds_with_each_models_bytes(turns_daemon: Daemon) -> None:
+    d = turns_daemon
+
+    async def go() -> None:
+        async with http(d.socket) as s:
+            order = itertools.count()  # request by request: a, b, a, b, ... in the order they are sent
+            got: dict[str, set[bytes]] = {"a": set(), "b": set()}
+
+            async def client() -> None:
+                for _ in range(2):
+                    model = "ab"[next(order) % 2]
+                    got[model].add(await run(s, model))
+
+            await asyncio.gather(*(client() for _ in range(4)))
+        assert len(got["a"]) == len(got["b"]) == 1, "a model's job gave other bytes after a move"
+        assert got["a"] != got["b"], "a and b have different weights"
+
+    asyncio.run(go())

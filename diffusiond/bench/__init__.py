@@ -16,8 +16,19 @@ Every mode runs in rounds with the limit measured around each daemon run (``repo
 
 The CLI builds this command's parser for every command, ``--help`` included, so importing the
 package must not load torch: the runner imports the pipelines only inside ``run``.
+
+
+``--alternate SPEC_A SPEC_B`` runs another scenario instead (``bench/alternate.py``): two models, requests
+alternating between them, on a daemon whose ``--device-memory`` holds one, against both resident.
 """
 
-from diffusiond.bench.runner import add_parser, run
+import argparse
+
+from diffusiond.bench import alternate, runner
+from diffusiond.bench.runner import add_parser
 
 __all__ = ["add_parser", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    return alternate.run(args) if args.alternate else runner.run(args)

@@ -105,6 +105,8 @@ def _body(s: Any, prompt: str, seed: int) -> dict[str, Any]:
         body["output_dtype"] = s.output_dtype
     if getattr(s, "preview_every", 0):  # the naive server has no previews; the daemon draws 256 px jpegs
         body["preview"] = {"every": s.preview_every}
+    if getattr(s, "models", ()):  # --alternate: request by request, in the order they are sent (seeds count them)
+        body["model"] = s.models[seed % len(s.models)]
     return body
 
 

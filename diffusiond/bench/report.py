@@ -42,6 +42,7 @@ class Setup:
     sweep: tuple[int, ...] = ()  # client concurrencies to run the daemon modes at, besides --concurrency
     previews: tuple[int, ...] = (0,)  # --preview-every: each daemon mode runs once per value (0: none)
     preview_every: int = 0  # the value of the run being driven
+    models: tuple[str, ...] = ()  # --alternate: the served models, request k going to models[k % len(models)]
 
 
 @dataclass

@@ -15,8 +15,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,10 +23,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from diffusiond.bench.limit import PROMPT, Limit
 from diffusiond.bench.load import BenchError, LoadResult, drive_daemon, drive_naive
+from diffusiond.bench.procs import process, wait_ready
 from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
 from diffusiond.commands.generate import parse_size, positive_int
@@ -93,6 +90,13 @@ def add_parser(sub: Any) -> None:
                    help="daemons keep jobs in memory only (serve --no-persist); by default each has a temporary "
                         "state dir, as a served daemon has its own")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--alternate", nargs=2, metavar=("SPEC_A", "SPEC_B"),
+                   help="instead of the modes: two models, requests alternating between them one by one, on a "
+                        "daemon under --device-memory against the same daemon with both resident (bench/alternate.py)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="with --alternate: the budget daemon's serve --device-memory, holding one model, not both")
+    p.add_argument("--max-model-wait", metavar="DURATION",
+                   help="with --alternate: the budget daemon's serve --max-model-wait (default: the daemon's)")
     p.set_defaults(func=None)
 
 
@@ -231,44 +235,6 @@ def machine(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
 
 
-# processes ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            yield proc
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, name: str, timeout: float = 1800) -> None:
-    async def poll() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise BenchError(f"{name} exited with {proc.returncode} before it was ready; its log ends:\n"
-                                 f"{log.read_text()[-4000:]}")
-            if sock.exists():
-                try:
-                    conn = aiohttp.UnixConnector(path=str(sock))
-                    async with aiohttp.ClientSession(connector=conn) as s, s.get("http://x/ready") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-            await asyncio.sleep(0.2)
-        # the log lives in a temporary folder that goes with this run: quote it, do not point to it
-        raise BenchError(f"{name} was not ready after {timeout:.0f} s; its log ends:\n{log.read_text()[-4000:]}")
-
-    asyncio.run(poll())
-
-
 @contextlib.contextmanager
 def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
     """One daemon per mode, started together (their model loads overlap), each on its own socket."""
@@ -288,9 +254,9 @@ def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
             argv += ["--state-dir", str(Path(tmp) / f"{mode}.state")] if persist else ["--no-persist"]
             if s.compile:  # the measured shape compiled before ready, as a deployment would
                 argv += ["--compile", s.compile, "--warmup", f"{s.width}x{s.height}:{s.batch}"]
-            started.append((stack.enter_context(_process(argv, log)), sock, log))
+            started.append((stack.enter_context(process(argv, log)), sock, log))
         for proc, sock, log in started:
-            _wait_ready(proc, sock, log, "diffusiond serve")
+            wait_ready(proc, sock, log, "diffusiond serve")
         yield {mode: sock for mode, (_, sock, _) in zip(modes, started, strict=True)}
 
 
@@ -299,8 +265,8 @@ def run_naive(s: Setup) -> ModeResult:
         sock, log = Path(tmp) / "n.sock", Path(tmp) / "log"
         argv = [sys.executable, "-m", "diffusiond.bench.naive", "--socket", str(sock), "--model", s.model,
                 "--device", s.device, "--dtype", s.dtype]
-        with _process(argv, log) as proc:
-            _wait_ready(proc, sock, log, "the naive server")
+        with process(argv, log) as proc:
+            wait_ready(proc, sock, log, "the naive server")
             res = asyncio.run(drive_naive(sock, s, PROMPT))
     return _result("naive", res, s.rounds - 1, note="hand-written baseline: pipeline under a lock, PIL, PNG inline")
 

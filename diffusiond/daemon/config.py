@@ -166,6 +166,9 @@ class DaemonConfig:
     preload: tuple[str, ...] | None = None
     # Free memory kept for other programs on each GPU (residency/pressure.py); None: 1 GiB.
     reserve_memory: str | None = None
+    # How long a job may wait behind another model's jobs for their device before that model yields it
+    # (residency/turns.py): a duration as keep_alive is written (30s, 2m); -1: no bound.
+    max_model_wait: str | float = "30s"
 
     @property
     def device_memory_bytes(self) -> int:
@@ -177,6 +180,10 @@ class DaemonConfig:
     def reserve_memory_bytes(self) -> int:
         """What the pressure watch keeps free on each GPU: other programs come first (1 GiB by default)."""
         return 1 << 30 if self.reserve_memory is None else parse_size(self.reserve_memory).resolve(None)
+
+    @property
+    def max_model_wait_s(self) -> float:
+        return parse_duration(self.max_model_wait)
 
     @property
     def host_memory_bytes(self) -> int:
@@ -262,6 +269,12 @@ class DaemonConfig:
                                       "size such as 20GiB")
         if self.max_keep_alive_s < 0:
             raise ConfigError(f"max_keep_alive must not be negative, got {self.max_keep_alive_s}")
+        try:
+            parse_duration(self.max_model_wait)  # here, so that a bad value stops the start and not a dispatch
+        except ValueError:
+            raise ConfigError(f"max_model_wait {self.max_model_wait!r} is not a duration: give seconds (30), a "
+                              "duration such as 30s, 2m or 500ms, 0 to let another model in as soon as its job "
+                              "waits, or -1 for no bound") from None
         unknown_pins = sorted(set(self.pin) - {m.name for m in self.models})
         if unknown_pins:
             raise ConfigError(f"--pin {', '.join(unknown_pins)}: no such model (models: "

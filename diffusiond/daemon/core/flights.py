@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -29,7 +30,7 @@ from diffusiond.daemon.residency.keeper import Keeper, shape_of
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
-from diffusiond.daemon.workers.pool import WorkerPool
+from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.ipc.messages import ComputeDone, Execute, OutputReady, Progress, RequestSpec
 from diffusiond.protocol import Event, JobStatus, Stage, WorkerState
 
@@ -67,10 +68,16 @@ class Flights:
             return
         now = time.monotonic()
         wake_at: float | None = None
-        for model in self.pool.models.values():
+        self.keeper.review()  # whose turn it is on each device, before any model is asked
+        # the model whose job has waited longest is asked first: when a move has just made room on a
+        # device, the model it was made for takes it, not one whose job came while the move ran
+        for model in sorted(self.pool.models.values(), key=self._waited_since):
             waiting = self.scheduler.waiting(model.name)
             if not waiting:
                 continue
+            ready = [w for w in model.workers if w.state == WorkerState.READY]
+            if ready and all(len(self.in_flight.get(w, ())) >= MAX_BATCHES_PER_WORKER for w in ready):
+                continue  # nothing could be sent now: asking residency could send an idle model away for nothing
             head = waiting[0].request
             if not self.keeper.may_dispatch(model, shape_of(head.width, head.height, 1, head.num_frames)):
                 why = self.keeper.why_waiting(model.name)
@@ -97,10 +104,14 @@ class Flights:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_at(loop.time() + max(0.0, wake_at - now), self.dispatch)
 
+    def _waited_since(self, model: Model) -> float:
+        oldest = self.scheduler.oldest(model.name)
+        return math.inf if oldest is None else oldest
+
     @staticmethod
     def _hold(jobs: list[Job], why: str | None, load_bytes: int | None = None) -> None:
-        """Queued jobs say why they wait (``loading``, ``waiting_for_memory``): a STATUS event when it changes.
-        While ``loading``, what they wait for: the model's weights (``Keeper.load_bytes``)."""
+        """Queued jobs say why they wait (``loading``, ``waiting_for_memory``, ``waiting_for_turn``): a STATUS
+        event when it changes. While ``loading``, what they wait for: the model's weights (``Keeper.load_bytes``)."""
         for job in jobs:
             if job.terminal:
                 continue

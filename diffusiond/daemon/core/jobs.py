@@ -145,7 +145,7 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None
     last_preview: Preview | None = None  # what a PREVIEW event is about, while it is emitted
-    held: str | None = None  # queued, and why: its model is "loading" or it is "waiting_for_memory"
+    held: str | None = None  # queued, and why: "loading", "waiting_for_memory" or "waiting_for_turn"
     load_bytes: int | None = None  # while "loading": the model's weights as last counted (None: never loaded)
 
     @property

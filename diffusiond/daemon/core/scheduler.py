@@ -72,6 +72,12 @@ class Scheduler:
         """The jobs with outputs queued for ``model``, in queue order (residency shows them why they wait)."""
         return list({i.job.id: i.job for i in self._pending[model]}.values())
 
+    def oldest(self, model: str) -> float | None:
+        """When ``model``'s longest-waiting queued output was admitted (the queue is in admission order, and
+        what goes back goes to its head), or None: residency bounds that wait (residency/turns.py)."""
+        q = self._pending.get(model)
+        return q[0].enqueued_at if q else None
+
     def next_batch(self, model: str, now: float, *, partial_ok: bool = True) -> list[Item] | Wait | None:
         q = self._pending[model]
         if not q:

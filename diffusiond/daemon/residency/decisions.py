@@ -19,6 +19,8 @@ OUT_OF_MEMORY: Final = "out_of_memory"
 # A job's stages while the room holds it back, as the jobs API and SSE ``status`` events name them.
 LOADING: Final = "loading"
 WAITING_FOR_MEMORY: Final = "waiting_for_memory"
+# Its model yields the device to another whose job waited past --max-model-wait (turns.py).
+WAITING_FOR_TURN: Final = "waiting_for_turn"
 
 
 @dataclass(frozen=True)

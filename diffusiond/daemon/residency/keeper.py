@@ -16,6 +16,10 @@ Load on demand: the start loads only the models ``preload.py`` chooses (by defau
 every other model starts on disk with no worker at all, and its first job loads it. A model never
 seen before (nothing remembered in the state dir) has no size or defaults yet: its first request
 loads it (``learn``) and is completed and checked with what the worker then reports.
+
+Turns (``turns.py``): before each dispatch the keeper tells the turns every model's standing, with the
+admission time of its oldest queued output (the engine's scheduler knows it); a model held for another
+takes no new batch, and once its batches are done it leaves its device for the model it yields to.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from typing import Any
 
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.residency import ondemand
 from diffusiond.daemon.residency.decisions import (
     LOADING,
     WAITING_FOR_MEMORY,
+    WAITING_FOR_TURN,
     Evict,
     Fits,
     ModelStatus,
@@ -41,8 +47,8 @@ from diffusiond.daemon.residency.decisions import (
     Wait,
 )
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
-from diffusiond.daemon.residency.preload import choose
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
+from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
@@ -59,7 +65,9 @@ def shape_of(width: int, height: int, batch: int, frames: int | None) -> Shape:
 
 class Keeper:
     def __init__(self, config: DaemonConfig, pool: WorkerPool, metrics: Metrics, *,
-                 on_change: Callable[[], None], read_free: FreeReader | None = None) -> None:
+                 on_change: Callable[[], None], read_free: FreeReader | None = None,
+                 oldest: Callable[[str], float | None] = lambda name: None) -> None:
+        """``oldest``: when a model's longest-waiting queued output was admitted (the scheduler's), or None."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
@@ -73,6 +81,10 @@ class Keeper:
         self._held: dict[str, str] = {}  # model -> the stage of the policy's last Wait for it
         self._watch: asyncio.Task[None] | None = None
         self._learning: dict[str, asyncio.Task[str | None]] = {}  # model -> its first load (``learn``)
+        self.turns = Turns(config.max_model_wait_s)
+        self.oldest = oldest
+        self._asked: dict[str, Shape] = {}  # model -> the shape of the last batch it asked to run
+        self._turn_timer: asyncio.TimerHandle | None = None
 
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
@@ -87,53 +99,17 @@ class Keeper:
         for task in (self._expiry, self._watch):
             if task is not None:
                 task.cancel()
+        if self._turn_timer is not None:
+            self._turn_timer.cancel()
 
     def _pressure_move(self, move: Move) -> None:
         model = self.pool.models.get(move.model)
         if model is not None and move.model not in self.moving:
-            self._start(self._move(model, move))
+            self._spawn_move(model, move)
 
     async def preload(self, socket_activated: bool = False) -> None:
-        """Load the models the configuration chooses (``preload.py``); every other one stays on disk, with
-        no worker, until a job needs it. Without a budget the chosen start side by side. With one, in the
-        order configured: a model that ran before (its size remembered in the state dir) and does not fit
-        beside those loaded already is not loaded at all; one never seen is loaded once, to learn its
-        capabilities and size, and leaves again at once if it does not fit."""
-        models = list(self.pool.models.values())
-        wanted = choose([(m.name, m.config.preload) for m in models], self.config.preload, socket_activated)
-        for model in models:
-            want, why = wanted[model.name]
-            if want and model.config.nothing_fits:
-                want, why = False, model.config.nothing_fits
-                wanted[model.name] = (want, why)
-            log.info("%s %s at start: %s", model.name, "loads" if want else "stays on disk", why)
-            if not want:
-                self._on_disk(model)
-        chosen = [m for m in models if wanted[m.name][0]]
-        if self.config.device_memory is None:
-            await self.pool.start(chosen)  # with none chosen, this starts only the heartbeat
-            return
-        await self.pool.start([])
-        for model in chosen:
-            if model.known and model.capabilities.weight_bytes:
-                self._register(model)
-                if not isinstance(self.policy.plan(model.name, None), Fits):
-                    model.retired = True
-                    log.info("%s stays on disk at start: it does not fit beside the models before it", model.name)
-                    continue
-            await self.pool.start([model])
-            plan = self.policy.plan(model.name, None)
-            over = self.policy.device_used(model.config.devices[0]) > self.policy.budgets[model.config.devices[0]]
-            if over or isinstance(plan, TooLarge):
-                move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
-                await self._move(model, move)
-
-    def _on_disk(self, model: Model) -> None:
-        """Not loaded at start: no worker (``retired``: a job starts them); placed in the budget now when
-        its size is remembered, else by its first load (``learn``)."""
-        model.retired = True
-        if model.known and model.capabilities.weight_bytes:
-            self._register(model)
+        """The models the configuration chooses onto their devices (``ondemand.preload``)."""
+        await ondemand.preload(self, socket_activated)
 
     def _register(self, model: Model) -> None:
         if not self.policy.has(model.name):
@@ -187,6 +163,10 @@ class Keeper:
         if self.known(name):
             with contextlib.suppress(ResidencyError):  # a worker lost under it: worker_died settled the counts
                 self.policy.finish(name, shape, time.monotonic(), jobs=shape.batch, keep_alive_s=keep_alive_s)
+            if self._held or self.turns.holds:
+                # what it held may let a waiting model go, and nothing else would dispatch: the batch's
+                # compute ended earlier, and a model waiting for memory would wait for the next job to come
+                asyncio.get_running_loop().call_soon(self.on_change)
 
     def worker_lost(self, name: str, reason: str) -> None:
         if self.known(name) and name not in self.moving:
@@ -203,7 +183,7 @@ class Keeper:
         for move in decision.moves if isinstance(decision, OomRetry) else ():
             model = self.pool.models.get(move.model)
             if model is not None:
-                self._start(self._move(model, move))
+                self._spawn_move(model, move)
 
     # working memory, measured (worker/memory.py) and remembered (the state dir) -----------------------
     def measured(self, name: str, shape: Shape, peak_bytes: int) -> dict[str, Any] | None:
@@ -233,6 +213,33 @@ class Keeper:
         return {s.key: p for s, p in sorted(peaks.items())}
 
     # what the engine asks ---------------------------------------------------------------------------
+    def review(self) -> None:
+        """Before each dispatch: whose turn it is on each device (``turns.py``). Each hold that begins or ends
+        is logged with its reason; a timer dispatches again when a waiting job will pass the bound."""
+        now = time.monotonic()
+        standing = self._standing()
+        begun, ended = self.turns.review(standing, now)
+        for e in ended:
+            self._log_end(e)
+        for hold in begun:
+            log.info("%s is held: %s", hold.model, hold.reason)
+        if self._turn_timer is not None:
+            self._turn_timer.cancel()
+            self._turn_timer = None
+        when = self.turns.next_check(standing, now)
+        if when is not None:
+            self._turn_timer = asyncio.get_running_loop().call_later(when - now, self.on_change)
+
+    def _standing(self) -> list[Standing]:
+        return [Standing(s.name, s.device, s.residency, s.pinned, moving=s.name in self.moving,
+                         running=s.running > 0, oldest=self.oldest(s.name),
+                         blocked=self._held.get(s.name) == WAITING_FOR_MEMORY)
+                for s in self.policy.snapshot() if s.name in self.pool.models]
+
+    @staticmethod
+    def _log_end(e: Ended) -> None:
+        log.info("%s takes batches again: %s", e.hold.model, e.reason)
+
     def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
         """May ``model`` take a batch of ``shape`` now? If not, the moves that will let it are started."""
         name = model.name
@@ -247,15 +254,21 @@ class Keeper:
         replaced = model.replacing or WorkerState.STARTING in states
         if not model.retired and WorkerState.READY not in states and replaced:
             return False  # a worker that died is being replaced by the pool: its READY dispatches
+        if shape is not None:
+            self._asked[name] = shape
+        hold = self.turns.held(name)
+        if hold is not None:
+            self._yield(model, hold)
+            return False
         plan = self.policy.plan(name, shape)
         if isinstance(plan, Fits):
             if plan.load_from is None:
                 self._held.pop(name, None)
                 return True
-            self._start(self._load(model, plan.load_from, plan.reason))
+            self._begin_load(model, plan.load_from, plan.reason)
         elif isinstance(plan, Evict):
             for move in plan.moves:
-                self._start(self._move(self.pool.models[move.model], move))
+                self._spawn_move(self.pool.models[move.model], move)
         elif isinstance(plan, Wait):
             log.debug("%s waits: %s", name, plan.reason)
             self._held[name] = plan.stage
@@ -263,9 +276,31 @@ class Keeper:
         self._held.pop(name, None)
         return False
 
+    def _yield(self, model: Model, hold: Hold) -> None:
+        """A held model takes no new batch. Once those it runs are done it leaves its device, unless the
+        model it yields to can go without that (room for its working memory may have been all it lacked)."""
+        name = model.name
+        status = self.snapshot()
+        if status[name].running or status[name].residency != "device" or name in self.moving:
+            return
+        other = self.pool.models.get(hold.for_model)
+        if other is not None and (other.name in self.moving or status[other.name].running):
+            return  # it loads, or it runs already (its turn has begun: the hold ends at the next dispatch)
+        if other is not None and other.name not in self.turns.holds:
+            self.may_dispatch(other, self._asked.get(other.name))
+            if other.name in self.moving or self._held.get(other.name) != WAITING_FOR_MEMORY:
+                return  # it loads, or runs beside this one, at this dispatch
+        got = self.policy.evict(name, f"it yields {hold.device} to {hold.for_model} (--max-model-wait)",
+                                queued_ok=True)
+        if isinstance(got, Evict):
+            for move in got.moves:
+                self._spawn_move(self.pool.models[move.model], move)
+
     def why_waiting(self, name: str) -> str:
         """The stage a queued job of ``name`` shows while residency holds it back: the policy's own word
         when it said wait (a model off its device that waits for memory, not for its load), else by tier."""
+        if name in self.turns.holds:
+            return WAITING_FOR_TURN
         if name in self._held and name not in self.moving:
             return self._held[name]
         if name in self.moving or (self.known(name) and self.policy.tier(name) in ("host", "disk", "loading")):
@@ -312,12 +347,25 @@ class Keeper:
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)
 
-    async def _load(self, model: Model, src: str, reason: str) -> None:
+    def _begin_load(self, model: Model, src: str, reason: str) -> None:
+        """Book a load at once and carry it out in a task. Booked before the task first runs, because until
+        then a second plan in the same dispatch (another model's, or this one's asked again) would see the
+        same free memory and spend it twice."""
         name = model.name
+        if name in self.moving:
+            return
+        try:
+            self.policy.loading_started(name)
+        except ResidencyError as exc:  # the books are off: said, and the dispatch goes on
+            log.error("residency: %s", exc)
+            return
         self.moving.add(name)
-        t0 = time.monotonic()
         log.info("loading %s from %s: %s", name, src, reason)
-        self.policy.loading_started(name)
+        self._start(self._load(model, src))
+
+    async def _load(self, model: Model, src: str) -> None:
+        name = model.name
+        t0 = time.monotonic()
         try:
             if src == "host":
                 await self.pool.wake_model(model)
@@ -326,6 +374,8 @@ class Keeper:
         except Exception as exc:
             log.error("loading %s failed: %s", name, exc)
             self.policy.load_failed(name, str(exc))
+            for e in self.turns.release_for(name, f"{name} failed to load"):
+                self._log_end(e)
             self.moving.discard(name)
             self.on_change()
             return
@@ -343,51 +393,32 @@ class Keeper:
         return await asyncio.shield(self._start_learning(model))
 
     def _start_learning(self, model: Model) -> asyncio.Task[str | None]:
-        task = self._learning.get(model.name)
-        if task is None:
-            task = self._learning[model.name] = asyncio.ensure_future(self._learn(model))
-            task.add_done_callback(lambda _: self._learning.pop(model.name, None))
-        return task
+        return ondemand.start_learning(self, model)
 
-    async def _learn(self, model: Model) -> str | None:
-        """Its first load. Nothing is dispatched to it (``moving``) until the size it reports is placed:
-        it stays if it fits; idle models leave if that makes room (as they would for its job); else it
-        leaves at once, as at start, and its jobs wait to load it again once there is room."""
-        name = model.name
-        self.moving.add(name)
-        t0 = time.monotonic()
-        log.info("loading %s for the first time, to learn its defaults and size", name)
-        try:
-            await self.pool.revive(model)  # its READY registers it in the policy, on disk (``worker_ready``)
-        except Exception as exc:
-            log.error("loading %s failed: %s", name, exc)
-            self.moving.discard(name)
-            self.on_change()
-            return str(exc)
-        plan = None
-        if self.policy.has(name):  # else no READY came (the daemon is stopping): nothing to place
-            self.policy.loading_started(name)
-            self.policy.loaded(name, time.monotonic())
-            self.metrics.model_loads_total.labels(name).inc()
-            self.metrics.model_load_seconds.observe(time.monotonic() - t0)
-            plan = self.policy.plan(name, None)
-        self.moving.discard(name)
-        if isinstance(plan, Evict):
-            for move in plan.moves:
-                self._start(self._move(self.pool.models[move.model], move))
-        elif plan is not None and not isinstance(plan, Fits):
-            await self._move(model, Move(name, "device", "disk", f"its first load showed it does not fit: "
-                                                                 f"{plan.reason}"))
-        self.on_change()
-        return None
+    def _spawn_move(self, model: Model, move: Move) -> None:
+        """A move left to run in a task (a dispatch does not wait for it), booked at once as a load is."""
+        if self._book(model, move):
+            self._start(self._carry(model, move))
 
     async def _move(self, model: Model, move: Move) -> None:
+        if self._book(model, move):
+            await self._carry(model, move)
+
+    def _book(self, model: Model, move: Move) -> bool:
         name = model.name
         if name in self.moving:
-            return
+            return False
+        try:
+            self.policy.unloading(move)
+        except ResidencyError as exc:
+            log.error("residency: %s", exc)
+            return False
         self.moving.add(name)
         log.info("%s leaves %s for %s: %s", name, move.src, move.dst, move.reason)
-        self.policy.unloading(move)
+        return True
+
+    async def _carry(self, model: Model, move: Move) -> None:
+        name = model.name
         try:
             if move.dst == "host":
                 await self.pool.sleep_model(model)
@@ -396,6 +427,9 @@ class Keeper:
         except Exception as exc:
             log.error("moving %s to %s failed: %s", name, move.dst, exc)
             self.policy.unload_failed(move, str(exc))
+            ended = self.turns.release(name, f"its move off {move.src} failed", time.monotonic())
+            if ended is not None:
+                self._log_end(ended)
         else:
             self.policy.unloaded(move)
             self.metrics.model_evictions_total.labels(name, _reason_label(move.reason)).inc()
@@ -415,7 +449,8 @@ class Keeper:
 
 def _reason_label(reason: str) -> str:
     """A bounded label for the evictions metric (the reason text itself is for the log)."""
-    for word, label in (("keep", "keep_alive"), ("room", "room"), ("hand", "by_hand"), ("pressure", "pressure"),
+    for word, label in (("max-model-wait", "max_model_wait"),
+                        ("keep", "keep_alive"), ("room", "room"), ("hand", "by_hand"), ("pressure", "pressure"),
                         ("other programs", "pressure"), ("ran out of memory", "oom"), ("sleep", "sleep")):
         if word in reason:
             return label

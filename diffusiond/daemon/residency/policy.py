@@ -332,11 +332,11 @@ class Residency:
                              f"{format_bytes(est.nbytes)}). Try a smaller size or batch, a larger --device-memory, "
                              "or fewer programs on the GPU")
 
-    def evict(self, name: str, reason: str) -> Evict | Wait:
-        """By hand (``unload``, ``sleep``): off the device even if pinned, or out of host memory; not while
-        it has work, which would only load it again."""
+    def evict(self, name: str, reason: str, *, queued_ok: bool = False) -> Evict | Wait:
+        """By hand (``unload``, ``sleep``): off the device even if pinned, or out of host memory; not while it has
+        work, which would only load it again (but ``queued_ok``: its jobs wait for another model's turn, turns.py)."""
         m = self._get(name)
-        if not m.idle:
+        if m.running or (m.queued and not queued_ok):
             return Wait(name, WAITING_FOR_MEMORY, f"{name} has {m.queued} job(s) queued and {len(m.running)} "
                                                   "running; it can leave once they are done")
         if m.leaving is not None or m.tier == "loading":

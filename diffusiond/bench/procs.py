@@ -1,0 +1,53 @@
+"""The servers a bench run drives, as child processes: started with their log in a file, stopped with
+SIGTERM (then SIGKILL) whatever happens, and waited for until ``/ready`` answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+
+from diffusiond.bench.load import BenchError
+
+
+@contextlib.contextmanager
+def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, name: str, timeout: float = 1800) -> None:
+    async def poll() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise BenchError(f"{name} exited with {proc.returncode} before it was ready; its log ends:\n"
+                                 f"{log.read_text()[-4000:]}")
+            if sock.exists():
+                try:
+                    conn = aiohttp.UnixConnector(path=str(sock))
+                    async with aiohttp.ClientSession(connector=conn) as s, s.get("http://x/ready") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+            await asyncio.sleep(0.2)
+        # the log lives in a temporary folder that goes with this run: quote it, do not point to it
+        raise BenchError(f"{name} was not ready after {timeout:.0f} s; its log ends:\n{log.read_text()[-4000:]}")
+
+    asyncio.run(poll())

@@ -1,0 +1,110 @@
+"""Load on demand, carried out for the keeper: what the start loads, and a never-seen model's first load.
+
+``preload.py`` decides which models the start loads; ``preload`` here loads them, in the order configured
+and within the budget, and leaves every other model on disk with no worker (``on_disk``). A model never
+seen has no size and no defaults until it has loaded once, so its first request waits for that load
+(``start_learning``; one load for everyone who asks) and is then checked with what the worker reported.
+Functions of the keeper (``keeper.py`` keeps a one-line method for each), split off it so that each of
+the two modules has one job: the keeper the moves of a running daemon, this module the loads that make
+a model known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
+from diffusiond.daemon.residency.preload import choose
+from diffusiond.daemon.workers.pool import Model
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.residency.keeper import Keeper
+
+log = logging.getLogger("diffusiond.daemon.residency.keeper")  # one logger for residency's moves
+
+
+async def preload(k: Keeper, socket_activated: bool = False) -> None:
+    """Load the models the configuration chooses (``preload.py``); every other one stays on disk, with
+    no worker, until a job needs it. Without a budget the chosen start side by side. With one, in the
+    order configured: a model that ran before (its size remembered in the state dir) and does not fit
+    beside those loaded already is not loaded at all; one never seen is loaded once, to learn its
+    capabilities and size, and leaves again at once if it does not fit."""
+    models = list(k.pool.models.values())
+    wanted = choose([(m.name, m.config.preload) for m in models], k.config.preload, socket_activated)
+    for model in models:
+        want, why = wanted[model.name]
+        if want and model.config.nothing_fits:
+            want, why = False, model.config.nothing_fits
+            wanted[model.name] = (want, why)
+        log.info("%s %s at start: %s", model.name, "loads" if want else "stays on disk", why)
+        if not want:
+            on_disk(k, model)
+    chosen = [m for m in models if wanted[m.name][0]]
+    if k.config.device_memory is None:
+        await k.pool.start(chosen)  # with none chosen, this starts only the heartbeat
+        return
+    await k.pool.start([])
+    for model in chosen:
+        if model.known and model.capabilities.weight_bytes:
+            k._register(model)
+            if not isinstance(k.policy.plan(model.name, None), Fits):
+                model.retired = True
+                log.info("%s stays on disk at start: it does not fit beside the models before it", model.name)
+                continue
+        await k.pool.start([model])
+        plan = k.policy.plan(model.name, None)
+        over = k.policy.device_used(model.config.devices[0]) > k.policy.budgets[model.config.devices[0]]
+        if over or isinstance(plan, TooLarge):
+            move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
+            await k._move(model, move)
+
+
+def on_disk(k: Keeper, model: Model) -> None:
+    """Not loaded at start: no worker (``retired``: a job starts them); placed in the budget now when
+    its size is remembered, else by its first load (``learn``)."""
+    model.retired = True
+    if model.known and model.capabilities.weight_bytes:
+        k._register(model)
+
+
+def start_learning(k: Keeper, model: Model) -> asyncio.Task[str | None]:
+    task = k._learning.get(model.name)
+    if task is None:
+        task = k._learning[model.name] = asyncio.ensure_future(_learn(k, model))
+        task.add_done_callback(lambda _: k._learning.pop(model.name, None))
+    return task
+
+async def _learn(k: Keeper, model: Model) -> str | None:
+    """Its first load. Nothing is dispatched to it (``moving``) until the size it reports is placed:
+    it stays if it fits; idle models leave if that makes room (as they would for its job); else it
+    leaves at once, as at start, and its jobs wait to load it again once there is room."""
+    name = model.name
+    k.moving.add(name)
+    t0 = time.monotonic()
+    log.info("loading %s for the first time, to learn its defaults and size", name)
+    try:
+        await k.pool.revive(model)  # its READY registers it in the policy, on disk (``worker_ready``)
+    except Exception as exc:
+        log.error("loading %s failed: %s", name, exc)
+        k.moving.discard(name)
+        k.on_change()
+        return str(exc)
+    plan = None
+    if k.policy.has(name):  # else no READY came (the daemon is stopping): nothing to place
+        k.policy.loading_started(name)
+        k.policy.loaded(name, time.monotonic())
+        k.metrics.model_loads_total.labels(name).inc()
+        k.metrics.model_load_seconds.observe(time.monotonic() - t0)
+        plan = k.policy.plan(name, None)
+    k.moving.discard(name)
+    if isinstance(plan, Evict):
+        for move in plan.moves:
+            k._spawn_move(k.pool.models[move.model], move)
+    elif plan is not None and not isinstance(plan, Fits):
+        await k._move(model, Move(name, "device", "disk", f"its first load showed it does not fit: "
+                                                             f"{plan.reason}"))
+    k.on_change()
+    return None
