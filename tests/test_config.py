@@ -68,7 +68,7 @@ def test_config_socket_path_order() -> None:
 def test_device_cuda_without_a_gpu_is_a_config_error_naming_the_flag() -> None:
     import torch
 
-    from diffusiond.daemon.config import parse_devices
+    from diffusiond.daemon.values import parse_devices
 
     if torch.cuda.is_available():
         assert parse_devices("cuda", 1) == tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))

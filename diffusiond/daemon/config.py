@@ -9,8 +9,6 @@ traceback is a bad first experience.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -19,17 +17,23 @@ from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.residency.fit import choose_auto
-from diffusiond.daemon.residency.preload import check_preload, parse_preload
+from diffusiond.daemon.residency.preload import check_preload
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
+from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
+from diffusiond.daemon.values import (
+    duration,
+    own_preload,
+    parse_compile_mode,
+    parse_devices,
+    parse_host_port,
+    parse_loras,
+    preload_value,
+    warmup_value,
+)
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg
-from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
+from diffusiond.protocol import COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
-
-
-class ConfigError(ValueError):
-    pass
-
 
 STATE_SYNC = ("normal", "full")
 
@@ -59,21 +63,6 @@ class ModelConfig:
     preload: bool | None = None  # TOML ``preload = true|false``: over the file's top-level preload, under --preload
     offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
     nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
-
-
-def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``512x512:1,1024x1024:4`` (WxH or WxH:BATCH, batch 1 when left out) -> shapes to warm up."""
-    shapes = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        size, _, batch = part.partition(":")
-        w, x, h = size.partition("x")
-        if not (x and w.isdigit() and h.isdigit() and (batch.isdigit() or not batch)):
-            raise ConfigError(f"warmup {part!r} is not WxH or WxH:BATCH (e.g. --warmup 512x512:1,512x512:8)")
-        shape = (int(w), int(h), int(batch or 1))
-        if min(shape) < 1:
-            raise ConfigError(f"warmup {part!r}: width, height and batch must be at least 1")
-        shapes.append(shape)
-    return tuple(shapes)
 
 
 def compile_cache_dir(state_dir: str) -> Path:
@@ -294,53 +283,6 @@ def _bytes(value: str | None) -> int:
     return NO_BUDGET if value is None else parse_size(value).resolve(None)
 
 
-def duration(value: Any, name: str) -> float:
-    """A keep-alive as flags, TOML and requests give it (``5m``, ``300``, ``0``, ``-1``), in seconds."""
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise ConfigError(f"{name}: {exc}") from None
-
-
-def parse_host_port(text: str, flag: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT`` (all addresses); port 0 picks a free one."""
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ConfigError(f"{flag}: put an IPv6 address in brackets, like [::1]:7860; got {text!r}")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{flag} wants HOST:PORT with a port of 0-65535, like {DEFAULT_WEB_ADDRESS}; got {text!r}")
-    return host, int(port)
-
-
-def _cuda_device_count() -> int:
-    """Asked of a child interpreter: the engine process never loads torch (a second of start-up
-    and hundreds of MB that only the workers need)."""
-    code = "import torch; print(torch.cuda.device_count())"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ConfigError(f"--device cuda: could not count the CUDA devices with torch: {exc}") from None
-    return int(out.stdout.strip() or 0)
-
-
-def parse_devices(device: str, workers: int) -> tuple[str, ...]:
-    """``cpu`` with N workers, ``cuda`` (every visible GPU), or an explicit ``cuda:0,cuda:1`` list."""
-    parts = [d.strip() for d in device.split(",") if d.strip()]
-    if parts == ["cpu"]:
-        return ("cpu",) * max(1, workers)
-    if parts == ["cuda"]:
-        count = _cuda_device_count()
-        if count == 0:
-            raise ConfigError("--device cuda, but no CUDA device is visible (check nvidia-smi, CUDA_VISIBLE_DEVICES)")
-        return tuple(f"cuda:{i}" for i in range(count))
-    for p in parts:
-        if p != "cpu" and not (p.startswith("cuda:") and p[5:].isdigit()):
-            raise ConfigError(f"device {p!r} is not cpu, cuda or cuda:N")
-    return tuple(parts)
-
-
 def load_toml(path: str | Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -349,27 +291,6 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-
-
-def parse_loras(value: Any) -> dict[str, str]:
-    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
-    if isinstance(value, dict):
-        return {str(k): _absolute(str(v)) for k, v in value.items()}
-    out: dict[str, str] = {}
-    for arg in value if isinstance(value, list) else [value]:
-        name, sep, path = str(arg).partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ConfigError(f"--lora wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
-        if name.strip() in out:
-            raise ConfigError(f"LoRA name {name.strip()!r} is given twice")
-        out[name.strip()] = _absolute(path.strip())
-    return out
-
-
-def _absolute(path: str) -> str:
-    """Paths as the user meant them from where they ran ``serve``: workers and later requests may
-    run elsewhere (systemd starts the daemon in /)."""
-    return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> DaemonConfig:
@@ -387,8 +308,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     device = str(values.pop("device", "cpu"))
     workers = int(values.pop("workers", 1))
     dtype = str(values.pop("dtype", "float32"))
-    compile_mode = _compile_mode(values.pop("compile", ""))
-    warmup = _warmup(values.pop("warmup", ""))
+    compile_mode = parse_compile_mode(values.pop("compile", ""))
+    warmup = warmup_value(values.pop("warmup", ""))
     model_args = values.pop("model", None)
     offload = values.pop("offload", None)  # --offload MODE (or TOML's top-level offload): every model's
     forced = overrides.get("offload") is not None  # the flag wins over a [[models]] table's own
@@ -411,12 +332,12 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                     dtype=str(t.get("dtype", dtype)),
                     options={str(k): str(v) for k, v in dict(t.get("options", {})).items()}
                     | ({"offload": str(t["offload"])} if "offload" in t else {}),
-                    compile=_compile_mode(t.get("compile", compile_mode)),
-                    warmup=_warmup(t["warmup"]) if "warmup" in t else warmup,
+                    compile=parse_compile_mode(t.get("compile", compile_mode)),
+                    warmup=warmup_value(t["warmup"]) if "warmup" in t else warmup,
                     keep_alive_s=duration(t["keep_alive"], f"model {t.get('name', t['spec'])!r}: keep_alive")
                     if "keep_alive" in t else None,
                     pinned=bool(t.get("pin", False)),
-                    preload=_own_preload(t),
+                    preload=own_preload(t),
                 )
             )
     else:
@@ -436,7 +357,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         if key in values:
             values[f"{key}_s"] = duration(values.pop(key), key)
     if "preload" in values:  # --preload replaces every other word on it, the tables' own included
-        values["preload"] = _preload(values["preload"])
+        values["preload"] = preload_value(values["preload"])
         if overrides.get("preload") is not None:
             models = [replace(m, preload=None) for m in models]
     if "pin" in values:
@@ -478,32 +399,3 @@ def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:
                    nothing_fits=unfit)
 
 
-def _preload(value: Any) -> tuple[str, ...]:
-    try:
-        return parse_preload(value)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _own_preload(table: dict[str, Any]) -> bool | None:
-    """A ``[[models]]`` table's ``preload``: true or false (a string such as "no" would read as true)."""
-    value = table.get("preload")
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"model {table.get('name', table['spec'])!r}: preload {value!r} is not true or false")
-    return value
-
-
-def _compile_mode(value: Any) -> str:
-    """TOML ``compile = true`` means inductor's default mode, ``false`` eager; a string names a mode."""
-    if value is True:
-        return "default"
-    if value is False or value is None:
-        return ""
-    return str(value)
-
-
-def _warmup(value: Any) -> tuple[tuple[int, int, int], ...]:
-    """A string (``"512x512:1,512x512:8"``, as on the command line) or a TOML list of them."""
-    if isinstance(value, list | tuple):
-        return tuple(shape for v in value for shape in parse_warmup(str(v)))
-    return parse_warmup(str(value))

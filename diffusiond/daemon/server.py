@@ -29,7 +29,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from diffusiond import __version__
 from diffusiond.daemon import systemd
-from diffusiond.daemon.config import DaemonConfig, parse_host_port
+from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.edge.api import WebAddress, create_app
 from diffusiond.daemon.edge.handoff import OutputSocket
@@ -37,6 +37,7 @@ from diffusiond.daemon.edge.web import bind_tcp, create_web_app, sign_in_url
 from diffusiond.daemon.edge.webauth import host_port
 from diffusiond.daemon.state.statedir import StateDirError
 from diffusiond.daemon.state.store import SqliteStore
+from diffusiond.daemon.values import parse_host_port
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.protocol import output_socket_path
 

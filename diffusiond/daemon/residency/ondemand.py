@@ -14,14 +14,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
+from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
+from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.preload import choose
-from diffusiond.daemon.workers.pool import Model
+from diffusiond.daemon.workers.pool import Model, WorkerPool
 
-if TYPE_CHECKING:
-    from diffusiond.daemon.residency.keeper import Keeper
+
+class Keeper(Protocol):
+    """What these functions need of ``keeper.Keeper`` (named here so the two modules do not import each other)."""
+
+    config: DaemonConfig
+    pool: WorkerPool
+    policy: Residency
+    metrics: Metrics
+    moving: set[str]
+    on_change: Callable[[], None]
+    _learning: dict[str, asyncio.Task[str | None]]
+
+    def _register(self, model: Model) -> None: ...
+    def _move(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
+    def _spawn_move(self, model: Model, move: Move) -> None: ...
 
 log = logging.getLogger("diffusiond.daemon.residency.keeper")  # one logger for residency's moves
 

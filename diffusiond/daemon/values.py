@@ -1,0 +1,136 @@
+"""How flags and TOML values are read: warm-up shapes, durations, addresses, devices, LoRA lists, preload.
+
+Each reader takes a value as a user wrote it (a flag's string or a TOML value) and returns it checked, or
+raises ``ConfigError`` whose message names the flag and the forms it accepts. Kept apart from ``config.py``,
+which assembles and cross-checks the configuration, so that each stays one job; ``config.py`` re-exports
+the names other modules import from it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+from diffusiond.daemon.residency.preload import parse_preload
+from diffusiond.daemon.residency.units import parse_duration
+from diffusiond.protocol import DEFAULT_WEB_ADDRESS
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``512x512:1,1024x1024:4`` (WxH or WxH:BATCH, batch 1 when left out) -> shapes to warm up."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        size, _, batch = part.partition(":")
+        w, x, h = size.partition("x")
+        if not (x and w.isdigit() and h.isdigit() and (batch.isdigit() or not batch)):
+            raise ConfigError(f"warmup {part!r} is not WxH or WxH:BATCH (e.g. --warmup 512x512:1,512x512:8)")
+        shape = (int(w), int(h), int(batch or 1))
+        if min(shape) < 1:
+            raise ConfigError(f"warmup {part!r}: width, height and batch must be at least 1")
+        shapes.append(shape)
+    return tuple(shapes)
+
+
+def duration(value: Any, name: str) -> float:
+    """A keep-alive as flags, TOML and requests give it (``5m``, ``300``, ``0``, ``-1``), in seconds."""
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def parse_host_port(text: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT`` (all addresses); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"{flag}: put an IPv6 address in brackets, like [::1]:7860; got {text!r}")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{flag} wants HOST:PORT with a port of 0-65535, like {DEFAULT_WEB_ADDRESS}; got {text!r}")
+    return host, int(port)
+
+
+def cuda_device_count() -> int:
+    """Asked of a child interpreter: the engine process never loads torch (a second of start-up
+    and hundreds of MB that only the workers need)."""
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigError(f"--device cuda: could not count the CUDA devices with torch: {exc}") from None
+    return int(out.stdout.strip() or 0)
+
+
+def parse_devices(device: str, workers: int) -> tuple[str, ...]:
+    """``cpu`` with N workers, ``cuda`` (every visible GPU), or an explicit ``cuda:0,cuda:1`` list."""
+    parts = [d.strip() for d in device.split(",") if d.strip()]
+    if parts == ["cpu"]:
+        return ("cpu",) * max(1, workers)
+    if parts == ["cuda"]:
+        count = cuda_device_count()
+        if count == 0:
+            raise ConfigError("--device cuda, but no CUDA device is visible (check nvidia-smi, CUDA_VISIBLE_DEVICES)")
+        return tuple(f"cuda:{i}" for i in range(count))
+    for p in parts:
+        if p != "cpu" and not (p.startswith("cuda:") and p[5:].isdigit()):
+            raise ConfigError(f"device {p!r} is not cpu, cuda or cuda:N")
+    return tuple(parts)
+
+
+def parse_loras(value: Any) -> dict[str, str]:
+    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
+    if isinstance(value, dict):
+        return {str(k): absolute(str(v)) for k, v in value.items()}
+    out: dict[str, str] = {}
+    for arg in value if isinstance(value, list) else [value]:
+        name, sep, path = str(arg).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
+        if name.strip() in out:
+            raise ConfigError(f"LoRA name {name.strip()!r} is given twice")
+        out[name.strip()] = absolute(path.strip())
+    return out
+
+
+def absolute(path: str) -> str:
+    """Paths as the user meant them from where they ran ``serve``: workers and later requests may
+    run elsewhere (systemd starts the daemon in /)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
+def preload_value(value: Any) -> tuple[str, ...]:
+    try:
+        return parse_preload(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def own_preload(table: dict[str, Any]) -> bool | None:
+    """A ``[[models]]`` table's ``preload``: true or false (a string such as "no" would read as true)."""
+    value = table.get("preload")
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"model {table.get('name', table['spec'])!r}: preload {value!r} is not true or false")
+    return value
+
+
+def parse_compile_mode(value: Any) -> str:
+    """TOML ``compile = true`` means inductor's default mode, ``false`` eager; a string names a mode."""
+    if value is True:
+        return "default"
+    if value is False or value is None:
+        return ""
+    return str(value)
+
+
+def warmup_value(value: Any) -> tuple[tuple[int, int, int], ...]:
+    """A string (``"512x512:1,512x512:8"``, as on the command line) or a TOML list of them."""
+    if isinstance(value, list | tuple):
+        return tuple(shape for v in value for shape in parse_warmup(str(v)))
+    return parse_warmup(str(value))
