@@ -143,7 +143,10 @@ def parse_duration(value: str | int | float) -> float:
 
 
 def format_bytes(n: int) -> str:
-    """Bytes for a person reading an error or a log line: binary units, as ``--device-memory`` takes them."""
+    """Bytes for a person reading an error or a log line: binary units, as ``--device-memory`` takes them.
+    An exbibyte or more is only ever what is left of no budget at all (``config.NO_BUDGET``), so it says so."""
+    if n >= 1 << 60:
+        return "unbounded (no --device-memory)"
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(size) < 1024:
