@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from diffusiond.bench.load import LoadResult, _body, steady_throughput
-from diffusiond.bench.report import ModeResult, Setup, compare, per_mode
+from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import intervals, summarize
 
 MS = 1_000_000
@@ -156,17 +156,15 @@ def test_bench_runs_every_mode_in_rounds_on_tiny_and_reports_where_the_time_goes
             assert t["gpu_forward_ms"] is None  # CPU: no CUDA timeline
     assert all(r["trace"]["batches"] == 2 for r in runs if r["mode"] == "limit")  # 4 requests at batch 2
     assert runs[7]["trace"] is None  # the baseline has no worker to trace
+    text = table(report)  # what the command prints without --json, from the same report
+    assert "| mode | req/s | x limit |" in text and "| async |" in text and "1 round," not in text
+    assert "Runs, in the order they ran" in text and "| 4 | limit |" in text  # more runs than modes
+    assert "Where the time goes" in text
+    assert "note: measured on the CPU. These figures do not measure" in text  # no CPU ratio read as a result
 
 
-def test_bench_table_and_a_clear_error_for_an_unknown_mode(model_cache: Path) -> None:
+def test_bench_refuses_an_unknown_mode_and_bad_numbers_in_one_line(model_cache: Path) -> None:
     env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
-    done = _bench("--modes", "limit,async", "--rounds", "1", "--trace", env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    table = done.stdout
-    assert "| mode | req/s | x limit |" in table and "| async |" in table and "1 round," not in table
-    assert "Runs, in the order they ran" in table  # limit, async, limit: more runs than modes
-    assert "Where the time goes" in table and "| 3 | limit |" in table
-    assert "note: measured on the CPU. These figures do not measure" in table  # no CPU ratio read as a result
     bad = _bench("--modes", "limit,fast", env=env)
     assert bad.returncode == 2 and "unknown mode(s) ['fast']" in bad.stderr
     zero = _bench("--requests", "0", env=env)  # would otherwise wait forever for a first measured request
