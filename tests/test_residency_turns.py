@@ -353,3 +353,35 @@ def test_the_serve_flag_reaches_the_config() -> None:
     args = build_parser().parse_args(["serve", "--max-model-wait", "45s"])
     overrides = {k: getattr(args, k) for k in SERVE_FIELDS if getattr(args, k) is not None}  # as cli.serve
     assert build_config({}, overrides).max_model_wait_s == 45.0
+
+
+async def test_jobs_admitted_before_their_model_is_known_count_as_its_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job sent while its model's worker still starts (or resumed from the state dir) is admitted before
+    residency knows the model; once its worker is ready the job counts, so the model is not idle (and not
+    sent away to make room) while that job waits."""
+    release = asyncio.Event()
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        await release.wait()
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, "cpu", 1.0, msgspec.structs.replace(CAPS, weight_bytes=G))
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    h = Harness(models=(ModelConfig(name="a", spec="fake"),), device_memory="6GiB", max_batch=1)
+    starting = asyncio.ensure_future(h.engine.start())
+    try:
+        for _ in range(100):
+            if h.engine.accepting:
+                break
+            await asyncio.sleep(0.01)
+        jobs = [submit(h, "a") for _ in range(3)]  # admitted while a is not yet known to residency
+        assert not h.engine.keeper.known("a")
+        release.set()
+        await starting
+        await h.settle()
+        status = h.engine.keeper.snapshot()["a"]
+        assert status.queued + status.running == 3, status  # one batch sent, two waiting: all of them its work
+        assert all(j.status in (JobStatus.QUEUED, JobStatus.RUNNING) for j in jobs)
+    finally:
+        release.set()
+        await h.close()

@@ -84,7 +84,8 @@ class Engine:
         self.executor = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="encode")
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
-        self.keeper = Keeper(config, self.pool, self.metrics, on_change=self.dispatch, oldest=self.scheduler.oldest)
+        self.keeper = Keeper(config, self.pool, self.metrics, on_change=self.dispatch, oldest=self.scheduler.oldest,
+                             queued=self.scheduler.outputs)
         self.flights = Flights(self.pool, self.scheduler, self.outputs, self.store, self.metrics,
                                held=lambda: self.paused or self.stopping, changed=self._changed, keeper=self.keeper)
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)

@@ -72,6 +72,10 @@ class Scheduler:
         """The jobs with outputs queued for ``model``, in queue order (residency shows them why they wait)."""
         return list({i.job.id: i.job for i in self._pending[model]}.values())
 
+    def outputs(self, model: str) -> int:
+        """How many of ``model``'s outputs wait to be sent to a worker (residency counts them as its work)."""
+        return len(self._pending.get(model, ()))
+
     def oldest(self, model: str) -> float | None:
         """When ``model``'s longest-waiting queued output was admitted (the queue is in admission order, and
         what goes back goes to its head), or None: residency bounds that wait (residency/turns.py)."""

@@ -66,8 +66,10 @@ def shape_of(width: int, height: int, batch: int, frames: int | None) -> Shape:
 class Keeper:
     def __init__(self, config: DaemonConfig, pool: WorkerPool, metrics: Metrics, *,
                  on_change: Callable[[], None], read_free: FreeReader | None = None,
-                 oldest: Callable[[str], float | None] = lambda name: None) -> None:
-        """``oldest``: when a model's longest-waiting queued output was admitted (the scheduler's), or None."""
+                 oldest: Callable[[str], float | None] = lambda name: None,
+                 queued: Callable[[str], int] = lambda name: 0) -> None:
+        """``oldest``: when a model's longest-waiting queued output was admitted (the scheduler's), or None;
+        ``queued``: how many of its outputs the scheduler holds (counted when the model becomes known)."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
@@ -83,6 +85,7 @@ class Keeper:
         self._learning: dict[str, asyncio.Task[str | None]] = {}  # model -> its first load (``learn``)
         self.turns = Turns(config.max_model_wait_s)
         self.oldest = oldest
+        self.queued = queued
         self._asked: dict[str, Shape] = {}  # model -> the shape of the last batch it asked to run
         self._turn_timer: asyncio.TimerHandle | None = None
 
@@ -112,9 +115,14 @@ class Keeper:
         await ondemand.preload(self, socket_activated)
 
     def _register(self, model: Model) -> None:
+        """The model becomes known to the policy. Jobs admitted before (resumed from the state dir, or sent
+        while its worker started) were not counted then: they are now, so it is not idle while they wait."""
         if not self.policy.has(model.name):
             self.policy.add(model.name, model.config.devices[0], model.capabilities.weight_bytes,
                             pinned=model.config.pinned, keep_alive_s=model.config.keep_alive_s)
+            waiting = self.queued(model.name)
+            if waiting:
+                self.policy.queue(model.name, waiting)
 
     def worker_ready(self, model: Model) -> None:
         """A worker has the model's weights on its device (at start, or after a move back)."""
