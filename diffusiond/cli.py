@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--wait", type=float, metavar="SECONDS", default=0.0,
+                   help="first wait up to this long for the daemon to be up and ready (for scripts that start one)")
     s.set_defaults(func=status)
     m = sub.add_parser("models", parents=[sock], help="list the loaded models")
     m.add_argument("--json", action="store_true")

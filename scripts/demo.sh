@@ -12,10 +12,9 @@ export DIFFUSIOND_CACHE=${DIFFUSIOND_CACHE:-$dir/cache}
 "$PY" -m diffusiond serve --socket "$sock" --state-dir "$dir/state" --model tiny --log-level warning &
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
-for _ in $(seq 1 600); do
-  [ -S "$sock" ] && "$PY" -m diffusiond status --socket "$sock" --json 2>/dev/null | grep -q '"ready": true' && break
+for _ in $(seq 1 60); do  # each status waits up to 5 s in one process; between them, is the daemon alive?
+  "$PY" -m diffusiond status --socket "$sock" --wait 5 --json 2>/dev/null | grep -q '"ready": true' && break
   kill -0 $pid 2>/dev/null || { echo "the daemon exited during start-up" >&2; exit 1; }
-  sleep 0.2
 done
 "$PY" -m diffusiond status --socket "$sock"
 "$PY" -m diffusiond generate "a lighthouse at dusk, oil painting" --socket "$sock" \

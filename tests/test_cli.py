@@ -71,6 +71,12 @@ def test_no_daemon_exits_3_and_says_how_to_start_one(
     assert_unreachable_message(capsys.readouterr().err, path)
 
 
+def test_status_wait_gives_up_on_a_daemon_that_never_comes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(tmp_path / "never.sock")
+    assert main(["status", "--socket", path, "--wait", "0.5"]) == 3  # tried for half a second, then unreachable
+    assert_unreachable_message(capsys.readouterr().err, path)
+
+
 def test_stale_socket_file_is_unreachable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = str(tmp_path / "stale.sock")
     with socket.socket(socket.AF_UNIX) as s:
@@ -451,6 +457,8 @@ def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "0.1.0" in out and "ready" in out and "tiny-0" in out and "succeeded=3" in out
     assert main(["status", "--socket", stub.path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ready"] is True
+    assert main(["status", "--socket", stub.path, "--wait", "5", "--json"]) == 0  # ready at once: no wait
     assert json.loads(capsys.readouterr().out)["ready"] is True
     assert main(["models", "--socket", stub.path]) == 0
     assert capsys.readouterr().out.split("\n")[1].split() == ["tiny", "text-to-image", "cpu", "ready", "-", "-", "-"]

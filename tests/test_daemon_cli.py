@@ -353,13 +353,12 @@ def test_serve_and_clients_find_each_other_through_DIFFUSIOND_SOCKET(tmp_path: P
     try:
         deadline = time.monotonic() + 120
         while True:
-            r = cli("status", env=env)
+            r = cli("status", "--wait", "5", env=env)  # waits in one process, as a script would
             if r.returncode == 0 and ", ready" in r.stdout:
                 break
             assert serve.poll() is None, (tmp_path / "serve.log").read_text()
             assert time.monotonic() < deadline, "the daemon never became ready"
             assert r.returncode in (0, 3), r.stderr
-            time.sleep(0.2)
         r = cli("generate", "a lighthouse at dusk", "-o", "lighthouse.png", cwd=tmp_path, env=env)
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith("lighthouse.png  seed=")
