@@ -15,6 +15,7 @@ import pytest
 import torch
 from fluxkit import build_flux
 
+from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
@@ -179,3 +180,51 @@ def test_ddim_without_eta_is_plain_ddim_and_records_nothing(tiny: DiffusersPipel
     finally:
         tiny.pipe.scheduler = mine
     assert torch.equal(ours, out[0])
+
+
+# admission: the fields, checked before a job exists ---------------------------------------------
+
+
+class _Model:
+    def __init__(self, flow: bool) -> None:
+        from diffusiond.ipc.messages import Capabilities
+
+        self.name = "flowy" if flow else "sdish"
+        self.capabilities = Capabilities(width=64, height=64, steps=2, flow_scheduler=flow)
+
+
+def admit(flow: bool, **fields: object) -> JobRequest:
+    from diffusiond.daemon.config import Limits
+    from diffusiond.daemon.edge.requests import check
+
+    return check({"prompt": "x", "n": 1, **fields}, Limits(), _Model(flow))
+
+
+def test_noise_level_and_eta_reach_the_batch_params() -> None:
+    job = admit(True, scheduler="flow-sde", noise_level=1.2)
+    assert job.batch_params().noise_level == 1.2 and job.batch_params().eta is None
+    job = admit(False, scheduler="ddim", eta=0.5)
+    assert job.batch_params().eta == 0.5
+    # eta 0 is plain DDIM: it batches with requests that leave eta out
+    assert admit(False, scheduler="ddim", eta=0).batch_params() == admit(False, scheduler="ddim").batch_params()
+
+
+@pytest.mark.parametrize(("flow", "fields", "field", "words"), [
+    (True, {"scheduler": "flow-match", "noise_level": 0.7}, "noise_level", "only to scheduler 'flow-sde'"),
+    (True, {"noise_level": 0.7}, "noise_level", "the model's default"),
+    (True, {"scheduler": "flow-sde", "noise_level": 0}, "noise_level", "above 0"),
+    (True, {"scheduler": "flow-sde", "noise_level": 2.5}, "noise_level", "at most 2"),
+    (True, {"scheduler": "flow-sde", "noise_level": math.nan}, "noise_level", "nan"),
+    (True, {"scheduler": "flow-sde", "eta": 0.5}, "eta", "only to scheduler 'ddim'"),
+    (False, {"scheduler": "euler", "eta": 0.5}, "eta", "only to scheduler 'ddim'"),
+    (False, {"scheduler": "ddim", "eta": 1.5}, "eta", "between 0 and 1"),
+    (False, {"scheduler": "ddim", "eta": -0.1}, "eta", "between 0 and 1"),
+    (False, {"scheduler": "ddim", "eta": math.inf}, "eta", "inf"),
+    (False, {"scheduler": "flow-sde"}, "scheduler", "noise-prediction"),
+])
+def test_noise_fields_are_refused_naming_them(flow: bool, fields: dict[str, object], field: str, words: str) -> None:
+    from diffusiond.daemon.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest) as info:
+        admit(flow, **fields)
+    assert info.value.field == field and words in str(info.value), str(info.value)
