@@ -228,3 +228,27 @@ def test_noise_fields_are_refused_naming_them(flow: bool, fields: dict[str, obje
     with pytest.raises(InvalidRequest) as info:
         admit(flow, **fields)
     assert info.value.field == field and words in str(info.value), str(info.value)
+
+
+# a real daemon (e) -------------------------------------------------------------------------------
+
+
+async def test_a_daemon_serves_flow_sde_and_ddim_with_eta_jobs(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """One job each through the whole path: the fields pass admission, reach the worker in the batch
+    params and run there; the job's request echoes them."""
+    from daemonkit import http, submit, wait_job
+
+    folder = build_flux(tmp_path / "flux")
+    (tmp_path / "d.toml").write_text(f'[[models]]\nname = "tiny"\nspec = "tiny"\n\n'
+                                     f'[[models]]\nname = "flux"\nspec = "{folder}"\n')
+    d = daemon_factory("--config", str(tmp_path / "d.toml"), "--job-timeout", "120")
+    async with http(d.socket) as s:
+        for body in ({"model": "flux", "scheduler": "flow-sde", "noise_level": 0.9, "guidance_scale": 3.5},
+                     {"model": "tiny", "scheduler": "ddim", "eta": 1.0}):
+            job = await submit(s, {"prompt": "a fox", "width": 64, "height": 64, "steps": 2, "seed": 3, **body})
+            done = await wait_job(s, job["id"])
+            assert done["status"] == "succeeded", done
+            assert {k: done["request"][k] for k in body if k != "model"} == {k: v for k, v in body.items()
+                                                                           if k != "model"}
+            async with s.get(done["outputs"][0]["url"]) as r:
+                assert r.status == 200 and (await r.read()).startswith(b"\x89PNG")
