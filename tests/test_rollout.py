@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from fluxkit import build_flux
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.ipc.messages import BatchParams, RequestSpec
@@ -252,3 +254,35 @@ async def test_a_daemon_serves_flow_sde_and_ddim_with_eta_jobs(daemon_factory, t
                                                                            if k != "model"}
             async with s.get(done["outputs"][0]["url"]) as r:
                 assert r.status == 200 and (await r.read()).startswith(b"\x89PNG")
+
+
+NOISE_VALUES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70), st.booleans(),
+                         st.text(max_size=5), st.none(), st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(["noise_level", "eta"]), value=NOISE_VALUES,
+       scheduler=st.sampled_from([None, "flow-sde", "ddim", "flow-match", "euler"]), flow=st.booleans())
+def test_any_noise_value_is_a_job_or_a_400_naming_a_field(field: str, value: object, scheduler: str | None,
+                                                         flow: bool) -> None:
+    """In process, the path a body takes (decode, then check): never anything but a 400 (fuzz family)."""
+    import json
+
+    import msgspec
+
+    from diffusiond.daemon.config import Limits
+    from diffusiond.daemon.edge.requests import JobBody, check, decode, sized
+    from diffusiond.daemon.errors import InvalidRequest
+
+    body = {"prompt": "x", "n": 1, field: value, **({"scheduler": scheduler} if scheduler else {})}
+    try:
+        if isinstance(value, float) and not math.isfinite(value):  # JSON has no NaN: a caller in process could
+            job = check(body, Limits(), _Model(flow))
+        else:
+            job = check(sized(msgspec.structs.asdict(decode(json.dumps(body).encode(), JobBody))), Limits(),
+                        _Model(flow))
+    except InvalidRequest as exc:
+        assert exc.field in (field, "scheduler"), (exc.field, str(exc))
+        return
+    got = getattr(job, field)
+    assert got is None or (isinstance(got, float) and math.isfinite(got) and got >= 0)
