@@ -53,7 +53,8 @@ _SCHEDULER_CLASSES = {
     "flow-match": "FlowMatchEulerDiscreteScheduler",
     "flow-sde": "FlowSDEScheduler",  # Flow-GRPO's stochastic step with log-probs
 }
-# The scheduler names requests may use (protocol.SCHEDULERS) -> diffusers class names; keyed by the
+# The scheduler names requests may use (protocol.SCHEDULERS) -> class names, diffusers' or (the two
+# that record log-probs, issue 29) rollout_schedulers' subclasses of them; keyed by the
 # protocol's list so a name added there without a class here fails at import, not in a request.
 SCHEDULERS: dict[str, str] = {name: _SCHEDULER_CLASSES[name] for name in protocol.SCHEDULERS}
 

@@ -106,6 +106,8 @@ class _Recording:
     def _record(self, timestep: Any, sigma: float, sigma_next: float, std: float, log_prob: torch.Tensor,
                 sample: torch.Tensor, prev: torch.Tensor, model_output: torch.Tensor) -> None:
         keep = getattr(self, "record_latents", False)
+        if not hasattr(self, "records"):  # stepped without begin() (used on its own, outside the pipeline)
+            self.records = []
         self.records.append(StepRecord(
             timestep=float(timestep), sigma=sigma, sigma_next=sigma_next, std=std, log_prob=log_prob.detach().cpu(),
             sample=sample.detach().cpu().clone() if keep else None,
