@@ -292,6 +292,9 @@ def within_limits(job: dict[str, Any]) -> None:
     assert 1 <= r["steps"] <= LIMITS["max_steps"], job
     assert r["num_frames"] is None or 1 <= r["num_frames"] <= LIMITS["max_frames"], job
     assert job["model"] in MODELS and r["prompt"].strip(), job
+    # issue 29: each noise only with its scheduler, and in its range
+    assert r["noise_level"] is None or (r["scheduler"] == "flow-sde" and 0 < r["noise_level"] <= 2), job
+    assert r["eta"] is None or (r["scheduler"] == "ddim" and 0 < r["eta"] <= 1), job
     assert len(r["loras"]) <= MAX_LORAS and len({e["name"] for e in r["loras"]}) == len(r["loras"]), job
     assert all(e["name"] in LORAS and -4 <= e["weight"] <= 4 for e in r["loras"]), job
     assert not r["loras"] or job["model"] == "tiny", job  # the synthetic models take no LoRA
