@@ -99,11 +99,17 @@ PREVIEW_FORMATS: Final[tuple[str, ...]] = ("jpeg", "webp", "png")
 
 # schedulers -------------------------------------------------------------------------------------
 
-SCHEDULERS: Final[tuple[str, ...]] = ("euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match")
+SCHEDULERS: Final[tuple[str, ...]] = ("euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match", "flow-sde")
 """The scheduler short names a request may use; the pipelines map each to a diffusers class."""
 
-FLOW_SCHEDULERS: Final[frozenset[str]] = frozenset({"flow-match"})
+FLOW_SCHEDULERS: Final[frozenset[str]] = frozenset({"flow-match", "flow-sde"})
 """The ones for flow-matching models (SD3, Flux, Wan); the rest are for noise-prediction models."""
+
+NOISE_LEVEL_MAX: Final = 2.0
+"""The largest ``noise_level`` of ``flow-sde`` (Flow-GRPO uses 0.7; far above 1 the SDE's noise swamps the
+signal and its first step's std grows without bound, so larger values are a typo, not a setting)."""
+ETA_MAX: Final = 1.0
+"""The largest ``eta`` of ``ddim``: 1 is DDPM's variance; DDIM's direction term is undefined above it."""
 
 
 def schedulers_for(flow: bool) -> tuple[str, ...]:

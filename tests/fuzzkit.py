@@ -555,7 +555,7 @@ JOB_BASE = {"prompt": "a fox", "model": "tiny", "width": 64, "height": 64, "step
 GEN_BASE = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_steps": 1}
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "image", "image_path",
-              "mask", "mask_path", "strength", "loras", "preview", "keep_alive"]
+              "mask", "mask_path", "strength", "loras", "preview", "keep_alive", "noise_level", "eta"]
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",
@@ -564,7 +564,9 @@ EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
                "background", "input_fidelity", "user", "loras", "preview"]
 NUMERIC_FIELDS = {"n", "width", "height", "steps", "num_inference_steps", "guidance_scale", "seed", "num_frames", "fps",
-                  "timeout_s", "strength", "output_compression", "partial_images"}
+                  "timeout_s", "strength", "output_compression", "partial_images", "noise_level", "eta"}
+# the scheduler a field belongs to (issue 29): sent with it half the time, so the value's own range check is reached
+NOISE_SCHEDULERS = {"noise_level": "flow-sde", "eta": "ddim"}
 UNKNOWN_FIELDS = ["zz", "", "\x00", "\ud800", "prompt ", "PROMPT", "__proto__", "x" * 300]
 
 
@@ -593,6 +595,8 @@ def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
         return st.builds(as_base64, image_bytes(), st.integers(0, 5)) | nasty_values
     if name in ("image_path", "mask_path"):
         return path_values(ctx) | nasty_values
+    if name in NOISE_SCHEDULERS:
+        return st.floats(-1, 3) | st.sampled_from([0, 1, 2, 1e-300, -0.0]) | nasty_values
     return nasty_values
 
 
@@ -605,6 +609,8 @@ def json_body(draw: st.DrawFn, ctx: Ctx, base: dict[str, Any], fields: list[str]
         # the numbers get half the draws: their range checks are where conversions overflow
         name = draw(st.sampled_from(numeric) | st.sampled_from(fields) | st.sampled_from(UNKNOWN_FIELDS))
         body[name] = draw(field_value(ctx, name))
+        if name in NOISE_SCHEDULERS and draw(st.booleans()):
+            body["scheduler"] = NOISE_SCHEDULERS[name]
     if draw(st.integers(0, 9)) == 0:
         return draw(nasty_values)  # a document that is not an object at all
     return body

@@ -175,7 +175,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
     st.text(max_size=8), inner, max_size=4), max_leaves=8)
 
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guidance_scale", "negative_prompt", "seed",
-              "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler",
+              "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "noise_level", "eta",
               "image", "image_path", "mask", "mask_path", "strength", "loras",
               "preview", "keep_alive"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
@@ -218,7 +218,10 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "num_frames": st.integers(min_value=-1, max_value=9),
     "fps": st.integers(min_value=-1, max_value=241),
     "timeout_s": st.sampled_from([0, 0.0001, 0.001, 0.01, 5.0, -1.0, 1e9, math.nan]),
-    "scheduler": st.sampled_from(["euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match", "bogus", ""]),
+    "scheduler": st.sampled_from(["euler", "euler-a", "dpm++", "ddim", "unipc", "flow-match", "flow-sde", "bogus", ""]),
+    # issue 29: the stochastic samplers' noise, in and out of range, with and without their scheduler
+    "noise_level": st.floats(min_value=-1, max_value=3) | st.sampled_from([0, 2, 1e-9, math.nan, math.inf, -0.0]),
+    "eta": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, math.nan, math.inf, -0.0]),
     "response_format": st.sampled_from(["b64_json", "url", "file", ""]),
     "loras": st.lists(st.fixed_dictionaries(
         {"name": st.sampled_from([*LORAS, "nope", "", "../ink", "INK"])},
@@ -289,6 +292,9 @@ def within_limits(job: dict[str, Any]) -> None:
     assert 1 <= r["steps"] <= LIMITS["max_steps"], job
     assert r["num_frames"] is None or 1 <= r["num_frames"] <= LIMITS["max_frames"], job
     assert job["model"] in MODELS and r["prompt"].strip(), job
+    # issue 29: each noise only with its scheduler, and in its range
+    assert r["noise_level"] is None or (r["scheduler"] == "flow-sde" and 0 < r["noise_level"] <= 2), job
+    assert r["eta"] is None or (r["scheduler"] == "ddim" and 0 < r["eta"] <= 1), job
     assert len(r["loras"]) <= MAX_LORAS and len({e["name"] for e in r["loras"]}) == len(r["loras"]), job
     assert all(e["name"] in LORAS and -4 <= e["weight"] <= 4 for e in r["loras"]), job
     assert not r["loras"] or job["model"] == "tiny", job  # the synthetic models take no LoRA
@@ -479,6 +485,7 @@ def test_unknown_method_is_refused_by_the_parser(sock: Path) -> None:
 @pytest.mark.parametrize(("model", "scheduler", "fits"), [
     ("tiny", "bogus", False), ("tiny", "", False), ("tiny", "flow-match", False), ("tiny", "ddim", True),
     ("tiny", "euler", True), ("fz", "bogus", False), ("fz", "flow-match", True), ("fz", "unipc", True),
+    ("tiny", "flow-sde", False), ("fz", "flow-sde", True),
 ])
 def test_scheduler_is_checked_at_admission(sock: Path, model: str, scheduler: str, fits: bool) -> None:
     """An unknown scheduler, or one the model cannot use, is a 400 naming the field on both
@@ -674,6 +681,7 @@ def test_an_index_or_limit_of_thousands_of_digits_is_a_400_naming_it(sock: Path,
 
 @pytest.mark.parametrize(("path", "field"), [("/v1/jobs", "n"), ("/v1/jobs", "steps"), ("/v1/jobs", "seed"),
                                              ("/v1/jobs", "width"), ("/v1/jobs", "fps"),
+                                             ("/v1/jobs", "noise_level"), ("/v1/jobs", "eta"),
                                              ("/v1/images/generations", "n"),
                                              ("/v1/images/generations", "num_inference_steps")])
 @pytest.mark.parametrize("digits", [310, 400, 4000])

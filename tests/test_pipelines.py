@@ -178,7 +178,7 @@ def test_scheduler_classes_are_for_exactly_the_protocols_names() -> None:
     assert tuple(SCHEDULERS) == protocol.SCHEDULERS
 
 
-@pytest.mark.parametrize("name", sorted(set(SCHEDULERS) - {"flow-match"}))
+@pytest.mark.parametrize("name", sorted(set(SCHEDULERS) - protocol.FLOW_SCHEDULERS))
 def test_each_sd_scheduler_runs_on_tiny(tiny: DiffusersPipeline, name: str) -> None:
     params = BatchParams(width=64, height=64, steps=2, guidance=5.0, scheduler=name)
     image = run(tiny, [req(5)], params)[0]

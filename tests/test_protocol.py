@@ -70,7 +70,7 @@ def test_string_enums_are_their_wire_text() -> None:
 
 def test_schedulers() -> None:
     assert set(SCHEDULERS) >= FLOW_SCHEDULERS
-    assert schedulers_for(True) == ("flow-match",)
+    assert schedulers_for(True) == ("flow-match", "flow-sde")
     assert set(schedulers_for(False)) == set(SCHEDULERS) - FLOW_SCHEDULERS
 
 

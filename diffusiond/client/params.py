@@ -30,6 +30,8 @@ class JobParams(TypedDict, total=False):
     num_frames: int
     fps: int
     scheduler: str
+    noise_level: float  # flow-sde's noise (0 < a <= 2, default 0.7)
+    eta: float  # ddim's noise (0 to 1, default 0)
     timeout_s: float
     model: str
     preview: dict[str, Any]  # {"every": N, "format": "jpeg"|"webp"|"png", "max_side": 256}: preview events

@@ -110,6 +110,9 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     guidance: float
     num_frames: int | None = None
     scheduler: str | None = None
+    # the stochastic samplers' noise (issue 29): flow-sde's noise_level, ddim's eta; None: their defaults
+    noise_level: float | None = None
+    eta: float | None = None
     output_dtype: OutputDtype = "uint8"
     loras: tuple[LoraRef, ...] = ()  # sorted by name; weight-0 adapters left out (they change nothing)
     # edits (image-to-image, inpainting): requests differing here never share a batch

@@ -48,11 +48,13 @@ _SCHEDULER_CLASSES = {
     "euler": "EulerDiscreteScheduler",
     "euler-a": "EulerAncestralDiscreteScheduler",
     "dpm++": "DPMSolverMultistepScheduler",
-    "ddim": "DDIMScheduler",
+    "ddim": "RolloutDDIMScheduler",  # diffusers' DDIM at eta 0; DDPO's step with log-probs above
     "unipc": "UniPCMultistepScheduler",
     "flow-match": "FlowMatchEulerDiscreteScheduler",
+    "flow-sde": "FlowSDEScheduler",  # Flow-GRPO's stochastic step with log-probs
 }
-# The scheduler names requests may use (protocol.SCHEDULERS) -> diffusers class names; keyed by the
+# The scheduler names requests may use (protocol.SCHEDULERS) -> class names, diffusers' or (the two
+# that record log-probs, issue 29) rollout_schedulers' subclasses of them; keyed by the
 # protocol's list so a name added there without a class here fails at import, not in a request.
 SCHEDULERS: dict[str, str] = {name: _SCHEDULER_CLASSES[name] for name in protocol.SCHEDULERS}
 
@@ -246,6 +248,11 @@ class DiffusersPipeline:
         self._default_scheduler = pipe.scheduler
         self._flow = _is_flow_scheduler(pipe.scheduler)
         self._schedulers: dict[str, Any] = {}
+        # The hook of issue 29's rollouts: the last run's per-step log-probs, timesteps and sigmas
+        # (rollout_schedulers.Trajectory; None after a deterministic run). Their transport to clients
+        # is a later slice; ``record_latents`` (tests) also keeps each step's latents and model output.
+        self.last_rollout: Any = None
+        self.record_latents = False
         mode = offload_mode(options)
         if mode == "auto":  # the daemon resolves auto from the files and its budget; loaded alone, keep it all
             log.info("%s: offload=auto without a budget to choose by: everything stays on the device", name)
@@ -326,7 +333,9 @@ class DiffusersPipeline:
         if cached is None:
             import diffusers
 
-            cls = getattr(diffusers, SCHEDULERS[short])
+            from diffusiond.pipelines import rollout_schedulers
+
+            cls = getattr(rollout_schedulers, SCHEDULERS[short], None) or getattr(diffusers, SCHEDULERS[short])
             cached = cls.from_config(self._default_scheduler.config)
             self._schedulers[short] = cached
         return cached
@@ -371,10 +380,16 @@ class DiffusersPipeline:
         if self._asleep:
             raise PipelineError(f"model {self.name} is asleep; wake it before running")
         pipe.scheduler = self._scheduler(params.scheduler)
+        gens = generators(requests)
+        rollout = pipe.scheduler if hasattr(pipe.scheduler, "trajectory") else None
+        if rollout is not None:  # its noise comes from the requests' own generators, after the initial latents
+            rollout.begin(gens, params.noise_level if params.scheduler == "flow-sde" else params.eta,
+                          record_latents=self.record_latents)
+        self.last_rollout = None
         kwargs: dict[str, Any] = {
             "prompt": [r.prompt for r in requests],
             "num_inference_steps": params.steps,
-            "generator": generators(requests),
+            "generator": gens,
             "output_type": "pt",
             "return_dict": False,
             **extra,
@@ -416,6 +431,7 @@ class DiffusersPipeline:
         except ValueError as exc:
             # diffusers' check_inputs: size not divisible by the VAE factor, prompt too long...
             raise PipelineError(f"{self.name} refused the request: {exc}") from exc
+        self.last_rollout = rollout.trajectory() if rollout is not None else None
         return self._split(out[0] if isinstance(out, tuple) else out, len(requests), params)
 
     def _split(self, batch: Any, n: int, params: BatchParams) -> list[torch.Tensor]:

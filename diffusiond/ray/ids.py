@@ -104,7 +104,8 @@ def batch_key(body: dict[str, Any]) -> str | None:
     if not isinstance(body, dict) or "prompt" not in body:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
-                                   "guidance_scale", "scheduler", "output_dtype", "num_frames", "loras", "strength")]
+                                   "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
+                                   "loras", "strength")]
     return repr(parts)
 
 

@@ -69,6 +69,8 @@ class JobRequest:
     timeout_s: float | None = None
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
+    noise_level: float | None = None  # flow-sde only
+    eta: float | None = None  # ddim only
     preview: PreviewSpec | None = None  # None: no previews (the default)
     loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
     keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
@@ -83,6 +85,8 @@ class JobRequest:
             guidance=self.guidance,
             num_frames=self.num_frames,
             scheduler=self.scheduler,
+            noise_level=self.noise_level,
+            eta=self.eta,
             output_dtype=self.output_dtype,
             loras=self.lora_refs(),
             edit=self.edit.task.value if self.edit else None,

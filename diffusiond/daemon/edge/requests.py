@@ -28,7 +28,9 @@ from diffusiond.ipc.messages import Capabilities
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.protocol import (
     EDIT_TASKS,
+    ETA_MAX,
     IMAGE_FORMATS,
+    NOISE_LEVEL_MAX,
     OUTPUT_DTYPES,
     PREVIEW_FORMATS,
     SCHEDULERS,
@@ -97,6 +99,8 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     fps: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
+    noise_level: float | None = None  # flow-sde's noise (issue 29)
+    eta: float | None = None  # ddim's noise
     preview: PreviewBody | None = None
     loras: list[LoraBody] | None = None
     # edits: the input image as base64 (or a data URL), or a path under --input-dir; same for the mask
@@ -315,6 +319,7 @@ def check(
                 f"{', '.join(schedulers_for(flow))}",
                 field="scheduler",
             )
+    noise_level, eta = _noise(req, scheduler)
     preview = _preview(req.get("preview"), model, steps)
     lora_pairs = check_lora_list(req.get("loras"), limits)
     if lora_pairs:
@@ -344,11 +349,36 @@ def check(
         timeout_s=timeout,
         output_dtype=cast(OutputDtype, dtype),  # checked above against OUTPUT_DTYPES
         scheduler=scheduler,
+        noise_level=noise_level,
+        eta=eta,
         preview=preview,
         loras=lora_pairs,
         edit=edit,
         keep_alive_s=_keep_alive(req.get("keep_alive")),
     )
+
+
+def _noise(req: dict[str, Any], scheduler: str | None) -> tuple[float | None, float | None]:
+    """The stochastic samplers' noise: ``noise_level`` belongs to ``flow-sde`` and ``eta`` to ``ddim``;
+    sent with another scheduler it would be silently ignored, so it is a 400 naming it. ``eta`` 0 is
+    plain DDIM, so it is kept as None (such requests batch with those that leave it out)."""
+    level, eta = req.get("noise_level"), req.get("eta")
+    if level is not None:
+        if scheduler != "flow-sde":
+            raise invalid(f"noise_level applies only to scheduler 'flow-sde', not {_named(scheduler)}",
+                          field="noise_level")
+        if not 0 < level <= NOISE_LEVEL_MAX:
+            raise invalid(f"noise_level must be above 0 and at most {NOISE_LEVEL_MAX:g}, got {_show(level)}",
+                          field="noise_level")
+    if eta is not None:
+        if scheduler != "ddim":
+            raise invalid(f"eta applies only to scheduler 'ddim', not {_named(scheduler)}", field="eta")
+        _range("eta", eta, 0, ETA_MAX)
+    return (None if level is None else float(level)), (float(eta) if eta else None)
+
+
+def _named(scheduler: str | None) -> str:
+    return "the model's default (send scheduler)" if scheduler is None else repr(scheduler)
 
 
 def _keep_alive(value: Any) -> float | None:

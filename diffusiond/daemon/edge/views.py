@@ -77,6 +77,8 @@ def job(j: Job) -> dict[str, Any]:
             "num_frames": r.num_frames,
             "seed": r.seed,
             "scheduler": r.scheduler,
+            "noise_level": r.noise_level,
+            "eta": r.eta,
             "loras": lora_list(r.loras),
             # edits: which, and how strongly (the input image itself is not echoed back)
             "task": r.edit.task.value if r.edit else None,
