@@ -53,6 +53,7 @@ class Faults:
     load_delay_ms: int = 0
     oom: int = 0
     memory_fraction: float = 0.0
+    no_working_measure: bool = False
     frame: tuple[str, Kind] | None = None
 
     @classmethod
@@ -74,6 +75,8 @@ class Faults:
                 f.load_delay_ms = int(value)
             elif key == "oom":
                 f.oom = int(value)
+            elif key == "no_working_measure":  # residency plans with its estimate, as before any run
+                f.no_working_measure = True
             elif key == "memory_fraction":
                 f.memory_fraction = float(value)
             elif key in FRAME_FAULTS:

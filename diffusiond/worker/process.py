@@ -228,6 +228,8 @@ class Worker:
                                                                 weight_bytes=weight_bytes(pipeline)),
                                         lora_errors=lora_errors)),
         )
+        if faults is not None and faults.no_working_measure:
+            self.compute.meter.available = False
         for item in self.pending:
             self.compute.queue.put(item)
         self.pending.clear()
