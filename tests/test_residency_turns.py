@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -258,21 +258,9 @@ async def test_a_job_of_the_model_off_the_device_runs_while_the_other_keeps_a_st
     a_jobs = [submit(h, "a") for _ in range(3)]
     b_job = submit(h, "b")
     stages: list[str] = []  # what a's later jobs say while they wait
-    ran, b_ran = 0, False
-    for _ in range(500):  # a's stream goes on: each batch of a that ends brings a new job of a
-        if b_job.terminal:
-            break
-        a = worker(h, "a")
-        if a.state == WorkerState.READY and len(a.executed) > ran:
-            await run_next(h, "a", ran)
-            ran += 1
-            a_jobs.append(submit(h, "a"))
-            a_jobs[-1].listeners.add(lambda e, j: stages.append(j.stage_label) if e == Event.STATUS else None)
-        elif worker(h, "b").state == WorkerState.READY and worker(h, "b").executed and not b_ran:
-            b_ran = True
-            await run_next(h, "b", 0)
-        await asyncio.sleep(0.02)
-    assert b_job.status == JobStatus.SUCCEEDED, f"b's job is {b_job.stage_label} after {ran} batches of a"
+    await steady_a_until_b_runs(h, a_jobs, b_job, on_submit=lambda job: job.listeners.add(
+        lambda e, j: stages.append(j.stage_label) if e == Event.STATUS else None))
+    assert b_job.status == JobStatus.SUCCEEDED, f"b's job is {b_job.stage_label}"
     waiting = [j for j in a_jobs if not j.terminal]
     assert waiting, "b ran before a's queue drained"
     assert "waiting_for_turn" in stages, stages
@@ -291,8 +279,10 @@ async def test_a_job_of_the_model_off_the_device_runs_while_the_other_keeps_a_st
     assert all(j.status == JobStatus.SUCCEEDED for j in waiting)
 
 
-async def steady_a_until_b_runs(h: Harness, a_jobs: list[Job], b_job: Job) -> None:
-    """Run a's batches, a new job of a for each one that ends, until b's job has run (at most 500 rounds)."""
+async def steady_a_until_b_runs(h: Harness, a_jobs: list[Job], b_job: Job,
+                                on_submit: Callable[[Job], object] = lambda job: None) -> None:
+    """Run a's batches, a new job of a for each one that ends (handed to ``on_submit``), until b's job has
+    run (at most 500 rounds)."""
     ran, b_ran = 0, False
     for _ in range(500):
         if b_job.terminal:
@@ -302,6 +292,7 @@ async def steady_a_until_b_runs(h: Harness, a_jobs: list[Job], b_job: Job) -> No
             await run_next(h, "a", ran)
             ran += 1
             a_jobs.append(submit(h, "a"))
+            on_submit(a_jobs[-1])
         elif worker(h, "b").state == WorkerState.READY and worker(h, "b").executed and not b_ran:
             b_ran = True
             await run_next(h, "b", 0)
