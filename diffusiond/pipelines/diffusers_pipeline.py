@@ -333,7 +333,7 @@ class DiffusersPipeline:
         if cached is None:
             import diffusers
 
-            from diffusiond.pipelines import rollout_schedulers
+            import diffusiond.pipelines.rollout_schedulers as rollout_schedulers
 
             cls = getattr(rollout_schedulers, SCHEDULERS[short], None) or getattr(diffusers, SCHEDULERS[short])
             cached = cls.from_config(self._default_scheduler.config)
