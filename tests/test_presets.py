@@ -23,20 +23,30 @@ from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines import PipelineError, Task, load_pipeline
 from diffusiond.pipelines import presets as presets_module
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
-from diffusiond.pipelines.presets import CLIP_L, NOTICE, PRESETS, Net, Preset, Tok, build_part, parameter_counts
+from diffusiond.pipelines.preset_tables import CLIP_L, PRESETS, T5_XXL, UMT5_XXL, Net, Preset, Tok
+from diffusiond.pipelines.presets import NOTICE, build_part, parameter_counts
 from diffusiond.pipelines.spec import ACCEPTED_FORMS
 
-# Published parameter counts, per component. Sources: the model cards and papers (SD 1.5 UNet
-# 859.52M, SDXL UNet 2.567B, OpenCLIP bigG text tower 694.7M, CLIP ViT-L/14 text tower 123.06M,
-# SD VAE 83.65M, FLUX.1-dev transformer "12B" = 11.90B, T5-XXL encoder 4.762B) and, for Wan 2.1,
-# the released files' sizes (transformer 2.84 GB in bf16 = 1.42B, umT5-XXL encoder 11.36 GB in
-# bf16 = 5.68B, VAE 508 MB in fp32 = 127M).
+# Published weight counts, per component (or per "a+b" group where the release counts them together).
+# Sources: the model cards and papers (SD 1.5 UNet 859.52M, SDXL UNet 2.567B, OpenCLIP bigG text tower
+# 694.7M, CLIP ViT-L/14 text tower 123.06M (123.65M with its 768x768 projection, as SD 3 uses it), SD VAE
+# 83.65M, FLUX.1-dev transformer "12B" = 11.90B, T5-XXL encoder 4.762B, SD 3.5 Large "8.1B"); for
+# SD 3.5 Medium, KerasHub's preset total of 3,371,793,763 for the MMDiT-X, both CLIP towers and the VAE;
+# and the released files' sizes: Wan 2.1 (transformer 2.84 GB in bf16 = 1.42B, umT5-XXL encoder 11.36 GB in
+# bf16 = 5.68B, VAE 508 MB in fp32 = 127M), Wan2.2_VAE.pth (2.82 GB in fp32 = 705M; the TI2V model is
+# "5B") and ltx-video-2b-v0.9.safetensors (transformer and VAE, 9.37 GB in fp32 = 2.3425B).
 PUBLISHED: dict[str, dict[str, float]] = {
     "sd15": {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6},
     "sdxl": {"unet": 2.567e9, "text_encoder": 123.06e6, "text_encoder_2": 694.7e6, "vae": 83.65e6},
     "flux-dev": {"transformer": 11.90e9, "text_encoder": 123.06e6, "text_encoder_2": 4.762e9, "vae": 83.82e6},
     "wan-1.3b": {"transformer": 1.42e9, "text_encoder": 5.68e9, "vae": 127e6},
-}
+    "sd3.5-medium": {"transformer+text_encoder+text_encoder_2+vae": 3_371_793_763, "text_encoder": 123.65e6,
+                     "text_encoder_2": 694.7e6, "text_encoder_3": 4.762e9, "vae": 83.82e6},
+    "sd3.5-large": {"transformer": 8.1e9, "text_encoder": 123.65e6, "text_encoder_2": 694.7e6,
+                    "text_encoder_3": 4.762e9, "vae": 83.82e6},
+    "wan2.2-5b": {"transformer": 5.0e9, "text_encoder": 5.68e9, "vae": 705e6},
+    "ltx-2b": {"transformer+vae": 9.37e9 / 4, "text_encoder": 4.762e9},
+}  # fmt: skip
 PROMPTS = ["a photo of an astronaut riding a horse", "", "ünïcödé 日本語 🐱 <|endoftext|> </s> \t\n", "x" * 2000]
 
 
@@ -62,9 +72,11 @@ def test_every_preset_is_checked_here_and_listed_in_the_accepted_forms() -> None
 @pytest.mark.parametrize("key", list(PRESETS))
 def test_architecture_matches_the_published_size(key: str) -> None:
     counts = parameter_counts(PRESETS[key])
-    assert set(counts) == set(PUBLISHED[key]), "every model component has a published figure"
-    for component, published in PUBLISHED[key].items():
-        assert counts[component] == pytest.approx(published, rel=0.01), (key, component, counts[component])
+    checked = {part for group in PUBLISHED[key] for part in group.split("+")}
+    assert checked == set(counts), "every model component has a published figure"
+    for group, published in PUBLISHED[key].items():
+        count = sum(counts[part] for part in group.split("+"))
+        assert count == pytest.approx(published, rel=0.01), (key, group, count)
 
 
 @pytest.mark.parametrize("key", list(PRESETS))
@@ -144,17 +156,71 @@ SMALL_WAN = dataclasses.replace(
             "base_dim": 3, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
             "temperal_downsample": [False, True, True]}),
         "text_encoder": Net("UMT5EncoderModel", {
-            **presets_module.UMT5_XXL, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 2,
+            **UMT5_XXL, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 2,
             "relative_attention_num_buckets": 8}),
     },
     defaults={"width": 32, "height": 32, "steps": 2, "guidance": 5.0, "num_frames": 5, "fps": 16},
 )  # fmt: skip
 
 
+SMALL_T5 = {**T5_XXL, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 2,
+            "relative_attention_num_buckets": 8}  # fmt: skip
+
+
+def _smaller(key: str, defaults: dict[str, Any], **nets: Net) -> Preset:
+    """``key``'s preset with ``nets`` in place of its big models: its pipeline, VAE family and rules kept."""
+    return dataclasses.replace(PRESETS[key], name=f"test-{key}", parts={**PRESETS[key].parts, **nets},
+                               defaults=defaults)  # fmt: skip
+
+
+def _config(key: str, part: str, **changes: Any) -> dict[str, Any]:
+    net = PRESETS[key].parts[part]
+    assert isinstance(net, Net)
+    return {**net.config, **changes}
+
+
+# The newer families at test size: SD 3.5 (three text encoders, an MMDiT with dual attention), Wan 2.2
+# (the 48-channel VAE at 16x, expanded timesteps) and LTX-Video (a 128-channel VAE at 32x, 8k+1 frames).
+SMALL_NEW = {
+    "sd3.5-medium": _smaller(
+        "sd3.5-medium", {"width": 64, "height": 64, "steps": 2, "guidance": 4.5},
+        transformer=Net("SD3Transformer2DModel", _config(
+            "sd3.5-medium", "transformer", sample_size=32, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=64, pos_embed_max_size=32,
+            dual_attention_layers=(0,))),
+        vae=Net("AutoencoderKL", _config(
+            "sd3.5-medium", "vae", block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1)),
+        text_encoder=Net("CLIPTextModelWithProjection", SMALL_CLIP),
+        text_encoder_2=Net("CLIPTextModelWithProjection", SMALL_CLIP),
+        text_encoder_3=Net("T5EncoderModel", SMALL_T5),
+    ),
+    "wan2.2-5b": _smaller(
+        "wan2.2-5b", {"width": 64, "height": 64, "steps": 2, "guidance": 5.0, "num_frames": 5, "fps": 24},
+        transformer=Net("WanTransformer3DModel", _config(
+            "wan2.2-5b", "transformer", num_attention_heads=2, attention_head_dim=12, text_dim=32, ffn_dim=32,
+            num_layers=2, rope_max_seq_len=32)),
+        vae=Net("AutoencoderKLWan", _config(
+            "wan2.2-5b", "vae", base_dim=12, decoder_base_dim=12, dim_mult=[1, 1, 1, 1], num_res_blocks=1)),
+        text_encoder=Net("UMT5EncoderModel", {**UMT5_XXL, **{k: v for k, v in SMALL_T5.items() if k != "vocab_size"}}),
+    ),
+    "ltx-2b": _smaller(
+        "ltx-2b", {"width": 64, "height": 64, "steps": 2, "guidance": 3.0, "num_frames": 9, "fps": 25},
+        transformer=Net("LTXVideoTransformer3DModel", _config(
+            "ltx-2b", "transformer", num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+            num_layers=1, caption_channels=32)),
+        vae=Net("AutoencoderKLLTXVideo", _config(
+            "ltx-2b", "vae", block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4,
+            layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5)),
+        text_encoder=Net("T5EncoderModel", SMALL_T5),
+    ),
+}  # fmt: skip
+
+
 @pytest.fixture
 def small_presets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The scaled-down presets, registered by name, building into a cache of their own."""
-    for preset in (SMALL_SD, SMALL_WAN):
+    for preset in (SMALL_SD, SMALL_WAN, *SMALL_NEW.values()):
         monkeypatch.setitem(PRESETS, preset.name, preset)
     monkeypatch.setenv("DIFFUSIOND_CACHE", str(tmp_path))
     return tmp_path
@@ -223,3 +289,28 @@ def test_preset_tables_are_frozen_data() -> None:
     assert all(isinstance(p, Preset) for p in PRESETS.values())
     with pytest.raises(dataclasses.FrozenInstanceError):
         PRESETS["sd15"].name = "x"  # type: ignore[misc]
+
+
+# (task, frame step, size step, previews) each newer family declares: what admission checks requests against.
+NEW_FAMILY_RULES = {
+    "sd3.5-medium": (Task.TEXT_TO_IMAGE, 1, 8, False),  # no published preview factors for SD 3's latents here
+    "wan2.2-5b": (Task.TEXT_TO_VIDEO, 4, 32, False),  # 48 channels: Wan 2.1's 16-channel factors do not fit
+    "ltx-2b": (Task.TEXT_TO_VIDEO, 8, 32, True),
+}
+
+
+@pytest.mark.parametrize("key", list(SMALL_NEW))
+def test_newer_families_build_save_load_back_and_generate(key: str, small_presets: Path) -> None:
+    preset = SMALL_NEW[key]
+    pipe = load_pipeline(f"random:{preset.name}")
+    assert isinstance(pipe, DiffusersPipeline) and type(pipe.pipe).__name__ == PRESETS[key].pipeline
+    caps = pipe.capabilities
+    assert (pipe.task, caps.num_frames_step, caps.size_step, caps.previews) == NEW_FAMILY_RULES[key]
+    assert caps.synthetic_weights and caps.flow_scheduler
+    d = preset.defaults
+    params = BatchParams(width=d["width"], height=d["height"], steps=2, guidance=d["guidance"],
+                         num_frames=d.get("num_frames"))  # fmt: skip
+    (out,) = pipe.run(params, [req(3)], always)
+    frames = (d["num_frames"],) if "num_frames" in d else ()
+    assert tuple(out.shape) == (*frames, 3, 64, 64)
+    assert 0.0 <= out.min().item() <= out.max().item() <= 1.0

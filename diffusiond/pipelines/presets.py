@@ -19,220 +19,23 @@ import importlib.util
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from diffusiond.pipelines.base import PipelineError, RequestDefaults
+from diffusiond.pipelines.base import PipelineError
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, t5_tokenizer
 from diffusiond.pipelines.loaders import load_folder
 from diffusiond.pipelines.modelcache import ensure_built
+from diffusiond.pipelines.preset_tables import PRESETS, Net, Part, Preset, Sched, Tok
 
 log = logging.getLogger(__name__)
 
-# Bump when a table below changes: an old cache folder is then ignored.
+# Bump when a table in preset_tables changes: an old cache folder is then ignored.
 PRESET_VERSION = "v1"
 NOTICE = "random weights: outputs are noise; for benchmarks only"
-
-
-@dataclass(frozen=True)
-class Net:
-    """A model: a diffusers or transformers class name and its published config."""
-
-    cls: str
-    config: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Tok:
-    """A generated tokenizer: ``size`` is ``len(tokenizer)`` of the published one."""
-
-    kind: Literal["clip", "t5"]
-    size: int
-    max_length: int
-    extra_ids: int = 0  # t5: sentinel tokens, included in ``size``
-    pad: str | None = None  # clip: SDXL's second tokenizer pads with "!"
-
-
-@dataclass(frozen=True)
-class Sched:
-    cls: str
-    config: Mapping[str, Any]
-
-
-Part = Net | Tok | Sched | None
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    source: str  # the published model whose shapes these are
-    pipeline: str  # diffusers pipeline class
-    parts: Mapping[str, Part]
-    defaults: RequestDefaults  # the published model's native size, steps, guidance (and frames, fps)
-    pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    # from_pretrained of a model with float32-pinned modules (Wan) needs the accelerate package.
-    needs_accelerate: bool = False
-
-
-# --- published configs, as data ------------------------------------------------------------------
-
-# openai/clip-vit-large-patch14 text tower (SD1.5, SDXL's first encoder, Flux's CLIP).
-CLIP_L = {
-    "vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-    "num_attention_heads": 12, "max_position_embeddings": 77, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
-    "projection_dim": 768, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1,
-}  # fmt: skip
-# laion OpenCLIP ViT-bigG/14 text tower with projection (SDXL's second encoder).
-CLIP_BIGG = {
-    **CLIP_L, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
-    "hidden_act": "gelu", "projection_dim": 1280,
-}  # fmt: skip
-# google/t5-v1_1-xxl encoder (Flux's second encoder); UMT5-XXL (Wan) has the same shape, 8x the vocabulary.
-T5_XXL = {
-    "vocab_size": 32128, "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
-    "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "feed_forward_proj": "gated-gelu",
-    "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 1,
-    "decoder_start_token_id": 0,
-}  # fmt: skip
-UMT5_XXL = {**{k: v for k, v in T5_XXL.items() if k != "tie_word_embeddings"}, "vocab_size": 256384}
-# The SD VAE (f8, 4 latent channels); Flux's has 16 channels and no quant convs.
-SD_VAE = {
-    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": (128, 256, 512, 512),
-    "down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "layers_per_block": 2, "norm_num_groups": 32, "act_fn": "silu", "sample_size": 512, "scaling_factor": 0.18215,
-}  # fmt: skip
-SD15_UNET = {
-    "sample_size": 64, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
-    "block_out_channels": (320, 640, 1280, 1280),
-    "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    "cross_attention_dim": 768, "attention_head_dim": 8, "norm_num_groups": 32, "norm_eps": 1e-5, "act_fn": "silu",
-    "flip_sin_to_cos": True, "freq_shift": 0, "downsample_padding": 1, "mid_block_scale_factor": 1,
-}  # fmt: skip
-SDXL_UNET = {
-    "sample_size": 128, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
-    "block_out_channels": (320, 640, 1280),
-    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    "transformer_layers_per_block": (1, 2, 10), "attention_head_dim": (5, 10, 20), "cross_attention_dim": 2048,
-    "use_linear_projection": True, "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-    "projection_class_embeddings_input_dim": 2816, "norm_num_groups": 32, "norm_eps": 1e-5, "act_fn": "silu",
-    "flip_sin_to_cos": True, "freq_shift": 0, "downsample_padding": 1, "mid_block_scale_factor": 1,
-}  # fmt: skip
-FLUX_DEV_TRANSFORMER = {
-    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
-    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
-    "axes_dims_rope": (16, 56, 56),
-}  # fmt: skip
-FLUX_VAE = {
-    **SD_VAE, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
-    "use_quant_conv": False, "use_post_quant_conv": False, "force_upcast": True,
-}  # fmt: skip
-WAN_1_3B_TRANSFORMER = {
-    "patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
-    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
-}  # fmt: skip
-# Wan 2.1's causal 3D VAE (f8 in space, f4 in time); the latent statistics are diffusers' defaults.
-WAN_VAE = {
-    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
-    "temperal_downsample": [False, True, True], "dropout": 0.0,
-}  # fmt: skip
-SD_BETAS = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
-FLUX_SCHEDULER = {
-    "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}  # fmt: skip
-# Wan 2.1 480p: UniPC on flow sigmas with shift 3.
-WAN_SCHEDULER = {
-    "prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0, "num_train_timesteps": 1000,
-    "solver_order": 2, "beta_schedule": "linear",
-}  # fmt: skip
-
-CLIP_TOKENIZER = Tok("clip", 49408, 77)
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            name="sd15",
-            source="stable-diffusion-v1-5",
-            pipeline="StableDiffusionPipeline",
-            parts={
-                "unet": Net("UNet2DConditionModel", SD15_UNET),
-                "vae": Net("AutoencoderKL", SD_VAE),
-                "text_encoder": Net("CLIPTextModel", CLIP_L),
-                "tokenizer": CLIP_TOKENIZER,
-                "scheduler": Sched(
-                    "PNDMScheduler",
-                    {**SD_BETAS, "skip_prk_steps": True, "set_alpha_to_one": False, "steps_offset": 1},
-                ),
-                "safety_checker": None,
-                "feature_extractor": None,
-                "image_encoder": None,
-            },
-            defaults={"width": 512, "height": 512, "steps": 25, "guidance": 7.5},
-            pipeline_kwargs={"requires_safety_checker": False},
-        ),
-        Preset(
-            name="sdxl",
-            source="stable-diffusion-xl-base-1.0",
-            pipeline="StableDiffusionXLPipeline",
-            parts={
-                "unet": Net("UNet2DConditionModel", SDXL_UNET),
-                "vae": Net("AutoencoderKL", {**SD_VAE, "sample_size": 1024, "scaling_factor": 0.13025}),
-                "text_encoder": Net("CLIPTextModel", CLIP_L),
-                "text_encoder_2": Net("CLIPTextModelWithProjection", CLIP_BIGG),
-                "tokenizer": CLIP_TOKENIZER,
-                "tokenizer_2": Tok("clip", 49408, 77, pad="!"),
-                "scheduler": Sched(
-                    "EulerDiscreteScheduler",
-                    {**SD_BETAS, "steps_offset": 1, "timestep_spacing": "leading", "interpolation_type": "linear"},
-                ),
-                "image_encoder": None,
-                "feature_extractor": None,
-            },
-            defaults={"width": 1024, "height": 1024, "steps": 30, "guidance": 5.0},
-            pipeline_kwargs={"force_zeros_for_empty_prompt": True, "add_watermarker": False},
-        ),
-        Preset(
-            name="flux-dev",
-            source="FLUX.1-dev",
-            pipeline="FluxPipeline",
-            parts={
-                "transformer": Net("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
-                "vae": Net("AutoencoderKL", FLUX_VAE),
-                "text_encoder": Net("CLIPTextModel", CLIP_L),
-                "text_encoder_2": Net("T5EncoderModel", T5_XXL),
-                "tokenizer": CLIP_TOKENIZER,
-                "tokenizer_2": Tok("t5", 32100, 512, extra_ids=100),
-                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER),
-                "image_encoder": None,
-                "feature_extractor": None,
-            },
-            defaults={"width": 1024, "height": 1024, "steps": 28, "guidance": 3.5},
-        ),
-        Preset(
-            name="wan-1.3b",
-            source="Wan2.1-T2V-1.3B",
-            pipeline="WanPipeline",
-            parts={
-                "transformer": Net("WanTransformer3DModel", WAN_1_3B_TRANSFORMER),
-                "vae": Net("AutoencoderKLWan", WAN_VAE),
-                "text_encoder": Net("UMT5EncoderModel", UMT5_XXL),
-                "tokenizer": Tok("t5", 256300, 512, extra_ids=300),
-                "scheduler": Sched("UniPCMultistepScheduler", WAN_SCHEDULER),
-                "transformer_2": None,
-            },
-            defaults={"width": 832, "height": 480, "steps": 50, "guidance": 5.0, "num_frames": 81, "fps": 16},
-            needs_accelerate=True,
-        ),
-    )
-}
 
 
 # --- building ------------------------------------------------------------------------------------
@@ -295,12 +98,24 @@ def build_part(part: Part, device: torch.device | str = "meta", dtype: torch.dty
 
 
 def parameter_counts(preset: Preset) -> dict[str, int]:
-    """Parameters per model component, counted on the meta device (no memory, well under a second)."""
+    """Weights per model component, counted on the meta device (no memory, well under a second).
+
+    Saved buffers count too: a published figure counts what the released file holds, and SD 3's
+    position table (226M numbers in 3.5 Medium) is a buffer in diffusers, not a parameter.
+    """
     counts: dict[str, int] = {}
     for key, part in preset.parts.items():
         if isinstance(part, Net):
-            counts[key] = sum(p.numel() for p in build_part(part, "meta").parameters())
+            counts[key] = _weights(build_part(part, "meta"))
     return counts
+
+
+def _weights(model: torch.nn.Module) -> int:
+    saved = [
+        buffer for module in model.modules() for name, buffer in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set and buffer.is_floating_point()
+    ]  # fmt: skip
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in saved)
 
 
 def build_pipeline(preset: Preset, device: torch.device | str, dtype: torch.dtype) -> Any:

@@ -67,7 +67,8 @@ def family_of(pipe: Any) -> str | None:
     )
     if family is None:
         return None
-    channels = getattr(getattr(getattr(pipe, "vae", None), "config", None), "latent_channels", None)
+    config = getattr(getattr(pipe, "vae", None), "config", None)
+    channels = getattr(config, "latent_channels", None) or getattr(config, "z_dim", None)  # Wan's VAEs say z_dim
     return family if channels in (None, len(FAMILIES[family][0])) else None
 
 
