@@ -139,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("model", metavar="NAME", nargs="?")
     which.add_argument("--all", action="store_true", help="every model")
     p.set_defaults(func=residency.unload)
-    sub.add_parser("sleep", parents=[sock], help="drain, then free device memory").set_defaults(func=sleep)
+    p = sub.add_parser("sleep", parents=[sock], help="drain, then free device memory")
+    p.add_argument("--level", type=int, choices=(1, 2), default=1,
+                   help="1: weights to host memory, a fast wake (default); 2: stop the workers, freeing all they "
+                        "held (CUDA contexts too); wake then loads from the files")
+    p.set_defaults(func=sleep)
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=wake)
     sub.add_parser("web-url", parents=[sock], help="print the web page's sign-in URL (serve --web)").set_defaults(
         func=web_url)

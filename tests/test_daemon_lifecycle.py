@@ -239,6 +239,40 @@ async def test_sleep_drains_then_holds_jobs_until_wake(sock: Path) -> None:
     assert h["sleeping"] is False and {w["state"] for w in h["workers"]} == {"ready"}
 
 
+
+async def test_sleep_level_2_stops_the_workers_and_wake_starts_new_ones(life_daemon: Daemon) -> None:
+    """Level 2 is for a trainer that needs the whole card: no worker process is left holding memory
+    (a CUDA context included), and wake loads the models again from their files."""
+    sock = await when_idle(life_daemon)
+    before = set(life_daemon.worker_pids())
+    assert len(before) == 3
+    async with http(sock) as s:
+        for bad in ("?level=3", "?level=x", "?level=1e1"):
+            async with s.post(f"/v1/admin/sleep{bad}") as r:
+                assert r.status == 400 and (await r.json())["error"]["field"] == "level", bad
+        async with s.post("/v1/admin/sleep", json={"level": 0}) as r:
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["field"] == "level" and "1 or 2" in err["message"]
+        assert set(life_daemon.worker_pids()) == before, "a refused sleep changes nothing"
+        try:
+            async with s.post("/v1/admin/sleep?level=2") as r:
+                answer = await r.json()
+                assert r.status == 200 and (answer["sleeping"], answer["level"]) == (True, 2)
+            assert not set(life_daemon.worker_pids()) & before, "every worker process has exited"
+            assert (await health(s))["sleeping"] is True
+            job = await submit(s, FAST)
+            with pytest.raises(TimeoutError):  # asleep: the job waits
+                await asyncio.wait_for(sse(s, job["id"]), 1.5)
+        finally:
+            async with s.post("/v1/admin/wake") as r:
+                assert r.status == 200 and (await r.json())["sleeping"] is False
+        done = await wait_job(s, job["id"], timeout=120)
+        assert done["status"] == "succeeded", done
+        after = set(life_daemon.worker_pids())
+        assert len(after) == 3 and not after & before
+        h = await health(s)
+    assert h["sleeping"] is False and {w["state"] for w in h["workers"]} == {"ready"}
+
 # stopping the daemon, killing a worker --------------------------------------------------------
 async def test_sigterm_drains_in_flight_work_then_exits_cleanly(daemon_factory: Any) -> None:
     # --no-persist: without a state dir, what cannot finish fails with the reason (with one, it waits

@@ -882,3 +882,28 @@ def test_daemon_is_healthy_after_the_fuzzing(sock: Path, fuzz_daemon: Daemon) ->
     log = fuzz_daemon.log_path.read_text(errors="replace")
     assert "Error handling request" not in log and "Traceback" not in log.split("ready: admitting jobs", 1)[-1], \
         log[-4000:]
+
+
+# sleep levels: the daemon test (test_daemon_lifecycle) sends a few; any other query or body is a 400 on
+# `level` or an INVALID_JSON 400, never anything else, without putting a daemon to sleep (fuzz family)
+SLEEP_BODIES = st.one_of(
+    st.binary(max_size=40),
+    st.builds(lambda v: json.dumps({"level": v}).encode(),
+              st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=4), st.none(),
+                        st.booleans(), st.lists(st.integers(), max_size=2))),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(query=st.one_of(st.none(), st.text(max_size=12)), body=SLEEP_BODIES)
+def test_any_sleep_level_is_1_2_or_a_400(query: str | None, body: bytes) -> None:
+    from diffusiond.daemon.edge.requests import sleep_level
+    from diffusiond.daemon.errors import InvalidRequest
+
+    try:
+        level = sleep_level(query, body)
+    except InvalidRequest as exc:
+        assert exc.field in ("level", None), exc.field
+        return
+    assert level in (1, 2)
+    assert query in ("1", "2") or (query is None and (not body.strip() or json.loads(body).get("level", 1) == level))

@@ -283,9 +283,10 @@ class AsyncClient:
             await resp.read()
             return resp.status == 200
 
-    async def sleep(self) -> dict[str, Any]:
-        """Drain, then free device memory; the daemon keeps its socket and queue."""
-        return await self._json("POST", "/v1/admin/sleep")
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Drain, then free device memory; the daemon keeps its socket and queue. Level 1 moves the
+        weights to host memory (a fast wake); level 2 stops the workers, freeing all they held."""
+        return await self._json("POST", "/v1/admin/sleep", json={"level": level})
 
     async def wake(self) -> dict[str, Any]:
         return await self._json("POST", "/v1/admin/wake")

@@ -149,8 +149,8 @@ class Client:
     def unload(self, model: str) -> dict[str, Any]:
         return self._call(self._async.unload(model))
 
-    def sleep(self) -> dict[str, Any]:
-        return self._call(self._async.sleep())
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        return self._call(self._async.sleep(level))
 
     def wake(self) -> dict[str, Any]:
         return self._call(self._async.wake())

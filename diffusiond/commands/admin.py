@@ -149,8 +149,9 @@ def _clip(text: str, width: int = 40) -> str:
 
 async def sleep(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
-        answer = await client.sleep()
-    print(f"daemon asleep{_took(answer)}: device memory freed; `diffusiond wake` takes it back")
+        answer = await client.sleep(args.level)
+    where = "weights in host memory" if args.level == 1 else "workers stopped; wake loads from the files"
+    print(f"daemon asleep{_took(answer)}: device memory freed ({where}); `diffusiond wake` takes it back")
     return EXIT_OK
 
 

@@ -40,6 +40,7 @@ from diffusiond.daemon.errors import (
     NotAccepting,
     NoWorker,
     OutputNotFound,
+    PowerFailed,
     PreviewNotFound,
     QueueFull,
 )
@@ -62,7 +63,7 @@ from diffusiond.ipc.messages import (
     SlotWait,
 )
 from diffusiond.ipc.tensors import TensorDesc
-from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage
+from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class Engine:
         # sleep and wake run one at a time, in the order they came: a wake that arrives while a sleep
         # is still draining must not finish first and then be undone by that sleep's SLEEP commands
         self._power = asyncio.Lock()
+        self._dropped: list[Model] = []  # models whose workers a level-2 sleep stopped: wake starts them
         self._retention: asyncio.Task[None] | None = None
         self._pool_starting = False  # workers are being started: a model without one yet will have one
         self._suspended: set[str] = set()  # jobs a clean shutdown left to the next start (``_suspend``)
@@ -157,17 +159,31 @@ class Engine:
             None, functools.partial(self.executor.shutdown, wait=True, cancel_futures=True))
         await self.store.close()
 
-    async def sleep(self) -> None:
-        """Let running work finish, then have each worker move its weights off the device."""
+    async def sleep(self, level: int = 1) -> None:
+        """Let running work finish, then free the devices: level 1 moves the weights to host memory
+        (a wake is one copy back); level 2 stops the workers, which frees everything they held, CUDA
+        contexts included, for a trainer that needs the whole card (a wake loads from the files)."""
         async with self._power:
             self.pool.paused = True
             await self._wait_until(lambda: not self._busy(), self.config.drain_grace_s)
-            await self.pool.sleep_all()
+            if level == 1:
+                await self.pool.sleep_all()
+                return
+            # the models on a device; one residency already sent to host memory stays there
+            on_device = [m for m in self.models() if any(w.state == WorkerState.READY for w in m.workers)]
+            self._dropped += on_device
+            await asyncio.gather(*(self.pool.retire(m) for m in on_device))
 
     async def wake(self) -> None:
         async with self._power:
+            dropped, self._dropped = self._dropped, []
             try:
-                await self.pool.wake_all()
+                await self.pool.wake_all()  # first: workers started while paused would go to sleep at once
+                started = await asyncio.gather(*(self.pool.revive(m) for m in dropped), return_exceptions=True)
+                failed = [(m.name, e) for m, e in zip(dropped, started, strict=True) if isinstance(e, BaseException)]
+                if failed:
+                    raise PowerFailed(f"wake could not start the workers of {failed[0][0]}: {failed[0][1]}",
+                                      code=ErrorCode.WAKE_FAILED)
             finally:
                 self.dispatch()
 

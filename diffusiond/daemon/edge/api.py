@@ -22,7 +22,7 @@ from diffusiond.daemon.edge import bodies, views
 from diffusiond.daemon.edge.access import make_access_middleware, peer_uid
 from diffusiond.daemon.edge.jobs import create_job, delete_job, get_job, job_events, job_output, job_preview, list_jobs
 from diffusiond.daemon.edge.openai import images_edits, images_generations
-from diffusiond.daemon.edge.requests import AddLoraBody, decode
+from diffusiond.daemon.edge.requests import AddLoraBody, decode, sleep_level
 from diffusiond.daemon.edge.status import ENGINE, HttpError, errors_middleware
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diffusiond.protocol import ErrorCode, ModelState
@@ -56,9 +56,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def admin_sleep(request: web.Request) -> web.Response:
+    """Drain, then free the devices at the level asked (``?level=`` or ``{"level": N}``; 1 by default)."""
+    engine = request.app[ENGINE]
+    body = await bodies.read_body(request, engine.config.limits.max_body_bytes)
+    level = sleep_level(request.query.get("level"), body)
     t0 = time.perf_counter()
-    await request.app[ENGINE].sleep()
-    return web.json_response({"sleeping": True, "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
+    await engine.sleep(level)
+    return web.json_response({"sleeping": True, "level": level,
+                              "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
 
 
 async def admin_wake(request: web.Request) -> web.Response:

@@ -120,6 +120,29 @@ class AddLoraBody(msgspec.Struct, forbid_unknown_fields=True):
     path: str
 
 
+class SleepBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/admin/sleep``: 1 moves the weights to host memory, 2 stops the workers (frees all)."""
+
+    level: int = 1
+
+
+SLEEP_LEVELS = {1: "weights to host memory, a fast wake", 2: "workers stopped, everything freed; wake reloads"}
+
+
+def sleep_level(query: str | None, body: bytes) -> int:
+    """The level from ``?level=`` or the JSON body (the query wins; neither is level 1), or a 400."""
+    if query is not None:
+        level = int(query) if query in ("1", "2") else 0
+        shown: object = query
+    else:
+        level = decode(body, SleepBody).level if body.strip() else 1
+        shown = level
+    if level not in SLEEP_LEVELS:
+        levels = "; ".join(f"{k} ({v})" for k, v in SLEEP_LEVELS.items())
+        raise invalid(f"sleep level must be 1 or 2, not {shown!r}: {levels}", field="level")
+    return level
+
+
 MAX_INT_DIGITS = 20  # every integer field's range fits here (seeds are below 2**63); more is a typo or a probe
 
 
