@@ -34,7 +34,8 @@ from diffusiond.pipelines.spec import ACCEPTED_FORMS
 # SD 3.5 Medium, KerasHub's preset total of 3,371,793,763 for the MMDiT-X, both CLIP towers and the VAE;
 # and the released files' sizes: Wan 2.1 (transformer 2.84 GB in bf16 = 1.42B, umT5-XXL encoder 11.36 GB in
 # bf16 = 5.68B, VAE 508 MB in fp32 = 127M), Wan2.2_VAE.pth (2.82 GB in fp32 = 705M; the TI2V model is
-# "5B") and ltx-video-2b-v0.9.safetensors (transformer and VAE, 9.37 GB in fp32 = 2.3425B).
+# "5B") and ltx-video-2b-v0.9.safetensors (transformer and VAE, 9.37 GB in fp32 = 2.3425B); Qwen-Image's
+# "20.4B" transformer and the Qwen2.5-VL-7B card's 8.29B (its VAE is Wan 2.1's architecture).
 PUBLISHED: dict[str, dict[str, float]] = {
     "sd15": {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6},
     "sdxl": {"unet": 2.567e9, "text_encoder": 123.06e6, "text_encoder_2": 694.7e6, "vae": 83.65e6},
@@ -46,6 +47,7 @@ PUBLISHED: dict[str, dict[str, float]] = {
                     "text_encoder_3": 4.762e9, "vae": 83.82e6},
     "wan2.2-5b": {"transformer": 5.0e9, "text_encoder": 5.68e9, "vae": 705e6},
     "ltx-2b": {"transformer+vae": 9.37e9 / 4, "text_encoder": 4.762e9},
+    "qwen-image": {"transformer": 20.4e9, "text_encoder": 8.29e9, "vae": 127e6},
 }  # fmt: skip
 PROMPTS = ["a photo of an astronaut riding a horse", "", "ünïcödé 日本語 🐱 <|endoftext|> </s> \t\n", "x" * 2000]
 
@@ -99,6 +101,11 @@ def test_generated_tokenizers_have_the_real_vocab_and_take_any_prompt(key: str) 
         if part.kind == "clip":
             # CLIP pools at the highest id, which must be the end token: real layout, real ids.
             assert (tok.bos_token_id, tok.eos_token_id) == (49406, 49407)
+        elif part.kind == "qwen":
+            # Qwen2's layout: <|endoftext|> pads and ends; the chat template's markers are single tokens
+            assert (tok.pad_token_id, tok.eos_token_id) == (151643, 151643)
+            ids = tok("<|im_start|>user<|im_end|>").input_ids
+            assert (ids[0], ids[-1]) == (151644, 151645)
         else:
             assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
             assert tok.convert_tokens_to_ids("<extra_id_0>") == part.size - 1
@@ -214,6 +221,22 @@ SMALL_NEW = {
             layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5)),
         text_encoder=Net("T5EncoderModel", SMALL_T5),
     ),
+    "qwen-image": _smaller(
+        "qwen-image", {"width": 64, "height": 64, "steps": 2, "guidance": 4.0},
+        transformer=Net("QwenImageTransformer2DModel", _config(
+            "qwen-image", "transformer", num_layers=1, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, axes_dims_rope=(4, 6, 6))),
+        vae=Net("AutoencoderKLQwenImage", _config("qwen-image", "vae", base_dim=8, dim_mult=[1, 1, 1, 1],
+                                                 num_res_blocks=1)),
+        text_encoder=Net("Qwen2_5_VLForConditionalGeneration", {
+            **_config("qwen-image", "text_encoder"),
+            "text_config": {**_config("qwen-image", "text_encoder")["text_config"], "hidden_size": 32,
+                            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+            "vision_config": {**_config("qwen-image", "text_encoder")["vision_config"], "depth": 1,
+                              "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+                              "fullatt_block_indexes": [0]}}),
+    ),
 }  # fmt: skip
 
 
@@ -296,6 +319,7 @@ NEW_FAMILY_RULES = {
     "sd3.5-medium": (Task.TEXT_TO_IMAGE, 1, 8, False),  # no published preview factors for SD 3's latents here
     "wan2.2-5b": (Task.TEXT_TO_VIDEO, 4, 32, False),  # 48 channels: Wan 2.1's 16-channel factors do not fit
     "ltx-2b": (Task.TEXT_TO_VIDEO, 8, 32, True),
+    "qwen-image": (Task.TEXT_TO_IMAGE, 1, 16, False),  # no preview factors here for its (Wan 2.1-like) latents
 }
 
 

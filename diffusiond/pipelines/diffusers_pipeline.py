@@ -85,6 +85,9 @@ _INPUT_ARGS = frozenset({"image", "mask_image", "control_image", "video", "image
 # What a prompt-only pipeline we can drive (size, steps, per-step stop) must accept.
 _REQUIRED_ARGS = frozenset({"prompt", "height", "width", "num_inference_steps", "callback_on_step_end"})
 _FRAME_ARGS = ("num_frames", "video_length")
+# Families whose guidance is true classifier-free guidance, ``true_cfg_scale`` against the negative prompt
+# (their ``guidance_scale`` feeds a guidance embedding only distilled checkpoints have; FLUX's is the reverse).
+_TRUE_CFG = ("QwenImage",)
 
 
 def call_args(cls: type) -> frozenset[str]:
@@ -398,6 +401,8 @@ class DiffusersPipeline:
             kwargs["height"], kwargs["width"] = params.height, params.width
         if "guidance_scale" in args:
             kwargs["guidance_scale"] = params.guidance
+        if type(pipe).__name__.startswith(_TRUE_CFG):
+            kwargs["true_cfg_scale"] = params.guidance
         if "negative_prompt" in args:
             kwargs["negative_prompt"] = [r.negative_prompt or "" for r in requests]
         if params.num_frames is not None:

@@ -132,3 +132,51 @@ def t5_tokenizer(pieces: int = 32000, *, extra_ids: int = 100, max_length: int =
     if len(tokenizer) != pieces + extra_ids:
         raise AssertionError(f"generated T5 tokenizer has {len(tokenizer)} tokens, not {pieces + extra_ids}")
     return tokenizer
+
+
+# Qwen2's special tokens after its 151,643 byte-level BPE tokens, in their order: <|endoftext|> is
+# 151643 and <|im_start|>/<|im_end|> follow, as the chat template Qwen-Image prompts with expects.
+QWEN_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+)  # fmt: skip
+
+
+def _letter_merges(count: int) -> list[tuple[str, str]]:
+    """``count`` merges building lowercase letter n-grams, shortest first (no word-final forms)."""
+    merges: list[tuple[str, str]] = []
+    for length in itertools.count(1):
+        for prefix in _letter_ngrams(length):
+            for letter in string.ascii_lowercase:
+                if len(merges) == count:
+                    return merges
+                merges.append((prefix, letter))
+    raise AssertionError("unreachable")
+
+
+def qwen_tokenizer(vocab_size: int = 151665, *, max_length: int = 32768) -> Any:
+    """A ``Qwen2Tokenizer`` (byte-level BPE) with exactly ``vocab_size`` tokens, the specials included
+    (Qwen2.5's own has 151,643 + 22 = 151,665; its embedding table has 152,064 rows)."""
+    from transformers import Qwen2Tokenizer
+
+    base = 256 + len(QWEN_SPECIALS)
+    if vocab_size < base:
+        raise ValueError(f"a byte-level Qwen vocabulary needs at least {base} tokens, not {vocab_size}")
+    vocab = {c: i for i, c in enumerate(_byte_chars())}
+    merges = _letter_merges(vocab_size - base)
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    specials = {token: len(vocab) + i for i, token in enumerate(QWEN_SPECIALS)}
+    with tempfile.TemporaryDirectory(prefix="diffusiond-qwen-tok-") as tmp:
+        folder = Path(tmp)
+        (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        lines = ["#version: 0.2", *(f"{left} {right}" for left, right in merges)]
+        (folder / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        tokenizer = Qwen2Tokenizer.from_pretrained(str(folder), model_max_length=max_length)
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in QWEN_SPECIALS if t != "<|endoftext|>"]})
+    got = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    if len(tokenizer) != vocab_size or got != specials:
+        raise AssertionError(f"generated Qwen tokenizer has {len(tokenizer)} tokens, not {vocab_size}, or moved ids")
+    return tokenizer

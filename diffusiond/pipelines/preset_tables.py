@@ -27,7 +27,7 @@ class Net:
 class Tok:
     """A generated tokenizer: ``size`` is ``len(tokenizer)`` of the published one."""
 
-    kind: Literal["clip", "t5"]
+    kind: Literal["clip", "t5", "qwen"]
     size: int
     max_length: int
     extra_ids: int = 0  # t5: sentinel tokens, included in ``size``
@@ -188,6 +188,32 @@ LTX_SCHEDULER = {
     "base_image_seq_len": 1024, "max_image_seq_len": 4096, "shift_terminal": 0.1,
 }  # fmt: skip
 
+# Qwen-Image: a 20B MMDiT (diffusers' defaults are its config) over the Wan 2.1-style 16-channel VAE, with
+# Qwen2.5-VL-7B as its text encoder (the whole vision-language model, as the release ships it).
+QWEN_IMAGE_TRANSFORMER = {
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
+}  # fmt: skip
+QWEN25_VL_7B = {
+    "text_config": {
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "vision_config": {
+        "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+    },
+    "vocab_size": 152064, "tie_word_embeddings": False, "image_token_id": 151655, "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+}  # fmt: skip
+QWEN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2}
+QWEN_SCHEDULER = {
+    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
+    "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential",
+}  # fmt: skip
+
 CLIP_TOKENIZER = Tok("clip", 49408, 77)
 
 PRESETS: dict[str, Preset] = {
@@ -333,6 +359,20 @@ PRESETS: dict[str, Preset] = {
                 "scheduler": Sched("FlowMatchEulerDiscreteScheduler", LTX_SCHEDULER),
             },
             defaults={"width": 704, "height": 480, "steps": 50, "guidance": 3.0, "num_frames": 161, "fps": 25},
+        ),
+        Preset(
+            name="qwen-image",
+            source="Qwen-Image",
+            pipeline="QwenImagePipeline",
+            parts={
+                "transformer": Net("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER),
+                "vae": Net("AutoencoderKLQwenImage", QWEN_VAE),
+                "text_encoder": Net("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B),
+                "tokenizer": Tok("qwen", 151665, 32768),
+                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", QWEN_SCHEDULER),
+            },
+            # guidance is Qwen's true CFG scale (against the negative prompt, "" by default)
+            defaults={"width": 1328, "height": 1328, "steps": 50, "guidance": 4.0},
         ),
     )
 }

@@ -26,7 +26,7 @@ import torch
 
 from diffusiond.pipelines.base import PipelineError
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
-from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, t5_tokenizer
+from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, qwen_tokenizer, t5_tokenizer
 from diffusiond.pipelines.loaders import load_folder
 from diffusiond.pipelines.modelcache import ensure_built
 from diffusiond.pipelines.preset_tables import PRESETS, Net, Part, Preset, Sched, Tok
@@ -84,6 +84,8 @@ def build_part(part: Part, device: torch.device | str = "meta", dtype: torch.dty
         if part.kind == "clip":
             pad = {"pad_token": part.pad} if part.pad else {}
             return clip_tokenizer(part.size, max_length=part.max_length, **pad)
+        if part.kind == "qwen":
+            return qwen_tokenizer(part.size, max_length=part.max_length)
         return t5_tokenizer(part.size - part.extra_ids, extra_ids=part.extra_ids, max_length=part.max_length)
     cls = _class(part.cls)
     if isinstance(part, Sched):
