@@ -272,7 +272,16 @@ class Task(enum.StrEnum):
     # edits: made from an input image (and, for inpainting, a mask of the area to repaint)
     IMAGE_TO_IMAGE = "image-to-image"
     INPAINTING = "inpainting"
+    # the image is the first frame (or the reference) of a video the prompt describes
+    IMAGE_TO_VIDEO = "image-to-video"
+    # the prompt says what to change in the image (FLUX Kontext, Qwen-Image-Edit): no mask, no strength
+    INSTRUCTION_EDIT = "instruction-edit"
 
 
-EDIT_TASKS: Final[frozenset[Task]] = frozenset({Task.IMAGE_TO_IMAGE, Task.INPAINTING})
+EDIT_TASKS: Final[frozenset[Task]] = frozenset(
+    {Task.IMAGE_TO_IMAGE, Task.INPAINTING, Task.IMAGE_TO_VIDEO, Task.INSTRUCTION_EDIT})
 """The tasks a request asks for by sending an image (``/v1/images/edits``, ``image`` on ``/v1/jobs``)."""
+VIDEO_TASKS: Final[frozenset[Task]] = frozenset({Task.TEXT_TO_VIDEO, Task.IMAGE_TO_VIDEO})
+"""The tasks whose outputs are videos: frame counts apply, and outputs encode as video formats."""
+STRENGTH_TASKS: Final[frozenset[Task]] = frozenset({Task.IMAGE_TO_IMAGE, Task.INPAINTING})
+"""The edits that take a ``strength`` (how much of the image is repainted)."""

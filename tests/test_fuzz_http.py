@@ -897,7 +897,7 @@ SLEEP_BODIES = st.one_of(
 @settings(max_examples=400, deadline=None)
 @given(query=st.one_of(st.none(), st.text(max_size=12)), body=SLEEP_BODIES)
 def test_any_sleep_level_is_1_2_or_a_400(query: str | None, body: bytes) -> None:
-    from diffusiond.daemon.edge.requests import sleep_level
+    from diffusiond.daemon.edge.api import sleep_level
     from diffusiond.daemon.errors import InvalidRequest
 
     try:

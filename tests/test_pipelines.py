@@ -253,7 +253,13 @@ def test_task_for_class() -> None:
     assert task_for_class(diffusers.AnimateDiffPipeline) is Task.TEXT_TO_VIDEO
     assert task_for_class(diffusers.StableDiffusionInpaintPipeline) is Task.INPAINTING
     assert task_for_class(diffusers.StableDiffusionXLImg2ImgPipeline) is Task.IMAGE_TO_IMAGE
-    for refused in ("WanImageToVideoPipeline", "StableDiffusionControlNetPipeline", "StableDiffusionUpscalePipeline"):
+    # a folder naming one of these as its class does that task only (a request sends an image)
+    assert task_for_class(diffusers.WanImageToVideoPipeline) is Task.IMAGE_TO_VIDEO
+    assert task_for_class(diffusers.LTXImageToVideoPipeline) is Task.IMAGE_TO_VIDEO
+    assert task_for_class(diffusers.FluxKontextPipeline) is Task.INSTRUCTION_EDIT
+    assert task_for_class(diffusers.QwenImageEditPipeline) is Task.INSTRUCTION_EDIT
+    assert task_for_class(diffusers.FluxKontextInpaintPipeline) is Task.INPAINTING  # first match wins
+    for refused in ("StableDiffusionControlNetPipeline", "StableDiffusionUpscalePipeline"):
         with pytest.raises(PipelineError, match=refused):
             task_for_class(getattr(diffusers, refused))
 

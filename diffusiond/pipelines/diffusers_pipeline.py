@@ -32,13 +32,14 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
+from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, edit_kwargs, edit_pipes
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.quant import apply_quant, parse_quant
 from diffusiond.pipelines.spec import offload_mode
 from diffusiond.pipelines.speedups import apply_speedups
-from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, frame_count_neighbours, schedulers_for
+from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, VIDEO_TASKS, frame_count_neighbours, schedulers_for
 
 log = logging.getLogger(__name__)
 
@@ -98,19 +99,11 @@ def call_args(cls: type) -> frozenset[str]:
         return frozenset()
 
 
-# Edit pipelines a folder may name as its own class (a dedicated inpainting model, say): name
-# fragments, and the ``__call__`` arguments they must have for us to drive them.
-_EDIT_CLASSES = (
-    (("Inpaint",), frozenset({"image", "mask_image", "strength"}), Task.INPAINTING),
-    (("Img2Img", "Image2Image"), frozenset({"image", "strength"}), Task.IMAGE_TO_IMAGE),
-)
-
-
 def task_for_class(cls: type) -> Task:
     """Decide from the class alone (before any weights load) whether and how we can serve it."""
     name = cls.__name__
     args = call_args(cls)
-    for fragments, needs, task in _EDIT_CLASSES:
+    for fragments, needs, task in EDIT_CLASSES:
         if any(f in name for f in fragments) and needs <= args and _REQUIRED_ARGS - {"height", "width"} <= args:
             return task
     needs_input = sorted(_INPUT_ARGS & args)
@@ -131,34 +124,6 @@ def task_for_class(cls: type) -> Task:
     if "Video" in name or any(a in args for a in _FRAME_ARGS):
         return Task.TEXT_TO_VIDEO
     return Task.TEXT_TO_IMAGE
-
-
-_EDIT_AUTO_CLASSES = {Task.IMAGE_TO_IMAGE: "AutoPipelineForImage2Image", Task.INPAINTING: "AutoPipelineForInpainting"}
-_EDITS_OF_FAMILY = {  # what diffusers' auto classes map these families to, named so as not to import them all
-    "StableDiffusionPipeline": ("StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
-    "StableDiffusionXLPipeline": ("StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline"),
-    "StableDiffusion3Pipeline": ("StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
-    "FluxPipeline": ("FluxImg2ImgPipeline", "FluxInpaintPipeline"),
-}
-"""The auto classes' module imports every pipeline diffusers has: 2.8 CPU-seconds of each worker's start on
-a 2-core box, for families whose edit classes are these. Others still go through the auto classes."""
-
-
-def _edit_pipes(pipe: Any) -> dict[Task, Any]:
-    """The image-to-image and inpainting pipelines diffusers has for ``pipe``'s family (SD 1.5,
-    SDXL, SD3, Flux, ...), built with ``from_pipe``: they share every component with ``pipe``, so
-    no weight is loaded or held twice. A family without one is simply left out (``capabilities``
-    then say so, and admission answers 400 naming model and task)."""
-    import diffusers
-
-    pipes: dict[Task, Any] = {}
-    known = _EDITS_OF_FAMILY.get(type(pipe).__name__)
-    for i, (task, auto) in enumerate(_EDIT_AUTO_CLASSES.items()):
-        try:
-            pipes[task] = getattr(diffusers, known[i] if known else auto).from_pipe(pipe)
-        except (ValueError, KeyError, AttributeError, TypeError) as exc:
-            log.debug("%s has no %s pipeline: %s", type(pipe).__name__, task.value, exc)
-    return pipes
 
 
 def frame_step(pipe: Any) -> int:
@@ -264,7 +229,7 @@ class DiffusersPipeline:
         self._offload = mode != "none"
         self._asleep = False
         self._hostcopy: HostCopy | None = None
-        video = self.task is Task.TEXT_TO_VIDEO
+        video = self.task in VIDEO_TASKS
         multiple = size_step(pipe)
         side = max(multiple, native_side(pipe) // multiple * multiple)  # the default size must be one it makes
         inferred = Capabilities(
@@ -280,11 +245,7 @@ class DiffusersPipeline:
             flow_scheduler=self._flow,
             synthetic_weights=synthetic_weights,
         )
-        self._edit_pipes: dict[Task, Any] = (
-            _edit_pipes(pipe) if self.task is Task.TEXT_TO_IMAGE
-            else {self.task: pipe} if self.task in EDIT_TASKS  # a dedicated model: its one edit
-            else {}
-        )
+        self._edit_pipes: dict[Task, Any] = edit_pipes(pipe, self.task)
         inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes))
         self.capabilities = with_defaults(inferred, defaults)
 
@@ -359,12 +320,13 @@ class DiffusersPipeline:
             return []
         task = Task(params.edit) if params.edit in set(Task) else None
         pipe = self._edit_pipes.get(task) if task is not None else None
-        if pipe is None:
+        if pipe is None or task is None:
             raise PipelineError(f"model {self.name} cannot do {params.edit}")
         images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2).float() / 255
-        extra: dict[str, Any] = {"image": images, "strength": params.strength}
+        args = call_args(type(pipe))
+        extra = edit_kwargs(task, images, 1.0 if params.strength is None else params.strength, args)
         if task is not Task.INPAINTING:
-            return self._call(pipe, call_args(type(pipe)), params, requests, on_step, extra, on_preview)
+            return self._call(pipe, args, params, requests, on_step, extra, on_preview)
         planes = [m for _, m in inputs]
         if any(m is None for m in planes):
             raise PipelineError("an inpainting request came without its mask")
@@ -406,7 +368,7 @@ class DiffusersPipeline:
         if "negative_prompt" in args:
             kwargs["negative_prompt"] = [r.negative_prompt or "" for r in requests]
         if params.num_frames is not None:
-            if self.task is not Task.TEXT_TO_VIDEO or self._frames_arg is None:
+            if self._frames_arg is None:
                 raise PipelineError(f"model {self.name} makes images; num_frames does not apply")
             check_frames(self.name, self.capabilities.num_frames_step, params.num_frames)
             kwargs[self._frames_arg] = params.num_frames
@@ -446,7 +408,7 @@ class DiffusersPipeline:
         frame count they cannot make (with a log warning at most), and a client must never get a
         smaller output than it asked for without an error saying why.
         """
-        want = 4 if self.task is Task.TEXT_TO_VIDEO else 3
+        want = 4 if self.task in VIDEO_TASKS or params.edit == Task.IMAGE_TO_VIDEO else 3
         items = list(batch) if isinstance(batch, list | tuple) else list(batch.unbind(0))
         if len(items) != n:
             raise PipelineError(f"{self.name} returned {len(items)} outputs for {n} requests")

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 
 from diffusiond.daemon import errors
@@ -22,8 +23,9 @@ from diffusiond.daemon.edge import bodies, views
 from diffusiond.daemon.edge.access import make_access_middleware, peer_uid
 from diffusiond.daemon.edge.jobs import create_job, delete_job, get_job, job_events, job_output, job_preview, list_jobs
 from diffusiond.daemon.edge.openai import images_edits, images_generations
-from diffusiond.daemon.edge.requests import AddLoraBody, decode, sleep_level
+from diffusiond.daemon.edge.requests import AddLoraBody, decode
 from diffusiond.daemon.edge.status import ENGINE, HttpError, errors_middleware
+from diffusiond.daemon.errors import invalid
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diffusiond.protocol import ErrorCode, ModelState
 
@@ -53,6 +55,30 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[ENGINE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+class SleepBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/admin/sleep``: 1 moves the weights to host memory, 2 stops the workers (frees all)."""
+
+    level: int = 1
+
+
+SLEEP_LEVELS = {1: "weights to host memory, a fast wake", 2: "workers stopped, everything freed; wake reloads"}
+
+
+def sleep_level(query: str | None, body: bytes) -> int:
+    """The level from ``?level=`` or the JSON body (the query wins; neither is level 1), or a 400."""
+    if query is not None:
+        level = int(query) if query in ("1", "2") else 0
+        shown: object = query
+    else:
+        level = decode(body, SleepBody).level if body.strip() else 1
+        shown = level
+    if level not in SLEEP_LEVELS:
+        levels = "; ".join(f"{k} ({v})" for k, v in SLEEP_LEVELS.items())
+        raise invalid(f"sleep level must be 1 or 2, not {shown!r}: {levels}", field="level")
+    return level
+
 
 
 async def admin_sleep(request: web.Request) -> web.Response:

@@ -34,7 +34,9 @@ from diffusiond.protocol import (
     OUTPUT_DTYPES,
     PREVIEW_FORMATS,
     SCHEDULERS,
+    STRENGTH_TASKS,
     VIDEO_FORMATS,
+    VIDEO_TASKS,
     ErrorCode,
     OutputDtype,
     Task,
@@ -118,29 +120,6 @@ class AddLoraBody(msgspec.Struct, forbid_unknown_fields=True):
 
     name: str
     path: str
-
-
-class SleepBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /v1/admin/sleep``: 1 moves the weights to host memory, 2 stops the workers (frees all)."""
-
-    level: int = 1
-
-
-SLEEP_LEVELS = {1: "weights to host memory, a fast wake", 2: "workers stopped, everything freed; wake reloads"}
-
-
-def sleep_level(query: str | None, body: bytes) -> int:
-    """The level from ``?level=`` or the JSON body (the query wins; neither is level 1), or a 400."""
-    if query is not None:
-        level = int(query) if query in ("1", "2") else 0
-        shown: object = query
-    else:
-        level = decode(body, SleepBody).level if body.strip() else 1
-        shown = level
-    if level not in SLEEP_LEVELS:
-        levels = "; ".join(f"{k} ({v})" for k, v in SLEEP_LEVELS.items())
-        raise invalid(f"sleep level must be 1 or 2, not {shown!r}: {levels}", field="level")
-    return level
 
 
 MAX_INT_DIGITS = 20  # every integer field's range fits here (seeds are below 2**63); more is a typo or a probe
@@ -289,7 +268,7 @@ def check(
     top = 2**63 - req["n"]  # output k gets seed + k, and each must fit a torch.Generator seed
     if seed is not None and not 0 <= seed <= top:
         raise invalid(f"seed must be between 0 and {top} (2**63 - n), got {seed}", field="seed")
-    video = d.task == Task.TEXT_TO_VIDEO
+    video = d.task in VIDEO_TASKS
     if edit is not None and steps * edit.strength < 1:
         raise invalid(
             f"strength {edit.strength:g} x {steps} steps runs no denoising step; raise strength to at least "
@@ -438,6 +417,15 @@ def _preview(body: PreviewBody | None, model: ModelLike, steps: int) -> PreviewS
     return PreviewSpec(every=every, format=fmt, max_side=side)
 
 
+def _unmasked_task(own: str, edits: tuple[str, ...]) -> Task:
+    """What an image without a mask asks of a model: its own task when that takes an image (an
+    instruction edit, image-to-video), else the edit it offers (image-to-video of a video model)."""
+    for task in (Task.INSTRUCTION_EDIT, Task.IMAGE_TO_VIDEO):
+        if own == task.value or task.value in edits:
+            return task
+    return Task.IMAGE_TO_IMAGE
+
+
 def plan_edit(
     req: dict[str, Any], model: ModelLike, limits: Limits, *, image_field: str = "image", mask_field: str = "mask",
     size_field: str | None = None,
@@ -463,20 +451,25 @@ def plan_edit(
         if mask is not None:
             raise invalid("a mask needs an image to apply to: send image too", field=mask.field)
         return None
-    task = Task.INPAINTING if mask is not None else Task.IMAGE_TO_IMAGE
     d = model.capabilities
+    task = Task.INPAINTING if mask is not None else _unmasked_task(d.task, d.edits)
     if task.value not in d.edits and d.task != task.value:
         others = [e for e in d.edits if e != d.task]  # a dedicated inpainting model: said once
         can = f"it does {d.task}" + (f"; also {', '.join(others)}" if others else "")
         raise invalid(f"model {model.name!r} cannot do {task.value} ({can}); "
                       "pick a model that has it (GET /v1/models lists each model's tasks)", field="model")
     strength = req.get("strength")
-    if strength is None:
+    if task not in STRENGTH_TASKS:
+        if strength is not None:
+            raise invalid(f"strength does not apply to {task.value} (model {model.name!r}); leave it out",
+                          field="strength")
+        strength = 1.0
+    elif strength is None:
         strength = 1.0 if task == Task.INPAINTING else 0.8  # diffusers' own defaults
     if not 0 < strength <= 1:
         raise invalid(f"strength must be in (0, 1] (0 keeps the image, 1 repaints it all), got {strength:g}",
                       field="strength")
-    if req.get("num_frames") is not None:
+    if req.get("num_frames") is not None and task is not Task.IMAGE_TO_VIDEO:
         raise invalid("num_frames does not apply to image edits", field="num_frames")
     size_field = size_field or req.get("size_field")
     for side in ("width", "height"):  # before the image is resized to them

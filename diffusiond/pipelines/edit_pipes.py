@@ -1,0 +1,77 @@
+"""The pipelines that make something from an input image, beside a model's own: which diffusers class
+serves each edit task for a family, built on the loaded weights, and what each task's call takes.
+
+A text-to-image model also edits (image-to-image, inpainting) and an LTX text-to-video model also
+animates an image (image-to-video), through diffusers' sibling pipelines built with ``from_pipe``: they
+share every component, so no weight is loaded or held twice. A folder may also name an edit pipeline
+as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext): the model then
+does that task only, and a request must send an image.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from diffusiond.protocol import STRENGTH_TASKS, Task
+
+log = logging.getLogger(__name__)
+
+# A folder's own class: name fragments, and the ``__call__`` arguments it must have for us to drive it.
+# The first match wins, so the inpainting variants of instruction-edit families (FluxKontextInpaint,
+# QwenImageEditInpaint) are inpainting models.
+EDIT_CLASSES: tuple[tuple[tuple[str, ...], frozenset[str], Task], ...] = (
+    (("Inpaint",), frozenset({"image", "mask_image", "strength"}), Task.INPAINTING),
+    (("Img2Img", "Image2Image"), frozenset({"image", "strength"}), Task.IMAGE_TO_IMAGE),
+    (("ImageToVideo", "Image2Video", "I2V"), frozenset({"image", "num_frames"}), Task.IMAGE_TO_VIDEO),
+    (("Kontext", "QwenImageEdit"), frozenset({"image"}), Task.INSTRUCTION_EDIT),
+)
+
+_AUTO_CLASSES = {Task.IMAGE_TO_IMAGE: "AutoPipelineForImage2Image", Task.INPAINTING: "AutoPipelineForInpainting"}
+_EDITS_OF_FAMILY: dict[str, dict[Task, str]] = {  # what diffusers' auto classes map these families to
+    "StableDiffusionPipeline": {Task.IMAGE_TO_IMAGE: "StableDiffusionImg2ImgPipeline",
+                                Task.INPAINTING: "StableDiffusionInpaintPipeline"},
+    "StableDiffusionXLPipeline": {Task.IMAGE_TO_IMAGE: "StableDiffusionXLImg2ImgPipeline",
+                                  Task.INPAINTING: "StableDiffusionXLInpaintPipeline"},
+    "StableDiffusion3Pipeline": {Task.IMAGE_TO_IMAGE: "StableDiffusion3Img2ImgPipeline",
+                                 Task.INPAINTING: "StableDiffusion3InpaintPipeline"},
+    "FluxPipeline": {Task.IMAGE_TO_IMAGE: "FluxImg2ImgPipeline", Task.INPAINTING: "FluxInpaintPipeline"},
+    # LTX-Video's text-to-video weights are its image-to-video weights (the image conditions the first frame)
+    "LTXPipeline": {Task.IMAGE_TO_VIDEO: "LTXImageToVideoPipeline"},
+}  # fmt: skip
+"""Named rather than found through the auto classes, whose module imports every pipeline diffusers has:
+2.8 CPU-seconds of each worker's start on a 2-core box. Image families not listed still go through the
+auto classes; video families have no auto class, so only those listed animate images."""
+
+
+def edit_pipes(pipe: Any, task: Task) -> dict[Task, Any]:
+    """The edit pipelines a model of ``task`` also serves, by task. A family without one is left out
+    (``capabilities.edits`` then say so, and admission answers 400 naming model and task)."""
+    import diffusers
+
+    if task is not Task.TEXT_TO_IMAGE and task is not Task.TEXT_TO_VIDEO:
+        return {task: pipe}  # a dedicated model: its one edit
+    known = _EDITS_OF_FAMILY.get(type(pipe).__name__)
+    wanted = known or (_AUTO_CLASSES if task is Task.TEXT_TO_IMAGE else {})
+    pipes: dict[Task, Any] = {}
+    for edit, cls in wanted.items():
+        try:
+            pipes[edit] = getattr(diffusers, cls).from_pipe(pipe)
+        except (ValueError, KeyError, AttributeError, TypeError) as exc:
+            log.debug("%s has no %s pipeline: %s", type(pipe).__name__, edit.value, exc)
+    return pipes
+
+
+def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozenset[str]) -> dict[str, Any]:
+    """What the edit's diffusers call takes beside the prompt and size: the image (as a batch in
+    [0, 1]) always, and the strength only where it means something (image-to-image, inpainting).
+    Kontext would move the output to the nearest of its preferred sizes (1024² for any square): the
+    size is the client's, and the engine has already resized the image to it."""
+    kwargs: dict[str, Any] = {"image": images}
+    if task in STRENGTH_TASKS:
+        kwargs["strength"] = strength
+    if "_auto_resize" in args:
+        kwargs["_auto_resize"] = False
+    return kwargs
