@@ -10,6 +10,7 @@ torch, and the daemon's request checks can use it without loading the encoders (
 from __future__ import annotations
 
 import enum
+import hmac
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -137,6 +138,20 @@ CUDA graphs for shapes that repeat; the others launch kernels one by one."""
 
 
 # jobs -------------------------------------------------------------------------------------------
+
+
+# The bearer-token rule of every listener reached over a network: the daemon's ``--tcp``
+# (``daemon/edge/access.py``) and the Ray Serve gateway (``ray/gateway.py``) keep it here, once.
+MIN_TOKEN_CHARS: Final = 16
+BEARER_NEEDED: Final = "this listener needs 'Authorization: Bearer <token>'"
+
+
+def bearer_authorized(authorization: str | None, token: str) -> bool:
+    """``Authorization: Bearer <token>``, compared in constant time on bytes (a header's bytes
+    that are not UTF-8 arrive as lone surrogates and are encoded back to what was sent, so such a
+    value is simply not the token)."""
+    given = (authorization or "").encode(errors="surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
 class JobStatus(enum.StrEnum):

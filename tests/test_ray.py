@@ -35,7 +35,7 @@ import aiohttp  # noqa: E402
 from daemonkit import http, sse, until  # noqa: E402
 
 from conftest import ROOT, shm_entries  # noqa: E402
-from diffusiond.ray import build  # noqa: E402
+from diffusiond.ray import build, ids  # noqa: E402
 from diffusiond.ray.app import ROUTING_STATS_PERIOD_S  # noqa: E402
 from diffusiond.ray.replica import daemon_load  # noqa: E402
 
@@ -46,6 +46,8 @@ JOB = {"model": "tiny", "width": 64, "height": 64, "steps": 2}  # the jobs API
 # enough steps that a job of tiny stays queued or running for a second or more even on an idle box:
 # long enough to be seen in its daemon and still be there when the test kills that daemon
 LONG_STEPS = 60
+TOKEN = "ray-gateway-test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def free_port() -> int:
@@ -114,8 +116,11 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"), "the test cluster stays on loopback"
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        token_file = Path(tmp) / "token"
+        token_file.write_text(TOKEN + "\n")
         app = build({"model": "tiny", "replicas": "2", "cpus_per_replica": "0", "health_check_period_s": "2",
-                     "daemon_args": "--max-batch 4 --job-timeout 120 --drain-grace-s 10"})
+                     "daemon_args": "--max-batch 4 --job-timeout 120 --drain-grace-s 10",
+                     "token_file": str(token_file)})
         # serve.run waits for every replica to be healthy, and Serve retries a replica that fails
         # to start for ever: bounded here, so a replica that cannot start fails the tests with
         # Serve's own message instead of hanging the suite
@@ -126,7 +131,8 @@ def cluster(model_cache: Path) -> Iterator[dict[str, Any]]:
         if runner.is_alive():
             pytest.fail(f"the application was not running after {START_LIMIT_S:g}s: {serve.status().applications}")
         pids = set(daemons().values())
-        yield {"url": f"http://127.0.0.1:{port}", "shm_before": shm_before, "pids": pids | children(pids)}
+        yield {"url": f"http://127.0.0.1:{port}", "shm_before": shm_before, "pids": pids | children(pids),
+               "token_file": str(token_file)}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -214,7 +220,7 @@ async def load_until(s: aiohttp.ClientSession, running: dict[str, int], prompt: 
 
 
 async def test_32_concurrent_requests_through_the_proxy_all_succeed_and_both_replicas_serve(cluster) -> None:
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         answers = await asyncio.wait_for(asyncio.gather(*(generate(s, i) for i in range(32))), 300)
     assert [st for st, _ in answers] == [200] * 32, [b for st, b in answers if st != 200][:2]
     for _, body in answers:
@@ -232,7 +238,7 @@ async def test_a_burst_of_batchable_jobs_spreads_over_both_replicas(cluster) -> 
     await until(lambda: idle(running), timeout=60, what="both daemons idle")
     await asyncio.sleep(2.5 * ROUTING_STATS_PERIOD_S)
     ids: list[str] = []
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         try:
             for i in range(12):  # one after another: each has its 202 before the next is sent
                 # 500 steps: the daemons still hold the first jobs while the last are sent (each
@@ -251,7 +257,7 @@ async def test_a_burst_of_batchable_jobs_spreads_over_both_replicas(cluster) -> 
 
 
 async def test_a_jobs_events_output_and_cancel_reach_the_replica_that_holds_it(cluster) -> None:
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         async with s.post("/v1/jobs", json={**JOB, "prompt": "a lighthouse", "n": 2, "seed": 3}) as r:
             job = await r.json()
             assert r.status == 202, job
@@ -280,7 +286,7 @@ async def test_a_jobs_events_output_and_cancel_reach_the_replica_that_holds_it(c
 
 
 async def test_ids_of_replicas_that_never_were_and_routes_not_served_get_clear_errors(cluster) -> None:
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         async with s.get("/v1/jobs/zz9zz9zz.j_0123456789abcdef") as r:
             err = (await r.json())["error"]
             assert r.status == 410 and err["code"] == "replica_gone" and "zz9zz9zz" in err["message"]
@@ -299,7 +305,7 @@ async def test_ids_of_replicas_that_never_were_and_routes_not_served_get_clear_e
 def test_the_official_openai_client_generates_and_edits_through_the_proxy(cluster) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="unused", timeout=120)
+    client = openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key=TOKEN, timeout=120)
     extra = {"seed": 5, "num_inference_steps": 2}
     made = client.images.generate(model="tiny", prompt="a barn", size="64x64", response_format="b64_json",
                                   extra_body=extra)
@@ -310,6 +316,33 @@ def test_the_official_openai_client_generates_and_edits_through_the_proxy(cluste
     assert base64.b64decode(edited.data[0].b64_json or "").startswith(PNG)
 
 
+async def test_without_the_token_every_route_through_the_proxy_is_401_and_says_nothing_of_the_job(cluster) -> None:
+    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with s.post("/v1/jobs", json={**JOB, "prompt": "a secret"}, headers=AUTH) as r:
+            job = (await r.json())["id"]
+        routes = [*sorted(ids.UNBOUND_ROUTES), ("GET", f"/v1/jobs/{job}"), ("DELETE", f"/v1/jobs/{job}"),
+                  ("GET", f"/v1/jobs/{job}/events"), ("GET", f"/v1/jobs/{job}/outputs/0"),
+                  ("GET", "/v1/jobs/zz9zz9zz.j_0123456789abcdef"), ("POST", "/v1/admin/sleep"), ("GET", "/nope")]
+        for headers in ({}, {"Authorization": "Bearer wrong-token-wrong-token-xx"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}):
+            for method, path in routes:
+                async with s.request(method, path, json={**GEN, "prompt": "x"}, headers=headers) as r:
+                    body = await r.json()
+                    assert r.status == 401, (method, path, headers, body)
+                    assert body["error"]["code"] == "unauthorized" and r.headers["WWW-Authenticate"] == "Bearer"
+                    assert job.split(".")[1] not in str(body) and "secret" not in str(body)
+        async with s.get(f"/v1/jobs/{job}", headers=AUTH) as r:
+            assert r.status == 200 and (await r.json())["status"] != "cancelled", "nothing unauthorized reached it"
+
+
+def test_the_openai_client_without_the_token_is_refused(cluster) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="not-the-token", timeout=60, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.images.generate(model="tiny", prompt="a barn", size="64x64", response_format="b64_json")
+
+
 async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> None:
     running = daemons()
     asleep, awake = sorted(running)
@@ -318,7 +351,7 @@ async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> N
     try:
         # the router learns it from the replicas' routing stats, sent every ROUTING_STATS_PERIOD_S
         await asyncio.sleep(3 * ROUTING_STATS_PERIOD_S)
-        async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+        async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
             answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 50 + i) for i in range(8))), 120)
         assert [st for st, _ in answers] == [200] * 8
         assert {replica_of(b["job_id"]) for _, b in answers} == {awake}
@@ -331,7 +364,7 @@ async def test_a_sleeping_replica_takes_no_new_work_until_it_wakes(cluster) -> N
 async def test_a_replica_whose_daemon_is_killed_mid_load_fails_its_jobs_with_a_reason_and_is_replaced(cluster) -> None:
     before = daemons()
     assert len(before) == 2
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         async with s.post("/v1/jobs", json={**JOB, "prompt": "held", "steps": LONG_STEPS}) as r:
             held = (await r.json())["id"]
         victim = replica_of(held)
@@ -391,7 +424,7 @@ async def test_a_client_that_goes_away_cancels_its_synchronous_job_in_the_daemon
                         return pid, job["id"]
         return None
 
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         request = asyncio.create_task(s.post("/v1/images/generations", json=body))
         pid, job_id = await until(running_job, 120, "the job to run in a daemon")
         request.cancel()  # the client hangs up: proxy -> gateway -> replica -> daemon
@@ -409,7 +442,7 @@ async def test_a_client_that_goes_away_cancels_its_synchronous_job_in_the_daemon
 
 async def test_a_killed_replica_actor_takes_its_daemon_and_workers_with_it(cluster) -> None:
     running = daemons()
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         # the victim is a replica that holds some of the load: the router may send all of it to one
         load, jobs = await load_until(s, running, "actor-kill", 400, lambda jobs: any(jobs.values()),
                                       "a replica to take some of the load")
@@ -433,9 +466,69 @@ async def test_a_killed_replica_actor_takes_its_daemon_and_workers_with_it(clust
         return len(now) == 2 and victim not in now and serve_running() == 2
 
     await until(replaced, 180, f"Serve to start a replica in place of {victim}")
-    async with aiohttp.ClientSession(base_url=cluster["url"]) as s:
+    async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
         answers = await asyncio.wait_for(asyncio.gather(*(generate(s, 300 + i) for i in range(8))), 180)
     assert [st for st, _ in answers] == [200] * 8
+
+
+def model_loads(pid: int) -> Counter[str]:
+    """Model -> how often the daemon brought it onto its device, from its /metrics on its own socket."""
+    async def read() -> str:
+        async with http(Path(daemon_socket(pid))) as d, d.get("/metrics") as r:
+            return await r.text()
+    text = asyncio.run(read())
+    return Counter({m[1]: int(float(m[2])) for m in
+                    re.finditer(r'^diffusiond_model_loads_total\{model="([^"]+)"\} (\S+)$', text, re.M)})
+
+
+def test_with_room_for_one_model_per_replica_each_of_two_models_settles_on_one_replica(cluster) -> None:
+    """Two models loaded on demand, a device budget that holds one: alternating requests go where
+    their model is (the replicas' residency reports), so each replica loads one model once
+    instead of both swapping at every request. The application is deployed again for this (the
+    last test before shutdown), with the budget and the second model."""
+    from diffusiond.daemon.residency.sizes import model_weights
+    from diffusiond.daemon.residency.working import Shape, default_working
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    weights = model_weights(ensure_tiny()).bytes_at("float32")
+    budget = weights + default_working(weights, Shape(64, 64)) + weights // 2  # one model, not two
+    app = build({"model": "tiny,tiny2=tiny", "replicas": "2", "cpus_per_replica": "0",
+                 "health_check_period_s": "2", "token_file": cluster["token_file"],
+                 "daemon_args": f"--max-batch 1 --device-memory {budget} --keep-alive -1 --preload tiny "
+                                "--test-fault no_working_measure"})  # the budget is sized for the estimate
+    old = set(daemons())
+    serve.run(app, name="diffusiond", route_prefix="/")
+
+    def settled() -> bool:
+        now = daemons()
+        return len(now) == 2 and not set(now) & old and serve_running() == 2
+    deadline = time.monotonic() + 180
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert settled(), daemons()
+    running = daemons()
+    went: list[tuple[str, str]] = []
+
+    async def alternate(n: int, pause: float) -> None:
+        async with aiohttp.ClientSession(base_url=cluster["url"], headers=AUTH) as s:
+            for i in range(n):
+                model = ("tiny", "tiny2")[i % 2]
+                async with s.post("/v1/images/generations", json={**GEN, "model": model, "prompt": f"p {i}"}) as r:
+                    body = await r.json()
+                    assert r.status == 200, body
+                went.append((model, replica_of(body["job_id"])))
+                await asyncio.sleep(pause)
+
+    time.sleep(2.5 * ROUTING_STATS_PERIOD_S)  # the router has both replicas' first reports
+    asyncio.run(alternate(4, 1.5 * ROUTING_STATS_PERIOD_S))  # tiny2's first load, on one replica
+    before = {r: model_loads(pid) for r, pid in running.items()}
+    went.clear()
+    asyncio.run(alternate(10, 0.0))
+    after = {r: model_loads(pid) for r, pid in running.items()}
+    homes = {m: {r for mm, r in went if mm == m} for m in ("tiny", "tiny2")}
+    assert all(len(h) == 1 for h in homes.values()) and homes["tiny"] != homes["tiny2"], (homes, went)
+    assert after == before, f"no model was loaded again: {before} -> {after}"
+    assert sum(c["tiny2"] for c in after.values()) == 1, f"tiny2 was loaded on one replica once: {after}"
 
 
 def test_serve_shutdown_leaves_no_daemon_no_worker_and_nothing_in_dev_shm(cluster) -> None:

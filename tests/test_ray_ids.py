@@ -102,3 +102,47 @@ def test_each_replicas_daemon_keeps_its_jobs_in_a_state_dir_of_its_own(tmp_path:
     shared = own_state_dir(["--state-dir", "/mnt/shared", "--model", "tiny"], private, "a")
     assert shared[:2] == ["--state-dir", "/mnt/shared/a"]
     assert own_state_dir(["--no-persist"], private, "a") == ["--no-persist"]
+
+
+def test_a_gateway_bound_beyond_loopback_without_a_token_is_refused_naming_the_argument(tmp_path: Path) -> None:
+    from diffusiond.ray.app import check_access
+
+    with pytest.raises(ValueError, match="token_file=FILE or token_env=VAR") as err:
+        check_access(Options.parse({}), "0.0.0.0")
+    assert "allow_unauthenticated=true" in str(err.value)
+    check_access(Options.parse({}), "127.0.0.1")  # loopback: the machine's own users, as the socket
+    check_access(Options.parse({"allow_unauthenticated": "true"}), "0.0.0.0")  # said explicitly
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-32-characters-xx\n")
+    check_access(Options.parse({"token_file": str(token)}), "0.0.0.0")
+    token.write_text("short")
+    with pytest.raises(ValueError, match="shorter than 16"):
+        check_access(Options.parse({"token_file": str(token)}), "0.0.0.0")
+    with pytest.raises(ValueError, match="token_file='/nope/token': cannot read it"):
+        check_access(Options.parse({"token_file": "/nope/token"}), "127.0.0.1")
+    with pytest.raises(ValueError, match="token_env='DIFFUSIOND_NO_SUCH_VAR': the environment variable is unset"):
+        check_access(Options.parse({"token_env": "DIFFUSIOND_NO_SUCH_VAR"}), "0.0.0.0")
+    with pytest.raises(ValueError, match="allow_unauthenticated='maybe': expected true or false"):
+        Options.parse({"allow_unauthenticated": "maybe"})
+
+
+def test_the_router_prefers_the_model_on_the_device_then_in_host_memory_and_trusts_no_stale_report() -> None:
+    from diffusiond.ray.router import View, by_residency
+
+    def pick(model: str | None, **views: View) -> list[str]:
+        return sorted(by_residency(model, views, stale_after_s=6.0, model_affinity=8))
+
+    on_a = View({"sd": "device", "xl": "disk"}, 1.0, 3)
+    on_b = View({"sd": "disk", "xl": "device"}, 1.0, 0)
+    assert pick("sd", a=on_a, b=on_b) == ["a"]  # on the device beats a lighter load elsewhere
+    assert pick("xl", a=on_a, b=on_b) == ["b"]
+    assert pick("sd", a=on_a, b=View({"sd": "loading"}, 1.0, 0)) == ["a", "b"]  # loading is as good: it will be there
+    assert pick("sd", a=View({"sd": "host"}, 1.0, 0), b=View({"sd": "disk"}, 1.0, 0)) == ["a"]
+    assert pick("sd", a=View({"sd": "host"}, 1.0, 0), b=on_a) == ["b"]
+    # a report first seen 10 s ago (the replica stopped reporting): its residency is not trusted
+    assert pick("sd", a=View({"sd": "device"}, 10.0, 0), b=View({"sd": "host"}, 1.0, 0)) == ["b"]
+    assert pick("sd", a=View({"sd": "device"}, 10.0, 0), b=View({"sd": "disk"}, 1.0, 0)) == ["a", "b"]
+    # a replica that holds the model but whose queue is long shares its work with the others
+    assert pick("sd", a=View({"sd": "device"}, 1.0, 8), b=on_b) == ["a", "b"]
+    assert pick(None, a=on_a, b=on_b) == ["a", "b"]  # no model named: the daemon's default, by load
+    assert pick("unknown", a=on_a, b=on_b) == ["a", "b"]

@@ -39,7 +39,7 @@ from diffusiond.daemon.state.statedir import StateDirError
 from diffusiond.daemon.state.store import SqliteStore
 from diffusiond.daemon.values import parse_host_port
 from diffusiond.daemon.workers.link import WorkerStartError
-from diffusiond.protocol import output_socket_path
+from diffusiond.protocol import MIN_TOKEN_CHARS, output_socket_path
 
 log = logging.getLogger("diffusiond")
 
@@ -96,8 +96,8 @@ def read_token(path: str) -> str:
         token = Path(path).read_text().strip()
     except OSError as exc:
         raise StartupError(f"cannot read --token-file {path}: {exc.strerror}") from None
-    if len(token) < 16:
-        raise StartupError(f"the token in {path} is shorter than 16 characters; use a long random token")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise StartupError(f"the token in {path} is shorter than {MIN_TOKEN_CHARS} characters; use a long random token")
     return token
 
 

@@ -11,6 +11,8 @@ import shlex
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from diffusiond.ray.auth import exposure_refusal, read_token
+
 ARGS_HELP = {
     "model": "model spec(s) for `diffusiond serve --model`, comma-separated (default tiny)",
     "replicas": "a number of replicas, or 'auto' to scale on the daemons' queue length (default 1)",
@@ -26,6 +28,11 @@ ARGS_HELP = {
     "batch_affinity": "batchable requests stay on one replica while its queue is shorter than this (default 4)",
     "health_check_period_s": "how often Serve asks each replica's daemon /health (default 10)",
     "start_timeout_s": "how long a replica waits for its daemon to load its models (default 600)",
+    "model_affinity": "new work goes to a replica with its model on the device while its queue is shorter "
+                      "than this (default 8)",
+    "token_file": "a file holding the bearer token clients must send (on every node)",
+    "token_env": "an environment variable holding the bearer token clients must send (on every node)",
+    "allow_unauthenticated": "true to serve without a token behind a proxy bound beyond loopback (default false)",
 }
 
 
@@ -45,6 +52,10 @@ class Options:
     batch_affinity: int = 4
     health_check_period_s: float = 10.0
     start_timeout_s: float = 600.0
+    model_affinity: int = 8
+    token_file: str | None = None
+    token_env: str | None = None
+    allow_unauthenticated: bool = False
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> Options:
@@ -85,16 +96,23 @@ def _convert(name: str, raw: Any) -> Any:
         return models
     if name == "daemon_args":
         return tuple(raw) if isinstance(raw, list) else tuple(shlex.split(str(raw)))
-    if name in ("device", "config"):
+    if name in ("device", "config", "token_file", "token_env"):
         return str(raw)
+    if name == "allow_unauthenticated":
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+            return str(raw).strip().lower() in ("true", "1", "yes")
+        raise bad("true or false")
     if name == "replicas" and str(raw).strip().lower() == "auto":
         return None
-    integer = name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests", "batch_affinity")
+    integer = name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests", "batch_affinity",
+                       "model_affinity")
     try:
         value = int(str(raw)) if integer else float(str(raw))
     except ValueError:
         raise bad("an integer" if integer else "a number") from None
-    low = 1 if name in ("replicas", "max_replicas", "max_ongoing_requests", "batch_affinity") else 0
+    low = 1 if name in ("replicas", "max_replicas", "max_ongoing_requests", "batch_affinity", "model_affinity") else 0
     if value < low or (name in ("health_check_period_s", "start_timeout_s", "target_load") and value <= 0):
         raise bad(f"a value >= {low}" if value < low else "a positive number")
     return value
@@ -103,6 +121,27 @@ def _convert(name: str, raw: Any) -> Any:
 # How often each replica reports its daemon's load and whether it takes work (``router``): the
 # router's view of a daemon is this much behind, plus Serve's broadcast to the routers.
 ROUTING_STATS_PERIOD_S = 2.0
+# A report older than this (the replica stopped reporting: busy, hung, or its stats call fails)
+# says nothing the router trusts about where a model is; its load is still counted.
+ROUTING_STATS_STALE_S = 3 * ROUTING_STATS_PERIOD_S
+
+
+def proxy_host() -> str | None:
+    """The host Serve's proxy is bound to, from the running Serve controller (``http_options``
+    of ``serve start`` or a ``serve deploy`` config); None when no controller runs yet, in which
+    case Serve starts its proxy on its default, 127.0.0.1."""
+    from ray.serve import context
+
+    client = context._get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else str(client.http_config.host)
+
+
+def check_access(opts: Options, host: str | None) -> None:
+    """Refuse, before any replica starts, a token that cannot be read or an open gateway on a network."""
+    token = read_token(opts.token_file, opts.token_env)
+    refusal = exposure_refusal(host, token is not None, opts.allow_unauthenticated)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def build(args: dict[str, Any]) -> Any:
@@ -114,6 +153,7 @@ def build(args: dict[str, Any]) -> Any:
     from diffusiond.ray.router import JobRouter
 
     opts = Options.parse(dict(args))
+    check_access(opts, proxy_host())
     scaling: dict[str, Any] = {"num_replicas": opts.replicas}
     if opts.replicas is None:
         scaling = {"autoscaling_config": {
@@ -128,9 +168,11 @@ def build(args: dict[str, Any]) -> Any:
         health_check_timeout_s=max(30.0, opts.health_check_period_s),
         graceful_shutdown_timeout_s=90.0,  # the daemon's own drain grace (30 s by default), then its workers stop
         request_router_config={
-            "request_router_class": JobRouter, "request_router_kwargs": {"batch_affinity": opts.batch_affinity},
+            "request_router_class": JobRouter, "request_router_kwargs": {
+                "batch_affinity": opts.batch_affinity, "model_affinity": opts.model_affinity,
+                "stale_after_s": ROUTING_STATS_STALE_S},
             "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S, "request_routing_stats_timeout_s": 10.0},
         **scaling,
     )(DaemonReplica)
     gateway = serve.deployment(name="gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)(Gateway)
-    return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s))
+    return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s), opts.token_file, opts.token_env)

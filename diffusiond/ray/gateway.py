@@ -16,8 +16,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from diffusiond.protocol import ErrorCode
+from diffusiond.protocol import BEARER_NEEDED, ErrorCode, bearer_authorized
 from diffusiond.ray import ids
+from diffusiond.ray.auth import read_token
 from diffusiond.ray.replica import Call, Head
 
 # A request crosses Ray's object store whole; the daemon has its own, smaller limit (1 MiB by default).
@@ -27,10 +28,15 @@ MAX_BODY_BYTES = 64 << 20
 class Gateway:
     """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
 
-    def __init__(self, daemons: Any) -> None:
+    def __init__(self, daemons: Any, token_file: str | None = None, token_env: str | None = None) -> None:
         self.daemons = daemons.options(stream=True)
+        self.token = read_token(token_file, token_env)  # read here: the Secret is mounted where the gateway runs
 
     async def __call__(self, request: Request) -> Response:
+        if self.token is not None and not bearer_authorized(request.headers.get("authorization"), self.token):
+            # before the route is read: a caller without the token learns nothing of the jobs or the models
+            return JSONResponse(ids.error_body(ErrorCode.UNAUTHORIZED, BEARER_NEEDED), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
         try:
             replica, path = ids.route(request.method, request.url.path)
         except ids.RouteError as exc:
@@ -40,14 +46,17 @@ class Gateway:
                                                f"the request body is over {MAX_BODY_BYTES >> 20} MiB, the most "
                                                "the Ray gateway passes on to a daemon"), status_code=413)
         body = await request.body()
-        key = None
+        key = model = None
         if replica is None and request.method == "POST":
             try:
-                key = ids.batch_key(json.loads(body))
+                doc = json.loads(body)
             except ValueError:
-                key = None  # the daemon answers 400 invalid_json naming what is wrong
+                doc = None  # the daemon answers 400 invalid_json naming what is wrong (or it is a form)
+            key = ids.batch_key(doc)
+            model = ids.model_of(doc)
         call = Call(request.method, path, request.url.query, request.headers.get("content-type"), body, replica)
-        stream = self.daemons.forward.remote(msgspec.msgpack.encode(call), replica=replica, batch_key=key)
+        stream = self.daemons.forward.remote(msgspec.msgpack.encode(call), replica=replica, batch_key=key,
+                                             model=model)
         try:
             head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
         except Exception as exc:  # the replica's process died (RayActorError, ...) before it answered

@@ -97,7 +97,7 @@ def bind_header(value: str, replica: str) -> str:
     return _DAEMON_ID.sub(lambda m: bind(replica, m[0]), value, count=1)
 
 
-def batch_key(body: dict[str, Any]) -> str | None:
+def batch_key(body: Any) -> str | None:
     """The part of a generation request that decides whether two requests can share a forward
     pass (the daemon's own batching key, as far as the body shows it). None for a body that is not
     a generation request."""
@@ -107,6 +107,14 @@ def batch_key(body: dict[str, Any]) -> str | None:
                                    "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
                                    "loras", "strength")]
     return repr(parts)
+
+
+def model_of(body: Any) -> str | None:
+    """The model a generation request names, for the router's residency preference (None: the
+    daemon's default model, or not a generation)."""
+    if not isinstance(body, dict) or "prompt" not in body or not isinstance(body.get("model"), str):
+        return None
+    return str(body["model"])
 
 
 def error_body(code: ErrorCode, message: str, field: str | None = None) -> dict[str, Any]:

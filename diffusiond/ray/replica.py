@@ -202,9 +202,19 @@ class DaemonReplica:
         self._stats_seq += 1
         h = None if self._gone_reason() else await self._health()
         if h is None:
-            return {"accepting": False, "load": 0, "seq": self._stats_seq}
+            return {"accepting": False, "load": 0, "seq": self._stats_seq, "models": {}}
         return {"accepting": bool(h.get("accepting")) and not h.get("sleeping"), "load": daemon_load(h),
-                "seq": self._stats_seq}
+                "seq": self._stats_seq, "models": await self._residency()}
+
+    async def _residency(self) -> dict[str, str]:
+        """Model name -> where the daemon holds it (``device``, ``loading``, ``host``, ``disk``), from
+        its ``GET /v1/models``: the router prefers a replica that has a job's model on the device."""
+        try:
+            async with self._http().get("/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                doc = await r.json()
+            return {str(m["id"]): str(m.get("residency") or "disk") for m in doc["data"]}
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return {}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The daemon's own load for the autoscaling policy."""
@@ -230,10 +240,10 @@ class DaemonReplica:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # requests --------------------------------------------------------------------------------------
-    async def forward(self, raw: bytes, replica: str | None = None,
-                      batch_key: str | None = None) -> AsyncIterator[bytes]:
-        """Answer one call: a msgpack ``Head``, then the body's chunks. ``replica`` and
-        ``batch_key`` are for the router (``router.JobRouter`` reads them from the call)."""
+    async def forward(self, raw: bytes, replica: str | None = None, batch_key: str | None = None,
+                      model: str | None = None) -> AsyncIterator[bytes]:
+        """Answer one call: a msgpack ``Head``, then the body's chunks. ``replica``, ``batch_key``
+        and ``model`` are for the router (``router.JobRouter`` reads them from the call)."""
         call = msgspec.msgpack.decode(raw, type=Call)
         if call.replica is not None and call.replica != self.replica:
             # The router sends a job here only when its replica is no longer among the running ones.

@@ -3,7 +3,6 @@ a bearer token compared in constant time. The web listener adds its own rules (`
 
 from __future__ import annotations
 
-import hmac
 import os
 import socket
 import struct
@@ -12,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from diffusiond.daemon.edge.status import Handler, HttpError
-from diffusiond.protocol import ErrorCode
+from diffusiond.protocol import BEARER_NEEDED, ErrorCode, bearer_authorized
 
 
 def peer_uid(request: web.Request) -> int | None:
@@ -44,9 +43,8 @@ def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any
                     raise HttpError(403, ErrorCode.FORBIDDEN,
                                     f"uid {uid} is not allowed to use this daemon (--allow-uid)")
         else:
-            given = request.headers.get("Authorization", "")
-            if token is None or not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise HttpError(401, ErrorCode.UNAUTHORIZED, "this listener needs 'Authorization: Bearer <token>'",
+            if token is None or not bearer_authorized(request.headers.get("Authorization"), token):
+                raise HttpError(401, ErrorCode.UNAUTHORIZED, BEARER_NEEDED,
                                 headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
