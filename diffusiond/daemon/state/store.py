@@ -449,7 +449,7 @@ def _row(job: Job) -> dict[str, Any]:
         "sync": int(job.sync),
         "attempts": job.attempts,
         "request": msgspec.json.encode(_without_input(job.request)).decode(),
-        "edit": int(getattr(job.request, "edit", None) is not None),
+        "edit": int(job.request.buffer is not None),  # control images are not kept either
         "seeds": json.dumps([i.seed for i in job.items]),
         "error": json.dumps(job.error) if job.error else None,
         "timings": json.dumps(job.timings_ms),
@@ -462,9 +462,9 @@ def _row(job: Job) -> dict[str, Any]:
 def _without_input(request: JobRequest) -> JobRequest:
     """The request as stored: an edit's decoded input image (shared memory, owned by the live
     job) is not; the row says it was an edit (``Store.lost_inputs``)."""
-    if getattr(request, "edit", None) is None:
+    if request.buffer is None:
         return request
-    return dataclasses.replace(request, edit=None)
+    return dataclasses.replace(request, edit=None, control=None)  # ``controls`` still names the ControlNets
 
 
 def _fsync_dir(path: Path) -> None:
