@@ -36,9 +36,10 @@ def png(seed: int, side: int = SIZE) -> str:
 
 
 @pytest.fixture(scope="module")
-def control_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("controlnets")
-    edges, blobs = build_controlnet(root / "edges", seed=1), build_controlnet(root / "blobs", seed=2)
+def control_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
+                   controlnet_dir: Path) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("control-daemon")
+    edges, blobs = controlnet_dir, build_controlnet(root / "blobs", seed=2)
     args = ["--model", "tiny", "--model", "plain=synthetic:compute_ms=5", "--workers", "1", "--max-batch", "4",
             "--batch-wait-ms", "400", "--job-timeout", "300",
             "--controlnet", f"edges={edges}", "--controlnet", f"blobs={blobs}"]

@@ -2,9 +2,9 @@
 
 A ControlNet is registered by name (``serve --controlnet NAME=PATH``, TOML ``[controlnets]``): a
 diffusers folder (``save_pretrained``'s) or a single ``.safetensors`` checkpoint. The configuration
-only checks that the path is there (``values.check_controlnet``); each worker loads every one once at start, keeps it, and reports
-those that do not fit its model (``Model.controlnet_errors``), so admission refuses such pairs
-with a 400 naming the field.
+only checks that the path is there (``values.check_controlnet``); each worker loads every one once
+at start, keeps it, and reports those that do not fit its model (``Model.controlnet_errors``), so
+admission refuses such pairs with a 400 naming the field.
 
 A request's control images are decoded like edit images (``images.open_image``: the same
 formats, the same pixel bound, every decoder failure a 400 naming the field), resized to the
