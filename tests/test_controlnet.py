@@ -136,3 +136,32 @@ async def test_a_controlnet_of_no_fitting_family_is_a_400(sock: Path) -> None:
     async with http(sock) as s:
         status, error = await refused(s, [{"name": "edges", "image": png(1)}], model="plain")
     assert (status, error["field"]) == (400, "control[0].name") and "does not fit model 'plain'" in error["message"]
+
+
+@pytest.mark.parametrize(("arg", "why"), [
+    ("edges=/nonexistent/controlnet", "does not exist"),
+    ("edges=relative/folder", "relative"),
+    ("edges=/etc/hostname", "not a .safetensors file"),
+    ("bad name=/tmp", "must be 1-64 characters"),
+    ("edges", "NAME=PATH"),
+])
+def test_serve_refuses_a_controlnet_path_it_cannot_serve_with_one_line(arg: str, why: str) -> None:
+    from diffusiond.daemon.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=why):
+        build_config({}, {"controlnet": [arg]})
+
+
+def test_generate_control_flag_reads_name_image_and_scale() -> None:
+    from diffusiond.commands.generate import control_arg
+
+    assert control_arg("edges:lines.png") == {"name": "edges", "image": "lines.png"}
+    assert control_arg("edges:a:b.png:0.5") == {"name": "edges", "image": "a:b.png", "scale": 0.5}
+    assert control_arg("edges:a:b.png") == {"name": "edges", "image": "a:b.png"}
+
+
+def test_client_sends_control_images_as_base64() -> None:
+    from diffusiond.client.params import job_body
+
+    body = job_body("x", {"control": [{"name": "edges", "image": b"\x89PNG", "scale": 0.5}]})
+    assert body["control"] == [{"name": "edges", "image": base64.b64encode(b"\x89PNG").decode(), "scale": 0.5}]
