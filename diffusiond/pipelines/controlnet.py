@@ -119,6 +119,15 @@ class ControlNets:
                 continue
             self.models[name] = cn.to(base.device).eval()
 
+    def place(self, *, asleep: bool) -> None:
+        """Follow the model to host memory when it sleeps and back when it wakes: a sleeping model
+        must leave the device free, ControlNets included."""
+        base = _base(self.pipeline)
+        if base is None or base.device.type == "cpu":
+            return
+        for cn in self.models.values():
+            cn.to("cpu" if asleep else base.device)
+
     def _pipe_for(self, names: tuple[str, ...]) -> tuple[Any, frozenset[str]]:
         """The family's ControlNet pipeline over the model's own components, one per set of names, kept."""
         cached = self._pipes.get(names)

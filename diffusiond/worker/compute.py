@@ -381,8 +381,12 @@ class ComputeThread:
         try:
             if item.command == "sleep":
                 self.pipeline.sleep()
+                if self.controlnets is not None:
+                    self.controlnets.place(asleep=True)
             elif item.command == "wake":
                 self.pipeline.wake()
+                if self.controlnets is not None:
+                    self.controlnets.place(asleep=False)
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)
