@@ -37,6 +37,7 @@ from diffusiond.commands.generate import (
     GenerateState,
     UsageError,
     cancel_after_interrupt,
+    control_arg,
     lora_arg,
     parse_size,
     positive_float,
@@ -53,7 +54,7 @@ SERVE_FIELDS = (
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
-    "preview_decoder",
+    "preview_decoder", "controlnet",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
     "reserve_memory", "preload", "max_model_wait",
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(kitty, iTerm2, WezTerm); elsewhere nothing extra")
     g.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:WEIGHT]",
                    help="apply a LoRA the daemon serves (see GET /v1/loras), weight 1 if left out; repeatable")
+    g.add_argument("--control", action="append", type=control_arg, metavar="NAME:IMAGE[:SCALE]",
+                   help="steer by a ControlNet the daemon serves (see GET /v1/controlnets) and a picture for it, "
+                        "scale 1 if left out; repeatable")
     g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
@@ -211,6 +215,8 @@ def _add_serve(sub: Any) -> None:
     add("--lora", action="append", metavar="NAME=PATH",
         help="serve a LoRA adapter: a folder written by save_lora_weights or a .safetensors file "
              "(diffusers or kohya layout); repeatable")
+    add("--controlnet", action="append", metavar="NAME=PATH",
+        help="serve a ControlNet: a diffusers ControlNet folder or a .safetensors file; repeatable")
     add("--max-loras", type=positive_int, metavar="N",
         help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
     add("--state-dir", metavar="DIR",

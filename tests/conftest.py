@@ -46,6 +46,14 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def controlnet_dir(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
+    """A ControlNet for tiny built in code, once per session (controlkit.py): a diffusers folder."""
+    from controlkit import build_controlnet
+
+    return build_controlnet(tmp_path_factory.mktemp("controlnets") / "edges", seed=1)
+
+
+@pytest.fixture(scope="session")
 def lora_files(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
     """LoRA adapters built in code on tiny, once per session (see lorakit.py): ``ink`` (UNet and
     text encoder), ``dots`` (UNet only), ``ink-kohya`` (ink in the kohya layout), ``misfit`` (ink

@@ -43,6 +43,9 @@ class JobParams(TypedDict, total=False):
     image_path: str
     mask_path: str
     strength: float
+    # ControlNets (GET /v1/controlnets): {"name", "image" (bytes or a local file, sent base64) or "image_path",
+    # "scale", "start", "end", "preprocess"}, one dict each
+    control: Sequence[Mapping[str, Any]]
 
 
 ImageInput = bytes | str | os.PathLike[str]
@@ -64,6 +67,9 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
             body["loras"] = [{"name": str(name), "weight": float(weight)} for name, weight in pairs]
         elif key in ("image", "mask"):
             body[key] = image_b64(cast(ImageInput, value))
+        elif key == "control":
+            body["control"] = [{k: image_b64(v) if k == "image" else v for k, v in dict(c).items()}
+                               for c in cast(Sequence[Mapping[str, Any]], value)]
         else:
             body[key] = value
     return body

@@ -97,6 +97,27 @@ def lora_arg(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"the weight in --lora {text!r} is not a number") from None
 
 
+def control_arg(text: str) -> dict[str, Any]:
+    """``--control NAME:IMAGE[:SCALE]`` -> one entry of the request's ``control`` (scale 1 when left out;
+    the image is a local file, read and sent base64 by ``build_body``)."""
+    name, sep, rest = text.partition(":")
+    image, scale = rest, None
+    head, colon, tail = rest.rpartition(":")
+    if colon and head:
+        try:
+            scale = float(tail)
+            image = head
+        except ValueError:
+            pass  # a ':' inside the file name
+    if not sep or not name.strip() or not image:
+        raise argparse.ArgumentTypeError(f"expected NAME:IMAGE or NAME:IMAGE:SCALE (e.g. edges:lines.png:0.8), "
+                                         f"got {text!r}")
+    entry: dict[str, Any] = {"name": name.strip(), "image": image}
+    if scale is not None:
+        entry["scale"] = scale
+    return entry
+
+
 def choose_format(fmt: str | None, output: str | None) -> str | None:
     """--format, else what -o's extension says; None lets the daemon pick its model's default.
 
@@ -179,6 +200,11 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
                 body[key] = image_b64(path)
             except OSError as exc:
                 raise UsageError(f"--{key} {path}: {exc.strerror or exc}") from None
+    for entry in getattr(args, "control", None) or []:
+        try:
+            body.setdefault("control", []).append({**entry, "image": image_b64(entry["image"])})
+        except OSError as exc:
+            raise UsageError(f"--control {entry['name']}:{entry['image']}: {exc.strerror or exc}") from None
     if args.mask is not None and args.image is None:
         raise UsageError("--mask needs --image: the mask says which part of that image to repaint")
     return body

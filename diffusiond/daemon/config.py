@@ -21,6 +21,7 @@ from diffusiond.daemon.residency.preload import check_preload
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
+    check_controlnet,
     duration,
     own_preload,
     parse_compile_mode,
@@ -130,6 +131,8 @@ class DaemonConfig:
     # of them loaded (least recently used ones are unloaded), and a request names at most that many.
     loras: dict[str, str] = field(default_factory=dict)
     max_loras: int = 8
+    # ControlNets by name (--controlnet NAME=PATH, TOML [controlnets]): each worker loads them all once
+    controlnets: dict[str, str] = field(default_factory=dict)
     # Durable jobs (store.py): the state dir holds the job database and the output files.
     state_dir: str | None = None
     persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
@@ -242,6 +245,9 @@ class DaemonConfig:
                 read_lora(name, path)
             except LoraFileError as exc:
                 raise ConfigError(str(exc)) from None
+        for name, path in self.controlnets.items():
+            if (why := check_controlnet(name, path)) is not None:
+                raise ConfigError(why)
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
@@ -301,7 +307,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
     known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
-                                                      "lora", "keep_alive", "max_keep_alive", "offload"}
+                                                      "lora", "keep_alive", "max_keep_alive", "offload",
+                                                      "controlnet"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -351,6 +358,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         values["loras"] = parse_loras(lora_args)
     elif "loras" in values:
         values["loras"] = parse_loras(values["loras"])
+    control_args = values.pop("controlnet", None)  # likewise --controlnet NAME=PATH and [controlnets]
+    if control_args is not None or "controlnets" in values:
+        values["controlnets"] = parse_loras(control_args if control_args is not None else values["controlnets"],
+                                            "--controlnet", "ControlNet")
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.residency.preload import parse_preload
@@ -84,17 +85,18 @@ def parse_devices(device: str, workers: int) -> tuple[str, ...]:
     return tuple(parts)
 
 
-def parse_loras(value: Any) -> dict[str, str]:
-    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
+def parse_loras(value: Any, flag: str = "--lora", what: str = "LoRA") -> dict[str, str]:
+    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path;
+    ``--controlnet`` and ``[controlnets]`` are read the same way."""
     if isinstance(value, dict):
         return {str(k): absolute(str(v)) for k, v in value.items()}
     out: dict[str, str] = {}
     for arg in value if isinstance(value, list) else [value]:
         name, sep, path = str(arg).partition("=")
         if not sep or not name.strip() or not path.strip():
-            raise ConfigError(f"--lora wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
+            raise ConfigError(f"{flag} wants NAME=PATH (a folder or a .safetensors file), got {arg!r}")
         if name.strip() in out:
-            raise ConfigError(f"LoRA name {name.strip()!r} is given twice")
+            raise ConfigError(f"{what} name {name.strip()!r} is given twice")
         out[name.strip()] = absolute(path.strip())
     return out
 
@@ -134,3 +136,30 @@ def warmup_value(value: Any) -> tuple[tuple[int, int, int], ...]:
     if isinstance(value, list | tuple):
         return tuple(shape for v in value for shape in parse_warmup(str(v)))
     return parse_warmup(str(value))
+
+
+_CONTROL_NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def check_controlnet(name: str, path: str) -> str | None:
+    """Why ``name``/``path`` cannot be served (None: fine); what the configuration refuses at start."""
+    if not 1 <= len(name) <= 64 or not set(name) <= _CONTROL_NAME_OK:
+        return f"ControlNet name {name!r} must be 1-64 characters of letters, digits, '_', '-' and '.'"
+    if not path.strip() or "\x00" in path:
+        return f"ControlNet {name!r}: the path {path!r} is empty or holds a NUL character"
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        return f"ControlNet {name!r}: the path {path!r} is relative; give an absolute path"
+    try:
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                return f"ControlNet {name!r} ({p}) is a folder without config.json; give a folder save_pretrained wrote"
+            return None
+        if not p.is_file():
+            return (f"ControlNet {name!r} ({p}) does not exist; give a diffusers ControlNet folder or a "
+                    ".safetensors file")
+    except OSError as exc:
+        return f"ControlNet {name!r}: the path {path[:120]!r} cannot be read ({exc.strerror or exc})"
+    if p.suffix != ".safetensors":
+        return f"ControlNet {name!r} ({p}) is not a .safetensors file; single files are read as safetensors only"
+    return None

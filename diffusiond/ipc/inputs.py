@@ -34,10 +34,11 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_
 class InputBuffer:
     """An edit's input image and optional mask in a sealed memfd (the engine's side)."""
 
-    def __init__(self, image: np.ndarray, mask: np.ndarray | None = None, *, name: str = "diffusiond-input") -> None:
-        arrays = [np.ascontiguousarray(image, dtype=np.uint8)]
-        if mask is not None:
-            arrays.append(np.ascontiguousarray(mask, dtype=np.uint8))
+    def __init__(self, image: np.ndarray | None, mask: np.ndarray | None = None, *,
+                 controls: Sequence[np.ndarray] = (), name: str = "diffusiond-input") -> None:
+        """``image`` None: a text-to-image request that brings ControlNet images (``controls``) only."""
+        given = [a for a in (image, mask, *controls) if a is not None]
+        arrays = [np.ascontiguousarray(a, dtype=np.uint8) for a in given]
         descs: list[TensorDesc] = []
         offset = 0
         for a in arrays:
@@ -55,12 +56,14 @@ class InputBuffer:
         except BaseException:
             os.close(self.fd)
             raise
-        self.image = descs[0]
-        self.mask = descs[1] if mask is not None else None
+        it = iter(descs)
+        self.image = next(it) if image is not None else None
+        self.mask = next(it) if mask is not None else None
+        self.controls = tuple(it)
 
     def ref(self, fd_index: int) -> InputRef:
         """The descriptor a request carries when this buffer is fd ``fd_index`` of its frame."""
-        return InputRef(fd=fd_index, image=self.image, mask=self.mask)
+        return InputRef(fd=fd_index, image=self.image, mask=self.mask, controls=self.controls)
 
     def dup(self) -> int:
         """A new fd for one frame (the channel closes it once sent, whatever becomes of the job)."""
@@ -75,11 +78,9 @@ class InputBuffer:
             self.fd = -1
 
 
-def read_inputs(fds: Sequence[int], ref: InputRef) -> tuple[np.ndarray, np.ndarray | None]:
-    """The worker's side: copies of the image and mask that ``ref`` points at in ``fds``.
-
-    Refuses memory that is not sealed against writes: the worker must compute on what the
-    engine validated, not on bytes someone may still change."""
+def _sealed_view(fds: Sequence[int], ref: InputRef, descs: Sequence[TensorDesc]) -> list[np.ndarray]:
+    """Copies of ``descs`` in the memfd ``ref`` names, refusing memory not sealed against writes: the
+    worker must compute on what the engine validated, not on bytes someone may still change."""
     if not 0 <= ref.fd < len(fds):
         raise ArenaError(f"input refers to fd {ref.fd}; the frame brought {len(fds)}")
     fd = fds[ref.fd]
@@ -87,14 +88,25 @@ def read_inputs(fds: Sequence[int], ref: InputRef) -> tuple[np.ndarray, np.ndarr
     if not seals & fcntl.F_SEAL_WRITE:
         raise ArenaError("input memory is not sealed against writes")
     size = os.fstat(fd).st_size
-    need = max(d.offset + d.nbytes for d in (ref.image, ref.mask) if d is not None)
+    need = max((d.offset + d.nbytes for d in descs), default=0)
     if need > size:
         raise ArenaError(f"input descriptor needs {need} bytes; the memfd holds {size}")
     with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
         view = memoryview(mm)
         try:
-            image = as_numpy(view, ref.image).copy()
-            mask = as_numpy(view, ref.mask).copy() if ref.mask is not None else None
+            return [as_numpy(view, d).copy() for d in descs]
         finally:
             view.release()
-    return image, mask
+
+
+def read_inputs(fds: Sequence[int], ref: InputRef) -> tuple[np.ndarray, np.ndarray | None]:
+    """The worker's side: copies of an edit's image and mask that ``ref`` points at in ``fds``."""
+    if ref.image is None:
+        raise ArenaError("an edit's input came without its image")
+    arrays = _sealed_view(fds, ref, [ref.image] if ref.mask is None else [ref.image, ref.mask])
+    return arrays[0], arrays[1] if ref.mask is not None else None
+
+
+def read_controls(fds: Sequence[int], ref: InputRef) -> list[np.ndarray]:
+    """The worker's side: copies of a request's ControlNet images, in its ``controls`` order."""
+    return _sealed_view(fds, ref, ref.controls)

@@ -91,6 +91,20 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A compiled model's LoRA hot-swap slots are this rank: the largest rank of the adapters
     # registered at start (0: none, so a compiled model takes no LoRA).
     lora_target_rank: int = 0
+    # ControlNet models by name (name -> diffusers folder or single file), loaded once at start and kept
+    controlnets: dict[str, str] = {}
+
+
+class ControlRef(msgspec.Struct, frozen=True, array_like=True):
+    """One ControlNet of a batch: its conditioning scale, the fraction of the steps it acts in, and a
+    digest of its (preprocessed) control image. Part of the batch key, so requests with different
+    controls, images included, never share a forward."""
+
+    name: str
+    scale: float
+    start: float
+    end: float
+    digest: str
 
 
 class LoraRef(msgspec.Struct, frozen=True, array_like=True):
@@ -118,6 +132,7 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     # edits (image-to-image, inpainting): requests differing here never share a batch
     edit: str | None = None  # protocol.Task of an edit; None: from the prompt alone
     strength: float | None = None
+    controls: tuple[ControlRef, ...] = ()  # in the request's order; their images ride in InputRef.controls
 
 
 class InputRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,8 +141,9 @@ class InputRef(msgspec.Struct, frozen=True, kw_only=True):
     only these descriptors; the pixels never travel in a frame."""
 
     fd: int
-    image: TensorDesc  # uint8 (H, W, 3)
+    image: TensorDesc | None = None  # uint8 (H, W, 3); None: a request with control images only
     mask: TensorDesc | None = None  # uint8 (H, W, 1): 255 where the image is repainted
+    controls: tuple[TensorDesc, ...] = ()  # uint8 (H, W, 3) each, one per BatchParams.controls entry
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,6 +251,7 @@ class Ready(msgspec.Struct, frozen=True):
     load_ms: float
     capabilities: Capabilities
     lora_errors: dict[str, str] = {}  # WorkerConfig.loras that do not fit the model: name -> why
+    controlnet_errors: dict[str, str] = {}  # WorkerConfig.controlnets that do not fit the model: name -> why
 
 
 class ComputeDone(msgspec.Struct, frozen=True):

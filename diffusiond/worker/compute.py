@@ -21,10 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from diffusiond.ipc.errors import ArenaError
-from diffusiond.ipc.inputs import read_inputs
+from diffusiond.ipc.inputs import read_controls, read_inputs
 from diffusiond.ipc.messages import (
     Ack,
     AddLora,
@@ -41,6 +42,7 @@ from diffusiond.ipc.messages import (
     WarmupShape,
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
+from diffusiond.pipelines.controlnet import ControlNets
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
@@ -106,12 +108,14 @@ class ComputeThread:
         drain_timeout_s: float,
         on_exit: Callable[[int], None],
         adapters: Adapters | None = None,
+        controlnets: ControlNets | None = None,
         warmup: Sequence[WarmupShape] = (),
         on_ready: Callable[[], None] | None = None,
         before_forward: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.adapters = adapters
+        self.controlnets = controlnets
         self.copier = copier
         self.state = state
         self.post = post
@@ -191,15 +195,16 @@ class ComputeThread:
             return
         live_ids = [r.request_id for r in live]
         inputs: list[EditArrays] = []
-        if batch.params.edit is not None:
-            try:
+        controls: dict[str, list[np.ndarray]] = {}  # request id -> its ControlNet images
+        try:
+            if batch.params.edit is not None:
                 inputs = self._inputs(live, fds)
-            except (ArenaError, OSError, ValueError) as exc:
-                self._fail_all(batch.batch_id, live_ids, f"could not read the input image: {exc}")
-                return
-            finally:
-                close_fds(fds)
-        else:
+            if batch.params.controls:
+                controls = {r.request_id: read_controls(fds, r.input) for r in live if r.input is not None}
+        except (ArenaError, OSError, ValueError) as exc:
+            self._fail_all(batch.batch_id, live_ids, f"could not read the input image: {exc}")
+            return
+        finally:
             close_fds(fds)
         last_post = 0.0
 
@@ -230,6 +235,11 @@ class ComputeThread:
             # inference_mode: no autograd bookkeeping, so less host time per kernel launch
             with torch.inference_mode(), profiled:
                 sink = sink_for(requests) if every else None
+                if batch.params.controls:
+                    if batch.params.edit is not None or self.controlnets is None:
+                        raise PipelineError(f"model {self.pipeline.name} takes no ControlNet here")
+                    images = [controls.get(r.request_id, []) for r in requests]
+                    return self.controlnets.run(batch.params, requests, images, on_step, sink)
                 if batch.params.edit is None:
                     return self.pipeline.run(batch.params, requests, on_step, sink)
                 if isinstance(self.pipeline, EditingPipeline):
@@ -371,8 +381,12 @@ class ComputeThread:
         try:
             if item.command == "sleep":
                 self.pipeline.sleep()
+                if self.controlnets is not None:
+                    self.controlnets.place(asleep=True)
             elif item.command == "wake":
                 self.pipeline.wake()
+                if self.controlnets is not None:
+                    self.controlnets.place(asleep=False)
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)

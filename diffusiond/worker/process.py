@@ -51,6 +51,7 @@ from diffusiond.worker.state import SharedState
 
 if TYPE_CHECKING:
     from diffusiond.pipelines.base import Pipeline
+    from diffusiond.pipelines.controlnet import ControlNets
     from diffusiond.pipelines.loras import Adapters
 
 log = logging.getLogger("diffusiond.worker")
@@ -198,6 +199,7 @@ class Worker:
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
+        controlnets = await asyncio.to_thread(self._load_controlnets, pipeline, config)
         post = self.channel.post_threadsafe
         before_forward = None
         if faults is None:
@@ -220,13 +222,15 @@ class Worker:
             drain_timeout_s=config.drain_timeout_s,
             on_exit=self.exit,
             adapters=adapters,
+            controlnets=controlnets,
             warmup=config.warmup,
             before_forward=before_forward,
             on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
                                         (time.perf_counter() - t0) * 1000,
                                         msgspec.structs.replace(pipeline.capabilities,
                                                                 weight_bytes=weight_bytes(pipeline)),
-                                        lora_errors=lora_errors)),
+                                        lora_errors=lora_errors,
+                                        controlnet_errors=controlnets.errors if controlnets else {})),
         )
         if faults is not None and faults.no_working_measure:
             self.compute.meter.available = False
@@ -263,6 +267,15 @@ class Worker:
             return None, dict.fromkeys(config.loras, unsupported(pipeline))
         errors = {name: why for name, path in config.loras.items() if (why := adapters.register(name, path))}
         return adapters, errors
+
+    @staticmethod
+    def _load_controlnets(pipeline: Pipeline, config: WorkerConfig) -> ControlNets | None:
+        """Every configured ControlNet, loaded once and kept; those that do not fit are named with why."""
+        if not config.controlnets:
+            return None
+        from diffusiond.pipelines.controlnet import ControlNets
+
+        return ControlNets(pipeline, config.controlnets)
 
 
 class _StartError(Exception):

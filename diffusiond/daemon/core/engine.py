@@ -28,6 +28,7 @@ from contextlib import AbstractAsyncContextManager
 
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.core import resume
+from diffusiond.daemon.core.controls import ControlRegistry
 from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest, Preview
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
@@ -74,6 +75,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
         self.loras = LoraRegistry(config.loras, config.max_loras)
+        self.controls = ControlRegistry(config.controlnets)
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.pool.lora_target_rank = self.loras.start_rank
@@ -268,6 +270,10 @@ class Engine:
         """Admission: the adapters a request names exist, fit its model, and are not too many."""
         self.loras.resolve(self.pool.model(model), loras)
 
+    def check_controls(self, model: str, names: list[str]) -> None:
+        """Admission: the ControlNets a request names are served and fit its model."""
+        self.controls.resolve(self.pool.model(model), names)
+
     async def add_lora(self, name: str, path: str) -> LoraInfo:
         """Register an adapter at run time (admin): checked by every live worker against its model."""
         return await self.loras.add(name, path, self.models(), self.config.worker_start_timeout_s,
@@ -278,8 +284,7 @@ class Engine:
         try:
             return self._submit(req, sync)
         except BaseException:
-            if req.edit is not None:  # refused: nobody else will close its input
-                req.edit.close()
+            req.close_inputs()  # refused: nobody else will close its input
             raise
 
     def _submit(self, req: JobRequest, sync: bool) -> Job:
@@ -440,8 +445,7 @@ class Engine:
         if not job.end(status, error):
             return
         self.store.update(job)
-        if job.request.edit is not None:  # batches already sent hold their own fds
-            job.request.edit.close()
+        job.request.close_inputs()  # batches already sent hold their own fds
         self.scheduler.remove(job)
         self.keeper.unqueue(job.request.model, sum(1 for i in job.items if i.batch_id is None))
         if status != JobStatus.SUCCEEDED:

@@ -154,11 +154,12 @@ class Flights:
         for i in items:
             r = i.job.request
             ref = None
-            if r.edit is not None:
+            buffer = r.buffer
+            if buffer is not None:
                 if i.job.id not in index:
                     index[i.job.id] = len(fds)
-                    fds.append(r.edit.buffer.dup())
-                ref = r.edit.buffer.ref(index[i.job.id])
+                    fds.append(buffer.dup())
+                ref = buffer.ref(index[i.job.id])
             specs.append(RequestSpec(request_id=i.request_id, prompt=r.prompt, seed=i.seed,
                                      negative_prompt=r.negative_prompt, input=ref, **_preview_fields(r)))
         return specs

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffusiond.daemon.core.controls import ControlInput
 from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.workers.link import WorkerLink
+from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import BatchParams, LoraRef
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
@@ -76,6 +78,10 @@ class JobRequest:
     keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
     edit: EditInput | None = field(default=None, compare=False)
+    # ControlNets as asked, (name, scale, start, end, preprocess): what history and output metadata show
+    controls: tuple[tuple[str, float, float, float, str], ...] = ()
+    # the decoded control images and their ControlNets (daemon/core/controls.py); owned like ``edit``
+    control: ControlInput | None = field(default=None, compare=False)
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -91,7 +97,18 @@ class JobRequest:
             loras=self.lora_refs(),
             edit=self.edit.task.value if self.edit else None,
             strength=self.edit.strength if self.edit else None,
+            controls=self.control.refs if self.control else (),
         )
+
+    @property
+    def buffer(self) -> InputBuffer | None:
+        """The sealed input that travels with each batch of this job (an edit's, or the control images')."""
+        return self.edit.buffer if self.edit else self.control.buffer if self.control else None
+
+    def close_inputs(self) -> None:
+        for owned in (self.edit, self.control):
+            if owned is not None:
+                owned.close()
 
     def lora_refs(self) -> tuple[LoraRef, ...]:
         """The adapters that act: a weight of 0 changes nothing, so it neither loads an adapter nor

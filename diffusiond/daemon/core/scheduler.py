@@ -89,12 +89,12 @@ class Scheduler:
         head = q[0]
         key = head.job.request.batch_params()
         batch = [head]
-        inputs = {head.job.id} if head.job.request.edit is not None else set()
+        inputs = {head.job.id} if head.job.request.buffer is not None else set()
         for item in list(q)[1:]:
             if len(batch) >= self.max_batch:
                 break
             if item.job.request.batch_params() == key:
-                if item.job.request.edit is not None and item.job.id not in inputs:
+                if item.job.request.buffer is not None and item.job.id not in inputs:
                     if len(inputs) >= MAX_FDS:  # each edit's input travels as one fd of the frame
                         continue
                     inputs.add(item.job.id)

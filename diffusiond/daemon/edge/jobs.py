@@ -16,7 +16,7 @@ from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.jobs import Job, Preview
-from diffusiond.daemon.edge import bodies, requests, views
+from diffusiond.daemon.edge import bodies, controls, requests, views
 from diffusiond.daemon.edge.status import ENGINE
 from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, Event, JobStatus
 
@@ -36,7 +36,7 @@ async def create_job(request: web.Request) -> web.Response:
     # a job may carry base64 images: its body may then be as large as an upload, and only then
     body = await bodies.read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
     b = requests.decode(body, requests.JobBody)
-    if len(body) > limits.max_body_bytes and b.image is None and b.mask is None:
+    if len(body) > limits.max_body_bytes and b.image is None and b.mask is None and not b.control:
         raise bodies.too_large(len(body), limits.max_body_bytes)
     await engine.described(b.model)  # completed with its model's own defaults, even while it loads
     model = engine.model(b.model)
@@ -44,6 +44,7 @@ async def create_job(request: web.Request) -> web.Response:
     edit = await bodies.decode_edit(engine, fields, model)
     try:
         req = requests.check(fields, limits, model, edit=edit, loras=engine.check_loras)
+        req = await controls.attach(engine, fields, model, req)
     except BaseException:
         if edit is not None:
             edit.close()

@@ -22,6 +22,7 @@ import msgspec
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core.inputs import EditInput, Source
 from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
+from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.errors import OutputTooLarge, invalid
 from diffusiond.daemon.residency.units import parse_duration
 from diffusiond.ipc.messages import Capabilities
@@ -111,6 +112,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     mask: str | None = None
     mask_path: str | None = None
     strength: float | None = None
+    control: list[ControlBody] | None = None  # ControlNets and their images (daemon/edge/controls.py)
     # how long the model stays on its device after this job: "10m", seconds, 0, -1 (as Ollama's field)
     keep_alive: str | float | None = None
 

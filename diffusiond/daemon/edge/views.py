@@ -80,6 +80,8 @@ def job(j: Job) -> dict[str, Any]:
             "noise_level": r.noise_level,
             "eta": r.eta,
             "loras": lora_list(r.loras),
+            "control": [{"name": n, "scale": s, "start": a, "end": b, "preprocess": p}
+                        for n, s, a, b, p in r.controls],  # the control images are not echoed back
             # edits: which, and how strongly (the input image itself is not echoed back)
             "task": r.edit.task.value if r.edit else None,
             "strength": r.edit.strength if r.edit else None,
@@ -110,6 +112,16 @@ def lora(engine: Engine, info: LoraInfo) -> dict[str, Any]:
         "unfit": {m.name: m.lora_errors[info.name] for m in models if info.name in m.lora_errors},
         "loaded": any(info.name in w.loras_loaded for m in models for w in m.workers),
     }
+
+
+def controlnets(engine: Engine) -> dict[str, Any]:
+    """``GET /v1/controlnets``: each served ControlNet, the models it fits (as their workers found), and why not."""
+    models = engine.models()
+    return {"object": "list", "data": [
+        {"name": name, "object": "controlnet", "path": path,
+         "models": [m.name for m in models if m.known and name not in m.controlnet_errors],
+         "unfit": {m.name: m.controlnet_errors[name] for m in models if name in m.controlnet_errors}}
+        for name, path in sorted(engine.controls.paths.items())]}
 
 
 def loras(engine: Engine) -> dict[str, Any]:

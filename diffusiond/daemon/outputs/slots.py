@@ -240,6 +240,10 @@ class Outputs:
             meta["negative_prompt"] = r.negative_prompt
         if r.loras:  # as A1111 writes them in prompts: name:weight
             meta["loras"] = ", ".join(f"{name}:{weight:g}" for name, weight in r.loras)
+        if r.controls:  # name:scale, and the step range and preprocess where they are not the defaults
+            meta["control"] = ", ".join(
+                f"{n}:{s:g}" + (f"[{a:g}-{b:g}]" if (a, b) != (0.0, 1.0) else "") + (f" {p}" if p != "none" else "")
+                for n, s, a, b, p in r.controls)
         if item.job.approximations:  # the output is not the model's exact one: say how it differs
             meta["approximations"] = ", ".join(item.job.approximations)
         if item.job.compiled:

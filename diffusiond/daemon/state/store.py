@@ -449,7 +449,7 @@ def _row(job: Job) -> dict[str, Any]:
         "sync": int(job.sync),
         "attempts": job.attempts,
         "request": msgspec.json.encode(_without_input(job.request)).decode(),
-        "edit": int(getattr(job.request, "edit", None) is not None),
+        "edit": int(_has_input(job.request)),  # control images are not kept either
         "seeds": json.dumps([i.seed for i in job.items]),
         "error": json.dumps(job.error) if job.error else None,
         "timings": json.dumps(job.timings_ms),
@@ -459,12 +459,16 @@ def _row(job: Job) -> dict[str, Any]:
     }
 
 
+def _has_input(request: JobRequest) -> bool:
+    return request.edit is not None or request.control is not None
+
+
 def _without_input(request: JobRequest) -> JobRequest:
     """The request as stored: an edit's decoded input image (shared memory, owned by the live
     job) is not; the row says it was an edit (``Store.lost_inputs``)."""
-    if getattr(request, "edit", None) is None:
+    if not _has_input(request):
         return request
-    return dataclasses.replace(request, edit=None)
+    return dataclasses.replace(request, edit=None, control=None)  # ``controls`` still names the ControlNets
 
 
 def _fsync_dir(path: Path) -> None:

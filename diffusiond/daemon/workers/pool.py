@@ -53,6 +53,7 @@ class Model:
     crash_streak: int = 0  # consecutive workers that died within a minute of starting
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
     lora_errors: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
+    controlnet_errors: dict[str, str] = field(default_factory=dict)  # ControlNet name -> why it does not fit
     retired: bool = False  # residency stopped its workers (weights back on disk); a job starts them again
 
     @property
@@ -169,6 +170,7 @@ class WorkerPool:
             loras=dict(self.lora_paths),
             max_loras=self.config.max_loras,
             lora_target_rank=self.lora_target_rank,
+            controlnets=dict(self.config.controlnets),
         )
 
     def _options(self, model: Model) -> dict[str, str]:
@@ -204,6 +206,7 @@ class WorkerPool:
                 model.workers.remove(handle)
             raise
         model.capabilities = ready.capabilities
+        model.controlnet_errors = dict(ready.controlnet_errors)
         model.known = True
         for name in self.lora_paths:  # each worker loaded every adapter: the latest one's word stands
             if name in ready.lora_errors:

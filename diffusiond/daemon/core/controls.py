@@ -1,0 +1,132 @@
+"""ControlNets: the ones this daemon serves, and a request's control images from bytes to a sealed buffer.
+
+A ControlNet is registered by name (``serve --controlnet NAME=PATH``, TOML ``[controlnets]``): a
+diffusers folder (``save_pretrained``'s) or a single ``.safetensors`` checkpoint. The configuration
+only checks that the path is there (``values.check_controlnet``); each worker loads every one once
+at start, keeps it, and reports those that do not fit its model (``Model.controlnet_errors``), so
+admission refuses such pairs with a 400 naming the field.
+
+A request's control images are decoded like edit images (``images.open_image``: the same
+formats, the same pixel bound, every decoder failure a 400 naming the field), resized to the
+output size and, for ``preprocess: canny``, turned into an edge map with OpenCV; all of it in the
+encode pool, never on the event loop. Each picture's digest joins the batch key, so requests
+with different control images never share a forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from diffusiond.daemon.config import Limits
+from diffusiond.daemon.core import images
+from diffusiond.daemon.core.inputs import Source, _bytes_of
+from diffusiond.daemon.errors import InvalidRequest, Unavailable
+from diffusiond.ipc.inputs import InputBuffer
+from diffusiond.ipc.messages import ControlRef
+
+MAX_CONTROLS = 4  # ControlNets in one request: each one is a second denoiser-sized forward per step
+PREPROCESS = ("none", "canny")
+CANNY_LOW, CANNY_HIGH = 100, 200  # diffusers' and A1111's defaults for canny ControlNets
+
+
+class ModelControls(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    controlnet_errors: dict[str, str]
+
+
+class ControlRegistry:
+    """The ControlNets this daemon serves, by name (fixed at start)."""
+
+    def __init__(self, paths: Mapping[str, str]) -> None:
+        self.paths = dict(paths)
+
+    def resolve(self, model: ModelControls, names: Sequence[str]) -> None:
+        """Admission: each named ControlNet is served and fits ``model``."""
+        for i, name in enumerate(names):
+            if name not in self.paths:
+                known = ", ".join(sorted(self.paths)) or "none are served (serve --controlnet NAME=PATH)"
+                raise InvalidRequest(f"no ControlNet named {name!r}; known: {known}", field=f"control[{i}].name")
+            why = model.controlnet_errors.get(name)
+            if why is not None:
+                raise InvalidRequest(f"ControlNet {name!r} does not fit model {model.name!r}: {why}",
+                                     field=f"control[{i}].name")
+
+
+@dataclass(frozen=True)
+class ControlEntry:
+    """One checked entry of a request's ``control`` (what history shows of it; the image is not kept)."""
+
+    name: str
+    source: Source
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+    preprocess: str = "none"
+
+
+@dataclass
+class ControlInput:
+    """A request's decoded control images in a sealed buffer; the job owns it (the engine closes it)."""
+
+    entries: tuple[ControlEntry, ...]
+    refs: tuple[ControlRef, ...]
+    buffer: InputBuffer
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def cv2_missing() -> bool:
+    """OpenCV (the ``control`` extra) is needed for ``preprocess: canny`` only."""
+    return importlib.util.find_spec("cv2") is None
+
+
+def canny_unavailable(field: str) -> Unavailable:
+    return Unavailable(f"{field}: preprocess 'canny' needs OpenCV, which this daemon's Python lacks; "
+                       "install diffusiond[control] (opencv-python-headless), or send an edge map with "
+                       "preprocess 'none'", field=field)
+
+
+def _canny(rgb: np.ndarray) -> np.ndarray:
+    import cv2
+
+    edges = cv2.Canny(np.ascontiguousarray(rgb), CANNY_LOW, CANNY_HIGH)
+    return np.repeat(edges[..., None], 3, axis=2)
+
+
+def decode_controls(entries: Sequence[ControlEntry], *, width: int, height: int, limits: Limits,
+                    input_dir: str | None) -> ControlInput:
+    """Decode, check, resize (to the output's size) and preprocess each control image (in the encode pool)."""
+    from PIL import Image
+
+    pictures: list[np.ndarray] = []
+    refs: list[ControlRef] = []
+    for e in entries:
+        field = e.source.field
+        img = images.open_image(_bytes_of(e.source, limits, input_dir), field, limits)
+        try:
+            rgb = images.rgb_array(img, field)
+        finally:
+            img.close()
+        if rgb.shape[:2] != (height, width):
+            rgb = np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.LANCZOS))
+        if e.preprocess == "canny":
+            try:
+                rgb = _canny(rgb)
+            except ImportError:
+                raise canny_unavailable(field.rpartition(".")[0] + ".preprocess") from None
+        rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
+        digest = hashlib.blake2b(rgb.tobytes(), digest_size=12).hexdigest()
+        pictures.append(rgb)
+        refs.append(ControlRef(e.name, e.scale, e.start, e.end, digest))
+    buffer = InputBuffer(None, None, controls=pictures, name="diffusiond-control")
+    return ControlInput(entries=tuple(entries), refs=tuple(refs), buffer=buffer)
+

@@ -1,0 +1,105 @@
+"""A job's ``control`` field: its shape checked here, its ControlNets against the registry, its images in the pool.
+
+Runs after ``requests.check``, because the control images are resized to the output size, which
+the request (or the model's defaults) decides. Every mistake is a 400 naming the entry and field
+(``control[1].scale``); a canny request to a daemon without OpenCV is a 503 saying what to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from diffusiond.daemon.core.controls import (
+    MAX_CONTROLS,
+    PREPROCESS,
+    ControlEntry,
+    canny_unavailable,
+    cv2_missing,
+    decode_controls,
+)
+from diffusiond.daemon.core.inputs import Source
+from diffusiond.daemon.core.jobs import JobRequest
+from diffusiond.daemon.errors import invalid
+from diffusiond.protocol import Task
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.core.engine import Engine
+
+
+class ControlBody(msgspec.Struct, forbid_unknown_fields=True):
+    """One entry of ``control``: a served ControlNet, its picture, how strongly and when it steers."""
+
+    name: str
+    image: str | None = None  # base64 or a data URL
+    image_path: str | None = None  # a file under --input-dir
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+    preprocess: str = "none"
+
+
+MAX_SCALE = 4.0  # past twice the usual 0-2 range, the control only burns the picture
+
+
+def plan(raw: list[Any]) -> list[ControlEntry]:
+    """The entries' shape: an image each, scale and step range in bounds, a known preprocess."""
+    if len(raw) > MAX_CONTROLS:
+        raise invalid(f"control has {len(raw)} entries; at most {MAX_CONTROLS} ControlNets act at once",
+                      field="control")
+    entries: list[ControlEntry] = []
+    for i, body in enumerate(raw):
+        b = body if isinstance(body, ControlBody) else msgspec.convert(body, ControlBody)
+        at = f"control[{i}]"
+        if (b.image is None) == (b.image_path is None):
+            raise invalid(f"{at} needs exactly one of image (base64) and image_path (under --input-dir)",
+                          field=f"{at}.image")
+        if not (math.isfinite(b.scale) and 0.0 <= b.scale <= MAX_SCALE):
+            raise invalid(f"{at}.scale must be from 0 to {MAX_SCALE:g}, got {b.scale}", field=f"{at}.scale")
+        for name, value in (("start", b.start), ("end", b.end)):
+            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+                raise invalid(f"{at}.{name} is a fraction of the steps, from 0 to 1; got {value}",
+                              field=f"{at}.{name}")
+        if b.start >= b.end:
+            raise invalid(f"{at}.start ({b.start:g}) must be below {at}.end ({b.end:g}): the ControlNet acts "
+                          "between them", field=f"{at}.start")
+        if b.preprocess not in PREPROCESS:
+            raise invalid(f"{at}.preprocess {b.preprocess[:40]!r} is not one of {', '.join(PREPROCESS)}",
+                          field=f"{at}.preprocess")
+        if any(e.name == b.name for e in entries):
+            raise invalid(f"ControlNet {b.name[:64]!r} is named twice in control; give each once",
+                          field=f"{at}.name")
+        source = (Source(field=f"{at}.image", b64=b.image) if b.image is not None
+                  else Source(field=f"{at}.image_path", path=b.image_path))
+        entries.append(ControlEntry(name=b.name, source=source, scale=b.scale, start=b.start, end=b.end,
+                                    preprocess=b.preprocess))
+    return entries
+
+
+async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
+    """``req`` with its decoded control images (unchanged when it has none)."""
+    raw = fields.get("control")
+    if not raw:
+        return req
+    entries = plan(list(raw))
+    if req.edit is not None:
+        raise invalid("control with an input image (image-to-image or inpainting) is not served yet; send "
+                      "control with a text-to-image request", field="control")
+    if model.capabilities.task != Task.TEXT_TO_IMAGE.value:
+        raise invalid(f"model {model.name!r} does {model.capabilities.task}; ControlNets steer text-to-image "
+                      "models", field="control")
+    engine.check_controls(model.name, [e.name for e in entries])
+    canny = next((i for i, e in enumerate(entries) if e.preprocess == "canny"), None)
+    if canny is not None and cv2_missing():
+        raise canny_unavailable(f"control[{canny}].preprocess")
+    cfg = engine.config
+    work = functools.partial(decode_controls, entries, width=req.width, height=req.height, limits=cfg.limits,
+                             input_dir=cfg.input_dir)
+    decoded = await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    return dataclasses.replace(req, control=decoded,
+                               controls=tuple((e.name, e.scale, e.start, e.end, e.preprocess) for e in entries))
