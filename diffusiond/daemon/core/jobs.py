@@ -21,7 +21,7 @@ from typing import Any
 
 from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.workers.link import WorkerLink
-from diffusiond.ipc.messages import BatchParams, LoraRef
+from diffusiond.ipc.messages import BatchParams, LoraRef, TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
@@ -72,6 +72,7 @@ class JobRequest:
     noise_level: float | None = None  # flow-sde only
     eta: float | None = None  # ddim only
     preview: PreviewSpec | None = None  # None: no previews (the default)
+    trajectory: TrajectorySpec | None = None  # each output's latents and log-probs (issue 29); None: none
     loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
     keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
@@ -91,6 +92,7 @@ class JobRequest:
             loras=self.lora_refs(),
             edit=self.edit.task.value if self.edit else None,
             strength=self.edit.strength if self.edit else None,
+            trajectory=self.trajectory,
         )
 
     def lora_refs(self) -> tuple[LoraRef, ...]:
@@ -116,6 +118,12 @@ class Item:
     enqueued_at: float = field(default_factory=time.monotonic)
     preview: Preview | None = None  # the latest one (kept with the job, for GET .../preview/{k})
     file: str | None = None  # the output's file in the state dir, once written (durable jobs)
+    # its trajectory (issue 29) in the worker's shared memory, when the job asked for one; held, pinned
+    # and given back apart from the output's slot (an encoded output's slot goes back long before it)
+    trajectory: TrajectoryDesc | None = None
+    trajectory_data: bytes | None = None  # the region's bytes, once spilled out of the arena
+    trajectory_pins: int = 0
+    trajectory_release_pending: bool = False
 
     @property
     def request_id(self) -> str:
