@@ -8,12 +8,13 @@ nothing here reads a value back, so the forward never waits on the device for th
 thread later takes each request's slice to the arena (``worker/copier.py``).
 
 Packed latents (FLUX keeps them as ``(batch, patches, channels)`` during the loop) are unpacked at
-the end with the pipeline's own ``_unpack_latents``, so every model's latents arrive as
-``(steps + 1, C, h, w)``.
+the end with the pipeline's own ``_unpack_latents``, so FLUX's latents arrive as ``(steps + 1, C, h, w)``
+like SD's; other packing pipelines (LTX, whose unpacking needs frame and patch sizes) keep the packed shape.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -63,7 +64,11 @@ class LatentRecorder:
 
     def _unpacked(self, pipe: Any, params: BatchParams) -> torch.Tensor | None:
         lat = self.latents
-        if lat is None or lat.dim() != 4 or not hasattr(pipe, "_unpack_latents"):
+        unpack = getattr(pipe, "_unpack_latents", None)
+        if lat is None or lat.dim() != 4 or unpack is None:
+            return lat
+        # FLUX's (latents, height, width, vae_scale_factor) only: LTX's and others' take other arguments
+        if list(inspect.signature(unpack).parameters) != ["latents", "height", "width", "vae_scale_factor"]:
             return lat
         steps, batch = lat.shape[:2]
         flat = pipe._unpack_latents(lat.flatten(0, 1), params.height, params.width, pipe.vae_scale_factor)
