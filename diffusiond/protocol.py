@@ -113,6 +113,14 @@ ETA_MAX: Final = 1.0
 """The largest ``eta`` of ``ddim``: 1 is DDPM's variance; DDIM's direction term is undefined above it."""
 
 
+TrajectoryDtype = Literal["float32", "bfloat16", "float16"]
+TRAJECTORY_DTYPES: Final[tuple[TrajectoryDtype, ...]] = get_args(TrajectoryDtype)
+"""What a trajectory's latents may be stored as (``trajectory.dtype``); its small arrays are float32."""
+TRAJECTORY_ARRAYS: Final[tuple[str, ...]] = ("latents", "log_probs", "timesteps", "sigmas")
+"""The arrays a trajectory may carry (issue 29), in the order they lie in its shared memory: the
+latents before and after every step, each step's log-probability, timestep and sigma."""
+
+
 def schedulers_for(flow: bool) -> tuple[str, ...]:
     """The scheduler names that fit a flow-matching (``flow``) or a noise-prediction model."""
     return tuple(s for s in SCHEDULERS if (s in FLOW_SCHEDULERS) == flow)

@@ -526,9 +526,11 @@ class Ctx:
 
 
 def finished_job(target: Target, timeout: float = 120) -> str:
-    """A job that ran to the end with a preview, so URLs can reach its outputs and previews."""
+    """A job that ran to the end with a preview and a trajectory, so URLs can reach its outputs, previews and
+    trajectory arrays."""
     ans = request(target, "POST", "/v1/jobs", {"prompt": "fuzz", "model": "tiny", "width": 64, "height": 64,
-                                                "steps": 2, "preview": {"every": 1, "max_side": 16}})
+                                                "steps": 2, "preview": {"every": 1, "max_side": 16},
+                                                "scheduler": "ddim", "eta": 1.0, "trajectory": {}})
     assert ans.status == 202, ans.body
     job = ans.json()
     deadline = time.monotonic() + timeout
@@ -556,7 +558,7 @@ GEN_BASE = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "image", "image_path",
               "mask", "mask_path", "strength", "loras", "preview", "keep_alive", "noise_level", "eta",
-              "control"]
+              "control", "trajectory"]
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",
@@ -599,6 +601,11 @@ preview_values = st.fixed_dictionaries({}, optional={"every": nasty_values | st.
                                                      "max_side": nasty_values | st.integers(0, 2000)}) | nasty_values
 
 
+trajectory_values = st.fixed_dictionaries({}, optional={
+    "latents": st.booleans() | nasty_values, "log_probs": st.booleans() | nasty_values,
+    "dtype": st.sampled_from(["float32", "bfloat16", "float16", "float64", ""]) | nasty_values}) | nasty_values
+
+
 def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
     """Nasty values for any field; for some, ones of the field's own kind too."""
     if name == "loras":
@@ -613,6 +620,8 @@ def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
         return path_values(ctx) | nasty_values
     if name in NOISE_SCHEDULERS:
         return st.floats(-1, 3) | st.sampled_from([0, 1, 2, 1e-300, -0.0]) | nasty_values
+    if name == "trajectory":
+        return trajectory_values
     return nasty_values
 
 
@@ -627,6 +636,8 @@ def json_body(draw: st.DrawFn, ctx: Ctx, base: dict[str, Any], fields: list[str]
         body[name] = draw(field_value(ctx, name))
         if name in NOISE_SCHEDULERS and draw(st.booleans()):
             body["scheduler"] = NOISE_SCHEDULERS[name]
+        if name == "trajectory" and draw(st.booleans()):  # with its sampler, so its own checks are reached
+            body.update(scheduler="ddim", eta=1.0)
     if draw(st.integers(0, 9)) == 0:
         return draw(nasty_values)  # a document that is not an object at all
     return body
@@ -885,6 +896,9 @@ def urls(draw: st.DrawFn, ctx: Ctx) -> Req:
         path = "/v1/jobs?" + "&".join(params)
     elif kind == 1:
         path = f"/v1/jobs/{job}/outputs/{k}"
+        if draw(st.booleans()):  # a trajectory's arrays (issue 29), by name, real and not
+            path += "/trajectory/" + draw(st.sampled_from(["latents", "log_probs", "timesteps", "sigmas", "LATENTS",
+                                                           "", "..", "%00", "%ff", "x" * 300, "latents.npy"]))
     elif kind == 2:
         path = f"/v1/jobs/{job}/preview/{k}"
     elif kind == 3:

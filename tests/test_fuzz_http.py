@@ -178,7 +178,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "noise_level", "eta",
               "image", "image_path", "mask", "mask_path", "strength", "loras",
-              "preview", "keep_alive", "control"]
+              "preview", "keep_alive", "control", "trajectory"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
                "background", "input_fidelity", "user"]
@@ -252,6 +252,11 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "keep_alive": st.sampled_from(["10m", "0", "-1", "1h30m", "250ms", "5 m", "m5", "", "1e400s", "9" * 5000,
                                    0, -1, 2.5, 1e309, True, None, [], {"s": 1}]),
     "strength": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, 0.5, math.nan, 1e-9]),
+    # issue 29: what of the run each output carries back; only under a stochastic sampler
+    "trajectory": st.fixed_dictionaries({}, optional={
+        "latents": st.booleans() | values, "log_probs": st.booleans() | values,
+        "dtype": st.sampled_from(["float32", "bfloat16", "float16", "float64", "uint8", ""]) | values,
+    }) | values,
 }
 
 
@@ -307,6 +312,9 @@ def within_limits(job: dict[str, Any]) -> None:
     # issue 29: each noise only with its scheduler, and in its range
     assert r["noise_level"] is None or (r["scheduler"] == "flow-sde" and 0 < r["noise_level"] <= 2), job
     assert r["eta"] is None or (r["scheduler"] == "ddim" and 0 < r["eta"] <= 1), job
+    t = r["trajectory"]
+    assert t is None or ((t["latents"] or t["log_probs"]) and t["dtype"] in ("float32", "bfloat16", "float16")
+                         and (r["scheduler"] == "flow-sde" or (r["scheduler"] == "ddim" and r["eta"]))), job
     assert len(r["loras"]) <= MAX_LORAS and len({e["name"] for e in r["loras"]}) == len(r["loras"]), job
     assert all(e["name"] in LORAS and -4 <= e["weight"] <= 4 for e in r["loras"]), job
     assert not r["loras"] or job["model"] == "tiny", job  # the synthetic models take no LoRA
@@ -408,6 +416,7 @@ SEGMENTS = ["v1", "jobs", "images", "generations", "models", "outputs", "events"
 
 
 ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/outputs/{k}",
+          "/v1/jobs/{id}/outputs/{k}/trajectory/{k}", "/v1/jobs/{id}/outputs/0/trajectory/{k}",
           "/v1/jobs/{id}/preview/{k}", "/v1/models",
           "/v1/images/generations", "/v1/images/edits", "/v1/admin/{k}", "/v1/loras",
           "/v1/controlnets"]

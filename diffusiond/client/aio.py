@@ -24,7 +24,7 @@ import aiohttp
 
 from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback
-from diffusiond.client.outputs import Mapped, read_npy
+from diffusiond.client.outputs import Mapped, read_npy, torch_views
 from diffusiond.client.params import JobParams, Output, job_body, params_for
 from diffusiond.client.transport import (
     SSEParser,
@@ -353,6 +353,53 @@ class AsyncClient:
                 return await read_npy(resp.content)
             except asyncio.IncompleteReadError as exc:
                 raise DaemonUnreachable(self.socket_path, "connection lost in the middle of an array") from exc
+
+    async def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]:
+        """Output ``k``'s trajectory (a job sent with ``trajectory``): name -> read-only array, mapped from
+        the daemon's shared memory where possible (else read over HTTP); ``as_torch``: CPU tensors over
+        the same memory (bfloat16 latents come as torch.bfloat16; numpy shows their raw uint16 words)."""
+        arrays: dict[str, NDArray[Any]] | None = None
+        mapper = await self._zero_copy_mapper()
+        if mapper is not None:
+            from diffusiond.client.zerocopy import ZeroCopyUnavailable
+
+            try:
+                mapped = await asyncio.to_thread(mapper.mapper.trajectory, job_id, k)
+                arrays = {name: mapper.hand_out(a) for name, a in mapped.items()}
+            except ZeroCopyUnavailable:
+                if self.zero_copy:
+                    raise
+                self._give_up_zero_copy()
+            except DaemonError as exc:
+                if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
+                    raise
+        if arrays is None:
+            arrays = await self._trajectory_over_http(job_id, k)
+        if not as_torch:
+            return arrays
+        words = any(a.dtype.kind == "u" and a.dtype.itemsize == 2 for a in arrays.values())  # bfloat16, maybe
+        return torch_views(arrays, await self._dtypes(job_id, k) if words else {})
+
+    async def _trajectory_over_http(self, job_id: str, k: int) -> dict[str, NDArray[Any]]:
+        entries = await self._trajectory_entries(job_id, k)
+        arrays = {}
+        for name, entry in entries.items():
+            async with self._request("GET", str(entry["url"])) as resp:
+                arrays[name] = await read_npy(resp.content)
+                arrays[name].flags.writeable = False  # as the mapped ones: a trajectory is a record
+        return arrays
+
+    async def _trajectory_entries(self, job_id: str, k: int) -> dict[str, Any]:
+        job = await self.job(job_id)
+        for out in job.get("outputs") or []:
+            if int(out.get("index", -1)) == int(k) and out.get("trajectory"):
+                return dict(out["trajectory"])
+        raise DaemonError(404, ErrorCode.OUTPUT_NOT_FOUND.value,
+                          f"output {k} of job {job_id} has no trajectory (not finished, or none asked for)")
+
+    async def _dtypes(self, job_id: str, k: int) -> dict[str, str]:
+        entries = await self._trajectory_entries(job_id, k)
+        return {name: str(e.get("dtype")) for name, e in entries.items()}
 
     async def _zero_copy_mapper(self) -> Mapped | None:
         """The output mapper, opened once; None once zero-copy is off or known not to work here."""

@@ -40,6 +40,7 @@ class JobOwner(Protocol):
     async def cancel(self, job_id: str) -> dict[str, Any]: ...
     async def output(self, job_id: str, k: int) -> bytes: ...
     async def array(self, job_id: str, k: int) -> NDArray[Any]: ...
+    async def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]: ...
     def cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]: ...
     def cancel_from_any_thread(self, job_id: str) -> None: ...
 
@@ -118,6 +119,14 @@ class AsyncJobHandle:
         daemon then frees its memory): ask for it once, or ask for an encoded format.
         """
         return await self._fetch(output, await self.wait())
+
+    async def trajectory(self, k: int = 0, *, as_torch: bool = False) -> dict[str, Any]:
+        """Output ``k``'s trajectory once the job has finished: ``latents``, ``log_probs``, ``timesteps``,
+        ``sigmas`` (those it asked for) as read-only arrays over the daemon's memory (``as_torch``: tensors)."""
+        job = await self.wait()
+        if job.get("status") != JobStatus.SUCCEEDED:
+            raise JobFailed(job)
+        return await self.client.trajectory(self.id, k, as_torch=as_torch)
 
     async def _fetch(self, output: Output, job: dict[str, Any]) -> list[Any]:
         if job.get("status") != JobStatus.SUCCEEDED:

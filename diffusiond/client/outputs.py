@@ -118,3 +118,19 @@ class Mapped:
             now = self._live == 0
         if now:
             self.mapper.close()
+
+
+def torch_views(arrays: dict[str, NDArray[Any]], dtypes: dict[str, str]) -> dict[str, Any]:
+    """CPU tensors over the same memory as ``arrays`` (no copy); raw uint16 words of a ``bfloat16``
+    array become torch.bfloat16. torch is imported only here, for callers that ask for tensors."""
+    import warnings
+
+    import torch
+
+    views = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that read-only memory is not writable
+        for name, a in arrays.items():
+            t = torch.from_numpy(a)
+            views[name] = t.view(torch.bfloat16) if dtypes.get(name) == "bfloat16" else t
+    return views

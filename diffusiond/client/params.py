@@ -32,6 +32,9 @@ class JobParams(TypedDict, total=False):
     scheduler: str
     noise_level: float  # flow-sde's noise (0 < a <= 2, default 0.7)
     eta: float  # ddim's noise (0 to 1, default 0)
+    # each output's latents at every step and the steps' log-probs (flow-sde, or ddim with eta > 0):
+    # {"latents": True, "log_probs": True, "dtype": "float32"|"bfloat16"|"float16"}; read with trajectory(k)
+    trajectory: Mapping[str, Any]
     timeout_s: float
     model: str
     preview: dict[str, Any]  # {"every": N, "format": "jpeg"|"webp"|"png", "max_side": 256}: preview events
@@ -65,6 +68,8 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
         elif key == "loras":
             pairs: Any = value.items() if isinstance(value, Mapping) else value
             body["loras"] = [{"name": str(name), "weight": float(weight)} for name, weight in pairs]
+        elif key == "trajectory":
+            body[key] = dict(cast(Mapping[str, Any], value))
         elif key in ("image", "mask"):
             body[key] = image_b64(cast(ImageInput, value))
         elif key == "control":

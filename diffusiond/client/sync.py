@@ -134,6 +134,10 @@ class Client:
     def output(self, job_id: str, k: int) -> bytes:
         return self._call(self._async.output(job_id, k))
 
+    def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]:
+        """Output ``k``'s trajectory (``AsyncClient.trajectory``): name -> read-only array over shared memory."""
+        return self._call(self._async.trajectory(job_id, k, as_torch=as_torch))
+
     def models(self) -> dict[str, Any]:
         return self._call(self._async.models())
 
@@ -221,6 +225,10 @@ class JobHandle:
     def outputs(self, output: Output = "pil") -> list[Any]:
         """Waits for the end, then every output in index order; JobFailed unless it succeeded."""
         return self.client._call(self._handle.outputs(output))
+
+    def trajectory(self, k: int = 0, *, as_torch: bool = False) -> dict[str, Any]:
+        """Waits for the end, then output ``k``'s trajectory: name -> read-only array (``as_torch``: tensors)."""
+        return self.client._call(self._handle.trajectory(k, as_torch=as_torch))
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:

@@ -10,6 +10,9 @@ The daemon keeps that memory for you until every array over it (views and tensor
 included) has been garbage-collected: then the mapping is closed and the daemon told. If your
 program dies, the kernel closes the connection and the daemon takes the memory back.
 
+``OutputMapper.trajectory(job_id, k)`` does the same for the arrays of an output's trajectory
+(latents, log_probs, timesteps, sigmas: docs/api.md, "Trajectories"), all over one mapping.
+
 ``ZeroCopyUnavailable`` means there is no such path here (a daemon reached over TCP, on another
 machine, or of another user): use the HTTP npy stream, as ``diffusiond.Client`` does by itself.
 """
@@ -78,11 +81,24 @@ class OutputMapper:
 
     def array(self, job_id: str, k: int) -> np.ndarray:
         """Output ``k`` of a finished npy job, as a read-only array over the daemon's memory."""
+        lease, fd = self._lease(Fetch(job_id, k))
+        return self._map(lease, fd)
+
+    def trajectory(self, job_id: str, k: int) -> dict[str, np.ndarray]:
+        """The trajectory of output ``k`` (a job that asked for one): name -> read-only array over the
+        daemon's memory, every array in one mapping, kept until the last of them is dropped."""
+        lease, fd = self._lease(Fetch(job_id, k, "trajectory"))
+        region = self._map(lease, fd)  # uint8, its byte 0 at lease.tensor.offset
+        base = lease.tensor.offset
+        return {name: region[d.offset - base : d.offset - base + d.nbytes].view(numpy_dtype(d.dtype)).reshape(d.shape)
+                for name, d in lease.arrays.items()}
+
+    def _lease(self, fetch: Fetch) -> tuple[Lease, int]:
         with self._lock:
             if self.closed:
                 raise ZeroCopyUnavailable("this OutputMapper is closed")
             try:
-                self._sock.sendall(self._encoder.encode(Fetch(job_id, k)))
+                self._sock.sendall(self._encoder.encode(fetch))
                 msg, fds = self._receive()
                 self._send_unpins()
             except TimeoutError:
@@ -97,7 +113,7 @@ class OutputMapper:
             for fd in fds:
                 os.close(fd)
             raise ZeroCopyUnavailable(f"unexpected answer from {self.path}: {type(msg).__name__}")
-        return self._map(msg, fds[0])
+        return msg, fds[0]
 
     def _receive(self) -> tuple[object, list[int]]:
         fds: list[int] = []

@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 from diffusiond.ipc.tensors import TensorDesc
-from diffusiond.protocol import OutputDtype, OutputMode
+from diffusiond.protocol import OutputDtype, OutputMode, TrajectoryDtype
 
 
 class Kind(enum.IntEnum):
@@ -115,6 +115,15 @@ class LoraRef(msgspec.Struct, frozen=True, array_like=True):
     weight: float
 
 
+class TrajectorySpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What of a run's trajectory each output carries back (issue 29): the latents before and after
+    every step (in ``dtype``), the steps' log-probabilities; their timesteps and sigmas always."""
+
+    latents: bool = True
+    log_probs: bool = True
+    dtype: TrajectoryDtype = "float32"
+
+
 class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     """Parameters shared by every request of a batch. Frozen and hashable: it is the batch key."""
 
@@ -133,6 +142,8 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     edit: str | None = None  # protocol.Task of an edit; None: from the prompt alone
     strength: float | None = None
     controls: tuple[ControlRef, ...] = ()  # in the request's order; their images ride in InputRef.controls
+    # In the key because it changes what the batch computes (latents kept on the device each step).
+    trajectory: TrajectorySpec | None = None
 
 
 class InputRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -276,12 +287,23 @@ class Progress(msgspec.Struct, frozen=True):
     oom_retry: bool = False
 
 
+class TrajectoryDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one output's trajectory lies: ``region`` (uint8, one slot, or one dedicated memfd) holds
+    every array; each of ``arrays`` lies inside it (same slot id; offsets into the same mapping).
+    The region is held, shared and given back as one, like an output's tensor."""
+
+    region: TensorDesc
+    arrays: dict[str, TensorDesc]
+
+
 class OutputReady(msgspec.Struct, frozen=True):
-    """One request's output is in shared memory. ``tensor`` says where; a dedicated fd may follow."""
+    """One request's output is in shared memory. ``tensor`` says where; a dedicated fd may follow,
+    then one for a dedicated trajectory region (in that order)."""
 
     request_id: str
     batch_id: int
     tensor: TensorDesc
+    trajectory: TrajectoryDesc | None = None
 
 
 EndStatus = Literal["failed", "cancelled"]
@@ -353,10 +375,12 @@ class PreviewReady(msgspec.Struct, frozen=True):
 
 
 class Fetch(msgspec.Struct, frozen=True):
-    """Ask for output ``index`` of job ``job_id``; the answer is LEASE (fd attached) or REFUSED."""
+    """Ask for output ``index`` of job ``job_id`` (``part`` "trajectory": its trajectory's arrays);
+    the answer is LEASE (fd attached) or REFUSED."""
 
     job_id: str
     index: int
+    part: Literal["output", "trajectory"] = "output"
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -366,6 +390,7 @@ class Lease(msgspec.Struct, frozen=True):
     lease: int
     tensor: TensorDesc
     map_bytes: int
+    arrays: dict[str, TensorDesc] = {}  # a trajectory's arrays (``tensor`` is then their region)
 
 
 class Refused(msgspec.Struct, frozen=True):

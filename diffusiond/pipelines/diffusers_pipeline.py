@@ -39,6 +39,7 @@ from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.quant import apply_quant, parse_quant
 from diffusiond.pipelines.spec import offload_mode
 from diffusiond.pipelines.speedups import apply_speedups
+from diffusiond.pipelines.trajectories import LatentRecorder
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, VIDEO_TASKS, frame_count_neighbours, schedulers_for
 
 log = logging.getLogger(__name__)
@@ -216,11 +217,12 @@ class DiffusersPipeline:
         self._default_scheduler = pipe.scheduler
         self._flow = _is_flow_scheduler(pipe.scheduler)
         self._schedulers: dict[str, Any] = {}
-        # The hook of issue 29's rollouts: the last run's per-step log-probs, timesteps and sigmas
-        # (rollout_schedulers.Trajectory; None after a deterministic run). Their transport to clients
-        # is a later slice; ``record_latents`` (tests) also keeps each step's latents and model output.
+        # Issue 29's rollouts: the last run's per-step log-probs, timesteps and sigmas (rollout_schedulers.
+        # Trajectory; None after a deterministic run); ``record_latents`` (tests) keeps each step's latents and
+        # model output on the host too. ``last_trajectories``: each request's arrays (trajectories.py).
         self.last_rollout: Any = None
         self.record_latents = False
+        self.last_trajectories: list[dict[str, torch.Tensor]] | None = None
         mode = offload_mode(options)
         if mode == "auto":  # the daemon resolves auto from the files and its budget; loaded alone, keep it all
             log.info("%s: offload=auto without a budget to choose by: everything stays on the device", name)
@@ -350,7 +352,10 @@ class DiffusersPipeline:
         if rollout is not None:  # its noise comes from the requests' own generators, after the initial latents
             rollout.begin(gens, params.noise_level if params.scheduler == "flow-sde" else params.eta,
                           record_latents=self.record_latents)
-        self.last_rollout = None
+        self.last_rollout = self.last_trajectories = None
+        if params.trajectory is not None and rollout is None:
+            raise PipelineError(f"a trajectory needs scheduler flow-sde, or ddim with eta > 0 (got {params.scheduler})")
+        recorder = LatentRecorder(params.trajectory, rollout) if params.trajectory is not None else None
         kwargs: dict[str, Any] = {
             "prompt": [r.prompt for r in requests],
             "num_inference_steps": params.steps,
@@ -383,6 +388,8 @@ class DiffusersPipeline:
                 assert on_preview is not None
                 pictures = previewer(tensors["latents"], [k for k, _ in due], params, [s for _, s in due])
                 on_preview(i + 1, total, [(k, pic) for (k, _), pic in zip(due, pictures, strict=True)])
+            if recorder is not None and isinstance(tensors.get("latents"), torch.Tensor):
+                recorder.step_end(i, total, tensors["latents"])
             if not on_step(i + 1, total):
                 # Raising (rather than setting ``_interrupt``) also skips the VAE decode: diffusers
                 # pipelines that honour ``_interrupt`` still decode the half-denoised latents.
@@ -399,6 +406,7 @@ class DiffusersPipeline:
             # diffusers' check_inputs: size not divisible by the VAE factor, prompt too long...
             raise PipelineError(f"{self.name} refused the request: {exc}") from exc
         self.last_rollout = rollout.trajectory() if rollout is not None else None
+        self.last_trajectories = recorder.arrays(pipe, params, len(requests)) if recorder is not None else None
         return self._split(out[0] if isinstance(out, tuple) else out, len(requests), params)
 
     def _split(self, batch: Any, n: int, params: BatchParams) -> list[torch.Tensor]:

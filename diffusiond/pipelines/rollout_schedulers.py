@@ -12,8 +12,9 @@ Conventions, both papers': the log-probability is the Gaussian log-density of ``
 ``N(mean, std^2)`` *averaged* (not summed) over every dimension but the batch one, computed in float32
 on the float32 sample before it is cast back to the latents' dtype.
 
-The trajectory transport to clients is a later slice; for now ``DiffusersPipeline.last_rollout`` keeps
-the last run's ``Trajectory`` (the hook tests read in process).
+``DiffusersPipeline.last_rollout`` keeps the last run's ``Trajectory`` (the hook tests read in
+process); ``trajectories.py`` turns it, with the latents, into the arrays a request's output carries.
+Log-probs stay on the device until the run ends, so no step waits for one.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class _Recording:
     records: list[StepRecord]
     _generators: list[torch.Generator] | None
     record_latents: bool
+    first_sample: torch.Tensor | None = None  # the latents the run's first step started from
 
     def begin(self, generators: Sequence[torch.Generator], level: float | None, *,
               record_latents: bool = False) -> None:
@@ -85,6 +87,7 @@ class _Recording:
         self._generators = list(generators)
         self.records = []
         self.record_latents = record_latents
+        self.first_sample = None
         self._set_level(level)
 
     def _set_level(self, level: float | None) -> None:
@@ -106,10 +109,12 @@ class _Recording:
     def _record(self, timestep: Any, sigma: float, sigma_next: float, std: float, log_prob: torch.Tensor,
                 sample: torch.Tensor, prev: torch.Tensor, model_output: torch.Tensor) -> None:
         keep = getattr(self, "record_latents", False)
+        if self.first_sample is None:
+            self.first_sample = sample
         if not hasattr(self, "records"):  # stepped without begin() (used on its own, outside the pipeline)
             self.records = []
         self.records.append(StepRecord(
-            timestep=float(timestep), sigma=sigma, sigma_next=sigma_next, std=std, log_prob=log_prob.detach().cpu(),
+            timestep=float(timestep), sigma=sigma, sigma_next=sigma_next, std=std, log_prob=log_prob.detach(),
             sample=sample.detach().cpu().clone() if keep else None,
             prev_sample=prev.detach().cpu().clone() if keep else None,
             model_output=model_output.detach().cpu().clone() if keep else None))
@@ -211,7 +216,7 @@ class RolloutDDIMScheduler(_Recording, DDIMScheduler):
         prev = mean + std * self._noise(x, generator)
         # A step onto its own timestep (t = 0 of a 'leading' schedule) has no variance: it is deterministic,
         # and a deterministic step adds nothing to a trajectory's log-prob (0, where DDPO's formula gives NaN).
-        lp = gaussian_log_prob(prev, mean, std) if std > 0 else torch.zeros(x.shape[0])
+        lp = gaussian_log_prob(prev, mean, std) if std > 0 else torch.zeros(x.shape[0], device=x.device)
         self._record(t, sigma, sigma_next, std, lp, x, prev, out)
         prev = prev.to(sample.dtype)
         return DDIMSchedulerOutput(prev_sample=prev, pred_original_sample=None) if return_dict else (prev,)

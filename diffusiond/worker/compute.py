@@ -227,7 +227,19 @@ class ComputeThread:
                         previews.offer(batch.batch_id, requests[k].request_id, step, total, picture)
             return on_preview
 
+        trajectories: list[dict[str, torch.Tensor]] = []  # per request with an output, when asked for
+
         def forward(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
+            outputs = run(requests, arrays)
+            if batch.params.trajectory is not None:  # a half of a retried batch adds its own share
+                got = getattr(self.pipeline, "last_trajectories", None) or []
+                if len(got) != len(outputs):
+                    raise PipelineError(f"model {self.pipeline.name} gave {len(got)} trajectories for "
+                                        f"{len(outputs)} outputs")
+                trajectories.extend(got)
+            return outputs
+
+        def run(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
             if self.before_forward is not None:
                 self.before_forward()
             every = min((r.preview_every for r in requests if r.preview_every), default=0)
@@ -285,7 +297,7 @@ class ComputeThread:
         self.state.record("compute_end", batch.batch_id)
         self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms,
                               working_bytes=working if measured else None, working_batch=ran if measured else 0))
-        job = CopyJob(batch.batch_id, batch.params, live, outputs, event)
+        job = CopyJob(batch.batch_id, batch.params, live, outputs, event, trajectories or None)
         if self.sync_output:
             self.copier.process(job)
         else:

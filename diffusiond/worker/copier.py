@@ -35,8 +35,10 @@ from diffusiond.ipc.messages import (
     RequestEnded,
     RequestSpec,
     SlotWait,
+    TrajectoryDesc,
 )
 from diffusiond.ipc.tensors import TensorDesc, describe, nbytes_of, write_tensor
+from diffusiond.protocol import TRAJECTORY_ARRAYS
 from diffusiond.worker.previews import PendingPreview, PreviewOutbox
 from diffusiond.worker.state import SharedState
 
@@ -51,6 +53,8 @@ class CopyJob:
     requests: list[RequestSpec]
     outputs: list[torch.Tensor]
     event: torch.cuda.Event | None  # recorded after the forward; None on CPU
+    # each request's trajectory arrays on the device (pipelines/trajectories.py), when the batch asked
+    trajectories: list[dict[str, torch.Tensor]] | None = None
 
 
 def to_output_layout(out: torch.Tensor, output_dtype: str) -> torch.Tensor:
@@ -143,32 +147,99 @@ class Copier:
         if self.stream is not None and job.event is not None:
             self.stream.wait_event(job.event)
             self.state.record_gpu("copy_start", job.batch_id, self.stream)
-        for req, out in zip(job.requests, job.outputs, strict=True):
-            self._copy_one(job, req, out)
+        trajectories: list[dict[str, torch.Tensor] | None] = list(job.trajectories or [])
+        trajectories += [None] * (len(job.outputs) - len(trajectories))
+        for req, out, arrays in zip(job.requests, job.outputs, trajectories, strict=True):
+            self._copy_one(job, req, out, arrays)
         if self.stream is not None:
             self.state.record_gpu("copy_end", job.batch_id, self.stream)
         job.outputs.clear()  # the last references to the batch's device memory
+        job.trajectories = None
         self.state.record("copy_end", job.batch_id)
 
-    def _copy_one(self, job: CopyJob, req: RequestSpec, out: torch.Tensor) -> None:
+    def _copy_one(self, job: CopyJob, req: RequestSpec, out: torch.Tensor,
+                  arrays: dict[str, torch.Tensor] | None) -> None:
         if self.state.is_cancelled(req.request_id):
             self._end(job, req, "cancelled", "cancelled before its output was copied")
             return
+        traj: tuple[TrajectoryDesc, int | None] | None = None
         try:
+            if arrays is not None:
+                traj = self._copy_trajectory(arrays, req.request_id)
             desc, fd = self._copy(job, out, req.request_id)
-        except ArenaFull as exc:
-            self._end(job, req, "failed", str(exc))
-            return
         except Exception as exc:
+            if traj is not None:  # nobody knows its slot yet: back now
+                self._forget(*traj)
+            if isinstance(exc, ArenaFull):
+                self._end(job, req, "failed", str(exc))
+                return
             log.exception("copy of %s failed", req.request_id)
             self._end(job, req, "failed", f"copy failed: {type(exc).__name__}: {exc}")
             return
         self.state.finish(req.request_id)
-        msg = OutputReady(request_id=req.request_id, batch_id=job.batch_id, tensor=desc)
-        if fd is None:
-            self.post(msg)
+        msg = OutputReady(request_id=req.request_id, batch_id=job.batch_id, tensor=desc,
+                          trajectory=traj[0] if traj is not None else None)
+        fds = [f for f in (fd, traj[1] if traj is not None else None) if f is not None]
+        if fds:
+            self.post(msg, fds, close_fds=True)
         else:
-            self.post(msg, [fd], close_fds=True)
+            self.post(msg)
+
+    def _copy_trajectory(self, arrays: dict[str, torch.Tensor],
+                         request_id: str) -> tuple[TrajectoryDesc, int | None]:
+        """Every array of one request's trajectory into one region (an arena slot, or a dedicated
+        memfd when it is larger than the arena), each at a 64-byte boundary, in TRAJECTORY_ARRAYS' order."""
+        layout: list[tuple[str, torch.Tensor, int]] = []
+        total = 0
+        for name in TRAJECTORY_ARRAYS:
+            if name in arrays:
+                layout.append((name, arrays[name], total))
+                total += (nbytes_of(arrays[name]) + 63) // 64 * 64
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            try:
+                slot = self.arena.try_allocate(total)
+                if slot is None:
+                    self.post(SlotWait(request_id, total, self.arena.in_use, self.arena.capacity))
+                    slot = self.arena.allocate(total, timeout=self.slot_timeout_s)
+            except SlotTooLarge:
+                slot = None
+            dedicated = DedicatedBuffer(total, name="diffusiond-trajectory") if slot is None else None
+            buf = dedicated.buffer() if dedicated is not None else self.arena.buffer(slot)  # type: ignore[arg-type]
+            try:
+                try:
+                    for _name, tensor, off in layout:
+                        write_tensor(buf[off:], tensor, non_blocking=self.cuda)
+                    self._sync()
+                finally:
+                    buf.release()  # a memfd's mapping cannot close under a live view
+            except BaseException:
+                if dedicated is not None:
+                    dedicated.unmap()
+                    os.close(dedicated.fd)
+                elif slot is not None:
+                    self.arena.release(slot.id)
+                raise
+        if dedicated is not None:
+            dedicated.unmap()
+            with self._lock:
+                slot_id = self._next_dedicated
+                self._next_dedicated += 1
+                self.dedicated[slot_id] = total
+            base, fd = 0, dedicated.fd
+        else:
+            assert slot is not None
+            slot_id, base, fd = slot.id, slot.offset, None
+        region = TensorDesc(dtype="uint8", shape=(total,), nbytes=total, slot_id=slot_id, offset=base,
+                            dedicated=fd is not None)
+        descs = {name: describe(tensor, slot_id, base + off, dedicated=fd is not None) for name, tensor, off in layout}
+        return TrajectoryDesc(region=region, arrays=descs), fd
+
+    def _forget(self, desc: TrajectoryDesc, fd: int | None) -> None:
+        """A trajectory whose output could not be copied: its memory goes back at once."""
+        self.release(desc.region.slot_id)
+        if fd is not None:
+            os.close(fd)
 
     def _copy(self, job: CopyJob, out: torch.Tensor, request_id: str) -> tuple[TensorDesc, int | None]:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

@@ -348,6 +348,18 @@ class Engine:
     def end_lease(self, item: Item) -> None:
         self.outputs.unlease(item)
 
+    def open_trajectory(self, job: Job, k: int, name: str) -> AbstractAsyncContextManager[tuple[bytes, memoryview]]:
+        """Read one array of output ``k``'s trajectory: an npy header and its bytes (``Outputs.open_trajectory``)."""
+        return self.outputs.open_trajectory(self._item(job, k), name)
+
+    def lease_trajectory(self, job_id: str, k: int) -> tuple[Item, TensorDesc, dict[str, TensorDesc], int, int]:
+        """Pin output ``k``'s trajectory for a local client that maps it (the output socket)."""
+        item = self._item(self.get(job_id), k)
+        return (item, *self.outputs.lease_trajectory(item))
+
+    def end_trajectory_lease(self, item: Item) -> None:
+        self.outputs.unlease_trajectory(item)
+
     async def output_bytes(self, job: Job) -> list[bytes]:
         """Every output of a finished job as bytes, for a caller that will not come back for
         them (the synchronous endpoint): what they held in memory is released at once."""

@@ -246,12 +246,14 @@ class Flights:
         batch = self.batches.get(msg.batch_id)
         if item is None or item.job.terminal or item.desc is not None or item.stage >= Stage.ENCODING:
             self.outputs.drop_late(worker, msg.tensor)
+            if msg.trajectory is not None:
+                self.outputs.drop_late(worker, msg.trajectory.region)
         else:
             if batch is not None and batch.done_at:
                 copy_ms = (time.monotonic() - batch.done_at) * 1000
                 item.job.add_timing("copy", copy_ms)
                 self.metrics.stage_seconds.labels("copy").observe(copy_ms / 1000)
-            self.outputs.deliver(item, msg.tensor)
+            self.outputs.deliver(item, msg.tensor, msg.trajectory)
         self.item_closed(msg.batch_id)
 
     def item_closed(self, batch_id: int) -> None:

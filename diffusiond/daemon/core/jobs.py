@@ -23,7 +23,7 @@ from diffusiond.daemon.core.controls import ControlInput
 from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.inputs import InputBuffer
-from diffusiond.ipc.messages import BatchParams, LoraRef
+from diffusiond.ipc.messages import BatchParams, LoraRef, TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
@@ -74,6 +74,7 @@ class JobRequest:
     noise_level: float | None = None  # flow-sde only
     eta: float | None = None  # ddim only
     preview: PreviewSpec | None = None  # None: no previews (the default)
+    trajectory: TrajectorySpec | None = None  # each output's latents and log-probs (issue 29); None: none
     loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
     keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
@@ -98,6 +99,7 @@ class JobRequest:
             edit=self.edit.task.value if self.edit else None,
             strength=self.edit.strength if self.edit else None,
             controls=self.control.refs if self.control else (),
+            trajectory=self.trajectory,
         )
 
     @property
@@ -133,6 +135,12 @@ class Item:
     enqueued_at: float = field(default_factory=time.monotonic)
     preview: Preview | None = None  # the latest one (kept with the job, for GET .../preview/{k})
     file: str | None = None  # the output's file in the state dir, once written (durable jobs)
+    # its trajectory (issue 29) in the worker's shared memory, when the job asked for one; held, pinned
+    # and given back apart from the output's slot (an encoded output's slot goes back long before it)
+    trajectory: TrajectoryDesc | None = None
+    trajectory_data: bytes | None = None  # the region's bytes, once spilled out of the arena
+    trajectory_pins: int = 0
+    trajectory_release_pending: bool = False
 
     @property
     def request_id(self) -> str:

@@ -21,7 +21,16 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.edge import bodies, views
 from diffusiond.daemon.edge.access import make_access_middleware, peer_uid
-from diffusiond.daemon.edge.jobs import create_job, delete_job, get_job, job_events, job_output, job_preview, list_jobs
+from diffusiond.daemon.edge.jobs import (
+    create_job,
+    delete_job,
+    get_job,
+    job_events,
+    job_output,
+    job_preview,
+    job_trajectory,
+    list_jobs,
+)
 from diffusiond.daemon.edge.openai import images_edits, images_generations
 from diffusiond.daemon.edge.requests import AddLoraBody, decode
 from diffusiond.daemon.edge.status import ENGINE, HttpError, errors_middleware
@@ -171,6 +180,7 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_delete("/v1/jobs/{job_id}", delete_job)
     app.router.add_get("/v1/jobs/{job_id}/events", job_events)
     app.router.add_get("/v1/jobs/{job_id}/outputs/{k}", job_output)
+    app.router.add_get("/v1/jobs/{job_id}/outputs/{k}/trajectory/{name}", job_trajectory)
     app.router.add_get("/v1/jobs/{job_id}/preview/{k}", job_preview)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/models/{name}/load", model_load)

@@ -9,7 +9,8 @@ Why a second Unix socket beside the HTTP one: an fd travels only with ``sendmsg`
 on a Unix socket that we read and write ourselves, and aiohttp's transports (uvloop's in
 particular) give no access to that. The socket speaks the frames of ``ipc`` (numbered msgspec
 messages, fds attached): FETCH(job, k) -> LEASE(fd) or REFUSED(the HTTP status and error the
-HTTP API would have given), then UNPIN(lease) when the program dropped its arrays.
+HTTP API would have given), then UNPIN(lease) when the program dropped its arrays. FETCH with part
+"trajectory" leases the memory of output k's trajectory, its arrays named in the LEASE.
 
 What keeps it safe:
 - Only processes of the daemon's own user may connect (socket mode 0600, and SO_PEERCRED checked
@@ -39,6 +40,7 @@ from diffusiond.daemon.errors import EngineError
 from diffusiond.ipc.channel import Channel
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin
+from diffusiond.ipc.tensors import TensorDesc
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -109,7 +111,7 @@ class _Connection:
     def __init__(self, server: OutputSocket, channel: Channel) -> None:
         self.server = server
         self.channel = channel
-        self.leases: dict[int, Item] = {}
+        self.leases: dict[int, tuple[Item, bool]] = {}  # lease -> its item, and whether of its trajectory
         self._next = 0
 
     def on_frame(self, frame: Frame) -> None:
@@ -119,26 +121,37 @@ class _Connection:
         if isinstance(msg, Fetch):
             self._fetch(msg)
         elif isinstance(msg, Unpin):
-            item = self.leases.pop(msg.lease, None)
-            if item is not None:
-                self.server.engine.end_lease(item)
+            lease = self.leases.pop(msg.lease, None)
+            if lease is not None:
+                self._end(*lease)
         else:
             self.channel.close(ValueError(f"unexpected {type(msg).__name__} on the output socket"))
 
     def _fetch(self, msg: Fetch) -> None:
+        engine = self.server.engine
+        arrays: dict[str, TensorDesc] = {}
         try:
-            item, desc, fd, size = self.server.engine.lease_output(msg.job_id, msg.index)
+            if msg.part == "trajectory":
+                item, desc, arrays, fd, size = engine.lease_trajectory(msg.job_id, msg.index)
+            else:
+                item, desc, fd, size = engine.lease_output(msg.job_id, msg.index)
         except EngineError as err:
             self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
             return
         self._next += 1
-        self.leases[self._next] = item
-        self.channel.post(Lease(self._next, desc, size), [fd])
+        self.leases[self._next] = (item, msg.part == "trajectory")
+        self.channel.post(Lease(self._next, desc, size, arrays), [fd])
+
+    def _end(self, item: Item, trajectory: bool) -> None:
+        if trajectory:
+            self.server.engine.end_trajectory_lease(item)
+        else:
+            self.server.engine.end_lease(item)
 
     def on_close(self, reason: BaseException | None) -> None:
         if reason is not None:
             log.info("output socket client went away: %s", reason)
-        for item in self.leases.values():
-            self.server.engine.end_lease(item)
+        for lease in self.leases.values():
+            self._end(*lease)
         self.leases.clear()
         self.server._connections.discard(self)

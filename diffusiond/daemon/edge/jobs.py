@@ -206,3 +206,26 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
         read.complete = True
         return resp
+
+
+async def job_trajectory(request: web.Request) -> web.StreamResponse:
+    """One array of an output's trajectory (issue 29) as an npy file, straight from shared memory."""
+    engine = request.app[ENGINE]
+    job = await engine.history.find(request.match_info["job_id"])
+    k, name = _index(request.match_info["k"]), request.match_info["name"]
+    async with engine.open_trajectory(job, k, name) as (header, payload):
+        resp = web.StreamResponse(headers={"Content-Type": FORMATS["npy"].content_type,
+                                           "Content-Disposition": f'inline; filename="{job.id}-{k}-{name}.npy"'})
+        resp.content_length = len(header) + len(payload)
+        await resp.prepare(request)
+        try:
+            await asyncio.wait_for(resp.write(header), engine.config.stream_stall_s)
+            for off in range(0, len(payload), STREAM_CHUNK):
+                await asyncio.wait_for(resp.write(payload[off : off + STREAM_CHUNK]), engine.config.stream_stall_s)
+        except TimeoutError:
+            log.warning("client stopped reading the trajectory of output %d of job %s; closing", k, job.id)
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        await resp.write_eof()
+        return resp

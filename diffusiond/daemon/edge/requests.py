@@ -23,6 +23,7 @@ from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core.inputs import EditInput, Source
 from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
 from diffusiond.daemon.edge.controls import ControlBody
+from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
 from diffusiond.daemon.errors import OutputTooLarge, invalid
 from diffusiond.daemon.residency.units import parse_duration
 from diffusiond.ipc.messages import Capabilities
@@ -106,6 +107,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     eta: float | None = None  # ddim's noise
     preview: PreviewBody | None = None
     loras: list[LoraBody] | None = None
+    trajectory: TrajectoryBody | None = None
     # edits: the input image as base64 (or a data URL), or a path under --input-dir; same for the mask
     image: str | None = None
     image_path: str | None = None
@@ -324,6 +326,7 @@ def check(
                 field="scheduler",
             )
     noise_level, eta = _noise(req, scheduler)
+    trajectory = check_trajectory(req.get("trajectory"), scheduler, eta)
     preview = _preview(req.get("preview"), model, steps)
     lora_pairs = check_lora_list(req.get("loras"), limits)
     if lora_pairs:
@@ -356,6 +359,7 @@ def check(
         noise_level=noise_level,
         eta=eta,
         preview=preview,
+        trajectory=trajectory,
         loras=lora_pairs,
         edit=edit,
         keep_alive_s=_keep_alive(req.get("keep_alive")),

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from diffusiond import __version__
-from diffusiond.daemon.core.jobs import Job, Preview
+from diffusiond.daemon.core.jobs import Item, Job, Preview
 from diffusiond.daemon.core.loras import LoraInfo
 from diffusiond.daemon.residency.decisions import ModelStatus
 from diffusiond.daemon.workers.link import WorkerLink
@@ -36,6 +36,19 @@ def preview_url(job_id: str, k: int) -> str:
     return f"/v1/jobs/{job_id}/preview/{k}"
 
 
+def trajectory_url(job_id: str, k: int, name: str) -> str:
+    return f"/v1/jobs/{job_id}/outputs/{k}/trajectory/{name}"
+
+
+def trajectory(j: Job, i: Item) -> dict[str, Any] | None:
+    """An output's trajectory arrays: each one's URL, shape and dtype (null: the job asked for none)."""
+    t = i.trajectory
+    if j.request.trajectory is None or t is None:
+        return None
+    return {name: {"url": trajectory_url(j.id, i.index, name), "shape": list(d.shape), "dtype": d.dtype}
+            for name, d in t.arrays.items()}
+
+
 def output_filename(job: Job, k: int) -> str:
     return f"{job.id}-{k}.{FORMATS[job.request.output_format].extension}"
 
@@ -56,7 +69,7 @@ def job(j: Job) -> dict[str, Any]:
         if j.stage_label == "loading" else None,
         "outputs": [
             {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,
-             "bytes": i.nbytes, "batch": i.batch_id}
+             "bytes": i.nbytes, "batch": i.batch_id, "trajectory": trajectory(j, i)}
             for i in j.items
             if i.done
         ],
@@ -87,6 +100,9 @@ def job(j: Job) -> dict[str, Any]:
             "strength": r.edit.strength if r.edit else None,
             "preview": None if r.preview is None else {"every": r.preview.every, "format": r.preview.format,
                                                        "max_side": r.preview.max_side},
+            "trajectory": None if r.trajectory is None else {"latents": r.trajectory.latents,
+                                                             "log_probs": r.trajectory.log_probs,
+                                                             "dtype": r.trajectory.dtype},
         },
     }
 

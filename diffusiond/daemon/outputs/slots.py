@@ -43,8 +43,9 @@ from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
+from diffusiond.ipc.messages import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
-from diffusiond.protocol import FORMATS, ErrorCode, Stage
+from diffusiond.protocol import FORMATS, TRAJECTORY_ARRAYS, ErrorCode, Stage
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,16 @@ class Outputs:
         self._on_ready = on_ready
         self._on_failed = on_failed
         self._holding: set[Item] = set()  # items that hold a slot in a worker's arena
+        self._trajectories: set[Item] = set()  # items whose trajectory holds shared memory
+        self._spilling: set[Item] = set()  # trajectories being copied out of it
         self._tasks: set[asyncio.Task[None]] = set()
 
     # what the engine tells us ------------------------------------------------------------------
-    def deliver(self, item: Item, desc: TensorDesc) -> None:
-        """An item's output has landed in shared memory: make it servable."""
+    def deliver(self, item: Item, desc: TensorDesc, trajectory: TrajectoryDesc | None = None) -> None:
+        """An item's output (and its trajectory, when asked for) has landed in shared memory: make it servable."""
+        if trajectory is not None:
+            item.trajectory = trajectory
+            self._trajectories.add(item)
         item.desc = desc
         self._holding.add(item)
         item.stage = Stage.ENCODING
@@ -105,17 +111,21 @@ class Outputs:
         """The job failed or was cancelled: nothing of it will be served."""
         for item in job.items:
             self._free(item)
+            self._free_trajectory(item)
 
     def expire(self, job: Job) -> None:
         """Retention ended (or a synchronous caller took its bytes): forget every output."""
         for item in job.items:
             self._free(item)
+            self._free_trajectory(item)
             item.data = None
 
     def close(self) -> None:
         """The engine stops: every slot goes back (its worker may already be gone)."""
         for item in list(self._holding):
             self._free(item)
+        for item in list(self._trajectories):
+            self._free_trajectory(item)
 
     # reading ------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -230,6 +240,119 @@ class Outputs:
         buf = item.worker.buffer(desc)
         return npy_header(numpy_dtype(desc.dtype), desc.shape), buf[desc.offset : desc.offset + desc.nbytes]
 
+    # trajectories (issue 29) ------------------------------------------------------------------------
+    @asynccontextmanager
+    async def open_trajectory(self, item: Item, name: str) -> AsyncIterator[tuple[bytes, memoryview]]:
+        """One array of an output's trajectory as an npy header and its bytes, pinned while read.
+        Unlike an npy output it is not consumed: it stays until the job's retention ends."""
+        desc = self._trajectory_array(item, name)
+        self._pin_trajectory(item)
+        payload = self._trajectory_bytes(item, desc)
+        try:
+            yield npy_header(numpy_dtype(desc.dtype), desc.shape), payload
+        finally:
+            payload.release()
+            self._unpin_trajectory(item)
+
+    def lease_trajectory(self, item: Item) -> tuple[TensorDesc, dict[str, TensorDesc], int, int]:
+        """Pin a trajectory for a program on this machine that maps it: its region, its arrays, the fd
+        they lie in and its size. It goes back at ``unlease_trajectory`` only if the job's retention ended
+        meanwhile: a trajectory may be mapped again, as long as the job is kept."""
+        traj = self._trajectory_of(item)
+        if traj is None:
+            raise NotShared(f"the trajectory of output {item.index} of job {item.job.id} was spilled out of "
+                            "shared memory (arena pressure); fetch its arrays over HTTP")
+        assert item.worker is not None
+        shared = item.worker.share(traj.region)
+        if shared is None:
+            raise NotShared("this kernel cannot seal shared memory against writes (Linux 5.1+), so "
+                            "trajectories are not handed out by fd; fetch them over HTTP")
+        self._pin_trajectory(item)
+        return traj.region, dict(traj.arrays), *shared
+
+    def unlease_trajectory(self, item: Item) -> None:
+        self._unpin_trajectory(item)
+
+    def _trajectory_of(self, item: Item) -> TrajectoryDesc | None:
+        """The item's trajectory while in shared memory (None once spilled); errors name what is missing."""
+        _check_ready(item)
+        job = item.job
+        if job.request.trajectory is None:
+            raise OutputNotFound(f"job {job.id} asked for no trajectory; send \"trajectory\": "
+                                 "{\"latents\": true, \"log_probs\": true} with the job")
+        if item.trajectory is None and item.trajectory_data is None:
+            raise OutputReleased(f"the trajectory of output {item.index} of job {job.id} is no longer kept (its "
+                                 "retention ended, or the daemon restarted: trajectories live in memory only)")
+        return item.trajectory if item.trajectory_data is None else None
+
+    def _trajectory_array(self, item: Item, name: str) -> TensorDesc:
+        if name not in TRAJECTORY_ARRAYS:
+            raise OutputNotFound(f"a trajectory has no array {name!r}; its arrays are {', '.join(TRAJECTORY_ARRAYS)}")
+        self._trajectory_of(item)
+        assert item.trajectory is not None
+        desc = item.trajectory.arrays.get(name)
+        if desc is None:
+            raise OutputNotFound(f"the trajectory of job {item.job.id} has no {name} (its request left them out); "
+                                 f"it has {', '.join(item.trajectory.arrays)}")
+        return desc
+
+    def _trajectory_bytes(self, item: Item, desc: TensorDesc) -> memoryview:
+        assert item.trajectory is not None
+        if item.trajectory_data is not None:
+            start = desc.offset - item.trajectory.region.offset
+            return memoryview(item.trajectory_data)[start : start + desc.nbytes]
+        assert item.worker is not None
+        return item.worker.buffer(desc)[desc.offset : desc.offset + desc.nbytes]
+
+    def _pin_trajectory(self, item: Item) -> None:
+        item.trajectory_pins += 1
+
+    def _unpin_trajectory(self, item: Item) -> None:
+        item.trajectory_pins -= 1
+        if item.trajectory_pins == 0 and item.trajectory_release_pending:
+            item.trajectory_release_pending = False
+            self._free_trajectory(item)
+
+    def _free_trajectory(self, item: Item) -> None:
+        """Forget the item's trajectory and give its region back to its worker (unless spilled, when it
+        went back already), now or (while pinned) at the last unpin."""
+        if item.trajectory is None:
+            return
+        if item.trajectory_pins:
+            item.trajectory_release_pending = True
+            return
+        traj, spilled = item.trajectory, item.trajectory_data is not None
+        item.trajectory = item.trajectory_data = None
+        self._trajectories.discard(item)
+        if not spilled and item.worker is not None:
+            item.worker.return_slot(traj.region)
+
+    async def _spill_trajectory(self, item: Item) -> None:
+        """Copy a trajectory out of the arena (it held room a worker needs); HTTP reads it from here on."""
+        assert item.trajectory is not None and item.worker is not None
+        region = item.trajectory.region
+        self._spilling.add(item)
+        item.trajectory_pins += 1
+        try:
+            view = item.worker.buffer(region)[region.offset : region.offset + region.nbytes]
+            try:
+                data = await asyncio.get_running_loop().run_in_executor(self.executor, view.tobytes)
+            finally:
+                view.release()
+        finally:
+            item.trajectory_pins -= 1
+            self._spilling.discard(item)
+        if item.trajectory_pins == 0 and item.trajectory_release_pending:
+            item.trajectory_release_pending = False
+            self._free_trajectory(item)
+            return
+        if item.trajectory is None or item.trajectory_data is not None or item.trajectory_pins:
+            return  # gone meanwhile, or mapped by a lease now: it stays where it is
+        item.trajectory_data = data
+        self._trajectories.discard(item)
+        item.worker.return_slot(region)
+        log.info("spilled the trajectory of %s (%d bytes) out of the arena", item.request_id, len(data))
+
     # encoding -----------------------------------------------------------------------------------
     def _options(self, item: Item) -> EncodeOptions:
         """What the file says about itself (PNG tEXt, MP4 comment): enough to reproduce it."""
@@ -304,8 +427,8 @@ class Outputs:
             item.worker.return_slot(desc)
 
     def relieve(self, worker: WorkerLink, need: int = 0) -> None:
-        """Spill the oldest unfetched npy outputs: while they hold over half of the worker's arena,
-        or (``need`` > 0, the worker is waiting for a slot) until ``need`` more bytes are free."""
+        """Spill the oldest unfetched npy outputs, then the oldest trajectories: while they hold over half of
+        the worker's arena, or (``need`` > 0, the worker is waiting for a slot) until ``need`` more bytes are free."""
         capacity = worker.arena_capacity
         excess = max(need, worker.held_bytes - capacity // 2)
         if not capacity or excess <= 0:
@@ -321,6 +444,15 @@ class Outputs:
                 self._free(item)
             else:
                 self._keep(self._spill(item))
+        trajectories = [i for i in self._trajectories if i.worker is worker and i.done and not i.trajectory_pins
+                        and i not in self._spilling and i.trajectory is not None
+                        and not i.trajectory.region.dedicated]  # its own memfd frees no arena
+        for item in sorted(trajectories, key=lambda i: i.enqueued_at):
+            if excess <= 0:
+                break
+            assert item.trajectory is not None
+            excess -= item.trajectory.region.nbytes
+            self._keep(self._spill_trajectory(item))
 
     async def _spill(self, item: Item) -> None:
         item.spilling = True

@@ -236,12 +236,16 @@ class WorkerHandle:
     def _on_frame(self, frame: Frame) -> None:
         msg = frame.msg
         self.last_frame_at = time.monotonic()
-        if isinstance(msg, OutputReady) and msg.tensor.dedicated:
-            if len(frame.fds) != 1:
-                self._protocol_error(f"dedicated output {msg.request_id} arrived with {len(frame.fds)} fds")
+        out = msg if isinstance(msg, OutputReady) else None
+        regions = _regions(out) if out is not None else []
+        if out is not None and any(d.dedicated for d in regions):
+            mine = [d for d in regions if d.dedicated]  # the output's fd first, then the trajectory's
+            if len(frame.fds) != len(mine):
+                self._protocol_error(f"output {out.request_id} with {len(mine)} dedicated buffers arrived with "
+                                     f"{len(frame.fds)} fds")
                 return
-            self.dedicated[msg.tensor.slot_id] = MappedView(frame.fds[0], msg.tensor.nbytes,
-                                                            close_fd=not is_sealed(frame.fds[0]))
+            for d, fd in zip(mine, frame.fds, strict=True):
+                self.dedicated[d.slot_id] = MappedView(fd, d.nbytes, close_fd=not is_sealed(fd))
         elif frame.fds:
             for fd in frame.fds[1 if isinstance(msg, Hello) else 0 :]:
                 os.close(fd)
@@ -269,8 +273,8 @@ class WorkerHandle:
             if self._ready_fut and not self._ready_fut.done():
                 self._ready_fut.set_exception(WorkerStartError(msg.message))
         else:
-            if isinstance(msg, OutputReady | PreviewReady):
-                self.held[msg.tensor.slot_id] = msg.tensor.nbytes
+            for d in regions or ([msg.tensor] if isinstance(msg, PreviewReady) else []):
+                self.held[d.slot_id] = d.nbytes
             self.on_frame(self, frame)
 
     def _protocol_error(self, text: str) -> None:
@@ -309,3 +313,8 @@ class WorkerHandle:
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()
         self._unmap_when_unused()
+
+
+def _regions(msg: OutputReady) -> list[TensorDesc]:
+    """The memory an output frame hands over: its tensor's, and its trajectory's region."""
+    return [msg.tensor] if msg.trajectory is None else [msg.tensor, msg.trajectory.region]
