@@ -32,6 +32,7 @@ from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest, Preview
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.core.scheduler import Scheduler
+from diffusiond.daemon.core.weights import LiveLoras
 from diffusiond.daemon.errors import (
     EngineError,
     JobFinished,
@@ -60,6 +61,7 @@ from diffusiond.ipc.messages import (
     Progress,
     RequestEnded,
     SlotWait,
+    UpdateLora,
 )
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage
@@ -73,6 +75,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
         self.loras = LoraRegistry(config.loras, config.max_loras)
+        self.live_loras = LiveLoras(self.loras)
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.pool.lora_target_rank = self.loras.start_rank
@@ -256,6 +259,10 @@ class Engine:
         """Register an adapter at run time (admin): checked by every live worker against its model."""
         return await self.loras.add(name, path, self.models(), self.config.worker_start_timeout_s,
                                     self.pool.lora_paths)
+
+    async def update_lora(self, msg: UpdateLora, fds: list[int]) -> int:
+        """A live adapter's new weights (output socket): into every live worker; its new version."""
+        return await self.live_loras.update(msg, fds, self.models(), self.config.worker_start_timeout_s)
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job (in memory; ``accept`` also records it)."""

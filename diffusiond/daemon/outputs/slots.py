@@ -240,6 +240,8 @@ class Outputs:
             meta["negative_prompt"] = r.negative_prompt
         if r.loras:  # as A1111 writes them in prompts: name:weight
             meta["loras"] = ", ".join(f"{name}:{weight:g}" for name, weight in r.loras)
+        if item.job.lora_versions:
+            meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.job.lora_versions.items()))
         if item.job.approximations:  # the output is not the model's exact one: say how it differs
             meta["approximations"] = ", ".join(item.job.approximations)
         if item.job.compiled:
