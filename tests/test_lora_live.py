@@ -207,3 +207,38 @@ def test_fuzz_update_headers_get_an_answer_never_a_hangup(live_daemon: Daemon, n
     assert isinstance(answer, UpdateRefused | Updated), answer
     if isinstance(answer, UpdateRefused):
         assert answer.status in (400, 503) and answer.message, answer
+
+
+async def test_update_weights_replaces_a_components_parameters_in_place(sock: Path) -> None:
+    from safetensors import safe_open
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
+        original = f.get_tensor("conv_out.weight")
+
+    async def base(s: Any) -> bytes:
+        job = await wait_job(s, (await submit(s, FAST))["id"])
+        async with s.get(job["outputs"][0]["url"]) as r:
+            return await r.read()
+
+    async with AsyncClient(str(sock)) as c, http(sock) as s:
+        before = await base(s)
+        v1 = await c.update_weights("tiny", "unet", {"conv_out.weight": np.zeros_like(original)})
+        zeroed = await base(s)
+        with Client(str(sock)) as sync:
+            v2 = await asyncio.to_thread(sync.update_weights, "tiny", "unet", {"conv_out.weight": original})
+        restored = await base(s)
+        cases: list[tuple[str, str, dict[str, Any], int, str]] = [
+            ("tiny", "unet", {"conv_out.nope": original}, 400, "conv_out.nope"),
+            ("tiny", "unet", {"conv_out.weight": original[:1]}, 400, "conv_out.weight"),
+            ("tiny", "vae2", {"conv_out.weight": original}, 400, "vae2"),
+            ("tiny", "unet", {"conv_out.weight": original.astype(np.int32)}, 400, "int32"),
+            ("nope", "unet", {"conv_out.weight": original}, 404, "nope"),
+        ]
+        for model, component, state, status, named in cases:
+            with pytest.raises(DaemonError) as err:
+                await c.update_weights(model, component, state)
+            assert err.value.status == status and named in err.value.message, err.value
+        assert await base(s) == before  # refusals changed nothing
+    assert zeroed != before and restored == before and v2 == v1 + 1

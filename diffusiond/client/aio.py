@@ -298,6 +298,14 @@ class AsyncClient:
 
         return await asyncio.to_thread(update_lora, self.socket_path, name, state_dict, self.timeout)
 
+    async def update_weights(self, model: str, component: str, state_dict: Mapping[str, Any]) -> int:
+        """New values for parameters of one component (``"unet"``, ``"transformer"``...) of ``model``,
+        named and shaped as in its ``state_dict``; copied in place between batches; the new version."""
+        from diffusiond.client.weights import update_weights
+
+        return await asyncio.to_thread(update_weights, self.socket_path, model, component, state_dict,
+                                       self.timeout)
+
     async def web_url(self) -> str:
         """The web page's sign-in URL (it carries the token); DaemonError 404 ``web_off`` without ``--web``."""
         return str((await self._json("GET", "/v1/admin/web"))["url"])

@@ -161,6 +161,12 @@ class Client:
 
         return update_lora(self.socket_path, name, state_dict, self._async.timeout)
 
+    def update_weights(self, model: str, component: str, state_dict: Mapping[str, Any]) -> int:
+        """``AsyncClient.update_weights``, in the calling thread."""
+        from diffusiond.client.weights import update_weights
+
+        return update_weights(self.socket_path, model, component, state_dict, self._async.timeout)
+
     def web_url(self) -> str:
         return self._call(self._async.web_url())
 

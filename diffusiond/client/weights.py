@@ -1,4 +1,5 @@
-"""Live LoRA updates from a trainer: ``update_lora(name, state_dict)`` without files or JSON.
+"""Live weights from a trainer: ``update_lora(name, state_dict)`` (and ``update_weights(model,
+component, state_dict)`` for a whole component's parameters) without files or JSON.
 
 The tensors are written once, into an anonymous memfd (``os.memfd_create``: no file on disk, gone
 when the last fd closes), and the fd travels to the daemon over its output socket with SCM_RIGHTS,
@@ -28,7 +29,7 @@ import numpy as np
 from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
-from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, WeightTensor
+from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
 from diffusiond.protocol import output_socket_path
 
 _ALIGN = 64  # each tensor starts on a cache line
@@ -76,20 +77,32 @@ def _as_array(name: object, value: Any) -> tuple[str, np.ndarray]:
 
 def update_lora(socket_path: str, name: str, state_dict: Mapping[str, Any], timeout: float | None) -> int:
     """Send the update and wait for its answer; the new version. See the module docstring."""
-    path = output_socket_path(socket_path)
     fd, tensors = pack(state_dict)
+    return _send(socket_path, UpdateLora(name, tensors), fd, f"updating LoRA {name!r}", timeout)
+
+
+def update_weights(socket_path: str, model: str, component: str, state_dict: Mapping[str, Any],
+                   timeout: float | None) -> int:
+    """The same for whole parameters of one component of ``model`` (names of its ``state_dict``)."""
+    fd, tensors = pack(state_dict)
+    return _send(socket_path, UpdateWeights(model, component, tensors), fd,
+                 f"updating {component} of {model}", timeout)
+
+
+def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str, timeout: float | None) -> int:
+    path = output_socket_path(socket_path)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
             sock.connect(path)
-            frame = FrameEncoder().encode(UpdateLora(name, tensors), 1)
+            frame = FrameEncoder().encode(msg, 1)
             sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
             os.close(fd)  # the daemon has its own now
             fd = -1
             answer = _receive(sock)
         except TimeoutError:
-            raise ClientTimeout(socket_path, f"updating LoRA {name!r}", timeout) from None
+            raise ClientTimeout(socket_path, what, timeout) from None
         except OSError as exc:
             raise DaemonUnreachable(path, f"the output socket failed: {exc.strerror or exc}") from None
         finally:

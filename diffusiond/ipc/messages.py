@@ -1,11 +1,11 @@
 """The worker protocol: one msgspec struct per frame kind.
 
 Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
-TRACE, PING, ADD_LORA, UPDATE_LORA (the weights' memfd attached).
+TRACE, PING, ADD_LORA, UPDATE_LORA and UPDATE_WEIGHTS (the weights' memfd attached).
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out;
-UPDATE_LORA in (the weights' memfd attached), UPDATED or UPDATE_REFUSED out.
+UPDATE_LORA and UPDATE_WEIGHTS in (the weights' memfd attached), UPDATED or UPDATE_REFUSED out.
 
 Bodies carry descriptors and parameters, never bulk data: outputs live in the shared arena and
 frames only point at them. Structs are msgpack-encoded by ``frames``; nothing is pickled.
@@ -35,6 +35,7 @@ class Kind(enum.IntEnum):
     PING = 9
     ADD_LORA = 10
     UPDATE_LORA = 11
+    UPDATE_WEIGHTS = 12
     # worker -> engine
     HELLO = 32
     READY = 33
@@ -210,6 +211,16 @@ class UpdateLora(msgspec.Struct, frozen=True):
     each worker with the version it assigned; a worker applies it between batches and answers ACK."""
 
     name: str
+    tensors: list[WeightTensor]
+    version: int = 0
+
+
+class UpdateWeights(msgspec.Struct, frozen=True):
+    """New values for parameters of one component (``unet``, ``transformer``...) of ``model``, by their
+    names in its ``state_dict``; the tensors lie in the attached memfd, as for UPDATE_LORA."""
+
+    model: str
+    component: str
     tensors: list[WeightTensor]
     version: int = 0
 
@@ -426,6 +437,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Ping: Kind.PING,
     AddLora: Kind.ADD_LORA,
     UpdateLora: Kind.UPDATE_LORA,
+    UpdateWeights: Kind.UPDATE_WEIGHTS,
     Hello: Kind.HELLO,
     Ready: Kind.READY,
     ComputeDone: Kind.COMPUTE_DONE,

@@ -39,6 +39,7 @@ from diffusiond.ipc.messages import (
     RequestEnded,
     RequestSpec,
     UpdateLora,
+    UpdateWeights,
     WarmupShape,
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
@@ -48,7 +49,7 @@ from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.state import SharedState
-from diffusiond.worker.weights import apply_update, read_tensors
+from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class Edit:
 class LiveUpdate:
     """New LoRA weights and the memfd they lie in (worker/weights.py), applied between batches."""
 
-    msg: UpdateLora
+    msg: UpdateLora | UpdateWeights
     fds: list[int]
 
 
@@ -367,19 +368,25 @@ class ComputeThread:
         self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
 
     def _update_lora(self, item: LiveUpdate) -> None:
-        """Apply a live LoRA update between batches: ACK ok, or not ok naming the first bad tensor."""
+        """Apply a live LoRA or component update between batches: ACK ok, or not ok naming the first bad tensor."""
         for extra in item.fds[1:]:
             os.close(extra)
         if not item.fds:
-            self.post(Ack(command=Kind.UPDATE_LORA, ok=False, message="the update came without its memfd"))
+            kind = Kind.UPDATE_WEIGHTS if isinstance(item.msg, UpdateWeights) else Kind.UPDATE_LORA
+            self.post(Ack(command=kind, ok=False, message="the update came without its memfd"))
             return
+        msg = item.msg
         try:
-            state = read_tensors(item.msg, item.fds[0])
-            why = unsupported(self.pipeline) if self.adapters is None else \
-                apply_update(self.adapters, self.pipeline.name, item.msg, state)
+            state = read_tensors(msg, item.fds[0])
+            if isinstance(msg, UpdateWeights):
+                why = apply_weights(self.pipeline, msg, state)
+            else:
+                why = unsupported(self.pipeline) if self.adapters is None else \
+                    apply_update(self.adapters, self.pipeline.name, msg, state)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
-        self.post(Ack(command=Kind.UPDATE_LORA, ok=not why, message=why))
+        kind = Kind.UPDATE_WEIGHTS if isinstance(msg, UpdateWeights) else Kind.UPDATE_LORA
+        self.post(Ack(command=kind, ok=not why, message=why))
 
     def loaded_loras(self) -> list[str]:
         return list(self.adapters.loaded) if self.adapters is not None else []

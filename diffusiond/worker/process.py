@@ -42,6 +42,7 @@ from diffusiond.ipc.messages import (
     Sleep,
     Trace,
     UpdateLora,
+    UpdateWeights,
     Wake,
     WorkerConfig,
 )
@@ -119,7 +120,7 @@ class Worker:
             self.channel.post(self._trace_ack())
         elif isinstance(msg, AddLora):
             self._enqueue(msg)  # on the compute thread, between batches: never under a forward
-        elif isinstance(msg, UpdateLora):
+        elif isinstance(msg, UpdateLora | UpdateWeights):
             self._enqueue(LiveUpdate(msg, frame.fds))  # likewise; the compute thread closes the fd
         elif isinstance(msg, Ping):
             loaded = self.compute.loaded_loras() if self.compute is not None else []

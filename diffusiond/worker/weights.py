@@ -11,6 +11,10 @@ and its shape fits. A new adapter's ``lora_A`` must be ``(rank, in_features)`` a
 ``(out_features, rank)`` of its Linear (a Conv2d: ``(rank, in, kh, kw)`` and ``(out, rank, 1, 1)``);
 an existing adapter's tensors must be the shapes it has, and name only modules it has (an update
 replaces values; a new structure is a new adapter). The first bad tensor is named.
+
+UPDATE_WEIGHTS is the same for a whole component: each tensor names a parameter or buffer of its
+``state_dict`` (LoRA layers of adapters are not part of it, and a layer they wrap keeps its base
+name), must have its shape, and is copied into it in place, so a compiled model keeps its graph.
 """
 
 from __future__ import annotations
@@ -23,14 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusiond.ipc.messages import UpdateLora
+from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.pipelines.loras import Adapters
 
 _KINDS = (".lora_A.weight", ".lora_B.weight")
 
 
-def read_tensors(msg: UpdateLora, fd: int) -> dict[str, torch.Tensor]:
+def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Tensor]:
     """The update's tensors, copied out of the memfd (closed here, whatever happens). The engine
     checked that each lies inside it; the copy makes later writes by the client harmless."""
     try:
@@ -125,4 +129,30 @@ def _fits(pipe: Any, model: str, key: str, shape: tuple[int, ...]) -> str:
     rank = shape[0] if a else (shape[1] if len(shape) > 1 else 0)
     if not ok or rank < 1:
         return f"tensor {key!r} has shape {list(shape)}; module {path!r} of {component_name} needs {want}"
+    return ""
+
+
+def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.Tensor]) -> str:
+    """Copy ``state`` into component ``msg.component`` in place, all checked first; '' or why not."""
+    inner = getattr(pipeline, "inner", None)
+    pipe = getattr(inner if inner is not None else pipeline, "pipe", None)
+    components = getattr(pipe, "components", None) or {}
+    component = components.get(msg.component)
+    if not isinstance(component, torch.nn.Module):
+        modules = sorted(n for n, c in components.items() if isinstance(c, torch.nn.Module))
+        return (f"model {msg.model} has no component {msg.component!r}; its components: "
+                f"{', '.join(modules) or 'none (it is not a diffusers pipeline)'}")
+    own = {k.replace(".base_layer.", "."): v for k, v in component.state_dict(keep_vars=True).items()
+           if ".lora_" not in k}
+    for key, value in state.items():
+        target = own.get(key)
+        if target is None:
+            return f"tensor {key!r}: {msg.component} of model {msg.model} has no parameter of that name"
+        if tuple(value.shape) != tuple(target.shape):
+            return f"tensor {key!r} has shape {list(value.shape)}; {msg.component} has {list(target.shape)} there"
+        if not target.dtype.is_floating_point or target.dtype.itemsize < 2:
+            return f"tensor {key!r}: {msg.component} keeps it as {target.dtype}, which is not updated in place"
+    with torch.no_grad():
+        for key, value in state.items():
+            own[key].copy_(value)
     return ""

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import functools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest, Preview
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.core.scheduler import Scheduler
-from diffusiond.daemon.core.weights import LiveLoras
+from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
 from diffusiond.daemon.errors import (
     EngineError,
     JobFinished,
@@ -62,6 +63,7 @@ from diffusiond.ipc.messages import (
     RequestEnded,
     SlotWait,
     UpdateLora,
+    UpdateWeights,
 )
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage
@@ -76,6 +78,7 @@ class Engine:
         self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
         self.loras = LoraRegistry(config.loras, config.max_loras)
         self.live_loras = LiveLoras(self.loras)
+        self.live_components = LiveComponents()
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.pool.lora_target_rank = self.loras.start_rank
@@ -263,6 +266,16 @@ class Engine:
     async def update_lora(self, msg: UpdateLora, fds: list[int]) -> int:
         """A live adapter's new weights (output socket): into every live worker; its new version."""
         return await self.live_loras.update(msg, fds, self.models(), self.config.worker_start_timeout_s)
+
+    async def update_weights(self, msg: UpdateWeights, fds: list[int]) -> int:
+        """A component's new weights (output socket), in place in the model's workers; the version."""
+        try:
+            model = self.pool.model(msg.model)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return await self.live_components.update(msg, fds, model, self.config.worker_start_timeout_s)
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job (in memory; ``accept`` also records it)."""

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry, ModelLoras, check_name
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
-from diffusiond.ipc.messages import LIVE_PATH, UpdateLora
+from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.protocol import WorkerState
 
@@ -102,6 +102,11 @@ def check_header(msg: UpdateLora, fd: int, registered: LoraInfo | None) -> None:
         raise InvalidRequest(why, field="name")
     if registered is not None and registered.path != LIVE_PATH:
         raise _file_registered(registered)
+    check_tensors(msg.tensors, fd, lora=True)
+
+
+def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
+    """Each tensor's name, dtype, shape and place in the memfd (``lora``: LoRA naming and shapes)."""
     try:
         st = os.fstat(fd)
     except OSError as exc:
@@ -109,16 +114,18 @@ def check_header(msg: UpdateLora, fd: int, registered: LoraInfo | None) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise InvalidRequest("the update's fd is not a memfd or regular file (a pipe or socket cannot be mapped)",
                              field="fd")
-    if not msg.tensors:
-        raise InvalidRequest("the update holds no tensors; give the adapter's state dict", field="tensors")
+    if not tensors:
+        raise InvalidRequest("the update holds no tensors; give a state dict", field="tensors")
     seen: set[str] = set()
-    for t in msg.tensors:
+    for t in tensors:
         where = f"tensor {t.name[:200]!r}"
         if t.name in seen:
             raise InvalidRequest(f"{where} is given twice", field="tensors")
         seen.add(t.name)
         component, _, rest = t.name.partition(".")
-        if not component or not rest.endswith(_KINDS) or not rest[: -len(_KINDS[0])]:
+        if not t.name or len(t.name) > 1000:
+            raise InvalidRequest(f"{where} is not a parameter's name (1-1000 characters)", field="tensors")
+        if lora and (not component or not rest.endswith(_KINDS) or not rest[: -len(_KINDS[0])]):
             raise InvalidRequest(f"{where} is not a LoRA weight in diffusers/PEFT naming: expected "
                                  "'<component>.<module>.lora_A.weight' or '...lora_B.weight' (e.g. "
                                  "'unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight')",
@@ -126,15 +133,58 @@ def check_header(msg: UpdateLora, fd: int, registered: LoraInfo | None) -> None:
         if t.dtype not in DTYPES:
             raise InvalidRequest(f"{where} has dtype {t.dtype[:40]!r}; LoRA weights are taken as "
                                  f"{', '.join(DTYPES)}", field="tensors")
-        if not 2 <= len(t.shape) <= MAX_DIMS or any(not 1 <= d < 1 << 31 for d in t.shape):
+        if lora and (not 2 <= len(t.shape) <= MAX_DIMS or any(not 1 <= d < 1 << 31 for d in t.shape)):
             raise InvalidRequest(f"{where} has shape {t.shape[:8]}; a LoRA matrix has 2 dimensions (4 for a "
                                  "convolution's), each at least 1", field="tensors")
+        if not lora and (len(t.shape) > 8 or any(not 0 <= d < 1 << 31 for d in t.shape)):
+            raise InvalidRequest(f"{where} has shape {t.shape[:9]}; give at most 8 dimensions, none negative",
+                                 field="tensors")
         nbytes = numpy_dtype(t.dtype).itemsize
         for d in t.shape:
             nbytes *= d
         if t.offset < 0 or t.offset + nbytes > st.st_size:
             raise InvalidRequest(f"{where} ({nbytes} bytes at offset {t.offset}) does not lie inside the "
                                  f"update's memfd of {st.st_size} bytes", field="tensors")
+
+
+class LiveComponents:
+    """``update_weights``: whole parameters of one component, in place in every live worker of a model.
+    A model's workers run the same weights, so each must accept: one that refuses or does not
+    answer is reported, and the update is refused (the others applied it: send it again)."""
+
+    def __init__(self) -> None:
+        self.versions: dict[tuple[str, str], int] = {}
+        self._lock = asyncio.Lock()
+
+    async def update(self, msg: UpdateWeights, fds: list[int], model: ModelLoras, timeout: float) -> int:
+        try:
+            if len(fds) != 1:
+                raise InvalidRequest(f"an update carries exactly one memfd; this one came with {len(fds)}",
+                                     field="fd")
+            if not 1 <= len(msg.component) <= 64 or not msg.component.isidentifier():
+                raise InvalidRequest(f"component {msg.component[:80]!r} is not a component's name (e.g. unet, "
+                                     "transformer, text_encoder)", field="component")
+            check_tensors(msg.tensors, fds[0], lora=False)
+            async with self._lock:
+                live = [w for w in model.workers if w.state in (WorkerState.READY, WorkerState.SLEEPING)]
+                if not live:
+                    raise Unavailable(f"no worker of model {model.name} is running to take the update; retry "
+                                      "once it is loaded", retry_after_s=5)
+                key = (model.name, msg.component)
+                version = self.versions.get(key, 0) + 1
+                forward = UpdateWeights(msg.model, msg.component, msg.tensors, version)
+                acks = await asyncio.gather(*(w.command(forward, timeout, [os.dup(fds[0])]) for w in live),
+                                            return_exceptions=True)
+                whys = [f"the worker did not answer: {a}" if isinstance(a, BaseException) else a.message
+                        for a in acks if isinstance(a, BaseException) or not a.ok]
+                self.versions[key] = version  # drawn even if refused: a version is never reused
+                if whys:
+                    raise InvalidRequest(f"{msg.component} of model {model.name}: update refused: {whys[0]}",
+                                         field="tensors")
+                return version
+        finally:
+            for fd in fds:
+                os.close(fd)
 
 
 def _file_registered(info: LoraInfo) -> InvalidRequest:

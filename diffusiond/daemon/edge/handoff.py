@@ -41,7 +41,7 @@ from diffusiond.daemon.errors import EngineError
 from diffusiond.ipc.channel import Channel
 from diffusiond.ipc.errors import ChannelClosed
 from diffusiond.ipc.frames import Frame
-from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin, Updated, UpdateLora, UpdateRefused
+from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin, Updated, UpdateLora, UpdateRefused, UpdateWeights
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -116,22 +116,27 @@ class _Connection:
         self._next = 0
         self._updates: set[asyncio.Task[None]] = set()
 
-    async def _update(self, msg: UpdateLora, fds: list[int]) -> None:
+    async def _update(self, msg: UpdateLora | UpdateWeights, fds: list[int]) -> None:
         """Runs to its end even if the client hangs up: the workers finish the update either way
         (each has its own copy of the fd), and only the answer is lost."""
+        engine = self.server.engine
+        name = msg.name if isinstance(msg, UpdateLora) else f"{msg.model}/{msg.component}"
         try:
-            version = await self.server.engine.update_lora(msg, fds)
+            if isinstance(msg, UpdateLora):
+                version = await engine.update_lora(msg, fds)
+            else:
+                version = await engine.update_weights(msg, fds)
         except EngineError as err:
-            answer: Updated | UpdateRefused = UpdateRefused(msg.name, status_of(err), str(err.code), err.message,
+            answer: Updated | UpdateRefused = UpdateRefused(name, status_of(err), str(err.code), err.message,
                                                             err.field)
         else:
-            answer = Updated(msg.name, version)
+            answer = Updated(name, version)
         with contextlib.suppress(ChannelClosed):  # the client went away: the update stands
             self.channel.post(answer)
 
     def on_frame(self, frame: Frame) -> None:
         msg = frame.msg
-        if isinstance(msg, UpdateLora):  # the one frame that brings an fd, owned by the update from here
+        if isinstance(msg, UpdateLora | UpdateWeights):  # the frames that bring an fd, owned by the update
             task = asyncio.ensure_future(self._update(msg, list(frame.fds)))
             self._updates.add(task)
             task.add_done_callback(self._updates.discard)

@@ -11,11 +11,23 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from diffusiond.ipc.frames import Frame
-from diffusiond.ipc.messages import Ack, AddLora, Execute, Ready, Shutdown, Sleep, Trace, UpdateLora, Wake, WorkerConfig
+from diffusiond.ipc.messages import (
+    Ack,
+    AddLora,
+    Execute,
+    Ready,
+    Shutdown,
+    Sleep,
+    Trace,
+    UpdateLora,
+    UpdateWeights,
+    Wake,
+    WorkerConfig,
+)
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import WorkerState
 
-Command = Sleep | Wake | Shutdown | Trace | AddLora | UpdateLora
+Command = Sleep | Wake | Shutdown | Trace | AddLora | UpdateLora | UpdateWeights
 """What a worker answers with an ACK (one outstanding per kind)."""
 
 
