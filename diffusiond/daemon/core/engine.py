@@ -20,7 +20,6 @@ import collections
 import contextlib
 import functools
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
@@ -269,13 +268,7 @@ class Engine:
 
     async def update_weights(self, msg: UpdateWeights, fds: list[int]) -> int:
         """A component's new weights (output socket), in place in the model's workers; the version."""
-        try:
-            model = self.pool.model(msg.model)
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return await self.live_components.update(msg, fds, model, self.config.worker_start_timeout_s)
+        return await self.live_components.update(msg, fds, self.pool.model, self.config.worker_start_timeout_s)
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job (in memory; ``accept`` also records it)."""

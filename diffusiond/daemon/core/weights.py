@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry, ModelLoras, check_name
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
@@ -156,8 +156,11 @@ class LiveComponents:
         self.versions: dict[tuple[str, str], int] = {}
         self._lock = asyncio.Lock()
 
-    async def update(self, msg: UpdateWeights, fds: list[int], model: ModelLoras, timeout: float) -> int:
+    async def update(self, msg: UpdateWeights, fds: list[int], models: Callable[[str], ModelLoras],
+                     timeout: float) -> int:
+        """``models`` finds the served model by name (ModelNotFound otherwise)."""
         try:
+            model = models(msg.model)
             if len(fds) != 1:
                 raise InvalidRequest(f"an update carries exactly one memfd; this one came with {len(fds)}",
                                      field="fd")
