@@ -61,8 +61,6 @@ from diffusiond.ipc.messages import (
     Progress,
     RequestEnded,
     SlotWait,
-    UpdateLora,
-    UpdateWeights,
 )
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage
@@ -76,8 +74,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
         self.loras = LoraRegistry(config.loras, config.max_loras)
-        self.live_loras = LiveLoras(self.loras)
-        self.live_components = LiveComponents()
+        self.live_loras, self.live_components = LiveLoras(self.loras), LiveComponents()  # update_lora/_weights
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.pool.lora_target_rank = self.loras.start_rank
@@ -261,14 +258,6 @@ class Engine:
         """Register an adapter at run time (admin): checked by every live worker against its model."""
         return await self.loras.add(name, path, self.models(), self.config.worker_start_timeout_s,
                                     self.pool.lora_paths)
-
-    async def update_lora(self, msg: UpdateLora, fds: list[int]) -> int:
-        """A live adapter's new weights (output socket): into every live worker; its new version."""
-        return await self.live_loras.update(msg, fds, self.models(), self.config.worker_start_timeout_s)
-
-    async def update_weights(self, msg: UpdateWeights, fds: list[int]) -> int:
-        """A component's new weights (output socket), in place in the model's workers; the version."""
-        return await self.live_components.update(msg, fds, self.pool.model, self.config.worker_start_timeout_s)
 
     def submit(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job (in memory; ``accept`` also records it)."""

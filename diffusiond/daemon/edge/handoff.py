@@ -121,11 +121,12 @@ class _Connection:
         (each has its own copy of the fd), and only the answer is lost."""
         engine = self.server.engine
         name = msg.name if isinstance(msg, UpdateLora) else f"{msg.model}/{msg.component}"
+        timeout = engine.config.worker_start_timeout_s
         try:
             if isinstance(msg, UpdateLora):
-                version = await engine.update_lora(msg, fds)
+                version = await engine.live_loras.update(msg, fds, engine.models(), timeout)
             else:
-                version = await engine.update_weights(msg, fds)
+                version = await engine.live_components.update(msg, fds, engine.pool.model, timeout)
         except EngineError as err:
             answer: Updated | UpdateRefused = UpdateRefused(name, status_of(err), str(err.code), err.message,
                                                             err.field)
