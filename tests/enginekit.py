@@ -97,7 +97,7 @@ class FakeWorker:
     async def stop(self, timeout: float) -> None:
         self.state = WorkerState.DEAD
 
-    async def command(self, msg: Command, timeout: float) -> Ack:
+    async def command(self, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack:
         self.commands.append(msg)
         if isinstance(msg, Sleep):
             self.state = WorkerState.SLEEPING

@@ -46,6 +46,11 @@ SAMPLES: list[msgspec.Struct] = [
     m.Lease(lease=7, tensor=DESC, map_bytes=1 << 20),
     m.Refused(job_id="j_x", index=0, status=410, code="output_released", message="already delivered"),
     m.Unpin(lease=7),
+    m.UpdateLora(name="trainer", tensors=[m.WeightTensor("unet.a.lora_A.weight", "bfloat16", [4, 32], 64)], version=3),
+    m.UpdateWeights(model="sd15", component="unet", tensors=[m.WeightTensor("conv_out.weight", "float16", [4, 8], 0)]),
+    m.Updated(name="trainer", version=3),
+    m.UpdateRefused(name="trainer", status=400, code="invalid_request", message="tensor 'x'", field="tensors"),
+    m.ComputeDone(batch_id=4, compute_ms=1.0, lora_versions={"trainer": 3, "ink": 0}),
 ]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, overload
@@ -290,6 +290,22 @@ class AsyncClient:
 
     async def wake(self) -> dict[str, Any]:
         return await self._json("POST", "/v1/admin/wake")
+
+    async def update_lora(self, name: str, state_dict: Mapping[str, Any]) -> int:
+        """New weights for live adapter ``name`` (created by the first call), in diffusers/PEFT naming,
+        torch tensors or numpy arrays; its new version once every live worker applied them. Through a
+        memfd passed by fd, same machine and user only (``client/weights.py``)."""
+        from diffusiond.client.weights import update_lora  # numpy: only for callers who use it
+
+        return await asyncio.to_thread(update_lora, self.socket_path, name, state_dict, self.timeout)
+
+    async def update_weights(self, model: str, component: str, state_dict: Mapping[str, Any]) -> int:
+        """New values for parameters of one component (``"unet"``, ``"transformer"``...) of ``model``,
+        named and shaped as in its ``state_dict``; copied in place between batches; the new version."""
+        from diffusiond.client.weights import update_weights
+
+        return await asyncio.to_thread(update_weights, self.socket_path, model, component, state_dict,
+                                       self.timeout)
 
     async def web_url(self) -> str:
         """The web page's sign-in URL (it carries the token); DaemonError 404 ``web_off`` without ``--web``."""

@@ -12,7 +12,7 @@ import asyncio
 import signal
 import threading
 import weakref
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
@@ -158,6 +158,18 @@ class Client:
 
     def wake(self) -> dict[str, Any]:
         return self._call(self._async.wake())
+
+    def update_lora(self, name: str, state_dict: Mapping[str, Any]) -> int:
+        """``AsyncClient.update_lora``, in the calling thread (it needs no event loop)."""
+        from diffusiond.client.weights import update_lora
+
+        return update_lora(self.socket_path, name, state_dict, self._async.timeout)
+
+    def update_weights(self, model: str, component: str, state_dict: Mapping[str, Any]) -> int:
+        """``AsyncClient.update_weights``, in the calling thread."""
+        from diffusiond.client.weights import update_weights
+
+        return update_weights(self.socket_path, model, component, state_dict, self._async.timeout)
 
     def web_url(self) -> str:
         return self._call(self._async.web_url())

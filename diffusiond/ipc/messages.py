@@ -1,10 +1,11 @@
 """The worker protocol: one msgspec struct per frame kind.
 
 Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
-TRACE, PING, ADD_LORA.
+TRACE, PING, ADD_LORA, UPDATE_LORA and UPDATE_WEIGHTS (the weights' memfd attached).
 Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
 dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
-Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out.
+Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out;
+UPDATE_LORA and UPDATE_WEIGHTS in (the weights' memfd attached), UPDATED or UPDATE_REFUSED out.
 
 Bodies carry descriptors and parameters, never bulk data: outputs live in the shared arena and
 frames only point at them. Structs are msgpack-encoded by ``frames``; nothing is pickled.
@@ -33,6 +34,8 @@ class Kind(enum.IntEnum):
     TRACE = 8
     PING = 9
     ADD_LORA = 10
+    UPDATE_LORA = 11
+    UPDATE_WEIGHTS = 12
     # worker -> engine
     HELLO = 32
     READY = 33
@@ -47,9 +50,12 @@ class Kind(enum.IntEnum):
     # local client -> engine, on the output socket
     FETCH = 64
     UNPIN = 65
+    # (UPDATE_LORA travels on the output socket too, client -> engine)
     # engine -> local client, on the output socket
     LEASE = 96
     REFUSED = 97
+    UPDATED = 98
+    UPDATE_REFUSED = 99
 
 
 class WarmupShape(msgspec.Struct, frozen=True):
@@ -213,6 +219,56 @@ class AddLora(msgspec.Struct, frozen=True):
     path: str
 
 
+LIVE_PATH = "(live: weights from update_lora)"  # the path a live adapter is listed with: it has no file
+
+
+class WeightTensor(msgspec.Struct, frozen=True):
+    """One tensor of an update, ``nbytes(dtype, shape)`` bytes at ``offset`` of the attached memfd.
+    Unchecked on decode (no ``__post_init__``): the engine checks it and names the bad one."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
+class UpdateLora(msgspec.Struct, frozen=True):
+    """New weights for adapter ``name``, in diffusers/PEFT naming; the tensors lie in the attached
+    memfd (one fd). From a local client to the engine (``version`` unset), then from the engine to
+    each worker with the version it assigned; a worker applies it between batches and answers ACK."""
+
+    name: str
+    tensors: list[WeightTensor]
+    version: int = 0
+
+
+class UpdateWeights(msgspec.Struct, frozen=True):
+    """New values for parameters of one component (``unet``, ``transformer``...) of ``model``, by their
+    names in its ``state_dict``; the tensors lie in the attached memfd, as for UPDATE_LORA."""
+
+    model: str
+    component: str
+    tensors: list[WeightTensor]
+    version: int = 0
+
+
+class Updated(msgspec.Struct, frozen=True):
+    """Every live worker applied the update: adapter ``name`` is at ``version`` from the next batch on."""
+
+    name: str
+    version: int
+
+
+class UpdateRefused(msgspec.Struct, frozen=True):
+    """The update was not applied anywhere: the HTTP status and error body the HTTP API would give."""
+
+    name: str
+    status: int
+    code: str
+    message: str
+    field: str | None = None
+
+
 class Ping(msgspec.Struct, frozen=True):
     """Heartbeat. The answer proves the worker's loop is alive, and, being the next frame on the
     channel, exposes a lost frame at once instead of when the next real frame happens to come."""
@@ -274,6 +330,8 @@ class ComputeDone(msgspec.Struct, frozen=True):
     # that compiled, a device or system without a cheap honest figure).
     working_bytes: int | None = None
     working_batch: int = 0
+    # the version of each adapter the batch ran with (0: as registered from its file); see UPDATE_LORA
+    lora_versions: dict[str, int] = {}
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -420,6 +478,8 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Trace: Kind.TRACE,
     Ping: Kind.PING,
     AddLora: Kind.ADD_LORA,
+    UpdateLora: Kind.UPDATE_LORA,
+    UpdateWeights: Kind.UPDATE_WEIGHTS,
     Hello: Kind.HELLO,
     Ready: Kind.READY,
     ComputeDone: Kind.COMPUTE_DONE,
@@ -434,5 +494,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Unpin: Kind.UNPIN,
     Lease: Kind.LEASE,
     Refused: Kind.REFUSED,
+    Updated: Kind.UPDATED,
+    UpdateRefused: Kind.UPDATE_REFUSED,
 }
 TYPE_OF: dict[Kind, type[msgspec.Struct]] = {kind: cls for cls, kind in KIND_OF.items()}

@@ -7,6 +7,11 @@ diffusers computes exactly as the base model (no residue of an earlier batch). A
 ``max_loaded`` adapters stay in the model: the least recently used one not needed by the current
 batch is deleted to make room.
 
+An adapter can also be live (``update_lora``, worker/weights.py): its weights come from a trainer,
+not a file. Its latest state dict stays here (``states``), so an eviction reloads it from memory,
+and an update copies the new values into the loaded adapter's own parameters, in place: no
+reload, and a compiled model's hot-swap slot keeps its structure. ``versions`` counts the updates.
+
 ``activate`` is the one place a batch's adapters take effect: the compute thread calls it right
 before the forward. A compiled model cannot switch that way (injecting, deleting or activating an
 adapter changes the traced graph: a recompile each time), so ``HotSwapAdapters`` keeps a fixed
@@ -24,7 +29,7 @@ from typing import Any
 
 import torch
 
-from diffusiond.ipc.messages import LoraRef
+from diffusiond.ipc.messages import LIVE_PATH, LoraRef
 from diffusiond.pipelines.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -92,6 +97,8 @@ class Adapters:
         self.max_loaded = max(1, max_loaded)
         self.loaded: collections.OrderedDict[str, None] = collections.OrderedDict()  # oldest use first
         self.active: tuple[LoraRef, ...] = ()
+        self.states: dict[str, dict[str, torch.Tensor]] = {}  # live adapters' latest weights
+        self.versions: dict[str, int] = {}  # live adapters' version (file-registered ones: 0)
 
     @staticmethod
     def supported(pipe: Any) -> bool:
@@ -110,6 +117,34 @@ class Adapters:
             self.loaded.pop(name, None)
             return f"{type(exc).__name__}: {exc}"
         return ""
+
+    def register_live(self, name: str, state: dict[str, torch.Tensor], version: int) -> str:
+        """Add live adapter ``name`` from its state dict; '' if it loads, else the reason."""
+        self.states[name] = state
+        why = self.register(name, LIVE_PATH)
+        if why:
+            self.states.pop(name, None)
+        else:
+            self.versions[name] = version
+        return why
+
+    def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """New values for some of live adapter ``name``'s tensors (checked to match it already):
+        copied into its parameters in place where it is loaded, kept for a reload where not."""
+        self.states[name] = {**self.states[name], **state}
+        if name in self.loaded:
+            with torch.no_grad():
+                for key, value in state.items():
+                    self._parameter(key, name).copy_(value)
+        self.versions[name] = version
+
+    def _parameter(self, key: str, adapter: str) -> torch.Tensor:
+        """The parameter a diffusers/PEFT key (``unet.<module>.lora_A.weight``) names in ``adapter``."""
+        component, _, rest = key.partition(".")
+        module, _, kind = rest.rpartition(".lora_")
+        layer = getattr(self.pipe.components[component].get_submodule(module), "lora_" + kind.split(".")[0])
+        weight: torch.Tensor = layer[adapter].weight
+        return weight
 
     # per batch ------------------------------------------------------------------------------
     def activate(self, loras: Sequence[LoraRef]) -> None:
@@ -153,7 +188,7 @@ class Adapters:
         if path is None:
             raise PipelineError(f"LoRA {name!r} is not registered with this worker")
         self._make_room(keep={name})
-        where, kwargs = lora_source(path)
+        where, kwargs = self._where(name, path)
         before = self._adapter_names()
         try:
             self.pipe.load_lora_weights(where, adapter_name=name, **kwargs)
@@ -168,6 +203,12 @@ class Adapters:
         self.active = ()  # loading may change which adapters the model has active
         self.pipe.disable_lora()
         log.info("loaded LoRA %s from %s (%d loaded)", name, path, len(self.loaded))
+
+    def _where(self, name: str, path: str) -> tuple[Any, dict[str, Any]]:
+        """``load_lora_weights``' arguments: a copy of a live adapter's state dict (diffusers pops
+        from what it is given), else the file's."""
+        live = self.states.get(name)
+        return (dict(live), {}) if live is not None else lora_source(path)
 
     def _unload(self, name: str) -> None:
         self.pipe.delete_adapters([name])
@@ -221,6 +262,23 @@ class HotSwapAdapters(Adapters):
             return f"{type(exc).__name__}: {exc}"
         return ""
 
+    def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """A compiled model: the slots holding ``name`` take the new weights by hot-swap (in place,
+        the graph untouched); the next batch sets its scalings again."""
+        old = self.states[name]
+        self.states[name] = {**old, **state}
+        try:
+            self._check(name)
+            for slot in [s for s, n in self.in_slot.items() if n == name]:
+                self._swap(slot, name)
+        except BaseException:
+            self.states[name] = old
+            raise
+        finally:
+            self._set_scales({})
+            self.active = ()
+        self.versions[name] = version
+
     def activate(self, loras: Sequence[LoraRef]) -> None:
         wanted = tuple(loras)
         if wanted == self.active:
@@ -246,11 +304,11 @@ class HotSwapAdapters(Adapters):
         self.active = wanted
 
     # slots ------------------------------------------------------------------------------------
-    def _source(self, name: str) -> tuple[str, dict[str, Any]]:
+    def _source(self, name: str) -> tuple[Any, dict[str, Any]]:
         path = self.paths.get(name)
         if path is None:
             raise PipelineError(f"LoRA {name!r} is not registered with this worker")
-        return lora_source(path)
+        return self._where(name, path)
 
     def _check(self, name: str) -> None:
         """Refuse what cannot be hot-swapped, before anything in the model changes."""

@@ -39,6 +39,8 @@ from diffusiond.ipc.messages import (
     Progress,
     RequestEnded,
     RequestSpec,
+    UpdateLora,
+    UpdateWeights,
     WarmupShape,
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
@@ -49,6 +51,7 @@ from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.state import SharedState
+from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,14 @@ class Edit:
     the compute thread: the loop thread only passes them on."""
 
     batch: Execute
+    fds: list[int]
+
+
+@dataclass(frozen=True)
+class LiveUpdate:
+    """New LoRA weights and the memfd they lie in (worker/weights.py), applied between batches."""
+
+    msg: UpdateLora | UpdateWeights
     fds: list[int]
 
 
@@ -132,7 +143,7 @@ class ComputeThread:
         self.meter = PeakMeter(pipeline.device, offloaded=pipeline.capabilities.offload != "none")
         self.cuda = pipeline.device.type == "cuda"
         self.profiler = profile.from_env()
-        self.queue: queue.Queue[Execute | Edit | Control | AddLora] = queue.Queue()
+        self.queue: queue.Queue[Execute | Edit | Control | AddLora | LiveUpdate] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="compute", daemon=True)
 
     def start(self) -> None:
@@ -156,6 +167,9 @@ class ComputeThread:
                 continue
             if isinstance(item, AddLora):
                 self._add_lora(item)
+                continue
+            if isinstance(item, LiveUpdate):
+                self._update_lora(item)
                 continue
             batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
             try:
@@ -296,7 +310,8 @@ class ComputeThread:
         measured = working is not None and not self._retried and not compiling
         self.state.record("compute_end", batch.batch_id)
         self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms,
-                              working_bytes=working if measured else None, working_batch=ran if measured else 0))
+                              working_bytes=working if measured else None, working_batch=ran if measured else 0,
+                              lora_versions=self._versions(batch.params.loras)))
         job = CopyJob(batch.batch_id, batch.params, live, outputs, event, trajectories or None)
         if self.sync_output:
             self.copier.process(job)
@@ -357,6 +372,10 @@ class ComputeThread:
                 "fewer frames or a smaller batch (--max-batch), fewer models or other programs on the device "
                 "(--device-memory), or CPU offloading where the model supports it")
 
+    def _versions(self, loras: tuple[LoraRef, ...]) -> dict[str, int]:
+        versions = self.adapters.versions if self.adapters is not None else {}
+        return {r.name: versions.get(r.name, 0) for r in loras}
+
     def activate_loras(self, loras: tuple[LoraRef, ...]) -> None:
         """The batch's LoRA adapters, and only those, act on its forward (none: the base model).
         The one place adapters change; here, between forwards, so no batch sees another's."""
@@ -369,6 +388,27 @@ class ComputeThread:
         """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
         why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
         self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
+
+    def _update_lora(self, item: LiveUpdate) -> None:
+        """Apply a live LoRA or component update between batches: ACK ok, or not ok naming the first bad tensor."""
+        for extra in item.fds[1:]:
+            os.close(extra)
+        if not item.fds:
+            kind = Kind.UPDATE_WEIGHTS if isinstance(item.msg, UpdateWeights) else Kind.UPDATE_LORA
+            self.post(Ack(command=kind, ok=False, message="the update came without its memfd"))
+            return
+        msg = item.msg
+        try:
+            state = read_tensors(msg, item.fds[0])
+            if isinstance(msg, UpdateWeights):
+                why = apply_weights(self.pipeline, msg, state)
+            else:
+                why = unsupported(self.pipeline) if self.adapters is None else \
+                    apply_update(self.adapters, self.pipeline.name, msg, state)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        kind = Kind.UPDATE_WEIGHTS if isinstance(msg, UpdateWeights) else Kind.UPDATE_LORA
+        self.post(Ack(command=kind, ok=not why, message=why))
 
     def loaded_loras(self) -> list[str]:
         return list(self.adapters.loaded) if self.adapters is not None else []

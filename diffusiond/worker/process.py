@@ -41,11 +41,13 @@ from diffusiond.ipc.messages import (
     Shutdown,
     Sleep,
     Trace,
+    UpdateLora,
+    UpdateWeights,
     Wake,
     WorkerConfig,
 )
 from diffusiond.pipelines.base import weight_bytes
-from diffusiond.worker.compute import ComputeThread, Control, Edit
+from diffusiond.worker.compute import ComputeThread, Control, Edit, LiveUpdate
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.state import SharedState
 
@@ -65,7 +67,8 @@ class Worker:
         self.arena: Arena | None = None
         self.copier: Copier | None = None
         self.compute: ComputeThread | None = None
-        self.pending: list[Execute | Edit | Control | AddLora] = []  # commands that arrive while the model loads
+        # commands that arrive while the model loads
+        self.pending: list[Execute | Edit | Control | AddLora | LiveUpdate] = []
         self.exit_code: asyncio.Future[int] | None = None
         self._init_task: asyncio.Future[None] | None = None
         self.shutting_down = False
@@ -118,6 +121,8 @@ class Worker:
             self.channel.post(self._trace_ack())
         elif isinstance(msg, AddLora):
             self._enqueue(msg)  # on the compute thread, between batches: never under a forward
+        elif isinstance(msg, UpdateLora | UpdateWeights):
+            self._enqueue(LiveUpdate(msg, frame.fds))  # likewise; the compute thread closes the fd
         elif isinstance(msg, Ping):
             loaded = self.compute.loaded_loras() if self.compute is not None else []
             self.channel.post(Ack(command=Kind.PING, ok=True, loras_loaded=loaded))
@@ -139,7 +144,7 @@ class Worker:
             dedicated_bytes=copier.dedicated_bytes if copier else 0,
         )
 
-    def _enqueue(self, item: Execute | Edit | Control | AddLora) -> None:
+    def _enqueue(self, item: Execute | Edit | Control | AddLora | LiveUpdate) -> None:
         if self.compute is None:
             self.pending.append(item)
         else:

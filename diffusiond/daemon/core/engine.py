@@ -33,6 +33,7 @@ from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest, Preview
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.core.scheduler import Scheduler
+from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
 from diffusiond.daemon.errors import (
     EngineError,
     JobFinished,
@@ -76,6 +77,7 @@ class Engine:
         self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
         self.loras = LoraRegistry(config.loras, config.max_loras)
         self.controls = ControlRegistry(config.controlnets)
+        self.live_loras, self.live_components = LiveLoras(self.loras), LiveComponents()  # update_lora/_weights
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn)
         self.pool.lora_target_rank = self.loras.start_rank

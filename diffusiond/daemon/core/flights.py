@@ -225,6 +225,8 @@ class Flights:
             self._measured(batch, msg.working_bytes, msg.working_batch or len(batch.items))
         self.metrics.stage_seconds.labels("compute").observe(msg.compute_ms / 1000)
         for item in batch.items:
+            if msg.lora_versions:
+                item.job.lora_versions = dict(msg.lora_versions)
             if not item.job.terminal and item.stage <= Stage.COMPUTING:
                 item.stage = Stage.COPYING
                 item.job.add_timing("compute", msg.compute_ms)

@@ -10,7 +10,9 @@ on a Unix socket that we read and write ourselves, and aiohttp's transports (uvl
 particular) give no access to that. The socket speaks the frames of ``ipc`` (numbered msgspec
 messages, fds attached): FETCH(job, k) -> LEASE(fd) or REFUSED(the HTTP status and error the
 HTTP API would have given), then UNPIN(lease) when the program dropped its arrays. FETCH with part
-"trajectory" leases the memory of output k's trajectory, its arrays named in the LEASE.
+"trajectory" leases the memory of output k's trajectory, its arrays named in the LEASE. The same
+socket takes live LoRA updates the other way: UPDATE_LORA with the memfd of the tensors ->
+UPDATED(version) or UPDATE_REFUSED (``daemon/core/weights.py``).
 
 What keeps it safe:
 - Only processes of the daemon's own user may connect (socket mode 0600, and SO_PEERCRED checked
@@ -38,8 +40,9 @@ from diffusiond.daemon.edge.access import socket_peer_uid  # the HTTP edge's rul
 from diffusiond.daemon.edge.status import status_of
 from diffusiond.daemon.errors import EngineError
 from diffusiond.ipc.channel import Channel
+from diffusiond.ipc.errors import ChannelClosed
 from diffusiond.ipc.frames import Frame
-from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin
+from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin, Updated, UpdateLora, UpdateRefused, UpdateWeights
 from diffusiond.ipc.tensors import TensorDesc
 
 if TYPE_CHECKING:
@@ -113,9 +116,34 @@ class _Connection:
         self.channel = channel
         self.leases: dict[int, tuple[Item, bool]] = {}  # lease -> its item, and whether of its trajectory
         self._next = 0
+        self._updates: set[asyncio.Task[None]] = set()
+
+    async def _update(self, msg: UpdateLora | UpdateWeights, fds: list[int]) -> None:
+        """Runs to its end even if the client hangs up: the workers finish the update either way
+        (each has its own copy of the fd), and only the answer is lost."""
+        engine = self.server.engine
+        name = msg.name if isinstance(msg, UpdateLora) else f"{msg.model}/{msg.component}"
+        timeout = engine.config.worker_start_timeout_s
+        try:
+            if isinstance(msg, UpdateLora):
+                version = await engine.live_loras.update(msg, fds, engine.models(), timeout)
+            else:
+                version = await engine.live_components.update(msg, fds, engine.pool.model, timeout)
+        except EngineError as err:
+            answer: Updated | UpdateRefused = UpdateRefused(name, status_of(err), str(err.code), err.message,
+                                                            err.field)
+        else:
+            answer = Updated(name, version)
+        with contextlib.suppress(ChannelClosed):  # the client went away: the update stands
+            self.channel.post(answer)
 
     def on_frame(self, frame: Frame) -> None:
         msg = frame.msg
+        if isinstance(msg, UpdateLora | UpdateWeights):  # the frames that bring an fd, owned by the update
+            task = asyncio.ensure_future(self._update(msg, list(frame.fds)))
+            self._updates.add(task)
+            task.add_done_callback(self._updates.discard)
+            return
         for fd in frame.fds:  # a client has no business sending fds
             os.close(fd)
         if isinstance(msg, Fetch):

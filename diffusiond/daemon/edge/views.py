@@ -78,6 +78,7 @@ def job(j: Job) -> dict[str, Any]:
         "timings_ms": dict(j.timings_ms),
         "approximations": list(j.approximations),
         "compiled": j.compiled or None,
+        "lora_versions": dict(j.lora_versions) or None,  # the version of each adapter in request.loras it ran with
         "request": {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt,
@@ -123,6 +124,7 @@ def lora(engine: Engine, info: LoraInfo) -> dict[str, Any]:
     models = engine.models()
     return {
         "name": info.name, "object": "lora", "path": info.path, "layout": info.layout, "rank": info.rank,
+        "version": engine.live_loras.version(info.name),
         "targets": list(info.targets),
         "models": [m.name for m in models if info.name not in m.lora_errors],
         "unfit": {m.name: m.lora_errors[info.name] for m in models if info.name in m.lora_errors},

@@ -168,13 +168,21 @@ class WorkerHandle:
         if self.state != WorkerState.DEAD:
             self._post(Cancel(request_ids))
 
-    async def command(self, msg: Command, timeout: float) -> Ack:
+    async def command(self, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack:
+        """Send a command and wait for its ACK; ``fds`` go with it and are closed once sent."""
         kind = KIND_OF[type(msg)]
         fut = self._acks.get(kind)
         if fut is None or fut.done():
             fut = asyncio.get_running_loop().create_future()
             self._acks[kind] = fut
-        self._post(msg)
+        if fds:
+            if self.channel is None or self.channel.closed:
+                for fd in fds:
+                    os.close(fd)
+                raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
+            self.channel.post(msg, fds, close_fds=True)
+        else:
+            self._post(msg)
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
     def _post(self, msg: Execute | Cancel | Command) -> None:

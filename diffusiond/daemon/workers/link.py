@@ -11,11 +11,23 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from diffusiond.ipc.frames import Frame
-from diffusiond.ipc.messages import Ack, AddLora, Execute, Ready, Shutdown, Sleep, Trace, Wake, WorkerConfig
+from diffusiond.ipc.messages import (
+    Ack,
+    AddLora,
+    Execute,
+    Ready,
+    Shutdown,
+    Sleep,
+    Trace,
+    UpdateLora,
+    UpdateWeights,
+    Wake,
+    WorkerConfig,
+)
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import WorkerState
 
-Command = Sleep | Wake | Shutdown | Trace | AddLora
+Command = Sleep | Wake | Shutdown | Trace | AddLora | UpdateLora | UpdateWeights
 """What a worker answers with an ACK (one outstanding per kind)."""
 
 
@@ -43,7 +55,7 @@ class WorkerLink(Protocol):
 
     async def start(self, timeout: float) -> Ready: ...
     async def stop(self, timeout: float) -> None: ...
-    async def command(self, msg: Command, timeout: float) -> Ack: ...
+    async def command(self, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack: ...
     def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:
         """Send a batch; ``fds`` (edits' input buffers) go with it and are closed once sent."""
         ...

@@ -1,0 +1,130 @@
+"""Live weights from a trainer: ``update_lora(name, state_dict)`` (and ``update_weights(model,
+component, state_dict)`` for a whole component's parameters) without files or JSON.
+
+The tensors are written once, into an anonymous memfd (``os.memfd_create``: no file on disk, gone
+when the last fd closes), and the fd travels to the daemon over its output socket with SCM_RIGHTS,
+together with a msgspec header naming each tensor's dtype, shape and offset (UPDATE_LORA). The
+daemon hands duplicates of the same fd to its workers; each copies the tensors out once into its
+model. Why the output socket and not an HTTP request: an fd only travels with ``sendmsg`` on a
+Unix socket read by hand, which aiohttp's transports do not expose; the output socket already is
+that socket (``daemon/edge/handoff.py``), with the same same-user rule.
+
+The call is blocking and returns the adapter's new version once every live worker applied it
+(between two batches: no batch mixes versions). If this process dies after sending, the update
+still completes; before, nothing happened. Refusals come back as ``DaemonError`` (status 400,
+the first bad tensor named), exactly as the HTTP API would shape them.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable
+from diffusiond.ipc.channel import recv_with_fds
+from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
+from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
+from diffusiond.protocol import output_socket_path
+
+_ALIGN = 64  # each tensor starts on a cache line
+
+
+def pack(state_dict: Mapping[str, Any]) -> tuple[int, list[WeightTensor]]:
+    """A memfd holding every tensor of ``state_dict`` (torch tensors or numpy arrays) back to back,
+    and the header that says where each lies. The caller owns (and closes) the fd."""
+    arrays: list[tuple[str, str, np.ndarray]] = []
+    for name, value in state_dict.items():
+        dtype, arr = _as_array(name, value)
+        arrays.append((str(name), dtype, arr))
+    tensors: list[WeightTensor] = []
+    offset = 0
+    for name, dtype, arr in arrays:
+        tensors.append(WeightTensor(name, dtype, list(arr.shape), offset))
+        offset += -(-arr.nbytes // _ALIGN) * _ALIGN
+    fd = os.memfd_create("diffusiond-lora-update", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, offset)
+        if offset:
+            with mmap.mmap(fd, offset, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+                for t, (_, _, arr) in zip(tensors, arrays, strict=True):
+                    mm[t.offset : t.offset + arr.nbytes] = arr.reshape(-1).view(np.uint8).data
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, tensors
+
+
+def _as_array(name: object, value: Any) -> tuple[str, np.ndarray]:
+    """The dtype's name as the daemon reads it, and a C-contiguous array of the value's bytes."""
+    if type(value).__module__.startswith("torch"):  # no torch import for callers who send numpy
+        t = value.detach().cpu().contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype == "bfloat16":  # numpy has no bfloat16: its words travel as int16
+            import torch
+
+            return dtype, t.view(torch.int16).numpy()
+        return dtype, t.numpy()
+    if isinstance(value, np.ndarray):
+        return value.dtype.name, np.ascontiguousarray(value)
+    raise TypeError(f"tensor {name!r} is a {type(value).__name__}; give torch tensors or numpy arrays")
+
+
+def update_lora(socket_path: str, name: str, state_dict: Mapping[str, Any], timeout: float | None) -> int:
+    """Send the update and wait for its answer; the new version. See the module docstring."""
+    fd, tensors = pack(state_dict)
+    return _send(socket_path, UpdateLora(name, tensors), fd, f"updating LoRA {name!r}", timeout)
+
+
+def update_weights(socket_path: str, model: str, component: str, state_dict: Mapping[str, Any],
+                   timeout: float | None) -> int:
+    """The same for whole parameters of one component of ``model`` (names of its ``state_dict``)."""
+    fd, tensors = pack(state_dict)
+    return _send(socket_path, UpdateWeights(model, component, tensors), fd,
+                 f"updating {component} of {model}", timeout)
+
+
+def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str, timeout: float | None) -> int:
+    path = output_socket_path(socket_path)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            frame = FrameEncoder().encode(msg, 1)
+            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            os.close(fd)  # the daemon has its own now
+            fd = -1
+            answer = _receive(sock)
+        except TimeoutError:
+            raise ClientTimeout(socket_path, what, timeout) from None
+        except OSError as exc:
+            raise DaemonUnreachable(path, f"the output socket failed: {exc.strerror or exc}") from None
+        finally:
+            sock.close()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if isinstance(answer, UpdateRefused):
+        raise DaemonError(answer.status, answer.code, answer.message, answer.field)
+    if not isinstance(answer, Updated):
+        raise DaemonError(502, "bad_answer", f"unexpected answer to an update: {type(answer).__name__}")
+    return answer.version
+
+
+def _receive(sock: socket.socket) -> object:
+    decoder = FrameDecoder()
+    while True:
+        data, fds = recv_with_fds(sock)
+        for extra in fds:
+            os.close(extra)
+        if not data:
+            raise ConnectionResetError("the daemon closed the output socket before answering")
+        frames = decoder.feed(data)
+        if frames:
+            return frames[0][3]

@@ -1,0 +1,203 @@
+"""Live LoRA updates (``Client.update_lora``): a trainer's adapter weights into the workers, no files.
+
+The tensors arrive in a memfd a local client filled, with a msgspec header (UPDATE_LORA: each
+tensor's name, dtype, shape and offset) on the output socket (``edge/handoff.py``): the one socket
+where fds travel. Everything that needs no model is checked here, first bad tensor named: the
+adapter's name, that it is not a file-registered adapter, each tensor's name (diffusers/PEFT:
+``<component>.<module>.lora_A.weight`` / ``lora_B``), dtype, shape and that it lies inside the
+memfd. Then each live worker gets a duplicate of the fd with the version this update makes; it
+copies the tensors out, checks them against its model and applies them between batches (see
+``worker/weights.py``), and ACKs. The engine never maps or copies the tensors itself.
+
+An adapter created this way is registered like a file one (same admission, same ``GET
+/v1/loras`` entry, path ``LIVE_PATH``), but only workers running now hold it: a worker started
+later (a restart, a model loaded again) does not, and the trainer sends the weights again.
+
+One update at a time, under the registry's lock: a worker answers one command of a kind at a time,
+and an update of an adapter being registered by ``POST /v1/loras`` must not race it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Callable, Iterable
+
+from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry, ModelLoras, check_name
+from diffusiond.daemon.errors import InvalidRequest, Unavailable
+from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
+from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.protocol import WorkerState
+
+DTYPES = ("float32", "float16", "bfloat16")  # what LoRA weights are trained and served in
+_KINDS = (".lora_A.weight", ".lora_B.weight")
+MAX_DIMS = 4  # Linear (2) and Conv2d (4) LoRA matrices
+
+
+class LiveLoras:
+    def __init__(self, registry: LoraRegistry) -> None:
+        self.registry = registry
+        self.versions: dict[str, int] = {}  # live adapter -> the version its workers hold
+        self._issued: dict[str, int] = {}  # never reused, even by an update refused everywhere
+
+    def version(self, name: str) -> int:
+        return self.versions.get(name, 0)
+
+    async def update(self, msg: UpdateLora, fds: list[int], models: Iterable[ModelLoras], timeout: float) -> int:
+        """Apply ``msg`` (tensors in ``fds[0]``, closed here) to every live worker that holds or can
+        hold the adapter; the new version. A refusal raises a 4xx naming the first bad tensor."""
+        try:
+            if len(fds) != 1:
+                raise InvalidRequest(f"an update carries exactly one memfd; this one came with {len(fds)}",
+                                     field="fd")
+            check_header(msg, fds[0], self.registry.loras.get(msg.name))
+            async with self.registry._adding:
+                return await self._send(msg, fds[0], list(models), timeout)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    async def _send(self, msg: UpdateLora, fd: int, models: list[ModelLoras], timeout: float) -> int:
+        name = msg.name
+        new = name not in self.registry.loras
+        if not new and name not in self.versions:  # registered from a file meanwhile
+            raise _file_registered(self.registry.loras[name])
+        targets = [m for m in models if new or name not in m.lora_errors]
+        live = [(m, w) for m in targets for w in m.workers if w.state in (WorkerState.READY, WorkerState.SLEEPING)]
+        if not live:
+            raise Unavailable("no worker is running to take the update; retry once the model is loaded",
+                              retry_after_s=5)
+        version = self._issued[name] = self._issued.get(name, 0) + 1
+        forward = UpdateLora(name, msg.tensors, version)
+        acks = await asyncio.gather(*(w.command(forward, timeout, [os.dup(fd)]) for _, w in live),
+                                    return_exceptions=True)
+        whys: dict[str, str] = {}
+        for (m, _), ack in zip(live, acks, strict=True):
+            if isinstance(ack, BaseException):
+                whys.setdefault(m.name, f"the worker did not answer: {ack}")
+            elif not ack.ok:
+                whys.setdefault(m.name, ack.message)
+        if not {m.name for m, _ in live} - set(whys):
+            detail = "; ".join(f"{model}: {why}" for model, why in whys.items())
+            raise InvalidRequest(f"LoRA {name!r} update refused: {detail}", field="tensors")
+        for m in targets:
+            if m.name in whys:
+                m.lora_errors[name] = whys[m.name]  # it holds the old weights, or none: not served there
+            elif new:
+                m.lora_errors.pop(name, None)
+        for m in models:
+            if new and m not in targets:
+                m.lora_errors[name] = "it was not running when the adapter was created by update_lora"
+        if new:
+            self.registry.loras[name] = _info(msg)
+        self.versions[name] = version
+        return version
+
+
+def check_header(msg: UpdateLora, fd: int, registered: LoraInfo | None) -> None:
+    """What needs no model: the name, the tensors' names, dtypes, shapes and places in the memfd."""
+    why = check_name(msg.name)
+    if why:
+        raise InvalidRequest(why, field="name")
+    if registered is not None and registered.path != LIVE_PATH:
+        raise _file_registered(registered)
+    check_tensors(msg.tensors, fd, lora=True)
+
+
+def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
+    """Each tensor's name, dtype, shape and place in the memfd (``lora``: LoRA naming and shapes)."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise InvalidRequest(f"the update's fd cannot be read: {exc.strerror or exc}", field="fd") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidRequest("the update's fd is not a memfd or regular file (a pipe or socket cannot be mapped)",
+                             field="fd")
+    if not tensors:
+        raise InvalidRequest("the update holds no tensors; give a state dict", field="tensors")
+    seen: set[str] = set()
+    for t in tensors:
+        where = f"tensor {t.name[:200]!r}"
+        if t.name in seen:
+            raise InvalidRequest(f"{where} is given twice", field="tensors")
+        seen.add(t.name)
+        component, _, rest = t.name.partition(".")
+        if not t.name or len(t.name) > 1000:
+            raise InvalidRequest(f"{where} is not a parameter's name (1-1000 characters)", field="tensors")
+        if lora and (not component or not rest.endswith(_KINDS) or not rest[: -len(_KINDS[0])]):
+            raise InvalidRequest(f"{where} is not a LoRA weight in diffusers/PEFT naming: expected "
+                                 "'<component>.<module>.lora_A.weight' or '...lora_B.weight' (e.g. "
+                                 "'unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight')",
+                                 field="tensors")
+        if t.dtype not in DTYPES:
+            raise InvalidRequest(f"{where} has dtype {t.dtype[:40]!r}; LoRA weights are taken as "
+                                 f"{', '.join(DTYPES)}", field="tensors")
+        if lora and (not 2 <= len(t.shape) <= MAX_DIMS or any(not 1 <= d < 1 << 31 for d in t.shape)):
+            raise InvalidRequest(f"{where} has shape {t.shape[:8]}; a LoRA matrix has 2 dimensions (4 for a "
+                                 "convolution's), each at least 1", field="tensors")
+        if not lora and (len(t.shape) > 8 or any(not 0 <= d < 1 << 31 for d in t.shape)):
+            raise InvalidRequest(f"{where} has shape {t.shape[:9]}; give at most 8 dimensions, none negative",
+                                 field="tensors")
+        nbytes = numpy_dtype(t.dtype).itemsize
+        for d in t.shape:
+            nbytes *= d
+        if t.offset < 0 or t.offset + nbytes > st.st_size:
+            raise InvalidRequest(f"{where} ({nbytes} bytes at offset {t.offset}) does not lie inside the "
+                                 f"update's memfd of {st.st_size} bytes", field="tensors")
+
+
+class LiveComponents:
+    """``update_weights``: whole parameters of one component, in place in every live worker of a model.
+    A model's workers run the same weights, so each must accept: one that refuses or does not
+    answer is reported, and the update is refused (the others applied it: send it again)."""
+
+    def __init__(self) -> None:
+        self.versions: dict[tuple[str, str], int] = {}
+        self._lock = asyncio.Lock()
+
+    async def update(self, msg: UpdateWeights, fds: list[int], models: Callable[[str], ModelLoras],
+                     timeout: float) -> int:
+        """``models`` finds the served model by name (ModelNotFound otherwise)."""
+        try:
+            model = models(msg.model)
+            if len(fds) != 1:
+                raise InvalidRequest(f"an update carries exactly one memfd; this one came with {len(fds)}",
+                                     field="fd")
+            if not 1 <= len(msg.component) <= 64 or not msg.component.isidentifier():
+                raise InvalidRequest(f"component {msg.component[:80]!r} is not a component's name (e.g. unet, "
+                                     "transformer, text_encoder)", field="component")
+            check_tensors(msg.tensors, fds[0], lora=False)
+            async with self._lock:
+                live = [w for w in model.workers if w.state in (WorkerState.READY, WorkerState.SLEEPING)]
+                if not live:
+                    raise Unavailable(f"no worker of model {model.name} is running to take the update; retry "
+                                      "once it is loaded", retry_after_s=5)
+                key = (model.name, msg.component)
+                version = self.versions.get(key, 0) + 1
+                forward = UpdateWeights(msg.model, msg.component, msg.tensors, version)
+                acks = await asyncio.gather(*(w.command(forward, timeout, [os.dup(fds[0])]) for w in live),
+                                            return_exceptions=True)
+                whys = [f"the worker did not answer: {a}" if isinstance(a, BaseException) else a.message
+                        for a in acks if isinstance(a, BaseException) or not a.ok]
+                self.versions[key] = version  # drawn even if refused: a version is never reused
+                if whys:
+                    raise InvalidRequest(f"{msg.component} of model {model.name}: update refused: {whys[0]}",
+                                         field="tensors")
+                return version
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _file_registered(info: LoraInfo) -> InvalidRequest:
+    return InvalidRequest(f"LoRA {info.name!r} is registered from a file ({info.path}); only adapters created by "
+                      "update_lora can be updated: give the trainer's adapter a name of its own", field="name")
+
+
+def _info(msg: UpdateLora) -> LoraInfo:
+    ranks = [t.shape[0] for t in msg.tensors if t.name.endswith(_KINDS[0])]
+    targets = sorted({t.name.partition(".")[0] for t in msg.tensors})
+    return LoraInfo(name=msg.name, path=LIVE_PATH, layout="live", rank=max(ranks, default=0),
+                    targets=tuple(targets))
+
