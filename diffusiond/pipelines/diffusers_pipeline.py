@@ -326,7 +326,8 @@ class DiffusersPipeline:
             raise PipelineError(f"model {self.name} cannot do {params.edit}")
         images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2).float() / 255
         args = call_args(type(pipe))
-        extra = edit_kwargs(task, images, 1.0 if params.strength is None else params.strength, args)
+        strength = 1.0 if params.strength is None else params.strength
+        extra = edit_kwargs(task, images, strength, args, params.width * params.height)
         if task is not Task.INPAINTING:
             return self._call(pipe, args, params, requests, on_step, extra, on_preview)
         planes = [m for _, m in inputs]

@@ -64,14 +64,16 @@ def edit_pipes(pipe: Any, task: Task) -> dict[Task, Any]:
     return pipes
 
 
-def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozenset[str]) -> dict[str, Any]:
+def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozenset[str], area: int) -> dict[str, Any]:
     """What the edit's diffusers call takes beside the prompt and size: the image (as a batch in
     [0, 1]) always, and the strength only where it means something (image-to-image, inpainting).
-    Kontext would move the output to the nearest of its preferred sizes (1024² for any square): the
-    size is the client's, and the engine has already resized the image to it."""
+    Kontext would scale the output to an area of 1024² and the image to one of its preferred sizes: the
+    size (``area`` pixels) is the client's, and the engine has already resized the image to it."""
     kwargs: dict[str, Any] = {"image": images}
     if task in STRENGTH_TASKS:
         kwargs["strength"] = strength
     if "_auto_resize" in args:
         kwargs["_auto_resize"] = False
+    if "max_area" in args:
+        kwargs["max_area"] = area
     return kwargs

@@ -24,31 +24,28 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractAsyncContextManager
 
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.core import resume
 from diffusiond.daemon.core.controls import ControlRegistry
 from diffusiond.daemon.core.flights import Flights
-from diffusiond.daemon.core.jobs import Item, Job, JobRequest, Preview
+from diffusiond.daemon.core.jobs import Item, Job, JobRequest
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
+from diffusiond.daemon.core.output_access import OutputAccess
 from diffusiond.daemon.core.scheduler import Scheduler
 from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
 from diffusiond.daemon.errors import (
     EngineError,
     JobFinished,
-    JobNotFound,
     ModelTooLarge,
     NotAccepting,
     NoWorker,
-    OutputNotFound,
     PowerFailed,
-    PreviewNotFound,
     QueueFull,
 )
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.previews import Previews
-from diffusiond.daemon.outputs.slots import OutputRead, Outputs
+from diffusiond.daemon.outputs.slots import Outputs
 from diffusiond.daemon.residency.keeper import Keeper, shape_of
 from diffusiond.daemon.state.history import History
 from diffusiond.daemon.state.store import Store
@@ -64,12 +61,11 @@ from diffusiond.ipc.messages import (
     RequestEnded,
     SlotWait,
 )
-from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage, WorkerState
 
 log = logging.getLogger(__name__)
 
-class Engine:
+class Engine(OutputAccess):
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None, *,
                  spawn: Spawn = spawn_process, store: Store | None = None) -> None:
         self.config = config
@@ -327,68 +323,8 @@ class Engine:
         self._end(job, JobStatus.CANCELLED, ErrorCode.CANCELLED, "cancelled by the client")
         return job
 
-    def get(self, job_id: str) -> Job:
-        """A job still in memory (one not yet finished always is)."""
-        try:
-            return self.jobs[job_id]
-        except KeyError:
-            raise JobNotFound(f"no job {job_id!r} (unknown, or its retention ended)") from None
-
     def recent(self, limit: int) -> list[Job]:
         return sorted(self.jobs.values(), key=lambda j: j.created, reverse=True)[:limit]
-
-    # outputs --------------------------------------------------------------------------------
-    def open_output(self, job: Job, k: int) -> AbstractAsyncContextManager[OutputRead]:
-        """Read output ``k`` of ``job`` (see ``Outputs.open``)."""
-        return self.outputs.open(self._item(job, k))
-
-    def lease_output(self, job_id: str, k: int) -> tuple[Item, TensorDesc, int, int]:
-        """Pin output ``k`` of a job for a local client that maps it (the output socket)."""
-        item = self._item(self.get(job_id), k)
-        return (item, *self.outputs.lease(item))
-
-    def end_lease(self, item: Item) -> None:
-        self.outputs.unlease(item)
-
-    def open_trajectory(self, job: Job, k: int, name: str) -> AbstractAsyncContextManager[tuple[bytes, memoryview]]:
-        """Read one array of output ``k``'s trajectory: an npy header and its bytes (``Outputs.open_trajectory``)."""
-        return self.outputs.open_trajectory(self._item(job, k), name)
-
-    def lease_trajectory(self, job_id: str, k: int) -> tuple[Item, TensorDesc, dict[str, TensorDesc], int, int]:
-        """Pin output ``k``'s trajectory for a local client that maps it (the output socket)."""
-        item = self._item(self.get(job_id), k)
-        return (item, *self.outputs.lease_trajectory(item))
-
-    def end_trajectory_lease(self, item: Item) -> None:
-        self.outputs.unlease_trajectory(item)
-
-    async def output_bytes(self, job: Job) -> list[bytes]:
-        """Every output of a finished job as bytes, for a caller that will not come back for
-        them (the synchronous endpoint): what they held in memory is released at once."""
-        try:
-            return [await self.outputs.read_all(i) for i in job.items]
-        finally:
-            self.release_outputs(job)
-
-    def release_outputs(self, job: Job) -> None:
-        """Give back what a finished job's outputs hold in memory now, for a caller that will not
-        fetch them (a synchronous request answered with another job's failure)."""
-        self.outputs.expire(job)
-
-    def preview(self, job_id: str, k: int) -> Preview:
-        """The latest preview of output ``k`` of a job."""
-        job = self.get(job_id)
-        item = self._item(job, k)
-        if item.preview is None:
-            why = ("it did not ask for previews" if job.request.preview is None
-                   else f"its first comes after step {job.request.preview.every}")
-            raise PreviewNotFound(f"output {k} of job {job_id} has no preview yet ({why})")
-        return item.preview
-
-    def _item(self, job: Job, k: int) -> Item:
-        if not 0 <= k < len(job.items):
-            raise OutputNotFound(f"job {job.id} has outputs 0..{len(job.items) - 1}")
-        return job.items[k]
 
     def dispatch(self) -> None:
         self.flights.dispatch()
