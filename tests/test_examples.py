@@ -45,3 +45,18 @@ def test_train_loop_streams_batches_and_gives_the_memory_back(example_daemon: Da
             time.sleep(0.1)
         assert health["arena_bytes_in_use"] == 0, health
         assert health["jobs"].get("succeeded") == 3, health
+
+
+def test_grpo_rollout_trains_a_lora_the_daemon_samples_with_and_agrees_on_log_probs(example_daemon: Daemon) -> None:
+    args = ["--socket", str(example_daemon.socket), "--iterations", "2", "--group", "2", "--steps", "3"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "grpo_rollout.py"), *args],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, **ENV}, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{example_daemon.log()}"
+    line = r"^iteration (\d+)  reward (\S+)  max \|ratio-1\| (\S+)  loss \S+  version (\d+)"
+    its = re.findall(line, done.stdout, re.M)
+    assert [i for i, *_ in its] == ["1", "2"], done.stdout
+    # on-policy: the daemon sampled with the adapter the trainer holds, so the ratio is 1 up to float noise
+    assert all(float(dev) < 1e-2 for _, _, dev, _ in its), done.stdout
+    assert [int(v) for *_, v in its] == [2, 3], "each iteration pushed a new version"
