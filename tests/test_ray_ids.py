@@ -18,6 +18,8 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
     assert ids.route("DELETE", "/v1/jobs/k3x9q2ab.j_0123456789abcdef") == ("k3x9q2ab", "/v1/jobs/j_0123456789abcdef")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/events") == ("k3x9q2ab", "/v1/jobs/j_0a/events")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/outputs/1") == ("k3x9q2ab", "/v1/jobs/j_0a/outputs/1")
+    assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/outputs/1/trajectory/latents") == (
+        "k3x9q2ab", "/v1/jobs/j_0a/outputs/1/trajectory/latents")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/preview/0") == ("k3x9q2ab", "/v1/jobs/j_0a/preview/0")
     assert ids.route("GET", "/v1/loras") == (None, "/v1/loras")
     assert ids.route("POST", "/v1/jobs") == (None, "/v1/jobs")
@@ -146,3 +148,12 @@ def test_the_router_prefers_the_model_on_the_device_then_in_host_memory_and_trus
     assert pick("sd", a=View({"sd": "device"}, 1.0, 8), b=on_b) == ["a", "b"]
     assert pick(None, a=on_a, b=on_b) == ["a", "b"]  # no model named: the daemon's default, by load
     assert pick("unknown", a=on_a, b=on_b) == ["a", "b"]
+
+
+def test_batch_keys_keep_apart_what_the_daemon_would_not_batch() -> None:
+    base = {"prompt": "x", "model": "tiny", "steps": 4}
+    assert ids.batch_key(base) == ids.batch_key({**base, "prompt": "another"})  # prompts batch together
+    for field, value in (("control", [{"name": "edges", "image": "AAAA", "scale": 0.5}]),
+                         ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5)):
+        assert ids.batch_key({**base, field: value}) != ids.batch_key(base), field
+    assert ids.batch_key({"not": "a generation"}) is None

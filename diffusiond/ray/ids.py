@@ -17,7 +17,8 @@ from diffusiond.protocol import ErrorCode
 SEP = "."
 _DAEMON_ID = re.compile(r"j_[0-9a-f]+")
 _REPLICA = re.compile(r"[A-Za-z0-9_-]+")
-_JOB_PATH = re.compile(r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+|/preview/[^/]+)?)")
+_JOB_PATH = re.compile(
+    r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+(?:/trajectory/[^/]+)?|/preview/[^/]+)?)")
 
 # Routes the gateway forwards; the admin routes (sleep, wake, trace) act on one daemon and stay on its socket.
 UNBOUND_ROUTES = frozenset({
@@ -105,7 +106,7 @@ def batch_key(body: Any) -> str | None:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
                                    "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
-                                   "loras", "strength", "trajectory")]
+                                   "loras", "strength", "trajectory", "control")]
     return repr(parts)
 
 
