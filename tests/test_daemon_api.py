@@ -205,6 +205,7 @@ async def test_get_job_shape(sock: Path) -> None:
         "seed": 9,
         "bytes": out["bytes"],
         "batch": out["batch"],
+        "trajectory": None,  # a job that asked for none (docs/api.md, "Trajectories")
     }
     assert out["bytes"] > 0 and isinstance(out["batch"], int)
 
