@@ -1,0 +1,97 @@
+"""First image from a cold daemon (issue 27's target: <= 6 s plus the image's own compute time).
+
+    python scripts/bench_cold.py --folder DIR [--size 512x512 --steps 20 --dtype float16 --starts 3]
+
+``DIR`` is a diffusers folder on disk (``scripts/bench_presets.py --preset random:sd15 --save 1`` writes
+one). Each start: ``diffusiond serve --model sd=DIR`` is spawned, and this process submits one job as soon
+as the socket accepts one (polling every 20 ms), waits for it and reads its PNG back; the clock runs from
+the spawn to the bytes. Then, on the same warm daemon, the same job three more times: the median is the
+image's own compute time. The first start reads the folder from disk (or the page cache, if it was just
+written); later starts find the page cache warm, which is what the target assumes. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from diffusiond.bench.procs import process
+from diffusiond.client import AsyncClient
+from diffusiond.client.errors import DaemonError, DaemonUnreachable
+
+
+async def first_image(proc: Any, sock: Path, body: dict[str, Any], t_spawn: float) -> dict[str, float]:
+    while not sock.exists():
+        await asyncio.sleep(0.02)
+    t_socket = time.perf_counter()
+    async with AsyncClient(str(sock), timeout=600) as c:
+        while True:
+            try:
+                job = await c.create_job(body, wait_start_s=0)
+                break
+            except (DaemonError, DaemonUnreachable):
+                if proc.poll() is not None:
+                    raise SystemExit(f"the daemon exited with {proc.returncode} before admitting a job") from None
+                await asyncio.sleep(0.02)
+        t_admitted = time.perf_counter()
+        done = await c.wait(job["id"])
+        if done["status"] != "succeeded":
+            raise SystemExit(f"first job ended {done['status']}: {done.get('error')}")
+        png = await c.output(job["id"], 0)
+        t_first = time.perf_counter()
+        warm = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            j = await c.create_job(body)
+            await c.wait(j["id"])
+            await c.output(j["id"], 0)
+            warm.append(time.perf_counter() - t0)
+    return {"socket_s": t_socket - t_spawn, "admitted_s": t_admitted - t_spawn, "first_image_s": t_first - t_spawn,
+            "png_bytes": len(png), "warm_image_s": statistics.median(warm),
+            "first_minus_compute_s": (t_first - t_spawn) - statistics.median(warm)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--folder", required=True)
+    ap.add_argument("--size", default="512x512")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--serve-extra", default="", help="more serve arguments, one string")
+    args = ap.parse_args()
+    body = {"prompt": "a lighthouse at dusk", "size": args.size, "steps": args.steps, "seed": 1,
+            "output_format": "png"}
+    runs = []
+    for i in range(args.starts):
+        with tempfile.TemporaryDirectory(prefix="bench-cold-") as tmp:
+            sock = Path(tmp) / "d.sock"
+            log = Path(tmp) / "serve.log"
+            argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--state-dir", f"{tmp}/state",
+                    "--model", f"sd={args.folder}", "--dtype", args.dtype, *shlex.split(args.serve_extra)]
+            t_spawn = time.perf_counter()
+            with process(argv, log) as proc:
+                try:
+                    r = asyncio.run(asyncio.wait_for(first_image(proc, sock, body, t_spawn), 600))
+                except BaseException:
+                    print(log.read_text()[-3000:], file=sys.stderr)
+                    raise
+                _ = proc
+            print(f"start {i}: {r}", file=sys.stderr)
+            runs.append(r)
+    print(json.dumps({"folder": args.folder, "body": body, "runs": runs,
+                      "warm_cache_first_minus_compute_s": statistics.median(r["first_minus_compute_s"]
+                                                                            for r in runs[1:] or runs)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

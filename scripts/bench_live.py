@@ -1,0 +1,133 @@
+"""Live weights from a trainer, timed from the call to the first job that runs with them (issue 29).
+
+    python scripts/bench_live.py lora --preset flux-dev --component transformer --rank 64 --dtype bfloat16
+    python scripts/bench_live.py weights --preset sdxl --component unet --dtype float16
+
+One daemon serves ``random:<preset>,save=0``. ``lora``: a rank-R adapter on every attention projection
+(``to_q``, ``to_k``, ``to_v``, ``to_out.0``, and the ``add_*_proj``/``to_add_out`` of joint blocks) of
+the component, PEFT naming, random weights; ``weights``: every parameter of the component, same shapes,
+random values. The tensors are made in this process (CPU, the model's dtype) before the clock starts.
+Each round: ``update_*`` (the call returns once every worker applied the update), then one job at the
+smallest size and 1 step whose record must carry the new version; reported are the call alone and the
+call plus that job (its own compute measured alone at the end, so the difference is the update's share).
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusiond.bench.procs import process, wait_ready
+from diffusiond.client import AsyncClient
+from diffusiond.pipelines.presets import build_part, get_preset
+
+_ATTN = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def lora_state(component: torch.nn.Module, prefix: str, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in component.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.endswith(_ATTN):
+            out[f"{prefix}.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, dtype=dtype) * 0.01
+            out[f"{prefix}.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, dtype=dtype) * 0.01
+    return out
+
+
+def full_state(component: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {name: torch.randn(p.shape, dtype=dtype) * 0.02 for name, p in
+            component.state_dict().items() if p.is_floating_point()}
+
+
+async def job(c: AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    h = await c.submit("a lighthouse", **body)
+    done = await h.wait()
+    if done["status"] != "succeeded":
+        raise SystemExit(f"job ended {done['status']}: {done.get('error')}")
+    return done
+
+
+async def drive(sock: Path, args: argparse.Namespace, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    body: dict[str, Any] = {"size": args.size, "steps": 1, "output_format": "npy"}
+    calls, to_job = [], []
+    async with AsyncClient(str(sock), timeout=900) as c:
+        await job(c, body)  # the model is loaded and warm
+        for i, state in enumerate(states):
+            run_body = dict(body, loras=[(args.name, 1.0)]) if args.kind == "lora" else body
+            t0 = time.perf_counter()
+            if args.kind == "lora":
+                version = await c.update_lora(args.name, state)
+            else:
+                version = await c.update_weights("m", args.component, state)
+            t1 = time.perf_counter()
+            done = await job(c, run_body)
+            t2 = time.perf_counter()
+            seen = done.get("lora_versions" if args.kind == "lora" else "weight_versions")
+            print(f"round {i}: version {version}, call {t1 - t0:.3f} s, to first job done {t2 - t0:.3f} s, "
+                  f"job says {seen}", file=sys.stderr)
+            if i:  # round 0 makes the adapter (PEFT layers injected): reported apart
+                calls.append(t1 - t0)
+                to_job.append(t2 - t0)
+            else:
+                first = {"call_s": t1 - t0, "to_job_s": t2 - t0}
+        alone = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            await job(c, dict(body, loras=[(args.name, 1.0)]) if args.kind == "lora" else body)
+            alone.append(time.perf_counter() - t0)
+    return {"first_round": first, "call_s": calls, "to_job_s": to_job, "call_s_median": statistics.median(calls),
+            "to_job_s_median": statistics.median(to_job), "job_alone_s_median": statistics.median(alone)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kind", choices=("lora", "weights"))
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--component", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--size", default="256x256")
+    ap.add_argument("--name", default="trainer")
+    ap.add_argument("--serve-extra", default="")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    preset = get_preset(args.preset)
+    component = build_part(preset.parts[args.component], "meta")
+    t0 = time.perf_counter()
+    if args.kind == "lora":
+        states = [lora_state(component, args.component, args.rank, dtype) for _ in range(args.rounds)]
+    else:
+        states = [full_state(component, dtype) for _ in range(args.rounds)]
+    made = time.perf_counter() - t0
+    nbytes = sum(t.numel() * t.element_size() for t in states[0].values())
+    with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
+        sock = Path(tmp) / "d.sock"
+        log = Path(tmp) / "serve.log"
+        argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--no-persist",
+                "--model", f"m=random:{args.preset},save=0", "--dtype", args.dtype, "--workers", "1",
+                *shlex.split(args.serve_extra)]
+        with process(argv, log) as proc:
+            try:
+                wait_ready(proc, sock, log, "diffusiond", 900)
+                result = asyncio.run(drive(sock, args, states))
+            except BaseException:
+                print(log.read_text()[-3000:], file=sys.stderr)
+                raise
+    print(json.dumps({"kind": args.kind, "preset": args.preset, "component": args.component, "rank": args.rank,
+                      "dtype": args.dtype, "tensors": len(states[0]), "bytes": nbytes, "made_s": made, **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

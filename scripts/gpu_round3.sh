@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The H200 figures of issues 27, 29 and 30 that need a GPU (docs/benchmarks.md), as named steps, each
+# bounded by its own timeout so one that hangs leaves the others' results. Wheels carried in .whl/.
+# Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
+#   scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack
+#   scripts/gpu_round3.sh setup lora weights trajectory-flow controlnet presets pack
+set -uo pipefail
+out=/tmp/r3-out
+mkdir -p "$out"  # packed into $OUT/r3.tgz by the step `pack` (a device call returns 8 files at most)
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+cache=/tmp/dcache
+export DIFFUSIOND_CACHE=$cache
+step() {  # name timeout command...: its stdout's last line (the JSON) to $out/NAME.json, stderr to NAME.log
+  local name=$1 t=$2; shift 2
+  local t0=$SECONDS
+  timeout "$t" "$@" > "$out/$name.json" 2> "$out/$name.log"
+  echo "== $name rc=$? $((SECONDS - t0))s"; tail -c 1500 "$out/$name.json"; echo; grep -v '^{' "$out/$name.log" | tail -4
+}
+for s in "$@"; do
+  case $s in
+    setup)
+      if [ ! -f /tmp/site/.done ]; then
+        pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$out/setup.log" 2>&1 \
+          && touch /tmp/site/.done
+      fi
+      echo "setup: $(ls /tmp/site | grep -c dist-info) packages"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
+    alternate)  # issue 27: two SDXL-size models alternating under a budget for one, against both resident
+      step alternate 330 python3 -m diffusiond bench --alternate random:sdxl,save=0 random:sdxl,save=0 \
+        --device-memory 12GiB --size 1024x1024 --steps 20 --format png --requests 24 --concurrency 4 --rounds 2 --json ;;
+    cold)  # issue 27: first image from a cold daemon on an SD 1.5 folder, page cache warm
+      step sd15-folder 200 python3 scripts/bench_presets.py --preset random:sd15 --dtype float16 --save 1 --steps 4 \
+        --cache $cache
+      step cold 200 python3 scripts/bench_cold.py --folder $cache/models/random-sd15-v1 --starts 3 ;;
+    trajectory-sd15)  # issue 29: rollouts with trajectories against without, same sampler
+      step trajectory-sd15 240 python3 scripts/bench_ab.py --label "sd15 ddim eta=1 512 20 steps" \
+        --serve "--model m=random:sd15,save=0 --dtype float16 --max-batch 1" \
+        --base '{"size": "512x512", "steps": 20, "scheduler": "ddim", "eta": 1.0}' \
+        --b '{"trajectory": {"latents": true, "log_probs": true}}' --requests 24 --concurrency 4 --rounds 4 ;;
+    trajectory-flow)
+      step trajectory-flow 240 python3 scripts/bench_ab.py --label "sd3.5-medium flow-sde 512 20 steps" \
+        --serve "--model m=random:sd3.5-medium,save=0 --dtype bfloat16 --max-batch 1" \
+        --base '{"size": "512x512", "steps": 20, "scheduler": "flow-sde", "noise_level": 0.7}' \
+        --b '{"trajectory": {"latents": true, "log_probs": true}}' --requests 16 --concurrency 4 --rounds 4 ;;
+    lora)  # issue 29: update_lora of a rank-64 adapter on the FLUX.1-dev transformer
+      step lora 240 python3 scripts/bench_live.py lora --preset flux-dev --component transformer --rank 64 \
+        --dtype bfloat16 --rounds 5 ;;
+    weights)  # issue 29: update_weights of the SDXL UNet
+      step weights 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 --rounds 3 ;;
+    controlnet)  # issue 30: a ControlNet's cost against the plain job (SD 1.5, ControlNet from its UNet)
+      python3 - <<'PY' > "$out/controlnet-build.log" 2>&1
+import numpy as np, torch
+from PIL import Image
+from diffusers import ControlNetModel
+from diffusiond.pipelines.presets import build_part, get_preset
+unet = build_part(get_preset("sd15").parts["unet"], "cuda", torch.float16)
+ControlNetModel.from_unet(unet).save_pretrained("/tmp/cn-sd15")
+img = np.zeros((512, 512, 3), np.uint8); img[128:384, 128:384] = 255
+Image.fromarray(img).save("/tmp/control.png")
+print("ok")
+PY
+      tail -1 "$out/controlnet-build.log"
+      step controlnet 240 python3 scripts/bench_ab.py --label "sd15 + controlnet 512 20 steps" \
+        --serve "--model m=random:sd15,save=0 --dtype float16 --max-batch 1 --controlnet cn=/tmp/cn-sd15" \
+        --base '{"size": "512x512", "steps": 20}' \
+        --b '{"control": [{"name": "cn", "image": "/tmp/control.png", "scale": 1.0}]}' \
+        --requests 24 --concurrency 4 --rounds 4 ;;
+    presets)  # issue 30: the new presets' forward times (random weights, as built, 6 steps after a 2-step warm-up)
+      for p in sd3.5-medium sd3.5-large qwen-image ltx-2b wan2.2-5b; do
+        extra=""; [ $p = wan2.2-5b ] && extra="--frames 41"
+        step preset-$p 150 python3 scripts/bench_presets.py --preset random:$p --save 0 --steps 6 $extra \
+          --json "$out/preset-$p.result.json"
+      done ;;
+    pack) tar czf "${OUT:-.}/r3-$(date +%H%M%S).tgz" -C /tmp r3-out && echo packed ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
