@@ -30,6 +30,8 @@ from diffusiond.client.errors import DaemonError, DaemonUnreachable
 
 async def first_image(proc: Any, sock: Path, body: dict[str, Any], t_spawn: float) -> dict[str, float]:
     while not sock.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"the daemon exited with {proc.returncode} before listening")
         await asyncio.sleep(0.02)
     t_socket = time.perf_counter()
     async with AsyncClient(str(sock), timeout=600) as c:
@@ -65,6 +67,7 @@ def main() -> int:
     ap.add_argument("--size", default="512x512")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--device", default="cuda", help="serve --device (it defaults to cpu)")
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--serve-extra", default="", help="more serve arguments, one string")
     args = ap.parse_args()
@@ -76,11 +79,12 @@ def main() -> int:
             sock = Path(tmp) / "d.sock"
             log = Path(tmp) / "serve.log"
             argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--state-dir", f"{tmp}/state",
-                    "--model", f"sd={args.folder}", "--dtype", args.dtype, *shlex.split(args.serve_extra)]
+                    "--model", f"sd={args.folder}", "--device", args.device, "--dtype", args.dtype,
+                    *shlex.split(args.serve_extra)]
             t_spawn = time.perf_counter()
             with process(argv, log) as proc:
                 try:
-                    r = asyncio.run(asyncio.wait_for(first_image(proc, sock, body, t_spawn), 600))
+                    r = asyncio.run(asyncio.wait_for(first_image(proc, sock, body, t_spawn), 60))
                 except BaseException:
                     print(log.read_text()[-3000:], file=sys.stderr)
                     raise

@@ -115,8 +115,8 @@ def main() -> int:
         sock = Path(tmp) / "d.sock"
         log = Path(tmp) / "serve.log"
         argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--no-persist",
-                "--model", f"m=random:{args.preset},save=0", "--dtype", args.dtype, "--workers", "1",
-                *shlex.split(args.serve_extra)]
+                "--model", f"m=random:{args.preset},save=0", "--device", "cuda", "--dtype", args.dtype,
+                "--workers", "1", *shlex.split(args.serve_extra)]
         with process(argv, log) as proc:
             try:
                 wait_ready(proc, sock, log, "diffusiond", 900)

@@ -19,26 +19,23 @@ step() {  # name timeout command...: its stdout's last line (the JSON) to $out/N
 for s in "$@"; do
   case $s in
     setup)
-      if [ ! -f /tmp/site/.done ]; then
-        pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$out/setup.log" 2>&1 \
-          && touch /tmp/site/.done
-      fi
+      pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl > "$out/setup.log" 2>&1
       echo "setup: $(ls /tmp/site | grep -c dist-info) packages"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
     alternate)  # issue 27: two SDXL-size models alternating under a budget for one, against both resident
       step alternate 330 python3 -m diffusiond bench --alternate random:sdxl,save=0 random:sdxl,save=0 \
-        --device-memory 12GiB --size 1024x1024 --steps 20 --format png --requests 24 --concurrency 4 --rounds 2 --json ;;
+        --device-memory ${ALT_BUDGET:-12GiB} --size 1024x1024 --steps 20 --format png --requests 24 --concurrency 4 --rounds 2 --json ;;
     cold)  # issue 27: first image from a cold daemon on an SD 1.5 folder, page cache warm
-      step sd15-folder 200 python3 scripts/bench_presets.py --preset random:sd15 --dtype float16 --save 1 --steps 4 \
+      step sd15-folder 100 python3 scripts/bench_presets.py --preset random:sd15 --dtype float16 --save 1 --steps 4 \
         --cache $cache
-      step cold 200 python3 scripts/bench_cold.py --folder $cache/models/random-sd15-v1 --starts 3 ;;
+      step cold 80 python3 scripts/bench_cold.py --folder $cache/models/random-sd15-v1 --starts 3 ;;
     trajectory-sd15)  # issue 29: rollouts with trajectories against without, same sampler
-      step trajectory-sd15 240 python3 scripts/bench_ab.py --label "sd15 ddim eta=1 512 20 steps" \
-        --serve "--model m=random:sd15,save=0 --dtype float16 --max-batch 1" \
+      step trajectory-sd15 150 python3 scripts/bench_ab.py --label "sd15 ddim eta=1 512 20 steps" \
+        --serve "--model m=random:sd15,save=0 --device cuda --dtype float16 --max-batch 1" \
         --base '{"size": "512x512", "steps": 20, "scheduler": "ddim", "eta": 1.0}' \
-        --b '{"trajectory": {"latents": true, "log_probs": true}}' --requests 24 --concurrency 4 --rounds 4 ;;
+        --b '{"trajectory": {"latents": true, "log_probs": true}}' --requests 16 --concurrency 4 --rounds 4 ;;
     trajectory-flow)
       step trajectory-flow 240 python3 scripts/bench_ab.py --label "sd3.5-medium flow-sde 512 20 steps" \
-        --serve "--model m=random:sd3.5-medium,save=0 --dtype bfloat16 --max-batch 1" \
+        --serve "--model m=random:sd3.5-medium,save=0 --device cuda --dtype bfloat16 --max-batch 1" \
         --base '{"size": "512x512", "steps": 20, "scheduler": "flow-sde", "noise_level": 0.7}' \
         --b '{"trajectory": {"latents": true, "log_probs": true}}' --requests 16 --concurrency 4 --rounds 4 ;;
     lora)  # issue 29: update_lora of a rank-64 adapter on the FLUX.1-dev transformer
@@ -60,7 +57,7 @@ print("ok")
 PY
       tail -1 "$out/controlnet-build.log"
       step controlnet 240 python3 scripts/bench_ab.py --label "sd15 + controlnet 512 20 steps" \
-        --serve "--model m=random:sd15,save=0 --dtype float16 --max-batch 1 --controlnet cn=/tmp/cn-sd15" \
+        --serve "--model m=random:sd15,save=0 --device cuda --dtype float16 --max-batch 1 --controlnet cn=/tmp/cn-sd15" \
         --base '{"size": "512x512", "steps": 20}' \
         --b '{"control": [{"name": "cn", "image": "/tmp/control.png", "scale": 1.0}]}' \
         --requests 24 --concurrency 4 --rounds 4 ;;
