@@ -41,8 +41,8 @@ BATCH_TOL = 1e-3
 # flow-sde on tiny-flux: the test's forward runs the same float32 CPU kernels on a batch of another shape
 # (all steps at once); measured 0 on the 2-core box, and a LoRA's change moves log-probs by far more
 FLOW_TOL = 1e-4
-FLOW: dict[str, Any] = {"model": "flux", "scheduler": "flow-sde", "eta": None, "noise_level": 0.7, "guidance_scale": 3.5,
-        "steps": 3}
+FLOW: dict[str, Any] = {"model": "flux", "scheduler": "flow-sde", "eta": None, "noise_level": 0.7,
+                        "guidance_scale": 3.5, "steps": 3}
 
 
 @pytest.fixture(scope="module")

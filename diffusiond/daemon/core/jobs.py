@@ -169,6 +169,7 @@ class Job:
     approximations: tuple[str, ...] = ()
     compiled: str = ""
     lora_versions: dict[str, int] = field(default_factory=dict)  # each adapter's version it ran with
+    weight_versions: dict[str, int] = field(default_factory=dict)  # each updated component's version, likewise
     sync: bool = False  # submitted through the synchronous endpoint
     attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)

@@ -79,6 +79,7 @@ def job(j: Job) -> dict[str, Any]:
         "approximations": list(j.approximations),
         "compiled": j.compiled or None,
         "lora_versions": dict(j.lora_versions) or None,  # the version of each adapter in request.loras it ran with
+        "weight_versions": dict(j.weight_versions) or None,  # each component update_weights changed, its version
         "request": {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt,

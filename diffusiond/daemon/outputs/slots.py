@@ -369,6 +369,8 @@ class Outputs:
                 for n, s, a, b, p in r.controls)
         if item.job.lora_versions:
             meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.job.lora_versions.items()))
+        if item.job.weight_versions:
+            meta["weight_versions"] = ", ".join(f"{c}:{v}" for c, v in sorted(item.job.weight_versions.items()))
         if item.job.approximations:  # the output is not the model's exact one: say how it differs
             meta["approximations"] = ", ".join(item.job.approximations)
         if item.job.compiled:
