@@ -141,6 +141,7 @@ class Item:
     trajectory_data: bytes | None = None  # the region's bytes, once spilled out of the arena
     trajectory_pins: int = 0
     trajectory_release_pending: bool = False
+    trajectory_files: dict[str, dict[str, Any]] | None = None  # its arrays' files in the state dir (durable jobs)
 
     @property
     def request_id(self) -> str:
