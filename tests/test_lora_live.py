@@ -115,7 +115,7 @@ async def test_a_job_running_before_an_update_and_one_after_record_different_ver
     assert done1["lora_versions"] == {"ordered": before} and done2["lora_versions"] == {"ordered": after}
     from PIL import Image
 
-    assert Image.open(io.BytesIO(png)).text["lora_versions"] == f"ordered:{after}"  # the file says it too
+    assert Image.open(io.BytesIO(png)).info["lora_versions"] == f"ordered:{after}"  # the file says it too
 
 
 async def test_refusals_name_the_first_bad_tensor(sock: Path, dots_state: dict[str, Any]) -> None:
