@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from daemonkit import Daemon, get, http, sigkill, submit, until, wait_job
 from PIL import Image
 
 from conftest import ROOT
+from diffusiond.client import Client
 
 BODY = {"model": "tiny", "width": 64, "height": 64, "steps": 2, "output_format": "png"}
 ENV = {"OMP_NUM_THREADS": "1"}  # one thread: a seed gives the same bytes in every run
@@ -175,6 +177,41 @@ async def test_finished_jobs_and_their_outputs_outlive_a_restart(daemon_factory:
         async with s.get(f"/v1/jobs/{png['id']}/events") as r:  # a finished job's stream: its end, at once
             text = await r.text()
         assert "event: done" in text
+
+
+ROLLOUT = {"scheduler": "ddim", "eta": 1.0, "trajectory": {"latents": True, "log_probs": True}}
+
+
+async def trajectory_arrays(s: aiohttp.ClientSession, job: dict[str, Any], k: int = 0) -> dict[str, bytes]:
+    arrays = {}
+    for name, entry in job["outputs"][k]["trajectory"].items():
+        async with s.get(entry["url"]) as r:
+            assert r.status == 200, await r.text()
+            arrays[name] = await r.read()
+    return arrays
+
+
+async def test_a_finished_jobs_trajectory_outlives_a_restart_beside_its_outputs(daemon_factory: Factory,
+                                                                                 tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = daemon_factory(*serve_args(state), env=ENV)
+    async with http(first.socket) as s:
+        job = await wait_job(s, (await submit(s, {**BODY, **ROLLOUT, "prompt": "a fox", "n": 2, "seed": 3}))["id"])
+        before = [await trajectory_arrays(s, job, k) for k in range(2)]
+    assert f"{job['id']}-1.latents.npy" in files(state)  # an npy file per array, beside the outputs
+    first.stop()
+    second = daemon_factory(*serve_args(state), env=ENV)
+    async with http(second.socket) as s:
+        status, again = await get(s, f"/v1/jobs/{job['id']}")
+        assert status == 200
+        assert [o["trajectory"] for o in again["outputs"]] == [o["trajectory"] for o in job["outputs"]]
+        assert [await trajectory_arrays(s, again, k) for k in range(2)] == before  # the same bytes
+        with Client(str(second.socket)) as c:  # no shared memory holds them now: the client reads them over HTTP
+            mapped = await asyncio.to_thread(c.trajectory, job["id"], 1)
+        assert mapped["log_probs"].tobytes() == np.load(io.BytesIO(before[1]["log_probs"])).tobytes()
+        async with s.delete(f"/v1/jobs/{job['id']}") as r:
+            assert r.status == 200, await r.text()
+    assert not [n for n in files(state) if n.startswith(job["id"])], "DELETE left trajectory files behind"
 
 
 # history ----------------------------------------------------------------------------------------
@@ -398,6 +435,8 @@ async def test_no_persist_keeps_nothing_on_disk(daemon_factory: Factory, tmp_pat
     d = daemon_factory("--model", "tiny", "--no-persist", "--state-dir", str(state), env=ENV)
     async with http(d.socket) as s:
         job = await wait_job(s, (await submit(s, {**BODY, "prompt": "x"}))["id"])
+        traj = await wait_job(s, (await submit(s, {**BODY, **ROLLOUT, "prompt": "x"}))["id"])
+        assert (await trajectory_arrays(s, traj)).keys() == {"latents", "log_probs", "timesteps", "sigmas"}
         _, page = await get(s, "/v1/jobs")
-        assert [j["id"] for j in page["data"]] == [job["id"]]
-    assert not state.exists()
+        assert [j["id"] for j in page["data"]] == [traj["id"], job["id"]]
+    assert not state.exists()  # the trajectory too lived in memory only

@@ -11,6 +11,7 @@ import array
 import asyncio
 import io
 import os
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from daemonkit import Daemon, http, shared_daemon, submit, until, wait_job, when_idle
+from daemonkit import Daemon, health, http, shared_daemon, submit, until, wait_job, when_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -114,7 +115,7 @@ async def test_a_job_running_before_an_update_and_one_after_record_different_ver
     assert done1["lora_versions"] == {"ordered": before} and done2["lora_versions"] == {"ordered": after}
     from PIL import Image
 
-    assert Image.open(io.BytesIO(png)).text["lora_versions"] == f"ordered:{after}"  # the file says it too
+    assert Image.open(io.BytesIO(png)).info["lora_versions"] == f"ordered:{after}"  # the file says it too
 
 
 async def test_refusals_name_the_first_bad_tensor(sock: Path, dots_state: dict[str, Any]) -> None:
@@ -248,3 +249,36 @@ async def test_update_weights_replaces_a_components_parameters_in_place(sock: Pa
             assert err.value.status == status and named in err.value.message, err.value
         assert await base(s) == before  # refusals changed nothing
     assert zeroed != before and restored == before and v2 == v1 + 1
+
+
+async def test_a_replacement_worker_gets_the_live_adapter_and_weights_before_its_first_job(
+        live_daemon: Daemon, sock: Path, dots_state: dict[str, Any]) -> None:
+    """The engine keeps each update's memfd: a worker started after them (here the replacement of one
+    killed with SIGKILL) gets them again before it takes a job, and ends at the same versions."""
+    from safetensors import safe_open
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
+        original = f.get_tensor("conv_out.weight")
+    async with AsyncClient(str(sock)) as c, http(sock) as s:
+        await c.update_lora("survivor", dots_state)
+        v = await c.update_lora("survivor", {k: v * 2 for k, v in dots_state.items()})  # the second one counts
+        try:
+            await c.update_weights("tiny", "unet", {"conv_out.weight": original * 0.5})
+            w = await c.update_weights("tiny", "unet", {"conv_out.weight": original * 0.25})
+            before, job = await run(s, "survivor")
+            assert job["lora_versions"] == {"survivor": v} and job["weight_versions"] == {"unet": w}
+            (old,) = [x["pid"] for x in (await health(s))["workers"]]
+            os.kill(old, signal.SIGKILL)
+
+            async def replaced() -> bool:
+                workers = (await health(s))["workers"]
+                return [x["state"] for x in workers] == ["ready"] and workers[0]["pid"] not in (old, None)
+
+            await until(replaced, 120, "the killed worker's replacement to be ready")
+            after, job2 = await run(s, "survivor")
+            assert job2["lora_versions"] == {"survivor": v} and job2["weight_versions"] == {"unet": w}
+            assert after == before  # the updated adapter and component, not the files' weights
+        finally:
+            await c.update_weights("tiny", "unet", {"conv_out.weight": original})  # as the module found it

@@ -42,6 +42,7 @@ def test_reading_specs_loads_no_torch() -> None:
     [
         ("tiny", ModelSpec("tiny", "tiny")),
         (" tiny-video ", ModelSpec("tiny-video", "tiny-video")),
+        ("tiny-flux", ModelSpec("tiny-flux", "tiny-flux")),
         ("synthetic", ModelSpec("synthetic", "synthetic")),
         (
             "synthetic:compute_ms=40, task=video,",

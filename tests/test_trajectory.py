@@ -1,11 +1,14 @@
 """Issue 29, the transport slice: trajectories (latents at every step, log-probs, timesteps, sigmas) on
-request, travelling the output path, against one real daemon (``tiny`` with ddim and eta; a tiny FLUX
-built in code with flow-sde).
+request, travelling the output path, against one real daemon (``tiny`` with ddim and eta; ``tiny-flux``,
+the embedded FLUX, with flow-sde).
 
 The log-probs the daemon returns are recomputed here from the latents it returned: ``tiny`` is loaded
 in this process the way the worker loads it, the model's guided noise prediction is computed on each
 step's latents, the step's mean comes from the scheduler's own formula (``ddim_mean_std``), and the
-Gaussian log-density of the next latents under it is compared, within ``LOG_PROB_TOL``.
+Gaussian log-density of the next latents under it is compared, within ``LOG_PROB_TOL``. The same for
+flow-sde on ``tiny-flux`` (the transformer's velocity on the returned latents, packed as FluxPipeline packs
+them, Flow-GRPO's mean): alone, in a batch of 4, and with a live LoRA before and after ``update_lora``,
+within ``FLOW_TOL``.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import numpy as np
 import pytest
 import torch
 from daemonkit import Daemon, shared_daemon
-from fluxkit import build_flux
 
 from diffusiond.client import Client, DaemonError
 from diffusiond.client.zerocopy import OutputMapper
 
-DDIM = {"scheduler": "ddim", "eta": 1.0, "width": 64, "height": 64, "steps": 3, "guidance_scale": 5.0,
+DDIM: dict[str, Any] = {"scheduler": "ddim", "eta": 1.0, "width": 64, "height": 64, "steps": 3, "guidance_scale": 5.0,
         "output_format": "npy"}
 TRAJ = {"latents": True, "log_probs": True}
 LOG_PROB_TOL = 1e-3  # float32 UNet on CPU: another batch shape moves a prediction by ~1e-6, a log-prob by less
@@ -36,14 +38,18 @@ ARENA_MB = 2
 # float32 kernels on CPU block a batch of 8 (4 with guidance) differently from one of 2: the same
 # request's latents differ by ~1e-4 after a few steps; a slicing mix-up would differ by ~1
 BATCH_TOL = 1e-3
+# flow-sde on tiny-flux: the test's forward runs the same float32 CPU kernels on a batch of another shape
+# (all steps at once); measured 0 on the 2-core box, and a LoRA's change moves log-probs by far more
+FLOW_TOL = 1e-4
+FLOW: dict[str, Any] = {"model": "flux", "scheduler": "flow-sde", "eta": None, "noise_level": 0.7,
+                        "guidance_scale": 3.5, "steps": 3}
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("trajectory")
-    flux = build_flux(tmp / "flux")
-    (tmp / "d.toml").write_text(f'[[models]]\nname = "tiny"\nspec = "tiny"\n\n'
-                                f'[[models]]\nname = "flux"\nspec = "{flux}"\n')
+    (tmp / "d.toml").write_text('[[models]]\nname = "tiny"\nspec = "tiny"\n\n'
+                                '[[models]]\nname = "flux"\nspec = "tiny-flux"\n')
     args = ["--config", str(tmp / "d.toml"), "--arena-mb", str(ARENA_MB), "--max-batch", "4", "--no-persist",
             "--job-timeout", "120"]
     with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
@@ -245,3 +251,85 @@ def test_flow_sde_on_a_flux_model_gives_unpacked_latents_from_the_seed(daemon: D
     assert np.array_equal(a["latents"][0], seed_noise(9, a["latents"].shape[1:]))
     assert a["sigmas"][0] == pytest.approx(1.0) and np.all(np.diff(a["sigmas"]) < 0)
     assert np.all(np.isfinite(a["log_probs"]))
+
+
+# --- rollout against actor: flow-sde recomputed in this process ------------------------------------------------
+@pytest.fixture(scope="module")
+def flux_actor(model_cache: Path) -> Any:
+    """The test's own copy of tiny-flux, loaded as the worker loads it, with a LoRA slot on its transformer."""
+    from peft import LoraConfig
+
+    from diffusiond.pipelines import load_pipeline
+    from diffusiond.pipelines.tiny_flux import LORA_TARGETS
+
+    pipe = load_pipeline("tiny-flux").pipe  # type: ignore[attr-defined]
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))
+    pipe.transformer.disable_adapters()
+    return pipe
+
+
+def flow_log_probs(pipe: Any, prompt: str, a: dict[str, np.ndarray], *, guidance: float = 3.5,
+                   noise_level: float = 0.7) -> np.ndarray:
+    """Every step's log-prob of the returned latents under ``pipe``'s current weights."""
+    from diffusiond.pipelines.rollout_schedulers import flow_sde_mean_std, gaussian_log_prob
+
+    with torch.inference_mode():
+        embeds, pooled, text_ids = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=torch.device("cpu"))
+        lat = torch.from_numpy(a["latents"]).float()
+        steps, (c, h, w) = lat.shape[0] - 1, lat.shape[1:]
+        packed = pipe._pack_latents(lat, steps + 1, c, h, w)
+        img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, lat.device, lat.dtype)
+        v = pipe.transformer(hidden_states=packed[:steps], timestep=torch.from_numpy(a["timesteps"]) / 1000,
+                             guidance=torch.full((steps,), guidance), pooled_projections=pooled.expand(steps, -1),
+                             encoder_hidden_states=embeds.expand(steps, -1, -1), txt_ids=text_ids, img_ids=img_ids,
+                             return_dict=False)[0]
+        sigmas = [float(x) for x in a["sigmas"]] + [0.0]
+        out = []
+        for i in range(steps):
+            mean, std = flow_sde_mean_std(packed[i], v[i], sigmas[i], sigmas[i + 1], sigmas[1], noise_level)
+            out.append(float(gaussian_log_prob(packed[i + 1][None], mean[None], std)[0]))
+    return np.array(out)
+
+
+def test_flow_sde_log_probs_match_the_actor_alone_and_in_a_batch_of_four(daemon: Daemon, flux_actor: Any) -> None:
+    alone = run_job(daemon, **FLOW, seed=11, prompt="a red fox")
+    batch = run_job(daemon, **FLOW, seed=30, prompt="a blue boat", n=4)
+    assert len({o["batch"] for o in batch["outputs"]}) == 1, "the four outputs ran as one batch"
+    for prompt, job, k in [("a red fox", alone, 0), *(("a blue boat", batch, k) for k in range(4))]:
+        a = over_http(daemon, job, k)
+        np.testing.assert_allclose(flow_log_probs(flux_actor, prompt, a), a["log_probs"], rtol=0, atol=FLOW_TOL,
+                                   err_msg=f"output {k} of {job['id']}")
+
+
+def test_after_update_lora_the_next_jobs_match_the_new_weights_not_the_old(daemon: Daemon, flux_actor: Any) -> None:
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    transformer = flux_actor.transformer
+    gen = torch.Generator().manual_seed(0)
+    states = []
+    for scale in (1.0, -1.0):  # two versions of one adapter: the same modules, other values
+        state = {k: torch.randn(v.shape, generator=gen) * scale
+                 for k, v in get_peft_model_state_dict(transformer).items()}
+        states.append(state)
+    lora = {**FLOW, "loras": [{"name": "actor", "weight": 1.0}]}
+    logps = []
+    with Client(str(daemon.socket)) as c:
+        for state in states:
+            version = c.update_lora("actor", {f"transformer.{k}": v for k, v in state.items()})
+            job = run_job(daemon, **lora, seed=12, prompt="a red fox")
+            assert job["lora_versions"] == {"actor": version}
+            logps.append(over_http(daemon, job, 0))
+    transformer.disable_adapters()
+    base = [flow_log_probs(flux_actor, "a red fox", a) for a in logps]
+    try:
+        transformer.enable_adapters()
+        mine = []
+        for state in states:
+            set_peft_model_state_dict(transformer, state)
+            mine.append([flow_log_probs(flux_actor, "a red fox", a) for a in logps])
+    finally:
+        transformer.disable_adapters()
+    for v, a in enumerate(logps):  # job v ran with version v's weights: it matches them, not the other's
+        np.testing.assert_allclose(mine[v][v], a["log_probs"], rtol=0, atol=FLOW_TOL, err_msg=f"version {v + 1}")
+        assert np.abs(mine[1 - v][v] - a["log_probs"]).max() > 100 * FLOW_TOL, f"version {v + 1} vs the other"
+        assert np.abs(base[v] - a["log_probs"]).max() > 100 * FLOW_TOL, f"version {v + 1} vs no adapter"

@@ -330,8 +330,8 @@ class ComputeDone(msgspec.Struct, frozen=True):
     # that compiled, a device or system without a cheap honest figure).
     working_bytes: int | None = None
     working_batch: int = 0
-    # the version of each adapter the batch ran with (0: as registered from its file); see UPDATE_LORA
-    lora_versions: dict[str, int] = {}
+    lora_versions: dict[str, int] = {}  # each adapter's version the batch ran with (0: from its file)
+    weight_versions: dict[str, int] = {}  # each component's that UPDATE_WEIGHTS changed in this worker
 
 
 class Progress(msgspec.Struct, frozen=True):

@@ -20,6 +20,8 @@ from diffusiond.pipelines.spec import check_options, parse_spec
 from diffusiond.pipelines.synthetic import SyntheticPipeline
 from diffusiond.pipelines.tiny import DEFAULTS as TINY_DEFAULTS
 from diffusiond.pipelines.tiny import ensure_tiny
+from diffusiond.pipelines.tiny_flux import DEFAULTS as TINY_FLUX_DEFAULTS
+from diffusiond.pipelines.tiny_flux import ensure_tiny_flux
 from diffusiond.pipelines.tiny_inpaint import ensure_tiny_inpaint
 from diffusiond.pipelines.tiny_video import DEFAULTS as TINY_VIDEO_DEFAULTS
 from diffusiond.pipelines.tiny_video import ensure_tiny_video
@@ -86,6 +88,11 @@ def load_pipeline(
         return load_folder(
             ensure_tiny_video(), name=name or "tiny-video", device=dev, dtype=torch_dtype, options=opts,
             defaults=TINY_VIDEO_DEFAULTS,
+        )  # fmt: skip
+    if parsed.kind == "tiny-flux":
+        return load_folder(
+            ensure_tiny_flux(), name=name or "tiny-flux", device=dev, dtype=torch_dtype, options=opts,
+            defaults=TINY_FLUX_DEFAULTS,
         )  # fmt: skip
     if parsed.kind == "random":
         return load_preset(parsed.target, name=name, device=dev, dtype=torch_dtype, options=opts)

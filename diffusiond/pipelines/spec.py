@@ -12,7 +12,7 @@ Grammar::
              | "random:" PRESET ["," OPTIONS]
              | FILE.gguf ",base=" (FOLDER | ORG/NAME) ["," OPTIONS]   (a GGUF transformer; the rest from the base)
              | MODEL ["," OPTIONS]
-    MODEL   := "tiny" | "tiny-inpaint" | "tiny-video" | FOLDER | FILE.safetensors | ORG/NAME (hub id)
+    MODEL   := "tiny" | "tiny-inpaint" | "tiny-video" | "tiny-flux" | FOLDER | FILE.safetensors | ORG/NAME (hub id)
     OPTIONS := KEY "=" VALUE ("," KEY "=" VALUE)*   (``quant``'s value may hold commas: parse_options)
 
 A folder whose own name holds a comma is still that folder: the whole spec is tried as a path first.
@@ -55,7 +55,7 @@ KNOWN_OPTIONS = frozenset(
     }
 )
 ACCEPTED_FORMS = (
-    "'tiny', 'tiny-inpaint' or 'tiny-video' (embedded random-weight models, no download), "
+    "'tiny', 'tiny-inpaint', 'tiny-video' or 'tiny-flux' (embedded random-weight models, no download), "
     "'random:<preset>' (a real architecture at full size with random weights, for benchmarks: "
     "random:sd15, random:sdxl, random:flux-dev, random:wan-1.3b, random:sd3.5-medium, random:sd3.5-large, "
     "random:wan2.2-5b, random:ltx-2b, random:qwen-image), "
@@ -68,7 +68,8 @@ ACCEPTED_FORMS = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
-Kind = Literal["synthetic", "tiny", "tiny-inpaint", "tiny-video", "random", "folder", "checkpoint", "gguf", "hub"]
+Kind = Literal["synthetic", "tiny", "tiny-inpaint", "tiny-video", "tiny-flux", "random", "folder", "checkpoint", "gguf",
+               "hub"]
 OFFLOAD_MODES = ("none", "model", "group", "sequential", "auto")
 
 
@@ -149,6 +150,8 @@ def parse_spec(spec: str) -> ModelSpec:
         return ModelSpec("tiny-video", spec)
     if spec == "tiny-inpaint":
         return ModelSpec("tiny-inpaint", spec)
+    if spec == "tiny-flux":
+        return ModelSpec("tiny-flux", spec)
     if spec.startswith("random:"):
         key, _, rest = spec.removeprefix("random:").partition(",")  # random:wan-1.3b,save=0
         return ModelSpec("random", key, parse_options(rest, spec))

@@ -126,6 +126,8 @@ class ComputeThread:
     ) -> None:
         self.pipeline = pipeline
         self.adapters = adapters
+        # the version of each component update_weights changed, as applied here (what a batch runs with)
+        self.weight_versions: dict[str, int] = {}
         self.controlnets = controlnets
         self.copier = copier
         self.state = state
@@ -311,7 +313,8 @@ class ComputeThread:
         self.state.record("compute_end", batch.batch_id)
         self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms,
                               working_bytes=working if measured else None, working_batch=ran if measured else 0,
-                              lora_versions=self._versions(batch.params.loras)))
+                              lora_versions=self._versions(batch.params.loras),
+                              weight_versions=dict(self.weight_versions)))
         job = CopyJob(batch.batch_id, batch.params, live, outputs, event, trajectories or None)
         if self.sync_output:
             self.copier.process(job)
@@ -402,6 +405,8 @@ class ComputeThread:
             state = read_tensors(msg, item.fds[0])
             if isinstance(msg, UpdateWeights):
                 why = apply_weights(self.pipeline, msg, state)
+                if not why:
+                    self.weight_versions[msg.component] = msg.version
             else:
                 why = unsupported(self.pipeline) if self.adapters is None else \
                     apply_update(self.adapters, self.pipeline.name, msg, state)

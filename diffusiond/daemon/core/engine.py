@@ -75,7 +75,8 @@ class Engine(OutputAccess):
         self.controls = ControlRegistry(config.controlnets)
         self.live_loras, self.live_components = LiveLoras(self.loras), LiveComponents()  # update_lora/_weights
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
-                               on_ready=self._on_worker_ready, spawn=spawn)
+                               on_ready=self._on_worker_ready, spawn=spawn,
+                               prepare=self._prepare_worker)
         self.pool.lora_target_rank = self.loras.start_rank
         self.jobs: dict[str, Job] = {}
         self.items: dict[str, Item] = {}
@@ -330,6 +331,15 @@ class Engine(OutputAccess):
         self.flights.dispatch()
 
     # frames from workers --------------------------------------------------------------------
+    async def _prepare_worker(self, model: Model, worker: WorkerLink) -> None:
+        """A worker that starts after live updates gets them before its first batch (core/weights.py)."""
+        timeout = self.config.worker_start_timeout_s
+        try:
+            await self.live_loras.replay(model, worker, timeout)
+            await self.live_components.replay(model, worker, timeout)
+        except Exception:  # a worker lost meanwhile is replaced (and prepared) again: nothing to fail here
+            log.exception("restoring live weights on %s failed", worker.name)
+
     def _on_worker_ready(self, worker: WorkerLink) -> None:
         self.flights.worker_ready(worker)
         model = self.pool.models.get(worker.config.model_name)

@@ -75,7 +75,7 @@ class Flights:
             waiting = self.scheduler.waiting(model.name)
             if not waiting:
                 continue
-            ready = [w for w in model.workers if w.state == WorkerState.READY]
+            ready = [w for w in model.workers if w.state == WorkerState.READY and w not in self.pool.preparing]
             if ready and all(len(self.in_flight.get(w, ())) >= MAX_BATCHES_PER_WORKER for w in ready):
                 continue  # nothing could be sent now: asking residency could send an idle model away for nothing
             head = waiting[0].request
@@ -85,7 +85,7 @@ class Flights:
                 continue
             self._hold(waiting, None)
             while True:
-                ready = [w for w in model.workers if w.state == WorkerState.READY
+                ready = [w for w in model.workers if w.state == WorkerState.READY and w not in self.pool.preparing
                          and len(self.in_flight.setdefault(w, collections.deque())) < MAX_BATCHES_PER_WORKER]
                 if not ready:
                     break
@@ -227,6 +227,8 @@ class Flights:
         for item in batch.items:
             if msg.lora_versions:
                 item.job.lora_versions = dict(msg.lora_versions)
+            if msg.weight_versions:
+                item.job.weight_versions = dict(msg.weight_versions)
             if not item.job.terminal and item.stage <= Stage.COMPUTING:
                 item.stage = Stage.COPYING
                 item.job.add_timing("compute", msg.compute_ms)

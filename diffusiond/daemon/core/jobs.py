@@ -141,6 +141,7 @@ class Item:
     trajectory_data: bytes | None = None  # the region's bytes, once spilled out of the arena
     trajectory_pins: int = 0
     trajectory_release_pending: bool = False
+    trajectory_files: dict[str, dict[str, Any]] | None = None  # its arrays' files in the state dir (durable jobs)
 
     @property
     def request_id(self) -> str:
@@ -169,6 +170,7 @@ class Job:
     approximations: tuple[str, ...] = ()
     compiled: str = ""
     lora_versions: dict[str, int] = field(default_factory=dict)  # each adapter's version it ran with
+    weight_versions: dict[str, int] = field(default_factory=dict)  # each updated component's version, likewise
     sync: bool = False  # submitted through the synchronous endpoint
     attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)

@@ -10,8 +10,12 @@ copies the tensors out, checks them against its model and applies them between b
 ``worker/weights.py``), and ACKs. The engine never maps or copies the tensors itself.
 
 An adapter created this way is registered like a file one (same admission, same ``GET
-/v1/loras`` entry, path ``LIVE_PATH``), but only workers running now hold it: a worker started
-later (a restart, a model loaded again) does not, and the trainer sends the weights again.
+/v1/loras`` entry, path ``LIVE_PATH``). A worker started later (a replacement for one that died, a
+model loaded on demand or again after an unload, a wake from a level-2 sleep) gets every accepted
+update again before it takes a job (``replay``, called by the pool between the worker's READY and
+its first batch): the engine keeps a duplicate of each update's memfd, dropping one as soon as a
+later update of the same adapter or component names all of its tensors, so what is kept is bounded
+by the tensors the trainer sends, and the new worker ends at the same versions as the others.
 
 One update at a time, under the registry's lock: a worker answers one command of a kind at a time,
 and an update of an adapter being registered by ``POST /v1/loras`` must not race it.
@@ -20,19 +24,51 @@ and an update of an adapter being registered by ``POST /v1/loras`` must not race
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry, ModelLoras, check_name
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
+from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.protocol import WorkerState
 
+log = logging.getLogger(__name__)
+
 DTYPES = ("float32", "float16", "bfloat16")  # what LoRA weights are trained and served in
 _KINDS = (".lora_A.weight", ".lora_B.weight")
 MAX_DIMS = 4  # Linear (2) and Conv2d (4) LoRA matrices
+
+
+Update = UpdateLora | UpdateWeights
+
+
+def keep(kept: dict[Hashable, list[tuple[Update, int]]], key: Hashable, msg: Update, fd: int) -> None:
+    """Remember ``msg`` (with a duplicate of its memfd) for workers that start later; earlier updates
+    whose every tensor ``msg`` names again are superseded, so their memfds are closed."""
+    names = {t.name for t in msg.tensors}
+    chain = []
+    for old, old_fd in kept.get(key, []):
+        if {t.name for t in old.tensors} <= names:
+            os.close(old_fd)
+        else:
+            chain.append((old, old_fd))
+    kept[key] = [*chain, (msg, os.dup(fd))]
+
+
+async def resend(worker: WorkerLink, chain: list[tuple[Update, int]], timeout: float) -> str:
+    """Send a kept chain to one worker, in order, each after the last's ACK; '' or why it stopped."""
+    for msg, fd in chain:
+        try:
+            ack = await worker.command(msg, timeout, [os.dup(fd)])
+        except Exception as exc:
+            return f"the worker did not answer: {exc}"
+        if not ack.ok:
+            return ack.message
+    return ""
 
 
 class LiveLoras:
@@ -40,6 +76,22 @@ class LiveLoras:
         self.registry = registry
         self.versions: dict[str, int] = {}  # live adapter -> the version its workers hold
         self._issued: dict[str, int] = {}  # never reused, even by an update refused everywhere
+        self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # adapter -> its updates still in force
+
+    async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
+        """Every live adapter's kept updates into a worker that started after them (under the lock, so
+        no update overtakes them); the model's entry says whether it fits there."""
+        if not self.kept:
+            return
+        async with self.registry._adding:
+            for name, chain in self.kept.items():
+                assert isinstance(name, str)
+                why = await resend(worker, chain, timeout)
+                if why:
+                    log.warning("live LoRA %r was not restored on %s: %s", name, worker.name, why)
+                    model.lora_errors[name] = why
+                else:
+                    model.lora_errors.pop(name, None)
 
     def version(self, name: str) -> int:
         return self.versions.get(name, 0)
@@ -92,6 +144,7 @@ class LiveLoras:
         if new:
             self.registry.loras[name] = _info(msg)
         self.versions[name] = version
+        keep(self.kept, name, forward, fd)
         return version
 
 
@@ -155,6 +208,19 @@ class LiveComponents:
     def __init__(self) -> None:
         self.versions: dict[tuple[str, str], int] = {}
         self._lock = asyncio.Lock()
+        self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # (model, component) -> updates in force
+
+    async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
+        """The model's kept component updates into a worker that started after them."""
+        if not self.kept:
+            return
+        async with self._lock:
+            for key, chain in self.kept.items():
+                if isinstance(key, tuple) and key[0] == model.name:
+                    why = await resend(worker, chain, timeout)
+                    if why:  # the worker runs the files' weights there: it will not match the others
+                        log.error("%s of model %s was not restored on %s: %s", key[1], model.name, worker.name,
+                                  why)
 
     async def update(self, msg: UpdateWeights, fds: list[int], models: Callable[[str], ModelLoras],
                      timeout: float) -> int:
@@ -184,6 +250,7 @@ class LiveComponents:
                 if whys:
                     raise InvalidRequest(f"{msg.component} of model {model.name}: update refused: {whys[0]}",
                                          field="tensors")
+                keep(self.kept, key, forward, fds[0])
                 return version
         finally:
             for fd in fds:

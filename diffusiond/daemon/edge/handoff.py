@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from diffusiond.daemon.core.jobs import Item
 from diffusiond.daemon.edge.access import socket_peer_uid  # the HTTP edge's rules, here too
 from diffusiond.daemon.edge.status import status_of
-from diffusiond.daemon.errors import EngineError
+from diffusiond.daemon.errors import EngineError, JobNotFound, NotShared
 from diffusiond.ipc.channel import Channel
 from diffusiond.ipc.errors import ChannelClosed
 from diffusiond.ipc.frames import Frame
@@ -163,6 +163,12 @@ class _Connection:
                 item, desc, arrays, fd, size = engine.lease_trajectory(msg.job_id, msg.index)
             else:
                 item, desc, fd, size = engine.lease_output(msg.job_id, msg.index)
+        except JobNotFound:
+            if msg.part == "trajectory" and engine.store.persistent:  # perhaps in the state dir: over HTTP
+                err = NotShared(f"job {msg.job_id!r} is not in memory; a trajectory kept in the state dir is "
+                                "served over HTTP (GET its trajectory URLs)")
+            self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
+            return
         except EngineError as err:
             self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
             return

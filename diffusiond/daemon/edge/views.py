@@ -43,10 +43,12 @@ def trajectory_url(job_id: str, k: int, name: str) -> str:
 def trajectory(j: Job, i: Item) -> dict[str, Any] | None:
     """An output's trajectory arrays: each one's URL, shape and dtype (null: the job asked for none)."""
     t = i.trajectory
-    if j.request.trajectory is None or t is None:
+    if j.request.trajectory is None or (t is None and not i.trajectory_files):
         return None
-    return {name: {"url": trajectory_url(j.id, i.index, name), "shape": list(d.shape), "dtype": d.dtype}
-            for name, d in t.arrays.items()}
+    arrays = {n: (list(d.shape), d.dtype) for n, d in t.arrays.items()} if t is not None else \
+        {n: (list(f["shape"]), str(f["dtype"])) for n, f in (i.trajectory_files or {}).items()}
+    return {name: {"url": trajectory_url(j.id, i.index, name), "shape": shape, "dtype": dtype}
+            for name, (shape, dtype) in arrays.items()}
 
 
 def output_filename(job: Job, k: int) -> str:
@@ -79,6 +81,7 @@ def job(j: Job) -> dict[str, Any]:
         "approximations": list(j.approximations),
         "compiled": j.compiled or None,
         "lora_versions": dict(j.lora_versions) or None,  # the version of each adapter in request.loras it ran with
+        "weight_versions": dict(j.weight_versions) or None,  # each component update_weights changed, its version
         "request": {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt,

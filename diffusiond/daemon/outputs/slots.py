@@ -40,6 +40,7 @@ from typing import Any
 from diffusiond.daemon.core.jobs import Item, Job
 from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, OutputNotReady, OutputReleased
 from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.outputs import trajectory_files
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
@@ -213,6 +214,8 @@ class Outputs:
         try:
             name, size = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.store.write_output, job.id, item.index, ext, parts)
+            item.file = name
+            await trajectory_files.write(self, item)  # its arrays beside it (trajectory_files.py)
         except Exception as exc:
             code = exc.code if isinstance(exc, EngineError) else ErrorCode.OUTPUT_FAILED
             message = exc.message if isinstance(exc, EngineError) else f"writing the output file failed: {exc}"
@@ -246,6 +249,9 @@ class Outputs:
         """One array of an output's trajectory as an npy header and its bytes, pinned while read.
         Unlike an npy output it is not consumed: it stays until the job's retention ends."""
         desc = self._trajectory_array(item, name)
+        if desc is None:  # no longer in memory, saved in the state dir
+            yield b"", memoryview(await trajectory_files.read(self, item, name))
+            return
         self._pin_trajectory(item)
         payload = self._trajectory_bytes(item, desc)
         try:
@@ -260,8 +266,8 @@ class Outputs:
         meanwhile: a trajectory may be mapped again, as long as the job is kept."""
         traj = self._trajectory_of(item)
         if traj is None:
-            raise NotShared(f"the trajectory of output {item.index} of job {item.job.id} was spilled out of "
-                            "shared memory (arena pressure); fetch its arrays over HTTP")
+            raise NotShared(f"the trajectory of output {item.index} of job {item.job.id} is not in shared memory "
+                            "(spilled under arena pressure, or kept in the state dir); fetch its arrays over HTTP")
         assert item.worker is not None
         shared = item.worker.share(traj.region)
         if shared is None:
@@ -280,21 +286,21 @@ class Outputs:
         if job.request.trajectory is None:
             raise OutputNotFound(f"job {job.id} asked for no trajectory; send \"trajectory\": "
                                  "{\"latents\": true, \"log_probs\": true} with the job")
-        if item.trajectory is None and item.trajectory_data is None:
+        if item.trajectory is None and item.trajectory_data is None and not item.trajectory_files:
             raise OutputReleased(f"the trajectory of output {item.index} of job {job.id} is no longer kept (its "
-                                 "retention ended, or the daemon restarted: trajectories live in memory only)")
+                                 "retention ended, or the daemon restarted without a state dir to keep it)")
         return item.trajectory if item.trajectory_data is None else None
 
-    def _trajectory_array(self, item: Item, name: str) -> TensorDesc:
+    def _trajectory_array(self, item: Item, name: str) -> TensorDesc | None:
+        """The array's place in memory; None when only its file in the state dir holds it."""
         if name not in TRAJECTORY_ARRAYS:
             raise OutputNotFound(f"a trajectory has no array {name!r}; its arrays are {', '.join(TRAJECTORY_ARRAYS)}")
         self._trajectory_of(item)
-        assert item.trajectory is not None
-        desc = item.trajectory.arrays.get(name)
-        if desc is None:
+        arrays = item.trajectory.arrays if item.trajectory is not None else trajectory_files.listed(item)
+        if name not in arrays:
             raise OutputNotFound(f"the trajectory of job {item.job.id} has no {name} (its request left them out); "
-                                 f"it has {', '.join(item.trajectory.arrays)}")
-        return desc
+                                 f"it has {', '.join(arrays)}")
+        return item.trajectory.arrays[name] if item.trajectory is not None else None
 
     def _trajectory_bytes(self, item: Item, desc: TensorDesc) -> memoryview:
         assert item.trajectory is not None
@@ -369,6 +375,8 @@ class Outputs:
                 for n, s, a, b, p in r.controls)
         if item.job.lora_versions:
             meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.job.lora_versions.items()))
+        if item.job.weight_versions:
+            meta["weight_versions"] = ", ".join(f"{c}:{v}" for c, v in sorted(item.job.weight_versions.items()))
         if item.job.approximations:  # the output is not the model's exact one: say how it differs
             meta["approximations"] = ", ".join(item.job.approximations)
         if item.job.compiled:

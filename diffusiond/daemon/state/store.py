@@ -353,6 +353,7 @@ class SqliteStore(Store):
 
     async def delete(self, job: Job) -> None:
         files = [i.file for i in job.items if i.file]
+        files += [f["file"] for i in job.items for f in (i.trajectory_files or {}).values()]
         await self._run(self._delete, job.id, files)
 
     def _delete(self, job_id: str, files: list[str]) -> None:
@@ -431,6 +432,7 @@ class SqliteStore(Store):
             item = Item(job, k, seed=seed, stage=stage)
             if status == JobStatus.SUCCEEDED and k in files:
                 item.file, item.nbytes, item.stage = files[k]["file"], files[k]["bytes"], Stage.DONE
+                item.trajectory_files = files[k].get("trajectory")
             job.items.append(item)
         if status.terminal:
             job.finished.set()
@@ -453,8 +455,9 @@ def _row(job: Job) -> dict[str, Any]:
         "seeds": json.dumps([i.seed for i in job.items]),
         "error": json.dumps(job.error) if job.error else None,
         "timings": json.dumps(job.timings_ms),
-        "outputs": json.dumps([{"index": i.index, "file": i.file, "bytes": i.nbytes} for i in written]),
-        "bytes": sum(i.nbytes for i in written),
+        "outputs": json.dumps([{"index": i.index, "file": i.file, "bytes": i.nbytes, "trajectory": i.trajectory_files}
+                               for i in written]),
+        "bytes": sum(i.nbytes + sum(f["bytes"] for f in (i.trajectory_files or {}).values()) for i in written),
         "ended": time.time() if job.terminal else None,
     }
 

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ PING_INTERVAL_S = 1.0
 
 
 Spawn = Callable[[WorkerConfig, dict[str, str], FrameCallback, LostCallback], WorkerLink]
+Prepare = Callable[["Model", WorkerLink], Awaitable[None]]
 
 
 def spawn_process(config: WorkerConfig, env: dict[str, str], on_frame: FrameCallback,
@@ -81,7 +82,7 @@ class Model:
 class WorkerPool:
     def __init__(self, config: DaemonConfig, metrics: Metrics, *, on_frame: FrameCallback,
                  on_lost: LostCallback, on_ready: Callable[[WorkerLink], None],
-                 spawn: Spawn = spawn_process) -> None:
+                 spawn: Spawn = spawn_process, prepare: Prepare | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.models = {m.name: Model(m) for m in config.models}
@@ -91,6 +92,10 @@ class WorkerPool:
         self._on_lost = on_lost
         self._on_ready = on_ready
         self._spawn = spawn
+        # what a started worker must get before its first batch (the live weight updates it missed);
+        # while it runs the worker is in ``preparing`` and takes no batch (Flights.dispatch)
+        self._prepare = prepare
+        self.preparing: set[WorkerLink] = set()
         self._worker_ids = 0
         self.lora_paths: dict[str, str] = dict(config.loras)  # what each new worker loads (runtime ones too)
         self.lora_target_rank = 0  # the engine sets it: the largest rank registered at start (compiled models)
@@ -213,6 +218,12 @@ class WorkerPool:
                 model.lora_errors[name] = ready.lora_errors[name]
             else:
                 model.lora_errors.pop(name, None)
+        if self._prepare is not None:
+            self.preparing.add(handle)
+            try:
+                await self._prepare(model, handle)
+            finally:
+                self.preparing.discard(handle)
         if self.paused:
             await handle.command(Sleep(), self.config.drain_grace_s)
         self._on_ready(handle)

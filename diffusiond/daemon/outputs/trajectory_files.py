@@ -1,0 +1,60 @@
+"""Trajectories in the state dir (issue 29): a durable job's arrays saved beside its outputs.
+
+With a state dir a job's outputs outlive the daemon; a trainer that reads a rollout after a restart
+needs its trajectory too, or the picture is of no use to it. So when an output's file is written,
+each of its trajectory arrays is written beside it as an ``.npy`` file of its own
+(``<job>-<k>.<name>.npy``, header included, the bytes the HTTP API serves), listed in the job's row,
+counted in its bytes and deleted with it. The shared-memory copy stays the one served while it is
+kept (zero-copy leases); once it is gone (retention, a restart) the files are served, over HTTP only.
+Without a state dir (``--no-persist``) nothing is written: trajectories live in memory, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from diffusiond.daemon.outputs.encoders import npy_header
+from diffusiond.ipc.tensors import numpy_dtype
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.core.jobs import Item
+
+# ``outputs`` below is slots.Outputs (its executor, store and trajectory pins): typed loosely, since
+# slots imports this module and the layout test forbids modules that import each other.
+
+
+async def write(outputs: Any, item: Item) -> None:
+    """Write the item's trajectory arrays (if it has any in memory) as files; raises what the store raises."""
+    traj = item.trajectory
+    if traj is None or item.trajectory_files:
+        return
+    loop = asyncio.get_running_loop()
+    files: dict[str, dict[str, Any]] = {}
+    outputs._pin_trajectory(item)
+    try:
+        for name, desc in traj.arrays.items():
+            payload = outputs._trajectory_bytes(item, desc)
+            try:
+                parts: list[bytes | memoryview] = [npy_header(numpy_dtype(desc.dtype), desc.shape), payload]
+                file, size = await loop.run_in_executor(outputs.executor, outputs.store.write_output, item.job.id,
+                                                        item.index, f"{name}.npy", parts)
+            finally:
+                payload.release()
+            files[name] = {"file": file, "bytes": size, "shape": list(desc.shape), "dtype": desc.dtype}
+    finally:
+        outputs._unpin_trajectory(item)
+    item.trajectory_files = files
+
+
+def listed(item: Item) -> dict[str, tuple[list[int], str]]:
+    """Each saved array's shape and dtype (what the job's JSON shows once memory no longer holds them)."""
+    return {name: (list(f["shape"]), str(f["dtype"])) for name, f in (item.trajectory_files or {}).items()}
+
+
+async def read(outputs: Any, item: Item, name: str) -> bytes:
+    """A saved array's whole npy file."""
+    entry = (item.trajectory_files or {})[name]
+    data: bytes = await asyncio.get_running_loop().run_in_executor(outputs.executor, outputs.store.read_output,
+                                                                    entry["file"])
+    return data
