@@ -47,6 +47,13 @@ def hold(root: Path, replica: str) -> tuple[subprocess.Popen[str], str]:
     return p, p.stdout.readline().strip()
 
 
+def free(root: Path, store: str) -> None:
+    """The store's lock taken and let go: its owner was here, and is gone."""
+    claim = claims.try_claim(root, store)
+    assert claim is not None
+    claim.release()
+
+
 def kill(p: subprocess.Popen[str]) -> None:
     p.send_signal(signal.SIGKILL)
     p.wait()
@@ -130,7 +137,7 @@ def test_two_replicas_racing_for_gone_stores_adopt_each_exactly_once(tmp_path: P
     gone = [f"g{i:03d}" for i in range(12)]
     for store in gone:
         with_jobs(tmp_path, store, ["queued", "running", "succeeded"])
-        claims.try_claim(tmp_path, store).release()  # its owner was here, and is gone
+        free(tmp_path, store)
     start = time.time() + 1.5  # both processes imported and waiting: they scan at the same moment
     racers = {me: python(RACE, str(tmp_path), me, str(start)) for me in ("r1", "r2")}
     try:
@@ -175,7 +182,7 @@ def test_scan_leaves_stores_with_nothing_to_run_and_takes_unreadable_ones(tmp_pa
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / claims.DB).write_bytes(b"not a database" * 100)
     for store in ("done", "live", "junk"):
-        claims.try_claim(tmp_path, store).release()
+        free(tmp_path, store)
     assert [claims.unfinished(tmp_path, s) for s in ("done", "live", "junk")] == [0, 1, -1]
     taken = claims.scan(tmp_path, "me", {"live"})
     assert [c.store for c in taken] == ["junk"], "held stores are not scanned again"
@@ -211,5 +218,5 @@ def test_builder_arguments_for_a_shared_state_dir() -> None:
     opts = Options.parse({"shared_state_dir": "/vol/state", "resources_per_replica": "nodeA=1,gpu_slot=0.5"})
     assert opts.shared_state_dir == "/vol/state"
     assert opts.resources_per_replica == (("nodeA", 1.0), ("gpu_slot", 0.5))
-    with pytest.raises(ValueError, match="shared_state_dir.*--state-dir"):
+    with pytest.raises(ValueError, match=r"shared_state_dir.*--state-dir"):
         Options.parse({"shared_state_dir": "/vol/state", "daemon_args": "--state-dir /other"})

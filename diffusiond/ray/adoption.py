@@ -169,16 +169,21 @@ class Adoption:
         with self._lock:
             return sorted(self.daemons)
 
-    def scan(self) -> list[str]:
-        """Adopt the stores of gone replicas that have jobs to run again, and start their daemons
-        (blocking file work: the replica calls it in a thread)."""
+    def scan(self) -> list[StoreDaemon]:
+        """Adopt the stores of gone replicas that have jobs to run again (blocking file work: the
+        replica calls it in a thread); ``start`` their daemons after, from the replica's own thread."""
         with self._lock:
             held = {self.own, *self.daemons}
         taken = claims.scan(self.root, self.me, held)
         for claim in taken:
             log.info("replica %s adopts the jobs of gone replica store %s", self.me, claim.store)
-            self._take(claim).start(self.env, self.preexec())
-        return [c.store for c in taken]
+        return [self._take(claim) for claim in taken]
+
+    def start(self, daemons: list[StoreDaemon]) -> None:
+        """Start daemons from the thread that lives as long as the replica: the kernel's SIGTERM
+        to a daemon (``PR_SET_PDEATHSIG``) comes when the thread that started it ends."""
+        for d in daemons:
+            d.start(self.env, self.preexec())
 
     def _take(self, claim: claims.Claim) -> StoreDaemon:
         store = claim.store
@@ -237,7 +242,7 @@ class Adoption:
     async def tick(self) -> int:
         """With each routing report: adopt what is newly free, stop daemons idle for
         ``IDLE_STOP_S``; returns the jobs the adopted daemons hold (the replica's load too)."""
-        await asyncio.to_thread(self.scan)
+        self.start(await asyncio.to_thread(self.scan))
         total = 0
         for d in list(self.daemons.values()):
             if d.store in self.failed:

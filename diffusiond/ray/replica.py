@@ -153,7 +153,7 @@ class DaemonReplica:
         self._adopted_load = 0
         self._wait_ready(start_timeout_s)
         if self.adoption is not None:
-            self.adoption.scan()  # at start: the jobs of replicas that went while none was looking
+            self.adoption.start(self.adoption.scan())  # at start: the jobs of replicas that went while none was looking
 
     # the daemon -------------------------------------------------------------------------------
     def _wait_ready(self, timeout_s: float) -> None:
