@@ -125,8 +125,8 @@ class StoreDaemon:
         return self._session
 
     async def load(self) -> int:
-        """Jobs it holds, queued plus running (0 when it is not running)."""
-        if self.exited() is not None or self.proc is None or not self.ready:
+        """Jobs it holds, queued plus running (0 when it is not running or not answering yet)."""
+        if self.exited() is not None or self.proc is None:
             return 0
         try:
             async with self.http().get("/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
@@ -202,11 +202,14 @@ class Adoption:
             d = self.daemons.get(store)
         if d is None:
             d = self._adopt_now(store)
-        if d.exited() is not None or d.proc is None:
-            if not d.stopped:
-                d.restarts += 1
-                if d.restarts > MOST_RESTARTS:
-                    self._fail(d, f"its daemon died {MOST_RESTARTS + 1} times: {log_tail(d.log_path)}")
+        if d.stopped:  # idle, or never started: once an idle stop has finished, start it again
+            while d.exited() is None and d.proc is not None:
+                await asyncio.sleep(0.1)
+            d.start(self.env, self.preexec())
+        elif d.exited() is not None:  # died under us: it resumes its jobs again, a few times
+            d.restarts += 1
+            if d.restarts > MOST_RESTARTS:
+                self._fail(d, f"its daemon died {MOST_RESTARTS + 1} times: {log_tail(d.log_path)}")
             d.start(self.env, self.preexec())
         d.used = time.monotonic()
         why = await d.wait_ready(self.start_timeout_s)
@@ -222,6 +225,9 @@ class Adoption:
                           "submit the job again")
         claim = claims.adopt(self.root, store, self.me)
         if claim is None:
+            with self._lock:
+                if store in self.daemons:  # this replica's own scan took it a moment ago
+                    return self.daemons[store]
             marker = claims.read_marker(self.root, store)
             held_by = (f"adopted by replica {marker.by}, which will answer for them" if marker and marker.by != self.me
                        else "still held by its daemon, which is stopping")
@@ -249,7 +255,7 @@ class Adoption:
                 continue
             n = await d.load()
             total += n
-            if (n == 0 and d.inflight == 0 and d.ready and d.exited() is None
+            if (n == 0 and d.inflight == 0 and not d.stopped and d.exited() is None
                     and time.monotonic() - d.used > IDLE_STOP_S):
                 log.info("replica %s stops the idle daemon of adopted store %s", self.me, d.store)
                 await asyncio.to_thread(d.stop, 30.0)

@@ -204,4 +204,5 @@ def build(args: dict[str, Any]) -> Any:
     )(DaemonReplica)
     gateway = serve.deployment(name="gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)(Gateway)
     return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s,
-                                     shared_state_dir=opts.shared_state_dir), opts.token_file, opts.token_env)
+                                     shared_state_dir=opts.shared_state_dir), opts.token_file, opts.token_env,
+                        opts.shared_state_dir is not None)

@@ -28,8 +28,10 @@ MAX_BODY_BYTES = 64 << 20
 class Gateway:
     """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
 
-    def __init__(self, daemons: Any, token_file: str | None = None, token_env: str | None = None) -> None:
+    def __init__(self, daemons: Any, token_file: str | None = None, token_env: str | None = None,
+                 adopts: bool = False) -> None:
         self.daemons = daemons.options(stream=True)
+        self.adopts = adopts  # a shared state dir: a gone replica's jobs are adopted, not lost
         self.token = read_token(token_file, token_env)  # read here: the Secret is mounted where the gateway runs
 
     async def __call__(self, request: Request) -> Response:
@@ -61,8 +63,9 @@ class Gateway:
             head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
         except Exception as exc:  # the replica's process died (RayActorError, ...) before it answered
             which = f"replica {replica}" if replica else "the replica that took this request"
-            message = (f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. "
-                       "A job it held is lost with it: submit again")
+            fate = ("Its jobs are adopted by another replica from the shared state dir: retry in a few seconds"
+                    if self.adopts else "A job it held is lost with it: submit again")
+            message = f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. {fate}"
             return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE, message), status_code=503)
 
         async def rest() -> AsyncIterator[bytes]:
