@@ -262,7 +262,13 @@ class Adoption:
         return total
 
     def stop_all(self, timeout_s: float) -> None:
-        for d in list(self.daemons.values()):
+        """SIGTERM to every adopted daemon at once (each drains its own grace), then wait for each:
+        the replica's stop must fit in Serve's graceful shutdown, however many it adopted."""
+        daemons = list(self.daemons.values())
+        for d in daemons:
+            if d.proc is not None and d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+        for d in daemons:
             d.stop(timeout_s)
             d.claim.release()
 

@@ -68,6 +68,18 @@ class Gateway:
             message = f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. {fate}"
             return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE, message), status_code=503)
 
+        if head.status != 200 or dict(head.headers).get("content-type", "").startswith("application/json"):
+            # a document, not a stream: whole or not at all, so a replica lost between its head and
+            # its body (its node gone) is a 503 with the reason, not a response cut short
+            try:
+                body = b"".join([chunk async for chunk in stream])
+            except Exception as exc:
+                which = f"replica {replica}" if replica else "the replica that took this request"
+                return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE,
+                                                   f"{which} ended while it answered ({type(exc).__name__}); "
+                                                   f"retry"), status_code=503)
+            return Response(body, status_code=head.status, headers=dict(head.headers))
+
         async def rest() -> AsyncIterator[bytes]:
             done = False
             try:

@@ -258,6 +258,8 @@ class DaemonReplica:
                 log.warning("replica %s: daemon did not stop in %gs; killing it", self.replica, self.stop_timeout_s)
                 self.proc.kill()
                 self.proc.wait()
+        if self.adoption is not None:
+            self._claim.release()  # its daemon is gone: the store may be adopted now
         with contextlib.suppress(Exception):
             self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
