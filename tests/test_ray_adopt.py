@@ -73,6 +73,15 @@ def cmdlines() -> Iterator[tuple[int, str]]:
             continue
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def daemons(tmp: str) -> dict[tuple[str, str], int]:
     """(replica id, ``d`` or ``adopted-<store>``) -> pid of each diffusiond daemon of this cluster."""
     out = {}
@@ -99,14 +108,26 @@ def gateway_on(node: Any) -> bool:
     any node) runs on ``node``: then losing the node loses the gateway too, and Serve's proxy
     answers 500 until Serve has started another."""
     raylet = node.all_processes["raylet"][0].process.pid
-    return any("ServeReplica:diffusiond:gateway" in cmd and proc_parent(pid) == raylet for pid, cmd in cmdlines())
+    return any(proc_parent(pid) == raylet for pid in gateways())
 
 
-async def lose(cluster: Cluster, node: Any, url: str) -> None:
-    """Kill the node (SIGKILL to its raylet: no goodbye); if the gateway was there, wait for Serve's
-    new one, so that what the test sees after is diffusiond's doing, not the proxy's."""
+def gateways() -> list[int]:
+    return [pid for pid, cmd in cmdlines() if cmd.startswith("ray::ServeReplica:diffusiond:gateway")]
+
+
+async def lose(cluster: Cluster, replica: str, tmp: str, url: str) -> None:
+    """Kill the replica's node (SIGKILL to its raylet: no goodbye) and wait until the replica and
+    its daemons are gone (a worker outlives its raylet for a moment, answering still); if the
+    gateway was there, wait for Serve's new one, so that what the test sees after is
+    diffusiond's doing, not the proxy's."""
+    node = node_of(cluster, replica, tmp)
+    worker = proc_parent(daemons(tmp)[(replica, "d")])
     had_gateway = gateway_on(node)
     cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + 60
+    while any(r == replica for r, _ in daemons(tmp)) or (worker and alive(worker)):
+        assert time.monotonic() < deadline, f"replica {replica} or its daemons outlived their node by 60 s"
+        await asyncio.sleep(0.2)
     if not had_gateway:
         return
     deadline = time.monotonic() + 90
@@ -203,6 +224,7 @@ async def test_a_lost_nodes_queued_and_running_jobs_are_adopted_and_finish_under
     tmp, state = app["tmp"], app["state"]
     replicas = {r for r, kind in daemons(tmp) if kind == "d"}
     assert len(replicas) == 2
+    assert len(gateways()) == 1, "the gateway's process is found (lose() waits for a new one if it goes)"
     assert {node_of(app["cluster"], r, tmp).unique_id for r in replicas} == {
         n.unique_id for n in app["cluster"].worker_nodes}, "one replica on each worker node"
     async with aiohttp.ClientSession(base_url=app["url"]) as s:
@@ -223,7 +245,7 @@ async def test_a_lost_nodes_queued_and_running_jobs_are_adopted_and_finish_under
             assert (await r.json())["status"] in ("queued", "running"), "still to run when its node goes"
         survivor = (replicas - {victim}).pop()
 
-        await lose(app["cluster"], node_of(app["cluster"], victim, tmp), app["url"])
+        await lose(app["cluster"], victim, tmp, app["url"])
 
         for job in jobs:
             final = await settle(s, job)
@@ -280,7 +302,7 @@ async def test_a_new_replica_serves_the_finished_jobs_of_both_gone_replicas(app)
     async with aiohttp.ClientSession(base_url=app["url"]) as s:
         if state["survivor_jobs"]:
             survivor_png = await output(s, state["survivor_jobs"][0])
-        await lose(cluster, node_of(cluster, state["survivor"], tmp), app["url"])
+        await lose(cluster, state["survivor"], tmp, app["url"])
         assert (await settle(s, state["done"]))["status"] == "succeeded"
         assert (await output(s, state["done"])) == state["done_png"]
         for job in state["victim_jobs"] + state["survivor_jobs"]:
