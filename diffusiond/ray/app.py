@@ -33,6 +33,10 @@ ARGS_HELP = {
     "token_file": "a file holding the bearer token clients must send (on every node)",
     "token_env": "an environment variable holding the bearer token clients must send (on every node)",
     "allow_unauthenticated": "true to serve without a token behind a proxy bound beyond loopback (default false)",
+    "shared_state_dir": "a state dir on a volume every replica mounts: each daemon keeps PATH/<replica id>, and a "
+                        "replica adopts the jobs of one that is gone (none)",
+    "resources_per_replica": "Ray custom resources each replica needs, NAME=AMOUNT comma-separated "
+                             "(to place replicas on chosen nodes; none)",
 }
 
 
@@ -56,6 +60,8 @@ class Options:
     token_file: str | None = None
     token_env: str | None = None
     allow_unauthenticated: bool = False
+    shared_state_dir: str | None = None
+    resources_per_replica: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> Options:
@@ -68,6 +74,10 @@ class Options:
         for name, raw in args.items():
             values[name] = _convert(name, raw)
         opts = cls(**values)
+        if opts.shared_state_dir is not None and ({"--state-dir", "--no-persist"} & set(opts.daemon_args)):
+            raise ValueError(f"shared_state_dir={opts.shared_state_dir!r} and --state-dir or --no-persist in "
+                             "daemon_args: give the state dir one way (shared_state_dir gives each replica "
+                             "PATH/<replica id>)")
         if opts.replicas is None and not 0 <= opts.min_replicas <= opts.max_replicas:
             raise ValueError(f"min_replicas={opts.min_replicas} and max_replicas={opts.max_replicas}: "
                              "need 0 <= min_replicas <= max_replicas")
@@ -96,8 +106,10 @@ def _convert(name: str, raw: Any) -> Any:
         return models
     if name == "daemon_args":
         return tuple(raw) if isinstance(raw, list) else tuple(shlex.split(str(raw)))
-    if name in ("device", "config", "token_file", "token_env"):
+    if name in ("device", "config", "token_file", "token_env", "shared_state_dir"):
         return str(raw)
+    if name == "resources_per_replica":
+        return _resources(raw, bad)
     if name == "allow_unauthenticated":
         if isinstance(raw, bool):
             return raw
@@ -116,6 +128,21 @@ def _convert(name: str, raw: Any) -> Any:
     if value < low or (name in ("health_check_period_s", "start_timeout_s", "target_load") and value <= 0):
         raise bad(f"a value >= {low}" if value < low else "a positive number")
     return value
+
+
+def _resources(raw: Any, bad: Any) -> tuple[tuple[str, float], ...]:
+    items = list(raw.items()) if isinstance(raw, dict) else [
+        tuple(p.split("=", 1)) if "=" in p else (p, "") for p in str(raw).split(",") if p.strip()]
+    out = []
+    for key, value in items:
+        try:
+            amount = float(str(value))
+        except ValueError:
+            raise bad("NAME=AMOUNT pairs, comma-separated (nodeA=1)") from None
+        if not str(key).strip() or amount <= 0:
+            raise bad("NAME=AMOUNT pairs with a name and a positive amount")
+        out.append((str(key).strip(), amount))
+    return tuple(out)
 
 
 # How often each replica reports its daemon's load and whether it takes work (``router``): the
@@ -163,7 +190,8 @@ def build(args: dict[str, Any]) -> Any:
     daemons = serve.deployment(
         name="diffusiond",
         max_ongoing_requests=opts.max_ongoing_requests,
-        ray_actor_options={"num_cpus": opts.cpus_per_replica, "num_gpus": opts.gpus_per_replica},
+        ray_actor_options={"num_cpus": opts.cpus_per_replica, "num_gpus": opts.gpus_per_replica,
+                           **({"resources": dict(opts.resources_per_replica)} if opts.resources_per_replica else {})},
         health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=max(30.0, opts.health_check_period_s),
         graceful_shutdown_timeout_s=90.0,  # the daemon's own drain grace (30 s by default), then its workers stop
@@ -175,4 +203,6 @@ def build(args: dict[str, Any]) -> Any:
         **scaling,
     )(DaemonReplica)
     gateway = serve.deployment(name="gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)(Gateway)
-    return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s), opts.token_file, opts.token_env)
+    return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s,
+                                     shared_state_dir=opts.shared_state_dir), opts.token_file, opts.token_env,
+                        opts.shared_state_dir is not None)

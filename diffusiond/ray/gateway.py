@@ -28,8 +28,10 @@ MAX_BODY_BYTES = 64 << 20
 class Gateway:
     """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
 
-    def __init__(self, daemons: Any, token_file: str | None = None, token_env: str | None = None) -> None:
+    def __init__(self, daemons: Any, token_file: str | None = None, token_env: str | None = None,
+                 adopts: bool = False) -> None:
         self.daemons = daemons.options(stream=True)
+        self.adopts = adopts  # a shared state dir: a gone replica's jobs are adopted, not lost
         self.token = read_token(token_file, token_env)  # read here: the Secret is mounted where the gateway runs
 
     async def __call__(self, request: Request) -> Response:
@@ -61,9 +63,22 @@ class Gateway:
             head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
         except Exception as exc:  # the replica's process died (RayActorError, ...) before it answered
             which = f"replica {replica}" if replica else "the replica that took this request"
-            message = (f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. "
-                       "A job it held is lost with it: submit again")
+            fate = ("Its jobs are adopted by another replica from the shared state dir: retry in a few seconds"
+                    if self.adopts else "A job it held is lost with it: submit again")
+            message = f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. {fate}"
             return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE, message), status_code=503)
+
+        if head.status != 200 or dict(head.headers).get("content-type", "").startswith("application/json"):
+            # a document, not a stream: whole or not at all, so a replica lost between its head and
+            # its body (its node gone) is a 503 with the reason, not a response cut short
+            try:
+                body = b"".join([chunk async for chunk in stream])
+            except Exception as exc:
+                which = f"replica {replica}" if replica else "the replica that took this request"
+                return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE,
+                                                   f"{which} ended while it answered ({type(exc).__name__}); "
+                                                   f"retry"), status_code=503)
+            return Response(body, status_code=head.status, headers=dict(head.headers))
 
         async def rest() -> AsyncIterator[bytes]:
             done = False

@@ -37,7 +37,8 @@ import aiohttp
 import msgspec
 
 from diffusiond.protocol import ErrorCode
-from diffusiond.ray import ids
+from diffusiond.ray import claims, ids
+from diffusiond.ray.adoption import Adoption, Refusal, StoreDaemon
 
 log = logging.getLogger("diffusiond.ray")
 
@@ -113,7 +114,8 @@ def _die_with(parent: int) -> Callable[[], None]:
 class DaemonReplica:
     """The body of the Serve deployment (``app.build`` wraps it in ``serve.deployment``)."""
 
-    def __init__(self, serve_args: list[str], start_timeout_s: float = 600.0, stop_timeout_s: float = 60.0) -> None:
+    def __init__(self, serve_args: list[str], start_timeout_s: float = 600.0, stop_timeout_s: float = 60.0,
+                 shared_state_dir: str | None = None) -> None:
         import ray
         from ray import serve
 
@@ -124,18 +126,34 @@ class DaemonReplica:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         gpus = [str(g) for g in ray.get_gpu_ids()]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # the GPUs Ray gave this replica, and no others
+        # The store its jobs are kept in, and bound to in their ids: the replica's id, unless a
+        # shared state dir holds an adopted store of that name (claims.claim_own)
+        self.store = self.replica
+        self.adoption: Adoption | None = None
+        args = own_state_dir(serve_args, self.dir, self.replica)
+        pass_fds: tuple[int, ...] = ()
+        if shared_state_dir is not None:
+            root = Path(shared_state_dir)
+            self._claim = claims.claim_own(root, self.replica)
+            self.store, pass_fds = self._claim.store, (self._claim.fd,)
+            args = [*serve_args, "--state-dir", str(root / self.store)]
+            self.adoption = Adoption(root, self.replica, self.store, list(serve_args), self.dir, env,
+                                     lambda: _die_with(os.getpid()), start_timeout_s)
         self._log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - closed in __del__
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket),
-             *own_state_dir(serve_args, self.dir, self.replica)],
+            [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=_die_with(os.getpid()),
+            pass_fds=pass_fds, preexec_fn=_die_with(os.getpid()),
         )
         (self.dir / "daemon.pid").write_text(str(self.proc.pid))
-        log.info("replica %s: daemon pid %d on %s (GPUs %s)", self.replica, self.proc.pid, self.socket, gpus or "none")
+        log.info("replica %s: daemon pid %d on %s (GPUs %s, store %s)", self.replica, self.proc.pid, self.socket,
+                 gpus or "none", self.store)
         self._session: aiohttp.ClientSession | None = None
         self._stats_seq = 0
+        self._adopted_load = 0
         self._wait_ready(start_timeout_s)
+        if self.adoption is not None:
+            self.adoption.start(self.adoption.scan())  # at start: the jobs of replicas that went while none was looking
 
     # the daemon -------------------------------------------------------------------------------
     def _wait_ready(self, timeout_s: float) -> None:
@@ -200,11 +218,14 @@ class DaemonReplica:
         """What the router reads: whether the daemon takes new work (not sleeping or draining) and
         its load, numbered so that the router knows which of its own sends a report already counts."""
         self._stats_seq += 1
+        adopted = self._adopted_load = await self.adoption.tick() if self.adoption is not None else 0
+        # the stores whose jobs' requests the router sends here: its own, and those it adopted
+        stores = [self.store, *(self.adoption.stores() if self.adoption is not None else ())]
         h = None if self._gone_reason() else await self._health()
         if h is None:
-            return {"accepting": False, "load": 0, "seq": self._stats_seq, "models": {}}
-        return {"accepting": bool(h.get("accepting")) and not h.get("sleeping"), "load": daemon_load(h),
-                "seq": self._stats_seq, "models": await self._residency()}
+            return {"accepting": False, "load": adopted, "seq": self._stats_seq, "models": {}, "stores": stores}
+        return {"accepting": bool(h.get("accepting")) and not h.get("sleeping"), "load": daemon_load(h) + adopted,
+                "seq": self._stats_seq, "models": await self._residency(), "stores": stores}
 
     async def _residency(self) -> dict[str, str]:
         """Model name -> where the daemon holds it (``device``, ``loading``, ``host``, ``disk``), from
@@ -219,7 +240,7 @@ class DaemonReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The daemon's own load for the autoscaling policy."""
         h = None if self._gone_reason() else await self._health()
-        return {"daemon_load": 0.0 if h is None else float(daemon_load(h))}
+        return {"daemon_load": float(self._adopted_load) + (0.0 if h is None else float(daemon_load(h)))}
 
     def __del__(self) -> None:
         """Serve's graceful stop (and the collector's, a no-op by then): SIGTERM, wait, clean up."""
@@ -227,6 +248,8 @@ class DaemonReplica:
             self._stop()
 
     def _stop(self) -> None:
+        if self.adoption is not None:
+            self.adoption.stop_all(self.stop_timeout_s)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -235,6 +258,8 @@ class DaemonReplica:
                 log.warning("replica %s: daemon did not stop in %gs; killing it", self.replica, self.stop_timeout_s)
                 self.proc.kill()
                 self.proc.wait()
+        if self.adoption is not None:
+            self._claim.release()  # its daemon is gone: the store may be adopted now
         with contextlib.suppress(Exception):
             self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -245,11 +270,10 @@ class DaemonReplica:
         """Answer one call: a msgpack ``Head``, then the body's chunks. ``replica``, ``batch_key``
         and ``model`` are for the router (``router.JobRouter`` reads them from the call)."""
         call = msgspec.msgpack.decode(raw, type=Call)
-        if call.replica is not None and call.replica != self.replica:
-            # The router sends a job here only when its replica is no longer among the running ones.
-            for part in encode_error(410, ErrorCode.REPLICA_GONE,
-                                     f"the job's replica {call.replica} is gone (restarted or scaled down), and the "
-                                     "job and its outputs with it; submit the job again"):
+        if call.replica is not None and call.replica != self.store:
+            # The router sends a job here when this replica adopted the job's store, or when the
+            # job's replica is no longer among the running ones and no running replica says it has it.
+            async for part in self._forward_adopted(call):
                 yield part
             return
         reason = self._gone_reason()
@@ -257,40 +281,69 @@ class DaemonReplica:
             for part in encode_error(503, ErrorCode.REPLICA_UNAVAILABLE, reason):
                 yield part
             return
+        async for part in self._send(call, self._http(), self.store, self._gone_reason, f"replica {self.replica}"):
+            yield part
+
+    async def _forward_adopted(self, call: Call) -> AsyncIterator[bytes]:
+        assert call.replica is not None
+        if self.adoption is None:
+            for part in encode_error(410, ErrorCode.REPLICA_GONE,
+                                     f"the job's replica {call.replica} is gone (restarted or scaled down), and the "
+                                     "job and its outputs with it (no shared_state_dir); submit the job again"):
+                yield part
+            return
+        try:
+            d: StoreDaemon = await self.adoption.daemon_for(call.replica)
+        except Refusal as exc:
+            for part in encode_error(exc.status, exc.code, str(exc)):
+                yield part
+            return
+        d.inflight += 1
+        try:
+            async for part in self._send(call, d.http(), d.store, d.gone_reason,
+                                         f"replica {self.replica}, adopted store {d.store}"):
+                yield part
+        finally:
+            d.inflight -= 1
+            d.used = time.monotonic()
+
+    async def _send(self, call: Call, session: aiohttp.ClientSession, store: str,
+                    gone: Callable[[], str | None], who: str) -> AsyncIterator[bytes]:
+        """The call to one daemon (``store``'s), its answer relayed with ids bound to ``store``."""
         headers = {"Content-Type": call.content_type} if call.content_type else {}
         url = call.path + (f"?{call.query}" if call.query else "")
         started = False
         try:
-            async with self._http().request(call.method, url, data=call.body or None, headers=headers) as resp:
-                async for part in self._relay(resp):
+            async with session.request(call.method, url, data=call.body or None, headers=headers) as resp:
+                async for part in self._relay(resp, store):
                     started = True
                     yield part
         except aiohttp.ClientConnectionError as exc:
             if started:  # the head went out: the stream ends short, as a dropped connection does
                 raise
             await asyncio.sleep(0.2)  # the daemon's exit status, if it died, is known a moment later
-            message = (self._gone_reason()
-                       or f"replica {self.replica}: its diffusiond daemon dropped the request ({exc})")
+            message = gone() or f"{who}: its diffusiond daemon dropped the request ({exc})"
             for part in encode_error(503, ErrorCode.REPLICA_UNAVAILABLE, message):
                 yield part
 
-    def _bind(self, body: bytes) -> bytes:
+    @staticmethod
+    def _bind(body: bytes, store: str) -> bytes:
         try:
-            return json.dumps(ids.bind_document(json.loads(body), self.replica), separators=(",", ":")).encode()
+            return json.dumps(ids.bind_document(json.loads(body), store), separators=(",", ":")).encode()
         except ValueError:
             return body
 
-    async def _relay(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: aiohttp.ClientResponse, store: str) -> AsyncIterator[bytes]:
         ctype = resp.headers.get("Content-Type", "")
         rewrite = ctype.startswith(("application/json", "text/event-stream"))
-        headers = [(k.lower(), ids.bind_header(v, self.replica) if k.lower() in ("location", "content-disposition")
+        headers = [(k.lower(), ids.bind_header(v, store) if k.lower() in ("location", "content-disposition")
                     else v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS]
         if not rewrite and resp.content_length is not None:
             headers.append(("content-length", str(resp.content_length)))
         if ctype.startswith("application/json"):
             body = await resp.read()
             # b64 images make a synchronous answer megabytes of JSON: parse those off the loop
-            body = await asyncio.to_thread(self._bind, body) if len(body) > BIG_JSON else self._bind(body)
+            body = await asyncio.to_thread(self._bind, body, store) if len(body) > BIG_JSON else self._bind(body, store)
             yield msgspec.msgpack.encode(Head(resp.status, headers))
             yield body
         elif ctype.startswith("text/event-stream"):
@@ -298,7 +351,7 @@ class DaemonReplica:
             async for line in resp.content:  # one SSE line at a time: `data:` lines carry the job
                 if line.startswith(b"data: "):
                     with contextlib.suppress(ValueError):
-                        doc = ids.bind_document(json.loads(line[6:]), self.replica)
+                        doc = ids.bind_document(json.loads(line[6:]), store)
                         line = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n"
                 yield line
         else:

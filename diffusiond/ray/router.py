@@ -105,8 +105,11 @@ class JobRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get("replica")
         if target is not None:
-            bound = [r for r in candidate_replicas if r.replica_id.unique_id == target]
-            # gone: any replica answers 410 naming it (it sees that the id is not its own)
+            # the replica whose store it is: its own, or one it adopted from a replica that is gone
+            bound = [r for r in candidate_replicas if target in (r.routing_stats.get("stores") or ())]
+            bound = bound or [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            # gone and adopted by none yet: any replica adopts it now from the shared state dir, or
+            # answers 410 naming it (it sees that the id is not its own)
             return [bound or candidate_replicas[:1]]
         accepting = [r for r in candidate_replicas if r.routing_stats.get("accepting", True)]
         if not accepting:  # every daemon is asleep or draining: one of them answers 503 with its reason
