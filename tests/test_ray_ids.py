@@ -154,6 +154,7 @@ def test_batch_keys_keep_apart_what_the_daemon_would_not_batch() -> None:
     base = {"prompt": "x", "model": "tiny", "steps": 4}
     assert ids.batch_key(base) == ids.batch_key({**base, "prompt": "another"})  # prompts batch together
     for field, value in (("control", [{"name": "edges", "image": "AAAA", "scale": 0.5}]),
+                         ("ip_adapter", [{"name": "style", "image": "AAAA"}]),
                          ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5)):
         assert ids.batch_key({**base, field: value}) != ids.batch_key(base), field
     assert ids.batch_key({"not": "a generation"}) is None

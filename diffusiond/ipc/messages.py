@@ -18,7 +18,11 @@ from typing import Literal
 
 import msgspec
 
-from diffusiond.ipc.outsocket import Fetch, Lease, Refused, Unpin  # re-exported: every frame kind is here
+# re-exported: every frame kind is named here
+from diffusiond.ipc.outsocket import Fetch as Fetch
+from diffusiond.ipc.outsocket import Lease as Lease
+from diffusiond.ipc.outsocket import Refused as Refused
+from diffusiond.ipc.outsocket import Unpin as Unpin
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import OutputDtype, OutputMode, TrajectoryDtype
 
