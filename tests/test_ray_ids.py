@@ -22,6 +22,7 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
         "k3x9q2ab", "/v1/jobs/j_0a/outputs/1/trajectory/latents")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/preview/0") == ("k3x9q2ab", "/v1/jobs/j_0a/preview/0")
     assert ids.route("GET", "/v1/loras") == (None, "/v1/loras")
+    assert ids.route("GET", "/v1/ip-adapters") == (None, "/v1/ip-adapters")
     assert ids.route("POST", "/v1/jobs") == (None, "/v1/jobs")
     assert ids.route("POST", "/v1/images/generations") == (None, "/v1/images/generations")
 

@@ -24,7 +24,7 @@ _JOB_PATH = re.compile(
 UNBOUND_ROUTES = frozenset({
     ("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/loras"), ("GET", "/health"), ("GET", "/ready"),
-    ("GET", "/metrics"),
+    ("GET", "/metrics"), ("GET", "/v1/controlnets"), ("GET", "/v1/ip-adapters"),
 })
 BOUND_METHODS = {"": ("GET", "DELETE"), "/events": ("GET",), "/outputs": ("GET",), "/preview": ("GET",)}
 
