@@ -86,8 +86,10 @@ async def test_the_job_and_its_output_record_the_adapter_and_a_digest_not_the_im
     async with http(sock) as s:
         bodies = [{**FAST, "output_format": "png", "output_dtype": "uint8",
                    "ip_adapter": [{"name": "style", "image": f"data:image/png;base64,{image}", "scale": 0.75}]},
-                  {**FAST, "ip_adapter": [{"name": "style", "image": image, "scale": 0.75}]}]
+                  {**FAST, "n": 2, "ip_adapter": [{"name": "style", "image": image, "scale": 0.75}]}]
         jobs = [await wait_job(s, (await submit(s, b))["id"]) for b in bodies]
+        assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], jobs
+        assert len({o["batch"] for o in jobs[1]["outputs"]}) == 1  # one forward of two, one reference
         async with s.get(jobs[0]["outputs"][0]["url"]) as r:
             from PIL import Image
 
