@@ -157,6 +157,19 @@ async def test_bad_ip_adapter_entries_are_400s_naming_the_field(sock: Path, ip_a
     assert words in error["message"], error
 
 
+async def test_a_model_put_to_sleep_with_its_adapter_loaded_wakes_and_serves_both_ways(sock: Path) -> None:
+    """Sleep takes the adapter out of the UNet (and the encoder off the device) before the weights move."""
+    async with http(sock) as s:
+        plain = await run(s)
+        styled = await run(s, [{"name": "style", "image": png(1)}])  # the adapter is in the UNet now
+        async with s.post("/v1/admin/sleep") as r:
+            assert r.status == 200, await r.text()
+        async with s.post("/v1/admin/wake") as r:
+            assert r.status == 200, await r.text()
+        assert await run(s) == plain
+        assert await run(s, [{"name": "style", "image": png(1)}]) == styled
+
+
 @pytest.mark.parametrize(("arg", "why"), [
     ("style=/nonexistent/ip-adapter.safetensors", "does not exist"),
     ("style=/etc/hostname", "not a .safetensors file"),
