@@ -38,6 +38,7 @@ from diffusiond.commands.generate import (
     UsageError,
     cancel_after_interrupt,
     control_arg,
+    ip_adapter_arg,
     lora_arg,
     parse_size,
     positive_float,
@@ -54,7 +55,7 @@ SERVE_FIELDS = (
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
-    "preview_decoder", "controlnet",
+    "preview_decoder", "controlnet", "ip_adapter",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
     "reserve_memory", "preload", "max_model_wait",
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--control", action="append", type=control_arg, metavar="NAME:IMAGE[:SCALE]",
                    help="steer by a ControlNet the daemon serves (see GET /v1/controlnets) and a picture for it, "
                         "scale 1 if left out; repeatable")
+    g.add_argument("--ip-adapter", action="append", type=ip_adapter_arg, metavar="NAME:IMAGE[:SCALE]",
+                   help="steer by a reference picture through an IP-Adapter the daemon serves "
+                        "(see GET /v1/ip-adapters), scale 1 if left out")
     g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
@@ -217,6 +221,9 @@ def _add_serve(sub: Any) -> None:
              "(diffusers or kohya layout); repeatable")
     add("--controlnet", action="append", metavar="NAME=PATH",
         help="serve a ControlNet: a diffusers ControlNet folder or a .safetensors file; repeatable")
+    add("--ip-adapter", action="append", metavar="NAME=PATH[,image_encoder=DIR]",
+        help="serve an IP-Adapter: its .safetensors weights file (or a folder holding one) and its image "
+             "encoder, image_encoder/ beside the file unless given; repeatable")
     add("--max-loras", type=positive_int, metavar="N",
         help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
     add("--state-dir", metavar="DIR",

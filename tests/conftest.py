@@ -54,6 +54,15 @@ def controlnet_dir(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) 
 
 
 @pytest.fixture(scope="session")
+def ip_adapter_file(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
+    """An IP-Adapter for tiny built in code, once per session (ipadapterkit.py): its weights file,
+    with ``image_encoder/`` beside it."""
+    from ipadapterkit import build_ip_adapter
+
+    return build_ip_adapter(tmp_path_factory.mktemp("ip-adapters") / "style", seed=1)
+
+
+@pytest.fixture(scope="session")
 def lora_files(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
     """LoRA adapters built in code on tiny, once per session (see lorakit.py): ``ink`` (UNet and
     text encoder), ``dots`` (UNet only), ``ink-kohya`` (ink in the kohya layout), ``misfit`` (ink

@@ -558,7 +558,7 @@ GEN_BASE = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "image", "image_path",
               "mask", "mask_path", "strength", "loras", "preview", "keep_alive", "noise_level", "eta",
-              "control", "trajectory"]
+              "control", "ip_adapter", "trajectory"]
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",
@@ -596,6 +596,16 @@ def control_values(ctx: Ctx) -> st.SearchStrategy[Any]:
     return st.lists(entry, max_size=5) | nasty_values
 
 
+def ip_adapter_values(ctx: Ctx) -> st.SearchStrategy[Any]:
+    """IP-Adapter entries: names none of these daemons serve, images and scales nasty or plausible."""
+    entry = st.fixed_dictionaries({"name": st.sampled_from(["style", "", "../x", "x" * 65]) | nasty_values},
+                                  optional={"image": st.builds(as_base64, image_bytes(), st.integers(0, 5))
+                                            | nasty_values,
+                                            "image_path": path_values(ctx) | nasty_values,
+                                            "scale": nasty_values | st.floats(-1, 5)})
+    return st.lists(entry, max_size=3) | nasty_values
+
+
 preview_values = st.fixed_dictionaries({}, optional={"every": nasty_values | st.integers(-1, 5),
                                                      "format": nasty_values | st.sampled_from(["jpeg", "png", "x"]),
                                                      "max_side": nasty_values | st.integers(0, 2000)}) | nasty_values
@@ -614,6 +624,8 @@ def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
         return preview_values
     if name == "control":
         return control_values(ctx)
+    if name == "ip_adapter":
+        return ip_adapter_values(ctx)
     if name in ("image", "mask"):
         return st.builds(as_base64, image_bytes(), st.integers(0, 5)) | nasty_values
     if name in ("image_path", "mask_path"):
@@ -806,7 +818,7 @@ def headers_family(draw: st.DrawFn, ctx: Ctx) -> Req:
 
 
 WEB_PATHS = [("GET", b"/v1/models"), ("GET", b"/v1/jobs"), ("POST", b"/v1/jobs"), ("GET", b"/health"),
-             ("GET", b"/metrics"), ("GET", b"/v1/loras"), ("GET", b"/v1/controlnets"),
+             ("GET", b"/metrics"), ("GET", b"/v1/loras"), ("GET", b"/v1/controlnets"), ("GET", b"/v1/ip-adapters"),
              ("DELETE", b"/v1/jobs/j_0"), ("GET", b"/"),
              ("GET", b"/static/app.js"), ("GET", b"/v1/admin/web"), ("GET", b"/?token=x")]
 
@@ -908,7 +920,7 @@ def urls(draw: st.DrawFn, ctx: Ctx) -> Req:
             path = f"/v1/jobs/{job}?finished=keep"  # a plain DELETE would delete the job the others read
     elif kind == 4:
         path = draw(st.sampled_from(["/v1/admin/web", "/v1/admin/trace", "/v1/models", "/v1/loras", "/metrics",
-                                     "/v1/controlnets",
+                                     "/v1/controlnets", "/v1/ip-adapters",
                                      "/ready", "/static/../index.html", "/static/%2e%2e/web.py", "/static/" + "a" * 300,
                                      "/static/%00", "/v1/" + "a/" * 2000, "/%ff", "/v1/jobs/" + "%" * 3]))
         method = draw(st.sampled_from(["GET", "HEAD", "OPTIONS", "PATCH"]))

@@ -116,12 +116,13 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
 
 @pytest.fixture(scope="module")
 def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
-                lora_files: dict[str, Path], controlnet_dir: Path) -> Iterator[Daemon]:
+                lora_files: dict[str, Path], controlnet_dir: Path, ip_adapter_file: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("fuzz")
     # ink fits tiny and not the synthetic models: a request may be refused for either reason
     (tmp / "diffusiond.toml").write_text(f"max_loras = {MAX_LORAS}\n{CONFIG}\n[loras]\n"
                                          f'ink = "{lora_files["ink"]}"\ndots = "{lora_files["dots"]}"\n'
-                                         f'[controlnets]\nedges = "{controlnet_dir}"\n')
+                                         f'[controlnets]\nedges = "{controlnet_dir}"\n'
+                                         f'[ip_adapters]\nstyle = "{ip_adapter_file}"\n')
     (tmp / "inputs").mkdir()
     (tmp / "inputs" / "in.png").write_bytes(PNG_64)  # for image_path; nothing else is readable
     args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",
@@ -178,7 +179,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "noise_level", "eta",
               "image", "image_path", "mask", "mask_path", "strength", "loras",
-              "preview", "keep_alive", "control", "trajectory"]
+              "preview", "keep_alive", "control", "ip_adapter", "trajectory"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
                "background", "input_fidelity", "user"]
@@ -239,6 +240,14 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
                   "end": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, math.inf]),
                   "preprocess": st.sampled_from(["none", "canny", "depth", ""]) | values},
     ), max_size=3) | values,
+    # IP-Adapters: the served one and others, reference images good and bad, scales in and out of range
+    "ip_adapter": st.lists(st.fixed_dictionaries(
+        {"name": st.sampled_from(["style", "nope", "", "STYLE"])},
+        optional={"image": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode())
+                  | st.sampled_from(["", "%%%"]) | values,
+                  "image_path": st.sampled_from(["in.png", "../in.png", "/dev/zero", ""]),
+                  "scale": st.floats(min_value=-1, max_value=5) | st.sampled_from([0, 4, math.nan, math.inf])},
+    ), max_size=2) | values,
     "preview": st.fixed_dictionaries({}, optional={
         "every": st.integers(min_value=-1, max_value=10) | values,
         "format": st.sampled_from(["jpeg", "webp", "png", "gif", "JPEG", ""]) | values,
@@ -321,6 +330,9 @@ def within_limits(job: dict[str, Any]) -> None:
     for c in r["control"]:  # ControlNets: served, in range, on the one model they fit
         assert c["name"] == "edges" and job["model"] == "tiny", job
         assert 0 <= c["scale"] <= 4 and 0 <= c["start"] < c["end"] <= 1 and c["preprocess"] in ("none", "canny"), job
+    for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the one model it fits, never beside control
+        assert a["name"] == "style" and job["model"] == "tiny" and not r["control"], job
+        assert 0 <= a["scale"] <= 4 and len(a["image_digest"]) == 24 and len(r["ip_adapter"]) == 1, job
     p = r["preview"]
     if p is not None:
         assert job["model"] == "tiny", job  # the synthetic models have no preview decoder
@@ -419,7 +431,7 @@ ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/ou
           "/v1/jobs/{id}/outputs/{k}/trajectory/{k}", "/v1/jobs/{id}/outputs/0/trajectory/{k}",
           "/v1/jobs/{id}/preview/{k}", "/v1/models",
           "/v1/images/generations", "/v1/images/edits", "/v1/admin/{k}", "/v1/loras",
-          "/v1/controlnets"]
+          "/v1/controlnets", "/v1/ip-adapters"]
 
 
 @st.composite

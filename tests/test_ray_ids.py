@@ -22,6 +22,7 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
         "k3x9q2ab", "/v1/jobs/j_0a/outputs/1/trajectory/latents")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/preview/0") == ("k3x9q2ab", "/v1/jobs/j_0a/preview/0")
     assert ids.route("GET", "/v1/loras") == (None, "/v1/loras")
+    assert ids.route("GET", "/v1/ip-adapters") == (None, "/v1/ip-adapters")
     assert ids.route("POST", "/v1/jobs") == (None, "/v1/jobs")
     assert ids.route("POST", "/v1/images/generations") == (None, "/v1/images/generations")
 
@@ -154,6 +155,7 @@ def test_batch_keys_keep_apart_what_the_daemon_would_not_batch() -> None:
     base = {"prompt": "x", "model": "tiny", "steps": 4}
     assert ids.batch_key(base) == ids.batch_key({**base, "prompt": "another"})  # prompts batch together
     for field, value in (("control", [{"name": "edges", "image": "AAAA", "scale": 0.5}]),
+                         ("ip_adapter", [{"name": "style", "image": "AAAA"}]),
                          ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5)):
         assert ids.batch_key({**base, field: value}) != ids.batch_key(base), field
     assert ids.batch_key({"not": "a generation"}) is None

@@ -32,9 +32,11 @@ SHOTS = os.environ.get("DIFFUSIOND_SCREENSHOTS")
 
 
 @pytest.fixture(scope="module")
-def web_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+def web_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet_dir: Path,
+               ip_adapter_file: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("webpage")
-    args = ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120", "--web", "127.0.0.1:0"]
+    args = ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120", "--web", "127.0.0.1:0",
+            "--controlnet", f"edges={controlnet_dir}", "--ip-adapter", f"style={ip_adapter_file}"]
     with shared_daemon(tmp, args, model_cache, ENV) as d:
         yield d
 
@@ -227,3 +229,45 @@ def test_the_residency_panel_shows_what_is_where_and_follows_a_move(page: Any, w
         shot(page, "web-page-residency")
     finally:
         assert post("/v1/models/tiny/load") == 200
+
+
+def a_png(path: Path, seed: int) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.mark.parametrize(("box", "field", "name", "recorded"), [
+    ("control", "control", "edges", {"name": "edges", "scale": 0.5, "start": 0.0, "end": 1.0, "preprocess": "none"}),
+    ("reference", "ip_adapter", "style", {"name": "style", "scale": 0.5}),
+])
+def test_a_control_or_reference_image_goes_from_the_page_into_the_job(
+    page: Any, web_daemon: Daemon, tmp_path: Path, box: str, field: str, name: str, recorded: dict[str, Any]
+) -> None:
+    page.select_option("#model", "hold")
+    assert page.is_hidden("#control") and page.is_hidden("#reference")  # a synthetic model takes neither
+    page.select_option("#model", "tiny")
+    assert page.is_visible(f"#{box}")
+    assert page.locator(f"#{box}-name option").all_inner_texts() == [name]
+    page.set_input_files(f"#{box}-image", str(a_png(tmp_path / "picture.png", seed=3)))
+    page.select_option(f"#{box}-name", name)
+    page.fill(f"#{box}-scale", "0.5")
+    fill(page, prompt=f"a lighthouse steered by {name}", width="64", height="64", steps="2", seed="5")
+    page.uncheck("#previews")
+    page.click("#generate")
+    page.wait_for_function("() => document.getElementById('job-id').textContent.startsWith('j_')")
+    job_id = page.inner_text("#job-id")
+    page.wait_for_selector('#status[data-status="succeeded"]')
+    status, job = over_socket(web_daemon, "GET", f"/v1/jobs/{job_id}")
+    assert status == 200 and job["status"] == "succeeded", job
+    [entry] = job["request"][field]
+    assert {k: v for k, v in entry.items() if k != "image_digest"} == recorded
+    other = "ip_adapter" if field == "control" else "control"
+    assert job["request"][other] == []  # the other box had no picture: nothing sent for it
+    page.wait_for_selector(f'article[data-job-id="{job_id}"]')
+    assert f"{name}:0.5" in page.inner_text(f'article[data-job-id="{job_id}"]')
+    shot(page, f"web-page-{box}")
+

@@ -49,6 +49,8 @@ class JobParams(TypedDict, total=False):
     # ControlNets (GET /v1/controlnets): {"name", "image" (bytes or a local file, sent base64) or "image_path",
     # "scale", "start", "end", "preprocess"}, one dict each
     control: Sequence[Mapping[str, Any]]
+    # IP-Adapters (GET /v1/ip-adapters): {"name", "image" (bytes or a local file, sent base64) or "image_path", "scale"}
+    ip_adapter: Sequence[Mapping[str, Any]]
 
 
 ImageInput = bytes | str | os.PathLike[str]
@@ -72,8 +74,8 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
             body[key] = dict(cast(Mapping[str, Any], value))
         elif key in ("image", "mask"):
             body[key] = image_b64(cast(ImageInput, value))
-        elif key == "control":
-            body["control"] = [{k: image_b64(v) if k == "image" else v for k, v in dict(c).items()}
+        elif key in ("control", "ip_adapter"):
+            body[key] = [{k: image_b64(v) if k == "image" else v for k, v in dict(c).items()}
                                for c in cast(Sequence[Mapping[str, Any]], value)]
         else:
             body[key] = value

@@ -118,6 +118,11 @@ def control_arg(text: str) -> dict[str, Any]:
     return entry
 
 
+def ip_adapter_arg(text: str) -> dict[str, Any]:
+    """``--ip-adapter NAME:IMAGE[:SCALE]`` -> one entry of the request's ``ip_adapter``, read as ``--control`` is."""
+    return control_arg(text)
+
+
 def choose_format(fmt: str | None, output: str | None) -> str | None:
     """--format, else what -o's extension says; None lets the daemon pick its model's default.
 
@@ -200,11 +205,12 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
                 body[key] = image_b64(path)
             except OSError as exc:
                 raise UsageError(f"--{key} {path}: {exc.strerror or exc}") from None
-    for entry in getattr(args, "control", None) or []:
-        try:
-            body.setdefault("control", []).append({**entry, "image": image_b64(entry["image"])})
-        except OSError as exc:
-            raise UsageError(f"--control {entry['name']}:{entry['image']}: {exc.strerror or exc}") from None
+    for key, flag in (("control", "--control"), ("ip_adapter", "--ip-adapter")):
+        for entry in getattr(args, key, None) or []:
+            try:
+                body.setdefault(key, []).append({**entry, "image": image_b64(entry["image"])})
+            except OSError as exc:
+                raise UsageError(f"{flag} {entry['name']}:{entry['image']}: {exc.strerror or exc}") from None
     if args.mask is not None and args.image is None:
         raise UsageError("--mask needs --image: the mask says which part of that image to repaint")
     return body

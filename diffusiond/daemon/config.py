@@ -22,11 +22,13 @@ from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_siz
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
     check_controlnet,
+    check_ip_adapter,
     duration,
     own_preload,
     parse_compile_mode,
     parse_devices,
     parse_host_port,
+    parse_ip_adapters,
     parse_loras,
     preload_value,
     warmup_value,
@@ -133,6 +135,8 @@ class DaemonConfig:
     max_loras: int = 8
     # ControlNets by name (--controlnet NAME=PATH, TOML [controlnets]): each worker loads them all once
     controlnets: dict[str, str] = field(default_factory=dict)
+    # IP-Adapters by name (--ip-adapter NAME=PATH[,image_encoder=DIR], TOML [ip_adapters]): (weights, encoder)
+    ip_adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
     # Durable jobs (store.py): the state dir holds the job database and the output files.
     state_dir: str | None = None
     persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
@@ -248,6 +252,9 @@ class DaemonConfig:
         for name, path in self.controlnets.items():
             if (why := check_controlnet(name, path)) is not None:
                 raise ConfigError(why)
+        for name, (weights, encoder) in self.ip_adapters.items():
+            if (why := check_ip_adapter(name, weights, encoder)) is not None:
+                raise ConfigError(why)
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
@@ -308,7 +315,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
     known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
                                                       "lora", "keep_alive", "max_keep_alive", "offload",
-                                                      "controlnet"}
+                                                      "controlnet", "ip_adapter"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -362,6 +369,9 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     if control_args is not None or "controlnets" in values:
         values["controlnets"] = parse_loras(control_args if control_args is not None else values["controlnets"],
                                             "--controlnet", "ControlNet")
+    ip_args = values.pop("ip_adapter", None)  # --ip-adapter NAME=PATH[,image_encoder=DIR] and [ip_adapters]
+    if ip_args is not None or "ip_adapters" in values:
+        values["ip_adapters"] = parse_ip_adapters(ip_args if ip_args is not None else values["ip_adapters"])
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)

@@ -163,3 +163,51 @@ def check_controlnet(name: str, path: str) -> str | None:
     if p.suffix != ".safetensors":
         return f"ControlNet {name!r} ({p}) is not a .safetensors file; single files are read as safetensors only"
     return None
+
+
+def parse_ip_adapters(value: Any) -> dict[str, tuple[str, str]]:
+    """``--ip-adapter NAME=PATH[,image_encoder=DIR]`` (a list of those) or a TOML ``[ip_adapters]`` table
+    (name = "PATH[,image_encoder=DIR]") -> name -> (weights file, image encoder folder).
+
+    PATH is the weights file (``.safetensors``) or a folder holding exactly one; the image encoder is
+    the ``image_encoder/`` folder beside that file unless ``image_encoder=DIR`` says otherwise: the
+    layout of h94/IP-Adapter's ``models/`` folders, where several adapters share one encoder."""
+    items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else (
+        value if isinstance(value, list) else [value])
+    out: dict[str, tuple[str, str]] = {}
+    for arg in items:
+        name, sep, rest = str(arg).partition("=")
+        path, comma, option = rest.partition(",")
+        key, eq, encoder = option.partition("=")
+        if not sep or not name.strip() or not path.strip() or (comma and (key.strip() != "image_encoder"
+                                                                          or not eq or not encoder.strip())):
+            raise ConfigError(f"--ip-adapter wants NAME=PATH or NAME=PATH,image_encoder=DIR, got {arg!r}")
+        if name.strip() in out:
+            raise ConfigError(f"IP-Adapter name {name.strip()!r} is given twice")
+        weights = Path(absolute(path.strip()))
+        if weights.is_dir():
+            files = sorted(weights.glob("*.safetensors"))
+            if len(files) != 1:
+                raise ConfigError(f"IP-Adapter {name.strip()!r}: the folder {weights} holds {len(files)} .safetensors "
+                                  "files; name the weights file itself")
+            weights = files[0]
+        out[name.strip()] = (str(weights),
+                             absolute(encoder.strip()) if comma else str(weights.parent / "image_encoder"))
+    return out
+
+
+def check_ip_adapter(name: str, weights: str, encoder: str) -> str | None:
+    """Why an IP-Adapter cannot be served (None: fine); what the configuration refuses at start."""
+    if not 1 <= len(name) <= 64 or not set(name) <= _CONTROL_NAME_OK:
+        return f"IP-Adapter name {name!r} must be 1-64 characters of letters, digits, '_', '-' and '.'"
+    try:
+        if not Path(weights).is_file():
+            return f"IP-Adapter {name!r}: {weights} does not exist; give its .safetensors weights file"
+        if not weights.endswith(".safetensors"):
+            return f"IP-Adapter {name!r}: {weights} is not a .safetensors file (no pickle)"
+        if not (Path(encoder) / "config.json").is_file():
+            return (f"IP-Adapter {name!r}: its image encoder {encoder} is not a folder with config.json; "
+                    "give image_encoder=DIR (a CLIPVisionModelWithProjection's save_pretrained folder)")
+    except (OSError, ValueError) as exc:
+        return f"IP-Adapter {name!r}: {weights[:120]!r} cannot be read ({exc})"
+    return None

@@ -35,9 +35,11 @@ class InputBuffer:
     """An edit's input image and optional mask in a sealed memfd (the engine's side)."""
 
     def __init__(self, image: np.ndarray | None, mask: np.ndarray | None = None, *,
-                 controls: Sequence[np.ndarray] = (), name: str = "diffusiond-input") -> None:
-        """``image`` None: a text-to-image request that brings ControlNet images (``controls``) only."""
-        given = [a for a in (image, mask, *controls) if a is not None]
+                 controls: Sequence[np.ndarray] = (), references: Sequence[np.ndarray] = (),
+                 name: str = "diffusiond-input") -> None:
+        """``image`` None: a text-to-image request that brings ControlNet images (``controls``) or
+        IP-Adapter reference images (``references``) only."""
+        given = [a for a in (image, mask, *controls, *references) if a is not None]
         arrays = [np.ascontiguousarray(a, dtype=np.uint8) for a in given]
         descs: list[TensorDesc] = []
         offset = 0
@@ -59,11 +61,13 @@ class InputBuffer:
         it = iter(descs)
         self.image = next(it) if image is not None else None
         self.mask = next(it) if mask is not None else None
-        self.controls = tuple(it)
+        self.controls = tuple(next(it) for _ in controls)
+        self.references = tuple(it)
 
     def ref(self, fd_index: int) -> InputRef:
         """The descriptor a request carries when this buffer is fd ``fd_index`` of its frame."""
-        return InputRef(fd=fd_index, image=self.image, mask=self.mask, controls=self.controls)
+        return InputRef(fd=fd_index, image=self.image, mask=self.mask, controls=self.controls,
+                        references=self.references)
 
     def dup(self) -> int:
         """A new fd for one frame (the channel closes it once sent, whatever becomes of the job)."""
@@ -110,3 +114,8 @@ def read_inputs(fds: Sequence[int], ref: InputRef) -> tuple[np.ndarray, np.ndarr
 def read_controls(fds: Sequence[int], ref: InputRef) -> list[np.ndarray]:
     """The worker's side: copies of a request's ControlNet images, in its ``controls`` order."""
     return _sealed_view(fds, ref, ref.controls)
+
+
+def read_references(fds: Sequence[int], ref: InputRef) -> list[np.ndarray]:
+    """The worker's side: copies of a request's IP-Adapter reference images, in its ``ip_adapters`` order."""
+    return _sealed_view(fds, ref, ref.references)

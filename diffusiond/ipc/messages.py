@@ -18,6 +18,11 @@ from typing import Literal
 
 import msgspec
 
+# re-exported: every frame kind is named here
+from diffusiond.ipc.outsocket import Fetch as Fetch
+from diffusiond.ipc.outsocket import Lease as Lease
+from diffusiond.ipc.outsocket import Refused as Refused
+from diffusiond.ipc.outsocket import Unpin as Unpin
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import OutputDtype, OutputMode, TrajectoryDtype
 
@@ -99,6 +104,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora_target_rank: int = 0
     # ControlNet models by name (name -> diffusers folder or single file), loaded once at start and kept
     controlnets: dict[str, str] = {}
+    ip_adapters: dict[str, tuple[str, str]] = {}  # IP-Adapters: name -> (weights file, image encoder folder)
 
 
 class ControlRef(msgspec.Struct, frozen=True, array_like=True):
@@ -110,6 +116,14 @@ class ControlRef(msgspec.Struct, frozen=True, array_like=True):
     scale: float
     start: float
     end: float
+    digest: str
+
+
+class IpAdapterRef(msgspec.Struct, frozen=True, array_like=True):
+    """An IP-Adapter of a batch, its scale and its reference image's digest (in the batch key, as ControlRef)."""
+
+    name: str
+    scale: float
     digest: str
 
 
@@ -148,6 +162,7 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     edit: str | None = None  # protocol.Task of an edit; None: from the prompt alone
     strength: float | None = None
     controls: tuple[ControlRef, ...] = ()  # in the request's order; their images ride in InputRef.controls
+    ip_adapters: tuple[IpAdapterRef, ...] = ()  # their reference images ride in InputRef.references
     # In the key because it changes what the batch computes (latents kept on the device each step).
     trajectory: TrajectorySpec | None = None
 
@@ -161,6 +176,7 @@ class InputRef(msgspec.Struct, frozen=True, kw_only=True):
     image: TensorDesc | None = None  # uint8 (H, W, 3); None: a request with control images only
     mask: TensorDesc | None = None  # uint8 (H, W, 1): 255 where the image is repainted
     controls: tuple[TensorDesc, ...] = ()  # uint8 (H, W, 3) each, one per BatchParams.controls entry
+    references: tuple[TensorDesc, ...] = ()  # uint8 (h, w, 3), one per BatchParams.ip_adapters entry
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -319,6 +335,7 @@ class Ready(msgspec.Struct, frozen=True):
     capabilities: Capabilities
     lora_errors: dict[str, str] = {}  # WorkerConfig.loras that do not fit the model: name -> why
     controlnet_errors: dict[str, str] = {}  # WorkerConfig.controlnets that do not fit the model: name -> why
+    ip_adapter_errors: dict[str, str] = {}  # likewise WorkerConfig.ip_adapters
 
 
 class ComputeDone(msgspec.Struct, frozen=True):
@@ -427,44 +444,6 @@ class PreviewReady(msgspec.Struct, frozen=True):
     step: int
     total: int
     tensor: TensorDesc
-
-
-# The output socket: a program on the same machine takes an output by file descriptor -------------
-
-
-class Fetch(msgspec.Struct, frozen=True):
-    """Ask for output ``index`` of job ``job_id`` (``part`` "trajectory": its trajectory's arrays);
-    the answer is LEASE (fd attached) or REFUSED."""
-
-    job_id: str
-    index: int
-    part: Literal["output", "trajectory"] = "output"
-
-
-class Lease(msgspec.Struct, frozen=True):
-    """The output lies at ``tensor.offset`` of the attached fd (``map_bytes`` long, sealed: it maps
-    read-only). The engine keeps the slot until UNPIN or the connection closes."""
-
-    lease: int
-    tensor: TensorDesc
-    map_bytes: int
-    arrays: dict[str, TensorDesc] = {}  # a trajectory's arrays (``tensor`` is then their region)
-
-
-class Refused(msgspec.Struct, frozen=True):
-    """No fd for this fetch: the HTTP status and the error body the HTTP API would have given."""
-
-    job_id: str
-    index: int
-    status: int
-    code: str
-    message: str
-
-
-class Unpin(msgspec.Struct, frozen=True):
-    """The client dropped every array over this lease: its slot may go back."""
-
-    lease: int
 
 
 KIND_OF: dict[type[msgspec.Struct], Kind] = {

@@ -24,7 +24,7 @@ _JOB_PATH = re.compile(
 UNBOUND_ROUTES = frozenset({
     ("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/loras"), ("GET", "/health"), ("GET", "/ready"),
-    ("GET", "/metrics"),
+    ("GET", "/metrics"), ("GET", "/v1/controlnets"), ("GET", "/v1/ip-adapters"),
 })
 BOUND_METHODS = {"": ("GET", "DELETE"), "/events": ("GET",), "/outputs": ("GET",), "/preview": ("GET",)}
 
@@ -106,7 +106,7 @@ def batch_key(body: Any) -> str | None:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
                                    "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
-                                   "loras", "strength", "trajectory", "control")]
+                                   "loras", "strength", "trajectory", "control", "ip_adapter")]
     return repr(parts)
 
 

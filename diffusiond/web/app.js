@@ -7,7 +7,10 @@ const $ = (id) => document.getElementById(id);
 const EXTENSIONS = { "image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif",
                      "video/mp4": "mp4", "application/x-npy": "npy" };
 const PREVIEW = { every: 1, format: "jpeg", max_side: 256 };  // the request's "preview" field
-const state = { job: null, events: null, previews: true, models: [], image: null };
+// files: each file input's picture as a data: URL (read when chosen); reading: those still being read
+const state = { job: null, events: null, previews: true, models: [], files: {}, reading: {} };
+// Pictures that steer a text-to-image job, each with the served models of its kind (issue 30)
+const STEERS = [{ box: "control", path: "/v1/controlnets" }, { box: "reference", path: "/v1/ip-adapters" }];
 
 class ApiError extends Error {
   constructor(message, status, error) { super(message); this.status = status; this.error = error || {}; }
@@ -78,13 +81,27 @@ function formRequest() {
     .filter((row) => !row.hidden && row.querySelector("input[type=checkbox]").checked)
     .map((row) => ({ name: row.dataset.name, weight: Number(row.querySelector("input[type=number]").value || 1) }));
   if (loras.length) body.loras = loras;
-  if (!$("input-image").hidden && state.image) {
-    body.image = state.image;  // a data: URL, read when the file was chosen
+  const control = steer("control");
+  if (control) body.control = [{ ...control, preprocess: $("control-preprocess").value }];
+  const reference = steer("reference");
+  if (reference) body.ip_adapter = [reference];
+  if (!$("input-image").hidden && state.files.image) {
+    body.image = state.files.image;  // a data: URL, read when the file was chosen
     const strength = number("strength");
     if (strength !== undefined) body.strength = strength;
   }
   if ($("previews").checked && state.previews) body.preview = { ...PREVIEW };
   return body;
+}
+
+// One entry of "control" or "ip_adapter" from its box: the chosen model, the picture, the scale.
+function steer(box) {
+  const image = state.files[`${box}-image`];
+  if ($(box).hidden || !image || !$(`${box}-name`).value) return null;
+  const entry = { name: $(`${box}-name`).value, image };
+  const scale = number(`${box}-scale`);
+  if (scale !== undefined) entry.scale = scale;
+  return entry;
 }
 
 function fillForm(job) {
@@ -103,6 +120,14 @@ function fillForm(job) {
   for (const row of document.querySelectorAll("#lora-list .lora")) {
     row.querySelector("input[type=checkbox]").checked = weights.has(row.dataset.name);
     if (weights.has(row.dataset.name)) row.querySelector("input[type=number]").value = weights.get(row.dataset.name);
+  }
+  for (const [box, entries] of [["control", r.control], ["reference", r.ip_adapter]]) {
+    const e = (entries || [])[0];  // the picture itself is not kept: choose it again
+    if (e) {
+      $(`${box}-name`).value = e.name;
+      $(`${box}-scale`).value = e.scale;
+      if (e.preprocess) $("control-preprocess").value = e.preprocess;
+    }
   }
   modelChanged();
   $("prompt").focus();
@@ -124,6 +149,38 @@ function modelChanged() {
     shown += row.hidden ? 0 : 1;
   }
   $("loras").hidden = shown === 0;
+  for (const { box } of STEERS) {  // those that fit a text-to-image model (or that no worker has refused yet)
+    const select = $(`${box}-name`);
+    let fitting = 0;
+    for (const option of select.options) {
+      const fits = Boolean(model && model.task === "text-to-image"
+        && (JSON.parse(option.dataset.models).includes(model.id) || !JSON.parse(option.dataset.unfit).includes(model.id)));
+      option.disabled = option.hidden = !fits;
+      fitting += fits ? 1 : 0;
+    }
+    if (select.selectedOptions[0] && select.selectedOptions[0].disabled) {
+      select.value = ([...select.options].find((o) => !o.disabled) || {}).value || "";
+    }
+    $(box).hidden = fitting === 0;
+  }
+}
+
+async function loadSteers() {
+  await Promise.all(STEERS.map(async ({ box, path }) => {
+    let list;
+    try {
+      list = await api("GET", path);
+    } catch (_) {
+      return;  // a daemon without this endpoint: the box stays hidden
+    }
+    $(`${box}-name`).replaceChildren(...((list && list.data) || []).map((e) => {
+      const option = el("option", { value: e.name, textContent: e.name });
+      option.dataset.models = JSON.stringify(e.models || []);
+      option.dataset.unfit = JSON.stringify(Object.keys(e.unfit || {}));
+      return option;
+    }));
+  }));
+  modelChanged();
 }
 
 async function loadLoras() {
@@ -144,14 +201,15 @@ async function loadLoras() {
   modelChanged();
 }
 
-function readImage() {
-  state.image = null;
-  const file = $("image").files[0];
-  if (!file) return;
-  const reader = new FileReader();
-  reader.onload = () => { state.image = reader.result; };
-  reader.onerror = () => showError(`could not read ${file.name}`);
-  reader.readAsDataURL(file);
+function readFile(id) {
+  state.files[id] = null;
+  const file = $(id).files[0];
+  state.reading[id] = file ? new Promise((resolve) => {
+    const reader = new FileReader();
+    reader.onload = () => { state.files[id] = reader.result; resolve(); };
+    reader.onerror = () => { showError(`could not read ${file.name}`); resolve(); };
+    reader.readAsDataURL(file);
+  }) : null;
 }
 
 async function loadModels() {
@@ -192,8 +250,14 @@ function setBusy(busy) {
 }
 
 async function generate() {
-  if (state.job) return;
+  if (state.job || state.waiting) return;
   showError("");
+  state.waiting = true;  // for a picture chosen a moment ago, still being read
+  try {
+    await Promise.all(Object.values(state.reading).filter(Boolean));
+  } finally {
+    state.waiting = false;
+  }
   const body = formRequest();
   if (!body.prompt) {
     showError("Write a prompt first.");
@@ -326,6 +390,8 @@ function jobCard(job) {
   const took = Object.values(job.timings_ms || {}).reduce((a, b) => a + b, 0);
   const meta = [job.model, `${r.width}×${r.height}`, `${r.steps} steps`, `guidance ${r.guidance_scale}`,
                 `seed ${seeds}`, new Date(job.created * 1000).toLocaleTimeString()];
+  for (const c of r.control || []) meta.push(`control ${c.name}:${c.scale}`);
+  for (const a of r.ip_adapter || []) meta.push(`IP-Adapter ${a.name}:${a.scale}`);
   if (took) meta.push(`${(took / 1000).toFixed(1)} s`);
   let stateText = job.status;
   if (job.error && job.error.message) stateText += `: ${job.error.message}`;
@@ -400,7 +466,7 @@ async function start() {
   $("dice").addEventListener("click", rollDice);
   $("refresh").addEventListener("click", refreshGallery);
   $("model").addEventListener("change", modelChanged);
-  $("image").addEventListener("change", readImage);
+  for (const id of ["image", "control-image", "reference-image"]) $(id).addEventListener("change", () => readFile(id));
   document.addEventListener("keydown", (ev) => {
     if ((ev.ctrlKey || ev.metaKey) && ev.key === "Enter") {
       ev.preventDefault();
@@ -413,7 +479,7 @@ async function start() {
     if (err.status !== 401) showError(err.message);
     return;
   }
-  await Promise.all([loadHealth(), loadLoras(), refreshGallery()]);
+  await Promise.all([loadHealth(), loadLoras(), loadSteers(), refreshGallery()]);
   setInterval(refreshResidency, RESIDENCY_EVERY_MS);
   document.body.dataset.ready = "true";
 }

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from diffusiond.ipc.errors import ArenaError
-from diffusiond.ipc.inputs import read_controls, read_inputs
+from diffusiond.ipc.inputs import read_controls, read_inputs, read_references
 from diffusiond.ipc.messages import (
     Ack,
     AddLora,
@@ -45,6 +45,7 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.pipelines.controlnet import ControlNets
+from diffusiond.pipelines.ip_adapter import IpAdapters
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
@@ -120,6 +121,7 @@ class ComputeThread:
         on_exit: Callable[[int], None],
         adapters: Adapters | None = None,
         controlnets: ControlNets | None = None,
+        ip_adapters: IpAdapters | None = None,
         warmup: Sequence[WarmupShape] = (),
         on_ready: Callable[[], None] | None = None,
         before_forward: Callable[[], None] | None = None,
@@ -129,6 +131,7 @@ class ComputeThread:
         # the version of each component update_weights changed, as applied here (what a batch runs with)
         self.weight_versions: dict[str, int] = {}
         self.controlnets = controlnets
+        self.ip_adapters = ip_adapters
         self.copier = copier
         self.state = state
         self.post = post
@@ -212,11 +215,14 @@ class ComputeThread:
         live_ids = [r.request_id for r in live]
         inputs: list[EditArrays] = []
         controls: dict[str, list[np.ndarray]] = {}  # request id -> its ControlNet images
+        references: dict[str, list[np.ndarray]] = {}  # request id -> its IP-Adapter reference images
         try:
             if batch.params.edit is not None:
                 inputs = self._inputs(live, fds)
             if batch.params.controls:
                 controls = {r.request_id: read_controls(fds, r.input) for r in live if r.input is not None}
+            if batch.params.ip_adapters:  # IP-Adapter reference images, in the same kind of buffer
+                references = {r.request_id: read_references(fds, r.input) for r in live if r.input is not None}
         except (ArenaError, OSError, ValueError) as exc:
             self._fail_all(batch.batch_id, live_ids, f"could not read the input image: {exc}")
             return
@@ -263,6 +269,13 @@ class ComputeThread:
             # inference_mode: no autograd bookkeeping, so less host time per kernel launch
             with torch.inference_mode(), profiled:
                 sink = sink_for(requests) if every else None
+                if batch.params.ip_adapters:
+                    if self.ip_adapters is None or batch.params.edit is not None or batch.params.controls:
+                        raise PipelineError(f"model {self.pipeline.name} takes no IP-Adapter here")
+                    refs = [references.get(r.request_id, []) for r in requests]
+                    return self.ip_adapters.run(batch.params, requests, refs, on_step, sink)
+                if self.ip_adapters is not None:  # a UNet with an IP-Adapter in it wants its images
+                    self.ip_adapters.release()
                 if batch.params.controls:
                     if batch.params.edit is not None or self.controlnets is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no ControlNet here")
@@ -437,6 +450,8 @@ class ComputeThread:
         ok = drained
         try:
             if item.command == "sleep":
+                if self.ip_adapters is not None:  # out of the UNet before its weights move
+                    self.ip_adapters.place(asleep=True)
                 self.pipeline.sleep()
                 if self.controlnets is not None:
                     self.controlnets.place(asleep=True)
@@ -444,6 +459,8 @@ class ComputeThread:
                 self.pipeline.wake()
                 if self.controlnets is not None:
                     self.controlnets.place(asleep=False)
+                if self.ip_adapters is not None:
+                    self.ip_adapters.place(asleep=False)
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)

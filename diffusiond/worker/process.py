@@ -54,6 +54,7 @@ from diffusiond.worker.state import SharedState
 if TYPE_CHECKING:
     from diffusiond.pipelines.base import Pipeline
     from diffusiond.pipelines.controlnet import ControlNets
+    from diffusiond.pipelines.ip_adapter import IpAdapters
     from diffusiond.pipelines.loras import Adapters
 
 log = logging.getLogger("diffusiond.worker")
@@ -205,6 +206,7 @@ class Worker:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         controlnets = await asyncio.to_thread(self._load_controlnets, pipeline, config)
+        ip_adapters = await asyncio.to_thread(self._load_ip_adapters, pipeline, config)
         post = self.channel.post_threadsafe
         before_forward = None
         if faults is None:
@@ -228,6 +230,7 @@ class Worker:
             on_exit=self.exit,
             adapters=adapters,
             controlnets=controlnets,
+            ip_adapters=ip_adapters,
             warmup=config.warmup,
             before_forward=before_forward,
             on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
@@ -235,7 +238,8 @@ class Worker:
                                         msgspec.structs.replace(pipeline.capabilities,
                                                                 weight_bytes=weight_bytes(pipeline)),
                                         lora_errors=lora_errors,
-                                        controlnet_errors=controlnets.errors if controlnets else {})),
+                                        controlnet_errors=controlnets.errors if controlnets else {},
+                                        ip_adapter_errors=ip_adapters.errors if ip_adapters else {})),
         )
         if faults is not None and faults.no_working_measure:
             self.compute.meter.available = False
@@ -281,6 +285,15 @@ class Worker:
         from diffusiond.pipelines.controlnet import ControlNets
 
         return ControlNets(pipeline, config.controlnets)
+
+    @staticmethod
+    def _load_ip_adapters(pipeline: Pipeline, config: WorkerConfig) -> IpAdapters | None:
+        """Every configured IP-Adapter read once and tried on the model; those that do not fit say why."""
+        if not config.ip_adapters:
+            return None
+        from diffusiond.pipelines.ip_adapter import IpAdapters
+
+        return IpAdapters(pipeline, config.ip_adapters)
 
 
 class _StartError(Exception):

@@ -29,6 +29,7 @@ from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.core import resume
 from diffusiond.daemon.core.controls import ControlRegistry
 from diffusiond.daemon.core.flights import Flights
+from diffusiond.daemon.core.ip_adapters import IpAdapterRegistry
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.core.output_access import OutputAccess
@@ -73,6 +74,7 @@ class Engine(OutputAccess):
         self.store = store or Store()  # where jobs outlive the process (store.py); by default nowhere
         self.loras = LoraRegistry(config.loras, config.max_loras)
         self.controls = ControlRegistry(config.controlnets)
+        self.ip_adapters = IpAdapterRegistry(config.ip_adapters)
         self.live_loras, self.live_components = LiveLoras(self.loras), LiveComponents()  # update_lora/_weights
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn,
@@ -272,6 +274,10 @@ class Engine(OutputAccess):
     def check_controls(self, model: str, names: list[str]) -> None:
         """Admission: the ControlNets a request names are served and fit its model."""
         self.controls.resolve(self.pool.model(model), names)
+
+    def check_ip_adapters(self, model: str, names: list[str]) -> None:
+        """Admission: the IP-Adapters a request names are served and fit its model."""
+        self.ip_adapters.resolve(self.pool.model(model), names)
 
     async def add_lora(self, name: str, path: str) -> LoraInfo:
         """Register an adapter at run time (admin): checked by every live worker against its model."""

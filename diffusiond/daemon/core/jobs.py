@@ -21,6 +21,7 @@ from typing import Any
 
 from diffusiond.daemon.core.controls import ControlInput
 from diffusiond.daemon.core.inputs import EditInput
+from diffusiond.daemon.core.ip_adapters import IpAdapterInput
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import BatchParams, LoraRef, TrajectoryDesc, TrajectorySpec
@@ -83,6 +84,9 @@ class JobRequest:
     controls: tuple[tuple[str, float, float, float, str], ...] = ()
     # the decoded control images and their ControlNets (daemon/core/controls.py); owned like ``edit``
     control: ControlInput | None = field(default=None, compare=False)
+    # IP-Adapters as asked, (name, scale, reference image digest); their decoded images, owned like ``edit``
+    ip_adapters: tuple[tuple[str, float, str], ...] = ()
+    ip_adapter: IpAdapterInput | None = field(default=None, compare=False)
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -99,16 +103,18 @@ class JobRequest:
             edit=self.edit.task.value if self.edit else None,
             strength=self.edit.strength if self.edit else None,
             controls=self.control.refs if self.control else (),
+            ip_adapters=self.ip_adapter.refs if self.ip_adapter else (),
             trajectory=self.trajectory,
         )
 
     @property
     def buffer(self) -> InputBuffer | None:
         """The sealed input that travels with each batch of this job (an edit's, or the control images')."""
-        return self.edit.buffer if self.edit else self.control.buffer if self.control else None
+        owner = self.edit or self.control or self.ip_adapter  # one per job: admission refuses mixing them
+        return owner.buffer if owner is not None else None
 
     def close_inputs(self) -> None:
-        for owned in (self.edit, self.control):
+        for owned in (self.edit, self.control, self.ip_adapter):
             if owned is not None:
                 owned.close()
 

@@ -85,7 +85,7 @@ async def drain(self: Engine, grace: float) -> None:
     self.draining = True
     await self._wait_until(lambda: not any(not j.terminal for j in self.jobs.values()), grace)
     for job in [j for j in self.jobs.values() if not j.terminal]:
-        if self.store.persistent and not job.sync and job.request.edit is None and job.request.control is None:
+        if self.store.persistent and not job.sync and job.request.buffer is None:  # no edit, control or reference
             suspend(self, job)
             continue
         self._end(job, JobStatus.FAILED, ErrorCode.SHUTTING_DOWN,

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.jobs import Job, Preview
-from diffusiond.daemon.edge import bodies, controls, requests, views
+from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, views
 from diffusiond.daemon.edge.status import ENGINE
 from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, Event, JobStatus
 
@@ -36,16 +36,21 @@ async def create_job(request: web.Request) -> web.Response:
     # a job may carry base64 images: its body may then be as large as an upload, and only then
     body = await bodies.read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
     b = requests.decode(body, requests.JobBody)
-    if len(body) > limits.max_body_bytes and b.image is None and b.mask is None and not b.control:
+    if len(body) > limits.max_body_bytes and b.image is None and b.mask is None and not b.control \
+            and not b.ip_adapter:
         raise bodies.too_large(len(body), limits.max_body_bytes)
     await engine.described(b.model)  # completed with its model's own defaults, even while it loads
     model = engine.model(b.model)
     fields = requests.sized(msgspec.structs.asdict(b))  # "size": "512x512" -> width, height
     edit = await bodies.decode_edit(engine, fields, model)
+    req = None
     try:
         req = requests.check(fields, limits, model, edit=edit, loras=engine.check_loras)
         req = await controls.attach(engine, fields, model, req)
+        req = await ip_adapters.attach(engine, fields, model, req)
     except BaseException:
+        if req is not None:  # the control images decoded before a later refusal
+            req.close_inputs()
         if edit is not None:
             edit.close()
         raise

@@ -23,6 +23,7 @@ from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core.inputs import EditInput, Source
 from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
 from diffusiond.daemon.edge.controls import ControlBody
+from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
 from diffusiond.daemon.errors import OutputTooLarge, invalid
 from diffusiond.daemon.residency.units import parse_duration
@@ -115,6 +116,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     mask_path: str | None = None
     strength: float | None = None
     control: list[ControlBody] | None = None  # ControlNets and their images (daemon/edge/controls.py)
+    ip_adapter: list[IpAdapterBody] | None = None  # IP-Adapters and their reference images (edge/ip_adapters.py)
     # how long the model stays on its device after this job: "10m", seconds, 0, -1 (as Ollama's field)
     keep_alive: str | float | None = None
 

@@ -99,6 +99,7 @@ def job(j: Job) -> dict[str, Any]:
             "loras": lora_list(r.loras),
             "control": [{"name": n, "scale": s, "start": a, "end": b, "preprocess": p}
                         for n, s, a, b, p in r.controls],  # the control images are not echoed back
+            "ip_adapter": [{"name": n, "scale": s, "image_digest": d} for n, s, d in r.ip_adapters],
             # edits: which, and how strongly (the input image itself is not echoed back)
             "task": r.edit.task.value if r.edit else None,
             "strength": r.edit.strength if r.edit else None,
@@ -143,6 +144,16 @@ def controlnets(engine: Engine) -> dict[str, Any]:
          "models": [m.name for m in models if m.known and name not in m.controlnet_errors],
          "unfit": {m.name: m.controlnet_errors[name] for m in models if name in m.controlnet_errors}}
         for name, path in sorted(engine.controls.paths.items())]}
+
+
+def ip_adapters(engine: Engine) -> dict[str, Any]:
+    """``GET /v1/ip-adapters``: each served IP-Adapter, its files, the models it fits, and why not."""
+    models = engine.models()
+    return {"object": "list", "data": [
+        {"name": name, "object": "ip_adapter", "path": weights, "image_encoder": encoder,
+         "models": [m.name for m in models if m.known and name not in m.ip_adapter_errors],
+         "unfit": {m.name: m.ip_adapter_errors[name] for m in models if name in m.ip_adapter_errors}}
+        for name, (weights, encoder) in sorted(engine.ip_adapters.paths.items())]}
 
 
 def loras(engine: Engine) -> dict[str, Any]:

@@ -373,6 +373,8 @@ class Outputs:
             meta["control"] = ", ".join(
                 f"{n}:{s:g}" + (f"[{a:g}-{b:g}]" if (a, b) != (0.0, 1.0) else "") + (f" {p}" if p != "none" else "")
                 for n, s, a, b, p in r.controls)
+        if r.ip_adapters:  # name:scale and the reference image's digest (the image itself is not kept)
+            meta["ip_adapter"] = ", ".join(f"{n}:{s:g} {d}" for n, s, d in r.ip_adapters)
         if item.job.lora_versions:
             meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.job.lora_versions.items()))
         if item.job.weight_versions:

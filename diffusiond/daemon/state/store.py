@@ -463,7 +463,7 @@ def _row(job: Job) -> dict[str, Any]:
 
 
 def _has_input(request: JobRequest) -> bool:
-    return request.edit is not None or request.control is not None
+    return any(getattr(request, k, None) is not None for k in ("edit", "control", "ip_adapter"))
 
 
 def _without_input(request: JobRequest) -> JobRequest:
@@ -471,7 +471,8 @@ def _without_input(request: JobRequest) -> JobRequest:
     job) is not; the row says it was an edit (``Store.lost_inputs``)."""
     if not _has_input(request):
         return request
-    return dataclasses.replace(request, edit=None, control=None)  # ``controls`` still names the ControlNets
+    # ``controls`` and ``ip_adapters`` still name the ControlNets and IP-Adapters (and digest the images)
+    return dataclasses.replace(request, edit=None, control=None, ip_adapter=None)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -55,6 +55,7 @@ class Model:
     replacing: int = 0  # replacements under way: jobs are still accepted and wait for them
     lora_errors: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
     controlnet_errors: dict[str, str] = field(default_factory=dict)  # ControlNet name -> why it does not fit
+    ip_adapter_errors: dict[str, str] = field(default_factory=dict)  # IP-Adapter name -> why it does not fit
     retired: bool = False  # residency stopped its workers (weights back on disk); a job starts them again
 
     @property
@@ -176,6 +177,7 @@ class WorkerPool:
             max_loras=self.config.max_loras,
             lora_target_rank=self.lora_target_rank,
             controlnets=dict(self.config.controlnets),
+            ip_adapters=dict(self.config.ip_adapters),
         )
 
     def _options(self, model: Model) -> dict[str, str]:
@@ -212,6 +214,7 @@ class WorkerPool:
             raise
         model.capabilities = ready.capabilities
         model.controlnet_errors = dict(ready.controlnet_errors)
+        model.ip_adapter_errors = dict(ready.ip_adapter_errors)
         model.known = True
         for name in self.lora_paths:  # each worker loaded every adapter: the latest one's word stands
             if name in ready.lora_errors:

@@ -1,0 +1,76 @@
+"""A job's ``ip_adapter`` field: its shape checked here, its IP-Adapters against the registry, its images in the pool.
+
+Runs after ``requests.check`` and ``controls.attach``, on the request they built. Every mistake is a
+400 naming the entry and field (``ip_adapter[0].scale``). A reference image with an edit or with
+ControlNets is refused for now: those run on sibling pipelines (``from_pipe``) that would need the
+image encoder handed over too, and a refusal is better than a silently ignored reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from diffusiond.daemon.core.inputs import Source
+from diffusiond.daemon.core.ip_adapters import MAX_IP_ADAPTERS, MAX_SCALE, IpAdapterEntry, decode_references
+from diffusiond.daemon.core.jobs import JobRequest
+from diffusiond.daemon.errors import invalid
+from diffusiond.protocol import Task
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.core.engine import Engine
+
+
+class IpAdapterBody(msgspec.Struct, forbid_unknown_fields=True):
+    """One entry of ``ip_adapter``: a served IP-Adapter, its reference picture, how strongly it steers."""
+
+    name: str
+    image: str | None = None  # base64 or a data URL
+    image_path: str | None = None  # a file under --input-dir
+    scale: float = 1.0
+
+
+def plan(raw: list[Any]) -> list[IpAdapterEntry]:
+    """The entries' shape: a count the pipeline can run, an image each, a scale in bounds."""
+    if len(raw) > MAX_IP_ADAPTERS:
+        raise invalid(f"ip_adapter has {len(raw)} entries; at most {MAX_IP_ADAPTERS} IP-Adapter acts at once",
+                      field="ip_adapter")
+    entries: list[IpAdapterEntry] = []
+    for i, body in enumerate(raw):
+        b = body if isinstance(body, IpAdapterBody) else msgspec.convert(body, IpAdapterBody)
+        at = f"ip_adapter[{i}]"
+        if (b.image is None) == (b.image_path is None):
+            raise invalid(f"{at} needs exactly one of image (base64) and image_path (under --input-dir)",
+                          field=f"{at}.image")
+        if not (math.isfinite(b.scale) and 0.0 <= b.scale <= MAX_SCALE):
+            raise invalid(f"{at}.scale must be from 0 to {MAX_SCALE:g}, got {b.scale}", field=f"{at}.scale")
+        source = (Source(field=f"{at}.image", b64=b.image) if b.image is not None
+                  else Source(field=f"{at}.image_path", path=b.image_path))
+        entries.append(IpAdapterEntry(name=b.name, source=source, scale=b.scale))
+    return entries
+
+
+async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
+    """``req`` with its decoded reference images (unchanged when it has none)."""
+    raw = fields.get("ip_adapter")
+    if not raw:
+        return req
+    entries = plan(list(raw))
+    if req.edit is not None or req.control is not None:
+        what = "an input image (image-to-image or inpainting)" if req.edit is not None else "control"
+        raise invalid(f"ip_adapter with {what} is not served yet; send ip_adapter with a plain text-to-image "
+                      "request", field="ip_adapter")
+    if model.capabilities.task != Task.TEXT_TO_IMAGE.value:
+        raise invalid(f"model {model.name!r} does {model.capabilities.task}; IP-Adapters steer text-to-image "
+                      "models", field="ip_adapter")
+    engine.check_ip_adapters(model.name, [e.name for e in entries])
+    cfg = engine.config
+    work = functools.partial(decode_references, entries, limits=cfg.limits, input_dir=cfg.input_dir)
+    decoded = await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    return dataclasses.replace(req, ip_adapter=decoded,
+                               ip_adapters=tuple((r.name, r.scale, r.digest) for r in decoded.refs))

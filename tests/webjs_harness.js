@@ -1,0 +1,93 @@
+// Runs diffusiond/web/app.js in Node against a stand-in DOM and API (tests/test_web_js.py drives it).
+// Not a browser: no layout, no real events, no real HTTP. What it checks is the page's own logic
+// (which boxes it shows for which model, the job body it builds) where no Chromium is installed.
+"use strict";
+const fs = require("fs");
+const vm = require("vm");
+
+const SELECTS = new Set(["model", "control-name", "reference-name", "control-preprocess"]);
+
+class El {
+  constructor(tag, id) {
+    Object.assign(this, { tagName: tag, id, children: [], dataset: {}, hidden: false, disabled: false,
+                          checked: false, textContent: "", files: [], listeners: {}, parentElement: {} });
+    this._value = "";
+    if (id === "control-preprocess") {  // its options are in index.html, not made by the script
+      this.children = ["none", "canny"].map((v) => Object.assign(new El("option"), { value: v }));
+    }
+  }
+  get value() {
+    if (this.tagName !== "select") return this._value;
+    const values = this.children.map((o) => o.value);
+    return values.includes(this._value) ? this._value : (values[0] ?? "");
+  }
+  set value(v) { this._value = String(v); }
+  get options() { return this.children; }
+  get selectedOptions() { return this.children.filter((o) => o.value === this.value); }
+  addEventListener(name, fn) { (this.listeners[name] ||= []).push(fn); }
+  fire(name) { for (const fn of this.listeners[name] || []) fn({ preventDefault() {} }); }
+  replaceChildren(...c) { this.children = c; }
+  append(...c) { this.children.push(...c); }
+  focus() {}
+  removeAttribute() {}
+}
+
+const elements = new Map();
+const byId = (id) => {
+  if (!elements.has(id)) elements.set(id, new El(SELECTS.has(id) ? "select" : "input", id));
+  return elements.get(id);
+};
+const document = {
+  getElementById: byId,
+  createElement: (tag) => new El(tag),
+  querySelectorAll: () => [],
+  addEventListener() {},
+  body: { dataset: {} },
+};
+const answers = JSON.parse(process.argv[3]);  // path -> the JSON the daemon gives
+const posted = [];
+async function fetch(path, init) {
+  if (init && init.method === "POST") {
+    posted.push(JSON.parse(init.body));
+    return { ok: true, status: 202, json: async () => ({ id: `j_${posted.length}`, status: "queued" }) };
+  }
+  const data = answers[path];
+  if (data === undefined) return { ok: false, status: 404, json: async () => ({ error: { message: "no" } }) };
+  return { ok: true, status: 200, json: async () => data };
+}
+class FileReader {
+  readAsDataURL(file) {
+    setTimeout(() => { this.result = `data:image/png;base64,${file.b64}`; this.onload(); }, 5);
+  }
+}
+class EventSource { addEventListener() {} close() {} }
+const ctx = vm.createContext({ document, fetch, FileReader, EventSource, setTimeout, setInterval: () => 0,
+                               console, crypto: globalThis.crypto, JSON, Promise, Number, String, Object,
+                               Boolean, Date, Math, Error, Map, Uint32Array, encodeURIComponent });
+vm.runInContext(fs.readFileSync(process.argv[2], "utf8"), ctx, { filename: "app.js" });
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const shown = () => ({ control: !byId("control").hidden, reference: !byId("reference").hidden,
+                       control_names: byId("control-name").options.filter((o) => !o.disabled).map((o) => o.value),
+                       reference_names: byId("reference-name").options.filter((o) => !o.disabled).map((o) => o.value) });
+const choose = (id, value) => { byId(id).value = value; byId(id).fire("change"); };
+
+(async () => {
+  for (let i = 0; i < 200 && document.body.dataset.ready !== "true"; i++) await sleep(5);
+  const out = { ready: document.body.dataset.ready === "true", steps: [] };
+  for (const step of JSON.parse(process.argv[4])) {
+    if (step.model) choose("model", step.model);
+    for (const [id, value] of Object.entries(step.values || {})) byId(id).value = value;
+    for (const [id, b64] of Object.entries(step.files || {})) {
+      byId(id).files = [{ name: "picture.png", b64 }];
+      byId(id).fire("change");
+    }
+    const before = posted.length;
+    if (step.submit) {
+      byId("form").fire("submit");
+      for (let i = 0; i < 200 && posted.length === before; i++) await sleep(5);
+    }
+    out.steps.push({ ...shown(), body: posted.length > before ? posted[posted.length - 1] : null });
+  }
+  process.stdout.write(JSON.stringify(out));
+})().catch((err) => { process.stdout.write(JSON.stringify({ error: String(err.stack || err) })); });
