@@ -54,7 +54,7 @@ SERVE_FIELDS = (
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
-    "preview_decoder", "controlnet",
+    "preview_decoder", "controlnet", "upscaler",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
     "reserve_memory", "preload", "max_model_wait",
@@ -217,6 +217,9 @@ def _add_serve(sub: Any) -> None:
              "(diffusers or kohya layout); repeatable")
     add("--controlnet", action="append", metavar="NAME=PATH",
         help="serve a ControlNet: a diffusers ControlNet folder or a .safetensors file; repeatable")
+    add("--upscaler", action="append", metavar="NAME=PATH",
+        help="serve a super-resolution model (ESRGAN and others spandrel reads): a .pth or .safetensors "
+             "file; repeatable")
     add("--max-loras", type=positive_int, metavar="N",
         help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
     add("--state-dir", metavar="DIR",

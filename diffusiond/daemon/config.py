@@ -22,6 +22,7 @@ from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_siz
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
     check_controlnet,
+    check_upscaler,
     duration,
     own_preload,
     parse_compile_mode,
@@ -133,6 +134,8 @@ class DaemonConfig:
     max_loras: int = 8
     # ControlNets by name (--controlnet NAME=PATH, TOML [controlnets]): each worker loads them all once
     controlnets: dict[str, str] = field(default_factory=dict)
+    # super-resolution models by name (--upscaler NAME=PATH, TOML [upscalers]): spandrel reads them (issue 30)
+    upscalers: dict[str, str] = field(default_factory=dict)
     # Durable jobs (store.py): the state dir holds the job database and the output files.
     state_dir: str | None = None
     persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
@@ -248,6 +251,9 @@ class DaemonConfig:
         for name, path in self.controlnets.items():
             if (why := check_controlnet(name, path)) is not None:
                 raise ConfigError(why)
+        for name, path in self.upscalers.items():
+            if (why := check_upscaler(name, path)) is not None:
+                raise ConfigError(why)
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
@@ -308,7 +314,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
     known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
                                                       "lora", "keep_alive", "max_keep_alive", "offload",
-                                                      "controlnet"}
+                                                      "controlnet", "upscaler"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -362,6 +368,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     if control_args is not None or "controlnets" in values:
         values["controlnets"] = parse_loras(control_args if control_args is not None else values["controlnets"],
                                             "--controlnet", "ControlNet")
+    upscale_args = values.pop("upscaler", None)  # and --upscaler NAME=PATH and [upscalers]
+    if upscale_args is not None or "upscalers" in values:
+        values["upscalers"] = parse_loras(upscale_args if upscale_args is not None else values["upscalers"],
+                                          "--upscaler", "upscaler")
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)

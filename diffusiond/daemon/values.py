@@ -163,3 +163,21 @@ def check_controlnet(name: str, path: str) -> str | None:
     if p.suffix != ".safetensors":
         return f"ControlNet {name!r} ({p}) is not a .safetensors file; single files are read as safetensors only"
     return None
+
+
+def check_upscaler(name: str, path: str) -> str | None:
+    """Why ``--upscaler name=path`` cannot be served, before spandrel reads it (None: fine so far)."""
+    flag = f"--upscaler {name}={path[:120]}"
+    if not 1 <= len(name) <= 64 or not set(name) <= _CONTROL_NAME_OK:
+        return f"{flag}: the name must be 1-64 characters of letters, digits, '_', '-' and '.'"
+    p = Path(path)
+    if "\x00" in path or not p.is_absolute():
+        return f"{flag}: give an absolute path without NUL characters"
+    if p.suffix.lower() not in (".pth", ".safetensors"):
+        return f"{flag}: upscalers are read from .pth or .safetensors files (spandrel's state dicts)"
+    try:
+        if not p.is_file():
+            return f"{flag}: no such file"
+    except OSError as exc:
+        return f"{flag}: the file cannot be read ({exc.strerror or exc})"
+    return None

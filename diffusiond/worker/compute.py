@@ -49,6 +49,7 @@ from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob
+from diffusiond.worker.finish import Finisher, first_pass
 from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.state import SharedState
 from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
@@ -120,6 +121,7 @@ class ComputeThread:
         on_exit: Callable[[int], None],
         adapters: Adapters | None = None,
         controlnets: ControlNets | None = None,
+        finisher: Finisher | None = None,
         warmup: Sequence[WarmupShape] = (),
         on_ready: Callable[[], None] | None = None,
         before_forward: Callable[[], None] | None = None,
@@ -127,6 +129,7 @@ class ComputeThread:
         self.pipeline = pipeline
         self.adapters = adapters
         self.controlnets = controlnets
+        self.finish = finisher or Finisher(pipeline, None)  # hires and upscale (worker/finish.py)
         self.copier = copier
         self.state = state
         self.post = post
@@ -245,6 +248,9 @@ class ComputeThread:
 
         def forward(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
             outputs = run(requests, arrays)
+            if batch.params.hires is not None or batch.params.upscale is not None:
+                every = any(r.preview_every for r in requests)
+                outputs = self.finish(batch.params, requests, outputs, on_step, sink_for(requests) if every else None)
             if batch.params.trajectory is not None:  # a half of a retried batch adds its own share
                 got = getattr(self.pipeline, "last_trajectories", None) or []
                 if len(got) != len(outputs):
@@ -256,6 +262,7 @@ class ComputeThread:
         def run(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
             if self.before_forward is not None:
                 self.before_forward()
+            step = first_pass(on_step, batch.params)  # its totals count a hires pass still to come
             every = min((r.preview_every for r in requests if r.preview_every), default=0)
             profiled = self.profiler.forward(batch.batch_id, every) if self.profiler else contextlib.nullcontext()
             # inference_mode: no autograd bookkeeping, so less host time per kernel launch
@@ -265,11 +272,11 @@ class ComputeThread:
                     if batch.params.edit is not None or self.controlnets is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no ControlNet here")
                     images = [controls.get(r.request_id, []) for r in requests]
-                    return self.controlnets.run(batch.params, requests, images, on_step, sink)
+                    return self.controlnets.run(batch.params, requests, images, step, sink)
                 if batch.params.edit is None:
-                    return self.pipeline.run(batch.params, requests, on_step, sink)
+                    return self.pipeline.run(batch.params, requests, step, sink)
                 if isinstance(self.pipeline, EditingPipeline):
-                    return self.pipeline.edit(batch.params, requests, arrays, on_step, sink)
+                    return self.pipeline.edit(batch.params, requests, arrays, step, sink)
                 raise PipelineError(f"model {self.pipeline.name} cannot do {batch.params.edit}")
 
         will_compile = getattr(self.pipeline, "will_compile", None)
@@ -435,10 +442,12 @@ class ComputeThread:
                 self.pipeline.sleep()
                 if self.controlnets is not None:
                     self.controlnets.place(asleep=True)
+                self.finish.place(asleep=True)
             elif item.command == "wake":
                 self.pipeline.wake()
                 if self.controlnets is not None:
                     self.controlnets.place(asleep=False)
+                self.finish.place(asleep=False)
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)

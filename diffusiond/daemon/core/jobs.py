@@ -25,6 +25,7 @@ from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import BatchParams, LoraRef, TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
 Listener = Callable[[Event, "Job"], None]
@@ -83,6 +84,8 @@ class JobRequest:
     controls: tuple[tuple[str, float, float, float, str], ...] = ()
     # the decoded control images and their ControlNets (daemon/core/controls.py); owned like ``edit``
     control: ControlInput | None = field(default=None, compare=False)
+    hires: HiresSpec | None = None  # a second pass at a larger size (daemon/edge/upscale.py)
+    upscale: UpscaleSpec | None = None  # every output through an upscaler, last
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -100,7 +103,24 @@ class JobRequest:
             strength=self.edit.strength if self.edit else None,
             controls=self.control.refs if self.control else (),
             trajectory=self.trajectory,
+            hires=self.hires,
+            upscale=self.upscale,
         )
+
+    @property
+    def total_steps(self) -> int:
+        """The steps the job's progress counts: a hires pass adds its own."""
+        return self.steps + (self.hires.steps if self.hires else 0)
+
+    @property
+    def work_size(self) -> tuple[int, int]:
+        """The largest size a denoiser runs at for this job (what its working memory depends on)."""
+        return (self.hires.width, self.hires.height) if self.hires else (self.width, self.height)
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        """Each output's width and height, after a hires pass and an upscaler."""
+        return (self.upscale.width, self.upscale.height) if self.upscale else self.work_size
 
     @property
     def buffer(self) -> InputBuffer | None:

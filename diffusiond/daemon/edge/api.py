@@ -134,6 +134,10 @@ async def list_controlnets(request: web.Request) -> web.Response:
     return web.json_response(views.controlnets(request.app[ENGINE]))
 
 
+async def list_upscalers(request: web.Request) -> web.Response:
+    return web.json_response(views.upscalers(request.app[ENGINE]))
+
+
 async def admin_add_lora(request: web.Request) -> web.Response:
     """Register a LoRA at run time: ``{"name": ..., "path": ...}``; 201 with its entry, or a 4xx
     naming the field (the daemon goes on either way)."""
@@ -193,6 +197,7 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_get("/v1/admin/trace", admin_trace)
     app.router.add_get("/v1/loras", list_loras)
     app.router.add_get("/v1/controlnets", list_controlnets)
+    app.router.add_get("/v1/upscalers", list_upscalers)
     app.router.add_post("/v1/loras", admin_add_lora)
 
 

@@ -367,6 +367,14 @@ class Outputs:
             meta["control"] = ", ".join(
                 f"{n}:{s:g}" + (f"[{a:g}-{b:g}]" if (a, b) != (0.0, 1.0) else "") + (f" {p}" if p != "none" else "")
                 for n, s, a, b, p in r.controls)
+        if r.hires or r.upscale:  # the size the output has, and how it got there
+            meta["output_size"] = "{}x{}".format(*r.output_size)
+            if r.hires:
+                h = r.hires
+                meta["hires"] = f"{h.width}x{h.height}, strength {h.strength:g}, {h.steps} steps, " + (
+                    h.upscaler or "bicubic")
+            if r.upscale:
+                meta["upscale"] = f"{r.upscale.name}:{r.upscale.scale:g}"
         if item.job.lora_versions:
             meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.job.lora_versions.items()))
         if item.job.approximations:  # the output is not the model's exact one: say how it differs

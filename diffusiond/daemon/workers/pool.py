@@ -171,6 +171,7 @@ class WorkerPool:
             max_loras=self.config.max_loras,
             lora_target_rank=self.lora_target_rank,
             controlnets=dict(self.config.controlnets),
+            upscalers=dict(self.config.upscalers),
         )
 
     def _options(self, model: Model) -> dict[str, str]:
