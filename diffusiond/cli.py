@@ -44,6 +44,7 @@ from diffusiond.commands.generate import (
     positive_int,
     run_generate,
 )
+from diffusiond.commands.upscale import hires_arg, upscale_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
 
 QUICK_TIMEOUT_S = 30.0
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--control", action="append", type=control_arg, metavar="NAME:IMAGE[:SCALE]",
                    help="steer by a ControlNet the daemon serves (see GET /v1/controlnets) and a picture for it, "
                         "scale 1 if left out; repeatable")
+    g.add_argument("--upscale", type=upscale_arg, metavar="NAME[:SCALE]",
+                   help="every output through an upscaler the daemon serves (see GET /v1/upscalers), at its own "
+                        "scale unless SCALE is given")
+    g.add_argument("--hires", type=hires_arg, metavar="SCALE[:STRENGTH[:STEPS[:UPSCALER]]]",
+                   help="a second, image-to-image pass at SCALE times the size (strength 0.5 and the same steps "
+                        "unless given; the picture made larger by UPSCALER, else bicubic)")
     g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
