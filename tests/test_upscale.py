@@ -97,15 +97,17 @@ async def test_hires_makes_a_larger_picture_that_differs_from_the_plain_one(sock
                                        "schedule": 4, "upscaler": None}
 
 
-async def test_a_hires_job_reports_progress_over_both_passes(sock: Path) -> None:
+async def test_a_hires_job_reports_progress_and_previews_over_both_passes(sock: Path) -> None:
     async with http(sock) as s:
-        job = await submit(s, {**FAST, "hires": {"scale": 1.5, "strength": 0.5, "steps": 3}})
+        job = await submit(s, {**FAST, "hires": {"scale": 1.5, "strength": 0.5, "steps": 3}, "preview": {"every": 1}})
         assert job["progress"]["total"] == 5  # 2 steps, then 3 more at 96x96
         events = await sse(s, job["id"])
         done = await wait_job(s, job["id"])
     steps = [e for name, e in events if name == "progress"]
     assert steps and {e["total"] for e in steps} == {5}, steps
     assert steps[-1]["step"] == 5 and done["progress"] == {"step": 5, "total": 5}
+    previews = {(e["step"], e["total"]) for name, e in events if name == "preview"}
+    assert (1, 5) in previews and (4, 5) in previews, previews  # one of each pass (none at a pass's last step)
 
 
 async def test_different_upscales_are_not_batched_together(sock: Path) -> None:
@@ -138,6 +140,25 @@ async def test_bad_upscale_and_hires_are_400s_naming_the_field(sock: Path, extra
         status, error = await refused(s, **extra)
     assert (status, error.get("field")) == (400, field), error
     assert words in error["message"]
+
+
+def test_cli_and_client_spell_upscale_and_hires_as_the_api_does() -> None:
+    import argparse
+
+    from diffusiond.client.params import job_body
+    from diffusiond.commands.upscale import hires_arg, upscale_arg
+
+    assert upscale_arg("esr") == {"name": "esr"} and upscale_arg("esr:3") == {"name": "esr", "scale": 3.0}
+    assert hires_arg("2:0.4:10:esr") == {"scale": 2.0, "strength": 0.4, "steps": 10, "upscaler": "esr"}
+    assert hires_arg("1.5") == {"scale": 1.5}
+    for bad in ("esr:", ":2", "esr:x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            upscale_arg(bad)
+    for bad in ("", "2:", "2:0.5:x", "1:2:3:4:5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            hires_arg(bad)
+    body = job_body("x", {"upscale": "esr", "hires": {"scale": 2, "steps": 4}})
+    assert body["upscale"] == {"name": "esr"} and body["hires"] == {"scale": 2, "steps": 4}
 
 
 @pytest.mark.parametrize("content", [b"not a model", None])

@@ -49,7 +49,7 @@ from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob
-from diffusiond.worker.finish import Finisher, first_pass
+from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
 from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.state import SharedState
 from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
@@ -267,7 +267,7 @@ class ComputeThread:
             profiled = self.profiler.forward(batch.batch_id, every) if self.profiler else contextlib.nullcontext()
             # inference_mode: no autograd bookkeeping, so less host time per kernel launch
             with torch.inference_mode(), profiled:
-                sink = sink_for(requests) if every else None
+                sink = first_pass_previews(sink_for(requests), batch.params) if every else None
                 if batch.params.controls:
                     if batch.params.edit is not None or self.controlnets is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no ControlNet here")

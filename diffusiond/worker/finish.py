@@ -47,6 +47,14 @@ def first_pass(on_step: StepCallback, params: BatchParams) -> StepCallback:
     return lambda step, total: on_step(step, total + extra)
 
 
+def first_pass_previews(sink: PreviewSink, params: BatchParams) -> PreviewSink:
+    """The first pass's previews, numbered as its progress is."""
+    if params.hires is None:
+        return sink
+    extra = params.hires.steps
+    return lambda step, total, pictures: sink(step, total + extra, pictures)
+
+
 class Finisher:
     """What a batch's ``hires`` and ``upscale`` ask of its outputs (nothing when it asks neither)."""
 
