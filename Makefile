@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# CPU build of torch for tests and the demo; GPU users install their CUDA build instead.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	# the upscale extra without torchvision (pyproject.toml says why): tests/test_upscale.py loads upscalers
+	$(PY) -m pip install -q -c constraints.txt --no-deps spandrel einops
 	touch $(STAMP)
 
 test: lint browser

@@ -45,6 +45,7 @@ from diffusiond.commands.generate import (
     positive_int,
     run_generate,
 )
+from diffusiond.commands.upscale import hires_arg, upscale_arg
 from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
 
 QUICK_TIMEOUT_S = 30.0
@@ -55,7 +56,7 @@ SERVE_FIELDS = (
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
-    "preview_decoder", "controlnet", "ip_adapter",
+    "preview_decoder", "controlnet", "ip_adapter", "upscaler",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
     "reserve_memory", "preload", "max_model_wait",
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ip-adapter", action="append", type=ip_adapter_arg, metavar="NAME:IMAGE[:SCALE]",
                    help="steer by a reference picture through an IP-Adapter the daemon serves "
                         "(see GET /v1/ip-adapters), scale 1 if left out")
+    g.add_argument("--upscale", type=upscale_arg, metavar="NAME[:SCALE]",
+                   help="every output through an upscaler the daemon serves (see GET /v1/upscalers), at its own "
+                        "scale unless SCALE is given")
+    g.add_argument("--hires", type=hires_arg, metavar="SCALE[:STRENGTH[:STEPS[:UPSCALER]]]",
+                   help="a second, image-to-image pass at SCALE times the size (strength 0.5 and the same steps "
+                        "unless given; the picture made larger by UPSCALER, else bicubic)")
     g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
@@ -224,6 +231,9 @@ def _add_serve(sub: Any) -> None:
     add("--ip-adapter", action="append", metavar="NAME=PATH[,image_encoder=DIR]",
         help="serve an IP-Adapter: its .safetensors weights file (or a folder holding one) and its image "
              "encoder, image_encoder/ beside the file unless given; repeatable")
+    add("--upscaler", action="append", metavar="NAME=PATH",
+        help="serve a super-resolution model (ESRGAN and others spandrel reads): a .pth or .safetensors "
+             "file; repeatable")
     add("--max-loras", type=positive_int, metavar="N",
         help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
     add("--state-dir", metavar="DIR",

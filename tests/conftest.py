@@ -63,6 +63,15 @@ def ip_adapter_file(tmp_path_factory: pytest.TempPathFactory, model_cache: Path)
 
 
 @pytest.fixture(scope="session")
+def upscaler_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ESRGAN upscaler (scale 2, random weights) built in code, once per session (upscalekit.py)."""
+    pytest.importorskip("spandrel")
+    from upscalekit import build_upscaler
+
+    return build_upscaler(tmp_path_factory.mktemp("upscalers") / "esr.safetensors", seed=1)
+
+
+@pytest.fixture(scope="session")
 def lora_files(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
     """LoRA adapters built in code on tiny, once per session (see lorakit.py): ``ink`` (UNet and
     text encoder), ``dots`` (UNet only), ``ink-kohya`` (ink in the kohya layout), ``misfit`` (ink

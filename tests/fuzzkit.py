@@ -558,7 +558,7 @@ GEN_BASE = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "image", "image_path",
               "mask", "mask_path", "strength", "loras", "preview", "keep_alive", "noise_level", "eta",
-              "control", "ip_adapter", "trajectory"]
+              "control", "ip_adapter", "trajectory", "upscale", "hires"]
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",
@@ -616,8 +616,17 @@ trajectory_values = st.fixed_dictionaries({}, optional={
     "dtype": st.sampled_from(["float32", "bfloat16", "float16", "float64", ""]) | nasty_values}) | nasty_values
 
 
+upscale_values = st.fixed_dictionaries({"name": st.sampled_from(["esr", "", "../x", "x" * 65]) | nasty_values},
+                                       optional={"scale": nasty_values | st.floats(-1, 10)}) | nasty_values
+hires_values = st.fixed_dictionaries({}, optional={
+    "scale": nasty_values | st.floats(0, 5), "strength": nasty_values | st.floats(-1, 2),
+    "steps": nasty_values | st.integers(-1, 9), "upscaler": nasty_values | st.sampled_from(["esr", ""])}) | nasty_values
+
+
 def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
     """Nasty values for any field; for some, ones of the field's own kind too."""
+    if name in ("upscale", "hires"):
+        return upscale_values if name == "upscale" else hires_values
     if name == "loras":
         return lora_values(ctx)
     if name == "preview":
@@ -819,6 +828,7 @@ def headers_family(draw: st.DrawFn, ctx: Ctx) -> Req:
 
 WEB_PATHS = [("GET", b"/v1/models"), ("GET", b"/v1/jobs"), ("POST", b"/v1/jobs"), ("GET", b"/health"),
              ("GET", b"/metrics"), ("GET", b"/v1/loras"), ("GET", b"/v1/controlnets"), ("GET", b"/v1/ip-adapters"),
+             ("GET", b"/v1/upscalers"),
              ("DELETE", b"/v1/jobs/j_0"), ("GET", b"/"),
              ("GET", b"/static/app.js"), ("GET", b"/v1/admin/web"), ("GET", b"/?token=x")]
 
@@ -920,7 +930,7 @@ def urls(draw: st.DrawFn, ctx: Ctx) -> Req:
             path = f"/v1/jobs/{job}?finished=keep"  # a plain DELETE would delete the job the others read
     elif kind == 4:
         path = draw(st.sampled_from(["/v1/admin/web", "/v1/admin/trace", "/v1/models", "/v1/loras", "/metrics",
-                                     "/v1/controlnets", "/v1/ip-adapters",
+                                     "/v1/controlnets", "/v1/ip-adapters", "/v1/upscalers",
                                      "/ready", "/static/../index.html", "/static/%2e%2e/web.py", "/static/" + "a" * 300,
                                      "/static/%00", "/v1/" + "a/" * 2000, "/%ff", "/v1/jobs/" + "%" * 3]))
         method = draw(st.sampled_from(["GET", "HEAD", "OPTIONS", "PATCH"]))

@@ -116,13 +116,15 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
 
 @pytest.fixture(scope="module")
 def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
-                lora_files: dict[str, Path], controlnet_dir: Path, ip_adapter_file: Path) -> Iterator[Daemon]:
+                lora_files: dict[str, Path], controlnet_dir: Path, ip_adapter_file: Path,
+                upscaler_file: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("fuzz")
     # ink fits tiny and not the synthetic models: a request may be refused for either reason
     (tmp / "diffusiond.toml").write_text(f"max_loras = {MAX_LORAS}\n{CONFIG}\n[loras]\n"
                                          f'ink = "{lora_files["ink"]}"\ndots = "{lora_files["dots"]}"\n'
                                          f'[controlnets]\nedges = "{controlnet_dir}"\n'
-                                         f'[ip_adapters]\nstyle = "{ip_adapter_file}"\n')
+                                         f'[ip_adapters]\nstyle = "{ip_adapter_file}"\n'
+                                         f'[upscalers]\nesr = "{upscaler_file}"\n')
     (tmp / "inputs").mkdir()
     (tmp / "inputs" / "in.png").write_bytes(PNG_64)  # for image_path; nothing else is readable
     args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",
@@ -179,7 +181,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.di
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "noise_level", "eta",
               "image", "image_path", "mask", "mask_path", "strength", "loras",
-              "preview", "keep_alive", "control", "ip_adapter", "trajectory"]
+              "preview", "keep_alive", "control", "ip_adapter", "trajectory", "upscale", "hires"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
                "background", "input_fidelity", "user"]
@@ -248,6 +250,17 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
                   "image_path": st.sampled_from(["in.png", "../in.png", "/dev/zero", ""]),
                   "scale": st.floats(min_value=-1, max_value=5) | st.sampled_from([0, 4, math.nan, math.inf])},
     ), max_size=2) | values,
+    # issue 30: an upscaler known or not at scales in and out of range; a hires pass on models with and without
+    # image-to-image, its sizes past the limits
+    "upscale": st.fixed_dictionaries({"name": st.sampled_from(["esr", "nope", "", "ESR"]) | values}, optional={
+        "scale": st.floats(min_value=-1, max_value=10) | st.sampled_from([1, 2, 8, 9, math.nan, math.inf]) | values,
+    }) | values,
+    "hires": st.fixed_dictionaries({}, optional={
+        "scale": st.floats(min_value=0, max_value=5) | st.sampled_from([1, 1.5, 2, 4, math.nan, math.inf]) | values,
+        "strength": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, 1e-9, math.nan]) | values,
+        "steps": st.integers(min_value=-1, max_value=9) | values,
+        "upscaler": st.sampled_from(["esr", "nope", ""]) | values,
+    }) | values,
     "preview": st.fixed_dictionaries({}, optional={
         "every": st.integers(min_value=-1, max_value=10) | values,
         "format": st.sampled_from(["jpeg", "webp", "png", "gif", "JPEG", ""]) | values,
@@ -333,6 +346,10 @@ def within_limits(job: dict[str, Any]) -> None:
     for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the one model it fits, never beside control
         assert a["name"] == "style" and job["model"] == "tiny" and not r["control"], job
         assert 0 <= a["scale"] <= 4 and len(a["image_digest"]) == 24 and len(r["ip_adapter"]) == 1, job
+    u, h = r["upscale"], r["hires"]  # issue 30: served upscalers, image-to-image models, sizes in their bounds
+    assert u is None or (u["name"] == "esr" and 1 <= u["scale"] <= 8 and u["width"] <= 16384), job
+    assert h is None or (job["model"] == "tiny" and h["upscaler"] in (None, "esr") and 0 < h["strength"] <= 1
+                         and max(h["width"], h["height"]) <= LIMITS["max_size"] and h["steps"] >= 1), job
     p = r["preview"]
     if p is not None:
         assert job["model"] == "tiny", job  # the synthetic models have no preview decoder
@@ -431,7 +448,7 @@ ROUTES = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/events", "/v1/jobs/{id}/ou
           "/v1/jobs/{id}/outputs/{k}/trajectory/{k}", "/v1/jobs/{id}/outputs/0/trajectory/{k}",
           "/v1/jobs/{id}/preview/{k}", "/v1/models",
           "/v1/images/generations", "/v1/images/edits", "/v1/admin/{k}", "/v1/loras",
-          "/v1/controlnets", "/v1/ip-adapters"]
+          "/v1/controlnets", "/v1/ip-adapters", "/v1/upscalers"]
 
 
 @st.composite

@@ -51,6 +51,11 @@ class JobParams(TypedDict, total=False):
     control: Sequence[Mapping[str, Any]]
     # IP-Adapters (GET /v1/ip-adapters): {"name", "image" (bytes or a local file, sent base64) or "image_path", "scale"}
     ip_adapter: Sequence[Mapping[str, Any]]
+    # every output through an upscaler (GET /v1/upscalers): its name, or {"name", "scale"} (the model's own scale
+    # when left out); a second, image-to-image pass at a larger size first: a scale, or {"scale", "strength",
+    # "steps", "upscaler"}
+    upscale: str | Mapping[str, Any]
+    hires: float | Mapping[str, Any]
 
 
 ImageInput = bytes | str | os.PathLike[str]
@@ -77,6 +82,9 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
         elif key in ("control", "ip_adapter"):
             body[key] = [{k: image_b64(v) if k == "image" else v for k, v in dict(c).items()}
                                for c in cast(Sequence[Mapping[str, Any]], value)]
+        elif key in ("upscale", "hires"):
+            short = "name" if key == "upscale" else "scale"
+            body[key] = dict(cast(Mapping[str, Any], value)) if isinstance(value, Mapping) else {short: value}
         else:
             body[key] = value
     return body

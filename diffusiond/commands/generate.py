@@ -196,6 +196,8 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
         ("timeout_s", args.timeout),
         ("loras", getattr(args, "lora", None)),
         ("strength", args.strength),
+        ("upscale", getattr(args, "upscale", None)),  # commands/upscale.py
+        ("hires", getattr(args, "hires", None)),
     ):
         if value is not None:
             body[key] = value

@@ -23,6 +23,7 @@ from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: 
 from diffusiond.daemon.values import (
     check_controlnet,
     check_ip_adapter,
+    check_upscaler,
     duration,
     own_preload,
     parse_compile_mode,
@@ -137,6 +138,8 @@ class DaemonConfig:
     controlnets: dict[str, str] = field(default_factory=dict)
     # IP-Adapters by name (--ip-adapter NAME=PATH[,image_encoder=DIR], TOML [ip_adapters]): (weights, encoder)
     ip_adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # super-resolution models by name (--upscaler NAME=PATH, TOML [upscalers]): spandrel reads them (issue 30)
+    upscalers: dict[str, str] = field(default_factory=dict)
     # Durable jobs (store.py): the state dir holds the job database and the output files.
     state_dir: str | None = None
     persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
@@ -255,6 +258,9 @@ class DaemonConfig:
         for name, (weights, encoder) in self.ip_adapters.items():
             if (why := check_ip_adapter(name, weights, encoder)) is not None:
                 raise ConfigError(why)
+        for name, path in self.upscalers.items():
+            if (why := check_upscaler(name, path)) is not None:
+                raise ConfigError(why)
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.web is not None:
@@ -315,7 +321,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
     known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
                                                       "lora", "keep_alive", "max_keep_alive", "offload",
-                                                      "controlnet", "ip_adapter"}
+                                                      "controlnet", "ip_adapter", "upscaler"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -372,6 +378,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     ip_args = values.pop("ip_adapter", None)  # --ip-adapter NAME=PATH[,image_encoder=DIR] and [ip_adapters]
     if ip_args is not None or "ip_adapters" in values:
         values["ip_adapters"] = parse_ip_adapters(ip_args if ip_args is not None else values["ip_adapters"])
+    upscale_args = values.pop("upscaler", None)  # and --upscaler NAME=PATH and [upscalers]
+    if upscale_args is not None or "upscalers" in values:
+        values["upscalers"] = parse_loras(upscale_args if upscale_args is not None else values["upscalers"],
+                                          "--upscaler", "upscaler")
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)

@@ -31,6 +31,7 @@ from diffusiond import __version__
 from diffusiond.daemon import systemd
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.core.engine import Engine
+from diffusiond.daemon.core.upscalers import UpscalerProbeError
 from diffusiond.daemon.edge.api import WebAddress, create_app
 from diffusiond.daemon.edge.handoff import OutputSocket
 from diffusiond.daemon.edge.web import bind_tcp, create_web_app, sign_in_url
@@ -131,6 +132,10 @@ async def run(config: DaemonConfig) -> int:
     # Everything started from here on is stopped in the ``finally`` below, whichever step fails.
     try:
         await runner.setup()
+        try:  # before any socket: a daemon that cannot serve its upscalers does not start
+            await engine.upscalers.probe()
+        except UpscalerProbeError as exc:
+            raise StartupError(str(exc)) from None
         inherited = systemd.listen_fds()
         unix_path: str | None = None
         if inherited:

@@ -211,3 +211,21 @@ def check_ip_adapter(name: str, weights: str, encoder: str) -> str | None:
     except (OSError, ValueError) as exc:
         return f"IP-Adapter {name!r}: {weights[:120]!r} cannot be read ({exc})"
     return None
+
+
+def check_upscaler(name: str, path: str) -> str | None:
+    """Why ``--upscaler name=path`` cannot be served, before spandrel reads it (None: fine so far)."""
+    flag = f"--upscaler {name}={path[:120]}"
+    if not 1 <= len(name) <= 64 or not set(name) <= _CONTROL_NAME_OK:
+        return f"{flag}: the name must be 1-64 characters of letters, digits, '_', '-' and '.'"
+    p = Path(path)
+    if "\x00" in path or not p.is_absolute():
+        return f"{flag}: give an absolute path without NUL characters"
+    if p.suffix.lower() not in (".pth", ".safetensors"):
+        return f"{flag}: upscalers are read from .pth or .safetensors files (spandrel's state dicts)"
+    try:
+        if not p.is_file():
+            return f"{flag}: no such file"
+    except OSError as exc:
+        return f"{flag}: the file cannot be read ({exc.strerror or exc})"
+    return None

@@ -24,6 +24,7 @@ from diffusiond.ipc.outsocket import Lease as Lease
 from diffusiond.ipc.outsocket import Refused as Refused
 from diffusiond.ipc.outsocket import Unpin as Unpin
 from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec
 from diffusiond.protocol import OutputDtype, OutputMode, TrajectoryDtype
 
 
@@ -53,9 +54,8 @@ class Kind(enum.IntEnum):
     SLOT_WAIT = 40
     PREVIEW_READY = 41
     # local client -> engine, on the output socket
-    FETCH = 64
+    FETCH = 64  # (UPDATE_LORA travels on the output socket too, client -> engine)
     UNPIN = 65
-    # (UPDATE_LORA travels on the output socket too, client -> engine)
     # engine -> local client, on the output socket
     LEASE = 96
     REFUSED = 97
@@ -64,8 +64,7 @@ class Kind(enum.IntEnum):
 
 
 class WarmupShape(msgspec.Struct, frozen=True):
-    """A shape the worker runs once before READY (``--warmup 512x512:8``), so that compiling it
-    (and capturing its CUDA graph) is paid at start-up, not by a client."""
+    """A shape run once before READY (``--warmup 512x512:8``): compiling it is paid at start, not by a client."""
 
     width: int
     height: int
@@ -91,10 +90,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     compile: str = ""
     warmup: list[WarmupShape] = []
     compile_cache_dir: str = ""
-    # Record CUDA events around forwards and copies (GPU-side ordering proofs; small overhead).
-    trace_gpu: bool = False
-    # Test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY".
-    fault: str = ""
+    trace_gpu: bool = False  # CUDA events around forwards and copies (GPU-side ordering proofs; small overhead)
+    fault: str = ""  # test-only fault injection ("" in normal runs): e.g. "drop_frame:OUTPUT_READY"
     # LoRA adapters the worker may be asked for (name -> file or folder), checked against the model
     # at start-up; and how many it keeps loaded at once (least recently used ones are unloaded).
     loras: dict[str, str] = {}
@@ -102,9 +99,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A compiled model's LoRA hot-swap slots are this rank: the largest rank of the adapters
     # registered at start (0: none, so a compiled model takes no LoRA).
     lora_target_rank: int = 0
-    # ControlNet models by name (name -> diffusers folder or single file), loaded once at start and kept
+    # ControlNets and upscalers by name (name -> folder or file), loaded once at start and kept
     controlnets: dict[str, str] = {}
     ip_adapters: dict[str, tuple[str, str]] = {}  # IP-Adapters: name -> (weights file, image encoder folder)
+    upscalers: dict[str, str] = {}
 
 
 class ControlRef(msgspec.Struct, frozen=True, array_like=True):
@@ -165,6 +163,8 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     ip_adapters: tuple[IpAdapterRef, ...] = ()  # their reference images ride in InputRef.references
     # In the key because it changes what the batch computes (latents kept on the device each step).
     trajectory: TrajectorySpec | None = None
+    hires: HiresSpec | None = None  # a second pass at a larger size, then an upscaler (ipc/upscale.py)
+    upscale: UpscaleSpec | None = None
 
 
 class InputRef(msgspec.Struct, frozen=True, kw_only=True):

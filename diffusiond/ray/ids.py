@@ -106,7 +106,8 @@ def batch_key(body: Any) -> str | None:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
                                    "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
-                                   "loras", "strength", "trajectory", "control", "ip_adapter")]
+                                   "loras", "strength", "trajectory", "control", "ip_adapter", "upscale",
+                                   "hires")]
     return repr(parts)
 
 

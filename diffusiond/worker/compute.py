@@ -50,6 +50,8 @@ from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
 from diffusiond.worker.copier import Copier, CopyJob
+from diffusiond.worker.failures import first_line, is_fatal, is_oom, oom_shape
+from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
 from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.state import SharedState
 from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
@@ -82,25 +84,6 @@ class LiveUpdate:
 _KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN}
 
 
-def is_fatal(exc: BaseException) -> bool:
-    """Errors after which the device (and so this process) cannot be trusted any more."""
-    if type(exc).__name__ == "AcceleratorError":
-        return True
-    text = str(exc)
-    return any(s in text for s in _FATAL_TEXT)
-
-
-_FATAL_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure", "ECC error")
-
-
-def is_oom(exc: BaseException) -> bool:
-    """Out of memory: CUDA's allocator (``torch.OutOfMemoryError``), Python's own, or torch's CPU
-    allocator, which raises a plain RuntimeError naming itself. A job's problem, never the process's."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
-
-
 def close_fds(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -122,6 +105,7 @@ class ComputeThread:
         adapters: Adapters | None = None,
         controlnets: ControlNets | None = None,
         ip_adapters: IpAdapters | None = None,
+        finisher: Finisher | None = None,
         warmup: Sequence[WarmupShape] = (),
         on_ready: Callable[[], None] | None = None,
         before_forward: Callable[[], None] | None = None,
@@ -132,6 +116,7 @@ class ComputeThread:
         self.weight_versions: dict[str, int] = {}
         self.controlnets = controlnets
         self.ip_adapters = ip_adapters
+        self.finish = finisher or Finisher(pipeline, None)  # hires and upscale (worker/finish.py)
         self.copier = copier
         self.state = state
         self.post = post
@@ -253,6 +238,9 @@ class ComputeThread:
 
         def forward(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
             outputs = run(requests, arrays)
+            if batch.params.hires is not None or batch.params.upscale is not None:
+                every = any(r.preview_every for r in requests)
+                outputs = self.finish(batch.params, requests, outputs, on_step, sink_for(requests) if every else None)
             if batch.params.trajectory is not None:  # a half of a retried batch adds its own share
                 got = getattr(self.pipeline, "last_trajectories", None) or []
                 if len(got) != len(outputs):
@@ -264,11 +252,12 @@ class ComputeThread:
         def run(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
             if self.before_forward is not None:
                 self.before_forward()
+            step = first_pass(on_step, batch.params)  # its totals count a hires pass still to come
             every = min((r.preview_every for r in requests if r.preview_every), default=0)
             profiled = self.profiler.forward(batch.batch_id, every) if self.profiler else contextlib.nullcontext()
             # inference_mode: no autograd bookkeeping, so less host time per kernel launch
             with torch.inference_mode(), profiled:
-                sink = sink_for(requests) if every else None
+                sink = first_pass_previews(sink_for(requests), batch.params) if every else None
                 if batch.params.ip_adapters:
                     if self.ip_adapters is None or batch.params.edit is not None or batch.params.controls:
                         raise PipelineError(f"model {self.pipeline.name} takes no IP-Adapter here")
@@ -280,11 +269,11 @@ class ComputeThread:
                     if batch.params.edit is not None or self.controlnets is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no ControlNet here")
                     images = [controls.get(r.request_id, []) for r in requests]
-                    return self.controlnets.run(batch.params, requests, images, on_step, sink)
+                    return self.controlnets.run(batch.params, requests, images, step, sink)
                 if batch.params.edit is None:
-                    return self.pipeline.run(batch.params, requests, on_step, sink)
+                    return self.pipeline.run(batch.params, requests, step, sink)
                 if isinstance(self.pipeline, EditingPipeline):
-                    return self.pipeline.edit(batch.params, requests, arrays, on_step, sink)
+                    return self.pipeline.edit(batch.params, requests, arrays, step, sink)
                 raise PipelineError(f"model {self.pipeline.name} cannot do {batch.params.edit}")
 
         will_compile = getattr(self.pipeline, "will_compile", None)
@@ -353,8 +342,8 @@ class ComputeThread:
         self._retried = True
         self._empty_cache()
         split = len(live) > 1
-        log.warning("batch %d (%s) ran out of memory; retrying%s: %s", batch.batch_id, _shape(batch, len(live)),
-                    " as two halves" if split else "", _first_line(first))
+        log.warning("batch %d (%s) ran out of memory; retrying%s: %s", batch.batch_id, oom_shape(batch, len(live)),
+                    " as two halves" if split else "", first_line(first))
         self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, oom_retry=True))
         mid = (len(live) + 1) // 2
         parts = [(live[:mid], inputs[:mid]), (live[mid:], inputs[mid:])] if split else [(live, inputs)]
@@ -383,8 +372,8 @@ class ComputeThread:
     def _oom_message(self, batch: Execute, size: int, part: int, exc: BaseException) -> str:
         where = f" (this half: {part})" if part else ""
         return (f"out of memory running {self.pipeline.name} on {self.pipeline.device} at "
-                f"{_shape(batch, size)}{where}, even after emptying the allocator's cache and retrying"
-                f"{' the batch in halves' if part else ''}: {_first_line(exc)}. What would help: a smaller size, "
+                f"{oom_shape(batch, size)}{where}, even after emptying the allocator's cache and retrying"
+                f"{' the batch in halves' if part else ''}: {first_line(exc)}. What would help: a smaller size, "
                 "fewer frames or a smaller batch (--max-batch), fewer models or other programs on the device "
                 "(--device-memory), or CPU offloading where the model supports it")
 
@@ -455,12 +444,14 @@ class ComputeThread:
                 self.pipeline.sleep()
                 if self.controlnets is not None:
                     self.controlnets.place(asleep=True)
+                self.finish.place(asleep=True)
             elif item.command == "wake":
                 self.pipeline.wake()
                 if self.controlnets is not None:
                     self.controlnets.place(asleep=False)
                 if self.ip_adapters is not None:
                     self.ip_adapters.place(asleep=False)
+                self.finish.place(asleep=False)
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)
@@ -480,16 +471,3 @@ class ComputeThread:
         self._ended.add(request_id)
         self.state.finish(request_id)
         self.post(RequestEnded(request_id, batch_id, status, message, "computing", code=code))
-
-
-def _shape(batch: Execute, size: int) -> str:
-    """What a person reads in an out-of-memory message: WxH, frames where a video, the batch."""
-    p = batch.params
-    frames = f", {p.num_frames} frames" if p.num_frames else ""
-    return f"{p.width}x{p.height}{frames}, batch of {size}"
-
-
-def _first_line(exc: BaseException) -> str:
-    """torch's out-of-memory text runs to a paragraph of allocator advice; its first sentence says enough."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."

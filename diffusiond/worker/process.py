@@ -49,6 +49,7 @@ from diffusiond.ipc.messages import (
 from diffusiond.pipelines.base import weight_bytes
 from diffusiond.worker.compute import ComputeThread, Control, Edit, LiveUpdate
 from diffusiond.worker.copier import Copier
+from diffusiond.worker.finish import Finisher
 from diffusiond.worker.state import SharedState
 
 if TYPE_CHECKING:
@@ -207,6 +208,10 @@ class Worker:
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         controlnets = await asyncio.to_thread(self._load_controlnets, pipeline, config)
         ip_adapters = await asyncio.to_thread(self._load_ip_adapters, pipeline, config)
+        try:
+            finisher = await asyncio.to_thread(self._finisher, pipeline, config)
+        except Exception as exc:
+            raise _StartError(f"loading the upscalers failed: {exc}") from exc
         post = self.channel.post_threadsafe
         before_forward = None
         if faults is None:
@@ -231,6 +236,7 @@ class Worker:
             adapters=adapters,
             controlnets=controlnets,
             ip_adapters=ip_adapters,
+            finisher=finisher,
             warmup=config.warmup,
             before_forward=before_forward,
             on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
@@ -276,6 +282,15 @@ class Worker:
             return None, dict.fromkeys(config.loras, unsupported(pipeline))
         errors = {name: why for name, path in config.loras.items() if (why := adapters.register(name, path))}
         return adapters, errors
+
+    @staticmethod
+    def _finisher(pipeline: Pipeline, config: WorkerConfig) -> Finisher:
+        """Hires passes and upscalers (worker/finish.py); each configured upscaler loaded once and kept."""
+        if not config.upscalers:
+            return Finisher(pipeline, None)
+        from diffusiond.pipelines.upscalers import Upscalers
+
+        return Finisher(pipeline, Upscalers(config.upscalers, pipeline.device))
 
     @staticmethod
     def _load_controlnets(pipeline: Pipeline, config: WorkerConfig) -> ControlNets | None:

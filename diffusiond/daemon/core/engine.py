@@ -34,6 +34,7 @@ from diffusiond.daemon.core.jobs import Item, Job, JobRequest
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.core.output_access import OutputAccess
 from diffusiond.daemon.core.scheduler import Scheduler
+from diffusiond.daemon.core.upscalers import UpscalerRegistry
 from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
 from diffusiond.daemon.errors import (
     EngineError,
@@ -75,6 +76,7 @@ class Engine(OutputAccess):
         self.loras = LoraRegistry(config.loras, config.max_loras)
         self.controls = ControlRegistry(config.controlnets)
         self.ip_adapters = IpAdapterRegistry(config.ip_adapters)
+        self.upscalers = UpscalerRegistry(config.upscalers)  # read by spandrel at start (server.py)
         self.live_loras, self.live_components = LiveLoras(self.loras), LiveComponents()  # update_lora/_weights
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn,
@@ -307,7 +309,7 @@ class Engine(OutputAccess):
         if self.scheduler.full:
             self.metrics.rejected_total.labels("queue_full").inc()
             raise QueueFull(f"the queue holds {self.scheduler.depth} jobs, its limit; retry later", retry_after_s=1)
-        too_large = self.keeper.admit(model.name, shape_of(req.width, req.height, 1, req.num_frames), req.n)
+        too_large = self.keeper.admit(model.name, shape_of(*req.work_size, 1, req.num_frames), req.n)
         if too_large is not None:
             self.metrics.rejected_total.labels("model_too_large").inc()
             raise ModelTooLarge(too_large.reason, field="model")

@@ -79,7 +79,7 @@ class Flights:
             if ready and all(len(self.in_flight.get(w, ())) >= MAX_BATCHES_PER_WORKER for w in ready):
                 continue  # nothing could be sent now: asking residency could send an idle model away for nothing
             head = waiting[0].request
-            if not self.keeper.may_dispatch(model, shape_of(head.width, head.height, 1, head.num_frames)):
+            if not self.keeper.may_dispatch(model, shape_of(*head.work_size, 1, head.num_frames)):
                 why = self.keeper.why_waiting(model.name)
                 self._hold(waiting, why, self.keeper.load_bytes(model) if why == LOADING else None)
                 continue
@@ -239,7 +239,7 @@ class Flights:
         the state dir keeps it (filed as the model's capabilities are) for the next start."""
         req = batch.items[0].job.request
         name = batch.worker.config.model_name
-        entry = self.keeper.measured(name, shape_of(req.width, req.height, ran, req.num_frames), working_bytes)
+        entry = self.keeper.measured(name, shape_of(*req.work_size, ran, req.num_frames), working_bytes)
         model = self.pool.models.get(name)
         if entry is not None and model is not None:
             self.store.remember_working(model_key(model), entry)
@@ -293,7 +293,7 @@ class Flights:
 
 def _shape(items: list[Item]) -> Shape:
     req = items[0].job.request
-    return shape_of(req.width, req.height, len(items), req.num_frames)
+    return shape_of(*req.work_size, len(items), req.num_frames)
 
 
 def _jobs_of(items: Iterable[Item]) -> list[Job]:

@@ -26,6 +26,7 @@ from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import BatchParams, LoraRef, TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec
 from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
 
 Listener = Callable[[Event, "Job"], None]
@@ -87,6 +88,8 @@ class JobRequest:
     # IP-Adapters as asked, (name, scale, reference image digest); their decoded images, owned like ``edit``
     ip_adapters: tuple[tuple[str, float, str], ...] = ()
     ip_adapter: IpAdapterInput | None = field(default=None, compare=False)
+    hires: HiresSpec | None = None  # a second pass at a larger size (daemon/edge/upscale.py)
+    upscale: UpscaleSpec | None = None  # every output through an upscaler, last
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -105,7 +108,24 @@ class JobRequest:
             controls=self.control.refs if self.control else (),
             ip_adapters=self.ip_adapter.refs if self.ip_adapter else (),
             trajectory=self.trajectory,
+            hires=self.hires,
+            upscale=self.upscale,
         )
+
+    @property
+    def total_steps(self) -> int:
+        """The steps the job's progress counts: a hires pass adds its own."""
+        return self.steps + (self.hires.steps if self.hires else 0)
+
+    @property
+    def work_size(self) -> tuple[int, int]:
+        """The largest size a denoiser runs at for this job (what its working memory depends on)."""
+        return (self.hires.width, self.hires.height) if self.hires else (self.width, self.height)
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        """Each output's width and height, after a hires pass and an upscaler."""
+        return (self.upscale.width, self.upscale.height) if self.upscale else self.work_size
 
     @property
     def buffer(self) -> InputBuffer | None:

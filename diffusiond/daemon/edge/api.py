@@ -136,6 +136,8 @@ async def list_controlnets(request: web.Request) -> web.Response:
 
 async def list_ip_adapters(request: web.Request) -> web.Response:
     return web.json_response(views.ip_adapters(request.app[ENGINE]))
+async def list_upscalers(request: web.Request) -> web.Response:
+    return web.json_response(views.upscalers(request.app[ENGINE]))
 
 
 async def admin_add_lora(request: web.Request) -> web.Response:
@@ -198,6 +200,7 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_get("/v1/loras", list_loras)
     app.router.add_get("/v1/controlnets", list_controlnets)
     app.router.add_get("/v1/ip-adapters", list_ip_adapters)
+    app.router.add_get("/v1/upscalers", list_upscalers)
     app.router.add_post("/v1/loras", admin_add_lora)
 
 

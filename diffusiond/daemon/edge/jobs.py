@@ -16,7 +16,7 @@ from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.jobs import Job, Preview
-from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, views
+from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, upscale, views
 from diffusiond.daemon.edge.status import ENGINE
 from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, Event, JobStatus
 
@@ -46,6 +46,7 @@ async def create_job(request: web.Request) -> web.Response:
     req = None
     try:
         req = requests.check(fields, limits, model, edit=edit, loras=engine.check_loras)
+        req = upscale.attach(engine, fields, model, req)  # before the control images: it holds nothing
         req = await controls.attach(engine, fields, model, req)
         req = await ip_adapters.attach(engine, fields, model, req)
     except BaseException:

@@ -25,6 +25,7 @@ from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
 from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
+from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
 from diffusiond.daemon.errors import OutputTooLarge, invalid
 from diffusiond.daemon.residency.units import parse_duration
 from diffusiond.ipc.messages import Capabilities
@@ -117,6 +118,8 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     strength: float | None = None
     control: list[ControlBody] | None = None  # ControlNets and their images (daemon/edge/controls.py)
     ip_adapter: list[IpAdapterBody] | None = None  # IP-Adapters and their reference images (edge/ip_adapters.py)
+    upscale: UpscaleBody | None = None  # post-processing and a second pass (daemon/edge/upscale.py)
+    hires: HiresBody | None = None
     # how long the model stays on its device after this job: "10m", seconds, 0, -1 (as Ollama's field)
     keep_alive: str | float | None = None
 

@@ -10,6 +10,8 @@ import base64
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from diffusiond import __version__
 from diffusiond.daemon.core.jobs import Item, Job, Preview
 from diffusiond.daemon.core.loras import LoraInfo
@@ -65,7 +67,7 @@ def job(j: Job) -> dict[str, Any]:
         "created": int(j.created),
         "status": j.status.value,
         "stage": j.stage_label,
-        "progress": {"step": j.progress[0], "total": j.progress[1] or r.steps},
+        "progress": {"step": j.progress[0], "total": j.progress[1] or r.total_steps},
         # what a job in stage "loading" waits for; bytes_loaded stays null: no load reports it as it reads
         "loading": {"model": r.model, "bytes_loaded": None, "bytes_total": j.load_bytes}
         if j.stage_label == "loading" else None,
@@ -102,6 +104,9 @@ def job(j: Job) -> dict[str, Any]:
             "ip_adapter": [{"name": n, "scale": s, "image_digest": d} for n, s, d in r.ip_adapters],
             # edits: which, and how strongly (the input image itself is not echoed back)
             "task": r.edit.task.value if r.edit else None,
+            # issue 30: the sizes the daemon settled are shown, beside what was asked
+            "hires": None if r.hires is None else msgspec.structs.asdict(r.hires),
+            "upscale": None if r.upscale is None else msgspec.structs.asdict(r.upscale),
             "strength": r.edit.strength if r.edit else None,
             "preview": None if r.preview is None else {"every": r.preview.every, "format": r.preview.format,
                                                        "max_side": r.preview.max_side},
@@ -154,6 +159,13 @@ def ip_adapters(engine: Engine) -> dict[str, Any]:
          "models": [m.name for m in models if m.known and name not in m.ip_adapter_errors],
          "unfit": {m.name: m.ip_adapter_errors[name] for m in models if name in m.ip_adapter_errors}}
         for name, (weights, encoder) in sorted(engine.ip_adapters.paths.items())]}
+
+
+def upscalers(engine: Engine) -> dict[str, Any]:
+    """``GET /v1/upscalers``: each served upscaler, as spandrel read it at start."""
+    return {"object": "list", "data": [
+        {"name": i.name, "object": "upscaler", "path": i.path, "scale": i.scale, "architecture": i.architecture,
+         "purpose": i.purpose, "tags": list(i.tags)} for _, i in sorted(engine.upscalers.infos.items())]}
 
 
 def loras(engine: Engine) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, Out
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import trajectory_files
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
+from diffusiond.daemon.outputs.metadata import file_metadata
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import TrajectoryDesc
@@ -361,29 +362,8 @@ class Outputs:
 
     # encoding -----------------------------------------------------------------------------------
     def _options(self, item: Item) -> EncodeOptions:
-        """What the file says about itself (PNG tEXt, MP4 comment): enough to reproduce it."""
-        r = item.job.request
-        meta = {"prompt": r.prompt, "model": r.model, "seed": str(item.seed), "steps": str(r.steps),
-                "guidance_scale": f"{r.guidance:g}", "size": f"{r.width}x{r.height}", "software": "diffusiond"}
-        if r.negative_prompt:
-            meta["negative_prompt"] = r.negative_prompt
-        if r.loras:  # as A1111 writes them in prompts: name:weight
-            meta["loras"] = ", ".join(f"{name}:{weight:g}" for name, weight in r.loras)
-        if r.controls:  # name:scale, and the step range and preprocess where they are not the defaults
-            meta["control"] = ", ".join(
-                f"{n}:{s:g}" + (f"[{a:g}-{b:g}]" if (a, b) != (0.0, 1.0) else "") + (f" {p}" if p != "none" else "")
-                for n, s, a, b, p in r.controls)
-        if r.ip_adapters:  # name:scale and the reference image's digest (the image itself is not kept)
-            meta["ip_adapter"] = ", ".join(f"{n}:{s:g} {d}" for n, s, d in r.ip_adapters)
-        if item.job.lora_versions:
-            meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.job.lora_versions.items()))
-        if item.job.weight_versions:
-            meta["weight_versions"] = ", ".join(f"{c}:{v}" for c, v in sorted(item.job.weight_versions.items()))
-        if item.job.approximations:  # the output is not the model's exact one: say how it differs
-            meta["approximations"] = ", ".join(item.job.approximations)
-        if item.job.compiled:
-            meta["compiled"] = item.job.compiled
-        return EncodeOptions(png_compress_level=self.png_compress_level, fps=r.fps, metadata=meta)
+        return EncodeOptions(png_compress_level=self.png_compress_level, fps=item.job.request.fps,
+                             metadata=file_metadata(item))
 
     async def _encode(self, item: Item, fmt: str) -> None:
         assert item.worker is not None and item.desc is not None

@@ -178,6 +178,7 @@ class WorkerPool:
             lora_target_rank=self.lora_target_rank,
             controlnets=dict(self.config.controlnets),
             ip_adapters=dict(self.config.ip_adapters),
+            upscalers=dict(self.config.upscalers),
         )
 
     def _options(self, model: Model) -> dict[str, str]:

@@ -1,0 +1,142 @@
+"""Super-resolution models (ESRGAN and the other architectures spandrel knows), loaded once per worker.
+
+spandrel reads a ``.pth`` or ``.safetensors`` state dict, recognises its architecture from the key
+names and builds the model with the right widths and scale, so a user can serve the files that
+ComfyUI, chaiNNer or A1111 use without saying what they are. ``.pth`` files go through spandrel's
+restricted unpickler (tensors and plain containers only, never a class or a call); TorchScript
+(``.pt``) and ``.ckpt`` are not served.
+
+spandrel imports torchvision at its own import, for two architectures that are not upscalers
+(LaMa, RestoreFormer). PyPI's torchvision is built for PyPI's CUDA torch and cannot load beside
+torch's CPU build (the tests' set-up); without a torchvision that imports, those two names are
+bound to stand-ins that raise if ever called, and the stand-in is taken out of ``sys.modules`` at
+once, so diffusers and transformers in the same process still see no torchvision.
+
+``python -m diffusiond.pipelines.upscalers NAME=PATH ...`` is the engine's check at start (the
+engine never loads torch): it loads each file on the CPU and prints, as JSON, each one's scale and
+architecture, or why spandrel cannot read it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusiond.pipelines.errors import PipelineError
+
+SUFFIXES = (".pth", ".safetensors")
+
+
+def _spandrel() -> Any:
+    """spandrel, imported with torchvision's two names stood in for when no torchvision imports."""
+    if "spandrel" in sys.modules:
+        return sys.modules["spandrel"]
+    try:
+        import torchvision.transforms.functional  # noqa: F401
+    except Exception:  # absent, or a CUDA build beside the CPU torch (it raises RuntimeError)
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+        return _import_without_torchvision()
+    import spandrel
+
+    return spandrel
+
+
+def _import_without_torchvision() -> Any:
+    def missing(*_args: Any, **_kwargs: Any) -> Any:
+        raise PipelineError("this architecture needs torchvision, which is not installed here")
+
+    stub = types.ModuleType("torchvision.transforms.functional")
+    stub.normalize = stub.rotate = missing  # type: ignore[attr-defined]
+    stub.InterpolationMode = types.SimpleNamespace(BILINEAR="bilinear", NEAREST="nearest")  # type: ignore[attr-defined]
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update({"torchvision": types.ModuleType("torchvision"),
+                        "torchvision.transforms": types.ModuleType("torchvision.transforms"),
+                        "torchvision.transforms.functional": stub})
+    try:
+        import spandrel
+    finally:
+        for n, old in saved.items():
+            if old is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = old
+    return spandrel
+
+
+def load(path: str) -> Any:
+    """spandrel's ``ImageModelDescriptor`` for ``path`` on the CPU, or a PipelineError saying why not."""
+    p = Path(path)
+    if p.suffix.lower() not in SUFFIXES:
+        raise PipelineError(f"upscalers are read from {' or '.join(SUFFIXES)} files, not {p.suffix or 'no suffix'}")
+    spandrel = _spandrel()
+    try:
+        model = spandrel.ModelLoader(device="cpu").load_from_file(str(p))
+    except spandrel.UnsupportedModelError:
+        raise PipelineError("spandrel recognises no architecture in it (not a super-resolution model it knows)") \
+            from None
+    except Exception as exc:
+        raise PipelineError(f"spandrel cannot read it: {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, spandrel.ImageModelDescriptor):
+        raise PipelineError(f"it is a {model.architecture.name} model, which fills in images; an upscaler maps "
+                            "an image to an image")
+    if model.input_channels != 3 or model.output_channels != 3:
+        raise PipelineError(f"it maps {model.input_channels} channels to {model.output_channels}; an upscaler "
+                            "here takes and gives RGB")
+    return model
+
+
+def describe(model: Any) -> dict[str, Any]:
+    """What ``GET /v1/upscalers`` shows of a model."""
+    return {"scale": int(model.scale), "architecture": str(model.architecture.name), "purpose": str(model.purpose),
+            "tags": [str(t) for t in model.tags]}
+
+
+class Upscalers:
+    """The upscalers one worker serves: loaded once at start, kept on the model's device (host while asleep)."""
+
+    def __init__(self, paths: Mapping[str, str], device: torch.device) -> None:
+        self.device = device
+        self.models: dict[str, Any] = {}
+        for name, path in paths.items():
+            try:
+                self.models[name] = load(path).to(device).eval()
+            except PipelineError as exc:  # the engine checked every file at start: this is a changed file
+                raise PipelineError(f"upscaler {name!r} ({path}): {exc}") from None
+
+    def place(self, asleep: bool) -> None:
+        for model in self.models.values():
+            model.to(torch.device("cpu") if asleep else self.device)
+
+    def upscale(self, name: str, images: torch.Tensor) -> torch.Tensor:
+        """``images`` (N, 3, H, W) float in [0, 1] through upscaler ``name``: (N, 3, H*s, W*s), in [0, 1].
+        Run in float32: the models are small next to a denoiser, and half precision makes some of
+        them (ESRGAN's older checkpoints) overflow to black."""
+        model = self.models.get(name)
+        if model is None:
+            raise PipelineError(f"upscaler {name!r} is not loaded in this worker")
+        with torch.inference_mode():
+            return model(images.to(self.device, torch.float32)).clamp_(0, 1)
+
+
+def main(argv: list[str]) -> int:
+    result: dict[str, Any] = {}
+    for arg in argv:
+        name, _, path = arg.partition("=")
+        try:
+            result[name] = describe(load(path))
+        except PipelineError as exc:
+            result[name] = {"error": str(exc)}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

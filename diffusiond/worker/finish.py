@@ -1,0 +1,111 @@
+"""After a batch's forward, before the copy thread takes its outputs: the hires pass, then the upscaler.
+
+Both run on the compute thread, on the device the outputs are already on, so the copy thread still
+gets one finished tensor per request and the output path is the same as for any job.
+
+The hires pass (A1111's "hires fix") makes the first pass's picture larger, with an upscaler when
+the request names one, else a bicubic resize of the decoded picture, and runs the model's own
+image-to-image pipeline on it (built on the loaded weights with ``from_pipe``, as edits are), so
+the model redraws the detail the small picture could not hold. Its steps continue the job's
+progress: the first pass reports ``k`` of ``steps + hires.steps``, the second ``steps + k``; its
+previews go out with those step numbers too.
+
+An upscaler's own scale is fixed by its weights (ESRGAN x4, say); a request for another scale is
+the model's output resized to the asked size (bicubic, antialiased when it shrinks), as ComfyUI's
+"upscale image by" after a model does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.pipelines.base import EditingPipeline, Pipeline, PipelineError, PreviewSink, StepCallback
+from diffusiond.pipelines.upscalers import Upscalers
+from diffusiond.protocol import Task
+
+
+def resize(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """(N, C, H, W) in [0, 1] to ``width`` x ``height``, bicubic; unchanged when already that size."""
+    if images.shape[-2:] == (height, width):
+        return images
+    out = F.interpolate(images.float(), size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+    return out.clamp_(0, 1)
+
+
+def first_pass(on_step: StepCallback, params: BatchParams) -> StepCallback:
+    """The first pass's step callback: its totals count the hires steps still to come."""
+    if params.hires is None:
+        return on_step
+    extra = params.hires.steps
+    return lambda step, total: on_step(step, total + extra)
+
+
+def first_pass_previews(sink: PreviewSink, params: BatchParams) -> PreviewSink:
+    """The first pass's previews, numbered as its progress is."""
+    if params.hires is None:
+        return sink
+    extra = params.hires.steps
+    return lambda step, total, pictures: sink(step, total + extra, pictures)
+
+
+class Finisher:
+    """What a batch's ``hires`` and ``upscale`` ask of its outputs (nothing when it asks neither)."""
+
+    def __init__(self, pipeline: Pipeline, upscalers: Upscalers | None) -> None:
+        self.pipeline = pipeline
+        self.upscalers = upscalers
+
+    def __call__(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
+                 on_step: StepCallback, on_preview: PreviewSink | None) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            if params.hires is not None:
+                outputs = self._hires(params, requests, outputs, on_step, on_preview)
+            u = params.upscale
+            if u is not None:
+                outputs = [resize(self._model(u.name, out[None]), u.width, u.height)[0].to(out.dtype)
+                           for out in outputs]
+        return outputs
+
+    def _model(self, name: str, images: torch.Tensor) -> torch.Tensor:
+        if self.upscalers is None:
+            raise PipelineError(f"upscaler {name!r} is not served by this worker")
+        return self.upscalers.upscale(name, images)
+
+    def _hires(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
+               on_step: StepCallback, on_preview: PreviewSink | None) -> list[torch.Tensor]:
+        h = params.hires
+        assert h is not None
+        if not isinstance(self.pipeline, EditingPipeline):
+            raise PipelineError(f"model {self.pipeline.name} has no image-to-image pipeline for a hires pass")
+        pictures = []
+        for out in outputs:
+            big = resize(self._model(h.upscaler, out[None]) if h.upscaler else out[None], h.width, h.height)
+            pictures.append((big[0] * 255).round_().to(torch.uint8).permute(1, 2, 0).cpu().numpy())
+        inputs: list[tuple[np.ndarray, np.ndarray | None]] = [(p, None) for p in pictures]
+        second = msgspec.structs.replace(params, width=h.width, height=h.height, steps=h.schedule,
+                                         edit=Task.IMAGE_TO_IMAGE.value, strength=h.strength, controls=(),
+                                         trajectory=None, hires=None, upscale=None)
+        done = params.steps
+
+        def step(k: int, total: int) -> bool:
+            return on_step(done + k, done + total)
+
+        sink: Any = None
+        if on_preview is not None:
+            def sink(k: int, total: int, pics: list[tuple[int, torch.Tensor]]) -> None:
+                on_preview(done + k, done + total, pics)
+
+        return self.pipeline.edit(second, requests, inputs, step, sink)
+
+
+    def place(self, asleep: bool) -> None:
+        """The upscalers follow their model to host memory while it sleeps, and back."""
+        if self.upscalers is not None:
+            self.upscalers.place(asleep)
