@@ -65,8 +65,9 @@ def ip_adapter_file(tmp_path_factory: pytest.TempPathFactory, model_cache: Path)
 @pytest.fixture(scope="session")
 def upscaler_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An ESRGAN upscaler (scale 2, random weights) built in code, once per session (upscalekit.py)."""
-    pytest.importorskip("spandrel")
-    from upscalekit import build_upscaler
+    from upscalekit import build_upscaler, require_spandrel
+
+    require_spandrel()
 
     return build_upscaler(tmp_path_factory.mktemp("upscalers") / "esr.safetensors", seed=1)
 

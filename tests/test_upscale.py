@@ -18,9 +18,9 @@ import aiohttp
 import numpy as np
 import pytest
 from daemonkit import Daemon, get, http, shared_daemon, sse, submit, wait_job
-from upscalekit import build_upscaler
+from upscalekit import build_upscaler, require_spandrel
 
-pytest.importorskip("spandrel")
+require_spandrel()
 
 SIZE = 64
 FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,

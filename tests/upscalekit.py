@@ -26,3 +26,15 @@ def build_upscaler(out: Path, *, seed: int, scale: int = 2) -> Path:
     else:
         torch.save(state, out)
     return out
+
+
+def require_spandrel() -> None:
+    """Skip unless spandrel imports the way the daemon imports it (without torchvision where none does)."""
+    import pytest
+
+    from diffusiond.pipelines.upscalers import _spandrel
+
+    try:
+        _spandrel()
+    except ImportError as exc:
+        pytest.skip(f"spandrel is not installed ({exc}): pip install 'diffusiond[upscale]'")
