@@ -40,6 +40,7 @@ PUBLISHED: dict[str, dict[str, float]] = {
     "sd15": {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6},
     "sdxl": {"unet": 2.567e9, "text_encoder": 123.06e6, "text_encoder_2": 694.7e6, "vae": 83.65e6},
     "flux-dev": {"transformer": 11.90e9, "text_encoder": 123.06e6, "text_encoder_2": 4.762e9, "vae": 83.82e6},
+    "flux-kontext": {"transformer": 11.90e9, "text_encoder": 123.06e6, "text_encoder_2": 4.762e9, "vae": 83.82e6},
     "wan-1.3b": {"transformer": 1.42e9, "text_encoder": 5.68e9, "vae": 127e6},
     "sd3.5-medium": {"transformer+text_encoder+text_encoder_2+vae": 3_371_793_763, "text_encoder": 123.65e6,
                      "text_encoder_2": 694.7e6, "text_encoder_3": 4.762e9, "vae": 83.82e6},

@@ -277,6 +277,23 @@ PRESETS: dict[str, Preset] = {
             },
             defaults={"width": 1024, "height": 1024, "steps": 28, "guidance": 3.5},
         ),
+        Preset(  # the same 12B transformer, trained for edits by instruction: its pipeline takes an image
+            name="flux-kontext",
+            source="FLUX.1-Kontext-dev",
+            pipeline="FluxKontextPipeline",
+            parts={
+                "transformer": Net("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
+                "vae": Net("AutoencoderKL", FLUX_VAE),
+                "text_encoder": Net("CLIPTextModel", CLIP_L),
+                "text_encoder_2": Net("T5EncoderModel", T5_XXL),
+                "tokenizer": CLIP_TOKENIZER,
+                "tokenizer_2": T5_TOKENIZER,
+                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER),
+                "image_encoder": None,
+                "feature_extractor": None,
+            },
+            defaults={"width": 1024, "height": 1024, "steps": 28, "guidance": 2.5},  # the model card's 2.5
+        ),
         Preset(
             name="wan-1.3b",
             source="Wan2.1-T2V-1.3B",
