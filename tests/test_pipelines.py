@@ -368,3 +368,18 @@ def test_synthetic_runs_compute_ms_worth_of_work_at_its_calibrated_rate(monkeypa
     run(pipe, [req(1)], BatchParams(width=8, height=8, steps=4, guidance=1.0))
     assert calls[0] == 120  # spread over the 4 steps, all of it run
     assert load_pipeline("synthetic:compute_ms=0").matmuls_per_batch() == 0
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny-flux"])
+def test_a_model_loaded_in_half_precision_stays_there_with_its_edit_pipelines(spec: str, model_cache: Path) -> None:
+    """diffusers' from_pipe casts the modules it shares to float32 unless told otherwise: the sibling
+    pipelines of edits must not turn a float16 model float32 (twice its memory, float32 kernels)."""
+    from diffusiond.pipelines.base import weight_bytes
+
+    half = load_pipeline(spec, device="cpu", dtype="bfloat16")
+    full = load_pipeline(spec, device="cpu", dtype="float32")
+    assert isinstance(half, DiffusersPipeline) and half.capabilities.edits, "the model has edit pipelines"
+    dtypes = {t.dtype for m in half.pipe.components.values() if isinstance(m, torch.nn.Module)
+              for t in m.parameters()}
+    assert dtypes == {torch.bfloat16}
+    assert weight_bytes(half) < 0.51 * weight_bytes(full)  # half, but for integer buffers (position ids)

@@ -135,12 +135,13 @@ class ControlNets:
             import diffusers
 
             from diffusiond.pipelines.diffusers_pipeline import call_args
+            from diffusiond.pipelines.edit_pipes import sibling
 
             base = _base(self.pipeline)
             _, pipe_cls, multi_cls = FAMILIES[type(base.pipe).__name__]
             models = [self.models[n] for n in names]
             cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models)
-            pipe = getattr(diffusers, pipe_cls).from_pipe(base.pipe, controlnet=cn)
+            pipe = sibling(getattr(diffusers, pipe_cls), base.pipe, controlnet=cn)
             pipe.set_progress_bar_config(disable=True)
             cached = (pipe, call_args(type(pipe)))
             self._pipes[names] = cached

@@ -58,7 +58,7 @@ def edit_pipes(pipe: Any, task: Task) -> dict[Task, Any]:
     pipes: dict[Task, Any] = {}
     for edit, cls in wanted.items():
         try:
-            pipes[edit] = getattr(diffusers, cls).from_pipe(pipe)
+            pipes[edit] = sibling(getattr(diffusers, cls), pipe)
         except (ValueError, KeyError, AttributeError, TypeError) as exc:
             log.debug("%s has no %s pipeline: %s", type(pipe).__name__, edit.value, exc)
     return pipes
@@ -77,3 +77,21 @@ def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozens
     if "max_area" in args:
         kwargs["max_area"] = area
     return kwargs
+
+
+def sibling(cls: Any, pipe: Any, **components: Any) -> Any:
+    """``cls.from_pipe(pipe, ...)`` on the same modules, leaving their dtypes as they were.
+
+    diffusers' ``from_pipe`` (0.42) ends with ``new_pipeline.to(dtype=torch_dtype or torch.float32)``, and
+    the modules it casts are the loaded model's own: building an img2img sibling of a float16 SDXL turned
+    the whole model float32 (twice the memory, fp32 kernels). Passing ``torch_dtype`` would not do
+    either, since a model may hold modules kept in float32 beside bfloat16 ones (Wan), so each
+    parameter's and buffer's dtype (the added components' too: a ControlNet) is noted before and put back
+    after."""
+    modules = [m for m in (*pipe.components.values(), *components.values()) if hasattr(m, "parameters")]
+    before = [(t, t.dtype) for m in modules for t in (*m.parameters(), *m.buffers())]
+    new = cls.from_pipe(pipe, **components)
+    for tensor, dtype in before:
+        if tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)
+    return new
