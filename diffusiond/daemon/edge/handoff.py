@@ -163,14 +163,15 @@ class _Connection:
                 item, desc, arrays, fd, size = engine.lease_trajectory(msg.job_id, msg.index)
             else:
                 item, desc, fd, size = engine.lease_output(msg.job_id, msg.index)
-        except JobNotFound:
+        except JobNotFound as missing:
+            err: EngineError = missing
             if msg.part == "trajectory" and engine.store.persistent:  # perhaps in the state dir: over HTTP
                 err = NotShared(f"job {msg.job_id!r} is not in memory; a trajectory kept in the state dir is "
                                 "served over HTTP (GET its trajectory URLs)")
             self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
             return
-        except EngineError as err:
-            self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
+        except EngineError as refused:
+            self.channel.post(Refused(msg.job_id, msg.index, status_of(refused), str(refused.code), refused.message))
             return
         self._next += 1
         self.leases[self._next] = (item, msg.part == "trajectory")
