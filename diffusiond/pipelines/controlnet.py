@@ -36,8 +36,9 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _base(pipeline: Any) -> Any:
-    """The ``DiffusersPipeline`` under ``pipeline``, or None (a synthetic or compiled model)."""
+def plain_base(pipeline: Any) -> Any:
+    """The ``DiffusersPipeline`` under ``pipeline``, or None (a synthetic or compiled model): what the
+    sibling pipelines (ControlNet, IP-Adapter) are built on."""
     from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 
     return pipeline if isinstance(pipeline, DiffusersPipeline) else None
@@ -45,7 +46,7 @@ def _base(pipeline: Any) -> Any:
 
 def unsupported(pipeline: Any) -> str | None:
     """Why ``pipeline`` takes no ControlNet at all (None: its family has ControlNet pipelines)."""
-    base = _base(pipeline)
+    base = plain_base(pipeline)
     if base is None:
         return f"model {pipeline.name} is not a plain diffusers text-to-image pipeline (compiled or synthetic)"
     family = type(base.pipe).__name__
@@ -105,7 +106,7 @@ class ControlNets:
         if why is not None:
             self.errors = dict.fromkeys(paths, why)
             return
-        base = _base(pipeline)
+        base = plain_base(pipeline)
         model_cls = FAMILIES[type(base.pipe).__name__][0]
         for name, path in paths.items():
             try:
@@ -122,7 +123,7 @@ class ControlNets:
     def place(self, *, asleep: bool) -> None:
         """Follow the model to host memory when it sleeps and back when it wakes: a sleeping model
         must leave the device free, ControlNets included."""
-        base = _base(self.pipeline)
+        base = plain_base(self.pipeline)
         if base is None or base.device.type == "cpu":
             return
         for cn in self.models.values():
@@ -137,7 +138,7 @@ class ControlNets:
             from diffusiond.pipelines.diffusers_pipeline import call_args
             from diffusiond.pipelines.edit_pipes import sibling
 
-            base = _base(self.pipeline)
+            base = plain_base(self.pipeline)
             _, pipe_cls, multi_cls = FAMILIES[type(base.pipe).__name__]
             models = [self.models[n] for n in names]
             cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models)
@@ -151,7 +152,7 @@ class ControlNets:
             on_step: StepCallback, on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
         """One diffusers call for a batch whose requests share ``params.controls``; ``images[k]`` are
         request k's control pictures (uint8 (H, W, 3)), in the order of ``params.controls``."""
-        base = _base(self.pipeline)
+        base = plain_base(self.pipeline)
         if base is None:
             raise PipelineError(unsupported(self.pipeline) or "this model takes no ControlNet")
         names = tuple(c.name for c in params.controls)

@@ -31,21 +31,16 @@ import torch
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import PipelineError, PreviewSink, StepCallback
+from diffusiond.pipelines.controlnet import plain_base
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")  # diffusers' IPAdapterMixin, UNet models
 
 
-def _base(pipeline: Any) -> Any:
-    from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
-
-    return pipeline if isinstance(pipeline, DiffusersPipeline) else None
-
-
 def unsupported(pipeline: Any) -> str | None:
     """Why ``pipeline`` takes no IP-Adapter at all (None: its family does)."""
-    base = _base(pipeline)
+    base = plain_base(pipeline)
     if base is None:
         return f"model {pipeline.name} is not a plain diffusers text-to-image pipeline (compiled or synthetic)"
     family = type(base.pipe).__name__
@@ -99,7 +94,7 @@ class IpAdapters:
     def _read_encoder(self, folder: str) -> Any:
         from transformers import CLIPVisionModelWithProjection
 
-        base = _base(self.pipeline)
+        base = plain_base(self.pipeline)
         enc = CLIPVisionModelWithProjection.from_pretrained(folder, use_safetensors=True)
         return enc.to(base.device, base.dtype).eval()
 
@@ -110,7 +105,7 @@ class IpAdapters:
         self.release()
         from transformers import CLIPImageProcessor
 
-        pipe = _base(self.pipeline).pipe
+        pipe = plain_base(self.pipeline).pipe
         enc = self._encoders[name]
         proj = self._weights[name]["image_proj"].get("proj.weight")
         if proj is not None and proj.shape[-1] != enc.config.projection_dim:
@@ -128,7 +123,7 @@ class IpAdapters:
         """Take the adapter out of the UNet, giving it back its own processors (before any batch without it)."""
         if self.current is None:
             return
-        pipe = _base(self.pipeline).pipe
+        pipe = plain_base(self.pipeline).pipe
         self.current = None
         saved, self._saved = self._saved, None
         if getattr(pipe.unet, "encoder_hid_proj", None) is not None:
@@ -139,7 +134,7 @@ class IpAdapters:
 
     def place(self, *, asleep: bool) -> None:
         """A sleeping model leaves the device free: the adapter comes out, the encoders go to host memory."""
-        base = _base(self.pipeline)
+        base = plain_base(self.pipeline)
         if base is None:
             return
         self.release()
@@ -153,7 +148,7 @@ class IpAdapters:
         included, so request 0's picture is everyone's); ``references[k]`` are request k's pictures."""
         from PIL import Image
 
-        base = _base(self.pipeline)
+        base = plain_base(self.pipeline)
         if base is None:
             raise PipelineError(unsupported(self.pipeline) or "this model takes no IP-Adapter")
         if len(params.ip_adapters) != 1 or not references or len(references[0]) != 1:

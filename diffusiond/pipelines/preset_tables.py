@@ -216,6 +216,19 @@ QWEN_SCHEDULER = {
 
 CLIP_TOKENIZER = Tok("clip", 49408, 77)
 
+# FLUX.1-dev's components; FLUX.1 Kontext-dev is the same architecture under another pipeline.
+FLUX_DEV_PARTS: Mapping[str, Part] = {
+    "transformer": Net("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
+    "vae": Net("AutoencoderKL", FLUX_VAE),
+    "text_encoder": Net("CLIPTextModel", CLIP_L),
+    "text_encoder_2": Net("T5EncoderModel", T5_XXL),
+    "tokenizer": CLIP_TOKENIZER,
+    "tokenizer_2": T5_TOKENIZER,
+    "scheduler": Sched("FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER),
+    "image_encoder": None,
+    "feature_extractor": None,
+}
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -264,34 +277,14 @@ PRESETS: dict[str, Preset] = {
             name="flux-dev",
             source="FLUX.1-dev",
             pipeline="FluxPipeline",
-            parts={
-                "transformer": Net("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
-                "vae": Net("AutoencoderKL", FLUX_VAE),
-                "text_encoder": Net("CLIPTextModel", CLIP_L),
-                "text_encoder_2": Net("T5EncoderModel", T5_XXL),
-                "tokenizer": CLIP_TOKENIZER,
-                "tokenizer_2": T5_TOKENIZER,
-                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER),
-                "image_encoder": None,
-                "feature_extractor": None,
-            },
+            parts=FLUX_DEV_PARTS,
             defaults={"width": 1024, "height": 1024, "steps": 28, "guidance": 3.5},
         ),
         Preset(  # the same 12B transformer, trained for edits by instruction: its pipeline takes an image
             name="flux-kontext",
             source="FLUX.1-Kontext-dev",
             pipeline="FluxKontextPipeline",
-            parts={
-                "transformer": Net("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
-                "vae": Net("AutoencoderKL", FLUX_VAE),
-                "text_encoder": Net("CLIPTextModel", CLIP_L),
-                "text_encoder_2": Net("T5EncoderModel", T5_XXL),
-                "tokenizer": CLIP_TOKENIZER,
-                "tokenizer_2": T5_TOKENIZER,
-                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER),
-                "image_encoder": None,
-                "feature_extractor": None,
-            },
+            parts=FLUX_DEV_PARTS,
             defaults={"width": 1024, "height": 1024, "steps": 28, "guidance": 2.5},  # the model card's 2.5
         ),
         Preset(
