@@ -47,6 +47,22 @@ class ControlBody(msgspec.Struct, forbid_unknown_fields=True):
 MAX_SCALE = 4.0  # past twice the usual 0-2 range, the control only burns the picture
 
 
+def image_source(at: str, image: str | None, image_path: str | None) -> Source:
+    """An entry's image (a control's, an IP-Adapter's reference): exactly one of ``image`` (base64) and
+    ``image_path`` (read under --input-dir), named by its field for the 400 that a bad one gets."""
+    if (image is None) == (image_path is None):
+        raise invalid(f"{at} needs exactly one of image (base64) and image_path (under --input-dir)",
+                      field=f"{at}.image")
+    if image is not None:
+        return Source(field=f"{at}.image", b64=image)
+    return Source(field=f"{at}.image_path", path=image_path)
+
+
+def check_scale(at: str, scale: float, top: float) -> None:
+    if not (math.isfinite(scale) and 0.0 <= scale <= top):
+        raise invalid(f"{at}.scale must be from 0 to {top:g}, got {scale}", field=f"{at}.scale")
+
+
 def plan(raw: list[Any]) -> list[ControlEntry]:
     """The entries' shape: an image each, scale and step range in bounds, a known preprocess."""
     if len(raw) > MAX_CONTROLS:
@@ -56,11 +72,8 @@ def plan(raw: list[Any]) -> list[ControlEntry]:
     for i, body in enumerate(raw):
         b = body if isinstance(body, ControlBody) else msgspec.convert(body, ControlBody)
         at = f"control[{i}]"
-        if (b.image is None) == (b.image_path is None):
-            raise invalid(f"{at} needs exactly one of image (base64) and image_path (under --input-dir)",
-                          field=f"{at}.image")
-        if not (math.isfinite(b.scale) and 0.0 <= b.scale <= MAX_SCALE):
-            raise invalid(f"{at}.scale must be from 0 to {MAX_SCALE:g}, got {b.scale}", field=f"{at}.scale")
+        source = image_source(at, b.image, b.image_path)
+        check_scale(at, b.scale, MAX_SCALE)
         for name, value in (("start", b.start), ("end", b.end)):
             if not (math.isfinite(value) and 0.0 <= value <= 1.0):
                 raise invalid(f"{at}.{name} is a fraction of the steps, from 0 to 1; got {value}",
@@ -74,8 +87,6 @@ def plan(raw: list[Any]) -> list[ControlEntry]:
         if any(e.name == b.name for e in entries):
             raise invalid(f"ControlNet {b.name[:64]!r} is named twice in control; give each once",
                           field=f"{at}.name")
-        source = (Source(field=f"{at}.image", b64=b.image) if b.image is not None
-                  else Source(field=f"{at}.image_path", path=b.image_path))
         entries.append(ControlEntry(name=b.name, source=source, scale=b.scale, start=b.start, end=b.end,
                                     preprocess=b.preprocess))
     return entries

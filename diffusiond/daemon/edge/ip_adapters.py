@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import math
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from diffusiond.daemon.core.inputs import Source
 from diffusiond.daemon.core.ip_adapters import MAX_IP_ADAPTERS, MAX_SCALE, IpAdapterEntry, decode_references
 from diffusiond.daemon.core.jobs import JobRequest
+from diffusiond.daemon.edge.controls import check_scale, image_source
 from diffusiond.daemon.errors import invalid
 from diffusiond.protocol import Task
 
@@ -44,13 +43,8 @@ def plan(raw: list[Any]) -> list[IpAdapterEntry]:
     for i, body in enumerate(raw):
         b = body if isinstance(body, IpAdapterBody) else msgspec.convert(body, IpAdapterBody)
         at = f"ip_adapter[{i}]"
-        if (b.image is None) == (b.image_path is None):
-            raise invalid(f"{at} needs exactly one of image (base64) and image_path (under --input-dir)",
-                          field=f"{at}.image")
-        if not (math.isfinite(b.scale) and 0.0 <= b.scale <= MAX_SCALE):
-            raise invalid(f"{at}.scale must be from 0 to {MAX_SCALE:g}, got {b.scale}", field=f"{at}.scale")
-        source = (Source(field=f"{at}.image", b64=b.image) if b.image is not None
-                  else Source(field=f"{at}.image_path", path=b.image_path))
+        source = image_source(at, b.image, b.image_path)
+        check_scale(at, b.scale, MAX_SCALE)
         entries.append(IpAdapterEntry(name=b.name, source=source, scale=b.scale))
     return entries
 
