@@ -3,7 +3,8 @@
 # bounded by its own timeout so one that hangs leaves the others' results. Wheels carried in .whl/.
 # Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
 #   scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack
-#   scripts/gpu_round3.sh setup lora weights trajectory-flow controlnet presets pack
+#   scripts/gpu_round3.sh setup trajectory-sd15 lora weights pack
+#   scripts/gpu_round3.sh setup trajectory-flow controlnet hires presets pack
 set -uo pipefail
 out=/tmp/r3-out
 mkdir -p "$out"  # packed into $OUT/r3.tgz by the step `pack` (a device call returns 8 files at most)
@@ -61,8 +62,13 @@ PY
         --base '{"size": "512x512", "steps": 20}' \
         --b '{"control": [{"name": "cn", "image": "/tmp/control.png", "scale": 1.0}]}' \
         --requests 24 --concurrency 4 --rounds 4 ;;
+    hires)  # issue 30: a hires pass (2x, bicubic, then img2img at strength 0.5, 10 steps) against the plain job
+      step hires 200 python3 scripts/bench_ab.py --label "sd15 512 20 steps + hires 2x 0.5 10 steps" \
+        --serve "--model m=random:sd15,save=0 --device cuda --dtype float16 --max-batch 1" \
+        --base '{"size": "512x512", "steps": 20}' \
+        --b '{"hires": {"scale": 2, "strength": 0.5, "steps": 10}}' --requests 16 --concurrency 4 --rounds 4 ;;
     presets)  # issue 30: the new presets' forward times (random weights, as built, 6 steps after a 2-step warm-up)
-      for p in sd3.5-medium sd3.5-large qwen-image ltx-2b wan2.2-5b; do
+      for p in ${PRESETS:-sd3.5-medium sd3.5-large qwen-image ltx-2b wan2.2-5b}; do
         extra=""; [ $p = wan2.2-5b ] && extra="--frames 41"
         step preset-$p 150 python3 scripts/bench_presets.py --preset random:$p --save 0 --steps 6 $extra \
           --json "$out/preset-$p.result.json"
