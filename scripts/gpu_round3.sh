@@ -24,7 +24,7 @@ for s in "$@"; do
       echo "setup: $(ls /tmp/site | grep -c dist-info) packages"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
     alternate)  # issue 27: two SDXL-size models alternating under a budget for one, against both resident
       step alternate 330 python3 -m diffusiond bench --alternate random:sdxl,save=0 random:sdxl,save=0 \
-        --device-memory ${ALT_BUDGET:-12GiB} --size 1024x1024 --steps 20 --format png --requests 24 --concurrency 4 --rounds 2 --json ;;
+        --device-memory ${ALT_BUDGET:-12GiB} --size 1024x1024 --steps 20 --format png --requests ${ALT_REQUESTS:-24} --concurrency 4 --rounds 2 --json ;;
     cold)  # issue 27: first image from a cold daemon on an SD 1.5 folder, page cache warm
       step sd15-folder 100 python3 scripts/bench_presets.py --preset random:sd15 --dtype float16 --save 1 --steps 4 \
         --cache $cache

@@ -77,6 +77,37 @@ def test_device_cuda_without_a_gpu_is_a_config_error_naming_the_flag() -> None:
             parse_devices("cuda", 1)
 
 
+@pytest.mark.parametrize(("visible", "expected"), [
+    (None, 4), ("", 0), ("2", 1), ("0,3", 2), ("1,7,2", 1), ("-1", 0), ("0,-1,1", 1), ("GPU-5d1a", None),
+])
+def test_devices_counted_by_nvml_as_cuda_will_show_them(monkeypatch: pytest.MonkeyPatch, visible: str | None,
+                                                        expected: int | None) -> None:
+    """``--device cuda`` counts its GPUs through NVML (no torch child before the socket listens), and a
+    CUDA_VISIBLE_DEVICES list counts as CUDA reads it: up to its first entry that is no device; a
+    UUID list is left to torch (None)."""
+    import sys
+    import types
+
+    from diffusiond.daemon.values import _nvml_count
+
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 4)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert _nvml_count(visible) == expected
+
+
+def test_device_count_without_nvml_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from diffusiond.daemon.values import _nvml_count
+
+    def no_driver() -> None:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=no_driver))
+    assert _nvml_count(None) is None
+
+
 def test_preload_flag_toml_and_tables_in_their_order_of_precedence(tmp_path: Path) -> None:
     from diffusiond.daemon.residency.preload import choose
 

@@ -83,21 +83,24 @@ def measure(s: Setup, specs: tuple[str, ...], budget: str, max_model_wait: str |
     """Every measured run, in the order it ran; each run's note counts the model loads during it."""
     runs: list[ModeResult] = []
 
-    def log(what: str) -> None:
-        print(f"bench: {what} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+
+    def log(what: str) -> None:  # each run's figure as it comes: a run cut short by a timeout keeps them
+        print(f"bench: [{time.monotonic() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     with _daemons(s, specs, budget, max_model_wait) as socks:
         for mode in MODES:  # both models through a few moves (a first move off a GPU pins host memory)
-            log(f"warming up {mode}")
+            log(f"warming up {mode} ...")
             asyncio.run(drive_daemon(socks[mode], replace(s, requests=2 * s.concurrency), PROMPT))
         for k in range(s.rounds):
             for mode in MODES if k % 2 == 0 else MODES[::-1]:
-                log(f"round {k + 1}/{s.rounds}: {mode}")
+                log(f"round {k + 1}/{s.rounds}: {mode} ...")
                 before = asyncio.run(loads(socks[mode]))
                 load = asyncio.run(drive_daemon(socks[mode], s, PROMPT))
                 moved = asyncio.run(loads(socks[mode])) - before
                 runs.append(replace(_result(mode, load, k, concurrency=s.concurrency),
                                     note=f"{moved:g} model loads"))
+                log(f"round {k + 1}/{s.rounds}: {mode}: {runs[-1].throughput:.3f} req/s, {runs[-1].note}")
     return runs
 
 

@@ -185,6 +185,7 @@ class Worker:
             faults = Faults.parse(config.fault)
             if faults.frame is not None:
                 self.channel.encoder = tamper(self.channel.encoder, *faults.frame)
+        phases = _Phases()
         is_cuda = config.device.startswith("cuda")
         self.state.trace_gpu = config.trace_gpu and is_cuda
         if is_cuda:
@@ -193,10 +194,12 @@ class Worker:
             torch.cuda.set_device(torch.device(config.device))
             if faults is not None and faults.memory_fraction:  # tests only: a real out-of-memory, on a big GPU
                 torch.cuda.set_per_process_memory_fraction(faults.memory_fraction)
+            phases.mark("cuda init")
         self.arena = Arena(
             config.arena_bytes, name=f"diffusiond-arena-w{config.worker_id}",
             on_map=cuda_host.register if is_cuda else None, on_unmap=cuda_host.unregister if is_cuda else None,
         )
+        phases.mark(f"arena ({config.arena_bytes >> 20} MiB{', registered' if is_cuda else ''})")
         self.channel.post(Hello(config.worker_id, os.getpid(), self.arena.capacity), [self.arena.fd])
         t0 = time.perf_counter()
         if faults is not None and faults.load_delay_ms:
@@ -205,6 +208,7 @@ class Worker:
             pipeline = await asyncio.to_thread(self._load, config)
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
+        phases.mark("model")
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         controlnets = await asyncio.to_thread(self._load_controlnets, pipeline, config)
         ip_adapters = await asyncio.to_thread(self._load_ip_adapters, pipeline, config)
@@ -212,7 +216,16 @@ class Worker:
             finisher = await asyncio.to_thread(self._finisher, pipeline, config)
         except Exception as exc:
             raise _StartError(f"loading the upscalers failed: {exc}") from exc
+        phases.mark("adapters, controlnets, upscalers")
         post = self.channel.post_threadsafe
+
+        def ready() -> None:  # on the compute thread, once the warm-up shapes have run
+            phases.report(config.model_name)
+            post(Ready(config.model_name, str(pipeline.device), (time.perf_counter() - t0) * 1000,
+                       msgspec.structs.replace(pipeline.capabilities, weight_bytes=weight_bytes(pipeline)),
+                       lora_errors=lora_errors, controlnet_errors=controlnets.errors if controlnets else {},
+                       ip_adapter_errors=ip_adapters.errors if ip_adapters else {}))
+
         before_forward = None
         if faults is None:
             self.copier = Copier(self.arena, self.state, post, device=pipeline.device,
@@ -239,13 +252,7 @@ class Worker:
             finisher=finisher,
             warmup=config.warmup,
             before_forward=before_forward,
-            on_ready=lambda: post(Ready(config.model_name, str(pipeline.device),
-                                        (time.perf_counter() - t0) * 1000,
-                                        msgspec.structs.replace(pipeline.capabilities,
-                                                                weight_bytes=weight_bytes(pipeline)),
-                                        lora_errors=lora_errors,
-                                        controlnet_errors=controlnets.errors if controlnets else {},
-                                        ip_adapter_errors=ip_adapters.errors if ip_adapters else {})),
+            on_ready=ready,
         )
         if faults is not None and faults.no_working_measure:
             self.compute.meter.available = False
@@ -313,6 +320,29 @@ class Worker:
 
 class _StartError(Exception):
     """A start-up failure whose message already says what failed."""
+
+
+class _Phases:
+    """Where a worker's start went, logged once it is ready: a slow first image is then read off one
+    line (the process's start, its imports, CUDA, the arena's registration, the model, the warm-up)
+    rather than guessed."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.parts: list[str] = []
+        try:  # the process's start: /proc/self's ctime on Linux; imports and the interpreter before us
+            self.parts.append(f"spawn to init {(time.time() - os.stat('/proc/self').st_ctime) * 1000:.0f} ms")
+        except OSError:
+            pass
+
+    def mark(self, what: str) -> None:
+        now = time.perf_counter()
+        self.parts.append(f"{what} {(now - self.last) * 1000:.0f} ms")
+        self.last = now
+
+    def report(self, model: str) -> None:
+        self.mark("warm-up")
+        log.info("%s ready in %.0f ms: %s", model, (self.last - self.t0) * 1000, ", ".join(self.parts))
 
 
 def _quiet_libraries() -> None:
