@@ -15,7 +15,7 @@ step() {  # name timeout command...: its stdout's last line (the JSON) to $out/N
   local name=$1 t=$2; shift 2
   local t0=$SECONDS
   timeout "$t" "$@" > "$out/$name.json" 2> "$out/$name.log"
-  echo "== $name rc=$? $((SECONDS - t0))s"; tail -c 1500 "$out/$name.json"; echo; grep -v '^{' "$out/$name.log" | tail -4
+  echo "== $name rc=$? $((SECONDS - t0))s"; tail -c 1500 "$out/$name.json"; echo; grep -v "^{" "$out/$name.log" | grep -v "should be kept in float32" | tail -12
 }
 for s in "$@"; do
   case $s in
@@ -28,7 +28,7 @@ for s in "$@"; do
     cold)  # issue 27: first image from a cold daemon on an SD 1.5 folder, page cache warm
       step sd15-folder 100 python3 scripts/bench_presets.py --preset random:sd15 --dtype float16 --save 1 --steps 4 \
         --cache $cache
-      step cold 80 python3 scripts/bench_cold.py --folder $cache/models/random-sd15-v1 --starts 3 ;;
+      step cold 150 python3 scripts/bench_cold.py --folder $cache/models/random-sd15-v1 --starts 3 ;;
     trajectory-sd15)  # issue 29: rollouts with trajectories against without, same sampler
       step trajectory-sd15 150 python3 scripts/bench_ab.py --label "sd15 ddim eta=1 512 20 steps" \
         --serve "--model m=random:sd15,save=0 --device cuda --dtype float16 --max-batch 1" \
