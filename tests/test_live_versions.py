@@ -39,7 +39,8 @@ def png_text(data: bytes) -> dict[str, Any]:
 
 
 # in process ---------------------------------------------------------------------------------------
-async def test_each_output_keeps_its_own_batchs_versions_in_its_view_and_its_file(tmp_path: Path) -> None:
+async def test_each_output_keeps_its_own_batchs_versions_in_its_view_its_file_and_its_record(
+        tmp_path: Path) -> None:
     h = Harness(max_batch=1, store=SqliteStore(tmp_path))
     await h.engine.start()
     job = h.submit(n=2)
@@ -69,6 +70,12 @@ async def test_each_output_keeps_its_own_batchs_versions_in_its_view_and_its_fil
     assert [t["lora_versions"] for t in texts] == ["trainer:3", "trainer:4"]
     assert "weight_versions" not in texts[0] and texts[1]["weight_versions"] == "unet:2"
     await h.close()
+
+    store = SqliteStore(tmp_path)  # as the next start reads it
+    assert await store.open() == []
+    back = await store.load(job.id)
+    assert back is not None and seen(views.job(back)) == want
+    await store.close()
 
 
 async def test_outputs_that_agree_give_the_job_their_versions() -> None:
@@ -170,3 +177,27 @@ async def test_a_job_split_across_an_update_records_each_outputs_own_versions(
     assert "weight_versions" not in texts[0] and texts[1]["weight_versions"] == f"unet:{component}"
     assert again["lora_versions"] == {"split": after} and again["weight_versions"] == {"unet": component}
     assert [o["lora_versions"] for o in again["outputs"]] == [{"split": after}] * 2
+
+
+async def test_a_durable_jobs_versions_survive_a_restart(
+        daemon_factory: Any, tmp_path: Path, dots_state: dict[str, Any]) -> None:
+    state = tmp_path / "state"
+    first: Daemon = daemon_factory(*serve_args(state))
+    done, before, after, component = await split_job(first.socket, dots_state)
+    async with http(first.socket) as s:
+        agreed = await wait_job(s, (await submit(s, {**TINY, "seed": 3,
+                                                       "loras": [{"name": "split", "weight": 1.0}]}))["id"])
+    assert agreed["lora_versions"] == {"split": after}
+    first.stop()  # SIGTERM: a clean stop; the jobs are finished and live on in the state dir
+
+    second: Daemon = daemon_factory(*serve_args(state))
+    async with http(second.socket) as s:
+        status, back = await get(s, f"/v1/jobs/{done['id']}")
+        _, agreed_back = await get(s, f"/v1/jobs/{agreed['id']}")
+    assert status == 200, back
+    keys = ("lora_versions", "weight_versions")
+    assert [[o[k] for k in keys] for o in back["outputs"]] == \
+        [[{"split": before}, None], [{"split": after}, {"unet": component}]]
+    assert [back[k] for k in keys] == [None, None]
+    assert [agreed_back[k] for k in keys] == [{"split": after}, {"unet": component}]
+    assert [[o[k] for k in keys] for o in agreed_back["outputs"]] == [[{"split": after}, {"unet": component}]]
