@@ -123,7 +123,8 @@ def lora_state(actor: FluxActor | DDIMActor) -> dict[str, torch.Tensor]:
 def rollouts(client: diffusiond.Client, actor: FluxActor | DDIMActor, args: argparse.Namespace,
              it: int) -> tuple[list[dict[str, Any]], set[int]]:
     """A group of samples per prompt: image, latents, log-probs; all submitted before any is read.
-    Also the adapter versions the jobs report they ran with."""
+    Also the adapter versions the samples ran with (each output's: a group may span batches either side
+    of an update)."""
     params: dict[str, Any] = {
         "model": args.model, "n": args.group, "size": (args.size, args.size), "steps": args.steps,
         "guidance_scale": args.guidance, **actor.params(),
@@ -133,7 +134,7 @@ def rollouts(client: diffusiond.Client, actor: FluxActor | DDIMActor, args: argp
     samples, versions = [], set()
     for prompt, job in jobs:
         images = job.outputs("array")
-        versions.add(int((client.job(job.id).get("lora_versions") or {}).get(args.adapter, 0)))
+        versions |= {int((o.get("lora_versions") or {}).get(args.adapter, 0)) for o in client.job(job.id)["outputs"]}
         for k, image in enumerate(images):
             traj = job.trajectory(k, as_torch=True)
             samples.append({"prompt": prompt, "image": image, **traj})

@@ -206,6 +206,8 @@ async def test_get_job_shape(sock: Path) -> None:
         "bytes": out["bytes"],
         "batch": out["batch"],
         "trajectory": None,  # a job that asked for none (docs/api.md, "Trajectories")
+        "lora_versions": None,  # no adapter, no component updated (docs/api.md, "Versions")
+        "weight_versions": None,
     }
     assert out["bytes"] > 0 and isinstance(out["batch"], int)
 

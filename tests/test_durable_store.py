@@ -148,3 +148,34 @@ async def test_an_edit_is_recorded_without_its_input_and_flagged_after_a_crash(t
     assert store.lost_inputs == {edit.id}  # the engine ends it failed (input_lost) instead of running it
     assert left[0].request.edit is None and left[0].request.prompt == REQ.prompt
     await store.close()
+
+
+async def test_outputs_versions_are_kept_and_a_record_without_them_still_reads(tmp_path: Path) -> None:
+    store, _ = await reopened(tmp_path)
+    j, old = job(), job()
+    for record in (j, old):
+        await store.add(record)
+        for k, item in enumerate(record.items):
+            item.file, item.nbytes = store.write_output(record.id, k, "png", [b"\x89PNG"])
+            item.stage = Stage.DONE
+            item.lora_versions, item.weight_versions = {"trainer": 3 + k}, ({"unet": 1} if k else {})
+        record.end(JobStatus.SUCCEEDED)
+        store.update(record)
+    await store.close()
+    con = sqlite3.connect(tmp_path / "jobs.db")  # as a daemon that kept no versions wrote it, and one damaged
+    (raw,) = con.execute("SELECT outputs FROM jobs WHERE id = ?", (old.id,)).fetchone()
+    outputs = [{k: v for k, v in o.items() if not k.endswith("_versions")} for o in json.loads(raw)]
+    outputs[1]["lora_versions"] = ["not", "a", "mapping"]
+    con.execute("UPDATE jobs SET outputs = ? WHERE id = ?", (json.dumps(outputs), old.id))
+    con.commit()
+    con.close()
+
+    store, _ = await reopened(tmp_path)
+    back, old_back = await store.load(j.id), await store.load(old.id)
+    assert back is not None and old_back is not None
+    assert [(i.lora_versions, i.weight_versions) for i in back.items] == [({"trainer": 3}, {}),
+                                                                         ({"trainer": 4}, {"unet": 1})]
+    assert back.lora_versions is None  # the outputs differ: the job as a whole names none
+    assert [(i.done, i.lora_versions, i.weight_versions) for i in old_back.items] == [(True, None, None)] * 2
+    assert old_back.lora_versions is None and old_back.weight_versions is None
+    await store.close()

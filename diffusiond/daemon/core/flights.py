@@ -225,10 +225,9 @@ class Flights:
             self._measured(batch, msg.working_bytes, msg.working_batch or len(batch.items))
         self.metrics.stage_seconds.labels("compute").observe(msg.compute_ms / 1000)
         for item in batch.items:
-            if msg.lora_versions:
-                item.job.lora_versions = dict(msg.lora_versions)
-            if msg.weight_versions:
-                item.job.weight_versions = dict(msg.weight_versions)
+            # this batch's versions, on each of its outputs: the job's other outputs may run in other
+            # batches, either side of an update (a batch itself never mixes: updates apply between forwards)
+            item.lora_versions, item.weight_versions = dict(msg.lora_versions), dict(msg.weight_versions)
             if not item.job.terminal and item.stage <= Stage.COMPUTING:
                 item.stage = Stage.COPYING
                 item.job.add_timing("compute", msg.compute_ms)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,11 @@ class Item:
     trajectory_pins: int = 0
     trajectory_release_pending: bool = False
     trajectory_files: dict[str, dict[str, Any]] | None = None  # its arrays' files in the state dir (durable jobs)
+    # The versions of the live adapters and components its own batch ran with (COMPUTE_DONE's); None until
+    # that batch's forward ends. Kept per output, not per job: a job of several outputs may run as several
+    # batches, and an update applied between two of them gives its outputs different versions.
+    lora_versions: dict[str, int] | None = None
+    weight_versions: dict[str, int] | None = None
 
     @property
     def request_id(self) -> str:
@@ -195,8 +200,6 @@ class Job:
     # every output) and the torch.compile mode; from the model's capabilities at admission.
     approximations: tuple[str, ...] = ()
     compiled: str = ""
-    lora_versions: dict[str, int] = field(default_factory=dict)  # each adapter's version it ran with
-    weight_versions: dict[str, int] = field(default_factory=dict)  # each updated component's version, likewise
     sync: bool = False  # submitted through the synchronous endpoint
     attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)
@@ -222,6 +225,16 @@ class Job:
         """The stage as clients read it: a queued job held back by residency says why."""
         stage = self.stage
         return self.held if self.held and stage == Stage.QUEUED else stage.label
+
+    @property
+    def lora_versions(self) -> dict[str, int] | None:
+        """Each adapter's version, when every output that has run agrees (see ``agreed``)."""
+        return agreed(i.lora_versions for i in self.items)
+
+    @property
+    def weight_versions(self) -> dict[str, int] | None:
+        """Each updated component's version, likewise."""
+        return agreed(i.weight_versions for i in self.items)
 
     def workers(self) -> list[str]:
         return sorted({i.worker.name for i in self.items if i.worker is not None and not i.done})
@@ -249,3 +262,13 @@ class Job:
         self.emit(Event.DONE if status == JobStatus.SUCCEEDED else Event.ERROR)
         self.finished.set()
         return True
+
+
+def agreed(each: Iterable[dict[str, int] | None]) -> dict[str, int] | None:
+    """The versions a job as a whole ran with: those of its outputs that have run, when they all agree.
+    None when none has run yet, and when they differ: no one mapping would be true of every output, and
+    a made-up one (the last batch's, the oldest) would be silently wrong for some; each output has its own."""
+    known = [v for v in each if v is not None]
+    if not known or any(v != known[0] for v in known[1:]):
+        return None
+    return dict(known[0])

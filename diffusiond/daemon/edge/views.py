@@ -73,7 +73,9 @@ def job(j: Job) -> dict[str, Any]:
         if j.stage_label == "loading" else None,
         "outputs": [
             {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,
-             "bytes": i.nbytes, "batch": i.batch_id, "trajectory": trajectory(j, i)}
+             "bytes": i.nbytes, "batch": i.batch_id, "trajectory": trajectory(j, i),
+             # the versions this output's own batch ran with (the job's may have run in several)
+             "lora_versions": i.lora_versions or None, "weight_versions": i.weight_versions or None}
             for i in j.items
             if i.done
         ],
@@ -82,8 +84,9 @@ def job(j: Job) -> dict[str, Any]:
         "timings_ms": dict(j.timings_ms),
         "approximations": list(j.approximations),
         "compiled": j.compiled or None,
-        "lora_versions": dict(j.lora_versions) or None,  # the version of each adapter in request.loras it ran with
-        "weight_versions": dict(j.weight_versions) or None,  # each component update_weights changed, its version
+        # kept from before outputs had their own: the versions all its outputs ran with, null when they differ
+        "lora_versions": j.lora_versions or None,
+        "weight_versions": j.weight_versions or None,
         "request": {
             "prompt": r.prompt,
             "negative_prompt": r.negative_prompt,

@@ -29,10 +29,11 @@ def file_metadata(item: Item) -> dict[str, str]:
                 h.upscaler or "bicubic")
         if r.upscale:
             meta["upscale"] = f"{r.upscale.name}:{r.upscale.scale:g}"
-    if item.job.lora_versions:
-        meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.job.lora_versions.items()))
-    if item.job.weight_versions:
-        meta["weight_versions"] = ", ".join(f"{c}:{v}" for c, v in sorted(item.job.weight_versions.items()))
+    # the output's own batch's versions: another output of the same job may have run either side of an update
+    if item.lora_versions:
+        meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.lora_versions.items()))
+    if item.weight_versions:
+        meta["weight_versions"] = ", ".join(f"{c}:{v}" for c, v in sorted(item.weight_versions.items()))
     if item.job.approximations:  # the output is not the model's exact one: say how it differs
         meta["approximations"] = ", ".join(item.job.approximations)
     if item.job.compiled:

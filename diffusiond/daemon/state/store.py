@@ -64,7 +64,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     seeds TEXT NOT NULL,                     -- JSON list, one per output
     error TEXT,                              -- JSON object, for jobs that did not succeed
     timings TEXT NOT NULL DEFAULT '{}',
-    outputs TEXT NOT NULL DEFAULT '[]',      -- JSON list of {index, file, bytes}
+    outputs TEXT NOT NULL DEFAULT '[]',      -- JSON list of {index, file, bytes, trajectory, lora_versions,
+                                             --   weight_versions} (the last two absent from older records)
     bytes INTEGER NOT NULL DEFAULT 0,        -- the output files' total size (retention by size)
     edit INTEGER NOT NULL DEFAULT 0,         -- an edit: its input image is not kept, it cannot run again
     ended REAL
@@ -430,6 +431,10 @@ class SqliteStore(Store):
         files = {o["index"]: o for o in json.loads(row["outputs"])}
         for k, seed in enumerate(json.loads(row["seeds"])):
             item = Item(job, k, seed=seed, stage=stage)
+            # what its run was (an unfinished job runs again, with versions of its own; older records have none)
+            if status.terminal and k in files:
+                item.lora_versions = _versions(files[k].get("lora_versions"))
+                item.weight_versions = _versions(files[k].get("weight_versions"))
             if status == JobStatus.SUCCEEDED and k in files:
                 item.file, item.nbytes, item.stage = files[k]["file"], files[k]["bytes"], Stage.DONE
                 item.trajectory_files = files[k].get("trajectory")
@@ -455,11 +460,20 @@ def _row(job: Job) -> dict[str, Any]:
         "seeds": json.dumps([i.seed for i in job.items]),
         "error": json.dumps(job.error) if job.error else None,
         "timings": json.dumps(job.timings_ms),
-        "outputs": json.dumps([{"index": i.index, "file": i.file, "bytes": i.nbytes, "trajectory": i.trajectory_files}
+        "outputs": json.dumps([{"index": i.index, "file": i.file, "bytes": i.nbytes, "trajectory": i.trajectory_files,
+                                "lora_versions": i.lora_versions, "weight_versions": i.weight_versions}
                                for i in written]),
         "bytes": sum(i.nbytes + sum(f["bytes"] for f in (i.trajectory_files or {}).values()) for i in written),
         "ended": time.time() if job.terminal else None,
     }
+
+
+def _versions(value: Any) -> dict[str, int] | None:
+    """An output's recorded versions, or None: a record written before they were kept has none, and one that
+    does not read as names to integers is shown as unknown rather than failing the read of the whole job."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and type(v) is int for k, v in value.items()):
+        return None
+    return value
 
 
 def _has_input(request: JobRequest) -> bool:
