@@ -9,30 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import pytest
-from controlkit import build_controlnet
+from controlkit import build_controlnet, png
 from daemonkit import Daemon, get, http, shared_daemon, submit, wait_job
 
 SIZE = 64
 FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
         "output_format": "npy", "output_dtype": "float32"}  # float: tiny's uint8 pictures saturate
-
-
-def png(seed: int, side: int = SIZE) -> str:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (side // 8, side // 8, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(np.kron(blocks, np.ones((8, 8, 1), dtype=np.uint8))).save(buf, "PNG")
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ siblings); they are built here with ``from_pipe`` from the pipeline the worker a
 way the edits are (``diffusers_pipeline._edit_pipes``), so the base weights are shared and only the
 ControlNet's own weights are added. Several ControlNets in one request run as diffusers' multi
 model (``MultiControlNetModel``): its residuals are summed, each at its own scale and step range.
+A seed gives the model's own starting noise with or without ControlNets (FLUX's pipeline is made to
+draw it in the model's order), so scale 0 is the plain picture, bit for bit, in every family.
 
 Whether a ControlNet fits the model is decided at load time, from the family (an SD 1.5 ControlNet
 cannot feed a FLUX transformer) and the shapes its residuals must match; the reasons go to the
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +58,20 @@ def unsupported(pipeline: Any) -> str | None:
     return None
 
 
+# What a ControlNet shares with the model's denoiser: it reads the same latents and text (SD's
+# cross-attention, SDXL's pooled text and size conditioning, FLUX's T5 and pooled CLIP) and its
+# residuals are added to the denoiser's blocks. A pair differing in any of these fails on a shape
+# mid-compute, so it is refused at load instead.
+_UNET_KEYS = ("in_channels", "cross_attention_dim", "block_out_channels", "addition_embed_type",
+              "projection_class_embeddings_input_dim")
+_TRANSFORMER_KEYS = ("in_channels", "joint_attention_dim", "pooled_projection_dim")
+
+
 def _fit(cn: Any, pipe: Any) -> str | None:
-    """Why ControlNet ``cn`` cannot feed ``pipe``'s denoiser: its residuals must have the UNet's widths
-    and its text conditioning the UNet's (SD 1.5 vs SDXL), or the FLUX transformer's inner width."""
+    """Why ControlNet ``cn`` cannot feed ``pipe``'s denoiser (None: it can)."""
     unet = getattr(pipe, "unet", None)
     if unet is not None:
-        for key in ("cross_attention_dim", "block_out_channels", "addition_embed_type"):
+        for key in _UNET_KEYS:
             mine, theirs = cn.config.get(key), unet.config.get(key)
             if key == "block_out_channels":
                 mine, theirs = tuple(mine or ()), tuple(theirs or ())
@@ -69,9 +79,18 @@ def _fit(cn: Any, pipe: Any) -> str | None:
                 return f"its {key} is {mine!r} and the model's UNet has {theirs!r} (a ControlNet of another family)"
         return None
     transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        return None
     inner = lambda c: c.get("num_attention_heads", 0) * c.get("attention_head_dim", 0)  # noqa: E731
-    if transformer is not None and inner(cn.config) != inner(transformer.config):
+    if inner(cn.config) != inner(transformer.config):
         return f"its width is {inner(cn.config)} and the model's transformer has {inner(transformer.config)}"
+    for key in _TRANSFORMER_KEYS:
+        mine, theirs = cn.config.get(key), transformer.config.get(key)
+        if mine != theirs:
+            return f"its {key} is {mine!r} and the model's transformer has {theirs!r}"
+    if cn.config.get("num_mode"):  # diffusers raises mid-compute on a union ControlNet given no mode
+        return (f"it is a union ControlNet ({cn.config['num_mode']} control modes) and a request cannot "
+                "choose a mode yet")
     return None
 
 
@@ -172,4 +191,26 @@ class ControlNets:
             "control_guidance_start": params.controls[0].start if one else [c.start for c in params.controls],
             "control_guidance_end": params.controls[0].end if one else [c.end for c in params.controls],
         }
-        return base._call(pipe, args, params, requests, on_step, extra, on_preview)
+        drawn = _flux_noise(pipe, params, len(requests)) if type(base.pipe).__name__ == "FluxPipeline" else None
+        return base._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
+
+
+def _flux_noise(pipe: Any, params: BatchParams, n: int) -> Callable[[list[torch.Generator]], dict[str, Any]]:
+    """FluxControlNetPipeline samples its control pictures' VAE latents from the requests' generators
+    before it draws the initial noise, so the same seed would start from other noise than the model
+    alone (and scale 0 would not give the plain picture): the noise is drawn here first, exactly as
+    ``FluxPipeline.prepare_latents`` draws it (its dtype is the prompt embeddings', the first text
+    encoder's), and the pipeline gets copies of the generators for the pictures."""
+
+    def draw(gens: list[torch.Generator]) -> dict[str, Any]:
+        dtype = (pipe.text_encoder if pipe.text_encoder is not None else pipe.transformer).dtype
+        latents, _ = pipe.prepare_latents(n, pipe.transformer.config.in_channels // 4, params.height, params.width,
+                                          dtype, pipe._execution_device, gens)
+        copies = []
+        for g in gens:
+            copy = torch.Generator(g.device)
+            copy.set_state(g.get_state())
+            copies.append(copy)
+        return {"latents": latents, "generator": copies}
+
+    return draw

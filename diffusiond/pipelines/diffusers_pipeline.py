@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -344,7 +344,11 @@ class DiffusersPipeline:
         return [out * m + img * (1 - m) for out, img, m in zip(outputs, images, masks, strict=True)]
 
     def _call(self, pipe: Any, args: frozenset[str], params: BatchParams, requests: Sequence[RequestSpec],
-              on_step: StepCallback, extra: dict[str, Any], on_preview: PreviewSink | None) -> list[torch.Tensor]:
+              on_step: StepCallback, extra: dict[str, Any], on_preview: PreviewSink | None,
+              drawn: Callable[[list[torch.Generator]], dict[str, Any]] | None = None) -> list[torch.Tensor]:
+        """``drawn``, where given, takes the requests' generators before the call and returns arguments
+        for it: a sibling pipeline that would draw from them in another order than the model's own
+        (FLUX's ControlNet samples its picture's latents first) draws the noise the way the model does."""
         if self._asleep:
             raise PipelineError(f"model {self.name} is asleep; wake it before running")
         pipe.scheduler = self._scheduler(params.scheduler)
@@ -365,6 +369,8 @@ class DiffusersPipeline:
             "return_dict": False,
             **extra,
         }
+        if drawn is not None:
+            kwargs.update(drawn(gens))
         if "height" in args:  # image-to-image pipelines take the size from the image
             kwargs["height"], kwargs["width"] = params.height, params.width
         if "guidance_scale" in args:

@@ -1,0 +1,147 @@
+"""ControlNets on the SDXL and FLUX families, end to end: one real daemon serving both.
+
+test_controlnet.py covers the request field on ``tiny`` (SD 1.5); here each family's own diffusers
+pipeline runs (``StableDiffusionXLControlNetPipeline`` with its added size conditioning,
+``FluxControlNetPipeline`` with the picture VAE-encoded and packed). The models and ControlNets are
+built in code (sdxlkit.py, controlkit.py), saved as folders and served the way a user's are:
+``--model xl=FOLDER``, the embedded ``tiny-flux``, ``--controlnet NAME=FOLDER``. Three fit no
+model: ``edges`` is tiny's (SD 1.5), ``flux-16`` one for fluxkit.py's FLUX (tiny-flux's width, 4
+latent channels where tiny-flux has 16), ``flux-union`` tiny-flux's shapes with control modes.
+Outputs are compared as raw ``npy`` bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from controlkit import build_controlnet, build_flux_controlnet, png
+from daemonkit import get, http, shared_daemon, submit, wait_job
+from sdxlkit import build_sdxl
+
+# model -> its two ControlNets; 64x64 is the smallest size both take (FLUX packs 8x latents 2x2)
+FAMILIES = {"xl": ("xl-lines", "xl-blobs"), "tiny-flux": ("flux-lines", "flux-blobs")}
+FAST = {"width": 64, "height": 64, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7, "output_format": "npy",
+        "output_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet_dir: Path) -> Iterator[Path]:
+    from diffusers import FluxControlNetModel
+    from fluxkit import TRANSFORMER as FLUXKIT_TRANSFORMER
+
+    from diffusiond.pipelines.tiny_flux import TRANSFORMER as TINY_FLUX_TRANSFORMER
+
+    root = tmp_path_factory.mktemp("control-families")
+    sdxl = build_sdxl(root / "xl")
+    args = ["--model", f"xl={sdxl}", "--model", "tiny-flux", "--workers", "1", "--job-timeout", "300",
+            "--controlnet", f"edges={controlnet_dir}"]
+    for name, config in (("flux-16", FLUXKIT_TRANSFORMER), ("flux-union", {**TINY_FLUX_TRANSFORMER, "num_mode": 2})):
+        FluxControlNetModel(**{**config, "num_layers": 1, "num_single_layers": 1}).save_pretrained(root / name)
+        args += ["--controlnet", f"{name}={root / name}"]
+    for seed, name in enumerate(FAMILIES["xl"], start=3):
+        args += ["--controlnet", f"{name}={build_controlnet(root / name, seed=seed, pipeline=sdxl)}"]
+    for seed, name in enumerate(FAMILIES["tiny-flux"], start=5):
+        args += ["--controlnet", f"{name}={build_flux_controlnet(root / name, seed=seed)}"]
+    with shared_daemon(root, args, model_cache) as d:
+        yield d.socket
+
+
+async def run(s: aiohttp.ClientSession, model: str, control: list[dict[str, Any]] | None = None,
+              **extra: Any) -> bytes:
+    body: dict[str, Any] = {**FAST, "model": model, **extra}
+    if control is not None:
+        body["control"] = control
+    job = await wait_job(s, (await submit(s, body))["id"])
+    assert job["status"] == "succeeded", job
+    async with s.get(job["outputs"][0]["url"]) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+async def test_control_steers_and_scale_zero_is_the_plain_output_bit_for_bit(sock: Path, model: str) -> None:
+    """Scale 0 multiplies every residual by 0, and FLUX's ControlNet pipeline gets the model's own
+    noise (controlnet.py's ``_flux_noise``): bit for bit the plain job, though it ran the other pipeline."""
+    name = FAMILIES[model][0]
+    async with http(sock) as s:
+        plain = await run(s, model)
+        steered = await run(s, model, [{"name": name, "image": png(1)}])
+        other = await run(s, model, [{"name": name, "image": png(2)}])
+        late = await run(s, model, [{"name": name, "image": png(1), "start": 0.5}])
+        zero = await run(s, model, [{"name": name, "image": png(1), "scale": 0.0}])
+    assert steered != plain, "the control changed nothing"
+    assert other != steered, "another control image gave the same output"
+    assert late not in (plain, steered), "the step range changed nothing"
+    assert zero == plain
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+async def test_two_controlnets_of_a_family_run_together(sock: Path, model: str) -> None:
+    """diffusers' multi model (``MultiControlNetModel``, ``FluxMultiControlNetModel``), a scale and
+    step range each; both at scale 0 are the plain output again."""
+    lines, blobs = FAMILIES[model]
+    async with http(sock) as s:
+        plain = await run(s, model)
+        one = await run(s, model, [{"name": lines, "image": png(1)}])
+        both = await run(s, model, [{"name": lines, "image": png(1)}, {"name": blobs, "image": png(2), "end": 0.5}])
+        zeros = await run(s, model, [{"name": lines, "image": png(1), "scale": 0.0},
+                                     {"name": blobs, "image": png(2), "scale": 0.0}])
+    assert both not in (plain, one), "the second ControlNet changed nothing"
+    assert zeros == plain
+
+
+async def refused(s: aiohttp.ClientSession, model: str, control: Any) -> tuple[int, dict[str, Any]]:
+    async with s.post("/v1/jobs", json={**FAST, "model": model, "control": control}) as r:
+        return r.status, (await r.json())["error"]
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize(("entry", "field", "words"), [
+    ({"name": "sketch", "image": "x"}, "control[0].name", "known: edges, flux-16, flux-blobs"),
+    ({"image": "bm90IGFuIGltYWdl"}, "control[0].image", "not an image"),
+])
+async def test_an_unknown_name_and_a_bad_image_are_400s_naming_the_field(sock: Path, model: str, entry: dict[str, Any],
+                                                                          field: str, words: str) -> None:
+    async with http(sock) as s:
+        status, error = await refused(s, model, [{"name": FAMILIES[model][0], **entry}])
+    assert (status, error["field"]) == (400, field), error
+    assert words in error["message"]
+
+
+@pytest.mark.parametrize(("model", "other"), [("xl", "flux-lines"), ("tiny-flux", "xl-lines"), ("xl", "edges"),
+                                            ("tiny-flux", "flux-16"), ("tiny-flux", "flux-union")])
+async def test_a_controlnet_of_another_family_is_a_400(sock: Path, model: str, other: str) -> None:
+    async with http(sock) as s:
+        status, error = await refused(s, model, [{"name": other, "image": png(1)}])
+    assert (status, error["field"]) == (400, "control[0].name"), error
+    assert f"does not fit model {model!r}" in error["message"]
+
+
+async def test_controlnets_endpoint_says_which_family_each_fits(sock: Path) -> None:
+    async with http(sock) as s:
+        status, body = await get(s, "/v1/controlnets")
+    assert status == 200
+    entries = {e["name"]: e for e in body["data"]}
+    for model, other in (("xl", "tiny-flux"), ("tiny-flux", "xl")):
+        for name in FAMILIES[model]:
+            assert entries[name]["models"] == [model] and set(entries[name]["unfit"]) == {other}, entries[name]
+    for name in ("edges", "flux-16", "flux-union"):
+        assert entries[name]["models"] == [] and set(entries[name]["unfit"]) == {"xl", "tiny-flux"}, entries[name]
+    assert "in_channels is 16" in entries["flux-16"]["unfit"]["tiny-flux"]  # the same width: found by its input
+    assert "union ControlNet" in entries["flux-union"]["unfit"]["tiny-flux"]
+    assert "FluxControlNetModel" in entries["flux-lines"]["unfit"]["xl"]
+    assert "ControlNetModel" in entries["xl-lines"]["unfit"]["tiny-flux"]
+    assert "cross_attention_dim" in entries["edges"]["unfit"]["xl"]  # SD 1.5's text width, not SDXL's
+
+
+async def test_flux_scale_zero_is_plain_with_a_stochastic_sampler_too(sock: Path) -> None:
+    """flow-sde draws each step's noise from the request's generator after the initial noise: the
+    control picture's VAE sample must not come between them."""
+    async with http(sock) as s:
+        plain = await run(s, "tiny-flux", scheduler="flow-sde")
+        zero = await run(s, "tiny-flux", [{"name": "flux-lines", "image": png(1), "scale": 0.0}], scheduler="flow-sde")
+    assert zero == plain
