@@ -343,3 +343,5 @@ def test_alternate_says_what_it_needs_and_what_does_not_apply(model_cache: Path)
     assert bare.returncode == 2 and "--alternate needs --device-memory SIZE" in bare.stderr, bare.stderr
     modes = _bench("--alternate", "tiny", "tiny", "--device-memory", "10MB", "--modes", "async", env=env)
     assert modes.returncode == 2 and "--modes does not apply to --alternate" in modes.stderr, modes.stderr
+    peak = _bench("--alternate", "tiny", "tiny", "--device-memory", "10MB", "--peak-tflops", "100", env=env)
+    assert peak.returncode == 2 and "--peak-tflops does not apply to --alternate" in peak.stderr, peak.stderr

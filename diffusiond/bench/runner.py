@@ -96,7 +96,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-flops", dest="flops", action="store_false",
                    help="skip counting FLOPs per image (one output at batch 1 under FlopCounterMode, cached per "
-                        "model, size, steps, guidance and frames) and the TFLOP/s and %% peak columns")
+                        "model, size, steps, guidance and frames); the TFLOP/s and %% peak columns then show -")
     p.add_argument("--peak-tflops", type=positive_float, default=None, metavar="X",
                    help="the device's peak TFLOP/s to take each mode's share of (default: the dense bf16/fp16 "
                         "datasheet peak of a known GPU: H100, H200, A100, L40S, RTX 4090; none on a CPU)")
