@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,6 +221,85 @@ def test_bench_prices_the_state_dir_with_a_memory_only_daemon_in_the_same_rounds
     assert all(r["requests"] == 4 and r["throughput"] > 0 for r in report["runs"])
 
 
+def _independent_tiny_flops(model_cache: Path, steps: int) -> tuple[int, int]:
+    """FLOPs of one 64x64 tiny image counted here, module by module, with no code from the bench: the
+    text encoder on the prompt and on the negative prompt, the UNet on the CFG batch of 2 at every step,
+    the VAE decode of one latent. Attention runs on torch's math path, which the stock counter counts
+    as matrix multiplies, so the bench's own formula for CPU attention is checked too.
+    Returns (per image, of which in the UNet)."""
+    import torch
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import CLIPTextModel
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    folder = ensure_tiny(model_cache)
+    text = CLIPTextModel.from_pretrained(folder / "text_encoder")
+    unet = UNet2DConditionModel.from_pretrained(folder / "unet")
+    vae = AutoencoderKL.from_pretrained(folder / "vae")
+    latent = 64 // 2  # tiny's VAE halves each side
+    tokens = torch.zeros((1, 77), dtype=torch.long)
+
+    def flops(run: Any) -> int:
+        with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as mode:
+            run()
+        return int(mode.get_total_flops())
+
+    hidden = text(tokens)[0]
+    encoder = flops(lambda: text(tokens))
+    forward = flops(lambda: unet(torch.randn(2, 4, latent, latent), torch.tensor(999),
+                                 encoder_hidden_states=hidden.repeat(2, 1, 1)))
+    decode = flops(lambda: vae.decode(torch.randn(1, 4, latent, latent)))
+    assert min(encoder, forward, decode) > 0
+    return 2 * encoder + steps * forward + decode, steps * forward
+
+
+def test_bench_reports_tflops_from_flops_per_image_counted_once_per_shape(model_cache: Path) -> None:
+    env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
+    (model_cache / "bench" / "flops.json").unlink(missing_ok=True)  # this run counts, not a cache
+    # --guidance 4: a key of this test's own, so no other bench run can have cached it meanwhile
+    done = _bench("--modes", "limit,async", "--rounds", "1", "--guidance", "4", "--json", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    flops = report["flops"]
+    per_image, in_unet = _independent_tiny_flops(model_cache, steps=2)
+    assert flops["cached"] is False and flops["counted_on"] == "cpu, float32, batch 1"
+    assert (flops["per_image"], flops["denoiser"], flops["denoiser_forwards"]) == (per_image, in_unet, 2)
+    assert flops["peak_tflops"] is None and "no peak for a CPU" in flops["note"]
+    for row in report["modes"]:  # achieved TFLOP/s = FLOPs per image x images per second
+        assert row["tflops"] == pytest.approx(per_image * row["throughput"] / 1e12, rel=1e-9), row
+        assert row["tflops"] > 0 and row["peak_share"] is None, row
+    text = table(report)
+    assert "| mode | req/s | x limit | TFLOP/s | % peak |" in text
+    assert f"TFLOP/s: {per_image / 1e9:.3g} GFLOP per image (denoiser: 2 forwards" in text
+    assert "% peak: no peak for a CPU" in text
+
+    again = _bench("--modes", "limit", "--rounds", "1", "--guidance", "4", "--peak-tflops", "0.5", "--json", env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    second = json.loads(again.stdout)
+    assert second["flops"]["cached"] is True and second["flops"]["per_image"] == per_image
+    assert "counting FLOPs" not in again.stderr  # counted once per shape
+    (limit,) = second["modes"]
+    assert second["flops"]["peak_tflops"] == 0.5 and second["flops"]["peak_from"] == "--peak-tflops"
+    assert limit["peak_share"] == pytest.approx(limit["tflops"] / 0.5) and limit["peak_share"] > 0
+
+    skipped = _bench("--modes", "limit", "--rounds", "1", "--guidance", "4", "--no-flops", "--json", env=env)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    bare = json.loads(skipped.stdout)
+    assert bare["flops"] is None and bare["modes"][0]["tflops"] is None and bare["modes"][0]["peak_share"] is None
+
+
+def test_the_peak_is_the_datasheet_figure_of_a_known_gpu_and_none_otherwise() -> None:
+    from diffusiond.bench.flops import datasheet_peak as lookup
+
+    assert lookup("NVIDIA H200") == 989.0 and lookup("NVIDIA H100 80GB HBM3") == 989.0
+    assert lookup("NVIDIA H100 PCIe") == 756.0 and lookup("NVIDIA H200 NVL") == 835.0
+    assert lookup("NVIDIA A100-SXM4-80GB") == 312.0 and lookup("NVIDIA L40S") == 362.0
+    assert lookup("NVIDIA GeForce RTX 4090") == 165.2 and lookup("NVIDIA GeForce RTX 3060") is None
+
+
 # --alternate: two models, requests alternating between them, under a budget against both resident ----------
 
 def _setup(**kw: object) -> Setup:
@@ -263,3 +343,5 @@ def test_alternate_says_what_it_needs_and_what_does_not_apply(model_cache: Path)
     assert bare.returncode == 2 and "--alternate needs --device-memory SIZE" in bare.stderr, bare.stderr
     modes = _bench("--alternate", "tiny", "tiny", "--device-memory", "10MB", "--modes", "async", env=env)
     assert modes.returncode == 2 and "--modes does not apply to --alternate" in modes.stderr, modes.stderr
+    peak = _bench("--alternate", "tiny", "tiny", "--device-memory", "10MB", "--peak-tflops", "100", env=env)
+    assert peak.returncode == 2 and "--peak-tflops does not apply to --alternate" in peak.stderr, peak.stderr

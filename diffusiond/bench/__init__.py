@@ -13,6 +13,8 @@ hand-written server, side by side in one run on the same model.
   the pipeline under a lock with PIL output and encodes the PNG inline. Labelled as the baseline.
 
 Every mode runs in rounds with the limit measured around each daemon run (``report.py`` says why).
+Each mode's figure also comes as achieved TFLOP/s and a share of the device's peak (``flops.py``),
+since ``x limit`` cannot say how far the limit itself is from the hardware.
 
 The CLI builds this command's parser for every command, ``--help`` included, so importing the
 package must not load torch: the runner imports the pipelines only inside ``run``.

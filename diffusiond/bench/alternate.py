@@ -73,7 +73,7 @@ def refused(args: argparse.Namespace) -> str | None:
         return ("--alternate needs --device-memory SIZE: a budget that holds one of the two models with its "
                 "working memory, and less than both models' weights together")
     for flag, given in (("--modes", args.modes), ("--sweep", args.sweep), ("--trace", args.trace),
-                        ("--preview-every", args.preview_every != (0,))):
+                        ("--preview-every", args.preview_every != (0,)), ("--peak-tflops", args.peak_tflops)):
         if given:
             return f"{flag} does not apply to --alternate (its modes are {' and '.join(MODES)})"
     return None

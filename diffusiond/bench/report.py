@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffusiond.bench.flops import describe
 from diffusiond.protocol import OutputDtype
 
 
@@ -129,6 +130,11 @@ def _r(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _t(v: float | None) -> str:
+    """TFLOP/s to three significant figures: a CPU's 0.00123 and an H200's 412 both stay readable."""
+    return "-" if v is None else f"{v:.3g}"
+
+
 def _two(t: dict[str, Any], key: str) -> str:
     """Median / mean; reports written before the mean was recorded have the median only."""
     mean = t.get(f"{key}_mean_ms")
@@ -152,14 +158,15 @@ def table(report: dict[str, Any]) -> str:
         + (f", {s['frames']} frames" if s["frames"] else "") + f", {rounds} round{'s' * (rounds != 1)}",
         f"machine: {report['machine']}; {report['date']}",
         "",
-        "| mode | req/s | x limit | wall req/s | p50 ms | p99 ms | SLO % | queued ms | compute ms | copy ms "
-        "| encode ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | req/s | x limit | TFLOP/s | % peak | wall req/s | p50 ms | p99 ms | SLO % | queued ms | compute ms "
+        "| copy ms | encode ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["modes"]:
         st = r["stages_ms"]
         lines.append(
-            f"| {r['mode']} | {r['throughput']:.2f} | {_r(r['ratio_to_limit'])} | {_g(r.get('wall_throughput'))} | "
+            f"| {r['mode']} | {r['throughput']:.2f} | {_r(r['ratio_to_limit'])} | {_t(r.get('tflops'))} | "
+            f"{_f(r.get('peak_share'), 100)} | {_g(r.get('wall_throughput'))} | "
             f"{_f(r['p50_ms'])} | {_f(r['p99_ms'])} | {_f(r.get('slo_attainment'), 100)} | "
             f"{_f(st.get('queued'))} | {_f(st.get('compute'))} | {_f(st.get('copy'))} | {_f(st.get('encode'))} |"
         )
@@ -173,6 +180,7 @@ def table(report: dict[str, Any]) -> str:
     notes = [f"{r['mode']}: {r['note']}" for r in report["modes"] if r["note"]]
     if not str(s["device"]).startswith("cuda"):
         legend += ["", CPU_NOTE]
+    legend += describe(report.get("flops"))
     return "\n".join(lines + legend + (["", *notes] if notes else []) + runs_table(report) + trace_table(report))
 
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from diffusiond.bench.flops import annotate, measure_flops
 from diffusiond.bench.limit import PROMPT, Limit
 from diffusiond.bench.load import BenchError, LoadResult, drive_daemon, drive_naive
 from diffusiond.bench.procs import process, wait_ready
@@ -49,7 +50,10 @@ def add_parser(sub: Any) -> None:
         description="Runs the modes on one model and prints one table: limit (the pipeline in a loop in this "
                     "process, outputs left on the device), async (the daemon as shipped), async-memory (the same "
                     "with --no-persist), sync (the daemon with --output-mode sync) and naive (a hand-written "
-                    "server, the baseline). Figures and how to read them: docs/benchmarks.md.")
+                    "server, the baseline). Each mode also gets its achieved TFLOP/s (FLOPs per image, counted once "
+                    "with torch's FlopCounterMode on one output of this model, size, steps and guidance, x req/s) and "
+                    "its share of the device's dense bf16/fp16 peak (a table of datasheet peaks by GPU name, or "
+                    "--peak-tflops). Figures and how to read them: docs/benchmarks.md.")
     p.add_argument("--model", default="tiny", metavar="SPEC", help="as serve --model (default: tiny)")
     p.add_argument("--device", default=None, help="default: cuda:0 if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
@@ -90,6 +94,12 @@ def add_parser(sub: Any) -> None:
                    help="daemons keep jobs in memory only (serve --no-persist); by default each has a temporary "
                         "state dir, as a served daemon has its own")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-flops", dest="flops", action="store_false",
+                   help="skip counting FLOPs per image (one output at batch 1 under FlopCounterMode, cached per "
+                        "model, size, steps, guidance and frames); the TFLOP/s and %% peak columns then show -")
+    p.add_argument("--peak-tflops", type=positive_float, default=None, metavar="X",
+                   help="the device's peak TFLOP/s to take each mode's share of (default: the dense bf16/fp16 "
+                        "datasheet peak of a known GPU: H100, H200, A100, L40S, RTX 4090; none on a CPU)")
     p.add_argument("--alternate", nargs=2, metavar=("SPEC_A", "SPEC_B"),
                    help="instead of the modes: two models, requests alternating between them one by one, on a "
                         "daemon under --device-memory against the same daemon with both resident (bench/alternate.py)")
@@ -168,23 +178,27 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         setup = _setup(args)
-        runs = measure(setup, modes)
+        runs, flops = measure(setup, modes, count_flops=args.flops, peak_tflops=args.peak_tflops)
     except (BenchError, PipelineError) as exc:
         print(f"diffusiond bench: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     compare(runs)
+    rows = per_mode(runs, setup.batch)
+    annotate(rows, flops)
     report = {"setup": asdict(setup), "machine": machine(setup.device), "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(["diffusiond", *sys.argv[1:]]), "modes": per_mode(runs, setup.batch),
+              "command": " ".join(["diffusiond", *sys.argv[1:]]), "flops": flops, "modes": rows,
               "runs": [asdict(r) for r in runs]}
     print(json.dumps(report, indent=1) if args.json else table(report))
     return 0
 
 
-def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
-    """Every measured run, in the order it ran."""
+def measure(s: Setup, modes: list[str], count_flops: bool = False,
+            peak_tflops: float | None = None) -> tuple[list[ModeResult], dict[str, Any] | None]:
+    """Every measured run, in the order it ran, and (with ``count_flops``) the report's ``flops`` section."""
     runs: list[ModeResult] = []
+    flops = None
     daemon_modes = [m for m in modes if m in DAEMON_MODES]
 
     def log(what: str) -> None:
@@ -197,6 +211,9 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
                 log(f"loading the {mode} pipeline")
                 limits.append(Limit(s, compiled=mode == "limit-compiled"))
                 stack.callback(limits[-1].close)
+        if count_flops:  # before the daemons start: a pipeline loaded to count is gone before theirs load
+            eager = next((limit.pipe for limit in limits if limit.mode == "limit"), None)
+            flops = measure_flops(s, eager, PROMPT, peak_tflops)
         socks = stack.enter_context(_daemons(s, daemon_modes)) if daemon_modes else {}
         slo_ms: dict[str, float] = {}
         for mode in daemon_modes:  # round 1 is not a fresh worker's first run (once the slowest one)
@@ -224,7 +241,7 @@ def measure(s: Setup, modes: list[str]) -> list[ModeResult]:
     if "naive" in modes:
         log("naive")
         runs.append(run_naive(s))
-    return runs
+    return runs, flops
 
 
 def machine(device: str) -> str:
