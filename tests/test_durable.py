@@ -58,7 +58,7 @@ async def test_sigkill_of_the_engine_then_restart_every_job_succeeds_once_with_i
     state = tmp_path / "state"
     # Copies and output file writes held 1.5 s, so a job can be caught copying or encoding (half
     # of its file written); many steps for a job to be caught computing.
-    body = {**BODY, "steps": 150} if stage == "computing" else BODY
+    body = {**BODY, "steps": 40} if stage == "computing" else BODY  # ~1 s a job computing: polled every 50 ms
     first = daemon_factory(*serve_args(state, "--test-fault", "copy_delay_ms=1500",
                                        "--test-state-fault", "write_delay_ms=1500"), env=ENV)
     async with http(first.socket) as s:
