@@ -2,9 +2,10 @@
 # The H200 figures of issues 27, 29 and 30 that need a GPU (docs/benchmarks.md), as named steps, each
 # bounded by its own timeout so one that hangs leaves the others' results. Wheels carried in .whl/.
 # Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
-#   scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack
-#   scripts/gpu_round3.sh setup trajectory-sd15 lora weights pack
-#   scripts/gpu_round3.sh setup trajectory-flow controlnet hires presets pack
+#   ALT_REQUESTS=16 timeout 585 scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack   (~560 s)
+#   timeout 585 scripts/gpu_round3.sh setup lora weights trajectory-flow pack
+#   PRESETS="sd3.5-medium ltx-2b" timeout 585 scripts/gpu_round3.sh setup controlnet hires presets pack
+# Each call's figures are written up in docs/benchmarks.md before the next (a machine can stop answering).
 set -uo pipefail
 out=/tmp/r3-out
 mkdir -p "$out"  # packed into $OUT/r3.tgz by the step `pack` (a device call returns 8 files at most)
