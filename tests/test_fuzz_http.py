@@ -184,7 +184,7 @@ JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guida
               "preview", "keep_alive", "control", "ip_adapter", "trajectory", "upscale", "hires"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
-               "background", "input_fidelity", "user"]
+               "background", "input_fidelity", "user", "ip_adapter"]
 IMAGE_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                 "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "quality", "style",
                 "user", "background", "moderation", "output_compression", "stream", "partial_images", "loras",
@@ -343,8 +343,9 @@ def within_limits(job: dict[str, Any]) -> None:
     for c in r["control"]:  # ControlNets: served, in range, on the one model they fit
         assert c["name"] == "edges" and job["model"] == "tiny", job
         assert 0 <= c["scale"] <= 4 and 0 <= c["start"] < c["end"] <= 1 and c["preprocess"] in ("none", "canny"), job
-    for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the one model it fits, never beside control
-        assert a["name"] == "style" and job["model"] == "tiny" and not r["control"], job
+    assert not (r["control"] and r["task"]), job  # ControlNets with an edit are refused, with a reference or not
+    for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the one model it fits (with control or an edit)
+        assert a["name"] == "style" and job["model"] == "tiny", job
         assert 0 <= a["scale"] <= 4 and len(a["image_digest"]) == 24 and len(r["ip_adapter"]) == 1, job
     u, h = r["upscale"], r["hires"]  # issue 30: served upscalers, image-to-image models, sizes in their bounds
     assert u is None or (u["name"] == "esr" and 1 <= u["scale"] <= 8 and u["width"] <= 16384), job
@@ -363,6 +364,32 @@ def within_limits(job: dict[str, Any]) -> None:
 def test_fuzz_job_bodies(sock: Path, body: Any, content_type: str) -> None:
     data = json.dumps(body).encode()
     status, headers, raw = call(sock, "POST", "/v1/jobs", data, {"Content-Type": content_type})
+    answer = check_answer("POST", "/v1/jobs", status, headers, raw, body)
+    event(f"HTTP {status}")
+    if status == 202:
+        within_limits(answer)
+    cancel_if_accepted(sock, status, answer)
+
+
+@st.composite
+def combined_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid body with a reference image (``ip_adapter``) and control images or an edit's image and
+    mask, or both (refused): plausible values, so many get past decoding into the pairing rules."""
+    png64, mask64 = base64.b64encode(PNG_64).decode(), base64.b64encode(MASK_64).decode()
+    valid: dict[str, Any] = {"ip_adapter": [{"name": "style", "image": png64, "scale": 0.5}],
+                             "control": [{"name": "edges", "image": png64}], "image": png64, "mask": mask64,
+                             "strength": 0.5, "hires": {"scale": 1.5, "steps": 1}}
+    body = valid_base(JOB_FIELDS, "tiny")
+    for name in ["ip_adapter", *draw(st.lists(st.sampled_from(list(valid)[1:]), min_size=1, unique=True))]:
+        body[name] = valid[name] if draw(st.booleans()) else draw(PLAUSIBLE[name])
+    return body
+
+
+@FUZZ
+@given(body=combined_bodies())
+def test_fuzz_job_bodies_with_a_reference_and_control_or_an_edit(sock: Path, body: Any) -> None:
+    data = json.dumps(body).encode()
+    status, headers, raw = call(sock, "POST", "/v1/jobs", data, {"Content-Type": "application/json"})
     answer = check_answer("POST", "/v1/jobs", status, headers, raw, body)
     event(f"HTTP {status}")
     if status == 202:

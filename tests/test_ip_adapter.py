@@ -3,7 +3,7 @@
 ``style`` is ipadapterkit.py's adapter (a weights file, ``image_encoder/`` beside it) served with
 ``--ip-adapter NAME=PATH``; ``mono`` is the same weights with an encoder named by
 ``,image_encoder=DIR`` whose embedding width does not match, so no model takes it; a synthetic
-model has no IP-Adapter family; ``edges`` is a ControlNet, to check the two are not mixed yet.
+model has no IP-Adapter family. With ControlNets and edits: test_ip_adapter_combos.py.
 Outputs are compared as raw float32 ``npy`` bytes, so "equal" means bit for bit.
 """
 
@@ -38,14 +38,12 @@ def png(seed: int, side: int = 48) -> str:
 
 
 @pytest.fixture(scope="module")
-def ip_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, ip_adapter_file: Path,
-              controlnet_dir: Path) -> Iterator[Daemon]:
+def ip_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, ip_adapter_file: Path) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("ip-daemon")
     other = build_ip_adapter(root / "mono", seed=2, projection_dim=8)  # its own encoder: 8 wide, not 16
     args = ["--model", "tiny", "--model", "plain=synthetic:compute_ms=5", "--workers", "1", "--max-batch", "4",
             "--batch-wait-ms", "400", "--job-timeout", "300", "--ip-adapter", f"style={ip_adapter_file}",
-            "--ip-adapter", f"mono={ip_adapter_file},image_encoder={other.parent / 'image_encoder'}",
-            "--controlnet", f"edges={controlnet_dir}"]
+            "--ip-adapter", f"mono={ip_adapter_file},image_encoder={other.parent / 'image_encoder'}"]
     with shared_daemon(root, args, model_cache) as d:
         yield d
 
@@ -146,8 +144,6 @@ async def refused(s: aiohttp.ClientSession, ip_adapter: Any, **extra: Any) -> tu
     ([{"name": "style", "image": "x", "scale": -0.5}], {}, "ip_adapter[0].scale", "from 0 to"),
     ([{"name": "style", "image": "x"}] * 2, {}, "ip_adapter", "at most 1"),
     ([{"name": "style", "image": "x", "weight": 1}], {}, "ip_adapter", "unknown field `weight`"),
-    ([{"name": "style", "image": png(1)}], {"control": [{"name": "edges", "image": png(2)}]}, "ip_adapter",
-     "with control"),
 ])
 async def test_bad_ip_adapter_entries_are_400s_naming_the_field(sock: Path, ip_adapter: Any, extra: dict[str, Any],
                                                                 field: str, words: str) -> None:

@@ -39,6 +39,7 @@ class InputBuffer:
                  name: str = "diffusiond-input") -> None:
         """``image`` None: a text-to-image request that brings ControlNet images (``controls``) or
         IP-Adapter reference images (``references``) only."""
+        self.name = name
         given = [a for a in (image, mask, *controls, *references) if a is not None]
         arrays = [np.ascontiguousarray(a, dtype=np.uint8) for a in given]
         descs: list[TensorDesc] = []
@@ -68,6 +69,17 @@ class InputBuffer:
         """The descriptor a request carries when this buffer is fd ``fd_index`` of its frame."""
         return InputRef(fd=fd_index, image=self.image, mask=self.mask, controls=self.controls,
                         references=self.references)
+
+    def with_references(self, references: Sequence[np.ndarray]) -> InputBuffer:
+        """A new sealed buffer holding this one's arrays and then ``references``: a job's input travels
+        as one fd, so an edit's image and mask, or control images, share it with the job's IP-Adapter
+        reference images. Read back from the memfd (already sealed), so the copy is what was validated."""
+        ref = self.ref(0)
+        own = _sealed_view([self.fd], ref, [d for d in (ref.image, ref.mask) if d is not None])
+        image = own[0] if ref.image is not None else None
+        mask = own[-1] if ref.mask is not None else None
+        return InputBuffer(image, mask, controls=read_controls([self.fd], ref),
+                           references=[*read_references([self.fd], ref), *references], name=self.name)
 
     def dup(self) -> int:
         """A new fd for one frame (the channel closes it once sent, whatever becomes of the job)."""

@@ -168,9 +168,11 @@ class ControlNets:
         return cached
 
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], images: Sequence[Sequence[np.ndarray]],
-            on_step: StepCallback, on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
+            on_step: StepCallback, on_preview: PreviewSink | None = None,
+            more: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
         """One diffusers call for a batch whose requests share ``params.controls``; ``images[k]`` are
-        request k's control pictures (uint8 (H, W, 3)), in the order of ``params.controls``."""
+        request k's control pictures (uint8 (H, W, 3)), in the order of ``params.controls``; ``more``
+        are further call arguments (an IP-Adapter's reference image)."""
         base = plain_base(self.pipeline)
         if base is None:
             raise PipelineError(unsupported(self.pipeline) or "this model takes no ControlNet")
@@ -190,6 +192,7 @@ class ControlNets:
             "controlnet_conditioning_scale": params.controls[0].scale if one else [c.scale for c in params.controls],
             "control_guidance_start": params.controls[0].start if one else [c.start for c in params.controls],
             "control_guidance_end": params.controls[0].end if one else [c.end for c in params.controls],
+            **(more or {}),
         }
         drawn = _flux_noise(pipe, params, len(requests)) if type(base.pipe).__name__ == "FluxPipeline" else None
         return base._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)

@@ -32,7 +32,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
-from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, edit_kwargs, edit_pipes
+from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, edit_kwargs, edit_pipes, share_image_encoder
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.previews import Previewer, make_previewer
@@ -316,8 +316,10 @@ class DiffusersPipeline:
         return self._call(self._pipe, self._args, params, requests, on_step, {}, on_preview)
 
     def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
-             on_step: StepCallback, on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
-        """A batch of edits on the pipeline built for it with ``from_pipe`` (the same weights)."""
+             on_step: StepCallback, on_preview: PreviewSink | None = None,
+             more: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
+        """A batch of edits on the pipeline built for it with ``from_pipe`` (the same weights); ``more``
+        are further call arguments (an IP-Adapter's reference image)."""
         if not requests:
             return []
         task = Task(params.edit) if params.edit in set(Task) else None
@@ -327,7 +329,7 @@ class DiffusersPipeline:
         images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2).float() / 255
         args = call_args(type(pipe))
         strength = 1.0 if params.strength is None else params.strength
-        extra = edit_kwargs(task, images, strength, args, params.width * params.height)
+        extra = {**edit_kwargs(task, images, strength, args, params.width * params.height), **(more or {})}
         if task is not Task.INPAINTING:
             return self._call(pipe, args, params, requests, on_step, extra, on_preview)
         planes = [m for _, m in inputs]
@@ -352,6 +354,8 @@ class DiffusersPipeline:
         if self._asleep:
             raise PipelineError(f"model {self.name} is asleep; wake it before running")
         pipe.scheduler = self._scheduler(params.scheduler)
+        if pipe is not self._pipe:
+            share_image_encoder(self._pipe, pipe)
         gens = generators(requests)
         rollout = pipe.scheduler if hasattr(pipe.scheduler, "trajectory") else None
         if rollout is not None:  # its noise comes from the requests' own generators, after the initial latents

@@ -95,3 +95,21 @@ def sibling(cls: Any, pipe: Any, **components: Any) -> Any:
         if tensor.dtype != dtype:
             tensor.data = tensor.data.to(dtype)
     return new
+
+
+_IMAGE_MODULES = ("image_encoder", "feature_extractor")
+
+
+def share_image_encoder(base: Any, pipe: Any) -> None:
+    """Give sibling ``pipe`` the model's image encoder and its processor as they are now.
+
+    ``from_pipe`` hands a sibling the components the model had when it was built, and these two are the
+    ones that change after: an IP-Adapter registers its encoder on the model while it is in the shared
+    UNet and puts the model's own back when it comes out (pipelines/ip_adapter.py). A sibling called with
+    ``ip_adapter_image`` encodes it with its own ``image_encoder``, so it must hold the adapter's then,
+    and no stale one after."""
+    have = pipe.components
+    changed = {k: getattr(base, k, None) for k in _IMAGE_MODULES
+               if k in have and have[k] is not getattr(base, k, None)}
+    if changed:
+        pipe.register_modules(**changed)

@@ -16,6 +16,12 @@ each time. What a switch costs is small: the files are read once, at start, into
 already read. The UNet's own processors are kept aside and put back on unload, not replaced by
 diffusers' defaults, so whatever the model ran with before (a speed-up's processor) it runs with after.
 
+The same sharing is how a reference combines with ControlNets or an edit (image-to-image,
+inpainting): such a batch runs the sibling pipeline with ``ip_adapter_image`` while the adapter is in
+the UNet, and a sibling takes the model's image encoder before each call (``edit_pipes.share_image_encoder``),
+so it encodes with the adapter's while one is in and holds none after. Whatever the pipeline, the
+adapter comes out before the next batch without a reference, so that batch runs as if none had been in.
+
 Whether an adapter fits the model is decided at start, by loading it once and unloading it: the
 reasons go to the engine in READY, so requests naming an unfit pair are refused at admission.
 """
@@ -23,15 +29,15 @@ reasons go to the engine in READY, so requests naming an unfit pair are refused 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
-from diffusiond.pipelines.base import PipelineError, PreviewSink, StepCallback
-from diffusiond.pipelines.controlnet import plain_base
+from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
+from diffusiond.pipelines.controlnet import ControlNets, plain_base
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +148,28 @@ class IpAdapters:
             for enc in self._encoders.values():
                 enc.to("cpu" if asleep else base.device)
 
+    def redraw(self, references: Sequence[Sequence[np.ndarray]]) -> Callable[..., list[torch.Tensor]]:
+        """A batch's hires pass (worker/finish.py), with the first pass's ``references``: the adapter is
+        still in the UNet, and the second pass is steered by the same picture (as a patched model in
+        ComfyUI steers both samplers)."""
+
+        def again(params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
+                  on_step: StepCallback, on_preview: PreviewSink | None) -> list[torch.Tensor]:
+            return self.run(params, requests, references, on_step, on_preview, edits=inputs)
+
+        return again
+
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], references: Sequence[Sequence[np.ndarray]],
-            on_step: StepCallback, on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
+            on_step: StepCallback, on_preview: PreviewSink | None = None, *, edits: Sequence[EditArrays] = (),
+            controls: Sequence[Sequence[np.ndarray]] = (), controlnets: ControlNets | None = None,
+            ) -> list[torch.Tensor]:
         """One diffusers call for a batch whose requests share ``params.ip_adapters`` (reference digests
-        included, so request 0's picture is everyone's); ``references[k]`` are request k's pictures."""
+        included, so request 0's picture is everyone's); ``references[k]`` are request k's pictures.
+
+        With ``params.controls`` it runs on the ControlNet pipeline (``controls[k]``: request k's control
+        pictures), with ``params.edit`` on the edit's (``edits[k]``: request k's image and mask): both are
+        ``from_pipe`` siblings of the model, so the adapter in the UNet they share acts there too, and
+        they take the reference as the model's own pipeline does (``ip_adapter_image``)."""
         from PIL import Image
 
         base = plain_base(self.pipeline)
@@ -160,4 +184,10 @@ class IpAdapters:
         self.activate(ref.name)
         base.pipe.set_ip_adapter_scale(ref.scale)
         extra = {"ip_adapter_image": Image.fromarray(references[0][0])}
+        if params.controls:
+            if controlnets is None:
+                raise PipelineError(f"model {base.name} takes no ControlNet here")
+            return controlnets.run(params, requests, controls, on_step, on_preview, more=extra)
+        if params.edit is not None:
+            return base.edit(params, requests, edits, on_step, on_preview, more=extra)
         return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)

@@ -240,7 +240,11 @@ class ComputeThread:
             outputs = run(requests, arrays)
             if batch.params.hires is not None or batch.params.upscale is not None:
                 every = any(r.preview_every for r in requests)
-                outputs = self.finish(batch.params, requests, outputs, on_step, sink_for(requests) if every else None)
+                redraw = None  # a hires pass redraws with the batch's reference image too
+                if batch.params.ip_adapters and self.ip_adapters is not None:
+                    redraw = self.ip_adapters.redraw([references.get(r.request_id, []) for r in requests])
+                outputs = self.finish(batch.params, requests, outputs, on_step, sink_for(requests) if every else None,
+                                      redraw)
             if batch.params.trajectory is not None:  # a half of a retried batch adds its own share
                 got = getattr(self.pipeline, "last_trajectories", None) or []
                 if len(got) != len(outputs):
@@ -258,17 +262,20 @@ class ComputeThread:
             # inference_mode: no autograd bookkeeping, so less host time per kernel launch
             with torch.inference_mode(), profiled:
                 sink = first_pass_previews(sink_for(requests), batch.params) if every else None
-                if batch.params.ip_adapters:
-                    if self.ip_adapters is None or batch.params.edit is not None or batch.params.controls:
+                images = [controls.get(r.request_id, []) for r in requests]
+                if batch.params.controls and batch.params.edit is not None:  # admission refuses the pair
+                    raise PipelineError(f"model {self.pipeline.name} takes no ControlNet with an edit")
+                if batch.params.ip_adapters:  # on the ControlNet or edit pipeline too, when the batch has those
+                    if self.ip_adapters is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no IP-Adapter here")
                     refs = [references.get(r.request_id, []) for r in requests]
-                    return self.ip_adapters.run(batch.params, requests, refs, on_step, sink)
+                    return self.ip_adapters.run(batch.params, requests, refs, step, sink, edits=arrays,
+                                                controls=images, controlnets=self.controlnets)
                 if self.ip_adapters is not None:  # a UNet with an IP-Adapter in it wants its images
                     self.ip_adapters.release()
                 if batch.params.controls:
-                    if batch.params.edit is not None or self.controlnets is None:
+                    if self.controlnets is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no ControlNet here")
-                    images = [controls.get(r.request_id, []) for r in requests]
                     return self.controlnets.run(batch.params, requests, images, step, sink)
                 if batch.params.edit is None:
                     return self.pipeline.run(batch.params, requests, step, sink)

@@ -17,7 +17,7 @@ the model's output resized to the asked size (bicubic, antialiased when it shrin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -26,9 +26,20 @@ import torch
 import torch.nn.functional as F
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
-from diffusiond.pipelines.base import EditingPipeline, Pipeline, PipelineError, PreviewSink, StepCallback
+from diffusiond.pipelines.base import (
+    EditArrays,
+    EditingPipeline,
+    Pipeline,
+    PipelineError,
+    PreviewSink,
+    StepCallback,
+)
 from diffusiond.pipelines.upscalers import Upscalers
 from diffusiond.protocol import Task
+
+Redraw = Callable[[BatchParams, Sequence[RequestSpec], Sequence[EditArrays], StepCallback, PreviewSink | None],
+                  list[torch.Tensor]]
+"""What runs a hires pass: the model's ``edit``, or the IP-Adapters' ``run`` with the batch's reference."""
 
 
 def resize(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -63,10 +74,13 @@ class Finisher:
         self.upscalers = upscalers
 
     def __call__(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
-                 on_step: StepCallback, on_preview: PreviewSink | None) -> list[torch.Tensor]:
+                 on_step: StepCallback, on_preview: PreviewSink | None,
+                 redraw: Redraw | None = None) -> list[torch.Tensor]:
+        """``redraw`` runs the hires pass in place of the model's own ``edit`` (an IP-Adapter batch's:
+        the adapter is in the UNet, which then wants the reference on every forward)."""
         with torch.inference_mode():
             if params.hires is not None:
-                outputs = self._hires(params, requests, outputs, on_step, on_preview)
+                outputs = self._hires(params, requests, outputs, on_step, on_preview, redraw)
             u = params.upscale
             if u is not None:
                 outputs = [resize(self._model(u.name, out[None]), u.width, u.height)[0].to(out.dtype)
@@ -79,10 +93,10 @@ class Finisher:
         return self.upscalers.upscale(name, images)
 
     def _hires(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
-               on_step: StepCallback, on_preview: PreviewSink | None) -> list[torch.Tensor]:
+               on_step: StepCallback, on_preview: PreviewSink | None, redraw: Redraw | None) -> list[torch.Tensor]:
         h = params.hires
         assert h is not None
-        if not isinstance(self.pipeline, EditingPipeline):
+        if redraw is None and not isinstance(self.pipeline, EditingPipeline):
             raise PipelineError(f"model {self.pipeline.name} has no image-to-image pipeline for a hires pass")
         pictures = []
         for out in outputs:
@@ -102,6 +116,9 @@ class Finisher:
             def sink(k: int, total: int, pics: list[tuple[int, torch.Tensor]]) -> None:
                 on_preview(done + k, done + total, pics)
 
+        if redraw is not None:
+            return redraw(second, requests, inputs, step, sink)
+        assert isinstance(self.pipeline, EditingPipeline)
         return self.pipeline.edit(second, requests, inputs, step, sink)
 
 

@@ -83,8 +83,12 @@ class IpAdapterInput:
         self.buffer.close()
 
 
-def decode_references(entries: Sequence[IpAdapterEntry], *, limits: Limits, input_dir: str | None) -> IpAdapterInput:
-    """Decode and check each reference image (in the encode pool); digest what the worker will see."""
+def decode_references(entries: Sequence[IpAdapterEntry], *, limits: Limits, input_dir: str | None,
+                      joined: InputBuffer | None = None) -> IpAdapterInput:
+    """Decode and check each reference image (in the encode pool); digest what the worker will see.
+
+    ``joined`` is the job's input so far (an edit's image and mask, or its control images): a job's
+    input travels as one buffer, so the new one holds those arrays too and the job sends it instead."""
     pictures: list[np.ndarray] = []
     refs: list[IpAdapterRef] = []
     for e in entries:
@@ -97,5 +101,7 @@ def decode_references(entries: Sequence[IpAdapterEntry], *, limits: Limits, inpu
         h.update(repr(rgb.shape).encode())  # the same bytes in another shape are another picture
         pictures.append(rgb)
         refs.append(IpAdapterRef(e.name, e.scale, h.hexdigest()))
+    if joined is not None:
+        return IpAdapterInput(refs=tuple(refs), buffer=joined.with_references(pictures))
     return IpAdapterInput(refs=tuple(refs), buffer=InputBuffer(None, None, references=pictures,
                                                                name="diffusiond-reference"))

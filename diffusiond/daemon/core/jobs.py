@@ -129,8 +129,10 @@ class JobRequest:
 
     @property
     def buffer(self) -> InputBuffer | None:
-        """The sealed input that travels with each batch of this job (an edit's, or the control images')."""
-        owner = self.edit or self.control or self.ip_adapter  # one per job: admission refuses mixing them
+        """The sealed input that travels with each batch of this job (an edit's, the control images' or
+        the reference images'): one per job, so a reference's holds the edit's or control's arrays too
+        (edge/ip_adapters.py), and it is the one sent."""
+        owner = self.ip_adapter or self.edit or self.control
         return owner.buffer if owner is not None else None
 
     def close_inputs(self) -> None:

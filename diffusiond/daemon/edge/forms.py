@@ -15,6 +15,7 @@ import msgspec
 
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core.jobs import JobRequest
+from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.requests import (
     FIELD_PATH,
     MISSING_FIELD,
@@ -48,6 +49,7 @@ class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
     strength: float | None = None
     loras: list[LoraBody] | None = None  # see ``form_loras`` for the spellings a form can use
     preview: PreviewBody | None = None  # ``preview[every]`` etc., as the openai client flattens it, or JSON text
+    ip_adapter: list[IpAdapterBody] | None = None  # see ``form_ip_adapter``
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     background: Any = None
     input_fidelity: Any = None
@@ -126,10 +128,13 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     other field given twice is refused rather than silently taking one of the two values."""
     fields: dict[str, Any] = {}
     lora_parts: list[tuple[str, str]] = []
+    ip_parts: list[tuple[str, str]] = []
     preview: dict[str, Any] = {}
     for name, value in pairs:
         if name == "loras" or name.startswith("loras["):
             lora_parts.append((name, value))
+        elif name == "ip_adapter" or name.startswith("ip_adapter["):
+            ip_parts.append((name, value))
         elif name.startswith("preview["):  # preview[every]=5: the openai client's flattening of an object
             key = name.removeprefix("preview[").removesuffix("]")
             if key in preview or "preview" in fields:
@@ -154,6 +159,8 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
         fields["loras"] = form_loras(lora_parts)
     if preview:
         fields["preview"] = preview
+    if ip_parts:
+        fields["ip_adapter"] = form_ip_adapter(ip_parts)
     try:
         form = msgspec.convert(fields, EditsForm, strict=False)
     except msgspec.ValidationError as exc:
@@ -199,4 +206,34 @@ def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
         raise invalid(f"loras has {len(names)} names and {len(weights)} weights; give each adapter both",
                       field="loras")
     entries.extend({"name": n, "weight": w} for n, w in zip(names, weights, strict=True))
+    return entries
+
+
+IP_KEYS = ("name", "image", "image_path", "scale")
+
+
+def form_ip_adapter(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """``ip_adapter`` of a multipart form: JSON text in one ``ip_adapter`` field, as ``/v1/jobs`` takes
+    it, or the openai client's flattening of ``extra_body={"ip_adapter": [{...}]}`` (``ip_adapter[][name]``,
+    ``ip_adapter[][image]``, ...; the k-th value of each key is the k-th entry's). The reference image is
+    base64 text either way: the form's file fields are the image to edit and its mask."""
+    entries: list[dict[str, str]] = []
+    flat: dict[str, list[str]] = {}
+    for name, value in parts:
+        if name == "ip_adapter":
+            try:
+                decoded = msgspec.json.decode(value)
+            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
+                raise invalid(f"ip_adapter is not valid JSON: {value[:80]!r}", field="ip_adapter") from None
+            if not isinstance(decoded, list) or not all(isinstance(e, dict) for e in decoded):
+                raise invalid('ip_adapter must be a list of {"name", "image", "scale"} objects', field="ip_adapter")
+            entries.extend(decoded)
+            continue
+        key = name.removeprefix("ip_adapter[][").removesuffix("]")
+        if not name.startswith("ip_adapter[][") or key not in IP_KEYS:
+            raise invalid(f"unexpected form field {name[:60]!r}; send ip_adapter as JSON text or as "
+                          f"{', '.join(f'ip_adapter[][{k}]' for k in IP_KEYS)}", field="ip_adapter")
+        flat.setdefault(key, []).append(value)
+    count = max((len(v) for v in flat.values()), default=0)
+    entries.extend({k: v[i] for k, v in flat.items() if i < len(v)} for i in range(count))
     return entries

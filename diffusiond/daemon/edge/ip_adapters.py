@@ -1,9 +1,11 @@
 """A job's ``ip_adapter`` field: its shape checked here, its IP-Adapters against the registry, its images in the pool.
 
 Runs after ``requests.check`` and ``controls.attach``, on the request they built. Every mistake is a
-400 naming the entry and field (``ip_adapter[0].scale``). A reference image with an edit or with
-ControlNets is refused for now: those run on sibling pipelines (``from_pipe``) that would need the
-image encoder handed over too, and a refusal is better than a silently ignored reference.
+400 naming the entry and field (``ip_adapter[0].scale``). A reference image combines with an edit
+(image-to-image, inpainting) or with ControlNets, as ComfyUI and Forge users combine them: the worker
+runs the edit's or the ControlNets' sibling pipeline with the adapter in the shared UNet. A job sends
+one input buffer, so the references join the edit's or control's arrays in a new one, and the old one
+is closed at once (its arrays are copied, not kept twice for the job's life).
 """
 
 from __future__ import annotations
@@ -55,16 +57,15 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
     if not raw:
         return req
     entries = plan(list(raw))
-    if req.edit is not None or req.control is not None:
-        what = "an input image (image-to-image or inpainting)" if req.edit is not None else "control"
-        raise invalid(f"ip_adapter with {what} is not served yet; send ip_adapter with a plain text-to-image "
-                      "request", field="ip_adapter")
     if model.capabilities.task != Task.TEXT_TO_IMAGE.value:
         raise invalid(f"model {model.name!r} does {model.capabilities.task}; IP-Adapters steer text-to-image "
                       "models", field="ip_adapter")
     engine.check_ip_adapters(model.name, [e.name for e in entries])
     cfg = engine.config
-    work = functools.partial(decode_references, entries, limits=cfg.limits, input_dir=cfg.input_dir)
+    joined = req.buffer  # an edit's image and mask, or control images: they travel in the new buffer
+    work = functools.partial(decode_references, entries, limits=cfg.limits, input_dir=cfg.input_dir, joined=joined)
     decoded = await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    if joined is not None:
+        joined.close()  # its owner's close() is then a no-op; the job closes the new one with the rest
     return dataclasses.replace(req, ip_adapter=decoded,
                                ip_adapters=tuple((r.name, r.scale, r.digest) for r in decoded.refs))

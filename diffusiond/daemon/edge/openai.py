@@ -13,7 +13,7 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.core.jobs import Job
-from diffusiond.daemon.edge import bodies, requests, views
+from diffusiond.daemon.edge import bodies, ip_adapters, requests, views
 from diffusiond.daemon.edge.forms import edits_form, images_body, parse_images
 from diffusiond.daemon.edge.status import ENGINE, STATUS_OF_FAILURE, HttpError
 from diffusiond.protocol import ErrorCode, JobStatus
@@ -81,8 +81,14 @@ async def images_edits(request: web.Request) -> web.Response:
             assert edit is not None
             edits.append(edit)
         for edit in edits:
-            jobs.append(await engine.accept(requests.check(fields, engine.config.limits, model, size_field="size",
-                                                           edit=edit, loras=engine.check_loras), sync=True))
+            req = requests.check(fields, engine.config.limits, model, size_field="size", edit=edit,
+                                 loras=engine.check_loras)
+            try:  # each job its own reference buffer: it joins that job's image and mask
+                req = await ip_adapters.attach(engine, fields, model, req)
+            except BaseException:
+                req.close_inputs()
+                raise
+            jobs.append(await engine.accept(req, sync=True))
     except BaseException:
         for edit in edits:
             edit.close()  # those already submitted are closed by their jobs too; closing twice is harmless
