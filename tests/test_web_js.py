@@ -3,7 +3,7 @@
 test_web_page.py drives the real page in a real browser against a real daemon and is the test of
 record; it skips where /usr/bin/chromium is missing. This one still checks that app.js loads and
 starts, which boxes it offers for which model, and the job body it builds from them (the control
-and IP-Adapter pictures of issue 30), with the daemon's answers given as JSON.
+and IP-Adapter pictures and the upscaler of issue 30), with the daemon's answers given as JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ MODELS = {"object": "list", "data": [
 SERVED = {"/v1/models": MODELS, "/v1/loras": {"data": []}, "/v1/jobs": {"data": []},
           "/health": {"version": "x", "status": "ok"},
           "/v1/controlnets": {"data": [{"name": "edges", "models": ["tiny"], "unfit": {"hold": "no family"}}]},
-          "/v1/ip-adapters": {"data": [{"name": "style", "models": ["tiny"], "unfit": {"hold": "no family"}}]}}
+          "/v1/ip-adapters": {"data": [{"name": "style", "models": ["tiny"], "unfit": {"hold": "no family"}}]},
+          "/v1/upscalers": {"data": [{"name": "esrgan", "object": "upscaler", "scale": 4}]}}
 
 
 def page(steps: list[dict[str, Any]], answers: dict[str, Any] = SERVED) -> dict[str, Any]:
@@ -70,3 +71,22 @@ def test_a_chosen_picture_is_sent_as_its_field(box: str, field: str, entry: dict
 def test_no_picture_sends_neither_field() -> None:
     [step] = page([{"model": "tiny", "values": {"prompt": "a lighthouse"}, "submit": True}])["steps"]
     assert step["body"] is not None and "control" not in step["body"] and "ip_adapter" not in step["body"]
+
+
+def test_the_upscale_box_is_offered_for_picture_models_of_a_daemon_with_upscalers() -> None:
+    steps = page([{"model": "tiny"}, {"model": "hold"}, {"model": "clip"}])["steps"]
+    assert [s["upscale"] for s in steps] == [True, True, False]  # a video model's job would be refused
+    assert steps[0]["upscale_names"] == ["", "esrgan"]  # "none" first: upscaling is a choice
+    answers = {k: v for k, v in SERVED.items() if k != "/v1/upscalers"}
+    [bare] = page([{"model": "tiny"}], answers)["steps"]
+    assert bare["upscale"] is False
+
+
+@pytest.mark.parametrize(("values", "sent"), [
+    ({"upscale-name": "esrgan", "upscale-scale": "2"}, {"name": "esrgan", "scale": 2}),
+    ({"upscale-name": "esrgan"}, {"name": "esrgan"}),  # no scale: the upscaler's own (4x here)
+    ({"upscale-name": ""}, None),
+])
+def test_the_chosen_upscaler_is_sent_as_the_upscale_field(values: dict[str, str], sent: Any) -> None:
+    [step] = page([{"model": "tiny", "values": {"prompt": "a lighthouse", **values}, "submit": True}])["steps"]
+    assert step["body"] is not None and step["body"].get("upscale") == sent

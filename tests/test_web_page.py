@@ -10,6 +10,7 @@ README's come from there).
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from daemonkit import Daemon, shared_daemon
+from PIL import Image
 
 CHROMIUM = Path(os.environ.get("DIFFUSIOND_CHROMIUM", "/usr/bin/chromium"))
 if not CHROMIUM.exists():
@@ -33,10 +35,11 @@ SHOTS = os.environ.get("DIFFUSIOND_SCREENSHOTS")
 
 @pytest.fixture(scope="module")
 def web_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet_dir: Path,
-               ip_adapter_file: Path) -> Iterator[Daemon]:
+               ip_adapter_file: Path, upscaler_file: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("webpage")
     args = ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120", "--web", "127.0.0.1:0",
-            "--controlnet", f"edges={controlnet_dir}", "--ip-adapter", f"style={ip_adapter_file}"]
+            "--controlnet", f"edges={controlnet_dir}", "--ip-adapter", f"style={ip_adapter_file}",
+            "--upscaler", f"esr={upscaler_file}"]
     with shared_daemon(tmp, args, model_cache, ENV) as d:
         yield d
 
@@ -271,3 +274,27 @@ def test_a_control_or_reference_image_goes_from_the_page_into_the_job(
     assert f"{name}:0.5" in page.inner_text(f'article[data-job-id="{job_id}"]')
     shot(page, f"web-page-{box}")
 
+
+
+def test_an_upscaler_chosen_on_the_page_upscales_the_job(page: Any, web_daemon: Daemon) -> None:
+    """The upscale box lists the served upscaler (a 2x ESRGAN built in code) beside "none"; choosing it
+    sends the job's ``upscale`` field, and the picture comes back at twice the asked size."""
+    page.select_option("#model", "tiny")
+    assert page.is_visible("#upscale")
+    assert page.locator("#upscale-name option").all_inner_texts() == ["none", "esr (2x)"]
+    page.select_option("#upscale-name", "esr")
+    fill(page, prompt="a lighthouse, upscaled", width="64", height="64", steps="2", seed="9")
+    page.uncheck("#previews")
+    page.click("#generate")
+    page.wait_for_function("() => document.getElementById('job-id').textContent.startsWith('j_')")
+    job_id = page.inner_text("#job-id")
+    page.wait_for_selector('#status[data-status="succeeded"]')
+    status, job = over_socket(web_daemon, "GET", f"/v1/jobs/{job_id}")
+    assert status == 200 and job["status"] == "succeeded", job
+    assert job["request"]["upscale"]["name"] == "esr"
+    status, png = over_socket(web_daemon, "GET", job["outputs"][0]["url"])
+    assert status == 200 and Image.open(io.BytesIO(png)).size == (128, 128)
+    page.wait_for_selector(f'article[data-job-id="{job_id}"]')
+    assert "upscale esr:" in page.inner_text(f'article[data-job-id="{job_id}"]')
+    page.select_option("#upscale-name", "")  # back to none for the tests after this one
+    shot(page, "web-page-upscale")

@@ -5,7 +5,7 @@
 const fs = require("fs");
 const vm = require("vm");
 
-const SELECTS = new Set(["model", "control-name", "reference-name", "control-preprocess"]);
+const SELECTS = new Set(["model", "control-name", "reference-name", "control-preprocess", "upscale-name"]);
 
 class El {
   constructor(tag, id) {
@@ -68,6 +68,8 @@ vm.runInContext(fs.readFileSync(process.argv[2], "utf8"), ctx, { filename: "app.
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const shown = () => ({ control: !byId("control").hidden, reference: !byId("reference").hidden,
+                       upscale: !byId("upscale").hidden,
+                       upscale_names: byId("upscale-name").options.map((o) => o.value),
                        control_names: byId("control-name").options.filter((o) => !o.disabled).map((o) => o.value),
                        reference_names: byId("reference-name").options.filter((o) => !o.disabled).map((o) => o.value) });
 const choose = (id, value) => { byId(id).value = value; byId(id).fire("change"); };

@@ -90,6 +90,11 @@ function formRequest() {
     const strength = number("strength");
     if (strength !== undefined) body.strength = strength;
   }
+  if (!$("upscale").hidden && $("upscale-name").value) {
+    body.upscale = { name: $("upscale-name").value };
+    const scale = number("upscale-scale");
+    if (scale !== undefined) body.upscale.scale = scale;
+  }
   if ($("previews").checked && state.previews) body.preview = { ...PREVIEW };
   return body;
 }
@@ -129,6 +134,8 @@ function fillForm(job) {
       if (e.preprocess) $("control-preprocess").value = e.preprocess;
     }
   }
+  $("upscale-name").value = (r.upscale && r.upscale.name) || "";
+  $("upscale-scale").value = (r.upscale && r.upscale.scale) ?? "";
   modelChanged();
   $("prompt").focus();
 }
@@ -163,6 +170,20 @@ function modelChanged() {
     }
     $(box).hidden = fitting === 0;
   }
+  // an upscaler takes any picture a model makes (a video model's job is refused: docs/api.md)
+  $("upscale").hidden = !(model && model.task !== "text-to-video" && $("upscale-name").options.length > 1);
+}
+
+async function loadUpscalers() {
+  let list;
+  try {
+    list = await api("GET", "/v1/upscalers");
+  } catch (_) {
+    return;  // a daemon without upscalers: the box stays hidden
+  }
+  $("upscale-name").replaceChildren(el("option", { value: "", textContent: "none" }),
+    ...((list && list.data) || []).map((u) => el("option", { value: u.name, textContent: `${u.name} (${u.scale}x)` })));
+  modelChanged();
 }
 
 async function loadSteers() {
@@ -392,6 +413,7 @@ function jobCard(job) {
                 `seed ${seeds}`, new Date(job.created * 1000).toLocaleTimeString()];
   for (const c of r.control || []) meta.push(`control ${c.name}:${c.scale}`);
   for (const a of r.ip_adapter || []) meta.push(`IP-Adapter ${a.name}:${a.scale}`);
+  if (r.upscale) meta.push(`upscale ${r.upscale.name}:${r.upscale.scale}`);
   if (took) meta.push(`${(took / 1000).toFixed(1)} s`);
   let stateText = job.status;
   if (job.error && job.error.message) stateText += `: ${job.error.message}`;
@@ -479,7 +501,7 @@ async function start() {
     if (err.status !== 401) showError(err.message);
     return;
   }
-  await Promise.all([loadHealth(), loadLoras(), loadSteers(), refreshGallery()]);
+  await Promise.all([loadHealth(), loadLoras(), loadSteers(), loadUpscalers(), refreshGallery()]);
   setInterval(refreshResidency, RESIDENCY_EVERY_MS);
   document.body.dataset.ready = "true";
 }
