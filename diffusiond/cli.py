@@ -266,8 +266,9 @@ def _add_serve(sub: Any) -> None:
     add("--preload", action="append", metavar="NAME|all|none",
         help="models the start loads (repeatable or a,b); the others load when a job needs them "
              "(default: those that fit, in order; none when systemd socket-activates the daemon)")
-    add("--offload", choices=("none", "model", "group", "sequential", "auto"), metavar="MODE",
-        help="what of every model stays on its device: none, model, group (blocks streamed in), sequential, or "
+    add("--offload", choices=("none", "model", "group", "sequential", "stream", "auto"), metavar="MODE",
+        help="what of every model stays on its device: none, model, group (blocks streamed in), sequential, "
+             "stream (the blocks --device-memory has room for stay, the rest stream through a ring), or "
              "auto (the fastest that fits --device-memory, from the files' headers; see diffusiond fit)")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)

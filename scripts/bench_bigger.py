@@ -1,7 +1,7 @@
 """Models bigger than the card (issue 28): FLUX.1-dev offloaded or quantized, against itself fully resident.
 
-    python scripts/bench_bigger.py --out DIR [--configs resident,group,fp8,q8,q4] [--budget-gib 24]
-        [--images 2] [--steps 28] [--size 1024] [--folder FLUX_FOLDER] [--device cuda|cpu]
+    python scripts/bench_bigger.py --out DIR [--configs resident,stream,group,fp8,q8,q4] [--budget-gib 24]
+        [--images 2] [--steps 28] [--size 1024] [--folder FLUX_FOLDER] [--device cuda|cpu] [--resident-blocks N]
 
 ``--folder`` runs a diffusers FLUX folder of your own (the real FLUX.1-dev, say) instead of the random one;
 ``--device cpu`` with a tiny folder is a dry run of the script itself (no budget, no offload there).
@@ -15,6 +15,10 @@ needs the full model on the GPU once), so a configuration that overruns it reall
 
 - ``resident``: everything on the device, no budget (the reference);
 - ``group``: ``offload=group`` (diffusers' group offloading on CUDA streams), within the budget;
+- ``stream``: ``offload=stream`` (pipelines/streaming.py: the transformer blocks the budget has room for stay
+  resident, the rest stream through a ring of device slots), within the budget; ``resident_blocks`` planned
+  as the daemon plans it (``stream_plan.choose`` with residency's default working-memory estimate at
+  ``--size``) unless ``--resident-blocks`` gives it; the plan is in the JSON;
 - ``fp8``: ``quant=transformer:fp8-storage,text_encoder_2:fp8-storage``, no offload, within the budget;
 - ``q8``, ``q4``: the transformer quantized to GGUF Q8_0 / Q4_0 (written here from the random weights with
   the ``gguf`` package's writer; the blocks are quantized with torch on the GPU, by the ggml formulas) and
@@ -40,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 CONFIGS = {
     "resident": ({}, False),
     "group": ({"offload": "group"}, True),
+    "stream": ({"offload": "stream"}, True),
     "fp8": ({"quant": "transformer:fp8-storage,text_encoder_2:fp8-storage"}, True),
     "q8": ({}, False),
     "q4": ({}, False),
@@ -133,6 +138,9 @@ def one(a: argparse.Namespace) -> None:
         pipe.to("cpu")  # built on the GPU; group offloading starts from host memory
     if cuda:
         torch.cuda.empty_cache()
+    plan: dict[str, Any] = {}
+    if options.get("offload") == "stream":
+        options, plan = stream_options(pipe, a)
     dp = DiffusersPipeline(pipe, name="flux", device=a.device, dtype=dtype, options=options)
     if cuda:
         torch.cuda.empty_cache()
@@ -169,10 +177,30 @@ def one(a: argparse.Namespace) -> None:
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
               "device_weight_gib": weight_bytes(dp) / 2**30,
-              "approximations": [*gguf_named, *dp.capabilities.approximations],
+              "approximations": [*gguf_named, *dp.capabilities.approximations], "stream_plan": plan,
               "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
     (Path(a.out) / f"{a.config}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
+
+
+def stream_options(pipe: Any, a: argparse.Namespace) -> tuple[dict[str, str], dict[str, Any]]:
+    """``offload=stream`` with its ``resident_blocks``: given, or the most the budget has room for by the rule the
+    daemon applies to a model's headers (working memory: residency's default estimate at the image size)."""
+    from dataclasses import asdict
+
+    from diffusiond.daemon.residency.working import Shape, default_working
+    from diffusiond.pipelines import offload, stream_plan
+
+    budget = int(a.budget_gib * 2**30)
+    sizes = offload.stream_sizes(pipe)
+    if a.resident_blocks is not None:
+        plan, fits = stream_plan.plan(*sizes, a.resident_blocks), None
+    else:
+        plan, fits = offload.plan_stream(pipe, lambda d: d + default_working(d, Shape(a.size, a.size)) <= budget)
+    info = {**asdict(plan), "streamed": len(plan.streamed), "ring": plan.ring, "device_bytes": plan.device_bytes,
+            "fits_by_the_estimate": fits, "describe": plan.describe()}
+    print(f"stream: {plan.describe()}", file=sys.stderr, flush=True)
+    return {"offload": "stream", "resident_blocks": str(plan.resident_blocks)}, info
 
 
 def psnr(a: Any, b: Any) -> float:
@@ -193,7 +221,8 @@ def drive(a: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "--one", name, "--out", a.out, "--scratch", a.scratch, "--device", a.device,
                *(["--folder", a.folder] if a.folder else []),
                "--budget-gib", str(a.budget_gib), "--images", str(a.images), "--steps", str(a.steps),
-               "--size", str(a.size)]
+               "--size", str(a.size),
+               *(["--resident-blocks", str(a.resident_blocks)] if a.resident_blocks is not None else [])]
         with open(out / f"{name}.log", "w") as log:
             try:
                 left = min(a.timeout, deadline - time.monotonic())
@@ -227,13 +256,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--scratch", default="/tmp/bench-bigger")
-    ap.add_argument("--configs", default="resident,group,fp8,q8,q4")
+    ap.add_argument("--configs", default="resident,stream,group,fp8,q8,q4")
     ap.add_argument("--budget-gib", type=float, default=24.0)
     ap.add_argument("--images", type=int, default=2)
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--folder", help="a diffusers FLUX folder instead of random:flux-dev")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--resident-blocks", type=int, help="stream: transformer blocks kept resident (default: planned)")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
     ap.add_argument("--deadline", type=float, default=3600, help="seconds for all of them")
     ap.add_argument("--one", dest="config", help=argparse.SUPPRESS)

@@ -3,6 +3,7 @@
 # bounded by its own timeout so one that hangs leaves the others' results. Wheels carried in .whl/.
 # Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
 #   ALT_REQUESTS=16 timeout 585 scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack   (~560 s)
+#   timeout 585 scripts/gpu_round3.sh setup stream-test pack      (then, in a call of its own: setup stream pack)
 #   timeout 585 scripts/gpu_round3.sh setup lora weights trajectory-flow pack
 #   PRESETS="sd3.5-medium ltx-2b" timeout 585 scripts/gpu_round3.sh setup controlnet hires presets pack
 # Each call's figures are written up in docs/benchmarks.md before the next (a machine can stop answering).
@@ -74,6 +75,14 @@ PY
         step preset-$p 150 python3 scripts/bench_presets.py --preset random:$p --save 0 --steps 6 $extra \
           --json "$out/preset-$p.result.json"
       done ;;
+    stream)  # issue 28: offload=stream (resident blocks + a ring of streamed ones) at 24 GiB against resident FLUX.1-dev
+      # one process per configuration (bench_bigger.py's driver): resident first (the reference), then stream with
+      # resident_blocks planned as the daemon plans it, or STREAM_RESIDENT=N blocks resident when set
+      step stream 560 python3 scripts/bench_bigger.py --out $out/stream --configs resident,stream \
+        --budget-gib ${STREAM_BUDGET:-24} --images 2 --timeout 200 --deadline 540 \
+        ${STREAM_RESIDENT:+--resident-blocks $STREAM_RESIDENT} ;;
+    stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
+      step stream-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "stream" -p no:cacheprovider ;;
     pack) tar czf "${OUT:-.}/r3-$(date +%H%M%S).tgz" -C /tmp r3-out && echo packed ;;
     *) echo "unknown step $s" ;;
   esac

@@ -9,9 +9,11 @@ once the same files are loaded (``pipelines/offload.py`` applies the same rule t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from diffusiond.daemon.residency.gguf_header import BLOCK, read_gguf
 from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.pipelines import offload
 from diffusiond.pipelines.base import weight_bytes
+from diffusiond.pipelines.streaming import BlockStreamer
 
 gguf = pytest.importorskip("gguf")
 
@@ -96,13 +99,17 @@ def test_fit_on_a_folder_matches_the_loaded_modules(flux: Path, dtype: str) -> N
     for mode in ("group", "model", "sequential"):
         assert 0 <= offload.device_bytes(pipe, mode) - rows[mode].device_bytes <= SLACK, mode
         assert rows[mode].host_bytes == total
+    stream = rows["stream"]  # no budget: the least it runs with, here all three blocks resident (module doc)
+    assert stream.resident_blocks is not None
+    BlockStreamer(pipe.transformer, "cpu", stream.resident_blocks)
+    assert 0 <= offload.device_bytes(pipe, "stream") - stream.device_bytes <= SLACK
     assert rows["model"].device_bytes == max(report.components.values())
     transformer = pipe.transformer
     params = sum(p.numel() for p in transformer.parameters())
     assert rows["fp8"].device_bytes == total - _bytes(transformer) + params
     assert rows["fp8"].approximations and not rows["none"].approximations
     order = [c.name for c in report.configurations]
-    assert order == ["none", "fp8", "group", "model", "sequential"]  # fastest first
+    assert order == ["none", "fp8", "stream", "group", "model", "sequential"]  # fastest first
     assert rows["sequential"].device_bytes < rows["group"].device_bytes < total
 
 
@@ -129,7 +136,7 @@ def test_fit_on_a_gguf_transformer_with_its_base_matches_the_loaded_pipeline(flu
     pipeline = load_pipeline(f"{path},base={flux}", name="q8", dtype="float32")
     rows = {c.name: c for c in report.configurations}
     assert 0 <= weight_bytes(pipeline) - rows["none"].device_bytes <= SLACK
-    assert "fp8" not in rows  # already quantized
+    assert "fp8" not in rows and "stream" not in rows  # already quantized
     assert rows["none"].approximations == ("gguf-Q8_0",)
     assert pipeline.capabilities.approximations == ("gguf-Q8_0(transformer, dequantized per layer to float32)",)
     alone = fit(str(path), dtype="float32", working=0)
@@ -147,7 +154,9 @@ def test_fit_on_a_single_safetensors_file(tmp_path: Path) -> None:
 
 def test_auto_takes_the_fastest_exact_configuration_that_fits(flux: Path) -> None:
     rows = {c.name: c.device_bytes for c in fit(str(flux), working=0).configurations}
-    for budget, want in [(rows["none"], "none"), (rows["none"] - 1, "group"), (rows["group"] - 1, "sequential")]:
+    assert rows["stream"] < rows["none"]
+    for budget, want in [(rows["none"], "none"), (rows["none"] - 1, "stream"), (rows["stream"] - 1, "group"),
+                         (rows["group"] - 1, "sequential")]:
         chosen, why = choose_offload(fit(str(flux), budget=budget, working=0))
         assert chosen == want, (budget, why)
     assert rows["fp8"] < rows["none"]  # fp8 would fit at none - 1, yet auto never picks an approximation
@@ -162,7 +171,7 @@ def test_a_model_nothing_fits_has_its_jobs_refused_naming_every_configuration_tr
                                "device": "cuda:0"})
     unfit = config.models[0].nothing_fits  # what keeper.admit answers every job of it with (model_too_large)
     assert unfit.startswith("nothing fits the --device-memory budget of 1000 B with offload=auto: ")
-    for name in ("none", "group", "model", "sequential"):
+    for name in ("none", "stream", "group", "model", "sequential"):
         assert f"{name} (offload={name}) needs " in unfit
     roomy = build_config({}, {"model": [f"f={flux}"], "offload": "auto", "device_memory": "16GB", "device": "cuda:0"})
     assert roomy.models[0].nothing_fits == "" and roomy.models[0].options["offload"] == "none"
@@ -188,7 +197,7 @@ def test_the_fit_command_lists_fastest_first_and_fails_when_nothing_fits(flux: P
     ok = _cli(str(flux), "--device-memory", "300KB", "--working", "0")
     assert ok.returncode == 0, ok.stderr
     lines = ok.stdout.splitlines()
-    assert [line.split()[0] for line in lines[2:7]] == ["none", "fp8", "group", "model", "sequential"]
+    assert [line.split()[0] for line in lines[2:8]] == ["none", "fp8", "stream", "group", "model", "sequential"]
     assert "offload=auto would run it with group" in ok.stdout
     as_json = json.loads(_cli(str(flux), "--device-memory", "300KB", "--working", "0", "--json").stdout)
     assert as_json["auto"] == "group" and as_json["fits"] is True
@@ -210,7 +219,142 @@ def test_offload_settings_and_their_refusals(flux: Path, tmp_path: Path) -> None
         build_config({}, {"model": [f"f={flux}"], "offload": "auto", "compile": "default"})
     with pytest.raises(ConfigError, match="cpu_offload=1 means offload=model, but offload=group"):
         build_config({"models": [{"spec": str(flux), "offload": "group", "options": {"cpu_offload": "1"}}]}, {})
-    with pytest.raises(ConfigError, match="offload='fast' is not one of none, model, group, sequential, auto"):
+    with pytest.raises(ConfigError, match="offload='fast' is not one of none, model, group, sequential, stream, auto"):
         build_config({"models": [{"spec": str(flux), "offload": "fast"}]}, {})
     toml = build_config({"models": [{"spec": str(flux), "offload": "none"}]}, {})
     assert toml.models[0].options["offload"] == "none"
+
+
+# offload=stream: how many blocks stay, from the headers, against a hand computation from the real tensors ------
+@pytest.fixture(scope="module")
+def deep_flux(flux: Path) -> Path:
+    """The tiny FLUX folder with a transformer of 3 double- and 4 single-stream blocks: with a ring of 3 slots,
+    streaming pays only from the fourth block streamed on, so a budget has several counts to choose from."""
+    from diffusers import FluxTransformer2DModel
+    from fluxkit import TRANSFORMER
+
+    out = flux.parent / "deep-flux"
+    if not out.exists():
+        shutil.copytree(flux, out)
+        torch.manual_seed(1)
+        FluxTransformer2DModel(**{**TRANSFORMER, "num_layers": 3, "num_single_layers": 4}).save_pretrained(
+            str(out / "transformer"), safe_serialization=True)
+    return out
+
+
+def _stream_row(folder: Path, budget: int | None, working: int | None = 0) -> Any:
+    return next(c for c in fit(str(folder), dtype="float32", budget=budget, working=working).configurations
+                if c.name == "stream")
+
+
+# the blocks laid end to end in name order (single_... then transformer_...), the streamed spread over them
+S, T = "single_transformer_blocks.", "transformer_blocks."
+STREAMED = {0: [S + "0", S + "1", S + "2", S + "3", T + "0", T + "1", T + "2"],
+            1: [S + "0", S + "1", S + "2", T + "0", T + "1", T + "2"],
+            2: [S + "0", S + "2", S + "3", T + "0", T + "2"],
+            3: [S + "0", S + "2", T + "0", T + "2"],
+            4: [S + "1", S + "3", T + "1"],
+            5: [S + "1", T + "1"],
+            6: [S + "3"],
+            7: []}
+
+
+def test_stream_keeps_the_most_blocks_the_budget_has_room_for(deep_flux: Path) -> None:
+    pipe = _loaded(deep_flux, torch.float32)
+    t = pipe.transformer  # type: ignore[attr-defined]
+
+    def sizes(m: torch.nn.Module) -> list[int]:
+        return [x.numel() * x.element_size() for x in [*m.parameters(), *m.buffers()]]
+
+    blocks = {**{f"{T}{i}": sizes(b) for i, b in enumerate(t.transformer_blocks)},
+              **{f"{S}{i}": sizes(b) for i, b in enumerate(t.single_transformer_blocks)}}
+    always = _bytes(t) - sum(sum(v) for v in blocks.values())
+    # the other components under leaf-level group offloading: twice the largest layer's own tensors
+    others = max(2 * max(sum(x.numel() * x.element_size() for x in [*m._parameters.values(), *m._buffers.values()]
+                             if x is not None) for m in c.modules())
+                 for n, c in pipe.components.items() if isinstance(c, torch.nn.Module) and n != "transformer")
+
+    def by_hand(k: int) -> int:
+        s = STREAMED[k]
+        slot = max((sum(-(-n // 512) * 512 for n in blocks[b]) for b in s), default=0)
+        return always + sum(sum(v) for b, v in blocks.items() if b not in s) + min(3, len(s)) * slot + others
+
+    total = sum(fit(str(deep_flux), dtype="float32").components.values())
+    chosen = set()
+    for k in range(8):
+        budget = by_hand(k)
+        want = max(j for j in range(8) if by_hand(j) <= budget)
+        chosen.add(want)
+        row = _stream_row(deep_flux, budget)
+        assert (row.resident_blocks, row.device_bytes, row.fits) == (want, by_hand(want), True), k
+        resident = sum(sum(v) for b, v in blocks.items() if b not in STREAMED[want])
+        assert row.host_bytes == total - always - resident
+        streamer = BlockStreamer(_loaded(deep_flux, torch.float32).transformer, "cpu", k)  # type: ignore[attr-defined]
+        assert sorted(b.name for b in streamer.blocks) == sorted(STREAMED[k])
+    # 3 to 6 resident: the ring (3 slots the size of a double-stream block) outweighs the blocks streamed
+    assert chosen == {0, 1, 2, 7}
+    least = min(by_hand(k) for k in range(8))
+    short = _stream_row(deep_flux, least - 1)
+    assert short.fits is False and short.device_bytes == least and short.resident_blocks == 0
+
+
+def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(deep_flux: Path) -> None:
+    from diffusiond.daemon.residency.fit import stream_inputs
+    from diffusiond.daemon.residency.working import Shape, default_working
+    from diffusiond.pipelines import stream_plan
+
+    inputs = stream_inputs(model_tensors(str(deep_flux), {}, "float32")[0], "float32")
+    assert inputs is not None
+    # what each count needs with the working memory estimated as the daemon does (fit's default, 1024x1024)
+    needs = {k: d + default_working(d, Shape(1024, 1024))
+             for k in range(8) if (d := stream_plan.plan(*inputs, k).device_bytes)}
+    seen = set()
+    for budget in needs.values():
+        want = _stream_row(deep_flux, budget, None).resident_blocks
+        m = build_config({}, {"model": [f"f={deep_flux}"], "offload": "stream", "device_memory": str(budget),
+                              "device": "cuda:0", "dtype": "float32"}).models[0]
+        assert m.options["resident_blocks"] == str(want) and m.options["offload"] == "stream"
+        assert m.offload_reason.startswith(f"offload=stream: {want} of 7 denoiser blocks resident") or want == 7
+        assert m.nothing_fits == ""
+        seen.add(want)
+    assert len(seen) >= 3, seen
+    auto = build_config({}, {"model": [f"f={deep_flux},offload=auto"], "device_memory": str(needs[0]),
+                             "device": "cuda:0", "dtype": "float32"}).models[0]
+    assert auto.options["offload"] == "stream" and auto.options["resident_blocks"] == "0", auto
+    assert auto.offload_reason.startswith("offload=auto chose stream")
+    tight = build_config({}, {"model": [f"f={deep_flux}"], "offload": "stream", "device_memory": "1KB",
+                              "device": "cuda:0"}).models[0]
+    assert tight.nothing_fits.startswith("offload=stream does not fit the --device-memory budget of 1000 B: at its "
+                                         "least (0 of 7 denoiser blocks resident"), tight.nothing_fits
+
+
+@pytest.mark.parametrize(("table", "flags", "match"), [
+    ({"offload": "stream"}, {}, r"offload=stream keeps as many denoiser blocks on the device as --device-memory has "
+                                r"room for: give --device-memory SIZE, or resident_blocks=N"),
+    ({"offload": "stream"}, {"device": "cpu", "device_memory": "8GB"}, "offload=stream needs an accelerator device"),
+    ({"offload": "stream", "options": {"resident_blocks": "9"}}, {},
+     "resident_blocks=9, but its denoiser has 3 blocks; give 0 to 3"),
+    ({"offload": "stream", "options": {"resident_blocks": "-1"}}, {}, r"resident_blocks='-1': give a whole number"),
+    ({"offload": "group", "options": {"resident_blocks": "1"}}, {},
+     "resident_blocks=1 applies to offload=stream only, and offload=group is given"),
+    ({"offload": "auto", "options": {"resident_blocks": "1"}}, {}, "applies to offload=stream only"),
+    ({"offload": "stream", "options": {"quant": "transformer:fp8-storage"}}, {"device_memory": "8GB"},
+     r"offload=stream with quant=transformer:\.\.\. is refused"),
+    ({"offload": "stream", "options": {"fp8": "1"}}, {"device_memory": "8GB"}, "offload=stream with fp8=1 is refused"),
+])
+def test_offload_stream_refusals_name_the_value_and_what_to_do(flux: Path, table: dict[str, Any],
+                                                               flags: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_config({"models": [{"spec": str(flux), **table}]}, {"device": "cuda:0", **flags})
+
+
+def test_offload_stream_of_a_model_without_headers_or_of_a_gguf(flux: Path, q8: tuple[Path, dict[str, int]]) -> None:
+    with pytest.raises(ConfigError, match=r"cannot choose resident_blocks from the files \(.*built in code.*\); give "
+                                          r"resident_blocks=N"):
+        build_config({}, {"model": ["tiny-flux"], "offload": "stream", "device_memory": "8GB", "device": "cuda:0"})
+    given = build_config({"models": [{"spec": "tiny-flux", "offload": "stream", "options": {"resident_blocks": "1"}}]},
+                         {"device": "cuda:0"}).models[0]
+    assert given.options == {"offload": "stream", "resident_blocks": "1"}  # sized by the worker when it loads
+    with pytest.raises(ConfigError, match="offload=stream is refused for a GGUF transformer"):
+        build_config({}, {"model": [f"g={q8[0]},base={flux}"], "offload": "stream", "device_memory": "8GB",
+                          "device": "cuda:0"})

@@ -2,7 +2,9 @@
 
 A model that leaves its device must really give the memory back, and one that comes back must make
 the same pictures: the moves go through page-locked host buffers (``pipelines/hostcopy.py``), so a
-wrong swap of a parameter's storage would show as different bytes or memory still held.
+wrong swap of a parameter's storage would show as different bytes or memory still held. The same holds
+for ``offload=stream`` (``pipelines/streaming.py``), whose blocks come in through a ring of device slots
+on a side stream while the others compute: a missing wait would show as different bytes.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ pytestmark = [
 PARAMS = BatchParams(width=64, height=64, steps=3, guidance=5.0)
 
 
-def _run(pipe: object) -> torch.Tensor:
-    out = pipe.run(PARAMS, [RequestSpec(request_id="r", prompt="a lighthouse", seed=3)], lambda *a: True)  # type: ignore[attr-defined]
+def _run(pipe: object, seed: int = 3) -> torch.Tensor:
+    out = pipe.run(PARAMS, [RequestSpec(request_id="r", prompt="a lighthouse", seed=seed)], lambda *a: True)  # type: ignore[attr-defined]
     return out[0].float().cpu()
 
 
@@ -50,6 +52,67 @@ def test_gpu_leaving_frees_the_device_and_coming_back_makes_the_same_pictures(mo
     pipe.sleep()  # type: ignore[attr-defined]
     assert all(p.device.type == "cpu" and p.is_pinned() for p in host), "away, the weights wait in pinned memory"
     pipe.wake()  # type: ignore[attr-defined]
+
+
+def test_gpu_offload_stream_makes_the_resident_models_pictures_and_sleeps(model_cache: object) -> None:
+    """The daemon's path: ``offload=stream,resident_blocks=K`` through the loader (streamer on the transformer,
+    leaf-level group offloading on the encoders and the VAE), byte-equal to the resident model for two calls,
+    counted at what it keeps on the device, and the same after a sleep and a wake."""
+    from diffusiond.pipelines import offload, stream_plan
+
+    resident = load_pipeline("tiny-flux", device="cuda:0", dtype="bfloat16")
+    want = [_run(resident, seed) for seed in (3, 4)]
+    del resident
+    torch.cuda.empty_cache()
+    for k in (0, 1, 2):
+        pipe = load_pipeline("tiny-flux", device="cuda:0", dtype="bfloat16",
+                             options={"offload": "stream", "resident_blocks": str(k)})
+        got = [_run(pipe, seed) for seed in (3, 4)]
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), k
+        inner = pipe._pipe  # type: ignore[attr-defined]
+        assert weight_bytes(pipe) == stream_plan.plan(*offload.stream_sizes(inner), k).device_bytes
+        streamer = pipe._streamer  # type: ignore[attr-defined]
+        assert all(p.device.type == "cpu" and p.is_pinned() for b in streamer.blocks for p in b.module.parameters())
+        pipe.sleep()  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        assert all(p.device.type == "cpu" for p in inner.transformer.parameters()), "asleep, nothing on the device"
+        pipe.wake()  # type: ignore[attr-defined]
+        assert torch.equal(_run(pipe, 3), want[0]), k
+        del pipe, inner, streamer
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize(("resident", "depth"), [(0, 1), (0, 3), (3, 2), (2, 4), (6, 1)])
+def test_gpu_streamed_blocks_are_byte_equal_across_steps_and_calls(model_cache: object, resident: int,
+                                                                   depth: int) -> None:
+    """The streamer alone on a deeper transformer (3 double- and 4 single-stream blocks): the ring's cyclic
+    order across steps and calls, depth 1 included, against the same transformer resident."""
+    import copy
+
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from diffusiond.pipelines.streaming import BlockStreamer
+    from diffusiond.pipelines.tiny_flux import TRANSFORMER, ensure_tiny_flux
+
+    pipe = FluxPipeline.from_pretrained(str(ensure_tiny_flux()), torch_dtype=torch.bfloat16).to("cuda:0")
+    pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(1)
+    deep = FluxTransformer2DModel(**{**TRANSFORMER, "num_layers": 3, "num_single_layers": 4}).to(torch.bfloat16)
+    streamed = copy.deepcopy(deep)
+
+    def call(transformer: torch.nn.Module, seed: int, steps: int) -> torch.Tensor:
+        p = FluxPipeline(**{**pipe.components, "transformer": transformer})
+        p.set_progress_bar_config(disable=True)
+        with torch.inference_mode():
+            out = p(prompt="a lighthouse", height=64, width=64, num_inference_steps=steps, max_sequence_length=32,
+                    generator=torch.Generator("cuda:0").manual_seed(seed), output_type="pt")
+        return out.images.float().cpu()
+
+    want = [call(deep.to("cuda:0"), seed, steps) for seed, steps in ((1, 3), (2, 2))]
+    streamer = BlockStreamer(streamed, "cuda:0", resident, depth)
+    got = [call(streamed, seed, steps) for seed, steps in ((1, 3), (2, 2))]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert streamer.copies == streamer.plan.depth + len(streamer.blocks) * 5
 
 
 # Against a real daemon on the GPU ------------------------------------------------------------------

@@ -18,6 +18,7 @@ from diffusiond.pipelines.spec import (
     ModelSpec,
     check_options,
     model_name_for,
+    offload_mode,
     parse_model_arg,
     parse_options,
     parse_spec,
@@ -143,3 +144,22 @@ def test_no_import_cycle_in_the_package() -> None:
 
     cycles = [c for c in map(cycle_from, sorted(m for m in graph if m.startswith("diffusiond.pipelines"))) if c]
     assert not cycles, cycles
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"offload": "stream", "resident_blocks": "x"}, r"resident_blocks='x': give a whole number of blocks"),
+    ({"offload": "stream", "resident_blocks": "1e3"}, r"resident_blocks='1e3'"),
+    ({"offload": "stream", "resident_blocks": "100001"}, r"resident_blocks='100001'"),
+    ({"resident_blocks": "3"}, "resident_blocks=3 applies to offload=stream only, and offload=none is given"),
+    ({"offload": "stream", "fp8": "1"}, "offload=stream with fp8=1 is refused"),
+    ({"offload": "stream", "quant": "text_encoder_2:int8,unet:fp8-storage"}, r"quant=unet:\.\.\. is refused"),
+])
+def test_offload_stream_options_are_checked_with_the_spec(options: dict[str, str], match: str) -> None:
+    with pytest.raises(PipelineError, match=match):
+        check_options(options)
+
+
+def test_offload_stream_options_that_are_accepted() -> None:
+    check_options({"offload": "stream", "resident_blocks": "0"})
+    check_options({"offload": "stream", "quant": "text_encoder_2:fp8-storage"})  # the encoders may be quantized
+    assert offload_mode({"offload": "stream", "resident_blocks": "40"}) == "stream"

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
-from diffusiond.daemon.residency.fit import choose_auto
+from diffusiond.daemon.residency.fit import choose_auto, model_tensors, plan_stream, stream_inputs
 from diffusiond.daemon.residency.preload import check_preload
-from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
+from diffusiond.daemon.residency.sizes import WeightsError
+from diffusiond.daemon.residency.units import FOREVER, format_bytes, parse_duration, parse_size
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
     check_controlnet,
@@ -35,7 +36,7 @@ from diffusiond.daemon.values import (
     warmup_value,
 )
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg
+from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg, parse_spec
 from diffusiond.protocol import COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
@@ -411,9 +412,12 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
 
 def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:
     """``offload=auto`` made concrete from the files' headers and the device budget (residency/fit.py), so the
-    worker is told what to do and residency counts what it will hold; other modes checked against the rest."""
+    worker is told what to do and residency counts what it will hold; other modes checked against the rest.
+    ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given."""
+    parsed = parse_spec(m.spec)
+    options = {**parsed.options, **m.options}  # a spec's own options (SPEC,offload=stream) count as the table's
     try:
-        mode = offload_mode(m.options)
+        mode = offload_mode(options)
     except PipelineError as exc:
         raise ConfigError(f"model {m.name!r}: {exc}") from None
     if mode != "none" and m.compile:
@@ -422,11 +426,48 @@ def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:
     if mode != "none" and mode != "auto" and all(d == "cpu" for d in m.devices):
         raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
                           "host memory already, so there is nothing to offload to (use offload=none or auto)")
+    budget = config.device_memory_bytes if config.device_memory else None
+    if mode == "stream":
+        if parsed.kind == "gguf":
+            raise ConfigError(f"model {m.name!r}: offload=stream is refused for a GGUF transformer: its quantized "
+                              "tensors are not plain ones a ring slot can hold; use offload=group (or none)")
+        return _resolve_stream(m, options, budget, "")
     if mode != "auto":
         return m
-    chosen, reason, unfit = choose_auto(m.spec, m.options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
-                                        budget=config.device_memory_bytes if config.device_memory else None)
-    return replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}",
-                   nothing_fits=unfit)
+    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
+                                        budget=budget)
+    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}",
+                nothing_fits=unfit)
+    return _resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason) if chosen == "stream" else m
 
 
+def _resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str) -> ModelConfig:
+    """``resident_blocks`` for an ``offload=stream`` model: given, or the most the budget has room for."""
+    given = options.get("resident_blocks")
+    if given is not None:
+        try:
+            inputs = stream_inputs(model_tensors(m.spec, options, m.dtype)[0], m.dtype)
+        except (WeightsError, PipelineError):
+            return m  # sized when it loads: the worker refuses a count past the denoiser's
+        if inputs is not None and int(given) > len(inputs[0]):
+            raise ConfigError(f"model {m.name!r}: resident_blocks={given}, but its denoiser has {len(inputs[0])} "
+                              f"blocks; give 0 to {len(inputs[0])}")
+        return m
+    if budget is None:
+        raise ConfigError(f"model {m.name!r}: offload=stream keeps as many denoiser blocks on the device as "
+                          "--device-memory has room for: give --device-memory SIZE, or resident_blocks=N "
+                          "(diffusiond fit SPEC --device-memory SIZE prints N)")
+    try:
+        plan, row = plan_stream(m.spec, options, m.dtype, budget)
+    except WeightsError as exc:
+        raise ConfigError(f"model {m.name!r}: offload=stream cannot choose resident_blocks from the files "
+                          f"({exc}); give resident_blocks=N") from None
+    except PipelineError as exc:
+        raise ConfigError(f"model {m.name!r}: {exc}") from None
+    reason = why or f"offload=stream: {plan.describe()}"
+    unfit = m.nothing_fits if row.fits else (
+        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}: at its least "
+        f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
+        f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
+    return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},
+                   offload_reason=f"{reason} ({plan.describe()})" if why else reason, nothing_fits=unfit)

@@ -37,8 +37,9 @@ from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.quant import apply_quant, parse_quant
-from diffusiond.pipelines.spec import offload_mode
+from diffusiond.pipelines.spec import offload_mode, resident_blocks
 from diffusiond.pipelines.speedups import apply_speedups
+from diffusiond.pipelines.streaming import BlockStreamer
 from diffusiond.pipelines.trajectories import LatentRecorder
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, VIDEO_TASKS, frame_count_neighbours, schedulers_for
 
@@ -263,8 +264,9 @@ class DiffusersPipeline:
                     raise PipelineError(f"{option}=1: {type(pipe).__name__} has no VAE that supports it")
                 getattr(vae, method)()
         quantized = apply_quant(pipe, parse_quant(options["quant"]), self.device, dtype) if options.get("quant") else ()
+        self._streamer: BlockStreamer | None = None  # offload=stream's: its resident part sleeps and wakes
         if self._offload:
-            apply_offload(pipe, mode, self.device)
+            self._streamer = apply_offload(pipe, mode, self.device, resident_blocks(options))
         else:
             pipe.to(self.device)
         self._previewer: Previewer | None = make_previewer(pipe, options.get("preview_decoder", ""), self.device, dtype)
@@ -456,6 +458,8 @@ class DiffusersPipeline:
             return
         if not self._offload:  # offloaded models already live on the host between calls
             self._host().leave()
+        elif self._streamer is not None:  # but for stream's resident blocks and its ring
+            self._streamer.leave()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -466,6 +470,8 @@ class DiffusersPipeline:
         self._asleep = False
         if self.device.type != "cpu" and not self._offload:
             self._host().come_back()
+        elif self.device.type != "cpu" and self._streamer is not None:
+            self._streamer.come_back()
 
     def _host(self) -> HostCopy:
         """The weights' pinned host side (hostcopy.py), made on the first move and kept."""

@@ -17,7 +17,7 @@ that hold the modules still see the same objects.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -26,11 +26,13 @@ from diffusiond.ipc import cuda_host
 ALIGN = 512  # every view starts on this boundary: any dtype's view of the block is aligned
 
 
-def _tensors(modules: list[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
-    """(owner, name, tensor, is_parameter) for every parameter and buffer, each tensor once."""
+def _tensors(modules: list[torch.nn.Module], shallow: Sequence[torch.nn.Module] = (),
+             ) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
+    """(owner, name, tensor, is_parameter) for every parameter and buffer (of ``shallow`` modules only their
+    own, not their children's), each tensor once."""
     seen: set[int] = set()
-    for root in modules:
-        for module in root.modules():
+    for owners in [*(root.modules() for root in modules), *([m] for m in shallow)]:
+        for module in owners:
             for name, p in module._parameters.items():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
@@ -44,8 +46,10 @@ def _tensors(modules: list[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, 
 class HostCopy:
     """The pinned host side of one model's weights; ``leave`` and ``come_back`` move them."""
 
-    def __init__(self, modules: list[torch.nn.Module], device: torch.device) -> None:
+    def __init__(self, modules: list[torch.nn.Module], device: torch.device,
+                 shallow: list[torch.nn.Module] | None = None) -> None:
         self.modules = modules
+        self.shallow = shallow or []  # modules whose own tensors move, not their children's (offload=stream's root)
         self.device = device
         self._pinned: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its view of the host block
         self._blocks: list[torch.Tensor] = []  # kept alive (and registered) for the model's life
@@ -76,7 +80,7 @@ class HostCopy:
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))  # the last forward is done with them
-            on_device = [(o, n, t, p) for o, n, t, p in _tensors(self.modules) if t.device.type != "cpu"]
+            on_device = [(o, n, t, p) for o, n, t, p in _tensors(self.modules, self.shallow) if t.device.type != "cpu"]
             self._carve([t for _, _, t, _ in on_device])
             for owner, name, t, is_param in on_device:
                 host = self._pinned[id(t)]
@@ -96,7 +100,7 @@ class HostCopy:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Allocated on the forward's stream (whose pool will free them), filled on the side stream.
         moved = [(owner, name, t, is_param, torch.empty(t.shape, dtype=t.dtype, device=self.device))
-                 for owner, name, t, is_param in _tensors(self.modules) if t.device.type == "cpu"]
+                 for owner, name, t, is_param in _tensors(self.modules, self.shallow) if t.device.type == "cpu"]
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))

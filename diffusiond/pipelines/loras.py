@@ -82,9 +82,9 @@ def unsupported(pipeline: Any) -> str:
 
 
 def _offload_refused(pipeline: Any) -> str:
-    """The offload mode under which adapters are refused (group, sequential), else ""."""
+    """The offload mode under which adapters are refused (group, sequential, stream), else ""."""
     mode = str(getattr(getattr(pipeline, "inner", pipeline), "offload", "none"))
-    return mode if mode in ("group", "sequential") else ""
+    return mode if mode in ("group", "sequential", "stream") else ""
 
 
 class Adapters:

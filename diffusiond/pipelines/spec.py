@@ -33,7 +33,8 @@ KNOWN_OPTIONS = frozenset(
     {
         "allow_unsafe_weights",  # "1": allow pickle-based weights (.bin) when no safetensors exist
         "cpu_offload",  # "1": enable_model_cpu_offload (accelerator devices only); the same as offload=model
-        "offload",  # none|model|group|sequential|auto: what stays on the device (pipelines/offload.py)
+        "offload",  # none|model|group|sequential|stream|auto: what stays on the device (pipelines/offload.py)
+        "resident_blocks",  # offload=stream: denoiser blocks kept on the device (else planned from the budget)
         "base",  # a .gguf transformer: the diffusers folder or hub id with the rest of the pipeline
         "vae_tiling",  # "1": decode large images in tiles
         "vae_slicing",  # "1": decode a batch one image at a time
@@ -70,7 +71,8 @@ _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
 Kind = Literal["synthetic", "tiny", "tiny-inpaint", "tiny-video", "tiny-flux", "random", "folder", "checkpoint", "gguf",
                "hub"]
-OFFLOAD_MODES = ("none", "model", "group", "sequential", "auto")
+OFFLOAD_MODES = ("none", "model", "group", "sequential", "stream", "auto")
+MAX_RESIDENT_BLOCKS = 100_000  # far above any model's (FLUX.1-dev has 57); a bound so a typo is not a huge int
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,39 @@ def offload_mode(options: Mapping[str, str]) -> str:
     if legacy == "1":
         if mode not in ("", "model"):
             raise PipelineError(f"cpu_offload=1 means offload=model, but offload={mode} is given too; keep one")
-        return "model"
-    return mode or "none"
+        mode = "model"
+    mode = mode or "none"
+    if resident_blocks(options) is not None and mode != "stream":
+        raise PipelineError(f"resident_blocks={options['resident_blocks']} applies to offload=stream only, and "
+                            f"offload={mode} is given; add offload=stream or drop resident_blocks")
+    if mode == "stream":
+        _stream_refusals(options)
+    return mode
+
+
+def resident_blocks(options: Mapping[str, str]) -> int | None:
+    """``resident_blocks=N`` (offload=stream's denoiser blocks kept on the device), checked; None if absent."""
+    text = options.get("resident_blocks")
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_RESIDENT_BLOCKS:
+        raise PipelineError(f"resident_blocks={text[:40]!r}: give a whole number of blocks from 0 (stream them "
+                            f"all) up to the denoiser's block count, or leave it out to have the daemon choose")
+    return int(text)
+
+
+def _stream_refusals(options: Mapping[str, str]) -> None:
+    """What offload=stream cannot carry: weights that are not plain tensors or that other hooks move."""
+    if options.get("fp8") == "1":
+        raise PipelineError("offload=stream with fp8=1 is refused: torchao's float8 weights are not plain tensors "
+                            "a block's slot can hold; drop one of the two (offload=group takes fp8=1)")
+    quant = options.get("quant", "")
+    named = {part.partition(":")[0].strip() for part in quant.split(",") if ":" in part}
+    for denoiser in ("transformer", "unet"):
+        if denoiser in named:
+            raise PipelineError(f"offload=stream with quant={denoiser}:... is refused: a quantized {denoiser}'s "
+                                "weights are cast or packed by their own hooks, which streaming cannot carry; "
+                                f"quantize the other components only, or use offload=group")
 
 
 def parse_spec(spec: str) -> ModelSpec:

@@ -30,6 +30,7 @@ import torch
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.pipelines.loras import Adapters
+from diffusiond.pipelines.streaming import weights_changed
 
 _KINDS = (".lora_A.weight", ".lora_B.weight")
 
@@ -155,4 +156,5 @@ def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.T
     with torch.no_grad():
         for key, value in state.items():
             own[key].copy_(value)
+    weights_changed(component)  # offload=stream: its ring's copies of the old values are dropped
     return ""

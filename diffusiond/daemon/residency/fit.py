@@ -19,6 +19,13 @@ the loaded modules, so that residency's budget and this page agree):
   forward), the other components by ``leaf_level`` groups (one leaf module each). With ``use_stream`` the next
   group is copied while the current one runs, so the estimate is, for the largest component: what is always
   there plus twice its largest group. All weights wait in pinned host memory.
+- ``stream``: as many of the denoiser's blocks as the budget has room for stay resident, the rest stream
+  through a ring of slots (``pipelines/stream_plan.py``'s arithmetic, shared with the worker): the denoiser's
+  parts outside its blocks, its resident blocks, the ring (depth x the largest streamed block), plus what the
+  largest other component keeps there under leaf-level group offloading. The number of resident blocks is
+  the largest whose figure and its working memory fit the budget; without a budget (or when nothing fits)
+  the row shows the least it runs with (none resident, unless the ring would outweigh the blocks). Not
+  offered for a quantized denoiser (GGUF), whose tensors cannot stream.
 - ``model``: the largest component (diffusers' model offload moves one whole component at a time).
 - ``sequential``: the largest leaf module (accelerate moves each layer's weights in for its forward).
 
@@ -34,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+import diffusiond.pipelines.stream_plan as stream_plan
 from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES, read_gguf
 from diffusiond.daemon.residency.sizes import (
     DTYPE_BITS,
@@ -48,9 +56,9 @@ from diffusiond.daemon.residency.working import Shape, default_working
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import parse_spec
 
-MODES: Final = ("none", "model", "group", "sequential", "auto")
+MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
-ORDER: Final = ("none", "fp8", "group", "model", "sequential")
+ORDER: Final = ("none", "fp8", "stream", "group", "model", "sequential")
 """Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping the approximate fp8)."""
 DENOISERS: Final = ("transformer", "unet")
 _BLOCK = re.compile(r"^([A-Za-z_]\w*)\.(\d+)\.")
@@ -84,6 +92,7 @@ class Configuration:
     approximations: tuple[str, ...] = ()
     fits: bool | None = None  # None: no budget was given
     note: str = ""
+    resident_blocks: int | None = None  # stream: the denoiser blocks it keeps on the device
 
     @property
     def needs(self) -> int:
@@ -232,7 +241,60 @@ def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget
         work = default_working(device, shape) if working is None else working
         fits = None if budget is None else device + work <= budget
         out.append(Configuration(name, option, device, host, work, approx, fits, note))
+    streamed = None if on_cpu or quantized else stream_configuration(components, dtype, budget=budget,
+                                                                     working=working, shape=shape)
+    if streamed is not None:
+        out.insert(len([c for c in out if c.name in ("none", "fp8")]), streamed[0])
     return tuple(out)
+
+
+def stream_inputs(components: Mapping[str, list[Tensor]], dtype: str,
+                  ) -> tuple[dict[str, list[int]], int, int] | None:
+    """The denoiser's blocks (``LIST.INDEX`` -> its tensors' bytes), its bytes outside them, and the largest
+    other component's leaf-level group figure: ``stream_plan``'s inputs, as the worker takes them from the
+    loaded modules (``offload.stream_sizes``). None without a denoiser made of lists of blocks."""
+    denoiser = next((c for c in DENOISERS if c in components), None)
+    if denoiser is None:
+        return None
+    blocks: dict[str, list[int]] = {}
+    always = 0
+    for t in components[denoiser]:
+        m = _BLOCK.match(t.name)
+        if m:
+            blocks.setdefault(f"{m.group(1)}.{m.group(2)}", []).append(t.bytes_at(dtype))
+        else:
+            always += t.bytes_at(dtype)
+    if not blocks:
+        return None
+    others = max((group_bytes(c, ts, dtype) for c, ts in components.items() if c != denoiser), default=0)
+    return blocks, always, others
+
+
+def stream_configuration(components: Mapping[str, list[Tensor]], dtype: str, *, budget: int | None,
+                         working: int | None = None, shape: Shape | None = None,
+                         ) -> tuple[Configuration, stream_plan.StreamPlan] | None:
+    """``offload=stream`` with the most resident blocks that fit ``budget`` (none without a budget), and its
+    plan; None when the model has no denoiser of block lists to stream."""
+    inputs = stream_inputs(components, dtype)
+    if inputs is None:
+        return None
+    shape = shape or Shape(1024, 1024)
+
+    def work(device: int) -> int:
+        return default_working(device, shape) if working is None else working
+
+    blocks, always, others = inputs
+    if budget is None:
+        plan, fits = stream_plan.least(blocks, always, others), None
+    else:
+        plan, fits = stream_plan.choose(blocks, always, others, lambda device: device + work(device) <= budget)
+    total = sum(t.bytes_at(dtype) for ts in components.values() for t in ts)
+    host = total - plan.always - plan.resident
+    note = plan.describe() + ("" if budget is not None else "; without a budget, the least it runs with: the "
+                              "daemon keeps as many resident as --device-memory has room for")
+    row = Configuration("stream", "offload=stream", plan.device_bytes, host, work(plan.device_bytes), (), fits, note,
+                        plan.resident_blocks)
+    return row, plan
 
 
 def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, working: int | None = None,
@@ -242,6 +304,22 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
     rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu)
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     return FitReport(spec, dtype, budget, at, rows, tuple(notes))
+
+
+def plan_stream(spec: str, options: Mapping[str, str], dtype: str, budget: int,
+                ) -> tuple[stream_plan.StreamPlan, Configuration]:
+    """``offload=stream`` at the daemon's start: how many blocks stay resident within ``budget`` (the working
+    memory estimated as ``fit`` does), from the files' headers. The row says whether even none fits."""
+    components, _ = model_tensors(spec, options, dtype)
+    if any(t.kind not in FLOATS | FLOAT_TYPES and t.kind not in DTYPE_BITS for ts in components.values() for t in ts):
+        raise PipelineError(f"{spec}: offload=stream is refused for a quantized (GGUF) denoiser, whose tensors are "
+                            "not plain ones a slot can hold; use offload=group")
+    got = stream_configuration(components, dtype, budget=budget)
+    if got is None:
+        raise PipelineError(f"{spec}: offload=stream streams the blocks of a transformer or unet made of lists of "
+                            "blocks, and this model has none; use offload=group or model")
+    row, plan = got
+    return plan, row
 
 
 def choose_offload(report: FitReport) -> tuple[str, str]:

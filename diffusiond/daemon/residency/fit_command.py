@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
                            ",".join(c.approximations) or "-"] for c in rows]
         widths = [max(len(r[i]) for r in cells) for i in range(len(keys))]
         print("\n".join("  ".join(v.ljust(wd) for v, wd in zip(r, widths, strict=True)).rstrip() for r in cells))
+        for c in rows:
+            if c.resident_blocks is not None:  # how many blocks stay: what the daemon would set resident_blocks to
+                print(f"{c.name}: {c.note}")
         for note in notes:
             print(f"note: {note}")
         if budget is not None and fitting:
