@@ -59,7 +59,10 @@ from diffusiond.pipelines.spec import parse_spec
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
 ORDER: Final = ("none", "fp8", "stream", "group", "model", "sequential")
-"""Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping the approximate fp8)."""
+"""Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping ``AUTO_SKIPS``)."""
+AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "not yet measured on a GPU"}
+"""Listed by ``fit`` but never chosen by ``auto``: fp8 changes outputs; stream's CUDA path (streams, events,
+the ring) has run only in its CPU form so far, and auto will take it once docs/benchmarks.md has its figure."""
 DENOISERS: Final = ("transformer", "unet")
 _BLOCK = re.compile(r"^([A-Za-z_]\w*)\.(\d+)\.")
 # single-file checkpoints (original layouts): key prefix -> component
@@ -326,7 +329,7 @@ def choose_offload(report: FitReport) -> tuple[str, str]:
     """``offload=auto``: the fastest exact configuration that fits (fp8 is never chosen for the user: it
     changes outputs), and why. Nothing fitting gives ``sequential``, the least on the device, and a reason
     naming every configuration and what it needed: residency then refuses the model's jobs as too large."""
-    exact = [c for c in report.configurations if c.name != "fp8"]
+    exact = [c for c in report.configurations if c.name not in AUTO_SKIPS]
     if report.budget is None:
         return "none", "no --device-memory budget: everything stays resident"
     for c in exact:
@@ -356,9 +359,9 @@ def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bo
     except (WeightsError, PipelineError) as exc:
         return "none", f"none: the model's size is not known before it loads ({exc})", ""
     chosen, why = choose_offload(report)
-    if any(c.fits for c in report.configurations if c.name != "fp8"):
+    if any(c.fits for c in report.configurations if c.name not in AUTO_SKIPS):
         return chosen, why, ""
-    fp8 = next((c for c in report.configurations if c.name == "fp8" and c.fits), None)
-    hint = f"; {fp8.option} (approximate) would fit: ask for it with quant=" if fp8 is not None else ""
+    hint = "".join(f"; {c.option} ({AUTO_SKIPS[c.name]}) would fit: ask for it" for c in report.configurations
+                   if c.name in AUTO_SKIPS and c.fits)
     return chosen, why, (f"nothing fits the --device-memory budget of {format_bytes(budget)} with offload=auto: "
                          f"{tried(report)}{hint}")
