@@ -1,0 +1,154 @@
+"""Targeted HTTP inputs against a daemon like tests/test_fuzz_http.py's (issue 7): requests must not
+reach files, so model names and job or output ids that look like paths are unknown names (404),
+never paths, and LoRA paths that are not LoRAs are refused without leaking the file; a method the
+HTTP parser does not know is its plain-text 400; a scheduler is checked at admission, against the
+pipelines' own list; and any sleep level but 1 or 2 is a 400.
+
+Apart from tests/test_fuzz_http.py because these are fixed inputs, each with the one answer it must
+get, rather than fuzzing; together the two were past 500 lines. The daemon (the same configuration,
+one of its own), the client and the checks are tests/fuzzhttpkit.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemonkit import Daemon
+from fuzzhttpkit import (
+    LORAS,
+    MODELS,
+    call,
+    call_json,
+    cancel_if_accepted,
+    check_answer,
+    finished_job,
+    fuzz_daemon_in,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@pytest.fixture(scope="module")
+def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
+                lora_files: dict[str, Path], controlnet_dir: Path, ip_adapter_file: Path,
+                upscaler_file: Path) -> Iterator[Daemon]:
+    with fuzz_daemon_in(tmp_path_factory.mktemp("fuzz"), model_cache, lora_files, controlnet_dir,
+                        ip_adapter_file, upscaler_file) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def sock(fuzz_daemon: Daemon) -> Path:
+    return fuzz_daemon.socket
+
+
+@pytest.fixture(scope="module")
+def real_job(sock: Path) -> str:
+    """A finished job, so generated paths can reach its outputs and events."""
+    return finished_job(sock)
+
+
+# targeted: requests cannot name files ---------------------------------------------------------
+@pytest.mark.parametrize("model", ["../../etc/passwd", "/etc/passwd", "tiny/../x", "./tiny", "~/tiny", "tiny/",
+                                   "/dev/zero", "file:///etc/passwd", "synthetic:compute_ms=1", "tiny\x00"])
+def test_model_names_that_look_like_paths_are_unknown_models(sock: Path, model: str) -> None:
+    for path, body in (("/v1/jobs", {"model": model, "prompt": "x"}),
+                       ("/v1/images/generations", {"model": model, "prompt": "x"})):
+        status, answer = call_json(sock, "POST", path, body)
+        assert status == 404, answer
+        assert answer["error"]["code"] == "model_not_found" and answer["error"]["field"] == "model", answer
+    status, listing = call_json(sock, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in listing["data"]] == list(MODELS)
+
+
+@pytest.mark.parametrize("suffix", ["..%2F..%2Fetc/outputs/0", "..%2F..%2Fetc%2Fpasswd", "%2E%2E/outputs/0",
+                                    "{job}/outputs/..%2F..%2Fetc%2Fpasswd", "{job}/outputs/%2e%2e",
+                                    "{job}/outputs/-1", "{job}/outputs/1", "{job}/outputs/0x0", "{job}/outputs/%200",
+                                    "{job}/outputs/0_0", "{job}/outputs/+0", "{job}/outputs/%D9%A0",
+                                    "{job}/outputs/1e0",
+                                    "{job}%2F..%2F..%2Fetc/outputs/0", "{job}/../../../etc/passwd"])
+def test_job_and_output_ids_that_look_like_paths_are_404(sock: Path, real_job: str, suffix: str) -> None:
+    path = "/v1/jobs/" + suffix.format(job=real_job)
+    status, headers, raw = call(sock, "GET", path)
+    answer = check_answer("GET", path, status, headers, raw)
+    assert status == 404, (path, answer)
+    assert b"root:" not in raw
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/zero", "/dev/stdin", "/proc/self/fd/0", "/proc/self/environ",
+                                  "/", "../../etc/shadow", "",
+                                  "\x00", "/etc/passwd\x00.safetensors"])
+def test_lora_paths_that_are_not_loras_are_refused_and_nothing_of_the_file_leaks(sock: Path, path: str) -> None:
+    status, answer = call_json(sock, "POST", "/v1/loras", {"name": "probe", "path": path})
+    assert status == 400 and answer["error"]["field"] == "path", answer
+    assert "root:" not in answer["error"]["message"] and "PATH=" not in answer["error"]["message"], answer
+    status, listing = call_json(sock, "GET", "/v1/loras")
+    assert status == 200 and sorted(e["name"] for e in listing["data"]) == sorted(LORAS), listing
+
+
+def test_unknown_method_is_refused_by_the_parser(sock: Path) -> None:
+    """aiohttp's HTTP parser refuses a method it does not know before any routing: a plain-text
+    400 (outside the JSON error shape, which only the application's middleware can give), and the
+    connection is closed. Nothing reaches the engine."""
+    status, _, raw = call(sock, "FOO", "/v1/jobs")  # no body: the server closes right after its answer
+    assert status == 400 and b"method" in raw.lower(), raw
+    status, h = call_json(sock, "GET", "/health")
+    assert status == 200 and h["status"] == "ok", h
+
+
+@pytest.mark.parametrize(("model", "scheduler", "fits"), [
+    ("tiny", "bogus", False), ("tiny", "", False), ("tiny", "flow-match", False), ("tiny", "ddim", True),
+    ("tiny", "euler", True), ("fz", "bogus", False), ("fz", "flow-match", True), ("fz", "unipc", True),
+    ("tiny", "flow-sde", False), ("fz", "flow-sde", True),
+])
+def test_scheduler_is_checked_at_admission(sock: Path, model: str, scheduler: str, fits: bool) -> None:
+    """An unknown scheduler, or one the model cannot use, is a 400 naming the field on both
+    endpoints (it used to be accepted and fail in the worker: a 500 on the synchronous one)."""
+    job = {"model": model, "prompt": "x", "width": 64, "height": 64, "steps": 2, "scheduler": scheduler}
+    images = {"model": model, "prompt": "x", "size": "64x64", "num_inference_steps": 2, "scheduler": scheduler}
+    status, answer = call_json(sock, "POST", "/v1/jobs", job)
+    if fits:
+        assert status == 202, answer
+        cancel_if_accepted(sock, status, answer)
+        status, answer = call_json(sock, "POST", "/v1/images/generations", images)
+        assert status == 200, answer
+        return
+    assert status == 400 and answer["error"]["field"] == "scheduler", answer
+    assert repr(scheduler) in answer["error"]["message"], answer
+    status, answer = call_json(sock, "POST", "/v1/images/generations", images)
+    assert status == 400 and answer["error"]["field"] == "scheduler", answer
+
+
+def test_scheduler_names_checked_at_admission_are_the_pipelines() -> None:
+    from diffusiond import protocol
+    from diffusiond.pipelines.diffusers_pipeline import FLOW_SCHEDULERS, SCHEDULERS
+
+    assert set(protocol.SCHEDULERS) == set(SCHEDULERS) and set(protocol.FLOW_SCHEDULERS) == set(FLOW_SCHEDULERS)
+
+
+# sleep levels: the daemon test (test_daemon_lifecycle) sends a few; any other query or body is a 400 on
+# `level` or an INVALID_JSON 400, never anything else, without putting a daemon to sleep (fuzz family)
+SLEEP_BODIES = st.one_of(
+    st.binary(max_size=40),
+    st.builds(lambda v: json.dumps({"level": v}).encode(),
+              st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=4), st.none(),
+                        st.booleans(), st.lists(st.integers(), max_size=2))),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(query=st.one_of(st.none(), st.text(max_size=12)), body=SLEEP_BODIES)
+def test_any_sleep_level_is_1_2_or_a_400(query: str | None, body: bytes) -> None:
+    from diffusiond.daemon.edge.api import sleep_level
+    from diffusiond.daemon.errors import InvalidRequest
+
+    try:
+        level = sleep_level(query, body)
+    except InvalidRequest as exc:
+        assert exc.field in ("level", None), exc.field
+        return
+    assert level in (1, 2)
+    assert query in ("1", "2") or (query is None and (not body.strip() or json.loads(body).get("level", 1) == level))
