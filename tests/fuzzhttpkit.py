@@ -262,3 +262,29 @@ def refused(status: int, headers: dict[str, str], raw: bytes, field: str | None,
         assert answer["error"]["code"] == code, answer
     return dict(answer["error"])
 
+
+def assert_healthy_after_fuzzing(sock: Path, fuzz_daemon: Daemon) -> None:
+    """What the last test of each module that fuzzes a daemon asserts: the daemon is healthy, no worker
+    restarted, every model still makes a picture, and its log holds no traceback since it was ready."""
+    deadline = time.monotonic() + 60
+    while True:
+        status, h = call_json(sock, "GET", "/health")
+        if (h["jobs"]["queued"] == h["jobs"]["running"] == 0 and h["queue_depth"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status == 200 and h["status"] == "ok", h
+    assert h["jobs"]["queued"] == h["jobs"]["running"] == 0 and h["queue_depth"] == 0, h
+    assert all(w["restarts"] == 0 and w["state"] == "ready" for w in h["workers"]), h
+    for model in MODELS:
+        body = {"model": model, "prompt": "after the fuzz", "width": 64, "height": 64, "steps": 2}
+        status, job = call_json(sock, "POST", "/v1/jobs", {**body, "num_frames": 4} if model == "fv" else body)
+        assert status == 202, job
+        while job["status"] in ("queued", "running") and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
+            job = call_json(sock, "GET", f"/v1/jobs/{job['id']}")[1]
+        assert job["status"] == "succeeded", job
+        status, _, raw = call(sock, "GET", job["outputs"][0]["url"])
+        assert status == 200 and len(raw) == job["outputs"][0]["bytes"]
+    log = fuzz_daemon.log_path.read_text(errors="replace")
+    assert "Error handling request" not in log and "Traceback" not in log.split("ready: admitting jobs", 1)[-1], \
+        log[-4000:]

@@ -20,6 +20,7 @@ from daemonkit import Daemon
 from fuzzhttpkit import (
     LORAS,
     MODELS,
+    assert_healthy_after_fuzzing,
     call,
     call_json,
     cancel_if_accepted,
@@ -152,3 +153,8 @@ def test_any_sleep_level_is_1_2_or_a_400(query: str | None, body: bytes) -> None
         return
     assert level in (1, 2)
     assert query in ("1", "2") or (query is None and (not body.strip() or json.loads(body).get("level", 1) == level))
+
+
+def test_daemon_is_healthy_after_the_targeted_inputs(sock: Path, fuzz_daemon: Daemon) -> None:
+    """Runs last in this module (pytest keeps file order), as test_fuzz_http.py's own check does."""
+    assert_healthy_after_fuzzing(sock, fuzz_daemon)
