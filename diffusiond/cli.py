@@ -231,9 +231,10 @@ def _add_serve(sub: Any) -> None:
     add("--ip-adapter", action="append", metavar="NAME=PATH[,image_encoder=DIR]",
         help="serve an IP-Adapter: its .safetensors weights file (or a folder holding one) and its image "
              "encoder, image_encoder/ beside the file unless given; repeatable")
-    add("--upscaler", action="append", metavar="NAME=PATH",
+    add("--upscaler", action="append", metavar="NAME=PATH[,tile=N][,overlap=N]",
         help="serve a super-resolution model (ESRGAN and others spandrel reads): a .pth or .safetensors "
-             "file; repeatable")
+             "file, run in tiles of N input pixels (512; 0: the whole picture) that share overlap pixels "
+             "(32); repeatable")
     add("--max-loras", type=positive_int, metavar="N",
         help="LoRA adapters each worker keeps loaded, and the most one request may name (8)")
     add("--state-dir", metavar="DIR",

@@ -104,12 +104,13 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
 def fuzz_daemon_in(tmp: Path, model_cache: Path, lora_files: dict[str, Path], controlnet_dir: Path,
                    ip_adapter_file: Path, upscaler_file: Path) -> Iterator[Daemon]:
     """The daemon these tests fuzz, started in ``tmp`` (its inputs and LoRA files beside its socket)."""
-    # ink fits tiny and not the synthetic models: a request may be refused for either reason
+    # ink fits tiny and not the synthetic models: a request may be refused for either reason; esr runs in tiles
+    # of 32, so the fuzzed sizes (56 to 136, odd ones too) upscale in tiles whose last one is moved back
     (tmp / "diffusiond.toml").write_text(f"max_loras = {MAX_LORAS}\n{CONFIG}\n[loras]\n"
                                          f'ink = "{lora_files["ink"]}"\ndots = "{lora_files["dots"]}"\n'
                                          f'[controlnets]\nedges = "{controlnet_dir}"\n'
                                          f'[ip_adapters]\nstyle = "{ip_adapter_file}"\n'
-                                         f'[upscalers]\nesr = "{upscaler_file}"\n')
+                                         f'[upscalers.esr]\npath = "{upscaler_file}"\ntile = 32\noverlap = 8\n')
     (tmp / "inputs").mkdir()
     (tmp / "inputs" / "in.png").write_bytes(PNG_64)  # for image_path; nothing else is readable
     args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",

@@ -1,7 +1,8 @@
 """Upscalers and the hires pass, end to end: a real daemon on ``tiny`` with ESRGAN upscalers built in code.
 
 ``esr`` (.safetensors) and ``esr-pth`` (.pth) are ESRGAN models of scale 2 with random weights
-(upscalekit.py), read by spandrel from the files, as a downloaded checkpoint is. ``plain`` is a
+(upscalekit.py), read by spandrel from the files, as a downloaded checkpoint is; ``esr-tiled`` is
+``esr``'s file served in tiles of 32 input pixels (the others' 512 hold a whole 64x64 picture). ``plain`` is a
 synthetic model, which has no image-to-image pipeline. Outputs are compared as raw ``npy`` arrays.
 """
 
@@ -37,7 +38,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, files: dict[str, Path]) -> Iterator[Path]:
     args = ["--model", "tiny", "--model", "plain=synthetic:compute_ms=5", "--workers", "1", "--job-timeout", "300",
-            *(a for name, path in files.items() for a in ("--upscaler", f"{name}={path}"))]
+            *(a for name, path in files.items() for a in ("--upscaler", f"{name}={path}")),
+            "--upscaler", f"esr-tiled={files['esr']},tile=32,overlap=8"]
     d: Daemon
     with shared_daemon(tmp_path_factory.mktemp("upscale-daemon"), args, model_cache) as d:
         yield d.socket
@@ -81,8 +83,24 @@ async def test_upscalers_endpoint_lists_each_with_its_scale_and_architecture(soc
         status, body = await get(s, "/v1/upscalers")
     assert status == 200
     entries = {e["name"]: e for e in body["data"]}
-    assert set(entries) == {"esr", "esr-pth"}
+    assert set(entries) == {"esr", "esr-pth", "esr-tiled"}
     assert (entries["esr"]["scale"], entries["esr"]["architecture"]) == (2, "ESRGAN")
+    assert (entries["esr"]["tile"], entries["esr"]["overlap"]) == (512, 32)  # the defaults
+    assert (entries["esr-tiled"]["tile"], entries["esr-tiled"]["overlap"]) == (32, 8)
+
+
+async def test_a_picture_larger_than_the_tile_is_upscaled_in_tiles_to_the_right_size(sock: Path) -> None:
+    """64x64 in tiles of 32 (3 x 3 of them, sharing 8 pixels): twice the size, and within a few
+    levels of the same picture upscaled whole (the unit tests in test_upscale_tiles.py bound it)."""
+    async with http(sock) as s:
+        whole, _ = await run(s, upscale={"name": "esr"})
+        tiled, job = await run(s, upscale={"name": "esr-tiled"})
+        hires, _ = await run(s, hires={"scale": 2, "strength": 0.5, "steps": 2, "upscaler": "esr-tiled"})
+    assert tiled.shape == whole.shape == hires.shape == (2 * SIZE, 2 * SIZE, 3)
+    diff = np.abs(tiled.astype(int) - whole.astype(int))
+    assert not np.array_equal(tiled, whole), "esr-tiled ran whole"  # measured: 7% of the values differ
+    assert diff.max() <= 4 and diff.mean() < 0.5, (diff.max(), diff.mean())  # measured: 2, 0.07
+    assert job["status"] == "succeeded" and job["request"]["upscale"]["width"] == 2 * SIZE
 
 
 async def test_hires_makes_a_larger_picture_that_differs_from_the_plain_one(sock: Path) -> None:
@@ -124,7 +142,7 @@ async def test_different_upscales_are_not_batched_together(sock: Path) -> None:
 
 
 @pytest.mark.parametrize(("extra", "field", "words"), [
-    ({"upscale": {"name": "nope"}}, "upscale.name", "known: esr, esr-pth"),
+    ({"upscale": {"name": "nope"}}, "upscale.name", "known: esr, esr-pth, esr-tiled"),
     ({"upscale": {"name": "esr", "scale": 0.5}}, "upscale.scale", "from 1"),
     ({"upscale": {"name": "esr", "size": 2}}, "upscale", "unknown field"),
     ({"hires": {"scale": 1.0}}, "hires.scale", "above 1"),

@@ -32,9 +32,11 @@ from diffusiond.daemon.values import (
     parse_host_port,
     parse_ip_adapters,
     parse_loras,
+    parse_upscalers,
     preload_value,
     warmup_value,
 )
+from diffusiond.ipc.upscale import UpscalerSetting
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg, parse_spec
 from diffusiond.protocol import COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
@@ -139,8 +141,9 @@ class DaemonConfig:
     controlnets: dict[str, str] = field(default_factory=dict)
     # IP-Adapters by name (--ip-adapter NAME=PATH[,image_encoder=DIR], TOML [ip_adapters]): (weights, encoder)
     ip_adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # super-resolution models by name (--upscaler NAME=PATH, TOML [upscalers]): spandrel reads them (issue 30)
-    upscalers: dict[str, str] = field(default_factory=dict)
+    # super-resolution models by name (--upscaler NAME=PATH[,tile=N][,overlap=N], TOML [upscalers]):
+    # spandrel reads them; each runs in overlapping tiles of its own (issue 30)
+    upscalers: dict[str, UpscalerSetting] = field(default_factory=dict)
     # Durable jobs (store.py): the state dir holds the job database and the output files.
     state_dir: str | None = None
     persist: bool = True  # False (--no-persist): jobs and outputs live in memory only, as before
@@ -259,8 +262,8 @@ class DaemonConfig:
         for name, (weights, encoder) in self.ip_adapters.items():
             if (why := check_ip_adapter(name, weights, encoder)) is not None:
                 raise ConfigError(why)
-        for name, path in self.upscalers.items():
-            if (why := check_upscaler(name, path)) is not None:
+        for name, setting in self.upscalers.items():
+            if (why := check_upscaler(name, setting.path)) is not None:
                 raise ConfigError(why)
         if self.tcp and ":" not in self.tcp:
             raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
@@ -379,10 +382,9 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     ip_args = values.pop("ip_adapter", None)  # --ip-adapter NAME=PATH[,image_encoder=DIR] and [ip_adapters]
     if ip_args is not None or "ip_adapters" in values:
         values["ip_adapters"] = parse_ip_adapters(ip_args if ip_args is not None else values["ip_adapters"])
-    upscale_args = values.pop("upscaler", None)  # and --upscaler NAME=PATH and [upscalers]
+    upscale_args = values.pop("upscaler", None)  # and --upscaler NAME=PATH[,tile=N,overlap=N] and [upscalers]
     if upscale_args is not None or "upscalers" in values:
-        values["upscalers"] = parse_loras(upscale_args if upscale_args is not None else values["upscalers"],
-                                          "--upscaler", "upscaler")
+        values["upscalers"] = parse_upscalers(upscale_args if upscale_args is not None else values["upscalers"])
     if "limits" in values:
         values["limits"] = replace(Limits(), **dict(values["limits"]))
     for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)

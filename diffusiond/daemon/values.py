@@ -1,4 +1,5 @@
-"""How flags and TOML values are read: warm-up shapes, durations, addresses, devices, LoRA lists, preload.
+"""How flags and TOML values are read: warm-up shapes, durations, addresses, devices, LoRA lists, preload,
+upscalers.
 
 Each reader takes a value as a user wrote it (a flag's string or a TOML value) and returns it checked, or
 raises ``ConfigError`` whose message names the flag and the forms it accepts. Kept apart from ``config.py``,
@@ -9,7 +10,9 @@ the names other modules import from it.
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any
 
 from diffusiond.daemon.residency.preload import parse_preload
 from diffusiond.daemon.residency.units import parse_duration
+from diffusiond.ipc.upscale import DEFAULT_OVERLAP, DEFAULT_TILE, MAX_TILE, MIN_TILE, UpscalerSetting
 from diffusiond.protocol import DEFAULT_WEB_ADDRESS
 
 
@@ -259,3 +263,78 @@ def check_upscaler(name: str, path: str) -> str | None:
     except OSError as exc:
         return f"{flag}: the file cannot be read ({exc.strerror or exc})"
     return None
+
+
+UPSCALER_FORMS = "NAME=PATH, NAME=PATH,tile=N or NAME=PATH,tile=N,overlap=N"
+_OPTION = re.compile(r"\s*([A-Za-z_]\w*)\s*=(.*)$", re.DOTALL)
+
+
+def parse_upscalers(value: Any) -> dict[str, UpscalerSetting]:
+    """``--upscaler NAME=PATH[,tile=N][,overlap=N]`` (a list of those) or a TOML ``[upscalers]`` table
+    whose values are ``"PATH[,tile=N][,overlap=N]"`` or tables ``{path, tile, overlap}``.
+
+    Options are read from the right, and only ``,word=...`` ends that do not end as a model file does
+    are options, so a path with a comma in it (``/models/4x,sharp.pth``, ``/models/a,v=2.pth``)
+    still reads as the path it always did."""
+    items: list[tuple[str, Any, str]] = []
+    if isinstance(value, dict):
+        items = [(str(k), v, f"[upscalers] {k}") for k, v in value.items()]
+    else:
+        for arg in value if isinstance(value, list) else [value]:
+            name, sep, rest = str(arg).partition("=")
+            if not sep or not name.strip() or not rest.strip():
+                raise ConfigError(f"--upscaler wants {UPSCALER_FORMS}, got {str(arg)[:200]!r}")
+            items.append((name.strip(), rest, f"--upscaler {str(arg)[:200]}"))
+    out: dict[str, UpscalerSetting] = {}
+    for name, setting, where in items:
+        if name in out:
+            raise ConfigError(f"upscaler name {name!r} is given twice")
+        out[name] = _upscaler_setting(setting, where)
+    return out
+
+
+def _upscaler_setting(value: Any, where: str) -> UpscalerSetting:
+    if isinstance(value, dict):
+        unknown = sorted(set(map(str, value)) - {"path", "tile", "overlap"})
+        if unknown or not isinstance(value.get("path"), str):
+            raise ConfigError(f"{where}: a table takes path (a string), tile and overlap"
+                              f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+        path, options = str(value["path"]), {k: value[k] for k in ("tile", "overlap") if k in value}
+    else:
+        parts = str(value).split(",")
+        options = {}
+        while len(parts) > 1 and (m := _OPTION.match(parts[-1])) and \
+                not parts[-1].strip().lower().endswith((".pth", ".safetensors")):
+            key = m.group(1)
+            if key not in ("tile", "overlap"):
+                raise ConfigError(f"{where}: unknown option {key!r}; the forms are {UPSCALER_FORMS}")
+            if key in options:
+                raise ConfigError(f"{where}: {key} is given twice")
+            options[key] = m.group(2).strip()
+            parts.pop()
+        path = ",".join(parts)
+    if not path.strip():
+        raise ConfigError(f"{where}: no path; the forms are {UPSCALER_FORMS}")
+    tile = _whole(options.get("tile", DEFAULT_TILE), "tile", where)
+    # left out, the overlap is a quarter of a tile smaller than 128: tile=64 alone is a valid setting
+    overlap = _whole(options["overlap"], "overlap", where) if "overlap" in options else \
+        min(DEFAULT_OVERLAP, tile // 4) if tile else DEFAULT_OVERLAP
+    if tile != 0 and not MIN_TILE <= tile <= MAX_TILE:
+        raise ConfigError(f"{where}: tile {tile} is not 0 (the whole picture at once) or a side of {MIN_TILE} to "
+                          f"{MAX_TILE} input pixels")
+    if overlap < 0:
+        raise ConfigError(f"{where}: overlap {overlap} is negative; give 0 or more input pixels")
+    if tile and 2 * overlap >= tile:
+        raise ConfigError(f"{where}: overlap {overlap} must be under half the tile ({tile}), so that a tile "
+                          "is more than its blended edges")
+    return UpscalerSetting(path=absolute(path.strip()), tile=tile, overlap=overlap)
+
+
+def _whole(value: Any, key: str, where: str) -> int:
+    """A whole number of pixels from a flag's text or a TOML integer (TOML's true is not one)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]{1,12}", value.strip()):
+        return int(value)
+    shown = repr(value[:40]) if isinstance(value, str) else json.dumps(value, default=str)[:40]  # TOML's spelling: true
+    raise ConfigError(f"{where}: {key} {shown} is not a whole number of input pixels")

@@ -24,7 +24,7 @@ from diffusiond.ipc.outsocket import Lease as Lease
 from diffusiond.ipc.outsocket import Refused as Refused
 from diffusiond.ipc.outsocket import Unpin as Unpin
 from diffusiond.ipc.tensors import TensorDesc
-from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec
+from diffusiond.ipc.upscale import HiresSpec, UpscalerSetting, UpscaleSpec
 from diffusiond.protocol import OutputDtype, OutputMode, TrajectoryDtype
 
 
@@ -102,7 +102,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # ControlNets and upscalers by name (name -> folder or file), loaded once at start and kept
     controlnets: dict[str, str] = {}
     ip_adapters: dict[str, tuple[str, str]] = {}  # IP-Adapters: name -> (weights file, image encoder folder)
-    upscalers: dict[str, str] = {}
+    upscalers: dict[str, UpscalerSetting] = {}  # name -> file, tile side and overlap
 
 
 class ControlRef(msgspec.Struct, frozen=True, array_like=True):

@@ -3,11 +3,34 @@
 Both are in ``BatchParams`` (the batch key): requests that differ in either compute different things,
 so they never share a batch. The sizes are the engine's, decided at admission, so the worker never
 rounds one and the output's size is known before the job runs (the output limit counts it).
+
+How a served upscaler runs is the daemon's setting, not the request's: ``serve --upscaler
+NAME=PATH,tile=512,overlap=32`` (``UpscalerSetting``), the same for every job that names it.
 """
 
 from __future__ import annotations
 
 import msgspec
+
+DEFAULT_TILE = 512
+"""Input pixels a tile's side has unless ``serve`` says otherwise: ComfyUI's default, which keeps a
+4x ESRGAN's working memory near 1 GiB (float32) whatever the picture's size."""
+DEFAULT_OVERLAP = 32
+"""Input pixels neighbouring tiles share, where their outputs are blended: about the depth at which
+an ESRGAN's output stops seeing a tile's edge (its zero padding) instead of the picture."""
+MIN_TILE = 16
+"""The smallest tile side ``serve`` takes, and the floor of the out-of-memory retry's halving: below
+it a tile is mostly border, and the model's own padding rules (a window of 8 or 16) dominate."""
+MAX_TILE = 16384  # the largest side a picture may have (an upscaled output's too)
+
+
+class UpscalerSetting(msgspec.Struct, frozen=True, kw_only=True):
+    """One served upscaler: its file, and the tiles it runs in. ``tile`` 0 runs every picture whole;
+    a picture no larger than one tile runs whole too, so the setting only changes larger ones."""
+
+    path: str
+    tile: int = DEFAULT_TILE
+    overlap: int = DEFAULT_OVERLAP
 
 
 class UpscaleSpec(msgspec.Struct, frozen=True, kw_only=True):

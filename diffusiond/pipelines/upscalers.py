@@ -15,6 +15,9 @@ once, so diffusers and transformers in the same process still see no torchvision
 ``python -m diffusiond.pipelines.upscalers NAME=PATH ...`` is the engine's check at start (the
 engine never loads torch): it loads each file on the CPU and prints, as JSON, each one's scale and
 architecture, or why spandrel cannot read it.
+
+A picture larger than an upscaler's tile runs in overlapping tiles (pipelines/tiles.py); one no
+larger runs whole, as it always did, to the byte.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Any
 
 import torch
 
+from diffusiond.ipc.upscale import UpscalerSetting
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.tiles import TILE_BATCH, smaller, upscale_tiled, whole
 
 SUFFIXES = (".pth", ".safetensors")
 
@@ -102,28 +107,43 @@ def describe(model: Any) -> dict[str, Any]:
 class Upscalers:
     """The upscalers one worker serves: loaded once at start, kept on the model's device (host while asleep)."""
 
-    def __init__(self, paths: Mapping[str, str], device: torch.device) -> None:
+    def __init__(self, settings: Mapping[str, UpscalerSetting], device: torch.device) -> None:
         self.device = device
+        self.settings = dict(settings)
         self.models: dict[str, Any] = {}
-        for name, path in paths.items():
+        for name, s in self.settings.items():
             try:
-                self.models[name] = load(path).to(device).eval()
+                self.models[name] = load(s.path).to(device).eval()
             except PipelineError as exc:  # the engine checked every file at start: this is a changed file
-                raise PipelineError(f"upscaler {name!r} ({path}): {exc}") from None
+                raise PipelineError(f"upscaler {name!r} ({s.path}): {exc}") from None
 
     def place(self, asleep: bool) -> None:
         for model in self.models.values():
             model.to(torch.device("cpu") if asleep else self.device)
 
-    def upscale(self, name: str, images: torch.Tensor) -> torch.Tensor:
-        """``images`` (N, 3, H, W) float in [0, 1] through upscaler ``name``: (N, 3, H*s, W*s), in [0, 1].
+    def upscale(self, name: str, images: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+        """``images`` (N, 3, H, W) float in [0, 1] through upscaler ``name``: (N, 3, H*s, W*s), in [0, 1],
+        in the tiles ``serve`` set for it unless ``tiles`` (side, overlap) says otherwise.
         Run in float32: the models are small next to a denoiser, and half precision makes some of
         them (ESRGAN's older checkpoints) overflow to black."""
         model = self.models.get(name)
         if model is None:
             raise PipelineError(f"upscaler {name!r} is not loaded in this worker")
+        tile, overlap = tiles or self.tiles(name)
+        x = images.to(self.device, torch.float32)
         with torch.inference_mode():
-            return model(images.to(self.device, torch.float32)).clamp_(0, 1)
+            if whole(tile, x.shape[-2], x.shape[-1]):
+                return model(x).clamp_(0, 1)
+            return upscale_tiled(model, x, tile, overlap, TILE_BATCH).clamp_(0, 1)
+
+    def tiles(self, name: str) -> tuple[int, int]:
+        """The tile side and overlap ``serve`` set for upscaler ``name`` (0: whole pictures)."""
+        s = self.settings.get(name)
+        return (s.tile, s.overlap) if s is not None else (0, 0)
+
+    def smaller(self, name: str, images: torch.Tensor) -> tuple[int, int] | None:
+        """The tiles to retry ``images`` with after running out of memory (None: none smaller)."""
+        return smaller(*self.tiles(name), images.shape[-2], images.shape[-1])
 
 
 def main(argv: list[str]) -> int:

@@ -292,6 +292,7 @@ class ComputeThread:
         t0 = time.perf_counter()
         ran = len(live)
         self._retried = False
+        upscaler_retries = self.finish.oom_retries
         try:
             self.activate_loras(batch.params.loras)  # before the meter: an adapter's weights are not working memory
             self.meter.start()
@@ -318,7 +319,8 @@ class ComputeThread:
         compute_ms = (time.perf_counter() - t0) * 1000
         # a peak after running out of memory, or while compiling, is not what the shape needs: not reported
         working = self.meter.stop(outputs)
-        measured = working is not None and not self._retried and not compiling
+        retried = self._retried or self.finish.oom_retries != upscaler_retries  # the upscaler's own retry too
+        measured = working is not None and not retried and not compiling
         self.state.record("compute_end", batch.batch_id)
         self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms,
                               working_bytes=working if measured else None, working_batch=ran if measured else 0,

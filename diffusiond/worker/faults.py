@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -39,6 +40,8 @@ class Faults:
     ``load_delay_ms=N``: loading the model takes N ms longer (a daemon that is slow to get ready).
     ``oom=N``: the first N forwards run out of memory (``torch.OutOfMemoryError`` on a GPU,
     ``MemoryError`` on a CPU) before they start: the out-of-memory retry, without a huge allocation.
+    ``upscale_oom=SIDE``: an upscaler runs out of memory on any input with a side over SIDE (a tile,
+    or a whole picture): its retry in smaller tiles, and the job's ``out_of_memory`` when those fail too.
     ``memory_fraction=F``: the worker's CUDA allocator may take only F of the device
     (``torch.cuda.set_per_process_memory_fraction``), so a large size really runs out of memory.
     ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
@@ -52,6 +55,7 @@ class Faults:
     fail_start: bool = False
     load_delay_ms: int = 0
     oom: int = 0
+    upscale_oom: int = 0
     memory_fraction: float = 0.0
     no_working_measure: bool = False
     frame: tuple[str, Kind] | None = None
@@ -75,6 +79,8 @@ class Faults:
                 f.load_delay_ms = int(value)
             elif key == "oom":
                 f.oom = int(value)
+            elif key == "upscale_oom":
+                f.upscale_oom = int(value)
             elif key == "no_working_measure":  # residency plans with its estimate, as before any run
                 f.no_working_measure = True
             elif key == "memory_fraction":
@@ -102,6 +108,33 @@ def forward_fault(faults: Faults | None, cuda: bool) -> Callable[[], None] | Non
             raise error(f"injected out of memory (fault oom={faults.oom}, {left[0]} more to come)")
 
     return before_forward
+
+
+class OomAbove:
+    """An upscaler that runs out of memory on inputs with a side over ``side`` (``upscale_oom=SIDE``),
+    as one whose tiles are too large for the device would; ``to`` moves the model as ``place`` does."""
+
+    def __init__(self, model: Any, side: int, cuda: bool) -> None:
+        self.model, self.side, self.cuda = model, side, cuda
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if max(x.shape[-2:]) > self.side:
+            error = torch.OutOfMemoryError if self.cuda else MemoryError
+            raise error(f"injected out of memory (fault upscale_oom={self.side}): an input of "
+                        f"{x.shape[-1]}x{x.shape[-2]}")
+        out: torch.Tensor = self.model(x)
+        return out
+
+    def to(self, device: torch.device) -> OomAbove:
+        self.model.to(device)
+        return self
+
+
+def upscale_fault(faults: Faults | None, models: dict[str, Any], cuda: bool) -> None:
+    """Each upscaler in ``models`` wrapped in ``OomAbove`` where ``upscale_oom`` is set."""
+    if faults is not None and faults.upscale_oom:
+        for name, model in models.items():
+            models[name] = OomAbove(model, faults.upscale_oom, cuda)
 
 
 class FaultyCopier(Copier):

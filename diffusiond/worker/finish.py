@@ -13,10 +13,17 @@ previews go out with those step numbers too.
 An upscaler's own scale is fixed by its weights (ESRGAN x4, say); a request for another scale is
 the model's output resized to the asked size (bicubic, antialiased when it shrinks), as ComfyUI's
 "upscale image by" after a model does.
+
+An upscaler that runs out of memory (its tiles too large for what the device has left) is retried
+once at once with tiles of half the side, after emptying the allocator's cache: cheaper than the
+compute thread's own retry, which runs the whole forward again. When that runs out too, the error
+goes on to that retry and then fails the job with ``out_of_memory``, its message naming the
+upscaler and the tiles tried.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +43,9 @@ from diffusiond.pipelines.base import (
 )
 from diffusiond.pipelines.upscalers import Upscalers
 from diffusiond.protocol import Task
+from diffusiond.worker.failures import first_line, is_oom
+
+log = logging.getLogger(__name__)
 
 Redraw = Callable[[BatchParams, Sequence[RequestSpec], Sequence[EditArrays], StepCallback, PreviewSink | None],
                   list[torch.Tensor]]
@@ -72,6 +82,7 @@ class Finisher:
     def __init__(self, pipeline: Pipeline, upscalers: Upscalers | None) -> None:
         self.pipeline = pipeline
         self.upscalers = upscalers
+        self.oom_retries = 0  # counted, so the compute thread does not report a peak that ran out as a need
 
     def __call__(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
                  on_step: StepCallback, on_preview: PreviewSink | None,
@@ -88,9 +99,43 @@ class Finisher:
         return outputs
 
     def _model(self, name: str, images: torch.Tensor) -> torch.Tensor:
+        """The upscaler, retried in smaller tiles when it runs out of memory. Only the message of the
+        first failure is kept: the exception's frames hold the tiles and the output being blended,
+        which the retry needs freed."""
         if self.upscalers is None:
             raise PipelineError(f"upscaler {name!r} is not served by this worker")
-        return self.upscalers.upscale(name, images)
+        try:
+            return self.upscalers.upscale(name, images)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            why = first_line(exc)
+        self.oom_retries += 1
+        tile = self.upscalers.tiles(name)[0]
+        h, w = images.shape[-2:]
+        tiled = bool(tile) and max(h, w) > tile
+        ran = f"tiles of {tile}" if tiled else "one piece"
+        retry = self.upscalers.smaller(name, images)
+        self._empty_cache()
+        if retry is None:
+            raise torch.OutOfMemoryError(f"upscaler {name!r} ran out of memory on a {w}x{h} picture in {ran} "
+                                         f"(no tile smaller than {tile if tiled else max(h, w)} to retry with): {why}")
+        log.warning("upscaler %r ran out of memory on a %dx%d picture in %s; retrying in tiles of %d "
+                    "(overlap %d): %s", name, w, h, ran, retry[0], retry[1], why)
+        try:
+            return self.upscalers.upscale(name, images, retry)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            why = first_line(exc)
+        self._empty_cache()
+        raise torch.OutOfMemoryError(
+            f"upscaler {name!r} ran out of memory on a {w}x{h} picture in {ran}, and again in tiles of {retry[0]}: "
+            f"{why} (serve it with smaller tiles: --upscaler {name}=PATH,tile=N)")
+
+    def _empty_cache(self) -> None:
+        if self.upscalers is not None and self.upscalers.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _hires(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
                on_step: StepCallback, on_preview: PreviewSink | None, redraw: Redraw | None) -> list[torch.Tensor]:

@@ -231,9 +231,11 @@ class Worker:
             self.copier = Copier(self.arena, self.state, post, device=pipeline.device,
                                  slot_timeout_s=config.slot_timeout_s)
         else:
-            from diffusiond.worker.faults import FaultyCopier, forward_fault
+            from diffusiond.worker.faults import FaultyCopier, forward_fault, upscale_fault
 
             before_forward = forward_fault(faults, is_cuda)
+            if finisher.upscalers is not None:
+                upscale_fault(faults, finisher.upscalers.models, is_cuda)
 
             self.copier = FaultyCopier(self.arena, self.state, post, device=pipeline.device,
                                        slot_timeout_s=config.slot_timeout_s, faults=faults)

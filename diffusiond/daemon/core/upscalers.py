@@ -1,4 +1,4 @@
-"""The upscalers this daemon serves (``serve --upscaler NAME=PATH``, TOML ``[upscalers]``).
+"""The upscalers this daemon serves (``serve --upscaler NAME=PATH[,tile=N][,overlap=N]``, TOML ``[upscalers]``).
 
 The engine loads no torch, yet a file spandrel cannot read should stop the start with a message
 naming the flag and the path, not fail every job later, and ``GET /v1/upscalers`` and admission
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from diffusiond.daemon.errors import invalid
+from diffusiond.ipc.upscale import DEFAULT_OVERLAP, DEFAULT_TILE, UpscalerSetting
 
 PROBE_TIMEOUT_S = 300.0  # torch's import alone takes seconds on a slow disk; a file takes less
 
@@ -33,13 +34,16 @@ class UpscalerInfo:
     architecture: str
     purpose: str = "SR"
     tags: tuple[str, ...] = ()
+    tile: int = DEFAULT_TILE  # the serve setting, shown by GET /v1/upscalers (the workers run it)
+    overlap: int = DEFAULT_OVERLAP
 
 
 class UpscalerRegistry:
     """Name -> what spandrel found in the file; filled by ``probe`` at start, fixed after."""
 
-    def __init__(self, paths: Mapping[str, str]) -> None:
-        self.paths = dict(paths)
+    def __init__(self, settings: Mapping[str, UpscalerSetting]) -> None:
+        self.settings = dict(settings)
+        self.paths = {name: s.path for name, s in self.settings.items()}
         self.infos: dict[str, UpscalerInfo] = {}
 
     async def probe(self) -> None:
@@ -66,8 +70,10 @@ class UpscalerRegistry:
             entry = found.get(name) or {"error": "no answer"}
             if "error" in entry:
                 raise UpscalerProbeError(f"--upscaler {name}={path}: {entry['error']}")
+            s = self.settings[name]
             self.infos[name] = UpscalerInfo(name, path, int(entry["scale"]), str(entry["architecture"]),
-                                            str(entry.get("purpose", "SR")), tuple(entry.get("tags", ())))
+                                            str(entry.get("purpose", "SR")), tuple(entry.get("tags", ())),
+                                            tile=s.tile, overlap=s.overlap)
 
     def resolve(self, name: str, field: str) -> UpscalerInfo:
         """Admission: the upscaler ``name`` is served (a 400 naming ``field`` otherwise)."""

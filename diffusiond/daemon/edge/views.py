@@ -165,10 +165,11 @@ def ip_adapters(engine: Engine) -> dict[str, Any]:
 
 
 def upscalers(engine: Engine) -> dict[str, Any]:
-    """``GET /v1/upscalers``: each served upscaler, as spandrel read it at start."""
+    """``GET /v1/upscalers``: each served upscaler, as spandrel read it at start, with the tiles serve set."""
     return {"object": "list", "data": [
         {"name": i.name, "object": "upscaler", "path": i.path, "scale": i.scale, "architecture": i.architecture,
-         "purpose": i.purpose, "tags": list(i.tags)} for _, i in sorted(engine.upscalers.infos.items())]}
+         "purpose": i.purpose, "tags": list(i.tags), "tile": i.tile, "overlap": i.overlap}
+        for _, i in sorted(engine.upscalers.infos.items())]}
 
 
 def loras(engine: Engine) -> dict[str, Any]:
