@@ -184,13 +184,7 @@ def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
         if name == "loras":
             text = value.strip()
             if text.startswith("["):
-                try:
-                    decoded = msgspec.json.decode(text)
-                except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
-                    raise invalid(f"loras is not valid JSON: {text[:80]!r}", field="loras") from None
-                if not isinstance(decoded, list) or not all(isinstance(e, dict) for e in decoded):
-                    raise invalid('loras must be a list of {"name", "weight"} objects', field="loras")
-                entries.extend(decoded)
+                entries.extend(_json_objects(text, "loras", '{"name", "weight"}'))
             else:
                 for spec in filter(None, (p.strip() for p in text.split(","))):
                     lname, _, weight = spec.partition(":")
@@ -212,6 +206,17 @@ def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
 IP_KEYS = ("name", "image", "image_path", "scale")
 
 
+def _json_objects(text: str, field: str, shape: str) -> list[dict[str, Any]]:
+    """A form field holding JSON text, as ``/v1/jobs`` takes the same field: a list of objects, or a 400."""
+    try:
+        decoded = msgspec.json.decode(text)
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
+        raise invalid(f"{field} is not valid JSON: {text[:80]!r}", field=field) from None
+    if not isinstance(decoded, list) or not all(isinstance(e, dict) for e in decoded):
+        raise invalid(f"{field} must be a list of {shape} objects", field=field)
+    return decoded
+
+
 def form_ip_adapter(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
     """``ip_adapter`` of a multipart form: JSON text in one ``ip_adapter`` field, as ``/v1/jobs`` takes
     it, or the openai client's flattening of ``extra_body={"ip_adapter": [{...}]}`` (``ip_adapter[][name]``,
@@ -221,13 +226,7 @@ def form_ip_adapter(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
     flat: dict[str, list[str]] = {}
     for name, value in parts:
         if name == "ip_adapter":
-            try:
-                decoded = msgspec.json.decode(value)
-            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
-                raise invalid(f"ip_adapter is not valid JSON: {value[:80]!r}", field="ip_adapter") from None
-            if not isinstance(decoded, list) or not all(isinstance(e, dict) for e in decoded):
-                raise invalid('ip_adapter must be a list of {"name", "image", "scale"} objects', field="ip_adapter")
-            entries.extend(decoded)
+            entries.extend(_json_objects(value, "ip_adapter", '{"name", "image", "scale"}'))
             continue
         key = name.removeprefix("ip_adapter[][").removesuffix("]")
         if not name.startswith("ip_adapter[][") or key not in IP_KEYS:
