@@ -4,8 +4,8 @@ socket with real worker subprocesses, talked to over the socket by aiohttp and b
 
 One daemon serves the whole module (``tiny`` on two workers; ``slow``, a synthetic model whose
 batches take about 1.5 s, for tests that need a job to be running while they look at it; and
-``video``, a synthetic text-to-video model); only the queue-full test starts its own, because it
-needs a one-job queue.
+``video``, a synthetic text-to-video model). The queue-full test, which needs a daemon with a one-job
+queue, is test_daemon_api_queue.py's; the requests and checks the tests make are apikit.py's.
 """
 
 from __future__ import annotations
@@ -22,15 +22,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, http, shared_daemon, sse, wait_job
-from PIL import Image
-
-SIZE = 64
-STEPS = 2
-FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": STEPS}
-"""A jobs-API body fragment for the quickest real generation."""
-IMAGES = {"model": "tiny", "size": f"{SIZE}x{SIZE}", "num_inference_steps": STEPS}
-"""The same for the OpenAI-shaped endpoint."""
+from apikit import FAST, IMAGES, SIZE, STEPS, fetch, get_json, png, post, run_job, same_image
+from daemonkit import Daemon, http, shared_daemon, sse
 
 CONFIG = """
 [[models]]
@@ -64,46 +57,6 @@ def api_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> I
 def sock(api_daemon: Daemon) -> Path:
     assert api_daemon.proc is not None and api_daemon.proc.poll() is None, api_daemon.log()
     return api_daemon.socket
-
-
-async def post(session: aiohttp.ClientSession, path: str, body: Any) -> tuple[int, dict[str, Any], Any]:
-    """POST a JSON body (or raw bytes); returns status, parsed JSON body and headers."""
-    kwargs: dict[str, Any] = {"data": body} if isinstance(body, bytes) else {"json": body}
-    async with session.post(path, **kwargs) as r:
-        return r.status, await r.json(), r.headers
-
-
-async def get_json(session: aiohttp.ClientSession, path: str) -> tuple[int, dict[str, Any]]:
-    async with session.get(path) as r:
-        return r.status, await r.json()
-
-
-async def fetch(session: aiohttp.ClientSession, path: str) -> tuple[bytes, str]:
-    async with session.get(path) as r:
-        assert r.status == 200, await r.text()
-        return await r.read(), r.content_type
-
-
-async def run_job(session: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, Any]:
-    status, job, headers = await post(session, "/v1/jobs", body)
-    assert status == 202, job
-    assert headers["Location"] == f"/v1/jobs/{job['id']}"
-    return await wait_job(session, job["id"])
-
-
-def png(data: bytes) -> Image.Image:
-    img = Image.open(io.BytesIO(data))
-    img.load()
-    return img
-
-
-def same_image(a: bytes, b: bytes) -> bool:
-    """Same seed, same picture: pixels equal up to one step of 8-bit rounding (a batched forward
-    may sum in another order than a lone one; see test_worker.py)."""
-    x = np.asarray(png(a), dtype=np.int16)
-    y = np.asarray(png(b), dtype=np.int16)
-    diff = np.abs(x - y)
-    return x.shape == y.shape and int(diff.max()) <= 1 and float((diff == 0).mean()) > 0.999
 
 
 # OpenAI-shaped endpoint -----------------------------------------------------------------------
@@ -424,41 +377,6 @@ async def test_trace_without_trace_flag_says_how_to_turn_it_on(sock: Path) -> No
         status, answer = await get_json(s, "/v1/admin/trace")
     assert status == 409 and answer["error"]["code"] == "trace_off", answer
     assert "--trace" in answer["error"]["message"]
-
-
-async def test_queue_full_is_429_with_retry_after(daemon_factory: Any) -> None:
-    d = daemon_factory("--queue-size", "1", "--model", "synthetic:compute_ms=3000", "--job-timeout", "120")
-    body = {"prompt": "x", "width": SIZE, "height": SIZE, "steps": 8}
-    accepted: list[str] = []
-    async with http(d.socket) as s:
-        try:
-            rejected = None
-            for _ in range(8):
-                status, answer, headers = await post(s, "/v1/jobs", body)
-                if status == 202:
-                    accepted.append(answer["id"])
-                    continue
-                rejected = (status, answer, headers)
-                break
-            assert rejected is not None, "a one-job queue never filled"
-            status, answer, headers = rejected
-            assert status == 429 and answer["error"]["code"] == "queue_full", answer
-            assert float(headers["Retry-After"]) > 0
-            assert accepted
-            _, health = await get_json(s, "/health")
-            assert health["queue_depth"] == 1
-            metrics = await (await s.get("/metrics")).text()
-            assert 'diffusiond_rejected_total{reason="queue_full"} 1.0' in metrics
-            # room again once the queued job is cancelled
-            async with s.delete(f"/v1/jobs/{accepted[-1]}") as r:
-                assert r.status == 200
-            status, answer, _ = await post(s, "/v1/jobs", body)
-            assert status == 202, answer
-            accepted.append(answer["id"])
-        finally:
-            for job_id in accepted:
-                async with s.delete(f"/v1/jobs/{job_id}"):
-                    pass
 
 
 # service endpoints ----------------------------------------------------------------------------

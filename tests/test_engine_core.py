@@ -2,8 +2,8 @@
 of a job, deadlines in each stage, worker loss and replacement, drain, cancel races, slots.
 
 The same behaviour is checked end to end against real processes in test_daemon_lifecycle.py,
-test_hardening.py and test_faults.py; here each case runs in milliseconds and can order the
-worker's frames exactly as the case needs."""
+test_hardening.py, test_hardening_shutdown.py and test_faults.py; here each case runs in
+milliseconds and can order the worker's frames exactly as the case needs."""
 
 from __future__ import annotations
 

@@ -1,0 +1,336 @@
+"""The CLI and client against a small stand-in daemon that speaks the docs/api.md job contract
+over a real Unix socket: generate and its files, failures, timeouts and Ctrl-C, status, models and
+cancel; the client's exceptions (one root, nothing of aiohttp's or asyncio's leaks); and a reader
+that stops reading. test_cli.py has the CLI's checks that need no daemon (end-to-end tests against
+the real daemon live elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from diffusiond.cli import main
+from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
+
+
+# generate and friends against a stand-in daemon ----------------------------------------------
+class StubDaemon:
+    """Just enough of docs/api.md's job endpoints to drive the client; the prompt picks the behaviour."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.requests: list[tuple[str, str, Any]] = []
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.subscribed = threading.Event()
+        self.deleting = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def job_json(self, job_id: str, status: str, **extra: Any) -> dict[str, Any]:
+        return {"id": job_id, "status": status, "stage": "queued", "progress": {"step": 0, "total": 4},
+                "outputs": [], "error": None, "timings_ms": {}, "model": "tiny", "created": 0, **extra}  # fmt: skip
+
+    async def create(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(("POST", request.path, body))
+        if body["prompt"] == "reject":
+            err = {"code": "invalid_request", "message": "width must be a multiple of 8", "field": "width"}
+            return web.json_response({"error": err}, status=400)
+        job_id = f"j_{len(self.jobs) + 1}"
+        self.jobs[job_id] = body
+        return web.json_response(self.job_json(job_id, "queued"), status=202)
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        job_id = request.match_info["id"]
+        body = self.jobs[job_id]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        text = "".join(f"event: progress\ndata: {json.dumps({'step': s, 'total': 4})}\n\n" for s in range(1, 3))
+        if body["prompt"] == "fail":
+            err = {"code": "worker_crashed", "message": "the worker died", "stage": "computing"}
+            text += f"event: error\ndata: {json.dumps(self.job_json(job_id, 'failed', error=err))}\n\n"
+        elif body["prompt"] not in ("hang", "stuck"):
+            n = body.get("n", 1)
+            outputs = [{"index": k, "url": f"/v1/jobs/{job_id}/outputs/{k}", "content_type": "image/png",
+                        "seed": 100 + k, "bytes": 6} for k in range(n)]  # fmt: skip
+            text += f"event: done\ndata: {json.dumps(self.job_json(job_id, 'succeeded', outputs=outputs))}\n\n"
+        data = text.encode()
+        for i in range(0, len(data), 7):  # awkward chunks on the wire too
+            await resp.write(data[i : i + 7])
+        self.subscribed.set()
+        if body["prompt"] in ("hang", "stuck"):
+            await asyncio.sleep(3600)
+        return resp
+
+    async def output(self, request: web.Request) -> web.Response:
+        return web.Response(body=b"PNG-" + request.match_info["k"].encode() + b"\n", content_type="image/png")
+
+    async def delete(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["id"]
+        self.requests.append(("DELETE", request.path, None))
+        if self.jobs.get(job_id, {}).get("prompt") == "stuck":  # a daemon that no longer answers
+            self.deleting.set()
+            await asyncio.sleep(3600)
+        if job_id == "j_done":
+            return web.json_response({"error": {"code": "conflict", "message": "finished"}}, status=409)
+        if job_id not in self.jobs:
+            return web.json_response({"error": {"code": "not_found", "message": f"no job {job_id}"}}, status=404)
+        return web.json_response(self.job_json(job_id, "cancelled"))
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        return web.json_response(self.job_json(request.match_info["id"], "succeeded"))
+
+    async def health(self, request: web.Request) -> web.Response:
+        worker = {"id": "tiny-0", "model": "tiny", "device": "cpu", "state": "ready", "pid": 42, "restarts": 0}
+        return web.json_response({"status": "ok", "version": "0.1.0", "workers": [worker], "queue_depth": 0,
+                                  "jobs": {"succeeded": 3}, "arena_bytes_in_use": 1 << 20})  # fmt: skip
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(text="ready")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "tiny", "task": "text-to-image", "device": "cpu", "state": "ready"}]})
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/jobs", self.create)
+        app.router.add_get("/v1/jobs/{id}", self.get_job)
+        app.router.add_delete("/v1/jobs/{id}", self.delete)
+        app.router.add_get("/v1/jobs/{id}/events", self.events)
+        app.router.add_get("/v1/jobs/{id}/outputs/{k}", self.output)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/v1/models", self.models)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.UnixSite(self._runner, self.path).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def __enter__(self) -> StubDaemon:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def stub(tmp_path: Path) -> Iterator[StubDaemon]:
+    with StubDaemon(str(tmp_path / "d.sock")) as daemon:
+        yield daemon
+
+
+def test_generate_writes_indexed_files(stub: StubDaemon, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "cat.png"
+    argv = ["generate", "a cat", "--socket", stub.path, "-o", str(out), "-n", "3", "--size", "64x128", "--seed", "5"]
+    assert main(argv) == 0
+    assert stub.requests[0][2] == {"prompt": "a cat", "n": 3, "width": 64, "height": 128, "seed": 5,
+                                   "output_format": "png"}  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{tmp_path / f'cat-{k}.png'}  seed={100 + k}" for k in range(3)]
+    assert [(tmp_path / f"cat-{k}.png").read_bytes() for k in range(3)] == [b"PNG-%d\n" % k for k in range(3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cat-0.png", "cat-1.png", "cat-2.png", "d.sock"]
+
+
+def test_generate_json_and_default_name(
+    stub: StubDaemon, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "a dog", "--socket", stub.path, "--json"]) == 0
+    assert stub.requests[0][2] == {"prompt": "a dog"}
+    result = json.loads(capsys.readouterr().out)
+    assert result["job"]["status"] == "succeeded"
+    assert result["files"] == [{"path": "j_1.png", "seed": 100, "bytes": 6}]
+    assert (tmp_path / "j_1.png").read_bytes() == b"PNG-0\n"
+
+
+def test_generate_failure_exits_1_with_the_daemons_message(stub: StubDaemon, capsys: Any) -> None:
+    assert main(["generate", "fail", "--socket", stub.path]) == 1
+    assert "error: the worker died (stage: computing)" in capsys.readouterr().err
+
+
+def test_generate_rejected_exits_1(stub: StubDaemon, capsys: Any) -> None:
+    assert main(["generate", "reject", "--socket", stub.path]) == 1
+    err = capsys.readouterr().err
+    assert "width must be a multiple of 8" in err and "field width" in err
+
+
+def test_generate_timeout_cancels(stub: StubDaemon, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("diffusiond.commands.generate.CLIENT_GRACE_S", 0.0)
+    assert main(["generate", "hang", "--socket", stub.path, "--timeout", "0.5"]) == 1
+    assert "did not finish within 0.5 s" in capsys.readouterr().err
+    assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_ctrl_c_cancels_the_job(stub: StubDaemon, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffusiond", "generate", "hang", "--socket", stub.path],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert stub.subscribed.wait(60)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"generate ignored Ctrl-C for 30 s; its stderr: {err!r}")
+    assert proc.returncode == 130, err
+    assert "cancelled job j_1" in err
+    assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_a_second_ctrl_c_exits_when_the_daemon_does_not_answer_the_cancel(stub: StubDaemon, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffusiond", "generate", "stuck", "--socket", stub.path],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert stub.subscribed.wait(60)
+        proc.send_signal(signal.SIGINT)
+        assert stub.deleting.wait(30), "the first Ctrl-C did not send the cancel"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)  # the cancel is given up on, bounded, not awaited
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "the daemon did not confirm the cancel of job j_1" in err and "diffusiond cancel j_1" in err, err
+
+
+def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
+    assert main(["status", "--socket", stub.path]) == 0
+    out = capsys.readouterr().out
+    assert "0.1.0" in out and "ready" in out and "tiny-0" in out and "succeeded=3" in out
+    assert main(["status", "--socket", stub.path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ready"] is True
+    assert main(["status", "--socket", stub.path, "--wait", "5", "--json"]) == 0  # ready at once: no wait
+    assert json.loads(capsys.readouterr().out)["ready"] is True
+    assert main(["models", "--socket", stub.path]) == 0
+    assert capsys.readouterr().out.split("\n")[1].split() == ["tiny", "text-to-image", "cpu", "ready", "-", "-", "-"]
+    assert main(["cancel", "j_done", "--socket", stub.path]) == 1
+    assert "job j_done already finished (succeeded)" in capsys.readouterr().err
+    assert main(["cancel", "j_404", "--socket", stub.path]) == 1
+    assert "no job j_404" in capsys.readouterr().err
+
+
+# exceptions: one root, nothing of aiohttp's or asyncio's leaks --------------------------------
+def test_client_exceptions_share_one_root() -> None:
+    assert issubclass(DaemonError, ClientError) and issubclass(DaemonUnreachable, ClientError)
+    assert issubclass(ClientTimeout, ClientError) and issubclass(ClientTimeout, TimeoutError)
+
+
+@pytest.fixture
+def silent_socket(tmp_path: Path) -> Iterator[str]:
+    """A socket that accepts connections (the kernel's backlog does) and never answers."""
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+        s.listen(16)
+        yield path
+
+
+def test_a_daemon_that_does_not_answer_exits_3_with_a_one_line_timeout(
+    silent_socket: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("diffusiond.cli.QUICK_TIMEOUT_S", 0.3)
+    assert main(["status", "--socket", silent_socket]) == 3
+    err = capsys.readouterr().err
+    assert err == f"error: GET /health (daemon at {silent_socket}) took longer than 0.3 s\n", err
+
+
+def test_client_timeout_is_a_client_error(silent_socket: str) -> None:
+    async def ask() -> None:
+        async with AsyncClient(silent_socket, timeout=0.2) as client:
+            await client.models()
+
+    with pytest.raises(ClientTimeout) as info:
+        asyncio.run(ask())
+    assert info.value.seconds == 0.2 and info.value.what == "GET /v1/models"
+
+
+def test_wait_past_its_timeout_raises_client_timeout(stub: StubDaemon) -> None:
+    async def wait() -> None:
+        async with AsyncClient(stub.path) as client:
+            job = await client.create_job({"prompt": "hang"})
+            await client.wait(job["id"], timeout=0.3)
+
+    with pytest.raises(ClientTimeout, match=r"waiting for job j_1 .* took longer than 0\.3 s"):
+        asyncio.run(wait())
+
+
+def test_wait_returns_a_failed_job_rather_than_raising(stub: StubDaemon) -> None:
+    async def wait() -> dict[str, Any]:
+        async with AsyncClient(stub.path) as client:
+            job = await client.create_job({"prompt": "fail"})
+            seen: list[str] = []
+            final = await client.wait(job["id"], on_event=lambda name, data: seen.append(name))
+            assert seen == ["progress", "progress", "error"]
+            return final
+
+    assert asyncio.run(wait())["status"] == "failed"
+
+
+def test_something_that_is_not_http_on_the_socket_is_unreachable(tmp_path: Path) -> None:
+    path = str(tmp_path / "garbage.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+
+    async def ask() -> None:
+        async with AsyncClient(path, timeout=10) as client:
+            await client.health()
+
+    try:
+        with pytest.raises(DaemonUnreachable):
+            asyncio.run(ask())
+    finally:
+        thread.join(10)
+        server.close()
+
+
+# a reader that stops reading ------------------------------------------------------------------
+@pytest.mark.parametrize("args", [["status"], ["models", "--json"]], ids=" ".join)
+def test_a_closed_pipe_on_stdout_exits_141_without_a_traceback(stub: StubDaemon, args: list[str]) -> None:
+    """``diffusiond status | head -1`` once head has gone: the read end is closed before the CLI
+    writes a byte, so the write fails every time, not only when the timing is unlucky."""
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "diffusiond", *args, "--socket", stub.path],
+                            stdout=write, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    os.close(write)
+    os.close(read)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err
+    assert err == "", err
