@@ -25,41 +25,14 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
 import torch
 
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import AT_LOAD, METHODS, parse_quant
 
 __all__ = ["METHODS", "apply_quant", "load_time_config", "parse_quant"]
-
-POST_LOAD: Final = ("fp8-storage", "int8", "fp8")
-"""Applied to the loaded component before it is moved to its device, so that only the smaller weights
-ever reach it (a model chosen because it does not fit in full precision must not pass through it)."""
-AT_LOAD: Final = ("nf4", "fp4", "bnb8")
-"""Applied while the component is read from its files (bitsandbytes)."""
-METHODS: Final = (*POST_LOAD, *AT_LOAD)
-BITS: Final = {"fp8-storage": 8, "int8": 8, "fp8": 8, "nf4": 4, "fp4": 4, "bnb8": 8}
-"""Bits per weight of the layers each method quantizes (for ``fit``'s figures)."""
-_COMPONENT: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-
-
-def parse_quant(text: str) -> dict[str, str]:
-    """``transformer:nf4,text_encoder_2:int8`` -> {component: method}; every fault is named with the value."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        component, sep, method = (s.strip() for s in part.partition(":"))
-        if not sep or not _COMPONENT.match(component):
-            raise PipelineError(f"quant: {part!r} is not COMPONENT:METHOD (for example transformer:fp8-storage)")
-        if method not in METHODS:
-            raise PipelineError(f"quant: {component}:{method} is not a method; known: {', '.join(METHODS)}")
-        if component in out:
-            raise PipelineError(f"quant: {component} is given twice ({out[component]} and {method}); keep one")
-        out[component] = method
-    if not out:
-        raise PipelineError("quant: empty; give COMPONENT:METHOD pairs, for example quant=transformer:fp8-storage")
-    return out
-
 
 def _need(package: str, method: str) -> None:
     if importlib.util.find_spec(package) is None:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from diffusiond.pipelines.errors import PipelineError
 
@@ -104,6 +104,34 @@ def parse_options(text: str, spec: str) -> dict[str, str]:
     return options
 
 
+# quant=COMPONENT:METHOD,...: the grammar lives here, torch-free, so the engine checks it at start (and
+# offload=stream's refusals read it); pipelines/quant.py applies the methods.
+POST_LOAD: Final = ("fp8-storage", "int8", "fp8")
+"""Applied to the loaded component before it is moved to its device, so that only the smaller weights
+ever reach it (a model chosen because it does not fit in full precision must not pass through it)."""
+AT_LOAD: Final = ("nf4", "fp4", "bnb8")
+"""Applied while the component is read from its files (bitsandbytes)."""
+METHODS: Final = (*POST_LOAD, *AT_LOAD)
+_COMPONENT: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def parse_quant(text: str) -> dict[str, str]:
+    """``transformer:nf4,text_encoder_2:int8`` -> {component: method}; every fault is named with the value."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        component, sep, method = (s.strip() for s in part.partition(":"))
+        if not sep or not _COMPONENT.match(component):
+            raise PipelineError(f"quant: {part!r} is not COMPONENT:METHOD (for example transformer:fp8-storage)")
+        if method not in METHODS:
+            raise PipelineError(f"quant: {component}:{method} is not a method; known: {', '.join(METHODS)}")
+        if component in out:
+            raise PipelineError(f"quant: {component} is given twice ({out[component]} and {method}); keep one")
+        out[component] = method
+    if not out:
+        raise PipelineError("quant: empty; give COMPONENT:METHOD pairs, for example quant=transformer:fp8-storage")
+    return out
+
+
 def check_options(options: Mapping[str, str]) -> None:
     """Refuse options no loader reads: a misspelt ``cpu_ofload=1`` must not load silently without it."""
     unknown = sorted(set(options) - KNOWN_OPTIONS)
@@ -111,8 +139,6 @@ def check_options(options: Mapping[str, str]) -> None:
         raise PipelineError(f"unknown model option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}")
     offload_mode(options)
     if "quant" in options:
-        from diffusiond.pipelines.quant import parse_quant
-
         parse_quant(options["quant"])
 
 
@@ -154,8 +180,7 @@ def _stream_refusals(options: Mapping[str, str]) -> None:
     if options.get("fp8") == "1":
         raise PipelineError("offload=stream with fp8=1 is refused: torchao's float8 weights are not plain tensors "
                             "a block's slot can hold; drop one of the two (offload=group takes fp8=1)")
-    quant = options.get("quant", "")
-    named = {part.partition(":")[0].strip() for part in quant.split(",") if ":" in part}
+    named = parse_quant(options["quant"]) if options.get("quant") else {}
     for denoiser in ("transformer", "unet"):
         if denoiser in named:
             raise PipelineError(f"offload=stream with quant={denoiser}:... is refused: a quantized {denoiser}'s "
