@@ -26,7 +26,7 @@ from diffusiond.ipc import cuda_host
 ALIGN = 512  # every view starts on this boundary: any dtype's view of the block is aligned
 
 
-def _tensors(modules: list[torch.nn.Module], shallow: Sequence[torch.nn.Module] = (),
+def tensors_of(modules: Sequence[torch.nn.Module], shallow: Sequence[torch.nn.Module] = (),
              ) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
     """(owner, name, tensor, is_parameter) for every parameter and buffer (of ``shallow`` modules only their
     own, not their children's), each tensor once."""
@@ -80,7 +80,8 @@ class HostCopy:
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))  # the last forward is done with them
-            on_device = [(o, n, t, p) for o, n, t, p in _tensors(self.modules, self.shallow) if t.device.type != "cpu"]
+            on_device = [(o, n, t, p) for o, n, t, p in tensors_of(self.modules, self.shallow)
+                         if t.device.type != "cpu"]
             self._carve([t for _, _, t, _ in on_device])
             for owner, name, t, is_param in on_device:
                 host = self._pinned[id(t)]
@@ -100,7 +101,7 @@ class HostCopy:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Allocated on the forward's stream (whose pool will free them), filled on the side stream.
         moved = [(owner, name, t, is_param, torch.empty(t.shape, dtype=t.dtype, device=self.device))
-                 for owner, name, t, is_param in _tensors(self.modules, self.shallow) if t.device.type == "cpu"]
+                 for owner, name, t, is_param in tensors_of(self.modules, self.shallow) if t.device.type == "cpu"]
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -43,6 +43,7 @@ import torch
 
 import diffusiond.pipelines.stream_plan as stream_plan
 from diffusiond.ipc import cuda_host
+from diffusiond.pipelines import hostcopy
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.hostcopy import HostCopy
 
@@ -63,15 +64,9 @@ def blocks_of(denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def tensors_of(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
-    """(owner, name, tensor, is_parameter) for every parameter and buffer under ``module``, each once."""
-    out, seen = [], set()
-    for owner in module.modules():
-        for table, is_param in ((owner._parameters, True), (owner._buffers, False)):
-            for name, t in table.items():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    out.append((owner, name, t, is_param))
-    return out
+    """(owner, name, tensor, is_parameter) for every parameter and buffer under ``module``, each once
+    (``hostcopy.tensors_of``'s walk, which residency's moves use too)."""
+    return list(hostcopy.tensors_of([module]))
 
 
 def tensor_bytes(module: torch.nn.Module) -> list[int]:
