@@ -94,6 +94,19 @@ def over_socket(d: Daemon, method: str, path: str, body: dict[str, Any] | None =
     return r.status_code, r.json() if r.headers["Content-Type"].startswith("application/json") else r.content
 
 
+def generated(page: Any, d: Daemon) -> tuple[str, dict[str, Any]]:
+    """Generate from the filled form without previews, wait until the page says it succeeded, and return
+    the job's id and the daemon's own record of it."""
+    page.uncheck("#previews")
+    page.click("#generate")
+    page.wait_for_function("() => document.getElementById('job-id').textContent.startsWith('j_')")
+    job_id = page.inner_text("#job-id")
+    page.wait_for_selector('#status[data-status="succeeded"]')
+    status, job = over_socket(d, "GET", f"/v1/jobs/{job_id}")
+    assert status == 200 and job["status"] == "succeeded", job
+    return job_id, job
+
+
 def fill(page: Any, **fields: str) -> None:
     for name, value in fields.items():
         page.fill(f"#{name}", value)
@@ -259,13 +272,7 @@ def test_a_control_or_reference_image_goes_from_the_page_into_the_job(
     page.select_option(f"#{box}-name", name)
     page.fill(f"#{box}-scale", "0.5")
     fill(page, prompt=f"a lighthouse steered by {name}", width="64", height="64", steps="2", seed="5")
-    page.uncheck("#previews")
-    page.click("#generate")
-    page.wait_for_function("() => document.getElementById('job-id').textContent.startsWith('j_')")
-    job_id = page.inner_text("#job-id")
-    page.wait_for_selector('#status[data-status="succeeded"]')
-    status, job = over_socket(web_daemon, "GET", f"/v1/jobs/{job_id}")
-    assert status == 200 and job["status"] == "succeeded", job
+    job_id, job = generated(page, web_daemon)
     [entry] = job["request"][field]
     assert {k: v for k, v in entry.items() if k != "image_digest"} == recorded
     other = "ip_adapter" if field == "control" else "control"
@@ -284,13 +291,7 @@ def test_an_upscaler_chosen_on_the_page_upscales_the_job(page: Any, web_daemon: 
     assert page.locator("#upscale-name option").all_inner_texts() == ["none", "esr (2x)"]
     page.select_option("#upscale-name", "esr")
     fill(page, prompt="a lighthouse, upscaled", width="64", height="64", steps="2", seed="9")
-    page.uncheck("#previews")
-    page.click("#generate")
-    page.wait_for_function("() => document.getElementById('job-id').textContent.startsWith('j_')")
-    job_id = page.inner_text("#job-id")
-    page.wait_for_selector('#status[data-status="succeeded"]')
-    status, job = over_socket(web_daemon, "GET", f"/v1/jobs/{job_id}")
-    assert status == 200 and job["status"] == "succeeded", job
+    job_id, job = generated(page, web_daemon)
     assert job["request"]["upscale"]["name"] == "esr"
     status, png = over_socket(web_daemon, "GET", job["outputs"][0]["url"])
     assert status == 200 and Image.open(io.BytesIO(png)).size == (128, 128)
