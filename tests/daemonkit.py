@@ -207,6 +207,25 @@ async def submit(s: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, An
         return job
 
 
+async def first_output(s: aiohttp.ClientSession, body: dict[str, Any]) -> bytes:
+    """Submit ``body``, wait for it to succeed, and return its first output's bytes."""
+    job = await wait_job(s, (await submit(s, body))["id"])
+    assert job["status"] == "succeeded", job
+    async with s.get(job["outputs"][0]["url"]) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def fds_named(pid: int, *names: str) -> list[str]:
+    """What process ``pid``'s open file descriptors point at, of those whose target names one of ``names``
+    (a memfd is ``/memfd:NAME (deleted)``): a test that a buffer is closed once its job is over."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return [x for x in links if any(n in x for n in names)]
+
+
 async def delete(s: aiohttp.ClientSession, job_id: str) -> tuple[int, dict[str, Any]]:
     async with s.delete(f"/v1/jobs/{job_id}") as r:
         return r.status, await r.json()

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from controlkit import build_controlnet, png
-from daemonkit import Daemon, get, http, shared_daemon, submit, wait_job
+from daemonkit import Daemon, first_output, get, http, shared_daemon
 
 SIZE = 64
 FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
@@ -44,11 +44,7 @@ async def run(s: aiohttp.ClientSession, control: list[dict[str, Any]] | None = N
     body = {**FAST, **extra}
     if control is not None:
         body["control"] = control
-    job = await wait_job(s, (await submit(s, body))["id"])
-    assert job["status"] == "succeeded", job
-    async with s.get(job["outputs"][0]["url"]) as r:
-        assert r.status == 200
-        return await r.read()
+    return await first_output(s, body)
 
 
 async def refused(s: aiohttp.ClientSession, control: Any, model: str = "tiny") -> tuple[int, dict[str, Any]]:

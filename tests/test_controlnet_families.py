@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 from controlkit import build_controlnet, build_flux_controlnet, png
-from daemonkit import get, http, shared_daemon, submit, wait_job
+from daemonkit import first_output, get, http, shared_daemon
 from sdxlkit import build_sdxl
 
 # model -> its two ControlNets; 64x64 is the smallest size both take (FLUX packs 8x latents 2x2)
@@ -55,11 +55,7 @@ async def run(s: aiohttp.ClientSession, model: str, control: list[dict[str, Any]
     body: dict[str, Any] = {**FAST, "model": model, **extra}
     if control is not None:
         body["control"] = control
-    job = await wait_job(s, (await submit(s, body))["id"])
-    assert job["status"] == "succeeded", job
-    async with s.get(job["outputs"][0]["url"]) as r:
-        assert r.status == 200
-        return await r.read()
+    return await first_output(s, body)
 
 
 @pytest.mark.parametrize("model", FAMILIES)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, http, idle, shared_daemon, until, wait_job
+from daemonkit import Daemon, fds_named, http, idle, shared_daemon, until, wait_job
 from PIL import Image
 
 SIZE = 64
@@ -316,16 +314,9 @@ async def test_no_input_buffer_outlives_its_job(sock: Path, edits_daemon: Daemon
     async with http(sock) as s:
         await until(lambda: idle(s), 60, "the daemon to be idle")
 
-    def held(pid: int) -> list[str]:
-        links = []
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        return [link for link in links if "diffusiond-input" in link]
-
     assert edits_daemon.proc is not None
     for pid in (edits_daemon.proc.pid, *edits_daemon.worker_pids()):
-        assert held(pid) == [], pid
+        assert fds_named(pid, "diffusiond-input") == [], pid
 
 
 async def test_a_multipart_edit_takes_preview_as_the_openai_client_flattens_it_or_as_json(sock: Path) -> None:

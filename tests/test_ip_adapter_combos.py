@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, http, idle, shared_daemon, submit, until, wait_job
+from daemonkit import Daemon, fds_named, http, idle, shared_daemon, submit, until, wait_job
 
 SIZE = 64
 FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
@@ -191,14 +189,6 @@ async def test_no_input_buffer_outlives_a_combined_job(sock: Path, combo_daemon:
     async with http(sock) as s:
         await until(lambda: idle(s), 60, "the daemon to be idle")
 
-    def held(pid: int) -> list[str]:
-        links = []
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        return [x for x in links if any(n in x for n in ("diffusiond-input", "diffusiond-control",
-                                                              "diffusiond-reference"))]
-
     assert combo_daemon.proc is not None
     for pid in (combo_daemon.proc.pid, *combo_daemon.worker_pids()):
-        assert held(pid) == [], pid
+        assert fds_named(pid, "diffusiond-input", "diffusiond-control", "diffusiond-reference") == [], pid
