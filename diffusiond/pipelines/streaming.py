@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
+import diffusiond.pipelines.hostcopy as hostcopy
 import diffusiond.pipelines.stream_plan as stream_plan
 from diffusiond.ipc import cuda_host
-from diffusiond.pipelines import hostcopy
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.hostcopy import HostCopy
 
