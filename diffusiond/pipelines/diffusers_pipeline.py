@@ -35,6 +35,7 @@ from diffusiond.pipelines.base import (
 from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, edit_kwargs, edit_pipes, share_image_encoder
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
+from diffusiond.pipelines.phases import Phases
 from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.quant import apply_quant, parse_quant
 from diffusiond.pipelines.spec import offload_mode, resident_blocks
@@ -206,7 +207,11 @@ class DiffusersPipeline:
         defaults: RequestDefaults | None = None,
         synthetic_weights: bool = False,
         approximations: tuple[str, ...] = (),
+        phases: Phases | None = None,
     ) -> None:
+        # the load's spans, for the worker's start line (pipelines/phases.py); a loader that read the
+        # files hands its own in with that span already marked
+        self.load_phases = phases if phases is not None else Phases()
         options = dict(options or {})
         self.name = name
         self.task = task_for_class(type(pipe))
@@ -251,6 +256,7 @@ class DiffusersPipeline:
         self._edit_pipes: dict[Task, Any] = edit_pipes(pipe, self.task)
         inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes))
         self.capabilities = with_defaults(inferred, defaults)
+        self.load_phases.mark("sibling pipelines")
 
         if getattr(pipe, "safety_checker", None) is not None:
             # The checker blacks out outputs and costs a CLIP pass per image; callers filter themselves.
@@ -269,11 +275,13 @@ class DiffusersPipeline:
             self._streamer = apply_offload(pipe, mode, self.device, resident_blocks(options))
         else:
             pipe.to(self.device)
+        self.load_phases.mark(f"offload={mode}" if self._offload else f"to {self.device.type}")
         self._previewer: Previewer | None = make_previewer(pipe, options.get("preview_decoder", ""), self.device, dtype)
         self.capabilities = msgspec.structs.replace(self.capabilities, previews=self._previewer is not None)
         # a GGUF's quantization first, then quant='s, then the speed-ups'
         approximations = (*approximations, *quantized, *apply_speedups(pipe, options, self.device))
         self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode)
+        self.load_phases.mark("previews, speed-ups")
 
     def device_weight_bytes(self) -> int | None:
         """What residency counts this model at when it is offloaded (``base.weight_bytes``): only what the

@@ -20,6 +20,7 @@ import torch
 
 from diffusiond.pipelines.base import PipelineError, RequestDefaults
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_class
+from diffusiond.pipelines.phases import Phases
 from diffusiond.pipelines.quant import load_time_config, parse_quant
 
 # Single-file checkpoint model types (diffusers' own inference) -> pipeline class to load with.
@@ -110,7 +111,9 @@ def load_folder(
     if not index_path.is_file():
         raise PipelineError(f"folder {str(path)!r} has no model_index.json; it is not a diffusers pipeline folder")
     index = _read_index(index_path)
+    phases = Phases()
     cls = _pipeline_class(str(index.get("_class_name", "")), str(index_path))
+    phases.mark("import")
     try:
         pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options, device))
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
@@ -118,6 +121,7 @@ def load_folder(
         if "safetensors" in str(exc) and options.get("allow_unsafe_weights") != "1":
             hint = " (only safetensors weights load by default; allow_unsafe_weights=1 permits .bin)"
         raise PipelineError(f"cannot load {cls.__name__} from {str(path)!r}: {exc}{hint}") from exc
+    phases.mark("files")
     return DiffusersPipeline(
         pipe,
         name=name,
@@ -126,6 +130,7 @@ def load_folder(
         options=options,
         defaults=defaults,
         synthetic_weights=synthetic_weights,
+        phases=phases,
     )
 
 

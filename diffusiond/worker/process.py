@@ -47,6 +47,7 @@ from diffusiond.ipc.messages import (
     WorkerConfig,
 )
 from diffusiond.pipelines.base import weight_bytes
+from diffusiond.pipelines.phases import Phases
 from diffusiond.worker.compute import ComputeThread, Control, Edit, LiveUpdate
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.finish import Finisher
@@ -208,7 +209,8 @@ class Worker:
             pipeline = await asyncio.to_thread(self._load, config)
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
-        phases.mark("model")
+        load = getattr(getattr(pipeline, "inner", pipeline), "load_phases", None)  # a compiled one wraps it
+        phases.mark(f"model ({load})" if isinstance(load, Phases) and load.parts else "model")
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         controlnets = await asyncio.to_thread(self._load_controlnets, pipeline, config)
         ip_adapters = await asyncio.to_thread(self._load_ip_adapters, pipeline, config)
@@ -324,14 +326,12 @@ class _StartError(Exception):
     """A start-up failure whose message already says what failed."""
 
 
-class _Phases:
-    """Where a worker's start went, logged once it is ready: a slow first image is then read off one
-    line (the process's start, its imports, CUDA, the arena's registration, the model, the warm-up)
-    rather than guessed."""
+class _Phases(Phases):
+    """The worker's start: the process's own start first (its interpreter and imports), then each step
+    of ``_start``; a diffusers model's load is broken down in brackets (``load_phases``)."""
 
     def __init__(self) -> None:
-        self.t0 = self.last = time.perf_counter()
-        self.parts: list[str] = []
+        super().__init__()
         try:  # the process's age (Linux: its start in clock ticks after boot): the interpreter, imports, INIT
             with open("/proc/self/stat") as f:
                 ticks = int(f.read().rpartition(")")[2].split()[19])
@@ -341,14 +341,9 @@ class _Phases:
         except (OSError, ValueError, IndexError):
             pass
 
-    def mark(self, what: str) -> None:
-        now = time.perf_counter()
-        self.parts.append(f"{what} {(now - self.last) * 1000:.0f} ms")
-        self.last = now
-
     def report(self, model: str) -> None:
         self.mark("warm-up")
-        log.info("%s ready in %.0f ms: %s", model, (self.last - self.t0) * 1000, ", ".join(self.parts))
+        log.info("%s ready in %.0f ms: %s", model, self.total_ms(), self)
 
 
 def _quiet_libraries() -> None:
