@@ -123,3 +123,20 @@ def test_a_missing_package_is_named_with_what_to_install(model_cache: Path, name
         pytest.skip(f"{package} is installed here")
     with pytest.raises(PipelineError, match=f"attention={name}: .*{words}"):
         load("tiny-flux", name)
+
+
+def test_the_bench_times_each_backend_that_runs_and_lists_the_others_with_why(
+        model_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``scripts/gpu_round3.sh attention``'s driver, on the CPU: what the GPU run will print."""
+    import json
+
+    from diffusiond.bench.attention import main
+
+    assert main(["--model", "tiny-flux", "--device", "cpu", "--dtype", "float32", "--size", "64x64", "--steps", "2",
+                 "--warmup-steps", "1", "--rounds", "1", "--backends", "_native_math,_native_cudnn"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["attention"]: r for r in got["results"]}
+    assert list(rows) == ["native", "_native_math"] and rows["native"]["ratio"] == 1.0
+    assert rows["native"]["max_diff"] == 0 and 0 < rows["_native_math"]["max_diff"] < 1e-4  # another order of sums
+    assert got["skipped"] == {"_native_cudnn": "attention=_native_cudnn runs on CUDA GPUs only, and this model is on "
+                                               "cpu"}
