@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The H200 figures of issues 27, 29 and 30 that need a GPU (docs/benchmarks.md), as named steps, each
+# The H200 figures of issues 27, 29, 30 and 31 that need a GPU (docs/benchmarks.md), as named steps, each
 # bounded by its own timeout so one that hangs leaves the others' results. Wheels carried in .whl/.
 # Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
 #   ALT_REQUESTS=16 timeout 585 scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack   (~560 s)
 #   timeout 585 scripts/gpu_round3.sh setup stream-test pack      (then, in a call of its own: setup stream pack)
 #   timeout 585 scripts/gpu_round3.sh setup lora weights trajectory-flow pack
 #   PRESETS="sd3.5-medium ltx-2b" timeout 585 scripts/gpu_round3.sh setup controlnet hires presets pack
+#   timeout 585 scripts/gpu_round3.sh setup attention pack   (issue 31; flash-attn, sageattention wheels in .whl/ if wanted)
 # Each call's figures are written up in docs/benchmarks.md before the next (a machine can stop answering).
 set -uo pipefail
 out=/tmp/r3-out
@@ -83,6 +84,11 @@ PY
         ${STREAM_RESIDENT:+--resident-blocks $STREAM_RESIDENT} ;;
     stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
       step stream-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "stream" -p no:cacheprovider ;;
+    attention)  # issue 31: FLUX.1-dev 1024² 28 steps on each attention backend that runs here, against the default;
+      # one process (the model built once), backends in rotated turns; those that cannot run are listed with why
+      step attention 480 python3 -m diffusiond.bench.attention --model random:flux-dev,save=0 --size 1024x1024 \
+        --steps 28 --rounds ${ATTN_ROUNDS:-2} \
+        --backends ${ATTN_BACKENDS:-native,_native_flash,_native_cudnn,_native_efficient,flash,_flash_3,xformers,sage} ;;
     pack) tar czf "${OUT:-.}/r3-$(date +%H%M%S).tgz" -C /tmp r3-out && echo packed ;;
     *) echo "unknown step $s" ;;
   esac

@@ -170,6 +170,7 @@ class Failing:
 
     def __init__(self, model: Any, limit: int) -> None:
         self.model, self.limit, self.seen = model, limit, []
+        self.scale = model.scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append(tuple(x.shape[-2:]))
@@ -236,6 +237,58 @@ def test_smaller_halves_the_side_that_ran_and_keeps_the_overlap_under_half() -> 
     assert tiles.smaller(512, 32, 300, 200) == (150, 32)  # ran whole (no side over a tile)
     assert tiles.smaller(40, 16, 100, 100) == (20, 9)
     assert tiles.smaller(16, 4, 100, 100) is None
+
+
+# --- tiles chosen up front from the free memory (tiles.planned), with a fake free-memory figure
+
+GiB = 2**30
+
+
+def test_plenty_of_free_memory_keeps_serves_tiles_and_whole_pictures_whole() -> None:
+    assert tiles.planned(512, 32, 1, 2048, 2048, 4, 12_000, 80 * GiB) == (512, 32)
+    assert tiles.planned(0, 32, 1, 300, 200, 4, 12_000, 80 * GiB) == (0, 32)  # whole, and it fits
+    assert tiles.planned(512, 32, 1, 300, 200, 4, 12_000, 80 * GiB) == (512, 32)
+
+
+def test_a_short_card_gets_the_largest_tile_that_fits_never_above_serves_nor_below_the_floor() -> None:
+    per_pixel, h, w, s = 12_000, 2048, 1536, 4  # about a 4x ESRGAN's, float32
+
+    def need(t: int) -> float:
+        return tiles.TILE_BATCH * t * t * per_pixel * tiles.PLAN_MARGIN + tiles.blend_bytes(1, h, w, s)
+
+    for free in (2 * GiB, 6 * GiB, 10 * GiB):
+        side, overlap = tiles.planned(512, 32, 1, h, w, s, per_pixel, free)
+        assert MIN_TILE <= side < 512 and need(side) <= free * tiles.FREE_SHARE < need(side + 1), (free, side)
+        assert overlap == 32
+    assert tiles.planned(512, 32, 1, h, w, s, per_pixel, GiB) == (MIN_TILE, 7)  # nothing fits: the floor
+    assert tiles.planned(512, 32, 1, h, w, s, per_pixel, 32 * GiB) == (512, 32)  # never above serve's
+
+
+def test_whole_pictures_that_do_not_fit_at_once_are_tiled() -> None:
+    side, overlap = tiles.planned(0, 32, 2, 1024, 1024, 4, 12_000, 16 * GiB)
+    assert MIN_TILE <= side < 1024 and overlap == 32
+    assert tiles.planned(0, 32, 2, 1024, 1024, 4, 12_000, 80 * GiB) == (0, 32)
+
+
+def test_a_run_takes_the_planned_tiles_and_running_out_halves_those(model_file: Path, caplog: pytest.LogCaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU nothing is measured, so the probe's figure and the free memory are set by hand: serve's
+    tiles of 64 do not fit, 32 do; the model then runs out of memory above 16, so the retry is in tiles
+    of 16 (half of what ran, not of serve's 64)."""
+    import diffusiond.pipelines.upscalers as upscalers_module
+
+    f, failing = finisher(model_file, tile=64, limit=16)
+    per_pixel = 1000.0
+    free = (tiles.TILE_BATCH * 32.5**2 * per_pixel * tiles.PLAN_MARGIN + tiles.blend_bytes(1, 96, 80, SCALE)) \
+        / tiles.FREE_SHARE
+    f.upscalers.per_pixel["esr"] = per_pixel
+    monkeypatch.setattr(upscalers_module, "free_bytes", lambda _device: int(free))
+    with caplog.at_level(logging.INFO):
+        out = f._model("esr", noise())
+    assert failing.seen[0] == (32, 32) and set(failing.seen[1:]) == {(16, 16)}
+    assert "upscaler 'esr': 1 80x96 picture(s) in tiles of 32 (overlap 8) rather than tiles of 64" in caplog.text
+    assert "ran out of memory on a 80x96 picture in tiles of 32; retrying in tiles of 16" in caplog.text
+    assert out.shape == (1, 3, 96 * SCALE, 80 * SCALE)
 
 
 # --- the serve flag and the TOML table

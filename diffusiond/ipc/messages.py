@@ -321,6 +321,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
     approximations: tuple[str, ...] = ()
     compiled: str = ""  # the torch.compile mode, "" when eager
+    # The denoiser's attention backend (model option ``attention=``), "" on the default path: exact kernels
+    # differ from it by float rounding only, as compiled outputs do, and are named like ``compiled``.
+    attention: str = ""
     offload: str = "none"  # what stays on the device: none, model, group or sequential (pipelines/offload.py)
     # Its modules' parameters and buffers as loaded: what residency counts it at on its device (the
     # worker fills it in at READY; remembered in the state dir with the rest, so a model that ran

@@ -20,6 +20,7 @@ import torch
 
 from diffusiond import protocol
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
+from diffusiond.pipelines.attention import apply_attention
 from diffusiond.pipelines.base import (
     EditArrays,
     Interrupted,
@@ -278,10 +279,13 @@ class DiffusersPipeline:
         self.load_phases.mark(f"offload={mode}" if self._offload else f"to {self.device.type}")
         self._previewer: Previewer | None = make_previewer(pipe, options.get("preview_decoder", ""), self.device, dtype)
         self.capabilities = msgspec.structs.replace(self.capabilities, previews=self._previewer is not None)
-        # a GGUF's quantization first, then quant='s, then the speed-ups'
-        approximations = (*approximations, *quantized, *apply_speedups(pipe, options, self.device))
-        self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode)
-        self.load_phases.mark("previews, speed-ups")
+        # a GGUF's quantization first, then quant='s, then the speed-ups', then the attention kernel's
+        attention = apply_attention(pipe, options.get("attention", ""), self.device)
+        approximations = (*approximations, *quantized, *apply_speedups(pipe, options, self.device),
+                          *attention.approximations)
+        self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode,
+                                                    attention=attention.name)
+        self.load_phases.mark("previews, speed-ups, attention")
 
     def device_weight_bytes(self) -> int | None:
         """What residency counts this model at when it is offloaded (``base.weight_bytes``): only what the

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
+from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
 
 # Every option any loader understands; others are refused so a typo does not pass silently.
@@ -47,6 +48,7 @@ KNOWN_OPTIONS = frozenset(
         "matrix",  # synthetic: side of the square matrices of the workload
         "save",  # random:<preset>: "0" builds on the device and skips the save/load round trip
         "cache",  # approximate: "fbc[:threshold]" or "taylorseer[:interval]" (pipelines/speedups.py)
+        "attention",  # the denoiser's attention kernel, a diffusers dispatch backend (pipelines/attention.py)
         "fp8",  # approximate: "1": fp8 denoiser through torchao (pipelines/speedups.py)
         "quant",  # approximate: COMPONENT:METHOD,... weights in fewer bits per component (pipelines/quant.py)
         "compile_backend",  # --compile: torch.compile backend (default inductor; aot_eager for CPU tests)
@@ -138,6 +140,8 @@ def check_options(options: Mapping[str, str]) -> None:
     if unknown:
         raise PipelineError(f"unknown model option(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_OPTIONS))}")
     offload_mode(options)
+    if options.get("attention"):
+        check_attention(options["attention"])
     if "quant" in options:
         parse_quant(options["quant"])
 

@@ -14,6 +14,22 @@ per pixel, so the blend is a convex mix with no step where a band starts or ends
 own edges are not feathered: no other tile covers them, and the whole picture's run sees the same
 padding there.
 
+The tile is chosen up front from the device's free memory (``planned``), so a card that is short of
+memory gets smaller tiles before it runs out rather than after. The figure per pixel is measured, not
+guessed from the architecture: when a worker loads an upscaler on a CUDA device it runs one probe of
+``PROBE``² input pixels and reads the caching allocator's peak above what was allocated before
+(pipelines/upscalers.py), so the figure holds whatever the model keeps alive (ESRGAN's features at
+the output's size, a SwinIR's windows), its output included. A run's working memory is then taken as
+linear in its pixels, times ``PLAN_MARGIN``: ``batch`` tiles of side t need ``batch x t² x margin x
+per_pixel``, plus the blend's own buffers at the output's size (``blend_bytes``). The largest side
+that fits ``FREE_SHARE`` of the free memory is used when it is smaller than the one ``serve`` set
+(never larger: the setting is the ceiling), and not below ``MIN_TILE``; a picture that would run
+whole (tile 0, or no side over the tile) stays whole when all of the batch's pictures fit at once,
+and is tiled like any other when they do not. On a CPU, or with no probe, the setting is used as
+given. Running out of memory anyway (the linear model is an estimate: cuDNN picks other algorithms
+at other sizes, the allocator fragments) still retries once in tiles of half the side that ran
+(``smaller``, worker/finish.py).
+
 Every tile of a picture has one size: the last tile of a row or a column is moved back inside the
 picture (overlapping its neighbour by more than ``overlap``) rather than padded, so no tile runs on
 made-up pixels, and every tile of every picture in a batch goes through the model with the
@@ -22,6 +38,7 @@ others, ``batch`` at a time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -96,6 +113,11 @@ def whole(tile: int, height: int, width: int) -> bool:
     return tile == 0 or (height <= tile and width <= tile)
 
 
+def _with_overlap(side: int, overlap: int) -> tuple[int, int]:
+    """A tile side with the overlap kept under half of it (neighbours must not share a tile's middle)."""
+    return side, min(overlap, (side - 1) // 2)
+
+
 def smaller(tile: int, overlap: int, height: int, width: int) -> tuple[int, int] | None:
     """The tiles to retry with after running out of memory: half the side that ran (the picture's
     longer side where it ran whole), the overlap kept under half of that; None below ``MIN_TILE``."""
@@ -103,4 +125,36 @@ def smaller(tile: int, overlap: int, height: int, width: int) -> tuple[int, int]
     half = side // 2
     if half < MIN_TILE:
         return None
-    return half, min(overlap, (half - 1) // 2)
+    return _with_overlap(half, overlap)
+
+
+PROBE = 128
+"""The probe's input side: large enough that a convolution's fixed workspace does not dominate the
+figure per pixel, small enough to cost milliseconds at a worker's start (a 4x ESRGAN: 67 MB)."""
+PLAN_MARGIN = 1.5
+"""How many times the probe's bytes per pixel a planned run is counted at: the figure is measured at
+one size, and a larger tile may get another cuDNN algorithm with its own workspace."""
+FREE_SHARE = 0.9
+"""The share of the free memory a plan may fill: the caching allocator rounds blocks up and fragments."""
+
+
+def blend_bytes(count: int, height: int, width: int, scale: int) -> int:
+    """The tiled path's own buffers, float32 at the output's size: the blend (``count`` pictures of 3
+    channels), the weights' sum, and one weight per tile position (overlapping: counted twice)."""
+    return (3 * count + 3) * height * scale * width * scale * 4
+
+
+def planned(tile: int, overlap: int, count: int, height: int, width: int, scale: int, per_pixel: float, free: int,
+            batch: int = TILE_BATCH) -> tuple[int, int]:
+    """The tiles to run ``count`` pictures of ``height`` x ``width`` in: serve's (``tile``, ``overlap``),
+    or a smaller side when ``free`` bytes would not hold their working memory at ``per_pixel`` bytes per
+    input pixel (the module's docstring has the rule)."""
+    need, budget = per_pixel * PLAN_MARGIN, free * FREE_SHARE
+    if whole(tile, height, width) and count * height * width * need <= budget:
+        return tile, overlap
+    room = budget - blend_bytes(count, height, width, scale)
+    fits = math.isqrt(int(max(room, 0) / (batch * need))) if need > 0 else tile or max(height, width)
+    ceiling = tile or max(height, width)
+    if fits >= ceiling:
+        return tile, overlap
+    return _with_overlap(max(MIN_TILE, fits), overlap)

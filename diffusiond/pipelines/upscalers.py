@@ -17,12 +17,15 @@ engine never loads torch): it loads each file on the CPU and prints, as JSON, ea
 architecture, or why spandrel cannot read it.
 
 A picture larger than an upscaler's tile runs in overlapping tiles (pipelines/tiles.py); one no
-larger runs whole, as it always did, to the byte.
+larger runs whole, as it always did, to the byte. On a CUDA device each upscaler is probed once at
+load for its working memory per pixel, and each run's tiles are chosen from the device's free memory
+with it (``tiles.planned``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import types
 from collections.abc import Mapping
@@ -33,8 +36,9 @@ import torch
 
 from diffusiond.ipc.upscale import UpscalerSetting
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.tiles import TILE_BATCH, smaller, upscale_tiled, whole
+from diffusiond.pipelines.tiles import PROBE, TILE_BATCH, planned, smaller, upscale_tiled, whole
 
+log = logging.getLogger(__name__)
 SUFFIXES = (".pth", ".safetensors")
 
 
@@ -104,6 +108,31 @@ def describe(model: Any) -> dict[str, Any]:
             "tags": [str(t) for t in model.tags]}
 
 
+def per_pixel(model: Any, device: torch.device) -> float | None:
+    """Device bytes ``model``'s forward holds per input pixel, output included: the caching allocator's
+    peak over one ``PROBE``² picture, above what was allocated before. CUDA only (None elsewhere). Run
+    at load, outside any batch, because it resets the peak a batch's working memory is measured by."""
+    if device.type != "cuda":
+        return None
+    x = torch.rand(1, 3, PROBE, PROBE, device=device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        model(x)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / PROBE**2
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """What the device can still give this process: the driver's free memory plus what torch's caching
+    allocator holds unused. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 class Upscalers:
     """The upscalers one worker serves: loaded once at start, kept on the model's device (host while asleep)."""
 
@@ -111,11 +140,16 @@ class Upscalers:
         self.device = device
         self.settings = dict(settings)
         self.models: dict[str, Any] = {}
+        self.per_pixel: dict[str, float] = {}  # each one's probe (CUDA): what tiles.planned plans with
+        self.ran: dict[str, tuple[int, int]] = {}  # the tiles each one last ran in: what an OOM retry halves
         for name, s in self.settings.items():
             try:
                 self.models[name] = load(s.path).to(device).eval()
             except PipelineError as exc:  # the engine checked every file at start: this is a changed file
                 raise PipelineError(f"upscaler {name!r} ({s.path}): {exc}") from None
+            measured = per_pixel(self.models[name], device)
+            if measured is not None:
+                self.per_pixel[name] = measured
 
     def place(self, asleep: bool) -> None:
         for model in self.models.values():
@@ -129,8 +163,9 @@ class Upscalers:
         model = self.models.get(name)
         if model is None:
             raise PipelineError(f"upscaler {name!r} is not loaded in this worker")
-        tile, overlap = tiles or self.tiles(name)
         x = images.to(self.device, torch.float32)
+        tile, overlap = tiles or self.plan(name, x)
+        self.ran[name] = (tile, overlap)
         with torch.inference_mode():
             if whole(tile, x.shape[-2], x.shape[-1]):
                 return model(x).clamp_(0, 1)
@@ -141,9 +176,29 @@ class Upscalers:
         s = self.settings.get(name)
         return (s.tile, s.overlap) if s is not None else (0, 0)
 
+    def plan(self, name: str, images: torch.Tensor) -> tuple[int, int]:
+        """The tiles ``images`` run in: serve's, or smaller where the device's free memory would not hold
+        them (``tiles.planned``); serve's as given where nothing was measured (a CPU)."""
+        tile, overlap = self.tiles(name)
+        need, free = self.per_pixel.get(name), free_bytes(self.device)
+        if need is None or free is None:
+            return tile, overlap
+        n, _, h, w = images.shape
+        got = planned(tile, overlap, n, h, w, int(self.models[name].scale), need, free)
+        if got != (tile, overlap):
+            log.info("upscaler %r: %d %dx%d picture(s) in tiles of %d (overlap %d) rather than %s: %.2f GiB "
+                     "free, %.0f bytes per pixel measured", name, n, w, h, got[0], got[1],
+                     f"tiles of {tile}" if tile else "whole", free / 2**30, need)
+        return got
+
+    def last_tiles(self, name: str) -> tuple[int, int]:
+        """The tiles upscaler ``name`` last ran in (serve's before it has run)."""
+        return self.ran.get(name) or self.tiles(name)
+
     def smaller(self, name: str, images: torch.Tensor) -> tuple[int, int] | None:
-        """The tiles to retry ``images`` with after running out of memory (None: none smaller)."""
-        return smaller(*self.tiles(name), images.shape[-2], images.shape[-1])
+        """The tiles to retry ``images`` with after running out of memory: half those that ran (None:
+        none smaller)."""
+        return smaller(*self.last_tiles(name), images.shape[-2], images.shape[-1])
 
 
 def main(argv: list[str]) -> int:

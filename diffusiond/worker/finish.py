@@ -111,7 +111,7 @@ class Finisher:
                 raise
             why = first_line(exc)
         self.oom_retries += 1
-        tile = self.upscalers.tiles(name)[0]
+        tile = self.upscalers.last_tiles(name)[0]  # serve's, or the smaller ones free memory chose
         h, w = images.shape[-2:]
         tiled = bool(tile) and max(h, w) > tile
         ran = f"tiles of {tile}" if tiled else "one piece"

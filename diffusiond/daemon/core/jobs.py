@@ -199,9 +199,11 @@ class Job:
     timings_ms: dict[str, float] = field(default_factory=dict)
     ended_at: float | None = None
     # What the model ran with that the default path does not: approximate speed-ups (named in
-    # every output) and the torch.compile mode; from the model's capabilities at admission.
+    # every output), the torch.compile mode and the attention backend; from the model's capabilities
+    # at admission.
     approximations: tuple[str, ...] = ()
     compiled: str = ""
+    attention: str = ""  # the attention backend, "" on the default path (pipelines/attention.py)
     sync: bool = False  # submitted through the synchronous endpoint
     attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)

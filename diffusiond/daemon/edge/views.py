@@ -84,6 +84,7 @@ def job(j: Job) -> dict[str, Any]:
         "timings_ms": dict(j.timings_ms),
         "approximations": list(j.approximations),
         "compiled": j.compiled or None,
+        "attention": j.attention or None,
         # kept from before outputs had their own: the versions all its outputs ran with, null when they differ
         "lora_versions": j.lora_versions or None,
         "weight_versions": j.weight_versions or None,
@@ -206,6 +207,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
+            "attention": m.capabilities.attention or None,
             "offload": m.capabilities.offload,
             "residency": where.residency if where is not None else ("disk" if m.retired else "loading"),
             "device_bytes": where.device_bytes if where is not None else 0,

@@ -38,4 +38,6 @@ def file_metadata(item: Item) -> dict[str, str]:
         meta["approximations"] = ", ".join(item.job.approximations)
     if item.job.compiled:
         meta["compiled"] = item.job.compiled
+    if item.job.attention:
+        meta["attention"] = item.job.attention
     return meta
