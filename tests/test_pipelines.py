@@ -383,3 +383,22 @@ def test_a_model_loaded_in_half_precision_stays_there_with_its_edit_pipelines(sp
               for t in m.parameters()}
     assert dtypes == {torch.bfloat16}
     assert weight_bytes(half) < 0.51 * weight_bytes(full)  # half, but for integer buffers (position ids)
+
+
+def test_edit_pipelines_are_built_on_the_weights_in_place(model_cache: Path) -> None:
+    """Building a sibling must not copy the weights: a cast to float32 and back, per sibling, was most
+    of a GPU worker's start (~22 s of an SD 1.5 cold start). A module kept in another dtype than the
+    rest (Wan keeps some in float32) keeps it."""
+    import diffusers
+
+    from diffusiond.pipelines.edit_pipes import sibling
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    pipe = diffusers.StableDiffusionPipeline.from_pretrained(ensure_tiny(), dtype=torch.bfloat16)
+    kept = pipe.vae.post_quant_conv.to(torch.float32)  # a small part in float32, as Wan keeps some
+    tensors = [t for m in (pipe.unet, pipe.text_encoder) for t in m.parameters()]
+    where = [t.data_ptr() for t in tensors]
+    sibling(diffusers.StableDiffusionImg2ImgPipeline, pipe)
+    assert [t.data_ptr() for t in tensors] == where, "the bfloat16 weights were copied"
+    assert {t.dtype for t in tensors} == {torch.bfloat16}
+    assert {t.dtype for t in kept.parameters()} == {torch.float32}

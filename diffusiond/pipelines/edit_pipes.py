@@ -11,6 +11,7 @@ does that task only, and a request must send an image.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import torch
@@ -82,15 +83,21 @@ def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozens
 def sibling(cls: Any, pipe: Any, **components: Any) -> Any:
     """``cls.from_pipe(pipe, ...)`` on the same modules, leaving their dtypes as they were.
 
-    diffusers' ``from_pipe`` (0.42) ends with ``new_pipeline.to(dtype=torch_dtype or torch.float32)``, and
+    diffusers' ``from_pipe`` (0.42) ends with ``new_pipeline.to(dtype=...)`` (float32 unless told), and
     the modules it casts are the loaded model's own: building an img2img sibling of a float16 SDXL turned
-    the whole model float32 (twice the memory, fp32 kernels). Passing ``torch_dtype`` would not do
-    either, since a model may hold modules kept in float32 beside bfloat16 ones (Wan), so each
-    parameter's and buffer's dtype (the added components' too: a ControlNet) is noted before and put back
-    after."""
+    the whole model float32 (twice the memory, fp32 kernels), and casting it back cost a full round trip
+    of every weight on the CPU per sibling (15-23 s for an SD 1.5-size model on a 2-core box, most of
+    the H200's ~22 s worker start). So the cast is told the dtype most weight bytes already have, which
+    makes it a no-op for them; a model may hold modules kept in float32 beside bfloat16 ones (Wan), and
+    those few (and an added component's, a ControlNet's) are noted before and put back after."""
     modules = [m for m in (*pipe.components.values(), *components.values()) if hasattr(m, "parameters")]
     before = [(t, t.dtype) for m in modules for t in (*m.parameters(), *m.buffers())]
-    new = cls.from_pipe(pipe, **components)
+    weight: Counter[torch.dtype] = Counter()
+    for tensor, dtype in before:
+        if tensor.is_floating_point():
+            weight[dtype] += tensor.numel() * tensor.element_size()
+    kwargs = {"dtype": weight.most_common(1)[0][0]} if weight else {}
+    new = cls.from_pipe(pipe, **components, **kwargs)
     for tensor, dtype in before:
         if tensor.dtype != dtype:
             tensor.data = tensor.data.to(dtype)
