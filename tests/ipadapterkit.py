@@ -11,7 +11,21 @@ Random weights, large enough that the reference image visibly steers tiny's outp
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
+
+import numpy as np
+
+
+def png(seed: int, side: int = 48) -> str:
+    """A reference picture (random pixels from ``seed``) as base64 PNG text, as a request carries it."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def build_ip_adapter(out: Path, *, seed: int, projection_dim: int = 16) -> Path:
