@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemonkit import Daemon, first_output, http, shared_daemon, submit, wait_job
-from ipadapterkit import build_ip_adapter, png
+from daemonkit import Daemon, http, shared_daemon, submit, wait_job
+from ipadapterkit import build_ip_adapter, entry, output
 
 FAST = {"model": "tiny", "width": 64, "height": 64, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
         "output_format": "npy", "output_dtype": "float32"}  # float: tiny's uint8 pictures saturate
@@ -33,12 +33,8 @@ def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, ip_adapter
         yield d.socket
 
 
-def entry(name: str, seed: int, scale: float = 1.0) -> dict[str, Any]:
-    return {"name": name, "image": png(seed), "scale": scale}
-
-
 async def run(s: aiohttp.ClientSession, *entries: dict[str, Any], **extra: Any) -> bytes:
-    return await first_output(s, {**FAST, **extra, **({"ip_adapter": list(entries)} if entries else {})})
+    return await output(s, FAST, *entries, **extra)
 
 
 async def test_two_adapters_steer_together_and_at_scale_zero_give_the_plain_output(sock: Path) -> None:

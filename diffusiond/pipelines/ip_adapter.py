@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 UNET_FAMILIES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")  # diffusers' IPAdapterMixin
 FLUX_FAMILY = "FluxPipeline"  # FluxIPAdapterMixin: XLabs' adapters, in the double-stream blocks
-FAMILIES = UNET_FAMILIES  # FLUX: next change, with its tests
+FAMILIES = (*UNET_FAMILIES, FLUX_FAMILY)
 # XLabs' names (flux-ip-adapter.safetensors) and diffusers' for the same tensors, as FluxIPAdapterMixin reads them
 _XLABS = {"ip_adapter_proj_model": "image_proj", "double_blocks": "ip_adapter"}
 _XLABS_RENAMES = (("ip_adapter_double_stream_k_proj", "to_k_ip"), ("ip_adapter_double_stream_v_proj", "to_v_ip"),
@@ -142,7 +142,9 @@ class IpAdapters:
         weights = read_weights(weights_file)
         if for_flux(weights) != self._flux:
             kind = "a FLUX IP-Adapter (XLabs' layout)" if for_flux(weights) else "an SD 1.5 / SDXL IP-Adapter"
-            raise PipelineError(f"it is {kind} and model {base.name} is a {type(base.pipe).__name__}")
+            takes = "FLUX ones" if self._flux else "SD 1.5 / SDXL ones (h94's layout)"
+            raise PipelineError(f"it is {kind} and model {base.name} is a {type(base.pipe).__name__}, "
+                                f"which takes {takes}")
         enc = CLIPVisionModelWithProjection.from_pretrained(folder, use_safetensors=True)
         proj = weights["image_proj"].get("proj.weight")
         if proj is not None and proj.shape[-1] != enc.config.projection_dim:

@@ -1,12 +1,13 @@
 """IP-Adapters: the ones this daemon serves, and a request's reference images from bytes to a sealed buffer.
 
 An IP-Adapter steers a model by a reference picture: its image encoder (CLIP vision) turns the
-picture into a few extra tokens that a second, small cross-attention in every UNet block reads
-beside the prompt's. One is registered by name (``serve --ip-adapter NAME=PATH[,image_encoder=DIR]``,
-TOML ``[ip_adapters]``): the weights file (diffusers' ``load_ip_adapter`` format) and its encoder's
-folder. The configuration only checks that both are there (``values.check_ip_adapter``); each
-worker reads them at start and reports those that do not fit its model (``Model.ip_adapter_errors``),
-so admission refuses such pairs with a 400 naming the field.
+picture into a few extra tokens that a second, small cross-attention in every UNet block (every
+double-stream block of a FLUX transformer) reads beside the prompt's. One is registered by name
+(``serve --ip-adapter NAME=PATH[,image_encoder=DIR]``, TOML ``[ip_adapters]``): the weights file
+(diffusers' ``load_ip_adapter`` format, or XLabs' for FLUX) and its encoder's folder. The
+configuration only checks that both are there (``values.check_ip_adapter``); each worker reads them
+at start and reports those that do not fit its model (``Model.ip_adapter_errors``), so admission
+refuses such pairs with a 400 naming the field.
 
 A reference image is decoded like an edit image (``images.open_image``: the same formats, the same
 pixel bound, every decoder failure a 400 naming the field), in the encode pool, never on the event
