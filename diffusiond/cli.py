@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "scale 1 if left out; repeatable")
     g.add_argument("--ip-adapter", action="append", type=ip_adapter_arg, metavar="NAME:IMAGE[:SCALE]",
                    help="steer by a reference picture through an IP-Adapter the daemon serves "
-                        "(see GET /v1/ip-adapters), scale 1 if left out")
+                        "(see GET /v1/ip-adapters), scale 1 if left out; repeatable (up to 4 act together)")
     g.add_argument("--upscale", type=upscale_arg, metavar="NAME[:SCALE]",
                    help="every output through an upscaler the daemon serves (see GET /v1/upscalers), at its own "
                         "scale unless SCALE is given")

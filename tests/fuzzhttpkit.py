@@ -163,7 +163,7 @@ def within_limits(job: dict[str, Any]) -> None:
     assert not (r["control"] and r["task"]), job  # ControlNets with an edit are refused, with a reference or not
     for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the one model it fits (with control or an edit)
         assert a["name"] == "style" and job["model"] == "tiny", job
-        assert 0 <= a["scale"] <= 4 and len(a["image_digest"]) == 24 and len(r["ip_adapter"]) == 1, job
+        assert 0 <= a["scale"] <= 4 and len(a["image_digest"]) == 24 and len(r["ip_adapter"]) <= 4, job
     u, h = r["upscale"], r["hires"]  # issue 30: served upscalers, image-to-image models, sizes in their bounds
     assert u is None or (u["name"] == "esr" and 1 <= u["scale"] <= 8 and u["width"] <= 16384), job
     assert h is None or (job["model"] == "tiny" and h["upscaler"] in (None, "esr") and 0 < h["strength"] <= 1

@@ -88,14 +88,15 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
                   "end": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, math.inf]),
                   "preprocess": st.sampled_from(["none", "canny", "depth", ""]) | values},
     ), max_size=3) | values,
-    # IP-Adapters: the served one and others, reference images good and bad, scales in and out of range
+    # IP-Adapters: the served one and others, reference images good and bad, scales in and out of range;
+    # several at once, the same one twice, past the cap of 4
     "ip_adapter": st.lists(st.fixed_dictionaries(
         {"name": st.sampled_from(["style", "nope", "", "STYLE"])},
         optional={"image": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode())
                   | st.sampled_from(["", "%%%"]) | values,
                   "image_path": st.sampled_from(["in.png", "../in.png", "/dev/zero", ""]),
                   "scale": st.floats(min_value=-1, max_value=5) | st.sampled_from([0, 4, math.nan, math.inf])},
-    ), max_size=2) | values,
+    ), max_size=6) | values,
     # issue 30: an upscaler known or not at scales in and out of range; a hires pass on models with and without
     # image-to-image, its sizes past the limits
     "upscale": st.fixed_dictionaries({"name": st.sampled_from(["esr", "nope", "", "ESR"]) | values}, optional={
@@ -173,7 +174,8 @@ def combined_bodies(draw: st.DrawFn) -> dict[str, Any]:
     """A valid body with a reference image (``ip_adapter``) and control images or an edit's image and
     mask, or both (refused): plausible values, so many get past decoding into the pairing rules."""
     png64, mask64 = base64.b64encode(PNG_64).decode(), base64.b64encode(MASK_64).decode()
-    valid: dict[str, Any] = {"ip_adapter": [{"name": "style", "image": png64, "scale": 0.5}],
+    twice = draw(st.integers(1, 2))  # the served adapter once, or twice (two references at once)
+    valid: dict[str, Any] = {"ip_adapter": [{"name": "style", "image": png64, "scale": 0.5}] * twice,
                              "control": [{"name": "edges", "image": png64}], "image": png64, "mask": mask64,
                              "strength": 0.5, "hires": {"scale": 1.5, "steps": 1}}
     body = valid_base(JOB_FIELDS, "tiny")

@@ -71,7 +71,7 @@ def ip_adapter_values(ctx: Ctx) -> st.SearchStrategy[Any]:
                                             | nasty_values,
                                             "image_path": path_values(ctx) | nasty_values,
                                             "scale": nasty_values | st.floats(-1, 5)})
-    return st.lists(entry, max_size=3) | nasty_values
+    return st.lists(entry, max_size=6) | nasty_values  # past the cap of 4 entries
 
 
 preview_values = st.fixed_dictionaries({}, optional={"every": nasty_values | st.integers(-1, 5),

@@ -18,23 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import pytest
 from daemonkit import Daemon, get, http, shared_daemon, submit, wait_job
-from ipadapterkit import build_ip_adapter
+from ipadapterkit import build_ip_adapter, png
 
 SIZE = 64
 FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
         "output_format": "npy", "output_dtype": "float32"}  # float: tiny's uint8 pictures saturate
-
-
-def png(seed: int, side: int = 48) -> str:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +132,13 @@ async def refused(s: aiohttp.ClientSession, ip_adapter: Any, **extra: Any) -> tu
     ([{"name": "style", "image_path": "ref.png"}], {}, "ip_adapter[0].image_path", "input-dir"),
     ([{"name": "style", "image": "x", "scale": 9}], {}, "ip_adapter[0].scale", "from 0 to"),
     ([{"name": "style", "image": "x", "scale": -0.5}], {}, "ip_adapter[0].scale", "from 0 to"),
-    ([{"name": "style", "image": "x"}] * 2, {}, "ip_adapter", "at most 1"),
+    ([{"name": "style", "image": "x"}] * 5, {}, "ip_adapter", "at most 4 IP-Adapters"),
+    # several entries (tests/test_ip_adapter_multi.py): the message names the bad one's index
+    ([{"name": "style", "image": png(1)}, {"name": "face", "image": "x"}], {}, "ip_adapter[1].name", "known: mono"),
+    ([{"name": "style", "image": png(1)}, {"name": "mono", "image": png(1)}], {}, "ip_adapter[1].name",
+     "does not fit model 'tiny'"),
+    ([{"name": "style", "image": png(1)}, {"name": "style", "image": "x", "scale": 5}], {}, "ip_adapter[1].scale",
+     "from 0 to"),
     ([{"name": "style", "image": "x", "weight": 1}], {}, "ip_adapter", "unknown field `weight`"),
 ])
 async def test_bad_ip_adapter_entries_are_400s_naming_the_field(sock: Path, ip_adapter: Any, extra: dict[str, Any],

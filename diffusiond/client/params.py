@@ -49,7 +49,8 @@ class JobParams(TypedDict, total=False):
     # ControlNets (GET /v1/controlnets): {"name", "image" (bytes or a local file, sent base64) or "image_path",
     # "scale", "start", "end", "preprocess"}, one dict each
     control: Sequence[Mapping[str, Any]]
-    # IP-Adapters (GET /v1/ip-adapters): {"name", "image" (bytes or a local file, sent base64) or "image_path", "scale"}
+    # IP-Adapters (GET /v1/ip-adapters): {"name", "image" (bytes or a local file, sent base64) or "image_path",
+    # "scale"}, one dict each, up to 4 acting together (the same adapter twice with two pictures too)
     ip_adapter: Sequence[Mapping[str, Any]]
     # every output through an upscaler (GET /v1/upscalers): its name, or {"name", "scale"} (the model's own scale
     # when left out); a second, image-to-image pass at a larger size first: a scale, or {"scale", "strength",

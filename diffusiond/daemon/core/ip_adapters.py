@@ -1,17 +1,18 @@
 """IP-Adapters: the ones this daemon serves, and a request's reference images from bytes to a sealed buffer.
 
 An IP-Adapter steers a model by a reference picture: its image encoder (CLIP vision) turns the
-picture into a few extra tokens that a second, small cross-attention in every UNet block reads
-beside the prompt's. One is registered by name (``serve --ip-adapter NAME=PATH[,image_encoder=DIR]``,
-TOML ``[ip_adapters]``): the weights file (diffusers' ``load_ip_adapter`` format) and its encoder's
-folder. The configuration only checks that both are there (``values.check_ip_adapter``); each
-worker reads them at start and reports those that do not fit its model (``Model.ip_adapter_errors``),
-so admission refuses such pairs with a 400 naming the field.
+picture into a few extra tokens that a second, small cross-attention in every UNet block (every
+double-stream block of a FLUX transformer) reads beside the prompt's. One is registered by name
+(``serve --ip-adapter NAME=PATH[,image_encoder=DIR]``, TOML ``[ip_adapters]``): the weights file
+(diffusers' ``load_ip_adapter`` format, or XLabs' for FLUX) and its encoder's folder. The
+configuration only checks that both are there (``values.check_ip_adapter``); each worker reads them
+at start and reports those that do not fit its model (``Model.ip_adapter_errors``), so admission
+refuses such pairs with a 400 naming the field.
 
 A reference image is decoded like an edit image (``images.open_image``: the same formats, the same
 pixel bound, every decoder failure a 400 naming the field), in the encode pool, never on the event
-loop. It keeps its own size: the pipeline's CLIP image processor resizes and crops it for the
-encoder, as diffusers does for ``ip_adapter_image``. Its digest joins the batch key (so requests
+loop. It keeps its own size: its adapter's CLIP image processor resizes and crops it for that
+adapter's encoder, as diffusers does for ``ip_adapter_image``. Its digest joins the batch key (so requests
 with different references never share a forward) and is what history and output metadata show.
 """
 
@@ -31,9 +32,9 @@ from diffusiond.daemon.errors import InvalidRequest
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import IpAdapterRef
 
-# One at a time: diffusers' pipelines hold one image encoder, and IP-Adapters trained on different
-# encoders cannot share it; so a request names one (the field is a list, to grow into several).
-MAX_IP_ADAPTERS = 1
+# Several act at once, each with its own picture (the worker encodes each with its own adapter's
+# encoder); past a few, each only dilutes the others and adds an attention per block.
+MAX_IP_ADAPTERS = 4
 MAX_SCALE = 4.0  # past the usual 0-1.5, the reference only burns the picture
 
 

@@ -1,11 +1,13 @@
 """A job's ``ip_adapter`` field: its shape checked here, its IP-Adapters against the registry, its images in the pool.
 
 Runs after ``requests.check`` and ``controls.attach``, on the request they built. Every mistake is a
-400 naming the entry and field (``ip_adapter[0].scale``). A reference image combines with an edit
-(image-to-image, inpainting) or with ControlNets, as ComfyUI and Forge users combine them: the worker
-runs the edit's or the ControlNets' sibling pipeline with the adapter in the shared UNet. A job sends
-one input buffer, so the references join the edit's or control's arrays in a new one, and the old one
-is closed at once (its arrays are copied, not kept twice for the job's life).
+400 naming the entry and field (``ip_adapter[0].scale``). Several entries act together (up to
+``MAX_IP_ADAPTERS``, the same adapter twice with two pictures too), in the request's order, which the
+batch key keeps. References combine with an edit (image-to-image, inpainting) or with ControlNets, as
+ComfyUI and Forge users combine them: the worker runs the edit's or the ControlNets' sibling pipeline
+with the adapters in the shared denoiser. A job sends one input buffer, so the references join the
+edit's or control's arrays in a new one, and the old one is closed at once (its arrays are copied,
+not kept twice for the job's life).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class IpAdapterBody(msgspec.Struct, forbid_unknown_fields=True):
 def plan(raw: list[Any]) -> list[IpAdapterEntry]:
     """The entries' shape: a count the pipeline can run, an image each, a scale in bounds."""
     if len(raw) > MAX_IP_ADAPTERS:
-        raise invalid(f"ip_adapter has {len(raw)} entries; at most {MAX_IP_ADAPTERS} IP-Adapter acts at once",
-                      field="ip_adapter")
+        raise invalid(f"ip_adapter has {len(raw)} entries; at most {MAX_IP_ADAPTERS} IP-Adapters act at once: "
+                      "send fewer entries", field="ip_adapter")
     entries: list[IpAdapterEntry] = []
     for i, body in enumerate(raw):
         b = body if isinstance(body, IpAdapterBody) else msgspec.convert(body, IpAdapterBody)
