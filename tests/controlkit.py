@@ -28,6 +28,18 @@ def png(seed: int, side: int = 64) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def mask_png(side: int = 64) -> str:
+    """A base64 greyscale PNG mask without alpha: white (the centre square, half the side) is repainted."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.zeros((side, side), np.uint8)
+    a[side // 4: 3 * side // 4, side // 4: 3 * side // 4] = 255
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def build_controlnet(out: Path, *, seed: int, pipeline: Path | None = None) -> Path:
     """Write a diffusers ControlNet folder into ``out`` for the UNet pipeline in folder ``pipeline``
     (default: tiny); returns it. Its conditioning embedding halves the picture once: tiny's VAE and

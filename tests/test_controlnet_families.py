@@ -1,8 +1,9 @@
 """ControlNets on the SDXL and FLUX families, end to end: one real daemon serving both.
 
-test_controlnet.py covers the request field on ``tiny`` (SD 1.5); here each family's own diffusers
-pipeline runs (``StableDiffusionXLControlNetPipeline`` with its added size conditioning,
-``FluxControlNetPipeline`` with the picture VAE-encoded and packed). The models and ControlNets are
+test_controlnet.py covers the request field on ``tiny`` (SD 1.5), test_controlnet_edits.py with
+its edits; here each family's own diffusers pipelines run, for text-to-image and the two edits
+(``StableDiffusionXLControlNetPipeline`` with its added size conditioning, ``FluxControlNetPipeline``
+with the picture VAE-encoded and packed, their image-to-image and inpainting siblings). The models and ControlNets are
 built in code (sdxlkit.py, controlkit.py), saved as folders and served the way a user's are:
 ``--model xl=FOLDER``, the embedded ``tiny-flux``, ``--controlnet NAME=FOLDER``. Three fit no
 model: ``edges`` is tiny's (SD 1.5), ``flux-16`` one for fluxkit.py's FLUX (tiny-flux's width, 4
@@ -18,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from controlkit import build_controlnet, build_flux_controlnet, png
+from controlkit import build_controlnet, build_flux_controlnet, mask_png, png
 from daemonkit import first_output, get, http, shared_daemon
 from sdxlkit import build_sdxl
 
@@ -60,8 +61,8 @@ async def run(s: aiohttp.ClientSession, model: str, control: list[dict[str, Any]
 
 @pytest.mark.parametrize("model", FAMILIES)
 async def test_control_steers_and_scale_zero_is_the_plain_output_bit_for_bit(sock: Path, model: str) -> None:
-    """Scale 0 multiplies every residual by 0, and FLUX's ControlNet pipeline gets the model's own
-    noise (controlnet.py's ``_flux_noise``): bit for bit the plain job, though it ran the other pipeline."""
+    """Scale 0 multiplies every residual by 0, and FLUX's ControlNet pipeline draws the model's own
+    noise (controlnet.py's ``_Rewind``): bit for bit the plain job, though it ran the other pipeline."""
     name = FAMILIES[model][0]
     async with http(sock) as s:
         plain = await run(s, model)
@@ -72,6 +73,23 @@ async def test_control_steers_and_scale_zero_is_the_plain_output_bit_for_bit(soc
     assert steered != plain, "the control changed nothing"
     assert other != steered, "another control image gave the same output"
     assert late not in (plain, steered), "the step range changed nothing"
+    assert zero == plain
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("edit", [{"image": png(12), "strength": 0.7}, {"image": png(12), "mask": mask_png()}],
+                         ids=["img2img", "inpaint"])
+async def test_control_steers_an_edit_and_scale_zero_is_the_plain_edit_bit_for_bit(sock: Path, model: str,
+                                                                                   edit: dict[str, Any]) -> None:
+    """The family's ControlNet edit pipelines (``StableDiffusionXLControlNetImg2ImgPipeline``,
+    ``FluxControlNetInpaintPipeline``, ...); FLUX's encodes the control picture from the seed's generator
+    first, and is wound back to draw as the plain edit does (controlnet.py's ``_Rewind``)."""
+    name = FAMILIES[model][0]
+    async with http(sock) as s:
+        plain = await run(s, model, **edit)
+        steered = await run(s, model, [{"name": name, "image": png(1)}], **edit)
+        zero = await run(s, model, [{"name": name, "image": png(1), "scale": 0.0}], **edit)
+    assert steered != plain, "the control changed nothing"
     assert zero == plain
 
 

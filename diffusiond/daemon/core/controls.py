@@ -27,7 +27,7 @@ from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core import images
 from diffusiond.daemon.core.inputs import Source, _bytes_of
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
-from diffusiond.ipc.inputs import InputBuffer
+from diffusiond.ipc.inputs import InputBuffer, read_inputs
 from diffusiond.ipc.messages import ControlRef
 
 MAX_CONTROLS = 4  # ControlNets in one request: each one is a second denoiser-sized forward per step
@@ -74,7 +74,8 @@ class ControlEntry:
 
 @dataclass
 class ControlInput:
-    """A request's decoded control images in a sealed buffer; the job owns it (the engine closes it)."""
+    """A request's decoded control images in a sealed buffer (with an edit's image and mask first, when
+    it has them); the job owns it (the engine closes it)."""
 
     entries: tuple[ControlEntry, ...]
     refs: tuple[ControlRef, ...]
@@ -103,8 +104,11 @@ def _canny(rgb: np.ndarray) -> np.ndarray:
 
 
 def decode_controls(entries: Sequence[ControlEntry], *, width: int, height: int, limits: Limits,
-                    input_dir: str | None) -> ControlInput:
-    """Decode, check, resize (to the output's size) and preprocess each control image (in the encode pool)."""
+                    input_dir: str | None, joined: InputBuffer | None = None) -> ControlInput:
+    """Decode, check, resize (to the output's size) and preprocess each control image (in the encode pool).
+
+    ``joined`` is an edit's input (its image and mask): a job's input travels as one buffer, so the
+    new one holds those arrays first, read back from the sealed memfd (what admission validated)."""
     from PIL import Image
 
     pictures: list[np.ndarray] = []
@@ -127,6 +131,10 @@ def decode_controls(entries: Sequence[ControlEntry], *, width: int, height: int,
         digest = hashlib.blake2b(rgb.tobytes(), digest_size=12).hexdigest()
         pictures.append(rgb)
         refs.append(ControlRef(e.name, e.scale, e.start, e.end, digest))
-    buffer = InputBuffer(None, None, controls=pictures, name="diffusiond-control")
+    if joined is None:
+        buffer = InputBuffer(None, None, controls=pictures, name="diffusiond-control")
+    else:
+        image, mask = read_inputs([joined.fd], joined.ref(0))
+        buffer = InputBuffer(image, mask, controls=pictures, name=joined.name)
     return ControlInput(entries=tuple(entries), refs=tuple(refs), buffer=buffer)
 

@@ -130,9 +130,10 @@ class JobRequest:
     @property
     def buffer(self) -> InputBuffer | None:
         """The sealed input that travels with each batch of this job (an edit's, the control images' or
-        the reference images'): one per job, so a reference's holds the edit's or control's arrays too
-        (edge/ip_adapters.py), and it is the one sent."""
-        owner = self.ip_adapter or self.edit or self.control
+        the reference images'): one per job, each later one holding the earlier ones' arrays too (the
+        control images' an edit's, edge/controls.py; a reference's both, edge/ip_adapters.py), and the
+        last made is the one sent."""
+        owner = self.ip_adapter or self.control or self.edit
         return owner.buffer if owner is not None else None
 
     def close_inputs(self) -> None:
