@@ -8,6 +8,8 @@ with ``from_pipe`` from the pipeline the worker already holds, the
 way the edits are (``diffusers_pipeline._edit_pipes``), so the base weights are shared and only the
 ControlNet's own weights are added. Several ControlNets in one request run as diffusers' multi
 model (``MultiControlNetModel``): its residuals are summed, each at its own scale and step range.
+A union ControlNet (one model, several control modes: SDXL's ``ControlNetUnionModel`` with its own
+pipelines, FLUX's ``FluxControlNetModel`` with ``num_mode``) gets each request's mode as ``control_mode``.
 A seed gives the model's own starting noise with or without ControlNets (FLUX's pipeline is made to
 draw it in the model's order), so scale 0 is the plain picture (or the plain edit), bit for bit, in every family.
 
@@ -43,6 +45,14 @@ _SD = ("ControlNetModel", "MultiControlNetModel", {
 _SDXL = ("ControlNetModel", "MultiControlNetModel", {
     None: "StableDiffusionXLControlNetPipeline", Task.IMAGE_TO_IMAGE: "StableDiffusionXLControlNetImg2ImgPipeline",
     Task.INPAINTING: "StableDiffusionXLControlNetInpaintPipeline"})
+# SDXL's union ControlNets (one model, several control modes, xinsir's layout) have pipelines of their own;
+# a list of them is wrapped by the pipeline itself (MultiControlNetUnionModel). FLUX's union is a
+# FluxControlNetModel with ``num_mode``, run by the same pipelines with a ``control_mode``.
+_SDXL_UNION = ("ControlNetUnionModel", "", {
+    None: "StableDiffusionXLControlNetUnionPipeline",
+    Task.IMAGE_TO_IMAGE: "StableDiffusionXLControlNetUnionImg2ImgPipeline",
+    Task.INPAINTING: "StableDiffusionXLControlNetUnionInpaintPipeline"})
+UNIONS = {"ControlNetUnionModel": _SDXL_UNION}
 _FLUX = ("FluxControlNetModel", "FluxMultiControlNetModel", {
     None: "FluxControlNetPipeline", Task.IMAGE_TO_IMAGE: "FluxControlNetImg2ImgPipeline",
     Task.INPAINTING: "FluxControlNetInpaintPipeline"})
@@ -111,23 +121,22 @@ def _fit(cn: Any, pipe: Any) -> str | None:
         mine, theirs = cn.config.get(key), transformer.config.get(key)
         if mine != theirs:
             return f"its {key} is {mine!r} and the model's transformer has {theirs!r}"
-    if cn.config.get("num_mode"):  # diffusers raises mid-compute on a union ControlNet given no mode
-        return (f"it is a union ControlNet ({cn.config['num_mode']} control modes) and a request cannot "
-                "choose a mode yet")
     return None
 
 
-def _load(path: str, model_cls: str, dtype: torch.dtype) -> Any:
-    """A ControlNet from a diffusers folder (its config names its class) or a single checkpoint file."""
+def _load(path: str, model_cls: str, dtype: torch.dtype, union_cls: str | None = None) -> Any:
+    """A ControlNet from a diffusers folder (its config names its class: ``model_cls``, or the family's
+    union class ``union_cls``) or a single checkpoint file."""
     import diffusers
 
     p = Path(path).expanduser()
     if p.is_dir():
         config = p / "config.json"
         named = json.loads(config.read_text()).get("_class_name", model_cls) if config.is_file() else model_cls
-        if named != model_cls:
-            raise PipelineError(f"it is a {named}; this model's family takes a {model_cls}")
-        return getattr(diffusers, model_cls).from_pretrained(str(p), torch_dtype=dtype, use_safetensors=True)
+        if named not in (model_cls, union_cls):
+            takes = model_cls if union_cls is None else f"{model_cls} or a {union_cls}"
+            raise PipelineError(f"it is a {named}; this model's family takes a {takes}")
+        return getattr(diffusers, named).from_pretrained(str(p), torch_dtype=dtype, use_safetensors=True)
     cls = getattr(diffusers, model_cls)
     if not hasattr(cls, "from_single_file"):
         raise PipelineError(f"diffusers reads {model_cls} from a folder only (save_pretrained's); give one")
@@ -150,10 +159,11 @@ class ControlNets:
             self.errors = dict.fromkeys(paths, why)
             return
         base = plain_base(pipeline)
-        model_cls = FAMILIES[type(base.pipe).__name__][0]
+        family = FAMILIES[type(base.pipe).__name__]
+        model_cls, union_cls = family[0], _SDXL_UNION[0] if family is _SDXL else None
         for name, path in paths.items():
             try:
-                cn = _load(path, model_cls, base.dtype)
+                cn = _load(path, model_cls, base.dtype, union_cls)
                 misfit = _fit(cn, base.pipe)
                 if misfit:
                     raise PipelineError(misfit)
@@ -183,11 +193,14 @@ class ControlNets:
             from diffusiond.pipelines.edit_pipes import sibling
 
             base = plain_base(self.pipeline)
-            _, multi_cls, pipes = FAMILIES[type(base.pipe).__name__]
+            models = [self.models[n] for n in names]
+            unions = {type(m).__name__ for m in models} & set(UNIONS)
+            if unions and len(unions) != len({type(m).__name__ for m in models}):
+                raise PipelineError("a union ControlNet runs with other union ControlNets only")
+            _, multi_cls, pipes = UNIONS[unions.pop()] if unions else FAMILIES[type(base.pipe).__name__]
             if task not in pipes:
                 raise PipelineError(f"model {base.name} has no ControlNet pipeline for {task}")
-            models = [self.models[n] for n in names]
-            cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models)
+            cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models) if multi_cls else models
             pipe = sibling(getattr(diffusers, pipes[task]), base.pipe, controlnet=cn)
             pipe.set_progress_bar_config(disable=True)
             cached = (pipe, call_args(type(pipe)), _Rewind(pipe) if pipes is _FLUX[2] else None)
@@ -216,13 +229,18 @@ class ControlNets:
             for k in range(len(names))
         ]
         one = len(names) == 1
+        union = type(self.models[names[0]]).__name__ in UNIONS  # its pipeline takes a list of pictures and modes
         extra: dict[str, Any] = {
-            ("control_image" if "control_image" in args else "image"): per_control[0] if one else per_control,
+            ("control_image" if "control_image" in args else "image"):
+                per_control if union or not one else per_control[0],
             "controlnet_conditioning_scale": params.controls[0].scale if one else [c.scale for c in params.controls],
             "control_guidance_start": params.controls[0].start if one else [c.start for c in params.controls],
             "control_guidance_end": params.controls[0].end if one else [c.end for c in params.controls],
             **(more or {}),
         }
+        modes = [c.mode for c in params.controls]
+        if any(m is not None for m in modes):
+            extra["control_mode"] = modes if union or not one else modes[0]
         if task is not None:
             return base.edit(params, requests, edits, on_step, on_preview, extra, pipe=pipe, drawn=rewind)
         return base._call(pipe, args, params, requests, on_step, extra, on_preview, rewind)

@@ -81,8 +81,8 @@ class JobRequest:
     keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
     edit: EditInput | None = field(default=None, compare=False)
-    # ControlNets as asked, (name, scale, start, end, preprocess): what history and output metadata show
-    controls: tuple[tuple[str, float, float, float, str], ...] = ()
+    # ControlNets as asked, (name, scale, start, end, preprocess, mode): what history and output metadata show
+    controls: tuple[tuple[str, float, float, float, str, int | None], ...] = ()
     # the decoded control images and their ControlNets (daemon/core/controls.py); owned like ``edit``
     control: ControlInput | None = field(default=None, compare=False)
     # IP-Adapters as asked, (name, scale, reference image digest); their decoded images, owned like ``edit``

@@ -20,6 +20,7 @@ import msgspec
 from diffusiond.daemon.core.controls import (
     MAX_CONTROLS,
     PREPROCESS,
+    UNION_CLASS,
     ControlEntry,
     canny_unavailable,
     cv2_missing,
@@ -44,6 +45,7 @@ class ControlBody(msgspec.Struct, forbid_unknown_fields=True):
     start: float = 0.0
     end: float = 1.0
     preprocess: str = "none"
+    mode: int | str | None = None  # a union ControlNet's control mode, by number
 
 
 MAX_SCALE = 4.0  # past twice the usual 0-2 range, the control only burns the picture
@@ -92,9 +94,33 @@ def plan(raw: list[Any]) -> list[ControlEntry]:
         if any(e.name == b.name for e in entries):
             raise invalid(f"ControlNet {b.name[:64]!r} is named twice in control; give each once",
                           field=f"{at}.name")
+        if isinstance(b.mode, str):
+            raise invalid(f"{at}.mode {b.mode[:40]!r}: give a union ControlNet's mode by its number (diffusers' "
+                          "configs do not name them; the model's card says which number is which)",
+                          field=f"{at}.mode")
         entries.append(ControlEntry(name=b.name, source=source, scale=b.scale, start=b.start, end=b.end,
-                                    preprocess=b.preprocess))
+                                    preprocess=b.preprocess, mode=b.mode))
     return entries
+
+
+def check_modes(entries: list[ControlEntry], modes: dict[str, int], classes: dict[str, str]) -> None:
+    """A union ControlNet needs a mode in its range (diffusers would fail mid-compute without one) and
+    a single-mode one takes none; SDXL's union ControlNets have pipelines of their own, so they run
+    with other union ControlNets only."""
+    for i, e in enumerate(entries):
+        count, at = modes.get(e.name, 0), f"control[{i}].mode"
+        if e.mode is None and count:
+            raise invalid(f"ControlNet {e.name!r} is a union ControlNet with {count} control modes; choose one "
+                          f"with {at} (0 to {count - 1})", field=at)
+        if e.mode is not None and not count:
+            raise invalid(f"ControlNet {e.name!r} has a single control mode; leave out {at}", field=at)
+        if e.mode is not None and not 0 <= e.mode < count:
+            raise invalid(f"{at} must be from 0 to {count - 1} (ControlNet {e.name!r} has {count} control modes), "
+                          f"got {e.mode}", field=at)
+    unions = [e.name for e in entries if classes.get(e.name) == UNION_CLASS]
+    if unions and len(unions) != len(entries):
+        raise invalid(f"ControlNet {unions[0]!r} is an SDXL union ControlNet, which runs with other union "
+                      "ControlNets only; send the others in another request", field="control")
 
 
 async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
@@ -110,6 +136,7 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
         raise invalid(f"this request is {req.edit.task.value}; ControlNets act with image-to-image and "
                       "inpainting edits (and text-to-image)", field="control")
     engine.check_controls(model.name, [e.name for e in entries])
+    check_modes(entries, engine.controls.modes, engine.controls.classes)
     canny = next((i for i, e in enumerate(entries) if e.preprocess == "canny"), None)
     if canny is not None and cv2_missing():
         raise canny_unavailable(f"control[{canny}].preprocess")
@@ -121,4 +148,4 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
     if joined is not None:
         joined.close()  # the edit's close() is then a no-op; the job closes the new one with the rest
     return dataclasses.replace(req, control=decoded,
-                               controls=tuple((e.name, e.scale, e.start, e.end, e.preprocess) for e in entries))
+                               controls=tuple((e.name, e.scale, e.start, e.end, e.preprocess, e.mode) for e in entries))
