@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(kitty, iTerm2, WezTerm); elsewhere nothing extra")
     g.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:WEIGHT]",
                    help="apply a LoRA the daemon serves (see GET /v1/loras), weight 1 if left out; repeatable")
-    g.add_argument("--control", action="append", type=control_arg, metavar="NAME:IMAGE[:SCALE]",
+    g.add_argument("--control", action="append", type=control_arg, metavar="NAME[@MODE]:IMAGE[:SCALE]",
                    help="steer by a ControlNet the daemon serves (see GET /v1/controlnets) and a picture for it, "
-                        "scale 1 if left out; repeatable")
+                        "scale 1 if left out; @MODE: a union ControlNet's mode number; repeatable")
     g.add_argument("--ip-adapter", action="append", type=ip_adapter_arg, metavar="NAME:IMAGE[:SCALE]",
                    help="steer by a reference picture through an IP-Adapter the daemon serves "
                         "(see GET /v1/ip-adapters), scale 1 if left out; repeatable (up to 4 act together)")

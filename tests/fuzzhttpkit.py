@@ -160,7 +160,9 @@ def within_limits(job: dict[str, Any]) -> None:
     for c in r["control"]:  # ControlNets: served, in range, on the one model they fit
         assert c["name"] == "edges" and job["model"] == "tiny", job
         assert 0 <= c["scale"] <= 4 and 0 <= c["start"] < c["end"] <= 1 and c["preprocess"] in ("none", "canny"), job
-    assert not (r["control"] and r["task"]), job  # ControlNets with an edit are refused, with a reference or not
+        assert c["mode"] is None, job  # edges is no union ControlNet: a mode for it is refused
+    # ControlNets act with the edits that take a strength only, with a reference or not
+    assert not r["control"] or r["task"] in (None, "image-to-image", "inpainting"), job
     for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the one model it fits (with control or an edit)
         assert a["name"] == "style" and job["model"] == "tiny", job
         assert 0 <= a["scale"] <= 4 and len(a["image_digest"]) == 24 and len(r["ip_adapter"]) <= 4, job

@@ -60,7 +60,8 @@ def control_values(ctx: Ctx) -> st.SearchStrategy[Any]:
                                             "scale": nasty_values | st.floats(-1, 5),
                                             "start": nasty_values | st.floats(-1, 2),
                                             "end": nasty_values | st.floats(-1, 2),
-                                            "preprocess": nasty_values | st.sampled_from(["none", "canny"])})
+                                            "preprocess": nasty_values | st.sampled_from(["none", "canny"]),
+                                            "mode": nasty_values | st.integers(-2, 8) | st.sampled_from(["canny"])})
     return st.lists(entry, max_size=5) | nasty_values
 
 

@@ -7,6 +7,7 @@ ControlNet family. Outputs are compared as raw ``npy`` bytes, so "equal" means b
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 from collections.abc import Iterator
@@ -65,8 +66,8 @@ async def test_control_steers_the_output_and_scale_zero_is_the_plain_output_bit_
     assert both not in (plain, edges), "the second ControlNet changed nothing"
     assert zero == plain  # diffusers multiplies the residuals by the scale: 0 adds exact zeros
     assert job["request"]["control"] == [
-        {"name": "edges", "scale": 1.0, "start": 0.0, "end": 1.0, "preprocess": "none"},
-        {"name": "blobs", "scale": 1.0, "start": 0.0, "end": 0.5, "preprocess": "none"}]
+        {"name": "edges", "scale": 1.0, "start": 0.0, "end": 1.0, "preprocess": "none", "mode": None},
+        {"name": "blobs", "scale": 1.0, "start": 0.0, "end": 0.5, "preprocess": "none", "mode": None}]
 
 
 async def test_different_controls_at_once_are_not_batched_together(sock: Path) -> None:
@@ -137,11 +138,17 @@ def test_serve_refuses_a_controlnet_path_it_cannot_serve_with_one_line(arg: str,
 
 
 def test_generate_control_flag_reads_name_image_and_scale() -> None:
-    from diffusiond.commands.generate import control_arg
+    from diffusiond.commands.generate import control_arg, ip_adapter_arg
 
     assert control_arg("edges:lines.png") == {"name": "edges", "image": "lines.png"}
     assert control_arg("edges:a:b.png:0.5") == {"name": "edges", "image": "a:b.png", "scale": 0.5}
     assert control_arg("edges:a:b.png") == {"name": "edges", "image": "a:b.png"}
+    assert control_arg("union@2:depth.png:0.8") == {"name": "union", "image": "depth.png", "scale": 0.8, "mode": 2}
+    for bad in ("union@:x.png", "union@depth:x.png"):
+        with pytest.raises(argparse.ArgumentTypeError, match="MODE"):
+            control_arg(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="mode"):
+        ip_adapter_arg("style@1:ref.png")
 
 
 def test_client_sends_control_images_as_base64() -> None:

@@ -1,24 +1,27 @@
 """ControlNets on the SDXL and FLUX families, end to end: one real daemon serving both.
 
-test_controlnet.py covers the request field on ``tiny`` (SD 1.5); here each family's own diffusers
-pipeline runs (``StableDiffusionXLControlNetPipeline`` with its added size conditioning,
-``FluxControlNetPipeline`` with the picture VAE-encoded and packed). The models and ControlNets are
+test_controlnet.py covers the request field on ``tiny`` (SD 1.5), test_controlnet_edits.py with
+its edits; here each family's own diffusers pipelines run, for text-to-image and the two edits
+(``StableDiffusionXLControlNetPipeline`` with its added size conditioning, ``FluxControlNetPipeline``
+with the picture VAE-encoded and packed, their image-to-image and inpainting siblings). The models and ControlNets are
 built in code (sdxlkit.py, controlkit.py), saved as folders and served the way a user's are:
-``--model xl=FOLDER``, the embedded ``tiny-flux``, ``--controlnet NAME=FOLDER``. Three fit no
+``--model xl=FOLDER``, the embedded ``tiny-flux``, ``--controlnet NAME=FOLDER``. Two fit no
 model: ``edges`` is tiny's (SD 1.5), ``flux-16`` one for fluxkit.py's FLUX (tiny-flux's width, 4
-latent channels where tiny-flux has 16), ``flux-union`` tiny-flux's shapes with control modes.
+latent channels where tiny-flux has 16). ``xl-union`` (a ``ControlNetUnionModel``, 6 modes) and
+``flux-union`` (a ``FluxControlNetModel`` with 3 modes) are union ControlNets: a request picks the mode.
 Outputs are compared as raw ``npy`` bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from controlkit import build_controlnet, build_flux_controlnet, png
+from controlkit import build_controlnet, build_flux_controlnet, mask_png, png
 from daemonkit import first_output, get, http, shared_daemon
 from sdxlkit import build_sdxl
 
@@ -33,15 +36,15 @@ def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet
     from diffusers import FluxControlNetModel
     from fluxkit import TRANSFORMER as FLUXKIT_TRANSFORMER
 
-    from diffusiond.pipelines.tiny_flux import TRANSFORMER as TINY_FLUX_TRANSFORMER
-
     root = tmp_path_factory.mktemp("control-families")
     sdxl = build_sdxl(root / "xl")
     args = ["--model", f"xl={sdxl}", "--model", "tiny-flux", "--workers", "1", "--job-timeout", "300",
-            "--controlnet", f"edges={controlnet_dir}"]
-    for name, config in (("flux-16", FLUXKIT_TRANSFORMER), ("flux-union", {**TINY_FLUX_TRANSFORMER, "num_mode": 2})):
-        FluxControlNetModel(**{**config, "num_layers": 1, "num_single_layers": 1}).save_pretrained(root / name)
-        args += ["--controlnet", f"{name}={root / name}"]
+            "--batch-wait-ms", "300", "--controlnet", f"edges={controlnet_dir}",
+            "--controlnet", f"xl-union={build_controlnet(root / 'xl-union', seed=7, pipeline=sdxl, union=True)}",
+            "--controlnet", f"flux-union={build_flux_controlnet(root / 'flux-union', seed=8, num_mode=3)}"]
+    FluxControlNetModel(**{**FLUXKIT_TRANSFORMER, "num_layers": 1, "num_single_layers": 1}).save_pretrained(
+        root / "flux-16")
+    args += ["--controlnet", f"flux-16={root / 'flux-16'}"]
     for seed, name in enumerate(FAMILIES["xl"], start=3):
         args += ["--controlnet", f"{name}={build_controlnet(root / name, seed=seed, pipeline=sdxl)}"]
     for seed, name in enumerate(FAMILIES["tiny-flux"], start=5):
@@ -60,8 +63,8 @@ async def run(s: aiohttp.ClientSession, model: str, control: list[dict[str, Any]
 
 @pytest.mark.parametrize("model", FAMILIES)
 async def test_control_steers_and_scale_zero_is_the_plain_output_bit_for_bit(sock: Path, model: str) -> None:
-    """Scale 0 multiplies every residual by 0, and FLUX's ControlNet pipeline gets the model's own
-    noise (controlnet.py's ``_flux_noise``): bit for bit the plain job, though it ran the other pipeline."""
+    """Scale 0 multiplies every residual by 0, and FLUX's ControlNet pipeline draws the model's own
+    noise (controlnet.py's ``_Rewind``): bit for bit the plain job, though it ran the other pipeline."""
     name = FAMILIES[model][0]
     async with http(sock) as s:
         plain = await run(s, model)
@@ -72,6 +75,23 @@ async def test_control_steers_and_scale_zero_is_the_plain_output_bit_for_bit(soc
     assert steered != plain, "the control changed nothing"
     assert other != steered, "another control image gave the same output"
     assert late not in (plain, steered), "the step range changed nothing"
+    assert zero == plain
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("edit", [{"image": png(12), "strength": 0.7}, {"image": png(12), "mask": mask_png()}],
+                         ids=["img2img", "inpaint"])
+async def test_control_steers_an_edit_and_scale_zero_is_the_plain_edit_bit_for_bit(sock: Path, model: str,
+                                                                                   edit: dict[str, Any]) -> None:
+    """The family's ControlNet edit pipelines (``StableDiffusionXLControlNetImg2ImgPipeline``,
+    ``FluxControlNetInpaintPipeline``, ...); FLUX's encodes the control picture from the seed's generator
+    first, and is wound back to draw as the plain edit does (controlnet.py's ``_Rewind``)."""
+    name = FAMILIES[model][0]
+    async with http(sock) as s:
+        plain = await run(s, model, **edit)
+        steered = await run(s, model, [{"name": name, "image": png(1)}], **edit)
+        zero = await run(s, model, [{"name": name, "image": png(1), "scale": 0.0}], **edit)
+    assert steered != plain, "the control changed nothing"
     assert zero == plain
 
 
@@ -109,7 +129,7 @@ async def test_an_unknown_name_and_a_bad_image_are_400s_naming_the_field(sock: P
 
 
 @pytest.mark.parametrize(("model", "other"), [("xl", "flux-lines"), ("tiny-flux", "xl-lines"), ("xl", "edges"),
-                                            ("tiny-flux", "flux-16"), ("tiny-flux", "flux-union")])
+                                            ("tiny-flux", "flux-16"), ("tiny-flux", "xl-union"), ("xl", "flux-union")])
 async def test_a_controlnet_of_another_family_is_a_400(sock: Path, model: str, other: str) -> None:
     async with http(sock) as s:
         status, error = await refused(s, model, [{"name": other, "image": png(1)}])
@@ -125,10 +145,10 @@ async def test_controlnets_endpoint_says_which_family_each_fits(sock: Path) -> N
     for model, other in (("xl", "tiny-flux"), ("tiny-flux", "xl")):
         for name in FAMILIES[model]:
             assert entries[name]["models"] == [model] and set(entries[name]["unfit"]) == {other}, entries[name]
-    for name in ("edges", "flux-16", "flux-union"):
+    for name in ("edges", "flux-16"):
         assert entries[name]["models"] == [] and set(entries[name]["unfit"]) == {"xl", "tiny-flux"}, entries[name]
+    assert entries["xl-union"]["models"] == ["xl"] and entries["flux-union"]["models"] == ["tiny-flux"]
     assert "in_channels is 16" in entries["flux-16"]["unfit"]["tiny-flux"]  # the same width: found by its input
-    assert "union ControlNet" in entries["flux-union"]["unfit"]["tiny-flux"]
     assert "FluxControlNetModel" in entries["flux-lines"]["unfit"]["xl"]
     assert "ControlNetModel" in entries["xl-lines"]["unfit"]["tiny-flux"]
     assert "cross_attention_dim" in entries["edges"]["unfit"]["xl"]  # SD 1.5's text width, not SDXL's
@@ -141,3 +161,48 @@ async def test_flux_scale_zero_is_plain_with_a_stochastic_sampler_too(sock: Path
         plain = await run(s, "tiny-flux", scheduler="flow-sde")
         zero = await run(s, "tiny-flux", [{"name": "flux-lines", "image": png(1), "scale": 0.0}], scheduler="flow-sde")
     assert zero == plain
+
+
+UNIONS = {"xl": "xl-union", "tiny-flux": "flux-union"}
+
+
+def union(model: str, mode: Any, **extra: Any) -> list[dict[str, Any]]:
+    return [{"name": UNIONS[model], "image": png(1), "mode": mode, **extra}]
+
+
+@pytest.mark.parametrize("model", UNIONS)
+async def test_a_union_controlnets_mode_steers_and_modes_keep_apart(sock: Path, model: str) -> None:
+    """The mode reaches the model (SDXL's ``control_type`` one-hot, FLUX's mode embedding): two modes,
+    two outputs, each what it gives alone when both are sent at once; scale 0 is still the plain output."""
+    async with http(sock) as s:
+        plain = await run(s, model)
+        solo = [await run(s, model, union(model, mode)) for mode in (0, 1)]
+        together = await asyncio.gather(*(run(s, model, union(model, mode)) for mode in (0, 1)))
+        zero = await run(s, model, union(model, 1, scale=0.0))
+        edit = {"image": png(12), "strength": 0.7}
+        plain_edit = await run(s, model, **edit)
+        zero_edit = await run(s, model, union(model, 1, scale=0.0), **edit)
+        steered_edit = await run(s, model, union(model, 1), **edit)
+        job = (await get(s, "/v1/jobs?limit=1"))[1]["data"][0]
+    assert solo[0] != solo[1], "the mode changed nothing"
+    assert plain not in solo
+    assert list(together) == solo
+    assert zero == plain
+    assert zero_edit == plain_edit and steered_edit != plain_edit
+    assert job["request"]["control"][0]["mode"] == 1
+
+
+@pytest.mark.parametrize(("model", "control", "field", "words"), [
+    ("xl", [{"name": "xl-lines", "image": png(1), "mode": 0}], "control[0].mode", "single control mode"),
+    ("xl", [{"name": "xl-union", "image": png(1)}], "control[0].mode", "0 to 5"),
+    ("xl", [{"name": "xl-union", "image": png(1), "mode": 6}], "control[0].mode", "from 0 to 5"),
+    ("tiny-flux", [{"name": "flux-union", "image": png(1), "mode": -1}], "control[0].mode", "from 0 to 2"),
+    ("xl", [{"name": "xl-union", "image": png(1), "mode": "canny"}], "control[0].mode", "number"),
+    ("xl", [{"name": "xl-union", "image": png(1), "mode": 0}, {"name": "xl-lines", "image": png(2)}], "control",
+     "other union ControlNets only"),
+])
+async def test_a_bad_mode_is_a_400_naming_it(sock: Path, model: str, control: Any, field: str, words: str) -> None:
+    async with http(sock) as s:
+        status, error = await refused(s, model, control)
+    assert (status, error["field"]) == (400, field), error
+    assert words in error["message"], error

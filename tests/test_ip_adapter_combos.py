@@ -109,13 +109,6 @@ async def test_control_and_edit_jobs_with_and_without_a_reference_at_once_keep_a
     assert len(set(solo)) == len(jobs)
 
 
-async def test_control_with_an_edit_is_still_refused_with_a_reference_naming_control(sock: Path) -> None:
-    async with http(sock) as s, s.post("/v1/jobs", json={**FAST, **CONTROL, **IMG2IMG, **ref()}) as r:
-        status, error = r.status, (await r.json())["error"]
-    assert (status, error.get("field")) == (400, "control"), error
-    assert "input image" in error["message"], error
-
-
 async def test_a_hires_pass_after_a_reference_runs_with_it(sock: Path) -> None:
     """The second pass runs on the image-to-image pipeline while the adapter is still in the UNet."""
     hires = {"hires": {"scale": 1.5, "strength": 0.5, "steps": 2}}

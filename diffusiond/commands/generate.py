@@ -98,9 +98,14 @@ def lora_arg(text: str) -> dict[str, Any]:
 
 
 def control_arg(text: str) -> dict[str, Any]:
-    """``--control NAME:IMAGE[:SCALE]`` -> one entry of the request's ``control`` (scale 1 when left out;
-    the image is a local file, read and sent base64 by ``build_body``)."""
+    """``--control NAME[@MODE]:IMAGE[:SCALE]`` -> one entry of the request's ``control`` (scale 1 when left
+    out; the image is a local file, read and sent base64 by ``build_body``). ``@MODE`` picks a union
+    ControlNet's control mode by number: a name has no '@', so it cannot be mistaken for one."""
     name, sep, rest = text.partition(":")
+    name, at, mode = name.partition("@")
+    if at and not mode.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"the MODE in NAME@MODE is a union ControlNet's mode number (e.g. "
+                                         f"union@2:depth.png), got {text!r}")
     image, scale = rest, None
     head, colon, tail = rest.rpartition(":")
     if colon and head:
@@ -115,12 +120,17 @@ def control_arg(text: str) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": name.strip(), "image": image}
     if scale is not None:
         entry["scale"] = scale
+    if at:
+        entry["mode"] = int(mode)
     return entry
 
 
 def ip_adapter_arg(text: str) -> dict[str, Any]:
     """``--ip-adapter NAME:IMAGE[:SCALE]`` -> one entry of the request's ``ip_adapter``, read as ``--control`` is."""
-    return control_arg(text)
+    entry = control_arg(text)
+    if "mode" in entry:
+        raise argparse.ArgumentTypeError(f"--ip-adapter takes no @mode (a union ControlNet's), got {text!r}")
+    return entry
 
 
 def choose_format(fmt: str | None, output: str | None) -> str | None:

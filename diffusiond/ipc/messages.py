@@ -115,6 +115,7 @@ class ControlRef(msgspec.Struct, frozen=True, array_like=True):
     start: float
     end: float
     digest: str
+    mode: int | None = None  # a union ControlNet's control mode (its index); None: a single-mode one
 
 
 class IpAdapterRef(msgspec.Struct, frozen=True, array_like=True):

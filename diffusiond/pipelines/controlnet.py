@@ -1,13 +1,17 @@
 """ControlNets on the loaded model: each loaded once per worker and kept, run through diffusers' ControlNet pipelines.
 
-A ControlNet steers a text-to-image model by a picture (edges, a pose, depth). diffusers has one
-pipeline class per family for it (``StableDiffusionControlNetPipeline``, its SDXL and FLUX
-siblings); they are built here with ``from_pipe`` from the pipeline the worker already holds, the
+A ControlNet steers a text-to-image model by a picture (edges, a pose, depth), and its edits too
+(image-to-image and inpainting, as ComfyUI and Forge users run them). diffusers has one pipeline
+class per family and task for it (``StableDiffusionControlNetPipeline``,
+``StableDiffusionControlNetInpaintPipeline``, their SDXL and FLUX siblings); they are built here
+with ``from_pipe`` from the pipeline the worker already holds, the
 way the edits are (``diffusers_pipeline._edit_pipes``), so the base weights are shared and only the
 ControlNet's own weights are added. Several ControlNets in one request run as diffusers' multi
 model (``MultiControlNetModel``): its residuals are summed, each at its own scale and step range.
+A union ControlNet (one model, several control modes: SDXL's ``ControlNetUnionModel`` with its own
+pipelines, FLUX's ``FluxControlNetModel`` with ``num_mode``) gets each request's mode as ``control_mode``.
 A seed gives the model's own starting noise with or without ControlNets (FLUX's pipeline is made to
-draw it in the model's order), so scale 0 is the plain picture, bit for bit, in every family.
+draw it in the model's order), so scale 0 is the plain picture (or the plain edit), bit for bit, in every family.
 
 Whether a ControlNet fits the model is decided at load time, from the family (an SD 1.5 ControlNet
 cannot feed a FLUX transformer) and the shapes its residuals must match; the reasons go to the
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +30,38 @@ import numpy as np
 import torch
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
-from diffusiond.pipelines.base import PipelineError, PreviewSink, StepCallback
+from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
+from diffusiond.protocol import Task
 
 log = logging.getLogger(__name__)
 
-# base pipeline class -> (ControlNet model class, its pipeline class, the class that runs several)
-FAMILIES: dict[str, tuple[str, str, str]] = {
-    "StableDiffusionPipeline": ("ControlNetModel", "StableDiffusionControlNetPipeline", "MultiControlNetModel"),
-    "StableDiffusionXLPipeline": ("ControlNetModel", "StableDiffusionXLControlNetPipeline", "MultiControlNetModel"),
-    "FluxPipeline": ("FluxControlNetModel", "FluxControlNetPipeline", "FluxMultiControlNetModel"),
-}
+# The model's own pipeline class -> (ControlNet model class, the class that runs several, the
+# ControlNet pipeline for each task: None text-to-image, else the edit's). A folder whose class is
+# an edit pipeline (a dedicated inpainting model) is of its family too: its ControlNet reads the
+# same latents, and the ControlNet inpainting pipeline feeds a 9-channel UNet the mask as its own does.
+_SD = ("ControlNetModel", "MultiControlNetModel", {
+    None: "StableDiffusionControlNetPipeline", Task.IMAGE_TO_IMAGE: "StableDiffusionControlNetImg2ImgPipeline",
+    Task.INPAINTING: "StableDiffusionControlNetInpaintPipeline"})
+_SDXL = ("ControlNetModel", "MultiControlNetModel", {
+    None: "StableDiffusionXLControlNetPipeline", Task.IMAGE_TO_IMAGE: "StableDiffusionXLControlNetImg2ImgPipeline",
+    Task.INPAINTING: "StableDiffusionXLControlNetInpaintPipeline"})
+# SDXL's union ControlNets (one model, several control modes, xinsir's layout) have pipelines of their own;
+# a list of them is wrapped by the pipeline itself (MultiControlNetUnionModel). FLUX's union is a
+# FluxControlNetModel with ``num_mode``, run by the same pipelines with a ``control_mode``.
+_SDXL_UNION = ("ControlNetUnionModel", "", {
+    None: "StableDiffusionXLControlNetUnionPipeline",
+    Task.IMAGE_TO_IMAGE: "StableDiffusionXLControlNetUnionImg2ImgPipeline",
+    Task.INPAINTING: "StableDiffusionXLControlNetUnionInpaintPipeline"})
+UNIONS = {"ControlNetUnionModel": _SDXL_UNION}
+_FLUX = ("FluxControlNetModel", "FluxMultiControlNetModel", {
+    None: "FluxControlNetPipeline", Task.IMAGE_TO_IMAGE: "FluxControlNetImg2ImgPipeline",
+    Task.INPAINTING: "FluxControlNetInpaintPipeline"})
+FAMILIES: dict[str, tuple[str, str, dict[Task | None, str]]] = {
+    "StableDiffusionPipeline": _SD, "StableDiffusionImg2ImgPipeline": _SD, "StableDiffusionInpaintPipeline": _SD,
+    "StableDiffusionXLPipeline": _SDXL, "StableDiffusionXLImg2ImgPipeline": _SDXL,
+    "StableDiffusionXLInpaintPipeline": _SDXL,
+    "FluxPipeline": _FLUX, "FluxImg2ImgPipeline": _FLUX, "FluxInpaintPipeline": _FLUX,
+}  # fmt: skip
 
 
 def plain_base(pipeline: Any) -> Any:
@@ -53,8 +79,9 @@ def unsupported(pipeline: Any) -> str | None:
         return f"model {pipeline.name} is not a plain diffusers text-to-image pipeline (compiled or synthetic)"
     family = type(base.pipe).__name__
     if family not in FAMILIES:
-        return (f"model {base.name} is a {family}; ControlNets are served for "
-                f"{', '.join(sorted(FAMILIES))} models")
+        families = sorted({pipes[None].replace("ControlNet", "") for _, _, pipes in FAMILIES.values()})
+        return (f"model {base.name} is a {family}; ControlNets are served for {', '.join(families)} models "
+                "and their image-to-image and inpainting models")
     return None
 
 
@@ -75,6 +102,12 @@ def _fit(cn: Any, pipe: Any) -> str | None:
             mine, theirs = cn.config.get(key), unet.config.get(key)
             if key == "block_out_channels":
                 mine, theirs = tuple(mine or ()), tuple(theirs or ())
+            if key == "in_channels" and getattr(pipe, "vae", None) is not None:
+                # what it reads is the latents: an inpainting UNet takes 9 channels (those, the mask and
+                # the masked picture's latents) and its ControlNet the 4 of the latents alone
+                theirs = pipe.vae.config.latent_channels
+                if mine != theirs:
+                    return f"its in_channels is {mine!r} and the model's latents have {theirs!r}"
             if mine != theirs:
                 return f"its {key} is {mine!r} and the model's UNet has {theirs!r} (a ControlNet of another family)"
         return None
@@ -88,23 +121,22 @@ def _fit(cn: Any, pipe: Any) -> str | None:
         mine, theirs = cn.config.get(key), transformer.config.get(key)
         if mine != theirs:
             return f"its {key} is {mine!r} and the model's transformer has {theirs!r}"
-    if cn.config.get("num_mode"):  # diffusers raises mid-compute on a union ControlNet given no mode
-        return (f"it is a union ControlNet ({cn.config['num_mode']} control modes) and a request cannot "
-                "choose a mode yet")
     return None
 
 
-def _load(path: str, model_cls: str, dtype: torch.dtype) -> Any:
-    """A ControlNet from a diffusers folder (its config names its class) or a single checkpoint file."""
+def _load(path: str, model_cls: str, dtype: torch.dtype, union_cls: str | None = None) -> Any:
+    """A ControlNet from a diffusers folder (its config names its class: ``model_cls``, or the family's
+    union class ``union_cls``) or a single checkpoint file."""
     import diffusers
 
     p = Path(path).expanduser()
     if p.is_dir():
         config = p / "config.json"
         named = json.loads(config.read_text()).get("_class_name", model_cls) if config.is_file() else model_cls
-        if named != model_cls:
-            raise PipelineError(f"it is a {named}; this model's family takes a {model_cls}")
-        return getattr(diffusers, model_cls).from_pretrained(str(p), torch_dtype=dtype, use_safetensors=True)
+        if named not in (model_cls, union_cls):
+            takes = model_cls if union_cls is None else f"{model_cls} or a {union_cls}"
+            raise PipelineError(f"it is a {named}; this model's family takes a {takes}")
+        return getattr(diffusers, named).from_pretrained(str(p), torch_dtype=dtype, use_safetensors=True)
     cls = getattr(diffusers, model_cls)
     if not hasattr(cls, "from_single_file"):
         raise PipelineError(f"diffusers reads {model_cls} from a folder only (save_pretrained's); give one")
@@ -120,16 +152,18 @@ class ControlNets:
         self.pipeline = pipeline
         self.models: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
-        self._pipes: dict[tuple[str, ...], tuple[Any, frozenset[str]]] = {}
+        # one pipeline per (ControlNets, edit task or None): the call's arguments and its FLUX rewind
+        self._pipes: dict[tuple[tuple[str, ...], Task | None], tuple[Any, frozenset[str], _Rewind | None]] = {}
         why = unsupported(pipeline)
         if why is not None:
             self.errors = dict.fromkeys(paths, why)
             return
         base = plain_base(pipeline)
-        model_cls = FAMILIES[type(base.pipe).__name__][0]
+        family = FAMILIES[type(base.pipe).__name__]
+        model_cls, union_cls = family[0], _SDXL_UNION[0] if family is _SDXL else None
         for name, path in paths.items():
             try:
-                cn = _load(path, model_cls, base.dtype)
+                cn = _load(path, model_cls, base.dtype, union_cls)
                 misfit = _fit(cn, base.pipe)
                 if misfit:
                     raise PipelineError(misfit)
@@ -148,9 +182,10 @@ class ControlNets:
         for cn in self.models.values():
             cn.to("cpu" if asleep else base.device)
 
-    def _pipe_for(self, names: tuple[str, ...]) -> tuple[Any, frozenset[str]]:
-        """The family's ControlNet pipeline over the model's own components, one per set of names, kept."""
-        cached = self._pipes.get(names)
+    def _pipe_for(self, names: tuple[str, ...], task: Task | None) -> tuple[Any, frozenset[str], _Rewind | None]:
+        """The family's ControlNet pipeline for ``task`` (None: text-to-image) over the model's own
+        components, one per set of names and task, kept."""
+        cached = self._pipes.get((names, task))
         if cached is None:
             import diffusers
 
@@ -158,21 +193,27 @@ class ControlNets:
             from diffusiond.pipelines.edit_pipes import sibling
 
             base = plain_base(self.pipeline)
-            _, pipe_cls, multi_cls = FAMILIES[type(base.pipe).__name__]
             models = [self.models[n] for n in names]
-            cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models)
-            pipe = sibling(getattr(diffusers, pipe_cls), base.pipe, controlnet=cn)
+            unions = {type(m).__name__ for m in models} & set(UNIONS)
+            if unions and len(unions) != len({type(m).__name__ for m in models}):
+                raise PipelineError("a union ControlNet runs with other union ControlNets only")
+            _, multi_cls, pipes = UNIONS[unions.pop()] if unions else FAMILIES[type(base.pipe).__name__]
+            if task not in pipes:
+                raise PipelineError(f"model {base.name} has no ControlNet pipeline for {task}")
+            cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models) if multi_cls else models
+            pipe = sibling(getattr(diffusers, pipes[task]), base.pipe, controlnet=cn)
             pipe.set_progress_bar_config(disable=True)
-            cached = (pipe, call_args(type(pipe)))
-            self._pipes[names] = cached
+            cached = (pipe, call_args(type(pipe)), _Rewind(pipe) if pipes is _FLUX[2] else None)
+            self._pipes[(names, task)] = cached
         return cached
 
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], images: Sequence[Sequence[np.ndarray]],
             on_step: StepCallback, on_preview: PreviewSink | None = None,
-            more: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
+            more: Mapping[str, Any] | None = None, edits: Sequence[EditArrays] = ()) -> list[torch.Tensor]:
         """One diffusers call for a batch whose requests share ``params.controls``; ``images[k]`` are
         request k's control pictures (uint8 (H, W, 3)), in the order of ``params.controls``; ``more``
-        are further call arguments (an IP-Adapter's reference image)."""
+        are further call arguments (an IP-Adapter's reference image). With ``params.edit`` it is the
+        edit's ControlNet sibling, and ``edits[k]`` request k's image and mask, as the model's edit takes them."""
         base = plain_base(self.pipeline)
         if base is None:
             raise PipelineError(unsupported(self.pipeline) or "this model takes no ControlNet")
@@ -181,39 +222,50 @@ class ControlNets:
         if missing:
             why = self.errors.get(missing[0], "it is not configured")
             raise PipelineError(f"ControlNet {missing[0]!r} is not loaded here: {why}")
-        pipe, args = self._pipe_for(names)
+        task = Task(params.edit) if params.edit is not None else None
+        pipe, args, rewind = self._pipe_for(names, task)
         per_control = [
             torch.from_numpy(np.stack([imgs[k] for imgs in images])).permute(0, 3, 1, 2).float() / 255
             for k in range(len(names))
         ]
         one = len(names) == 1
+        union = type(self.models[names[0]]).__name__ in UNIONS  # its pipeline takes a list of pictures and modes
         extra: dict[str, Any] = {
-            ("control_image" if "control_image" in args else "image"): per_control[0] if one else per_control,
+            ("control_image" if "control_image" in args else "image"):
+                per_control if union or not one else per_control[0],
             "controlnet_conditioning_scale": params.controls[0].scale if one else [c.scale for c in params.controls],
             "control_guidance_start": params.controls[0].start if one else [c.start for c in params.controls],
             "control_guidance_end": params.controls[0].end if one else [c.end for c in params.controls],
             **(more or {}),
         }
-        drawn = _flux_noise(pipe, params, len(requests)) if type(base.pipe).__name__ == "FluxPipeline" else None
-        return base._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
+        modes = [c.mode for c in params.controls]
+        if any(m is not None for m in modes):
+            extra["control_mode"] = modes if union or not one else modes[0]
+        if task is not None:
+            return base.edit(params, requests, edits, on_step, on_preview, extra, pipe=pipe, drawn=rewind)
+        return base._call(pipe, args, params, requests, on_step, extra, on_preview, rewind)
 
 
-def _flux_noise(pipe: Any, params: BatchParams, n: int) -> Callable[[list[torch.Generator]], dict[str, Any]]:
-    """FluxControlNetPipeline samples its control pictures' VAE latents from the requests' generators
-    before it draws the initial noise, so the same seed would start from other noise than the model
-    alone (and scale 0 would not give the plain picture): the noise is drawn here first, exactly as
-    ``FluxPipeline.prepare_latents`` draws it (its dtype is the prompt embeddings', the first text
-    encoder's), and the pipeline gets copies of the generators for the pictures."""
+class _Rewind:
+    """FLUX's ControlNet pipelines sample their control pictures' VAE latents from the requests'
+    generators before anything else, so the same seed would start from other noise than the model
+    alone (and scale 0 would not give the plain picture): the generators' states are noted when the
+    call starts (``DiffusersPipeline._call``'s ``drawn``) and put back when the pipeline reaches its
+    ``prepare_latents``, which then draws the initial noise (and an edit's image latents) exactly as
+    the model's own pipeline does. Every draw after that (a masked picture's, flow-sde's per step)
+    follows in the same order too."""
 
-    def draw(gens: list[torch.Generator]) -> dict[str, Any]:
-        dtype = (pipe.text_encoder if pipe.text_encoder is not None else pipe.transformer).dtype
-        latents, _ = pipe.prepare_latents(n, pipe.transformer.config.in_channels // 4, params.height, params.width,
-                                          dtype, pipe._execution_device, gens)
-        copies = []
-        for g in gens:
-            copy = torch.Generator(g.device)
-            copy.set_state(g.get_state())
-            copies.append(copy)
-        return {"latents": latents, "generator": copies}
+    def __init__(self, pipe: Any) -> None:
+        self._noted: list[tuple[torch.Generator, torch.Tensor]] = []
+        self._prepare = pipe.prepare_latents
+        pipe.prepare_latents = self._prepare_latents  # the instance's, before the class's
 
-    return draw
+    def __call__(self, gens: list[torch.Generator]) -> dict[str, Any]:
+        self._noted = [(g, g.get_state()) for g in gens]
+        return {}
+
+    def _prepare_latents(self, *args: Any, **kwargs: Any) -> Any:
+        noted, self._noted = self._noted, []
+        for g, state in noted:
+            g.set_state(state)
+        return self._prepare(*args, **kwargs)

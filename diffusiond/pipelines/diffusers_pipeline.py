@@ -331,27 +331,30 @@ class DiffusersPipeline:
 
     def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
              on_step: StepCallback, on_preview: PreviewSink | None = None,
-             more: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
+             more: Mapping[str, Any] | None = None, *, pipe: Any = None,
+             drawn: Callable[[list[torch.Generator]], dict[str, Any]] | None = None) -> list[torch.Tensor]:
         """A batch of edits on the pipeline built for it with ``from_pipe`` (the same weights); ``more``
-        are further call arguments (an IP-Adapter's reference image)."""
+        are further call arguments (an IP-Adapter's reference image, control pictures). ``pipe`` runs
+        in place of the model's own edit sibling (the ControlNet one, which takes the same image, mask
+        and strength), ``drawn`` as ``_call``'s."""
         if not requests:
             return []
         task = Task(params.edit) if params.edit in set(Task) else None
-        pipe = self._edit_pipes.get(task) if task is not None else None
-        if pipe is None or task is None:
+        if task is None or task not in self._edit_pipes:
             raise PipelineError(f"model {self.name} cannot do {params.edit}")
+        pipe = self._edit_pipes[task] if pipe is None else pipe
         images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2).float() / 255
         args = call_args(type(pipe))
         strength = 1.0 if params.strength is None else params.strength
         extra = {**edit_kwargs(task, images, strength, args, params.width * params.height), **(more or {})}
         if task is not Task.INPAINTING:
-            return self._call(pipe, args, params, requests, on_step, extra, on_preview)
+            return self._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
         planes = [m for _, m in inputs]
         if any(m is None for m in planes):
             raise PipelineError("an inpainting request came without its mask")
         masks = torch.from_numpy(np.stack(planes)).permute(0, 3, 1, 2).float() / 255  # type: ignore[arg-type]
         extra["mask_image"] = masks
-        outputs = self._call(pipe, call_args(type(pipe)), params, requests, on_step, extra, on_preview)
+        outputs = self._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
         # Outside the mask the answer is the input itself, as A1111 and diffusers' ``apply_overlay``
         # make it: the VAE round trip (and a dedicated inpainting UNet) would otherwise shift those
         # pixels a little, and the user asked for them to stay.

@@ -269,7 +269,7 @@ class IpAdapters:
         if params.controls:
             if controlnets is None:
                 raise PipelineError(f"model {base.name} takes no ControlNet here")
-            return controlnets.run(params, requests, controls, on_step, on_preview, more=extra)
+            return controlnets.run(params, requests, controls, on_step, on_preview, more=extra, edits=edits)
         if params.edit is not None:
             return base.edit(params, requests, edits, on_step, on_preview, more=extra)
         return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)

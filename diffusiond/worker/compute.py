@@ -263,8 +263,6 @@ class ComputeThread:
             with torch.inference_mode(), profiled:
                 sink = first_pass_previews(sink_for(requests), batch.params) if every else None
                 images = [controls.get(r.request_id, []) for r in requests]
-                if batch.params.controls and batch.params.edit is not None:  # admission refuses the pair
-                    raise PipelineError(f"model {self.pipeline.name} takes no ControlNet with an edit")
                 if batch.params.ip_adapters:  # on the ControlNet or edit pipeline too, when the batch has those
                     if self.ip_adapters is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no IP-Adapter here")
@@ -276,7 +274,7 @@ class ComputeThread:
                 if batch.params.controls:
                     if self.controlnets is None:
                         raise PipelineError(f"model {self.pipeline.name} takes no ControlNet here")
-                    return self.controlnets.run(batch.params, requests, images, step, sink)
+                    return self.controlnets.run(batch.params, requests, images, step, sink, edits=arrays)
                 if batch.params.edit is None:
                     return self.pipeline.run(batch.params, requests, step, sink)
                 if isinstance(self.pipeline, EditingPipeline):

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,11 +29,12 @@ from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core import images
 from diffusiond.daemon.core.inputs import Source, _bytes_of
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
-from diffusiond.ipc.inputs import InputBuffer
+from diffusiond.ipc.inputs import InputBuffer, read_inputs
 from diffusiond.ipc.messages import ControlRef
 
 MAX_CONTROLS = 4  # ControlNets in one request: each one is a second denoiser-sized forward per step
 PREPROCESS = ("none", "canny")
+UNION_CLASS = "ControlNetUnionModel"  # SDXL's union ControlNets (xinsir's layout), their own pipelines
 CANNY_LOW, CANNY_HIGH = 100, 200  # diffusers' and A1111's defaults for canny ControlNets
 
 
@@ -47,6 +50,8 @@ class ControlRegistry:
 
     def __init__(self, paths: Mapping[str, str]) -> None:
         self.paths = dict(paths)
+        self.modes = {name: control_modes(path) for name, path in self.paths.items()}
+        self.classes = {name: control_class(path) for name, path in self.paths.items()}
 
     def resolve(self, model: ModelControls, names: Sequence[str]) -> None:
         """Admission: each named ControlNet is served and fits ``model``."""
@@ -60,6 +65,32 @@ class ControlRegistry:
                                      field=f"control[{i}].name")
 
 
+def _config(path: str) -> dict[str, Any]:
+    """A ControlNet folder's ``config.json`` ({} for a single file, or one that does not parse)."""
+    try:
+        cfg = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def control_class(path: str) -> str:
+    """The diffusers class a ControlNet folder names ("" when unknown)."""
+    named = _config(path).get("_class_name")
+    return named if isinstance(named, str) else ""
+
+
+def control_modes(path: str) -> int:
+    """How many control modes a union ControlNet folder has (0: not a union one), from its
+    ``config.json`` as diffusers writes it: ``ControlNetUnionModel``'s ``num_control_type`` (SDXL's,
+    xinsir's layout), or a ``FluxControlNetModel``'s ``num_mode`` (InstantX's union). Read by the
+    engine at start, without torch, so admission checks a request's ``mode`` before any worker runs it;
+    a single checkpoint file has no config to say, and is served as a single-mode ControlNet."""
+    cfg = _config(path)
+    count = cfg.get("num_control_type") if cfg.get("_class_name") == UNION_CLASS else cfg.get("num_mode")
+    return count if isinstance(count, int) and count > 0 else 0
+
+
 @dataclass(frozen=True)
 class ControlEntry:
     """One checked entry of a request's ``control`` (what history shows of it; the image is not kept)."""
@@ -70,11 +101,13 @@ class ControlEntry:
     start: float = 0.0
     end: float = 1.0
     preprocess: str = "none"
+    mode: int | None = None  # a union ControlNet's control mode
 
 
 @dataclass
 class ControlInput:
-    """A request's decoded control images in a sealed buffer; the job owns it (the engine closes it)."""
+    """A request's decoded control images in a sealed buffer (with an edit's image and mask first, when
+    it has them); the job owns it (the engine closes it)."""
 
     entries: tuple[ControlEntry, ...]
     refs: tuple[ControlRef, ...]
@@ -103,8 +136,11 @@ def _canny(rgb: np.ndarray) -> np.ndarray:
 
 
 def decode_controls(entries: Sequence[ControlEntry], *, width: int, height: int, limits: Limits,
-                    input_dir: str | None) -> ControlInput:
-    """Decode, check, resize (to the output's size) and preprocess each control image (in the encode pool)."""
+                    input_dir: str | None, joined: InputBuffer | None = None) -> ControlInput:
+    """Decode, check, resize (to the output's size) and preprocess each control image (in the encode pool).
+
+    ``joined`` is an edit's input (its image and mask): a job's input travels as one buffer, so the
+    new one holds those arrays first, read back from the sealed memfd (what admission validated)."""
     from PIL import Image
 
     pictures: list[np.ndarray] = []
@@ -126,7 +162,11 @@ def decode_controls(entries: Sequence[ControlEntry], *, width: int, height: int,
         rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
         digest = hashlib.blake2b(rgb.tobytes(), digest_size=12).hexdigest()
         pictures.append(rgb)
-        refs.append(ControlRef(e.name, e.scale, e.start, e.end, digest))
-    buffer = InputBuffer(None, None, controls=pictures, name="diffusiond-control")
+        refs.append(ControlRef(e.name, e.scale, e.start, e.end, digest, e.mode))
+    if joined is None:
+        buffer = InputBuffer(None, None, controls=pictures, name="diffusiond-control")
+    else:
+        image, mask = read_inputs([joined.fd], joined.ref(0))
+        buffer = InputBuffer(image, mask, controls=pictures, name=joined.name)
     return ControlInput(entries=tuple(entries), refs=tuple(refs), buffer=buffer)
 

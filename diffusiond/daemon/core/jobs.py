@@ -81,8 +81,8 @@ class JobRequest:
     keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
     edit: EditInput | None = field(default=None, compare=False)
-    # ControlNets as asked, (name, scale, start, end, preprocess): what history and output metadata show
-    controls: tuple[tuple[str, float, float, float, str], ...] = ()
+    # ControlNets as asked, (name, scale, start, end, preprocess, mode): what history and output metadata show
+    controls: tuple[tuple[str, float, float, float, str, int | None], ...] = ()
     # the decoded control images and their ControlNets (daemon/core/controls.py); owned like ``edit``
     control: ControlInput | None = field(default=None, compare=False)
     # IP-Adapters as asked, (name, scale, reference image digest); their decoded images, owned like ``edit``
@@ -130,9 +130,10 @@ class JobRequest:
     @property
     def buffer(self) -> InputBuffer | None:
         """The sealed input that travels with each batch of this job (an edit's, the control images' or
-        the reference images'): one per job, so a reference's holds the edit's or control's arrays too
-        (edge/ip_adapters.py), and it is the one sent."""
-        owner = self.ip_adapter or self.edit or self.control
+        the reference images'): one per job, each later one holding the earlier ones' arrays too (the
+        control images' an edit's, edge/controls.py; a reference's both, edge/ip_adapters.py), and the
+        last made is the one sent."""
+        owner = self.ip_adapter or self.control or self.edit
         return owner.buffer if owner is not None else None
 
     def close_inputs(self) -> None:

@@ -1,7 +1,9 @@
 """A job's ``control`` field: its shape checked here, its ControlNets against the registry, its images in the pool.
 
 Runs after ``requests.check``, because the control images are resized to the output size, which
-the request (or the model's defaults) decides. Every mistake is a 400 naming the entry and field
+the request (or the model's defaults, or an edit's image) decides. With an edit (image-to-image,
+inpainting) the control pictures join its image and mask in one new buffer, the job's input, and
+the edit's own is closed at once. Every mistake is a 400 naming the entry and field
 (``control[1].scale``); a canny request to a daemon without OpenCV is a 503 saying what to install.
 """
 
@@ -18,6 +20,7 @@ import msgspec
 from diffusiond.daemon.core.controls import (
     MAX_CONTROLS,
     PREPROCESS,
+    UNION_CLASS,
     ControlEntry,
     canny_unavailable,
     cv2_missing,
@@ -26,7 +29,7 @@ from diffusiond.daemon.core.controls import (
 from diffusiond.daemon.core.inputs import Source
 from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.daemon.errors import invalid
-from diffusiond.protocol import Task
+from diffusiond.protocol import STRENGTH_TASKS, Task
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -42,9 +45,13 @@ class ControlBody(msgspec.Struct, forbid_unknown_fields=True):
     start: float = 0.0
     end: float = 1.0
     preprocess: str = "none"
+    mode: int | str | None = None  # a union ControlNet's control mode, by number
 
 
 MAX_SCALE = 4.0  # past twice the usual 0-2 range, the control only burns the picture
+# the models a ControlNet steers: text-to-image ones, and folders that are one of their edits (a
+# dedicated inpainting model); which families have the pipelines is the worker's to say (pipelines/controlnet.py)
+_STEERED = {Task.TEXT_TO_IMAGE.value, *(t.value for t in STRENGTH_TASKS)}
 
 
 def image_source(at: str, image: str | None, image_path: str | None) -> Source:
@@ -87,9 +94,33 @@ def plan(raw: list[Any]) -> list[ControlEntry]:
         if any(e.name == b.name for e in entries):
             raise invalid(f"ControlNet {b.name[:64]!r} is named twice in control; give each once",
                           field=f"{at}.name")
+        if isinstance(b.mode, str):
+            raise invalid(f"{at}.mode {b.mode[:40]!r}: give a union ControlNet's mode by its number (diffusers' "
+                          "configs do not name them; the model's card says which number is which)",
+                          field=f"{at}.mode")
         entries.append(ControlEntry(name=b.name, source=source, scale=b.scale, start=b.start, end=b.end,
-                                    preprocess=b.preprocess))
+                                    preprocess=b.preprocess, mode=b.mode))
     return entries
+
+
+def check_modes(entries: list[ControlEntry], modes: dict[str, int], classes: dict[str, str]) -> None:
+    """A union ControlNet needs a mode in its range (diffusers would fail mid-compute without one) and
+    a single-mode one takes none; SDXL's union ControlNets have pipelines of their own, so they run
+    with other union ControlNets only."""
+    for i, e in enumerate(entries):
+        count, at = modes.get(e.name, 0), f"control[{i}].mode"
+        if e.mode is None and count:
+            raise invalid(f"ControlNet {e.name!r} is a union ControlNet with {count} control modes; choose one "
+                          f"with {at} (0 to {count - 1})", field=at)
+        if e.mode is not None and not count:
+            raise invalid(f"ControlNet {e.name!r} has a single control mode; leave out {at}", field=at)
+        if e.mode is not None and not 0 <= e.mode < count:
+            raise invalid(f"{at} must be from 0 to {count - 1} (ControlNet {e.name!r} has {count} control modes), "
+                          f"got {e.mode}", field=at)
+    unions = [e.name for e in entries if classes.get(e.name) == UNION_CLASS]
+    if unions and len(unions) != len(entries):
+        raise invalid(f"ControlNet {unions[0]!r} is an SDXL union ControlNet, which runs with other union "
+                      "ControlNets only; send the others in another request", field="control")
 
 
 async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
@@ -98,19 +129,23 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
     if not raw:
         return req
     entries = plan(list(raw))
-    if req.edit is not None:
-        raise invalid("control with an input image (image-to-image or inpainting) is not served yet; send "
-                      "control with a text-to-image request", field="control")
-    if model.capabilities.task != Task.TEXT_TO_IMAGE.value:
+    if model.capabilities.task not in _STEERED:
         raise invalid(f"model {model.name!r} does {model.capabilities.task}; ControlNets steer text-to-image "
-                      "models", field="control")
+                      "models, their image-to-image and their inpainting", field="control")
+    if req.edit is not None and req.edit.task not in STRENGTH_TASKS:
+        raise invalid(f"this request is {req.edit.task.value}; ControlNets act with image-to-image and "
+                      "inpainting edits (and text-to-image)", field="control")
     engine.check_controls(model.name, [e.name for e in entries])
+    check_modes(entries, engine.controls.modes, engine.controls.classes)
     canny = next((i for i, e in enumerate(entries) if e.preprocess == "canny"), None)
     if canny is not None and cv2_missing():
         raise canny_unavailable(f"control[{canny}].preprocess")
     cfg = engine.config
+    joined = req.edit.buffer if req.edit is not None else None  # the edit's image and mask join the pictures
     work = functools.partial(decode_controls, entries, width=req.width, height=req.height, limits=cfg.limits,
-                             input_dir=cfg.input_dir)
+                             input_dir=cfg.input_dir, joined=joined)
     decoded = await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    if joined is not None:
+        joined.close()  # the edit's close() is then a no-op; the job closes the new one with the rest
     return dataclasses.replace(req, control=decoded,
-                               controls=tuple((e.name, e.scale, e.start, e.end, e.preprocess) for e in entries))
+                               controls=tuple((e.name, e.scale, e.start, e.end, e.preprocess, e.mode) for e in entries))

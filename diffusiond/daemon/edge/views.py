@@ -103,8 +103,8 @@ def job(j: Job) -> dict[str, Any]:
             "noise_level": r.noise_level,
             "eta": r.eta,
             "loras": lora_list(r.loras),
-            "control": [{"name": n, "scale": s, "start": a, "end": b, "preprocess": p}
-                        for n, s, a, b, p in r.controls],  # the control images are not echoed back
+            "control": [{"name": n, "scale": s, "start": a, "end": b, "preprocess": p, "mode": m}
+                        for n, s, a, b, p, m in r.controls],  # the control images are not echoed back
             "ip_adapter": [{"name": n, "scale": s, "image_digest": d} for n, s, d in r.ip_adapters],
             # edits: which, and how strongly (the input image itself is not echoed back)
             "task": r.edit.task.value if r.edit else None,

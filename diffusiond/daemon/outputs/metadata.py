@@ -15,10 +15,10 @@ def file_metadata(item: Item) -> dict[str, str]:
         meta["negative_prompt"] = r.negative_prompt
     if r.loras:  # as A1111 writes them in prompts: name:weight
         meta["loras"] = ", ".join(f"{name}:{weight:g}" for name, weight in r.loras)
-    if r.controls:  # name:scale, and the step range and preprocess where they are not the defaults
+    if r.controls:  # name(@mode):scale, and the step range and preprocess where they are not the defaults
         meta["control"] = ", ".join(
-            f"{n}:{s:g}" + (f"[{a:g}-{b:g}]" if (a, b) != (0.0, 1.0) else "") + (f" {p}" if p != "none" else "")
-            for n, s, a, b, p in r.controls)
+            n + (f"@{m}" if m is not None else "") + f":{s:g}" + (f"[{a:g}-{b:g}]" if (a, b) != (0.0, 1.0) else "")
+            + (f" {p}" if p != "none" else "") for n, s, a, b, p, m in r.controls)
     if r.ip_adapters:  # name:scale and the reference image's digest (the image itself is not kept)
         meta["ip_adapter"] = ", ".join(f"{n}:{s:g} {d}" for n, s, d in r.ip_adapters)
     if r.hires or r.upscale:  # the size the output has, and how it got there
