@@ -112,9 +112,10 @@ def share_image_encoder(base: Any, pipe: Any) -> None:
 
     ``from_pipe`` hands a sibling the components the model had when it was built, and these two are the
     ones that change after: an IP-Adapter registers its encoder on the model while it is in the shared
-    UNet and puts the model's own back when it comes out (pipelines/ip_adapter.py). A sibling called with
-    ``ip_adapter_image`` encodes it with its own ``image_encoder``, so it must hold the adapter's then,
-    and no stale one after."""
+    UNet and puts the model's own back when it comes out (pipelines/ip_adapter.py). The pictures are
+    encoded before the call (each by its adapter's encoder) and reach every pipeline as embeddings, so no
+    sibling encodes; it must still not hold an encoder the model has let go of (an adapter's, kept alive by
+    a stale reference), nor lack the one a diffusers check may look for while an adapter is in."""
     have = pipe.components
     changed = {k: getattr(base, k, None) for k in _IMAGE_MODULES
                if k in have and have[k] is not getattr(base, k, None)}
