@@ -54,6 +54,8 @@ def test_the_boxes_are_offered_only_for_models_their_adapters_fit() -> None:
     assert [(s["control"], s["reference"]) for s in steps] == [(True, True), (False, False), (False, False),
                                                                 (True, False), (True, True)]
     assert (steps[0]["control_names"], steps[0]["references"][0]["names"]) == (["edges", "union"], ["style", "look"])
+    # back from models that take none, the first that fits is chosen again (not left empty)
+    assert (steps[-1]["control_name"], steps[-1]["references"][0]["name"]) == ("edges", "style")
 
 
 def test_a_daemon_that_serves_none_shows_neither_box() -> None:

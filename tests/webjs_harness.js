@@ -13,7 +13,7 @@ class El {
   constructor(tag, id) {
     Object.assign(this, { tagName: tag, id, children: [], dataset: {}, hidden: false, disabled: false,
                           checked: false, textContent: "", files: [], listeners: {}, parentElement: {} });
-    this._value = "";
+    this._value = tag === "select" ? null : "";  // a select shows its first option until one is chosen
     this.parentNode = null;
     made.push(this);
     if (id === "control-preprocess") {  // its options are in index.html, not made by the script
@@ -23,7 +23,8 @@ class El {
   get value() {
     if (this.tagName !== "select") return this._value;
     const values = this.children.map((o) => o.value);
-    return values.includes(this._value) ? this._value : (values[0] ?? "");
+    if (this._value === null) return values[0] ?? "";
+    return values.includes(this._value) ? this._value : "";  // as a browser's: no option chosen
   }
   set value(v) { this._value = String(v); }
   get options() { return this.children; }
@@ -88,7 +89,7 @@ const enabled = (select) => select.options.filter((o) => !o.disabled).map((o) =>
 const shown = () => ({ control: !byId("control").hidden, reference: !byId("reference").hidden,
                        upscale: !byId("upscale").hidden, mask: !byId("mask-box").hidden,
                        upscale_names: byId("upscale-name").options.map((o) => o.value),
-                       control_names: enabled(byId("control-name")),
+                       control_names: enabled(byId("control-name")), control_name: byId("control-name").value,
                        mode: byId("control-mode-box").hidden ? null : byId("control-mode").options.map((o) => o.value),
                        mode_value: byId("control-mode").value,
                        // each reference row: its file input's id, the adapters offered, its scale, its remove button

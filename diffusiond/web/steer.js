@@ -29,9 +29,8 @@ function fitSelect(select, box, model) {
     option.disabled = option.hidden = !ok;
     fitting += ok ? 1 : 0;
   }
-  if (select.selectedOptions[0] && select.selectedOptions[0].disabled) {
-    select.value = ([...select.options].find((o) => !o.disabled) || {}).value || "";
-  }
+  const chosen = select.selectedOptions[0];  // none once a model that takes none of them was selected
+  if (!chosen || chosen.disabled) select.value = ([...select.options].find((o) => !o.disabled) || {}).value || "";
   return fitting;
 }
 
