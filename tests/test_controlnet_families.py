@@ -148,6 +148,7 @@ async def test_controlnets_endpoint_says_which_family_each_fits(sock: Path) -> N
     for name in ("edges", "flux-16"):
         assert entries[name]["models"] == [] and set(entries[name]["unfit"]) == {"xl", "tiny-flux"}, entries[name]
     assert entries["xl-union"]["models"] == ["xl"] and entries["flux-union"]["models"] == ["tiny-flux"]
+    assert (entries["xl-union"]["modes"], entries["flux-union"]["modes"], entries["edges"]["modes"]) == (6, 3, None)
     assert "in_channels is 16" in entries["flux-16"]["unfit"]["tiny-flux"]  # the same width: found by its input
     assert "FluxControlNetModel" in entries["flux-lines"]["unfit"]["xl"]
     assert "ControlNetModel" in entries["xl-lines"]["unfit"]["tiny-flux"]

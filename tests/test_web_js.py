@@ -1,9 +1,10 @@
-"""The page's script in Node (tests/webjs_harness.js: a stand-in DOM and API), for machines without Chromium.
+"""The page's scripts in Node (tests/webjs_harness.js: a stand-in DOM and API), for machines without Chromium.
 
 test_web_page.py drives the real page in a real browser against a real daemon and is the test of
-record; it skips where /usr/bin/chromium is missing. This one still checks that app.js loads and
-starts, which boxes it offers for which model, and the job body it builds from them (the control
-and IP-Adapter pictures and the upscaler of issue 30), with the daemon's answers given as JSON.
+record; it skips where /usr/bin/chromium is missing. This one still checks that the scripts load and
+start, which boxes they offer for which model, and the job body they build from them (the control
+and IP-Adapter pictures and the upscaler of issue 30; several references, a union ControlNet's mode,
+control with an edit), with the daemon's answers given as JSON.
 """
 
 from __future__ import annotations
@@ -18,22 +19,27 @@ import pytest
 
 NODE = shutil.which("node")
 pytestmark = pytest.mark.skipif(NODE is None, reason="no node to run the page's script in")
-APP = Path(__file__).parents[1] / "diffusiond" / "web" / "app.js"
+WEB = Path(__file__).parents[1] / "diffusiond" / "web"
 HARNESS = Path(__file__).with_name("webjs_harness.js")
 MODELS = {"object": "list", "data": [
-    {"id": "tiny", "task": "text-to-image", "edits": ["image-to-image"], "state": "ready"},
+    {"id": "tiny", "task": "text-to-image", "edits": ["image-to-image", "inpainting"], "state": "ready"},
     {"id": "hold", "task": "text-to-image", "edits": [], "state": "ready"},
-    {"id": "clip", "task": "text-to-video", "edits": [], "state": "ready"}]}
+    {"id": "clip", "task": "text-to-video", "edits": [], "state": "ready"},
+    {"id": "inpaint", "task": "inpainting", "edits": ["inpainting"], "state": "ready", "attention": "flash",
+     "approximations": ["cache=fbcache:0.1"]}]}
 SERVED = {"/v1/models": MODELS, "/v1/loras": {"data": []}, "/v1/jobs": {"data": []},
           "/health": {"version": "x", "status": "ok"},
-          "/v1/controlnets": {"data": [{"name": "edges", "models": ["tiny"], "unfit": {"hold": "no family"}}]},
-          "/v1/ip-adapters": {"data": [{"name": "style", "models": ["tiny"], "unfit": {"hold": "no family"}}]},
+          "/v1/controlnets": {"data": [
+              {"name": "edges", "modes": None, "models": ["tiny"], "unfit": {"hold": "no family"}},
+              {"name": "union", "modes": 3, "models": ["tiny"], "unfit": {"hold": "no family"}}]},
+          "/v1/ip-adapters": {"data": [{"name": "style", "models": ["tiny"], "unfit": {"hold": "no family"}},
+                                       {"name": "look", "models": ["tiny"], "unfit": {"hold": "no family"}}]},
           "/v1/upscalers": {"data": [{"name": "esrgan", "object": "upscaler", "scale": 4}]}}
 
 
 def page(steps: list[dict[str, Any]], answers: dict[str, Any] = SERVED) -> dict[str, Any]:
     assert NODE is not None
-    done = subprocess.run([NODE, str(HARNESS), str(APP), json.dumps(answers), json.dumps(steps)],
+    done = subprocess.run([NODE, str(HARNESS), str(WEB), json.dumps(answers), json.dumps(steps)],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     out: dict[str, Any] = json.loads(done.stdout)
@@ -43,10 +49,13 @@ def page(steps: list[dict[str, Any]], answers: dict[str, Any] = SERVED) -> dict[
 
 
 def test_the_boxes_are_offered_only_for_models_their_adapters_fit() -> None:
-    steps = page([{"model": "tiny"}, {"model": "hold"}, {"model": "clip"}, {"model": "tiny"}])["steps"]
+    steps = page([{"model": m} for m in ("tiny", "hold", "clip", "inpaint", "tiny")])["steps"]
+    # a dedicated inpainting model takes ControlNets (with its edit) and no IP-Adapter (docs/api.md)
     assert [(s["control"], s["reference"]) for s in steps] == [(True, True), (False, False), (False, False),
-                                                                (True, True)]
-    assert (steps[0]["control_names"], steps[0]["reference_names"]) == (["edges"], ["style"])
+                                                                (True, False), (True, True)]
+    assert (steps[0]["control_names"], steps[0]["references"][0]["names"]) == (["edges", "union"], ["style", "look"])
+    # back from models that take none, the first that fits is chosen again (not left empty)
+    assert (steps[-1]["control_name"], steps[-1]["references"][0]["name"]) == ("edges", "style")
 
 
 def test_a_daemon_that_serves_none_shows_neither_box() -> None:
@@ -61,8 +70,9 @@ def test_a_daemon_that_serves_none_shows_neither_box() -> None:
     ("reference", "ip_adapter", {"name": "style", "image": "data:image/png;base64,QUJD", "scale": 0.5}),
 ])
 def test_a_chosen_picture_is_sent_as_its_field(box: str, field: str, entry: dict[str, Any]) -> None:
-    values = {"prompt": "a lighthouse", f"{box}-scale": "0.5", "control-preprocess": "canny"}
-    [step] = page([{"model": "tiny", "values": values, "files": {f"{box}-image": "QUJD"}, "submit": True}])["steps"]
+    at = "-0" if box == "reference" else ""  # the first reference row
+    values = {"prompt": "a lighthouse", f"{box}-scale{at}": "0.5", "control-preprocess": "canny"}
+    [step] = page([{"model": "tiny", "values": values, "files": {f"{box}-image{at}": "QUJD"}, "submit": True}])["steps"]
     body = step["body"]
     assert body is not None and body[field] == [entry]
     assert ("ip_adapter" if field == "control" else "control") not in body
@@ -90,3 +100,79 @@ def test_the_upscale_box_is_offered_for_picture_models_of_a_daemon_with_upscaler
 def test_the_chosen_upscaler_is_sent_as_the_upscale_field(values: dict[str, str], sent: Any) -> None:
     [step] = page([{"model": "tiny", "values": {"prompt": "a lighthouse", **values}, "submit": True}])["steps"]
     assert step["body"] is not None and step["body"].get("upscale") == sent
+
+
+PNG = "data:image/png;base64,"
+
+
+def test_several_references_are_sent_in_their_rows_order_up_to_the_engines_cap() -> None:
+    """Rows are added up to 4 (the engine's MAX_IP_ADAPTERS); each row is one entry of ``ip_adapter`` with
+    its own adapter, picture and scale, in the rows' order; a row without a picture sends nothing, and a
+    removed row's picture leaves with it."""
+    steps = page([
+        {"model": "tiny"},
+        {"click": ["reference-add", "reference-add", "reference-add", "reference-add"]},  # the fourth does nothing
+        {"choose": {"reference-name-1": "look", "reference-name-3": "look"},
+         "values": {"prompt": "a lighthouse", "reference-scale-0": "0.25", "reference-scale-3": "0.75"},
+         "files": {"reference-image-0": "QQ==", "reference-image-1": "Qg==", "reference-image-3": "RA=="},
+         "submit": True},
+        {"click": ["reference-remove-1"], "submit": True},
+    ])["steps"]
+    assert [len(s["references"]) for s in steps] == [1, 4, 4, 3]
+    assert steps[0]["references"][0]["removable"] is False and steps[0]["can_add"]  # one row stays
+    assert steps[1]["can_add"] is False and all(r["removable"] for r in steps[1]["references"])
+    assert steps[2]["body"]["ip_adapter"] == [
+        {"name": "style", "image": PNG + "QQ==", "scale": 0.25}, {"name": "look", "image": PNG + "Qg==", "scale": 1},
+        {"name": "look", "image": PNG + "RA==", "scale": 0.75}]  # row 2 has no picture: left out
+    assert [r["id"] for r in steps[3]["references"]] == ["reference-image-0", "reference-image-2", "reference-image-3"]
+    assert steps[3]["can_add"] and [e["image"] for e in steps[3]["body"]["ip_adapter"]] == [PNG + "QQ==", PNG + "RA=="]
+
+
+def test_a_union_controlnet_asks_for_its_mode_and_sends_it() -> None:
+    """The mode picker shows for a union ControlNet only (GET /v1/controlnets' ``modes``), offers 0..n-1,
+    and is required: without a mode the page says so and sends nothing; a single-mode one sends no mode."""
+    values = {"prompt": "a lighthouse"}
+    steps = page([
+        {"model": "tiny", "files": {"control-image": "QUJD"}},
+        {"choose": {"control-name": "union"}, "values": values, "submit": True},
+        {"choose": {"control-mode": "2"}, "submit": True},
+        {"choose": {"control-name": "edges"}, "submit": True},
+    ])["steps"]
+    assert steps[0]["mode"] is None  # edges: single-mode, no picker
+    assert steps[1]["mode"] == ["", "0", "1", "2"] and steps[1]["body"] is None
+    assert "mode of the union ControlNet union (0 to 2" in steps[1]["error"]
+    assert steps[2]["body"]["control"] == [{"name": "union", "image": PNG + "QUJD", "preprocess": "none",
+                                            "mode": 2}]
+    assert steps[3]["mode"] is None and "mode" not in steps[3]["body"]["control"][0]
+
+
+def test_a_control_image_goes_with_an_input_image_and_its_mask() -> None:
+    """ControlNet with image-to-image or inpainting (docs/api.md): both boxes are offered for a model with
+    edits, and the body carries the edit's image, mask and strength beside ``control``."""
+    steps = page([
+        {"model": "hold"},
+        {"model": "tiny", "values": {"prompt": "a lighthouse", "strength": "0.6"},
+         "files": {"image": "SU1H", "mask": "TUFTSw==", "control-image": "QUJD"}, "submit": True},
+    ])["steps"]
+    assert steps[0]["mask"] is False and steps[1]["mask"] is True
+    body = steps[1]["body"]
+    assert (body["image"], body["mask"], body["strength"]) == (PNG + "SU1H", PNG + "TUFTSw==", 0.6)
+    assert body["control"][0]["name"] == "edges" and body["control"][0]["image"] == PNG + "QUJD"
+
+
+def test_use_these_settings_brings_back_every_reference_row_and_the_mode() -> None:
+    job = {"model": "tiny", "request": {
+        "prompt": "again", "control": [{"name": "union", "scale": 0.5, "preprocess": "none", "mode": 1}],
+        "ip_adapter": [{"name": "look", "scale": 0.5}, {"name": "style", "scale": 0.25}]}}
+    fewer = {**job, "request": {"prompt": "fewer", "ip_adapter": [{"name": "look", "scale": 2}]}}
+    steps = page([{"model": "tiny"}, {"reuse": job}, {"reuse": fewer}])["steps"]
+    assert [(r["name"], r["scale"]) for r in steps[1]["references"]] == [("look", "0.5"), ("style", "0.25")]
+    assert steps[1]["mode"] == ["", "0", "1", "2"] and steps[1]["mode_value"] == "1"
+    assert [(r["name"], r["scale"]) for r in steps[2]["references"]] == [("look", "2")]
+
+
+def test_the_models_panel_shows_each_models_attention_and_approximations() -> None:
+    [step] = page([{"model": "tiny"}])["steps"]
+    rows = {cells[0]: cells[-2:] for cells in step["residency"]}
+    assert rows["tiny"] == ["default", "none"]  # the exact default path
+    assert rows["inpaint"] == ["flash", "cache=fbcache:0.1"]

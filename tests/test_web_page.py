@@ -39,6 +39,7 @@ def web_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, cont
     tmp = tmp_path_factory.mktemp("webpage")
     args = ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120", "--web", "127.0.0.1:0",
             "--controlnet", f"edges={controlnet_dir}", "--ip-adapter", f"style={ip_adapter_file}",
+            "--ip-adapter", f"look={ip_adapter_file}",  # a second name for the rows of references
             "--upscaler", f"esr={upscaler_file}"]
     with shared_daemon(tmp, args, model_cache, ENV) as d:
         yield d
@@ -98,8 +99,12 @@ def generated(page: Any, d: Daemon) -> tuple[str, dict[str, Any]]:
     """Generate from the filled form without previews, wait until the page says it succeeded, and return
     the job's id and the daemon's own record of it."""
     page.uncheck("#previews")
+    invalid = page.evaluate("() => [...document.querySelectorAll('#form :invalid')].map(e => e.id)")
+    assert invalid == [], f"the browser would not submit the form: {invalid} invalid"
     page.click("#generate")
-    page.wait_for_function("() => document.getElementById('job-id').textContent.startsWith('j_')")
+    page.wait_for_function("() => document.getElementById('job-id').textContent.startsWith('j_')"
+                           " || !document.getElementById('error').hidden")  # sent, or refused: say why
+    assert page.is_hidden("#error"), page.inner_text("#error")
     job_id = page.inner_text("#job-id")
     page.wait_for_selector('#status[data-status="succeeded"]')
     status, job = over_socket(d, "GET", f"/v1/jobs/{job_id}")
@@ -233,6 +238,7 @@ def test_the_residency_panel_shows_what_is_where_and_follows_a_move(page: Any, w
     assert page.inner_text(f"{tiny} .until") not in ("", "—")  # the default keep-alive: a time
     assert page.inner_text(f"{tiny} .pinned") == ""
     assert page.inner_text(f"{tiny} .queued") == "0" and page.inner_text(f"{tiny} .running") == "0"
+    assert (page.inner_text(f"{tiny} .attention"), page.inner_text(f"{tiny} .approximations")) == ("default", "none")
     def post(path: str) -> int:  # a move may take longer than over_socket's 5 s (a load starts a worker)
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(web_daemon.socket)), base_url="http://diffusiond",
                           timeout=120) as c:
@@ -256,31 +262,61 @@ def a_png(path: Path, seed: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("box", "field", "name", "recorded"), [
-    ("control", "control", "edges", {"name": "edges", "scale": 0.5, "start": 0.0, "end": 1.0, "preprocess": "none"}),
-    ("reference", "ip_adapter", "style", {"name": "style", "scale": 0.5}),
-])
-def test_a_control_or_reference_image_goes_from_the_page_into_the_job(
-    page: Any, web_daemon: Daemon, tmp_path: Path, box: str, field: str, name: str, recorded: dict[str, Any]
+def test_a_control_image_with_an_input_image_and_its_mask_inpaints_under_control(
+    page: Any, web_daemon: Daemon, tmp_path: Path
 ) -> None:
+    """ControlNet with an edit: the control box and the input image (with its mask) are filled on one form,
+    and the job is an inpainting under the ControlNet; the other steer (no reference picture) sends nothing."""
     page.select_option("#model", "hold")
     assert page.is_hidden("#control") and page.is_hidden("#reference")  # a synthetic model takes neither
     page.select_option("#model", "tiny")
-    assert page.is_visible(f"#{box}")
-    assert page.locator(f"#{box}-name option").all_inner_texts() == [name]
-    page.set_input_files(f"#{box}-image", str(a_png(tmp_path / "picture.png", seed=3)))
-    page.select_option(f"#{box}-name", name)
-    page.fill(f"#{box}-scale", "0.5")
-    fill(page, prompt=f"a lighthouse steered by {name}", width="64", height="64", steps="2", seed="5")
+    assert page.is_visible("#control") and page.is_visible("#mask")
+    assert page.locator("#control-name option").all_inner_texts() == ["edges"]
+    assert page.is_hidden("#control-mode-box")  # a single-mode ControlNet: no mode to choose
+    page.set_input_files("#control-image", str(a_png(tmp_path / "map.png", seed=3)))
+    page.set_input_files("#image", str(a_png(tmp_path / "input.png", seed=4)))
+    Image.new("L", (64, 64), 255).save(tmp_path / "mask.png")  # white: repaint all of it
+    page.set_input_files("#mask", str(tmp_path / "mask.png"))
+    fill(page, prompt="a lighthouse, redrawn along the edges", width="64", height="64", steps="2", seed="5")
+    page.fill("#control-scale", "0.5")
+    page.fill("#strength", "0.5")
     job_id, job = generated(page, web_daemon)
-    [entry] = job["request"][field]
-    assert {k: v for k, v in entry.items() if k != "image_digest"} == recorded
-    other = "ip_adapter" if field == "control" else "control"
-    assert job["request"][other] == []  # the other box had no picture: nothing sent for it
+    [entry] = job["request"]["control"]
+    assert entry == {"name": "edges", "scale": 0.5, "start": 0.0, "end": 1.0, "preprocess": "none", "mode": None}
+    assert (job["request"]["task"], job["request"]["strength"]) == ("inpainting", 0.5)
+    assert job["request"]["ip_adapter"] == []
     page.wait_for_selector(f'article[data-job-id="{job_id}"]')
-    assert f"{name}:0.5" in page.inner_text(f'article[data-job-id="{job_id}"]')
-    shot(page, f"web-page-{box}")
+    assert "control edges:0.5" in page.inner_text(f'article[data-job-id="{job_id}"]')
+    shot(page, "web-page-control")
 
+
+def test_two_reference_images_go_from_the_page_into_the_job(page: Any, web_daemon: Daemon, tmp_path: Path) -> None:
+    """Two rows of the reference box, each its own IP-Adapter, picture and scale, reach the job as two
+    ``ip_adapter`` entries in the rows' order; the add button stops at the engine's cap of 4."""
+    page.select_option("#model", "tiny")
+    assert page.is_visible("#reference")
+    assert page.locator("#reference-name-0 option").all_inner_texts() == ["look", "style"]
+    assert page.is_hidden("#reference-remove-0")  # one row stays
+    for _ in range(3):
+        page.click("#reference-add")
+    assert page.is_disabled("#reference-add") and page.locator("#reference-list .reference").count() == 4
+    page.click("#reference-remove-3")
+    page.click("#reference-remove-2")
+    assert page.is_enabled("#reference-add") and page.locator("#reference-list .reference").count() == 2
+    for k, (name, scale) in enumerate([("style", "0.5"), ("look", "0.25")]):
+        page.set_input_files(f"#reference-image-{k}", str(a_png(tmp_path / f"reference{k}.png", seed=10 + k)))
+        page.select_option(f"#reference-name-{k}", name)
+        page.fill(f"#reference-scale-{k}", scale)
+    fill(page, prompt="a lighthouse in two styles", width="64", height="64", steps="2", seed="5")
+    job_id, job = generated(page, web_daemon)
+    entries = job["request"]["ip_adapter"]
+    assert [(e["name"], e["scale"]) for e in entries] == [("style", 0.5), ("look", 0.25)]
+    assert entries[0]["image_digest"] != entries[1]["image_digest"]  # each row's own picture
+    assert job["request"]["control"] == []
+    card = f'article[data-job-id="{job_id}"]'
+    page.wait_for_selector(card)
+    assert "IP-Adapter style:0.5" in page.inner_text(card) and "IP-Adapter look:0.25" in page.inner_text(card)
+    shot(page, "web-page-references")
 
 
 def test_an_upscaler_chosen_on_the_page_upscales_the_job(page: Any, web_daemon: Daemon) -> None:

@@ -1,17 +1,21 @@
-// Runs diffusiond/web/app.js in Node against a stand-in DOM and API (tests/test_web_js.py drives it).
+// Runs the page's scripts (those index.html names, in its order) in Node against a stand-in DOM and API
+// (tests/test_web_js.py drives it).
 // Not a browser: no layout, no real events, no real HTTP. What it checks is the page's own logic
 // (which boxes it shows for which model, the job body it builds) where no Chromium is installed.
 "use strict";
 const fs = require("fs");
 const vm = require("vm");
 
-const SELECTS = new Set(["model", "control-name", "reference-name", "control-preprocess", "upscale-name"]);
+const SELECTS = new Set(["model", "control-name", "control-mode", "control-preprocess", "upscale-name"]);
+const made = [];  // every element the scripts made, found by id once they give it one
 
 class El {
   constructor(tag, id) {
     Object.assign(this, { tagName: tag, id, children: [], dataset: {}, hidden: false, disabled: false,
                           checked: false, textContent: "", files: [], listeners: {}, parentElement: {} });
-    this._value = "";
+    this._value = tag === "select" ? null : "";  // a select shows its first option until one is chosen
+    this.parentNode = null;
+    made.push(this);
     if (id === "control-preprocess") {  // its options are in index.html, not made by the script
       this.children = ["none", "canny"].map((v) => Object.assign(new El("option"), { value: v }));
     }
@@ -19,22 +23,33 @@ class El {
   get value() {
     if (this.tagName !== "select") return this._value;
     const values = this.children.map((o) => o.value);
-    return values.includes(this._value) ? this._value : (values[0] ?? "");
+    if (this._value === null) return values[0] ?? "";
+    return values.includes(this._value) ? this._value : "";  // as a browser's: no option chosen
   }
   set value(v) { this._value = String(v); }
   get options() { return this.children; }
   get selectedOptions() { return this.children.filter((o) => o.value === this.value); }
   addEventListener(name, fn) { (this.listeners[name] ||= []).push(fn); }
   fire(name) { for (const fn of this.listeners[name] || []) fn({ preventDefault() {} }); }
-  replaceChildren(...c) { this.children = c; }
-  append(...c) { this.children.push(...c); }
+  replaceChildren(...c) { this.children = []; this.append(...c); }
+  append(...c) {
+    for (const child of c) if (child instanceof El) child.parentNode = this;
+    this.children.push(...c);
+  }
+  remove() {
+    if (this.parentNode) this.parentNode.children = this.parentNode.children.filter((c) => c !== this);
+    this.parentNode = null;
+  }
+  click() { if (!this.disabled) this.fire("click"); }
   focus() {}
   removeAttribute() {}
 }
 
 const elements = new Map();
 const byId = (id) => {
-  if (!elements.has(id)) elements.set(id, new El(SELECTS.has(id) ? "select" : "input", id));
+  if (!elements.has(id)) {
+    elements.set(id, made.find((e) => e.id === id) || new El(SELECTS.has(id) ? "select" : "input", id));
+  }
   return elements.get(id);
 };
 const document = {
@@ -64,14 +79,26 @@ class EventSource { addEventListener() {} close() {} }
 const ctx = vm.createContext({ document, fetch, FileReader, EventSource, setTimeout, setInterval: () => 0,
                                console, crypto: globalThis.crypto, JSON, Promise, Number, String, Object,
                                Boolean, Date, Math, Error, Map, Uint32Array, encodeURIComponent });
-vm.runInContext(fs.readFileSync(process.argv[2], "utf8"), ctx, { filename: "app.js" });
+const html = fs.readFileSync(`${process.argv[2]}/index.html`, "utf8");
+for (const [, name] of html.matchAll(/<script src="\/static\/([\w.-]+)"/g)) {
+  vm.runInContext(fs.readFileSync(`${process.argv[2]}/${name}`, "utf8"), ctx, { filename: name });
+}
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const enabled = (select) => select.options.filter((o) => !o.disabled).map((o) => o.value);
 const shown = () => ({ control: !byId("control").hidden, reference: !byId("reference").hidden,
-                       upscale: !byId("upscale").hidden,
+                       upscale: !byId("upscale").hidden, mask: !byId("mask-box").hidden,
                        upscale_names: byId("upscale-name").options.map((o) => o.value),
-                       control_names: byId("control-name").options.filter((o) => !o.disabled).map((o) => o.value),
-                       reference_names: byId("reference-name").options.filter((o) => !o.disabled).map((o) => o.value) });
+                       control_names: enabled(byId("control-name")), control_name: byId("control-name").value,
+                       mode: byId("control-mode-box").hidden ? null : byId("control-mode").options.map((o) => o.value),
+                       mode_value: byId("control-mode").value,
+                       // each reference row: its file input's id, the adapters offered, its scale, its remove button
+                       references: byId("reference-list").children.map((row) => ({
+                         id: row.fields.image.id, names: enabled(row.fields.name), name: row.fields.name.value,
+                         scale: row.fields.scale.value, removable: !row.fields.remove.hidden })),
+                       can_add: !byId("reference-add").disabled,
+                       error: byId("error").hidden ? "" : byId("error").textContent,
+                       residency: byId("residency-rows").children.map((tr) => tr.children.map((td) => td.textContent)) });
 const choose = (id, value) => { byId(id).value = value; byId(id).fire("change"); };
 
 (async () => {
@@ -79,6 +106,9 @@ const choose = (id, value) => { byId(id).value = value; byId(id).fire("change");
   const out = { ready: document.body.dataset.ready === "true", steps: [] };
   for (const step of JSON.parse(process.argv[4])) {
     if (step.model) choose("model", step.model);
+    if (step.reuse) ctx.fillForm(step.reuse);  // a gallery card's "Use these settings"
+    for (const id of step.click || []) byId(id).click();
+    for (const [id, value] of Object.entries(step.choose || {})) choose(id, value);
     for (const [id, value] of Object.entries(step.values || {})) byId(id).value = value;
     for (const [id, b64] of Object.entries(step.files || {})) {
       byId(id).files = [{ name: "picture.png", b64 }];
@@ -86,6 +116,7 @@ const choose = (id, value) => { byId(id).value = value; byId(id).fire("change");
     }
     const before = posted.length;
     if (step.submit) {
+      ctx.finish({ id: "j_0", status: "succeeded", outputs: [] });  // the job before, done: one at a time
       byId("form").fire("submit");
       for (let i = 0; i < 200 && posted.length === before; i++) await sleep(5);
     }

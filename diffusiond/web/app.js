@@ -9,8 +9,6 @@ const EXTENSIONS = { "image/png": "png", "image/jpeg": "jpg", "image/webp": "web
 const PREVIEW = { every: 1, format: "jpeg", max_side: 256 };  // the request's "preview" field
 // files: each file input's picture as a data: URL (read when chosen); reading: those still being read
 const state = { job: null, events: null, previews: true, models: [], files: {}, reading: {} };
-// Pictures that steer a text-to-image job, each with the served models of its kind (issue 30)
-const STEERS = [{ box: "control", path: "/v1/controlnets" }, { box: "reference", path: "/v1/ip-adapters" }];
 
 class ApiError extends Error {
   constructor(message, status, error) { super(message); this.status = status; this.error = error || {}; }
@@ -81,12 +79,10 @@ function formRequest() {
     .filter((row) => !row.hidden && row.querySelector("input[type=checkbox]").checked)
     .map((row) => ({ name: row.dataset.name, weight: Number(row.querySelector("input[type=number]").value || 1) }));
   if (loras.length) body.loras = loras;
-  const control = steer("control");
-  if (control) body.control = [{ ...control, preprocess: $("control-preprocess").value }];
-  const reference = steer("reference");
-  if (reference) body.ip_adapter = [reference];
+  addSteers(body);  // control and ip_adapter (steer.js)
   if (!$("input-image").hidden && state.files.image) {
     body.image = state.files.image;  // a data: URL, read when the file was chosen
+    if (!$("mask-box").hidden && state.files.mask) body.mask = state.files.mask;  // then it is inpainting
     const strength = number("strength");
     if (strength !== undefined) body.strength = strength;
   }
@@ -97,16 +93,6 @@ function formRequest() {
   }
   if ($("previews").checked && state.previews) body.preview = { ...PREVIEW };
   return body;
-}
-
-// One entry of "control" or "ip_adapter" from its box: the chosen model, the picture, the scale.
-function steer(box) {
-  const image = state.files[`${box}-image`];
-  if ($(box).hidden || !image || !$(`${box}-name`).value) return null;
-  const entry = { name: $(`${box}-name`).value, image };
-  const scale = number(`${box}-scale`);
-  if (scale !== undefined) entry.scale = scale;
-  return entry;
 }
 
 function fillForm(job) {
@@ -126,14 +112,7 @@ function fillForm(job) {
     row.querySelector("input[type=checkbox]").checked = weights.has(row.dataset.name);
     if (weights.has(row.dataset.name)) row.querySelector("input[type=number]").value = weights.get(row.dataset.name);
   }
-  for (const [box, entries] of [["control", r.control], ["reference", r.ip_adapter]]) {
-    const e = (entries || [])[0];  // the picture itself is not kept: choose it again
-    if (e) {
-      $(`${box}-name`).value = e.name;
-      $(`${box}-scale`).value = e.scale;
-      if (e.preprocess) $("control-preprocess").value = e.preprocess;
-    }
-  }
+  fillSteers(r);
   $("upscale-name").value = (r.upscale && r.upscale.name) || "";
   $("upscale-scale").value = (r.upscale && r.upscale.scale) ?? "";
   modelChanged();
@@ -149,6 +128,7 @@ function rollDice() {
 function modelChanged() {
   const model = selectedModel();
   $("input-image").hidden = !(model && (model.edits || []).length);
+  $("mask-box").hidden = !(model && (model.edits || []).includes("inpainting"));
   let shown = 0;
   for (const row of document.querySelectorAll("#lora-list .lora")) {
     const fits = JSON.parse(row.dataset.models);
@@ -156,20 +136,7 @@ function modelChanged() {
     shown += row.hidden ? 0 : 1;
   }
   $("loras").hidden = shown === 0;
-  for (const { box } of STEERS) {  // those that fit a text-to-image model (or that no worker has refused yet)
-    const select = $(`${box}-name`);
-    let fitting = 0;
-    for (const option of select.options) {
-      const fits = Boolean(model && model.task === "text-to-image"
-        && (JSON.parse(option.dataset.models).includes(model.id) || !JSON.parse(option.dataset.unfit).includes(model.id)));
-      option.disabled = option.hidden = !fits;
-      fitting += fits ? 1 : 0;
-    }
-    if (select.selectedOptions[0] && select.selectedOptions[0].disabled) {
-      select.value = ([...select.options].find((o) => !o.disabled) || {}).value || "";
-    }
-    $(box).hidden = fitting === 0;
-  }
+  fitSteers(model);  // the control and reference boxes (steer.js)
   // an upscaler takes any picture a model makes (a video model's job is refused: docs/api.md)
   $("upscale").hidden = !(model && model.task !== "text-to-video" && $("upscale-name").options.length > 1);
 }
@@ -183,24 +150,6 @@ async function loadUpscalers() {
   }
   $("upscale-name").replaceChildren(el("option", { value: "", textContent: "none" }),
     ...((list && list.data) || []).map((u) => el("option", { value: u.name, textContent: `${u.name} (${u.scale}x)` })));
-  modelChanged();
-}
-
-async function loadSteers() {
-  await Promise.all(STEERS.map(async ({ box, path }) => {
-    let list;
-    try {
-      list = await api("GET", path);
-    } catch (_) {
-      return;  // a daemon without this endpoint: the box stays hidden
-    }
-    $(`${box}-name`).replaceChildren(...((list && list.data) || []).map((e) => {
-      const option = el("option", { value: e.name, textContent: e.name });
-      option.dataset.models = JSON.stringify(e.models || []);
-      option.dataset.unfit = JSON.stringify(Object.keys(e.unfit || {}));
-      return option;
-    }));
-  }));
   modelChanged();
 }
 
@@ -222,9 +171,10 @@ async function loadLoras() {
   modelChanged();
 }
 
-function readFile(id) {
+function readFile(input) {
+  const id = input.id;
   state.files[id] = null;
-  const file = $(id).files[0];
+  const file = input.files[0];
   state.reading[id] = file ? new Promise((resolve) => {
     const reader = new FileReader();
     reader.onload = () => { state.files[id] = reader.result; resolve(); };
@@ -283,6 +233,11 @@ async function generate() {
   if (!body.prompt) {
     showError("Write a prompt first.");
     $("prompt").focus();
+    return;
+  }
+  const problem = steerProblem(body);
+  if (problem) {
+    showError(problem);
     return;
   }
   setBusy(true);
@@ -411,9 +366,11 @@ function jobCard(job) {
   const took = Object.values(job.timings_ms || {}).reduce((a, b) => a + b, 0);
   const meta = [job.model, `${r.width}×${r.height}`, `${r.steps} steps`, `guidance ${r.guidance_scale}`,
                 `seed ${seeds}`, new Date(job.created * 1000).toLocaleTimeString()];
-  for (const c of r.control || []) meta.push(`control ${c.name}:${c.scale}`);
+  for (const c of r.control || []) meta.push(`control ${c.name}${c.mode == null ? "" : "@" + c.mode}:${c.scale}`);
   for (const a of r.ip_adapter || []) meta.push(`IP-Adapter ${a.name}:${a.scale}`);
   if (r.upscale) meta.push(`upscale ${r.upscale.name}:${r.upscale.scale}`);
+  if (job.attention) meta.push(`attention ${job.attention}`);
+  if ((job.approximations || []).length) meta.push(`approximations ${job.approximations.join(", ")}`);
   if (took) meta.push(`${(took / 1000).toFixed(1)} s`);
   let stateText = job.status;
   if (job.error && job.error.message) stateText += `: ${job.error.message}`;
@@ -464,7 +421,8 @@ function showResidency(models) {
     const row = el("tr", { title: m.residency_reason || "" },
       cell(m.id), cell(m.device), cell(m.residency || "?", "where"), cell(formatBytes(m.device_bytes), "num device"),
       cell(formatBytes(m.host_bytes), "num host"), cell(keptUntil(m), "until"), cell(m.pinned ? "pinned" : "", "pinned"),
-      cell(m.queued || 0, "num queued"), cell(m.running || 0, "num running"));
+      cell(m.queued || 0, "num queued"), cell(m.running || 0, "num running"),
+      cell(m.attention || "default", "attention"), cell((m.approximations || []).join(", ") || "none", "approximations"));
     row.dataset.model = m.id;
     row.dataset.residency = m.residency || "";
     return row;
@@ -488,7 +446,8 @@ async function start() {
   $("dice").addEventListener("click", rollDice);
   $("refresh").addEventListener("click", refreshGallery);
   $("model").addEventListener("change", modelChanged);
-  for (const id of ["image", "control-image", "reference-image"]) $(id).addEventListener("change", () => readFile(id));
+  for (const id of ["image", "mask"]) $(id).addEventListener("change", () => readFile($(id)));
+  startSteers();
   document.addEventListener("keydown", (ev) => {
     if ((ev.ctrlKey || ev.metaKey) && ev.key === "Enter") {
       ev.preventDefault();

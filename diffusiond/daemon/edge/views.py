@@ -149,7 +149,7 @@ def controlnets(engine: Engine) -> dict[str, Any]:
     """``GET /v1/controlnets``: each served ControlNet, the models it fits (as their workers found), and why not."""
     models = engine.models()
     return {"object": "list", "data": [
-        {"name": name, "object": "controlnet", "path": path,
+        {"name": name, "object": "controlnet", "path": path, "modes": engine.controls.modes.get(name) or None,
          "models": [m.name for m in models if m.known and name not in m.controlnet_errors],
          "unfit": {m.name: m.controlnet_errors[name] for m in models if name in m.controlnet_errors}}
         for name, path in sorted(engine.controls.paths.items())]}
