@@ -61,7 +61,8 @@ def control_values(ctx: Ctx) -> st.SearchStrategy[Any]:
                                             "start": nasty_values | st.floats(-1, 2),
                                             "end": nasty_values | st.floats(-1, 2),
                                             "preprocess": nasty_values | st.sampled_from(["none", "canny"]),
-                                            "mode": nasty_values | st.integers(-2, 8) | st.sampled_from(["canny"])})
+                                            "mode": nasty_values | st.integers(-2, 8)
+                                            | st.sampled_from(["canny", "depth", "", "Tile", "x" * 65])})
     return st.lists(entry, max_size=5) | nasty_values
 
 
