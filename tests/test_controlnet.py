@@ -183,7 +183,8 @@ def test_mode_names_come_from_the_flag_or_the_toml_table_in_either_form(tmp_path
        | st.text(max_size=70), name=st.sampled_from(["u", "bare", "plain"]))
 def test_any_mode_is_its_number_or_a_400_naming_it(tmp_path: Path, mode: Any, name: str) -> None:
     """Admission's reading of ``control[k].mode`` (the fuzz family's values reach it only for the one
-    ControlNet the fuzz daemons serve, a single-mode one): a number in range, a served name, or a 400."""
+    ControlNet the fuzz daemons serve, a single-mode one): a number in range (or written as text, as a
+    form sends it), a served name, or a 400."""
     from diffusiond.daemon.core.controls import ControlRegistry
     from diffusiond.daemon.edge.controls import check_modes, plan
     from diffusiond.daemon.errors import InvalidRequest
@@ -203,7 +204,7 @@ def test_any_mode_is_its_number_or_a_400_naming_it(tmp_path: Path, mode: Any, na
     if name == "plain":
         assert number is None and mode is None
     else:
-        assert number in (0, 1, 2) and mode in (number, names[number] if name == "u" else number)
+        assert number in (0, 1, 2) and mode in (number, str(number), names[number] if name == "u" else number)
 
 
 def test_generate_control_flag_reads_name_image_and_scale() -> None:

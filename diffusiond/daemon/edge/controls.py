@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -49,6 +50,7 @@ class ControlBody(msgspec.Struct, forbid_unknown_fields=True):
     mode: int | str | None = None  # a union ControlNet's control mode, by number or by the name serve gave it
 
 
+NUMBER = re.compile(r"[0-9]{1,9}")
 MAX_SCALE = 4.0  # past twice the usual 0-2 range, the control only burns the picture
 # the models a ControlNet steers: text-to-image ones, and folders that are one of their edits (a
 # dedicated inpainting model); which families have the pipelines is the worker's to say (pipelines/controlnet.py)
@@ -95,7 +97,9 @@ def plan(raw: list[Any]) -> list[ControlEntry]:
         if any(e.name == b.name for e in entries):
             raise invalid(f"ControlNet {b.name[:64]!r} is named twice in control; give each once",
                           field=f"{at}.name")
-        number, named = (None, b.mode) if isinstance(b.mode, str) else (b.mode, None)
+        # a number written as text (a form's fields are text) is that number: a mode's name is never one
+        number, named = (int(b.mode), None) if isinstance(b.mode, str) and NUMBER.fullmatch(b.mode) else \
+            (None, b.mode) if isinstance(b.mode, str) else (b.mode, None)
         entries.append(ControlEntry(name=b.name, source=source, scale=b.scale, start=b.start, end=b.end,
                                     preprocess=b.preprocess, mode=number, mode_name=named))
     return entries
