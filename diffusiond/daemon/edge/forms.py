@@ -32,8 +32,9 @@ from diffusiond.daemon.edge.requests import (
 from diffusiond.daemon.errors import invalid
 
 
-class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
-    """The text fields of a multipart ``/v1/images/edits`` request (the files are read apart)."""
+class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The JSON of ``/v1/images/generations``; the edits form's text fields are these and more (``EditsForm``).
+    A subclass keeps ``forbid_unknown_fields`` and puts its own fields after these."""
 
     prompt: str
     model: str | None = None
@@ -47,52 +48,32 @@ class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
     seed: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
-    strength: float | None = None
+    preview: PreviewBody | None = None  # extra_body in the openai client; a form's preview[every], or JSON text
     loras: list[LoraBody] | None = None  # see ``form_loras`` for the spellings a form can use
-    preview: PreviewBody | None = None  # ``preview[every]`` etc., as the openai client flattens it, or JSON text
-    ip_adapter: list[IpAdapterBody] | None = None  # see ``form_entries``
-    control: list[ControlBody] | None = None  # likewise: JSON text, or control[][name], control[][image], ...
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
-    background: Any = None
-    input_fidelity: Any = None
-    moderation: Any = None
-    output_compression: Any = None
-    partial_images: Any = None
     quality: Any = None
-    stream: Any = None
     style: Any = None
     user: Any = None
+    background: Any = None
+    moderation: Any = None
+    output_compression: Any = None
+    stream: Any = None
+    partial_images: Any = None
+
+
+class EditsForm(ImagesBody):
+    """The text fields of a multipart ``/v1/images/edits`` request (the files are read apart)."""
+
+    strength: float | None = None
+    ip_adapter: list[IpAdapterBody] | None = None  # see ``form_entries``
+    control: list[ControlBody] | None = None  # likewise: JSON text, or control[][name], control[][image], ...
+    # OpenAI's edit fields with no meaning for a local diffusion model: accepted, ignored.
+    input_fidelity: Any = None
     complexity: Any = None
     frame_count: Any = None
     frame_duration_ms: Any = None
     safety_identifier: Any = None
     svg: Any = None
-
-
-class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
-    prompt: str
-    model: str | None = None
-    n: int = 1
-    size: str | None = None
-    response_format: str = "b64_json"
-    output_format: str = "png"
-    negative_prompt: str | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
-    timeout_s: float | None = None
-    scheduler: str | None = None
-    preview: PreviewBody | None = None  # extra_body in the openai client
-    loras: list[LoraBody] | None = None
-    # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
-    quality: Any = None
-    style: Any = None
-    user: Any = None
-    background: Any = None
-    moderation: Any = None
-    output_compression: Any = None
-    stream: Any = None
-    partial_images: Any = None
 
 
 def images_body(body: bytes) -> ImagesBody:
