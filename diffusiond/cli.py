@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply a LoRA the daemon serves (see GET /v1/loras), weight 1 if left out; repeatable")
     g.add_argument("--control", action="append", type=control_arg, metavar="NAME[@MODE]:IMAGE[:SCALE]",
                    help="steer by a ControlNet the daemon serves (see GET /v1/controlnets) and a picture for it, "
-                        "scale 1 if left out; @MODE: a union ControlNet's mode number; repeatable")
+                        "scale 1 if left out; @MODE: a union ControlNet's mode, by number or by the name the "
+                        "daemon lists; repeatable")
     g.add_argument("--ip-adapter", action="append", type=ip_adapter_arg, metavar="NAME:IMAGE[:SCALE]",
                    help="steer by a reference picture through an IP-Adapter the daemon serves "
                         "(see GET /v1/ip-adapters), scale 1 if left out; repeatable (up to 4 act together)")
@@ -226,8 +227,9 @@ def _add_serve(sub: Any) -> None:
     add("--lora", action="append", metavar="NAME=PATH",
         help="serve a LoRA adapter: a folder written by save_lora_weights or a .safetensors file "
              "(diffusers or kohya layout); repeatable")
-    add("--controlnet", action="append", metavar="NAME=PATH",
-        help="serve a ControlNet: a diffusers ControlNet folder or a .safetensors file; repeatable")
+    add("--controlnet", action="append", metavar="NAME=PATH[,modes=A:B:...]",
+        help="serve a ControlNet: a diffusers ControlNet folder or a .safetensors file; a union one's modes "
+             "named in the order of their numbers (modes=canny:tile:depth), so requests may name them; repeatable")
     add("--ip-adapter", action="append", metavar="NAME=PATH[,image_encoder=DIR]",
         help="serve an IP-Adapter: its .safetensors weights file (or a folder holding one) and its image "
              "encoder, image_encoder/ beside the file unless given; repeatable")

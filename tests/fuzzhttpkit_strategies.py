@@ -43,7 +43,7 @@ JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guida
               "preview", "keep_alive", "control", "ip_adapter", "trajectory", "upscale", "hires"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
-               "background", "input_fidelity", "user", "ip_adapter"]
+               "background", "input_fidelity", "user", "ip_adapter", "control"]
 IMAGE_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                 "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "quality", "style",
                 "user", "background", "moderation", "output_compression", "stream", "partial_images", "loras",

@@ -33,7 +33,7 @@ GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format"
               "partial_images"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
-               "background", "input_fidelity", "user", "loras", "preview", "ip_adapter"]
+               "background", "input_fidelity", "user", "loras", "preview", "ip_adapter", "control"]
 NUMERIC_FIELDS = {"n", "width", "height", "steps", "num_inference_steps", "guidance_scale", "seed", "num_frames", "fps",
                   "timeout_s", "strength", "output_compression", "partial_images", "noise_level", "eta"}
 # the scheduler a field belongs to (issue 29): sent with it half the time, so the value's own range check is reached
@@ -61,7 +61,8 @@ def control_values(ctx: Ctx) -> st.SearchStrategy[Any]:
                                             "start": nasty_values | st.floats(-1, 2),
                                             "end": nasty_values | st.floats(-1, 2),
                                             "preprocess": nasty_values | st.sampled_from(["none", "canny"]),
-                                            "mode": nasty_values | st.integers(-2, 8) | st.sampled_from(["canny"])})
+                                            "mode": nasty_values | st.integers(-2, 8)
+                                            | st.sampled_from(["canny", "depth", "", "Tile", "x" * 65])})
     return st.lists(entry, max_size=5) | nasty_values
 
 
@@ -214,7 +215,7 @@ def edits_multipart(draw: st.DrawFn, ctx: Ctx) -> Req:
         if kind == 0:
             extra.append(_part(draw(st.sampled_from(BAD_NAMES)), b"1"))
         elif kind == 1:
-            name = draw(st.sampled_from(["loras", "preview", "ip_adapter"]))
+            name = draw(st.sampled_from(["loras", "preview", "ip_adapter", "control"]))
             value = draw(st.sampled_from([nested(1001), nested(1500, "dict"), nested(100_000), nested(3000, "mixed"),
                                           Raw('[{"name": "ink", "weight": ' + DIGITS_4301 + "}]"),
                                           Raw('{"every": ' + str(10**309) + "}")]) | field_value(ctx, name))
@@ -225,7 +226,9 @@ def edits_multipart(draw: st.DrawFn, ctx: Ctx) -> Req:
         elif kind == 3:
             for flat in draw(st.lists(st.sampled_from([b"preview[every]", b"preview[format]", b"preview[max_side]",
                                                        b"preview[zz]", b"ip_adapter[][name]", b"ip_adapter[][image]",
-                                                       b"ip_adapter[][scale]", b"ip_adapter[][zz]"]),
+                                                       b"ip_adapter[][scale]", b"ip_adapter[][zz]",
+                                                       b"control[][name]", b"control[][image]", b"control[][mode]",
+                                                       b"control[][end]", b"control[zz]"]),
                                       min_size=1, max_size=3)):
                 extra.append(_part(flat, _text(draw(nasty_values))))
         elif kind == 4:

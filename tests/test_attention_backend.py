@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import pytest
 from daemonkit import http, shared_daemon, submit, wait_job
 from PIL import Image
 
+from conftest import ROOT
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import check_options
 
@@ -54,6 +57,19 @@ async def test_an_exact_backend_is_named_everywhere_and_matches_the_default_with
     # an exact kernel is no approximation: nothing listed where quantized weights and caches are
     assert math["approximations"] == models["math"]["approximations"] == [] and "approximations" not in meta
     assert plain["attention"] is None and models["plain"]["attention"] is None and "attention" not in plain_meta
+
+
+def test_models_and_ps_show_the_backend_of_a_model_off_the_default(daemon: Any) -> None:
+    """An ``attention`` column, before the approximations, where a model runs another backend (``-`` for
+    one on the default path); left out of a daemon whose models all run the default (tests/test_quant.py)."""
+    for command in ("models", "ps"):
+        out = subprocess.run([sys.executable, "-m", "diffusiond", command, "--socket", str(daemon.socket)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        header, *rows = out.stdout.splitlines()
+        assert header.split()[-2:] == ["attention", "approximations"], out.stdout
+        by_name = {r.split()[0]: r.split() for r in rows}
+        assert by_name["math"][-2:] == ["_native_math", "-"] and by_name["plain"][-2:] == ["-", "-"], out.stdout
 
 
 def test_a_backend_that_cannot_run_here_stops_the_start_naming_why(daemon_factory: Any) -> None:

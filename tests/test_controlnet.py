@@ -18,6 +18,8 @@ import aiohttp
 import pytest
 from controlkit import build_controlnet, png
 from daemonkit import Daemon, first_output, get, http, shared_daemon
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SIZE = 64
 FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
@@ -137,6 +139,74 @@ def test_serve_refuses_a_controlnet_path_it_cannot_serve_with_one_line(arg: str,
         build_config({}, {"controlnet": [arg]})
 
 
+def union_folder(root: Path, modes: int) -> Path:
+    """A union ControlNet's folder as far as the engine reads it at start: its config.json (FLUX's ``num_mode``)."""
+    root.mkdir(exist_ok=True)
+    (root / "config.json").write_text(f'{{"_class_name": "FluxControlNetModel", "num_mode": {modes}}}')
+    return root
+
+
+@pytest.mark.parametrize(("modes", "why"), [
+    ("canny:tile", "names 2 modes, but the ControlNet has 3"),
+    ("canny:tile:canny", "'canny' is given twice"),
+    ("canny:Tile:depth", "'Tile' is not a mode name"),
+    ("canny:2:depth", "not a bare number"),
+    ("canny::depth", "'' is not a mode name"),
+])
+def test_serve_refuses_mode_names_that_do_not_match_the_union_controlnet(tmp_path: Path, modes: str, why: str) -> None:
+    from diffusiond.daemon.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=why):
+        build_config({}, {"controlnet": [f"u={union_folder(tmp_path / 'u', 3)},modes={modes}"]})
+    with pytest.raises(ConfigError, match="single control mode"):
+        build_config({}, {"controlnet": [f"u={union_folder(tmp_path / 'one', 0)},modes=canny"]})
+
+
+def test_mode_names_come_from_the_flag_or_the_toml_table_in_either_form(tmp_path: Path) -> None:
+    from diffusiond.daemon.config import ConfigError, build_config
+
+    folder = union_folder(tmp_path / "u,v", 3)  # a comma in the path stays the path's
+    flag = build_config({}, {"controlnet": [f"u={folder},modes=canny:tile:depth", f"plain={folder}"]}).controlnets
+    assert (flag["u"].path, flag["u"].modes) == (str(folder), ("canny", "tile", "depth"))
+    assert flag["plain"].modes == ()
+    table = build_config({"controlnets": {"u": {"path": str(folder), "modes": ["canny", "tile", "depth"]},
+                                          "v": f"{folder},modes=a:b:c"}}, {}).controlnets
+    assert table["u"].modes == ("canny", "tile", "depth") and table["v"].modes == ("a", "b", "c")
+    with pytest.raises(ConfigError, match="unknown option 'mode'"):
+        build_config({}, {"controlnet": [f"u={folder},mode=a:b:c"]})
+    with pytest.raises(ConfigError, match="a table takes path"):
+        build_config({"controlnets": {"u": {"path": str(folder), "names": ["a"]}}}, {})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mode=st.none() | st.integers(-3, 5) | st.sampled_from(["canny", "tile", "depth", "dpth", "", "Tile", "1"])
+       | st.text(max_size=70), name=st.sampled_from(["u", "bare", "plain"]))
+def test_any_mode_is_its_number_or_a_400_naming_it(tmp_path: Path, mode: Any, name: str) -> None:
+    """Admission's reading of ``control[k].mode`` (the fuzz family's values reach it only for the one
+    ControlNet the fuzz daemons serve, a single-mode one): a number in range (or written as text, as a
+    form sends it), a served name, or a 400."""
+    from diffusiond.daemon.core.controls import ControlRegistry
+    from diffusiond.daemon.edge.controls import check_modes, plan
+    from diffusiond.daemon.errors import InvalidRequest
+    from diffusiond.daemon.values import ControlNetSetting
+
+    names = ("canny", "tile", "depth")
+    registry = ControlRegistry({"u": ControlNetSetting(str(union_folder(tmp_path / "u", 3)), names),
+                                "bare": ControlNetSetting(str(union_folder(tmp_path / "bare", 3))),
+                                "plain": ControlNetSetting(str(union_folder(tmp_path / "plain", 0)))})
+    entries = plan([{"name": name, "image": "x", "mode": mode}])
+    try:
+        checked = check_modes(entries, registry)
+    except InvalidRequest as exc:
+        assert exc.field == "control[0].mode", exc
+        return
+    number = checked[0].mode
+    if name == "plain":
+        assert number is None and mode is None
+    else:
+        assert number in (0, 1, 2) and mode in (number, str(number), names[number] if name == "u" else number)
+
+
 def test_generate_control_flag_reads_name_image_and_scale() -> None:
     from diffusiond.commands.generate import control_arg, ip_adapter_arg
 
@@ -144,7 +214,8 @@ def test_generate_control_flag_reads_name_image_and_scale() -> None:
     assert control_arg("edges:a:b.png:0.5") == {"name": "edges", "image": "a:b.png", "scale": 0.5}
     assert control_arg("edges:a:b.png") == {"name": "edges", "image": "a:b.png"}
     assert control_arg("union@2:depth.png:0.8") == {"name": "union", "image": "depth.png", "scale": 0.8, "mode": 2}
-    for bad in ("union@:x.png", "union@depth:x.png"):
+    assert control_arg("union@soft_edge:e.png") == {"name": "union", "image": "e.png", "mode": "soft_edge"}
+    for bad in ("union@:x.png", "union@Depth:x.png", "union@a b:x.png"):
         with pytest.raises(argparse.ArgumentTypeError, match="MODE"):
             control_arg(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="mode"):

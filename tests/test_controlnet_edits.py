@@ -10,7 +10,9 @@ outputs are compared as raw float32 ``npy`` bytes, so "equal" means bit for bit.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,80 @@ async def test_control_on_a_prompt_only_job_of_an_inpainting_model_is_refused_as
     async with http(sock) as s, s.post("/v1/jobs", json={**FAST, "model": "tiny-inpaint", "control": edges()}) as r:
         status, error = r.status, (await r.json())["error"]
     assert (status, error["field"]) == (400, "image"), error
+
+
+def openai_edit(sock: Path, **extra: Any) -> bytes:
+    """``client.images.edit`` of the official client, which flattens ``extra_body`` into form fields
+    (``control[][name]``, ``control[][image]``, ...): the output's raw uint8 ``npy`` bytes."""
+    import httpx
+    import openai
+
+    transport = httpx.HTTPTransport(uds=str(sock))
+    with httpx.Client(transport=transport, timeout=120) as hc:
+        client = openai.OpenAI(base_url="http://diffusiond/v1", api_key="unused", http_client=hc)
+        got = client.images.edit(model="tiny", image=("in.png", base64.b64decode(IMG2IMG["image"]), "image/png"),
+                                 prompt=str(FAST["prompt"]), size=f"{SIZE}x{SIZE}", response_format="b64_json",
+                                 extra_body={"seed": 7, "num_inference_steps": 2, "strength": 0.7,
+                                             "output_format": "npy", **extra})
+    assert got.data is not None and got.data[0].b64_json is not None
+    return base64.b64decode(got.data[0].b64_json)
+
+
+async def form_edit(s: aiohttp.ClientSession, **fields: Any) -> tuple[int, Any]:
+    """A multipart ``/v1/images/edits`` of IMG2IMG with ``fields`` as text (JSON text where not a string)."""
+    form = aiohttp.FormData()
+    for k, v in {"model": "tiny", "prompt": FAST["prompt"], "size": f"{SIZE}x{SIZE}", "seed": "7",
+                 "num_inference_steps": "2", "strength": "0.7", "output_format": "npy", **fields}.items():
+        form.add_field(k, v if isinstance(v, str) else json.dumps(v))
+    form.add_field("image", base64.b64decode(IMG2IMG["image"]), filename="in.png", content_type="image/png")
+    async with s.post("/v1/images/edits", data=form) as r:
+        return r.status, await r.json()
+
+
+async def test_the_edits_form_takes_control_as_json_text_or_as_the_openai_client_flattens_it(sock: Path) -> None:
+    """The same edit and control on /v1/jobs and on OpenAI's form, in both of the form's spellings: the
+    same pixels; at scale 0 the plain edit's. (The client's flattening keeps no entry boundaries, so
+    each entry gives every key.)"""
+    control = [{"name": "edges", "image": png(1), "scale": 1.0, "end": 0.5},
+               {"name": "blobs", "image": png(3), "scale": 0.5, "end": 1.0}]
+    uint8 = {k: v for k, v in FAST.items() if k != "output_dtype"}
+    async with http(sock) as s:
+        jobs = await first_output(s, {**uint8, "model": "tiny", **IMG2IMG, "control": control})
+        status, answer = await form_edit(s, control=control)
+        zero_status, zero = await form_edit(s, control=[{"name": "edges", "image": png(1), "scale": 0}])
+        plain = await first_output(s, {**uint8, "model": "tiny", **IMG2IMG})
+        bad_status, bad = await form_edit(s, control=[{"name": "sketch", "image": png(1)}])
+    flat = await asyncio.to_thread(openai_edit, sock, control=control)
+    assert status == 200, answer
+    assert jobs != plain, "the control changed nothing"
+    assert base64.b64decode(answer["data"][0]["b64_json"]) == jobs
+    assert flat == jobs
+    assert (zero_status, base64.b64decode(zero["data"][0]["b64_json"])) == (200, plain)
+    assert (bad_status, bad["error"]["field"]) == (400, "control[0].name") and "known: blobs, edges" in \
+        bad["error"]["message"]
+
+
+def test_an_edit_form_reads_control_as_json_text_or_flattened_and_refuses_entries_it_cannot_tell_apart() -> None:
+    from diffusiond.daemon.edge.forms import edits_form
+    from diffusiond.daemon.errors import InvalidRequest
+
+    base = [("prompt", "x"), ("model", "tiny")]
+    flat = edits_form([*base, ("control[][name]", "u"), ("control[][name]", "edges"), ("control[][image]", "aGk="),
+                       ("control[][image]", "aGk="), ("control[][mode]", "2"), ("control[][mode]", "depth")])["control"]
+    as_json = edits_form([*base, ("control", '[{"name": "u", "image": "aGk=", "mode": 2}, '
+                                             '{"name": "edges", "image": "aGk=", "mode": "depth"}]')])["control"]
+    assert [(e.name, e.mode) for e in flat] == [("u", "2"), ("edges", "depth")]
+    assert [(e.name, e.mode) for e in as_json] == [("u", 2), ("edges", "depth")]
+    for pairs, words in [([("control", "[1]")], "a list"), ([("control[][weight]", "1")], "unexpected form field"),
+                         ([("control[][name]", "a"), ("control[][name]", "b"), ("control[][scale]", "1")],
+                          "2 name, 1 scale"),
+                         ([("ip_adapter[][name]", "a"), ("ip_adapter[][image]", "x"), ("ip_adapter[][name]", "b")],
+                          "2 name, 1 image"),
+                         ([("control", "[]"), ("control[][name]", "a"), ("control[][scale]", "big")],
+                          "Expected `float`")]:
+        with pytest.raises(InvalidRequest) as err:
+            edits_form([*base, *pairs])
+        assert words in err.value.message and err.value.field is not None, err.value.message
 
 
 async def test_no_input_buffer_outlives_an_edit_with_control(sock: Path, control_daemon: Daemon) -> None:

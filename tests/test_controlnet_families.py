@@ -8,7 +8,8 @@ built in code (sdxlkit.py, controlkit.py), saved as folders and served the way a
 ``--model xl=FOLDER``, the embedded ``tiny-flux``, ``--controlnet NAME=FOLDER``. Two fit no
 model: ``edges`` is tiny's (SD 1.5), ``flux-16`` one for fluxkit.py's FLUX (tiny-flux's width, 4
 latent channels where tiny-flux has 16). ``xl-union`` (a ``ControlNetUnionModel``, 6 modes) and
-``flux-union`` (a ``FluxControlNetModel`` with 3 modes) are union ControlNets: a request picks the mode.
+``flux-union`` (a ``FluxControlNetModel`` with 3 modes, served with ``modes=canny:tile:depth``) are union
+ControlNets: a request picks the mode, by number, or by name where serve named them.
 Outputs are compared as raw ``npy`` bytes.
 """
 
@@ -41,7 +42,8 @@ def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet
     args = ["--model", f"xl={sdxl}", "--model", "tiny-flux", "--workers", "1", "--job-timeout", "300",
             "--batch-wait-ms", "300", "--controlnet", f"edges={controlnet_dir}",
             "--controlnet", f"xl-union={build_controlnet(root / 'xl-union', seed=7, pipeline=sdxl, union=True)}",
-            "--controlnet", f"flux-union={build_flux_controlnet(root / 'flux-union', seed=8, num_mode=3)}"]
+            "--controlnet",
+            f"flux-union={build_flux_controlnet(root / 'flux-union', seed=8, num_mode=3)},modes=canny:tile:depth"]
     FluxControlNetModel(**{**FLUXKIT_TRANSFORMER, "num_layers": 1, "num_single_layers": 1}).save_pretrained(
         root / "flux-16")
     args += ["--controlnet", f"flux-16={root / 'flux-16'}"]
@@ -148,7 +150,9 @@ async def test_controlnets_endpoint_says_which_family_each_fits(sock: Path) -> N
     for name in ("edges", "flux-16"):
         assert entries[name]["models"] == [] and set(entries[name]["unfit"]) == {"xl", "tiny-flux"}, entries[name]
     assert entries["xl-union"]["models"] == ["xl"] and entries["flux-union"]["models"] == ["tiny-flux"]
-    assert (entries["xl-union"]["modes"], entries["flux-union"]["modes"], entries["edges"]["modes"]) == (6, 3, None)
+    assert (entries["flux-union"]["num_modes"], entries["flux-union"]["modes"]) == (3, ["canny", "tile", "depth"])
+    assert (entries["xl-union"]["num_modes"], entries["xl-union"]["modes"]) == (6, None)  # served without names
+    assert (entries["xl-lines"]["num_modes"], entries["xl-lines"]["modes"]) == (0, None)
     assert "in_channels is 16" in entries["flux-16"]["unfit"]["tiny-flux"]  # the same width: found by its input
     assert "FluxControlNetModel" in entries["flux-lines"]["unfit"]["xl"]
     assert "ControlNetModel" in entries["xl-lines"]["unfit"]["tiny-flux"]
@@ -198,7 +202,11 @@ async def test_a_union_controlnets_mode_steers_and_modes_keep_apart(sock: Path, 
     ("xl", [{"name": "xl-union", "image": png(1)}], "control[0].mode", "0 to 5"),
     ("xl", [{"name": "xl-union", "image": png(1), "mode": 6}], "control[0].mode", "from 0 to 5"),
     ("tiny-flux", [{"name": "flux-union", "image": png(1), "mode": -1}], "control[0].mode", "from 0 to 2"),
-    ("xl", [{"name": "xl-union", "image": png(1), "mode": "canny"}], "control[0].mode", "number"),
+    ("xl", [{"name": "xl-union", "image": png(1), "mode": "canny"}], "control[0].mode", "names no modes"),
+    ("tiny-flux", [{"name": "flux-union", "image": png(1), "mode": "dpth"}], "control[0].mode",
+     "its modes are canny, tile, depth"),
+    ("tiny-flux", [{"name": "flux-union", "image": png(1)}], "control[0].mode", "3 control modes: canny, tile, depth"),
+    ("tiny-flux", [{"name": "flux-lines", "image": png(1), "mode": "tile"}], "control[0].mode", "single control mode"),
     ("xl", [{"name": "xl-union", "image": png(1), "mode": 0}, {"name": "xl-lines", "image": png(2)}], "control",
      "other union ControlNets only"),
 ])
@@ -207,3 +215,14 @@ async def test_a_bad_mode_is_a_400_naming_it(sock: Path, model: str, control: An
         status, error = await refused(s, model, control)
     assert (status, error["field"]) == (400, field), error
     assert words in error["message"], error
+
+
+async def test_a_named_mode_is_its_number(sock: Path) -> None:
+    """``modes=canny:tile:depth`` at serve: ``"tile"`` is mode 1, the same output bit for bit, and the
+    job's request shows the number, as for a request that gave it."""
+    async with http(sock) as s:
+        number, named = await asyncio.gather(run(s, "tiny-flux", union("tiny-flux", 1)),
+                                             run(s, "tiny-flux", union("tiny-flux", "tile")))
+        job = (await get(s, "/v1/jobs?limit=1"))[1]["data"][0]
+    assert named == number
+    assert job["request"]["control"][0]["mode"] == 1

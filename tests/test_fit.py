@@ -213,6 +213,21 @@ def test_the_fit_command_lists_fastest_first_and_fails_when_nothing_fits(flux: P
     assert bad.returncode == 2 and "built in code" in bad.stderr
 
 
+def test_the_fit_command_lists_sage_attention_as_an_approximation_of_every_configuration(flux: Path) -> None:
+    """``attention=sage`` quantizes Q and K whichever way the model fits; an exact kernel approximates nothing."""
+    from diffusiond.pipelines.attention import KERNELS
+
+    sage = json.loads(_cli(f"{flux},attention=sage", "--json").stdout)["configurations"]
+    assert sage and all(KERNELS["sage"].quantized in c["approximations"] for c in sage), sage
+    assert next(c["approximations"][0] for c in sage if c["name"] == "fp8").startswith("fp8-storage")
+    table = _cli(f"{flux},attention=_sage_qk_int8_pv_fp8_cuda")
+    assert table.returncode == 0 and "sage-attention(Q and K in int8, P·V in fp8)" in table.stdout.splitlines()[2]
+    exact = json.loads(_cli(f"{flux},attention=flash", "--json").stdout)["configurations"]
+    assert [c["approximations"] for c in exact if c["name"] == "none"] == [[]]
+    bad = _cli(f"{flux},attention=sage_hub")
+    assert bad.returncode == 2 and "attention=sage_hub is refused" in bad.stderr
+
+
 def test_offload_settings_and_their_refusals(flux: Path, tmp_path: Path) -> None:
     config = build_config({}, {"model": [f"f={flux}"], "offload": "auto", "device_memory": "1KB"})
     assert config.models[0].options["offload"] == "none" and "CPU" in config.models[0].offload_reason

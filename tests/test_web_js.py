@@ -30,8 +30,9 @@ MODELS = {"object": "list", "data": [
 SERVED = {"/v1/models": MODELS, "/v1/loras": {"data": []}, "/v1/jobs": {"data": []},
           "/health": {"version": "x", "status": "ok"},
           "/v1/controlnets": {"data": [
-              {"name": "edges", "modes": None, "models": ["tiny"], "unfit": {"hold": "no family"}},
-              {"name": "union", "modes": 3, "models": ["tiny"], "unfit": {"hold": "no family"}}]},
+              {"name": "edges", "num_modes": 0, "modes": None, "models": ["tiny"], "unfit": {"hold": "no family"}},
+              {"name": "union", "num_modes": 3, "modes": ["canny", "tile", "depth"], "models": ["tiny"],
+               "unfit": {"hold": "no family"}}]},
           "/v1/ip-adapters": {"data": [{"name": "style", "models": ["tiny"], "unfit": {"hold": "no family"}},
                                        {"name": "look", "models": ["tiny"], "unfit": {"hold": "no family"}}]},
           "/v1/upscalers": {"data": [{"name": "esrgan", "object": "upscaler", "scale": 4}]}}
@@ -129,7 +130,7 @@ def test_several_references_are_sent_in_their_rows_order_up_to_the_engines_cap()
 
 
 def test_a_union_controlnet_asks_for_its_mode_and_sends_it() -> None:
-    """The mode picker shows for a union ControlNet only (GET /v1/controlnets' ``modes``), offers 0..n-1,
+    """The mode picker shows for a union ControlNet only (GET /v1/controlnets' ``num_modes``), offers 0..n-1,
     and is required: without a mode the page says so and sends nothing; a single-mode one sends no mode."""
     values = {"prompt": "a lighthouse"}
     steps = page([

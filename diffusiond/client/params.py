@@ -47,7 +47,8 @@ class JobParams(TypedDict, total=False):
     mask_path: str
     strength: float
     # ControlNets (GET /v1/controlnets): {"name", "image" (bytes or a local file, sent base64) or "image_path",
-    # "scale", "start", "end", "preprocess", "mode" (a union ControlNet's mode number)}, one dict each
+    # "scale", "start", "end", "preprocess", "mode" (a union ControlNet's mode: its number, or its name where
+    # GET /v1/controlnets lists names)}, one dict each
     control: Sequence[Mapping[str, Any]]
     # IP-Adapters (GET /v1/ip-adapters): {"name", "image" (bytes or a local file, sent base64) or "image_path",
     # "scale"}, one dict each, up to 4 acting together (the same adapter twice with two pictures too)

@@ -18,7 +18,7 @@ from diffusiond.client import AsyncClient, DaemonError, DaemonUnreachable
 from diffusiond.commands import EXIT_FAILED, EXIT_OK
 
 
-def _table(rows: list[list[str]], headers: list[str]) -> str:
+def table(rows: list[list[str]], headers: list[str]) -> str:
     cells = [headers, *rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
@@ -65,7 +65,7 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
     workers = health.get("workers") or []
     if workers:
         keys = ["id", "model", "device", "state", "pid", "restarts"]
-        print(_table([[str(w.get(k, "")) for k in keys] for w in workers], keys))
+        print(table([[str(w.get(k, "")) for k in keys] for w in workers], keys))
     else:
         print("no workers")
     print(f"queue depth: {health.get('queue_depth', '?')}")
@@ -92,11 +92,24 @@ async def models(args: argparse.Namespace, client: AsyncClient) -> int:
         print(json.dumps(models))
         return EXIT_OK
     keys = ["id", "task", "device", "state", "offload"]
+    data = models.get("data") or []
     rows = [[str(m.get(k) or "-") for k in keys] + [",".join(m.get("edits") or []) or "-",
                                                  ",".join(m.get("approximations") or []) or "-"]
-            for m in models.get("data") or []]
-    print(_table(rows, [*keys, "edits", "approximations"]))
+            for m in data]
+    print(table(*with_attention(rows, [*keys, "edits", "approximations"], data)))
     return EXIT_OK
+
+
+def with_attention(rows: list[list[str]], headers: list[str],
+                   models: list[dict[str, Any]]) -> tuple[list[list[str]], list[str]]:
+    """The table with an ``attention`` column before its last (approximations), when a model runs another
+    attention backend than the default (``attention=`` model option): its outputs then differ from the
+    default's, by rounding for an exact kernel, more for SageAttention. Left out when none does."""
+    if not any(m.get("attention") for m in models):
+        return rows, headers
+    cells = [str(m.get("attention") or "-") for m in models]
+    return ([[*r[:-1], c, r[-1]] for r, c in zip(rows, cells, strict=True)],
+            [*headers[:-1], "attention", headers[-1]])
 
 
 async def cancel(args: argparse.Namespace, client: AsyncClient) -> int:
@@ -127,7 +140,7 @@ async def history(args: argparse.Namespace, client: AsyncClient) -> int:
              j.get("model", ""), _status(j),
              str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
             for j in page.get("data") or []]
-    print(_table(rows, keys) if rows else "no jobs")
+    print(table(rows, keys) if rows else "no jobs")
     if page.get("next_before"):
         print(f"more: diffusiond history --before {page['next_before']}")
     return EXIT_OK

@@ -97,15 +97,20 @@ def lora_arg(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"the weight in --lora {text!r} is not a number") from None
 
 
+MODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")  # a mode's number, or a name serve gave it
+
+
 def control_arg(text: str) -> dict[str, Any]:
     """``--control NAME[@MODE]:IMAGE[:SCALE]`` -> one entry of the request's ``control`` (scale 1 when left
     out; the image is a local file, read and sent base64 by ``build_body``). ``@MODE`` picks a union
-    ControlNet's control mode by number: a name has no '@', so it cannot be mistaken for one."""
+    ControlNet's control mode, by number or by the name ``serve --controlnet NAME=PATH,modes=...`` gave
+    it: a ControlNet's name has no '@', so it cannot be mistaken for one."""
     name, sep, rest = text.partition(":")
     name, at, mode = name.partition("@")
-    if at and not mode.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"the MODE in NAME@MODE is a union ControlNet's mode number (e.g. "
-                                         f"union@2:depth.png), got {text!r}")
+    mode = mode.strip()
+    if at and not (mode and set(mode) <= MODE_CHARS):
+        raise argparse.ArgumentTypeError(f"the MODE in NAME@MODE is a union ControlNet's mode, its number or its "
+                                         f"name (e.g. union@2:depth.png or union@depth:depth.png), got {text!r}")
     image, scale = rest, None
     head, colon, tail = rest.rpartition(":")
     if colon and head:
@@ -121,7 +126,7 @@ def control_arg(text: str) -> dict[str, Any]:
     if scale is not None:
         entry["scale"] = scale
     if at:
-        entry["mode"] = int(mode)
+        entry["mode"] = int(mode) if mode.isdigit() else mode
     return entry
 
 

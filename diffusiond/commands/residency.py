@@ -3,7 +3,8 @@
 ``ps`` is ``ollama ps`` for this daemon: per model, where its weights are (``device``, ``host``,
 ``disk``, ``loading``), the bytes on the device and in host memory, until when its keep-alive holds
 it, whether it is pinned, its outputs queued and running, and how it is made to fit (its offload mode and
-the quantizations among its approximations), all from ``GET /v1/models``.
+the quantizations among its approximations) and run (its attention backend, where not the default), all
+from ``GET /v1/models``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 from diffusiond.client import AsyncClient
 from diffusiond.commands import EXIT_OK
+from diffusiond.commands.admin import table, with_attention
 
 KEYS = ["name", "device", "residency", "on device", "in host", "until", "pinned", "queued", "running", "offload",
         "approximations"]
@@ -48,9 +50,7 @@ async def ps(args: argparse.Namespace, client: AsyncClient) -> int:
              _size(m.get("device_bytes")), _size(m.get("host_bytes")), _until(m), "yes" if m.get("pinned") else "no",
              str(m.get("queued", 0)), str(m.get("running", 0)), str(m.get("offload") or "none"), _approx(m)]
             for m in models]
-    cells = [KEYS, *rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(KEYS))]
-    print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells))
+    print(table(*with_attention(rows, KEYS, models)))
     return EXIT_OK
 
 

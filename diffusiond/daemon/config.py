@@ -22,12 +22,15 @@ from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.daemon.residency.units import FOREVER, format_bytes, parse_duration, parse_size
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
+    ControlNetSetting,
     check_controlnet,
     check_ip_adapter,
+    check_mode_names,
     check_upscaler,
     duration,
     own_preload,
     parse_compile_mode,
+    parse_controlnets,
     parse_devices,
     parse_host_port,
     parse_ip_adapters,
@@ -137,8 +140,8 @@ class DaemonConfig:
     # of them loaded (least recently used ones are unloaded), and a request names at most that many.
     loras: dict[str, str] = field(default_factory=dict)
     max_loras: int = 8
-    # ControlNets by name (--controlnet NAME=PATH, TOML [controlnets]): each worker loads them all once
-    controlnets: dict[str, str] = field(default_factory=dict)
+    # ControlNets by name (--controlnet NAME=PATH[,modes=A:B], TOML [controlnets]): each worker loads them all once
+    controlnets: dict[str, ControlNetSetting] = field(default_factory=dict)
     # IP-Adapters by name (--ip-adapter NAME=PATH[,image_encoder=DIR], TOML [ip_adapters]): (weights, encoder)
     ip_adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
     # super-resolution models by name (--upscaler NAME=PATH[,tile=N][,overlap=N], TOML [upscalers]):
@@ -256,8 +259,8 @@ class DaemonConfig:
                 read_lora(name, path)
             except LoraFileError as exc:
                 raise ConfigError(str(exc)) from None
-        for name, path in self.controlnets.items():
-            if (why := check_controlnet(name, path)) is not None:
+        for name, control in self.controlnets.items():
+            if (why := check_controlnet(name, control.path) or check_mode_names(name, control)) is not None:
                 raise ConfigError(why)
         for name, (weights, encoder) in self.ip_adapters.items():
             if (why := check_ip_adapter(name, weights, encoder)) is not None:
@@ -375,10 +378,9 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         values["loras"] = parse_loras(lora_args)
     elif "loras" in values:
         values["loras"] = parse_loras(values["loras"])
-    control_args = values.pop("controlnet", None)  # likewise --controlnet NAME=PATH and [controlnets]
+    control_args = values.pop("controlnet", None)  # likewise --controlnet NAME=PATH[,modes=A:B] and [controlnets]
     if control_args is not None or "controlnets" in values:
-        values["controlnets"] = parse_loras(control_args if control_args is not None else values["controlnets"],
-                                            "--controlnet", "ControlNet")
+        values["controlnets"] = parse_controlnets(control_args if control_args is not None else values["controlnets"])
     ip_args = values.pop("ip_adapter", None)  # --ip-adapter NAME=PATH[,image_encoder=DIR] and [ip_adapters]
     if ip_args is not None or "ip_adapters" in values:
         values["ip_adapters"] = parse_ip_adapters(ip_args if ip_args is not None else values["ip_adapters"])

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,7 @@ def parse_devices(device: str, workers: int) -> tuple[str, ...]:
 
 
 def parse_loras(value: Any, flag: str = "--lora", what: str = "LoRA") -> dict[str, str]:
-    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path;
-    ``--controlnet`` and ``[controlnets]`` are read the same way."""
+    """``--lora NAME=PATH`` (a list of those) or a TOML ``[loras]`` table (name = path) -> name -> path."""
     if isinstance(value, dict):
         return {str(k): absolute(str(v)) for k, v in value.items()}
     out: dict[str, str] = {}
@@ -173,6 +173,126 @@ def warmup_value(value: Any) -> tuple[tuple[int, int, int], ...]:
 
 
 _CONTROL_NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+UNION_CLASS = "ControlNetUnionModel"  # SDXL's union ControlNets (xinsir's layout), their own pipelines
+CONTROLNET_FORMS = "NAME=PATH or NAME=PATH,modes=NAME:NAME:... (a union ControlNet's modes, in their order)"
+_MODE_NAME = re.compile(r"[a-z0-9_-]{1,64}")
+_OPTION = re.compile(r"\s*([A-Za-z_]\w*)\s*=(.*)$", re.DOTALL)  # a ``,key=value`` after a path
+
+
+@dataclass(frozen=True)
+class ControlNetSetting:
+    """A served ControlNet: its folder or file, and the names of a union one's modes (in mode order;
+    empty: requests give the numbers). diffusers' configs do not name the modes, the model card does."""
+
+    path: str
+    modes: tuple[str, ...] = ()
+
+
+def parse_controlnets(value: Any) -> dict[str, ControlNetSetting]:
+    """``--controlnet NAME=PATH[,modes=A:B:...]`` (a list of those) or a TOML ``[controlnets]`` table whose
+    values are ``"PATH[,modes=A:B:...]"`` or tables ``{path, modes}`` (modes a list or ``"A:B"``)."""
+    out: dict[str, ControlNetSetting] = {}
+    for name, setting, where in named_settings(value, "controlnet", CONTROLNET_FORMS):
+        if isinstance(setting, dict):
+            path, options = _table(setting, ("modes",), where)
+        else:
+            path, options = split_options(str(setting), ("modes",), (".safetensors",), where, CONTROLNET_FORMS)
+        modes = options.get("modes", ())
+        names = [str(m) for m in modes] if isinstance(modes, list | tuple) else str(modes).split(":")
+        out[name] = ControlNetSetting(path=absolute(path.strip()), modes=tuple(n.strip() for n in names))
+    return out
+
+
+def named_settings(value: Any, flag: str, forms: str) -> list[tuple[str, Any, str]]:
+    """``--FLAG NAME=SETTING`` (a list of those) or a TOML ``[FLAGs]`` table -> (name, setting, where it was
+    written, for messages), each name once."""
+    items: list[tuple[str, Any, str]] = []
+    if isinstance(value, dict):
+        items = [(str(k), v, f"[{flag}s] {k}") for k, v in value.items()]
+    else:
+        for arg in value if isinstance(value, list) else [value]:
+            name, sep, rest = str(arg).partition("=")
+            if not sep or not name.strip() or not rest.strip():
+                raise ConfigError(f"--{flag} wants {forms}, got {str(arg)[:200]!r}")
+            items.append((name.strip(), rest, f"--{flag} {str(arg)[:200]}"))
+    names = [name for name, _, _ in items]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"{flag} name {twice!r} is given twice")
+    return items
+
+
+def _table(value: dict[str, Any], keys: tuple[str, ...], where: str) -> tuple[str, dict[str, Any]]:
+    """A TOML table setting: its ``path`` (a string) and the options ``keys`` name, or a ConfigError."""
+    unknown = sorted(set(map(str, value)) - {"path", *keys})
+    if unknown or not isinstance(value.get("path"), str):
+        takes = ", ".join(["path (a string)", *keys[:-1]]) + f" and {keys[-1]}"
+        raise ConfigError(f"{where}: a table takes {takes}"
+                          f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+    return str(value["path"]), {k: value[k] for k in keys if k in value}
+
+
+def split_options(text: str, keys: tuple[str, ...], endings: tuple[str, ...], where: str,
+                  forms: str) -> tuple[str, dict[str, str]]:
+    """``PATH,key=value,...`` -> the path and the options, read from the right: only ``,word=...`` ends
+    that do not end as a model file does are options, so a path with a comma in it (``/models/4x,sharp.pth``,
+    ``/models/a,v=2.pth``) still reads as the path it always did."""
+    parts = text.split(",")
+    options: dict[str, str] = {}
+    while len(parts) > 1 and (m := _OPTION.match(parts[-1])) and not parts[-1].strip().lower().endswith(endings):
+        key = m.group(1)
+        if key not in keys:
+            raise ConfigError(f"{where}: unknown option {key!r}; the forms are {forms}")
+        if key in options:
+            raise ConfigError(f"{where}: {key} is given twice")
+        options[key] = m.group(2).strip()
+        parts.pop()
+    path = ",".join(parts)
+    if not path.strip():
+        raise ConfigError(f"{where}: no path; the forms are {forms}")
+    return path, options
+
+
+def check_mode_names(name: str, setting: ControlNetSetting) -> str | None:
+    """Why a ControlNet's ``modes=`` cannot be served (None: fine): one name per mode its config has,
+    each of ``[a-z0-9_-]``, not a bare number (that is a mode's number), and each once."""
+    if not setting.modes:
+        return None
+    count, where = control_modes(setting.path), f"ControlNet {name!r}: modes="
+    if not count:
+        return (f"{where}{':'.join(setting.modes)[:200]}, but it has a single control mode (its config.json has "
+                "no num_control_type or num_mode); leave out modes=")
+    if len(setting.modes) != count:
+        return (f"{where} names {len(setting.modes)} modes, but the ControlNet has {count}; name each of them, "
+                "in the order of their numbers (the model card says which is which)")
+    for mode in setting.modes:
+        if not _MODE_NAME.fullmatch(mode) or mode.isdigit():
+            return (f"{where}{mode[:80]!r} is not a mode name: give 1-64 of a-z, 0-9, '_' and '-', not a bare number "
+                    "(requests give numbers as numbers)")
+    twice = next((m for i, m in enumerate(setting.modes) if m in setting.modes[:i]), None)
+    if twice is not None:
+        return f"{where}{twice!r} is given twice; each mode needs its own name"
+    return None
+
+
+def controlnet_config(path: str) -> dict[str, Any]:
+    """A ControlNet folder's ``config.json`` ({} for a single file, or one that does not parse)."""
+    try:
+        cfg = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def control_modes(path: str) -> int:
+    """How many control modes a union ControlNet folder has (0: not a union one), from its
+    ``config.json`` as diffusers writes it: ``ControlNetUnionModel``'s ``num_control_type`` (SDXL's,
+    xinsir's layout), or a ``FluxControlNetModel``'s ``num_mode`` (InstantX's union). Read by the
+    engine at start, without torch, so admission checks a request's ``mode`` before any worker runs it;
+    a single checkpoint file has no config to say, and is served as a single-mode ControlNet."""
+    cfg = controlnet_config(path)
+    count = cfg.get("num_control_type") if cfg.get("_class_name") == UNION_CLASS else cfg.get("num_mode")
+    return count if isinstance(count, int) and count > 0 else 0
 
 
 def check_controlnet(name: str, path: str) -> str | None:
@@ -266,7 +386,6 @@ def check_upscaler(name: str, path: str) -> str | None:
 
 
 UPSCALER_FORMS = "NAME=PATH, NAME=PATH,tile=N or NAME=PATH,tile=N,overlap=N"
-_OPTION = re.compile(r"\s*([A-Za-z_]\w*)\s*=(.*)$", re.DOTALL)
 
 
 def parse_upscalers(value: Any) -> dict[str, UpscalerSetting]:
@@ -276,45 +395,19 @@ def parse_upscalers(value: Any) -> dict[str, UpscalerSetting]:
     Options are read from the right, and only ``,word=...`` ends that do not end as a model file does
     are options, so a path with a comma in it (``/models/4x,sharp.pth``, ``/models/a,v=2.pth``)
     still reads as the path it always did."""
-    items: list[tuple[str, Any, str]] = []
-    if isinstance(value, dict):
-        items = [(str(k), v, f"[upscalers] {k}") for k, v in value.items()]
-    else:
-        for arg in value if isinstance(value, list) else [value]:
-            name, sep, rest = str(arg).partition("=")
-            if not sep or not name.strip() or not rest.strip():
-                raise ConfigError(f"--upscaler wants {UPSCALER_FORMS}, got {str(arg)[:200]!r}")
-            items.append((name.strip(), rest, f"--upscaler {str(arg)[:200]}"))
-    out: dict[str, UpscalerSetting] = {}
-    for name, setting, where in items:
-        if name in out:
-            raise ConfigError(f"upscaler name {name!r} is given twice")
-        out[name] = _upscaler_setting(setting, where)
-    return out
+    return {name: _upscaler_setting(setting, where)
+            for name, setting, where in named_settings(value, "upscaler", UPSCALER_FORMS)}
 
 
 def _upscaler_setting(value: Any, where: str) -> UpscalerSetting:
+    options: dict[str, Any]
     if isinstance(value, dict):
-        unknown = sorted(set(map(str, value)) - {"path", "tile", "overlap"})
-        if unknown or not isinstance(value.get("path"), str):
-            raise ConfigError(f"{where}: a table takes path (a string), tile and overlap"
-                              f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}")
-        path, options = str(value["path"]), {k: value[k] for k in ("tile", "overlap") if k in value}
+        path, options = _table(value, ("tile", "overlap"), where)
+        if not path.strip():
+            raise ConfigError(f"{where}: no path; the forms are {UPSCALER_FORMS}")
     else:
-        parts = str(value).split(",")
-        options = {}
-        while len(parts) > 1 and (m := _OPTION.match(parts[-1])) and \
-                not parts[-1].strip().lower().endswith((".pth", ".safetensors")):
-            key = m.group(1)
-            if key not in ("tile", "overlap"):
-                raise ConfigError(f"{where}: unknown option {key!r}; the forms are {UPSCALER_FORMS}")
-            if key in options:
-                raise ConfigError(f"{where}: {key} is given twice")
-            options[key] = m.group(2).strip()
-            parts.pop()
-        path = ",".join(parts)
-    if not path.strip():
-        raise ConfigError(f"{where}: no path; the forms are {UPSCALER_FORMS}")
+        path, options = split_options(str(value), ("tile", "overlap"), (".pth", ".safetensors"), where,
+                                      UPSCALER_FORMS)
     tile = _whole(options.get("tile", DEFAULT_TILE), "tile", where)
     # left out, the overlap is a quarter of a tile smaller than 128: tile=64 alone is a valid setting
     overlap = _whole(options["overlap"], "overlap", where) if "overlap" in options else \

@@ -63,19 +63,26 @@ function startSteers() {
 
 // the control image ------------------------------------------------------------------------------
 
-function controlModes() {  // a union ControlNet's number of modes (GET /v1/controlnets' "modes"), else 0
-  const entry = steers.control.find((e) => e.name === $("control-name").value);
-  return (entry && entry.modes) || 0;
+function controlEntry() {
+  return steers.control.find((e) => e.name === $("control-name").value);
 }
 
-// A union ControlNet needs its mode (a number: diffusers' configs do not name them); a single-mode one takes none.
+function controlModes() {  // a union ControlNet's number of modes (GET /v1/controlnets' "num_modes"), else 0
+  const entry = controlEntry();
+  return (entry && entry.num_modes) || 0;
+}
+
+// A union ControlNet needs its mode, sent as its number; the names serve gave them (GET /v1/controlnets'
+// "modes", e.g. canny, depth) label the choices where there are any. A single-mode one takes none.
 function controlChanged() {
   const modes = controlModes();
+  const names = (controlEntry() || {}).modes || [];
   const select = $("control-mode");
   const kept = select.value;
   $("control-mode-box").hidden = modes === 0;
   select.replaceChildren(el("option", { value: "", textContent: "choose…" }),
-    ...Array.from({ length: modes }, (_, k) => el("option", { value: String(k), textContent: String(k) })));
+    ...Array.from({ length: modes }, (_, k) =>
+      el("option", { value: String(k), textContent: names[k] ? `${k}: ${names[k]}` : String(k) })));
   select.value = kept !== "" && Number(kept) < modes ? kept : "";
 }
 

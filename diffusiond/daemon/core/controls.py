@@ -1,8 +1,9 @@
 """ControlNets: the ones this daemon serves, and a request's control images from bytes to a sealed buffer.
 
-A ControlNet is registered by name (``serve --controlnet NAME=PATH``, TOML ``[controlnets]``): a
-diffusers folder (``save_pretrained``'s) or a single ``.safetensors`` checkpoint. The configuration
-only checks that the path is there (``values.check_controlnet``); each worker loads every one once
+A ControlNet is registered by name (``serve --controlnet NAME=PATH[,modes=A:B:...]``, TOML
+``[controlnets]``): a diffusers folder (``save_pretrained``'s) or a single ``.safetensors`` checkpoint.
+The configuration only checks that the path is there and that a union one's mode names match its
+config (``values.check_controlnet``, ``values.check_mode_names``); each worker loads every one once
 at start, keeps it, and reports those that do not fit its model (``Model.controlnet_errors``), so
 admission refuses such pairs with a 400 naming the field.
 
@@ -17,11 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -29,12 +28,12 @@ from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core import images
 from diffusiond.daemon.core.inputs import Source, _bytes_of
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
+from diffusiond.daemon.values import ControlNetSetting, control_modes, controlnet_config
 from diffusiond.ipc.inputs import InputBuffer, read_inputs
 from diffusiond.ipc.messages import ControlRef
 
 MAX_CONTROLS = 4  # ControlNets in one request: each one is a second denoiser-sized forward per step
 PREPROCESS = ("none", "canny")
-UNION_CLASS = "ControlNetUnionModel"  # SDXL's union ControlNets (xinsir's layout), their own pipelines
 CANNY_LOW, CANNY_HIGH = 100, 200  # diffusers' and A1111's defaults for canny ControlNets
 
 
@@ -48,9 +47,11 @@ class ModelControls(Protocol):
 class ControlRegistry:
     """The ControlNets this daemon serves, by name (fixed at start)."""
 
-    def __init__(self, paths: Mapping[str, str]) -> None:
-        self.paths = dict(paths)
+    def __init__(self, settings: Mapping[str, ControlNetSetting]) -> None:
+        self.paths = {name: s.path for name, s in settings.items()}
         self.modes = {name: control_modes(path) for name, path in self.paths.items()}
+        # a union ControlNet's mode names, in mode order (serve's modes=; checked against its config at start)
+        self.mode_names = {name: s.modes for name, s in settings.items() if s.modes}
         self.classes = {name: control_class(path) for name, path in self.paths.items()}
 
     def resolve(self, model: ModelControls, names: Sequence[str]) -> None:
@@ -65,30 +66,10 @@ class ControlRegistry:
                                      field=f"control[{i}].name")
 
 
-def _config(path: str) -> dict[str, Any]:
-    """A ControlNet folder's ``config.json`` ({} for a single file, or one that does not parse)."""
-    try:
-        cfg = json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
 def control_class(path: str) -> str:
     """The diffusers class a ControlNet folder names ("" when unknown)."""
-    named = _config(path).get("_class_name")
+    named = controlnet_config(path).get("_class_name")
     return named if isinstance(named, str) else ""
-
-
-def control_modes(path: str) -> int:
-    """How many control modes a union ControlNet folder has (0: not a union one), from its
-    ``config.json`` as diffusers writes it: ``ControlNetUnionModel``'s ``num_control_type`` (SDXL's,
-    xinsir's layout), or a ``FluxControlNetModel``'s ``num_mode`` (InstantX's union). Read by the
-    engine at start, without torch, so admission checks a request's ``mode`` before any worker runs it;
-    a single checkpoint file has no config to say, and is served as a single-mode ControlNet."""
-    cfg = _config(path)
-    count = cfg.get("num_control_type") if cfg.get("_class_name") == UNION_CLASS else cfg.get("num_mode")
-    return count if isinstance(count, int) and count > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +83,7 @@ class ControlEntry:
     end: float = 1.0
     preprocess: str = "none"
     mode: int | None = None  # a union ControlNet's control mode
+    mode_name: str | None = None  # the mode as the request named it, until admission finds its number
 
 
 @dataclass

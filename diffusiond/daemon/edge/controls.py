@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -20,8 +21,8 @@ import msgspec
 from diffusiond.daemon.core.controls import (
     MAX_CONTROLS,
     PREPROCESS,
-    UNION_CLASS,
     ControlEntry,
+    ControlRegistry,
     canny_unavailable,
     cv2_missing,
     decode_controls,
@@ -29,6 +30,7 @@ from diffusiond.daemon.core.controls import (
 from diffusiond.daemon.core.inputs import Source
 from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.daemon.errors import invalid
+from diffusiond.daemon.values import UNION_CLASS
 from diffusiond.protocol import STRENGTH_TASKS, Task
 
 if TYPE_CHECKING:
@@ -45,9 +47,10 @@ class ControlBody(msgspec.Struct, forbid_unknown_fields=True):
     start: float = 0.0
     end: float = 1.0
     preprocess: str = "none"
-    mode: int | str | None = None  # a union ControlNet's control mode, by number
+    mode: int | str | None = None  # a union ControlNet's control mode, by number or by the name serve gave it
 
 
+NUMBER = re.compile(r"[0-9]{1,9}")
 MAX_SCALE = 4.0  # past twice the usual 0-2 range, the control only burns the picture
 # the models a ControlNet steers: text-to-image ones, and folders that are one of their edits (a
 # dedicated inpainting model); which families have the pipelines is the worker's to say (pipelines/controlnet.py)
@@ -94,33 +97,47 @@ def plan(raw: list[Any]) -> list[ControlEntry]:
         if any(e.name == b.name for e in entries):
             raise invalid(f"ControlNet {b.name[:64]!r} is named twice in control; give each once",
                           field=f"{at}.name")
-        if isinstance(b.mode, str):
-            raise invalid(f"{at}.mode {b.mode[:40]!r}: give a union ControlNet's mode by its number (diffusers' "
-                          "configs do not name them; the model's card says which number is which)",
-                          field=f"{at}.mode")
+        # a number written as text (a form's fields are text) is that number: a mode's name is never one
+        number, named = (int(b.mode), None) if isinstance(b.mode, str) and NUMBER.fullmatch(b.mode) else \
+            (None, b.mode) if isinstance(b.mode, str) else (b.mode, None)
         entries.append(ControlEntry(name=b.name, source=source, scale=b.scale, start=b.start, end=b.end,
-                                    preprocess=b.preprocess, mode=b.mode))
+                                    preprocess=b.preprocess, mode=number, mode_name=named))
     return entries
 
 
-def check_modes(entries: list[ControlEntry], modes: dict[str, int], classes: dict[str, str]) -> None:
-    """A union ControlNet needs a mode in its range (diffusers would fail mid-compute without one) and
-    a single-mode one takes none; SDXL's union ControlNets have pipelines of their own, so they run
-    with other union ControlNets only."""
+def check_modes(entries: list[ControlEntry], registry: ControlRegistry) -> list[ControlEntry]:
+    """The entries with each mode a number in its ControlNet's range. A union ControlNet needs a mode
+    (diffusers would fail mid-compute without one), given by number or by a name serve's ``modes=``
+    gave it; a single-mode one takes none. SDXL's union ControlNets have pipelines of their own, so
+    they run with other union ControlNets only."""
+    checked: list[ControlEntry] = []
     for i, e in enumerate(entries):
-        count, at = modes.get(e.name, 0), f"control[{i}].mode"
-        if e.mode is None and count:
-            raise invalid(f"ControlNet {e.name!r} is a union ControlNet with {count} control modes; choose one "
-                          f"with {at} (0 to {count - 1})", field=at)
-        if e.mode is not None and not count:
+        count, at = registry.modes.get(e.name, 0), f"control[{i}].mode"
+        names = registry.mode_names.get(e.name, ())
+        listed = f": {', '.join(names)}" if names else ""
+        if e.mode is None and e.mode_name is None and count:
+            raise invalid(f"ControlNet {e.name!r} is a union ControlNet with {count} control modes{listed}; choose "
+                          f"one with {at} (0 to {count - 1}{', or its name' if names else ''})", field=at)
+        if (e.mode is not None or e.mode_name is not None) and not count:
             raise invalid(f"ControlNet {e.name!r} has a single control mode; leave out {at}", field=at)
-        if e.mode is not None and not 0 <= e.mode < count:
-            raise invalid(f"{at} must be from 0 to {count - 1} (ControlNet {e.name!r} has {count} control modes), "
-                          f"got {e.mode}", field=at)
-    unions = [e.name for e in entries if classes.get(e.name) == UNION_CLASS]
-    if unions and len(unions) != len(entries):
+        if e.mode_name is not None:
+            if not names:
+                raise invalid(f"{at} {e.mode_name[:40]!r}: ControlNet {e.name!r} names no modes, so give its mode "
+                              f"by number, 0 to {count - 1} (the model card says which is which; serve "
+                              f"--controlnet {e.name}=PATH,modes=NAME:NAME:... names them)", field=at)
+            if e.mode_name not in names:
+                raise invalid(f"{at} {e.mode_name[:40]!r} is not a mode of ControlNet {e.name!r}; its modes are "
+                              f"{', '.join(names)} (or their numbers, 0 to {count - 1})", field=at)
+            e = dataclasses.replace(e, mode=names.index(e.mode_name), mode_name=None)
+        elif e.mode is not None and not 0 <= e.mode < count:
+            raise invalid(f"{at} must be from 0 to {count - 1} (ControlNet {e.name!r} has {count} control "
+                          f"modes{listed}), got {e.mode}", field=at)
+        checked.append(e)
+    unions = [e.name for e in checked if registry.classes.get(e.name) == UNION_CLASS]
+    if unions and len(unions) != len(checked):
         raise invalid(f"ControlNet {unions[0]!r} is an SDXL union ControlNet, which runs with other union "
                       "ControlNets only; send the others in another request", field="control")
+    return checked
 
 
 async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
@@ -136,7 +153,7 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
         raise invalid(f"this request is {req.edit.task.value}; ControlNets act with image-to-image and "
                       "inpainting edits (and text-to-image)", field="control")
     engine.check_controls(model.name, [e.name for e in entries])
-    check_modes(entries, engine.controls.modes, engine.controls.classes)
+    entries = check_modes(entries, engine.controls)
     canny = next((i for i, e in enumerate(entries) if e.preprocess == "canny"), None)
     if canny is not None and cv2_missing():
         raise canny_unavailable(f"control[{canny}].preprocess")

@@ -15,6 +15,7 @@ import msgspec
 
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core.jobs import JobRequest
+from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.requests import (
     FIELD_PATH,
@@ -31,8 +32,9 @@ from diffusiond.daemon.edge.requests import (
 from diffusiond.daemon.errors import invalid
 
 
-class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
-    """The text fields of a multipart ``/v1/images/edits`` request (the files are read apart)."""
+class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The JSON of ``/v1/images/generations``; the edits form's text fields are these and more (``EditsForm``).
+    A subclass keeps ``forbid_unknown_fields`` and puts its own fields after these."""
 
     prompt: str
     model: str | None = None
@@ -46,51 +48,32 @@ class EditsForm(msgspec.Struct, forbid_unknown_fields=True):
     seed: int | None = None
     timeout_s: float | None = None
     scheduler: str | None = None
-    strength: float | None = None
+    preview: PreviewBody | None = None  # extra_body in the openai client; a form's preview[every], or JSON text
     loras: list[LoraBody] | None = None  # see ``form_loras`` for the spellings a form can use
-    preview: PreviewBody | None = None  # ``preview[every]`` etc., as the openai client flattens it, or JSON text
-    ip_adapter: list[IpAdapterBody] | None = None  # see ``form_ip_adapter``
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
-    background: Any = None
-    input_fidelity: Any = None
-    moderation: Any = None
-    output_compression: Any = None
-    partial_images: Any = None
     quality: Any = None
-    stream: Any = None
     style: Any = None
     user: Any = None
+    background: Any = None
+    moderation: Any = None
+    output_compression: Any = None
+    stream: Any = None
+    partial_images: Any = None
+
+
+class EditsForm(ImagesBody):
+    """The text fields of a multipart ``/v1/images/edits`` request (the files are read apart)."""
+
+    strength: float | None = None
+    ip_adapter: list[IpAdapterBody] | None = None  # see ``form_entries``
+    control: list[ControlBody] | None = None  # likewise: JSON text, or control[][name], control[][image], ...
+    # OpenAI's edit fields with no meaning for a local diffusion model: accepted, ignored.
+    input_fidelity: Any = None
     complexity: Any = None
     frame_count: Any = None
     frame_duration_ms: Any = None
     safety_identifier: Any = None
     svg: Any = None
-
-
-class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
-    prompt: str
-    model: str | None = None
-    n: int = 1
-    size: str | None = None
-    response_format: str = "b64_json"
-    output_format: str = "png"
-    negative_prompt: str | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
-    timeout_s: float | None = None
-    scheduler: str | None = None
-    preview: PreviewBody | None = None  # extra_body in the openai client
-    loras: list[LoraBody] | None = None
-    # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
-    quality: Any = None
-    style: Any = None
-    user: Any = None
-    background: Any = None
-    moderation: Any = None
-    output_compression: Any = None
-    stream: Any = None
-    partial_images: Any = None
 
 
 def images_body(body: bytes) -> ImagesBody:
@@ -128,13 +111,14 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     other field given twice is refused rather than silently taking one of the two values."""
     fields: dict[str, Any] = {}
     lora_parts: list[tuple[str, str]] = []
-    ip_parts: list[tuple[str, str]] = []
+    entry_parts: dict[str, list[tuple[str, str]]] = {field: [] for field in ENTRY_KEYS}
     preview: dict[str, Any] = {}
     for name, value in pairs:
+        entries = name.partition("[")[0]
         if name == "loras" or name.startswith("loras["):
             lora_parts.append((name, value))
-        elif name == "ip_adapter" or name.startswith("ip_adapter["):
-            ip_parts.append((name, value))
+        elif entries in ENTRY_KEYS and (name == entries or name.startswith(f"{entries}[")):
+            entry_parts[entries].append((name, value))
         elif name.startswith("preview["):  # preview[every]=5: the openai client's flattening of an object
             key = name.removeprefix("preview[").removesuffix("]")
             if key in preview or "preview" in fields:
@@ -159,8 +143,9 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
         fields["loras"] = form_loras(lora_parts)
     if preview:
         fields["preview"] = preview
-    if ip_parts:
-        fields["ip_adapter"] = form_ip_adapter(ip_parts)
+    for field, parts in entry_parts.items():
+        if parts:
+            fields[field] = form_entries(parts, field)
     try:
         form = msgspec.convert(fields, EditsForm, strict=False)
     except msgspec.ValidationError as exc:
@@ -203,7 +188,9 @@ def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
     return entries
 
 
-IP_KEYS = ("name", "image", "image_path", "scale")
+# the form fields whose value is a list of entries (ip_adapter[][name], ...), and each entry's keys
+ENTRY_KEYS = {"ip_adapter": ("name", "image", "image_path", "scale"),
+              "control": ("name", "image", "image_path", "scale", "start", "end", "preprocess", "mode")}
 
 
 def _json_objects(text: str, field: str, shape: str) -> list[dict[str, Any]]:
@@ -217,22 +204,28 @@ def _json_objects(text: str, field: str, shape: str) -> list[dict[str, Any]]:
     return decoded
 
 
-def form_ip_adapter(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
-    """``ip_adapter`` of a multipart form: JSON text in one ``ip_adapter`` field, as ``/v1/jobs`` takes
-    it, or the openai client's flattening of ``extra_body={"ip_adapter": [{...}]}`` (``ip_adapter[][name]``,
-    ``ip_adapter[][image]``, ...; the k-th value of each key is the k-th entry's). The reference image is
-    base64 text either way: the form's file fields are the image to edit and its mask."""
+def form_entries(parts: list[tuple[str, str]], field: str) -> list[dict[str, str]]:
+    """``ip_adapter`` or ``control`` of a multipart form: JSON text in one field of that name, as
+    ``/v1/jobs`` takes it, or the openai client's flattening of ``extra_body={"control": [{...}]}``
+    (``control[][name]``, ``control[][image]``, ...; the k-th value of each key is the k-th entry's, and
+    the client sends each key's values together, so every entry must give the same keys). Their pictures
+    are base64 text either way: the form's file fields are the image to edit and its mask."""
+    keys = ENTRY_KEYS[field]
     entries: list[dict[str, str]] = []
     flat: dict[str, list[str]] = {}
     for name, value in parts:
-        if name == "ip_adapter":
-            entries.extend(_json_objects(value, "ip_adapter", '{"name", "image", "scale"}'))
+        if name == field:
+            entries.extend(_json_objects(value, field, "{" + ", ".join(f'"{k}"' for k in keys[:2]) + ", ...}"))
             continue
-        key = name.removeprefix("ip_adapter[][").removesuffix("]")
-        if not name.startswith("ip_adapter[][") or key not in IP_KEYS:
-            raise invalid(f"unexpected form field {name[:60]!r}; send ip_adapter as JSON text or as "
-                          f"{', '.join(f'ip_adapter[][{k}]' for k in IP_KEYS)}", field="ip_adapter")
+        key = name.removeprefix(f"{field}[][").removesuffix("]")
+        if not name.startswith(f"{field}[][") or key not in keys:
+            raise invalid(f"unexpected form field {name[:60]!r}; send {field} as JSON text or as "
+                          f"{', '.join(f'{field}[][{k}]' for k in keys)}", field=field)
         flat.setdefault(key, []).append(value)
+    if len({len(v) for v in flat.values()}) > 1:  # the client sends each key's values together: no boundaries
+        counts = ", ".join(f"{len(v)} {k}" for k, v in flat.items())
+        raise invalid(f"{field}'s flattened fields hold {counts}: the k-th value of each key is the k-th entry's, "
+                      f"so give every key in every entry, or send {field} as JSON text", field=field)
     count = max((len(v) for v in flat.values()), default=0)
-    entries.extend({k: v[i] for k, v in flat.items() if i < len(v)} for i in range(count))
+    entries.extend({k: v[i] for k, v in flat.items()} for i in range(count))
     return entries

@@ -13,7 +13,7 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.core.jobs import Job
-from diffusiond.daemon.edge import bodies, ip_adapters, requests, views
+from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, views
 from diffusiond.daemon.edge.forms import edits_form, images_body, parse_images
 from diffusiond.daemon.edge.status import ENGINE, STATUS_OF_FAILURE, HttpError
 from diffusiond.protocol import ErrorCode, JobStatus
@@ -83,7 +83,8 @@ async def images_edits(request: web.Request) -> web.Response:
         for edit in edits:
             req = requests.check(fields, engine.config.limits, model, size_field="size", edit=edit,
                                  loras=engine.check_loras)
-            try:  # each job its own reference buffer: it joins that job's image and mask
+            try:  # each job its own control and reference buffer: they join that job's image and mask
+                req = await controls.attach(engine, fields, model, req)
                 req = await ip_adapters.attach(engine, fields, model, req)
             except BaseException:
                 req.close_inputs()

@@ -146,10 +146,13 @@ def lora(engine: Engine, info: LoraInfo) -> dict[str, Any]:
 
 
 def controlnets(engine: Engine) -> dict[str, Any]:
-    """``GET /v1/controlnets``: each served ControlNet, the models it fits (as their workers found), and why not."""
+    """``GET /v1/controlnets``: each served ControlNet, the models it fits (as their workers found), and why not;
+    a union one's number of modes and, where serve named them, their names in mode order (a request's ``mode``)."""
     models = engine.models()
+    reg = engine.controls
     return {"object": "list", "data": [
-        {"name": name, "object": "controlnet", "path": path, "modes": engine.controls.modes.get(name) or None,
+        {"name": name, "object": "controlnet", "path": path, "num_modes": reg.modes.get(name, 0),
+         "modes": list(reg.mode_names[name]) if name in reg.mode_names else None,
          "models": [m.name for m in models if m.known and name not in m.controlnet_errors],
          "unfit": {m.name: m.controlnet_errors[name] for m in models if name in m.controlnet_errors}}
         for name, path in sorted(engine.controls.paths.items())]}

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -53,6 +53,7 @@ from diffusiond.daemon.residency.sizes import (
 )
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape, default_working
+from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import parse_spec
 
@@ -207,10 +208,11 @@ def group_bytes(component: str, tensors: list[Tensor], dtype: str) -> int:
 
 def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget: int | None = None,
                    working: int | None = None, shape: Shape | None = None, on_cpu: bool = False,
-                   ) -> tuple[Configuration, ...]:
+                   approximations: tuple[str, ...] = ()) -> tuple[Configuration, ...]:
     """Every configuration, fastest first, with what it needs; ``fits`` against ``budget`` when one is given.
     ``working`` replaces the working-memory estimate (0: weights only). On a CPU there is nothing to offload
-    to, so only the resident configurations are listed."""
+    to, so only the resident configurations are listed. ``approximations`` (``spec_approximations``) hold
+    for every configuration: the model's options make them whichever way it fits."""
     if dtype not in TARGET_BYTES:
         raise WeightsError(f"dtype {dtype!r} is not one of {', '.join(TARGET_BYTES)}")
     shape = shape or Shape(1024, 1024)
@@ -243,11 +245,12 @@ def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget
     for name, option, device, host, approx, note in rows:
         work = default_working(device, shape) if working is None else working
         fits = None if budget is None else device + work <= budget
-        out.append(Configuration(name, option, device, host, work, approx, fits, note))
+        out.append(Configuration(name, option, device, host, work, approx + approximations, fits, note))
     streamed = None if on_cpu or quantized else stream_configuration(components, dtype, budget=budget,
                                                                      working=working, shape=shape)
     if streamed is not None:
-        out.insert(len([c for c in out if c.name in ("none", "fp8")]), streamed[0])
+        out.insert(len([c for c in out if c.name in ("none", "fp8")]),
+                   replace(streamed[0], approximations=approximations))
     return tuple(out)
 
 
@@ -300,11 +303,20 @@ def stream_configuration(components: Mapping[str, list[Tensor]], dtype: str, *, 
     return row, plan
 
 
+def spec_approximations(spec: str, options: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """What a spec's options approximate in every configuration, named as the loaded model names it in its
+    ``approximations``: SageAttention's int8 attention (``attention=sage*``; pipelines/attention.py)."""
+    name = {**parse_spec(spec).options, **(options or {})}.get("attention", "")
+    quantized = check_attention(name).quantized if name else ""
+    return (quantized,) if quantized else ()
+
+
 def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, working: int | None = None,
         options: Mapping[str, str] | None = None, on_cpu: bool = False) -> FitReport:
     """``diffusiond fit``: the model's configurations from its headers, fastest first."""
     components, notes = model_tensors(spec, options, dtype)
-    rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu)
+    rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu,
+                          approximations=spec_approximations(spec, options))
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     return FitReport(spec, dtype, budget, at, rows, tuple(notes))
 

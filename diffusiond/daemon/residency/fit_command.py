@@ -20,7 +20,14 @@ import json
 import sys
 from dataclasses import asdict
 
-from diffusiond.daemon.residency.fit import FitReport, choose_offload, configurations, model_tensors, tried
+from diffusiond.daemon.residency.fit import (
+    FitReport,
+    choose_offload,
+    configurations,
+    model_tensors,
+    spec_approximations,
+    tried,
+)
 from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.daemon.residency.units import format_bytes, parse_size
 from diffusiond.daemon.residency.working import Shape
@@ -46,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         shape = Shape(int(w), int(h))
         components, notes = model_tensors(args.spec, {}, args.dtype)
         rows = configurations(components, args.dtype, budget=budget, working=working, shape=shape,
-                              on_cpu=args.device == "cpu")
+                              on_cpu=args.device == "cpu", approximations=spec_approximations(args.spec))
     except (WeightsError, PipelineError, ValueError) as exc:
         print(f"diffusiond fit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -176,7 +176,7 @@ class WorkerPool:
             loras=dict(self.lora_paths),
             max_loras=self.config.max_loras,
             lora_target_rank=self.lora_target_rank,
-            controlnets=dict(self.config.controlnets),
+            controlnets={name: c.path for name, c in self.config.controlnets.items()},
             ip_adapters=dict(self.config.ip_adapters),
             upscalers=dict(self.config.upscalers),
         )
