@@ -238,6 +238,10 @@ class ControlNets:
             "control_guidance_end": params.controls[0].end if one else [c.end for c in params.controls],
             **(more or {}),
         }
+        if "ip_adapter_image_embeds" in extra and "ip_adapter_image_embeds" not in args:
+            from diffusiond.pipelines.ip_adapter import through_attention_kwargs
+
+            extra = through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
         modes = [c.mode for c in params.controls]
         if any(m is not None for m in modes):
             extra["control_mode"] = modes if union or not one else modes[0]
