@@ -171,6 +171,8 @@ class ControlNets:
                 self.errors[name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PipelineError) else str(exc)
                 log.warning("ControlNet %r (%s) does not fit %s: %s", name, path, base.name, self.errors[name])
                 continue
+            if family is _FLUX and getattr(cn, "union", False):
+                cn.register_forward_pre_hook(_mode_per_picture, with_kwargs=True)
             self.models[name] = cn.to(base.device).eval()
 
     def place(self, *, asleep: bool) -> None:
@@ -248,6 +250,17 @@ class ControlNets:
         if task is not None:
             return base.edit(params, requests, edits, on_step, on_preview, extra, pipe=pipe, drawn=rewind)
         return base._call(pipe, args, params, requests, on_step, extra, on_preview, rewind)
+
+
+def _mode_per_picture(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A FLUX union ControlNet's mode, one row per picture of the batch. diffusers' FLUX ControlNet edit
+    pipelines (image-to-image, inpainting) give it one row for the whole batch, where their text-to-image
+    sibling expands it, and its embedding is joined to each picture's text: an edit with a mode and more
+    than one picture (``n`` 2, or two requests batched) failed mid-compute on the shapes."""
+    mode, hidden = kwargs.get("controlnet_mode"), kwargs.get("hidden_states")
+    if not (isinstance(mode, torch.Tensor) and isinstance(hidden, torch.Tensor) and mode.shape[0] == 1 < len(hidden)):
+        return None
+    return args, {**kwargs, "controlnet_mode": mode.expand(len(hidden), *mode.shape[1:])}
 
 
 class _Rewind:
