@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 @pytest.fixture(scope="module")
 def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
                 lora_files: dict[str, Path], controlnet_dir: Path, ip_adapter_file: Path,
-                upscaler_file: Path) -> Iterator[Daemon]:
+                upscaler_file: Path, fuzz_adapters: dict[str, Path]) -> Iterator[Daemon]:
     with fuzz_daemon_in(tmp_path_factory.mktemp("fuzz"), model_cache, lora_files, controlnet_dir,
-                        ip_adapter_file, upscaler_file) as d:
+                        ip_adapter_file, upscaler_file, fuzz_adapters) as d:
         yield d
 
 
