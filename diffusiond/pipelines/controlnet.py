@@ -187,6 +187,10 @@ class ControlNets:
     def _pipe_for(self, names: tuple[str, ...], task: Task | None) -> tuple[Any, frozenset[str], _Rewind | None]:
         """The family's ControlNet pipeline for ``task`` (None: text-to-image) over the model's own
         components, one per set of names and task, kept."""
+        missing = [n for n in names if n not in self.models]
+        if missing:
+            why = self.errors.get(missing[0], "it is not configured")
+            raise PipelineError(f"ControlNet {missing[0]!r} is not loaded here: {why}")
         cached = self._pipes.get((names, task))
         if cached is None:
             import diffusers
@@ -209,6 +213,13 @@ class ControlNets:
             self._pipes[(names, task)] = cached
         return cached
 
+    def pipeline_for(self, params: BatchParams) -> tuple[Any, frozenset[str]]:
+        """The pipeline ``params`` runs on and its call's arguments: what another part's arguments must fit
+        (an IP-Adapter's embeddings)."""
+        pipe, args, _ = self._pipe_for(tuple(c.name for c in params.controls),
+                                       Task(params.edit) if params.edit is not None else None)
+        return pipe, args
+
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], images: Sequence[Sequence[np.ndarray]],
             on_step: StepCallback, on_preview: PreviewSink | None = None,
             more: Mapping[str, Any] | None = None, edits: Sequence[EditArrays] = ()) -> list[torch.Tensor]:
@@ -220,10 +231,6 @@ class ControlNets:
         if base is None:
             raise PipelineError(unsupported(self.pipeline) or "this model takes no ControlNet")
         names = tuple(c.name for c in params.controls)
-        missing = [n for n in names if n not in self.models]
-        if missing:
-            why = self.errors.get(missing[0], "it is not configured")
-            raise PipelineError(f"ControlNet {missing[0]!r} is not loaded here: {why}")
         task = Task(params.edit) if params.edit is not None else None
         pipe, args, rewind = self._pipe_for(names, task)
         per_control = [
@@ -240,10 +247,6 @@ class ControlNets:
             "control_guidance_end": params.controls[0].end if one else [c.end for c in params.controls],
             **(more or {}),
         }
-        if "ip_adapter_image_embeds" in extra and "ip_adapter_image_embeds" not in args:
-            from diffusiond.pipelines.ip_adapter import through_attention_kwargs
-
-            extra = through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
         modes = [c.mode for c in params.controls]
         if any(m is not None for m in modes):
             extra["control_mode"] = modes if union or not one else modes[0]

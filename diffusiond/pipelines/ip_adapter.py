@@ -269,14 +269,17 @@ class IpAdapters:
         if params.controls:
             if controlnets is None:
                 raise PipelineError(f"model {base.name} takes no ControlNet here")
+            pipe, args = controlnets.pipeline_for(params)
+            if "ip_adapter_image_embeds" not in args:
+                extra = _through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
             return controlnets.run(params, requests, controls, on_step, on_preview, more=extra, edits=edits)
         if params.edit is not None:
             return base.edit(params, requests, edits, on_step, on_preview, more=extra)
         return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)
 
 
-def through_attention_kwargs(extra: Mapping[str, Any], args: frozenset[str], batch: int,
-                             pipeline: str) -> dict[str, Any]:
+def _through_attention_kwargs(extra: Mapping[str, Any], args: frozenset[str], batch: int,
+                              pipeline: str) -> dict[str, Any]:
     """``extra`` for a FLUX pipeline without an ``ip_adapter_image_embeds`` argument: diffusers'
     ``FluxControlNetImg2ImgPipeline`` and ``FluxControlNetInpaintPipeline`` have none (their text-to-image
     sibling has), though their transformer holds the adapters all the same. They hand
