@@ -134,6 +134,11 @@ def fuzz_daemon_in(tmp: Path, model_cache: Path, lora_files: dict[str, Path], co
     args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",
             "--input-dir", str(tmp / "inputs")]
     with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        # /ready answers once one model is; the tests expect every worker ready (their /health checks)
+        deadline = time.monotonic() + 120
+        while call(d.socket, "GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, d.log()[-4000:]
+            time.sleep(0.1)
         yield d
 
 
