@@ -212,6 +212,27 @@ def test_the_new_features_together_run_or_are_a_400_naming_the_field(sock: Path,
         assert status == 400 and answer["error"]["field"] == field, answer
 
 
+def test_a_client_that_leaves_an_event_stream_leaves_no_traceback(sock: Path, fuzz_daemon: Daemon,
+                                                                  real_job: str) -> None:
+    """A HEAD of a finished job's events (the client reads the headers and closes): the stream's next
+    write raised ConnectionResetError, which the daemon took for a bug of its own, an ERROR with a
+    traceback each time (found by scripts/fuzz.py's ``urls`` family)."""
+    import socket
+
+    offset = fuzz_daemon.log_path.stat().st_size
+    for _ in range(20):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(str(sock))
+        c.sendall(f"HEAD /v1/jobs/{real_job}/events HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        c.close()
+    assert call_json(sock, "GET", "/health")[0] == 200
+    with open(fuzz_daemon.log_path, "rb") as f:
+        f.seek(offset)
+        new = f.read().decode(errors="replace")
+    assert "Traceback" not in new and "unexpected error" not in new, new[-3000:]
+
+
 # sleep levels: the daemon test (test_daemon_lifecycle) sends a few; any other query or body is a 400 on
 # `level` or an INVALID_JSON 400, never anything else, without putting a daemon to sleep (fuzz family)
 SLEEP_BODIES = st.one_of(
