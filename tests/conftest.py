@@ -63,6 +63,22 @@ def ip_adapter_file(tmp_path_factory: pytest.TempPathFactory, model_cache: Path)
 
 
 @pytest.fixture(scope="session")
+def fuzz_adapters(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[str, Path]:
+    """What the fuzz daemons (fuzzhttpkit.py) serve beside ``edges`` and ``style``, built in code once per
+    session: a second ControlNet for tiny (``blobs``), tiny-flux's ControlNet and union ControlNet (3 modes),
+    a second SD IP-Adapter with an encoder of its own width (``style2``) and tiny-flux's IP-Adapter."""
+    from controlkit import build_controlnet, build_flux_controlnet
+    from ipadapterkit import build_flux_ip_adapter, build_ip_adapter
+
+    root = tmp_path_factory.mktemp("fuzz-adapters")
+    return {"blobs": build_controlnet(root / "blobs", seed=2),
+            "flux-lines": build_flux_controlnet(root / "flux-lines", seed=5),
+            "flux-union": build_flux_controlnet(root / "flux-union", seed=8, num_mode=3),
+            "style2": build_ip_adapter(root / "style2", seed=2, projection_dim=24),
+            "flux-style": build_flux_ip_adapter(root / "flux-style", seed=3)}
+
+
+@pytest.fixture(scope="session")
 def upscaler_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An ESRGAN upscaler (scale 2, random weights) built in code, once per session (upscalekit.py)."""
     from upscalekit import build_upscaler, require_spandrel

@@ -36,6 +36,14 @@ spec = "synthetic:task=video,compute_ms=50"
 name = "tiny"
 spec = "tiny"
 
+[[models]]
+name = "tiny-inpaint"
+spec = "tiny-inpaint"
+
+[[models]]
+name = "tiny-flux"
+spec = "tiny-flux"
+
 [limits]
 max_size = 128
 max_n = 4
@@ -44,7 +52,13 @@ max_frames = 8
 """
 LIMITS = {"max_size": 128, "max_n": 4, "max_steps": 8, "max_frames": 8}
 SYNC_PATHS = ("/v1/images/generations", "/v1/images/edits")
-MODELS = ("fz", "fv", "tiny")
+MODELS = ("fz", "fv", "tiny", "tiny-inpaint", "tiny-flux")
+SYNTHETIC = ("fz", "fv")  # no LoRA, ControlNet, IP-Adapter, preview or hires pass fits them
+# each model's ControlNets and IP-Adapters (the others are refused for it); a union ControlNet's mode count
+SERVED = {"tiny": {"control": ("edges", "blobs"), "ip": ("style", "style2")},
+          "tiny-inpaint": {"control": ("edges", "blobs"), "ip": ()},
+          "tiny-flux": {"control": ("flux-lines", "flux-union"), "ip": ("flux-style",)}}
+MODES = {"flux-union": 3}
 LORAS = ("ink", "dots")
 MAX_LORAS = 2
 TIMEOUT_S = 30.0  # a valid body's job at these limits takes well under a second
@@ -102,21 +116,41 @@ def check_answer(method: str, path: str, status: int, headers: dict[str, str], d
 
 @contextlib.contextmanager
 def fuzz_daemon_in(tmp: Path, model_cache: Path, lora_files: dict[str, Path], controlnet_dir: Path,
-                   ip_adapter_file: Path, upscaler_file: Path) -> Iterator[Daemon]:
-    """The daemon these tests fuzz, started in ``tmp`` (its inputs and LoRA files beside its socket)."""
+                   ip_adapter_file: Path, upscaler_file: Path, adapters: dict[str, Path]) -> Iterator[Daemon]:
+    """The daemon these tests fuzz, started in ``tmp`` (its inputs and LoRA files beside its socket): the
+    models of ``MODELS`` with the ControlNets and IP-Adapters of ``SERVED`` (``adapters``: conftest's
+    ``fuzz_adapters``), so requests reach every pipeline those combine into."""
     # ink fits tiny and not the synthetic models: a request may be refused for either reason; esr runs in tiles
     # of 32, so the fuzzed sizes (56 to 136, odd ones too) upscale in tiles whose last one is moved back
+    controls = {"edges": controlnet_dir, **{k: adapters[k] for k in ("blobs", "flux-lines", "flux-union")}}
+    references = {"style": ip_adapter_file, **{k: adapters[k] for k in ("style2", "flux-style")}}
+    table = lambda paths: "".join(f'{k} = "{v}"\n' for k, v in paths.items())  # noqa: E731
     (tmp / "diffusiond.toml").write_text(f"max_loras = {MAX_LORAS}\n{CONFIG}\n[loras]\n"
                                          f'ink = "{lora_files["ink"]}"\ndots = "{lora_files["dots"]}"\n'
-                                         f'[controlnets]\nedges = "{controlnet_dir}"\n'
-                                         f'[ip_adapters]\nstyle = "{ip_adapter_file}"\n'
+                                         f"[controlnets]\n{table(controls)}[ip_adapters]\n{table(references)}"
                                          f'[upscalers.esr]\npath = "{upscaler_file}"\ntile = 32\noverlap = 8\n')
     (tmp / "inputs").mkdir()
     (tmp / "inputs" / "in.png").write_bytes(PNG_64)  # for image_path; nothing else is readable
     args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",
             "--input-dir", str(tmp / "inputs")]
     with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        # /ready answers once one model is; the tests expect every worker ready (their /health checks)
+        deadline = time.monotonic() + 120
+        while call(d.socket, "GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, d.log()[-4000:]
+            time.sleep(0.1)
         yield d
+
+
+def wait_job(sock: Path, job_id: str, timeout: float = 120) -> dict[str, Any]:
+    """The job once it reached a terminal state; one that does not within ``timeout`` fails the test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job: dict[str, Any] = call_json(sock, "GET", f"/v1/jobs/{job_id}")[1]
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        assert time.monotonic() < deadline, f"job left without a terminal state: {job}"
+        time.sleep(0.05)
 
 
 def finished_job(sock: Path) -> str:
@@ -124,10 +158,7 @@ def finished_job(sock: Path) -> str:
     status, job = call_json(sock, "POST", "/v1/jobs", {"model": "fz", "prompt": "real", "width": 64, "height": 64,
                                                       "steps": 1})
     assert status == 202, job
-    deadline = time.monotonic() + 60
-    while job["status"] not in ("succeeded", "failed", "cancelled") and time.monotonic() < deadline:
-        time.sleep(0.05)
-        job = call_json(sock, "GET", f"/v1/jobs/{job['id']}")[1]
+    job = wait_job(sock, job["id"], 60)
     assert job["status"] == "succeeded", job
     return str(job["id"])
 
@@ -156,23 +187,26 @@ def within_limits(job: dict[str, Any]) -> None:
                          and (r["scheduler"] == "flow-sde" or (r["scheduler"] == "ddim" and r["eta"]))), job
     assert len(r["loras"]) <= MAX_LORAS and len({e["name"] for e in r["loras"]}) == len(r["loras"]), job
     assert all(e["name"] in LORAS and -4 <= e["weight"] <= 4 for e in r["loras"]), job
-    assert not r["loras"] or job["model"] == "tiny", job  # the synthetic models take no LoRA
-    for c in r["control"]:  # ControlNets: served, in range, on the one model they fit
-        assert c["name"] == "edges" and job["model"] == "tiny", job
+    assert not r["loras"] or job["model"] not in SYNTHETIC, job  # the synthetic models take no LoRA
+    served = SERVED.get(job["model"], {"control": (), "ip": ()})
+    for c in r["control"]:  # ControlNets: served, in range, on the models they fit
+        assert c["name"] in served["control"], job
         assert 0 <= c["scale"] <= 4 and 0 <= c["start"] < c["end"] <= 1 and c["preprocess"] in ("none", "canny"), job
-        assert c["mode"] is None, job  # edges is no union ControlNet: a mode for it is refused
+        # a union ControlNet's mode in its range; a mode for another one is refused
+        assert (c["mode"] is None) if c["name"] not in MODES else 0 <= c["mode"] < MODES[c["name"]], job
     # ControlNets act with the edits that take a strength only, with a reference or not
     assert not r["control"] or r["task"] in (None, "image-to-image", "inpainting"), job
-    for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the one model it fits (with control or an edit)
-        assert a["name"] == "style" and job["model"] == "tiny", job
+    for a in r["ip_adapter"]:  # IP-Adapters: served, in range, on the models they fit (with control or an edit)
+        assert a["name"] in served["ip"], job
         assert 0 <= a["scale"] <= 4 and len(a["image_digest"]) == 24 and len(r["ip_adapter"]) <= 4, job
     u, h = r["upscale"], r["hires"]  # issue 30: served upscalers, image-to-image models, sizes in their bounds
     assert u is None or (u["name"] == "esr" and 1 <= u["scale"] <= 8 and u["width"] <= 16384), job
-    assert h is None or (job["model"] == "tiny" and h["upscaler"] in (None, "esr") and 0 < h["strength"] <= 1
-                         and max(h["width"], h["height"]) <= LIMITS["max_size"] and h["steps"] >= 1), job
+    assert h is None or (job["model"] in ("tiny", "tiny-flux") and h["upscaler"] in (None, "esr")
+                         and 0 < h["strength"] <= 1 and max(h["width"], h["height"]) <= LIMITS["max_size"]
+                         and h["steps"] >= 1), job
     p = r["preview"]
     if p is not None:
-        assert job["model"] == "tiny", job  # the synthetic models have no preview decoder
+        assert job["model"] not in SYNTHETIC, job  # the synthetic models have no preview decoder
         assert 1 <= p["every"] <= r["steps"] and p["format"] in ("jpeg", "webp", "png"), job
         assert 16 <= p["max_side"] <= 1024, job
 
@@ -279,8 +313,12 @@ def assert_healthy_after_fuzzing(sock: Path, fuzz_daemon: Daemon) -> None:
     assert h["jobs"]["queued"] == h["jobs"]["running"] == 0 and h["queue_depth"] == 0, h
     assert all(w["restarts"] == 0 and w["state"] == "ready" for w in h["workers"]), h
     for model in MODELS:
-        body = {"model": model, "prompt": "after the fuzz", "width": 64, "height": 64, "steps": 2}
-        status, job = call_json(sock, "POST", "/v1/jobs", {**body, "num_frames": 4} if model == "fv" else body)
+        body: dict[str, Any] = {"model": model, "prompt": "after the fuzz", "width": 64, "height": 64, "steps": 2}
+        if model == "fv":
+            body["num_frames"] = 4
+        if model == "tiny-inpaint":  # it inpaints only
+            body.update(image=base64.b64encode(PNG_64).decode(), mask=base64.b64encode(MASK_64).decode())
+        status, job = call_json(sock, "POST", "/v1/jobs", body)
         assert status == 202, job
         while job["status"] in ("queued", "running") and time.monotonic() < deadline + 60:
             time.sleep(0.05)

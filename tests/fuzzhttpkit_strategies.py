@@ -1,7 +1,8 @@
 """The Hypothesis strategies of tests/test_fuzz_http.py: JSON bodies built from the real field names
 with plausible or wild values (``PLAUSIBLE`` per field, ``values`` for anything), Content-Types and
 header values, bodies with a reference image and control or an edit, multipart edit forms, paths
-under /v1/ and the methods HTTP knows, and mutated images of the accepted formats.
+under /v1/ and the methods HTTP knows, mutated images of the accepted formats, and bodies that combine
+what each model is served with (``running_bodies``: run to the end, not cancelled).
 
 Apart from the test module because they are most of its length and none of its tests, and from
 tests/fuzzhttpkit.py because they only draw: what is sent and checked is there.
@@ -15,7 +16,7 @@ import math
 from typing import Any
 from urllib.parse import quote, unquote
 
-from fuzzhttpkit import IMAGE_BYTES, LORAS, MASK_64, MODELS, PNG_64, bomb, picture
+from fuzzhttpkit import IMAGE_BYTES, LORAS, MASK_64, MODELS, PNG_64, _png, bomb, picture
 from hypothesis import assume
 from hypothesis import strategies as st
 
@@ -79,19 +80,20 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     ), max_size=3),
     # ControlNets: known and unknown names, images good and bad, scales and step ranges in and out of range
     "control": st.lists(st.fixed_dictionaries(
-        {"name": st.sampled_from(["edges", "nope", "", "EDGES", "../edges"])},
+        {"name": st.sampled_from(["edges", "blobs", "flux-lines", "flux-union", "nope", "", "EDGES", "../edges"])},
         optional={"image": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode())
                   | st.sampled_from(["", "%%%"]) | values,
                   "image_path": st.sampled_from(["in.png", "../in.png", "/dev/zero", ""]),
                   "scale": st.floats(min_value=-1, max_value=5) | st.sampled_from([0, 4, math.nan, math.inf]),
                   "start": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, math.nan]),
                   "end": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, math.inf]),
-                  "preprocess": st.sampled_from(["none", "canny", "depth", ""]) | values},
+                  "preprocess": st.sampled_from(["none", "canny", "depth", ""]) | values,
+                  "mode": st.integers(min_value=-1, max_value=3) | st.sampled_from([2**64, "canny"]) | values},
     ), max_size=3) | values,
     # IP-Adapters: the served one and others, reference images good and bad, scales in and out of range;
     # several at once, the same one twice, past the cap of 4
     "ip_adapter": st.lists(st.fixed_dictionaries(
-        {"name": st.sampled_from(["style", "nope", "", "STYLE"])},
+        {"name": st.sampled_from(["style", "style2", "flux-style", "nope", "", "STYLE"])},
         optional={"image": st.sampled_from(IMAGE_BYTES).map(lambda b: base64.b64encode(b).decode())
                   | st.sampled_from(["", "%%%"]) | values,
                   "image_path": st.sampled_from(["in.png", "../in.png", "/dev/zero", ""]),
@@ -278,3 +280,101 @@ def mutated_images(draw: st.DrawFn) -> bytes:
 _SEEDS = {(f, m): picture(f, m, (64, 64)) for f, m in [
     ("PNG", "RGB"), ("PNG", "RGBA"), ("PNG", "I;16"), ("JPEG", "RGB"), ("JPEG", "CMYK"), ("WEBP", "RGB"),
     ("GIF", "P"), ("BMP", "RGB"), ("TIFF", "LAB"), ("TIFF", "RGB")]}
+
+
+# Requests that run to the end: the served features together --------------------------------------
+# What the fuzz daemon serves each model with (tests/fuzzhttpkit.py's SERVED): every combination drawn
+# here is mostly valid, so most are accepted and run, and a job failing in the worker (a pipeline that
+# takes no such argument, a shape that does not fit) is found, where the families above cancel at once.
+def _pngs() -> tuple[dict[str, str], dict[str, str]]:
+    """Pictures by name (their size, or their mode at 64x64), and a greyscale mask of each size."""
+    sizes = {"64": (64, 64), "72x64": (72, 64), "128": (128, 128), "96x64": (96, 64), "1": (1, 1)}
+    pictures = {k: _png(v) for k, v in sizes.items()}
+    pictures.update({"L": _png((64, 64), "L"), "RGBA": MASK_64, "I;16": picture("PNG", "I;16")})
+    masks = {k: _png(v, "L") for k, v in sizes.items()}
+    masks.update({k: masks["64"] for k in ("L", "RGBA", "I;16")})
+    b64 = lambda d: {k: base64.b64encode(v).decode() for k, v in d.items()}  # noqa: E731
+    return b64(pictures), b64(masks)
+
+
+PICTURES, MASKS = _pngs()
+# the samplers a family takes, and now and then one it does not
+rarely = st.sampled_from([False] * 5 + [True])
+SAMPLERS = {"flux": ["flow-match", "flow-sde"], "unet": ["euler", "ddim", "dpm++", "euler-a", "unipc"]}
+
+
+@st.composite
+def running_bodies(draw: st.DrawFn, served: dict[str, dict[str, tuple[str, ...]]],
+                   modes: dict[str, int]) -> dict[str, Any]:
+    """A body for /v1/jobs combining what ``served`` gives each model (its ControlNets, its IP-Adapters; a
+    union ControlNet's mode count in ``modes``) with an edit, a hires pass, an upscale, LoRAs, a sampler:
+    names now and then another model's, sizes and numbers at and past their bounds."""
+    model = draw(st.sampled_from(sorted(served)))
+    mine = served[model]
+    every = sorted({n for m in served.values() for n in m["control"]})
+    body: dict[str, Any] = {"prompt": "a fox", "model": model, "steps": draw(st.integers(1, 3)),
+                            "seed": draw(st.integers(0, 3))}
+    side = st.sampled_from([64, 64, 64, 80, 72, 128])
+    if draw(st.booleans()):
+        body["width"], body["height"] = draw(side), draw(side)
+    if draw(st.integers(0, 3)) == 0:
+        body["n"] = draw(st.integers(1, 2))
+    edit = draw(st.sampled_from([None, None, "image-to-image", "inpainting"]))
+    if "inpaint" in model:  # a dedicated inpainting model: the other two now and then
+        edit = draw(st.sampled_from(["inpainting"] * 6 + [None, "image-to-image"]))
+    if edit is not None:
+        shape = draw(st.sampled_from(["64", "72x64", "128", "96x64", "L", "RGBA", "I;16"]) if not draw(rarely)
+                     else st.just("1"))
+        body["image"] = PICTURES[shape]
+        if edit == "inpainting":
+            body["mask"] = MASKS[shape] if draw(st.integers(0, 5)) else PICTURES[draw(st.sampled_from(["RGBA", "1"]))]
+        if edit == "image-to-image" or draw(st.booleans()):
+            body["strength"] = draw(st.sampled_from([1.0, 0.7, 0.5]) if not draw(rarely) else st.just(1e-3))
+    names = st.sampled_from(list(mine["control"])) if mine["control"] and draw(st.integers(0, 5)) else \
+        st.sampled_from(every)
+    control = []
+    for name in draw(st.lists(names, max_size=3, unique=True)):
+        entry: dict[str, Any] = {"name": name, "image": PICTURES[draw(st.sampled_from(sorted(PICTURES)))]}
+        if draw(st.booleans()):
+            entry["scale"] = draw(st.sampled_from([0.0, 0.5, 1.0, 4.0, 4.5]))
+        if draw(st.booleans()):
+            entry["start"], entry["end"] = draw(st.sampled_from([(0.0, 1.0), (0.5, 1.0), (0.0, 0.3), (0.9, 1.0),
+                                                                 (0.0, 1e-6), (0.7, 0.2)]))
+        count = modes.get(name, 0)
+        if count or draw(st.integers(0, 9)) == 0:
+            entry["mode"] = draw(st.integers(0, count - 1) if count and draw(st.integers(0, 5)) else
+                                 st.sampled_from([-1, count, 2**64, "canny"]))
+        control.append(entry)
+    if control:
+        body["control"] = control
+    ip_names = list(mine["ip"]) or sorted({n for m in served.values() for n in m["ip"]})
+    refs = draw(st.lists(st.sampled_from(ip_names), max_size=4 if not draw(rarely) else 5)) if draw(st.booleans()) \
+        else []
+    if refs:
+        body["ip_adapter"] = [{"name": n, "image": PICTURES[draw(st.sampled_from(["64", "1", "128", "L", "RGBA"]))],
+                               "scale": draw(st.sampled_from([0.0, 0.5, 1.0, 4.0]))} for n in refs]
+    if draw(rarely) and (edit is None or draw(rarely)):
+        body["hires"] = draw(st.fixed_dictionaries({"scale": st.sampled_from([1.25, 1.5, 2.0])}, optional={
+            "strength": st.sampled_from([0.3, 0.5, 1.0]), "steps": st.integers(1, 2),
+            "upscaler": st.sampled_from(["esr", None])}))
+    if draw(st.integers(0, 4)) == 0:
+        body["upscale"] = draw(st.fixed_dictionaries({"name": st.just("esr")},
+                                                     optional={"scale": st.sampled_from([1.0, 1.5, 2.0, 3.0])}))
+    if draw(st.integers(0, 5)) == 0 and (model == "tiny" or draw(st.integers(0, 5)) == 0):
+        body["loras"] = [{"name": draw(st.sampled_from(LORAS)), "weight": draw(st.sampled_from([0.0, 1.0, -2.0]))}]
+    family = SAMPLERS["flux" if "flux" in model else "unet"]
+    sampler = draw(st.sampled_from([None, None, *family]) if not draw(rarely) else
+                   st.sampled_from(SAMPLERS["flux"] + SAMPLERS["unet"]))
+    if sampler is not None:
+        body["scheduler"] = sampler
+        if sampler in ("ddim", "flow-sde") and draw(st.booleans()):
+            body["eta" if sampler == "ddim" else "noise_level"] = 0.5
+            if draw(st.booleans()):
+                body["trajectory"] = {}
+    if draw(st.integers(0, 5)) == 0:
+        body["preview"] = {"every": 1}
+    if draw(st.integers(0, 5)) == 0:
+        body["guidance_scale"] = draw(st.sampled_from([0.0, 1.0, 100.0]))
+    if draw(st.integers(0, 5)) == 0:
+        body["output_format"], body["output_dtype"] = "npy", draw(st.sampled_from(["float32", "uint8"]))
+    return body

@@ -189,11 +189,14 @@ async def test_a_union_controlnets_mode_steers_and_modes_keep_apart(sock: Path, 
         zero_edit = await run(s, model, union(model, 1, scale=0.0), **edit)
         steered_edit = await run(s, model, union(model, 1), **edit)
         job = (await get(s, "/v1/jobs?limit=1"))[1]["data"][0]
+        # two pictures in one forward: FLUX's edit pipelines gave the mode one row for both (it failed mid-compute)
+        pair = await run(s, model, union(model, 1), n=2, **edit)
     assert solo[0] != solo[1], "the mode changed nothing"
     assert plain not in solo
     assert list(together) == solo
     assert zero == plain
     assert zero_edit == plain_edit and steered_edit != plain_edit
+    assert pair not in (plain_edit, steered_edit)
     assert job["request"]["control"][0]["mode"] == 1
 
 

@@ -2,7 +2,8 @@
 reach files, so model names and job or output ids that look like paths are unknown names (404),
 never paths, and LoRA paths that are not LoRAs are refused without leaking the file; a method the
 HTTP parser does not know is its plain-text 400; a scheduler is checked at admission, against the
-pipelines' own list; and any sleep level but 1 or 2 is a 400.
+pipelines' own list; any sleep level but 1 or 2 is a 400; and the new features together (ControlNets
+with edits, union modes, several IP-Adapters, FLUX's) run to success or are a 400 naming the field.
 
 Apart from tests/test_fuzz_http.py because these are fixed inputs, each with the one answer it must
 get, rather than fuzzing; together the two were past 500 lines. The daemon (the same configuration,
@@ -11,15 +12,19 @@ one of its own), the client and the checks are tests/fuzzhttpkit.py's.
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from daemonkit import Daemon
 from fuzzhttpkit import (
     LORAS,
     MODELS,
+    _png,
     assert_healthy_after_fuzzing,
     call,
     call_json,
@@ -27,6 +32,7 @@ from fuzzhttpkit import (
     check_answer,
     finished_job,
     fuzz_daemon_in,
+    wait_job,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,9 +41,9 @@ from hypothesis import strategies as st
 @pytest.fixture(scope="module")
 def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
                 lora_files: dict[str, Path], controlnet_dir: Path, ip_adapter_file: Path,
-                upscaler_file: Path) -> Iterator[Daemon]:
+                upscaler_file: Path, fuzz_adapters: dict[str, Path]) -> Iterator[Daemon]:
     with fuzz_daemon_in(tmp_path_factory.mktemp("fuzz"), model_cache, lora_files, controlnet_dir,
-                        ip_adapter_file, upscaler_file) as d:
+                        ip_adapter_file, upscaler_file, fuzz_adapters) as d:
         yield d
 
 
@@ -128,6 +134,103 @@ def test_scheduler_names_checked_at_admission_are_the_pipelines() -> None:
     from diffusiond.pipelines.diffusers_pipeline import FLOW_SCHEDULERS, SCHEDULERS
 
     assert set(protocol.SCHEDULERS) == set(SCHEDULERS) and set(protocol.FLOW_SCHEDULERS) == set(FLOW_SCHEDULERS)
+
+
+# the new features together (ControlNets with edits, union modes, several IP-Adapters, FLUX's): each input
+# succeeds, run to the end, or is a 400 naming its field. The first ones failed in the worker (found by
+# test_fuzz_combined_requests_run_to_the_end's family and by hand); the rest are what random drawing seldom meets.
+def _pic(size: tuple[int, int], mode: str = "RGB") -> str:
+    return base64.b64encode(_png(size, mode)).decode()
+
+
+P64, P72, P128, L64 = _pic((64, 64)), _pic((72, 64)), _pic((128, 128)), _pic((64, 64), "L")
+EDGES, BLOBS = {"name": "edges", "image": P64}, {"name": "blobs", "image": P64}
+LINES, UNION = {"name": "flux-lines", "image": P64}, {"name": "flux-union", "image": P64, "mode": 1}
+REF = lambda name="style", **kw: {"name": name, "image": P64, **kw}  # noqa: E731
+TINY = {"prompt": "x", "model": "tiny", "width": 64, "height": 64, "steps": 3, "seed": 1}
+FLUX = {**TINY, "model": "tiny-flux"}
+RUN = None  # the input succeeds
+COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
+    "flux reference + control + inpainting": ({**FLUX, "image": P64, "mask": L64, "control": [LINES],
+                                               "ip_adapter": [REF("flux-style")]}, RUN),
+    "flux reference + control + image-to-image": ({**FLUX, "image": P64, "strength": 0.7, "control": [UNION, LINES],
+                                                   "ip_adapter": [REF("flux-style"), REF("flux-style", scale=0)]}, RUN),
+    "flux union mode + image-to-image, n 2": ({**FLUX, "n": 2, "image": P64, "strength": 0.7, "control": [UNION]}, RUN),
+    "flux union mode + inpainting, n 2": ({**FLUX, "n": 2, "image": P64, "mask": L64, "control": [UNION, LINES]}, RUN),
+    "control + edit of other sizes": ({**TINY, "image": P72, "strength": 0.7,
+                                       "control": [{**EDGES, "image": P128}]}, RUN),
+    "4 references + 2 controls + image-to-image + upscale": (
+        {**TINY, "image": P64, "strength": 0.7, "control": [EDGES, BLOBS], "upscale": {"name": "esr"},
+         "ip_adapter": [REF(), REF("style2"), REF(scale=0.5), REF("style2", scale=0)]}, RUN),
+    "4 references + control + hires + upscale": (
+        {**TINY, "control": [EDGES], "hires": {"scale": 2, "upscaler": "esr"}, "upscale": {"name": "esr", "scale": 1.5},
+         "ip_adapter": [REF(), REF("style2"), REF(scale=4), REF(scale=0)]}, RUN),
+    "a reference + control + inpainting": (
+        {**TINY, "image": P64, "mask": L64, "control": [EDGES], "ip_adapter": [REF("style2")]}, RUN),
+    "a mask of another size, with control": ({**TINY, "image": P64, "mask": _pic((72, 72), "L"),
+                                              "control": [EDGES]}, "mask"),
+    "a mask without an image, with control": ({**TINY, "mask": L64, "control": [EDGES]}, "mask"),
+    "mode on an IP-Adapter entry": ({**TINY, "ip_adapter": [REF(mode=1)]}, "ip_adapter"),
+    "mode on a single-mode ControlNet": ({**TINY, "control": [{**EDGES, "mode": 0}]}, "control[0].mode"),
+    "a union ControlNet without mode": ({**FLUX, "control": [{**UNION, "mode": None}]}, "control[0].mode"),
+    "a mode past the union's": ({**FLUX, "control": [{**UNION, "mode": 3}]}, "control[0].mode"),
+    "a mode of 2**64": ({**FLUX, "control": [{**UNION, "mode": 2**64}]}, "control[0].mode"),
+    "a mode by name": ({**FLUX, "control": [{**UNION, "mode": "canny"}]}, "control[0].mode"),
+    "5 references": ({**TINY, "ip_adapter": [REF()] * 5}, "ip_adapter"),
+    "bad base64 control image": ({**TINY, "control": [{**EDGES, "image": "!!!"}]}, "control[0].image"),
+    "bad base64 reference": ({**TINY, "ip_adapter": [REF(image="AAA")]}, "ip_adapter[0].image"),
+    "a huge control scale": ({**TINY, "control": [{**EDGES, "scale": 1e308}]}, "control[0].scale"),
+    "a reference scale past 4": ({**TINY, "ip_adapter": [REF(scale=4.5)]}, "ip_adapter[0].scale"),
+    "start after end": ({**TINY, "control": [{**EDGES, "start": 0.8, "end": 0.2}]}, "control[0].start"),
+    "start at end": ({**TINY, "control": [{**EDGES, "start": 0.5, "end": 0.5}]}, "control[0].start"),
+    "a FLUX adapter on tiny": ({**TINY, "ip_adapter": [REF("flux-style")]}, "ip_adapter[0].name"),
+    "an SD ControlNet on tiny-flux": ({**FLUX, "control": [EDGES]}, "control[0].name"),
+    "a reference on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64, "mask": L64,
+                                             "ip_adapter": [REF()]}, "ip_adapter"),
+    "control + image-to-image on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64,
+                                                          "strength": 0.7, "control": [EDGES]}, "model"),
+    "NaN scale": (json.dumps({**TINY, "control": [{**EDGES, "scale": math.nan}]}).encode(), "invalid_json"),
+    "Infinity reference scale": (json.dumps({**TINY, "ip_adapter": [REF(scale=math.inf)]}).encode(), "invalid_json"),
+    "1e999 start": (json.dumps({**TINY, "control": [EDGES]}).replace('"image"', '"start": 1e999, "image"', 1).encode(),
+                    "control"),
+}
+
+
+@pytest.mark.parametrize("name", COMBINED)
+def test_the_new_features_together_run_or_are_a_400_naming_the_field(sock: Path, name: str) -> None:
+    body, field = COMBINED[name]
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, headers, raw = call(sock, "POST", "/v1/jobs", data, {"Content-Type": "application/json"})
+    answer = check_answer("POST", "/v1/jobs", status, headers, raw, name)
+    if field is None:
+        assert status == 202, answer
+        job = wait_job(sock, answer["id"])
+        assert job["status"] == "succeeded", job.get("error")
+    elif field == "invalid_json":
+        assert status == 400 and answer["error"]["code"] == "invalid_json", answer
+    else:
+        assert status == 400 and answer["error"]["field"] == field, answer
+
+
+def test_a_client_that_leaves_an_event_stream_leaves_no_traceback(sock: Path, fuzz_daemon: Daemon,
+                                                                  real_job: str) -> None:
+    """A HEAD of a finished job's events (the client reads the headers and closes): the stream's next
+    write raised ConnectionResetError, which the daemon took for a bug of its own, an ERROR with a
+    traceback each time (found by scripts/fuzz.py's ``urls`` family)."""
+    import socket
+
+    offset = fuzz_daemon.log_path.stat().st_size
+    for _ in range(20):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(str(sock))
+        c.sendall(f"HEAD /v1/jobs/{real_job}/events HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        c.close()
+    assert call_json(sock, "GET", "/health")[0] == 200
+    with open(fuzz_daemon.log_path, "rb") as f:
+        f.seek(offset)
+        new = f.read().decode(errors="replace")
+    assert "Traceback" not in new and "unexpected error" not in new, new[-3000:]
 
 
 # sleep levels: the daemon test (test_daemon_lifecycle) sends a few; any other query or body is a 400 on

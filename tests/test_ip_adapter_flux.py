@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from controlkit import mask_png
 from daemonkit import get, http, shared_daemon
 from ipadapterkit import build_flux_ip_adapter, entry, output, png
 
@@ -59,9 +60,14 @@ async def test_a_flux_reference_steers_tiny_flux_and_scale_zero_is_the_plain_out
 async def test_a_flux_reference_acts_on_its_controlnet_and_image_to_image_pipelines(sock: Path) -> None:
     control = {"control": [{"name": "edges", "image": png(11, 64)}]}
     edit = {"image": png(12, 64), "strength": 0.7}
+    inpaint = {"image": png(12, 64), "mask": mask_png()}
+    # FLUX's ControlNet edit pipelines have no ip_adapter_image_embeds argument (a reference with control and
+    # an edit used to fail mid-compute on it): the embeddings reach their transformer another way
+    kinds = (("control", control), ("img2img", edit), ("control+img2img", {**control, **edit}),
+             ("control+inpainting", {**control, **inpaint}))
     async with http(sock) as s:
         outs = {k: [await run(s, *refs, **v) for refs in ([], [entry("fstyle", 1)], [entry("fstyle", 1, 0.0)])]
-                for k, v in (("control", control), ("img2img", edit))}
+                for k, v in kinds}
     for k, (plain, styled, zero) in outs.items():
         assert styled != plain, f"the reference changed nothing in {k}"
         assert zero == plain, f"{k} with the reference at scale 0 is not the plain {k} output"

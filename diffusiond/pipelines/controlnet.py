@@ -171,6 +171,8 @@ class ControlNets:
                 self.errors[name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PipelineError) else str(exc)
                 log.warning("ControlNet %r (%s) does not fit %s: %s", name, path, base.name, self.errors[name])
                 continue
+            if family is _FLUX and getattr(cn, "union", False):
+                cn.register_forward_pre_hook(_mode_per_picture, with_kwargs=True)
             self.models[name] = cn.to(base.device).eval()
 
     def place(self, *, asleep: bool) -> None:
@@ -185,6 +187,10 @@ class ControlNets:
     def _pipe_for(self, names: tuple[str, ...], task: Task | None) -> tuple[Any, frozenset[str], _Rewind | None]:
         """The family's ControlNet pipeline for ``task`` (None: text-to-image) over the model's own
         components, one per set of names and task, kept."""
+        missing = [n for n in names if n not in self.models]
+        if missing:
+            why = self.errors.get(missing[0], "it is not configured")
+            raise PipelineError(f"ControlNet {missing[0]!r} is not loaded here: {why}")
         cached = self._pipes.get((names, task))
         if cached is None:
             import diffusers
@@ -207,6 +213,13 @@ class ControlNets:
             self._pipes[(names, task)] = cached
         return cached
 
+    def pipeline_for(self, params: BatchParams) -> tuple[Any, frozenset[str]]:
+        """The pipeline ``params`` runs on and its call's arguments: what another part's arguments must fit
+        (an IP-Adapter's embeddings)."""
+        pipe, args, _ = self._pipe_for(tuple(c.name for c in params.controls),
+                                       Task(params.edit) if params.edit is not None else None)
+        return pipe, args
+
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], images: Sequence[Sequence[np.ndarray]],
             on_step: StepCallback, on_preview: PreviewSink | None = None,
             more: Mapping[str, Any] | None = None, edits: Sequence[EditArrays] = ()) -> list[torch.Tensor]:
@@ -218,10 +231,6 @@ class ControlNets:
         if base is None:
             raise PipelineError(unsupported(self.pipeline) or "this model takes no ControlNet")
         names = tuple(c.name for c in params.controls)
-        missing = [n for n in names if n not in self.models]
-        if missing:
-            why = self.errors.get(missing[0], "it is not configured")
-            raise PipelineError(f"ControlNet {missing[0]!r} is not loaded here: {why}")
         task = Task(params.edit) if params.edit is not None else None
         pipe, args, rewind = self._pipe_for(names, task)
         per_control = [
@@ -244,6 +253,17 @@ class ControlNets:
         if task is not None:
             return base.edit(params, requests, edits, on_step, on_preview, extra, pipe=pipe, drawn=rewind)
         return base._call(pipe, args, params, requests, on_step, extra, on_preview, rewind)
+
+
+def _mode_per_picture(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A FLUX union ControlNet's mode, one row per picture of the batch. diffusers' FLUX ControlNet edit
+    pipelines (image-to-image, inpainting) give it one row for the whole batch, where their text-to-image
+    sibling expands it, and its embedding is joined to each picture's text: an edit with a mode and more
+    than one picture (``n`` 2, or two requests batched) failed mid-compute on the shapes."""
+    mode, hidden = kwargs.get("controlnet_mode"), kwargs.get("hidden_states")
+    if not (isinstance(mode, torch.Tensor) and isinstance(hidden, torch.Tensor) and mode.shape[0] == 1 < len(hidden)):
+        return None
+    return args, {**kwargs, "controlnet_mode": mode.expand(len(hidden), *mode.shape[1:])}
 
 
 class _Rewind:

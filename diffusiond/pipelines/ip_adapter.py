@@ -269,7 +269,29 @@ class IpAdapters:
         if params.controls:
             if controlnets is None:
                 raise PipelineError(f"model {base.name} takes no ControlNet here")
+            pipe, args = controlnets.pipeline_for(params)
+            if "ip_adapter_image_embeds" not in args:
+                extra = _through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
             return controlnets.run(params, requests, controls, on_step, on_preview, more=extra, edits=edits)
         if params.edit is not None:
             return base.edit(params, requests, edits, on_step, on_preview, more=extra)
         return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)
+
+
+def _through_attention_kwargs(extra: Mapping[str, Any], args: frozenset[str], batch: int,
+                              pipeline: str) -> dict[str, Any]:
+    """``extra`` for a FLUX pipeline without an ``ip_adapter_image_embeds`` argument: diffusers'
+    ``FluxControlNetImg2ImgPipeline`` and ``FluxControlNetInpaintPipeline`` have none (their text-to-image
+    sibling has), though their transformer holds the adapters all the same. They hand
+    ``joint_attention_kwargs`` to every transformer call, which is where ``FluxPipeline`` puts the
+    prepared embeddings (one tensor per adapter, repeated for each picture of the batch); the negative
+    ones only true CFG reads, which they do not run. Without this a reference with control and an edit
+    failed mid-compute on the unexpected argument."""
+    if "joint_attention_kwargs" not in args:
+        raise PipelineError(f"{pipeline} takes no IP-Adapter reference")
+    out = dict(extra)
+    positive = out.pop("ip_adapter_image_embeds")
+    out.pop("negative_ip_adapter_image_embeds", None)
+    out["joint_attention_kwargs"] = {**(out.get("joint_attention_kwargs") or {}),
+                                     "ip_adapter_image_embeds": [torch.cat([e] * batch) for e in positive]}
+    return out

@@ -152,6 +152,8 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             await resp.write(chunk)
             if e in TERMINAL_EVENTS:
                 return resp
+    except ConnectionResetError:  # the client left (or sent HEAD and closed): no one to answer, nothing to log
+        return resp
     finally:
         job.listeners.discard(listener)
 
@@ -203,6 +205,8 @@ async def job_output(request: web.Request) -> web.StreamResponse:
             await asyncio.wait_for(resp.write(read.header), stall)
             for off in range(0, len(read.payload), STREAM_CHUNK):
                 await asyncio.wait_for(resp.write(read.payload[off : off + STREAM_CHUNK]), stall)
+        except ConnectionResetError:  # the client left mid-download: the slot is released as for a stall
+            return resp
         except TimeoutError:
             # A reader that stopped reading must not pin shared memory for ever: drop it.
             log.warning("client stopped reading output %d of job %s for %gs; closing", k, job.id, stall)
@@ -228,6 +232,8 @@ async def job_trajectory(request: web.Request) -> web.StreamResponse:
             await asyncio.wait_for(resp.write(header), engine.config.stream_stall_s)
             for off in range(0, len(payload), STREAM_CHUNK):
                 await asyncio.wait_for(resp.write(payload[off : off + STREAM_CHUNK]), engine.config.stream_stall_s)
+        except ConnectionResetError:  # the client left mid-download
+            return resp
         except TimeoutError:
             log.warning("client stopped reading the trajectory of output %d of job %s; closing", k, job.id)
             if request.transport is not None:
