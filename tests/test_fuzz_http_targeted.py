@@ -175,6 +175,8 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
     "a union ControlNet without mode": ({**FLUX, "control": [{**UNION, "mode": None}]}, "control[0].mode"),
     "a mode past the union's": ({**FLUX, "control": [{**UNION, "mode": 3}]}, "control[0].mode"),
     "a mode of 2**64": ({**FLUX, "control": [{**UNION, "mode": 2**64}]}, "control[0].mode"),
+    "a mode of 400 digits": (json.dumps({**FLUX, "control": [{**UNION, "mode": 7}]}).replace('"mode": 7', '"mode": '
+                             + "9" * 400).encode(), "control[0].mode"),
     "a mode by name": ({**FLUX, "control": [{**UNION, "mode": "canny"}]}, "control[0].mode"),
     "5 references": ({**TINY, "ip_adapter": [REF()] * 5}, "ip_adapter"),
     "bad base64 control image": ({**TINY, "control": [{**EDGES, "image": "!!!"}]}, "control[0].image"),
@@ -210,6 +212,7 @@ def test_the_new_features_together_run_or_are_a_400_naming_the_field(sock: Path,
         assert status == 400 and answer["error"]["code"] == "invalid_json", answer
     else:
         assert status == 400 and answer["error"]["field"] == field, answer
+        assert len(answer["error"]["message"]) < 400, "a message a person reads, not the input echoed back"
 
 
 def test_a_client_that_leaves_an_event_stream_leaves_no_traceback(sock: Path, fuzz_daemon: Daemon,

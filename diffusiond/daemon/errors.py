@@ -153,3 +153,13 @@ def invalid(message: str, field: str | None = None, code: ErrorCode = ErrorCode.
     """The 400 every request check raises: the message says what is wrong and with which value."""
     return InvalidRequest(message, field=field, code=code)
 
+
+MAX_INT_DIGITS = 20  # every integer field's range fits here (seeds are below 2**63); more is a typo or a probe
+
+
+def shown(value: float) -> str:
+    """A number for a message: ``:g`` of a float, an integer as it is (``:g`` of an int over 10**308
+    raises OverflowError) unless it is too long to be worth showing (a probe's 400 digits echoed back)."""
+    if isinstance(value, int):
+        return str(value) if abs(value).bit_length() <= 66 else f"a number of over {MAX_INT_DIGITS} digits"
+    return f"{value:g}"

@@ -29,7 +29,7 @@ from diffusiond.daemon.core.controls import (
 )
 from diffusiond.daemon.core.inputs import Source
 from diffusiond.daemon.core.jobs import JobRequest
-from diffusiond.daemon.errors import invalid
+from diffusiond.daemon.errors import invalid, shown
 from diffusiond.daemon.values import UNION_CLASS
 from diffusiond.protocol import STRENGTH_TASKS, Task
 
@@ -70,7 +70,7 @@ def image_source(at: str, image: str | None, image_path: str | None) -> Source:
 
 def check_scale(at: str, scale: float, top: float) -> None:
     if not (math.isfinite(scale) and 0.0 <= scale <= top):
-        raise invalid(f"{at}.scale must be from 0 to {top:g}, got {scale}", field=f"{at}.scale")
+        raise invalid(f"{at}.scale must be from 0 to {top:g}, got {shown(scale)}", field=f"{at}.scale")
 
 
 def plan(raw: list[Any]) -> list[ControlEntry]:
@@ -86,7 +86,7 @@ def plan(raw: list[Any]) -> list[ControlEntry]:
         check_scale(at, b.scale, MAX_SCALE)
         for name, value in (("start", b.start), ("end", b.end)):
             if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-                raise invalid(f"{at}.{name} is a fraction of the steps, from 0 to 1; got {value}",
+                raise invalid(f"{at}.{name} is a fraction of the steps, from 0 to 1; got {shown(value)}",
                               field=f"{at}.{name}")
         if b.start >= b.end:
             raise invalid(f"{at}.start ({b.start:g}) must be below {at}.end ({b.end:g}): the ControlNet acts "
@@ -131,7 +131,7 @@ def check_modes(entries: list[ControlEntry], registry: ControlRegistry) -> list[
             e = dataclasses.replace(e, mode=names.index(e.mode_name), mode_name=None)
         elif e.mode is not None and not 0 <= e.mode < count:
             raise invalid(f"{at} must be from 0 to {count - 1} (ControlNet {e.name!r} has {count} control "
-                          f"modes{listed}), got {e.mode}", field=at)
+                          f"modes{listed}), got {shown(e.mode)}", field=at)
         checked.append(e)
     unions = [e.name for e in checked if registry.classes.get(e.name) == UNION_CLASS]
     if unions and len(unions) != len(checked):

@@ -26,7 +26,7 @@ from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
 from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
-from diffusiond.daemon.errors import OutputTooLarge, invalid
+from diffusiond.daemon.errors import MAX_INT_DIGITS, OutputTooLarge, invalid, shown
 from diffusiond.daemon.residency.units import parse_duration
 from diffusiond.ipc.messages import Capabilities
 from diffusiond.ipc.tensors import itemsize
@@ -131,7 +131,6 @@ class AddLoraBody(msgspec.Struct, forbid_unknown_fields=True):
     path: str
 
 
-MAX_INT_DIGITS = 20  # every integer field's range fits here (seeds are below 2**63); more is a typo or a probe
 
 
 def decode(body: bytes, cls: type[T]) -> T:
@@ -170,15 +169,7 @@ def check_int_sizes(struct: msgspec.Struct) -> None:
 
 def _range(name: str, value: float | None, lo: float, hi: float) -> None:
     if value is not None and not lo <= value <= hi:
-        raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {_show(value)}", field=name)
-
-
-def _show(value: float) -> str:
-    """A number for a message: ``:g`` of a float, an integer as it is (``:g`` of an int over 10**308
-    raises OverflowError) unless it is too long to be worth showing."""
-    if isinstance(value, int):
-        return str(value) if abs(value).bit_length() <= 66 else f"a number of over {MAX_INT_DIGITS} digits"
-    return f"{value:g}"
+        raise invalid(f"{name} must be between {lo:g} and {hi:g}, got {shown(value)}", field=name)
 
 
 def check_lora_list(entries: list[Any] | None, limits: Limits) -> tuple[tuple[str, float], ...]:
@@ -276,7 +267,7 @@ def check(
     seed = req.get("seed")
     top = 2**63 - req["n"]  # output k gets seed + k, and each must fit a torch.Generator seed
     if seed is not None and not 0 <= seed <= top:
-        raise invalid(f"seed must be between 0 and {top} (2**63 - n), got {seed}", field="seed")
+        raise invalid(f"seed must be between 0 and {top} (2**63 - n), got {shown(seed)}", field="seed")
     video = d.task in VIDEO_TASKS
     if edit is not None and steps * edit.strength < 1:
         raise invalid(
@@ -381,7 +372,7 @@ def _noise(req: dict[str, Any], scheduler: str | None) -> tuple[float | None, fl
             raise invalid(f"noise_level applies only to scheduler 'flow-sde', not {_named(scheduler)}",
                           field="noise_level")
         if not 0 < level <= NOISE_LEVEL_MAX:
-            raise invalid(f"noise_level must be above 0 and at most {NOISE_LEVEL_MAX:g}, got {_show(level)}",
+            raise invalid(f"noise_level must be above 0 and at most {NOISE_LEVEL_MAX:g}, got {shown(level)}",
                           field="noise_level")
     if eta is not None:
         if scheduler != "ddim":
@@ -418,12 +409,12 @@ def _preview(body: PreviewBody | None, model: ModelLike, steps: int) -> PreviewS
                       "leave out preview", field="preview")
     every, fmt, side = body.every, body.format, body.max_side
     if not 1 <= every <= steps:
-        raise invalid(f"preview.every must be between 1 and steps ({steps}), got {every}", field="preview.every")
+        raise invalid(f"preview.every must be between 1 and steps ({steps}), got {shown(every)}", field="preview.every")
     if fmt not in PREVIEW_FORMATS:
         raise invalid(f"preview.format must be one of {', '.join(PREVIEW_FORMATS)}, got {fmt!r}",
                       field="preview.format")
     if not MIN_PREVIEW_SIDE <= side <= MAX_PREVIEW_SIDE:
-        raise invalid(f"preview.max_side must be between {MIN_PREVIEW_SIDE} and {MAX_PREVIEW_SIDE}, got {side}",
+        raise invalid(f"preview.max_side must be between {MIN_PREVIEW_SIDE} and {MAX_PREVIEW_SIDE}, got {shown(side)}",
                       field="preview.max_side")
     return PreviewSpec(every=every, format=fmt, max_side=side)
 

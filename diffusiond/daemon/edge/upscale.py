@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from diffusiond.daemon.core.jobs import JobRequest
-from diffusiond.daemon.errors import OutputTooLarge, invalid
+from diffusiond.daemon.errors import OutputTooLarge, invalid, shown
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec, hires_schedule
 from diffusiond.protocol import VIDEO_TASKS, Task
@@ -78,7 +78,7 @@ def _hires(engine: Engine, body: HiresBody, model: Any, req: JobRequest) -> Hire
     limits = engine.config.limits
     steps = req.steps if body.steps is None else body.steps
     if not 1 <= steps <= limits.max_steps:
-        raise invalid(f"hires.steps must be from 1 to {limits.max_steps}, got {steps}", field="hires.steps")
+        raise invalid(f"hires.steps must be from 1 to {limits.max_steps}, got {shown(steps)}", field="hires.steps")
     schedule = hires_schedule(steps, strength)
     if schedule > MAX_SCHEDULE:
         raise invalid(f"hires.steps {steps} at strength {strength:g} asks the model for {schedule} steps (steps / "
