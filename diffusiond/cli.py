@@ -1,11 +1,11 @@
 """The ``diffusiond`` command: ``serve`` starts a daemon; every other command is a client of one.
 
-The commands and exit codes are the contract in docs/api.md (0 success, 1 job failed or rejected, or
-the daemon did not answer within the time asked, 2 usage error, 3 daemon not reachable), because
-scripts branch on them. Client commands go through ``diffusiond.client`` like any other program
-would. Nothing imported at module level loads torch, diffusers, numpy, Pillow or PyAV (a test
-holds it), and neither the daemon's configuration nor the server is imported until ``serve``
-runs, so client commands and ``--help`` start in a fraction of the time a torch import takes.
+The commands and exit codes are the contract in docs/api.md ("Command line"), because scripts branch
+on them; ``commands/__init__.py`` names the codes. Client commands go through ``diffusiond.client``
+like any other program would. Nothing imported at module level loads torch, diffusers, numpy, Pillow
+or PyAV (a test holds it), and neither the daemon's configuration nor the server is imported until
+``serve`` runs, so client commands and ``--help`` start in a fraction of the time a torch import
+takes.
 
 Output piped into a program that stops reading (``diffusiond status | head -1``) ends the command
 quietly with exit 141 (128 + SIGPIPE): what a shell reports for any other tool killed by that

@@ -7,6 +7,7 @@
     transport.py  reading the daemon's answers: JSON, errors, Server-Sent Events
     outputs.py    decoding outputs; arrays mapped from shared memory stay alive while used
     zerocopy.py   outputs mapped from the daemon's shared memory (same machine, same user)
+    weights.py    update_lora, update_weights: a trainer's tensors sent to the daemon by fd
     errors.py     the exception tree below
 
 Every failure a caller can meet comes out as one of these, so ``except ClientError`` is enough to

@@ -1,7 +1,7 @@
 """How a job's outputs become PIL images and numpy arrays on the client's side, and how long
 the daemon memory under a zero-copy array stays the array's.
 
-Apart from ``client.py`` so that numpy and PIL stay out of it: each is imported inside the
+Apart from ``aio.py`` so that numpy and PIL stay out of it: each is imported inside the
 function that needs it, the first time an output is asked for in that form.
 """
 

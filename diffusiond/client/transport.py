@@ -1,5 +1,5 @@
 """The client's side of the wire: Server-Sent Events, error bodies, and the small rules of
-talking HTTP to the daemon. Kept apart from ``client.py`` so the client class reads as what it
+talking HTTP to the daemon. Kept apart from ``aio.py`` so the client class reads as what it
 offers, and so the benchmarks' load generator can parse events without the client."""
 
 from __future__ import annotations

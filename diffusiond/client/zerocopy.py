@@ -1,6 +1,6 @@
 """Zero-copy outputs for programs on the daemon's machine: map the shared memory an output lies in.
 
-The client side of the output socket (``daemon/handoff.py`` says how the daemon side works and
+The client side of the output socket (``daemon/edge/handoff.py`` says how the daemon side works and
 why it is safe). ``OutputMapper.array(job_id, k)`` asks the daemon for output ``k`` of a job,
 receives the file descriptor of the sealed memory it lies in, maps the pages that hold it
 read-only, and returns a numpy array over them: no byte is copied between the GPU's copy into

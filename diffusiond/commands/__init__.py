@@ -4,6 +4,10 @@
     progress.py   the progress line on a terminal, and a line now and then elsewhere
     preview.py    the picture forming, drawn in terminals that show images
     admin.py      status, models, history, cancel, sleep, wake, web-url
+    residency.py  ps, load, unload: where each model is, and moving one by hand
+    upscale.py    generate's --upscale and --hires, read into the request's fields
+
+``diffusiond fit`` is no client of a daemon: cli.py dispatches it to daemon/residency/fit_command.py.
 
 The exit codes are the contract in docs/api.md, because scripts branch on them.
 """

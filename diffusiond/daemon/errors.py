@@ -1,6 +1,6 @@
 """The engine's domain errors: what went wrong, in the engine's words, with no HTTP in them.
 
-The engine and the request checks raise these; the HTTP layer (``api.py``) picks the status
+The engine and the request checks raise these; the HTTP edge (``edge/status.py``) picks the status
 code and headers for each class in one table, the way Starlette's exception handlers do. So the
 engine can be driven by tests, or by another front end, without knowing HTTP exists.
 

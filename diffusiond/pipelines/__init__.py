@@ -1,6 +1,7 @@
 """Adapters over diffusion pipelines, behind the small ``Pipeline`` protocol the worker drives.
 
-``load_pipeline(spec, ...)`` resolves a model spec: ``tiny`` or ``tiny-video`` (embedded, offline),
+``load_pipeline(spec, ...)`` resolves a model spec: ``tiny``, ``tiny-inpaint``, ``tiny-video`` or
+``tiny-flux`` (embedded, offline),
 ``random:<preset>`` (real architectures at full size with random weights, for GPU benchmarks),
 ``synthetic:...`` (no diffusers, for output-path tests and benchmarks), a local diffusers folder,
 a hub id, or a single-file checkpoint.

@@ -5,7 +5,7 @@ A ControlNet steers a text-to-image model by a picture (edges, a pose, depth), a
 class per family and task for it (``StableDiffusionControlNetPipeline``,
 ``StableDiffusionControlNetInpaintPipeline``, their SDXL and FLUX siblings); they are built here
 with ``from_pipe`` from the pipeline the worker already holds, the
-way the edits are (``diffusers_pipeline._edit_pipes``), so the base weights are shared and only the
+way the edits are (``edit_pipes.sibling``), so the base weights are shared and only the
 ControlNet's own weights are added. Several ControlNets in one request run as diffusers' multi
 model (``MultiControlNetModel``): its residuals are summed, each at its own scale and step range.
 A union ControlNet (one model, several control modes: SDXL's ``ControlNetUnionModel`` with its own

@@ -5,7 +5,8 @@ A text-to-image model also edits (image-to-image, inpainting) and an LTX text-to
 animates an image (image-to-video), through diffusers' sibling pipelines built with ``from_pipe``: they
 share every component, so no weight is loaded or held twice. A folder may also name an edit pipeline
 as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext): the model then
-does that task only, and a request must send an image.
+does that task only, and a request must send an image. Siblings are built with ``sibling``, not a
+plain ``from_pipe``, which would cast the shared weights to float32 (its docstring says why).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """A model's weights between its device and page-locked host memory, at the bus's speed.
 
 ``module.to("cpu")`` copies each tensor into fresh pageable memory, one blocking copy after another:
-about 1.5 GB/s on the H200's host, 26 s for SDXL and FLUX together. Here the first time a model
-leaves its device its weights get one host block, registered with CUDA once (page-locked, as the
-output arena is: ``ipc/cuda_host.py``) and carved into a view per tensor; the block is kept for the
-model's life and reused by every later move, so a move is one asynchronous copy per tensor on a
-side stream and a single wait at the end, at the copy engine's speed. One block registered, not a
-pinned allocation per tensor: torch's pinned allocator rounds each allocation up to a power of two
-and pins tensor by tensor, which made a first move of FLUX take 40 s on the H200.
-The weights exist once in host memory (the pinned buffers), whether the model is on its device or
-not; the device copy is allocated again on each return, so leaving frees the device for real.
+7.0 s for SDXL and 32.6 s for FLUX.1-dev to leave an H200 (docs/benchmarks.md, "Residency moves",
+has these figures and the ones below). Here the first time a model leaves its device its weights get
+one host block, registered with CUDA once (page-locked, as the output arena is:
+``ipc/cuda_host.py``) and carved into a view per tensor; the block is kept for the model's life and
+reused by every later move, so a move is one asynchronous copy per tensor on a side stream and a
+single wait at the end, at the copy engine's speed. One block registered, not a pinned allocation
+per tensor: torch's pinned allocator rounds each allocation up to a power of two and pins tensor by
+tensor, which made a first move of FLUX take 40 s on the H200. The weights exist once in host memory
+(the pinned buffers), whether the model is on its device or not; the device copy is allocated again
+on each return, so leaving frees the device for real.
 
 Parameters keep their identity (``param.data`` is swapped), so adapters, hooks and compiled graphs
 that hold the modules still see the same objects.

@@ -1,7 +1,7 @@
 """Loaders for diffusers models on disk or in the HF cache: a folder, a hub id, a single checkpoint.
 
 Every model diffusiond serves through diffusers ends up here, including the ones built in code
-(``tiny``, ``tiny-video``, ``random:<preset>`` are saved and loaded back through ``load_folder``),
+(the ``tiny`` models and ``random:<preset>`` are saved and loaded back through ``load_folder``),
 so the path benchmarks measure is the one real models take. Each refuses a pipeline class it
 cannot serve before any weights load, and loads safetensors only unless ``allow_unsafe_weights=1``
 (pickled weights can run code).

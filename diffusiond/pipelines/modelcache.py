@@ -1,4 +1,5 @@
-"""Build-once model folders in the diffusiond cache, for the models made in code (tiny-video, presets).
+"""Build-once model folders in the diffusiond cache, for the models made in code (tiny-inpaint, tiny-video,
+tiny-flux, presets; ``tiny`` predates it and keeps its own rename-only rule, ``tiny.ensure_tiny``).
 
 A model built in code is saved with ``save_pretrained`` and then loaded back through the ordinary
 folder loader, so it takes the same path as a real model. Building can take a while (a preset is

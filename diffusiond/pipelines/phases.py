@@ -2,7 +2,8 @@
 
 The worker times its start (imports, CUDA, the arena, the model, the warm-up) and a diffusers model
 times its own load inside that (the files, the sibling pipelines, the move to the device): an H200
-start took ~22 s that a CPU box could not reproduce, and only such a line run there can say where.
+worker's start took ~22 s, and such a line is what found where (docs/benchmarks.md, the cold start of
+2026-12-04 and 2026-12-05).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 Benchmarking the daemon on a GPU needs the compute, memory and output sizes of real models, and
 nothing can be downloaded. A preset is the published model's shape written down as data (each
 component's class and config numbers, the tokenizer's vocabulary size), built in code on the
-target device in the target dtype (a 12B transformer initialised on an H200 takes seconds; on two
-CPU cores it would take minutes) with a generated tokenizer of the real vocabulary size. It is
-then saved as safetensors into ``<cache>/models/random-<preset>-v1`` and loaded back through the
-ordinary folder loader, so benchmarks measure the path real models take. Saving tens of GB can
+target device in the target dtype (random initialisation of a 12B transformer is slow on a CPU and
+fast on a GPU, and nothing is moved after it) with a generated tokenizer of the real vocabulary
+size. It is then saved as safetensors into ``<cache>/models/random-<preset>-v1`` and loaded back
+through the ordinary folder loader, so benchmarks measure the path real models take. Saving tens of GB can
 be slow: option ``save=0`` skips the round trip and serves the pipeline as built.
 
 The outputs are noise. Everything a user sees says so: the pipeline's name, its

@@ -5,7 +5,9 @@ Serve replica runs one real diffusiond daemon on the GPUs Ray gave it (``replica
 deployment is the HTTP ingress (``gateway.py``, behind a bearer token: ``auth.py``), job ids
 carry the replica that holds the job (``ids.py``), and a custom request router sends each
 request to that replica or, for new work, where its model is loaded, then by load
-(``router.py``). docs/scaling.md says when this is worth it.
+(``router.py``). With a state dir the replicas share, a gone replica's jobs are taken over by
+another (``claims.py`` says who runs which store, ``adoption.py`` runs it). docs/scaling.md says
+when this is worth it.
 
 An adapter on top of the daemon: nothing in the daemon, the worker or the client imports it, and
 ``import diffusiond`` does not load Ray. Importing ``diffusiond.ray`` itself is cheap; Ray loads

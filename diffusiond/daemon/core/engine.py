@@ -9,8 +9,8 @@ What is not here: batches on their way through a worker (``flights.py``), queuei
 (``scheduler.py``), which workers exist and keeping them alive (``workers/pool.py``), slots,
 encoding and reading outputs (``outputs/slots.py``), previews (``outputs/previews.py``), LoRA
 registration (``loras.py``), the state dir (``state/store.py``) and finished jobs looked up later
-(``state/history.py``), and HTTP (``http/api.py`` picks status codes for the domain errors raised
-here; ``http/views.py`` draws the JSON).
+(``state/history.py``), and HTTP (``edge/status.py`` picks status codes for the domain errors raised
+here; ``edge/views.py`` draws the JSON).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ the app every listener serves (the Unix socket, ``--tcp``, and the web page's ``
 
 The rest of the edge, by job: ``jobs.py`` (the jobs API and SSE), ``openai.py`` (OpenAI's Images
 endpoints), ``status.py`` (status codes for domain errors), ``access.py`` (who may connect),
-``bodies.py`` and ``requests.py`` (reading and checking what comes in), ``views.py`` (every JSON
-document that goes out), ``web.py`` and ``webauth.py`` (the page's listener), ``handoff.py``
-(the output socket for zero-copy clients).
+``bodies.py``, ``forms.py`` (OpenAI's bodies) and ``requests.py`` (reading and checking what comes
+in), with a module per request field that has rules of its own (``controls.py``, ``ip_adapters.py``,
+``upscale.py``, ``trajectory.py``), ``views.py`` (every JSON document that goes out), ``web.py`` and
+``webauth.py`` (the page's listener), ``handoff.py`` (the output socket for zero-copy clients).
 """
 
 from __future__ import annotations

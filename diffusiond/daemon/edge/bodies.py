@@ -3,7 +3,7 @@ multipart form of an edit, and an edit's images, decoded and checked in the enco
 
 Apart from ``api.py`` because this is where untrusted bytes are taken in: every size limit and
 every malformed-body refusal is here, before a handler sees a field. Refusals are domain errors
-(``errors.py``); their status codes are the edge's (``api.STATUS_OF_ERROR``).
+(``errors.py``); their status codes are the edge's (``status.STATUS_OF_ERROR``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Turns on a shared device: the model there keeps it while it has work, but no job of another model
 waits behind it much longer than ``--max-model-wait``.
 
-Why both halves. A move costs time (SDXL to host memory and back is about 0.4 s on the H200, and the
-batches in flight drain first), so the model on the device is preferred: it serves its queue while
-another model's jobs wait, and a stream that alternates between two models pays a move per queue
-drained instead of one per request. But the policy never sends away a model with work (policy.py),
-so a model with a steady stream would keep its device for ever and the other model's jobs would wait
-without bound. So once a job of a model that cannot get onto its device (residency's last plan for it
-said wait for memory) has waited longer than the bound, the model in its way is held: it takes no new
-batch, finishes those it runs, and leaves the device (the keeper carries that out); it is not given
-batches again before the model it yields to runs. That model's turn then lasts at least the bound
-too (while it has work), so two models with steady streams take turns of about the bound each rather
-than swapping at every batch.
+Why both halves. A move costs time (SDXL to host memory and back is about 0.4 s on the H200:
+docs/benchmarks.md, "Residency moves"; and the batches in flight drain first), so the model on the
+device is preferred: it serves its queue while another model's jobs wait, and a stream that
+alternates between two models pays a move per queue drained instead of one per request. But the
+policy never sends away a model with work (policy.py), so a model with a steady stream would keep
+its device for ever and the other model's jobs would wait without bound. So once a job of a model
+that cannot get onto its device (residency's last plan for it said wait for memory) has waited
+longer than the bound, the model in its way is held: it takes no new batch, finishes those it runs,
+and leaves the device (the keeper carries that out); it is not given batches again before the model
+it yields to runs. That model's turn then lasts at least the bound too (while it has work), so two
+models with steady streams take turns of about the bound each rather than swapping at every batch.
 
 Pure, as policy.py is: the keeper passes every model's standing and the time, and carries out what
 comes back; each hold, and each end of one, carries the reason the log gives.

@@ -1,7 +1,7 @@
 """The engine's side of one worker process: spawn, handshake, channel, arena mapping, commands.
 
 A ``WorkerHandle`` is the only thing in the engine that knows a worker is a process (the pool and
-the engine see it as a ``pool.WorkerLink``). It maps the
+the engine see it as a ``link.WorkerLink``). It maps the
 worker's arena read-only once (from HELLO), maps dedicated output buffers as they arrive, routes
 the frames that concern jobs to the engine, and turns every way a worker can end (exit code,
 signal, protocol error, FATAL) into one sentence handed to ``on_lost`` exactly once.

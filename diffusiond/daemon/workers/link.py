@@ -1,6 +1,6 @@
 """The engine's view of one worker: what the engine and the pool may ask of it, and nothing else.
 
-``worker_handle.WorkerHandle`` is the real one, a process behind a channel; tests use in-process
+``handle.WorkerHandle`` is the real one, a process behind a channel; tests use in-process
 fakes of the same shape, so the engine's transitions can be checked without processes (the way
 vLLM's ``InprocClient`` runs its core).
 """
