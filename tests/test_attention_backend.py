@@ -123,10 +123,11 @@ def test_the_denoiser_alone_takes_the_backend_and_the_process_default_stays(mode
         m.processor._attention_backend for m in native.pipe.transformer.modules() if hasattr(m, "processor")} == {None}
 
 
-def test_a_unet_refuses_the_option_naming_why(model_cache: Path) -> None:
+def test_a_unet_refuses_the_option_naming_why_but_takes_the_default(model_cache: Path) -> None:
     with pytest.raises(PipelineError) as info:
         load("tiny", "_native_math")
     assert "UNet2DConditionModel" in str(info.value) and "not through diffusers' dispatcher" in str(info.value)
+    assert load("tiny", "native").capabilities.attention == ""  # the default path is every model's
 
 
 @pytest.mark.parametrize(("name", "package", "words"), [

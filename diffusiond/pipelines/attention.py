@@ -159,9 +159,9 @@ def _probe(name: str, head_dim: int, device: torch.device, dtype: torch.dtype) -
 
 def apply_attention(pipe: Any, name: str, device: torch.device) -> Attention:
     """Set the denoiser's attention backend ``name`` (nothing for "" or ``native``); what it is named."""
-    if not name:
-        return Attention()
-    kernel = check_attention(name)
+    kernel = check_attention(name) if name else None
+    if kernel is None or name == "native":
+        return Attention()  # the default path, on any denoiser: set nothing, so it stays exactly that
     import torch
 
     denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
@@ -174,8 +174,6 @@ def apply_attention(pipe: Any, name: str, device: torch.device) -> Attention:
                             "attention directly, not through diffusers' dispatcher, so a backend would change "
                             "nothing; the transformer models (Flux, Wan, LTX, Qwen-Image) take it, not the UNets "
                             "of SD 1.5 and SDXL, nor SD3")
-    if name == "native":
-        return Attention()  # the default path: set nothing, so it stays exactly that
     _set(denoiser, name)
     dtype = denoiser.dtype
     if kernel.cuda and device.type != "cuda":
