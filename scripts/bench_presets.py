@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.loaders import load_folder
+from diffusiond.pipelines.modelcache import cache_root
 from diffusiond.pipelines.presets import build_pipeline, folder_name, get_preset, parameter_counts
 from diffusiond.pipelines.registry import DTYPES
-from diffusiond.pipelines.tiny import cache_root
 
 
 def timed(fn: Any) -> tuple[Any, float]:

@@ -67,7 +67,7 @@ def cache_key(model: str, width: int, height: int, steps: int, guidance: float, 
 
 def cache_file() -> Path | None:
     """``<diffusiond cache>/bench/flops.json``, or None when there is no diffusiond cache to keep it in."""
-    from diffusiond.pipelines.tiny import cache_root
+    from diffusiond.pipelines.modelcache import cache_root
 
     root = cache_root()
     return root / "bench" / "flops.json" if root.is_dir() else None

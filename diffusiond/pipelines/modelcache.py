@@ -17,7 +17,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from diffusiond.pipelines.tiny import cache_root
+
+def cache_root() -> Path:
+    """The diffusiond cache: ``$DIFFUSIOND_CACHE``, else ``$XDG_CACHE_HOME/diffusiond``, else ~/.cache."""
+    explicit = os.environ.get("DIFFUSIOND_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "diffusiond"
 
 
 def is_complete(folder: Path) -> bool:

@@ -10,15 +10,14 @@ The outputs are structured noise: the weights are random, the numerics are not f
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffusiond.pipelines.base import RequestDefaults
+from diffusiond.pipelines.modelcache import ensure_built
 
 # Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
 TINY_VERSION = "tiny-v2"
@@ -29,41 +28,11 @@ BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 DEFAULTS: RequestDefaults = {"width": 128, "height": 128, "steps": 4, "guidance": 5.0}
 
 
-def cache_root() -> Path:
-    """The diffusiond cache: ``$DIFFUSIOND_CACHE``, else ``$XDG_CACHE_HOME/diffusiond``, else ~/.cache."""
-    explicit = os.environ.get("DIFFUSIOND_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "diffusiond"
-
-
 def ensure_tiny(cache_dir: Path | None = None) -> Path:
-    """Return the tiny model's folder, building it first if no complete one exists.
-
-    ``cache_dir`` is the diffusiond cache root (default ``cache_root()``); the model lives in
-    ``<cache_dir>/models/tiny-v2``. The folder appears atomically (built beside it, then renamed),
-    so a reader never sees a half-written model and concurrent builders agree on one winner.
-    """
-    models = (cache_dir if cache_dir is not None else cache_root()) / "models"
-    final = models / TINY_VERSION
-    if (final / "model_index.json").is_file():
-        return final
-    models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}.build-", dir=models))
-    try:
-        _build(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process renamed its build first (the target is a non-empty folder now).
-            if not (final / "model_index.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """Return the tiny model's folder, ``<cache_dir>/models/tiny-v2`` (``cache_dir`` the diffusiond cache
+    root, default ``cache_root()``), building it first if no complete one exists, as every model made in
+    code is (modelcache.py: atomically, one builder at a time)."""
+    return ensure_built(TINY_VERSION, _build, cache_dir)
 
 
 def _byte_chars() -> list[str]:
