@@ -55,6 +55,8 @@ def ensure_built(folder_name: str, build: Callable[[Path], None], cache_dir: Pat
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder_name}.build-", dir=models))
         try:
             build(tmp)
+            if is_complete(final):  # put there meanwhile by a builder that takes no lock (an older version)
+                return final
             if final.exists():  # an incomplete leftover from a build killed mid-rename
                 shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
