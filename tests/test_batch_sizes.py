@@ -237,6 +237,7 @@ def batches(jobs: list[dict[str, Any]]) -> list[int]:
 async def test_warm_up_all_compiles_every_power_of_two_before_ready(daemon: Daemon) -> None:
     log = daemon.log_path.read_text(errors="replace")
     assert [f"warmed up 64x64 batch {b} " in log for b in (1, 2, 4)] == [True] * 3, log[-3000:]
+    assert "model c: batches of 1, 2, 4 only (--batch-sizes auto)" in log and "model e: batches of" not in log
 
 
 async def test_a_compiled_model_batches_in_powers_of_two_and_an_eager_one_in_any_size(daemon: Daemon) -> None:

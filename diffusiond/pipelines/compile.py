@@ -19,7 +19,8 @@ smallest such), with copies of its last request whose outputs are dropped: a for
 far less than compiling a graph for 5 (minutes) or running it eager. Each request keeps its own
 generator, so its output is the one it gets in any batch (equal up to float rounding, as
 tests/test_pipelines.py measures). Warm up the largest batch (``--warmup 512x512:8``) and every
-smaller batch of that size is served by its graph.
+smaller batch of that size is served by its graph; the engine forms a compiled model's batches in
+powers of two (daemon/core/scheduler.py), so ``--warmup 512x512:all`` gives each of them its own.
 
 The compile is lazy: torch compiles a shape when it first runs. The worker runs the ``--warmup``
 shapes before it reports ready, and for any other new shape it tells the engine (stage
