@@ -46,13 +46,21 @@ from diffusiond.commands.generate import (
     run_generate,
 )
 from diffusiond.commands.upscale import hires_arg, upscale_arg
-from diffusiond.protocol import COMPILE_MODES, DEFAULT_WEB_ADDRESS, FORMATS, LOG_LEVELS, JobStatus, default_socket_path
+from diffusiond.protocol import (
+    BATCH_SIZES,
+    COMPILE_MODES,
+    DEFAULT_WEB_ADDRESS,
+    FORMATS,
+    LOG_LEVELS,
+    JobStatus,
+    default_socket_path,
+)
 
 QUICK_TIMEOUT_S = 30.0
 """Bound for requests that should answer at once (status, models, cancel): a hung daemon is an error."""
 
 SERVE_FIELDS = (
-    "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "queue_size",
+    "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "batch_sizes", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
     "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
@@ -200,6 +208,9 @@ def _add_serve(sub: Any) -> None:
     add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
     add("--max-batch", type=int, metavar="N")
     add("--batch-wait-ms", type=float, metavar="MS")
+    add("--batch-sizes", choices=BATCH_SIZES,
+        help="batch sizes that form: auto (default: powers of two up to --max-batch for compiled models, any "
+             "size for eager ones), pow2 or any, for every model")
     add("--queue-size", type=int, metavar="N")
     add("--job-timeout", dest="job_timeout_s", type=float, metavar="S")
     add("--output-mode", metavar="MODE", help="async or sync")
@@ -253,7 +264,8 @@ def _add_serve(sub: Any) -> None:
     add("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
         help="torch.compile every model (MODE: " + ", ".join(COMPILE_MODES) + "; default: default); "
              "reduce-overhead replays CUDA graphs")
-    add("--warmup", metavar="WxH:B,...", help="shapes each worker runs before it is ready, e.g. 512x512:1,512x512:8")
+    add("--warmup", metavar="WxH:B,...", help="shapes each worker runs before it is ready, e.g. 512x512:1,512x512:8; "
+        "WxH:all: every batch size that forms at WxH (compiled models)")
     add("--keep-alive", metavar="DURATION",
         help="how long a model nobody uses stays on its device: 5m (default), 30s, 1h; 0 leaves at once, -1 stays")
     add("--max-keep-alive", metavar="DURATION", help="the longest keep_alive a request may ask for (default: any)")

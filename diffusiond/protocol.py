@@ -144,6 +144,10 @@ COMPILE_MODES: Final[tuple[str, ...]] = ("default", "reduce-overhead", "max-auto
 """``--compile`` values: torch.compile's modes. ``reduce-overhead`` and ``max-autotune`` replay
 CUDA graphs for shapes that repeat; the others launch kernels one by one."""
 
+BATCH_SIZES: Final[tuple[str, ...]] = ("auto", "pow2", "any")
+"""``--batch-sizes``: powers of two for compiled models and any size for eager ones (auto), or one rule for
+every model (daemon/core/scheduler.py says why)."""
+
 
 # jobs -------------------------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@
 #   timeout 585 scripts/gpu_round3.sh setup lora weights trajectory-flow pack
 #   PRESETS="sd3.5-medium ltx-2b" timeout 585 scripts/gpu_round3.sh setup controlnet hires presets pack
 #   timeout 585 scripts/gpu_round3.sh setup attention pack   (issue 31; flash-attn, sageattention wheels in .whl/ if wanted)
+#   timeout 585 scripts/gpu_round3.sh setup batch-curve pack   (issue 31: 512² compiled throughput curve, batches in
+#     powers of two up to 16, every size warmed by --warmup 512x512:all; in a call of its own: 5 cold compiles)
 # Each call's figures are written up in docs/benchmarks.md before the next (a machine can stop answering).
 set -uo pipefail
 out=/tmp/r3-out
@@ -89,6 +91,12 @@ PY
       step attention 480 python3 -m diffusiond.bench.attention --model random:flux-dev,save=0 --size 1024x1024 \
         --steps 28 --rounds ${ATTN_ROUNDS:-2} \
         --backends ${ATTN_BACKENDS:-native,_native_flash,_native_cudnn,_native_efficient,flash,_flash_3,xformers,sage} ;;
+    batch-curve)  # issue 31: SD 1.5 size 512², 4 steps, reduce-overhead, --max-batch 16: images/s over clients
+      # (target >= 50); bench --compile serves --warmup 512x512:all, so batches of 1, 2, 4, 8, 16 are compiled before
+      # ready and no other size forms (--batch-sizes auto). BSZ_SWEEP picks the concurrencies, BSZ_MAX the max batch
+      step batch-curve 570 python3 -m diffusiond bench --model random:sd15,save=0 --dtype float16 --size 512x512 \
+        --steps 4 --format png --batch ${BSZ_MAX:-16} --requests ${BSZ_REQUESTS:-128} --concurrency 16 \
+        --sweep ${BSZ_SWEEP:-4,8,32,64} --compile reduce-overhead --modes limit,async --rounds 1 --json ;;
     pack) tar czf "${OUT:-.}/r3-$(date +%H%M%S).tgz" -C /tmp r3-out && echo packed ;;
     *) echo "unknown step $s" ;;
   esac

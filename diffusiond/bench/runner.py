@@ -72,7 +72,7 @@ def add_parser(sub: Any) -> None:
                    help=f"comma-separated subset of {','.join(MODES)} (default: {DEFAULT_MODES}; "
                         f"with --compile: {COMPILED_MODES})")
     p.add_argument("--compile", nargs="?", const="default", default="", choices=COMPILE_MODES, metavar="MODE",
-                   help="run the daemons with --compile MODE (and --warmup of the measured shapes), and "
+                   help="run the daemons with --compile MODE (and --warmup WxH:all: every batch size that forms), and "
                         "limit-compiled with the same mode; x limit stays against the eager limit")
     p.add_argument("--slo-scale", type=positive_float, default=3.0,
                    help="a request meets its SLO when its latency is under this x the single-request latency "
@@ -269,8 +269,8 @@ def _daemons(s: Setup, modes: list[str]) -> Iterator[dict[str, Path]]:
             # each daemon its own state dir: two daemons on one refuse to start
             persist = s.persist and not mode.endswith(MEMORY_SUFFIX)
             argv += ["--state-dir", str(Path(tmp) / f"{mode}.state")] if persist else ["--no-persist"]
-            if s.compile:  # the measured shape compiled before ready, as a deployment would
-                argv += ["--compile", s.compile, "--warmup", f"{s.width}x{s.height}:{s.batch}"]
+            if s.compile:  # every batch size that forms at the measured size compiled before ready, as deployed
+                argv += ["--compile", s.compile, "--warmup", f"{s.width}x{s.height}:all"]
             started.append((stack.enter_context(process(argv, log)), sock, log))
         for proc, sock, log in started:
             wait_ready(proc, sock, log, "diffusiond serve")

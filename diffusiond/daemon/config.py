@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
+from diffusiond.daemon.core.scheduler import batch_sizes
 from diffusiond.daemon.residency.fit import choose_auto, model_tensors, plan_stream, stream_inputs
 from diffusiond.daemon.residency.preload import check_preload
 from diffusiond.daemon.residency.sizes import WeightsError
@@ -37,12 +38,12 @@ from diffusiond.daemon.values import (
     parse_loras,
     parse_upscalers,
     preload_value,
-    warmup_value,
 )
+from diffusiond.daemon.warmup import resolve_warmup, warmup_value
 from diffusiond.ipc.upscale import UpscalerSetting
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg, parse_spec
-from diffusiond.protocol import COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
+from diffusiond.protocol import BATCH_SIZES, COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 STATE_SYNC = ("normal", "full")
@@ -67,7 +68,9 @@ class ModelConfig:
     dtype: str = "float32"
     options: dict[str, str] = field(default_factory=dict)
     compile: str = ""  # a torch.compile mode (protocol.COMPILE_MODES), "" for eager
-    warmup: tuple[tuple[int, int, int], ...] = ()  # (width, height, batch) run before the worker is ready
+    # (width, height, batch) run before the worker is ready; batch WARMUP_ALL (``WxH:all``) until build_config
+    # makes it every size the model's batches form in (daemon/warmup.py)
+    warmup: tuple[tuple[int, int, int], ...] = ()
     keep_alive_s: float | None = None  # TOML ``keep_alive``: this model's, over the daemon's --keep-alive
     pinned: bool = False  # TOML ``pin = true`` or --pin NAME: never leaves its device for another model
     preload: bool | None = None  # TOML ``preload = true|false``: over the file's top-level preload, under --preload
@@ -115,6 +118,8 @@ class DaemonConfig:
     web: str | None = None
     max_batch: int = 4
     batch_wait_ms: float = 0.0
+    # which batch sizes form (core/scheduler.py says why): auto (powers of two when compiled), pow2 or any
+    batch_sizes: str = "auto"
     queue_size: int = 256
     job_timeout_s: float = 600.0
     output_mode: OutputMode = "async"
@@ -176,6 +181,12 @@ class DaemonConfig:
     # (residency/turns.py): a duration as keep_alive is written (30s, 2m); -1: no bound.
     max_model_wait: str | float = "30s"
 
+    def batch_sizes_of(self, m: ModelConfig) -> tuple[int, ...]:
+        """The sizes ``m``'s batches form in: powers of two (and max_batch) for a compiled model unless
+        ``batch_sizes`` says otherwise, every size for an eager one."""
+        return batch_sizes(self.max_batch, self.batch_sizes == "pow2" or (self.batch_sizes == "auto"
+                                                                          and bool(m.compile)))
+
     @property
     def device_memory_bytes(self) -> int:
         """The budget of each device. A fraction needs the device's total, which the engine does not
@@ -224,6 +235,9 @@ class DaemonConfig:
                 if batch > self.max_batch:
                     raise ConfigError(f"model {m.name!r}: warmup {w}x{h}:{batch} is a batch larger than "
                                       f"max_batch {self.max_batch}; no request would run that shape")
+        if self.batch_sizes not in BATCH_SIZES:
+            raise ConfigError(f"batch_sizes {self.batch_sizes!r} is not one of {', '.join(BATCH_SIZES)} (auto: powers "
+                              "of two for compiled models, any size for eager ones)")
         if self.output_mode not in OUTPUT_MODES:
             raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
         for name in ("max_batch", "queue_size", "arena_mb", "encode_threads", "max_loras"):
@@ -411,7 +425,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         config = DaemonConfig(models=tuple(models), **values).validate()
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
-    return replace(config, models=tuple(_resolve_offload(m, config) for m in config.models))
+    models = [_resolve_offload(m, config) for m in config.models]
+    return replace(config, models=tuple(replace(m, warmup=resolve_warmup(
+        m.name, m.warmup, config.batch_sizes_of(m), m.compile, {**parse_spec(m.spec).options, **m.options}))
+        for m in models))
 
 
 def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:

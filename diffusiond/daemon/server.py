@@ -173,6 +173,9 @@ async def run(config: DaemonConfig) -> int:
         for m in config.models:
             if m.offload_reason:
                 log.info("model %s: %s", m.name, m.offload_reason)
+            if (sizes := config.batch_sizes_of(m)) != tuple(range(1, config.max_batch + 1)):
+                log.info("model %s: batches of %s only (--batch-sizes %s)", m.name, ", ".join(map(str, sizes)),
+                         config.batch_sizes)
         systemd.notify("STATUS=loading models")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None

@@ -1,4 +1,4 @@
-"""How flags and TOML values are read: warm-up shapes, durations, addresses, devices, LoRA lists, preload,
+"""How flags and TOML values are read: durations, addresses, devices, LoRA lists, preload,
 upscalers.
 
 Each reader takes a value as a user wrote it (a flag's string or a TOML value) and returns it checked, or
@@ -27,21 +27,6 @@ from diffusiond.protocol import DEFAULT_WEB_ADDRESS
 
 class ConfigError(ValueError):
     pass
-
-
-def parse_warmup(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``512x512:1,1024x1024:4`` (WxH or WxH:BATCH, batch 1 when left out) -> shapes to warm up."""
-    shapes = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        size, _, batch = part.partition(":")
-        w, x, h = size.partition("x")
-        if not (x and w.isdigit() and h.isdigit() and (batch.isdigit() or not batch)):
-            raise ConfigError(f"warmup {part!r} is not WxH or WxH:BATCH (e.g. --warmup 512x512:1,512x512:8)")
-        shape = (int(w), int(h), int(batch or 1))
-        if min(shape) < 1:
-            raise ConfigError(f"warmup {part!r}: width, height and batch must be at least 1")
-        shapes.append(shape)
-    return tuple(shapes)
 
 
 def duration(value: Any, name: str) -> float:
@@ -163,13 +148,6 @@ def parse_compile_mode(value: Any) -> str:
     if value is False or value is None:
         return ""
     return str(value)
-
-
-def warmup_value(value: Any) -> tuple[tuple[int, int, int], ...]:
-    """A string (``"512x512:1,512x512:8"``, as on the command line) or a TOML list of them."""
-    if isinstance(value, list | tuple):
-        return tuple(shape for v in value for shape in parse_warmup(str(v)))
-    return parse_warmup(str(value))
 
 
 _CONTROL_NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")

@@ -19,7 +19,8 @@ smallest such), with copies of its last request whose outputs are dropped: a for
 far less than compiling a graph for 5 (minutes) or running it eager. Each request keeps its own
 generator, so its output is the one it gets in any batch (equal up to float rounding, as
 tests/test_pipelines.py measures). Warm up the largest batch (``--warmup 512x512:8``) and every
-smaller batch of that size is served by its graph.
+smaller batch of that size is served by its graph; the engine forms a compiled model's batches in
+powers of two (daemon/core/scheduler.py), so ``--warmup 512x512:all`` gives each of them its own.
 
 The compile is lazy: torch compiles a shape when it first runs. The worker runs the ``--warmup``
 shapes before it reports ready, and for any other new shape it tells the engine (stage
@@ -42,11 +43,11 @@ import torch
 
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, PreviewSink, StepCallback, Task
+from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
 __all__ = ["CompiledPipeline", "compilations", "set_cache_dir", "shape_key"]
 
-DEFAULT_MAX_SHAPES = 8
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -106,12 +107,7 @@ class CompiledPipeline:
         self.name, self.task, self.device, self.dtype = inner.name, inner.task, inner.device, inner.dtype
         self.mode = mode
         self.backend = opts.get("compile_backend", "inductor")
-        try:
-            self.max_shapes = int(opts.get("compile_shapes", DEFAULT_MAX_SHAPES))
-        except ValueError:
-            raise PipelineError(f"compile_shapes={opts['compile_shapes']!r} is not a whole number") from None
-        if self.max_shapes < 1:
-            raise PipelineError(f"compile_shapes must be at least 1, got {self.max_shapes}")
+        self.max_shapes = compile_shapes(opts)
         self.capabilities: Capabilities = msgspec.structs.replace(inner.capabilities, compiled=mode)
         self._seen: set[tuple[int, int, int, int, bool]] = set()
         self.compiled: list[str] = []  # which modules, for the log and the tests

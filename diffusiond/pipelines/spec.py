@@ -168,6 +168,21 @@ def offload_mode(options: Mapping[str, str]) -> str:
     return mode
 
 
+DEFAULT_COMPILE_SHAPES = 8  # dynamo's own recompile limit
+
+
+def compile_shapes(options: Mapping[str, str]) -> int:
+    """``compile_shapes=N``: the graphs (shapes) a compiled module keeps; read here, without torch, because
+    the engine holds ``--warmup`` to it at start and the worker bounds its compiles by it."""
+    text = options.get("compile_shapes")
+    if text is None:
+        return DEFAULT_COMPILE_SHAPES
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise PipelineError(f"compile_shapes={text[:40]!r} is not a whole number of at least 1; give the most "
+                            f"shapes a compiled module may keep (default {DEFAULT_COMPILE_SHAPES})")
+    return int(text)
+
+
 def resident_blocks(options: Mapping[str, str]) -> int | None:
     """``resident_blocks=N`` (offload=stream's denoiser blocks kept on the device), checked; None if absent."""
     text = options.get("resident_blocks")

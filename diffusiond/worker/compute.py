@@ -172,10 +172,12 @@ class ComputeThread:
 
     def _warm_up(self) -> None:
         """Run each warm-up shape twice (CUDA-graph trees record a graph on its second run), so
-        the first client of that shape pays neither compilation nor capture."""
+        the first client of that shape pays neither compilation nor capture. Smallest batch first: a
+        compiled model runs a batch padded into a larger graph of its size once it has one
+        (pipelines/compile.py), so ``512x512:8,512x512:1`` in that order would never compile the 1."""
         caps = self.pipeline.capabilities
         frames = caps.num_frames if caps.task == "text-to-video" else None
-        for shape in self.warmup:
+        for shape in sorted(self.warmup, key=lambda s: s.batch):
             params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
                                  num_frames=frames)
             requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]

@@ -85,7 +85,8 @@ class Engine(OutputAccess):
         self.jobs: dict[str, Job] = {}
         self.items: dict[str, Item] = {}
         self.scheduler = Scheduler(queue_size=config.queue_size, max_batch=config.max_batch,
-                                   batch_wait_s=config.batch_wait_ms / 1000)
+                                   batch_wait_s=config.batch_wait_ms / 1000,
+                                   sizes={m.name: config.batch_sizes_of(m) for m in config.models})
         self._changed = asyncio.Event()
         self.executor = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="encode")
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,

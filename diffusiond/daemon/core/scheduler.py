@@ -11,16 +11,35 @@ Pure bookkeeping with no I/O, so its rules are easy to read and test:
   long, to give compatible requests a chance to join;
 - ``partial_ok=False`` asks for a full batch or nothing: the engine uses it for a worker that is
   still busy, so a half-empty batch is not committed to it while the requests that would fill it
-  are still on their way (it would otherwise shrink every following batch).
+  are still on their way (it would otherwise shrink every following batch);
+- a model's batches form only in the sizes ``sizes`` gives it (``batch_sizes``): a run of compatible
+  items longer than one size and shorter than the next goes as the smaller, the rest stays at the
+  head of the queue in its order, so the oldest item still starts the next batch.
+
+Why sizes at all: a compiled model (``--compile``) has one graph per batch size (a CUDA graph with
+``reduce-overhead``), so each new size costs a compile mid-traffic, and ``compile_shapes`` bounds how
+many it keeps. Under load the queue forms batches of whatever happens to be waiting (3, 5, 6, 7 ...);
+in powers of two a compiled model needs log2(max_batch) + 1 graphs, all of which ``--warmup WxH:all``
+compiles before the daemon is ready. Rounding down loses little: the items left over head the next
+batch, which the queue behind them fills. ``max_batch`` itself is always a size, so a "full" batch
+(``partial_ok=False``) is max_batch as before, and a max_batch that is no power of two (6) still
+forms (1, 2, 4, 6). An eager model keeps every size by default (``--batch-sizes auto``): it compiles
+nothing, so a rounded-down batch would only cost throughput. ``--batch-sizes pow2|any`` overrides it
+for every model: ``any`` for a compiled model warmed at its largest batch only, whose smaller
+batches run padded into that graph (pipelines/compile.py), ``pow2`` to try the compiled rule eager.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from diffusiond.daemon.core.jobs import Item, Job
 from diffusiond.ipc.frames import MAX_FDS
+
+if TYPE_CHECKING:  # config.py reads batch_sizes here, and jobs.py imports config.py
+    from diffusiond.daemon.core.jobs import Item, Job
 
 
 @dataclass(frozen=True)
@@ -30,11 +49,26 @@ class Wait:
     until: float
 
 
+def batch_sizes(max_batch: int, pow2: bool) -> tuple[int, ...]:
+    """The sizes batches form in: every size up to ``max_batch``, or the powers of two below it and
+    ``max_batch`` itself (so a full batch is still a size)."""
+    if not pow2:
+        return tuple(range(1, max_batch + 1))
+    sizes = [1]
+    while sizes[-1] * 2 < max_batch:
+        sizes.append(sizes[-1] * 2)
+    return (*sizes, max_batch) if max_batch > 1 else (1,)
+
+
 class Scheduler:
-    def __init__(self, *, queue_size: int, max_batch: int, batch_wait_s: float) -> None:
+    def __init__(self, *, queue_size: int, max_batch: int, batch_wait_s: float,
+                 sizes: Mapping[str, Sequence[int]] | None = None) -> None:
+        """``sizes``: the batch sizes each model's batches form in (``batch_sizes``); a model not in it
+        takes any size up to ``max_batch``."""
         self.queue_size = queue_size
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
+        self.sizes = dict(sizes or {})
         self._pending: dict[str, collections.deque[Item]] = collections.defaultdict(collections.deque)
         self._queued_jobs: dict[str, Job] = {}
 
@@ -105,6 +139,8 @@ class Scheduler:
             until = head.enqueued_at + self.batch_wait_s
             if now < until:
                 return Wait(until)
+        if model in self.sizes:  # the largest size that fits; the items after it keep their places
+            batch = batch[:max(s for s in self.sizes[model] if s <= len(batch))]
         taken = {id(i) for i in batch}
         self._pending[model] = collections.deque(i for i in q if id(i) not in taken)
         for job in {i.job.id: i.job for i in batch}.values():
