@@ -33,7 +33,7 @@ demo: $(STAMP)
 	PY=$(PY) scripts/demo.sh
 
 # Lint is `ruff check` (rules and the 120-column limit in pyproject.toml), then mypy on the
-# package ([tool.mypy] in pyproject.toml: strict for ipc, protocol, daemon, worker, client and CLI). Layout is
+# package ([tool.mypy] in pyproject.toml: strict for all but pipelines and bench: the list is there). Layout is
 # by hand: the code keeps related arguments on one line where `ruff format` would put one per line.
 lint: $(STAMP)
 	$(PY) -m ruff check diffusiond tests examples scripts
