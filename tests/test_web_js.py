@@ -3,8 +3,9 @@
 test_web_page.py drives the real page in a real browser against a real daemon and is the test of
 record; it skips where /usr/bin/chromium is missing. This one still checks that the scripts load and
 start, which boxes they offer for which model, and the job body they build from them (the control
-and IP-Adapter pictures and the upscaler of issue 30; several references, a union ControlNet's mode,
-control with an edit), with the daemon's answers given as JSON.
+and IP-Adapter pictures and the upscaler of issue 30; several control images and references, a union
+ControlNet's mode, control with an edit), what "Use these settings" brings back and what a gallery card
+shows, with the daemon's answers given as JSON.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def test_the_boxes_are_offered_only_for_models_their_adapters_fit() -> None:
     # a dedicated inpainting model takes ControlNets (with its edit) and no IP-Adapter (docs/api.md)
     assert [(s["control"], s["reference"]) for s in steps] == [(True, True), (False, False), (False, False),
                                                                 (True, False), (True, True)]
-    assert (steps[0]["control_names"], steps[0]["references"][0]["names"]) == (["edges", "union"], ["style", "look"])
+    assert (steps[0]["controls"][0]["names"], steps[0]["references"][0]["names"]) == (["edges", "union"],
+                                                                                      ["style", "look"])
     # back from models that take none, the first that fits is chosen again (not left empty)
-    assert (steps[-1]["control_name"], steps[-1]["references"][0]["name"]) == ("edges", "style")
+    assert (steps[-1]["controls"][0]["name"], steps[-1]["references"][0]["name"]) == ("edges", "style")
 
 
 def test_a_daemon_that_serves_none_shows_neither_box() -> None:
@@ -71,9 +73,8 @@ def test_a_daemon_that_serves_none_shows_neither_box() -> None:
     ("reference", "ip_adapter", {"name": "style", "image": "data:image/png;base64,QUJD", "scale": 0.5}),
 ])
 def test_a_chosen_picture_is_sent_as_its_field(box: str, field: str, entry: dict[str, Any]) -> None:
-    at = "-0" if box == "reference" else ""  # the first reference row
-    values = {"prompt": "a lighthouse", f"{box}-scale{at}": "0.5", "control-preprocess": "canny"}
-    [step] = page([{"model": "tiny", "values": values, "files": {f"{box}-image{at}": "QUJD"}, "submit": True}])["steps"]
+    values = {"prompt": "a lighthouse", f"{box}-scale-0": "0.5", "control-preprocess-0": "canny"}  # the first rows
+    [step] = page([{"model": "tiny", "values": values, "files": {f"{box}-image-0": "QUJD"}, "submit": True}])["steps"]
     body = step["body"]
     assert body is not None and body[field] == [entry]
     assert ("ip_adapter" if field == "control" else "control") not in body
@@ -134,17 +135,18 @@ def test_a_union_controlnet_asks_for_its_mode_and_sends_it() -> None:
     and is required: without a mode the page says so and sends nothing; a single-mode one sends no mode."""
     values = {"prompt": "a lighthouse"}
     steps = page([
-        {"model": "tiny", "files": {"control-image": "QUJD"}},
-        {"choose": {"control-name": "union"}, "values": values, "submit": True},
-        {"choose": {"control-mode": "2"}, "submit": True},
-        {"choose": {"control-name": "edges"}, "submit": True},
+        {"model": "tiny", "files": {"control-image-0": "QUJD"}},
+        {"choose": {"control-name-0": "union"}, "values": values, "submit": True},
+        {"choose": {"control-mode-0": "2"}, "submit": True},
+        {"choose": {"control-name-0": "edges"}, "submit": True},
     ])["steps"]
-    assert steps[0]["mode"] is None  # edges: single-mode, no picker
-    assert steps[1]["mode"] == ["", "0", "1", "2"] and steps[1]["body"] is None
+    modes = [s["controls"][0]["mode"] for s in steps]
+    assert modes[0] is None  # edges: single-mode, no picker
+    assert modes[1] == ["", "0", "1", "2"] and steps[1]["body"] is None
     assert "mode of the union ControlNet union (0 to 2" in steps[1]["error"]
-    assert steps[2]["body"]["control"] == [{"name": "union", "image": PNG + "QUJD", "preprocess": "none",
+    assert steps[2]["body"]["control"] == [{"name": "union", "image": PNG + "QUJD", "scale": 1, "preprocess": "none",
                                             "mode": 2}]
-    assert steps[3]["mode"] is None and "mode" not in steps[3]["body"]["control"][0]
+    assert modes[3] is None and "mode" not in steps[3]["body"]["control"][0]
 
 
 def test_a_control_image_goes_with_an_input_image_and_its_mask() -> None:
@@ -153,7 +155,7 @@ def test_a_control_image_goes_with_an_input_image_and_its_mask() -> None:
     steps = page([
         {"model": "hold"},
         {"model": "tiny", "values": {"prompt": "a lighthouse", "strength": "0.6"},
-         "files": {"image": "SU1H", "mask": "TUFTSw==", "control-image": "QUJD"}, "submit": True},
+         "files": {"image": "SU1H", "mask": "TUFTSw==", "control-image-0": "QUJD"}, "submit": True},
     ])["steps"]
     assert steps[0]["mask"] is False and steps[1]["mask"] is True
     body = steps[1]["body"]
@@ -161,15 +163,65 @@ def test_a_control_image_goes_with_an_input_image_and_its_mask() -> None:
     assert body["control"][0]["name"] == "edges" and body["control"][0]["image"] == PNG + "QUJD"
 
 
-def test_use_these_settings_brings_back_every_reference_row_and_the_mode() -> None:
-    job = {"model": "tiny", "request": {
-        "prompt": "again", "control": [{"name": "union", "scale": 0.5, "preprocess": "none", "mode": 1}],
-        "ip_adapter": [{"name": "look", "scale": 0.5}, {"name": "style", "scale": 0.25}]}}
-    fewer = {**job, "request": {"prompt": "fewer", "ip_adapter": [{"name": "look", "scale": 2}]}}
+def test_several_control_images_are_sent_in_their_rows_order_each_with_its_own_settings() -> None:
+    """Rows are added up to 4 (the engine's MAX_CONTROLS); each row with a picture is one entry of ``control``
+    with its own ControlNet, scale, step range, preprocess and, for a union one, mode (asked for before the
+    job is sent); a removed row's picture leaves with it, and the rows left keep their order."""
+    steps = page([
+        {"model": "tiny"},
+        {"click": ["control-add", "control-add", "control-add", "control-add"]},  # the fourth does nothing
+        {"choose": {"control-name-1": "union", "control-preprocess-0": "canny"},
+         "values": {"prompt": "a lighthouse", "control-scale-0": "0.5", "control-start-1": "0.2",
+                    "control-end-1": "0.8"},
+         "files": {"control-image-0": "QQ==", "control-image-1": "Qg=="}, "submit": True},
+        {"choose": {"control-mode-1": "1"}, "submit": True},
+        {"click": ["control-remove-0"], "choose": {"control-name-3": "edges"}, "files": {"control-image-3": "RA=="},
+         "submit": True},
+    ])["steps"]
+    assert [len(s["controls"]) for s in steps] == [1, 4, 4, 4, 3]
+    assert steps[0]["controls"][0]["removable"] is False and steps[0]["can_add_control"]  # one row stays
+    assert steps[1]["can_add_control"] is False and all(r["removable"] for r in steps[1]["controls"])
+    assert [r["mode"] for r in steps[2]["controls"]] == [None, ["", "0", "1", "2"], None, None]  # union's row only
+    assert steps[2]["body"] is None and "mode of the union ControlNet union (0 to 2" in steps[2]["error"]
+    edges = {"name": "edges", "image": PNG + "QQ==", "scale": 0.5, "preprocess": "canny"}
+    union = {"name": "union", "image": PNG + "Qg==", "scale": 1, "start": 0.2, "end": 0.8, "preprocess": "none",
+             "mode": 1}
+    assert steps[3]["body"]["control"] == [edges, union]  # rows 2 and 3 have no picture: left out
+    assert [r["id"] for r in steps[4]["controls"]] == ["control-image-1", "control-image-2", "control-image-3"]
+    assert steps[4]["can_add_control"] and steps[4]["body"]["control"] == [
+        union, {"name": "edges", "image": PNG + "RA==", "scale": 1, "preprocess": "none"}]
+
+
+EDGES = {"name": "edges", "scale": 0.5, "start": 0.0, "end": 1.0, "preprocess": "canny", "mode": None}
+UNION = {"name": "union", "scale": 0.75, "start": 0.2, "end": 0.8, "preprocess": "none", "mode": 1}
+
+
+def test_use_these_settings_brings_back_every_row_of_both_boxes() -> None:
+    """A job's ``request.control`` and ``ip_adapter`` (as the daemon records them) come back as that many
+    rows, each with its ControlNet, scale, step range, preprocess and mode, or IP-Adapter and scale; a job
+    with fewer takes the extra rows away."""
+    references = [{"name": "look", "scale": 0.5}, {"name": "style", "scale": 0.25}]
+    job = {"model": "tiny", "request": {"prompt": "again", "control": [EDGES, UNION], "ip_adapter": references}}
+    fewer = {**job, "request": {"prompt": "fewer", "control": [{**UNION, "mode": 2}],
+                                "ip_adapter": [{"name": "look", "scale": 2}]}}
     steps = page([{"model": "tiny"}, {"reuse": job}, {"reuse": fewer}])["steps"]
     assert [(r["name"], r["scale"]) for r in steps[1]["references"]] == [("look", "0.5"), ("style", "0.25")]
-    assert steps[1]["mode"] == ["", "0", "1", "2"] and steps[1]["mode_value"] == "1"
+    assert [(r["name"], r["scale"], r["start"], r["end"], r["preprocess"], r["mode"], r["mode_value"])
+            for r in steps[1]["controls"]] == [("edges", "0.5", "0", "1", "canny", None, ""),
+                                               ("union", "0.75", "0.2", "0.8", "none", ["", "0", "1", "2"], "1")]
     assert [(r["name"], r["scale"]) for r in steps[2]["references"]] == [("look", "2")]
+    assert [(r["name"], r["mode_value"], r["removable"]) for r in steps[2]["controls"]] == [("union", "2", False)]
+
+
+def test_a_gallery_card_names_every_control_entry() -> None:
+    """As the PNG's ``control`` text does: name, mode, scale, and the step range and preprocess where they
+    are not the defaults."""
+    job = {"id": "j_1", "model": "tiny", "status": "succeeded", "created": 0, "outputs": [],
+           "request": {"prompt": "p", "width": 64, "height": 64, "steps": 2, "guidance_scale": 7,
+                       "control": [EDGES, UNION], "ip_adapter": []}}
+    [step] = page([{"model": "tiny"}], {**SERVED, "/v1/jobs": {"data": [job]}})["steps"]
+    [card] = step["cards"]
+    assert "control edges:0.5 canny · control union@1:0.75[0.2-0.8]" in " ".join(card)
 
 
 def test_the_models_panel_shows_each_models_attention_and_approximations() -> None:

@@ -38,7 +38,8 @@ def web_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, cont
                ip_adapter_file: Path, upscaler_file: Path) -> Iterator[Daemon]:
     tmp = tmp_path_factory.mktemp("webpage")
     args = ["--model", "tiny", "--model", HOLD_MODEL, "--job-timeout", "120", "--web", "127.0.0.1:0",
-            "--controlnet", f"edges={controlnet_dir}", "--ip-adapter", f"style={ip_adapter_file}",
+            "--controlnet", f"edges={controlnet_dir}", "--controlnet", f"blobs={controlnet_dir}",  # two control rows
+            "--ip-adapter", f"style={ip_adapter_file}",
             "--ip-adapter", f"look={ip_adapter_file}",  # a second name for the rows of references
             "--upscaler", f"esr={upscaler_file}"]
     with shared_daemon(tmp, args, model_cache, ENV) as d:
@@ -262,32 +263,47 @@ def a_png(path: Path, seed: int) -> Path:
     return path
 
 
-def test_a_control_image_with_an_input_image_and_its_mask_inpaints_under_control(
+def test_two_control_images_with_an_input_image_and_its_mask_inpaint_under_control(
     page: Any, web_daemon: Daemon, tmp_path: Path
 ) -> None:
-    """ControlNet with an edit: the control box and the input image (with its mask) are filled on one form,
-    and the job is an inpainting under the ControlNet; the other steer (no reference picture) sends nothing."""
+    """ControlNets with an edit: two rows of the control box (each its ControlNet, picture, scale; one acting
+    in part of the steps) and the input image with its mask on one form make an inpainting under both, in the
+    rows' order; the other steer (no reference picture) sends nothing. The gallery card names both, and its
+    "Use these settings" brings both rows back."""
     page.select_option("#model", "hold")
     assert page.is_hidden("#control") and page.is_hidden("#reference")  # a synthetic model takes neither
     page.select_option("#model", "tiny")
     assert page.is_visible("#control") and page.is_visible("#mask")
-    assert page.locator("#control-name option").all_inner_texts() == ["edges"]
-    assert page.is_hidden("#control-mode-box")  # a single-mode ControlNet: no mode to choose
-    page.set_input_files("#control-image", str(a_png(tmp_path / "map.png", seed=3)))
-    page.set_input_files("#image", str(a_png(tmp_path / "input.png", seed=4)))
+    assert page.locator("#control-name-0 option").all_inner_texts() == ["blobs", "edges"]
+    assert page.is_hidden("#control-mode-box-0") and page.is_hidden("#control-remove-0")  # single-mode; one row
+    page.click("#control-add")
+    for k, (name, scale) in enumerate([("edges", "0.5"), ("blobs", "0.25")]):
+        page.set_input_files(f"#control-image-{k}", str(a_png(tmp_path / f"map{k}.png", seed=3 + k)))
+        page.select_option(f"#control-name-{k}", name)
+        page.fill(f"#control-scale-{k}", scale)
+    page.fill("#control-end-1", "0.5")
+    page.set_input_files("#image", str(a_png(tmp_path / "input.png", seed=9)))
     Image.new("L", (64, 64), 255).save(tmp_path / "mask.png")  # white: repaint all of it
     page.set_input_files("#mask", str(tmp_path / "mask.png"))
     fill(page, prompt="a lighthouse, redrawn along the edges", width="64", height="64", steps="2", seed="5")
-    page.fill("#control-scale", "0.5")
     page.fill("#strength", "0.5")
     job_id, job = generated(page, web_daemon)
-    [entry] = job["request"]["control"]
-    assert entry == {"name": "edges", "scale": 0.5, "start": 0.0, "end": 1.0, "preprocess": "none", "mode": None}
+    assert job["request"]["control"] == [
+        {"name": "edges", "scale": 0.5, "start": 0.0, "end": 1.0, "preprocess": "none", "mode": None},
+        {"name": "blobs", "scale": 0.25, "start": 0.0, "end": 0.5, "preprocess": "none", "mode": None}]
     assert (job["request"]["task"], job["request"]["strength"]) == ("inpainting", 0.5)
     assert job["request"]["ip_adapter"] == []
-    page.wait_for_selector(f'article[data-job-id="{job_id}"]')
-    assert "control edges:0.5" in page.inner_text(f'article[data-job-id="{job_id}"]')
+    card = f'article[data-job-id="{job_id}"]'
+    page.wait_for_selector(card)
+    assert "control edges:0.5 · control blobs:0.25[0-0.5]" in page.inner_text(card)
     shot(page, "web-page-control")
+    page.click("#control-remove-1")
+    page.select_option("#control-name-0", "blobs")
+    page.click(f"{card} button.reuse")
+    assert page.locator("#control-list .control").count() == 2
+    rows = "#control-list .control:nth-child({}) [id^=control-{}]"
+    assert [tuple(page.input_value(rows.format(k, f)) for f in ("name", "scale", "end")) for k in (1, 2)] \
+        == [("edges", "0.5", "1"), ("blobs", "0.25", "0.5")]
 
 
 def test_two_reference_images_go_from_the_page_into_the_job(page: Any, web_daemon: Daemon, tmp_path: Path) -> None:

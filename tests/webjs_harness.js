@@ -6,7 +6,7 @@
 const fs = require("fs");
 const vm = require("vm");
 
-const SELECTS = new Set(["model", "control-name", "control-mode", "control-preprocess", "upscale-name"]);
+const SELECTS = new Set(["model", "upscale-name"]);  // the selects of index.html (the rows' are made)
 const made = [];  // every element the scripts made, found by id once they give it one
 
 class El {
@@ -16,9 +16,6 @@ class El {
     this._value = tag === "select" ? null : "";  // a select shows its first option until one is chosen
     this.parentNode = null;
     made.push(this);
-    if (id === "control-preprocess") {  // its options are in index.html, not made by the script
-      this.children = ["none", "canny"].map((v) => Object.assign(new El("option"), { value: v }));
-    }
   }
   get value() {
     if (this.tagName !== "select") return this._value;
@@ -86,19 +83,26 @@ for (const [, name] of html.matchAll(/<script src="\/static\/([\w.-]+)"/g)) {
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const enabled = (select) => select.options.filter((o) => !o.disabled).map((o) => o.value);
+// each row of a box: its file input's id, the names offered, the one chosen, its scale, its remove button;
+// a control row also its preprocess, start, end and mode picker (null while hidden: a single-mode ControlNet)
+const rowsOf = (box) => byId(`${box}-list`).children.map((row) => {
+  const f = row.fields;
+  const shown = { id: f.image.id, names: enabled(f.name), name: f.name.value, scale: f.scale.value,
+                  removable: !f.remove.hidden };
+  if (box === "control") {
+    Object.assign(shown, { preprocess: f.preprocess.value, start: f.start.value, end: f.end.value,
+                           mode: f.modeBox.hidden ? null : f.mode.options.map((o) => o.value), mode_value: f.mode.value });
+  }
+  return shown;
+});
 const shown = () => ({ control: !byId("control").hidden, reference: !byId("reference").hidden,
                        upscale: !byId("upscale").hidden, mask: !byId("mask-box").hidden,
                        upscale_names: byId("upscale-name").options.map((o) => o.value),
-                       control_names: enabled(byId("control-name")), control_name: byId("control-name").value,
-                       mode: byId("control-mode-box").hidden ? null : byId("control-mode").options.map((o) => o.value),
-                       mode_value: byId("control-mode").value,
-                       // each reference row: its file input's id, the adapters offered, its scale, its remove button
-                       references: byId("reference-list").children.map((row) => ({
-                         id: row.fields.image.id, names: enabled(row.fields.name), name: row.fields.name.value,
-                         scale: row.fields.scale.value, removable: !row.fields.remove.hidden })),
-                       can_add: !byId("reference-add").disabled,
+                       controls: rowsOf("control"), can_add_control: !byId("control-add").disabled,
+                       references: rowsOf("reference"), can_add: !byId("reference-add").disabled,
                        error: byId("error").hidden ? "" : byId("error").textContent,
-                       residency: byId("residency-rows").children.map((tr) => tr.children.map((td) => td.textContent)) });
+                       residency: byId("residency-rows").children.map((tr) => tr.children.map((td) => td.textContent)),
+                       cards: byId("gallery").children.map((card) => card.children.map((c) => c.textContent || "")) });
 const choose = (id, value) => { byId(id).value = value; byId(id).fire("change"); };
 
 (async () => {

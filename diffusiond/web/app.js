@@ -79,7 +79,7 @@ function formRequest() {
     .filter((row) => !row.hidden && row.querySelector("input[type=checkbox]").checked)
     .map((row) => ({ name: row.dataset.name, weight: Number(row.querySelector("input[type=number]").value || 1) }));
   if (loras.length) body.loras = loras;
-  addSteers(body);  // control and ip_adapter (steer.js)
+  addSteers(body);  // control and ip_adapter, a row each (steer.js)
   if (!$("input-image").hidden && state.files.image) {
     body.image = state.files.image;  // a data: URL, read when the file was chosen
     if (!$("mask-box").hidden && state.files.mask) body.mask = state.files.mask;  // then it is inpainting
@@ -366,7 +366,7 @@ function jobCard(job) {
   const took = Object.values(job.timings_ms || {}).reduce((a, b) => a + b, 0);
   const meta = [job.model, `${r.width}×${r.height}`, `${r.steps} steps`, `guidance ${r.guidance_scale}`,
                 `seed ${seeds}`, new Date(job.created * 1000).toLocaleTimeString()];
-  for (const c of r.control || []) meta.push(`control ${c.name}${c.mode == null ? "" : "@" + c.mode}:${c.scale}`);
+  for (const c of r.control || []) meta.push(`control ${controlText(c)}`);  // steer.js
   for (const a of r.ip_adapter || []) meta.push(`IP-Adapter ${a.name}:${a.scale}`);
   if (r.upscale) meta.push(`upscale ${r.upscale.name}:${r.upscale.scale}`);
   if (job.attention) meta.push(`attention ${job.attention}`);
