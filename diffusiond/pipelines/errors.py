@@ -1,4 +1,5 @@
-"""The two exceptions a pipeline raises, in a module without torch.
+"""The two exceptions a pipeline raises, and the one-line reason an adapter does not fit, in a
+module without torch.
 
 They live apart from ``base`` so that code which only reads model specs (the daemon's config, the
 CLI) can raise and catch them without loading torch.
