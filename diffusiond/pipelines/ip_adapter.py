@@ -49,6 +49,7 @@ import torch
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
 from diffusiond.pipelines.controlnet import ControlNets, plain_base
+from diffusiond.pipelines.errors import fit_reason
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class IpAdapters:
             except Exception as exc:  # any loader failure is this adapter's, not the worker's
                 self.release()
                 self._adapters.pop(name, None)
-                self.errors[name] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
+                self.errors[name] = fit_reason(exc)
                 log.warning("IP-Adapter %r (%s) does not fit %s: %s", name, weights, pipeline.name, self.errors[name])
 
     def _read(self, weights_file: str, folder: str) -> _Adapter:

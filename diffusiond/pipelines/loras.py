@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from diffusiond.ipc.messages import LIVE_PATH, LoraRef
-from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.errors import PipelineError, fit_reason
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Adapters:
         except Exception as exc:
             self.paths.pop(name, None)
             self.loaded.pop(name, None)
-            return f"{type(exc).__name__}: {exc}"
+            return fit_reason(exc)
         return ""
 
     def register_live(self, name: str, state: dict[str, torch.Tensor], version: int) -> str:
@@ -192,17 +192,52 @@ class Adapters:
         before = self._adapter_names()
         try:
             self.pipe.load_lora_weights(where, adapter_name=name, **kwargs)
+            if name not in self._adapter_names() - before:
+                raise PipelineError(f"no module of {self.model_name} matched the LoRA's weights")
+            self._refuse_a_lost_denoiser_part(name, path)
         except Exception:
             if name in self._adapter_names():
                 self.pipe.delete_adapters([name])
             raise
-        if name not in self._adapter_names() - before:
-            raise PipelineError(f"no module of {self.model_name} matched the LoRA's weights")
         _lift_from_storage_dtype(self.pipe, name)
         self.loaded[name] = None
         self.active = ()  # loading may change which adapters the model has active
         self.pipe.disable_lora()
         log.info("loaded LoRA %s from %s (%d loaded)", name, path, len(self.loaded))
+
+    def _refuse_a_lost_denoiser_part(self, name: str, path: str) -> None:
+        """A LoRA fits only if its denoiser part, when it has one, went into this model's denoiser.
+
+        diffusers loads what matches a pipeline's components and drops the rest with a log line: an
+        SD 1.5 LoRA on FLUX loses its UNet part and keeps its CLIP text-encoder part (FLUX has a
+        CLIP encoder too), which would serve a silently different adapter from the one trained. A
+        text-encoder-only LoRA is a LoRA for the encoder and fits where that part loads."""
+        keys = self._keys(name, path)
+        part = [k for k in keys if not k.startswith(_ENCODER_PREFIXES)]
+        denoisers = {c: type(m).__name__ for c, m in self.pipe.components.items()
+                     if c.startswith(_DENOISER_COMPONENTS) and m is not None}
+        landed = {c for c, names in self.pipe.get_list_adapters().items() if name in names}
+        if not part or landed & set(denoisers):
+            return
+        head = part[0].split(".", 1)[0]
+        label = head if len(head) <= 24 else head[:24] + "..."
+        kind = " and ".join(sorted(set(denoisers.values()))) or "none that diffusers loads LoRAs into"
+        loaded = f"only its {', '.join(sorted(landed))} part would load, " if landed else ""
+        raise PipelineError(
+            f"its denoiser part ({len(part)} tensors named {label!r}) does not apply to {self.model_name}, whose "
+            f"denoiser is {kind}: the LoRA was made for another model family; {loaded}a different adapter from "
+            "the one trained. Serve it with a model of its own family")
+
+    def _keys(self, name: str, path: str) -> list[str]:
+        """The tensor names of the LoRA as given (a live adapter's state, else its file's header)."""
+        live = self.states.get(name)
+        if live is not None:
+            return list(live)
+        from safetensors import safe_open
+
+        folder, kwargs = lora_source(path)
+        with safe_open(str(Path(folder) / kwargs["weight_name"]), framework="pt") as f:
+            return list(f.keys())
 
     def _where(self, name: str, path: str) -> tuple[Any, dict[str, Any]]:
         """``load_lora_weights``' arguments: a copy of a live adapter's state dict (diffusers pops
@@ -259,7 +294,7 @@ class HotSwapAdapters(Adapters):
                 self.active = ()
         except Exception as exc:
             self.paths.pop(name, None)
-            return f"{type(exc).__name__}: {exc}"
+            return fit_reason(exc)
         return ""
 
     def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -382,6 +417,12 @@ class HotSwapAdapters(Adapters):
             w = weights.get(slot, 0.0)
             for module, scaling in layers:
                 module.scaling[slot].fill_(w * scaling)
+
+
+# Which tensors of a LoRA are a text encoder's (diffusers' ``text_encoder.``/``text_encoder_2.``, kohya's
+# ``lora_te_``/``lora_te1_``/``lora_te2_``); every other tensor is the denoiser's, whatever its layout.
+_ENCODER_PREFIXES = ("text_encoder", "lora_te")
+_DENOISER_COMPONENTS = ("unet", "transformer")  # pipeline components diffusers loads a denoiser part into
 
 
 def _lift_from_storage_dtype(pipe: Any, name: str) -> None:

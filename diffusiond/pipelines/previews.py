@@ -67,9 +67,36 @@ def family_of(pipe: Any) -> str | None:
     )
     if family is None:
         return None
+    return family if latent_channels(pipe) in (None, len(FAMILIES[family][0])) else None
+
+
+def latent_channels(pipe: Any) -> int | None:
+    """The channels of the model's latents, as its VAE's config says them (None: it does not)."""
     config = getattr(getattr(pipe, "vae", None), "config", None)
-    channels = getattr(config, "latent_channels", None) or getattr(config, "z_dim", None)  # Wan's VAEs say z_dim
-    return family if channels in (None, len(FAMILIES[family][0])) else None
+    channels = getattr(config, "latent_channels", None) or getattr(config, "z_dim", None)  # Wan's, Qwen's: z_dim
+    return channels if isinstance(channels, int) else None
+
+
+def packing_of(pipe: Any, family: str | None) -> str | None:
+    """How the step callback's latents are laid out: "flux" (2x2 latent patches packed into tokens),
+    "ltx", "spatial" (not packed), or None: packed in a layout previews do not unpack.
+
+    A family with factors says it; otherwise a pipeline that packs (``_pack_latents``) is asked to pack
+    a probe, once at load: many pack as FluxPipeline does (QwenImage, Chroma, Bria, ...) and preview
+    through a tiny autoencoder the same way, and the others (FLUX.2's layout) are refused when the
+    model loads rather than by the first preview failing its job."""
+    if family in ("flux", "ltx"):
+        return family
+    pack = getattr(type(pipe), "_pack_latents", None)
+    if pack is None:
+        return "spatial"
+    probe = torch.arange(2 * 4 * 4 * 6, dtype=torch.float32).reshape(2, 4, 4, 6)
+    try:
+        packed = pack(probe, 2, 4, 4, 6)
+        flux_like = torch.equal(unpack_flux(packed, BatchParams(width=48, height=32, steps=1, guidance=1.0), 8), probe)
+    except Exception:  # another signature, or another layout: not FLUX's
+        return None
+    return "flux" if flux_like else None
 
 
 class Previewer(Protocol):
@@ -116,18 +143,19 @@ def take(latents: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
 
 
 class _Spatial:
-    """Brings a family's step-callback latents to (n, C, h, w) for the asked indices."""
+    """Brings step-callback latents laid out as ``packing`` (``packing_of``) to (n, C, h, w) for the
+    asked indices."""
 
-    def __init__(self, pipe: Any, family: str | None) -> None:
+    def __init__(self, pipe: Any, packing: str | None) -> None:
         self.pipe = pipe
-        self.family = family
+        self.packing = packing
 
     def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams) -> torch.Tensor:
         x = take(latents, indices)
         if x.dim() == 3:  # packed tokens
-            if self.family == "flux":
+            if self.packing == "flux":
                 x = unpack_flux(x, params, int(getattr(self.pipe, "vae_scale_factor", 8)))
-            elif self.family == "ltx":
+            elif self.packing == "ltx":
                 pipe = self.pipe
                 ts = int(getattr(pipe, "vae_temporal_compression_ratio", 8))
                 ss = int(getattr(pipe, "vae_spatial_compression_ratio", 32))
@@ -170,7 +198,7 @@ class LinearPreviewer:
     def __init__(self, pipe: Any, family: str) -> None:
         factors, bias = FAMILIES[family]
         self.family = family
-        self.spatial = _Spatial(pipe, family)
+        self.spatial = _Spatial(pipe, packing_of(pipe, family))
         # [-1, 1] -> [0, 255] (x * 127.5 + 127.5), and +0.5 for _pictures' rounding
         w = torch.tensor(factors, dtype=torch.float32).T * 127.5  # (3, C)
         self._weight = w[:, :, None, None].contiguous()  # a 1x1 convolution's (3, C, 1, 1)
@@ -196,13 +224,18 @@ class TinyAutoencoderPreviewer:
             vae = AutoencoderTiny.from_pretrained(path, torch_dtype=dtype)
         except Exception as exc:
             raise PipelineError(f"--preview-decoder {path}: not a diffusers AutoencoderTiny folder ({exc})") from exc
-        self.vae = vae.to(device).eval()
-        self.dtype = dtype
-        self.spatial = _Spatial(pipe, family_of(pipe))
-        want = getattr(getattr(getattr(pipe, "vae", None), "config", None), "latent_channels", None)
-        have = self.vae.config.latent_channels
+        want, have = latent_channels(pipe), vae.config.latent_channels
         if want is not None and want != have:
             raise PipelineError(f"--preview-decoder {path} decodes {have}-channel latents; the model makes {want}")
+        packing = packing_of(pipe, family_of(pipe))
+        if packing is None:
+            raise PipelineError(
+                f"--preview-decoder {path}: {type(pipe).__name__} packs its latents into tokens in a layout previews "
+                "do not unpack (they unpack FLUX's, which QwenImage and Chroma share, and LTX's); serve this model "
+                "without preview_decoder")
+        self.vae = vae.to(device).eval()
+        self.dtype = dtype
+        self.spatial = _Spatial(pipe, packing)
 
     def __call__(self, latents: torch.Tensor, indices: Sequence[int], params: BatchParams,
                  max_sides: Sequence[int]) -> list[torch.Tensor]:

@@ -134,18 +134,20 @@ def _read_path(src: Source, limits: Limits, input_dir: str | None) -> bytes:
 
 
 def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: float,
-                width: int | None, height: int | None, limits: Limits, input_dir: str | None) -> EditInput:
+                width: int | None, height: int | None, limits: Limits, input_dir: str | None,
+                step: int = 8) -> EditInput:
     """Decode, check and resize an edit's inputs into a sealed buffer (in the encode pool).
 
     The output size is ``width`` x ``height`` when the request gave one, else the image's own
-    size rounded down to a multiple of 8 (what the models need); the image and mask are resized
-    to it."""
+    size rounded down to a multiple of ``step``, the model's (8, 16 for FLUX, 32 for LTX): the
+    user sent no size to be told about, and a size the model refuses would be theirs to fix for a
+    picture whose size they did not choose for it. The image and mask are resized to it."""
     from PIL import Image
 
     img = images.open_image(_bytes_of(image, limits, input_dir), image.field, limits)
     w0, h0 = img.size
-    w = width if width is not None else w0 // 8 * 8
-    h = height if height is not None else h0 // 8 * 8
+    w = width if width is not None else w0 // step * step
+    h = height if height is not None else h0 // step * step
     if (width is None or height is None) and not (
             limits.min_size <= w <= limits.max_size and limits.min_size <= h <= limits.max_size):
         raise invalid(

@@ -208,11 +208,16 @@ def sized(req: dict[str, Any]) -> dict[str, Any]:
     return {**req, "width": width, "height": height, "size_field": "size"}
 
 
+def side_step(model: ModelLike | None) -> int:
+    """The multiple each side of an output must be: 8, or the model's own ``size_step`` (LTX 32)."""
+    return max(8, model.capabilities.size_step) if model is not None else 8
+
+
 def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
                model: ModelLike | None = None) -> None:
     """A side within the limits and a multiple of 8; and of the model's own ``size_step`` (LTX 32),
     naming the nearest sides it makes, as frame counts do, instead of failing while computing."""
-    step = max(8, model.capabilities.size_step) if model is not None else 8
+    step = side_step(model)
     inside = limits.min_size <= v <= limits.max_size
     if inside and v % step == 0:
         return
