@@ -31,6 +31,7 @@ import torch
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
+from diffusiond.pipelines.errors import fit_reason
 from diffusiond.protocol import Task
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class ControlNets:
                 if misfit:
                     raise PipelineError(misfit)
             except Exception as exc:  # any loader failure is this ControlNet's, not the worker's
-                self.errors[name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PipelineError) else str(exc)
+                self.errors[name] = fit_reason(exc)
                 log.warning("ControlNet %r (%s) does not fit %s: %s", name, path, base.name, self.errors[name])
                 continue
             if family is _FLUX and getattr(cn, "union", False):

@@ -27,10 +27,10 @@ MAX_REASON_CHARS = 400
 
 
 def fit_reason(exc: BaseException) -> str:
-    """Why an adapter (LoRA, IP-Adapter) does not fit a model, in one readable line.
+    """Why an adapter (LoRA, IP-Adapter, ControlNet) does not fit a model, in one readable line.
 
-    The reason is shown in ``GET /v1/loras`` and ``/v1/ip-adapters`` and in the 400 of every request
-    naming the pair, but torch's ``load_state_dict`` error lists every mismatched tensor, one per
+    The reason is shown in ``GET /v1/loras``, ``/v1/ip-adapters`` and ``/v1/controlnets`` and in the 400
+    of every request naming the pair, but torch's ``load_state_dict`` error lists every mismatched tensor, one per
     line (an SD 1.5 LoRA on SDXL: dozens). The first mismatch says what is wrong as well as all of
     them, so it is kept (joined to the header line that names the module) with a count of the rest.
     """
