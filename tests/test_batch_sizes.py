@@ -240,6 +240,12 @@ async def test_warm_up_all_compiles_every_power_of_two_before_ready(daemon: Daem
     assert "model c: batches of 1, 2, 4 only (--batch-sizes auto)" in log and "model e: batches of" not in log
 
 
+async def test_each_model_says_the_batch_sizes_it_forms(daemon: Daemon) -> None:
+    async with http(daemon.socket) as s, s.get("/v1/models") as r:
+        entries = {m["id"]: m for m in (await r.json())["data"]}
+    assert (entries["c"]["batch_sizes"], entries["e"]["batch_sizes"]) == ([1, 2, 4], [1, 2, 3, 4])
+
+
 async def test_a_compiled_model_batches_in_powers_of_two_and_an_eager_one_in_any_size(daemon: Daemon) -> None:
     async with http(daemon.socket) as s:
         seven = await wait_job(s, (await submit(s, {**BODY, "model": "c", "n": 7}))["id"], timeout=300)

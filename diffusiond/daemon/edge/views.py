@@ -211,7 +211,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
             "attention": m.capabilities.attention or None,
-            "offload": m.capabilities.offload,
+            "offload": m.capabilities.offload, "batch_sizes": list(engine.config.batch_sizes_of(m.config)),
             "residency": where.residency if where is not None else ("disk" if m.retired else "loading"),
             "device_bytes": where.device_bytes if where is not None else 0,
             "host_bytes": where.host_bytes if where is not None else 0,
