@@ -81,7 +81,8 @@ async def test_sigkill_of_the_engine_then_restart_every_job_succeeds_once_with_i
         writing = [j for j in seen if j["stage"] == "encoding"]
         assert not any(n == f"{j['id']}-0.png" for j in writing for n in left), (writing, left)
 
-    second = daemon_factory(*serve_args(state), env=ENV)
+    # its copies held 0.5 s, so no output file of a resumed job is being written yet when the files are listed
+    second = daemon_factory(*serve_args(state, "--test-fault", "copy_delay_ms=500"), env=ENV)
     assert not any(n.endswith(".tmp") for n in files(state)), "a partial output file survived the restart"
     async with http(second.socket) as s:
         ends = [await wait_job(s, j["id"], timeout=300) for j in jobs]
