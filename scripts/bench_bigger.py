@@ -1,6 +1,6 @@
 """Models bigger than the card (issue 28): FLUX.1-dev offloaded or quantized, against itself fully resident.
 
-    python scripts/bench_bigger.py --out DIR [--configs resident,stream,group,fp8,q8,q4] [--budget-gib 24]
+    python scripts/bench_bigger.py --out DIR [--configs resident,stream,group,fp8,fp8-wo,fp8-mm,q8,q4] [--budget-gib 24]
         [--images 2] [--steps 28] [--size 1024] [--folder FLUX_FOLDER] [--device cuda|cpu] [--resident-blocks N]
 
 ``--folder`` runs a diffusers FLUX folder of your own (the real FLUX.1-dev, say) instead of the random one;
@@ -20,6 +20,9 @@ needs the full model on the GPU once), so a configuration that overruns it reall
   as the daemon plans it (``stream_plan.choose`` with residency's default working-memory estimate at
   ``--size``) unless ``--resident-blocks`` gives it; the plan is in the JSON;
 - ``fp8``: ``quant=transformer:fp8-storage,text_encoder_2:fp8-storage``, no offload, within the budget;
+- ``fp8-wo``: ``quant=transformer:fp8,text_encoder_2:fp8-storage`` (torchao's float8 weight-only transformer);
+- ``fp8-mm``: ``fp8=1,quant=text_encoder_2:fp8-storage`` (torchao's float8 weights and dynamic float8
+  activations, so the transformer's matmuls run in fp8; the T5 encoder, used once per image, stored in fp8);
 - ``q8``, ``q4``: the transformer quantized to GGUF Q8_0 / Q4_0 (written here from the random weights with
   the ``gguf`` package's writer; the blocks are quantized with torch on the GPU, by the ggml formulas) and
   loaded back through diffusers' GGUF support as the daemon's loader does; no budget.
@@ -46,6 +49,8 @@ CONFIGS = {
     "group": ({"offload": "group"}, True),
     "stream": ({"offload": "stream"}, True),
     "fp8": ({"quant": "transformer:fp8-storage,text_encoder_2:fp8-storage"}, True),
+    "fp8-wo": ({"quant": "transformer:fp8,text_encoder_2:fp8-storage"}, True),
+    "fp8-mm": ({"fp8": "1", "quant": "text_encoder_2:fp8-storage"}, True),
     "q8": ({}, False),
     "q4": ({}, False),
 }

@@ -81,7 +81,8 @@ PY
     stream)  # issue 28: offload=stream (resident blocks + a ring of streamed ones) at 24 GiB against resident FLUX.1-dev
       # one process per configuration (bench_bigger.py's driver): resident first (the reference), then stream with
       # resident_blocks planned as the daemon plans it, or STREAM_RESIDENT=N blocks resident when set
-      step stream 560 python3 scripts/bench_bigger.py --out $out/stream --configs resident,stream \
+      # BIG_CONFIGS adds bench_bigger's others to the same run (fp8-mm, fp8-wo: FLUX in fp8 without offload)
+      step stream 560 python3 scripts/bench_bigger.py --out $out/stream --configs ${BIG_CONFIGS:-resident,stream} \
         --budget-gib ${STREAM_BUDGET:-24} --images 2 --timeout 200 --deadline 540 \
         ${STREAM_RESIDENT:+--resident-blocks $STREAM_RESIDENT} ;;
     stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
