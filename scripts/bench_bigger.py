@@ -1,7 +1,12 @@
 """Models bigger than the card (issue 28): FLUX.1-dev offloaded or quantized, against itself fully resident.
 
     python scripts/bench_bigger.py --out DIR [--configs resident,stream,group,fp8,fp8-wo,fp8-mm,q8,q4] [--budget-gib 24]
-        [--images 2] [--steps 28] [--size 1024] [--folder FLUX_FOLDER] [--device cuda|cpu] [--resident-blocks N]
+        [--images 2] [--steps 28] [--size 1024|WxH] [--folder FLUX_FOLDER] [--device cuda|cpu] [--resident-blocks N]
+        [--preset flux-dev|wan-1.3b ...] [--frames N]
+
+``--preset`` builds another preset's random model instead (``--preset wan-1.3b --size 832x480 --frames 81
+--configs te-fp8,model --budget-gib 12``: issue 28's Wan inside 12 GiB, with ``te-fp8``, its UMT5 encoder in
+fp8 storage, or ``model``, diffusers' whole-component offload);
 
 ``--folder`` runs a diffusers FLUX folder of your own (the real FLUX.1-dev, say) instead of the random one;
 ``--device cpu`` with a tiny folder is a dry run of the script itself (no budget, no offload there).
@@ -51,6 +56,8 @@ CONFIGS = {
     "fp8": ({"quant": "transformer:fp8-storage,text_encoder_2:fp8-storage"}, True),
     "fp8-wo": ({"quant": "transformer:fp8,text_encoder_2:fp8-storage"}, True),
     "fp8-mm": ({"fp8": "1", "quant": "text_encoder_2:fp8-storage"}, True),
+    "te-fp8": ({"quant": "text_encoder:fp8-storage"}, True),
+    "model": ({"offload": "model"}, True),
     "q8": ({}, False),
     "q4": ({}, False),
 }
@@ -116,13 +123,14 @@ def one(a: argparse.Namespace) -> None:
     cuda = a.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    width, height = dims(a.size)
     t0 = time.perf_counter()
     if a.folder:
         import diffusers
 
         pipe = diffusers.FluxPipeline.from_pretrained(a.folder, torch_dtype=dtype).to(a.device)
     else:
-        pipe = build_pipeline(PRESETS["flux-dev"], a.device, dtype)
+        pipe = build_pipeline(PRESETS[a.preset], a.device, dtype)
     if a.config in ("q8", "q4"):
         import diffusers
 
@@ -163,13 +171,14 @@ def one(a: argparse.Namespace) -> None:
     def image() -> tuple[float, Any]:
         sync()
         s = time.perf_counter()
-        out = dp.pipe(prompt="a red fox in the snow", num_inference_steps=a.steps, height=a.size, width=a.size,
+        out = dp.pipe(prompt="a red fox in the snow", num_inference_steps=a.steps, height=height, width=width,
+                      **({"num_frames": a.frames} if a.frames else {}),
                       guidance_scale=3.5, generator=torch.Generator(a.device).manual_seed(0), output_type="pt",
                       callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"])
         sync()
         return time.perf_counter() - s, out.images[0]
 
-    warm, _ = image()
+    warm, _ = image()  # after it, the peak of one whole image (encoders, denoiser, VAE decode)
     times, img = [], None
     for _ in range(a.images):
         dt, img = image()
@@ -177,7 +186,8 @@ def one(a: argparse.Namespace) -> None:
     assert img is not None
     np.save(Path(a.out) / f"{a.config}-image.npy", img.half().cpu().numpy())
     np.save(Path(a.out) / f"{a.config}-latents.npy", latents["x"].float().cpu().numpy())
-    result = {"config": a.config, "options": options, "budget_gib": a.budget_gib if budgeted else None,
+    result = {"config": a.config, "preset": a.folder or a.preset, "size": a.size, "frames": a.frames,
+              "steps": a.steps, "options": options, "budget_gib": a.budget_gib if budgeted else None,
               "build_s": built_s, "warmup_s": warm, "image_s": times, "mean_s": sum(times) / len(times),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
@@ -201,11 +211,18 @@ def stream_options(pipe: Any, a: argparse.Namespace) -> tuple[dict[str, str], di
     if a.resident_blocks is not None:
         plan, fits = stream_plan.plan(*sizes, a.resident_blocks), None
     else:
-        plan, fits = offload.plan_stream(pipe, lambda d: d + default_working(d, Shape(a.size, a.size)) <= budget)
+        width, height = dims(a.size)
+        plan, fits = offload.plan_stream(pipe, lambda d: d + default_working(d, Shape(width, height)) <= budget)
     info = {**asdict(plan), "streamed": len(plan.streamed), "ring": plan.ring, "device_bytes": plan.device_bytes,
             "fits_by_the_estimate": fits, "describe": plan.describe()}
     print(f"stream: {plan.describe()}", file=sys.stderr, flush=True)
     return {"offload": "stream", "resident_blocks": str(plan.resident_blocks)}, info
+
+
+def dims(size: str) -> tuple[int, int]:
+    """``--size``'s (width, height): ``1024`` or ``832x480``."""
+    w, _, h = size.partition("x")
+    return int(w), int(h or w)
 
 
 def psnr(a: Any, b: Any) -> float:
@@ -226,12 +243,12 @@ def drive(a: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "--one", name, "--out", a.out, "--scratch", a.scratch, "--device", a.device,
                *(["--folder", a.folder] if a.folder else []),
                "--budget-gib", str(a.budget_gib), "--images", str(a.images), "--steps", str(a.steps),
-               "--size", str(a.size),
+               "--size", str(a.size), "--preset", a.preset, *(["--frames", str(a.frames)] if a.frames else []),
                *(["--resident-blocks", str(a.resident_blocks)] if a.resident_blocks is not None else [])]
         with open(out / f"{name}.log", "w") as log:
             try:
                 left = min(a.timeout, deadline - time.monotonic())
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(left, 1)).returncode
+                rc = str(subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(left, 1)).returncode)
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         print(f"{name}: rc={rc}", flush=True)
@@ -265,7 +282,9 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=24.0)
     ap.add_argument("--images", type=int, default=2)
     ap.add_argument("--steps", type=int, default=28)
-    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--size", default="1024", help="N (square) or WxH")
+    ap.add_argument("--preset", default="flux-dev", help="the random model to build when no --folder is given")
+    ap.add_argument("--frames", type=int, default=None, help="frames per output (a video preset)")
     ap.add_argument("--folder", help="a diffusers FLUX folder instead of random:flux-dev")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--resident-blocks", type=int, help="stream: transformer blocks kept resident (default: planned)")

@@ -85,6 +85,10 @@ PY
       step stream 560 python3 scripts/bench_bigger.py --out $out/stream --configs ${BIG_CONFIGS:-resident,stream} \
         --budget-gib ${STREAM_BUDGET:-24} --images 2 --timeout 200 --deadline 540 \
         ${STREAM_RESIDENT:+--resident-blocks $STREAM_RESIDENT} ;;
+    wan12)  # issue 28: random:wan-1.3b, 832x480, 81 frames, inside a 12 GiB budget (enforced): its UMT5 encoder in
+      # fp8 storage, or diffusers' whole-component offload; one warm-up video, one timed, WAN_STEPS steps
+      step wan12 300 python3 scripts/bench_bigger.py --out $out/wan12 --preset wan-1.3b --size 832x480 --frames 81 \
+        --steps ${WAN_STEPS:-10} --configs te-fp8,model --budget-gib 12 --images 1 --timeout 200 --deadline 290 ;;
     stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
       step stream-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "stream" -p no:cacheprovider ;;
     attention)  # issue 31: FLUX.1-dev 1024² 28 steps on each attention backend that runs here, against the default;
