@@ -206,11 +206,12 @@ def _add_serve(sub: Any) -> None:
     add("--device", metavar="DEV", help="cpu, cuda (every GPU) or cuda:0,cuda:1")
     add("--workers", type=positive_int, metavar="N", help="workers per model on cpu")
     add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
-    add("--max-batch", type=int, metavar="N")
+    add("--max-batch", type=int, metavar="N",
+        help="the most outputs one forward runs (4), for every model without its own max_batch in the config file")
     add("--batch-wait-ms", type=float, metavar="MS")
     add("--batch-sizes", choices=BATCH_SIZES,
         help="batch sizes that form: auto (default: powers of two up to --max-batch for compiled models, any "
-             "size for eager ones), pow2 or any, for every model")
+             "size for eager ones), pow2 or any, for every model without its own batch_sizes in the config file")
     add("--queue-size", type=int, metavar="N")
     add("--job-timeout", dest="job_timeout_s", type=float, metavar="S")
     add("--output-mode", metavar="MODE", help="async or sync")

@@ -17,13 +17,14 @@ from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
-from diffusiond.daemon.residency.fit import choose_auto, model_tensors, plan_stream, stream_inputs
+from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
+from diffusiond.daemon.model_config import resolve_offload
 from diffusiond.daemon.residency.preload import check_preload
-from diffusiond.daemon.residency.sizes import WeightsError
-from diffusiond.daemon.residency.units import FOREVER, format_bytes, parse_duration, parse_size
+from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
     ControlNetSetting,
+    check_batching,
     check_controlnet,
     check_ip_adapter,
     check_mode_names,
@@ -42,8 +43,8 @@ from diffusiond.daemon.values import (
 from diffusiond.daemon.warmup import resolve_warmup, warmup_value
 from diffusiond.ipc.upscale import UpscalerSetting
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.spec import check_spec, model_name_for, offload_mode, parse_model_arg, parse_spec
-from diffusiond.protocol import BATCH_SIZES, COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
+from diffusiond.pipelines.spec import check_spec, model_name_for, parse_model_arg, parse_spec
+from diffusiond.protocol import COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 STATE_SYNC = ("normal", "full")
@@ -58,24 +59,6 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> str:
         return env["STATE_DIRECTORY"].split(":")[0]
     base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "diffusiond")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    spec: str
-    devices: tuple[str, ...] = ("cpu",)  # one worker per entry
-    dtype: str = "float32"
-    options: dict[str, str] = field(default_factory=dict)
-    compile: str = ""  # a torch.compile mode (protocol.COMPILE_MODES), "" for eager
-    # (width, height, batch) run before the worker is ready; batch WARMUP_ALL (``WxH:all``) until build_config
-    # makes it every size the model's batches form in (daemon/warmup.py)
-    warmup: tuple[tuple[int, int, int], ...] = ()
-    keep_alive_s: float | None = None  # TOML ``keep_alive``: this model's, over the daemon's --keep-alive
-    pinned: bool = False  # TOML ``pin = true`` or --pin NAME: never leaves its device for another model
-    preload: bool | None = None  # TOML ``preload = true|false``: over the file's top-level preload, under --preload
-    offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
-    nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
 
 
 def compile_cache_dir(state_dir: str) -> Path:
@@ -181,11 +164,16 @@ class DaemonConfig:
     # (residency/turns.py): a duration as keep_alive is written (30s, 2m); -1: no bound.
     max_model_wait: str | float = "30s"
 
+    def max_batch_of(self, m: ModelConfig) -> int:
+        """The most outputs one of ``m``'s forwards runs: its own ``max_batch``, else the daemon's (a small
+        model batches 16 where a large one on the same card fits 1)."""
+        return self.max_batch if m.max_batch is None else m.max_batch
+
     def batch_sizes_of(self, m: ModelConfig) -> tuple[int, ...]:
-        """The sizes ``m``'s batches form in: powers of two (and max_batch) for a compiled model unless
-        ``batch_sizes`` says otherwise, every size for an eager one."""
-        return batch_sizes(self.max_batch, self.batch_sizes == "pow2" or (self.batch_sizes == "auto"
-                                                                          and bool(m.compile)))
+        """The sizes ``m``'s batches form in, up to its ``max_batch_of``: powers of two (and that max) for a
+        compiled model unless its ``batch_sizes`` (else the daemon's) says otherwise, every size for an eager one."""
+        rule = m.batch_sizes or self.batch_sizes
+        return batch_sizes(self.max_batch_of(m), rule == "pow2" or (rule == "auto" and bool(m.compile)))
 
     @property
     def device_memory_bytes(self) -> int:
@@ -231,16 +219,17 @@ class DaemonConfig:
                 raise ConfigError(f"model {m.name!r} has no device")
             if m.compile and m.compile not in COMPILE_MODES:
                 raise ConfigError(f"model {m.name!r}: compile {m.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+            if (why := check_batching(m.name, m.max_batch, m.batch_sizes)) is not None:
+                raise ConfigError(why)
             for w, h, batch in m.warmup:
-                if batch > self.max_batch:
-                    raise ConfigError(f"model {m.name!r}: warmup {w}x{h}:{batch} is a batch larger than "
-                                      f"max_batch {self.max_batch}; no request would run that shape")
-        if self.batch_sizes not in BATCH_SIZES:
-            raise ConfigError(f"batch_sizes {self.batch_sizes!r} is not one of {', '.join(BATCH_SIZES)} (auto: powers "
-                              "of two for compiled models, any size for eager ones)")
+                if batch > self.max_batch_of(m):
+                    raise ConfigError(f"model {m.name!r}: warmup {w}x{h}:{batch} is a batch larger than its "
+                                      f"max_batch {self.max_batch_of(m)}; no request would run that shape")
+        if (why := check_batching(None, self.max_batch, self.batch_sizes)) is not None:
+            raise ConfigError(why)
         if self.output_mode not in OUTPUT_MODES:
             raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
-        for name in ("max_batch", "queue_size", "arena_mb", "encode_threads", "max_loras"):
+        for name in ("queue_size", "arena_mb", "encode_threads", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s",
@@ -379,6 +368,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                     if "keep_alive" in t else None,
                     pinned=bool(t.get("pin", False)),
                     preload=own_preload(t),
+                    max_batch=t.get("max_batch"),  # checked in validate, with the top level's
+                    batch_sizes=t.get("batch_sizes"),
                 )
             )
     else:
@@ -425,70 +416,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         config = DaemonConfig(models=tuple(models), **values).validate()
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
-    models = [_resolve_offload(m, config) for m in config.models]
+    models = [resolve_offload(m, config.device_memory_bytes if config.device_memory else None) for m in config.models]
     return replace(config, models=tuple(replace(m, warmup=resolve_warmup(
         m.name, m.warmup, config.batch_sizes_of(m), m.compile, {**parse_spec(m.spec).options, **m.options}))
         for m in models))
-
-
-def _resolve_offload(m: ModelConfig, config: DaemonConfig) -> ModelConfig:
-    """``offload=auto`` made concrete from the files' headers and the device budget (residency/fit.py), so the
-    worker is told what to do and residency counts what it will hold; other modes checked against the rest.
-    ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given."""
-    parsed = parse_spec(m.spec)
-    options = {**parsed.options, **m.options}  # a spec's own options (SPEC,offload=stream) count as the table's
-    try:
-        mode = offload_mode(options)
-    except PipelineError as exc:
-        raise ConfigError(f"model {m.name!r}: {exc}") from None
-    if mode != "none" and m.compile:
-        raise ConfigError(f"model {m.name!r}: --compile with offload={mode} is refused (offload hooks move weights "
-                          "inside the forward, which breaks the compiled graph); drop one of the two")
-    if mode != "none" and mode != "auto" and all(d == "cpu" for d in m.devices):
-        raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
-                          "host memory already, so there is nothing to offload to (use offload=none or auto)")
-    budget = config.device_memory_bytes if config.device_memory else None
-    if mode == "stream":
-        if parsed.kind == "gguf":
-            raise ConfigError(f"model {m.name!r}: offload=stream is refused for a GGUF transformer: its quantized "
-                              "tensors are not plain ones a ring slot can hold; use offload=group (or none)")
-        return _resolve_stream(m, options, budget, "")
-    if mode != "auto":
-        return m
-    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
-                                        budget=budget)
-    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}",
-                nothing_fits=unfit)
-    return _resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason) if chosen == "stream" else m
-
-
-def _resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str) -> ModelConfig:
-    """``resident_blocks`` for an ``offload=stream`` model: given, or the most the budget has room for."""
-    given = options.get("resident_blocks")
-    if given is not None:
-        try:
-            inputs = stream_inputs(model_tensors(m.spec, options, m.dtype)[0], m.dtype)
-        except (WeightsError, PipelineError):
-            return m  # sized when it loads: the worker refuses a count past the denoiser's
-        if inputs is not None and int(given) > len(inputs[0]):
-            raise ConfigError(f"model {m.name!r}: resident_blocks={given}, but its denoiser has {len(inputs[0])} "
-                              f"blocks; give 0 to {len(inputs[0])}")
-        return m
-    if budget is None:
-        raise ConfigError(f"model {m.name!r}: offload=stream keeps as many denoiser blocks on the device as "
-                          "--device-memory has room for: give --device-memory SIZE, or resident_blocks=N "
-                          "(diffusiond fit SPEC --device-memory SIZE prints N)")
-    try:
-        plan, row = plan_stream(m.spec, options, m.dtype, budget)
-    except WeightsError as exc:
-        raise ConfigError(f"model {m.name!r}: offload=stream cannot choose resident_blocks from the files "
-                          f"({exc}); give resident_blocks=N") from None
-    except PipelineError as exc:
-        raise ConfigError(f"model {m.name!r}: {exc}") from None
-    reason = why or f"offload=stream: {plan.describe()}"
-    unfit = m.nothing_fits if row.fits else (
-        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}: at its least "
-        f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
-        f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
-    return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},
-                   offload_reason=f"{reason} ({plan.describe()})" if why else reason, nothing_fits=unfit)

@@ -173,9 +173,13 @@ async def run(config: DaemonConfig) -> int:
         for m in config.models:
             if m.offload_reason:
                 log.info("model %s: %s", m.name, m.offload_reason)
-            if (sizes := config.batch_sizes_of(m)) != tuple(range(1, config.max_batch + 1)):
-                log.info("model %s: batches of %s only (--batch-sizes %s)", m.name, ", ".join(map(str, sizes)),
-                         config.batch_sizes)
+            if m.max_batch is not None and m.max_batch != config.max_batch:
+                log.info("model %s: batches of up to %d (its max_batch; the daemon's is %d)", m.name, m.max_batch,
+                         config.max_batch)
+            if (sizes := config.batch_sizes_of(m)) != tuple(range(1, config.max_batch_of(m) + 1)):
+                log.info("model %s: batches of %s only (%s)", m.name, ", ".join(map(str, sizes)),
+                         f"--batch-sizes {config.batch_sizes}" if m.batch_sizes is None
+                         else f"its batch_sizes {m.batch_sizes}")
         systemd.notify("STATUS=loading models")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None

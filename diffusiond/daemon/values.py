@@ -22,7 +22,7 @@ from typing import Any
 from diffusiond.daemon.residency.preload import parse_preload
 from diffusiond.daemon.residency.units import parse_duration
 from diffusiond.ipc.upscale import DEFAULT_OVERLAP, DEFAULT_TILE, MAX_TILE, MIN_TILE, UpscalerSetting
-from diffusiond.protocol import DEFAULT_WEB_ADDRESS
+from diffusiond.protocol import BATCH_SIZES, DEFAULT_WEB_ADDRESS
 
 
 class ConfigError(ValueError):
@@ -139,6 +139,20 @@ def own_preload(table: dict[str, Any]) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise ConfigError(f"model {table.get('name', table['spec'])!r}: preload {value!r} is not true or false")
     return value
+
+
+def check_batching(model: str | None, max_batch: Any, sizes: Any) -> str | None:
+    """Why a ``max_batch`` or ``batch_sizes`` (the top level's, or ``model``'s own in its ``[[models]]`` table,
+    where None is the top level's) would not do, or None. One reader for both, so a model's own value is
+    refused in the words the top-level one is."""
+    where, table = ("", "") if model is None else (f"model {model!r}: ", " in its [[models]] table")
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        return (f"{where}max_batch must be a whole number of at least 1, got {max_batch!r}; give max_batch = N"
+                f"{table} (the most outputs one forward runs: 16 suits a small model, 1 a large one)")
+    if sizes is not None and sizes not in BATCH_SIZES:
+        return (f"{where}batch_sizes {sizes!r} is not one of {', '.join(BATCH_SIZES)}{table} (auto: powers of two "
+                "for compiled models, any size for eager ones)")
+    return None
 
 
 def parse_compile_mode(value: Any) -> str:

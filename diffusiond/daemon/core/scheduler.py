@@ -4,9 +4,10 @@ Pure bookkeeping with no I/O, so its rules are easy to read and test:
 
 - admission is bounded (``queue_size`` jobs waiting): the engine refuses a job while ``full``;
 - a batch always starts from the oldest waiting item of a model and takes the items behind it
-  that share its batch key (size, steps, guidance, frames, scheduler, output dtype), up to
-  ``max_batch`` (and at most ``MAX_FDS`` edits with their own input image: each goes to the
-  worker as one fd of the batch's frame); so an item with another key waits for at most one batch;
+  that share its batch key (size, steps, guidance, frames, scheduler, output dtype), up to the
+  model's ``max_batch`` (its own, else the daemon's; and at most ``MAX_FDS`` edits with their own
+  input image: each goes to the worker as one fd of the batch's frame); so an item with another key
+  waits for at most one batch;
 - with ``batch_wait`` > 0 a partial batch is held back until its oldest item has waited that
   long, to give compatible requests a chance to join;
 - ``partial_ok=False`` asks for a full batch or nothing: the engine uses it for a worker that is
@@ -25,8 +26,9 @@ batch, which the queue behind them fills. ``max_batch`` itself is always a size,
 (``partial_ok=False``) is max_batch as before, and a max_batch that is no power of two (6) still
 forms (1, 2, 4, 6). An eager model keeps every size by default (``--batch-sizes auto``): it compiles
 nothing, so a rounded-down batch would only cost throughput. ``--batch-sizes pow2|any`` overrides it
-for every model: ``any`` for a compiled model warmed at its largest batch only, whose smaller
-batches run padded into that graph (pipelines/compile.py), ``pow2`` to try the compiled rule eager.
+for every model (a ``[[models]]`` table's own ``batch_sizes`` for that one): ``any`` for a compiled
+model warmed at its largest batch only, whose smaller batches run padded into that graph
+(pipelines/compile.py), ``pow2`` to try the compiled rule eager.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def batch_sizes(max_batch: int, pow2: bool) -> tuple[int, ...]:
 class Scheduler:
     def __init__(self, *, queue_size: int, max_batch: int, batch_wait_s: float,
                  sizes: Mapping[str, Sequence[int]] | None = None) -> None:
-        """``sizes``: the batch sizes each model's batches form in (``batch_sizes``); a model not in it
-        takes any size up to ``max_batch``."""
+        """``sizes``: the batch sizes each model's batches form in (``batch_sizes``), the largest of which is
+        that model's full batch (models have their own ``max_batch``); a model not in it takes any size up to
+        ``max_batch``."""
         self.queue_size = queue_size
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
@@ -116,16 +119,21 @@ class Scheduler:
         q = self._pending.get(model)
         return q[0].enqueued_at if q else None
 
+    def full_batch(self, model: str) -> int:
+        """The most items one of ``model``'s batches takes: its largest size."""
+        return max(self.sizes[model]) if model in self.sizes else self.max_batch
+
     def next_batch(self, model: str, now: float, *, partial_ok: bool = True) -> list[Item] | Wait | None:
         q = self._pending[model]
         if not q:
             return None
+        full = self.full_batch(model)
         head = q[0]
         key = head.job.request.batch_params()
         batch = [head]
         inputs = {head.job.id} if head.job.request.buffer is not None else set()
         for item in list(q)[1:]:
-            if len(batch) >= self.max_batch:
+            if len(batch) >= full:
                 break
             if item.job.request.batch_params() == key:
                 if item.job.request.buffer is not None and item.job.id not in inputs:
@@ -133,9 +141,9 @@ class Scheduler:
                         continue
                     inputs.add(item.job.id)
                 batch.append(item)
-        if len(batch) < self.max_batch and not partial_ok:
+        if len(batch) < full and not partial_ok:
             return None
-        if len(batch) < self.max_batch and self.batch_wait_s > 0:
+        if len(batch) < full and self.batch_wait_s > 0:
             until = head.enqueued_at + self.batch_wait_s
             if now < until:
                 return Wait(until)

@@ -1,0 +1,101 @@
+"""One model's configuration (``--model`` or a ``[[models]]`` table), and its ``offload`` made concrete at
+start: ``auto`` chosen from the files' headers and the device budget (residency/fit.py), ``stream`` given its
+``resident_blocks``, the other modes checked against the rest of the model's configuration. Apart from
+config.py, which assembles the daemon's configuration around the models and re-exports ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from diffusiond.daemon.residency.fit import choose_auto, model_tensors, plan_stream, stream_inputs
+from diffusiond.daemon.residency.sizes import WeightsError
+from diffusiond.daemon.residency.units import format_bytes
+from diffusiond.daemon.values import ConfigError
+from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import offload_mode, parse_spec
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    spec: str
+    devices: tuple[str, ...] = ("cpu",)  # one worker per entry
+    dtype: str = "float32"
+    options: dict[str, str] = field(default_factory=dict)
+    compile: str = ""  # a torch.compile mode (protocol.COMPILE_MODES), "" for eager
+    # (width, height, batch) run before the worker is ready; batch WARMUP_ALL (``WxH:all``) until build_config
+    # makes it every size the model's batches form in (daemon/warmup.py)
+    warmup: tuple[tuple[int, int, int], ...] = ()
+    keep_alive_s: float | None = None  # TOML ``keep_alive``: this model's, over the daemon's --keep-alive
+    pinned: bool = False  # TOML ``pin = true`` or --pin NAME: never leaves its device for another model
+    preload: bool | None = None  # TOML ``preload = true|false``: over the file's top-level preload, under --preload
+    # TOML ``max_batch`` and ``batch_sizes`` in its table: this model's, over the daemon's (None: the daemon's);
+    # read through DaemonConfig.max_batch_of and batch_sizes_of, never directly
+    max_batch: int | None = None
+    batch_sizes: str | None = None
+    offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
+    nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
+
+
+def resolve_offload(m: ModelConfig, budget: int | None) -> ModelConfig:
+    """``offload=auto`` made concrete from the files' headers and the device budget (residency/fit.py), so the
+    worker is told what to do and residency counts what it will hold; other modes checked against the rest.
+    ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given."""
+    parsed = parse_spec(m.spec)
+    options = {**parsed.options, **m.options}  # a spec's own options (SPEC,offload=stream) count as the table's
+    try:
+        mode = offload_mode(options)
+    except PipelineError as exc:
+        raise ConfigError(f"model {m.name!r}: {exc}") from None
+    if mode != "none" and m.compile:
+        raise ConfigError(f"model {m.name!r}: --compile with offload={mode} is refused (offload hooks move weights "
+                          "inside the forward, which breaks the compiled graph); drop one of the two")
+    if mode != "none" and mode != "auto" and all(d == "cpu" for d in m.devices):
+        raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
+                          "host memory already, so there is nothing to offload to (use offload=none or auto)")
+    if mode == "stream":
+        if parsed.kind == "gguf":
+            raise ConfigError(f"model {m.name!r}: offload=stream is refused for a GGUF transformer: its quantized "
+                              "tensors are not plain ones a ring slot can hold; use offload=group (or none)")
+        return resolve_stream(m, options, budget, "")
+    if mode != "auto":
+        return m
+    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
+                                        budget=budget)
+    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}",
+                nothing_fits=unfit)
+    return resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason) if chosen == "stream" else m
+
+
+def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str) -> ModelConfig:
+    """``resident_blocks`` for an ``offload=stream`` model: given, or the most the budget has room for."""
+    given = options.get("resident_blocks")
+    if given is not None:
+        try:
+            inputs = stream_inputs(model_tensors(m.spec, options, m.dtype)[0], m.dtype)
+        except (WeightsError, PipelineError):
+            return m  # sized when it loads: the worker refuses a count past the denoiser's
+        if inputs is not None and int(given) > len(inputs[0]):
+            raise ConfigError(f"model {m.name!r}: resident_blocks={given}, but its denoiser has {len(inputs[0])} "
+                              f"blocks; give 0 to {len(inputs[0])}")
+        return m
+    if budget is None:
+        raise ConfigError(f"model {m.name!r}: offload=stream keeps as many denoiser blocks on the device as "
+                          "--device-memory has room for: give --device-memory SIZE, or resident_blocks=N "
+                          "(diffusiond fit SPEC --device-memory SIZE prints N)")
+    try:
+        plan, row = plan_stream(m.spec, options, m.dtype, budget)
+    except WeightsError as exc:
+        raise ConfigError(f"model {m.name!r}: offload=stream cannot choose resident_blocks from the files "
+                          f"({exc}); give resident_blocks=N") from None
+    except PipelineError as exc:
+        raise ConfigError(f"model {m.name!r}: {exc}") from None
+    reason = why or f"offload=stream: {plan.describe()}"
+    unfit = m.nothing_fits if row.fits else (
+        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}: at its least "
+        f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
+        f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
+    return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},
+                   offload_reason=f"{reason} ({plan.describe()})" if why else reason, nothing_fits=unfit)
