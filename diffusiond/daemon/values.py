@@ -282,7 +282,8 @@ def control_modes(path: str) -> int:
     ``config.json`` as diffusers writes it: ``ControlNetUnionModel``'s ``num_control_type`` (SDXL's,
     xinsir's layout), or a ``FluxControlNetModel``'s ``num_mode`` (InstantX's union). Read by the
     engine at start, without torch, so admission checks a request's ``mode`` before any worker runs it;
-    a single checkpoint file has no config to say, and is served as a single-mode ControlNet."""
+    a single checkpoint file has no config to say: it is a single-mode ControlNet (a union one's is
+    refused at start, ``union_file``)."""
     cfg = controlnet_config(path)
     count = cfg.get("num_control_type") if cfg.get("_class_name") == UNION_CLASS else cfg.get("num_mode")
     return count if isinstance(count, int) and count > 0 else 0
