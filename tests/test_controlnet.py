@@ -178,6 +178,77 @@ def test_mode_names_come_from_the_flag_or_the_toml_table_in_either_form(tmp_path
         build_config({"controlnets": {"u": {"path": str(folder), "names": ["a"]}}}, {})
 
 
+@pytest.fixture(scope="module")
+def union_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Union ControlNets as their repositories hold them (save_pretrained: config.json and
+    diffusion_pytorch_model.safetensors): a tiny SDXL ``ControlNetUnionModel`` with 4 modes and a tiny FLUX
+    ``FluxControlNetModel`` with 3 (only their headers are read: the weights stay random)."""
+    from diffusers import ControlNetUnionModel, FluxControlNetModel
+    from fluxkit import TRANSFORMER
+
+    root = tmp_path_factory.mktemp("union-files")
+    ControlNetUnionModel(
+        block_out_channels=(32, 64), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), layers_per_block=1,
+        cross_attention_dim=32, attention_head_dim=(2, 4), addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=80, conditioning_embedding_out_channels=(16, 32), num_control_type=4,
+        num_trans_channel=32, num_trans_head=2, num_proj_channel=32).save_pretrained(root / "xl")
+    FluxControlNetModel(**{**TRANSFORMER, "num_layers": 1, "num_single_layers": 1, "num_mode": 3}).save_pretrained(
+        root / "flux")
+    return {"xl": root / "xl", "flux": root / "flux"}
+
+
+@pytest.mark.parametrize(("family", "what"), [
+    ("xl", "an SDXL union ControlNet (ControlNetUnionModel, 4 control modes)"),
+    ("flux", "a FLUX union ControlNet (FluxControlNetModel with num_mode, 3 control modes)"),
+])
+def test_serve_refuses_a_union_controlnet_given_as_one_file_saying_what_to_do(
+    tmp_path: Path, union_folders: dict[str, Path], family: str, what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """diffusers 0.42 reads union ControlNets from folders only (``ControlNetUnionModel.from_single_file``
+    raises, FLUX ControlNets have none), so the file's header says what it is and serve stops with one line."""
+    import shutil
+
+    from diffusiond.cli import main
+    from diffusiond.daemon.config import ConfigError, build_config
+
+    folder = union_folders[family]
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    alone = shutil.copy(weights, tmp_path / "diffusion_pytorch_model_promax.safetensors")  # as people download it
+    head = f"ControlNet 'u' ({alone}) is {what}; diffusers reads it from a folder (its config.json and weights), "
+    with pytest.raises(ConfigError) as info:
+        build_config({}, {"controlnet": [f"u={alone},modes=a:b:c"]})
+    assert str(info.value) == (f"{head}not as a single file; put it in a folder as diffusion_pytorch_model.safetensors "
+                               "beside the config.json of the repository it came from (the model's page lists both), "
+                               "and give that folder: --controlnet u=FOLDER")
+    with pytest.raises(ConfigError, match=f"give the folder it lies in: --controlnet u={folder}$"):
+        build_config({}, {"controlnet": [f"u={weights}"]})  # the repository downloaded whole
+    beside = shutil.copy(weights, folder / "promax.safetensors")  # the folder would read its other weights
+    with pytest.raises(ConfigError, match=f"copy this file under that name into a new folder with {folder}/config"):
+        build_config({}, {"controlnet": [f"u={beside}"]})
+    code = main(["serve", "--model", "synthetic", "--controlnet", f"u={alone}", "--socket", str(tmp_path / "d.sock")])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"diffusiond serve: error: {head}"), lines
+    assert not (tmp_path / "d.sock").exists()
+
+
+def test_a_single_mode_controlnet_file_is_still_served_and_a_broken_one_is_refused(
+    tmp_path: Path, controlnet_dir: Path
+) -> None:
+    """A plain ControlNet's single file passes the start (the worker reads it with ``from_single_file``),
+    with no modes; a file whose safetensors header cannot be read stops serve, naming the file."""
+    import shutil
+
+    from diffusiond.daemon.config import ConfigError, build_config
+    from diffusiond.daemon.core.controls import ControlRegistry
+
+    plain = shutil.copy(controlnet_dir / "diffusion_pytorch_model.safetensors", tmp_path / "edges.safetensors")
+    config = build_config({}, {"controlnet": [f"edges={plain}"]})
+    assert ControlRegistry(config.controlnets).modes == {"edges": 0}
+    (tmp_path / "cut.safetensors").write_bytes(Path(plain).read_bytes()[:100])
+    with pytest.raises(ConfigError, match=f"ControlNet 'edges': {tmp_path}/cut.safetensors: truncated"):
+        build_config({}, {"controlnet": [f"edges={tmp_path / 'cut.safetensors'}"]})
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mode=st.none() | st.integers(-3, 5) | st.sampled_from(["canny", "tile", "depth", "dpth", "", "Tile", "1"])
        | st.text(max_size=70), name=st.sampled_from(["u", "bare", "plain"]))

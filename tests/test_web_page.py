@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,29 @@ def web_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, cont
 
 
 @pytest.fixture(scope="module")
-def sign_in_url(web_daemon: Daemon) -> str:
+def union_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    """tiny-flux with a union ControlNet (controlkit's, 3 modes) whose modes serve names ``a``, ``b`` and ``c``:
+    its own daemon, so the main one's models and their worker start stay as they are."""
+    from controlkit import build_flux_controlnet
+
+    tmp = tmp_path_factory.mktemp("webpage-union")
+    union = build_flux_controlnet(tmp / "u", seed=8, num_mode=3)
+    args = ["--model", "tiny-flux", "--job-timeout", "120", "--web", "127.0.0.1:0",
+            "--controlnet", f"u={union},modes=a:b:c"]
+    with shared_daemon(tmp, args, model_cache, ENV) as d:
+        yield d
+
+
+def web_url(d: Daemon) -> str:
     from diffusiond import Client
 
-    with Client(str(web_daemon.socket)) as c:
+    with Client(str(d.socket)) as c:
         return c.web_url()
+
+
+@pytest.fixture(scope="module")
+def sign_in_url(web_daemon: Daemon) -> str:
+    return web_url(web_daemon)
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +89,22 @@ def context(browser: Any) -> Iterator[Any]:
     ctx.close()
 
 
-@pytest.fixture
-def page(context: Any, sign_in_url: str) -> Iterator[Any]:
+@contextmanager
+def signed_in(context: Any, url: str) -> Iterator[Any]:
     """A signed-in page, ready (models listed); fails the test on any uncaught script error."""
     pg = context.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))
-    pg.goto(sign_in_url)
+    pg.goto(url)
     pg.wait_for_selector("body[data-ready=true]")
     yield pg
     assert errors == [], errors
+
+
+@pytest.fixture
+def page(context: Any, sign_in_url: str) -> Iterator[Any]:
+    with signed_in(context, sign_in_url) as pg:
+        yield pg
 
 
 def shot(page: Any, name: str) -> None:
@@ -351,3 +376,27 @@ def test_an_upscaler_chosen_on_the_page_upscales_the_job(page: Any, web_daemon: 
     assert "upscale esr:" in page.inner_text(f'article[data-job-id="{job_id}"]')
     page.select_option("#upscale-name", "")  # back to none for the tests after this one
     shot(page, "web-page-upscale")
+
+
+def test_a_union_controlnets_named_modes_are_picked_on_the_page_and_reach_the_job(
+    context: Any, union_daemon: Daemon, tmp_path: Path
+) -> None:
+    """The control row of a union ControlNet served with ``modes=a:b:c`` shows a mode picker labelled with
+    those names; the page asks for a mode before it sends, and the job made with ``b`` runs with mode 1."""
+    with signed_in(context, web_url(union_daemon)) as page:
+        page.select_option("#model", "tiny-flux")
+        assert page.is_visible("#control") and page.is_visible("#control-mode-box-0")
+        assert page.locator("#control-name-0 option").all_inner_texts() == ["u"]
+        assert page.locator("#control-mode-0 option").all_inner_texts() == ["choose…", "0: a", "1: b", "2: c"]
+        page.set_input_files("#control-image-0", str(a_png(tmp_path / "map.png", seed=4)))
+        fill(page, prompt="a lighthouse in mode b", width="64", height="64", steps="2", seed="3")
+        page.click("#generate")
+        page.wait_for_selector("#error", state="visible")
+        assert "Choose the mode of the union ControlNet u" in page.inner_text("#error")
+        page.select_option("#control-mode-0", label="1: b")
+        job_id, job = generated(page, union_daemon)
+        assert [(c["name"], c["mode"]) for c in job["request"]["control"]] == [("u", 1)]
+        card = f'article[data-job-id="{job_id}"]'
+        page.wait_for_selector(card)
+        assert "control u@1:1" in page.inner_text(card)
+        shot(page, "web-page-union")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusiond.daemon.residency.preload import parse_preload
+from diffusiond.daemon.residency.sizes import WeightsError, read_shapes
 from diffusiond.daemon.residency.units import parse_duration
 from diffusiond.ipc.upscale import DEFAULT_OVERLAP, DEFAULT_TILE, MAX_TILE, MIN_TILE, UpscalerSetting
 from diffusiond.protocol import BATCH_SIZES, DEFAULT_WEB_ADDRESS
@@ -281,7 +282,8 @@ def control_modes(path: str) -> int:
     ``config.json`` as diffusers writes it: ``ControlNetUnionModel``'s ``num_control_type`` (SDXL's,
     xinsir's layout), or a ``FluxControlNetModel``'s ``num_mode`` (InstantX's union). Read by the
     engine at start, without torch, so admission checks a request's ``mode`` before any worker runs it;
-    a single checkpoint file has no config to say, and is served as a single-mode ControlNet."""
+    a single checkpoint file has no config to say: it is a single-mode ControlNet (a union one's is
+    refused at start, ``union_file``)."""
     cfg = controlnet_config(path)
     count = cfg.get("num_control_type") if cfg.get("_class_name") == UNION_CLASS else cfg.get("num_mode")
     return count if isinstance(count, int) and count > 0 else 0
@@ -308,7 +310,46 @@ def check_controlnet(name: str, path: str) -> str | None:
         return f"ControlNet {name!r}: the path {path[:120]!r} cannot be read ({exc.strerror or exc})"
     if p.suffix != ".safetensors":
         return f"ControlNet {name!r} ({p}) is not a .safetensors file; single files are read as safetensors only"
-    return None
+    return union_file(name, p)
+
+
+# A union ControlNet's own tensors, as diffusers names them (its classes in models/controlnets/): SDXL's
+# ControlNetUnionModel (xinsir's layout) has a row of ``task_embedding`` per mode and the transformer over
+# them (``transformer_layes``, sic; its ``control_type_proj`` holds no weights), FLUX's union (InstantX's)
+# a row of ``controlnet_mode_embedder`` per mode. -> (what it is, its class, the tensor whose rows are its modes)
+_SDXL_UNION = ("an SDXL union ControlNet", UNION_CLASS, "task_embedding")
+_UNION_TENSORS = {"task_embedding": _SDXL_UNION, "transformer_layes.": _SDXL_UNION,
+                  "controlnet_mode_embedder.": ("a FLUX union ControlNet", "FluxControlNetModel with num_mode",
+                                                "controlnet_mode_embedder.weight")}
+FOLDER_WEIGHTS = "diffusion_pytorch_model.safetensors"  # what from_pretrained reads in a ControlNet folder
+
+
+def union_file(name: str, p: Path) -> str | None:
+    """Why single file ``p`` cannot be served (None: a single-mode ControlNet, read with ``from_single_file``).
+    A union ControlNet cannot: diffusers 0.42 reads ``ControlNetUnionModel`` and ``FluxControlNetModel`` from
+    a folder only (neither is in ``from_single_file``'s table, and ``ControlNetModel.from_single_file``
+    takes neither's weights), and without its config.json the engine could not know its modes either.
+    People download union ControlNets as one file (``diffusion_pytorch_model_promax.safetensors``), so
+    its header says what it is and the message what to do with it."""
+    try:
+        shapes = read_shapes(p)
+    except WeightsError as exc:
+        return f"ControlNet {name!r}: {exc}; give a diffusers ControlNet folder or a .safetensors file"
+    kind = next((_UNION_TENSORS[k] for k in _UNION_TENSORS if any(t.startswith(k) for t in shapes)), None)
+    if kind is None:
+        return None
+    what, cls, counted = kind
+    rows = shapes.get(counted, ())
+    modes = f", {rows[0]} control modes" if rows else ""
+    where = (f"ControlNet {name!r} ({p}) is {what} ({cls}{modes}); diffusers reads it from a folder (its "
+             "config.json and weights), not as a single file")
+    if control_modes(str(p.parent)):  # the model's repository, downloaded whole: its config.json is there
+        if p.name == FOLDER_WEIGHTS:
+            return f"{where}; give the folder it lies in: --controlnet {name}={p.parent}"
+        return (f"{where}, and reads the folder's weights from {FOLDER_WEIGHTS}: copy this file under that name "
+                f"into a new folder with {p.parent / 'config.json'}, and give that folder: --controlnet {name}=FOLDER")
+    return (f"{where}; put it in a folder as {FOLDER_WEIGHTS} beside the config.json of the repository it came "
+            f"from (the model's page lists both), and give that folder: --controlnet {name}=FOLDER")
 
 
 def parse_ip_adapters(value: Any) -> dict[str, tuple[str, str]]:

@@ -2,8 +2,9 @@
 
 A ControlNet is registered by name (``serve --controlnet NAME=PATH[,modes=A:B:...]``, TOML
 ``[controlnets]``): a diffusers folder (``save_pretrained``'s) or a single ``.safetensors`` checkpoint.
-The configuration only checks that the path is there and that a union one's mode names match its
-config (``values.check_controlnet``, ``values.check_mode_names``); each worker loads every one once
+The configuration only checks that the path is there, that a single file is no union ControlNet (by
+its header's tensor names: diffusers reads those from folders only) and that a union one's mode names
+match its config (``values.check_controlnet``, ``values.check_mode_names``); each worker loads every one once
 at start, keeps it, and reports those that do not fit its model (``Model.controlnet_errors``), so
 admission refuses such pairs with a 400 naming the field.
 

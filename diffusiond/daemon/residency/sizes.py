@@ -182,6 +182,26 @@ def _shards(index: Path) -> set[Path]:
 
 def read_header(path: str | os.PathLike[str]) -> WeightFile:
     """One safetensors file's tensor bytes by dtype, read from its header and checked against its length."""
+    return _read(path)[1]
+
+
+def read_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, int]]:
+    """Each tensor's (dtype, bytes as stored), by name: what ``fit`` groups into blocks and modules to size
+    offloaded configurations. The header is checked exactly as ``read_header`` checks it."""
+    header, _ = _read(path)
+    return {name: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0])
+            for name, e in header.items() if name != "__metadata__"}
+
+
+def read_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, by name: what tells a single checkpoint's kind (a union ControlNet's mode
+    embedding, its number of modes) where no config says it. Checked exactly as ``read_header`` checks it."""
+    header, _ = _read(path)
+    return {name: tuple(e["shape"]) for name, e in header.items() if name != "__metadata__"}
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], WeightFile]:
+    """A safetensors file's header (every entry checked, ``_describe``) and its tensors summed by dtype."""
     p = Path(path)
     try:
         size = p.stat().st_size
@@ -201,19 +221,7 @@ def read_header(path: str | os.PathLike[str]) -> WeightFile:
     except OSError as e:
         raise WeightsError(f"{p}: cannot be read: {e.strerror or e}") from None
     header = _parse(raw, p, "safetensors header")
-    return _describe(p, header, size - 8 - n)
-
-
-def read_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, int]]:
-    """Each tensor's (dtype, bytes as stored), by name: what ``fit`` groups into blocks and modules to size
-    offloaded configurations. The header is checked exactly as ``read_header`` checks it (read twice: once
-    per kilobyte of header, against whole gigabytes of weights)."""
-    read_header(path)  # every bound and consistency check, with its error naming the file
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = _parse(f.read(n), Path(path), "safetensors header")
-    return {name: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0])
-            for name, e in header.items() if name != "__metadata__"}
+    return header, _describe(p, header, size - 8 - n)
 
 
 def _describe(p: Path, header: Any, data_bytes: int) -> WeightFile:
