@@ -2,7 +2,7 @@
 
     python scripts/bench_bigger.py --out DIR [--configs resident,stream,group,fp8,fp8-wo,fp8-mm,q8,q4] [--budget-gib 24]
         [--images 2] [--steps 28] [--size 1024|WxH] [--folder FLUX_FOLDER] [--device cuda|cpu] [--resident-blocks N]
-        [--preset flux-dev|wan-1.3b ...] [--frames N]
+        [--preset flux-dev|wan-1.3b ...] [--frames N] [--compile MODE]
 
 ``--preset`` builds another preset's random model instead (``--preset wan-1.3b --size 832x480 --frames 81
 --configs te-fp8,model --budget-gib 12``: issue 28's Wan inside 12 GiB, with ``te-fp8``, its UMT5 encoder in
@@ -155,6 +155,10 @@ def one(a: argparse.Namespace) -> None:
     if options.get("offload") == "stream":
         options, plan = stream_options(pipe, a)
     dp = DiffusersPipeline(pipe, name="flux", device=a.device, dtype=dtype, options=options)
+    if a.compile:  # the daemon's --compile (regional for the transformer); the warm-up image compiles
+        from diffusiond.pipelines.compile import CompiledPipeline
+
+        CompiledPipeline(dp, a.compile)
     if cuda:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -186,8 +190,9 @@ def one(a: argparse.Namespace) -> None:
     assert img is not None
     np.save(Path(a.out) / f"{a.config}-image.npy", img.half().cpu().numpy())
     np.save(Path(a.out) / f"{a.config}-latents.npy", latents["x"].float().cpu().numpy())
-    result = {"config": a.config, "preset": a.folder or a.preset, "size": a.size, "frames": a.frames,
-              "steps": a.steps, "options": options, "budget_gib": a.budget_gib if budgeted else None,
+    result = {"config": a.config, "compile": a.compile or None, "preset": a.folder or a.preset, "size": a.size,
+              "frames": a.frames, "steps": a.steps, "options": options,
+              "budget_gib": a.budget_gib if budgeted else None,
               "build_s": built_s, "warmup_s": warm, "image_s": times, "mean_s": sum(times) / len(times),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
@@ -244,7 +249,8 @@ def drive(a: argparse.Namespace) -> None:
                *(["--folder", a.folder] if a.folder else []),
                "--budget-gib", str(a.budget_gib), "--images", str(a.images), "--steps", str(a.steps),
                "--size", str(a.size), "--preset", a.preset, *(["--frames", str(a.frames)] if a.frames else []),
-               *(["--resident-blocks", str(a.resident_blocks)] if a.resident_blocks is not None else [])]
+               *(["--resident-blocks", str(a.resident_blocks)] if a.resident_blocks is not None else []),
+               *(["--compile", a.compile] if a.compile else [])]
         with open(out / f"{name}.log", "w") as log:
             try:
                 left = min(a.timeout, deadline - time.monotonic())
@@ -287,6 +293,8 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=None, help="frames per output (a video preset)")
     ap.add_argument("--folder", help="a diffusers FLUX folder instead of random:flux-dev")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--compile", default="", help="every configuration compiled as serve --compile MODE does "
+                    "(GGUF's per-layer dequantization fused by inductor; compare with resident compiled too)")
     ap.add_argument("--resident-blocks", type=int, help="stream: transformer blocks kept resident (default: planned)")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
     ap.add_argument("--deadline", type=float, default=3600, help="seconds for all of them")

@@ -6,6 +6,7 @@
 #   timeout 585 scripts/gpu_round3.sh setup stream-test pack      (then, in a call of its own: setup stream pack)
 #   BIG_CONFIGS=resident,stream,fp8-mm,fp8-wo timeout 585 scripts/gpu_round3.sh setup stream wan12 pack   (issue 28:
 #     stream and FLUX in fp8 against resident at 24 GiB, then Wan 1.3B 832x480x81 inside 12 GiB)
+#   timeout 585 scripts/gpu_round3.sh setup gguf-compiled pack   (issue 28: GGUF Q8_0 against resident, both compiled)
 #   timeout 585 scripts/gpu_round3.sh setup lora weights trajectory-flow pack
 #   PRESETS="sd3.5-medium ltx-2b" timeout 585 scripts/gpu_round3.sh setup controlnet hires presets pack
 #   timeout 585 scripts/gpu_round3.sh setup attention pack   (issue 31; flash-attn, sageattention wheels in .whl/ if wanted)
@@ -91,6 +92,10 @@ PY
       # fp8 storage, or diffusers' whole-component offload; one warm-up video, one timed, WAN_STEPS steps
       step wan12 300 python3 scripts/bench_bigger.py --out $out/wan12 --preset wan-1.3b --size 832x480 --frames 81 \
         --steps ${WAN_STEPS:-10} --configs te-fp8,model --budget-gib 12 --images 1 --timeout 200 --deadline 290 ;;
+    gguf-compiled)  # issue 28: GGUF Q8_0 missed 0.8x eager (0.72x: a dequantization per layer per forward in
+      # torch ops); compiled (serve --compile default, regional), inductor fuses it: Q8 against resident, both compiled
+      step gguf-compiled 560 python3 scripts/bench_bigger.py --out $out/gguf-compiled --configs resident,q8 \
+        --compile default --images 2 --timeout 260 --deadline 540 ;;
     stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
       step stream-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "stream" -p no:cacheprovider ;;
     attention)  # issue 31: FLUX.1-dev 1024² 28 steps on each attention backend that runs here, against the default;
