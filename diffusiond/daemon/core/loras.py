@@ -17,14 +17,14 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from diffusiond.daemon.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from diffusiond.daemon.workers.link import WorkerLink
-from diffusiond.ipc.messages import AddLora
+from diffusiond.ipc.messages import Ack, AddLora
 from diffusiond.protocol import ErrorCode, WorkerState
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes into its folder
@@ -150,6 +150,29 @@ class ModelLoras(Protocol):
     lora_errors: dict[str, str]
 
 
+def live_workers(models: Iterable[ModelLoras]) -> list[tuple[ModelLoras, WorkerLink]]:
+    """The workers that can take an adapter now: a sleeping one takes it into host memory."""
+    return [(m, w) for m in models for w in m.workers if w.state in (WorkerState.READY, WorkerState.SLEEPING)]
+
+
+async def ask_all(live: Sequence[tuple[ModelLoras, WorkerLink]],
+                  send: Callable[[WorkerLink], Awaitable[Ack]]) -> dict[str, str]:
+    """Send one command to every live worker at once; the first refusal per model, by model name.
+    A worker that does not answer refuses for its model: the adapter is not known to be there."""
+    acks = await asyncio.gather(*(send(w) for _, w in live), return_exceptions=True)
+    whys: dict[str, str] = {}
+    for (m, _), ack in zip(live, acks, strict=True):
+        if isinstance(ack, BaseException):
+            whys.setdefault(m.name, f"the worker did not answer: {ack}")
+        elif not ack.ok:
+            whys.setdefault(m.name, ack.message)
+    return whys
+
+
+def refusals(whys: Mapping[str, str]) -> str:
+    return "; ".join(f"{model}: {why}" for model, why in whys.items())
+
+
 class LoraRegistry:
     """The adapters this daemon serves, by name."""
 
@@ -202,24 +225,14 @@ class LoraRegistry:
             except LoraFileError as exc:
                 field = "name" if check_name(name) else "path"
                 raise InvalidRequest(str(exc), field=field) from None
-            live = [(m, w) for m in models for w in m.workers
-                    if w.state in (WorkerState.READY, WorkerState.SLEEPING)]
+            live = live_workers(models)
             if not live:
                 raise Unavailable("no worker is running to check the LoRA against its model; retry later",
                                   retry_after_s=5)
-            acks = await asyncio.gather(*(w.command(AddLora(name, path), timeout) for _, w in live),
-                                        return_exceptions=True)
-            whys: dict[str, str] = {}
-            for (m, _), ack in zip(live, acks, strict=True):
-                if isinstance(ack, BaseException):
-                    whys.setdefault(m.name, f"the worker did not answer: {ack}")
-                elif not ack.ok:
-                    whys.setdefault(m.name, ack.message)
-            fitting = {m.name for m, _ in live} - set(whys)
-            if not fitting:
-                detail = "; ".join(f"{model}: {why}" for model, why in whys.items())
-                raise InvalidRequest(f"LoRA {name!r} ({weights_file(path)}) fits no model served here: {detail}",
-                                     field="path")
+            whys = await ask_all(live, lambda w: w.command(AddLora(name, path), timeout))
+            if not {m.name for m, _ in live} - set(whys):
+                raise InvalidRequest(f"LoRA {name!r} ({weights_file(path)}) fits no model served here: "
+                                     f"{refusals(whys)}", field="path")
             for m in models:
                 if m.name in whys:
                     m.lora_errors[name] = whys[m.name]

@@ -29,7 +29,15 @@ import os
 import stat
 from collections.abc import Callable, Hashable, Iterable
 
-from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry, ModelLoras, check_name
+from diffusiond.daemon.core.loras import (
+    LoraInfo,
+    LoraRegistry,
+    ModelLoras,
+    ask_all,
+    check_name,
+    live_workers,
+    refusals,
+)
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
@@ -116,23 +124,15 @@ class LiveLoras:
         if not new and name not in self.versions:  # registered from a file meanwhile
             raise _file_registered(self.registry.loras[name])
         targets = [m for m in models if new or name not in m.lora_errors]
-        live = [(m, w) for m in targets for w in m.workers if w.state in (WorkerState.READY, WorkerState.SLEEPING)]
+        live = live_workers(targets)
         if not live:
             raise Unavailable("no worker is running to take the update; retry once the model is loaded",
                               retry_after_s=5)
         version = self._issued[name] = self._issued.get(name, 0) + 1
         forward = UpdateLora(name, msg.tensors, version)
-        acks = await asyncio.gather(*(w.command(forward, timeout, [os.dup(fd)]) for _, w in live),
-                                    return_exceptions=True)
-        whys: dict[str, str] = {}
-        for (m, _), ack in zip(live, acks, strict=True):
-            if isinstance(ack, BaseException):
-                whys.setdefault(m.name, f"the worker did not answer: {ack}")
-            elif not ack.ok:
-                whys.setdefault(m.name, ack.message)
+        whys = await ask_all(live, lambda w: w.command(forward, timeout, [os.dup(fd)]))
         if not {m.name for m, _ in live} - set(whys):
-            detail = "; ".join(f"{model}: {why}" for model, why in whys.items())
-            raise InvalidRequest(f"LoRA {name!r} update refused: {detail}", field="tensors")
+            raise InvalidRequest(f"LoRA {name!r} update refused: {refusals(whys)}", field="tensors")
         for m in targets:
             if m.name in whys:
                 m.lora_errors[name] = whys[m.name]  # it holds the old weights, or none: not served there
