@@ -336,7 +336,8 @@ def test_a_move_by_hand_of_a_model_that_is_not_served_is_a_404_naming_it(sock: P
     assert status == 404 and body["error"]["code"] in ("model_not_found", "not_found"), body
 
 
-@pytest.mark.parametrize("value", ["10m", 0, -1, "1h30m", 30, "bogus", "9" * 5000, 1e308, True, [], {"s": 1}, "-5m"])
+@pytest.mark.parametrize("value", ["10m", 0, -1, "1h30m", 30, "bogus", "9" * 5000, 1e308, True, [], {"s": 1}, "-5m",
+                                   1e12, 1e17, 1e20, "99999999999h"])
 def test_keep_alive_is_taken_as_a_duration_or_refused_naming_it(sock: Path, value: Any) -> None:
     status, body = call_json(sock, "POST", "/v1/jobs", {"prompt": "a fox", "width": 64, "height": 64, "steps": 1,
                                                         "keep_alive": value})

@@ -37,7 +37,11 @@ def _until(m: dict[str, object]) -> str:
     if not isinstance(until, int | float):
         return "-"
     left = until - time.time()
-    return f"{time.strftime('%H:%M:%S', time.localtime(until))} (in {max(0, round(left))} s)"
+    try:
+        at = time.strftime('%H:%M:%S', time.localtime(until))
+    except (OverflowError, OSError, ValueError):  # past what the C library's clock can name (year 9999 or so)
+        return "forever"
+    return f"{at} (in {max(0, round(left))} s)"
 
 
 async def ps(args: argparse.Namespace, client: AsyncClient) -> int:

@@ -410,8 +410,10 @@ function formatBytes(n) {
 function keptUntil(m) {
   if (m.keep_alive_forever) return "forever";
   if (m.keep_alive_until === null || m.keep_alive_until === undefined) return "—";
+  const when = new Date(m.keep_alive_until * 1000);
+  if (Number.isNaN(when.getTime())) return "forever";  // past what a Date holds: a daemon before the 100-year horizon
   const left = Math.max(0, Math.round(m.keep_alive_until - Date.now() / 1000));
-  const at = new Date(m.keep_alive_until * 1000).toLocaleTimeString();
+  const at = when.toLocaleTimeString();
   return `${at} (in ${left >= 120 ? Math.round(left / 60) + " min" : left + " s"})`;
 }
 

@@ -16,6 +16,11 @@ from typing import Final
 FOREVER: Final = math.inf
 """The duration that never ends (``-1`` or any negative): a model kept with it never expires."""
 
+HORIZON_S: Final = 100 * 365.25 * 86400
+"""Durations past this (a hundred years) are ``FOREVER``: a deadline that far off means the same thing,
+and a time of day for it (``time.localtime`` in ``diffusiond ps``, a ``Date`` on the web page) overflows
+somewhere past year 9999, so a client's ``keep_alive`` of 1e17 would break the tools that show it."""
+
 # Long enough for any real value, short enough that no number in it can be expensive to convert.
 _MAX_TEXT: Final = 64
 
@@ -112,14 +117,14 @@ def parse_duration(value: str | int | float) -> float:
     """Seconds from an Ollama-style duration; ``FOREVER`` (``math.inf``) for any negative value.
 
     Negative means forever whatever its size (``-1``, ``-5m``), as in Ollama, so a script that writes
-    ``-1s`` gets what it meant rather than an error.
+    ``-1s`` gets what it meant rather than an error; so is anything past ``HORIZON_S``.
     """
     if isinstance(value, bool):
         raise ValueError(f"duration {value!r} is a boolean; expected {_DURATION_FORMS}")
     if isinstance(value, (int, float)):
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"duration {value!r} is not finite; expected {_DURATION_FORMS}")
-        return FOREVER if value < 0 else float(value)
+        return FOREVER if value < 0 or value > HORIZON_S else float(value)
     text = str(value).strip()
     if len(text) > _MAX_TEXT:
         raise ValueError(f"duration {text[:_MAX_TEXT]!r}... is too long to be a duration; expected {_DURATION_FORMS}")
@@ -137,7 +142,7 @@ def parse_duration(value: str | int | float) -> float:
             pos = part.end()
         if pos != len(body) or pos == 0:
             raise ValueError(f"duration {text!r} is not a duration; expected {_DURATION_FORMS}")
-    if text.startswith("-") and seconds > 0:
+    if (text.startswith("-") and seconds > 0) or seconds > HORIZON_S:
         return FOREVER
     return seconds
 

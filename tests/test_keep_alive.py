@@ -1,0 +1,92 @@
+"""A request's ``keep_alive`` end to end: values past any sane horizon are forever (and ``diffusiond ps``
+still prints them), a batch keeps its model for the longest its jobs asked, the Python client, the CLI
+and the Ray gateway carry the field, and ``/metrics`` has each model's bytes per tier.
+
+One daemon for the module. ``--max-batch 2`` with a long ``--batch-wait-ms`` makes two jobs submitted
+one after the other share a batch (the first waits for the second), so every generation here is a pair;
+a lone job would wait the whole batch wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+from daemonkit import Daemon, get, http, shared_daemon, submit, until, wait_job
+
+from diffusiond.daemon.residency.units import FOREVER, HORIZON_S, parse_duration
+
+JOB = {"prompt": "a lighthouse", "width": 64, "height": 64, "steps": 1, "seed": 3}
+HUGE = [1e17, 1e20, 1e308, 10**30, "99999999999h", "9" * 60]
+
+
+@pytest.mark.parametrize("value", HUGE)
+def test_a_keep_alive_past_a_hundred_years_is_forever(value: str | float) -> None:
+    assert parse_duration(value) == FOREVER
+
+
+def test_a_long_keep_alive_within_the_horizon_stays_a_duration() -> None:
+    assert parse_duration(HORIZON_S) == HORIZON_S
+    assert parse_duration("8760h") == 8760 * 3600.0  # a year
+    with pytest.raises(ValueError, match="not finite"):
+        parse_duration(math.inf)  # a request's "inf" is still a clear refusal, not forever
+
+
+def test_ps_prints_a_keep_alive_past_what_the_clock_can_name() -> None:
+    """An older daemon (before the horizon) can still answer 1e17: the table says forever, not a trace."""
+    from diffusiond.commands.residency import _until
+
+    for until_s in (1e17, 1e20, 1e308):
+        assert _until({"keep_alive_until": until_s}) == "forever"
+    assert "(in " in _until({"keep_alive_until": time.time() + 60})
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    with shared_daemon(tmp_path_factory.mktemp("keep-alive"),
+                       ["--model", "tiny", "--no-persist", "--max-batch", "2", "--batch-wait-ms", "20000"],
+                       model_cache) as d:
+        yield d
+
+
+async def _tiny(s: aiohttp.ClientSession) -> dict[str, Any]:
+    status, body = await get(s, "/v1/models")
+    assert status == 200, body
+    return next(m for m in body["data"] if m["id"] == "tiny")
+
+
+async def _pair(s: aiohttp.ClientSession, first: Any, second: Any) -> None:
+    """Two jobs in one batch, ``first`` heading it; both succeed."""
+    ids = [(await submit(s, {**JOB, "keep_alive": k}))["id"] for k in (first, second)]
+    jobs = [await wait_job(s, i) for i in ids]
+    assert all(j["status"] == "succeeded" for j in jobs), jobs
+    assert jobs[0]["outputs"][0]["batch"] == jobs[1]["outputs"][0]["batch"], "the two jobs shared a batch"
+
+
+def test_huge_keep_alives_keep_the_model_forever_and_ps_still_prints(daemon: Daemon,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from diffusiond.client import AsyncClient
+    from diffusiond.commands.residency import ps
+
+    async def go() -> None:
+        async with http(daemon.socket) as s:
+            await _pair(s, 0, 1e17)  # the head asks 0: the other's "forever" wins
+            await _pair(s, 1e308, "99999999999h")
+
+            async def forever() -> dict[str, Any] | None:
+                m = await _tiny(s)
+                return m if m["keep_alive_forever"] and m["keep_alive_until"] is None else None
+
+            await until(forever, 30, "tiny kept forever after keep_alive 1e17")
+        await ps(SimpleNamespace(json=False), AsyncClient(daemon.socket))
+
+    asyncio.run(go())
+    out = capsys.readouterr().out
+    assert "tiny" in out and "forever" in out, out
