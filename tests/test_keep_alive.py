@@ -21,6 +21,8 @@ import aiohttp
 import pytest
 from daemonkit import Daemon, get, http, shared_daemon, submit, until, wait_job
 
+from diffusiond.daemon.core.flights import longest_keep_alive
+from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.units import FOREVER, HORIZON_S, parse_duration
 
 JOB = {"prompt": "a lighthouse", "width": 64, "height": 64, "steps": 1, "seed": 3}
@@ -37,6 +39,22 @@ def test_a_long_keep_alive_within_the_horizon_stays_a_duration() -> None:
     assert parse_duration("8760h") == 8760 * 3600.0  # a year
     with pytest.raises(ValueError, match="not finite"):
         parse_duration(math.inf)  # a request's "inf" is still a clear refusal, not forever
+
+
+def test_a_batch_keeps_its_model_for_the_longest_its_jobs_asked() -> None:
+    r = Residency({"cpu": 1 << 40}, 0, keep_alive_s=300, max_keep_alive_s=600)
+    r.add("a", "cpu", 1)
+    r.add("t", "cpu", 1, keep_alive_s=1800)  # the admin's TOML: not capped by max_keep_alive
+
+    def longest(model: str, *asked: float | None) -> float | None:
+        return longest_keep_alive(list(asked), lambda k: r.keep_alive_for(model, k))
+
+    assert longest("a", 0, 60) == 60
+    assert longest("a", 0, None) is None  # the model's default (300) beats 0
+    assert longest("a", 60, None) is None
+    assert longest("a", 400, None) == 400
+    assert longest("a", None, 0, FOREVER) == FOREVER  # capped to 600 later, still the longest
+    assert longest("t", 3600, None) is None  # 3600 is capped to 600; the model's own 1800 is longer
 
 
 def test_ps_prints_a_keep_alive_past_what_the_clock_can_name() -> None:
@@ -90,3 +108,19 @@ def test_huge_keep_alives_keep_the_model_forever_and_ps_still_prints(daemon: Dae
     asyncio.run(go())
     out = capsys.readouterr().out
     assert "tiny" in out and "forever" in out, out
+
+
+def test_a_batch_keeps_its_model_for_its_longest_keep_alive_whoever_heads_it(daemon: Daemon) -> None:
+    async def go() -> None:
+        async with http(daemon.socket) as s:
+            await _pair(s, 0, "1h")
+
+            async def an_hour() -> bool:
+                m = await _tiny(s)
+                left = (m["keep_alive_until"] or 0) - time.time()
+                return m["residency"] == "device" and 3000 < left <= 3600
+
+            await until(an_hour, 30, "tiny kept for the hour the second job of its batch asked, not 0")
+
+    asyncio.run(go())
+

@@ -283,11 +283,26 @@ class Flights:
         return undelivered
 
     def _finished(self, batch: Batch) -> None:
-        req = batch.items[0].job.request
-        self.keeper.batch_finished(batch.worker.config.model_name, _shape(batch.items), req.keep_alive_s)
+        name = batch.worker.config.model_name
+        asked = [i.job.request.keep_alive_s for i in batch.items]
+        if self.keeper.known(name):  # batch_finished ignores a model it does not know
+            policy = self.keeper.policy
+            keep = longest_keep_alive(asked, lambda a: policy.keep_alive_for(name, a))
+        else:
+            keep = asked[0]
+        self.keeper.batch_finished(name, _shape(batch.items), keep)
 
     def batches_in_flight(self, worker: WorkerLink) -> int:
         return len(self.in_flight.get(worker, ()))
+
+
+def longest_keep_alive(asked: Iterable[float | None], effective: Callable[[float | None], float]) -> float | None:
+    """The keep-alive a batch leaves its model with: its jobs' longest, as Ollama keeps a model for the
+    longest any client asked, so a job that asks ``0`` does not send a model away under one that asked
+    ``1h`` and shared its batch. ``effective`` says what each value means for this model (``None``: the
+    model's own, a request's: capped by ``--max-keep-alive``); the value returned is one a job asked for,
+    so the cap is applied once, where it always is (``Residency.touch``)."""
+    return max(asked, key=effective)
 
 
 def _shape(items: list[Item]) -> Shape:
