@@ -103,6 +103,11 @@ def test_huge_keep_alives_keep_the_model_forever_and_ps_still_prints(daemon: Dae
                 return m if m["keep_alive_forever"] and m["keep_alive_until"] is None else None
 
             await until(forever, 30, "tiny kept forever after keep_alive 1e17")
+            metrics = await (await s.get("/metrics")).text()
+        device = [line for line in metrics.splitlines()
+                  if line.startswith('diffusiond_model_bytes{device="cpu",model="tiny",tier="device"}')]
+        assert device and float(device[0].split()[-1]) > 0, metrics
+        assert 'diffusiond_model_bytes{device="cpu",model="tiny",tier="host"} 0.0' in metrics
         await ps(SimpleNamespace(json=False), AsyncClient(daemon.socket))
 
     asyncio.run(go())

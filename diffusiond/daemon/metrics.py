@@ -3,12 +3,15 @@ the engine's state at scrape time, so they can never drift from it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.residency.decisions import ModelStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -37,6 +40,25 @@ class _StateCollector(Collector):
         for w in s["workers"]:
             workers.add_metric([w["model"], w["state"]], 1)
         yield workers
+
+
+class _ResidencyCollector(Collector):
+    """Each model's bytes in each tier, from residency's own books (what ``diffusiond ps`` shows) at
+    scrape time. Both tiers for every model, 0 where it is not, so a series does not vanish when a model
+    moves and ``sum by (device, tier)`` is each device's use at any instant."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[ModelStatus]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "diffusiond_model_bytes",
+            "Bytes a model holds, by tier: device (weights and running work's memory) and host (weights waiting "
+            "in host memory)", labels=["model", "device", "tier"])
+        for m in self.snapshot():
+            family.add_metric([m.name, m.device, "device"], m.device_bytes)
+            family.add_metric([m.name, m.device, "host"], m.host_bytes)
+        yield family
 
 
 class Metrics:
@@ -70,8 +92,11 @@ class Metrics:
         self.web_refused = Counter("diffusiond_web_refused_total", "Web listener requests refused, by reason",
                                    ["reason"], registry=self.registry)
 
-    def bind(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def bind(self, snapshot: Callable[[], dict[str, Any]],
+             residency: Callable[[], Iterable[ModelStatus]] | None = None) -> None:
         self.registry.register(_StateCollector(snapshot))
+        if residency is not None:
+            self.registry.register(_ResidencyCollector(residency))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

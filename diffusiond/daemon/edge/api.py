@@ -213,7 +213,7 @@ def create_app(engine: Engine, *, token: str | None = None, web_address: WebAddr
     )
     app[ENGINE] = engine
     app[WEB] = web_address or WebAddress()
-    engine.metrics.bind(lambda: views.health(engine))
+    engine.metrics.bind(lambda: views.health(engine), residency=lambda: engine.keeper.snapshot().values())
     add_api_routes(app)
     app.router.add_get("/v1/admin/web", admin_web)
     return app
