@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
     g.add_argument("--strength", type=float, metavar="S",
                    help="how much of --image to repaint, in (0, 1] (default 0.8; 1.0 with --mask)")
+    g.add_argument("--keep-alive", metavar="DURATION",
+                   help="how long the model stays on its device after this job: 10m, 1h30m, seconds, 0 (leave "
+                        "at once) or -1 (forever); the daemon caps it by its --max-keep-alive")
     g.add_argument("--json", action="store_true", help="print one JSON object with the job and the files")
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")

@@ -66,6 +66,20 @@ def test_ps_prints_a_keep_alive_past_what_the_clock_can_name() -> None:
     assert "(in " in _until({"keep_alive_until": time.time() + 60})
 
 
+def test_the_cli_and_the_client_send_keep_alive_and_the_gateway_batches_regardless() -> None:
+    from diffusiond.cli import build_parser
+    from diffusiond.client.params import job_body
+    from diffusiond.commands.generate import build_body
+    from diffusiond.ray import ids
+
+    args = build_parser().parse_args(["generate", "x", "--keep-alive", "10m"])
+    assert build_body(args, None)["keep_alive"] == "10m"
+    assert "keep_alive" not in build_body(build_parser().parse_args(["generate", "x"]), None)
+    assert job_body("x", {"keep_alive": -1}) == {"prompt": "x", "keep_alive": -1}
+    # the daemon batches jobs asking different keep-alives, so the gateway must not keep them apart
+    assert ids.batch_key({**JOB, "keep_alive": 0}) == ids.batch_key({**JOB, "keep_alive": "1h"})
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     with shared_daemon(tmp_path_factory.mktemp("keep-alive"),
@@ -116,6 +130,8 @@ def test_huge_keep_alives_keep_the_model_forever_and_ps_still_prints(daemon: Dae
 
 
 def test_a_batch_keeps_its_model_for_its_longest_keep_alive_whoever_heads_it(daemon: Daemon) -> None:
+    from diffusiond.client import AsyncClient
+
     async def go() -> None:
         async with http(daemon.socket) as s:
             await _pair(s, 0, "1h")
@@ -126,6 +142,17 @@ def test_a_batch_keeps_its_model_for_its_longest_keep_alive_whoever_heads_it(dae
                 return m["residency"] == "device" and 3000 < left <= 3600
 
             await until(an_hour, 30, "tiny kept for the hour the second job of its batch asked, not 0")
+            # the Python client carries the field: its two jobs share a batch too, and the longer one holds
+            async with AsyncClient(daemon.socket) as c:
+                handles = [await c.submit(JOB["prompt"], size=(64, 64), steps=1, keep_alive=k) for k in (0, "2h")]
+                for h in handles:
+                    assert (await h.wait(timeout=120))["status"] == "succeeded"
+
+            async def two_hours() -> bool:
+                left = ((await _tiny(s))["keep_alive_until"] or 0) - time.time()
+                return 6600 < left <= 7200
+
+            await until(two_hours, 30, "tiny kept for the 2h the client asked")
 
     asyncio.run(go())
 

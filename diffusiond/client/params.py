@@ -58,6 +58,9 @@ class JobParams(TypedDict, total=False):
     # "steps", "upscaler"}
     upscale: str | Mapping[str, Any]
     hires: float | Mapping[str, Any]
+    # how long the model stays on its device after this job: "10m", "1h30m", seconds, 0 (leave at once),
+    # -1 (forever); capped by the daemon's --max-keep-alive
+    keep_alive: str | float
 
 
 ImageInput = bytes | str | os.PathLike[str]

@@ -213,6 +213,7 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
         ("strength", args.strength),
         ("upscale", getattr(args, "upscale", None)),  # commands/upscale.py
         ("hires", getattr(args, "hires", None)),
+        ("keep_alive", getattr(args, "keep_alive", None)),  # the daemon parses it, and names it in a 400
     ):
         if value is not None:
             body[key] = value

@@ -101,7 +101,8 @@ def bind_header(value: str, replica: str) -> str:
 def batch_key(body: Any) -> str | None:
     """The part of a generation request that decides whether two requests can share a forward
     pass (the daemon's own batching key, as far as the body shows it). None for a body that is not
-    a generation request."""
+    a generation request. ``keep_alive`` is not in it: the daemon batches jobs that ask different ones
+    (the batch keeps its model for the longest), and the body reaches it as sent."""
     if not isinstance(body, dict) or "prompt" not in body:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
