@@ -154,3 +154,22 @@ def test_unload_of_a_model_with_work_is_carried_out_once_the_work_is_done(d: Dae
 
     asyncio.run(go())
 
+
+async def test_loading_by_hand_a_model_nothing_fits_is_refused_with_what_was_tried() -> None:
+    """offload=auto found no configuration within the budget: a load by hand is refused as each job is,
+    instead of loading the model in a configuration none of its jobs may run in (in process: no daemon)."""
+    from enginekit import Harness
+
+    from diffusiond.daemon import errors
+    from diffusiond.daemon.config import ModelConfig
+
+    tried = "nothing fits the --device-memory budget of 1 GiB with offload=auto: none (offload=none) needs 30 GiB"
+    h = Harness(models=(ModelConfig(name="m", spec="fake", nothing_fits=tried),), device_memory="1GiB")
+    await h.engine.start()
+    try:
+        with pytest.raises(errors.ModelTooLarge) as refused:
+            await h.engine.load_model("m")
+        assert tried in refused.value.message and refused.value.field == "name", refused.value.body()
+        assert not h.spawned, "nothing was started for it"
+    finally:
+        await h.close()

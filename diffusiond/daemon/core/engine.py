@@ -254,9 +254,11 @@ class Engine(OutputAccess):
         return job
 
     async def load_model(self, name: str) -> None:
-        """By hand: the model onto its device now (``POST /v1/models/{name}/load``); a load that fails
-        answers with the worker's reason."""
+        """By hand: the model onto its device now (``POST /v1/models/{name}/load``); refused as its jobs are
+        when ``offload=auto`` found nothing that fits, and a load that fails answers with the worker's reason."""
         model = self.pool.model(name)
+        if model.config.nothing_fits:
+            raise ModelTooLarge(self.keeper.nothing_fits(model).reason, field="name")
         if not self.keeper.known(name) and model.retired:  # never seen: its first load places it
             failed = await self.keeper.learn(model)
             if failed is not None:
