@@ -260,6 +260,7 @@ class ErrorCode(enum.StrEnum):
     WORKER_LOST = "worker_lost"
     GENERATION_FAILED = "generation_failed"
     OUT_OF_MEMORY = "out_of_memory"  # the forward ran out of memory, also when retried (in halves); the daemon goes on
+    MODEL_LOAD_FAILED = "model_load_failed"  # its model could not be loaded (corrupt files): the worker's reason
     OUTPUT_FAILED = "output_failed"
     # diffusiond on Ray Serve (diffusiond.ray): the replica that holds a job
     REPLICA_GONE = "replica_gone"  # 410: the replica that held the job no longer exists

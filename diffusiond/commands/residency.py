@@ -79,7 +79,9 @@ async def unload(args: argparse.Namespace, client: AsyncClient) -> int:
         names = [str(m["id"]) for m in (await client.models()).get("data") or []] if args.all else [args.model]
         for name in names:
             m = await client.unload(name)
-            print(f"{m.get('id', name)}: {m.get('residency')}{_took(m)}")
+            # with work queued or running, it leaves once that is done (docs/api.md)
+            pending = "; unload pending: it leaves once its work is done" if m.get("unload") == "pending" else ""
+            print(f"{m.get('id', name)}: {m.get('residency')}{_took(m)}{pending}")
     return EXIT_OK
 
 

@@ -49,6 +49,7 @@ from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.previews import Previews
 from diffusiond.daemon.outputs.slots import Outputs
 from diffusiond.daemon.residency.keeper import Keeper, shape_of
+from diffusiond.daemon.residency.ondemand import LoadFailed
 from diffusiond.daemon.state.history import History
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink, WorkerStartError
@@ -92,7 +93,7 @@ class Engine(OutputAccess):
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
         self.keeper = Keeper(config, self.pool, self.metrics, on_change=self.dispatch, oldest=self.scheduler.oldest,
-                             queued=self.scheduler.outputs)
+                             queued=self.scheduler.outputs, fail=self._fail_queued)
         self.flights = Flights(self.pool, self.scheduler, self.outputs, self.store, self.metrics,
                                held=lambda: self.paused or self.stopping, changed=self._changed, keeper=self.keeper)
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
@@ -253,18 +254,28 @@ class Engine(OutputAccess):
         return job
 
     async def load_model(self, name: str) -> None:
-        """By hand: the model onto its device now (``POST /v1/models/{name}/load``)."""
+        """By hand: the model onto its device now (``POST /v1/models/{name}/load``); refused as its jobs are
+        when ``offload=auto`` found nothing that fits, and a load that fails answers with the worker's reason."""
         model = self.pool.model(name)
+        if model.config.nothing_fits:
+            raise ModelTooLarge(self.keeper.nothing_fits(model).reason, field="name")
         if not self.keeper.known(name) and model.retired:  # never seen: its first load places it
             failed = await self.keeper.learn(model)
             if failed is not None:
-                raise NoWorker(f"model {name!r} could not be loaded: {failed}")
+                raise NoWorker(f"model {name!r} could not be loaded: {failed}", code=ErrorCode.MODEL_LOAD_FAILED)
         try:
             await self.keeper.load(model)
         except ValueError as exc:
             raise ModelTooLarge(str(exc), field="name") from None
+        except LoadFailed as exc:
+            raise NoWorker(str(exc), code=ErrorCode.MODEL_LOAD_FAILED) from None
         except TimeoutError as exc:
             raise NoWorker(str(exc)) from None
+
+    def _fail_queued(self, model: str, message: str) -> None:
+        """Residency could not load ``model``: the jobs waiting for it fail with the worker's reason."""
+        for job in self.scheduler.waiting(model):
+            self._end(job, JobStatus.FAILED, ErrorCode.MODEL_LOAD_FAILED, message, stage=job.stage_label)
 
     async def unload_model(self, name: str) -> None:
         """By hand: the model off its device once its work is done (``POST /v1/models/{name}/unload``)."""

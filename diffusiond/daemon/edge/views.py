@@ -220,6 +220,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "pinned": m.config.pinned, "queued": where.queued if where is not None else 0,
             "running": where.running if where is not None else 0,
             "residency_reason": where.reason if where is not None else "",
+            "unload": "pending" if where is not None and where.unload_pending else None,
             "working_memory": engine.keeper.working(m)}
 
 

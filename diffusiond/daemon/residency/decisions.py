@@ -119,6 +119,11 @@ class OomFail:
 OomDecision = OomRetry | OomSplit | OomFail
 
 
+def failed_load(reason: str) -> str:
+    """A model's residency reason after its load failed (``GET /v1/models``' ``residency_reason``)."""
+    return f"load failed: {reason}"
+
+
 @dataclass(frozen=True)
 class ModelStatus:
     """One model as ``GET /v1/models`` and ``diffusiond ps`` show it."""
@@ -134,6 +139,7 @@ class ModelStatus:
     queued: int
     running: int
     reason: str  # why it is where it is: the last transition's reason
+    unload_pending: bool = False  # an unload by hand waits for its work (``byhand.unload``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

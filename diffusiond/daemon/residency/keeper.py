@@ -31,9 +31,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import diffusiond.daemon.residency.byhand as byhand
+import diffusiond.daemon.residency.ondemand as ondemand
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.metrics import Metrics
-from diffusiond.daemon.residency import ondemand
 from diffusiond.daemon.residency.decisions import (
     LOADING,
     WAITING_FOR_MEMORY,
@@ -67,9 +68,11 @@ class Keeper:
     def __init__(self, config: DaemonConfig, pool: WorkerPool, metrics: Metrics, *,
                  on_change: Callable[[], None], read_free: FreeReader | None = None,
                  oldest: Callable[[str], float | None] = lambda name: None,
-                 queued: Callable[[str], int] = lambda name: 0) -> None:
+                 queued: Callable[[str], int] = lambda name: 0,
+                 fail: Callable[[str, str], None] = lambda name, message: None) -> None:
         """``oldest``: when a model's longest-waiting queued output was admitted (the scheduler's), or None;
-        ``queued``: how many of its outputs the scheduler holds (counted when the model becomes known)."""
+        ``queued``: how many of its outputs the scheduler holds (counted when the model becomes known);
+        ``fail``: fail the model's queued jobs with this message (code ``model_load_failed``): its load failed."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
@@ -87,6 +90,9 @@ class Keeper:
         self.oldest = oldest
         self.queued = queued
         self._asked: dict[str, Shape] = {}  # model -> the shape of the last batch it asked to run
+        self.fail = fail
+        self.failed: dict[str, str] = {}  # model -> why its last load failed; none is tried until a job asks
+        self.unloads: dict[str, str] = {}  # model -> an unload by hand that waits for its work (``unload``)
         self._turn_timer: asyncio.TimerHandle | None = None
 
     # what the engine tells ------------------------------------------------------------------------
@@ -128,6 +134,7 @@ class Keeper:
         """A worker has the model's weights on its device (at start, or after a move back)."""
         name = model.name
         self._register(model)
+        self.failed.pop(name, None)
         if self.policy.tier(name) in ("disk", "host") and name not in self.moving:
             self.policy.loading_started(name)
         if self.policy.tier(name) == "loading" and name not in self.moving:
@@ -142,9 +149,8 @@ class Keeper:
         every job of a model for which ``offload=auto`` found no configuration that fits (config.py)."""
         model = self.pool.models.get(name)
         if model is not None and model.config.nothing_fits:
-            budget = self.config.device_memory_bytes or 0
-            return TooLarge(name, 0, budget, (), f"model {name!r} cannot run on {model.config.devices[0]}: "
-                                                 f"{model.config.nothing_fits}")
+            return self.nothing_fits(model)
+        self.failed.pop(name, None)  # a failed load is tried again for a new job: its files may have been fixed
         if not self.known(name):
             return None
         plan = self.policy.plan(name, shape)
@@ -153,9 +159,16 @@ class Keeper:
         self.policy.queue(name, outputs)
         return None
 
+    def nothing_fits(self, model: Model) -> TooLarge:
+        """Every job of a model for which ``offload=auto`` found no configuration that fits (config.py) is
+        refused, and so is loading it by hand: the refusal names what was tried."""
+        return TooLarge(model.name, 0, self.config.device_memory_bytes or 0, (),
+                        f"model {model.name!r} cannot run on {model.config.devices[0]}: {model.config.nothing_fits}")
+
     def unqueue(self, name: str, outputs: int) -> None:
         if self.known(name) and outputs:
             self.policy.unqueue(name, min(outputs, self.policy.queued(name)))
+            self._pending_unloads()
 
     def batch_started(self, name: str, shape: Shape) -> None:
         if self.known(name):
@@ -171,6 +184,7 @@ class Keeper:
         if self.known(name):
             with contextlib.suppress(ResidencyError):  # a worker lost under it: worker_died settled the counts
                 self.policy.finish(name, shape, time.monotonic(), jobs=shape.batch, keep_alive_s=keep_alive_s)
+            self._pending_unloads()
             if self._held or self.turns.holds:
                 # what it held may let a waiting model go, and nothing else would dispatch: the batch's
                 # compute ended earlier, and a model waiting for memory would wait for the next job to come
@@ -251,8 +265,8 @@ class Keeper:
     def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
         """May ``model`` take a batch of ``shape`` now? If not, the moves that will let it are started."""
         name = model.name
-        if name in self.moving:
-            return False  # its move ends with a dispatch of its own
+        if name in self.moving or name in self.failed:
+            return False  # a move ends with a dispatch of its own; a failed load waits for a new job to ask
         if not self.known(name):
             if model.retired:  # on disk and never placed: its first load tells the policy its size
                 self._start_learning(model)
@@ -323,31 +337,17 @@ class Keeper:
         return model.capabilities.weight_bytes or None if model.known else None
 
     def snapshot(self) -> dict[str, ModelStatus]:
-        return {s.name: s for s in self.policy.snapshot()}
+        """Each model's place; with a pending unload by hand, and a never-placed model whose load failed."""
+        return byhand.snapshot(self)
 
     async def load(self, model: Model) -> None:
-        """By hand (``POST /v1/models/{name}/load``): onto its device, making room as the policy says.
-        Bounded as a worker's start is (``worker_start_timeout_s``): a load from disk is one."""
-        limit = self.config.worker_start_timeout_s
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            plan = self.policy.plan(model.name, None)
-            if isinstance(plan, TooLarge):
-                raise ValueError(plan.reason)
-            if isinstance(plan, Fits) and plan.load_from is None and model.name not in self.moving:
-                return
-            if model.name not in self.moving:
-                self.may_dispatch(model, None)
-            await asyncio.sleep(0.1)
-        raise TimeoutError(f"{model.name} did not load within {limit:g} s (worker_start_timeout_s)")
+        await byhand.load(self, model)
 
-    async def unload(self, model: Model, reason: str) -> None:
-        """By hand (``POST /v1/models/{name}/unload``, ``sleep``): off its device once it has no work.
-        A model the policy does not know yet has never been loaded (on disk since the start): nothing to do."""
-        got = self.policy.evict(model.name, reason) if self.known(model.name) else None
-        if isinstance(got, Evict):
-            for move in got.moves:
-                await self._move(model, move)
+    async def unload(self, model: Model, reason: str, *, later: bool = True) -> None:
+        await byhand.unload(self, model, reason, later=later)
+
+    def _pending_unloads(self) -> None:
+        byhand.pending(self)
 
     # moves ------------------------------------------------------------------------------------------
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -385,12 +385,13 @@ class Keeper:
             for e in self.turns.release_for(name, f"{name} failed to load"):
                 self._log_end(e)
             self.moving.discard(name)
-            self.on_change()
-            return
-        self.policy.loaded(name, time.monotonic())
-        self.metrics.model_loads_total.labels(name).inc()
-        self.metrics.model_load_seconds.observe(time.monotonic() - t0)
-        self.moving.discard(name)
+            ondemand.load_failed(self, model, str(exc))
+        else:
+            self.policy.loaded(name, time.monotonic())
+            self.metrics.model_loads_total.labels(name).inc()
+            self.metrics.model_load_seconds.observe(time.monotonic() - t0)
+            self.moving.discard(name)
+        self._pending_unloads()
         self.on_change()
 
     async def learn(self, model: Model) -> str | None:
@@ -443,6 +444,7 @@ class Keeper:
             self.metrics.model_evictions_total.labels(name, _reason_label(move.reason)).inc()
         finally:
             self.moving.discard(name)
+            self._pending_unloads()
             self.on_change()
 
     async def _expire_forever(self) -> None:

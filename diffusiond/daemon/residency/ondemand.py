@@ -6,7 +6,14 @@ seen has no size and no defaults until it has loaded once, so its first request 
 (``start_learning``; one load for everyone who asks) and is then checked with what the worker reported.
 Functions of the keeper (``keeper.py`` keeps a one-line method for each), split off it so that each of
 the two modules has one job: the keeper the moves of a running daemon, this module the loads that make
-a model known.
+a model known, and what a load that fails does (``load_failed``).
+
+A load that fails (corrupt files, a spec that no longer loads) fails the jobs waiting for it at once, with
+the worker's reason (``model_load_failed``), and nothing loads the model again by itself: a failed load
+tried again at each dispatch would start a worker every few seconds, for ever, and the jobs would wait
+until their deadline for a load that fails the same way. The next job for it (``Keeper.admit``), or a load
+by hand, tries once more: its files may have been fixed meanwhile. The start is best effort in the same
+way: a model that fails to load there stays on disk with the reason, and the others serve.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class Keeper(Protocol):
     metrics: Metrics
     moving: set[str]
     on_change: Callable[[], None]
+    fail: Callable[[str, str], None]
+    failed: dict[str, str]
     _learning: dict[str, asyncio.Task[str | None]]
 
     def _register(self, model: Model) -> None: ...
@@ -41,6 +50,19 @@ class Keeper(Protocol):
     def _spawn_move(self, model: Model, move: Move) -> None: ...
 
 log = logging.getLogger("diffusiond.daemon.residency.keeper")  # one logger for residency's moves
+
+
+class LoadFailed(RuntimeError):
+    """A load by hand (``Keeper.load``) failed: the message is the worker's reason."""
+
+
+def load_failed(k: Keeper, model: Model, reason: str) -> None:
+    """``model`` could not be loaded: the jobs waiting for it fail with ``reason``, and it stays on disk until
+    a new job or a load by hand asks again (``Keeper.failed``; see the module's docstring)."""
+    name = model.name
+    k.failed[name] = reason
+    k.fail(name, f"model {name!r} could not be loaded: {reason}. The next job for it tries the load again "
+                 "(fix its files or its spec first)")
 
 
 async def preload(k: Keeper, socket_activated: bool = False) -> None:
@@ -60,10 +82,12 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
         if not want:
             on_disk(k, model)
     chosen = [m for m in models if wanted[m.name][0]]
+    await k.pool.start([])  # the heartbeat, whatever loads
     if k.config.device_memory is None:
-        await k.pool.start(chosen)  # with none chosen, this starts only the heartbeat
+        got = await asyncio.gather(*(k.pool.start([m]) for m in chosen), return_exceptions=True)
+        _best_effort(k, list(zip(chosen, got, strict=True)))
         return
-    await k.pool.start([])
+    tried: list[tuple[Model, BaseException | None]] = []
     for model in chosen:
         if model.known and model.capabilities.weight_bytes:
             k._register(model)
@@ -71,12 +95,38 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
                 model.retired = True
                 log.info("%s stays on disk at start: it does not fit beside the models before it", model.name)
                 continue
-        await k.pool.start([model])
+        try:
+            await k.pool.start([model])
+        except Exception as exc:
+            tried.append((model, exc))
+            continue
+        tried.append((model, None))
         plan = k.policy.plan(model.name, None)
         over = k.policy.device_used(model.config.devices[0]) > k.policy.budgets[model.config.devices[0]]
         if over or isinstance(plan, TooLarge):
             move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
             await k._move(model, move)
+    _best_effort(k, tried)
+
+
+def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> None:
+    """A model that failed to load at start stays on disk with the reason, and the others serve. Only when
+    every model the start tried failed does the start fail, with the first one's reason: a daemon that
+    could load none of what it was told to is misconfigured, which is said at once rather than by each job."""
+    failures = [(m, e) for m, e in tried if e is not None]
+    for _, exc in failures:
+        if not isinstance(exc, Exception):
+            raise exc  # cancelled: the start itself is stopping
+    if failures and len(failures) == len(tried):
+        raise failures[0][1]
+    for model, exc in failures:
+        reason = str(exc)
+        log.error("%s stays on disk: loading it at start failed: %s", model.name, reason)
+        on_disk(k, model)
+        if k.policy.has(model.name):  # its size is remembered: the books say why it is on disk
+            k.policy.loading_started(model.name)
+            k.policy.load_failed(model.name, reason)
+        load_failed(k, model, reason)
 
 
 def on_disk(k: Keeper, model: Model) -> None:
@@ -107,6 +157,7 @@ async def _learn(k: Keeper, model: Model) -> str | None:
     except Exception as exc:
         log.error("loading %s failed: %s", name, exc)
         k.moving.discard(name)
+        load_failed(k, model, str(exc))
         k.on_change()
         return str(exc)
     plan = None

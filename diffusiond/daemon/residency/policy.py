@@ -35,6 +35,7 @@ from diffusiond.daemon.residency.decisions import (
     Tier,
     TooLarge,
     Wait,
+    failed_load,
 )
 from diffusiond.daemon.residency.units import FOREVER, format_bytes
 from diffusiond.daemon.residency.working import Estimate, Measurements, Shape, default_working
@@ -455,7 +456,7 @@ class Residency:
         m = self._get(name)
         if m.tier != "loading":
             raise ResidencyError(f"{name}: a load failed, but it was {m.tier}, not loading")
-        m.tier, m.loading_from, m.reason = "disk", None, f"load failed: {reason}"
+        m.tier, m.loading_from, m.reason = "disk", None, failed_load(reason)
         self._adjust(m.device, m.weight_bytes)
 
     def unloading(self, move: Move) -> None:
