@@ -120,8 +120,9 @@ class Engine(OutputAccess):
     async def start(self, *, socket_activated: bool = False) -> None:
         """Take back what the last run left unfinished, admit jobs, then load the models the start
         loads (``residency/preload.py``: by default those that fit; none when systemd started the
-        daemon on a connection); jobs admitted meanwhile wait in the queue. Fail with the first
-        worker's reason if a model cannot load, or if a LoRA adapter fits no model."""
+        daemon on a connection); jobs admitted meanwhile wait in the queue. A model that fails to load
+        stays on disk with its reason and fails its jobs; the start fails (with the first worker's
+        reason) only when every model it tried failed, or when a LoRA adapter fits no model."""
         await self.recover()
         self.accepting = True
         if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
