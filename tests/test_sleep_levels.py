@@ -27,6 +27,7 @@ from enginekit import CAPS, FakeWorker, Harness
 from diffusiond.commands.admin import asleep_line
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.core.jobs import Job, JobRequest
+from diffusiond.daemon.errors import NoWorker
 from diffusiond.ipc.messages import Ready, Sleep
 from diffusiond.protocol import JobStatus, WorkerState
 
@@ -126,6 +127,22 @@ async def test_a_worker_that_comes_up_during_a_level_2_sleep_is_stopped_not_slep
     assert not live(h, "a") and h.engine.pool.models["a"].retired
     await h.engine.wake()
     assert residency(h)["a"] == "device" and len(live(h, "a")) == 1
+
+
+async def test_no_worker_starts_at_level_2_a_never_seen_model_is_a_503_that_says_to_wake() -> None:
+    h = Harness(preload=("none",))
+    await h.engine.start()
+    try:
+        await h.engine.sleep(2)
+        with pytest.raises(NoWorker, match=r"sleeps at level 2.*wake it first"):
+            await h.engine.described("m")
+        assert not h.spawned, "no worker process was started to learn it"
+        await h.engine.wake()  # a daemon that preloads nothing loads nothing at wake
+        assert not h.spawned
+        await h.engine.described("m")  # awake: its first load is the request's, as always
+        assert [w.state for w in h.spawned] == [WorkerState.READY]
+    finally:
+        await h.close()
 
 
 async def until_true(check: Any, tries: int = 200) -> None:

@@ -81,6 +81,10 @@ class Model:
             w.state == WorkerState.STARTING for w in self.workers)
 
 
+_ASLEEP = ("{} was not started: the daemon sleeps at level 2 (everything freed); wake it first "
+           "(diffusiond wake, POST /v1/admin/wake)")
+
+
 class Asleep(WorkerStartError):
     """A worker was stopped as it came up, because the daemon sleeps at level 2."""
 
@@ -209,6 +213,8 @@ class WorkerPool:
         return env
 
     async def _start_worker(self, model: Model, device: str, replacing: WorkerLink | None = None) -> None:
+        if self.sleep_level >= 2:
+            raise Asleep(_ASLEEP.format(model.name))
         wc = self._worker_config(model, device, replacement=replacing is not None)
         handle = self._spawn(wc, self._env(device), self._on_frame, self._lost)
         if replacing is not None and replacing in model.workers:
@@ -253,8 +259,7 @@ class WorkerPool:
         model.retired = not model.workers
         self._departed.append(handle)
         await handle.stop(self.config.drain_grace_s)
-        raise Asleep(f"{model.name} was not started: the daemon sleeps at level 2 (everything freed); "
-                     "wake it first (diffusiond wake, POST /v1/admin/wake)")
+        raise Asleep(_ASLEEP.format(model.name))
 
     # losing and replacing workers ------------------------------------------------------------
     def _lost(self, worker: WorkerLink, reason: str) -> None:
@@ -277,14 +282,12 @@ class WorkerPool:
         try:
             while not self.stopping:
                 await asyncio.sleep(backoff[min(attempt, len(backoff) - 1)])
-                if self.sleep_level >= 2:  # not replaced while everything is freed: a job after the wake loads it
-                    self._give_up(model, old)
-                    return
                 try:
                     await self._start_worker(model, old.config.device, replacing=old)
                     log.info("replaced %s", old.name)
                     return
-                except Asleep:
+                except Asleep:  # not replaced while everything is freed: the wake, or a job after it, loads it
+                    self._give_up(model, old)
                     return
                 except (WorkerStartError, OSError) as exc:
                     log.error("restarting a worker for %s failed: %s", model.name, exc)
@@ -294,11 +297,11 @@ class WorkerPool:
 
     @staticmethod
     def _give_up(model: Model, old: WorkerLink) -> None:
+        """The lost worker is not replaced: the model is on disk until a load starts it (``revive``)."""
         if old in model.workers:
             model.workers.remove(old)
         model.retired = not model.workers
 
-    # fan-out --------------------------------------------------------------------------------
     # one model's workers, for residency (daemon/residency/keeper.py) ------------------------------
     async def sleep_model(self, model: Model) -> None:
         """Its weights leave the device for its workers' host memory (they stay up, so waking is a copy)."""
