@@ -257,7 +257,7 @@ class WorkerPool:
         if handle in model.workers:
             model.workers.remove(handle)
         model.retired = not model.workers
-        self._departed.append(handle)
+        self._depart([handle])
         await handle.stop(self.config.drain_grace_s)
         raise Asleep(_ASLEEP.format(model.name))
 
@@ -265,7 +265,7 @@ class WorkerPool:
     def _lost(self, worker: WorkerLink, reason: str) -> None:
         """A worker ended: the engine fails what it held, then it is replaced (unless stopping)."""
         log.error("%s", reason)
-        self._departed.append(worker)
+        self._depart([worker])
         self._on_lost(worker, reason)
         if self.stopping:
             return
@@ -316,7 +316,7 @@ class WorkerPool:
         """Stop the model's workers on purpose (not a loss: nothing is replaced); ``revive`` starts them."""
         model.retired = True
         workers, model.workers = list(model.workers), []
-        self._departed += workers
+        self._depart(workers)
         await asyncio.gather(*(w.stop(self.config.drain_grace_s) for w in workers), return_exceptions=True)
 
     async def revive(self, model: Model) -> None:
@@ -333,6 +333,9 @@ class WorkerPool:
         if bad:
             verb = "sleep" if isinstance(msg, Sleep) else "wake"
             raise PowerFailed(f"{verb} failed on {len(bad)} worker(s): {bad[0]}", code=code)
+
+    def _depart(self, workers: list[WorkerLink]) -> None:
+        self._departed = [w for w in self._departed if w.arena_capacity] + workers  # the unmapped ones go
 
     def departed_arenas(self) -> list[WorkerLink]:
         """Workers gone (stopped or lost) whose arena is still mapped for outputs the engine holds."""
