@@ -163,9 +163,37 @@ def _clip(text: str, width: int = 40) -> str:
 async def sleep(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         answer = await client.sleep(args.level)
-    where = "weights in host memory" if args.level == 1 else "workers stopped; wake loads from the files"
-    print(f"daemon asleep{_took(answer)}: device memory freed ({where}); `diffusiond wake` takes it back")
+    print(asleep_line(answer, args.level))
     return EXIT_OK
+
+
+def asleep_line(answer: dict[str, Any], asked: int) -> str:
+    """What the sleep did, from where the daemon says each model is now: on a CPU device a level-1 sleep
+    moves nothing (its memory is the host's), and a line saying "device memory freed" would be false."""
+    level = answer.get("level", asked)
+    head = f"daemon asleep at level {level}{_took(answer)}"
+    if level != asked:
+        head += f" (level {level} was in force already)"
+    models = answer.get("models")
+    if not isinstance(models, dict):  # a daemon from before the answer named them
+        return f"{head}; `diffusiond wake` takes it back"
+    by: dict[str, list[str]] = {}
+    for name, m in models.items():
+        where = m.get("residency") if isinstance(m, dict) else None
+        key = "cpu" if where in ("device", "loading") and str(m.get("device", "")).startswith("cpu") else where
+        by.setdefault(str(key), []).append(name)
+    parts = []
+    if by.get("host"):
+        parts.append(f"device memory freed: {', '.join(by['host'])} in host memory (a wake copies it back)")
+    if by.get("disk"):
+        parts.append(f"{', '.join(by['disk'])} on disk, no worker left (a wake loads from the files)")
+    if by.get("cpu"):
+        parts.append(f"nothing freed for {', '.join(by['cpu'])}: on a CPU the weights are in host memory "
+                     "already (`diffusiond sleep --level 2` stops its workers)")
+    busy = [n for k, names in by.items() if k not in ("host", "disk", "cpu") for n in names]
+    if busy:
+        parts.append(f"{', '.join(busy)} still on its device (still busy when the drain ended)")
+    return f"{head}: {'; '.join(parts) or 'no model'}; `diffusiond wake` takes it back"
 
 
 async def wake(args: argparse.Namespace, client: AsyncClient) -> int:

@@ -36,6 +36,9 @@ class _StateCollector(Collector):
         for w in s["workers"]:
             arena.add_metric([str(w["id"])], w["arena_bytes_in_use"])
         yield arena
+        yield GaugeMetricFamily("diffusiond_departed_arena_bytes", "Shared-memory arenas of workers gone (stopped "
+                                "or lost) still mapped for outputs held; unmapped with the last",
+                                value=s["departed_arena_bytes"])
         workers = GaugeMetricFamily("diffusiond_workers", "Workers by state", labels=["model", "state"])
         for w in s["workers"]:
             workers.add_metric([w["model"], w["state"]], 1)

@@ -24,9 +24,10 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from diffusiond.daemon.config import DaemonConfig
-from diffusiond.daemon.core import resume
+from diffusiond.daemon.core import power, resume
 from diffusiond.daemon.core.controls import ControlRegistry
 from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.ip_adapters import IpAdapterRegistry
@@ -42,7 +43,6 @@ from diffusiond.daemon.errors import (
     ModelTooLarge,
     NotAccepting,
     NoWorker,
-    PowerFailed,
     QueueFull,
 )
 from diffusiond.daemon.metrics import Metrics
@@ -64,7 +64,7 @@ from diffusiond.ipc.messages import (
     RequestEnded,
     SlotWait,
 )
-from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage, WorkerState
+from diffusiond.protocol import ErrorCode, Event, JobStatus, Stage
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ class Engine(OutputAccess):
         # sleep and wake run one at a time, in the order they came: a wake that arrives while a sleep
         # is still draining must not finish first and then be undone by that sleep's SLEEP commands
         self._power = asyncio.Lock()
-        self._dropped: list[Model] = []  # models whose workers a level-2 sleep stopped: wake starts them
+        self._slept: list[Model] = []  # the models on a device when a sleep began: its wake brings them back
+        self._socket_activated = False  # the start's preload choice, which a wake makes again
         self._retention: asyncio.Task[None] | None = None
         self._pool_starting = False  # workers are being started: a model without one yet will have one
         self._suspended: set[str] = set()  # jobs a clean shutdown left to the next start (``_suspend``)
@@ -124,6 +125,7 @@ class Engine(OutputAccess):
         stays on disk with its reason and fails its jobs; the start fails (with the first worker's
         reason) only when every model it tried failed, or when a LoRA adapter fits no model."""
         await self.recover()
+        self._socket_activated = socket_activated
         self.accepting = True
         if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
             self._retention = asyncio.ensure_future(self.history.retain_forever())
@@ -167,33 +169,18 @@ class Engine(OutputAccess):
             None, functools.partial(self.executor.shutdown, wait=True, cancel_futures=True))
         await self.store.close()
 
-    async def sleep(self, level: int = 1) -> None:
-        """Let running work finish, then free the devices: level 1 moves the weights to host memory
-        (a wake is one copy back); level 2 stops the workers, which frees everything they held, CUDA
-        contexts included, for a trainer that needs the whole card (a wake loads from the files)."""
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Let running work finish, then every model leaves its device through residency (``power.py``):
+        level 1 to host memory (a wake is one copy back), level 2 to disk, its workers stopped, which frees
+        everything they held, CUDA contexts included, for a trainer that needs the whole card. Answers the
+        level in force (a deeper one stays) and where each model is."""
         async with self._power:
-            self.pool.paused = True
-            await self._wait_until(lambda: not self._busy(), self.config.drain_grace_s)
-            if level == 1:
-                await self.pool.sleep_all()
-                return
-            # the models on a device; one residency already sent to host memory stays there
-            on_device = [m for m in self.models() if any(w.state == WorkerState.READY for w in m.workers)]
-            self._dropped += on_device
-            await asyncio.gather(*(self.pool.retire(m) for m in on_device))
+            return await power.sleep(self, level)
 
     async def wake(self) -> None:
+        """Jobs queued meanwhile run, and the models come back as the start's preload brought them."""
         async with self._power:
-            dropped, self._dropped = self._dropped, []
-            try:
-                await self.pool.wake_all()  # first: workers started while paused would go to sleep at once
-                started = await asyncio.gather(*(self.pool.revive(m) for m in dropped), return_exceptions=True)
-                failed = [(m.name, e) for m, e in zip(dropped, started, strict=True) if isinstance(e, BaseException)]
-                if failed:
-                    raise PowerFailed(f"wake could not start the workers of {failed[0][0]}: {failed[0][1]}",
-                                      code=ErrorCode.WAKE_FAILED)
-            finally:
-                self.dispatch()
+            await power.wake(self)
 
     def _busy(self) -> bool:
         """Work that has left the queue and not yet come back: a batch still open (computing or
@@ -447,6 +434,9 @@ class Engine(OutputAccess):
         job.deadline = None
         stage = job.stage.label
         where = f" on {', '.join(job.workers())}" if job.workers() else ""
+        if self.paused and not job.workers():  # it waited for a wake that did not come
+            where += (f" (the daemon is asleep, sleep level {self.pool.sleep_level}: nothing runs until it wakes; "
+                      "wake it with `diffusiond wake` or POST /v1/admin/wake)")
         self._end(job, JobStatus.FAILED, ErrorCode.DEADLINE_EXCEEDED,
                   f"job {job.id} passed its deadline of {timeout:g}s while {stage}{where}", stage=stage)
 

@@ -97,9 +97,8 @@ async def admin_sleep(request: web.Request) -> web.Response:
     body = await bodies.read_body(request, engine.config.limits.max_body_bytes)
     level = sleep_level(request.query.get("level"), body)
     t0 = time.perf_counter()
-    await engine.sleep(level)
-    return web.json_response({"sleeping": True, "level": level,
-                              "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
+    answer = await engine.sleep(level)  # the level in force (a deeper one stays) and where each model is
+    return web.json_response({"sleeping": True, **answer, "took_ms": round((time.perf_counter() - t0) * 1000, 1)})
 
 
 async def admin_wake(request: web.Request) -> web.Response:

@@ -235,6 +235,7 @@ def health(engine: Engine) -> dict[str, Any]:
         else "degraded",
         "accepting": engine.accepting,
         "sleeping": pool.paused,
+        "sleep_level": pool.sleep_level,
         "queue_depth": engine.scheduler.depth,
         "jobs": engine.jobs_by_status(),
         "workers": [
@@ -245,6 +246,8 @@ def health(engine: Engine) -> dict[str, Any]:
             for m, w in workers
         ],
         "arena_bytes_in_use": sum(w.held_bytes for _, w in workers),
+        # arenas of workers gone (a level-2 sleep, residency, a crash) that outputs still held keep mapped
+        "departed_arena_bytes": sum(w.arena_capacity for w in pool.departed_arenas()),
     }
 
 

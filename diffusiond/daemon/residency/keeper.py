@@ -349,6 +349,18 @@ class Keeper:
     def _pending_unloads(self) -> None:
         byhand.pending(self)
 
+    async def sleep(self, model: Model, level: int, reason: str) -> None:
+        """``sleep`` (core/power.py): off its device though jobs are queued (they wait for the wake). Level 1
+        goes where any move off the device goes (host memory on a GPU with room there, else disk); level 2
+        straight to disk, from the device or from host memory: its workers stop, freeing all they held."""
+        name = model.name
+        got = self.policy.evict(name, reason, queued_ok=True) if self.known(name) else None
+        if not isinstance(got, Evict):
+            return  # never loaded, or still running, loading or leaving: the sleep says what stayed
+        moves = got.moves if level < 2 or not got.moves else (Move(name, self.policy.tier(name), "disk", reason),)
+        for move in moves:
+            await self._move(self.pool.models[move.model], move)
+
     # moves ------------------------------------------------------------------------------------------
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -2,9 +2,10 @@
 
 The engine decides what work goes where; the pool decides which workers there are. It spawns
 one worker per (model, device), pings them, replaces one that ended (after a back-off that grows
-while workers keep dying young, so a crash loop cannot spin), and fans sleep, wake, trace and
-stop out to all of them. Frames and losses go straight to the engine's callbacks: the pool never
-looks inside a job.
+while workers keep dying young, so a crash loop cannot spin), moves one model's workers for
+residency (sleep, wake, retire, revive), and fans trace and stop out to all of them. While the
+daemon sleeps (``sleep_level``) a worker that comes up joins it: asleep at level 1, stopped at 2.
+Frames and losses go straight to the engine's callbacks: the pool never looks inside a job.
 
 The engine reaches a worker only through ``link.WorkerLink``, so tests can give the pool a
 ``spawn`` that makes in-process fakes and drive every transition of the engine without a process.
@@ -80,6 +81,14 @@ class Model:
             w.state == WorkerState.STARTING for w in self.workers)
 
 
+_ASLEEP = ("{} was not started: the daemon sleeps at level 2 (everything freed); wake it first "
+           "(diffusiond wake, POST /v1/admin/wake)")
+
+
+class Asleep(WorkerStartError):
+    """A worker was stopped as it came up, because the daemon sleeps at level 2."""
+
+
 class WorkerPool:
     def __init__(self, config: DaemonConfig, metrics: Metrics, *, on_frame: FrameCallback,
                  on_lost: LostCallback, on_ready: Callable[[WorkerLink], None],
@@ -87,7 +96,13 @@ class WorkerPool:
         self.config = config
         self.metrics = metrics
         self.models = {m.name: Model(m) for m in config.models}
-        self.paused = False  # sleeping or on the way there: new workers go to sleep at once
+        self.paused = False  # sleeping or on the way there: nothing is dispatched
+        # the sleep level in force (0: awake): a worker that comes up under level 1 sleeps at once, one
+        # under level 2 is stopped (``_start_worker``), so a trainer told "everything freed" gets it
+        self.sleep_level = 0
+        # workers stopped on purpose or lost whose arena the engine still maps, for outputs it still
+        # holds (the arena is unmapped with the last one: ``WorkerHandle.return_slot``); counted in /health
+        self._departed: list[WorkerLink] = []
         self.stopping = False
         self._on_frame = on_frame
         self._on_lost = on_lost
@@ -198,6 +213,8 @@ class WorkerPool:
         return env
 
     async def _start_worker(self, model: Model, device: str, replacing: WorkerLink | None = None) -> None:
+        if self.sleep_level >= 2:
+            raise Asleep(_ASLEEP.format(model.name))
         wc = self._worker_config(model, device, replacement=replacing is not None)
         handle = self._spawn(wc, self._env(device), self._on_frame, self._lost)
         if replacing is not None and replacing in model.workers:
@@ -228,14 +245,27 @@ class WorkerPool:
                 await self._prepare(model, handle)
             finally:
                 self.preparing.discard(handle)
+        if self.sleep_level >= 2:
+            await self._stop_asleep(model, handle)
         if self.paused:
             await handle.command(Sleep(), self.config.drain_grace_s)
         self._on_ready(handle)
+
+    async def _stop_asleep(self, model: Model, handle: WorkerLink) -> None:
+        """A worker that came up while the daemon sleeps at level 2 (an on-demand load, a replacement, a
+        start begun before the sleep) is stopped, not slept at level 1: level 2 promised the whole card."""
+        if handle in model.workers:
+            model.workers.remove(handle)
+        model.retired = not model.workers
+        self._depart([handle])
+        await handle.stop(self.config.drain_grace_s)
+        raise Asleep(_ASLEEP.format(model.name))
 
     # losing and replacing workers ------------------------------------------------------------
     def _lost(self, worker: WorkerLink, reason: str) -> None:
         """A worker ended: the engine fails what it held, then it is replaced (unless stopping)."""
         log.error("%s", reason)
+        self._depart([worker])
         self._on_lost(worker, reason)
         if self.stopping:
             return
@@ -256,26 +286,21 @@ class WorkerPool:
                     await self._start_worker(model, old.config.device, replacing=old)
                     log.info("replaced %s", old.name)
                     return
+                except Asleep:  # not replaced while everything is freed: the wake, or a job after it, loads it
+                    self._give_up(model, old)
+                    return
                 except (WorkerStartError, OSError) as exc:
                     log.error("restarting a worker for %s failed: %s", model.name, exc)
                     attempt += 1
         finally:
             model.replacing -= 1
 
-    # fan-out --------------------------------------------------------------------------------
-    async def sleep_all(self) -> None:
-        """Have each ready worker move its weights off the device (the engine drained first)."""
-        self.paused = True
-        # bounded by the load timeout, not the drain grace: a model's first move off the device pins its
-        # host block (25 s for FLUX.1-dev on the H200), and a sleep that gives up early leaves it half-moved
-        await self._fan_out(Sleep(), WorkerState.READY, self.config.worker_start_timeout_s, ErrorCode.SLEEP_FAILED)
-
-    async def wake_all(self) -> None:
-        try:
-            await self._fan_out(Wake(), WorkerState.SLEEPING, self.config.worker_start_timeout_s,
-                                ErrorCode.WAKE_FAILED)
-        finally:
-            self.paused = False
+    @staticmethod
+    def _give_up(model: Model, old: WorkerLink) -> None:
+        """The lost worker is not replaced: the model is on disk until a load starts it (``revive``)."""
+        if old in model.workers:
+            model.workers.remove(old)
+        model.retired = not model.workers
 
     # one model's workers, for residency (daemon/residency/keeper.py) ------------------------------
     async def sleep_model(self, model: Model) -> None:
@@ -291,6 +316,7 @@ class WorkerPool:
         """Stop the model's workers on purpose (not a loss: nothing is replaced); ``revive`` starts them."""
         model.retired = True
         workers, model.workers = list(model.workers), []
+        self._depart(workers)
         await asyncio.gather(*(w.stop(self.config.drain_grace_s) for w in workers), return_exceptions=True)
 
     async def revive(self, model: Model) -> None:
@@ -307,6 +333,14 @@ class WorkerPool:
         if bad:
             verb = "sleep" if isinstance(msg, Sleep) else "wake"
             raise PowerFailed(f"{verb} failed on {len(bad)} worker(s): {bad[0]}", code=code)
+
+    def _depart(self, workers: list[WorkerLink]) -> None:
+        self._departed = [w for w in self._departed if w.arena_capacity] + workers  # the unmapped ones go
+
+    def departed_arenas(self) -> list[WorkerLink]:
+        """Workers gone (stopped or lost) whose arena is still mapped for outputs the engine holds."""
+        self._departed = [w for w in self._departed if w.arena_capacity]
+        return list(self._departed)
 
     async def trace(self) -> list[tuple[WorkerLink, Ack]]:
         """Each ready worker's timeline (``--trace``)."""
