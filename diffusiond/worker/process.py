@@ -269,17 +269,19 @@ class Worker:
     @staticmethod
     def _load(config: WorkerConfig) -> Pipeline:
         from diffusiond.pipelines import load_pipeline
+        from diffusiond.pipelines.spec import model_options
 
+        # One set of options for the load and the compile: a spec's own (tiny,fuse_qkv=1) count as the table's.
+        options = model_options(config.model_spec, config.options)
         pipeline = load_pipeline(
-            config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype,
-            options=config.options,
+            config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype, options=options,
         )
         if not config.compile:
             return pipeline
         from diffusiond.pipelines.compile import CompiledPipeline, set_cache_dir
 
         set_cache_dir(config.compile_cache_dir)
-        return CompiledPipeline(pipeline, config.compile, config.options)
+        return CompiledPipeline(pipeline, config.compile, options)
 
 
     @staticmethod
