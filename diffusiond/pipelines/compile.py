@@ -43,6 +43,7 @@ import torch
 
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, PreviewSink, StepCallback, Task
+from diffusiond.pipelines.compile_rules import compile_refusal
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
@@ -99,6 +100,9 @@ class CompiledPipeline:
         pipe = getattr(inner, "pipe", None)
         if pipe is None:
             raise PipelineError(f"--compile: model {inner.name} is not a diffusers pipeline; nothing to compile")
+        refusal = compile_refusal(opts)
+        if refusal:
+            raise PipelineError(f"{refusal} (model {inner.name})")
         offload = getattr(inner, "offload", "none")
         if offload != "none":  # hooks move weights between devices inside the forward, which dynamo cannot trace
             raise PipelineError(f"--compile with offload={offload} (model {inner.name}) is refused: offload hooks "
