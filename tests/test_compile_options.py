@@ -6,15 +6,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
+import torch
 from workerkit import config
 
+from diffusiond.ipc import messages as m
+from diffusiond.pipelines import load_pipeline
+from diffusiond.pipelines.compile import CompiledPipeline, compilations, guidance_is_shape
 from diffusiond.worker.process import Worker
+
+EAGER = {"compile_backend": "eager"}
+FLUX = m.BatchParams(width=64, height=64, steps=2, guidance=3.5)
 
 
 @pytest.fixture(autouse=True)
 def _cache(model_cache: Path) -> None:
     """tiny is built once for the session."""
+
+
+def run(pipe: CompiledPipeline, params: m.BatchParams) -> None:
+    with torch.inference_mode():
+        pipe.run(params, [m.RequestSpec(request_id="r", prompt="a red fox", seed=1)], lambda _s, _t: True)
 
 
 def fused(pipe: object) -> bool:
@@ -33,3 +46,16 @@ def test_the_table_options_win_over_the_spec_s() -> None:
                                options={"compile_backend": "eager", "compile_shapes": "5"}))
     assert (pipe.backend, pipe.max_shapes) == ("eager", 5)  # type: ignore[attr-defined]
     assert not fused(pipe)
+
+
+def test_guidance_on_a_guidance_distilled_model_is_no_new_shape() -> None:
+    """FLUX takes guidance as a tensor of unchanged shape: a job at guidance 1 after one at 3.5 compiles
+    nothing, so it must not be announced as ``compiling`` (nor spend a compile_shapes slot). On a CFG
+    model (tiny, SD-like) guidance 1 halves the denoiser's batch: another shape."""
+    flux = CompiledPipeline(load_pipeline("tiny-flux", device="cpu", dtype="float32"), "default", EAGER)
+    run(flux, FLUX)
+    before = compilations()
+    assert not flux.will_compile(msgspec.structs.replace(FLUX, guidance=1.0), 1)
+    run(flux, msgspec.structs.replace(FLUX, guidance=1.0))
+    assert compilations() == before
+    assert guidance_is_shape(load_pipeline("tiny", device="cpu", dtype="float32").pipe)  # type: ignore[attr-defined]
