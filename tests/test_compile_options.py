@@ -9,8 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from workerkit import config
+from workerkit import Driver, config
 
+from diffusiond.daemon.config import ConfigError, build_config
 from diffusiond.ipc import messages as m
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.compile import CompiledPipeline, compilations, guidance_is_shape
@@ -59,3 +60,23 @@ def test_guidance_on_a_guidance_distilled_model_is_no_new_shape() -> None:
     run(flux, msgspec.structs.replace(FLUX, guidance=1.0))
     assert compilations() == before
     assert guidance_is_shape(load_pipeline("tiny", device="cpu", dtype="float32").pipe)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("values", "words"), [
+    ({"warmup": "60x64:1"}, ["--warmup 60x64:1", "multiples of 8"]),
+    ({"warmup": "64x64:3", "compile": "default"}, ["--warmup 64x64:3", "never form", "1, 2, 4", "--batch-sizes"]),
+])  # fmt: skip
+def test_a_warmup_shape_no_request_can_have_is_refused_at_start(values: dict[str, object], words: list[str]) -> None:
+    """Before any load: a size no request may ask for fails the warm-up after the model loads (FLUX: 30 s
+    and more), and a batch that never forms costs a compile and a compile_shapes slot for nothing."""
+    with pytest.raises(ConfigError) as exc:
+        build_config({}, {"model": ["tiny"], **values})
+    assert all(w in str(exc.value) for w in words), str(exc.value)
+    assert build_config({}, {"model": ["tiny"], "warmup": "64x64:3"}).models[0].warmup == ((64, 64, 3),)  # eager: forms
+
+
+async def test_a_warmup_size_off_the_model_s_own_step_stops_the_worker_naming_the_flag() -> None:
+    """tiny-flux makes sizes in multiples of 16: 72x72 passes the engine's multiple of 8, not the model's."""
+    with pytest.raises(Exception, match=r"--warmup 72x72:1: model 'tiny-flux' makes sizes in multiples of 16"):
+        async with Driver(config("tiny-flux", warmup=[m.WarmupShape(72, 72, 1)]), start_timeout=300):
+            pass

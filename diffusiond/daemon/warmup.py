@@ -63,6 +63,14 @@ def resolve_warmup(model: str, shapes: Sequence[Shape], sizes: Sequence[int], co
                           f"model compiles, and {model!r} is not compiled (an eager batch compiles nothing); give "
                           "--compile MODE, batch numbers (WxH:B), or this model's table its own warmup = []")
     out = tuple(dict.fromkeys((w, h, s) for w, h, b in shapes for s in (sizes if b == WARMUP_ALL else (b,))))
+    for w, h, b in out:
+        if w % 8 or h % 8:  # every model's least multiple; the worker holds them to the model's own (FLUX 16)
+            raise ConfigError(f"model {model!r}: --warmup {w}x{h}:{b}: width and height must be multiples of 8 "
+                              "(16 on FLUX, SD3 and Wan, 32 on LTX), the sizes a request may ask for")
+        if b not in sizes:
+            raise ConfigError(f"model {model!r}: --warmup {w}x{h}:{b}: batches of {b} never form (its batch sizes "
+                              f"are {', '.join(map(str, sizes))}: --batch-sizes), so its compile would be start-up "
+                              f"time for nothing; warm one of those, or {w}x{h}:all")
     if compiled:
         try:
             bound = compile_shapes(options)
