@@ -58,6 +58,9 @@ CONFIGS = {
     "fp8-mm": ({"fp8": "1", "quant": "text_encoder_2:fp8-storage"}, True),
     "te-fp8": ({"quant": "text_encoder:fp8-storage"}, True),
     "model": ({"offload": "model"}, True),
+    "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built: compiles (fp8-storage is refused with --compile)
+    "cache-fbc": ({"cache": "fbc"}, False),  # step caches (eager: refused with --compile), PSNR against resident
+    "cache-taylorseer": ({"cache": "taylorseer"}, False),
     "q8": ({}, False),
     "q4": ({}, False),
 }
@@ -158,7 +161,7 @@ def one(a: argparse.Namespace) -> None:
     if a.compile:  # the daemon's --compile (regional for the transformer); the warm-up image compiles
         from diffusiond.pipelines.compile import CompiledPipeline
 
-        CompiledPipeline(dp, a.compile)
+        CompiledPipeline(dp, a.compile, options)  # with the options: what a compile refuses is refused here too
     if cuda:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory

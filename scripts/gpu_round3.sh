@@ -11,7 +11,9 @@
 #   PRESETS="sd3.5-medium ltx-2b" timeout 585 scripts/gpu_round3.sh setup controlnet hires presets pack
 #   timeout 585 scripts/gpu_round3.sh setup attention pack   (issue 31; flash-attn, sageattention wheels in .whl/ if wanted)
 #   timeout 585 scripts/gpu_round3.sh setup batch-curve pack   (issue 31: 512² compiled throughput curve, batches in
-#     powers of two up to 16, every size warmed by --warmup 512x512:all; in a call of its own: 5 cold compiles)
+#     powers of two up to 8, every size warmed by --warmup 512x512:all; then BSZ_MAX=16 BSZ_SWEEP=32,64 in a call of its own)
+#   timeout 585 scripts/gpu_round3.sh setup sdxl pack; ... flux-compiled pack; ... flux-fp8-compiled pack;
+#     ... step-cache pack; ... ready pack   (issue 31: one call each)
 # Each call's figures are written up in docs/benchmarks.md before the next (a machine can stop answering).
 set -uo pipefail
 out=/tmp/r3-out
@@ -103,12 +105,45 @@ PY
       step attention 480 python3 -m diffusiond.bench.attention --model random:flux-dev,save=0 --size 1024x1024 \
         --steps 28 --rounds ${ATTN_ROUNDS:-2} \
         --backends ${ATTN_BACKENDS:-native,_native_flash,_native_cudnn,_native_efficient,flash,_flash_3,xformers,sage} ;;
-    batch-curve)  # issue 31: SD 1.5 size 512², 4 steps, reduce-overhead, --max-batch 16: images/s over clients
-      # (target >= 50); bench --compile serves --warmup 512x512:all, so batches of 1, 2, 4, 8, 16 are compiled before
-      # ready and no other size forms (--batch-sizes auto). BSZ_SWEEP picks the concurrencies, BSZ_MAX the max batch
+    batch-curve)  # issue 31: SD 1.5 size 512², 4 steps, reduce-overhead: images/s over clients (target >= 50);
+      # bench --compile serves --warmup 512x512:all, so every batch size that forms (powers of two up to BSZ_MAX) is
+      # compiled cold before ready, about 100 s each: 5 shapes at 16 do not fit one call with the runs. Run it twice,
+      # each call on its own: BSZ_MAX=8 (4 shapes, the default), then BSZ_MAX=16 BSZ_SWEEP=32,64. Each run's row is
+      # on bench's stderr as it ends ("bench: row {...}" in batch-curve.log), so a timeout still leaves figures
       step batch-curve 570 python3 -m diffusiond bench --model random:sd15,save=0 --dtype float16 --size 512x512 \
-        --steps 4 --format png --batch ${BSZ_MAX:-16} --requests ${BSZ_REQUESTS:-128} --concurrency 16 \
-        --sweep ${BSZ_SWEEP:-4,8,32,64} --compile reduce-overhead --modes limit,async --rounds 1 --json ;;
+        --steps 4 --format png --batch ${BSZ_MAX:-8} --requests ${BSZ_REQUESTS:-96} --concurrency ${BSZ_MAX:-8} \
+        --sweep ${BSZ_SWEEP:-4,32} --compile reduce-overhead --modes async --rounds 1 --no-flops --json ;;
+    sdxl)  # issue 31: SDXL 1024² 30 steps exact, compiled (UNet whole, default mode) against eager, in one process
+      # (bench's limit and limit-compiled: the forward-only ceiling, absolute seconds per image in the JSON)
+      step sdxl 570 python3 -m diffusiond bench --model random:sdxl,save=0 --dtype float16 --size 1024x1024 \
+        --steps 30 --batch 1 --requests 3 --modes limit,limit-compiled --compile ${SDXL_COMPILE:-default} \
+        --rounds 1 --no-flops --json ;;
+    flux-compiled)  # issue 31: FLUX.1-dev 1024² 28 steps exact: compiled (regional) with the best attention backend
+      # of the `attention` step (FLUX_ATTN) and fused QKV, against eager on that backend (limit: QKV unfused, as
+      # fuse_qkv applies only to a compiled model); FLUX_COMPILE=reduce-overhead for CUDA graphs
+      step flux-compiled 570 python3 -m diffusiond bench \
+        --model random:flux-dev,save=0,fuse_qkv=1${FLUX_ATTN:+,attention=$FLUX_ATTN} --dtype bfloat16 \
+        --size 1024x1024 --steps 28 --batch 1 --requests 3 --modes limit,limit-compiled \
+        --compile ${FLUX_COMPILE:-default} --rounds 1 --no-flops --json ;;
+    flux-fp8-compiled)  # issue 31: FLUX in fp8 (torchao, weights and activations) compiled, against resident
+      # compiled, image and latent PSNR (bench_bigger); T5 stays bf16: fp8-storage is refused with --compile
+      step flux-fp8-compiled 560 python3 scripts/bench_bigger.py --out $out/flux-fp8-compiled \
+        --configs resident,fp8-mm-full --compile default --images 2 --timeout 260 --deadline 540 ;;
+    step-cache)  # issue 31: First Block Cache and TaylorSeer (eager: refused with --compile) against resident,
+      # FLUX.1-dev 1024² 28 steps, time per image and PSNR of images and latents
+      step step-cache 560 python3 scripts/bench_bigger.py --out $out/step-cache \
+        --configs resident,cache-fbc,cache-taylorseer --images 2 --timeout 200 --deadline 540 ;;
+    ready)  # issue 31 compile time: FLUX.1-dev cold start to ready, regional compile, one 1024² shape (target <= 60
+      # s), then SD 1.5 with --warmup 512x512:1 started twice on one state dir: the second is the warm restart
+      # (target <= 15 s). scripts/ready_time.py: serve, poll /ready, one JSON line; the compile cache is in --state-dir
+      rm -rf /tmp/r3-state-flux /tmp/r3-state-sd15
+      for run in flux:random:flux-dev,save=0:1024x1024:bfloat16 sd15:random:sd15,save=0:512x512:float16 \
+                 sd15:random:sd15,save=0:512x512:float16; do
+        IFS=: read -r tag kind model size dt <<< "$run"
+        step ready-$tag-$SECONDS 280 python3 scripts/ready_time.py /tmp/r3-$tag.sock $out/ready-$tag-serve.log -- \
+          --state-dir /tmp/r3-state-$tag --model "$kind:$model" --device cuda \
+          --dtype $dt --compile default --warmup $size:1
+      done ;;
     pack) tar czf "${OUT:-.}/r3-$(date +%H%M%S).tgz" -C /tmp r3-out && echo packed ;;
     *) echo "unknown step $s" ;;
   esac

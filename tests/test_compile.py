@@ -246,5 +246,5 @@ async def test_an_approximate_cache_is_named_in_every_output(tmp_path: Path, mod
     finally:
         d.stop()
     assert job["status"] == "succeeded", job
-    assert job["approximations"] == ["first-block-cache(threshold=0.2)"]
-    assert [c["approximations"] for c in comments] == ["first-block-cache(threshold=0.2)"] * 2
+    assert job["approximations"] == ["first-block-cache(threshold=0.2, decided per batch)"]
+    assert [c["approximations"] for c in comments] == ["first-block-cache(threshold=0.2, decided per batch)"] * 2

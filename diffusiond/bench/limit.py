@@ -35,8 +35,9 @@ class Limit:
         self.pipe = load_pipeline(s.model, device=s.device, dtype=s.dtype)
         if compiled:
             from diffusiond.pipelines.compile import CompiledPipeline
+            from diffusiond.pipelines.spec import model_options
 
-            self.pipe = CompiledPipeline(self.pipe, s.compile or "default")
+            self.pipe = CompiledPipeline(self.pipe, s.compile or "default", model_options(s.model))
         self.params = BatchParams(width=s.width, height=s.height, steps=s.steps, guidance=s.guidance,
                                   num_frames=s.frames, output_dtype=s.output_dtype)
         self.reqs = [RequestSpec(request_id=str(i), prompt=PROMPT, seed=i) for i in range(s.batch)]

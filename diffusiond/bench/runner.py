@@ -204,6 +204,13 @@ def measure(s: Setup, modes: list[str], count_flops: bool = False,
     def log(what: str) -> None:
         print(f"bench: {what} ...", file=sys.stderr, flush=True)
 
+    def done(run: ModeResult) -> None:
+        """Each run's figures on stderr as it ends: a bench cut off by a timeout has printed no JSON yet."""
+        runs.append(run)
+        row = {k: getattr(run, k) for k in ("mode", "round", "requests", "seconds", "throughput", "p50_ms", "p99_ms",
+                                            "batch_sizes")}
+        print(f"bench: row {json.dumps(row)}", file=sys.stderr, flush=True)
+
     with contextlib.ExitStack() as stack:
         limits: list[Limit] = []
         for mode in ("limit", "limit-compiled"):
@@ -224,7 +231,7 @@ def measure(s: Setup, modes: list[str], count_flops: bool = False,
         for k in range(s.rounds):
             for limit in limits:
                 log(f"round {k + 1}/{s.rounds}: {limit.mode}")
-                runs.append(limit.measure(k))
+                done(limit.measure(k))
             previews = s.previews if k % 2 == 0 else s.previews[::-1]
             for mode in daemon_modes if k % 2 == 0 else daemon_modes[::-1]:
                 for c in (s.concurrency, *(c for c in s.sweep if c != s.concurrency)):
@@ -234,13 +241,13 @@ def measure(s: Setup, modes: list[str], count_flops: bool = False,
                         log(f"round {k + 1}/{s.rounds}: {name}")
                         run = replace(s, concurrency=c, preview_every=every)
                         load = asyncio.run(drive_daemon(socks[mode], run, PROMPT))
-                        runs.append(_result(name, load, k, slo_ms=slo_ms[mode], concurrency=c))
+                        done(_result(name, load, k, slo_ms=slo_ms[mode], concurrency=c))
         if limits and len(modes) > 1:
             log("limit, closing the sequence")
-            runs.append(limits[0].measure(s.rounds - 1))
+            done(limits[0].measure(s.rounds - 1))
     if "naive" in modes:
         log("naive")
-        runs.append(run_naive(s))
+        done(run_naive(s))
     return runs, flops
 
 

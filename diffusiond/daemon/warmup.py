@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diffusiond.daemon.values import ConfigError
+from diffusiond.pipelines.compile_rules import compile_refusal
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import compile_shapes
 
@@ -51,13 +52,25 @@ def resolve_warmup(model: str, shapes: Sequence[Shape], sizes: Sequence[int], co
 
     ``all`` on an eager model is refused: it warms what a compile would cost, and an eager batch
     compiles nothing. A compiled model's warm-up must fit its ``compile_shapes``: past the bound the
-    worker keeps no graph (the shape runs eager), so the rest would be start-up time for nothing."""
+    worker keeps no graph (the shape runs eager), so the rest would be start-up time for nothing.
+    Options a compile cannot go with (pipelines/compile_rules.py) are refused here too, before any load."""
+    refusal = compile_refusal(options) if compiled else ""
+    if refusal:
+        raise ConfigError(f"model {model!r}: {refusal}")
     every = [(w, h) for w, h, b in shapes if b == WARMUP_ALL]
     if every and not compiled:
         raise ConfigError(f"model {model!r}: warmup {every[0][0]}x{every[0][1]}:all warms the batch sizes a compiled "
                           f"model compiles, and {model!r} is not compiled (an eager batch compiles nothing); give "
                           "--compile MODE, batch numbers (WxH:B), or this model's table its own warmup = []")
     out = tuple(dict.fromkeys((w, h, s) for w, h, b in shapes for s in (sizes if b == WARMUP_ALL else (b,))))
+    for w, h, b in out:
+        if w % 8 or h % 8:  # every model's least multiple; the worker holds them to the model's own (FLUX 16)
+            raise ConfigError(f"model {model!r}: --warmup {w}x{h}:{b}: width and height must be multiples of 8 "
+                              "(16 on FLUX, SD3 and Wan, 32 on LTX), the sizes a request may ask for")
+        if b not in sizes:
+            raise ConfigError(f"model {model!r}: --warmup {w}x{h}:{b}: batches of {b} never form (its batch sizes "
+                              f"are {', '.join(map(str, sizes))}: --batch-sizes), so its compile would be start-up "
+                              f"time for nothing; warm one of those, or {w}x{h}:all")
     if compiled:
         try:
             bound = compile_shapes(options)

@@ -9,10 +9,11 @@ forward with one launch. What is compiled, and how:
 - a UNet whole: its blocks differ, and the whole graph is what fuses across them;
 - the VAE decoder and the text encoders whole.
 
-Shapes are static (``dynamic=False``): each (batch, size, frames, guidance on/off) is a graph of
-its own, exact for that shape and replayable as a CUDA graph. ``compile_shapes`` bounds how many a
-module keeps (dynamo's recompile limit); a shape past the bound runs eager, so a client sending
-ever new sizes cannot make the worker compile (or hold CUDA graphs) without end.
+Shapes are static (``dynamic=False``): each (batch, size, frames, and guidance on/off where guidance
+doubles the denoiser's batch) is a graph of its own, exact for that shape and replayable as a CUDA
+graph. ``compile_shapes`` bounds how many a module keeps (dynamo's recompile limit); a shape past the
+bound runs eager, so a client sending ever new sizes cannot make the worker compile (or hold CUDA
+graphs) without end.
 
 A batch smaller than a batch size already compiled for its size runs padded to that size (the
 smallest such), with copies of its last request whose outputs are dropped: a forward of 8 costs
@@ -43,10 +44,12 @@ import torch
 
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, PreviewSink, StepCallback, Task
+from diffusiond.pipelines.compile_rules import compile_refusal
+from diffusiond.pipelines.diffusers_pipeline import _TRUE_CFG
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
-__all__ = ["CompiledPipeline", "compilations", "set_cache_dir", "shape_key"]
+__all__ = ["CompiledPipeline", "compilations", "guidance_is_shape", "set_cache_dir", "shape_key"]
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -70,11 +73,20 @@ def compilations() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def shape_key(params: BatchParams, batch: int) -> tuple[int, int, int, int, bool]:
+def shape_key(params: BatchParams, batch: int, cfg: bool = True) -> tuple[int, int, int, int, bool]:
     """What makes a compiled graph of the pipeline's modules differ: the tensors' shapes. Steps,
-    seeds, prompts and the guidance value are data, not shapes; guidance on or off is a shape (it
-    doubles the denoiser's batch)."""
-    return (batch, params.width, params.height, params.num_frames or 0, params.guidance > 1.0)
+    seeds, prompts and the guidance value are data, not shapes; guidance on or off is a shape where
+    it changes the denoiser's inputs (``cfg``: ``guidance_is_shape``)."""
+    return (batch, params.width, params.height, params.num_frames or 0, cfg and params.guidance > 1.0)
+
+
+def guidance_is_shape(pipe: Any) -> bool:
+    """Whether guidance > 1 gives the denoiser inputs of other shapes: classifier-free guidance doubles its
+    batch, and true CFG (QwenImage) runs it on the negative prompt too. A guidance-distilled model (FLUX)
+    takes the value as a tensor of unchanged shape, so guidance 1 and 3.5 share every graph (counting
+    them apart would report a ``compiling`` stage that compiles nothing and spend a ``compile_shapes`` slot)."""
+    cls = type(pipe)
+    return hasattr(cls, "do_classifier_free_guidance") or cls.__name__.startswith(_TRUE_CFG)
 
 
 def _bound_recompiles(max_shapes: int) -> None:
@@ -99,6 +111,9 @@ class CompiledPipeline:
         pipe = getattr(inner, "pipe", None)
         if pipe is None:
             raise PipelineError(f"--compile: model {inner.name} is not a diffusers pipeline; nothing to compile")
+        refusal = compile_refusal(opts)
+        if refusal:
+            raise PipelineError(f"{refusal} (model {inner.name})")
         offload = getattr(inner, "offload", "none")
         if offload != "none":  # hooks move weights between devices inside the forward, which dynamo cannot trace
             raise PipelineError(f"--compile with offload={offload} (model {inner.name}) is refused: offload hooks "
@@ -110,6 +125,7 @@ class CompiledPipeline:
         self.max_shapes = compile_shapes(opts)
         self.capabilities: Capabilities = msgspec.structs.replace(inner.capabilities, compiled=mode)
         self._seen: set[tuple[int, int, int, int, bool]] = set()
+        self._guidance_is_shape = guidance_is_shape(pipe)
         self.compiled: list[str] = []  # which modules, for the log and the tests
         self._prepare(pipe, opts)
         self.compile(pipe)
@@ -156,10 +172,13 @@ class CompiledPipeline:
                 encoder.compile(**kw)
                 self.compiled.append(name)
 
+    def _key(self, params: BatchParams, batch: int) -> tuple[int, int, int, int, bool]:
+        return shape_key(params, batch, self._guidance_is_shape)
+
     def run_size(self, params: BatchParams, batch: int) -> int:
         """The batch size a batch of ``batch`` runs at: its own when compiled or when no larger
         size of its shape is, else the smallest larger compiled one (padded)."""
-        key = shape_key(params, batch)
+        key = self._key(params, batch)
         if key in self._seen or params.edit is not None:  # edits run unpadded (their inputs are per request)
             return batch
         larger = [k[0] for k in self._seen if k[1:] == key[1:] and k[0] > batch]
@@ -167,7 +186,7 @@ class CompiledPipeline:
 
     def will_compile(self, params: BatchParams, batch: int) -> bool:
         """Whether running this batch compiles (a new shape, within the bound)."""
-        key = shape_key(params, self.run_size(params, batch))
+        key = self._key(params, self.run_size(params, batch))
         return key not in self._seen and len(self._seen) < self.max_shapes
 
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback,
@@ -183,7 +202,7 @@ class CompiledPipeline:
             torch.compiler.cudagraph_mark_step_begin()
         outputs = self.inner.run(params, requests, on_step, on_preview)[:n]
         if len(self._seen) < self.max_shapes:
-            self._seen.add(shape_key(params, size))
+            self._seen.add(self._key(params, size))
         # No copy of the outputs is needed for the CUDA-graph modes: the decoder's output (which
         # lives in the graph's memory pool) is denormalised into a fresh tensor by the pipeline.
         return outputs
@@ -199,7 +218,7 @@ class CompiledPipeline:
             torch.compiler.cudagraph_mark_step_begin()
         outputs: list[torch.Tensor] = edit(params, requests, inputs, on_step, on_preview)
         if len(self._seen) < self.max_shapes:
-            self._seen.add(shape_key(params, len(requests)))
+            self._seen.add(self._key(params, len(requests)))
         return outputs
 
     def sleep(self) -> None:

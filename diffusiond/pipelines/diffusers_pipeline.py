@@ -427,12 +427,13 @@ class DiffusersPipeline:
         kwargs["callback_on_step_end"] = step_end
         try:
             out = pipe(**kwargs)
-        except _Stop as stop:
-            pipe.maybe_free_model_hooks()  # the call's own cleanup was skipped; offload stays consistent
-            raise Interrupted(stop.step, stop.total) from None
-        except ValueError as exc:
-            # diffusers' check_inputs: size not divisible by the VAE factor, prompt too long...
-            raise PipelineError(f"{self.name} refused the request: {exc}") from exc
+        except BaseException as exc:  # its own cleanup was skipped: the step cache's state (else the next batch,
+            pipe.maybe_free_model_hooks()  # or an OOM retry, starts from it) and offload=model's hooks are reset
+            if isinstance(exc, _Stop):
+                raise Interrupted(exc.step, exc.total) from None
+            if isinstance(exc, ValueError):  # diffusers' check_inputs: size not divisible by the VAE factor...
+                raise PipelineError(f"{self.name} refused the request: {exc}") from exc
+            raise
         self.last_rollout = rollout.trajectory() if rollout is not None else None
         self.last_trajectories = recorder.arrays(pipe, params, len(requests)) if recorder is not None else None
         return self._split(out[0] if isinstance(out, tuple) else out, len(requests), params)

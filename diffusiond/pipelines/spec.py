@@ -207,6 +207,13 @@ def _stream_refusals(options: Mapping[str, str]) -> None:
                                 f"quantize the other components only, or use offload=group")
 
 
+def model_options(spec: str, options: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A model's options: those written in its spec (``tiny,fuse_qkv=1``) under those given beside it
+    (a ``[[models]]`` table's ``options``). Whatever reads an option after the load (the compile, the
+    engine's checks) reads this, so that an option never works in one of the two places only."""
+    return {**parse_spec(spec).options, **(options or {})}
+
+
 def parse_spec(spec: str) -> ModelSpec:
     """Which loader takes ``spec``; resolution is ordered, so a folder named like a hub id is a folder.
 

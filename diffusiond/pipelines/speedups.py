@@ -1,7 +1,10 @@
 """Opt-in approximate speed-ups: outputs differ from the model's own, so each is named in every output.
 
 - ``cache=fbc[:THRESHOLD]``: diffusers' First Block Cache (reuse the rest of the network's residual
-  while the first block's output changes less than THRESHOLD, default 0.05);
+  while the first block's output changes less than THRESHOLD, default 0.05). The change is measured over
+  the whole batch tensor and the skip decided once per step for the batch, so a request's output depends
+  on what it is batched with (tiny-flux, 8 steps, alone and in a batch of 4: 0.005 apart at threshold
+  0.5, where a decision flips); its name says so. TaylorSeer predicts per element and has no such dependence;
 - ``cache=taylorseer[:INTERVAL]``: diffusers' TaylorSeer cache (predict features between full steps
   every INTERVAL steps, default 5);
 - ``fp8=1``: float8 weights and activations for the denoiser's linear layers through torchao, on
@@ -40,7 +43,8 @@ def _cache_config(value: str) -> tuple[Any, str]:
     kind, _, arg = value.partition(":")
     if kind == "fbc":
         threshold = _number(f"cache={value}", arg, float) if arg else 0.05
-        return diffusers.FirstBlockCacheConfig(threshold=threshold), f"first-block-cache(threshold={threshold:g})"
+        name = f"first-block-cache(threshold={threshold:g}, decided per batch)"  # see the module's docstring
+        return diffusers.FirstBlockCacheConfig(threshold=threshold), name
     if kind == "taylorseer":
         interval = int(_number(f"cache={value}", arg, int)) if arg else 5
         return diffusers.TaylorSeerCacheConfig(cache_interval=interval), f"taylorseer-cache(interval={interval})"

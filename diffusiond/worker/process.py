@@ -209,6 +209,11 @@ class Worker:
             pipeline = await asyncio.to_thread(self._load, config)
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
+        step = pipeline.capabilities.size_step
+        for shape in config.warmup:  # the engine knows only 8; the model's own multiple is known once loaded
+            if shape.width % step or shape.height % step:
+                raise _StartError(f"--warmup {shape.width}x{shape.height}:{shape.batch}: model "
+                                  f"{config.model_name!r} makes sizes in multiples of {step}; warm such a size")
         load = getattr(getattr(pipeline, "inner", pipeline), "load_phases", None)  # a compiled one wraps it
         phases.mark(f"model ({load})" if isinstance(load, Phases) and load.parts else "model")
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
@@ -269,17 +274,19 @@ class Worker:
     @staticmethod
     def _load(config: WorkerConfig) -> Pipeline:
         from diffusiond.pipelines import load_pipeline
+        from diffusiond.pipelines.spec import model_options
 
+        # One set of options for the load and the compile: a spec's own (tiny,fuse_qkv=1) count as the table's.
+        options = model_options(config.model_spec, config.options)
         pipeline = load_pipeline(
-            config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype,
-            options=config.options,
+            config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype, options=options,
         )
         if not config.compile:
             return pipeline
         from diffusiond.pipelines.compile import CompiledPipeline, set_cache_dir
 
         set_cache_dir(config.compile_cache_dir)
-        return CompiledPipeline(pipeline, config.compile, config.options)
+        return CompiledPipeline(pipeline, config.compile, options)
 
 
     @staticmethod

@@ -1,0 +1,82 @@
+"""Compile options (``compile_backend``, ``compile_shapes``, ``fuse_qkv``, ``channels_last``) written in a
+model spec reach the compiled pipeline the worker builds, as the same options in a ``[[models]]`` table do:
+the engine holds ``--warmup`` to the spec's ``compile_shapes`` at start, so the worker must use it too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from workerkit import Driver, config
+
+from diffusiond.daemon.config import ConfigError, build_config
+from diffusiond.ipc import messages as m
+from diffusiond.pipelines import load_pipeline
+from diffusiond.pipelines.compile import CompiledPipeline, compilations, guidance_is_shape
+from diffusiond.worker.process import Worker
+
+EAGER = {"compile_backend": "eager"}
+FLUX = m.BatchParams(width=64, height=64, steps=2, guidance=3.5)
+
+
+@pytest.fixture(autouse=True)
+def _cache(model_cache: Path) -> None:
+    """tiny is built once for the session."""
+
+
+def run(pipe: CompiledPipeline, params: m.BatchParams) -> None:
+    with torch.inference_mode():
+        pipe.run(params, [m.RequestSpec(request_id="r", prompt="a red fox", seed=1)], lambda _s, _t: True)
+
+
+def fused(pipe: object) -> bool:
+    unet = pipe.inner.pipe.unet  # type: ignore[attr-defined]
+    return any(getattr(mod, "fused_projections", False) for mod in unet.modules())
+
+
+def test_compile_options_in_the_spec_reach_the_compiled_pipeline() -> None:
+    pipe = Worker._load(config("tiny,compile_backend=eager,fuse_qkv=1,compile_shapes=3", compile="default"))
+    assert (pipe.backend, pipe.max_shapes) == ("eager", 3)  # type: ignore[attr-defined]
+    assert fused(pipe)
+
+
+def test_the_table_options_win_over_the_spec_s() -> None:
+    pipe = Worker._load(config("tiny,compile_backend=inductor,compile_shapes=3", compile="default",
+                               options={"compile_backend": "eager", "compile_shapes": "5"}))
+    assert (pipe.backend, pipe.max_shapes) == ("eager", 5)  # type: ignore[attr-defined]
+    assert not fused(pipe)
+
+
+def test_guidance_on_a_guidance_distilled_model_is_no_new_shape() -> None:
+    """FLUX takes guidance as a tensor of unchanged shape: a job at guidance 1 after one at 3.5 compiles
+    nothing, so it must not be announced as ``compiling`` (nor spend a compile_shapes slot). On a CFG
+    model (tiny, SD-like) guidance 1 halves the denoiser's batch: another shape."""
+    flux = CompiledPipeline(load_pipeline("tiny-flux", device="cpu", dtype="float32"), "default", EAGER)
+    run(flux, FLUX)
+    before = compilations()
+    assert not flux.will_compile(msgspec.structs.replace(FLUX, guidance=1.0), 1)
+    run(flux, msgspec.structs.replace(FLUX, guidance=1.0))
+    assert compilations() == before
+    assert guidance_is_shape(load_pipeline("tiny", device="cpu", dtype="float32").pipe)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("values", "words"), [
+    ({"warmup": "60x64:1"}, ["--warmup 60x64:1", "multiples of 8"]),
+    ({"warmup": "64x64:3", "compile": "default"}, ["--warmup 64x64:3", "never form", "1, 2, 4", "--batch-sizes"]),
+])  # fmt: skip
+def test_a_warmup_shape_no_request_can_have_is_refused_at_start(values: dict[str, object], words: list[str]) -> None:
+    """Before any load: a size no request may ask for fails the warm-up after the model loads (FLUX: 30 s
+    and more), and a batch that never forms costs a compile and a compile_shapes slot for nothing."""
+    with pytest.raises(ConfigError) as exc:
+        build_config({}, {"model": ["tiny"], **values})
+    assert all(w in str(exc.value) for w in words), str(exc.value)
+    assert build_config({}, {"model": ["tiny"], "warmup": "64x64:3"}).models[0].warmup == ((64, 64, 3),)  # eager: forms
+
+
+async def test_a_warmup_size_off_the_model_s_own_step_stops_the_worker_naming_the_flag() -> None:
+    """tiny-flux makes sizes in multiples of 16: 72x72 passes the engine's multiple of 8, not the model's."""
+    with pytest.raises(Exception, match=r"--warmup 72x72:1: model 'tiny-flux' makes sizes in multiples of 16"):
+        async with Driver(config("tiny-flux", warmup=[m.WarmupShape(72, 72, 1)]), start_timeout=300):
+            pass

@@ -1,0 +1,72 @@
+"""The step caches (``cache=fbc|taylorseer``, pipelines/speedups.py) across a failed forward, and their
+place among the options ``--compile`` refuses.
+
+A cache hook keeps state between the denoiser's calls of one generation; diffusers resets it at the
+end of a pipeline call, which a forward that raises (an out-of-memory in the denoise loop or the VAE
+decode, a preview that fails) never reaches. The worker then retries the batch in halves, or runs
+the next one, on the failed batch's state. The failure here is injected as the worker's step
+callback raising mid-loop, which is how an error inside the forward reaches the pipeline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusiond.daemon.config import ConfigError, build_config
+from diffusiond.ipc import messages as m
+from diffusiond.pipelines import load_pipeline
+from diffusiond.pipelines.base import PipelineError
+from diffusiond.pipelines.compile import CompiledPipeline
+
+PARAMS = m.BatchParams(width=64, height=64, steps=4, guidance=3.5)
+
+
+@pytest.fixture(autouse=True)
+def _cache(model_cache: Path) -> None:
+    """tiny-flux is built once for the session."""
+
+
+def run(pipe: object, seeds: list[int], fail_at: int = 0) -> torch.Tensor:
+    def on_step(step: int, _total: int) -> bool:
+        if step == fail_at:
+            raise RuntimeError("injected: out of memory in the denoise loop")
+        return True
+
+    reqs = [m.RequestSpec(request_id=str(s), prompt=f"a red fox {s}", seed=s) for s in seeds]
+    with torch.inference_mode():
+        return torch.stack(pipe.run(PARAMS, reqs, on_step))  # type: ignore[attr-defined]
+
+
+def test_a_failed_batch_leaves_no_cache_state_behind() -> None:
+    """The batch after a failed one (here: its own retry at half the size) gives the output a fresh
+    model gives, not one computed from the failed batch's cached features."""
+    pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options={"cache": "taylorseer:2"})
+    fresh = run(pipe, [7])
+    with pytest.raises(RuntimeError, match="injected"):
+        run(pipe, [7, 8], fail_at=2)
+    assert torch.equal(run(pipe, [7]), fresh)
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"cache": "fbc:0.2"}, ["--compile with cache=fbc:0.2", "drop cache="]),
+    ({"quant": "unet:fp8-storage"}, ["--compile with quant=unet:fp8-storage", "drop --compile"]),
+])  # fmt: skip
+def test_compile_refuses_a_step_cache_and_fp8_storage_at_start(options: dict[str, str], words: list[str]) -> None:
+    """At start, in the spec or in the model's table, before a worker loads anything."""
+    spec = "t=tiny," + ",".join(f"{k}={v}" for k, v in options.items())
+    with pytest.raises(ConfigError) as exc:
+        build_config({}, {"model": [spec], "compile": "default"})
+    assert all(w in str(exc.value) for w in words), str(exc.value)
+    table = {"models": [{"name": "t", "spec": "tiny", "compile": "default", "options": options}]}
+    with pytest.raises(ConfigError, match="--compile with"):
+        build_config(table, {})
+
+
+def test_the_compiled_pipeline_refuses_a_step_cache_itself() -> None:
+    """The bench's ``limit-compiled`` and other in-process callers build it without the engine."""
+    pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options={"cache": "fbc"})
+    with pytest.raises(PipelineError, match="--compile with cache=fbc is refused"):
+        CompiledPipeline(pipe, "default", {"cache": "fbc", "compile_backend": "eager"})
