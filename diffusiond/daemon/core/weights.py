@@ -88,9 +88,9 @@ class LiveLoras:
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
         """Every live adapter's kept updates into a worker that started after them (under the lock, so
-        no update overtakes them); the model's entry says whether it fits there."""
-        if not self.kept:
-            return
+        no update overtakes them); the model's entry says whether it fits there. ``kept`` is read
+        under the lock: an update in flight when the worker came up, too early to reach it among the
+        live ones, is kept by the time the lock is free, so it is sent here."""
         async with self.registry._adding:
             for name, chain in self.kept.items():
                 assert isinstance(name, str)
@@ -211,9 +211,8 @@ class LiveComponents:
         self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # (model, component) -> updates in force
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
-        """The model's kept component updates into a worker that started after them."""
-        if not self.kept:
-            return
+        """The model's kept component updates into a worker that started after them (``kept`` read
+        under the lock, as for ``LiveLoras.replay``)."""
         async with self._lock:
             for key, chain in self.kept.items():
                 if isinstance(key, tuple) and key[0] == model.name:
