@@ -216,3 +216,30 @@ async def test_updates_for_a_model_on_disk_are_taken_and_its_next_job_runs_them(
                                                   "loras": [{"name": "trainer", "weight": 1.0}]}))["id"], 300)
         assert job["status"] == "succeeded", job
         assert job["lora_versions"] == {"trainer": 1} and job["weight_versions"] == {"unet": 1}
+
+
+def test_the_client_sends_values_not_raw_bytes_and_refuses_what_it_cannot_send() -> None:
+    """A big-endian array arrives as its values; float8/complex/float64 and NaN/inf are refused before
+    anything is sent, the tensor named (and, for a dtype, the ones that are taken)."""
+    import mmap
+
+    import torch
+
+    values = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    fd, tensors = pack({"unet.a.lora_A.weight": values.astype(">f4"), "unet.a.lora_B.weight": values.T.copy()})
+    try:
+        with mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            got = [np.frombuffer(mm, np.float32, count=12, offset=t.offset).reshape(t.shape).copy() for t in tensors]
+    finally:
+        os.close(fd)
+    assert [t.dtype for t in tensors] == ["float32", "float32"]
+    assert np.array_equal(got[0], values) and np.array_equal(got[1], values.T)
+    for bad in (torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.zeros(2, 4, dtype=torch.complex64),
+                np.zeros((2, 4), np.float64)):
+        with pytest.raises(TypeError) as err:
+            pack({"unet.a.lora_A.weight": bad})
+        assert "'unet.a.lora_A.weight'" in str(err.value) and "float32, float16, bfloat16" in str(err.value)
+    for bad in (torch.full((2, 4), float("nan"), dtype=torch.bfloat16), np.full((2, 4), np.inf, np.float16)):
+        with pytest.raises(ValueError) as err:
+            pack({"unet.a.lora_A.weight": np.ones((2, 4), np.float32), "unet.a.lora_B.weight": bad})
+        assert "tensor 'unet.a.lora_B.weight' holds NaN or infinite values" in str(err.value)

@@ -50,10 +50,11 @@ from diffusiond.daemon.errors import InvalidRequest
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, Ack, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.protocol import MODEL_DTYPES
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")  # what LoRA weights are trained and served in
+DTYPES = MODEL_DTYPES  # weights are taken in the dtypes a model runs in (the client checks the same)
 _KINDS = (".lora_A.weight", ".lora_B.weight")
 MAX_DIMS = 4  # Linear (2) and Conv2d (4) LoRA matrices
 
