@@ -210,7 +210,19 @@ def test_unknown_array_names_and_jobs_without_a_trajectory_are_404s_that_say_why
     assert exc.value.status == 404
 
 
+def _png() -> str:
+    import base64
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 @pytest.mark.parametrize(("body", "field", "words"), [
+    # inpainting pastes the known region back after each step: the latents would not be the log-probs'
+    ({"image": _png(), "mask": _png(), "width": None, "height": None}, "trajectory", "inpainting"),
     ({"scheduler": "euler", "eta": None}, "trajectory.log_probs", "flow-sde"),
     ({"eta": 0}, "trajectory.log_probs", "eta > 0"),
     ({"trajectory": {"latents": True, "log_probs": False}, "scheduler": None, "eta": None}, "trajectory.latents",
