@@ -156,6 +156,8 @@ def images_base64(draw: st.DrawFn, ctx: Ctx) -> Req:
     body["image"] = as_base64(draw(image_bytes()), draw(st.integers(0, 5)))
     if draw(st.booleans()):
         body["mask"] = as_base64(draw(image_bytes()), draw(st.integers(0, 5)))
+    if draw(st.integers(0, 3)) == 0:  # an edit's trajectory (refused on inpainting), with its sampler
+        body.update(trajectory=draw(trajectory_values), scheduler="ddim", eta=1.0)
     if draw(st.integers(0, 3)) == 0:
         body["size"] = "64x64"  # only generations know size: an unknown field on jobs
         body["width"] = body["height"] = 64

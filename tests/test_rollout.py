@@ -286,3 +286,32 @@ def test_any_noise_value_is_a_job_or_a_400_naming_a_field(field: str, value: obj
         return
     got = getattr(job, field)
     assert got is None or (isinstance(got, float) and math.isfinite(got) and got >= 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_steps_log_prob_is_of_the_latents_it_hands_on_in_their_dtype(dtype: torch.dtype) -> None:
+    """On a half-precision model the next step (and the trajectory) gets x_{t-1} rounded to the latents'
+    dtype: the log-prob is that point's density, bit for bit, not the unrounded draw's."""
+    from diffusers import DDIMScheduler
+
+    from diffusiond.pipelines.rollout_schedulers import RolloutDDIMScheduler, ddim_mean_std, gaussian_log_prob
+
+    gen = torch.Generator().manual_seed(0)
+    x, v = torch.randn(1, 16, 64, generator=gen).to(dtype), torch.randn(1, 16, 64, generator=gen).to(dtype)
+    flow = FlowSDEScheduler()
+    flow.set_timesteps(20)
+    ddim = RolloutDDIMScheduler.from_config(DDIMScheduler().config)
+    ddim.set_timesteps(20)
+    for sched in (flow, ddim):
+        sched.begin([torch.Generator().manual_seed(1)], 1.0 if sched is ddim else None, record_latents=True)
+        for t in sched.timesteps[-2:] if sched is ddim else sched.timesteps:
+            prev = sched.step(v, t, x, return_dict=False)[0]
+            step = sched.records[-1]
+            if sched is flow:
+                s, s_next = step.sigma, step.sigma_next
+                mean, std = flow_sde_mean_std(x.float(), v.float(), s, s_next, float(flow.sigmas[1]), 0.7)
+            else:
+                mean, std, _, _ = ddim_mean_std(ddim, v.float(), int(t), x.float(), 1.0)
+            if std > 0:
+                assert torch.equal(step.log_prob, gaussian_log_prob(prev.float(), mean, std)), (sched, t)
+            assert prev.dtype == dtype and step.prev_sample is not None and torch.equal(step.prev_sample, prev)

@@ -10,9 +10,11 @@ Unix socket read by hand, which aiohttp's transports do not expose; the output s
 that socket (``daemon/edge/handoff.py``), with the same same-user rule.
 
 The call is blocking and returns the adapter's new version once every live worker applied it
-(between two batches: no batch mixes versions). If this process dies after sending, the update
-still completes; before, nothing happened. Refusals come back as ``DaemonError`` (status 400,
-the first bad tensor named), exactly as the HTTP API would shape them.
+(between two batches: no batch mixes versions; a model with no worker running gets it when it
+starts). If this process dies after sending, the update still completes; before, nothing
+happened. Refusals come back as ``DaemonError`` (status 400, the first bad tensor named), exactly
+as the HTTP API would shape them; what cannot be sent at all (a dtype other than the three, NaN or
+infinite values) raises TypeError or ValueError here, naming the tensor, before anything is sent.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import array
 import mmap
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,7 @@ from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachab
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
-from diffusiond.protocol import output_socket_path
+from diffusiond.protocol import MODEL_DTYPES, output_socket_path
 
 _ALIGN = 64  # each tensor starts on a cache line
 
@@ -61,18 +63,33 @@ def pack(state_dict: Mapping[str, Any]) -> tuple[int, list[WeightTensor]]:
 
 
 def _as_array(name: object, value: Any) -> tuple[str, np.ndarray]:
-    """The dtype's name as the daemon reads it, and a C-contiguous array of the value's bytes."""
+    """The dtype's name as the daemon reads it, and a C-contiguous array of the value in this machine's
+    byte order (the daemon reads the memfd in it: a big-endian array's raw bytes would be garbage
+    there). What the daemon would take wrongly or not at all is refused here, the tensor named: a
+    dtype other than the three (TypeError; some, float8 say, have no numpy form to send) and NaN or
+    infinite values (ValueError: they would reach every image the adapter touches)."""
     if type(value).__module__.startswith("torch"):  # no torch import for callers who send numpy
         t = value.detach().cpu().contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
+        _check(name, dtype, lambda: bool(t.isfinite().all()))
         if dtype == "bfloat16":  # numpy has no bfloat16: its words travel as int16
             import torch
 
             return dtype, t.view(torch.int16).numpy()
         return dtype, t.numpy()
     if isinstance(value, np.ndarray):
-        return value.dtype.name, np.ascontiguousarray(value)
+        _check(name, value.dtype.name, lambda: bool(np.isfinite(value).all()))
+        return value.dtype.name, np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
     raise TypeError(f"tensor {name!r} is a {type(value).__name__}; give torch tensors or numpy arrays")
+
+
+def _check(name: object, dtype: str, finite: Callable[[], bool]) -> None:
+    if dtype not in MODEL_DTYPES:
+        raise TypeError(f"tensor {name!r} has dtype {dtype}; weights are sent as {', '.join(MODEL_DTYPES)}: "
+                        "convert it first (e.g. .float())")
+    if not finite():
+        raise ValueError(f"tensor {name!r} holds NaN or infinite values; a diverged step's weights would "
+                         "reach every output they touch, so they are not sent")
 
 
 def update_lora(socket_path: str, name: str, state_dict: Mapping[str, Any], timeout: float | None) -> int:

@@ -10,7 +10,9 @@ never on the batch it shared.
 
 Conventions, both papers': the log-probability is the Gaussian log-density of ``x_{t-1}`` under
 ``N(mean, std^2)`` *averaged* (not summed) over every dimension but the batch one, computed in float32
-on the float32 sample before it is cast back to the latents' dtype.
+on ``x_{t-1}`` as it is kept: drawn in float32, cast to the latents' dtype (what the next step and the
+trajectory get), then read back as float32. On a bf16/fp16 model the density of the unrounded draw
+would be of a point the run never visited, off by ~1e-3 per step at the schedule's end.
 
 ``DiffusersPipeline.last_rollout`` keeps the last run's ``Trajectory`` (the hook tests read in
 process); ``trajectories.py`` turns it, with the latents, into the arrays a request's output carries.
@@ -153,11 +155,10 @@ class FlowSDEScheduler(_Recording, FlowMatchEulerDiscreteScheduler):
         sigma_max = float(self.sigmas[1]) if len(self.sigmas) > 1 else sigma_next
         x, v = sample.float(), model_output.float()  # bf16 overflows in the mean (Flow-GRPO's note)
         mean, std = flow_sde_mean_std(x, v, sigma, sigma_next, sigma_max, self.noise_level)
-        prev = mean + std * self._noise(x, generator)
+        prev = (mean + std * self._noise(x, generator)).to(sample.dtype)  # what the next step is given
         self._record(timestep.flatten()[0] if torch.is_tensor(timestep) else timestep, sigma, sigma_next, std,
-                     gaussian_log_prob(prev, mean, std), x, prev, v)
+                     gaussian_log_prob(prev.float(), mean, std), x, prev, v)
         self._step_index += 1
-        prev = prev.to(sample.dtype)
         return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev) if return_dict else (prev,)
 
 
@@ -213,10 +214,9 @@ class RolloutDDIMScheduler(_Recording, DDIMScheduler):
         t = int(timestep)
         x, out = sample.float(), model_output.float()
         mean, std, sigma, sigma_next = ddim_mean_std(self, out, t, x, self.eta)
-        prev = mean + std * self._noise(x, generator)
+        prev = (mean + std * self._noise(x, generator)).to(sample.dtype)  # what the next step is given
         # A step onto its own timestep (t = 0 of a 'leading' schedule) has no variance: it is deterministic,
         # and a deterministic step adds nothing to a trajectory's log-prob (0, where DDPO's formula gives NaN).
-        lp = gaussian_log_prob(prev, mean, std) if std > 0 else torch.zeros(x.shape[0], device=x.device)
+        lp = gaussian_log_prob(prev.float(), mean, std) if std > 0 else torch.zeros(x.shape[0], device=x.device)
         self._record(t, sigma, sigma_next, std, lp, x, prev, out)
-        prev = prev.to(sample.dtype)
         return DDIMSchedulerOutput(prev_sample=prev, pred_original_sample=None) if return_dict else (prev,)

@@ -17,6 +17,14 @@ its first batch): the engine keeps a duplicate of each update's memfd, dropping 
 later update of the same adapter or component names all of its tensors, so what is kept is bounded
 by the tensors the trainer sends, and the new worker ends at the same versions as the others.
 
+A model with no worker running (on disk after its keep_alive, retired by a level-2 sleep, never
+loaded under ``--preload none``) is exactly when a trainer pushes weights, so it does not make an
+update fail: the update is kept, and that model's next worker checks it against the model and
+applies it before its first job; a refusal then shows in the model's ``lora_errors``, as one from
+a running worker does. Only when every model that could take the update ran it and refused is it a
+400. Versions count accepted updates (1 for the first); a number that a worker may hold (it did
+not answer in time) is never given again.
+
 One update at a time, under the registry's lock: a worker answers one command of a kind at a time,
 and an update of an adapter being registered by ``POST /v1/loras`` must not race it.
 """
@@ -38,15 +46,15 @@ from diffusiond.daemon.core.loras import (
     live_workers,
     refusals,
 )
-from diffusiond.daemon.errors import InvalidRequest, Unavailable
+from diffusiond.daemon.errors import InvalidRequest
 from diffusiond.daemon.workers.link import WorkerLink
-from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
+from diffusiond.ipc.messages import LIVE_PATH, Ack, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import numpy_dtype
-from diffusiond.protocol import WorkerState
+from diffusiond.protocol import MODEL_DTYPES
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")  # what LoRA weights are trained and served in
+DTYPES = MODEL_DTYPES  # weights are taken in the dtypes a model runs in (the client checks the same)
 _KINDS = (".lora_A.weight", ".lora_B.weight")
 MAX_DIMS = 4  # Linear (2) and Conv2d (4) LoRA matrices
 
@@ -82,15 +90,15 @@ async def resend(worker: WorkerLink, chain: list[tuple[Update, int]], timeout: f
 class LiveLoras:
     def __init__(self, registry: LoraRegistry) -> None:
         self.registry = registry
-        self.versions: dict[str, int] = {}  # live adapter -> the version its workers hold
-        self._issued: dict[str, int] = {}  # never reused, even by an update refused everywhere
+        self.versions: dict[str, int] = {}  # live adapter -> the version of its last accepted update
+        self._drawn: dict[str, int] = {}  # the highest version a worker may hold: never given twice
         self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # adapter -> its updates still in force
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
         """Every live adapter's kept updates into a worker that started after them (under the lock, so
-        no update overtakes them); the model's entry says whether it fits there."""
-        if not self.kept:
-            return
+        no update overtakes them); the model's entry says whether it fits there. ``kept`` is read
+        under the lock: an update in flight when the worker came up, too early to reach it among the
+        live ones, is kept by the time the lock is free, so it is sent here."""
         async with self.registry._adding:
             for name, chain in self.kept.items():
                 assert isinstance(name, str)
@@ -124,28 +132,52 @@ class LiveLoras:
         if not new and name not in self.versions:  # registered from a file meanwhile
             raise _file_registered(self.registry.loras[name])
         targets = [m for m in models if new or name not in m.lora_errors]
+        if not targets:
+            raise InvalidRequest(f"LoRA {name!r} is served by no model here "
+                                 f"({refusals({m.name: m.lora_errors[name] for m in models})}); send the "
+                                 "trainer's adapter whole under a new name", field="name")
         live = live_workers(targets)
-        if not live:
-            raise Unavailable("no worker is running to take the update; retry once the model is loaded",
-                              retry_after_s=5)
-        version = self._issued[name] = self._issued.get(name, 0) + 1
+        idle = [m for m in targets if all(lm is not m for lm, _ in live)]  # checked when it next starts
+        version = max(self.versions.get(name, 0), self._drawn.get(name, 0)) + 1
         forward = UpdateLora(name, msg.tensors, version)
-        whys = await ask_all(live, lambda w: w.command(forward, timeout, [os.dup(fd)]))
-        if not {m.name for m, _ in live} - set(whys):
+        whys, unanswered = await _ask(live, forward, fd, timeout)
+        accepted = {m.name for m, _ in live} - set(whys)
+        # A refusal of a new adapter may be the model's (no such component): an idle model may still
+        # take it. One of an existing adapter is about the adapter, which is the same on every model.
+        if not accepted and (not idle or (whys and not new)):
+            if unanswered:  # a worker that did not answer may hold it: the number is never given again
+                self._drawn[name] = version
             raise InvalidRequest(f"LoRA {name!r} update refused: {refusals(whys)}", field="tensors")
         for m in targets:
             if m.name in whys:
                 m.lora_errors[name] = whys[m.name]  # it holds the old weights, or none: not served there
             elif new:
                 m.lora_errors.pop(name, None)
-        for m in models:
-            if new and m not in targets:
-                m.lora_errors[name] = "it was not running when the adapter was created by update_lora"
+        if idle:
+            log.info("LoRA %r version %d kept for %s, which run no worker: applied when they start", name,
+                     version, ", ".join(m.name for m in idle))
         if new:
             self.registry.loras[name] = _info(msg)
-        self.versions[name] = version
+        self.versions[name] = self._drawn[name] = version
         keep(self.kept, name, forward, fd)
         return version
+
+
+async def _ask(live: list[tuple[ModelLoras, WorkerLink]], msg: Update, fd: int,
+               timeout: float) -> tuple[dict[str, str], bool]:
+    """``ask_all`` with the update (each worker its own duplicate of the fd); and whether a worker did
+    not answer, which may have applied it all the same."""
+    unanswered = False
+
+    async def send(w: WorkerLink) -> Ack:
+        nonlocal unanswered
+        try:
+            return await w.command(msg, timeout, [os.dup(fd)])
+        except Exception:
+            unanswered = True
+            raise
+
+    return (await ask_all(live, send) if live else {}), unanswered
 
 
 def check_header(msg: UpdateLora, fd: int, registered: LoraInfo | None) -> None:
@@ -203,24 +235,34 @@ def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
 class LiveComponents:
     """``update_weights``: whole parameters of one component, in place in every live worker of a model.
     A model's workers run the same weights, so each must accept: one that refuses or does not
-    answer is reported, and the update is refused (the others applied it: send it again)."""
+    answer is reported, and the update is refused (the others applied it: send it again). A model
+    with no live worker takes it on trust: it is kept, and checked by the model when it next starts;
+    one refused then is dropped (logged), since no worker of that model would ever take it."""
 
     def __init__(self) -> None:
-        self.versions: dict[tuple[str, str], int] = {}
+        self.versions: dict[tuple[str, str], int] = {}  # the version of each one's last accepted update
+        self._drawn: dict[tuple[str, str], int] = {}  # the highest version a worker may hold
         self._lock = asyncio.Lock()
         self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # (model, component) -> updates in force
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
-        """The model's kept component updates into a worker that started after them."""
-        if not self.kept:
-            return
+        """The model's kept component updates into a worker that started after them (``kept`` read
+        under the lock, as for ``LiveLoras.replay``)."""
         async with self._lock:
             for key, chain in self.kept.items():
                 if isinstance(key, tuple) and key[0] == model.name:
-                    why = await resend(worker, chain, timeout)
-                    if why:  # the worker runs the files' weights there: it will not match the others
-                        log.error("%s of model %s was not restored on %s: %s", key[1], model.name, worker.name,
-                                  why)
+                    for entry in list(chain):
+                        try:
+                            ack = await worker.command(entry[0], timeout, [os.dup(entry[1])])
+                        except Exception as exc:  # the worker runs the files' weights there: it is replaced
+                            log.error("%s of model %s was not restored on %s: the worker did not answer: %s",
+                                      key[1], model.name, worker.name, exc)
+                            break
+                        if not ack.ok:
+                            log.error("%s of model %s: update version %d is refused by the model, and dropped: "
+                                      "%s", key[1], model.name, entry[0].version, ack.message)
+                            chain.remove(entry)
+                            os.close(entry[1])
 
     async def update(self, msg: UpdateWeights, fds: list[int], models: Callable[[str], ModelLoras],
                      timeout: float) -> int:
@@ -235,21 +277,20 @@ class LiveComponents:
                                      "transformer, text_encoder)", field="component")
             check_tensors(msg.tensors, fds[0], lora=False)
             async with self._lock:
-                live = [w for w in model.workers if w.state in (WorkerState.READY, WorkerState.SLEEPING)]
-                if not live:
-                    raise Unavailable(f"no worker of model {model.name} is running to take the update; retry "
-                                      "once it is loaded", retry_after_s=5)
                 key = (model.name, msg.component)
-                version = self.versions.get(key, 0) + 1
+                version = max(self.versions.get(key, 0), self._drawn.get(key, 0)) + 1
                 forward = UpdateWeights(msg.model, msg.component, msg.tensors, version)
-                acks = await asyncio.gather(*(w.command(forward, timeout, [os.dup(fds[0])]) for w in live),
-                                            return_exceptions=True)
-                whys = [f"the worker did not answer: {a}" if isinstance(a, BaseException) else a.message
-                        for a in acks if isinstance(a, BaseException) or not a.ok]
-                self.versions[key] = version  # drawn even if refused: a version is never reused
+                live = live_workers([model])
+                whys, unanswered = await _ask(live, forward, fds[0], timeout)
                 if whys:
-                    raise InvalidRequest(f"{msg.component} of model {model.name}: update refused: {whys[0]}",
-                                         field="tensors")
+                    if unanswered or len(live) > 1:  # a worker may hold it: the number is never given again
+                        self._drawn[key] = version
+                    raise InvalidRequest(f"{msg.component} of model {model.name}: update refused: "
+                                         f"{whys[model.name]}", field="tensors")
+                if not live:
+                    log.info("%s of model %s version %d kept: no worker runs, applied when one starts",
+                             msg.component, model.name, version)
+                self.versions[key] = self._drawn[key] = version
                 keep(self.kept, key, forward, fds[0])
                 return version
         finally:

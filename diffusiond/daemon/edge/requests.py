@@ -327,7 +327,8 @@ def check(
                 field="scheduler",
             )
     noise_level, eta = _noise(req, scheduler)
-    trajectory = check_trajectory(req.get("trajectory"), scheduler, eta)
+    trajectory = check_trajectory(req.get("trajectory"), scheduler, eta,
+                                  inpainting=edit is not None and edit.task is Task.INPAINTING)
     preview = _preview(req.get("preview"), model, steps)
     lora_pairs = check_lora_list(req.get("loras"), limits)
     if lora_pairs:

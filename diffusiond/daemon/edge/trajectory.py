@@ -23,10 +23,13 @@ class TrajectoryBody(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str = "float32"
 
 
-
-def check_trajectory(body: Any, scheduler: str | None, eta: float | None) -> TrajectorySpec | None:
+def check_trajectory(body: Any, scheduler: str | None, eta: float | None, *,
+                     inpainting: bool = False) -> TrajectorySpec | None:
     """``trajectory``: the steps' log-probabilities exist only under a stochastic sampler, and the
-    latents are recorded by the same one, so both need ``flow-sde`` or ``ddim`` with ``eta`` > 0."""
+    latents are recorded by the same one, so both need ``flow-sde`` or ``ddim`` with ``eta`` > 0.
+    Not on inpainting: the pipelines paste the known region back into the latents after each step,
+    so the latents a step hands on are not the ones its log-prob is of, and a trainer recomputing the
+    log-probs from them would get other numbers with no sign why."""
     if body is None:
         return None
     if isinstance(body, dict):  # a caller in process (the fuzz tests); bodies arrive decoded
@@ -43,6 +46,11 @@ def check_trajectory(body: Any, scheduler: str | None, eta: float | None) -> Tra
     if body.dtype not in TRAJECTORY_DTYPES:
         raise invalid(f"trajectory.dtype must be one of {', '.join(TRAJECTORY_DTYPES)}, got {body.dtype!r}",
                       field="trajectory.dtype")
+    if inpainting:
+        raise invalid("trajectory is not available on inpainting (an image with a mask): after each step the "
+                      "pipeline pastes the unmasked region back into the latents, so the returned latents would "
+                      "not be the ones the log-probs are of; leave out trajectory, or the mask",
+                      field="trajectory")
     if not (scheduler == "flow-sde" or (scheduler == "ddim" and eta)):
         what = "log_probs" if body.log_probs else "latents"
         named = "the model's default (send scheduler)" if scheduler is None else repr(scheduler)

@@ -1,0 +1,245 @@
+"""Live updates (issue 29) in the engine's bookkeeping, in process: fake workers whose answers the test
+holds back, so orderings that a real daemon reaches only by luck are reached every time. Last, the
+same against a real daemon that starts with no model loaded (``--preload none``), as a trainer finds
+it after a level-2 sleep or a keep_alive that ran out.
+
+``LiveLoras`` and ``LiveComponents`` are driven as the engine drives them: ``update`` for the trainer's
+call, ``replay`` for a worker that came up (``Engine._prepare_worker``). A fake worker records what it
+was sent and answers when the test lets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from daemonkit import Daemon, http, shared_daemon, submit, wait_job
+
+from diffusiond.client import AsyncClient
+from diffusiond.client.weights import pack
+from diffusiond.daemon.core.loras import LoraRegistry
+from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
+from diffusiond.ipc.messages import Ack, UpdateLora, UpdateWeights
+from diffusiond.protocol import WorkerState
+
+STATE = {"unet.a.to_q.lora_A.weight": np.ones((2, 4), np.float32),
+         "unet.a.to_q.lora_B.weight": np.ones((4, 2), np.float32)}
+
+
+class FakeWorker:
+    def __init__(self, name: str, state: WorkerState = WorkerState.READY, refuse: str = "") -> None:
+        self.name = name
+        self.state = state
+        self.refuse = refuse
+        self.got: list[Any] = []
+        self.gate: asyncio.Event | None = None  # set: the answer waits for it
+
+    async def command(self, msg: Any, timeout: float, fds: Any = ()) -> Ack:
+        for fd in fds:
+            os.close(fd)
+        self.got.append(msg)
+        if self.gate is not None:
+            await self.gate.wait()
+        return Ack(0, not self.refuse, self.refuse)
+
+
+@dataclass
+class FakeModel:
+    name: str
+    workers: list[Any]
+    lora_errors: dict[str, str] = field(default_factory=dict)
+
+
+async def lora_update(live: LiveLoras, name: str, models: list[FakeModel], state: dict[str, Any] = STATE) -> int:
+    fd, tensors = pack(state)
+    return await live.update(UpdateLora(name, tensors), [fd], models, 5)  # type: ignore[arg-type]
+
+
+async def until(cond: Any) -> None:
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+async def race(live: LiveLoras | LiveComponents, send: Any) -> list[int]:
+    """The first update of a session (nothing kept yet) is on its way to the model's live worker when
+    another worker of the model comes up: the versions that the new one's replay sent it, and the
+    update's own."""
+    old = FakeWorker("w0")
+    old.gate = asyncio.Event()
+    model = FakeModel("tiny", [old])
+    update = asyncio.ensure_future(send(model))
+    await until(lambda: old.got)  # the update holds the lock, waiting for w0's answer
+    new = FakeWorker("w1", WorkerState.STARTING)
+    model.workers.append(new)
+    replay = asyncio.ensure_future(live.replay(model, new, 5))  # type: ignore[arg-type]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    old.gate.set()
+    version = await update
+    await replay
+    assert "trainer" not in model.lora_errors
+    return [*(m.version for m in new.got), version]
+
+
+async def test_a_worker_starting_while_the_first_update_is_in_flight_gets_it() -> None:
+    """The new worker was not among the live ones the update went to, so its replay must send it."""
+    live = LiveLoras(LoraRegistry({}, 3))
+    assert await race(live, lambda model: lora_update(live, "trainer", [model])) == [1, 1]
+
+
+async def test_a_worker_starting_while_the_first_component_update_is_in_flight_gets_it() -> None:
+    live = LiveComponents()
+    fd, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
+    assert await race(live, lambda model: live.update(UpdateWeights("tiny", "unet", tensors), [fd],
+                                                      lambda _name: model, 5)) == [1, 1]
+
+
+async def test_versions_count_accepted_updates_only() -> None:
+    """Refusals by every worker leave the count where it was: the first accepted update is 1."""
+    from diffusiond.daemon.errors import InvalidRequest
+
+    live = LiveLoras(LoraRegistry({}, 3))
+    worker = FakeWorker("w0", refuse="tensor 'unet.a.to_q.lora_A.weight': unet of model tiny has no module 'a'")
+    model = FakeModel("tiny", [worker])
+    for _ in range(3):
+        try:
+            await lora_update(live, "p2", [model])
+        except InvalidRequest as exc:
+            assert exc.field == "tensors" and "tiny: tensor 'unet.a.to_q" in exc.message
+        else:
+            raise AssertionError("a refused update was accepted")
+    worker.refuse = ""
+    assert await lora_update(live, "p2", [model]) == 1
+    worker.refuse = "tensor 'unet.a.to_q.lora_A.weight' has shape [3, 4]; LoRA 'p2' has [2, 4] there"
+    try:
+        await lora_update(live, "p2", [model])
+    except InvalidRequest:
+        pass
+    worker.refuse = ""
+    assert await lora_update(live, "p2", [model]) == 2 == live.version("p2")
+
+    components = LiveComponents()
+    worker.refuse = "tensor 'conv_out.nope': unet of model tiny has no parameter of that name"
+    fd, tensors = pack({"conv_out.nope": np.zeros((4, 4), np.float32)})
+    try:
+        await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+    except InvalidRequest as exc:
+        assert "conv_out.nope" in exc.message
+    worker.refuse = ""
+    fd, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
+    assert await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5) == 1  # type: ignore[arg-type,return-value]
+
+
+async def test_an_update_no_running_model_can_check_is_kept_for_the_model_that_starts_next() -> None:
+    """The SD model is on disk, the FLUX one runs and cannot take UNet weights: the update is kept for
+    the SD model (its refusal by FLUX shows on FLUX's entry only), whose next worker gets it."""
+    live = LiveLoras(LoraRegistry({}, 3))
+    flux = FakeModel("tiny-flux", [FakeWorker("w0", refuse="tensor 'unet.a.to_q.lora_A.weight': model tiny-flux "
+                                                            "has no component 'unet'; keys start with transformer")])
+    sd = FakeModel("tiny", [])
+    assert await lora_update(live, "sdlora", [flux, sd]) == 1
+    assert "no component 'unet'" in flux.lora_errors["sdlora"] and "sdlora" not in sd.lora_errors
+    assert await lora_update(live, "sdlora", [flux, sd], {k: v * 2 for k, v in STATE.items()}) == 2
+    started = FakeWorker("w1", WorkerState.STARTING)
+    sd.workers.append(started)
+    await live.replay(sd, started, 5)  # type: ignore[arg-type]
+    assert [m.version for m in started.got] == [2] and "sdlora" not in sd.lora_errors
+    # a worker of it that refuses the kept update: the model's entry says why, as a live refusal does
+    other = FakeModel("other", [])
+    assert await lora_update(live, "late", [other]) == 1
+    refusing = FakeWorker("w2", WorkerState.STARTING, refuse="unet of model other has no module 'a'")
+    other.workers.append(refusing)
+    await live.replay(other, refusing, 5)  # type: ignore[arg-type]
+    assert other.lora_errors["late"] == "unet of model other has no module 'a'"
+
+
+async def test_a_component_update_for_a_model_with_no_worker_is_kept_and_checked_at_its_start() -> None:
+    components = LiveComponents()
+    model = FakeModel("tiny", [])
+
+    async def send(name: str) -> int:
+        fd, tensors = pack({name: np.zeros((4, 4), np.float32)})
+        return await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+
+    assert [await send("conv_out.weight"), await send("conv_out.nope"), await send("conv_in.weight")] == [1, 2, 3]
+    worker = FakeWorker("w0", WorkerState.STARTING, refuse="")
+    real_command = worker.command
+
+    async def picky(msg: Any, timeout: float, fds: Any = ()) -> Ack:
+        ack = await real_command(msg, timeout, fds)
+        return Ack(0, False, "no parameter of that name") if msg.tensors[0].name == "conv_out.nope" else ack
+
+    worker.command = picky  # type: ignore[method-assign]
+    await components.replay(model, worker, 5)  # type: ignore[arg-type]
+    assert [m.version for m in worker.got] == [1, 2, 3]  # the refused one did not stop the rest
+    assert [m.version for m, _ in components.kept[("tiny", "unet")]] == [1, 3]  # and is not sent again
+
+
+@pytest.fixture(scope="module")
+def cold_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    args = ["--model", "tiny", "--model", "tiny-flux", "--preload", "none", "--workers", "1", "--no-persist",
+            "--job-timeout", "300"]
+    with shared_daemon(tmp_path_factory.mktemp("cold"), args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        yield d
+
+
+async def test_updates_for_a_model_on_disk_are_taken_and_its_next_job_runs_them(
+        cold_daemon: Daemon, lora_files: dict[str, Path]) -> None:
+    """tiny has never been loaded, tiny-flux runs: a UNet adapter is not refused for what tiny-flux lacks,
+    a UNet parameter update is not a 503, and tiny's first job runs both at version 1."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    dots = load_file(str(lora_files["dots"] / "pytorch_lora_weights.safetensors"))
+    with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
+        conv_out = f.get_tensor("conv_out.weight")
+    small = {"width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1, "output_format": "npy"}
+    async with AsyncClient(str(cold_daemon.socket)) as c, http(cold_daemon.socket) as s:
+        flux = await wait_job(s, (await submit(s, {**small, "model": "tiny-flux"}))["id"], 300)
+        assert flux["status"] == "succeeded", flux
+        assert await c.update_lora("trainer", dots) == 1
+        assert await c.update_weights("tiny", "unet", {"conv_out.weight": conv_out * 0.5}) == 1
+        entry = next(e for e in (await c._json("GET", "/v1/loras"))["data"] if e["name"] == "trainer")
+        assert entry["version"] == 1 and "tiny" in entry["models"] and "unet" in entry["unfit"]["tiny-flux"]
+        job = await wait_job(s, (await submit(s, {**small, "model": "tiny",
+                                                  "loras": [{"name": "trainer", "weight": 1.0}]}))["id"], 300)
+        assert job["status"] == "succeeded", job
+        assert job["lora_versions"] == {"trainer": 1} and job["weight_versions"] == {"unet": 1}
+
+
+def test_the_client_sends_values_not_raw_bytes_and_refuses_what_it_cannot_send() -> None:
+    """A big-endian array arrives as its values; float8/complex/float64 and NaN/inf are refused before
+    anything is sent, the tensor named (and, for a dtype, the ones that are taken)."""
+    import mmap
+
+    import torch
+
+    values = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    fd, tensors = pack({"unet.a.lora_A.weight": values.astype(">f4"), "unet.a.lora_B.weight": values.T.copy()})
+    try:
+        with mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            got = [np.frombuffer(mm, np.float32, count=12, offset=t.offset).reshape(t.shape).copy() for t in tensors]
+    finally:
+        os.close(fd)
+    assert [t.dtype for t in tensors] == ["float32", "float32"]
+    assert np.array_equal(got[0], values) and np.array_equal(got[1], values.T)
+    for bad in (torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.zeros(2, 4, dtype=torch.complex64),
+                np.zeros((2, 4), np.float64)):
+        with pytest.raises(TypeError) as err:
+            pack({"unet.a.lora_A.weight": bad})
+        assert "'unet.a.lora_A.weight'" in str(err.value) and "float32, float16, bfloat16" in str(err.value)
+    for bad in (torch.full((2, 4), float("nan"), dtype=torch.bfloat16), np.full((2, 4), np.inf, np.float16)):
+        with pytest.raises(ValueError) as err:
+            pack({"unet.a.lora_A.weight": np.ones((2, 4), np.float32), "unet.a.lora_B.weight": bad})
+        assert "tensor 'unet.a.lora_B.weight' holds NaN or infinite values" in str(err.value)
