@@ -7,13 +7,17 @@ flow way (``ipc/upscale.img2img_steps``).
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from controlkit import png
-from daemonkit import Daemon, http, shared_daemon, sse, submit, wait_job
+from daemonkit import Daemon, get, http, shared_daemon, sse, submit, wait_job
 
 FLUX = {"model": "flux", "width": 64, "height": 64, "steps": 4, "prompt": "a lighthouse at dusk", "seed": 7}
 
@@ -60,3 +64,74 @@ async def test_a_flux_edit_runs_the_steps_docs_api_md_says_it_rounds_to(sock: Pa
     _, events, done = await progress(sock, {**FLUX, "image": png(5, 64), "strength": 0.3})
     assert events and {e["total"] for e in events} == {2}, events
     assert done["progress"] == {"step": 2, "total": 2}
+
+
+TINY = {"model": "tiny", "prompt": "a lighthouse at dusk", "seed": 7}
+STEERED = {"control": [{"name": "edges", "image": png(1)}], "ip_adapter": [{"name": "style", "image": png(2)}],
+           "hires": {"scale": 2, "strength": 0.5, "steps": 1}, "upscale": {"name": "esr"}}
+
+
+def openai_client(sock: Path) -> Any:
+    """The official client over the daemon's socket (it sends ``extra_body`` as JSON, or flattens it in a form)."""
+    import httpx
+    import openai
+
+    hc = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=300)
+    return openai.OpenAI(base_url="http://diffusiond/v1", api_key="unused", http_client=hc)
+
+
+def side(png_bytes: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png_bytes)) as im:
+        return im.size
+
+
+async def test_generations_take_control_ip_adapter_hires_and_upscale_as_jobs_does(sock: Path) -> None:
+    """The openai client's ``images.generate`` with /v1/jobs' fields in ``extra_body``: the job /v1/jobs
+    makes of the same request, pixel for pixel, recorded the same way (64 -> hires 128 -> esr 256)."""
+    got = await asyncio.to_thread(lambda: openai_client(sock).images.generate(
+        model="tiny", prompt=TINY["prompt"], size="64x64", response_format="b64_json",
+        extra_body={"seed": 7, "num_inference_steps": 2, **STEERED}))
+    assert got.data is not None and got.data[0].b64_json is not None
+    picture = base64.b64decode(got.data[0].b64_json)
+    async with http(sock) as s:
+        job = await wait_job(s, (await submit(s, {**TINY, "width": 64, "height": 64, "steps": 2, **STEERED}))["id"])
+        async with s.get(job["outputs"][0]["url"]) as r:
+            assert r.status == 200
+            from_jobs = await r.read()
+        status, generated = await get(s, f"/v1/jobs/{got.model_extra['job_id']}")  # type: ignore[index]
+    assert status == 200 and side(picture) == (256, 256)
+    assert picture == from_jobs
+    recorded = ("control", "ip_adapter", "hires", "upscale")
+    assert {k: generated["request"][k] for k in recorded} == {k: job["request"][k] for k in recorded}
+    assert generated["request"]["control"] and generated["request"]["ip_adapter"]
+
+
+async def form_edit(s: aiohttp.ClientSession, **fields: str) -> tuple[int, dict[str, Any]]:
+    form = aiohttp.FormData()
+    for k, v in {"model": "tiny", "prompt": TINY["prompt"], "size": "64x64", "seed": "7",
+                 "num_inference_steps": "2", "strength": "0.5", **fields}.items():
+        form.add_field(k, v)
+    form.add_field("image", base64.b64decode(png(3)), filename="in.png", content_type="image/png")
+    async with s.post("/v1/images/edits", data=form) as r:
+        return r.status, await r.json()
+
+
+async def test_edits_take_upscale_flattened_or_as_json_and_refuse_hires_saying_why(sock: Path) -> None:
+    got = await asyncio.to_thread(lambda: openai_client(sock).images.edit(
+        model="tiny", image=("in.png", base64.b64decode(png(3)), "image/png"), prompt=TINY["prompt"],
+        size="64x64", response_format="b64_json",
+        extra_body={"seed": 7, "num_inference_steps": 2, "strength": 0.5, "upscale": {"name": "esr"}}))
+    assert got.data is not None and got.data[0].b64_json is not None
+    async with http(sock) as s:
+        status, as_json = await form_edit(s, upscale='{"name": "esr", "scale": 3}')
+        hires_status, hires = await form_edit(s, hires='{"scale": 2}')
+        twice_status, twice = await form_edit(s, **{"upscale": '{"name": "esr"}', "upscale[scale]": "2"})
+        bad_status, bad = await form_edit(s, upscale="esr")
+    assert side(base64.b64decode(got.data[0].b64_json)) == (128, 128)
+    assert status == 200 and side(base64.b64decode(as_json["data"][0]["b64_json"])) == (192, 192)
+    assert (hires_status, hires["error"]["field"]) == (400, "hires") and "keeps its image's size" in \
+        hires["error"]["message"]
+    assert (twice_status, twice["error"]["field"]) == (400, "upscale") and "given twice" in twice["error"]["message"]
+    assert (bad_status, bad["error"]["field"]) == (400, "upscale") and "upscale[name]" in bad["error"]["message"]
