@@ -1,8 +1,8 @@
 """The hires pass's step count on a flow model, and the fields ``/v1/jobs`` takes beside the prompt
 (``control``, ``ip_adapter``, ``upscale``, ``hires``) on OpenAI's endpoints, where the official client
 sends them as ``extra_body``: one daemon serving ``tiny`` (with a ControlNet, an IP-Adapter and an
-ESRGAN upscaler built in code) and ``tiny-flux``, whose image-to-image pipeline rounds its steps the
-flow way (``ipc/upscale.img2img_steps``).
+ESRGAN upscaler built in code), ``tiny-flux``, whose image-to-image pipeline rounds its steps the
+flow way (``ipc/upscale.img2img_steps``), and ``tiny-video``, whose edit through ``images.edit`` is a video.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ FLUX = {"model": "flux", "width": 64, "height": 64, "steps": 4, "prompt": "a lig
 @pytest.fixture(scope="module")
 def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet_dir: Path, ip_adapter_file: Path,
          upscaler_file: Path) -> Iterator[Path]:
-    args = ["--model", "tiny", "--model", "flux=tiny-flux", "--workers", "1", "--job-timeout", "300",
+    args = ["--model", "tiny", "--model", "flux=tiny-flux", "--model", "tiny-video", "--workers", "1",
+            "--job-timeout", "300",
             "--controlnet", f"edges={controlnet_dir}", "--ip-adapter", f"style={ip_adapter_file}",
             "--upscaler", f"esr={upscaler_file}"]
     d: Daemon
@@ -108,11 +109,13 @@ async def test_generations_take_control_ip_adapter_hires_and_upscale_as_jobs_doe
     assert generated["request"]["control"] and generated["request"]["ip_adapter"]
 
 
-async def form_edit(s: aiohttp.ClientSession, **fields: str) -> tuple[int, dict[str, Any]]:
+async def form_edit(s: aiohttp.ClientSession, **fields: str | None) -> tuple[int, dict[str, Any]]:
+    """A multipart edit of a picture by tiny; a field given as None is left out."""
     form = aiohttp.FormData()
     for k, v in {"model": "tiny", "prompt": TINY["prompt"], "size": "64x64", "seed": "7",
                  "num_inference_steps": "2", "strength": "0.5", **fields}.items():
-        form.add_field(k, v)
+        if v is not None:
+            form.add_field(k, v)
     form.add_field("image", base64.b64decode(png(3)), filename="in.png", content_type="image/png")
     async with s.post("/v1/images/edits", data=form) as r:
         return r.status, await r.json()
@@ -135,3 +138,17 @@ async def test_edits_take_upscale_flattened_or_as_json_and_refuse_hires_saying_w
         hires["error"]["message"]
     assert (twice_status, twice["error"]["field"]) == (400, "upscale") and "given twice" in twice["error"]["message"]
     assert (bad_status, bad["error"]["field"]) == (400, "upscale") and "upscale[name]" in bad["error"]["message"]
+
+
+async def test_images_edit_on_a_video_model_answers_an_mp4_without_being_asked_for_one(sock: Path) -> None:
+    """The openai client sends no output_format unless told: the edit of a text-to-video model that animates
+    images is image-to-video, and its default format is the task's (mp4), not png (a 400 on a field the
+    user never sent)."""
+    got = await asyncio.to_thread(lambda: openai_client(sock).images.edit(
+        model="tiny-video", image=("in.png", base64.b64decode(png(3)), "image/png"), prompt="a boat",
+        size="64x64", response_format="b64_json", extra_body={"seed": 5, "num_inference_steps": 2}))
+    assert got.data is not None and got.data[0].b64_json is not None
+    assert base64.b64decode(got.data[0].b64_json)[4:8] == b"ftyp"  # an MP4 (ISO BMFF) file
+    async with http(sock) as s:
+        status, still = await form_edit(s, model="tiny-video", output_format="png", strength=None)
+    assert (status, still["error"]["field"]) == (400, "output_format") and "mp4" in still["error"]["message"]
