@@ -44,11 +44,11 @@ JOB_FIELDS = ["prompt", "model", "n", "width", "height", "size", "steps", "guida
               "preview", "keep_alive", "control", "ip_adapter", "trajectory", "upscale", "hires"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
-               "background", "input_fidelity", "user", "ip_adapter", "control"]
+               "background", "input_fidelity", "user", "ip_adapter", "control", "upscale", "hires"]
 IMAGE_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                 "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "quality", "style",
                 "user", "background", "moderation", "output_compression", "stream", "partial_images", "loras",
-                "preview"]
+                "preview", "control", "ip_adapter", "upscale", "hires"]
 
 
 # plausible values per field, so that many bodies get past decoding into the range checks

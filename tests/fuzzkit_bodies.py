@@ -30,10 +30,11 @@ JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scal
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",
-              "partial_images"]
+              "partial_images", "control", "ip_adapter", "upscale", "hires"]
 EDIT_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
                "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "strength", "quality",
-               "background", "input_fidelity", "user", "loras", "preview", "ip_adapter", "control"]
+               "background", "input_fidelity", "user", "loras", "preview", "ip_adapter", "control", "upscale",
+               "hires"]
 NUMERIC_FIELDS = {"n", "width", "height", "steps", "num_inference_steps", "guidance_scale", "seed", "num_frames", "fps",
                   "timeout_s", "strength", "output_compression", "partial_images", "noise_level", "eta"}
 # the scheduler a field belongs to (issue 29): sent with it half the time, so the value's own range check is reached
@@ -217,7 +218,7 @@ def edits_multipart(draw: st.DrawFn, ctx: Ctx) -> Req:
         if kind == 0:
             extra.append(_part(draw(st.sampled_from(BAD_NAMES)), b"1"))
         elif kind == 1:
-            name = draw(st.sampled_from(["loras", "preview", "ip_adapter", "control"]))
+            name = draw(st.sampled_from(["loras", "preview", "ip_adapter", "control", "upscale", "hires"]))
             value = draw(st.sampled_from([nested(1001), nested(1500, "dict"), nested(100_000), nested(3000, "mixed"),
                                           Raw('[{"name": "ink", "weight": ' + DIGITS_4301 + "}]"),
                                           Raw('{"every": ' + str(10**309) + "}")]) | field_value(ctx, name))
@@ -230,7 +231,9 @@ def edits_multipart(draw: st.DrawFn, ctx: Ctx) -> Req:
                                                        b"preview[zz]", b"ip_adapter[][name]", b"ip_adapter[][image]",
                                                        b"ip_adapter[][scale]", b"ip_adapter[][zz]",
                                                        b"control[][name]", b"control[][image]", b"control[][mode]",
-                                                       b"control[][end]", b"control[zz]"]),
+                                                       b"control[][end]", b"control[zz]", b"upscale[name]",
+                                                       b"upscale[scale]", b"upscale[zz]", b"hires[scale]",
+                                                       b"hires[steps]", b"hires[upscaler]", b"hires"]),
                                       min_size=1, max_size=3)):
                 extra.append(_part(flat, _text(draw(nasty_values))))
         elif kind == 4:

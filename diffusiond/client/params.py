@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypedDict, cast
@@ -39,18 +40,18 @@ class JobParams(TypedDict, total=False):
     model: str
     preview: dict[str, Any]  # {"every": N, "format": "jpeg"|"webp"|"png", "max_side": 256}: preview events
     loras: Mapping[str, float] | Sequence[tuple[str, float]]  # LoRA name -> weight (GET /v1/loras)
-    # edits: the input image (and mask) as the file's bytes or a local file's path (sent base64),
-    # or a path the daemon reads itself under its --input-dir (image_path, mask_path)
+    # edits: the input image (and mask) as the file's bytes or a local file's path (sent base64), base64 or a
+    # data: URL (sent as they are), or a path the daemon reads itself under its --input-dir (image_path, mask_path)
     image: ImageInput
     mask: ImageInput
     image_path: str
     mask_path: str
     strength: float
-    # ControlNets (GET /v1/controlnets): {"name", "image" (bytes or a local file, sent base64) or "image_path",
+    # ControlNets (GET /v1/controlnets): {"name", "image" (as ``image`` takes it) or "image_path",
     # "scale", "start", "end", "preprocess", "mode" (a union ControlNet's mode: its number, or its name where
     # GET /v1/controlnets lists names)}, one dict each
     control: Sequence[Mapping[str, Any]]
-    # IP-Adapters (GET /v1/ip-adapters): {"name", "image" (bytes or a local file, sent base64) or "image_path",
+    # IP-Adapters (GET /v1/ip-adapters): {"name", "image" (as ``image`` takes it) or "image_path",
     # "scale"}, one dict each, up to 4 acting together (the same adapter twice with two pictures too)
     ip_adapter: Sequence[Mapping[str, Any]]
     # every output through an upscaler (GET /v1/upscalers): its name, or {"name", "scale"} (the model's own scale
@@ -64,7 +65,8 @@ class JobParams(TypedDict, total=False):
 
 
 ImageInput = bytes | str | os.PathLike[str]
-"""An edit's image or mask: the encoded file (PNG, JPEG, WebP) as bytes, or a local file to read."""
+"""An edit's image or mask (or a control or reference picture): the encoded file (PNG, JPEG, WebP) as
+bytes, a local file to read, or, as a ``str``, what the API itself takes: base64 or a ``data:`` URL."""
 
 
 def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
@@ -83,10 +85,10 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
         elif key == "trajectory":
             body[key] = dict(cast(Mapping[str, Any], value))
         elif key in ("image", "mask"):
-            body[key] = image_b64(cast(ImageInput, value))
+            body[key] = image_text(cast(ImageInput, value), key)
         elif key in ("control", "ip_adapter"):
-            body[key] = [{k: image_b64(v) if k == "image" else v for k, v in dict(c).items()}
-                               for c in cast(Sequence[Mapping[str, Any]], value)]
+            body[key] = [{k: image_text(v, f"{key}[{i}].image") if k == "image" else v for k, v in dict(c).items()}
+                         for i, c in enumerate(cast(Sequence[Mapping[str, Any]], value))]
         elif key in ("upscale", "hires"):
             short = "name" if key == "upscale" else "scale"
             body[key] = dict(cast(Mapping[str, Any], value)) if isinstance(value, Mapping) else {short: value}
@@ -99,6 +101,26 @@ def image_b64(value: ImageInput) -> str:
     """An edit's image or mask for a JSON body: the file's bytes, base64-encoded."""
     data = value if isinstance(value, bytes) else Path(value).read_bytes()
     return base64.b64encode(data).decode("ascii")
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
+"""Base64 of more than a few bytes, in the alphabet the daemon decodes: no file name a person types,
+with its dot and extension, looks like it."""
+
+
+def image_text(value: ImageInput, field: str) -> str:
+    """A picture for a JSON body, as the client takes it (``ImageInput``): a ``str`` that is a ``data:``
+    URL, or base64 that names no file, goes as it is, since the API takes both; anything else is a file.
+    A ``str`` that is none of the three is a ValueError naming ``field``, not the file system's error."""
+    if isinstance(value, str):
+        if value.startswith("data:"):
+            return value
+        if not os.path.exists(value):
+            if _BASE64.fullmatch(value):
+                return value
+            raise ValueError(f"{field}: {value[:60]!r} is no file, nor base64 or a data: URL; "
+                             "pass bytes, a path or a data URL")
+    return image_b64(value)
 
 
 def _size(size: Any) -> tuple[int, int]:

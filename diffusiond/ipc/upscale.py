@@ -56,10 +56,29 @@ class HiresSpec(msgspec.Struct, frozen=True, kw_only=True):
     upscaler: str | None = None
 
 
-def hires_schedule(steps: int, strength: float) -> int:
+def img2img_steps(schedule: int, strength: float, flow: bool) -> int:
+    """The denoising steps diffusers' image-to-image pipeline runs when asked for ``schedule`` steps
+    at ``strength``, by its own rule (its ``get_timesteps``), float rounding included. SD and SDXL
+    run ``int(schedule * strength)``; the flow-matching families (FLUX, SD3, Qwen-Image, Chroma,
+    Z-Image) skip ``int(schedule - schedule * strength)`` and run the rest, which rounds the other way."""
+    if flow:
+        return schedule - int(max(schedule - min(schedule * strength, schedule), 0))
+    return min(int(schedule * strength), schedule)
+
+
+def hires_schedule(steps: int, strength: float, flow: bool) -> int:
     """The ``num_inference_steps`` to ask diffusers for so that image-to-image at ``strength`` runs
-    ``steps`` steps: it runs ``int(schedule * strength)`` of them (the last ones)."""
-    schedule = max(steps, int(steps / strength))
-    while int(schedule * strength) < steps:
-        schedule += 1
-    return schedule
+    exactly ``steps`` steps (``img2img_steps``): of those that do, the one nearest ``steps / strength``,
+    whose skipped part of the schedule is nearest ``1 - strength``. A flow pipeline's rule is met by
+    schedules up to ``steps / strength`` (the smallest, ``steps`` itself at a high strength, would start
+    from pure noise), SD's from ``steps / strength`` up, so the nearest is the largest or the smallest.
+
+    A ``steps / strength`` past any schedule the daemon runs comes back as it is, for the caller to refuse."""
+    ideal = steps / strength
+    if ideal > 1e6:
+        return int(min(ideal, 2**62))
+    centre = max(steps, int(ideal))
+    near = [n for n in range(max(steps, centre - 2), centre + 3) if img2img_steps(n, strength, flow) == steps]
+    if not near:  # float rounding far from the centre: look everywhere the rule could be met
+        near = [n for n in range(steps, centre + 3 + steps) if img2img_steps(n, strength, flow) == steps]
+    return min(near or [centre], key=lambda n: (abs(n - ideal), n))

@@ -7,6 +7,10 @@ const $ = (id) => document.getElementById(id);
 const EXTENSIONS = { "image/png": "png", "image/jpeg": "jpg", "image/webp": "webp", "image/gif": "gif",
                      "video/mp4": "mp4", "application/x-npy": "npy" };
 const PREVIEW = { every: 1, format: "jpeg", max_side: 256 };  // the request's "preview" field
+// protocol.VIDEO_TASKS (a video model's job takes no upscale) and protocol.STRENGTH_TASKS (the edits
+// with a strength); tests/test_web_js_edits.py checks them against protocol.py
+const VIDEO_TASKS = ["text-to-video", "image-to-video"];
+const STRENGTH_TASKS = ["image-to-image", "inpainting"];
 // files: each file input's picture as a data: URL (read when chosen); reading: those still being read
 const state = { job: null, events: null, previews: true, models: [], files: {}, reading: {} };
 
@@ -84,7 +88,7 @@ function formRequest() {
     body.image = state.files.image;  // a data: URL, read when the file was chosen
     if (!$("mask-box").hidden && state.files.mask) body.mask = state.files.mask;  // then it is inpainting
     const strength = number("strength");
-    if (strength !== undefined) body.strength = strength;
+    if (!$("strength-box").hidden && strength !== undefined) body.strength = strength;
   }
   if (!$("upscale").hidden && $("upscale-name").value) {
     body.upscale = { name: $("upscale-name").value };
@@ -129,6 +133,8 @@ function modelChanged() {
   const model = selectedModel();
   $("input-image").hidden = !(model && (model.edits || []).length);
   $("mask-box").hidden = !(model && (model.edits || []).includes("inpainting"));
+  // the edits that take a strength (protocol.STRENGTH_TASKS); the engine refuses it for the others
+  $("strength-box").hidden = !(model && (model.edits || []).some((t) => STRENGTH_TASKS.includes(t)));
   let shown = 0;
   for (const row of document.querySelectorAll("#lora-list .lora")) {
     const fits = JSON.parse(row.dataset.models);
@@ -138,7 +144,7 @@ function modelChanged() {
   $("loras").hidden = shown === 0;
   fitSteers(model);  // the control and reference boxes (steer.js)
   // an upscaler takes any picture a model makes (a video model's job is refused: docs/api.md)
-  $("upscale").hidden = !(model && model.task !== "text-to-video" && $("upscale-name").options.length > 1);
+  $("upscale").hidden = !(model && !VIDEO_TASKS.includes(model.task) && $("upscale-name").options.length > 1);
 }
 
 async function loadUpscalers() {

@@ -13,8 +13,6 @@ from typing import Any
 
 import msgspec
 
-from diffusiond.daemon.config import Limits
-from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.requests import (
@@ -22,13 +20,11 @@ from diffusiond.daemon.edge.requests import (
     MISSING_FIELD,
     SIZE,
     LoraBody,
-    LoraCheck,
-    ModelResolver,
     PreviewBody,
-    check,
     check_int_sizes,
     decode,
 )
+from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
 from diffusiond.daemon.errors import invalid
 
 
@@ -41,7 +37,7 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     n: int = 1
     size: str | None = None
     response_format: str = "b64_json"
-    output_format: str = "png"
+    output_format: str | None = None  # the task's own when left out: png, or mp4 from a video model
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
@@ -50,6 +46,12 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     scheduler: str | None = None
     preview: PreviewBody | None = None  # extra_body in the openai client; a form's preview[every], or JSON text
     loras: list[LoraBody] | None = None  # see ``form_loras`` for the spellings a form can use
+    # /v1/jobs' fields beside the prompt (extra_body in the openai client), through the same ``attach``
+    # calls; a form's lists are read by ``form_entries``, its objects as ``preview`` is
+    ip_adapter: list[IpAdapterBody] | None = None
+    control: list[ControlBody] | None = None
+    upscale: UpscaleBody | None = None
+    hires: HiresBody | None = None
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     quality: Any = None
     style: Any = None
@@ -65,8 +67,6 @@ class EditsForm(ImagesBody):
     """The text fields of a multipart ``/v1/images/edits`` request (the files are read apart)."""
 
     strength: float | None = None
-    ip_adapter: list[IpAdapterBody] | None = None  # see ``form_entries``
-    control: list[ControlBody] | None = None  # likewise: JSON text, or control[][name], control[][image], ...
     # OpenAI's edit fields with no meaning for a local diffusion model: accepted, ignored.
     input_fidelity: Any = None
     complexity: Any = None
@@ -79,13 +79,6 @@ class EditsForm(ImagesBody):
 def images_body(body: bytes) -> ImagesBody:
     """The JSON of ``/v1/images/generations``, decoded once: its model is known before the rest is checked."""
     return decode(body, ImagesBody)
-
-
-def parse_images(b: ImagesBody, limits: Limits, resolve_model: ModelResolver, *,
-                 loras: LoraCheck | None = None) -> tuple[JobRequest, str]:
-    model = resolve_model(b.model)
-    req = openai_fields(msgspec.structs.asdict(b))
-    return check(req, limits, model, size_field="size", loras=loras), b.response_format
 
 
 def openai_fields(req: dict[str, Any]) -> dict[str, Any]:
@@ -112,27 +105,15 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     lora_parts: list[tuple[str, str]] = []
     entry_parts: dict[str, list[tuple[str, str]]] = {field: [] for field in ENTRY_KEYS}
-    preview: dict[str, Any] = {}
+    objects: dict[str, dict[str, str]] = {}  # preview[every]=5: the openai client's flattening of an object
     for name, value in pairs:
         entries = name.partition("[")[0]
         if name == "loras" or name.startswith("loras["):
             lora_parts.append((name, value))
         elif entries in ENTRY_KEYS and (name == entries or name.startswith(f"{entries}[")):
             entry_parts[entries].append((name, value))
-        elif name.startswith("preview["):  # preview[every]=5: the openai client's flattening of an object
-            key = name.removeprefix("preview[").removesuffix("]")
-            if key in preview or "preview" in fields:
-                raise invalid(f"field {name!r} is given twice; send it once", field="preview")
-            preview[key] = value
-        elif name == "preview":
-            if preview or "preview" in fields:
-                raise invalid("field 'preview' is given twice; send it once", field="preview")
-            try:
-                fields["preview"] = msgspec.json.decode(value)
-            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
-                raise invalid(f'preview is not valid JSON: {value[:80]!r}; send {{"every": 5}} '
-                              "or the fields preview[every], preview[format], preview[max_side]",
-                              field="preview") from None
+        elif (key := _object_key(name)) is not None:
+            _form_object(fields, objects, key, name, value)
         elif name.startswith("svg["):  # OpenAI's nested options arrive flattened: as ignored as svg itself
             continue
         elif name in fields:
@@ -141,8 +122,7 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
             fields[name] = value
     if lora_parts:
         fields["loras"] = form_loras(lora_parts)
-    if preview:
-        fields["preview"] = preview
+    fields.update(objects)
     for field, parts in entry_parts.items():
         if parts:
             fields[field] = form_entries(parts, field)
@@ -153,6 +133,34 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
         raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
     check_int_sizes(form)
     return openai_fields(msgspec.structs.asdict(form))
+
+
+OBJECT_KEYS = {"preview": ("every", "format", "max_side"), "upscale": ("name", "scale"),
+               "hires": ("scale", "strength", "steps", "upscaler")}
+"""The form fields whose value is one object, and its keys: JSON text in one field, or flattened."""
+
+
+def _object_key(name: str) -> str | None:
+    key = name.partition("[")[0]
+    return key if key in OBJECT_KEYS and (name == key or name.startswith(f"{key}[")) else None
+
+
+def _form_object(fields: dict[str, Any], objects: dict[str, dict[str, str]], key: str, name: str, value: str) -> None:
+    """One part of an object field (``preview``, ``upscale``, ``hires``) of a form: the whole object as
+    JSON text in a field of its name, or one of its keys as the openai client flattens
+    ``extra_body={"upscale": {"name": ...}}`` (``upscale[name]``). Values stay text, typed with the rest."""
+    spellings = f'JSON text ({{"{OBJECT_KEYS[key][0]}": ...}}) or the fields ' + ", ".join(
+        f"{key}[{k}]" for k in OBJECT_KEYS[key])
+    part = name.removeprefix(f"{key}[").removesuffix("]")
+    if key in fields or (name == key and key in objects) or part in objects.get(key, {}):
+        raise invalid(f"field {name!r} is given twice; send it once", field=key)
+    if name != key:
+        objects.setdefault(key, {})[part] = value
+        return
+    try:
+        fields[key] = msgspec.json.decode(value)
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested over ~1,000 levels
+        raise invalid(f"{key} is not valid JSON: {value[:80]!r}; send {spellings}", field=key) from None
 
 
 def form_loras(parts: list[tuple[str, str]]) -> list[dict[str, str]]:

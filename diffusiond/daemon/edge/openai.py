@@ -7,27 +7,46 @@ import asyncio
 import base64
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.inputs import EditInput
-from diffusiond.daemon.core.jobs import Job
-from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, views
-from diffusiond.daemon.edge.forms import edits_form, images_body, parse_images
+from diffusiond.daemon.core.jobs import Job, JobRequest
+from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, upscale, views
+from diffusiond.daemon.edge.forms import edits_form, images_body, openai_fields
 from diffusiond.daemon.edge.status import ENGINE, STATUS_OF_FAILURE, HttpError
 from diffusiond.protocol import ErrorCode, JobStatus
 
 
 async def images_generations(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    body = await bodies.read_body(request, engine.config.limits.max_body_bytes)
+    limits = engine.config.limits
+    # control and ip_adapter carry base64 pictures: the body may then be as large as an upload, and only then
+    body = await bodies.read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
     b = images_body(body)
+    if len(body) > limits.max_body_bytes and not b.control and not b.ip_adapter:
+        raise bodies.too_large(len(body), limits.max_body_bytes)
     await engine.described(b.model)
-    req, response_format = parse_images(b, engine.config.limits, engine.model, loras=engine.check_loras)
-    job = await engine.accept(req, sync=True)
-    data = await _finish_sync([job], engine, response_format)
+    model = engine.model(b.model)
+    fields = openai_fields(msgspec.structs.asdict(b))
+    req = requests.check(fields, limits, model, size_field="size", loras=engine.check_loras)
+    job = await engine.accept(await _attach(engine, fields, model, req), sync=True)
+    data = await _finish_sync([job], engine, fields["response_format"])
     return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})
+
+
+async def _attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
+    """``req`` with what ``/v1/jobs`` attaches to a request (its hires and upscale, control images,
+    reference images), in that order and by the same calls; a refusal closes what was decoded."""
+    try:
+        req = upscale.attach(engine, fields, model, req)  # before the control images: it holds nothing
+        req = await controls.attach(engine, fields, model, req)
+        return await ip_adapters.attach(engine, fields, model, req)
+    except BaseException:
+        req.close_inputs()
+        raise
 
 
 async def _finish_sync(jobs: list[Job], engine: Engine, response_format: str) -> list[dict[str, Any]]:
@@ -83,13 +102,8 @@ async def images_edits(request: web.Request) -> web.Response:
         for edit in edits:
             req = requests.check(fields, engine.config.limits, model, size_field="size", edit=edit,
                                  loras=engine.check_loras)
-            try:  # each job its own control and reference buffer: they join that job's image and mask
-                req = await controls.attach(engine, fields, model, req)
-                req = await ip_adapters.attach(engine, fields, model, req)
-            except BaseException:
-                req.close_inputs()
-                raise
-            jobs.append(await engine.accept(req, sync=True))
+            # each job its own control and reference buffer: they join that job's image and mask
+            jobs.append(await engine.accept(await _attach(engine, fields, model, req), sync=True))
     except BaseException:
         for edit in edits:
             edit.close()  # those already submitted are closed by their jobs too; closing twice is harmless

@@ -79,7 +79,7 @@ def _hires(engine: Engine, body: HiresBody, model: Any, req: JobRequest) -> Hire
     steps = req.steps if body.steps is None else body.steps
     if not 1 <= steps <= limits.max_steps:
         raise invalid(f"hires.steps must be from 1 to {limits.max_steps}, got {shown(steps)}", field="hires.steps")
-    schedule = hires_schedule(steps, strength)
+    schedule = hires_schedule(steps, strength, flow=bool(d.flow_scheduler))  # the rule of its image-to-image
     if schedule > MAX_SCHEDULE:
         raise invalid(f"hires.steps {steps} at strength {strength:g} asks the model for {schedule} steps (steps / "
                       f"strength); at most {MAX_SCHEDULE}: raise the strength", field="hires.strength")
