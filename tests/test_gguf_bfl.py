@@ -117,6 +117,6 @@ def test_fit_sizes_a_bfl_named_gguf_as_its_diffusers_named_twin(files: tuple[Pat
     whole = sum(t.stored for t in gguf_tensors(paths["diffusers"]))
     blocks = group_bytes("transformer", gguf_tensors(paths["diffusers"]), "float32")
     assert blocks != whole  # split into blocks: what stays on the device is the rest and two blocks
-    for name in ("bfl",):
+    for name in ("bfl", "comfy"):
         assert cli(name) == want, name
         assert group_bytes("transformer", gguf_tensors(paths[name]), "float32") == blocks, name
