@@ -62,6 +62,69 @@ def build_flux(out: Path) -> Path:
 def write_gguf(module: torch.nn.Module, path: Path, qtype: str = "Q8_0") -> dict[str, int]:
     """``module``'s state dict as a GGUF file: 2-D weights quantized to ``qtype`` where their rows are whole
     blocks, the rest F32. Returns each tensor's bytes as stored (what the tests check ``fit`` against)."""
+    return _write(module.state_dict(), path, qtype)
+
+
+def bfl_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A FluxTransformer2DModel's weights under the original BFL names and layouts, as city96's GGUFs and BFL's
+    own safetensors hold them (``prefix="model.diffusion_model."``: ComfyUI's): the inverse of diffusers'
+    ``convert_flux_transformer_checkpoint_to_diffusers``, so attention's q, k, v are fused into one ``qkv``
+    (with the MLP input, ``linear1``, in a single block) and the final norm's scale and shift are swapped."""
+    sd = {k: v.detach() for k, v in module.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+
+    def put(bfl: str, *diffusers: str, swap: bool = False) -> None:
+        for suffix in ("weight", "bias"):
+            parts = [sd.pop(f"{d}.{suffix}") for d in diffusers]
+            joined = torch.cat(parts)
+            if swap:
+                scale, shift = joined.chunk(2)
+                joined = torch.cat([shift, scale])
+            out[f"{prefix}{bfl}.{suffix}"] = joined
+
+    for bfl, embedder in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
+                          ("guidance_in", "guidance_embedder")):
+        if f"time_text_embed.{embedder}.linear_1.weight" in sd:
+            put(f"{bfl}.in_layer", f"time_text_embed.{embedder}.linear_1")
+            put(f"{bfl}.out_layer", f"time_text_embed.{embedder}.linear_2")
+    put("txt_in", "context_embedder")
+    put("img_in", "x_embedder")
+    for i in range(len(module.transformer_blocks)):  # type: ignore[arg-type]
+        d, b = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        put(f"{b}.img_mod.lin", f"{d}.norm1.linear")
+        put(f"{b}.txt_mod.lin", f"{d}.norm1_context.linear")
+        put(f"{b}.img_attn.qkv", f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")
+        put(f"{b}.txt_attn.qkv", f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")
+        put(f"{b}.img_mlp.0", f"{d}.ff.net.0.proj")
+        put(f"{b}.img_mlp.2", f"{d}.ff.net.2")
+        put(f"{b}.txt_mlp.0", f"{d}.ff_context.net.0.proj")
+        put(f"{b}.txt_mlp.2", f"{d}.ff_context.net.2")
+        put(f"{b}.img_attn.proj", f"{d}.attn.to_out.0")
+        put(f"{b}.txt_attn.proj", f"{d}.attn.to_add_out")
+        for bfl, name in (("img_attn.norm.query_norm", "norm_q"), ("img_attn.norm.key_norm", "norm_k"),
+                          ("txt_attn.norm.query_norm", "norm_added_q"), ("txt_attn.norm.key_norm", "norm_added_k")):
+            out[f"{prefix}{b}.{bfl}.scale"] = sd.pop(f"{d}.attn.{name}.weight")
+    for i in range(len(module.single_transformer_blocks)):  # type: ignore[arg-type]
+        d, b = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        put(f"{b}.modulation.lin", f"{d}.norm.linear")
+        put(f"{b}.linear1", f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
+        put(f"{b}.linear2", f"{d}.proj_out")
+        out[f"{prefix}{b}.norm.query_norm.scale"] = sd.pop(f"{d}.attn.norm_q.weight")
+        out[f"{prefix}{b}.norm.key_norm.scale"] = sd.pop(f"{d}.attn.norm_k.weight")
+    put("final_layer.linear", "proj_out")
+    put("final_layer.adaLN_modulation.1", "norm_out.linear", swap=True)
+    if sd:
+        raise AssertionError(f"no BFL name for {sorted(sd)}")
+    return out
+
+
+def write_gguf_bfl(module: torch.nn.Module, path: Path, qtype: str = "Q8_0", prefix: str = "") -> dict[str, int]:
+    """``module`` as a downloaded FLUX GGUF holds it: BFL names (``bfl_state_dict``), quantized as
+    ``write_gguf`` does, so the fused qkv is one quantized tensor diffusers must split on load."""
+    return _write(bfl_state_dict(module, prefix), path, qtype)
+
+
+def _write(tensors: dict[str, torch.Tensor], path: Path, qtype: str) -> dict[str, int]:
     import gguf
     import numpy as np
 
@@ -69,7 +132,7 @@ def write_gguf(module: torch.nn.Module, path: Path, qtype: str = "Q8_0") -> dict
     block, _ = gguf.GGML_QUANT_SIZES[kind]
     writer = gguf.GGUFWriter(str(path), arch="flux")
     sizes = {}
-    for name, tensor in module.state_dict().items():
+    for name, tensor in tensors.items():
         data = tensor.detach().float().numpy()
         if data.ndim == 2 and data.shape[1] % block == 0:
             q = gguf.quants.quantize(data, kind)

@@ -267,8 +267,8 @@ def load_gguf(
         raise PipelineError("GGUF models need the gguf package: pip install 'diffusiond[gguf]' (or pip install gguf)")
     try:
         transformer = tcls.from_single_file(
-            str(path), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype), config=str(root),
-            subfolder="transformer", **_dtype_kwarg(dtype))
+            _gguf_weights(path, tcls, root), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
+            config=str(root), subfolder="transformer", **_dtype_kwarg(dtype))
         pipe = cls.from_pretrained(str(root), transformer=transformer, **_load_kwargs(index, dtype, options, device))
     except Exception as exc:  # conversion and key mismatches raise many types
         raise PipelineError(f"cannot load {tcls.__name__} from GGUF file {str(path)!r} with base {str(root)!r}: "
@@ -279,3 +279,49 @@ def load_gguf(
     approx = tuple(f"gguf-{k}(transformer, dequantized per layer to {str(dtype).removeprefix('torch.')})"
                    for k in kinds)
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options, approximations=approx)
+
+
+_COMFY_PREFIX = "model.diffusion_model."
+
+
+def _gguf_weights(path: Path, tcls: type[Any], root: Path) -> str | dict[str, torch.Tensor]:
+    """What ``from_single_file`` is given: the file, or for a FLUX transformer under the original BFL names
+    (city96's GGUFs, with or without ComfyUI's prefix) its weights converted here. diffusers' converter
+    splits each single block's fused ``linear1`` at FLUX.1's width (3072) written into its code, so any
+    other width fails to load; the split here takes the width from the base's config, and the result is
+    already in diffusers' names, so diffusers loads it as is."""
+    import diffusers
+    from diffusers.loaders.single_file_utils import load_single_file_checkpoint
+
+    if not issubclass(tcls, diffusers.FluxTransformer2DModel):
+        return str(path)
+    checkpoint = load_single_file_checkpoint(str(path))
+    checkpoint = {k.removeprefix(_COMFY_PREFIX): v for k, v in checkpoint.items()}
+    if not any(k.startswith("double_blocks.") for k in checkpoint):
+        return checkpoint
+    config = tcls.load_config(str(root), subfolder="transformer")
+    return flux_from_bfl(checkpoint, int(config["num_attention_heads"]) * int(config["attention_head_dim"]))
+
+
+def flux_from_bfl(checkpoint: dict[str, torch.Tensor], inner: int) -> dict[str, torch.Tensor]:
+    """BFL-named FLUX weights (``checkpoint``, consumed) in diffusers' names, for a transformer ``inner``
+    wide: diffusers' own converter does all but the single blocks' ``linear1`` split (q, k, v, then the
+    MLP input, whatever is left), which it is handed a stand-in of its hard-coded shape for; quantized
+    tensors split by rows, as their rows are whole blocks, so they stay quantized."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    stand_in = torch.empty(3 * 3072 + 4 * 3072)  # the split diffusers' converter makes of every linear1
+    split: dict[str, torch.Tensor] = {}
+    for key in [k for k in checkpoint if k.startswith("single_blocks.") and ".linear1." in k]:
+        block, kind = key.split(".")[1], key.rsplit(".", 1)[1]
+        tensor = checkpoint[key]
+        if tensor.shape[0] <= 3 * inner:
+            raise PipelineError(f"{key} has {tensor.shape[0]} rows, too few for q, k, v and the MLP of the base's "
+                                f"transformer ({inner} wide): base= names a different model than the GGUF file")
+        parts = torch.split(tensor, [inner, inner, inner, tensor.shape[0] - 3 * inner])
+        for name, part in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), parts, strict=True):
+            split[f"single_transformer_blocks.{block}.{name}.{kind}"] = part
+        checkpoint[key] = stand_in
+    converted = convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+    converted.update(split)
+    return converted
