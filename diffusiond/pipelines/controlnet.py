@@ -175,6 +175,12 @@ class ControlNets:
             if family is _FLUX and getattr(cn, "union", False):
                 cn.register_forward_pre_hook(_mode_per_picture, with_kwargs=True)
             self.models[name] = cn.to(base.device).eval()
+            try:  # its text-to-image pipeline, built now (and kept): one that cannot be is refused at admission
+                self._pipe_for((name,), None)
+            except PipelineError as exc:
+                del self.models[name]
+                self.errors[name] = str(exc)
+                log.warning("ControlNet %r (%s) is not served: %s", name, path, exc)
 
     def place(self, *, asleep: bool) -> None:
         """Follow the model to host memory when it sleeps and back when it wakes: a sleeping model
@@ -208,7 +214,11 @@ class ControlNets:
             if task not in pipes:
                 raise PipelineError(f"model {base.name} has no ControlNet pipeline for {task}")
             cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models) if multi_cls else models
-            pipe = sibling(getattr(diffusers, pipes[task]), base.pipe, controlnet=cn)
+            try:
+                pipe = sibling(getattr(diffusers, pipes[task]), base.pipe, controlnet=cn)
+            except Exception as exc:  # diffusers' own refusal (a module it cannot share): this request's, in words
+                raise PipelineError(f"model {base.name} cannot run ControlNet(s) {', '.join(names)}: diffusers' "
+                                    f"{pipes[task]} cannot be built on it ({fit_reason(exc)})") from exc
             pipe.set_progress_bar_config(disable=True)
             cached = (pipe, call_args(type(pipe)), _Rewind(pipe) if pipes is _FLUX[2] else None)
             self._pipes[(names, task)] = cached
