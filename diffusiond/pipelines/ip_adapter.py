@@ -48,7 +48,7 @@ import torch
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
-from diffusiond.pipelines.controlnet import ControlNets, plain_base
+from diffusiond.pipelines.controlnet import ControlNets, eager, not_diffusers, plain_base
 from diffusiond.pipelines.errors import fit_reason
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def unsupported(pipeline: Any) -> str | None:
     """Why ``pipeline`` takes no IP-Adapter at all (None: its family does)."""
     base = plain_base(pipeline)
     if base is None:
-        return f"model {pipeline.name} is not a plain diffusers text-to-image pipeline (compiled or synthetic)"
+        return not_diffusers(pipeline)
     family = type(base.pipe).__name__
     if family not in FAMILIES:
         return f"model {base.name} is a {family}; IP-Adapters are served for {', '.join(FAMILIES)} models"
@@ -266,17 +266,18 @@ class IpAdapters:
         self.activate(names)
         scales = [r.scale for r in params.ip_adapters]
         base.pipe.set_ip_adapter_scale(scales[0] if len(scales) == 1 else scales)
-        extra = self._embeds(params, names, [Image.fromarray(p) for p in references[0]])
-        if params.controls:
-            if controlnets is None:
-                raise PipelineError(f"model {base.name} takes no ControlNet here")
-            pipe, args = controlnets.pipeline_for(params)
-            if "ip_adapter_image_embeds" not in args:
-                extra = _through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
-            return controlnets.run(params, requests, controls, on_step, on_preview, more=extra, edits=edits)
-        if params.edit is not None:
-            return base.edit(params, requests, edits, on_step, on_preview, more=extra)
-        return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)
+        with eager(self.pipeline):
+            extra = self._embeds(params, names, [Image.fromarray(p) for p in references[0]])
+            if params.controls:
+                if controlnets is None:
+                    raise PipelineError(f"model {base.name} takes no ControlNet here")
+                pipe, args = controlnets.pipeline_for(params)
+                if "ip_adapter_image_embeds" not in args:
+                    extra = _through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
+                return controlnets.run(params, requests, controls, on_step, on_preview, more=extra, edits=edits)
+            if params.edit is not None:
+                return base.edit(params, requests, edits, on_step, on_preview, more=extra)
+            return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)
 
 
 def _through_attention_kwargs(extra: Mapping[str, Any], args: frozenset[str], batch: int,
