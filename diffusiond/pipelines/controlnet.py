@@ -206,6 +206,10 @@ class ControlNets:
                 self.errors[name] = str(exc)
                 log.warning("ControlNet %r (%s) is not served: %s", name, path, exc)
 
+    def modules(self) -> list[torch.nn.Module]:
+        """What these ControlNets hold on the model's device (counted in its weight bytes)."""
+        return list(self.models.values())
+
     def place(self, *, asleep: bool) -> None:
         """Follow the model to host memory when it sleeps and back when it wakes: a sleeping model
         must leave the device free, ControlNets included."""

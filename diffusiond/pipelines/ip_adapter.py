@@ -194,6 +194,11 @@ class IpAdapters:
             self._denoiser(pipe).set_attn_processor(saved[0])
             pipe.register_modules(feature_extractor=saved[1], image_encoder=saved[2])
 
+    def modules(self) -> list[torch.nn.Module]:
+        """What these adapters hold on the model's device: their image encoders (counted in its weight bytes;
+        the adapters' own weights wait in host memory until a batch puts them into the denoiser)."""
+        return [a.encoder for a in self._adapters.values()]
+
     def place(self, *, asleep: bool) -> None:
         """A sleeping model leaves the device free: the adapters come out, the encoders go to host memory."""
         base = plain_base(self.pipeline)

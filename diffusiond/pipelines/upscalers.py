@@ -151,6 +151,10 @@ class Upscalers:
             if measured is not None:
                 self.per_pixel[name] = measured
 
+    def modules(self) -> list[torch.nn.Module]:
+        """What these upscalers hold on the model's device (counted in its weight bytes)."""
+        return [model.model for model in self.models.values()]
+
     def place(self, asleep: bool) -> None:
         for model in self.models.values():
             model.to(torch.device("cpu") if asleep else self.device)
