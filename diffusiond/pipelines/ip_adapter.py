@@ -172,18 +172,25 @@ class IpAdapters:
         self._saved = (dict(self._denoiser(pipe).attn_processors), getattr(pipe, "feature_extractor", None),
                        getattr(pipe, "image_encoder", None))
         self._use_encoder(pipe, names[0])  # so the loader finds an encoder and loads none itself
-        self.current = names
         dicts = [self._adapters[n].weights for n in names]
         blank = [""] * len(names)
-        if self._flux:
-            pipe.load_ip_adapter(dicts, weight_name=blank, subfolder=blank,
-                                 image_encoder_pretrained_model_name_or_path=None)
-        else:
-            pipe.load_ip_adapter(dicts, subfolder=blank, weight_name=blank, image_encoder_folder=None)
+        try:
+            if self._flux:
+                pipe.load_ip_adapter(dicts, weight_name=blank, subfolder=blank,
+                                     image_encoder_pretrained_model_name_or_path=None)
+            else:
+                pipe.load_ip_adapter(dicts, subfolder=blank, weight_name=blank, image_encoder_folder=None)
+        except BaseException:
+            # a load that failed midway (out of memory) may have swapped some processors: put the
+            # denoiser's own back, so the next batch naming these adapters loads them again
+            self.release()
+            raise
+        self.current = names  # only once they are all in: a batch with the same names skips the load
 
     def release(self) -> None:
-        """Take the adapters out of the denoiser, giving it back its own processors (before any batch without them)."""
-        if self.current is None:
+        """Take the adapters out of the denoiser, giving it back its own processors (before any batch without
+        them, and after a load that failed)."""
+        if self.current is None and self._saved is None:
             return
         pipe = plain_base(self.pipeline).pipe
         self.current = None

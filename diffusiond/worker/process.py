@@ -218,6 +218,7 @@ class Worker:
             finisher = await asyncio.to_thread(self._finisher, pipeline, config)
         except Exception as exc:
             raise _StartError(f"loading the upscalers failed: {exc}") from exc
+        finisher.cancelled = self.state.all_cancelled  # a cancelled batch stops its upscale
         beside = [*(controlnets.modules() if controlnets else ()), *(ip_adapters.modules() if ip_adapters else ()),
                   *(finisher.upscalers.modules() if finisher.upscalers else ())]  # on its device, counted with it
         phases.mark("adapters, controlnets, upscalers")
