@@ -114,7 +114,7 @@ class Finisher:
                                  params.output_dtype) for out in outputs]
         return outputs
 
-    def _model(self, name: str, images: torch.Tensor, check: Callable[[], None]) -> torch.Tensor:
+    def _model(self, name: str, images: torch.Tensor, check: Callable[[], None] | None = None) -> torch.Tensor:
         """The upscaler, retried in smaller tiles when it runs out of memory; ``check`` runs before each
         forward (it raises when the batch is cancelled). Only the message of the first failure is kept:
         the exception's frames hold the tiles and the output being blended, which the retry needs freed."""
