@@ -15,7 +15,7 @@ same output alone or inside a batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import msgspec
@@ -103,21 +103,27 @@ class Pipeline(Protocol):
         ...
 
 
-def weight_bytes(pipeline: Pipeline) -> int:
+def weight_bytes(pipeline: Pipeline, extras: Iterable[torch.nn.Module] = ()) -> int:
     """The bytes of a pipeline's modules (parameters and buffers, each tensor once), as residency
     counts a model: read off the loaded modules, so it is what the device really holds. An offloaded
-    model counts what its offload keeps on the device (pipelines/offload.py), not what it owns."""
+    model counts what its offload keeps on the device (pipelines/offload.py), not what it owns.
+    ``extras`` are the modules its worker keeps beside it on the same device (ControlNets, IP-Adapter
+    image encoders, upscalers), which come and go with it: a FLUX union ControlNet is 6.6 GB that a
+    count of the pipeline alone left out of ``--device-memory``."""
     inner = getattr(pipeline, "inner", pipeline)  # a compiled pipeline wraps the loaded one
     offloaded = getattr(inner, "device_weight_bytes", None)  # an offloaded model keeps only part on the device
     counted = offloaded() if callable(offloaded) else None
     if isinstance(counted, int):
-        return counted
+        return counted + _tensor_bytes(extras)
+    components = getattr(getattr(inner, "_pipe", None), "components", None) or vars(inner)
+    return _tensor_bytes([*(m for m in components.values() if isinstance(m, torch.nn.Module)), *extras])
+
+
+def _tensor_bytes(modules: Iterable[torch.nn.Module]) -> int:
+    """The bytes of ``modules``' parameters and buffers, each tensor once (by its storage's address)."""
     seen: set[int] = set()
     total = 0
-    components = getattr(getattr(inner, "_pipe", None), "components", None) or vars(inner)
-    for module in components.values():
-        if not isinstance(module, torch.nn.Module):
-            continue
+    for module in modules:
         for tensor in [*module.parameters(), *module.buffers()]:
             if tensor.data_ptr() in seen:
                 continue

@@ -185,7 +185,10 @@ class CompiledPipeline:
         return min(larger, default=batch)
 
     def will_compile(self, params: BatchParams, batch: int) -> bool:
-        """Whether running this batch compiles (a new shape, within the bound)."""
+        """Whether running this batch compiles (a new shape, within the bound). A ControlNet or IP-Adapter
+        batch runs eager (``controlnet.eager``), so never."""
+        if params.controls or params.ip_adapters:
+            return False
         key = self._key(params, self.run_size(params, batch))
         return key not in self._seen and len(self._seen) < self.max_shapes
 

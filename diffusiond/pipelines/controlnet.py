@@ -20,6 +20,7 @@ engine in READY so requests naming an unfit pair are refused at admission, never
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -66,18 +67,41 @@ FAMILIES: dict[str, tuple[str, str, dict[Task | None, str]]] = {
 
 
 def plain_base(pipeline: Any) -> Any:
-    """The ``DiffusersPipeline`` under ``pipeline``, or None (a synthetic or compiled model): what the
-    sibling pipelines (ControlNet, IP-Adapter) are built on."""
+    """The ``DiffusersPipeline`` under ``pipeline`` (a compiled model's inner one), or None (a synthetic
+    model): what the sibling pipelines (ControlNet, IP-Adapter) are built on."""
     from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 
-    return pipeline if isinstance(pipeline, DiffusersPipeline) else None
+    inner = getattr(pipeline, "inner", pipeline)
+    return inner if isinstance(inner, DiffusersPipeline) else None
+
+
+def not_diffusers(pipeline: Any) -> str:
+    """Why a model that is not a diffusers pipeline takes no ControlNet nor IP-Adapter."""
+    return f"model {pipeline.name} is not a diffusers text-to-image pipeline (a synthetic model)"
+
+
+def eager(pipeline: Any) -> contextlib.AbstractContextManager[Any]:
+    """Where a ControlNet or IP-Adapter batch of a ``--compile``d model runs: its modules eager.
+
+    Their siblings share the compiled denoiser, and what they add to it (a ControlNet's residuals as new
+    inputs, an IP-Adapter's attention processors) would make dynamo trace new graphs at any batch: a
+    compile no ``compiling`` stage announced, counted against ``compile_shapes`` (so that plain batches
+    of a new size would later run eager), and CUDA graphs for shapes nobody warmed. Run eager, the
+    compiled graphs stay as they were, for the plain batches they serve. torch before 2.6 has no stance:
+    there such a batch runs through the compiled modules, recompiling where its inputs are new."""
+    import torch
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if pipeline is plain_base(pipeline) or set_stance is None:
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
 
 
 def unsupported(pipeline: Any) -> str | None:
     """Why ``pipeline`` takes no ControlNet at all (None: its family has ControlNet pipelines)."""
     base = plain_base(pipeline)
     if base is None:
-        return f"model {pipeline.name} is not a plain diffusers text-to-image pipeline (compiled or synthetic)"
+        return not_diffusers(pipeline)
     family = type(base.pipe).__name__
     if family not in FAMILIES:
         families = sorted({pipes[None].replace("ControlNet", "") for _, _, pipes in FAMILIES.values()})
@@ -175,6 +199,16 @@ class ControlNets:
             if family is _FLUX and getattr(cn, "union", False):
                 cn.register_forward_pre_hook(_mode_per_picture, with_kwargs=True)
             self.models[name] = cn.to(base.device).eval()
+            try:  # its text-to-image pipeline, built now (and kept): one that cannot be is refused at admission
+                self._pipe_for((name,), None)
+            except PipelineError as exc:
+                del self.models[name]
+                self.errors[name] = str(exc)
+                log.warning("ControlNet %r (%s) is not served: %s", name, path, exc)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """What these ControlNets hold on the model's device (counted in its weight bytes)."""
+        return list(self.models.values())
 
     def place(self, *, asleep: bool) -> None:
         """Follow the model to host memory when it sleeps and back when it wakes: a sleeping model
@@ -208,7 +242,11 @@ class ControlNets:
             if task not in pipes:
                 raise PipelineError(f"model {base.name} has no ControlNet pipeline for {task}")
             cn = models[0] if len(models) == 1 else getattr(diffusers, multi_cls)(models) if multi_cls else models
-            pipe = sibling(getattr(diffusers, pipes[task]), base.pipe, controlnet=cn)
+            try:
+                pipe = sibling(getattr(diffusers, pipes[task]), base.pipe, controlnet=cn)
+            except Exception as exc:  # diffusers' own refusal (a module it cannot share): this request's, in words
+                raise PipelineError(f"model {base.name} cannot run ControlNet(s) {', '.join(names)}: diffusers' "
+                                    f"{pipes[task]} cannot be built on it ({fit_reason(exc)})") from exc
             pipe.set_progress_bar_config(disable=True)
             cached = (pipe, call_args(type(pipe)), _Rewind(pipe) if pipes is _FLUX[2] else None)
             self._pipes[(names, task)] = cached
@@ -251,9 +289,10 @@ class ControlNets:
         modes = [c.mode for c in params.controls]
         if any(m is not None for m in modes):
             extra["control_mode"] = modes if union or not one else modes[0]
-        if task is not None:
-            return base.edit(params, requests, edits, on_step, on_preview, extra, pipe=pipe, drawn=rewind)
-        return base._call(pipe, args, params, requests, on_step, extra, on_preview, rewind)
+        with eager(self.pipeline):
+            if task is not None:
+                return base.edit(params, requests, edits, on_step, on_preview, extra, pipe=pipe, drawn=rewind)
+            return base._call(pipe, args, params, requests, on_step, extra, on_preview, rewind)
 
 
 def _mode_per_picture(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:

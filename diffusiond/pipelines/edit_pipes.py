@@ -12,7 +12,7 @@ plain ``from_pipe``, which would cast the shared weights to float32 (its docstri
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from types import MethodType
 from typing import Any
 
 import torch
@@ -62,7 +62,8 @@ def edit_pipes(pipe: Any, task: Task) -> dict[Task, Any]:
         try:
             pipes[edit] = sibling(getattr(diffusers, cls), pipe)
         except (ValueError, KeyError, AttributeError, TypeError) as exc:
-            log.debug("%s has no %s pipeline: %s", type(pipe).__name__, edit.value, exc)
+            log.warning("%s model: no %s pipeline (%s: %s); requests for it are refused", type(pipe).__name__,
+                        edit.value, type(exc).__name__, exc)
     return pipes
 
 
@@ -82,27 +83,29 @@ def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozens
 
 
 def sibling(cls: Any, pipe: Any, **components: Any) -> Any:
-    """``cls.from_pipe(pipe, ...)`` on the same modules, leaving their dtypes as they were.
+    """``cls.from_pipe(pipe, ...)`` on the same modules, leaving them as they were.
 
     diffusers' ``from_pipe`` (0.42) ends with ``new_pipeline.to(dtype=...)`` (float32 unless told), and
     the modules it casts are the loaded model's own: building an img2img sibling of a float16 SDXL turned
     the whole model float32 (twice the memory, fp32 kernels), and casting it back cost a full round trip
-    of every weight on the CPU per sibling (15-23 s for an SD 1.5-size model on a 2-core box, most of
-    the H200's ~22 s worker start). So the cast is told the dtype most weight bytes already have, which
-    makes it a no-op for them; a model may hold modules kept in float32 beside bfloat16 ones (Wan), and
-    those few (and an added component's, a ControlNet's) are noted before and put back after."""
-    modules = [m for m in (*pipe.components.values(), *components.values()) if hasattr(m, "parameters")]
-    before = [(t, t.dtype) for m in modules for t in (*m.parameters(), *m.buffers())]
-    weight: Counter[torch.dtype] = Counter()
-    for tensor, dtype in before:
-        if tensor.is_floating_point():
-            weight[dtype] += tensor.numel() * tensor.element_size()
-    kwargs = {"dtype": weight.most_common(1)[0][0]} if weight else {}
-    new = cls.from_pipe(pipe, **components, **kwargs)
-    for tensor, dtype in before:
-        if tensor.dtype != dtype:
-            tensor.data = tensor.data.to(dtype)
-    return new
+    of every weight on the CPU per sibling (15-23 s for an SD 1.5-size model on a 2-core box); a
+    quantized module (GGUF, bitsandbytes) refuses any cast ("Casting a quantized model to a new dtype is
+    unsupported"), which left a GGUF FLUX without image-to-image, inpainting and ControlNets. A sibling
+    shares modules that are already where and what they should be, so their ``to`` does nothing while
+    ``from_pipe`` runs (an attribute of each instance, taken off after: nothing else sees it)."""
+    modules = {id(m): m for m in (*pipe.components.values(), *components.values()) if isinstance(m, torch.nn.Module)}
+    for module in modules.values():
+        setattr(module, "to", MethodType(_unmoved, module))  # noqa: B010
+    try:
+        return cls.from_pipe(pipe, **components)
+    finally:
+        for module in modules.values():
+            delattr(module, "to")
+
+
+def _unmoved(self: Any, *_args: Any, **_kwargs: Any) -> Any:
+    """A shared module's ``to`` while a sibling is built (``sibling``)."""
+    return self
 
 
 _IMAGE_MODULES = ("image_encoder", "feature_extractor")

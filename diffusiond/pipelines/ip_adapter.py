@@ -48,7 +48,7 @@ import torch
 
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
-from diffusiond.pipelines.controlnet import ControlNets, plain_base
+from diffusiond.pipelines.controlnet import ControlNets, eager, not_diffusers, plain_base
 from diffusiond.pipelines.errors import fit_reason
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def unsupported(pipeline: Any) -> str | None:
     """Why ``pipeline`` takes no IP-Adapter at all (None: its family does)."""
     base = plain_base(pipeline)
     if base is None:
-        return f"model {pipeline.name} is not a plain diffusers text-to-image pipeline (compiled or synthetic)"
+        return not_diffusers(pipeline)
     family = type(base.pipe).__name__
     if family not in FAMILIES:
         return f"model {base.name} is a {family}; IP-Adapters are served for {', '.join(FAMILIES)} models"
@@ -172,18 +172,25 @@ class IpAdapters:
         self._saved = (dict(self._denoiser(pipe).attn_processors), getattr(pipe, "feature_extractor", None),
                        getattr(pipe, "image_encoder", None))
         self._use_encoder(pipe, names[0])  # so the loader finds an encoder and loads none itself
-        self.current = names
         dicts = [self._adapters[n].weights for n in names]
         blank = [""] * len(names)
-        if self._flux:
-            pipe.load_ip_adapter(dicts, weight_name=blank, subfolder=blank,
-                                 image_encoder_pretrained_model_name_or_path=None)
-        else:
-            pipe.load_ip_adapter(dicts, subfolder=blank, weight_name=blank, image_encoder_folder=None)
+        try:
+            if self._flux:
+                pipe.load_ip_adapter(dicts, weight_name=blank, subfolder=blank,
+                                     image_encoder_pretrained_model_name_or_path=None)
+            else:
+                pipe.load_ip_adapter(dicts, subfolder=blank, weight_name=blank, image_encoder_folder=None)
+        except BaseException:
+            # a load that failed midway (out of memory) may have swapped some processors: put the
+            # denoiser's own back, so the next batch naming these adapters loads them again
+            self.release()
+            raise
+        self.current = names  # only once they are all in: a batch with the same names skips the load
 
     def release(self) -> None:
-        """Take the adapters out of the denoiser, giving it back its own processors (before any batch without them)."""
-        if self.current is None:
+        """Take the adapters out of the denoiser, giving it back its own processors (before any batch without
+        them, and after a load that failed)."""
+        if self.current is None and self._saved is None:
             return
         pipe = plain_base(self.pipeline).pipe
         self.current = None
@@ -193,6 +200,11 @@ class IpAdapters:
         if saved is not None:
             self._denoiser(pipe).set_attn_processor(saved[0])
             pipe.register_modules(feature_extractor=saved[1], image_encoder=saved[2])
+
+    def modules(self) -> list[torch.nn.Module]:
+        """What these adapters hold on the model's device: their image encoders (counted in its weight bytes;
+        the adapters' own weights wait in host memory until a batch puts them into the denoiser)."""
+        return [a.encoder for a in self._adapters.values()]
 
     def place(self, *, asleep: bool) -> None:
         """A sleeping model leaves the device free: the adapters come out, the encoders go to host memory."""
@@ -266,17 +278,18 @@ class IpAdapters:
         self.activate(names)
         scales = [r.scale for r in params.ip_adapters]
         base.pipe.set_ip_adapter_scale(scales[0] if len(scales) == 1 else scales)
-        extra = self._embeds(params, names, [Image.fromarray(p) for p in references[0]])
-        if params.controls:
-            if controlnets is None:
-                raise PipelineError(f"model {base.name} takes no ControlNet here")
-            pipe, args = controlnets.pipeline_for(params)
-            if "ip_adapter_image_embeds" not in args:
-                extra = _through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
-            return controlnets.run(params, requests, controls, on_step, on_preview, more=extra, edits=edits)
-        if params.edit is not None:
-            return base.edit(params, requests, edits, on_step, on_preview, more=extra)
-        return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)
+        with eager(self.pipeline):
+            extra = self._embeds(params, names, [Image.fromarray(p) for p in references[0]])
+            if params.controls:
+                if controlnets is None:
+                    raise PipelineError(f"model {base.name} takes no ControlNet here")
+                pipe, args = controlnets.pipeline_for(params)
+                if "ip_adapter_image_embeds" not in args:
+                    extra = _through_attention_kwargs(extra, args, len(requests), type(pipe).__name__)
+                return controlnets.run(params, requests, controls, on_step, on_preview, more=extra, edits=edits)
+            if params.edit is not None:
+                return base.edit(params, requests, edits, on_step, on_preview, more=extra)
+            return base._call(base.pipe, base._args, params, requests, on_step, extra, on_preview)
 
 
 def _through_attention_kwargs(extra: Mapping[str, Any], args: frozenset[str], batch: int,

@@ -28,7 +28,7 @@ import json
 import logging
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -151,18 +151,30 @@ class Upscalers:
             if measured is not None:
                 self.per_pixel[name] = measured
 
+    def modules(self) -> list[torch.nn.Module]:
+        """What these upscalers hold on the model's device (counted in its weight bytes)."""
+        return [model.model for model in self.models.values()]
+
     def place(self, asleep: bool) -> None:
         for model in self.models.values():
             model.to(torch.device("cpu") if asleep else self.device)
 
-    def upscale(self, name: str, images: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    def upscale(self, name: str, images: torch.Tensor, tiles: tuple[int, int] | None = None,
+                between: Callable[[], None] | None = None) -> torch.Tensor:
         """``images`` (N, 3, H, W) float in [0, 1] through upscaler ``name``: (N, 3, H*s, W*s), in [0, 1],
-        in the tiles ``serve`` set for it unless ``tiles`` (side, overlap) says otherwise.
+        in the tiles ``serve`` set for it unless ``tiles`` (side, overlap) says otherwise; ``between``
+        runs before each forward (a cancelled batch's check, which raises to stop).
         Run in float32: the models are small next to a denoiser, and half precision makes some of
         them (ESRGAN's older checkpoints) overflow to black."""
-        model = self.models.get(name)
-        if model is None:
+        found = self.models.get(name)
+        if found is None:
             raise PipelineError(f"upscaler {name!r} is not loaded in this worker")
+
+        def model(x: torch.Tensor) -> torch.Tensor:
+            if between is not None:
+                between()
+            return found(x)
+
         x = images.to(self.device, torch.float32)
         tile, overlap = tiles or self.plan(name, x)
         self.ran[name] = (tile, overlap)

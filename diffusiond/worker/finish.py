@@ -19,6 +19,12 @@ once at once with tiles of half the side, after emptying the allocator's cache: 
 compute thread's own retry, which runs the whole forward again. When that runs out too, the error
 goes on to that retry and then fails the job with ``out_of_memory``, its message naming the
 upscaler and the tiles tried.
+
+A cancelled batch stops its upscale: before each picture and each forward of tiles the finisher asks
+whether every request of the batch is cancelled (``cancelled``, the worker's shared state), and if so
+stops as a cancelled denoising loop does (``Interrupted``), rather than keeping the device busy for
+minutes on outputs nobody will read. Each upscaled output is made smaller as soon as it is done
+(``_held``), so a batch of large upscales does not hold every picture in float32 until the copy.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import (
     EditArrays,
     EditingPipeline,
+    Interrupted,
     Pipeline,
     PipelineError,
     PreviewSink,
@@ -79,33 +86,42 @@ def first_pass_previews(sink: PreviewSink, params: BatchParams) -> PreviewSink:
 class Finisher:
     """What a batch's ``hires`` and ``upscale`` ask of its outputs (nothing when it asks neither)."""
 
-    def __init__(self, pipeline: Pipeline, upscalers: Upscalers | None) -> None:
+    def __init__(self, pipeline: Pipeline, upscalers: Upscalers | None,
+                 cancelled: Callable[[list[str]], bool] | None = None) -> None:
         self.pipeline = pipeline
         self.upscalers = upscalers
         self.oom_retries = 0  # counted, so the compute thread does not report a peak that ran out as a need
+        self.cancelled = cancelled or (lambda _ids: False)  # the worker's ``SharedState.all_cancelled``
 
     def __call__(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
                  on_step: StepCallback, on_preview: PreviewSink | None,
                  redraw: Redraw | None = None) -> list[torch.Tensor]:
         """``redraw`` runs the hires pass in place of the model's own ``edit`` (an IP-Adapter batch's:
         the adapter is in the UNet, which then wants the reference on every forward)."""
+        ids = [r.request_id for r in requests]
+        done = params.steps + (params.hires.steps if params.hires is not None else 0)
+
+        def check() -> None:
+            if self.cancelled(ids):
+                raise Interrupted(done, done)
+
         with torch.inference_mode():
             if params.hires is not None:
-                outputs = self._hires(params, requests, outputs, on_step, on_preview, redraw)
+                outputs = self._hires(params, requests, outputs, on_step, on_preview, redraw, check)
             u = params.upscale
             if u is not None:
-                outputs = [resize(self._model(u.name, out[None]), u.width, u.height)[0].to(out.dtype)
-                           for out in outputs]
+                outputs = [_held(resize(self._model(u.name, out[None], check), u.width, u.height)[0], out.dtype,
+                                 params.output_dtype) for out in outputs]
         return outputs
 
-    def _model(self, name: str, images: torch.Tensor) -> torch.Tensor:
-        """The upscaler, retried in smaller tiles when it runs out of memory. Only the message of the
-        first failure is kept: the exception's frames hold the tiles and the output being blended,
-        which the retry needs freed."""
+    def _model(self, name: str, images: torch.Tensor, check: Callable[[], None] | None = None) -> torch.Tensor:
+        """The upscaler, retried in smaller tiles when it runs out of memory; ``check`` runs before each
+        forward (it raises when the batch is cancelled). Only the message of the first failure is kept:
+        the exception's frames hold the tiles and the output being blended, which the retry needs freed."""
         if self.upscalers is None:
             raise PipelineError(f"upscaler {name!r} is not served by this worker")
         try:
-            return self.upscalers.upscale(name, images)
+            return self.upscalers.upscale(name, images, between=check)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -123,7 +139,7 @@ class Finisher:
         log.warning("upscaler %r ran out of memory on a %dx%d picture in %s; retrying in tiles of %d "
                     "(overlap %d): %s", name, w, h, ran, retry[0], retry[1], why)
         try:
-            return self.upscalers.upscale(name, images, retry)
+            return self.upscalers.upscale(name, images, retry, between=check)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -138,14 +154,15 @@ class Finisher:
             torch.cuda.empty_cache()
 
     def _hires(self, params: BatchParams, requests: Sequence[RequestSpec], outputs: list[torch.Tensor],
-               on_step: StepCallback, on_preview: PreviewSink | None, redraw: Redraw | None) -> list[torch.Tensor]:
+               on_step: StepCallback, on_preview: PreviewSink | None, redraw: Redraw | None,
+               check: Callable[[], None]) -> list[torch.Tensor]:
         h = params.hires
         assert h is not None
         if redraw is None and not isinstance(self.pipeline, EditingPipeline):
             raise PipelineError(f"model {self.pipeline.name} has no image-to-image pipeline for a hires pass")
         pictures = []
         for out in outputs:
-            big = resize(self._model(h.upscaler, out[None]) if h.upscaler else out[None], h.width, h.height)
+            big = resize(self._model(h.upscaler, out[None], check) if h.upscaler else out[None], h.width, h.height)
             pictures.append((big[0] * 255).round_().to(torch.uint8).permute(1, 2, 0).cpu().numpy())
         inputs: list[tuple[np.ndarray, np.ndarray | None]] = [(p, None) for p in pictures]
         second = msgspec.structs.replace(params, width=h.width, height=h.height, steps=h.schedule,
@@ -171,3 +188,14 @@ class Finisher:
         """The upscalers follow their model to host memory while it sleeps, and back."""
         if self.upscalers is not None:
             self.upscalers.place(asleep)
+
+
+def _held(picture: torch.Tensor, dtype: torch.dtype, output_dtype: str) -> torch.Tensor:
+    """An upscaled picture as it waits for the copy: in the model's output dtype, and for a uint8 output in
+    half precision, rounded to the 256 levels the copy will make of it. That holds half the bytes of float32
+    and gives the copy's uint8 bit for bit: float16 stores k/255 within 2^-11, which the copy's
+    ``round(x * 255)`` brings back to k (an error under 0.13 of a level). Not uint8 itself: the copy
+    (worker/copier.py's ``to_output_layout``) takes float pictures in [0, 1] only."""
+    if output_dtype != "uint8" or dtype == torch.float16:
+        return picture.to(dtype)
+    return (picture.to(dtype).float().clamp_(0, 1) * 255).round_().div_(255).to(torch.float16)

@@ -223,13 +223,16 @@ class Worker:
             finisher = await asyncio.to_thread(self._finisher, pipeline, config)
         except Exception as exc:
             raise _StartError(f"loading the upscalers failed: {exc}") from exc
+        finisher.cancelled = self.state.all_cancelled  # a cancelled batch stops its upscale
+        beside = [*(controlnets.modules() if controlnets else ()), *(ip_adapters.modules() if ip_adapters else ()),
+                  *(finisher.upscalers.modules() if finisher.upscalers else ())]  # on its device, counted with it
         phases.mark("adapters, controlnets, upscalers")
         post = self.channel.post_threadsafe
 
         def ready() -> None:  # on the compute thread, once the warm-up shapes have run
             phases.report(config.model_name)
             post(Ready(config.model_name, str(pipeline.device), (time.perf_counter() - t0) * 1000,
-                       msgspec.structs.replace(pipeline.capabilities, weight_bytes=weight_bytes(pipeline)),
+                       msgspec.structs.replace(pipeline.capabilities, weight_bytes=weight_bytes(pipeline, beside)),
                        lora_errors=lora_errors, controlnet_errors=controlnets.errors if controlnets else {},
                        ip_adapter_errors=ip_adapters.errors if ip_adapters else {}))
 
