@@ -33,7 +33,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
-from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, edit_kwargs, edit_pipes, share_image_encoder
+from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, NOT_SERVED, edit_kwargs, edit_pipes, share_image_encoder
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.phases import Phases
@@ -106,6 +106,8 @@ def call_args(cls: type) -> frozenset[str]:
 def task_for_class(cls: type) -> Task:
     """Decide from the class alone (before any weights load) whether and how we can serve it."""
     name = cls.__name__
+    if why := next((w for fragment, w in NOT_SERVED.items() if fragment in name), None):
+        raise PipelineError(f"pipeline class {name} is not served yet: {why}")
     args = call_args(cls)
     for fragments, needs, task in EDIT_CLASSES:
         if any(f in name for f in fragments) and needs <= args and _REQUIRED_ARGS - {"height", "width"} <= args:
