@@ -204,7 +204,12 @@ async def run(config: DaemonConfig) -> int:
         if not drain.done():
             drain.cancel()
             await engine.drain(0)
-    except (WorkerStartError, StartupError, StateDirError) as exc:
+    except WorkerStartError as exc:  # no model the start tried could load (or a --lora fits none)
+        log.error("cannot start: %s; correct what this names (a model's folder or its --model options, a --lora) "
+                  "or serve without it; --log-level debug logs the worker's traceback", exc)
+        systemd.notify(f"STATUS=failed: {exc}")
+        code = 1
+    except (StartupError, StateDirError) as exc:
         log.error("cannot start: %s", exc)
         systemd.notify(f"STATUS=failed: {exc}")
         code = 1

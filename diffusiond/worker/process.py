@@ -171,7 +171,9 @@ class Worker:
         try:
             await self._start(config)
         except Exception as exc:
-            log.exception("start-up failed")
+            # a refusal with its reason (a model's folder or options) is logged once, by the engine, as that
+            # reason; its traceback helps only whoever debugs the loader. Anything else is a fault: traceback.
+            log.log(logging.DEBUG if isinstance(exc, _StartError) else logging.ERROR, "start-up failed", exc_info=True)
             message = str(exc) if isinstance(exc, _StartError) else f"start-up failed: {type(exc).__name__}: {exc}"
             with contextlib.suppress(ChannelClosed):
                 self.channel.post(Fatal(message=message))
