@@ -302,8 +302,9 @@ class Engine(OutputAccess):
         model = self.pool.model(req.model)
         if not model.can_take_jobs() and not self._pool_starting:
             raise NoWorker(f"model {model.name!r} has no running worker")
+        eager = bool(req.controls or req.ip_adapters)  # such batches run eager on a compiled model (controlnet.eager)
         job = Job(req, sync=sync, approximations=model.capabilities.approximations,
-                  compiled=model.capabilities.compiled, attention=model.capabilities.attention)
+                  compiled="" if eager else model.capabilities.compiled, attention=model.capabilities.attention)
         base = req.seed if req.seed is not None else random.randrange(2**31)
         job.items = [Item(job, i, seed=base + i) for i in range(req.n)]
         if self.scheduler.full:

@@ -1,0 +1,38 @@
+"""What a job's own view says about how it runs, against one real daemon: ``compiled`` of a batch that runs
+eager on a ``--compile``d model (a ControlNet's), ``progress.total`` of an image-to-image job before its
+first event (the steps diffusers really runs at its strength), and the first load of a never-seen model
+that fails (``model_load_failed`` with the worker's reason)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from controlkit import png
+from daemonkit import Daemon, http, shared_daemon, submit, wait_job
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet_dir: Path) -> Any:
+    root = tmp_path_factory.mktemp("odds")
+    (root / "toml").write_text(
+        'max_batch = 1\npreload = ["fast"]\n'
+        '[[models]]\nname = "fast"\nspec = "tiny"\ncompile = "default"\noptions = { compile_backend = "eager" }\n'
+        f'[controlnets]\nedges = "{controlnet_dir}"\n')
+    with shared_daemon(root, ["--config", str(root / "toml")], model_cache) as daemon:
+        yield daemon
+
+
+SMALL = {"prompt": "a red fox", "width": 64, "height": 64, "steps": 2, "seed": 1}
+
+
+async def test_a_control_job_on_a_compiled_model_says_it_ran_uncompiled(d: Daemon) -> None:
+    """Its batch runs eager (docs/api.md, --compile): ``compiled`` null, where a plain job's is the mode."""
+    async with http(d.socket) as s:
+        plain = await wait_job(s, (await submit(s, {"model": "fast", **SMALL}))["id"], timeout=300)
+        body = {"model": "fast", **SMALL, "control": [{"name": "edges", "image": png(1)}]}
+        controlled = await wait_job(s, (await submit(s, body))["id"], timeout=300)
+    assert plain["status"] == controlled["status"] == "succeeded", (plain, controlled)
+    assert plain["compiled"] == "default", plain
+    assert controlled["compiled"] is None, controlled
