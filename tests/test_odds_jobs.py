@@ -10,15 +10,16 @@ from typing import Any
 
 import pytest
 from controlkit import png
-from daemonkit import Daemon, http, shared_daemon, submit, wait_job
+from daemonkit import Daemon, get, http, shared_daemon, sse, submit, wait_job
 
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet_dir: Path) -> Any:
     root = tmp_path_factory.mktemp("odds")
     (root / "toml").write_text(
-        'max_batch = 1\npreload = ["fast"]\n'
+        'max_batch = 1\npreload = ["fast", "t"]\n'
         '[[models]]\nname = "fast"\nspec = "tiny"\ncompile = "default"\noptions = { compile_backend = "eager" }\n'
+        '[[models]]\nname = "t"\nspec = "tiny"\n'
         f'[controlnets]\nedges = "{controlnet_dir}"\n')
     with shared_daemon(root, ["--config", str(root / "toml")], model_cache) as daemon:
         yield daemon
@@ -36,3 +37,24 @@ async def test_a_control_job_on_a_compiled_model_says_it_ran_uncompiled(d: Daemo
     assert plain["status"] == controlled["status"] == "succeeded", (plain, controlled)
     assert plain["compiled"] == "default", plain
     assert controlled["compiled"] is None, controlled
+
+
+async def test_an_image_to_image_job_counts_the_steps_it_runs_before_its_first_event(d: Daemon) -> None:
+    """At strength 0.3 of 4 steps an SD model runs int(4 * 0.3) = 1 step: the job says 1 from admission
+    (held here by a sleep, so no event has come), as its events then do, never 4 and then 1."""
+    body = {"model": "t", **SMALL, "steps": 4, "image": png(2), "strength": 0.3}
+    async with http(d.socket) as s:
+        async with s.post("/v1/admin/sleep") as r:
+            assert r.status == 200, await r.text()
+        try:
+            job = await submit(s, body)
+            _, queued = await get(s, f"/v1/jobs/{job['id']}")
+        finally:
+            async with s.post("/v1/admin/wake") as r:
+                assert r.status == 200, await r.text()
+        events = await sse(s, job["id"])
+        done = await wait_job(s, job["id"], timeout=300)
+    assert queued["status"] == "queued" and queued["progress"] == {"step": 0, "total": 1}, queued
+    assert done["status"] == "succeeded" and done["progress"] == {"step": 1, "total": 1}, done
+    totals = {e["total"] for name, e in events if name == "progress"}
+    assert totals == {1}, events

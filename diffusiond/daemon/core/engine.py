@@ -302,6 +302,7 @@ class Engine(OutputAccess):
         model = self.pool.model(req.model)
         if not model.can_take_jobs() and not self._pool_starting:
             raise NoWorker(f"model {model.name!r} has no running worker")
+        req = req.admitted(model.capabilities.flow_scheduler)
         eager = bool(req.controls or req.ip_adapters)  # such batches run eager on a compiled model (controlnet.eager)
         job = Job(req, sync=sync, approximations=model.capabilities.approximations,
                   compiled="" if eager else model.capabilities.compiled, attention=model.capabilities.attention)

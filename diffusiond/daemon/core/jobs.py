@@ -13,6 +13,7 @@ client sees of a job (its JSON, its URLs) is drawn by the HTTP layer (``views.py
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -26,8 +27,8 @@ from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import BatchParams, LoraRef, TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
-from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec
-from diffusiond.protocol import Event, JobStatus, OutputDtype, Stage
+from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec, img2img_steps
+from diffusiond.protocol import STRENGTH_TASKS, Event, JobStatus, OutputDtype, Stage
 
 Listener = Callable[[Event, "Job"], None]
 """Told of every event of a job, on the loop, as it happens (an SSE stream renders it at once)."""
@@ -90,6 +91,9 @@ class JobRequest:
     ip_adapter: IpAdapterInput | None = field(default=None, compare=False)
     hires: HiresSpec | None = None  # a second pass at a larger size (daemon/edge/upscale.py)
     upscale: UpscaleSpec | None = None  # every output through an upscaler, last
+    # the steps an image-to-image or inpainting edit really runs, its strength's share of ``steps`` as
+    # diffusers rounds it (``admitted``); kept, since the edit's input is not: None, all of ``steps``
+    edit_steps: int | None = None
 
     def batch_params(self) -> BatchParams:
         return BatchParams(
@@ -112,10 +116,19 @@ class JobRequest:
             upscale=self.upscale,
         )
 
+    def admitted(self, flow: bool | None) -> JobRequest:
+        """The request as its model runs it: an edit with a strength runs fewer steps than ``steps``, by
+        its model's rule (``flow``: a flow-matching scheduler's), and its progress counts those from the
+        start, before any event says so."""
+        if self.edit is None or self.edit.task not in STRENGTH_TASKS:
+            return self
+        return dataclasses.replace(self, edit_steps=img2img_steps(self.steps, self.edit.strength, bool(flow)))
+
     @property
     def total_steps(self) -> int:
-        """The steps the job's progress counts: a hires pass adds its own."""
-        return self.steps + (self.hires.steps if self.hires else 0)
+        """The steps the job's progress counts: those its first pass runs, and a hires pass's own."""
+        first = self.steps if self.edit_steps is None else self.edit_steps
+        return first + (self.hires.steps if self.hires else 0)
 
     @property
     def work_size(self) -> tuple[int, int]:
