@@ -460,13 +460,15 @@ class Keeper:
             self.on_change()
 
     async def _expire_forever(self) -> None:
+        """Each expiry's move in a task of its own: awaited in turn, one slow move (a large model's copy to
+        host memory takes tens of seconds) would hold every other model past its keep-alive."""
         while True:
             await asyncio.sleep(EXPIRY_CHECK_S)
             for move in self.policy.expired(time.monotonic()):
                 model = self.pool.models.get(move.model)
                 if model is not None and move.model not in self.moving and any(
                         w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers):
-                    await self._move(model, move)
+                    self._spawn_move(model, move)
 
 
 def _reason_label(reason: str) -> str:
