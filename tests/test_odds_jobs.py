@@ -16,10 +16,14 @@ from daemonkit import Daemon, get, http, shared_daemon, sse, submit, wait_job
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, controlnet_dir: Path) -> Any:
     root = tmp_path_factory.mktemp("odds")
+    broken = root / "broken"  # a pipeline's index and none of its parts: from_pretrained refuses it
+    broken.mkdir()
+    (broken / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     (root / "toml").write_text(
         'max_batch = 1\npreload = ["fast", "t"]\n'
         '[[models]]\nname = "fast"\nspec = "tiny"\ncompile = "default"\noptions = { compile_backend = "eager" }\n'
         '[[models]]\nname = "t"\nspec = "tiny"\n'
+        f'[[models]]\nname = "b"\nspec = "{broken}"\n'
         f'[controlnets]\nedges = "{controlnet_dir}"\n')
     with shared_daemon(root, ["--config", str(root / "toml")], model_cache) as daemon:
         yield daemon
@@ -58,3 +62,18 @@ async def test_an_image_to_image_job_counts_the_steps_it_runs_before_its_first_e
     assert done["status"] == "succeeded" and done["progress"] == {"step": 1, "total": 1}, done
     totals = {e["total"] for name, e in events if name == "progress"}
     assert totals == {1}, events
+
+
+async def test_a_never_seen_model_whose_first_load_fails_is_model_load_failed_with_the_reason(d: Daemon) -> None:
+    """Its first request loads it to learn its defaults (``described``); that load failing is the model's
+    fault, said as a known model's failed load is, not ``no_worker``. The next request tries again."""
+    async with http(d.socket) as s:
+        for _ in range(2):
+            async with s.post("/v1/jobs", json={"model": "b", **SMALL}) as r:
+                status, body = r.status, await r.json()
+            assert status == 503, body
+            err = body["error"]
+            assert err["code"] == "model_load_failed", err
+            assert "model 'b' could not be loaded" in err["message"], err
+            assert "cannot load StableDiffusionPipeline" in err["message"], err
+        assert (await wait_job(s, (await submit(s, {"model": "t", **SMALL}))["id"]))["status"] == "succeeded"

@@ -141,7 +141,7 @@ def test_a_first_load_that_fails_is_a_503_naming_the_model_and_the_daemon_goes_o
                     body = await r.json()
                     assert r.status == 503, body
                 err = body["error"]
-                assert err["code"] == "no_worker" and "'tiny' could not be loaded" in err["message"], err
+                assert err["code"] == "model_load_failed" and "'tiny' could not be loaded" in err["message"], err
                 assert "injected start-up failure" in err["message"], err
             assert (await get(s, "/ready"))[0] == 200
             assert (await models_by_name(s))["tiny"]["residency"] == "disk"

@@ -212,8 +212,9 @@ class Engine(OutputAccess):
         first, by default) has its own defaults and limits (its first READY, or remembered from the
         last run), so a request that comes while models load is completed and checked the way it will
         run. A model never seen that waits on disk is loaded now, for this request (``Keeper.learn``):
-        a 503 naming the model when that load fails. Not waited for: a daemon that is stopping, a model
-        whose workers could not start, or a name not served (the caller's ``model`` says 404)."""
+        a 503 naming the model and the worker's reason when that load fails (``_unlearned``). Not waited
+        for: a daemon that is stopping, a model whose workers could not start, or a name not served (the
+        caller's ``model`` says 404)."""
         if name is not None and name not in self.pool.models:
             return
         model = self.pool.model(name)
@@ -229,7 +230,7 @@ class Engine(OutputAccess):
         if not model.known and model.retired and not unfit and not (self.draining or self.stopping):
             failed = await self.keeper.learn(model)
             if failed is not None:
-                raise NoWorker(f"model {model.name!r} could not be loaded: {failed}")
+                raise self._unlearned(model.name, failed)
 
     async def accept(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job and return once it is recorded (on disk when jobs persist): what a 202 promises."""
@@ -250,7 +251,7 @@ class Engine(OutputAccess):
         if not self.keeper.known(name) and model.retired:  # never seen: its first load places it
             failed = await self.keeper.learn(model)
             if failed is not None:
-                raise NoWorker(f"model {name!r} could not be loaded: {failed}", code=ErrorCode.MODEL_LOAD_FAILED)
+                raise self._unlearned(name, failed)
         try:
             await self.keeper.load(model)
         except ValueError as exc:
@@ -259,6 +260,12 @@ class Engine(OutputAccess):
             raise NoWorker(str(exc), code=ErrorCode.MODEL_LOAD_FAILED) from None
         except TimeoutError as exc:
             raise NoWorker(str(exc)) from None
+
+    def _unlearned(self, name: str, failed: str) -> NoWorker:
+        """A never-seen model's first load failed: ``model_load_failed`` with the worker's reason, as a known
+        model's jobs fail; ``no_worker`` while a level-2 sleep lets no worker start (no load was tried)."""
+        code = ErrorCode.NO_WORKER if self.pool.sleep_level >= 2 else ErrorCode.MODEL_LOAD_FAILED
+        return NoWorker(f"model {name!r} could not be loaded: {failed}", code=code)
 
     def _fail_queued(self, model: str, message: str) -> None:
         """Residency could not load ``model``: the jobs waiting for it fail with the worker's reason."""
