@@ -77,3 +77,17 @@ async def test_a_never_seen_model_whose_first_load_fails_is_model_load_failed_wi
             assert "model 'b' could not be loaded" in err["message"], err
             assert "cannot load StableDiffusionPipeline" in err["message"], err
         assert (await wait_job(s, (await submit(s, {"model": "t", **SMALL}))["id"]))["status"] == "succeeded"
+
+
+async def test_a_compiling_edit_keeps_its_total_from_the_compile_mark_on(d: Daemon) -> None:
+    """The worker marks a new compiled shape with a step-0 event before the pipeline has counted its steps:
+    the job's total (1 step at strength 0.3 of 4) holds through that mark, never the 4 asked for."""
+    body = {"model": "fast", **SMALL, "width": 96, "steps": 4, "image": png(3), "strength": 0.3}
+    async with http(d.socket) as s:
+        job = await submit(s, body)
+        events = await sse(s, job["id"])
+        done = await wait_job(s, job["id"], timeout=300)
+    assert done["status"] == "succeeded", done
+    assert any(name == "status" and e.get("stage") == "compiling" for name, e in events), events
+    totals = {e["total"] for name, e in events if name == "progress"}
+    assert totals == {1}, events

@@ -212,7 +212,10 @@ class Flights:
                 job.add_timing("compiling", (time.monotonic() - batch.compiling_since) * 1000)
             job.emit(Event.STATUS)
         for job in _jobs_of(items):
-            job.progress = (msg.step, msg.total)
+            # a compiling or retry mark says "step 0" before the pipeline has counted its steps (an edit's
+            # rounding, a hires pass): the job's own total holds until its steps report theirs
+            total = job.request.total_steps if msg.compiling or msg.oom_retry else msg.total
+            job.progress = (msg.step, total)
             job.emit(Event.PROGRESS)
 
     def on_compute_done(self, msg: ComputeDone) -> None:
