@@ -1,0 +1,78 @@
+"""Wan image-to-video on a real daemon (issue 30): tiny Wan folders built in code (tests/wankit.py), loaded as a
+user's Wan checkpoint is (``--model NAME=FOLDER``; the class in model_index.json decides the task).
+
+A Wan 2.2 TI2V folder (WanPipeline with ``expand_timesteps``) animates an image through WanImageToVideoPipeline
+built on its weights; a Wan 2.1 T2V folder cannot and says so; a Wan 2.1 I2V folder (with its CLIP image
+encoder) does image-to-video only. Batches of them give each request what it gets alone.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from daemonkit import Daemon, http, shared_daemon, wait_job
+from test_image_tasks import b64, job
+from test_lora import assert_same_but_rounding
+from wankit import build_wan
+
+BASE = {"prompt": "a boat", "width": 64, "height": 64, "steps": 2, "num_frames": 5, "output_format": "npy"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("wan")
+    return {kind: build_wan(tmp / kind, kind) for kind in ("t2v", "ti2v", "i2v")}
+
+
+@pytest.fixture(scope="module")
+def wan_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
+               folders: dict[str, Path]) -> Iterator[Daemon]:
+    args = [a for kind, folder in folders.items() for a in ("--model", f"{kind}={folder}")]
+    with shared_daemon(tmp_path_factory.mktemp("wan-daemon"), [*args, "--workers", "1", "--batch-wait-ms", "300",
+                                                               "--job-timeout", "120"], model_cache) as d:
+        yield d
+
+
+async def outputs(s: aiohttp.ClientSession, body: dict[str, Any]) -> list[tuple[bytes, int, int]]:
+    """Each output's bytes, seed and batch."""
+    status, made = await job(s, {**BASE, **body})
+    assert status == 202, made
+    done = await wait_job(s, made["id"], timeout=120)
+    assert done["status"] == "succeeded", done
+    got = []
+    for out in done["outputs"]:
+        async with s.get(out["url"]) as r:
+            assert r.status == 200
+            got.append((await r.read(), out["seed"], out["batch"]))
+    return got
+
+
+async def test_each_wan_folder_lists_what_it_does(wan_daemon: Daemon) -> None:
+    async with http(wan_daemon.socket) as s, s.get("/v1/models") as r:
+        listed = {m["id"]: (m["task"], m["edits"]) for m in (await r.json())["data"]}
+    assert listed["ti2v"] == ("text-to-video", ["image-to-video"])  # Wan 2.2 TI2V: the "I" too
+    assert listed["t2v"] == ("text-to-video", [])  # a Wan 2.1 T2V transformer has no input for an image
+    assert listed["i2v"] == ("image-to-video", ["image-to-video"])
+
+
+async def test_ti2v_animates_the_image_and_batches_keep_requests_apart(wan_daemon: Daemon) -> None:
+    async with http(wan_daemon.socket) as s:
+        [(plain, _, _)] = await outputs(s, {"model": "ti2v", "seed": 5})
+        [(first, _, _)] = await outputs(s, {"model": "ti2v", "seed": 5, "image": b64(1)})
+        [(other, _, _)] = await outputs(s, {"model": "ti2v", "seed": 5, "image": b64(2)})
+        [(sixth, _, _)] = await outputs(s, {"model": "ti2v", "seed": 6, "image": b64(1)})
+        pair = await outputs(s, {"model": "ti2v", "seed": 5, "image": b64(1), "n": 2})  # failed: N² image latents
+        status, refused = await job(s, {**BASE, "model": "t2v", "image": b64(1)})
+    assert np.load(io.BytesIO(first)).shape[0] == 5  # a video, of the frames asked for
+    assert first not in (plain, other)  # the image is what changed it
+    assert [seed for _, seed, _ in pair] == [5, 6] and len({b for _, _, b in pair}) == 1
+    for (got, seed, _), alone in zip(pair, (first, sixth), strict=True):
+        assert_same_but_rounding(got, alone, f"seed {seed} of n=2 against it alone")
+    assert status == 400 and refused["error"]["field"] == "model", refused
+    assert "cannot do" in refused["error"]["message"], refused
