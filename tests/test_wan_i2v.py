@@ -8,6 +8,7 @@ encoder) does image-to-video only. Batches of them give each request what it get
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import torch
 from daemonkit import Daemon, http, shared_daemon, wait_job
 from test_image_tasks import b64, job
 from test_lora import assert_same_but_rounding
@@ -76,3 +78,45 @@ async def test_ti2v_animates_the_image_and_batches_keep_requests_apart(wan_daemo
         assert_same_but_rounding(got, alone, f"seed {seed} of n=2 against it alone")
     assert status == 400 and refused["error"]["field"] == "model", refused
     assert "cannot do" in refused["error"]["message"], refused
+
+
+async def test_wan21_i2v_runs_batches_of_requests_each_as_alone(wan_daemon: Daemon) -> None:
+    """n=2 and two requests with different images in one forward: each output is the one it gets alone (the
+    pipeline made N² image embeddings and latents for N requests, and failed)."""
+    async with http(wan_daemon.socket) as s:
+        alone = {(img, seed): (await outputs(s, {"model": "i2v", "seed": seed, "image": b64(img)}))[0][0]
+                 for img, seed in ((1, 5), (1, 6), (2, 7))}
+        pair = await outputs(s, {"model": "i2v", "seed": 5, "image": b64(1), "n": 2})
+        apart = await asyncio.gather(*(outputs(s, {"model": "i2v", "seed": seed, "image": b64(img)})
+                                       for img, seed in ((1, 5), (2, 7))))
+        status, no_image = await job(s, {**BASE, "model": "i2v"})
+    assert alone[1, 5] != alone[2, 7] and alone[1, 5] != alone[1, 6]
+    assert [seed for _, seed, _ in pair] == [5, 6]
+    for got, seed, _ in pair:
+        assert_same_but_rounding(got, alone[1, seed], f"seed {seed} of n=2 against it alone")
+    for [(got, seed, _)], img in zip(apart, (1, 2), strict=True):
+        assert_same_but_rounding(got, alone[img, seed], f"image {img} batched against it alone")
+    assert status == 400 and no_image["error"]["field"] == "image", no_image
+
+
+def test_clip_sees_the_pictures_pixels(folders: dict[str, Path]) -> None:
+    """The CLIP processor normalises 8-bit pixels (rescale by 1/255, then its mean and std); it was handed the
+    [0, 1] batch and rescaled it again, so the encoder saw a near-black picture (every value about -1.8)."""
+    from diffusiond.ipc.messages import BatchParams, RequestSpec
+    from diffusiond.pipelines.registry import load_pipeline
+
+    model: Any = load_pipeline(str(folders["i2v"]), name="i2v")
+    seen: list[torch.Tensor] = []
+    model.pipe.image_encoder.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw["pixel_values"].clone()), with_kwargs=True)
+    rng = np.random.default_rng(0)
+    pictures = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(2)]
+    params = BatchParams(width=64, height=64, steps=1, guidance=1.0, num_frames=5, edit="image-to-video")
+    requests = [RequestSpec(request_id=f"r{k}", prompt="a boat", seed=k) for k in range(2)]
+    out = model.edit(params, requests, [(p, None) for p in pictures], lambda _i, _t: True)
+    assert len(out) == 2 and len(seen) == 2  # one encoding per picture
+    processor = model.pipe.image_processor
+    for picture, pixels in zip(pictures, seen, strict=True):
+        want = processor(images=picture, return_tensors="pt")["pixel_values"]
+        assert torch.allclose(pixels, want, atol=1e-5)
+        assert pixels.std() > 0.1 and pixels.mean() > -1.0  # its pixels, not a near-black picture at about -1.8

@@ -24,6 +24,7 @@ import logging
 from types import MethodType
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ def fit(pipe: Any) -> Any:
     if getattr(wan_i2v, "ftfy", None) is None and wan_i2v.basic_clean is not wan.basic_clean:
         wan_i2v.basic_clean = wan.basic_clean  # WanPipeline's: ftfy's repairs only where it is installed
     pipe.prepare_latents = MethodType(_prepare_each, pipe)
+    transformer = getattr(pipe, "transformer", None)
+    if getattr(pipe, "image_encoder", None) is not None and getattr(transformer, "config", {}).get("image_dim"):
+        pipe.encode_image = MethodType(_encode_each, pipe)
     return pipe
 
 
@@ -66,3 +70,33 @@ def _prepare_each(self: Any, image: torch.Tensor, batch_size: int, *args: Any) -
     parts = [prepare(self, image[k:k + 1], 1, *head, [generator[k]], None if latents is None else latents[k:k + 1],
                      None if last is None else last[k:k + 1]) for k in range(batch_size)]
     return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), *parts[0][2:])
+
+
+def _encode_each(self: Any, image: Any, device: Any = None) -> torch.Tensor:
+    """CLIP's embedding of each picture from its 8-bit pixels (the processor's own rescale and
+    normalisation then apply once), one per prompt."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    encode = WanImageToVideoPipeline.encode_image
+    if not isinstance(image, torch.Tensor):
+        return encode(self, image, device)
+    batch = image if image.dim() == 4 else image.unsqueeze(0)
+    pixels = (batch.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    embeds = torch.cat([encode(self, Image.fromarray(np.ascontiguousarray(p)), device) for p in pixels])
+    return embeds.as_subclass(_OnePerPrompt)
+
+
+class _OnePerPrompt(torch.Tensor):
+    """Image embeddings that are already one per prompt. ``__call__`` repeats what ``encode_image``
+    returns once per prompt (``image_embeds.repeat(batch_size, 1, 1)``, meant for one shared image);
+    this batch goes on as it is, a plain tensor from there (no torch function keeps the subclass)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def repeat(self, *sizes: Any) -> torch.Tensor:
+        plain = self.as_subclass(torch.Tensor)
+        sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], tuple | list) else sizes
+        if tuple(sizes) == (plain.shape[0], *[1] * (plain.dim() - 1)):
+            return plain
+        return plain.repeat(*sizes)
