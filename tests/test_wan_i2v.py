@@ -120,3 +120,23 @@ def test_clip_sees_the_pictures_pixels(folders: dict[str, Path]) -> None:
         want = processor(images=picture, return_tensors="pt")["pixel_values"]
         assert torch.allclose(pixels, want, atol=1e-5)
         assert pixels.std() > 0.1 and pixels.mean() > -1.0  # its pixels, not a near-black picture at about -1.8
+
+
+def test_the_ti2v_preset_animates_an_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``random:wan2.2-5b`` (at test size: its pipeline, ``expand_timesteps`` and Wan 2.2 VAE layout kept)
+    declares image-to-video and makes a video from a picture."""
+    from test_presets import SMALL_NEW
+
+    from diffusiond.ipc.messages import BatchParams, RequestSpec
+    from diffusiond.pipelines.preset_tables import PRESETS
+    from diffusiond.pipelines.registry import load_pipeline
+
+    preset = SMALL_NEW["wan2.2-5b"]
+    monkeypatch.setitem(PRESETS, preset.name, preset)
+    model: Any = load_pipeline(f"random:{preset.name},save=0")
+    assert model.capabilities.edits == ("image-to-video",)
+    picture = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    params = BatchParams(width=64, height=64, steps=1, guidance=5.0, num_frames=5, edit="image-to-video")
+    (out,) = model.edit(params, [RequestSpec(request_id="r", prompt="a boat", seed=1)], [(picture, None)],
+                        lambda _i, _t: True)
+    assert tuple(out.shape) == (5, 3, 64, 64)
