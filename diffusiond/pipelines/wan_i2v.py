@@ -20,14 +20,11 @@ image-to-video module calls ``ftfy`` unguarded: every job failed with ``NameErro
 
 from __future__ import annotations
 
-import logging
 from types import MethodType
 from typing import Any
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def takes_image(pipe: Any) -> str | None:
