@@ -1,8 +1,8 @@
 """The pipelines that make something from an input image, beside a model's own: which diffusers class
 serves each edit task for a family, built on the loaded weights, and what each task's call takes.
 
-A text-to-image model also edits (image-to-image, inpainting) and an LTX text-to-video model also
-animates an image (image-to-video), through diffusers' sibling pipelines built with ``from_pipe``: they
+A text-to-image model also edits (image-to-image, inpainting) and an LTX or Wan 2.2 TI2V text-to-video
+model also animates an image (image-to-video), through diffusers' sibling pipelines built with ``from_pipe``: they
 share every component, so no weight is loaded or held twice. A folder may also name an edit pipeline
 as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext): the model then
 does that task only, and a request must send an image. Siblings are built with ``sibling``, not a
@@ -12,11 +12,13 @@ plain ``from_pipe``, which would cast the shared weights to float32 (its docstri
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import MethodType
 from typing import Any
 
 import torch
 
+import diffusiond.pipelines.wan_i2v as wan_i2v
 from diffusiond.protocol import STRENGTH_TASKS, Task
 
 log = logging.getLogger(__name__)
@@ -49,10 +51,16 @@ _EDITS_OF_FAMILY: dict[str, dict[Task, str]] = {  # what diffusers' auto classes
     "FluxPipeline": {Task.IMAGE_TO_IMAGE: "FluxImg2ImgPipeline", Task.INPAINTING: "FluxInpaintPipeline"},
     # LTX-Video's text-to-video weights are its image-to-video weights (the image conditions the first frame)
     "LTXPipeline": {Task.IMAGE_TO_VIDEO: "LTXImageToVideoPipeline"},
+    # Wan 2.2 TI2V's too, where the model has them (``_CANNOT``): the image replaces the first latent frame
+    "WanPipeline": {Task.IMAGE_TO_VIDEO: "WanImageToVideoPipeline"},
 }  # fmt: skip
 """Named rather than found through the auto classes, whose module imports every pipeline diffusers has:
 2.8 CPU-seconds of each worker's start on a 2-core box. Image families not listed still go through the
 auto classes; video families have no auto class, so only those listed animate images."""
+# Families whose edits depend on the weights, not the class: why a model of the family cannot, or None.
+_CANNOT: dict[str, Callable[[Any], str | None]] = {"WanPipeline": wan_i2v.takes_image}
+# Edit pipelines that need mending before diffusiond's batches run on them (their modules say why).
+_FIT: dict[str, Callable[[Any], Any]] = {"WanImageToVideoPipeline": wan_i2v.fit}
 
 
 def edit_pipes(pipe: Any, task: Task) -> dict[Task, Any]:
@@ -61,17 +69,27 @@ def edit_pipes(pipe: Any, task: Task) -> dict[Task, Any]:
     import diffusers
 
     if task is not Task.TEXT_TO_IMAGE and task is not Task.TEXT_TO_VIDEO:
-        return {task: pipe}  # a dedicated model: its one edit
-    known = _EDITS_OF_FAMILY.get(type(pipe).__name__)
+        return {task: _fitted(pipe)}  # a dedicated model: its one edit
+    family = type(pipe).__name__
+    known = _EDITS_OF_FAMILY.get(family)
+    if known and family in _CANNOT and (why := _CANNOT[family](pipe)) is not None:
+        log.info("%s model: no %s (%s)", family, ", ".join(t.value for t in known), why)
+        return {}
     wanted = known or (_AUTO_CLASSES if task is Task.TEXT_TO_IMAGE else {})
     pipes: dict[Task, Any] = {}
     for edit, cls in wanted.items():
         try:
-            pipes[edit] = sibling(getattr(diffusers, cls), pipe)
+            pipes[edit] = _fitted(sibling(getattr(diffusers, cls), pipe))
         except (ValueError, KeyError, AttributeError, TypeError) as exc:
             log.warning("%s model: no %s pipeline (%s: %s); requests for it are refused", type(pipe).__name__,
                         edit.value, type(exc).__name__, exc)
     return pipes
+
+
+def _fitted(pipe: Any) -> Any:
+    """``pipe``, mended where its class needs it (``_FIT``)."""
+    fit = _FIT.get(type(pipe).__name__)
+    return pipe if fit is None else fit(pipe)
 
 
 def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozenset[str], area: int) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""Tiny Wan pipelines built in code, saved as folders a user's Wan checkpoint would be, for issue 30's tests.
+
+Three shapes of the same family, each a few hundred kB: Wan 2.1 text-to-video (WanPipeline, a 16-channel-style
+transformer that cannot take an image), Wan 2.2 TI2V (WanPipeline with ``expand_timesteps``: the Wan 2.2 VAE's
+patchified, residual layout at 16x, and a transformer whose first latent frame can be the image's), and Wan 2.1
+I2V (WanImageToVideoPipeline: mask and image latents beside the noise, and a CLIP vision encoder whose
+penultimate hidden states feed the transformer's image cross-attention). Loading one needs ``accelerate``
+(Wan's transformer pins modules to float32), which the test environment has.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusiond.pipelines.gen_tokenizers import t5_tokenizer
+
+Z = 4  # latent channels of the 2.1 VAE
+Z22 = 8  # of the 2.2 one
+CLIP_SIDE = 32  # the CLIP processor's crop: what the vision encoder sees
+
+
+def _text(tokenizer: Any) -> Any:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id))
+
+
+def _transformer(in_channels: int, out_channels: int, **more: Any) -> Any:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                 in_channels=in_channels, out_channels=out_channels, text_dim=32, freq_dim=16,
+                                 ffn_dim=32, num_layers=2, rope_max_seq_len=32, **more)
+
+
+def _vae(wan22: bool) -> Any:
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    z = Z22 if wan22 else Z
+    layout: dict[str, Any] = ({"is_residual": True, "in_channels": 12, "out_channels": 12, "patch_size": 2,
+                               "scale_factor_spatial": 16} if wan22 else {})
+    return AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], latents_mean=[0.0] * z, latents_std=[1.0] * z,
+                            **layout)
+
+
+def _scheduler() -> Any:
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+
+
+def build_wan(out: Path, kind: str) -> Path:
+    """``kind``: ``t2v`` (Wan 2.1 T2V), ``ti2v`` (Wan 2.2 TI2V) or ``i2v`` (Wan 2.1 I2V), saved in ``out``."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    tokenizer = t5_tokenizer(1024, extra_ids=0, max_length=64)
+    with torch.random.fork_rng(devices=[]):
+        common = {"tokenizer": tokenizer, "text_encoder": _text(tokenizer), "scheduler": _scheduler()}
+        if kind == "t2v":
+            pipe: Any = WanPipeline(transformer=_transformer(Z, Z), vae=_vae(False), **common)
+        elif kind == "ti2v":
+            pipe = WanPipeline(transformer=_transformer(Z22, Z22), vae=_vae(True), expand_timesteps=True, **common)
+        elif kind == "i2v":
+            encoder, processor = clip_vision()
+            # noise, then the first-frame mask (one channel per frame of a latent frame) and the image's latents
+            transformer = _transformer(Z + 4 + Z, Z, image_dim=encoder.config.hidden_size, added_kv_proj_dim=16)
+            pipe = WanImageToVideoPipeline(transformer=transformer, vae=_vae(False), image_encoder=encoder,
+                                           image_processor=processor, **common)
+        else:
+            raise ValueError(kind)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def clip_vision() -> tuple[Any, Any]:
+    """A tiny CLIPVisionModel and the CLIPImageProcessor of the released I2V folders, at a 32-pixel crop."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=CLIP_SIDE, patch_size=8))
+    processor = CLIPImageProcessor(size={"shortest_edge": CLIP_SIDE}, crop_size={"height": CLIP_SIDE,
+                                                                                  "width": CLIP_SIDE})
+    return encoder, processor
