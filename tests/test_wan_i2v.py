@@ -77,7 +77,7 @@ async def test_ti2v_animates_the_image_and_batches_keep_requests_apart(wan_daemo
     for (got, seed, _), alone in zip(pair, (first, sixth), strict=True):
         assert_same_but_rounding(got, alone, f"seed {seed} of n=2 against it alone")
     assert status == 400 and refused["error"]["field"] == "model", refused
-    assert "cannot do" in refused["error"]["message"], refused
+    assert "cannot do image-to-video (it does text-to-video)" in refused["error"]["message"], refused
 
 
 async def test_wan21_i2v_runs_batches_of_requests_each_as_alone(wan_daemon: Daemon) -> None:

@@ -427,11 +427,12 @@ def _preview(body: PreviewBody | None, model: ModelLike, steps: int) -> PreviewS
 
 def _unmasked_task(own: str, edits: tuple[str, ...]) -> Task:
     """What an image without a mask asks of a model: its own task when that takes an image (an
-    instruction edit, image-to-video), else the edit it offers (image-to-video of a video model)."""
+    instruction edit, image-to-video), else the edit it offers (image-to-video of a video model; a
+    video model without it is told it cannot do image-to-video, not image-to-image)."""
     for task in (Task.INSTRUCTION_EDIT, Task.IMAGE_TO_VIDEO):
         if own == task.value or task.value in edits:
             return task
-    return Task.IMAGE_TO_IMAGE
+    return Task.IMAGE_TO_VIDEO if own == Task.TEXT_TO_VIDEO.value else Task.IMAGE_TO_IMAGE
 
 
 def plan_edit(
