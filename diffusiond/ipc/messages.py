@@ -2,8 +2,8 @@
 
 Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
 TRACE, PING, ADD_LORA, UPDATE_LORA and UPDATE_WEIGHTS (the weights' memfd attached).
-Worker -> engine: HELLO (arena fd attached), READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY (a
-dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
+Worker -> engine: HELLO (arena fd attached), LOAD_PROGRESS, READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY
+(a dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out;
 UPDATE_LORA and UPDATE_WEIGHTS in (the weights' memfd attached), UPDATED or UPDATE_REFUSED out.
 
@@ -53,6 +53,7 @@ class Kind(enum.IntEnum):
     FATAL = 39
     SLOT_WAIT = 40
     PREVIEW_READY = 41
+    LOAD_PROGRESS = 42
     # local client -> engine, on the output socket
     FETCH = 64  # (UPDATE_LORA travels on the output socket too, client -> engine)
     UNPIN = 65
@@ -299,6 +300,14 @@ class Hello(msgspec.Struct, frozen=True):
     arena_bytes: int
 
 
+class LoadProgress(msgspec.Struct, frozen=True):
+    """Between HELLO and READY, after each component of the model is read: the weight bytes loaded so
+    far (parameters and buffers), so a job waiting in the stage ``loading`` shows how far its load is.
+    One frame per component, not per tensor; the figure only grows within a worker's load."""
+
+    bytes_loaded: int
+
+
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """What a loaded model makes, what it suggests for fields a request leaves out, and which
     request values fit it. The pipeline declares it; admission checks requests against it, so a
@@ -473,6 +482,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     Fatal: Kind.FATAL,
     SlotWait: Kind.SLOT_WAIT,
     PreviewReady: Kind.PREVIEW_READY,
+    LoadProgress: Kind.LOAD_PROGRESS,
     Fetch: Kind.FETCH,
     Unpin: Kind.UNPIN,
     Lease: Kind.LEASE,

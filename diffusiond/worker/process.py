@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -35,6 +36,7 @@ from diffusiond.ipc.messages import (
     Hello,
     Init,
     Kind,
+    LoadProgress,
     Ping,
     Ready,
     Release,
@@ -205,10 +207,9 @@ class Worker:
         phases.mark(f"arena ({config.arena_bytes >> 20} MiB{', registered' if is_cuda else ''})")
         self.channel.post(Hello(config.worker_id, os.getpid(), self.arena.capacity), [self.arena.fd])
         t0 = time.perf_counter()
-        if faults is not None and faults.load_delay_ms:
-            await asyncio.sleep(faults.load_delay_ms / 1000)
+        progress = _Progress(self.channel.post_threadsafe, faults.load_delay_ms if faults is not None else 0)
         try:
-            pipeline = await asyncio.to_thread(self._load, config)
+            pipeline = await asyncio.to_thread(self._load, config, progress)
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
         step = pipeline.capabilities.size_step
@@ -229,6 +230,7 @@ class Worker:
         beside = [*(controlnets.modules() if controlnets else ()), *(ip_adapters.modules() if ip_adapters else ()),
                   *(finisher.upscalers.modules() if finisher.upscalers else ())]  # on its device, counted with it
         phases.mark("adapters, controlnets, upscalers")
+        progress.send(weight_bytes(pipeline, beside))  # all of it, as READY counts it
         post = self.channel.post_threadsafe
 
         def ready() -> None:  # on the compute thread, once the warm-up shapes have run
@@ -277,15 +279,21 @@ class Worker:
         self.compute.start()  # it sends READY once the warm-up shapes have run
 
     @staticmethod
-    def _load(config: WorkerConfig) -> Pipeline:
+    def _load(config: WorkerConfig, progress: _Progress) -> Pipeline:
         from diffusiond.pipelines import load_pipeline
+        from diffusiond.pipelines.load_progress import reporting
         from diffusiond.pipelines.spec import model_options
 
         # One set of options for the load and the compile: a spec's own (tiny,fuse_qkv=1) count as the table's.
         options = model_options(config.model_spec, config.options)
-        pipeline = load_pipeline(
-            config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype, options=options,
-        )
+        try:
+            with reporting(progress):
+                pipeline = load_pipeline(
+                    config.model_spec, name=config.model_name, device=config.device, dtype=config.dtype,
+                    options=options,
+                )
+        finally:
+            progress.slow_down()  # a load that reported no component (or failed) takes load_delay_ms longer too
         if not config.compile:
             return pipeline
         from diffusiond.pipelines.compile import CompiledPipeline, set_cache_dir
@@ -332,6 +340,31 @@ class Worker:
         from diffusiond.pipelines.ip_adapter import IpAdapters
 
         return IpAdapters(pipeline, config.ip_adapters)
+
+
+class _Progress:
+    """LOAD_PROGRESS frames from the loading thread: the bytes loaded so far, after each component, never
+    less than the last sent (``pipelines/load_progress.py``). With the test fault ``load_delay_ms`` the load
+    stops that long after its first component, so a job is seen waiting on a load that is part done."""
+
+    def __init__(self, post: Callable[[LoadProgress], None], delay_ms: int) -> None:
+        self.post = post
+        self.sent = 0
+        self.delay_s = delay_ms / 1000
+
+    def __call__(self, nbytes: int) -> None:
+        self.send(nbytes)
+        self.slow_down()
+
+    def send(self, nbytes: int) -> None:
+        if nbytes > self.sent:
+            self.sent = nbytes
+            self.post(LoadProgress(nbytes))
+
+    def slow_down(self) -> None:
+        if self.delay_s:
+            delay, self.delay_s = self.delay_s, 0.0
+            time.sleep(delay)
 
 
 class _StartError(Exception):

@@ -58,6 +58,7 @@ from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
     Ack,
     ComputeDone,
+    LoadProgress,
     OutputReady,
     PreviewReady,
     Progress,
@@ -372,6 +373,8 @@ class Engine(OutputAccess):
             self.flights.on_output(worker, self.items.get(msg.request_id), msg)
         elif isinstance(msg, Progress):
             self.flights.on_progress(msg)
+        elif isinstance(msg, LoadProgress):
+            self.keeper.load_progress(worker.config.model_name, worker.id, msg.bytes_loaded)
         elif isinstance(msg, PreviewReady):
             self.previews.deliver(worker, self.items.get(msg.request_id), msg)
         elif isinstance(msg, ComputeDone):

@@ -81,7 +81,7 @@ class Flights:
             head = waiting[0].request
             if not self.keeper.may_dispatch(model, shape_of(*head.work_size, 1, head.num_frames)):
                 why = self.keeper.why_waiting(model.name)
-                self._hold(waiting, why, self.keeper.load_bytes(model) if why == LOADING else None)
+                self._hold(waiting, why, self.keeper.load_bytes(model) if why == LOADING else (None, None))
                 continue
             self._hold(waiting, None)
             while True:
@@ -109,14 +109,16 @@ class Flights:
         return math.inf if oldest is None else oldest
 
     @staticmethod
-    def _hold(jobs: list[Job], why: str | None, load_bytes: int | None = None) -> None:
+    def _hold(jobs: list[Job], why: str | None, loading: tuple[int | None, int | None] = (None, None)) -> None:
         """Queued jobs say why they wait (``loading``, ``waiting_for_memory``, ``waiting_for_turn``): a STATUS
-        event when it changes. While ``loading``, what they wait for: the model's weights (``Keeper.load_bytes``)."""
+        event when it changes. While ``loading``, how far the load is, of the model's weights
+        (``Keeper.load_bytes``): a STATUS event each time that moves too."""
         for job in jobs:
             if job.terminal:
                 continue
-            job.load_bytes = load_bytes
-            if job.held != why:
+            moved = (job.bytes_loaded, job.load_bytes) != loading
+            job.bytes_loaded, job.load_bytes = loading
+            if job.held != why or moved:
                 job.held = why
                 job.emit(Event.STATUS)
 

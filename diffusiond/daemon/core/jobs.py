@@ -226,6 +226,7 @@ class Job:
     last_preview: Preview | None = None  # what a PREVIEW event is about, while it is emitted
     held: str | None = None  # queued, and why: "loading", "waiting_for_memory" or "waiting_for_turn"
     load_bytes: int | None = None  # while "loading": the model's weights as last counted (None: never loaded)
+    bytes_loaded: int | None = None  # while "loading": how many of them its load has read (None: no report yet)
 
     @property
     def terminal(self) -> bool:

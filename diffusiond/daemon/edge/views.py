@@ -68,8 +68,8 @@ def job(j: Job) -> dict[str, Any]:
         "status": j.status.value,
         "stage": j.stage_label,
         "progress": {"step": j.progress[0], "total": j.progress[1] or r.total_steps},
-        # what a job in stage "loading" waits for; bytes_loaded stays null: no load reports it as it reads
-        "loading": {"model": r.model, "bytes_loaded": None, "bytes_total": j.load_bytes}
+        # what a job in stage "loading" waits for, and how far its load is (Keeper.load_bytes)
+        "loading": {"model": r.model, "bytes_loaded": j.bytes_loaded, "bytes_total": j.load_bytes}
         if j.stage_label == "loading" else None,
         "outputs": [
             {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,

@@ -47,6 +47,7 @@ from diffusiond.daemon.residency.decisions import (
     TooLarge,
     Wait,
 )
+from diffusiond.daemon.residency.load_reports import LoadReports
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
@@ -94,6 +95,7 @@ class Keeper:
         self.failed: dict[str, str] = {}  # model -> why its last load failed; none is tried until a job asks
         self.unloads: dict[str, str] = {}  # model -> an unload by hand that waits for its work (``unload``)
         self._turn_timer: asyncio.TimerHandle | None = None
+        self.loads = LoadReports()  # how far each model's load is (``load_progress``)
 
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
@@ -329,12 +331,18 @@ class Keeper:
             return LOADING
         return WAITING_FOR_MEMORY
 
-    @staticmethod
-    def load_bytes(model: Model) -> int | None:
-        """What a job waiting for ``model``'s load waits for: its weights as its worker last counted them
-        (remembered in the state dir), or None for a model never loaded. The bytes read so far are not
-        counted: neither a worker's load (diffusers reads whole files) nor a wake reports them."""
-        return model.capabilities.weight_bytes or None if model.known else None
+    def load_progress(self, name: str, worker_id: int, nbytes: int) -> None:
+        """A starting worker's LOAD_PROGRESS (after each component it read): its model's waiting jobs show it."""
+        if (model := self.pool.models.get(name)) is not None:
+            self.loads.record(model, worker_id, nbytes)
+            self.on_change()  # the dispatch holds them again, with the new figure (``load_bytes``)
+
+    def load_bytes(self, model: Model) -> tuple[int | None, int | None]:
+        """What a job waiting for ``model``'s load waits for: (bytes loaded so far, total). Total: its weights as
+        its worker last counted them (remembered in the state dir), None for a model never loaded. So far: what
+        its worker reported (``load_reports.py``)."""
+        total = model.capabilities.weight_bytes or None if model.known else None
+        return self.loads.so_far(model, total), total
 
     def snapshot(self) -> dict[str, ModelStatus]:
         """Each model's place; with a pending unload by hand, and a never-placed model whose load failed."""

@@ -1,0 +1,64 @@
+"""A job that waits for its model's load shows how far the load is (issue 27): ``loading.bytes_loaded``, from
+the worker's LOAD_PROGRESS after each component it reads, in the job's view and in each ``status`` event.
+
+One daemon on the embedded ``tiny`` model (a diffusers folder on disk, loaded through ``from_pretrained`` as any
+other), started with nothing loaded; the test fault ``load_delay_ms`` holds each load after its first component,
+so the stream shows a load part done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from daemonkit import Daemon, get, http, shared_daemon, sse, submit, wait_job
+
+JOB = {"prompt": "a lighthouse", "width": 64, "height": 64, "steps": 1, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    args = ["--model", "tiny", "--no-persist", "--preload", "none", "--job-timeout", "120",
+            "--test-fault", "load_delay_ms=1500"]
+    with shared_daemon(tmp_path_factory.mktemp("loadprog"), args, model_cache) as d:
+        yield d
+
+
+async def loading_events(s: aiohttp.ClientSession) -> list[dict[str, Any]]:
+    """The ``loading`` entries of a new job's status events while it waits for its model's load."""
+    job = await submit(s, JOB)
+    assert job["stage"] == "loading", job
+    events = await sse(s, job["id"])
+    assert events[-1][0] == "done", events
+    end = await wait_job(s, job["id"])
+    assert end["status"] == "succeeded" and end["loading"] is None, end
+    return [e["loading"] for name, e in events if name == "status" and e["stage"] == "loading"]
+
+
+def test_a_load_reports_the_bytes_read_so_far_up_to_the_models_size(cold: Daemon) -> None:
+    async def go() -> None:
+        async with http(cold.socket) as s:
+            # never seen: its admission waits for a first load, which learns its defaults and size
+            first = await wait_job(s, (await submit(s, JOB))["id"])
+            assert first["status"] == "succeeded", first
+            _, models = await get(s, "/v1/models")
+            size = next(m for m in models["data"] if m["id"] == "tiny")["device_bytes"]
+            assert size > 0, models
+
+            # off its device (to disk: its worker stops), then loaded again by the next job, which waits for it
+            async with s.post("/v1/models/tiny/unload") as r:
+                assert r.status == 200, await r.text()
+            loading = await loading_events(s)
+            assert loading and all(e == {"model": "tiny", "bytes_loaded": e["bytes_loaded"], "bytes_total": size}
+                                   for e in loading), loading
+            # null until the worker's first report; then part of the model, growing, ending at its size
+            reported = [e["bytes_loaded"] for e in loading]
+            figures = reported[next((i for i, n in enumerate(reported) if n is not None), len(reported)):]
+            assert figures and None not in figures and figures == sorted(figures), loading
+            assert 0 < figures[0] < size and figures[-1] == size, (figures, size)
+
+    asyncio.run(go())
