@@ -186,8 +186,8 @@ def _add_fit(sub: Any) -> None:
     p.add_argument("spec", metavar="SPEC",
                    help="a diffusers folder, a hub id in the HF cache, a .safetensors file, or FILE.gguf,base=FOLDER")
     p.add_argument("--device-memory", metavar="SIZE", help="the device budget (e.g. 24GiB); without it, only list")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
-                   help="the dtype the model would be loaded at (default bfloat16)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="the dtype the model would be loaded at (default: serve's, float32)")
     p.add_argument("--working", metavar="SIZE",
                    help="working memory counted beside the weights (default: residency's estimate at --size; 0: none)")
     p.add_argument("--size", default="1024x1024", metavar="WxH", help="output size of the working estimate (1024x1024)")
@@ -202,7 +202,8 @@ def _add_serve(sub: Any) -> None:
     add = p.add_argument
     add("--config", metavar="FILE", help="TOML file; flags override its values")
     add("--socket", metavar="PATH")
-    add("--model", action="append", metavar="SPEC", help="tiny, a folder, a hub id or a .safetensors file; NAME=SPEC")
+    add("--model", action="append", metavar="SPEC",
+        help="tiny, a folder, a hub id, a .safetensors file or FILE.gguf,base=FOLDER; NAME=SPEC")
     add("--device", metavar="DEV", help="cpu, cuda (every GPU) or cuda:0,cuda:1")
     add("--workers", type=positive_int, metavar="N", help="workers per model on cpu")
     add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")

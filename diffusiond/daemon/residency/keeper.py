@@ -46,9 +46,11 @@ from diffusiond.daemon.residency.decisions import (
     TooLarge,
     Wait,
 )
+from diffusiond.daemon.residency.fit import device_weights, too_large_hints
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
+from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
@@ -72,9 +74,12 @@ class Keeper:
         ``queued``: how many of its outputs the scheduler holds (counted when the model becomes known)."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
-        budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
-        self.policy = Residency(budgets, config.host_memory_bytes, keep_alive_s=config.keep_alive_s,
-                                max_keep_alive_s=config.max_keep_alive_s)
+        budgets = {}
+        for device in dict.fromkeys(m.config.devices[0] for m in pool.models.values()):
+            budget = budgets[device] = config.budget_of(device)
+            log.info("budget on %s: %s (%s)", device, format_bytes(budget.nbytes), budget.source)
+        self.policy = Residency({d: b.nbytes for d, b in budgets.items()}, config.host_memory_bytes,
+                                keep_alive_s=config.keep_alive_s, max_keep_alive_s=config.max_keep_alive_s)
         self.moving: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None
         self._moves: set[asyncio.Task[None]] = set()
@@ -115,11 +120,20 @@ class Keeper:
         await ondemand.preload(self, socket_activated)
 
     def _register(self, model: Model) -> None:
-        """The model becomes known to the policy. Jobs admitted before (resumed from the state dir, or sent
+        """The model becomes known to the policy: at its READY, or before its first load where its files' headers
+        size it (``fit.device_weights``). Jobs admitted before (resumed from the state dir, or sent
         while its worker started) were not counted then: they are now, so it is not idle while they wait."""
-        if not self.policy.has(model.name):
-            self.policy.add(model.name, model.config.devices[0], model.capabilities.weight_bytes,
-                            pinned=model.config.pinned, keep_alive_s=model.config.keep_alive_s)
+        c = model.config
+        if self.policy.has(model.name):
+            if model.known and model.capabilities.weight_bytes:  # the worker's count over the files' estimate
+                self.policy.resize(model.name, model.capabilities.weight_bytes)
+            return
+        on_cpu = c.devices[0].startswith("cpu")
+        weights = model.capabilities.weight_bytes if model.known else device_weights(c.spec, c.options, c.dtype,
+                                                                                      on_cpu=on_cpu)
+        if weights is not None:  # else a hub id or preset: its first load tells (``learn``)
+            self.policy.add(model.name, c.devices[0], weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
+                            hints=too_large_hints(c.spec, on_cpu))
             waiting = self.queued(model.name)
             if waiting:
                 self.policy.queue(model.name, waiting)
@@ -142,7 +156,7 @@ class Keeper:
         every job of a model for which ``offload=auto`` found no configuration that fits (config.py)."""
         model = self.pool.models.get(name)
         if model is not None and model.config.nothing_fits:
-            budget = self.config.device_memory_bytes or 0
+            budget = self.policy.budgets[model.config.devices[0]]
             return TooLarge(name, 0, budget, (), f"model {name!r} cannot run on {model.config.devices[0]}: "
                                                  f"{model.config.nothing_fits}")
         if not self.known(name):
@@ -397,7 +411,10 @@ class Keeper:
         """A model never seen and not preloaded has neither defaults nor a size: a request for it waits
         for its first load (the one its job would make anyway) and is completed with what the worker
         reports, rather than load every model once at start, which would take the memory an idle
-        daemon should leave free. Returns why the load failed, or None; one load for all who wait."""
+        daemon should leave free. Returns why the load failed, or None; one load for all who wait. A model
+        its files' headers already placed, too large for its budget, is not loaded: admission refuses it."""
+        if self.known(model.name) and isinstance(self.policy.plan(model.name, None), TooLarge):
+            return None
         return await asyncio.shield(self._start_learning(model))
 
     def _start_learning(self, model: Model) -> asyncio.Task[str | None]:
