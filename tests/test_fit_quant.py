@@ -104,3 +104,10 @@ def test_the_fit_command_defaults_to_serves_dtype_and_refuses_what_it_cannot_siz
     assert big.returncode == 2 and "width and height must each be 8 to 16384" in big.stderr, big.stderr
     passwd = _cli("/etc/passwd")
     assert passwd.returncode == 2 and "a file, but not one fit can size" in passwd.stderr, passwd.stderr
+
+
+def test_fit_takes_a_share_of_the_device_as_serve_does(flux: Path) -> None:
+    total = int(next(x for x in Path("/proc/meminfo").read_text().splitlines()
+                     if x.startswith("MemTotal:")).split()[1]) * 1024
+    got = json.loads(_cli(str(flux), "--device", "cpu", "--device-memory", "0.5", "--json").stdout)
+    assert got["budget"] == total // 2

@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from diffusiond.daemon.residency.budget import resolve
 from diffusiond.daemon.residency.fit import (
     FitReport,
     choose_offload,
@@ -68,7 +69,8 @@ def _check_file(spec: str) -> None:
 def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or DEFAULT_DTYPE
     try:
-        budget = _size(args.device_memory, "--device-memory") if args.device_memory else None
+        device = "cpu" if args.device == "cpu" else "cuda:0"  # a share is of the device serve would use
+        budget = resolve(args.device_memory, None, device).nbytes if args.device_memory else None
         working = _size(args.working, "--working") if args.working is not None else None
         shape = _shape(args.size)
         _check_file(args.spec)
