@@ -188,9 +188,10 @@ def _add_fit(sub: Any) -> None:
     p = sub.add_parser("fit", help="list the configurations of a model that fit a device, from its files' headers")
     p.add_argument("spec", metavar="SPEC",
                    help="a diffusers folder, a hub id in the HF cache, a .safetensors file, or FILE.gguf,base=FOLDER")
-    p.add_argument("--device-memory", metavar="SIZE", help="the device budget (e.g. 24GiB); without it, only list")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
-                   help="the dtype the model would be loaded at (default bfloat16)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="the device budget (24GiB, or 0.8 of the device's total); without it, only list")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="the dtype the model would be loaded at (default: serve's, float32)")
     p.add_argument("--working", metavar="SIZE",
                    help="working memory counted beside the weights (default: residency's estimate at --size; 0: none)")
     p.add_argument("--size", default="1024x1024", metavar="WxH", help="output size of the working estimate (1024x1024)")
@@ -205,7 +206,8 @@ def _add_serve(sub: Any) -> None:
     add = p.add_argument
     add("--config", metavar="FILE", help="TOML file; flags override its values")
     add("--socket", metavar="PATH")
-    add("--model", action="append", metavar="SPEC", help="tiny, a folder, a hub id or a .safetensors file; NAME=SPEC")
+    add("--model", action="append", metavar="SPEC",
+        help="tiny, a folder, a hub id, a .safetensors file or FILE.gguf,base=FOLDER; NAME=SPEC")
     add("--device", metavar="DEV", help="cpu, cuda (every GPU) or cuda:0,cuda:1")
     add("--workers", type=positive_int, metavar="N", help="workers per model on cpu")
     add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
@@ -274,7 +276,8 @@ def _add_serve(sub: Any) -> None:
         help="how long a model nobody uses stays on its device: 5m (default), 30s, 1h; 0 leaves at once, -1 stays")
     add("--max-keep-alive", metavar="DURATION", help="the longest keep_alive a request may ask for (default: any)")
     add("--device-memory", metavar="SIZE",
-        help="what models on one device may take (e.g. 20GiB); idle models leave to make room (default: no bound)")
+        help="what models on one device may take (20GiB, or 0.8 of its total); idle models leave to make room "
+             "(default: its free memory at start less --reserve-memory)")
     add("--host-memory", metavar="SIZE", help="weights kept in host memory off their devices (default: no bound)")
     add("--reserve-memory", metavar="SIZE",
         help="free memory left to other programs on each GPU: below it idle models leave and new jobs wait (1GiB)")

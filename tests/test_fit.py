@@ -197,12 +197,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_fit_command_lists_fastest_first_and_fails_when_nothing_fits(flux: Path) -> None:
-    ok = _cli(str(flux), "--device-memory", "300KB", "--working", "0")
+    ok = _cli(str(flux), "--device-memory", "300KB", "--working", "0", "--dtype", "bfloat16")
     assert ok.returncode == 0, ok.stderr
     lines = ok.stdout.splitlines()
     assert [line.split()[0] for line in lines[2:8]] == ["none", "fp8", "stream", "group", "model", "sequential"]
-    assert "offload=auto would run it with group" in ok.stdout
-    as_json = json.loads(_cli(str(flux), "--device-memory", "300KB", "--working", "0", "--json").stdout)
+    assert "offload=auto would run it with group at bfloat16: needs " in ok.stdout
+    as_json = json.loads(_cli(str(flux), "--device-memory", "300KB", "--working", "0", "--dtype", "bfloat16",
+                              "--json").stdout)
     assert as_json["auto"] == "group" and as_json["fits"] is True
     none = _cli(str(flux), "--device-memory", "1KB", "--working", "0")
     assert none.returncode == 1

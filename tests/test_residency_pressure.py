@@ -149,7 +149,7 @@ def test_reserve_memory_defaults_to_a_gib_and_takes_a_size_not_a_fraction() -> N
 
 
 def test_pressure_and_oom_evictions_have_their_own_metric_labels() -> None:
-    from diffusiond.daemon.residency.keeper import _reason_label
+    from diffusiond.daemon.residency.decisions import reason_label
 
-    assert _reason_label("other programs need the memory: 0 B free on cuda:0, reserve 1.0 GiB") == "pressure"
-    assert _reason_label("a ran out of memory at 64x64, batch 1") == "oom"
+    assert reason_label("other programs need the memory: 0 B free on cuda:0, reserve 1.0 GiB") == "pressure"
+    assert reason_label("a ran out of memory at 64x64, batch 1") == "oom"

@@ -110,19 +110,6 @@ def test_a_standstill_of_queued_models_that_cannot_start_is_broken() -> None:
     assert isinstance(d, Evict) and [mv.model for mv in d.moves] == ["b"] and "standstill" in d.reason
 
 
-def test_a_share_of_the_device_resolves_into_a_budget_once_its_total_is_known() -> None:
-    from diffusiond.daemon.residency import parse_size
-    r = Residency({"cuda:0": 0}, 0)
-    r.add("a", "cuda:0", 4 * G)
-    assert isinstance(r.plan("a", None), TooLarge)
-    r.set_budget("cuda:0", parse_size("0.5").resolve(16 * G))
-    assert isinstance(r.plan("a", None), Fits)
-    with pytest.raises(ValueError, match="cannot be negative"):
-        r.set_budget("cuda:0", -1)
-    with pytest.raises(ValueError, match="cannot be negative"):
-        Residency({"cuda:0": G}, -1)
-
-
 def test_reports_that_contradict_the_state_are_refused() -> None:
     r = room()
     with pytest.raises(ResidencyError, match="not on cuda:0"):

@@ -19,7 +19,11 @@ from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
 from diffusiond.daemon.model_config import resolve_offload
+from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
+from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
+from diffusiond.daemon.residency.budget import resolve as resolve_budget
 from diffusiond.daemon.residency.preload import check_preload
+from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
@@ -152,7 +156,7 @@ class DaemonConfig:
     # may ask for (math.inf: forever), and the bytes models may take on each device and off it.
     keep_alive_s: float = 300.0
     max_keep_alive_s: float = FOREVER
-    device_memory: str | None = None  # a size (8GiB) or a fraction of the device (0.8); None: no budget
+    device_memory: str | None = None  # a size (8GiB) or a share of the device (0.8); None: its free memory at start
     host_memory: str | None = None  # weights kept in host memory off their devices; None: no bound
     pin: tuple[str, ...] = ()
     # Which models the start loads (residency/preload.py): names, ("all",) or ("none",); None: the default
@@ -163,6 +167,9 @@ class DaemonConfig:
     # How long a job may wait behind another model's jobs for their device before that model yields it
     # (residency/turns.py): a duration as keep_alive is written (30s, 2m); -1: no bound.
     max_model_wait: str | float = "30s"
+    # Each device's budget as the start resolved it (build_config; residency/budget.py): (device, bytes, how).
+    # Not a setting: a config built in code without it has the explicit --device-memory only, else no bound.
+    budgets: tuple[tuple[str, int, str], ...] = ()
 
     def max_batch_of(self, m: ModelConfig) -> int:
         """The most outputs one of ``m``'s forwards runs: its own ``max_batch``, else the daemon's (a small
@@ -175,16 +182,20 @@ class DaemonConfig:
         rule = m.batch_sizes or self.batch_sizes
         return batch_sizes(self.max_batch_of(m), rule == "pow2" or (rule == "auto" and bool(m.compile)))
 
-    @property
-    def device_memory_bytes(self) -> int:
-        """The budget of each device. A fraction needs the device's total, which the engine does not
-        measure yet: it is refused in ``validate`` until it does."""
-        return _bytes(self.device_memory)
+    def budget_of(self, device: str) -> Budget:
+        """``device``'s budget: as the start resolved it, else ``--device-memory`` as given (a share read
+        against the device now), else no bound (a configuration built in code, not started)."""
+        for name, nbytes, source in self.budgets:
+            if name == device:
+                return Budget(nbytes, source)
+        if self.device_memory is None:
+            return Budget(NO_BUDGET, "no bound: no --device-memory")
+        return resolve_budget(self.device_memory, self.reserve_memory, device)
 
     @property
     def reserve_memory_bytes(self) -> int:
         """What the pressure watch keeps free on each GPU: other programs come first (1 GiB by default)."""
-        return 1 << 30 if self.reserve_memory is None else parse_size(self.reserve_memory).resolve(None)
+        return ACCELERATOR_RESERVE if self.reserve_memory is None else parse_size(self.reserve_memory).resolve(None)
 
     @property
     def max_model_wait_s(self) -> float:
@@ -282,9 +293,9 @@ class DaemonConfig:
                     size = parse_size(value)
                 except ValueError as exc:
                     raise ConfigError(f"{name}: {exc}") from None
-                if size.share is not None:
-                    raise ConfigError(f"{name} {value!r}: a fraction of the device is not supported yet; give a "
-                                      "size such as 20GiB")
+                if size.share is not None and name != "device_memory":
+                    raise ConfigError(f"{name} {value!r}: a share is for --device-memory only (of the device's "
+                                      "total); give a size such as 20GiB")
         if self.max_keep_alive_s < 0:
             raise ConfigError(f"max_keep_alive must not be negative, got {self.max_keep_alive_s}")
         try:
@@ -304,12 +315,25 @@ class DaemonConfig:
         return self
 
 
-NO_BUDGET = 1 << 62
-"""The budget where none is set: more than any device, so residency only moves models by keep-alive."""
-
-
 def _bytes(value: str | None) -> int:
     return NO_BUDGET if value is None else parse_size(value).resolve(None)
+
+
+def start_budgets(config: DaemonConfig) -> tuple[tuple[str, int, str], ...]:
+    """Every device's budget, read once at start (``residency/budget.py``), so ``offload=auto`` and residency
+    count against the same bytes."""
+    out = []
+    for device in dict.fromkeys(d for m in config.models for d in m.devices):
+        try:
+            budget = resolve_budget(config.device_memory, config.reserve_memory, device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        out.append((device, budget.nbytes, budget.source))
+    return tuple(out)
+
+
+def _bound(nbytes: int) -> int | None:
+    return None if nbytes >= NO_BUDGET else nbytes
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -329,15 +353,15 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     flags ``--model``/``--device``/``--workers``/``--dtype`` replace the file's list when given.
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
-    known = {f.name for f in fields(DaemonConfig)} | {"model", "device", "workers", "dtype", "compile", "warmup",
-                                                      "lora", "keep_alive", "max_keep_alive", "offload",
-                                                      "controlnet", "ip_adapter", "upscaler"}
+    known = {f.name for f in fields(DaemonConfig)} - {"budgets"} | {
+        "model", "device", "workers", "dtype", "compile", "warmup", "lora", "keep_alive", "max_keep_alive", "offload",
+        "controlnet", "ip_adapter", "upscaler"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     device = str(values.pop("device", "cpu"))
     workers = int(values.pop("workers", 1))
-    dtype = str(values.pop("dtype", "float32"))
+    dtype = str(values.pop("dtype", DEFAULT_DTYPE))
     compile_mode = parse_compile_mode(values.pop("compile", ""))
     warmup = warmup_value(values.pop("warmup", ""))
     model_args = values.pop("model", None)
@@ -416,7 +440,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         config = DaemonConfig(models=tuple(models), **values).validate()
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
-    models = [resolve_offload(m, config.device_memory_bytes if config.device_memory else None) for m in config.models]
+    config = replace(config, budgets=start_budgets(config))
+    models = [resolve_offload(m, _bound(config.budget_of(m.devices[0]).nbytes)) for m in config.models]
     return replace(config, models=tuple(replace(m, warmup=resolve_warmup(
         m.name, m.warmup, config.batch_sizes_of(m), m.compile, {**parse_spec(m.spec).options, **m.options}))
         for m in models))

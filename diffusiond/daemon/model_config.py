@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from diffusiond.daemon.residency.fit import choose_auto, model_tensors, plan_stream, stream_inputs
-from diffusiond.daemon.residency.sizes import WeightsError
+from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.values import ConfigError
 from diffusiond.pipelines.errors import PipelineError
@@ -22,7 +22,7 @@ class ModelConfig:
     name: str
     spec: str
     devices: tuple[str, ...] = ("cpu",)  # one worker per entry
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     options: dict[str, str] = field(default_factory=dict)
     compile: str = ""  # a torch.compile mode (protocol.COMPILE_MODES), "" for eager
     # (width, height, batch) run before the worker is ready; batch WARMUP_ALL (``WxH:all``) until build_config
@@ -49,10 +49,14 @@ def resolve_offload(m: ModelConfig, budget: int | None) -> ModelConfig:
         mode = offload_mode(options)
     except PipelineError as exc:
         raise ConfigError(f"model {m.name!r}: {exc}") from None
+    on_cpu = all(d == "cpu" for d in m.devices)
+    defaulted = not ({"offload", "cpu_offload"} & options.keys()) and budget is not None and not on_cpu
+    if defaulted and not m.compile:  # auto is the default under a budget: none when it fits, as before
+        mode = "auto"
     if mode != "none" and m.compile:
         raise ConfigError(f"model {m.name!r}: --compile with offload={mode} is refused (offload hooks move weights "
                           "inside the forward, which breaks the compiled graph); drop one of the two")
-    if mode != "none" and mode != "auto" and all(d == "cpu" for d in m.devices):
+    if mode != "none" and mode != "auto" and on_cpu:
         raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
                           "host memory already, so there is nothing to offload to (use offload=none or auto)")
     if mode == "stream":
@@ -62,9 +66,9 @@ def resolve_offload(m: ModelConfig, budget: int | None) -> ModelConfig:
         return resolve_stream(m, options, budget, "")
     if mode != "auto":
         return m
-    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=all(d == "cpu" for d in m.devices),
-                                        budget=budget)
-    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"offload=auto chose {reason}",
+    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget)
+    auto = "offload=auto (the default under a --device-memory budget)" if defaulted else "offload=auto"
+    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"{auto} chose {reason}",
                 nothing_fits=unfit)
     return resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason) if chosen == "stream" else m
 

@@ -143,3 +143,13 @@ class ModelStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def reason_label(reason: str) -> str:
+    """A bounded label for the evictions metric (the reason text itself is for the log)."""
+    for word, label in (("max-model-wait", "max_model_wait"),
+                        ("keep", "keep_alive"), ("room", "room"), ("hand", "by_hand"), ("pressure", "pressure"),
+                        ("other programs", "pressure"), ("ran out of memory", "oom"), ("sleep", "sleep")):
+        if word in reason:
+            return label
+    return "other"

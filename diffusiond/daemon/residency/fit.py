@@ -55,7 +55,7 @@ from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape, default_working
 from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.spec import parse_spec
+from diffusiond.pipelines.spec import ModelSpec, offload_mode, parse_quant, parse_spec
 
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
@@ -119,25 +119,82 @@ class FitReport:
         return tuple(c for c in self.configurations if c.fits is not False)
 
 
+QUANT_WIDTH: Final = {"fp8-storage": (8, 0), "int8": (8, 0), "fp8": (8, 0), "bnb8": (8, 0), "nf4": (4, 64),
+                      "fp4": (4, 64)}
+"""``quant=`` method -> (bits per weight, elements per fp32 scale): what a quantized weight takes on the device.
+bitsandbytes' 4-bit formats keep an absmax per block of 64 (double quantization makes that less: an
+over-count of about 3%); the 8-bit ones' per-row scales are left out (an under-count under 1%)."""
+
+
+_KEPT: Final = re.compile(r"norm|pos_embed|patch_embed|embed_tokens|embeddings\.|^shared\.")
+"""Tensors every method leaves at the dtype: norms, position and patch embeddings (diffusers' layerwise-casting
+skip list) and token embedding tables (``nn.Embedding``)."""
+
+
+def _quantized(t: Tensor, method: str) -> Tensor:
+    """One tensor at its quantized width: the weights of linear and convolution layers (fp8-storage casts
+    their biases too); norms and embeddings stay at the dtype (as each method leaves them, near enough)."""
+    bits, block = QUANT_WIDTH[method]
+    weight = t.name.endswith(".weight") or (method == "fp8-storage" and t.name.endswith(".bias"))
+    if t.kind not in FLOATS or not weight or _KEPT.search(t.name):
+        return t
+    return Tensor(t.name, method, -(-t.elements * bits // 8) + (4 * -(-t.elements // block) if block else 0),
+                  t.elements)
+
+
+def _gguf_quantized(t: Tensor) -> bool:
+    """A GGUF file's quantized tensor (Q8_0, Q4_K, ...): kept as stored, dequantized per layer as it runs."""
+    return t.kind not in FLOATS | FLOAT_TYPES and t.kind not in DTYPE_BITS and t.kind not in QUANT_WIDTH
+
+
+def quant_approximations(options: Mapping[str, str], dtype: str) -> tuple[str, ...]:
+    """The ``quant=`` methods a model's rows count at their stored width, named as the loaded model names them
+    (pipelines/quant.py) plus the width counted."""
+    if not options.get("quant"):
+        return ()
+    names = {"fp8-storage": "fp8-storage({c}, computed in {d})", "int8": "torchao-int8-weights({c})",
+             "fp8": "torchao-fp8-weights({c})"}
+    return tuple(names.get(m, "bitsandbytes-{m}({c}, computed in {d})").format(c=c, m=m, d=dtype)
+                 + f" at ~{QUANT_WIDTH[m][0] / 8:g} byte/weight" for c, m in parse_quant(options["quant"]).items())
+
+
 def model_tensors(spec: str, options: Mapping[str, str] | None = None,
                   dtype: str = "bfloat16") -> tuple[dict[str, list[Tensor]], list[str]]:
-    """Component -> tensors of the model a spec names, read from headers; and notes on what was assumed.
-    Specs built in code (tiny, random:, synthetic) have no files to read: a WeightsError says so."""
+    """Component -> tensors of the model a spec names, read from headers, its ``quant=`` components' weights at
+    their quantized width; and notes on what was assumed. Specs built in code (tiny, random:, synthetic) have
+    no files to read: a WeightsError says so."""
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}
+    components, notes = _files(spec, parsed, opts, dtype)
+    for component, method in (parse_quant(opts["quant"]).items() if opts.get("quant") else ()):
+        if component in components:
+            components[component] = [_quantized(t, method) for t in components[component]]
+        else:
+            notes.append(f"quant={component}:{method}: no {component} among the counted components "
+                         f"({', '.join(components)})")
+    return components, notes
+
+
+def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
+           ) -> tuple[dict[str, list[Tensor]], list[str]]:
     notes: list[str] = []
     if parsed.kind == "hub":
         return _folder(_hub_folder(parsed.target), dtype), notes
     if parsed.kind == "folder":
         return _folder(Path(parsed.target), dtype), notes
-    if parsed.kind == "checkpoint":
-        return _checkpoint(Path(parsed.target)), notes
-    if parsed.kind == "gguf":
-        components = {"transformer": gguf_tensors(Path(parsed.target))}
-        base = opts.get("base", "")
-        if base:
-            rest = model_tensors(base, {}, dtype)[0]
-            components.update({k: v for k, v in rest.items() if k != "transformer"})
+    if parsed.kind in ("checkpoint", "gguf"):
+        single = parsed.kind == "checkpoint"
+        components = _checkpoint(Path(parsed.target)) if single else {"transformer": gguf_tensors(Path(parsed.target))}
+        rest = opts.get("config" if single else "base", "")
+        if rest:  # what the loader takes from the folder beside the file: the components the file lacks
+            counted = tuple(components)
+            denoiser = any(c in DENOISERS for c in counted)
+            components.update({k: v for k, v in model_tensors(rest, {}, dtype)[0].items()
+                               if not k.startswith(counted) and not (denoiser and k in DENOISERS)})
+        elif single:
+            notes.append("no config= given: only the file's own tensors are counted; the loader adds the "
+                         "pipeline's other components (text encoders, VAE) from the model's config, which this "
+                         "does not count: give SPEC,config=FOLDER to count them")
         else:
             notes.append("no base= given: only the GGUF transformer is counted, not the rest of the pipeline")
         return components, notes
@@ -171,8 +228,9 @@ def _folder(path: Path, dtype: str) -> dict[str, list[Tensor]]:
 def _checkpoint(path: Path) -> dict[str, list[Tensor]]:
     components: dict[str, list[Tensor]] = {}
     for t in _safetensors(path):
-        where = next((c for prefix, c in _CHECKPOINT_PREFIXES if t.name.startswith(prefix)), "transformer")
-        components.setdefault(where, []).append(t)
+        prefix, where = next(((p, c) for p, c in _CHECKPOINT_PREFIXES if t.name.startswith(p)), ("", "transformer"))
+        # the prefix stripped, so that ``double_blocks.N.`` groups as a block list as in a diffusers folder
+        components.setdefault(where, []).append(replace(t, name=t.name.removeprefix(prefix)))
     return components
 
 
@@ -220,8 +278,7 @@ def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget
     shape = shape or Shape(1024, 1024)
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     total = sum(at.values())
-    quantized = sorted({t.kind for ts in components.values() for t in ts if t.kind not in FLOATS | FLOAT_TYPES
-                        and t.kind not in DTYPE_BITS})
+    quantized = sorted({t.kind for ts in components.values() for t in ts if _gguf_quantized(t)})
     base_approx = tuple(f"gguf-{k}" for k in quantized)
     denoiser = next((c for c in DENOISERS if c in components), None)
     rows: list[tuple[str, str, int, int, tuple[str, ...], str]] = [
@@ -305,12 +362,15 @@ def stream_configuration(components: Mapping[str, list[Tensor]], dtype: str, *, 
     return row, plan
 
 
-def spec_approximations(spec: str, options: Mapping[str, str] | None = None) -> tuple[str, ...]:
+def spec_approximations(spec: str, options: Mapping[str, str] | None = None,
+                        dtype: str = "bfloat16") -> tuple[str, ...]:
     """What a spec's options approximate in every configuration, named as the loaded model names it in its
-    ``approximations``: SageAttention's int8 attention (``attention=sage*``; pipelines/attention.py)."""
-    name = {**parse_spec(spec).options, **(options or {})}.get("attention", "")
+    ``approximations``: SageAttention's int8 attention (``attention=sage*``; pipelines/attention.py), and
+    the ``quant=`` methods (``quant_approximations``)."""
+    opts = {**parse_spec(spec).options, **(options or {})}
+    name = opts.get("attention", "")
     quantized = check_attention(name).quantized if name else ""
-    return (quantized,) if quantized else ()
+    return ((quantized,) if quantized else ()) + quant_approximations(opts, dtype)
 
 
 def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, working: int | None = None,
@@ -318,7 +378,7 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
     """``diffusiond fit``: the model's configurations from its headers, fastest first."""
     components, notes = model_tensors(spec, options, dtype)
     rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu,
-                          approximations=spec_approximations(spec, options))
+                          approximations=spec_approximations(spec, options, dtype))
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     return FitReport(spec, dtype, budget, at, rows, tuple(notes))
 
@@ -328,7 +388,7 @@ def plan_stream(spec: str, options: Mapping[str, str], dtype: str, budget: int,
     """``offload=stream`` at the daemon's start: how many blocks stay resident within ``budget`` (the working
     memory estimated as ``fit`` does), from the files' headers. The row says whether even none fits."""
     components, _ = model_tensors(spec, options, dtype)
-    if any(t.kind not in FLOATS | FLOAT_TYPES and t.kind not in DTYPE_BITS for ts in components.values() for t in ts):
+    if any(_gguf_quantized(t) for ts in components.values() for t in ts):
         raise PipelineError(f"{spec}: offload=stream is refused for a quantized (GGUF) denoiser, whose tensors are "
                             "not plain ones a slot can hold; use offload=group")
     got = stream_configuration(components, dtype, budget=budget)
@@ -348,9 +408,11 @@ def choose_offload(report: FitReport) -> tuple[str, str]:
         return "none", "no --device-memory budget: everything stays resident"
     for c in exact:
         if c.fits:
-            return c.name, f"{c.name}: needs {c.needs} bytes of the {report.budget}-byte budget"
+            return c.name, (f"{c.name} at {report.dtype}: needs {format_bytes(c.needs)} of the "
+                            f"{format_bytes(report.budget)} budget")
     least = exact[-1].name if exact else "none"
-    return least, f"{least}, though nothing fits the budget of {report.budget} bytes: {tried(report)}"
+    return least, (f"{least} at {report.dtype}, though nothing fits the budget of {format_bytes(report.budget)}: "
+                   f"{tried(report)}")
 
 
 def tried(report: FitReport) -> str:
@@ -379,3 +441,29 @@ def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bo
                    if c.name in AUTO_SKIPS and c.fits)
     return chosen, why, (f"nothing fits the --device-memory budget of {format_bytes(budget)} with offload=auto: "
                          f"{tried(report)}{hint}")
+
+
+def device_weights(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bool) -> int | None:
+    """What a configured model keeps on its device, from its files' headers: residency places it with this
+    before its first load, so one larger than the budget is refused at admission with the numbers instead
+    of loaded to learn its size (the worker's count replaces it at READY). The row of the model's offload
+    (made concrete at start, ``model_config.resolve_offload``). None where the files cannot tell: a hub id or
+    preset (sized by its first load), a model built in code, an unreadable file, ``offload=stream`` (its
+    resident blocks are the worker's)."""
+    try:
+        parsed = parse_spec(spec)
+        if parsed.kind not in ("folder", "checkpoint", "gguf"):
+            return None
+        mode = "none" if on_cpu else offload_mode({**parsed.options, **options})
+        report = fit(spec, dtype=dtype, working=0, options=options, on_cpu=on_cpu)
+    except (WeightsError, PipelineError, OSError):
+        return None
+    return next((c.device_bytes for c in report.configurations if c.name == mode and mode != "stream"), None)
+
+
+def too_large_hints(spec: str, on_cpu: bool) -> tuple[str, ...]:
+    """What would make a model fit, for its ``model_too_large`` refusal: what ``fit`` would tell."""
+    see = f"`diffusiond fit {spec}{' --device cpu' if on_cpu else ''} --device-memory SIZE` lists what fits"
+    if on_cpu:
+        return (f"a smaller --dtype or quant= (on a CPU nothing can be offloaded); {see}",)
+    return (f"offload=auto (the fastest offload that fits, chosen at start); {see}",)

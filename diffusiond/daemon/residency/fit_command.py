@@ -19,7 +19,9 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
+from diffusiond.daemon.residency.budget import resolve
 from diffusiond.daemon.residency.fit import (
     FitReport,
     choose_offload,
@@ -28,11 +30,14 @@ from diffusiond.daemon.residency.fit import (
     spec_approximations,
     tried,
 )
-from diffusiond.daemon.residency.sizes import WeightsError
+from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes, parse_size
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.pipelines.errors import PipelineError
 
+MIN_SIDE, MAX_SIDE = 8, 16384
+"""The sides ``--size`` takes: a latent's least, and four times the daemon's default request limit (the
+daemon's own is its configuration's ``limits.max_size``, which this command does not read)."""
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # commands/__init__.py's codes (the daemon may not import them)
 
 
@@ -43,31 +48,49 @@ def _size(text: str, flag: str) -> int:
     return size.nbytes
 
 
+def _shape(text: str) -> Shape:
+    """``--size``, within what any model makes: a side past ``MAX_SIDE`` gives an estimate past any device."""
+    w, x, h = text.partition("x")
+    if not (x and w.isdigit() and h.isdigit()):
+        raise ValueError(f"--size {text!r}: expected WxH, e.g. 1024x1024")
+    if not (MIN_SIDE <= int(w) <= MAX_SIDE and MIN_SIDE <= int(h) <= MAX_SIDE):
+        raise ValueError(f"--size {text!r}: width and height must each be {MIN_SIDE} to {MAX_SIDE} pixels")
+    return Shape(int(w), int(h))
+
+
+def _check_file(spec: str) -> None:
+    """A file that is no model file (``fit /etc/passwd``) is said to be one, not to be missing."""
+    head = Path(spec.partition(",")[0]).expanduser()
+    if head.is_file() and head.suffix.lower() not in (".safetensors", ".gguf"):
+        raise ValueError(f"{spec}: a file, but not one fit can size: give a .safetensors or .gguf file, a diffusers "
+                         "folder (with model_index.json) or a hub id in the Hugging Face cache")
+
+
 def run(args: argparse.Namespace) -> int:
+    dtype = args.dtype or DEFAULT_DTYPE
     try:
-        budget = _size(args.device_memory, "--device-memory") if args.device_memory else None
+        device = "cpu" if args.device == "cpu" else "cuda:0"  # a share is of the device serve would use
+        budget = resolve(args.device_memory, None, device).nbytes if args.device_memory else None
         working = _size(args.working, "--working") if args.working is not None else None
-        w, x, h = args.size.partition("x")
-        if not (x and w.isdigit() and h.isdigit()):
-            raise ValueError(f"--size {args.size!r}: expected WxH, e.g. 1024x1024")
-        shape = Shape(int(w), int(h))
-        components, notes = model_tensors(args.spec, {}, args.dtype)
-        rows = configurations(components, args.dtype, budget=budget, working=working, shape=shape,
-                              on_cpu=args.device == "cpu", approximations=spec_approximations(args.spec))
+        shape = _shape(args.size)
+        _check_file(args.spec)
+        components, notes = model_tensors(args.spec, {}, dtype)
+        rows = configurations(components, dtype, budget=budget, working=working, shape=shape,
+                              on_cpu=args.device == "cpu", approximations=spec_approximations(args.spec, {}, dtype))
     except (WeightsError, PipelineError, ValueError) as exc:
         print(f"diffusiond fit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    at = {name: sum(t.bytes_at(args.dtype) for t in ts) for name, ts in components.items()}
-    report = FitReport(args.spec, args.dtype, budget, at, rows, tuple(notes))
+    at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
+    report = FitReport(args.spec, dtype, budget, at, rows, tuple(notes))
     chosen, why = choose_offload(report)
     fitting = report.fitting
     if args.json:
-        print(json.dumps({"spec": args.spec, "dtype": args.dtype, "budget": budget, "components": at,
+        print(json.dumps({"spec": args.spec, "dtype": dtype, "budget": budget, "components": at,
                           "configurations": [asdict(c) | {"needs": c.needs} for c in rows],
                           "fits": bool(fitting), "auto": chosen if fitting else None, "notes": list(notes)}))
     else:
         total = sum(at.values())
-        print(f"{args.spec}: {format_bytes(total)} of weights at {args.dtype} "
+        print(f"{args.spec}: {format_bytes(total)} of weights at {dtype} "
               f"({', '.join(f'{k} {format_bytes(v)}' for k, v in at.items())})"
               + (f"; budget {format_bytes(budget)}" if budget is not None else ""))
         keys = ["config", "option", "on device", "working", "in host", "fits", "approximations"]

@@ -46,11 +46,14 @@ from diffusiond.daemon.residency.decisions import (
     OomRetry,
     TooLarge,
     Wait,
+    reason_label,
 )
+from diffusiond.daemon.residency.fit import device_weights, too_large_hints
 from diffusiond.daemon.residency.load_reports import LoadReports
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
+from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
@@ -76,9 +79,12 @@ class Keeper:
         ``fail``: fail the model's queued jobs with this message (code ``model_load_failed``): its load failed."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
-        budgets = {m.config.devices[0]: config.device_memory_bytes for m in pool.models.values()}
-        self.policy = Residency(budgets, config.host_memory_bytes, keep_alive_s=config.keep_alive_s,
-                                max_keep_alive_s=config.max_keep_alive_s)
+        budgets = {}
+        for device in dict.fromkeys(m.config.devices[0] for m in pool.models.values()):
+            budget = budgets[device] = config.budget_of(device)
+            log.info("budget on %s: %s (%s)", device, format_bytes(budget.nbytes), budget.source)
+        self.policy = Residency({d: b.nbytes for d, b in budgets.items()}, config.host_memory_bytes,
+                                keep_alive_s=config.keep_alive_s, max_keep_alive_s=config.max_keep_alive_s)
         self.moving: set[str] = set()
         self._expiry: asyncio.Task[None] | None = None
         self._moves: set[asyncio.Task[None]] = set()
@@ -123,11 +129,20 @@ class Keeper:
         await ondemand.preload(self, socket_activated)
 
     def _register(self, model: Model) -> None:
-        """The model becomes known to the policy. Jobs admitted before (resumed from the state dir, or sent
+        """The model becomes known to the policy: at its READY, or before its first load where its files' headers
+        size it (``fit.device_weights``). Jobs admitted before (resumed from the state dir, or sent
         while its worker started) were not counted then: they are now, so it is not idle while they wait."""
-        if not self.policy.has(model.name):
-            self.policy.add(model.name, model.config.devices[0], model.capabilities.weight_bytes,
-                            pinned=model.config.pinned, keep_alive_s=model.config.keep_alive_s)
+        c = model.config
+        if self.policy.has(model.name):
+            if model.known and model.capabilities.weight_bytes:  # the worker's count over the files' estimate
+                self.policy.resize(model.name, model.capabilities.weight_bytes)
+            return
+        on_cpu = c.devices[0].startswith("cpu")
+        weights = model.capabilities.weight_bytes if model.known else device_weights(c.spec, c.options, c.dtype,
+                                                                                      on_cpu=on_cpu)
+        if weights is not None:  # else a hub id or preset: its first load tells (``learn``)
+            self.policy.add(model.name, c.devices[0], weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
+                            hints=too_large_hints(c.spec, on_cpu))
             waiting = self.queued(model.name)
             if waiting:
                 self.policy.queue(model.name, waiting)
@@ -164,7 +179,7 @@ class Keeper:
     def nothing_fits(self, model: Model) -> TooLarge:
         """Every job of a model for which ``offload=auto`` found no configuration that fits (config.py) is
         refused, and so is loading it by hand: the refusal names what was tried."""
-        return TooLarge(model.name, 0, self.config.device_memory_bytes or 0, (),
+        return TooLarge(model.name, 0, self.policy.budgets[model.config.devices[0]], (),
                         f"model {model.name!r} cannot run on {model.config.devices[0]}: {model.config.nothing_fits}")
 
     def unqueue(self, name: str, outputs: int) -> None:
@@ -418,7 +433,10 @@ class Keeper:
         """A model never seen and not preloaded has neither defaults nor a size: a request for it waits
         for its first load (the one its job would make anyway) and is completed with what the worker
         reports, rather than load every model once at start, which would take the memory an idle
-        daemon should leave free. Returns why the load failed, or None; one load for all who wait."""
+        daemon should leave free. Returns why the load failed, or None; one load for all who wait. A model
+        its files' headers already placed, too large for its budget, is not loaded: admission refuses it."""
+        if self.known(model.name) and isinstance(self.policy.plan(model.name, None), TooLarge):
+            return None
         return await asyncio.shield(self._start_learning(model))
 
     def _start_learning(self, model: Model) -> asyncio.Task[str | None]:
@@ -461,7 +479,7 @@ class Keeper:
                 self._log_end(ended)
         else:
             self.policy.unloaded(move)
-            self.metrics.model_evictions_total.labels(name, _reason_label(move.reason)).inc()
+            self.metrics.model_evictions_total.labels(name, reason_label(move.reason)).inc()
         finally:
             self.moving.discard(name)
             self._pending_unloads()
@@ -478,12 +496,3 @@ class Keeper:
                         w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers):
                     self._spawn_move(model, move)
 
-
-def _reason_label(reason: str) -> str:
-    """A bounded label for the evictions metric (the reason text itself is for the log)."""
-    for word, label in (("max-model-wait", "max_model_wait"),
-                        ("keep", "keep_alive"), ("room", "room"), ("hand", "by_hand"), ("pressure", "pressure"),
-                        ("other programs", "pressure"), ("ran out of memory", "oom"), ("sleep", "sleep")):
-        if word in reason:
-            return label
-    return "other"

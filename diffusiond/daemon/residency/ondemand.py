@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.residency.budget import NO_BUDGET
 from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.preload import choose
@@ -69,8 +70,9 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
     """Load the models the configuration chooses (``preload.py``); every other one stays on disk, with
     no worker, until a job needs it. Without a budget the chosen start side by side. With one, in the
     order configured: a model that ran before (its size remembered in the state dir) and does not fit
-    beside those loaded already is not loaded at all; one never seen is loaded once, to learn its
-    capabilities and size, and leaves again at once if it does not fit."""
+    beside those loaded already is not loaded at all, nor is one whose files' headers show it larger than
+    the budget; one never seen is loaded once, to learn its capabilities and size, and leaves again at once
+    if it does not fit."""
     models = list(k.pool.models.values())
     wanted = choose([(m.name, m.config.preload) for m in models], k.config.preload, socket_activated)
     for model in models:
@@ -83,18 +85,20 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
             on_disk(k, model)
     chosen = [m for m in models if wanted[m.name][0]]
     await k.pool.start([])  # the heartbeat, whatever loads
-    if k.config.device_memory is None:
+    if all(b >= NO_BUDGET for b in k.policy.budgets.values()):  # no device's memory could be read
         got = await asyncio.gather(*(k.pool.start([m]) for m in chosen), return_exceptions=True)
         _best_effort(k, list(zip(chosen, got, strict=True)))
         return
     tried: list[tuple[Model, BaseException | None]] = []
     for model in chosen:
-        if model.known and model.capabilities.weight_bytes:
-            k._register(model)
-            if not isinstance(k.policy.plan(model.name, None), Fits):
-                model.retired = True
-                log.info("%s stays on disk at start: it does not fit beside the models before it", model.name)
-                continue
+        if not model.known or model.capabilities.weight_bytes:
+            k._register(model)  # its remembered size, or its files' headers' (a hub id: neither, it learns)
+        first = k.policy.plan(model.name, None) if k.policy.has(model.name) else None
+        # one never seen that fits alone still loads once, to learn its defaults (its requests need them)
+        if first is not None and not isinstance(first, Fits) and (model.known or isinstance(first, TooLarge)):
+            model.retired = True
+            log.info("%s stays on disk at start: %s", model.name, first.reason)
+            continue
         try:
             await k.pool.start([model])
         except Exception as exc:
@@ -131,9 +135,9 @@ def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> 
 
 def on_disk(k: Keeper, model: Model) -> None:
     """Not loaded at start: no worker (``retired``: a job starts them); placed in the budget now when
-    its size is remembered, else by its first load (``learn``)."""
+    its size is remembered or its files' headers give it, else by its first load (``learn``)."""
     model.retired = True
-    if model.known and model.capabilities.weight_bytes:
+    if not model.known or model.capabilities.weight_bytes:
         k._register(model)
 
 
@@ -152,17 +156,24 @@ async def _learn(k: Keeper, model: Model) -> str | None:
     k.moving.add(name)
     t0 = time.monotonic()
     log.info("loading %s for the first time, to learn its defaults and size", name)
+    placed = k.policy.has(name) and k.policy.tier(name) == "disk"  # sized by its files' headers at start:
+    # counted as loading from now on
+    if placed:
+        k.policy.loading_started(name)
     try:
         await k.pool.revive(model)  # its READY registers it in the policy, on disk (``worker_ready``)
     except Exception as exc:
         log.error("loading %s failed: %s", name, exc)
+        if placed:
+            k.policy.load_failed(name, str(exc))
         k.moving.discard(name)
         load_failed(k, model, str(exc))
         k.on_change()
         return str(exc)
     plan = None
     if k.policy.has(name):  # else no READY came (the daemon is stopping): nothing to place
-        k.policy.loading_started(name)
+        if not placed:
+            k.policy.loading_started(name)
         k.policy.loaded(name, time.monotonic())
         k.metrics.model_loads_total.labels(name).inc()
         k.metrics.model_load_seconds.observe(time.monotonic() - t0)

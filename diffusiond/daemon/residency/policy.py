@@ -493,8 +493,8 @@ class Residency:
             m.reason = f"worker died{during}: {reason}"
             self._adjust(m.device, freed)
 
-    def set_budget(self, device: str, device_bytes: int) -> None:
-        """A budget resolved late (a share of a device whose total the first worker reported)."""
-        if device_bytes < 0:
-            raise ValueError(f"the budget of {device} is {device_bytes} bytes; a budget cannot be negative")
-        self.budgets[device] = device_bytes
+    def resize(self, name: str, weight_bytes: int) -> None:
+        """The worker's count of a model placed by its files' headers (an estimate) before it loaded."""
+        m = self._get(name)
+        self._adjust(m.device, (m.weight_bytes - weight_bytes) if m.resident else 0)
+        m.weight_bytes = weight_bytes

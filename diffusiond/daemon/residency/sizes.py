@@ -41,11 +41,16 @@ DTYPE_BITS: Final[Mapping[str, int]] = {
 }
 """Bits per element of each safetensors dtype (the sub-byte ones are packed, rounded up to whole bytes)."""
 
-FLOATS: Final = frozenset({"F64", "F32", "F16", "BF16"})
-"""What loading at a ``torch_dtype`` converts; integers, bools and fp8/fp4 storage stay as stored."""
+FLOATS: Final = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+"""What loading at a ``torch_dtype`` converts: diffusers 0.42 casts every floating-point parameter without a
+quantizer, float8 included (``model_loading_utils.load_model_dict_into_meta``), so an fp8 checkpoint takes
+the model's dtype once loaded; integers, bools and the packed sub-byte formats stay as stored."""
 
 TARGET_BYTES: Final[Mapping[str, int]] = {"float32": 4, "float16": 2, "bfloat16": 2}
 """The model dtypes diffusiond loads at (protocol.MODEL_DTYPES) and their element size."""
+
+DEFAULT_DTYPE: Final = "float32"
+"""The dtype a model loads at unless ``--dtype`` says (``serve``; ``fit`` takes it too, so that the two agree)."""
 
 VARIANT_OF_DTYPE: Final[Mapping[str, str]] = {"float16": "fp16", "bfloat16": "bf16", "float32": ""}
 
