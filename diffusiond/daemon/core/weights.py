@@ -21,7 +21,8 @@ A model with no worker running (on disk after its keep_alive, retired by a level
 loaded under ``--preload none``) is exactly when a trainer pushes weights, so it does not make an
 update fail: the update is kept, and that model's next worker checks it against the model and
 applies it before its first job; a refusal then shows in the model's ``lora_errors``, as one from
-a running worker does. Only when every model that could take the update ran it and refused is it a
+a running worker does; a refused component update (``update_weights``) shows in the model's
+``weight_errors``. Only when every model that could take the update ran it and refused is it a
 400. Versions count accepted updates (1 for the first); a number that a worker may hold (it did
 not answer in time) is never given again.
 
@@ -237,13 +238,29 @@ class LiveComponents:
     A model's workers run the same weights, so each must accept: one that refuses or does not
     answer is reported, and the update is refused (the others applied it: send it again). A model
     with no live worker takes it on trust: it is kept, and checked by the model when it next starts;
-    one refused then is dropped (logged), since no worker of that model would ever take it."""
+    one refused then is dropped, since no worker of that model would ever take it, and the trainer,
+    whose call returned long ago, reads why in the model's ``weight_errors`` (``GET /v1/models``)
+    until an update of that component sent after the refusal is accepted."""
 
     def __init__(self) -> None:
         self.versions: dict[tuple[str, str], int] = {}  # the version of each one's last accepted update
         self._drawn: dict[tuple[str, str], int] = {}  # the highest version a worker may hold
         self._lock = asyncio.Lock()
         self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # (model, component) -> updates in force
+        # (model, component) -> (the highest version drawn when a start refused one, why): the update
+        # refused was kept on trust, so its call returned a version and this is where its refusal shows
+        self.errors: dict[tuple[str, str], tuple[int, str]] = {}
+
+    def weight_errors(self, model: str) -> dict[str, str]:
+        """component -> why its update was refused at ``model``'s start (its entry in ``GET /v1/models``)."""
+        return {c: why for (m, c), (_, why) in sorted(self.errors.items()) if m == model}
+
+    def _accepted(self, key: tuple[str, str], version: int) -> None:
+        """A worker took ``version``: a refusal is cleared only by an update sent after it, not by a
+        later one of the same replay (which does not name what the refused one did, or it would have
+        superseded it in ``kept``)."""
+        if key in self.errors and version > self.errors[key][0]:
+            del self.errors[key]
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
         """The model's kept component updates into a worker that started after them (``kept`` read
@@ -252,17 +269,24 @@ class LiveComponents:
             for key, chain in self.kept.items():
                 if isinstance(key, tuple) and key[0] == model.name:
                     for entry in list(chain):
+                        msg = entry[0]
                         try:
-                            ack = await worker.command(entry[0], timeout, [os.dup(entry[1])])
+                            ack = await worker.command(msg, timeout, [os.dup(entry[1])])
                         except Exception as exc:  # the worker runs the files' weights there: it is replaced
                             log.error("%s of model %s was not restored on %s: the worker did not answer: %s",
                                       key[1], model.name, worker.name, exc)
                             break
-                        if not ack.ok:
-                            log.error("%s of model %s: update version %d is refused by the model, and dropped: "
-                                      "%s", key[1], model.name, entry[0].version, ack.message)
-                            chain.remove(entry)
-                            os.close(entry[1])
+                        assert isinstance(msg, UpdateWeights)
+                        mine = (model.name, msg.component)
+                        if ack.ok:
+                            self._accepted(mine, msg.version)
+                            continue
+                        why = (f"update version {msg.version} was refused when the model started, and dropped: "
+                               f"{ack.message}")
+                        log.error("%s of model %s: %s", key[1], model.name, why)
+                        self.errors[mine] = (self._drawn.get(mine, msg.version), why)
+                        chain.remove(entry)
+                        os.close(entry[1])
 
     async def update(self, msg: UpdateWeights, fds: list[int], models: Callable[[str], ModelLoras],
                      timeout: float) -> int:
@@ -287,7 +311,9 @@ class LiveComponents:
                         self._drawn[key] = version
                     raise InvalidRequest(f"{msg.component} of model {model.name}: update refused: "
                                          f"{whys[model.name]}", field="tensors")
-                if not live:
+                if live:
+                    self._accepted(key, version)
+                else:
                     log.info("%s of model %s version %d kept: no worker runs, applied when one starts",
                              msg.component, model.name, version)
                 self.versions[key] = self._drawn[key] = version
