@@ -357,6 +357,14 @@ class Engine(OutputAccess):
             await self.live_components.replay(model, worker, timeout)
         except Exception:  # a worker lost meanwhile is replaced (and prepared) again: nothing to fail here
             log.exception("restoring live weights on %s failed", worker.name)
+        # jobs admitted while the model ran no worker, naming an adapter this start refused, fail now as
+        # admission would refuse them, not at run time with the worker's "not registered"
+        for job in self.scheduler.waiting(model.name):
+            try:
+                self.loras.resolve(model, job.request.loras)
+            except EngineError as err:
+                self._end(job, JobStatus.FAILED, err.code, f"{err.message} (found when the model started, "
+                          "after this job was queued)", stage=job.stage_label)
 
     def _on_worker_ready(self, worker: WorkerLink) -> None:
         self.flights.worker_ready(worker)

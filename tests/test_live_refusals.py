@@ -1,0 +1,84 @@
+"""Live updates kept for a model with no worker (issue 29), refused by that model when it starts: the
+trainer's call returned long ago, so what it sees is the model's entry and its queued jobs' errors.
+
+One real daemon, ``--preload none``: tiny runs once (a model never seen is loaded before its first
+job is admitted, so a job for it cannot be queued unchecked), goes to disk, then takes an adapter and a
+component update that do not fit it and a job naming that adapter, queued until tiny starts again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from daemonkit import Daemon, http, shared_daemon, submit, wait_job
+
+from diffusiond.client import AsyncClient
+
+SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1,
+         "output_format": "npy"}
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    args = ["--model", "tiny", "--preload", "none", "--workers", "1", "--no-persist", "--job-timeout", "300"]
+    with shared_daemon(tmp_path_factory.mktemp("refusals"), args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        yield d
+
+
+async def tiny_entry(s: aiohttp.ClientSession) -> dict[str, Any]:
+    async with s.get("/v1/models") as r:
+        return next(m for m in (await r.json())["data"] if m["id"] == "tiny")
+
+
+async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued_for_them(
+        cold: Daemon, lora_files: dict[str, Path]) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    misfit = load_file(str(lora_files["misfit"] / "pytorch_lora_weights.safetensors"))  # a lora_A too wide
+    with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
+        conv_out = f.get_tensor("conv_out.weight")
+    async with AsyncClient(str(cold.socket)) as c, http(cold.socket) as s:
+        first = await wait_job(s, (await submit(s, SMALL))["id"], 300)
+        assert first["status"] == "succeeded", first
+        async with s.post("/v1/models/tiny/unload") as r:
+            assert r.status == 200, await r.text()
+        for _ in range(600):
+            if (await tiny_entry(s))["residency"] == "disk":
+                break
+            await asyncio.sleep(0.1)
+        assert (await tiny_entry(s))["residency"] == "disk"
+
+        # no worker to check them: both are kept on trust, and their calls answer with a version
+        assert await c.update_lora("trainer", misfit) == 1
+        assert await c.update_weights("tiny", "unet", {"conv_out.weight": np.zeros((3, *conv_out.shape[1:]),
+                                                                                   conv_out.dtype)}) == 1
+        named = await submit(s, {**SMALL, "loras": [{"name": "trainer", "weight": 1.0}]})
+        plain = await submit(s, SMALL)
+
+        # tiny's start refuses both: the queued job naming the adapter fails as admission would refuse it
+        job = await wait_job(s, named["id"], 300)
+        assert job["status"] == "failed" and job["error"]["code"] == "invalid_request", job
+        message = job["error"]["message"]
+        assert "LoRA 'trainer' does not fit model 'tiny'" in message and "needs" in message, message
+        ran = await wait_job(s, plain["id"], 300)
+        assert ran["status"] == "succeeded" and ran["weight_versions"] is None, ran  # the files' unet
+        entry = await tiny_entry(s)
+        why = entry["weight_errors"]["unet"]
+        assert list(entry["weight_errors"]) == ["unet"], entry
+        assert why.startswith("update version 1 was refused when the model started, and dropped: "
+                              "tensor 'conv_out.weight' has shape [3, "), why
+        lora = next(e for e in (await c._json("GET", "/v1/loras"))["data"] if e["name"] == "trainer")
+        assert lora["models"] == [] and "needs" in lora["unfit"]["tiny"], lora
+
+        # an update sent after the refusal, accepted: the refusal is over
+        assert await c.update_weights("tiny", "unet", {"conv_out.weight": conv_out * 0.5}) == 2
+        assert (await tiny_entry(s))["weight_errors"] == {}
