@@ -54,6 +54,7 @@ from diffusiond.protocol import COMPILE_MODES
 __all__ = ["CompiledPipeline", "compilations", "guidance_is_shape", "set_cache_dir", "shape_key"]
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that record CUDA graphs
 
 
 def set_cache_dir(path: str) -> None:
@@ -169,6 +170,17 @@ class CompiledPipeline:
                 encoder.compile(**kw)
                 self.compiled.append(name)
 
+    @property
+    def graphs(self) -> bool:
+        """Whether shapes that repeat replay as CUDA graphs: inductor's graph modes, on a CUDA device."""
+        return self.device.type == "cuda" and self.backend == "inductor" and self.mode in _GRAPH_MODES
+
+    @property
+    def warmup_runs(self) -> int:
+        """How often the worker's warm-up runs each shape: twice where CUDA-graph trees record a shape's
+        graph on its second run, else once, since the first run compiles all there is (report31 #12)."""
+        return 2 if self.graphs else 1
+
     def _key(self, params: BatchParams, batch: int) -> tuple[int, int, int, int, bool]:
         return shape_key(params, batch, self._guidance_is_shape)
 
@@ -197,7 +209,7 @@ class CompiledPipeline:
             last = requests[-1]
             requests = [*requests, *(msgspec.structs.replace(last, request_id=f"{last.request_id}+pad{i}",
                                                              preview_every=0) for i in range(size - n))]
-        if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
+        if self.graphs:
             # CUDA-graph trees: a new iteration starts here, so outputs of the last run may be reused.
             torch.compiler.cudagraph_mark_step_begin()
         outputs = self.inner.run(params, requests, on_step, on_preview)[:n]
@@ -214,7 +226,7 @@ class CompiledPipeline:
         edit = getattr(self.inner, "edit", None)
         if edit is None:
             raise PipelineError(f"model {self.name} cannot edit images")
-        if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
+        if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         outputs: list[torch.Tensor] = edit(params, requests, inputs, on_step, on_preview)
         if len(self._seen) < self.max_shapes:
