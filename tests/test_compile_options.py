@@ -15,7 +15,7 @@ from diffusiond.daemon.config import ConfigError, build_config
 from diffusiond.ipc import messages as m
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.compile import CompiledPipeline, compilations, guidance_is_shape
-from diffusiond.worker.process import Worker
+from diffusiond.worker.process import Worker, _Progress
 
 EAGER = {"compile_backend": "eager"}
 FLUX = m.BatchParams(width=64, height=64, steps=2, guidance=3.5)
@@ -24,6 +24,11 @@ FLUX = m.BatchParams(width=64, height=64, steps=2, guidance=3.5)
 @pytest.fixture(autouse=True)
 def _cache(model_cache: Path) -> None:
     """tiny is built once for the session."""
+
+
+def load(cfg: m.WorkerConfig) -> object:
+    """The worker's own load and compile, its load progress going nowhere."""
+    return Worker._load(cfg, _Progress(lambda _p: None, 0))
 
 
 def run(pipe: CompiledPipeline, params: m.BatchParams) -> None:
@@ -37,13 +42,13 @@ def fused(pipe: object) -> bool:
 
 
 def test_compile_options_in_the_spec_reach_the_compiled_pipeline() -> None:
-    pipe = Worker._load(config("tiny,compile_backend=eager,fuse_qkv=1,compile_shapes=3", compile="default"))
+    pipe = load(config("tiny,compile_backend=eager,fuse_qkv=1,compile_shapes=3", compile="default"))
     assert (pipe.backend, pipe.max_shapes) == ("eager", 3)  # type: ignore[attr-defined]
     assert fused(pipe)
 
 
 def test_the_table_options_win_over_the_spec_s() -> None:
-    pipe = Worker._load(config("tiny,compile_backend=inductor,compile_shapes=3", compile="default",
+    pipe = load(config("tiny,compile_backend=inductor,compile_shapes=3", compile="default",
                                options={"compile_backend": "eager", "compile_shapes": "5"}))
     assert (pipe.backend, pipe.max_shapes) == ("eager", 5)  # type: ignore[attr-defined]
     assert not fused(pipe)

@@ -1,9 +1,10 @@
-"""The upscale of a cancelled batch stops, and finished upscales wait for the copy at half size (report 30 #9).
+"""The upscale of a cancelled batch stops, and finished upscales wait for the copy smaller (report 30 #9).
 
-Cancelling a 2048² ``n=4`` job with an 8x upscale left its worker busy for minutes: the upscaler ran every
-tile of every picture with no check, and held every upscaled picture in float32 (4 bytes a channel) until
-the copy. The finisher here is the worker's own (worker/finish.py), on a real ESRGAN file (tests/upscalekit.py)
-and the worker's shared state, whose cancel arrives while the tiles run.
+Cancelling a 2048² ``n=4`` job with an 8x upscale left its worker busy for minutes: the upscaler ran every tile
+of every picture with no check, and held every upscaled picture in float32 (4 bytes a channel) until the copy; a
+uint8 output now waits as uint8 (issue 31's extras). The finisher here is the worker's own (worker/finish.py),
+on a real ESRGAN file (tests/upscalekit.py) and the worker's shared state, whose cancel arrives while the tiles
+run.
 """
 
 from __future__ import annotations
@@ -57,17 +58,30 @@ def test_a_cancel_stops_the_upscale_between_tiles(upscaler_file: Path) -> None:
     assert len(forwards) == 3, f"{len(forwards)} forwards ran after the cancel"
 
 
-@pytest.mark.parametrize("output_dtype", ["uint8", "float32"])
-def test_upscaled_outputs_wait_in_half_precision_and_copy_as_before(upscaler_file: Path, output_dtype: str) -> None:
-    """For a uint8 output the picture waits in float16 at its 256 levels: the copy's bytes are those of the
-    float32 picture, bit for bit. A float output keeps the model's dtype."""
+def _half_hand_off(picture: torch.Tensor) -> torch.Tensor:
+    """How an upscaled uint8 output waited before it waited as uint8: in float16, rounded to its 256 levels."""
+    return (picture.float().clamp(0, 1) * 255).round().div(255).to(torch.float16)
+
+
+@pytest.mark.parametrize(("output_dtype", "dtype"), [("uint8", torch.float32), ("uint8", torch.bfloat16),
+                                                     ("uint8", torch.float16), ("float32", torch.float32)])
+def test_upscaled_outputs_wait_as_uint8_and_copy_as_before(upscaler_file: Path, output_dtype: str,
+                                                           dtype: torch.dtype) -> None:
+    """For a uint8 output the picture waits at its 256 levels as uint8, a quarter of float32's bytes: the copy's
+    bytes are those of the picture in the model's dtype, and of the float16 hand-off before, bit for bit. A
+    float output keeps the model's dtype."""
     finish, _ = _finisher(upscaler_file, SharedState())
     params = msgspec.structs.replace(PARAMS, output_dtype=output_dtype)
-    outputs = _outputs()
+    outputs = [out.to(dtype) for out in _outputs()]
     with torch.inference_mode():
         got = finish(params, REQS, outputs, lambda _s, _t: True, None)
         assert finish.upscalers is not None
-        want = [finish.upscalers.upscale("esr", out[None])[0] for out in outputs]  # float32, as before
-    assert {g.dtype for g in got} == {torch.float16 if output_dtype == "uint8" else torch.float32}
+        want = [finish.upscalers.upscale("esr", out[None])[0].to(dtype) for out in outputs]
+    assert {g.dtype for g in got} == {torch.uint8 if output_dtype == "uint8" else dtype}
     for g, w in zip(got, want, strict=True):
-        assert np.array_equal(to_output_layout(g, output_dtype).numpy(), to_output_layout(w, output_dtype).numpy())
+        sent = to_output_layout(g, output_dtype).numpy()
+        assert np.array_equal(sent, to_output_layout(w, output_dtype).numpy())
+        if output_dtype == "uint8":
+            assert np.array_equal(sent, to_output_layout(_half_hand_off(w), output_dtype).numpy())
+            if torch.cuda.is_available():  # the device path of the copy: the same bytes
+                assert np.array_equal(sent, to_output_layout(g.cuda(), output_dtype).cpu().numpy())

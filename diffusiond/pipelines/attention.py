@@ -28,12 +28,12 @@ processors call SDPA directly, so the option would silently change nothing). A l
 small attention call through the chosen kernel on the model's device and dtype, so a wheel built for
 another GPU fails the load too.
 
-Only the denoiser's processors are set. ``ModelMixin.set_attention_backend`` also makes the chosen
-backend the process-wide default for every processor that names none; that default is put back at
-once, so a ControlNet, another pipeline in the same process or a processor swapped in later runs the
-default path, as it would without the option. Backends that take no attention mask (FlashAttention 2,
-SageAttention) fail on models whose denoiser masks the text tokens (LTX-Video's); Flux, Wan and
-Qwen-Image without padding pass none.
+Only the denoisers' processors are set (both of Wan 2.2 A14B's experts: pipelines/denoisers.py).
+``ModelMixin.set_attention_backend`` also makes the chosen backend the process-wide default for every processor
+that names none; that default is put back at once, so a ControlNet, another pipeline in the same process or a
+processor swapped in later runs the default path, as it would without the option. Backends that take no
+attention mask (FlashAttention 2, SageAttention) fail on models whose denoiser masks the text tokens
+(LTX-Video's); Flux, Wan and Qwen-Image without padding pass none.
 
 Imports neither torch nor diffusers at module level: the engine checks the name at start (spec.py).
 """
@@ -164,17 +164,24 @@ def apply_attention(pipe: Any, name: str, device: torch.device) -> Attention:
         return Attention()  # the default path, on any denoiser: set nothing, so it stays exactly that
     import torch
 
-    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
-    if denoiser is None or not hasattr(denoiser, "set_attention_backend"):
+    from diffusiond.pipelines.denoisers import denoisers
+
+    found = denoisers(pipe)  # both of Wan 2.2 A14B's experts: each runs part of the steps
+    if not found or not all(hasattr(d, "set_attention_backend") for _, d in found):
         raise PipelineError(f"attention={name}: {type(pipe).__name__} has no denoiser with diffusers' attention "
                             "backends (diffusers 0.35 or later has them)")
-    modules = _dispatching(denoiser)
-    if not modules:
-        raise PipelineError(f"attention={name}: the model's denoiser ({type(denoiser).__name__}) calls PyTorch's "
-                            "attention directly, not through diffusers' dispatcher, so a backend would change "
-                            "nothing; the transformer models (Flux, Wan, LTX, Qwen-Image) take it, not the UNets "
-                            "of SD 1.5 and SDXL, nor SD3")
-    _set(denoiser, name)
+    modules: list[Any] = []
+    for attr, d in found:
+        mine = _dispatching(d)
+        if not mine:
+            raise PipelineError(f"attention={name}: the model's {attr} ({type(d).__name__}) calls PyTorch's "
+                                "attention directly, not through diffusers' dispatcher, so a backend would change "
+                                "nothing; the transformer models (Flux, Wan, LTX, Qwen-Image) take it, not the "
+                                "UNets of SD 1.5 and SDXL, nor SD3")
+        modules += mine
+    for _, d in found:
+        _set(d, name)
+    denoiser = found[0][1]
     dtype = denoiser.dtype
     if kernel.cuda and device.type != "cuda":
         raise PipelineError(f"attention={name} runs on CUDA GPUs only, and this model is on {device.type}")

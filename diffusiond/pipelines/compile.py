@@ -4,6 +4,7 @@ On small images a GPU spends most of a forward waiting for Python to launch kern
 the denoiser and the VAE decoder fuses those kernels, and the CUDA-graph modes replay a whole
 forward with one launch. What is compiled, and how:
 
+- every denoiser (both of Wan 2.2 A14B's experts, ``transformer_2`` too: pipelines/denoisers.py);
 - a transformer denoiser (DiT: Flux, SD3, Wan, LTX) regionally, ``compile_repeated_blocks``:
   its blocks are one code object compiled once, so compiling takes seconds instead of minutes;
 - a UNet whole: its blocks differ, and the whole graph is what fuses across them;
@@ -45,6 +46,7 @@ import torch
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, PreviewSink, StepCallback, Task
 from diffusiond.pipelines.compile_rules import compile_refusal
+from diffusiond.pipelines.denoisers import denoisers
 from diffusiond.pipelines.diffusers_pipeline import _TRUE_CFG
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
@@ -52,6 +54,7 @@ from diffusiond.protocol import COMPILE_MODES
 __all__ = ["CompiledPipeline", "compilations", "guidance_is_shape", "set_cache_dir", "shape_key"]
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that record CUDA graphs
 
 
 def set_cache_dir(path: str) -> None:
@@ -133,15 +136,14 @@ class CompiledPipeline:
     def _prepare(self, pipe: Any, opts: Mapping[str, str]) -> None:
         """Layout changes that can pay with a compiled model; opt-in, since measured on the H200
         (issue 17) channels_last with fused QKV was slower than eager at batch 8 and at 1024²."""
-        denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
         if opts.get("fuse_qkv") == "1":
             if not hasattr(pipe, "fuse_qkv_projections"):
                 raise PipelineError(f"fuse_qkv=1: {type(pipe).__name__} cannot fuse its QKV projections")
             pipe.fuse_qkv_projections()
         if opts.get("channels_last") == "1":
-            for module in (denoiser, getattr(getattr(pipe, "vae", None), "decoder", None)):
-                if module is not None:
-                    module.to(memory_format=torch.channels_last)
+            decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+            for module in (*(m for _, m in denoisers(pipe)), *([decoder] if decoder is not None else [])):
+                module.to(memory_format=torch.channels_last)
 
     def compile(self, pipe: Any) -> None:
         """Mark the modules for compilation; torch compiles each shape when it first runs."""
@@ -149,17 +151,13 @@ class CompiledPipeline:
         kw: dict[str, Any] = {"backend": self.backend, "dynamic": False}
         if self.backend == "inductor":
             kw["mode"] = self.mode
-        transformer = getattr(pipe, "transformer", None)
-        if transformer is not None and getattr(transformer, "_repeated_blocks", None):
-            transformer.compile_repeated_blocks(fullgraph=True, **kw)
-            self.compiled.append("transformer (regional: " + ", ".join(transformer._repeated_blocks) + ")")
-        elif transformer is not None:
-            transformer.compile(**kw)
-            self.compiled.append("transformer")
-        unet = getattr(pipe, "unet", None)
-        if unet is not None:
-            unet.compile(**kw)
-            self.compiled.append("unet")
+        for name, denoiser in denoisers(pipe):  # both of Wan 2.2 A14B's experts (pipelines/denoisers.py)
+            if name != "unet" and getattr(denoiser, "_repeated_blocks", None):  # a UNet whole (see above)
+                denoiser.compile_repeated_blocks(fullgraph=True, **kw)
+                self.compiled.append(f"{name} (regional: " + ", ".join(denoiser._repeated_blocks) + ")")
+            else:
+                denoiser.compile(**kw)
+                self.compiled.append(name)
         decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
         if decoder is not None and self.task is Task.TEXT_TO_IMAGE:
             # Video VAEs decode in temporal tiles of changing shape and cache frames between them:
@@ -171,6 +169,17 @@ class CompiledPipeline:
             if isinstance(encoder, torch.nn.Module):
                 encoder.compile(**kw)
                 self.compiled.append(name)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether shapes that repeat replay as CUDA graphs: inductor's graph modes, on a CUDA device."""
+        return self.device.type == "cuda" and self.backend == "inductor" and self.mode in _GRAPH_MODES
+
+    @property
+    def warmup_runs(self) -> int:
+        """How often the worker's warm-up runs each shape: twice where CUDA-graph trees record a shape's
+        graph on its second run, else once, since the first run compiles all there is (report31 #12)."""
+        return 2 if self.graphs else 1
 
     def _key(self, params: BatchParams, batch: int) -> tuple[int, int, int, int, bool]:
         return shape_key(params, batch, self._guidance_is_shape)
@@ -200,7 +209,7 @@ class CompiledPipeline:
             last = requests[-1]
             requests = [*requests, *(msgspec.structs.replace(last, request_id=f"{last.request_id}+pad{i}",
                                                              preview_every=0) for i in range(size - n))]
-        if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
+        if self.graphs:
             # CUDA-graph trees: a new iteration starts here, so outputs of the last run may be reused.
             torch.compiler.cudagraph_mark_step_begin()
         outputs = self.inner.run(params, requests, on_step, on_preview)[:n]
@@ -217,7 +226,7 @@ class CompiledPipeline:
         edit = getattr(self.inner, "edit", None)
         if edit is None:
             raise PipelineError(f"model {self.name} cannot edit images")
-        if self.device.type == "cuda" and self.mode in ("reduce-overhead", "max-autotune"):
+        if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         outputs: list[torch.Tensor] = edit(params, requests, inputs, on_step, on_preview)
         if len(self._seen) < self.max_shapes:

@@ -11,6 +11,7 @@
   GPUs with fp8 matrix units (compute capability 8.9+: Ada, Hopper). torchao is not a dependency:
   the option says so when it is missing.
 
+Each applies to every denoiser the pipeline has (both of Wan 2.2 A14B's experts: pipelines/denoisers.py).
 Both cache hooks exist only on diffusers' transformer denoisers (``CacheMixin``: Flux, SD3, Wan,
 LTX, ...); a UNet model (SD 1.5, SDXL) refuses the option at load, naming the reason.
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from diffusiond.pipelines.denoisers import denoisers
 from diffusiond.pipelines.errors import PipelineError
 
 __all__ = ["apply_speedups"]
@@ -65,22 +67,25 @@ def _fp8(denoiser: Any, device: torch.device) -> str:
 def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) -> tuple[str, ...]:
     """Apply the approximate speed-ups ``options`` ask for; their names, for every output's metadata."""
     names: list[str] = []
-    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    found = denoisers(pipe)  # Wan 2.2 A14B's two experts each run part of every job's steps
     if options.get("fp8") == "1":
-        if denoiser is None:
+        if not found:
             raise PipelineError(f"fp8=1: {type(pipe).__name__} has no denoiser to quantize")
-        names.append(_fp8(denoiser, device))
+        quantized = {_fp8(denoiser, device) for _, denoiser in found}
+        names.extend(sorted(quantized))
     cache = options.get("cache")
     if cache:
         from diffusers.models.cache_utils import CacheMixin
 
-        if not isinstance(denoiser, CacheMixin):
-            kind = type(denoiser).__name__
-            raise PipelineError(
-                f"cache={cache}: the model's denoiser ({kind}) has no diffusers cache hooks; they exist on "
-                "transformer models (Flux, SD3, Wan, LTX, ...), not on UNet models (SD 1.5, SDXL)"
-            )
-        config, name = _cache_config(cache)
-        denoiser.enable_cache(config)
+        for attr, denoiser in found or [("denoiser", None)]:
+            if not isinstance(denoiser, CacheMixin):
+                kind = type(denoiser).__name__
+                raise PipelineError(
+                    f"cache={cache}: the model's {attr} ({kind}) has no diffusers cache hooks; they exist on "
+                    "transformer models (Flux, SD3, Wan, LTX, ...), not on UNet models (SD 1.5, SDXL)"
+                )
+        name = _cache_config(cache)[1]
+        for _, denoiser in found:
+            denoiser.enable_cache(_cache_config(cache)[0])  # a config each: a hook keeps its state per module
         names.append(name)
     return tuple(names)

@@ -171,10 +171,10 @@ class ComputeThread:
                 return
 
     def _warm_up(self) -> None:
-        """Run each warm-up shape twice (CUDA-graph trees record a graph on its second run), so
-        the first client of that shape pays neither compilation nor capture. Smallest batch first: a
-        compiled model runs a batch padded into a larger graph of its size once it has one
-        (pipelines/compile.py), so ``512x512:8,512x512:1`` in that order would never compile the 1."""
+        """Run each warm-up shape, twice where CUDA-graph trees record a graph on its second run
+        (``warmup_runs``), so the first client of that shape pays neither compilation nor capture.
+        Smallest batch first: a compiled model runs a batch padded into a larger graph of its size once
+        it has one (pipelines/compile.py), so ``512x512:8,512x512:1`` in that order would never compile the 1."""
         caps = self.pipeline.capabilities
         frames = caps.num_frames if caps.task == "text-to-video" else None
         for shape in sorted(self.warmup, key=lambda s: s.batch):
@@ -182,7 +182,7 @@ class ComputeThread:
                                  num_frames=frames)
             requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
             t0 = time.perf_counter()
-            for _ in range(2):
+            for _ in range(getattr(self.pipeline, "warmup_runs", 1)):
                 with torch.inference_mode():
                     self.pipeline.run(params, requests, lambda _step, _total: True)
             if self.cuda:

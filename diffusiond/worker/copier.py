@@ -57,19 +57,25 @@ class CopyJob:
     trajectories: list[dict[str, torch.Tensor]] | None = None
 
 
-def to_output_layout(out: torch.Tensor, output_dtype: str) -> torch.Tensor:
-    """Channels-last and the wire dtype, computed on the output's device.
+def to_uint8(picture: torch.Tensor) -> torch.Tensor:
+    """A float picture in [0, 1] as its 256 levels, on its device, in any layout: in float32 whatever its
+    dtype, rounded as diffusers' numpy path rounds ((x * 255).round()), so outputs match what a user of the
+    bare pipeline would get. The one rounding of the torch path, for the copy and for an upscaled output
+    made uint8 before it (worker/finish.py)."""
+    return (picture.float().clamp(0, 1) * 255).round().to(torch.uint8)
 
-    uint8 rounds exactly like diffusers' numpy path ((x * 255).round()), so outputs match what a
-    user of the bare pipeline would get.
-    """
+
+def to_output_layout(out: torch.Tensor, output_dtype: str) -> torch.Tensor:
+    """Channels-last and the wire dtype, computed on the output's device. A float picture in [0, 1], or
+    for a uint8 output one already at its 256 levels (``to_uint8``), which only changes layout."""
+    if out.dtype == torch.uint8 and output_dtype != "uint8":
+        raise ValueError(f"a uint8 picture cannot be sent as {output_dtype}: its levels are rounded already")
     if out.device.type == "cpu":
         return torch.from_numpy(_output_layout_numpy(out, output_dtype))
-    x = out.float()
-    x = x.permute(1, 2, 0) if x.dim() == 3 else x.permute(0, 2, 3, 1)
+    x = out.permute(1, 2, 0) if out.dim() == 3 else out.permute(0, 2, 3, 1)
     if output_dtype == "uint8":
-        return (x.clamp(0, 1) * 255).round().to(torch.uint8).contiguous()
-    return x.to(getattr(torch, output_dtype)).contiguous()
+        return (x if x.dtype == torch.uint8 else to_uint8(x)).contiguous()
+    return x.float().to(getattr(torch, output_dtype)).contiguous()
 
 
 def _output_layout_numpy(out: torch.Tensor, output_dtype: str) -> np.ndarray:
@@ -81,6 +87,9 @@ def _output_layout_numpy(out: torch.Tensor, output_dtype: str) -> np.ndarray:
     Measured on the 2-core box: the tiny model's forward took 135 ms in async mode against 77 ms
     in sync mode (docs/benchmarks.md). numpy's element-wise work is single-threaded.
     """
+    if out.dtype == torch.uint8:  # already its levels: the layout only
+        a = out.numpy()
+        return np.ascontiguousarray(a.transpose(1, 2, 0) if a.ndim == 3 else a.transpose(0, 2, 3, 1))
     if out.dtype == torch.bfloat16:  # numpy has no bfloat16: widen the bits to float32 ones
         a = (out.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     elif out.dtype in (torch.float16, torch.float32, torch.float64):

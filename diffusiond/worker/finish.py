@@ -50,6 +50,7 @@ from diffusiond.pipelines.base import (
 )
 from diffusiond.pipelines.upscalers import Upscalers
 from diffusiond.protocol import Task
+from diffusiond.worker.copier import to_uint8
 from diffusiond.worker.failures import first_line, is_oom
 
 log = logging.getLogger(__name__)
@@ -191,11 +192,10 @@ class Finisher:
 
 
 def _held(picture: torch.Tensor, dtype: torch.dtype, output_dtype: str) -> torch.Tensor:
-    """An upscaled picture as it waits for the copy: in the model's output dtype, and for a uint8 output in
-    half precision, rounded to the 256 levels the copy will make of it. That holds half the bytes of float32
-    and gives the copy's uint8 bit for bit: float16 stores k/255 within 2^-11, which the copy's
-    ``round(x * 255)`` brings back to k (an error under 0.13 of a level). Not uint8 itself: the copy
-    (worker/copier.py's ``to_output_layout``) takes float pictures in [0, 1] only."""
-    if output_dtype != "uint8" or dtype == torch.float16:
+    """An upscaled picture as it waits for the copy: for a uint8 output already its 256 levels, a quarter of
+    float32's bytes (half of float16's), rounded from the model's output dtype by the copy's own rounding
+    (worker/copier.py's ``to_uint8``), so its bytes are the ones the float picture would have given; for a
+    float output, in the model's output dtype."""
+    if output_dtype != "uint8":
         return picture.to(dtype)
-    return (picture.to(dtype).float().clamp_(0, 1) * 255).round_().div_(255).to(torch.float16)
+    return to_uint8(picture.to(dtype))
