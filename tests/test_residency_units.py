@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from diffusiond.daemon.residency.budget import NO_BUDGET
 from diffusiond.daemon.residency.units import FOREVER, Size, format_bytes, format_duration, parse_duration, parse_size
 
 
@@ -94,6 +95,8 @@ def test_formatting_for_messages() -> None:
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(20 * 1024**3) == "20.00 GiB"
     assert format_bytes(3 * 1024**4) == "3.00 TiB"
+    # no budget is a device whose memory cannot be read or a host without --host-memory, never "no --device-memory"
+    assert format_bytes(NO_BUDGET) == "unbounded"
     assert format_duration(FOREVER) == "forever"
     assert format_duration(0) == "0s"
     assert format_duration(0.25) == "250ms"

@@ -339,6 +339,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     # worker fills it in at READY; remembered in the state dir with the rest, so a model that ran
     # before is placed within the budget without loading it first).
     weight_bytes: int = 0
+    # What an offloaded model keeps in host memory while on its device (pinned for group and stream), which
+    # residency counts against --host-memory beside weight_bytes; 0 for a resident model.
+    host_bytes: int = 0
 
 
 class Ready(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import torch
 
+import diffusiond.pipelines.offload as offload
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.errors import Interrupted, PipelineError
 from diffusiond.protocol import Task
@@ -117,6 +118,15 @@ def weight_bytes(pipeline: Pipeline, extras: Iterable[torch.nn.Module] = ()) -> 
         return counted + _tensor_bytes(extras)
     components = getattr(getattr(inner, "_pipe", None), "components", None) or vars(inner)
     return _tensor_bytes([*(m for m in components.values() if isinstance(m, torch.nn.Module)), *extras])
+
+
+def host_weight_bytes(pipeline: Pipeline) -> int:
+    """What an offloaded model keeps in host memory while on its device (``offload.host_bytes``), which
+    residency counts against ``--host-memory`` beside ``weight_bytes``; 0 for a resident one."""
+    inner = getattr(pipeline, "inner", pipeline)
+    pipe = getattr(inner, "_pipe", None)
+    mode = pipeline.capabilities.offload
+    return 0 if pipe is None or mode == "none" else offload.host_bytes(pipe, mode)
 
 
 def _tensor_bytes(modules: Iterable[torch.nn.Module]) -> int:

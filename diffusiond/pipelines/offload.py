@@ -18,6 +18,11 @@ placed by ``fit``'s figures is counted by the same figures once it runs: the lar
 group plus twice its largest group (the one computing and the one being prefetched); for ``stream`` the
 denoiser's parts outside its blocks, its resident blocks and the ring, plus what the largest other component
 keeps there under leaf-level group offloading (``stream_plan.StreamPlan.device_bytes``).
+
+``host_bytes`` is what such a model keeps in host memory meanwhile, counted against ``--host-memory``
+(``daemon/residency/host_memory.py``), again ``fit``'s rule: all of it for ``model``, ``group`` and
+``sequential`` (between forwards every weight waits there, in pinned copies for ``group`` on CUDA), all but
+the denoiser's resident part for ``stream``.
 """
 
 from __future__ import annotations
@@ -95,11 +100,14 @@ def _modules(pipe: Any) -> dict[str, torch.nn.Module]:
 
 
 def _bytes(tensors: Any, seen: set[int]) -> int:
+    """Each tensor once by its storage's address; tensors with none (meta, as accelerate's sequential offload
+    leaves the modules' own, the weights kept in its map) each count, or all of them would count as one."""
     total = 0
     for t in tensors:
-        if t.data_ptr() in seen:
+        ptr = t.data_ptr()
+        if ptr and ptr in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(ptr)
         total += t.numel() * t.element_size()
     return total
 
@@ -149,13 +157,31 @@ def device_bytes(pipe: Any, mode: str) -> int:
     """What ``mode`` keeps of ``pipe`` on the device at most (the module docstring's rule)."""
     modules = _modules(pipe)
     if mode == "stream":
-        streamer = getattr(_denoiser(pipe)[1], streaming.ATTRIBUTE, None)
-        if streamer is None:
-            raise PipelineError("offload=stream: the denoiser has no streamer applied")
-        blocks, always, others = stream_sizes(pipe)
-        return stream_plan.plan(blocks, always, others, streamer.plan.resident_blocks, streamer.plan.depth).device_bytes
+        return _applied_plan(pipe).device_bytes
     if mode == "model":
         return max((_bytes(_all(m), set()) for m in modules.values()), default=0)
     if mode == "sequential":
         return max((_largest_leaf(m) for m in modules.values()), default=0)
     return max((_group_bytes(n, m) for n, m in modules.items()), default=0)
+
+
+def host_bytes(pipe: Any, mode: str) -> int:
+    """What ``mode`` keeps of ``pipe`` in host memory while the model is on its device (the module docstring's
+    rule); 0 for ``none``."""
+    if mode not in MODES:
+        return 0
+    seen: set[int] = set()
+    total = sum(_bytes(_all(m), seen) for m in _modules(pipe).values())
+    if mode != "stream":
+        return total
+    planned = _applied_plan(pipe)
+    return max(total - planned.always - planned.resident, 0)
+
+
+def _applied_plan(pipe: Any) -> stream_plan.StreamPlan:
+    """The plan of the streamer applied to ``pipe``'s denoiser, re-sized from its loaded modules."""
+    streamer = getattr(_denoiser(pipe)[1], streaming.ATTRIBUTE, None)
+    if streamer is None:
+        raise PipelineError("offload=stream: the denoiser has no streamer applied")
+    blocks, always, others = stream_sizes(pipe)
+    return stream_plan.plan(blocks, always, others, streamer.plan.resident_blocks, streamer.plan.depth)

@@ -255,6 +255,8 @@ def parse_spec(spec: str) -> ModelSpec:
             f"{spec!r} is a pickle-based checkpoint; diffusiond loads only safetensors "
             "(convert it, or use a diffusers folder)"
         )
+    if path.is_file():  # /etc/passwd: there, but no model file; "does not exist" would send the user looking
+        raise PipelineError(not_a_model_file(spec, "diffusiond can load"))
     if _HUB_ID.match(spec):
         return ModelSpec("hub", spec)
     if spec.startswith(("/", "./", "../", "~")):  # a path, never a hub id: say what is wrong with it
@@ -262,8 +264,15 @@ def parse_spec(spec: str) -> ModelSpec:
     raise PipelineError(f"unrecognised model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
 
 
-_WHAT_TO_GIVE = ("give a diffusers folder (with model_index.json), a .safetensors file, "
+_WHAT_TO_GIVE = ("give a diffusers folder (with model_index.json), a .safetensors or .gguf file, "
                  "a hub id already in the Hugging Face cache, or tiny")
+
+
+def not_a_model_file(spec: str, who: str) -> str:
+    """What a file that exists but holds no model is told (``serve --model /etc/passwd``, ``fit
+    /etc/passwd``): ``who`` names the command that cannot take it, the rest is the same for every command."""
+    return (f"{spec}: a file, but not one {who}: give a .safetensors or .gguf file, a diffusers folder "
+            "(with model_index.json) or a hub id in the Hugging Face cache")
 
 
 def check_spec(spec: str) -> None:

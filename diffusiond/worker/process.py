@@ -48,7 +48,7 @@ from diffusiond.ipc.messages import (
     Wake,
     WorkerConfig,
 )
-from diffusiond.pipelines.base import weight_bytes
+from diffusiond.pipelines.base import host_weight_bytes, weight_bytes
 from diffusiond.pipelines.phases import Phases
 from diffusiond.worker.compute import ComputeThread, Control, Edit, LiveUpdate
 from diffusiond.worker.copier import Copier
@@ -236,7 +236,8 @@ class Worker:
         def ready() -> None:  # on the compute thread, once the warm-up shapes have run
             phases.report(config.model_name)
             post(Ready(config.model_name, str(pipeline.device), (time.perf_counter() - t0) * 1000,
-                       msgspec.structs.replace(pipeline.capabilities, weight_bytes=weight_bytes(pipeline, beside)),
+                       msgspec.structs.replace(pipeline.capabilities, weight_bytes=weight_bytes(pipeline, beside),
+                                               host_bytes=host_weight_bytes(pipeline)),
                        lora_errors=lora_errors, controlnet_errors=controlnets.errors if controlnets else {},
                        ip_adapter_errors=ip_adapters.errors if ip_adapters else {}))
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Final
 
 import diffusiond.pipelines.stream_plan as stream_plan
-from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES, read_gguf
+from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES, STORED_BF16, read_gguf
 from diffusiond.daemon.residency.sizes import (
     DTYPE_BITS,
     FLOATS,
@@ -203,7 +203,8 @@ def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
 
 
 def gguf_tensors(path: Path) -> list[Tensor]:
-    return [Tensor(t.name, t.kind, t.nbytes, t.elements) for t in read_gguf(path).values()]
+    return [Tensor(t.name, STORED_BF16 if t.kind == "BF16" else t.kind, t.nbytes, t.elements)
+            for t in read_gguf(path).values()]
 
 
 def _safetensors(path: Path) -> list[Tensor]:
@@ -279,7 +280,7 @@ def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     total = sum(at.values())
     quantized = sorted({t.kind for ts in components.values() for t in ts if _gguf_quantized(t)})
-    base_approx = tuple(f"gguf-{k}" for k in quantized)
+    base_approx = tuple(f"gguf-{k}" for k in quantized if k != STORED_BF16)
     denoiser = next((c for c in DENOISERS if c in components), None)
     rows: list[tuple[str, str, int, int, tuple[str, ...], str]] = [
         ("none", "offload=none", total, 0, base_approx, "everything resident")]

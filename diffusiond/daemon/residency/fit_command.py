@@ -34,6 +34,7 @@ from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes, parse_size
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import not_a_model_file
 
 MIN_SIDE, MAX_SIDE = 8, 16384
 """The sides ``--size`` takes: a latent's least, and four times the daemon's default request limit (the
@@ -62,8 +63,7 @@ def _check_file(spec: str) -> None:
     """A file that is no model file (``fit /etc/passwd``) is said to be one, not to be missing."""
     head = Path(spec.partition(",")[0]).expanduser()
     if head.is_file() and head.suffix.lower() not in (".safetensors", ".gguf"):
-        raise ValueError(f"{spec}: a file, but not one fit can size: give a .safetensors or .gguf file, a diffusers "
-                         "folder (with model_index.json) or a hub id in the Hugging Face cache")
+        raise ValueError(not_a_model_file(spec, "fit can size"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,8 +36,13 @@ BLOCK: Final[dict[int, tuple[str, int, int]]] = {
 }
 """ggml type id -> (name, elements per block, bytes per block)."""
 
-FLOAT_TYPES: Final = frozenset({"F32", "F16", "BF16", "F64"})
-"""Unquantized floats: loaded at the model's dtype (diffusers casts them); quantized ones stay as stored."""
+FLOAT_TYPES: Final = frozenset({"F32", "F16", "F64"})
+"""Unquantized floats loaded at the model's dtype: diffusers makes F32 and F16 plain tensors, which it casts.
+BF16 is not one: diffusers keeps it as stored (a GGUFParameter, dequantized per layer like Q8_0), so it is
+counted at 2 bytes whatever the dtype (``STORED_BF16``); quantized types likewise stay as stored."""
+STORED_BF16: Final = "GGUF-BF16"
+"""The kind ``fit`` gives a GGUF file's BF16 tensors: safetensors' ``BF16`` is cast to the dtype, this one is not,
+and it is no approximation (the weights run at the file's precision), unlike the quantized kinds."""
 
 _SCALAR: Final = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q",
                   12: "<d"}

@@ -135,14 +135,14 @@ class Keeper:
         c = model.config
         if self.policy.has(model.name):
             if model.known and model.capabilities.weight_bytes:  # the worker's count over the files' estimate
-                self.policy.resize(model.name, model.capabilities.weight_bytes)
+                self.policy.resize(model.name, model.capabilities.weight_bytes, model.capabilities.host_bytes)
             return
         on_cpu = c.devices[0].startswith("cpu")
         weights = model.capabilities.weight_bytes if model.known else device_weights(c.spec, c.options, c.dtype,
                                                                                       on_cpu=on_cpu)
         if weights is not None:  # else a hub id or preset: its first load tells (``learn``)
             self.policy.add(model.name, c.devices[0], weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
-                            hints=too_large_hints(c.spec, on_cpu))
+                            hints=too_large_hints(c.spec, on_cpu), host_bytes=model.capabilities.host_bytes)
             waiting = self.queued(model.name)
             if waiting:
                 self.policy.queue(model.name, waiting)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import diffusiond.daemon.residency.host_memory as host_memory
 from diffusiond.daemon.residency.decisions import (
     LOADING,
     WAITING_FOR_MEMORY,
@@ -55,6 +56,7 @@ class _Model:
     pinned: bool
     keep_alive_s: float | None
     hints: tuple[str, ...]
+    host_bytes: int = 0  # what it keeps in host memory while on the device: an offloaded model's (host_memory.py)
     tier: Tier = "disk"
     loading_from: Tier | None = None
     leaving: Move | None = None
@@ -101,16 +103,17 @@ class Residency:
     # ---- models ------------------------------------------------------------------------------------------
 
     def add(self, name: str, device: str, weight_bytes: int, *, pinned: bool = False,
-            keep_alive_s: float | None = None, hints: Sequence[str] = ()) -> None:
+            keep_alive_s: float | None = None, hints: Sequence[str] = (), host_bytes: int = 0) -> None:
         """Register a configured model (on disk). ``hints``: what would make it fit, where it supports them
-        (offloading, a quantized variant); ``keep_alive_s`` overrides the daemon's default for it."""
+        (offloading, a quantized variant); ``keep_alive_s`` overrides the daemon's default for it;
+        ``host_bytes``: what it keeps in host memory while on its device (``host_memory.py``)."""
         if name in self._models:
             raise ValueError(f"model {name!r} is already known to the residency room")
         if device not in self.budgets:
             raise ValueError(f"model {name!r}: device {device!r} has no budget (devices: {', '.join(self.budgets)})")
-        if weight_bytes < 0:
-            raise ValueError(f"model {name!r}: weight bytes {weight_bytes} is negative")
-        self._models[name] = _Model(name, device, weight_bytes, pinned, keep_alive_s, tuple(hints))
+        if min(weight_bytes, host_bytes) < 0:
+            raise ValueError(f"model {name!r}: weight bytes {weight_bytes} or host bytes {host_bytes} is negative")
+        self._models[name] = _Model(name, device, weight_bytes, pinned, keep_alive_s, tuple(hints), host_bytes)
 
     def has(self, name: str) -> bool:
         return name in self._models
@@ -142,9 +145,7 @@ class Residency:
                    for m in self._models.values() if m.device == device)
 
     def host_used(self) -> int:
-        return sum(m.weight_bytes for m in self._models.values()
-                   if m.tier == "host" or m.loading_from == "host"
-                   or (m.leaving is not None and m.leaving.dst == "host"))
+        return host_memory.used(self._models.values())
 
     def _free(self, device: str) -> int:
         free = self.budgets[device] - self.device_used(device)
@@ -161,28 +162,7 @@ class Residency:
         return sorted(found, key=lambda m: (m.last_used, m.name))
 
     def _moves_off_device(self, leaving: Iterable[_Model], reason: str) -> tuple[Move, ...]:
-        """Device -> host for each, making room in host memory by dropping its least recently used models
-        (older than the one arriving) to disk; a model that cannot have host room goes to disk itself."""
-        moves: list[Move] = []
-        host_free = self.host_budget - self.host_used()
-        droppable = sorted((m for m in self._models.values() if m.tier == "host" and m.leaving is None
-                            and m.idle), key=lambda m: (m.last_used, m.name))
-        for m in leaving:
-            if m.device.startswith("cpu") or not self.host_budget:
-                moves.append(Move(m.name, "device", "disk", reason))
-                continue
-            while host_free < m.weight_bytes and droppable and droppable[0].last_used <= m.last_used:
-                d = droppable.pop(0)
-                moves.append(Move(d.name, "host", "disk", f"host memory is full ({format_bytes(self.host_budget)}"
-                                  f" budget) and {d.name} is its least recently used model"))
-                host_free += d.weight_bytes
-            if host_free >= m.weight_bytes:
-                moves.append(Move(m.name, "device", "host", reason))
-                host_free -= m.weight_bytes
-            else:
-                moves.append(Move(m.name, "device", "disk", f"{reason}; no room for it in host memory "
-                                  f"({format_bytes(max(host_free, 0))} free of {format_bytes(self.host_budget)})"))
-        return tuple(moves)
+        return host_memory.moves_off_device(self._models.values(), leaving, self.host_budget, reason)
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -208,7 +188,7 @@ class Residency:
         need = weights + est.nbytes
         what = f"{format_bytes(need)} ({'weights and ' if weights else ''}{est.how})"
         if need <= free:
-            return Fits(name, load_from, f"{what} fits in the {format_bytes(free)} free on {m.device}")
+            return self._fits(m, load_from, f"{what} fits in the {format_bytes(free)} free on {m.device}")
         if need <= soon:
             return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {m.device}")
         idle = self._idle_on(m.device, but=name)
@@ -233,8 +213,8 @@ class Residency:
                 return Evict(name, self._moves_off_device(idle, f"making room for {name} on {m.device}"),
                              f"{name} needs {what}, more than {m.device} can free: clearing it and trying")
             if floor <= free:
-                return Fits(name, load_from, f"{name} needs {what}, more than {m.device} can free: trying it on "
-                                             f"the {format_bytes(free)} free")
+                return self._fits(m, load_from, f"{name} needs {what}, more than {m.device} can free: trying it "
+                                                f"on the {format_bytes(free)} free")
             return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {format_bytes(floor)}: waiting for models leaving "
                                                   f"{m.device}")
         if not self._leaving_bytes(m.device):
@@ -258,6 +238,14 @@ class Residency:
         if m.device in self._headroom:
             short += f" (other programs leave {format_bytes(max(self._headroom[m.device], 0))} beyond the reserve)"
         return Wait(name, WAITING_FOR_MEMORY, short + ": waiting for memory")
+
+    def _fits(self, m: _Model, load_from: Tier | None, reason: str) -> Fits | Evict:
+        """Fits, once host memory has room for what an offloaded model loading from disk keeps there."""
+        drops = host_memory.room_for(self._models.values(), m, self.host_budget) if load_from == "disk" else ()
+        if drops:
+            return Evict(m.name, drops, f"{m.name} keeps {format_bytes(m.host_bytes)} in host memory while on "
+                                        f"{m.device} (offloaded): making room there first")
+        return Fits(m.name, load_from, reason)
 
     def _least_run(self, m: _Model) -> int:
         """A lower bound of the working memory of any run of ``m``: its smallest measured peak (or 0)."""
@@ -367,7 +355,7 @@ class Residency:
             out.append(ModelStatus(
                 name=m.name, device=m.device, residency=m.tier,
                 device_bytes=m.weight_bytes + m.reserved if m.resident else 0,
-                host_bytes=m.weight_bytes if m.tier == "host" or m.loading_from == "host" else 0,
+                host_bytes=host_memory.held(m),
                 keep_alive_until=m.deadline if on and m.deadline != FOREVER else None,
                 forever=on and m.deadline == FOREVER, pinned=m.pinned, queued=m.queued,
                 running=sum(j for _, _, j in m.running), reason=m.reason))
@@ -493,8 +481,8 @@ class Residency:
             m.reason = f"worker died{during}: {reason}"
             self._adjust(m.device, freed)
 
-    def resize(self, name: str, weight_bytes: int) -> None:
+    def resize(self, name: str, weight_bytes: int, host_bytes: int = 0) -> None:
         """The worker's count of a model placed by its files' headers (an estimate) before it loaded."""
         m = self._get(name)
         self._adjust(m.device, (m.weight_bytes - weight_bytes) if m.resident else 0)
-        m.weight_bytes = weight_bytes
+        m.weight_bytes, m.host_bytes = weight_bytes, host_bytes

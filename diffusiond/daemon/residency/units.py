@@ -149,9 +149,11 @@ def parse_duration(value: str | int | float) -> float:
 
 def format_bytes(n: int) -> str:
     """Bytes for a person reading an error or a log line: binary units, as ``--device-memory`` takes them.
-    An exbibyte or more is only ever what is left of no budget at all (``config.NO_BUDGET``), so it says so."""
+    An exbibyte or more is only ever what is left of no budget at all (``budget.NO_BUDGET``), so it says so,
+    without saying why: that is a device whose memory cannot be read, or a host without ``--host-memory``,
+    and the budget's own source (the start log) names which."""
     if n >= 1 << 60:
-        return "unbounded (no --device-memory)"
+        return "unbounded"
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(size) < 1024:
