@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from diffusiond.pipelines.denoisers import denoisers as pipeline_denoisers
+
 # Bump when what is counted changes: older cache entries are then ignored.
 COUNT_VERSION = 1
 
@@ -125,12 +127,10 @@ def counter() -> Any:
 
 
 def denoisers(pipeline: Any) -> list[Any]:
-    """The denoiser modules of a diffusers pipeline (Wan 2.2 has two); none for other pipelines."""
-    import torch
-
+    """The denoiser modules of a served pipeline (a compiled one's inner diffusers pipeline's; Wan 2.2 has
+    two); none for a pipeline that is not diffusers'."""
     inner = getattr(getattr(pipeline, "inner", pipeline), "pipe", None)
-    found = [getattr(inner, name, None) for name in ("unet", "transformer", "transformer_2")]
-    return [m for m in found if isinstance(m, torch.nn.Module)]
+    return [module for _, module in pipeline_denoisers(inner)] if inner is not None else []
 
 
 def count(pipeline: Any, params: Any, prompt: str) -> FlopCount:
