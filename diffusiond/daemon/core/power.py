@@ -66,12 +66,14 @@ async def sleep(engine: Engine, level: int) -> dict[str, Any]:
     """Drain (running batches end, moves under way end), then every model off its device at ``level``
     (or the deeper level already in force). Answers the level in force and where each model is now."""
     pool, keeper = engine.pool, engine.keeper
-    pool.paused = True
-    pool.sleep_level = level = max(pool.sleep_level, level)
+    pool.paused = True  # no new dispatch, so no new load: what is under way ends, then the level applies
     deadline = time.monotonic() + engine.config.drain_grace_s
     await engine._wait_until(lambda: not engine._busy(), engine.config.drain_grace_s)
     while keeper.moving and time.monotonic() < deadline:  # a load begun for a job: it ends, then it leaves
         await asyncio.sleep(MOVES_POLL_S)
+    # in force only now: set before the drain, level 2 would stop at its READY the very load the drain waits
+    # for, and the load would count as failed (its jobs failed, the model refused until asked again)
+    pool.sleep_level = level = max(pool.sleep_level, level)
     models = engine.models()
     engine._slept += [m for m in models if tier(engine, m) in ("device", "loading") and m not in engine._slept]
     reason = f"sleep (level {level})"
@@ -132,6 +134,7 @@ def _preload_order(engine: Engine, before: list[Model]) -> list[Model]:
 async def _load(engine: Engine, model: Model) -> str | None:
     """Onto its device if it fits now without sending another away (a preload's rule); why not, if it failed."""
     keeper = engine.keeper
+    keeper.failed.pop(model.name, None)  # a wake asks explicitly, as a load by hand does: its files may be fixed
     if not keeper.known(model.name):
         failed = await keeper.learn(model) if model.retired else None
         if failed is not None or not keeper.known(model.name):

@@ -32,6 +32,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import diffusiond.daemon.residency.byhand as byhand
+import diffusiond.daemon.residency.leaving as leaving
 import diffusiond.daemon.residency.ondemand as ondemand
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.metrics import Metrics
@@ -55,7 +56,7 @@ from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape
-from diffusiond.daemon.workers.pool import Model, WorkerPool
+from diffusiond.daemon.workers.pool import Asleep, Model, WorkerPool
 from diffusiond.protocol import WorkerState
 
 log = logging.getLogger(__name__)
@@ -373,16 +374,7 @@ class Keeper:
         byhand.pending(self)
 
     async def sleep(self, model: Model, level: int, reason: str) -> None:
-        """``sleep`` (core/power.py): off its device though jobs are queued (they wait for the wake). Level 1
-        goes where any move off the device goes (host memory on a GPU with room there, else disk); level 2
-        straight to disk, from the device or from host memory: its workers stop, freeing all they held."""
-        name = model.name
-        got = self.policy.evict(name, reason, queued_ok=True) if self.known(name) else None
-        if not isinstance(got, Evict):
-            return  # never loaded, or still running, loading or leaving: the sleep says what stayed
-        moves = got.moves if level < 2 or not got.moves else (Move(name, self.policy.tier(name), "disk", reason),)
-        for move in moves:
-            await self._move(self.pool.models[move.model], move)
+        await leaving.sleep(self, model, level, reason)
 
     # moves ------------------------------------------------------------------------------------------
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -415,12 +407,13 @@ class Keeper:
             else:
                 await self.pool.revive(model)
         except Exception as exc:
-            log.error("loading %s failed: %s", name, exc)
+            log.log(logging.INFO if isinstance(exc, Asleep) else logging.ERROR, "loading %s failed: %s", name, exc)
             self.policy.load_failed(name, str(exc))
             for e in self.turns.release_for(name, f"{name} failed to load"):
                 self._log_end(e)
             self.moving.discard(name)
-            ondemand.load_failed(self, model, str(exc))
+            if not isinstance(exc, Asleep):  # a level-2 sleep stopped it: its jobs wait for the wake, which loads it
+                ondemand.load_failed(self, model, str(exc))
         else:
             self.policy.loaded(name, time.monotonic())
             self.metrics.model_loads_total.labels(name).inc()
@@ -486,13 +479,4 @@ class Keeper:
             self.on_change()
 
     async def _expire_forever(self) -> None:
-        """Each expiry's move in a task of its own: awaited in turn, one slow move (a large model's copy to
-        host memory takes tens of seconds) would hold every other model past its keep-alive."""
-        while True:
-            await asyncio.sleep(EXPIRY_CHECK_S)
-            for move in self.policy.expired(time.monotonic()):
-                model = self.pool.models.get(move.model)
-                if model is not None and move.model not in self.moving and any(
-                        w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers):
-                    self._spawn_move(model, move)
-
+        await leaving.expire_forever(self, EXPIRY_CHECK_S)

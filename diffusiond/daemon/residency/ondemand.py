@@ -30,7 +30,7 @@ from diffusiond.daemon.residency.budget import NO_BUDGET
 from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.preload import choose
-from diffusiond.daemon.workers.pool import Model, WorkerPool
+from diffusiond.daemon.workers.pool import Asleep, Model, WorkerPool
 
 
 class Keeper(Protocol):
@@ -87,7 +87,7 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
     await k.pool.start([])  # the heartbeat, whatever loads
     if all(b >= NO_BUDGET for b in k.policy.budgets.values()):  # no device's memory could be read
         got = await asyncio.gather(*(k.pool.start([m]) for m in chosen), return_exceptions=True)
-        _best_effort(k, list(zip(chosen, got, strict=True)))
+        await _best_effort(k, list(zip(chosen, got, strict=True)))
         return
     tried: list[tuple[Model, BaseException | None]] = []
     for model in chosen:
@@ -110,13 +110,16 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
         if over or isinstance(plan, TooLarge):
             move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
             await k._move(model, move)
-    _best_effort(k, tried)
+    await _best_effort(k, tried)
 
 
-def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> None:
+async def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> None:
     """A model that failed to load at start stays on disk with the reason, and the others serve. Only when
     every model the start tried failed does the start fail, with the first one's reason: a daemon that
-    could load none of what it was told to is misconfigured, which is said at once rather than by each job."""
+    could load none of what it was told to is misconfigured, which is said at once rather than by each job.
+    A model on several devices may have failed on one only: the workers that came up on the others are
+    stopped (and the books, which their READY put on the device, moved to disk), so none holds memory
+    for a model that cannot serve."""
     failures = [(m, e) for m, e in tried if e is not None]
     for _, exc in failures:
         if not isinstance(exc, Exception):
@@ -126,8 +129,12 @@ def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> 
     for model, exc in failures:
         reason = str(exc)
         log.error("%s stays on disk: loading it at start failed: %s", model.name, reason)
+        if k.policy.has(model.name) and k.policy.tier(model.name) == "device":
+            await k._move(model, Move(model.name, "device", "disk", f"it failed to load on another device: {reason}"))
+        elif model.workers:
+            await k.pool.retire(model)
         on_disk(k, model)
-        if k.policy.has(model.name):  # its size is remembered: the books say why it is on disk
+        if k.policy.has(model.name) and k.policy.tier(model.name) in ("host", "disk"):  # the books say why
             k.policy.loading_started(model.name)
             k.policy.load_failed(model.name, reason)
         load_failed(k, model, reason)
@@ -167,7 +174,8 @@ async def _learn(k: Keeper, model: Model) -> str | None:
         if placed:
             k.policy.load_failed(name, str(exc))
         k.moving.discard(name)
-        load_failed(k, model, str(exc))
+        if not isinstance(exc, Asleep):  # a level-2 sleep stopped it: not its files' fault, its jobs wait
+            load_failed(k, model, str(exc))
         k.on_change()
         return str(exc)
     plan = None

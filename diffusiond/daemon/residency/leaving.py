@@ -1,0 +1,82 @@
+"""Moves off the device that no job asks for, carried out for the keeper: a sleep's, and expired keep-alives'.
+
+Functions of the keeper (``keeper.py`` keeps a one-line method for each), split off it so that it keeps the
+moves a dispatch asks for and this module the ones a timer or a sleep asks for.
+
+Keep-alives: each expiry's moves run side by side (awaited in turn, one large model's slow copy to host
+memory would hold every other model past its keep-alive), but not a copy into host memory before the
+drops out of host memory that make its room (``--host-memory``): the policy counted those bytes as free
+when it booked the copy, and they are not free until the dropped model's worker has stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from diffusiond.daemon.residency.decisions import Evict, Move
+from diffusiond.daemon.residency.policy import Residency
+from diffusiond.daemon.workers.pool import Model, WorkerPool
+from diffusiond.protocol import WorkerState
+
+
+class Keeper(Protocol):
+    """What these functions need of ``keeper.Keeper`` (named here so the two modules do not import each other)."""
+
+    pool: WorkerPool
+    policy: Residency
+    moving: set[str]
+
+    def known(self, name: str) -> bool: ...
+    def _start(self, coro: Coroutine[Any, Any, None]) -> None: ...
+    def _book(self, model: Model, move: Move) -> bool: ...
+    def _carry(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
+
+
+async def sleep(k: Keeper, model: Model, level: int, reason: str) -> None:
+    """Off its device though jobs are queued (they wait for the wake). Level 1 goes where any move off the
+    device goes (host memory on a GPU with room there, else disk), and leaves a model residency parked in
+    host memory there (it holds no device memory, and its host copy cost a page-locked copy to make);
+    level 2 goes straight to disk, from the device or from host memory: its workers stop, freeing all they held."""
+    name = model.name
+    if not k.known(name) or (level < 2 and k.policy.tier(name) != "device"):
+        return  # never loaded, parked in host memory at level 1, or loading: the sleep says where it stayed
+    got = k.policy.evict(name, reason, queued_ok=True)
+    if not isinstance(got, Evict):
+        return  # still running, loading or leaving: the sleep says what stayed
+    moves = got.moves if level < 2 or not got.moves else (Move(name, k.policy.tier(name), "disk", reason),)
+    await carry_in_order(k, moves)
+
+
+async def carry_in_order(k: Keeper, moves: tuple[Move, ...]) -> None:
+    """Book every move at once (a plan meanwhile sees them), then carry them side by side, but a copy into
+    host memory only once the drops out of host memory are done: it counts on the room they make."""
+    booked = [(k.pool.models[m.model], m) for m in moves if m.model in k.pool.models]
+    booked = [(model, m) for model, m in booked if k._book(model, m)]
+    drops = [(model, m) for model, m in booked if m.src == "host"]
+    into_host = [(model, m) for model, m in booked if m.dst == "host"]
+
+    async def after_drops() -> None:
+        await asyncio.gather(*(k._carry(model, m) for model, m in drops))
+        await asyncio.gather(*(k._carry(model, m) for model, m in into_host))
+
+    await asyncio.gather(after_drops(), *(k._carry(model, m) for model, m in booked
+                                          if (model, m) not in drops and (model, m) not in into_host))
+
+
+async def expire_forever(k: Keeper, every_s: float) -> None:
+    """Every ``every_s``, the models whose keep-alive ran out leave, in a task of their own (the
+    next check does not wait for a slow copy; ``carry_in_order`` keeps host memory within its bound)."""
+    while True:
+        await asyncio.sleep(every_s)
+        moves = tuple(m for m in k.policy.expired(time.monotonic()) if _may_leave(k, m))
+        if moves:
+            k._start(carry_in_order(k, moves))
+
+
+def _may_leave(k: Keeper, move: Move) -> bool:
+    model = k.pool.models.get(move.model)
+    return model is not None and move.model not in k.moving and any(
+        w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers)
