@@ -23,13 +23,14 @@ from test_odds_expiry import _Model  # a model of the fake pool: a name and a wo
 import diffusiond.daemon.residency.keeper as keeper
 from diffusiond.daemon.config import DaemonConfig, ModelConfig
 from diffusiond.daemon.core.jobs import Job, JobRequest
-from diffusiond.daemon.errors import PowerFailed
+from diffusiond.daemon.errors import EngineError, PowerFailed
 from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.residency.budget import resolve
 from diffusiond.daemon.residency.decisions import Move
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.ipc.messages import Ready
-from diffusiond.protocol import JobStatus, WorkerState
+from diffusiond.protocol import ErrorCode, JobStatus, WorkerState
 
 BROKEN: set[str] = set()  # models whose worker fails to start (their files are broken)
 
@@ -199,3 +200,24 @@ async def test_an_expiry_copies_into_host_memory_only_after_the_drop_that_makes_
         assert pool.begun == ["d stops", "a copies to host"]
     finally:
         k.stop()
+
+
+async def test_a_job_refused_by_the_default_budget_says_it_was_read_at_start_and_what_changes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, "cpu", 1.0, msgspec.structs.replace(CAPS, weight_bytes=1 << 50))
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    default = resolve(None, None, "cpu", read=lambda device: (8 * G, 2 * G))  # no --device-memory: free less reserve
+    h = Harness(models=(ModelConfig(name="huge", spec="fake", devices=("cpu",)),),
+                budgets=(("cpu", default.nbytes, default.source),))
+    await h.engine.start()
+    try:
+        with pytest.raises(EngineError) as refused:
+            job(h, "huge")
+        assert refused.value.code == ErrorCode.MODEL_TOO_LARGE
+        assert "free on cpu at start" in refused.value.message and "read once at the daemon's start" in \
+            refused.value.message and "--device-memory" in refused.value.message and "restart" in refused.value.message
+    finally:
+        await h.close()

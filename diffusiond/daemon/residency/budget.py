@@ -96,5 +96,6 @@ def resolve(device_memory: str | None, reserve_memory: str | None, device: str,
                                            f"{format_bytes(total)} {device} has")
     reserve = reserve_bytes(reserve_memory, device)
     return Budget(max(free - reserve, 0), f"the {format_bytes(free)} free on {device} at start less "
-                                          f"{format_bytes(reserve)} reserved (--reserve-memory); "
-                                          "--device-memory SIZE or SHARE sets it")
+                                          f"{format_bytes(reserve)} reserved (--reserve-memory), read once "
+                                          "at the daemon's start; --device-memory SIZE or SHARE sets it, "
+                                          "or a restart once other programs have freed memory")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -84,6 +85,7 @@ class Keeper:
         for device in dict.fromkeys(m.config.devices[0] for m in pool.models.values()):
             budget = budgets[device] = config.budget_of(device)
             log.info("budget on %s: %s (%s)", device, format_bytes(budget.nbytes), budget.source)
+        self.budget_sources = {d: b.source for d, b in budgets.items()}  # a refusal names where its budget came from
         self.policy = Residency({d: b.nbytes for d, b in budgets.items()}, config.host_memory_bytes,
                                 keep_alive_s=config.keep_alive_s, max_keep_alive_s=config.max_keep_alive_s)
         self.moving: set[str] = set()
@@ -173,7 +175,9 @@ class Keeper:
             return None
         plan = self.policy.plan(name, shape)
         if isinstance(plan, TooLarge):
-            return plan
+            device = self.pool.models[name].config.devices[0]
+            return dataclasses.replace(plan, reason=f"{plan.reason}. The budget on {device} is "
+                                                    f"{self.budget_sources.get(device, 'unknown')}")
         self.policy.queue(name, outputs)
         return None
 
