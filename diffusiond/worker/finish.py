@@ -21,8 +21,9 @@ goes on to that retry and then fails the job with ``out_of_memory``, its message
 upscaler and the tiles tried.
 
 A cancelled batch stops its upscale: before each picture and each forward of tiles the finisher asks
-whether every request of the batch is cancelled (``cancelled``, the worker's shared state), and if so
-stops as a cancelled denoising loop does (``Interrupted``), rather than keeping the device busy for
+whether every request it was handed is cancelled (``cancelled``, the worker's shared state: the batch, or
+the half of it an out-of-memory retry runs, whose cancel then ends that half alone), and if so stops as a
+cancelled denoising loop does (``Interrupted``), rather than keeping the device busy for
 minutes on outputs nobody will read. Each upscaled output is made smaller as soon as it is done
 (``_held``), so a batch of large upscales does not hold every picture in float32 until the copy.
 """
