@@ -4,6 +4,11 @@
 used to end the whole batch ``cancelled``, the first half's finished pictures with it. Driven through the
 worker's own compute thread (worker/compute.py), its out-of-memory fault (``oom=1``, worker/faults.py), its
 finisher on a real ESRGAN file (tests/upscalekit.py) and its copier, with a stand-in model that draws noise.
+
+#3: on a ``--compile``d model a ControlNet batch runs eager and says ``compiled: null``, but its hires pass ran
+through the compiled edit, compiling an unannounced shape; and a plain batch whose hires size was new was not
+announced as ``compiling``. torch.compile runs with the ``eager`` backend, as in tests/test_compile.py: each
+graph compiled is still counted.
 """
 
 from __future__ import annotations
@@ -12,12 +17,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
+import numpy as np
 import torch
 
 from diffusiond.ipc import messages as m
 from diffusiond.ipc.arena import Arena
-from diffusiond.ipc.upscale import UpscalerSetting, UpscaleSpec
+from diffusiond.ipc.upscale import HiresSpec, UpscalerSetting, UpscaleSpec
+from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.base import Interrupted
+from diffusiond.pipelines.compile import CompiledPipeline, compilations
+from diffusiond.pipelines.controlnet import ControlNets
 from diffusiond.pipelines.upscalers import Upscalers
 from diffusiond.worker.compute import ComputeThread
 from diffusiond.worker.copier import Copier
@@ -85,3 +95,45 @@ def test_a_cancelled_half_of_an_out_of_memory_retry_leaves_the_other_half_its_pi
     assert ready == {"a", "b"}, ended
     assert set(ended) == {"c", "d"} and {s for s, _ in ended.values()} == {"cancelled"}, ended
     assert all("cancelled during compute" in why for _, why in ended.values()), ended
+
+
+# 3 -------------------------------------------------------------------------------------------------------------
+PLAIN = m.BatchParams(width=64, height=64, steps=2, guidance=5.0)
+HIRES = HiresSpec(width=96, height=96, strength=0.5, steps=1, schedule=2)
+ONE = [m.RequestSpec(request_id="a", prompt="a red barn", seed=3)]
+done = lambda _s, _t: True  # noqa: E731
+
+
+def _compiled() -> CompiledPipeline:
+    pipe = CompiledPipeline(load_pipeline("tiny", device="cpu", dtype="float32"), "default",
+                            {"compile_backend": "eager"})
+    with torch.inference_mode():
+        pipe.run(PLAIN, ONE, done)  # the plain 64x64 shape is compiled
+    return pipe
+
+
+def test_a_plain_batch_whose_hires_size_is_new_is_announced_as_compiling(model_cache: Path) -> None:
+    pipe = _compiled()
+    hires = msgspec.structs.replace(PLAIN, hires=HIRES)
+    assert not pipe.will_compile(PLAIN, 1)
+    assert pipe.will_compile(hires, 1), "its first pass is a known shape, its hires pass a new one"
+    before = compilations()
+    with torch.inference_mode():
+        Finisher(pipe, None)(hires, ONE, pipe.run(hires, ONE, done), done, None)
+    assert compilations() > before, "the hires pass compiled"
+    assert not pipe.will_compile(hires, 1)
+
+
+def test_a_controlnet_batchs_hires_pass_on_a_compiled_model_runs_eager(model_cache: Path,
+                                                                       controlnet_dir: Path) -> None:
+    pipe = _compiled()
+    cns = ControlNets(pipe, {"edges": str(controlnet_dir)})
+    params = msgspec.structs.replace(PLAIN, hires=HIRES, controls=(m.ControlRef("edges", 1.0, 0.0, 1.0, "d"),))
+    assert not pipe.will_compile(params, 1)
+    control = [[np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)]]
+    before = compilations()
+    with torch.inference_mode():
+        (out,) = Finisher(pipe, None)(params, ONE, cns.run(params, ONE, control, done), done, None)
+    assert out.shape[-2:] == (96, 96)
+    assert compilations() == before, "a ControlNet batch's hires pass compiled a graph"
+    assert pipe.will_compile(msgspec.structs.replace(PLAIN, hires=HIRES), 1), "its size is still new to the graphs"

@@ -49,6 +49,7 @@ from diffusiond.pipelines.base import (
     PreviewSink,
     StepCallback,
 )
+from diffusiond.pipelines.controlnet import eager, plain_base
 from diffusiond.pipelines.upscalers import Upscalers
 from diffusiond.protocol import Task
 from diffusiond.worker.copier import to_uint8
@@ -180,9 +181,13 @@ class Finisher:
             def sink(k: int, total: int, pics: list[tuple[int, torch.Tensor]]) -> None:
                 on_preview(done + k, done + total, pics)
 
-        if redraw is not None:
+        if redraw is not None:  # an IP-Adapter batch's: eager already (``IpAdapters.run``)
             return redraw(second, requests, inputs, step, sink)
         assert isinstance(self.pipeline, EditingPipeline)
+        if params.controls:  # eager, as its first pass ran (``controlnet.eager``): its output says "compiled: null"
+            base = plain_base(self.pipeline) or self.pipeline  # not the compiled wrapper's edit, which would
+            with eager(self.pipeline):  # count the shape as compiled
+                return base.edit(second, requests, inputs, step, sink)
         return self.pipeline.edit(second, requests, inputs, step, sink)
 
 
