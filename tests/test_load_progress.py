@@ -62,3 +62,46 @@ def test_a_load_reports_the_bytes_read_so_far_up_to_the_models_size(cold: Daemon
             assert 0 < figures[0] < size and figures[-1] == size, (figures, size)
 
     asyncio.run(go())
+
+
+
+# an offloaded model (review-worker #2): a CPU daemon cannot offload, so the worker's figures are read in process --
+def test_an_offloaded_loads_total_is_what_its_reports_reach_not_its_device_share(model_cache: Path) -> None:
+    """Under ``offload=model|group|sequential`` a model keeps one component, group or layer on its device and reads
+    every component: the total was its device share, which the reports passed after the first component, so the
+    view read 100% for most of the load. The total is now what the reports add up to."""
+    from types import SimpleNamespace
+
+    import diffusiond.pipelines.offload as offload
+    from diffusiond.daemon.residency.load_reports import LoadReports
+    from diffusiond.ipc.messages import Capabilities
+    from diffusiond.pipelines import load_pipeline
+    from diffusiond.pipelines.load_progress import reporting
+    from diffusiond.protocol import WorkerState
+
+    reports: list[int] = []
+    with reporting(reports.append):
+        pipe = load_pipeline("tiny")
+    inner = pipe._pipe  # type: ignore[attr-defined]
+    assert len(reports) > 1, reports
+
+    def seen(caps: Capabilities) -> tuple[list[int | None], int | None]:
+        """What the engine shows after each of the worker's reports, and its total (keeper's ``load_bytes``)."""
+        model: Any = SimpleNamespace(name="tiny", known=True, capabilities=caps,
+                                     workers=[SimpleNamespace(id=1, state=WorkerState.STARTING)])
+        loads, shown = LoadReports(), []
+        for n in reports:
+            loads.record(model, 1, n)
+            shown.append(loads.so_far(model, loads.total(model)))
+        return shown, loads.total(model)
+
+    for mode in ("model", "group", "sequential"):
+        device = offload.device_bytes(inner, mode)
+        assert device < reports[-1], (mode, device, reports)
+        shown, total = seen(Capabilities(offload=mode, weight_bytes=device, host_bytes=offload.host_bytes(inner, mode)))
+        assert shown == reports and total == reports[-1], (mode, shown, total)
+    shown, total = seen(Capabilities(weight_bytes=reports[-1]))  # resident: its weights, all on the device
+    assert shown == reports and total == reports[-1], (shown, total)
+    # stream keeps its resident blocks on the device and out of its host share: the two together cover the read
+    _, total = seen(Capabilities(offload="stream", weight_bytes=3, host_bytes=reports[-1] - 2))
+    assert total is not None and total > reports[-1]

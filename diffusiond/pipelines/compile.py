@@ -194,12 +194,16 @@ class CompiledPipeline:
         return min(larger, default=batch)
 
     def will_compile(self, params: BatchParams, batch: int) -> bool:
-        """Whether running this batch compiles (a new shape, within the bound). A ControlNet or IP-Adapter
-        batch runs eager (``controlnet.eager``), so never."""
+        """Whether running this batch compiles (a new shape, within the bound): its first pass, or its hires
+        pass (an edit at the hires size, unpadded, as ``Finisher`` runs it). A ControlNet or IP-Adapter batch
+        runs eager, its hires pass too (``controlnet.eager``), so never."""
         if params.controls or params.ip_adapters:
             return False
-        key = self._key(params, self.run_size(params, batch))
-        return key not in self._seen and len(self._seen) < self.max_shapes
+        keys = {self._key(params, self.run_size(params, batch))}
+        if params.hires is not None:
+            h = params.hires
+            keys.add(self._key(msgspec.structs.replace(params, width=h.width, height=h.height), batch))
+        return not keys <= self._seen and len(self._seen) < self.max_shapes
 
     def run(self, params: BatchParams, requests: Sequence[RequestSpec], on_step: StepCallback,
             on_preview: PreviewSink | None = None) -> list[torch.Tensor]:

@@ -298,8 +298,7 @@ class ComputeThread:
             self.meter.start()
             live, outputs = self._run_or_retry(batch, live, inputs, forward)
         except Interrupted as exc:
-            for rid in live_ids:
-                self._end(batch.batch_id, rid, "cancelled", f"cancelled during compute ({exc})")
+            self._cancelled(batch.batch_id, live_ids, exc)
             return
         except Exception as exc:
             if is_fatal(exc):
@@ -338,7 +337,9 @@ class ComputeThread:
     ) -> tuple[list[RequestSpec], list[torch.Tensor]]:
         """The batch's forward; out of memory, once more after emptying the allocator's cache, as two
         halves when it holds more than one request (seeds are per request, so a half gives what it
-        would alone). What still runs out fails with ``out_of_memory``; the rest goes on. Returns the
+        would alone). What still runs out fails with ``out_of_memory``; the rest goes on. A half whose
+        requests are all cancelled (the finisher asks about the requests it was handed) ends those
+        ``cancelled`` and the other half keeps its outputs. Returns the
         requests that have outputs, and those outputs. The engine hears of the retry (``oom_retry``)
         and sends idle models on this device away; the retry does not wait for that (the other
         models' workers are other processes): it helps the halves and the jobs after."""
@@ -361,6 +362,9 @@ class ComputeThread:
         for requests, arrays in parts:
             try:
                 outputs.extend(forward(requests, arrays))
+            except Interrupted as exc:
+                self._cancelled(batch.batch_id, [r.request_id for r in requests], exc)
+                continue
             except Exception as exc:
                 if not is_oom(exc):
                     raise
@@ -473,6 +477,10 @@ class ComputeThread:
     def _fail_all(self, batch_id: int, request_ids: list[str], message: str) -> None:
         for rid in request_ids:
             self._end(batch_id, rid, "failed", message)
+
+    def _cancelled(self, batch_id: int, request_ids: list[str], exc: Interrupted) -> None:
+        for rid in request_ids:
+            self._end(batch_id, rid, "cancelled", f"cancelled during compute ({exc})")
 
     def _end(self, batch_id: int, request_id: str, status: EndStatus, message: str, code: str = "") -> None:
         if request_id in self._ended:  # ended by the out-of-memory path already: once only

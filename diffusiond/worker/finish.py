@@ -21,8 +21,9 @@ goes on to that retry and then fails the job with ``out_of_memory``, its message
 upscaler and the tiles tried.
 
 A cancelled batch stops its upscale: before each picture and each forward of tiles the finisher asks
-whether every request of the batch is cancelled (``cancelled``, the worker's shared state), and if so
-stops as a cancelled denoising loop does (``Interrupted``), rather than keeping the device busy for
+whether every request it was handed is cancelled (``cancelled``, the worker's shared state: the batch, or
+the half of it an out-of-memory retry runs, whose cancel then ends that half alone), and if so stops as a
+cancelled denoising loop does (``Interrupted``), rather than keeping the device busy for
 minutes on outputs nobody will read. Each upscaled output is made smaller as soon as it is done
 (``_held``), so a batch of large upscales does not hold every picture in float32 until the copy.
 """
@@ -48,6 +49,7 @@ from diffusiond.pipelines.base import (
     PreviewSink,
     StepCallback,
 )
+from diffusiond.pipelines.controlnet import eager, plain_base
 from diffusiond.pipelines.upscalers import Upscalers
 from diffusiond.protocol import Task
 from diffusiond.worker.copier import to_uint8
@@ -179,9 +181,13 @@ class Finisher:
             def sink(k: int, total: int, pics: list[tuple[int, torch.Tensor]]) -> None:
                 on_preview(done + k, done + total, pics)
 
-        if redraw is not None:
+        if redraw is not None:  # an IP-Adapter batch's: eager already (``IpAdapters.run``)
             return redraw(second, requests, inputs, step, sink)
         assert isinstance(self.pipeline, EditingPipeline)
+        if params.controls:  # eager, as its first pass ran (``controlnet.eager``): its output says "compiled: null"
+            base = plain_base(self.pipeline) or self.pipeline  # not the compiled wrapper's edit, which would
+            with eager(self.pipeline):  # count the shape as compiled
+                return base.edit(second, requests, inputs, step, sink)
         return self.pipeline.edit(second, requests, inputs, step, sink)
 
 

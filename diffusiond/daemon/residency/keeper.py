@@ -358,10 +358,9 @@ class Keeper:
             self.on_change()  # the dispatch holds them again, with the new figure (``load_bytes``)
 
     def load_bytes(self, model: Model) -> tuple[int | None, int | None]:
-        """What a job waiting for ``model``'s load waits for: (bytes loaded so far, total). Total: its weights as
-        its worker last counted them (remembered in the state dir), None for a model never loaded. So far: what
-        its worker reported (``load_reports.py``)."""
-        total = model.capabilities.weight_bytes or None if model.known else None
+        """What a job waiting for ``model``'s load waits for: (bytes loaded so far, total), both as
+        ``load_reports.py`` counts them (an offloaded model reads far more than it keeps on the device)."""
+        total = self.loads.total(model)
         return self.loads.so_far(model, total), total
 
     def snapshot(self) -> dict[str, ModelStatus]:

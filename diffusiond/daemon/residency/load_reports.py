@@ -5,11 +5,16 @@ A worker reads a model component by component and reports the bytes read so far 
 job still waits while the move ends); a sleeping worker's weights are off the device, and a stopped one's
 are gone, so their figures are forgotten at the model's next report. A model started on several devices
 shows its furthest worker: the job runs on whichever is ready first.
+
+The total is what the load reads, as those reports count it (``read_bytes``): for a resident model its weights
+on the device (``weight_bytes``), for an offloaded one every component, most of which waits in host memory
+(``host_bytes``): its device figure alone is one component or group, which the reports pass after the first.
 """
 
 from __future__ import annotations
 
 from diffusiond.daemon.workers.pool import Model
+from diffusiond.ipc.messages import Capabilities
 from diffusiond.protocol import WorkerState
 
 _COUNTED = (WorkerState.STARTING, WorkerState.READY)
@@ -30,3 +35,23 @@ class LoadReports:
         reports = self._reports.get(model.name, {})
         done = [reports[w.id] for w in model.workers if w.state in _COUNTED and w.id in reports]
         return min(max(done), total or max(done)) if done else None
+
+    def total(self, model: Model) -> int | None:
+        """What ``model``'s load reads, as its worker last counted it (remembered in the state dir); None for a
+        model never loaded."""
+        return read_bytes(model.capabilities) or None if model.known else None
+
+
+def read_bytes(caps: Capabilities) -> int:
+    """What a load of a model with ``caps`` reads, as its worker's reports count it. Offloaded under ``model``,
+    ``group`` or ``sequential``, its host share is every component (``offload.host_bytes``), which is what the
+    reports add up to; the device figure is a part of those, counted again. Under ``stream`` the host share
+    leaves out the blocks kept on the device, so the device figure adds them back (and its few block buffers,
+    which only makes the total a little larger than what is read: the figure never reads as done too soon).
+    Modules kept beside an offloaded model (ControlNets, upscalers) are left out: they load after its
+    components, and the worker's last report (its device figure, as READY counts it) is seldom above those."""
+    if caps.offload in ("", "none") or not caps.host_bytes:
+        return caps.weight_bytes
+    if caps.offload == "stream":
+        return caps.weight_bytes + caps.host_bytes
+    return max(caps.weight_bytes, caps.host_bytes)
