@@ -122,7 +122,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "mask_path": st.sampled_from(["in.png", "/etc/shadow", "..", "x/../../y"]),
     "keep_alive": st.sampled_from(["10m", "0", "-1", "1h30m", "250ms", "5 m", "m5", "", "1e400s", "9" * 5000,
                                    0, -1, 2.5, 1e309, True, None, [], {"s": 1},
-                                   # past the 100-year horizon: forever (report27 #5: `ps` died on these)
+                                   # past the 100-year horizon: forever (issue 27: `ps` died on these)
                                    1e12, 1e17, 1e20, 1e308, 10**30, "99999999999h", "9" * 60]),
     "strength": st.floats(min_value=-0.5, max_value=1.5) | st.sampled_from([0, 1, 0.5, math.nan, 1e-9]),
     # issue 29: what of the run each output carries back; only under a stochastic sampler

@@ -1,5 +1,5 @@
 """A pipeline with two denoisers (Wan 2.2 A14B: ``transformer`` for the high-noise steps, ``transformer_2`` for the
-low-noise ones) gets ``--compile``, ``attention`` and ``cache`` on both (issue 31, report31 #10): given to the first
+low-noise ones) gets ``--compile``, ``attention`` and ``cache`` on both (issue 31): given to the first
 alone, half of every job's steps ran eager, on the default kernel or uncached while the model's fields said otherwise.
 
 A tiny two-expert WanPipeline folder is built from tests/wankit.py's modules and loaded through the real loading path.

@@ -1,4 +1,4 @@
-"""The warm-up runs each shape once where no CUDA graph is recorded, twice where one is (report31 #12): the
+"""The warm-up runs each shape once where no CUDA graph is recorded, twice where one is (issue 31): the
 second run only exists for CUDA-graph trees, which record a shape's graph on its second run, and on a model
 without them it added a whole forward per shape to the start (``--warmup WxH:all`` has several)."""
 

@@ -1,4 +1,4 @@
-"""GGUF files as users download them (report28 #13): FLUX under the original BFL tensor names.
+"""GGUF files as users download them (issue 28): FLUX under the original BFL tensor names.
 
 city96's flux1-dev-Q8_0.gguf and its siblings keep BFL's names and layouts (``double_blocks.N.img_attn.qkv``
 with q, k and v fused into one quantized tensor, ``single_blocks.N.linear1`` fusing them with the MLP's input),

@@ -65,7 +65,7 @@ def test_a_load_reports_the_bytes_read_so_far_up_to_the_models_size(cold: Daemon
 
 
 
-# an offloaded model (review-worker #2): a CPU daemon cannot offload, so the worker's figures are read in process --
+# an offloaded model: a CPU daemon cannot offload, so the worker's figures are read in process --
 def test_an_offloaded_loads_total_is_what_its_reports_reach_not_its_device_share(model_cache: Path) -> None:
     """Under ``offload=model|group|sequential`` a model keeps one component, group or layer on its device and reads
     every component: the total was its device share, which the reports passed after the first component, so the

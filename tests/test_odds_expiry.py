@@ -1,4 +1,4 @@
-"""Keep-alive expiries do not wait on one another (report27 #12): the keeper, with a fake pool whose moves
+"""Keep-alive expiries do not wait on one another (issue 27): the keeper, with a fake pool whose moves
 end when the test says, sends every expired model off at once, and a quick move ends while a slow one
 (a large model's copy to host memory) is still under way."""
 

@@ -1,6 +1,6 @@
 """A model that cannot load stops the start with one line that says why, not a Python traceback: the
 person reading the journal needs the model, the reason and what to do; the traceback is for whoever debugs
-the loader, at --log-level debug (report31 #9)."""
+the loader, at --log-level debug (issue 31)."""
 
 from __future__ import annotations
 

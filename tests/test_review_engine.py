@@ -1,4 +1,4 @@
-"""Sleep, wake and start under a load that fails or straddles them (review-engine #1-#5): the engine with fake
+"""Sleep, wake and start under a load that fails or straddles them: the engine with fake
 workers on a fake GPU (``cuda:0``), and the keeper with a fake pool for the order of keep-alive moves.
 
 A level-2 sleep that comes while a job's load is under way lets the load end, then frees the card; the job

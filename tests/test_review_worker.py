@@ -1,4 +1,4 @@
-"""The worker-side defects of the review of 2025-06 (audit/review-worker.md), each held by a test.
+"""The worker-side defects found by the review of 2026-12-05, each held by a test.
 
 #1: a batch that runs out of memory runs again as two halves; a cancel of the second half while it upscales
 used to end the whole batch ``cancelled``, the first half's finished pictures with it. Driven through the
@@ -105,6 +105,9 @@ done = lambda _s, _t: True  # noqa: E731
 
 
 def _compiled() -> CompiledPipeline:
+    # dynamo's cache is per process: a test before this one may have compiled the same shapes for another tiny
+    # instance, whose graphs this one would reuse. Start from none, so "compiled" and "not" both mean this test.
+    torch._dynamo.reset()
     pipe = CompiledPipeline(load_pipeline("tiny", device="cpu", dtype="float32"), "default",
                             {"compile_backend": "eager"})
     with torch.inference_mode():

@@ -33,8 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from diffusiond.pipelines.denoisers import denoisers as pipeline_denoisers
-
 # Bump when what is counted changes: older cache entries are then ignored.
 COUNT_VERSION = 1
 
@@ -129,6 +127,8 @@ def counter() -> Any:
 def denoisers(pipeline: Any) -> list[Any]:
     """The denoiser modules of a served pipeline (a compiled one's inner diffusers pipeline's; Wan 2.2 has
     two); none for a pipeline that is not diffusers'."""
+    from diffusiond.pipelines.denoisers import denoisers as pipeline_denoisers  # the CLI's import stays light
+
     inner = getattr(getattr(pipeline, "inner", pipeline), "pipe", None)
     return [module for _, module in pipeline_denoisers(inner)] if inner is not None else []
 

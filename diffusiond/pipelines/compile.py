@@ -178,7 +178,7 @@ class CompiledPipeline:
     @property
     def warmup_runs(self) -> int:
         """How often the worker's warm-up runs each shape: twice where CUDA-graph trees record a shape's
-        graph on its second run, else once, since the first run compiles all there is (report31 #12)."""
+        graph on its second run, else once, since the first run compiles all there is (issue 31)."""
         return 2 if self.graphs else 1
 
     def _key(self, params: BatchParams, batch: int) -> tuple[int, int, int, int, bool]:
