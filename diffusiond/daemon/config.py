@@ -47,7 +47,7 @@ from diffusiond.daemon.values import (
 from diffusiond.daemon.warmup import resolve_warmup, warmup_value
 from diffusiond.ipc.upscale import UpscalerSetting
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.spec import check_spec, model_name_for, parse_model_arg, parse_spec
+from diffusiond.pipelines.spec import check_spec, model_name_for, model_options, parse_model_arg
 from diffusiond.protocol import COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_MODES, OutputMode
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
@@ -443,5 +443,5 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     config = replace(config, budgets=start_budgets(config))
     models = [resolve_offload(m, _bound(config.budget_of(m.devices[0]).nbytes)) for m in config.models]
     return replace(config, models=tuple(replace(m, warmup=resolve_warmup(
-        m.name, m.warmup, config.batch_sizes_of(m), m.compile, {**parse_spec(m.spec).options, **m.options}))
+        m.name, m.warmup, config.batch_sizes_of(m), m.compile, model_options(m.spec, m.options)))
         for m in models))

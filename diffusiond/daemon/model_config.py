@@ -14,7 +14,7 @@ from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.values import ConfigError
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.spec import offload_mode, parse_spec
+from diffusiond.pipelines.spec import model_options, offload_mode, parse_spec
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def resolve_offload(m: ModelConfig, budget: int | None) -> ModelConfig:
     worker is told what to do and residency counts what it will hold; other modes checked against the rest.
     ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given."""
     parsed = parse_spec(m.spec)
-    options = {**parsed.options, **m.options}  # a spec's own options (SPEC,offload=stream) count as the table's
+    options = model_options(m.spec, m.options)  # a spec's own options (SPEC,offload=stream) count as the table's
     try:
         mode = offload_mode(options)
     except PipelineError as exc:
