@@ -20,6 +20,12 @@ second bench run of the same workload counts nothing.
 
 FlopCounterMode counts matrix multiplies, convolutions and attention (2 FLOPs per multiply-add);
 elementwise work, norms and softmax are left out, as in the usual model-FLOPs-utilization figure.
+Attention is counted as 4·B·H·Sq·Sk·D per call (two matrix products over the full score matrix, masks
+not subtracted), the formula torch gives its SDPA kernels. The counter knows nothing else (issue 31):
+on the CPU, SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``, which it has no formula for
+(``counter`` adds one), and the packages' kernels a model's ``attention=`` option may choose
+(FlashAttention, xformers, SageAttention) are invisible to it; so the count always runs the denoiser's
+attention on SDPA (``count``), whichever kernel the timed modes use.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 # Bump when what is counted changes: older cache entries are then ignored.
-COUNT_VERSION = 1
+COUNT_VERSION = 2  # 2: attention counted on the default path (issue 31)
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s. Source: each vendor's datasheet (NVIDIA
 # H100 and H200 datasheets, A100 datasheet, L40S datasheet; the RTX 4090 from NVIDIA's Ada architecture
@@ -129,15 +135,23 @@ def denoisers(pipeline: Any) -> list[Any]:
     two); none for a pipeline that is not diffusers'."""
     from diffusiond.pipelines.denoisers import denoisers as pipeline_denoisers  # the CLI's import stays light
 
-    inner = getattr(getattr(pipeline, "inner", pipeline), "pipe", None)
-    return [module for _, module in pipeline_denoisers(inner)] if inner is not None else []
+    return [module for _, module in pipeline_denoisers(_diffusers_pipe(pipeline))]
+
+
+def _diffusers_pipe(pipeline: Any) -> Any:
+    """The diffusers pipeline a served one runs (a compiled one's inner one's), None for one that is not
+    diffusers' (which then has no denoisers and no attention backend)."""
+    return getattr(getattr(pipeline, "inner", pipeline), "pipe", None)
 
 
 def count(pipeline: Any, params: Any, prompt: str) -> FlopCount:
-    """Run ``pipeline`` once, for one output with ``params``, and count what it computes."""
+    """Run ``pipeline`` once, for one output with ``params``, and count what it computes, its attention on
+    the default path whatever backend the model's ``attention=`` option chose (``default_attention``): the
+    count is a property of the shapes, not of the kernel, and torch's counter sees SDPA's kernels only."""
     import torch
 
     from diffusiond.ipc.messages import RequestSpec
+    from diffusiond.pipelines.attention import default_attention
 
     mode = counter()
     denoised = [0, 0]  # FLOPs inside denoiser forwards, forwards
@@ -153,7 +167,7 @@ def count(pipeline: Any, params: Any, prompt: str) -> FlopCount:
     hooks = [h for m in denoisers(pipeline)
              for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
-        with torch.inference_mode(), mode:
+        with torch.inference_mode(), default_attention(_diffusers_pipe(pipeline)), mode:
             pipeline.run(params, [RequestSpec(request_id="flops", prompt=prompt, seed=0)], lambda step, total: True)
     finally:
         for h in hooks:

@@ -40,6 +40,8 @@ Imports neither torch nor diffusers at module level: the engine checks the name 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +50,7 @@ from diffusiond.pipelines.errors import PipelineError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KERNELS", "Attention", "Kernel", "apply_attention", "check_attention"]
+__all__ = ["KERNELS", "Attention", "Kernel", "apply_attention", "check_attention", "default_attention"]
 
 
 @dataclass(frozen=True)
@@ -194,3 +196,28 @@ def apply_attention(pipe: Any, name: str, device: torch.device) -> Attention:
                             f"or newer; this one is {'.'.join(map(str, have))}")
     _probe(name, _head_dim(modules[0]), device, dtype)
     return Attention(name, (kernel.quantized,) if kernel.quantized else ())
+
+
+@contextlib.contextmanager
+def default_attention(pipe: Any) -> Iterator[None]:
+    """Every denoiser's attention on the default path (``native``: PyTorch's SDPA) inside the block, the
+    model's own backend put back after, for the bench's FLOP count (issue 31): torch's FLOP counter has
+    formulas for SDPA's kernels only, so a count made on FlashAttention's, xformers' or SageAttention's
+    would leave attention out, and one made on ``flex`` fails (eager FlexAttention cannot run under the
+    counter). The kernel changes how the FLOPs are scheduled, not how many the shapes call for."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from diffusiond.pipelines.denoisers import denoisers
+
+    processors = [m.processor for _, d in denoisers(pipe) for m in _dispatching(d)]
+    saved = [p._attention_backend for p in processors]
+    before = _AttentionBackendRegistry._active_backend
+    try:
+        for p in processors:
+            p._attention_backend = None  # the process-wide default, native for the block
+        _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)
+        yield
+    finally:
+        _AttentionBackendRegistry.set_active_backend(before)
+        for p, backend in zip(processors, saved, strict=True):
+            p._attention_backend = backend
