@@ -37,15 +37,18 @@ async def tiny_entry(s: aiohttp.ClientSession) -> dict[str, Any]:
 
 
 async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued_for_them(
-        cold: Daemon, lora_files: dict[str, Path]) -> None:
+        cold: Daemon) -> None:
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     from diffusiond.pipelines.tiny import ensure_tiny
 
-    misfit = load_file(str(lora_files["misfit"] / "pytorch_lora_weights.safetensors"))  # a lora_A too wide
     with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
         conv_out = f.get_tensor("conv_out.weight")
+    # what the files' headers cannot judge (tests/test_kept_updates.py has what they can): a LoRA on a norm
+    # (a 1-D weight: the header does not say the class) and a name the text encoder's file lacks (tied
+    # weights are saved once)
+    misfit = {"unet.conv_norm_out.lora_A.weight": np.ones((2, 32), np.float32),
+              "unet.conv_norm_out.lora_B.weight": np.ones((32, 2), np.float32)}
     async with AsyncClient(str(cold.socket)) as c, http(cold.socket) as s:
         first = await wait_job(s, (await submit(s, SMALL))["id"], 300)
         assert first["status"] == "succeeded", first
@@ -59,8 +62,7 @@ async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued
 
         # no worker to check them: both are kept on trust, and their calls answer with a version
         assert await c.update_lora("trainer", misfit) == 1
-        assert await c.update_weights("tiny", "unet", {"conv_out.weight": np.zeros((3, *conv_out.shape[1:]),
-                                                                                   conv_out.dtype)}) == 1
+        assert await c.update_weights("tiny", "text_encoder", {"nope.weight": conv_out}) == 1
         named = await submit(s, {**SMALL, "loras": [{"name": "trainer", "weight": 1.0}]})
         plain = await submit(s, SMALL)
 
@@ -68,17 +70,22 @@ async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued
         job = await wait_job(s, named["id"], 300)
         assert job["status"] == "failed" and job["error"]["code"] == "invalid_request", job
         message = job["error"]["message"]
-        assert "LoRA 'trainer' does not fit model 'tiny'" in message and "needs" in message, message
+        assert "LoRA 'trainer' does not fit model 'tiny'" in message and "takes no LoRA" in message, message
         ran = await wait_job(s, plain["id"], 300)
         assert ran["status"] == "succeeded" and ran["weight_versions"] is None, ran  # the files' unet
         entry = await tiny_entry(s)
-        why = entry["weight_errors"]["unet"]
-        assert list(entry["weight_errors"]) == ["unet"], entry
-        assert why.startswith("update version 1 was refused when the model started, and dropped: "
-                              "tensor 'conv_out.weight' has shape [3, "), why
+        why = entry["weight_errors"]["text_encoder"]
+        assert list(entry["weight_errors"]) == ["text_encoder"], entry
+        assert why == ("update version 1 was refused when the model started, and dropped: tensor 'nope.weight': "
+                       "text_encoder of model tiny has no parameter of that name; in force instead: the files' "
+                       "values"), why
         lora = next(e for e in (await c._json("GET", "/v1/loras"))["data"] if e["name"] == "trainer")
-        assert lora["models"] == [] and "needs" in lora["unfit"]["tiny"], lora
+        assert lora["models"] == [] and "takes no LoRA" in lora["unfit"]["tiny"], lora
 
         # an update sent after the refusal, accepted: the refusal is over
-        assert await c.update_weights("tiny", "unet", {"conv_out.weight": conv_out * 0.5}) == 2
+        text_encoder = ensure_tiny() / "text_encoder" / "model.safetensors"
+        with safe_open(str(text_encoder), "np") as f:
+            name = next(iter(f.keys()))
+            value = f.get_tensor(name)
+        assert await c.update_weights("tiny", "text_encoder", {name: value}) == 2
         assert (await tiny_entry(s))["weight_errors"] == {}

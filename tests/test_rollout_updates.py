@@ -181,10 +181,11 @@ async def test_a_component_update_for_a_model_with_no_worker_is_kept_and_checked
     worker.command = picky  # type: ignore[method-assign]
     await components.replay(model, worker, 5)  # type: ignore[arg-type]
     assert [m.version for m in worker.got] == [1, 2, 3]  # the refused one did not stop the rest
-    assert [m.version for m, _ in components.kept[("tiny", "unet")]] == [1, 3]  # and is not sent again
+    assert [e.msg.version for e in components.kept[("tiny", "unet")]] == [1, 3]  # and is not sent again
     # its call returned 2 long ago: the model's entry says why, and the later 3 of that start does not hide it
     assert components.weight_errors("tiny") == {
-        "unet": "update version 2 was refused when the model started, and dropped: no parameter of that name"}
+        "unet": "update version 2 was refused when the model started, and dropped: no parameter of that name; "
+                 "in force instead: the files' values"}
     worker.state = WorkerState.READY
     model.workers.append(worker)
     assert await send("conv_in.weight") == 4  # sent after the refusal, accepted: the refusal is over

@@ -16,6 +16,13 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
+
+BUILT_FOLDERS: Final = {"tiny": "tiny-v2", "tiny-inpaint": "tiny-inpaint-v1", "tiny-video": "tiny-video-v1",
+                        "tiny-flux": "tiny-flux-v1"}
+"""Spec -> its folder under ``<cache>/models``: torch-free, so that the engine finds the files of a model built
+in code (their headers, issue 29). Bump a model's name when its architecture or saved layout changes: an old
+cache folder is then ignored."""
 
 
 def cache_root() -> Path:

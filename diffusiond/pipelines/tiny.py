@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from diffusiond.pipelines.base import RequestDefaults
-from diffusiond.pipelines.modelcache import ensure_built
+from diffusiond.pipelines.modelcache import BUILT_FOLDERS, ensure_built
 
-# Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
-TINY_VERSION = "tiny-v2"
+# Its folder in the cache (a new name there when the architecture or the saved layout changes).
+TINY_VERSION = BUILT_FOLDERS["tiny"]
 # CLIP's usual context; the text encoder is so small that 77 positions cost nothing.
 MAX_TOKENS = 77
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"

@@ -21,10 +21,10 @@ import torch
 
 from diffusiond.pipelines.base import RequestDefaults
 from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, t5_tokenizer
-from diffusiond.pipelines.modelcache import ensure_built
+from diffusiond.pipelines.modelcache import BUILT_FOLDERS, ensure_built
 
-# Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
-TINY_FLUX_VERSION = "tiny-flux-v1"
+# Its folder in the cache (a new name there when the architecture or the saved layout changes).
+TINY_FLUX_VERSION = BUILT_FOLDERS["tiny-flux"]
 DEFAULTS: RequestDefaults = {"width": 64, "height": 64, "steps": 4, "guidance": 3.5}
 # Token counts: CLIP's usual 77; T5's 512 is what FluxPipeline pads every prompt to (its default).
 CLIP_TOKENS, T5_TOKENS = 77, 512

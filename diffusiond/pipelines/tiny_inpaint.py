@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from diffusiond.pipelines.modelcache import ensure_built
+from diffusiond.pipelines.modelcache import BUILT_FOLDERS, ensure_built
 from diffusiond.pipelines.tiny import DEFAULTS as DEFAULTS
 from diffusiond.pipelines.tiny import _build
 
-# Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
-TINY_INPAINT_VERSION = "tiny-inpaint-v1"
+# Its folder in the cache (a new name there when the architecture or the saved layout changes).
+TINY_INPAINT_VERSION = BUILT_FOLDERS["tiny-inpaint"]
 
 
 def ensure_tiny_inpaint(cache_dir: Path | None = None) -> Path:

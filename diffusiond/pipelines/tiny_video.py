@@ -22,10 +22,10 @@ import torch
 
 from diffusiond.pipelines.base import RequestDefaults
 from diffusiond.pipelines.gen_tokenizers import t5_tokenizer
-from diffusiond.pipelines.modelcache import ensure_built
+from diffusiond.pipelines.modelcache import BUILT_FOLDERS, ensure_built
 
-# Bump when the architecture or the saved layout changes: an old cache folder is then ignored.
-TINY_VIDEO_VERSION = "tiny-video-v1"
+# Its folder in the cache (a new name there when the architecture or the saved layout changes).
+TINY_VIDEO_VERSION = BUILT_FOLDERS["tiny-video"]
 # Quick on a CPU; 64 is the smallest side above one latent pixel (LTX sizes are multiples of 32).
 DEFAULTS: RequestDefaults = {"width": 64, "height": 64, "steps": 4, "guidance": 3.0, "num_frames": 9, "fps": 8}
 # LTX's own default prompt length; the encoder is so small that 128 positions cost nothing.

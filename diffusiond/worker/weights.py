@@ -15,6 +15,8 @@ replaces values; a new structure is a new adapter). The first bad tensor is name
 UPDATE_WEIGHTS is the same for a whole component: each tensor names a parameter or buffer of its
 ``state_dict`` (LoRA layers of adapters are not part of it, and a layer they wrap keeps its base
 name), must have its shape, and is copied into it in place, so a compiled model keeps its graph.
+The refusals' words are ``pipelines/live_checks.py``'s, which the engine also uses when it checks an
+update for a model with no worker against that model's files.
 """
 
 from __future__ import annotations
@@ -29,10 +31,18 @@ import torch
 
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.pipelines.live_checks import (
+    KINDS,
+    Layer,
+    adapter_misfit,
+    lora_misfit,
+    no_component,
+    no_lora_component,
+    no_module,
+    parameter_misfit,
+)
 from diffusiond.pipelines.loras import Adapters
 from diffusiond.pipelines.streaming import weights_changed
-
-_KINDS = (".lora_A.weight", ".lora_B.weight")
 
 
 def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Tensor]:
@@ -76,30 +86,9 @@ def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[st
 
 def _check(pipe: Any, model: str, adapter: str, state: Mapping[str, torch.Tensor],
            old: Mapping[str, torch.Tensor] | None) -> str:
-    ranks: dict[str, int] = {}
-    for key, value in state.items():
-        if old is not None:
-            if key not in old:
-                return (f"tensor {key!r} is not part of live LoRA {adapter!r} (an update replaces the values of "
-                        "its tensors; to target other modules, create an adapter under a new name)")
-            if tuple(value.shape) != tuple(old[key].shape):
-                return (f"tensor {key!r} has shape {list(value.shape)}; LoRA {adapter!r} has "
-                        f"{list(old[key].shape)} there")
-            continue
-        why = _fits(pipe, model, key, tuple(value.shape))
-        if why:
-            return why
-        module = key[: -len(_KINDS[0])]
-        rank = value.shape[0] if key.endswith(_KINDS[0]) else value.shape[1]
-        if ranks.setdefault(module, rank) != rank:
-            return f"tensor {key!r} has rank {rank}; its module's other matrix has rank {ranks[module]}"
-    if old is None:
-        for key in state:
-            module, kind = key[: -len(_KINDS[0])], key[-len(_KINDS[0]):]
-            other = module + (_KINDS[1] if kind == _KINDS[0] else _KINDS[0])
-            if other not in state:
-                return f"tensor {key!r} has no {other!r}: a new adapter needs both matrices of each module"
-    return ""
+    return adapter_misfit(adapter, {k: tuple(v.shape) for k, v in state.items()},
+                          None if old is None else {k: tuple(v.shape) for k, v in old.items()},
+                          lambda key, shape: _fits(pipe, model, key, shape))
 
 
 def _fits(pipe: Any, model: str, key: str, shape: tuple[int, ...]) -> str:
@@ -108,29 +97,20 @@ def _fits(pipe: Any, model: str, key: str, shape: tuple[int, ...]) -> str:
     component = getattr(pipe, "components", {}).get(component_name)
     if not isinstance(component, torch.nn.Module):
         modules = sorted(n for n, c in getattr(pipe, "components", {}).items() if isinstance(c, torch.nn.Module))
-        return (f"tensor {key!r}: model {model} has no component {component_name!r}; keys start with one of "
-                f"{', '.join(modules)}")
-    path = rest[: -len(_KINDS[0])]
+        return no_lora_component(key, model, component_name, modules)
+    path = rest[: -len(KINDS[0])]
     try:
         module = component.get_submodule(path)
     except AttributeError:
-        return f"tensor {key!r}: {component_name} of model {model} has no module {path!r}"
+        return no_module(key, model, component_name, path)
     base = getattr(module, "base_layer", module)  # already wrapped by another adapter
-    a = key.endswith(_KINDS[0])
     if isinstance(base, torch.nn.Linear):
-        want = f"(rank, {base.in_features})" if a else f"({base.out_features}, rank)"
-        ok = len(shape) == 2 and (shape[1] == base.in_features if a else shape[0] == base.out_features)
+        layer = Layer(base.in_features, base.out_features)
     elif isinstance(base, torch.nn.Conv2d):
-        kh, kw = base.kernel_size
-        want = f"(rank, {base.in_channels}, {kh}, {kw})" if a else f"({base.out_channels}, rank, 1, 1)"
-        ok = len(shape) == 4 and (shape[1:] == (base.in_channels, *base.kernel_size) if a
-                                  else shape[0] == base.out_channels and shape[2:] == (1, 1))
+        layer = Layer(base.in_channels, base.out_channels, tuple(base.kernel_size))
     else:
-        return f"tensor {key!r}: module {path!r} of {component_name} is a {type(base).__name__}, which takes no LoRA"
-    rank = shape[0] if a else (shape[1] if len(shape) > 1 else 0)
-    if not ok or rank < 1:
-        return f"tensor {key!r} has shape {list(shape)}; module {path!r} of {component_name} needs {want}"
-    return ""
+        layer = Layer(other=type(base).__name__)
+    return lora_misfit(key, shape, component_name, path, layer)
 
 
 def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.Tensor]) -> str:
@@ -140,19 +120,19 @@ def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.T
     components = getattr(pipe, "components", None) or {}
     component = components.get(msg.component)
     if not isinstance(component, torch.nn.Module):
-        modules = sorted(n for n, c in components.items() if isinstance(c, torch.nn.Module))
-        return (f"model {msg.model} has no component {msg.component!r}; its components: "
-                f"{', '.join(modules) or 'none (it is not a diffusers pipeline)'}")
+        return no_component(msg.model, msg.component,
+                            sorted(n for n, c in components.items() if isinstance(c, torch.nn.Module)))
     own = {k.replace(".base_layer.", "."): v for k, v in component.state_dict(keep_vars=True).items()
            if ".lora_" not in k}
     for key, value in state.items():
         target = own.get(key)
-        if target is None:
-            return f"tensor {key!r}: {msg.component} of model {msg.model} has no parameter of that name"
-        if tuple(value.shape) != tuple(target.shape):
-            return f"tensor {key!r} has shape {list(value.shape)}; {msg.component} has {list(target.shape)} there"
-        if not target.dtype.is_floating_point or target.dtype.itemsize < 2:
-            return f"tensor {key!r}: {msg.component} keeps it as {target.dtype}, which is not updated in place"
+        have, keeps = None, ""
+        if target is not None:
+            have = tuple(target.shape)
+            keeps = "" if target.dtype.is_floating_point and target.dtype.itemsize >= 2 else str(target.dtype)
+        why = parameter_misfit(key, tuple(value.shape), msg.model, msg.component, have, keeps)
+        if why:
+            return why
     with torch.no_grad():
         for key, value in state.items():
             own[key].copy_(value)

@@ -29,6 +29,7 @@ from typing import Any
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.core import power, resume
 from diffusiond.daemon.core.controls import ControlRegistry
+from diffusiond.daemon.core.file_checks import FileChecks
 from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.ip_adapters import IpAdapterRegistry
 from diffusiond.daemon.core.jobs import Item, Job, JobRequest
@@ -79,7 +80,8 @@ class Engine(OutputAccess):
         self.controls = ControlRegistry(config.controlnets)
         self.ip_adapters = IpAdapterRegistry(config.ip_adapters)
         self.upscalers = UpscalerRegistry(config.upscalers)  # read by spandrel at start (server.py)
-        self.live_loras, self.live_components = LiveLoras(self.loras), LiveComponents()  # update_lora/_weights
+        files = FileChecks({m.name: m for m in config.models})  # what updates for a model with no worker meet
+        self.live_loras, self.live_components = LiveLoras(self.loras, files), LiveComponents(files)  # update_*
         self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn,
                                prepare=self._prepare_worker)

@@ -36,8 +36,10 @@ import asyncio
 import logging
 import os
 import stat
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
+from diffusiond.daemon.core.file_checks import ModelFiles
+from diffusiond.daemon.core.kept import Chains, Kept, Update, drop, keep, prove
 from diffusiond.daemon.core.loras import (
     LoraInfo,
     LoraRegistry,
@@ -51,49 +53,32 @@ from diffusiond.daemon.errors import InvalidRequest
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, Ack, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.pipelines.live_checks import KINDS, Shape, adapter_misfit
 from diffusiond.protocol import MODEL_DTYPES
 
 log = logging.getLogger(__name__)
 
 DTYPES = MODEL_DTYPES  # weights are taken in the dtypes a model runs in (the client checks the same)
-_KINDS = (".lora_A.weight", ".lora_B.weight")
 MAX_DIMS = 4  # Linear (2) and Conv2d (4) LoRA matrices
 
 
-Update = UpdateLora | UpdateWeights
+Files = Callable[[str], Awaitable[ModelFiles | None]]  # a model's files' headers, when they can tell
 
 
-def keep(kept: dict[Hashable, list[tuple[Update, int]]], key: Hashable, msg: Update, fd: int) -> None:
-    """Remember ``msg`` (with a duplicate of its memfd) for workers that start later; earlier updates
-    whose every tensor ``msg`` names again are superseded, so their memfds are closed."""
-    names = {t.name for t in msg.tensors}
-    chain = []
-    for old, old_fd in kept.get(key, []):
-        if {t.name for t in old.tensors} <= names:
-            os.close(old_fd)
-        else:
-            chain.append((old, old_fd))
-    kept[key] = [*chain, (msg, os.dup(fd))]
-
-
-async def resend(worker: WorkerLink, chain: list[tuple[Update, int]], timeout: float) -> str:
-    """Send a kept chain to one worker, in order, each after the last's ACK; '' or why it stopped."""
-    for msg, fd in chain:
-        try:
-            ack = await worker.command(msg, timeout, [os.dup(fd)])
-        except Exception as exc:
-            return f"the worker did not answer: {exc}"
-        if not ack.ok:
-            return ack.message
-    return ""
+async def _no_files(model: str) -> ModelFiles | None:
+    return None
 
 
 class LiveLoras:
-    def __init__(self, registry: LoraRegistry) -> None:
+    def __init__(self, registry: LoraRegistry, files: Files = _no_files) -> None:
         self.registry = registry
+        self.files = files
         self.versions: dict[str, int] = {}  # live adapter -> the version of its last accepted update
         self._drawn: dict[str, int] = {}  # the highest version a worker may hold: never given twice
-        self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # adapter -> its updates still in force
+        self.kept: Chains = {}  # adapter -> its updates still in force
+        # adapter -> why an update kept on trust was refused when a model started (``GET /v1/loras``), until
+        # an update sent after it is accepted
+        self.refused: dict[str, str] = {}
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
         """Every live adapter's kept updates into a worker that started after them (under the lock, so
@@ -103,12 +88,35 @@ class LiveLoras:
         async with self.registry._adding:
             for name, chain in self.kept.items():
                 assert isinstance(name, str)
-                why = await resend(worker, chain, timeout)
+                why = await self._resend(model, worker, name, chain, timeout)
                 if why:
                     log.warning("live LoRA %r was not restored on %s: %s", name, worker.name, why)
                     model.lora_errors[name] = why
                 else:
                     model.lora_errors.pop(name, None)
+
+    async def _resend(self, model: ModelLoras, worker: WorkerLink, name: str, chain: list[Kept],
+                      timeout: float) -> str:
+        """Send a kept chain to one worker, in order, each after the last's ACK; '' or why the adapter is
+        not there. A later update kept on trust that the worker refuses is bad on every model (it was
+        checked against the adapter's own tensors, which are the same everywhere): it is dropped, and
+        the worker keeps the last version it took."""
+        for entry in list(chain):
+            try:
+                ack = await worker.command(entry.msg, timeout, [os.dup(entry.fd)])
+            except Exception as exc:
+                return f"the worker did not answer: {exc}"
+            if ack.ok:
+                if not entry.proven:
+                    prove(chain, entry)
+                continue
+            if entry.proven or entry is chain[0]:  # the adapter itself does not fit this model
+                return ack.message
+            instead = drop(chain, entry)
+            self.refused[name] = (f"update version {entry.msg.version} was refused when model {model.name} "
+                                  f"started, and dropped: {ack.message}; in force instead: {instead}")
+            log.error("live LoRA %r: %s", name, self.refused[name])
+        return ""
 
     def version(self, name: str) -> int:
         return self.versions.get(name, 0)
@@ -139,9 +147,24 @@ class LiveLoras:
                                  "trainer's adapter whole under a new name", field="name")
         live = live_workers(targets)
         idle = [m for m in targets if all(lm is not m for lm, _ in live)]  # checked when it next starts
+        shapes = {t.name: tuple(t.shape) for t in msg.tensors}
+        # an update of an existing adapter is checked against the adapter's tensors, whatever the model:
+        # here, so that one for models that run no worker is refused at once, not kept
+        why = "" if new else adapter_misfit(name, shapes, _tensors(self.kept.get(name, [])), _no_model)
+        if why:
+            raise InvalidRequest(f"LoRA {name!r} update refused: {refusals({m.name: why for m in targets})}",
+                                 field="tensors")
+        misfits = {}  # a new adapter against the files of the models that run no worker, where they tell
+        for m in idle if new else ():
+            files = await self.files(m.name)
+            why = files.lora_misfit(name, shapes) if files is not None else ""
+            if why:
+                misfits[m.name] = why
+        idle = [m for m in idle if m.name not in misfits]
         version = max(self.versions.get(name, 0), self._drawn.get(name, 0)) + 1
         forward = UpdateLora(name, msg.tensors, version)
         whys, unanswered = await _ask(live, forward, fd, timeout)
+        whys = {**misfits, **whys}
         accepted = {m.name for m, _ in live} - set(whys)
         # A refusal of a new adapter may be the model's (no such component): an idle model may still
         # take it. One of an existing adapter is about the adapter, which is the same on every model.
@@ -159,8 +182,10 @@ class LiveLoras:
                      version, ", ".join(m.name for m in idle))
         if new:
             self.registry.loras[name] = _info(msg)
+        if accepted:
+            self.refused.pop(name, None)
         self.versions[name] = self._drawn[name] = version
-        keep(self.kept, name, forward, fd)
+        keep(self.kept, name, forward, fd, proven=bool(accepted))
         return version
 
 
@@ -211,7 +236,7 @@ def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
         component, _, rest = t.name.partition(".")
         if not t.name or len(t.name) > 1000:
             raise InvalidRequest(f"{where} is not a parameter's name (1-1000 characters)", field="tensors")
-        if lora and (not component or not rest.endswith(_KINDS) or not rest[: -len(_KINDS[0])]):
+        if lora and (not component or not rest.endswith(KINDS) or not rest[: -len(KINDS[0])]):
             raise InvalidRequest(f"{where} is not a LoRA weight in diffusers/PEFT naming: expected "
                                  "'<component>.<module>.lora_A.weight' or '...lora_B.weight' (e.g. "
                                  "'unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight')",
@@ -237,16 +262,20 @@ class LiveComponents:
     """``update_weights``: whole parameters of one component, in place in every live worker of a model.
     A model's workers run the same weights, so each must accept: one that refuses or does not
     answer is reported, and the update is refused (the others applied it: send it again). A model
-    with no live worker takes it on trust: it is kept, and checked by the model when it next starts;
-    one refused then is dropped, since no worker of that model would ever take it, and the trainer,
-    whose call returned long ago, reads why in the model's ``weight_errors`` (``GET /v1/models``)
-    until an update of that component sent after the refusal is accepted."""
+    with no live worker has it checked against its files' headers (``file_checks.py``: a refusal there
+    is the 400 a worker gives), then takes it on trust: it is kept, behind the last proven update of
+    the same tensors (``kept.py``), and checked by the model when it next starts; one refused then is
+    dropped, since no worker of that model would ever take it, the model runs the update before it
+    (or the files' values), and the trainer, whose call returned long ago, reads why and which
+    version is in force in the model's ``weight_errors`` (``GET /v1/models``) until an update of that
+    component sent after the refusal is accepted."""
 
-    def __init__(self) -> None:
+    def __init__(self, files: Files = _no_files) -> None:
+        self.files = files
         self.versions: dict[tuple[str, str], int] = {}  # the version of each one's last accepted update
         self._drawn: dict[tuple[str, str], int] = {}  # the highest version a worker may hold
         self._lock = asyncio.Lock()
-        self.kept: dict[Hashable, list[tuple[Update, int]]] = {}  # (model, component) -> updates in force
+        self.kept: Chains = {}  # (model, component) -> updates in force
         # (model, component) -> (the highest version drawn when a start refused one, why): the update
         # refused was kept on trust, so its call returned a version and this is where its refusal shows
         self.errors: dict[tuple[str, str], tuple[int, str]] = {}
@@ -269,9 +298,9 @@ class LiveComponents:
             for key, chain in self.kept.items():
                 if isinstance(key, tuple) and key[0] == model.name:
                     for entry in list(chain):
-                        msg = entry[0]
+                        msg = entry.msg
                         try:
-                            ack = await worker.command(msg, timeout, [os.dup(entry[1])])
+                            ack = await worker.command(msg, timeout, [os.dup(entry.fd)])
                         except Exception as exc:  # the worker runs the files' weights there: it is replaced
                             log.error("%s of model %s was not restored on %s: the worker did not answer: %s",
                                       key[1], model.name, worker.name, exc)
@@ -280,13 +309,14 @@ class LiveComponents:
                         mine = (model.name, msg.component)
                         if ack.ok:
                             self._accepted(mine, msg.version)
+                            if not entry.proven:
+                                prove(chain, entry)
                             continue
+                        instead = drop(chain, entry)
                         why = (f"update version {msg.version} was refused when the model started, and dropped: "
-                               f"{ack.message}")
+                               f"{ack.message}; in force instead: {instead}")
                         log.error("%s of model %s: %s", key[1], model.name, why)
                         self.errors[mine] = (self._drawn.get(mine, msg.version), why)
-                        chain.remove(entry)
-                        os.close(entry[1])
 
     async def update(self, msg: UpdateWeights, fds: list[int], models: Callable[[str], ModelLoras],
                      timeout: float) -> int:
@@ -306,6 +336,10 @@ class LiveComponents:
                 forward = UpdateWeights(msg.model, msg.component, msg.tensors, version)
                 live = live_workers([model])
                 whys, unanswered = await _ask(live, forward, fds[0], timeout)
+                files = None if live else await self.files(model.name)
+                why = files.weights_misfit(msg.component, msg.tensors) if files is not None else ""
+                if why:  # no worker to ask: the files answer, in its words
+                    whys[model.name] = why
                 if whys:
                     if unanswered or len(live) > 1:  # a worker may hold it: the number is never given again
                         self._drawn[key] = version
@@ -317,11 +351,21 @@ class LiveComponents:
                     log.info("%s of model %s version %d kept: no worker runs, applied when one starts",
                              msg.component, model.name, version)
                 self.versions[key] = self._drawn[key] = version
-                keep(self.kept, key, forward, fds[0])
+                keep(self.kept, key, forward, fds[0], proven=bool(live))
                 return version
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _tensors(chain: list[Kept]) -> dict[str, Shape]:
+    """A live adapter's tensors and their shapes: its kept updates together hold all of them (one is
+    dropped only for a later one that names all of its tensors)."""
+    return {t.name: tuple(t.shape) for entry in chain for t in entry.msg.tensors}
+
+
+def _no_model(key: str, shape: Shape) -> str:
+    return ""
 
 
 def _file_registered(info: LoraInfo) -> InvalidRequest:
@@ -330,7 +374,7 @@ def _file_registered(info: LoraInfo) -> InvalidRequest:
 
 
 def _info(msg: UpdateLora) -> LoraInfo:
-    ranks = [t.shape[0] for t in msg.tensors if t.name.endswith(_KINDS[0])]
+    ranks = [t.shape[0] for t in msg.tensors if t.name.endswith(KINDS[0])]
     targets = sorted({t.name.partition(".")[0] for t in msg.tensors})
     return LoraInfo(name=msg.name, path=LIVE_PATH, layout="live", rank=max(ranks, default=0),
                     targets=tuple(targets))

@@ -138,6 +138,7 @@ def lora(engine: Engine, info: LoraInfo) -> dict[str, Any]:
     return {
         "name": info.name, "object": "lora", "path": info.path, "layout": info.layout, "rank": info.rank,
         "version": engine.live_loras.version(info.name),
+        "refused": engine.live_loras.refused.get(info.name),  # a kept update a model's start refused (issue 29)
         "targets": list(info.targets),
         "models": [m.name for m in models if info.name not in m.lora_errors],
         "unfit": {m.name: m.lora_errors[info.name] for m in models if info.name in m.lora_errors},

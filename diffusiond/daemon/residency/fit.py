@@ -179,7 +179,7 @@ def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
            ) -> tuple[dict[str, list[Tensor]], list[str]]:
     notes: list[str] = []
     if parsed.kind == "hub":
-        return _folder(_hub_folder(parsed.target), dtype), notes
+        return _folder(hub_folder(parsed.target), dtype), notes
     if parsed.kind == "folder":
         return _folder(Path(parsed.target), dtype), notes
     if parsed.kind in ("checkpoint", "gguf"):
@@ -235,7 +235,7 @@ def _checkpoint(path: Path) -> dict[str, list[Tensor]]:
     return components
 
 
-def _hub_folder(repo_id: str) -> Path:
+def hub_folder(repo_id: str) -> Path:
     from huggingface_hub import try_to_load_from_cache
 
     index = try_to_load_from_cache(repo_id, "model_index.json")

@@ -198,6 +198,13 @@ def read_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, int]]:
             for name, e in header.items() if name != "__metadata__"}
 
 
+def read_entries(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's (dtype, shape), by name: what a live update for a model with no worker is checked
+    against (issue 29). Checked exactly as ``read_header`` checks it."""
+    header, _ = _read(path)
+    return {name: (e["dtype"], tuple(e["shape"])) for name, e in header.items() if name != "__metadata__"}
+
+
 def read_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape, by name: what tells a single checkpoint's kind (a union ControlNet's mode
     embedding, its number of modes) where no config says it. Checked exactly as ``read_header`` checks it."""

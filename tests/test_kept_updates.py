@@ -1,0 +1,131 @@
+"""A bad live update must not replace good kept ones (issue 29). An update for a model that runs no worker
+is checked against the model's files and refused at once, in the words a running worker uses; one the
+files cannot judge is kept behind the last proven update, which the model falls back to if its start
+refuses the newer one.
+
+In process (fake workers, as tests/test_rollout_updates.py drives them) for the fallback, which needs
+a refusal the headers cannot see; a real daemon (``--preload none``, tiny on disk) for the header checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from daemonkit import Daemon, http, shared_daemon, submit, wait_job
+from test_rollout_updates import STATE, FakeModel, FakeWorker, lora_update
+
+from diffusiond.client import AsyncClient, DaemonError
+from diffusiond.client.weights import pack
+from diffusiond.daemon.core.loras import LoraRegistry
+from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
+from diffusiond.ipc.messages import Ack, UpdateWeights
+from diffusiond.protocol import WorkerState
+
+
+def refusing(worker: FakeWorker, version: int, why: str) -> None:
+    """``worker`` refuses update ``version`` only (a start that finds what the headers could not)."""
+    real = worker.command
+
+    async def command(msg: Any, timeout: float, fds: Any = ()) -> Ack:
+        ack = await real(msg, timeout, fds)
+        return Ack(0, False, why) if msg.version == version else ack
+
+    worker.command = command  # type: ignore[method-assign]
+
+
+async def test_a_kept_update_refused_at_the_start_falls_back_to_the_last_good_one() -> None:
+    components = LiveComponents()
+    model = FakeModel("tiny", [])
+
+    async def send(value: float) -> int:
+        fd, tensors = pack({"conv_out.weight": np.full((4, 4), value, np.float32)})
+        return await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+
+    model.workers.append(FakeWorker("w0"))
+    assert await send(1) == 1  # proven: a worker applied it
+    model.workers.clear()  # the model goes to disk
+    assert [await send(2), await send(3)] == [2, 3]  # on trust: 3 replaces 2, not the proven 1
+    assert [(e.msg.version, e.proven) for e in components.kept[("tiny", "unet")]] == [(1, True), (3, False)]
+    started = FakeWorker("w1", WorkerState.STARTING)
+    refusing(started, 3, "unet keeps it as torch.float8_e4m3fn, which is not updated in place")
+    await components.replay(model, started, 5)  # type: ignore[arg-type]
+    assert [m.version for m in started.got] == [1, 3]  # the worker runs 1, not the files' values
+    assert [e.msg.version for e in components.kept[("tiny", "unet")]] == [1]  # and the next one starts at 1
+    assert components.weight_errors("tiny")["unet"].endswith(
+        "which is not updated in place; in force instead: version 1")
+    # one taken at a start is proven there: the older one it covers is let go
+    assert await send(4) == 4
+    await components.replay(model, FakeWorker("w2", WorkerState.STARTING), 5)  # type: ignore[arg-type]
+    assert [(e.msg.version, e.proven) for e in components.kept[("tiny", "unet")]] == [(4, True)]
+
+
+async def test_a_later_adapter_update_refused_at_the_start_leaves_the_adapter_at_its_last_good_version() -> None:
+    live = LiveLoras(LoraRegistry({}, 3))
+    model = FakeModel("tiny", [FakeWorker("w0")])
+    assert await lora_update(live, "trainer", [model]) == 1
+    model.workers.clear()
+    assert await lora_update(live, "trainer", [model], {k: v * 2 for k, v in STATE.items()}) == 2
+    started = FakeWorker("w1", WorkerState.STARTING)
+    refusing(started, 2, "RuntimeError: hot-swap refused")
+    await live.replay(model, started, 5)  # type: ignore[arg-type]
+    assert "trainer" not in model.lora_errors  # still served, at version 1
+    assert live.refused["trainer"].endswith("hot-swap refused; in force instead: version 1"), live.refused
+    assert [e.msg.version for e in live.kept["trainer"]] == [1]
+    # an update of an existing adapter is checked against its tensors with no worker at all
+    with pytest.raises(Exception, match=r"has shape \[3, 4\]; LoRA 'trainer' has \[2, 4\] there"):
+        await lora_update(live, "trainer", [model], {**STATE, "unet.a.to_q.lora_A.weight": np.ones((3, 4), np.float32)})
+
+
+SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1,
+         "output_format": "npy"}
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    args = ["--model", "tiny", "--preload", "none", "--workers", "1", "--no-persist", "--job-timeout", "300"]
+    with shared_daemon(tmp_path_factory.mktemp("kept"), args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        yield d
+
+
+async def test_updates_for_a_model_on_disk_are_checked_against_its_files(
+        cold: Daemon, lora_files: dict[str, Path]) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    misfit = load_file(str(lora_files["misfit"] / "pytorch_lora_weights.safetensors"))  # a lora_A too wide
+    dots = load_file(str(lora_files["dots"] / "pytorch_lora_weights.safetensors"))
+    with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
+        conv_out = f.get_tensor("conv_out.weight")
+    async with AsyncClient(str(cold.socket)) as c, http(cold.socket) as s:
+        assert await c.update_weights("tiny", "unet", {"conv_out.weight": conv_out * 0.5}) == 1
+        bad = {"conv_out.weight": np.zeros((3, *conv_out.shape[1:]), conv_out.dtype)}
+        for state, component, words in [
+                (bad, "unet", "unet of model tiny: update refused: tensor 'conv_out.weight' has shape [3, "),
+                ({"conv_out.nope": conv_out}, "unet", "tensor 'conv_out.nope': unet of model tiny has no parameter"),
+                ({"x.weight": conv_out}, "transformer", "model tiny has no component 'transformer'; its components: "
+                                                        "text_encoder, unet, vae")]:
+            with pytest.raises(DaemonError) as err:
+                await c.update_weights("tiny", component, state)
+            assert err.value.status == 400 and words in str(err.value), err.value
+        with pytest.raises(DaemonError) as err:
+            await c.update_lora("misfit", misfit)
+        assert err.value.status == 400 and "needs" in str(err.value), err.value
+        assert await c.update_lora("trainer", dots) == 1
+        key = next(k for k in sorted(dots) if k.endswith("lora_A.weight"))
+        with pytest.raises(DaemonError) as err:
+            await c.update_lora("trainer", {**dots, key: np.zeros((9, dots[key].shape[1]), np.float32)})
+        assert err.value.status == 400 and "LoRA 'trainer' has [" in str(err.value), err.value
+
+        # nothing bad was kept: tiny's first job runs the good versions, and nothing is refused at its start
+        job = await wait_job(s, (await submit(s, {**SMALL, "loras": [{"name": "trainer", "weight": 1.0}]}))["id"],
+                             300)
+        assert job["status"] == "succeeded", job
+        assert job["weight_versions"] == {"unet": 1} and job["lora_versions"] == {"trainer": 1}, job
+        models = (await c._json("GET", "/v1/models"))["data"]
+        assert next(m for m in models if m["id"] == "tiny")["weight_errors"] == {}
