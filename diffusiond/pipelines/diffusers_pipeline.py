@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 import torch
 
+import diffusiond.pipelines.ltx2 as ltx2
 from diffusiond import protocol
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.attention import apply_attention
@@ -34,6 +35,7 @@ from diffusiond.pipelines.base import (
     with_defaults,
 )
 from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, NOT_SERVED, edit_kwargs, edit_pipes, share_image_encoder
+from diffusiond.pipelines.frame_rules import check_frames, frame_step, size_step
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.phases import Phases
@@ -43,7 +45,7 @@ from diffusiond.pipelines.spec import offload_mode, resident_blocks
 from diffusiond.pipelines.speedups import apply_speedups
 from diffusiond.pipelines.streaming import BlockStreamer
 from diffusiond.pipelines.trajectories import LatentRecorder
-from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, VIDEO_TASKS, frame_count_neighbours, schedulers_for
+from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, VIDEO_TASKS, schedulers_for
 
 log = logging.getLogger(__name__)
 
@@ -130,45 +132,6 @@ def task_for_class(cls: type) -> Task:
     if "Video" in name or any(a in args for a in _FRAME_ARGS):
         return Task.TEXT_TO_VIDEO
     return Task.TEXT_TO_IMAGE
-
-
-def frame_step(pipe: Any) -> int:
-    """Output frames per latent frame after the first: a video VAE that compresses time by k
-    decodes 1 + k*(latent frames - 1) frames, so only counts of the form k*n+1 come out whole.
-    Pipelines round other counts silently (Wan, LTX), which would hand back fewer frames than asked."""
-    for attr in ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"):
-        step = getattr(pipe, attr, None)
-        if isinstance(step, int) and step > 1:
-            return step
-    return 1
-
-
-def size_step(pipe: Any) -> int:
-    """The multiple width and height must be: the VAE's spatial compression times the denoiser's
-    patch side. LTX asks for multiples of 32 and fails on others inside the transformer; SD3 and
-    Wan patch 2x2 latents (16); Flux packs 2x2 latents too. Declared in the capabilities so
-    admission refuses other sizes with the nearest valid ones, never a job failing mid-compute."""
-    ltx = getattr(pipe, "vae_spatial_compression_ratio", None)
-    if isinstance(ltx, int) and ltx > 0:
-        patch = getattr(pipe, "transformer_spatial_patch_size", 1)
-        return max(8, ltx * (patch if isinstance(patch, int) and patch > 0 else 1))
-    factor = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
-    patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", None)
-    side = patch[-1] if isinstance(patch, list | tuple) and patch else patch
-    side = side if isinstance(side, int) and side > 0 else 1
-    if hasattr(pipe, "_pack_latents"):  # Flux: 2x2 latent patches packed into tokens
-        side = max(side, 2)
-    return max(8, int(factor) * side)
-
-
-def check_frames(name: str, step: int, frames: int) -> None:
-    """Refuse a frame count the model cannot make, naming the nearest ones it can."""
-    near = frame_count_neighbours(frames, step)
-    if near is not None:
-        raise PipelineError(
-            f"{name} makes videos of {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, {1 + 3 * step}, ...); "
-            f"num_frames={frames} is not one: use {near[0]} or {near[1]}"
-        )
 
 
 def _is_flow_scheduler(scheduler: Any) -> bool:
@@ -284,7 +247,7 @@ class DiffusersPipeline:
         # a GGUF's quantization first, then quant='s, then the speed-ups', then the attention kernel's
         attention = apply_attention(pipe, options.get("attention", ""), self.device)
         approximations = (*approximations, *quantized, *apply_speedups(pipe, options, self.device),
-                          *attention.approximations)
+                          *attention.approximations, *ltx2.approximations(pipe))
         self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode,
                                                     attention=attention.name)
         self.load_phases.mark("previews, speed-ups, attention")

@@ -51,6 +51,7 @@ _EDITS_OF_FAMILY: dict[str, dict[Task, str]] = {  # what diffusers' auto classes
     "FluxPipeline": {Task.IMAGE_TO_IMAGE: "FluxImg2ImgPipeline", Task.INPAINTING: "FluxInpaintPipeline"},
     # LTX-Video's text-to-video weights are its image-to-video weights (the image conditions the first frame)
     "LTXPipeline": {Task.IMAGE_TO_VIDEO: "LTXImageToVideoPipeline"},
+    "LTX2Pipeline": {Task.IMAGE_TO_VIDEO: "LTX2ImageToVideoPipeline"},  # LTX-2's too (issue 30)
     # Wan 2.2 TI2V's too, where the model has them (``_CANNOT``): the image replaces the first latent frame
     "WanPipeline": {Task.IMAGE_TO_VIDEO: "WanImageToVideoPipeline"},
 }  # fmt: skip
@@ -104,6 +105,10 @@ def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozens
         kwargs["_auto_resize"] = False
     if "max_area" in args:
         kwargs["max_area"] = area
+    if "image_crf" in args:
+        # LTX-2 would re-compress its image as H.264 first (as its training did), which it does for one PIL
+        # picture only, never a batch; the engine's decoded image goes in as it is (docs/models.md says so)
+        kwargs["image_crf"] = 0
     return kwargs
 
 

@@ -27,7 +27,7 @@ class Net:
 class Tok:
     """A generated tokenizer: ``size`` is ``len(tokenizer)`` of the published one."""
 
-    kind: Literal["clip", "t5", "qwen"]
+    kind: Literal["clip", "t5", "qwen", "gemma"]  # gemma: T5's layout (pad 0, eos 1, unk 2) at Gemma's size
     size: int
     max_length: int
     extra_ids: int = 0  # t5: sentinel tokens, included in ``size``
@@ -216,6 +216,27 @@ QWEN_SCHEDULER = {
 
 CLIP_TOKENIZER = Tok("clip", 49408, 77)
 
+# LTX-2 (issue 30): diffusers' own defaults for the LTX-2 classes, which their docstrings give as the released
+# model's (the real config.json files cannot be read here); the video VAE's compression is stated, as the release
+# does (diffusers would count each of its four scaling blocks as 2x in space and time: 64x16, not 32x8).
+LTX2_VAE = {"spatial_compression_ratio": 32, "temporal_compression_ratio": 8}
+# Gemma 3 12B (google/gemma-3-12b-it's config), the whole vision-language model as LTX-2 loads it.
+GEMMA3_12B = {
+    "text_config": {
+        "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 1024,
+        "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    },
+    "vision_config": {
+        "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "image_size": 896, "patch_size": 14, "vision_use_head": False,
+    },
+    "mm_tokens_per_image": 256,
+}  # fmt: skip
+LTX2_SCHEDULER = {**LTX_SCHEDULER, "use_dynamic_shifting": True}
+
+
 # FLUX.1-dev's components; FLUX.1 Kontext-dev is the same architecture under another pipeline.
 FLUX_DEV_PARTS: Mapping[str, Part] = {
     "transformer": Net("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
@@ -369,6 +390,26 @@ PRESETS: dict[str, Preset] = {
                 "scheduler": Sched("FlowMatchEulerDiscreteScheduler", LTX_SCHEDULER),
             },
             defaults={"width": 704, "height": 480, "steps": 50, "guidance": 3.0, "num_frames": 161, "fps": 25},
+        ),
+        Preset(  # video and its sound track; diffusiond serves the video (pipelines/ltx2.py)
+            name="ltx-2",
+            source="LTX-2 19B",
+            pipeline="LTX2Pipeline",
+            parts={
+                "transformer": Net("LTX2VideoTransformer3DModel", {}),
+                "connectors": Net("LTX2TextConnectors", {}),
+                "vae": Net("AutoencoderKLLTX2Video", LTX2_VAE),
+                "audio_vae": Net("AutoencoderKLLTX2Audio", {}),
+                "vocoder": Net("LTX2Vocoder", {}),
+                "text_encoder": Net("Gemma3ForConditionalGeneration", GEMMA3_12B),
+                "tokenizer": Tok("gemma", 262144, 1024),
+                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", LTX2_SCHEDULER),
+                "processor": None,
+                "prompt_enhancer": None,
+                "duration_head": None,
+            },
+            # LTX2Pipeline's own defaults (768x512, 121 frames at 24 fps, 30 steps, guidance 3)
+            defaults={"width": 768, "height": 512, "steps": 30, "guidance": 3.0, "num_frames": 121, "fps": 24},
         ),
         Preset(
             name="qwen-image",

@@ -58,10 +58,20 @@ def _class(name: str) -> type[Any]:
     import diffusers
     import transformers
 
-    cls = getattr(diffusers, name, None) or getattr(transformers, name, None)
+    cls = getattr(diffusers, name, None) or getattr(transformers, name, None) or _ltx2_class(name)
     if not isinstance(cls, type):
         raise PipelineError(f"neither diffusers nor transformers has a class {name!r} (too old a version?)")
     return cls
+
+
+def _ltx2_class(name: str) -> Any:
+    """LTX-2's text connectors and vocoder, which diffusers keeps in its pipeline's package, not at the top."""
+    if not name.startswith("LTX2"):
+        return None
+    import diffusers.pipelines.ltx2 as ltx2
+    import diffusers.pipelines.ltx2.vocoder as vocoder
+
+    return getattr(ltx2, name, None) or getattr(vocoder, name, None)
 
 
 @contextmanager
