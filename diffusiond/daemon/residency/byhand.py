@@ -103,5 +103,5 @@ def snapshot(k: Keeper) -> dict[str, ModelStatus]:
         model = k.pool.models.get(name)
         if name not in out and model is not None:
             out[name] = ModelStatus(name, model.config.devices[0], "disk", 0, 0, None, False, model.config.pinned,
-                                    0, 0, failed_load(why))
+                                    0, 0, failed_load(why), per_device=dict.fromkeys(model.config.devices, 0))
     return out

@@ -82,7 +82,7 @@ class Keeper:
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {}
-        for device in dict.fromkeys(m.config.devices[0] for m in pool.models.values()):
+        for device in dict.fromkeys(d for m in pool.models.values() for d in m.config.devices):
             budget = budgets[device] = config.budget_of(device)
             log.info("budget on %s: %s (%s)", device, format_bytes(budget.nbytes), budget.source)
         self.budget_sources = {d: b.source for d, b in budgets.items()}  # a refusal names where its budget came from
@@ -109,7 +109,7 @@ class Keeper:
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
         self._expiry = asyncio.ensure_future(self._expire_forever())
-        gpus = [m.config.devices[0] for m in self.pool.models.values() if m.config.devices[0].startswith("cuda")]
+        gpus = [d for m in self.pool.models.values() for d in m.config.devices if d.startswith("cuda")]
         if gpus:  # other programs come first: watch the GPUs' real free memory
             self.pressure = PressureWatch(self.policy, gpus, self.config.reserve_memory_bytes,
                                           move=self._pressure_move, on_change=self.on_change, read=self.read_free)
@@ -144,7 +144,7 @@ class Keeper:
         weights = model.capabilities.weight_bytes if model.known else device_weights(c.spec, c.options, c.dtype,
                                                                                       on_cpu=on_cpu)
         if weights is not None:  # else a hub id or preset: its first load tells (``learn``)
-            self.policy.add(model.name, c.devices[0], weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
+            self.policy.add(model.name, c.devices, weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
                             hints=too_large_hints(c.spec, on_cpu), host_bytes=model.capabilities.host_bytes)
             waiting = self.queued(model.name)
             if waiting:
@@ -175,7 +175,7 @@ class Keeper:
             return None
         plan = self.policy.plan(name, shape)
         if isinstance(plan, TooLarge):
-            device = self.pool.models[name].config.devices[0]
+            device = plan.device or self.pool.models[name].config.devices[0]
             return dataclasses.replace(plan, reason=f"{plan.reason}. The budget on {device} is "
                                                     f"{self.budget_sources.get(device, 'unknown')}")
         self.policy.queue(name, outputs)
@@ -184,28 +184,30 @@ class Keeper:
     def nothing_fits(self, model: Model) -> TooLarge:
         """Every job of a model for which ``offload=auto`` found no configuration that fits (config.py) is
         refused, and so is loading it by hand: the refusal names what was tried."""
-        return TooLarge(model.name, 0, self.policy.budgets[model.config.devices[0]], (),
-                        f"model {model.name!r} cannot run on {model.config.devices[0]}: {model.config.nothing_fits}")
+        device = min(model.config.devices, key=lambda d: self.policy.budgets[d])  # the smallest, as config.py
+        return TooLarge(model.name, 0, self.policy.budgets[device], (),
+                        f"model {model.name!r} cannot run on {device}: {model.config.nothing_fits}", device=device)
 
     def unqueue(self, name: str, outputs: int) -> None:
         if self.known(name) and outputs:
             self.policy.unqueue(name, min(outputs, self.policy.queued(name)))
             self._pending_unloads()
 
-    def batch_started(self, name: str, shape: Shape) -> None:
+    def batch_started(self, name: str, shape: Shape, device: str | None = None) -> None:
         if self.known(name):
             missing = shape.batch - self.policy.queued(name)
             if missing > 0:  # admitted before the model was known (resumed from the state dir, or at start)
                 self.policy.queue(name, missing)
             try:
-                self.policy.start(name, shape, time.monotonic(), jobs=shape.batch)
+                self.policy.start(name, shape, time.monotonic(), jobs=shape.batch, device=device)
             except ResidencyError as exc:  # the books are off; the batch runs regardless, and it is said
                 log.error("residency: %s", exc)
 
-    def batch_finished(self, name: str, shape: Shape, keep_alive_s: float | None) -> None:
+    def batch_finished(self, name: str, shape: Shape, keep_alive_s: float | None, device: str | None = None) -> None:
         if self.known(name):
             with contextlib.suppress(ResidencyError):  # a worker lost under it: worker_died settled the counts
-                self.policy.finish(name, shape, time.monotonic(), jobs=shape.batch, keep_alive_s=keep_alive_s)
+                self.policy.finish(name, shape, time.monotonic(), jobs=shape.batch, keep_alive_s=keep_alive_s,
+                                   device=device)
             self._pending_unloads()
             if self._held or self.turns.holds:
                 # what it held may let a waiting model go, and nothing else would dispatch: the batch's

@@ -106,7 +106,7 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
             continue
         tried.append((model, None))
         plan = k.policy.plan(model.name, None)
-        over = k.policy.device_used(model.config.devices[0]) > k.policy.budgets[model.config.devices[0]]
+        over = any(k.policy.device_used(d) > k.policy.budgets[d] for d in model.config.devices)
         if over or isinstance(plan, TooLarge):
             move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
             await k._move(model, move)
