@@ -407,8 +407,12 @@ class Keeper:
         name = model.name
         t0 = time.monotonic()
         try:
-            if src == "host":
+            if src == "host":  # one copy per tensor and one wait: 0 as it begins, the total once done (issue 27)
+                self.loads.waking(model, 0)
+                self.on_change()
                 await self.pool.wake_model(model)
+                self.loads.waking(model, self.loads.total(model) or 0)
+                self.on_change()  # still moving: its jobs show the total before they leave ``loading``
             else:
                 await self.pool.revive(model)
         except Exception as exc:
@@ -424,6 +428,7 @@ class Keeper:
             self.metrics.model_loads_total.labels(name).inc()
             self.metrics.model_load_seconds.observe(time.monotonic() - t0)
             self.moving.discard(name)
+        self.loads.waking(model, None)
         self._pending_unloads()
         self.on_change()
 

@@ -1,0 +1,74 @@
+"""Moves between host memory and the device, against the engine with fake workers on a fake GPU
+(``cuda:0``): a job waiting for its model's wake from host memory shows how far it is (issue 27's
+``loading.bytes_loaded``, 0 then all of it: the wake is one copy and one wait, with nothing to report between).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import msgspec
+import pytest
+from enginekit import CAPS, FakeWorker, Harness
+from residencykit import G
+
+from diffusiond.daemon.config import ModelConfig
+from diffusiond.daemon.core.jobs import Job, JobRequest
+from diffusiond.daemon.workers.link import Command
+from diffusiond.ipc.messages import Ack, Ready, Wake
+from diffusiond.protocol import Event, WorkerState
+
+
+@pytest.fixture
+def wakes(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Workers load 1 GiB each; a WAKE (host -> device) ends once this event is set."""
+    release = asyncio.Event()
+    command = FakeWorker.command
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, self.config.device, 1.0, msgspec.structs.replace(CAPS, weight_bytes=G))
+
+    async def slow_wake(self: FakeWorker, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack:
+        if isinstance(msg, Wake):
+            await release.wait()
+        return await command(self, msg, timeout, fds)
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    monkeypatch.setattr(FakeWorker, "command", slow_wake)
+    return release
+
+
+def job(h: Harness, model: str) -> Job:
+    return h.engine.submit(JobRequest(model=model, prompt="x", n=1, width=64, height=64, steps=2, guidance=1.0,
+                                      output_format="png", seed=1))
+
+
+async def until(check: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail("timed out")
+
+
+async def test_a_job_waiting_for_a_wake_from_host_memory_sees_0_then_all_of_its_bytes(wakes: asyncio.Event) -> None:
+    h = Harness(models=(ModelConfig(name="a", spec="fake", devices=("cuda:0",)),), device_memory="8GiB", max_batch=1)
+    await h.engine.start()
+    try:
+        await h.engine.unload_model("a")
+        assert h.engine.keeper.snapshot()["a"].residency == "host"
+        seen: list[tuple[str, int | None, int | None]] = []
+        waiting = job(h, "a")
+        waiting.listeners.add(lambda event, j: seen.append((j.stage_label, j.bytes_loaded, j.load_bytes))
+                              if event == Event.STATUS else None)
+        await until(lambda: waiting.bytes_loaded == 0)
+        assert (waiting.stage_label, waiting.load_bytes) == ("loading", G), "the wake has begun: 0 of its bytes"
+        wakes.set()
+        await until(lambda: bool(h.spawned[-1].executed))
+        assert ("loading", 0, G) in seen and ("loading", G, G) in seen, seen
+        assert seen.index(("loading", 0, G)) < seen.index(("loading", G, G)), seen
+        assert h.engine.keeper.loads.so_far(h.engine.pool.models["a"], G) is None, "forgotten once it has ended"
+    finally:
+        await h.close()
