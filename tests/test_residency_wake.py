@@ -6,15 +6,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import pytest
 from enginekit import CAPS, FakeWorker, Harness
 from residencykit import G
+from test_review_engine import job, until  # a job for a model; a check that comes true soon
 
 from diffusiond.daemon.config import ModelConfig
-from diffusiond.daemon.core.jobs import Job, JobRequest
 from diffusiond.daemon.workers.link import Command
 from diffusiond.ipc.messages import Ack, Ready, Wake
 from diffusiond.protocol import Event, WorkerState
@@ -38,19 +38,6 @@ def wakes(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     monkeypatch.setattr(FakeWorker, "start", start)
     monkeypatch.setattr(FakeWorker, "command", slow_wake)
     return release
-
-
-def job(h: Harness, model: str) -> Job:
-    return h.engine.submit(JobRequest(model=model, prompt="x", n=1, width=64, height=64, steps=2, guidance=1.0,
-                                      output_format="png", seed=1))
-
-
-async def until(check: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    pytest.fail("timed out")
 
 
 async def test_a_job_waiting_for_a_wake_from_host_memory_sees_0_then_all_of_its_bytes(wakes: asyncio.Event) -> None:
