@@ -1,6 +1,7 @@
 """Moves between host memory and the device, against the engine with fake workers on a fake GPU
 (``cuda:0``): a job waiting for its model's wake from host memory shows how far it is (issue 27's
-``loading.bytes_loaded``, 0 then all of it: the wake is one copy and one wait, with nothing to report between).
+``loading.bytes_loaded``, 0 then all of it: the wake is one copy and one wait, with nothing to report between);
+a job's evictions copy a model into host memory only once the drop that makes its room there has ended.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from test_review_engine import job, until  # a job for a model; a check that com
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.workers.link import Command
-from diffusiond.ipc.messages import Ack, Ready, Wake
+from diffusiond.ipc.messages import Ack, Ready, Sleep, Wake
 from diffusiond.protocol import Event, WorkerState
 
 
@@ -58,4 +59,41 @@ async def test_a_job_waiting_for_a_wake_from_host_memory_sees_0_then_all_of_its_
         assert seen.index(("loading", 0, G)) < seen.index(("loading", G, G)), seen
         assert h.engine.keeper.loads.so_far(h.engine.pool.models["a"], G) is None, "forgotten once it has ended"
     finally:
+        await h.close()
+
+
+async def test_a_jobs_evictions_copy_into_host_memory_only_after_the_drop_that_makes_its_room(
+        wakes: asyncio.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27: the drop (d's worker stops) and the copy (a's worker sleeps) of one plan ran side by side, so
+    host memory briefly held both d's and a's weights, past ``--host-memory``."""
+    dropped, order = asyncio.Event(), []
+    stop = FakeWorker.stop
+
+    async def slow_stop(self: FakeWorker, timeout: float) -> None:
+        order.append(f"{self.config.model_name} stops")
+        if self.config.model_name == "d":
+            await dropped.wait()
+        await stop(self, timeout)
+
+    monkeypatch.setattr(FakeWorker, "stop", slow_stop)
+    h = Harness(models=tuple(ModelConfig(name=n, spec="fake", devices=("cuda:0",)) for n in "dabc"),
+                device_memory="2560MiB", host_memory="1GiB", max_batch=1)  # the device holds two, host memory one
+    await h.engine.start()
+    try:
+        await h.engine.unload_model("d")
+        await h.engine.load_model("b")
+        places = {n: s.residency for n, s in h.engine.keeper.snapshot().items()}
+        assert places == {"a": "device", "b": "device", "c": "disk", "d": "host"}, places
+        order.clear()
+        job(h, "c")  # a (least recently used) leaves for host memory, where d (older still) makes it room
+        await until(lambda: "d stops" in order)
+        await asyncio.sleep(0.05)
+        a = next(w for w in h.spawned if w.config.model_name == "a")
+        assert order == ["d stops"] and not any(isinstance(c, Sleep) for c in a.commands), \
+            "a's copy waits: host memory holds d's weights until d's worker has stopped"
+        dropped.set()
+        await until(lambda: h.engine.keeper.snapshot()["c"].residency == "device")
+        assert h.engine.keeper.snapshot()["a"].residency == "host"
+    finally:
+        dropped.set()
         await h.close()

@@ -112,7 +112,7 @@ class Keeper:
         gpus = [d for m in self.pool.models.values() for d in m.config.devices if d.startswith("cuda")]
         if gpus:  # other programs come first: watch the GPUs' real free memory
             self.pressure = PressureWatch(self.policy, gpus, self.config.reserve_memory_bytes,
-                                          move=self._pressure_move, on_change=self.on_change, read=self.read_free)
+                                          move=self._spawn_moves, on_change=self.on_change, read=self.read_free)
             self._watch = asyncio.ensure_future(self.pressure.run())
 
     def stop(self) -> None:
@@ -121,11 +121,6 @@ class Keeper:
                 task.cancel()
         if self._turn_timer is not None:
             self._turn_timer.cancel()
-
-    def _pressure_move(self, move: Move) -> None:
-        model = self.pool.models.get(move.model)
-        if model is not None and move.model not in self.moving:
-            self._spawn_move(model, move)
 
     async def preload(self, socket_activated: bool = False) -> None:
         """The models the configuration chooses onto their devices (``ondemand.preload``)."""
@@ -226,10 +221,8 @@ class Keeper:
             return
         decision = self.policy.on_oom(name, shape, 0)
         log.warning("%s: %s", name, decision.reason)
-        for move in decision.moves if isinstance(decision, OomRetry) else ():
-            model = self.pool.models.get(move.model)
-            if model is not None:
-                self._spawn_move(model, move)
+        if isinstance(decision, OomRetry):
+            self._spawn_moves(decision.moves)
 
     # working memory, measured (worker/memory.py) and remembered (the state dir) -----------------------
     def measured(self, name: str, shape: Shape, peak_bytes: int) -> dict[str, Any] | None:
@@ -313,8 +306,7 @@ class Keeper:
                 return True
             self._begin_load(model, plan.load_from, plan.reason)
         elif isinstance(plan, Evict):
-            for move in plan.moves:
-                self._spawn_move(self.pool.models[move.model], move)
+            self._spawn_moves(plan.moves)
         elif isinstance(plan, Wait):
             log.debug("%s waits: %s", name, plan.reason)
             self._held[name] = plan.stage
@@ -339,8 +331,7 @@ class Keeper:
         got = self.policy.evict(name, f"it yields {hold.device} to {hold.for_model} (--max-model-wait)",
                                 queued_ok=True)
         if isinstance(got, Evict):
-            for move in got.moves:
-                self._spawn_move(self.pool.models[move.model], move)
+            self._spawn_moves(got.moves)
 
     def why_waiting(self, name: str) -> str:
         """The stage a queued job of ``name`` shows while residency holds it back: the policy's own word
@@ -445,10 +436,12 @@ class Keeper:
     def _start_learning(self, model: Model) -> asyncio.Task[str | None]:
         return ondemand.start_learning(self, model)
 
-    def _spawn_move(self, model: Model, move: Move) -> None:
-        """A move left to run in a task (a dispatch does not wait for it), booked at once as a load is."""
-        if self._book(model, move):
-            self._start(self._carry(model, move))
+    def _spawn_moves(self, moves: tuple[Move, ...]) -> None:
+        """A decision's moves, left to run in a task (a dispatch does not wait for them), booked at once as a
+        load is, and carried in their order: a copy into host memory only once the drops out of it that make
+        its room are done, so host memory stays within ``--host-memory`` at every moment, not only in the books."""
+        if moves:
+            self._start(leaving.carry_in_order(self, moves))
 
     async def _move(self, model: Model, move: Move) -> None:
         if self._book(model, move):
