@@ -1,7 +1,8 @@
 """Moves between host memory and the device, against the engine with fake workers on a fake GPU
 (``cuda:0``): a job waiting for its model's wake from host memory shows how far it is (issue 27's
 ``loading.bytes_loaded``, 0 then all of it: the wake is one copy and one wait, with nothing to report between);
-a job's evictions copy a model into host memory only once the drop that makes its room there has ended.
+a job's evictions copy a model into host memory only once the drop that makes its room there has ended;
+a level-1 sleep that comes during a wake from host memory which outlasts the drain sends that model back too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from enginekit import CAPS, FakeWorker, Harness
 from residencykit import G
 from test_review_engine import job, until  # a job for a model; a check that comes true soon
 
+from diffusiond.commands.admin import asleep_line
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.workers.link import Command
 from diffusiond.ipc.messages import Ack, Ready, Sleep, Wake
@@ -97,3 +99,34 @@ async def test_a_jobs_evictions_copy_into_host_memory_only_after_the_drop_that_m
     finally:
         dropped.set()
         await h.close()
+
+
+async def test_a_level_1_sleep_racing_a_wake_past_the_drain_sends_that_model_back_to_host_memory(
+        wakes: asyncio.Event) -> None:
+    """Issue 27: the wake ended after the drain's deadline, and its worker stayed awake on the device."""
+    h = Harness(models=(ModelConfig(name="a", spec="fake", devices=("cuda:0",)),), device_memory="8GiB",
+                drain_grace_s=0.1, max_batch=1)
+    await h.engine.start()
+    try:
+        await h.engine.unload_model("a")
+        waiting = job(h, "a")
+        await until(lambda: waiting.bytes_loaded == 0)  # its wake from host memory is under way
+        sleeping = asyncio.ensure_future(h.engine.sleep(1))
+        await asyncio.sleep(0.3)  # past the drain's deadline
+        assert not sleeping.done(), "the sleep waits for the wake under way"
+        wakes.set()
+        answer = await sleeping
+        assert answer["models"]["a"]["residency"] == "host" and answer["stayed"] == {}, answer
+        assert [w.state for w in h.spawned if w.state != WorkerState.DEAD] == [WorkerState.SLEEPING]
+        assert not waiting.terminal, "its job waits for the wake"
+        await h.engine.wake()
+        await until(lambda: bool(h.spawned[-1].executed))
+    finally:
+        await h.close()
+
+
+def test_the_cli_says_why_a_model_stayed_on_its_device() -> None:
+    answer = {"level": 1, "models": {"a": {"residency": "device", "device": "cuda:0", "workers": 1}},
+              "stayed": {"a": "1 output(s) still running when the drain ended (--drain-grace-s)"}}
+    line = asleep_line(answer, 1)
+    assert "a still on its device (1 output(s) still running when the drain ended" in line, line
