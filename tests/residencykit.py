@@ -36,7 +36,7 @@ class Engine:
     def check(self) -> None:
         for device, budget in self.r.budgets.items():
             assert self.r.device_used(device) <= budget
-            on = sum(s.device_bytes for s in self.r.snapshot() if s.device == device and s.residency == "device")
+            on = sum(s.per_device.get(device, 0) for s in self.r.snapshot() if s.residency == "device")
             assert on <= budget
         assert self.r.host_used() <= self.r.host_budget
 

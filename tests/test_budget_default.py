@@ -110,3 +110,17 @@ def test_auto_is_the_default_offload_on_a_gpu_with_a_budget(big: Path) -> None:
                  resolve_offload(ModelConfig(name="m", spec=str(big), devices=("cuda:0",),
                                              options={"offload": "none"}), 1024)):
         assert kept.options.get("offload", "none") == "none" and not kept.nothing_fits, kept
+
+
+def test_auto_plans_a_model_on_two_gpus_against_the_smaller_of_their_budgets(
+        big: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27: each device's default budget is its own, and each worker must fit; auto read cuda:0's only."""
+    import diffusiond.daemon.config as config_module
+    from diffusiond.daemon.residency.budget import Budget
+
+    room = {"cuda:0": 64 * G, "cuda:1": 100 * 1024}  # cuda:1 has almost nothing free
+    monkeypatch.setattr(config_module, "resolve_budget",
+                        lambda size, reserve, device, *a: Budget(room[device], f"{device}'s free memory"))
+    config = build_config({}, {"model": [f"m={big}"], "device": "cuda:0,cuda:1"})
+    assert [config.budget_of(d).nbytes for d in ("cuda:0", "cuda:1")] == [64 * G, 100 * 1024]
+    assert config.models[0].options["offload"] != "none", config.models[0]

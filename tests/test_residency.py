@@ -271,3 +271,28 @@ def test_measurements_are_used_and_round_trip_through_the_state_dir() -> None:
 def test_a_damaged_measurements_file_is_refused_clearly(data: object, expected: str) -> None:
     with pytest.raises(ValueError, match=expected):
         Measurements.from_dict(data)
+
+
+def test_a_model_on_two_devices_is_counted_on_each_and_makes_room_on_each() -> None:
+    """Issue 27: a worker per device, each with its copy; before, only the first device counted it."""
+    r = Residency({"cuda:0": 10 * G, "cuda:1": 6 * G}, 0)
+    r.add("x", "cuda:1", 4 * G)
+    r.add("m", ("cuda:0", "cuda:1"), 4 * G)
+    for name in "xm":
+        r.measured(name, S, G)
+    e = Engine(r)
+    e.run("x")
+    e.run("m")  # cuda:0 has room; cuda:1 only once x leaves
+    assert on_device(r) == ["m"] and [mv.model for mv in e.moves] == ["x"]
+    assert "on cuda:1" in e.moves[0].reason
+    assert (r.device_used("cuda:0"), r.device_used("cuda:1")) == (4 * G, 4 * G)
+    assert {s.name: s.per_device for s in r.snapshot()}["m"] == {"cuda:0": 4 * G, "cuda:1": 4 * G}
+    r.queue("m")
+    r.start("m", S, e.now, device="cuda:1")  # a run holds working memory on its worker's device only
+    assert (r.device_used("cuda:0"), r.device_used("cuda:1")) == (4 * G, 5 * G)
+    r.finish("m", S, e.now, device="cuda:1")
+    big = Residency({"cuda:0": 10 * G, "cuda:1": 6 * G}, 0)
+    big.add("m", ("cuda:0", "cuda:1"), 7 * G)
+    refused = big.plan("m", None)
+    assert isinstance(refused, TooLarge) and refused.device == "cuda:1" and "cuda:1" in refused.reason
+    assert big.preload(["m"]) == []

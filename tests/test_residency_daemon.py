@@ -194,6 +194,31 @@ def test_a_model_bigger_than_the_budget_is_refused_at_admission_with_what_it_nee
     asyncio.run(go())
 
 
+def test_a_model_with_two_workers_on_a_device_counts_a_copy_of_its_weights_per_worker(
+        three_models: dict[str, Path], daemon_factory: Any) -> None:
+    """Issue 27: each worker loads its own copy, so a budget that holds one copy refuses two workers."""
+    from diffusiond.daemon.residency.fit import device_weights
+
+    weights = device_weights(str(three_models["a"]), {}, "float32", on_cpu=True)
+    assert weights
+    d = started(daemon_factory, "--model", f"a={three_models['a']}", "--workers", "2", "--no-persist",
+                "--dtype", "float32", "--device-memory", str(weights * 3 // 2))
+
+    async def go() -> None:
+        async with http(d.socket) as s:
+            async with s.post("/v1/jobs", json={"prompt": "x", **JOB}) as r:
+                body = await r.json()
+                assert r.status == 400, body
+            err = body["error"]
+            assert err["code"] == "model_too_large" and "2 workers there" in err["message"], err
+            assert "fewer workers on cpu" in err["message"], err["message"]
+            a = (await models_by_name(s))["a"]
+            assert a["device"] == "cpu,cpu" and a["residency"] == "disk", a
+            assert a["device_bytes_by_device"] == {"cpu": 0}, a
+
+    asyncio.run(go())
+
+
 def test_sigkill_of_the_daemon_during_a_load_then_a_restart_loses_no_job(
         three_models: dict[str, Path], daemon_factory: Any, tmp_path: Path) -> None:
     """The durable-jobs contract (docs/api.md) across a crash in residency's busiest moment: a budget for

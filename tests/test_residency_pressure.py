@@ -42,10 +42,11 @@ class Fake:
     def read(self, ident: int | str) -> int:
         return self.free[ident]
 
-    def move(self, mv: Move) -> None:
-        self.moves.append(mv)
-        self.r.unloading(mv)
-        self.r.unloaded(mv)
+    def move(self, moves: tuple[Move, ...]) -> None:
+        for mv in moves:
+            self.moves.append(mv)
+            self.r.unloading(mv)
+            self.r.unloaded(mv)
 
     def dispatch(self) -> None:
         self.dispatches += 1

@@ -191,8 +191,10 @@ def asleep_line(answer: dict[str, Any], asked: int) -> str:
         parts.append(f"nothing freed for {', '.join(by['cpu'])}: on a CPU the weights are in host memory "
                      "already (`diffusiond sleep --level 2` stops its workers)")
     busy = [n for k, names in by.items() if k not in ("host", "disk", "cpu") for n in names]
-    if busy:
-        parts.append(f"{', '.join(busy)} still on its device (still busy when the drain ended)")
+    stayed = answer.get("stayed")
+    stayed = stayed if isinstance(stayed, dict) else {}  # a daemon from before the answer said why
+    for n in busy:
+        parts.append(f"{n} still on its device ({stayed.get(n) or 'still busy when the drain ended'})")
     return f"{head}: {'; '.join(parts) or 'no model'}; `diffusiond wake` takes it back"
 
 

@@ -441,7 +441,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
     config = replace(config, budgets=start_budgets(config))
-    models = [resolve_offload(m, _bound(config.budget_of(m.devices[0]).nbytes)) for m in config.models]
+    # offload=auto plans against the smallest budget of the model's devices: each of its workers must fit
+    models = [resolve_offload(m, _bound(min(config.budget_of(d).nbytes for d in m.devices))) for m in config.models]
     return replace(config, models=tuple(replace(m, warmup=resolve_warmup(
         m.name, m.warmup, config.batch_sizes_of(m), m.compile, model_options(m.spec, m.options)))
         for m in models))

@@ -58,8 +58,9 @@ class _ResidencyCollector(Collector):
             "diffusiond_model_bytes",
             "Bytes a model holds, by tier: device (weights and running work's memory) and host (weights waiting "
             "in host memory)", labels=["model", "device", "tier"])
-        for m in self.snapshot():
-            family.add_metric([m.name, m.device, "device"], m.device_bytes)
+        for m in self.snapshot():  # a model on several devices: a series per device; host memory on its first
+            for device, nbytes in (m.per_device or {m.device: m.device_bytes}).items():
+                family.add_metric([m.name, device, "device"], nbytes)
             family.add_metric([m.name, m.device, "host"], m.host_bytes)
         yield family
 

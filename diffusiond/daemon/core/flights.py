@@ -140,7 +140,7 @@ class Flights:
         self.batches[batch.id] = batch
         for i in items:
             i.worker, i.batch_id = worker, batch.id
-        self.keeper.batch_started(worker.config.model_name, _shape(items))
+        self.keeper.batch_started(worker.config.model_name, _shape(items), worker.config.device)
         self.metrics.batch_size.observe(len(items))
         queue = self.in_flight[worker]
         queue.append(batch)
@@ -295,7 +295,7 @@ class Flights:
             keep = longest_keep_alive(asked, lambda a: policy.keep_alive_for(name, a))
         else:
             keep = asked[0]
-        self.keeper.batch_finished(name, _shape(batch.items), keep)
+        self.keeper.batch_finished(name, _shape(batch.items), keep, batch.worker.config.device)
 
     def batches_in_flight(self, worker: WorkerLink) -> int:
         return len(self.in_flight.get(worker, ()))

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.errors import PowerFailed
-from diffusiond.daemon.residency.decisions import Fits
+from diffusiond.daemon.residency.decisions import Fits, ModelStatus
 from diffusiond.daemon.residency.keeper import Keeper
 from diffusiond.daemon.residency.preload import choose
 from diffusiond.daemon.workers.pool import Model, WorkerPool
@@ -85,15 +85,38 @@ async def sleep(engine: Engine, level: int) -> dict[str, Any]:
             await keeper.sleep(model, level, reason)
 
     results = await asyncio.gather(*(one(m) for m in models), return_exceptions=True)
-    failed = [(m.name, e) for m, e in zip(models, results, strict=True) if isinstance(e, BaseException)]
+    # A move still under way past the drain's deadline (a load from host memory or disk a job began) would
+    # leave its worker awake once it ends: the sleep waits for it (each move is bounded by the worker's own
+    # timeout, worker_start_timeout_s), then the level applies to that model too (issue 27).
+    late = [m for m in models if m.name in keeper.moving]
+    if late:
+        log.info("sleep waits for the moves of %s, under way past the drain", ", ".join(m.name for m in late))
+        while any(m.name in keeper.moving for m in late):
+            await asyncio.sleep(MOVES_POLL_S)
+        results += await asyncio.gather(*(one(m) for m in late), return_exceptions=True)
+    failed = [(m.name, e) for m, e in zip([*models, *late], results, strict=True) if isinstance(e, BaseException)]
     if failed:
         raise PowerFailed(f"sleep could not move {failed[0][0]} off its device: {failed[0][1]}",
                           code=ErrorCode.SLEEP_FAILED)
     answer = placed(engine)
-    stayed = [m for m, where in answer["models"].items() if where["residency"] == "device"]
-    if stayed:
-        log.info("asleep at level %d; on their devices still: %s", level, ", ".join(stayed))
+    status = keeper.snapshot()
+    answer["stayed"] = {m.name: _why_stayed(m, level, status.get(m.name)) for m in models
+                        if answer["models"][m.name]["residency"] in ("device", "loading")}
+    if answer["stayed"]:
+        log.info("asleep at level %d; on their devices still: %s", level,
+                 "; ".join(f"{n} ({why})" for n, why in answer["stayed"].items()))
     return answer
+
+
+def _why_stayed(model: Model, level: int, status: ModelStatus | None) -> str:
+    """Why a model is on its device still after a sleep, for the sleep's answer (``stayed``)."""
+    if level == 1 and on_cpu(model):
+        return "its device is the CPU: paused in place, nothing to free (level 2 stops its workers)"
+    if status is None:
+        return "not placed yet"
+    if status.running:
+        return f"{status.running} output(s) still running when the drain ended (--drain-grace-s)"
+    return status.reason
 
 
 def placed(engine: Engine) -> dict[str, Any]:

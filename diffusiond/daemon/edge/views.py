@@ -215,6 +215,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "offload": m.capabilities.offload, "batch_sizes": list(engine.config.batch_sizes_of(m.config)),
             "residency": where.residency if where is not None else ("disk" if m.retired else "loading"),
             "device_bytes": where.device_bytes if where is not None else 0,
+            "device_bytes_by_device": dict(where.per_device) if where is not None else {},
             "host_bytes": where.host_bytes if where is not None else 0,
             "keep_alive_until": None if until is None else round(now_wall + (until - now), 3),
             "keep_alive_forever": bool(where and where.forever),

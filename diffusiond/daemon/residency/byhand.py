@@ -40,7 +40,7 @@ class Keeper(Protocol):
 
     def may_dispatch(self, model: Model, shape: Any) -> bool: ...
     def _move(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
-    def _spawn_move(self, model: Model, move: Move) -> None: ...
+    def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
 
 
 async def load(k: Keeper, model: Model) -> None:
@@ -91,8 +91,7 @@ def pending(k: Keeper) -> None:
         if isinstance(got, Evict):
             del k.unloads[name]
             log.info("%s: its work is done, the unload by hand goes ahead", name)
-            for move in got.moves:
-                k._spawn_move(k.pool.models[move.model], move)
+            k._spawn_moves(got.moves)
 
 
 def snapshot(k: Keeper) -> dict[str, ModelStatus]:
@@ -103,5 +102,5 @@ def snapshot(k: Keeper) -> dict[str, ModelStatus]:
         model = k.pool.models.get(name)
         if name not in out and model is not None:
             out[name] = ModelStatus(name, model.config.devices[0], "disk", 0, 0, None, False, model.config.pinned,
-                                    0, 0, failed_load(why))
+                                    0, 0, failed_load(why), per_device=dict.fromkeys(model.config.devices, 0))
     return out

@@ -6,7 +6,7 @@ reports back through ``Residency``'s transitions. Nothing here refers to process
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal
 
 from diffusiond.daemon.residency.working import Shape
@@ -74,6 +74,7 @@ class TooLarge:
     hints: tuple[str, ...]
     reason: str
     code: str = MODEL_TOO_LARGE
+    device: str = ""  # where it does not fit (a model on several devices: the first that refuses it)
 
 
 Plan = Fits | Evict | Wait | TooLarge
@@ -140,6 +141,7 @@ class ModelStatus:
     running: int
     reason: str  # why it is where it is: the last transition's reason
     unload_pending: bool = False  # an unload by hand waits for its work (``byhand.unload``)
+    per_device: dict[str, int] = field(default_factory=dict)  # device -> its share of ``device_bytes``
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

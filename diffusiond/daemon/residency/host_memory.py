@@ -5,39 +5,26 @@ A model in the host tier holds all of its weights there. An offloaded one (``off
 share at READY (``Capabilities.host_bytes``, ``pipelines/offload.host_bytes``), pinned for group and stream,
 and FLUX under ``offload=group`` keeps about 34 GB so. Counting only the host tier let such models overcommit
 ``--host-memory`` by tens of GB; here every tier but disk counts what it holds, and a model on its way to the
-host tier counts its whole size (its device share joins its host share).
+host tier counts its whole size (its device share joins its host share). A model on several devices has a
+worker per device, each with its own host copy: each counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
 
-from diffusiond.daemon.residency.decisions import Move, Tier
+from diffusiond.daemon.residency.decisions import Move
+from diffusiond.daemon.residency.entry import ModelEntry as _Model
 from diffusiond.daemon.residency.units import format_bytes
 
 
-class _Model(Protocol):
-    """What is read of the room's record of a model (``policy._Model``, which imports this module)."""
-
-    name: str
-    device: str
-    weight_bytes: int
-    host_bytes: int
-    tier: Tier
-    loading_from: Tier | None
-    leaving: Move | None
-    last_used: float
-
-    @property
-    def idle(self) -> bool: ...
-
-
 def held(m: _Model) -> int:
-    """Bytes ``m`` holds in host memory now, or has been promised there (a move or load under way)."""
+    """Bytes ``m`` holds in host memory now, or has been promised there (a move or load under way): once per
+    worker, each of which keeps its own copy."""
+    workers = len(m.devices)
     if m.tier == "host" or m.loading_from == "host" or (m.leaving is not None and m.leaving.dst == "host"):
-        return m.weight_bytes + m.host_bytes
-    return m.host_bytes if m.tier in ("device", "loading") else 0
+        return (m.weight_bytes + m.host_bytes) * workers
+    return m.host_bytes * workers if m.tier in ("device", "loading") else 0
 
 
 def used(models: Iterable[_Model]) -> int:
@@ -55,17 +42,18 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
     droppable = sorted((m for m in everyone if m.tier == "host" and m.leaving is None and m.idle),
                        key=lambda m: (m.last_used, m.name))
     for m in leaving:
-        if m.device.startswith("cpu") or not budget:
+        arriving = m.weight_bytes * len(m.devices)
+        if any(d.startswith("cpu") for d in m.devices) or not budget:
             moves.append(Move(m.name, "device", "disk", reason))
             continue
-        while free < m.weight_bytes and droppable and droppable[0].last_used <= m.last_used:
+        while free < arriving and droppable and droppable[0].last_used <= m.last_used:
             d = droppable.pop(0)
             moves.append(Move(d.name, "host", "disk", f"host memory is full ({format_bytes(budget)}"
                               f" budget) and {d.name} is its least recently used model"))
             free += held(d)
-        if free >= m.weight_bytes:
+        if free >= arriving:
             moves.append(Move(m.name, "device", "host", reason))
-            free -= m.weight_bytes
+            free -= arriving
         else:
             moves.append(Move(m.name, "device", "disk", f"{reason}; no room for it in host memory "
                               f"({format_bytes(max(free, 0))} free of {format_bytes(budget)})"))
@@ -78,14 +66,15 @@ def room_for(models: Iterable[_Model], m: _Model, budget: int) -> tuple[Move, ..
     dropping them all would not do (the load goes ahead then: a host budget never refuses a model)."""
     everyone = list(models)
     free = budget - used(everyone)
-    if not m.host_bytes or free >= m.host_bytes:
+    need = m.host_bytes * len(m.devices)
+    if not need or free >= need:
         return ()
     moves: list[Move] = []
     for d in sorted((o for o in everyone if o.tier == "host" and o.leaving is None and o.idle and o is not m),
                     key=lambda o: (o.last_used, o.name)):
-        if free >= m.host_bytes:
+        if free >= need:
             break
         moves.append(Move(d.name, "host", "disk", f"host memory is full ({format_bytes(budget)} budget) and "
                           f"{m.name}, offloaded, keeps {format_bytes(m.host_bytes)} there while it runs"))
         free += held(d)
-    return tuple(moves) if free >= m.host_bytes else ()
+    return tuple(moves) if free >= need else ()

@@ -82,7 +82,7 @@ class Keeper:
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {}
-        for device in dict.fromkeys(m.config.devices[0] for m in pool.models.values()):
+        for device in dict.fromkeys(d for m in pool.models.values() for d in m.config.devices):
             budget = budgets[device] = config.budget_of(device)
             log.info("budget on %s: %s (%s)", device, format_bytes(budget.nbytes), budget.source)
         self.budget_sources = {d: b.source for d, b in budgets.items()}  # a refusal names where its budget came from
@@ -109,10 +109,10 @@ class Keeper:
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
         self._expiry = asyncio.ensure_future(self._expire_forever())
-        gpus = [m.config.devices[0] for m in self.pool.models.values() if m.config.devices[0].startswith("cuda")]
+        gpus = [d for m in self.pool.models.values() for d in m.config.devices if d.startswith("cuda")]
         if gpus:  # other programs come first: watch the GPUs' real free memory
             self.pressure = PressureWatch(self.policy, gpus, self.config.reserve_memory_bytes,
-                                          move=self._pressure_move, on_change=self.on_change, read=self.read_free)
+                                          move=self._spawn_moves, on_change=self.on_change, read=self.read_free)
             self._watch = asyncio.ensure_future(self.pressure.run())
 
     def stop(self) -> None:
@@ -121,11 +121,6 @@ class Keeper:
                 task.cancel()
         if self._turn_timer is not None:
             self._turn_timer.cancel()
-
-    def _pressure_move(self, move: Move) -> None:
-        model = self.pool.models.get(move.model)
-        if model is not None and move.model not in self.moving:
-            self._spawn_move(model, move)
 
     async def preload(self, socket_activated: bool = False) -> None:
         """The models the configuration chooses onto their devices (``ondemand.preload``)."""
@@ -144,7 +139,7 @@ class Keeper:
         weights = model.capabilities.weight_bytes if model.known else device_weights(c.spec, c.options, c.dtype,
                                                                                       on_cpu=on_cpu)
         if weights is not None:  # else a hub id or preset: its first load tells (``learn``)
-            self.policy.add(model.name, c.devices[0], weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
+            self.policy.add(model.name, c.devices, weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
                             hints=too_large_hints(c.spec, on_cpu), host_bytes=model.capabilities.host_bytes)
             waiting = self.queued(model.name)
             if waiting:
@@ -175,7 +170,7 @@ class Keeper:
             return None
         plan = self.policy.plan(name, shape)
         if isinstance(plan, TooLarge):
-            device = self.pool.models[name].config.devices[0]
+            device = plan.device or self.pool.models[name].config.devices[0]
             return dataclasses.replace(plan, reason=f"{plan.reason}. The budget on {device} is "
                                                     f"{self.budget_sources.get(device, 'unknown')}")
         self.policy.queue(name, outputs)
@@ -184,28 +179,30 @@ class Keeper:
     def nothing_fits(self, model: Model) -> TooLarge:
         """Every job of a model for which ``offload=auto`` found no configuration that fits (config.py) is
         refused, and so is loading it by hand: the refusal names what was tried."""
-        return TooLarge(model.name, 0, self.policy.budgets[model.config.devices[0]], (),
-                        f"model {model.name!r} cannot run on {model.config.devices[0]}: {model.config.nothing_fits}")
+        device = min(model.config.devices, key=lambda d: self.policy.budgets[d])  # the smallest, as config.py
+        return TooLarge(model.name, 0, self.policy.budgets[device], (),
+                        f"model {model.name!r} cannot run on {device}: {model.config.nothing_fits}", device=device)
 
     def unqueue(self, name: str, outputs: int) -> None:
         if self.known(name) and outputs:
             self.policy.unqueue(name, min(outputs, self.policy.queued(name)))
             self._pending_unloads()
 
-    def batch_started(self, name: str, shape: Shape) -> None:
+    def batch_started(self, name: str, shape: Shape, device: str | None = None) -> None:
         if self.known(name):
             missing = shape.batch - self.policy.queued(name)
             if missing > 0:  # admitted before the model was known (resumed from the state dir, or at start)
                 self.policy.queue(name, missing)
             try:
-                self.policy.start(name, shape, time.monotonic(), jobs=shape.batch)
+                self.policy.start(name, shape, time.monotonic(), jobs=shape.batch, device=device)
             except ResidencyError as exc:  # the books are off; the batch runs regardless, and it is said
                 log.error("residency: %s", exc)
 
-    def batch_finished(self, name: str, shape: Shape, keep_alive_s: float | None) -> None:
+    def batch_finished(self, name: str, shape: Shape, keep_alive_s: float | None, device: str | None = None) -> None:
         if self.known(name):
             with contextlib.suppress(ResidencyError):  # a worker lost under it: worker_died settled the counts
-                self.policy.finish(name, shape, time.monotonic(), jobs=shape.batch, keep_alive_s=keep_alive_s)
+                self.policy.finish(name, shape, time.monotonic(), jobs=shape.batch, keep_alive_s=keep_alive_s,
+                                   device=device)
             self._pending_unloads()
             if self._held or self.turns.holds:
                 # what it held may let a waiting model go, and nothing else would dispatch: the batch's
@@ -224,10 +221,8 @@ class Keeper:
             return
         decision = self.policy.on_oom(name, shape, 0)
         log.warning("%s: %s", name, decision.reason)
-        for move in decision.moves if isinstance(decision, OomRetry) else ():
-            model = self.pool.models.get(move.model)
-            if model is not None:
-                self._spawn_move(model, move)
+        if isinstance(decision, OomRetry):
+            self._spawn_moves(decision.moves)
 
     # working memory, measured (worker/memory.py) and remembered (the state dir) -----------------------
     def measured(self, name: str, shape: Shape, peak_bytes: int) -> dict[str, Any] | None:
@@ -311,8 +306,7 @@ class Keeper:
                 return True
             self._begin_load(model, plan.load_from, plan.reason)
         elif isinstance(plan, Evict):
-            for move in plan.moves:
-                self._spawn_move(self.pool.models[move.model], move)
+            self._spawn_moves(plan.moves)
         elif isinstance(plan, Wait):
             log.debug("%s waits: %s", name, plan.reason)
             self._held[name] = plan.stage
@@ -337,8 +331,7 @@ class Keeper:
         got = self.policy.evict(name, f"it yields {hold.device} to {hold.for_model} (--max-model-wait)",
                                 queued_ok=True)
         if isinstance(got, Evict):
-            for move in got.moves:
-                self._spawn_move(self.pool.models[move.model], move)
+            self._spawn_moves(got.moves)
 
     def why_waiting(self, name: str) -> str:
         """The stage a queued job of ``name`` shows while residency holds it back: the policy's own word
@@ -405,8 +398,12 @@ class Keeper:
         name = model.name
         t0 = time.monotonic()
         try:
-            if src == "host":
+            if src == "host":  # one copy per tensor and one wait: 0 as it begins, the total once done (issue 27)
+                self.loads.waking(model, 0)
+                self.on_change()
                 await self.pool.wake_model(model)
+                self.loads.waking(model, self.loads.total(model) or 0)
+                self.on_change()  # still moving: its jobs show the total before they leave ``loading``
             else:
                 await self.pool.revive(model)
         except Exception as exc:
@@ -422,6 +419,7 @@ class Keeper:
             self.metrics.model_loads_total.labels(name).inc()
             self.metrics.model_load_seconds.observe(time.monotonic() - t0)
             self.moving.discard(name)
+        self.loads.waking(model, None)
         self._pending_unloads()
         self.on_change()
 
@@ -438,10 +436,12 @@ class Keeper:
     def _start_learning(self, model: Model) -> asyncio.Task[str | None]:
         return ondemand.start_learning(self, model)
 
-    def _spawn_move(self, model: Model, move: Move) -> None:
-        """A move left to run in a task (a dispatch does not wait for it), booked at once as a load is."""
-        if self._book(model, move):
-            self._start(self._carry(model, move))
+    def _spawn_moves(self, moves: tuple[Move, ...]) -> None:
+        """A decision's moves, left to run in a task (a dispatch does not wait for them), booked at once as a
+        load is, and carried in their order: a copy into host memory only once the drops out of it that make
+        its room are done, so host memory stays within ``--host-memory`` at every moment, not only in the books."""
+        if moves:
+            self._start(leaving.carry_in_order(self, moves))
 
     async def _move(self, model: Model, move: Move) -> None:
         if self._book(model, move):

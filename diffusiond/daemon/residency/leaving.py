@@ -3,10 +3,11 @@
 Functions of the keeper (``keeper.py`` keeps a one-line method for each), split off it so that it keeps the
 moves a dispatch asks for and this module the ones a timer or a sleep asks for.
 
-Keep-alives: each expiry's moves run side by side (awaited in turn, one large model's slow copy to host
+Every decision's moves (an expiry's, a sleep's, and through ``Keeper._spawn_moves`` a dispatch's, a pressure
+watch's, an OOM's, an unload's) run side by side (awaited in turn, one large model's slow copy to host
 memory would hold every other model past its keep-alive), but not a copy into host memory before the
 drops out of host memory that make its room (``--host-memory``): the policy counted those bytes as free
-when it booked the copy, and they are not free until the dropped model's worker has stopped.
+when it booked the copy, and they are not free until the dropped model's worker has stopped (issue 27).
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ shows its furthest worker: the job runs on whichever is ready first.
 The total is what the load reads, as those reports count it (``read_bytes``): for a resident model its weights
 on the device (``weight_bytes``), for an offloaded one every component, most of which waits in host memory
 (``host_bytes``): its device figure alone is one component or group, which the reports pass after the first.
+
+A wake from host memory has no component to report after: it is one asynchronous copy per tensor and one wait,
+and a wait per component to report would slow the move itself. The keeper says 0 as it begins and the total
+once the copy is done (``waking``), so a job waiting for it shows 0 of N, then N of N, as for a load from disk.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ _COUNTED = (WorkerState.STARTING, WorkerState.READY)
 class LoadReports:
     def __init__(self) -> None:
         self._reports: dict[str, dict[int, int]] = {}  # model -> worker id -> bytes it has read
+        self._waking: dict[str, int] = {}  # model -> bytes of its wake from host memory so far (0, then all)
 
     def record(self, model: Model, worker_id: int, nbytes: int) -> None:
         counted = {w.id for w in model.workers if w.state in _COUNTED}
@@ -31,10 +36,20 @@ class LoadReports:
 
     def so_far(self, model: Model, total: int | None) -> int | None:
         """The bytes read so far, never above ``total`` (the size it had when last counted); None before a
-        report, and for a wake from host memory (one copy per tensor and one wait: nothing to report between)."""
+        report. During a wake from host memory, what ``waking`` said."""
+        if model.name in self._waking:
+            woke = self._waking[model.name]
+            return woke if total is None else min(woke, total)
         reports = self._reports.get(model.name, {})
         done = [reports[w.id] for w in model.workers if w.state in _COUNTED and w.id in reports]
         return min(max(done), total or max(done)) if done else None
+
+    def waking(self, model: Model, nbytes: int | None) -> None:
+        """``model``'s wake from host memory has moved ``nbytes`` (None: it has ended, moved or not)."""
+        if nbytes is None:
+            self._waking.pop(model.name, None)
+        else:
+            self._waking[model.name] = nbytes
 
     def total(self, model: Model) -> int | None:
         """What ``model``'s load reads, as its worker last counted it (remembered in the state dir); None for a

@@ -48,7 +48,7 @@ class Keeper(Protocol):
 
     def _register(self, model: Model) -> None: ...
     def _move(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
-    def _spawn_move(self, model: Model, move: Move) -> None: ...
+    def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
 
 log = logging.getLogger("diffusiond.daemon.residency.keeper")  # one logger for residency's moves
 
@@ -106,7 +106,7 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
             continue
         tried.append((model, None))
         plan = k.policy.plan(model.name, None)
-        over = k.policy.device_used(model.config.devices[0]) > k.policy.budgets[model.config.devices[0]]
+        over = any(k.policy.device_used(d) > k.policy.budgets[d] for d in model.config.devices)
         if over or isinstance(plan, TooLarge):
             move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
             await k._move(model, move)
@@ -188,8 +188,7 @@ async def _learn(k: Keeper, model: Model) -> str | None:
         plan = k.policy.plan(name, None)
     k.moving.discard(name)
     if isinstance(plan, Evict):
-        for move in plan.moves:
-            k._spawn_move(k.pool.models[move.model], move)
+        k._spawn_moves(plan.moves)
     elif plan is not None and not isinstance(plan, Fits):
         await k._move(model, Move(name, "device", "disk", f"its first load showed it does not fit: "
                                                              f"{plan.reason}"))

@@ -17,7 +17,6 @@ same bytes. Time is passed in, never read, so every rule can be tested step by s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import diffusiond.daemon.residency.host_memory as host_memory
 from diffusiond.daemon.residency.decisions import (
@@ -38,6 +37,7 @@ from diffusiond.daemon.residency.decisions import (
     Wait,
     failed_load,
 )
+from diffusiond.daemon.residency.entry import ModelEntry
 from diffusiond.daemon.residency.units import FOREVER, format_bytes
 from diffusiond.daemon.residency.working import Estimate, Measurements, Shape, default_working
 
@@ -46,37 +46,6 @@ DEFAULT_KEEP_ALIVE_S = 300.0
 
 class ResidencyError(RuntimeError):
     """A report that contradicts the room's state (a bug in the caller): it names the model and both states."""
-
-
-@dataclass
-class _Model:
-    name: str
-    device: str
-    weight_bytes: int
-    pinned: bool
-    keep_alive_s: float | None
-    hints: tuple[str, ...]
-    host_bytes: int = 0  # what it keeps in host memory while on the device: an offloaded model's (host_memory.py)
-    tier: Tier = "disk"
-    loading_from: Tier | None = None
-    leaving: Move | None = None
-    last_used: float = float("-inf")
-    deadline: float = FOREVER
-    queued: int = 0
-    running: list[tuple[Shape, int, int]] = field(default_factory=list)  # (shape, reserved bytes, jobs)
-    reason: str = "not loaded yet"
-
-    @property
-    def resident(self) -> bool:
-        return self.tier in ("device", "loading")
-
-    @property
-    def idle(self) -> bool:
-        return self.queued == 0 and not self.running
-
-    @property
-    def reserved(self) -> int:
-        return sum(r for _, r, _ in self.running)
 
 
 class Residency:
@@ -97,23 +66,28 @@ class Residency:
         self.max_keep_alive_s = max_keep_alive_s
         self.measurements = measurements or Measurements()
         self._working_default = working_default
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, ModelEntry] = {}
         self._headroom: dict[str, int] = {}  # device -> free minus reserve, as last measured and adjusted since
 
     # ---- models ------------------------------------------------------------------------------------------
 
-    def add(self, name: str, device: str, weight_bytes: int, *, pinned: bool = False,
+    def add(self, name: str, devices: str | Sequence[str], weight_bytes: int, *, pinned: bool = False,
             keep_alive_s: float | None = None, hints: Sequence[str] = (), host_bytes: int = 0) -> None:
-        """Register a configured model (on disk). ``hints``: what would make it fit, where it supports them
-        (offloading, a quantized variant); ``keep_alive_s`` overrides the daemon's default for it;
-        ``host_bytes``: what it keeps in host memory while on its device (``host_memory.py``)."""
+        """Register a configured model (on disk). ``devices``: one entry per worker (``--device cuda:0,cuda:1``,
+        or ``cpu`` twice for two workers there), each holding a copy of the weights, all counted; ``hints``: what
+        would make it fit, where it supports them (offloading, a quantized variant); ``keep_alive_s`` overrides
+        the daemon's default for it; ``host_bytes``: what each worker keeps in host memory while on its device
+        (``host_memory.py``)."""
+        places = (devices,) if isinstance(devices, str) else tuple(devices)
         if name in self._models:
             raise ValueError(f"model {name!r} is already known to the residency room")
-        if device not in self.budgets:
-            raise ValueError(f"model {name!r}: device {device!r} has no budget (devices: {', '.join(self.budgets)})")
+        for device in places or ("(none)",):
+            if device not in self.budgets:
+                raise ValueError(f"model {name!r}: device {device!r} has no budget "
+                                 f"(devices: {', '.join(self.budgets)})")
         if min(weight_bytes, host_bytes) < 0:
             raise ValueError(f"model {name!r}: weight bytes {weight_bytes} or host bytes {host_bytes} is negative")
-        self._models[name] = _Model(name, device, weight_bytes, pinned, keep_alive_s, tuple(hints), host_bytes)
+        self._models[name] = ModelEntry(name, places, weight_bytes, pinned, keep_alive_s, tuple(hints), host_bytes)
 
     def has(self, name: str) -> bool:
         return name in self._models
@@ -124,7 +98,7 @@ class Residency:
     def queued(self, name: str) -> int:
         return self._get(name).queued
 
-    def _get(self, name: str) -> _Model:
+    def _get(self, name: str) -> ModelEntry:
         try:
             return self._models[name]
         except KeyError:
@@ -141,8 +115,7 @@ class Residency:
 
     def device_used(self, device: str) -> int:
         """Bytes the room counts as held on ``device``: resident weights plus running jobs' working memory."""
-        return sum((m.weight_bytes if m.resident else 0) + m.reserved
-                   for m in self._models.values() if m.device == device)
+        return sum(m.on(device) for m in self._models.values())
 
     def host_used(self) -> int:
         return host_memory.used(self._models.values())
@@ -152,94 +125,97 @@ class Residency:
         return min(free, self._headroom[device]) if device in self._headroom else free
 
     def _leaving_bytes(self, device: str) -> int:
-        return sum(m.weight_bytes for m in self._models.values()
-                   if m.device == device and m.leaving is not None and m.leaving.src == "device")
+        return sum(m.frees(device) for m in self._models.values()
+                   if m.leaving is not None and m.leaving.src == "device")
 
-    def _idle_on(self, device: str, but: str = "") -> list[_Model]:
-        """Who may leave ``device`` to make room: idle, not pinned, not already leaving; least recent first."""
-        found = [m for m in self._models.values() if m.device == device and m.tier == "device" and m.idle
-                 and not m.pinned and m.leaving is None and m.name != but]
+    def _idle_on(self, devices: Sequence[str], but: str = "") -> list[ModelEntry]:
+        """Who may leave any of ``devices`` to make room: idle, not pinned, not already leaving; least recent first."""
+        found = [m for m in self._models.values() if set(m.devices) & set(devices) and m.tier == "device"
+                 and m.idle and not m.pinned and m.leaving is None and m.name != but]
         return sorted(found, key=lambda m: (m.last_used, m.name))
 
-    def _moves_off_device(self, leaving: Iterable[_Model], reason: str) -> tuple[Move, ...]:
+    def _moves_off_device(self, leaving: Iterable[ModelEntry], reason: str) -> tuple[Move, ...]:
         return host_memory.moves_off_device(self._models.values(), leaving, self.host_budget, reason)
 
     # ---- queries -----------------------------------------------------------------------------------------
 
     def plan(self, name: str, shape: Shape | None) -> Plan:
-        """Can a job of ``shape`` (None: only the weights, for a load by hand or a preload) run now?"""
+        """Can a job of ``shape`` (None: only the weights, for a load by hand or a preload) run now? A model
+        on several devices needs its weights on each (once per worker there) and room for the run on each
+        (the worker that takes it is not known yet); messages name the device where it is shortest."""
         m = self._get(name)
-        budget = self.budgets[m.device]
         est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "no run yet")
         known = est.nbytes if est.measured else 0  # a guess never refuses a job: the OOM path corrects it
-        pinned = [p for p in self._models.values()
-                  if p.device == m.device and p.pinned and p.resident and p.name != name]
-        pinned_bytes = sum(p.weight_bytes for p in pinned)
-        if m.weight_bytes + known > budget - pinned_bytes:
-            return self._too_large(m, shape, known, est, budget, pinned)
+        for d in m.places:
+            pinned = [p for p in self._models.values()
+                      if d in p.devices and p.pinned and p.resident and p.name != name]
+            if m.frees(d) + known > self.budgets[d] - sum(p.frees(d) for p in pinned):
+                return self._too_large(m, d, shape, known, est, pinned)
         if m.tier == "loading":
-            return Wait(name, LOADING, f"{name} is loading onto {m.device}")
+            return Wait(name, LOADING, f"{name} is loading onto {m.where}")
         if m.leaving is not None:
-            return Wait(name, LOADING, f"{name} is leaving {m.device} ({m.leaving.reason}); "
+            return Wait(name, LOADING, f"{name} is leaving {m.where} ({m.leaving.reason}); "
                                        "it can be loaded again once it has")
         load_from = None if m.tier == "device" else m.tier
         weights = 0 if load_from is None else m.weight_bytes
-        free, soon = self._free(m.device), self._free(m.device) + self._leaving_bytes(m.device)
-        need = weights + est.nbytes
-        what = f"{format_bytes(need)} ({'weights and ' if weights else ''}{est.how})"
-        if need <= free:
-            return self._fits(m, load_from, f"{what} fits in the {format_bytes(free)} free on {m.device}")
-        if need <= soon:
-            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {m.device}")
-        idle = self._idle_on(m.device, but=name)
-        picked, room = [], soon
+        need = {d: weights * m.devices.count(d) + est.nbytes for d in m.places}
+        free = {d: self._free(d) for d in m.places}
+        soon = {d: free[d] + self._leaving_bytes(d) for d in m.places}
+        dev = min(m.places, key=lambda d: (free[d] - need[d], m.places.index(d)))  # the shortest, for messages
+        what = f"{format_bytes(need[dev])} ({'weights and ' if weights else ''}{est.how})"
+        if all(need[d] <= free[d] for d in m.places):
+            return self._fits(m, load_from, f"{what} fits in the {format_bytes(free[dev])} free on {dev}")
+        if all(need[d] <= soon[d] for d in m.places):
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {dev}")
+        idle = self._idle_on(m.places, but=name)
+        picked, room = [], dict(soon)
         for c in idle:
-            if room >= need:
+            if all(room[d] >= need[d] for d in m.places):
                 break
             picked.append(c)
-            room += c.weight_bytes
-        if room >= need:
-            return Evict(name, self._moves_off_device(picked, f"making room for {name} on {m.device}"),
-                         f"{name} needs {what}; {format_bytes(free)} free on {m.device}")
-        others = [o for o in self._models.values() if o.device == m.device and o.name != name]
+            room = {d: room[d] + c.frees(d) for d in m.places}
+        if all(room[d] >= need[d] for d in m.places):
+            return Evict(name, self._moves_off_device(picked, f"making room for {name} on {dev}"),
+                         f"{name} needs {what}; {format_bytes(free[dev])} free on {dev}")
+        others = [o for o in self._models.values() if set(o.devices) & set(m.places) and o.name != name]
         running = sorted(o.name for o in others if o.running)
         if running:
-            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what} and {m.device} has {format_bytes(free)} "
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what} and {dev} has {format_bytes(free[dev])} "
                                                   f"free: waiting for the runs of {', '.join(running)}")
-        floor = weights + known  # the least it could run in: the estimate is a guess, the OOM path its check
-        room = soon + sum(c.weight_bytes for c in idle)
-        if floor <= room:
+        floor = {d: weights * m.devices.count(d) + known for d in m.places}  # the least it could run in
+        room = {d: soon[d] + sum(c.frees(d) for c in idle) for d in m.places}
+        if all(floor[d] <= room[d] for d in m.places):
             if idle:
-                return Evict(name, self._moves_off_device(idle, f"making room for {name} on {m.device}"),
-                             f"{name} needs {what}, more than {m.device} can free: clearing it and trying")
-            if floor <= free:
-                return self._fits(m, load_from, f"{name} needs {what}, more than {m.device} can free: trying it "
-                                                f"on the {format_bytes(free)} free")
-            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {format_bytes(floor)}: waiting for models leaving "
-                                                  f"{m.device}")
-        if not self._leaving_bytes(m.device):
+                return Evict(name, self._moves_off_device(idle, f"making room for {name} on {dev}"),
+                             f"{name} needs {what}, more than {dev} can free: clearing it and trying")
+            if all(floor[d] <= free[d] for d in m.places):
+                return self._fits(m, load_from, f"{name} needs {what}, more than {dev} can free: trying it "
+                                                f"on the {format_bytes(free[dev])} free")
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {format_bytes(floor[dev])}: waiting for models "
+                                                  f"leaving {dev}")
+        if not any(self._leaving_bytes(d) for d in m.places):
             # A standstill: nothing runs, and the memory is held by models whose queued jobs cannot start
             # either (their smallest measured run does not fit); each would wait for the others forever.
             # The least recently used of them leave; their jobs wait to load again.
-            spare = free + sum(c.weight_bytes for c in idle)
+            spare = min(free[d] + sum(c.frees(d) for c in idle) for d in m.places)
             stuck = sorted((o for o in others if o.tier == "device" and o.queued and not o.pinned
                             and o.leaving is None and self._least_run(o) > spare),
                            key=lambda o: (o.last_used, o.name))
             for c in stuck:
-                if room >= floor:
+                if all(room[d] >= floor[d] for d in m.places):
                     break
                 idle.append(c)
-                room += c.weight_bytes
-            if room >= floor:
-                return Evict(name, self._moves_off_device(idle, f"making room for {name} on {m.device}, where "
+                room = {d: room[d] + c.frees(d) for d in m.places}
+            if all(room[d] >= floor[d] for d in m.places):
+                return Evict(name, self._moves_off_device(idle, f"making room for {name} on {dev}, where "
                                                                 "nothing runs and queued models hold the memory"),
-                             f"{name} needs {what}: a standstill of queued models on {m.device} is broken")
-        short = f"{name} needs {what} and {m.device} has {format_bytes(max(free, 0))} free"
-        if m.device in self._headroom:
-            short += f" (other programs leave {format_bytes(max(self._headroom[m.device], 0))} beyond the reserve)"
+                             f"{name} needs {what}: a standstill of queued models on {dev} is broken")
+        short = f"{name} needs {what} and {dev} has {format_bytes(max(free[dev], 0))} free"
+        if dev in self._headroom:
+            short += f" (other programs leave {format_bytes(max(self._headroom[dev], 0))} beyond the reserve)"
         return Wait(name, WAITING_FOR_MEMORY, short + ": waiting for memory")
 
-    def _fits(self, m: _Model, load_from: Tier | None, reason: str) -> Fits | Evict:
+    def _fits(self, m: ModelEntry, load_from: Tier | None, reason: str) -> Fits | Evict:
         """Fits, once host memory has room for what an offloaded model loading from disk keeps there."""
         drops = host_memory.room_for(self._models.values(), m, self.host_budget) if load_from == "disk" else ()
         if drops:
@@ -247,27 +223,31 @@ class Residency:
                                         f"{m.device} (offloaded): making room there first")
         return Fits(m.name, load_from, reason)
 
-    def _least_run(self, m: _Model) -> int:
+    def _least_run(self, m: ModelEntry) -> int:
         """A lower bound of the working memory of any run of ``m``: its smallest measured peak (or 0)."""
         return min(self.measurements.peaks(m.name, m.weight_bytes).values(), default=0)
 
-    def _too_large(self, m: _Model, shape: Shape | None, known: int, est: Estimate, budget: int,
-                   pinned: list[_Model]) -> TooLarge:
-        need = m.weight_bytes + known
-        pinned_bytes = sum(p.weight_bytes for p in pinned)
+    def _too_large(self, m: ModelEntry, device: str, shape: Shape | None, known: int, est: Estimate,
+                   pinned: list[ModelEntry]) -> TooLarge:
+        budget, copies = self.budgets[device], m.devices.count(device)
+        need = m.frees(device) + known
+        pinned_bytes = sum(p.frees(device) for p in pinned)
+        each = f", {copies} workers there, each with its copy" if copies > 1 else ""
         working = f" + {format_bytes(known)} of working memory for {shape} ({est.how})" if known else ""
         beside = (f", and {', '.join(sorted(p.name for p in pinned))} (pinned) hold {format_bytes(pinned_bytes)} "
                   "of it" if pinned else "")
-        hints = [f"a larger --device-memory for {m.device} (at least {format_bytes(need + pinned_bytes)})"]
+        hints = [f"a larger --device-memory for {device} (at least {format_bytes(need + pinned_bytes)})"]
         if pinned:
             hints.append(f"unpinning {', '.join(sorted(p.name for p in pinned))}")
         if known:
             hints.append("a smaller size or batch")
         hints.extend(m.hints or ("CPU offloading or a quantized variant, where the model supports them",))
-        message = (f"model {m.name!r} cannot fit on {m.device}: it needs {format_bytes(need)} "
-                   f"({format_bytes(m.weight_bytes)} of weights{working}) and the budget there is "
+        if copies > 1:
+            hints.append(f"fewer workers on {device} (--workers)")
+        message = (f"model {m.name!r} cannot fit on {device}: it needs {format_bytes(need)} "
+                   f"({format_bytes(m.frees(device))} of weights{each}{working}) and the budget there is "
                    f"{format_bytes(budget)}{beside}. What would make it fit: {'; '.join(hints)}")
-        return TooLarge(m.name, need, budget, tuple(hints), message)
+        return TooLarge(m.name, need, budget, tuple(hints), message, device=device)
 
     def expired(self, now: float) -> tuple[Move, ...]:
         """Models whose keep-alive has run out: off the device, soonest deadline first."""
@@ -292,11 +272,11 @@ class Residency:
         if deficit <= 0:
             return Pressure(device, (), False, f"{state}: nothing to do")
         picked = []
-        for c in self._idle_on(device):
+        for c in self._idle_on((device,)):
             if deficit <= 0:
                 break
             picked.append(c)
-            deficit -= c.weight_bytes
+            deficit -= c.frees(device)
         moves = self._moves_off_device(picked, f"other programs need the memory: {state}")
         if deficit > 0:
             return Pressure(device, moves, True, f"{state}: {format_bytes(deficit)} short even with every idle "
@@ -308,7 +288,7 @@ class Residency:
         2 for a half of a split batch. Only the job pays: the worker and the other models go on."""
         m = self._get(name)
         if attempt == 0:
-            idle = self._idle_on(m.device, but=name)
+            idle = self._idle_on(m.places, but=name)
             return OomRetry(name, self._moves_off_device(idle, f"{name} ran out of memory at {shape}"),
                             f"out of memory at {shape}: {len(idle)} idle model(s) leave, then it runs again")
         if attempt == 1 and shape.batch > 1:
@@ -343,8 +323,8 @@ class Residency:
             m = self._get(name)
             if m.tier in ("device", "loading") or m.leaving is not None:
                 continue
-            if m.weight_bytes <= free[m.device]:
-                free[m.device] -= m.weight_bytes
+            if all(m.frees(d) <= free[d] for d in m.places):
+                free = {d: free[d] - m.frees(d) for d in free}
                 chosen.append(name)
         return chosen
 
@@ -354,11 +334,11 @@ class Residency:
             on = m.tier == "device"
             out.append(ModelStatus(
                 name=m.name, device=m.device, residency=m.tier,
-                device_bytes=m.weight_bytes + m.reserved if m.resident else 0,
-                host_bytes=host_memory.held(m),
+                device_bytes=sum(m.on(d) for d in m.places), host_bytes=host_memory.held(m),
                 keep_alive_until=m.deadline if on and m.deadline != FOREVER else None,
                 forever=on and m.deadline == FOREVER, pinned=m.pinned, queued=m.queued,
-                running=sum(j for _, _, j in m.running), reason=m.reason))
+                running=sum(j for _, _, j, _ in m.running), reason=m.reason,
+                per_device={d: m.on(d) for d in m.places}))
         return out
 
     # ---- reports: jobs -----------------------------------------------------------------------------------
@@ -390,26 +370,29 @@ class Residency:
             raise ResidencyError(f"{name}: {jobs} job(s) leave the queue but only {m.queued} are queued")
         m.queued -= jobs
 
-    def start(self, name: str, shape: Shape, now: float, jobs: int = 1) -> None:
-        """A batch of ``jobs`` queued jobs starts as one run of ``shape``; its working memory is reserved."""
+    def start(self, name: str, shape: Shape, now: float, jobs: int = 1, device: str | None = None) -> None:
+        """A batch of ``jobs`` queued jobs starts as one run of ``shape`` on ``device`` (its worker's; None: the
+        model's first); its working memory is reserved there."""
         m = self._get(name)
+        device = device if device in m.places else m.device
         if m.tier != "device" or m.leaving is not None:
             raise ResidencyError(f"{name}: a run starts but the model is {m.tier}"
                                  f"{' and leaving' if m.leaving else ''}, not on {m.device}")
         self.unqueue(name, jobs)
         # a run tried on less than its estimate (a guess, or memory taken since its plan) holds what was free
-        reserved = min(self.estimate(name, shape).nbytes, max(self._free(m.device), 0))
-        m.running.append((shape, reserved, jobs))
+        reserved = min(self.estimate(name, shape).nbytes, max(self._free(device), 0))
+        m.running.append((shape, reserved, jobs, device))
         m.last_used = now
-        self._adjust(m.device, -reserved)
+        self._adjust(device, -reserved)
 
-    def finish(self, name: str, shape: Shape, now: float, jobs: int = 1, keep_alive_s: float | None = None) -> None:
+    def finish(self, name: str, shape: Shape, now: float, jobs: int = 1, keep_alive_s: float | None = None,
+               device: str | None = None) -> None:
         """The run ended (done, failed or cancelled): its memory is free and the keep-alive starts over."""
         m = self._get(name)
-        for i, (s, reserved, n) in enumerate(m.running):
-            if s == shape and n == jobs:
+        for i, (s, reserved, n, d) in enumerate(m.running):
+            if s == shape and n == jobs and device in (None, d):
                 del m.running[i]
-                self._adjust(m.device, reserved)
+                self._adjust(d, reserved)
                 break
         else:
             raise ResidencyError(f"{name}: a run of {shape} ({jobs} job(s)) finished that was not running")
@@ -425,19 +408,23 @@ class Residency:
         if device in self._headroom:
             self._headroom[device] += delta
 
+    def _adjust_weights(self, m: ModelEntry, sign: int) -> None:
+        for d in m.places:
+            self._adjust(d, sign * m.frees(d))
+
     def loading_started(self, name: str) -> None:
         m = self._get(name)
         if m.tier not in ("host", "disk") or m.leaving is not None:
             raise ResidencyError(f"{name}: a load starts but the model is {m.tier}, not in host memory or on disk")
         m.loading_from, m.tier, m.reason = m.tier, "loading", f"loading from {m.tier}"
-        self._adjust(m.device, -m.weight_bytes)
+        self._adjust_weights(m, -1)
 
     def loaded(self, name: str, now: float) -> None:
         """On the device; its keep-alive counts from now, so a preloaded model nobody uses leaves in time."""
         m = self._get(name)
         if m.tier != "loading":
             raise ResidencyError(f"{name}: loaded, but it was {m.tier}, not loading")
-        m.tier, m.loading_from, m.reason = "device", None, f"loaded onto {m.device}"
+        m.tier, m.loading_from, m.reason = "device", None, f"loaded onto {m.where}"
         self.touch(name, None, now)
 
     def load_failed(self, name: str, reason: str) -> None:
@@ -445,7 +432,7 @@ class Residency:
         if m.tier != "loading":
             raise ResidencyError(f"{name}: a load failed, but it was {m.tier}, not loading")
         m.tier, m.loading_from, m.reason = "disk", None, failed_load(reason)
-        self._adjust(m.device, m.weight_bytes)
+        self._adjust_weights(m, 1)
 
     def unloading(self, move: Move) -> None:
         """The engine started ``move``; the bytes stay counted where they were until ``unloaded``."""
@@ -461,7 +448,7 @@ class Residency:
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} finished that had not started")
         m.tier, m.leaving, m.reason = move.dst, None, move.reason
         if move.src == "device":
-            self._adjust(m.device, m.weight_bytes)
+            self._adjust_weights(m, 1)
 
     def unload_failed(self, move: Move, reason: str) -> None:
         """The move did not happen; the model stays where it was (a dead worker is ``worker_died``'s)."""
@@ -475,14 +462,17 @@ class Residency:
         ended (the engine fails their jobs); jobs still queued stay queued for the next worker."""
         for name in names:
             m = self._get(name)
-            freed = (m.weight_bytes if m.resident else 0) + m.reserved
+            freed = {d: m.on(d) for d in m.places}
             during = " during its load" if m.tier == "loading" else ""
             m.tier, m.loading_from, m.leaving, m.running = "disk", None, None, []
             m.reason = f"worker died{during}: {reason}"
-            self._adjust(m.device, freed)
+            for d, nbytes in freed.items():
+                self._adjust(d, nbytes)
 
     def resize(self, name: str, weight_bytes: int, host_bytes: int = 0) -> None:
         """The worker's count of a model placed by its files' headers (an estimate) before it loaded."""
         m = self._get(name)
-        self._adjust(m.device, (m.weight_bytes - weight_bytes) if m.resident else 0)
+        if m.resident:
+            for d in m.places:
+                self._adjust(d, (m.weight_bytes - weight_bytes) * m.devices.count(d))
         m.weight_bytes, m.host_bytes = weight_bytes, host_bytes

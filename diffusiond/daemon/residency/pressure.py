@@ -87,11 +87,12 @@ def nvml_reader() -> FreeReader | None:
 class PressureWatch:
     """Reads each watched device's free memory and turns the policy's answer into moves.
 
-    ``move`` starts one move (the keeper's ``_move``, as a task); ``on_change`` asks the engine to
-    dispatch (jobs held back by the headroom may run now)."""
+    ``move`` starts a decision's moves, in their order (the keeper's ``_spawn_moves``: a copy into host memory
+    after the drops that make its room); ``on_change`` asks the engine to dispatch (jobs held back by the
+    headroom may run now)."""
 
     def __init__(self, policy: Residency, devices: Sequence[str], reserve_bytes: int, *,
-                 move: Callable[[Move], None], on_change: Callable[[], None],
+                 move: Callable[[tuple[Move, ...]], None], on_change: Callable[[], None],
                  read: FreeReader | None = None, env: Mapping[str, str] | None = None) -> None:
         self.policy, self.reserve_bytes = policy, reserve_bytes
         self.move, self.on_change = move, on_change
@@ -116,8 +117,8 @@ class PressureWatch:
             self._failed.discard(device)
             decision = self.policy.pressure(device, free, self.reserve_bytes)
             decisions.append(decision)
-            for move in decision.moves:
-                self.move(move)
+            if decision.moves:
+                self.move(decision.moves)
             was = self._waiting.get(device, False)
             if decision.waiting != was:
                 (log.warning if decision.waiting else log.info)(
