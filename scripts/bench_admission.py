@@ -61,7 +61,8 @@ def _run_mode(mode: str, jobs: int, state_root: Path, tmp: Path) -> list[float]:
             if proc.poll() is not None:
                 raise SystemExit(f"the daemon exited: {(tmp / f'{sock.stem}.log').read_text()}")
             try:
-                if _call(_Conn(str(sock)), "GET", "/ready")[0] == 200:
+                status, body = _call(_Conn(str(sock)), "GET", "/ready")
+                if status == 200 and json.loads(body)["preload"]["state"] == "done":  # admitting and loaded
                     break
             except OSError:
                 pass

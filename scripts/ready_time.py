@@ -1,4 +1,7 @@
-"""Restart-to-ready: seconds from `diffusiond serve ARGS...` starting to GET /ready answering 200.
+"""Restart-to-warm: seconds from `diffusiond serve ARGS...` starting to GET /ready answering 200 with the
+start's preload done (`"preload": {"state": "done"}`), i.e. every preloaded model loaded (and, with --compile
+and --warmup, compiled): issue 31's compile-time figure. Since issue 27 a bare 200 means only "admitting",
+which comes before any model has loaded.
 
 Usage: python scripts/ready_time.py SOCKET LOG -- SERVE_ARGS...   (prints one JSON line)
 Run it twice with the same XDG_STATE_HOME to see a cold and then a warm compile cache.
@@ -16,14 +19,24 @@ from pathlib import Path
 
 
 def is_ready(sock: str) -> bool:
-    """GET /ready over the Unix socket, stdlib only (the GPU machine has no extra HTTP client)."""
+    """GET /ready over the Unix socket, stdlib only (the GPU machine has no extra HTTP client): 200 and the
+    preload done."""
     try:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(5)
             s.connect(sock)
             s.sendall(b"GET /ready HTTP/1.0\r\nHost: d\r\n\r\n")
-            return s.recv(64).split(b" ")[1:2] == [b"200"]
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
     except OSError:
+        return False
+    head, _, body = data.partition(b"\r\n\r\n")
+    if head.split(b" ")[1:2] != [b"200"]:
+        return False
+    try:
+        return bool(json.loads(body)["preload"]["state"] == "done")
+    except (ValueError, KeyError, TypeError):
         return False
 
 

@@ -62,31 +62,39 @@ class Daemon:
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )
 
-    def start(self, timeout: float = 120) -> None:
+    def start(self, timeout: float = 120, *, loaded: bool = True) -> None:
+        """Spawn and wait until ``/ready`` answers 200 (admitting) and, with ``loaded`` (most tests assume the
+        models are on their devices once the daemon is up), until the start's preload is done too (issue 27)."""
         self.spawn()
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            if self.socket.exists() and self._ready():
+            ready = self.ready() if self.socket.exists() else None
+            if ready is not None and (not loaded or ready["preload"]["state"] == "done"):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log()}")
 
-    def _ready(self) -> bool:
+    def ready(self) -> dict[str, Any] | None:
+        """``/ready``'s body when it answers 200, else None (not up yet, starting or draining)."""
         import socket as s
 
         try:
-            c = s.socket(s.AF_UNIX, s.SOCK_STREAM)
-            c.settimeout(2)
-            c.connect(str(self.socket))
-            c.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            data = c.recv(4096)
-            c.close()
-            return b" 200 " in data.split(b"\r\n", 1)[0]
+            with s.socket(s.AF_UNIX, s.SOCK_STREAM) as c:
+                c.settimeout(2)
+                c.connect(str(self.socket))
+                c.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                data = b""
+                while chunk := c.recv(4096):
+                    data += chunk
         except OSError:
-            return False
+            return None
+        head, _, body = data.partition(b"\r\n\r\n")
+        if b" 200 " not in head.split(b"\r\n", 1)[0]:
+            return None
+        return dict(json.loads(body))
 
     def log(self) -> str:
         try:

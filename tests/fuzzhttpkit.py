@@ -134,7 +134,7 @@ def fuzz_daemon_in(tmp: Path, model_cache: Path, lora_files: dict[str, Path], co
     args = ["--config", str(tmp / "diffusiond.toml"), "--retention-s", "30", "--job-timeout", "60", "--max-batch", "4",
             "--input-dir", str(tmp / "inputs")]
     with shared_daemon(tmp, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
-        # /ready answers once one model is; the tests expect every worker ready (their /health checks)
+        # the kit waits for the preload to end; the tests expect every worker ready too (their /health checks)
         deadline = time.monotonic() + 120
         while call(d.socket, "GET", "/health")[0] != 200:
             assert time.monotonic() < deadline, d.log()[-4000:]
@@ -327,5 +327,5 @@ def assert_healthy_after_fuzzing(sock: Path, fuzz_daemon: Daemon) -> None:
         status, _, raw = call(sock, "GET", job["outputs"][0]["url"])
         assert status == 200 and len(raw) == job["outputs"][0]["bytes"]
     log = fuzz_daemon.log_path.read_text(errors="replace")
-    assert "Error handling request" not in log and "Traceback" not in log.split("ready: admitting jobs", 1)[-1], \
+    assert "Error handling request" not in log and "Traceback" not in log.split("preload done", 1)[-1], \
         log[-4000:]

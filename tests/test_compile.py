@@ -208,7 +208,7 @@ async def test_daemon_warms_up_before_ready_and_a_new_shape_shows_compiling(tmp_
     env = {"DIFFUSIOND_CACHE": str(model_cache)}
     d = Daemon(tmp_path / "d.sock", ["--config", str(toml), "--state-dir", str(tmp_path / "state")], tmp_path / "d.log",
                env=env)
-    d.start(timeout=600)  # /ready answers 200 only once the worker has run the warm-up shape
+    d.start(timeout=600)  # the preload is done only once the worker has run the warm-up shape
     try:
         async with http(d.socket) as s:
             body = {"prompt": "a red fox", "width": 64, "height": 64, "steps": 2, "seed": 1}

@@ -385,7 +385,7 @@ async def test_health_ready_models(sock: Path, api_daemon: Daemon) -> None:
         status, health = await get_json(s, "/health")
         assert status == 200, health
         status, ready = await get_json(s, "/ready")
-        assert status == 200 and ready == {"ready": True}
+        assert status == 200 and ready == {"ready": True, "preload": {"state": "done", "models": []}}
         status, models = await get_json(s, "/v1/models")
     assert status == 200
     assert health["status"] == "ok" and health["accepting"] is True and health["sleeping"] is False

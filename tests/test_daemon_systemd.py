@@ -71,8 +71,9 @@ def test_daemon_socket_activation_and_notify(tmp_path: Path, model_cache: Path) 
         env["WATCHDOG_PID"] = str(proc.pid)
         lines = _recv_all(notify, "READY=1", 120)
         assert "READY=1" in lines, lines
-        assert any(line.startswith("STATUS=loading") for line in lines)
+        assert any(line.startswith("STATUS=starting") for line in lines)
         assert any(line.startswith("STATUS=serving") for line in lines)
+        assert not any("loading" in line for line in lines), lines  # socket-activated: it preloads nothing
         # the daemon serves on the inherited socket and did not create its own
         assert b'"ready": true' in _get(listen_path, "/ready")
         assert not (tmp_path / "unused.sock").exists()
@@ -103,6 +104,11 @@ def test_daemon_pings_the_watchdog_from_its_loop(tmp_path: Path, model_cache: Pa
     try:
         lines = _recv_all(notify, "READY=1", 120)
         assert "READY=1" in lines
+        # READY=1 means admitting (issue 27): sent as the preload begins, its STATUS names what it loads,
+        # and a second STATUS says when the preload is done
+        assert any(line.startswith("STATUS=serving") and line.endswith("; loading tiny") for line in lines), lines
+        rest = _recv_all(notify, "STATUS=serving on", 120)
+        assert any(line.endswith("the start's preload is done") for line in rest), rest
         pings = [line for line in _recv_all(notify, "never", 1.5) if line == "WATCHDOG=1"]
         assert len(pings) >= 2  # every 0.2 s (half the interval) while the loop is alive
     finally:

@@ -306,14 +306,22 @@ async def test_jobs_are_accepted_while_the_models_load(daemon_factory: Factory, 
         async with s.post("/v1/jobs", json={"prompt": "early", "seed": 3}) as r:
             job = await r.json()
         assert r.status == 202 and job["status"] == "queued", job
-        async with s.get("/ready") as r:
-            assert r.status == 503 and (await r.json())["reason"] == "starting"
+        # /ready means admitting (issue 27): 200 while the preload still loads the model, and it says so
+        ready = await until(lambda: _ready(s), 60, "/ready to answer 200")
+        assert ready["preload"] == {"state": "running", "models": ["tiny"]}, ready
+        assert (await get(s, "/health"))[1]["preload"]["state"] == "running"
         async with s.post("/v1/images/generations", json={"prompt": "early too"}) as r:  # waits for its result
             assert r.status == 200, await r.text()
             sync = await r.json()
         assert len(sync["data"]) == 1
         done = await wait_job(s, job["id"])
     assert done["status"] == "succeeded" and done["request"]["width"] == 128, done  # tiny's own default size
+    assert slow.ready() == {"ready": True, "preload": {"state": "done", "models": []}}
+
+
+async def _ready(s: aiohttp.ClientSession) -> dict[str, Any] | None:
+    status, body = await get(s, "/ready")
+    return body if status == 200 else None
 
 
 # refusals at start ----------------------------------------------------------------------------

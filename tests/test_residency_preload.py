@@ -37,7 +37,8 @@ def test_preload_none_is_ready_with_nothing_loaded_and_the_first_job_loads_the_m
 
     async def go() -> None:
         async with http(d.socket) as s:
-            assert await get(s, "/ready") == (200, {"ready": True})  # admitting, with nothing loaded
+            # admitting, with nothing loaded and nothing to preload
+            assert await get(s, "/ready") == (200, {"ready": True, "preload": {"state": "done", "models": []}})
             status, health = await get(s, "/health")
             assert status == 200 and health["workers"] == [] and health["status"] == "ok", health
             tiny = (await models_by_name(s))["tiny"]

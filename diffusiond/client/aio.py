@@ -278,7 +278,8 @@ class AsyncClient:
         return report
 
     async def ready(self) -> bool:
-        """Whether the daemon admits work now (models loaded, not draining or asleep)."""
+        """Whether the daemon admits work now (not starting or draining). Not whether its models are loaded
+        (issue 27): ``health()["preload"]["state"]`` is ``"done"`` once the start's preload has ended."""
         async with self._request("GET", "/ready", ok=(200, 503)) as resp:
             await resp.read()
             return resp.status == 200

@@ -61,6 +61,9 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
     state = f"{health.get('status', '?')}, {'ready' if ready else 'not ready'}"
     if health.get("sleeping"):
         state += ", sleeping"
+    preload = health.get("preload") or {}
+    if preload.get("state") == "running":  # ready means admitting (issue 27): say what is not loaded yet
+        state += f", preloading {', '.join(preload.get('models') or []) or 'models'}"
     print(f"diffusiond {health.get('version', '?')} at {client.socket_path}: {state}")
     workers = health.get("workers") or []
     if workers:

@@ -180,22 +180,10 @@ async def run(config: DaemonConfig) -> int:
                 log.info("model %s: batches of %s only (%s)", m.name, ", ".join(map(str, sizes)),
                          f"--batch-sizes {config.batch_sizes}" if m.batch_sizes is None
                          else f"its batch_sizes {m.batch_sizes}")
-        systemd.notify("STATUS=loading models")
+        systemd.notify("STATUS=starting")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
-        start = asyncio.ensure_future(engine.start(socket_activated=bool(inherited)))
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([start, stopper], return_when=asyncio.FIRST_COMPLETED)
-        if start.done():
-            start.result()
-            systemd.notify("READY=1", f"STATUS=serving on {where}")
-            log.info("ready: admitting jobs")
-            grace = config.drain_grace_s
-            await stop.wait()
-        else:
-            start.cancel()
-            grace = 0.0
-        stopper.cancel()
+        grace = await _serve(engine, stop, where, socket_activated=bool(inherited))
         systemd.notify("STOPPING=1", "STATUS=draining")
         drain = asyncio.ensure_future(engine.drain(grace))
         second = asyncio.ensure_future(_second_signal(stop, lambda: signals))
@@ -227,6 +215,39 @@ async def run(config: DaemonConfig) -> int:
                 os.unlink(created_socket)
         log.info("stopped")
     return code
+
+
+async def _serve(engine: Engine, stop: asyncio.Event, where: str, *, socket_activated: bool) -> float:
+    """Admit jobs, say READY=1 (``/ready`` answers 200 from then: issue 27's "admitting", not "every model
+    loaded"), then load what the start preloads while jobs come, and serve until asked to stop. Returns the
+    drain's grace: none when stopped before the preload ended (what waits for a model it was loading would
+    wait for nothing). A start that fails raises (``WorkerStartError``), READY=1 or not."""
+    opening = asyncio.ensure_future(engine.open(socket_activated=socket_activated))
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([opening, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not opening.done():
+            opening.cancel()
+            return 0.0
+        opening.result()
+        loading = list(engine.keeper.preloading.models)
+        systemd.notify("READY=1", f"STATUS=serving on {where}" + (f"; loading {', '.join(loading)}" if loading else ""))
+        log.info("ready: admitting jobs%s", f" while the start loads {', '.join(loading)}" if loading else "")
+        preload = asyncio.ensure_future(engine.preload())
+        await asyncio.wait([preload, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not preload.done():
+            preload.cancel()
+            with contextlib.suppress(BaseException):
+                await preload
+            return 0.0
+        preload.result()
+        if loading:
+            systemd.notify(f"STATUS=serving on {where}; the start's preload is done")
+            log.info("preload done: %s", ", ".join(f"{m.name} {m.state.value}" for m in engine.models()))
+        await stop.wait()
+        return engine.config.drain_grace_s
+    finally:
+        stopper.cancel()
 
 
 async def _start_web(engine: Engine, address: str, token: str | None,

@@ -2,10 +2,11 @@
 socket activation.
 
 Why it exists: under ``Type=notify`` systemd only considers the daemon started once it says
-``READY=1``, so units ordered after it (a trainer, say) wait until models are loaded rather than
-until the process exists; ``WatchdogSec=`` restarts a daemon whose event loop has stopped making
-progress; and socket activation lets systemd own the Unix socket (its path, mode and group), so
-clients can connect while the daemon starts or restarts and nothing is lost in between.
+``READY=1``, so units ordered after it (a trainer, say) wait until it admits jobs (issue 27: not until
+every model is loaded; ``STATUS=`` says what still loads) rather than until the process exists;
+``WatchdogSec=`` restarts a daemon whose event loop has stopped making progress; and socket activation
+lets systemd own the Unix socket (its path, mode and group), so clients can connect while the daemon
+starts or restarts and nothing is lost in between.
 
 Why without a dependency: the three protocols are a few environment variables and one datagram,
 as in gunicorn's ``systemd.py``. Everything here is a no-op when not run by systemd, never

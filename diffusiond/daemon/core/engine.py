@@ -102,7 +102,7 @@ class Engine(OutputAccess):
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
         self.history = History(config, self.jobs, self.store, self.outputs, cancel=self.cancel, expire=self._expire)
         self.accepting = False
-        self.started = False  # every worker has started once: /ready may say so
+        self.started = False  # the start's preload has ended (``keeper.preloading`` says what it still loads)
         self.draining = False
         self.stopping = False
         self.started_at = time.time()
@@ -111,6 +111,7 @@ class Engine(OutputAccess):
         self._power = asyncio.Lock()
         self._slept: list[Model] = []  # the models on a device when a sleep began: its wake brings them back
         self._socket_activated = False  # the start's preload choice, which a wake makes again
+        self._preloads: list[Model] = []  # what ``open`` chose for ``preload`` to load
         self._retention: asyncio.Task[None] | None = None
         self._pool_starting = False  # workers are being started: a model without one yet will have one
         self._suspended: set[str] = set()  # jobs a clean shutdown left to the next start (``_suspend``)
@@ -122,29 +123,40 @@ class Engine(OutputAccess):
 
     # lifecycle ------------------------------------------------------------------------------
     async def start(self, *, socket_activated: bool = False) -> None:
-        """Take back what the last run left unfinished, admit jobs, then load the models the start
-        loads (``residency/preload.py``: by default those that fit; none when systemd started the
-        daemon on a connection); jobs admitted meanwhile wait in the queue. A model that fails to load
-        stays on disk with its reason and fails its jobs; the start fails (with the first worker's
-        reason) only when every model it tried failed, or when a LoRA adapter fits no model."""
+        """``open`` then ``preload``: what the server does, with READY=1 between them (issue 27)."""
+        await self.open(socket_activated=socket_activated)
+        await self.preload()
+
+    async def open(self, *, socket_activated: bool = False) -> None:
+        """Take back what the last run left unfinished and admit jobs (``/ready`` answers 200); the models the
+        start loads (``residency/preload.py``; by default those that fit) are chosen now, for ``preload``."""
         await self.recover()
         self._socket_activated = socket_activated
+        self._preloads = self.keeper.choose_preload(socket_activated)
         self.accepting = True
         if self.store.persistent and (self.config.keep_days or self.config.keep_gb):
             self._retention = asyncio.ensure_future(self.history.retain_forever())
         self._pool_starting = True
         self._changed.set()
+
+    async def preload(self) -> None:
+        """Load what ``open`` chose while jobs come: each model's READY dispatches those waiting for it. A
+        model that fails to load stays on disk with its reason and fails its jobs; the start fails (with the
+        first worker's reason) only when every model it tried failed, or when a LoRA adapter fits no model:
+        then what was admitted meanwhile stays queued on disk (jobs that persist) or fails with the reason."""
         try:
-            await self.keeper.preload(socket_activated)
+            await self.keeper.preload(self._preloads)
             unfit = self.loras.unfit_at_start(self.models())
             if unfit:
                 raise WorkerStartError(unfit)
             self.started = True
             self.keeper.started()
-            # Jobs resumed or admitted while the models loaded, for a model the preload left on disk: no
-            # READY of its will come to dispatch them, so without this they would wait for another
-            # model's event (a keep-alive running out; with -1, forever).
+            # Jobs resumed or admitted while the models loaded, for a model the preload left on disk: no READY
+            # of its will dispatch them, so they would wait for another model's event (with keep-alive -1, forever).
             self.dispatch()
+        except WorkerStartError as exc:
+            await self.drain(0, f"the daemon could not start: {exc}")
+            raise
         except BaseException:
             self.accepting = False  # what was admitted stays queued (on disk, when jobs persist)
             raise
@@ -155,8 +167,8 @@ class Engine(OutputAccess):
     async def recover(self) -> None:
         await resume.recover(self)
 
-    async def drain(self, grace: float) -> None:
-        await resume.drain(self, grace)
+    async def drain(self, grace: float, why: str | None = None) -> None:
+        await resume.drain(self, grace, why)
 
     async def stop(self) -> None:
         self.stopping = True
@@ -173,10 +185,8 @@ class Engine(OutputAccess):
         await self.store.close()
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
-        """Let running work finish, then every model leaves its device through residency (``power.py``):
-        level 1 to host memory (a wake is one copy back), level 2 to disk, its workers stopped, which frees
-        everything they held, CUDA contexts included, for a trainer that needs the whole card. Answers the
-        level in force (a deeper one stays) and where each model is."""
+        """Every model off its device through residency once running work ends (``power.py``): level 1 to host
+        memory, level 2 to disk with its workers stopped (CUDA contexts freed, for a trainer's whole card)."""
         async with self._power:
             return await power.sleep(self, level)
 

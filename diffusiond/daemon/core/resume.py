@@ -78,9 +78,10 @@ async def recover(self: Engine) -> None:
     if jobs:
         log.info("resuming %d job(s) the last run did not finish", len(jobs))
 
-async def drain(self: Engine, grace: float) -> None:
+async def drain(self: Engine, grace: float, why: str | None = None) -> None:
     """Stop admitting; give accepted jobs ``grace`` seconds to finish; then what is left either
-    waits in the state dir for the next start (``_suspend``) or fails with the reason."""
+    waits in the state dir for the next start (``_suspend``) or fails with the reason (``why``, where
+    the daemon stops because its start failed, else the grace period's end)."""
     self.accepting = False
     self.draining = True
     await self._wait_until(lambda: not any(not j.terminal for j in self.jobs.values()), grace)
@@ -89,6 +90,7 @@ async def drain(self: Engine, grace: float) -> None:
             suspend(self, job)
             continue
         self._end(job, JobStatus.FAILED, ErrorCode.SHUTTING_DOWN,
+                  f"{why} (stage {job.stage.label})" if why else
                   f"the daemon shut down before the job finished (grace period {grace:g}s, stage "
                   f"{job.stage.label})")
 

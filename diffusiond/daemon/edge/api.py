@@ -37,7 +37,7 @@ from diffusiond.daemon.edge.requests import AddLoraBody, decode
 from diffusiond.daemon.edge.status import ENGINE, HttpError, errors_middleware
 from diffusiond.daemon.errors import invalid
 from diffusiond.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from diffusiond.protocol import ErrorCode, ModelState
+from diffusiond.protocol import ErrorCode
 
 
 async def models(request: web.Request) -> web.Response:
@@ -54,12 +54,14 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 once jobs are admitted, while the start's preload may still be loading (issue 27: "admitting", not
+    "everything loaded"); ``preload`` says what it still loads, for a client that needs the models warm."""
     engine = request.app[ENGINE]
-    if engine.started and engine.accepting and any(m.state in (ModelState.READY, ModelState.SLEEPING) or m.retired
-                                                   for m in engine.models()):
-        return web.json_response({"ready": True})
+    preload = engine.keeper.preloading.view()
+    if engine.accepting:
+        return web.json_response({"ready": True, "preload": preload})
     reason = "draining" if engine.draining else "starting"
-    return web.json_response({"ready": False, "reason": reason}, status=503)
+    return web.json_response({"ready": False, "reason": reason, "preload": preload}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

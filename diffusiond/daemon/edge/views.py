@@ -238,6 +238,7 @@ def health(engine: Engine) -> dict[str, Any]:
         "status": "ok" if all(m.state == ModelState.READY or m.retired or pool.paused for m in pool.models.values())
         else "degraded",
         "accepting": engine.accepting,
+        "preload": engine.keeper.preloading.view(),
         "sleeping": pool.paused,
         "sleep_level": pool.sleep_level,
         "queue_depth": engine.scheduler.depth,

@@ -53,6 +53,7 @@ from diffusiond.daemon.residency.decisions import (
 from diffusiond.daemon.residency.fit import device_weights, too_large_hints
 from diffusiond.daemon.residency.load_reports import LoadReports
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
+from diffusiond.daemon.residency.preload import Preloading
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
 from diffusiond.daemon.residency.units import format_bytes
@@ -105,6 +106,7 @@ class Keeper:
         self.unloads: dict[str, str] = {}  # model -> an unload by hand that waits for its work (``unload``)
         self._turn_timer: asyncio.TimerHandle | None = None
         self.loads = LoadReports()  # how far each model's load is (``load_progress``)
+        self.preloading = Preloading()  # what the start's preload has yet to load (``/ready`` shows it)
 
     # what the engine tells ------------------------------------------------------------------------
     def started(self) -> None:
@@ -122,9 +124,12 @@ class Keeper:
         if self._turn_timer is not None:
             self._turn_timer.cancel()
 
-    async def preload(self, socket_activated: bool = False) -> None:
-        """The models the configuration chooses onto their devices (``ondemand.preload``)."""
-        await ondemand.preload(self, socket_activated)
+    def choose_preload(self, socket_activated: bool = False) -> list[Model]:
+        return ondemand.choose_preload(self, socket_activated)
+
+    async def preload(self, chosen: list[Model]) -> None:
+        """``chosen`` onto their devices (``ondemand.preload``), while jobs are admitted (``preloading`` says)."""
+        await ondemand.preload(self, chosen)
 
     def _register(self, model: Model) -> None:
         """The model becomes known to the policy: at its READY, or before its first load where its files' headers

@@ -29,7 +29,7 @@ from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.residency.budget import NO_BUDGET
 from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
 from diffusiond.daemon.residency.policy import Residency
-from diffusiond.daemon.residency.preload import choose
+from diffusiond.daemon.residency.preload import Preloading, choose
 from diffusiond.daemon.workers.pool import Asleep, Model, WorkerPool
 
 
@@ -44,6 +44,7 @@ class Keeper(Protocol):
     on_change: Callable[[], None]
     fail: Callable[[str, str], None]
     failed: dict[str, str]
+    preloading: Preloading
     _learning: dict[str, asyncio.Task[str | None]]
 
     def _register(self, model: Model) -> None: ...
@@ -66,13 +67,10 @@ def load_failed(k: Keeper, model: Model, reason: str) -> None:
                  "(fix its files or its spec first)")
 
 
-async def preload(k: Keeper, socket_activated: bool = False) -> None:
-    """Load the models the configuration chooses (``preload.py``); every other one stays on disk, with
-    no worker, until a job needs it. Without a budget the chosen start side by side. With one, in the
-    order configured: a model that ran before (its size remembered in the state dir) and does not fit
-    beside those loaded already is not loaded at all, nor is one whose files' headers show it larger than
-    the budget; one never seen is loaded once, to learn its capabilities and size, and leaves again at once
-    if it does not fit."""
+def choose_preload(k: Keeper, socket_activated: bool = False) -> list[Model]:
+    """The models the configuration chooses to load at start (``preload.py``), in the order configured; every
+    other one is placed on disk now, with no worker, until a job needs it. Decided before jobs are admitted,
+    so ``/ready`` and systemd's STATUS can name what the preload (which runs after) is loading."""
     models = list(k.pool.models.values())
     wanted = choose([(m.name, m.config.preload) for m in models], k.config.preload, socket_activated)
     for model in models:
@@ -84,9 +82,26 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
         if not want:
             on_disk(k, model)
     chosen = [m for m in models if wanted[m.name][0]]
+    k.preloading.begin([m.name for m in chosen])
+    return chosen
+
+
+async def preload(k: Keeper, chosen: list[Model]) -> None:
+    """Load ``chosen`` (``choose_preload``). Without a budget side by side. With one, in the order configured:
+    a model that ran before (its size remembered in the state dir) and does not fit beside those loaded
+    already is not loaded at all, nor is one whose files' headers show it larger than the budget; one never
+    seen is loaded once, to learn its capabilities and size, and leaves again at once if it does not fit.
+    Jobs are admitted meanwhile: each model's READY dispatches the jobs waiting for it."""
+    try:
+        await _preload(k, chosen)
+    finally:
+        k.preloading.done()
+
+
+async def _preload(k: Keeper, chosen: list[Model]) -> None:
     await k.pool.start([])  # the heartbeat, whatever loads
     if all(b >= NO_BUDGET for b in k.policy.budgets.values()):  # no device's memory could be read
-        got = await asyncio.gather(*(k.pool.start([m]) for m in chosen), return_exceptions=True)
+        got = await asyncio.gather(*(_start_one(k, m) for m in chosen), return_exceptions=True)
         await _best_effort(k, list(zip(chosen, got, strict=True)))
         return
     tried: list[tuple[Model, BaseException | None]] = []
@@ -97,10 +112,11 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
         # one never seen that fits alone still loads once, to learn its defaults (its requests need them)
         if first is not None and not isinstance(first, Fits) and (model.known or isinstance(first, TooLarge)):
             model.retired = True
+            k.preloading.ended(model.name)
             log.info("%s stays on disk at start: %s", model.name, first.reason)
             continue
         try:
-            await k.pool.start([model])
+            await _start_one(k, model)
         except Exception as exc:
             tried.append((model, exc))
             continue
@@ -111,6 +127,13 @@ async def preload(k: Keeper, socket_activated: bool = False) -> None:
             move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
             await k._move(model, move)
     await _best_effort(k, tried)
+
+
+async def _start_one(k: Keeper, model: Model) -> None:
+    try:
+        await k.pool.start([model])
+    finally:
+        k.preloading.ended(model.name)
 
 
 async def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> None:

@@ -67,3 +67,28 @@ def choose(models: Sequence[tuple[str, bool | None]], preload: tuple[str, ...] |
         else:
             out[name] = (True, "by default the start loads every model that fits, in the order configured")
     return out
+
+
+class Preloading:
+    """What the start's preload is doing, for ``/ready`` and ``/health`` (issue 27): ``/ready`` answers 200 as
+    soon as jobs are admitted, while the preload goes on, so a client that needs the models loaded (a
+    benchmark, the test kit) waits for ``state`` ``done`` instead. ``models``: those the preload has yet to
+    finish, loading now or waiting their turn, in the order they load."""
+
+    def __init__(self) -> None:
+        self.running = True  # from the daemon's start: nothing is loaded before the preload has run
+        self.models: list[str] = []
+
+    def begin(self, names: Sequence[str]) -> None:
+        self.running, self.models = True, list(names)
+
+    def ended(self, name: str) -> None:
+        """``name``'s load at start is over, however it went (loaded, left on disk, failed)."""
+        if name in self.models:
+            self.models.remove(name)
+
+    def done(self) -> None:
+        self.running, self.models = False, []
+
+    def view(self) -> dict[str, Any]:
+        return {"state": "running" if self.running else "done", "models": list(self.models)}

@@ -1,0 +1,118 @@
+"""``/ready`` means "admitting", not "every preload finished" (issue 27).
+
+The engine with fake workers, whose start the test holds open with a gate, so each case sees the preload
+mid-way without timing: jobs admitted then wait and run once their model's READY comes (nothing else has
+to happen to dispatch them); a job for a model the preload leaves on disk runs once the preload ends; and
+when every model the start tried fails, what was admitted meanwhile ends with the start's reason (or,
+where jobs persist, stays queued on disk for the next start), and nothing hangs. ``/ready`` and systemd's
+READY=1 against a real daemon: test_durable.py (``test_jobs_are_accepted_while_the_models_load``) and
+test_daemon_systemd.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from enginekit import FakeWorker, Harness
+
+from diffusiond.daemon.config import ModelConfig
+from diffusiond.daemon.state.store import SqliteStore
+from diffusiond.daemon.workers.link import WorkerStartError
+from diffusiond.ipc.messages import Ready
+from diffusiond.protocol import ErrorCode, JobStatus
+
+BROKEN = "loading model 'm' failed: no such folder"
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.Event]:
+    """Fake workers finish their start only once the test sets the event: the preload is held mid-way."""
+    opened = asyncio.Event()
+    plain = FakeWorker.start
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        await opened.wait()
+        return await plain(self, timeout)
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    yield opened
+
+
+async def test_a_job_admitted_while_its_model_preloads_waits_then_runs(gate: asyncio.Event) -> None:
+    h = Harness()
+    await h.engine.open()
+    assert h.engine.accepting  # what /ready answers 200 on
+    assert h.engine.keeper.preloading.view() == {"state": "running", "models": ["m"]}
+    preload = asyncio.ensure_future(h.engine.preload())
+    job = h.submit()
+    await h.settle()
+    assert job.status == JobStatus.QUEUED and not h.spawned[0].executed
+    gate.set()
+    await preload
+    assert h.engine.keeper.preloading.view() == {"state": "done", "models": []}
+    [batch] = h.worker.executed  # sent at the model's READY
+    h.worker.finish(batch)
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED
+    await h.close()
+
+
+async def test_a_job_for_a_model_the_preload_leaves_on_disk_runs_once_it_ends(gate: asyncio.Event) -> None:
+    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake", preload=False)))
+    await h.engine.open()
+    assert h.engine.keeper.preloading.view() == {"state": "running", "models": ["m"]}
+    preload = asyncio.ensure_future(h.engine.preload())
+    job = h.submit(model="n")
+    await h.settle()
+    gate.set()
+    await preload
+    await h.settle()
+    [worker] = [w for w in h.spawned if w.config.model_name == "n"]
+    await asyncio.wait_for(_executed(worker), 5)
+    worker.finish(worker.executed[0])
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED
+    await h.close()
+
+
+async def _executed(worker: FakeWorker) -> None:
+    while not worker.executed:
+        await asyncio.sleep(0.01)
+
+
+async def test_when_every_preload_fails_the_jobs_admitted_meanwhile_end_with_the_reason(gate: asyncio.Event) -> None:
+    h = Harness(fail_starts=[BROKEN])
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    job = h.submit()
+    gate.set()
+    with pytest.raises(WorkerStartError, match="no such folder"):
+        await preload
+    assert job.status == JobStatus.FAILED and job.error is not None
+    assert job.error["code"] == ErrorCode.SHUTTING_DOWN
+    assert job.error["message"].startswith(f"the daemon could not start: {BROKEN}"), job.error
+    assert not h.engine.accepting and h.engine.draining  # /ready: 503 "draining" until the process exits
+    await h.close()
+
+
+async def test_when_every_preload_fails_a_persisted_job_stays_queued_for_the_next_start(
+        gate: asyncio.Event, tmp_path: Path) -> None:
+    h = Harness(fail_starts=[BROKEN], store=SqliteStore(tmp_path))
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    job = h.submit()
+    await h.engine.store.add(job)  # what ``accept`` adds before the 202
+    gate.set()
+    with pytest.raises(WorkerStartError):
+        await preload
+    assert job.status == JobStatus.QUEUED  # left to the next start, as a shutdown leaves it
+    await h.close()
+    restarted = Harness(store=SqliteStore(tmp_path))
+    gate.set()
+    await restarted.engine.start()
+    [batch] = restarted.worker.executed
+    assert [r.request_id for r in batch.requests] == [f"{job.id}/0"]
+    await restarted.close()
