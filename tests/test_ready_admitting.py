@@ -19,6 +19,7 @@ import pytest
 from enginekit import FakeWorker, Harness
 
 from diffusiond.daemon.config import ModelConfig
+from diffusiond.daemon.edge import views
 from diffusiond.daemon.state.store import SqliteStore
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.ipc.messages import Ready
@@ -50,6 +51,7 @@ async def test_a_job_admitted_while_its_model_preloads_waits_then_runs(gate: asy
     job = h.submit()
     await h.settle()
     assert job.status == JobStatus.QUEUED and not h.spawned[0].executed
+    assert views.health(h.engine)["status"] == "ok"  # a model loading is not a sick daemon: /health answers 200
     gate.set()
     await preload
     assert h.engine.keeper.preloading.view() == {"state": "done", "models": []}

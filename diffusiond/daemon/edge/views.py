@@ -232,11 +232,15 @@ def health(engine: Engine) -> dict[str, Any]:
     """``/health``'s body, which ``/metrics`` reads its gauges from, so they never disagree."""
     pool = engine.pool
     workers = list(pool.workers())
+    keeper = engine.keeper
+    # a model residency left on disk (never loaded, or sent away) has no worker to be sick, and one being
+    # loaded (by the start's preload, which /ready no longer waits for, or for a job) is not sick either
+    loading = keeper.moving.union(keeper.preloading.models)
     return {
         "version": __version__,
-        # a model residency left on disk (never loaded, or sent away) has no worker to be sick
-        "status": "ok" if all(m.state == ModelState.READY or m.retired or pool.paused for m in pool.models.values())
-        else "degraded",
+        "status": "ok" if all(m.state == ModelState.READY or m.retired or pool.paused
+                              or (m.state == ModelState.STARTING and m.name in loading)
+                              for m in pool.models.values()) else "degraded",
         "accepting": engine.accepting,
         "preload": engine.keeper.preloading.view(),
         "sleeping": pool.paused,
