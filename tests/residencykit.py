@@ -29,6 +29,7 @@ class Engine:
     """Does what the room decides, at once, and checks the budget after every step."""
 
     r: Residency
+    keeps: bool = False  # a model woken from host memory keeps its copy there, as a worker on a GPU does (issue 27)
     now: float = 0.0
     loads: list[tuple[str, str]] = field(default_factory=list)
     moves: list[Move] = field(default_factory=list)
@@ -60,6 +61,9 @@ class Engine:
                 self.r.loading_started(name)
                 self.check()
                 self.r.loaded(name, self.now)
+                if self.keeps and d.load_from == "host":
+                    self.r.keeps(name, sum(next(s for s in self.r.snapshot() if s.name == name).per_device.values()))
+                    self.check()
                 self.loads.append((name, d.load_from))
             return d
         raise AssertionError("the room kept asking for evictions")

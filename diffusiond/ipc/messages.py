@@ -432,6 +432,7 @@ class Ack(msgspec.Struct, frozen=True):
     slots_in_use: int = 0
     dedicated_bytes: int = 0
     loras_loaded: list[str] = []  # adapters loaded in the worker now (PING answers), for GET /v1/loras
+    host_kept: int = 0  # SLEEP, WAKE: bytes of page-locked host copy of its weights it keeps now (issue 27)
 
 
 class Fatal(msgspec.Struct, frozen=True):

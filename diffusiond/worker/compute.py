@@ -24,6 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+import diffusiond.pipelines.hostcopy as hostcopy
 from diffusiond.ipc.errors import ArenaError
 from diffusiond.ipc.inputs import read_controls, read_inputs, read_references
 from diffusiond.ipc.messages import (
@@ -468,7 +469,7 @@ class ComputeThread:
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)
-        self.post(Ack(command=_KIND[item.command], ok=ok, message=message))
+        self.post(Ack(command=_KIND[item.command], ok=ok, message=message, host_kept=hostcopy.kept()))
         if item.command == "shutdown":
             self.on_exit(0 if drained else 1)
             return True

@@ -6,7 +6,10 @@ share at READY (``Capabilities.host_bytes``, ``pipelines/offload.host_bytes``), 
 and FLUX under ``offload=group`` keeps about 34 GB so. Counting only the host tier let such models overcommit
 ``--host-memory`` by tens of GB; here every tier but disk counts what it holds, and a model on its way to the
 host tier counts its whole size (its device share joins its host share). A model on several devices has a
-worker per device, each with its own host copy: each counts.
+worker per device, each with its own host copy: each counts. A model parked in host memory
+once keeps its page-locked copy there when it goes back to its device (``pipelines/hostcopy.py``: later moves
+reuse it), and counts it then (``ModelEntry.kept``, as its workers report it in their answers to SLEEP and
+WAKE; issue 27).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def held(m: _Model) -> int:
     workers = len(m.devices)
     if m.tier == "host" or m.loading_from == "host" or (m.leaving is not None and m.leaving.dst == "host"):
         return (m.weight_bytes + m.host_bytes) * workers
-    return m.host_bytes * workers if m.tier in ("device", "loading") else 0
+    return m.host_bytes * workers + m.kept if m.tier in ("device", "loading") else 0
 
 
 def used(models: Iterable[_Model]) -> int:
@@ -35,14 +38,15 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
                      reason: str) -> tuple[Move, ...]:
     """Device -> host for each of ``leaving``, making room in host memory by dropping its least recently used
     models (older than the one arriving) to disk; a model that cannot have host room goes to disk itself.
-    Arriving, a model adds its device share (``weight_bytes``): its host share is counted already."""
+    Arriving, a model adds its device share (``weight_bytes``): its host share is counted already, and so is the
+    copy it kept (its weights go into it)."""
     everyone = list(models)
     moves: list[Move] = []
     free = budget - used(everyone)
     droppable = sorted((m for m in everyone if m.tier == "host" and m.leaving is None and m.idle),
                        key=lambda m: (m.last_used, m.name))
     for m in leaving:
-        arriving = m.weight_bytes * len(m.devices)
+        arriving = max(m.weight_bytes * len(m.devices) - m.kept, 0)
         if any(d.startswith("cpu") for d in m.devices) or not budget:
             moves.append(Move(m.name, "device", "disk", reason))
             continue

@@ -43,6 +43,7 @@ class WorkerLink(Protocol):
     state: WorkerState
     started_at: float
     loras_loaded: list[str]  # LoRA adapters loaded in the worker, as of its last heartbeat answer
+    host_kept: int  # page-locked host copy of its weights it keeps, as of its last SLEEP or WAKE answer (issue 27)
 
     @property
     def name(self) -> str: ...
