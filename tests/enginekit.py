@@ -33,6 +33,7 @@ from diffusiond.ipc.messages import (
     OutputReady,
     Progress,
     Ready,
+    Release,
     RequestEnded,
     Sleep,
     SlotWait,
@@ -106,6 +107,8 @@ class FakeWorker:
             self.state, self.host_kept = WorkerState.SLEEPING, self.pins
         elif isinstance(msg, Wake):
             self.state = WorkerState.READY
+        elif isinstance(msg, Release):
+            self.host_kept = 0
         return Ack(KIND_OF[type(msg)], True, host_kept=self.host_kept)
 
     def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge, Wait
+from diffusiond.daemon.residency.decisions import Evict, Fits, Move, Release, TooLarge, Wait
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.working import Shape
 
@@ -43,8 +43,8 @@ class Engine:
 
     def move(self, moves: tuple[Move, ...]) -> None:
         status = {s.name: s for s in self.r.snapshot()}
-        for mv in moves:
-            assert status[mv.model].running == 0 and status[mv.model].queued == 0, mv
+        for mv in moves:  # a model freeing the host copy it keeps stays, and may have work (issue 27)
+            assert isinstance(mv, Release) or (status[mv.model].running == 0 and status[mv.model].queued == 0), mv
             self.r.unloading(mv)
             self.r.unloaded(mv)
             self.moves.append(mv)

@@ -211,6 +211,7 @@ class Cancel(msgspec.Struct, frozen=True):
 
 class Release(msgspec.Struct, frozen=True):
     slot_ids: list[int]
+    host_copy: bool = False  # and the host copy of its weights it keeps (hostcopy.py; issue 27): answered by ACK
 
 
 class Sleep(msgspec.Struct, frozen=True):

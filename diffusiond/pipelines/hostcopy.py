@@ -16,7 +16,9 @@ Parameters keep their identity (``param.data`` is swapped), so adapters, hooks a
 that hold the modules still see the same objects.
 
 Kept, the block is host memory the model holds while back on its device, which residency counts against
-``--host-memory`` (issue 27): the worker reports ``kept()`` with each answer to SLEEP and WAKE.
+``--host-memory`` (issue 27): the worker reports ``kept()`` with each answer to SLEEP and WAKE, and frees it
+(``release_all``) when residency needs the room for another model: cheap (an unpin and a free), and the next
+``leave`` builds the block again.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ _LIVE: weakref.WeakSet[HostCopy] = weakref.WeakSet()
 def kept() -> int:
     """Bytes of host blocks this process keeps now (whether its weights are in them or on the device)."""
     return sum(c.nbytes for c in list(_LIVE))
+
+
+def release_all() -> int:
+    """Every host copy of this process whose weights are on the device gives up its block; the bytes freed."""
+    return sum(c.release() for c in list(_LIVE))
 
 
 def tensors_of(modules: Sequence[torch.nn.Module], shallow: Sequence[torch.nn.Module] = (),
@@ -87,6 +94,20 @@ class HostCopy:
             self._pinned[id(t)] = block[off:off + n].view(t.dtype).view(t.shape)
         self._blocks.append(block)
         self.nbytes += total
+
+    def release(self) -> int:
+        """Drop the block (unpinned, then freed) while the weights are on the device; the next ``leave`` makes
+        one again. Nothing while any weight lives in the block (the model is away): it is all they have.
+        Returns the bytes freed."""
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in self._blocks]
+        if any(lo <= t.data_ptr() < hi for _, _, t, _ in tensors_of(self.modules, self.shallow) for lo, hi in spans):
+            return 0
+        for block in self._blocks:
+            cuda_host.unregister(block.data_ptr(), block.numel())
+        freed, self.nbytes = self.nbytes, 0
+        self._blocks.clear()
+        self._pinned.clear()
+        return freed
 
     def leave(self) -> None:
         """Device -> pinned host; the device memory is given back to the allocator."""

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Control:
-    command: Literal["sleep", "wake", "shutdown"]
+    command: Literal["sleep", "wake", "shutdown", "release"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class LiveUpdate:
     fds: list[int]
 
 
-_KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN}
+_KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN, "release": Kind.RELEASE}
 
 
 def close_fds(fds: list[int]) -> None:
@@ -446,6 +446,10 @@ class ComputeThread:
 
     def _control(self, item: Control) -> bool:
         """Drain copies (bounded), then act. Returns True when the thread should end."""
+        if item.command == "release":  # the host copy is no copy's source or target: nothing to drain
+            hostcopy.release_all()
+            self.post(Ack(command=Kind.RELEASE, ok=True, host_kept=hostcopy.kept()))
+            return False
         self.state.record(f"drain_start_{item.command}", 0)
         drained = self.state.drain(self.drain_timeout_s)
         self.state.record(f"drain_end_{item.command}", 0)

@@ -30,6 +30,7 @@ class ModelEntry:
     tier: Tier = "disk"
     loading_from: Tier | None = None
     leaving: Move | None = None
+    releasing: Move | None = None  # a ``decisions.Release`` of its kept host copy under way (host_memory.py)
     last_used: float = float("-inf")
     deadline: float = FOREVER
     queued: int = 0

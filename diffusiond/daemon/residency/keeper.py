@@ -46,6 +46,7 @@ from diffusiond.daemon.residency.decisions import (
     ModelStatus,
     Move,
     OomRetry,
+    Release,
     TooLarge,
     Wait,
     reason_label,
@@ -451,7 +452,9 @@ class Keeper:
             self._start(leaving.carry_in_order(self, moves))
 
     async def _move(self, model: Model, move: Move) -> None:
-        if self._book(model, move):
+        if isinstance(move, Release):
+            await leaving.release(self, move, booked=False)
+        elif self._book(model, move):
             await self._carry(model, move)
 
     def _book(self, model: Model, move: Move) -> bool:

@@ -32,6 +32,7 @@ from diffusiond.daemon.residency.decisions import (
     OomSplit,
     Plan,
     Pressure,
+    Release,
     Tier,
     TooLarge,
     Wait,
@@ -438,13 +439,19 @@ class Residency:
     def unloading(self, move: Move) -> None:
         """The engine started ``move``; the bytes stay counted where they were until ``unloaded``."""
         m = self._get(move.model)
-        if m.tier != move.src or m.leaving is not None:
+        if isinstance(move, Release) and m.tier == "device" and m.releasing is None:
+            m.releasing = move  # it stays, and serves: only its kept host copy goes
+            return
+        if m.tier != move.src or m.leaving is not None or isinstance(move, Release):
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} starts but the model is {m.tier}"
                                  f"{' and already leaving' if m.leaving else ''}")
         m.leaving = move
 
     def unloaded(self, move: Move) -> None:
         m = self._get(move.model)
+        if isinstance(move, Release) and m.releasing == move:
+            m.releasing, m.kept = None, 0
+            return
         if m.leaving != move:
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} finished that had not started")
         m.tier, m.leaving, m.reason = move.dst, None, move.reason
@@ -455,6 +462,9 @@ class Residency:
     def unload_failed(self, move: Move, reason: str) -> None:
         """The move did not happen; the model stays where it was (a dead worker is ``worker_died``'s)."""
         m = self._get(move.model)
+        if isinstance(move, Release) and m.releasing == move:
+            m.releasing = None
+            return
         if m.leaving != move:
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} failed that had not started")
         m.leaving, m.reason = None, f"{move.src} -> {move.dst} failed: {reason}"
@@ -466,7 +476,7 @@ class Residency:
             m = self._get(name)
             freed = {d: m.on(d) for d in m.places}
             during = " during its load" if m.tier == "loading" else ""
-            m.tier, m.loading_from, m.leaving, m.running, m.kept = "disk", None, None, [], 0
+            m.tier, m.loading_from, m.leaving, m.running, m.kept, m.releasing = "disk", None, None, [], 0, None
             m.reason = f"worker died{during}: {reason}"
             for d, nbytes in freed.items():
                 self._adjust(d, nbytes)
