@@ -163,3 +163,21 @@ def test_a_host_copy_frees_its_block_only_while_the_weights_are_on_their_device(
     assert hostcopy.release_all() == 0 and copy.nbytes == 1024, "the block is all the weights have"
     layer.weight.data = on_device  # back on its device
     assert copy.release() == 1024 and copy.nbytes == 0 and hostcopy.kept() == before
+
+
+async def test_an_unload_by_hand_that_drops_another_model_for_room_stops_that_models_workers(
+        weighs_a_gib: None) -> None:
+    """The unload carried every move of its decision with the unloaded model: the drop of the other model out of
+    host memory stopped the unloaded model's own workers, and left the other's holding its host memory."""
+    h = Harness(models=tuple(ModelConfig(name=n, spec="fake", devices=("cuda:0",)) for n in "ab"),
+                device_memory="2560MiB", host_memory="1GiB", max_batch=1)  # host memory holds one
+    await h.engine.start()
+    try:
+        await h.engine.unload_model("a")
+        await h.engine.unload_model("b")  # a drops to disk to make b's room in host memory
+        places = {n: s.residency for n, s in h.engine.keeper.snapshot().items()}
+        assert places == {"a": "disk", "b": "host"}, places
+        states = {w.config.model_name: w.state for w in h.spawned}
+        assert states == {"a": WorkerState.DEAD, "b": WorkerState.SLEEPING}, states
+    finally:
+        await h.close()
