@@ -4,6 +4,7 @@
 # Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
 #   ALT_REQUESTS=16 timeout 585 scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack   (~560 s)
 #   timeout 585 scripts/gpu_round3.sh setup stream-test pack      (then, in a call of its own: setup stream pack)
+#   timeout 585 scripts/gpu_round3.sh setup hostkeep-test pack   (issue 27: HostCopy.release on CUDA; not run yet)
 #   BIG_CONFIGS=resident,stream,fp8-mm,fp8-wo timeout 585 scripts/gpu_round3.sh setup stream wan12 pack   (issue 28:
 #     stream and FLUX in fp8 against resident at 24 GiB, then Wan 1.3B 832x480x81 inside 12 GiB)
 #   timeout 585 scripts/gpu_round3.sh setup gguf-compiled pack   (issue 28: GGUF Q8_0 against resident, both compiled)
@@ -106,6 +107,8 @@ PY
         --compile default --images 2 --timeout 260 --deadline 540 ;;
     stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
       step stream-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "stream" -p no:cacheprovider ;;
+    hostkeep-test)  # issue 27: a woken model's kept host copy freed (unpinned) and made again by the next sleep
+      step hostkeep-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "released" -p no:cacheprovider ;;
     attention)  # issue 31: FLUX.1-dev 1024² 28 steps on each attention backend that runs here, against the default;
       # one process (the model built once), backends in rotated turns; those that cannot run are listed with why
       step attention 480 python3 -m diffusiond.bench.attention --model random:flux-dev,save=0 --size 1024x1024 \

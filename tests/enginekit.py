@@ -33,6 +33,7 @@ from diffusiond.ipc.messages import (
     OutputReady,
     Progress,
     Ready,
+    Release,
     RequestEnded,
     Sleep,
     SlotWait,
@@ -49,6 +50,8 @@ ARENA = 1 << 20
 class FakeWorker:
     """Records what the engine asks; the test answers through ``send``/``output``/``die``."""
 
+    pins = 0  # the host copy a SLEEP leaves it keeping from then on (a real worker on a GPU: its weights'; issue 27)
+
     def __init__(self, config: WorkerConfig, on_frame: FrameCallback, on_lost: LostCallback,
                  *, fail_start: str | None = None) -> None:
         self.id = config.worker_id
@@ -56,6 +59,7 @@ class FakeWorker:
         self.state = WorkerState.STARTING
         self.started_at = time.monotonic()
         self.loras_loaded: list[str] = []
+        self.host_kept = 0
         self.on_frame = on_frame
         self.on_lost = on_lost
         self.fail_start = fail_start
@@ -100,10 +104,12 @@ class FakeWorker:
     async def command(self, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack:
         self.commands.append(msg)
         if isinstance(msg, Sleep):
-            self.state = WorkerState.SLEEPING
+            self.state, self.host_kept = WorkerState.SLEEPING, self.pins
         elif isinstance(msg, Wake):
             self.state = WorkerState.READY
-        return Ack(KIND_OF[type(msg)], True)
+        elif isinstance(msg, Release):
+            self.host_kept = 0
+        return Ack(KIND_OF[type(msg)], True, host_kept=self.host_kept)
 
     def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:
         # what a worker would read of each request's input (edits), before the fds are closed

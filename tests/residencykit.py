@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge, Wait
+from diffusiond.daemon.residency.decisions import Evict, Fits, Move, Release, TooLarge, Wait
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.working import Shape
 
@@ -29,6 +29,7 @@ class Engine:
     """Does what the room decides, at once, and checks the budget after every step."""
 
     r: Residency
+    keeps: bool = False  # a model woken from host memory keeps its copy there, as a worker on a GPU does (issue 27)
     now: float = 0.0
     loads: list[tuple[str, str]] = field(default_factory=list)
     moves: list[Move] = field(default_factory=list)
@@ -42,8 +43,8 @@ class Engine:
 
     def move(self, moves: tuple[Move, ...]) -> None:
         status = {s.name: s for s in self.r.snapshot()}
-        for mv in moves:
-            assert status[mv.model].running == 0 and status[mv.model].queued == 0, mv
+        for mv in moves:  # a model freeing the host copy it keeps stays, and may have work (issue 27)
+            assert isinstance(mv, Release) or (status[mv.model].running == 0 and status[mv.model].queued == 0), mv
             self.r.unloading(mv)
             self.r.unloaded(mv)
             self.moves.append(mv)
@@ -60,6 +61,9 @@ class Engine:
                 self.r.loading_started(name)
                 self.check()
                 self.r.loaded(name, self.now)
+                if self.keeps and d.load_from == "host":
+                    self.r.keeps(name, sum(next(s for s in self.r.snapshot() if s.name == name).per_device.values()))
+                    self.check()
                 self.loads.append((name, d.load_from))
             return d
         raise AssertionError("the room kept asking for evictions")

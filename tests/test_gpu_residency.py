@@ -54,6 +54,27 @@ def test_gpu_leaving_frees_the_device_and_coming_back_makes_the_same_pictures(mo
     pipe.wake()  # type: ignore[attr-defined]
 
 
+def test_gpu_a_released_host_copy_is_unpinned_and_made_again_by_the_next_move(model_cache: object) -> None:
+    """Issue 27: residency frees the host copy a woken model keeps when another model needs the room; the weights
+    stay on the device, and the next sleep builds and pins the copy again."""
+    from diffusiond.ipc import cuda_host
+
+    pipe = load_pipeline("tiny", device="cuda:0", dtype="float16")
+    before = _run(pipe)
+    pipe.sleep()  # type: ignore[attr-defined]
+    copy = pipe._hostcopy  # type: ignore[attr-defined]
+    kept, block = copy.nbytes, copy._blocks[0].data_ptr()
+    assert kept >= weight_bytes(pipe) and cuda_host.is_registered(block)
+    assert copy.release() == 0 and copy.nbytes == kept, "asleep, the block is all the weights have"
+    pipe.wake()  # type: ignore[attr-defined]
+    assert copy.release() == kept and copy.nbytes == 0 and not cuda_host.is_registered(block)
+    assert torch.equal(_run(pipe), before), "freeing the copy left the weights on the device as they were"
+    pipe.sleep()  # type: ignore[attr-defined]
+    assert copy.nbytes == kept and cuda_host.is_registered(copy._blocks[0].data_ptr())
+    pipe.wake()  # type: ignore[attr-defined]
+    assert torch.equal(_run(pipe), before)
+
+
 def test_gpu_offload_stream_makes_the_resident_models_pictures_and_sleeps(model_cache: object) -> None:
     """The daemon's path: ``offload=stream,resident_blocks=K`` through the loader (streamer on the transformer,
     leaf-level group offloading on the encoders and the VAE), byte-equal to the resident model for two calls,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from residencykit import Engine, G, S, on_device, room, tier
 
 from diffusiond.daemon.residency import decisions as dec
-from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge, Wait
+from diffusiond.daemon.residency.decisions import Evict, Fits, Move, Release, TooLarge, Wait
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
 from diffusiond.daemon.residency.units import FOREVER
 from diffusiond.daemon.residency.working import Shape
@@ -146,11 +146,12 @@ ops = st.lists(st.one_of(
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops, st.booleans(), st.integers(0, 9), st.booleans())
+@given(ops, st.booleans(), st.integers(0, 9), st.booleans(), st.booleans())
 def test_random_streams_never_exceed_the_budget_nor_evict_busy_or_pinned_models(
-        steps: list[tuple[object, ...]], pin: bool, host: int, slow_moves: bool) -> None:
+        steps: list[tuple[object, ...]], pin: bool, host: int, slow_moves: bool, keeps: bool) -> None:
     """With ``slow_moves``, each move off a device finishes only at a later step (a worker copying), so
-    plans made meanwhile see models on their way out."""
+    plans made meanwhile see models on their way out. With ``keeps``, a model woken from host memory keeps its
+    copy there, as a worker on a GPU does (issue 27), and frees it when another model needs the room."""
     r = Residency({"cuda:0": 9 * G}, host * G, keep_alive_s=10)
     for name, wb in zip("abcd", (4, 3, 5, 2), strict=True):
         r.add(name, "cuda:0", wb * G, pinned=pin and name == "d")
@@ -164,6 +165,13 @@ def test_random_streams_never_exceed_the_budget_nor_evict_busy_or_pinned_models(
         running_on = any(s.running for s in snaps.values())
         for mv in moves:
             s = snaps[mv.model]
+            if isinstance(mv, Release):  # it stays and may run; an unpin and a free, done at once as a drop is
+                assert keeps and s.residency == "device", mv
+                event("Release")
+                r.unloading(mv)
+                r.unloaded(mv)
+                e.check()
+                continue
             assert s.running == 0 and not s.pinned, mv
             assert s.queued == 0 or not running_on, mv  # queued models leave only to break a standstill
             r.unloading(mv)
@@ -195,6 +203,10 @@ def test_random_streams_never_exceed_the_budget_nor_evict_busy_or_pinned_models(
                         r.loading_started(name)
                         e.check()
                         r.loaded(name, e.now)
+                        if keeps and d.load_from == "host":
+                            r.keeps(name, {"a": 4, "b": 3, "c": 5, "d": 2}[name] * G)
+                            event("kept")
+                            e.check()
                     r.start(name, shape, e.now)
                     e.check()
                     runs.append(waiting.pop(i))

@@ -176,6 +176,8 @@ async def test_worker_drain_before_sleep_and_shutdown_waits_for_in_flight_copy()
         sleep_ack = await d.handle.command(m.Sleep(), timeout=30)
         assert sleep_ack.ok and d.done(r0[0])
         await d.handle.command(m.Wake(), timeout=30)
+        freed = await d.handle.command(m.Release([], host_copy=True), timeout=30)  # issue 27: answered, between batches
+        assert freed.ok and freed.host_kept == 0 == d.handle.host_kept  # a CPU worker keeps no host copy
         _, r1 = d.submit(params, [2])
         order = events(await d.handle.command(m.Trace(), timeout=30))
         await d.handle.stop(timeout=30)

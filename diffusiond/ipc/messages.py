@@ -211,6 +211,7 @@ class Cancel(msgspec.Struct, frozen=True):
 
 class Release(msgspec.Struct, frozen=True):
     slot_ids: list[int]
+    host_copy: bool = False  # and the host copy of its weights it keeps (hostcopy.py; issue 27): answered by ACK
 
 
 class Sleep(msgspec.Struct, frozen=True):
@@ -432,6 +433,7 @@ class Ack(msgspec.Struct, frozen=True):
     slots_in_use: int = 0
     dedicated_bytes: int = 0
     loras_loaded: list[str] = []  # adapters loaded in the worker now (PING answers), for GET /v1/loras
+    host_kept: int = 0  # SLEEP, WAKE: bytes of page-locked host copy of its weights it keeps now (issue 27)
 
 
 class Fatal(msgspec.Struct, frozen=True):

@@ -14,10 +14,16 @@ on each return, so leaving frees the device for real.
 
 Parameters keep their identity (``param.data`` is swapped), so adapters, hooks and compiled graphs
 that hold the modules still see the same objects.
+
+Kept, the block is host memory the model holds while back on its device, which residency counts against
+``--host-memory`` (issue 27): the worker reports ``kept()`` with each answer to SLEEP and WAKE, and frees it
+(``release_all``) when residency needs the room for another model: cheap (an unpin and a free), and the next
+``leave`` builds the block again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -25,6 +31,20 @@ import torch
 from diffusiond.ipc import cuda_host
 
 ALIGN = 512  # every view starts on this boundary: any dtype's view of the block is aligned
+
+# Every host copy of this process. A worker serves one model, so these are all that model's (its pipeline's,
+# offload=stream's resident part's): what the worker keeps is their sum, without asking each pipeline kind.
+_LIVE: weakref.WeakSet[HostCopy] = weakref.WeakSet()
+
+
+def kept() -> int:
+    """Bytes of host blocks this process keeps now (whether its weights are in them or on the device)."""
+    return sum(c.nbytes for c in list(_LIVE))
+
+
+def release_all() -> int:
+    """Every host copy of this process whose weights are on the device gives up its block; the bytes freed."""
+    return sum(c.release() for c in list(_LIVE))
 
 
 def tensors_of(modules: Sequence[torch.nn.Module], shallow: Sequence[torch.nn.Module] = (),
@@ -55,6 +75,7 @@ class HostCopy:
         self._pinned: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its view of the host block
         self._blocks: list[torch.Tensor] = []  # kept alive (and registered) for the model's life
         self.nbytes = 0
+        _LIVE.add(self)
 
     def _carve(self, tensors: list[torch.Tensor]) -> None:
         """One host block for every tensor still without one, registered with CUDA; a view each."""
@@ -73,6 +94,20 @@ class HostCopy:
             self._pinned[id(t)] = block[off:off + n].view(t.dtype).view(t.shape)
         self._blocks.append(block)
         self.nbytes += total
+
+    def release(self) -> int:
+        """Drop the block (unpinned, then freed) while the weights are on the device; the next ``leave`` makes
+        one again. Nothing while any weight lives in the block (the model is away): it is all they have.
+        Returns the bytes freed."""
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in self._blocks]
+        if any(lo <= t.data_ptr() < hi for _, _, t, _ in tensors_of(self.modules, self.shallow) for lo, hi in spans):
+            return 0
+        for block in self._blocks:
+            cuda_host.unregister(block.data_ptr(), block.numel())
+        freed, self.nbytes = self.nbytes, 0
+        self._blocks.clear()
+        self._pinned.clear()
+        return freed
 
     def leave(self) -> None:
         """Device -> pinned host; the device memory is given back to the allocator."""

@@ -24,6 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+import diffusiond.pipelines.hostcopy as hostcopy
 from diffusiond.ipc.errors import ArenaError
 from diffusiond.ipc.inputs import read_controls, read_inputs, read_references
 from diffusiond.ipc.messages import (
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Control:
-    command: Literal["sleep", "wake", "shutdown"]
+    command: Literal["sleep", "wake", "shutdown", "release"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class LiveUpdate:
     fds: list[int]
 
 
-_KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN}
+_KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN, "release": Kind.RELEASE}
 
 
 def close_fds(fds: list[int]) -> None:
@@ -445,6 +446,10 @@ class ComputeThread:
 
     def _control(self, item: Control) -> bool:
         """Drain copies (bounded), then act. Returns True when the thread should end."""
+        if item.command == "release":  # the host copy is no copy's source or target: nothing to drain
+            hostcopy.release_all()
+            self.post(Ack(command=Kind.RELEASE, ok=True, host_kept=hostcopy.kept()))
+            return False
         self.state.record(f"drain_start_{item.command}", 0)
         drained = self.state.drain(self.drain_timeout_s)
         self.state.record(f"drain_end_{item.command}", 0)
@@ -468,7 +473,7 @@ class ComputeThread:
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)
-        self.post(Ack(command=_KIND[item.command], ok=ok, message=message))
+        self.post(Ack(command=_KIND[item.command], ok=ok, message=message, host_kept=hostcopy.kept()))
         if item.command == "shutdown":
             self.on_exit(0 if drained else 1)
             return True

@@ -115,6 +115,8 @@ class Worker:
             self.state.cancel(msg.request_ids)
         elif isinstance(msg, Release):
             self._release(msg.slot_ids)
+            if msg.host_copy:  # on the compute thread, between batches, as a sleep is
+                self._enqueue(Control("release"))
         elif isinstance(msg, Sleep):
             self._enqueue(Control("sleep"))
         elif isinstance(msg, Wake):

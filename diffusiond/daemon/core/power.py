@@ -81,6 +81,7 @@ async def sleep(engine: Engine, level: int) -> dict[str, Any]:
     async def one(model: Model) -> None:
         if level == 1 and on_cpu(model):
             await pool.sleep_model(model)  # paused in place: nothing to free, its memory is the host's
+            keeper.kept(model)
         else:
             await keeper.sleep(model, level, reason)
 
@@ -137,6 +138,8 @@ async def wake(engine: Engine) -> None:
         # it on its device, so a job would be sent to it; one residency parked in host memory stays there
         in_place = [m for m in engine.models() if tier(engine, m) in ("device", "loading")]
         await asyncio.gather(*(pool.wake_model(m) for m in in_place))
+        for m in in_place:  # a GPU model that came up asleep in place keeps the host copy it slept into
+            engine.keeper.kept(m)
     finally:
         pool.paused = False
         engine.dispatch()

@@ -78,8 +78,8 @@ async def unload(k: Keeper, model: Model, reason: str, *, later: bool = True) ->
         return
     k.unloads.pop(name, None)
     if isinstance(got, Evict):
-        for move in got.moves:
-            await k._move(model, move)
+        for move in got.moves:  # in order: the room in host memory first (another model's drop or free)
+            await k._move(k.pool.models[move.model], move)
 
 
 def pending(k: Keeper) -> None:

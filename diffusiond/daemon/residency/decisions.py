@@ -38,6 +38,15 @@ class Move:
 
 
 @dataclass(frozen=True)
+class Release(Move):
+    """Not a move: a model on its device frees the page-locked host copy of its weights that its workers keep
+    since it was last parked in host memory (``pipelines/hostcopy.py``; issue 27). Cheap (an unpin and a free, no
+    copy); the model stays where it is and serves meanwhile, and its next move to host memory builds the copy
+    again, slower that once. Carried with the drops out of host memory, before the copies that need its room.
+    ``src`` and ``dst`` are both "device": its weights stay where they are."""
+
+
+@dataclass(frozen=True)
 class Fits:
     """The job may run now; if ``load_from`` is set, after loading the model from that tier."""
 

@@ -3,8 +3,9 @@ holds on each of its devices and in host memory, and its work.
 
 A model configured on several devices (``--device cuda:0,cuda:1``, or ``cpu`` with ``--workers 2``) runs a worker
 per entry of ``devices``, and each worker loads its own copy of the weights: a device named twice holds two
-copies, and each worker parked in host memory keeps its own copy there (issue 27). A run takes the working
-memory of the one device whose worker runs it.
+copies, and each worker parked in host memory keeps its own copy there (issue 27), also once back on its device
+(``kept``: the page-locked copy is made once and reused by every later move). A run takes the working memory of
+the one device whose worker runs it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ class ModelEntry:
     keep_alive_s: float | None
     hints: tuple[str, ...]
     host_bytes: int = 0  # what it keeps in host memory while on the device: an offloaded model's (host_memory.py)
+    kept: int = 0  # its workers' kept page-locked copies of its weights (all of them, as they report; issue 27)
     tier: Tier = "disk"
     loading_from: Tier | None = None
     leaving: Move | None = None
+    releasing: Move | None = None  # a ``decisions.Release`` of its kept host copy under way (host_memory.py)
     last_used: float = float("-inf")
     deadline: float = FOREVER
     queued: int = 0

@@ -6,14 +6,17 @@ share at READY (``Capabilities.host_bytes``, ``pipelines/offload.host_bytes``), 
 and FLUX under ``offload=group`` keeps about 34 GB so. Counting only the host tier let such models overcommit
 ``--host-memory`` by tens of GB; here every tier but disk counts what it holds, and a model on its way to the
 host tier counts its whole size (its device share joins its host share). A model on several devices has a
-worker per device, each with its own host copy: each counts.
+worker per device, each with its own host copy: each counts. A model parked in host memory
+once keeps its page-locked copy there when it goes back to its device (``pipelines/hostcopy.py``: later moves
+reuse it), and counts it then (``ModelEntry.kept``, as its workers report it in their answers to SLEEP and
+WAKE; issue 27).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from diffusiond.daemon.residency.decisions import Move
+from diffusiond.daemon.residency.decisions import Move, Release
 from diffusiond.daemon.residency.entry import ModelEntry as _Model
 from diffusiond.daemon.residency.units import format_bytes
 
@@ -24,28 +27,48 @@ def held(m: _Model) -> int:
     workers = len(m.devices)
     if m.tier == "host" or m.loading_from == "host" or (m.leaving is not None and m.leaving.dst == "host"):
         return (m.weight_bytes + m.host_bytes) * workers
-    return m.host_bytes * workers if m.tier in ("device", "loading") else 0
+    return m.host_bytes * workers + m.kept if m.tier in ("device", "loading") else 0
 
 
 def used(models: Iterable[_Model]) -> int:
     return sum(held(m) for m in models)
 
 
+def keepers(models: Iterable[_Model], but: Iterable[_Model] = ()) -> list[_Model]:
+    """Models on their devices whose workers keep a host copy that may be freed (``decisions.Release``), oldest use
+    first; not ``but`` (leaving for host memory, they copy into theirs), nor one on its way off its device."""
+    skip = {m.name for m in but}
+    return sorted((m for m in models if m.tier == "device" and m.kept and m.leaving is None and m.releasing is None
+                   and m.name not in skip), key=lambda m: (m.last_used, m.name))
+
+
+def _release(d: _Model, budget: int, why: str) -> Release:
+    return Release(d.name, "device", "device", f"host memory is full ({format_bytes(budget)} budget) and {why}: "
+                   f"{d.name}, on its device, frees the {format_bytes(d.kept)} copy of its weights it kept there")
+
+
 def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget: int,
                      reason: str) -> tuple[Move, ...]:
-    """Device -> host for each of ``leaving``, making room in host memory by dropping its least recently used
-    models (older than the one arriving) to disk; a model that cannot have host room goes to disk itself.
-    Arriving, a model adds its device share (``weight_bytes``): its host share is counted already."""
-    everyone = list(models)
+    """Device -> host for each of ``leaving``, making room in host memory first by freeing the copies models on
+    their devices keep there (``keepers``: no copy, only a slower next move for them), then by dropping its least
+    recently used models (older than the one arriving) to disk; a model that cannot have host room goes to disk
+    itself. Arriving, a model adds its device share (``weight_bytes``): its host share is counted already, and
+    so is the copy it kept (its weights go into it)."""
+    everyone, leaving = list(models), list(leaving)
     moves: list[Move] = []
     free = budget - used(everyone)
+    releasable = keepers(everyone, but=leaving)
     droppable = sorted((m for m in everyone if m.tier == "host" and m.leaving is None and m.idle),
                        key=lambda m: (m.last_used, m.name))
     for m in leaving:
-        arriving = m.weight_bytes * len(m.devices)
+        arriving = max(m.weight_bytes * len(m.devices) - m.kept, 0)
         if any(d.startswith("cpu") for d in m.devices) or not budget:
             moves.append(Move(m.name, "device", "disk", reason))
             continue
+        while free < arriving and releasable:
+            d = releasable.pop(0)
+            moves.append(_release(d, budget, f"{m.name} leaves {m.where} for it"))
+            free += d.kept
         while free < arriving and droppable and droppable[0].last_used <= m.last_used:
             d = droppable.pop(0)
             moves.append(Move(d.name, "host", "disk", f"host memory is full ({format_bytes(budget)}"
@@ -61,20 +84,26 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
 
 
 def room_for(models: Iterable[_Model], m: _Model, budget: int) -> tuple[Move, ...]:
-    """Host -> disk for the least recently used idle models of the host tier, until what ``m`` (loading from
-    disk) keeps in host memory while on its device fits the budget; none where it fits already, or where
-    dropping them all would not do (the load goes ahead then: a host budget never refuses a model)."""
+    """Room for what ``m`` (loading from disk) keeps in host memory while on its device: the copies models on
+    their devices keep there freed first (``keepers``), then the least recently used idle models of the host tier
+    to disk, until it fits the budget; none where it fits already, or where all that would not do (the load goes
+    ahead then: a host budget never refuses a model)."""
     everyone = list(models)
     free = budget - used(everyone)
     need = m.host_bytes * len(m.devices)
     if not need or free >= need:
         return ()
     moves: list[Move] = []
+    why = f"{m.name}, offloaded, keeps {format_bytes(m.host_bytes)} there while it runs"
+    for d in keepers(everyone, but=[m]):
+        if free >= need:
+            break
+        moves.append(_release(d, budget, why))
+        free += d.kept
     for d in sorted((o for o in everyone if o.tier == "host" and o.leaving is None and o.idle and o is not m),
                     key=lambda o: (o.last_used, o.name)):
         if free >= need:
             break
-        moves.append(Move(d.name, "host", "disk", f"host memory is full ({format_bytes(budget)} budget) and "
-                          f"{m.name}, offloaded, keeps {format_bytes(m.host_bytes)} there while it runs"))
+        moves.append(Move(d.name, "host", "disk", f"host memory is full ({format_bytes(budget)} budget) and {why}"))
         free += held(d)
     return tuple(moves) if free >= need else ()

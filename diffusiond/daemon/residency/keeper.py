@@ -46,6 +46,7 @@ from diffusiond.daemon.residency.decisions import (
     ModelStatus,
     Move,
     OomRetry,
+    Release,
     TooLarge,
     Wait,
     reason_label,
@@ -154,6 +155,7 @@ class Keeper:
         """A worker has the model's weights on its device (at start, or after a move back)."""
         name = model.name
         self._register(model)
+        self.kept(model)
         self.failed.pop(name, None)
         if self.policy.tier(name) in ("disk", "host") and name not in self.moving:
             self.policy.loading_started(name)
@@ -163,6 +165,11 @@ class Keeper:
 
     def known(self, name: str) -> bool:
         return self.policy.has(name)
+
+    def kept(self, model: Model) -> None:
+        """Its workers' word on the host copies of its weights they keep (in answers to SLEEP and WAKE; issue 27)."""
+        if self.known(model.name):
+            self.policy.keeps(model.name, sum(w.host_kept for w in model.workers))
 
     def admit(self, name: str, shape: Shape, outputs: int) -> TooLarge | None:
         """At admission: a job the model can never run within the budget is refused (``TooLarge``); so is
@@ -407,6 +414,7 @@ class Keeper:
                 self.loads.waking(model, 0)
                 self.on_change()
                 await self.pool.wake_model(model)
+                self.kept(model)
                 self.loads.waking(model, self.loads.total(model) or 0)
                 self.on_change()  # still moving: its jobs show the total before they leave ``loading``
             else:
@@ -449,7 +457,9 @@ class Keeper:
             self._start(leaving.carry_in_order(self, moves))
 
     async def _move(self, model: Model, move: Move) -> None:
-        if self._book(model, move):
+        if isinstance(move, Release):
+            await leaving.release(self, move, booked=False)
+        elif self._book(model, move):
             await self._carry(model, move)
 
     def _book(self, model: Model, move: Move) -> bool:

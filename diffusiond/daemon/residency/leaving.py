@@ -7,20 +7,26 @@ Every decision's moves (an expiry's, a sleep's, and through ``Keeper._spawn_move
 watch's, an OOM's, an unload's) run side by side (awaited in turn, one large model's slow copy to host
 memory would hold every other model past its keep-alive), but not a copy into host memory before the
 drops out of host memory that make its room (``--host-memory``): the policy counted those bytes as free
-when it booked the copy, and they are not free until the dropped model's worker has stopped (issue 27).
+when it booked the copy, and they are not free until the dropped model's worker has stopped (issue 27). The
+frees of host copies kept by models on their devices (``decisions.Release``) make room as the drops do, and go
+with them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from diffusiond.daemon.residency.decisions import Evict, Move
-from diffusiond.daemon.residency.policy import Residency
+from diffusiond.daemon.residency.decisions import Evict, Move, Release
+from diffusiond.daemon.residency.policy import Residency, ResidencyError
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
+
+log = logging.getLogger("diffusiond.daemon.residency.keeper")  # one logger for residency's moves
 
 
 class Keeper(Protocol):
@@ -31,6 +37,7 @@ class Keeper(Protocol):
     moving: set[str]
 
     def known(self, name: str) -> bool: ...
+    def kept(self, model: Model) -> None: ...
     def _start(self, coro: Coroutine[Any, Any, None]) -> None: ...
     def _book(self, model: Model, move: Move) -> bool: ...
     def _carry(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
@@ -54,17 +61,49 @@ async def sleep(k: Keeper, model: Model, level: int, reason: str) -> None:
 async def carry_in_order(k: Keeper, moves: tuple[Move, ...]) -> None:
     """Book every move at once (a plan meanwhile sees them), then carry them side by side, but a copy into
     host memory only once the drops out of host memory are done: it counts on the room they make."""
-    booked = [(k.pool.models[m.model], m) for m in moves if m.model in k.pool.models]
+    frees = [m for m in moves if isinstance(m, Release) and m.model in k.pool.models]
+    booked = [(k.pool.models[m.model], m) for m in moves if m.model in k.pool.models and not isinstance(m, Release)]
     booked = [(model, m) for model, m in booked if k._book(model, m)]
     drops = [(model, m) for model, m in booked if m.src == "host"]
     into_host = [(model, m) for model, m in booked if m.dst == "host"]
+    frees = [m for m in frees if _book_release(k, m)]
 
     async def after_drops() -> None:
-        await asyncio.gather(*(k._carry(model, m) for model, m in drops))
+        await asyncio.gather(*(k._carry(model, m) for model, m in drops), *(release(k, m) for m in frees))
         await asyncio.gather(*(k._carry(model, m) for model, m in into_host))
 
     await asyncio.gather(after_drops(), *(k._carry(model, m) for model, m in booked
                                           if (model, m) not in drops and (model, m) not in into_host))
+
+
+def _book_release(k: Keeper, move: Release) -> bool:
+    try:
+        k.policy.unloading(move)
+    except ResidencyError as exc:
+        log.error("residency: %s", exc)
+        return False
+    log.info("%s frees its host copy: %s", move.model, move.reason)
+    return True
+
+
+async def release(k: Keeper, move: Release, booked: bool = True) -> None:
+    """The model's workers free the host copy of its weights they keep (booked by ``_book_release``); it stays
+    on its device, serving, and is not ``moving``. What they keep after, said in their answers, is counted."""
+    model = k.pool.models[move.model]
+    if not booked and not _book_release(k, move):
+        return
+    failed = None
+    try:
+        await k.pool.release_host(model)
+    except Exception as exc:
+        log.error("freeing the host copy of %s failed: %s", move.model, exc)
+        failed = str(exc)
+    with contextlib.suppress(ResidencyError):  # its worker died meanwhile: worker_died settled the books
+        if failed is None:
+            k.policy.unloaded(move)
+        else:
+            k.policy.unload_failed(move, failed)
+    k.kept(model)
 
 
 async def expire_forever(k: Keeper, every_s: float) -> None:

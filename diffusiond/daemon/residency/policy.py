@@ -32,6 +32,7 @@ from diffusiond.daemon.residency.decisions import (
     OomSplit,
     Plan,
     Pressure,
+    Release,
     Tier,
     TooLarge,
     Wait,
@@ -417,6 +418,7 @@ class Residency:
         if m.tier not in ("host", "disk") or m.leaving is not None:
             raise ResidencyError(f"{name}: a load starts but the model is {m.tier}, not in host memory or on disk")
         m.loading_from, m.tier, m.reason = m.tier, "loading", f"loading from {m.tier}"
+        m.kept = m.kept if m.loading_from == "host" else 0  # new workers from disk have made no copy yet
         self._adjust_weights(m, -1)
 
     def loaded(self, name: str, now: float) -> None:
@@ -437,22 +439,32 @@ class Residency:
     def unloading(self, move: Move) -> None:
         """The engine started ``move``; the bytes stay counted where they were until ``unloaded``."""
         m = self._get(move.model)
-        if m.tier != move.src or m.leaving is not None:
+        if isinstance(move, Release) and m.tier == "device" and m.releasing is None:
+            m.releasing = move  # it stays, and serves: only its kept host copy goes
+            return
+        if m.tier != move.src or m.leaving is not None or isinstance(move, Release):
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} starts but the model is {m.tier}"
                                  f"{' and already leaving' if m.leaving else ''}")
         m.leaving = move
 
     def unloaded(self, move: Move) -> None:
         m = self._get(move.model)
+        if isinstance(move, Release) and m.releasing == move:
+            m.releasing, m.kept = None, 0
+            return
         if m.leaving != move:
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} finished that had not started")
         m.tier, m.leaving, m.reason = move.dst, None, move.reason
+        m.kept = m.kept if move.dst == "host" else 0  # its workers stopped: their copies went with them
         if move.src == "device":
             self._adjust_weights(m, 1)
 
     def unload_failed(self, move: Move, reason: str) -> None:
         """The move did not happen; the model stays where it was (a dead worker is ``worker_died``'s)."""
         m = self._get(move.model)
+        if isinstance(move, Release) and m.releasing == move:
+            m.releasing = None
+            return
         if m.leaving != move:
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} failed that had not started")
         m.leaving, m.reason = None, f"{move.src} -> {move.dst} failed: {reason}"
@@ -464,10 +476,16 @@ class Residency:
             m = self._get(name)
             freed = {d: m.on(d) for d in m.places}
             during = " during its load" if m.tier == "loading" else ""
-            m.tier, m.loading_from, m.leaving, m.running = "disk", None, None, []
+            m.tier, m.loading_from, m.leaving, m.running, m.kept, m.releasing = "disk", None, None, [], 0, None
             m.reason = f"worker died{during}: {reason}"
             for d, nbytes in freed.items():
                 self._adjust(d, nbytes)
+
+    def keeps(self, name: str, nbytes: int) -> None:
+        """What its workers said they keep of page-locked host copies of its weights (``host_memory.py``)."""
+        if nbytes < 0:
+            raise ValueError(f"model {name!r}: kept host bytes {nbytes} is negative")
+        self._get(name).kept = nbytes
 
     def resize(self, name: str, weight_bytes: int, host_bytes: int = 0) -> None:
         """The worker's count of a model placed by its files' headers (an estimate) before it loaded."""

@@ -91,6 +91,7 @@ class WorkerHandle:
         self._exited: asyncio.Future[int] | None = None
         self.last_frame_at = time.monotonic()
         self.loras_loaded: list[str] = []
+        self.host_kept = 0  # host copy of its weights it keeps (hostcopy.py), as its last SLEEP/WAKE/RELEASE said
 
     @property
     def pid(self) -> int | None:
@@ -271,6 +272,8 @@ class WorkerHandle:
                 fut.set_result(msg)
             if msg.command == Kind.PING:
                 self.loras_loaded = msg.loras_loaded
+            if msg.command in (Kind.SLEEP, Kind.WAKE, Kind.RELEASE):
+                self.host_kept = msg.host_kept
             if msg.command == Kind.SLEEP and msg.ok:
                 self.state = WorkerState.SLEEPING
             elif msg.command == Kind.WAKE and msg.ok:

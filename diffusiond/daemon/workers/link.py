@@ -16,6 +16,7 @@ from diffusiond.ipc.messages import (
     AddLora,
     Execute,
     Ready,
+    Release,
     Shutdown,
     Sleep,
     Trace,
@@ -27,8 +28,8 @@ from diffusiond.ipc.messages import (
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import WorkerState
 
-Command = Sleep | Wake | Shutdown | Trace | AddLora | UpdateLora | UpdateWeights
-"""What a worker answers with an ACK (one outstanding per kind)."""
+Command = Sleep | Wake | Shutdown | Trace | AddLora | UpdateLora | UpdateWeights | Release
+"""What a worker answers with an ACK (one outstanding per kind; a RELEASE only with ``host_copy``)."""
 
 
 class WorkerStartError(Exception):
@@ -43,6 +44,7 @@ class WorkerLink(Protocol):
     state: WorkerState
     started_at: float
     loras_loaded: list[str]  # LoRA adapters loaded in the worker, as of its last heartbeat answer
+    host_kept: int  # page-locked host copy of its weights it keeps, as of its last SLEEP, WAKE or RELEASE answer
 
     @property
     def name(self) -> str: ...

@@ -28,7 +28,7 @@ from diffusiond.daemon.errors import ModelNotFound, PowerFailed, WorkerUnavailab
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.workers.handle import WorkerHandle
 from diffusiond.daemon.workers.link import FrameCallback, LostCallback, WorkerLink, WorkerStartError
-from diffusiond.ipc.messages import Ack, Capabilities, Sleep, Trace, Wake, WarmupShape, WorkerConfig
+from diffusiond.ipc.messages import Ack, Capabilities, Release, Sleep, Trace, Wake, WarmupShape, WorkerConfig
 from diffusiond.protocol import ErrorCode, ModelState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -311,6 +311,15 @@ class WorkerPool:
     async def wake_model(self, model: Model) -> None:
         await self._fan_out(Wake(), WorkerState.SLEEPING, self.config.worker_start_timeout_s, ErrorCode.WAKE_FAILED,
                             [model])
+
+    async def release_host(self, model: Model) -> None:
+        """Its awake workers free the host copies of its weights they keep (issue 27); each answers what it keeps."""
+        targets = [w for w in model.workers if w.state == WorkerState.READY]
+        acks = await asyncio.gather(*(w.command(Release([], host_copy=True), self.config.worker_start_timeout_s)
+                                      for w in targets), return_exceptions=True)
+        bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
+        if bad:
+            raise WorkerUnavailable(f"{len(bad)} worker(s) of {model.name} did not free their host copy: {bad[0]}")
 
     async def retire(self, model: Model) -> None:
         """Stop the model's workers on purpose (not a loss: nothing is replaced); ``revive`` starts them."""
