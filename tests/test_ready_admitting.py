@@ -15,15 +15,17 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
-from enginekit import FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness
+from residencykit import G
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.edge import views
 from diffusiond.daemon.state.store import SqliteStore
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.ipc.messages import Ready
-from diffusiond.protocol import ErrorCode, JobStatus
+from diffusiond.protocol import ErrorCode, JobStatus, WorkerState
 
 BROKEN = "loading model 'm' failed: no such folder"
 
@@ -118,3 +120,40 @@ async def test_when_every_preload_fails_a_persisted_job_stays_queued_for_the_nex
     [batch] = restarted.worker.executed
     assert [r.request_id for r in batch.requests] == [f"{job.id}/0"]
     await restarted.close()
+
+
+async def test_a_load_for_a_job_during_the_preload_plans_around_the_model_being_preloaded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two models of 5 GiB under an 8 GiB budget: a job for ``n`` sent while ``m`` preloads must not start
+    ``n``'s load beside it (two loads at once would pass the budget, and on a full card run out of memory);
+    it waits, and once the preload is done ``m`` (idle) leaves and ``n`` loads and runs."""
+    opened = asyncio.Event()
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        if self.config.model_name == "m":
+            await opened.wait()
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, self.config.device, 1.0, msgspec.structs.replace(CAPS, weight_bytes=5 * G))
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),
+                        ModelConfig(name="n", spec="fake", devices=("cuda:0",), preload=False)),
+                device_memory="8GiB", max_batch=1)
+    for model in h.engine.pool.models.values():  # sizes remembered from an earlier run, as a state dir keeps them
+        model.known, model.capabilities = True, msgspec.structs.replace(CAPS, weight_bytes=5 * G)
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    await h.settle()
+    job = h.submit(model="n")
+    await h.settle()
+    assert not [w for w in h.spawned if w.config.model_name == "n"], "n's load started beside m's"
+    opened.set()
+    await preload
+    await h.settle()
+    [worker] = [w for w in h.spawned if w.config.model_name == "n"]
+    await asyncio.wait_for(_executed(worker), 5)
+    worker.finish(worker.executed[0])
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED
+    assert h.engine.keeper.snapshot()["m"].residency in ("host", "disk")
+    await h.close()

@@ -115,9 +115,15 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
             k.preloading.ended(model.name)
             log.info("%s stays on disk at start: %s", model.name, first.reason)
             continue
+        # counted on its device from now, not from its READY: a job's load meanwhile plans around it
+        counted = k.policy.has(model.name) and k.policy.tier(model.name) in ("disk", "host")
+        if counted:
+            k.policy.loading_started(model.name)
         try:
             await _start_one(k, model)
         except Exception as exc:
+            if counted and k.policy.tier(model.name) == "loading":
+                k.policy.load_failed(model.name, str(exc))
             tried.append((model, exc))
             continue
         tried.append((model, None))
