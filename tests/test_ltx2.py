@@ -10,6 +10,7 @@ A silent model (tiny-video, served beside it) refuses "audio": true.
 from __future__ import annotations
 
 import io
+import mmap
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ import pytest
 from daemonkit import Daemon, http, shared_daemon, wait_job
 from ltx2kit import SAMPLE_RATE, build_ltx2
 from test_image_tasks import b64, job
+
+from diffusiond.client import Client
 
 BASE = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps": 2, "num_frames": 9, "seed": 3}
 
@@ -78,6 +81,22 @@ async def test_an_mp4_carries_the_sound_track_as_long_as_the_video_and_a_wav_ser
         assert w.getnframes() == out["audio"]["samples"] > 0
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
     assert pcm.any()  # the vocoder's waveform, not silence
+
+
+def test_the_client_maps_the_track_read_only_and_reads_it_over_http_alike(ltx2_daemon: Daemon) -> None:
+    with Client(str(ltx2_daemon.socket), zero_copy=True) as c:
+        h = c.submit("a drum", model="ltx2", size=(64, 64), steps=2, num_frames=9, seed=3, output_format="npy")
+        waveform, rate = h.audio(0)
+        assert rate == SAMPLE_RATE and waveform.dtype == np.float32 and waveform.shape[0] == 2
+        assert not waveform.flags.writeable
+        root = waveform
+        while getattr(root, "base", None) is not None:
+            root = root.base
+        assert isinstance(root.obj if isinstance(root, memoryview) else root, mmap.mmap)  # the daemon's memory
+        over_http = Client(str(ltx2_daemon.socket), zero_copy=False)
+        with over_http:
+            copy, copy_rate = over_http.audio(h.id, 0)
+        assert copy_rate == rate and np.array_equal(copy, waveform) and not copy.flags.writeable
 
 
 async def test_audio_false_leaves_the_track_out(ltx2_daemon: Daemon) -> None:

@@ -36,6 +36,7 @@ from diffusiond.client.transport import (
     reason,
 )
 from diffusiond.protocol import (
+    AUDIO_ARRAY,
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
     ErrorCode,
@@ -374,27 +375,48 @@ class AsyncClient:
         """Output ``k``'s trajectory (a job sent with ``trajectory``): name -> read-only array, mapped from
         the daemon's shared memory where possible (else read over HTTP); ``as_torch``: CPU tensors over
         the same memory (bfloat16 latents come as torch.bfloat16; numpy shows their raw uint16 words)."""
-        arrays: dict[str, NDArray[Any]] | None = None
-        mapper = await self._zero_copy_mapper()
-        if mapper is not None:
-            from diffusiond.client.zerocopy import ZeroCopyUnavailable
-
-            try:
-                mapped = await asyncio.to_thread(mapper.mapper.trajectory, job_id, k)
-                arrays = {name: mapper.hand_out(a) for name, a in mapped.items()}
-            except ZeroCopyUnavailable:
-                if self.zero_copy:
-                    raise
-                self._give_up_zero_copy()
-            except DaemonError as exc:
-                if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
-                    raise
-        if arrays is None:
+        arrays = await self._mapped_side(job_id, k, "trajectory")
+        if arrays is not None:  # the region holds the sound track too, when there is one
+            arrays = {name: a for name, a in arrays.items() if name != AUDIO_ARRAY}
+        else:
             arrays = await self._trajectory_over_http(job_id, k)
         if not as_torch:
             return arrays
         words = any(a.dtype.kind == "u" and a.dtype.itemsize == 2 for a in arrays.values())  # bfloat16, maybe
         return torch_views(arrays, await self._dtypes(job_id, k) if words else {})
+
+    async def audio(self, job_id: str, k: int) -> tuple[NDArray[Any], int]:
+        """Output ``k``'s sound track (issue 30: a model that makes one, a job not sent with ``"audio": false``)
+        and its sample rate: a read-only float32 array ``(channels, samples)`` in [-1, 1], mapped from the
+        daemon's shared memory where possible, else read over HTTP (the exact floats, not the WAV's 16 bits)."""
+        entry = await self._side_entry(job_id, k, "audio")
+        mapped = await self._mapped_side(job_id, k, "audio")
+        if mapped is not None:
+            return mapped[AUDIO_ARRAY], int(entry["sample_rate"])
+        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}/trajectory/audio") as resp:
+            waveform = await read_npy(resp.content)
+        waveform.flags.writeable = False  # as the mapped one
+        return waveform, int(entry["sample_rate"])
+
+    async def _mapped_side(self, job_id: str, k: int, part: Literal["trajectory", "audio"]
+                           ) -> dict[str, NDArray[Any]] | None:
+        """Output ``k``'s side arrays (trajectory, sound track) over shared memory; None: read them over HTTP."""
+        mapper = await self._zero_copy_mapper()
+        if mapper is None:
+            return None
+        from diffusiond.client.zerocopy import ZeroCopyUnavailable
+
+        try:
+            mapped = await asyncio.to_thread(mapper.mapper.trajectory, job_id, k, part)
+            return {name: mapper.hand_out(a) for name, a in mapped.items()}
+        except ZeroCopyUnavailable:
+            if self.zero_copy:
+                raise
+            self._give_up_zero_copy()
+        except DaemonError as exc:
+            if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
+                raise
+        return None
 
     async def _trajectory_over_http(self, job_id: str, k: int) -> dict[str, NDArray[Any]]:
         entries = await self._trajectory_entries(job_id, k)
@@ -406,12 +428,17 @@ class AsyncClient:
         return arrays
 
     async def _trajectory_entries(self, job_id: str, k: int) -> dict[str, Any]:
+        return await self._side_entry(job_id, k, "trajectory")
+
+    async def _side_entry(self, job_id: str, k: int, key: str) -> dict[str, Any]:
+        """What the job's JSON says of output ``k``'s ``trajectory`` or ``audio``."""
         job = await self.job(job_id)
         for out in job.get("outputs") or []:
-            if int(out.get("index", -1)) == int(k) and out.get("trajectory"):
-                return dict(out["trajectory"])
-        raise DaemonError(404, ErrorCode.OUTPUT_NOT_FOUND.value,
-                          f"output {k} of job {job_id} has no trajectory (not finished, or none asked for)")
+            if int(out.get("index", -1)) == int(k) and out.get(key):
+                return dict(out[key])
+        what = "trajectory (not finished, or none asked for)" if key == "trajectory" else \
+            "sound track (not finished, its model makes none, or it was sent with audio: false)"
+        raise DaemonError(404, ErrorCode.OUTPUT_NOT_FOUND.value, f"output {k} of job {job_id} has no {what}")
 
     async def _dtypes(self, job_id: str, k: int) -> dict[str, str]:
         entries = await self._trajectory_entries(job_id, k)
