@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, cast, overload
 
 import aiohttp
 
@@ -46,6 +46,8 @@ from diffusiond.protocol import (
 if TYPE_CHECKING:
     from numpy.typing import NDArray
     from PIL import Image
+
+    from diffusiond.client.zerocopy import OutputMapper
 
 __all__ = ["BASE_URL", "AsyncClient", "EventCallback"]
 
@@ -350,21 +352,9 @@ class AsyncClient:
 
     async def array(self, job_id: str, k: int) -> NDArray[Any]:
         """An npy output: mapped from shared memory where possible, else streamed over HTTP."""
-        mapper = await self._zero_copy_mapper()
-        if mapper is not None:
-            from diffusiond.client.zerocopy import ZeroCopyUnavailable
-
-            try:
-                return mapper.hand_out(await asyncio.to_thread(mapper.mapper.array, job_id, k))
-            except ZeroCopyUnavailable:
-                if self.zero_copy:
-                    raise
-                self._give_up_zero_copy()
-            except DaemonError as exc:
-                # not in shared memory (spilled under arena pressure, or an old kernel): this one
-                # output comes over HTTP; the next may be mapped again
-                if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
-                    raise
+        mapped = await self._shared(lambda m: m.array(job_id, k))
+        if mapped is not None:
+            return cast("NDArray[Any]", mapped)
         async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
             try:
                 return await read_npy(resp.content)
@@ -375,11 +365,9 @@ class AsyncClient:
         """Output ``k``'s trajectory (a job sent with ``trajectory``): name -> read-only array, mapped from
         the daemon's shared memory where possible (else read over HTTP); ``as_torch``: CPU tensors over
         the same memory (bfloat16 latents come as torch.bfloat16; numpy shows their raw uint16 words)."""
-        arrays = await self._mapped_side(job_id, k, "trajectory")
-        if arrays is not None:  # the region holds the sound track too, when there is one
-            arrays = {name: a for name, a in arrays.items() if name != AUDIO_ARRAY}
-        else:
-            arrays = await self._trajectory_over_http(job_id, k)
+        mapped = await self._shared(lambda m: m.trajectory(job_id, k, "trajectory"))
+        arrays: dict[str, NDArray[Any]] = await self._trajectory_over_http(job_id, k) if mapped is None else {
+            name: a for name, a in mapped.items() if name != AUDIO_ARRAY}  # the region holds the sound track too
         if not as_torch:
             return arrays
         words = any(a.dtype.kind == "u" and a.dtype.itemsize == 2 for a in arrays.values())  # bfloat16, maybe
@@ -390,7 +378,7 @@ class AsyncClient:
         and its sample rate: a read-only float32 array ``(channels, samples)`` in [-1, 1], mapped from the
         daemon's shared memory where possible, else read over HTTP (the exact floats, not the WAV's 16 bits)."""
         entry = await self._side_entry(job_id, k, "audio")
-        mapped = await self._mapped_side(job_id, k, "audio")
+        mapped = await self._shared(lambda m: m.trajectory(job_id, k, "audio"))
         if mapped is not None:
             return mapped[AUDIO_ARRAY], int(entry["sample_rate"])
         async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}/trajectory/audio") as resp:
@@ -398,25 +386,27 @@ class AsyncClient:
         waveform.flags.writeable = False  # as the mapped one
         return waveform, int(entry["sample_rate"])
 
-    async def _mapped_side(self, job_id: str, k: int, part: Literal["trajectory", "audio"]
-                           ) -> dict[str, NDArray[Any]] | None:
-        """Output ``k``'s side arrays (trajectory, sound track) over shared memory; None: read them over HTTP."""
+    async def _shared(self, read: Callable[[OutputMapper], Any]) -> Any:
+        """``read``'s array (or name -> array) over the daemon's shared memory, handed out; None: read it over
+        HTTP instead (no output socket here, or this one is not in shared memory: spilled under arena pressure,
+        or an old kernel; the next may be mapped again)."""
         mapper = await self._zero_copy_mapper()
         if mapper is None:
             return None
         from diffusiond.client.zerocopy import ZeroCopyUnavailable
 
         try:
-            mapped = await asyncio.to_thread(mapper.mapper.trajectory, job_id, k, part)
-            return {name: mapper.hand_out(a) for name, a in mapped.items()}
+            got = await asyncio.to_thread(read, mapper.mapper)
         except ZeroCopyUnavailable:
             if self.zero_copy:
                 raise
             self._give_up_zero_copy()
+            return None
         except DaemonError as exc:
             if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
                 raise
-        return None
+            return None
+        return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)
 
     async def _trajectory_over_http(self, job_id: str, k: int) -> dict[str, NDArray[Any]]:
         entries = await self._trajectory_entries(job_id, k)
