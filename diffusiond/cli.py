@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--format", choices=tuple(FORMATS), help="output format (default: from -o's extension, else png)")
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N")
+    g.add_argument("--no-audio", dest="audio", action="store_const", const=False,
+                   help="leave out the sound track of a model that makes one (LTX-2); an mp4 then has none")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
     g.add_argument("--preview", nargs="?", const=1, type=positive_int, metavar="N",
                    help="show the picture every N steps (default 1) while it forms, in terminals that show images "

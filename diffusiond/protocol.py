@@ -119,6 +119,10 @@ TRAJECTORY_DTYPES: Final[tuple[TrajectoryDtype, ...]] = get_args(TrajectoryDtype
 TRAJECTORY_ARRAYS: Final[tuple[str, ...]] = ("latents", "log_probs", "timesteps", "sigmas")
 """The arrays a trajectory may carry (issue 29), in the order they lie in its shared memory: the
 latents before and after every step, each step's log-probability, timestep and sigma."""
+AUDIO_ARRAY: Final = "audio"
+"""The sound track's array beside an output (issue 30): float32 ``(channels, samples)`` in [-1, 1]."""
+SIDE_ARRAYS: Final[tuple[str, ...]] = (*TRAJECTORY_ARRAYS, AUDIO_ARRAY)
+"""Every array that may lie in an output's side region (``ipc/sidearrays.py``), in that order."""
 
 
 def schedulers_for(flow: bool) -> tuple[str, ...]:

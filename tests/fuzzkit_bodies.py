@@ -26,7 +26,7 @@ GEN_BASE = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "image", "image_path",
               "mask", "mask_path", "strength", "loras", "preview", "keep_alive", "noise_level", "eta",
-              "control", "ip_adapter", "trajectory", "upscale", "hires"]
+              "control", "ip_adapter", "trajectory", "upscale", "hires", "audio"]
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",
@@ -114,6 +114,8 @@ def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
         return st.floats(-1, 3) | st.sampled_from([0, 1, 2, 1e-300, -0.0]) | nasty_values
     if name == "trajectory":
         return trajectory_values
+    if name == "audio":  # issue 30: true is refused on these silent models, false is taken, the rest is no bool
+        return st.booleans() | nasty_values
     return nasty_values
 
 

@@ -165,7 +165,9 @@ def urls(draw: st.DrawFn, ctx: Ctx) -> Req:
         path = f"/v1/jobs/{job}/outputs/{k}"
         if draw(st.booleans()):  # a trajectory's arrays (issue 29), by name, real and not
             path += "/trajectory/" + draw(st.sampled_from(["latents", "log_probs", "timesteps", "sigmas", "LATENTS",
-                                                           "", "..", "%00", "%ff", "x" * 300, "latents.npy"]))
+                                                           "", "..", "%00", "%ff", "x" * 300, "latents.npy", "audio"]))
+        elif draw(st.integers(0, 3)) == 0:  # its sound track as WAV (issue 30): these models make none
+            path += draw(st.sampled_from(["/audio", "/audio/", "/AUDIO", "/audio.wav"]))
     elif kind == 2:
         path = f"/v1/jobs/{job}/preview/{k}"
     elif kind == 3:

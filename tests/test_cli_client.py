@@ -165,6 +165,14 @@ def test_generate_json_and_default_name(
     assert (tmp_path / "j_1.png").read_bytes() == b"PNG-0\n"
 
 
+def test_no_audio_asks_the_daemon_to_leave_the_sound_track_out(
+    stub: StubDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "a drum", "--socket", stub.path, "--no-audio"]) == 0
+    assert stub.requests[0][2] == {"prompt": "a drum", "audio": False}  # issue 30; left out, the model's default
+
+
 def test_generate_failure_exits_1_with_the_daemons_message(stub: StubDaemon, capsys: Any) -> None:
     assert main(["generate", "fail", "--socket", stub.path]) == 1
     assert "error: the worker died (stage: computing)" in capsys.readouterr().err

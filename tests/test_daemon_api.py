@@ -159,6 +159,7 @@ async def test_get_job_shape(sock: Path) -> None:
         "bytes": out["bytes"],
         "batch": out["batch"],
         "trajectory": None,  # a job that asked for none (docs/api.md, "Trajectories")
+        "audio": None,  # a model that makes no sound (docs/api.md, "Sound tracks")
         "lora_versions": None,  # no adapter, no component updated (docs/api.md, "Versions")
         "weight_versions": None,
     }

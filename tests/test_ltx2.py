@@ -2,13 +2,16 @@
 user's LTX-2 checkpoint is (``--model NAME=FOLDER``; the class in model_index.json decides the task).
 
 It makes text-to-video under the real model's rules (8k+1 frames, sides in multiples of 32), animates an image
-through LTX2ImageToVideoPipeline built on its weights, and says in every output that the sound track the model
-made was dropped (diffusiond carries frames only so far).
+through LTX2ImageToVideoPipeline built on its weights, and brings the sound track the model made back: an AAC
+stream in its mp4, as long as the video; a WAV at the vocoder's rate for every format; none with "audio": false.
+A silent model (tiny-video, served beside it) refuses "audio": true.
 """
 
 from __future__ import annotations
 
 import io
+import mmap
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +20,10 @@ import av
 import numpy as np
 import pytest
 from daemonkit import Daemon, http, shared_daemon, wait_job
-from ltx2kit import build_ltx2
+from ltx2kit import SAMPLE_RATE, build_ltx2
 from test_image_tasks import b64, job
 
-from diffusiond.pipelines.ltx2 import AUDIO_DROPPED
+from diffusiond.client import Client
 
 BASE = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps": 2, "num_frames": 9, "seed": 3}
 
@@ -28,8 +31,9 @@ BASE = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps":
 @pytest.fixture(scope="module")
 def ltx2_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     folder = build_ltx2(tmp_path_factory.mktemp("ltx2") / "ltx2")
-    with shared_daemon(tmp_path_factory.mktemp("ltx2-daemon"), ["--model", f"ltx2={folder}", "--workers", "1",
-                                                                "--job-timeout", "120"], model_cache) as d:
+    with shared_daemon(tmp_path_factory.mktemp("ltx2-daemon"), ["--model", f"ltx2={folder}", "--model", "tiny-video",
+                                                                "--workers", "1", "--job-timeout", "120"],
+                       model_cache) as d:
         yield d
 
 
@@ -46,9 +50,11 @@ async def _made(d: Daemon, body: dict[str, Any]) -> tuple[dict[str, Any], bytes]
 
 async def test_an_ltx2_folder_declares_the_real_models_rules(ltx2_daemon: Daemon) -> None:
     async with http(ltx2_daemon.socket) as s, s.get("/v1/models") as r:
-        (m,) = (await r.json())["data"]
+        models = {m["id"]: m for m in (await r.json())["data"]}
+    m = models["ltx2"]
     assert (m["task"], m["edits"], m["size_step"]) == ("text-to-video", ["image-to-video"], 32)
-    assert AUDIO_DROPPED in m["approximations"]
+    assert (m["sample_rate"], models["tiny-video"]["sample_rate"]) == (SAMPLE_RATE, None)
+    assert not any("audio" in a for a in m["approximations"])  # nothing the model made is dropped
     async with http(ltx2_daemon.socket) as s:
         frames, frames_body = await job(s, {**BASE, "num_frames": 12})
         side, side_body = await job(s, {**BASE, "width": 80})
@@ -57,14 +63,61 @@ async def test_an_ltx2_folder_declares_the_real_models_rules(ltx2_daemon: Daemon
     assert side == 400 and side_body["error"]["field"] == "width", side_body
 
 
-async def test_text_to_video_serves_the_video_and_says_the_audio_was_dropped(ltx2_daemon: Daemon) -> None:
-    done, mp4 = await _made(ltx2_daemon, {"output_format": "mp4"})
-    assert AUDIO_DROPPED in done["approximations"]
+async def test_an_mp4_carries_the_sound_track_as_long_as_the_video_and_a_wav_serves_it(ltx2_daemon: Daemon) -> None:
+    done, mp4 = await _made(ltx2_daemon, {"output_format": "mp4", "fps": 24})
+    out = done["outputs"][0]
+    assert done["request"]["audio"] is True and out["audio"]["sample_rate"] == SAMPLE_RATE, out
     with av.open(io.BytesIO(mp4)) as container:
-        assert [s.type for s in container.streams] == ["video"]  # no sound track yet (issue 30's next step)
-        assert AUDIO_DROPPED in container.metadata.get("comment", "")
-        pictures = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    assert len(pictures) == 9 and pictures[0].shape == (64, 64, 3)
+        video, sound = container.streams.video[0], container.streams.audio[0]
+        assert (sound.codec_context.name, sound.channels) == ("aac", 2)
+        video_s, sound_s = float(video.duration * video.time_base), float(sound.duration * sound.time_base)
+        assert abs(video_s - 9 / 24) < 1e-3 and abs(sound_s - video_s) <= 1 / 24, (video_s, sound_s)
+        assert '"audio":"16000 Hz"' in container.metadata.get("comment", "")
+    async with http(ltx2_daemon.socket) as s, s.get(out["audio"]["url"]) as r:
+        assert (r.status, r.content_type) == (200, "audio/wav")
+        wav = await r.read()
+    with wave.open(io.BytesIO(wav)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (SAMPLE_RATE, 2, 2)
+        assert w.getnframes() == out["audio"]["samples"] > 0
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    assert pcm.any()  # the vocoder's waveform, not silence
+
+
+def test_the_client_maps_the_track_read_only_and_reads_it_over_http_alike(ltx2_daemon: Daemon) -> None:
+    with Client(str(ltx2_daemon.socket), zero_copy=True) as c:
+        h = c.submit("a drum", model="ltx2", size=(64, 64), steps=2, num_frames=9, seed=3, output_format="npy")
+        waveform, rate = h.audio(0)
+        assert rate == SAMPLE_RATE and waveform.dtype == np.float32 and waveform.shape[0] == 2
+        assert not waveform.flags.writeable
+        root = waveform
+        while getattr(root, "base", None) is not None:
+            root = root.base
+        assert isinstance(root.obj if isinstance(root, memoryview) else root, mmap.mmap)  # the daemon's memory
+        over_http = Client(str(ltx2_daemon.socket), zero_copy=False)
+        with over_http:
+            copy, copy_rate = over_http.audio(h.id, 0)
+        assert copy_rate == rate and np.array_equal(copy, waveform) and not copy.flags.writeable
+
+
+async def test_audio_false_leaves_the_track_out(ltx2_daemon: Daemon) -> None:
+    done, mp4 = await _made(ltx2_daemon, {"output_format": "mp4", "audio": False})
+    out = done["outputs"][0]
+    assert (done["request"]["audio"], out["audio"]) == (False, None)
+    with av.open(io.BytesIO(mp4)) as container:
+        assert [s.type for s in container.streams] == ["video"]
+        assert len([f for f in container.decode(video=0)]) == 9
+    async with http(ltx2_daemon.socket) as s, s.get(f"/v1/jobs/{done['id']}/outputs/0/audio") as r:
+        assert r.status == 404 and "no sound track" in (await r.json())["error"]["message"]
+
+
+async def test_a_silent_model_refuses_audio_true(ltx2_daemon: Daemon) -> None:
+    body = {"model": "tiny-video", "prompt": "a drum", "width": 64, "height": 64, "steps": 1, "num_frames": 9}
+    async with http(ltx2_daemon.socket) as s:
+        status, refused = await job(s, {**body, "audio": True})
+        assert status == 400 and refused["error"]["field"] == "audio", refused
+        assert "makes no sound track" in refused["error"]["message"]
+        status, bad = await job(s, {**BASE, "audio": "yes"})
+        assert status == 400 and bad["error"]["field"] == "audio", bad
 
 
 async def test_an_image_animates_through_ltx2s_image_to_video(ltx2_daemon: Daemon) -> None:

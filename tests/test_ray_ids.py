@@ -156,6 +156,8 @@ def test_batch_keys_keep_apart_what_the_daemon_would_not_batch() -> None:
     assert ids.batch_key(base) == ids.batch_key({**base, "prompt": "another"})  # prompts batch together
     for field, value in (("control", [{"name": "edges", "image": "AAAA", "scale": 0.5}]),
                          ("ip_adapter", [{"name": "style", "image": "AAAA"}]),
-                         ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5)):
+                         ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5),
+                         ("fps", 24)):  # LTX-2 conditions on it (issue 30)
         assert ids.batch_key({**base, field: value}) != ids.batch_key(base), field
+    assert ids.batch_key({**base, "audio": False}) == ids.batch_key(base)  # the track is made either way
     assert ids.batch_key({"not": "a generation"}) is None

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, cast, overload
 
 import aiohttp
 
@@ -36,6 +36,7 @@ from diffusiond.client.transport import (
     reason,
 )
 from diffusiond.protocol import (
+    AUDIO_ARRAY,
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
     ErrorCode,
@@ -45,6 +46,8 @@ from diffusiond.protocol import (
 if TYPE_CHECKING:
     from numpy.typing import NDArray
     from PIL import Image
+
+    from diffusiond.client.zerocopy import OutputMapper
 
 __all__ = ["BASE_URL", "AsyncClient", "EventCallback"]
 
@@ -350,21 +353,9 @@ class AsyncClient:
 
     async def array(self, job_id: str, k: int) -> NDArray[Any]:
         """An npy output: mapped from shared memory where possible, else streamed over HTTP."""
-        mapper = await self._zero_copy_mapper()
-        if mapper is not None:
-            from diffusiond.client.zerocopy import ZeroCopyUnavailable
-
-            try:
-                return mapper.hand_out(await asyncio.to_thread(mapper.mapper.array, job_id, k))
-            except ZeroCopyUnavailable:
-                if self.zero_copy:
-                    raise
-                self._give_up_zero_copy()
-            except DaemonError as exc:
-                # not in shared memory (spilled under arena pressure, or an old kernel): this one
-                # output comes over HTTP; the next may be mapped again
-                if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
-                    raise
+        mapped = await self._shared(lambda m: m.array(job_id, k))
+        if mapped is not None:
+            return cast("NDArray[Any]", mapped)
         async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
             try:
                 return await read_npy(resp.content)
@@ -375,27 +366,48 @@ class AsyncClient:
         """Output ``k``'s trajectory (a job sent with ``trajectory``): name -> read-only array, mapped from
         the daemon's shared memory where possible (else read over HTTP); ``as_torch``: CPU tensors over
         the same memory (bfloat16 latents come as torch.bfloat16; numpy shows their raw uint16 words)."""
-        arrays: dict[str, NDArray[Any]] | None = None
-        mapper = await self._zero_copy_mapper()
-        if mapper is not None:
-            from diffusiond.client.zerocopy import ZeroCopyUnavailable
-
-            try:
-                mapped = await asyncio.to_thread(mapper.mapper.trajectory, job_id, k)
-                arrays = {name: mapper.hand_out(a) for name, a in mapped.items()}
-            except ZeroCopyUnavailable:
-                if self.zero_copy:
-                    raise
-                self._give_up_zero_copy()
-            except DaemonError as exc:
-                if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
-                    raise
-        if arrays is None:
-            arrays = await self._trajectory_over_http(job_id, k)
+        mapped = await self._shared(lambda m: m.trajectory(job_id, k, "trajectory"))
+        arrays: dict[str, NDArray[Any]] = await self._trajectory_over_http(job_id, k) if mapped is None else {
+            name: a for name, a in mapped.items() if name != AUDIO_ARRAY}  # the region holds the sound track too
         if not as_torch:
             return arrays
         words = any(a.dtype.kind == "u" and a.dtype.itemsize == 2 for a in arrays.values())  # bfloat16, maybe
         return torch_views(arrays, await self._dtypes(job_id, k) if words else {})
+
+    async def audio(self, job_id: str, k: int) -> tuple[NDArray[Any], int]:
+        """Output ``k``'s sound track (issue 30: a model that makes one, a job not sent with ``"audio": false``)
+        and its sample rate: a read-only float32 array ``(channels, samples)`` in [-1, 1], mapped from the
+        daemon's shared memory where possible, else read over HTTP (the exact floats, not the WAV's 16 bits)."""
+        entry = await self._side_entry(job_id, k, "audio")
+        mapped = await self._shared(lambda m: m.trajectory(job_id, k, "audio"))
+        if mapped is not None:
+            return mapped[AUDIO_ARRAY], int(entry["sample_rate"])
+        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}/trajectory/audio") as resp:
+            waveform = await read_npy(resp.content)
+        waveform.flags.writeable = False  # as the mapped one
+        return waveform, int(entry["sample_rate"])
+
+    async def _shared(self, read: Callable[[OutputMapper], Any]) -> Any:
+        """``read``'s array (or name -> array) over the daemon's shared memory, handed out; None: read it over
+        HTTP instead (no output socket here, or this one is not in shared memory: spilled under arena pressure,
+        or an old kernel; the next may be mapped again)."""
+        mapper = await self._zero_copy_mapper()
+        if mapper is None:
+            return None
+        from diffusiond.client.zerocopy import ZeroCopyUnavailable
+
+        try:
+            got = await asyncio.to_thread(read, mapper.mapper)
+        except ZeroCopyUnavailable:
+            if self.zero_copy:
+                raise
+            self._give_up_zero_copy()
+            return None
+        except DaemonError as exc:
+            if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
+                raise
+            return None
+        return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)
 
     async def _trajectory_over_http(self, job_id: str, k: int) -> dict[str, NDArray[Any]]:
         entries = await self._trajectory_entries(job_id, k)
@@ -407,12 +419,17 @@ class AsyncClient:
         return arrays
 
     async def _trajectory_entries(self, job_id: str, k: int) -> dict[str, Any]:
+        return await self._side_entry(job_id, k, "trajectory")
+
+    async def _side_entry(self, job_id: str, k: int, key: str) -> dict[str, Any]:
+        """What the job's JSON says of output ``k``'s ``trajectory`` or ``audio``."""
         job = await self.job(job_id)
         for out in job.get("outputs") or []:
-            if int(out.get("index", -1)) == int(k) and out.get("trajectory"):
-                return dict(out["trajectory"])
-        raise DaemonError(404, ErrorCode.OUTPUT_NOT_FOUND.value,
-                          f"output {k} of job {job_id} has no trajectory (not finished, or none asked for)")
+            if int(out.get("index", -1)) == int(k) and out.get(key):
+                return dict(out[key])
+        what = "trajectory (not finished, or none asked for)" if key == "trajectory" else \
+            "sound track (not finished, its model makes none, or it was sent with audio: false)"
+        raise DaemonError(404, ErrorCode.OUTPUT_NOT_FOUND.value, f"output {k} of job {job_id} has no {what}")
 
     async def _dtypes(self, job_id: str, k: int) -> dict[str, str]:
         entries = await self._trajectory_entries(job_id, k)

@@ -41,6 +41,7 @@ class JobOwner(Protocol):
     async def output(self, job_id: str, k: int) -> bytes: ...
     async def array(self, job_id: str, k: int) -> NDArray[Any]: ...
     async def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]: ...
+    async def audio(self, job_id: str, k: int) -> tuple[NDArray[Any], int]: ...
     def cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]: ...
     def cancel_from_any_thread(self, job_id: str) -> None: ...
 
@@ -127,6 +128,14 @@ class AsyncJobHandle:
         if job.get("status") != JobStatus.SUCCEEDED:
             raise JobFailed(job)
         return await self.client.trajectory(self.id, k, as_torch=as_torch)
+
+    async def audio(self, k: int = 0) -> tuple[NDArray[Any], int]:
+        """Output ``k``'s sound track once the job has finished (``AsyncClient.audio``): a read-only float32
+        ``(channels, samples)`` array and its sample rate."""
+        job = await self.wait()
+        if job.get("status") != JobStatus.SUCCEEDED:
+            raise JobFailed(job)
+        return await self.client.audio(self.id, k)
 
     async def _fetch(self, output: Output, job: dict[str, Any]) -> list[Any]:
         if job.get("status") != JobStatus.SUCCEEDED:

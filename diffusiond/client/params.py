@@ -36,6 +36,7 @@ class JobParams(TypedDict, total=False):
     # each output's latents at every step and the steps' log-probs (flow-sde, or ddim with eta > 0):
     # {"latents": True, "log_probs": True, "dtype": "float32"|"bfloat16"|"float16"}; read with trajectory(k)
     trajectory: Mapping[str, Any]
+    audio: bool  # the model's sound track (LTX-2; its default there): False leaves it out; read with audio(k)
     timeout_s: float
     model: str
     preview: dict[str, Any]  # {"every": N, "format": "jpeg"|"webp"|"png", "max_side": 256}: preview events

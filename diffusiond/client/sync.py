@@ -138,6 +138,10 @@ class Client:
         """Output ``k``'s trajectory (``AsyncClient.trajectory``): name -> read-only array over shared memory."""
         return self._call(self._async.trajectory(job_id, k, as_torch=as_torch))
 
+    def audio(self, job_id: str, k: int) -> tuple[NDArray[Any], int]:
+        """Output ``k``'s sound track and its sample rate (``AsyncClient.audio``)."""
+        return self._call(self._async.audio(job_id, k))
+
     def models(self) -> dict[str, Any]:
         return self._call(self._async.models())
 
@@ -241,6 +245,11 @@ class JobHandle:
     def trajectory(self, k: int = 0, *, as_torch: bool = False) -> dict[str, Any]:
         """Waits for the end, then output ``k``'s trajectory: name -> read-only array (``as_torch``: tensors)."""
         return self.client._call(self._handle.trajectory(k, as_torch=as_torch))
+
+    def audio(self, k: int = 0) -> tuple[NDArray[Any], int]:
+        """Waits for the end, then output ``k``'s sound track: a read-only float32 (channels, samples) array and
+        its rate."""
+        return self.client._call(self._handle.audio(k))
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:

@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import weakref
+from typing import Literal
 
 import numpy as np
 
@@ -84,10 +85,12 @@ class OutputMapper:
         lease, fd = self._lease(Fetch(job_id, k))
         return self._map(lease, fd)
 
-    def trajectory(self, job_id: str, k: int) -> dict[str, np.ndarray]:
-        """The trajectory of output ``k`` (a job that asked for one): name -> read-only array over the
-        daemon's memory, every array in one mapping, kept until the last of them is dropped."""
-        lease, fd = self._lease(Fetch(job_id, k, "trajectory"))
+    def trajectory(self, job_id: str, k: int, part: Literal["trajectory", "audio"] = "trajectory"
+                   ) -> dict[str, np.ndarray]:
+        """The side arrays of output ``k`` (its trajectory, and its sound track ``audio``, which share a region;
+        ``part`` says which the job must have): name -> read-only array over the daemon's memory, every array in
+        one mapping, kept until the last of them is dropped."""
+        lease, fd = self._lease(Fetch(job_id, k, part))
         region = self._map(lease, fd)  # uint8, its byte 0 at lease.tensor.offset
         base = lease.tensor.offset
         return {name: region[d.offset - base : d.offset - base + d.nbytes].view(numpy_dtype(d.dtype)).reshape(d.shape)

@@ -208,6 +208,7 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
         ("output_format", fmt),
         ("num_frames", args.frames),
         ("fps", args.fps),
+        ("audio", getattr(args, "audio", None)),  # --no-audio: False; else the model's default
         ("timeout_s", args.timeout),
         ("loras", getattr(args, "lora", None)),
         ("strength", args.strength),

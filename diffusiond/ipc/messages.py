@@ -23,9 +23,10 @@ from diffusiond.ipc.outsocket import Fetch as Fetch
 from diffusiond.ipc.outsocket import Lease as Lease
 from diffusiond.ipc.outsocket import Refused as Refused
 from diffusiond.ipc.outsocket import Unpin as Unpin
+from diffusiond.ipc.sidearrays import TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.ipc.upscale import HiresSpec, UpscalerSetting, UpscaleSpec
-from diffusiond.protocol import OutputDtype, OutputMode, TrajectoryDtype
+from diffusiond.protocol import OutputDtype, OutputMode
 
 
 class Kind(enum.IntEnum):
@@ -135,15 +136,6 @@ class LoraRef(msgspec.Struct, frozen=True, array_like=True):
     weight: float
 
 
-class TrajectorySpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What of a run's trajectory each output carries back (issue 29): the latents before and after
-    every step (in ``dtype``), the steps' log-probabilities; their timesteps and sigmas always."""
-
-    latents: bool = True
-    log_probs: bool = True
-    dtype: TrajectoryDtype = "float32"
-
-
 class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     """Parameters shared by every request of a batch. Frozen and hashable: it is the batch key."""
 
@@ -152,6 +144,7 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     steps: int
     guidance: float
     num_frames: int | None = None
+    fps: int | None = None  # a video's frame rate; a model that conditions on it (LTX-2's frame_rate) gets it
     scheduler: str | None = None
     # the stochastic samplers' noise (issue 29): flow-sde's noise_level, ddim's eta; None: their defaults
     noise_level: float | None = None
@@ -193,6 +186,7 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     preview_every: int = 0
     preview_max_side: int = 0
     input: InputRef | None = None  # edits only
+    audio: bool = False  # bring its sound track back (issue 30); per request: the model makes it either way
 
 
 class Init(msgspec.Struct, frozen=True):
@@ -321,6 +315,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     guidance: float = 7.5
     num_frames: int = 9  # video models only
     fps: int = 16  # video models only
+    sample_rate: int = 0  # its sound track's (LTX-2's vocoder's, issue 30); 0: it makes none
     num_frames_step: int = 1  # frame counts must be step*k + 1 (Wan 4, LTX 8)
     # width and height must be multiples of this: the VAE's spatial factor times the denoiser's
     # patch (SD 8, SD3 and Wan 16, LTX 32); other sizes fail inside the pipeline, or are rounded
@@ -377,15 +372,6 @@ class Progress(msgspec.Struct, frozen=True):
     # The forward ran out of memory and runs again (in halves, for a batch): the engine may send idle
     # models on this device away meanwhile (residency's on_oom).
     oom_retry: bool = False
-
-
-class TrajectoryDesc(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one output's trajectory lies: ``region`` (uint8, one slot, or one dedicated memfd) holds
-    every array; each of ``arrays`` lies inside it (same slot id; offsets into the same mapping).
-    The region is held, shared and given back as one, like an output's tensor."""
-
-    region: TensorDesc
-    arrays: dict[str, TensorDesc]
 
 
 class OutputReady(msgspec.Struct, frozen=True):

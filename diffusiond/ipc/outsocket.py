@@ -14,12 +14,13 @@ from diffusiond.ipc.tensors import TensorDesc
 
 
 class Fetch(msgspec.Struct, frozen=True):
-    """Ask for output ``index`` of job ``job_id`` (``part`` "trajectory": its trajectory's arrays);
+    """Ask for output ``index`` of job ``job_id`` (``part`` "trajectory": its trajectory's arrays; "audio": its
+    sound track's, which share that memory);
     the answer is LEASE (fd attached) or REFUSED."""
 
     job_id: str
     index: int
-    part: Literal["output", "trajectory"] = "output"
+    part: Literal["output", "trajectory", "audio"] = "output"
 
 
 class Lease(msgspec.Struct, frozen=True):

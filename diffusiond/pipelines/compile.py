@@ -176,6 +176,12 @@ class CompiledPipeline:
         return self.device.type == "cuda" and self.backend == "inductor" and self.mode in _GRAPH_MODES
 
     @property
+    def last_trajectories(self) -> Any:
+        """The last run's side arrays (trajectories, sound tracks: ``DiffusersPipeline.last_trajectories``), which
+        the worker takes from whatever pipeline it holds: a compiled LTX-2 brings its sound track back too."""
+        return getattr(self.inner, "last_trajectories", None)
+
+    @property
     def warmup_runs(self) -> int:
         """How often the worker's warm-up runs each shape: twice where CUDA-graph trees record a shape's
         graph on its second run, else once, since the first run compiles all there is (issue 31)."""

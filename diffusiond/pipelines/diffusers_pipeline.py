@@ -191,7 +191,8 @@ class DiffusersPipeline:
         self._schedulers: dict[str, Any] = {}
         # Issue 29's rollouts: the last run's per-step log-probs, timesteps and sigmas (rollout_schedulers.
         # Trajectory; None after a deterministic run); ``record_latents`` (tests) keeps each step's latents and
-        # model output on the host too. ``last_trajectories``: each request's arrays (trajectories.py).
+        # model output on the host too. ``last_trajectories``: each request's side arrays (trajectories.py), with
+        # its sound track (ltx2.py) when it asked for one.
         self.last_rollout: Any = None
         self.record_latents = False
         self.last_trajectories: list[dict[str, torch.Tensor]] | None = None
@@ -247,9 +248,9 @@ class DiffusersPipeline:
         # a GGUF's quantization first, then quant='s, then the speed-ups', then the attention kernel's
         attention = apply_attention(pipe, options.get("attention", ""), self.device)
         approximations = (*approximations, *quantized, *apply_speedups(pipe, options, self.device),
-                          *attention.approximations, *ltx2.approximations(pipe))
+                          *attention.approximations)
         self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode,
-                                                    attention=attention.name)
+                                                    attention=attention.name, sample_rate=ltx2.sample_rate(pipe))
         self.load_phases.mark("previews, speed-ups, attention")
 
     def device_weight_bytes(self) -> int | None:
@@ -370,6 +371,7 @@ class DiffusersPipeline:
                 raise PipelineError(f"model {self.name} makes images; num_frames does not apply")
             check_frames(self.name, self.capabilities.num_frames_step, params.num_frames)
             kwargs[self._frames_arg] = params.num_frames
+        kwargs.update(ltx2.frame_rate_args(args, params.fps))
 
         previewer = self._previewer if on_preview is not None else None
         wants = [(k, r.preview_every, r.preview_max_side) for k, r in enumerate(requests) if r.preview_every > 0]
@@ -401,6 +403,10 @@ class DiffusersPipeline:
             raise
         self.last_rollout = rollout.trajectory() if rollout is not None else None
         self.last_trajectories = recorder.arrays(pipe, params, len(requests)) if recorder is not None else None
+        sound = ltx2.waveforms(out, [r.audio for r in requests])  # the side arrays' other member (issue 30)
+        if sound is not None:
+            self.last_trajectories = [{**t, **a} for t, a in zip(self.last_trajectories or [{}] * len(sound), sound,
+                                                                 strict=True)]
         return self._split(out[0] if isinstance(out, tuple) else out, len(requests), params)
 
     def _split(self, batch: Any, n: int, params: BatchParams) -> list[torch.Tensor]:

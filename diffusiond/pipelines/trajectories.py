@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from diffusiond.ipc.messages import BatchParams, TrajectorySpec
+from diffusiond.ipc.messages import BatchParams
+from diffusiond.ipc.sidearrays import TrajectorySpec
 
 
 class LatentRecorder:

@@ -102,12 +102,13 @@ def batch_key(body: Any) -> str | None:
     """The part of a generation request that decides whether two requests can share a forward
     pass (the daemon's own batching key, as far as the body shows it). None for a body that is not
     a generation request. ``keep_alive`` is not in it: the daemon batches jobs that ask different ones
-    (the batch keeps its model for the longest), and the body reaches it as sent."""
+    (the batch keeps its model for the longest), and the body reaches it as sent; nor is ``audio``: a model's
+    sound track is made either way, and only its delivery is per request. ``fps`` is: LTX-2 conditions on it."""
     if not isinstance(body, dict) or "prompt" not in body:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
                                    "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
-                                   "loras", "strength", "trajectory", "control", "ip_adapter", "upscale",
+                                   "fps", "loras", "strength", "trajectory", "control", "ip_adapter", "upscale",
                                    "hires")]
     return repr(parts)
 

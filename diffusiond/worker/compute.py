@@ -248,7 +248,7 @@ class ComputeThread:
                     redraw = self.ip_adapters.redraw([references.get(r.request_id, []) for r in requests])
                 outputs = self.finish(batch.params, requests, outputs, on_step, sink_for(requests) if every else None,
                                       redraw)
-            if batch.params.trajectory is not None:  # a half of a retried batch adds its own share
+            if batch.params.trajectory is not None or any(r.audio for r in requests):  # a retried half: its share
                 got = getattr(self.pipeline, "last_trajectories", None) or []
                 if len(got) != len(outputs):
                     raise PipelineError(f"model {self.pipeline.name} gave {len(got)} trajectories for "

@@ -35,10 +35,10 @@ from diffusiond.ipc.messages import (
     RequestEnded,
     RequestSpec,
     SlotWait,
-    TrajectoryDesc,
 )
+from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, describe, nbytes_of, write_tensor
-from diffusiond.protocol import TRAJECTORY_ARRAYS
+from diffusiond.protocol import SIDE_ARRAYS
 from diffusiond.worker.previews import PendingPreview, PreviewOutbox
 from diffusiond.worker.state import SharedState
 
@@ -53,7 +53,8 @@ class CopyJob:
     requests: list[RequestSpec]
     outputs: list[torch.Tensor]
     event: torch.cuda.Event | None  # recorded after the forward; None on CPU
-    # each request's trajectory arrays on the device (pipelines/trajectories.py), when the batch asked
+    # each request's side arrays on the device: its trajectory (pipelines/trajectories.py), when the batch
+    # asked, and its sound track (pipelines/ltx2.py), when the request wants it; {} for neither
     trajectories: list[dict[str, torch.Tensor]] | None = None
 
 
@@ -173,7 +174,7 @@ class Copier:
             return
         traj: tuple[TrajectoryDesc, int | None] | None = None
         try:
-            if arrays is not None:
+            if arrays:
                 traj = self._copy_trajectory(arrays, req.request_id)
             desc, fd = self._copy(job, out, req.request_id)
         except Exception as exc:
@@ -196,11 +197,11 @@ class Copier:
 
     def _copy_trajectory(self, arrays: dict[str, torch.Tensor],
                          request_id: str) -> tuple[TrajectoryDesc, int | None]:
-        """Every array of one request's trajectory into one region (an arena slot, or a dedicated
-        memfd when it is larger than the arena), each at a 64-byte boundary, in TRAJECTORY_ARRAYS' order."""
+        """Every side array of one request (trajectory, sound track) into one region (an arena slot, or a
+        dedicated memfd when it is larger than the arena), each at a 64-byte boundary, in SIDE_ARRAYS' order."""
         layout: list[tuple[str, torch.Tensor, int]] = []
         total = 0
-        for name in TRAJECTORY_ARRAYS:
+        for name in SIDE_ARRAYS:
             if name in arrays:
                 layout.append((name, arrays[name], total))
                 total += (nbytes_of(arrays[name]) + 63) // 64 * 64

@@ -163,7 +163,8 @@ class Flights:
                     fds.append(buffer.dup())
                 ref = buffer.ref(index[i.job.id])
             specs.append(RequestSpec(request_id=i.request_id, prompt=r.prompt, seed=i.seed,
-                                     negative_prompt=r.negative_prompt, input=ref, **_preview_fields(r)))
+                                     negative_prompt=r.negative_prompt, input=ref, audio=r.audio_rate > 0,
+                                     **_preview_fields(r)))
         return specs
 
     def _start_computing(self, batch: Batch) -> None:

@@ -25,7 +25,8 @@ from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.core.ip_adapters import IpAdapterInput
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.inputs import InputBuffer
-from diffusiond.ipc.messages import BatchParams, LoraRef, TrajectoryDesc, TrajectorySpec
+from diffusiond.ipc.messages import BatchParams, LoraRef
+from diffusiond.ipc.sidearrays import TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec, img2img_steps
 from diffusiond.protocol import STRENGTH_TASKS, Event, JobStatus, OutputDtype, Stage
@@ -78,6 +79,7 @@ class JobRequest:
     eta: float | None = None  # ddim only
     preview: PreviewSpec | None = None  # None: no previews (the default)
     trajectory: TrajectorySpec | None = None  # each output's latents and log-probs (issue 29); None: none
+    audio_rate: int = 0  # each output's sound track comes back, at this rate (the model's; issue 30); 0: none
     loras: tuple[tuple[str, float], ...] = ()  # (name, weight), sorted by name
     keep_alive_s: float | None = None  # how long its model stays on the device after it (None: the model's)
     # an edit's decoded input; the job owns it and the engine closes it when the job ends
@@ -102,6 +104,7 @@ class JobRequest:
             steps=self.steps,
             guidance=self.guidance,
             num_frames=self.num_frames,
+            fps=self.fps if self.num_frames is not None else None,
             scheduler=self.scheduler,
             noise_level=self.noise_level,
             eta=self.eta,

@@ -44,10 +44,12 @@ class OutputAccess:
         """Read one array of output ``k``'s trajectory: an npy header and its bytes (``Outputs.open_trajectory``)."""
         return self.outputs.open_trajectory(self._item(job, k), name)
 
-    def lease_trajectory(self, job_id: str, k: int) -> tuple[Item, TensorDesc, dict[str, TensorDesc], int, int]:
-        """Pin output ``k``'s trajectory for a local client that maps it (the output socket)."""
+    def lease_trajectory(self, job_id: str, k: int,
+                         audio: bool = False) -> tuple[Item, TensorDesc, dict[str, TensorDesc], int, int]:
+        """Pin output ``k``'s trajectory (``audio``: its sound track, in the same memory) for a local client
+        that maps it (the output socket)."""
         item = self._item(self.get(job_id), k)
-        return (item, *self.outputs.lease_trajectory(item))
+        return (item, *self.outputs.lease_trajectory(item, audio))
 
     def end_trajectory_lease(self, item: Item) -> None:
         self.outputs.unlease_trajectory(item)

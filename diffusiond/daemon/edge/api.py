@@ -26,6 +26,7 @@ from diffusiond.daemon.edge.jobs import (
     create_job,
     delete_job,
     get_job,
+    job_audio,
     job_events,
     job_output,
     job_preview,
@@ -189,6 +190,7 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_get("/v1/jobs/{job_id}/events", job_events)
     app.router.add_get("/v1/jobs/{job_id}/outputs/{k}", job_output)
     app.router.add_get("/v1/jobs/{job_id}/outputs/{k}/trajectory/{name}", job_trajectory)
+    app.router.add_get("/v1/jobs/{job_id}/outputs/{k}/audio", job_audio)
     app.router.add_get("/v1/jobs/{job_id}/preview/{k}", job_preview)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/models/{name}/load", model_load)

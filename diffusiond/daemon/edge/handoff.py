@@ -159,22 +159,22 @@ class _Connection:
         engine = self.server.engine
         arrays: dict[str, TensorDesc] = {}
         try:
-            if msg.part == "trajectory":
-                item, desc, arrays, fd, size = engine.lease_trajectory(msg.job_id, msg.index)
+            if msg.part != "output":  # a trajectory or a sound track: the output's side region
+                item, desc, arrays, fd, size = engine.lease_trajectory(msg.job_id, msg.index, msg.part == "audio")
             else:
                 item, desc, fd, size = engine.lease_output(msg.job_id, msg.index)
         except JobNotFound as missing:
             err: EngineError = missing
-            if msg.part == "trajectory" and engine.store.persistent:  # perhaps in the state dir: over HTTP
-                err = NotShared(f"job {msg.job_id!r} is not in memory; a trajectory kept in the state dir is "
-                                "served over HTTP (GET its trajectory URLs)")
+            if msg.part != "output" and engine.store.persistent:  # perhaps in the state dir: over HTTP
+                err = NotShared(f"job {msg.job_id!r} is not in memory; a {msg.part} kept in the state dir is "
+                                "served over HTTP (GET its URLs)")
             self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
             return
         except EngineError as refused:
             self.channel.post(Refused(msg.job_id, msg.index, status_of(refused), str(refused.code), refused.message))
             return
         self._next += 1
-        self.leases[self._next] = (item, msg.part == "trajectory")
+        self.leases[self._next] = (item, msg.part != "output")
         self.channel.post(Lease(self._next, desc, size, arrays), [fd])
 
     def _end(self, item: Item, trajectory: bool) -> None:

@@ -18,7 +18,8 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core.jobs import Job, Preview
 from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, upscale, views
 from diffusiond.daemon.edge.status import ENGINE
-from diffusiond.protocol import FORMATS, TERMINAL_EVENTS, Event, JobStatus
+from diffusiond.daemon.outputs import sound
+from diffusiond.protocol import AUDIO_ARRAY, FORMATS, TERMINAL_EVENTS, Event, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,18 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
         read.complete = True
         return resp
+
+
+async def job_audio(request: web.Request) -> web.Response:
+    """Output ``k``'s sound track (issue 30) as a 16-bit PCM WAV, whatever the output's format: a few MB at most,
+    so written whole rather than streamed."""
+    engine = request.app[ENGINE]
+    job = await engine.history.find(request.match_info["job_id"])
+    k = _index(request.match_info["k"])
+    async with engine.open_trajectory(job, k, AUDIO_ARRAY) as (header, payload):
+        waveform = sound.from_npy(header, payload)  # a copy: the shared memory is unpinned at once
+    return web.Response(body=sound.wav_bytes(waveform, job.request.audio_rate), content_type="audio/wav",
+                        headers={"Content-Disposition": f'inline; filename="{job.id}-{k}.wav"'})
 
 
 async def job_trajectory(request: web.Request) -> web.StreamResponse:

@@ -22,6 +22,7 @@ import msgspec
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core.inputs import EditInput, Source
 from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
+from diffusiond.daemon.edge.audio import check_audio
 from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
@@ -110,6 +111,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     preview: PreviewBody | None = None
     loras: list[LoraBody] | None = None
     trajectory: TrajectoryBody | None = None
+    audio: bool | None = None  # the model's sound track (daemon/edge/audio.py); None: when it makes one
     # edits: the input image as base64 (or a data URL), or a path under --input-dir; same for the mask
     image: str | None = None
     image_path: str | None = None
@@ -362,6 +364,7 @@ def check(
         eta=eta,
         preview=preview,
         trajectory=trajectory,
+        audio_rate=check_audio(req.get("audio"), model),
         loras=lora_pairs,
         edit=edit,
         keep_alive_s=_keep_alive(req.get("keep_alive")),

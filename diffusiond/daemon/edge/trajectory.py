@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from diffusiond.daemon.errors import invalid
-from diffusiond.ipc.messages import TrajectorySpec
+from diffusiond.ipc.sidearrays import TrajectorySpec
 from diffusiond.protocol import TRAJECTORY_DTYPES
 
 

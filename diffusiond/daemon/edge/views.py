@@ -20,7 +20,7 @@ from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import PING_INTERVAL_S, Model
 from diffusiond.ipc.messages import Ack
 from diffusiond.pipelines.spec import is_synthetic
-from diffusiond.protocol import FORMATS, Event, ModelState
+from diffusiond.protocol import AUDIO_ARRAY, FORMATS, Event, ModelState
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -42,15 +42,29 @@ def trajectory_url(job_id: str, k: int, name: str) -> str:
     return f"/v1/jobs/{job_id}/outputs/{k}/trajectory/{name}"
 
 
+def _side_arrays(i: Item) -> dict[str, tuple[list[int], str]]:
+    """The shapes and dtypes of an output's side arrays (trajectory, sound track), in memory or in files."""
+    t = i.trajectory
+    return {n: (list(d.shape), d.dtype) for n, d in t.arrays.items()} if t is not None else \
+        {n: (list(f["shape"]), str(f["dtype"])) for n, f in (i.trajectory_files or {}).items()}
+
+
 def trajectory(j: Job, i: Item) -> dict[str, Any] | None:
     """An output's trajectory arrays: each one's URL, shape and dtype (null: the job asked for none)."""
-    t = i.trajectory
-    if j.request.trajectory is None or (t is None and not i.trajectory_files):
+    arrays = {n: v for n, v in _side_arrays(i).items() if n != AUDIO_ARRAY}
+    if j.request.trajectory is None or not arrays:
         return None
-    arrays = {n: (list(d.shape), d.dtype) for n, d in t.arrays.items()} if t is not None else \
-        {n: (list(f["shape"]), str(f["dtype"])) for n, f in (i.trajectory_files or {}).items()}
     return {name: {"url": trajectory_url(j.id, i.index, name), "shape": shape, "dtype": dtype}
             for name, (shape, dtype) in arrays.items()}
+
+
+def audio(j: Job, i: Item) -> dict[str, Any] | None:
+    """An output's sound track (issue 30): its WAV's URL, rate, channels and length (null: it has none)."""
+    shape = _side_arrays(i).get(AUDIO_ARRAY, ([], ""))[0] if j.request.audio_rate else []
+    if len(shape) != 2:
+        return None
+    return {"url": f"{output_url(j.id, i.index)}/audio", "content_type": "audio/wav",
+            "sample_rate": j.request.audio_rate, "channels": shape[0], "samples": shape[1]}
 
 
 def output_filename(job: Job, k: int) -> str:
@@ -73,7 +87,7 @@ def job(j: Job) -> dict[str, Any]:
         if j.stage_label == "loading" else None,
         "outputs": [
             {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,
-             "bytes": i.nbytes, "batch": i.batch_id, "trajectory": trajectory(j, i),
+             "bytes": i.nbytes, "batch": i.batch_id, "trajectory": trajectory(j, i), "audio": audio(j, i),
              # the versions this output's own batch ran with (the job's may have run in several)
              "lora_versions": i.lora_versions or None, "weight_versions": i.weight_versions or None}
             for i in j.items
@@ -98,6 +112,7 @@ def job(j: Job) -> dict[str, Any]:
             "guidance_scale": r.guidance,
             "output_format": r.output_format,
             "num_frames": r.num_frames,
+            "audio": r.audio_rate > 0,
             "seed": r.seed,
             "scheduler": r.scheduler,
             "noise_level": r.noise_level,
@@ -211,7 +226,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
-            "attention": m.capabilities.attention or None,
+            "attention": m.capabilities.attention or None, "sample_rate": m.capabilities.sample_rate or None,
             "offload": m.capabilities.offload, "batch_sizes": list(engine.config.batch_sizes_of(m.config)),
             "residency": where.residency if where is not None else ("disk" if m.retired else "loading"),
             "device_bytes": where.device_bytes if where is not None else 0,

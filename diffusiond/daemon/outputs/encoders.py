@@ -39,6 +39,7 @@ from av.video.reformatter import ColorRange, Colorspace
 from numpy.lib import format as npy_format
 from PIL import Image, PngImagePlugin
 
+import diffusiond.daemon.outputs.sound as sound
 from diffusiond.protocol import FORMATS, IMAGE_FORMATS, VIDEO_FORMATS
 
 # Tried in order. libx264 is the reference encoder and ships in PyAV's wheels; "h264" lets FFmpeg
@@ -86,6 +87,8 @@ class EncodeOptions:
     webp_lossless: bool = False
     fps: int = 16
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # an mp4's sound track (issue 30): waveform (channels, samples) float32 in [-1, 1] and its sample rate
+    audio: tuple[np.ndarray, int] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         """Reject bad values here, with the field's name, rather than deep inside an encoder."""
@@ -407,6 +410,7 @@ def _encode_mp4(video: np.ndarray, options: EncodeOptions) -> bytes:
     (F, H, W, 3) array is contiguous, so ``from_ndarray`` reads it without a copy of the clip.
     Colour is converted with the BT.709 matrix in limited range and tagged as such, so players
     convert back with the same matrix (untagged H.264 is read as BT.601 by some, BT.709 by others).
+    A sound track (``options.audio``) goes in as AAC, as long as the video (``sound.Track``).
     """
     frame_count, height, width, _ = video.shape
     rate = Fraction(options.fps, 1)
@@ -424,6 +428,7 @@ def _encode_mp4(video: np.ndarray, options: EncodeOptions) -> bytes:
         stream.pix_fmt = "yuv420p"
         stream.codec_context.time_base = 1 / rate
         _tag_bt709(stream.codec_context)
+        track = None if options.audio is None else sound.Track(container, *options.audio, frame_count / options.fps)
         for index in range(frame_count):
             rgb = np.ascontiguousarray(_even_frame(to_uint8(video[index])))
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(
@@ -432,6 +437,8 @@ def _encode_mp4(video: np.ndarray, options: EncodeOptions) -> bytes:
             frame.pts, frame.time_base = index, 1 / rate
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
+        if track is not None:
+            track.write()
     return bytes(shared.data)
 
 

@@ -34,6 +34,8 @@ def file_metadata(item: Item) -> dict[str, str]:
         meta["lora_versions"] = ", ".join(f"{name}:{v}" for name, v in sorted(item.lora_versions.items()))
     if item.weight_versions:
         meta["weight_versions"] = ", ".join(f"{c}:{v}" for c, v in sorted(item.weight_versions.items()))
+    if r.audio_rate:  # the sound track made with it (muxed in an mp4; GET .../audio for every format)
+        meta["audio"] = f"{r.audio_rate} Hz"
     if item.job.approximations:  # the output is not the model's exact one: say how it differs
         meta["approximations"] = ", ".join(item.job.approximations)
     if item.job.compiled:

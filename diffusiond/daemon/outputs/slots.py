@@ -40,14 +40,14 @@ from typing import Any
 from diffusiond.daemon.core.jobs import Item, Job
 from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, OutputNotReady, OutputReleased
 from diffusiond.daemon.metrics import Metrics
-from diffusiond.daemon.outputs import trajectory_files
+from diffusiond.daemon.outputs import sound, trajectory_files
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
 from diffusiond.daemon.outputs.metadata import file_metadata
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
-from diffusiond.ipc.messages import TrajectoryDesc
+from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
-from diffusiond.protocol import FORMATS, TRAJECTORY_ARRAYS, ErrorCode, Stage
+from diffusiond.protocol import AUDIO_ARRAY, FORMATS, SIDE_ARRAYS, TRAJECTORY_ARRAYS, ErrorCode, Stage
 
 log = logging.getLogger(__name__)
 
@@ -261,13 +261,13 @@ class Outputs:
             payload.release()
             self._unpin_trajectory(item)
 
-    def lease_trajectory(self, item: Item) -> tuple[TensorDesc, dict[str, TensorDesc], int, int]:
+    def lease_trajectory(self, item: Item, audio: bool = False) -> tuple[TensorDesc, dict[str, TensorDesc], int, int]:
         """Pin a trajectory for a program on this machine that maps it: its region, its arrays, the fd
         they lie in and its size. It goes back at ``unlease_trajectory`` only if the job's retention ended
         meanwhile: a trajectory may be mapped again, as long as the job is kept."""
-        traj = self._trajectory_of(item)
+        traj = self._trajectory_of(item, audio)
         if traj is None:
-            raise NotShared(f"the trajectory of output {item.index} of job {item.job.id} is not in shared memory "
+            raise NotShared(f"the side arrays of output {item.index} of job {item.job.id} are not in shared memory "
                             "(spilled under arena pressure, or kept in the state dir); fetch its arrays over HTTP")
         assert item.worker is not None
         shared = item.worker.share(traj.region)
@@ -280,23 +280,28 @@ class Outputs:
     def unlease_trajectory(self, item: Item) -> None:
         self._unpin_trajectory(item)
 
-    def _trajectory_of(self, item: Item) -> TrajectoryDesc | None:
-        """The item's trajectory while in shared memory (None once spilled); errors name what is missing."""
+    def _trajectory_of(self, item: Item, audio: bool = False) -> TrajectoryDesc | None:
+        """The item's side region while in shared memory (None once spilled), for its trajectory or (``audio``)
+        its sound track, which share it (ipc/sidearrays.py); errors name what is missing."""
         _check_ready(item)
         job = item.job
-        if job.request.trajectory is None:
+        if audio and not job.request.audio_rate:
+            raise OutputNotFound(f"job {job.id} has no sound track (its model makes none, or it was sent with "
+                                 "\"audio\": false)")
+        if not audio and job.request.trajectory is None:
             raise OutputNotFound(f"job {job.id} asked for no trajectory; send \"trajectory\": "
                                  "{\"latents\": true, \"log_probs\": true} with the job")
         if item.trajectory is None and item.trajectory_data is None and not item.trajectory_files:
-            raise OutputReleased(f"the trajectory of output {item.index} of job {job.id} is no longer kept (its "
-                                 "retention ended, or the daemon restarted without a state dir to keep it)")
+            raise OutputReleased(f"the {'sound track' if audio else 'trajectory'} of output {item.index} of job "
+                                 f"{job.id} is no longer kept (its retention ended, or the daemon restarted without "
+                                 "a state dir to keep it)")
         return item.trajectory if item.trajectory_data is None else None
 
     def _trajectory_array(self, item: Item, name: str) -> TensorDesc | None:
         """The array's place in memory; None when only its file in the state dir holds it."""
-        if name not in TRAJECTORY_ARRAYS:
+        if name not in SIDE_ARRAYS:
             raise OutputNotFound(f"a trajectory has no array {name!r}; its arrays are {', '.join(TRAJECTORY_ARRAYS)}")
-        self._trajectory_of(item)
+        self._trajectory_of(item, audio=name == AUDIO_ARRAY)
         arrays = item.trajectory.arrays if item.trajectory is not None else trajectory_files.listed(item)
         if name not in arrays:
             raise OutputNotFound(f"the trajectory of job {item.job.id} has no {name} (its request left them out); "
@@ -362,8 +367,10 @@ class Outputs:
 
     # encoding -----------------------------------------------------------------------------------
     def _options(self, item: Item) -> EncodeOptions:
+        track = sound.waveform(self, item) if item.job.request.output_format == "mp4" else None
         return EncodeOptions(png_compress_level=self.png_compress_level, fps=item.job.request.fps,
-                             metadata=file_metadata(item))
+                             metadata=file_metadata(item),
+                             audio=None if track is None else (track, item.job.request.audio_rate))
 
     async def _encode(self, item: Item, fmt: str) -> None:
         assert item.worker is not None and item.desc is not None
