@@ -1,14 +1,15 @@
 """LTX-2 on a real daemon (issue 30): a tiny LTX2Pipeline folder built in code (tests/ltx2kit.py), loaded as a
 user's LTX-2 checkpoint is (``--model NAME=FOLDER``; the class in model_index.json decides the task).
 
-It makes text-to-video under the real model's rules (8k+1 frames, sides in multiples of 32), animates an image
-through LTX2ImageToVideoPipeline built on its weights, and brings the sound track the model made back: an AAC
-stream in its mp4, as long as the video; a WAV at the vocoder's rate for every format; none with "audio": false.
-A silent model (tiny-video, served beside it) refuses "audio": true.
+It makes text-to-video under the real model's rules (8k+1 frames, sides in multiples of 32 and at least 64),
+animates an image through LTX2ImageToVideoPipeline built on its weights, and brings the sound track the model
+made back: an AAC stream in its mp4, as long as the video; a WAV at the vocoder's rate for every format; none
+with "audio": false. A silent model (tiny-video, served beside it) refuses "audio": true.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import mmap
 import wave
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 from daemonkit import Daemon, http, shared_daemon, wait_job
 from ltx2kit import SAMPLE_RATE, build_ltx2
+from test_edits import blocky, png_bytes
 from test_image_tasks import b64, job
 
 from diffusiond.client import Client
@@ -31,8 +33,11 @@ BASE = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps":
 @pytest.fixture(scope="module")
 def ltx2_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     folder = build_ltx2(tmp_path_factory.mktemp("ltx2") / "ltx2")
+    config = folder.parent / "limits.toml"
+    config.write_text("[limits]\nmin_size = 32\n")  # under LTX-2's own smallest side (64), which then decides
     with shared_daemon(tmp_path_factory.mktemp("ltx2-daemon"), ["--model", f"ltx2={folder}", "--model", "tiny-video",
-                                                                "--workers", "1", "--job-timeout", "120"],
+                                                                "--workers", "1", "--job-timeout", "120",
+                                                                "--config", str(config)],
                        model_cache) as d:
         yield d
 
@@ -61,6 +66,28 @@ async def test_an_ltx2_folder_declares_the_real_models_rules(ltx2_daemon: Daemon
     assert frames == 400 and frames_body["error"]["field"] == "num_frames", frames_body
     assert "use 9 or 17" in frames_body["error"]["message"], frames_body
     assert side == 400 and side_body["error"]["field"] == "width", side_body
+
+
+async def test_a_side_under_ltx2s_smallest_is_refused_naming_it(ltx2_daemon: Daemon) -> None:
+    """LTX-2's decoder pads by reflection: one latent pixel a side (32) fails inside the pipeline, so the model
+    declares 64 as its smallest side and admission refuses less, though the limits would take 32 (issue 30)."""
+    async with http(ltx2_daemon.socket) as s, s.get("/v1/models") as r:
+        models = {m["id"]: m for m in (await r.json())["data"]}
+    assert (models["ltx2"]["min_size"], models["tiny-video"]["min_size"]) == (64, 32)
+    async with http(ltx2_daemon.socket) as s:
+        for body, field in (({"width": 32}, "width"), ({"height": 32, "width": 96}, "height")):
+            status, refused = await job(s, {**BASE, **body})
+            assert status == 400 and refused["error"]["field"] == field, refused
+            assert f"{field} must be at least 64 for 'ltx2'" in refused["error"]["message"], refused
+            assert "got 32" in refused["error"]["message"], refused
+        small = base64.b64encode(png_bytes(blocky(1, 48))).decode()  # its own size, rounded to 32, would be 32
+        sized = {k: v for k, v in BASE.items() if k not in ("width", "height")}
+        status, refused = await job(s, {**sized, "image": small})
+        assert status == 400 and refused["error"]["field"] == "image", refused
+        assert "outputs are 64 to" in refused["error"]["message"], refused
+        status, made = await job(s, {**BASE, "model": "tiny-video", "width": 32, "height": 32})
+        assert status == 202, made  # the limits' floor, where the model makes it
+        assert (await wait_job(s, made["id"], timeout=120))["status"] == "succeeded"
 
 
 async def test_an_mp4_carries_the_sound_track_as_long_as_the_video_and_a_wav_serves_it(ltx2_daemon: Daemon) -> None:

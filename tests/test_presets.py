@@ -318,7 +318,7 @@ def test_preset_with_save_0_is_served_as_built(small_presets: Path) -> None:
     assert not (small_presets / "models").exists(), "save=0 writes nothing"
     assert pipe.capabilities == Capabilities(
         task="text-to-video", **SMALL_WAN.defaults, num_frames_step=4, flow_scheduler=True, synthetic_weights=True,
-        size_step=16,
+        size_step=16, min_size=16,
         previews=True,  # Wan's 16-channel latents: the Wan 2.1 factors
     )
     shown: list[tuple[int, int, tuple[int, ...]]] = []
@@ -351,13 +351,14 @@ def test_preset_tables_are_frozen_data() -> None:
         PRESETS["sd15"].name = "x"  # type: ignore[misc]
 
 
-# (task, frame step, size step, previews) each newer family declares: what admission checks requests against.
+# (task, frame step, size step, smallest side, previews) each newer family declares: what admission checks requests
+# against. The smallest side is one size step but for LTX-2, whose decoder pads by reflection (2 latent pixels).
 NEW_FAMILY_RULES = {
-    "sd3.5-medium": (Task.TEXT_TO_IMAGE, 1, 8, False),  # no published preview factors for SD 3's latents here
-    "wan2.2-5b": (Task.TEXT_TO_VIDEO, 4, 32, False),  # 48 channels: Wan 2.1's 16-channel factors do not fit
-    "ltx-2b": (Task.TEXT_TO_VIDEO, 8, 32, True),
-    "ltx-2": (Task.TEXT_TO_VIDEO, 8, 32, False),  # no preview factors here for LTX-2's latents
-    "qwen-image": (Task.TEXT_TO_IMAGE, 1, 16, False),  # no preview factors here for its (Wan 2.1-like) latents
+    "sd3.5-medium": (Task.TEXT_TO_IMAGE, 1, 8, 8, False),  # no published preview factors for SD 3's latents here
+    "wan2.2-5b": (Task.TEXT_TO_VIDEO, 4, 32, 32, False),  # 48 channels: Wan 2.1's 16-channel factors do not fit
+    "ltx-2b": (Task.TEXT_TO_VIDEO, 8, 32, 32, True),
+    "ltx-2": (Task.TEXT_TO_VIDEO, 8, 32, 64, False),  # no preview factors here for LTX-2's latents
+    "qwen-image": (Task.TEXT_TO_IMAGE, 1, 16, 16, False),  # no preview factors here for its (Wan 2.1-like) latents
 }
 
 
@@ -367,7 +368,7 @@ def test_newer_families_build_save_load_back_and_generate(key: str, small_preset
     pipe = load_pipeline(f"random:{preset.name}")
     assert isinstance(pipe, DiffusersPipeline) and type(pipe.pipe).__name__ == PRESETS[key].pipeline
     caps = pipe.capabilities
-    assert (pipe.task, caps.num_frames_step, caps.size_step, caps.previews) == NEW_FAMILY_RULES[key]
+    assert (pipe.task, caps.num_frames_step, caps.size_step, caps.min_size, caps.previews) == NEW_FAMILY_RULES[key]
     assert caps.synthetic_weights and caps.flow_scheduler
     d = preset.defaults
     params = BatchParams(width=d["width"], height=d["height"], steps=2, guidance=d["guidance"],

@@ -320,6 +320,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     # width and height must be multiples of this: the VAE's spatial factor times the denoiser's
     # patch (SD 8, SD3 and Wan 16, LTX 32); other sizes fail inside the pipeline, or are rounded
     size_step: int = 8
+    # width and height must be at least this (a multiple of size_step): one step, or more where its VAE's
+    # decoder needs more latent pixels a side than one (LTX-2 64, issue 30); admission refuses smaller sides
+    min_size: int = 8
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")

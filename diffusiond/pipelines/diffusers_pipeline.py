@@ -35,7 +35,7 @@ from diffusiond.pipelines.base import (
     with_defaults,
 )
 from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, NOT_SERVED, edit_kwargs, edit_pipes, share_image_encoder
-from diffusiond.pipelines.frame_rules import check_frames, frame_step, size_step
+from diffusiond.pipelines.frame_rules import check_frames, frame_step, min_side, size_step
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.phases import Phases
@@ -206,7 +206,8 @@ class DiffusersPipeline:
         self._hostcopy: HostCopy | None = None
         video = self.task in VIDEO_TASKS
         multiple = size_step(pipe)
-        side = max(multiple, native_side(pipe) // multiple * multiple)  # the default size must be one it makes
+        smallest = min_side(pipe, multiple)
+        side = max(smallest, native_side(pipe) // multiple * multiple)  # the default size must be one it makes
         inferred = Capabilities(
             task=self.task.value,
             width=side,
@@ -217,6 +218,7 @@ class DiffusersPipeline:
             fps=16,
             num_frames_step=frame_step(pipe) if video else 1,  # valid num_frames: 1 + k * step
             size_step=multiple,
+            min_size=smallest,
             flow_scheduler=self._flow,
             synthetic_weights=synthetic_weights,
         )

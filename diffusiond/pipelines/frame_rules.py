@@ -28,17 +28,40 @@ def size_step(pipe: Any) -> int:
     patch side. LTX asks for multiples of 32 and fails on others inside the transformer; SD3 and
     Wan patch 2x2 latents (16); Flux packs 2x2 latents too. Declared in the capabilities so
     admission refuses other sizes with the nearest valid ones, never a job failing mid-compute."""
-    ltx = getattr(pipe, "vae_spatial_compression_ratio", None)
-    if isinstance(ltx, int) and ltx > 0:
+    factor = spatial_factor(pipe)
+    if factor == getattr(pipe, "vae_spatial_compression_ratio", None):  # LTX's
         patch = getattr(pipe, "transformer_spatial_patch_size", 1)
-        return max(8, ltx * (patch if isinstance(patch, int) and patch > 0 else 1))
-    factor = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+        return max(8, factor * (patch if isinstance(patch, int) and patch > 0 else 1))
     patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", None)
     side = patch[-1] if isinstance(patch, list | tuple) and patch else patch
     side = side if isinstance(side, int) and side > 0 else 1
     if hasattr(pipe, "_pack_latents"):  # Flux: 2x2 latent patches packed into tokens
         side = max(side, 2)
-    return max(8, int(factor) * side)
+    return max(8, factor * side)
+
+
+def spatial_factor(pipe: Any) -> int:
+    """Output pixels per latent pixel a side: the VAE's spatial compression (LTX's own attribute, else
+    ``vae_scale_factor_spatial`` or ``vae_scale_factor``; 8 when the pipeline names none)."""
+    ltx = getattr(pipe, "vae_spatial_compression_ratio", None)
+    if isinstance(ltx, int) and ltx > 0:
+        return ltx
+    return int(getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8)
+
+
+def min_side(pipe: Any, step: int) -> int:
+    """The smallest width and height the model makes: one ``step``, or more where the VAE's decoder pads its
+    convolutions by reflection, which needs more latent pixels a side than the padding (issue 30). LTX-2's
+    decoder does (padding 1): a 32-pixel side is one latent pixel there and fails inside the call, so its
+    smallest side is 64. Zero-padding decoders (SD, FLUX, Wan, LTX-Video) decode a single latent pixel.
+    A decoder only grows what it is given, so the latents are the smallest map its convolutions see."""
+    decoder: Any = getattr(getattr(pipe, "vae", None), "decoder", None)
+    need = 1
+    for m in decoder.modules() if callable(getattr(decoder, "modules", None)) else ():
+        pad = getattr(m, "padding", None)
+        if getattr(m, "padding_mode", None) == "reflect" and isinstance(pad, tuple):
+            need = max([need, *(p + 1 for p in pad[-2:] if isinstance(p, int))])
+    return -(-need * spatial_factor(pipe) // step) * step  # rounded up to a multiple of step
 
 
 def check_frames(name: str, step: int, frames: int) -> None:

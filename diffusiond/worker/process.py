@@ -214,11 +214,12 @@ class Worker:
             pipeline = await asyncio.to_thread(self._load, config, progress)
         except Exception as exc:
             raise _StartError(f"loading model {config.model_name!r} ({config.model_spec}) failed: {exc}") from exc
-        step = pipeline.capabilities.size_step
+        step, smallest = pipeline.capabilities.size_step, pipeline.capabilities.min_size
         for shape in config.warmup:  # the engine knows only 8; the model's own multiple is known once loaded
-            if shape.width % step or shape.height % step:
+            if shape.width % step or shape.height % step or min(shape.width, shape.height) < smallest:
                 raise _StartError(f"--warmup {shape.width}x{shape.height}:{shape.batch}: model "
-                                  f"{config.model_name!r} makes sizes in multiples of {step}; warm such a size")
+                                  f"{config.model_name!r} makes sizes in multiples of {step}, at least {smallest} "
+                                  "a side; warm such a size")
         load = getattr(getattr(pipeline, "inner", pipeline), "load_phases", None)  # a compiled one wraps it
         phases.mark(f"model ({load})" if isinstance(load, Phases) and load.parts else "model")
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)

@@ -135,23 +135,24 @@ def _read_path(src: Source, limits: Limits, input_dir: str | None) -> bytes:
 
 def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: float,
                 width: int | None, height: int | None, limits: Limits, input_dir: str | None,
-                step: int = 8) -> EditInput:
+                step: int = 8, floor: int = 0) -> EditInput:
     """Decode, check and resize an edit's inputs into a sealed buffer (in the encode pool).
 
     The output size is ``width`` x ``height`` when the request gave one, else the image's own
     size rounded down to a multiple of ``step``, the model's (8, 16 for FLUX, 32 for LTX): the
     user sent no size to be told about, and a size the model refuses would be theirs to fix for a
-    picture whose size they did not choose for it. The image and mask are resized to it."""
+    picture whose size they did not choose for it. The image and mask are resized to it. ``floor``: the model's
+    smallest side where above the limits' (LTX-2's 64)."""
     from PIL import Image
 
     img = images.open_image(_bytes_of(image, limits, input_dir), image.field, limits)
     w0, h0 = img.size
     w = width if width is not None else w0 // step * step
     h = height if height is not None else h0 // step * step
-    if (width is None or height is None) and not (
-            limits.min_size <= w <= limits.max_size and limits.min_size <= h <= limits.max_size):
+    low = max(limits.min_size, floor)
+    if (width is None or height is None) and not (low <= w <= limits.max_size and low <= h <= limits.max_size):
         raise invalid(
-            f"{image.field} is {w0}x{h0}; outputs are {limits.min_size} to {limits.max_size} pixels a side: "
+            f"{image.field} is {w0}x{h0}; outputs are {low} to {limits.max_size} pixels a side: "
             "send a larger or smaller image, or a size to resize it to", field=image.field,
             code=ErrorCode.INVALID_IMAGE)
     plane = None

@@ -124,7 +124,8 @@ async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, ima
     cfg = engine.config
     work = functools.partial(inputs.decode_edit, image, mask, task=task, strength=strength,
                              width=fields.get("width"), height=fields.get("height"), limits=cfg.limits,
-                             input_dir=cfg.input_dir, step=requests.side_step(model))
+                             input_dir=cfg.input_dir, step=requests.side_step(model),
+                             floor=requests.side_floor(model, cfg.limits))
     return await asyncio.get_running_loop().run_in_executor(engine.executor, work)
 
 

@@ -215,19 +215,27 @@ def side_step(model: ModelLike | None) -> int:
     return max(8, model.capabilities.size_step) if model is not None else 8
 
 
+def side_floor(model: ModelLike | None, limits: Limits) -> int:
+    """The smallest side of an output: the limits', or the model's own ``min_size`` where larger (LTX-2 64)."""
+    return max(limits.min_size, model.capabilities.min_size) if model is not None else limits.min_size
+
+
 def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
                model: ModelLike | None = None) -> None:
-    """A side within the limits and a multiple of 8; and of the model's own ``size_step`` (LTX 32),
-    naming the nearest sides it makes, as frame counts do, instead of failing while computing."""
-    step = side_step(model)
-    inside = limits.min_size <= v <= limits.max_size
+    """A side within the limits and a multiple of 8; and of the model's own ``size_step`` (LTX 32), at least its
+    ``min_size``, naming the nearest sides it makes, as frame counts do, instead of failing while computing."""
+    step, floor = side_step(model), side_floor(model, limits)
+    inside = floor <= v <= limits.max_size
     if inside and v % step == 0:
         return
+    if model is not None and limits.min_size <= v < floor:
+        raise invalid(f"{name} must be at least {floor} for {model.name!r} (the smallest side it makes), got {v}",
+                      field=size_field or name)
     if not inside or v % 8 or model is None:
         raise invalid(f"{name} must be a multiple of {step} between {limits.min_size} and {limits.max_size}, got {v}",
                       field=size_field or name)
     lower = v // step * step
-    near = " or ".join(str(s) for s in (lower, lower + step) if limits.min_size <= s <= limits.max_size)
+    near = " or ".join(str(s) for s in (lower, lower + step) if floor <= s <= limits.max_size)
     raise invalid(f"{name} must be a multiple of {step} for {model.name!r}; use {near or 'another size'}, got {v}",
                   field=size_field or name)
 
