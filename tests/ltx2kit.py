@@ -5,9 +5,10 @@ layer's hidden states feed two text connectors (one per stream), a dual-stream t
 audio tokens, with cross-attention between them), the LTX-2 video VAE, an audio VAE that decodes mel
 spectrograms and a vocoder that turns them into a waveform. Every one of them here is the real diffusers or
 transformers class at widths of a few channels, about 1 MB in all; the video VAE keeps the released model's
-compression (a 4x4 patchify and three 2x scalings: 32x in space, 8x in time), so its frame rule (8k+1) and size
-rule (multiples of 32) are the real ones, and the vocoder upsamples the audio VAE's 100 mel frames a second by
-160, so the waveform's length matches the video's duration at its declared 16 kHz.
+compression (a 4x4 patchify and three 2x scalings: 32x in space, 8x in time), latent channels (128) and
+decoder padding (by reflection), so its frame rule (8k+1), size rules (multiples of 32, at least 64) and previews
+(none) are the real ones, and the vocoder upsamples the audio VAE's 100 mel frames a second by 160, so the
+waveform's length matches the video's duration at its declared 16 kHz.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from diffusiond.pipelines.gen_tokenizers import t5_tokenizer
 
 TEXT_WIDTH = 32  # Gemma's hidden size: the connectors' heads x head width must equal it
 SAMPLE_RATE = 16000
+LATENT = 128  # the released video VAE's latent channels, LTX-Video's too: what tells previews the two apart (issue 30)
 
 
 def _gemma(vocab: int) -> Any:
@@ -43,10 +45,10 @@ def _modules(layers: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     transformer = LTX2VideoTransformer3DModel(
-        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
-        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
-        caption_channels=TEXT_WIDTH, rope_double_precision=False, rope_type="split")
+        in_channels=LATENT, out_channels=LATENT, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+        audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+        qk_norm="rms_norm_across_heads", caption_channels=TEXT_WIDTH, rope_double_precision=False, rope_type="split")
     torch.manual_seed(0)
     connectors = LTX2TextConnectors(
         caption_channels=TEXT_WIDTH, text_proj_in_factor=layers + 1, video_connector_num_attention_heads=4,
@@ -57,7 +59,7 @@ def _modules(layers: int) -> dict[str, Any]:
         rope_type="split")
     torch.manual_seed(0)
     vae = AutoencoderKLLTX2Video(
-        latent_channels=4, block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32),
+        latent_channels=LATENT, block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32),
         layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), patch_size=4, patch_size_t=1,
         # as the released config says: diffusers would count every scaling block as 2x in space and in time
         spatial_compression_ratio=32, temporal_compression_ratio=8)

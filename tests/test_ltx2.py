@@ -90,6 +90,17 @@ async def test_a_side_under_ltx2s_smallest_is_refused_naming_it(ltx2_daemon: Dae
         assert (await wait_job(s, made["id"], timeout=120))["status"] == "succeeded"
 
 
+async def test_ltx2_declares_no_previews_and_refuses_a_request_for_them(ltx2_daemon: Daemon) -> None:
+    """Its VAE makes LTX-Video's 128 channels, but LTX-Video's preview factors are fitted on another VAE's latents:
+    the model shows no previews rather than wrong colours, and a request for them is a 400 naming ``preview``."""
+    async with http(ltx2_daemon.socket) as s:
+        async with s.get("/v1/models") as r:
+            assert {m["id"]: m["previews"] for m in (await r.json())["data"]}["ltx2"] is False
+        status, refused = await job(s, {**BASE, "preview": {"every": 1}})
+    assert status == 400 and refused["error"]["field"] == "preview", refused
+    assert "'ltx2' cannot show previews" in refused["error"]["message"], refused
+
+
 async def test_an_mp4_carries_the_sound_track_as_long_as_the_video_and_a_wav_serves_it(ltx2_daemon: Daemon) -> None:
     done, mp4 = await _made(ltx2_daemon, {"output_format": "mp4", "fps": 24})
     out = done["outputs"][0]

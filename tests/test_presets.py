@@ -231,7 +231,7 @@ SMALL_NEW = {
     "ltx-2": _smaller(  # tests/ltx2kit.py's widths
         "ltx-2", {"width": 64, "height": 64, "steps": 2, "guidance": 3.0, "num_frames": 9, "fps": 24},
         transformer=Net("LTX2VideoTransformer3DModel", {
-            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8,
+            "in_channels": 128, "out_channels": 128, "num_attention_heads": 2, "attention_head_dim": 8,
             "cross_attention_dim": 16, "audio_in_channels": 4, "audio_out_channels": 4, "audio_num_attention_heads": 2,
             "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8, "num_layers": 2, "caption_channels": 32}),
         connectors=Net("LTX2TextConnectors", {
@@ -241,7 +241,7 @@ SMALL_NEW = {
             "audio_connector_attention_head_dim": 8, "audio_connector_num_layers": 1,
             "audio_connector_num_learnable_registers": None}),
         vae=Net("AutoencoderKLLTX2Video", {
-            **_config("ltx-2", "vae"), "latent_channels": 4, "block_out_channels": (8, 16, 32, 64),
+            **_config("ltx-2", "vae"), "latent_channels": 128, "block_out_channels": (8, 16, 32, 64),
             "decoder_block_out_channels": (8, 16, 32), "layers_per_block": (1,) * 5,
             "decoder_layers_per_block": (1,) * 4}),
         audio_vae=Net("AutoencoderKLLTX2Audio", {
@@ -357,7 +357,8 @@ NEW_FAMILY_RULES = {
     "sd3.5-medium": (Task.TEXT_TO_IMAGE, 1, 8, 8, False),  # no published preview factors for SD 3's latents here
     "wan2.2-5b": (Task.TEXT_TO_VIDEO, 4, 32, 32, False),  # 48 channels: Wan 2.1's 16-channel factors do not fit
     "ltx-2b": (Task.TEXT_TO_VIDEO, 8, 32, 32, True),
-    "ltx-2": (Task.TEXT_TO_VIDEO, 8, 32, 64, False),  # no preview factors here for LTX-2's latents
+    # its real 128 latent channels, LTX-Video's count: LTX-Video's factors would pass that check but do not fit
+    "ltx-2": (Task.TEXT_TO_VIDEO, 8, 32, 64, False),
     "qwen-image": (Task.TEXT_TO_IMAGE, 1, 16, 16, False),  # no preview factors here for its (Wan 2.1-like) latents
 }
 

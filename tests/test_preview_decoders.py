@@ -75,6 +75,8 @@ def _pipe(class_name: str, latent_channels: int) -> object:
     ("FluxPipeline", 16, "flux"),
     ("WanPipeline", 16, "wan"),
     ("LTXPipeline", 128, "ltx"),
+    ("LTX2Pipeline", 128, None),  # LTX-Video's channel count, another VAE's latents (issue 30)
+    ("LTX2ImageToVideoPipeline", 128, None),
     ("StableDiffusion3Pipeline", 16, None),  # no factors here: no previews rather than wrong ones
     ("StableDiffusionPipeline", 16, None),  # a fine-tune with another VAE: the factors would not fit
     ("KandinskyPipeline", 4, None),

@@ -55,11 +55,14 @@ def family_of(pipe: Any) -> str | None:
     """The latent family of a diffusers pipeline, or None when no factors are known for it.
 
     By class name, then checked against the VAE's latent channels: a fine-tune with another VAE
-    would otherwise get pictures made of the wrong factors."""
+    would otherwise get pictures made of the wrong factors. LTX-2 (issue 30) has none: its video VAE makes LTX-Video's
+    128 channels, so the channel check would pass, but it is another VAE with its own latent space, and the factors
+    here are fitted on LTX-Video's decodes; none fitted on LTX-2's are in the table they come from."""
     name = type(pipe).__name__
     family = (
         "flux" if name.startswith("Flux")
         else "wan" if name.startswith("Wan")
+        else None if name.startswith("LTX2")  # see below
         else "ltx" if name.startswith("LTX")
         else "sdxl" if name.startswith("StableDiffusionXL")
         else "sd15" if name.startswith("StableDiffusion") and not name.startswith("StableDiffusion3")

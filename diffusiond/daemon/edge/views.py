@@ -226,7 +226,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
-            "min_size": side_floor(m, engine.config.limits),
+            "min_size": side_floor(m, engine.config.limits), "previews": m.capabilities.previews,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
             "attention": m.capabilities.attention or None, "sample_rate": m.capabilities.sample_rate or None,
             "offload": m.capabilities.offload, "batch_sizes": list(engine.config.batch_sizes_of(m.config)),
