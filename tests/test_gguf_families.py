@@ -188,3 +188,15 @@ def test_fit_sizes_a_wan_gguf_from_its_header(files: dict[str, Path]) -> None:
     for name in ("wan", "wan-comfy"):
         original = gguf_tensors(Path(str(files[name]).split(",base=")[0]))
         assert group_bytes("transformer", original, "float32") == twin < sum(t.stored for t in original), name
+
+
+@pytest.mark.parametrize(("gguf", "base", "holds"), [("kontext-bfl", "wan", "FLUX"), ("wan-comfy", "kontext", "Wan")])
+def test_a_gguf_with_another_familys_base_says_the_base_is_wrong(files: dict[str, Path], gguf: str, base: str,
+                                                                 holds: str) -> None:
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.loaders import load_gguf
+
+    path, other = str(files[gguf]).split(",base=")[0], str(files[base]).split(",base=")[1]
+    with pytest.raises(PipelineError, match=f"holds a {holds} transformer, but base=.* is a .* pipeline .*: name the "
+                                            "pipeline the GGUF file was made from as base="):
+        load_gguf(Path(path), name="x", device=torch.device("cpu"), dtype=torch.float32, options={"base": other})
