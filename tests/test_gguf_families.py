@@ -200,3 +200,19 @@ def test_a_gguf_with_another_familys_base_says_the_base_is_wrong(files: dict[str
     with pytest.raises(PipelineError, match=f"holds a {holds} transformer, but base=.* is a .* pipeline .*: name the "
                                             "pipeline the GGUF file was made from as base="):
         load_gguf(Path(path), name="x", device=torch.device("cpu"), dtype=torch.float32, options={"base": other})
+
+
+def test_a_wan_gguf_without_its_patch_embedding_says_what_it_lacks(files: dict[str, Path], tmp_path: Path) -> None:
+    """city96's converter writes a Wan file's 5-D tensor in a second step; a file without it left the
+    transformer's weight on the meta device, and diffusers said only "Cannot copy out of meta tensor"."""
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.loaders import load_gguf
+
+    base = str(files["wan"]).split(",base=")[1]
+    tensors = original_state_dict(wan_transformer(Path(base)))
+    del tensors["patch_embedding.weight"]
+    write_tensors(tensors, tmp_path / "cut.gguf", "Q8_0", "wan", WAN_FLOATS)
+    with pytest.raises(PipelineError, match=r"cut.gguf lacks weights of the base's WanTransformer3DModel \(a Wan "
+                                            r"file needs its 5-D patch_embedding.weight"):
+        load_gguf(tmp_path / "cut.gguf", name="x", device=torch.device("cpu"), dtype=torch.float32,
+                  options={"base": base})

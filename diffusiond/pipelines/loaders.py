@@ -273,6 +273,11 @@ def load_gguf(
     except PipelineError:
         raise
     except Exception as exc:  # conversion and key mismatches raise many types
+        if "meta tensor" in str(exc):  # a weight the file lacks stays on the meta device; moving the model says so
+            wan = " (a Wan file needs its 5-D patch_embedding.weight, which city96's converter adds in a second " \
+                  "step)" if _FAMILIES.get(tcls.__name__, ("",))[0] == "Wan" else ""
+            raise PipelineError(f"{path.name} lacks weights of the base's {tcls.__name__}{wan}: the file is "
+                                f"incomplete or made for another model than base={root}") from exc
         raise PipelineError(f"cannot load {tcls.__name__} from GGUF file {str(path)!r} with base {str(root)!r}: "
                             f"{type(exc).__name__}: {exc}") from exc
     kinds = sorted({getattr(p.quant_type, "name", str(p.quant_type)) for p in transformer.parameters()
