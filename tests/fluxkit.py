@@ -62,7 +62,7 @@ def build_flux(out: Path) -> Path:
 def write_gguf(module: torch.nn.Module, path: Path, qtype: str = "Q8_0") -> dict[str, int]:
     """``module``'s state dict as a GGUF file: 2-D weights quantized to ``qtype`` where their rows are whole
     blocks, the rest F32. Returns each tensor's bytes as stored (what the tests check ``fit`` against)."""
-    return _write(module.state_dict(), path, qtype)
+    return write_tensors(module.state_dict(), path, qtype)
 
 
 def bfl_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -121,20 +121,25 @@ def bfl_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, torch
 def write_gguf_bfl(module: torch.nn.Module, path: Path, qtype: str = "Q8_0", prefix: str = "") -> dict[str, int]:
     """``module`` as a downloaded FLUX GGUF holds it: BFL names (``bfl_state_dict``), quantized as
     ``write_gguf`` does, so the fused qkv is one quantized tensor diffusers must split on load."""
-    return _write(bfl_state_dict(module, prefix), path, qtype)
+    return write_tensors(bfl_state_dict(module, prefix), path, qtype)
 
 
-def _write(tensors: dict[str, torch.Tensor], path: Path, qtype: str) -> dict[str, int]:
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path, qtype: str, arch: str = "flux",
+                  floats: tuple[str, ...] = ()) -> dict[str, int]:
+    """``tensors`` as a GGUF file of architecture ``arch`` under their own names, quantized as ``write_gguf``
+    says but for names holding one of ``floats`` (city96's converter keeps some embeddings F32: Wan's
+    ``time_embedding.``); a tensor of more than 2 dimensions (Wan's Conv3d patch embedding, 5-D) stays F32 at
+    its shape, as city96's converter writes it."""
     import gguf
     import numpy as np
 
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     block, _ = gguf.GGML_QUANT_SIZES[kind]
-    writer = gguf.GGUFWriter(str(path), arch="flux")
+    writer = gguf.GGUFWriter(str(path), arch=arch)
     sizes = {}
     for name, tensor in tensors.items():
         data = tensor.detach().float().numpy()
-        if data.ndim == 2 and data.shape[1] % block == 0:
+        if data.ndim == 2 and data.shape[1] % block == 0 and not any(f in name for f in floats):
             q = gguf.quants.quantize(data, kind)
             writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
             sizes[name] = q.nbytes

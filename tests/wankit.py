@@ -32,13 +32,13 @@ def _text(tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id))
 
 
-def _transformer(in_channels: int, out_channels: int, **more: Any) -> Any:
+def _transformer(in_channels: int, out_channels: int, head_dim: int = 8, num_layers: int = 2, **more: Any) -> Any:
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head_dim,
                                  in_channels=in_channels, out_channels=out_channels, text_dim=32, freq_dim=16,
-                                 ffn_dim=32, num_layers=2, rope_max_seq_len=32, **more)
+                                 ffn_dim=32, num_layers=num_layers, rope_max_seq_len=32, **more)
 
 
 def _vae(wan22: bool) -> Any:
@@ -59,21 +59,25 @@ def _scheduler() -> Any:
     return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
 
 
-def build_wan(out: Path, kind: str) -> Path:
-    """``kind``: ``t2v`` (Wan 2.1 T2V), ``ti2v`` (Wan 2.2 TI2V) or ``i2v`` (Wan 2.1 I2V), saved in ``out``."""
+def build_wan(out: Path, kind: str, **shape: int) -> Path:
+    """``kind``: ``t2v`` (Wan 2.1 T2V), ``ti2v`` (Wan 2.2 TI2V) or ``i2v`` (Wan 2.1 I2V), saved in ``out``;
+    ``shape``: the transformer's ``head_dim`` (16 makes it 32 wide, so that its linear layers' rows are whole
+    Q8_0 blocks) and ``num_layers``."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     tokenizer = t5_tokenizer(1024, extra_ids=0, max_length=64)
     with torch.random.fork_rng(devices=[]):
         common = {"tokenizer": tokenizer, "text_encoder": _text(tokenizer), "scheduler": _scheduler()}
         if kind == "t2v":
-            pipe: Any = WanPipeline(transformer=_transformer(Z, Z), vae=_vae(False), **common)
+            pipe: Any = WanPipeline(transformer=_transformer(Z, Z, **shape), vae=_vae(False), **common)
         elif kind == "ti2v":
-            pipe = WanPipeline(transformer=_transformer(Z22, Z22), vae=_vae(True), expand_timesteps=True, **common)
+            pipe = WanPipeline(transformer=_transformer(Z22, Z22, **shape), vae=_vae(True), expand_timesteps=True,
+                               **common)
         elif kind == "i2v":
             encoder, processor = clip_vision()
             # noise, then the first-frame mask (one channel per frame of a latent frame) and the image's latents
-            transformer = _transformer(Z + 4 + Z, Z, image_dim=encoder.config.hidden_size, added_kv_proj_dim=16)
+            transformer = _transformer(Z + 4 + Z, Z, **shape, image_dim=encoder.config.hidden_size,
+                                       added_kv_proj_dim=16)
             pipe = WanImageToVideoPipeline(transformer=transformer, vae=_vae(False), image_encoder=encoder,
                                            image_processor=processor, **common)
         else:
@@ -92,3 +96,44 @@ def clip_vision() -> tuple[Any, Any]:
     processor = CLIPImageProcessor(size={"shortest_edge": CLIP_SIDE}, crop_size={"height": CLIP_SIDE,
                                                                                   "width": CLIP_SIDE})
     return encoder, processor
+
+
+_ORIGINAL: tuple[tuple[str, str], ...] = (
+    # diffusers' name part -> the original Wan checkpoint's, applied in order to each name
+    (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
+    (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
+    (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
+    (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+    (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+    (r"^scale_shift_table$", "head.modulation"),
+    (r"^proj_out\.", "head.head."),
+    (r"\.scale_shift_table$", ".modulation"),
+    (r"\.attn1\.", ".self_attn."),
+    (r"\.attn2\.", ".cross_attn."),
+    (r"\.to_out\.0\.", ".o."),
+    (r"\.to_([qkv])\.", r".\1."),
+    (r"\.ffn\.net\.0\.proj\.", ".ffn.0."),
+    (r"\.ffn\.net\.2\.", ".ffn.2."),
+    (r"\.norm2\.", ".norm3."),  # diffusers' norm2 is the cross-attention's norm, the original's norm3
+)
+
+
+def original_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A Wan 2.1 / 2.2 text-to-video transformer's weights under the original Wan checkpoint's names, as
+    city96's and QuantStack's Wan GGUFs hold them (``prefix="model.diffusion_model."``: ComfyUI's): the inverse
+    of diffusers' ``convert_wan_transformer_to_diffusers``, checked here by running it."""
+    import re
+
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    sd = {k: v.detach() for k, v in module.state_dict().items()}
+    out = {}
+    for name, tensor in sd.items():
+        original = name
+        for pattern, replacement in _ORIGINAL:
+            original = re.sub(pattern, replacement, original)
+        out[prefix + original] = tensor
+    back = convert_wan_transformer_to_diffusers(dict(out))
+    if back.keys() != sd.keys():
+        raise AssertionError(f"no original Wan name for {sorted(back.keys() ^ sd.keys())}")
+    return out

@@ -270,7 +270,14 @@ def load_gguf(
             _gguf_weights(path, tcls, root), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
             config=str(root), subfolder="transformer", **_dtype_kwarg(dtype))
         pipe = cls.from_pretrained(str(root), transformer=transformer, **_load_kwargs(index, dtype, options, device))
+    except PipelineError:
+        raise
     except Exception as exc:  # conversion and key mismatches raise many types
+        if "meta tensor" in str(exc):  # a weight the file lacks stays on the meta device; moving the model says so
+            wan = " (a Wan file needs its 5-D patch_embedding.weight, which city96's converter adds in a second " \
+                  "step)" if _FAMILIES.get(tcls.__name__, ("",))[0] == "Wan" else ""
+            raise PipelineError(f"{path.name} lacks weights of the base's {tcls.__name__}{wan}: the file is "
+                                f"incomplete or made for another model than base={root}") from exc
         raise PipelineError(f"cannot load {tcls.__name__} from GGUF file {str(path)!r} with base {str(root)!r}: "
                             f"{type(exc).__name__}: {exc}") from exc
     kinds = sorted({getattr(p.quant_type, "name", str(p.quant_type)) for p in transformer.parameters()
@@ -282,22 +289,42 @@ def load_gguf(
 
 
 _COMFY_PREFIX = "model.diffusion_model."
+_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    # transformer class -> its family, and names (or their starts) only its weights have, in either naming
+    "FluxTransformer2DModel": ("FLUX", ("double_blocks.", "single_transformer_blocks.")),
+    "WanTransformer3DModel": ("Wan", ("head.modulation", "condition_embedder.time_proj.")),
+}
+
+
+def _check_family(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root: Path) -> None:
+    """A GGUF of one family with ``base=`` another's folder otherwise fails deep in diffusers' conversion
+    ("list index out of range", "Cannot copy out of meta tensor"), which does not say the base is wrong."""
+    family, marks = _FAMILIES[tcls.__name__]
+    if any(k.startswith(marks) for k in checkpoint):
+        return
+    found = next((f for f, m in _FAMILIES.values() if any(k.startswith(m) for k in checkpoint)), None)
+    holds = f"holds a {found} transformer" if found else f"holds no {family} transformer (no tensor named {marks[0]}*)"
+    raise PipelineError(f"{path.name} {holds}, but base={root} is a {family} pipeline ({tcls.__name__}): "
+                        "name the pipeline the GGUF file was made from as base=")
 
 
 def _gguf_weights(path: Path, tcls: type[Any], root: Path) -> str | dict[str, torch.Tensor]:
-    """What ``from_single_file`` is given: the file, or for a FLUX transformer under the original BFL names
-    (city96's GGUFs, with or without ComfyUI's prefix) its weights converted here. diffusers' converter
+    """What ``from_single_file`` is given: the file, its weights once checked to be of the base's family, or
+    for a FLUX transformer under the original BFL names (city96's GGUFs, with or without ComfyUI's prefix)
+    its weights converted here. diffusers' converter
     splits each single block's fused ``linear1`` at FLUX.1's width (3072) written into its code, so any
     other width fails to load; the split here takes the width from the base's config, and the result is
     already in diffusers' names, so diffusers loads it as is."""
     import diffusers
     from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 
-    if not issubclass(tcls, diffusers.FluxTransformer2DModel):
+    if tcls.__name__ not in _FAMILIES:
         return str(path)
     checkpoint = load_single_file_checkpoint(str(path))
     checkpoint = {k.removeprefix(_COMFY_PREFIX): v for k, v in checkpoint.items()}
-    if not any(k.startswith("double_blocks.") for k in checkpoint):
+    _check_family(checkpoint, tcls, path, root)
+    if not issubclass(tcls, diffusers.FluxTransformer2DModel) or not any(k.startswith("double_blocks.")
+                                                                          for k in checkpoint):
         return checkpoint
     config = tcls.load_config(str(root), subfolder="transformer")
     return flux_from_bfl(checkpoint, int(config["num_attention_heads"]) * int(config["attention_head_dim"]))

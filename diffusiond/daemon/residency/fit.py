@@ -65,9 +65,12 @@ AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "not yet measured on a GPU"
 """Listed by ``fit`` but never chosen by ``auto``: fp8 changes outputs; stream's CUDA path (streams, events,
 the ring) has run only in its CPU form so far, and auto will take it once docs/benchmarks.md has its figure."""
 DENOISERS: Final = ("transformer", "unet")
-# LIST.INDEX of a denoiser's block; FLUX under ComfyUI's prefix (a GGUF as downloaded) is grouped as without it,
-# as diffusers loads it (an LDM UNet's input_blocks under the same prefix are not diffusers' blocks)
-_BLOCK = re.compile(r"^(?:model\.diffusion_model\.(?=(?:double|single)_blocks\.))?([A-Za-z_]\w*)\.(\d+)\.")
+# LIST.INDEX of a denoiser's block; FLUX's and Wan's blocks under ComfyUI's prefix (a GGUF as downloaded) are
+# grouped as without it, as diffusers loads them (an LDM UNet's input_blocks under the same prefix are not
+# diffusers' blocks), and the original Wan layout's embeddings (nn.Sequential, so ``time_embedding.0.``) are
+# not blocks: diffusers loads them into its condition_embedder, which stays on the device (issue 28)
+_BLOCK = re.compile(r"^(?:model\.diffusion_model\.(?=(?:double_|single_)?blocks\.))?"
+                    r"(?!(?:time_embedding|text_embedding|time_projection)\.)([A-Za-z_]\w*)\.(\d+)\.")
 # single-file checkpoints (original layouts): key prefix -> component
 _CHECKPOINT_PREFIXES: Final = (("model.diffusion_model.", "unet"), ("first_stage_model.", "vae"), ("vae.", "vae"),
                                ("cond_stage_model.", "text_encoder"), ("conditioner.", "text_encoder"),
