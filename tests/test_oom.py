@@ -76,3 +76,28 @@ async def test_out_of_memory_in_both_halves_fails_the_batch_and_the_daemon_goes_
         assert "in halves" in failed["error"]["message"], failed["error"]
         nxt = await wait_job(s, (await submit(s, {**FAST, "n": 2}))["id"])
         assert nxt["status"] == "succeeded", nxt
+
+
+async def test_halves_keep_each_jobs_sound_track_on_its_own_output(daemon_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``audio`` is per request, not in the batch key: a batch of a silent LTX-2 job and one with its sound track,
+    retried in halves, gives the sound track to the job that asked for it, and none to the other."""
+    from ltx2kit import build_ltx2
+
+    folder = build_ltx2(tmp_path / "ltx2")
+    d = daemon_factory("--model", f"ltx2={folder}", "--test-fault", "oom=1", "--max-batch", "2", "--batch-wait-ms",
+                       "3000", "--job-timeout", "120")
+    body = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps": 1, "num_frames": 9,
+            "output_format": "npy"}
+    async with http(d.socket) as s:
+        silent = await submit(s, {**body, "seed": 3, "audio": False})
+        sound = await submit(s, {**body, "seed": 4})
+        silent, sound = await wait_job(s, silent["id"], timeout=120), await wait_job(s, sound["id"], timeout=120)
+        assert silent["status"] == sound["status"] == "succeeded", (silent, sound)
+        assert silent["outputs"][0]["batch"] == sound["outputs"][0]["batch"], "one batch, split in halves"
+        assert silent["outputs"][0]["audio"] is None, silent["outputs"][0]
+        assert sound["outputs"][0]["audio"] is not None, sound["outputs"][0]
+        async with s.get(sound["outputs"][0]["audio"]["url"]) as r:
+            assert (r.status, r.content_type) == (200, "audio/wav"), await r.text()
+        async with s.get(f"/v1/jobs/{silent['id']}/outputs/0/audio") as r:
+            assert r.status == 404, await r.text()
+    assert "retrying as two halves" in d.log_path.read_text(errors="replace")

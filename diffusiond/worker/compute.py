@@ -238,6 +238,8 @@ class ComputeThread:
             return on_preview
 
         trajectories: list[dict[str, torch.Tensor]] = []  # per request with an output, when asked for
+        # for the whole batch: a silent half still adds its {}s, so the next half's tracks stay on their outputs
+        sides = batch.params.trajectory is not None or any(r.audio for r in live)
 
         def forward(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
             outputs = run(requests, arrays)
@@ -248,8 +250,10 @@ class ComputeThread:
                     redraw = self.ip_adapters.redraw([references.get(r.request_id, []) for r in requests])
                 outputs = self.finish(batch.params, requests, outputs, on_step, sink_for(requests) if every else None,
                                       redraw)
-            if batch.params.trajectory is not None or any(r.audio for r in requests):  # a retried half: its share
+            if sides:  # a retried half: its share
                 got = getattr(self.pipeline, "last_trajectories", None) or []
+                if not got and batch.params.trajectory is None and not any(r.audio for r in requests):
+                    got = [{} for _ in outputs]
                 if len(got) != len(outputs):
                     raise PipelineError(f"model {self.pipeline.name} gave {len(got)} trajectories for "
                                         f"{len(outputs)} outputs")
