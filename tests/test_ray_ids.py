@@ -20,6 +20,7 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/outputs/1") == ("k3x9q2ab", "/v1/jobs/j_0a/outputs/1")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/outputs/1/trajectory/latents") == (
         "k3x9q2ab", "/v1/jobs/j_0a/outputs/1/trajectory/latents")
+    assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/outputs/1/audio") == ("k3x9q2ab", "/v1/jobs/j_0a/outputs/1/audio")
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/preview/0") == ("k3x9q2ab", "/v1/jobs/j_0a/preview/0")
     assert ids.route("GET", "/v1/loras") == (None, "/v1/loras")
     assert ids.route("GET", "/v1/ip-adapters") == (None, "/v1/ip-adapters")

@@ -18,7 +18,7 @@ SEP = "."
 _DAEMON_ID = re.compile(r"j_[0-9a-f]+")
 _REPLICA = re.compile(r"[A-Za-z0-9_-]+")
 _JOB_PATH = re.compile(
-    r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+(?:/trajectory/[^/]+)?|/preview/[^/]+)?)")
+    r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+(?:/trajectory/[^/]+|/audio)?|/preview/[^/]+)?)")
 
 # Routes the gateway forwards; the admin routes (sleep, wake, trace) act on one daemon and stay on its socket.
 UNBOUND_ROUTES = frozenset({
