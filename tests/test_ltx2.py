@@ -25,6 +25,7 @@ from ltx2kit import SAMPLE_RATE, build_ltx2
 from test_edits import blocky, png_bytes
 from test_image_tasks import b64, job
 
+import diffusiond.pipelines.ltx2 as ltx2
 from diffusiond.client import Client
 
 BASE = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps": 2, "num_frames": 9, "seed": 3}
@@ -68,6 +69,19 @@ async def test_an_ltx2_folder_declares_the_real_models_rules(ltx2_daemon: Daemon
     assert side == 400 and side_body["error"]["field"] == "width", side_body
 
 
+def test_only_ltx2_is_conditioned_on_fps_and_each_ltx_defaults_to_its_own_rate() -> None:
+    """LTX-Video's pipelines take a frame_rate too, but run at their own 25 whatever the playback fps, as before
+    issue 30; a model's default fps is its pipeline's frame_rate default, 16 where it has none (Wan)."""
+    import diffusers
+
+    assert ltx2.frame_rate_args(diffusers.LTX2Pipeline, 12) == {"frame_rate": 12.0}
+    assert ltx2.frame_rate_args(diffusers.LTX2ImageToVideoPipeline, 12) == {"frame_rate": 12.0}
+    for cls in (diffusers.LTXPipeline, diffusers.LTXImageToVideoPipeline, diffusers.WanPipeline):
+        assert ltx2.frame_rate_args(cls, 12) == {} and not ltx2.conditions_on_fps(cls)
+    assert [ltx2.default_fps(c) for c in (diffusers.LTX2Pipeline, diffusers.LTXPipeline, diffusers.WanPipeline)] == [
+        24, 25, 16]
+
+
 async def test_a_side_under_ltx2s_smallest_is_refused_naming_it(ltx2_daemon: Daemon) -> None:
     """LTX-2's decoder pads by reflection: one latent pixel a side (32) fails inside the pipeline, so the model
     declares 64 as its smallest side and admission refuses less, though the limits would take 32 (issue 30)."""
@@ -102,7 +116,8 @@ async def test_ltx2_declares_no_previews_and_refuses_a_request_for_them(ltx2_dae
 
 
 async def test_an_mp4_carries_the_sound_track_as_long_as_the_video_and_a_wav_serves_it(ltx2_daemon: Daemon) -> None:
-    done, mp4 = await _made(ltx2_daemon, {"output_format": "mp4", "fps": 24})
+    # fps left out: the model's default is LTX2Pipeline's own frame_rate default (24), what it was trained at
+    done, mp4 = await _made(ltx2_daemon, {"output_format": "mp4"})
     out = done["outputs"][0]
     assert done["request"]["audio"] is True and out["audio"]["sample_rate"] == SAMPLE_RATE, out
     with av.open(io.BytesIO(mp4)) as container:
@@ -117,6 +132,7 @@ async def test_an_mp4_carries_the_sound_track_as_long_as_the_video_and_a_wav_ser
     with wave.open(io.BytesIO(wav)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (SAMPLE_RATE, 2, 2)
         assert w.getnframes() == out["audio"]["samples"] > 0
+        assert abs(w.getnframes() / SAMPLE_RATE - 9 / 24) < 0.06, w.getnframes()  # made at 24 (16 gives ~0.52 s)
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
     assert pcm.any()  # the vocoder's waveform, not silence
 

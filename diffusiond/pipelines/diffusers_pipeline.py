@@ -215,7 +215,7 @@ class DiffusersPipeline:
             steps=30 if video else 25,
             guidance=5.0 if video else 7.5,
             num_frames=9,
-            fps=16,
+            fps=ltx2.default_fps(type(pipe)),
             num_frames_step=frame_step(pipe) if video else 1,  # valid num_frames: 1 + k * step
             size_step=multiple,
             min_size=smallest,
@@ -373,7 +373,7 @@ class DiffusersPipeline:
                 raise PipelineError(f"model {self.name} makes images; num_frames does not apply")
             check_frames(self.name, self.capabilities.num_frames_step, params.num_frames)
             kwargs[self._frames_arg] = params.num_frames
-        kwargs.update(ltx2.frame_rate_args(args, params.fps))
+        kwargs.update(ltx2.frame_rate_args(type(pipe), params.fps))
 
         previewer = self._previewer if on_preview is not None else None
         wants = [(k, r.preview_every, r.preview_max_side) for k, r in enumerate(requests) if r.preview_every > 0]

@@ -7,11 +7,15 @@ like a trajectory is (worker/copier.py); the engine muxes it into mp4s and serve
 whatever the request says: diffusers decodes the sound in the same call as the frames, with no switch to skip it.
 
 The model also conditions its positional embeddings on ``frame_rate``: the request's ``fps`` goes there, so the
-motion, the sound's length and the file's rate agree (the pipeline's default is 24).
+motion, the sound's length and the file's rate agree. A model's default ``fps`` is its pipeline's own ``frame_rate``
+default (24 for LTX-2, 25 for LTX-Video), so a request without one runs at the rate the model was trained at.
+LTX-Video's pipelines take a ``frame_rate`` too, but they ran at their default before issue 30 whatever the
+request's playback ``fps``, and still do: only LTX-2 is conditioned on it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +44,25 @@ def waveforms(out: Any, wanted: Sequence[bool]) -> list[dict[str, torch.Tensor]]
     return [{AUDIO_ARRAY: tracks[k].float().contiguous()} if want else {} for k, want in enumerate(wanted)]
 
 
-def frame_rate_args(args: frozenset[str], fps: int | None) -> dict[str, Any]:
-    """``frame_rate=`` for a pipeline that conditions on it (LTX-2), from the request's ``fps``."""
-    return {"frame_rate": float(fps)} if fps and "frame_rate" in args else {}
+def _frame_rate(cls: type) -> Any:
+    try:
+        param = inspect.signature(cls.__call__).parameters.get("frame_rate")
+    except (TypeError, ValueError):
+        return None
+    return None if param is None else param.default
+
+
+def conditions_on_fps(cls: type) -> bool:
+    """Whether the request's ``fps`` goes to the call's ``frame_rate`` (LTX-2's pipelines only)."""
+    return cls.__name__.startswith("LTX2") and _frame_rate(cls) is not None
+
+
+def default_fps(cls: type, fallback: int = 16) -> int:
+    """The pipeline's own ``frame_rate`` default, where it has one (24 for LTX-2, 25 for LTX-Video)."""
+    rate = _frame_rate(cls)
+    return round(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) and rate >= 1 else fallback
+
+
+def frame_rate_args(cls: type, fps: int | None) -> dict[str, Any]:
+    """``frame_rate=`` for a pipeline conditioned on it (LTX-2), from the request's ``fps``."""
+    return {"frame_rate": float(fps)} if fps and conditions_on_fps(cls) else {}
