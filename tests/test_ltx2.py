@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import av
+import msgspec
 import numpy as np
 import pytest
 from daemonkit import Daemon, http, shared_daemon, wait_job
@@ -180,3 +181,21 @@ async def test_an_image_animates_through_ltx2s_image_to_video(ltx2_daemon: Daemo
     video = np.load(io.BytesIO(first))
     assert video.shape == (9, 64, 64, 3)
     assert first != plain  # the image is what changed it
+
+
+def test_fps_is_in_the_batch_key_and_the_compiled_shape_only_where_the_model_is_conditioned_on_it() -> None:
+    """Wan or tiny-video requests that differ only in playback fps share a forward; LTX-2's do not, and a new fps
+    is a new compiled shape there (its sound track lasts frames / fps), the default one the warm-up's."""
+    from diffusiond.daemon.core.jobs import JobRequest
+    from diffusiond.pipelines.compile import shape_key
+
+    def params(fps: int, conditioned: bool) -> Any:
+        return JobRequest(model="m", prompt="p", n=1, width=64, height=64, steps=1, guidance=3.0, output_format="mp4",
+                          num_frames=9, fps=fps, fps_conditions=conditioned).batch_params()
+
+    assert params(8, False) == params(16, False)
+    assert params(8, True) != params(16, True)
+    warm = msgspec.structs.replace(params(24, True), fps=None)
+    at_24 = shape_key(params(24, True), 1, fps=24)
+    assert shape_key(params(12, True), 1, fps=24) != at_24 == shape_key(warm, 1, fps=24)
+    assert shape_key(params(12, False), 1) == shape_key(params(24, False), 1)

@@ -157,8 +157,9 @@ def test_batch_keys_keep_apart_what_the_daemon_would_not_batch() -> None:
     assert ids.batch_key(base) == ids.batch_key({**base, "prompt": "another"})  # prompts batch together
     for field, value in (("control", [{"name": "edges", "image": "AAAA", "scale": 0.5}]),
                          ("ip_adapter", [{"name": "style", "image": "AAAA"}]),
-                         ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5),
-                         ("fps", 24)):  # LTX-2 conditions on it (issue 30)
+                         ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5)):
         assert ids.batch_key({**base, field: value}) != ids.batch_key(base), field
     assert ids.batch_key({**base, "audio": False}) == ids.batch_key(base)  # the track is made either way
+    # only LTX-2 is conditioned on fps, which the body does not show: other video models batch across it
+    assert ids.batch_key({**base, "fps": 24}) == ids.batch_key({**base, "fps": 8}) == ids.batch_key(base)
     assert ids.batch_key({"not": "a generation"}) is None

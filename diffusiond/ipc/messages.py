@@ -316,6 +316,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     num_frames: int = 9  # video models only
     fps: int = 16  # video models only
     sample_rate: int = 0  # its sound track's (LTX-2's vocoder's, issue 30); 0: it makes none
+    fps_conditions: bool = False  # its pipeline is conditioned on fps (LTX-2's frame_rate): fps is in the batch key
     num_frames_step: int = 1  # frame counts must be step*k + 1 (Wan 4, LTX 8)
     # width and height must be multiples of this: the VAE's spatial factor times the denoiser's
     # patch (SD 8, SD3 and Wan 16, LTX 32); other sizes fail inside the pipeline, or are rounded

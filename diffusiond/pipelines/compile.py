@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 import torch
 
+import diffusiond.pipelines.ltx2 as ltx2
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, PreviewSink, StepCallback, Task
 from diffusiond.pipelines.compile_rules import compile_refusal
@@ -76,11 +77,13 @@ def compilations() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def shape_key(params: BatchParams, batch: int, cfg: bool = True) -> tuple[int, int, int, int, bool]:
+def shape_key(params: BatchParams, batch: int, cfg: bool = True, fps: int = 0) -> tuple[int, int, int, int, bool, int]:
     """What makes a compiled graph of the pipeline's modules differ: the tensors' shapes. Steps,
     seeds, prompts and the guidance value are data, not shapes; guidance on or off is a shape where
-    it changes the denoiser's inputs (``cfg``: ``guidance_is_shape``)."""
-    return (batch, params.width, params.height, params.num_frames or 0, cfg and params.guidance > 1.0)
+    it changes the denoiser's inputs (``cfg``: ``guidance_is_shape``); so is the frame rate where the model is
+    conditioned on it (``fps``: its default, 0 where not): LTX-2's sound track lasts frames / fps."""
+    rate = (params.fps or fps) if fps else 0
+    return (batch, params.width, params.height, params.num_frames or 0, cfg and params.guidance > 1.0, rate)
 
 
 def guidance_is_shape(pipe: Any) -> bool:
@@ -127,8 +130,9 @@ class CompiledPipeline:
         self.backend = opts.get("compile_backend", "inductor")
         self.max_shapes = compile_shapes(opts)
         self.capabilities: Capabilities = msgspec.structs.replace(inner.capabilities, compiled=mode)
-        self._seen: set[tuple[int, int, int, int, bool]] = set()
+        self._seen: set[tuple[int, int, int, int, bool, int]] = set()
         self._guidance_is_shape = guidance_is_shape(pipe)
+        self._fps = ltx2.default_fps(type(pipe)) if ltx2.conditions_on_fps(type(pipe)) else 0  # a warm-up's: None
         self.compiled: list[str] = []  # which modules, for the log and the tests
         self._prepare(pipe, opts)
         self.compile(pipe)
@@ -187,8 +191,8 @@ class CompiledPipeline:
         graph on its second run, else once, since the first run compiles all there is (issue 31)."""
         return 2 if self.graphs else 1
 
-    def _key(self, params: BatchParams, batch: int) -> tuple[int, int, int, int, bool]:
-        return shape_key(params, batch, self._guidance_is_shape)
+    def _key(self, params: BatchParams, batch: int) -> tuple[int, int, int, int, bool, int]:
+        return shape_key(params, batch, self._guidance_is_shape, self._fps)
 
     def run_size(self, params: BatchParams, batch: int) -> int:
         """The batch size a batch of ``batch`` runs at: its own when compiled or when no larger

@@ -252,7 +252,8 @@ class DiffusersPipeline:
         approximations = (*approximations, *quantized, *apply_speedups(pipe, options, self.device),
                           *attention.approximations)
         self.capabilities = msgspec.structs.replace(self.capabilities, approximations=approximations, offload=mode,
-                                                    attention=attention.name, sample_rate=ltx2.sample_rate(pipe))
+                                                    attention=attention.name, sample_rate=ltx2.sample_rate(pipe),
+                                                    fps_conditions=ltx2.conditions_on_fps(type(pipe)))
         self.load_phases.mark("previews, speed-ups, attention")
 
     def device_weight_bytes(self) -> int | None:

@@ -103,12 +103,13 @@ def batch_key(body: Any) -> str | None:
     pass (the daemon's own batching key, as far as the body shows it). None for a body that is not
     a generation request. ``keep_alive`` is not in it: the daemon batches jobs that ask different ones
     (the batch keeps its model for the longest), and the body reaches it as sent; nor is ``audio``: a model's
-    sound track is made either way, and only its delivery is per request. ``fps`` is: LTX-2 conditions on it."""
+    sound track is made either way, and only its delivery is per request; nor is ``fps``: only LTX-2 is conditioned
+    on it, which the body does not show, and the daemon keeps LTX-2's fps apart itself (a hint, not a rule, here)."""
     if not isinstance(body, dict) or "prompt" not in body:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
                                    "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
-                                   "fps", "loras", "strength", "trajectory", "control", "ip_adapter", "upscale",
+                                   "loras", "strength", "trajectory", "control", "ip_adapter", "upscale",
                                    "hires")]
     return repr(parts)
 

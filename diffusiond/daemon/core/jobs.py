@@ -72,6 +72,7 @@ class JobRequest:
     negative_prompt: str | None = None
     num_frames: int | None = None
     fps: int = 16
+    fps_conditions: bool = False  # its model is conditioned on fps (LTX-2): then fps is in the batch key
     timeout_s: float | None = None
     output_dtype: OutputDtype = "uint8"
     scheduler: str | None = None
@@ -104,7 +105,7 @@ class JobRequest:
             steps=self.steps,
             guidance=self.guidance,
             num_frames=self.num_frames,
-            fps=self.fps if self.num_frames is not None else None,
+            fps=self.fps if self.num_frames is not None and self.fps_conditions else None,
             scheduler=self.scheduler,
             noise_level=self.noise_level,
             eta=self.eta,

@@ -364,7 +364,7 @@ def check(
         seed=seed,
         negative_prompt=neg,
         num_frames=frames,
-        fps=fps,
+        fps=fps, fps_conditions=model.capabilities.fps_conditions,
         timeout_s=timeout,
         output_dtype=cast(OutputDtype, dtype),  # checked above against OUTPUT_DTYPES
         scheduler=scheduler,
