@@ -95,6 +95,10 @@ async def test_a_side_under_ltx2s_smallest_is_refused_naming_it(ltx2_daemon: Dae
             assert status == 400 and refused["error"]["field"] == field, refused
             assert f"{field} must be at least 64 for 'ltx2'" in refused["error"]["message"], refused
             assert "got 32" in refused["error"]["message"], refused
+        for width in (16, 100):  # under the limits' floor, or no multiple of 32: the range named is the model's
+            status, refused = await job(s, {**BASE, "width": width})
+            assert status == 400 and refused["error"]["field"] == "width", refused
+            assert "between 64 and" in refused["error"]["message"], refused
         small = base64.b64encode(png_bytes(blocky(1, 48))).decode()  # its own size, rounded to 32, would be 32
         sized = {k: v for k, v in BASE.items() if k not in ("width", "height")}
         status, refused = await job(s, {**sized, "image": small})

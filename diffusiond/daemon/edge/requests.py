@@ -232,7 +232,7 @@ def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
         raise invalid(f"{name} must be at least {floor} for {model.name!r} (the smallest side it makes), got {v}",
                       field=size_field or name)
     if not inside or v % 8 or model is None:
-        raise invalid(f"{name} must be a multiple of {step} between {limits.min_size} and {limits.max_size}, got {v}",
+        raise invalid(f"{name} must be a multiple of {step} between {floor} and {limits.max_size}, got {v}",
                       field=size_field or name)
     lower = v // step * step
     near = " or ".join(str(s) for s in (lower, lower + step) if floor <= s <= limits.max_size)
