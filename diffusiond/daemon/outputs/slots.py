@@ -375,8 +375,14 @@ class Outputs:
     async def _encode(self, item: Item, fmt: str) -> None:
         assert item.worker is not None and item.desc is not None
         job = item.job
-        opts = self._options(item)
-        array = as_numpy(item.worker.buffer(item.desc), item.desc)
+        try:  # the worker's memory (its sound track too): a failure fails the job, never leaves it encoding
+            opts = self._options(item)
+            array = as_numpy(item.worker.buffer(item.desc), item.desc)
+        except Exception as exc:
+            log.exception("reading the output of %s failed", item.request_id)
+            self._on_failed(item, f"reading the output (and its sound track) out of the worker's memory to encode it "
+                            f"as {fmt} failed: {exc}", Stage.ENCODING, ErrorCode.OUTPUT_FAILED)
+            return
         self._pin(item)
         t0 = time.perf_counter()
         try:

@@ -84,9 +84,11 @@ def waveform(outputs: Any, item: Any) -> np.ndarray | None:
         return None
     desc = side.arrays[AUDIO_ARRAY]
     outputs._pin_trajectory(item)
-    payload = outputs._trajectory_bytes(item, desc)
     try:
-        return np.frombuffer(payload, dtype=np.float32).reshape(desc.shape).copy()
+        payload = outputs._trajectory_bytes(item, desc)
+        try:
+            return np.frombuffer(payload, dtype=np.float32).reshape(desc.shape).copy()
+        finally:
+            payload.release()
     finally:
-        payload.release()
         outputs._unpin_trajectory(item)
