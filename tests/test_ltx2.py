@@ -203,3 +203,24 @@ def test_fps_is_in_the_batch_key_and_the_compiled_shape_only_where_the_model_is_
     at_24 = shape_key(params(24, True), 1, fps=24)
     assert shape_key(params(12, True), 1, fps=24) != at_24 == shape_key(warm, 1, fps=24)
     assert shape_key(params(12, False), 1) == shape_key(params(24, False), 1)
+
+
+async def test_a_stopped_workers_sound_tracks_leave_its_arena_and_are_still_served(ltx2_daemon: Daemon) -> None:
+    """Every output's sound track holds a side region in its worker's arena; once the model is unloaded (its
+    worker stopped) and loaded again, the tracks are copied out, so the old arena is unmapped, and still served."""
+    async with http(ltx2_daemon.socket) as s:
+        status, made = await job(s, {**BASE, "output_format": "npy", "seed": 11})
+        assert status == 202, made
+        first = await wait_job(s, made["id"], timeout=120)
+        assert first["status"] == "succeeded", first
+        async with s.get(first["outputs"][0]["audio"]["url"]) as r:
+            assert r.status == 200
+            wav = await r.read()
+        async with s.post("/v1/models/ltx2/unload") as r:
+            assert r.status == 200, await r.text()
+        status, made = await job(s, {**BASE, "output_format": "npy", "seed": 12})  # loads it again
+        assert status == 202, made
+        assert (await wait_job(s, made["id"], timeout=120))["status"] == "succeeded"
+        async with s.get(first["outputs"][0]["audio"]["url"]) as r:
+            assert r.status == 200 and await r.read() == wav
+    assert f"spilled the trajectory of {first['id']}" in ltx2_daemon.log_path.read_text(errors="replace")

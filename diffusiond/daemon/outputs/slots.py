@@ -47,7 +47,7 @@ from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
-from diffusiond.protocol import AUDIO_ARRAY, FORMATS, SIDE_ARRAYS, TRAJECTORY_ARRAYS, ErrorCode, Stage
+from diffusiond.protocol import AUDIO_ARRAY, FORMATS, SIDE_ARRAYS, TRAJECTORY_ARRAYS, ErrorCode, Stage, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class Outputs:
     # what the engine tells us ------------------------------------------------------------------
     def deliver(self, item: Item, desc: TensorDesc, trajectory: TrajectoryDesc | None = None) -> None:
         """An item's output (and its trajectory, when asked for) has landed in shared memory: make it servable."""
+        self._leave_stopped()
         if trajectory is not None:
             item.trajectory = trajectory
             self._trajectories.add(item)
@@ -458,6 +459,14 @@ class Outputs:
             assert item.trajectory is not None
             excess -= item.trajectory.region.nbytes
             self._keep(self._spill_trajectory(item))
+
+    def _leave_stopped(self) -> None:
+        """Copy what outputs hold in a stopped worker's arena out, so it is unmapped: each LTX-2 output's sound track
+        holds a side region for its job's retention, and each stop and reload would leave another arena mapped,
+        outside ``--host-memory`` (issue 30). At the next delivery (the reload's first output is one)."""
+        for worker in {i.worker for i in (*self._holding, *self._trajectories) if i.worker is not None}:
+            if worker.state == WorkerState.DEAD:
+                self.relieve(worker, need=worker.arena_capacity)
 
     async def _spill(self, item: Item) -> None:
         item.spilling = True
