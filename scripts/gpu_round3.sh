@@ -85,7 +85,7 @@ PY
         --base '{"size": "512x512", "steps": 20}' \
         --b '{"hires": {"scale": 2, "strength": 0.5, "steps": 10}}' --requests 16 --concurrency 4 --rounds 4 ;;
     presets)  # issue 30: the new presets' forward times (random weights, as built, 6 steps after a 2-step warm-up)
-      for p in ${PRESETS:-sd3.5-medium sd3.5-large qwen-image ltx-2b wan2.2-5b}; do
+      for p in ${PRESETS:-sd3.5-medium sd3.5-large qwen-image ltx-2b ltx-2 wan2.2-5b}; do
         extra=""; [ $p = wan2.2-5b ] && extra="--frames 41"
         step preset-$p 150 python3 scripts/bench_presets.py --preset random:$p --save 0 --steps 6 $extra \
           --json "$out/preset-$p.result.json"
