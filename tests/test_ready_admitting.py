@@ -87,6 +87,11 @@ async def _executed(worker: FakeWorker) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _spawned(h: Harness, model: str) -> None:
+    while not [w for w in h.spawned if w.config.model_name == model]:
+        await asyncio.sleep(0.01)
+
+
 async def test_when_every_preload_fails_the_jobs_admitted_meanwhile_end_with_the_reason(gate: asyncio.Event) -> None:
     h = Harness(fail_starts=[BROKEN])
     await h.engine.open()
@@ -149,11 +154,57 @@ async def test_a_load_for_a_job_during_the_preload_plans_around_the_model_being_
     assert not [w for w in h.spawned if w.config.model_name == "n"], "n's load started beside m's"
     opened.set()
     await preload
-    await h.settle()
+    await asyncio.wait_for(_spawned(h, "n"), 5)  # once m has left
     [worker] = [w for w in h.spawned if w.config.model_name == "n"]
     await asyncio.wait_for(_executed(worker), 5)
     worker.finish(worker.executed[0])
     await h.settle(job)
     assert job.status == JobStatus.SUCCEEDED
     assert h.engine.keeper.snapshot()["m"].residency in ("host", "disk")
+    await h.close()
+
+
+async def test_a_level_2_sleep_during_the_preload_leaves_the_model_on_disk_for_the_wake(gate: asyncio.Event) -> None:
+    """A trainer started after the daemon's READY=1 sleeps at level 2 while the preload still loads: the sleep
+    waits for that load, then frees it; the start does not fail, nor does the job, which runs after the wake."""
+    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")))
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    job = h.submit(model="n")
+    await h.settle()
+    sleeping = asyncio.ensure_future(h.engine.sleep(2))
+    await h.settle()
+    assert not sleeping.done()  # it waits for the load under way, as for any move
+    gate.set()
+    answer = await sleeping
+    await preload  # not failed: a model the sleep stopped is not a model that could not load
+    assert {n: (m["residency"], m["workers"]) for n, m in answer["models"].items()} == {
+        "m": ("disk", 0), "n": ("disk", 0)}
+    assert not answer["stayed"] and not h.engine.keeper.failed and h.engine.accepting
+    assert job.status == JobStatus.QUEUED and job.error is None
+    await h.engine.wake()
+    [worker] = [w for w in h.spawned if w.config.model_name == "n" and w.state == WorkerState.READY]
+    await asyncio.wait_for(_executed(worker), 5)
+    worker.finish(worker.executed[0])
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED
+    await h.close()
+
+
+async def test_a_level_1_sleep_during_the_preload_books_the_model_where_its_worker_is(gate: asyncio.Event) -> None:
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),), device_memory="8GiB")
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    await h.settle()
+    sleeping = asyncio.ensure_future(h.engine.sleep(1))
+    await h.settle()
+    gate.set()
+    answer = await sleeping
+    await preload
+    assert answer["models"]["m"]["residency"] == "host" and not answer["stayed"]
+    status = h.engine.keeper.snapshot()["m"]
+    assert (status.residency, status.device_bytes) == ("host", 0)  # not counted on the device while it sleeps
+    assert [w.state for w in h.engine.pool.models["m"].workers] == [WorkerState.SLEEPING]
+    await h.engine.wake()
+    assert h.engine.keeper.snapshot()["m"].residency == "device"
     await h.close()

@@ -106,6 +106,11 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
         return
     tried: list[tuple[Model, BaseException | None]] = []
     for model in chosen:
+        if k.pool.paused:  # a sleep began: the wake loads what the start chose, in the same order
+            on_disk(k, model)
+            k.preloading.ended(model.name)
+            log.info("%s stays on disk at start: the daemon sleeps (the wake loads it)", model.name)
+            continue
         if not model.known or model.capabilities.weight_bytes:
             k._register(model)  # its remembered size, or its files' headers' (a hub id: neither, it learns)
         first = k.policy.plan(model.name, None) if k.policy.has(model.name) else None
@@ -136,10 +141,16 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
 
 
 async def _start_one(k: Keeper, model: Model) -> None:
+    """One model's load at start, a move like any other (``moving``) while it runs: a sleep begun meanwhile
+    waits for it, then sends it where the level says, so the books agree with the workers (issue 27)."""
+    k.moving.add(model.name)
     try:
         await k.pool.start([model])
     finally:
+        k.moving.discard(model.name)
         k.preloading.ended(model.name)
+    k.worker_ready(model)  # booked on its device now that it is no longer moving (its READY was not)
+    k.on_change()  # its jobs, which its READY could not dispatch while it moved
 
 
 async def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> None:
@@ -149,10 +160,17 @@ async def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]
     A model on several devices may have failed on one only: the workers that came up on the others are
     stopped (and the books, which their READY put on the device, moved to disk), so none holds memory
     for a model that cannot serve."""
-    failures = [(m, e) for m, e in tried if e is not None]
-    for _, exc in failures:
-        if not isinstance(exc, Exception):
+    for _, exc in tried:
+        if exc is not None and not isinstance(exc, Exception):
             raise exc  # cancelled: the start itself is stopping
+    # a level-2 sleep stopped it (``Asleep``): not loaded, not failed; it stays on disk and its jobs wait for
+    # the wake, which loads it (issue 27), so it counts neither as a failure nor as a model the start tried
+    for model, exc in tried:
+        if isinstance(exc, Asleep):
+            log.info("%s stays on disk: %s", model.name, exc)
+            on_disk(k, model)
+    tried = [(m, e) for m, e in tried if not isinstance(e, Asleep)]
+    failures = [(m, e) for m, e in tried if e is not None]
     if failures and len(failures) == len(tried):
         raise failures[0][1]
     for model, exc in failures:
