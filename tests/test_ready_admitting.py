@@ -12,16 +12,20 @@ test_daemon_systemd.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from enginekit import CAPS, FakeWorker, Harness
 from residencykit import G
 
+import diffusiond.daemon.edge.api as api
 from diffusiond.daemon.config import ModelConfig
-from diffusiond.daemon.edge import views
+from diffusiond.daemon.edge.status import ENGINE
 from diffusiond.daemon.state.store import SqliteStore
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.ipc.messages import Ready
@@ -53,7 +57,9 @@ async def test_a_job_admitted_while_its_model_preloads_waits_then_runs(gate: asy
     job = h.submit()
     await h.settle()
     assert job.status == JobStatus.QUEUED and not h.spawned[0].executed
-    assert views.health(h.engine)["status"] == "ok"  # a model loading is not a sick daemon: /health answers 200
+    health = await api.health(make_mocked_request("GET", "/health", app=_app(h)))
+    assert health.status == 200, health.text  # a model loading is not a sick daemon (a probe must not restart it)
+    assert json.loads(health.text)["status"] == "ok"
     gate.set()
     await preload
     assert h.engine.keeper.preloading.view() == {"state": "done", "models": []}
@@ -80,6 +86,12 @@ async def test_a_job_for_a_model_the_preload_leaves_on_disk_runs_once_it_ends(ga
     await h.settle(job)
     assert job.status == JobStatus.SUCCEEDED
     await h.close()
+
+
+def _app(h: Harness) -> web.Application:
+    app = web.Application()
+    app[ENGINE] = h.engine
+    return app
 
 
 async def _executed(worker: FakeWorker) -> None:
