@@ -26,6 +26,7 @@ from residencykit import G
 import diffusiond.daemon.edge.api as api
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.edge.status import ENGINE
+from diffusiond.daemon.errors import ModelTooLarge
 from diffusiond.daemon.state.store import SqliteStore
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.ipc.messages import Ready
@@ -219,4 +220,24 @@ async def test_a_level_1_sleep_during_the_preload_books_the_model_where_its_work
     assert [w.state for w in h.engine.pool.models["m"].workers] == [WorkerState.SLEEPING]
     await h.engine.wake()
     assert h.engine.keeper.snapshot()["m"].residency == "device"
+    await h.close()
+
+
+async def test_a_job_sent_during_the_preload_for_a_model_too_large_is_refused_as_after_it(
+        gate: asyncio.Event) -> None:
+    """``n``'s size is remembered (9 GiB, over the 8 GiB budget) and the preload has not reached it yet: the job
+    is the 400 ``model_too_large`` it would be after the preload, not a job queued for a load that never comes."""
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),
+                        ModelConfig(name="n", spec="fake", devices=("cuda:0",))), device_memory="8GiB")
+    sizes = {"m": G, "n": 9 * G}
+    for model in h.engine.pool.models.values():
+        model.known, model.capabilities = True, msgspec.structs.replace(CAPS, weight_bytes=sizes[model.name])
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    await h.settle()
+    with pytest.raises(ModelTooLarge, match="'n' cannot fit on cuda:0"):
+        h.submit(model="n")
+    gate.set()
+    await preload
+    assert h.engine.keeper.snapshot()["n"].residency == "disk"
     await h.close()

@@ -82,6 +82,11 @@ def choose_preload(k: Keeper, socket_activated: bool = False) -> list[Model]:
         log.info("%s %s at start: %s", model.name, "loads" if want else "stays on disk", why)
         if not want:
             on_disk(k, model)
+        elif not model.known or model.capabilities.weight_bytes:
+            # placed on disk now, its size remembered or from its files' headers, as one not chosen is: a job
+            # sent before the preload reaches it is checked at admission as it would be after (a model too
+            # large is a 400, not a job left queued for a load the preload then declines)
+            k._register(model)
     chosen = [m for m in models if wanted[m.name][0]]
     k.preloading.begin([m.name for m in chosen])
     return chosen
