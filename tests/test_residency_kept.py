@@ -117,6 +117,26 @@ def test_an_offloaded_model_loading_from_disk_frees_kept_copies_before_dropping_
     assert tier(r, "b") == "host" and r.host_used() == 8 * G
 
 
+def test_a_second_plan_while_a_kept_copy_is_being_freed_drops_no_other_model() -> None:
+    """Any dispatch may plan again before the RELEASE's answer comes back: the copy on its way out is room about to
+    be free, so b is not dropped to disk (its return would be a disk load, not a copy back) for the same need."""
+    r = room(budget=10 * G, host=9 * G, models={"a": 4 * G, "b": 4 * G})
+    r.add("big", "cuda:0", G, host_bytes=4 * G)
+    r.measured("big", next(iter(r.measurements.peaks("a", 4 * G))), G)
+    e = Engine(r, keeps=True)
+    e.run("a")
+    e.move(r.evict("a", "by hand").moves)  # type: ignore[union-attr]
+    e.run("a")  # woken from host memory, keeping 4 GiB there
+    e.run("b")
+    e.move(r.evict("b", "by hand").moves)  # type: ignore[union-attr]
+    first = r.plan("big", None)
+    assert [(type(mv).__name__, mv.model) for mv in first.moves] == [("Release", "a")], first  # type: ignore[union-attr]
+    r.unloading(first.moves[0])  # type: ignore[union-attr]  # booked and under way, as the keeper does
+    second = r.plan("big", None)
+    assert not [mv for mv in getattr(second, "moves", ()) if mv.model == "b"], second
+    assert tier(r, "b") == "host"
+
+
 async def test_the_engine_frees_a_kept_copy_before_copying_another_model_into_host_memory(
         weighs_a_gib: None, monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
