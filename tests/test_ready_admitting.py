@@ -24,6 +24,7 @@ from enginekit import CAPS, FakeWorker, Harness
 from residencykit import G
 
 import diffusiond.daemon.edge.api as api
+import diffusiond.daemon.server as server
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.edge.status import ENGINE
 from diffusiond.daemon.errors import ModelTooLarge
@@ -240,4 +241,38 @@ async def test_a_job_sent_during_the_preload_for_a_model_too_large_is_refused_as
     gate.set()
     await preload
     assert h.engine.keeper.snapshot()["n"].residency == "disk"
+    await h.close()
+
+
+async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart while ``n`` still preloads: ``m``'s running job has ``--drain-grace-s`` to finish (it is not
+    failed at once), while the job queued for ``n``, which will not load now, ends at once."""
+    opened = asyncio.Event()
+    plain = FakeWorker.start
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        if self.config.model_name == "n":
+            await opened.wait()
+        return await plain(self, timeout)
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")))
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(server._serve(h.engine, stop, "a test", socket_activated=False))
+    await asyncio.wait_for(_spawned(h, "n"), 5)
+    running, waiting = h.submit(), h.submit(model="n")
+    [worker] = [w for w in h.spawned if w.config.model_name == "m"]
+    await asyncio.wait_for(_executed(worker), 5)
+    stop.set()
+    grace, unloaded = await serving
+    assert (grace, unloaded) == (h.engine.config.drain_grace_s, ("n",))
+    drain = asyncio.ensure_future(h.engine.drain(grace, unloaded=unloaded))
+    await h.settle()
+    assert waiting.status == JobStatus.FAILED and waiting.error is not None
+    assert waiting.error["code"] == ErrorCode.SHUTTING_DOWN
+    assert running.status == JobStatus.RUNNING and not drain.done()
+    worker.finish(worker.executed[0])
+    await asyncio.wait_for(drain, 5)
+    assert running.status == JobStatus.SUCCEEDED
     await h.close()

@@ -22,7 +22,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -167,8 +167,8 @@ class Engine(OutputAccess):
     async def recover(self) -> None:
         await resume.recover(self)
 
-    async def drain(self, grace: float, why: str | None = None) -> None:
-        await resume.drain(self, grace, why)
+    async def drain(self, grace: float, why: str | None = None, unloaded: Collection[str] = ()) -> None:
+        await resume.drain(self, grace, why, unloaded)
 
     async def stop(self) -> None:
         self.stopping = True
