@@ -276,3 +276,25 @@ async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
     await asyncio.wait_for(drain, 5)
     assert running.status == JobStatus.SUCCEEDED
     await h.close()
+
+
+async def test_a_queued_job_for_a_model_its_load_shows_too_large_fails_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admitted on the 1 GiB remembered, ``m``'s load reports 9 GiB, over the 8 GiB budget: its job fails with
+    ``model_too_large`` and the reason, not held queued for a run that can never come."""
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, self.config.device, 1.0, msgspec.structs.replace(CAPS, weight_bytes=9 * G))
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",), preload=False),),
+                device_memory="8GiB")
+    model = h.engine.pool.models["m"]
+    model.known, model.capabilities = True, msgspec.structs.replace(CAPS, weight_bytes=G)
+    await h.engine.start()
+    job = h.submit()
+    await h.settle(job)
+    assert job.status == JobStatus.FAILED and job.error is not None
+    assert job.error["code"] == ErrorCode.MODEL_TOO_LARGE, job.error
+    assert "'m' cannot fit on cuda:0" in job.error["message"], job.error
+    await h.close()
