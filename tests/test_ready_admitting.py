@@ -12,16 +12,22 @@ test_daemon_systemd.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from enginekit import CAPS, FakeWorker, Harness
 from residencykit import G
 
+import diffusiond.daemon.edge.api as api
+import diffusiond.daemon.server as server
 from diffusiond.daemon.config import ModelConfig
-from diffusiond.daemon.edge import views
+from diffusiond.daemon.edge.status import ENGINE
+from diffusiond.daemon.errors import ModelTooLarge
 from diffusiond.daemon.state.store import SqliteStore
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.ipc.messages import Ready
@@ -53,7 +59,9 @@ async def test_a_job_admitted_while_its_model_preloads_waits_then_runs(gate: asy
     job = h.submit()
     await h.settle()
     assert job.status == JobStatus.QUEUED and not h.spawned[0].executed
-    assert views.health(h.engine)["status"] == "ok"  # a model loading is not a sick daemon: /health answers 200
+    health = await api.health(make_mocked_request("GET", "/health", app=_app(h)))
+    assert health.status == 200, health.text  # a model loading is not a sick daemon (a probe must not restart it)
+    assert json.loads(health.text)["status"] == "ok"
     gate.set()
     await preload
     assert h.engine.keeper.preloading.view() == {"state": "done", "models": []}
@@ -82,8 +90,19 @@ async def test_a_job_for_a_model_the_preload_leaves_on_disk_runs_once_it_ends(ga
     await h.close()
 
 
+def _app(h: Harness) -> web.Application:
+    app = web.Application()
+    app[ENGINE] = h.engine
+    return app
+
+
 async def _executed(worker: FakeWorker) -> None:
     while not worker.executed:
+        await asyncio.sleep(0.01)
+
+
+async def _spawned(h: Harness, model: str) -> None:
+    while not [w for w in h.spawned if w.config.model_name == model]:
         await asyncio.sleep(0.01)
 
 
@@ -149,11 +168,133 @@ async def test_a_load_for_a_job_during_the_preload_plans_around_the_model_being_
     assert not [w for w in h.spawned if w.config.model_name == "n"], "n's load started beside m's"
     opened.set()
     await preload
-    await h.settle()
+    await asyncio.wait_for(_spawned(h, "n"), 5)  # once m has left
     [worker] = [w for w in h.spawned if w.config.model_name == "n"]
     await asyncio.wait_for(_executed(worker), 5)
     worker.finish(worker.executed[0])
     await h.settle(job)
     assert job.status == JobStatus.SUCCEEDED
     assert h.engine.keeper.snapshot()["m"].residency in ("host", "disk")
+    await h.close()
+
+
+async def test_a_level_2_sleep_during_the_preload_leaves_the_model_on_disk_for_the_wake(gate: asyncio.Event) -> None:
+    """A trainer started after the daemon's READY=1 sleeps at level 2 while the preload still loads: the sleep
+    waits for that load, then frees it; the start does not fail, nor does the job, which runs after the wake."""
+    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")))
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    job = h.submit(model="n")
+    await h.settle()
+    sleeping = asyncio.ensure_future(h.engine.sleep(2))
+    await h.settle()
+    assert not sleeping.done()  # it waits for the load under way, as for any move
+    gate.set()
+    answer = await sleeping
+    await preload  # not failed: a model the sleep stopped is not a model that could not load
+    assert {n: (m["residency"], m["workers"]) for n, m in answer["models"].items()} == {
+        "m": ("disk", 0), "n": ("disk", 0)}
+    assert not answer["stayed"] and not h.engine.keeper.failed and h.engine.accepting
+    assert job.status == JobStatus.QUEUED and job.error is None
+    await h.engine.wake()
+    [worker] = [w for w in h.spawned if w.config.model_name == "n" and w.state == WorkerState.READY]
+    await asyncio.wait_for(_executed(worker), 5)
+    worker.finish(worker.executed[0])
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED
+    await h.close()
+
+
+async def test_a_level_1_sleep_during_the_preload_books_the_model_where_its_worker_is(gate: asyncio.Event) -> None:
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),), device_memory="8GiB")
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    await h.settle()
+    sleeping = asyncio.ensure_future(h.engine.sleep(1))
+    await h.settle()
+    gate.set()
+    answer = await sleeping
+    await preload
+    assert answer["models"]["m"]["residency"] == "host" and not answer["stayed"]
+    status = h.engine.keeper.snapshot()["m"]
+    assert (status.residency, status.device_bytes) == ("host", 0)  # not counted on the device while it sleeps
+    assert [w.state for w in h.engine.pool.models["m"].workers] == [WorkerState.SLEEPING]
+    await h.engine.wake()
+    assert h.engine.keeper.snapshot()["m"].residency == "device"
+    await h.close()
+
+
+async def test_a_job_sent_during_the_preload_for_a_model_too_large_is_refused_as_after_it(
+        gate: asyncio.Event) -> None:
+    """``n``'s size is remembered (9 GiB, over the 8 GiB budget) and the preload has not reached it yet: the job
+    is the 400 ``model_too_large`` it would be after the preload, not a job queued for a load that never comes."""
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),
+                        ModelConfig(name="n", spec="fake", devices=("cuda:0",))), device_memory="8GiB")
+    sizes = {"m": G, "n": 9 * G}
+    for model in h.engine.pool.models.values():
+        model.known, model.capabilities = True, msgspec.structs.replace(CAPS, weight_bytes=sizes[model.name])
+    await h.engine.open()
+    preload = asyncio.ensure_future(h.engine.preload())
+    await h.settle()
+    with pytest.raises(ModelTooLarge, match="'n' cannot fit on cuda:0"):
+        h.submit(model="n")
+    gate.set()
+    await preload
+    assert h.engine.keeper.snapshot()["n"].residency == "disk"
+    await h.close()
+
+
+async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart while ``n`` still preloads: ``m``'s running job has ``--drain-grace-s`` to finish (it is not
+    failed at once), while the job queued for ``n``, which will not load now, ends at once."""
+    opened = asyncio.Event()
+    plain = FakeWorker.start
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        if self.config.model_name == "n":
+            await opened.wait()
+        return await plain(self, timeout)
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")))
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(server._serve(h.engine, stop, "a test", socket_activated=False))
+    await asyncio.wait_for(_spawned(h, "n"), 5)
+    running, waiting = h.submit(), h.submit(model="n")
+    [worker] = [w for w in h.spawned if w.config.model_name == "m"]
+    await asyncio.wait_for(_executed(worker), 5)
+    stop.set()
+    grace, unloaded = await serving
+    assert (grace, unloaded) == (h.engine.config.drain_grace_s, ("n",))
+    drain = asyncio.ensure_future(h.engine.drain(grace, unloaded=unloaded))
+    await h.settle()
+    assert waiting.status == JobStatus.FAILED and waiting.error is not None
+    assert waiting.error["code"] == ErrorCode.SHUTTING_DOWN
+    assert running.status == JobStatus.RUNNING and not drain.done()
+    worker.finish(worker.executed[0])
+    await asyncio.wait_for(drain, 5)
+    assert running.status == JobStatus.SUCCEEDED
+    await h.close()
+
+
+async def test_a_queued_job_for_a_model_its_load_shows_too_large_fails_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admitted on the 1 GiB remembered, ``m``'s load reports 9 GiB, over the 8 GiB budget: its job fails with
+    ``model_too_large`` and the reason, not held queued for a run that can never come."""
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, self.config.device, 1.0, msgspec.structs.replace(CAPS, weight_bytes=9 * G))
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",), preload=False),),
+                device_memory="8GiB")
+    model = h.engine.pool.models["m"]
+    model.known, model.capabilities = True, msgspec.structs.replace(CAPS, weight_bytes=G)
+    await h.engine.start()
+    job = h.submit()
+    await h.settle(job)
+    assert job.status == JobStatus.FAILED and job.error is not None
+    assert job.error["code"] == ErrorCode.MODEL_TOO_LARGE, job.error
+    assert "'m' cannot fit on cuda:0" in job.error["message"], job.error
     await h.close()

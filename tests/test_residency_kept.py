@@ -19,6 +19,7 @@ from test_review_engine import job, until
 import diffusiond.daemon.edge.views as views
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.residency.decisions import Release
+from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.workers.link import Command
 from diffusiond.ipc.messages import Ack, Ready
 from diffusiond.protocol import WorkerState
@@ -99,7 +100,9 @@ def test_a_move_into_full_host_memory_frees_a_resident_models_kept_copy_before_d
     assert {s.name: s.host_bytes for s in r.snapshot()}["a"] == 0
 
 
-def test_an_offloaded_model_loading_from_disk_frees_kept_copies_before_dropping_models() -> None:
+def _a_keeps_a_copy_and_b_is_parked() -> tuple[Residency, Engine]:
+    """Host memory 9 GiB: a (on its device) keeps the 4 GiB copy it was woken from, b is parked there; big,
+    offloaded, would keep 4 GiB there while it runs."""
     r = room(budget=10 * G, host=9 * G, models={"a": 4 * G, "b": 4 * G})
     r.add("big", "cuda:0", G, host_bytes=4 * G)
     r.measured("big", next(iter(r.measurements.peaks("a", 4 * G))), G)
@@ -109,12 +112,29 @@ def test_an_offloaded_model_loading_from_disk_frees_kept_copies_before_dropping_
     e.run("a")  # woken from host memory, keeping 4 GiB there
     e.run("b")
     e.move(r.evict("b", "by hand").moves)  # type: ignore[union-attr]
+    return r, e
+
+
+def test_an_offloaded_model_loading_from_disk_frees_kept_copies_before_dropping_models() -> None:
+    r, e = _a_keeps_a_copy_and_b_is_parked()
     assert (tier(r, "a"), tier(r, "b")) == ("device", "host") and r.host_used() == 8 * G
     e.moves.clear()
     e.run("big")  # its 4 GiB host share: a's kept copy goes, b stays in host memory
     assert [(type(mv).__name__, mv.model) for mv in e.moves] == [("Release", "a")], e.moves
     assert "big, offloaded, keeps 4.00 GiB there while it runs: a, on its device, frees" in e.moves[0].reason
     assert tier(r, "b") == "host" and r.host_used() == 8 * G
+
+
+def test_a_second_plan_while_a_kept_copy_is_being_freed_drops_no_other_model() -> None:
+    """Any dispatch may plan again before the RELEASE's answer comes back: the copy on its way out is room about to
+    be free, so b is not dropped to disk (its return would be a disk load, not a copy back) for the same need."""
+    r, _ = _a_keeps_a_copy_and_b_is_parked()
+    first = r.plan("big", None)
+    assert [(type(mv).__name__, mv.model) for mv in first.moves] == [("Release", "a")], first  # type: ignore[union-attr]
+    r.unloading(first.moves[0])  # type: ignore[union-attr]  # booked and under way, as the keeper does
+    second = r.plan("big", None)
+    assert not [mv for mv in getattr(second, "moves", ()) if mv.model == "b"], second
+    assert tier(r, "b") == "host"
 
 
 async def test_the_engine_frees_a_kept_copy_before_copying_another_model_into_host_memory(

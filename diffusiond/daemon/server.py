@@ -183,9 +183,9 @@ async def run(config: DaemonConfig) -> int:
         systemd.notify("STATUS=starting")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
-        grace = await _serve(engine, stop, where, socket_activated=bool(inherited))
+        grace, unloaded = await _serve(engine, stop, where, socket_activated=bool(inherited))
         systemd.notify("STOPPING=1", "STATUS=draining")
-        drain = asyncio.ensure_future(engine.drain(grace))
+        drain = asyncio.ensure_future(engine.drain(grace, unloaded=unloaded))
         second = asyncio.ensure_future(_second_signal(stop, lambda: signals))
         await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
         second.cancel()
@@ -217,18 +217,20 @@ async def run(config: DaemonConfig) -> int:
     return code
 
 
-async def _serve(engine: Engine, stop: asyncio.Event, where: str, *, socket_activated: bool) -> float:
+async def _serve(engine: Engine, stop: asyncio.Event, where: str, *,
+                 socket_activated: bool) -> tuple[float, tuple[str, ...]]:
     """Admit jobs, say READY=1 (``/ready`` answers 200 from then: issue 27's "admitting", not "every model
     loaded"), then load what the start preloads while jobs come, and serve until asked to stop. Returns the
-    drain's grace: none when stopped before the preload ended (what waits for a model it was loading would
-    wait for nothing). A start that fails raises (``WorkerStartError``), READY=1 or not."""
+    drain's grace, and the models whose queued jobs it leaves at once: those a stop during the preload kept
+    from loading (what waits for them would wait for nothing), while the jobs running on the models loaded
+    already have the grace to finish. A start that fails raises (``WorkerStartError``), READY=1 or not."""
     opening = asyncio.ensure_future(engine.open(socket_activated=socket_activated))
     stopper = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([opening, stopper], return_when=asyncio.FIRST_COMPLETED)
         if not opening.done():
             opening.cancel()
-            return 0.0
+            return 0.0, ()
         opening.result()
         loading = list(engine.keeper.preloading.models)
         systemd.notify("READY=1", f"STATUS=serving on {where}" + (f"; loading {', '.join(loading)}" if loading else ""))
@@ -236,16 +238,17 @@ async def _serve(engine: Engine, stop: asyncio.Event, where: str, *, socket_acti
         preload = asyncio.ensure_future(engine.preload())
         await asyncio.wait([preload, stopper], return_when=asyncio.FIRST_COMPLETED)
         if not preload.done():
+            unloaded = tuple(engine.keeper.preloading.models)
             preload.cancel()
             with contextlib.suppress(BaseException):
                 await preload
-            return 0.0
+            return engine.config.drain_grace_s, unloaded
         preload.result()
         if loading:
             systemd.notify(f"STATUS=serving on {where}; the start's preload is done")
             log.info("preload done: %s", ", ".join(f"{m.name} {m.state.value}" for m in engine.models()))
         await stop.wait()
-        return engine.config.drain_grace_s
+        return engine.config.drain_grace_s, ()
     finally:
         stopper.cancel()
 

@@ -22,7 +22,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -167,8 +167,8 @@ class Engine(OutputAccess):
     async def recover(self) -> None:
         await resume.recover(self)
 
-    async def drain(self, grace: float, why: str | None = None) -> None:
-        await resume.drain(self, grace, why)
+    async def drain(self, grace: float, why: str | None = None, unloaded: Collection[str] = ()) -> None:
+        await resume.drain(self, grace, why, unloaded)
 
     async def stop(self) -> None:
         self.stopping = True
@@ -280,10 +280,10 @@ class Engine(OutputAccess):
         code = ErrorCode.NO_WORKER if self.pool.sleep_level >= 2 else ErrorCode.MODEL_LOAD_FAILED
         return NoWorker(f"model {name!r} could not be loaded: {failed}", code=code)
 
-    def _fail_queued(self, model: str, message: str) -> None:
-        """Residency could not load ``model``: the jobs waiting for it fail with the worker's reason."""
+    def _fail_queued(self, model: str, message: str, code: ErrorCode = ErrorCode.MODEL_LOAD_FAILED) -> None:
+        """Residency could not load ``model`` (or it no longer fits): the jobs waiting for it fail with the reason."""
         for job in self.scheduler.waiting(model):
-            self._end(job, JobStatus.FAILED, ErrorCode.MODEL_LOAD_FAILED, message, stage=job.stage_label)
+            self._end(job, JobStatus.FAILED, code, message, stage=job.stage_label)
 
     async def unload_model(self, name: str) -> None:
         """By hand: the model off its device once its work is done (``POST /v1/models/{name}/unload``)."""

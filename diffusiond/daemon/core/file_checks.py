@@ -163,7 +163,16 @@ class FileChecks:
         if model not in self._read:
             config = self._configs.get(model)
             files = None if config is None else await asyncio.to_thread(read_model_files, config)
-            if files is None and config is not None and config.spec in BUILT_FOLDERS:
+            if files is None and config is not None and _built_in(config):
                 return None  # not built yet: read again next time
             self._read[model] = files
         return self._read[model]
+
+
+def _built_in(config: ModelConfig) -> bool:
+    """A built-in model (options or none: ``tiny,attention=sdpa`` too), whose folder its first worker builds: its
+    headers cannot tell before that, and can after, so "cannot tell" is not kept for it."""
+    try:
+        return parse_spec(config.spec).kind in BUILT_FOLDERS
+    except PipelineError:
+        return False

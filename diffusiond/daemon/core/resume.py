@@ -8,7 +8,7 @@ its own transitions (``_end``, ``_arm_deadline``), so a resumed job ends the way
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from diffusiond.daemon.core.jobs import Item, Job
@@ -78,14 +78,21 @@ async def recover(self: Engine) -> None:
     if jobs:
         log.info("resuming %d job(s) the last run did not finish", len(jobs))
 
-async def drain(self: Engine, grace: float, why: str | None = None) -> None:
+async def drain(self: Engine, grace: float, why: str | None = None, unloaded: Collection[str] = ()) -> None:
     """Stop admitting; give accepted jobs ``grace`` seconds to finish; then what is left either
     waits in the state dir for the next start (``_suspend``) or fails with the reason (``why``, where
-    the daemon stops because its start failed, else the grace period's end)."""
+    the daemon stops because its start failed, else the grace period's end). Jobs queued for ``unloaded``
+    (models a stop kept the start's preload from loading) are left so at once: nothing would run them."""
     self.accepting = False
     self.draining = True
+    _leave(self, [j for j in self.jobs.values() if not j.terminal and j.status == JobStatus.QUEUED
+                  and j.request.model in unloaded], grace, why)
     await self._wait_until(lambda: not any(not j.terminal for j in self.jobs.values()), grace)
-    for job in [j for j in self.jobs.values() if not j.terminal]:
+    _leave(self, [j for j in self.jobs.values() if not j.terminal], grace, why)
+
+
+def _leave(self: Engine, jobs: list[Job], grace: float, why: str | None) -> None:
+    for job in jobs:
         if self.store.persistent and not job.sync and job.request.buffer is None:  # no edit, control or reference
             suspend(self, job)
             continue

@@ -21,7 +21,7 @@ from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import PING_INTERVAL_S, Model
 from diffusiond.ipc.messages import Ack
 from diffusiond.pipelines.spec import is_synthetic
-from diffusiond.protocol import AUDIO_ARRAY, FORMATS, Event, ModelState
+from diffusiond.protocol import AUDIO_ARRAY, FORMATS, Event, ModelState, WorkerState
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -251,13 +251,16 @@ def health(engine: Engine) -> dict[str, Any]:
     workers = list(pool.workers())
     keeper = engine.keeper
     # a model residency left on disk (never loaded, or sent away) has no worker to be sick, and one being
-    # loaded (by the start's preload, which /ready no longer waits for, or for a job) is not sick either
+    # loaded (by the start's preload, which /ready no longer waits for, or for a job) is not sick either;
+    # one rule for the body's status and the HTTP code (``api.health``), so a probe reads what the body says
     loading = keeper.moving.union(keeper.preloading.models)
+    ok = all(m.state in (ModelState.READY, ModelState.SLEEPING) or m.retired or pool.paused or m.name in loading
+             for m in pool.models.values()) and all(
+        (w.state in (WorkerState.READY, WorkerState.SLEEPING) and w.answering(3 * PING_INTERVAL_S + 1))
+        or (w.state == WorkerState.STARTING and m.name in loading) for m, w in workers)
     return {
         "version": __version__,
-        "status": "ok" if all(m.state == ModelState.READY or m.retired or pool.paused
-                              or (m.state == ModelState.STARTING and m.name in loading)
-                              for m in pool.models.values()) else "degraded",
+        "status": "ok" if ok else "degraded",
         "accepting": engine.accepting,
         "preload": engine.keeper.preloading.view(),
         "sleeping": pool.paused,

@@ -34,6 +34,14 @@ def used(models: Iterable[_Model]) -> int:
     return sum(held(m) for m in models)
 
 
+def freeing(models: Iterable[_Model]) -> int:
+    """Host memory on its way out: kept copies being released, and host-tier models on their way to disk. Room
+    about to be free (as ``plan`` counts what leaves a device), so a second plan before their answers come back
+    does not free more for the same need: it would drop another model to disk for nothing."""
+    return sum(m.kept if m.releasing is not None else held(m) if m.leaving is not None and m.leaving.src == "host"
+               else 0 for m in models)
+
+
 def keepers(models: Iterable[_Model], but: Iterable[_Model] = ()) -> list[_Model]:
     """Models on their devices whose workers keep a host copy that may be freed (``decisions.Release``), oldest use
     first; not ``but`` (leaving for host memory, they copy into theirs), nor one on its way off its device."""
@@ -56,7 +64,7 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
     so is the copy it kept (its weights go into it)."""
     everyone, leaving = list(models), list(leaving)
     moves: list[Move] = []
-    free = budget - used(everyone)
+    free = budget - used(everyone) + freeing(everyone)
     releasable = keepers(everyone, but=leaving)
     droppable = sorted((m for m in everyone if m.tier == "host" and m.leaving is None and m.idle),
                        key=lambda m: (m.last_used, m.name))
@@ -86,10 +94,10 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
 def room_for(models: Iterable[_Model], m: _Model, budget: int) -> tuple[Move, ...]:
     """Room for what ``m`` (loading from disk) keeps in host memory while on its device: the copies models on
     their devices keep there freed first (``keepers``), then the least recently used idle models of the host tier
-    to disk, until it fits the budget; none where it fits already, or where all that would not do (the load goes
-    ahead then: a host budget never refuses a model)."""
+    to disk, until it fits the budget; none where it fits already (counting what is being freed: ``freeing``), or
+    where all that would not do (the load goes ahead then: a host budget never refuses a model)."""
     everyone = list(models)
-    free = budget - used(everyone)
+    free = budget - used(everyone) + freeing(everyone)
     need = m.host_bytes * len(m.devices)
     if not need or free >= need:
         return ()

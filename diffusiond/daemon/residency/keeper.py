@@ -60,7 +60,7 @@ from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Asleep, Model, WorkerPool
-from diffusiond.protocol import WorkerState
+from diffusiond.protocol import ErrorCode, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +77,10 @@ class Keeper:
                  on_change: Callable[[], None], read_free: FreeReader | None = None,
                  oldest: Callable[[str], float | None] = lambda name: None,
                  queued: Callable[[str], int] = lambda name: 0,
-                 fail: Callable[[str, str], None] = lambda name, message: None) -> None:
+                 fail: Callable[[str, str, ErrorCode], None] = lambda name, message, code: None) -> None:
         """``oldest``: when a model's longest-waiting queued output was admitted (the scheduler's), or None;
         ``queued``: how many of its outputs the scheduler holds (counted when the model becomes known);
-        ``fail``: fail the model's queued jobs with this message (code ``model_load_failed``): its load failed."""
+        ``fail``: fail the model's queued jobs with this message and code: its load failed, or it is too large."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {}
@@ -323,27 +323,13 @@ class Keeper:
             log.debug("%s waits: %s", name, plan.reason)
             self._held[name] = plan.stage
             return False
+        elif isinstance(weights := self.policy.plan(name, None), TooLarge):  # its load showed it larger than
+            self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE)  # admission knew: no job of it would run
         self._held.pop(name, None)
         return False
 
     def _yield(self, model: Model, hold: Hold) -> None:
-        """A held model takes no new batch. Once those it runs are done it leaves its device, unless the
-        model it yields to can go without that (room for its working memory may have been all it lacked)."""
-        name = model.name
-        status = self.snapshot()
-        if status[name].running or status[name].residency != "device" or name in self.moving:
-            return
-        other = self.pool.models.get(hold.for_model)
-        if other is not None and (other.name in self.moving or status[other.name].running):
-            return  # it loads, or it runs already (its turn has begun: the hold ends at the next dispatch)
-        if other is not None and other.name not in self.turns.holds:
-            self.may_dispatch(other, self._asked.get(other.name))
-            if other.name in self.moving or self._held.get(other.name) != WAITING_FOR_MEMORY:
-                return  # it loads, or runs beside this one, at this dispatch
-        got = self.policy.evict(name, f"it yields {hold.device} to {hold.for_model} (--max-model-wait)",
-                                queued_ok=True)
-        if isinstance(got, Evict):
-            self._spawn_moves(got.moves)
+        leaving.yield_turn(self, model, hold)
 
     def why_waiting(self, name: str) -> str:
         """The stage a queued job of ``name`` shows while residency holds it back: the policy's own word

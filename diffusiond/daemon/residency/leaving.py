@@ -1,7 +1,7 @@
 """Moves off the device that no job asks for, carried out for the keeper: a sleep's, and expired keep-alives'.
 
 Functions of the keeper (``keeper.py`` keeps a one-line method for each), split off it so that it keeps the
-moves a dispatch asks for and this module the ones a timer or a sleep asks for.
+moves a dispatch asks for and this module the ones a timer, a sleep or a turn (``yield_turn``) asks for.
 
 Every decision's moves (an expiry's, a sleep's, and through ``Keeper._spawn_moves`` a dispatch's, a pressure
 watch's, an OOM's, an unload's) run side by side (awaited in turn, one large model's slow copy to host
@@ -21,8 +21,10 @@ import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from diffusiond.daemon.residency.decisions import Evict, Move, Release
+from diffusiond.daemon.residency.decisions import WAITING_FOR_MEMORY, Evict, ModelStatus, Move, Release
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
+from diffusiond.daemon.residency.turns import Hold, Turns
+from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
 
@@ -36,11 +38,37 @@ class Keeper(Protocol):
     policy: Residency
     moving: set[str]
 
+    turns: Turns
+    _asked: dict[str, Shape]
+    _held: dict[str, str]
+
     def known(self, name: str) -> bool: ...
     def kept(self, model: Model) -> None: ...
+    def snapshot(self) -> dict[str, ModelStatus]: ...
+    def may_dispatch(self, model: Model, shape: Shape | None) -> bool: ...
+    def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
     def _start(self, coro: Coroutine[Any, Any, None]) -> None: ...
     def _book(self, model: Model, move: Move) -> bool: ...
     def _carry(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
+
+
+def yield_turn(k: Keeper, model: Model, hold: Hold) -> None:
+    """A held model takes no new batch. Once those it runs are done it leaves its device, unless the
+    model it yields to can go without that (room for its working memory may have been all it lacked)."""
+    name = model.name
+    status = k.snapshot()
+    if status[name].running or status[name].residency != "device" or name in k.moving:
+        return
+    other = k.pool.models.get(hold.for_model)
+    if other is not None and (other.name in k.moving or status[other.name].running):
+        return  # it loads, or it runs already (its turn has begun: the hold ends at the next dispatch)
+    if other is not None and other.name not in k.turns.holds:
+        k.may_dispatch(other, k._asked.get(other.name))
+        if other.name in k.moving or k._held.get(other.name) != WAITING_FOR_MEMORY:
+            return  # it loads, or runs beside this one, at this dispatch
+    got = k.policy.evict(name, f"it yields {hold.device} to {hold.for_model} (--max-model-wait)", queued_ok=True)
+    if isinstance(got, Evict):
+        k._spawn_moves(got.moves)
 
 
 async def sleep(k: Keeper, model: Model, level: int, reason: str) -> None:

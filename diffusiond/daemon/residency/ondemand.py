@@ -31,6 +31,7 @@ from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.preload import Preloading, choose
 from diffusiond.daemon.workers.pool import Asleep, Model, WorkerPool
+from diffusiond.protocol import ErrorCode
 
 
 class Keeper(Protocol):
@@ -42,12 +43,13 @@ class Keeper(Protocol):
     metrics: Metrics
     moving: set[str]
     on_change: Callable[[], None]
-    fail: Callable[[str, str], None]
+    fail: Callable[[str, str, ErrorCode], None]
     failed: dict[str, str]
     preloading: Preloading
     _learning: dict[str, asyncio.Task[str | None]]
 
     def _register(self, model: Model) -> None: ...
+    def worker_ready(self, model: Model) -> None: ...
     def _move(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
     def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
 
@@ -64,7 +66,7 @@ def load_failed(k: Keeper, model: Model, reason: str) -> None:
     name = model.name
     k.failed[name] = reason
     k.fail(name, f"model {name!r} could not be loaded: {reason}. The next job for it tries the load again "
-                 "(fix its files or its spec first)")
+                 "(fix its files or its spec first)", ErrorCode.MODEL_LOAD_FAILED)
 
 
 def choose_preload(k: Keeper, socket_activated: bool = False) -> list[Model]:
@@ -81,6 +83,11 @@ def choose_preload(k: Keeper, socket_activated: bool = False) -> list[Model]:
         log.info("%s %s at start: %s", model.name, "loads" if want else "stays on disk", why)
         if not want:
             on_disk(k, model)
+        elif not model.known or model.capabilities.weight_bytes:
+            # placed on disk now, its size remembered or from its files' headers, as one not chosen is: a job
+            # sent before the preload reaches it is checked at admission as it would be after (a model too
+            # large is a 400, not a job left queued for a load the preload then declines)
+            k._register(model)
     chosen = [m for m in models if wanted[m.name][0]]
     k.preloading.begin([m.name for m in chosen])
     return chosen
@@ -106,6 +113,11 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
         return
     tried: list[tuple[Model, BaseException | None]] = []
     for model in chosen:
+        if k.pool.paused:  # a sleep began: the wake loads what the start chose, in the same order
+            on_disk(k, model)
+            k.preloading.ended(model.name)
+            log.info("%s stays on disk at start: the daemon sleeps (the wake loads it)", model.name)
+            continue
         if not model.known or model.capabilities.weight_bytes:
             k._register(model)  # its remembered size, or its files' headers' (a hub id: neither, it learns)
         first = k.policy.plan(model.name, None) if k.policy.has(model.name) else None
@@ -136,10 +148,16 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
 
 
 async def _start_one(k: Keeper, model: Model) -> None:
+    """One model's load at start, a move like any other (``moving``) while it runs: a sleep begun meanwhile
+    waits for it, then sends it where the level says, so the books agree with the workers (issue 27)."""
+    k.moving.add(model.name)
     try:
         await k.pool.start([model])
     finally:
+        k.moving.discard(model.name)
         k.preloading.ended(model.name)
+    k.worker_ready(model)  # booked on its device now that it is no longer moving (its READY was not)
+    k.on_change()  # its jobs, which its READY could not dispatch while it moved
 
 
 async def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]]) -> None:
@@ -149,10 +167,17 @@ async def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]
     A model on several devices may have failed on one only: the workers that came up on the others are
     stopped (and the books, which their READY put on the device, moved to disk), so none holds memory
     for a model that cannot serve."""
-    failures = [(m, e) for m, e in tried if e is not None]
-    for _, exc in failures:
-        if not isinstance(exc, Exception):
+    for _, exc in tried:
+        if exc is not None and not isinstance(exc, Exception):
             raise exc  # cancelled: the start itself is stopping
+    # a level-2 sleep stopped it (``Asleep``): not loaded, not failed; it stays on disk and its jobs wait for
+    # the wake, which loads it (issue 27), so it counts neither as a failure nor as a model the start tried
+    for model, exc in tried:
+        if isinstance(exc, Asleep):
+            log.info("%s stays on disk: %s", model.name, exc)
+            on_disk(k, model)
+    tried = [(m, e) for m, e in tried if not isinstance(e, Asleep)]
+    failures = [(m, e) for m, e in tried if e is not None]
     if failures and len(failures) == len(tried):
         raise failures[0][1]
     for model, exc in failures:
