@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from diffusiond.daemon.config import DaemonConfig, ModelConfig
@@ -226,3 +227,24 @@ def image(data: bytes) -> np.ndarray:
     from PIL import Image
 
     return np.asarray(Image.open(io.BytesIO(data)))
+
+
+def hold_starts(monkeypatch: Any, *, models: Sequence[str] | None = None, weight_bytes: int | None = None,
+                ) -> asyncio.Event:
+    """Fake workers (of ``models``, or every one) finish their start only once the returned event is set, so a
+    test sees a start (a preload, a replacement) mid-way without timing; with ``weight_bytes`` their READY
+    reports that size, as a real model's does."""
+    opened = asyncio.Event()
+    plain = FakeWorker.start
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        if models is None or self.config.model_name in models:
+            await opened.wait()
+        if weight_bytes is None:
+            return await plain(self, timeout)
+        self.state = WorkerState.READY
+        return Ready(self.config.model_name, self.config.device, 1.0,
+                     msgspec.structs.replace(CAPS, weight_bytes=weight_bytes))
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    return opened

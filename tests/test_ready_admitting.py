@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, hold_starts
 from residencykit import G
 
 import diffusiond.daemon.edge.api as api
@@ -37,17 +36,9 @@ BROKEN = "loading model 'm' failed: no such folder"
 
 
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.Event]:
+def gate(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     """Fake workers finish their start only once the test sets the event: the preload is held mid-way."""
-    opened = asyncio.Event()
-    plain = FakeWorker.start
-
-    async def start(self: FakeWorker, timeout: float) -> Ready:
-        await opened.wait()
-        return await plain(self, timeout)
-
-    monkeypatch.setattr(FakeWorker, "start", start)
-    yield opened
+    return hold_starts(monkeypatch)
 
 
 async def test_a_job_admitted_while_its_model_preloads_waits_then_runs(gate: asyncio.Event) -> None:
@@ -146,15 +137,7 @@ async def test_a_load_for_a_job_during_the_preload_plans_around_the_model_being_
     """Two models of 5 GiB under an 8 GiB budget: a job for ``n`` sent while ``m`` preloads must not start
     ``n``'s load beside it (two loads at once would pass the budget, and on a full card run out of memory);
     it waits, and once the preload is done ``m`` (idle) leaves and ``n`` loads and runs."""
-    opened = asyncio.Event()
-
-    async def start(self: FakeWorker, timeout: float) -> Ready:
-        if self.config.model_name == "m":
-            await opened.wait()
-        self.state = WorkerState.READY
-        return Ready(self.config.model_name, self.config.device, 1.0, msgspec.structs.replace(CAPS, weight_bytes=5 * G))
-
-    monkeypatch.setattr(FakeWorker, "start", start)
+    opened = hold_starts(monkeypatch, models=["m"], weight_bytes=5 * G)
     h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),
                         ModelConfig(name="n", spec="fake", devices=("cuda:0",), preload=False)),
                 device_memory="8GiB", max_batch=1)

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import pytest
 from daemonkit import Daemon, get, health, http, shared_daemon, submit, until, wait_job
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, hold_starts
 
 from diffusiond.commands.admin import asleep_line
 from diffusiond.daemon.config import ModelConfig
@@ -109,14 +109,7 @@ async def test_level_2_stops_every_worker_also_asleep_and_parked_ones_and_keeps_
 async def test_a_worker_that_comes_up_during_a_level_2_sleep_is_stopped_not_slept(
         gpu: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     h = gpu
-    release = asyncio.Event()
-    started = FakeWorker.start
-
-    async def slow_start(self: FakeWorker, timeout: float) -> Ready:
-        await release.wait()
-        return await started(self, timeout)
-
-    monkeypatch.setattr(FakeWorker, "start", slow_start)
+    release = hold_starts(monkeypatch)
     live(h, "a")[0].die()  # its replacement starts and takes its time
     await until_true(lambda: h.engine.pool.models["a"].replacing == 1 and len(h.spawned) == 3)
     replacement = h.spawned[-1]
