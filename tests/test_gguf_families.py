@@ -7,9 +7,12 @@ it, its transformer written as Q8_0 under diffusers' names and under BFL's. Wan'
 names (``blocks.N.self_attn.q``, ``head.modulation``, a 5-D F32 ``patch_embedding``), sometimes under
 ComfyUI's ``model.diffusion_model.`` prefix, which diffusers' ``convert_wan_transformer_to_diffusers`` maps
 on load; tests/wankit.py's tiny Wan 2.1 T2V and 2.2 TI2V folders stand for the bases, their transformers
-written so. Each is checked where a user looks: the model's entry (its task, quantized), a job that runs
-(an edit that changes the image it is sent, a video, an animated image), the quantization named on the job,
-and ``diffusiond fit``'s sizes from the GGUF header.
+written so, and its Wan 2.1 I2V folder for ``Wan-AI/Wan2.1-I2V-14B-480P-Diffusers``, its transformer written as
+city96's ``wan2.1-i2v-14b-480p-Q8_0.gguf`` is (the CLIP embedding ``img_emb.proj.N``, the image cross-attention's
+``k_img``/``v_img``). Wan VACE is not served: its GGUF is refused naming what is, with its own base and with a
+T2V one (which dropped the VACE blocks without a word and served the rest). Each is checked where a user
+looks: the model's entry (its task, quantized), a job that runs (an edit that changes the image it is sent, a
+video, an animated image), the quantization named on the job, and ``diffusiond fit``'s sizes from the GGUF header.
 """
 
 from __future__ import annotations
@@ -40,15 +43,16 @@ pytest.importorskip("gguf")
 Q8 = "gguf-Q8_0(transformer, dequantized per layer to float32)"
 KONTEXT = ("kontext", "kontext-bfl")
 WAN = ("wan", "wan-comfy", "wan22")
+VACE = ("vace", "vace-on-t2v")  # a VACE file with its own base, and with a T2V one
 WAN_FLOATS = ("time_embedding.", "time_embedder.")  # city96's converter keeps these F32
 VIDEO = {"prompt": "a boat", "width": 64, "height": 64, "steps": 2, "num_frames": 5, "seed": 5,
          "output_format": "npy"}
 
 
-def wan_transformer(folder: Path) -> torch.nn.Module:
-    from diffusers import WanTransformer3DModel
+def wan_transformer(folder: Path, cls: str = "WanTransformer3DModel") -> torch.nn.Module:
+    import diffusers
 
-    return WanTransformer3DModel.from_pretrained(str(folder / "transformer"))  # type: ignore[no-any-return]
+    return getattr(diffusers, cls).from_pretrained(str(folder / "transformer"))  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +75,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_tensors(original_state_dict(wan_transformer(wan22)), root / "wan22.gguf", "Q8_0", "wan", WAN_FLOATS)
     specs.update({name: Path(f"{root / name}.gguf,base={wan}") for name in ("wan", "wan-comfy")})
     specs["wan22"] = Path(f"{root / 'wan22'}.gguf,base={wan22}")
+    i2v = build_wan(root / "wan-i2v-base", "i2v", head_dim=16)
+    write_tensors(original_state_dict(wan_transformer(i2v)), root / "wan-i2v.gguf", "Q8_0", "wan", WAN_FLOATS)
+    specs["wan-i2v"] = Path(f"{root / 'wan-i2v'}.gguf,base={i2v}")
+    vace = build_wan(root / "wan-vace-base", "vace", head_dim=16)
+    write_tensors(original_state_dict(wan_transformer(vace, "WanVACETransformer3DModel")), root / "vace.gguf",
+                  "Q8_0", "wan", WAN_FLOATS)
+    specs.update({"vace": Path(f"{root / 'vace'}.gguf,base={vace}"),
+                  "vace-on-t2v": Path(f"{root / 'vace'}.gguf,base={wan}")})
     return specs
 
 
@@ -113,6 +125,8 @@ def test_gguf_kontext_and_wan_list_their_task_and_quantization(daemon: Daemon) -
         entry = listed[name]
         assert (entry["task"], entry["approximations"]) == ("text-to-video", [Q8]), entry
     assert (listed["wan"]["edits"], listed["wan22"]["edits"]) == ([], ["image-to-video"])  # as their bases
+    entry = listed["wan-i2v"]
+    assert (entry["task"], entry["edits"], entry["approximations"]) == ("image-to-video", ["image-to-video"], [Q8])
 
 
 def test_a_gguf_kontext_edits_the_image_it_is_sent_under_either_naming(daemon: Daemon) -> None:
@@ -147,12 +161,47 @@ def test_gguf_wan_makes_videos_and_a_wan22_one_animates_an_image(daemon: Daemon)
     assert not np.array_equal(videos["wan22-image"], videos["wan22"])  # the image is what changed it
 
 
-def test_original_wan_names_load_as_the_source_weights_still_quantized(files: dict[str, Path]) -> None:
+def test_a_gguf_wan21_i2v_animates_the_image_it_is_sent(daemon: Daemon) -> None:
+    async def go() -> dict[int, tuple[dict[str, Any], bytes]]:
+        async with http(daemon.socket) as s:
+            return {img: await done(s, {**VIDEO, "model": "wan-i2v", "image": b64(img)}) for img in (1, 2)}
+
+    got = asyncio.run(go())
+    videos = {img: np.load(io.BytesIO(data)) for img, (_, data) in got.items()}
+    for img, (job, _) in got.items():
+        assert job["approximations"] == [Q8], job
+        assert videos[img].shape[0] == 5 and videos[img].std() > 0, videos[img].shape
+    assert not np.array_equal(videos[1], videos[2])  # the picture (its latents, its CLIP embedding) is what differs
+
+
+def test_a_wan_vace_gguf_is_refused_naming_the_wan_pipelines_served(daemon: Daemon) -> None:
+    """A job for either is answered 503 ``model_load_failed`` with the load's reason, as any model whose
+    load fails; the reason says VACE is not served and which Wan pipelines are."""
+    async def go() -> dict[str, tuple[int, dict[str, Any]]]:
+        got = {}
+        async with http(daemon.socket) as s:
+            for name in VACE:
+                async with s.post("/v1/jobs", json={**VIDEO, "model": name}) as r:
+                    got[name] = r.status, await r.json()
+        return got
+
+    got = asyncio.run(go())
+    served = "the Wan pipelines served are WanPipeline (Wan 2.1 T2V, Wan 2.2 TI2V) and WanImageToVideoPipeline"
+    for name, (status, body) in got.items():
+        assert (status, body["error"]["code"]) == (503, "model_load_failed"), (name, body)
+        assert "Wan VACE pipelines (WanVACEPipeline) are conditioned on a control video" in body["error"]["message"]
+        assert served in body["error"]["message"], (name, body)
+    # with a T2V base it loaded: diffusers dropped the VACE blocks and the rest served text-to-video
+    assert "vace.gguf holds a Wan VACE transformer (vace_blocks.*)" in got["vace-on-t2v"][1]["error"]["message"]
+
+
+@pytest.mark.parametrize("name", ["wan", "wan-i2v"])
+def test_original_wan_names_load_as_the_source_weights_still_quantized(files: dict[str, Path], name: str) -> None:
     from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
     from diffusiond.pipelines.loaders import load_gguf
 
-    path, base = str(files["wan"]).split(",base=")
+    path, base = str(files[name]).split(",base=")
     pipeline = load_gguf(Path(path), name="w", device=torch.device("cpu"), dtype=torch.float32,
                          options={"base": base})
     got = dict(pipeline._pipe.transformer.named_parameters())  # type: ignore[attr-defined]
@@ -162,7 +211,10 @@ def test_original_wan_names_load_as_the_source_weights_still_quantized(files: di
         weight = dequantize_gguf_tensor(tensor) if hasattr(tensor, "quant_type") else tensor.data
         assert weight.shape == source[key].shape, key
         assert (weight.float() - source[key]).abs().max() <= source[key].abs().max() / 127 + 1e-7, key
-    for key in ("blocks.2.attn1.to_q.weight", "blocks.0.attn2.to_out.0.weight", "blocks.1.ffn.net.0.proj.weight"):
+    quantized = ["blocks.1.attn1.to_q.weight", "blocks.0.attn2.to_out.0.weight", "blocks.1.ffn.net.0.proj.weight"]
+    if name == "wan-i2v":  # the image cross-attention's projections too
+        quantized += ["blocks.0.attn2.add_k_proj.weight", "blocks.1.attn2.add_v_proj.weight"]
+    for key in quantized:
         assert getattr(got[key].quant_type, "name", None) == "Q8_0", key
 
 
@@ -199,6 +251,25 @@ def test_a_gguf_with_another_familys_base_says_the_base_is_wrong(files: dict[str
     path, other = str(files[gguf]).split(",base=")[0], str(files[base]).split(",base=")[1]
     with pytest.raises(PipelineError, match=f"holds a {holds} transformer, but base=.* is a .* pipeline .*: name the "
                                             "pipeline the GGUF file was made from as base="):
+        load_gguf(Path(path), name="x", device=torch.device("cpu"), dtype=torch.float32, options={"base": other})
+
+
+@pytest.mark.parametrize(("gguf", "base", "says"), [
+    ("wan-i2v", "wan", r"wan-i2v.gguf holds a Wan 2.1 I2V transformer \(img_emb.\*\), but the transformer of base=.* "
+                       "has no image embedding; base= must be a WanImageToVideoPipeline folder"),
+    ("wan", "wan-i2v", r"wan.gguf holds a Wan transformer without Wan 2.1 I2V's image embedding .* base= must be the "
+                       "pipeline the file was made from"),
+    # a TI2V file and a T2V base differ in shapes only: the error names base= as what tells them apart
+    ("wan22", "wan", r"wan22.gguf does not fit the transformer of base=.*patch_embedding.weight expected shape.*: "
+                     "base= names another size or variant of the family than the GGUF file was made from"),
+])
+def test_a_wan_gguf_with_another_variants_base_names_base(files: dict[str, Path], gguf: str, base: str,
+                                                          says: str) -> None:
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.loaders import load_gguf
+
+    path, other = str(files[gguf]).split(",base=")[0], str(files[base]).split(",base=")[1]
+    with pytest.raises(PipelineError, match=says):
         load_gguf(Path(path), name="x", device=torch.device("cpu"), dtype=torch.float32, options={"base": other})
 
 

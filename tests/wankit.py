@@ -1,10 +1,11 @@
 """Tiny Wan pipelines built in code, saved as folders a user's Wan checkpoint would be, for issue 30's tests.
 
-Three shapes of the same family, each a few hundred kB: Wan 2.1 text-to-video (WanPipeline, a 16-channel-style
+Four shapes of the same family, each a few hundred kB: Wan 2.1 text-to-video (WanPipeline, a 16-channel-style
 transformer that cannot take an image), Wan 2.2 TI2V (WanPipeline with ``expand_timesteps``: the Wan 2.2 VAE's
 patchified, residual layout at 16x, and a transformer whose first latent frame can be the image's), and Wan 2.1
 I2V (WanImageToVideoPipeline: mask and image latents beside the noise, and a CLIP vision encoder whose
-penultimate hidden states feed the transformer's image cross-attention). Loading one needs ``accelerate``
+penultimate hidden states feed the transformer's image cross-attention), and Wan 2.1 VACE (WanVACEPipeline, not
+served: its folder and its GGUF stand for what is refused, issue 28). Loading one needs ``accelerate``
 (Wan's transformer pins modules to float32), which the test environment has.
 """
 
@@ -60,7 +61,8 @@ def _scheduler() -> Any:
 
 
 def build_wan(out: Path, kind: str, **shape: int) -> Path:
-    """``kind``: ``t2v`` (Wan 2.1 T2V), ``ti2v`` (Wan 2.2 TI2V) or ``i2v`` (Wan 2.1 I2V), saved in ``out``;
+    """``kind``: ``t2v`` (Wan 2.1 T2V), ``ti2v`` (Wan 2.2 TI2V), ``i2v`` (Wan 2.1 I2V) or ``vace`` (Wan 2.1
+    VACE), saved in ``out``;
     ``shape``: the transformer's ``head_dim`` (16 makes it 32 wide, so that its linear layers' rows are whole
     Q8_0 blocks) and ``num_layers``."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
@@ -76,10 +78,23 @@ def build_wan(out: Path, kind: str, **shape: int) -> Path:
         elif kind == "i2v":
             encoder, processor = clip_vision()
             # noise, then the first-frame mask (one channel per frame of a latent frame) and the image's latents
+            # the image embedding is as wide as the transformer (5120 in the 14B, 2 heads of head_dim here)
             transformer = _transformer(Z + 4 + Z, Z, **shape, image_dim=encoder.config.hidden_size,
-                                       added_kv_proj_dim=16)
+                                       added_kv_proj_dim=2 * shape.get("head_dim", 8))
             pipe = WanImageToVideoPipeline(transformer=transformer, vae=_vae(False), image_encoder=encoder,
                                            image_processor=processor, **common)
+        elif kind == "vace":
+            from diffusers import WanVACEPipeline, WanVACETransformer3DModel
+
+            torch.manual_seed(0)
+            # one VACE block beside the first of the main ones; its input: the control video's latents twice
+            # (inactive and reactive) and the mask folded into the 8x8 pixels of each latent pixel
+            transformer = WanVACETransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=shape.get("head_dim", 8),
+                in_channels=Z, out_channels=Z, text_dim=32, freq_dim=16, ffn_dim=32,
+                num_layers=shape.get("num_layers", 2), rope_max_seq_len=32, vace_layers=[0],
+                vace_in_channels=2 * Z + 64)
+            pipe = WanVACEPipeline(transformer=transformer, vae=_vae(False), **common)
         else:
             raise ValueError(kind)
     pipe.save_pretrained(str(out), safe_serialization=True)
@@ -105,6 +120,14 @@ _ORIGINAL: tuple[tuple[str, str], ...] = (
     (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
     (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
     (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+    (r"^condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),  # Wan 2.1 I2V's CLIP embedding
+    (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
+    (r"^condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
+    (r"\.add_([kv])_proj\.", r".\1_img."),  # and its image cross-attention
+    (r"\.norm_added_k\.", ".norm_k_img."),
+    (r"^(vace_blocks\.\d+)\.proj_in\.", r"\1.before_proj."),  # VACE's blocks
+    (r"^(vace_blocks\.\d+)\.proj_out\.", r"\1.after_proj."),
     (r"^scale_shift_table$", "head.modulation"),
     (r"^proj_out\.", "head.head."),
     (r"\.scale_shift_table$", ".modulation"),
@@ -119,8 +142,8 @@ _ORIGINAL: tuple[tuple[str, str], ...] = (
 
 
 def original_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """A Wan 2.1 / 2.2 text-to-video transformer's weights under the original Wan checkpoint's names, as
-    city96's and QuantStack's Wan GGUFs hold them (``prefix="model.diffusion_model."``: ComfyUI's): the inverse
+    """A Wan 2.1 / 2.2 transformer's weights (T2V, TI2V, I2V, VACE) under the original Wan checkpoint's names,
+    as city96's and QuantStack's Wan GGUFs hold them (``prefix="model.diffusion_model."``: ComfyUI's): the inverse
     of diffusers' ``convert_wan_transformer_to_diffusers``, checked here by running it."""
     import re
 

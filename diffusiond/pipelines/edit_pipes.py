@@ -38,6 +38,9 @@ NOT_SERVED = {
     "QwenImageEdit": "Qwen-Image-Edit pipelines read the image as PIL pictures and encode it with Qwen2.5-VL's "
                      "processor, a path diffusiond does not drive yet; FLUX Kontext (FluxKontextPipeline) is "
                      "the instruction-edit family served",
+    "WanVACE": "Wan VACE pipelines (WanVACEPipeline) are conditioned on a control video, its masks and reference "
+               "images, which diffusiond does not take yet; the Wan pipelines served are WanPipeline (Wan 2.1 T2V, "
+               "Wan 2.2 TI2V) and WanImageToVideoPipeline (Wan 2.1 I2V)",
 }
 
 _AUTO_CLASSES = {Task.IMAGE_TO_IMAGE: "AutoPipelineForImage2Image", Task.INPAINTING: "AutoPipelineForInpainting"}

@@ -273,6 +273,10 @@ def load_gguf(
     except PipelineError:
         raise
     except Exception as exc:  # conversion and key mismatches raise many types
+        if "expected shape" in str(exc):  # a size or variant of the family that the names alone do not tell
+            raise PipelineError(f"{path.name} does not fit the transformer of base={root} ({tcls.__name__}: "
+                                f"{exc}): base= names another size or variant of the family than the GGUF file "
+                                "was made from; name that pipeline as base=") from exc
         if "meta tensor" in str(exc):  # a weight the file lacks stays on the meta device; moving the model says so
             wan = " (a Wan file needs its 5-D patch_embedding.weight, which city96's converter adds in a second " \
                   "step)" if _FAMILIES.get(tcls.__name__, ("",))[0] == "Wan" else ""
@@ -308,6 +312,26 @@ def _check_family(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, ro
                         "name the pipeline the GGUF file was made from as base=")
 
 
+def _check_wan(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root: Path) -> None:
+    """Wan's variants share one transformer class, and diffusers loads one variant's file into another's
+    base as far as the names go: a VACE file into a T2V base dropped its ``vace_blocks`` without a word
+    (a T2V model, served as if it were the file), and an I2V file and a T2V base failed on a shape."""
+    from diffusiond.pipelines.edit_pipes import NOT_SERVED
+
+    if any(k.startswith("vace_") for k in checkpoint):
+        raise PipelineError(f"{path.name} holds a Wan VACE transformer (vace_blocks.*), which is not served: "
+                            f"{NOT_SERVED['WanVACE']}")
+    image = any(k.startswith(("img_emb.", "condition_embedder.image_embedder.")) for k in checkpoint)
+    if image == bool(tcls.load_config(str(root), subfolder="transformer").get("image_dim")):
+        return
+    holds, wants = (("a Wan 2.1 I2V transformer (img_emb.*)", "has no image embedding; base= must be a "
+                     "WanImageToVideoPipeline folder with a CLIP image encoder (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers)")
+                    if image else ("a Wan transformer without Wan 2.1 I2V's image embedding (img_emb.*)",
+                                   "is Wan 2.1 I2V's; base= must be the pipeline the file was made from (a T2V or "
+                                   "TI2V file: a WanPipeline folder, Wan-AI/Wan2.1-T2V-14B-Diffusers)"))
+    raise PipelineError(f"{path.name} holds {holds}, but the transformer of base={root} {wants}")
+
+
 def _gguf_weights(path: Path, tcls: type[Any], root: Path) -> str | dict[str, torch.Tensor]:
     """What ``from_single_file`` is given: the file, its weights once checked to be of the base's family, or
     for a FLUX transformer under the original BFL names (city96's GGUFs, with or without ComfyUI's prefix)
@@ -323,6 +347,8 @@ def _gguf_weights(path: Path, tcls: type[Any], root: Path) -> str | dict[str, to
     checkpoint = load_single_file_checkpoint(str(path))
     checkpoint = {k.removeprefix(_COMFY_PREFIX): v for k, v in checkpoint.items()}
     _check_family(checkpoint, tcls, path, root)
+    if issubclass(tcls, diffusers.WanTransformer3DModel):
+        _check_wan(checkpoint, tcls, path, root)
     if not issubclass(tcls, diffusers.FluxTransformer2DModel) or not any(k.startswith("double_blocks.")
                                                                           for k in checkpoint):
         return checkpoint
