@@ -395,8 +395,9 @@ class DiffusersPipeline:
             return tensors
 
         kwargs["callback_on_step_end"] = step_end
-        try:
-            out = pipe(**kwargs)
+        try:  # a batch that wants no sound skips its decode (ltx2.py)
+            with ltx2.without_sound(pipe, [r.audio for r in requests]):
+                out = pipe(**kwargs)
         except BaseException as exc:  # its own cleanup was skipped: the step cache's state (else the next batch,
             pipe.maybe_free_model_hooks()  # or an OOM retry, starts from it) and offload=model's hooks are reset
             if isinstance(exc, _Stop):

@@ -1,0 +1,68 @@
+"""LTX-2's decode on the worker's pipeline (issue 30): a batch that wants no sound track skips the audio VAE's
+decode and the vocoder, with the video unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from ltx2kit import build_ltx2
+
+from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.pipelines.base import Interrupted
+from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
+from diffusiond.pipelines.registry import load_pipeline
+from diffusiond.protocol import AUDIO_ARRAY
+
+PARAMS = BatchParams(width=64, height=64, steps=2, guidance=3.0, num_frames=9)
+
+
+@pytest.fixture(scope="module")
+def ltx2(tmp_path_factory: pytest.TempPathFactory) -> DiffusersPipeline:
+    folder = build_ltx2(tmp_path_factory.mktemp("ltx2") / "ltx2")
+    pipe = load_pipeline(str(folder), options={"vae_tiling": "1"})
+    assert isinstance(pipe, DiffusersPipeline) and pipe.pipe.vae.use_tiling
+    return pipe
+
+
+@pytest.fixture
+def vocoder_calls(ltx2: DiffusersPipeline) -> Any:
+    vocoder = ltx2.pipe.vocoder
+    calls: list[int] = []
+    real = vocoder.forward
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    vocoder.forward = spy
+    yield calls
+    del vocoder.forward
+
+
+def _run(pipe: DiffusersPipeline, audio: Sequence[bool], params: BatchParams = PARAMS) -> list[torch.Tensor]:
+    reqs = [RequestSpec(request_id=f"r{k}", prompt="a drum", seed=3 + k, audio=a) for k, a in enumerate(audio)]
+    return pipe.run(params, reqs, lambda _s, _t: True)
+
+
+def test_a_batch_that_wants_no_sound_skips_the_vocoder_and_makes_the_same_video(ltx2: DiffusersPipeline,
+                                                                                 vocoder_calls: list[int]) -> None:
+    silent = _run(ltx2, [False, False])
+    assert vocoder_calls == [] and ltx2.last_trajectories is None  # no waveform, bogus or not, leaves the worker
+    loud = _run(ltx2, [True, False])
+    assert vocoder_calls == [1]
+    assert ltx2.last_trajectories is not None and AUDIO_ARRAY in ltx2.last_trajectories[0]
+    assert ltx2.last_trajectories[1] == {} and ltx2.last_trajectories[0][AUDIO_ARRAY].abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(silent, loud, strict=True))  # the frames, byte for byte
+
+
+def test_the_sound_decode_comes_back_after_a_call_that_stopped(ltx2: DiffusersPipeline,
+                                                               vocoder_calls: list[int]) -> None:
+    reqs = [RequestSpec(request_id="r", prompt="a drum", seed=1, audio=False)]
+    with pytest.raises(Interrupted):
+        ltx2.run(PARAMS, reqs, lambda _s, _t: False)
+    assert "decode" not in vars(ltx2.pipe.audio_vae)
+    _run(ltx2, [True])
+    assert vocoder_calls == [1]
