@@ -1,15 +1,22 @@
 """LTX-2's decode on the worker's pipeline (issue 30): a batch that wants no sound track skips the audio VAE's
-decode and the vocoder, with the video unchanged."""
+decode and the vocoder, with the video unchanged; ``vae_tiling=1`` decodes sizes whose last tile would be one latent
+pixel thick (928 on LTX-2's 32x VAE), which its reflection-padded decoder cannot take.
+
+The tiny LTX-2 (tests/ltx2kit.py) keeps the released VAE's compression, decoder padding and diffusers' default tiles
+(512 pixels every 448: 16 and 14 latent pixels), so the sizes that fail are the real model's.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from ltx2kit import build_ltx2
 
+import diffusiond.pipelines.vae_tiles as vae_tiles
 from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import Interrupted
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
@@ -66,3 +73,17 @@ def test_the_sound_decode_comes_back_after_a_call_that_stopped(ltx2: DiffusersPi
     assert "decode" not in vars(ltx2.pipe.audio_vae)
     _run(ltx2, [True])
     assert vocoder_calls == [1]
+
+
+def test_the_strides_leave_no_strip_thinner_than_the_decoder_takes() -> None:
+    # 16-pixel tiles every 14 (LTX-2's at 32x): a side of 29 or 15 would end in a strip of 1
+    assert [vae_tiles.fitted_stride(n, 14, 2) for n in (29, 15, 30, 16, 14, 43)] == [13, 13, 14, 14, 14, 13]
+    assert vae_tiles.fitted_stride(29, 14, 1) == 14  # a zero-padding decoder takes one pixel
+
+
+def test_vae_tiling_decodes_a_side_whose_last_tile_is_one_latent_pixel(ltx2: DiffusersPipeline) -> None:
+    """928 = 29 latent pixels: tiles at 0, 14 and 28, the last one pixel thick; it failed inside the VAE."""
+    vae = ltx2.pipe.vae
+    (video,) = _run(ltx2, [False], msgspec.structs.replace(PARAMS, height=928))
+    assert tuple(video.shape) == (9, 3, 928, 64) and torch.isfinite(video).all()
+    assert (vae.tile_sample_stride_height, vae.tile_sample_stride_width) == (448, 448)  # put back after the call
