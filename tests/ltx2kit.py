@@ -62,7 +62,7 @@ def _modules(layers: int) -> dict[str, Any]:
         latent_channels=LATENT, block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32),
         layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), patch_size=4, patch_size_t=1,
         # as the released config says: diffusers would count every scaling block as 2x in space and in time
-        spatial_compression_ratio=32, temporal_compression_ratio=8)
+        spatial_compression_ratio=32, temporal_compression_ratio=8, decoder_causal=False)
     torch.manual_seed(0)
     audio_vae = AutoencoderKLLTX2Audio(
         base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, in_channels=2, resolution=32,

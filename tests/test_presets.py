@@ -24,7 +24,7 @@ from diffusiond.pipelines import PipelineError, Task, load_pipeline
 from diffusiond.pipelines import presets as presets_module
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.preset_tables import CLIP_L, PRESETS, T5_XXL, UMT5_XXL, Net, Preset, Tok
-from diffusiond.pipelines.presets import NOTICE, build_part, parameter_counts
+from diffusiond.pipelines.presets import NOTICE, build_part, folder_name, parameter_counts
 from diffusiond.pipelines.spec import ACCEPTED_FORMS
 
 # Published weight counts, per component (or per "a+b" group where the release counts them together).
@@ -85,6 +85,17 @@ def test_architecture_matches_the_published_size(key: str) -> None:
     for group, published in PUBLISHED[key].items():
         count = sum(counts[part] for part in group.split("+"))
         assert count == pytest.approx(published, rel=0.01), (key, group, count)
+
+
+def test_ltx2_runs_the_releases_rope_and_decoder_in_a_cache_folder_of_its_own() -> None:
+    """Where diffusers' LTX-2 conversion script configures the release otherwise than the classes' defaults (issue
+    30): rope "split" in the transformer and the connectors, a video decoder not causal in time. The change has its
+    own revision, so a cached LTX-2 of the old tables is rebuilt and the other presets' caches are kept."""
+    parts = PRESETS["ltx-2"].parts
+    configs = {k: p.config for k, p in parts.items() if isinstance(p, Net)}
+    assert configs["transformer"]["rope_type"] == configs["connectors"]["rope_type"] == "split"
+    assert configs["vae"]["decoder_causal"] is False
+    assert (folder_name(PRESETS["ltx-2"]), folder_name(PRESETS["sd15"])) == ("random-ltx-2-v1.1", "random-sd15-v1")
 
 
 @pytest.mark.parametrize("key", list(PRESETS))
@@ -231,10 +242,12 @@ SMALL_NEW = {
     "ltx-2": _smaller(  # tests/ltx2kit.py's widths
         "ltx-2", {"width": 64, "height": 64, "steps": 2, "guidance": 3.0, "num_frames": 9, "fps": 24},
         transformer=Net("LTX2VideoTransformer3DModel", {
+            **_config("ltx-2", "transformer"),
             "in_channels": 128, "out_channels": 128, "num_attention_heads": 2, "attention_head_dim": 8,
             "cross_attention_dim": 16, "audio_in_channels": 4, "audio_out_channels": 4, "audio_num_attention_heads": 2,
             "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8, "num_layers": 2, "caption_channels": 32}),
         connectors=Net("LTX2TextConnectors", {
+            **_config("ltx-2", "connectors"),
             "caption_channels": 32, "text_proj_in_factor": 3, "video_connector_num_attention_heads": 4,
             "video_connector_attention_head_dim": 8, "video_connector_num_layers": 1,
             "video_connector_num_learnable_registers": None, "audio_connector_num_attention_heads": 4,

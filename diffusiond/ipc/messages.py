@@ -186,7 +186,7 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     preview_every: int = 0
     preview_max_side: int = 0
     input: InputRef | None = None  # edits only
-    audio: bool = False  # bring its sound track back (issue 30); per request: the model makes it either way
+    audio: bool = False  # bring its sound track back (issue 30); decoded only in a batch where one asks
 
 
 class Init(msgspec.Struct, frozen=True):

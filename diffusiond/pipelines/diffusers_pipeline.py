@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import diffusiond.pipelines.ltx2 as ltx2
+import diffusiond.pipelines.vae_tiles as vae_tiles
 from diffusiond import protocol
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.attention import apply_attention
@@ -395,8 +396,10 @@ class DiffusersPipeline:
             return tensors
 
         kwargs["callback_on_step_end"] = step_end
-        try:
-            out = pipe(**kwargs)
+        try:  # a batch that wants no sound skips its decode (ltx2.py); VAE tiles fit the size (vae_tiles.py)
+            with ltx2.without_sound(pipe, [r.audio for r in requests]), vae_tiles.fitted(pipe, params.height,
+                                                                                         params.width):
+                out = pipe(**kwargs)
         except BaseException as exc:  # its own cleanup was skipped: the step cache's state (else the next batch,
             pipe.maybe_free_model_hooks()  # or an OOM retry, starts from it) and offload=model's hooks are reset
             if isinstance(exc, _Stop):

@@ -55,13 +55,20 @@ def min_side(pipe: Any, step: int) -> int:
     decoder does (padding 1): a 32-pixel side is one latent pixel there and fails inside the call, so its
     smallest side is 64. Zero-padding decoders (SD, FLUX, Wan, LTX-Video) decode a single latent pixel.
     A decoder only grows what it is given, so the latents are the smallest map its convolutions see."""
-    decoder: Any = getattr(getattr(pipe, "vae", None), "decoder", None)
+    need = decoder_need(getattr(pipe, "vae", None))
+    return -(-need * spatial_factor(pipe) // step) * step  # rounded up to a multiple of step
+
+
+def decoder_need(vae: Any) -> int:
+    """The fewest latent pixels a side ``vae``'s decoder takes: one more than its widest reflection padding
+    (1 where it pads with zeros), what ``min_side`` and a tiled decode's last strip (vae_tiles.py) must give it."""
+    decoder: Any = getattr(vae, "decoder", None)
     need = 1
     for m in decoder.modules() if callable(getattr(decoder, "modules", None)) else ():
         pad = getattr(m, "padding", None)
         if getattr(m, "padding_mode", None) == "reflect" and isinstance(pad, tuple):
             need = max([need, *(p + 1 for p in pad[-2:] if isinstance(p, int))])
-    return -(-need * spatial_factor(pipe) // step) * step  # rounded up to a multiple of step
+    return need
 
 
 def check_frames(name: str, step: int, frames: int) -> None:

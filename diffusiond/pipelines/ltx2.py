@@ -3,8 +3,11 @@
 An LTX-2 model denoises a video and an audio stream together and decodes both: the call returns the frames and
 a waveform (its vocoder's, at ``vocoder.config.output_sampling_rate``). Each request that wants it gets its own
 waveform as a side array of its output (``protocol.AUDIO_ARRAY``), copied to shared memory beside the frames
-like a trajectory is (worker/copier.py); the engine muxes it into mp4s and serves it as WAV. The vocoder runs
-whatever the request says: diffusers decodes the sound in the same call as the frames, with no switch to skip it.
+like a trajectory is (worker/copier.py); the engine muxes it into mp4s and serves it as WAV. diffusers decodes the
+sound in the same call as the frames, with no switch to skip it: when no request of a batch wants it, ``without_sound``
+stands no-ops in for the audio VAE's decode and the vocoder for the call (their weights stay where they are, and an
+offloaded vocoder is not even moved to the device). The audio latents are still denoised with the video's: the two
+streams attend to each other, so the frames come out the same either way.
 
 The model also conditions its positional embeddings on ``frame_rate``: the request's ``fps`` goes there, so the
 motion, the sound's length and the file's rate agree. A model's default ``fps`` is its pipeline's own ``frame_rate``
@@ -15,8 +18,9 @@ request's playback ``fps``, and still do: only LTX-2 is conditioned on it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,3 +70,38 @@ def default_fps(cls: type, fallback: int = 16) -> int:
 def frame_rate_args(cls: type, fps: int | None) -> dict[str, Any]:
     """``frame_rate=`` for a pipeline conditioned on it (LTX-2), from the request's ``fps``."""
     return {"frame_rate": float(fps)} if fps and conditions_on_fps(cls) else {}
+
+
+def _no_mel(*_args: Any, **_kwargs: Any) -> tuple[None]:
+    return (None,)
+
+
+def _no_waveform(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+_STUBS = (("audio_vae", "decode", _no_mel), ("vocoder", "forward", _no_waveform))
+
+
+@contextlib.contextmanager
+def without_sound(pipe: Any, wanted: Sequence[bool]) -> Iterator[None]:
+    """For a call none of whose requests wants its sound track: the audio VAE's decode and the vocoder do nothing
+    (the call's audio is None, which ``waveforms`` never reads then), restored after the call, even on an error.
+    Set on the module instances, so a sibling pipeline built on the same weights (image-to-video) is covered, and
+    over whatever was there (an offload's hooked forward, a test's spy), which comes back as it was."""
+    modules = [getattr(pipe, part, None) for part, _, _ in _STUBS]
+    if any(wanted) or any(m is None for m in modules):
+        yield
+        return
+    missing = object()
+    saved = [(m.__dict__, name, m.__dict__.get(name, missing)) for m, (_, name, _) in zip(modules, _STUBS, strict=True)]
+    try:
+        for m, (_, name, stub) in zip(modules, _STUBS, strict=True):
+            m.__dict__[name] = stub
+        yield
+    finally:
+        for attrs, name, was in saved:
+            if was is missing:
+                attrs.pop(name, None)
+            else:
+                attrs[name] = was

@@ -53,6 +53,8 @@ class Preset:
     pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # from_pretrained of a model with float32-pinned modules (Wan) needs the accelerate package.
     needs_accelerate: bool = False
+    # bumped when this preset's tables change: its old cache folder is then ignored, the others' are kept
+    revision: int = 0
 
 
 # --- published configs, as data ------------------------------------------------------------------
@@ -217,9 +219,13 @@ QWEN_SCHEDULER = {
 CLIP_TOKENIZER = Tok("clip", 49408, 77)
 
 # LTX-2 (issue 30): diffusers' own defaults for the LTX-2 classes, which their docstrings give as the released
-# model's (the real config.json files cannot be read here); the video VAE's compression is stated, as the release
-# does (diffusers would count each of its four scaling blocks as 2x in space and time: 64x16, not 32x8).
-LTX2_VAE = {"spatial_compression_ratio": 32, "temporal_compression_ratio": 8}
+# model's (the real config.json files cannot be read here), but where the configs diffusers' LTX-2 conversion script
+# writes for the release (its version "2.0", what Lightricks/LTX-2's diffusers folders were made with) differ: rope
+# "split" (not "interleaved") in the transformer and the text connectors, and a video decoder that is not causal in
+# time. The video VAE's compression is stated, as the release does (diffusers would count each of its four scaling
+# blocks as 2x in space and time: 64x16, not 32x8). Neither changes a parameter count.
+LTX2_ROPE = {"rope_type": "split"}
+LTX2_VAE = {"spatial_compression_ratio": 32, "temporal_compression_ratio": 8, "decoder_causal": False}
 # Gemma 3 12B (google/gemma-3-12b-it's config), the whole vision-language model as LTX-2 loads it.
 GEMMA3_12B = {
     "text_config": {
@@ -396,8 +402,8 @@ PRESETS: dict[str, Preset] = {
             source="LTX-2 19B",
             pipeline="LTX2Pipeline",
             parts={
-                "transformer": Net("LTX2VideoTransformer3DModel", {}),
-                "connectors": Net("LTX2TextConnectors", {}),
+                "transformer": Net("LTX2VideoTransformer3DModel", LTX2_ROPE),
+                "connectors": Net("LTX2TextConnectors", LTX2_ROPE),
                 "vae": Net("AutoencoderKLLTX2Video", LTX2_VAE),
                 "audio_vae": Net("AutoencoderKLLTX2Audio", {}),
                 "vocoder": Net("LTX2Vocoder", {}),
@@ -410,6 +416,7 @@ PRESETS: dict[str, Preset] = {
             },
             # LTX2Pipeline's own defaults (768x512, 121 frames at 24 fps, 30 steps, guidance 3)
             defaults={"width": 768, "height": 512, "steps": 30, "guidance": 3.0, "num_frames": 121, "fps": 24},
+            revision=1,  # the release's rope type and non-causal decoder (LTX2_ROPE, LTX2_VAE)
         ),
         Preset(
             name="qwen-image",

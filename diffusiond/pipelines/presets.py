@@ -33,7 +33,7 @@ from diffusiond.pipelines.preset_tables import PRESETS, Net, Part, Preset, Sched
 
 log = logging.getLogger(__name__)
 
-# Bump when a table in preset_tables changes: an old cache folder is then ignored.
+# Bump when a table in preset_tables changes: an old cache folder is then ignored (one preset's: its revision).
 PRESET_VERSION = "v1"
 NOTICE = "random weights: outputs are noise; for benchmarks only"
 
@@ -51,7 +51,7 @@ def get_preset(key: str) -> Preset:
 
 
 def folder_name(preset: Preset) -> str:
-    return f"random-{preset.name}-{PRESET_VERSION}"
+    return f"random-{preset.name}-{PRESET_VERSION}" + (f".{preset.revision}" if preset.revision else "")
 
 
 def _class(name: str) -> type[Any]:

@@ -102,9 +102,10 @@ def batch_key(body: Any) -> str | None:
     """The part of a generation request that decides whether two requests can share a forward
     pass (the daemon's own batching key, as far as the body shows it). None for a body that is not
     a generation request. ``keep_alive`` is not in it: the daemon batches jobs that ask different ones
-    (the batch keeps its model for the longest), and the body reaches it as sent; nor is ``audio``: a model's
-    sound track is made either way, and only its delivery is per request; nor is ``fps``: only LTX-2 is conditioned
-    on it, which the body does not show, and the daemon keeps LTX-2's fps apart itself (a hint, not a rule, here)."""
+    (the batch keeps its model for the longest), and the body reaches it as sent; nor is ``audio``: a batch decodes
+    a sound track once when any request wants it, and only its delivery is per request; nor is ``fps``: only LTX-2
+    is conditioned on it, which the body does not show, and the daemon keeps LTX-2's fps apart itself (a hint, not
+    a rule, here)."""
     if not isinstance(body, dict) or "prompt" not in body:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",
