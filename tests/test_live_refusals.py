@@ -3,7 +3,9 @@ trainer's call returned long ago, so what it sees is the model's entry and its q
 
 One real daemon, ``--preload none``: tiny runs once (a model never seen is loaded before its first
 job is admitted, so a job for it cannot be queued unchecked), goes to disk, then takes an adapter and a
-component update that do not fit it and a job naming that adapter, queued until tiny starts again.
+component update that do not fit it and a job naming that adapter, queued until tiny starts again. Its
+workers report no parameter table (test fault ``no_param_table``): with one, both would be refused at once
+(tests/test_param_tables.py), as they are for any model that ran before.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a li
 
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
-    args = ["--model", "tiny", "--preload", "none", "--workers", "1", "--no-persist", "--job-timeout", "300"]
+    args = ["--model", "tiny", "--preload", "none", "--workers", "1", "--no-persist", "--job-timeout", "300",
+            "--test-fault", "no_param_table"]
     with shared_daemon(tmp_path_factory.mktemp("refusals"), args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
         yield d
 

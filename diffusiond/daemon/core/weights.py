@@ -38,7 +38,7 @@ import os
 import stat
 from collections.abc import Awaitable, Callable, Iterable
 
-from diffusiond.daemon.core.file_checks import ModelFiles
+from diffusiond.daemon.core.file_checks import Checks
 from diffusiond.daemon.core.kept import Chains, Kept, Update, drop, keep, prove
 from diffusiond.daemon.core.loras import (
     LoraInfo,
@@ -62,10 +62,10 @@ DTYPES = MODEL_DTYPES  # weights are taken in the dtypes a model runs in (the cl
 MAX_DIMS = 4  # Linear (2) and Conv2d (4) LoRA matrices
 
 
-Files = Callable[[str], Awaitable[ModelFiles | None]]  # a model's files' headers, when they can tell
+Files = Callable[[str], Awaitable[Checks | None]]  # a model's table or files' headers, when they can tell
 
 
-async def _no_files(model: str) -> ModelFiles | None:
+async def _no_files(model: str) -> Checks | None:
     return None
 
 
