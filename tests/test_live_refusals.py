@@ -39,6 +39,17 @@ async def tiny_entry(s: aiohttp.ClientSession) -> dict[str, Any]:
         return next(m for m in (await r.json())["data"] if m["id"] == "tiny")
 
 
+async def to_disk(s: aiohttp.ClientSession) -> None:
+    """Unload tiny by hand and wait until it is on disk (no worker runs)."""
+    async with s.post("/v1/models/tiny/unload") as r:
+        assert r.status == 200, await r.text()
+    for _ in range(600):
+        if (await tiny_entry(s))["residency"] == "disk":
+            break
+        await asyncio.sleep(0.1)
+    assert (await tiny_entry(s))["residency"] == "disk"
+
+
 async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued_for_them(
         cold: Daemon) -> None:
     from safetensors import safe_open
@@ -55,13 +66,7 @@ async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued
     async with AsyncClient(str(cold.socket)) as c, http(cold.socket) as s:
         first = await wait_job(s, (await submit(s, SMALL))["id"], 300)
         assert first["status"] == "succeeded", first
-        async with s.post("/v1/models/tiny/unload") as r:
-            assert r.status == 200, await r.text()
-        for _ in range(600):
-            if (await tiny_entry(s))["residency"] == "disk":
-                break
-            await asyncio.sleep(0.1)
-        assert (await tiny_entry(s))["residency"] == "disk"
+        await to_disk(s)
 
         # no worker to check them: both are kept on trust, and their calls answer with a version
         assert await c.update_lora("trainer", misfit) == 1

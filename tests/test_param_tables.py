@@ -9,16 +9,15 @@ changed spec leaves the stale table unused.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
 import pytest
 import torch
 from daemonkit import Daemon, http, submit, wait_job
+from test_live_refusals import tiny_entry, to_disk
 
 from diffusiond.client import AsyncClient, DaemonError
 from diffusiond.daemon.core.file_checks import FileChecks, ModelFiles, ModelTable
@@ -109,11 +108,6 @@ NORM = {"unet.conv_norm_out.lora_A.weight": np.ones((2, 32), np.float32),  # hea
 NORM_WORDS = "module 'conv_norm_out' of unet is a GroupNorm, which takes no LoRA"
 
 
-async def tiny_entry(s: aiohttp.ClientSession) -> dict[str, Any]:
-    async with s.get("/v1/models") as r:
-        return next(m for m in (await r.json())["data"] if m["id"] == "tiny")
-
-
 async def refused(call: Any, words: str) -> None:
     with pytest.raises(DaemonError) as err:
         await call
@@ -138,13 +132,7 @@ async def test_a_model_that_ran_before_has_updates_checked_at_once_from_its_tabl
         async with AsyncClient(str(d.socket)) as c, http(d.socket) as s:
             job = await wait_job(s, (await submit(s, SMALL))["id"], 300)  # tiny's one run: it reports its table
             assert job["status"] == "succeeded", job
-            async with s.post("/v1/models/tiny/unload") as r:
-                assert r.status == 200, await r.text()
-            for _ in range(600):
-                if (await tiny_entry(s))["residency"] == "disk":
-                    break
-                await asyncio.sleep(0.1)
-            assert (await tiny_entry(s))["residency"] == "disk"
+            await to_disk(s)
             await refused(c.update_lora("trainer", NORM), NORM_WORDS)
             await refused(c.update_weights("tiny", "text_encoder", {"nope.weight": value}),
                           "tensor 'nope.weight': text_encoder of model tiny has no parameter of that name")
