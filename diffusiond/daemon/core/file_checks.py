@@ -25,6 +25,7 @@ What a model that never ran leaves to its start, where a refusal keeps the last 
 Once it has loaded, each of these is checked at once from its table. Either way an update of an existing
 adapter is checked against the adapter's own tensors (``weights.py``), whatever the model.
 """
+
 from __future__ import annotations
 
 import asyncio
