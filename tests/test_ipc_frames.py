@@ -33,6 +33,7 @@ SAMPLES: list[msgspec.Struct] = [
     m.Ping(),
     m.Hello(worker_id=1, pid=123, arena_bytes=1 << 20),
     m.LoadProgress(bytes_loaded=3 << 20),
+    m.ParamTableFrame("tiny", b"x\x9c"),
     m.Ready(model_name="tiny", device="cpu", load_ms=12.5, capabilities=m.Capabilities(task="text-to-video", fps=8),
             lora_errors={"misfit": "size mismatch"}),
     m.ComputeDone(batch_id=3, compute_ms=10.0),

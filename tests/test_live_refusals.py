@@ -3,7 +3,9 @@ trainer's call returned long ago, so what it sees is the model's entry and its q
 
 One real daemon, ``--preload none``: tiny runs once (a model never seen is loaded before its first
 job is admitted, so a job for it cannot be queued unchecked), goes to disk, then takes an adapter and a
-component update that do not fit it and a job naming that adapter, queued until tiny starts again.
+component update that do not fit it and a job naming that adapter, queued until tiny starts again. Its
+workers report no parameter table (test fault ``no_param_table``): with one, both would be refused at once
+(tests/test_param_tables.py), as they are for any model that ran before.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a li
 
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
-    args = ["--model", "tiny", "--preload", "none", "--workers", "1", "--no-persist", "--job-timeout", "300"]
+    args = ["--model", "tiny", "--preload", "none", "--workers", "1", "--no-persist", "--job-timeout", "300",
+            "--test-fault", "no_param_table"]
     with shared_daemon(tmp_path_factory.mktemp("refusals"), args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
         yield d
 
@@ -34,6 +37,17 @@ def cold(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterato
 async def tiny_entry(s: aiohttp.ClientSession) -> dict[str, Any]:
     async with s.get("/v1/models") as r:
         return next(m for m in (await r.json())["data"] if m["id"] == "tiny")
+
+
+async def to_disk(s: aiohttp.ClientSession) -> None:
+    """Unload tiny by hand and wait until it is on disk (no worker runs)."""
+    async with s.post("/v1/models/tiny/unload") as r:
+        assert r.status == 200, await r.text()
+    for _ in range(600):
+        if (await tiny_entry(s))["residency"] == "disk":
+            break
+        await asyncio.sleep(0.1)
+    assert (await tiny_entry(s))["residency"] == "disk"
 
 
 async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued_for_them(
@@ -52,13 +66,7 @@ async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued
     async with AsyncClient(str(cold.socket)) as c, http(cold.socket) as s:
         first = await wait_job(s, (await submit(s, SMALL))["id"], 300)
         assert first["status"] == "succeeded", first
-        async with s.post("/v1/models/tiny/unload") as r:
-            assert r.status == 200, await r.text()
-        for _ in range(600):
-            if (await tiny_entry(s))["residency"] == "disk":
-                break
-            await asyncio.sleep(0.1)
-        assert (await tiny_entry(s))["residency"] == "disk"
+        await to_disk(s)
 
         # no worker to check them: both are kept on trust, and their calls answer with a version
         assert await c.update_lora("trainer", misfit) == 1

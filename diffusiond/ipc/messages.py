@@ -2,8 +2,8 @@
 
 Engine -> worker: INIT, EXECUTE (edits' input memfds attached), CANCEL, RELEASE, SLEEP, WAKE, SHUTDOWN,
 TRACE, PING, ADD_LORA, UPDATE_LORA and UPDATE_WEIGHTS (the weights' memfd attached).
-Worker -> engine: HELLO (arena fd attached), LOAD_PROGRESS, READY, COMPUTE_DONE, PROGRESS, OUTPUT_READY
-(a dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
+Worker -> engine: HELLO (arena fd attached), LOAD_PROGRESS, PARAM_TABLE (``params``), READY, COMPUTE_DONE,
+PROGRESS, OUTPUT_READY (a dedicated memfd may be attached), REQUEST_ENDED, ACK, FATAL, SLOT_WAIT, PREVIEW_READY.
 Local client <-> engine, on the output socket: FETCH and UNPIN in, LEASE (fd attached) and REFUSED out;
 UPDATE_LORA and UPDATE_WEIGHTS in (the weights' memfd attached), UPDATED or UPDATE_REFUSED out.
 
@@ -23,6 +23,7 @@ from diffusiond.ipc.outsocket import Fetch as Fetch
 from diffusiond.ipc.outsocket import Lease as Lease
 from diffusiond.ipc.outsocket import Refused as Refused
 from diffusiond.ipc.outsocket import Unpin as Unpin
+from diffusiond.ipc.params import ParamTableFrame as ParamTableFrame
 from diffusiond.ipc.sidearrays import TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.ipc.upscale import HiresSpec, UpscalerSetting, UpscaleSpec
@@ -55,6 +56,7 @@ class Kind(enum.IntEnum):
     SLOT_WAIT = 40
     PREVIEW_READY = 41
     LOAD_PROGRESS = 42
+    PARAM_TABLE = 43
     # local client -> engine, on the output socket
     FETCH = 64  # (UPDATE_LORA travels on the output socket too, client -> engine)
     UNPIN = 65
@@ -478,6 +480,7 @@ KIND_OF: dict[type[msgspec.Struct], Kind] = {
     SlotWait: Kind.SLOT_WAIT,
     PreviewReady: Kind.PREVIEW_READY,
     LoadProgress: Kind.LOAD_PROGRESS,
+    ParamTableFrame: Kind.PARAM_TABLE,
     Fetch: Kind.FETCH,
     Unpin: Kind.UNPIN,
     Lease: Kind.LEASE,

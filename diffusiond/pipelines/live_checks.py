@@ -1,10 +1,11 @@
 """Why a live update does not fit a model, in one wording for both places that can tell (issue 29).
 
-A worker checks an update against the model it loaded (``worker/weights.py``); the engine checks one
-meant for a model that runs no worker against that model's files' headers (``daemon/core/file_checks.py``),
-so that a bad update is refused at once instead of being kept and found bad when the model starts. The
-trainer must read the same refusal whichever of the two answered, so both describe what they see (a
-parameter's shape, a layer's kind and sizes) and take the words from here. Torch-free: the engine uses it.
+A worker checks an update against the model it loaded (``worker/weights.py``); the engine checks one meant for
+a model that runs no worker against what that model held when it last loaded, else its files' headers
+(``daemon/core/file_checks.py``), so that a bad update is refused at once instead of being kept and found bad
+when the model starts. The trainer must read the same refusal whichever of the two answered, so both describe
+what they see (a parameter's shape, a layer's kind and sizes) and take the words from here. Torch-free: the
+engine uses it.
 """
 
 from __future__ import annotations

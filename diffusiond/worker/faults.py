@@ -44,6 +44,8 @@ class Faults:
     or a whole picture): its retry in smaller tiles, and the job's ``out_of_memory`` when those fail too.
     ``memory_fraction=F``: the worker's CUDA allocator may take only F of the device
     (``torch.cuda.set_per_process_memory_fraction``), so a large size really runs out of memory.
+    ``no_param_table``: the worker sends no PARAM_TABLE, so updates for its model on disk are checked as for
+    a model that never ran (against its files), and what they cannot judge is found at its next start.
     ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
     outgoing frame of that kind on the wire.
     """
@@ -58,6 +60,7 @@ class Faults:
     upscale_oom: int = 0
     memory_fraction: float = 0.0
     no_working_measure: bool = False
+    no_param_table: bool = False
     frame: tuple[str, Kind] | None = None
 
     @classmethod
@@ -83,6 +86,8 @@ class Faults:
                 f.upscale_oom = int(value)
             elif key == "no_working_measure":  # residency plans with its estimate, as before any run
                 f.no_working_measure = True
+            elif key == "no_param_table":  # updates for the model on disk are checked as if it never ran
+                f.no_param_table = True
             elif key == "memory_fraction":
                 f.memory_fraction = float(value)
             elif key in FRAME_FAULTS:

@@ -37,6 +37,7 @@ from diffusiond.ipc.messages import (
     Init,
     Kind,
     LoadProgress,
+    ParamTableFrame,
     Ping,
     Ready,
     Release,
@@ -225,6 +226,10 @@ class Worker:
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         controlnets = await asyncio.to_thread(self._load_controlnets, pipeline, config)
         ip_adapters = await asyncio.to_thread(self._load_ip_adapters, pipeline, config)
+        if faults is None or not faults.no_param_table:  # the model as it will run: adapters' layers in place
+            table = await asyncio.to_thread(self._param_table, pipeline, adapters)
+            if table:
+                self.channel.post(ParamTableFrame(config.model_name, table))
         try:
             finisher = await asyncio.to_thread(self._finisher, pipeline, config)
         except Exception as exc:
@@ -305,6 +310,20 @@ class Worker:
         set_cache_dir(config.compile_cache_dir)
         return CompiledPipeline(pipeline, config.compile, options)
 
+
+    @staticmethod
+    def _param_table(pipeline: Pipeline, adapters: Adapters | None) -> bytes:
+        """PARAM_TABLE's table (ipc/params.py), or b'' when it cannot be read: the engine then checks updates
+        for this model against its files, as for one that never ran, instead of the start failing."""
+        from diffusiond.ipc.params import pack
+        from diffusiond.worker.weights import param_table
+
+        try:
+            return pack(param_table(pipeline, adapters))
+        except Exception:
+            log.warning("the model's parameter table could not be read; updates for it with no worker are "
+                        "checked against its files", exc_info=True)
+            return b""
 
     @staticmethod
     def _load_loras(pipeline: Pipeline, config: WorkerConfig) -> tuple[Adapters | None, dict[str, str]]:

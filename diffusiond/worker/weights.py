@@ -21,6 +21,7 @@ update for a model with no worker against that model's files.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights
+from diffusiond.ipc.params import ComponentTable, LayerRow, ParamRow, ParamTable
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.pipelines.live_checks import (
     KINDS,
@@ -41,7 +43,7 @@ from diffusiond.pipelines.live_checks import (
     no_module,
     parameter_misfit,
 )
-from diffusiond.pipelines.loras import Adapters
+from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.pipelines.streaming import weights_changed
 
 
@@ -94,42 +96,62 @@ def _check(pipe: Any, model: str, adapter: str, state: Mapping[str, torch.Tensor
 def _fits(pipe: Any, model: str, key: str, shape: tuple[int, ...]) -> str:
     """Why tensor ``key`` of a new adapter does not fit the model ('' if it does)."""
     component_name, _, rest = key.partition(".")
-    component = getattr(pipe, "components", {}).get(component_name)
-    if not isinstance(component, torch.nn.Module):
-        modules = sorted(n for n, c in getattr(pipe, "components", {}).items() if isinstance(c, torch.nn.Module))
-        return no_lora_component(key, model, component_name, modules)
+    components = torch_components(pipe)
+    component = components.get(component_name)
+    if component is None:
+        return no_lora_component(key, model, component_name, sorted(components))
     path = rest[: -len(KINDS[0])]
     try:
         module = component.get_submodule(path)
     except AttributeError:
         return no_module(key, model, component_name, path)
+    return lora_misfit(key, shape, component_name, path, layer_of(module))
+
+
+def torch_components(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The components an update can name: the pipeline's torch modules."""
+    return {n: c for n, c in (getattr(pipe, "components", None) or {}).items() if isinstance(c, torch.nn.Module)}
+
+
+def layer_of(module: torch.nn.Module) -> Layer:
+    """What a LoRA matrix on ``module`` must fit."""
     base = getattr(module, "base_layer", module)  # already wrapped by another adapter
     if isinstance(base, torch.nn.Linear):
-        layer = Layer(base.in_features, base.out_features)
-    elif isinstance(base, torch.nn.Conv2d):
-        layer = Layer(base.in_channels, base.out_channels, tuple(base.kernel_size))
-    else:
-        layer = Layer(other=type(base).__name__)
-    return lora_misfit(key, shape, component_name, path, layer)
+        return Layer(base.in_features, base.out_features)
+    if isinstance(base, torch.nn.Conv2d):
+        return Layer(base.in_channels, base.out_channels, tuple(base.kernel_size))
+    return Layer(other=type(base).__name__)
+
+
+def own_parameters(component: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``update_weights`` can name: its ``state_dict`` without adapters' layers, a wrapped layer's
+    under its base name."""
+    return {k.replace(".base_layer.", "."): v for k, v in component.state_dict(keep_vars=True).items()
+            if ".lora_" not in k}
+
+
+def kept_as(tensor: torch.Tensor) -> str:
+    """The dtype ``tensor`` is kept in when an update cannot be copied into it in place (an integer or 8-bit
+    storage: a quantized weight), else ''."""
+    return "" if tensor.dtype.is_floating_point and tensor.dtype.itemsize >= 2 else str(tensor.dtype)
+
+
+def weights_pipe(pipeline: Any) -> Any:
+    """The diffusers pipeline whose components updates change (a compiled one's inner pipeline's)."""
+    inner = getattr(pipeline, "inner", None)
+    return getattr(inner if inner is not None else pipeline, "pipe", None)
 
 
 def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.Tensor]) -> str:
     """Copy ``state`` into component ``msg.component`` in place, all checked first; '' or why not."""
-    inner = getattr(pipeline, "inner", None)
-    pipe = getattr(inner if inner is not None else pipeline, "pipe", None)
-    components = getattr(pipe, "components", None) or {}
+    components = torch_components(weights_pipe(pipeline))
     component = components.get(msg.component)
-    if not isinstance(component, torch.nn.Module):
-        return no_component(msg.model, msg.component,
-                            sorted(n for n, c in components.items() if isinstance(c, torch.nn.Module)))
-    own = {k.replace(".base_layer.", "."): v for k, v in component.state_dict(keep_vars=True).items()
-           if ".lora_" not in k}
+    if component is None:
+        return no_component(msg.model, msg.component, sorted(components))
+    own = own_parameters(component)
     for key, value in state.items():
         target = own.get(key)
-        have, keeps = None, ""
-        if target is not None:
-            have = tuple(target.shape)
-            keeps = "" if target.dtype.is_floating_point and target.dtype.itemsize >= 2 else str(target.dtype)
+        have, keeps = (None, "") if target is None else (tuple(target.shape), kept_as(target))
         why = parameter_misfit(key, tuple(value.shape), msg.model, msg.component, have, keeps)
         if why:
             return why
@@ -138,3 +160,19 @@ def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.T
             own[key].copy_(value)
     weights_changed(component)  # offload=stream: its ring's copies of the old values are dropped
     return ""
+
+
+def param_table(pipeline: Any, adapters: Adapters | None) -> ParamTable:
+    """What the checks above read of the loaded model, for the engine to check updates the same way while
+    the model runs no worker (issue 29): each component's ``own_parameters`` and every module a LoRA key
+    can name, an adapter's own layers left out (they are not the model's, and a wrapped layer is named by
+    its base's path). LoRA keys are checked against ``adapters.pipe``, which is ``weights_pipe``."""
+    components = []
+    for name, component in sorted(torch_components(weights_pipe(pipeline)).items()):
+        params = [ParamRow(k, tuple(v.shape), kept_as(v)) for k, v in own_parameters(component).items()]
+        layers = [LayerRow(path, *dataclasses.astuple(layer_of(module)))
+                  for path, module in component.named_modules(remove_duplicate=False)
+                  if path and not any(p == "base_layer" or p.startswith("lora_") for p in path.split("."))]
+        components.append(ComponentTable(name, params, layers))
+    return ParamTable(components, no_lora=unsupported(pipeline) if adapters is None else "",
+                      name=str(getattr(pipeline, "name", "")))

@@ -80,9 +80,9 @@ class Engine(OutputAccess):
         self.controls = ControlRegistry(config.controlnets)
         self.ip_adapters = IpAdapterRegistry(config.ip_adapters)
         self.upscalers = UpscalerRegistry(config.upscalers)  # read by spandrel at start (server.py)
-        files = FileChecks({m.name: m for m in config.models})  # what updates for a model with no worker meet
+        files = FileChecks.of(config, self.store.root)  # what updates for a model with no worker meet (issue 29)
         self.live_loras, self.live_components = LiveLoras(self.loras, files), LiveComponents(files)  # update_*
-        self.pool = WorkerPool(config, self.metrics, on_frame=self._on_frame, on_lost=self._on_lost,
+        self.pool = WorkerPool(config, self.metrics, on_frame=files.watching(self._on_frame), on_lost=self._on_lost,
                                on_ready=self._on_worker_ready, spawn=spawn,
                                prepare=self._prepare_worker)
         self.pool.lora_target_rank = self.loras.start_rank

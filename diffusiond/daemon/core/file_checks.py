@@ -1,14 +1,19 @@
-"""A live update for a model that runs no worker, checked against the model's files (issue 29).
+"""A live update for a model that runs no worker, checked at once against what the model holds (issue 29).
 
 Such an update is kept until the model starts. Kept unchecked, a bad one would be found only then, long
 after the trainer's call returned a version, and it would stand in for good ones until then. So the
-engine checks what the files can tell, without torch: the safetensors headers (``residency/sizes.py``)
-name each component's tensors with their dtypes and shapes, which are the loaded model's parameters
-unless an option changes them at load. What is refused here is refused in the words a running worker
-uses (``pipelines/live_checks.py``), so the trainer reads one refusal whichever answered.
+engine checks it without torch, in the words a running worker uses (``pipelines/live_checks.py``), so the
+trainer reads one refusal whichever answered, against the best source it has:
 
-What the headers cannot tell is left to the model's start, where a refusal keeps the last proven update
-in force (``kept.py``):
+1. The parameter table the model's last load reported (``ipc/params.py``, kept in the state dir by
+   ``state/params.py`` under a fingerprint of its spec, options and files): what the worker's own check
+   reads, so it answers as the worker would, whatever the model is built from. It wins over the headers.
+2. Otherwise (the model never loaded with this spec, options and files) its files' safetensors headers
+   (``residency/sizes.py``), which name each component's tensors with their dtypes and shapes: the loaded
+   model's parameters unless an option changes them at load.
+
+What a model that never ran leaves to its start, where a refusal keeps the last proven update in force
+(``kept.py``):
 - a model built in code that was never saved (``random:``, ``synthetic``), a single-file checkpoint or a
   GGUF (their names are converted at load), and a model whose parameters an option changes at load
   (``quant``, ``fp8``, ``fuse_qkv``): nothing is checked;
@@ -16,8 +21,9 @@ in force (``kept.py``):
 - a name a transformers component's file lacks (tied weights are saved once, and old names are renamed
   at load): only the names its file holds are checked;
 - for a LoRA matrix, a module that is no Linear or Conv2d (a norm, an embedding: the header shows a
-  weight's shape, not its class) and, for an existing adapter, nothing (its own tensors are the check,
-  ``weights.py``, whatever the model).
+  weight's shape, not its class).
+Once it has loaded, each of these is checked at once from its table. Either way an update of an existing
+adapter is checked against the adapter's own tensors (``weights.py``), whatever the model.
 """
 
 from __future__ import annotations
@@ -28,11 +34,15 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from diffusiond.daemon.model_config import ModelConfig
-from diffusiond.daemon.residency.fit import hub_folder
-from diffusiond.daemon.residency.sizes import FLOATS, WeightsError, model_weights, read_entries
+from diffusiond.daemon.residency.sizes import FLOATS, model_weights, read_entries
+from diffusiond.daemon.state.params import ParamTables, model_folder
+from diffusiond.daemon.workers.link import FrameCallback, WorkerLink
+from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import WeightTensor
+from diffusiond.ipc.params import ParamTable, ParamTableFrame, unpack
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.live_checks import (
     KINDS,
@@ -45,8 +55,11 @@ from diffusiond.pipelines.live_checks import (
     no_module,
     parameter_misfit,
 )
-from diffusiond.pipelines.modelcache import BUILT_FOLDERS, cache_root, is_complete
+from diffusiond.pipelines.modelcache import BUILT_FOLDERS, is_complete
 from diffusiond.pipelines.spec import model_options, parse_spec
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.config import DaemonConfig
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +125,58 @@ class ModelFiles:
         return ""
 
 
+@dataclass(frozen=True)
+class _Held:
+    params: Mapping[str, tuple[Shape, str]]  # name -> (shape, the dtype it is kept in if not updated in place)
+    layers: Mapping[str, Layer]  # module path -> what a LoRA matrix there must fit
+
+
+class ModelTable:
+    """What the model held when it last loaded (its PARAM_TABLE): each check is the worker's
+    (``worker/weights.py``) on the same facts, so it gives the worker's refusal, word for word."""
+
+    def __init__(self, model: str, table: ParamTable) -> None:
+        self.model = model
+        self.lora_model = table.name or model  # a worker's LoRA refusals name its pipeline ("... (random weights)")
+        self.no_lora = table.no_lora
+        self.components = {c.name: _Held({p.name: (p.shape, p.keeps) for p in c.params},
+                                         {r.path: Layer(r.in_features, r.out_features, r.kernel, r.other)
+                                          for r in c.layers})
+                           for c in table.components}
+
+    def weights_misfit(self, component: str, tensors: Iterable[WeightTensor]) -> str:
+        held = self.components.get(component)
+        if held is None:
+            return no_component(self.model, component, sorted(self.components))
+        for t in tensors:
+            have, keeps = held.params.get(t.name, (None, ""))
+            why = parameter_misfit(t.name, tuple(t.shape), self.model, component, have, keeps)
+            if why:
+                return why
+        return ""
+
+    def lora_misfit(self, adapter: str, shapes: Mapping[str, Shape]) -> str:
+        return self.no_lora or adapter_misfit(adapter, shapes, None, self._fits)
+
+    def _fits(self, key: str, shape: Shape) -> str:
+        name, _, rest = key.partition(".")
+        held = self.components.get(name)
+        if held is None:
+            return no_lora_component(key, self.lora_model, name, sorted(self.components))
+        path = rest[: -len(KINDS[0])]
+        layer = held.layers.get(path)
+        if layer is None:
+            return no_module(key, self.lora_model, name, path)
+        return lora_misfit(key, shape, name, path, layer)
+
+
+class Checks(Protocol):
+    """What an update for a model with no worker is checked against: its table, or its files' headers."""
+
+    def weights_misfit(self, component: str, tensors: Iterable[WeightTensor]) -> str: ...
+    def lora_misfit(self, adapter: str, shapes: Mapping[str, Shape]) -> str: ...
+
+
 def read_model_files(config: ModelConfig) -> ModelFiles | None:
     """The headers of the files ``config``'s model loads, or None when they cannot tell its parameters."""
     try:
@@ -121,18 +186,8 @@ def read_model_files(config: ModelConfig) -> ModelFiles | None:
         return None
     if any(options.get(k) for k in CHANGED_AT_LOAD):
         return None
-    if parsed.kind == "folder":
-        folder = Path(parsed.target)
-    elif parsed.kind in BUILT_FOLDERS:
-        folder = cache_root() / "models" / BUILT_FOLDERS[parsed.kind]
-        if not is_complete(folder):  # built by the model's first worker
-            return None
-    elif parsed.kind == "hub":
-        try:
-            folder = hub_folder(parsed.target)
-        except WeightsError:
-            return None
-    else:
+    folder = model_folder(parsed)
+    if folder is None or (parsed.kind in BUILT_FOLDERS and not is_complete(folder)):  # built by its first worker
         return None
     try:
         index = json.loads((folder / "model_index.json").read_text())
@@ -152,21 +207,72 @@ def _library(index: object, name: str) -> str:
 
 
 class FileChecks:
-    """Each model's headers, read once (off the event loop) and kept: the files a model loads do not change
-    under a running daemon, and a trainer checks against them at every step."""
+    """Each model's source of checks, found once (off the event loop) and kept: the files a model loads do
+    not change under a running daemon, and a trainer checks against them at every step. A load's table
+    replaces what was kept (``watching``): it is what the model holds now."""
 
-    def __init__(self, configs: Mapping[str, ModelConfig]) -> None:
+    def __init__(self, configs: Mapping[str, ModelConfig], tables: ParamTables | None = None) -> None:
         self._configs = configs
-        self._read: dict[str, ModelFiles | None] = {}
+        self._tables = tables or ParamTables()
+        self._read: dict[str, Checks | None] = {}
+        self._learning: dict[str, asyncio.Task[None]] = {}
 
-    async def __call__(self, model: str) -> ModelFiles | None:
+    @classmethod
+    def of(cls, config: DaemonConfig, root: Path | None) -> FileChecks:
+        """The daemon's models, their tables kept under ``root`` (the state dir; None: for this run only)."""
+        return cls({m.name: m for m in config.models}, ParamTables.of(config, root))
+
+    async def __call__(self, model: str) -> Checks | None:
+        learning = self._learning.get(model)
+        if learning is not None:
+            await asyncio.shield(learning)
         if model not in self._read:
             config = self._configs.get(model)
-            files = None if config is None else await asyncio.to_thread(read_model_files, config)
-            if files is None and config is not None and _built_in(config):
+            found = None if config is None else await asyncio.to_thread(self._find, config)
+            if found is None and config is not None and _built_in(config):
                 return None  # not built yet: read again next time
-            self._read[model] = files
+            self._read[model] = found
         return self._read[model]
+
+    def _find(self, config: ModelConfig) -> Checks | None:
+        """The table its last load left, if it is of this spec, options and files; else its files' headers."""
+        key = self._tables.key(config)
+        packed = None if key is None else self._tables.load(config.name, key)
+        if packed is not None:
+            try:
+                return ModelTable(config.name, unpack(packed))
+            except ValueError as exc:
+                log.warning("model %s: its remembered parameter table does not read (%s); its files answer",
+                            config.name, exc)
+        return read_model_files(config)
+
+    def watching(self, on_frame: FrameCallback) -> FrameCallback:
+        """``on_frame`` with each worker's PARAM_TABLE taken first: remembered (on disk where the daemon
+        persists), and what the model's updates are checked against while it runs no worker."""
+
+        def frame(worker: WorkerLink, f: Frame) -> None:
+            msg = f.msg
+            if not isinstance(msg, ParamTableFrame):
+                on_frame(worker, f)
+            elif msg.model_name in self._configs and msg.model_name not in self._learning:
+                task = asyncio.ensure_future(self._learn(self._configs[msg.model_name], msg.table))
+                self._learning[msg.model_name] = task
+                task.add_done_callback(lambda _: self._learning.pop(msg.model_name, None))
+
+        return frame
+
+    async def _learn(self, config: ModelConfig, packed: bytes) -> None:
+        try:
+            self._read[config.name] = await asyncio.to_thread(self._keep, config, packed)
+        except Exception:  # the files still answer: a table is a better answer, never a needed one
+            log.exception("model %s: the parameter table its worker sent could not be kept", config.name)
+
+    def _keep(self, config: ModelConfig, packed: bytes) -> ModelTable:
+        table = ModelTable(config.name, unpack(packed))
+        key = self._tables.key(config)
+        if key is not None:
+            self._tables.save(config.name, key, packed)
+        return table
 
 
 def _built_in(config: ModelConfig) -> bool:

@@ -6,12 +6,12 @@ later update that names every tensor of an earlier one makes it useless, and its
 is kept stays bounded by the tensors the trainer sends.
 
 An update is *proven* once a worker applied it. One accepted while no worker could check it (its model on
-disk, asleep at level 2) is kept on trust: the files' headers passed it (``file_checks.py``), but what
-only a loaded model shows can still refuse it when the model starts. So an update on trust never
-supersedes a proven one: the last proven values stay kept behind it, the model falls back to them if the
-start refuses the newer one, and only once a worker takes it (``prove``) is the older one dropped. Updates
-on trust supersede each other (the trainer's newest is the one it wants), so at most one generation of
-each tensor waits behind the proven one.
+disk, asleep at level 2) is kept on trust: the model's last table or its files' headers passed it
+(``file_checks.py``), but what only a loaded model shows can still refuse it when the model starts. So an
+update on trust never supersedes a proven one: the last proven values stay kept behind it, the model falls
+back to them if the start refuses the newer one, and only once a worker takes it (``prove``) is the older one
+dropped. Updates on trust supersede each other (the trainer's newest is the one it wants), so at most one
+generation of each tensor waits behind the proven one.
 """
 
 from __future__ import annotations

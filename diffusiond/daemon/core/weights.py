@@ -38,7 +38,7 @@ import os
 import stat
 from collections.abc import Awaitable, Callable, Iterable
 
-from diffusiond.daemon.core.file_checks import ModelFiles
+from diffusiond.daemon.core.file_checks import Checks
 from diffusiond.daemon.core.kept import Chains, Kept, Update, drop, keep, prove
 from diffusiond.daemon.core.loras import (
     LoraInfo,
@@ -62,10 +62,10 @@ DTYPES = MODEL_DTYPES  # weights are taken in the dtypes a model runs in (the cl
 MAX_DIMS = 4  # Linear (2) and Conv2d (4) LoRA matrices
 
 
-Files = Callable[[str], Awaitable[ModelFiles | None]]  # a model's files' headers, when they can tell
+Files = Callable[[str], Awaitable[Checks | None]]  # a model's table or files' headers, when they can tell
 
 
-async def _no_files(model: str) -> ModelFiles | None:
+async def _no_files(model: str) -> Checks | None:
     return None
 
 
@@ -260,15 +260,15 @@ def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
 
 class LiveComponents:
     """``update_weights``: whole parameters of one component, in place in every live worker of a model.
-    A model's workers run the same weights, so each must accept: one that refuses or does not
-    answer is reported, and the update is refused (the others applied it: send it again). A model
-    with no live worker has it checked against its files' headers (``file_checks.py``: a refusal there
-    is the 400 a worker gives), then takes it on trust: it is kept, behind the last proven update of
-    the same tensors (``kept.py``), and checked by the model when it next starts; one refused then is
-    dropped, since no worker of that model would ever take it, the model runs the update before it
-    (or the files' values), and the trainer, whose call returned long ago, reads why and which
-    version is in force in the model's ``weight_errors`` (``GET /v1/models``) until an update of that
-    component sent after the refusal is accepted."""
+    A model's workers run the same weights, so each must accept: one that refuses or does not answer is
+    reported, and the update is refused (the others applied it: send it again). A model with no live worker
+    has it checked against the table its last load reported, else its files' headers (``file_checks.py``: a
+    refusal there is the 400 a worker gives), then takes it on trust: it is kept, behind the last proven
+    update of the same tensors (``kept.py``), and checked by the model when it next starts; one refused then
+    is dropped, since no worker of that model would ever take it, the model runs the update before it (or the
+    files' values), and the trainer, whose call returned long ago, reads why and which version is in force in
+    the model's ``weight_errors`` (``GET /v1/models``) until an update of that component sent after the
+    refusal is accepted."""
 
     def __init__(self, files: Files = _no_files) -> None:
         self.files = files

@@ -1,0 +1,155 @@
+"""A model's parameter table (issue 29): what a worker reports of the model it loaded, remembered in the state
+dir, and checked by the engine for a model that runs no worker in the worker's words, whatever its files.
+
+In process for the words (the table against the worker's own checks on the same loaded tiny) and for the
+fingerprint; a real daemon (``--preload none``, a state dir kept across restarts) for what a trainer sees:
+after tiny ran once, an update the headers cannot judge is refused at once, also after a restart, and a
+changed spec leaves the stale table unused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from daemonkit import Daemon, http, submit, wait_job
+from test_live_refusals import tiny_entry, to_disk
+
+from diffusiond.client import AsyncClient, DaemonError
+from diffusiond.daemon.core.file_checks import FileChecks, ModelFiles, ModelTable
+from diffusiond.daemon.model_config import ModelConfig
+from diffusiond.daemon.state.params import ParamTables
+from diffusiond.ipc.messages import UpdateLora, UpdateWeights, WeightTensor
+from diffusiond.ipc.params import pack, unpack
+from diffusiond.pipelines.loras import adapters_for, unsupported
+from diffusiond.pipelines.registry import load_pipeline
+from diffusiond.worker.weights import apply_update, apply_weights, param_table
+
+
+@pytest.fixture(scope="module")
+def tiny(model_cache: Path) -> Any:
+    return load_pipeline("tiny", name="tiny", device="cpu", dtype="float32")
+
+
+def _first(component: torch.nn.Module, kind: type) -> tuple[str, torch.nn.Module]:
+    return next((n, m) for n, m in component.named_modules() if type(m) is kind)
+
+
+def test_the_table_refuses_what_the_worker_refuses_in_the_same_words(tiny: Any) -> None:
+    adapters = adapters_for(tiny, {}, 2)
+    assert adapters is not None
+    table = ModelTable("tiny", unpack(pack(param_table(tiny, adapters))))
+    unet = tiny.pipe.unet
+    conv_out = unet.conv_out.weight
+    weights = [("unet", {"conv_out.weight": torch.zeros(3, *conv_out.shape[1:])}),
+               ("unet", {"conv_out.nope": conv_out.detach()}),
+               ("text_encoder", {"nope.weight": conv_out.detach()}),  # a name the headers cannot judge
+               ("transformer", {"x.weight": conv_out.detach()}),
+               ("unet", {"conv_out.weight": conv_out.detach().clone()})]  # fits: '' from both
+    for component, state in weights:
+        tensors = [WeightTensor(k, "float32", list(v.shape), 0) for k, v in state.items()]
+        worker = apply_weights(tiny, UpdateWeights("tiny", component, tensors), state)
+        assert table.weights_misfit(component, tensors) == worker, (component, state.keys(), worker)
+    linear, lin = _first(unet, torch.nn.Linear)
+    conv, cv = _first(unet, torch.nn.Conv2d)
+    assert isinstance(lin, torch.nn.Linear) and isinstance(cv, torch.nn.Conv2d)
+
+    def pair(path: str, a: tuple[int, ...], b: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        return {f"{path}.lora_A.weight": torch.ones(a), f"{path}.lora_B.weight": torch.ones(b)}
+
+    loras = [pair("unet.conv_norm_out", (2, 32), (32, 2)),  # a norm: the header shows a weight, not its class
+             pair(f"unet.{linear}", (2, lin.in_features + 1), (lin.out_features, 2)),
+             pair(f"unet.{conv}", (2, cv.in_channels, *cv.kernel_size), (cv.out_channels + 1, 2, 1, 1)),
+             pair("unet.nope", (2, 4), (4, 2)),
+             pair("transformer.x", (2, 4), (4, 2))]
+    for state in loras:
+        worker = apply_update(adapters, "tiny", UpdateLora("live", [], 1), state)
+        assert worker, state.keys()
+        assert table.lora_misfit("live", {k: tuple(v.shape) for k, v in state.items()}) == worker
+    fits = pair(f"unet.{linear}", (2, lin.in_features), (lin.out_features, 2))
+    assert table.lora_misfit("live", {k: tuple(v.shape) for k, v in fits.items()}) == ""
+    no_lora = ModelTable("tiny", unpack(pack(param_table(tiny, None))))  # a model that takes no LoRA at all
+    assert no_lora.lora_misfit("live", {k: tuple(v.shape) for k, v in fits.items()}) == unsupported(tiny)
+
+
+async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_from(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{}")
+    tables = ParamTables(tmp_path / "state")
+    made = ModelConfig(name="m", spec=str(folder))
+    packed = pack(param_table(type("P", (), {"pipe": None})(), None))
+    key = tables.key(made)
+    assert key is not None
+    tables.save("m", key, packed)
+    assert ParamTables(tmp_path / "state").load("m", key) == packed  # kept across a restart
+    assert isinstance(await FileChecks({"m": made}, tables)("m"), ModelTable)  # and it answers
+    for other in (ModelConfig(name="m", spec=str(folder), options={"fuse_qkv": "1"}),
+                  ModelConfig(name="m", spec=str(folder), dtype="float16"),
+                  ModelConfig(name="m", spec="tiny")):
+        assert tables.key(other) != key, other
+    os.utime(folder / "model_index.json", ns=(1, 1))  # the files changed since: their headers answer
+    assert tables.key(made) != key
+    assert tables.load("m", tables.key(made) or "") is None
+    assert isinstance(await FileChecks({"m": made}, tables)("m"), ModelFiles)
+    # a file that does not read is no table
+    next((tmp_path / "state" / "params").iterdir()).write_bytes(b"not msgpack")
+    assert tables.load("m", key) is None
+
+
+SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1,
+         "output_format": "npy"}
+NORM = {"unet.conv_norm_out.lora_A.weight": np.ones((2, 32), np.float32),  # headers cannot judge it
+        "unet.conv_norm_out.lora_B.weight": np.ones((32, 2), np.float32)}
+NORM_WORDS = "module 'conv_norm_out' of unet is a GroupNorm, which takes no LoRA"
+
+
+async def refused(call: Any, words: str) -> None:
+    with pytest.raises(DaemonError) as err:
+        await call
+    assert err.value.status == 400 and words in str(err.value), err.value
+
+
+async def test_a_model_that_ran_before_has_updates_checked_at_once_from_its_table(
+        tmp_path: Path, model_cache: Path) -> None:
+    from safetensors import safe_open
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    with safe_open(str(ensure_tiny() / "text_encoder" / "model.safetensors"), "np") as f:
+        name = next(iter(f.keys()))
+        value = f.get_tensor(name)
+    state = ["--state-dir", str(tmp_path / "state")]
+    args = ["--model", "tiny", "--preload", "none", "--workers", "1", "--job-timeout", "300", *state]
+    d = Daemon(tmp_path / "d.sock", args, tmp_path / "d.log",
+               env={"DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+    d.start()
+    try:
+        async with AsyncClient(str(d.socket)) as c, http(d.socket) as s:
+            job = await wait_job(s, (await submit(s, SMALL))["id"], 300)  # tiny's one run: it reports its table
+            assert job["status"] == "succeeded", job
+            await to_disk(s)
+            await refused(c.update_lora("trainer", NORM), NORM_WORDS)
+            await refused(c.update_weights("tiny", "text_encoder", {"nope.weight": value}),
+                          "tensor 'nope.weight': text_encoder of model tiny has no parameter of that name")
+            assert await c.update_weights("tiny", "text_encoder", {name: value}) == 1  # one that fits is kept
+    finally:
+        d.stop()
+    d.start()  # the same state dir: the table on disk answers, and tiny is not loaded to answer
+    try:
+        async with AsyncClient(str(d.socket)) as c, http(d.socket) as s:
+            await refused(c.update_lora("trainer", NORM), NORM_WORDS)
+            assert (await tiny_entry(s))["residency"] == "disk"
+    finally:
+        d.stop()
+    d.args = ["--model", "tiny=tiny,attention=native", *args[2:]]  # another spec under the same name
+    d.start()
+    try:
+        async with AsyncClient(str(d.socket)) as c:
+            assert await c.update_lora("trainer", NORM) == 1  # the stale table is not used: kept on trust
+    finally:
+        d.stop()
