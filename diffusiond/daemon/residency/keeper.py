@@ -49,7 +49,6 @@ from diffusiond.daemon.residency.decisions import (
     Release,
     TooLarge,
     Wait,
-    reason_label,
 )
 from diffusiond.daemon.residency.fit import device_weights, too_large_hints
 from diffusiond.daemon.residency.load_reports import LoadReports
@@ -446,7 +445,7 @@ class Keeper:
         if isinstance(move, Release):
             await leaving.release(self, move, booked=False)
         elif self._book(model, move):
-            await self._carry(model, move)
+            await leaving.carry(self, model, move)
 
     def _book(self, model: Model, move: Move) -> bool:
         name = model.name
@@ -460,27 +459,6 @@ class Keeper:
         self.moving.add(name)
         log.info("%s leaves %s for %s: %s", name, move.src, move.dst, move.reason)
         return True
-
-    async def _carry(self, model: Model, move: Move) -> None:
-        name = model.name
-        try:
-            if move.dst == "host":
-                await self.pool.sleep_model(model)
-            else:
-                await self.pool.retire(model)
-        except Exception as exc:
-            log.error("moving %s to %s failed: %s", name, move.dst, exc)
-            self.policy.unload_failed(move, str(exc))
-            ended = self.turns.release(name, f"its move off {move.src} failed", time.monotonic())
-            if ended is not None:
-                self._log_end(ended)
-        else:
-            self.policy.unloaded(move)
-            self.metrics.model_evictions_total.labels(name, reason_label(move.reason)).inc()
-        finally:
-            self.moving.discard(name)
-            self._pending_unloads()
-            self.on_change()
 
     async def _expire_forever(self) -> None:
         await leaving.expire_forever(self, EXPIRY_CHECK_S)
