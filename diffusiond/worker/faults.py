@@ -42,6 +42,8 @@ class Faults:
     ``MemoryError`` on a CPU) before they start: the out-of-memory retry, without a huge allocation.
     ``upscale_oom=SIDE``: an upscaler runs out of memory on any input with a side over SIDE (a tile,
     or a whole picture): its retry in smaller tiles, and the job's ``out_of_memory`` when those fail too.
+    ``working_bytes=N``: every batch reports N bytes of working memory, as a GPU's allocator would measure a large
+    size, so residency's plans after a measurement run on CPU (a job's size that no longer fits; issue 27).
     ``memory_fraction=F``: the worker's CUDA allocator may take only F of the device
     (``torch.cuda.set_per_process_memory_fraction``), so a large size really runs out of memory.
     ``drop_frame=KIND`` / ``dup_frame=KIND`` / ``corrupt_frame=KIND``: tamper with the first
@@ -58,6 +60,7 @@ class Faults:
     upscale_oom: int = 0
     memory_fraction: float = 0.0
     no_working_measure: bool = False
+    working_bytes: int = 0
     frame: tuple[str, Kind] | None = None
 
     @classmethod
@@ -83,6 +86,8 @@ class Faults:
                 f.upscale_oom = int(value)
             elif key == "no_working_measure":  # residency plans with its estimate, as before any run
                 f.no_working_measure = True
+            elif key == "working_bytes":
+                f.working_bytes = int(value)
             elif key == "memory_fraction":
                 f.memory_fraction = float(value)
             elif key in FRAME_FAULTS:

@@ -76,10 +76,12 @@ class Keeper:
                  on_change: Callable[[], None], read_free: FreeReader | None = None,
                  oldest: Callable[[str], float | None] = lambda name: None,
                  queued: Callable[[str], int] = lambda name: 0,
-                 fail: Callable[[str, str, ErrorCode], None] = lambda name, message, code: None) -> None:
+                 fail: Callable[[str, str, ErrorCode, Shape | None], None] = lambda name, message, code, shape: None
+                 ) -> None:
         """``oldest``: when a model's longest-waiting queued output was admitted (the scheduler's), or None;
         ``queued``: how many of its outputs the scheduler holds (counted when the model becomes known);
-        ``fail``: fail the model's queued jobs with this message and code: its load failed, or it is too large."""
+        ``fail``: fail the model's queued jobs with this message and code: its load failed, or it is too large;
+        with a shape, only its jobs of that size (one output each): they no longer fit, and the others may."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {}
@@ -181,11 +183,14 @@ class Keeper:
             return None
         plan = self.policy.plan(name, shape)
         if isinstance(plan, TooLarge):
-            device = plan.device or self.pool.models[name].config.devices[0]
-            return dataclasses.replace(plan, reason=f"{plan.reason}. The budget on {device} is "
-                                                    f"{self.budget_sources.get(device, 'unknown')}")
+            return dataclasses.replace(plan, reason=self._budget_said(plan))
         self.policy.queue(name, outputs)
         return None
+
+    def _budget_said(self, plan: TooLarge) -> str:
+        """A refusal's words, with where the budget it names came from (a flag, the GPU's size)."""
+        device = plan.device or self.pool.models[plan.model].config.devices[0]
+        return f"{plan.reason}. The budget on {device} is {self.budget_sources.get(device, 'unknown')}"
 
     def nothing_fits(self, model: Model) -> TooLarge:
         """Every job of a model for which ``offload=auto`` found no configuration that fits (config.py) is
@@ -323,7 +328,12 @@ class Keeper:
             self._held[name] = plan.stage
             return False
         elif isinstance(weights := self.policy.plan(name, None), TooLarge):  # its load showed it larger than
-            self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE)  # admission knew: no job of it would run
+            self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE, None)  # admission knew: no job would run
+        elif shape is not None:  # the model fits, this size no longer does: measured since (issue 27)
+            self.fail(name, f"this job's size no longer fits: its model's working memory, measured after the job "
+                            f"was queued, makes it too large even with every other model evicted. "
+                            f"{self._budget_said(plan)}", ErrorCode.MODEL_TOO_LARGE, shape)
+            asyncio.get_running_loop().call_soon(self.on_change)  # its jobs of other sizes are asked in turn
         self._held.pop(name, None)
         return False
 
