@@ -227,7 +227,9 @@ class Keeper:
 
     def worker_lost(self, name: str, reason: str) -> None:
         if self.known(name) and name not in self.moving:
+            kept = self.policy.kept(name)
             self.policy.worker_died([name], reason)
+            self.metrics.kept_released("worker_died", kept)
 
     def on_oom(self, name: str, shape: Shape) -> None:
         """A worker ran out of memory running ``shape`` and retries (worker/compute.py): the idle models

@@ -132,7 +132,9 @@ async def carry(k: Keeper, model: Model, move: Move) -> None:
         if ended is not None:
             k._log_end(ended)
     else:
+        kept = k.policy.kept(name) if move.dst == "disk" else 0  # its workers stopped: their copy went with them
         k.policy.unloaded(move)
+        k.metrics.kept_released("disk", kept)
         k.metrics.model_evictions_total.labels(name, reason_label(move.reason)).inc()
     finally:
         k.moving.discard(name)
@@ -156,6 +158,7 @@ async def release(k: Keeper, move: Release, booked: bool = True) -> None:
     model = k.pool.models[move.model]
     if not booked and not _book_release(k, move):
         return
+    before = k.policy.kept(move.model)
     failed = None
     try:
         await k.pool.release_host(model)
@@ -168,6 +171,7 @@ async def release(k: Keeper, move: Release, booked: bool = True) -> None:
         else:
             k.policy.unload_failed(move, failed)
     k.kept(model)
+    k.metrics.kept_released("host_memory_full", before - k.policy.kept(move.model))
 
 
 async def expire_forever(k: Keeper, every_s: float) -> None:

@@ -121,6 +121,12 @@ class Residency:
     def host_used(self) -> int:
         return host_memory.used(self._models.values())
 
+    def kept(self, name: str) -> int:
+        """The page-locked host copy its workers keep beside it on its device (issue 27); 0 elsewhere: in host
+        memory that copy holds its weights (``host_bytes``), on disk its workers, and the copy, are gone."""
+        m = self._get(name)
+        return m.kept if m.tier == "device" else 0
+
     def _free(self, device: str) -> int:
         free = self.budgets[device] - self.device_used(device)
         return min(free, self._headroom[device]) if device in self._headroom else free
@@ -317,7 +323,7 @@ class Residency:
                 keep_alive_until=m.deadline if on and m.deadline != FOREVER else None,
                 forever=on and m.deadline == FOREVER, pinned=m.pinned, queued=m.queued,
                 running=sum(j for _, _, j, _ in m.running), reason=m.reason,
-                per_device={d: m.on(d) for d in m.places}))
+                per_device={d: m.on(d) for d in m.places}, kept_bytes=self.kept(m.name)))
         return out
 
     # ---- reports: jobs -----------------------------------------------------------------------------------
