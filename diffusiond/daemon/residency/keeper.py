@@ -290,7 +290,7 @@ class Keeper:
     def _standing(self) -> list[Standing]:
         return [Standing(s.name, s.device, s.residency, s.pinned, moving=s.name in self.moving,
                          running=s.running > 0, oldest=self.oldest(s.name),
-                         blocked=self._held.get(s.name) == WAITING_FOR_MEMORY)
+                         blocked=self._held.get(s.name) == WAITING_FOR_MEMORY, devices=tuple(s.per_device))
                 for s in self.policy.snapshot() if s.name in self.pool.models]
 
     @staticmethod
