@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 from daemonkit import Daemon, get, http, shared_daemon, submit, until, wait_job
 
+from diffusiond.daemon.residency.decisions import Evict, TooLarge
+from diffusiond.daemon.residency.policy import Residency
+from diffusiond.daemon.residency.working import Shape
+
 JOB = {"prompt": "x", "model": "slow", "width": 64, "height": 64, "steps": 2, "output_format": "png"}
 
 
@@ -54,3 +58,20 @@ def test_a_job_queued_before_its_size_was_measured_too_large_fails_with_the_reas
                 assert r.status == 400 and body["error"]["code"] == "model_too_large", body
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize(("peak", "pinned", "refused"), [(5, False, False), (7, False, True), (5, True, True)])
+def test_a_size_is_too_large_only_when_evicting_every_other_model_would_not_make_room(
+        peak: int, pinned: bool, refused: bool) -> None:
+    """What the keeper fails a queued job on (``Residency.plan``'s ``TooLarge``): 4 GiB of weights and the
+    measured peak against a 10 GiB budget where b (4 GiB, idle) is on the device; b leaves for it unless pinned."""
+    g = 1 << 30
+    r = Residency({"cuda:0": 10 * g}, 64 * g)
+    r.add("a", "cuda:0", 4 * g)
+    r.add("b", "cuda:0", 4 * g, pinned=pinned)
+    r.loading_started("b")
+    r.loaded("b", 0.0)
+    r.measured("a", Shape(64, 64), peak * g)
+    plan = r.plan("a", Shape(64, 64))
+    assert isinstance(plan, TooLarge) == refused, plan
+    assert refused or isinstance(plan, Evict), plan
