@@ -162,6 +162,48 @@ async def test_the_engine_frees_a_kept_copy_before_copying_another_model_into_ho
         status = h.engine.keeper.snapshot()
         assert (status["a"].residency, status["a"].host_bytes) == ("device", 0), status["a"]
         assert (status["b"].residency, status["b"].host_bytes) == ("host", G), status["b"]
+        assert released(h, "host_memory_full") == (1, G)
+    finally:
+        await h.close()
+
+
+def released(h: Harness, reason: str) -> tuple[int, int]:
+    """``/metrics``' count and bytes of kept host copies freed for ``reason``."""
+    text = h.engine.metrics.render().decode()
+    count = f'diffusiond_kept_host_copies_released_total{{reason="{reason}"}} '
+    nbytes = f'diffusiond_kept_host_bytes_released_total{{reason="{reason}"}} '
+    found = [float(line.split()[-1]) for key in (count, nbytes) for line in text.splitlines() if line.startswith(key)]
+    return (int(found[0]), int(found[1])) if len(found) == 2 else (0, 0)
+
+
+async def test_a_kept_copy_shows_per_model_and_is_counted_freed_when_its_workers_stop(weighs_a_gib: None) -> None:
+    """Kept bytes in ``GET /v1/models`` and their gauge; a kept copy is not released ahead of a move to disk (the
+    workers' stop frees it, a RELEASE first would cost a round trip for nothing), and the books and the
+    counter say it is gone then: by a level-2 sleep, and by a worker's death."""
+    h = Harness(models=(ModelConfig(name="a", spec="fake", devices=("cuda:0",)),), device_memory="8GiB",
+                host_memory="4GiB", max_batch=1)
+    h.engine.metrics.bind(lambda: views.health(h.engine), residency=lambda: h.engine.keeper.snapshot().values())
+    await h.engine.start()
+    try:
+        await h.engine.unload_model("a")
+        await h.engine.load_model("a")  # woken from host memory: it keeps the copy it slept into
+        assert views.model(h.engine, h.engine.pool.models["a"])["kept_host_bytes"] == G
+        assert 'diffusiond_kept_host_bytes{model="a"} 1.073741824e+09' in h.engine.metrics.render().decode()
+        await h.engine.sleep(level=2)
+        workers = h.spawned[:]
+        assert [type(c).__name__ for w in workers for c in w.commands].count("Release") == 0
+        assert all(w.state == WorkerState.DEAD for w in workers)
+        status = h.engine.keeper.snapshot()["a"]
+        assert (status.residency, status.host_bytes, status.kept_bytes) == ("disk", 0, 0), status
+        assert released(h, "disk") == (1, G)
+        await h.engine.wake()
+        await h.engine.unload_model("a")
+        await h.engine.load_model("a")  # from host memory again: a new copy kept
+        assert h.engine.keeper.snapshot()["a"].kept_bytes == G
+        h.spawned[-1].die()
+        assert h.engine.keeper.snapshot()["a"].host_bytes == 0
+        assert released(h, "worker_died") == (1, G)
+        assert 'diffusiond_kept_host_bytes{model="a"} 0.0' in h.engine.metrics.render().decode()
     finally:
         await h.close()
 

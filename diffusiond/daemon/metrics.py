@@ -63,6 +63,12 @@ class _ResidencyCollector(Collector):
                 family.add_metric([m.name, device, "device"], nbytes)
             family.add_metric([m.name, m.device, "host"], m.host_bytes)
         yield family
+        kept = GaugeMetricFamily(
+            "diffusiond_kept_host_bytes", "Of a model's host bytes, the page-locked copy of its weights its workers "
+            "keep while it is on its device, for its next move to host memory (issue 27)", labels=["model"])
+        for m in self.snapshot():
+            kept.add_metric([m.name], m.kept_bytes)
+        yield kept
 
 
 class Metrics:
@@ -89,12 +95,25 @@ class Metrics:
         self.model_evictions_total = Counter("diffusiond_model_evictions_total",
                                              "Models that left their device, by reason", ["model", "reason"],
                                              registry=self.registry)
+        self.kept_released_total = Counter(
+            "diffusiond_kept_host_copies_released_total", "Host copies kept by models on their devices that were "
+            "freed, by reason: host_memory_full (room for another), disk (the workers stopped), worker_died",
+            ["reason"], registry=self.registry)
+        self.kept_released_bytes = Counter("diffusiond_kept_host_bytes_released_total",
+                                           "Bytes of the kept host copies freed, by reason (as above)", ["reason"],
+                                           registry=self.registry)
         self.model_load_seconds = Histogram("diffusiond_model_load_seconds", "Time to bring a model onto its device",
                                             buckets=(0.1, 0.3, 1, 3, 10, 30, 100, 300), registry=self.registry)
         self.web_sessions = Counter("diffusiond_web_sessions_total", "Sign-ins to the web page (token URL opened)",
                                     registry=self.registry)
         self.web_refused = Counter("diffusiond_web_refused_total", "Web listener requests refused, by reason",
                                    ["reason"], registry=self.registry)
+
+    def kept_released(self, reason: str, nbytes: int) -> None:
+        """A model's kept host copy (``nbytes`` of it) is gone: freed for room, or with its workers."""
+        if nbytes > 0:
+            self.kept_released_total.labels(reason).inc()
+            self.kept_released_bytes.labels(reason).inc(nbytes)
 
     def bind(self, snapshot: Callable[[], dict[str, Any]],
              residency: Callable[[], Iterable[ModelStatus]] | None = None) -> None:

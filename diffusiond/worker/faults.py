@@ -42,6 +42,8 @@ class Faults:
     ``MemoryError`` on a CPU) before they start: the out-of-memory retry, without a huge allocation.
     ``upscale_oom=SIDE``: an upscaler runs out of memory on any input with a side over SIDE (a tile,
     or a whole picture): its retry in smaller tiles, and the job's ``out_of_memory`` when those fail too.
+    ``working_bytes=N``: every batch reports N bytes of working memory, as a GPU's allocator would measure a large
+    size, so residency's plans after a measurement run on CPU (a job's size that no longer fits; issue 27).
     ``memory_fraction=F``: the worker's CUDA allocator may take only F of the device
     (``torch.cuda.set_per_process_memory_fraction``), so a large size really runs out of memory.
     ``no_param_table``: the worker sends no PARAM_TABLE, so updates for its model on disk are checked as for
@@ -61,6 +63,7 @@ class Faults:
     memory_fraction: float = 0.0
     no_working_measure: bool = False
     no_param_table: bool = False
+    working_bytes: int = 0
     frame: tuple[str, Kind] | None = None
 
     @classmethod
@@ -88,6 +91,8 @@ class Faults:
                 f.no_working_measure = True
             elif key == "no_param_table":  # updates for the model on disk are checked as if it never ran
                 f.no_param_table = True
+            elif key == "working_bytes":
+                f.working_bytes = int(value)
             elif key == "memory_fraction":
                 f.memory_fraction = float(value)
             elif key in FRAME_FAULTS:

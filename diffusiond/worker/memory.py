@@ -54,6 +54,7 @@ class PeakMeter:
         self._trim = _malloc_trim() if device.type == "cpu" else None
         measurable = device.type == "cuda" or (self._trim is not None and _can_reset())
         self.available = measurable and not offloaded
+        self.forced: int | None = None  # the test fault ``working_bytes=N``: every batch says N (worker/faults.py)
 
     def start(self) -> None:
         self._started = False
@@ -74,6 +75,8 @@ class PeakMeter:
         self._started = True
 
     def stop(self, outputs: Sequence[torch.Tensor]) -> int | None:
+        if self.forced is not None:
+            return self.forced
         if not self._started:
             return None
         self._started = False

@@ -281,6 +281,8 @@ class Worker:
         )
         if faults is not None and faults.no_working_measure:
             self.compute.meter.available = False
+        if faults is not None and faults.working_bytes:
+            self.compute.meter.forced = faults.working_bytes
         for item in self.pending:
             self.compute.queue.put(item)
         self.pending.clear()

@@ -36,6 +36,7 @@ from diffusiond.daemon.core.jobs import Item, Job, JobRequest
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.core.output_access import OutputAccess
 from diffusiond.daemon.core.scheduler import Scheduler
+from diffusiond.daemon.core.unrunnable import fail_queued
 from diffusiond.daemon.core.upscalers import UpscalerRegistry
 from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
 from diffusiond.daemon.errors import (
@@ -96,7 +97,7 @@ class Engine(OutputAccess):
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
         self.keeper = Keeper(config, self.pool, self.metrics, on_change=self.dispatch, oldest=self.scheduler.oldest,
-                             queued=self.scheduler.outputs, fail=self._fail_queued)
+                             queued=self.scheduler.outputs, fail=functools.partial(fail_queued, self))
         self.flights = Flights(self.pool, self.scheduler, self.outputs, self.store, self.metrics,
                                held=lambda: self.paused or self.stopping, changed=self._changed, keeper=self.keeper)
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
@@ -279,11 +280,6 @@ class Engine(OutputAccess):
         model's jobs fail; ``no_worker`` while a level-2 sleep lets no worker start (no load was tried)."""
         code = ErrorCode.NO_WORKER if self.pool.sleep_level >= 2 else ErrorCode.MODEL_LOAD_FAILED
         return NoWorker(f"model {name!r} could not be loaded: {failed}", code=code)
-
-    def _fail_queued(self, model: str, message: str, code: ErrorCode = ErrorCode.MODEL_LOAD_FAILED) -> None:
-        """Residency could not load ``model`` (or it no longer fits): the jobs waiting for it fail with the reason."""
-        for job in self.scheduler.waiting(model):
-            self._end(job, JobStatus.FAILED, code, message, stage=job.stage_label)
 
     async def unload_model(self, name: str) -> None:
         """By hand: the model off its device once its work is done (``POST /v1/models/{name}/unload``)."""

@@ -234,6 +234,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "device_bytes": where.device_bytes if where is not None else 0,
             "device_bytes_by_device": dict(where.per_device) if where is not None else {},
             "host_bytes": where.host_bytes if where is not None else 0,
+            "kept_host_bytes": where.kept_bytes if where is not None else 0,
             "keep_alive_until": None if until is None else round(now_wall + (until - now), 3),
             "keep_alive_forever": bool(where and where.forever),
             "pinned": m.config.pinned, "queued": where.queued if where is not None else 0,

@@ -151,6 +151,7 @@ class ModelStatus:
     reason: str  # why it is where it is: the last transition's reason
     unload_pending: bool = False  # an unload by hand waits for its work (``byhand.unload``)
     per_device: dict[str, int] = field(default_factory=dict)  # device -> its share of ``device_bytes``
+    kept_bytes: int = 0  # of ``host_bytes``, the host copy its workers keep beside it on its device (issue 27)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -39,7 +39,7 @@ class ModelEntry:
 
     @property
     def device(self) -> str:
-        """The first of its devices, which messages and turns (``turns.py``) name it by."""
+        """The first of its devices, which messages name it by (turns go by all of them: ``turns.py``)."""
         return self.devices[0]
 
     @property

@@ -49,7 +49,6 @@ from diffusiond.daemon.residency.decisions import (
     Release,
     TooLarge,
     Wait,
-    reason_label,
 )
 from diffusiond.daemon.residency.fit import device_weights, too_large_hints
 from diffusiond.daemon.residency.load_reports import LoadReports
@@ -77,10 +76,12 @@ class Keeper:
                  on_change: Callable[[], None], read_free: FreeReader | None = None,
                  oldest: Callable[[str], float | None] = lambda name: None,
                  queued: Callable[[str], int] = lambda name: 0,
-                 fail: Callable[[str, str, ErrorCode], None] = lambda name, message, code: None) -> None:
+                 fail: Callable[[str, str, ErrorCode, Shape | None], None] = lambda name, message, code, shape: None
+                 ) -> None:
         """``oldest``: when a model's longest-waiting queued output was admitted (the scheduler's), or None;
         ``queued``: how many of its outputs the scheduler holds (counted when the model becomes known);
-        ``fail``: fail the model's queued jobs with this message and code: its load failed, or it is too large."""
+        ``fail``: fail the model's queued jobs with this message and code: its load failed, or it is too large;
+        with a shape, only its jobs of that size (one output each): they no longer fit, and the others may."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.on_change = on_change  # a move ended: the engine dispatches again
         budgets = {}
@@ -182,11 +183,14 @@ class Keeper:
             return None
         plan = self.policy.plan(name, shape)
         if isinstance(plan, TooLarge):
-            device = plan.device or self.pool.models[name].config.devices[0]
-            return dataclasses.replace(plan, reason=f"{plan.reason}. The budget on {device} is "
-                                                    f"{self.budget_sources.get(device, 'unknown')}")
+            return dataclasses.replace(plan, reason=self._budget_said(plan))
         self.policy.queue(name, outputs)
         return None
+
+    def _budget_said(self, plan: TooLarge) -> str:
+        """A refusal's words, with where the budget it names came from (a flag, the GPU's size)."""
+        device = plan.device or self.pool.models[plan.model].config.devices[0]
+        return f"{plan.reason}. The budget on {device} is {self.budget_sources.get(device, 'unknown')}"
 
     def nothing_fits(self, model: Model) -> TooLarge:
         """Every job of a model for which ``offload=auto`` found no configuration that fits (config.py) is
@@ -223,7 +227,9 @@ class Keeper:
 
     def worker_lost(self, name: str, reason: str) -> None:
         if self.known(name) and name not in self.moving:
+            kept = self.policy.kept(name)
             self.policy.worker_died([name], reason)
+            self.metrics.kept_released("worker_died", kept)
 
     def on_oom(self, name: str, shape: Shape) -> None:
         """A worker ran out of memory running ``shape`` and retries (worker/compute.py): the idle models
@@ -284,7 +290,7 @@ class Keeper:
     def _standing(self) -> list[Standing]:
         return [Standing(s.name, s.device, s.residency, s.pinned, moving=s.name in self.moving,
                          running=s.running > 0, oldest=self.oldest(s.name),
-                         blocked=self._held.get(s.name) == WAITING_FOR_MEMORY)
+                         blocked=self._held.get(s.name) == WAITING_FOR_MEMORY, devices=tuple(s.per_device))
                 for s in self.policy.snapshot() if s.name in self.pool.models]
 
     @staticmethod
@@ -324,7 +330,12 @@ class Keeper:
             self._held[name] = plan.stage
             return False
         elif isinstance(weights := self.policy.plan(name, None), TooLarge):  # its load showed it larger than
-            self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE)  # admission knew: no job of it would run
+            self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE, None)  # admission knew: no job would run
+        elif shape is not None:  # the model fits, this size no longer does: measured since (issue 27)
+            self.fail(name, f"this job's size no longer fits: its model's working memory, measured after the job "
+                            f"was queued, makes it too large even with every other model evicted. "
+                            f"{self._budget_said(plan)}", ErrorCode.MODEL_TOO_LARGE, shape)
+            asyncio.get_running_loop().call_soon(self.on_change)  # its jobs of other sizes are asked in turn
         self._held.pop(name, None)
         return False
 
@@ -446,7 +457,7 @@ class Keeper:
         if isinstance(move, Release):
             await leaving.release(self, move, booked=False)
         elif self._book(model, move):
-            await self._carry(model, move)
+            await leaving.carry(self, model, move)
 
     def _book(self, model: Model, move: Move) -> bool:
         name = model.name
@@ -460,27 +471,6 @@ class Keeper:
         self.moving.add(name)
         log.info("%s leaves %s for %s: %s", name, move.src, move.dst, move.reason)
         return True
-
-    async def _carry(self, model: Model, move: Move) -> None:
-        name = model.name
-        try:
-            if move.dst == "host":
-                await self.pool.sleep_model(model)
-            else:
-                await self.pool.retire(model)
-        except Exception as exc:
-            log.error("moving %s to %s failed: %s", name, move.dst, exc)
-            self.policy.unload_failed(move, str(exc))
-            ended = self.turns.release(name, f"its move off {move.src} failed", time.monotonic())
-            if ended is not None:
-                self._log_end(ended)
-        else:
-            self.policy.unloaded(move)
-            self.metrics.model_evictions_total.labels(name, reason_label(move.reason)).inc()
-        finally:
-            self.moving.discard(name)
-            self._pending_unloads()
-            self.on_change()
 
     async def _expire_forever(self) -> None:
         await leaving.expire_forever(self, EXPIRY_CHECK_S)

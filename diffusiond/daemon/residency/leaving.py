@@ -1,7 +1,8 @@
 """Moves off the device that no job asks for, carried out for the keeper: a sleep's, and expired keep-alives'.
 
 Functions of the keeper (``keeper.py`` keeps a one-line method for each), split off it so that it keeps the
-moves a dispatch asks for and this module the ones a timer, a sleep or a turn (``yield_turn``) asks for.
+moves a dispatch asks for and this module the ones a timer, a sleep or a turn (``yield_turn``) asks for, and
+how any move off a device or out of host memory is carried out (``carry``).
 
 Every decision's moves (an expiry's, a sleep's, and through ``Keeper._spawn_moves`` a dispatch's, a pressure
 watch's, an OOM's, an unload's) run side by side (awaited in turn, one large model's slow copy to host
@@ -18,12 +19,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-from diffusiond.daemon.residency.decisions import WAITING_FOR_MEMORY, Evict, ModelStatus, Move, Release
+from diffusiond.daemon.metrics import Metrics
+from diffusiond.daemon.residency.decisions import (
+    WAITING_FOR_MEMORY,
+    Evict,
+    ModelStatus,
+    Move,
+    Release,
+    reason_label,
+)
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
-from diffusiond.daemon.residency.turns import Hold, Turns
+from diffusiond.daemon.residency.turns import Ended, Hold, Turns
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import WorkerState
@@ -36,6 +45,8 @@ class Keeper(Protocol):
 
     pool: WorkerPool
     policy: Residency
+    metrics: Metrics
+    on_change: Callable[[], None]
     moving: set[str]
 
     turns: Turns
@@ -49,7 +60,8 @@ class Keeper(Protocol):
     def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
     def _start(self, coro: Coroutine[Any, Any, None]) -> None: ...
     def _book(self, model: Model, move: Move) -> bool: ...
-    def _carry(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
+    def _pending_unloads(self) -> None: ...
+    def _log_end(self, e: Ended) -> None: ...
 
 
 def yield_turn(k: Keeper, model: Model, hold: Hold) -> None:
@@ -97,11 +109,37 @@ async def carry_in_order(k: Keeper, moves: tuple[Move, ...]) -> None:
     frees = [m for m in frees if _book_release(k, m)]
 
     async def after_drops() -> None:
-        await asyncio.gather(*(k._carry(model, m) for model, m in drops), *(release(k, m) for m in frees))
-        await asyncio.gather(*(k._carry(model, m) for model, m in into_host))
+        await asyncio.gather(*(carry(k, model, m) for model, m in drops), *(release(k, m) for m in frees))
+        await asyncio.gather(*(carry(k, model, m) for model, m in into_host))
 
-    await asyncio.gather(after_drops(), *(k._carry(model, m) for model, m in booked
+    await asyncio.gather(after_drops(), *(carry(k, model, m) for model, m in booked
                                           if (model, m) not in drops and (model, m) not in into_host))
+
+
+async def carry(k: Keeper, model: Model, move: Move) -> None:
+    """A booked move off the device or out of host memory (``Keeper._book``): SLEEP to host memory, else the
+    workers stop; its end, or its failure, is told to the policy and ends the model's turn hold."""
+    name = model.name
+    try:
+        if move.dst == "host":
+            await k.pool.sleep_model(model)
+        else:
+            await k.pool.retire(model)
+    except Exception as exc:
+        log.error("moving %s to %s failed: %s", name, move.dst, exc)
+        k.policy.unload_failed(move, str(exc))
+        ended = k.turns.release(name, f"its move off {move.src} failed", time.monotonic())
+        if ended is not None:
+            k._log_end(ended)
+    else:
+        kept = k.policy.kept(name) if move.dst == "disk" else 0  # its workers stopped: their copy went with them
+        k.policy.unloaded(move)
+        k.metrics.kept_released("disk", kept)
+        k.metrics.model_evictions_total.labels(name, reason_label(move.reason)).inc()
+    finally:
+        k.moving.discard(name)
+        k._pending_unloads()
+        k.on_change()
 
 
 def _book_release(k: Keeper, move: Release) -> bool:
@@ -120,6 +158,7 @@ async def release(k: Keeper, move: Release, booked: bool = True) -> None:
     model = k.pool.models[move.model]
     if not booked and not _book_release(k, move):
         return
+    before = k.policy.kept(move.model)
     failed = None
     try:
         await k.pool.release_host(model)
@@ -132,6 +171,7 @@ async def release(k: Keeper, move: Release, booked: bool = True) -> None:
         else:
             k.policy.unload_failed(move, failed)
     k.kept(model)
+    k.metrics.kept_released("host_memory_full", before - k.policy.kept(move.model))
 
 
 async def expire_forever(k: Keeper, every_s: float) -> None:

@@ -30,6 +30,7 @@ from diffusiond.daemon.residency.budget import NO_BUDGET
 from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.preload import Preloading, choose
+from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Asleep, Model, WorkerPool
 from diffusiond.protocol import ErrorCode
 
@@ -43,7 +44,7 @@ class Keeper(Protocol):
     metrics: Metrics
     moving: set[str]
     on_change: Callable[[], None]
-    fail: Callable[[str, str, ErrorCode], None]
+    fail: Callable[[str, str, ErrorCode, Shape | None], None]
     failed: dict[str, str]
     preloading: Preloading
     _learning: dict[str, asyncio.Task[str | None]]
@@ -66,7 +67,7 @@ def load_failed(k: Keeper, model: Model, reason: str) -> None:
     name = model.name
     k.failed[name] = reason
     k.fail(name, f"model {name!r} could not be loaded: {reason}. The next job for it tries the load again "
-                 "(fix its files or its spec first)", ErrorCode.MODEL_LOAD_FAILED)
+                 "(fix its files or its spec first)", ErrorCode.MODEL_LOAD_FAILED, None)
 
 
 def choose_preload(k: Keeper, socket_activated: bool = False) -> list[Model]:

@@ -34,11 +34,11 @@ from diffusiond.daemon.residency.decisions import (
     Pressure,
     Release,
     Tier,
-    TooLarge,
     Wait,
     failed_load,
 )
 from diffusiond.daemon.residency.entry import ModelEntry
+from diffusiond.daemon.residency.too_large import too_large
 from diffusiond.daemon.residency.units import FOREVER, format_bytes
 from diffusiond.daemon.residency.working import Estimate, Measurements, Shape, default_working
 
@@ -121,6 +121,12 @@ class Residency:
     def host_used(self) -> int:
         return host_memory.used(self._models.values())
 
+    def kept(self, name: str) -> int:
+        """The page-locked host copy its workers keep beside it on its device (issue 27); 0 elsewhere: in host
+        memory that copy holds its weights (``host_bytes``), on disk its workers, and the copy, are gone."""
+        m = self._get(name)
+        return m.kept if m.tier == "device" else 0
+
     def _free(self, device: str) -> int:
         free = self.budgets[device] - self.device_used(device)
         return min(free, self._headroom[device]) if device in self._headroom else free
@@ -151,7 +157,7 @@ class Residency:
             pinned = [p for p in self._models.values()
                       if d in p.devices and p.pinned and p.resident and p.name != name]
             if m.frees(d) + known > self.budgets[d] - sum(p.frees(d) for p in pinned):
-                return self._too_large(m, d, shape, known, est, pinned)
+                return too_large(m, d, self.budgets[d], shape, known, est, pinned)
         if m.tier == "loading":
             return Wait(name, LOADING, f"{name} is loading onto {m.where}")
         if m.leaving is not None:
@@ -227,28 +233,6 @@ class Residency:
     def _least_run(self, m: ModelEntry) -> int:
         """A lower bound of the working memory of any run of ``m``: its smallest measured peak (or 0)."""
         return min(self.measurements.peaks(m.name, m.weight_bytes).values(), default=0)
-
-    def _too_large(self, m: ModelEntry, device: str, shape: Shape | None, known: int, est: Estimate,
-                   pinned: list[ModelEntry]) -> TooLarge:
-        budget, copies = self.budgets[device], m.devices.count(device)
-        need = m.frees(device) + known
-        pinned_bytes = sum(p.frees(device) for p in pinned)
-        each = f", {copies} workers there, each with its copy" if copies > 1 else ""
-        working = f" + {format_bytes(known)} of working memory for {shape} ({est.how})" if known else ""
-        beside = (f", and {', '.join(sorted(p.name for p in pinned))} (pinned) hold {format_bytes(pinned_bytes)} "
-                  "of it" if pinned else "")
-        hints = [f"a larger --device-memory for {device} (at least {format_bytes(need + pinned_bytes)})"]
-        if pinned:
-            hints.append(f"unpinning {', '.join(sorted(p.name for p in pinned))}")
-        if known:
-            hints.append("a smaller size or batch")
-        hints.extend(m.hints or ("CPU offloading or a quantized variant, where the model supports them",))
-        if copies > 1:
-            hints.append(f"fewer workers on {device} (--workers)")
-        message = (f"model {m.name!r} cannot fit on {device}: it needs {format_bytes(need)} "
-                   f"({format_bytes(m.frees(device))} of weights{each}{working}) and the budget there is "
-                   f"{format_bytes(budget)}{beside}. What would make it fit: {'; '.join(hints)}")
-        return TooLarge(m.name, need, budget, tuple(hints), message, device=device)
 
     def expired(self, now: float) -> tuple[Move, ...]:
         """Models whose keep-alive has run out: off the device, soonest deadline first."""
@@ -339,7 +323,7 @@ class Residency:
                 keep_alive_until=m.deadline if on and m.deadline != FOREVER else None,
                 forever=on and m.deadline == FOREVER, pinned=m.pinned, queued=m.queued,
                 running=sum(j for _, _, j, _ in m.running), reason=m.reason,
-                per_device={d: m.on(d) for d in m.places}))
+                per_device={d: m.on(d) for d in m.places}, kept_bytes=self.kept(m.name)))
         return out
 
     # ---- reports: jobs -----------------------------------------------------------------------------------

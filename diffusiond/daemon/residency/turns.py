@@ -13,6 +13,9 @@ and leaves the device (the keeper carries that out); it is not given batches aga
 it yields to runs. That model's turn then lasts at least the bound too (while it has work), so two
 models with steady streams take turns of about the bound each rather than swapping at every batch.
 
+A model on several devices (a worker on each) takes turns on each of them: it is in the way of a model waiting
+for any device it uses, and waits for any model on one of its own.
+
 Pure, as policy.py is: the keeper passes every model's standing and the time, and carries out what
 comes back; each hold, and each end of one, carries the reason the log gives.
 """
@@ -38,6 +41,11 @@ class Standing:
     running: bool  # a batch of it is on a worker
     oldest: float | None  # when its longest-waiting queued output was admitted (monotonic s); None: none queued
     blocked: bool  # residency's last plan for it said wait for memory: other models hold its device
+    devices: tuple[str, ...] = ()  # every device it has a worker on (``device`` is the first); () : ``device`` alone
+
+    @property
+    def on(self) -> tuple[str, ...]:
+        return self.devices or (self.device,)
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,7 @@ class Turns:
             mine = [by[h.model] for h in self.holds.values() if h.for_model == w.name and h.model in by]
             if any(m.tier == "device" for m in mine):
                 continue  # one is still on its way out: see what that frees before holding another
-            blockers = [m for m in by.values() if m.device == w.device and m.name != w.name and m.tier == "device"
+            blockers = [m for m in by.values() if set(m.on) & set(w.on) and m.name != w.name and m.tier == "device"
                         and not m.pinned and not m.moving and (m.running or m.oldest is not None)
                         and m.name not in self.holds and m.name not in self.turns and m.name not in waiting]
             if not blockers:
@@ -106,10 +114,11 @@ class Turns:
             # the one whose own jobs have waited least pays the least for yielding (one with none queued, nothing)
             b = min(blockers, key=lambda m: (0.0 if m.oldest is None else now - m.oldest, m.name))
             assert w.oldest is not None
-            reason = (f"a job of {w.name} has waited {now - w.oldest:.1f} s for {w.device}, longer than "
+            device = next(d for d in w.on if d in b.on)  # the first of w's devices the blocker holds too
+            reason = (f"a job of {w.name} has waited {now - w.oldest:.1f} s for {device}, longer than "
                       f"--max-model-wait {self.max_wait_s:g} s: {b.name} takes no new batch, finishes those it "
                       f"runs and yields the device to {w.name}")
-            hold = Hold(b.name, w.name, w.device, now, reason)
+            hold = Hold(b.name, w.name, device, now, reason)
             self.holds[b.name] = hold
             begun.append(hold)
         return begun, ended

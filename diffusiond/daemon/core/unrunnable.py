@@ -1,0 +1,33 @@
+"""Queued jobs residency says will never run: their model failed to load, no longer fits, or (issue 27) their
+own size no longer fits, which only a measurement made after they were admitted can show.
+
+Split off the engine, which keeps the one ending (``Engine._end``): this module only picks who ends. A size
+that no longer fits ends the jobs of that size alone (one output each, as admission sized them); the
+model's other jobs may still fit, and are asked about in turn.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from diffusiond.daemon.core.jobs import Job
+from diffusiond.daemon.core.scheduler import Scheduler
+from diffusiond.daemon.residency.keeper import shape_of
+from diffusiond.daemon.residency.working import Shape
+from diffusiond.protocol import ErrorCode, JobStatus
+
+
+class Engine(Protocol):
+    """What of the engine (``engine.Engine``) this module uses, named here so that it does not import it."""
+
+    scheduler: Scheduler
+
+    def _end(self, job: Job, status: JobStatus, code: ErrorCode | None = None, message: str = "",
+             stage: str | None = None) -> None: ...
+
+
+def fail_queued(engine: Engine, model: str, message: str, code: ErrorCode, shape: Shape | None) -> None:
+    """The jobs waiting for ``model`` (of ``shape`` only, where given) fail with ``message``: the keeper's ``fail``."""
+    for job in engine.scheduler.waiting(model):
+        if shape is None or shape_of(*job.request.work_size, 1, job.request.num_frames) == shape:
+            engine._end(job, JobStatus.FAILED, code, message, stage=job.stage_label)

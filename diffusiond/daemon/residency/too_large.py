@@ -1,0 +1,34 @@
+"""The words of a ``model_too_large`` refusal: what the model (and a job's size) needs on the device, what the
+budget leaves it, and what would make it fit. Split off ``policy.py``, which decides when it applies."""
+
+from __future__ import annotations
+
+from diffusiond.daemon.residency.decisions import TooLarge
+from diffusiond.daemon.residency.entry import ModelEntry
+from diffusiond.daemon.residency.units import format_bytes
+from diffusiond.daemon.residency.working import Estimate, Shape
+
+
+def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, known: int, est: Estimate,
+              pinned: list[ModelEntry]) -> TooLarge:
+    """``m`` with ``known`` bytes of measured working memory for ``shape`` cannot fit ``budget`` on ``device`` even
+    with every other model evicted: ``pinned`` ones, which never are, hold part of it."""
+    copies = m.devices.count(device)
+    need = m.frees(device) + known
+    pinned_bytes = sum(p.frees(device) for p in pinned)
+    each = f", {copies} workers there, each with its copy" if copies > 1 else ""
+    working = f" + {format_bytes(known)} of working memory for {shape} ({est.how})" if known else ""
+    beside = (f", and {', '.join(sorted(p.name for p in pinned))} (pinned) hold {format_bytes(pinned_bytes)} "
+              "of it" if pinned else "")
+    hints = [f"a larger --device-memory for {device} (at least {format_bytes(need + pinned_bytes)})"]
+    if pinned:
+        hints.append(f"unpinning {', '.join(sorted(p.name for p in pinned))}")
+    if known:
+        hints.append("a smaller size or batch")
+    hints.extend(m.hints or ("CPU offloading or a quantized variant, where the model supports them",))
+    if copies > 1:
+        hints.append(f"fewer workers on {device} (--workers)")
+    message = (f"model {m.name!r} cannot fit on {device}: it needs {format_bytes(need)} "
+               f"({format_bytes(m.frees(device))} of weights{each}{working}) and the budget there is "
+               f"{format_bytes(budget)}{beside}. What would make it fit: {'; '.join(hints)}")
+    return TooLarge(m.name, need, budget, tuple(hints), message, device=device)
