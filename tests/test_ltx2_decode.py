@@ -8,6 +8,7 @@ The tiny LTX-2 (tests/ltx2kit.py) keeps the released VAE's compression, decoder 
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,3 +88,12 @@ def test_vae_tiling_decodes_a_side_whose_last_tile_is_one_latent_pixel(ltx2: Dif
     (video,) = _run(ltx2, [False], msgspec.structs.replace(PARAMS, height=928))
     assert tuple(video.shape) == (9, 3, 928, 64) and torch.isfinite(video).all()
     assert (vae.tile_sample_stride_height, vae.tile_sample_stride_width) == (448, 448)  # put back after the call
+
+
+def test_a_vae_tiled_another_way_is_left_alone() -> None:
+    """Allegro's and HunyuanImage 2.1's VAEs tile without ``tile_sample_stride_*``: vae_tiling=1 must not fail them."""
+    vae = types.SimpleNamespace(use_tiling=True, spatial_compression_ratio=8, decoder=torch.nn.Identity())
+    pipe = types.SimpleNamespace(vae=vae)
+    with vae_tiles.fitted(pipe, 928, 64):
+        pass
+    assert not hasattr(vae, "tile_sample_stride_height")

@@ -41,14 +41,18 @@ def fitted(pipe: Any, height: int, width: int) -> Iterator[None]:
     if not getattr(vae, "use_tiling", False) or not isinstance(ratio, int) or ratio < 1:
         yield
         return
-    need = decoder_need(vae)
+    # a VAE tiled otherwise (Allegro's, HunyuanImage's: no such attributes) or that decodes any strip is left alone
+    tiled_so = all(isinstance(getattr(vae, name, None), int) for pair in _SIDES for name in pair)
+    need = decoder_need(vae) if tiled_so else 1
+    if need <= 1:
+        yield
+        return
     saved = {stride: getattr(vae, stride) for _, stride in _SIDES}
     try:
-        if need > 1:
-            for (tile, stride), side in zip(_SIDES, (height, width), strict=True):
-                latent = int(saved[stride]) // ratio
-                if int(getattr(vae, tile)) // ratio > latent > 0:
-                    setattr(vae, stride, fitted_stride(side // ratio, latent, need) * ratio)
+        for (tile, stride), side in zip(_SIDES, (height, width), strict=True):
+            latent = int(saved[stride]) // ratio
+            if int(getattr(vae, tile)) // ratio > latent > 0:
+                setattr(vae, stride, fitted_stride(side // ratio, latent, need) * ratio)
         yield
     finally:
         for name, value in saved.items():
