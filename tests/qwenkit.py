@@ -10,13 +10,13 @@ processor keeps the input picture to at most ``MAX_PIXELS`` for the vision tower
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffusiond.pipelines.gen_tokenizers import QWEN_SPECIALS, qwen_tokenizer
+from diffusiond.pipelines.qwen_edit import release_layout, stills_processor
 
 Z = 4  # latent channels
 MAX_PIXELS = 64 * 28 * 28  # what the vision tower sees of the input picture: at most 64 merged patches
@@ -59,14 +59,6 @@ def _transformer() -> Any:
     return QwenImageTransformer2DModel(**TRANSFORMER)
 
 
-def _processor_files(tokenizer: Any, folder: Path) -> None:
-    """The release's ``processor/`` files: the tokenizer's and the image processor's config."""
-    from transformers import Qwen2VLImageProcessor
-
-    tokenizer.save_pretrained(str(folder))
-    Qwen2VLImageProcessor(min_pixels=4 * 28 * 28, max_pixels=MAX_PIXELS).save_pretrained(str(folder))
-
-
 def build_qwen_edit(out: Path) -> Path:
     """A tiny QwenImageEditPipeline saved (safetensors) in ``out``."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
@@ -77,12 +69,8 @@ def build_qwen_edit(out: Path) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                                 base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
                                                 time_shift_type="exponential")
-    # The processor goes in as None and its files are written beside: building one here would need torchvision
-    # (the daemon loads it without, diffusiond/pipelines/qwen_edit.py)
-    pipe = QwenImageEditPipeline(scheduler=scheduler, tokenizer=tokenizer, processor=None, **parts)
+    processor = stills_processor(tokenizer, {"min_pixels": 4 * 28 * 28, "max_pixels": MAX_PIXELS})
+    pipe = QwenImageEditPipeline(scheduler=scheduler, tokenizer=tokenizer, processor=processor, **parts)
     pipe.save_pretrained(str(out), safe_serialization=True)
-    _processor_files(tokenizer, out / "processor")
-    index = json.loads((out / "model_index.json").read_text())
-    (out / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]},
-                                                     indent=2))
+    release_layout(out, processor)
     return out

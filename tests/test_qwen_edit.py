@@ -1,11 +1,13 @@
 """Qwen-Image-Edit served by a real daemon (issue 30): the tiny QwenImageEditPipeline of tests/qwenkit.py, saved as
 the folder a user's Qwen/Qwen-Image-Edit download is and loaded through the daemon's own folder loader, without
-torchvision (the test environment has none, like a CPU-only install).
+torchvision (the test environment has none, like a CPU-only install); and ``random:qwen-image-edit``'s build, save
+and load, on a scaled-down copy of its table.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +16,16 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import torch
 from daemonkit import Daemon, http, shared_daemon
 from qwenkit import build_qwen_edit
 from test_edits import blocky, png_bytes
 from test_image_tasks import job, output_bytes
+from test_presets import SMALL_NEW, always, req
+
+from diffusiond.ipc.messages import BatchParams
+from diffusiond.pipelines import Task, load_pipeline
+from diffusiond.pipelines.preset_tables import PRESETS, Net
 
 W, H = 64, 96  # a picture taller than wide: the size rules hold off the square
 
@@ -59,3 +67,19 @@ async def test_qwen_image_edit_edits_the_image_it_is_sent_at_its_size(qwen_daemo
         assert status == 400 and masked["error"]["field"] == "model" and "inpainting" in masked["error"]["message"]
     assert one.shape[:2] == (H, W), one.shape  # the image's size, though the pipeline conditions at 1024²
     assert not np.array_equal(one, two) and not np.array_equal(one, negative)
+
+
+def test_the_qwen_image_edit_preset_builds_saves_loads_back_and_edits(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    nets = {k: v for k, v in SMALL_NEW["qwen-image"].parts.items() if isinstance(v, Net)}  # the small qwen-image's
+    small = dataclasses.replace(PRESETS["qwen-image-edit"], name="test-qwen-image-edit",
+                                parts={**PRESETS["qwen-image-edit"].parts, **nets})
+    monkeypatch.setitem(PRESETS, small.name, small)
+    monkeypatch.setenv("DIFFUSIOND_CACHE", str(tmp_path))
+    pipe = load_pipeline(f"random:{small.name}")
+    caps = pipe.capabilities  # no preview factors here for Qwen-Image's latents, as for qwen-image
+    assert (pipe.task, caps.edits, caps.size_step, caps.previews) == (Task.INSTRUCTION_EDIT, ("instruction-edit",), 16,
+                                                                      False)
+    params = BatchParams(width=W, height=H, steps=2, guidance=4.0, edit=Task.INSTRUCTION_EDIT.value)
+    (out,) = pipe.edit(params, [req(3)], [(blocky(1, H)[:, :W], None)], always)
+    assert tuple(out.shape) == (3, H, W) and torch.isfinite(out).all()

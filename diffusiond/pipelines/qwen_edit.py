@@ -10,6 +10,8 @@ its video half, loaded from the same files, so a folder loads the same way with 
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 _ENTRY = ["transformers", "Qwen2VLProcessor"]
 
 
+@functools.cache
 def stills_processor_class() -> type[Any]:
     """``Qwen2VLProcessor`` without its video processor (built here: transformers is imported on use only)."""
     from transformers import Qwen2VLProcessor
@@ -39,3 +42,24 @@ def processor_kwargs(index: Mapping[str, Any], root: Path | None) -> dict[str, A
     if root is None or list(index.get("processor") or []) != _ENTRY or not (root / "processor").is_dir():
         return {}
     return {"processor": stills_processor_class().from_pretrained(str(root / "processor"))}
+
+
+def stills_processor(tokenizer: Any, image: Mapping[str, Any]) -> Any:
+    """A processor built in code (``random:qwen-image-edit``, the tests' tiny one): ``tokenizer`` beside a Qwen2-VL
+    image processor of settings ``image``."""
+    from transformers import Qwen2VLImageProcessor
+
+    return stills_processor_class()(image_processor=Qwen2VLImageProcessor(**image), tokenizer=tokenizer)
+
+
+def release_layout(folder: Path, processor: Any) -> None:
+    """Make a saved pipeline's processor what the release's folder has, so that a model built in code loads the way
+    a download does: ``processor/`` with the tokenizer's files and the image processor's ``preprocessor_config.json``
+    (not the ``processor_config.json`` naming this module's class), and model_index.json naming transformers'
+    Qwen2VLProcessor."""
+    sub = folder / "processor"
+    (sub / "processor_config.json").unlink(missing_ok=True)
+    processor.tokenizer.save_pretrained(str(sub))
+    processor.image_processor.save_pretrained(str(sub))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "processor": _ENTRY}, indent=2, sort_keys=True))
