@@ -4,7 +4,7 @@ serves each edit task for a family, built on the loaded weights, and what each t
 A text-to-image model also edits (image-to-image, inpainting) and an LTX or Wan 2.2 TI2V text-to-video
 model also animates an image (image-to-video), through diffusers' sibling pipelines built with ``from_pipe``: they
 share every component, so no weight is loaded or held twice. A folder may also name an edit pipeline
-as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext): the model then
+as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext, Qwen-Image-Edit): the model then
 does that task only, and a request must send an image. Siblings are built with ``sibling``, not a
 plain ``from_pipe``, which would cast the shared weights to float32 (its docstring says why).
 """
@@ -105,7 +105,9 @@ def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozens
     [0, 1], or pictures where the pipeline class ``family`` reads only those) always, and the strength only
     where it means something (image-to-image, inpainting).
     Kontext would scale the output to an area of 1024² and the image to one of its preferred sizes: the
-    size (``area`` pixels) is the client's, and the engine has already resized the image to it."""
+    size (``area`` pixels) is the client's, and the engine has already resized the image to it. Qwen-Image-Edit
+    makes the size it is given, and shows its text encoder and transformer the picture at about 1024² pixels
+    whatever that size (its design, left as it is: docs/api.md says so)."""
     kwargs: dict[str, Any] = {"image": pictures(images) if family.startswith(_PICTURE_CLASSES) else images}
     if task in STRENGTH_TASKS:
         kwargs["strength"] = strength
