@@ -51,6 +51,7 @@ PUBLISHED: dict[str, dict[str, float]] = {
     "wan2.2-5b": {"transformer": 5.0e9, "text_encoder": 5.68e9, "vae": 705e6},
     "ltx-2b": {"transformer+vae": 9.37e9 / 4, "text_encoder": 4.762e9},
     "qwen-image": {"transformer": 20.4e9, "text_encoder": 8.29e9, "vae": 127e6},
+    "qwen-image-edit": {"transformer": 20.4e9, "text_encoder": 8.29e9, "vae": 127e6},  # "built upon" Qwen-Image
     "ltx-2": {"transformer": 19e9, "text_encoder": 12_187_325_040},
 }  # fmt: skip
 # Components with no published figure to check against here: their configs are diffusers' defaults (docs/models.md).

@@ -316,7 +316,8 @@ class DiffusersPipeline:
         images = torch.from_numpy(np.stack([img for img, _ in inputs])).permute(0, 3, 1, 2).float() / 255
         args = call_args(type(pipe))
         strength = 1.0 if params.strength is None else params.strength
-        extra = {**edit_kwargs(task, images, strength, args, params.width * params.height), **(more or {})}
+        extra = {**edit_kwargs(task, images, strength, args, params.width * params.height,
+                                 type(pipe).__name__), **(more or {})}
         if task is not Task.INPAINTING:
             return self._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
         planes = [m for _, m in inputs]

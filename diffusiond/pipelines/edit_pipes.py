@@ -4,7 +4,7 @@ serves each edit task for a family, built on the loaded weights, and what each t
 A text-to-image model also edits (image-to-image, inpainting) and an LTX or Wan 2.2 TI2V text-to-video
 model also animates an image (image-to-video), through diffusers' sibling pipelines built with ``from_pipe``: they
 share every component, so no weight is loaded or held twice. A folder may also name an edit pipeline
-as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext): the model then
+as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext, Qwen-Image-Edit): the model then
 does that task only, and a request must send an image. Siblings are built with ``sibling``, not a
 plain ``from_pipe``, which would cast the shared weights to float32 (its docstring says why).
 """
@@ -35,9 +35,12 @@ EDIT_CLASSES: tuple[tuple[tuple[str, ...], frozenset[str], Task], ...] = (
 
 # Classes that match a fragment above but whose pipelines we do not drive yet: name fragment -> why.
 NOT_SERVED = {
-    "QwenImageEdit": "Qwen-Image-Edit pipelines read the image as PIL pictures and encode it with Qwen2.5-VL's "
-                     "processor, a path diffusiond does not drive yet; FLUX Kontext (FluxKontextPipeline) is "
-                     "the instruction-edit family served",
+    "QwenImageEditPlus": "Qwen-Image-Edit-2509/2511 pipelines (QwenImageEditPlusPipeline) take several input images "
+                         "per prompt, and a request carries one; serve Qwen-Image-Edit (QwenImageEditPipeline) or "
+                         "FLUX Kontext (FluxKontextPipeline) for instruction edits",
+    "QwenImageEditInpaint": "Qwen-Image-Edit's inpainting pipeline (QwenImageEditInpaintPipeline) is not driven by "
+                            "diffusiond yet; serve Qwen-Image-Edit (QwenImageEditPipeline) for instruction edits, or "
+                            "an inpainting model",
     "WanVACE": "Wan VACE pipelines (WanVACEPipeline) are conditioned on a control video, its masks and reference "
                "images, which diffusiond does not take yet; the Wan pipelines served are WanPipeline (Wan 2.1 T2V, "
                "Wan 2.2 TI2V) and WanImageToVideoPipeline (Wan 2.1 I2V)",
@@ -96,12 +99,16 @@ def _fitted(pipe: Any) -> Any:
     return pipe if fit is None else fit(pipe)
 
 
-def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozenset[str], area: int) -> dict[str, Any]:
+def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozenset[str], area: int,
+                family: str = "") -> dict[str, Any]:
     """What the edit's diffusers call takes beside the prompt and size: the image (as a batch in
-    [0, 1]) always, and the strength only where it means something (image-to-image, inpainting).
+    [0, 1], or pictures where the pipeline class ``family`` reads only those) always, and the strength only
+    where it means something (image-to-image, inpainting).
     Kontext would scale the output to an area of 1024² and the image to one of its preferred sizes: the
-    size (``area`` pixels) is the client's, and the engine has already resized the image to it."""
-    kwargs: dict[str, Any] = {"image": images}
+    size (``area`` pixels) is the client's, and the engine has already resized the image to it. Qwen-Image-Edit
+    makes the size it is given, and shows its text encoder and transformer the picture at about 1024² pixels
+    whatever that size (its design, left as it is: docs/api.md says so)."""
+    kwargs: dict[str, Any] = {"image": pictures(images) if family.startswith(_PICTURE_CLASSES) else images}
     if task in STRENGTH_TASKS:
         kwargs["strength"] = strength
     if "_auto_resize" in args:
@@ -113,6 +120,20 @@ def edit_kwargs(task: Task, images: torch.Tensor, strength: float, args: frozens
         # picture only, never a batch; the engine's decoded image goes in as it is (docs/models.md says so)
         kwargs["image_crf"] = 0
     return kwargs
+
+
+# Edit pipelines that read their image as PIL pictures only: QwenImageEditPipeline takes ``image.size`` as a
+# (width, height) pair, which a tensor's ``size`` method is not.
+_PICTURE_CLASSES = ("QwenImageEdit",)
+
+
+def pictures(images: torch.Tensor) -> list[Any]:
+    """A batch in [0, 1] (N, C, H, W) as PIL pictures, one a request; the engine's 8-bit pixels come back as they
+    were sent (the batch was made from them, divided by 255)."""
+    from PIL import Image
+
+    pixels = (images.permute(0, 2, 3, 1) * 255).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+    return [Image.fromarray(p) for p in pixels]
 
 
 def sibling(cls: Any, pipe: Any, **components: Any) -> Any:

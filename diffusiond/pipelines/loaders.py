@@ -22,6 +22,7 @@ from diffusiond.pipelines.base import PipelineError, RequestDefaults
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_class
 from diffusiond.pipelines.phases import Phases
 from diffusiond.pipelines.quant import load_time_config, parse_quant
+from diffusiond.pipelines.qwen_edit import processor_kwargs
 
 # Single-file checkpoint model types (diffusers' own inference) -> pipeline class to load with.
 _SINGLE_FILE_CLASSES: tuple[tuple[str, str], ...] = (
@@ -78,10 +79,11 @@ def _read_index(path: Path) -> dict[str, Any]:
 
 
 def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str],
-                 device: torch.device) -> dict[str, Any]:
+                 device: torch.device, root: Path | None) -> dict[str, Any]:
     """from_pretrained arguments shared by folder and hub loads; ``quant=``'s bitsandbytes methods are
-    applied here, while the files are read (pipelines/quant.py)."""
-    kwargs: dict[str, Any] = _dtype_kwarg(dtype)
+    applied here, while the files are read (pipelines/quant.py); a Qwen2-VL processor in the folder at ``root``
+    is loaded without torchvision (pipelines/qwen_edit.py)."""
+    kwargs: dict[str, Any] = {**_dtype_kwarg(dtype), **processor_kwargs(index, root)}
     if opts.get("quant"):
         config = load_time_config(parse_quant(opts["quant"]), index, dtype, device)
         if config is not None:
@@ -115,7 +117,7 @@ def load_folder(
     cls = _pipeline_class(str(index.get("_class_name", "")), str(index_path))
     phases.mark("import")
     try:
-        pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options, device))
+        pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options, device, path))
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         hint = ""
         if "safetensors" in str(exc) and options.get("allow_unsafe_weights") != "1":
@@ -156,7 +158,8 @@ def load_hub(
         raise PipelineError(not_cached)
     from diffusers import DiffusionPipeline
 
-    kwargs = _load_kwargs(index, dtype, options, device)
+    kwargs = _load_kwargs(index, dtype, options, device,
+                          Path(cached_index).parent if isinstance(cached_index, str) else None)
     if local_only:
         kwargs["local_files_only"] = True
     try:
@@ -269,7 +272,8 @@ def load_gguf(
         transformer = tcls.from_single_file(
             _gguf_weights(path, tcls, root), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
             config=str(root), subfolder="transformer", **_dtype_kwarg(dtype))
-        pipe = cls.from_pretrained(str(root), transformer=transformer, **_load_kwargs(index, dtype, options, device))
+        pipe = cls.from_pretrained(str(root), transformer=transformer,
+                                   **_load_kwargs(index, dtype, options, device, root))
     except PipelineError:
         raise
     except Exception as exc:  # conversion and key mismatches raise many types

@@ -35,12 +35,20 @@ class Tok:
 
 
 @dataclass(frozen=True)
+class Proc:
+    """Qwen2.5-VL's processor (Qwen-Image-Edit's): a generated tokenizer beside the image processor's settings."""
+
+    tokenizer: Tok
+    image: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class Sched:
     cls: str
     config: Mapping[str, Any]
 
 
-Part = Net | Tok | Sched | None
+Part = Net | Tok | Sched | Proc | None
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,16 @@ QWEN_SCHEDULER = {
     "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
     "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential",
 }  # fmt: skip
+# Qwen2.5-VL-7B-Instruct's image processor (the release's processor/preprocessor_config.json): pictures of 4 to
+# 16,384 merged 28x28 patches.
+QWEN25_VL_IMAGES = {"min_pixels": 3136, "max_pixels": 12845056}
+QWEN_IMAGE_PARTS: Mapping[str, Part] = {
+    "transformer": Net("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER),
+    "vae": Net("AutoencoderKLQwenImage", QWEN_VAE),
+    "text_encoder": Net("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B),
+    "tokenizer": Tok("qwen", 151665, 32768),
+    "scheduler": Sched("FlowMatchEulerDiscreteScheduler", QWEN_SCHEDULER),
+}
 
 CLIP_TOKENIZER = Tok("clip", 49408, 77)
 
@@ -422,15 +440,17 @@ PRESETS: dict[str, Preset] = {
             name="qwen-image",
             source="Qwen-Image",
             pipeline="QwenImagePipeline",
-            parts={
-                "transformer": Net("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER),
-                "vae": Net("AutoencoderKLQwenImage", QWEN_VAE),
-                "text_encoder": Net("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B),
-                "tokenizer": Tok("qwen", 151665, 32768),
-                "scheduler": Sched("FlowMatchEulerDiscreteScheduler", QWEN_SCHEDULER),
-            },
+            parts=QWEN_IMAGE_PARTS,
             # guidance is Qwen's true CFG scale (against the negative prompt, "" by default)
             defaults={"width": 1328, "height": 1328, "steps": 50, "guidance": 4.0},
+        ),
+        Preset(  # Qwen-Image's 20B transformer trained for instruction edits; the text encoder also sees the image
+            name="qwen-image-edit",
+            source="Qwen-Image-Edit",
+            pipeline="QwenImageEditPipeline",
+            parts={**QWEN_IMAGE_PARTS, "processor": Proc(Tok("qwen", 151665, 32768), QWEN25_VL_IMAGES)},
+            # the pipeline's own: 50 steps, true CFG 4.0, outputs of 1024² pixels
+            defaults={"width": 1024, "height": 1024, "steps": 50, "guidance": 4.0},
         ),
     )
 }

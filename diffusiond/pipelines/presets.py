@@ -29,7 +29,8 @@ from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, qwen_tokenizer, t5_tokenizer
 from diffusiond.pipelines.loaders import load_folder
 from diffusiond.pipelines.modelcache import ensure_built
-from diffusiond.pipelines.preset_tables import PRESETS, Net, Part, Preset, Sched, Tok
+from diffusiond.pipelines.preset_tables import PRESETS, Net, Part, Preset, Proc, Sched, Tok
+from diffusiond.pipelines.qwen_edit import release_layout, stills_processor
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ def build_part(part: Part, device: torch.device | str = "meta", dtype: torch.dty
         if part.kind == "qwen":
             return qwen_tokenizer(part.size, max_length=part.max_length)
         return t5_tokenizer(part.size - part.extra_ids, extra_ids=part.extra_ids, max_length=part.max_length)
+    if isinstance(part, Proc):
+        return stills_processor(build_part(part.tokenizer), part.image)
     cls = _class(part.cls)
     if isinstance(part, Sched):
         return cls.from_config(dict(part.config))
@@ -146,6 +149,8 @@ def _save(preset: Preset, out: Path, device: torch.device, dtype: torch.dtype) -
     """Build on the device, save as safetensors, and free the device before the load."""
     pipe = build_pipeline(preset, device, dtype)
     pipe.save_pretrained(str(out), safe_serialization=True)
+    if any(isinstance(part, Proc) for part in preset.parts.values()):
+        release_layout(out, pipe.processor)
     del pipe
     if device.type == "cuda":
         torch.cuda.empty_cache()

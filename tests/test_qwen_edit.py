@@ -1,0 +1,85 @@
+"""Qwen-Image-Edit served by a real daemon (issue 30): the tiny QwenImageEditPipeline of tests/qwenkit.py, saved as
+the folder a user's Qwen/Qwen-Image-Edit download is and loaded through the daemon's own folder loader, without
+torchvision (the test environment has none, like a CPU-only install); and ``random:qwen-image-edit``'s build, save
+and load, on a scaled-down copy of its table.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from daemonkit import Daemon, http, shared_daemon
+from qwenkit import build_qwen_edit
+from test_edits import blocky, png_bytes
+from test_image_tasks import job, output_bytes
+from test_presets import SMALL_NEW, always, req
+
+from diffusiond.ipc.messages import BatchParams
+from diffusiond.pipelines import Task, load_pipeline
+from diffusiond.pipelines.preset_tables import PRESETS, Net
+
+W, H = 64, 96  # a picture taller than wide: the size rules hold off the square
+
+
+@pytest.fixture(scope="module")
+def qwen_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("qwen-edit")
+    folder = build_qwen_edit(tmp / "qwen-edit")
+    args = ["--model", f"qwen-edit={folder}", "--workers", "1", "--job-timeout", "120"]
+    with shared_daemon(tmp, args, model_cache) as d:
+        yield d
+
+
+def picture(seed: int) -> str:
+    return base64.b64encode(png_bytes(blocky(seed, H)[:, :W])).decode()
+
+
+async def edited(s: aiohttp.ClientSession, body: dict[str, Any]) -> np.ndarray:
+    return np.load(io.BytesIO(await output_bytes(s, body)))
+
+
+async def test_qwen_image_edit_is_listed_as_an_instruction_edit_model(qwen_daemon: Daemon) -> None:
+    async with http(qwen_daemon.socket) as s, s.get("/v1/models") as r:
+        listed = {m["id"]: m for m in (await r.json())["data"]}
+    assert (listed["qwen-edit"]["task"], listed["qwen-edit"]["edits"]) == ("instruction-edit", ["instruction-edit"])
+
+
+async def test_qwen_image_edit_edits_the_image_it_is_sent_at_its_size(qwen_daemon: Daemon) -> None:
+    base = {"model": "qwen-edit", "prompt": "make it red", "steps": 2, "seed": 3, "guidance_scale": 4.0,
+            "output_format": "npy"}
+    async with http(qwen_daemon.socket) as s:
+        one = await edited(s, {**base, "image": picture(1)})
+        two = await edited(s, {**base, "image": picture(2)})
+        # true CFG: the negative prompt is what the guidance pushes away from
+        negative = await edited(s, {**base, "image": picture(1), "negative_prompt": "blurry"})
+        status, no_image = await job(s, base)
+        assert status == 400 and no_image["error"]["field"] == "image", no_image
+        status, masked = await job(s, {**base, "image": picture(1), "mask": picture(2)})
+        assert status == 400 and masked["error"]["field"] == "model" and "inpainting" in masked["error"]["message"]
+    assert one.shape[:2] == (H, W), one.shape  # the image's size, though the pipeline conditions at 1024²
+    assert not np.array_equal(one, two) and not np.array_equal(one, negative)
+
+
+def test_the_qwen_image_edit_preset_builds_saves_loads_back_and_edits(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    nets = {k: v for k, v in SMALL_NEW["qwen-image"].parts.items() if isinstance(v, Net)}  # the small qwen-image's
+    small = dataclasses.replace(PRESETS["qwen-image-edit"], name="test-qwen-image-edit",
+                                parts={**PRESETS["qwen-image-edit"].parts, **nets})
+    monkeypatch.setitem(PRESETS, small.name, small)
+    monkeypatch.setenv("DIFFUSIOND_CACHE", str(tmp_path))
+    pipe = load_pipeline(f"random:{small.name}")
+    caps = pipe.capabilities  # no preview factors here for Qwen-Image's latents, as for qwen-image
+    assert (pipe.task, caps.edits, caps.size_step, caps.previews) == (Task.INSTRUCTION_EDIT, ("instruction-edit",), 16,
+                                                                      False)
+    params = BatchParams(width=W, height=H, steps=2, guidance=4.0, edit=Task.INSTRUCTION_EDIT.value)
+    (out,) = pipe.edit(params, [req(3)], [(blocky(1, H)[:, :W], None)], always)
+    assert tuple(out.shape) == (3, H, W) and torch.isfinite(out).all()
