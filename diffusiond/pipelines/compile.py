@@ -81,7 +81,8 @@ def cache_report() -> str:
     """What this process's compiles took from the compile cache, for the worker's log once its warm-up has run:
     a warm restart that compiled its graphs again (misses) instead of loading them (hits) is seen in the log of a
     GPU run, not guessed from its time. Dynamo's tracing runs at every start, cache or not (issue 31), so its
-    seconds are given beside the compiler's (inductor: code generation, or the cache's load of it)."""
+    seconds are given beside the compiler's (inductor: code generation, or the cache's load of it) and dynamo's
+    whole (those two, guards, bytecode); what the warm-up took beyond that whole is its forwards."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     inductor, aot = counters["inductor"], counters["aot_autograd"]
@@ -95,8 +96,8 @@ def cache_report() -> str:
 
     return (f"compile cache: FX graphs {tally(inductor, 'fxgraph_cache')}; "
             f"AOT autograd {tally(aot, 'autograd_cache')}; "
-            f"dynamo traced {compilations()} graph(s) in {seconds('bytecode_tracing')}, "
-            f"the compiler took {seconds('OutputGraph.call_user_compiler')}")
+            f"dynamo took {seconds('_compile.compile_inner')} for {compilations()} graph(s): "
+            f"tracing {seconds('bytecode_tracing')}, the compiler {seconds('OutputGraph.call_user_compiler')}")
 
 
 def shape_key(params: BatchParams, batch: int, cfg: bool = True, fps: int = 0) -> tuple[int, int, int, int, bool, int]:

@@ -241,7 +241,7 @@ class Worker:
             if config.compile and config.warmup:
                 from diffusiond.pipelines.compile import cache_report
 
-                log.info("%s warmed up: %s", config.model_name, cache_report())
+                log.info("%s after its warm-up: %s", config.model_name, cache_report())
             post(Ready(config.model_name, str(pipeline.device), (time.perf_counter() - t0) * 1000,
                        msgspec.structs.replace(pipeline.capabilities, weight_bytes=weight_bytes(pipeline, beside),
                                                host_bytes=host_weight_bytes(pipeline)),
