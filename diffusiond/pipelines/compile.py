@@ -52,7 +52,7 @@ from diffusiond.pipelines.diffusers_pipeline import _TRUE_CFG
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
-__all__ = ["CompiledPipeline", "compilations", "guidance_is_shape", "set_cache_dir", "shape_key"]
+__all__ = ["CompiledPipeline", "cache_report", "compilations", "guidance_is_shape", "set_cache_dir", "shape_key"]
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that record CUDA graphs
@@ -75,6 +75,29 @@ def compilations() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def cache_report() -> str:
+    """What this process's compiles took from the compile cache, for the worker's log once its warm-up has run:
+    a warm restart that compiled its graphs again (misses) instead of loading them (hits) is seen in the log of a
+    GPU run, not guessed from its time. Dynamo's tracing runs at every start, cache or not (issue 31), so its
+    seconds are given beside the compiler's (inductor: code generation, or the cache's load of it) and dynamo's
+    whole (those two, guards, bytecode); what the warm-up took beyond that whole is its forwards."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+
+    def seconds(metric: str) -> str:
+        return f"{sum(compilation_time_metrics.get(metric, ())):.1f} s"
+
+    def tally(counts: Any, key: str) -> str:
+        bypass = counts[f"{key}_bypass"]
+        return f"{counts[f'{key}_hit']} hit, {counts[f'{key}_miss']} miss" + (f", {bypass} bypass" if bypass else "")
+
+    return (f"compile cache: FX graphs {tally(inductor, 'fxgraph_cache')}; "
+            f"AOT autograd {tally(aot, 'autograd_cache')}; "
+            f"dynamo took {seconds('_compile.compile_inner')} for {compilations()} graph(s): "
+            f"tracing {seconds('bytecode_tracing')}, the compiler {seconds('OutputGraph.call_user_compiler')}")
 
 
 def shape_key(params: BatchParams, batch: int, cfg: bool = True, fps: int = 0) -> tuple[int, int, int, int, bool, int]:

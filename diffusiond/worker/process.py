@@ -243,6 +243,10 @@ class Worker:
 
         def ready() -> None:  # on the compute thread, once the warm-up shapes have run
             phases.report(config.model_name)
+            if config.compile and config.warmup:
+                from diffusiond.pipelines.compile import cache_report
+
+                log.info("%s after its warm-up: %s", config.model_name, cache_report())
             post(Ready(config.model_name, str(pipeline.device), (time.perf_counter() - t0) * 1000,
                        msgspec.structs.replace(pipeline.capabilities, weight_bytes=weight_bytes(pipeline, beside),
                                                host_bytes=host_weight_bytes(pipeline)),
