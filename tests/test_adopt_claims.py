@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from diffusiond.daemon.state.store import SCHEMA
+from diffusiond.daemon.state.rows import SCHEMA
 from diffusiond.ray import claims
 
 

@@ -5,7 +5,6 @@ without them it added a whole forward per shape to the start (``--warmup WxH:all
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from diffusiond.ipc import messages as m
 from diffusiond.pipelines.compile import CompiledPipeline
 from diffusiond.pipelines.registry import load_pipeline
-from diffusiond.worker.compute import ComputeThread
+from diffusiond.worker.warmup import warm_up
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +31,7 @@ def forwards(pipe: Any, shapes: list[m.WarmupShape]) -> list[int]:
         return inner_run(params, requests, *rest)
 
     pipe.inner.run = counted
-    ComputeThread._warm_up(SimpleNamespace(pipeline=pipe, warmup=shapes, cuda=False))  # type: ignore[arg-type]
+    warm_up(pipe, shapes, cuda=False)
     return seen
 
 

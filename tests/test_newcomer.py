@@ -234,7 +234,7 @@ def test_a_typo_in_a_generate_flag_shows_generates_usage_with_a_suggestion(capsy
 
 def test_an_inpainting_only_model_says_what_it_does_once() -> None:
     from diffusiond.daemon.config import Limits
-    from diffusiond.daemon.edge.requests import plan_edit
+    from diffusiond.daemon.edge.edits import plan_edit
     from diffusiond.daemon.errors import InvalidRequest
     from diffusiond.ipc.messages import Capabilities
 

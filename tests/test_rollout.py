@@ -271,7 +271,8 @@ def test_any_noise_value_is_a_job_or_a_400_naming_a_field(field: str, value: obj
     import msgspec
 
     from diffusiond.daemon.config import Limits
-    from diffusiond.daemon.edge.requests import JobBody, check, decode, sized
+    from diffusiond.daemon.edge.requests import JobBody, check, decode
+    from diffusiond.daemon.edge.sizes import sized
     from diffusiond.daemon.errors import InvalidRequest
 
     body = {"prompt": "x", "n": 1, field: value, **({"scheduler": scheduler} if scheduler else {})}

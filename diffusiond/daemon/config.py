@@ -146,7 +146,7 @@ class DaemonConfig:
     keep_days: float = 0.0  # finished jobs older than this are deleted with their outputs (0: no age limit)
     keep_gb: float = 0.0  # the oldest finished jobs go while their outputs take more than this (0: no limit)
     retention_check_s: float = 60.0  # how often the retention task looks
-    state_fault: str = ""  # test-only fault injection in the state dir (see store.StateFaults)
+    state_fault: str = ""  # test-only fault injection in the state dir (see state/faults.py)
     # "normal": an accepted job survives any crash of the daemon; "full": a power cut too (an fsync per job)
     state_sync: str = "normal"
 

@@ -5,8 +5,8 @@ the device outputs to the copy thread, then takes the next batch at once: the en
 queued, so the GPU goes from one forward straight into the next. Control items (SLEEP, WAKE,
 SHUTDOWN) travel through the same queue, so they run after the batches sent before them.
 
-Warm-up (``--warmup``) runs here too, before READY: a compiled model's CUDA graphs belong to
-the thread that captured them, and the shapes compiled here are the ones later batches replay.
+Warm-up (``--warmup``, ``warmup.py``) runs on this thread too, before READY; what each forward runs
+with (its LoRA adapters, live updates between batches) is ``adapters.py``'s.
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ from diffusiond.ipc.inputs import read_controls, read_inputs, read_references
 from diffusiond.ipc.messages import (
     Ack,
     AddLora,
-    BatchParams,
     ComputeDone,
     EndStatus,
     Execute,
     Fatal,
     Kind,
-    LoraRef,
     Progress,
     RequestEnded,
     RequestSpec,
@@ -47,15 +45,16 @@ from diffusiond.ipc.messages import (
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.pipelines.controlnet import ControlNets
 from diffusiond.pipelines.ip_adapter import IpAdapters
-from diffusiond.pipelines.loras import Adapters, unsupported
+from diffusiond.pipelines.loras import Adapters
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
+from diffusiond.worker.adapters import LiveAdapters
 from diffusiond.worker.copier import Copier, CopyJob
-from diffusiond.worker.failures import first_line, is_fatal, is_oom, oom_shape
+from diffusiond.worker.failures import first_line, is_fatal, is_oom, oom_message, oom_shape
 from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
 from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.state import SharedState
-from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
+from diffusiond.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +111,7 @@ class ComputeThread:
         before_forward: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
-        self.adapters = adapters
-        # the version of each component update_weights changed, as applied here (what a batch runs with)
-        self.weight_versions: dict[str, int] = {}
+        self.adapters = LiveAdapters(pipeline, adapters, post)  # what each forward runs with (adapters.py)
         self.controlnets = controlnets
         self.ip_adapters = ip_adapters
         self.finish = finisher or Finisher(pipeline, None)  # hires and upscale (worker/finish.py)
@@ -142,7 +139,7 @@ class ComputeThread:
 
     def _run(self) -> None:
         try:
-            self._warm_up()
+            warm_up(self.pipeline, self.warmup, self.cuda)
         except BaseException as exc:
             log.exception("warm-up failed")
             self.post(Fatal(message=f"warm-up failed: {type(exc).__name__}: {exc}"))
@@ -157,10 +154,10 @@ class ComputeThread:
                     return
                 continue
             if isinstance(item, AddLora):
-                self._add_lora(item)
+                self.adapters.add(item)
                 continue
             if isinstance(item, LiveUpdate):
-                self._update_lora(item)
+                self.adapters.update(item.msg, item.fds)
                 continue
             batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
             try:
@@ -170,26 +167,6 @@ class ComputeThread:
                 self.post(Fatal(message=f"unrecoverable device error in batch {batch.batch_id}: {exc}"))
                 self.on_exit(70)
                 return
-
-    def _warm_up(self) -> None:
-        """Run each warm-up shape, twice where CUDA-graph trees record a graph on its second run
-        (``warmup_runs``), so the first client of that shape pays neither compilation nor capture.
-        Smallest batch first: a compiled model runs a batch padded into a larger graph of its size once
-        it has one (pipelines/compile.py), so ``512x512:8,512x512:1`` in that order would never compile the 1."""
-        caps = self.pipeline.capabilities
-        frames = caps.num_frames if caps.task == "text-to-video" else None
-        for shape in sorted(self.warmup, key=lambda s: s.batch):
-            params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
-                                 num_frames=frames)
-            requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
-            t0 = time.perf_counter()
-            for _ in range(getattr(self.pipeline, "warmup_runs", 1)):
-                with torch.inference_mode():
-                    self.pipeline.run(params, requests, lambda _step, _total: True)
-            if self.cuda:
-                torch.cuda.synchronize()
-            log.info("warmed up %dx%d batch %d in %.1f s", shape.width, shape.height, shape.batch,
-                     time.perf_counter() - t0)
 
     def _execute(self, batch: Execute, fds: list[int]) -> None:
         self._ended.clear()
@@ -299,7 +276,7 @@ class ComputeThread:
         self._retried = False
         upscaler_retries = self.finish.oom_retries
         try:
-            self.activate_loras(batch.params.loras)  # before the meter: an adapter's weights are not working memory
+            self.adapters.activate(batch.params.loras)  # before the meter: an adapter's weights are not working memory
             self.meter.start()
             live, outputs = self._run_or_retry(batch, live, inputs, forward)
         except Interrupted as exc:
@@ -328,8 +305,8 @@ class ComputeThread:
         self.state.record("compute_end", batch.batch_id)
         self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms,
                               working_bytes=working if measured else None, working_batch=ran if measured else 0,
-                              lora_versions=self._versions(batch.params.loras),
-                              weight_versions=dict(self.weight_versions)))
+                              lora_versions=self.adapters.versions(batch.params.loras),
+                              weight_versions=dict(self.adapters.weight_versions)))
         job = CopyJob(batch.batch_id, batch.params, live, outputs, event, trajectories or None)
         if self.sync_output:
             self.copier.process(job)
@@ -374,7 +351,7 @@ class ComputeThread:
                 if not is_oom(exc):
                     raise
                 self._empty_cache()
-                message = self._oom_message(batch, len(live), len(requests) if split else 0, exc)
+                message = oom_message(self.pipeline, batch, len(live), len(requests) if split else 0, exc)
                 log.warning("batch %d: %s", batch.batch_id, message)
                 for r in requests:
                     self._end(batch.batch_id, r.request_id, "failed", message, code=ErrorCode.OUT_OF_MEMORY)
@@ -387,56 +364,8 @@ class ComputeThread:
         if self.cuda:
             torch.cuda.empty_cache()
 
-    def _oom_message(self, batch: Execute, size: int, part: int, exc: BaseException) -> str:
-        where = f" (this half: {part})" if part else ""
-        return (f"out of memory running {self.pipeline.name} on {self.pipeline.device} at "
-                f"{oom_shape(batch, size)}{where}, even after emptying the allocator's cache and retrying"
-                f"{' the batch in halves' if part else ''}: {first_line(exc)}. What would help: a smaller size, "
-                "fewer frames or a smaller batch (--max-batch), fewer models or other programs on the device "
-                "(--device-memory), or CPU offloading where the model supports it")
-
-    def _versions(self, loras: tuple[LoraRef, ...]) -> dict[str, int]:
-        versions = self.adapters.versions if self.adapters is not None else {}
-        return {r.name: versions.get(r.name, 0) for r in loras}
-
-    def activate_loras(self, loras: tuple[LoraRef, ...]) -> None:
-        """The batch's LoRA adapters, and only those, act on its forward (none: the base model).
-        The one place adapters change; here, between forwards, so no batch sees another's."""
-        if self.adapters is not None:
-            self.adapters.activate(loras)
-        elif loras:
-            raise PipelineError(unsupported(self.pipeline))
-
-    def _add_lora(self, item: AddLora) -> None:
-        """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
-        why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
-        self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
-
-    def _update_lora(self, item: LiveUpdate) -> None:
-        """Apply a live LoRA or component update between batches: ACK ok, or not ok naming the first bad tensor."""
-        for extra in item.fds[1:]:
-            os.close(extra)
-        if not item.fds:
-            kind = Kind.UPDATE_WEIGHTS if isinstance(item.msg, UpdateWeights) else Kind.UPDATE_LORA
-            self.post(Ack(command=kind, ok=False, message="the update came without its memfd"))
-            return
-        msg = item.msg
-        try:
-            state = read_tensors(msg, item.fds[0])
-            if isinstance(msg, UpdateWeights):
-                why = apply_weights(self.pipeline, msg, state)
-                if not why:
-                    self.weight_versions[msg.component] = msg.version
-            else:
-                why = unsupported(self.pipeline) if self.adapters is None else \
-                    apply_update(self.adapters, self.pipeline.name, msg, state)
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-        kind = Kind.UPDATE_WEIGHTS if isinstance(msg, UpdateWeights) else Kind.UPDATE_LORA
-        self.post(Ack(command=kind, ok=not why, message=why))
-
     def loaded_loras(self) -> list[str]:
-        return list(self.adapters.loaded) if self.adapters is not None else []
+        return self.adapters.loaded()
 
     @staticmethod
     def _inputs(requests: list[RequestSpec], fds: list[int]) -> list[EditArrays]:

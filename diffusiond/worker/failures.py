@@ -4,6 +4,8 @@ message a person reads."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from diffusiond.ipc.messages import Execute
@@ -33,6 +35,16 @@ def oom_shape(batch: Execute, size: int) -> str:
     p = batch.params
     frames = f", {p.num_frames} frames" if p.num_frames else ""
     return f"{p.width}x{p.height}{frames}, batch of {size}"
+
+
+def oom_message(pipeline: Any, batch: Execute, size: int, part: int, exc: BaseException) -> str:
+    """The refusal of a batch (``part``: of its half) that ran out of memory even when retried, with what would help."""
+    where = f" (this half: {part})" if part else ""
+    return (f"out of memory running {pipeline.name} on {pipeline.device} at "
+            f"{oom_shape(batch, size)}{where}, even after emptying the allocator's cache and retrying"
+            f"{' the batch in halves' if part else ''}: {first_line(exc)}. What would help: a smaller size, "
+            "fewer frames or a smaller batch (--max-batch), fewer models or other programs on the device "
+            "(--device-memory), or CPU offloading where the model supports it")
 
 
 def first_line(exc: BaseException) -> str:

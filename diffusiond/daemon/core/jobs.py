@@ -23,6 +23,7 @@ from typing import Any
 from diffusiond.daemon.core.controls import ControlInput
 from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.core.ip_adapters import IpAdapterInput
+from diffusiond.daemon.errors import OutputNotReady
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import BatchParams, LoraRef
@@ -202,6 +203,12 @@ class Item:
     def done(self) -> bool:
         """Its output can be served to clients."""
         return self.stage == Stage.DONE
+
+    def check_ready(self) -> None:
+        """Refuse a read (of its output, trajectory or sound track) before it can be served."""
+        if not self.done:
+            raise OutputNotReady(f"output {self.index} of job {self.job.id} is not ready (job "
+                                 f"{self.job.status.value})", stage=self.job.stage.label)
 
 
 @dataclass(eq=False)

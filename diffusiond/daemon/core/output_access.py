@@ -41,18 +41,18 @@ class OutputAccess:
         self.outputs.unlease(item)
 
     def open_trajectory(self, job: Job, k: int, name: str) -> AbstractAsyncContextManager[tuple[bytes, memoryview]]:
-        """Read one array of output ``k``'s trajectory: an npy header and its bytes (``Outputs.open_trajectory``)."""
-        return self.outputs.open_trajectory(self._item(job, k), name)
+        """Read one array of output ``k``'s trajectory: an npy header and its bytes (``Trajectories.open``)."""
+        return self.outputs.trajectories.open(self._item(job, k), name)
 
     def lease_trajectory(self, job_id: str, k: int,
                          audio: bool = False) -> tuple[Item, TensorDesc, dict[str, TensorDesc], int, int]:
         """Pin output ``k``'s trajectory (``audio``: its sound track, in the same memory) for a local client
         that maps it (the output socket)."""
         item = self._item(self.get(job_id), k)
-        return (item, *self.outputs.lease_trajectory(item, audio))
+        return (item, *self.outputs.trajectories.lease(item, audio))
 
     def end_trajectory_lease(self, item: Item) -> None:
-        self.outputs.unlease_trajectory(item)
+        self.outputs.trajectories.unlease(item)
 
     async def output_bytes(self, job: Job) -> list[bytes]:
         """Every output of a finished job as bytes, for a caller that will not come back for

@@ -18,12 +18,12 @@ from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.requests import (
     FIELD_PATH,
     MISSING_FIELD,
-    SIZE,
     LoraBody,
     PreviewBody,
     check_int_sizes,
     decode,
 )
+from diffusiond.daemon.edge.sizes import SIZE
 from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
 from diffusiond.daemon.errors import invalid
 

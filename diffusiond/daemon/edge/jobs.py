@@ -16,7 +16,7 @@ from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.jobs import Job, Preview
-from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, upscale, views
+from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, sizes, upscale, views
 from diffusiond.daemon.edge.status import ENGINE
 from diffusiond.daemon.outputs import sound
 from diffusiond.protocol import AUDIO_ARRAY, FORMATS, TERMINAL_EVENTS, Event, JobStatus
@@ -42,7 +42,7 @@ async def create_job(request: web.Request) -> web.Response:
         raise bodies.too_large(len(body), limits.max_body_bytes)
     await engine.described(b.model)  # completed with its model's own defaults, even while it loads
     model = engine.model(b.model)
-    fields = requests.sized(msgspec.structs.asdict(b))  # "size": "512x512" -> width, height
+    fields = sizes.sized(msgspec.structs.asdict(b))  # "size": "512x512" -> width, height
     edit = await bodies.decode_edit(engine, fields, model)
     req = None
     try:

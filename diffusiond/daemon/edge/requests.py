@@ -15,21 +15,21 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import msgspec
 
 from diffusiond.daemon.config import Limits
-from diffusiond.daemon.core.inputs import EditInput, Source
+from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
 from diffusiond.daemon.edge.audio import check_audio
 from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
+from diffusiond.daemon.edge.sizes import ModelLike, check_side
 from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
 from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
 from diffusiond.daemon.errors import MAX_INT_DIGITS, OutputTooLarge, invalid, shown
 from diffusiond.daemon.residency.units import parse_duration
-from diffusiond.ipc.messages import Capabilities
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.protocol import (
     EDIT_TASKS,
@@ -39,7 +39,6 @@ from diffusiond.protocol import (
     OUTPUT_DTYPES,
     PREVIEW_FORMATS,
     SCHEDULERS,
-    STRENGTH_TASKS,
     VIDEO_FORMATS,
     VIDEO_TASKS,
     ErrorCode,
@@ -49,24 +48,11 @@ from diffusiond.protocol import (
     schedulers_for,
 )
 
-
-class ModelLike(Protocol):
-    """What admission needs of a model: its name and what it can make. The engine's ``Model``
-    fits; tests can pass anything with these two attributes."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def capabilities(self) -> Capabilities: ...
-
-
 ModelResolver = Callable[[str | None], ModelLike]
 """The model a request names (None: the default one); raises ModelNotFound for an unknown name."""
 
 T = TypeVar("T")
 MIN_PREVIEW_SIDE, MAX_PREVIEW_SIDE = 16, 1024  # previews are glimpses; the output is the full picture
-SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 FIELD_PATH = re.compile(r"`\$\.?([A-Za-z_][\w.]*)")
 MISSING_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")  # msgspec's wording
 
@@ -190,54 +176,6 @@ def check_lora_list(entries: list[Any] | None, limits: Limits) -> tuple[tuple[st
             raise invalid(f"the weight of LoRA {name!r} must be between {-top:g} and {top:g}, got {weight:g}",
                           field="loras")
     return tuple(sorted(pairs))
-
-
-def sized(req: dict[str, Any]) -> dict[str, Any]:
-    """``size`` ("512x512") on /v1/jobs -> width and height, so both endpoints take the same
-    spelling; given with width or height that disagree, a 400 naming ``size`` (which one was
-    meant cannot be guessed). Later errors about the sides name ``size``, the field sent."""
-    size = req.get("size")
-    if size is None:
-        return req
-    m = SIZE.match(size) if isinstance(size, str) else None
-    if not m:
-        raise invalid(f"size must look like 512x512 (width x height), got {size!r}", field="size")
-    width, height = int(m.group(1)), int(m.group(2))
-    for name, value in (("width", width), ("height", height)):
-        if req.get(name) is not None and req[name] != value:
-            raise invalid(f"size {size} and {name} {req[name]} disagree; send size, or width and height",
-                          field="size")
-    return {**req, "width": width, "height": height, "size_field": "size"}
-
-
-def side_step(model: ModelLike | None) -> int:
-    """The multiple each side of an output must be: 8, or the model's own ``size_step`` (LTX 32)."""
-    return max(8, model.capabilities.size_step) if model is not None else 8
-
-
-def side_floor(model: ModelLike | None, limits: Limits) -> int:
-    """The smallest side of an output: the limits', or the model's own ``min_size`` where larger (LTX-2 64)."""
-    return max(limits.min_size, model.capabilities.min_size) if model is not None else limits.min_size
-
-
-def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
-               model: ModelLike | None = None) -> None:
-    """A side within the limits and a multiple of 8; and of the model's own ``size_step`` (LTX 32), at least its
-    ``min_size``, naming the nearest sides it makes, as frame counts do, instead of failing while computing."""
-    step, floor = side_step(model), side_floor(model, limits)
-    inside = floor <= v <= limits.max_size
-    if inside and v % step == 0:
-        return
-    if model is not None and limits.min_size <= v < floor:
-        raise invalid(f"{name} must be at least {floor} for {model.name!r} (the smallest side it makes), got {v}",
-                      field=size_field or name)
-    if not inside or v % 8 or model is None:
-        raise invalid(f"{name} must be a multiple of {step} between {floor} and {limits.max_size}, got {v}",
-                      field=size_field or name)
-    lower = v // step * step
-    near = " or ".join(str(s) for s in (lower, lower + step) if floor <= s <= limits.max_size)
-    raise invalid(f"{name} must be a multiple of {step} for {model.name!r}; use {near or 'another size'}, got {v}",
-                  field=size_field or name)
 
 
 def check(
@@ -434,65 +372,3 @@ def _preview(body: PreviewBody | None, model: ModelLike, steps: int) -> PreviewS
         raise invalid(f"preview.max_side must be between {MIN_PREVIEW_SIDE} and {MAX_PREVIEW_SIDE}, got {shown(side)}",
                       field="preview.max_side")
     return PreviewSpec(every=every, format=fmt, max_side=side)
-
-
-def _unmasked_task(own: str, edits: tuple[str, ...]) -> Task:
-    """What an image without a mask asks of a model: its own task when that takes an image (an
-    instruction edit, image-to-video), else the edit it offers (image-to-video of a video model; a
-    video model without it is told it cannot do image-to-video, not image-to-image)."""
-    for task in (Task.INSTRUCTION_EDIT, Task.IMAGE_TO_VIDEO):
-        if own == task.value or task.value in edits:
-            return task
-    return Task.IMAGE_TO_VIDEO if own == Task.TEXT_TO_VIDEO.value else Task.IMAGE_TO_IMAGE
-
-
-def plan_edit(
-    req: dict[str, Any], model: ModelLike, limits: Limits, *, image_field: str = "image", mask_field: str = "mask",
-    size_field: str | None = None,
-) -> tuple[Source, Source | None, Task, float] | None:
-    """The sources, task and strength of an edit (None: not an edit), checked against the model
-    before any pixel is decoded. ``req`` has ``image``/``image_path``/``mask``/``mask_path`` as
-    base64 text or paths, or ``image_bytes``/``mask_bytes`` (multipart uploads)."""
-    def source(field: str, path_field: str, raw: str) -> Source | None:
-        if req.get(raw) is not None:
-            return Source(field, data=req[raw])
-        b64, path = req.get(field), req.get(path_field)
-        if b64 is not None and path is not None:
-            raise invalid(f"send {field} or {path_field}, not both", field=field)
-        if b64 is not None:
-            return Source(field, b64=b64)
-        if path is not None:
-            return Source(path_field, path=path)
-        return None
-
-    image = source(image_field, "image_path", "image_bytes")
-    mask = source(mask_field, "mask_path", "mask_bytes")
-    if image is None:
-        if mask is not None:
-            raise invalid("a mask needs an image to apply to: send image too", field=mask.field)
-        return None
-    d = model.capabilities
-    task = Task.INPAINTING if mask is not None else _unmasked_task(d.task, d.edits)
-    if task.value not in d.edits and d.task != task.value:
-        others = [e for e in d.edits if e != d.task]  # a dedicated inpainting model: said once
-        can = f"it does {d.task}" + (f"; also {', '.join(others)}" if others else "")
-        raise invalid(f"model {model.name!r} cannot do {task.value} ({can}); "
-                      "pick a model that has it (GET /v1/models lists each model's tasks)", field="model")
-    strength = req.get("strength")
-    if task not in STRENGTH_TASKS:
-        if strength is not None:
-            raise invalid(f"strength does not apply to {task.value} (model {model.name!r}); leave it out",
-                          field="strength")
-        strength = 1.0
-    elif strength is None:
-        strength = 1.0 if task == Task.INPAINTING else 0.8  # diffusers' own defaults
-    if not 0 < strength <= 1:
-        raise invalid(f"strength must be in (0, 1] (0 keeps the image, 1 repaints it all), got {strength:g}",
-                      field="strength")
-    if req.get("num_frames") is not None and task is not Task.IMAGE_TO_VIDEO:
-        raise invalid("num_frames does not apply to image edits", field="num_frames")
-    size_field = size_field or req.get("size_field")
-    for side in ("width", "height"):  # before the image is resized to them
-        if req.get(side) is not None:
-            check_side(side, req[side], limits, size_field, model)
-    return image, mask, task, float(strength)

@@ -15,7 +15,7 @@ import msgspec
 from diffusiond import __version__
 from diffusiond.daemon.core.jobs import Item, Job, Preview
 from diffusiond.daemon.core.loras import LoraInfo
-from diffusiond.daemon.edge.requests import side_floor
+from diffusiond.daemon.edge.sizes import side_floor
 from diffusiond.daemon.residency.decisions import ModelStatus
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import PING_INTERVAL_S, Model

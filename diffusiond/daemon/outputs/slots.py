@@ -4,7 +4,9 @@ Every slot an output holds goes back to its worker from this module and nowhere 
 encoding, after the one stream of an npy output, when its job fails or is cancelled, when the
 job's retention ends, when the engine stops, and at once for an output that arrives for a job
 that already ended. The engine tells this module what happened (``deliver``, ``discard``,
-``expire``, ``drop_late``); it never hands a slot back itself.
+``expire``, ``drop_late``); it never hands a slot back itself. The side region beside an output (its
+trajectory, its sound track) has an owner of its own, ``trajectories.py``, which this one holds and
+tells the same news.
 
 Encoded formats (PNG, JPEG, WebP, GIF, MP4) are produced in a thread pool straight from the
 read-only mapping (no copy), and the slot goes back as soon as the encoder is done. ``npy``
@@ -38,16 +40,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffusiond.daemon.core.jobs import Item, Job
-from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, OutputNotReady, OutputReleased
+from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, OutputReleased
 from diffusiond.daemon.metrics import Metrics
-from diffusiond.daemon.outputs import sound, trajectory_files
+from diffusiond.daemon.outputs import sound
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
 from diffusiond.daemon.outputs.metadata import file_metadata
+from diffusiond.daemon.outputs.trajectories import Trajectories
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
-from diffusiond.protocol import AUDIO_ARRAY, FORMATS, SIDE_ARRAYS, TRAJECTORY_ARRAYS, ErrorCode, Stage, WorkerState
+from diffusiond.protocol import FORMATS, ErrorCode, Stage, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +82,8 @@ class Outputs:
         self.png_compress_level = png_compress_level
         self._on_ready = on_ready
         self._on_failed = on_failed
+        self.trajectories = Trajectories(executor, self.store)  # their side regions (trajectories.py)
         self._holding: set[Item] = set()  # items that hold a slot in a worker's arena
-        self._trajectories: set[Item] = set()  # items whose trajectory holds shared memory
-        self._spilling: set[Item] = set()  # trajectories being copied out of it
         self._tasks: set[asyncio.Task[None]] = set()
 
     # what the engine tells us ------------------------------------------------------------------
@@ -89,8 +91,7 @@ class Outputs:
         """An item's output (and its trajectory, when asked for) has landed in shared memory: make it servable."""
         self._leave_stopped()
         if trajectory is not None:
-            item.trajectory = trajectory
-            self._trajectories.add(item)
+            self.trajectories.hold(item, trajectory)
         item.desc = desc
         self._holding.add(item)
         item.stage = Stage.ENCODING
@@ -114,27 +115,27 @@ class Outputs:
         """The job failed or was cancelled: nothing of it will be served."""
         for item in job.items:
             self._free(item)
-            self._free_trajectory(item)
+            self.trajectories.free(item)
 
     def expire(self, job: Job) -> None:
         """Retention ended (or a synchronous caller took its bytes): forget every output."""
         for item in job.items:
             self._free(item)
-            self._free_trajectory(item)
+            self.trajectories.free(item)
             item.data = None
 
     def close(self) -> None:
         """The engine stops: every slot goes back (its worker may already be gone)."""
         for item in list(self._holding):
             self._free(item)
-        for item in list(self._trajectories):
-            self._free_trajectory(item)
+        for item in list(self.trajectories.held):
+            self.trajectories.free(item)
 
     # reading ------------------------------------------------------------------------------------
     @asynccontextmanager
     async def open(self, item: Item) -> AsyncIterator[OutputRead]:
         """Read one output; its slot stays pinned until the block ends."""
-        _check_ready(item)
+        item.check_ready()
         job = item.job
         if item.data is not None:
             yield OutputRead(b"", item.data)
@@ -162,7 +163,7 @@ class Outputs:
         """Pin an npy output for a program on this machine that maps it: its descriptor, the fd
         of the sealed memory it lies in, and that memory's size. Counts as its one delivery: the
         slot goes back at ``unlease`` (the client dropped its arrays or hung up)."""
-        _check_ready(item)
+        item.check_ready()
         job = item.job
         if item.desc is None:
             if item.data is not None or item.file is not None:
@@ -217,7 +218,7 @@ class Outputs:
             name, size = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.store.write_output, job.id, item.index, ext, parts)
             item.file = name
-            await trajectory_files.write(self, item)  # its arrays beside it (trajectory_files.py)
+            await self.trajectories.save(item)  # its arrays beside it (trajectory_files.py)
         except Exception as exc:
             code = exc.code if isinstance(exc, EngineError) else ErrorCode.OUTPUT_FAILED
             message = exc.message if isinstance(exc, EngineError) else f"writing the output file failed: {exc}"
@@ -245,130 +246,9 @@ class Outputs:
         buf = item.worker.buffer(desc)
         return npy_header(numpy_dtype(desc.dtype), desc.shape), buf[desc.offset : desc.offset + desc.nbytes]
 
-    # trajectories (issue 29) ------------------------------------------------------------------------
-    @asynccontextmanager
-    async def open_trajectory(self, item: Item, name: str) -> AsyncIterator[tuple[bytes, memoryview]]:
-        """One array of an output's trajectory as an npy header and its bytes, pinned while read.
-        Unlike an npy output it is not consumed: it stays until the job's retention ends."""
-        desc = self._trajectory_array(item, name)
-        if desc is None:  # no longer in memory, saved in the state dir
-            yield b"", memoryview(await trajectory_files.read(self, item, name))
-            return
-        self._pin_trajectory(item)
-        payload = self._trajectory_bytes(item, desc)
-        try:
-            yield npy_header(numpy_dtype(desc.dtype), desc.shape), payload
-        finally:
-            payload.release()
-            self._unpin_trajectory(item)
-
-    def lease_trajectory(self, item: Item, audio: bool = False) -> tuple[TensorDesc, dict[str, TensorDesc], int, int]:
-        """Pin a trajectory for a program on this machine that maps it: its region, its arrays, the fd
-        they lie in and its size. It goes back at ``unlease_trajectory`` only if the job's retention ended
-        meanwhile: a trajectory may be mapped again, as long as the job is kept."""
-        traj = self._trajectory_of(item, audio)
-        if traj is None:
-            raise NotShared(f"the side arrays of output {item.index} of job {item.job.id} are not in shared memory "
-                            "(spilled under arena pressure, or kept in the state dir); fetch its arrays over HTTP")
-        assert item.worker is not None
-        shared = item.worker.share(traj.region)
-        if shared is None:
-            raise NotShared("this kernel cannot seal shared memory against writes (Linux 5.1+), so "
-                            "trajectories are not handed out by fd; fetch them over HTTP")
-        self._pin_trajectory(item)
-        return traj.region, dict(traj.arrays), *shared
-
-    def unlease_trajectory(self, item: Item) -> None:
-        self._unpin_trajectory(item)
-
-    def _trajectory_of(self, item: Item, audio: bool = False) -> TrajectoryDesc | None:
-        """The item's side region while in shared memory (None once spilled), for its trajectory or (``audio``)
-        its sound track, which share it (ipc/sidearrays.py); errors name what is missing."""
-        _check_ready(item)
-        job = item.job
-        if audio and not job.request.audio_rate:
-            raise OutputNotFound(f"job {job.id} has no sound track (its model makes none, or it was sent with "
-                                 "\"audio\": false)")
-        if not audio and job.request.trajectory is None:
-            raise OutputNotFound(f"job {job.id} asked for no trajectory; send \"trajectory\": "
-                                 "{\"latents\": true, \"log_probs\": true} with the job")
-        if item.trajectory is None and item.trajectory_data is None and not item.trajectory_files:
-            raise OutputReleased(f"the {'sound track' if audio else 'trajectory'} of output {item.index} of job "
-                                 f"{job.id} is no longer kept (its retention ended, or the daemon restarted without "
-                                 "a state dir to keep it)")
-        return item.trajectory if item.trajectory_data is None else None
-
-    def _trajectory_array(self, item: Item, name: str) -> TensorDesc | None:
-        """The array's place in memory; None when only its file in the state dir holds it."""
-        if name not in SIDE_ARRAYS:
-            raise OutputNotFound(f"a trajectory has no array {name!r}; its arrays are {', '.join(TRAJECTORY_ARRAYS)}")
-        self._trajectory_of(item, audio=name == AUDIO_ARRAY)
-        arrays = item.trajectory.arrays if item.trajectory is not None else trajectory_files.listed(item)
-        if name not in arrays:
-            raise OutputNotFound(f"the trajectory of job {item.job.id} has no {name} (its request left them out); "
-                                 f"it has {', '.join(arrays)}")
-        return item.trajectory.arrays[name] if item.trajectory is not None else None
-
-    def _trajectory_bytes(self, item: Item, desc: TensorDesc) -> memoryview:
-        assert item.trajectory is not None
-        if item.trajectory_data is not None:
-            start = desc.offset - item.trajectory.region.offset
-            return memoryview(item.trajectory_data)[start : start + desc.nbytes]
-        assert item.worker is not None
-        return item.worker.buffer(desc)[desc.offset : desc.offset + desc.nbytes]
-
-    def _pin_trajectory(self, item: Item) -> None:
-        item.trajectory_pins += 1
-
-    def _unpin_trajectory(self, item: Item) -> None:
-        item.trajectory_pins -= 1
-        if item.trajectory_pins == 0 and item.trajectory_release_pending:
-            item.trajectory_release_pending = False
-            self._free_trajectory(item)
-
-    def _free_trajectory(self, item: Item) -> None:
-        """Forget the item's trajectory and give its region back to its worker (unless spilled, when it
-        went back already), now or (while pinned) at the last unpin."""
-        if item.trajectory is None:
-            return
-        if item.trajectory_pins:
-            item.trajectory_release_pending = True
-            return
-        traj, spilled = item.trajectory, item.trajectory_data is not None
-        item.trajectory = item.trajectory_data = None
-        self._trajectories.discard(item)
-        if not spilled and item.worker is not None:
-            item.worker.return_slot(traj.region)
-
-    async def _spill_trajectory(self, item: Item) -> None:
-        """Copy a trajectory out of the arena (it held room a worker needs); HTTP reads it from here on."""
-        assert item.trajectory is not None and item.worker is not None
-        region = item.trajectory.region
-        self._spilling.add(item)
-        item.trajectory_pins += 1
-        try:
-            view = item.worker.buffer(region)[region.offset : region.offset + region.nbytes]
-            try:
-                data = await asyncio.get_running_loop().run_in_executor(self.executor, view.tobytes)
-            finally:
-                view.release()
-        finally:
-            item.trajectory_pins -= 1
-            self._spilling.discard(item)
-        if item.trajectory_pins == 0 and item.trajectory_release_pending:
-            item.trajectory_release_pending = False
-            self._free_trajectory(item)
-            return
-        if item.trajectory is None or item.trajectory_data is not None or item.trajectory_pins:
-            return  # gone meanwhile, or mapped by a lease now: it stays where it is
-        item.trajectory_data = data
-        self._trajectories.discard(item)
-        item.worker.return_slot(region)
-        log.info("spilled the trajectory of %s (%d bytes) out of the arena", item.request_id, len(data))
-
     # encoding -----------------------------------------------------------------------------------
     def _options(self, item: Item) -> EncodeOptions:
-        track = sound.waveform(self, item) if item.job.request.output_format == "mp4" else None
+        track = sound.waveform(self.trajectories, item) if item.job.request.output_format == "mp4" else None
         return EncodeOptions(png_compress_level=self.png_compress_level, fps=item.job.request.fps,
                              metadata=file_metadata(item),
                              audio=None if track is None else (track, item.job.request.audio_rate))
@@ -450,21 +330,18 @@ class Outputs:
                 self._free(item)
             else:
                 self._keep(self._spill(item))
-        trajectories = [i for i in self._trajectories if i.worker is worker and i.done and not i.trajectory_pins
-                        and i not in self._spilling and i.trajectory is not None
-                        and not i.trajectory.region.dedicated]  # its own memfd frees no arena
-        for item in sorted(trajectories, key=lambda i: i.enqueued_at):
+        for item in self.trajectories.spillable(worker):
             if excess <= 0:
                 break
             assert item.trajectory is not None
             excess -= item.trajectory.region.nbytes
-            self._keep(self._spill_trajectory(item))
+            self._keep(self.trajectories.spill(item))
 
     def _leave_stopped(self) -> None:
         """Copy what outputs hold in a stopped worker's arena out, so it is unmapped: each LTX-2 output's sound track
         holds a side region for its job's retention, and each stop and reload would leave another arena mapped,
         outside ``--host-memory`` (issue 30). At the next delivery (the reload's first output is one)."""
-        for worker in {i.worker for i in (*self._holding, *self._trajectories) if i.worker is not None}:
+        for worker in {i.worker for i in (*self._holding, *self.trajectories.held) if i.worker is not None}:
             if worker.state == WorkerState.DEAD:
                 self.relieve(worker, need=worker.arena_capacity)
 
@@ -486,13 +363,6 @@ class Outputs:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _check_ready(item: Item) -> None:
-    if not item.done:
-        job = item.job
-        raise OutputNotReady(f"output {item.index} of job {job.id} is not ready (job {job.status.value})",
-                             stage=job.stage.label)
 
 
 def _join(header: bytes, payload: memoryview) -> bytes:

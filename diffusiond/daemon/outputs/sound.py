@@ -1,7 +1,7 @@
 """A model's sound track (issue 30) as users get it: an AAC stream in an mp4, a WAV file, an array.
 
 The waveform lies beside its output in shared memory (``protocol.AUDIO_ARRAY``, float32 ``(channels,
-samples)`` in [-1, 1]), in the region a trajectory uses (``ipc/sidearrays.py``); ``slots.Outputs`` owns it. Here
+samples)`` in [-1, 1]), in the region a trajectory uses (``ipc/sidearrays.py``); ``trajectories.py`` owns it. Here
 it is only read: muxed into the video's file, cut or padded with silence to the video's own duration (the
 model's length is its frame count over its frame rate, rounded to its latent steps), or written as 16-bit PCM
 WAV with the stdlib's ``wave``. gif and animated webp hold no sound: their track is served as WAV only.
@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import io
 import wave
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from diffusiond.protocol import AUDIO_ARRAY
+
+if TYPE_CHECKING:
+    from diffusiond.daemon.core.jobs import Item
+    from diffusiond.daemon.outputs.trajectories import Trajectories
 
 # The rates AAC (MPEG-4 audio's sampling frequency index) has; another is resampled to 48 kHz.
 AAC_RATES = frozenset({96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025, 8000, 7350})
@@ -71,24 +75,24 @@ def wav_bytes(waveform: np.ndarray, rate: int) -> bytes:
 
 
 def from_npy(header: bytes, payload: memoryview | bytes) -> np.ndarray:
-    """The waveform from ``Outputs.open_trajectory``'s parts (a header and its bytes, or a whole npy file)."""
+    """The waveform from ``Trajectories.open``'s parts (a header and its bytes, or a whole npy file)."""
     out: np.ndarray = np.load(io.BytesIO(bytes(header) + bytes(payload)), allow_pickle=False)
     return out
 
 
-def waveform(outputs: Any, item: Any) -> np.ndarray | None:
+def waveform(trajectories: Trajectories, item: Item) -> np.ndarray | None:
     """The item's waveform for an encoder, copied out of shared memory (a few MB at most; the encoder pads it
-    anyway), or None when it has none. ``outputs`` is slots.Outputs, typed loosely since it imports this."""
+    anyway), or None when it has none."""
     side = item.trajectory
     if not item.job.request.audio_rate or side is None or AUDIO_ARRAY not in side.arrays:
         return None
     desc = side.arrays[AUDIO_ARRAY]
-    outputs._pin_trajectory(item)
+    trajectories.pin(item)
     try:
-        payload = outputs._trajectory_bytes(item, desc)
+        payload = trajectories.view(item, desc)
         try:
             return np.frombuffer(payload, dtype=np.float32).reshape(desc.shape).copy()
         finally:
             payload.release()
     finally:
-        outputs._unpin_trajectory(item)
+        trajectories.unpin(item)

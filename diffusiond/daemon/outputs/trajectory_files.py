@@ -12,6 +12,8 @@ Without a state dir (``--no-persist``) nothing is written: trajectories live in 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from diffusiond.daemon.outputs.encoders import npy_header
@@ -19,31 +21,27 @@ from diffusiond.ipc.tensors import numpy_dtype
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.jobs import Item
+    from diffusiond.daemon.state.store import Store
+    from diffusiond.ipc.tensors import TensorDesc
 
-# ``outputs`` below is slots.Outputs (its executor, store and trajectory pins): typed loosely, since
-# slots imports this module and the layout test forbids modules that import each other.
 
-
-async def write(outputs: Any, item: Item) -> None:
-    """Write the item's trajectory arrays (if it has any in memory) as files; raises what the store raises."""
+async def write(item: Item, view: Callable[[TensorDesc], memoryview], executor: Executor, store: Store) -> None:
+    """Write the item's trajectory arrays (if it has any in memory) as files, each array's bytes from ``view``
+    (``Trajectories.save`` pins the region meanwhile); raises what the store raises."""
     traj = item.trajectory
     if traj is None or item.trajectory_files:
         return
     loop = asyncio.get_running_loop()
     files: dict[str, dict[str, Any]] = {}
-    outputs._pin_trajectory(item)
-    try:
-        for name, desc in traj.arrays.items():
-            payload = outputs._trajectory_bytes(item, desc)
-            try:
-                parts: list[bytes | memoryview] = [npy_header(numpy_dtype(desc.dtype), desc.shape), payload]
-                file, size = await loop.run_in_executor(outputs.executor, outputs.store.write_output, item.job.id,
-                                                        item.index, f"{name}.npy", parts)
-            finally:
-                payload.release()
-            files[name] = {"file": file, "bytes": size, "shape": list(desc.shape), "dtype": desc.dtype}
-    finally:
-        outputs._unpin_trajectory(item)
+    for name, desc in traj.arrays.items():
+        payload = view(desc)
+        try:
+            parts: list[bytes | memoryview] = [npy_header(numpy_dtype(desc.dtype), desc.shape), payload]
+            file, size = await loop.run_in_executor(executor, store.write_output, item.job.id, item.index,
+                                                    f"{name}.npy", parts)
+        finally:
+            payload.release()
+        files[name] = {"file": file, "bytes": size, "shape": list(desc.shape), "dtype": desc.dtype}
     item.trajectory_files = files
 
 
@@ -52,9 +50,8 @@ def listed(item: Item) -> dict[str, tuple[list[int], str]]:
     return {name: (list(f["shape"]), str(f["dtype"])) for name, f in (item.trajectory_files or {}).items()}
 
 
-async def read(outputs: Any, item: Item, name: str) -> bytes:
+async def read(item: Item, name: str, executor: Executor, store: Store) -> bytes:
     """A saved array's whole npy file."""
     entry = (item.trajectory_files or {})[name]
-    data: bytes = await asyncio.get_running_loop().run_in_executor(outputs.executor, outputs.store.read_output,
-                                                                    entry["file"])
+    data: bytes = await asyncio.get_running_loop().run_in_executor(executor, store.read_output, entry["file"])
     return data

@@ -12,18 +12,16 @@ must never wait for a disk. A single-thread executor is that thread and its queu
 run one at a time in the order the loop sent them, so an update can never overtake the insert
 of the same job, and each call gives the loop a future.
 
-Why the request is stored as msgspec JSON of ``JobRequest``: a field added to the request later
-is carried (and read back) without a line here; fields missing from old rows take their
-defaults. Output files are written whole to a temp file, fsynced, renamed over their final
-name (``<job>-<k>.<ext>``, so a second run of a job replaces its file and never makes a second
-one) and the folder fsynced: a file under its final name is always complete.
+What a row holds, and why the request is msgspec JSON, is ``rows.py``'s. Output files are
+written whole to a temp file, fsynced, renamed over their final name (``<job>-<k>.<ext>``, so
+a second run of a job replaces its file and never makes a second one) and the folder fsynced:
+a file under its final name is always complete.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -39,79 +37,18 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from diffusiond.daemon.core.jobs import Item, Job, JobRequest
+from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.errors import InsufficientStorage, StateWriteFailed
+from diffusiond.daemon.state.faults import StateFaults
+from diffusiond.daemon.state.rows import APPLICATION_ID, SCHEMA, SCHEMA_VERSION, from_row, to_row
 from diffusiond.daemon.state.statedir import StateDirError, StateLock, move_aside, prepare
 from diffusiond.ipc.messages import Capabilities
-from diffusiond.protocol import JobStatus, Stage
+from diffusiond.protocol import JobStatus
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-APPLICATION_ID = 0x64696664  # "difd": marks the file as ours (PRAGMA application_id)
-SCHEMA_VERSION = 1
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- admission order: the queue's order after a restart
-    id TEXT NOT NULL UNIQUE,
-    created REAL NOT NULL,
-    model TEXT NOT NULL,
-    status TEXT NOT NULL,
-    stage TEXT NOT NULL,
-    sync INTEGER NOT NULL DEFAULT 0,
-    attempts INTEGER NOT NULL DEFAULT 1,
-    request TEXT NOT NULL,                   -- msgspec JSON of JobRequest
-    seeds TEXT NOT NULL,                     -- JSON list, one per output
-    error TEXT,                              -- JSON object, for jobs that did not succeed
-    timings TEXT NOT NULL DEFAULT '{}',
-    outputs TEXT NOT NULL DEFAULT '[]',      -- JSON list of {index, file, bytes, trajectory, lora_versions,
-                                             --   weight_versions} (the last two absent from older records)
-    bytes INTEGER NOT NULL DEFAULT 0,        -- the output files' total size (retention by size)
-    edit INTEGER NOT NULL DEFAULT 0,         -- an edit: its input image is not kept, it cannot run again
-    ended REAL
-);
-CREATE TABLE IF NOT EXISTS models (
-    name TEXT PRIMARY KEY,
-    capabilities TEXT NOT NULL               -- msgspec JSON of Capabilities, from the model's last READY
-);
-CREATE TABLE IF NOT EXISTS working (
-    name TEXT PRIMARY KEY,                   -- the model's key, as in models
-    peaks TEXT NOT NULL                      -- JSON of residency.working.Measurements.entry: peaks per shape
-);
-CREATE INDEX IF NOT EXISTS jobs_model ON jobs (model, seq);
-CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
-"""
 LIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-
-
-@dataclass
-class StateFaults:
-    """Test-only faults (``serve --test-state-fault``), comma-separated.
-
-    ``enospc_file=PATH``: while PATH exists, every write to the state dir fails with ENOSPC (a
-    full disk, switched on and off by the test). ``write_delay_ms=N``: each output file write
-    stops N ms half-way through (a crash there must leave no partial file served).
-    """
-
-    enospc_file: str | None = None
-    write_delay_ms: int = 0
-
-    @classmethod
-    def parse(cls, spec: str) -> StateFaults:
-        f = cls()
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, _, value = part.partition("=")
-            if key == "enospc_file":
-                f.enospc_file = value
-            elif key == "write_delay_ms":
-                f.write_delay_ms = int(value)
-            else:
-                raise ValueError(f"unknown state fault {key!r}")
-        return f
-
-    def check_space(self) -> None:
-        if self.enospc_file and os.path.exists(self.enospc_file):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 @dataclass(frozen=True)
@@ -224,7 +161,7 @@ class SqliteStore(Store):
             self._lock.release()
             raise
         self.lost_inputs = frozenset(r["id"] for r in rows if r["edit"])
-        return [self._job(r) for r in rows]
+        return [from_row(r) for r in rows]
 
     def _open(self) -> list[sqlite3.Row]:
         for leftover in self.outputs_dir.glob(".*.tmp"):  # a write a crash cut short: never served
@@ -309,7 +246,7 @@ class SqliteStore(Store):
 
     # jobs ---------------------------------------------------------------------------------------
     async def add(self, job: Job) -> None:
-        row = _row(job)
+        row = to_row(job)
         try:
             await self._run(self._insert, row)
         except (OSError, sqlite3.Error) as exc:
@@ -321,7 +258,7 @@ class SqliteStore(Store):
         self._db().execute(f"INSERT INTO jobs ({names}) VALUES ({', '.join(':' + k for k in row)})", row)
 
     def update(self, job: Job) -> None:
-        self._later(self._update, _row(job))
+        self._later(self._update, to_row(job))
 
     def _updated(self, fut: asyncio.Future[Any]) -> None:
         self._pending.discard(fut)
@@ -335,7 +272,7 @@ class SqliteStore(Store):
 
     async def load(self, job_id: str) -> Job | None:
         row = await self._run(self._get, job_id)
-        return None if row is None else self._job(row)
+        return None if row is None else from_row(row)
 
     def _get(self, job_id: str) -> sqlite3.Row | None:
         row: sqlite3.Row | None = self._db().execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
@@ -343,7 +280,7 @@ class SqliteStore(Store):
 
     async def page(self, status: str | None, model: str | None, before: str | None, limit: int) -> Page:
         rows = await self._run(self._page, status, model, before, limit + 1)
-        jobs = [self._job(r) for r in rows[:limit]]
+        jobs = [from_row(r) for r in rows[:limit]]
         return Page(jobs, jobs[-1].id if len(rows) > limit else None)
 
     def _page(self, status: str | None, model: str | None, before: str | None, limit: int) -> list[sqlite3.Row]:
@@ -364,7 +301,7 @@ class SqliteStore(Store):
 
     async def expired(self, keep_days: float, keep_bytes: int) -> list[Job]:
         rows = await self._run(self._expired, keep_days, keep_bytes)
-        return [self._job(r) for r in rows]
+        return [from_row(r) for r in rows]
 
     def _expired(self, keep_days: float, keep_bytes: int) -> list[sqlite3.Row]:
         rows = self._db().execute(f"SELECT * FROM jobs WHERE status NOT IN {LIVE} ORDER BY seq").fetchall()
@@ -419,75 +356,6 @@ class SqliteStore(Store):
             await self._run(con.close)
         self._thread.shutdown(wait=True)
         self._lock.release()
-
-    # rows <-> jobs ------------------------------------------------------------------------------
-    def _job(self, row: sqlite3.Row) -> Job:
-        request = msgspec.json.decode(row["request"], type=JobRequest)
-        status = JobStatus(row["status"])
-        job = Job(request, id=row["id"], created=row["created"], status=status, sync=bool(row["sync"]),
-                  attempts=row["attempts"], error=json.loads(row["error"]) if row["error"] else None,
-                  timings_ms=json.loads(row["timings"]))
-        stage = Stage[row["stage"].upper()] if status.terminal else Stage.QUEUED
-        files = {o["index"]: o for o in json.loads(row["outputs"])}
-        for k, seed in enumerate(json.loads(row["seeds"])):
-            item = Item(job, k, seed=seed, stage=stage)
-            # what its run was (an unfinished job runs again, with versions of its own; older records have none)
-            if status.terminal and k in files:
-                item.lora_versions = _versions(files[k].get("lora_versions"))
-                item.weight_versions = _versions(files[k].get("weight_versions"))
-            if status == JobStatus.SUCCEEDED and k in files:
-                item.file, item.nbytes, item.stage = files[k]["file"], files[k]["bytes"], Stage.DONE
-                item.trajectory_files = files[k].get("trajectory")
-            job.items.append(item)
-        if status.terminal:
-            job.finished.set()
-        return job
-
-
-def _row(job: Job) -> dict[str, Any]:
-    """What the database holds of a job (read on the loop, written in the store's thread)."""
-    written = [i for i in job.items if i.file]
-    return {
-        "id": job.id,
-        "created": job.created,
-        "model": job.request.model,
-        "status": job.status.value,
-        "stage": job.stage.label,
-        "sync": int(job.sync),
-        "attempts": job.attempts,
-        "request": msgspec.json.encode(_without_input(job.request)).decode(),
-        "edit": int(_has_input(job.request)),  # control images are not kept either
-        "seeds": json.dumps([i.seed for i in job.items]),
-        "error": json.dumps(job.error) if job.error else None,
-        "timings": json.dumps(job.timings_ms),
-        "outputs": json.dumps([{"index": i.index, "file": i.file, "bytes": i.nbytes, "trajectory": i.trajectory_files,
-                                "lora_versions": i.lora_versions, "weight_versions": i.weight_versions}
-                               for i in written]),
-        "bytes": sum(i.nbytes + sum(f["bytes"] for f in (i.trajectory_files or {}).values()) for i in written),
-        "ended": time.time() if job.terminal else None,
-    }
-
-
-def _versions(value: Any) -> dict[str, int] | None:
-    """An output's recorded versions, or None: a record written before they were kept has none, and one that
-    does not read as names to integers is shown as unknown rather than failing the read of the whole job."""
-    if not isinstance(value, dict) or not all(isinstance(k, str) and type(v) is int for k, v in value.items()):
-        return None
-    return value
-
-
-def _has_input(request: JobRequest) -> bool:
-    return any(getattr(request, k, None) is not None for k in ("edit", "control", "ip_adapter"))
-
-
-def _without_input(request: JobRequest) -> JobRequest:
-    """The request as stored: an edit's decoded input image (shared memory, owned by the live
-    job) is not; the row says it was an edit (``Store.lost_inputs``)."""
-    if not _has_input(request):
-        return request
-    # ``controls`` and ``ip_adapters`` still name the ControlNets and IP-Adapters (and digest the images)
-    return dataclasses.replace(request, edit=None, control=None, ip_adapter=None)
-
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -1,0 +1,78 @@
+"""An output's sides: the ``size`` spelling ("512x512") and the checks of width and height.
+
+Apart from ``requests.py`` because more than admission needs them: an edit's sides are checked before its
+image is decoded (``edits.py``) and the decoder resizes to the same step and floor (``bodies.py``), the
+OpenAI form reads the same spelling (``forms.py``), and a model's JSON shows its smallest side (``views.py``).
+A model may ask more than the limits (LTX a multiple of 32, LTX-2 at least 64): the refusal names the nearest
+sides it makes instead of failing while computing.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+from diffusiond.daemon.config import Limits
+from diffusiond.daemon.errors import invalid
+from diffusiond.ipc.messages import Capabilities
+
+SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class ModelLike(Protocol):
+    """What admission needs of a model: its name and what it can make. The engine's ``Model``
+    fits; tests can pass anything with these two attributes."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+
+def sized(req: dict[str, Any]) -> dict[str, Any]:
+    """``size`` ("512x512") on /v1/jobs -> width and height, so both endpoints take the same
+    spelling; given with width or height that disagree, a 400 naming ``size`` (which one was
+    meant cannot be guessed). Later errors about the sides name ``size``, the field sent."""
+    size = req.get("size")
+    if size is None:
+        return req
+    m = SIZE.match(size) if isinstance(size, str) else None
+    if not m:
+        raise invalid(f"size must look like 512x512 (width x height), got {size!r}", field="size")
+    width, height = int(m.group(1)), int(m.group(2))
+    for name, value in (("width", width), ("height", height)):
+        if req.get(name) is not None and req[name] != value:
+            raise invalid(f"size {size} and {name} {req[name]} disagree; send size, or width and height",
+                          field="size")
+    return {**req, "width": width, "height": height, "size_field": "size"}
+
+
+def side_step(model: ModelLike | None) -> int:
+    """The multiple each side of an output must be: 8, or the model's own ``size_step`` (LTX 32)."""
+    return max(8, model.capabilities.size_step) if model is not None else 8
+
+
+def side_floor(model: ModelLike | None, limits: Limits) -> int:
+    """The smallest side of an output: the limits', or the model's own ``min_size`` where larger (LTX-2 64)."""
+    return max(limits.min_size, model.capabilities.min_size) if model is not None else limits.min_size
+
+
+def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
+               model: ModelLike | None = None) -> None:
+    """A side within the limits and a multiple of 8; and of the model's own ``size_step`` (LTX 32), at least its
+    ``min_size``, naming the nearest sides it makes, as frame counts do, instead of failing while computing."""
+    step, floor = side_step(model), side_floor(model, limits)
+    inside = floor <= v <= limits.max_size
+    if inside and v % step == 0:
+        return
+    if model is not None and limits.min_size <= v < floor:
+        raise invalid(f"{name} must be at least {floor} for {model.name!r} (the smallest side it makes), got {v}",
+                      field=size_field or name)
+    if not inside or v % 8 or model is None:
+        raise invalid(f"{name} must be a multiple of {step} between {floor} and {limits.max_size}, got {v}",
+                      field=size_field or name)
+    lower = v // step * step
+    near = " or ".join(str(s) for s in (lower, lower + step) if floor <= s <= limits.max_size)
+    raise invalid(f"{name} must be a multiple of {step} for {model.name!r}; use {near or 'another size'}, got {v}",
+                  field=size_field or name)

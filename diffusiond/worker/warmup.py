@@ -1,0 +1,39 @@
+"""Warm-up (``--warmup``): each shape run before READY, so its first client pays neither compilation nor capture.
+
+``ComputeThread`` calls it on the compute thread itself, before its first batch: a compiled model's CUDA graphs
+belong to the thread that captured them, and the shapes compiled there are the ones later batches replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from diffusiond.ipc.messages import BatchParams, RequestSpec, WarmupShape
+from diffusiond.pipelines.base import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+def warm_up(pipeline: Pipeline, shapes: Sequence[WarmupShape], cuda: bool) -> None:
+    """Run each warm-up shape, twice where CUDA-graph trees record a graph on its second run
+    (``warmup_runs``), so the first client of that shape pays neither compilation nor capture.
+    Smallest batch first: a compiled model runs a batch padded into a larger graph of its size once
+    it has one (pipelines/compile.py), so ``512x512:8,512x512:1`` in that order would never compile the 1."""
+    caps = pipeline.capabilities
+    frames = caps.num_frames if caps.task == "text-to-video" else None
+    for shape in sorted(shapes, key=lambda s: s.batch):
+        params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
+                             num_frames=frames)
+        requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
+        t0 = time.perf_counter()
+        for _ in range(getattr(pipeline, "warmup_runs", 1)):
+            with torch.inference_mode():
+                pipeline.run(params, requests, lambda _step, _total: True)
+        if cuda:
+            torch.cuda.synchronize()
+        log.info("warmed up %dx%d batch %d in %.1f s", shape.width, shape.height, shape.batch,
+                 time.perf_counter() - t0)
