@@ -109,6 +109,19 @@ async def test_a_side_under_ltx2s_smallest_is_refused_naming_it(ltx2_daemon: Dae
         assert (await wait_job(s, made["id"], timeout=120))["status"] == "succeeded"
 
 
+async def test_one_step_is_refused_where_the_scheduler_stretches_its_last_step(ltx2_daemon: Daemon) -> None:
+    """LTX's schedulers stretch the last sigma to shift_terminal, which over one step divides by zero: the job
+    would succeed with an image of NaN. Both models declare two steps as their fewest, and admission holds it."""
+    async with http(ltx2_daemon.socket) as s, s.get("/v1/models") as r:
+        models = {m["id"]: m for m in (await r.json())["data"]}
+    assert (models["ltx2"]["min_steps"], models["tiny-video"]["min_steps"]) == (2, 2)
+    async with http(ltx2_daemon.socket) as s:
+        for model in ("ltx2", "tiny-video"):
+            status, refused = await job(s, {**BASE, "model": model, "width": 64, "steps": 1})
+            assert status == 400 and refused["error"]["field"] == "steps", refused
+            assert f"model {model!r} takes at least 2 steps" in refused["error"]["message"], refused
+
+
 async def test_ltx2_declares_no_previews_and_refuses_a_request_for_them(ltx2_daemon: Daemon) -> None:
     """Its VAE makes LTX-Video's 128 channels, but LTX-Video's preview factors are fitted on another VAE's latents:
     the model shows no previews rather than wrong colours, and a request for them is a 400 naming ``preview``."""
@@ -170,7 +183,7 @@ async def test_audio_false_leaves_the_track_out(ltx2_daemon: Daemon) -> None:
 
 
 async def test_a_silent_model_refuses_audio_true(ltx2_daemon: Daemon) -> None:
-    body = {"model": "tiny-video", "prompt": "a drum", "width": 64, "height": 64, "steps": 1, "num_frames": 9}
+    body = {"model": "tiny-video", "prompt": "a drum", "width": 64, "height": 64, "steps": 2, "num_frames": 9}
     async with http(ltx2_daemon.socket) as s:
         status, refused = await job(s, {**body, "audio": True})
         assert status == 400 and refused["error"]["field"] == "audio", refused

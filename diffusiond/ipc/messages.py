@@ -326,6 +326,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     # width and height must be at least this (a multiple of size_step): one step, or more where its VAE's
     # decoder needs more latent pixels a side than one (LTX-2 64, issue 30); admission refuses smaller sides
     min_size: int = 8
+    # fewest steps it takes: 2 where its scheduler stretches the last sigma to ``shift_terminal`` (Qwen-Image,
+    # LTX-Video), which divides by zero over a one-step schedule and makes every pixel NaN
+    min_steps: int = 1
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")

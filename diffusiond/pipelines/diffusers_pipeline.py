@@ -220,6 +220,7 @@ class DiffusersPipeline:
             num_frames_step=frame_step(pipe) if video else 1,  # valid num_frames: 1 + k * step
             size_step=multiple,
             min_size=smallest,
+            min_steps=2 if getattr(getattr(pipe, "scheduler", None), "config", {}).get("shift_terminal") else 1,
             flow_scheduler=self._flow,
             synthetic_weights=synthetic_weights,
         )

@@ -25,7 +25,7 @@ from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
 from diffusiond.daemon.edge.audio import check_audio
 from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
-from diffusiond.daemon.edge.sizes import ModelLike, check_side
+from diffusiond.daemon.edge.sizes import ModelLike, check_side, check_steps
 from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
 from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
 from diffusiond.daemon.errors import MAX_INT_DIGITS, OutputTooLarge, invalid, shown
@@ -213,7 +213,7 @@ def check(
     check_side("width", width, limits, size_field, model)
     check_side("height", height, limits, size_field, model)
     steps = d.steps if req.get("steps") is None else req["steps"]
-    _range(req.get("steps_field", "steps"), steps, 1, limits.max_steps)
+    check_steps(req.get("steps_field", "steps"), steps, model, limits.max_steps)
     guidance = req.get("guidance_scale")
     guidance = d.guidance if guidance is None else guidance
     _range("guidance_scale", guidance, 0, 100)

@@ -1,10 +1,11 @@
-"""An output's sides: the ``size`` spelling ("512x512") and the checks of width and height.
+"""An output's sides and its steps: the ``size`` spelling ("512x512"), and the checks of width, height and
+steps against the limits and what the model declares.
 
 Apart from ``requests.py`` because more than admission needs them: an edit's sides are checked before its
 image is decoded (``edits.py``) and the decoder resizes to the same step and floor (``bodies.py``), the
 OpenAI form reads the same spelling (``forms.py``), and a model's JSON shows its smallest side (``views.py``).
-A model may ask more than the limits (LTX a multiple of 32, LTX-2 at least 64): the refusal names the nearest
-sides it makes instead of failing while computing.
+A model may ask more than the limits (LTX a multiple of 32, LTX-2 at least 64; two steps where its scheduler
+stretches the last one): the refusal names the nearest values it takes instead of failing while computing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from typing import Any, Protocol
 
 from diffusiond.daemon.config import Limits
-from diffusiond.daemon.errors import invalid
+from diffusiond.daemon.errors import invalid, shown
 from diffusiond.ipc.messages import Capabilities
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -76,3 +77,16 @@ def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
     near = " or ".join(str(s) for s in (lower, lower + step) if floor <= s <= limits.max_size)
     raise invalid(f"{name} must be a multiple of {step} for {model.name!r}; use {near or 'another size'}, got {v}",
                   field=size_field or name)
+
+
+def check_steps(field: str, steps: Any, model: ModelLike | None, max_steps: int) -> None:
+    """Steps within the limits, and at least the model's ``min_steps``: a scheduler that stretches its last sigma
+    to ``shift_terminal`` (Qwen-Image, LTX-Video) divides by zero over one step and makes an image of NaN."""
+    low = model.capabilities.min_steps if model is not None else 1
+    if steps is None or low <= steps <= max_steps:
+        return
+    if model is not None and 1 <= steps < low:
+        raise invalid(f"{field}={steps}: model {model.name!r} takes at least {low} steps (its scheduler stretches "
+                      f"the last step to its shift_terminal, which one step cannot); send {field} >= {low}",
+                      field=field)
+    raise invalid(f"{field} must be between {low} and {max_steps}, got {shown(steps)}", field=field)
