@@ -9,6 +9,7 @@ changed spec leaves the stale table unused.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import torch
 from daemonkit import Daemon, http, submit, wait_job
 from test_live_refusals import tiny_entry, to_disk
 
+import diffusiond
+import diffusiond.daemon.state.params as params
 from diffusiond.client import AsyncClient, DaemonError
 from diffusiond.daemon.core.file_checks import FileChecks, ModelFiles, ModelTable
 from diffusiond.daemon.model_config import ModelConfig
@@ -26,6 +29,7 @@ from diffusiond.daemon.state.params import ParamTables
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.params import pack, unpack
 from diffusiond.pipelines.loras import adapters_for, unsupported
+from diffusiond.pipelines.preset_tables import PRESETS
 from diffusiond.pipelines.registry import load_pipeline
 from diffusiond.worker.weights import apply_update, apply_weights, param_table
 
@@ -99,6 +103,28 @@ async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_f
     # a file that does not read is no table
     next((tmp_path / "state" / "params").iterdir()).write_bytes(b"not msgpack")
     assert tables.load("m", key) is None
+
+
+def test_a_table_is_used_only_with_the_same_software_and_preset_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review41 engine 2, 3: a table made without peft (which refuses every LoRA), or under another diffusers or
+    diffusiond release, or from an earlier revision of a ``random:`` preset, does not answer for this one."""
+    tables = ParamTables(None)
+    made = ModelConfig(name="m", spec="random:ltx-2")
+    key = tables.key(made)
+    assert key is not None and key == tables.key(made)
+    versions = dict(params.software())
+    for name, other in (("peft", "absent" if versions["peft"] != "absent" else "0.17.0"), ("diffusers", "0.0.1"),
+                        ("torch", "0.0.1"), ("transformers", "0.0.1")):
+        monkeypatch.setattr(params, "software", lambda n=name, v=other: {**versions, n: v})
+        assert tables.key(made) != key, name
+    monkeypatch.setattr(params, "software", lambda: versions)
+    assert tables.key(made) == key
+    monkeypatch.undo()
+    monkeypatch.setattr(diffusiond, "__version__", "0.0.1")
+    assert tables.key(made) != key, "diffusiond's own version"
+    monkeypatch.undo()
+    monkeypatch.setitem(PRESETS, "ltx-2", dataclasses.replace(PRESETS["ltx-2"], revision=2))
+    assert tables.key(made) != key, "the preset's revision"
 
 
 SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1,
