@@ -230,8 +230,9 @@ class FileChecks:
             config = self._configs.get(model)
             found = None if config is None else await asyncio.to_thread(self._find, config)
             if found is None and config is not None and _built_in(config):
-                return None  # not built yet: read again next time
-            self._read[model] = found
+                return self._read.get(model)  # not built yet: read again next time
+            # a load's table that came while the files were read is newer than what they said (review41 engine 4)
+            return self._read.setdefault(model, found)
         return self._read[model]
 
     def _find(self, config: ModelConfig) -> Checks | None:
