@@ -326,13 +326,23 @@ def _check_wan(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root:
         raise PipelineError(f"{path.name} holds a Wan VACE transformer (vace_blocks.*), which is not served: "
                             f"{NOT_SERVED['WanVACE']}")
     image = any(k.startswith(("img_emb.", "condition_embedder.image_embedder.")) for k in checkpoint)
-    if image == bool(tcls.load_config(str(root), subfolder="transformer").get("image_dim")):
+    config = tcls.load_config(str(root), subfolder="transformer")
+    if image == bool(config.get("image_dim")):
         return
-    holds, wants = (("a Wan 2.1 I2V transformer (img_emb.*)", "has no image embedding; base= must be a "
-                     "WanImageToVideoPipeline folder with a CLIP image encoder (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers)")
-                    if image else ("a Wan transformer without Wan 2.1 I2V's image embedding (img_emb.*)",
-                                   "is Wan 2.1 I2V's; base= must be the pipeline the file was made from (a T2V or "
-                                   "TI2V file: a WanPipeline folder, Wan-AI/Wan2.1-T2V-14B-Diffusers)"))
+    shape: tuple[int, ...] = tuple(getattr(checkpoint.get("patch_embedding.weight"), "shape", ()))
+    if image:
+        holds, wants = ("a Wan 2.1 I2V transformer (img_emb.*)", "has no image embedding; base= must be a "
+                        "WanImageToVideoPipeline folder with a CLIP image encoder "
+                        "(Wan-AI/Wan2.1-I2V-14B-480P-Diffusers)")
+    elif len(shape) == 5 and shape[1] == config.get("in_channels"):  # the image's latents in its input: Wan 2.2 I2V
+        holds, wants = (f"a Wan image-to-video transformer without an image embedding ({shape[1]} input channels, no "
+                        "img_emb.*: Wan 2.2 I2V A14B's)", "is Wan 2.1 I2V's, with a CLIP image embedding; base= must "
+                        "be a WanImageToVideoPipeline folder without an image encoder "
+                        "(Wan-AI/Wan2.2-I2V-A14B-Diffusers)")
+    else:
+        holds, wants = ("a Wan transformer without Wan 2.1 I2V's image embedding (img_emb.*)",
+                        "is Wan 2.1 I2V's; base= must be the pipeline the file was made from (a T2V or TI2V file: a "
+                        "WanPipeline folder, Wan-AI/Wan2.1-T2V-14B-Diffusers)")
     raise PipelineError(f"{path.name} holds {holds}, but the transformer of base={root} {wants}")
 
 
