@@ -289,6 +289,24 @@ def test_a_wan22_i2v_gguf_on_a_wan21_i2v_base_names_the_base_it_needs(files: dic
                   options={"base": base})
 
 
+def test_a_damaged_base_component_is_not_blamed_on_the_gguf_file(files: dict[str, Path], tmp_path: Path) -> None:
+    """Review41 pipes 5: a shape error in the base's VAE (its config edited, its weights not) said the GGUF file did
+    not fit the base's transformer, and that base= named another variant."""
+    import shutil
+
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.loaders import load_gguf
+
+    path, base = str(files["wan"]).split(",base=")
+    damaged = Path(shutil.copytree(base, tmp_path / "base"))
+    config = json.loads((damaged / "vae" / "config.json").read_text())
+    (damaged / "vae" / "config.json").write_text(json.dumps({**config, "base_dim": 2 * config["base_dim"]}))
+    with pytest.raises(PipelineError, match=r"cannot load the other components of base=.* beside the transformer "
+                                            r"of wan.gguf: .*the base folder is damaged") as err:
+        load_gguf(Path(path), name="x", device=torch.device("cpu"), dtype=torch.float32, options={"base": str(damaged)})
+    assert "base= names another size or variant" not in str(err.value)
+
+
 def test_a_wan_gguf_without_its_patch_embedding_says_what_it_lacks(files: dict[str, Path], tmp_path: Path) -> None:
     """city96's converter writes a Wan file's 5-D tensor in a second step; a file without it left the
     transformer's weight on the meta device, and diffusers said only "Cannot copy out of meta tensor"."""
