@@ -6,8 +6,10 @@ engine checks it without torch, in the words a running worker uses (``pipelines/
 trainer reads one refusal whichever answered, against the best source it has:
 
 1. The parameter table the model's last load reported (``ipc/params.py``, kept in the state dir by
-   ``state/params.py`` under a fingerprint of its spec, options and files): what the worker's own check
-   reads, so it answers as the worker would, whatever the model is built from. It wins over the headers.
+   ``state/params.py`` under a fingerprint of its spec, options, files and package versions): what the
+   worker's own check reads, so it answers as the worker would, whatever the model is built from. It wins over
+   the headers. Not in it: what a compiled model's fixed adapter slots refuse (a text encoder's keys, a rank
+   above the slots', a module outside them); such an adapter is taken here and refused at the start.
 2. Otherwise (the model never loaded with this spec, options and files) its files' safetensors headers
    (``residency/sizes.py``), which name each component's tensors with their dtypes and shapes: the loaded
    model's parameters unless an option changes them at load.
