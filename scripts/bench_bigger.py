@@ -119,7 +119,8 @@ def one(a: argparse.Namespace) -> None:
 
     from diffusiond.pipelines.base import weight_bytes
     from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
-    from diffusiond.pipelines.presets import PRESETS, build_pipeline
+    from diffusiond.pipelines.preset_tables import PRESETS
+    from diffusiond.pipelines.presets import build_pipeline
 
     options, budgeted = CONFIGS[a.config]
     gguf_named: tuple[str, ...] = ()

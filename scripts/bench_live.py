@@ -30,7 +30,8 @@ import torch
 
 from diffusiond.bench.procs import process, wait_ready
 from diffusiond.client import AsyncClient
-from diffusiond.pipelines.presets import build_part, get_preset
+from diffusiond.pipelines.preset_tables import get_preset
+from diffusiond.pipelines.presets import build_part
 
 _ATTN = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 

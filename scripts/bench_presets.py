@@ -4,7 +4,7 @@
         [--steps N] [--frames N] [--warmup-steps 2] [--cache DIR] [--rebuild] [--json OUT]
 
 Stages: build (every component initialised on the GPU in the dtype, tokenizers generated), save
-(``save_pretrained`` as safetensors into ``<cache>/models/random-<preset>-v1``), load (through
+(``save_pretrained`` as safetensors into ``<cache>/models/``, ``preset_tables.folder_name``), load (through
 the daemon's own folder loader, onto the GPU). ``--save 0`` skips save and load and runs the
 model as built, as the daemon's ``save=0`` option does. An existing cache folder is loaded
 without a rebuild unless ``--rebuild``.
@@ -36,7 +36,8 @@ from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.loaders import load_folder
 from diffusiond.pipelines.modelcache import cache_root
-from diffusiond.pipelines.presets import build_pipeline, folder_name, get_preset, parameter_counts
+from diffusiond.pipelines.preset_tables import folder_name, get_preset
+from diffusiond.pipelines.presets import build_pipeline, parameter_counts
 from diffusiond.pipelines.registry import DTYPES
 
 

@@ -14,7 +14,8 @@ import torch
 
 from diffusiond.pipelines.loaders import load_folder
 from diffusiond.pipelines.modelcache import ensure_built
-from diffusiond.pipelines.presets import _save, folder_name, get_preset
+from diffusiond.pipelines.preset_tables import folder_name, get_preset
+from diffusiond.pipelines.presets import _save
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ from fluxkit import build_flux, tiny_transformer, write_gguf, write_gguf_bfl, wr
 from PIL import Image
 from test_edits import blocky
 from test_image_tasks import b64
-from wankit import build_wan, original_state_dict
+from wankit import Z, _transformer, build_wan, original_state_dict
 
 from conftest import ROOT
 
@@ -271,6 +271,40 @@ def test_a_wan_gguf_with_another_variants_base_names_base(files: dict[str, Path]
     path, other = str(files[gguf]).split(",base=")[0], str(files[base]).split(",base=")[1]
     with pytest.raises(PipelineError, match=says):
         load_gguf(Path(path), name="x", device=torch.device("cpu"), dtype=torch.float32, options={"base": other})
+
+
+def test_a_wan22_i2v_gguf_on_a_wan21_i2v_base_names_the_base_it_needs(files: dict[str, Path], tmp_path: Path) -> None:
+    """Review41 pipes 4: a Wan 2.2 I2V A14B file (QuantStack's) has no CLIP embedding but takes the image's latents
+    in its input; on a Wan 2.1 I2V base it was told to use a T2V base, which cannot run it."""
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.loaders import load_gguf
+
+    base = str(files["wan-i2v"]).split(",base=")[1]
+    module = _transformer(Z + 4 + Z, Z, head_dim=16)  # noise, mask and image latents in; no image_dim
+    write_tensors(original_state_dict(module), tmp_path / "i2v22.gguf", "Q8_0", "wan", WAN_FLOATS)
+    with pytest.raises(PipelineError, match=r"i2v22.gguf holds a Wan image-to-video transformer without an image "
+                                            r"embedding .*Wan 2.2 I2V A14B.*without an image encoder "
+                                            r"\(Wan-AI/Wan2.2-I2V-A14B-Diffusers\)"):
+        load_gguf(tmp_path / "i2v22.gguf", name="x", device=torch.device("cpu"), dtype=torch.float32,
+                  options={"base": base})
+
+
+def test_a_damaged_base_component_is_not_blamed_on_the_gguf_file(files: dict[str, Path], tmp_path: Path) -> None:
+    """Review41 pipes 5: a shape error in the base's VAE (its config edited, its weights not) said the GGUF file did
+    not fit the base's transformer, and that base= named another variant."""
+    import shutil
+
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.loaders import load_gguf
+
+    path, base = str(files["wan"]).split(",base=")
+    damaged = Path(shutil.copytree(base, tmp_path / "base"))
+    config = json.loads((damaged / "vae" / "config.json").read_text())
+    (damaged / "vae" / "config.json").write_text(json.dumps({**config, "base_dim": 2 * config["base_dim"]}))
+    with pytest.raises(PipelineError, match=r"cannot load the other components of base=.* beside the transformer "
+                                            r"of wan.gguf: .*the base folder is damaged") as err:
+        load_gguf(Path(path), name="x", device=torch.device("cpu"), dtype=torch.float32, options={"base": str(damaged)})
+    assert "base= names another size or variant" not in str(err.value)
 
 
 def test_a_wan_gguf_without_its_patch_embedding_says_what_it_lacks(files: dict[str, Path], tmp_path: Path) -> None:

@@ -66,6 +66,17 @@ def test_a_batch_that_wants_no_sound_skips_the_vocoder_and_makes_the_same_video(
     assert all(torch.equal(a, b) for a, b in zip(silent, loud, strict=True))  # the frames, byte for byte
 
 
+def test_the_warm_up_decodes_the_sound_a_default_job_does(ltx2: DiffusersPipeline, vocoder_calls: list[int]) -> None:
+    """Review41 pipes 3: a job that leaves ``audio`` out gets the sound track, so the warm-up (which measures the
+    shape's working memory and pays its first run) runs the vocoder too; so do the benchmarks (``as_served``)."""
+    from diffusiond.ipc.messages import WarmupShape
+    from diffusiond.worker.warmup import warm_up
+
+    assert ltx2.capabilities.sample_rate > 0
+    warm_up(ltx2, [WarmupShape(64, 64, 1)], cuda=False)
+    assert vocoder_calls == [1], "the warm-up skipped the sound decode"
+
+
 def test_the_sound_decode_comes_back_after_a_call_that_stopped(ltx2: DiffusersPipeline,
                                                                vocoder_calls: list[int]) -> None:
     reqs = [RequestSpec(request_id="r", prompt="a drum", seed=1, audio=False)]

@@ -9,7 +9,10 @@ changed spec leaves the stale table unused.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +22,17 @@ import torch
 from daemonkit import Daemon, http, submit, wait_job
 from test_live_refusals import tiny_entry, to_disk
 
+import diffusiond
+import diffusiond.daemon.state.params as params
 from diffusiond.client import AsyncClient, DaemonError
 from diffusiond.daemon.core.file_checks import FileChecks, ModelFiles, ModelTable
 from diffusiond.daemon.model_config import ModelConfig
 from diffusiond.daemon.state.params import ParamTables
-from diffusiond.ipc.messages import UpdateLora, UpdateWeights, WeightTensor
-from diffusiond.ipc.params import pack, unpack
+from diffusiond.ipc.frames import Frame
+from diffusiond.ipc.messages import Kind, UpdateLora, UpdateWeights, WeightTensor
+from diffusiond.ipc.params import ParamTableFrame, pack, unpack
 from diffusiond.pipelines.loras import adapters_for, unsupported
+from diffusiond.pipelines.preset_tables import PRESETS
 from diffusiond.pipelines.registry import load_pipeline
 from diffusiond.worker.weights import apply_update, apply_weights, param_table
 
@@ -99,6 +106,55 @@ async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_f
     # a file that does not read is no table
     next((tmp_path / "state" / "params").iterdir()).write_bytes(b"not msgpack")
     assert tables.load("m", key) is None
+
+
+def test_a_table_is_used_only_with_the_same_software_and_preset_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review41 engine 2, 3: a table made without peft (which refuses every LoRA), or under another diffusers or
+    diffusiond release, or from an earlier revision of a ``random:`` preset, does not answer for this one."""
+    tables = ParamTables(None)
+    made = ModelConfig(name="m", spec="random:ltx-2")
+    key = tables.key(made)
+    assert key is not None and key == tables.key(made)
+    versions = dict(params.software())
+    for name, other in (("peft", "absent" if versions["peft"] != "absent" else "0.17.0"), ("diffusers", "0.0.1"),
+                        ("torch", "0.0.1"), ("transformers", "0.0.1")):
+        monkeypatch.setattr(params, "software", lambda n=name, v=other: {**versions, n: v})
+        assert tables.key(made) != key, name
+    monkeypatch.setattr(params, "software", lambda: versions)
+    assert tables.key(made) == key
+    monkeypatch.undo()
+    monkeypatch.setattr(diffusiond, "__version__", "0.0.1")
+    assert tables.key(made) != key, "diffusiond's own version"
+    monkeypatch.undo()
+    monkeypatch.setitem(PRESETS, "ltx-2", dataclasses.replace(PRESETS["ltx-2"], revision=2))
+    assert tables.key(made) != key, "the preset's revision"
+
+
+async def test_a_table_that_comes_while_the_files_are_read_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review41 engine 4: a load's PARAM_TABLE that arrives while an update's check reads the model's files (a
+    hub folder's take a while) is what answers, then and for the rest of the run, not the files' older word."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{}")
+    checks = FileChecks({"m": ModelConfig(name="m", spec=str(folder))}, ParamTables(None))
+    reading, go_on = threading.Event(), threading.Event()
+    find = checks._find
+
+    def slow(config: ModelConfig) -> Any:
+        reading.set()
+        go_on.wait(30)
+        return find(config)
+
+    monkeypatch.setattr(checks, "_find", slow)
+    asking = asyncio.ensure_future(checks("m"))
+    assert await asyncio.to_thread(reading.wait, 30)
+    table = pack(param_table(type("P", (), {"pipe": None})(), None))
+    checks.watching(lambda *_: None)(None, Frame(Kind.PARAM_TABLE, 0, ParamTableFrame("m", table)))  # type: ignore[arg-type]
+    assert isinstance(await checks("m"), ModelTable)  # once the table is kept
+    go_on.set()
+    assert isinstance(await asking, ModelTable)
+    assert isinstance(await checks("m"), ModelTable)
 
 
 SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1,

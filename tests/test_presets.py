@@ -23,8 +23,8 @@ from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines import PipelineError, Task, load_pipeline
 from diffusiond.pipelines import presets as presets_module
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
-from diffusiond.pipelines.preset_tables import CLIP_L, PRESETS, T5_XXL, UMT5_XXL, Net, Preset, Tok
-from diffusiond.pipelines.presets import NOTICE, build_part, folder_name, parameter_counts
+from diffusiond.pipelines.preset_tables import CLIP_L, PRESETS, T5_XXL, UMT5_XXL, Net, Preset, Tok, folder_name
+from diffusiond.pipelines.presets import NOTICE, build_part, parameter_counts
 from diffusiond.pipelines.spec import ACCEPTED_FORMS
 
 # Published weight counts, per component (or per "a+b" group where the release counts them together).

@@ -176,17 +176,23 @@ def released(h: Harness, reason: str) -> tuple[int, int]:
     return (int(found[0]), int(found[1])) if len(found) == 2 else (0, 0)
 
 
-async def test_a_kept_copy_shows_per_model_and_is_counted_freed_when_its_workers_stop(weighs_a_gib: None) -> None:
-    """Kept bytes in ``GET /v1/models`` and their gauge; a kept copy is not released ahead of a move to disk (the
-    workers' stop frees it, a RELEASE first would cost a round trip for nothing), and the books and the
-    counter say it is gone then: by a level-2 sleep, and by a worker's death."""
+async def _woken_keeping_its_copy() -> Harness:
+    """One model on a GPU of 8 GiB, its metrics bound, woken from host memory: it keeps the copy it slept into."""
     h = Harness(models=(ModelConfig(name="a", spec="fake", devices=("cuda:0",)),), device_memory="8GiB",
                 host_memory="4GiB", max_batch=1)
     h.engine.metrics.bind(lambda: views.health(h.engine), residency=lambda: h.engine.keeper.snapshot().values())
     await h.engine.start()
+    await h.engine.unload_model("a")
+    await h.engine.load_model("a")
+    return h
+
+
+async def test_a_kept_copy_shows_per_model_and_is_counted_freed_when_its_workers_stop(weighs_a_gib: None) -> None:
+    """Kept bytes in ``GET /v1/models`` and their gauge; a kept copy is not released ahead of a move to disk (the
+    workers' stop frees it, a RELEASE first would cost a round trip for nothing), and the books and the
+    counter say it is gone then: by a level-2 sleep, and by a worker's death."""
+    h = await _woken_keeping_its_copy()
     try:
-        await h.engine.unload_model("a")
-        await h.engine.load_model("a")  # woken from host memory: it keeps the copy it slept into
         assert views.model(h.engine, h.engine.pool.models["a"])["kept_host_bytes"] == G
         assert 'diffusiond_kept_host_bytes{model="a"} 1.073741824e+09' in h.engine.metrics.render().decode()
         await h.engine.sleep(level=2)
@@ -241,5 +247,27 @@ async def test_an_unload_by_hand_that_drops_another_model_for_room_stops_that_mo
         assert places == {"a": "disk", "b": "host"}, places
         states = {w.config.model_name: w.state for w in h.spawned}
         assert states == {"a": WorkerState.DEAD, "b": WorkerState.SLEEPING}, states
+    finally:
+        await h.close()
+
+
+async def test_a_copy_freed_by_its_workers_death_during_a_release_is_counted_once(
+        weighs_a_gib: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review41 engine 5: the worker dies while a RELEASE is under way; its death frees the copy (``worker_died``),
+    and the release, which freed nothing, does not count it again as ``host_memory_full``."""
+    import diffusiond.daemon.residency.leaving as leaving
+
+    h = await _woken_keeping_its_copy()
+    try:
+        assert h.engine.keeper.snapshot()["a"].kept_bytes == G
+
+        async def dies(model: object) -> None:
+            h.spawned[-1].die()
+            raise RuntimeError("worker died")
+
+        monkeypatch.setattr(h.engine.pool, "release_host", dies)
+        await leaving.release(h.engine.keeper, Release("a", "device", "device", "host memory full"), booked=False)
+        assert released(h, "worker_died") == (1, G)
+        assert released(h, "host_memory_full") == (0, 0)
     finally:
         await h.close()

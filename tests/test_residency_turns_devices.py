@@ -40,6 +40,18 @@ def test_models_on_devices_they_do_not_share_take_no_turns() -> None:
     assert Turns(B).review([a, st("b", "host", device="cuda:2", oldest=0.0, blocked=True)], now=10 * B) == ([], [])
 
 
+def test_a_model_in_the_way_only_on_a_device_the_waiting_model_has_room_on_is_not_held() -> None:
+    """Review41 engine 6: w (on cuda:0 and cuda:1) is short of memory on cuda:1 only, where c runs; b, on cuda:0
+    alone, has waited least, but sending it away frees nothing w lacks: c is held, for cuda:1."""
+    w = dataclasses.replace(on("w", "cuda:0", "cuda:1", tier="host", oldest=0.0, blocked=True), short=("cuda:1",))
+    b = st("b", device="cuda:0", running=True)
+    c = st("c", device="cuda:1", running=True, oldest=0.0)
+    begun, _ = Turns(B).review([w, b, c], now=B + 1)
+    assert [(h.model, h.for_model, h.device) for h in begun] == [("c", "w", "cuda:1")]
+    begun, _ = Turns(B).review([dataclasses.replace(w, short=()), b, c], now=B + 1)  # short anywhere: b may be
+    assert [(h.model, h.device) for h in begun] == [("b", "cuda:0")]
+
+
 async def test_a_model_on_two_gpus_yields_the_one_a_waiting_models_job_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     """``a`` (4 GiB, a worker on cuda:0 and on cuda:1) keeps a steady stream; ``b`` (4 GiB, on cuda:1) waits for
     cuda:1, whose 6 GiB budget holds one of them. Turns went by a model's first device only, so b waited for as
@@ -73,3 +85,23 @@ async def test_a_model_on_two_gpus_yields_the_one_a_waiting_models_job_needs(mon
             "diffusiond_model_evictions_total", {"model": "a", "reason": "max_model_wait"}) == 1
     finally:
         await h.close()
+
+
+def test_a_plan_that_waits_for_memory_names_the_devices_short_of_it() -> None:
+    """What the keeper gives the turns as ``Standing.short``: w (4 GiB a worker, on both devices) has room on
+    cuda:0 (b, running, holds 4 of 10 GiB) and lacks it on cuda:1 (c, running, holds 8)."""
+    from diffusiond.daemon.residency.decisions import Wait
+    from diffusiond.daemon.residency.policy import Residency
+    from diffusiond.daemon.residency.working import Shape
+
+    r = Residency({"cuda:0": 10 * G, "cuda:1": 10 * G}, 64 * G)
+    r.add("w", ("cuda:0", "cuda:1"), 4 * G)
+    for name, device, size in (("b", "cuda:0", 4 * G), ("c", "cuda:1", 8 * G)):
+        r.add(name, device, size)
+        r.loading_started(name)
+        r.loaded(name, 0.0)
+        r.measured(name, Shape(64, 64), 0)
+        r.queue(name)
+        r.start(name, Shape(64, 64), 0.0)
+    plan = r.plan("w", None)
+    assert isinstance(plan, Wait) and plan.short == ("cuda:1",), plan

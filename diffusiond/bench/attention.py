@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     import torch
 
-    from diffusiond.ipc.messages import BatchParams, RequestSpec
+    from diffusiond.ipc.messages import BatchParams
     from diffusiond.pipelines.attention import apply_attention
     from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.ltx2 import as_served
     from diffusiond.pipelines.registry import load_pipeline
 
     device = torch.device(args.device)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     pipe = pipeline.pipe
     denoiser = getattr(pipe, "transformer", None) or pipe.unet
     guidance = pipeline.capabilities.guidance
-    requests = [RequestSpec(request_id="r0", prompt="a photo of a cat", seed=7)]
+    requests = as_served(pipeline.capabilities, "a photo of a cat", [7], "r")
 
     def sync() -> None:
         if device.type == "cuda":

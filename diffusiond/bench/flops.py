@@ -150,8 +150,8 @@ def count(pipeline: Any, params: Any, prompt: str) -> FlopCount:
     count is a property of the shapes, not of the kernel, and torch's counter sees SDPA's kernels only."""
     import torch
 
-    from diffusiond.ipc.messages import RequestSpec
     from diffusiond.pipelines.attention import default_attention
+    from diffusiond.pipelines.ltx2 import as_served
 
     mode = counter()
     denoised = [0, 0]  # FLOPs inside denoiser forwards, forwards
@@ -168,7 +168,7 @@ def count(pipeline: Any, params: Any, prompt: str) -> FlopCount:
              for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
         with torch.inference_mode(), default_attention(_diffusers_pipe(pipeline)), mode:
-            pipeline.run(params, [RequestSpec(request_id="flops", prompt=prompt, seed=0)], lambda step, total: True)
+            pipeline.run(params, as_served(pipeline.capabilities, prompt, [0], "flops"), lambda step, total: True)
     finally:
         for h in hooks:
             h.remove()

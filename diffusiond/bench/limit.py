@@ -26,8 +26,9 @@ class Limit:
     def __init__(self, s: Setup, compiled: bool = False) -> None:
         import torch
 
-        from diffusiond.ipc.messages import BatchParams, RequestSpec
+        from diffusiond.ipc.messages import BatchParams
         from diffusiond.pipelines import load_pipeline
+        from diffusiond.pipelines.ltx2 import as_served
 
         self.setup = s
         self.cuda = s.device.startswith("cuda")
@@ -40,7 +41,7 @@ class Limit:
             self.pipe = CompiledPipeline(self.pipe, s.compile or "default", model_options(s.model))
         self.params = BatchParams(width=s.width, height=s.height, steps=s.steps, guidance=s.guidance,
                                   num_frames=s.frames, output_dtype=s.output_dtype)
-        self.reqs = [RequestSpec(request_id=str(i), prompt=PROMPT, seed=i) for i in range(s.batch)]
+        self.reqs = as_served(self.pipe.capabilities, PROMPT, range(s.batch), "")  # the daemon's default job
         t0 = time.perf_counter()
         with torch.inference_mode():
             for _ in range(3 if compiled else 1):  # first calls: compiled, CUDA graphs recorded, allocator grown

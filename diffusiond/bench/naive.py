@@ -19,9 +19,10 @@ from aiohttp import web
 from PIL import Image
 
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode
-from diffusiond.ipc.messages import BatchParams, RequestSpec
+from diffusiond.ipc.messages import BatchParams
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
+from diffusiond.pipelines.ltx2 import as_served
 from diffusiond.worker.copier import to_output_layout
 
 
@@ -40,7 +41,7 @@ def make_app(spec: str, device: str, dtype: str) -> web.Application:
             return out.images[0]
         params = BatchParams(width=body["width"], height=body["height"], steps=body["steps"],
                              guidance=body["guidance_scale"], num_frames=body.get("num_frames"))
-        (x,) = pipe.run(params, [RequestSpec(request_id="r", prompt=body["prompt"], seed=seed)], lambda s, t: True)
+        (x,) = pipe.run(params, as_served(pipe.capabilities, body["prompt"], [seed], "r"), lambda s, t: True)
         arr = to_output_layout(x, "uint8").cpu().numpy()
         return Image.fromarray(arr) if arr.ndim == 3 else arr
 

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -272,28 +272,42 @@ def load_gguf(
         transformer = tcls.from_single_file(
             _gguf_weights(path, tcls, root), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
             config=str(root), subfolder="transformer", **_dtype_kwarg(dtype))
+    except PipelineError:
+        raise
+    except Exception as exc:  # conversion and key mismatches raise many types
+        _gguf_failed(exc, path, tcls, root)
+    try:
         pipe = cls.from_pretrained(str(root), transformer=transformer,
                                    **_load_kwargs(index, dtype, options, device, root))
     except PipelineError:
         raise
-    except Exception as exc:  # conversion and key mismatches raise many types
-        if "expected shape" in str(exc):  # a size or variant of the family that the names alone do not tell
-            raise PipelineError(f"{path.name} does not fit the transformer of base={root} ({tcls.__name__}: "
-                                f"{exc}): base= names another size or variant of the family than the GGUF file "
-                                "was made from; name that pipeline as base=") from exc
-        if "meta tensor" in str(exc):  # a weight the file lacks stays on the meta device; moving the model says so
-            wan = " (a Wan file needs its 5-D patch_embedding.weight, which city96's converter adds in a second " \
-                  "step)" if _FAMILIES.get(tcls.__name__, ("",))[0] == "Wan" else ""
-            raise PipelineError(f"{path.name} lacks weights of the base's {tcls.__name__}{wan}: the file is "
-                                f"incomplete or made for another model than base={root}") from exc
-        raise PipelineError(f"cannot load {tcls.__name__} from GGUF file {str(path)!r} with base {str(root)!r}: "
-                            f"{type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        if "meta tensor" in str(exc):  # the file's transformer, moved with the others, lacks a weight
+            _gguf_failed(exc, path, tcls, root)
+        raise PipelineError(f"cannot load the other components of base={root} ({cls.__name__}) beside the "
+                            f"transformer of {path.name}: {type(exc).__name__}: {exc}; the base folder is damaged or "
+                            "mixes files of several models (the GGUF file loaded)") from exc
     kinds = sorted({getattr(p.quant_type, "name", str(p.quant_type)) for p in transformer.parameters()
                     if getattr(p, "quant_type", None) is not None and str(getattr(p.quant_type, "name", "")) not in
                     ("F32", "F16", "BF16")})
     approx = tuple(f"gguf-{k}(transformer, dequantized per layer to {str(dtype).removeprefix('torch.')})"
                    for k in kinds)
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options, approximations=approx)
+
+
+def _gguf_failed(exc: Exception, path: Path, tcls: type[Any], root: Path) -> NoReturn:
+    """The GGUF file's transformer did not load into the base's: what the error says about the file."""
+    if "expected shape" in str(exc):  # a size or variant of the family that the names alone do not tell
+        raise PipelineError(f"{path.name} does not fit the transformer of base={root} ({tcls.__name__}: "
+                            f"{exc}): base= names another size or variant of the family than the GGUF file "
+                            "was made from; name that pipeline as base=") from exc
+    if "meta tensor" in str(exc):  # a weight the file lacks stays on the meta device; moving the model says so
+        wan = " (a Wan file needs its 5-D patch_embedding.weight, which city96's converter adds in a second " \
+              "step)" if _FAMILIES.get(tcls.__name__, ("",))[0] == "Wan" else ""
+        raise PipelineError(f"{path.name} lacks weights of the base's {tcls.__name__}{wan}: the file is "
+                            f"incomplete or made for another model than base={root}") from exc
+    raise PipelineError(f"cannot load {tcls.__name__} from GGUF file {str(path)!r} with base {str(root)!r}: "
+                        f"{type(exc).__name__}: {exc}") from exc
 
 
 _COMFY_PREFIX = "model.diffusion_model."
@@ -326,13 +340,23 @@ def _check_wan(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root:
         raise PipelineError(f"{path.name} holds a Wan VACE transformer (vace_blocks.*), which is not served: "
                             f"{NOT_SERVED['WanVACE']}")
     image = any(k.startswith(("img_emb.", "condition_embedder.image_embedder.")) for k in checkpoint)
-    if image == bool(tcls.load_config(str(root), subfolder="transformer").get("image_dim")):
+    config = tcls.load_config(str(root), subfolder="transformer")
+    if image == bool(config.get("image_dim")):
         return
-    holds, wants = (("a Wan 2.1 I2V transformer (img_emb.*)", "has no image embedding; base= must be a "
-                     "WanImageToVideoPipeline folder with a CLIP image encoder (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers)")
-                    if image else ("a Wan transformer without Wan 2.1 I2V's image embedding (img_emb.*)",
-                                   "is Wan 2.1 I2V's; base= must be the pipeline the file was made from (a T2V or "
-                                   "TI2V file: a WanPipeline folder, Wan-AI/Wan2.1-T2V-14B-Diffusers)"))
+    shape: tuple[int, ...] = tuple(getattr(checkpoint.get("patch_embedding.weight"), "shape", ()))
+    if image:
+        holds, wants = ("a Wan 2.1 I2V transformer (img_emb.*)", "has no image embedding; base= must be a "
+                        "WanImageToVideoPipeline folder with a CLIP image encoder "
+                        "(Wan-AI/Wan2.1-I2V-14B-480P-Diffusers)")
+    elif len(shape) == 5 and shape[1] == config.get("in_channels"):  # the image's latents in its input: Wan 2.2 I2V
+        holds, wants = (f"a Wan image-to-video transformer without an image embedding ({shape[1]} input channels, no "
+                        "img_emb.*: Wan 2.2 I2V A14B's)", "is Wan 2.1 I2V's, with a CLIP image embedding; base= must "
+                        "be a WanImageToVideoPipeline folder without an image encoder "
+                        "(Wan-AI/Wan2.2-I2V-A14B-Diffusers)")
+    else:
+        holds, wants = ("a Wan transformer without Wan 2.1 I2V's image embedding (img_emb.*)",
+                        "is Wan 2.1 I2V's; base= must be the pipeline the file was made from (a T2V or TI2V file: a "
+                        "WanPipeline folder, Wan-AI/Wan2.1-T2V-14B-Diffusers)")
     raise PipelineError(f"{path.name} holds {holds}, but the transformer of base={root} {wants}")
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from diffusiond.ipc.messages import Capabilities, RequestSpec
 from diffusiond.protocol import AUDIO_ARRAY
 
 
@@ -33,6 +34,14 @@ def sample_rate(pipe: Any) -> int:
     vocoder = getattr(pipe, "vocoder", None)
     config = getattr(vocoder, "config", None)
     return int(getattr(config, "output_sampling_rate", 0) or 0) if vocoder is not None else 0
+
+
+def as_served(capabilities: Capabilities, prompt: str, seeds: Iterable[int], prefix: str) -> list[RequestSpec]:
+    """Requests made outside the engine (a warm-up, a benchmark) as a job that leaves ``audio`` out is sent: with
+    the sound track where the model makes one (edge/audio.py), so what they measure (working memory, a first run's
+    cost, the limit the daemon is held to) is the default job's, sound decode and vocoder included."""
+    wants = capabilities.sample_rate > 0
+    return [RequestSpec(request_id=f"{prefix}{seed}", prompt=prompt, seed=seed, audio=wants) for seed in seeds]
 
 
 def waveforms(out: Any, wanted: Sequence[bool]) -> list[dict[str, torch.Tensor]] | None:

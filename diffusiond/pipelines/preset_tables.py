@@ -4,15 +4,22 @@ A preset names each component's class and its published config numbers, the toke
 size and the scheduler's settings, and the model's native request defaults; ``presets`` builds them.
 Keeping the data apart from the building lets a new family be added by reading one module, and
 tests/test_presets.py checks each table against the published parameter counts on the meta device.
+Torch-free (the engine reads a preset's revision: a remembered parameter table is filed under it, issue 29).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from diffusiond.pipelines.base import RequestDefaults
+from diffusiond.pipelines.errors import PipelineError
+
+if TYPE_CHECKING:
+    from diffusiond.pipelines.base import RequestDefaults
+
+# Bump when a table below changes: an old cache folder is then ignored (one preset's: its revision).
+PRESET_VERSION = "v1"
 
 
 @dataclass(frozen=True)
@@ -454,3 +461,17 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
+
+
+def get_preset(key: str) -> Preset:
+    """The preset named ``key``; an unknown name is an error that lists the known ones."""
+    preset = PRESETS.get(key.strip())
+    if preset is None:
+        known = ", ".join(f"random:{k}" for k in PRESETS)
+        raise PipelineError(f"unknown preset 'random:{key}'; presets: {known}")
+    return preset
+
+
+def folder_name(preset: Preset) -> str:
+    """The preset's cache folder: its name carries the tables' version and the preset's revision."""
+    return f"random-{preset.name}-{PRESET_VERSION}" + (f".{preset.revision}" if preset.revision else "")

@@ -5,7 +5,8 @@ nothing can be downloaded. A preset is the published model's shape written down 
 component's class and config numbers, the tokenizer's vocabulary size), built in code on the
 target device in the target dtype (random initialisation of a 12B transformer is slow on a CPU and
 fast on a GPU, and nothing is moved after it) with a generated tokenizer of the real vocabulary
-size. It is then saved as safetensors into ``<cache>/models/random-<preset>-v1`` and loaded back
+size. It is then saved as safetensors into ``<cache>/models/random-<preset>-v1``
+(``preset_tables.folder_name``: ``-v1.1`` for a preset at revision 1) and loaded back
 through the ordinary folder loader, so benchmarks measure the path real models take. Saving tens of GB can
 be slow: option ``save=0`` skips the round trip and serves the pipeline as built.
 
@@ -29,30 +30,15 @@ from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.gen_tokenizers import clip_tokenizer, qwen_tokenizer, t5_tokenizer
 from diffusiond.pipelines.loaders import load_folder
 from diffusiond.pipelines.modelcache import ensure_built
-from diffusiond.pipelines.preset_tables import PRESETS, Net, Part, Preset, Proc, Sched, Tok
+from diffusiond.pipelines.preset_tables import Net, Part, Preset, Proc, Sched, Tok, folder_name, get_preset
 from diffusiond.pipelines.qwen_edit import release_layout, stills_processor
 
 log = logging.getLogger(__name__)
 
-# Bump when a table in preset_tables changes: an old cache folder is then ignored (one preset's: its revision).
-PRESET_VERSION = "v1"
 NOTICE = "random weights: outputs are noise; for benchmarks only"
 
 
 # --- building ------------------------------------------------------------------------------------
-
-
-def get_preset(key: str) -> Preset:
-    """The preset named ``key``; an unknown name is an error that lists the known ones."""
-    preset = PRESETS.get(key.strip())
-    if preset is None:
-        known = ", ".join(f"random:{k}" for k in PRESETS)
-        raise PipelineError(f"unknown preset 'random:{key}'; presets: {known}")
-    return preset
-
-
-def folder_name(preset: Preset) -> str:
-    return f"random-{preset.name}-{PRESET_VERSION}" + (f".{preset.revision}" if preset.revision else "")
 
 
 def _class(name: str) -> type[Any]:

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from diffusiond.ipc.messages import BatchParams, RequestSpec, WarmupShape
+import diffusiond.pipelines.ltx2 as ltx2
+from diffusiond.ipc.messages import BatchParams, WarmupShape
 from diffusiond.pipelines.base import Pipeline
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def warm_up(pipeline: Pipeline, shapes: Sequence[WarmupShape], cuda: bool) -> No
     for shape in sorted(shapes, key=lambda s: s.batch):
         params = BatchParams(width=shape.width, height=shape.height, steps=2, guidance=caps.guidance,
                              num_frames=frames)
-        requests = [RequestSpec(request_id=f"warmup-{i}", prompt="warm-up", seed=i) for i in range(shape.batch)]
+        requests = ltx2.as_served(caps, "warm-up", range(shape.batch), "warmup-")  # its sound too, as a job's
         t0 = time.perf_counter()
         for _ in range(getattr(pipeline, "warmup_runs", 1)):
             with torch.inference_mode():

@@ -6,8 +6,10 @@ engine checks it without torch, in the words a running worker uses (``pipelines/
 trainer reads one refusal whichever answered, against the best source it has:
 
 1. The parameter table the model's last load reported (``ipc/params.py``, kept in the state dir by
-   ``state/params.py`` under a fingerprint of its spec, options and files): what the worker's own check
-   reads, so it answers as the worker would, whatever the model is built from. It wins over the headers.
+   ``state/params.py`` under a fingerprint of its spec, options, files and package versions): what the
+   worker's own check reads, so it answers as the worker would, whatever the model is built from. It wins over
+   the headers. Not in it: what a compiled model's fixed adapter slots refuse (a text encoder's keys, a rank
+   above the slots', a module outside them); such an adapter is taken here and refused at the start.
 2. Otherwise (the model never loaded with this spec, options and files) its files' safetensors headers
    (``residency/sizes.py``), which name each component's tensors with their dtypes and shapes: the loaded
    model's parameters unless an option changes them at load.
@@ -230,8 +232,9 @@ class FileChecks:
             config = self._configs.get(model)
             found = None if config is None else await asyncio.to_thread(self._find, config)
             if found is None and config is not None and _built_in(config):
-                return None  # not built yet: read again next time
-            self._read[model] = found
+                return self._read.get(model)  # not built yet: read again next time
+            # a load's table that came while the files were read is newer than what they said (review41 engine 4)
+            return self._read.setdefault(model, found)
         return self._read[model]
 
     def _find(self, config: ModelConfig) -> Checks | None:

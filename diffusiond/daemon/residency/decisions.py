@@ -71,6 +71,7 @@ class Wait:
     model: str
     stage: str
     reason: str
+    short: tuple[str, ...] = ()  # waiting for memory: the devices short of it (whom a turn may send away)
 
 
 @dataclass(frozen=True)

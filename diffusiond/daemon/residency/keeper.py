@@ -97,6 +97,7 @@ class Keeper:
         self.read_free = read_free  # tests: a fake NVML; None: NVML itself (residency/pressure.py)
         self.pressure: PressureWatch | None = None
         self._held: dict[str, str] = {}  # model -> the stage of the policy's last Wait for it
+        self._short: dict[str, tuple[str, ...]] = {}  # model -> the devices that last Wait found short
         self._watch: asyncio.Task[None] | None = None
         self._learning: dict[str, asyncio.Task[str | None]] = {}  # model -> its first load (``learn``)
         self.turns = Turns(config.max_model_wait_s)
@@ -290,7 +291,8 @@ class Keeper:
     def _standing(self) -> list[Standing]:
         return [Standing(s.name, s.device, s.residency, s.pinned, moving=s.name in self.moving,
                          running=s.running > 0, oldest=self.oldest(s.name),
-                         blocked=self._held.get(s.name) == WAITING_FOR_MEMORY, devices=tuple(s.per_device))
+                         blocked=self._held.get(s.name) == WAITING_FOR_MEMORY, devices=tuple(s.per_device),
+                         short=self._short.get(s.name, ()))
                 for s in self.policy.snapshot() if s.name in self.pool.models]
 
     @staticmethod
@@ -327,7 +329,7 @@ class Keeper:
             self._spawn_moves(plan.moves)
         elif isinstance(plan, Wait):
             log.debug("%s waits: %s", name, plan.reason)
-            self._held[name] = plan.stage
+            self._held[name], self._short[name] = plan.stage, plan.short
             return False
         elif isinstance(weights := self.policy.plan(name, None), TooLarge):  # its load showed it larger than
             self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE, None)  # admission knew: no job would run

@@ -171,7 +171,8 @@ async def release(k: Keeper, move: Release, booked: bool = True) -> None:
         else:
             k.policy.unload_failed(move, failed)
     k.kept(model)
-    k.metrics.kept_released("host_memory_full", before - k.policy.kept(move.model))
+    if k.policy.tier(move.model) == "device":  # else a death or a move to disk freed the copy, and counted it
+        k.metrics.kept_released("host_memory_full", before - k.policy.kept(move.model))  # (review41 engine 5)
 
 
 async def expire_forever(k: Keeper, every_s: float) -> None:

@@ -151,8 +151,8 @@ class Residency:
         on several devices needs its weights on each (once per worker there) and room for the run on each
         (the worker that takes it is not known yet); messages name the device where it is shortest."""
         m = self._get(name)
-        est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "no run yet")
-        known = est.nbytes if est.measured else 0  # a guess never refuses a job: the OOM path corrects it
+        est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "no run yet", bound=True)
+        known = est.nbytes if est.bound else 0  # a guess never refuses a job: the OOM path corrects it
         for d in m.places:
             pinned = [p for p in self._models.values()
                       if d in p.devices and p.pinned and p.resident and p.name != name]
@@ -169,11 +169,13 @@ class Residency:
         free = {d: self._free(d) for d in m.places}
         soon = {d: free[d] + self._leaving_bytes(d) for d in m.places}
         dev = min(m.places, key=lambda d: (free[d] - need[d], m.places.index(d)))  # the shortest, for messages
+        lacking = tuple(d for d in m.places if need[d] > free[d])  # where a turn may send a model away
         what = f"{format_bytes(need[dev])} ({'weights and ' if weights else ''}{est.how})"
         if all(need[d] <= free[d] for d in m.places):
             return self._fits(m, load_from, f"{what} fits in the {format_bytes(free[dev])} free on {dev}")
         if all(need[d] <= soon[d] for d in m.places):
-            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {dev}")
+            return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {dev}",
+                        short=lacking)
         idle = self._idle_on(m.places, but=name)
         picked, room = [], dict(soon)
         for c in idle:
@@ -188,7 +190,7 @@ class Residency:
         running = sorted(o.name for o in others if o.running)
         if running:
             return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what} and {dev} has {format_bytes(free[dev])} "
-                                                  f"free: waiting for the runs of {', '.join(running)}")
+                                                  f"free: waiting for the runs of {', '.join(running)}", short=lacking)
         floor = {d: weights * m.devices.count(d) + known for d in m.places}  # the least it could run in
         room = {d: soon[d] + sum(c.frees(d) for c in idle) for d in m.places}
         if all(floor[d] <= room[d] for d in m.places):
@@ -199,7 +201,7 @@ class Residency:
                 return self._fits(m, load_from, f"{name} needs {what}, more than {dev} can free: trying it "
                                                 f"on the {format_bytes(free[dev])} free")
             return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {format_bytes(floor[dev])}: waiting for models "
-                                                  f"leaving {dev}")
+                                                  f"leaving {dev}", short=lacking)
         if not any(self._leaving_bytes(d) for d in m.places):
             # A standstill: nothing runs, and the memory is held by models whose queued jobs cannot start
             # either (their smallest measured run does not fit); each would wait for the others forever.
@@ -220,7 +222,7 @@ class Residency:
         short = f"{name} needs {what} and {dev} has {format_bytes(max(free[dev], 0))} free"
         if dev in self._headroom:
             short += f" (other programs leave {format_bytes(max(self._headroom[dev], 0))} beyond the reserve)"
-        return Wait(name, WAITING_FOR_MEMORY, short + ": waiting for memory")
+        return Wait(name, WAITING_FOR_MEMORY, short + ": waiting for memory", short=lacking)
 
     def _fits(self, m: ModelEntry, load_from: Tier | None, reason: str) -> Fits | Evict:
         """Fits, once host memory has room for what an offloaded model loading from disk keeps there."""

@@ -14,7 +14,7 @@ it yields to runs. That model's turn then lasts at least the bound too (while it
 models with steady streams take turns of about the bound each rather than swapping at every batch.
 
 A model on several devices (a worker on each) takes turns on each of them: it is in the way of a model waiting
-for any device it uses, and waits for any model on one of its own.
+for any device it uses, and waits for any model on one of its own that is short of memory for it.
 
 Pure, as policy.py is: the keeper passes every model's standing and the time, and carries out what
 comes back; each hold, and each end of one, carries the reason the log gives.
@@ -42,10 +42,16 @@ class Standing:
     oldest: float | None  # when its longest-waiting queued output was admitted (monotonic s); None: none queued
     blocked: bool  # residency's last plan for it said wait for memory: other models hold its device
     devices: tuple[str, ...] = ()  # every device it has a worker on (``device`` is the first); () : ``device`` alone
+    short: tuple[str, ...] = ()  # blocked: the devices its last plan found short of memory; () : any it is on
 
     @property
     def on(self) -> tuple[str, ...]:
         return self.devices or (self.device,)
+
+    @property
+    def lacks(self) -> tuple[str, ...]:
+        """Where a model in its way frees what it waits for: one on another of its devices would leave for nothing."""
+        return tuple(d for d in self.on if d in self.short) or self.on
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,7 @@ class Turns:
             mine = [by[h.model] for h in self.holds.values() if h.for_model == w.name and h.model in by]
             if any(m.tier == "device" for m in mine):
                 continue  # one is still on its way out: see what that frees before holding another
-            blockers = [m for m in by.values() if set(m.on) & set(w.on) and m.name != w.name and m.tier == "device"
+            blockers = [m for m in by.values() if set(m.on) & set(w.lacks) and m.name != w.name and m.tier == "device"
                         and not m.pinned and not m.moving and (m.running or m.oldest is not None)
                         and m.name not in self.holds and m.name not in self.turns and m.name not in waiting]
             if not blockers:
@@ -114,7 +120,7 @@ class Turns:
             # the one whose own jobs have waited least pays the least for yielding (one with none queued, nothing)
             b = min(blockers, key=lambda m: (0.0 if m.oldest is None else now - m.oldest, m.name))
             assert w.oldest is not None
-            device = next(d for d in w.on if d in b.on)  # the first of w's devices the blocker holds too
+            device = next(d for d in w.lacks if d in b.on)  # the first device w lacks that the blocker holds
             reason = (f"a job of {w.name} has waited {now - w.oldest:.1f} s for {device}, longer than "
                       f"--max-model-wait {self.max_wait_s:g} s: {b.name} takes no new batch, finishes those it "
                       f"runs and yields the device to {w.name}")

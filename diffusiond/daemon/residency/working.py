@@ -73,11 +73,15 @@ class Shape:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Working bytes for one shape, and whether a measurement stands behind them."""
+    """Working bytes for one shape, and whether a measurement stands behind them: ``measured`` when any run of
+    the model informs them, ``bound`` only when a run of this shape or a larger one did. An extrapolation from a
+    smaller shape is measured but no bound (it overestimates: a small shape's peak is mostly fixed costs), so it
+    plans a job but never refuses or fails one (review41 engine 1)."""
 
     nbytes: int
     measured: bool
     how: str
+    bound: bool = False
 
 
 def default_working(weight_bytes: int, shape: Shape) -> int:
@@ -111,16 +115,16 @@ class Measurements:
         ``default_working``."""
         peaks = self.peaks(model, weight_bytes)
         if shape in peaks:
-            return Estimate(peaks[shape], True, f"measured at {shape}")
+            return Estimate(peaks[shape], True, f"measured at {shape}", bound=True)
         larger = [(peak, s) for s, peak in peaks.items() if s.elements >= shape.elements]
         if larger:
             peak, s = min(larger)
-            return Estimate(peak, True, f"measured at the larger {s}")
+            return Estimate(peak, True, f"measured at the larger {s}", bound=True)
         if peaks:
             # from the largest one measured: a small shape's peak is mostly fixed costs, which do not scale
             peak, s = max((p, s) for s, p in peaks.items() if s.elements == max(t.elements for t in peaks))
             scaled = int(peak * shape.elements / s.elements * EXTRAPOLATION_MARGIN)
-            return Estimate(scaled, True, f"scaled from {s}, the largest measured")
+            return Estimate(scaled, True, f"estimated from {s}, the largest measured")
         return Estimate(default_working(weight_bytes, shape), False, "default estimate (not measured yet)")
 
     def entry(self, model: str) -> dict[str, Any] | None:

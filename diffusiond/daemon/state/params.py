@@ -4,7 +4,8 @@ A trainer's update for a model that runs no worker is checked against what the m
 loaded, whatever its files (none for ``random:``; names converted at load for a single file or a GGUF;
 other dtypes under ``quant``). Such a table is only true of the same load: the same spec and options, the
 same daemon-wide additions (IP-Adapters, a compiled model's start adapters, the preview decoder), the same
-files. So it is filed under a fingerprint of all of these, the files' sizes and mtimes included, and one
+files (a ``random:`` preset's revision), the same software (a release renames modules, peft installed takes
+LoRAs). So it is filed under a fingerprint of all of these, the files' sizes and mtimes included, and one
 that no longer matches is not used (the files' headers answer, as for a model that never ran) until the
 model's next load replaces it. One file per model name under ``params/``, written whole and renamed, so a
 crash leaves the old table or the new one; a file that does not read is ignored with a warning.
@@ -13,6 +14,7 @@ crash leaves the old table or the new one; a file that does not read is ignored 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -22,17 +24,22 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+import diffusiond
 from diffusiond.daemon.model_config import ModelConfig
 from diffusiond.daemon.residency.fit import hub_folder
 from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.modelcache import BUILT_FOLDERS, cache_root
+from diffusiond.pipelines.preset_tables import folder_name, get_preset
 from diffusiond.pipelines.spec import ModelSpec, model_options, parse_spec
 
 if TYPE_CHECKING:
     from diffusiond.daemon.config import DaemonConfig
 
 log = logging.getLogger(__name__)
+
+LOADERS = ("diffusers", "transformers", "peft", "torch")
+"""The packages a worker's load goes through: another version of any may name or take parameters otherwise."""
 
 
 class _Remembered(msgspec.Struct, frozen=True):
@@ -82,9 +89,24 @@ def table_key(config: ModelConfig, beside: Mapping[str, object]) -> str | None:
         files = _files(config.spec)
     except (PipelineError, OSError):
         return None
+    parsed = parse_spec(config.spec)
+    preset = folder_name(get_preset(parsed.target)) if parsed.kind == "random" else None
     parts = {"spec": config.spec, "options": sorted(options.items()), "dtype": config.dtype,
-             "compile": config.compile, "beside": beside, "files": files}
+             "compile": config.compile, "beside": beside, "files": files, "preset": preset,
+             "software": software()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def software() -> dict[str, str]:
+    """The versions of diffusiond (the running code's own: the installed one may be another checkout) and of the
+    ``LOADERS`` ("absent" for one not installed), read from the packages' metadata: the engine imports no torch."""
+    out = {"diffusiond": diffusiond.__version__}
+    for name in LOADERS:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
 
 
 class ParamTables:
