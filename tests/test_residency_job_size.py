@@ -77,30 +77,11 @@ def test_a_size_is_too_large_only_when_evicting_every_other_model_would_not_make
     assert refused or isinstance(plan, Evict), plan
 
 
-def test_a_larger_size_never_measured_runs_whatever_a_smaller_one_measured(d: Daemon) -> None:
-    """Review41 engine 1: a size only extrapolated from a smaller run (1 GiB at 96x96 scales to 5 GiB at
-    192x192) is a guess, and a guess never refuses or fails a job: admitted, or queued behind that run, it
-    runs. (96x96 is larger than the 64x64 the test above measured: admitted on that guess, it runs too.)"""
-    async def go() -> None:
-        async with http(d.socket) as s:
-            first = await submit(s, {**JOB, "width": 96, "height": 96})
-
-            async def computing() -> bool:
-                return (await get(s, f"/v1/jobs/{first['id']}"))[1]["status"] == "running"
-
-            await until(computing, 60, "the first job to run")
-            larger = await submit(s, {**JOB, "width": 192, "height": 192})
-            assert (await wait_job(s, first["id"]))["status"] == "succeeded"
-            end = await wait_job(s, larger["id"], timeout=60)
-            assert end["status"] == "succeeded", end
-
-    asyncio.run(go())
-
-
-def test_only_a_run_of_the_size_or_a_larger_one_makes_a_size_too_large() -> None:
-    """What the keeper fails a queued job on: 4 GiB of weights and 10 GiB budget; 2 GiB measured at 512x512
-    extrapolates past the budget at 1024x1024 but refuses nothing, while 7 GiB measured at 1024x1024 (or at a
-    larger size) does, and the message says where it was measured."""
+def test_only_a_run_no_larger_than_the_size_makes_it_too_large() -> None:
+    """What the keeper fails a queued job on: 4 GiB of weights and 10 GiB budget. 2 GiB measured at 512x512
+    extrapolates past the budget at 1024x1024 but refuses nothing; 7 GiB measured at a larger size (or a larger
+    batch) bounds 1024x1024 from above only and refuses nothing either (review41b 1); 7 GiB measured at a size no
+    larger in any dimension (768x1024, batch 1) proves it, and the message says where it was measured."""
     g = 1 << 30
     r = Residency({"cuda:0": 10 * g}, 64 * g)
     r.add("a", "cuda:0", 4 * g)
@@ -108,6 +89,9 @@ def test_only_a_run_of_the_size_or_a_larger_one_makes_a_size_too_large() -> None
     assert r.estimate("a", Shape(1024, 1024)).nbytes > 6 * g, "the extrapolation alone would not fit"
     assert not isinstance(r.plan("a", Shape(1024, 1024)), TooLarge)
     r.measured("a", Shape(2048, 1024), 7 * g)
+    r.measured("a", Shape(1024, 1024, batch=4), 7 * g)
+    assert not isinstance(r.plan("a", Shape(1024, 1024)), TooLarge)
+    r.measured("a", Shape(768, 1024), 7 * g)
     plan = r.plan("a", Shape(1024, 1024))
     assert isinstance(plan, TooLarge), plan
-    assert "measured at the larger 2048x1024, batch 1" in plan.reason, plan.reason
+    assert "measured at 768x1024, batch 1, no larger in any way" in plan.reason, plan.reason

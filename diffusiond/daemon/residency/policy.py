@@ -151,8 +151,8 @@ class Residency:
         on several devices needs its weights on each (once per worker there) and room for the run on each
         (the worker that takes it is not known yet); messages name the device where it is shortest."""
         m = self._get(name)
-        est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "no run yet", bound=True)
-        known = est.nbytes if est.bound else 0  # a guess never refuses a job: the OOM path corrects it
+        est = self.estimate(name, shape) if shape is not None else Estimate(0, True, "no run yet")
+        known = est.floor  # only what a run proved refuses a job; a guess never does (the OOM path corrects it)
         for d in m.places:
             pinned = [p for p in self._models.values()
                       if d in p.devices and p.pinned and p.resident and p.name != name]

@@ -17,7 +17,7 @@ def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, know
     need = m.frees(device) + known
     pinned_bytes = sum(p.frees(device) for p in pinned)
     each = f", {copies} workers there, each with its copy" if copies > 1 else ""
-    working = f" + {format_bytes(known)} of working memory for {shape} ({est.how})" if known else ""
+    working = f" + {format_bytes(known)} of working memory for {shape} ({est.floor_how})" if known else ""
     beside = (f", and {', '.join(sorted(p.name for p in pinned))} (pinned) hold {format_bytes(pinned_bytes)} "
               "of it" if pinned else "")
     hints = [f"a larger --device-memory for {device} (at least {format_bytes(need + pinned_bytes)})"]

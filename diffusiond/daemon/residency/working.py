@@ -45,6 +45,11 @@ class Shape:
     def elements(self) -> int:
         return self.width * self.height * self.batch * self.frames
 
+    def within(self, other: Shape) -> bool:
+        """No larger than ``other`` in any dimension: a run of this shape needs no more than one of ``other``."""
+        return (self.width <= other.width and self.height <= other.height and self.batch <= other.batch
+                and self.frames <= other.frames)
+
     @property
     def key(self) -> str:
         """The shape as it is stored in the state dir: ``WxHxBATCHxFRAMES``."""
@@ -73,15 +78,18 @@ class Shape:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Working bytes for one shape, and whether a measurement stands behind them: ``measured`` when any run of
-    the model informs them, ``bound`` only when a run of this shape or a larger one did. An extrapolation from a
-    smaller shape is measured but no bound (it overestimates: a small shape's peak is mostly fixed costs), so it
-    plans a job but never refuses or fails one (review41 engine 1)."""
+    """Working bytes for one shape (what a plan makes room for), and what a measurement proves: ``measured`` when
+    any run of the model informs ``nbytes``; ``floor`` the bytes a job of the shape needs at least, the largest peak
+    of a run no larger in any of width, height, batch and frames (this shape's own included: working memory only
+    grows with each), named by ``floor_how``. Only the floor refuses or fails a job: a larger shape's peak bounds
+    the job from above and an extrapolation overestimates (a small shape's peak is mostly fixed costs), so both plan
+    a job and neither refuses one (review41 engine 1)."""
 
     nbytes: int
     measured: bool
     how: str
-    bound: bool = False
+    floor: int = 0
+    floor_how: str = ""
 
 
 def default_working(weight_bytes: int, shape: Shape) -> int:
@@ -114,17 +122,20 @@ class Measurements:
         the pixels); else the largest measured shape's, scaled linearly with a margin; else
         ``default_working``."""
         peaks = self.peaks(model, weight_bytes)
+        below = [(peak, s) for s, peak in peaks.items() if s.within(shape)]
+        floor, under = max(below) if below else (0, None)
+        how = "" if under is None else f"measured at {under}" + ("" if under == shape else ", no larger in any way")
         if shape in peaks:
-            return Estimate(peaks[shape], True, f"measured at {shape}", bound=True)
+            return Estimate(peaks[shape], True, f"measured at {shape}", floor, how)
         larger = [(peak, s) for s, peak in peaks.items() if s.elements >= shape.elements]
         if larger:
             peak, s = min(larger)
-            return Estimate(peak, True, f"measured at the larger {s}", bound=True)
+            return Estimate(max(peak, floor), True, f"measured at the larger {s}", floor, how)
         if peaks:
             # from the largest one measured: a small shape's peak is mostly fixed costs, which do not scale
             peak, s = max((p, s) for s, p in peaks.items() if s.elements == max(t.elements for t in peaks))
             scaled = int(peak * shape.elements / s.elements * EXTRAPOLATION_MARGIN)
-            return Estimate(scaled, True, f"estimated from {s}, the largest measured")
+            return Estimate(max(scaled, floor), True, f"estimated from {s}, the largest measured", floor, how)
         return Estimate(default_working(weight_bytes, shape), False, "default estimate (not measured yet)")
 
     def entry(self, model: str) -> dict[str, Any] | None:
