@@ -224,9 +224,11 @@ def test_folder_from_diffusers_save_pretrained_loads(tiny_components: dict[str, 
     StableDiffusionPipeline(**tiny_components).save_pretrained(str(tmp_path / "mine"), safe_serialization=True)
     pipe = load_pipeline(str(tmp_path / "mine"))
     assert pipe.name == "mine" and pipe.task is Task.TEXT_TO_IMAGE
-    # Nothing overrides a plain folder's defaults: the native size (UNet sample 32 x VAE factor 2).
-    assert pipe.capabilities == Capabilities(task="text-to-image", width=64, height=64, flow_scheduler=False,
-                                             edits=("image-to-image", "inpainting"), previews=True)
+    # Nothing overrides a plain folder's defaults: the native size (UNet sample 32 x VAE factor 2), and the
+    # steps and guidance StableDiffusionPipeline.__call__ declares (SD's published 50 at 7.5; call_defaults.py).
+    assert pipe.capabilities == Capabilities(task="text-to-image", width=64, height=64, steps=50, guidance=7.5,
+                                             flow_scheduler=False, edits=("image-to-image", "inpainting"),
+                                             previews=True)
     assert run(pipe, [req(1)])[0].shape == (3, 64, 64)
     # the edit pipelines come from from_pipe: the same modules, no second copy of any weight
     shared = {id(m) for m in pipe.pipe.components.values() if isinstance(m, torch.nn.Module)}

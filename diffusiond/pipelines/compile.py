@@ -46,9 +46,9 @@ import torch
 import diffusiond.pipelines.ltx2 as ltx2
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, PreviewSink, StepCallback, Task
+from diffusiond.pipelines.call_defaults import true_cfg
 from diffusiond.pipelines.compile_rules import compile_refusal
 from diffusiond.pipelines.denoisers import denoisers
-from diffusiond.pipelines.diffusers_pipeline import _TRUE_CFG
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
@@ -115,7 +115,7 @@ def guidance_is_shape(pipe: Any) -> bool:
     takes the value as a tensor of unchanged shape, so guidance 1 and 3.5 share every graph (counting
     them apart would report a ``compiling`` stage that compiles nothing and spend a ``compile_shapes`` slot)."""
     cls = type(pipe)
-    return hasattr(cls, "do_classifier_free_guidance") or cls.__name__.startswith(_TRUE_CFG)
+    return hasattr(cls, "do_classifier_free_guidance") or true_cfg(cls)
 
 
 def _bound_recompiles(max_shapes: int) -> None:

@@ -35,6 +35,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
+from diffusiond.pipelines.call_defaults import call_defaults, true_cfg
 from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, NOT_SERVED, edit_kwargs, edit_pipes, share_image_encoder
 from diffusiond.pipelines.frame_rules import check_frames, frame_step, min_side, size_step
 from diffusiond.pipelines.hostcopy import HostCopy
@@ -93,9 +94,6 @@ _INPUT_ARGS = frozenset({"image", "mask_image", "control_image", "video", "image
 # What a prompt-only pipeline we can drive (size, steps, per-step stop) must accept.
 _REQUIRED_ARGS = frozenset({"prompt", "height", "width", "num_inference_steps", "callback_on_step_end"})
 _FRAME_ARGS = ("num_frames", "video_length")
-# Families whose guidance is true classifier-free guidance, ``true_cfg_scale`` against the negative prompt
-# (their ``guidance_scale`` feeds a guidance embedding only distilled checkpoints have; FLUX's is the reverse).
-_TRUE_CFG = ("QwenImage",)
 
 
 def call_args(cls: type) -> frozenset[str]:
@@ -213,7 +211,7 @@ class DiffusersPipeline:
             task=self.task.value,
             width=side,
             height=side,
-            steps=30 if video else 25,
+            steps=30 if video else 25,  # where the class declares none (call_defaults.py)
             guidance=5.0 if video else 7.5,
             num_frames=9,
             fps=ltx2.default_fps(type(pipe)),
@@ -226,7 +224,7 @@ class DiffusersPipeline:
         )
         self._edit_pipes: dict[Task, Any] = edit_pipes(pipe, self.task)
         inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes))
-        self.capabilities = with_defaults(inferred, defaults)
+        self.capabilities = with_defaults(with_defaults(inferred, call_defaults(type(pipe))), defaults)
         self.load_phases.mark("sibling pipelines")
 
         if getattr(pipe, "safety_checker", None) is not None:
@@ -368,7 +366,7 @@ class DiffusersPipeline:
             kwargs["height"], kwargs["width"] = params.height, params.width
         if "guidance_scale" in args:
             kwargs["guidance_scale"] = params.guidance
-        if type(pipe).__name__.startswith(_TRUE_CFG):
+        if true_cfg(type(pipe)):
             kwargs["true_cfg_scale"] = params.guidance
         if "negative_prompt" in args:
             kwargs["negative_prompt"] = [r.negative_prompt or "" for r in requests]
