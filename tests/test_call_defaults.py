@@ -67,3 +67,11 @@ async def test_a_flux_folder_job_without_steps_or_guidance_runs_fluxs_28_at_3_5(
         async with s.get(job["outputs"][0]["url"]) as r:
             meta = Image.open(io.BytesIO(await r.read())).text
     assert (meta["steps"], meta["guidance_scale"]) == ("28", "3.5"), meta
+
+
+async def test_the_models_list_shows_the_defaults_a_request_gets(d: Daemon) -> None:
+    """A client sizing its form (the page, a trainer) reads them before sending: the class's 28 and 3.5 here."""
+    async with http(d.socket) as s, s.get("/v1/models") as r:
+        (model,) = [m for m in (await r.json())["data"] if m["id"] == "flux"]
+    assert model["defaults"]["steps"] == 28 and model["defaults"]["guidance_scale"] == 3.5, model["defaults"]
+    assert "num_frames" not in model["defaults"]  # an image model's defaults have no frames

@@ -19,9 +19,9 @@ from diffusiond.daemon.edge.sizes import side_floor
 from diffusiond.daemon.residency.decisions import ModelStatus
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import PING_INTERVAL_S, Model
-from diffusiond.ipc.messages import Ack
+from diffusiond.ipc.messages import Ack, Capabilities
 from diffusiond.pipelines.spec import is_synthetic
-from diffusiond.protocol import AUDIO_ARRAY, FORMATS, Event, ModelState, WorkerState
+from diffusiond.protocol import AUDIO_ARRAY, FORMATS, VIDEO_TASKS, Event, ModelState, WorkerState
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -227,6 +227,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "min_size": side_floor(m, engine.config.limits), "min_steps": m.capabilities.min_steps,
+            "defaults": defaults(m.capabilities),
             "previews": m.capabilities.previews,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
             "attention": m.capabilities.attention or None, "sample_rate": m.capabilities.sample_rate or None,
@@ -245,6 +246,13 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "working_memory": engine.keeper.working(m),
             # component -> why a live update kept for its start was refused there (core/weights.py)
             "weight_errors": engine.live_components.weight_errors(m.name)}
+
+
+def defaults(c: Capabilities) -> dict[str, Any]:
+    """What a request that leaves them out gets: the preset's, else the pipeline class's own ``__call__`` defaults,
+    else the generic ones (pipelines/call_defaults.py); frames and fps only for a video model."""
+    made = {"width": c.width, "height": c.height, "steps": c.steps, "guidance_scale": c.guidance}
+    return {**made, "num_frames": c.num_frames, "fps": c.fps} if c.task in {t.value for t in VIDEO_TASKS} else made
 
 
 def health(engine: Engine) -> dict[str, Any]:
