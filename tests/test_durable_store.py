@@ -121,6 +121,22 @@ async def test_capabilities_are_remembered_for_the_next_start(tmp_path: Path) ->
     await store.close()
 
 
+async def test_capabilities_an_older_diffusiond_wrote_are_not_taken_for_the_models_own(tmp_path: Path) -> None:
+    """A row without a field added since (min_steps) would read as its default, 1, and admit the one-step job that
+    a Qwen-Image or LTX-Video model makes NaN of; the model's capabilities stay unknown until it loads."""
+    store, _ = await reopened(tmp_path)
+    store.remember("qwen=Qwen/Qwen-Image", Capabilities(width=128, height=128, steps=2, guidance=1.0, min_steps=2))
+    await store.close()
+    with sqlite3.connect(tmp_path / "jobs.db") as con:
+        (row,) = con.execute("SELECT capabilities FROM models").fetchone()
+        older = {k: v for k, v in json.loads(row).items() if k != "min_steps"}
+        con.execute("UPDATE models SET capabilities = ?", (json.dumps(older),))
+    con.close()
+    store, _ = await reopened(tmp_path)
+    assert await store.capabilities() == {}
+    await store.close()
+
+
 async def test_the_lock_is_held_until_close(tmp_path: Path) -> None:
     store, _ = await reopened(tmp_path)
     with pytest.raises(StateDirError, match=r"in use by another diffusiond \(pid \d+\)"):

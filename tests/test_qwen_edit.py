@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -24,7 +25,7 @@ from test_image_tasks import job, output_bytes
 from test_presets import SMALL_NEW, always, req
 
 from diffusiond.ipc.messages import BatchParams
-from diffusiond.pipelines import Task, load_pipeline
+from diffusiond.pipelines import PipelineError, Task, load_pipeline
 from diffusiond.pipelines.preset_tables import PRESETS, Net
 
 W, H = 64, 96  # a picture taller than wide: the size rules hold off the square
@@ -83,3 +84,7 @@ def test_the_qwen_image_edit_preset_builds_saves_loads_back_and_edits(monkeypatc
     params = BatchParams(width=W, height=H, steps=2, guidance=4.0, edit=Task.INSTRUCTION_EDIT.value)
     (out,) = pipe.edit(params, [req(3)], [(blocky(1, H)[:, :W], None)], always)
     assert tuple(out.shape) == (3, H, W) and torch.isfinite(out).all()
+    # admission refuses one step, but may judge by capabilities remembered from another run: the worker refuses too
+    one = msgspec.structs.replace(params, steps=1)
+    with pytest.raises(PipelineError, match=r"steps=1: model .* takes at least 2 steps"):
+        pipe.edit(one, [req(3)], [(blocky(1, H)[:, :W], None)], always)
