@@ -157,6 +157,30 @@ async def test_a_table_that_comes_while_the_files_are_read_answers(
     assert isinstance(await checks("m"), ModelTable)
 
 
+async def test_a_misspelt_preset_has_no_table_and_every_update_gets_an_answer() -> None:
+    """Review41b moves 2: ``random:nope`` raised out of the fingerprint, the update's task died and the trainer (no
+    timeout by default) waited forever. Serve refuses the name at start now (test_newcomer.py); here, what the update
+    path does with it or with any failure it did not foresee: it answers."""
+    from diffusiond.daemon.edge.handoff import _Connection
+    from diffusiond.pipelines.errors import PipelineError
+
+    assert ParamTables(None).key(ModelConfig(name="b", spec="random:nope")) is None
+    posted: list[Any] = []
+    failure: list[Exception] = []
+
+    async def update(*_: Any) -> int:
+        raise failure[0]
+
+    engine = type("E", (), {"config": type("C", (), {"worker_start_timeout_s": 1.0})(), "models": lambda self: [],
+                            "live_loras": type("L", (), {"update": staticmethod(update)})()})()
+    connection = _Connection(type("S", (), {"engine": engine})(), type("Ch", (), {"post": posted.append})())  # type: ignore[arg-type]
+    for failure[:], status, code in (([PipelineError("unknown preset 'random:nope'")], 400, "invalid_request"),
+                                     ([RuntimeError("a bug")], 500, "internal_error")):
+        await connection._update(UpdateLora("trainer", []), [])
+        answer = posted.pop()
+        assert (answer.name, answer.status, answer.code) == ("trainer", status, code), answer
+
+
 SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1,
          "output_format": "npy"}
 NORM = {"unet.conv_norm_out.lora_A.weight": np.ones((2, 32), np.float32),  # headers cannot judge it

@@ -87,10 +87,10 @@ def table_key(config: ModelConfig, beside: Mapping[str, object]) -> str | None:
     try:
         options = model_options(config.spec, config.options)
         files = _files(config.spec)
+        parsed = parse_spec(config.spec)
+        preset = folder_name(get_preset(parsed.target)) if parsed.kind == "random" else None  # a typo: no table
     except (PipelineError, OSError):
         return None
-    parsed = parse_spec(config.spec)
-    preset = folder_name(get_preset(parsed.target)) if parsed.kind == "random" else None
     parts = {"spec": config.spec, "options": sorted(options.items()), "dtype": config.dtype,
              "compile": config.compile, "beside": beside, "files": files, "preset": preset,
              "software": software()}
