@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,42 @@ W, H = 64, 96  # a picture taller than wide: the size rules hold off the square
 
 
 @pytest.fixture(scope="module")
-def qwen_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
-    tmp = tmp_path_factory.mktemp("qwen-edit")
-    folder = build_qwen_edit(tmp / "qwen-edit")
-    args = ["--model", f"qwen-edit={folder}", "--workers", "1", "--job-timeout", "120"]
-    with shared_daemon(tmp, args, model_cache) as d:
+def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_qwen_edit(tmp_path_factory.mktemp("qwen-folder") / "qwen-edit")
+
+
+@pytest.fixture(scope="module")
+def qwen_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, qwen_folder: Path) -> Iterator[Daemon]:
+    args = ["--model", f"qwen-edit={qwen_folder}", "--workers", "1", "--job-timeout", "120"]
+    with shared_daemon(tmp_path_factory.mktemp("qwen-edit"), args, model_cache) as d:
         yield d
+
+
+def test_a_hub_id_not_in_the_cache_yet_loads_its_processor_without_torchvision_on_the_first_start(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, qwen_folder: Path) -> None:
+    """Review41b new 2: with nothing cached, diffusers downloaded the snapshot and built transformers' processor
+    itself, which needs torchvision; the start failed saying the model could not be downloaded. The hub here is a
+    function that puts the folder in the cache as a download would (no network in tests)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    fetched: list[Any] = []
+
+    def download(repo_id: str, allow_patterns: Any = None, **_: Any) -> str:
+        fetched.append(allow_patterns)
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        shutil.copytree(qwen_folder, repo / "snapshots" / ("0" * 40))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0" * 40)
+        return str(repo / "snapshots" / ("0" * 40))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    pipe = load_pipeline("someone/qwen-edit", name="q", device="cpu", dtype="float32")
+    assert pipe.task is Task.INSTRUCTION_EDIT and fetched == [["model_index.json", "processor/*"]]
 
 
 def picture(seed: int) -> str:
