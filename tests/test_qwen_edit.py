@@ -93,12 +93,17 @@ async def test_qwen_image_edit_edits_the_image_it_is_sent_at_its_size(qwen_daemo
         two = await edited(s, {**base, "image": picture(2)})
         # true CFG: the negative prompt is what the guidance pushes away from
         negative = await edited(s, {**base, "image": picture(1), "negative_prompt": "blurry"})
+        # guidance_scale is the true CFG scale (the pipeline's own default is 4.0): at 1.0 there is no negative pass
+        unguided = {**base, "image": picture(1), "guidance_scale": 1.0}
+        low = await edited(s, unguided)
+        low_negative = await edited(s, {**unguided, "negative_prompt": "blurry"})
         status, no_image = await job(s, base)
         assert status == 400 and no_image["error"]["field"] == "image", no_image
         status, masked = await job(s, {**base, "image": picture(1), "mask": picture(2)})
         assert status == 400 and masked["error"]["field"] == "model" and "inpainting" in masked["error"]["message"]
     assert one.shape[:2] == (H, W), one.shape  # the image's size, though the pipeline conditions at 1024²
     assert not np.array_equal(one, two) and not np.array_equal(one, negative)
+    assert not np.array_equal(one, low) and np.array_equal(low, low_negative)
 
 
 def test_the_qwen_image_edit_preset_builds_saves_loads_back_and_edits(monkeypatch: pytest.MonkeyPatch,
