@@ -195,3 +195,38 @@ async def test_outputs_versions_are_kept_and_a_record_without_them_still_reads(t
     assert [(i.done, i.lora_versions, i.weight_versions) for i in old_back.items] == [(True, None, None)] * 2
     assert old_back.lora_versions is None and old_back.weight_versions is None
     await store.close()
+
+
+async def test_a_saved_trajectory_read_racing_its_deletion_is_a_404_not_a_500(tmp_path: Path) -> None:
+    """Review41b moves 3: a saved trajectory array (or sound track) read as DELETE or retention removes its job's
+    files is refused from the deletion's start, and one whose file went meanwhile is OutputNotFound (404), as an
+    output's file read is; its reads under way keep retention off the job."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diffusiond.daemon.errors import OutputNotFound
+    from diffusiond.daemon.outputs.file_reads import FileReads
+    from diffusiond.daemon.outputs.trajectories import Trajectories
+    from diffusiond.ipc.sidearrays import TrajectorySpec
+
+    store, _ = await reopened(tmp_path)
+    saved = job(JobRequest(**{**REQ.__dict__, "trajectory": TrajectorySpec()}))
+    item = saved.items[0]
+    item.stage = Stage.DONE
+    file, _size = store.write_output(saved.id, 0, "latents.npy", [b"npy bytes"])
+    item.trajectory_files = {"latents": {"file": file, "bytes": 9, "shape": [1], "dtype": "float32"}}
+    with ThreadPoolExecutor(1) as executor:
+        files = FileReads(executor, store)
+        trajectories = Trajectories(executor, files)
+        async with trajectories.open(item, "latents") as (_, payload):
+            assert bytes(payload) == b"npy bytes" and files.reading == {}
+        files.deleting.add(saved.id)
+        with pytest.raises(OutputNotFound, match="being deleted"):
+            async with trajectories.open(item, "latents"):
+                pass
+        files.deleting.clear()
+        (tmp_path / "outputs" / file).unlink()  # removed between the job's lookup and the read
+        with pytest.raises(OutputNotFound, match="gone from the state dir"):
+            async with trajectories.open(item, "latents"):
+                pass
+        assert files.reading == {}
+    await store.close()
