@@ -102,6 +102,12 @@ async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_f
     os.utime(folder / "model_index.json", ns=(1, 1))  # the files changed since: their headers answer
     assert tables.key(made) != key
     assert tables.load("m", tables.key(made) or "") is None
+    # a single file's configs come from its config= folder, whose files count as its own (review41b moves 4)
+    (tmp_path / "one.safetensors").write_bytes(b"x")
+    single = ModelConfig(name="s", spec=f"{tmp_path / 'one.safetensors'},config={folder}")
+    before = tables.key(single)
+    os.utime(folder / "model_index.json", ns=(2, 2))
+    assert before is not None and tables.key(single) != before
     assert isinstance(await FileChecks({"m": made}, tables)("m"), ModelFiles)
     # a file that does not read is no table
     next((tmp_path / "state" / "params").iterdir()).write_bytes(b"not msgpack")
@@ -125,6 +131,9 @@ def test_a_table_is_used_only_with_the_same_software_and_preset_revision(monkeyp
     monkeypatch.undo()
     monkeypatch.setattr(diffusiond, "__version__", "0.0.1")
     assert tables.key(made) != key, "diffusiond's own version"
+    monkeypatch.undo()
+    monkeypatch.setattr(params, "TABLE_REVISION", params.TABLE_REVISION + 1)  # a checkout's own code changed
+    assert tables.key(made) != key, "the tables' revision"
     monkeypatch.undo()
     monkeypatch.setitem(PRESETS, "ltx-2", dataclasses.replace(PRESETS["ltx-2"], revision=2))
     assert tables.key(made) != key, "the preset's revision"
