@@ -82,7 +82,8 @@ def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
 
 def check_steps(field: str, steps: Any, model: ModelLike | None, max_steps: int) -> None:
     """Steps within the limits, and at least the model's ``min_steps``: a scheduler that stretches its last sigma
-    to ``shift_terminal`` (Qwen-Image, LTX-Video) divides by zero over one step and makes an image of NaN."""
+    to ``shift_terminal`` (``Capabilities.min_steps`` names the families) divides by zero over one step and makes
+    an image of NaN."""
     low = model.capabilities.min_steps if model is not None else 1
     if steps is None or low <= steps <= max_steps:
         return
