@@ -39,7 +39,8 @@ def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, qwen_folder: Path) -> Iterator[Daemon]:
-    args = ["--model", f"qwen-edit={qwen_folder}", "--workers", "1", "--job-timeout", "120"]
+    args = ["--model", f"qwen-edit={qwen_folder}", "--workers", "1", "--job-timeout", "120",
+            "--warmup", f"{W}x{H}:1"]  # an edit-only model warms up through its edit path (review41b new 5)
     with shared_daemon(tmp_path_factory.mktemp("qwen-edit"), args, model_cache) as d:
         yield d
 
@@ -77,6 +78,11 @@ def picture(seed: int) -> str:
 
 async def edited(s: aiohttp.ClientSession, body: dict[str, Any]) -> np.ndarray:
     return np.load(io.BytesIO(await output_bytes(s, body)))
+
+
+def test_warmup_of_an_edit_only_model_runs_an_edit_before_it_is_ready(qwen_daemon: Daemon) -> None:
+    """It runs nothing without an input image, so ``--warmup`` failed its start; it warms up on a grey picture."""
+    assert f"warmed up {W}x{H} batch 1" in qwen_daemon.log_path.read_text(errors="replace")
 
 
 async def test_qwen_image_edit_is_listed_as_an_instruction_edit_model(qwen_daemon: Daemon) -> None:
