@@ -142,6 +142,13 @@ def frame_count_neighbours(frames: int, step: int) -> tuple[int, int] | None:
     return lower, lower + step
 
 
+def too_few_steps(field: str, steps: int, model: str, low: int) -> str:
+    """Why ``steps`` below a model's ``min_steps`` is refused, in one wording for admission and the worker (which
+    checks again: admission may judge by capabilities remembered from an older run)."""
+    return (f"{field}={steps}: model {model!r} takes at least {low} steps (its scheduler stretches the last step to "
+            f"its shift_terminal, which one step cannot: the output would be NaN); send {field} >= {low}")
+
+
 # compilation ------------------------------------------------------------------------------------
 
 COMPILE_MODES: Final[tuple[str, ...]] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

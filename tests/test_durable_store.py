@@ -121,6 +121,22 @@ async def test_capabilities_are_remembered_for_the_next_start(tmp_path: Path) ->
     await store.close()
 
 
+async def test_capabilities_an_older_diffusiond_wrote_are_not_taken_for_the_models_own(tmp_path: Path) -> None:
+    """A row without a field added since (min_steps) would read as its default, 1, and admit the one-step job that
+    a Qwen-Image or LTX-Video model makes NaN of; the model's capabilities stay unknown until it loads."""
+    store, _ = await reopened(tmp_path)
+    store.remember("qwen=Qwen/Qwen-Image", Capabilities(width=128, height=128, steps=2, guidance=1.0, min_steps=2))
+    await store.close()
+    with sqlite3.connect(tmp_path / "jobs.db") as con:
+        (row,) = con.execute("SELECT capabilities FROM models").fetchone()
+        older = {k: v for k, v in json.loads(row).items() if k != "min_steps"}
+        con.execute("UPDATE models SET capabilities = ?", (json.dumps(older),))
+    con.close()
+    store, _ = await reopened(tmp_path)
+    assert await store.capabilities() == {}
+    await store.close()
+
+
 async def test_the_lock_is_held_until_close(tmp_path: Path) -> None:
     store, _ = await reopened(tmp_path)
     with pytest.raises(StateDirError, match=r"in use by another diffusiond \(pid \d+\)"):
@@ -178,4 +194,39 @@ async def test_outputs_versions_are_kept_and_a_record_without_them_still_reads(t
     assert back.lora_versions is None  # the outputs differ: the job as a whole names none
     assert [(i.done, i.lora_versions, i.weight_versions) for i in old_back.items] == [(True, None, None)] * 2
     assert old_back.lora_versions is None and old_back.weight_versions is None
+    await store.close()
+
+
+async def test_a_saved_trajectory_read_racing_its_deletion_is_a_404_not_a_500(tmp_path: Path) -> None:
+    """Review41b moves 3: a saved trajectory array (or sound track) read as DELETE or retention removes its job's
+    files is refused from the deletion's start, and one whose file went meanwhile is OutputNotFound (404), as an
+    output's file read is; its reads under way keep retention off the job."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diffusiond.daemon.errors import OutputNotFound
+    from diffusiond.daemon.outputs.file_reads import FileReads
+    from diffusiond.daemon.outputs.trajectories import Trajectories
+    from diffusiond.ipc.sidearrays import TrajectorySpec
+
+    store, _ = await reopened(tmp_path)
+    saved = job(JobRequest(**{**REQ.__dict__, "trajectory": TrajectorySpec()}))
+    item = saved.items[0]
+    item.stage = Stage.DONE
+    file, _size = store.write_output(saved.id, 0, "latents.npy", [b"npy bytes"])
+    item.trajectory_files = {"latents": {"file": file, "bytes": 9, "shape": [1], "dtype": "float32"}}
+    with ThreadPoolExecutor(1) as executor:
+        files = FileReads(executor, store)
+        trajectories = Trajectories(executor, files)
+        async with trajectories.open(item, "latents") as (_, payload):
+            assert bytes(payload) == b"npy bytes" and files.reading == {}
+        files.deleting.add(saved.id)
+        with pytest.raises(OutputNotFound, match="being deleted"):
+            async with trajectories.open(item, "latents"):
+                pass
+        files.deleting.clear()
+        (tmp_path / "outputs" / file).unlink()  # removed between the job's lookup and the read
+        with pytest.raises(OutputNotFound, match="gone from the state dir"):
+            async with trajectories.open(item, "latents"):
+                pass
+        assert files.reading == {}
     await store.close()

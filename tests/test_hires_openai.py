@@ -152,3 +152,37 @@ async def test_images_edit_on_a_video_model_answers_an_mp4_without_being_asked_f
     async with http(sock) as s:
         status, still = await form_edit(s, model="tiny-video", output_format="png", strength=None)
     assert (status, still["error"]["field"]) == (400, "output_format") and "mp4" in still["error"]["message"]
+
+
+async def test_one_step_where_the_model_takes_two_is_the_same_400_on_the_openai_endpoints(sock: Path) -> None:
+    """Review41b new 4: tiny-video's scheduler stretches its last step (min_steps 2); the OpenAI field is named."""
+    async with http(sock) as s:
+        async with s.post("/v1/images/generations", json={"model": "tiny-video", "prompt": "a boat", "size": "64x64",
+                                                          "num_inference_steps": 1}) as r:
+            generated = (r.status, await r.json())
+        edited = await form_edit(s, model="tiny-video", num_inference_steps="1", strength=None)
+    for status, body in (generated, edited):
+        assert (status, body["error"]["field"]) == (400, "num_inference_steps"), body
+        assert "model 'tiny-video' takes at least 2 steps" in body["error"]["message"], body
+        assert "send num_inference_steps >= 2" in body["error"]["message"], body
+
+
+def test_a_hires_pass_shorter_than_the_model_takes_is_refused_naming_hires_steps() -> None:
+    """Review41b new 4: the hires schedule (steps / strength) is checked against min_steps as the steps are; no
+    served model here has both an image-to-image pipeline and two steps as its fewest (Qwen-Image does), so the
+    check runs on its own."""
+    from diffusiond.daemon.config import DaemonConfig
+    from diffusiond.daemon.core.jobs import JobRequest
+    from diffusiond.daemon.edge.upscale import HiresBody, _hires
+    from diffusiond.daemon.errors import InvalidRequest
+    from diffusiond.ipc.messages import Capabilities
+
+    engine: Any = type("E", (), {"config": DaemonConfig()})()
+    model: Any = type("M", (), {"name": "qwen", "capabilities": Capabilities(edits=("image-to-image",), min_steps=2,
+                                                                             flow_scheduler=True)})()
+    req = JobRequest(model="qwen", prompt="a boat", n=1, width=64, height=64, steps=4, guidance=4.0,
+                     output_format="png", seed=1)
+    with pytest.raises(InvalidRequest) as refused:
+        _hires(engine, HiresBody(steps=1, strength=1.0), model, req)
+    assert refused.value.field == "hires.steps" and "it takes at least 2" in refused.value.message
+    assert _hires(engine, HiresBody(steps=2, strength=1.0), model, req).schedule == 2

@@ -90,8 +90,9 @@ def test_progress_lines_come_at_tenths_and_at_most_once_a_second() -> None:
         ("sd={tmp}/sd15.safetensors", "model 'sd': {tmp}/sd15.safetensors does not exist"),
         ("nobody/not-cached", "model 'nobody/not-cached': nobody/not-cached is neither a folder nor a hub id in "
                               "the Hugging Face cache; download it first (`hf download nobody/not-cached`"),
+        ("b=random:nope", "model 'b': unknown preset 'random:nope'; presets: random:sd15, "),
     ],
-    ids=["folder", "safetensors", "hub-id"],
+    ids=["folder", "safetensors", "hub-id", "preset"],
 )
 def test_serve_refuses_a_spec_it_cannot_load_in_one_line_before_start(tmp_path: Path, spec: str, words: str) -> None:
     env = {"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", **ENV}

@@ -102,6 +102,12 @@ async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_f
     os.utime(folder / "model_index.json", ns=(1, 1))  # the files changed since: their headers answer
     assert tables.key(made) != key
     assert tables.load("m", tables.key(made) or "") is None
+    # a single file's configs come from its config= folder, whose files count as its own (review41b moves 4)
+    (tmp_path / "one.safetensors").write_bytes(b"x")
+    single = ModelConfig(name="s", spec=f"{tmp_path / 'one.safetensors'},config={folder}")
+    before = tables.key(single)
+    os.utime(folder / "model_index.json", ns=(2, 2))
+    assert before is not None and tables.key(single) != before
     assert isinstance(await FileChecks({"m": made}, tables)("m"), ModelFiles)
     # a file that does not read is no table
     next((tmp_path / "state" / "params").iterdir()).write_bytes(b"not msgpack")
@@ -125,6 +131,9 @@ def test_a_table_is_used_only_with_the_same_software_and_preset_revision(monkeyp
     monkeypatch.undo()
     monkeypatch.setattr(diffusiond, "__version__", "0.0.1")
     assert tables.key(made) != key, "diffusiond's own version"
+    monkeypatch.undo()
+    monkeypatch.setattr(params, "TABLE_REVISION", params.TABLE_REVISION + 1)  # a checkout's own code changed
+    assert tables.key(made) != key, "the tables' revision"
     monkeypatch.undo()
     monkeypatch.setitem(PRESETS, "ltx-2", dataclasses.replace(PRESETS["ltx-2"], revision=2))
     assert tables.key(made) != key, "the preset's revision"
@@ -155,6 +164,30 @@ async def test_a_table_that_comes_while_the_files_are_read_answers(
     go_on.set()
     assert isinstance(await asking, ModelTable)
     assert isinstance(await checks("m"), ModelTable)
+
+
+async def test_a_misspelt_preset_has_no_table_and_every_update_gets_an_answer() -> None:
+    """Review41b moves 2: ``random:nope`` raised out of the fingerprint, the update's task died and the trainer (no
+    timeout by default) waited forever. Serve refuses the name at start now (test_newcomer.py); here, what the update
+    path does with it or with any failure it did not foresee: it answers."""
+    from diffusiond.daemon.edge.handoff import _Connection
+    from diffusiond.pipelines.errors import PipelineError
+
+    assert ParamTables(None).key(ModelConfig(name="b", spec="random:nope")) is None
+    posted: list[Any] = []
+    failure: list[Exception] = []
+
+    async def update(*_: Any) -> int:
+        raise failure[0]
+
+    engine = type("E", (), {"config": type("C", (), {"worker_start_timeout_s": 1.0})(), "models": lambda self: [],
+                            "live_loras": type("L", (), {"update": staticmethod(update)})()})()
+    connection = _Connection(type("S", (), {"engine": engine})(), type("Ch", (), {"post": posted.append})())  # type: ignore[arg-type]
+    for failure[:], status, code in (([PipelineError("unknown preset 'random:nope'")], 400, "invalid_request"),
+                                     ([RuntimeError("a bug")], 500, "internal_error")):
+        await connection._update(UpdateLora("trainer", []), [])
+        answer = posted.pop()
+        assert (answer.name, answer.status, answer.code) == ("trainer", status, code), answer
 
 
 SMALL = {"model": "tiny", "width": 64, "height": 64, "steps": 1, "prompt": "a lighthouse", "seed": 1,

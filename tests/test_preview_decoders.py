@@ -13,7 +13,7 @@ import torch
 from diffusers import AutoencoderTiny, FluxPipeline, LTXPipeline
 
 from diffusiond.ipc.arena import Arena, Slot
-from diffusiond.ipc.messages import BatchParams, OutputReady, PreviewReady, RequestSpec
+from diffusiond.ipc.messages import BatchParams, OutputReady, PreviewReady, RequestEnded, RequestSpec
 from diffusiond.ipc.tensors import as_torch
 from diffusiond.pipelines import PipelineError, load_pipeline
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
@@ -250,3 +250,19 @@ def test_previews_still_in_flight_after_a_forward_are_posted_by_the_copy_thread(
     assert isinstance(job, PendingPreview)
     copier.previews.finish(job)  # what the copy thread does with it
     assert [m.step for m in posted if isinstance(m, PreviewReady)] == [1]
+
+
+def test_an_output_that_is_not_finite_fails_its_request_with_the_reason_and_the_others_are_copied() -> None:
+    """NaN cast to uint8 is a black picture that would pass for a result (a one-step Qwen-Image; review41b)."""
+    copier, posted = _outbox(16 << 20)
+    copier.state.admit(["r1"])
+    good = torch.rand(3, 16, 16)
+    bad = good.clone()
+    bad[0, 3, 4] = float("nan")
+    params = BatchParams(width=16, height=16, steps=1, guidance=1.0)
+    requests = [RequestSpec(request_id=f"r{k}", prompt="a", seed=k) for k in (0, 1)]
+    copier.process(CopyJob(1, params, requests, [bad, good], None))
+    ended, ready = posted
+    assert isinstance(ended, RequestEnded) and (ended.request_id, ended.status) == ("r0", "failed"), ended
+    assert "not finite" in ended.message and ended.stage == "computing"
+    assert isinstance(ready, OutputReady) and ready.request_id == "r1"

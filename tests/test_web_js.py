@@ -25,7 +25,7 @@ HARNESS = Path(__file__).with_name("webjs_harness.js")
 MODELS = {"object": "list", "data": [
     {"id": "tiny", "task": "text-to-image", "edits": ["image-to-image", "inpainting"], "state": "ready"},
     {"id": "hold", "task": "text-to-image", "edits": [], "state": "ready"},
-    {"id": "clip", "task": "text-to-video", "edits": [], "state": "ready"},
+    {"id": "clip", "task": "text-to-video", "edits": [], "state": "ready", "min_steps": 2},
     {"id": "inpaint", "task": "inpainting", "edits": ["inpainting"], "state": "ready", "attention": "flash",
      "approximations": ["cache=fbcache:0.1"]}]}
 SERVED = {"/v1/models": MODELS, "/v1/loras": {"data": []}, "/v1/jobs": {"data": []},
@@ -59,6 +59,11 @@ def test_the_boxes_are_offered_only_for_models_their_adapters_fit() -> None:
                                                                                       ["style", "look"])
     # back from models that take none, the first that fits is chosen again (not left empty)
     assert (steps[-1]["controls"][0]["name"], steps[-1]["references"][0]["name"]) == ("edges", "style")
+
+
+def test_the_steps_input_starts_at_the_models_fewest_steps() -> None:
+    """A model whose scheduler cannot run one step (min_steps 2 in /v1/models, review41b new 4) says so on the page."""
+    assert [s["steps_min"] for s in page([{"model": m} for m in ("tiny", "clip", "tiny")])["steps"]] == ["1", "2", "1"]
 
 
 def test_a_daemon_that_serves_none_shows_neither_box() -> None:

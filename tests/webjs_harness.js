@@ -96,7 +96,7 @@ const rowsOf = (box) => byId(`${box}-list`).children.map((row) => {
   return shown;
 });
 const shown = () => ({ control: !byId("control").hidden, reference: !byId("reference").hidden,
-                       upscale: !byId("upscale").hidden, mask: !byId("mask-box").hidden,
+                       upscale: !byId("upscale").hidden, mask: !byId("mask-box").hidden, steps_min: byId("steps").min,
                        upscale_names: byId("upscale-name").options.map((o) => o.value),
                        controls: rowsOf("control"), can_add_control: !byId("control-add").disabled,
                        references: rowsOf("reference"), can_add: !byId("reference-add").disabled,

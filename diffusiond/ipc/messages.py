@@ -327,7 +327,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     # decoder needs more latent pixels a side than one (LTX-2 64, issue 30); admission refuses smaller sides
     min_size: int = 8
     # fewest steps it takes: 2 where its scheduler stretches the last sigma to ``shift_terminal`` (Qwen-Image,
-    # LTX-Video), which divides by zero over a one-step schedule and makes every pixel NaN
+    # Qwen-Image-Edit, LTX-Video, LTX-2), which divides by zero over a one-step schedule and makes every pixel NaN
     min_steps: int = 1
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise

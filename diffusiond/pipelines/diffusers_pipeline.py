@@ -340,6 +340,8 @@ class DiffusersPipeline:
         (FLUX's ControlNet samples its picture's latents first) draws the noise the way the model does."""
         if self._asleep:
             raise PipelineError(f"model {self.name} is asleep; wake it before running")
+        if params.steps < self.capabilities.min_steps:
+            raise PipelineError(protocol.too_few_steps("steps", params.steps, self.name, self.capabilities.min_steps))
         pipe.scheduler = self._scheduler(params.scheduler)
         if pipe is not self._pipe:
             share_image_encoder(self._pipe, pipe)

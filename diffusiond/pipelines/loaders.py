@@ -149,27 +149,42 @@ def load_hub(
         f"download it first, e.g. `hf download {repo_id}` (older hubs: `huggingface-cli download {repo_id}`), "
         "or pass a local folder"
     )
-    index: dict[str, Any] = {}
-    if isinstance(cached_index, str):  # refuse an unservable class before fetching any weights
-        index = _read_index(Path(cached_index))
-        _pipeline_class(str(index.get("_class_name", "")), f"{repo_id}/model_index.json")
     local_only = options.get("local_files_only") == "1" or _hub_offline()
-    if not isinstance(cached_index, str) and local_only:
+    downloading = not isinstance(cached_index, str)
+    if downloading and local_only:
         raise PipelineError(not_cached)
     from diffusers import DiffusionPipeline
 
-    kwargs = _load_kwargs(index, dtype, options, device,
-                          Path(cached_index).parent if isinstance(cached_index, str) else None)
-    if local_only:
-        kwargs["local_files_only"] = True
+    if downloading:  # the index and processor first: what the rest is loaded with is chosen from them
+        try:
+            cached_index = str(Path(_fetch_head(repo_id)) / "model_index.json")
+        except Exception as exc:  # network errors come in many types (requests, httpx, hub errors)
+            raise PipelineError(f"{not_cached}: {type(exc).__name__}: {exc}") from exc
+    assert isinstance(cached_index, str)
+    index = _read_index(Path(cached_index))  # refuse an unservable class before fetching any weights
+    _pipeline_class(str(index.get("_class_name", "")), f"{repo_id}/model_index.json")
     try:
+        kwargs = _load_kwargs(index, dtype, options, device, Path(cached_index).parent)
+        if local_only:
+            kwargs["local_files_only"] = True
         pipe = DiffusionPipeline.from_pretrained(repo_id, **kwargs)
-    except Exception as exc:  # network errors come in many types (requests, httpx, hub errors)
-        if not isinstance(cached_index, str):
+    except PipelineError:
+        raise
+    except Exception as exc:
+        if downloading:
             raise PipelineError(f"{not_cached}: {type(exc).__name__}: {exc}") from exc
         raise PipelineError(f"cannot load {repo_id!r} from the HF cache ({cache}): {exc}") from exc
     task_for_class(type(pipe))
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options)
+
+
+def _fetch_head(repo_id: str) -> str:
+    """Download a hub model's ``model_index.json`` and ``processor/`` (small files) into the cache, and return its
+    snapshot folder: a Qwen-Image-Edit's processor must be loaded from it without torchvision (qwen_edit.py) before
+    diffusers fetches the rest, or its first start fails on the import (review41b new 2)."""
+    from huggingface_hub import snapshot_download
+
+    return str(snapshot_download(repo_id, allow_patterns=["model_index.json", "processor/*"]))
 
 
 def _single_file_class(path: Path, options: Mapping[str, str]) -> type[Any]:

@@ -28,6 +28,7 @@ from typing import Final, Literal
 
 from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.preset_tables import get_preset
 
 # Every option any loader understands; others are refused so a typo does not pass silently.
 KNOWN_OPTIONS = frozenset(
@@ -286,6 +287,8 @@ def check_spec(spec: str) -> None:
     """
     parsed = parse_spec(spec)
     check_options(parsed.options)
+    if parsed.kind == "random":
+        get_preset(parsed.target)  # an unknown name: the list of presets
     if parsed.kind in ("checkpoint", "gguf") and not Path(parsed.target).is_file():
         raise PipelineError(f"{parsed.target} does not exist; {_WHAT_TO_GIVE}")
     if parsed.kind == "gguf" and parsed.options.get("base"):

@@ -143,6 +143,7 @@ function modelChanged() {
   }
   $("loras").hidden = shown === 0;
   fitSteers(model);  // the control and reference boxes (steer.js)
+  $("steps").min = String((model && model.min_steps) || 1);  // 2 where one step makes NaN (docs/api.md)
   // an upscaler takes any picture a model makes (a video model's job is refused: docs/api.md)
   $("upscale").hidden = !(model && !VIDEO_TASKS.includes(model.task) && $("upscale-name").options.length > 1);
 }

@@ -91,18 +91,43 @@ def _output_layout_numpy(out: torch.Tensor, output_dtype: str) -> np.ndarray:
     if out.dtype == torch.uint8:  # already its levels: the layout only
         a = out.numpy()
         return np.ascontiguousarray(a.transpose(1, 2, 0) if a.ndim == 3 else a.transpose(0, 2, 3, 1))
-    if out.dtype == torch.bfloat16:  # numpy has no bfloat16: widen the bits to float32 ones
-        a = (out.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    elif out.dtype in (torch.float16, torch.float32, torch.float64):
-        a = out.numpy().astype(np.float32, copy=False)
-    else:
-        a = out.float().numpy()
+    a = _float32(out)
     a = a.transpose(1, 2, 0) if a.ndim == 3 else a.transpose(0, 2, 3, 1)
     if output_dtype == "uint8":
         x = np.clip(a, 0, 1, out=np.empty(a.shape, np.float32))  # C order, like the torch path
         x *= np.float32(255)
         return np.rint(x, out=x).astype(np.uint8)
     return np.ascontiguousarray(a, dtype=np.dtype(output_dtype))
+
+
+def _float32(out: torch.Tensor) -> np.ndarray:
+    """A CPU float picture in numpy's float32, without a parallel torch op (``_output_layout_numpy`` says why)."""
+    if out.dtype == torch.bfloat16:  # numpy has no bfloat16: widen the bits to float32 ones
+        return (out.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if out.dtype in (torch.float16, torch.float32, torch.float64):
+        return out.numpy().astype(np.float32, copy=False)
+    return out.float().numpy()
+
+
+def finite(outputs: list[torch.Tensor]) -> list[bool]:
+    """Whether each output holds only finite numbers, read back once per batch. The cast to uint8 would
+    turn NaN into black pixels and the job would succeed with them; a scheduler dividing by zero over too
+    few steps, or a half-precision overflow, must fail its job with the reason instead (review41b)."""
+    floats = [k for k, out in enumerate(outputs) if out.dtype != torch.uint8]  # levels are finite
+    flags = [True] * len(outputs)
+    if not floats:
+        return flags
+    if outputs[floats[0]].device.type == "cpu":
+        found = [bool(np.isfinite(_float32(outputs[k])).all()) for k in floats]
+    else:  # one small reduction each on the device, one read back
+        found = torch.stack([outputs[k].isfinite().all() for k in floats]).tolist()
+    for k, ok in zip(floats, found, strict=True):
+        flags[k] = ok
+    return flags
+
+
+NOT_FINITE = ("its output is not finite (NaN or inf), so it has no picture to give: too few steps for its scheduler, "
+              "or a float16 overflow (serve it with --dtype bfloat16 or float32)")
 
 
 class Copier:
@@ -159,8 +184,16 @@ class Copier:
             self.state.record_gpu("copy_start", job.batch_id, self.stream)
         trajectories: list[dict[str, torch.Tensor] | None] = list(job.trajectories or [])
         trajectories += [None] * (len(job.outputs) - len(trajectories))
-        for req, out, arrays in zip(job.requests, job.outputs, trajectories, strict=True):
-            self._copy_one(job, req, out, arrays)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            whole = finite(job.outputs)
+        for req, out, arrays, ok in zip(job.requests, job.outputs, trajectories, whole, strict=True):
+            if ok:
+                self._copy_one(job, req, out, arrays)
+            elif self.state.is_cancelled(req.request_id):
+                self._end(job, req, "cancelled", "cancelled before its output was copied")
+            else:
+                self._end(job, req, "failed", NOT_FINITE, "computing")
         if self.stream is not None:
             self.state.record_gpu("copy_end", job.batch_id, self.stream)
         job.outputs.clear()  # the last references to the batch's device memory
@@ -315,7 +348,7 @@ class Copier:
         with self._lock:
             return sum(self.dedicated.values())
 
-    def _end(self, job: CopyJob, req: RequestSpec, status: EndStatus, message: str) -> None:
+    def _end(self, job: CopyJob, req: RequestSpec, status: EndStatus, message: str, stage: str = "copying") -> None:
         self.state.finish(req.request_id)
-        self.post(RequestEnded(req.request_id, job.batch_id, status, message, "copying"))
+        self.post(RequestEnded(req.request_id, job.batch_id, status, message, stage))
 

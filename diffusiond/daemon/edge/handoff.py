@@ -37,13 +37,15 @@ from typing import TYPE_CHECKING
 
 from diffusiond.daemon.core.jobs import Item
 from diffusiond.daemon.edge.access import socket_peer_uid  # the HTTP edge's rules, here too
-from diffusiond.daemon.edge.status import status_of
+from diffusiond.daemon.edge.status import status_of, unexpected
 from diffusiond.daemon.errors import EngineError, JobNotFound, NotShared
 from diffusiond.ipc.channel import Channel
 from diffusiond.ipc.errors import ChannelClosed
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin, Updated, UpdateLora, UpdateRefused, UpdateWeights
 from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.pipelines.errors import PipelineError
+from diffusiond.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -132,6 +134,11 @@ class _Connection:
         except EngineError as err:
             answer: Updated | UpdateRefused = UpdateRefused(name, status_of(err), str(err.code), err.message,
                                                             err.field)
+        except PipelineError as exc:  # a model's spec or files the update's checks could not read
+            answer = UpdateRefused(name, 400, str(ErrorCode.INVALID_REQUEST), f"{name}: {exc}")
+        except Exception:  # a trainer waiting with no timeout must get an answer whatever failed
+            bug = unexpected(f"the update of {name}")
+            answer = UpdateRefused(name, status_of(bug), str(bug.code), bug.message)
         else:
             answer = Updated(name, version)
         with contextlib.suppress(ChannelClosed):  # the client went away: the update stands

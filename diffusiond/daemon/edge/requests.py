@@ -185,7 +185,7 @@ def check(
 ) -> JobRequest:
     """Apply limits and the model's defaults; ``req`` is a decoded body as a dict, so both
     endpoints share one set of checks (``size_field`` names the field the user actually sent).
-    ``edit`` is the decoded input of an edit (``plan_edit``, then ``inputs.decode_edit``): its size is the
+    ``edit`` is the decoded input of an edit (``edits.plan_edit``, then ``bodies.decode_edit``): its size is the
     output's size."""
     size_field = size_field or req.get("size_field")
     if edit is None and req.get("strength") is not None:

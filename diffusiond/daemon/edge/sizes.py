@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.errors import invalid, shown
 from diffusiond.ipc.messages import Capabilities
+from diffusiond.protocol import too_few_steps
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
@@ -81,12 +82,11 @@ def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
 
 def check_steps(field: str, steps: Any, model: ModelLike | None, max_steps: int) -> None:
     """Steps within the limits, and at least the model's ``min_steps``: a scheduler that stretches its last sigma
-    to ``shift_terminal`` (Qwen-Image, LTX-Video) divides by zero over one step and makes an image of NaN."""
+    to ``shift_terminal`` (``Capabilities.min_steps`` names the families) divides by zero over one step and makes
+    an image of NaN."""
     low = model.capabilities.min_steps if model is not None else 1
     if steps is None or low <= steps <= max_steps:
         return
     if model is not None and 1 <= steps < low:
-        raise invalid(f"{field}={steps}: model {model.name!r} takes at least {low} steps (its scheduler stretches "
-                      f"the last step to its shift_terminal, which one step cannot); send {field} >= {low}",
-                      field=field)
+        raise invalid(too_few_steps(field, steps, model.name, low), field=field)
     raise invalid(f"{field} must be between {low} and {max_steps}, got {shown(steps)}", field=field)

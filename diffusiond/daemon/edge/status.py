@@ -103,11 +103,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 def internal_error(request: web.Request) -> web.Response:
-    """The answer to an exception nobody expected (called inside its ``except``): one log line at
-    ERROR with the traceback and an id, and the same id in a 500 of the one error shape."""
+    """The answer to an exception nobody expected (called inside its ``except``)."""
+    return error_response(unexpected(f"{request.method} {request.path[:200]}"))
+
+
+def unexpected(what: str) -> HttpError:
+    """The error for an exception nobody expected while answering ``what`` (called inside its ``except``): one log
+    line at ERROR with the traceback and an id, and the same id in a 500 of the one error shape."""
     err_id = f"err_{secrets.token_hex(6)}"
-    log.exception("%s: unexpected error answering %s %s", err_id, request.method, request.path[:200])
-    return error_response(HttpError(
+    log.exception("%s: unexpected error answering %s", err_id, what)
+    return HttpError(
         500, ErrorCode.INTERNAL_ERROR,
         f"the daemon failed on this request ({err_id}); this is a bug in diffusiond: please report it with "
-        f"this id, which is also in the daemon's log with the details"))
+        f"this id, which is also in the daemon's log with the details")

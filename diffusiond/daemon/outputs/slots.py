@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffusiond.daemon.core.jobs import Item, Job
-from diffusiond.daemon.errors import EngineError, NotShared, OutputNotFound, OutputReleased
+from diffusiond.daemon.errors import EngineError, NotShared, OutputReleased
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import sound
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
+from diffusiond.daemon.outputs.file_reads import FileReads
 from diffusiond.daemon.outputs.metadata import file_metadata
 from diffusiond.daemon.outputs.trajectories import Trajectories
 from diffusiond.daemon.state.store import Store
@@ -76,13 +77,12 @@ class Outputs:
                  store: Store | None = None) -> None:
         self.executor = executor
         self.store = store or Store()
-        self.reading: dict[str, int] = {}  # job id -> reads of its files under way
-        self.deleting: set[str] = set()  # jobs being deleted: no new read starts
+        self.files = FileReads(executor, self.store)  # reads of the state dir's files, against their deletion
         self.metrics = metrics
         self.png_compress_level = png_compress_level
         self._on_ready = on_ready
         self._on_failed = on_failed
-        self.trajectories = Trajectories(executor, self.store)  # their side regions (trajectories.py)
+        self.trajectories = Trajectories(executor, self.files)  # their side regions (trajectories.py)
         self._holding: set[Item] = set()  # items that hold a slot in a worker's arena
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -195,20 +195,8 @@ class Outputs:
             payload.release()
 
     async def _read_file(self, item: Item) -> bytes:
-        job = item.job
         assert item.file is not None
-        if job.id in self.deleting:
-            raise OutputNotFound(f"output {item.index} of job {job.id} is being deleted")
-        self.reading[job.id] = self.reading.get(job.id, 0) + 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.read_output, item.file)
-        except FileNotFoundError:
-            raise OutputNotFound(f"the file of output {item.index} of job {job.id} is gone from the state dir "
-                                 "(deleted, or its retention ended)") from None
-        finally:
-            self.reading[job.id] -= 1
-            if not self.reading[job.id]:
-                del self.reading[job.id]
+        return await self.files.read(item.job.id, item.file, f"output {item.index}")
 
     async def _write_file(self, item: Item, parts: list[bytes | memoryview]) -> bool:
         """Write an output's file; False (and the job failed) if it could not be written."""

@@ -24,7 +24,7 @@ from diffusiond.daemon.core.jobs import Item
 from diffusiond.daemon.errors import NotShared, OutputNotFound, OutputReleased
 from diffusiond.daemon.outputs import trajectory_files
 from diffusiond.daemon.outputs.encoders import npy_header
-from diffusiond.daemon.state.store import Store
+from diffusiond.daemon.outputs.file_reads import FileReads
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, numpy_dtype
@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 
 
 class Trajectories:
-    def __init__(self, executor: Executor, store: Store) -> None:
+    def __init__(self, executor: Executor, files: FileReads) -> None:
         self.executor = executor
-        self.store = store
+        self.files = files
+        self.store = files.store
         self.held: set[Item] = set()  # items whose side region holds shared memory
         self._spilling: set[Item] = set()  # regions being copied out of it
 
@@ -51,7 +52,7 @@ class Trajectories:
         Unlike an npy output it is not consumed: it stays until the job's retention ends."""
         desc = self._array(item, name)
         if desc is None:  # no longer in memory, saved in the state dir
-            yield b"", memoryview(await trajectory_files.read(item, name, self.executor, self.store))
+            yield b"", memoryview(await trajectory_files.read(item, name, self.files))
             return
         self.pin(item)
         payload = self.view(item, desc)

@@ -21,6 +21,7 @@ from diffusiond.ipc.tensors import numpy_dtype
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.jobs import Item
+    from diffusiond.daemon.outputs.file_reads import FileReads
     from diffusiond.daemon.state.store import Store
     from diffusiond.ipc.tensors import TensorDesc
 
@@ -50,8 +51,7 @@ def listed(item: Item) -> dict[str, tuple[list[int], str]]:
     return {name: (list(f["shape"]), str(f["dtype"])) for name, f in (item.trajectory_files or {}).items()}
 
 
-async def read(item: Item, name: str, executor: Executor, store: Store) -> bytes:
-    """A saved array's whole npy file."""
+async def read(item: Item, name: str, files: FileReads) -> bytes:
+    """A saved array's whole npy file (a 404 if its job is being deleted or the file went meanwhile)."""
     entry = (item.trajectory_files or {})[name]
-    data: bytes = await asyncio.get_running_loop().run_in_executor(executor, store.read_output, entry["file"])
-    return data
+    return await files.read(item.job.id, entry["file"], f"the {name} of output {item.index}")

@@ -4,8 +4,8 @@ first, deleted, and let go by retention.
 Apart from the engine core because none of it touches the loop's work (queue, workers, slots): it
 reads the engine's job table and the store, and ends a job only through the engine's own
 ``cancel`` and ``expire``. Deleting and reading never race: a job being deleted is marked in
-``Outputs.deleting`` first, so no new read of its files starts, and retention skips a job whose
-outputs are being read (``Outputs.reading``) until its next pass.
+``Outputs.files.deleting`` first, so no new read of its files starts, and retention skips a job whose
+outputs are being read (``Outputs.files.reading``) until its next pass.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class History:
     async def find(self, job_id: str) -> Job:
         """A job in memory, else (a finished one) from the state dir."""
         job = self.jobs.get(job_id)
-        if job is None and job_id not in self.outputs.deleting:
+        if job is None and job_id not in self.outputs.files.deleting:
             job = await self.store.load(job_id)
-        if job is None or job.id in self.outputs.deleting:
+        if job is None or job.id in self.outputs.files.deleting:
             raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or its retention ended)")
         return job
 
@@ -67,12 +67,12 @@ class History:
         return job, True
 
     async def _delete(self, job: Job) -> None:
-        self.outputs.deleting.add(job.id)  # from here on nobody starts reading it
+        self.outputs.files.deleting.add(job.id)  # from here on nobody starts reading it
         try:
             self._expire(job.id)
             await self.store.delete(job)
         finally:
-            self.outputs.deleting.discard(job.id)
+            self.outputs.files.deleting.discard(job.id)
 
     async def retain_forever(self) -> None:
         while True:
@@ -87,7 +87,7 @@ class History:
         those whose outputs a client is reading right now (the next pass takes them)."""
         deleted = 0
         for job in await self.store.expired(self.config.keep_days, int(self.config.keep_gb * 1e9)):
-            if self.outputs.reading.get(job.id):
+            if self.outputs.files.reading.get(job.id):
                 continue
             await self._delete(job)
             deleted += 1

@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TABLE_REVISION = 1
+"""Bumped with any change to diffusiond's own part of what a load holds: what ``worker/weights.param_table`` reads,
+how the loaders name parameters (single files, GGUF, ``own_parameters``), an option's effect at load. Its version
+number never changes in a checkout, so a table made by older code would otherwise still answer (review41b moves 4)."""
+
 LOADERS = ("diffusers", "transformers", "peft", "torch")
 """The packages a worker's load goes through: another version of any may name or take parameters otherwise."""
 
@@ -87,13 +92,15 @@ def table_key(config: ModelConfig, beside: Mapping[str, object]) -> str | None:
     try:
         options = model_options(config.spec, config.options)
         files = _files(config.spec)
+        parsed = parse_spec(config.spec)
+        if parsed.kind == "checkpoint" and options.get("config"):  # the folder or hub id its configs come from
+            files += _files(options["config"])
+        preset = folder_name(get_preset(parsed.target)) if parsed.kind == "random" else None  # a typo: no table
     except (PipelineError, OSError):
         return None
-    parsed = parse_spec(config.spec)
-    preset = folder_name(get_preset(parsed.target)) if parsed.kind == "random" else None
     parts = {"spec": config.spec, "options": sorted(options.items()), "dtype": config.dtype,
              "compile": config.compile, "beside": beside, "files": files, "preset": preset,
-             "software": software()}
+             "software": software(), "revision": TABLE_REVISION}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -209,7 +209,10 @@ class SqliteStore(Store):
         out = {}
         for name, caps in rows:
             with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):  # an older shape: wait for READY
-                out[name] = msgspec.json.decode(caps, type=Capabilities)
+                # a row an older diffusiond wrote lacks the fields added since; their defaults are not the model's
+                # own (min_steps 1 would admit a step count it makes NaN of), so it too waits for READY
+                if set(Capabilities.__struct_fields__) <= msgspec.json.decode(caps, type=dict[str, Any]).keys():
+                    out[name] = msgspec.json.decode(caps, type=Capabilities)
         return out
 
     def remember(self, model: str, capabilities: Capabilities) -> None:

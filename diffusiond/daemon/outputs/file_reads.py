@@ -1,0 +1,38 @@
+"""Reads of the files a durable job keeps in the state dir, against DELETE and retention removing them.
+
+Every such read (an output's file, a saved trajectory array, a saved sound track) goes through ``FileReads.read``:
+one that starts after its job's deletion began is refused, one under way keeps retention off its job until its
+next pass (``state/history.py``), and a file gone meanwhile is a 404 naming the output, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+
+from diffusiond.daemon.errors import OutputNotFound
+from diffusiond.daemon.state.store import Store
+
+
+class FileReads:
+    def __init__(self, executor: Executor, store: Store) -> None:
+        self.executor = executor
+        self.store = store
+        self.reading: dict[str, int] = {}  # job id -> reads of its files under way
+        self.deleting: set[str] = set()  # jobs being deleted: no new read starts
+
+    async def read(self, job_id: str, file: str, what: str) -> bytes:
+        """The whole file; ``what`` names it for the 404 (``output 0``, ``the latents of output 0``)."""
+        if job_id in self.deleting:
+            raise OutputNotFound(f"{what} of job {job_id} is being deleted")
+        self.reading[job_id] = self.reading.get(job_id, 0) + 1
+        try:
+            data: bytes = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.read_output, file)
+            return data
+        except FileNotFoundError:
+            raise OutputNotFound(f"the file of {what} of job {job_id} is gone from the state dir (deleted, or its "
+                                 "retention ended)") from None
+        finally:
+            self.reading[job_id] -= 1
+            if not self.reading[job_id]:
+                del self.reading[job_id]
