@@ -24,7 +24,7 @@ from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_
 from diffusiond.pipelines.phases import Phases
 from diffusiond.pipelines.quant import load_time_config, parse_quant
 from diffusiond.pipelines.qwen_edit import processor_kwargs
-from diffusiond.pipelines.spec import check_second_expert
+from diffusiond.pipelines.spec import check_second_expert, second_expert_refusal
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def load_gguf(
     if not isinstance(tcls, type) or not hasattr(tcls, "from_single_file"):
         raise PipelineError(f"base {str(root)!r} ({cls.__name__}) has no transformer diffusers can load from a GGUF "
                             f"file (its model_index.json names {entry!r}); GGUF files replace a transformer")
-    files = {"transformer": path, **_second_expert(options, index, root, cls)}
+    files = {"transformer": path, **_second_expert(options, index)}
     named = parse_quant(options["quant"]) if options.get("quant") else {}
     for component, file in files.items():
         if component in named:
@@ -296,18 +296,15 @@ def load_gguf(
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options, approximations=approx)
 
 
-def _second_expert(options: Mapping[str, str], index: Mapping[str, Any], root: Path, cls: type[Any]) -> dict[str, Path]:
+def _second_expert(options: Mapping[str, str], index: Mapping[str, Any]) -> dict[str, Path]:
     """``transformer_2=FILE.gguf``: Wan 2.2 A14B's low-noise expert, a GGUF file of its own (QuantStack's
     ``...-LowNoise-Q8_0.gguf``), checked against the base, which must have that expert for it to replace."""
     value = options.get("transformer_2", "")
     if not value:
         return {}
     check_second_expert("gguf", options)
-    entry = index.get("transformer_2")
-    if not (isinstance(entry, list) and len(entry) == 2 and entry[1]):
-        raise PipelineError(f"transformer_2={value}: base={root} ({cls.__name__}) has no transformer_2, the low-noise "
-                            "expert that file would replace (Wan 2.2 A14B's bases have one: "
-                            "Wan-AI/Wan2.2-T2V-A14B-Diffusers); drop transformer_2= or name an A14B pipeline as base=")
+    if refusal := second_expert_refusal(options, index):
+        raise PipelineError(refusal)
     return {"transformer_2": Path(value).expanduser()}
 
 
