@@ -151,3 +151,17 @@ def test_a_second_expert_file_without_a_base_that_has_one_is_refused_at_start(fi
     assert "a folder or hub id loads its own transformer_2: drop the option" in capsys.readouterr().err
     assert main(["serve", "--model", f"a={spec(files).replace('low.gguf', 'lo.gguf')}"]) == 2
     assert "lo.gguf: no such file; give the low-noise expert's GGUF file" in capsys.readouterr().err
+
+
+def test_a_low_noise_file_lacking_weights_is_the_one_named(files: dict[str, Path], tmp_path: Path) -> None:
+    """Either file may be the incomplete one (city96's converter writes Wan's 5-D patch embedding in a second step):
+    the error names the file that lacks it, not the first."""
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.pipelines.loaders import load_gguf
+
+    tensors = original_state_dict(expert(files["base"], "transformer_2"))
+    del tensors["patch_embedding.weight"]
+    write_tensors(tensors, tmp_path / "cut-low.gguf", "Q8_0", "wan", FLOATS)
+    with pytest.raises(PipelineError, match=r"^cut-low.gguf lacks weights of the base's WanTransformer3DModel"):
+        load_gguf(files["high"], name="x", device=torch.device("cpu"), dtype=torch.float32,
+                  options={"base": str(files["base"]), "transformer_2": str(tmp_path / "cut-low.gguf")})
