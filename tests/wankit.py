@@ -33,10 +33,11 @@ def _text(tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id))
 
 
-def _transformer(in_channels: int, out_channels: int, head_dim: int = 8, num_layers: int = 2, **more: Any) -> Any:
+def _transformer(in_channels: int, out_channels: int, head_dim: int = 8, num_layers: int = 2, seed: int = 0,
+                 **more: Any) -> Any:
     from diffusers import WanTransformer3DModel
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head_dim,
                                  in_channels=in_channels, out_channels=out_channels, text_dim=32, freq_dim=16,
                                  ffn_dim=32, num_layers=num_layers, rope_max_seq_len=32, **more)
@@ -61,8 +62,8 @@ def _scheduler() -> Any:
 
 
 def build_wan(out: Path, kind: str, **shape: int) -> Path:
-    """``kind``: ``t2v`` (Wan 2.1 T2V), ``ti2v`` (Wan 2.2 TI2V), ``i2v`` (Wan 2.1 I2V) or ``vace`` (Wan 2.1
-    VACE), saved in ``out``;
+    """``kind``: ``t2v`` (Wan 2.1 T2V), ``a14b`` (Wan 2.2 T2V A14B: ``transformer_2``, the low-noise expert, and
+    ``boundary_ratio``), ``ti2v`` (Wan 2.2 TI2V), ``i2v`` (Wan 2.1 I2V) or ``vace`` (Wan 2.1 VACE), saved in ``out``;
     ``shape``: the transformer's ``head_dim`` (16 makes it 32 wide, so that its linear layers' rows are whole
     Q8_0 blocks) and ``num_layers``."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
@@ -72,6 +73,10 @@ def build_wan(out: Path, kind: str, **shape: int) -> Path:
         common = {"tokenizer": tokenizer, "text_encoder": _text(tokenizer), "scheduler": _scheduler()}
         if kind == "t2v":
             pipe: Any = WanPipeline(transformer=_transformer(Z, Z, **shape), vae=_vae(False), **common)
+        elif kind == "a14b":  # two experts of their own weights, switched where the released T2V A14B switches
+            first = _transformer(Z, Z, **shape)
+            pipe = WanPipeline(transformer=first, transformer_2=_transformer(Z, Z, seed=1, **shape), vae=_vae(False),
+                               boundary_ratio=0.875, **common)
         elif kind == "ti2v":
             pipe = WanPipeline(transformer=_transformer(Z22, Z22, **shape), vae=_vae(True), expand_timesteps=True,
                                **common)

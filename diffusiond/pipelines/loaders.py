@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,11 +19,14 @@ from typing import Any, NoReturn
 
 import torch
 
-from diffusiond.pipelines.base import PipelineError, RequestDefaults
+from diffusiond.pipelines.base import PipelineError, RequestDefaults, _tensor_bytes
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_class
 from diffusiond.pipelines.phases import Phases
 from diffusiond.pipelines.quant import load_time_config, parse_quant
 from diffusiond.pipelines.qwen_edit import processor_kwargs
+from diffusiond.pipelines.spec import check_second_expert, second_expert_refusal
+
+log = logging.getLogger(__name__)
 
 # Single-file checkpoint model types (diffusers' own inference) -> pipeline class to load with.
 _SINGLE_FILE_CLASSES: tuple[tuple[str, str], ...] = (
@@ -265,7 +269,8 @@ def load_gguf(
 ) -> DiffusersPipeline:
     """A GGUF transformer (as downloaded: city96's FLUX Q8_0 and the like) in the pipeline of ``base=``, through
     diffusers' GGUF support: the weights stay quantized on the device, each layer dequantized to ``dtype`` as it
-    runs, so the quantization is named in every output's approximations."""
+    runs, so the quantization is named in every output's approximations. Wan 2.2 A14B's two experts come as two
+    files (one per expert, issue 28): ``transformer_2=`` names the low-noise one's, loaded the same way."""
     import diffusers
 
     root = _base_folder(options.get("base", ""), path)
@@ -278,22 +283,17 @@ def load_gguf(
     if not isinstance(tcls, type) or not hasattr(tcls, "from_single_file"):
         raise PipelineError(f"base {str(root)!r} ({cls.__name__}) has no transformer diffusers can load from a GGUF "
                             f"file (its model_index.json names {entry!r}); GGUF files replace a transformer")
-    if "transformer" in (parse_quant(options["quant"]) if options.get("quant") else {}):
-        raise PipelineError(f"quant: the transformer of {path.name} is quantized by its GGUF file already; quant= "
-                            "may name the base's other components (for example text_encoder_2:fp8-storage)")
+    files = {"transformer": path, **_second_expert(options, index)}
+    named = parse_quant(options["quant"]) if options.get("quant") else {}
+    for component, file in files.items():
+        if component in named:
+            raise PipelineError(f"quant: the {component} of {file.name} is quantized by its GGUF file already; "
+                                "quant= may name the base's other components (for example text_encoder_2:fp8-storage)")
     if importlib.util.find_spec("gguf") is None:
         raise PipelineError("GGUF models need the gguf package: pip install 'diffusiond[gguf]' (or pip install gguf)")
+    experts = {component: _gguf_transformer(file, tcls, root, component, dtype) for component, file in files.items()}
     try:
-        transformer = tcls.from_single_file(
-            _gguf_weights(path, tcls, root), quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
-            config=str(root), subfolder="transformer", **_dtype_kwarg(dtype))
-    except PipelineError:
-        raise
-    except Exception as exc:  # conversion and key mismatches raise many types
-        _gguf_failed(exc, path, tcls, root)
-    try:
-        pipe = cls.from_pretrained(str(root), transformer=transformer,
-                                   **_load_kwargs(index, dtype, options, device, root))
+        pipe = cls.from_pretrained(str(root), **experts, **_load_kwargs(index, dtype, options, device, root))
     except PipelineError:
         raise
     except Exception as exc:
@@ -302,12 +302,47 @@ def load_gguf(
         raise PipelineError(f"cannot load the other components of base={root} ({cls.__name__}) beside the "
                             f"transformer of {path.name}: {type(exc).__name__}: {exc}; the base folder is damaged or "
                             "mixes files of several models (the GGUF file loaded)") from exc
-    kinds = sorted({getattr(p.quant_type, "name", str(p.quant_type)) for p in transformer.parameters()
-                    if getattr(p, "quant_type", None) is not None and str(getattr(p.quant_type, "name", "")) not in
-                    ("F32", "F16", "BF16")})
-    approx = tuple(f"gguf-{k}(transformer, dequantized per layer to {str(dtype).removeprefix('torch.')})"
-                   for k in kinds)
+    if "transformer_2" not in files and isinstance(getattr(pipe, "transformer_2", None), torch.nn.Module):
+        log.warning("%s: the low-noise expert (transformer_2, %.2f GB) loads from base=%s unquantized, at %s; give "
+                    "transformer_2=FILE.gguf (its GGUF file) to serve it quantized too", name,
+                    _tensor_bytes([pipe.transformer_2]) / 1e9, root, str(dtype).removeprefix("torch."))
+    approx = tuple(f"gguf-{k}({component}, dequantized per layer to {str(dtype).removeprefix('torch.')})"
+                   for component, module in experts.items() for k in _quant_kinds(module))
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options, approximations=approx)
+
+
+def _second_expert(options: Mapping[str, str], index: Mapping[str, Any]) -> dict[str, Path]:
+    """``transformer_2=FILE.gguf``: Wan 2.2 A14B's low-noise expert, a GGUF file of its own (QuantStack's
+    ``...-LowNoise-Q8_0.gguf``), checked against the base, which must have that expert for it to replace."""
+    value = options.get("transformer_2", "")
+    if not value:
+        return {}
+    check_second_expert("gguf", options)
+    if refusal := second_expert_refusal(options, index):
+        raise PipelineError(refusal)
+    return {"transformer_2": Path(value).expanduser()}
+
+
+def _gguf_transformer(path: Path, tcls: type[Any], root: Path, component: str, dtype: torch.dtype) -> Any:
+    """One GGUF file loaded as the base's ``component`` (its config from that subfolder), still quantized."""
+    import diffusers
+
+    try:
+        return tcls.from_single_file(
+            _gguf_weights(path, tcls, root, component),
+            quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
+            config=str(root), subfolder=component, **_dtype_kwarg(dtype))
+    except PipelineError:
+        raise
+    except Exception as exc:  # conversion and key mismatches raise many types
+        _gguf_failed(exc, path, tcls, root)
+
+
+def _quant_kinds(module: Any) -> list[str]:
+    """The quantized types a GGUF-loaded module holds (its F32/F16/BF16 tensors are not approximations)."""
+    return sorted({getattr(p.quant_type, "name", str(p.quant_type)) for p in module.parameters()
+                   if getattr(p, "quant_type", None) is not None and str(getattr(p.quant_type, "name", "")) not in
+                   ("F32", "F16", "BF16")})
 
 
 def _gguf_failed(exc: Exception, path: Path, tcls: type[Any], root: Path) -> NoReturn:
@@ -345,7 +380,7 @@ def _check_family(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, ro
                         "name the pipeline the GGUF file was made from as base=")
 
 
-def _check_wan(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root: Path) -> None:
+def _check_wan(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root: Path, component: str) -> None:
     """Wan's variants share one transformer class, and diffusers loads one variant's file into another's
     base as far as the names go: a VACE file into a T2V base dropped its ``vace_blocks`` without a word
     (a T2V model, served as if it were the file), and an I2V file and a T2V base failed on a shape."""
@@ -355,7 +390,7 @@ def _check_wan(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root:
         raise PipelineError(f"{path.name} holds a Wan VACE transformer (vace_blocks.*), which is not served: "
                             f"{NOT_SERVED['WanVACE']}")
     image = any(k.startswith(("img_emb.", "condition_embedder.image_embedder.")) for k in checkpoint)
-    config = tcls.load_config(str(root), subfolder="transformer")
+    config = tcls.load_config(str(root), subfolder=component)
     if image == bool(config.get("image_dim")):
         return
     shape: tuple[int, ...] = tuple(getattr(checkpoint.get("patch_embedding.weight"), "shape", ()))
@@ -375,7 +410,7 @@ def _check_wan(checkpoint: Mapping[str, Any], tcls: type[Any], path: Path, root:
     raise PipelineError(f"{path.name} holds {holds}, but the transformer of base={root} {wants}")
 
 
-def _gguf_weights(path: Path, tcls: type[Any], root: Path) -> str | dict[str, torch.Tensor]:
+def _gguf_weights(path: Path, tcls: type[Any], root: Path, component: str) -> str | dict[str, torch.Tensor]:
     """What ``from_single_file`` is given: the file, its weights once checked to be of the base's family, or
     for a FLUX transformer under the original BFL names (city96's GGUFs, with or without ComfyUI's prefix)
     its weights converted here. diffusers' converter
@@ -391,11 +426,11 @@ def _gguf_weights(path: Path, tcls: type[Any], root: Path) -> str | dict[str, to
     checkpoint = {k.removeprefix(_COMFY_PREFIX): v for k, v in checkpoint.items()}
     _check_family(checkpoint, tcls, path, root)
     if issubclass(tcls, diffusers.WanTransformer3DModel):
-        _check_wan(checkpoint, tcls, path, root)
+        _check_wan(checkpoint, tcls, path, root, component)
     if not issubclass(tcls, diffusers.FluxTransformer2DModel) or not any(k.startswith("double_blocks.")
                                                                           for k in checkpoint):
         return checkpoint
-    config = tcls.load_config(str(root), subfolder="transformer")
+    config = tcls.load_config(str(root), subfolder=component)
     return flux_from_bfl(checkpoint, int(config["num_attention_heads"]) * int(config["attention_head_dim"]))
 
 

@@ -16,7 +16,7 @@ import torch
 from diffusiond.pipelines.base import Pipeline, PipelineError
 from diffusiond.pipelines.loaders import load_folder, load_gguf, load_hub, load_single_file
 from diffusiond.pipelines.presets import load_preset
-from diffusiond.pipelines.spec import check_options, parse_spec
+from diffusiond.pipelines.spec import check_options, check_second_expert, parse_spec
 from diffusiond.pipelines.synthetic import SyntheticPipeline
 from diffusiond.pipelines.tiny import DEFAULTS as TINY_DEFAULTS
 from diffusiond.pipelines.tiny import ensure_tiny
@@ -72,6 +72,7 @@ def load_pipeline(
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}
     check_options(opts)
+    check_second_expert(parsed.kind, opts)
     if parsed.kind == "synthetic":
         return SyntheticPipeline(name=name or "synthetic", device=dev, dtype=torch_dtype, options=opts)
     if parsed.kind == "tiny":

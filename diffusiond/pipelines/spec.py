@@ -10,7 +10,8 @@ Grammar::
     arg     := SPEC | NAME "=" SPEC          (NAME has no "/", ":" or ",")
     SPEC    := "synthetic" [":" OPTIONS]
              | "random:" PRESET ["," OPTIONS]
-             | FILE.gguf ",base=" (FOLDER | ORG/NAME) ["," OPTIONS]   (a GGUF transformer; the rest from the base)
+             | FILE.gguf ",base=" (FOLDER | ORG/NAME) ["," OPTIONS]   (a GGUF transformer; the rest from the base;
+                                                     Wan 2.2 A14B's second expert: OPTIONS' transformer_2=LOW.gguf)
              | MODEL ["," OPTIONS]
     MODEL   := "tiny" | "tiny-inpaint" | "tiny-video" | "tiny-flux" | FOLDER | FILE.safetensors | ORG/NAME (hub id)
     OPTIONS := KEY "=" VALUE ("," KEY "=" VALUE)*   (``quant``'s value may hold commas: parse_options)
@@ -20,6 +21,7 @@ A folder whose own name holds a comma is still that folder: the whole spec is tr
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ KNOWN_OPTIONS = frozenset(
         "offload",  # none|model|group|sequential|stream|auto: what stays on the device (pipelines/offload.py)
         "resident_blocks",  # offload=stream: denoiser blocks kept on the device (else planned from the budget)
         "base",  # a .gguf transformer: the diffusers folder or hub id with the rest of the pipeline
+        "transformer_2",  # a .gguf transformer: Wan 2.2 A14B's low-noise expert, a .gguf file of its own
         "vae_tiling",  # "1": decode large images in tiles
         "vae_slicing",  # "1": decode a batch one image at a time
         "preview_decoder",  # a diffusers AutoencoderTiny folder for previews (else the family's factors)
@@ -293,11 +296,62 @@ def check_spec(spec: str) -> None:
         raise PipelineError(f"{parsed.target} does not exist; {_WHAT_TO_GIVE}")
     if parsed.kind == "gguf" and parsed.options.get("base"):
         check_spec(parsed.options["base"])
+    check_second_expert(parsed.kind, parsed.options)
+    if parsed.kind == "gguf" and parsed.options.get("transformer_2") and parsed.options.get("base"):
+        index = _base_index(parsed.options["base"])
+        if index is not None and (refusal := second_expert_refusal(parsed.options, index)):
+            raise PipelineError(refusal)
     if parsed.kind == "hub" and not _hub_cached(parsed.target):
         raise PipelineError(
             f"{parsed.target} is neither a folder nor a hub id in the Hugging Face cache; download it first "
             f"(`hf download {parsed.target}`, older hubs: `huggingface-cli download {parsed.target}`), "
             "or give a diffusers folder (with model_index.json), a .safetensors file, or tiny")
+
+
+def check_second_expert(kind: Kind, options: Mapping[str, str]) -> None:
+    """``transformer_2=FILE.gguf`` is a GGUF spec's (issue 28): beside a folder it would be ignored, and a path
+    that is no GGUF file would fail only at load, in a worker."""
+    value = options.get("transformer_2")
+    if value is None:
+        return
+    if kind != "gguf":
+        raise PipelineError(f"transformer_2={value}: the option names the second expert's GGUF file of a GGUF spec "
+                            "(HIGH.gguf,base=FOLDER,transformer_2=LOW.gguf); a folder or hub id loads its own "
+                            "transformer_2: drop the option")
+    path = Path(value).expanduser()
+    if not value.lower().endswith(".gguf") or not path.is_file():
+        raise PipelineError(f"transformer_2={value}: {'no such file' if not path.exists() else 'not a .gguf file'}; "
+                            "give the low-noise expert's GGUF file (Wan2.2-T2V-A14B-LowNoise-Q8_0.gguf)")
+
+
+def second_expert_refusal(options: Mapping[str, str], index: Mapping[str, object]) -> str | None:
+    """Why ``transformer_2=`` cannot go with the base whose model_index.json is ``index``: it has no second
+    expert for the file to replace (a Wan 2.1 or TI2V base). Read at start and again by the loader."""
+    entry = index.get("transformer_2")
+    if isinstance(entry, list) and len(entry) == 2 and entry[1]:
+        return None
+    return (f"transformer_2={options.get('transformer_2')}: base={options.get('base')} ({index.get('_class_name')}) "
+            "has no transformer_2, the low-noise expert that file would replace (Wan 2.2 A14B's bases have one: "
+            "Wan-AI/Wan2.2-T2V-A14B-Diffusers); drop transformer_2= or name an A14B pipeline as base=")
+
+
+def _base_index(base: str) -> Mapping[str, object] | None:
+    """A GGUF base's model_index.json, from its folder or the HF cache; None where it cannot be read here (the
+    loader says why)."""
+    try:
+        parsed = parse_spec(base)
+        if parsed.kind == "folder":
+            path: object = Path(parsed.target) / "model_index.json"
+        elif parsed.kind == "hub":
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(parsed.target, "model_index.json")
+        else:
+            return None
+        index = json.loads(Path(str(path)).read_text(encoding="utf-8")) if isinstance(path, (str, Path)) else None
+    except (PipelineError, OSError, ValueError, ImportError):
+        return None
+    return index if isinstance(index, dict) else None
 
 
 def _hub_cached(repo_id: str) -> bool:

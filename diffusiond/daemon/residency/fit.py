@@ -188,12 +188,16 @@ def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
     if parsed.kind in ("checkpoint", "gguf"):
         single = parsed.kind == "checkpoint"
         components = _checkpoint(Path(parsed.target)) if single else {"transformer": gguf_tensors(Path(parsed.target))}
+        if not single and opts.get("transformer_2"):  # Wan 2.2 A14B's low-noise expert, its own file (issue 28)
+            components["transformer_2"] = gguf_tensors(Path(opts["transformer_2"]).expanduser())
         rest = opts.get("config" if single else "base", "")
         if rest:  # what the loader takes from the folder beside the file: the components the file lacks
             counted = tuple(components)
             denoiser = any(c in DENOISERS for c in counted)
+            # a checkpoint's text_encoder holds the base's text_encoder_2 too; a GGUF replaces only what it names
             components.update({k: v for k, v in model_tensors(rest, {}, dtype)[0].items()
-                               if not k.startswith(counted) and not (denoiser and k in DENOISERS)})
+                               if not (k.startswith(counted) if single else k in counted)
+                               and not (denoiser and k in DENOISERS)})
         elif single:
             notes.append("no config= given: only the file's own tensors are counted; the loader adds the "
                          "pipeline's other components (text encoders, VAE) from the model's config, which this "

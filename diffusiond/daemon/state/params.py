@@ -68,9 +68,10 @@ def model_folder(parsed: ModelSpec) -> Path | None:
 
 
 def _files(spec: str) -> list[tuple[str, int, int]]:
-    """(path, size, mtime) of every file ``spec`` loads from, a GGUF's base included."""
+    """(path, size, mtime) of every file ``spec`` loads from, a GGUF's base and second expert included."""
     parsed = parse_spec(spec)
     roots = [Path(parsed.target)] if parsed.kind in ("checkpoint", "gguf") else []
+    roots += [Path(parsed.options["transformer_2"]).expanduser()] if parsed.options.get("transformer_2") else []
     folder = model_folder(parsed)
     roots += [folder] if folder is not None else []
     out = []
