@@ -189,7 +189,8 @@ def _add_fit(sub: Any) -> None:
     """``fit``'s flags; the command itself is daemon/residency/fit_command.py (it reads files, not a socket)."""
     p = sub.add_parser("fit", help="list the configurations of a model that fit a device, from its files' headers")
     p.add_argument("spec", metavar="SPEC",
-                   help="a diffusers folder, a hub id in the HF cache, a .safetensors file, or FILE.gguf,base=FOLDER")
+                   help="a diffusers folder, a hub id in the HF cache, a .safetensors file, or FILE.gguf,base=FOLDER "
+                        "(Wan 2.2 A14B: HIGH.gguf,base=FOLDER,transformer_2=LOW.gguf)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="the device budget (24GiB, or 0.8 of the device's total); without it, only list")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
@@ -209,7 +210,8 @@ def _add_serve(sub: Any) -> None:
     add("--config", metavar="FILE", help="TOML file; flags override its values")
     add("--socket", metavar="PATH")
     add("--model", action="append", metavar="SPEC",
-        help="tiny, a folder, a hub id, a .safetensors file or FILE.gguf,base=FOLDER; NAME=SPEC")
+        help="tiny, a folder, a hub id, a .safetensors file or FILE.gguf,base=FOLDER[,transformer_2=LOW.gguf]; "
+             "NAME=SPEC")
     add("--device", metavar="DEV", help="cpu, cuda (every GPU) or cuda:0,cuda:1")
     add("--workers", type=positive_int, metavar="N", help="workers per model on cpu")
     add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
