@@ -165,3 +165,34 @@ def test_a_low_noise_file_lacking_weights_is_the_one_named(files: dict[str, Path
     with pytest.raises(PipelineError, match=r"^cut-low.gguf lacks weights of the base's WanTransformer3DModel"):
         load_gguf(files["high"], name="x", device=torch.device("cpu"), dtype=torch.float32,
                   options={"base": str(files["base"]), "transformer_2": str(tmp_path / "cut-low.gguf")})
+
+
+def test_a_models_tables_base_and_second_expert_are_checked_at_start_and_fingerprinted(
+        files: dict[str, Path], tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    """``base=`` and ``transformer_2=`` given in a ``[[models]]`` table's ``options`` are the spec's own to the
+    loaders, so to the start's checks and to the parameter table's fingerprint too (review41c): a one-expert base
+    is refused at start, and a second expert replaced in place is a new table."""
+    import os
+    import sys
+
+    from diffusiond.cli import main
+    from diffusiond.daemon.model_config import ModelConfig
+    from diffusiond.daemon.state.params import table_key
+
+    server = type(sys)("diffusiond.daemon.server")
+    server.serve = lambda config: 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "diffusiond.daemon.server", server)
+    toml = tmp_path / "a14b.toml"
+    toml.write_text(f'[[models]]\nname = "a"\nspec = "{files["high"]}"\n'
+                    f'options = {{ base = "{files["one-expert"]}", transformer_2 = "{files["low"]}" }}\n')
+    assert main(["serve", "--config", str(toml)]) == 2
+    assert "(WanPipeline) has no transformer_2, the low-noise expert that file would replace" in capsys.readouterr().err
+
+    low = tmp_path / "low.gguf"
+    shutil.copy(files["low"], low)
+    config = ModelConfig(name="a", spec=str(files["high"]), options={"base": str(files["base"]),
+                                                                     "transformer_2": str(low)})
+    before = table_key(config, {})
+    low.write_bytes(low.read_bytes() + b"\0" * 64)  # another quantization of the same expert, at the same path
+    os.utime(low, ns=(1, 1))
+    assert before is not None and table_key(config, {}) != before

@@ -185,4 +185,6 @@ def test_a_hires_pass_shorter_than_the_model_takes_is_refused_naming_hires_steps
     with pytest.raises(InvalidRequest) as refused:
         _hires(engine, HiresBody(steps=1, strength=1.0), model, req)
     assert refused.value.field == "hires.steps" and "it takes at least 2" in refused.value.message
+    assert "raise hires.steps or lower hires.strength" in refused.value.message  # either makes the schedule longer
+    assert _hires(engine, HiresBody(steps=1, strength=0.5), model, req).schedule == 2
     assert _hires(engine, HiresBody(steps=2, strength=1.0), model, req).schedule == 2

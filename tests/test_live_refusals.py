@@ -64,8 +64,11 @@ async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued
     misfit = {"unet.conv_norm_out.lora_A.weight": np.ones((2, 32), np.float32),
               "unet.conv_norm_out.lora_B.weight": np.ones((32, 2), np.float32)}
     async with AsyncClient(str(cold.socket)) as c, http(cold.socket) as s:
+        # never loaded, nothing remembered: its defaults are not known yet, rather than generic ones (review41c)
+        assert (await tiny_entry(s))["defaults"] is None
         first = await wait_job(s, (await submit(s, SMALL))["id"], 300)
         assert first["status"] == "succeeded", first
+        assert (await tiny_entry(s))["defaults"]["steps"] == 4  # tiny's own, once it has loaded
         await to_disk(s)
 
         # no worker to check them: both are kept on trust, and their calls answer with a version

@@ -266,3 +266,34 @@ def test_an_output_that_is_not_finite_fails_its_request_with_the_reason_and_the_
     assert isinstance(ended, RequestEnded) and (ended.request_id, ended.status) == ("r0", "failed"), ended
     assert "not finite" in ended.message and ended.stage == "computing"
     assert isinstance(ready, OutputReady) and ready.request_id == "r1"
+
+
+def test_a_copy_thread_whose_batch_fails_answers_its_requests_and_copies_the_next() -> None:
+    """Any failure of a batch's copy beyond one request's copy fails the requests not yet answered with the
+    reason, and the copy thread lives on (review41c)."""
+    copier, posted = _outbox(16 << 20)
+    params = BatchParams(width=16, height=16, steps=1, guidance=1.0)
+    broken = CopyJob(1, params, [_spec("r0")], [torch.rand(3, 16, 16)], None, trajectories=[{}, {}])  # one too many
+    copier.start()
+    copier.submit(broken)
+    copier.state.admit(["r1"])
+    copier.submit(CopyJob(2, params, [_spec("r1")], [torch.rand(3, 16, 16)], None))
+    assert copier.state.drain(30)
+    ended, ready = posted
+    assert isinstance(ended, RequestEnded) and (ended.request_id, ended.status) == ("r0", "failed"), ended
+    assert "copy failed: ValueError" in ended.message
+    assert isinstance(ready, OutputReady) and ready.request_id == "r1" and copier.thread.is_alive()
+
+
+def test_a_sound_track_that_is_not_finite_fails_its_request_as_a_picture_would() -> None:
+    """LTX-2's sound rides with the side arrays; NaN there is no more a result than NaN pixels (review41c)."""
+    copier, posted = _outbox(16 << 20)
+    copier.state.admit(["r1"])
+    params = BatchParams(width=16, height=16, steps=1, guidance=1.0)
+    bad = torch.rand(2, 800)
+    bad[1, 7] = float("nan")
+    sounds = [{"audio": bad}, {"audio": torch.rand(2, 800)}]
+    copier.process(CopyJob(1, params, [_spec("r0"), _spec("r1")], [torch.rand(3, 16, 16)] * 2, None, sounds))
+    ended, ready = posted
+    assert isinstance(ended, RequestEnded) and ended.request_id == "r0" and "not finite" in ended.message
+    assert isinstance(ready, OutputReady) and ready.request_id == "r1" and ready.trajectory is not None

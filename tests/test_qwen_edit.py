@@ -72,6 +72,35 @@ def test_a_hub_id_not_in_the_cache_yet_loads_its_processor_without_torchvision_o
     assert pipe.task is Task.INSTRUCTION_EDIT and fetched == [["model_index.json", "processor/*"]]
 
 
+def test_a_hub_id_cached_without_its_processor_fetches_it_before_loading(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, qwen_folder: Path) -> None:
+    """A download cut short after model_index.json (the case ``serve`` lets through: the index is cached): the
+    processor is fetched too, rather than built by diffusers, which needs torchvision (review41c)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    repo = cache / "models--someone--qwen-cut"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(qwen_folder, snapshot, ignore=lambda where, _names: ["processor"] if where == str(qwen_folder)
+                    else [])
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    fetched: list[Any] = []
+
+    def download(repo_id: str, allow_patterns: Any = None, **_: Any) -> str:
+        fetched.append(allow_patterns)
+        shutil.copytree(qwen_folder / "processor", snapshot / "processor")
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    pipe = load_pipeline("someone/qwen-cut", name="q", device="cpu", dtype="float32")
+    assert pipe.task is Task.INSTRUCTION_EDIT and fetched == [["model_index.json", "processor/*"]]
+
+
 def picture(seed: int) -> str:
     return base64.b64encode(png_bytes(blocky(seed, H)[:, :W])).decode()
 

@@ -95,3 +95,21 @@ def test_only_a_run_no_larger_than_the_size_makes_it_too_large() -> None:
     plan = r.plan("a", Shape(1024, 1024))
     assert isinstance(plan, TooLarge), plan
     assert "measured at 768x1024, batch 1, no larger in any way" in plan.reason, plan.reason
+
+
+def test_a_size_measured_as_fitting_is_never_refused_for_a_smaller_size_peak() -> None:
+    """A small shape may peak higher than a larger one (an upscaler's tiles rode with it): 7 GiB measured at 512x512
+    and 1 GiB at 1024x1024 leave 1024x1024 its own 1 GiB, and 768x768 at most that (review41c)."""
+    g = 1 << 30
+    r = Residency({"cuda:0": 10 * g}, 64 * g)
+    r.add("a", "cuda:0", 4 * g)
+    r.measured("a", Shape(512, 512), 7 * g)
+    r.measured("a", Shape(1024, 1024), 1 * g)
+    for shape in (Shape(1024, 1024), Shape(768, 768)):
+        est = r.estimate("a", shape)
+        assert est.floor == 1 * g and est.nbytes >= est.floor, (shape, est)
+        assert not isinstance(r.plan("a", shape), TooLarge), shape
+    how = r.estimate("a", Shape(768, 768)).floor_how
+    assert how == ("measured at 512x512, batch 1, no larger in any way, "
+                   "capped at what 1024x1024, batch 1 took, no smaller in any way"), how
+    assert isinstance(r.plan("a", Shape(512, 1280)), TooLarge)  # nothing measured above it caps 512x512's 7 GiB

@@ -169,6 +169,17 @@ async def test_worker_failed_copy_fails_that_request() -> None:
     assert ack.slots_in_use == 0
 
 
+async def test_worker_whose_finite_check_fails_still_answers_that_job_and_the_next() -> None:
+    """The check for NaN outputs raising once must not end the copy thread (review41c): before, the batch
+    and every later one waited for their timeout."""
+    params = m.BatchParams(width=32, height=32, steps=1, guidance=1.0)
+    async with Driver(config("synthetic:compute_ms=1", fault="finite_error")) as d:
+        first = await d.run(params, [1], prompt="a")
+        second = await d.run(params, [2], prompt="a")
+    for r in first + second:
+        assert r.ended is None and r.array is not None, r.ended
+
+
 async def test_worker_drain_before_sleep_and_shutdown_waits_for_in_flight_copy() -> None:
     params = m.BatchParams(width=32, height=32, steps=1, guidance=1.0)
     async with Driver(config("synthetic:compute_ms=1", fault="copy_delay_ms=300")) as d:

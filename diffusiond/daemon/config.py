@@ -221,7 +221,7 @@ class DaemonConfig:
             raise ConfigError(f"model names must be unique, got {names}; use --model NAME=SPEC")
         for m in self.models:
             try:
-                check_spec(m.spec)
+                check_spec(m.spec, m.options)
             except PipelineError as exc:
                 raise ConfigError(f"model {m.name!r}: {exc}") from None
             if m.dtype not in MODEL_DTYPES:

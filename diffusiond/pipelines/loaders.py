@@ -167,6 +167,13 @@ def load_hub(
     assert isinstance(cached_index, str)
     index = _read_index(Path(cached_index))  # refuse an unservable class before fetching any weights
     _pipeline_class(str(index.get("_class_name", "")), f"{repo_id}/model_index.json")
+    if index.get("processor") and not (Path(cached_index).parent / "processor").is_dir() and not local_only:
+        try:  # a download cut short after the index (review41c): the processor too, before diffusers builds one
+            cached_index = str(Path(_fetch_head(repo_id)) / "model_index.json")
+        except Exception as exc:
+            raise PipelineError(f"model {repo_id!r} has no processor/ in the Hugging Face cache ({cache}) and it "
+                                f"could not be downloaded: {type(exc).__name__}: {exc}; finish the download "
+                                f"(`hf download {repo_id}`)") from exc
     try:
         kwargs = _load_kwargs(index, dtype, options, device, Path(cached_index).parent)
         if local_only:

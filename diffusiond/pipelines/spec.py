@@ -280,26 +280,28 @@ def not_a_model_file(spec: str, who: str) -> str:
             "(with model_index.json) or a hub id in the Hugging Face cache")
 
 
-def check_spec(spec: str) -> None:
+def check_spec(spec: str, options: Mapping[str, str] | None = None) -> None:
     """What can be known of a spec before any worker starts, without torch and without the network.
 
     Called by the daemon's configuration, so a missing folder, file or uncached hub id is one clear
     line and exit 2 before the start, instead of a worker's traceback per attempt (the loaders
     raise the same errors later; this only moves them forward). The hub cache is read with
-    ``try_to_load_from_cache``, which looks at the cache folder and never at the network.
+    ``try_to_load_from_cache``, which looks at the cache folder and never at the network. ``options``: those
+    given beside the spec (a ``[[models]]`` table's), checked with its own as the loaders merge them (review41c).
     """
     parsed = parse_spec(spec)
-    check_options(parsed.options)
+    opts = model_options(spec, options)
+    check_options(opts)
     if parsed.kind == "random":
         get_preset(parsed.target)  # an unknown name: the list of presets
     if parsed.kind in ("checkpoint", "gguf") and not Path(parsed.target).is_file():
         raise PipelineError(f"{parsed.target} does not exist; {_WHAT_TO_GIVE}")
-    if parsed.kind == "gguf" and parsed.options.get("base"):
-        check_spec(parsed.options["base"])
-    check_second_expert(parsed.kind, parsed.options)
-    if parsed.kind == "gguf" and parsed.options.get("transformer_2") and parsed.options.get("base"):
-        index = _base_index(parsed.options["base"])
-        if index is not None and (refusal := second_expert_refusal(parsed.options, index)):
+    if parsed.kind == "gguf" and opts.get("base"):
+        check_spec(opts["base"])
+    check_second_expert(parsed.kind, opts)
+    if parsed.kind == "gguf" and opts.get("transformer_2") and opts.get("base"):
+        index = _base_index(opts["base"])
+        if index is not None and (refusal := second_expert_refusal(opts, index)):
             raise PipelineError(refusal)
     if parsed.kind == "hub" and not _hub_cached(parsed.target):
         raise PipelineError(

@@ -20,7 +20,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +38,7 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, describe, nbytes_of, write_tensor
-from diffusiond.protocol import SIDE_ARRAYS
+from diffusiond.protocol import AUDIO_ARRAY, SIDE_ARRAYS
 from diffusiond.worker.previews import PendingPreview, PreviewOutbox
 from diffusiond.worker.state import SharedState
 
@@ -109,21 +109,47 @@ def _float32(out: torch.Tensor) -> np.ndarray:
     return out.float().numpy()
 
 
-def finite(outputs: list[torch.Tensor]) -> list[bool]:
-    """Whether each output holds only finite numbers, read back once per batch. The cast to uint8 would
-    turn NaN into black pixels and the job would succeed with them; a scheduler dividing by zero over too
-    few steps, or a half-precision overflow, must fail its job with the reason instead (review41b)."""
-    floats = [k for k, out in enumerate(outputs) if out.dtype != torch.uint8]  # levels are finite
-    flags = [True] * len(outputs)
-    if not floats:
-        return flags
-    if outputs[floats[0]].device.type == "cpu":
-        found = [bool(np.isfinite(_float32(outputs[k])).all()) for k in floats]
-    else:  # one small reduction each on the device, one read back
-        found = torch.stack([outputs[k].isfinite().all() for k in floats]).tolist()
-    for k, ok in zip(floats, found, strict=True):
-        flags[k] = ok
+def finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds only finite numbers. The cast to uint8 would turn NaN into black pixels and
+    the job would succeed with them; a scheduler dividing by zero over too few steps, or a half-precision
+    overflow, must fail its job with the reason instead (review41b). Each tensor's smallest and largest value
+    are enough (both are NaN when one element is, one of them inf when one is), so nothing as large as an
+    output is allocated, on a device where memory was never counted for it (review41c), and a device's answers
+    are read back once, waiting on a blocking event rather than spinning (``Copier._sync`` says why)."""
+    flags = [True] * len(tensors)
+    ends: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for k, t in enumerate(tensors):
+        if t.dtype == torch.uint8 or t.numel() == 0:  # levels are finite
+            continue
+        if t.device.type == "cpu":  # numpy, not a parallel torch op (``_output_layout_numpy`` says why)
+            a = _float32(t) if t.dtype == torch.bfloat16 else t.numpy()
+            flags[k] = bool(np.isfinite(a.min()) and np.isfinite(a.max()))
+        else:
+            ends.setdefault(t.device, []).append((k, torch.stack([t.amin().float(), t.amax().float()])))
+    for device, pairs in ends.items():
+        found = torch.stack([pair for _, pair in pairs]).isfinite().all(dim=1).to("cpu", non_blocking=True)
+        done = torch.cuda.Event(blocking=True)
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
+        for (k, _), ok in zip(pairs, found.tolist(), strict=True):
+            flags[k] = ok
     return flags
+
+
+def finite_or_assumed(tensors: Sequence[torch.Tensor],
+                      check: Callable[[Sequence[torch.Tensor]], list[bool]] = finite) -> list[bool]:
+    """``check``'s answer; when the check itself fails (a device error, a bug), the tensors taken as finite
+    after logging why: a check that cannot run must not cost the job, nor the copy thread (review41c)."""
+    try:
+        return check(tensors)
+    except Exception:
+        log.exception("could not check %d outputs for NaN or inf; taking them as finite", len(tensors))
+        return [True] * len(tensors)
+
+
+def sound_of(arrays: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+    """A request's sound track among its side arrays (LTX-2's), checked for NaN as its picture is."""
+    return arrays.get(AUDIO_ARRAY) if arrays else None
 
 
 NOT_FINITE = ("its output is not finite (NaN or inf), so it has no picture to give: too few steps for its scheduler, "
@@ -174,10 +200,29 @@ class Copier:
                     self.previews.finish(job)
                 else:
                     self.process(job)
+            except Exception:  # never the end of this thread: every later batch of the worker would wait on it
+                log.exception("the copy thread's job failed")
             finally:
                 self.state.copy_done()
 
     def process(self, job: CopyJob) -> None:
+        """Copy a batch's outputs. A failure of one copy fails that request alone (``_copy_one``); any other
+        failure fails the batch's requests not yet answered, with the reason, rather than leaving them to
+        wait for their timeout (review41c)."""
+        try:
+            self._process(job)
+        except Exception as exc:
+            log.exception("copying batch %d failed", job.batch_id)
+            for req in job.requests:
+                if self.state.holds(req.request_id):
+                    self._end(job, req, "failed", f"copy failed: {type(exc).__name__}: {exc}")
+            job.outputs.clear()
+            job.trajectories = None
+
+    def _finite(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        return finite(tensors)
+
+    def _process(self, job: CopyJob) -> None:
         self.state.record("copy_start", job.batch_id)
         if self.stream is not None and job.event is not None:
             self.stream.wait_event(job.event)
@@ -185,8 +230,11 @@ class Copier:
         trajectories: list[dict[str, torch.Tensor] | None] = list(job.trajectories or [])
         trajectories += [None] * (len(job.outputs) - len(trajectories))
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with ctx, torch.inference_mode():
-            whole = finite(job.outputs)
+        tracks = [sound_of(arrays) for arrays in trajectories]
+        with ctx, torch.inference_mode():  # the pictures and the sound tracks in one read back
+            flags = finite_or_assumed([*job.outputs, *(t for t in tracks if t is not None)], self._finite)
+        heard = iter(flags[len(job.outputs):])
+        whole = [(track is None or next(heard)) and ok for ok, track in zip(flags[:len(tracks)], tracks, strict=True)]
         for req, out, arrays, ok in zip(job.requests, job.outputs, trajectories, whole, strict=True):
             if ok:
                 self._copy_one(job, req, out, arrays)

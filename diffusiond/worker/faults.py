@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ class Faults:
     (proves compute does not wait for copies; bounded, so a wrong implementation fails, not hangs).
     ``copy_delay_ms=N``: hold each copy N ms (makes an in-flight copy observable for drain tests).
     ``fail_copy``: every copy raises. ``exit_in_copy``: the process dies mid-copy.
+    ``finite_error``: the first batch's check for NaN outputs raises (the copy thread must live on).
     ``fail_start``: start-up fails after the model loaded (the worker must report it as FATAL).
     ``load_delay_ms=N``: loading the model takes N ms longer (a daemon that is slow to get ready).
     ``oom=N``: the first N forwards run out of memory (``torch.OutOfMemoryError`` on a GPU,
@@ -55,6 +56,7 @@ class Faults:
     copy_gate: bool = False
     copy_delay_ms: int = 0
     fail_copy: bool = False
+    finite_error: bool = False
     exit_in_copy: bool = False
     fail_start: bool = False
     load_delay_ms: int = 0
@@ -77,6 +79,8 @@ class Faults:
                 f.copy_delay_ms = int(value)
             elif key == "fail_copy":
                 f.fail_copy = True
+            elif key == "finite_error":
+                f.finite_error = True
             elif key == "exit_in_copy":
                 f.exit_in_copy = True
             elif key == "fail_start":
@@ -159,6 +163,12 @@ class FaultyCopier(Copier):
         super().__init__(arena, state, post, device=device, slot_timeout_s=slot_timeout_s)
         self.faults = faults
         self._gated: set[int] = set()
+
+    def _finite(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        if self.faults.finite_error:
+            self.faults.finite_error = False  # once
+            raise RuntimeError("injected failure of the finite check (fault finite_error)")
+        return super()._finite(tensors)
 
     def _copy(self, job: CopyJob, out: torch.Tensor, request_id: str) -> tuple[TensorDesc, int | None]:
         f = self.faults

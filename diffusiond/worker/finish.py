@@ -26,6 +26,10 @@ the half of it an out-of-memory retry runs, whose cancel then ends that half alo
 cancelled denoising loop does (``Interrupted``), rather than keeping the device busy for
 minutes on outputs nobody will read. Each upscaled output is made smaller as soon as it is done
 (``_held``), so a batch of large upscales does not hold every picture in float32 until the copy.
+
+Both make a picture of levels, which a NaN first pass would turn into black pixels (the hires pass's input, an
+upscaled uint8 output) that pass for a result. An output that is not finite skips them and goes to the copy as it
+is, which fails its request with the reason (``copier.NOT_FINITE``; review41c); the others go on.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from diffusiond.pipelines.base import (
 from diffusiond.pipelines.controlnet import eager, plain_base
 from diffusiond.pipelines.upscalers import Upscalers
 from diffusiond.protocol import Task
-from diffusiond.worker.copier import to_uint8
+from diffusiond.worker.copier import finite_or_assumed, to_uint8
 from diffusiond.worker.failures import first_line, is_oom
 
 log = logging.getLogger(__name__)
@@ -110,11 +114,14 @@ class Finisher:
 
         with torch.inference_mode():
             if params.hires is not None:
-                outputs = self._hires(params, requests, outputs, on_step, on_preview, redraw, check)
+                ok = finite_or_assumed(outputs)  # the whole batch redraws, its references aligned with it
+                hired = self._hires(params, requests, outputs, on_step, on_preview, redraw, check)
+                outputs = [big if fine else out for out, big, fine in zip(outputs, hired, ok, strict=True)]
             u = params.upscale
             if u is not None:
+                ok = finite_or_assumed(outputs)
                 outputs = [_held(resize(self._model(u.name, out[None], check), u.width, u.height)[0], out.dtype,
-                                 params.output_dtype) for out in outputs]
+                                 params.output_dtype) if fine else out for out, fine in zip(outputs, ok, strict=True)]
         return outputs
 
     def _model(self, name: str, images: torch.Tensor, check: Callable[[], None] | None = None) -> torch.Tensor:

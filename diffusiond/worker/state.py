@@ -79,6 +79,11 @@ class SharedState:
         with self.lock:
             return all(r in self.cancelled for r in request_ids)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` was admitted and has had no answer yet."""
+        with self.lock:
+            return request_id in self.in_flight
+
     def finish(self, request_id: str) -> None:
         with self.lock:
             self.in_flight.discard(request_id)

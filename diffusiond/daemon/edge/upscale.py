@@ -81,8 +81,9 @@ def _hires(engine: Engine, body: HiresBody, model: Any, req: JobRequest) -> Hire
         raise invalid(f"hires.steps must be from 1 to {limits.max_steps}, got {shown(steps)}", field="hires.steps")
     schedule = hires_schedule(steps, strength, flow=bool(d.flow_scheduler))  # the rule of its image-to-image
     if schedule < d.min_steps:  # a scheduler stretching its last step to shift_terminal cannot run one (sizes.py)
-        raise invalid(f"hires.steps {steps} at strength {strength:g} asks model {model.name!r} for {schedule} step; "
-                      f"it takes at least {d.min_steps}: raise hires.steps", field="hires.steps")
+        raise invalid(f"hires.steps {steps} at strength {strength:g} asks model {model.name!r} for {schedule} step "
+                      f"(steps / strength); it takes at least {d.min_steps}: raise hires.steps or lower hires.strength",
+                      field="hires.steps")
     if schedule > MAX_SCHEDULE:
         raise invalid(f"hires.steps {steps} at strength {strength:g} asks the model for {schedule} steps (steps / "
                       f"strength); at most {MAX_SCHEDULE}: raise the strength", field="hires.strength")

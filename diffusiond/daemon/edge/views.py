@@ -227,7 +227,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "min_size": side_floor(m, engine.config.limits), "min_steps": m.capabilities.min_steps,
-            "defaults": defaults(m.capabilities),
+            "defaults": defaults(m.capabilities) if m.known else None,  # a placeholder's would be generic
             "previews": m.capabilities.previews,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
             "attention": m.capabilities.attention or None, "sample_rate": m.capabilities.sample_rate or None,

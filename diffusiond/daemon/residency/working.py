@@ -79,9 +79,10 @@ class Shape:
 @dataclass(frozen=True)
 class Estimate:
     """Working bytes for one shape (what a plan makes room for), and what a measurement proves: ``measured`` when
-    any run of the model informs ``nbytes``; ``floor`` the bytes a job of the shape needs at least, the largest peak
-    of a run no larger in any of width, height, batch and frames (this shape's own included: working memory only
-    grows with each), named by ``floor_how``. Only the floor refuses or fails a job: a larger shape's peak bounds
+    any run of the model informs ``nbytes`` (never below ``floor``); ``floor`` the bytes a job of the shape needs at
+    least: this shape's own peak when it ran, else the largest peak of a run no larger in any of width, height, batch
+    and frames (working memory grows with each) capped by the smallest of one no smaller in any (``_floor``), named
+    by ``floor_how``. Only the floor refuses or fails a job: a larger shape's peak bounds
     the job from above and an extrapolation overestimates (a small shape's peak is mostly fixed costs), so both plan
     a job and neither refuses one (review41 engine 1)."""
 
@@ -95,6 +96,23 @@ class Estimate:
 def default_working(weight_bytes: int, shape: Shape) -> int:
     """The guess before a model's first run: generous, since a low guess ends in an out-of-memory retry."""
     return int(weight_bytes * DEFAULT_WEIGHT_SHARE + DEFAULT_PER_MEGAPIXEL * shape.elements / 1e6)
+
+
+def _floor(peaks: Mapping[Shape, int], shape: Shape) -> tuple[int, str]:
+    """What an unmeasured ``shape`` needs at least, and where that was measured: the largest peak of a shape no
+    larger in any way, but never more than the smallest peak of one no smaller in any way, which ran in that
+    much. A run's peak covers what rode with it (an upscaler's tiles at the upscaled size, a ControlNet, an
+    IP-Adapter), so a small shape may have peaked higher than a larger one without them (review41c)."""
+    below = [(peak, s) for s, peak in peaks.items() if s.within(shape)]
+    if not below:
+        return 0, ""
+    floor, under = max(below)
+    how = f"measured at {under}, no larger in any way"
+    above = [(peak, s) for s, peak in peaks.items() if shape.within(s)]
+    if above and min(above)[0] < floor:
+        floor, over = min(above)
+        how += f", capped at what {over} took, no smaller in any way"
+    return floor, how
 
 
 class Measurements:
@@ -122,11 +140,9 @@ class Measurements:
         the pixels); else the largest measured shape's, scaled linearly with a margin; else
         ``default_working``."""
         peaks = self.peaks(model, weight_bytes)
-        below = [(peak, s) for s, peak in peaks.items() if s.within(shape)]
-        floor, under = max(below) if below else (0, None)
-        how = "" if under is None else f"measured at {under}" + ("" if under == shape else ", no larger in any way")
-        if shape in peaks:
-            return Estimate(peaks[shape], True, f"measured at {shape}", floor, how)
+        if shape in peaks:  # its own run proves what it needs, whatever a smaller shape's peak held
+            return Estimate(peaks[shape], True, f"measured at {shape}", peaks[shape], f"measured at {shape}")
+        floor, how = _floor(peaks, shape)
         larger = [(peak, s) for s, peak in peaks.items() if s.elements >= shape.elements]
         if larger:
             peak, s = min(larger)

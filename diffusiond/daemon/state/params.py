@@ -67,11 +67,13 @@ def model_folder(parsed: ModelSpec) -> Path | None:
     return None
 
 
-def _files(spec: str) -> list[tuple[str, int, int]]:
-    """(path, size, mtime) of every file ``spec`` loads from, a GGUF's base and second expert included."""
+def _files(spec: str, options: Mapping[str, str] | None = None) -> list[tuple[str, int, int]]:
+    """(path, size, mtime) of every file ``spec`` loads from, a GGUF's base and second expert included, whether
+    its own options or ``options`` (a ``[[models]]`` table's, over them, as the loaders merge them) name them."""
     parsed = parse_spec(spec)
+    opts = model_options(spec, options)
     roots = [Path(parsed.target)] if parsed.kind in ("checkpoint", "gguf") else []
-    roots += [Path(parsed.options["transformer_2"]).expanduser()] if parsed.options.get("transformer_2") else []
+    roots += [Path(opts["transformer_2"]).expanduser()] if opts.get("transformer_2") else []
     folder = model_folder(parsed)
     roots += [folder] if folder is not None else []
     out = []
@@ -83,7 +85,7 @@ def _files(spec: str) -> list[tuple[str, int, int]]:
                 continue
             if path.is_file():
                 out.append((str(path), st.st_size, st.st_mtime_ns))
-    base = parsed.options.get("base") if parsed.kind == "gguf" else None
+    base = opts.get("base") if parsed.kind == "gguf" else None
     return out + (_files(base) if base else [])
 
 
@@ -92,7 +94,7 @@ def table_key(config: ModelConfig, beside: Mapping[str, object]) -> str | None:
     the daemon-wide settings a worker loads with the model (``ParamTables.beside``)."""
     try:
         options = model_options(config.spec, config.options)
-        files = _files(config.spec)
+        files = _files(config.spec, config.options)
         parsed = parse_spec(config.spec)
         if parsed.kind == "checkpoint" and options.get("config"):  # the folder or hub id its configs come from
             files += _files(options["config"])
