@@ -51,6 +51,7 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.pipelines.base import host_weight_bytes, weight_bytes
 from diffusiond.pipelines.phases import Phases
+from diffusiond.pipelines.spec import is_synthetic
 from diffusiond.worker.compute import ComputeThread, Control, Edit, LiveUpdate
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.finish import Finisher
@@ -211,6 +212,9 @@ class Worker:
         self.channel.post(Hello(config.worker_id, os.getpid(), self.arena.capacity), [self.arena.fd])
         t0 = time.perf_counter()
         progress = _Progress(self.channel.post_threadsafe, faults.load_delay_ms if faults is not None else 0)
+        if not is_synthetic(config.model_spec):
+            await asyncio.to_thread(_import_libraries)
+            phases.mark("imports (diffusers, transformers)")
         try:
             pipeline = await asyncio.to_thread(self._load, config, progress)
         except Exception as exc:
@@ -400,20 +404,34 @@ class _StartError(Exception):
     """A start-up failure whose message already says what failed."""
 
 
+def _age_s() -> float | None:
+    """This process's age (Linux: its start in clock ticks after boot), None where it cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_MAIN_AGE: float | None = None  # the age at ``main``: the interpreter and this module's imports (torch) were done
+
+
 class _Phases(Phases):
-    """The worker's start: the process's own start first (its interpreter and imports), then each step
-    of ``_start``; a diffusers model's load is broken down in brackets (``load_phases``)."""
+    """The worker's start: the process's own start first (the interpreter and its imports, torch's CUDA libraries
+    among them, then the wait for INIT), then each step of ``_start``; a diffusers model's load is broken down in
+    brackets (``load_phases``). A cold start's seconds must be named to be cut (issue 27's cold start)."""
 
     def __init__(self) -> None:
         super().__init__()
-        try:  # the process's age (Linux: its start in clock ticks after boot): the interpreter, imports, INIT
-            with open("/proc/self/stat") as f:
-                ticks = int(f.read().rpartition(")")[2].split()[19])
-            with open("/proc/uptime") as f:
-                age = float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+        age = _age_s()
+        if age is not None and _MAIN_AGE is not None:
+            waited = (age - _MAIN_AGE) * 1000
+            self.parts.append(f"interpreter and imports (torch) {_MAIN_AGE * 1000:.0f} ms, "
+                              f"diffusers' utilities and INIT {waited:.0f} ms")
+        elif age is not None:
             self.parts.append(f"spawn to init {age * 1000:.0f} ms")
-        except (OSError, ValueError, IndexError):
-            pass
 
     def report(self, model: str) -> None:
         self.mark("warm-up")
@@ -438,11 +456,20 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _import_libraries() -> None:
+    """diffusers' and transformers' model modules, imported as a phase of their own: on a GPU host they were most of
+    a cold start's unnamed seconds (with torchao installed, diffusers imports it too). Any load needs them."""
+    import diffusers.models.modeling_utils  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffusiond-worker", description="diffusiond worker (spawned by the engine)")
     parser.add_argument("--fd", type=int, required=True, help="inherited channel socket fd")
     parser.add_argument("--log-level", default=os.environ.get("DIFFUSIOND_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
+    global _MAIN_AGE
+    _MAIN_AGE = _age_s()
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
