@@ -187,7 +187,8 @@ class Residency:
             return Evict(name, self._moves_off_device(picked, f"making room for {name} on {dev}"),
                          f"{name} needs {what}; {format_bytes(free[dev])} free on {dev}")
         others = [o for o in self._models.values() if set(o.devices) & set(m.places) and o.name != name]
-        running = sorted(o.name for o in others if o.running)
+        # its own runs too: when they end, their working memory is back, so no standstill is to be broken meanwhile
+        running = sorted(o.name for o in (*others, m) if o.running)
         if running:
             return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what} and {dev} has {format_bytes(free[dev])} "
                                                   f"free: waiting for the runs of {', '.join(running)}", short=lacking)
