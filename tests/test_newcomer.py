@@ -214,7 +214,7 @@ def test_tiny_video_refuses_sizes_it_cannot_make_naming_the_nearest(sock: str) -
         assert f"must be a multiple of {step} for 'tiny-video'; use 64 or 96, got {side}" in \
             err["error"]["message"], err
     status, job = asyncio.run(post(sock, {"model": "tiny-video", "prompt": "a clip", "num_frames": 9,
-                                          "size": "64x64", "steps": 1}))
+                                          "size": "64x64", "steps": 2}))
     assert status == 202, job
 
 

@@ -86,7 +86,7 @@ async def test_halves_keep_each_jobs_sound_track_on_its_own_output(daemon_factor
     folder = build_ltx2(tmp_path / "ltx2")
     d = daemon_factory("--model", f"ltx2={folder}", "--test-fault", "oom=1", "--max-batch", "2", "--batch-wait-ms",
                        "3000", "--job-timeout", "120")
-    body = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps": 1, "num_frames": 9,
+    body = {"model": "ltx2", "prompt": "a drum", "width": 64, "height": 64, "steps": 2, "num_frames": 9,
             "output_format": "npy"}
     async with http(d.socket) as s:
         silent = await submit(s, {**body, "seed": 3, "audio": False})

@@ -63,7 +63,7 @@ def test_tiny_video_is_an_ltx_pipeline_saved_as_safetensors(tiny_video: Diffuser
     assert (tiny_video.name, tiny_video.task, tiny_video.dtype) == ("tiny-video", Task.TEXT_TO_VIDEO, torch.float32)
     assert tiny_video.capabilities == Capabilities(
         task="text-to-video", **DEFAULTS, num_frames_step=8, flow_scheduler=True, size_step=32, min_size=32,
-        edits=("image-to-video",),  # LTXImageToVideoPipeline on the same weights (pipelines/edit_pipes.py)
+        min_steps=2, edits=("image-to-video",),  # LTXImageToVideoPipeline on the same weights (pipelines/edit_pipes.py)
     )
 
 
