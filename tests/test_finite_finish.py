@@ -55,7 +55,8 @@ def test_a_first_pass_that_is_not_finite_fails_its_request_through_upscale_or_hi
     post = lambda msg, *_a, **_k: posted.append(msg)  # noqa: E731
     upscalers = Upscalers({"esr": UpscalerSetting(path=str(upscaler_file), tile=32, overlap=4)}, CPU)
     pipe = Broken()
-    copier = Copier(Arena(4 << 20), state, post, device=CPU, slot_timeout_s=1.0)
+    arena = Arena(4 << 20)  # closed at the end: a later test checks that no arena stays mapped in this process
+    copier = Copier(arena, state, post, device=CPU, slot_timeout_s=1.0)
     finisher = Finisher(pipe, upscalers, state.all_cancelled)  # type: ignore[arg-type]
     compute = ComputeThread(pipe, copier, state, post, sync_output=True, progress_interval_s=0.0,  # type: ignore[arg-type]
                             drain_timeout_s=1.0, on_exit=lambda _code: None, finisher=finisher)
@@ -67,7 +68,10 @@ def test_a_first_pass_that_is_not_finite_fails_its_request_through_upscale_or_hi
                                hires=HiresSpec(width=64, height=64, strength=0.5, steps=1, schedule=2))
     requests = [m.RequestSpec(request_id="nan", prompt="a fox", seed=0),
                 m.RequestSpec(request_id="fine", prompt="a fox", seed=1)]
-    compute._execute(m.Execute(batch_id=1, params=params, requests=requests), [])
+    try:
+        compute._execute(m.Execute(batch_id=1, params=params, requests=requests), [])
+    finally:
+        arena.close()
     ended = {msg.request_id: msg for msg in posted if isinstance(msg, m.RequestEnded)}
     ready = {msg.request_id: msg for msg in posted if isinstance(msg, m.OutputReady)}
     assert set(ended) == {"nan"} and set(ready) == {"fine"}, (ended, ready)

@@ -5,6 +5,7 @@ worker's bound on previews (never waiting for arena room, never in an output's w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -181,11 +182,24 @@ def test_tiny_with_a_preview_decoder_option_uses_it(model_cache: Path, taesd: Pa
 
 
 # the worker's share: bounded, never waiting, never in an output's way ---------------------------
+_ARENAS: list[Arena] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_arenas() -> Iterator[None]:
+    """Each test's arena unmapped after it: a copy thread left running holds it, and a later test in the process
+    checks that no arena stays mapped (test_worker.py's SIGKILL test)."""
+    yield
+    while _ARENAS:
+        _ARENAS.pop().close()
+
+
 def _outbox(arena_bytes: int) -> tuple[Copier, list[object]]:
     posted: list[object] = []
     state = SharedState()
     state.admit(["r0"])
-    copier = Copier(Arena(arena_bytes), state, lambda msg, *a, **k: posted.append(msg), device=torch.device("cpu"),
+    _ARENAS.append(Arena(arena_bytes))
+    copier = Copier(_ARENAS[-1], state, lambda msg, *a, **k: posted.append(msg), device=torch.device("cpu"),
                     slot_timeout_s=1.0)
     return copier, posted
 
