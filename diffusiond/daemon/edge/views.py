@@ -252,7 +252,7 @@ def defaults(c: Capabilities) -> dict[str, Any]:
     """What a request that leaves them out gets: the preset's, else the pipeline class's own ``__call__`` defaults,
     else the generic ones (pipelines/call_defaults.py); frames and fps only for a video model."""
     made = {"width": c.width, "height": c.height, "steps": c.steps, "guidance_scale": c.guidance}
-    return {**made, "num_frames": c.num_frames, "fps": c.fps} if c.task in {t.value for t in VIDEO_TASKS} else made
+    return {**made, "num_frames": c.num_frames, "fps": c.fps} if c.task in VIDEO_TASKS else made
 
 
 def health(engine: Engine) -> dict[str, Any]:
