@@ -4,6 +4,7 @@
 # Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
 #   ALT_REQUESTS=16 timeout 585 scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack   (~560 s)
 #   timeout 585 scripts/gpu_round3.sh setup stream-test pack      (then, in a call of its own: setup stream pack)
+#   timeout 120 scripts/gpu_round3.sh setup imports pack   (issue 27: where the worker's 13 s of imports go)
 #   timeout 585 scripts/gpu_round3.sh setup hostkeep-test pack   (issue 27: HostCopy.release on CUDA; not run yet)
 #   BIG_CONFIGS=resident,stream,fp8-mm,fp8-wo timeout 585 scripts/gpu_round3.sh setup stream wan12 pack   (issue 28:
 #     stream and FLUX in fp8 against resident at 24 GiB, then Wan 1.3B 832x480x81 inside 12 GiB)
@@ -105,6 +106,13 @@ PY
       # torch ops); compiled (serve --compile default, regional), inductor fuses it: Q8 against resident, both compiled
       step gguf-compiled 560 python3 scripts/bench_bigger.py --out $out/gguf-compiled --configs resident,q8 \
         --compile default --images 2 --timeout 260 --deadline 540 ;;
+    imports)  # issue 27's cold start: the worker's imports on this host, timed (3 runs) and -X importtime (with and
+      # without torchao on the path: diffusers imports it when installed), the profiles packed for reading here
+      T='import time; t=time.perf_counter(); import diffusiond.worker.process; t1=time.perf_counter(); from diffusers.utils import logging; t2=time.perf_counter(); import diffusers.models.modeling_utils, transformers.modeling_utils; t3=time.perf_counter(); from diffusers import StableDiffusionPipeline; t4=time.perf_counter(); import sys; print("torchao" in sys.modules, "triton" in sys.modules, f"worker {t1-t:.2f} utils {t2-t1:.2f} models {t3-t2:.2f} sdpipe {t4-t3:.2f}")'
+      for i in 1 2 3; do python3 -c "$T" 2>/dev/null; done | tee "$out/imports.txt"
+      python3 -X importtime -c "$T" 2> "$out/importtime-with-torchao.txt" > /dev/null
+      mv /tmp/site/torchao /tmp/torchao.off && { python3 -c "$T" 2>/dev/null | tee -a "$out/imports.txt";
+        python3 -X importtime -c "$T" 2> "$out/importtime-without-torchao.txt" > /dev/null; mv /tmp/torchao.off /tmp/site/torchao; } ;;
     stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
       step stream-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "stream" -p no:cacheprovider ;;
     hostkeep-test)  # issue 27: a woken model's kept host copy freed (unpinned) and made again by the next sleep
