@@ -251,3 +251,32 @@ def test_the_client_sends_values_not_raw_bytes_and_refuses_what_it_cannot_send()
         with pytest.raises(ValueError) as err:
             pack({"unet.a.lora_A.weight": np.ones((2, 4), np.float32), "unet.a.lora_B.weight": bad})
         assert "tensor 'unet.a.lora_B.weight' holds NaN or infinite values" in str(err.value)
+
+
+def test_the_worker_reads_back_what_the_client_packed_and_refuses_a_memfd_shrunk_after_sending() -> None:
+    """Every dtype's values round-trip, the largest finite values and signed zeros included (the client's finite
+    check reads exponent bits); a memfd the client shrinks after the engine's check is a refused update naming the
+    tensor, never a worker killed by SIGBUS (issue 29)."""
+    import torch
+
+    from diffusiond.ipc.messages import UpdateLora
+    from diffusiond.worker.weights import read_tensors
+
+    state = {"unet.a.lora_A.weight": torch.tensor([[3.3895e38, -0.0, 1.0]], dtype=torch.bfloat16),
+             "unet.a.lora_B.weight": np.array([[65504.0], [-65504.0], [6e-8]], np.float16),
+             "unet.b.lora_A.weight": np.array([[np.finfo(np.float32).max, -np.finfo(np.float32).tiny]], np.float32)}
+    fd, tensors = pack(state)
+    got = read_tensors(UpdateLora("t", tensors), fd)
+    assert torch.equal(got["unet.a.lora_A.weight"], state["unet.a.lora_A.weight"])
+    for key in ("unet.a.lora_B.weight", "unet.b.lora_A.weight"):
+        assert np.array_equal(got[key].numpy(), state[key]) and got[key].numpy().dtype == state[key].dtype
+    for bad in (torch.tensor([[1.0, float("-inf")]], dtype=torch.bfloat16), np.array([1.0, np.nan], np.float32)):
+        with pytest.raises(ValueError, match="holds NaN or infinite values"):
+            pack({"unet.a.lora_A.weight": bad})
+    fd, tensors = pack(state)
+    os.ftruncate(fd, tensors[-1].offset + 2)
+    with pytest.raises(ValueError) as err:
+        read_tensors(UpdateLora("t", tensors), fd)
+    assert "'unet.b.lora_A.weight'" in str(err.value) and "shrank" in str(err.value)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the read, whatever happened

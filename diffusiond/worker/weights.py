@@ -22,7 +22,6 @@ update for a model with no worker against that model's files.
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -48,22 +47,28 @@ from diffusiond.pipelines.streaming import weights_changed
 
 
 def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Tensor]:
-    """The update's tensors, copied out of the memfd (closed here, whatever happens). The engine
-    checked that each lies inside it; the copy makes later writes by the client harmless."""
+    """The update's tensors, read out of the memfd (closed here, whatever happens). The engine
+    checked that each lies inside it; the copy makes later writes by the client harmless.
+
+    Read with ``preadv`` into each tensor's own array, not through a mapping: a client that shrinks its
+    memfd after the engine's check gives a short read, which refuses the update, where a mapping's read
+    past the end would kill the worker with SIGBUS; and the kernel's copy costs no page fault per 4 KiB
+    of the mapping (issue 29's ``update_lora`` latency; ``scripts/bench_update_io.py``)."""
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return {}
-        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-            out: dict[str, torch.Tensor] = {}
-            for t in msg.tensors:
-                dt = numpy_dtype(t.dtype)
-                count = int(np.prod(t.shape)) if t.shape else 1
-                arr = np.frombuffer(mm, dtype=dt, count=count, offset=t.offset).reshape(t.shape).copy()
-                tensor = torch.from_numpy(arr)
-                out[t.name] = tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
-                del arr
-            return out
+        out: dict[str, torch.Tensor] = {}
+        for t in msg.tensors:
+            arr = np.empty(t.shape, dtype=numpy_dtype(t.dtype))
+            data = arr.reshape(-1).view(np.uint8).data
+            done = 0
+            while done < len(data):  # a read may return less than asked
+                got = os.preadv(fd, [data[done:]], t.offset + done)
+                if got == 0:
+                    raise ValueError(f"tensor {t.name!r} ends past the end of the update's memfd, which shrank "
+                                     "after it was sent; send the update again without changing its memfd")
+                done += got
+            tensor = torch.from_numpy(arr)
+            out[t.name] = tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
+        return out
     finally:
         os.close(fd)
 

@@ -1,0 +1,94 @@
+"""The host side of a live update (issue 29's ``update_lora`` latency): the client packing a state dict into its
+memfd and a worker reading it back, for the rank-R adapter ``bench_live.py lora`` sends, timed against the way
+both sides did it before (through a mapping, and torch's ``isfinite``), alternating in one process.
+
+    python scripts/bench_update_io.py --preset flux-dev --component transformer --rank 64 --rounds 5
+
+Prints one JSON object: the medians in seconds, and the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_live import lora_state
+
+from diffusiond.client.weights import pack
+from diffusiond.ipc.messages import UpdateLora
+from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.pipelines.preset_tables import get_preset
+from diffusiond.pipelines.presets import build_part
+from diffusiond.worker.weights import read_tensors
+
+
+def pack_mapped(state: dict[str, torch.Tensor]) -> tuple[int, list]:
+    """The client's pack before: torch's isfinite per tensor, the memfd written through a mapping."""
+    arrays = []
+    for v in state.values():
+        assert bool(v.isfinite().all())
+        arrays.append(v.view(torch.int16).numpy() if v.dtype == torch.bfloat16 else v.numpy())
+    total = sum(-(-a.nbytes // 64) * 64 for a in arrays)
+    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
+    os.ftruncate(fd, total)
+    offsets, offset = [], 0
+    with mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+        for a in arrays:
+            mm[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8).data
+            offsets.append(offset)
+            offset += -(-a.nbytes // 64) * 64
+    return fd, offsets
+
+
+def read_mapped(msg: UpdateLora, fd: int) -> None:
+    """The worker's read before: a copy of each tensor out of a mapping."""
+    with mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+        for t in msg.tensors:
+            np.frombuffer(mm, dtype=numpy_dtype(t.dtype), count=int(np.prod(t.shape)), offset=t.offset).copy()
+    os.close(fd)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="flux-dev")
+    ap.add_argument("--component", default="transformer")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    component = build_part(get_preset(args.preset).parts[args.component], "meta")
+    state = lora_state(component, args.component, args.rank, getattr(torch, args.dtype))
+    times: dict[str, list[float]] = {"pack_before": [], "pack_now": [], "read_before": [], "read_now": []}
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        fd, _ = pack_mapped(state)
+        t1 = time.perf_counter()
+        os.close(fd)
+        fd, tensors = pack(state)
+        t2 = time.perf_counter()
+        msg = UpdateLora("bench", tensors)
+        read_mapped(msg, os.dup(fd))
+        t3 = time.perf_counter()
+        read_tensors(msg, fd)
+        t4 = time.perf_counter()
+        for key, seconds in zip(times, (t1 - t0, t2 - t1, t4 - t3, t3 - t2), strict=True):
+            times[key].append(seconds)
+    print(json.dumps({"preset": args.preset, "rank": args.rank, "tensors": len(state),
+                      "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+                      "torch_threads": torch.get_num_threads(), "rounds": args.rounds,
+                      **{k: round(statistics.median(v), 4) for k, v in times.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
