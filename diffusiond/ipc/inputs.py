@@ -25,7 +25,7 @@ import numpy as np
 
 from diffusiond.ipc.arena import ALIGN, memfd
 from diffusiond.ipc.errors import ArenaError
-from diffusiond.ipc.messages import InputRef
+from diffusiond.ipc.input_refs import InputRef
 from diffusiond.ipc.tensors import TensorDesc, as_numpy
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
