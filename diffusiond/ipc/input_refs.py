@@ -20,3 +20,6 @@ class InputRef(msgspec.Struct, frozen=True, kw_only=True):
     mask: TensorDesc | None = None  # uint8 (H, W, 1): 255 where the image is repainted
     controls: tuple[TensorDesc, ...] = ()  # uint8 (H, W, 3) each, one per BatchParams.controls entry
     references: tuple[TensorDesc, ...] = ()  # uint8 (h, w, 3), one per BatchParams.ip_adapters entry
+    # uint8 (h, w, 3) each, at its own size: an edit's input pictures before ``image`` ("Picture 1", ...), where
+    # the model takes several (Qwen-Image-Edit Plus, issue 30); ``image`` is the last
+    pictures: tuple[TensorDesc, ...] = ()

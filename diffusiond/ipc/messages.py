@@ -323,6 +323,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")
     edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
+    max_input_images: int = 1  # input pictures one edit takes (a request's ``images``: Qwen-Image-Edit Plus's)
     # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
     approximations: tuple[str, ...] = ()
     compiled: str = ""  # the torch.compile mode, "" when eager

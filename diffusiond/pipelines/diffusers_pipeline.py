@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import diffusiond.pipelines.ltx2 as ltx2
+import diffusiond.pipelines.qwen_edit_plus as qwen_edit_plus
 import diffusiond.pipelines.vae_tiles as vae_tiles
 from diffusiond import protocol
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
@@ -157,7 +158,8 @@ class DiffusersPipeline:
             synthetic_weights=synthetic_weights,
         )
         self._edit_pipes: dict[Task, Any] = edit_pipes(pipe, self.task)
-        inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes))
+        inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes),
+                                           max_input_images=qwen_edit_plus.max_input_images(self._edit_pipes.values()))
         self.capabilities = with_defaults(with_defaults(inferred, call_defaults(type(pipe))), defaults)
         self.load_phases.mark("sibling pipelines")
 
@@ -235,11 +237,13 @@ class DiffusersPipeline:
     def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
              on_step: StepCallback, on_preview: PreviewSink | None = None,
              more: Mapping[str, Any] | None = None, *, pipe: Any = None,
-             drawn: Callable[[list[torch.Generator]], dict[str, Any]] | None = None) -> list[torch.Tensor]:
+             drawn: Callable[[list[torch.Generator]], dict[str, Any]] | None = None,
+             pictures: Sequence[Sequence[np.ndarray]] = ()) -> list[torch.Tensor]:
         """A batch of edits on the pipeline built for it with ``from_pipe`` (the same weights); ``more``
         are further call arguments (an IP-Adapter's reference image, control pictures). ``pipe`` runs
         in place of the model's own edit sibling (the ControlNet one, which takes the same image, mask
-        and strength), ``drawn`` as ``_call``'s."""
+        and strength), ``drawn`` as ``_call``'s. ``pictures``: each request's input pictures before its image,
+        for a model that takes several (qwen_edit_plus.py)."""
         if not requests:
             return []
         task = Task(params.edit) if params.edit in set(Task) else None
@@ -251,6 +255,10 @@ class DiffusersPipeline:
         strength = 1.0 if params.strength is None else params.strength
         extra = {**edit_kwargs(task, images, strength, args, params.width * params.height,
                                  type(pipe).__name__), **(more or {})}
+        if qwen_edit_plus.takes_several(pipe):  # one call a request, with its pictures
+            return qwen_edit_plus.one_by_one(lambda reqs, shown, sink: self._call(
+                pipe, args, params, reqs, on_step, {**extra, "image": shown}, sink, drawn), self, requests, inputs,
+                pictures, on_preview)
         if task is not Task.INPAINTING:
             return self._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
         planes = [m for _, m in inputs]
