@@ -6,6 +6,8 @@ several pictures a job's ``images`` sends; beside it the single-picture Qwen-Ima
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,3 +75,25 @@ async def test_the_plus_model_edits_from_image_alone_and_refuses_what_it_cannot_
     assert statuses == {"images": (400, "images"), "too many": (400, "images"), "both": (400, "image"),
                         "empty": (400, "images"), "unreadable": (400, "images[1]")}, refusals
     assert "takes one input image; send it as image" in refusals["images"][1]["error"]["message"]
+
+
+def test_the_cli_sends_repeated_image_flags_and_the_client_images_as_one_edit(plus_daemon: Daemon,
+                                                                              tmp_path: Path) -> None:
+    """``--image`` twice is one edit from two pictures (not two edits), as the client's ``images=``: the same
+    request, so the same pixels."""
+    from PIL import Image
+
+    from diffusiond import Client
+
+    for k in (1, 2):
+        (tmp_path / f"{k}.png").write_bytes(base64.b64decode(picture(k)))
+    out = tmp_path / "out.png"
+    r = subprocess.run([sys.executable, "-m", "diffusiond", "generate", BASE["prompt"], "--socket",
+                        str(plus_daemon.socket), "--model", "qwen-plus", "--image", str(tmp_path / "1.png"), "--image",
+                        str(tmp_path / "2.png"), "--steps", "2", "--seed", "3", "--guidance", "4", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    with Client(str(plus_daemon.socket)) as c:
+        (array,) = c.generate(BASE["prompt"], model="qwen-plus", images=[tmp_path / "1.png", picture(2)], steps=2,
+                              seed=3, guidance_scale=4.0, output="array")
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), array)
