@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hires", type=hires_arg, metavar="SCALE[:STRENGTH[:STEPS[:UPSCALER]]]",
                    help="a second, image-to-image pass at SCALE times the size (strength 0.5 and the same steps "
                         "unless given; the picture made larger by UPSCALER, else bicubic)")
-    g.add_argument("--image", metavar="FILE", help="edit this image (image-to-image; inpainting with --mask)")
+    g.add_argument("--image", action="append", metavar="FILE",
+                   help="edit this image (image-to-image; inpainting with --mask); repeat it for a model that edits "
+                        "from several pictures (max_input_images in GET /v1/models): Picture 1, 2, ... in order")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
     g.add_argument("--strength", type=float, metavar="S",

@@ -26,7 +26,7 @@ GEN_BASE = {"prompt": "a fox", "model": "tiny", "size": "64x64", "num_inference_
 JOB_FIELDS = ["prompt", "model", "n", "width", "height", "steps", "guidance_scale", "negative_prompt", "seed",
               "output_format", "output_dtype", "num_frames", "fps", "timeout_s", "scheduler", "image", "image_path",
               "mask", "mask_path", "strength", "loras", "preview", "keep_alive", "noise_level", "eta",
-              "control", "ip_adapter", "trajectory", "upscale", "hires", "audio"]
+              "control", "ip_adapter", "trajectory", "upscale", "hires", "audio", "images"]
 GEN_FIELDS = ["prompt", "model", "n", "size", "response_format", "output_format", "negative_prompt",
               "num_inference_steps", "guidance_scale", "seed", "timeout_s", "scheduler", "loras", "preview",
               "quality", "style", "user", "background", "moderation", "output_compression", "stream",
@@ -77,6 +77,15 @@ def ip_adapter_values(ctx: Ctx) -> st.SearchStrategy[Any]:
     return st.lists(entry, max_size=6) | nasty_values  # past the cap of 4 entries
 
 
+def images_values(ctx: Ctx) -> st.SearchStrategy[Any]:
+    """An edit's several pictures (issue 30): bare base64, entries with image or image_path, nasty ones; past
+    the cap of 3, empty, on models that take one picture an edit (all of the fuzzing daemons')."""
+    picture = st.builds(as_base64, image_bytes(), st.integers(0, 5))
+    entry = picture | nasty_values | st.fixed_dictionaries({}, optional={
+        "image": picture | nasty_values, "image_path": path_values(ctx) | nasty_values, "zz": nasty_values})
+    return st.lists(entry, max_size=5) | nasty_values
+
+
 preview_values = st.fixed_dictionaries({}, optional={"every": nasty_values | st.integers(-1, 5),
                                                      "format": nasty_values | st.sampled_from(["jpeg", "png", "x"]),
                                                      "max_side": nasty_values | st.integers(0, 2000)}) | nasty_values
@@ -106,6 +115,8 @@ def field_value(ctx: Ctx, name: str) -> st.SearchStrategy[Any]:
         return control_values(ctx)
     if name == "ip_adapter":
         return ip_adapter_values(ctx)
+    if name == "images":
+        return images_values(ctx)
     if name in ("image", "mask"):
         return st.builds(as_base64, image_bytes(), st.integers(0, 5)) | nasty_values
     if name in ("image_path", "mask_path"):

@@ -59,18 +59,20 @@ def _transformer() -> Any:
     return QwenImageTransformer2DModel(**TRANSFORMER)
 
 
-def build_qwen_edit(out: Path) -> Path:
-    """A tiny QwenImageEditPipeline saved (safetensors) in ``out``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+def build_qwen_edit(out: Path, *, plus: bool = False) -> Path:
+    """A tiny QwenImageEditPipeline saved (safetensors) in ``out``; ``plus``: a QwenImageEditPlusPipeline (2509/2511,
+    several input pictures an edit) of the same parts, as the releases share Qwen-Image-Edit's."""
+    import diffusers
 
     tokenizer = qwen_tokenizer(512, max_length=1024)
     with torch.random.fork_rng(devices=[]):
         parts = {"text_encoder": _text_encoder(tokenizer), "vae": _vae(), "transformer": _transformer()}
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-                                                time_shift_type="exponential")
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+        shift_terminal=0.02, time_shift_type="exponential")
     processor = stills_processor(tokenizer, {"min_pixels": 4 * 28 * 28, "max_pixels": MAX_PIXELS})
-    pipe = QwenImageEditPipeline(scheduler=scheduler, tokenizer=tokenizer, processor=processor, **parts)
+    cls = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
+    pipe = cls(scheduler=scheduler, tokenizer=tokenizer, processor=processor, **parts)
     pipe.save_pretrained(str(out), safe_serialization=True)
     release_layout(out, processor)
     return out

@@ -193,6 +193,12 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
                                                           "strength": 0.7, "control": [EDGES]}, "model"),
     "NaN scale": (json.dumps({**TINY, "control": [{**EDGES, "scale": math.nan}]}).encode(), "invalid_json"),
     "Infinity reference scale": (json.dumps({**TINY, "ip_adapter": [REF(scale=math.inf)]}).encode(), "invalid_json"),
+    # several pictures for one edit (issue 30): these models take one, so ``images`` is refused whatever it holds
+    "images on tiny": ({**TINY, "images": [P64, P64]}, "images"),
+    "images on the inpainting model": ({**TINY, "model": "tiny-inpaint", "images": [P64], "mask": L64}, "images"),
+    "an empty images list": ({**TINY, "images": []}, "images"),
+    "images as a string": ({**TINY, "images": P64}, "images"),
+    "an images entry of another type": ({**TINY, "images": [7]}, "images"),
     "1e999 start": (json.dumps({**TINY, "control": [EDGES]}).replace('"image"', '"start": 1e999, "image"', 1).encode(),
                     "control"),
 }

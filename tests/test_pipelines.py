@@ -260,9 +260,9 @@ def test_task_for_class() -> None:
     assert task_for_class(diffusers.LTXImageToVideoPipeline) is Task.IMAGE_TO_VIDEO
     assert task_for_class(diffusers.FluxKontextPipeline) is Task.INSTRUCTION_EDIT
     assert task_for_class(diffusers.QwenImageEditPipeline) is Task.INSTRUCTION_EDIT
-    for unserved in ("QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline"):  # refused at load
-        with pytest.raises(PipelineError, match=f"{unserved} is not served yet: .*serve Qwen-Image-Edit"):
-            task_for_class(getattr(diffusers, unserved))
+    assert task_for_class(diffusers.QwenImageEditPlusPipeline) is Task.INSTRUCTION_EDIT  # several images (issue 30)
+    with pytest.raises(PipelineError, match=r"QwenImageEditInpaintPipeline is not served yet: .*serve Qwen-Image-Edit"):
+        task_for_class(diffusers.QwenImageEditInpaintPipeline)  # refused at load
     assert task_for_class(diffusers.FluxKontextInpaintPipeline) is Task.INPAINTING  # first match wins
     for refused in ("StableDiffusionControlNetPipeline", "StableDiffusionUpscalePipeline"):
         with pytest.raises(PipelineError, match=refused):

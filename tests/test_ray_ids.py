@@ -160,6 +160,8 @@ def test_batch_keys_keep_apart_what_the_daemon_would_not_batch() -> None:
                          ("trajectory", {"latents": True}), ("loras", [{"name": "ink"}]), ("eta", 0.5)):
         assert ids.batch_key({**base, field: value}) != ids.batch_key(base), field
     assert ids.batch_key({**base, "audio": False}) == ids.batch_key(base)  # the track is made either way
+    # an edit's pictures, one or several (issue 30), batch as the daemon batches them: whatever they are
+    assert ids.batch_key({**base, "images": ["a", "b"]}) == ids.batch_key({**base, "images": ["c"]})
     # only LTX-2 is conditioned on fps, which the body does not show: other video models batch across it
     assert ids.batch_key({**base, "fps": 24}) == ids.batch_key({**base, "fps": 8}) == ids.batch_key(base)
     assert ids.batch_key({"not": "a generation"}) is None

@@ -48,6 +48,10 @@ class JobParams(TypedDict, total=False):
     image_path: str
     mask_path: str
     strength: float
+    # several input pictures for one edit (a model whose GET /v1/models entry has max_input_images > 1, as
+    # Qwen-Image-Edit Plus): "Picture 1", "Picture 2", ... in order, the last setting the output size; each as
+    # ``image`` takes it, or {"image_path": ...} (read by the daemon under its --input-dir)
+    images: Sequence[ImageInput | Mapping[str, str]]
     # ControlNets (GET /v1/controlnets): {"name", "image" (as ``image`` takes it) or "image_path",
     # "scale", "start", "end", "preprocess", "mode" (a union ControlNet's mode: its number, or its name where
     # GET /v1/controlnets lists names)}, one dict each
@@ -87,6 +91,10 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
             body[key] = dict(cast(Mapping[str, Any], value))
         elif key in ("image", "mask"):
             body[key] = image_text(cast(ImageInput, value), key)
+        elif key == "images":
+            body[key] = [{k: image_text(v, f"images[{i}]") if k == "image" else v for k, v in dict(p).items()}
+                         if isinstance(p, Mapping) else image_text(p, f"images[{i}]")
+                         for i, p in enumerate(cast(Sequence[Any], value))]
         elif key in ("control", "ip_adapter"):
             body[key] = [{k: image_text(v, f"{key}[{i}].image") if k == "image" else v for k, v in dict(c).items()}
                          for i, c in enumerate(cast(Sequence[Mapping[str, Any]], value))]

@@ -218,12 +218,17 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
     ):
         if value is not None:
             body[key] = value
-    for key, path in (("image", args.image), ("mask", args.mask)):
+    pictures = args.image or []  # one is ``image``; several are one edit's ``images`` (issue 30)
+    for key, path in (*(("image", p) for p in pictures), ("mask", args.mask)):
         if path is not None:
             try:
-                body[key] = image_b64(path)
+                data = image_b64(path)
             except OSError as exc:
                 raise UsageError(f"--{key} {path}: {exc.strerror or exc}") from None
+            if key == "image" and len(pictures) > 1:
+                body.setdefault("images", []).append(data)
+            else:
+                body[key] = data
     for key, flag in (("control", "--control"), ("ip_adapter", "--ip-adapter")):
         for entry in getattr(args, key, None) or []:
             try:

@@ -25,7 +25,7 @@ import numpy as np
 
 from diffusiond.ipc.arena import ALIGN, memfd
 from diffusiond.ipc.errors import ArenaError
-from diffusiond.ipc.messages import InputRef
+from diffusiond.ipc.input_refs import InputRef
 from diffusiond.ipc.tensors import TensorDesc, as_numpy
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
@@ -36,11 +36,12 @@ class InputBuffer:
 
     def __init__(self, image: np.ndarray | None, mask: np.ndarray | None = None, *,
                  controls: Sequence[np.ndarray] = (), references: Sequence[np.ndarray] = (),
-                 name: str = "diffusiond-input") -> None:
+                 pictures: Sequence[np.ndarray] = (), name: str = "diffusiond-input") -> None:
         """``image`` None: a text-to-image request that brings ControlNet images (``controls``) or
-        IP-Adapter reference images (``references``) only."""
+        IP-Adapter reference images (``references``) only. ``pictures``: an edit's input pictures before
+        ``image``, for a model that takes several."""
         self.name = name
-        given = [a for a in (image, mask, *controls, *references) if a is not None]
+        given = [a for a in (image, mask, *controls, *references, *pictures) if a is not None]
         arrays = [np.ascontiguousarray(a, dtype=np.uint8) for a in given]
         descs: list[TensorDesc] = []
         offset = 0
@@ -63,12 +64,13 @@ class InputBuffer:
         self.image = next(it) if image is not None else None
         self.mask = next(it) if mask is not None else None
         self.controls = tuple(next(it) for _ in controls)
-        self.references = tuple(it)
+        self.references = tuple(next(it) for _ in references)
+        self.pictures = tuple(it)
 
     def ref(self, fd_index: int) -> InputRef:
         """The descriptor a request carries when this buffer is fd ``fd_index`` of its frame."""
         return InputRef(fd=fd_index, image=self.image, mask=self.mask, controls=self.controls,
-                        references=self.references)
+                        references=self.references, pictures=self.pictures)
 
     def with_references(self, references: Sequence[np.ndarray]) -> InputBuffer:
         """A new sealed buffer holding this one's arrays and then ``references``: a job's input travels
@@ -79,7 +81,8 @@ class InputBuffer:
         image = own[0] if ref.image is not None else None
         mask = own[-1] if ref.mask is not None else None
         return InputBuffer(image, mask, controls=read_controls([self.fd], ref),
-                           references=[*read_references([self.fd], ref), *references], name=self.name)
+                           references=[*read_references([self.fd], ref), *references],
+                           pictures=read_pictures([self.fd], ref), name=self.name)
 
     def dup(self) -> int:
         """A new fd for one frame (the channel closes it once sent, whatever becomes of the job)."""
@@ -131,3 +134,8 @@ def read_controls(fds: Sequence[int], ref: InputRef) -> list[np.ndarray]:
 def read_references(fds: Sequence[int], ref: InputRef) -> list[np.ndarray]:
     """The worker's side: copies of a request's IP-Adapter reference images, in its ``ip_adapters`` order."""
     return _sealed_view(fds, ref, ref.references)
+
+
+def read_pictures(fds: Sequence[int], ref: InputRef) -> list[np.ndarray]:
+    """The worker's side: copies of an edit's input pictures before its image, in the request's order."""
+    return _sealed_view(fds, ref, ref.pictures)

@@ -18,6 +18,8 @@ from typing import Literal
 
 import msgspec
 
+from diffusiond.ipc.input_refs import InputRef
+
 # re-exported: every frame kind is named here
 from diffusiond.ipc.outsocket import Fetch as Fetch
 from diffusiond.ipc.outsocket import Lease as Lease
@@ -162,18 +164,6 @@ class BatchParams(msgspec.Struct, frozen=True, kw_only=True):
     trajectory: TrajectorySpec | None = None
     hires: HiresSpec | None = None  # a second pass at a larger size, then an upscaler (ipc/upscale.py)
     upscale: UpscaleSpec | None = None
-
-
-class InputRef(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a request's input image (and mask) lie: in file descriptor ``fd`` (an index into the
-    fds that came with the EXECUTE frame), a sealed memfd written by the engine. The frame carries
-    only these descriptors; the pixels never travel in a frame."""
-
-    fd: int
-    image: TensorDesc | None = None  # uint8 (H, W, 3); None: a request with control images only
-    mask: TensorDesc | None = None  # uint8 (H, W, 1): 255 where the image is repainted
-    controls: tuple[TensorDesc, ...] = ()  # uint8 (H, W, 3) each, one per BatchParams.controls entry
-    references: tuple[TensorDesc, ...] = ()  # uint8 (h, w, 3), one per BatchParams.ip_adapters entry
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -333,6 +323,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")
     edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
+    max_input_images: int = 1  # input pictures one edit takes (a request's ``images``: Qwen-Image-Edit Plus's)
     # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.
     approximations: tuple[str, ...] = ()
     compiled: str = ""  # the torch.compile mode, "" when eager

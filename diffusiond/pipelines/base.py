@@ -154,8 +154,10 @@ class EditingPipeline(Protocol):
     name: str
 
     def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
-             on_step: StepCallback, on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
-        """Run one batch of ``params.edit``; ``inputs[i]`` belongs to ``requests[i]``; previews as ``run``."""
+             on_step: StepCallback, on_preview: PreviewSink | None = None, **more: Any) -> list[torch.Tensor]:
+        """Run one batch of ``params.edit``; ``inputs[i]`` belongs to ``requests[i]``; previews as ``run``. A
+        model that takes several input pictures an edit (``capabilities.max_input_images`` > 1) also takes
+        ``pictures=``: each request's pictures before its image (pipelines/qwen_edit_plus.py)."""
         ...
 
 

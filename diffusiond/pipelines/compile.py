@@ -257,15 +257,15 @@ class CompiledPipeline:
         return outputs
 
     def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
-             on_step: StepCallback, on_preview: PreviewSink | None = None) -> list[torch.Tensor]:
+             on_step: StepCallback, on_preview: PreviewSink | None = None, **more: Any) -> list[torch.Tensor]:
         """Edits run on the diffusers pipeline ``from_pipe`` builds from the same modules, so they
-        run compiled too; a model that cannot edit says so."""
+        run compiled too; a model that cannot edit says so. ``more``: as the inner pipeline's (``pictures``)."""
         edit = getattr(self.inner, "edit", None)
         if edit is None:
             raise PipelineError(f"model {self.name} cannot edit images")
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        outputs: list[torch.Tensor] = edit(params, requests, inputs, on_step, on_preview)
+        outputs: list[torch.Tensor] = edit(params, requests, inputs, on_step, on_preview, **more)
         if len(self._seen) < self.max_shapes:
             self._seen.add(self._key(params, len(requests)))
         return outputs

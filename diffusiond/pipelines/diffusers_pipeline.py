@@ -9,7 +9,6 @@ callback that can stop the run (so cancellation is prompt), and schedulers picke
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 import diffusiond.pipelines.ltx2 as ltx2
+import diffusiond.pipelines.qwen_edit_plus as qwen_edit_plus
 import diffusiond.pipelines.vae_tiles as vae_tiles
 from diffusiond import protocol
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
@@ -36,11 +36,12 @@ from diffusiond.pipelines.base import (
     with_defaults,
 )
 from diffusiond.pipelines.call_defaults import call_defaults, true_cfg
-from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, NOT_SERVED, edit_kwargs, edit_pipes, share_image_encoder
+from diffusiond.pipelines.edit_pipes import edit_kwargs, edit_pipes, share_image_encoder
 from diffusiond.pipelines.frame_rules import check_frames, frame_step, min_side, size_step
 from diffusiond.pipelines.hostcopy import HostCopy
 from diffusiond.pipelines.offload import apply_offload, device_bytes
 from diffusiond.pipelines.phases import Phases
+from diffusiond.pipelines.pipeline_classes import FRAME_ARGS, call_args, task_for_class
 from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.quant import apply_quant, parse_quant
 from diffusiond.pipelines.spec import offload_mode, resident_blocks
@@ -66,72 +67,6 @@ _SCHEDULER_CLASSES = {
 # that record log-probs, issue 29) rollout_schedulers' subclasses of them; keyed by the
 # protocol's list so a name added there without a class here fails at import, not in a request.
 SCHEDULERS: dict[str, str] = {name: _SCHEDULER_CLASSES[name] for name in protocol.SCHEDULERS}
-
-# Class-name fragments of pipelines that need an input image/video/mask or produce something
-# other than plain pictures: they cannot serve a prompt-only request.
-_REFUSED_FRAGMENTS = (
-    "Img2Img",
-    "Image2Image",
-    "ImageToImage",
-    "Inpaint",
-    "ImageToVideo",
-    "Image2Video",
-    "VideoToVideo",
-    "Video2Video",
-    "I2V",
-    "Control",
-    "Upscale",
-    "Pix2Pix",
-    "Depth2Img",
-    "Variation",
-    "Edit",
-    "Transfer",
-    "LDM3D",
-    "Audio",
-)
-# ``__call__`` arguments that mean "this pipeline needs an input besides the prompt".
-_INPUT_ARGS = frozenset({"image", "mask_image", "control_image", "video", "image_embeds", "init_image", "conditions"})
-# What a prompt-only pipeline we can drive (size, steps, per-step stop) must accept.
-_REQUIRED_ARGS = frozenset({"prompt", "height", "width", "num_inference_steps", "callback_on_step_end"})
-_FRAME_ARGS = ("num_frames", "video_length")
-
-
-def call_args(cls: type) -> frozenset[str]:
-    """Names ``cls.__call__`` accepts; how we adapt to each pipeline's own signature."""
-    try:
-        return frozenset(inspect.signature(cls.__call__).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
-
-
-def task_for_class(cls: type) -> Task:
-    """Decide from the class alone (before any weights load) whether and how we can serve it."""
-    name = cls.__name__
-    if why := next((w for fragment, w in NOT_SERVED.items() if fragment in name), None):
-        raise PipelineError(f"pipeline class {name} is not served yet: {why}")
-    args = call_args(cls)
-    for fragments, needs, task in EDIT_CLASSES:
-        if any(f in name for f in fragments) and needs <= args and _REQUIRED_ARGS - {"height", "width"} <= args:
-            return task
-    needs_input = sorted(_INPUT_ARGS & args)
-    missing = sorted(_REQUIRED_ARGS - args)
-    fragment = next((f for f in _REFUSED_FRAGMENTS if f in name), None)
-    if fragment or needs_input or missing:
-        why = (
-            f"its name marks it as a {fragment!r} pipeline"
-            if fragment
-            else f"it needs inputs besides the prompt ({', '.join(needs_input)})"
-            if needs_input
-            else f"its __call__ lacks {', '.join(missing)}"
-        )
-        raise PipelineError(
-            f"pipeline class {name} is not a text-to-image or text-to-video pipeline ({why}); "
-            "diffusiond serves prompt-only generation: use the model's text-to-image/video variant"
-        )
-    if "Video" in name or any(a in args for a in _FRAME_ARGS):
-        return Task.TEXT_TO_VIDEO
-    return Task.TEXT_TO_IMAGE
-
 
 def _is_flow_scheduler(scheduler: Any) -> bool:
     """Flow-matching models need flow schedulers; their config says so in one of a few ways."""
@@ -184,7 +119,7 @@ class DiffusersPipeline:
         self.dtype = dtype
         self._pipe = pipe
         self._args = call_args(type(pipe))
-        self._frames_arg = next((a for a in _FRAME_ARGS if a in self._args), None)
+        self._frames_arg = next((a for a in FRAME_ARGS if a in self._args), None)
         self._default_scheduler = pipe.scheduler
         self._flow = _is_flow_scheduler(pipe.scheduler)
         self._schedulers: dict[str, Any] = {}
@@ -223,7 +158,8 @@ class DiffusersPipeline:
             synthetic_weights=synthetic_weights,
         )
         self._edit_pipes: dict[Task, Any] = edit_pipes(pipe, self.task)
-        inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes))
+        inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes),
+                                           max_input_images=qwen_edit_plus.max_input_images(self._edit_pipes.values()))
         self.capabilities = with_defaults(with_defaults(inferred, call_defaults(type(pipe))), defaults)
         self.load_phases.mark("sibling pipelines")
 
@@ -301,11 +237,13 @@ class DiffusersPipeline:
     def edit(self, params: BatchParams, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
              on_step: StepCallback, on_preview: PreviewSink | None = None,
              more: Mapping[str, Any] | None = None, *, pipe: Any = None,
-             drawn: Callable[[list[torch.Generator]], dict[str, Any]] | None = None) -> list[torch.Tensor]:
+             drawn: Callable[[list[torch.Generator]], dict[str, Any]] | None = None,
+             pictures: Sequence[Sequence[np.ndarray]] = ()) -> list[torch.Tensor]:
         """A batch of edits on the pipeline built for it with ``from_pipe`` (the same weights); ``more``
         are further call arguments (an IP-Adapter's reference image, control pictures). ``pipe`` runs
         in place of the model's own edit sibling (the ControlNet one, which takes the same image, mask
-        and strength), ``drawn`` as ``_call``'s."""
+        and strength), ``drawn`` as ``_call``'s. ``pictures``: each request's input pictures before its image,
+        for a model that takes several (qwen_edit_plus.py)."""
         if not requests:
             return []
         task = Task(params.edit) if params.edit in set(Task) else None
@@ -317,6 +255,10 @@ class DiffusersPipeline:
         strength = 1.0 if params.strength is None else params.strength
         extra = {**edit_kwargs(task, images, strength, args, params.width * params.height,
                                  type(pipe).__name__), **(more or {})}
+        if qwen_edit_plus.takes_several(pipe):  # one call a request, with its pictures
+            return qwen_edit_plus.one_by_one(lambda reqs, shown, sink: self._call(
+                pipe, args, params, reqs, on_step, {**extra, "image": shown}, sink, drawn), self, requests, inputs,
+                pictures, on_preview)
         if task is not Task.INPAINTING:
             return self._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
         planes = [m for _, m in inputs]

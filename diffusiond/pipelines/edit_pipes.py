@@ -3,8 +3,8 @@ serves each edit task for a family, built on the loaded weights, and what each t
 
 A text-to-image model also edits (image-to-image, inpainting) and an LTX or Wan 2.2 TI2V text-to-video
 model also animates an image (image-to-video), through diffusers' sibling pipelines built with ``from_pipe``: they
-share every component, so no weight is loaded or held twice. A folder may also name an edit pipeline
-as its own class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext, Qwen-Image-Edit): the model then
+share every component, so no weight is loaded or held twice. A folder may also name an edit pipeline as its own
+class (a dedicated inpainting model, Wan's image-to-video, FLUX Kontext, Qwen-Image-Edit and its Plus): the model then
 does that task only, and a request must send an image. Siblings are built with ``sibling``, not a
 plain ``from_pipe``, which would cast the shared weights to float32 (its docstring says why).
 """
@@ -35,9 +35,6 @@ EDIT_CLASSES: tuple[tuple[tuple[str, ...], frozenset[str], Task], ...] = (
 
 # Classes that match a fragment above but whose pipelines we do not drive yet: name fragment -> why.
 NOT_SERVED = {
-    "QwenImageEditPlus": "Qwen-Image-Edit-2509/2511 pipelines (QwenImageEditPlusPipeline) take several input images "
-                         "per prompt, and a request carries one; serve Qwen-Image-Edit (QwenImageEditPipeline) or "
-                         "FLUX Kontext (FluxKontextPipeline) for instruction edits",
     "QwenImageEditInpaint": "Qwen-Image-Edit's inpainting pipeline (QwenImageEditInpaintPipeline) is not driven by "
                             "diffusiond yet; serve Qwen-Image-Edit (QwenImageEditPipeline) for instruction edits, or "
                             "an inpainting model",

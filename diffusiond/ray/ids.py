@@ -105,7 +105,8 @@ def batch_key(body: Any) -> str | None:
     (the batch keeps its model for the longest), and the body reaches it as sent; nor is ``audio``: a batch decodes
     a sound track once when any request wants it, and only its delivery is per request; nor is ``fps``: only LTX-2
     is conditioned on it, which the body does not show, and the daemon keeps LTX-2's fps apart itself (a hint, not
-    a rule, here)."""
+    a rule, here); nor are an edit's pictures (``image``, ``images``): the daemon batches edits whatever their
+    pictures (a model that edits from several runs a call a request inside its batch, issue 30)."""
     if not isinstance(body, dict) or "prompt" not in body:
         return None
     parts = [body.get(k) for k in ("model", "size", "width", "height", "steps", "num_inference_steps",

@@ -26,7 +26,7 @@ import torch
 
 import diffusiond.pipelines.hostcopy as hostcopy
 from diffusiond.ipc.errors import ArenaError
-from diffusiond.ipc.inputs import read_controls, read_inputs, read_references
+from diffusiond.ipc.inputs import read_controls, read_inputs, read_pictures, read_references
 from diffusiond.ipc.messages import (
     Ack,
     AddLora,
@@ -181,9 +181,11 @@ class ComputeThread:
         inputs: list[EditArrays] = []
         controls: dict[str, list[np.ndarray]] = {}  # request id -> its ControlNet images
         references: dict[str, list[np.ndarray]] = {}  # request id -> its IP-Adapter reference images
+        pictures: dict[str, list[np.ndarray]] = {}  # request id -> its input pictures before its image (issue 30)
         try:
             if batch.params.edit is not None:
                 inputs = self._inputs(live, fds)
+                pictures = {r.request_id: read_pictures(fds, r.input) for r in live if r.input and r.input.pictures}
             if batch.params.controls:
                 controls = {r.request_id: read_controls(fds, r.input) for r in live if r.input is not None}
             if batch.params.ip_adapters:  # IP-Adapter reference images, in the same kind of buffer
@@ -262,6 +264,9 @@ class ComputeThread:
                 if batch.params.edit is None:
                     return self.pipeline.run(batch.params, requests, step, sink)
                 if isinstance(self.pipeline, EditingPipeline):
+                    if pictures:  # only then: a pipeline that takes one picture an edit has no such argument
+                        return self.pipeline.edit(batch.params, requests, arrays, step, sink,
+                                                  pictures=[pictures.get(r.request_id, []) for r in requests])
                     return self.pipeline.edit(batch.params, requests, arrays, step, sink)
                 raise PipelineError(f"model {self.pipeline.name} cannot do {batch.params.edit}")
 

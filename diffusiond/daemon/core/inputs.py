@@ -20,6 +20,7 @@ import base64
 import binascii
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,14 +136,15 @@ def _read_path(src: Source, limits: Limits, input_dir: str | None) -> bytes:
 
 def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: float,
                 width: int | None, height: int | None, limits: Limits, input_dir: str | None,
-                step: int = 8, floor: int = 0) -> EditInput:
+                step: int = 8, floor: int = 0, pictures: Sequence[Source] = ()) -> EditInput:
     """Decode, check and resize an edit's inputs into a sealed buffer (in the encode pool).
 
     The output size is ``width`` x ``height`` when the request gave one, else the image's own
     size rounded down to a multiple of ``step``, the model's (8, 16 for FLUX, 32 for LTX): the
     user sent no size to be told about, and a size the model refuses would be theirs to fix for a
     picture whose size they did not choose for it. The image and mask are resized to it. ``floor``: the model's
-    smallest side where above the limits' (LTX-2's 64)."""
+    smallest side where above the limits' (LTX-2's 64). ``pictures``: an edit's input pictures before ``image``
+    (a request's ``images``), decoded at their own sizes: the pipeline resizes each to its own aspect ratio."""
     from PIL import Image
 
     img = images.open_image(_bytes_of(image, limits, input_dir), image.field, limits)
@@ -168,5 +170,7 @@ def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: flo
     rgb = images.rgb_array(img, image.field)
     if (w, h) != (w0, h0):
         rgb = np.asarray(Image.fromarray(rgb).resize((w, h), Image.Resampling.LANCZOS))
-    buffer = InputBuffer(rgb, plane)
+    earlier = [images.rgb_array(images.open_image(_bytes_of(p, limits, input_dir), p.field, limits), p.field)
+               for p in pictures]
+    buffer = InputBuffer(rgb, plane, pictures=earlier)
     return EditInput(task=task, strength=strength, buffer=buffer, width=w, height=h)

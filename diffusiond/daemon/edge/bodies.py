@@ -22,7 +22,7 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core import inputs
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.inputs import EditInput
-from diffusiond.daemon.edge import edits, sizes
+from diffusiond.daemon.edge import edits, pictures, sizes
 from diffusiond.daemon.errors import UploadTooLarge
 
 ENCODINGS = ("gzip", "x-gzip", "deflate")
@@ -116,6 +116,7 @@ async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, ima
                       mask_field: str = "mask", size_field: str | None = None) -> EditInput | None:
     """An edit's input, decoded and checked in the encode pool (never on the loop); None if
     the request is not an edit."""
+    fields, earlier = pictures.plan(fields, model)  # ``images``: its last is the edit's image
     plan = edits.plan_edit(fields, model, engine.config.limits, image_field=image_field, mask_field=mask_field,
                            size_field=size_field)
     if plan is None:
@@ -125,7 +126,7 @@ async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, ima
     work = functools.partial(inputs.decode_edit, image, mask, task=task, strength=strength,
                              width=fields.get("width"), height=fields.get("height"), limits=cfg.limits,
                              input_dir=cfg.input_dir, step=sizes.side_step(model),
-                             floor=sizes.side_floor(model, cfg.limits))
+                             floor=sizes.side_floor(model, cfg.limits), pictures=earlier)
     return await asyncio.get_running_loop().run_in_executor(engine.executor, work)
 
 

@@ -45,7 +45,7 @@ def plan_edit(
             return Source(path_field, path=path)
         return None
 
-    image = source(image_field, "image_path", "image_bytes")
+    image = req.get("image_source") or source(image_field, "image_path", "image_bytes")  # images' last (pictures.py)
     mask = source(mask_field, "mask_path", "mask_bytes")
     if image is None:
         if mask is not None:

@@ -38,7 +38,7 @@ async def create_job(request: web.Request) -> web.Response:
     body = await bodies.read_body(request, max(limits.max_body_bytes, limits.max_upload_bytes))
     b = requests.decode(body, requests.JobBody)
     if len(body) > limits.max_body_bytes and b.image is None and b.mask is None and not b.control \
-            and not b.ip_adapter:
+            and not b.ip_adapter and not b.images:
         raise bodies.too_large(len(body), limits.max_body_bytes)
     await engine.described(b.model)  # completed with its model's own defaults, even while it loads
     model = engine.model(b.model)

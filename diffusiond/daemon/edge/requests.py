@@ -25,6 +25,7 @@ from diffusiond.daemon.core.jobs import JobRequest, PreviewSpec
 from diffusiond.daemon.edge.audio import check_audio
 from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
+from diffusiond.daemon.edge.pictures import PictureBody
 from diffusiond.daemon.edge.sizes import ModelLike, check_side, check_steps
 from diffusiond.daemon.edge.trajectory import TrajectoryBody, check_trajectory
 from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
@@ -104,6 +105,7 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     mask: str | None = None
     mask_path: str | None = None
     strength: float | None = None
+    images: list[str | PictureBody] | None = None  # several input pictures for one edit (daemon/edge/pictures.py)
     control: list[ControlBody] | None = None  # ControlNets and their images (daemon/edge/controls.py)
     ip_adapter: list[IpAdapterBody] | None = None  # IP-Adapters and their reference images (edge/ip_adapters.py)
     upscale: UpscaleBody | None = None  # post-processing and a second pass (daemon/edge/upscale.py)

@@ -226,6 +226,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
+            "max_input_images": m.capabilities.max_input_images,  # pictures one edit takes (``images``, issue 30)
             "min_size": side_floor(m, engine.config.limits), "min_steps": m.capabilities.min_steps,
             "defaults": defaults(m.capabilities) if m.known else None,  # a placeholder's would be generic
             "previews": m.capabilities.previews,

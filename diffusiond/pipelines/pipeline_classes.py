@@ -1,0 +1,75 @@
+"""Which diffusers pipeline classes diffusiond serves, and as what task: decided from the class alone (its name and
+its ``__call__``'s arguments), before any weights load, so that a folder we cannot drive is refused at once with why.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from diffusiond.pipelines.base import PipelineError, Task
+from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, NOT_SERVED
+
+# Class-name fragments of pipelines that need an input image/video/mask or produce something
+# other than plain pictures: they cannot serve a prompt-only request.
+_REFUSED_FRAGMENTS = (
+    "Img2Img",
+    "Image2Image",
+    "ImageToImage",
+    "Inpaint",
+    "ImageToVideo",
+    "Image2Video",
+    "VideoToVideo",
+    "Video2Video",
+    "I2V",
+    "Control",
+    "Upscale",
+    "Pix2Pix",
+    "Depth2Img",
+    "Variation",
+    "Edit",
+    "Transfer",
+    "LDM3D",
+    "Audio",
+)
+# ``__call__`` arguments that mean "this pipeline needs an input besides the prompt".
+_INPUT_ARGS = frozenset({"image", "mask_image", "control_image", "video", "image_embeds", "init_image", "conditions"})
+# What a prompt-only pipeline we can drive (size, steps, per-step stop) must accept.
+_REQUIRED_ARGS = frozenset({"prompt", "height", "width", "num_inference_steps", "callback_on_step_end"})
+FRAME_ARGS = ("num_frames", "video_length")
+
+
+def call_args(cls: type) -> frozenset[str]:
+    """Names ``cls.__call__`` accepts; how we adapt to each pipeline's own signature."""
+    try:
+        return frozenset(inspect.signature(cls.__call__).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def task_for_class(cls: type) -> Task:
+    """Decide from the class alone (before any weights load) whether and how we can serve it."""
+    name = cls.__name__
+    if why := next((w for fragment, w in NOT_SERVED.items() if fragment in name), None):
+        raise PipelineError(f"pipeline class {name} is not served yet: {why}")
+    args = call_args(cls)
+    for fragments, needs, task in EDIT_CLASSES:
+        if any(f in name for f in fragments) and needs <= args and _REQUIRED_ARGS - {"height", "width"} <= args:
+            return task
+    needs_input = sorted(_INPUT_ARGS & args)
+    missing = sorted(_REQUIRED_ARGS - args)
+    fragment = next((f for f in _REFUSED_FRAGMENTS if f in name), None)
+    if fragment or needs_input or missing:
+        why = (
+            f"its name marks it as a {fragment!r} pipeline"
+            if fragment
+            else f"it needs inputs besides the prompt ({', '.join(needs_input)})"
+            if needs_input
+            else f"its __call__ lacks {', '.join(missing)}"
+        )
+        raise PipelineError(
+            f"pipeline class {name} is not a text-to-image or text-to-video pipeline ({why}); "
+            "diffusiond serves prompt-only generation: use the model's text-to-image/video variant"
+        )
+    if "Video" in name or any(a in args for a in FRAME_ARGS):
+        return Task.TEXT_TO_VIDEO
+    return Task.TEXT_TO_IMAGE

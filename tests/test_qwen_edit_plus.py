@@ -1,0 +1,99 @@
+"""Qwen-Image-Edit Plus (2509/2511) served by a real daemon (issue 30): the tiny QwenImageEditPlusPipeline of
+tests/qwenkit.py, saved as a release's folder and loaded through the daemon's own folder loader, edits from the
+several pictures a job's ``images`` sends; beside it the single-picture Qwen-Image-Edit, which refuses them.
+"""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from daemonkit import Daemon, http, shared_daemon
+from qwenkit import build_qwen_edit
+from test_edits import blocky, png_bytes
+from test_image_tasks import job
+from test_qwen_edit import edited
+
+W, H = 64, 96  # the pictures' size, taller than wide
+W2, H2 = 96, 64  # another picture's, wider than tall
+
+
+@pytest.fixture(scope="module")
+def plus_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("qwen-plus-folders")
+    plus, one = build_qwen_edit(root / "plus", plus=True), build_qwen_edit(root / "one")
+    args = ["--model", f"qwen-plus={plus}", "--model", f"qwen-edit={one}", "--workers", "1", "--job-timeout", "120"]
+    with shared_daemon(tmp_path_factory.mktemp("qwen-plus"), args, model_cache) as d:
+        yield d
+
+
+def picture(seed: int, w: int = W, h: int = H) -> str:
+    return base64.b64encode(png_bytes(blocky(seed, max(w, h))[:h, :w])).decode()
+
+
+BASE: dict[str, Any] = {"model": "qwen-plus", "prompt": "put the cat of Picture 1 on the sofa of Picture 2",
+                        "steps": 2, "seed": 3, "guidance_scale": 4.0, "output_format": "npy"}
+
+
+async def test_the_plus_model_is_listed_with_how_many_pictures_an_edit_takes(plus_daemon: Daemon) -> None:
+    async with http(plus_daemon.socket) as s, s.get("/v1/models") as r:
+        listed = {m["id"]: m for m in (await r.json())["data"]}
+    assert (listed["qwen-plus"]["task"], listed["qwen-plus"]["max_input_images"]) == ("instruction-edit", 3)
+    assert listed["qwen-edit"]["max_input_images"] == 1
+
+
+async def test_an_edit_from_two_pictures_takes_the_last_ones_size_and_their_order_matters(
+        plus_daemon: Daemon) -> None:
+    async with http(plus_daemon.socket) as s:
+        first = await edited(s, {**BASE, "images": [picture(1), picture(2)]})
+        swapped = await edited(s, {**BASE, "images": [picture(2), picture(1)]})
+        # the size is the last picture's (as the pipeline's own rule), whatever the first one's
+        wide = await edited(s, {**BASE, "images": [{"image": picture(1)}, picture(5, W2, H2)]})
+    assert first.shape[:2] == swapped.shape[:2] == (H, W), first.shape
+    assert not np.array_equal(first, swapped)
+    assert wide.shape[:2] == (H2, W2), wide.shape
+
+
+async def test_the_plus_model_edits_from_image_alone_and_refuses_what_it_cannot_take(plus_daemon: Daemon) -> None:
+    async with http(plus_daemon.socket) as s:
+        one = await edited(s, {**BASE, "prompt": "make it red", "image": picture(1)})
+        refusals = {
+            "images": await job(s, {**BASE, "model": "qwen-edit", "images": [picture(1), picture(2)]}),
+            "too many": await job(s, {**BASE, "images": [picture(k) for k in range(4)]}),
+            "both": await job(s, {**BASE, "image": picture(1), "images": [picture(2)]}),
+            "empty": await job(s, {**BASE, "images": []}),
+            "unreadable": await job(s, {**BASE, "images": [picture(1), base64.b64encode(b"not a png").decode()]}),
+        }
+    assert one.shape[:2] == (H, W)
+    statuses = {k: (status, body["error"]["field"]) for k, (status, body) in refusals.items()}
+    assert statuses == {"images": (400, "images"), "too many": (400, "images"), "both": (400, "image"),
+                        "empty": (400, "images"), "unreadable": (400, "images[1]")}, refusals
+    assert "takes one input image; send it as image" in refusals["images"][1]["error"]["message"]
+
+
+def test_the_cli_sends_repeated_image_flags_and_the_client_images_as_one_edit(plus_daemon: Daemon,
+                                                                              tmp_path: Path) -> None:
+    """``--image`` twice is one edit from two pictures (not two edits), as the client's ``images=``: the same
+    request, so the same pixels."""
+    from PIL import Image
+
+    from diffusiond import Client
+
+    for k in (1, 2):
+        (tmp_path / f"{k}.png").write_bytes(base64.b64decode(picture(k)))
+    out = tmp_path / "out.png"
+    r = subprocess.run([sys.executable, "-m", "diffusiond", "generate", BASE["prompt"], "--socket",
+                        str(plus_daemon.socket), "--model", "qwen-plus", "--image", str(tmp_path / "1.png"), "--image",
+                        str(tmp_path / "2.png"), "--steps", "2", "--seed", "3", "--guidance", "4", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    with Client(str(plus_daemon.socket)) as c:
+        (array,) = c.generate(BASE["prompt"], model="qwen-plus", images=[tmp_path / "1.png", picture(2)], steps=2,
+                              seed=3, guidance_scale=4.0, output="array")
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), array)
