@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,10 @@ def test_a_budget_that_holds_one_model_serves_all_three_with_the_same_bytes(
             assert 'diffusiond_model_evictions_total{model="a",reason="room"}' in metrics
 
     asyncio.run(go())
+    # each move names its time, so a slow alternation says whether the moves or the waits cost it (issue 27)
+    log = d.log()
+    assert re.search(r"\b[abc] left device for (host|disk) in \d+ ms", log), log[-3000:]
+    assert re.search(r"\b[abc] loaded from (host|disk) in \d+ ms", log), log[-3000:]
 
 
 def test_keep_alive_takes_an_idle_model_off_its_device_and_a_job_brings_it_back(

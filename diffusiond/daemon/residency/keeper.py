@@ -428,6 +428,7 @@ class Keeper:
                 ondemand.load_failed(self, model, str(exc))
         else:
             self.policy.loaded(name, time.monotonic())
+            log.info("%s loaded from %s in %.0f ms", name, src, (time.monotonic() - t0) * 1000)
             self.metrics.model_loads_total.labels(name).inc()
             self.metrics.model_load_seconds.observe(time.monotonic() - t0)
             self.moving.discard(name)

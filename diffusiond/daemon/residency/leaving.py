@@ -120,6 +120,7 @@ async def carry(k: Keeper, model: Model, move: Move) -> None:
     """A booked move off the device or out of host memory (``Keeper._book``): SLEEP to host memory, else the
     workers stop; its end, or its failure, is told to the policy and ends the model's turn hold."""
     name = model.name
+    t0 = time.monotonic()
     try:
         if move.dst == "host":
             await k.pool.sleep_model(model)
@@ -134,6 +135,7 @@ async def carry(k: Keeper, model: Model, move: Move) -> None:
     else:
         kept = k.policy.kept(name) if move.dst == "disk" else 0  # its workers stopped: their copy went with them
         k.policy.unloaded(move)
+        log.info("%s left %s for %s in %.0f ms", name, move.src, move.dst, (time.monotonic() - t0) * 1000)
         k.metrics.kept_released("disk", kept)
         k.metrics.model_evictions_total.labels(name, reason_label(move.reason)).inc()
     finally:
