@@ -14,12 +14,19 @@ from diffusiond.pipelines.phases import Phases
 log = logging.getLogger("diffusiond.worker")
 
 _MAIN_AGE: float | None = None  # the age at ``main``: the interpreter and this module's imports (torch) were done
+_FORKED = False  # forked from the template (``template.py``): the imports were done there, before the fork
 
 
 def at_main() -> None:
     """Called first thing in the worker's ``main``: what came before it was the interpreter and the imports."""
     global _MAIN_AGE
     _MAIN_AGE = _age_s()
+
+
+def forked() -> None:
+    """Called by the template in a child it forked, before the worker's ``main``: its process started at the fork."""
+    global _FORKED
+    _FORKED = True
 
 
 def _age_s() -> float | None:
@@ -41,7 +48,12 @@ class StartPhases(Phases):
     def __init__(self) -> None:
         super().__init__()
         age = _age_s()
-        if age is not None and _MAIN_AGE is not None:
+        if age is not None and _FORKED:  # the child's start time is the fork's
+            import torch  # imported by the template; its threads are the OMP_NUM_THREADS the engine gave this worker
+
+            self.parts.append(f"forked from the template (imports done there, {torch.get_num_threads()} math "
+                              f"threads), fork to INIT {age * 1000:.0f} ms")
+        elif age is not None and _MAIN_AGE is not None:
             waited = (age - _MAIN_AGE) * 1000
             self.parts.append(f"interpreter and imports (torch) {_MAIN_AGE * 1000:.0f} ms, "
                               f"diffusers' utilities and INIT {waited:.0f} ms")
