@@ -136,8 +136,8 @@ class WorkerHandle:
             spec = self.config.model_spec
             raise WorkerStartError(f"{self.name} did not load {spec!r} within {timeout:.0f}s") from None
         self.state = WorkerState.READY
-        log.info("%s ready: %s on %s in %.0f ms", self.name, self.ready.model_name, self.ready.device,
-                 self.ready.load_ms)
+        log.info("%s ready: %s on %s in %.0f ms, %.0f ms after its spawn", self.name, self.ready.model_name,
+                 self.ready.device, self.ready.load_ms, (time.monotonic() - self.started_at) * 1000)
         return self.ready
 
     def kill(self) -> None:
