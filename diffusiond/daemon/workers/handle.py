@@ -119,6 +119,10 @@ class WorkerHandle:
                 self.proc = await self.template.fork(self.env, level, theirs.fileno(), timeout)
                 if self.proc is not None:
                     log.info("%s forked from the worker template", self.name)
+                else:  # a child of a template that broke mid-fork may hold this pair: a new one
+                    mine.close()
+                    theirs.close()
+                    mine, theirs = socketpair()
             if self.proc is None:
                 self.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
