@@ -56,9 +56,9 @@ def _imports(libraries: bool, quiet: bool) -> None:
 
     import diffusiond.worker.process  # noqa: F401 - the worker's own modules
 
-    if libraries:
-        if quiet:
-            startup.quiet_libraries()
+    if quiet:  # as the worker's main does for any model: diffusers' utilities (torch._dynamo with them)
+        startup.quiet_libraries()
+    if libraries:  # as its start does for a model that is not synthetic
         startup.import_libraries()
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised during the imports; a forked worker could not use it")
@@ -81,15 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     nvml_before = os.environ.get(_NVML_CHECK)
     os.environ[_NVML_CHECK] = "1"
     t0 = time.perf_counter()
+    quiet = logging.getLogger().getEffectiveLevel() > logging.DEBUG
     try:
-        _imports(args.libraries, logging.getLogger().getEffectiveLevel() > logging.DEBUG)
+        _imports(args.libraries, quiet)
     except Exception as exc:
         log.debug("the template's imports failed", exc_info=True)
         sock.send(encode(Status(False, f"{type(exc).__name__}: {exc}", os.getpid())))
         return 1
     sock.send(encode(Status(True, pid=os.getpid())))
-    log.info("ready in %.0f ms (torch%s imported); workers are forked from here",
-             (time.perf_counter() - t0) * 1000, ", diffusers, transformers" if args.libraries else "")
+    log.info("ready in %.0f ms (torch%s imported); workers are forked from here", (time.perf_counter() - t0) * 1000,
+             ", diffusers' utilities" * quiet + ", diffusers' and transformers' models" * args.libraries)
     return _serve(sock, nvml_before)
 
 
