@@ -1,6 +1,7 @@
 """Workers forked from the pre-imported template (issue 27's cold start), on a real daemon with the tiny model.
 
-One daemon for the module, its first worker's copies slowed (a test fault, first workers only) so a job can be
+One daemon for the module (a second model on disk, so each CPU worker's share of the cores is not all of
+them), its first worker's copies slowed (a test fault, first workers only) so a job can be
 caught mid-copy; the tests run in order: a forked worker serves, one killed mid-job is replaced by a fork, and
 with the template killed, workers start as fresh interpreters and jobs go on.
 """
@@ -29,7 +30,8 @@ FAST = {"prompt": "a fox", "width": 64, "height": 64, "steps": 2, "seed": 1}
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
     with shared_daemon(tmp_path_factory.mktemp("template"),
-                       ["--model", "tiny", "--preimport", "on", "--no-persist", "--test-fault", "copy_delay_ms=2000"],
+                       ["--model", "tiny", "--model", "b=tiny", "--preload", "tiny", "--preimport", "on",
+                        "--no-persist", "--test-fault", "copy_delay_ms=2000"],
                        model_cache) as d:
         yield d
 
@@ -65,8 +67,9 @@ async def test_a_job_runs_on_a_worker_forked_from_the_template(daemon: Daemon) -
     assert _parent(pid) == template and daemon.worker_pids() == [pid]
     log = daemon.log()
     assert f"(pid {pid}, cpu) forked from the worker template" in log
-    # the env override the pool gives a CPU worker (its share of the cores) reached the forked worker's torch
-    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+    # the env override the pool gives a CPU worker (its share of the cores: two models on cpu, b on disk) reached
+    # the forked worker's torch, which had read its threads at import, in the template
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
     assert re.search(rf"worker\[{pid}\] .*forked from the template \(imports done there, {threads} math threads\), "
                      r"fork to INIT \d+ ms", log), log
 
