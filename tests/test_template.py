@@ -22,6 +22,7 @@ from daemonkit import Daemon, gone, http, shared_daemon, wait_job
 
 from diffusiond.cli import main
 from diffusiond.daemon.config import ConfigError, build_config
+from diffusiond.daemon.workers.template import enabled
 from diffusiond.ipc.template import Exited, Fork, Forked, Status, decode_reply, decode_request, encode
 
 FAST = {"prompt": "a fox", "width": 64, "height": 64, "steps": 2, "seed": 1}
@@ -131,5 +132,8 @@ def test_preimport_refuses_values_it_does_not_know(capsys: Any) -> None:
         build_config({"preimport": "maybe"}, {})
     assert build_config({"preimport": "off"}, {}).preimport == "off"
     assert build_config({}, {}).preimport == "auto"
+    # auto forks CPU workers only until the fork has run on a GPU; on forks every worker, off none
+    assert [enabled(p, d) for p in ("auto", "on", "off") for d in ("cpu", "cuda:0")] == [
+        True, False, True, True, False, False]
     assert main(["serve", "--preimport", "maybe"]) == 2
     assert "argument --preimport: invalid choice: 'maybe'" in capsys.readouterr().err
