@@ -67,7 +67,7 @@ SERVE_FIELDS = (
     "preview_decoder", "controlnet", "ip_adapter", "upscaler",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
     "keep_alive", "max_keep_alive", "device_memory", "host_memory", "pin", "offload",
-    "reserve_memory", "preload", "max_model_wait",
+    "reserve_memory", "preload", "max_model_wait", "preimport",
 )  # fmt: skip
 """Flags of ``serve`` that map one to one onto DaemonConfig fields (see daemon/config.py)."""
 
@@ -298,6 +298,11 @@ def _add_serve(sub: Any) -> None:
         help="what of every model stays on its device: none, model, group (blocks streamed in), sequential, "
              "stream (the blocks --device-memory has room for stay, the rest stream through a ring), or "
              "auto (the fastest that fits --device-memory, from the files' headers; see diffusiond fit)")
+    add("--preimport", choices=("auto", "on", "off"),
+        help="fork workers from a template process that imported torch, diffusers and transformers once, as the "
+             "daemon started, rather than start each as a fresh interpreter (seconds of imports on every model "
+             "load and restart): on, off, or auto (default: CPU workers only; not yet run on a GPU, so CUDA "
+             "workers start fresh until it has)")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)

@@ -5,6 +5,7 @@
 #   ALT_REQUESTS=16 timeout 585 scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack   (~560 s)
 #   timeout 585 scripts/gpu_round3.sh setup stream-test pack      (then, in a call of its own: setup stream pack)
 #   timeout 120 scripts/gpu_round3.sh setup imports pack   (issue 27: where the worker's 13 s of imports go)
+#   timeout 585 scripts/gpu_round3.sh setup cold-template pack   (issue 27: --preimport on against off on CUDA; not run yet)
 #   timeout 585 scripts/gpu_round3.sh setup hostkeep-test pack   (issue 27: HostCopy.release on CUDA; not run yet)
 #   BIG_CONFIGS=resident,stream,fp8-mm,fp8-wo timeout 585 scripts/gpu_round3.sh setup stream wan12 pack   (issue 28:
 #     stream and FLUX in fp8 against resident at 24 GiB, then Wan 1.3B 832x480x81 inside 12 GiB)
@@ -47,6 +48,14 @@ for s in "$@"; do
       step sd15-folder 100 python3 scripts/bench_presets.py --preset random:sd15 --dtype float16 --save 1 --steps 4 \
         --cache $cache
       step cold 150 python3 scripts/bench_cold.py --folder $cache/models/random-sd15-v1 --starts 3 ;;
+    cold-template)  # issue 27: workers forked from the pre-imported template (--preimport on) against fresh
+      # interpreters (off) on CUDA, the start and a second model loaded on demand (the same folder); not run yet
+      [ -d $cache/models/random-sd15-v1 ] || step sd15-folder 100 python3 scripts/bench_presets.py --preset random:sd15 \
+        --dtype float16 --save 1 --steps 4 --cache $cache
+      for p in off on; do
+        step cold-template-$p 200 python3 scripts/bench_cold.py --folder $cache/models/random-sd15-v1 \
+          --second $cache/models/random-sd15-v1 --preimport $p --starts 2
+      done ;;
     trajectory-sd15)  # issue 29: rollouts with trajectories against without, same sampler
       step trajectory-sd15 150 python3 scripts/bench_ab.py --label "sd15 ddim eta=1 512 20 steps" \
         --serve "--model m=random:sd15,save=0 --device cuda --dtype float16 --max-batch 1" \

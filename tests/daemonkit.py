@@ -122,18 +122,37 @@ class Daemon:
             self._log.close()
 
     def worker_pids(self) -> list[int]:
-        """Children of the daemon process (its workers), from /proc."""
+        """The daemon's workers, from /proc: its children, and the children of its worker template (issue 27),
+        which forks them."""
         assert self.proc is not None
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                            pids.append(int(entry))
-                except (OSError, IndexError, ValueError):
-                    continue
-        return pids
+        template = self.template_pid()
+        return [p for p in _children(self.proc.pid) if p != template] + (_children(template) if template else [])
+
+    def template_pid(self) -> int | None:
+        """The worker template's pid (``--preimport``), None when the daemon has none."""
+        assert self.proc is not None
+        return next((p for p in _children(self.proc.pid) if "diffusiond.worker.template" in _cmdline(p)), None)
+
+
+def _children(pid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        pids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def sigkill(d: Daemon) -> None:

@@ -52,6 +52,7 @@ from diffusiond.protocol import COMPILE_MODES, LOG_LEVELS, MODEL_DTYPES, OUTPUT_
 from diffusiond.protocol import default_socket_path as default_socket_path  # re-exported: the daemon's own home
 
 STATE_SYNC = ("normal", "full")
+PREIMPORT = ("auto", "on", "off")
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> str:
@@ -149,6 +150,9 @@ class DaemonConfig:
     state_fault: str = ""  # test-only fault injection in the state dir (see state/faults.py)
     # "normal": an accepted job survives any crash of the daemon; "full": a power cut too (an fsync per job)
     state_sync: str = "normal"
+    # Workers forked from a template that did their imports once (issue 27's cold start; workers/template.py):
+    # on, off, or auto (CPU workers only until the fork has run on a GPU).
+    preimport: str = "auto"
 
     # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).
     input_dir: str | None = None
@@ -260,6 +264,8 @@ class DaemonConfig:
                               "AutoencoderTiny folder (with its config.json), or leave it out for built-in previews")
         if self.state_sync not in STATE_SYNC:
             raise ConfigError(f"state_sync {self.state_sync!r} is not one of {', '.join(STATE_SYNC)}")
+        if self.preimport not in PREIMPORT:
+            raise ConfigError(f"preimport {self.preimport!r} is not one of {', '.join(PREIMPORT)}")
         if self.retention_check_s <= 0:
             raise ConfigError(f"retention_check_s must be positive, got {self.retention_check_s}")
         if self.limits.max_upload_bytes < 1 or self.limits.max_input_pixels < 1:

@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+import diffusiond.daemon.workers.template as templates
 from diffusiond import __version__
 from diffusiond.daemon import systemd
 from diffusiond.daemon.config import DaemonConfig
@@ -324,6 +325,7 @@ def serve(config: DaemonConfig) -> int:
         format="%(asctime)s diffusiond[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("aiohttp.server").addFilter(ClientErrorLog())
+    templates.spawn(config)  # first: its imports go on while the daemon starts (issue 27)
     import uvloop
 
     try:

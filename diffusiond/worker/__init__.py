@@ -1,4 +1,5 @@
-"""The worker process: one per (model, device), spawned by the engine, connected by one channel.
+"""The worker process: one per (model, device), spawned by the engine or forked from its template
+(``template.py``, issue 27), connected by one channel.
 
 A process of its own so that torch, CUDA and a model's crash stay out of the engine: a worker that
 dies or hangs is replaced, and every job it held ends with the reason (daemon/workers/pool.py).

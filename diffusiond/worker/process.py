@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+import diffusiond.worker.startup as startup
 from diffusiond.ipc import cuda_host
 from diffusiond.ipc.arena import Arena
 from diffusiond.ipc.channel import Channel
@@ -194,7 +195,7 @@ class Worker:
             faults = Faults.parse(config.fault)
             if faults.frame is not None:
                 self.channel.encoder = tamper(self.channel.encoder, *faults.frame)
-        phases = _Phases()
+        phases = startup.StartPhases()
         is_cuda = config.device.startswith("cuda")
         self.state.trace_gpu = config.trace_gpu and is_cuda
         if is_cuda:
@@ -213,7 +214,7 @@ class Worker:
         t0 = time.perf_counter()
         progress = _Progress(self.channel.post_threadsafe, faults.load_delay_ms if faults is not None else 0)
         if not is_synthetic(config.model_spec):
-            await asyncio.to_thread(_import_libraries)
+            await asyncio.to_thread(startup.import_libraries)
             phases.mark("imports (diffusers, transformers)")
         try:
             pipeline = await asyncio.to_thread(self._load, config, progress)
@@ -404,79 +405,19 @@ class _StartError(Exception):
     """A start-up failure whose message already says what failed."""
 
 
-def _age_s() -> float | None:
-    """This process's age (Linux: its start in clock ticks after boot), None where it cannot be read."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rpartition(")")[2].split()[19])
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_MAIN_AGE: float | None = None  # the age at ``main``: the interpreter and this module's imports (torch) were done
-
-
-class _Phases(Phases):
-    """The worker's start: the process's own start first (the interpreter and its imports, torch's CUDA libraries
-    among them, then the wait for INIT), then each step of ``_start``; a diffusers model's load is broken down in
-    brackets (``load_phases``). A cold start's seconds must be named to be cut (issue 27's cold start)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        age = _age_s()
-        if age is not None and _MAIN_AGE is not None:
-            waited = (age - _MAIN_AGE) * 1000
-            self.parts.append(f"interpreter and imports (torch) {_MAIN_AGE * 1000:.0f} ms, "
-                              f"diffusers' utilities and INIT {waited:.0f} ms")
-        elif age is not None:
-            self.parts.append(f"spawn to init {age * 1000:.0f} ms")
-
-    def report(self, model: str) -> None:
-        self.mark("warm-up")
-        log.info("%s ready in %.0f ms: %s", model, self.total_ms(), self)
-
-
-def _quiet_libraries() -> None:
-    """Progress bars and deprecation chatter from the model libraries would flood the daemon's
-    log (the journal, under systemd) at every worker start; keep them for --log-level debug."""
-    import warnings
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    try:
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
-def _import_libraries() -> None:
-    """diffusers' and transformers' model modules, imported as a phase of their own: on a GPU host they were most of
-    a cold start's unnamed seconds (with torchao installed, diffusers imports it too). Any load needs them."""
-    import diffusers.models.modeling_utils  # noqa: F401
-    import transformers.modeling_utils  # noqa: F401
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffusiond-worker", description="diffusiond worker (spawned by the engine)")
     parser.add_argument("--fd", type=int, required=True, help="inherited channel socket fd")
     parser.add_argument("--log-level", default=os.environ.get("DIFFUSIOND_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
-    global _MAIN_AGE
-    _MAIN_AGE = _age_s()
+    startup.at_main()
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
     )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        _quiet_libraries()
+        startup.quiet_libraries()
     # The engine handles SIGINT/SIGTERM for the process group and tells us to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)

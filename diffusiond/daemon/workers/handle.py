@@ -6,9 +6,10 @@ worker's arena read-only once (from HELLO), maps dedicated output buffers as the
 the frames that concern jobs to the engine, and turns every way a worker can end (exit code,
 signal, protocol error, FATAL) into one sentence handed to ``on_lost`` exactly once.
 
-Workers are started with ``sys.executable -m diffusiond.worker --fd N``: a fresh
-interpreter (never a fork of a process that may hold CUDA state), configured by an INIT frame
-(no pickle, no command-line encoding of the config).
+Workers are forked from the template (``template.py``: imports done, CUDA never initialised) where
+``--preimport`` says so, else started with ``sys.executable -m diffusiond.worker --fd N``: a fresh
+interpreter, never a fork of a process that may hold CUDA state. Either way an INIT frame configures
+it (no pickle, no command-line encoding of the config).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from diffusiond.daemon.workers.link import Command, FrameCallback, LostCallback, WorkerStartError
+from diffusiond.daemon.workers.template import ForkedProcess, Template
 from diffusiond.ipc.arena import MappedView, is_sealed
 from diffusiond.ipc.channel import Channel, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError
@@ -70,14 +72,16 @@ class WorkerHandle:
         on_frame: FrameCallback,
         on_lost: LostCallback,
         env: dict[str, str] | None = None,
+        template: Template | None = None,
     ) -> None:
         self.config = config
         self.env = env or {}
+        self.template = template
         self.id = config.worker_id
         self.on_frame = on_frame
         self.on_lost = on_lost
         self.state = WorkerState.STARTING
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | ForkedProcess | None = None
         self.channel: Channel | None = None
         self.arena: MappedView | None = None
         self.dedicated: dict[int, MappedView] = {}
@@ -110,10 +114,20 @@ class WorkerHandle:
         mine, theirs = socketpair()
         env = {**os.environ, **self.env}
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
-                pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
-            )
+            if self.template is not None and self.template.serves(self.config.device):
+                level = self.env.get("DIFFUSIOND_LOG_LEVEL", "INFO")
+                self.proc = await self.template.fork(self.env, level, theirs.fileno(), timeout)
+                if self.proc is not None:
+                    log.info("%s forked from the worker template", self.name)
+                else:  # a child of a template that broke mid-fork may hold this pair: a new one
+                    mine.close()
+                    theirs.close()
+                    mine, theirs = socketpair()
+            if self.proc is None:
+                self.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
+                    pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
+                )
         finally:
             theirs.close()
         self.channel = Channel(mine, name=f"worker {self.id}")
@@ -126,8 +140,8 @@ class WorkerHandle:
             spec = self.config.model_spec
             raise WorkerStartError(f"{self.name} did not load {spec!r} within {timeout:.0f}s") from None
         self.state = WorkerState.READY
-        log.info("%s ready: %s on %s in %.0f ms", self.name, self.ready.model_name, self.ready.device,
-                 self.ready.load_ms)
+        log.info("%s ready: %s on %s in %.0f ms, %.0f ms after its spawn", self.name, self.ready.model_name,
+                 self.ready.device, self.ready.load_ms, (time.monotonic() - self.started_at) * 1000)
         return self.ready
 
     def kill(self) -> None:
@@ -306,7 +320,7 @@ class WorkerHandle:
             rc = await self.proc.wait()
         was = self.state
         self.state = WorkerState.DEAD
-        parts = [f"{self.name} {describe_exit(rc)}"]
+        parts = [f"{self.name} {getattr(self.proc, 'exit_note', '') or describe_exit(rc)}"]
         if isinstance(reason, ProtocolError):
             parts.append(f"after a protocol error on its channel: {reason}")
         if self.fatal:

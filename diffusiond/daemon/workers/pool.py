@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import diffusiond.daemon.workers.template as templates
 from diffusiond.daemon.config import DaemonConfig, ModelConfig, compile_cache_dir
 from diffusiond.daemon.errors import ModelNotFound, PowerFailed, WorkerUnavailable
 from diffusiond.daemon.metrics import Metrics
@@ -41,8 +43,8 @@ Prepare = Callable[["Model", WorkerLink], Awaitable[None]]
 
 
 def spawn_process(config: WorkerConfig, env: dict[str, str], on_frame: FrameCallback,
-                  on_lost: LostCallback) -> WorkerLink:
-    return WorkerHandle(config, on_frame=on_frame, on_lost=on_lost, env=env)
+                  on_lost: LostCallback, template: templates.Template | None = None) -> WorkerLink:
+    return WorkerHandle(config, on_frame=on_frame, on_lost=on_lost, env=env, template=template)
 
 
 @dataclass(eq=False)
@@ -107,7 +109,9 @@ class WorkerPool:
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._on_ready = on_ready
-        self._spawn = spawn
+        # the worker template ``diffusiond serve`` started (workers/template.py), for real processes only
+        self.template = templates.claim() if spawn is spawn_process else None
+        self._spawn = spawn if self.template is None else functools.partial(spawn_process, template=self.template)
         # what a started worker must get before its first batch (the live weight updates it missed);
         # while it runs the worker is in ``preparing`` and takes no batch (Flights.dispatch)
         self._prepare = prepare
@@ -155,6 +159,8 @@ class WorkerPool:
                              return_exceptions=True)
         for t in list(self._tasks):
             t.cancel()
+        if self.template is not None:
+            await self.template.close()
 
     def _keep(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

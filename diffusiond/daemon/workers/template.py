@@ -1,0 +1,254 @@
+"""The engine's end of the worker template (issue 27's cold start; the process is ``worker/template.py``).
+
+A worker started as a fresh interpreter spends seconds importing torch, diffusers and transformers before it
+reads a byte of its model (~13 s on an H100 host), on every start: the first model, each model loaded on demand
+after it left for disk, each restart after a crash. The template does those imports once, as the daemon starts,
+and forks each worker from there (gunicorn's ``preload_app``, Android's zygote).
+
+``spawn`` starts it as ``diffusiond serve`` begins, so its imports and the daemon's start go on side by side;
+the pool ``claim``s it. ``Template.fork`` hands it a worker's channel socket and gets back a ``ForkedProcess``, the
+part of ``asyncio.subprocess.Process`` that ``WorkerHandle`` uses. Whenever the template cannot serve (it said
+it is unusable, it died, a fork failed) ``fork`` returns None, the reason is logged once, and the handle spawns
+the worker as a fresh interpreter, as without it: nothing waiting on a worker start is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import msgspec
+
+from diffusiond.daemon.config import DaemonConfig
+from diffusiond.ipc.template import MAX_MESSAGE, Exited, Fork, Forked, Status, decode_reply, encode, socketpair
+from diffusiond.pipelines.spec import is_synthetic
+
+log = logging.getLogger(__name__)
+
+FORK_TIMEOUT_S = 30.0  # a fork answers in milliseconds; past this the template is wedged
+
+
+def enabled(preimport: str, device: str) -> bool:
+    """``auto`` forks CPU workers only: forking workers that then initialise CUDA has not run on a GPU yet (issue
+    27: the next GPU session measures it, and ``auto`` turns on for CUDA once it passes there)."""
+    return preimport == "on" or (preimport == "auto" and device == "cpu")
+
+
+class ForkedProcess:
+    """A worker the template forked: its pid, its exit (from the template's EXITED), ``kill`` and ``wait``.
+
+    A pidfd names the process itself, so ``kill`` never hits a reused pid; it also tells when the process ended
+    after the template died (no EXITED can come then, and ``exit_note`` says the status is unknown).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.exit_note = ""
+        self._done = asyncio.Event()
+        self._pidfd: int | None = None
+        self._orphaned = False
+        with contextlib.suppress(OSError, AttributeError):  # no pidfd (old kernel): kill by pid, EXITED only
+            self._pidfd = os.pidfd_open(pid)
+
+    def kill(self) -> None:
+        if self.returncode is not None:
+            return
+        if self._pidfd is not None:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        else:
+            os.kill(self.pid, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        await self._done.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def exited(self, returncode: int, note: str = "") -> None:
+        if self.returncode is not None:
+            return
+        self.returncode, self.exit_note = returncode, note
+        if self._pidfd is not None:
+            if self._orphaned:
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._done.set()
+
+    def orphan(self, why: str) -> None:
+        """The template died: this worker runs on, and its end is seen on its pidfd, its status unknown."""
+        note = f"ended; its exit status is unknown ({why})"
+        if self._pidfd is None:
+            self.exited(255, note)
+            return
+        self._orphaned = True
+        asyncio.get_running_loop().add_reader(self._pidfd, self.exited, 255, note)
+
+
+class Template:
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, preimport: str) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.preimport = preimport
+        self.children: dict[int, ForkedProcess] = {}
+        self.broken: str | None = None  # why it no longer forks; logged once
+        self._status: asyncio.Future[Status] | None = None
+        self._replies: dict[int, asyncio.Future[Forked]] = {}
+        self._seq = 0
+        self._lock: asyncio.Lock | None = None
+
+    def serves(self, device: str) -> bool:
+        return self.broken is None and enabled(self.preimport, device)
+
+    async def fork(self, env: dict[str, str], log_level: str, fd: int, timeout: float) -> ForkedProcess | None:
+        """A worker on ``fd`` forked from the template, or None (the reason logged once) to spawn it directly."""
+        if self.broken is not None:
+            return None
+        self._attach()
+        assert self._status is not None and self._lock is not None
+        try:
+            status = await asyncio.wait_for(asyncio.shield(self._status), timeout)
+        except TimeoutError:
+            self._break(f"its imports did not finish within {timeout:.0f}s")
+            return None
+        except ConnectionError as exc:
+            self._break(str(exc))
+            return None
+        if not status.ready:
+            self._break(f"it is unusable: {status.why}")
+            return None
+        async with self._lock:  # one FORK at a time: its fd and its answer go together
+            self._seq += 1
+            reply = asyncio.get_running_loop().create_future()
+            self._replies[self._seq] = reply
+            try:
+                socket.send_fds(self.sock, [encode(Fork(self._seq, env, log_level))], [fd])
+                forked = await asyncio.wait_for(reply, FORK_TIMEOUT_S)
+            except (OSError, TimeoutError) as exc:
+                self._break(f"a fork request failed: {type(exc).__name__}: {exc}")
+                return None
+            finally:
+                self._replies.pop(self._seq, None)
+        if not forked.pid:
+            log.warning("the worker template could not fork (%s); this worker starts as a fresh interpreter",
+                        forked.error)
+            return None
+        child = self.children[forked.pid] = ForkedProcess(forked.pid)
+        return child
+
+    def _attach(self) -> None:
+        if self._status is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._status, self._lock = loop.create_future(), asyncio.Lock()
+        self.sock.setblocking(False)
+        loop.add_reader(self.sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(MAX_MESSAGE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            data, why = b"", str(exc)
+        else:
+            why = "it died" if not data else ""
+        if not data:
+            self._break(why, gone=True)
+            return
+        try:
+            msg = decode_reply(data)
+        except msgspec.DecodeError as exc:
+            self._break(f"it sent an unreadable message: {exc}")
+            return
+        if isinstance(msg, Status):
+            if self._status is not None and not self._status.done():
+                self._status.set_result(msg)
+        elif isinstance(msg, Forked):
+            fut = self._replies.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, Exited):
+            child = self.children.pop(msg.pid, None)
+            if child is not None:
+                child.exited(msg.returncode)
+
+    def _break(self, why: str, *, gone: bool = False) -> None:
+        """Stop forking from it, say why once, and let its children run on without it."""
+        if gone and self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(1)  # its socket closed as it exited: the exit is a moment away
+        if gone and self.proc.returncode is not None and self.proc.returncode < 0:
+            why = f"it was killed by signal {signal.Signals(-self.proc.returncode).name}"
+        if self.broken is None:
+            self.broken = why
+            log.warning("the worker template (pid %d) stopped forking workers: %s; workers start as fresh "
+                        "interpreters from now on", self.proc.pid, why)
+        self._close_socket()
+        if self._status is not None and not self._status.done():
+            self._status.set_exception(ConnectionError(why))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(why))
+        for child in self.children.values():
+            child.orphan(f"the worker template it was forked from {why}")
+        self.children.clear()
+        if self.proc.poll() is None:
+            self.proc.kill()  # a template that no longer answers forks nothing again
+
+    def _close_socket(self) -> None:
+        if self.sock.fileno() < 0:
+            return
+        if self._status is not None:
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.sock.close()
+
+    async def close(self) -> None:
+        """The daemon stops: EOF on its socket ends the template; SIGKILL if it lingers."""
+        self.broken = self.broken or "the daemon stopped"
+        self._close_socket()
+        try:
+            await asyncio.to_thread(self.proc.wait, 5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+
+
+_SPAWNED: Template | None = None
+
+
+def spawn(config: DaemonConfig) -> None:
+    """Start the template for this daemon, if any worker of ``config`` is to be forked (``--preimport``).
+
+    Called by ``server.serve`` before the event loop starts, so the template's imports overlap the daemon's own
+    start; a failure to start it is logged and workers start as fresh interpreters."""
+    global _SPAWNED
+    if not any(enabled(config.preimport, d) for m in config.models for d in m.devices):
+        return
+    libraries = any(not is_synthetic(m.spec) for m in config.models)
+    mine, theirs = socketpair()
+    argv = [sys.executable, "-m", "diffusiond.worker.template", "--fd", str(theirs.fileno()),
+            "--log-level", config.log_level.upper(), *(["--libraries"] if libraries else [])]
+    try:
+        proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        log.warning("the worker template did not start (%s); workers start as fresh interpreters", exc)
+        mine.close()
+        return
+    finally:
+        theirs.close()
+    _SPAWNED = Template(proc, mine, config.preimport)
+
+
+def claim() -> Template | None:
+    """The template ``spawn`` started, handed over once (to the pool of this process's daemon)."""
+    global _SPAWNED
+    template, _SPAWNED = _SPAWNED, None
+    return template

@@ -1,0 +1,90 @@
+"""A worker's start before its model: the imports it needs and the log line that says where the time went.
+
+Apart from ``process`` so that the template (``template.py``, issue 27) runs the same imports before it forks
+workers, and a forked worker's start line tells its own story (no interpreter, no imports of its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from diffusiond.pipelines.phases import Phases
+
+log = logging.getLogger("diffusiond.worker")
+
+_MAIN_AGE: float | None = None  # the age at ``main``: the interpreter and this module's imports (torch) were done
+_FORKED = False  # forked from the template (``template.py``): the imports were done there, before the fork
+
+
+def at_main() -> None:
+    """Called first thing in the worker's ``main``: what came before it was the interpreter and the imports."""
+    global _MAIN_AGE
+    _MAIN_AGE = _age_s()
+
+
+def forked() -> None:
+    """Called by the template in a child it forked, before the worker's ``main``: its process started at the fork."""
+    global _FORKED
+    _FORKED = True
+
+
+def _age_s() -> float | None:
+    """This process's age (Linux: its start in clock ticks after boot), None where it cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartPhases(Phases):
+    """The worker's start: the process's own start first (the interpreter and its imports, torch's CUDA libraries
+    among them, then the wait for INIT), then each step of ``_start``; a diffusers model's load is broken down in
+    brackets (``load_phases``). A cold start's seconds must be named to be cut (issue 27's cold start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        age = _age_s()
+        if age is not None and _FORKED:  # the child's start time is the fork's
+            import torch  # imported by the template; its threads are the OMP_NUM_THREADS the engine gave this worker
+
+            self.parts.append(f"forked from the template (imports done there, {torch.get_num_threads()} math "
+                              f"threads), fork to INIT {age * 1000:.0f} ms")
+        elif age is not None and _MAIN_AGE is not None:
+            waited = (age - _MAIN_AGE) * 1000
+            self.parts.append(f"interpreter and imports (torch) {_MAIN_AGE * 1000:.0f} ms, "
+                              f"diffusers' utilities and INIT {waited:.0f} ms")
+        elif age is not None:
+            self.parts.append(f"spawn to init {age * 1000:.0f} ms")
+
+    def report(self, model: str) -> None:
+        self.mark("warm-up")
+        log.info("%s ready in %.0f ms: %s", model, self.total_ms(), self)
+
+
+def quiet_libraries() -> None:
+    """Progress bars and deprecation chatter from the model libraries would flood the daemon's
+    log (the journal, under systemd) at every worker start; keep them for --log-level debug."""
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def import_libraries() -> None:
+    """diffusers' and transformers' model modules, imported as a phase of their own: on a GPU host they were most of
+    a cold start's unnamed seconds (with torchao installed, diffusers imports it too). Any load needs them."""
+    import diffusers.models.modeling_utils  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401

@@ -1,0 +1,188 @@
+"""The pre-imported template the engine's workers are forked from (issue 27's cold start).
+
+A fresh worker spends seconds in imports before it reads its model (torch with its CUDA libraries, diffusers'
+utilities, diffusers' and transformers' model modules: ~13 s on an H100 host). This process does them once, as
+the daemon starts, then forks a worker for each FORK the engine sends (``ipc/template.py``): the child applies
+the handle's env overrides, resets what the template changed about signals and logging, and runs the worker's
+``main`` on the attached channel fd. gunicorn's ``preload_app`` and Android's zygote are the precedents.
+
+A process that called cuInit cannot fork children that use CUDA, so nothing here may initialise it: torch is
+told to answer ``torch.cuda.is_available()`` from NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``), and the template
+checks after its imports that CUDA is still uninitialised, and that it has one thread (a fork copies only the
+caller), before it says READY; otherwise it says UNUSABLE with why and the engine spawns workers as before.
+
+It reaps its children and reports each exit (EXITED), and it dies with the engine: EOF on its socket, and the
+parent-death signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import NoReturn
+
+import diffusiond.worker.startup as startup
+from diffusiond.ipc.template import MAX_MESSAGE, Exited, Fork, Forked, Status, decode_request, encode
+
+log = logging.getLogger("diffusiond.worker.template")
+
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL when the engine dies, however it dies (EOF on the socket covers the rest)."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it died before the prctl
+        os._exit(0)
+
+
+def _imports(libraries: bool, quiet: bool) -> None:
+    """What a worker imports before it reads its model; raises with why the template cannot fork."""
+    import torch
+
+    import diffusiond.worker.process  # noqa: F401 - the worker's own modules
+
+    if quiet:  # as the worker's main does for any model: diffusers' utilities (torch._dynamo with them)
+        startup.quiet_libraries()
+    if libraries:  # as its start does for a model that is not synthetic
+        startup.import_libraries()
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised during the imports; a forked worker could not use it")
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        raise RuntimeError(f"the imports started threads ({names}); a fork copies only one")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="diffusiond-template", description="diffusiond worker template")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the engine")
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--libraries", action="store_true", help="import diffusers and transformers too")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine handles Ctrl-C for the process group
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s template[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    nvml_before = os.environ.get(_NVML_CHECK)
+    os.environ[_NVML_CHECK] = "1"
+    t0 = time.perf_counter()
+    quiet = logging.getLogger().getEffectiveLevel() > logging.DEBUG
+    try:
+        _imports(args.libraries, quiet)
+    except Exception as exc:
+        log.debug("the template's imports failed", exc_info=True)
+        sock.send(encode(Status(False, f"{type(exc).__name__}: {exc}", os.getpid())))
+        return 1
+    sock.send(encode(Status(True, pid=os.getpid())))
+    log.info("ready in %.0f ms (torch%s imported); workers are forked from here", (time.perf_counter() - t0) * 1000,
+             ", diffusers' utilities" * quiet + ", diffusers' and transformers' models" * args.libraries)
+    return _serve(sock, nvml_before)
+
+
+def _serve(sock: socket.socket, nvml_before: str | None) -> int:
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD wakes the select through the pipe
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        if wake_r in readable:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+        _reap(sock, children)
+        if sock.fileno() not in readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+        if not data:
+            return 0  # the engine is gone; the children notice on their own channels
+        try:
+            msg = decode_request(data)
+        except Exception as exc:
+            log.error("unreadable request from the engine: %s", exc)
+            for fd in fds:
+                os.close(fd)
+            continue
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            sock.send(encode(Forked(msg.seq, error=f"FORK came with {len(fds)} fds, not the worker's one")))
+            continue
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            sock.send(encode(Forked(msg.seq, error=f"fork: {exc}")))
+        else:
+            if pid == 0:
+                _child(msg, fds[0], [sock.fileno(), wake_r, wake_w], nvml_before)
+            children.add(pid)
+            sock.send(encode(Forked(msg.seq, pid=pid)))
+        finally:
+            os.close(fds[0])
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        sock.send(encode(Exited(pid, os.waitstatus_to_exitcode(status))))
+
+
+def _child(msg: Fork, fd: int, close: list[int], nvml_before: str | None) -> NoReturn:
+    """The new worker: the template's state undone, then the worker's ``main`` as a spawned one runs it."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the worker's main sets its own
+        for other in close:
+            os.close(other)
+        if nvml_before is None:
+            os.environ.pop(_NVML_CHECK, None)
+        else:
+            os.environ[_NVML_CHECK] = nvml_before
+        os.environ.update(msg.env)  # read at CUDA init, which has not happened; OpenMP read its own at load:
+        if "OMP_NUM_THREADS" in msg.env:
+            import torch
+
+            torch.set_num_threads(int(msg.env["OMP_NUM_THREADS"]))
+        root = logging.getLogger()
+        for handler in list(root.handlers):  # the worker's main configures its own (with its own pid)
+            root.removeHandler(handler)
+        startup.forked()
+        from diffusiond.worker.process import main as worker_main
+
+        code = worker_main(["--fd", str(fd), "--log-level", msg.log_level])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
