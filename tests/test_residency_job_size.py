@@ -44,6 +44,8 @@ def test_a_job_queued_before_its_size_was_measured_too_large_fails_with_the_reas
             await until(computing, 60, "the first job to run")
             second = await submit(s, JOB)  # in flight beside the first: it runs whatever is measured
             queued = await submit(s, JOB)  # queued: asked about once a batch's outputs are in
+            sync = asyncio.ensure_future(s.post("/v1/images/generations", json={  # queued too, its caller waiting
+                "model": "slow", "prompt": "x", "size": "64x64", "num_inference_steps": 2}))
             assert (await wait_job(s, first["id"]))["status"] == "succeeded"
             end = await wait_job(s, queued["id"], timeout=60)
             assert end["status"] == "failed", end
@@ -53,6 +55,9 @@ def test_a_job_queued_before_its_size_was_measured_too_large_fails_with_the_reas
                           "a smaller size or batch", "a larger --device-memory"):
                 assert words in err["message"], (words, err["message"])
             assert (await wait_job(s, second["id"]))["status"] == "succeeded"
+            async with await asyncio.wait_for(sync, 60) as r:  # the waiting caller is told as admission would tell it
+                body = await r.json()
+                assert r.status == 400 and body["error"]["code"] == "model_too_large", body
             async with s.post("/v1/jobs", json=JOB) as r:  # a new job of that size: refused at admission, as before
                 body = await r.json()
                 assert r.status == 400 and body["error"]["code"] == "model_too_large", body

@@ -52,6 +52,7 @@ STATUS_OF_FAILURE: dict[str, int] = {
     ErrorCode.OUT_OF_MEMORY: 507,  # the request asked for more memory than the device had (WebDAV's "insufficient")
     ErrorCode.MODEL_LOAD_FAILED: 503,  # its model could not be loaded (residency/ondemand.py): the worker's reason
     ErrorCode.INVALID_REQUEST: 400,  # found after admission: a LoRA the model refused at its start (engine.py)
+    ErrorCode.MODEL_TOO_LARGE: 400,  # found after admission: its size no longer fits (core/unrunnable.py)
 }
 STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 
