@@ -214,7 +214,8 @@ def _add_serve(sub: Any) -> None:
     add("--model", action="append", metavar="SPEC",
         help="tiny, a folder, a hub id, a .safetensors file or FILE.gguf,base=FOLDER[,transformer_2=LOW.gguf]; "
              "NAME=SPEC")
-    add("--device", metavar="DEV", help="cpu, cuda (every GPU) or cuda:0,cuda:1")
+    add("--device", metavar="DEV", help="auto (the default: every GPU torch can use, else cpu), cpu, cuda (every "
+        "GPU) or cuda:0,cuda:1")
     add("--workers", type=positive_int, metavar="N", help="workers per model on cpu")
     add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
     add("--max-batch", type=int, metavar="N",

@@ -68,7 +68,7 @@ def test_config_socket_path_order() -> None:
 def test_device_cuda_without_a_gpu_is_a_config_error_naming_the_flag() -> None:
     import torch
 
-    from diffusiond.daemon.values import parse_devices
+    from diffusiond.daemon.devices import parse_devices
 
     if torch.cuda.is_available():
         assert parse_devices("cuda", 1) == tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
@@ -88,7 +88,7 @@ def test_devices_counted_by_nvml_as_cuda_will_show_them(monkeypatch: pytest.Monk
     import sys
     import types
 
-    from diffusiond.daemon.values import _nvml_count
+    from diffusiond.daemon.devices import _nvml_count
 
     fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 4)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
@@ -99,7 +99,7 @@ def test_device_count_without_nvml_falls_back(monkeypatch: pytest.MonkeyPatch) -
     import sys
     import types
 
-    from diffusiond.daemon.values import _nvml_count
+    from diffusiond.daemon.devices import _nvml_count
 
     def no_driver() -> None:
         raise RuntimeError("NVML Shared Library Not Found")
@@ -156,3 +156,34 @@ def test_preload_errors_name_the_value_and_what_is_accepted(values: dict[str, ob
                                                             words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         build_config(values, overrides)
+
+
+def test_the_default_device_is_every_gpu_only_where_torch_can_use_them(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """No ``--device``: the CPU on a machine without an NVIDIA driver, and on one whose torch is a CPU build (its
+    workers could not use a GPU), each saying why for the start's log; every GPU where both are there."""
+    import importlib.machinery
+
+    import diffusiond.daemon.devices as devices
+
+    real_isdir, real_listdir = devices.os.path.isdir, devices.os.listdir
+    gpus = "/proc/driver/nvidia/gpus"
+    if not real_isdir(gpus):  # this machine: no driver
+        cfg = build_config({}, {"model": ["x=tiny"]})
+        assert cfg.models[0].devices == ("cpu",) and cfg.device_auto == "cpu (no NVIDIA GPU on this machine)"
+    monkeypatch.setattr(devices.os.path, "isdir", lambda p: p == gpus or real_isdir(p))
+    monkeypatch.setattr(devices.os, "listdir", lambda p: ["0000:01:00.0"] if p == gpus else real_listdir(p))
+    torch_dir = tmp_path / "torch"
+    torch_dir.mkdir()
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(torch_dir)]
+    monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: spec if name == "torch" else None)
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
+    (torch_dir / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
+    cfg = build_config({}, {"model": ["x=tiny"]})
+    assert cfg.models[0].devices == ("cpu",) and "torch here is a CPU build" in cfg.device_auto
+    (torch_dir / "version.py").write_text("__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\n")
+    cfg = build_config({}, {"model": ["x=tiny"]})
+    assert cfg.models[0].devices == ("cuda:0", "cuda:1"), cfg.models[0].devices
+    assert cfg.device_auto == "cuda:0,cuda:1 (2 GPU(s) visible, torch built for CUDA 13.0)"
+    assert build_config({}, {"model": ["x=tiny"], "device": "cpu"}).device_auto == ""  # asked for: nothing to say

@@ -68,6 +68,8 @@ async def test_a_job_runs_on_a_worker_forked_from_the_template(daemon: Daemon) -
     assert _parent(pid) == template and daemon.worker_pids() == [pid]
     log = daemon.log()
     assert f"(pid {pid}, cpu) forked from the worker template" in log
+    assert "--device auto (the default): cpu (no NVIDIA GPU on this machine)" in log or \
+        os.path.isdir("/proc/driver/nvidia/gpus")  # the start says what the default chose, and why
     # the env override the pool gives a CPU worker (its share of the cores: two models on cpu, b on disk) reached
     # the forked worker's torch, which had read its threads at import, in the template
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))

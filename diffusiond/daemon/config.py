@@ -17,6 +17,7 @@ from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
+from diffusiond.daemon.devices import auto_device, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
 from diffusiond.daemon.model_config import resolve_offload
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
@@ -37,7 +38,6 @@ from diffusiond.daemon.values import (
     own_preload,
     parse_compile_mode,
     parse_controlnets,
-    parse_devices,
     parse_host_port,
     parse_ip_adapters,
     parse_loras,
@@ -174,6 +174,7 @@ class DaemonConfig:
     # Each device's budget as the start resolved it (build_config; residency/budget.py): (device, bytes, how).
     # Not a setting: a config built in code without it has the explicit --device-memory only, else no bound.
     budgets: tuple[tuple[str, int, str], ...] = ()
+    device_auto: str = ""  # not a setting: what --device auto (the default) chose and why, for the start's log
 
     def max_batch_of(self, m: ModelConfig) -> int:
         """The most outputs one of ``m``'s forwards runs: its own ``max_batch``, else the daemon's (a small
@@ -359,13 +360,18 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     flags ``--model``/``--device``/``--workers``/``--dtype`` replace the file's list when given.
     """
     values = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
-    known = {f.name for f in fields(DaemonConfig)} - {"budgets"} | {
+    known = {f.name for f in fields(DaemonConfig)} - {"budgets", "device_auto"} | {
         "model", "device", "workers", "dtype", "compile", "warmup", "lora", "keep_alive", "max_keep_alive", "offload",
         "controlnet", "ip_adapter", "upscaler"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    device = str(values.pop("device", "cpu"))
+    device = str(values.pop("device", "auto"))
+    device_auto = ""
+    if device == "auto":  # once: every model without a device of its own uses what it found
+        gpus, why = auto_device()
+        device = ",".join(f"cuda:{i}" for i in range(gpus)) or "cpu"
+        device_auto = f"{device} ({why})"
     workers = int(values.pop("workers", 1))
     dtype = str(values.pop("dtype", DEFAULT_DTYPE))
     compile_mode = parse_compile_mode(values.pop("compile", ""))
@@ -443,7 +449,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         except ValueError:
             raise ConfigError(f"socket_mode {values['socket_mode']!r} is not an octal mode like 0600") from None
     try:
-        config = DaemonConfig(models=tuple(models), **values).validate()
+        config = DaemonConfig(models=tuple(models), device_auto=device_auto, **values).validate()
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
     config = replace(config, budgets=start_budgets(config))

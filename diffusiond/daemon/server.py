@@ -325,6 +325,8 @@ def serve(config: DaemonConfig) -> int:
         format="%(asctime)s diffusiond[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("aiohttp.server").addFilter(ClientErrorLog())
+    if config.device_auto:
+        log.info("--device auto (the default): %s", config.device_auto)
     templates.spawn(config)  # first: its imports go on while the daemon starts (issue 27)
     import uvloop
 

@@ -9,12 +9,9 @@ the names other modules import from it.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,62 +45,6 @@ def parse_host_port(text: str, flag: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"{flag} wants HOST:PORT with a port of 0-65535, like {DEFAULT_WEB_ADDRESS}; got {text!r}")
     return host, int(port)
-
-
-def cuda_device_count() -> int:
-    """From NVML where it answers (milliseconds), else asked of a child interpreter with torch: the
-    engine process never loads torch (hundreds of MB that only the workers need), and that child
-    costs seconds before the daemon can listen (4-5 s of a cold start measured on an H200 box)."""
-    counted = _nvml_count(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if counted is not None:
-        return counted
-    code = "import torch; print(torch.cuda.device_count())"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ConfigError(f"--device cuda: could not count the CUDA devices with torch: {exc}") from None
-    return int(out.stdout.strip() or 0)
-
-
-def _nvml_count(visible: str | None) -> int | None:
-    """The devices CUDA will show, read from NVML; None where NVML is missing or cannot tell (a
-    ``CUDA_VISIBLE_DEVICES`` naming devices by UUID or MIG instance: torch answers those)."""
-    try:
-        pynvml: Any = importlib.import_module("pynvml")
-        pynvml.nvmlInit()
-        try:
-            total = int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # ImportError, or NVML's own errors: no driver, no library
-        return None
-    if visible is None:
-        return total
-    count = 0
-    for entry in visible.split(","):  # CUDA's rule: the devices listed, up to the first that is not one
-        entry = entry.strip()
-        if not entry.isdigit():
-            return None if entry and not entry.startswith("-") else count
-        if int(entry) >= total:
-            return count
-        count += 1
-    return count
-
-
-def parse_devices(device: str, workers: int) -> tuple[str, ...]:
-    """``cpu`` with N workers, ``cuda`` (every visible GPU), or an explicit ``cuda:0,cuda:1`` list."""
-    parts = [d.strip() for d in device.split(",") if d.strip()]
-    if parts == ["cpu"]:
-        return ("cpu",) * max(1, workers)
-    if parts == ["cuda"]:
-        count = cuda_device_count()
-        if count == 0:
-            raise ConfigError("--device cuda, but no CUDA device is visible (check nvidia-smi, CUDA_VISIBLE_DEVICES)")
-        return tuple(f"cuda:{i}" for i in range(count))
-    for p in parts:
-        if p != "cpu" and not (p.startswith("cuda:") and p[5:].isdigit()):
-            raise ConfigError(f"device {p!r} is not cpu, cuda or cuda:N")
-    return tuple(parts)
 
 
 def parse_loras(value: Any, flag: str = "--lora", what: str = "LoRA") -> dict[str, str]:
