@@ -73,7 +73,8 @@ async def test_a_job_runs_on_a_worker_forked_from_the_template(daemon: Daemon) -
     # the env override the pool gives a CPU worker (its share of the cores: two models on cpu, b on disk) reached
     # the forked worker's torch, which had read its threads at import, in the template
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
-    assert re.search(rf"worker\[{pid}\] .*forked from the template \(imports done there, {threads} math threads\), "
+    assert re.search(rf"worker\[{pid}\] .* ready in \d+ ms after its fork \(\d+ ms after INIT\): "
+                     rf"forked from the template \(imports done there, {threads} math threads\), "
                      r"fork to INIT \d+ ms", log), log
 
 
