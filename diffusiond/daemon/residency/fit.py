@@ -56,6 +56,8 @@ from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape, default_working
 from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.modelcache import cache_root, is_complete
+from diffusiond.pipelines.preset_tables import folder_name, get_preset
 from diffusiond.pipelines.spec import ModelSpec, offload_mode, parse_spec
 
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
@@ -154,8 +156,21 @@ def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
         else:
             notes.append("no base= given: only the GGUF transformer is counted, not the rest of the pipeline")
         return components, notes
-    raise WeightsError(f"{spec}: a model built in code ({parsed.kind}) has no files whose headers could be read; "
-                       "fit sizes diffusers folders, hub ids in the HF cache, .safetensors and .gguf files")
+    built = preset_folder(parsed.target) if parsed.kind == "random" else None
+    if built is not None:
+        return _folder(built, dtype), notes
+    later = (" until its first load has built and saved it (then a restart sizes it from its folder)"
+             if parsed.kind == "random" else "")
+    raise WeightsError(f"{spec}: a model built in code ({parsed.kind}) has no files whose headers could be read"
+                       f"{later}; fit sizes diffusers folders, hub ids in the HF cache, .safetensors and .gguf files")
+
+
+def preset_folder(name: str) -> Path | None:
+    """A ``random:`` preset's folder in the cache, where its first load (``save=1``, the default) saved it; None
+    before that. Its headers size it as a folder's do, so ``offload=auto`` chooses for it from a budget instead of
+    loading all of it (Wan 2.1 1.3B's 13.5 GiB under a 12 GiB budget: issue 28)."""
+    folder = cache_root() / "models" / folder_name(get_preset(name))
+    return folder if is_complete(folder) else None
 
 
 def gguf_tensors(path: Path) -> list[Tensor]:
