@@ -71,7 +71,7 @@ def _as_array(name: object, value: Any) -> tuple[str, np.ndarray]:
     if type(value).__module__.startswith("torch"):  # no torch import for callers who send numpy
         t = value.detach().cpu().contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
-        _check(name, dtype, lambda: bool(t.isfinite().all()))
+        _check(name, dtype, lambda: _finite(t))
         if dtype == "bfloat16":  # numpy has no bfloat16: its words travel as int16
             import torch
 
@@ -81,6 +81,18 @@ def _as_array(name: object, value: Any) -> tuple[str, np.ndarray]:
         _check(name, value.dtype.name, lambda: bool(np.isfinite(value).all()))
         return value.dtype.name, np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
     raise TypeError(f"tensor {name!r} is a {type(value).__name__}; give torch tensors or numpy arrays")
+
+
+def _finite(t: Any) -> bool:
+    """No NaN nor infinity in torch tensor ``t``: its least and greatest value (``aminmax`` propagates NaN) are
+    finite. One reduction: ``isfinite().all()`` wrote a mask of the whole tensor first, and on a CPU took 12 s of a
+    5 GB UNet's update before anything was sent (issue 29)."""
+    if not t.numel():
+        return True
+    import torch
+
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _check(name: object, dtype: str, finite: Callable[[], bool]) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from diffusiond.ipc.messages import Ack, AddLora, Kind, LoraRef, UpdateLora, UpdateWeights
 from diffusiond.pipelines.base import Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
-from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
+from diffusiond.worker.weights import apply_update, apply_weights, mapped_tensors, read_tensors
 
 
 class LiveAdapters:
@@ -54,12 +54,13 @@ class LiveAdapters:
             self.post(Ack(command=kind, ok=False, message="the update came without its memfd"))
             return
         try:
-            state = read_tensors(msg, fds[0])
             if isinstance(msg, UpdateWeights):
-                why = apply_weights(self.pipeline, msg, state)
+                with mapped_tensors(msg, fds[0]) as views:  # copied once, from the memfd into the parameters
+                    why = apply_weights(self.pipeline, msg, views)
                 if not why:
                     self.weight_versions[msg.component] = msg.version
             else:
+                state = read_tensors(msg, fds[0])
                 why = unsupported(self.pipeline) if self.adapters is None else \
                     apply_update(self.adapters, self.pipeline.name, msg, state)
         except Exception as exc:
