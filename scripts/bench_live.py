@@ -50,9 +50,11 @@ def lora_state(component: torch.nn.Module, prefix: str, rank: int, dtype: torch.
     return out
 
 
-def full_state(component: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Drawn in place (``normal_``): ``randn(...) * 0.02`` made each tensor twice."""
-    return {name: torch.empty(p.shape, dtype=dtype).normal_(0, 0.02) for name, p in
+def full_state(component: torch.nn.Module, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Drawn in place (``normal_``: ``randn(...) * 0.02`` made each tensor twice), on the GPU where there is one
+    (SDXL's UNet three times over took minutes of a CPU before the daemon even started: issue 29), then held on
+    the CPU as a trainer's copy would be."""
+    return {name: torch.empty(p.shape, dtype=dtype, device=device).normal_(0, 0.02).cpu() for name, p in
             component.state_dict().items() if p.is_floating_point()}
 
 
@@ -121,6 +123,8 @@ def main() -> int:
     ap.add_argument("--stacks-every", type=float, default=0.0,
                     help="every N seconds, every thread's stack on stderr (faulthandler): where a slow run is")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2: round 0 (the adapter made, the first copy) is reported apart")
     if args.stacks_every > 0:
         faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     dtype = getattr(torch, args.dtype)
@@ -134,7 +138,7 @@ def main() -> int:
     if args.kind == "lora":
         states = [lora_state(component, args.component, args.rank, dtype) for _ in range(args.rounds)]
     else:
-        states = [full_state(component, dtype) for _ in range(args.rounds)]
+        states = [full_state(component, dtype, args.device) for _ in range(args.rounds)]
     made = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in states[0].values())
     t = say(f"made {args.rounds} states of {len(states[0])} tensors, {nbytes / 2**30:.2f} GiB each", t0)
