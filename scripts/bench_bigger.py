@@ -6,9 +6,11 @@
 
 ``--preset`` builds another preset's random model instead (``--preset wan-1.3b --size 832x480 --frames 81
 --configs te-fp8,model --budget-gib 12``: issue 28's Wan inside 12 GiB, with ``te-fp8``, its UMT5 encoder in
-fp8 storage, or ``model``, diffusers' whole-component offload);
+fp8 storage and the offload the daemon's ``offload=auto`` chooses for that within the budget (resident, the
+transformer's activations at 81 frames ran out of memory beside the encoder), or ``model``, diffusers'
+whole-component offload); a video's output is all its frames (its PSNR too);
 
-``--folder`` runs a diffusers FLUX folder of your own (the real FLUX.1-dev, say) instead of the random one;
+``--folder`` runs a diffusers folder of your own (the real FLUX.1-dev, say) instead of the random one;
 ``--device cpu`` with a tiny folder is a dry run of the script itself (no budget, no offload there).
 
 Each configuration runs in a process of its own, so that what one leaves in the allocator does not count
@@ -56,7 +58,7 @@ CONFIGS = {
     "fp8": ({"quant": "transformer:fp8-storage,text_encoder_2:fp8-storage"}, True),
     "fp8-wo": ({"quant": "transformer:fp8,text_encoder_2:fp8-storage"}, True),
     "fp8-mm": ({"fp8": "1", "quant": "text_encoder_2:fp8-storage"}, True),
-    "te-fp8": ({"quant": "text_encoder:fp8-storage"}, True),
+    "te-fp8": ({"quant": "text_encoder:fp8-storage", "offload": "auto"}, True),  # the daemon's auto: offloads
     "model": ({"offload": "model"}, True),
     "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built: compiles (fp8-storage is refused with --compile)
     "cache-fbc": ({"cache": "fbc"}, False),  # step caches (eager: refused with --compile), PSNR against resident
@@ -132,7 +134,7 @@ def one(a: argparse.Namespace) -> None:
     if a.folder:
         import diffusers
 
-        pipe = diffusers.FluxPipeline.from_pretrained(a.folder, torch_dtype=dtype).to(a.device)
+        pipe = diffusers.DiffusionPipeline.from_pretrained(a.folder, torch_dtype=dtype).to(a.device)
     else:
         pipe = build_pipeline(PRESETS[a.preset], a.device, dtype)
     if a.config in ("q8", "q4"):
@@ -151,6 +153,9 @@ def one(a: argparse.Namespace) -> None:
         pipe.transformer = transformer.to(a.device)
         options = {}
         gguf_named = (f"gguf-{qtype}(transformer, dequantized per layer to {str(dtype).removeprefix('torch.')})",)
+    auto = ""
+    if options.get("offload") == "auto":
+        options, auto = auto_offload(pipe, options, a)
     if "offload" in options:
         pipe.to("cpu")  # built on the GPU; group offloading starts from host memory
     if cuda:
@@ -184,9 +189,9 @@ def one(a: argparse.Namespace) -> None:
                       guidance_scale=3.5, generator=torch.Generator(a.device).manual_seed(0), output_type="pt",
                       callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"])
         sync()
-        return time.perf_counter() - s, out.images[0]
+        return time.perf_counter() - s, (out.frames if hasattr(out, "frames") else out.images)[0]  # a video's all
 
-    warm, _ = image()  # after it, the peak of one whole image (encoders, denoiser, VAE decode)
+    warm, _ = image()  # after it, the peak of one whole output (encoders, denoiser, VAE decode)
     times, img = [], None
     for _ in range(a.images):
         dt, img = image()
@@ -195,7 +200,7 @@ def one(a: argparse.Namespace) -> None:
     np.save(Path(a.out) / f"{a.config}-image.npy", img.half().cpu().numpy())
     np.save(Path(a.out) / f"{a.config}-latents.npy", latents["x"].float().cpu().numpy())
     result = {"config": a.config, "compile": a.compile or None, "preset": a.folder or a.preset, "size": a.size,
-              "frames": a.frames, "steps": a.steps, "options": options,
+              "frames": a.frames, "steps": a.steps, "options": options, "offload_auto": auto or None,
               "budget_gib": a.budget_gib if budgeted else None,
               "build_s": built_s, "warmup_s": warm, "image_s": times, "mean_s": sum(times) / len(times),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -205,6 +210,28 @@ def one(a: argparse.Namespace) -> None:
               "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
     (Path(a.out) / f"{a.config}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
+
+
+def auto_offload(pipe: Any, options: dict[str, str], a: argparse.Namespace) -> tuple[dict[str, str], str]:
+    """``offload=auto`` as the daemon resolves it at its start (residency/fit.py's ``configurations`` and
+    ``choose_offload``, working memory at its default 1024x1024 estimate), over the built modules' tensors counted
+    as their files' headers would be, ``quant=`` included: the offload the daemon would run this model with."""
+    import torch
+
+    from diffusiond.daemon.residency.fit import FitReport, choose_offload, configurations
+    from diffusiond.daemon.residency.fit_tensors import Tensor, quantize
+
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    components = {name: [Tensor(k, "F32", 4 * t.numel(), t.numel()) for k, t in module.named_parameters()]
+                  for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
+    components = quantize(components, options.get("quant", ""), [])
+    budget = int(a.budget_gib * 2**30)
+    rows = configurations(components, dtype, budget=budget, on_cpu=a.device == "cpu")
+    at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
+    chosen, why = choose_offload(FitReport(a.preset, dtype, budget, at, rows))
+    print(f"offload=auto chose {why}", file=sys.stderr, flush=True)
+    rest = {k: v for k, v in options.items() if k != "offload"}
+    return ({**rest, "offload": chosen} if chosen != "none" else rest), why
 
 
 def stream_options(pipe: Any, a: argparse.Namespace) -> tuple[dict[str, str], dict[str, Any]]:

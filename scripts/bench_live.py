@@ -3,7 +3,9 @@
     python scripts/bench_live.py lora --preset flux-dev --component transformer --rank 64 --dtype bfloat16
     python scripts/bench_live.py weights --preset sdxl --component unet --dtype float16
 
-One daemon serves ``random:<preset>,save=0``. ``lora``: a rank-R adapter on every attention projection
+One daemon serves ``random:<preset>,save=0`` (or a model built in code, ``--preset tiny``, with ``--device cpu``: a
+dry run). Each phase prints its seconds on stderr as it ends, so a run cut short leaves a trail
+(``--stacks-every N``: every thread's stack too). ``lora``: a rank-R adapter on every attention projection
 (``to_q``, ``to_k``, ``to_v``, ``to_out.0``, and the ``add_*_proj``/``to_add_out`` of joint blocks) of
 the component, PEFT naming, random weights; ``weights``: every parameter of the component, same shapes,
 random values. The tensors are made in this process (CPU, the model's dtype) before the clock starts.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import shlex
 import statistics
@@ -30,6 +33,8 @@ import torch
 
 from diffusiond.bench.procs import process, wait_ready
 from diffusiond.client import AsyncClient
+from diffusiond.pipelines import load_pipeline
+from diffusiond.pipelines.modelcache import BUILT_FOLDERS
 from diffusiond.pipelines.preset_tables import get_preset
 from diffusiond.pipelines.presets import build_part
 
@@ -45,9 +50,19 @@ def lora_state(component: torch.nn.Module, prefix: str, rank: int, dtype: torch.
     return out
 
 
-def full_state(component: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {name: torch.randn(p.shape, dtype=dtype) * 0.02 for name, p in
+def full_state(component: torch.nn.Module, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Drawn in place (``normal_``: ``randn(...) * 0.02`` made each tensor twice), on the GPU where there is one
+    (SDXL's UNet three times over took minutes of a CPU before the daemon even started: issue 29), then held on
+    the CPU as a trainer's copy would be."""
+    return {name: torch.empty(p.shape, dtype=dtype, device=device).normal_(0, 0.02).cpu() for name, p in
             component.state_dict().items() if p.is_floating_point()}
+
+
+def say(what: str, since: float) -> float:
+    """One phase done, with its seconds, on stderr at once: a run cut short by a timeout leaves its trail."""
+    now = time.perf_counter()
+    print(f"bench_live: {what} in {now - since:.1f} s", file=sys.stderr, flush=True)
+    return now
 
 
 async def job(c: AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
@@ -62,9 +77,12 @@ async def drive(sock: Path, args: argparse.Namespace, states: list[dict[str, tor
     body: dict[str, Any] = {"size": args.size, "steps": 1, "output_format": "npy"}
     calls, to_job = [], []
     async with AsyncClient(str(sock), timeout=900) as c:
+        t = time.perf_counter()
         await job(c, body)  # the model is loaded and warm
+        say("first job (the model loaded and warm)", t)
         for i, state in enumerate(states):
             run_body = dict(body, loras=[(args.name, 1.0)]) if args.kind == "lora" else body
+            print(f"bench_live: round {i}: update_{args.kind}...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             if args.kind == "lora":
                 version = await c.update_lora(args.name, state)
@@ -75,7 +93,7 @@ async def drive(sock: Path, args: argparse.Namespace, states: list[dict[str, tor
             t2 = time.perf_counter()
             seen = done.get("lora_versions" if args.kind == "lora" else "weight_versions")
             print(f"round {i}: version {version}, call {t1 - t0:.3f} s, to first job done {t2 - t0:.3f} s, "
-                  f"job says {seen}", file=sys.stderr)
+                  f"job says {seen}", file=sys.stderr, flush=True)
             if i:  # round 0 makes the adapter (PEFT layers injected): reported apart
                 calls.append(t1 - t0)
                 to_job.append(t2 - t0)
@@ -101,26 +119,39 @@ def main() -> int:
     ap.add_argument("--size", default="256x256")
     ap.add_argument("--name", default="trainer")
     ap.add_argument("--serve-extra", default="")
+    ap.add_argument("--device", default="cuda", help="the daemon's --device (cpu: a dry run with a small preset)")
+    ap.add_argument("--stacks-every", type=float, default=0.0,
+                    help="every N seconds, every thread's stack on stderr (faulthandler): where a slow run is")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2: round 0 (the adapter made, the first copy) is reported apart")
+    if args.stacks_every > 0:
+        faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     dtype = getattr(torch, args.dtype)
-    preset = get_preset(args.preset)
-    component = build_part(preset.parts[args.component], "meta")
+    if args.preset in BUILT_FOLDERS:  # a model built in code (tiny): served as is, its component loaded here
+        spec = args.preset
+        component = load_pipeline(args.preset, device="cpu", dtype="float32").pipe.components[args.component]
+    else:
+        spec = f"random:{args.preset},save=0"
+        component = build_part(get_preset(args.preset).parts[args.component], "meta")
     t0 = time.perf_counter()
     if args.kind == "lora":
         states = [lora_state(component, args.component, args.rank, dtype) for _ in range(args.rounds)]
     else:
-        states = [full_state(component, dtype) for _ in range(args.rounds)]
+        states = [full_state(component, dtype, args.device) for _ in range(args.rounds)]
     made = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in states[0].values())
+    t = say(f"made {args.rounds} states of {len(states[0])} tensors, {nbytes / 2**30:.2f} GiB each", t0)
     with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
         sock = Path(tmp) / "d.sock"
         log = Path(tmp) / "serve.log"
         argv = [sys.executable, "-m", "diffusiond", "serve", "--socket", str(sock), "--no-persist",
-                "--model", f"m=random:{args.preset},save=0", "--device", "cuda", "--dtype", args.dtype,
+                "--model", f"m={spec}", "--device", args.device, "--dtype", args.dtype,
                 "--workers", "1", *shlex.split(args.serve_extra)]
         with process(argv, log) as proc:
             try:
                 wait_ready(proc, sock, log, "diffusiond", 900)
+                say("daemon ready", t)
                 result = asyncio.run(drive(sock, args, states))
             except BaseException:
                 print(log.read_text()[-3000:], file=sys.stderr)

@@ -14,7 +14,8 @@ from workerkit import Driver, config
 from diffusiond.daemon.config import ConfigError, build_config
 from diffusiond.ipc import messages as m
 from diffusiond.pipelines import load_pipeline
-from diffusiond.pipelines.compile import CompiledPipeline, compilations, guidance_is_shape
+from diffusiond.pipelines.base import PipelineError
+from diffusiond.pipelines.compile import CompiledPipeline, compilations, fuse_qkv, guidance_is_shape
 from diffusiond.worker.process import Worker, _Progress
 
 EAGER = {"compile_backend": "eager"}
@@ -31,9 +32,10 @@ def load(cfg: m.WorkerConfig) -> object:
     return Worker._load(cfg, _Progress(lambda _p: None, 0))
 
 
-def run(pipe: CompiledPipeline, params: m.BatchParams) -> None:
+def run(pipe: object, params: m.BatchParams) -> torch.Tensor:
     with torch.inference_mode():
-        pipe.run(params, [m.RequestSpec(request_id="r", prompt="a red fox", seed=1)], lambda _s, _t: True)
+        return pipe.run(params, [m.RequestSpec(request_id="r", prompt="a red fox", seed=1)],  # type: ignore[attr-defined]
+                        lambda _s, _t: True)[0]
 
 
 def fused(pipe: object) -> bool:
@@ -85,3 +87,28 @@ async def test_a_warmup_size_off_the_model_s_own_step_stops_the_worker_naming_th
     with pytest.raises(Exception, match=r"--warmup 72x72:1: model 'tiny-flux' makes sizes in multiples of 16"):
         async with Driver(config("tiny-flux", warmup=[m.WarmupShape(72, 72, 1)]), start_timeout=300):
             pass
+
+
+def test_fuse_qkv_on_flux_fuses_the_transformer_and_the_vae_and_keeps_the_image() -> None:
+    """FluxPipeline has no fuse_qkv_projections in diffusers 0.42 (issue 31): fuse_qkv=1 fuses through the
+    transformer and the VAE. The separate projections are zeroed after the load, so the image can equal the
+    unfused one only if the fused projections are what runs."""
+    reference = run(load_pipeline("tiny-flux", device="cpu", dtype="float32"), FLUX)
+    pipe = load(config("tiny-flux,compile_backend=eager,fuse_qkv=1", compile="default"))
+    flux = pipe.inner.pipe  # type: ignore[attr-defined]
+    names = [n for module in (flux.transformer, flux.vae) for n, _ in module.named_modules()]
+    assert {"transformer_blocks.0.attn.to_qkv", "transformer_blocks.0.attn.to_added_qkv",
+            "single_transformer_blocks.0.attn.to_qkv", "decoder.mid_block.attentions.0.to_qkv"} <= set(names)
+    with torch.no_grad():
+        for name, param in [*flux.transformer.named_parameters(), *flux.vae.named_parameters()]:
+            if name.rsplit(".", 2)[-2] in {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}:
+                param.zero_()
+    torch.testing.assert_close(run(pipe, FLUX), reference, atol=1e-4, rtol=0)
+
+
+def test_a_model_whose_attention_would_not_read_fused_projections_is_refused_by_name() -> None:
+    """LTX's attention processor reads only the separate projections: fusing would hold them twice for nothing."""
+    video = load_pipeline("tiny-video", device="cpu", dtype="float32")
+    with pytest.raises(PipelineError, match=r"fuse_qkv=1: LTXPipeline's transformer cannot fuse its QKV projections: "
+                                            r"its attention processor \w+ does not read fused projections"):
+        fuse_qkv(video.pipe)  # type: ignore[attr-defined]

@@ -52,7 +52,8 @@ from diffusiond.pipelines.denoisers import denoisers
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
-__all__ = ["CompiledPipeline", "cache_report", "compilations", "guidance_is_shape", "set_cache_dir", "shape_key"]
+__all__ = ["CompiledPipeline", "cache_report", "compilations", "fuse_qkv", "guidance_is_shape", "set_cache_dir",
+           "shape_key"]
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that record CUDA graphs
@@ -130,6 +131,54 @@ def _bound_recompiles(max_shapes: int) -> None:
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * max_shapes)
 
 
+def fuse_qkv(pipe: Any) -> None:
+    """``fuse_qkv=1``: each attention's query, key and value projections as one matrix (one GEMM instead of three).
+
+    diffusers keeps a pipeline method for this only where the pipeline has a ``unet`` (it sets the UNet's and
+    the VAE's fused processors); a DiT pipeline has none in diffusers 0.42 (FLUX, SD3, Wan: issue 31), and its
+    denoiser's own method is what the pipeline method used to call: the transformer's attentions build fused
+    projections that their processors read in place of the separate ones (``attn.fused_projections``). The VAE
+    is fused too where it has the method, as the pipeline method did. A denoiser that fuses nothing, or whose
+    processors would never read what was fused (its projections held twice for no gain), is refused by name."""
+    cls = type(pipe).__name__
+    if hasattr(pipe, "fuse_qkv_projections"):
+        pipe.fuse_qkv_projections()
+        return
+    found = denoisers(pipe)
+    if not found or not all(hasattr(module, "fuse_qkv_projections") for _, module in found):
+        raise PipelineError(f"fuse_qkv=1: {cls} cannot fuse its QKV projections; drop fuse_qkv=1 for this model")
+    for name, module in found:
+        try:
+            module.fuse_qkv_projections()
+        except ValueError as exc:  # diffusers refuses attentions with added KV projections (IP-Adapter's)
+            raise PipelineError(f"fuse_qkv=1: {cls}'s {name} cannot fuse its QKV projections ({exc}); "
+                                "drop fuse_qkv=1 for this model") from exc
+        unread = _unread_fusions(module)
+        if unread is not None:
+            raise PipelineError(f"fuse_qkv=1: {cls}'s {name} cannot fuse its QKV projections: {unread}; "
+                                "drop fuse_qkv=1 for this model")
+    vae: Any = getattr(pipe, "vae", None)
+    if hasattr(vae, "fuse_qkv_projections"):
+        vae.fuse_qkv_projections()
+
+
+def _unread_fusions(module: torch.nn.Module) -> str | None:
+    """Why the fusion just made in ``module`` does nothing, or None where its attentions' processors read it:
+    fused (``fused_projections``) by some attention, and each fused attention's processor comes from code that
+    knows fused projections (diffusers' processors that do read ``fused_projections`` or ``to_qkv``)."""
+    import inspect
+    import sys
+
+    fused = [m for m in module.modules() if getattr(m, "fused_projections", False)]
+    if not fused:
+        return "none of its attentions has projections to fuse"
+    for kind in {type(getattr(attn, "processor", None)) for attn in fused}:
+        source = inspect.getsource(sys.modules[kind.__module__]) if kind is not type(None) else ""
+        if "fused_projections" not in source and "to_qkv" not in source:
+            return f"its attention processor {kind.__name__} does not read fused projections"
+    return None
+
+
 class CompiledPipeline:
     """A ``Pipeline`` whose diffusers modules are compiled; runs, sleeps and wakes like the eager one."""
 
@@ -164,9 +213,7 @@ class CompiledPipeline:
         """Layout changes that can pay with a compiled model; opt-in, since measured on the H200
         (issue 17) channels_last with fused QKV was slower than eager at batch 8 and at 1024²."""
         if opts.get("fuse_qkv") == "1":
-            if not hasattr(pipe, "fuse_qkv_projections"):
-                raise PipelineError(f"fuse_qkv=1: {type(pipe).__name__} cannot fuse its QKV projections")
-            pipe.fuse_qkv_projections()
+            fuse_qkv(pipe)
         if opts.get("channels_last") == "1":
             decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
             for module in (*(m for _, m in denoisers(pipe)), *([decoder] if decoder is not None else [])):

@@ -20,7 +20,7 @@ from diffusiond.ipc.tensors import itemsize
 from diffusiond.pipelines.base import Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.pipelines.phases import Phases
-from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
+from diffusiond.worker.weights import apply_update, apply_weights, mapped_tensors, read_tensors
 
 log = logging.getLogger("diffusiond.worker")
 
@@ -68,13 +68,14 @@ class LiveAdapters:
             return
         phases = Phases()
         try:
-            state = read_tensors(msg, fds[0])
-            phases.mark("read")
             if isinstance(msg, UpdateWeights):
-                why = apply_weights(self.pipeline, msg, state)
+                with mapped_tensors(msg, fds[0]) as views:  # copied once, from the memfd into the parameters
+                    why = apply_weights(self.pipeline, msg, views)
                 if not why:
                     self.weight_versions[msg.component] = msg.version
             else:
+                state = read_tensors(msg, fds[0])
+                phases.mark("read")
                 why = unsupported(self.pipeline) if self.adapters is None else \
                     apply_update(self.adapters, self.pipeline.name, msg, state)
             phases.mark("checked and applied")

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Final
 
 import diffusiond.pipelines.stream_plan as stream_plan
+from diffusiond.daemon.residency.fit_tensors import QUANT_WIDTH, Tensor, quant_approximations, quantize
 from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES, STORED_BF16, read_gguf
 from diffusiond.daemon.residency.sizes import (
     DTYPE_BITS,
@@ -55,7 +56,9 @@ from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape, default_working
 from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
-from diffusiond.pipelines.spec import ModelSpec, offload_mode, parse_quant, parse_spec
+from diffusiond.pipelines.modelcache import cache_root, is_complete
+from diffusiond.pipelines.preset_tables import folder_name, get_preset
+from diffusiond.pipelines.spec import ModelSpec, offload_mode, parse_spec
 
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
@@ -75,18 +78,6 @@ _BLOCK = re.compile(r"^(?:model\.diffusion_model\.(?=(?:double_|single_)?blocks\
 _CHECKPOINT_PREFIXES: Final = (("model.diffusion_model.", "unet"), ("first_stage_model.", "vae"), ("vae.", "vae"),
                                ("cond_stage_model.", "text_encoder"), ("conditioner.", "text_encoder"),
                                ("text_encoders.", "text_encoder"))
-
-
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    kind: str  # a safetensors dtype (BF16, F32, ...) or a ggml type (Q8_0, F16, ...)
-    stored: int  # bytes in the file
-    elements: int
-
-    def bytes_at(self, dtype: str) -> int:
-        """On the device at the model's dtype: floats converted, quantized and integer tensors as stored."""
-        return self.elements * TARGET_BYTES[dtype] if self.kind in FLOATS | FLOAT_TYPES else self.stored
 
 
 @dataclass(frozen=True)
@@ -122,43 +113,9 @@ class FitReport:
         return tuple(c for c in self.configurations if c.fits is not False)
 
 
-QUANT_WIDTH: Final = {"fp8-storage": (8, 0), "int8": (8, 0), "fp8": (8, 0), "bnb8": (8, 0), "nf4": (4, 64),
-                      "fp4": (4, 64)}
-"""``quant=`` method -> (bits per weight, elements per fp32 scale): what a quantized weight takes on the device.
-bitsandbytes' 4-bit formats keep an absmax per block of 64 (double quantization makes that less: an
-over-count of about 3%); the 8-bit ones' per-row scales are left out (an under-count under 1%)."""
-
-
-_KEPT: Final = re.compile(r"norm|pos_embed|patch_embed|embed_tokens|embeddings\.|^shared\.")
-"""Tensors every method leaves at the dtype: norms, position and patch embeddings (diffusers' layerwise-casting
-skip list) and token embedding tables (``nn.Embedding``)."""
-
-
-def _quantized(t: Tensor, method: str) -> Tensor:
-    """One tensor at its quantized width: the weights of linear and convolution layers (fp8-storage casts
-    their biases too); norms and embeddings stay at the dtype (as each method leaves them, near enough)."""
-    bits, block = QUANT_WIDTH[method]
-    weight = t.name.endswith(".weight") or (method == "fp8-storage" and t.name.endswith(".bias"))
-    if t.kind not in FLOATS or not weight or _KEPT.search(t.name):
-        return t
-    return Tensor(t.name, method, -(-t.elements * bits // 8) + (4 * -(-t.elements // block) if block else 0),
-                  t.elements)
-
-
 def _gguf_quantized(t: Tensor) -> bool:
     """A GGUF file's quantized tensor (Q8_0, Q4_K, ...): kept as stored, dequantized per layer as it runs."""
     return t.kind not in FLOATS | FLOAT_TYPES and t.kind not in DTYPE_BITS and t.kind not in QUANT_WIDTH
-
-
-def quant_approximations(options: Mapping[str, str], dtype: str) -> tuple[str, ...]:
-    """The ``quant=`` methods a model's rows count at their stored width, named as the loaded model names them
-    (pipelines/quant.py) plus the width counted."""
-    if not options.get("quant"):
-        return ()
-    names = {"fp8-storage": "fp8-storage({c}, computed in {d})", "int8": "torchao-int8-weights({c})",
-             "fp8": "torchao-fp8-weights({c})"}
-    return tuple(names.get(m, "bitsandbytes-{m}({c}, computed in {d})").format(c=c, m=m, d=dtype)
-                 + f" at ~{QUANT_WIDTH[m][0] / 8:g} byte/weight" for c, m in parse_quant(options["quant"]).items())
 
 
 def model_tensors(spec: str, options: Mapping[str, str] | None = None,
@@ -169,13 +126,7 @@ def model_tensors(spec: str, options: Mapping[str, str] | None = None,
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}
     components, notes = _files(spec, parsed, opts, dtype)
-    for component, method in (parse_quant(opts["quant"]).items() if opts.get("quant") else ()):
-        if component in components:
-            components[component] = [_quantized(t, method) for t in components[component]]
-        else:
-            notes.append(f"quant={component}:{method}: no {component} among the counted components "
-                         f"({', '.join(components)})")
-    return components, notes
+    return quantize(components, opts.get("quant", ""), notes), notes
 
 
 def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
@@ -205,8 +156,21 @@ def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
         else:
             notes.append("no base= given: only the GGUF transformer is counted, not the rest of the pipeline")
         return components, notes
-    raise WeightsError(f"{spec}: a model built in code ({parsed.kind}) has no files whose headers could be read; "
-                       "fit sizes diffusers folders, hub ids in the HF cache, .safetensors and .gguf files")
+    built = preset_folder(parsed.target) if parsed.kind == "random" else None
+    if built is not None:
+        return _folder(built, dtype), notes
+    later = (" until its first load has built and saved it (then a restart sizes it from its folder)"
+             if parsed.kind == "random" else "")
+    raise WeightsError(f"{spec}: a model built in code ({parsed.kind}) has no files whose headers could be read"
+                       f"{later}; fit sizes diffusers folders, hub ids in the HF cache, .safetensors and .gguf files")
+
+
+def preset_folder(name: str) -> Path | None:
+    """A ``random:`` preset's folder in the cache, where its first load (``save=1``, the default) saved it; None
+    before that. Its headers size it as a folder's do, so ``offload=auto`` chooses for it from a budget instead of
+    loading all of it (Wan 2.1 1.3B's 13.5 GiB under a 12 GiB budget: issue 28)."""
+    folder = cache_root() / "models" / folder_name(get_preset(name))
+    return folder if is_complete(folder) else None
 
 
 def gguf_tensors(path: Path) -> list[Tensor]:

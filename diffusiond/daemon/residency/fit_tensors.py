@@ -1,0 +1,77 @@
+"""A tensor as ``fit`` counts it (residency/fit.py), and its width under a ``quant=`` method.
+
+Apart from the files' reading so that a model held in memory (scripts/bench_bigger.py's, built in code) is counted
+by the same rule as one read from headers: the daemon's ``offload=auto`` and a benchmark mirroring it agree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES
+from diffusiond.daemon.residency.sizes import FLOATS, TARGET_BYTES
+from diffusiond.pipelines.spec import parse_quant
+
+__all__ = ["QUANT_WIDTH", "Tensor", "quant_approximations", "quantize"]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    kind: str  # a safetensors dtype (BF16, F32, ...) or a ggml type (Q8_0, F16, ...)
+    stored: int  # bytes in the file
+    elements: int
+
+    def bytes_at(self, dtype: str) -> int:
+        """On the device at the model's dtype: floats converted, quantized and integer tensors as stored."""
+        return self.elements * TARGET_BYTES[dtype] if self.kind in FLOATS | FLOAT_TYPES else self.stored
+
+
+QUANT_WIDTH: Final = {"fp8-storage": (8, 0), "int8": (8, 0), "fp8": (8, 0), "bnb8": (8, 0), "nf4": (4, 64),
+                      "fp4": (4, 64)}
+"""``quant=`` method -> (bits per weight, elements per fp32 scale): what a quantized weight takes on the device.
+bitsandbytes' 4-bit formats keep an absmax per block of 64 (double quantization makes that less: an
+over-count of about 3%); the 8-bit ones' per-row scales are left out (an under-count under 1%)."""
+
+
+_KEPT: Final = re.compile(r"norm|pos_embed|patch_embed|embed_tokens|embeddings\.|^shared\.")
+"""Tensors every method leaves at the dtype: norms, position and patch embeddings (diffusers' layerwise-casting
+skip list) and token embedding tables (``nn.Embedding``)."""
+
+
+def quantized(t: Tensor, method: str) -> Tensor:
+    """One tensor at its quantized width: the weights of linear and convolution layers (fp8-storage casts
+    their biases too); norms and embeddings stay at the dtype (as each method leaves them, near enough)."""
+    bits, block = QUANT_WIDTH[method]
+    weight = t.name.endswith(".weight") or (method == "fp8-storage" and t.name.endswith(".bias"))
+    if t.kind not in FLOATS or not weight or _KEPT.search(t.name):
+        return t
+    return Tensor(t.name, method, -(-t.elements * bits // 8) + (4 * -(-t.elements // block) if block else 0),
+                  t.elements)
+
+
+def quant_approximations(options: Mapping[str, str], dtype: str) -> tuple[str, ...]:
+    """The ``quant=`` methods a model's rows count at their stored width, named as the loaded model names them
+    (pipelines/quant.py) plus the width counted."""
+    if not options.get("quant"):
+        return ()
+    names = {"fp8-storage": "fp8-storage({c}, computed in {d})", "int8": "torchao-int8-weights({c})",
+             "fp8": "torchao-fp8-weights({c})"}
+    return tuple(names.get(m, "bitsandbytes-{m}({c}, computed in {d})").format(c=c, m=m, d=dtype)
+                 + f" at ~{QUANT_WIDTH[m][0] / 8:g} byte/weight" for c, m in parse_quant(options["quant"]).items())
+
+
+
+def quantize(components: dict[str, list[Tensor]], quant: str, notes: list[str]) -> dict[str, list[Tensor]]:
+    """``components`` with each one a ``quant=`` option names at its quantized width; a component it names that is
+    not among them is noted in ``notes``."""
+    for component, method in (parse_quant(quant).items() if quant else ()):
+        if component in components:
+            components[component] = [quantized(t, method) for t in components[component]]
+        else:
+            notes.append(f"quant={component}:{method}: no {component} among the counted components "
+                         f"({', '.join(components)})")
+    return components

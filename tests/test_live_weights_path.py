@@ -1,0 +1,67 @@
+"""The bytes of a whole-component update (issue 29): ``bench_live.py weights`` on SDXL's UNet printed nothing in
+200 s. The client's check for NaN and infinity wrote a mask as large as each tensor (12 s of a CPU's time for a
+UNet), and the worker copied the whole update out of the memfd before copying it again into the parameters. Now
+one reduction checks each tensor, and the worker copies from the memfd straight into the parameters; these tests
+hold what that must keep: every non-finite value is still caught, the values applied are the ones sent, in each
+dtype, and the memfd is closed after, with nothing holding its mapping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from diffusiond.client.weights import pack
+from diffusiond.ipc.messages import UpdateWeights
+from diffusiond.worker.weights import apply_weights, mapped_tensors, read_tensors
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 4097, -1])
+def test_a_non_finite_value_anywhere_is_refused_before_anything_is_sent(dtype: torch.dtype, bad: float,
+                                                                        where: int) -> None:
+    t = torch.randn(3, 4096, dtype=dtype).view(-1)
+    t[where] = bad
+    with pytest.raises(ValueError, match=r"tensor 'unet.w' holds NaN or infinite values"):
+        pack({"unet.ok": torch.ones(2, dtype=dtype), "unet.w": t.view(3, 4096)})
+
+
+def test_an_empty_tensor_is_finite() -> None:
+    fd, tensors = pack({"w": torch.empty(0, 4, dtype=torch.bfloat16)})
+    os.close(fd)
+    assert tensors[0].shape == [0, 4]
+
+
+class _Pipe:
+    """What ``apply_weights`` reads of a pipeline: its diffusers ``pipe`` and that one's torch components."""
+
+    def __init__(self, unet: torch.nn.Module) -> None:
+        self.pipe = self
+        self.components = {"unet": unet}
+
+
+@pytest.mark.parametrize("sent", DTYPES)
+def test_an_update_is_applied_from_the_memfd_with_the_values_sent_and_the_memfd_released(sent: torch.dtype) -> None:
+    unet = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8, bias=False))
+    state = {"0.weight": torch.randn(32, 64, dtype=sent), "0.bias": torch.randn(32, dtype=sent),
+             "1.weight": torch.randn(8, 32, dtype=sent)}
+    fd, tensors = pack(state)
+    keep = os.dup(fd)  # the update's memfd, to write after and to see that the worker let go of its fd
+    msg = UpdateWeights("m", "unet", tensors, 1)
+    try:
+        with mapped_tensors(msg, fd) as views:
+            assert apply_weights(_Pipe(unet), msg, views) == ""
+        assert views == {}  # emptied: no view keeps the mapping
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed by the worker's side
+        os.pwrite(keep, b"\xff" * 64, tensors[0].offset)  # the client's pages after: the model keeps what was sent
+        for name, value in state.items():
+            assert torch.equal(unet.state_dict()[name], value.float()), name
+        assert {k: v.dtype for k, v in read_tensors(msg, os.dup(keep)).items()} == dict.fromkeys(state, sent)
+    finally:
+        os.close(keep)
