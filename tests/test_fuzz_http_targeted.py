@@ -129,6 +129,25 @@ def test_scheduler_is_checked_at_admission(sock: Path, model: str, scheduler: st
     assert status == 400 and answer["error"]["field"] == "scheduler", answer
 
 
+def test_a_negative_prompt_the_model_would_ignore_is_a_400(sock: Path) -> None:
+    """FLUX reads a negative prompt only at a true CFG scale the daemon never sets: one was dropped silently
+    and still written into the job's request and the PNG's metadata as if it had acted (review 42's finding 1).
+    GET /v1/models says which models take one; an empty one is no negative prompt, so it is taken."""
+    status, listing = call_json(sock, "GET", "/v1/models")
+    takes = {m["id"]: m["negative_prompt"] for m in listing["data"]}
+    assert takes["tiny-flux"] is False and takes["tiny"] is True and takes["tiny-inpaint"] is True, takes
+    for path, body in (("/v1/jobs", {**FLUX, "negative_prompt": "blurry"}),
+                       ("/v1/images/generations", {"model": "tiny-flux", "prompt": "x", "size": "64x64",
+                                                   "num_inference_steps": 2, "negative_prompt": "blurry"})):
+        status, answer = call_json(sock, "POST", path, body)
+        assert status == 400 and answer["error"]["field"] == "negative_prompt", answer
+        assert "'tiny-flux'" in answer["error"]["message"] and "leave negative_prompt out" in answer["error"]["message"]
+    for body in ({**FLUX, "negative_prompt": ""}, {**TINY, "negative_prompt": "blurry"}):
+        status, answer = call_json(sock, "POST", "/v1/jobs", body)
+        assert status == 202, answer
+        cancel_if_accepted(sock, status, answer)
+
+
 def test_scheduler_names_checked_at_admission_are_the_pipelines() -> None:
     from diffusiond import protocol
     from diffusiond.pipelines.diffusers_pipeline import FLOW_SCHEDULERS, SCHEDULERS

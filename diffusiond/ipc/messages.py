@@ -278,6 +278,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")
+    # a negative prompt acts on it: False where diffusers' pipeline takes none, or reads it only at a true CFG scale
+    # the daemon does not drive (FLUX is guidance-distilled); admission refuses one rather than drop it silently
+    negative_prompt: bool = True
     edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
     max_input_images: int = 1  # input pictures one edit takes (a request's ``images``: Qwen-Image-Edit Plus's)
     # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.

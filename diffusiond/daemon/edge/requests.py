@@ -207,6 +207,9 @@ def check(
     neg = req.get("negative_prompt")
     if neg is not None and len(neg) > limits.max_prompt_chars:
         raise invalid(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
+    if neg and neg.strip() and not model.capabilities.negative_prompt:  # it would be recorded as if it had acted
+        raise invalid(f"model {model.name!r} has no negative prompt (a guidance-distilled model such as FLUX "
+                      "ignores one); leave negative_prompt out", field="negative_prompt")
     _range("n", req["n"], 1, limits.max_n)
     d = model.capabilities
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
