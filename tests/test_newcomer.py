@@ -82,6 +82,32 @@ def test_progress_lines_come_at_tenths_and_at_most_once_a_second() -> None:
     assert len(slow.getvalue().splitlines()) == 3
 
 
+def test_progress_lines_name_each_stage_and_again_every_5_s_while_it_lasts() -> None:
+    """Off a terminal nothing was printed before step 1: a model loading for minutes looked hung (review 42)."""
+    from diffusiond.commands.progress import ProgressBar
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = ProgressBar(out, clock=lambda: now[0])
+    bar.job_id = "j_1"
+    bar.update(0, 4, "queued")
+    bar.update(stage="loading")
+    for _ in range(12):  # 12 s of loading with no event: the CLI's ticks
+        now[0] += 1
+        bar.tick()
+    bar.update(stage="waiting_for_memory")
+    bar.update(1, 4, "computing")
+    bar.update(stage="encoding")
+    assert out.getvalue().splitlines() == ["job j_1 queued", "job j_1 loading", "job j_1 still loading (5 s)",
+                                           "job j_1 still loading (10 s)", "job j_1 waiting_for_memory",
+                                           "job j_1 step 1/4 (25 %)", "job j_1 encoding"]
+    quiet = io.StringIO()
+    bar = ProgressBar(quiet, enabled=True)  # on a terminal the bar shows the stage, and ticks add nothing
+    bar.update(0, 4, "loading")
+    bar.tick()
+    assert "\n" not in quiet.getvalue()
+
+
 # 2. specs checked before the start -------------------------------------------------------------
 @pytest.mark.parametrize(
     ("spec", "words"),

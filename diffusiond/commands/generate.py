@@ -266,7 +266,16 @@ async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: fl
         elif name == Event.DONE:
             bar.complete()
 
-    return await client.wait(job_id, timeout=timeout, on_event=draw)
+    async def ticking() -> None:  # a stage that lasts with no event still gets its line (progress.py)
+        while True:
+            await asyncio.sleep(1.0)
+            bar.tick()
+
+    ticker = asyncio.create_task(ticking())
+    try:
+        return await client.wait(job_id, timeout=timeout, on_event=draw)
+    finally:
+        ticker.cancel()
 
 
 async def download(client: AsyncClient, job_id: str, index: int, path: Path) -> int:
