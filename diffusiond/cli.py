@@ -33,6 +33,7 @@ from diffusiond.commands import (
     residency,
 )
 from diffusiond.commands.admin import cancel, history, models, sleep, status, wake, web_url
+from diffusiond.commands.flags import with_flag
 from diffusiond.commands.generate import (
     GenerateState,
     UsageError,
@@ -362,8 +363,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except (DaemonUnreachable, ClientTimeout) as exc:  # a daemon that stopped answering is not reachable
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except ClientError as exc:  # DaemonError: the daemon answered, and refused
-        print(f"error: {exc}", file=sys.stderr)
+    except ClientError as exc:  # DaemonError: the daemon answered, and refused (generate's: with the field's flag)
+        shown = with_flag(str(exc), getattr(exc, "field", None)) if args.command == "generate" else str(exc)
+        print(f"error: {shown}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

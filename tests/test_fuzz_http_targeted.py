@@ -229,7 +229,10 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
     "a reference on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64, "mask": L64,
                                              "ip_adapter": [REF()]}, "ip_adapter"),
     "control + image-to-image on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64,
-                                                          "strength": 0.7, "control": [EDGES]}, "model"),
+                                                          "strength": 0.7, "control": [EDGES]}, "mask"),
+    # review 42, finding 5: an inpainting model given only an image needs a mask, not another model
+    "an image without a mask on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64}, "mask"),
+    "no image on the inpainting model": ({**TINY, "model": "tiny-inpaint"}, "image"),
     "NaN scale": (json.dumps({**TINY, "control": [{**EDGES, "scale": math.nan}]}).encode(), "invalid_json"),
     "Infinity reference scale": (json.dumps({**TINY, "ip_adapter": [REF(scale=math.inf)]}).encode(), "invalid_json"),
     # several pictures for one edit (issue 30): these models take one, so ``images`` is refused whatever it holds

@@ -271,7 +271,21 @@ def test_an_inpainting_only_model_says_what_it_does_once() -> None:
 
     with pytest.raises(InvalidRequest) as caught:
         plan_edit({"prompt": "x", "image": "AAAA"}, Inpainter(), Limits())
-    assert "cannot do image-to-image (it does inpainting);" in str(caught.value), caught.value
+    assert caught.value.field == "mask" and "it inpaints: send a mask with the image" in str(caught.value), caught.value
+
+
+def test_generate_on_the_inpainting_model_names_the_flag_it_lacks(sock: str, tmp_path: Path) -> None:
+    """An image without a mask on an inpainting-only model was told to pick another model, in HTTP's words
+    (review 42, finding 5): it needs a mask, and a CLI user reads the flags (``--image``, ``--mask``) to give."""
+    from diffusiond.client.errors import DaemonError
+    from diffusiond.commands.flags import with_flag
+
+    r = cli("generate", "a fox", "--socket", sock, "--size", "60x64", "--steps", "1", "-o", str(tmp_path / "f.png"))
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("field width: --size)"), r.stderr  # the real CLI's
+    refusal = DaemonError(400, "invalid_request", "model 'inp' ... send a mask", "mask")
+    assert with_flag(str(refusal), refusal.field).endswith("(invalid_request, HTTP 400, field mask: --mask)")
+    assert with_flag("x (field control[0].image)", "control[0].image") == "x (field control[0].image: --control)"
+    assert with_flag("x (field zz)", "zz") == "x (field zz)"
 
 
 def test_the_daemon_is_healthy_after_all_this(sock: str) -> None:

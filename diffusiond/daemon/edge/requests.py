@@ -210,8 +210,9 @@ def check(
     if edit is not None:
         req = {**req, "width": edit.width, "height": edit.height}
     elif model.capabilities.task in EDIT_TASKS:
-        raise invalid(f"model {model.name!r} does {model.capabilities.task} only: send an image "
-                      "(/v1/images/edits, or image on /v1/jobs)", field="image")
+        mask = " and a mask (mask; --mask FILE)" if model.capabilities.task == Task.INPAINTING.value else ""
+        raise invalid(f"model {model.name!r} does {model.capabilities.task} only: send an image (image on /v1/jobs, "
+                      f"/v1/images/edits; --image FILE on the CLI){mask}", field="image")
     prompt = req["prompt"]
     if not prompt.strip():
         raise invalid("prompt must not be empty", field="prompt")
@@ -224,7 +225,7 @@ def check(
         raise invalid(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
     if neg and neg.strip() and not model.capabilities.negative_prompt:  # it would be recorded as if it had acted
         raise invalid(f"model {model.name!r} has no negative prompt (a guidance-distilled model such as FLUX "
-                      "ignores one); leave negative_prompt out", field="negative_prompt")
+                      "ignores one); leave negative_prompt out (--negative on the CLI)", field="negative_prompt")
     _range("n", req["n"], 1, limits.max_n)
     d = model.capabilities
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default
