@@ -96,9 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", parents=[sock], help="generate images or videos and write them to files")
     g.add_argument("prompt", metavar="PROMPT")
-    g.add_argument(
-        "-o", "--output", metavar="PATH", help="output file (default: <job id>.<ext>; -n N adds -0, -1, ...)"
-    )
+    g.add_argument("-o", "--output", metavar="PATH",
+                   help="output file (default: <job id>.<ext>; -n N adds -0, -1, ...); - writes one output to stdout")
     g.add_argument("--model", metavar="NAME")
     g.add_argument("-n", type=positive_int, metavar="N", help="number of outputs")
     g.add_argument("--size", type=parse_size, metavar="WxH")

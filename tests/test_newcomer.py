@@ -62,6 +62,19 @@ def test_generate_off_a_terminal_prints_a_progress_line_now_and_then(sock: str, 
     assert "\r" not in r.stderr  # no bar animation in a log
 
 
+def test_generate_o_dash_writes_the_one_output_to_stdout(sock: str, tmp_path: Path) -> None:
+    """``-o -`` wrote a file named ``-`` and its "path seed" line to stdout (review 42, finding 8)."""
+    env = {k: v for k, v in os.environ.items() if k != "DIFFUSIOND_SOCKET"}
+    argv = [sys.executable, "-m", "diffusiond", "generate", "a fox", "--socket", sock, *FAST, "--seed", "3", "-o", "-"]
+    r = subprocess.run(argv, capture_output=True, cwd=tmp_path, env={**env, **ENV}, timeout=120, check=False)
+    assert r.returncode == 0 and r.stdout.startswith(b"\x89PNG\r\n\x1a\n"), r.stderr
+    assert b"stdout  seed=3" in r.stderr and not (tmp_path / "-").exists()
+    for extra in (["-n", "2"], ["--json"]):  # refused before the job is sent
+        refused = cli("generate", "a fox", "--socket", sock, *FAST, "-o", "-", *extra, cwd=tmp_path)
+        assert refused.returncode == 2 and "-o - writes one output to stdout" in refused.stderr, refused.stderr
+    assert not (tmp_path / "-").exists()
+
+
 def test_progress_lines_come_at_tenths_and_at_most_once_a_second() -> None:
     from diffusiond.commands.progress import ProgressBar
 
