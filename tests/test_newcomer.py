@@ -75,6 +75,20 @@ def test_generate_o_dash_writes_the_one_output_to_stdout(sock: str, tmp_path: Pa
     assert not (tmp_path / "-").exists()
 
 
+def test_the_python_clients_pil_on_a_video_model_is_a_value_error_saying_what_to_pass(sock: str) -> None:
+    """It failed deep in a traceback about a PNG the caller never asked for (review 42, finding 12); no job is made."""
+    import diffusiond
+
+    with diffusiond.Client(sock) as c:
+        before = sum(c.health()["jobs"].values())
+        with pytest.raises(ValueError, match=r"output='pil' asks for PNG, which model 'tiny-video' does not make .*"
+                                             r"output_format='gif' or 'webp'"):
+            c.generate("a clip", model="tiny-video", output="pil")
+        assert sum(c.health()["jobs"].values()) == before
+        with pytest.raises(diffusiond.DaemonError):  # a format the caller asked for is the daemon's to refuse
+            c.generate("a clip", model="tiny-video", output="pil", output_format="png")
+
+
 def test_progress_lines_come_at_tenths_and_at_most_once_a_second() -> None:
     from diffusiond.commands.progress import ProgressBar
 
