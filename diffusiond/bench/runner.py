@@ -31,7 +31,6 @@ from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
 from diffusiond.commands.generate import parse_size, positive_int
 from diffusiond.protocol import COMPILE_MODES, FORMATS, OUTPUT_DTYPES
-from diffusiond.worker.startup import quiet_libraries
 
 # Nothing here at module level may load torch or numpy: ``diffusiond --help`` builds this parser,
 # and every client command builds the whole parser. The pipeline's modules are imported where a
@@ -180,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"diffusiond bench: error: unknown mode(s) {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
     if not args.verbose:  # before torch and the model libraries load: the in-process pipelines are quiet too
+        from diffusiond.worker.startup import quiet_libraries  # here: the CLI's --help imports this module
+
         quiet_libraries()
     try:
         setup = _setup(args)
