@@ -33,6 +33,7 @@ from diffusiond.commands import (
     residency,
 )
 from diffusiond.commands.admin import cancel, history, models, sleep, status, wake, web_url
+from diffusiond.commands.flags import with_flag
 from diffusiond.commands.generate import (
     GenerateState,
     UsageError,
@@ -95,19 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", parents=[sock], help="generate images or videos and write them to files")
     g.add_argument("prompt", metavar="PROMPT")
-    g.add_argument(
-        "-o", "--output", metavar="PATH", help="output file (default: <job id>.<ext>; -n N adds -0, -1, ...)"
-    )
-    g.add_argument("--model", metavar="NAME")
-    g.add_argument("-n", type=positive_int, metavar="N", help="number of outputs")
-    g.add_argument("--size", type=parse_size, metavar="WxH")
-    g.add_argument("--steps", type=positive_int, metavar="N")
-    g.add_argument("--guidance", type=float, metavar="G")
+    g.add_argument("-o", "--output", metavar="PATH",
+                   help="output file (default: <job id>.<ext>; -n N adds -0, -1, ...); - writes one output to stdout")
+    own = "the model's own, in diffusiond models' defaults column"
+    g.add_argument("--model", metavar="NAME", help="a model the daemon serves (default: the first it serves; "
+                                                   "diffusiond models lists them)")
+    g.add_argument("-n", type=positive_int, metavar="N", help="number of outputs (default 1)")
+    g.add_argument("--size", type=parse_size, metavar="WxH", help=f"output width x height (default: {own})")
+    g.add_argument("--steps", type=positive_int, metavar="N", help=f"denoising steps (default: {own})")
+    g.add_argument("--guidance", type=float, metavar="G", help=f"guidance scale (default: {own})")
     g.add_argument("--negative", metavar="TEXT", help="negative prompt")
-    g.add_argument("--seed", type=int, metavar="S")
+    g.add_argument("--seed", type=int, metavar="S", help="the same seed and settings make the same output "
+                                                         "(default: a random one, printed with each file)")
     g.add_argument("--format", choices=tuple(FORMATS), help="output format (default: from -o's extension, else png)")
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
-    g.add_argument("--fps", type=positive_int, metavar="N")
+    g.add_argument("--fps", type=positive_int, metavar="N", help=f"frames per second of a video (default: {own})")
     g.add_argument("--no-audio", dest="audio", action="store_const", const=False,
                    help="leave out the sound track of a model that makes one (LTX-2); an mp4 then has none")
     g.add_argument("--timeout", type=positive_float, metavar="S", help="give up (and cancel) after S seconds")
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--wait", type=float, metavar="SECONDS", default=0.0,
                    help="first wait up to this long for the daemon to be up and ready (for scripts that start one)")
     s.set_defaults(func=status)
-    m = sub.add_parser("models", parents=[sock], help="list the loaded models")
+    m = sub.add_parser("models", parents=[sock], help="list every model the daemon serves, loaded or not")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=models)
     c = sub.add_parser("cancel", parents=[sock], help="cancel a queued or running job")
@@ -211,7 +214,8 @@ def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     add = p.add_argument
     add("--config", metavar="FILE", help="TOML file; flags override its values")
-    add("--socket", metavar="PATH")
+    add("--socket", metavar="PATH",
+        help="the Unix socket to listen on (default: $DIFFUSIOND_SOCKET, then the runtime directory)")
     add("--model", action="append", metavar="SPEC",
         help="tiny, a folder, a hub id, a .safetensors file or FILE.gguf,base=FOLDER[,transformer_2=LOW.gguf]; "
              "NAME=SPEC")
@@ -221,26 +225,30 @@ def _add_serve(sub: Any) -> None:
     add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
     add("--max-batch", type=int, metavar="N",
         help="the most outputs one forward runs (4), for every model without its own max_batch in the config file")
-    add("--batch-wait-ms", type=float, metavar="MS")
+    add("--batch-wait-ms", type=float, metavar="MS",
+        help="how long a batch waits for more requests it could run with (0: it runs at once)")
     add("--batch-sizes", choices=BATCH_SIZES,
         help="batch sizes that form: auto (default: powers of two up to --max-batch for compiled models, any "
              "size for eager ones), pow2 or any, for every model without its own batch_sizes in the config file")
-    add("--queue-size", type=int, metavar="N")
-    add("--job-timeout", dest="job_timeout_s", type=float, metavar="S")
-    add("--output-mode", metavar="MODE", help="async or sync")
-    add("--arena-mb", type=int, metavar="MB")
+    add("--queue-size", type=int, metavar="N", help="jobs that may wait to run; past it new jobs are refused (256)")
+    add("--job-timeout", dest="job_timeout_s", type=float, metavar="S",
+        help="a job not done within S seconds fails, naming the stage it was in (600)")
+    add("--output-mode", metavar="MODE",
+        help="async (outputs copied and encoded while the next forward runs; default) or sync (to measure against)")
+    add("--arena-mb", type=int, metavar="MB",
+        help="each worker's shared memory for outputs; a larger one gets memory of its own (512)")
     add("--tcp", metavar="HOST:PORT", help="also listen on TCP (needs --token-file)")
     add("--token-file", metavar="FILE", help="the token of --tcp and --web (at least 16 characters)")
     add("--web", nargs="?", const=DEFAULT_WEB_ADDRESS, metavar="HOST:PORT",
         help=f"serve the web page and the API on TCP behind a token (default {DEFAULT_WEB_ADDRESS})")
     add("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL", help=", ".join(LOG_LEVELS))
     add("--socket-mode", type=octal_mode, metavar="MODE", help="octal, default 0600")
-    add("--socket-group", metavar="GROUP")
+    add("--socket-group", metavar="GROUP", help="the socket's group (with --socket-mode 0660 its members connect)")
     add("--allow-uid", action="append", type=int, metavar="UID", help="repeatable; checked with SO_PEERCRED")
-    add("--retention-s", type=float, metavar="S")
-    add("--drain-grace-s", type=float, metavar="S")
-    add("--png-compress-level", type=int, metavar="N")
-    add("--encode-threads", type=int, metavar="N")
+    add("--retention-s", type=float, metavar="S", help="how long a finished job stays in memory (600)")
+    add("--drain-grace-s", type=float, metavar="S", help="on SIGTERM, how long running jobs get to finish (30)")
+    add("--png-compress-level", type=int, metavar="N", help="0-9: smaller PNGs against encoding time (4)")
+    add("--encode-threads", type=int, metavar="N", help="threads that encode outputs (the CPU count, at most 4)")
     add("--slot-timeout-s", type=float, metavar="S", help="how long a copy waits for a free arena slot (30)")
     add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
     add("--input-dir", metavar="DIR",
@@ -364,8 +372,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except (DaemonUnreachable, ClientTimeout) as exc:  # a daemon that stopped answering is not reachable
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except ClientError as exc:  # DaemonError: the daemon answered, and refused
-        print(f"error: {exc}", file=sys.stderr)
+    except ClientError as exc:  # DaemonError: the daemon answered, and refused (generate's: with the field's flag)
+        shown = with_flag(str(exc), getattr(exc, "field", None)) if args.command == "generate" else str(exc)
+        print(f"error: {shown}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

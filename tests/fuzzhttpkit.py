@@ -179,6 +179,7 @@ def within_limits(job: dict[str, Any]) -> None:
     assert 1 <= r["steps"] <= LIMITS["max_steps"], job
     assert r["num_frames"] is None or 1 <= r["num_frames"] <= LIMITS["max_frames"], job
     assert job["model"] in MODELS and r["prompt"].strip(), job
+    assert not (r["negative_prompt"] or "").strip() or job["model"] != "tiny-flux", job  # FLUX would ignore it
     # issue 29: each noise only with its scheduler, and in its range
     assert r["noise_level"] is None or (r["scheduler"] == "flow-sde" and 0 < r["noise_level"] <= 2), job
     assert r["eta"] is None or (r["scheduler"] == "ddim" and 0 < r["eta"] <= 1), job

@@ -250,3 +250,24 @@ def test_sse_waits_for_the_blank_line() -> None:
     parser = SSEParser()
     assert parser.feed(b"event: progress\ndata: {}\n") == []
     assert parser.feed(b"\n") == [("progress", "{}")]
+
+
+def test_every_generate_and_serve_flag_says_what_it_does_and_serves_defaults_are_the_configs() -> None:
+    """Review 42's finding 9: ``--model``, ``-n``, ``--size``, ``--steps``, ``--guidance``, ``--seed`` and eleven serve
+    flags had no help, and ``models`` was said to list the loaded models (it lists all of them)."""
+    import argparse
+    import re
+
+    from diffusiond.cli import build_parser
+    from diffusiond.daemon.config import DaemonConfig
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("generate", "serve"):
+        bare = [a.option_strings for a in commands.choices[name]._actions if a.option_strings and not a.help]
+        assert not bare, (name, bare)
+    assert "loaded or not" in str(next(a.help for a in commands._choices_actions if a.dest == "models"))
+    serve = {a.dest: str(a.help) for a in commands.choices["serve"]._actions}
+    for field in ("queue_size", "job_timeout_s", "arena_mb", "retention_s", "drain_grace_s", "png_compress_level"):
+        shown = re.search(r"\((\d+)\)$", serve[field])
+        assert shown and float(shown.group(1)) == getattr(DaemonConfig, field), (field, serve[field])

@@ -105,7 +105,10 @@ class StubDaemon:
         return web.Response(text="ready")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "tiny", "task": "text-to-image", "device": "cpu", "state": "ready"}]})
+        defaults = {"width": 128, "height": 128, "steps": 4, "guidance_scale": 5.0}
+        return web.json_response({"data": [  # flux: still loading for the first time (its defaults are null)
+            {"id": "tiny", "task": "text-to-image", "device": "cpu", "state": "ready", "defaults": defaults},
+            {"id": "flux", "task": "text-to-image", "device": "cpu", "state": "starting", "edits": []}]})
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -240,7 +243,12 @@ def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
     assert main(["status", "--socket", stub.path, "--wait", "5", "--json"]) == 0  # ready at once: no wait
     assert json.loads(capsys.readouterr().out)["ready"] is True
     assert main(["models", "--socket", stub.path]) == 0
-    assert capsys.readouterr().out.split("\n")[1].split() == ["tiny", "text-to-image", "cpu", "ready", "-", "-", "-"]
+    lines = capsys.readouterr().out.splitlines()  # edits "?" while not known, not "-" (none): review 42's finding 10
+    assert lines[0].split() == ["id", "task", "device", "state", "offload", "edits", "defaults", "approximations"]
+    assert lines[1].split() == ["tiny", "text-to-image", "cpu", "ready", "-", "-", "128x128,", "4", "steps,",
+                                "guidance", "5", "-"], lines
+    assert lines[2].split() == ["flux", "text-to-image", "cpu", "starting", "-", "?", "?", "-"], lines
+    assert lines[3] == "?: not known until the model has loaded once", lines
     assert main(["cancel", "j_done", "--socket", stub.path]) == 1
     assert "job j_done already finished (succeeded)" in capsys.readouterr().err
     assert main(["cancel", "j_404", "--socket", stub.path]) == 1

@@ -264,6 +264,11 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
     page = json.loads(out.stdout)
     assert [j["id"] for j in page["data"]] == [done[2]["id"]] and page["next_before"] == done[2]["id"]
 
+    out = subprocess.run([sys.executable, "-m", "diffusiond", "status", "--socket", str(d.socket)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr  # its first run: history holds only its own jobs (review 42)
+    assert "jobs in this run: " in out.stdout and "history keeps earlier ones" not in out.stdout, out.stdout
+
     d.stop()
     again = daemon_factory(*serve_args(state), env=ENV)
     async with http(again.socket) as s:

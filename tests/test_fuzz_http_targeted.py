@@ -32,6 +32,7 @@ from fuzzhttpkit import (
     check_answer,
     finished_job,
     fuzz_daemon_in,
+    multipart,
     wait_job,
 )
 from hypothesis import given, settings
@@ -129,6 +130,44 @@ def test_scheduler_is_checked_at_admission(sock: Path, model: str, scheduler: st
     assert status == 400 and answer["error"]["field"] == "scheduler", answer
 
 
+def test_a_negative_prompt_the_model_would_ignore_is_a_400(sock: Path) -> None:
+    """FLUX reads a negative prompt only at a true CFG scale the daemon never sets: one was dropped silently
+    and still written into the job's request and the PNG's metadata as if it had acted (review 42's finding 1).
+    GET /v1/models says which models take one; an empty one is no negative prompt, so it is taken."""
+    status, listing = call_json(sock, "GET", "/v1/models")
+    takes = {m["id"]: m["negative_prompt"] for m in listing["data"]}
+    assert takes["tiny-flux"] is False and takes["tiny"] is True and takes["tiny-inpaint"] is True, takes
+    for path, body in (("/v1/jobs", {**FLUX, "negative_prompt": "blurry"}),
+                       ("/v1/images/generations", {"model": "tiny-flux", "prompt": "x", "size": "64x64",
+                                                   "num_inference_steps": 2, "negative_prompt": "blurry"})):
+        status, answer = call_json(sock, "POST", path, body)
+        assert status == 400 and answer["error"]["field"] == "negative_prompt", answer
+        assert "'tiny-flux'" in answer["error"]["message"] and "leave negative_prompt out" in answer["error"]["message"]
+    for body in ({**FLUX, "negative_prompt": ""}, {**TINY, "negative_prompt": "blurry"}):
+        status, answer = call_json(sock, "POST", "/v1/jobs", body)
+        assert status == 202, answer
+        cancel_if_accepted(sock, status, answer)
+
+
+@pytest.mark.parametrize(("path", "sent", "takes"), [
+    ("/v1/jobs", "num_inference_steps", "steps"), ("/v1/images/generations", "steps", "num_inference_steps"),
+    ("/v1/images/edits", "steps", "num_inference_steps"), ("/v1/jobs", "guidance", "guidance_scale"),
+    ("/v1/images/generations", "guidance", "guidance_scale"),
+])
+def test_the_other_endpoints_spelling_is_told_this_ones(sock: Path, path: str, sent: str, takes: str) -> None:
+    """/v1/jobs says ``steps``, the OpenAI-style endpoints ``num_inference_steps`` (and the CLI ``--guidance``): a
+    body in the other spelling got only msgspec's "unknown field" (review 42, finding 3). No alias: it is refused."""
+    if path == "/v1/images/edits":
+        body, headers = multipart([(b"prompt", b"x", False), (sent.encode(), b"2", False),
+                                   (b"image", _png((64, 64)), True)])
+        status, headers, raw = call(sock, "POST", path, body, headers)
+        answer = check_answer("POST", path, status, headers, raw)
+    else:
+        status, answer = call_json(sock, "POST", path, {"prompt": "x", "size": "64x64", sent: 2})
+    assert status == 400 and answer["error"]["field"] == sent, answer
+    assert answer["error"]["message"] == f"unknown field {sent!r}: this endpoint takes {takes}", answer
+
+
 def test_scheduler_names_checked_at_admission_are_the_pipelines() -> None:
     from diffusiond import protocol
     from diffusiond.pipelines.diffusers_pipeline import FLOW_SCHEDULERS, SCHEDULERS
@@ -190,7 +229,10 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
     "a reference on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64, "mask": L64,
                                              "ip_adapter": [REF()]}, "ip_adapter"),
     "control + image-to-image on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64,
-                                                          "strength": 0.7, "control": [EDGES]}, "model"),
+                                                          "strength": 0.7, "control": [EDGES]}, "mask"),
+    # review 42, finding 5: an inpainting model given only an image needs a mask, not another model
+    "an image without a mask on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64}, "mask"),
+    "no image on the inpainting model": ({**TINY, "model": "tiny-inpaint"}, "image"),
     "NaN scale": (json.dumps({**TINY, "control": [{**EDGES, "scale": math.nan}]}).encode(), "invalid_json"),
     "Infinity reference scale": (json.dumps({**TINY, "ip_adapter": [REF(scale=math.inf)]}).encode(), "invalid_json"),
     # several pictures for one edit (issue 30): these models take one, so ``images`` is refused whatever it holds

@@ -9,6 +9,7 @@ so the stream shows a load part done.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,3 +106,24 @@ def test_an_offloaded_loads_total_is_what_its_reports_reach_not_its_device_share
     # stream keeps its resident blocks on the device and out of its host share: the two together cover the read
     _, total = seen(Capabilities(offload="stream", weight_bytes=3, host_bytes=reports[-1] - 2))
     assert total is not None and total > reports[-1]
+
+
+def test_generate_in_a_pipe_says_its_job_waits_for_the_load(cold: Daemon, tmp_path: Path) -> None:
+    """``diffusiond generate`` off a terminal printed nothing until step 1, however long the load took (review 42)."""
+    from test_daemon_cli import cli
+
+    async def unloaded() -> None:
+        async with http(cold.socket) as s:
+            assert (await wait_job(s, (await submit(s, JOB))["id"]))["status"] == "succeeded"  # known, then off
+            async with s.post("/v1/models/tiny/unload") as r:
+                assert r.status == 200, await r.text()
+
+    asyncio.run(unloaded())
+    r = cli("generate", "a fox", "--socket", str(cold.socket), "--size", "64x64", "--steps", "1",
+            "-o", str(tmp_path / "fox.png"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    loading = next(i for i, line in enumerate(lines) if re.fullmatch(r"job j_\w+ loading", line))
+    step = next(i for i, line in enumerate(lines) if re.fullmatch(r"job j_\w+ step 1/1 \(100 %\)", line))
+    assert loading < step, r.stderr
+

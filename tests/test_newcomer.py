@@ -62,6 +62,33 @@ def test_generate_off_a_terminal_prints_a_progress_line_now_and_then(sock: str, 
     assert "\r" not in r.stderr  # no bar animation in a log
 
 
+def test_generate_o_dash_writes_the_one_output_to_stdout(sock: str, tmp_path: Path) -> None:
+    """``-o -`` wrote a file named ``-`` and its "path seed" line to stdout (review 42, finding 8)."""
+    env = {k: v for k, v in os.environ.items() if k != "DIFFUSIOND_SOCKET"}
+    argv = [sys.executable, "-m", "diffusiond", "generate", "a fox", "--socket", sock, *FAST, "--seed", "3", "-o", "-"]
+    r = subprocess.run(argv, capture_output=True, cwd=tmp_path, env={**env, **ENV}, timeout=120, check=False)
+    assert r.returncode == 0 and r.stdout.startswith(b"\x89PNG\r\n\x1a\n"), r.stderr
+    assert b"stdout  seed=3" in r.stderr and not (tmp_path / "-").exists()
+    for extra in (["-n", "2"], ["--json"]):  # refused before the job is sent
+        refused = cli("generate", "a fox", "--socket", sock, *FAST, "-o", "-", *extra, cwd=tmp_path)
+        assert refused.returncode == 2 and "-o - writes one output to stdout" in refused.stderr, refused.stderr
+    assert not (tmp_path / "-").exists()
+
+
+def test_the_python_clients_pil_on_a_video_model_is_a_value_error_saying_what_to_pass(sock: str) -> None:
+    """It failed deep in a traceback about a PNG the caller never asked for (review 42, finding 12); no job is made."""
+    import diffusiond
+
+    with diffusiond.Client(sock) as c:
+        before = sum(c.health()["jobs"].values())
+        with pytest.raises(ValueError, match=r"output='pil' asks for PNG, which model 'tiny-video' does not make .*"
+                                             r"output_format='gif' or 'webp'"):
+            c.generate("a clip", model="tiny-video", output="pil")
+        assert sum(c.health()["jobs"].values()) == before
+        with pytest.raises(diffusiond.DaemonError):  # a format the caller asked for is the daemon's to refuse
+            c.generate("a clip", model="tiny-video", output="pil", output_format="png")
+
+
 def test_progress_lines_come_at_tenths_and_at_most_once_a_second() -> None:
     from diffusiond.commands.progress import ProgressBar
 
@@ -80,6 +107,32 @@ def test_progress_lines_come_at_tenths_and_at_most_once_a_second() -> None:
         now[0] += 6
         bar.update(step, 100)
     assert len(slow.getvalue().splitlines()) == 3
+
+
+def test_progress_lines_name_each_stage_and_again_every_5_s_while_it_lasts() -> None:
+    """Off a terminal nothing was printed before step 1: a model loading for minutes looked hung (review 42)."""
+    from diffusiond.commands.progress import ProgressBar
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = ProgressBar(out, clock=lambda: now[0])
+    bar.job_id = "j_1"
+    bar.update(0, 4, "queued")
+    bar.update(stage="loading")
+    for _ in range(12):  # 12 s of loading with no event: the CLI's ticks
+        now[0] += 1
+        bar.tick()
+    bar.update(stage="waiting_for_memory")
+    bar.update(1, 4, "computing")
+    bar.update(stage="encoding")
+    assert out.getvalue().splitlines() == ["job j_1 queued", "job j_1 loading", "job j_1 still loading (5 s)",
+                                           "job j_1 still loading (10 s)", "job j_1 waiting_for_memory",
+                                           "job j_1 step 1/4 (25 %)", "job j_1 encoding"]
+    quiet = io.StringIO()
+    bar = ProgressBar(quiet, enabled=True)  # on a terminal the bar shows the stage, and ticks add nothing
+    bar.update(0, 4, "loading")
+    bar.tick()
+    assert "\n" not in quiet.getvalue()
 
 
 # 2. specs checked before the start -------------------------------------------------------------
@@ -245,7 +298,21 @@ def test_an_inpainting_only_model_says_what_it_does_once() -> None:
 
     with pytest.raises(InvalidRequest) as caught:
         plan_edit({"prompt": "x", "image": "AAAA"}, Inpainter(), Limits())
-    assert "cannot do image-to-image (it does inpainting);" in str(caught.value), caught.value
+    assert caught.value.field == "mask" and "it inpaints: send a mask with the image" in str(caught.value), caught.value
+
+
+def test_generate_on_the_inpainting_model_names_the_flag_it_lacks(sock: str, tmp_path: Path) -> None:
+    """An image without a mask on an inpainting-only model was told to pick another model, in HTTP's words
+    (review 42, finding 5): it needs a mask, and a CLI user reads the flags (``--image``, ``--mask``) to give."""
+    from diffusiond.client.errors import DaemonError
+    from diffusiond.commands.flags import with_flag
+
+    r = cli("generate", "a fox", "--socket", sock, "--size", "60x64", "--steps", "1", "-o", str(tmp_path / "f.png"))
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("field width: --size)"), r.stderr  # the real CLI's
+    refusal = DaemonError(400, "invalid_request", "model 'inp' ... send a mask", "mask")
+    assert with_flag(str(refusal), refusal.field).endswith("(invalid_request, HTTP 400, field mask: --mask)")
+    assert with_flag("x (field control[0].image)", "control[0].image") == "x (field control[0].image: --control)"
+    assert with_flag("x (field zz)", "zz") == "x (field zz)"
 
 
 def test_the_daemon_is_healthy_after_all_this(sock: str) -> None:

@@ -94,6 +94,8 @@ def add_parser(sub: Any) -> None:
                    help="daemons keep jobs in memory only (serve --no-persist); by default each has a temporary "
                         "state dir, as a served daemon has its own")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--verbose", action="store_true",
+                   help="keep the model libraries' warnings and progress bars (silenced as the daemon's workers do)")
     p.add_argument("--no-flops", dest="flops", action="store_false",
                    help="skip counting FLOPs per image (one output at batch 1 under FlopCounterMode, cached per "
                         "model, size, steps, guidance and frames); the TFLOP/s and %% peak columns then show -")
@@ -176,9 +178,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"diffusiond bench: error: unknown mode(s) {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    if not args.verbose:  # before torch and the model libraries load: the in-process pipelines are quiet too
+        from diffusiond.worker.startup import quiet_libraries  # here: the CLI's --help imports this module
+
+        quiet_libraries()
     try:
         setup = _setup(args)
-        runs, flops = measure(setup, modes, count_flops=args.flops, peak_tflops=args.peak_tflops)
+        runs, flops = measure(setup, modes, count_flops=args.flops, peak_tflops=args.peak_tflops,
+                              json_rows=args.json)
     except (BenchError, PipelineError) as exc:
         print(f"diffusiond bench: error: {exc}", file=sys.stderr)
         return 1
@@ -194,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(s: Setup, modes: list[str], count_flops: bool = False,
-            peak_tflops: float | None = None) -> tuple[list[ModeResult], dict[str, Any] | None]:
+def measure(s: Setup, modes: list[str], count_flops: bool = False, peak_tflops: float | None = None,
+            json_rows: bool = False) -> tuple[list[ModeResult], dict[str, Any] | None]:
     """Every measured run, in the order it ran, and (with ``count_flops``) the report's ``flops`` section."""
     runs: list[ModeResult] = []
     flops = None
@@ -205,11 +212,17 @@ def measure(s: Setup, modes: list[str], count_flops: bool = False,
         print(f"bench: {what} ...", file=sys.stderr, flush=True)
 
     def done(run: ModeResult) -> None:
-        """Each run's figures on stderr as it ends: a bench cut off by a timeout has printed no JSON yet."""
+        """Each run's figures on stderr as it ends: a bench cut off by a timeout has printed no JSON yet (a row of
+        JSON under --json, for scripts; a sentence otherwise)."""
         runs.append(run)
         row = {k: getattr(run, k) for k in ("mode", "round", "requests", "seconds", "throughput", "p50_ms", "p99_ms",
                                             "batch_sizes")}
-        print(f"bench: row {json.dumps(row)}", file=sys.stderr, flush=True)
+        latency = "" if run.p50_ms is None or run.p99_ms is None else \
+            f", p50 {run.p50_ms:.0f} ms, p99 {run.p99_ms:.0f} ms"
+        words = (f"{run.mode}, round {run.round + 1}: {run.requests} requests in {run.seconds:.2f} s, "
+                 f"{run.throughput:.2f} req/s{latency}")
+        text = f"row {json.dumps(row)}" if json_rows else words
+        print(f"bench: {text}", file=sys.stderr, flush=True)
 
     with contextlib.ExitStack() as stack:
         limits: list[Limit] = []

@@ -25,7 +25,7 @@ import aiohttp
 from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback
 from diffusiond.client.outputs import Mapped, read_npy, torch_views
-from diffusiond.client.params import JobParams, Output, job_body, params_for
+from diffusiond.client.params import JobParams, Output, job_body, params_for, pil_needs_a_format
 from diffusiond.client.transport import (
     SSEParser,
     decode_event,
@@ -341,8 +341,9 @@ class AsyncClient:
         wait is bounded a little past the daemon's own deadline, so the daemon's error, with its
         stage, normally arrives first. An interrupt, or that bound, cancels the job.
         """
-        params = params_for(output, params)
-        job = await self.submit(prompt, **params)
+        params, asked = params_for(output, params), params
+        with pil_needs_a_format(output, asked):
+            job = await self.submit(prompt, **params)
         deadline = params.get("timeout_s")
         try:
             final = await job.wait(None if deadline is None else deadline + CANCEL_GRACE_S, on_event=on_event)

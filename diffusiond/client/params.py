@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypedDict, cast
 
+from diffusiond.client.errors import DaemonError
 from diffusiond.protocol import OutputDtype
 
 Output = Literal["pil", "array", "bytes"]
@@ -140,6 +142,22 @@ def _size(size: Any) -> tuple[int, int]:
         raise ValueError(f"size must be (width, height) or 'WxH', got {size!r}")
     width, height = size
     return int(width), int(height)
+
+
+@contextlib.contextmanager
+def pil_needs_a_format(output: Output, asked: JobParams) -> Iterator[None]:
+    """``output="pil"`` asks for PNG where no ``output_format`` is given, which a video model refuses (a 400 on
+    ``output_format``, before any job exists): a ValueError that says what to pass, rather than a DaemonError
+    about a PNG the caller never asked for (review 42, finding 12)."""
+    try:
+        yield
+    except DaemonError as exc:
+        if output != "pil" or asked.get("output_format") is not None or exc.field != "output_format":
+            raise
+        model = asked.get("model")
+        raise ValueError(f"output='pil' asks for PNG, which {f'model {model!r}' if model else 'the default model'} "
+                         f"does not make ({exc.message}): pass output_format='gif' or 'webp' (an animated picture, "
+                         "each frame reached with seek()), or output='array' for the frames") from None
 
 
 def params_for(output: Output, params: JobParams) -> JobParams:

@@ -54,7 +54,8 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
             await _until_ready(client, args.wait)
         health = await client.health()
         ready = await client.ready()
-        kept = False if args.json else await _history_kept(client)
+        kept = False if args.json else await _history_kept(client, sum(
+            v for v in (health.get("jobs") or {}).values() if isinstance(v, int)))
     if args.json:
         print(json.dumps({**health, "ready": ready}))
         return EXIT_OK
@@ -80,12 +81,17 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
     return EXIT_OK
 
 
-async def _history_kept(client: AsyncClient) -> bool:
-    """Whether history lists any job; a daemon without a history endpoint (an older one) has none to show."""
+async def _history_kept(client: AsyncClient, this_run: int) -> bool:
+    """Whether history lists more jobs than the ``this_run`` this process holds (its newest): earlier ones, from
+    a run before a restart (said on a first run, it pointed at none). A daemon without a history endpoint (an
+    older one) has none to show; past a page's bound (1,000) it is not worth the pages to tell."""
+    if this_run >= 1000:
+        return False
     try:
-        return bool((await client.history(limit=1)).get("data"))
+        page = await client.history(limit=max(1, this_run))
     except DaemonError:
         return False
+    return bool(page.get("next_before")) if this_run else bool(page.get("data"))
 
 
 async def models(args: argparse.Namespace, client: AsyncClient) -> int:
@@ -96,11 +102,22 @@ async def models(args: argparse.Namespace, client: AsyncClient) -> int:
         return EXIT_OK
     keys = ["id", "task", "device", "state", "offload"]
     data = models.get("data") or []
-    rows = [[str(m.get(k) or "-") for k in keys] + [",".join(m.get("edits") or []) or "-",
-                                                 ",".join(m.get("approximations") or []) or "-"]
-            for m in data]
-    print(table(*with_attention(rows, [*keys, "edits", "approximations"], data)))
+    # ``defaults`` is null until the model has loaded once (or was remembered): its edits are not known either
+    rows = [[str(m.get(k) or "-") for k in keys] + [
+        (",".join(m.get("edits") or []) or "-") if m.get("defaults") else "?", _defaults(m.get("defaults")),
+        ",".join(m.get("approximations") or []) or "-"] for m in data]
+    print(table(*with_attention(rows, [*keys, "edits", "defaults", "approximations"], data)))
+    if any(not m.get("defaults") for m in data):
+        print("?: not known until the model has loaded once")
     return EXIT_OK
+
+
+def _defaults(d: dict[str, Any] | None) -> str:
+    """What a request that leaves them out gets (generate's --size, --steps, --guidance, --frames, --fps)."""
+    if not d:
+        return "?"
+    video = f", {d['num_frames']} frames at {d['fps']} fps" if "num_frames" in d else ""
+    return f"{d.get('width')}x{d.get('height')}, {d.get('steps')} steps, guidance {d.get('guidance_scale'):g}{video}"
 
 
 def with_attention(rows: list[list[str]], headers: list[str],

@@ -181,8 +181,14 @@ def output_paths(job_id: str, output: str | None, ext: str, count: int) -> list[
     return [base.with_name(f"{base.stem}-{k}{base.suffix}") for k in range(count)]
 
 
-def check_output_dir(output: str | None) -> None:
-    """Fail before submitting, not after minutes of GPU time, when the outputs cannot be written."""
+def check_output_dir(output: str | None, n: int | None = None, as_json: bool = False) -> None:
+    """Fail before submitting, not after minutes of GPU time, when the outputs cannot be written. ``-o -`` is
+    stdout, for one output that nothing else prints there (a file named ``-`` was written before)."""
+    if output == "-":
+        if (n or 1) > 1 or as_json:
+            raise UsageError(f"-o - writes one output to stdout; {'--json prints there too' if as_json else f'-n {n}'}"
+                             ": give a file name (-o out.png; -n N makes out-0.png, out-1.png, ...)")
+        return
     if output is None:
         return
     parent = Path(output) if Path(output).is_dir() else Path(output).parent
@@ -266,7 +272,16 @@ async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: fl
         elif name == Event.DONE:
             bar.complete()
 
-    return await client.wait(job_id, timeout=timeout, on_event=draw)
+    async def ticking() -> None:  # a stage that lasts with no event still gets its line (progress.py)
+        while True:
+            await asyncio.sleep(1.0)
+            bar.tick()
+
+    ticker = asyncio.create_task(ticking())
+    try:
+        return await client.wait(job_id, timeout=timeout, on_event=draw)
+    finally:
+        ticker.cancel()
 
 
 async def download(client: AsyncClient, job_id: str, index: int, path: Path) -> int:
@@ -337,7 +352,7 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
 
 
 async def _generate(client: AsyncClient, args: argparse.Namespace, state: GenerateState, bar: ProgressBar) -> int:
-    check_output_dir(args.output)
+    check_output_dir(args.output, args.n, args.json)
     fmt = choose_format(args.format, args.output)
     pane = pane_for(sys.stderr) if getattr(args, "preview", None) else None
     job = await client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
@@ -365,21 +380,29 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     outputs = sorted(job.get("outputs") or [], key=lambda o: int(o.get("index", 0)))
     count = max([args.n or 1, len(outputs)] + [int(o.get("index", 0)) + 1 for o in outputs])
     ext = extension_for(fmt, outputs[0].get("content_type") if outputs else None)
+    stdout = args.output == "-"
+    if stdout and count != 1:  # a model that made more than the one asked for: nothing written half
+        print(f"error: -o - writes one output to stdout; job {job_id} made {count}: give a file name", file=sys.stderr)
+        return 1
     paths = output_paths(job_id, args.output, ext, count)
     files = []
     for out in outputs:
         index = int(out.get("index", 0))
         path = paths[index]
         try:
-            size = await download(client, job_id, index, path)
+            size = await (client.stream_output(job_id, index, sys.stdout.buffer) if stdout
+                          else download(client, job_id, index, path))
+            if stdout:
+                sys.stdout.buffer.flush()
         except ClientError:
             raise
         except OSError as exc:  # the user's disk or directory, not the daemon: say which file
             print(f"error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
             return 1
         files.append({"path": str(path), "seed": out.get("seed"), "bytes": size})
-        if not args.json:
-            print(f"{path}  seed={out.get('seed')}", flush=True)
+        if not args.json:  # with -o -, the line goes beside the bytes, to stderr
+            print(f"{'stdout' if stdout else path}  seed={out.get('seed')}", flush=True,
+                  file=sys.stderr if stdout else sys.stdout)
     if args.json:
         print(json.dumps({"job": job, "files": files}))
     return 0

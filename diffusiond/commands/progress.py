@@ -4,7 +4,9 @@ No dependency (tqdm and friends would be the CLI's only reason to need them). Th
 only on a terminal: when stderr is a file or a pipe, carriage-return animation is noise in
 someone's log. There a plain line comes now and then instead (``job j_... step 5/20 (25 %)``),
 at each tenth of the steps but at most once a second, and at least every ``LOG_EVERY_S`` while
-steps come: a five-minute job in a script's log must not look hung.
+steps come: a five-minute job in a script's log must not look hung. Before and after the steps, a
+line names each stage the job enters (``job j_... loading``, ``waiting_for_memory``, ``encoding``) and
+again every ``LOG_EVERY_S`` while it stays there (``tick``): a model loading for minutes is no quieter.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class ProgressBar:
         self._step = 0
         self._total = 0
         self._stage = ""
+        self._stage_since = 0.0  # when the job entered ``_stage``
+        self._stage_logged: tuple[str, float] = ("", 0.0)  # the stage the last stage line named, and when
         self._drawn = 0  # length of the last line, to blank out leftovers of a longer one
 
     def update(self, step: int | None = None, total: int | None = None, stage: str | None = None) -> None:
@@ -56,8 +60,16 @@ class ProgressBar:
             self._total = total
         if stage is not None:
             # Mid-compute the steps say it all; other stages (queued, encoding) are worth naming.
-            self._stage = "" if stage in ("computing", "done") else stage
+            stage = "" if stage in ("computing", "done") else stage
+            if stage != self._stage:
+                self._stage, self._stage_since = stage, self._clock()
         self._draw()
+
+    def tick(self) -> None:
+        """Called every second or so while the job runs: off a terminal, a stage that lasts with no event
+        (a load, a wait for memory or a turn) still gets a line every ``LOG_EVERY_S``."""
+        if not self.enabled:
+            self._line()
 
     def update_from_job(self, job: dict[str, object]) -> None:
         progress = job.get("progress")
@@ -86,7 +98,11 @@ class ProgressBar:
 
     def _line(self) -> None:
         """A plain progress line when a new tenth of the steps is reached (at most once a second)
-        or ``LOG_EVERY_S`` have passed since the last line; the first step always gets one."""
+        or ``LOG_EVERY_S`` have passed since the last line; the first step always gets one. Outside the
+        steps, the stage's line instead."""
+        if self.lines and self._stage:
+            self._stage_line()
+            return
         if not self.lines or self._total <= 0 or self._step <= 0 or (self._step, self._total) == self._logged:
             return
         now = self._clock()
@@ -99,6 +115,19 @@ class ProgressBar:
         self.stream.write(f"{who}step {self._step}/{self._total} ({100 * self._step // self._total} %)\n")
         self.stream.flush()
         self._logged_at, self._logged = now, (self._step, self._total)
+
+    def _stage_line(self) -> None:
+        """``job j_... loading`` when the job enters a stage, then ``still loading (10 s)`` every ``LOG_EVERY_S``."""
+        now = self._clock()
+        named, at = self._stage_logged
+        again = named == self._stage
+        if again and now - at < LOG_EVERY_S:
+            return
+        who = f"job {self.job_id} " if self.job_id else ""
+        text = f"still {self._stage} ({now - self._stage_since:.0f} s)" if again else self._stage
+        self.stream.write(f"{who}{text}\n")
+        self.stream.flush()
+        self._stage_logged = (self._stage, now)
 
     def close(self) -> None:
         if self.enabled and self._drawn:

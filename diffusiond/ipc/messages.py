@@ -28,6 +28,12 @@ from diffusiond.ipc.outsocket import Unpin as Unpin
 from diffusiond.ipc.params import ParamTableFrame as ParamTableFrame
 from diffusiond.ipc.sidearrays import TrajectoryDesc, TrajectorySpec
 from diffusiond.ipc.tensors import TensorDesc
+from diffusiond.ipc.updates import LIVE_PATH as LIVE_PATH
+from diffusiond.ipc.updates import Updated as Updated
+from diffusiond.ipc.updates import UpdateLora as UpdateLora
+from diffusiond.ipc.updates import UpdateRefused as UpdateRefused
+from diffusiond.ipc.updates import UpdateWeights as UpdateWeights
+from diffusiond.ipc.updates import WeightTensor as WeightTensor
 from diffusiond.ipc.upscale import HiresSpec, UpscalerSetting, UpscaleSpec
 from diffusiond.protocol import OutputDtype, OutputMode
 
@@ -224,56 +230,6 @@ class AddLora(msgspec.Struct, frozen=True):
     path: str
 
 
-LIVE_PATH = "(live: weights from update_lora)"  # the path a live adapter is listed with: it has no file
-
-
-class WeightTensor(msgspec.Struct, frozen=True):
-    """One tensor of an update, ``nbytes(dtype, shape)`` bytes at ``offset`` of the attached memfd.
-    Unchecked on decode (no ``__post_init__``): the engine checks it and names the bad one."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-
-
-class UpdateLora(msgspec.Struct, frozen=True):
-    """New weights for adapter ``name``, in diffusers/PEFT naming; the tensors lie in the attached
-    memfd (one fd). From a local client to the engine (``version`` unset), then from the engine to
-    each worker with the version it assigned; a worker applies it between batches and answers ACK."""
-
-    name: str
-    tensors: list[WeightTensor]
-    version: int = 0
-
-
-class UpdateWeights(msgspec.Struct, frozen=True):
-    """New values for parameters of one component (``unet``, ``transformer``...) of ``model``, by their
-    names in its ``state_dict``; the tensors lie in the attached memfd, as for UPDATE_LORA."""
-
-    model: str
-    component: str
-    tensors: list[WeightTensor]
-    version: int = 0
-
-
-class Updated(msgspec.Struct, frozen=True):
-    """Every live worker applied the update: adapter ``name`` is at ``version`` from the next batch on."""
-
-    name: str
-    version: int
-
-
-class UpdateRefused(msgspec.Struct, frozen=True):
-    """The update was not applied anywhere: the HTTP status and error body the HTTP API would give."""
-
-    name: str
-    status: int
-    code: str
-    message: str
-    field: str | None = None
-
-
 class Ping(msgspec.Struct, frozen=True):
     """Heartbeat. The answer proves the worker's loop is alive, and, being the next frame on the
     channel, exposes a lost frame at once instead of when the next real frame happens to come."""
@@ -322,6 +278,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     flow_scheduler: bool | None = None  # True/False: which scheduler names fit; None: it takes none
     synthetic_weights: bool = False  # random weights (benchmark presets): outputs are noise
     previews: bool = False  # can show the picture while it denoises (requests may ask for "preview")
+    # a negative prompt acts on it: False where diffusers' pipeline takes none, or reads it only at a true CFG scale
+    # the daemon does not drive (FLUX is guidance-distilled); admission refuses one rather than drop it silently
+    negative_prompt: bool = True
     edits: tuple[str, ...] = ()  # the edit tasks (protocol.EDIT_TASKS) it can also do from an input image
     max_input_images: int = 1  # input pictures one edit takes (a request's ``images``: Qwen-Image-Edit Plus's)
     # Opt-in approximate speed-ups in force (``cache=fbc:0.1``, ``fp8=1``): every output names them.

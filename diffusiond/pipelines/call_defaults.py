@@ -16,7 +16,7 @@ from typing import Any
 
 from diffusiond.pipelines.base import RequestDefaults
 
-__all__ = ["TRUE_CFG", "call_defaults", "true_cfg"]
+__all__ = ["TRUE_CFG", "call_defaults", "negative_prompt_acts", "true_cfg"]
 
 # Families whose guidance is true classifier-free guidance, ``true_cfg_scale`` against the negative prompt
 # (their ``guidance_scale`` feeds a guidance embedding only distilled checkpoints have; FLUX's is the reverse).
@@ -26,6 +26,17 @@ TRUE_CFG = ("QwenImage",)
 def true_cfg(cls: type) -> bool:
     """Whether the daemon's ``guidance`` is ``cls``'s ``true_cfg_scale`` (else its ``guidance_scale``)."""
     return cls.__name__.startswith(TRUE_CFG)
+
+
+def negative_prompt_acts(cls: type) -> bool:
+    """Whether ``cls`` reads a request's negative prompt as the daemon calls it: FLUX's pipelines take
+    ``negative_prompt`` but read it only when ``true_cfg_scale > 1``, which only the ``TRUE_CFG`` families get
+    (a guidance-distilled model has no negative pass); FLUX.2's and FLUX Control's take none at all."""
+    try:
+        params = inspect.signature(cls.__call__).parameters
+    except (TypeError, ValueError):
+        return True
+    return "negative_prompt" in params and ("true_cfg_scale" not in params or true_cfg(cls))
 
 
 def call_defaults(cls: type) -> RequestDefaults:

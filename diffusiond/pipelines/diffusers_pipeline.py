@@ -35,7 +35,7 @@ from diffusiond.pipelines.base import (
     native_side,
     with_defaults,
 )
-from diffusiond.pipelines.call_defaults import call_defaults, true_cfg
+from diffusiond.pipelines.call_defaults import call_defaults, negative_prompt_acts, true_cfg
 from diffusiond.pipelines.edit_pipes import edit_kwargs, edit_pipes, share_image_encoder
 from diffusiond.pipelines.frame_rules import check_frames, frame_step, min_side, size_step
 from diffusiond.pipelines.hostcopy import HostCopy
@@ -156,6 +156,7 @@ class DiffusersPipeline:
             min_steps=2 if getattr(getattr(pipe, "scheduler", None), "config", {}).get("shift_terminal") else 1,
             flow_scheduler=self._flow,
             synthetic_weights=synthetic_weights,
+            negative_prompt=negative_prompt_acts(type(pipe)),
         )
         self._edit_pipes: dict[Task, Any] = edit_pipes(pipe, self.task)
         inferred = msgspec.structs.replace(inferred, edits=tuple(t.value for t in self._edit_pipes),

@@ -54,6 +54,10 @@ def plan_edit(
     d = model.capabilities
     task = Task.INPAINTING if mask is not None else _unmasked_task(d.task, d.edits)
     if task.value not in d.edits and d.task != task.value:
+        if mask is None and Task.INPAINTING.value in (d.task, *d.edits):  # the fix is a mask, not another model
+            raise invalid(f"model {model.name!r} cannot do {task.value} from an image alone; it inpaints: send a mask "
+                          "with the image (mask; --mask FILE on the CLI), or pick a model that edits without one",
+                          field="mask")
         others = [e for e in d.edits if e != d.task]  # a dedicated inpainting model: said once
         can = f"it does {d.task}" + (f"; also {', '.join(others)}" if others else "")
         raise invalid(f"model {model.name!r} cannot do {task.value} ({can}); "

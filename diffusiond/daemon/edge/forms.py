@@ -16,12 +16,11 @@ import msgspec
 from diffusiond.daemon.edge.controls import ControlBody
 from diffusiond.daemon.edge.ip_adapters import IpAdapterBody
 from diffusiond.daemon.edge.requests import (
-    FIELD_PATH,
-    MISSING_FIELD,
     LoraBody,
     PreviewBody,
     check_int_sizes,
     decode,
+    refused,
 )
 from diffusiond.daemon.edge.sizes import SIZE
 from diffusiond.daemon.edge.upscale import HiresBody, UpscaleBody
@@ -129,8 +128,7 @@ def edits_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     try:
         form = msgspec.convert(fields, EditsForm, strict=False)
     except msgspec.ValidationError as exc:
-        m = FIELD_PATH.search(str(exc)) or MISSING_FIELD.search(str(exc))
-        raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
+        raise refused(exc, EditsForm) from None
     check_int_sizes(form)
     return openai_fields(msgspec.structs.asdict(form))
 

@@ -56,6 +56,11 @@ T = TypeVar("T")
 MIN_PREVIEW_SIDE, MAX_PREVIEW_SIDE = 16, 1024  # previews are glimpses; the output is the full picture
 FIELD_PATH = re.compile(r"`\$\.?([A-Za-z_][\w.]*)")
 MISSING_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")  # msgspec's wording
+UNKNOWN_TOP = re.compile(r"^Object contains unknown field `([^`]+)`$")  # one at the body's top level
+# The jobs API and the OpenAI-style endpoints spell the step count each its own way (one spelling per endpoint is
+# the contract), and the CLI's flags differ again: a body in the other spelling is told this endpoint's.
+OTHER_SPELLINGS = {"steps": "num_inference_steps", "num_inference_steps": "steps", "guidance": "guidance_scale",
+                   "negative": "negative_prompt"}
 
 
 class PreviewBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -132,8 +137,7 @@ def decode(body: bytes, cls: type[T]) -> T:
     try:
         decoded = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as exc:
-        m = FIELD_PATH.search(str(exc)) or MISSING_FIELD.search(str(exc))
-        raise invalid(f"invalid request: {exc}", field=m.group(1) if m else None) from None
+        raise refused(exc, cls) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", code=ErrorCode.INVALID_JSON) from None
     except RecursionError:
@@ -142,6 +146,17 @@ def decode(body: bytes, cls: type[T]) -> T:
     if isinstance(decoded, msgspec.Struct):
         check_int_sizes(decoded)
     return decoded
+
+
+def refused(exc: msgspec.ValidationError, cls: type) -> Exception:
+    """The 400 for a body ``cls`` does not take, naming the field; a field this endpoint spells otherwise
+    (``steps`` on /v1/images/generations) is told the spelling it takes rather than only "unknown"."""
+    unknown = UNKNOWN_TOP.match(str(exc))
+    right = OTHER_SPELLINGS.get(unknown.group(1), "") if unknown else ""
+    if unknown and right in getattr(cls, "__struct_fields__", ()):
+        return invalid(f"unknown field {unknown.group(1)!r}: this endpoint takes {right}", field=unknown.group(1))
+    m = FIELD_PATH.search(str(exc)) or MISSING_FIELD.search(str(exc))
+    return invalid(f"invalid request: {exc}", field=m.group(1) if m else None)
 
 
 def check_int_sizes(struct: msgspec.Struct) -> None:
@@ -195,8 +210,9 @@ def check(
     if edit is not None:
         req = {**req, "width": edit.width, "height": edit.height}
     elif model.capabilities.task in EDIT_TASKS:
-        raise invalid(f"model {model.name!r} does {model.capabilities.task} only: send an image "
-                      "(/v1/images/edits, or image on /v1/jobs)", field="image")
+        mask = " and a mask (mask; --mask FILE)" if model.capabilities.task == Task.INPAINTING.value else ""
+        raise invalid(f"model {model.name!r} does {model.capabilities.task} only: send an image (image on /v1/jobs, "
+                      f"/v1/images/edits; --image FILE on the CLI){mask}", field="image")
     prompt = req["prompt"]
     if not prompt.strip():
         raise invalid("prompt must not be empty", field="prompt")
@@ -207,6 +223,9 @@ def check(
     neg = req.get("negative_prompt")
     if neg is not None and len(neg) > limits.max_prompt_chars:
         raise invalid(f"negative_prompt is over {limits.max_prompt_chars} characters", field="negative_prompt")
+    if neg and neg.strip() and not model.capabilities.negative_prompt:  # it would be recorded as if it had acted
+        raise invalid(f"model {model.name!r} has no negative prompt (a guidance-distilled model such as FLUX "
+                      "ignores one); leave negative_prompt out (--negative on the CLI)", field="negative_prompt")
     _range("n", req["n"], 1, limits.max_n)
     d = model.capabilities
     # ``is None``, not ``or``: an explicit 0 is out of range, not a request for the default

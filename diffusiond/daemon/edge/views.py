@@ -229,7 +229,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "max_input_images": m.capabilities.max_input_images,  # pictures one edit takes (``images``, issue 30)
             "min_size": side_floor(m, engine.config.limits), "min_steps": m.capabilities.min_steps,
             "defaults": defaults(m.capabilities) if m.known else None,  # a placeholder's would be generic
-            "previews": m.capabilities.previews,
+            "previews": m.capabilities.previews, "negative_prompt": m.capabilities.negative_prompt,
             "compile": m.config.compile or None, "approximations": list(m.capabilities.approximations),
             "attention": m.capabilities.attention or None, "sample_rate": m.capabilities.sample_rate or None,
             "offload": m.capabilities.offload, "batch_sizes": list(engine.config.batch_sizes_of(m.config)),

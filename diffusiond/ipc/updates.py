@@ -1,0 +1,59 @@
+"""Live weight updates' frames (issue 29's ``update_lora`` and ``update_weights``): a local client's new
+weights, the engine's copy of them to each worker, and the answer.
+
+Apart from ``messages.py`` (which re-exports them, as it names every frame kind) because they are one
+protocol of their own, spoken on the output socket as well as the worker channel.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+LIVE_PATH = "(live: weights from update_lora)"  # the path a live adapter is listed with: it has no file
+
+
+class WeightTensor(msgspec.Struct, frozen=True):
+    """One tensor of an update, ``nbytes(dtype, shape)`` bytes at ``offset`` of the attached memfd.
+    Unchecked on decode (no ``__post_init__``): the engine checks it and names the bad one."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
+class UpdateLora(msgspec.Struct, frozen=True):
+    """New weights for adapter ``name``, in diffusers/PEFT naming; the tensors lie in the attached
+    memfd (one fd). From a local client to the engine (``version`` unset), then from the engine to
+    each worker with the version it assigned; a worker applies it between batches and answers ACK."""
+
+    name: str
+    tensors: list[WeightTensor]
+    version: int = 0
+
+
+class UpdateWeights(msgspec.Struct, frozen=True):
+    """New values for parameters of one component (``unet``, ``transformer``...) of ``model``, by their
+    names in its ``state_dict``; the tensors lie in the attached memfd, as for UPDATE_LORA."""
+
+    model: str
+    component: str
+    tensors: list[WeightTensor]
+    version: int = 0
+
+
+class Updated(msgspec.Struct, frozen=True):
+    """Every live worker applied the update: adapter ``name`` is at ``version`` from the next batch on."""
+
+    name: str
+    version: int
+
+
+class UpdateRefused(msgspec.Struct, frozen=True):
+    """The update was not applied anywhere: the HTTP status and error body the HTTP API would give."""
+
+    name: str
+    status: int
+    code: str
+    message: str
+    field: str | None = None
