@@ -4,6 +4,7 @@
 # Results (JSON and logs) in /tmp/r3-out, packed into $OUT by `pack`. Usage on a device call:
 #   ALT_REQUESTS=16 timeout 585 scripts/gpu_round3.sh setup alternate cold trajectory-sd15 pack   (~560 s)
 #   timeout 585 scripts/gpu_round3.sh setup stream-test pack      (then, in a call of its own: setup stream pack)
+#   timeout 585 scripts/gpu_round3.sh setup template-test cold-template imports pack   (issue 27, first: the template on CUDA)
 #   timeout 120 scripts/gpu_round3.sh setup imports pack   (issue 27: where the worker's 13 s of imports go)
 #   timeout 585 scripts/gpu_round3.sh setup cold-template pack   (issue 27: --preimport on against off on CUDA; not run yet)
 #   timeout 585 scripts/gpu_round3.sh setup hostkeep-test pack   (issue 27: HostCopy.release on CUDA; not run yet)
@@ -124,6 +125,9 @@ PY
         python3 -X importtime -c "$T" 2> "$out/importtime-without-torchao.txt" > /dev/null; mv /tmp/torchao.off /tmp/site/torchao; } ;;
     stream-test)  # issue 28: offload=stream byte-equal to resident on CUDA (tiny-flux; seconds)
       step stream-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "stream" -p no:cacheprovider ;;
+    template-test)  # issue 27: a worker forked from the template uses CUDA and makes a fresh worker's pictures
+      # (--preimport auto forks CUDA workers once this passes)
+      step template-test 240 python3 -m pytest -q -x tests/test_gpu_template.py -p no:cacheprovider ;;
     hostkeep-test)  # issue 27: a woken model's kept host copy freed (unpinned) and made again by the next sleep
       step hostkeep-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "released" -p no:cacheprovider ;;
     attention)  # issue 31: FLUX.1-dev 1024² 28 steps on each attention backend that runs here, against the default;
