@@ -12,7 +12,8 @@
 #     stream and FLUX in fp8 against resident at 24 GiB, then Wan 1.3B 832x480x81 inside 12 GiB)
 #   timeout 585 scripts/gpu_round3.sh setup gguf-compiled pack   (issue 28: GGUF Q8_0 against resident, both compiled)
 #   timeout 585 scripts/gpu_round3.sh setup lora weights trajectory-flow pack
-#   PRESETS="sd3.5-medium ltx-2b" timeout 585 scripts/gpu_round3.sh setup controlnet hires presets pack
+#   PRESETS="sd3.5-large qwen-image wan2.2-5b flux-kontext" timeout 585 scripts/gpu_round3.sh setup presets pack
+#     (issue 30: the presets without a forward time yet; sd3.5-medium, ltx-2b, ltx-2 ran on an H100 on 2026-12-05)
 #   timeout 585 scripts/gpu_round3.sh setup attention pack   (issue 31; flash-attn, sageattention wheels in .whl/ if wanted)
 #   timeout 585 scripts/gpu_round3.sh setup batch-curve pack   (issue 31: 512² compiled throughput curve, batches in
 #     powers of two up to 8, every size warmed by --warmup 512x512:all; then BSZ_MAX=16 BSZ_SWEEP=32,64 in a call of its own)
