@@ -65,3 +65,13 @@ def test_an_update_is_applied_from_the_memfd_with_the_values_sent_and_the_memfd_
         assert {k: v.dtype for k, v in read_tensors(msg, os.dup(keep)).items()} == dict.fromkeys(state, sent)
     finally:
         os.close(keep)
+
+
+def test_a_view_kept_past_the_mapping_block_still_reads_what_was_sent() -> None:
+    """The mapping is dropped, not closed, at the block's end: torch.frombuffer holds the mapping object without a
+    buffer export, so a close unmapped under a surviving view, and its next read crashed the worker."""
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    fd, tensors = pack(state)
+    with mapped_tensors(UpdateWeights("m", "unet", tensors, 1), fd) as views:
+        kept = views["w"]
+    assert torch.equal(kept, state["w"])

@@ -69,11 +69,15 @@ async def test_the_plus_model_edits_from_image_alone_and_refuses_what_it_cannot_
             "both": await job(s, {**BASE, "image": picture(1), "images": [picture(2)]}),
             "empty": await job(s, {**BASE, "images": []}),
             "unreadable": await job(s, {**BASE, "images": [picture(1), base64.b64encode(b"not a png").decode()]}),
+            # a side the pipeline's working area would round to 0: it failed the whole batch (review42b-rest 2)
+            "a sliver": await job(s, {**BASE, "images": [picture(1, 808, 8), picture(2)]}),
         }
     assert one.shape[:2] == (H, W)
     statuses = {k: (status, body["error"]["field"]) for k, (status, body) in refusals.items()}
     assert statuses == {"images": (400, "images"), "too many": (400, "images"), "both": (400, "image"),
-                        "empty": (400, "images"), "unreadable": (400, "images[1]")}, refusals
+                        "empty": (400, "images"), "unreadable": (400, "images[1]"), "a sliver": (400, "images[0]")}, \
+        refusals
+    assert "808x8: its long side is over 100 times its short side" in refusals["a sliver"][1]["error"]["message"]
     assert "takes one input image; send it as image" in refusals["images"][1]["error"]["message"]
 
 

@@ -89,7 +89,7 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> Iterator[dict[st
     happens). A whole component's update is copied from these straight into its parameters: copied out first,
     a 5 GB UNet took twice the time (the pages of a fresh copy faulted in, then copied again) and its size again
     in the worker's memory (issue 29). Mapped private (copy-on-write) so the views are writable tensors without a
-    copy; nothing writes them. The dict is emptied after the block: a view kept past it would hold the mapping.
+    copy; nothing writes them. The dict is emptied after the block: a view kept past it holds the mapping.
     A client that shrinks its memfd during the copy kills this worker with SIGBUS (``read_tensors`` refuses that
     instead); such a client is its own user's, who could kill the worker anyway: the update is lost, not others'."""
     views: dict[str, torch.Tensor] = {}
@@ -105,12 +105,11 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> Iterator[dict[st
             views[t.name] = flat.view(t.shape)
         yield views
     finally:
+        # not mm.close(): torch.frombuffer holds the mapping object, not a buffer export, so a close would unmap
+        # under a view that outlived the block (a crash on its next read; review42b-rest 4). Dropped, the
+        # mapping goes when its last view does, at once where none is kept.
         views.clear()
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # a caller's view still lives: the mapping goes with it
-                pass
+        del mm
         os.close(fd)
 
 

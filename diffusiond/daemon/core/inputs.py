@@ -23,6 +23,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from diffusiond.daemon.core import images
 from diffusiond.daemon.errors import UploadTooLarge, invalid
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.protocol import ErrorCode, Task
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 4096  # Linux's NAME_MAX and PATH_MAX
 
@@ -170,7 +174,21 @@ def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: flo
     rgb = images.rgb_array(img, image.field)
     if (w, h) != (w0, h0):
         rgb = np.asarray(Image.fromarray(rgb).resize((w, h), Image.Resampling.LANCZOS))
-    earlier = [images.rgb_array(images.open_image(_bytes_of(p, limits, input_dir), p.field, limits), p.field)
-               for p in pictures]
+    earlier = [images.rgb_array(_picture(images.open_image(_bytes_of(p, limits, input_dir), p.field, limits), p.field),
+                                p.field) for p in pictures]
     buffer = InputBuffer(rgb, plane, pictures=earlier)
     return EditInput(task=task, strength=strength, buffer=buffer, width=w, height=h)
+
+
+MAX_PICTURE_RATIO = 100  # an earlier picture of an edit is resized by the pipeline to a fixed area; past ~144:1 a side
+# of Qwen-Image-Edit Plus's 384x384 condition area rounds to 0 and the batch failed (review42b-rest 2)
+
+
+def _picture(img: Image.Image, field: str) -> Image.Image:
+    """An earlier picture of a several-picture edit, refused where the pipeline could not size it."""
+    w, h = img.size
+    if max(w, h) > MAX_PICTURE_RATIO * min(w, h):
+        raise invalid(f"{field} is {w}x{h}: its long side is over {MAX_PICTURE_RATIO} times its short side, which "
+                      "the pipeline cannot resize to its working area; crop it", field=field,
+                      code=ErrorCode.INVALID_IMAGE)
+    return img
