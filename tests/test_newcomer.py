@@ -73,6 +73,22 @@ def test_generate_o_dash_writes_the_one_output_to_stdout(sock: str, tmp_path: Pa
         refused = cli("generate", "a fox", "--socket", sock, *FAST, "-o", "-", *extra, cwd=tmp_path)
         assert refused.returncode == 2 and "-o - writes one output to stdout" in refused.stderr, refused.stderr
     assert not (tmp_path / "-").exists()
+    # a terminal on stdout is refused before the job (the bytes would garble it), and a reader that goes away
+    # mid-stream ends the command quietly, without a traceback (review42b-rest 7)
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        tty = subprocess.run(argv, stdout=follower, stderr=subprocess.PIPE, cwd=tmp_path, env={**env, **ENV},
+                             timeout=120, check=False)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert tty.returncode == 2 and b"which is a terminal here" in tty.stderr, tty.stderr
+    big = [*argv, "--size", "256x256", "--format", "npy"]  # 192 KiB: past the pipe's buffer once head has gone
+    gone = subprocess.run(f"{subprocess.list2cmdline(big)} | head -c 8 > /dev/null", shell=True, cwd=tmp_path,
+                          env={**env, **ENV}, capture_output=True, timeout=120, check=False)
+    assert b"Traceback" not in gone.stderr and b"Exception ignored" not in gone.stderr, gone.stderr
 
 
 def test_the_python_clients_pil_on_a_video_model_is_a_value_error_saying_what_to_pass(sock: str) -> None:

@@ -95,27 +95,29 @@ def measure(s: Setup, specs: tuple[str, ...], budget: str, max_model_wait: str |
         for k in range(s.rounds):
             for mode in MODES if k % 2 == 0 else MODES[::-1]:
                 log(f"round {k + 1}/{s.rounds}: {mode} ...")
-                before, spent = asyncio.run(loads(socks[mode]))
+                before, timed, spent = asyncio.run(loads(socks[mode]))
                 load = asyncio.run(drive_daemon(socks[mode], s, PROMPT))
-                after, spent_after = asyncio.run(loads(socks[mode]))
-                moved = after - before
-                each = f", {(spent_after - spent) / moved:.2f} s each" if moved > 0 else ""
+                after, timed_after, spent_after = asyncio.run(loads(socks[mode]))
+                moved, timed_moves = after - before, timed_after - timed
+                each = f", {(spent_after - spent) / timed_moves:.2f} s each" if timed_moves > 0 else ""
                 runs.append(replace(_result(mode, load, k, concurrency=s.concurrency),
                                     note=f"{moved:g} model loads{each}"))
                 log(f"round {k + 1}/{s.rounds}: {mode}: {runs[-1].throughput:.3f} req/s, {runs[-1].note}")
     return runs
 
 
-async def loads(sock: Path) -> tuple[float, float]:
-    """Every model load the daemon has made so far, and the seconds they took (a load's time is what each
-    move back onto the device costs the alternation: issue 27's 0.832x left it unnamed), from its /metrics."""
+async def loads(sock: Path) -> tuple[float, float, float]:
+    """Every model load the daemon has made so far, and how many of them were timed and the seconds those took (a
+    load's time is what each move back onto the device costs the alternation: issue 27's 0.832x left it
+    unnamed; a worker's own start counts as a load without a time), from its /metrics."""
     conn = aiohttp.UnixConnector(path=str(sock))
     async with aiohttp.ClientSession(connector=conn) as session, session.get("http://x/metrics") as r:
         text = await r.text()
     def total(prefix: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
-    return total("diffusiond_model_loads_total{"), total("diffusiond_model_load_seconds_sum")
+    return (total("diffusiond_model_loads_total{"), total("diffusiond_model_load_seconds_count"),
+            total("diffusiond_model_load_seconds_sum"))
 
 
 @contextlib.contextmanager

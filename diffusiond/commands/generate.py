@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -188,6 +189,9 @@ def check_output_dir(output: str | None, n: int | None = None, as_json: bool = F
         if (n or 1) > 1 or as_json:
             raise UsageError(f"-o - writes one output to stdout; {'--json prints there too' if as_json else f'-n {n}'}"
                              ": give a file name (-o out.png; -n N makes out-0.png, out-1.png, ...)")
+        if sys.stdout.isatty():  # an image's bytes on a terminal garble it (review42b-rest 7)
+            raise UsageError("-o - writes the output's bytes to stdout, which is a terminal here: pipe it "
+                             "(-o - | display) or redirect it (-o - > out.png)")
         return
     if output is None:
         return
@@ -396,6 +400,10 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
                 sys.stdout.buffer.flush()
         except ClientError:
             raise
+        except BrokenPipeError:  # -o - | head: the reader went away; the job is done, nothing to say
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+            return 1
         except OSError as exc:  # the user's disk or directory, not the daemon: say which file
             print(f"error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
             return 1
