@@ -143,7 +143,31 @@ def fuse_qkv(pipe: Any) -> None:
     cls = type(pipe).__name__
     if hasattr(pipe, "fuse_qkv_projections"):
         pipe.fuse_qkv_projections()
-        return
+    else:
+        _fuse_denoisers(pipe, cls)
+    for component in getattr(pipe, "components", {}).values():
+        if isinstance(component, torch.nn.Module):
+            _drop_unfused(component)
+
+
+def _drop_unfused(module: torch.nn.Module) -> None:
+    """The separate projections a fusion copied, deleted: the fused attentions never read them again, so a LoRA or
+    an ``update_weights`` naming them was taken and changed nothing, and they held the projections' bytes twice
+    (4.3 GB of FLUX.1-dev in bf16; review42b-rest 1). Deleted, an update naming one is refused as naming no such
+    module, by the checks every update goes through. A cross-attention fuses only its key and value (``to_kv``)."""
+    for attn in list(module.modules()):
+        if not getattr(attn, "fused_projections", False):
+            continue
+        names: tuple[str, ...] = ("to_q", "to_k", "to_v") if hasattr(attn, "to_qkv") else \
+            ("to_k", "to_v") if hasattr(attn, "to_kv") else ()
+        if hasattr(attn, "to_added_qkv"):
+            names += ("add_q_proj", "add_k_proj", "add_v_proj")
+        for name in names:
+            if isinstance(getattr(attn, name, None), torch.nn.Module):
+                delattr(attn, name)
+
+
+def _fuse_denoisers(pipe: Any, cls: str) -> None:
     found = denoisers(pipe)
     if not found or not all(hasattr(module, "fuse_qkv_projections") for _, module in found):
         raise PipelineError(f"fuse_qkv=1: {cls} cannot fuse its QKV projections; drop fuse_qkv=1 for this model")
