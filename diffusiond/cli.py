@@ -222,7 +222,8 @@ def _add_serve(sub: Any) -> None:
     add("--device", metavar="DEV", help="auto (the default: every GPU torch can use, else cpu), cpu, cuda (every "
         "GPU) or cuda:0,cuda:1")
     add("--workers", type=positive_int, metavar="N", help="workers per model on cpu")
-    add("--dtype", metavar="DTYPE", help="float32, float16 or bfloat16")
+    add("--dtype", metavar="DTYPE",
+        help="float32, float16 or bfloat16 (default: bfloat16 on a GPU, float32 on the CPU)")
     add("--max-batch", type=int, metavar="N",
         help="the most outputs one forward runs (4), for every model without its own max_batch in the config file")
     add("--batch-wait-ms", type=float, metavar="MS",

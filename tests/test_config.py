@@ -187,3 +187,17 @@ def test_the_default_device_is_every_gpu_only_where_torch_can_use_them(monkeypat
     assert cfg.models[0].devices == ("cuda:0", "cuda:1"), cfg.models[0].devices
     assert cfg.device_auto == "cuda:0,cuda:1 (2 GPU(s) visible, torch built for CUDA 13.0)"
     assert build_config({}, {"model": ["x=tiny"], "device": "cpu"}).device_auto == ""  # asked for: nothing to say
+
+
+def test_a_models_dtype_defaults_to_bfloat16_on_a_gpu_and_float32_on_the_cpu(tmp_path: Path) -> None:
+    """float32 on a GPU doubled every model's memory for nothing its pictures show (review42b-rest 3); a given
+    dtype, top level or per table, wins."""
+    assert build_config({}, {"model": ["x=tiny"], "device": "cpu"}).models[0].dtype == "float32"
+    assert build_config({}, {"model": ["x=tiny"], "device": "cuda:0"}).models[0].dtype == "bfloat16"
+    assert build_config({}, {"model": ["x=tiny"], "device": "cuda:0", "dtype": "float16"}).models[0].dtype == "float16"
+    f = tmp_path / "d.toml"
+    f.write_text('[[models]]\nname = "g"\nspec = "tiny"\ndevice = "cuda:1"\n\n'
+                 '[[models]]\nname = "c"\nspec = "tiny"\n\n'
+                 '[[models]]\nname = "h"\nspec = "tiny"\ndevice = "cuda:0"\ndtype = "float16"\n')
+    cfg = build_config(load_toml(f), {"device": "cpu"})
+    assert {m.name: m.dtype for m in cfg.models} == {"g": "bfloat16", "c": "float32", "h": "float16"}

@@ -17,14 +17,13 @@ from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
-from diffusiond.daemon.devices import auto_device, parse_devices
+from diffusiond.daemon.devices import auto_device, default_dtype, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
 from diffusiond.daemon.model_config import resolve_offload
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
 from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
 from diffusiond.daemon.residency.budget import resolve as resolve_budget
 from diffusiond.daemon.residency.preload import check_preload
-from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (
@@ -373,7 +372,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         device = ",".join(f"cuda:{i}" for i in range(gpus)) or "cpu"
         device_auto = f"{device} ({why})"
     workers = int(values.pop("workers", 1))
-    dtype = str(values.pop("dtype", DEFAULT_DTYPE))
+    given = values.pop("dtype", None)  # None: each model's by its devices (devices.default_dtype)
+    dtype = str(given) if given is not None else None
     compile_mode = parse_compile_mode(values.pop("compile", ""))
     warmup = warmup_value(values.pop("warmup", ""))
     model_args = values.pop("model", None)
@@ -384,7 +384,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     if model_args:
         for arg in model_args if isinstance(model_args, list) else [model_args]:
             name, spec = parse_model_arg(str(arg))
-            models.append(ModelConfig(name=name, spec=spec, devices=parse_devices(device, workers), dtype=dtype,
+            devices = parse_devices(device, workers)
+            models.append(ModelConfig(name=name, spec=spec, devices=devices, dtype=dtype or default_dtype(devices),
                                       compile=compile_mode, warmup=warmup))
     elif tables:
         for t in tables:
@@ -394,8 +395,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                 ModelConfig(
                     name=str(t.get("name") or model_name_for(t["spec"])),
                     spec=str(t["spec"]),
-                    devices=parse_devices(str(t.get("device", device)), int(t.get("workers", workers))),
-                    dtype=str(t.get("dtype", dtype)),
+                    devices=(own := parse_devices(str(t.get("device", device)), int(t.get("workers", workers)))),
+                    dtype=str(t.get("dtype", dtype or default_dtype(own))),
                     options={str(k): str(v) for k, v in dict(t.get("options", {})).items()}
                     | ({"offload": str(t["offload"])} if "offload" in t else {}),
                     compile=parse_compile_mode(t.get("compile", compile_mode)),
@@ -409,7 +410,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                 )
             )
     else:
-        models.append(ModelConfig(name="tiny", spec="tiny", devices=parse_devices(device, workers), dtype=dtype,
+        devices = parse_devices(device, workers)
+        models.append(ModelConfig(name="tiny", spec="tiny", devices=devices, dtype=dtype or default_dtype(devices),
                                   compile=compile_mode, warmup=warmup))
     if offload is not None:
         models = [replace(m, options={**m.options, "offload": str(offload)}) if forced or "offload" not in m.options

@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from diffusiond.daemon.devices import default_dtype
 from diffusiond.daemon.residency.budget import resolve
 from diffusiond.daemon.residency.fit import (
     FitReport,
@@ -30,7 +31,7 @@ from diffusiond.daemon.residency.fit import (
     spec_approximations,
     tried,
 )
-from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
+from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.daemon.residency.units import format_bytes, parse_size
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.pipelines.errors import PipelineError
@@ -67,7 +68,7 @@ def _check_file(spec: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    dtype = args.dtype or DEFAULT_DTYPE
+    dtype = args.dtype or default_dtype(args.device)  # serve's default for that device
     try:
         device = "cpu" if args.device == "cpu" else "cuda:0"  # a share is of the device serve would use
         budget = resolve(args.device_memory, None, device).nbytes if args.device_memory else None
