@@ -95,9 +95,11 @@ def test_a_single_file_counts_its_config_folders_other_components_and_notes_when
 
 
 def test_the_fit_command_defaults_to_serves_dtype_and_refuses_what_it_cannot_size(flux: Path) -> None:
-    out = _cli(str(flux), "--device-memory", "16GiB")
-    assert out.returncode == 0 and "of weights at float32" in out.stdout, out
-    assert "offload=auto would run it with none at float32: needs " in out.stdout and " GiB budget" in out.stdout
+    out = _cli(str(flux), "--device-memory", "16GiB")  # fit's --device is cuda: serve's dtype there is bfloat16
+    assert out.returncode == 0 and "of weights at bfloat16" in out.stdout, out
+    assert "offload=auto would run it with none at bfloat16: needs " in out.stdout and " GiB budget" in out.stdout
+    cpu = _cli(str(flux), "--device", "cpu", "--device-memory", "16GiB")
+    assert cpu.returncode == 0 and "of weights at float32" in cpu.stdout, cpu
     rows = json.loads(_cli(f"{flux},quant=transformer:nf4", "--json").stdout)["configurations"]
     assert all(any(a.startswith("bitsandbytes-nf4(transformer") for a in r["approximations"]) for r in rows)
     big = _cli(str(flux), "--size", "99999999x99999999")
