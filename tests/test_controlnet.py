@@ -298,3 +298,34 @@ def test_client_sends_control_images_as_base64() -> None:
 
     body = job_body("x", {"control": [{"name": "edges", "image": b"\x89PNG", "scale": 0.5}]})
     assert body["control"] == [{"name": "edges", "image": base64.b64encode(b"\x89PNG").decode(), "scale": 0.5}]
+
+
+def test_control_images_joined_to_a_several_picture_edit_keep_its_earlier_pictures() -> None:
+    """The buffer rebuilt with a job's control images carries the edit's image, mask and earlier pictures alike:
+    the pictures were dropped (review42b-rest 8)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from diffusiond.daemon.config import Limits
+    from diffusiond.daemon.core.controls import ControlEntry, decode_controls
+    from diffusiond.daemon.core.inputs import Source
+    from diffusiond.ipc.inputs import InputBuffer, read_controls, read_inputs, read_pictures
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    earlier = [rng.integers(0, 255, (48, 80, 3), dtype=np.uint8), rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)]
+    control = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(control, format="PNG")
+    joined = InputBuffer(image, None, pictures=earlier)
+    got = decode_controls([ControlEntry("edges", Source("control[0].image", data=control.getvalue()))], width=64,
+                          height=64, limits=Limits(), input_dir=None, joined=joined)
+    try:
+        ref = got.buffer.ref(0)
+        assert np.array_equal(read_inputs([got.buffer.fd], ref)[0], image)
+        assert [p.tobytes() for p in read_pictures([got.buffer.fd], ref)] == [p.tobytes() for p in earlier]
+        assert len(read_controls([got.buffer.fd], ref)) == 1
+    finally:
+        got.buffer.close()
+        joined.close()

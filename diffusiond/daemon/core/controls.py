@@ -30,7 +30,7 @@ from diffusiond.daemon.core import images
 from diffusiond.daemon.core.inputs import Source, _bytes_of
 from diffusiond.daemon.errors import InvalidRequest, Unavailable
 from diffusiond.daemon.values import ControlNetSetting, control_modes, controlnet_config
-from diffusiond.ipc.inputs import InputBuffer, read_inputs
+from diffusiond.ipc.inputs import InputBuffer, read_inputs, read_pictures
 from diffusiond.ipc.messages import ControlRef
 
 MAX_CONTROLS = 4  # ControlNets in one request: each one is a second denoiser-sized forward per step
@@ -150,6 +150,7 @@ def decode_controls(entries: Sequence[ControlEntry], *, width: int, height: int,
         buffer = InputBuffer(None, None, controls=pictures, name="diffusiond-control")
     else:
         image, mask = read_inputs([joined.fd], joined.ref(0))
-        buffer = InputBuffer(image, mask, controls=pictures, name=joined.name)
+        earlier = read_pictures([joined.fd], joined.ref(0))  # a several-picture edit's (review42b-rest 8)
+        buffer = InputBuffer(image, mask, controls=pictures, pictures=earlier, name=joined.name)
     return ControlInput(entries=tuple(entries), refs=tuple(refs), buffer=buffer)
 
