@@ -385,6 +385,8 @@ def test_a_union_controlnets_named_modes_are_picked_on_the_page_and_reach_the_jo
     those names; the page asks for a mode before it sends, and the job made with ``b`` runs with mode 1."""
     with signed_in(context, web_url(union_daemon)) as page:
         page.select_option("#model", "tiny-flux")
+        assert page.is_disabled("#negative")  # FLUX has no negative prompt: the page neither offers nor sends one
+        page.evaluate("document.getElementById('negative').value = 'blurry'")  # as a reused SD job leaves it
         assert page.is_visible("#control") and page.is_visible("#control-mode-box-0")
         assert page.locator("#control-name-0 option").all_inner_texts() == ["u"]
         assert page.locator("#control-mode-0 option").all_inner_texts() == ["choose…", "0: a", "1: b", "2: c"]
@@ -396,6 +398,7 @@ def test_a_union_controlnets_named_modes_are_picked_on_the_page_and_reach_the_jo
         page.select_option("#control-mode-0", label="1: b")
         job_id, job = generated(page, union_daemon)
         assert [(c["name"], c["mode"]) for c in job["request"]["control"]] == [("u", 1)]
+        assert not job["request"].get("negative_prompt"), job["request"]
         card = f'article[data-job-id="{job_id}"]'
         page.wait_for_selector(card)
         assert "control u@1:1" in page.inner_text(card)

@@ -73,7 +73,7 @@ function formRequest() {
   const body = { prompt: $("prompt").value.trim(), n: number("n") || 1 };
   if ($("model").value) body.model = $("model").value;
   const negative = $("negative").value.trim();
-  if (negative) body.negative_prompt = negative;
+  if (negative && !$("negative").disabled) body.negative_prompt = negative;  // kept for the next model that takes one
   for (const [id, field] of [["width", "width"], ["height", "height"], ["steps", "steps"],
                              ["guidance", "guidance_scale"], ["seed", "seed"]]) {
     const value = number(id);
@@ -144,6 +144,10 @@ function modelChanged() {
   $("loras").hidden = shown === 0;
   fitSteers(model);  // the control and reference boxes (steer.js)
   $("steps").min = String((model && model.min_steps) || 1);  // 2 where one step makes NaN (docs/api.md)
+  // a guidance-distilled model (FLUX) has no negative prompt: the daemon refuses one (docs/api.md)
+  const noNegative = Boolean(model && model.negative_prompt === false);
+  $("negative").disabled = noNegative;
+  $("negative").title = noNegative ? `${model.id} has no negative prompt` : "";
   // an upscaler takes any picture a model makes (a video model's job is refused: docs/api.md)
   $("upscale").hidden = !(model && !VIDEO_TASKS.includes(model.task) && $("upscale-name").options.length > 1);
 }
