@@ -2,7 +2,7 @@
 
 One message per datagram on a SOCK_SEQPACKET socketpair, msgpack-encoded, nothing pickled. The engine sends
 FORK with the new worker's channel socket attached (SCM_RIGHTS); the template answers FORKED with the child's
-pid (or why it could not fork), and EXITED as each child it forked ends. Its first message says whether it is
+pid and its pidfd attached, opened before the template can reap it (or why it could not fork), and EXITED as each child it forked ends. Its first message says whether it is
 usable at all: READY, or UNUSABLE with why (the engine then starts workers as fresh interpreters).
 """
 

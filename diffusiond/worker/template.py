@@ -18,6 +18,7 @@ parent-death signal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -134,9 +135,21 @@ def _serve(sock: socket.socket, nvml_before: str | None) -> int:
             if pid == 0:
                 _child(msg, fds[0], [sock.fileno(), wake_r, wake_w], nvml_before)
             children.add(pid)
-            sock.send(encode(Forked(msg.seq, pid=pid)))
+            _send_forked(sock, msg.seq, pid)
         finally:
             os.close(fds[0])
+
+
+def _send_forked(sock: socket.socket, seq: int, pid: int) -> None:
+    """FORKED with the child's pidfd, opened before this process can reap it, so it names that child (issue 27)."""
+    pidfd: int | None = None
+    with contextlib.suppress(OSError, AttributeError):  # no pidfds (kernel before 5.3): the engine kills by pid
+        pidfd = os.pidfd_open(pid)
+    try:
+        socket.send_fds(sock, [encode(Forked(seq, pid=pid))], [] if pidfd is None else [pidfd])
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:

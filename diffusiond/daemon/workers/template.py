@@ -44,18 +44,19 @@ class ForkedProcess:
     """A worker the template forked: its pid, its exit (from the template's EXITED), ``kill`` and ``wait``.
 
     A pidfd names the process itself, so ``kill`` never hits a reused pid; it also tells when the process ended
-    after the template died (no EXITED can come then, and ``exit_note`` says the status is unknown).
+    after the template died (no EXITED can come then, and ``exit_note`` says the status is unknown). The template
+    opens it right after its fork, before it can have reaped the child, and sends it with FORKED (issue 27: one
+    opened here, later, could miss a child that had already exited, or name another process); None where the
+    kernel has no pidfds (kill by pid, EXITED only).
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, pidfd: int | None) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self.exit_note = ""
         self._done = asyncio.Event()
-        self._pidfd: int | None = None
+        self._pidfd = pidfd
         self._orphaned = False
-        with contextlib.suppress(OSError, AttributeError):  # no pidfd (old kernel): kill by pid, EXITED only
-            self._pidfd = os.pidfd_open(pid)
 
     def kill(self) -> None:
         if self.returncode is not None:
@@ -99,7 +100,7 @@ class Template:
         self.children: dict[int, ForkedProcess] = {}
         self.broken: str | None = None  # why it no longer forks; logged once
         self._status: asyncio.Future[Status] | None = None
-        self._replies: dict[int, asyncio.Future[Forked]] = {}
+        self._replies: dict[int, asyncio.Future[ForkedProcess | str]] = {}
         self._seq = 0
         self._lock: asyncio.Lock | None = None
 
@@ -125,7 +126,7 @@ class Template:
             return None
         async with self._lock:  # one FORK at a time: its fd and its answer go together
             self._seq += 1
-            reply = asyncio.get_running_loop().create_future()
+            reply: asyncio.Future[ForkedProcess | str] = asyncio.get_running_loop().create_future()
             self._replies[self._seq] = reply
             try:
                 socket.send_fds(self.sock, [encode(Fork(self._seq, env, log_level))], [fd])
@@ -135,12 +136,11 @@ class Template:
                 return None
             finally:
                 self._replies.pop(self._seq, None)
-        if not forked.pid:
+        if isinstance(forked, str):
             log.warning("the worker template could not fork (%s); this worker starts as a fresh interpreter",
-                        forked.error)
+                        forked)
             return None
-        child = self.children[forked.pid] = ForkedProcess(forked.pid)
-        return child
+        return forked
 
     def _attach(self) -> None:
         if self._status is not None:
@@ -151,8 +151,9 @@ class Template:
         loop.add_reader(self.sock.fileno(), self._readable)
 
     def _readable(self) -> None:
+        fds: list[int] = []
         try:
-            data = self.sock.recv(MAX_MESSAGE)
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -165,19 +166,38 @@ class Template:
         try:
             msg = decode_reply(data)
         except msgspec.DecodeError as exc:
+            for fd in fds:
+                os.close(fd)
             self._break(f"it sent an unreadable message: {exc}")
             return
+        if isinstance(msg, Forked) and msg.pid:
+            self._forked(msg, fds[0] if fds else None)
+            return
+        for fd in fds:
+            os.close(fd)
         if isinstance(msg, Status):
             if self._status is not None and not self._status.done():
                 self._status.set_result(msg)
         elif isinstance(msg, Forked):
             fut = self._replies.get(msg.seq)
             if fut is not None and not fut.done():
-                fut.set_result(msg)
+                fut.set_result(msg.error or "it answered with no pid")
         elif isinstance(msg, Exited):
             child = self.children.pop(msg.pid, None)
             if child is not None:
                 child.exited(msg.returncode)
+
+    def _forked(self, msg: Forked, pidfd: int | None) -> None:
+        """Registered here, as FORKED is read, so an EXITED right behind it finds its child (issue 27: when it was
+        registered as ``fork`` resumed, a loop hop later, a child that died at once was never seen to end)."""
+        child = self.children[msg.pid] = ForkedProcess(msg.pid, pidfd)
+        fut = self._replies.get(msg.seq)
+        if fut is not None and not fut.done():
+            fut.set_result(child)
+            return
+        log.warning("the worker template forked pid %d for a start that no longer waits; killing it", msg.pid)
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()  # its EXITED still comes, and reaps it from ``children``
 
     def _break(self, why: str, *, gone: bool = False) -> None:
         """Stop forking from it, say why once, and let its children run on without it."""

@@ -1,0 +1,132 @@
+"""The worker template's faults (issue 27's cold start), against a fake template on a socketpair.
+
+The engine's end (``daemon/workers/template.py``) talks to a coroutine that answers as the template would, so a
+child that exits at once, an unusable template, a failed fork and a template dying mid-fork are each one script;
+where the fallback matters, the real ``WorkerHandle`` then starts a fresh interpreter (a synthetic model) and
+runs a job on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from workerkit import config
+
+import diffusiond.ipc.messages as m
+from diffusiond.daemon.workers.handle import WorkerHandle
+from diffusiond.daemon.workers.link import WorkerStartError
+from diffusiond.daemon.workers.template import ForkedProcess, Template
+from diffusiond.ipc.template import MAX_MESSAGE, Exited, Fork, Forked, Status, decode_request, encode, socketpair
+
+PARAMS = m.BatchParams(width=32, height=32, steps=2, guidance=1.0)
+Script = Callable[["Fake", Fork], None]
+
+
+class Fake:
+    """The template's side of the socketpair: says ``status``, then answers each FORK with ``script``."""
+
+    def __init__(self, status: Status, script: Script) -> None:
+        self.script = script
+        mine, self.sock = socketpair()
+        self.stand_in = subprocess.Popen(["sleep", "60"])  # the process the engine kills when it breaks
+        self.template = Template(self.stand_in, mine, "on")
+        self.sock.setblocking(False)
+        self.send(status)
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
+
+    def send(self, *msgs: Forked | Exited | Status, pidfd: int | None = None) -> None:
+        for i, msg in enumerate(msgs):
+            socket.send_fds(self.sock, [encode(msg)], [pidfd] if pidfd is not None and i == 0 else [])
+
+    def _readable(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
+        except OSError:
+            data, fds = b"", []
+        for fd in fds:
+            os.close(fd)  # the worker's channel: this fake runs no worker on it
+        if not data:
+            self.close()
+            return
+        self.script(self, decode_request(data))
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+
+    async def stop(self) -> None:
+        self.close()
+        self.stand_in.kill()
+        await self.template.close()
+
+
+@pytest.fixture
+async def fake_of() -> AsyncIterator[Callable[[Status, Script], Fake]]:
+    fakes: list[Fake] = []
+
+    def make(status: Status, script: Script) -> Fake:
+        fakes.append(Fake(status, script))
+        return fakes[-1]
+
+    yield make
+    for fake in fakes:
+        await fake.stop()
+
+
+def _exits_at_once(fake: Fake, fork: Fork) -> None:
+    """A child that ends right after its fork: FORKED and its EXITED reach the engine in one read."""
+    child = subprocess.Popen(["sh", "-c", "exit 3"])
+    pidfd = os.pidfd_open(child.pid)  # before the reap, as the template opens it
+    child.wait()
+    fake.send(Forked(fork.seq, pid=child.pid), Exited(child.pid, 3), pidfd=pidfd)
+    os.close(pidfd)
+
+
+async def test_a_forked_child_that_exits_at_once_fails_the_start_with_its_exit(fake_of) -> None:  # type: ignore[no-untyped-def]
+    fake = fake_of(Status(True, pid=1), _exits_at_once)
+    channel = os.open(os.devnull, os.O_RDONLY)
+    proc = await fake.template.fork({}, "INFO", channel, 30)
+    os.close(channel)
+    assert isinstance(proc, ForkedProcess)
+    assert await asyncio.wait_for(proc.wait(), 10) == 3  # its exit is seen, not lost behind the fork's reply
+    # and a worker start on such a child fails at once with that exit, not after its start timeout
+    handle = WorkerHandle(config("synthetic:compute_ms=1"), on_frame=lambda *_: None, on_lost=lambda *_: None,
+                          template=fake.template)
+    with pytest.raises(WorkerStartError, match=r"worker 0 \(pid \d+, cpu\) exited with code 3"):
+        await asyncio.wait_for(handle.start(timeout=600), 20)
+    assert not fake.template.children  # nothing is left waiting for an exit
+
+
+async def test_a_fork_no_one_waits_for_any_more_is_killed(fake_of) -> None:  # type: ignore[no-untyped-def]
+    started: list[subprocess.Popen[bytes]] = []
+    answer = asyncio.Event()
+
+    def late(fake: Fake, fork: Fork) -> None:
+        async def reply() -> None:
+            await answer.wait()  # the start was cancelled meanwhile
+            child = subprocess.Popen(["sleep", "60"])
+            started.append(child)
+            pidfd = os.pidfd_open(child.pid)
+            fake.send(Forked(fork.seq, pid=child.pid), pidfd=pidfd)
+            os.close(pidfd)
+
+        asyncio.ensure_future(reply())  # noqa: RUF006 - awaited through ``started``
+
+    fake = fake_of(Status(True, pid=1), late)
+    channel = os.open(os.devnull, os.O_RDONLY)
+    start = asyncio.ensure_future(fake.template.fork({}, "INFO", channel, 30))
+    await asyncio.sleep(0.2)
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    os.close(channel)
+    answer.set()
+    while not started:
+        await asyncio.sleep(0.02)
+    assert await asyncio.to_thread(started[0].wait, 10) == -9  # killed: no worker runs unseen
