@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -130,3 +131,19 @@ async def test_a_fork_no_one_waits_for_any_more_is_killed(fake_of) -> None:  # t
     while not started:
         await asyncio.sleep(0.02)
     assert await asyncio.to_thread(started[0].wait, 10) == -9  # killed: no worker runs unseen
+
+
+def test_the_template_imports_with_one_blas_thread_and_freezes_what_it_imported() -> None:
+    """Forked CPU workers would otherwise each run numpy's OpenBLAS pool of every core (it is sized at load, in
+    the template), and unshare the template's pages at their first full collection."""
+    probe = ("import gc, os, diffusiond.worker.template as t; t._set_env(); t._imports(False, True); "
+             "threads = open('/proc/self/status').read().split('Threads:')[1].split()[0]; "
+             "print(gc.get_freeze_count() > 1000, threads, os.environ['OPENBLAS_NUM_THREADS'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                                                              "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "1", "1"], out
+    # a thread count the user set is theirs: the template leaves it
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "OPENBLAS_NUM_THREADS": "2"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split()[2] == "2", out
