@@ -33,6 +33,7 @@ class Fake:
 
     def __init__(self, status: Status, script: Script) -> None:
         self.script = script
+        self.kept: list[socket.socket] | None = None  # the channels received, where a test keeps them open
         mine, self.sock = socketpair()
         self.stand_in = subprocess.Popen(["sleep", "60"])  # the process the engine kills when it breaks
         self.template = Template(self.stand_in, mine, "on")
@@ -49,8 +50,11 @@ class Fake:
             data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
         except OSError:
             data, fds = b"", []
-        for fd in fds:
-            os.close(fd)  # the worker's channel: this fake runs no worker on it
+        for fd in fds:  # the worker's channel: this fake runs no worker on it
+            if self.kept is None:
+                os.close(fd)
+            else:
+                self.kept.append(socket.socket(fileno=fd))
         if not data:
             self.close()
             return
@@ -147,3 +151,28 @@ def test_the_template_imports_with_one_blas_thread_and_freezes_what_it_imported(
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "OPENBLAS_NUM_THREADS": "2"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split()[2] == "2", out
+
+
+async def test_a_start_cancelled_mid_fork_closes_the_engines_end(fake_of) -> None:  # type: ignore[no-untyped-def]
+    fake = fake_of(Status(True, pid=1), lambda fake, fork: None)  # never answers
+    fake.kept = []  # the worker's channel, held as a forked worker would hold it
+    handle = WorkerHandle(config("synthetic:compute_ms=1"), on_frame=lambda *_: None, on_lost=lambda *_: None,
+                          template=fake.template)
+    start = asyncio.ensure_future(handle.start(timeout=600))
+    while not fake.kept:
+        await asyncio.sleep(0.02)
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    (channel,) = fake.kept
+    channel.settimeout(10)
+    assert channel.recv(16) == b""  # EOF: nothing holds the engine's end open
+    channel.close()
+
+
+def test_a_template_whose_engine_closed_its_end_leaves_quietly_as_its_children_end() -> None:
+    probe = ("import os, socket, diffusiond.worker.template as t; a, b = socket.socketpair(socket.AF_UNIX, "
+             "socket.SOCK_SEQPACKET); b.close(); pid = os.fork(); pid or os._exit(0); os.waitid(os.P_PID, pid, "
+             "os.WEXITED | os.WNOWAIT); print(t._reap(a, {pid}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip(), out.stderr) == (0, "False", ""), out

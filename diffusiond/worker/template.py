@@ -109,15 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         _imports(args.libraries, quiet)
     except Exception as exc:
         log.debug("the template's imports failed", exc_info=True)
-        sock.send(encode(Status(False, f"{type(exc).__name__}: {exc}", os.getpid())))
+        _send(sock, Status(False, f"{type(exc).__name__}: {exc}", os.getpid()))
         return 1
-    sock.send(encode(Status(True, pid=os.getpid())))
+    if not _send(sock, Status(True, pid=os.getpid())):
+        return 0  # the engine stopped during the imports
     log.info("ready in %.0f ms (torch%s imported); workers are forked from here", (time.perf_counter() - t0) * 1000,
              ", diffusers' utilities" * quiet + ", diffusers' and transformers' models" * args.libraries)
     return _serve(sock, env_before)
 
 
 def _serve(sock: socket.socket, env_before: dict[str, str | None]) -> int:
+    """Forks and reaps until the engine is gone: EOF, or a send that fails (it closed its end as we reaped)."""
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD wakes the select through the pipe
@@ -131,60 +133,74 @@ def _serve(sock: socket.socket, env_before: dict[str, str | None]) -> int:
                         break
                 except BlockingIOError:
                     break
-        _reap(sock, children)
-        if sock.fileno() not in readable:
-            continue
-        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
-        if not data:
-            return 0  # the engine is gone; the children notice on their own channels
-        try:
-            msg = decode_request(data)
-        except Exception as exc:
-            log.error("unreadable request from the engine: %s", exc)
-            for fd in fds:
-                os.close(fd)
-            continue
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            sock.send(encode(Forked(msg.seq, error=f"FORK came with {len(fds)} fds, not the worker's one")))
-            continue
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            sock.send(encode(Forked(msg.seq, error=f"fork: {exc}")))
-        else:
-            if pid == 0:
-                _child(msg, fds[0], [sock.fileno(), wake_r, wake_w], env_before)
-            children.add(pid)
-            _send_forked(sock, msg.seq, pid)
-        finally:
-            os.close(fds[0])
+        data, fds = b"", list[int]()
+        if sock.fileno() in readable:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+            if not data:
+                return 0  # the engine is gone; the children notice on their own channels
+        if not _reap(sock, children):
+            return 0
+        if data and not _serve_one(sock, data, fds, children, [sock.fileno(), wake_r, wake_w], env_before):
+            return 0
 
 
-def _send_forked(sock: socket.socket, seq: int, pid: int) -> None:
-    """FORKED with the child's pidfd, opened before this process can reap it, so it names that child (issue 27)."""
-    pidfd: int | None = None
-    with contextlib.suppress(OSError, AttributeError):  # no pidfds (kernel before 5.3): the engine kills by pid
-        pidfd = os.pidfd_open(pid)
+def _serve_one(sock: socket.socket, data: bytes, fds: list[int], children: set[int], close: list[int],
+               env_before: dict[str, str | None]) -> bool:
+    """One FORK answered; False when the answer could not be sent (the engine is gone)."""
     try:
-        socket.send_fds(sock, [encode(Forked(seq, pid=pid))], [] if pidfd is None else [pidfd])
+        msg = decode_request(data)
+    except Exception as exc:
+        log.error("unreadable request from the engine: %s", exc)
+        for fd in fds:
+            os.close(fd)
+        return True
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        return _send(sock, Forked(msg.seq, error=f"FORK came with {len(fds)} fds, not the worker's one"))
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        return _send(sock, Forked(msg.seq, error=f"fork: {exc}"))
+    else:
+        if pid == 0:
+            _child(msg, fds[0], close, env_before)
+        children.add(pid)
+        pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):  # no pidfds (kernel before 5.3): the engine kills by pid
+            pidfd = os.pidfd_open(pid)  # before this process can reap the child, so it names that child (issue 27)
+        try:
+            return _send(sock, Forked(msg.seq, pid=pid), pidfd)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
     finally:
-        if pidfd is not None:
-            os.close(pidfd)
+        os.close(fds[0])
 
 
-def _reap(sock: socket.socket, children: set[int]) -> None:
+def _send(sock: socket.socket, msg: Forked | Exited | Status, fd: int | None = None) -> bool:
+    """False when the engine is gone (it closed its end while a child was ending): not an error at its stop."""
+    try:
+        socket.send_fds(sock, [encode(msg)], [] if fd is None else [fd])
+    except OSError:
+        return False
+    return True
+
+
+def _reap(sock: socket.socket, children: set[int]) -> bool:
+    """Each ended child reported; False when the engine is gone."""
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             children.clear()
-            return
+            return True
         if pid == 0:
-            return
+            return True
         children.discard(pid)
-        sock.send(encode(Exited(pid, os.waitstatus_to_exitcode(status))))
+        if not _send(sock, Exited(pid, os.waitstatus_to_exitcode(status))):
+            return False
+    return True
 
 
 def _child(msg: Fork, fd: int, close: list[int], env_before: dict[str, str | None]) -> NoReturn:

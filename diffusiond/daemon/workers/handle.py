@@ -128,6 +128,9 @@ class WorkerHandle:
                     sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
                     pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
                 )
+        except BaseException:  # a cancelled start: the worker, if any was forked, sees EOF and leaves
+            mine.close()
+            raise
         finally:
             theirs.close()
         self.channel = Channel(mine, name=f"worker {self.id}")
