@@ -176,3 +176,18 @@ def test_a_template_whose_engine_closed_its_end_leaves_quietly_as_its_children_e
              "os.WEXITED | os.WNOWAIT); print(t._reap(a, {pid}))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout.strip(), out.stderr) == (0, "False", ""), out
+
+
+async def test_a_template_broken_by_an_unreadable_message_is_killed_and_reaped(fake_of) -> None:  # type: ignore[no-untyped-def]
+    fake = fake_of(Status(True, pid=1), lambda fake, fork: fake.sock.send(b"\xc1"))  # not msgpack
+    channel = os.open(os.devnull, os.O_RDONLY)
+    assert await fake.template.fork({}, "INFO", channel, 30) is None  # this worker starts fresh instead
+    os.close(channel)
+    assert fake.template.broken is not None and "unreadable message" in fake.template.broken
+    pid = fake.stand_in.pid
+    for _ in range(500):
+        if not os.path.exists(f"/proc/{pid}"):
+            break  # killed and reaped: no <defunct> left until the daemon stops
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError(f"the template {pid} is still in the process table")

@@ -103,6 +103,7 @@ class Template:
         self._replies: dict[int, asyncio.Future[ForkedProcess | str]] = {}
         self._seq = 0
         self._lock: asyncio.Lock | None = None
+        self._reaper: asyncio.Future[None] | None = None
 
     def serves(self, device: str) -> bool:
         return self.broken is None and enabled(self.preimport, device)
@@ -201,15 +202,8 @@ class Template:
 
     def _break(self, why: str, *, gone: bool = False) -> None:
         """Stop forking from it, say why once, and let its children run on without it."""
-        if gone and self.proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(1)  # its socket closed as it exited: the exit is a moment away
-        if gone and self.proc.returncode is not None and self.proc.returncode < 0:
-            why = f"it was killed by signal {signal.Signals(-self.proc.returncode).name}"
-        if self.broken is None:
-            self.broken = why
-            log.warning("the worker template (pid %d) stopped forking workers: %s; workers start as fresh "
-                        "interpreters from now on", self.proc.pid, why)
+        first = self.broken is None
+        self.broken = self.broken or why
         self._close_socket()
         if self._status is not None and not self._status.done():
             self._status.set_exception(ConnectionError(why))
@@ -219,8 +213,25 @@ class Template:
         for child in self.children.values():
             child.orphan(f"the worker template it was forked from {why}")
         self.children.clear()
-        if self.proc.poll() is None:
+        if not gone and self.proc.poll() is None:
             self.proc.kill()  # a template that no longer answers forks nothing again
+        if first:  # reaped in a thread, not here: this runs in the engine's reader callbacks
+            self._reaper = asyncio.ensure_future(self._reap(why, gone))
+
+    async def _reap(self, why: str, gone: bool) -> None:
+        """The template reaped (no <defunct> for the daemon's life), then why it broke logged, with its signal."""
+        rc = await asyncio.to_thread(self._wait)
+        if gone and rc < 0:
+            why = self.broken = f"it was killed by signal {signal.Signals(-rc).name}"
+        log.warning("the worker template (pid %d) stopped forking workers: %s; workers start as fresh "
+                    "interpreters from now on", self.proc.pid, why)
+
+    def _wait(self) -> int:
+        try:
+            return self.proc.wait(5)  # its socket closed as it exited, or it was killed: a moment away
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
     def _close_socket(self) -> None:
         if self.sock.fileno() < 0:
@@ -234,6 +245,11 @@ class Template:
         """The daemon stops: EOF on its socket ends the template; SIGKILL if it lingers."""
         self.broken = self.broken or "the daemon stopped"
         self._close_socket()
+        if self._reaper is not None:
+            await self._reaper
+            return
+        if self._status is None or not self._status.done():
+            self.proc.kill()  # still importing, EOF unread until the imports end: nothing of it to keep
         try:
             await asyncio.to_thread(self.proc.wait, 5)
         except subprocess.TimeoutExpired:
