@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from workerkit import config
+from workerkit import Driver, config
 
 import diffusiond.ipc.messages as m
 from diffusiond.daemon.workers.handle import WorkerHandle
@@ -191,3 +192,32 @@ async def test_a_template_broken_by_an_unreadable_message_is_killed_and_reaped(f
         await asyncio.sleep(0.02)
     else:
         raise AssertionError(f"the template {pid} is still in the process table")
+
+
+def _dies(fake: Fake, fork: Fork) -> None:
+    fake.stand_in.kill()  # the template dies holding the worker's channel
+    fake.close()
+
+
+FALLBACKS = {
+    "unusable": (Status(False, "RuntimeError: CUDA was initialised during the imports", 1), _exits_at_once,
+                 "it is unusable: RuntimeError: CUDA was initialised"),
+    "fork refused": (Status(True, pid=1), lambda fake, fork: fake.send(Forked(fork.seq, error="fork: no memory")),
+                     None),
+    "dies mid-fork": (Status(True, pid=1), _dies, "it died|it was killed by signal SIGKILL"),
+}
+
+
+@pytest.mark.parametrize("fault", FALLBACKS)
+async def test_a_worker_the_template_cannot_fork_starts_fresh_and_runs_its_job(fake_of, fault: str) -> None:  # type: ignore[no-untyped-def]
+    status, script, broken = FALLBACKS[fault]
+    fake = fake_of(status, script)
+    driver = Driver(config("synthetic:compute_ms=1"))
+    driver.handle = WorkerHandle(driver.handle.config, on_frame=driver._on_frame, on_lost=driver._on_lost,
+                                 template=fake.template)
+    async with driver:
+        assert isinstance(driver.handle.proc, asyncio.subprocess.Process)  # a fresh interpreter, not a fork
+        (result,) = await driver.run(PARAMS, [7])
+        assert result.array is not None and result.array.shape == (32, 32, 3)
+    # a refused fork is that worker's alone; the others break the template for every later start
+    assert fake.template.broken is None if broken is None else re.match(broken, fake.template.broken or "")
