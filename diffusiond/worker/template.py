@@ -49,6 +49,8 @@ _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 _OPENBLAS = "OPENBLAS_NUM_THREADS"
 _BLAS_SET = (_OPENBLAS, "GOTO_NUM_THREADS", "OMP_NUM_THREADS")  # what OpenBLAS reads at load, in this order
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+WORKER_NAME = b"diffusiond-wkr"  # a forked worker's name in top and ps -o comm (its cmdline stays the template's)
 
 
 def _die_with_parent() -> None:
@@ -225,6 +227,8 @@ def _child(msg: Fork, fd: int, close: list[int], env_before: dict[str, str | Non
         root = logging.getLogger()
         for handler in list(root.handlers):  # the worker's main configures its own (with its own pid)
             root.removeHandler(handler)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, WORKER_NAME, 0, 0, 0)
         startup.forked()
         from diffusiond.worker.process import main as worker_main
 
