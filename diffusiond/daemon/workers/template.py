@@ -8,8 +8,10 @@ and forks each worker from there (gunicorn's ``preload_app``, Android's zygote).
 ``spawn`` starts it as ``diffusiond serve`` begins, so its imports and the daemon's start go on side by side;
 the pool ``claim``s it. ``Template.fork`` hands it a worker's channel socket and gets back a ``ForkedProcess``, the
 part of ``asyncio.subprocess.Process`` that ``WorkerHandle`` uses. Whenever the template cannot serve (it said
-it is unusable, it died, a fork failed) ``fork`` returns None, the reason is logged once, and the handle spawns
-the worker as a fresh interpreter, as without it: nothing waiting on a worker start is lost.
+it is unusable, it died, a fork request went unanswered) ``fork`` returns None, the reason is logged once, and
+the handle spawns this and every later worker as a fresh interpreter, as without it; a fork the template refuses
+(FORKED with an error) is logged each time and only that worker starts fresh. Nothing waiting on a worker start
+is lost.
 """
 
 from __future__ import annotations
