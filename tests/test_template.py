@@ -66,6 +66,11 @@ async def test_a_job_runs_on_a_worker_forked_from_the_template(daemon: Daemon) -
         assert job["status"] == "succeeded", job
         pid = (await _worker(s))["pid"]
     assert _parent(pid) == template and daemon.worker_pids() == [pid]
+    with open(f"/proc/{pid}/comm") as f:  # top and ps tell it from the template, whose command line it shows
+        assert f.read().strip() == "diffusiond-wkr"
+    if not any(os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")):
+        with open(f"/proc/{template}/status") as f:  # numpy's OpenBLAS started no pool of every core
+            assert "\nThreads:\t1\n" in f.read()
     log = daemon.log()
     assert f"(pid {pid}, cpu) forked from the worker template" in log
     assert "--device auto (the default): cpu (no NVIDIA GPU on this machine)" in log or \

@@ -1,9 +1,10 @@
 """What the engine and the worker template say to each other (issue 27's cold start, ``worker/template.py``).
 
-One message per datagram on a SOCK_SEQPACKET socketpair, msgpack-encoded, nothing pickled. The engine sends
-FORK with the new worker's channel socket attached (SCM_RIGHTS); the template answers FORKED with the child's
-pid (or why it could not fork), and EXITED as each child it forked ends. Its first message says whether it is
-usable at all: READY, or UNUSABLE with why (the engine then starts workers as fresh interpreters).
+One message per datagram on a SOCK_SEQPACKET socketpair, msgpack-encoded, nothing pickled. The engine sends FORK
+with the new worker's channel socket attached (SCM_RIGHTS); the template answers FORKED with the child's pid and its
+pidfd attached, opened before the template can reap it (or why it could not fork), and EXITED as each child it
+forked ends. Its first message says whether it is usable at all: READY, or UNUSABLE with why (the engine then starts
+workers as fresh interpreters).
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ class WorkerHandle:
     async def start(self, timeout: float) -> Ready:
         """Spawn, send INIT, wait for HELLO and READY. Raises WorkerStartError with the cause."""
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout  # one bound for the template's imports, the fork and the load
         self._ready_fut = loop.create_future()
         self._exited = loop.create_future()
         mine, theirs = socketpair()
@@ -128,13 +129,16 @@ class WorkerHandle:
                     sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
                     pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
                 )
+        except BaseException:  # a cancelled start: the worker, if any was forked, sees EOF and leaves
+            mine.close()
+            raise
         finally:
             theirs.close()
         self.channel = Channel(mine, name=f"worker {self.id}")
         self.channel.start(self._on_frame, self._on_close)
         self.channel.post(Init(self.config))
         try:
-            self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), timeout)
+            self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), max(0.0, deadline - loop.time()))
         except TimeoutError:
             self.kill()
             spec = self.config.model_spec

@@ -8,8 +8,10 @@ and forks each worker from there (gunicorn's ``preload_app``, Android's zygote).
 ``spawn`` starts it as ``diffusiond serve`` begins, so its imports and the daemon's start go on side by side;
 the pool ``claim``s it. ``Template.fork`` hands it a worker's channel socket and gets back a ``ForkedProcess``, the
 part of ``asyncio.subprocess.Process`` that ``WorkerHandle`` uses. Whenever the template cannot serve (it said
-it is unusable, it died, a fork failed) ``fork`` returns None, the reason is logged once, and the handle spawns
-the worker as a fresh interpreter, as without it: nothing waiting on a worker start is lost.
+it is unusable, it died, a fork request went unanswered) ``fork`` returns None, the reason is logged once, and
+the handle spawns this and every later worker as a fresh interpreter, as without it; a fork the template refuses
+(FORKED with an error) is logged each time and only that worker starts fresh. Nothing waiting on a worker start
+is lost.
 """
 
 from __future__ import annotations
@@ -44,18 +46,19 @@ class ForkedProcess:
     """A worker the template forked: its pid, its exit (from the template's EXITED), ``kill`` and ``wait``.
 
     A pidfd names the process itself, so ``kill`` never hits a reused pid; it also tells when the process ended
-    after the template died (no EXITED can come then, and ``exit_note`` says the status is unknown).
+    after the template died (no EXITED can come then, and ``exit_note`` says the status is unknown). The template
+    opens it right after its fork, before it can have reaped the child, and sends it with FORKED (issue 27: one
+    opened here, later, could miss a child that had already exited, or name another process); None where the
+    kernel has no pidfds (kill by pid, EXITED only).
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, pidfd: int | None) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self.exit_note = ""
         self._done = asyncio.Event()
-        self._pidfd: int | None = None
+        self._pidfd = pidfd
         self._orphaned = False
-        with contextlib.suppress(OSError, AttributeError):  # no pidfd (old kernel): kill by pid, EXITED only
-            self._pidfd = os.pidfd_open(pid)
 
     def kill(self) -> None:
         if self.returncode is not None:
@@ -99,9 +102,10 @@ class Template:
         self.children: dict[int, ForkedProcess] = {}
         self.broken: str | None = None  # why it no longer forks; logged once
         self._status: asyncio.Future[Status] | None = None
-        self._replies: dict[int, asyncio.Future[Forked]] = {}
+        self._replies: dict[int, asyncio.Future[ForkedProcess | str]] = {}
         self._seq = 0
         self._lock: asyncio.Lock | None = None
+        self._reaper: asyncio.Future[None] | None = None
 
     def serves(self, device: str) -> bool:
         return self.broken is None and enabled(self.preimport, device)
@@ -125,7 +129,7 @@ class Template:
             return None
         async with self._lock:  # one FORK at a time: its fd and its answer go together
             self._seq += 1
-            reply = asyncio.get_running_loop().create_future()
+            reply: asyncio.Future[ForkedProcess | str] = asyncio.get_running_loop().create_future()
             self._replies[self._seq] = reply
             try:
                 socket.send_fds(self.sock, [encode(Fork(self._seq, env, log_level))], [fd])
@@ -135,12 +139,11 @@ class Template:
                 return None
             finally:
                 self._replies.pop(self._seq, None)
-        if not forked.pid:
+        if isinstance(forked, str):
             log.warning("the worker template could not fork (%s); this worker starts as a fresh interpreter",
-                        forked.error)
+                        forked)
             return None
-        child = self.children[forked.pid] = ForkedProcess(forked.pid)
-        return child
+        return forked
 
     def _attach(self) -> None:
         if self._status is not None:
@@ -151,8 +154,9 @@ class Template:
         loop.add_reader(self.sock.fileno(), self._readable)
 
     def _readable(self) -> None:
+        fds: list[int] = []
         try:
-            data = self.sock.recv(MAX_MESSAGE)
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -165,31 +169,43 @@ class Template:
         try:
             msg = decode_reply(data)
         except msgspec.DecodeError as exc:
+            for fd in fds:
+                os.close(fd)
             self._break(f"it sent an unreadable message: {exc}")
             return
+        if isinstance(msg, Forked) and msg.pid:
+            self._forked(msg, fds[0] if fds else None)
+            return
+        for fd in fds:
+            os.close(fd)
         if isinstance(msg, Status):
             if self._status is not None and not self._status.done():
                 self._status.set_result(msg)
         elif isinstance(msg, Forked):
             fut = self._replies.get(msg.seq)
             if fut is not None and not fut.done():
-                fut.set_result(msg)
+                fut.set_result(msg.error or "it answered with no pid")
         elif isinstance(msg, Exited):
             child = self.children.pop(msg.pid, None)
             if child is not None:
                 child.exited(msg.returncode)
 
+    def _forked(self, msg: Forked, pidfd: int | None) -> None:
+        """Registered here, as FORKED is read, so an EXITED right behind it finds its child (issue 27: when it was
+        registered as ``fork`` resumed, a loop hop later, a child that died at once was never seen to end)."""
+        child = self.children[msg.pid] = ForkedProcess(msg.pid, pidfd)
+        fut = self._replies.get(msg.seq)
+        if fut is not None and not fut.done():
+            fut.set_result(child)
+            return
+        log.warning("the worker template forked pid %d for a start that no longer waits; killing it", msg.pid)
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()  # its EXITED still comes, and reaps it from ``children``
+
     def _break(self, why: str, *, gone: bool = False) -> None:
         """Stop forking from it, say why once, and let its children run on without it."""
-        if gone and self.proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(1)  # its socket closed as it exited: the exit is a moment away
-        if gone and self.proc.returncode is not None and self.proc.returncode < 0:
-            why = f"it was killed by signal {signal.Signals(-self.proc.returncode).name}"
-        if self.broken is None:
-            self.broken = why
-            log.warning("the worker template (pid %d) stopped forking workers: %s; workers start as fresh "
-                        "interpreters from now on", self.proc.pid, why)
+        first = self.broken is None
+        self.broken = self.broken or why
         self._close_socket()
         if self._status is not None and not self._status.done():
             self._status.set_exception(ConnectionError(why))
@@ -199,8 +215,25 @@ class Template:
         for child in self.children.values():
             child.orphan(f"the worker template it was forked from {why}")
         self.children.clear()
-        if self.proc.poll() is None:
+        if not gone and self.proc.poll() is None:
             self.proc.kill()  # a template that no longer answers forks nothing again
+        if first:  # reaped in a thread, not here: this runs in the engine's reader callbacks
+            self._reaper = asyncio.ensure_future(self._reap(why, gone))
+
+    async def _reap(self, why: str, gone: bool) -> None:
+        """The template reaped (no <defunct> for the daemon's life), then why it broke logged, with its signal."""
+        rc = await asyncio.to_thread(self._wait)
+        if gone and rc < 0:
+            why = self.broken = f"it was killed by signal {signal.Signals(-rc).name}"
+        log.warning("the worker template (pid %d) stopped forking workers: %s; workers start as fresh "
+                    "interpreters from now on", self.proc.pid, why)
+
+    def _wait(self) -> int:
+        try:
+            return self.proc.wait(5)  # its socket closed as it exited, or it was killed: a moment away
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
     def _close_socket(self) -> None:
         if self.sock.fileno() < 0:
@@ -214,6 +247,11 @@ class Template:
         """The daemon stops: EOF on its socket ends the template; SIGKILL if it lingers."""
         self.broken = self.broken or "the daemon stopped"
         self._close_socket()
+        if self._reaper is not None:
+            await self._reaper
+            return
+        if self._status is None or not self._status.done():
+            self.proc.kill()  # still importing, EOF unread until the imports end: nothing of it to keep
         try:
             await asyncio.to_thread(self.proc.wait, 5)
         except subprocess.TimeoutExpired:
