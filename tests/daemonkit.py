@@ -206,6 +206,16 @@ async def wait_job(session: aiohttp.ClientSession, job_id: str, timeout: float =
 
 
 # small request helpers shared by the end-to-end tests ---------------------------------------
+async def in_stage(s: Any, job_id: str, stage: str, timeout: float = 60) -> None:
+    """Wait until job ``job_id`` is in ``stage`` (``copying``: where a fault test kills its worker)."""
+
+    async def there() -> bool:
+        async with s.get(f"/v1/jobs/{job_id}") as r:
+            return bool((await r.json())["stage"] == stage)
+
+    await until(there, timeout, f"job {job_id} to reach {stage}")
+
+
 async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
     """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
 

@@ -14,7 +14,7 @@ import signal
 from typing import Any
 
 import pytest
-from daemonkit import http, wait_job
+from daemonkit import http, in_stage, wait_job
 
 from conftest import shm_entries
 
@@ -75,15 +75,7 @@ async def test_worker_killed_mid_copy_fails_job_in_copying_stage(daemon_factory)
     async with http(d.socket) as s:
         pid = (await _health(s))["workers"][0]["pid"]
         job_id = await _submit(s, FAST)
-
-        async def copying() -> None:
-            while True:
-                async with s.get(f"/v1/jobs/{job_id}") as r:
-                    if (await r.json())["stage"] == "copying":
-                        return
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(copying(), 60)
+        await in_stage(s, job_id, "copying")
         os.kill(pid, signal.SIGKILL)
         job = await wait_job(s, job_id, timeout=60)
         assert job["status"] == "failed" and job["error"]["stage"] == "copying"

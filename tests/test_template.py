@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from daemonkit import Daemon, gone, http, shared_daemon, wait_job
+from daemonkit import Daemon, gone, http, in_stage, shared_daemon, wait_job
 
 from diffusiond.cli import main
 from diffusiond.daemon.config import ConfigError, build_config
@@ -87,15 +87,7 @@ async def test_a_forked_worker_killed_mid_job_fails_it_and_a_new_fork_replaces_i
     async with http(daemon.socket) as s:
         pid = (await _worker(s))["pid"]
         job_id = await _submit(s)
-
-        async def copying() -> None:
-            while True:
-                async with s.get(f"/v1/jobs/{job_id}") as r:
-                    if (await r.json())["stage"] == "copying":
-                        return
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(copying(), 60)
+        await in_stage(s, job_id, "copying")
         os.kill(pid, signal.SIGKILL)
         job = await wait_job(s, job_id, timeout=60)
         assert job["status"] == "failed", job
