@@ -101,3 +101,24 @@ def test_the_cli_sends_repeated_image_flags_and_the_client_images_as_one_edit(pl
         (array,) = c.generate(BASE["prompt"], model="qwen-plus", images=[tmp_path / "1.png", picture(2)], steps=2,
                               seed=3, guidance_scale=4.0, output="array")
     assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), array)
+
+
+def test_a_batch_edited_one_call_a_request_reports_its_steps_in_one_rising_count() -> None:
+    """Each request's call ran steps 1..N again, so a batch's progress went N of N, then 1 of N (review42b-rest 5)."""
+    import numpy as np
+    import torch
+
+    from diffusiond.ipc.messages import RequestSpec
+    from diffusiond.pipelines.qwen_edit_plus import one_by_one
+
+    seen: list[tuple[int, int]] = []
+
+    def call(reqs: Any, shown: Any, sink: Any, step: Any) -> list[torch.Tensor]:
+        for k in range(1, 4):
+            step(k, 3)
+        return [torch.zeros(1)]
+
+    requests = [RequestSpec(request_id=f"r{i}", prompt="x", seed=i) for i in range(2)]
+    inputs = [(np.zeros((8, 8, 3), np.uint8), None)] * 2
+    one_by_one(call, object(), requests, inputs, [], None, lambda s, t: seen.append((s, t)) or True)
+    assert seen == [(k, 6) for k in range(1, 7)]

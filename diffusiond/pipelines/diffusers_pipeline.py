@@ -257,9 +257,9 @@ class DiffusersPipeline:
         extra = {**edit_kwargs(task, images, strength, args, params.width * params.height,
                                  type(pipe).__name__), **(more or {})}
         if qwen_edit_plus.takes_several(pipe):  # one call a request, with its pictures
-            return qwen_edit_plus.one_by_one(lambda reqs, shown, sink: self._call(
-                pipe, args, params, reqs, on_step, {**extra, "image": shown}, sink, drawn), self, requests, inputs,
-                pictures, on_preview)
+            return qwen_edit_plus.one_by_one(lambda reqs, shown, sink, step: self._call(
+                pipe, args, params, reqs, step, {**extra, "image": shown}, sink, drawn), self, requests, inputs,
+                pictures, on_preview, on_step)
         if task is not Task.INPAINTING:
             return self._call(pipe, args, params, requests, on_step, extra, on_preview, drawn)
         planes = [m for _, m in inputs]

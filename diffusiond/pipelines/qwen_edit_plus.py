@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from diffusiond.ipc.messages import RequestSpec
-from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink
+from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
 
 MAX_INPUT_IMAGES = 3
 _CLASS = "QwenImageEditPlus"
@@ -39,15 +39,17 @@ def takes_several(pipe: Any) -> bool:
     return type(pipe).__name__.startswith(_CLASS)
 
 
-Call = Callable[[Sequence[RequestSpec], list[Any], PreviewSink | None], list[torch.Tensor]]
-"""One pipeline call for ``requests`` with these pictures as ``image``, previews to the sink."""
+Call = Callable[[Sequence[RequestSpec], list[Any], PreviewSink | None, StepCallback], list[torch.Tensor]]
+"""One pipeline call for ``requests`` with these pictures as ``image``, previews to the sink, steps to the callback."""
 
 
 def one_by_one(call: Call, owner: Any, requests: Sequence[RequestSpec], inputs: Sequence[EditArrays],
-               pictures: Sequence[Sequence[np.ndarray]], on_preview: PreviewSink | None) -> list[torch.Tensor]:
+               pictures: Sequence[Sequence[np.ndarray]], on_preview: PreviewSink | None,
+               on_step: StepCallback) -> list[torch.Tensor]:
     """Each request's edit in a call of its own: its earlier pictures (``pictures[k]``, at their own sizes) and
     then its image, as PIL pictures. ``owner`` (the DiffusersPipeline) keeps each call's side arrays in
-    ``last_trajectories``; they are gathered here, one entry a request, as a batch's would be."""
+    ``last_trajectories``; they are gathered here, one entry a request, as a batch's would be. The batch's
+    progress counts every call's steps in turn (step N of N, then 1 of N again, read as going backwards)."""
     from PIL import Image
 
     if len(pictures) not in (0, len(requests)):
@@ -61,11 +63,16 @@ def one_by_one(call: Call, owner: Any, requests: Sequence[RequestSpec], inputs: 
                                 f"{_CLASS} models take at most {MAX_INPUT_IMAGES}")
         shown = [Image.fromarray(p) for p in (*earlier, image)]
         sink = None if on_preview is None else _shifted(on_preview, k)
-        outputs.extend(call([request], shown, sink))
+        outputs.extend(call([request], shown, sink, _counted(on_step, k, len(requests))))
         sides.extend(getattr(owner, "last_trajectories", None) or [])
     if sides:
         owner.last_trajectories = sides
     return outputs
+
+
+def _counted(on_step: StepCallback, k: int, calls: int) -> StepCallback:
+    """Call ``k`` of ``calls``'s steps as steps of the whole batch."""
+    return lambda step, total: on_step(k * total + step, calls * total)
 
 
 def _shifted(on_preview: PreviewSink, k: int) -> PreviewSink:
