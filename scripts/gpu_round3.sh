@@ -26,7 +26,8 @@ mkdir -p "$out"  # packed into $OUT/r3.tgz by the step `pack` (a device call ret
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 cache=/tmp/dcache
 export DIFFUSIOND_CACHE=$cache
-pack() { tar czf "${OUT:-.}/r3-$(date +%H%M%S).tgz" -C /tmp r3-out && echo packed; }
+pack() {  # JSON and logs: the arrays of PSNR runs went over what a call returns
+  tar czf "${OUT:-.}/r3-$(date +%H%M%S).tgz" --exclude="*.npy" --exclude="*.png" --exclude="*.gguf" -C /tmp r3-out && echo packed; }
 ready() {  # tag model size dtype timeout [mode]: the time to ready of one start (scripts/ready_time.py), logs named apart
   local name=ready-$1-$SECONDS
   step "$name" "$5" python3 scripts/ready_time.py /tmp/r3-$1.sock "$out/$name-serve.log" -- \
