@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--size", default="512x512")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--device", default="cuda", help="serve --device (it defaults to cpu)")
+    ap.add_argument("--device", default="cuda", help="serve --device (cuda here, where serve defaults to auto)")
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--serve-extra", default="", help="more serve arguments, one string")
     args = ap.parse_args()
