@@ -239,9 +239,10 @@ def test_status_and_models(sock: str, cli_daemon: Daemon) -> None:
 
     r = cli("models", "--socket", sock)
     assert r.returncode == 0, r.stderr
-    assert re.search(r"^tiny\s+text-to-image\s+cpu\s+ready\s+none\s+image-to-image,inpainting\s+-$", r.stdout,
-                     re.M), r.stdout
-    assert re.search(r"^hold\s+text-to-image\s+cpu\s+ready\s+none\s+-\s+-$", r.stdout, re.M), r.stdout
+    defaults = r"\d+x\d+, \d+ steps, guidance [\d.]+"  # the model's own defaults column
+    assert re.search(rf"^tiny\s+text-to-image\s+cpu\s+ready\s+none\s+image-to-image,inpainting\s+{defaults}\s+-$",
+                     r.stdout, re.M), r.stdout
+    assert re.search(rf"^hold\s+text-to-image\s+cpu\s+ready\s+none\s+-\s+{defaults}\s+-$", r.stdout, re.M), r.stdout
     r = cli("models", "--socket", sock, "--json")
     assert r.returncode == 0, r.stderr
     assert [m["id"] for m in json.loads(r.stdout)["data"]] == ["tiny", "hold"]

@@ -17,13 +17,14 @@ from typing import Any
 
 from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
-from diffusiond.daemon.devices import auto_device, default_dtype, parse_devices
+from diffusiond.daemon.devices import auto_device, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
 from diffusiond.daemon.model_config import resolve_offload
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
 from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
 from diffusiond.daemon.residency.budget import resolve as resolve_budget
 from diffusiond.daemon.residency.preload import check_preload
+from diffusiond.daemon.residency.sizes import default_dtype
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
 from diffusiond.daemon.values import ConfigError as ConfigError  # re-exported: the configuration's one error
 from diffusiond.daemon.values import (

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE
 from diffusiond.daemon.values import ConfigError
 
 
@@ -104,11 +103,3 @@ def _torch_cuda_version() -> str | None:
         return None
     found = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, re.M)
     return found.group(1) if found else None
-
-
-def default_dtype(devices: tuple[str, ...] | str) -> str:
-    """A model's dtype when none is given: bfloat16 on a GPU (float32 there doubled every model's memory and
-    halved its speed for nothing a diffusion model's outputs show: review42b-rest 3), float32 on a CPU, where
-    half precision is slow. ``--dtype float16`` for GPUs without bfloat16 (before Ampere)."""
-    names = (devices,) if isinstance(devices, str) else devices
-    return "bfloat16" if any(d.startswith("cuda") for d in names) else DEFAULT_DTYPE

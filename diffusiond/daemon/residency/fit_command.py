@@ -21,7 +21,6 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from diffusiond.daemon.devices import default_dtype
 from diffusiond.daemon.residency.budget import resolve
 from diffusiond.daemon.residency.fit import (
     FitReport,
@@ -31,7 +30,7 @@ from diffusiond.daemon.residency.fit import (
     spec_approximations,
     tried,
 )
-from diffusiond.daemon.residency.sizes import WeightsError
+from diffusiond.daemon.residency.sizes import WeightsError, default_dtype
 from diffusiond.daemon.residency.units import format_bytes, parse_size
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.pipelines.errors import PipelineError
