@@ -10,6 +10,7 @@ torch is imported lazily so that the engine, which only reads, never needs it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -67,6 +68,11 @@ def numpy_dtype(dtype: str) -> np.dtype[Any]:
 
 def itemsize(dtype: str) -> int:
     return _NUMPY_DTYPES[dtype].itemsize
+
+
+def nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """The bytes a dense tensor of ``dtype`` and ``shape`` holds (KeyError for a dtype not taken)."""
+    return itemsize(dtype) * math.prod(shape)
 
 
 def dtype_name(tensor: torch.Tensor) -> str:

@@ -11,12 +11,11 @@ Apart from ``compute.py`` because none of it is the forward pass: it is what the
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 
 from diffusiond.ipc.messages import Ack, AddLora, Kind, LoraRef, UpdateLora, UpdateWeights, WeightTensor
-from diffusiond.ipc.tensors import itemsize
+from diffusiond.ipc.tensors import nbytes
 from diffusiond.pipelines.base import Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.pipelines.phases import Phases
@@ -27,7 +26,7 @@ log = logging.getLogger("diffusiond.worker")
 
 def _nbytes(t: WeightTensor) -> int:
     try:
-        return itemsize(t.dtype) * math.prod(t.shape)
+        return nbytes(t.dtype, t.shape)
     except KeyError:  # refused by the engine before it reached here; a log line is no place to fail
         return 0
 

@@ -52,7 +52,7 @@ from diffusiond.daemon.core.loras import (
 from diffusiond.daemon.errors import InvalidRequest
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, Ack, UpdateLora, UpdateWeights, WeightTensor
-from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.ipc.tensors import nbytes
 from diffusiond.pipelines.live_checks import KINDS, Shape, adapter_misfit
 from diffusiond.protocol import MODEL_DTYPES
 
@@ -250,11 +250,9 @@ def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
         if not lora and (len(t.shape) > 8 or any(not 0 <= d < 1 << 31 for d in t.shape)):
             raise InvalidRequest(f"{where} has shape {t.shape[:9]}; give at most 8 dimensions, none negative",
                                  field="tensors")
-        nbytes = numpy_dtype(t.dtype).itemsize
-        for d in t.shape:
-            nbytes *= d
-        if t.offset < 0 or t.offset + nbytes > st.st_size:
-            raise InvalidRequest(f"{where} ({nbytes} bytes at offset {t.offset}) does not lie inside the "
+        size = nbytes(t.dtype, t.shape)
+        if t.offset < 0 or t.offset + size > st.st_size:
+            raise InvalidRequest(f"{where} ({size} bytes at offset {t.offset}) does not lie inside the "
                                  f"update's memfd of {st.st_size} bytes", field="tensors")
 
 
