@@ -9,11 +9,11 @@ the daemon's own folder loader, onto the GPU). ``--save 0`` skips save and load 
 model as built, as the daemon's ``save=0`` option does. An existing cache folder is loaded
 without a rebuild unless ``--rebuild``.
 
-The forward is one batch through the daemon's ``DiffusersPipeline.run`` (text encoding, every
-denoising step, VAE decode) at the preset's native size and default steps, after one warm-up
-batch with ``--warmup-steps`` steps at the same shapes (each step has the same shapes, so a short
-warm-up loads every kernel). ``forward_s`` comes from CUDA events around the call; ``per_step_s``
-from events recorded at each step's end (steps 2..N, so without text encoding and VAE decode).
+The forward is one batch through the daemon's ``DiffusersPipeline.run`` (text encoding, every denoising step,
+VAE decode; an edit-only model, FLUX Kontext or Qwen-Image-Edit, edits a random picture) at the preset's native
+size and default steps, after one warm-up batch with ``--warmup-steps`` steps at the same shapes (each step has
+the same shapes, so a short warm-up loads every kernel). ``forward_s`` comes from CUDA events around the call;
+``per_step_s`` from events recorded at each step's end (steps 2..N, so without text encoding and VAE decode).
 The weights are random: the outputs are noise, only the timings mean anything.
 """
 
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,6 +40,7 @@ from diffusiond.pipelines.modelcache import cache_root
 from diffusiond.pipelines.preset_tables import folder_name, get_preset
 from diffusiond.pipelines.presets import build_pipeline, parameter_counts
 from diffusiond.pipelines.registry import DTYPES
+from diffusiond.protocol import EDIT_TASKS
 
 
 def timed(fn: Any) -> tuple[Any, float]:
@@ -56,7 +58,7 @@ def folder_bytes(folder: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", required=True, help="random:sd15, random:sdxl, random:flux-dev, random:wan-1.3b")
+    ap.add_argument("--preset", required=True, help="random:NAME, NAME a preset of docs/models.md")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float16 for UNets, else bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--save", choices=["0", "1"], default="1")
@@ -118,13 +120,25 @@ def main() -> None:
         step_ends.append(event)
         return True
 
+    # An edit-only model (FLUX Kontext, Qwen-Image-Edit: task instruction-edit) runs as its users run it, on an
+    # input image at the output size (random pixels), whose latents its transformer attends to beside the noise.
+    edit = pipe.task.value if pipe.task in EDIT_TASKS else None
+    shape["edit"] = edit
+    picture = np.random.default_rng(0).integers(0, 256, (shape["height"], shape["width"], 3), dtype=np.uint8)
+
+    def forward(params: BatchParams) -> list[torch.Tensor]:
+        if edit is None:
+            return pipe.run(params, requests, on_step)
+        return pipe.edit(params, requests, [(picture, None)] * len(requests), on_step)
+
+    result["edit"] = edit
     warm = BatchParams(steps=args.warmup_steps or steps, **shape)  # type: ignore[arg-type]
-    _, result["warmup_s"] = timed(lambda: pipe.run(warm, requests, on_step))
+    _, result["warmup_s"] = timed(lambda: forward(warm))
     torch.cuda.reset_peak_memory_stats(device)
     step_ends.clear()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    outputs = pipe.run(BatchParams(steps=steps, **shape), requests, on_step)  # type: ignore[arg-type]
+    outputs = forward(BatchParams(steps=steps, **shape))  # type: ignore[arg-type]
     end.record()
     end.synchronize()
     forward_s = start.elapsed_time(end) / 1000

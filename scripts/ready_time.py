@@ -54,6 +54,7 @@ def log_lines(log: str, offset: int, *marks: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     sock, log, _, *serve = argv
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # cut short: stop the daemon too
     Path(sock).unlink(missing_ok=True)
     offset = Path(log).stat().st_size if Path(log).exists() else 0
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +18,17 @@ import aiohttp
 from diffusiond.bench.load import BenchError
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A bench cut short by ``timeout`` (SIGTERM; the GPU scripts bound every step so) stops its server too:
+    SIGTERM's default action ended the bench without ``finally`` and left the server holding the device's
+    memory for the next step."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
