@@ -143,15 +143,16 @@ def test_the_template_imports_with_one_blas_thread_and_freezes_what_it_imported(
     the template), and unshare the template's pages at their first full collection."""
     probe = ("import gc, os, diffusiond.worker.template as t; t._set_env(); t._imports(False, True); "
              "threads = open('/proc/self/status').read().split('Threads:')[1].split()[0]; "
-             "print(gc.get_freeze_count() > 1000, threads, os.environ['OPENBLAS_NUM_THREADS'])")
+             "print(gc.get_freeze_count() > 1000, threads, os.environ['OPENBLAS_NUM_THREADS'], "
+             "len(t._native_threads()))")
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
                                                               "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "1", "1"], out
-    # a thread count the user set is theirs: the template leaves it
+    assert out.stdout.split() == ["True", "1", "1", "0"], out
+    # a thread count the user set is theirs: the template leaves it, and names the pool's native thread it sees
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "OPENBLAS_NUM_THREADS": "2"},
                          capture_output=True, text=True, check=True)
-    assert out.stdout.split()[2] == "2", out
+    assert out.stdout.split()[1:] == ["2", "2", "1"], out
 
 
 async def test_a_start_cancelled_mid_fork_closes_the_engines_end(fake_of) -> None:  # type: ignore[no-untyped-def]

@@ -8,9 +8,9 @@ the handle's env overrides, resets what the template changed about signals and l
 
 A process that called cuInit cannot fork children that use CUDA, so nothing here may initialise it: torch is told to
 answer ``torch.cuda.is_available()`` from NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``), and the template checks after
-its imports that CUDA is still uninitialised, and that they started no Python thread (a fork copies only the caller;
-native threads are not seen), before it says READY; otherwise it says UNUSABLE with why and the engine spawns
-workers as before.
+its imports that CUDA is still uninitialised, and that they started no Python thread (a fork copies only the
+caller; native ones, which ``threading`` does not see, are named in its log), before it says READY;
+otherwise it says UNUSABLE with why and the engine spawns workers as before.
 
 Two more things keep the forked workers as cheap as spawned ones. numpy's OpenBLAS sizes its thread pool when it
 is loaded, here, before any worker's share of the cores is known: unless the user set a BLAS thread count, the
@@ -79,8 +79,27 @@ def _imports(libraries: bool, quiet: bool) -> None:
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
         raise RuntimeError(f"the imports started threads ({names}); a fork copies only one")
+    native = _native_threads()
+    if native:  # a BLAS pool the user sized (OPENBLAS_NUM_THREADS): OpenBLAS stops it at fork and the child makes
+        # its own; another library's would be the first thing to suspect if a forked worker hangs, so it is named
+        log.info("the imports started %d native threads (%s); forked workers do not inherit them",
+                 len(native), ", ".join(native))
     gc.collect()
     gc.freeze()  # the children share these objects' pages: their collections leave them alone
+
+
+def _native_threads() -> list[str]:
+    """The names of this process's threads but the calling one, native ones included (``threading`` sees only
+    Python's), from /proc; empty where it cannot be read."""
+    try:
+        tasks = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+        names = []
+        for task in tasks:
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f"{f.read().strip()} ({task})")
+        return names
+    except (OSError, ValueError):
+        return []
 
 
 def _set_env() -> dict[str, str | None]:
