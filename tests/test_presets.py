@@ -52,6 +52,7 @@ PUBLISHED: dict[str, dict[str, float]] = {
     "ltx-2b": {"transformer+vae": 9.37e9 / 4, "text_encoder": 4.762e9},
     "qwen-image": {"transformer": 20.4e9, "text_encoder": 8.29e9, "vae": 127e6},
     "qwen-image-edit": {"transformer": 20.4e9, "text_encoder": 8.29e9, "vae": 127e6},  # "built upon" Qwen-Image
+    "qwen-image-edit-plus": {"transformer": 20.4e9, "text_encoder": 8.29e9, "vae": 127e6},  # Edit's, Plus class
     "ltx-2": {"transformer": 19e9, "text_encoder": 12_187_325_040},
 }  # fmt: skip
 # Components with no published figure to check against here: their configs are diffusers' defaults (docs/models.md).

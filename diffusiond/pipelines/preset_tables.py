@@ -459,6 +459,13 @@ PRESETS: dict[str, Preset] = {
             # the pipeline's own: 50 steps, true CFG 4.0, outputs of 1024² pixels
             defaults={"width": 1024, "height": 1024, "steps": 50, "guidance": 4.0},
         ),
+        Preset(  # the same weights' shapes (Qwen-Image-Edit-2509/2511), whose pipeline takes 1-3 input pictures
+            name="qwen-image-edit-plus",
+            source="Qwen-Image-Edit-2509",
+            pipeline="QwenImageEditPlusPipeline",
+            parts={**QWEN_IMAGE_PARTS, "processor": Proc(Tok("qwen", 151665, 32768), QWEN25_VL_IMAGES)},
+            defaults={"width": 1024, "height": 1024, "steps": 50, "guidance": 4.0},  # the pipeline's own
+        ),
     )
 }
 

@@ -66,7 +66,7 @@ ACCEPTED_FORMS = (
     "'random:<preset>' (a real architecture at full size with random weights, for benchmarks: "
     "random:sd15, random:sdxl, random:flux-dev, random:flux-kontext, random:wan-1.3b, random:sd3.5-medium, "
     "random:sd3.5-large, random:wan2.2-5b, random:ltx-2b, random:ltx-2, random:qwen-image, "
-    "random:qwen-image-edit), "
+    "random:qwen-image-edit, random:qwen-image-edit-plus), "
     "'synthetic' or 'synthetic:compute_ms=40,task=video' (no diffusers, for benchmarks), "
     "a local folder with a diffusers model_index.json, "
     "a path to a single-file '.safetensors' checkpoint, "
