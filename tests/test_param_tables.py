@@ -83,6 +83,36 @@ def test_the_table_refuses_what_the_worker_refuses_in_the_same_words(tiny: Any) 
     assert no_lora.lora_misfit("live", {k: tuple(v.shape) for k, v in fits.items()}) == unsupported(tiny)
 
 
+def test_update_weights_under_sequential_offload_is_refused_not_lost(model_cache: Path) -> None:
+    """review44-c 2: accelerate's ``cpu_offload`` (what ``enable_sequential_cpu_offload`` puts on each component)
+    leaves the parameters on the meta device and keeps the weights in its hooks; a copy into them wrote
+    nowhere, raised nothing, and the update was versioned. The worker, its table and the files refuse it
+    in one wording; a component without the hook still takes updates."""
+    from accelerate import cpu_offload
+
+    from diffusiond.daemon.core.file_checks import Component
+
+    pipe = load_pipeline("tiny", name="tiny", device="cpu", dtype="float32")  # its own: the hook stays on it
+    unet = pipe.pipe.unet
+    cpu_offload(unet, execution_device=torch.device("cpu"))
+    assert unet.conv_out.weight.is_meta
+    zero = {"conv_out.weight": torch.zeros(unet.conv_out.weight.shape)}
+    tensors = [WeightTensor("conv_out.weight", "float32", list(unet.conv_out.weight.shape), 0)]
+    before = unet.conv_out._hf_hook.weights_map["weight"].clone()
+    why = apply_weights(pipe, UpdateWeights("tiny", "unet", tensors), zero)
+    assert why.startswith("unet of model tiny runs with offload=sequential") and "offload=model, group or none" in why
+    assert torch.equal(unet.conv_out._hf_hook.weights_map["weight"], before)
+    table = ModelTable("tiny", unpack(pack(param_table(pipe, None))))
+    assert table.weights_misfit("unet", tensors) == why  # the engine refuses at once for a model with no worker
+    files = ModelFiles("tiny", {"unet": Component(True, {"conv_out.weight": ("F32", tuple(tensors[0].shape))})},
+                       sequential=True)
+    assert files.weights_misfit("unet", tensors) == why  # and before the model ever loaded
+    vae = pipe.pipe.vae
+    fits = {"decoder.conv_out.bias": torch.zeros(vae.decoder.conv_out.bias.shape)}
+    assert apply_weights(pipe, UpdateWeights("tiny", "vae", []), fits) == ""
+    assert not vae.decoder.conv_out.bias.any()
+
+
 async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_from(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     folder.mkdir()

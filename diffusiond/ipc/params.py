@@ -39,6 +39,9 @@ class ComponentTable(msgspec.Struct, frozen=True, array_like=True):
     name: str
     params: list[ParamRow]
     layers: list[LayerRow]
+    # its parameters are on the meta device (offload=sequential): ``update_weights`` cannot write them
+    # (review44-c 2). Last and defaulted, so a table kept before it was added still reads.
+    out_of_reach: bool = False
 
 
 class ParamTable(msgspec.Struct, frozen=True):

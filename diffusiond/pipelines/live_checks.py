@@ -90,6 +90,15 @@ def no_component(model: str, component: str, modules: Iterable[str]) -> str:
             f"{', '.join(modules) or 'none (it is not a diffusers pipeline)'}")
 
 
+def out_of_reach(model: str, component: str) -> str:
+    """``update_weights`` of a component under ``offload=sequential``: accelerate's hooks hold its weights and copy
+    them into each layer for its forward only, leaving its parameters on the meta device. A copy into those writes
+    nowhere and raises nothing, so such an update was taken, versioned and changed nothing (review44-c 2)."""
+    return (f"{component} of model {model} runs with offload=sequential, which keeps its weights in accelerate's "
+            "offload hooks (its parameters are on the meta device), where an update cannot reach them: serve "
+            f"{model} with offload=model, group or none to update {component} live")
+
+
 def parameter_misfit(key: str, shape: Shape, model: str, component: str, have: Shape | None, keeps: str) -> str:
     """Why whole-parameter update ``key`` does not fit (``have``: the parameter's shape, None if there is
     none of that name; ``keeps``: the dtype it is kept in when that is not updated in place, else '')."""

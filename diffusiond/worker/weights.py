@@ -45,6 +45,7 @@ from diffusiond.pipelines.live_checks import (
     no_component,
     no_lora_component,
     no_module,
+    out_of_reach,
     parameter_misfit,
 )
 from diffusiond.pipelines.loras import Adapters, unsupported
@@ -187,6 +188,13 @@ def weights_pipe(pipeline: Any) -> Any:
     return getattr(inner if inner is not None else pipeline, "pipe", None)
 
 
+def unreachable(own: Mapping[str, torch.Tensor]) -> bool:
+    """The component's weights are not in its parameters: ``offload=sequential`` (accelerate's ``cpu_offload``)
+    leaves them on the meta device and keeps the values in its hooks, and a copy into a meta tensor does
+    nothing, silently (review44-c 2)."""
+    return any(t.is_meta for t in own.values())
+
+
 def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.Tensor]) -> str:
     """Copy ``state`` into component ``msg.component`` in place, all checked first; '' or why not."""
     components = torch_components(weights_pipe(pipeline))
@@ -194,6 +202,8 @@ def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.T
     if component is None:
         return no_component(msg.model, msg.component, sorted(components))
     own = own_parameters(component)
+    if unreachable(own):
+        return out_of_reach(msg.model, msg.component)
     for key, value in state.items():
         target = own.get(key)
         have, keeps = (None, "") if target is None else (tuple(target.shape), kept_as(target))
@@ -214,10 +224,11 @@ def param_table(pipeline: Any, adapters: Adapters | None) -> ParamTable:
     its base's path). LoRA keys are checked against ``adapters.pipe``, which is ``weights_pipe``."""
     components = []
     for name, component in sorted(torch_components(weights_pipe(pipeline)).items()):
-        params = [ParamRow(k, tuple(v.shape), kept_as(v)) for k, v in own_parameters(component).items()]
+        own = own_parameters(component)
+        params = [ParamRow(k, tuple(v.shape), kept_as(v)) for k, v in own.items()]
         layers = [LayerRow(path, *dataclasses.astuple(layer_of(module)))
                   for path, module in component.named_modules(remove_duplicate=False)
                   if path and not any(p == "base_layer" or p.startswith("lora_") for p in path.split("."))]
-        components.append(ComponentTable(name, params, layers))
+        components.append(ComponentTable(name, params, layers, out_of_reach=unreachable(own)))
     return ParamTable(components, no_lora=unsupported(pipeline) if adapters is None else "",
                       name=str(getattr(pipeline, "name", "")))

@@ -55,10 +55,11 @@ from diffusiond.pipelines.live_checks import (
     no_component,
     no_lora_component,
     no_module,
+    out_of_reach,
     parameter_misfit,
 )
 from diffusiond.pipelines.modelcache import BUILT_FOLDERS, is_complete
-from diffusiond.pipelines.spec import model_options, parse_spec
+from diffusiond.pipelines.spec import model_options, offload_mode, parse_spec
 
 if TYPE_CHECKING:
     from diffusiond.daemon.config import DaemonConfig
@@ -86,12 +87,15 @@ class Component:
 class ModelFiles:
     model: str
     components: Mapping[str, Component]
+    sequential: bool = False  # offload=sequential: no component's weights can be updated (``out_of_reach``)
 
     def weights_misfit(self, component: str, tensors: Iterable[WeightTensor]) -> str:
         """Why ``update_weights`` of ``component`` does not fit the files ('' if they cannot tell)."""
         comp = self.components.get(component)
         if comp is None:
             return "" if component in ATTACHED else no_component(self.model, component, sorted(self.components))
+        if self.sequential:
+            return out_of_reach(self.model, component)
         for t in tensors:
             entry = comp.tensors.get(t.name)
             if entry is None:
@@ -131,6 +135,7 @@ class ModelFiles:
 class _Held:
     params: Mapping[str, tuple[Shape, str]]  # name -> (shape, the dtype it is kept in if not updated in place)
     layers: Mapping[str, Layer]  # module path -> what a LoRA matrix there must fit
+    out_of_reach: bool  # ComponentTable's
 
 
 class ModelTable:
@@ -143,13 +148,15 @@ class ModelTable:
         self.no_lora = table.no_lora
         self.components = {c.name: _Held({p.name: (p.shape, p.keeps) for p in c.params},
                                          {r.path: Layer(r.in_features, r.out_features, r.kernel, r.other)
-                                          for r in c.layers})
+                                          for r in c.layers}, c.out_of_reach)
                            for c in table.components}
 
     def weights_misfit(self, component: str, tensors: Iterable[WeightTensor]) -> str:
         held = self.components.get(component)
         if held is None:
             return no_component(self.model, component, sorted(self.components))
+        if held.out_of_reach:
+            return out_of_reach(self.model, component)
         for t in tensors:
             have, keeps = held.params.get(t.name, (None, ""))
             why = parameter_misfit(t.name, tuple(t.shape), self.model, component, have, keeps)
@@ -184,6 +191,7 @@ def read_model_files(config: ModelConfig) -> ModelFiles | None:
     try:
         parsed = parse_spec(config.spec)
         options = model_options(config.spec, config.options)
+        sequential = offload_mode(options) == "sequential"
     except PipelineError:
         return None
     if any(options.get(k) for k in CHANGED_AT_LOAD):
@@ -200,7 +208,7 @@ def read_model_files(config: ModelConfig) -> ModelFiles | None:
     except (OSError, ValueError) as exc:  # WeightsError is a ValueError; the load will say it again
         log.warning("model %s: its files' headers cannot be read to check live updates: %s", config.name, exc)
         return None
-    return ModelFiles(config.name, components)
+    return ModelFiles(config.name, components, sequential)
 
 
 def _library(index: object, name: str) -> str:
