@@ -61,6 +61,7 @@ class FakeWorker:
         self.started_at = time.monotonic()
         self.loras_loaded: list[str] = []
         self.host_kept = 0
+        self.asked_to_stop = False
         self.on_frame = on_frame
         self.on_lost = on_lost
         self.fail_start = fail_start
@@ -100,6 +101,7 @@ class FakeWorker:
         return Ready(self.config.model_name, "cpu", 1.0, CAPS)
 
     async def stop(self, timeout: float) -> None:
+        self.asked_to_stop = True
         self.state = WorkerState.DEAD
 
     async def command(self, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack:

@@ -204,22 +204,28 @@ class Cancel(msgspec.Struct, frozen=True):
 class Release(msgspec.Struct, frozen=True):
     slot_ids: list[int]
     host_copy: bool = False  # and the host copy of its weights it keeps (hostcopy.py; issue 27): answered by ACK
+    ack_id: int = 0  # see Ack.ack_id
+
+
+# A command answered by ACK carries ``ack_id``, which its ACK echoes; the engine numbers them (0: none waits).
 
 
 class Sleep(msgspec.Struct, frozen=True):
-    pass
+    ack_id: int = 0
 
 
 class Wake(msgspec.Struct, frozen=True):
-    pass
+    ack_id: int = 0
 
 
 class Shutdown(msgspec.Struct, frozen=True):
-    pass
+    ack_id: int = 0
 
 
 class Trace(msgspec.Struct, frozen=True):
     """Ask the worker for its recorded event trace (diagnostics and ordering proofs in tests)."""
+
+    ack_id: int = 0
 
 
 class AddLora(msgspec.Struct, frozen=True):
@@ -228,6 +234,7 @@ class AddLora(msgspec.Struct, frozen=True):
 
     name: str
     path: str
+    ack_id: int = 0
 
 
 class Ping(msgspec.Struct, frozen=True):
@@ -364,7 +371,8 @@ class TraceEvent(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Ack(msgspec.Struct, frozen=True):
-    """Answer to SLEEP, WAKE, SHUTDOWN, TRACE and PING."""
+    """Answer to SLEEP, WAKE, SHUTDOWN, TRACE, PING, ADD_LORA, UPDATE_LORA, UPDATE_WEIGHTS and a RELEASE
+    with ``host_copy``."""
 
     command: int
     ok: bool
@@ -379,6 +387,10 @@ class Ack(msgspec.Struct, frozen=True):
     dedicated_bytes: int = 0
     loras_loaded: list[str] = []  # adapters loaded in the worker now (PING answers), for GET /v1/loras
     host_kept: int = 0  # SLEEP, WAKE: bytes of page-locked host copy of its weights it keeps now (issue 27)
+    # the command's ``ack_id``: what it answers. Matched by kind alone, the late answer to a command that timed
+    # out (an update waits for the batch in progress) answered the next command of its kind (review44-c 3).
+    # 0: the heartbeat's PING, which nothing waits for.
+    ack_id: int = 0
 
 
 class Fatal(msgspec.Struct, frozen=True):

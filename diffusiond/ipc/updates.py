@@ -30,6 +30,7 @@ class UpdateLora(msgspec.Struct, frozen=True):
     name: str
     tensors: list[WeightTensor]
     version: int = 0
+    ack_id: int = 0  # engine -> worker only (messages.Ack.ack_id)
 
 
 class UpdateWeights(msgspec.Struct, frozen=True):
@@ -40,6 +41,7 @@ class UpdateWeights(msgspec.Struct, frozen=True):
     component: str
     tensors: list[WeightTensor]
     version: int = 0
+    ack_id: int = 0  # engine -> worker only (messages.Ack.ack_id)
 
 
 class Updated(msgspec.Struct, frozen=True):

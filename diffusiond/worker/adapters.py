@@ -55,7 +55,7 @@ class LiveAdapters:
     def add(self, item: AddLora) -> None:
         """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
         why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
-        self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why))
+        self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why, ack_id=item.ack_id))
 
     def update(self, msg: UpdateLora | UpdateWeights, fds: list[int]) -> None:
         """Apply a live LoRA or component update between batches: ACK ok, or not ok naming the first bad tensor."""
@@ -63,7 +63,7 @@ class LiveAdapters:
             os.close(extra)
         kind = Kind.UPDATE_WEIGHTS if isinstance(msg, UpdateWeights) else Kind.UPDATE_LORA
         if not fds:
-            self.post(Ack(command=kind, ok=False, message="the update came without its memfd"))
+            self.post(Ack(command=kind, ok=False, message="the update came without its memfd", ack_id=msg.ack_id))
             return
         phases = Phases()
         try:
@@ -80,7 +80,7 @@ class LiveAdapters:
             phases.mark("checked and applied")
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
-        self.post(Ack(command=kind, ok=not why, message=why))
+        self.post(Ack(command=kind, ok=not why, message=why, ack_id=msg.ack_id))
         # issue 29's update_lora target (<= 200 ms to the first job) was missed at 0.8 s on an H100: the
         # worker's share of it, named, as the start's line names a cold start's
         what = msg.name if isinstance(msg, UpdateLora) else f"{msg.model}/{msg.component}"

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Control:
     command: Literal["sleep", "wake", "shutdown", "release"]
+    ack_id: int = 0  # the command's, echoed in its ACK
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,7 @@ class ComputeThread:
         """Drain copies (bounded), then act. Returns True when the thread should end."""
         if item.command == "release":  # the host copy is no copy's source or target: nothing to drain
             hostcopy.release_all()
-            self.post(Ack(command=Kind.RELEASE, ok=True, host_kept=hostcopy.kept()))
+            self.post(Ack(command=Kind.RELEASE, ok=True, host_kept=hostcopy.kept(), ack_id=item.ack_id))
             return False
         self.state.record(f"drain_start_{item.command}", 0)
         drained = self.state.drain(self.drain_timeout_s)
@@ -411,7 +412,8 @@ class ComputeThread:
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
         self.state.record(item.command, 0)
-        self.post(Ack(command=_KIND[item.command], ok=ok, message=message, host_kept=hostcopy.kept()))
+        self.post(Ack(command=_KIND[item.command], ok=ok, message=message, host_kept=hostcopy.kept(),
+                     ack_id=item.ack_id))
         if item.command == "shutdown":
             self.on_exit(0 if drained else 1)
             return True

@@ -119,16 +119,16 @@ class Worker:
         elif isinstance(msg, Release):
             self._release(msg.slot_ids)
             if msg.host_copy:  # on the compute thread, between batches, as a sleep is
-                self._enqueue(Control("release"))
+                self._enqueue(Control("release", msg.ack_id))
         elif isinstance(msg, Sleep):
-            self._enqueue(Control("sleep"))
+            self._enqueue(Control("sleep", msg.ack_id))
         elif isinstance(msg, Wake):
-            self._enqueue(Control("wake"))
+            self._enqueue(Control("wake", msg.ack_id))
         elif isinstance(msg, Shutdown):
             self.shutting_down = True
-            self._enqueue(Control("shutdown"))
+            self._enqueue(Control("shutdown", msg.ack_id))
         elif isinstance(msg, Trace):
-            self.channel.post(self._trace_ack())
+            self.channel.post(self._trace_ack(msg.ack_id))
         elif isinstance(msg, AddLora):
             self._enqueue(msg)  # on the compute thread, between batches: never under a forward
         elif isinstance(msg, UpdateLora | UpdateWeights):
@@ -139,7 +139,7 @@ class Worker:
         else:
             log.error("unexpected %s frame from the engine", frame.kind.name)
 
-    def _trace_ack(self) -> Ack:
+    def _trace_ack(self, ack_id: int) -> Ack:
         with self.state.lock:
             events = list(self.state.trace)
         arena, copier = self.arena, self.copier
@@ -152,6 +152,7 @@ class Worker:
             arena_high_water=arena.high_water if arena else 0,
             slots_in_use=arena.slots_in_use if arena else 0,
             dedicated_bytes=copier.dedicated_bytes if copier else 0,
+            ack_id=ack_id,
         )
 
     def _enqueue(self, item: Execute | Edit | Control | AddLora | LiveUpdate) -> None:

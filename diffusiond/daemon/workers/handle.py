@@ -23,6 +23,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import msgspec
+
 from diffusiond.daemon.workers.link import Command, FrameCallback, LostCallback, WorkerStartError
 from diffusiond.daemon.workers.template import ForkedProcess, Template
 from diffusiond.ipc.arena import MappedView, is_sealed
@@ -91,7 +93,10 @@ class WorkerHandle:
         self.lost_reason: str | None = None
         self.started_at = time.monotonic()
         self._ready_fut: asyncio.Future[Ready] | None = None
-        self._acks: dict[int, asyncio.Future[Ack]] = {}
+        # ack_id -> the command's kind and the future its ACK resolves; an entry leaves with its waiter
+        self._acks: dict[int, tuple[Kind, asyncio.Future[Ack]]] = {}
+        self._last_ack_id = 0
+        self.asked_to_stop = False  # stop() was called: a command it then fails is the engine's doing, not a crash
         self._exited: asyncio.Future[int] | None = None
         self.last_frame_at = time.monotonic()
         self.loras_loaded: list[str] = []
@@ -158,6 +163,7 @@ class WorkerHandle:
         if self.state == WorkerState.DEAD:
             return
         self.state = WorkerState.STOPPING
+        self.asked_to_stop = True
         with contextlib.suppress(Exception):
             await self.command(Shutdown(), timeout)
         if self.proc is not None:
@@ -188,21 +194,30 @@ class WorkerHandle:
             self._post(Cancel(request_ids))
 
     async def command(self, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack:
-        """Send a command and wait for its ACK; ``fds`` go with it and are closed once sent."""
+        """Send a command and wait for its own ACK; ``fds`` go with it and are closed once sent.
+
+        Each command gets an ``ack_id`` its ACK echoes. A command that times out stays queued in the worker
+        (an update waits for the batch in progress), so its ACK comes later: with nothing but the kind to go
+        by, it answered the next command of that kind, which could then be reported applied before the
+        worker read it (review44-c 3). Now it finds no waiter and is dropped (``_on_ack``)."""
         kind = KIND_OF[type(msg)]
-        fut = self._acks.get(kind)
-        if fut is None or fut.done():
-            fut = asyncio.get_running_loop().create_future()
-            self._acks[kind] = fut
-        if fds:
-            if self.channel is None or self.channel.closed:
-                for fd in fds:
-                    os.close(fd)
-                raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
-            self.channel.post(msg, fds, close_fds=True)
-        else:
-            self._post(msg)
-        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        self._last_ack_id += 1
+        ack_id = self._last_ack_id
+        msg = msgspec.structs.replace(msg, ack_id=ack_id)
+        fut: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        self._acks[ack_id] = (kind, fut)
+        try:
+            if fds:
+                if self.channel is None or self.channel.closed:
+                    for fd in fds:
+                        os.close(fd)
+                    raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
+                self.channel.post(msg, fds, close_fds=True)
+            else:
+                self._post(msg)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._acks.pop(ack_id, None)
 
     def _post(self, msg: Execute | Cancel | Command) -> None:
         if self.channel is None or self.channel.closed:
@@ -285,9 +300,8 @@ class WorkerHandle:
             if self._ready_fut and not self._ready_fut.done():
                 self._ready_fut.set_result(msg)
         elif isinstance(msg, Ack):
-            fut = self._acks.get(msg.command)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            if not self._on_ack(msg):
+                return
             if msg.command == Kind.PING:
                 self.loras_loaded = msg.loras_loaded
             if msg.command in (Kind.SLEEP, Kind.WAKE, Kind.RELEASE):
@@ -305,6 +319,30 @@ class WorkerHandle:
             for d in regions or ([msg.tensor] if isinstance(msg, PreviewReady) else []):
                 self.held[d.slot_id] = d.nbytes
             self.on_frame(self, frame)
+
+    def _on_ack(self, msg: Ack) -> bool:
+        """Hand an ACK to the command it answers; False where it answers none this worker was sent (a
+        protocol error). One whose command stopped waiting (timed out) is logged and dropped; what it
+        says of the worker (asleep, awake, its host copy) is still taken, being true."""
+        if not msg.ack_id:  # the heartbeat's PING
+            return True
+        if msg.ack_id > self._last_ack_id:
+            self._protocol_error(f"ACK {msg.ack_id} answers no command sent (the last sent was {self._last_ack_id})")
+            return False
+        waiting = self._acks.pop(msg.ack_id, None)
+        if waiting is None:
+            log.warning("%s answered %s (command %d) after its command stopped waiting; dropped: %s", self.name,
+                        _kind_name(msg.command), msg.ack_id,
+                        "ok" if msg.ok else f"refused: {msg.message}" if msg.message else "not ok")
+            return True
+        kind, fut = waiting
+        if kind != msg.command:
+            self._protocol_error(f"ACK {msg.ack_id} says it answers {_kind_name(msg.command)}; "
+                                 f"command {msg.ack_id} was {kind.name}")
+            return False
+        if not fut.done():
+            fut.set_result(msg)
+        return True
 
     def _protocol_error(self, text: str) -> None:
         assert self.channel is not None
@@ -330,7 +368,7 @@ class WorkerHandle:
         if self.fatal:
             parts.append(f"({self.fatal})")
         self.lost_reason = " ".join(parts)
-        for fut in self._acks.values():
+        for _, fut in self._acks.values():
             if not fut.done():
                 fut.set_exception(ChannelClosed(self.lost_reason))
         if self._ready_fut and not self._ready_fut.done():
@@ -342,6 +380,13 @@ class WorkerHandle:
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()
         self._unmap_when_unused()
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return Kind(kind).name
+    except ValueError:
+        return f"kind {kind}"
 
 
 def _regions(msg: OutputReady) -> list[TensorDesc]:

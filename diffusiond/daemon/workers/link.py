@@ -29,7 +29,7 @@ from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import WorkerState
 
 Command = Sleep | Wake | Shutdown | Trace | AddLora | UpdateLora | UpdateWeights | Release
-"""What a worker answers with an ACK (one outstanding per kind; a RELEASE only with ``host_copy``)."""
+"""What a worker answers with an ACK (a RELEASE only with ``host_copy``), matched to it by ``ack_id``."""
 
 
 class WorkerStartError(Exception):
@@ -45,6 +45,7 @@ class WorkerLink(Protocol):
     started_at: float
     loras_loaded: list[str]  # LoRA adapters loaded in the worker, as of its last heartbeat answer
     host_kept: int  # page-locked host copy of its weights it keeps, as of its last SLEEP, WAKE or RELEASE answer
+    asked_to_stop: bool  # stop() was called (an unload, a keep_alive, a retire), not a crash
 
     @property
     def name(self) -> str: ...
