@@ -247,6 +247,9 @@ class ErrorCode(enum.StrEnum):
     MODEL_TOO_LARGE = "model_too_large"  # it cannot fit the device budget even alone (residency)
     LORA_NOT_FOUND = "lora_not_found"
     LORA_EXISTS = "lora_exists"
+    # 409: a live update reached some workers of a model and not others, which now run different weights: send
+    # it again (review44-c 4)
+    UPDATE_SPLIT = "update_split"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FINISHED = "job_finished"
     OUTPUT_NOT_FOUND = "output_not_found"

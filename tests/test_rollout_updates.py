@@ -33,10 +33,13 @@ STATE = {"unet.a.to_q.lora_A.weight": np.ones((2, 4), np.float32),
 
 
 class FakeWorker:
-    def __init__(self, name: str, state: WorkerState = WorkerState.READY, refuse: str = "") -> None:
+    def __init__(self, name: str, state: WorkerState = WorkerState.READY, refuse: str = "",
+                 fail: BaseException | None = None) -> None:
         self.name = name
         self.state = state
         self.refuse = refuse
+        self.fail = fail  # raised instead of an answer (a timeout, a channel that closed)
+        self.asked_to_stop = False
         self.got: list[Any] = []
         self.gate: asyncio.Event | None = None  # set: the answer waits for it
 
@@ -46,6 +49,8 @@ class FakeWorker:
         self.got.append(msg)
         if self.gate is not None:
             await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
         return Ack(0, not self.refuse, self.refuse)
 
 
@@ -190,6 +195,139 @@ async def test_a_component_update_for_a_model_with_no_worker_is_kept_and_checked
     model.workers.append(worker)
     assert await send("conv_in.weight") == 4  # sent after the refusal, accepted: the refusal is over
     assert components.weight_errors("tiny") == {}
+
+
+async def test_a_late_ack_answers_its_own_command_not_the_next_of_its_kind() -> None:
+    """review44-c 3: an update that timed out (the worker was in a long batch) is still queued in the worker;
+    its ACK, when it comes, must not answer the retry, which the worker has not read yet."""
+    import types
+
+    from diffusiond.daemon.workers.handle import WorkerHandle
+    from diffusiond.ipc.frames import Frame
+    from diffusiond.ipc.messages import Kind
+
+    class Channel:
+        closed = False
+
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
+
+        def post(self, msg: Any, fds: Any = (), close_fds: bool = False) -> None:
+            self.sent.append(msg)
+            for fd in fds:
+                os.close(fd)
+
+    handle = WorkerHandle(types.SimpleNamespace(worker_id=0, device="cpu"),  # type: ignore[arg-type]
+                          on_frame=lambda *a: None, on_lost=lambda *a: None)
+    channel = Channel()
+    handle.channel = channel  # type: ignore[assignment]
+    fd, tensors = pack(STATE)
+    try:
+        with pytest.raises(TimeoutError):
+            await handle.command(UpdateLora("trainer", tensors, 1), 0.01, [os.dup(fd)])
+        retry = asyncio.ensure_future(handle.command(UpdateLora("trainer", tensors, 2), 30, [os.dup(fd)]))
+        await until(lambda: len(channel.sent) == 2)
+        first, second = channel.sent
+        assert first.ack_id != second.ack_id and first.version == 1 and second.version == 2
+        handle._on_frame(Frame(Kind.ACK, 0, Ack(Kind.UPDATE_LORA, False, "v1's refusal", ack_id=first.ack_id)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not retry.done()  # v1's late answer was dropped, not taken as v2's
+        handle._on_frame(Frame(Kind.ACK, 1, Ack(Kind.UPDATE_LORA, True, ack_id=second.ack_id)))
+        assert (await retry).ok
+    finally:
+        os.close(fd)
+
+
+def two_workers(second: FakeWorker) -> FakeModel:
+    return FakeModel("tiny", [FakeWorker("w0"), second])
+
+
+async def component_update(live: LiveComponents, model: FakeModel) -> int:
+    fd, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
+    return await live.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize("second", ["refuses", "does not answer"])
+async def test_a_component_update_some_workers_took_is_a_conflict_that_says_so(second: str) -> None:
+    """review44-c 4: w0 applied it, w1 did not: not a 400 on tensors saying it was refused, but a 409 saying
+    how many applied it and to send it again; the split shows in weight_errors until an update after it
+    is accepted, and its version is never given again."""
+    from diffusiond.daemon.edge.status import status_of
+    from diffusiond.daemon.errors import UpdateSplit
+
+    other = FakeWorker("w1", refuse="no parameter of that name") if second == "refuses" else \
+        FakeWorker("w1", fail=TimeoutError())
+    model = two_workers(other)
+    live = LiveComponents()
+    with pytest.raises(UpdateSplit) as err:
+        await component_update(live, model)
+    assert status_of(err.value) == 409 and err.value.code == "update_split"
+    message = err.value.message
+    assert "applied by 1 of 2 workers of model tiny" in message and "send the update again" in message
+    assert ("w1 refused it: no parameter of that name" if second == "refuses" else "did not answer within 5s") \
+        in message
+    assert live.weight_errors("tiny") == {"unet": message}
+    from diffusiond.client import DaemonError
+    from diffusiond.client import UpdateSplit as ClientSplit
+    from diffusiond.client.errors import update_error
+
+    raised = update_error(409, err.value.code, message)  # what the trainer's update_weights raises
+    assert isinstance(raised, ClientSplit) and isinstance(raised, DaemonError) and raised.status == 409
+    other.refuse, other.fail = "", None
+    assert await component_update(live, model) == 2  # 1 is held by w0
+    assert live.weight_errors("tiny") == {}
+
+
+async def test_a_component_update_its_only_worker_did_not_answer_is_unavailable_not_refused() -> None:
+    """review44-c 3/4: nothing is wrong with the tensors; the worker may still apply it: a 503, send it again."""
+    from diffusiond.daemon.errors import Unavailable
+
+    live = LiveComponents()
+    model = FakeModel("tiny", [FakeWorker("w0", fail=TimeoutError())])
+    with pytest.raises(Unavailable) as err:
+        await component_update(live, model)
+    assert "did not answer within 5s" in err.value.message and "send the update again" in err.value.message
+    model.workers[0].fail = None
+    assert await component_update(live, model) == 2
+
+
+async def test_a_lora_update_some_workers_of_a_model_took_is_a_conflict_and_the_next_one_reaches_it() -> None:
+    from diffusiond.daemon.errors import UpdateSplit
+
+    live = LiveLoras(LoraRegistry({}, 3))
+    other = FakeWorker("w1")
+    model = two_workers(other)
+    assert await lora_update(live, "trainer", [model]) == 1
+    other.fail = TimeoutError()
+    with pytest.raises(UpdateSplit) as err:
+        await lora_update(live, "trainer", [model])
+    assert "applied by 1 of 2 workers of model tiny" in err.value.message
+    other.fail = None
+    assert await lora_update(live, "trainer", [model]) == 3  # sent to the split model again, and taken
+    assert "trainer" not in model.lora_errors and [m.version for m in other.got] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("asked_to_stop", [True, False])
+async def test_a_worker_that_goes_away_mid_update(asked_to_stop: bool) -> None:
+    """review44-c 5: one the engine stopped (keep_alive, unload) leaves the model with no live worker: the
+    update is kept for the next one, as for a model on disk. One that crashed may have applied it: a 503."""
+    from diffusiond.daemon.errors import Unavailable
+    from diffusiond.ipc.errors import ChannelClosed
+
+    worker = FakeWorker("w0", fail=ChannelClosed("worker 0 exited with code 0"))
+    worker.asked_to_stop = asked_to_stop
+    model = FakeModel("tiny", [worker])
+    live, loras = LiveComponents(), LiveLoras(LoraRegistry({}, 3))
+    if asked_to_stop:
+        assert await component_update(live, model) == 1
+        assert [e.proven for e in live.kept[("tiny", "unet")]] == [False]  # checked when it next starts
+        assert await lora_update(loras, "trainer", [model]) == 1 and "trainer" not in model.lora_errors
+    else:
+        with pytest.raises(Unavailable):
+            await component_update(live, model)
+        with pytest.raises(Unavailable):
+            await lora_update(loras, "trainer", [model])
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ keep aiohttp's and asyncio's own exceptions out of a caller's code:
     ClientError
     ├── DaemonUnreachable    nothing answers on the socket, or the connection died mid-answer
     ├── DaemonError          the daemon answered with an error: status, code, message, field,
-    │                        stage, retry_after (HTTP 4xx/5xx, or an answer that made no sense)
+    │   │                    stage, retry_after (HTTP 4xx/5xx, or an answer that made no sense)
+    │   └── UpdateSplit      a live update (update_lora/update_weights) that some workers of a model
+    │                        applied and others did not (409 update_split): send it again
     ├── ClientTimeout        a request, or a wait for a job, took longer than the caller allowed
     │                        (also a ``TimeoutError``, which is what such code caught before)
     ├── JobFailed            ``generate`` (or ``outputs``) met a job that failed or was cancelled:
@@ -35,7 +37,14 @@ Nothing here imports the daemon, the workers or torch (tests/test_layout.py hold
 from __future__ import annotations
 
 from diffusiond.client.aio import BASE_URL, AsyncClient, EventCallback
-from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable, JobFailed
+from diffusiond.client.errors import (
+    ClientError,
+    ClientTimeout,
+    DaemonError,
+    DaemonUnreachable,
+    JobFailed,
+    UpdateSplit,
+)
 from diffusiond.client.handle import AsyncJobHandle
 from diffusiond.client.params import JobParams, Output
 from diffusiond.client.sync import Client, JobHandle
@@ -45,5 +54,5 @@ from diffusiond.protocol import default_socket_path
 __all__ = [
     "BASE_URL", "AsyncClient", "AsyncJobHandle", "Client", "ClientError", "ClientTimeout", "DaemonError",
     "DaemonUnreachable", "EventCallback", "JobFailed", "JobHandle", "JobParams", "Output", "SSEParser",
-    "default_socket_path",
+    "UpdateSplit", "default_socket_path",
 ]  # fmt: skip

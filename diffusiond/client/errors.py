@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable", "JobFailed"]
+__all__ = ["ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable", "JobFailed", "UpdateSplit",
+           "update_error"]
 
 
 class ClientError(Exception):
@@ -51,6 +52,19 @@ class DaemonError(ClientError):
         if self.retry_after is not None:
             details.append(f"retry after {self.retry_after:g} s")
         return f"{self.message} ({', '.join(details)})"
+
+
+class UpdateSplit(DaemonError):
+    """``update_lora``/``update_weights``: some workers of a model applied the update and others did not
+    (one refused it, or did not answer in time), so they now run different weights (HTTP 409,
+    ``update_split``). The message says how many applied it and why the others did not. Nothing is wrong
+    with the tensors as such: send the update again, which every worker takes as a new version."""
+
+
+def update_error(status: int, code: str, message: str, field: str | None = None) -> DaemonError:
+    """The exception for a refused live update: ``UpdateSplit`` for a split, else ``DaemonError``."""
+    cls = UpdateSplit if code == "update_split" else DaemonError
+    return cls(status, code, message, field)
 
 
 class DaemonUnreachable(ClientError):

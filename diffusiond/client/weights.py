@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable
+from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable, update_error
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
@@ -147,7 +147,7 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str,
         if fd >= 0:
             os.close(fd)
     if isinstance(answer, UpdateRefused):
-        raise DaemonError(answer.status, answer.code, answer.message, answer.field)
+        raise update_error(answer.status, answer.code, answer.message, answer.field)
     if not isinstance(answer, Updated):
         raise DaemonError(502, "bad_answer", f"unexpected answer to an update: {type(answer).__name__}")
     return answer.version

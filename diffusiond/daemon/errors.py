@@ -9,7 +9,7 @@ engine can be driven by tests, or by another front end, without knowing HTTP exi
     │   ├── OutputTooLarge    the job would make more bytes than the limit
     │   └── UploadTooLarge    a body or an edit's images over their size limit
     ├── NotFound              ModelNotFound, JobNotFound, OutputNotFound
-    ├── Conflict              JobFinished, OutputNotReady, TraceOff, NotShared
+    ├── Conflict              JobFinished, OutputNotReady, TraceOff, NotShared, UpdateSplit
     ├── OutputReleased        an npy output that was already streamed once
     ├── QueueFull             the admission queue is full (``retry_after_s``)
     ├── Unavailable           NotAccepting, NoWorker, WorkerUnavailable (``retry_after_s``)
@@ -87,6 +87,12 @@ class WebOff(NotFound):
 
 class Conflict(EngineError):
     default_code = ErrorCode.JOB_FINISHED
+
+
+class UpdateSplit(Conflict):
+    """A live update applied by some workers of a model and not by others (review44-c 4)."""
+
+    default_code = ErrorCode.UPDATE_SPLIT
 
 
 class JobFinished(Conflict):

@@ -18,12 +18,13 @@ import os
 import stat
 import struct
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from diffusiond.daemon.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from diffusiond.daemon.workers.link import WorkerLink
+from diffusiond.ipc.errors import ChannelClosed
 from diffusiond.ipc.messages import Ack, AddLora
 from diffusiond.protocol import ErrorCode, WorkerState
 
@@ -167,6 +168,61 @@ async def ask_all(live: Sequence[tuple[ModelLoras, WorkerLink]],
         elif not ack.ok:
             whys.setdefault(m.name, ack.message)
     return whys
+
+
+@dataclass
+class Answers:
+    """Each live worker's answer to one update, by model (``ask_each``). A worker that went away meanwhile
+    because the engine stopped it (an unload, a keep_alive) is not counted: the update is for the workers
+    that run, and one that starts later replays it (review44-c 5). One that crashed or did not answer in
+    time is: it may hold the update or not, so the model's workers may now differ (review44-c 4)."""
+
+    asked: dict[str, int] = field(default_factory=dict)  # model -> its workers still there to answer
+    took: dict[str, int] = field(default_factory=dict)  # model -> its workers that applied it
+    whys: dict[str, str] = field(default_factory=dict)  # model -> its first refusal or failure
+    # model -> each worker that did not take it, named, and why (a split's message lists them)
+    failed: dict[str, list[str]] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)  # the models where a worker answered with a refusal
+    unanswered: bool = False  # a worker did not answer: it may still apply the update
+
+    def split(self, model: str) -> bool:
+        """Some of the model's workers applied it and some did not."""
+        return bool(self.took.get(model)) and model in self.whys
+
+
+async def ask_each(live: Sequence[tuple[ModelLoras, WorkerLink]], send: Callable[[WorkerLink], Awaitable[Ack]],
+                   timeout: float) -> Answers:
+    """Send one update to every live worker at once; who took it, who refused it, who did not answer."""
+    acks = await asyncio.gather(*(send(w) for _, w in live), return_exceptions=True)
+    out = Answers()
+    for (m, w), ack in zip(live, acks, strict=True):
+        if isinstance(ack, ChannelClosed) and w.asked_to_stop:
+            continue
+        out.asked[m.name] = out.asked.get(m.name, 0) + 1
+        if isinstance(ack, Ack) and ack.ok:
+            out.took[m.name] = out.took.get(m.name, 0) + 1
+            continue
+        if isinstance(ack, Ack):
+            why, whose = ack.message, f"{w.name} refused it: {ack.message}"
+            out.refused.add(m.name)
+        else:
+            out.unanswered = True
+            if isinstance(ack, TimeoutError):
+                failure = (f"did not answer within {timeout:.0f}s (it applies an update between batches, and may "
+                           "still apply this one when its batch ends)")
+            else:
+                failure = f"did not answer: {ack}"
+            why, whose = f"the worker {failure}", f"{w.name} {failure}"
+        out.whys.setdefault(m.name, why)
+        out.failed.setdefault(m.name, []).append(whose)
+    return out
+
+
+def split_message(what: str, model: str, version: int, answers: Answers) -> str:
+    """A split update's account: how many of the model's workers applied it, who did not and why, what to do."""
+    return (f"{what}: update version {version} was applied by {answers.took[model]} of {answers.asked[model]} "
+            f"workers of model {model}, not by all ({'; '.join(answers.failed[model])}); its workers now run "
+            "different weights: send the update again (as a new version, every worker takes it)")
 
 
 def refusals(whys: Mapping[str, str]) -> str:

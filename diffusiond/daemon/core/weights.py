@@ -26,7 +26,7 @@ a running worker does; a refused component update (``update_weights``) shows in 
 400. Versions count accepted updates (1 for the first); a number that a worker may hold (it did
 not answer in time) is never given again.
 
-One update at a time, under the registry's lock: a worker answers one command of a kind at a time,
+One update at a time, under the registry's lock: versions are drawn in the order updates are sent,
 and an update of an adapter being registered by ``POST /v1/loras`` must not race it.
 """
 
@@ -39,19 +39,21 @@ import stat
 from collections.abc import Awaitable, Callable, Iterable
 
 from diffusiond.daemon.core.file_checks import Checks
-from diffusiond.daemon.core.kept import Chains, Kept, Update, drop, keep, prove
+from diffusiond.daemon.core.kept import Chains, Kept, drop, keep, prove
 from diffusiond.daemon.core.loras import (
+    Answers,
     LoraInfo,
     LoraRegistry,
     ModelLoras,
-    ask_all,
+    ask_each,
     check_name,
     live_workers,
     refusals,
+    split_message,
 )
-from diffusiond.daemon.errors import InvalidRequest
+from diffusiond.daemon.errors import InvalidRequest, Unavailable, UpdateSplit
 from diffusiond.daemon.workers.link import WorkerLink
-from diffusiond.ipc.messages import LIVE_PATH, Ack, UpdateLora, UpdateWeights, WeightTensor
+from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import nbytes
 from diffusiond.pipelines.live_checks import KINDS, Shape, adapter_misfit
 from diffusiond.protocol import MODEL_DTYPES
@@ -79,6 +81,9 @@ class LiveLoras:
         # adapter -> why an update kept on trust was refused when a model started (``GET /v1/loras``), until
         # an update sent after it is accepted
         self.refused: dict[str, str] = {}
+        # (adapter, model): the model did not take the adapter's last update only because a worker of it did
+        # not answer, or took it on some workers only: the next update goes to it again (review44-c 4)
+        self._retry: set[tuple[str, str]] = set()
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
         """Every live adapter's kept updates into a worker that started after them (under the lock, so
@@ -140,13 +145,12 @@ class LiveLoras:
         new = name not in self.registry.loras
         if not new and name not in self.versions:  # registered from a file meanwhile
             raise _file_registered(self.registry.loras[name])
-        targets = [m for m in models if new or name not in m.lora_errors]
+        # a model that did not take an update only because a worker did not answer or split it is asked again
+        targets = [m for m in models if new or name not in m.lora_errors or (name, m.name) in self._retry]
         if not targets:
             raise InvalidRequest(f"LoRA {name!r} is served by no model here "
                                  f"({refusals({m.name: m.lora_errors[name] for m in models})}); send the "
                                  "trainer's adapter whole under a new name", field="name")
-        live = live_workers(targets)
-        idle = [m for m in targets if all(lm is not m for lm, _ in live)]  # checked when it next starts
         shapes = {t.name: tuple(t.shape) for t in msg.tensors}
         # an update of an existing adapter is checked against the adapter's tensors, whatever the model:
         # here, so that one for models that run no worker is refused at once, not kept
@@ -154,6 +158,12 @@ class LiveLoras:
         if why:
             raise InvalidRequest(f"LoRA {name!r} update refused: {refusals({m.name: why for m in targets})}",
                                  field="tensors")
+        version = max(self.versions.get(name, 0), self._drawn.get(name, 0)) + 1
+        forward = UpdateLora(name, msg.tensors, version)
+        answers = await ask_each(live_workers(targets), lambda w: w.command(forward, timeout, [os.dup(fd)]),
+                                 timeout)
+        # checked when it next starts; one whose workers all stopped meanwhile too (review44-c 5)
+        idle = [m for m in targets if m.name not in answers.asked]
         misfits = {}  # a new adapter against the files of the models that run no worker, where they tell
         for m in idle if new else ():
             files = await self.files(m.name)
@@ -161,22 +171,33 @@ class LiveLoras:
             if why:
                 misfits[m.name] = why
         idle = [m for m in idle if m.name not in misfits]
-        version = max(self.versions.get(name, 0), self._drawn.get(name, 0)) + 1
-        forward = UpdateLora(name, msg.tensors, version)
-        whys, unanswered = await _ask(live, forward, fd, timeout)
-        whys = {**misfits, **whys}
-        accepted = {m.name for m, _ in live} - set(whys)
+        whys = {**misfits, **answers.whys}
+        accepted = set(answers.asked) - set(whys)
+        split = [m for m in answers.asked if answers.split(m)]
         # A refusal of a new adapter may be the model's (no such component): an idle model may still
         # take it. One of an existing adapter is about the adapter, which is the same on every model.
         if not accepted and (not idle or (whys and not new)):
-            if unanswered:  # a worker that did not answer may hold it: the number is never given again
+            if answers.unanswered or split:  # a worker may hold it: the number is never given again
                 self._drawn[name] = version
+            if len(whys) == 1:  # one model: a split or a worker that did not answer is said as such
+                _refuse_split(f"LoRA {name!r}", next(iter(whys)), version, answers)
+            elif split:
+                message = " / ".join(split_message(f"LoRA {name!r}", sm, version, answers) for sm in split)
+                log.error("%s", message)
+                raise UpdateSplit(message)
             raise InvalidRequest(f"LoRA {name!r} update refused: {refusals(whys)}", field="tensors")
+        for split_model in split:  # taken elsewhere: the call returns a version, the split is logged and shown
+            log.error("%s", split_message(f"LoRA {name!r}", split_model, version, answers))
         for m in targets:
             if m.name in whys:
-                m.lora_errors[name] = whys[m.name]  # it holds the old weights, or none: not served there
-            elif new:
+                # it holds the old weights, or none, or (split) both: not served there
+                m.lora_errors[name] = split_message(f"LoRA {name!r}", m.name, version, answers) \
+                    if m.name in split else whys[m.name]
+                if m.name in split or (m.name in answers.whys and m.name not in answers.refused):
+                    self._retry.add((name, m.name))
+            elif new or (name, m.name) in self._retry:
                 m.lora_errors.pop(name, None)
+                self._retry.discard((name, m.name))
         if idle:
             log.info("LoRA %r version %d kept for %s, which run no worker: applied when they start", name,
                      version, ", ".join(m.name for m in idle))
@@ -187,23 +208,6 @@ class LiveLoras:
         self.versions[name] = self._drawn[name] = version
         keep(self.kept, name, forward, fd, proven=bool(accepted))
         return version
-
-
-async def _ask(live: list[tuple[ModelLoras, WorkerLink]], msg: Update, fd: int,
-               timeout: float) -> tuple[dict[str, str], bool]:
-    """``ask_all`` with the update (each worker its own duplicate of the fd); and whether a worker did
-    not answer, which may have applied it all the same."""
-    unanswered = False
-
-    async def send(w: WorkerLink) -> Ack:
-        nonlocal unanswered
-        try:
-            return await w.command(msg, timeout, [os.dup(fd)])
-        except Exception:
-            unanswered = True
-            raise
-
-    return (await ask_all(live, send) if live else {}), unanswered
 
 
 def check_header(msg: UpdateLora, fd: int, registered: LoraInfo | None) -> None:
@@ -257,16 +261,17 @@ def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
 
 
 class LiveComponents:
-    """``update_weights``: whole parameters of one component, in place in every live worker of a model.
-    A model's workers run the same weights, so each must accept: one that refuses or does not answer is
-    reported, and the update is refused (the others applied it: send it again). A model with no live worker
-    has it checked against the table its last load reported, else its files' headers (``file_checks.py``: a
-    refusal there is the 400 a worker gives), then takes it on trust: it is kept, behind the last proven
-    update of the same tensors (``kept.py``), and checked by the model when it next starts; one refused then
-    is dropped, since no worker of that model would ever take it, the model runs the update before it (or the
-    files' values), and the trainer, whose call returned long ago, reads why and which version is in force in
-    the model's ``weight_errors`` (``GET /v1/models``) until an update of that component sent after the
-    refusal is accepted."""
+    """``update_weights``: whole parameters of one component, in place in every live worker of a model. A model's
+    workers run the same weights, so each must accept. Where some applied it and one refused or did not answer, the
+    call is a 409 saying how many took it (send it again), the split is logged and shown in ``weight_errors``; where
+    the only answer missing is a worker's that timed out, a 503, not a refusal of the tensors (review44-c 4). A
+    worker the engine stopped meanwhile is not counted (review44-c 5). A model with no live worker has it checked
+    against the table its last load reported, else its files' headers (``file_checks.py``: a refusal there is the
+    400 a worker gives), then takes it on trust: it is kept, behind the last proven update of the same tensors
+    (``kept.py``), and checked by the model when it next starts; one refused then is dropped, since no worker of
+    that model would ever take it, the model runs the update before it (or the files' values), and the trainer,
+    whose call returned long ago, reads why and which version is in force in the model's ``weight_errors`` (``GET
+    /v1/models``) until an update of that component sent after the refusal is accepted."""
 
     def __init__(self, files: Files = _no_files) -> None:
         self.files = files
@@ -275,7 +280,8 @@ class LiveComponents:
         self._lock = asyncio.Lock()
         self.kept: Chains = {}  # (model, component) -> updates in force
         # (model, component) -> (the highest version drawn when a start refused one, why): the update
-        # refused was kept on trust, so its call returned a version and this is where its refusal shows
+        # refused was kept on trust, so its call returned a version and this is where its refusal shows;
+        # also (its version, the 409's message) for an update some workers took and others did not
         self.errors: dict[tuple[str, str], tuple[int, str]] = {}
 
     def weight_errors(self, model: str) -> dict[str, str]:
@@ -316,6 +322,17 @@ class LiveComponents:
                         log.error("%s of model %s: %s", key[1], model.name, why)
                         self.errors[mine] = (self._drawn.get(mine, msg.version), why)
 
+    def _refuse(self, key: tuple[str, str], version: int, answers: Answers, why: str) -> None:
+        """Raise for an update a worker (or the files) did not take. A split stays in the model's
+        ``weight_errors`` until an update sent after it is accepted."""
+        model, component = key
+        try:
+            _refuse_split(f"{component} of model {model}", model, version, answers)
+        except UpdateSplit as exc:
+            self.errors[key] = (version, exc.message)
+            raise
+        raise InvalidRequest(f"{component} of model {model}: update refused: {why}", field="tensors")
+
     async def update(self, msg: UpdateWeights, fds: list[int], models: Callable[[str], ModelLoras],
                      timeout: float) -> int:
         """``models`` finds the served model by name (ModelNotFound otherwise)."""
@@ -333,27 +350,39 @@ class LiveComponents:
                 version = max(self.versions.get(key, 0), self._drawn.get(key, 0)) + 1
                 forward = UpdateWeights(msg.model, msg.component, msg.tensors, version)
                 live = live_workers([model])
-                whys, unanswered = await _ask(live, forward, fds[0], timeout)
-                files = None if live else await self.files(model.name)
+                answers = await ask_each(live, lambda w: w.command(forward, timeout, [os.dup(fds[0])]), timeout)
+                ran = bool(answers.asked)  # every live worker stopped meanwhile: as if none ran (review44-c 5)
+                files = None if ran else await self.files(model.name)
                 why = files.weights_misfit(msg.component, msg.tensors) if files is not None else ""
-                if why:  # no worker to ask: the files answer, in its words
-                    whys[model.name] = why
+                whys = answers.whys if ran else {model.name: why} if why else {}  # no worker: the files answer
                 if whys:
-                    if unanswered or len(live) > 1:  # a worker may hold it: the number is never given again
+                    if answers.unanswered or answers.took:  # a worker may hold it: the number is never given again
                         self._drawn[key] = version
-                    raise InvalidRequest(f"{msg.component} of model {model.name}: update refused: "
-                                         f"{whys[model.name]}", field="tensors")
-                if live:
+                    self._refuse(key, version, answers, whys[model.name])
+                if ran:
                     self._accepted(key, version)
                 else:
                     log.info("%s of model %s version %d kept: no worker runs, applied when one starts",
                              msg.component, model.name, version)
                 self.versions[key] = self._drawn[key] = version
-                keep(self.kept, key, forward, fds[0], proven=bool(live))
+                keep(self.kept, key, forward, fds[0], proven=ran)
                 return version
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _refuse_split(what: str, model: str, version: int, answers: Answers) -> None:
+    """Raise the error for an update that some of ``model``'s workers did not take (review44-c 4): a 409 when
+    others did, a 503 when none refused and one did not answer (nothing is wrong with the tensors); else
+    return, for the caller's 400."""
+    if answers.split(model):
+        message = split_message(what, model, version, answers)
+        log.error("%s", message)
+        raise UpdateSplit(message)
+    if model in answers.whys and model not in answers.refused:
+        raise Unavailable(f"{what}: update version {version} was not applied: {answers.whys[model]}; "
+                          "send the update again", retry_after_s=5)
 
 
 def _tensors(chain: list[Kept]) -> dict[str, Shape]:
