@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,6 +222,51 @@ def test_a_model_with_two_workers_on_a_device_counts_a_copy_of_its_weights_per_w
             a = (await models_by_name(s))["a"]
             assert a["device"] == "cpu,cpu" and a["residency"] == "disk", a
             assert a["device_bytes_by_device"] == {"cpu": 0}, a
+
+    asyncio.run(go())
+
+
+def test_one_of_two_workers_killed_the_survivor_serves_and_the_model_keeps_two_workers(daemon_factory: Any) -> None:
+    """Review44-c 1: one worker of two dies and a job comes while the pool replaces it. Only the dead worker's
+    copy left the books, so the job runs on the survivor; before, the model was booked as gone, the job loaded it
+    "from disk", and two more workers started beside the survivor and the replacement (4 ready for 2)."""
+    d = started(daemon_factory, "--model", "tiny", "--workers", "2", "--no-persist", "--keep-alive", "-1")
+
+    async def go() -> None:
+        async with http(d.socket) as s:
+            first = (await get(s, "/health"))[1]["workers"]
+            assert [w["state"] for w in first] == ["ready", "ready"], first
+            both = (await models_by_name(s))["tiny"]["device_bytes"]
+            assert both > 0, "the workers count their weights at READY"
+            os.kill(first[0]["pid"], signal.SIGKILL)
+
+            async def noticed() -> bool:
+                return any(w["state"] == "dead" for w in (await get(s, "/health"))[1]["workers"])
+
+            await until(noticed, 30, "the engine to see the worker die")
+            job = await submit(s, {"prompt": "a cat", "model": "tiny", **JOB})
+            counts: list[int] = []
+            booked: list[tuple[int, int]] = []  # (device bytes, running jobs): a run books its working memory
+
+            async def settled() -> bool:
+                live = [w for w in (await get(s, "/health"))[1]["workers"] if w["state"] != "dead"]
+                counts.append(len(live))
+                tiny = (await models_by_name(s))["tiny"]
+                booked.append((tiny["device_bytes"], tiny["running"]))
+                ended = (await get(s, f"/v1/jobs/{job['id']}"))[1]["status"] in ("succeeded", "failed")
+                replaced = any(w["id"] not in {f["id"] for f in first} for w in live)  # a new worker is up
+                return ended and replaced and all(w["state"] == "ready" for w in live)
+
+            await until(settled, 240, "the job's end and the replacement")
+            assert (await wait_job(s, job["id"]))["status"] == "succeeded"
+            assert max(counts) == 2, f"workers of tiny seen alive: {counts}\n{d.log()}"
+            idle = {nbytes for nbytes, running in booked if not running}
+            assert idle <= {both // 2, both}, f"tiny's device bytes with no job running: {booked}; a copy each: {both}"
+
+            async def rebooked() -> bool:  # the replacement's copy: counted once its READY reached the books
+                return bool((await models_by_name(s))["tiny"]["device_bytes"] == both)
+
+            await until(rebooked, 30, "the replacement's copy of tiny to be booked")
 
     asyncio.run(go())
 

@@ -43,7 +43,7 @@ def test_a_models_kept_copy_is_gone_once_its_workers_stop() -> None:
     e.run("b")
     e.run("a")
     assert e.r.host_used() == 4 * G + 4 * G  # b parked, a's copy kept
-    e.r.worker_died(["a"], "killed")
+    e.r.worker_died("a", "cuda:0", "killed")
     assert e.r.host_used() == 4 * G
     e.run("a")  # from disk: new workers, no copy yet
     assert e.r.host_used() == 4 * G and {s.name: s.host_bytes for s in e.r.snapshot()}["a"] == 0

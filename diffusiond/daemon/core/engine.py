@@ -379,7 +379,7 @@ class Engine(OutputAccess):
         model = self.pool.models.get(worker.config.model_name)
         if model is not None:
             self.store.remember(resume.model_key(model), model.capabilities)
-            self.keeper.worker_ready(model)
+            self.keeper.worker_ready(model, worker.config.device)
         self._changed.set()
         self.dispatch()
 
@@ -478,7 +478,7 @@ class Engine(OutputAccess):
 
     def _on_lost(self, worker: WorkerLink, reason: str) -> None:
         """A worker ended: fail what it was working on (not what it already delivered)."""
-        self.keeper.worker_lost(worker.config.model_name, reason)
+        self.keeper.worker_lost(worker, reason)
         for item in self.flights.lost(worker):
             if not item.job.terminal:
                 self._end(item.job, JobStatus.FAILED, ErrorCode.WORKER_LOST,

@@ -24,7 +24,7 @@ from diffusiond.daemon.residency.units import format_bytes
 def held(m: _Model) -> int:
     """Bytes ``m`` holds in host memory now, or has been promised there (a move or load under way): once per
     worker, each of which keeps its own copy."""
-    workers = len(m.devices)
+    workers = m.workers
     if m.tier == "host" or m.loading_from == "host" or (m.leaving is not None and m.leaving.dst == "host"):
         return (m.weight_bytes + m.host_bytes) * workers
     return m.host_bytes * workers + m.kept if m.tier in ("device", "loading") else 0
@@ -69,7 +69,7 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
     droppable = sorted((m for m in everyone if m.tier == "host" and m.leaving is None and m.idle),
                        key=lambda m: (m.last_used, m.name))
     for m in leaving:
-        arriving = max(m.weight_bytes * len(m.devices) - m.kept, 0)
+        arriving = max(m.weight_bytes * m.workers - m.kept, 0)
         if any(d.startswith("cpu") for d in m.devices) or not budget:
             moves.append(Move(m.name, "device", "disk", reason))
             continue

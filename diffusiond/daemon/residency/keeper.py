@@ -58,6 +58,7 @@ from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape
+from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import Asleep, Model, WorkerPool
 from diffusiond.protocol import ErrorCode, WorkerState
 
@@ -153,12 +154,15 @@ class Keeper:
             if waiting:
                 self.policy.queue(model.name, waiting)
 
-    def worker_ready(self, model: Model) -> None:
-        """A worker has the model's weights on its device (at start, or after a move back)."""
+    def worker_ready(self, model: Model, device: str | None = None) -> None:
+        """A worker (on ``device``) has the model's weights on its device (at start, after a move back, or in a
+        lost worker's place, whose copy is counted again: review44-c 1)."""
         name = model.name
         self._register(model)
         self.kept(model)
         self.failed.pop(name, None)
+        if device is not None and self.known(name) and name not in self.moving:
+            self.policy.worker_back(name, device)
         if self.policy.tier(name) in ("disk", "host") and name not in self.moving:
             self.policy.loading_started(name)
         if self.policy.tier(name) == "loading" and name not in self.moving:
@@ -171,7 +175,7 @@ class Keeper:
     def kept(self, model: Model) -> None:
         """Its workers' word on the host copies of its weights they keep (in answers to SLEEP and WAKE; issue 27)."""
         if self.known(model.name):
-            self.policy.keeps(model.name, sum(w.host_kept for w in model.workers))
+            self.policy.keeps(model.name, sum(w.host_kept for w in model.workers if w.state != WorkerState.DEAD))
 
     def admit(self, name: str, shape: Shape, outputs: int) -> TooLarge | None:
         """At admission: a job the model can never run within the budget is refused (``TooLarge``); so is
@@ -226,11 +230,13 @@ class Keeper:
                 # compute ended earlier, and a model waiting for memory would wait for the next job to come
                 asyncio.get_running_loop().call_soon(self.on_change)
 
-    def worker_lost(self, name: str, reason: str) -> None:
+    def worker_lost(self, worker: WorkerLink, reason: str) -> None:
+        """Only its own share leaves the books while other workers of its model serve on (review44-c 1)."""
+        name = worker.config.model_name
         if self.known(name) and name not in self.moving:
             kept = self.policy.kept(name)
-            self.policy.worker_died([name], reason)
-            self.metrics.kept_released("worker_died", kept)
+            self.policy.worker_died(name, worker.config.device, reason, kept=worker.host_kept)
+            self.metrics.kept_released("worker_died", kept - self.policy.kept(name))
 
     def on_oom(self, name: str, shape: Shape) -> None:
         """A worker ran out of memory running ``shape`` and retries (worker/compute.py): the idle models
@@ -311,8 +317,8 @@ class Keeper:
             return True  # not loaded yet at start: the pool's start brings it
         states = {w.state for w in model.workers}
         replaced = model.replacing or WorkerState.STARTING in states
-        if not model.retired and WorkerState.READY not in states and replaced:
-            return False  # a worker that died is being replaced by the pool: its READY dispatches
+        if not model.retired and replaced and (WorkerState.READY not in states or self.policy.tier(name) != "device"):
+            return False  # a worker that died is being replaced by the pool: its READY dispatches (review44-c 1)
         if shape is not None:
             self._asked[name] = shape
         hold = self.turns.held(name)

@@ -156,7 +156,7 @@ class Residency:
         for d in m.places:
             pinned = [p for p in self._models.values()
                       if d in p.devices and p.pinned and p.resident and p.name != name]
-            if m.frees(d) + known > self.budgets[d] - sum(p.frees(d) for p in pinned):
+            if m.size(d) + known > self.budgets[d] - sum(p.size(d) for p in pinned):
                 return too_large(m, d, self.budgets[d], shape, known, est, pinned)
         if m.tier == "loading":
             return Wait(name, LOADING, f"{name} is loading onto {m.where}")
@@ -317,17 +317,8 @@ class Residency:
         return chosen
 
     def snapshot(self) -> list[ModelStatus]:
-        out = []
-        for m in sorted(self._models.values(), key=lambda m: m.name):
-            on = m.tier == "device"
-            out.append(ModelStatus(
-                name=m.name, device=m.device, residency=m.tier,
-                device_bytes=sum(m.on(d) for d in m.places), host_bytes=host_memory.held(m),
-                keep_alive_until=m.deadline if on and m.deadline != FOREVER else None,
-                forever=on and m.deadline == FOREVER, pinned=m.pinned, queued=m.queued,
-                running=sum(j for _, _, j, _ in m.running), reason=m.reason,
-                per_device={d: m.on(d) for d in m.places}, kept_bytes=self.kept(m.name)))
-        return out
+        return [m.status(host_memory.held(m), self.kept(m.name)) for m in sorted(self._models.values(),
+                                                                                  key=lambda m: m.name)]
 
     # ---- reports: jobs -----------------------------------------------------------------------------------
 
@@ -445,6 +436,7 @@ class Residency:
         m.kept = m.kept if move.dst == "host" else 0  # its workers stopped: their copies went with them
         if move.src == "device":
             self._adjust_weights(m, 1)
+            m.lost = []  # off its device each worker counts again: a replacement comes up to join it there
 
     def unload_failed(self, move: Move, reason: str) -> None:
         """The move did not happen; the model stays where it was (a dead worker is ``worker_died``'s)."""
@@ -456,17 +448,27 @@ class Residency:
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} failed that had not started")
         m.leaving, m.reason = None, f"{move.src} -> {move.dst} failed: {reason}"
 
-    def worker_died(self, names: Iterable[str], reason: str) -> None:
-        """Everything the worker held is gone, on the device and in its host buffers: back to disk. Its runs
-        ended (the engine fails their jobs); jobs still queued stay queued for the next worker."""
-        for name in names:
-            m = self._get(name)
-            freed = {d: m.on(d) for d in m.places}
-            during = " during its load" if m.tier == "loading" else ""
-            m.tier, m.loading_from, m.leaving, m.running, m.kept, m.releasing = "disk", None, None, [], 0, None
-            m.reason = f"worker died{during}: {reason}"
-            for d, nbytes in freed.items():
-                self._adjust(d, nbytes)
+    def worker_died(self, name: str, device: str, reason: str, kept: int = 0) -> None:
+        """A worker of ``name`` on ``device`` ended, with what it held there and in its host buffers (``kept``).
+        While others of the model serve on, only its copy leaves (``ModelEntry.lose``; review44-c 1); the last
+        one takes the model back to disk, and its runs with it (the engine fails their jobs). Jobs still queued
+        stay queued for the next worker."""
+        m = self._get(name)
+        if m.lose(device, kept, reason):
+            self._adjust(device, m.weight_bytes)
+            return
+        freed = {d: m.on(d) for d in m.places}
+        during = " during its load" if m.tier == "loading" else ""
+        m.tier, m.loading_from, m.leaving, m.running, m.kept, m.releasing = "disk", None, None, [], 0, None
+        m.reason, m.lost = f"worker died{during}: {reason}", []
+        for d, nbytes in freed.items():
+            self._adjust(d, nbytes)
+
+    def worker_back(self, name: str, device: str) -> None:
+        """A worker of ``name`` came up on ``device``: where it replaces a lost one, its copy is counted again."""
+        m = self._get(name)
+        if m.rejoin(device):
+            self._adjust(device, -m.weight_bytes)
 
     def keeps(self, name: str, nbytes: int) -> None:
         """What its workers said they keep of page-locked host copies of its weights (``host_memory.py``)."""
@@ -479,5 +481,5 @@ class Residency:
         m = self._get(name)
         if m.resident:
             for d in m.places:
-                self._adjust(d, (m.weight_bytes - weight_bytes) * m.devices.count(d))
+                self._adjust(d, (m.weight_bytes - weight_bytes) * (m.devices.count(d) - m.lost.count(d)))
         m.weight_bytes, m.host_bytes = weight_bytes, host_bytes

@@ -14,8 +14,8 @@ def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, know
     """``m`` with ``known`` bytes of measured working memory for ``shape`` cannot fit ``budget`` on ``device`` even
     with every other model evicted: ``pinned`` ones, which never are, hold part of it."""
     copies = m.devices.count(device)
-    need = m.frees(device) + known
-    pinned_bytes = sum(p.frees(device) for p in pinned)
+    need = m.size(device) + known
+    pinned_bytes = sum(p.size(device) for p in pinned)
     each = f", {copies} workers there, each with its copy" if copies > 1 else ""
     working = f" + {format_bytes(known)} of working memory for {shape} ({est.floor_how})" if known else ""
     beside = (f", and {', '.join(sorted(p.name for p in pinned))} (pinned) hold {format_bytes(pinned_bytes)} "
@@ -29,6 +29,6 @@ def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, know
     if copies > 1:
         hints.append(f"fewer workers on {device} (--workers)")
     message = (f"model {m.name!r} cannot fit on {device}: it needs {format_bytes(need)} "
-               f"({format_bytes(m.frees(device))} of weights{each}{working}) and the budget there is "
+               f"({format_bytes(m.size(device))} of weights{each}{working}) and the budget there is "
                f"{format_bytes(budget)}{beside}. What would make it fit: {'; '.join(hints)}")
     return TooLarge(m.name, need, budget, tuple(hints), message, device=device)

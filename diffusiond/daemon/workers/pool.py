@@ -288,6 +288,8 @@ class WorkerPool:
         try:
             while not self.stopping:
                 await asyncio.sleep(backoff[min(attempt, len(backoff) - 1)])
+                if old not in model.workers:  # residency stopped the model's workers meanwhile (``retire``): a
+                    return  # load starts them all again (``revive``), and one more here would be a worker too many
                 try:
                     await self._start_worker(model, old.config.device, replacing=old)
                     log.info("replaced %s", old.name)
@@ -335,8 +337,14 @@ class WorkerPool:
         await asyncio.gather(*(w.stop(self.config.drain_grace_s) for w in workers), return_exceptions=True)
 
     async def revive(self, model: Model) -> None:
+        """Start a worker on each of its devices that has none: one that lives, or one lost that the pool is
+        replacing (it keeps its place in ``workers`` until then), is not doubled (review44-c 1)."""
+        missing = list(model.config.devices)
+        for w in model.workers:
+            if w.config.device in missing:
+                missing.remove(w.config.device)
         try:
-            await asyncio.gather(*(self._start_worker(model, d) for d in model.config.devices))
+            await asyncio.gather(*(self._start_worker(model, d) for d in missing))
         finally:
             model.retired = not model.workers
 
