@@ -33,19 +33,21 @@ from diffusiond.commands import (
     residency,
 )
 from diffusiond.commands.admin import cancel, history, models, sleep, status, wake, web_url
-from diffusiond.commands.flags import with_flag
-from diffusiond.commands.generate import (
-    GenerateState,
-    UsageError,
-    cancel_after_interrupt,
+from diffusiond.commands.argtypes import (
+    HISTORY_MAX_LIMIT,
     control_arg,
+    finite_float,
+    int_between,
     ip_adapter_arg,
+    job_id_arg,
     lora_arg,
     parse_size,
     positive_float,
     positive_int,
-    run_generate,
 )
+from diffusiond.commands.flags import with_flag
+from diffusiond.commands.follow import lost_daemon
+from diffusiond.commands.generate import GenerateState, UsageError, cancel_after_interrupt, run_generate
 from diffusiond.commands.upscale import hires_arg, upscale_arg
 from diffusiond.protocol import (
     BATCH_SIZES,
@@ -104,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-n", type=positive_int, metavar="N", help="number of outputs (default 1)")
     g.add_argument("--size", type=parse_size, metavar="WxH", help=f"output width x height (default: {own})")
     g.add_argument("--steps", type=positive_int, metavar="N", help=f"denoising steps (default: {own})")
-    g.add_argument("--guidance", type=float, metavar="G", help=f"guidance scale (default: {own})")
+    g.add_argument("--guidance", type=finite_float, metavar="G", help=f"guidance scale (default: {own})")
     g.add_argument("--negative", metavar="TEXT", help="negative prompt")
     g.add_argument("--seed", type=int, metavar="S", help="the same seed and settings make the same output "
                                                          "(default: a random one, printed with each file)")
@@ -137,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from several pictures (max_input_images in GET /v1/models): Picture 1, 2, ... in order")
     g.add_argument("--mask", metavar="FILE",
                    help="inpaint: repaint where this PNG is transparent (or white, in a mask without alpha)")
-    g.add_argument("--strength", type=float, metavar="S",
+    g.add_argument("--strength", type=finite_float, metavar="S",
                    help="how much of --image to repaint, in (0, 1] (default 0.8; 1.0 with --mask)")
     g.add_argument("--keep-alive", metavar="DURATION",
                    help="how long the model stays on its device after this job: 10m, 1h30m, seconds, 0 (leave "
@@ -146,20 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--wait", type=float, metavar="SECONDS", default=0.0,
+    s.add_argument("--wait", type=finite_float, metavar="SECONDS", default=0.0,
                    help="first wait up to this long for the daemon to be up and ready (for scripts that start one)")
     s.set_defaults(func=status)
     m = sub.add_parser("models", parents=[sock], help="list every model the daemon serves, loaded or not")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=models)
     c = sub.add_parser("cancel", parents=[sock], help="cancel a queued or running job")
-    c.add_argument("job_id", metavar="JOB_ID")
+    c.add_argument("job_id", type=job_id_arg, metavar="JOB_ID")
     c.set_defaults(func=cancel)
     h = sub.add_parser("history", parents=[sock], help="list jobs, newest first (kept across restarts)")
     h.add_argument("--status", choices=[st.value for st in JobStatus])
     h.add_argument("--model", metavar="NAME")
     h.add_argument("--before", metavar="JOB_ID", help="the jobs admitted before this one (the next page)")
-    h.add_argument("--limit", type=positive_int, default=20, metavar="N", help="at most N jobs (20)")
+    h.add_argument("--limit", type=int_between(1, HISTORY_MAX_LIMIT), default=20, metavar="N",
+                   help=f"at most N jobs, 1 to {HISTORY_MAX_LIMIT} (default 20)")
     h.add_argument("--json", action="store_true", help="the daemon's page as JSON")
     h.set_defaults(func=history)
     p = sub.add_parser("ps", parents=[sock], help="show where each model is: device, host memory or disk, until when")
@@ -226,13 +229,13 @@ def _add_serve(sub: Any) -> None:
         help="float32, float16 or bfloat16 (default: bfloat16 on a GPU, float32 on the CPU)")
     add("--max-batch", type=int, metavar="N",
         help="the most outputs one forward runs (4), for every model without its own max_batch in the config file")
-    add("--batch-wait-ms", type=float, metavar="MS",
+    add("--batch-wait-ms", type=finite_float, metavar="MS",
         help="how long a batch waits for more requests it could run with (0: it runs at once)")
     add("--batch-sizes", choices=BATCH_SIZES,
         help="batch sizes that form: auto (default: powers of two up to --max-batch for compiled models, any "
              "size for eager ones), pow2 or any, for every model without its own batch_sizes in the config file")
     add("--queue-size", type=int, metavar="N", help="jobs that may wait to run; past it new jobs are refused (256)")
-    add("--job-timeout", dest="job_timeout_s", type=float, metavar="S",
+    add("--job-timeout", dest="job_timeout_s", type=finite_float, metavar="S",
         help="a job not done within S seconds fails, naming the stage it was in (600)")
     add("--output-mode", metavar="MODE",
         help="async (outputs copied and encoded while the next forward runs; default) or sync (to measure against)")
@@ -246,12 +249,12 @@ def _add_serve(sub: Any) -> None:
     add("--socket-mode", type=octal_mode, metavar="MODE", help="octal, default 0600")
     add("--socket-group", metavar="GROUP", help="the socket's group (with --socket-mode 0660 its members connect)")
     add("--allow-uid", action="append", type=int, metavar="UID", help="repeatable; checked with SO_PEERCRED")
-    add("--retention-s", type=float, metavar="S", help="how long a finished job stays in memory (600)")
-    add("--drain-grace-s", type=float, metavar="S", help="on SIGTERM, how long running jobs get to finish (30)")
+    add("--retention-s", type=finite_float, metavar="S", help="how long a finished job stays in memory (600)")
+    add("--drain-grace-s", type=finite_float, metavar="S", help="on SIGTERM, how long running jobs get to finish (30)")
     add("--png-compress-level", type=int, metavar="N", help="0-9: smaller PNGs against encoding time (4)")
     add("--encode-threads", type=int, metavar="N", help="threads that encode outputs (the CPU count, at most 4)")
-    add("--slot-timeout-s", type=float, metavar="S", help="how long a copy waits for a free arena slot (30)")
-    add("--stream-stall-s", type=float, metavar="S", help="close an output download stalled this long (120)")
+    add("--slot-timeout-s", type=finite_float, metavar="S", help="how long a copy waits for a free arena slot (30)")
+    add("--stream-stall-s", type=finite_float, metavar="S", help="close an output download stalled this long (120)")
     add("--input-dir", metavar="DIR",
         help="edits on /v1/jobs may name input images by path, only inside DIR (default: no paths)")
     add("--trace", action="store_true", default=None,
@@ -281,9 +284,9 @@ def _add_serve(sub: Any) -> None:
         help="move a corrupt or foreign state database aside and start with an empty one")
     add("--state-sync", choices=("normal", "full"),
         help="normal: accepted jobs survive any daemon crash; full: a power cut too (an fsync per job)")
-    add("--keep-days", type=float, metavar="D", help="delete finished jobs and their outputs after D days")
-    add("--keep-gb", type=float, metavar="GB", help="delete the oldest finished jobs while outputs take more")
-    add("--retention-check-s", type=float, help=argparse.SUPPRESS)
+    add("--keep-days", type=finite_float, metavar="D", help="delete finished jobs and their outputs after D days")
+    add("--keep-gb", type=finite_float, metavar="GB", help="delete the oldest finished jobs while outputs take more")
+    add("--retention-check-s", type=finite_float, help=argparse.SUPPRESS)
     add("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
         help="torch.compile every model (MODE: " + ", ".join(COMPILE_MODES) + "; default: default); "
              "reduce-overhead replays CUDA graphs")
@@ -418,6 +421,12 @@ def _generate(args: argparse.Namespace, socket_path: str) -> int:
     state = GenerateState(socket_path)
     try:
         return _run(run_generate(args, state))
+    except DaemonUnreachable:
+        if state.job_id is None:  # it never answered: "start one" is the right advice
+            raise
+        # It answered a moment ago and took the job: not "start one" (review44-b 8).
+        print(f"error: {lost_daemon(state.job_id, state.finished)}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except KeyboardInterrupt:
         # Ctrl-C outside the loop's own handling (e.g. a second one): still cancel the job.
         if state.job_id is not None and not state.finished:

@@ -279,7 +279,7 @@ def test_any_mode_is_its_number_or_a_400_naming_it(tmp_path: Path, mode: Any, na
 
 
 def test_generate_control_flag_reads_name_image_and_scale() -> None:
-    from diffusiond.commands.generate import control_arg, ip_adapter_arg
+    from diffusiond.commands.argtypes import control_arg, ip_adapter_arg
 
     assert control_arg("edges:lines.png") == {"name": "edges", "image": "lines.png"}
     assert control_arg("edges:a:b.png:0.5") == {"name": "edges", "image": "a:b.png", "scale": 0.5}

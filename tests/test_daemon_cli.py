@@ -10,6 +10,7 @@ own, the way a person would, through ``diffusiond serve`` and ``$DIFFUSIOND_SOCK
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
@@ -144,6 +145,31 @@ def test_generate_without_o_names_the_file_after_the_job(sock: str, tmp_path: Pa
     answer = json.loads(r.stdout)
     assert answer["files"][0]["path"] == f"{answer['job']['id']}.png"
     assert image(tmp_path / f"{answer['job']['id']}.png").size == (64, 64)
+
+
+def test_generate_o_dir_slash_writes_default_names_inside_it(sock: str, tmp_path: Path) -> None:
+    """Once ``-o outdir/`` wrote a PNG named ``outdir`` when outdir did not exist (review44-b 7); now a missing one
+    is refused before the job is sent, and an existing one gets ``<job id>.png`` inside."""
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "-o", f"{tmp_path}/outdir/")
+    assert r.returncode == 2 and "directory" in r.stderr and "does not exist; create it first" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "outdir").mkdir()
+    r = cli("generate", "a fox", "--socket", sock, *FAST, "-n", "2", "--json", "-o", f"{tmp_path}/outdir/")
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job"]["id"]
+    assert sorted(p.name for p in (tmp_path / "outdir").iterdir()) == [f"{job_id}-0.png", f"{job_id}-1.png"]
+
+
+def test_generate_image_dash_reads_the_picture_from_stdin(sock: str, tmp_path: Path) -> None:
+    """``--image -`` as ``-o -``: once ``--image -: No such file or directory`` (review44-b 9)."""
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(picture, "PNG")
+    out = tmp_path / "edit.png"
+    r = subprocess.run([sys.executable, "-m", "diffusiond", "generate", "a fox", "--socket", sock, "--steps", "2",
+                        "--image", "-", "-o", str(out)], input=picture.getvalue(), capture_output=True, cwd=ROOT,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr.decode()
+    assert image(out).size == (64, 64)  # an edit takes its input's size
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from diffusiond.bench.load import BenchError, LoadResult, drive_daemon, drive_na
 from diffusiond.bench.procs import process, wait_ready
 from diffusiond.bench.report import ModeResult, Setup, compare, per_mode, table
 from diffusiond.bench.trace import summarize
-from diffusiond.commands.generate import parse_size, positive_int
+from diffusiond.commands.argtypes import finite_float, parse_size, positive_int
 from diffusiond.protocol import COMPILE_MODES, FORMATS, OUTPUT_DTYPES
 
 # Nothing here at module level may load torch or numpy: ``diffusiond --help`` builds this parser,
@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
     p.add_argument("--size", default="512x512", type=parse_size, metavar="WxH", help="default: 512x512")
     p.add_argument("--steps", type=positive_int, default=4, help="default: 4")
-    p.add_argument("--guidance", type=float, default=5.0, help="default: 5.0")
+    p.add_argument("--guidance", type=finite_float, default=5.0, help="default: 5.0")
     p.add_argument("--batch", type=positive_int, default=1, help="outputs per forward (daemon: --max-batch)")
     p.add_argument("--requests", type=positive_int, default=64,
                    help="measured requests per mode and round, one output each (default: 64)")

@@ -25,7 +25,7 @@ import aiohttp
 from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback
 from diffusiond.client.outputs import Mapped, read_npy, torch_views
-from diffusiond.client.params import JobParams, Output, job_body, params_for, pil_needs_a_format
+from diffusiond.client.params import JobParams, Output, check_finite, job_body, params_for, pil_needs_a_format
 from diffusiond.client.transport import (
     SSEParser,
     decode_event,
@@ -164,7 +164,8 @@ class AsyncClient:
         for up to ``wait_start_s`` seconds while ``/ready`` says it is starting, so that
         ``diffusiond serve &`` followed at once by a request works. ``on_wait`` is called once,
         when the waiting begins. A daemon that is draining, or that failed to start, is an error
-        at once."""
+        at once. A NaN or an infinity in ``body`` is a ValueError naming its field, before anything is sent."""
+        check_finite(body, "")
         deadline = time.monotonic() + wait_start_s
         while True:
             try:

@@ -8,6 +8,8 @@ is in ``diffusiond.client``'s docstring and docs/api.md.
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any
 
 __all__ = ["ClientError", "ClientTimeout", "DaemonError", "DaemonUnreachable", "JobFailed", "UpdateSplit",
@@ -77,15 +79,33 @@ class DaemonUnreachable(ClientError):
     def __init__(self, socket_path: str, reason: str) -> None:
         self.socket_path = socket_path
         self.reason = reason
+        self.not_a_socket = not_a_socket(socket_path)
         super().__init__(socket_path, reason)
 
     def __str__(self) -> str:
+        if self.not_a_socket:  # no daemon can be started there either: serve refuses such a path (review44-b 9)
+            return (
+                f"{self.socket_path} is {self.not_a_socket}, not a socket: no diffusiond listens there.\n"
+                "Point the client at the daemon's socket with --socket PATH or $DIFFUSIOND_SOCKET "
+                "(`diffusiond socket` prints the default one)."
+            )
         return (
             f"no diffusiond reachable at {self.socket_path} ({self.reason}).\n"
             f"Start one with `diffusiond serve --socket {self.socket_path}` or "
             "`systemctl --user start diffusiond.socket`,\n"
             "or point the client at a running daemon with --socket PATH or $DIFFUSIOND_SOCKET."
         )
+
+
+def not_a_socket(path: str) -> str | None:
+    """What ``path`` is when it exists and is no socket (``a directory``, ``a regular file``), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "a special file"
 
 
 class ClientTimeout(ClientError, TimeoutError):

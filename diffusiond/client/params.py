@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,6 +83,7 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
     for key, value in params.items():
         if key not in JobParams.__annotations__:
             raise TypeError(f"unknown job parameter {key!r}")
+        check_finite(value, key)
         if value is None:
             continue
         if key == "size":
@@ -106,6 +108,21 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
         else:
             body[key] = value
     return body
+
+
+def check_finite(value: Any, where: str) -> None:
+    """A ValueError naming ``where`` (``guidance_scale``, ``loras[0].weight``) for a NaN or an infinity inside
+    ``value``. JSON has no words for them: Python's encoder writes ``NaN``, which the daemon refuses as a body
+    that is not JSON at all, naming no field (review44-b 6)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where or 'a parameter'} must be a finite number, got {value!r}")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            check_finite(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(v, f"{where}[{i}]")
 
 
 def image_b64(value: ImageInput) -> str:

@@ -1,6 +1,8 @@
 """The command line's commands; ``diffusiond/cli.py`` holds the parser and the dispatch.
 
     generate.py   generate: one job, its progress, its files (and Ctrl-C or a signal cancels it)
+    follow.py     generate following its job's events, through a daemon that restarts meanwhile
+    argtypes.py   the flags' argparse types: sizes, whole and finite numbers, --lora, --control, job ids
     progress.py   the progress line on a terminal, and a line now and then elsewhere
     preview.py    the picture forming, drawn in terminals that show images
     admin.py      status, models, history, cancel, sleep, wake, web-url

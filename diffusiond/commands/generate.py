@@ -21,6 +21,8 @@ from typing import Any
 
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout
 from diffusiond.client.params import image_b64
+from diffusiond.commands import EXIT_UNREACHABLE
+from diffusiond.commands.follow import LostDaemon, follow
 from diffusiond.commands.preview import PREVIEW_FORMAT, PreviewPane, pane_for
 from diffusiond.commands.progress import ProgressBar
 from diffusiond.protocol import (
@@ -28,7 +30,6 @@ from diffusiond.protocol import (
     FORMAT_OF_SUFFIX,
     FORMATS,
     TERMINAL_STATUSES,
-    Event,
     JobStatus,
 )
 
@@ -57,88 +58,6 @@ class GenerateState:
     stopped_by: int = signal.SIGINT  # the signal that stopped it: the exit status is 128 + it
 
 
-def parse_size(text: str) -> tuple[int, int]:
-    """``WxH`` -> (width, height); an argparse type, so a bad value is a usage error (exit 2)."""
-    w, sep, h = text.lower().partition("x")
-    if not sep or not w.strip().isdigit() or not h.strip().isdigit() or int(w) <= 0 or int(h) <= 0:
-        raise argparse.ArgumentTypeError(f"expected WxH with positive integers, e.g. 512x512, got {text!r}")
-    return int(w), int(h)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def lora_arg(text: str) -> dict[str, Any]:
-    """``--lora NAME[:WEIGHT]`` -> one entry of the request's ``loras`` (weight 1 when left out)."""
-    name, sep, weight = text.rpartition(":") if ":" in text else (text, "", "")
-    if not name.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME or NAME:WEIGHT (e.g. ink:0.8), got {text!r}")
-    if not sep:
-        return {"name": name.strip(), "weight": 1.0}
-    try:
-        return {"name": name.strip(), "weight": float(weight)}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"the weight in --lora {text!r} is not a number") from None
-
-
-MODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")  # a mode's number, or a name serve gave it
-
-
-def control_arg(text: str) -> dict[str, Any]:
-    """``--control NAME[@MODE]:IMAGE[:SCALE]`` -> one entry of the request's ``control`` (scale 1 when left
-    out; the image is a local file, read and sent base64 by ``build_body``). ``@MODE`` picks a union
-    ControlNet's control mode, by number or by the name ``serve --controlnet NAME=PATH,modes=...`` gave
-    it: a ControlNet's name has no '@', so it cannot be mistaken for one."""
-    name, sep, rest = text.partition(":")
-    name, at, mode = name.partition("@")
-    mode = mode.strip()
-    if at and not (mode and set(mode) <= MODE_CHARS):
-        raise argparse.ArgumentTypeError(f"the MODE in NAME@MODE is a union ControlNet's mode, its number or its "
-                                         f"name (e.g. union@2:depth.png or union@depth:depth.png), got {text!r}")
-    image, scale = rest, None
-    head, colon, tail = rest.rpartition(":")
-    if colon and head:
-        try:
-            scale = float(tail)
-            image = head
-        except ValueError:
-            pass  # a ':' inside the file name
-    if not sep or not name.strip() or not image:
-        raise argparse.ArgumentTypeError(f"expected NAME:IMAGE or NAME:IMAGE:SCALE (e.g. edges:lines.png:0.8), "
-                                         f"got {text!r}")
-    entry: dict[str, Any] = {"name": name.strip(), "image": image}
-    if scale is not None:
-        entry["scale"] = scale
-    if at:
-        entry["mode"] = int(mode) if mode.isdigit() else mode
-    return entry
-
-
-def ip_adapter_arg(text: str) -> dict[str, Any]:
-    """``--ip-adapter NAME:IMAGE[:SCALE]`` -> one entry of the request's ``ip_adapter``, read as ``--control`` is."""
-    entry = control_arg(text)
-    if "mode" in entry:
-        raise argparse.ArgumentTypeError(f"--ip-adapter takes no @mode (a union ControlNet's), got {text!r}")
-    return entry
-
-
 def choose_format(fmt: str | None, output: str | None) -> str | None:
     """--format, else what -o's extension says; None lets the daemon pick its model's default.
 
@@ -149,7 +68,7 @@ def choose_format(fmt: str | None, output: str | None) -> str | None:
     error naming both: writing MP4 bytes under a .png name would mislead every program that
     opens the file by its name.
     """
-    named = FORMAT_OF_SUFFIX.get(Path(output).suffix.lower()) if output and not Path(output).is_dir() else None
+    named = FORMAT_OF_SUFFIX.get(Path(output).suffix.lower()) if output and not names_a_directory(output) else None
     if fmt:
         if named is not None and named != fmt:
             raise UsageError(f"--format {fmt} and -o {output} disagree ({Path(output or '').suffix} is {named}); "
@@ -169,9 +88,9 @@ def extension_for(fmt: str | None, content_type: str | None = None) -> str:
 def output_paths(job_id: str, output: str | None, ext: str, count: int) -> list[Path]:
     """Where each of ``count`` outputs goes: -o PATH (or ``<job id>.<ext>``), indexed when count > 1.
 
-    ``-o`` naming an existing directory puts default-named files in it.
+    ``-o`` naming a directory (``names_a_directory``) puts default-named files in it.
     """
-    if output is None or Path(output).is_dir():
+    if output is None or names_a_directory(output):
         base = Path(output or ".") / f"{job_id}.{ext}"
         if output is None:
             base = Path(base.name)
@@ -195,9 +114,30 @@ def check_output_dir(output: str | None, n: int | None = None, as_json: bool = F
         return
     if output is None:
         return
-    parent = Path(output) if Path(output).is_dir() else Path(output).parent
-    if not parent.is_dir():
-        raise UsageError(f"directory {str(parent)!r} for -o does not exist")
+    if names_a_directory(output):
+        if not Path(output).is_dir():
+            raise UsageError(_not_a_directory(Path(output), output, output))
+        return
+    if not Path(output).parent.is_dir():
+        raise UsageError(_not_a_directory(Path(output).parent, str(Path(output).parent), output))
+
+
+def names_a_directory(output: str) -> bool:
+    """``-o`` means a directory to put default-named outputs in: one that exists, or a name that says so by
+    its trailing separator (``newdir/``), or ``.`` and ``..``. Path() drops the trailing separator, so
+    ``-o newdir/`` once wrote a file named ``newdir`` (review44-b 7)."""
+    ends = tuple(sep for sep in (os.sep, os.altsep) if sep)
+    return output.endswith(ends) or os.path.basename(output) in (".", "..") or Path(output).is_dir()
+
+
+def _not_a_directory(directory: Path, shown: str, output: str) -> str:
+    """Why ``directory`` cannot take -o's outputs: missing, or it (or a folder above it) is a file."""
+    for above in (directory, *directory.parents):
+        if above.exists() or above.is_symlink():
+            if not above.is_dir():
+                return f"{str(above)!r} is a file, not a directory (-o {output})"
+            break
+    return f"directory {shown!r} for -o does not exist; create it first"
 
 
 def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | None = None) -> dict[str, Any]:
@@ -229,25 +169,43 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
         if value is not None:
             body[key] = value
     pictures = args.image or []  # one is ``image``; several are one edit's ``images`` (issue 30)
+    stdin: list[str] = []  # the flag that read it: stdin is read once
     for key, path in (*(("image", p) for p in pictures), ("mask", args.mask)):
         if path is not None:
-            try:
-                data = image_b64(path)
-            except OSError as exc:
-                raise UsageError(f"--{key} {path}: {exc.strerror or exc}") from None
+            data = read_picture(f"--{key} ", path, stdin)
             if key == "image" and len(pictures) > 1:
                 body.setdefault("images", []).append(data)
             else:
                 body[key] = data
     for key, flag in (("control", "--control"), ("ip_adapter", "--ip-adapter")):
         for entry in getattr(args, key, None) or []:
-            try:
-                body.setdefault(key, []).append({**entry, "image": image_b64(entry["image"])})
-            except OSError as exc:
-                raise UsageError(f"{flag} {entry['name']}:{entry['image']}: {exc.strerror or exc}") from None
+            picture = read_picture(f"{flag} {entry['name']}:", entry["image"], stdin)
+            body.setdefault(key, []).append({**entry, "image": picture})
     if args.mask is not None and args.image is None:
         raise UsageError("--mask needs --image: the mask says which part of that image to repaint")
     return body
+
+
+def read_picture(flag: str, path: str, stdin: list[str]) -> str:
+    """A picture flag's file as base64; ``-`` reads stdin, as ``-o -`` writes stdout (review44-b 9), once a
+    run (``stdin`` records which flag read it). ``flag`` is what the messages print before the path."""
+    if not path:
+        raise UsageError(f"{flag.strip()} needs a file name (or - for the picture on stdin)")
+    if path != "-":
+        try:
+            return image_b64(path)
+        except OSError as exc:
+            raise UsageError(f"{flag}{path}: {exc.strerror or exc}") from None
+    if stdin:
+        raise UsageError(f"{flag}-: stdin is read once, and {stdin[0]}- has it already; give a file name")
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError(f"{flag}- reads the picture from stdin, which is a terminal here: pipe it (cat in.png | "
+                         "diffusiond generate ...) or redirect it (< in.png)")
+    stdin.append(flag)
+    data = sys.stdin.buffer.read()
+    if not data:
+        raise UsageError(f"{flag}-: stdin was empty; pipe or redirect a picture into it")
+    return image_b64(data)
 
 
 def describe_failure(job: dict[str, Any]) -> str:
@@ -257,35 +215,6 @@ def describe_failure(job: dict[str, Any]) -> str:
         message = f"job {job.get('id')} {job.get('status', 'failed')}"
     stage = err.get("stage") if isinstance(err, dict) else None
     return f"{message} (stage: {stage})" if stage else message
-
-
-async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: float | None = None,
-                 pane: PreviewPane | None = None) -> dict[str, Any]:
-    """Wait for the job's end through its events, drawing progress (and previews); returns the final job."""
-
-    def draw(name: str, data: dict[str, Any]) -> None:
-        if name == Event.PREVIEW:
-            if pane is not None:
-                pane.show(data)
-        elif name == Event.PROGRESS:
-            step, total = data.get("step"), data.get("total")
-            steps = (step if isinstance(step, int) else None, total if isinstance(total, int) else None)
-            bar.update(*steps, stage="computing")  # steps only come while computing
-        elif name == Event.STATUS:
-            bar.update_from_job(data)
-        elif name == Event.DONE:
-            bar.complete()
-
-    async def ticking() -> None:  # a stage that lasts with no event still gets its line (progress.py)
-        while True:
-            await asyncio.sleep(1.0)
-            bar.tick()
-
-    ticker = asyncio.create_task(ticking())
-    try:
-        return await client.wait(job_id, timeout=timeout, on_event=draw)
-    finally:
-        ticker.cancel()
 
 
 async def download(client: AsyncClient, job_id: str, index: int, path: Path) -> int:
@@ -368,6 +297,10 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     bar.update_from_job(job)
     try:
         job = await follow(client, job_id, bar, None if args.timeout is None else args.timeout + CLIENT_GRACE_S, pane)
+    except LostDaemon as exc:
+        bar.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except ClientTimeout:
         bar.close()
         ended = await cancel_quietly(client, job_id)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 
@@ -35,8 +36,12 @@ def hires_arg(text: str) -> dict[str, Any]:
 
 
 def _number(value: str, what: str, text: str, kind: type[float] | type[int]) -> Any:
+    """``nan`` and ``inf`` are refused here: ``float()`` reads them, JSON cannot carry them (review44-b 6)."""
     try:
-        return kind(value)
+        number = kind(value)
     except ValueError:
         noun = "an integer" if kind is int else "a number"
         raise argparse.ArgumentTypeError(f"the {what} in {text!r} is not {noun}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"the {what} in {text!r} is not a finite number")
+    return number
