@@ -222,7 +222,7 @@ def _text(value: Any) -> bytes:
 def edits_multipart(draw: st.DrawFn, ctx: Ctx) -> Req:
     """The edits form with one to three fields mutated: names that are not UTF-8, values that are
     huge, deeply nested JSON in ``loras``/``preview``, the flattened spellings, images of every
-    format and their mutations, fields twice."""
+    format and their mutations, fields twice, several image files."""
     fields: dict[bytes, bytes] = {b"prompt": b"a fox", b"model": b"tiny", b"num_inference_steps": b"1",
                                   b"strength": b"1"}
     extra: list[bytes] = []
@@ -257,9 +257,14 @@ def edits_multipart(draw: st.DrawFn, ctx: Ctx) -> Req:
         else:
             extra.append(_part(draw(st.sampled_from([b"prompt", b"model", b"size", b"n"])), b"2"))  # twice
     parts = [_part(k, v) for k, v in fields.items()] + extra
-    parts.append(_part(draw(st.sampled_from([b"image", b"image[]", b"image\xff"])), draw(image_bytes()),
-                       draw(st.sampled_from([b"f.png", b"\xff.png", b"", b"../../x"])),
-                       draw(st.sampled_from([b"image/png", b"application/octet-stream", b"text/plain\xff"]))))
+    # mostly one picture; else several image[] (one edit's pictures, review44-b 4), which tiny refuses, up to
+    # hundreds of files (a form that used to admit a job per file, review44-b 5), the last ones copies of the first
+    pictures = draw(st.sampled_from([1, 1, 1, 2, 3, 4, 300]))
+    drawn = [_part(draw(st.sampled_from([b"image", b"image[]", b"image\xff"])), draw(image_bytes()),
+                   draw(st.sampled_from([b"f.png", b"\xff.png", b"", b"../../x"])),
+                   draw(st.sampled_from([b"image/png", b"application/octet-stream", b"text/plain\xff"])))
+             for _ in range(min(pictures, 4))]
+    parts += [drawn[min(k, 3)] for k in range(pictures)]
     if draw(st.booleans()):
         parts.append(_part(b"mask", draw(image_bytes()), b"m.png", b"image/png"))
     body = b"".join(b"--" + BOUNDARY.encode() + b"\r\n" + p + b"\r\n" for p in parts) + f"--{BOUNDARY}--\r\n".encode()

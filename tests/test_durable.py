@@ -236,7 +236,9 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
         assert [j["id"] for j in only["data"]] == [held["id"]]
         _, none = await get(s, "/v1/jobs?model=other")
         assert none["data"] == []
-        for query, field in (("status=finished", "status"), ("limit=0", "limit"), ("limit=x", "limit")):
+        # an unknown cursor is a 400, not an empty page that reads as the end of history (review44-b 9)
+        for query, field in (("status=finished", "status"), ("limit=0", "limit"), ("limit=x", "limit"),
+                             ("before=j_doesnotexist", "before")):
             status, err = await get(s, f"/v1/jobs?{query}")
             assert status == 400 and err["error"]["field"] == field, err
             assert query.split("=")[1] in err["error"]["message"]
@@ -250,6 +252,8 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
         for path in (f"/v1/jobs/{gone_job['id']}", f"/v1/jobs/{gone_job['id']}/outputs/0"):
             status, err = await get(s, path)
             assert status == 404 and err["error"]["code"] == "job_not_found", err
+        status, err = await get(s, f"/v1/jobs?before={gone_job['id']}")
+        assert (status, err["error"]["field"]) == (400, "before") and "deleted" in err["error"]["message"], err
 
     out = subprocess.run([sys.executable, "-m", "diffusiond", "history", "--socket", str(d.socket)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)

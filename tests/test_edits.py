@@ -142,12 +142,67 @@ async def test_openai_inpaint_repaints_the_transparent_area_and_keeps_the_rest(s
     assert float(diff[repaint].mean()) > FAR, f"repainted area changed by only {diff[repaint].mean():.2f}"
 
 
-async def test_openai_edit_of_several_images_answers_one_output_per_image_in_order(sock: Path) -> None:
-    a, b = blocky(3), blocky(4)
-    result = await asyncio.to_thread(openai_edit, sock, [png_bytes(a), png_bytes(b)], strength=STRENGTH_NEAR_0,
-                                     num_inference_steps=STEPS_NEAR_0, seed=1)
-    first, second = (decode(d.b64_json) for d in result.data)
-    assert np.abs(first - a).mean() < CLOSE and np.abs(second - b).mean() < CLOSE
+async def test_several_images_on_a_one_picture_model_are_refused_before_any_job_exists(sock: Path) -> None:
+    """Several image[] are one edit's pictures, as OpenAI reads them; tiny takes one, so the form is a 400 naming
+    image[], through the official client too. It used to run one job per file, and a form refused partway (300
+    files: queue_full) left the jobs it had admitted in history as "cancelled by the client" (review44-b 4, 5)."""
+    a, b = png_bytes(blocky(3)), png_bytes(blocky(4))
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        await asyncio.to_thread(openai_edit, sock, [a, b], strength=0.5, num_inference_steps=4)
+    assert "takes one input image" in str(refused.value) and "image[]" in str(refused.value), refused.value
+    async with http(sock) as s:
+        before = await history_ids(s)
+        for count in (2, 40):
+            status, body = await post_pictures(s, {"prompt": "x", "model": "tiny", "size": f"{SIZE}x{SIZE}"},
+                                               [a] * count)
+            assert (status, body["error"]["field"]) == (400, "image[]"), body
+            assert f"sends {count} images" in body["error"]["message"], body
+        assert await history_ids(s) == before, "a refused form admitted jobs"
+
+
+async def history_ids(s: aiohttp.ClientSession) -> list[str]:
+    async with s.get("/v1/jobs", params={"limit": "1000"}) as r:
+        return [j["id"] for j in (await r.json())["data"]]
+
+
+async def post_pictures(s: aiohttp.ClientSession, fields: dict[str, str], pictures: list[bytes],
+                        name: str = "image[]") -> tuple[int, Any]:
+    """A form with each picture as its own ``name`` file, as the openai client sends a list."""
+    form = aiohttp.FormData(default_to_multipart=True)
+    for k, v in fields.items():
+        form.add_field(k, v)
+    for i, data in enumerate(pictures):
+        form.add_field(name, data, filename=f"{i}.png", content_type="image/png")
+    async with s.post("/v1/images/edits", data=form) as r:
+        return r.status, await r.json()
+
+
+async def test_an_edit_sent_no_size_takes_its_pictures_only_up_to_four_times_the_models_pixels(sock: Path) -> None:
+    """tiny makes 128x128: a 264x264 picture sent without a size is refused naming it, with a size to send, since
+    an edit at a huge inherited size held the worker past any deadline (review44-b 2); with a size it runs, resized;
+    a picture of 256x256, 4 times tiny's pixels, still runs at its own size."""
+    big = png_bytes(np.zeros((264, 264, 3), dtype=np.uint8))
+    b64 = base64.b64encode(big).decode()
+    async with http(sock) as s:
+        before = await history_ids(s)
+        status, body = await post_form(s, {"prompt": "x", "model": "tiny", "num_inference_steps": "2"},
+                                       {"image": big})
+        assert (status, body["error"]["field"]) == (400, "image"), body
+        assert "264x264" in body["error"]["message"] and "Send size (e.g. 128x128" in body["error"]["message"], body
+        status, body = await post_job(s, {"prompt": "x", "model": "tiny", "steps": 2, "image": b64})
+        assert (status, body["error"]["field"]) == (400, "image"), body
+        status, body = await post_job(s, {"prompt": "x", "model": "tiny", "steps": 2, "image": b64, "width": 256})
+        assert (status, body["error"]["field"]) == (400, "image"), "256 x the picture's 264 is over the bound too"
+        assert await history_ids(s) == before
+        status, body = await post_form(s, {"prompt": "x", "model": "tiny", "num_inference_steps": "2",
+                                           "size": "128x128"}, {"image": big})
+        assert status == 200 and decode(body["data"][0]["b64_json"]).shape == (128, 128, 3), body
+        edge = base64.b64encode(png_bytes(np.zeros((256, 256, 3), dtype=np.uint8))).decode()
+        status, job = await post_job(s, {"prompt": "x", "model": "tiny", "steps": 2, "image": edge})
+        assert status == 202 and (job["request"]["width"], job["request"]["height"]) == (256, 256), job
+        assert (await wait_job(s, job["id"]))["status"] == "succeeded"
 
 
 # the jobs API -----------------------------------------------------------------------------------

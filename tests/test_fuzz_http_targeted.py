@@ -209,7 +209,7 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
     "a mask of another size, with control": ({**TINY, "image": P64, "mask": _pic((72, 72), "L"),
                                               "control": [EDGES]}, "mask"),
     "a mask without an image, with control": ({**TINY, "mask": L64, "control": [EDGES]}, "mask"),
-    "mode on an IP-Adapter entry": ({**TINY, "ip_adapter": [REF(mode=1)]}, "ip_adapter"),
+    "mode on an IP-Adapter entry": ({**TINY, "ip_adapter": [REF(mode=1)]}, "ip_adapter[0]"),  # review44-b 9
     "mode on a single-mode ControlNet": ({**TINY, "control": [{**EDGES, "mode": 0}]}, "control[0].mode"),
     "a union ControlNet without mode": ({**FLUX, "control": [{**UNION, "mode": None}]}, "control[0].mode"),
     "a mode past the union's": ({**FLUX, "control": [{**UNION, "mode": 3}]}, "control[0].mode"),
@@ -240,9 +240,9 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
     "images on the inpainting model": ({**TINY, "model": "tiny-inpaint", "images": [P64], "mask": L64}, "images"),
     "an empty images list": ({**TINY, "images": []}, "images"),
     "images as a string": ({**TINY, "images": P64}, "images"),
-    "an images entry of another type": ({**TINY, "images": [7]}, "images"),
+    "an images entry of another type": ({**TINY, "images": [7]}, "images[0]"),
     "1e999 start": (json.dumps({**TINY, "control": [EDGES]}).replace('"image"', '"start": 1e999, "image"', 1).encode(),
-                    "control"),
+                    "control[0].start"),
 }
 
 

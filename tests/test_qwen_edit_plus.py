@@ -5,7 +5,9 @@ several pictures a job's ``images`` sends; beside it the single-picture Qwen-Ima
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import io
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,9 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 from daemonkit import Daemon, http, shared_daemon
+from PIL import Image
 from qwenkit import build_qwen_edit
-from test_edits import blocky, png_bytes
-from test_image_tasks import job
+from test_edits import blocky, decode, openai_edit, png_bytes, post_pictures
+from test_image_tasks import job, output_bytes
 from test_qwen_edit import edited
 
 W, H = 64, 96  # the pictures' size, taller than wide
@@ -79,6 +82,41 @@ async def test_the_plus_model_edits_from_image_alone_and_refuses_what_it_cannot_
         refusals
     assert "808x8: its long side is over 100 times its short side" in refusals["a sliver"][1]["error"]["message"]
     assert "takes one input image; send it as image" in refusals["images"][1]["error"]["message"]
+
+
+async def test_the_openai_clients_several_images_are_one_edits_pictures_as_images_on_jobs(plus_daemon: Daemon) -> None:
+    """``images.edit(image=[a, b])`` is one two-picture edit, as OpenAI reads an image list: one output, the pixels
+    of the same ``images`` on /v1/jobs. It was two unrelated one-picture edits, and 4 files on a model that takes
+    3 were 4 jobs (review44-b 4)."""
+    import openai
+
+    pics = [base64.b64decode(picture(1)), base64.b64decode(picture(2, W2, H2))]
+    steps = {"num_inference_steps": 2, "seed": 3, "guidance_scale": 4.0}
+    result = await asyncio.to_thread(openai_edit, plus_daemon.socket, pics, model="qwen-plus", **steps)
+    assert len(result.data) == 1
+    async with http(plus_daemon.socket) as s:
+        same = await output_bytes(s, {**BASE, "prompt": "a red barn", "width": 64, "height": 64, "output_format": "png",
+                                      "images": [picture(1), picture(2, W2, H2)]})
+        form = {"prompt": "x", "model": "qwen-plus", "num_inference_steps": "2"}
+        refusals = {"four": await post_pictures(s, form, [pics[0]] * 4),
+                    "bad second": await post_pictures(s, form, [pics[0], b"not a png"])}
+    assert np.array_equal(decode(result.data[0].b64_json), np.asarray(Image.open(io.BytesIO(same)).convert("RGB")))
+    with pytest.raises(openai.BadRequestError, match="a mask does not apply"):
+        await asyncio.to_thread(openai_edit, plus_daemon.socket, pics, pics[0], model="qwen-plus", **steps)
+    fields = {k: (status, body["error"]["field"]) for k, (status, body) in refusals.items()}
+    assert fields == {"four": (400, "image[]"), "bad second": (400, "image[1]")}, refusals
+    assert "takes at most 3 input images" in refusals["four"][1]["error"]["message"]
+
+
+async def test_the_plus_models_refusals_name_images_where_the_mistake_is(plus_daemon: Daemon) -> None:
+    """No picture at all: the message names ``images`` beside ``image``; an unknown key inside an entry is a 400
+    on ``images[0]``, not ``images`` (review44-b 9)."""
+    async with http(plus_daemon.socket) as s:
+        none = await job(s, {**BASE})
+        extra = await job(s, {**BASE, "images": [{"image": picture(1), "extra": 1}]})
+    assert (none[0], none[1]["error"]["field"]) == (400, "image"), none
+    assert "up to 3 pictures for one edit (images on /v1/jobs" in none[1]["error"]["message"], none
+    assert (extra[0], extra[1]["error"]["field"]) == (400, "images[0]"), extra
 
 
 def test_the_cli_sends_repeated_image_flags_and_the_client_images_as_one_edit(plus_daemon: Daemon,

@@ -127,7 +127,14 @@ async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, ima
                              width=fields.get("width"), height=fields.get("height"), limits=cfg.limits,
                              input_dir=cfg.input_dir, step=sizes.side_step(model),
                              floor=sizes.side_floor(model, cfg.limits), pictures=earlier)
-    return await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    edit = await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    if fields.get("width") is None or fields.get("height") is None:  # a side taken from the picture
+        try:
+            sizes.check_inherited(edit.width, edit.height, image.field, model, cfg.limits)
+        except BaseException:
+            edit.close()
+            raise
+    return edit
 
 
 async def read_edit_form(

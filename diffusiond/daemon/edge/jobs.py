@@ -18,6 +18,7 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core.jobs import Job, Preview
 from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, sizes, upscale, views
 from diffusiond.daemon.edge.status import ENGINE
+from diffusiond.daemon.errors import JobNotFound
 from diffusiond.daemon.outputs import sound
 from diffusiond.protocol import AUDIO_ARRAY, FORMATS, TERMINAL_EVENTS, Event, JobStatus
 
@@ -79,7 +80,16 @@ async def list_jobs(request: web.Request) -> web.Response:
     if not (len(raw) <= 8 and raw.isascii() and raw.isdigit() and 1 <= int(raw) <= HISTORY_MAX_LIMIT):
         raise errors.invalid(f"limit {raw[:40]!r}{'...' if len(raw) > 40 else ''} is not a whole number "
                              f"from 1 to {HISTORY_MAX_LIMIT}", "limit")
-    page = await request.app[ENGINE].history.page(status, q.get("model") or None, q.get("before") or None, int(raw))
+    history = request.app[ENGINE].history
+    before = q.get("before") or None
+    if before is not None:  # an unknown cursor read as the end of history: "no jobs", exit 0 (review44-b 9)
+        try:
+            await history.find(before)
+        except JobNotFound:
+            raise errors.invalid(f"before {before[:40]!r}{'...' if len(before) > 40 else ''} names no job (unknown, "
+                                 "deleted, or its retention ended); it takes the next_before of the page before, "
+                                 "or leave it out for the newest jobs", "before") from None
+    page = await history.page(status, q.get("model") or None, before, int(raw))
     return web.json_response(views.history(page.jobs, page.next_before))
 
 

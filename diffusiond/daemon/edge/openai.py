@@ -12,9 +12,8 @@ from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.engine import Engine
-from diffusiond.daemon.core.inputs import EditInput
 from diffusiond.daemon.core.jobs import Job, JobRequest
-from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, upscale, views
+from diffusiond.daemon.edge import bodies, controls, ip_adapters, pictures, requests, upscale, views
 from diffusiond.daemon.edge.forms import edits_form, images_body, openai_fields
 from diffusiond.daemon.edge.status import ENGINE, STATUS_OF_FAILURE, HttpError
 from diffusiond.protocol import ErrorCode, JobStatus
@@ -81,9 +80,11 @@ async def _finish_sync(jobs: list[Job], engine: Engine, response_format: str) ->
 
 
 async def images_edits(request: web.Request) -> web.Response:
-    """OpenAI's edits endpoint: a multipart form with ``image`` (or several ``image[]``), an
-    optional ``mask`` (for the first image, as OpenAI's) and text fields. Each image is one job
-    (``n`` outputs each), run side by side; the answer lists their outputs in the order of the images."""
+    """OpenAI's edits endpoint: a multipart form with ``image`` (or several ``image[]``), an optional ``mask`` and
+    text fields; one job, as OpenAI's answers one edit. Several pictures are that edit's pictures, as OpenAI reads
+    them, on a model that takes several (``pictures.form_pictures``); a model that takes one refuses them, where it
+    used to run one unrelated job per picture and, when a later one was refused, end those already admitted as
+    "cancelled by the client" (review44-b 4, 5)."""
     engine = request.app[ENGINE]
     text, images, mask = await bodies.read_edit_form(request, engine.config.limits.max_upload_bytes)
     fields = edits_form(text)
@@ -91,26 +92,15 @@ async def images_edits(request: web.Request) -> web.Response:
     model = engine.model(fields.get("model"))
     if not images:
         raise errors.invalid("send the image to edit as the multipart file field 'image'", field="image")
-    edits: list[EditInput] = []
-    jobs: list[Job] = []
+    fields = {**fields, **pictures.form_pictures(images, mask, model)}
+    edit = await bodies.decode_edit(engine, fields, model, image_field=images[0][0], size_field="size")
+    assert edit is not None
     try:
-        for k, (name, data) in enumerate(images):  # as OpenAI's: the mask applies to the first image
-            one = {**fields, "image_bytes": data, "mask_bytes": mask if k == 0 else None}
-            edit = await bodies.decode_edit(engine, one, model, image_field=name, size_field="size")
-            assert edit is not None
-            edits.append(edit)
-        for edit in edits:
-            req = requests.check(fields, engine.config.limits, model, size_field="size", edit=edit,
-                                 loras=engine.check_loras)
-            # each job its own control and reference buffer: they join that job's image and mask
-            jobs.append(await engine.accept(await _attach(engine, fields, model, req), sync=True))
+        req = requests.check(fields, engine.config.limits, model, size_field="size", edit=edit,
+                             loras=engine.check_loras)
+        job = await engine.accept(await _attach(engine, fields, model, req), sync=True)
     except BaseException:
-        for edit in edits:
-            edit.close()  # those already submitted are closed by their jobs too; closing twice is harmless
-        for job in jobs:
-            if not job.terminal:
-                engine.cancel(job.id)
+        edit.close()  # an admitted job closes it too; closing twice is harmless
         raise
-    out = await _finish_sync(jobs, engine, fields["response_format"])
-    return web.json_response({"created": int(jobs[0].created), "data": out, "job_id": jobs[0].id,
-                              "job_ids": [j.id for j in jobs]})
+    data = await _finish_sync([job], engine, fields["response_format"])
+    return web.json_response({"created": int(job.created), "data": data, "job_id": job.id})

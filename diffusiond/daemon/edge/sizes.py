@@ -80,6 +80,30 @@ def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
                   field=size_field or name)
 
 
+INHERITED_PIXELS = 4
+"""An edit that sends no size runs at its picture's: up to this many times the model's default pixel count
+(2048x2048 on a 1024x1024 model, 256x256 on tiny). Past it one picture (a 4000x4000 PNG is 75 KB) held a
+worker in a forward for longer than any deadline, and a deadline cannot stop a forward (review44-b 2); a
+larger output stays one ``size`` away, up to ``limits.max_size``."""
+
+
+def check_inherited(width: int, height: int, field: str, model: ModelLike, limits: Limits) -> None:
+    """Refuse an edit whose size comes from its picture when that is over ``INHERITED_PIXELS`` times the model's
+    default pixel count, naming the picture and a ``size`` of its aspect ratio at the model's pixel count."""
+    d = model.capabilities
+    bound = INHERITED_PIXELS * d.width * d.height
+    if width * height <= bound:
+        return
+    step, floor = side_step(model), side_floor(model, limits)
+    scale = (d.width * d.height / (width * height)) ** 0.5
+    w, h = (max(floor, int(side * scale) // step * step) for side in (width, height))
+    raise invalid(f"{field} is {width}x{height} and the request sends no size, so the edit would run at that size: "
+                  f"over {INHERITED_PIXELS} times the pixels of model {model.name!r}'s {d.width}x{d.height}, which "
+                  f"an edit takes from its picture only up to {bound} pixels. Send size (e.g. {w}x{h}, the picture's "
+                  f"aspect ratio at the model's size; --size on the CLI) to resize it, or a smaller picture",
+                  field=field)
+
+
 def check_steps(field: str, steps: Any, model: ModelLike | None, max_steps: int) -> None:
     """Steps within the limits, and at least the model's ``min_steps``: a scheduler that stretches its last sigma
     to ``shift_terminal`` (``Capabilities.min_steps`` names the families) divides by zero over one step and makes

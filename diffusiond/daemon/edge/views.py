@@ -72,20 +72,28 @@ def output_filename(job: Job, k: int) -> str:
     return f"{job.id}-{k}.{FORMATS[job.request.output_format].extension}"
 
 
+def stage(j: Job) -> str:
+    """The stage a client reads: an ended job's is the one its error names, the stage it ended in. A job cancelled
+    while residency held it back said ``waiting_for_memory`` on top and ``queued`` in its error (review44-b 9)."""
+    ended = j.error.get("stage") if j.terminal and j.error else None
+    return ended if isinstance(ended, str) else j.stage_label
+
+
 def job(j: Job) -> dict[str, Any]:
     r = j.request
     content_type = FORMATS[r.output_format].content_type
+    label = stage(j)
     return {
         "id": j.id,
         "object": "job",
         "model": r.model,
         "created": int(j.created),
         "status": j.status.value,
-        "stage": j.stage_label,
+        "stage": label,
         "progress": {"step": j.progress[0], "total": j.progress[1] or r.total_steps},
         # what a job in stage "loading" waits for, and how far its load is (Keeper.load_bytes)
         "loading": {"model": r.model, "bytes_loaded": j.bytes_loaded, "bytes_total": j.load_bytes}
-        if j.stage_label == "loading" else None,
+        if label == "loading" else None,
         "outputs": [
             {"index": i.index, "url": output_url(j.id, i.index), "content_type": content_type, "seed": i.seed,
              "bytes": i.nbytes, "batch": i.batch_id, "trajectory": trajectory(j, i), "audio": audio(j, i),
