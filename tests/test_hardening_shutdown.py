@@ -143,3 +143,30 @@ async def test_wake_sent_while_sleep_is_still_draining_leaves_the_daemon_awake(d
 
 async def _paused(s: aiohttp.ClientSession) -> bool:
     return bool((await health(s))["sleeping"])
+
+
+async def test_sigterm_with_a_worker_inside_one_long_step_stops_within_the_grace_and_the_workers_bound(
+        daemon_factory: Any) -> None:
+    """A worker inside a forward answers nothing until it ends (one synthetic step of five minutes here, as a
+    4000² edit on a small model was): the daemon waits its drain grace, then the worker's own 10 s, then kills it,
+    which systemd's TimeoutStopSec (docs/systemd.md) is set above. It waited the grace three times before
+    (review44-b 3): past the unit's 60 s with the default 30 s grace, so systemd killed the engine mid-stop."""
+    grace = 12.0
+    d: Daemon = daemon_factory("--model", "hold=synthetic:compute_ms=300000", "--drain-grace-s", str(grace),
+                               "--job-timeout", "600", env=ENV)
+    workers = d.worker_pids()
+    async with client(d.socket) as s:
+        job = await submit(s, {"model": "hold", "prompt": "one long step", "width": 64, "height": 64, "steps": 1})
+        await until(lambda: _running(s, job["id"]), 30, "the job to be running")
+        t0 = time.monotonic()
+        d.signal(signal.SIGTERM)
+    code = await asyncio.to_thread(d.wait, 120)
+    took = time.monotonic() - t0
+    assert code == 0, d.log()
+    assert took < grace + 10 + 8, (took, d.log()[-3000:])  # the grace, then the worker's 10 s, then its kill
+    assert "did not exit within 10s; killing it" in d.log()
+    assert all(gone(pid) for pid in workers)
+
+
+async def _running(s: aiohttp.ClientSession, job_id: str) -> bool:
+    return (await job_state(s, job_id))["status"] == "running"

@@ -159,16 +159,20 @@ class WorkerHandle:
                 self.proc.kill()
 
     async def stop(self, timeout: float) -> None:
-        """Graceful: SHUTDOWN (the worker drains its copies first), then wait; SIGKILL on timeout."""
+        """Graceful: SHUTDOWN (the worker drains its copies first), then wait; SIGKILL once ``timeout`` has
+        passed since the call, the answer and the exit together (each had its own, so a worker inside a long
+        forward took twice the timeout to be killed: review44-b 3)."""
         if self.state == WorkerState.DEAD:
             return
         self.state = WorkerState.STOPPING
         self.asked_to_stop = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         with contextlib.suppress(Exception):
             await self.command(Shutdown(), timeout)
         if self.proc is not None:
             try:
-                await asyncio.wait_for(self.proc.wait(), timeout)
+                await asyncio.wait_for(self.proc.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 log.warning("%s did not exit within %.0fs; killing it", self.name, timeout)
                 self.kill()

@@ -36,6 +36,10 @@ from diffusiond.protocol import ErrorCode, ModelState, WorkerState
 log = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 1.0
+# A worker's own stop, SHUTDOWN answered and the process gone, before SIGKILL: apart from the drain grace, which
+# has already been waited by the time the daemon stops its workers, and which a worker inside a long forward (it
+# answers nothing until the forward ends) made the stop wait twice, past the unit's TimeoutStopSec (review44-b 3).
+WORKER_STOP_S = 10.0
 
 
 Spawn = Callable[[WorkerConfig, dict[str, str], FrameCallback, LostCallback], WorkerLink]
@@ -155,7 +159,7 @@ class WorkerPool:
 
     async def stop(self) -> None:
         self.stopping = True
-        await asyncio.gather(*(w.stop(self.config.drain_grace_s) for _, w in self.workers()),
+        await asyncio.gather(*(w.stop(WORKER_STOP_S) for _, w in self.workers()),
                              return_exceptions=True)
         for t in list(self._tasks):
             t.cancel()
@@ -264,7 +268,7 @@ class WorkerPool:
             model.workers.remove(handle)
         model.retired = not model.workers
         self._depart([handle])
-        await handle.stop(self.config.drain_grace_s)
+        await handle.stop(WORKER_STOP_S)
         raise Asleep(_ASLEEP.format(model.name))
 
     # losing and replacing workers ------------------------------------------------------------
@@ -334,7 +338,7 @@ class WorkerPool:
         model.retired = True
         workers, model.workers = list(model.workers), []
         self._depart(workers)
-        await asyncio.gather(*(w.stop(self.config.drain_grace_s) for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.stop(WORKER_STOP_S) for w in workers), return_exceptions=True)
 
     async def revive(self, model: Model) -> None:
         """Start a worker on each of its devices that has none: one that lives, or one lost that the pool is
