@@ -65,7 +65,8 @@ QUICK_TIMEOUT_S = 30.0
 SERVE_FIELDS = (
     "socket", "model", "device", "workers", "dtype", "max_batch", "batch_wait_ms", "batch_sizes", "queue_size",
     "job_timeout_s", "output_mode", "arena_mb", "tcp", "token_file", "log_level", "socket_mode",
-    "socket_group", "allow_uid", "retention_s", "drain_grace_s", "png_compress_level", "encode_threads", "fault",
+    "socket_group", "allow_uid", "retention_s", "drain_grace_s", "orphan_grace_s", "png_compress_level",
+    "encode_threads", "fault",
     "slot_timeout_s", "stream_stall_s", "trace", "web", "input_dir", "compile", "warmup", "lora", "max_loras",
     "preview_decoder", "controlnet", "ip_adapter", "upscaler",
     "state_dir", "persist", "reset_state", "keep_days", "keep_gb", "retention_check_s", "state_fault", "state_sync",
@@ -251,6 +252,9 @@ def _add_serve(sub: Any) -> None:
     add("--allow-uid", action="append", type=int, metavar="UID", help="repeatable; checked with SO_PEERCRED")
     add("--retention-s", type=finite_float, metavar="S", help="how long a finished job stays in memory (600)")
     add("--drain-grace-s", type=finite_float, metavar="S", help="on SIGTERM, how long running jobs get to finish (30)")
+    add("--orphan-grace-s", type=finite_float, metavar="S",
+        help="a worker still computing a batch whose jobs all ended (cancelled, past their deadline) this long is "
+             "killed and replaced, so its model serves again (30; 0: never)")
     add("--png-compress-level", type=int, metavar="N", help="0-9: smaller PNGs against encoding time (4)")
     add("--encode-threads", type=int, metavar="N", help="threads that encode outputs (the CPU count, at most 4)")
     add("--slot-timeout-s", type=finite_float, metavar="S", help="how long a copy waits for a free arena slot (30)")

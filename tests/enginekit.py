@@ -68,6 +68,7 @@ class FakeWorker:
         self.executed: list[Execute] = []
         self.inputs: list[list[tuple[np.ndarray, np.ndarray | None] | None]] = []  # per batch, per request
         self.cancelled: list[str] = []
+        self.killed = False  # kill() was called (the engine gave up on a batch no job wanted)
         self.commands: list[Any] = []
         self.returned: list[int] = []  # slot ids given back, in order
         self.held: dict[int, int] = {}
@@ -123,6 +124,10 @@ class FakeWorker:
 
     def cancel(self, request_ids: list[str]) -> None:
         self.cancelled.extend(request_ids)
+
+    def kill(self) -> None:
+        self.killed = True
+        self.die()
 
     def buffer(self, desc: TensorDesc) -> memoryview:
         return memoryview(self.arena).toreadonly()

@@ -116,6 +116,9 @@ class DaemonConfig:
     stream_stall_s: float = 120.0  # an output download that makes no progress this long is closed
     retention_s: float = 600.0
     drain_grace_s: float = 30.0
+    # a worker still computing a batch whose jobs have all ended (cancelled, past their deadline) this long is
+    # killed and replaced, so its model serves again: one step of a large forward is not interrupted (0: never)
+    orphan_grace_s: float = 30.0
     encode_threads: int = max(1, min(4, os.cpu_count() or 1))
     png_compress_level: int = 4
     worker_start_timeout_s: float = 900.0
@@ -248,8 +251,8 @@ class DaemonConfig:
         for name in ("queue_size", "arena_mb", "encode_threads", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "slot_timeout_s", "stream_stall_s",
-                     "keep_days", "keep_gb"):
+        for name in ("batch_wait_ms", "retention_s", "drain_grace_s", "orphan_grace_s", "slot_timeout_s",
+                     "stream_stall_s", "keep_days", "keep_gb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.job_timeout_s <= 0:

@@ -453,6 +453,7 @@ class Engine(OutputAccess):
             for worker, ids in cancels.items():
                 with contextlib.suppress(Exception):
                     worker.cancel(ids)
+            self.flights.jobs_ended(cancels)
             log.info("job %s %s: %s", job.id, status.value, message)
         self.metrics.jobs_total.labels(status.value).inc()
         asyncio.get_running_loop().call_later(self.config.retention_s, self._expire, job.id)

@@ -62,6 +62,7 @@ class Flights:
         self.in_flight: dict[WorkerLink, collections.deque[Batch]] = {}
         self._batch_ids = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._orphans_killed: set[WorkerLink] = set()  # killed for a batch no job wanted (``jobs_ended``)
 
     def dispatch(self) -> None:
         if self.held():
@@ -277,16 +278,60 @@ class Flights:
                 self._leave_compute(batch)
 
     def lost(self, worker: WorkerLink) -> list[Item]:
-        """A worker ended: forget its batches, and return the items it had not delivered."""
-        undelivered = []
+        """A worker ended: forget its batches, and return the items it had not delivered. A worker the engine
+        killed for a batch no job wanted (``jobs_ended``) had not started the batch behind it: that one's items
+        go back to the head of the queue, for the worker that replaces it or another."""
+        undelivered, requeue = [], []
+        killed = worker in self._orphans_killed
+        self._orphans_killed.discard(worker)
         for batch in list(self.batches.values()):
             if batch.worker is not worker:
                 continue
-            undelivered += [i for i in batch.items if not i.job.terminal and i.desc is None and not i.done]
+            open_items = [i for i in batch.items if not i.job.terminal and i.desc is None and not i.done]
+            if killed and not batch.computing:
+                requeue += open_items
+            else:
+                undelivered += open_items
             del self.batches[batch.id]
             self._finished(batch)
         self.in_flight.pop(worker, None)
+        for item in requeue:
+            item.worker, item.batch_id = None, None
+        if requeue:
+            self.scheduler.requeue_front(requeue)
         return undelivered
+
+    # a batch whose jobs all ended, which its worker still computes (review44-b 2) ----------------------
+    def jobs_ended(self, workers: Iterable[WorkerLink]) -> None:
+        """Jobs running on ``workers`` ended (cancelled, past their deadline), and each was told. A worker sees
+        it at its next step, but one step of a large forward can take minutes (a 4000² edit on a small model
+        took over ten), while the model serves no one: a worker whose computing batch serves no job
+        ``orphan_grace_s`` later is killed, and the pool replaces it."""
+        grace = self.pool.config.orphan_grace_s
+        if grace <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        for worker in workers:
+            batch = self._orphaned(worker)
+            if batch is not None:
+                loop.call_later(grace, self._kill_orphaned, worker, batch, grace)
+
+    def _orphaned(self, worker: WorkerLink) -> Batch | None:
+        queue = self.in_flight.get(worker)
+        batch = queue[0] if queue else None
+        if batch is None or not batch.computing or batch.compute_done:
+            return None
+        return batch if all(i.job.terminal for i in batch.items) else None
+
+    def _kill_orphaned(self, worker: WorkerLink, batch: Batch, grace: float) -> None:
+        if self._orphaned(worker) is not batch or worker.state != WorkerState.READY:
+            return  # it finished the batch, or it is gone already
+        jobs = ", ".join(sorted({i.job.id for i in batch.items}))
+        log.warning("%s still computes batch %d %.0f s after its jobs ended (%s): killing it so that %s serves "
+                    "again (a step is not interrupted mid-way; the pool starts another worker; "
+                    "--orphan-grace-s sets the wait)", worker.name, batch.id, grace, jobs, worker.config.model_name)
+        self._orphans_killed.add(worker)
+        worker.kill()
 
     def _finished(self, batch: Batch) -> None:
         name = batch.worker.config.model_name
