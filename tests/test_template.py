@@ -112,7 +112,9 @@ async def test_with_the_template_killed_workers_start_fresh_and_jobs_go_on(daemo
         new = (await asyncio.wait_for(_worker(s, other_than=pid), 60))["pid"]
         assert _parent(new) == daemon.proc.pid  # a fresh interpreter, spawned by the engine itself
         assert (await wait_job(s, await _submit(s), timeout=60))["status"] == "succeeded"
-    assert f"worker 1 (pid {pid}, cpu) ended; its exit status is unknown" in daemon.log()
+    # the whole sentence (review44-a 6: it read "... (the worker template it was forked from it died)")
+    assert f"worker 1 (pid {pid}, cpu) ended; its exit status is unknown (its worker template stopped: it was " \
+        "killed by signal SIGKILL)" in daemon.log()
 
 
 # the messages and the flag ----------------------------------------------------------------------------------

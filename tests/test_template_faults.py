@@ -9,6 +9,7 @@ runs a job on it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import socket
@@ -19,27 +20,32 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from workerkit import Driver, config
 
+import diffusiond.daemon.workers.template as templates
 import diffusiond.ipc.messages as m
 from diffusiond.daemon.workers.handle import WorkerHandle
 from diffusiond.daemon.workers.link import WorkerStartError
 from diffusiond.daemon.workers.template import ForkedProcess, Template
 from diffusiond.ipc.template import MAX_MESSAGE, Exited, Fork, Forked, Status, decode_request, encode, socketpair
+from diffusiond.protocol import WorkerState
 
 PARAMS = m.BatchParams(width=32, height=32, steps=2, guidance=1.0)
 Script = Callable[["Fake", Fork], None]
 
 
 class Fake:
-    """The template's side of the socketpair: says ``status``, then answers each FORK with ``script``."""
+    """The template's side of the socketpair: says ``status`` (None: nothing, its imports hang), then answers each
+    FORK with ``script``. ``stand_in`` is the process the engine kills when it breaks and reaps."""
 
-    def __init__(self, status: Status, script: Script) -> None:
+    def __init__(self, status: Status | None, script: Script, stand_in: tuple[str, ...] = ("sleep", "60")) -> None:
         self.script = script
         self.kept: list[socket.socket] | None = None  # the channels received, where a test keeps them open
+        self.workers: list[subprocess.Popen[bytes]] = []  # real workers a script started, never waited for here
         mine, self.sock = socketpair()
-        self.stand_in = subprocess.Popen(["sleep", "60"])  # the process the engine kills when it breaks
+        self.stand_in = subprocess.Popen(stand_in)
         self.template = Template(self.stand_in, mine, "on")
         self.sock.setblocking(False)
-        self.send(status)
+        if status is not None:
+            self.send(status)
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
 
     def send(self, *msgs: Forked | Exited | Status, pidfd: int | None = None) -> None:
@@ -69,6 +75,9 @@ class Fake:
     async def stop(self) -> None:
         self.close()
         self.stand_in.kill()
+        for worker in self.workers:
+            worker.kill()
+            worker.wait()
         await self.template.close()
 
 
@@ -76,8 +85,8 @@ class Fake:
 async def fake_of() -> AsyncIterator[Callable[[Status, Script], Fake]]:
     fakes: list[Fake] = []
 
-    def make(status: Status, script: Script) -> Fake:
-        fakes.append(Fake(status, script))
+    def make(status: Status | None, script: Script, stand_in: tuple[str, ...] = ("sleep", "60")) -> Fake:
+        fakes.append(Fake(status, script, stand_in))
         return fakes[-1]
 
     yield make
@@ -222,3 +231,124 @@ async def test_a_worker_the_template_cannot_fork_starts_fresh_and_runs_its_job(f
         assert result.array is not None and result.array.shape == (32, 32, 3)
     # a refused fork is that worker's alone; the others break the template for every later start
     assert fake.template.broken is None if broken is None else re.match(broken, fake.template.broken or "")
+
+
+async def _until(check: Callable[[], object], timeout: float = 30) -> None:
+    async def poll() -> None:
+        while not check():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+def _forks_then_goes_quiet(fake: Fake, fork: Fork) -> None:
+    """A template that forks (here: a real worker, spawned on the channel it was sent) and then says nothing more,
+    as one stopped (SIGSTOP, a cgroup freezer, a debugger) or wedged: no EXITED comes, and its ended child stays
+    a zombie, reaped by no one (here: until the fixture's end)."""
+    assert fake.kept
+    channel = fake.kept.pop()
+    worker = subprocess.Popen([sys.executable, "-m", "diffusiond.worker", "--fd", str(channel.fileno())],
+                              pass_fds=(channel.fileno(),), stdin=subprocess.DEVNULL, env={**os.environ, **fork.env})
+    channel.close()
+    fake.workers.append(worker)
+    pidfd = os.pidfd_open(worker.pid)
+    fake.send(Forked(fork.seq, pid=worker.pid), pidfd=pidfd)
+    os.close(pidfd)
+
+
+@pytest.mark.parametrize("end", ["dies", "is stopped"])
+async def test_a_forked_worker_whose_end_its_template_never_reports_is_still_seen_to_end(  # type: ignore[no-untyped-def]
+        fake_of, monkeypatch, end: str) -> None:
+    """review44-a 2: its end was seen only through EXITED, so with the template stopped a dead worker stayed
+    ``ready`` and was never replaced, and the daemon's stop waited for one it had stopped, for good."""
+    monkeypatch.setattr(templates, "EXIT_GRACE_S", 0.2)
+    fake = fake_of(Status(True, pid=1), _forks_then_goes_quiet)
+    fake.kept = []
+    driver = Driver(config("synthetic:compute_ms=1"))
+    driver.handle = WorkerHandle(driver.handle.config, on_frame=driver._on_frame, on_lost=driver._on_lost,
+                                 template=fake.template)
+    async with driver:
+        assert isinstance(driver.handle.proc, ForkedProcess)
+        (result,) = await driver.run(PARAMS, [7])
+        assert result.array is not None
+        (worker,) = fake.workers
+        if end == "dies":
+            worker.kill()
+            await _until(lambda: driver.lost)
+        else:  # the daemon stops: SHUTDOWN, and the worker exits
+            await asyncio.wait_for(driver.handle.stop(timeout=10), 30)
+    assert driver.handle.state == WorkerState.DEAD
+    why = f"it did not report the end of worker pid {worker.pid} within 0.2s"
+    reason = f"worker 0 (pid {worker.pid}, cpu) ended; its exit status is unknown (its worker template stopped: {why})"
+    assert driver.handle.lost_reason == reason
+    assert driver.lost == ([reason] if end == "dies" else [])  # a worker the engine stopped is not reported lost
+    assert fake.template.broken == why  # it no longer answers: later workers start fresh
+    assert await asyncio.to_thread(fake.stand_in.wait, 10) == -9  # and it was killed
+
+
+async def test_a_template_whose_imports_hang_leaves_the_fresh_worker_a_whole_start_timeout(fake_of) -> None:  # type: ignore[no-untyped-def]
+    """review44-a 3: the template's imports took the worker's whole start timeout, then the fresh interpreter
+    started in its place got the 0 s left and was killed at once, failing the daemon's start."""
+    fake = fake_of(None, _exits_at_once)  # it never says READY
+    driver = Driver(config("synthetic:compute_ms=1"), start_timeout=20)
+    driver.handle = WorkerHandle(driver.handle.config, on_frame=driver._on_frame, on_lost=driver._on_lost,
+                                 template=fake.template)
+    async with driver:
+        assert isinstance(driver.handle.proc, asyncio.subprocess.Process)
+        (result,) = await driver.run(PARAMS, [7])
+        assert result.array is not None
+    assert fake.template.broken == "its imports did not finish within 20s"
+
+
+async def test_a_hung_templates_imports_and_fork_are_bounded_on_their_own_terms(fake_of, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """review44-a 3 and 6: the imports' wait is bounded whatever the start timeout (900 s by default), the fork's
+    by what is left of it, and each says what timed out (``str(TimeoutError())`` is empty)."""
+    monkeypatch.setattr(templates, "IMPORTS_TIMEOUT_S", 0.5)
+    channel = os.open(os.devnull, os.O_RDONLY)
+    hung = fake_of(None, _exits_at_once)
+    assert await asyncio.wait_for(hung.template.fork({}, "INFO", channel, 900), 30) is None
+    assert hung.template.broken == "its imports did not finish within 0.5s"
+    quiet = fake_of(Status(True, pid=1), lambda fake, fork: None)  # never answers a FORK
+    assert await asyncio.wait_for(quiet.template.fork({}, "INFO", channel, 1), 20) is None  # 1 s left, not 30 s
+    assert quiet.template.broken == "it did not answer a fork request within 1s"
+    os.close(channel)
+
+
+ENDS_BEFORE_A_FORK = {
+    "unusable": (Status(False, "RuntimeError: the imports started threads (x); a fork copies only one", 7),
+                 ("sh", "-c", "exit 1"), "it is unusable: RuntimeError: the imports started threads (x); "
+                 "a fork copies only one"),
+    "killed": (Status(True, pid=7), ("sleep", "60"), "it was killed by signal SIGKILL"),
+}
+
+
+@pytest.mark.parametrize("end", ENDS_BEFORE_A_FORK)
+async def test_a_template_that_ends_before_any_fork_is_reaped_and_says_why(  # type: ignore[no-untyped-def]
+        fake_of, monkeypatch, caplog, end: str) -> None:
+    """review44-a 4 and 5: read from the first fork only, it stayed <defunct> with nothing logged until then (with
+    ``--preload none``, maybe for good), and an unusable one's reason, queued with its EOF, was logged as "it died"."""
+    status, stand_in, why = ENDS_BEFORE_A_FORK[end]
+    fake = fake_of(status, _exits_at_once, stand_in)
+    if end == "killed":
+        fake.stand_in.kill()
+    fake.close()  # its EOF, queued behind its status
+    monkeypatch.setattr(templates, "_SPAWNED", fake.template)
+    assert templates.claim() is fake.template  # as the pool takes it, on the loop: no fork needed from here
+    line = (f"the worker template (pid {fake.stand_in.pid}) stopped forking workers: {why}; workers start as "
+            "fresh interpreters from now on")
+    await _until(lambda: line in caplog.text)
+    assert fake.stand_in.returncode is not None  # reaped
+    assert fake.template.broken == why
+
+
+async def test_a_start_that_times_out_leaves_no_exception_unretrieved(caplog) -> None:  # type: ignore[no-untyped-def]
+    """review44-a 7: the worker is reaped after its start gave up waiting, and the exception its READY future
+    then got was logged by asyncio with a traceback, as an error ("Future exception was never retrieved")."""
+    handle = WorkerHandle(config("synthetic:compute_ms=1"), on_frame=lambda *_: None, on_lost=lambda *_: None)
+    with pytest.raises(WorkerStartError, match=r"did not load 'synthetic:compute_ms=1'"):
+        await handle.start(timeout=0.05)
+    await asyncio.wait_for(handle.wait_lost(), 30)
+    del handle
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text

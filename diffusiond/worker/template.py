@@ -129,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _imports(args.libraries, quiet)
     except Exception as exc:
-        log.debug("the template's imports failed", exc_info=True)
-        _send(sock, Status(False, f"{type(exc).__name__}: {exc}", os.getpid()))
+        why = f"{type(exc).__name__}: {exc}"
+        # said here too, not only to the engine, which may be gone or not reading (review44-a 4); the traceback
+        # only at DEBUG, as the reason names what to do
+        log.warning("cannot fork workers: %s; workers start as fresh interpreters", why,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        _send(sock, Status(False, why, os.getpid()))
         return 1
     if not _send(sock, Status(True, pid=os.getpid())):
         return 0  # the engine stopped during the imports

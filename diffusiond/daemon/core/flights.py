@@ -70,6 +70,7 @@ class Flights:
         now = time.monotonic()
         wake_at: float | None = None
         self.keeper.review()  # whose turn it is on each device, before any model is asked
+        failed: set[WorkerLink] = set()  # a worker a batch could not be sent to takes none again this pass
         # the model whose job has waited longest is asked first: when a move has just made room on a
         # device, the model it was made for takes it, not one whose job came while the move ran
         for model in sorted(self.pool.models.values(), key=self._waited_since):
@@ -87,6 +88,7 @@ class Flights:
             self._hold(waiting, None)
             while True:
                 ready = [w for w in model.workers if w.state == WorkerState.READY and w not in self.pool.preparing
+                         and w not in failed
                          and len(self.in_flight.setdefault(w, collections.deque())) < MAX_BATCHES_PER_WORKER]
                 if not ready:
                     break
@@ -98,7 +100,10 @@ class Flights:
                 if isinstance(got, Wait):
                     wake_at = got.until if wake_at is None else min(wake_at, got.until)
                     break
-                self._send(worker, got)
+                if not self._send(worker, got):
+                    # review44-a 1: picked again at once, a READY worker whose channel had closed took the
+                    # requeued batch again, for ever, and the loop never yielded to reap it
+                    failed.add(worker)
         if wake_at is not None:
             if self._timer is not None:
                 self._timer.cancel()
@@ -123,7 +128,8 @@ class Flights:
                 job.held = why
                 job.emit(Event.STATUS)
 
-    def _send(self, worker: WorkerLink, items: list[Item]) -> None:
+    def _send(self, worker: WorkerLink, items: list[Item]) -> bool:
+        """Send a batch; False when it could not be sent (its items are back at the head of the queue)."""
         self._batch_ids += 1
         batch = Batch(self._batch_ids, worker, items, open_items=len(items))
         req = items[0].job.request
@@ -137,7 +143,7 @@ class Flights:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self.scheduler.requeue_front(items)
-            return
+            return False
         self.batches[batch.id] = batch
         for i in items:
             i.worker, i.batch_id = worker, batch.id
@@ -147,6 +153,7 @@ class Flights:
         queue.append(batch)
         if len(queue) == 1:
             self._start_computing(batch)
+        return True
 
     @staticmethod
     def _specs(items: list[Item], fds: list[int]) -> list[RequestSpec]:

@@ -116,6 +116,9 @@ class WorkerHandle:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout  # one bound for the template's imports, the fork and the load
         self._ready_fut = loop.create_future()
+        # a start that timed out or was cancelled no longer awaits it when _reap fails it: read here, or asyncio
+        # logs "Future exception was never retrieved" with a traceback (review44-a 7)
+        self._ready_fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._exited = loop.create_future()
         mine, theirs = socketpair()
         env = {**os.environ, **self.env}
@@ -129,6 +132,7 @@ class WorkerHandle:
                     mine.close()
                     theirs.close()
                     mine, theirs = socketpair()
+                    deadline = loop.time() + timeout  # its own, whatever the template took (review44-a 3)
             if self.proc is None:
                 self.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
@@ -190,7 +194,7 @@ class WorkerHandle:
     # commands -------------------------------------------------------------------------------
     def execute(self, batch: Execute, fds: Sequence[int] = ()) -> None:
         if self.channel is None or self.channel.closed:
-            raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
+            raise ChannelClosed(f"{self.name} is not connected ({self._unconnected()})")
         self.channel.post(batch, fds, close_fds=True)
 
     def cancel(self, request_ids: list[str]) -> None:
@@ -215,7 +219,7 @@ class WorkerHandle:
                 if self.channel is None or self.channel.closed:
                     for fd in fds:
                         os.close(fd)
-                    raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
+                    raise ChannelClosed(f"{self.name} is not connected ({self._unconnected()})")
                 self.channel.post(msg, fds, close_fds=True)
             else:
                 self._post(msg)
@@ -223,9 +227,14 @@ class WorkerHandle:
         finally:
             self._acks.pop(ack_id, None)
 
+    def _unconnected(self) -> str:
+        if self.lost_reason:
+            return self.lost_reason
+        return "not started" if self.channel is None else "its channel closed"  # review44-a 1: it had started
+
     def _post(self, msg: Execute | Cancel | Command) -> None:
         if self.channel is None or self.channel.closed:
-            raise ChannelClosed(f"{self.name} is not connected ({self.lost_reason or 'not started'})")
+            raise ChannelClosed(f"{self.name} is not connected ({self._unconnected()})")
         self.channel.post(msg)
 
     # outputs --------------------------------------------------------------------------------
@@ -353,9 +362,14 @@ class WorkerHandle:
         self.channel.close(ProtocolError(text))
 
     def _on_close(self, reason: BaseException | None) -> None:
-        asyncio.ensure_future(self._reap(reason))  # noqa: RUF006 - _exited holds the outcome
+        # no batch or command for it from now on, though reaping its process takes a while (review44-a 1: left
+        # READY, it took every batch dispatch sent, each failing and requeued, with the loop never yielding)
+        live = self.state in (WorkerState.READY, WorkerState.SLEEPING)
+        if live:
+            self.state = WorkerState.STOPPING
+        asyncio.ensure_future(self._reap(reason, live))  # noqa: RUF006 - _exited holds the outcome
 
-    async def _reap(self, reason: BaseException | None) -> None:
+    async def _reap(self, reason: BaseException | None, live: bool) -> None:
         assert self.proc is not None and self._exited is not None
         if isinstance(reason, ProtocolError):
             self.kill()  # nothing it sends can be trusted any more
@@ -364,7 +378,6 @@ class WorkerHandle:
         except TimeoutError:
             self.kill()
             rc = await self.proc.wait()
-        was = self.state
         self.state = WorkerState.DEAD
         parts = [f"{self.name} {getattr(self.proc, 'exit_note', '') or describe_exit(rc)}"]
         if isinstance(reason, ProtocolError):
@@ -379,7 +392,7 @@ class WorkerHandle:
             self._ready_fut.set_exception(WorkerStartError(self.lost_reason))
         if not self._exited.done():
             self._exited.set_result(rc)
-        if was in (WorkerState.READY, WorkerState.SLEEPING):  # one that never became ready is reported by start()
+        if live and not self.asked_to_stop:  # one that never became ready is reported by start()
             self.on_lost(self, self.lost_reason)
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()
