@@ -187,7 +187,7 @@ class Template:
                 socket.send_fds(self.sock, [encode(Fork(self._seq, env, log_level))], [fd])
                 forked = await asyncio.wait_for(reply, wait)
             except TimeoutError:  # str(TimeoutError()) is empty: the message says what timed out (review44-a 6)
-                self._break(f"it did not answer a fork request within {wait:.3g}s")
+                self._break(f"it did not answer a fork request within {wait:.1f}s")
                 return None
             except OSError as exc:
                 self._break(f"a fork request failed: {type(exc).__name__}: {exc}")
