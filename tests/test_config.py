@@ -44,6 +44,16 @@ def test_config_errors_name_the_setting(overrides: dict[str, object], words: str
         build_config({}, overrides)
 
 
+def test_a_config_files_nan_or_inf_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    """TOML has nan and inf, which the flags refuse (review44-b 6): a grace of nan made a stop wait forever."""
+    for text, name in (("drain_grace_s = nan", "drain_grace_s"), ("orphan_grace_s = inf", "orphan_grace_s"),
+                       ("job_timeout_s = -inf", "job_timeout_s")):
+        f = tmp_path / "c.toml"
+        f.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=f"{name} must be a finite number"):
+            build_config(load_toml(f), {"model": ["tiny"], "device": "cpu"})
+
+
 def test_config_bad_toml_names_the_file(tmp_path: Path) -> None:
     f = tmp_path / "bad.toml"
     f.write_text("max_batch = = 3")

@@ -8,6 +8,7 @@ traceback is a bad first experience.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -224,6 +225,10 @@ class DaemonConfig:
     def validate(self) -> DaemonConfig:
         if not self.models:
             raise ConfigError("no model configured; give --model tiny (or a folder, hub id or .safetensors file)")
+        for f in fields(self):  # a TOML file's nan or inf, which the flags refuse (review44-b 6); inf only where
+            value = getattr(self, f.name)  # it is the default's own meaning (max_keep_alive_s: no cap)
+            if isinstance(value, float) and not math.isfinite(value) and not (value == f.default == math.inf):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ConfigError(f"model names must be unique, got {names}; use --model NAME=SPEC")
