@@ -253,8 +253,8 @@ def _add_serve(sub: Any) -> None:
     add("--retention-s", type=finite_float, metavar="S", help="how long a finished job stays in memory (600)")
     add("--drain-grace-s", type=finite_float, metavar="S", help="on SIGTERM, how long running jobs get to finish (30)")
     add("--orphan-grace-s", type=finite_float, metavar="S",
-        help="a worker still computing a batch whose jobs all ended (cancelled, past their deadline) this long is "
-             "killed and replaced, so its model serves again (30; 0: never)")
+        help="a worker still computing a batch whose jobs all ended (cancelled, past their deadline) this long, "
+             "while other jobs wait for its model, is killed and replaced so the model serves again (60; 0: never)")
     add("--png-compress-level", type=int, metavar="N", help="0-9: smaller PNGs against encoding time (4)")
     add("--encode-threads", type=int, metavar="N", help="threads that encode outputs (the CPU count, at most 4)")
     add("--slot-timeout-s", type=finite_float, metavar="S", help="how long a copy waits for a free arena slot (30)")

@@ -64,6 +64,57 @@ async def test_a_worker_whose_batch_still_serves_a_job_or_that_finishes_in_time_
     await h.close()
 
 
+async def test_with_no_job_waiting_the_worker_is_left_to_finish_until_one_comes() -> None:
+    """A decode or a compile has no step to stop at, and a reload of a large model can cost more than it saves:
+    no kill while no one waits for the model (review44-d 1); one is due a grace after a job comes."""
+    h = Harness(max_batch=1, orphan_grace_s=0.1)
+    await h.engine.start()
+    stuck = h.submit(timeout_s=0.05)
+    await h.settle(stuck)
+    await asyncio.sleep(0.4)
+    assert not h.worker.killed and len(h.spawned) == 1
+    behind = h.submit()
+    first = h.worker
+
+    async def killed() -> None:
+        while not first.killed:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(killed(), 5)
+    assert behind.status != JobStatus.FAILED, behind.error
+    await h.close()
+
+
+async def test_the_batch_behind_that_started_as_the_kill_went_out_is_requeued_not_failed(monkeypatch: Any) -> None:
+    """The orphan's COMPUTE_DONE already in the socket when the kill is sent starts the batch behind it, which
+    the killed worker never ran (review44-d 2): it goes back to the queue with the rest."""
+    h = Harness(max_batch=1, orphan_grace_s=0.1)
+    await h.engine.start()
+    stuck = h.submit(timeout_s=0.05)
+    behind = h.submit()
+    first = h.worker
+    orphan = first.executed[0]
+
+    def kill_after_compute_done() -> None:
+        first.compute_done(orphan)  # read before the loss: the batch behind is computing now
+        first.killed = True
+        first.die()
+
+    monkeypatch.setattr(first, "kill", kill_after_compute_done)
+    await h.settle(stuck)
+
+    async def runs_again() -> None:
+        while len(h.spawned) < 2 or not h.worker.executed:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(runs_again(), 5)
+    assert behind.status != JobStatus.FAILED, behind.error
+    h.worker.finish(h.worker.executed[0])
+    await h.settle(behind)
+    assert behind.status == JobStatus.SUCCEEDED
+    await h.close()
+
+
 async def test_a_real_worker_inside_one_long_step_of_an_ended_job_is_replaced_and_the_next_job_runs(
         daemon_factory: Any) -> None:
     """The review's case on a real daemon: a job past its deadline inside one five-minute step (synthetic), and a
@@ -85,6 +136,6 @@ async def test_a_real_worker_inside_one_long_step_of_an_ended_job_is_replaced_an
         ended = await job_state(s, stuck["id"])
         assert ended["status"] == "failed" and ended["error"]["code"] == "deadline_exceeded", ended
         assert gone(first_pid)
-        assert "still computes batch" in d.log() and "killing it so that hold serves again" in d.log()
+        assert "still computes batch" in d.log() and "wait for hold: killing it" in d.log()
         async with s.delete(f"/v1/jobs/{behind['id']}?finished=keep") as r:  # its worker goes the same way
             assert r.status == 200, await r.text()

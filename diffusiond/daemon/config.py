@@ -119,7 +119,7 @@ class DaemonConfig:
     drain_grace_s: float = 30.0
     # a worker still computing a batch whose jobs have all ended (cancelled, past their deadline) this long is
     # killed and replaced, so its model serves again: one step of a large forward is not interrupted (0: never)
-    orphan_grace_s: float = 30.0
+    orphan_grace_s: float = 60.0
     encode_threads: int = max(1, min(4, os.cpu_count() or 1))
     png_compress_level: int = 4
     worker_start_timeout_s: float = 900.0

@@ -62,7 +62,8 @@ class Flights:
         self.in_flight: dict[WorkerLink, collections.deque[Batch]] = {}
         self._batch_ids = 0
         self._timer: asyncio.TimerHandle | None = None
-        self._orphans_killed: set[WorkerLink] = set()  # killed for a batch no job wanted (``jobs_ended``)
+        self._orphans_killed: dict[WorkerLink, int] = {}  # killed for this batch, which no job wanted (``jobs_ended``)
+        self._orphan_timers: set[int] = set()  # batches a kill timer watches
 
     def dispatch(self) -> None:
         if self.held():
@@ -286,16 +287,16 @@ class Flights:
 
     def lost(self, worker: WorkerLink) -> list[Item]:
         """A worker ended: forget its batches, and return the items it had not delivered. A worker the engine
-        killed for a batch no job wanted (``jobs_ended``) had not started the batch behind it: that one's items
-        go back to the head of the queue, for the worker that replaces it or another."""
+        killed for a batch no job wanted (``jobs_ended``) ran nothing else of use: the items of its other batches
+        (the one behind, which may have started as the kill went out) go back to the head of the queue, for the
+        worker that replaces it or another, instead of failing with it (review44-d 2)."""
         undelivered, requeue = [], []
-        killed = worker in self._orphans_killed
-        self._orphans_killed.discard(worker)
+        orphan = self._orphans_killed.pop(worker, None)
         for batch in list(self.batches.values()):
             if batch.worker is not worker:
                 continue
             open_items = [i for i in batch.items if not i.job.terminal and i.desc is None and not i.done]
-            if killed and not batch.computing:
+            if orphan is not None and batch.id != orphan:  # run again from the start: nothing of it was delivered
                 requeue += open_items
             else:
                 undelivered += open_items
@@ -303,7 +304,7 @@ class Flights:
             self._finished(batch)
         self.in_flight.pop(worker, None)
         for item in requeue:
-            item.worker, item.batch_id = None, None
+            item.worker, item.batch_id, item.stage = None, None, Stage.QUEUED
         if requeue:
             self.scheduler.requeue_front(requeue)
         return undelivered
@@ -313,15 +314,17 @@ class Flights:
         """Jobs running on ``workers`` ended (cancelled, past their deadline), and each was told. A worker sees
         it at its next step, but one step of a large forward can take minutes (a 4000² edit on a small model
         took over ten), while the model serves no one: a worker whose computing batch serves no job
-        ``orphan_grace_s`` later is killed, and the pool replaces it."""
+        ``orphan_grace_s`` later, while other jobs wait for its model, is killed, and the pool replaces it. With
+        none waiting it is left to finish (a decode or a compile has no step to stop at, and a reload of a large
+        model can cost more than it saves: review44-d 1), and looked at again a grace later."""
         grace = self.pool.config.orphan_grace_s
         if grace <= 0:
             return
-        loop = asyncio.get_running_loop()
         for worker in workers:
             batch = self._orphaned(worker)
-            if batch is not None:
-                loop.call_later(grace, self._kill_orphaned, worker, batch, grace)
+            if batch is not None and batch.id not in self._orphan_timers:  # one timer a batch (review44-d 5)
+                self._orphan_timers.add(batch.id)
+                asyncio.get_running_loop().call_later(grace, self._kill_orphaned, worker, batch, grace)
 
     def _orphaned(self, worker: WorkerLink) -> Batch | None:
         queue = self.in_flight.get(worker)
@@ -332,12 +335,20 @@ class Flights:
 
     def _kill_orphaned(self, worker: WorkerLink, batch: Batch, grace: float) -> None:
         if self._orphaned(worker) is not batch or worker.state != WorkerState.READY:
+            self._orphan_timers.discard(batch.id)
             return  # it finished the batch, or it is gone already
+        name = worker.config.model_name
+        behind = self.scheduler.outputs(name) + sum(len(b.items) for b in self.in_flight[worker] if b is not batch)
+        if not behind:  # no one waits for the model: let it finish, and look again
+            asyncio.get_running_loop().call_later(grace, self._kill_orphaned, worker, batch, grace)
+            return
+        self._orphan_timers.discard(batch.id)
         jobs = ", ".join(sorted({i.job.id for i in batch.items}))
-        log.warning("%s still computes batch %d %.0f s after its jobs ended (%s): killing it so that %s serves "
-                    "again (a step is not interrupted mid-way; the pool starts another worker; "
-                    "--orphan-grace-s sets the wait)", worker.name, batch.id, grace, jobs, worker.config.model_name)
-        self._orphans_killed.add(worker)
+        log.warning("%s still computes batch %d at least %.0f s after its jobs ended (%s), while %d outputs wait "
+                    "for %s: killing it so that the model serves again (a step is not interrupted mid-way; the "
+                    "pool starts another worker; --orphan-grace-s sets the wait)", worker.name, batch.id, grace, jobs,
+                    behind, name)
+        self._orphans_killed[worker] = batch.id
         worker.kill()
 
     def _finished(self, batch: Batch) -> None:
