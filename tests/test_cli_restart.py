@@ -108,3 +108,33 @@ def test_generate_names_its_job_when_the_daemon_does_not_come_back(
             f"running job resumes when it starts again): `diffusiond history`, or GET /v1/jobs/{job['id']}") in err
     assert "Start one" not in err and "Transfer" not in err
     assert not (tmp_path / "x.png").exists()
+
+
+async def test_a_daemon_said_to_be_back_is_followed_again_even_after_the_last_loss_allowed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """review44-d 3: after its fifth loss generate waited for the daemon, said it was back, and gave up without
+    following the job; the losses it allows are waited out, and the one after them gives up at once."""
+    import diffusiond.commands.follow as follow
+    from diffusiond.client.errors import DaemonUnreachable
+
+    losses = {"n": 0}
+
+    async def events(client: Any, job_id: str, *args: Any) -> dict[str, Any]:
+        if losses["n"] < follow.RECONNECTS:
+            losses["n"] += 1
+            raise DaemonUnreachable("/x.sock", "connection lost")
+        return {"id": job_id, "status": "succeeded"}
+
+    async def back(client: Any, job_id: str, deadline: Any) -> None:
+        return None
+
+    class Bar:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(follow, "follow_events", events)
+    monkeypatch.setattr(follow, "_back", back)
+    assert (await follow.follow(None, "j_1", Bar()))["status"] == "succeeded"  # type: ignore[arg-type]
+    losses["n"] = -1  # one loss more than allowed: given up at once, naming the job
+    with pytest.raises(follow.LostDaemon, match="j_1"):
+        await follow.follow(None, "j_1", Bar())  # type: ignore[arg-type]

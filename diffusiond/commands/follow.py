@@ -67,7 +67,7 @@ async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: fl
     goes away, waiting up to ``RECONNECT_S`` for it to come back (LostDaemon if it does not). ``timeout``
     bounds the whole, waits included (ClientTimeout)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    for _ in range(RECONNECTS):
+    for attempt in range(RECONNECTS + 1):  # a daemon said to be back is followed again (review44-d 3)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return await follow_events(client, job_id, bar, left, pane)
@@ -75,6 +75,8 @@ async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: fl
             if not _lost(exc):
                 raise
         bar.close()
+        if attempt == RECONNECTS:
+            break
         print(f"lost the daemon while following job {job_id}; it may be stopping or restarting: waiting up to "
               f"{RECONNECT_S:g} s for it to come back", file=sys.stderr, flush=True)
         await _back(client, job_id, deadline)
