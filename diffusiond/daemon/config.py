@@ -225,9 +225,10 @@ class DaemonConfig:
     def validate(self) -> DaemonConfig:
         if not self.models:
             raise ConfigError("no model configured; give --model tiny (or a folder, hub id or .safetensors file)")
-        for f in fields(self):  # a TOML file's nan or inf, which the flags refuse (review44-b 6); inf only where
-            value = getattr(self, f.name)  # it is the default's own meaning (max_keep_alive_s: no cap)
-            if isinstance(value, float) and not math.isfinite(value) and not (value == f.default == math.inf):
+        for f in fields(self):  # a TOML file's nan or inf, which the flags refuse (review44-b 6); inf only where it
+            value = getattr(self, f.name)  # means something: a keep-alive's "stay" (-1), max_keep_alive_s's "no cap"
+            if isinstance(value, float) and not math.isfinite(value) and not (value == math.inf
+                                                                               and "keep_alive" in f.name):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):

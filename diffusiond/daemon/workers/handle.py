@@ -392,7 +392,7 @@ class WorkerHandle:
             self._ready_fut.set_exception(WorkerStartError(self.lost_reason))
         if not self._exited.done():
             self._exited.set_result(rc)
-        if live and not self.asked_to_stop:  # one that never became ready is reported by start()
+        if live:  # a crash seen at the close, before any stop() (review44-d 4); one that never became ready: start()
             self.on_lost(self, self.lost_reason)
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()
