@@ -130,10 +130,7 @@ def concurrencies(text: str) -> tuple[int, ...]:
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = finite_float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
     return value
