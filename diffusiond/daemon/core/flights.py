@@ -338,7 +338,8 @@ class Flights:
             self._orphan_timers.discard(batch.id)
             return  # it finished the batch, or it is gone already
         name = worker.config.model_name
-        behind = self.scheduler.outputs(name) + sum(len(b.items) for b in self.in_flight[worker] if b is not batch)
+        behind = self.scheduler.outputs(name) + sum(not i.job.terminal for b in self.in_flight[worker] if b is not batch
+                                                    for i in b.items)
         if not behind:  # no one waits for the model: let it finish, and look again
             asyncio.get_running_loop().call_later(grace, self._kill_orphaned, worker, batch, grace)
             return
