@@ -24,6 +24,7 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/preview/0") == ("k3x9q2ab", "/v1/jobs/j_0a/preview/0")
     assert ids.route("GET", "/v1/loras") == (None, "/v1/loras")
     assert ids.route("GET", "/v1/ip-adapters") == (None, "/v1/ip-adapters")
+    assert ids.route("GET", "/v1/upscalers") == (None, "/v1/upscalers")  # review44-e 4
     assert ids.route("POST", "/v1/jobs") == (None, "/v1/jobs")
     assert ids.route("POST", "/v1/images/generations") == (None, "/v1/images/generations")
 
@@ -34,6 +35,9 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
     ("POST", "/v1/jobs/k3x9q2ab.j_0a/events", 405, "allowed are GET"),
     ("DELETE", "/v1/jobs", 405, "allowed are GET, POST"),
     ("POST", "/v1/admin/sleep", 404, "use its socket"),
+    # review44-e 4: not an admin route, and said so
+    ("POST", "/v1/models/tiny/load", 404, "not forwarded through Ray Serve: it moves a model in one daemon"),
+    ("POST", "/v1/models/tiny/unload", 404, "the router decides where models load"),
 ])
 def test_requests_no_daemon_can_answer_get_an_error_that_says_why(method: str, path: str, status: int,
                                                                    says: str) -> None:
@@ -52,6 +56,20 @@ def test_job_ids_and_urls_are_bound_to_the_replica_and_the_prompt_is_left_as_sen
     assert ids.bind_document(listing, "r1")["data"] == [{"id": "r1.j_0b"}, {"id": "tiny"}]
     assert ids.bind_document({"created": 1, "data": [], "job_id": "j_0c"}, "r1")["job_id"] == "r1.j_0c"
     assert ids.bind_header('inline; filename="j_0c-0.png"', "r1") == 'inline; filename="r1.j_0c-0.png"'
+
+
+def test_a_job_lists_next_page_goes_to_the_replica_that_listed_it_with_the_daemons_own_cursor() -> None:
+    """review44-e 3: ``next_before`` was left bare, so the next page went to any replica by load."""
+    page = {"object": "list", "data": [{"id": "j_00ab"}], "has_more": True, "next_before": "j_00ab"}
+    bound = ids.bind_document(page, "k3x9q2ab")
+    assert bound["next_before"] == "k3x9q2ab.j_00ab"
+    assert ids.route_query("GET", "/v1/jobs", f"limit=5&before={bound['next_before']}") == (
+        "k3x9q2ab", "limit=5&before=j_00ab")
+    assert ids.route_query("GET", "/v1/jobs", "limit=5") == (None, "limit=5")  # the first page: any replica
+    assert ids.route_query("GET", "/v1/jobs", "before=") == (None, "before=")  # the daemon reads it as none
+    with pytest.raises(ids.RouteError) as err:
+        ids.route_query("GET", "/v1/jobs", "before=j_00ab")  # a daemon's bare id: which replica's list?
+    assert err.value.status == 400 and err.value.field == "before" and "REPLICA.j_HEX" in str(err.value)
 
 
 def test_the_builder_reads_serve_run_strings_and_deploy_yaml_values_alike() -> None:
@@ -102,7 +120,8 @@ def test_each_replicas_daemon_keeps_its_jobs_in_a_state_dir_of_its_own(tmp_path:
     from diffusiond.ray.replica import own_state_dir
 
     private = tmp_path / "replica-a"
-    assert own_state_dir(["--model", "tiny"], private, "a")[-2:] == ["--state-dir", str(private / "state")]
+    assert own_state_dir(["--model", "tiny"], private, "a")[-3:] == ["--no-persist", "--state-dir",
+                                                                      str(private / "state")]
     shared = own_state_dir(["--state-dir", "/mnt/shared", "--model", "tiny"], private, "a")
     assert shared[:2] == ["--state-dir", "/mnt/shared/a"]
     assert own_state_dir(["--no-persist"], private, "a") == ["--no-persist"]

@@ -41,6 +41,9 @@ class Gateway:
                                 headers={"WWW-Authenticate": "Bearer"})
         try:
             replica, path = ids.route(request.method, request.url.path)
+            query = request.url.query
+            if replica is None:  # a job list's next page goes to the replica that gave its cursor
+                replica, query = ids.route_query(request.method, path, query)
         except ids.RouteError as exc:
             return JSONResponse(ids.error_body(exc.code, str(exc), exc.field), status_code=exc.status)
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
@@ -56,7 +59,7 @@ class Gateway:
                 doc = None  # the daemon answers 400 invalid_json naming what is wrong (or it is a form)
             key = ids.batch_key(doc)
             model = ids.model_of(doc)
-        call = Call(request.method, path, request.url.query, request.headers.get("content-type"), body, replica)
+        call = Call(request.method, path, query, request.headers.get("content-type"), body, replica)
         stream = self.daemons.forward.remote(msgspec.msgpack.encode(call), replica=replica, batch_key=key,
                                              model=model)
         try:

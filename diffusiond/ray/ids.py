@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
 from diffusiond.protocol import ErrorCode
 
@@ -20,12 +21,15 @@ _REPLICA = re.compile(r"[A-Za-z0-9_-]+")
 _JOB_PATH = re.compile(
     r"/v1/jobs/(?P<job>[^/]+)(?P<rest>(?:/events|/outputs/[^/]+(?:/trajectory/[^/]+|/audio)?|/preview/[^/]+)?)")
 
-# Routes the gateway forwards; the admin routes (sleep, wake, trace) act on one daemon and stay on its socket.
+# Routes the gateway forwards; the admin routes (sleep, wake, trace) and a model's load/unload act on one
+# daemon and stay on its socket.
 UNBOUND_ROUTES = frozenset({
     ("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/loras"), ("GET", "/health"), ("GET", "/ready"),
     ("GET", "/metrics"), ("GET", "/v1/controlnets"), ("GET", "/v1/ip-adapters"),
+    ("GET", "/v1/upscalers"),  # review44-e 4: missing since upscalers came (3e1227d), so no client could list them
 })
+_MODEL_RESIDENCY = re.compile(r"/v1/models/[^/]+/(?:load|unload)")
 BOUND_METHODS = {"": ("GET", "DELETE"), "/events": ("GET",), "/outputs": ("GET",), "/preview": ("GET",)}
 
 
@@ -67,8 +71,34 @@ def route(method: str, path: str) -> tuple[str | None, str]:
     if any(path == p for _, p in UNBOUND_ROUTES):
         methods = sorted(mm for mm, p in UNBOUND_ROUTES if p == path)
         raise RouteError(405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} {path}: allowed are {', '.join(methods)}")
+    if _MODEL_RESIDENCY.fullmatch(path):
+        # review44-e 4: not an admin route, so the old message misled; through Ray the router places
+        # models by where the daemons hold them, and a load here would reach one replica picked by load
+        raise RouteError(404, ErrorCode.NOT_FOUND,
+                         f"{method} {path} is not forwarded through Ray Serve: it moves a model in one daemon's "
+                         "memory, and here the router decides where models load (model_affinity, docs/scaling.md); "
+                         "send the request and the replica loads its model, or use one daemon's socket")
     raise RouteError(404, ErrorCode.NOT_FOUND,
-                     f"{path} is not served through Ray Serve (admin routes act on one daemon: use its socket)")
+                     f"{method} {path} is not forwarded through Ray Serve: no such route, or an admin route or the "
+                     "web page, which act on one daemon (use its socket)")
+
+
+def route_query(method: str, path: str, query: str) -> tuple[str | None, str]:
+    """(replica, query to send) for a job list's page: ``before=REPLICA.j_HEX`` (the ``next_before``
+    a page through the gateway gave) names the replica whose list it continues (review44-e 3), and the
+    daemon is sent its own id. Any other request keeps its query and goes where ``route`` sends it."""
+    if (method, path) != ("GET", "/v1/jobs") or "before" not in query:
+        return None, query
+    pairs = parse_qsl(query, keep_blank_values=True)
+    befores = [v for k, v in pairs if k == "before"]
+    if not befores or not befores[0]:  # the daemon reads the first, and an empty one as none
+        return None, query
+    replica, sep, daemon_id = befores[0].partition(SEP)
+    if not sep or not _REPLICA.fullmatch(replica) or not _DAEMON_ID.fullmatch(daemon_id):
+        raise RouteError(400, ErrorCode.INVALID_REQUEST,
+                         f"before={befores[0][:60]!r}: through Ray Serve it is a job id REPLICA.j_HEX, as a page's "
+                         "next_before gave it (a list continues on the replica that listed it)", field="before")
+    return replica, urlencode([(k, daemon_id if k == "before" else v) for k, v in pairs])
 
 
 def bind_document(doc: Any, replica: str) -> Any:
@@ -82,7 +112,8 @@ def bind_document(doc: Any, replica: str) -> Any:
         return doc
     out: dict[str, Any] = {}
     for key, value in doc.items():
-        if key in ("id", "job_id") and isinstance(value, str) and _DAEMON_ID.fullmatch(value):
+        # next_before: the cursor of a job list's page (review44-e 3), bound so the next page reaches that replica
+        if key in ("id", "job_id", "next_before") and isinstance(value, str) and _DAEMON_ID.fullmatch(value):
             out[key] = bind(replica, value)
         elif key == "url" and isinstance(value, str) and value.startswith("/v1/jobs/j_"):
             out[key] = "/v1/jobs/" + bind(replica, value.removeprefix("/v1/jobs/"))

@@ -348,23 +348,52 @@ class DaemonReplica:
             yield body
         elif ctype.startswith("text/event-stream"):
             yield msgspec.msgpack.encode(Head(resp.status, headers))
-            async for line in resp.content:  # one SSE line at a time: `data:` lines carry the job
-                if line.startswith(b"data: "):
-                    with contextlib.suppress(ValueError):
-                        doc = ids.bind_document(json.loads(line[6:]), store)
-                        line = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n"
-                yield line
+            async for part in relay_sse(resp.content.iter_any(), store):
+                yield part
         else:
             yield msgspec.msgpack.encode(Head(resp.status, headers))
             async for chunk in resp.content.iter_chunked(CHUNK):
                 yield chunk
 
 
+def _bind_sse_line(line: bytes, store: str) -> bytes:
+    """One SSE line, its ``data:`` JSON with the job's ids bound to ``store``."""
+    if line.startswith(b"data: "):
+        with contextlib.suppress(ValueError):
+            doc = ids.bind_document(json.loads(line[6:]), store)
+            return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+    return line
+
+
+async def relay_sse(chunks: AsyncIterator[bytes], store: str) -> AsyncIterator[bytes]:
+    """An event stream as it comes, its ``data:`` lines bound to ``store``. Lines are cut here from
+    the bytes, with no length limit: aiohttp's own line reader refuses a line over 512 KiB, and a
+    preview's PNG in base64 (max_side up to 1024) is longer, which cut the stream before its
+    terminal event (review44-e 2). The daemon is this replica's own, so its lines are trusted."""
+    pending = bytearray()
+    async for chunk in chunks:
+        pending += chunk
+        end = pending.rfind(b"\n")
+        if end < 0:
+            continue
+        whole, pending = bytes(pending[:end + 1]), pending[end + 1:]
+        lines = [line + b"\n" for line in whole[:-1].split(b"\n")]
+        yield b"".join(_bind_sse_line(line, store) for line in lines)
+    if pending:  # a stream cut mid-line: what came is passed on as it came
+        yield _bind_sse_line(bytes(pending), store)
+
+
 def own_state_dir(serve_args: list[str], private: Path, replica: str) -> list[str]:
     """The daemon's arguments with a state dir of this replica's own: a state dir holds one
     daemon (its lock), and replicas on one node would otherwise all take the XDG default. Given
-    ``--state-dir DIR`` (a shared volume, say), the replica uses ``DIR/<replica id>``; given
-    none, its private directory; ``--no-persist`` is left as it is."""
+    ``--state-dir DIR`` (a shared volume, say), the replica uses ``DIR/<replica id>``, where the
+    jobs it leaves wait to be read by hand.
+
+    Given none, the daemon keeps its jobs in memory (``--no-persist``, its compile cache in the
+    private directory): a store there would be removed with that directory at the replica's stop,
+    so a job the daemon left in it for its next start would never end, and its event stream would
+    close with no terminal event (review44-e 1). In memory, the daemon's drain on SIGTERM ends each
+    job it could not finish ``failed shutting_down`` with the reason, as on one machine."""
     args = list(serve_args)
     if "--no-persist" in args:
         return args
@@ -373,4 +402,4 @@ def own_state_dir(serve_args: list[str], private: Path, replica: str) -> list[st
         if i < len(args):
             args[i] = str(Path(args[i]) / replica)
         return args
-    return [*args, "--state-dir", str(private / "state")]
+    return [*args, "--no-persist", "--state-dir", str(private / "state")]
