@@ -211,3 +211,30 @@ async def test_a_dropped_async_handle_cancels_its_job(sock: str) -> None:
         while (job := await c.job(job_id))["status"] != "cancelled" and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert job["status"] == "cancelled", job
+
+
+def test_closing_a_shared_client_ends_another_threads_wait_with_a_client_error(sock: str) -> None:
+    # review44-f 1: the waiter got a raw RuntimeError from the loop's shutdown (or, outside a generator,
+    # would have waited forever); a handle's wait ended this way cancels its job, as an interrupt does
+    c = Client(sock)
+    handle = c.submit("close under me", **HOLD)  # type: ignore[arg-type]
+    running(handle)
+    got: list[BaseException | dict[str, Any]] = []
+
+    def waiter() -> None:
+        try:
+            got.append(handle.wait())
+        except BaseException as exc:  # the test reports whatever came
+            got.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.5)  # inside the wait (a wait that has not begun yet gets the same error)
+    c.close()
+    thread.join(30)
+    assert not thread.is_alive(), "the waiter still waits after close()"
+    assert len(got) == 1 and isinstance(got[0], ClientError) and "closed" in str(got[0]), got
+    with pytest.raises(ClientError, match="closed"):
+        c.job(handle.id)
+    with Client(sock) as other:
+        status_becomes(other, handle.id, "cancelled")

@@ -234,3 +234,29 @@ def test_the_models_panel_shows_each_models_attention_and_approximations() -> No
     rows = {cells[0]: cells[-2:] for cells in step["residency"]}
     assert rows["tiny"] == ["default", "none"]  # the exact default path
     assert rows["inpaint"] == ["flash", "cache=fbcache:0.1"]
+
+
+def test_previews_follow_each_models_flag_and_one_refusal_turns_off_no_other_model() -> None:
+    # review44-f 4: one model's refusal used to turn previews off for every model until a reload
+    models = {"object": "list", "data": [
+        {"id": "tiny", "task": "text-to-image", "edits": [], "state": "ready", "previews": True},
+        {"id": "sd3", "task": "text-to-image", "edits": [], "state": "ready", "previews": False}]}
+    answers = {**SERVED, "/v1/models": models, "refuse_preview": ["tiny"]}
+    first = {"check": {"previews": True}, "values": {"prompt": "a lighthouse"}}
+    steps = page([{"model": "sd3", **first, "submit": True}, {"model": "tiny", "submit": True},
+                  {"submit": True}], answers)["steps"]
+    # a model that cannot preview: the box is off, says why, and its job does not ask
+    assert (steps[0]["previews"], steps[0]["previews_title"]) == (False, "sd3 shows no previews")
+    assert "preview" not in steps[0]["body"] and steps[0]["posts"] == 1
+    # a model that says it can, yet refuses one job: that job goes again without, and the next still asks
+    assert steps[1]["previews"] and "preview" not in steps[1]["body"] and steps[1]["posts"] == 2
+    assert steps[2]["previews"] and steps[2]["posts"] == 2
+
+
+def test_a_daemon_without_preview_flags_that_refuses_one_is_taken_to_have_none() -> None:
+    answers = {**SERVED, "refuse_preview": ["tiny"]}  # SERVED's models carry no previews flag
+    first = {"check": {"previews": True}, "values": {"prompt": "a lighthouse"}}
+    steps = page([{"model": "tiny", **first, "submit": True}, {"submit": True}], answers)["steps"]
+    assert steps[0]["posts"] == 2 and "preview" not in steps[0]["body"]
+    assert (steps[1]["previews"], steps[1]["previews_title"]) == (False, "this daemon does not send previews")
+    assert steps[1]["posts"] == 1 and "preview" not in steps[1]["body"]

@@ -61,6 +61,10 @@ const posted = [];
 async function fetch(path, init) {
   if (init && init.method === "POST") {
     posted.push(JSON.parse(init.body));
+    const body = posted[posted.length - 1];  // answers.refuse_preview: the models whose jobs refuse the field
+    if (body.preview && (answers.refuse_preview || []).includes(body.model || "")) {
+      return { ok: false, status: 400, json: async () => ({ error: { message: "no previews", field: "preview" } }) };
+    }
     return { ok: true, status: 202, json: async () => ({ id: `j_${posted.length}`, status: "queued" }) };
   }
   const data = answers[path];
@@ -96,7 +100,8 @@ const rowsOf = (box) => byId(`${box}-list`).children.map((row) => {
   return shown;
 });
 const shown = () => ({ control: !byId("control").hidden, reference: !byId("reference").hidden,
-                       upscale: !byId("upscale").hidden, mask: !byId("mask-box").hidden, steps_min: byId("steps").min,
+                       upscale: !byId("upscale").hidden, previews: !byId("previews").disabled,
+                       previews_title: byId("previews").parentElement.title || "", mask: !byId("mask-box").hidden, steps_min: byId("steps").min,
                        upscale_names: byId("upscale-name").options.map((o) => o.value),
                        controls: rowsOf("control"), can_add_control: !byId("control-add").disabled,
                        references: rowsOf("reference"), can_add: !byId("reference-add").disabled,
@@ -112,6 +117,7 @@ const choose = (id, value) => { byId(id).value = value; byId(id).fire("change");
     if (step.model) choose("model", step.model);
     if (step.reuse) ctx.fillForm(step.reuse);  // a gallery card's "Use these settings"
     for (const id of step.click || []) byId(id).click();
+    for (const [id, on] of Object.entries(step.check || {})) byId(id).checked = on;
     for (const [id, value] of Object.entries(step.choose || {})) choose(id, value);
     for (const [id, value] of Object.entries(step.values || {})) byId(id).value = value;
     for (const [id, b64] of Object.entries(step.files || {})) {
@@ -123,8 +129,10 @@ const choose = (id, value) => { byId(id).value = value; byId(id).fire("change");
       ctx.finish({ id: "j_0", status: "succeeded", outputs: [] });  // the job before, done: one at a time
       byId("form").fire("submit");
       for (let i = 0; i < 200 && posted.length === before; i++) await sleep(5);
+      await sleep(20);  // a refused job's second post
     }
-    out.steps.push({ ...shown(), body: posted.length > before ? posted[posted.length - 1] : null });
+    out.steps.push({ ...shown(), body: posted.length > before ? posted[posted.length - 1] : null,
+                     posts: posted.length - before });
   }
   process.stdout.write(JSON.stringify(out));
 })().catch((err) => { process.stdout.write(JSON.stringify({ error: String(err.stack || err) })); });

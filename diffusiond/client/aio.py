@@ -359,10 +359,7 @@ class AsyncClient:
         if mapped is not None:
             return cast("NDArray[Any]", mapped)
         async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
-            try:
-                return await read_npy(resp.content)
-            except asyncio.IncompleteReadError as exc:
-                raise DaemonUnreachable(self.socket_path, "connection lost in the middle of an array") from exc
+            return await read_npy(resp.content)  # a short body: DaemonError bad_response (review44-f 2)
 
     async def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]:
         """Output ``k``'s trajectory (a job sent with ``trajectory``): name -> read-only array, mapped from

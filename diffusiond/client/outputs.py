@@ -51,22 +51,32 @@ def image_of(array: NDArray[Any]) -> Image.Image:
 async def read_npy(stream: aiohttp.StreamReader) -> NDArray[Any]:
     """An ``.npy`` body read straight into the array's own memory (one copy, no second buffer
     of the whole output), with numpy's own header reader. Object arrays are refused: loading
-    one would unpickle."""
+    one would unpickle.
+
+    A body that is not a whole ``.npy`` (it ends early, or its header does not parse) is the daemon's
+    answer, complete as HTTP, so a DaemonError ``bad_response``, never a raw asyncio or numpy error
+    (review44-f 2). A connection lost midway is aiohttp's payload error: the caller's DaemonUnreachable."""
     import numpy as np
     from numpy.lib import format as npy
 
-    head = await stream.readexactly(10)  # magic, version, and the first two bytes of the header length
-    if head[:6] != b"\x93NUMPY":
-        raise DaemonError(200, "bad_response", "the daemon's array output is not an .npy stream")
-    if head[6] >= 2:
-        head += await stream.readexactly(2)  # versions 2 and 3 give the length in 4 bytes
-    header = await stream.readexactly(int.from_bytes(head[8:], "little"))
+    try:
+        head = await stream.readexactly(10)  # magic, version, and the first two bytes of the header length
+        if head[:6] != b"\x93NUMPY":
+            raise _bad("is not an .npy stream")
+        if head[6] >= 2:
+            head += await stream.readexactly(2)  # versions 2 and 3 give the length in 4 bytes
+        header = await stream.readexactly(int.from_bytes(head[8:], "little"))
+    except asyncio.IncompleteReadError as exc:
+        raise _bad(f"ended inside its .npy header, {len(exc.partial)} bytes short of it") from None
     fp = io.BytesIO(head + header)
-    version = npy.read_magic(fp)
-    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
-    shape, fortran, dtype = read_header(fp)
+    try:
+        version = npy.read_magic(fp)
+        read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, fortran, dtype = read_header(fp)
+    except ValueError as exc:
+        raise _bad(f"has a malformed .npy header: {exc}") from None
     if dtype.hasobject:
-        raise DaemonError(200, "bad_response", "the daemon's array output holds Python objects")
+        raise _bad("holds Python objects")
     count = 1
     for dim in shape:
         count *= int(dim)
@@ -75,10 +85,14 @@ async def read_npy(stream: aiohttp.StreamReader) -> NDArray[Any]:
     while filled < len(raw):
         chunk = await stream.read(min(_CHUNK, len(raw) - filled))
         if not chunk:
-            raise asyncio.IncompleteReadError(b"", len(raw) - filled)
+            raise _bad(f"ended after {filled} of its {len(raw)} bytes of data (shape {tuple(shape)}, {dtype})")
         view[filled : filled + len(chunk)] = chunk
         filled += len(chunk)
     return raw.view(dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _bad(what: str) -> DaemonError:
+    return DaemonError(200, "bad_response", f"the daemon's array output {what}")
 
 
 class Mapped:

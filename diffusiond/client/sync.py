@@ -9,8 +9,10 @@ in the calling thread, which cancels the coroutine on the loop, which cancels th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Coroutine, Iterator, Mapping
 from types import TracebackType
@@ -48,6 +50,10 @@ class Client:
         self._thread = threading.Thread(target=_serve, args=(self._loop,), name="diffusiond-client", daemon=True)
         self._thread.start()
         self._closed = False
+        # The calls under way in other threads (review44-f 1): close() ends them before it stops the loop,
+        # and the lock keeps a call from being scheduled onto a loop that close() is stopping.
+        self._lock = threading.Lock()
+        self._in_flight: set[tuple[concurrent.futures.Future[Any], threading.Event]] = set()
         # A client dropped without close() still ends its thread (without waiting on the GC's thread).
         self._finalizer = weakref.finalize(self, _stop_soon, self._loop, self._async)
 
@@ -64,24 +70,42 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the pool (after the cancels still under way) and end the background thread."""
-        if self._closed:
-            return
-        try:
-            self._call(self._async.close())
-        finally:
+        """End the calls other threads still wait on (each gets a ClientError; a ``JobHandle`` wait
+        cancels its job, as an interrupt does), close the pool after the cancels under way, and end
+        the background thread. Every step is bounded: close never hangs on a daemon that is gone."""
+        if threading.current_thread() is self._thread:
+            raise ClientError("a Client closed from its own thread (an on_event callback): close it elsewhere")
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
+            calls = list(self._in_flight)
+        try:
+            # Before the pool closes and the loop stops (review44-f 1): a wait left suspended there would
+            # get a raw RuntimeError from shutdown_asyncgens, or never be answered at all.
+            for future, _ in calls:
+                future.cancel()
+            deadline = time.monotonic() + CANCEL_GRACE_S + 1
+            for _, finished in calls:
+                finished.wait(max(0.0, deadline - time.monotonic()))
+            closing = asyncio.run_coroutine_threadsafe(self._async.close(), self._loop)
+            try:
+                closing.result(CANCEL_GRACE_S + 1)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                closing.cancel()
+        finally:
             self._finalizer.detach()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(CANCEL_GRACE_S * 2)
 
     def _call(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the loop and wait for it. On KeyboardInterrupt the coroutine is
-        cancelled (so a job it waits on is cancelled too) and given a few seconds to do so."""
-        if self._closed or threading.current_thread() is self._thread:
+        cancelled (so a job it waits on is cancelled too) and given a few seconds to do so.
+        A ``close()`` from another thread meanwhile ends the wait with a ClientError."""
+        if threading.current_thread() is self._thread:
             work.close()
             # From the client's own thread (an on_event callback) the wait could never end.
-            raise ClientError("the client is closed" if self._closed else "a Client called from its own thread")
+            raise ClientError("a Client called from its own thread")
         finished = threading.Event()
 
         async def run() -> T:
@@ -90,13 +114,26 @@ class Client:
             finally:
                 finished.set()
 
-        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        with self._lock:
+            if self._closed:
+                work.close()
+                raise ClientError("the client is closed")
+            future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+            call = (future, finished)
+            self._in_flight.add(call)
         try:
             return future.result()
         except KeyboardInterrupt:
             future.cancel()
             finished.wait(CANCEL_GRACE_S + 1)
             raise
+        except (concurrent.futures.CancelledError, asyncio.CancelledError, RuntimeError) as exc:
+            if not self._closed:
+                raise
+            raise ClientError("the client was closed while this call waited") from exc
+        finally:
+            with self._lock:
+                self._in_flight.discard(call)
 
     # the high-level API -------------------------------------------------------------------
     def submit(self, prompt: str, **params: Unpack[JobParams]) -> JobHandle:

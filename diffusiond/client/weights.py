@@ -127,9 +127,10 @@ def update_weights(socket_path: str, model: str, component: str, state_dict: Map
 
 def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str, timeout: float | None) -> int:
     path = output_socket_path(socket_path)
+    sock: socket.socket | None = None
     try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # EMFILE here too is a ClientError
             sock.settimeout(timeout)
             sock.connect(path)
             frame = FrameEncoder().encode(msg, 1)
@@ -140,9 +141,12 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str,
         except TimeoutError:
             raise ClientTimeout(socket_path, what, timeout) from None
         except OSError as exc:
-            raise DaemonUnreachable(path, f"the output socket failed: {exc.strerror or exc}") from None
+            # The daemon's own socket, not the output one (review44-f 3): the message says to start a
+            # daemon on this path, and one started on <socket>.out would listen in the wrong place.
+            raise DaemonUnreachable(socket_path, f"its output socket {path}: {exc.strerror or exc}") from None
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
     finally:
         if fd >= 0:
             os.close(fd)

@@ -31,6 +31,7 @@ import numpy as np
 
 from diffusiond.client.errors import ClientError, DaemonError
 from diffusiond.ipc.channel import recv_with_fds
+from diffusiond.ipc.errors import IPCError
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Fetch, Lease, Refused, Unpin
 from diffusiond.ipc.tensors import numpy_dtype
@@ -93,8 +94,11 @@ class OutputMapper:
         lease, fd = self._lease(Fetch(job_id, k, part))
         region = self._map(lease, fd)  # uint8, its byte 0 at lease.tensor.offset
         base = lease.tensor.offset
-        return {name: region[d.offset - base : d.offset - base + d.nbytes].view(numpy_dtype(d.dtype)).reshape(d.shape)
-                for name, d in lease.arrays.items()}
+        try:
+            return {name: region[d.offset - base : d.offset - base + d.nbytes].view(numpy_dtype(d.dtype))
+                    .reshape(d.shape) for name, d in lease.arrays.items()}
+        except (ValueError, TypeError, KeyError) as exc:  # arrays that do not fit the region (review44-f 5)
+            raise ZeroCopyUnavailable(f"the lease from {self.path} does not describe its region: {exc}") from None
 
     def _lease(self, fetch: Fetch) -> tuple[Lease, int]:
         with self._lock:
@@ -108,6 +112,10 @@ class OutputMapper:
                 raise ZeroCopyUnavailable(f"the output socket {self.path} did not answer in time") from None
             except OSError as exc:
                 raise ZeroCopyUnavailable(f"the output socket {self.path} failed: {exc}") from None
+            except IPCError as exc:  # a frame that does not decode: the stream is out of step for good
+                self.closed = True
+                self._sock.close()
+                raise ZeroCopyUnavailable(f"the output socket {self.path} sent a bad frame: {exc}") from None
         if isinstance(msg, Refused):
             for fd in fds:
                 os.close(fd)
@@ -120,15 +128,20 @@ class OutputMapper:
 
     def _receive(self) -> tuple[object, list[int]]:
         fds: list[int] = []
-        while True:
-            data, got = recv_with_fds(self._sock)
-            fds.extend(got)
-            if not data:
-                raise ConnectionResetError("the daemon closed the output socket")
-            frames = self._decoder.feed(data)
-            if frames:
-                _kind, _seq, _nfds, msg = frames[0]
-                return msg, fds
+        try:
+            while True:
+                data, got = recv_with_fds(self._sock)
+                fds.extend(got)
+                if not data:
+                    raise ConnectionResetError("the daemon closed the output socket")
+                frames = self._decoder.feed(data)
+                if frames:
+                    _kind, _seq, _nfds, msg = frames[0]
+                    return msg, fds
+        except BaseException:  # no message, so nobody else will close what came (review44-f 5)
+            for fd in fds:
+                os.close(fd)
+            raise
 
     def _map(self, lease: Lease, fd: int) -> np.ndarray:
         desc = lease.tensor
@@ -136,14 +149,21 @@ class OutputMapper:
         length = desc.offset + desc.nbytes - start
         try:
             mm = mmap.mmap(fd, max(length, 1), mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ, offset=start)
+        except (OSError, ValueError) as exc:  # ENOMEM, a lease past the memfd's end (review44-f 5)
+            self._unpin(lease.lease)  # nothing maps it: the daemon may have it back now
+            raise ZeroCopyUnavailable(f"cannot map the output from {self.path}: {exc}") from None
         finally:
             os.close(fd)  # the mapping keeps the memory
-        raw = np.frombuffer(mm, dtype=np.uint8, count=desc.nbytes, offset=desc.offset - start)
         # Every array over this memory (views, slices, tensors made from them) holds the mapping
         # alive through its buffer; when the last one goes, the mapping is unmapped and collected,
         # and only then is the daemon told it may reuse the memory.
-        weakref.finalize(mm, _release, weakref.ref(self), lease.lease)
-        return raw.view(numpy_dtype(desc.dtype)).reshape(desc.shape)
+        release = weakref.finalize(mm, _release, weakref.ref(self), lease.lease)
+        try:
+            raw = np.frombuffer(mm, dtype=np.uint8, count=desc.nbytes, offset=desc.offset - start)
+            return raw.view(numpy_dtype(desc.dtype)).reshape(desc.shape)
+        except (ValueError, TypeError, KeyError) as exc:  # a lease that does not fit its memory (review44-f 5)
+            release()  # no array escapes: the daemon may have the memory back now
+            raise ZeroCopyUnavailable(f"the lease from {self.path} does not fit its memory: {exc}") from None
 
     def _unpin(self, lease: int) -> None:
         """Called by the garbage collector, in whatever thread it runs, perhaps inside ``array``

@@ -69,6 +69,12 @@ function selectedModel() {
   return state.models.find((m) => m.id === $("model").value);
 }
 
+// Whether a job on `model` may ask for previews: /v1/models says so per model (review44-f 4: some models
+// cannot preview, docs/api.md "Live previews"); only a daemon whose entries lack the flag is judged as a whole.
+function previewsFor(model) {
+  return model && typeof model.previews === "boolean" ? model.previews : state.previews;
+}
+
 function formRequest() {
   const body = { prompt: $("prompt").value.trim(), n: number("n") || 1 };
   if ($("model").value) body.model = $("model").value;
@@ -95,7 +101,7 @@ function formRequest() {
     const scale = number("upscale-scale");
     if (scale !== undefined) body.upscale.scale = scale;
   }
-  if ($("previews").checked && state.previews) body.preview = { ...PREVIEW };
+  if ($("previews").checked && previewsFor(selectedModel())) body.preview = { ...PREVIEW };
   return body;
 }
 
@@ -150,6 +156,11 @@ function modelChanged() {
   $("negative").title = noNegative ? `${model.id} has no negative prompt` : "";
   // an upscaler takes any picture a model makes (a video model's job is refused: docs/api.md)
   $("upscale").hidden = !(model && !VIDEO_TASKS.includes(model.task) && $("upscale-name").options.length > 1);
+  // the box keeps the user's choice (checked) for the next model that can preview
+  const previews = previewsFor(model);
+  $("previews").disabled = !previews;
+  $("previews").parentElement.title = previews ? "" : model && typeof model.previews === "boolean"
+    ? `${model.id} shows no previews` : "this daemon does not send previews";
 }
 
 async function loadUpscalers() {
@@ -267,12 +278,14 @@ async function submit(body) {
   try {
     return await api("POST", "/v1/jobs", body);
   } catch (err) {
-    // A daemon without previews refuses the field: remember it and send the job without.
+    // A refused preview: send this job without. Only a daemon that does not say which models preview
+    // (no `previews` flag) is taken to have none at all; else the next model may well (review44-f 4).
     if (body.preview && err.status === 400 && String(err.error.field || "").startsWith("preview")) {
-      state.previews = false;
-      $("previews").checked = false;
-      $("previews").disabled = true;
-      $("previews").parentElement.title = "this daemon does not send previews";
+      const model = state.models.find((m) => m.id === body.model);
+      if (!(model && typeof model.previews === "boolean")) {
+        state.previews = false;
+        modelChanged();
+      }
       delete body.preview;
       return await api("POST", "/v1/jobs", body);
     }
