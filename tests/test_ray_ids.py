@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -184,3 +185,39 @@ def test_batch_keys_keep_apart_what_the_daemon_would_not_batch() -> None:
     # only LTX-2 is conditioned on fps, which the body does not show: other video models batch across it
     assert ids.batch_key({**base, "fps": 24}) == ids.batch_key({**base, "fps": 8}) == ids.batch_key(base)
     assert ids.batch_key({"not": "a generation"}) is None
+
+
+def _request(path: str, root_path: str = "", chunks: tuple[bytes, ...] = (),
+             headers: tuple[tuple[bytes, bytes], ...] = ()) -> Any:
+    from starlette.requests import Request
+
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    messages = messages or [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": root_path, "query_string": b"",
+             "headers": list(headers)}
+    return Request(scope, receive)
+
+
+def test_routes_are_read_below_the_applications_route_prefix() -> None:
+    """review44-e 8: Serve keeps the whole path in ``path`` and the prefix in ``root_path``; with a prefix
+    other than ``/`` every route read as unknown."""
+    from diffusiond.ray.gateway import _own_path
+
+    assert _own_path(_request("/gen/v1/jobs", "/gen")) == "/v1/jobs"
+    assert _own_path(_request("/v1/jobs")) == "/v1/jobs"
+    assert _own_path(_request("/gen", "/gen")) == "/"
+
+
+async def test_a_chunked_body_over_the_limit_is_refused_without_being_read_whole(monkeypatch: Any) -> None:
+    """review44-e 7: only Content-Length was checked, so a chunked upload was read into memory without bound."""
+    import diffusiond.ray.gateway as gateway
+
+    monkeypatch.setattr(gateway, "MAX_BODY_BYTES", 10)
+    assert await gateway._body_within_limit(_request("/v1/jobs", chunks=(b"12345", b"67890"))) == b"1234567890"
+    assert await gateway._body_within_limit(_request("/v1/jobs", chunks=(b"12345", b"67890", b"!"))) is None
+    told = _request("/v1/jobs", chunks=(b"1",), headers=((b"content-length", b"11"),))
+    assert await gateway._body_within_limit(told) is None

@@ -25,6 +25,28 @@ from diffusiond.ray.replica import Call, Head
 MAX_BODY_BYTES = 64 << 20
 
 
+def _own_path(request: Request) -> str:
+    """The path below the application's ``route_prefix``: Serve keeps the whole path in ``scope["path"]`` and the
+    prefix in ``root_path``, so with a prefix other than ``/`` every route read as unknown (review44-e 8)."""
+    path: str = request.scope["path"]
+    prefix: str = request.scope.get("root_path", "") or ""
+    return path[len(prefix):] or "/" if prefix and path.startswith(prefix) else path
+
+
+async def _body_within_limit(request: Request) -> bytes | None:
+    """The body, or None once it passes ``MAX_BODY_BYTES``: counted as it comes, since a chunked upload has no
+    Content-Length to refuse it by, and was read into the gateway's memory whole (review44-e 7)."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        return None
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class Gateway:
     """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
 
@@ -40,17 +62,17 @@ class Gateway:
             return JSONResponse(ids.error_body(ErrorCode.UNAUTHORIZED, BEARER_NEEDED), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         try:
-            replica, path = ids.route(request.method, request.url.path)
+            replica, path = ids.route(request.method, _own_path(request))
             query = request.url.query
             if replica is None:  # a job list's next page goes to the replica that gave its cursor
                 replica, query = ids.route_query(request.method, path, query)
         except ids.RouteError as exc:
             return JSONResponse(ids.error_body(exc.code, str(exc), exc.field), status_code=exc.status)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        body = await _body_within_limit(request)
+        if body is None:
             return JSONResponse(ids.error_body(ErrorCode.REQUEST_TOO_LARGE,
                                                f"the request body is over {MAX_BODY_BYTES >> 20} MiB, the most "
                                                "the Ray gateway passes on to a daemon"), status_code=413)
-        body = await request.body()
         key = model = None
         if replica is None and request.method == "POST":
             try:
