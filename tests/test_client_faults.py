@@ -35,7 +35,11 @@ async def fake(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, bytes]]]:
     async def npy(_: web.Request) -> web.Response:  # a complete HTTP body, whatever its npy content
         return web.Response(body=served["body"], content_type="application/x-npy")
 
+    async def health(_: web.Request) -> web.Response:  # a 503 whose error is not the daemon's object
+        return web.json_response({"status": "down", "error": "not an object"}, status=503)
+
     app = web.Application()
+    app.router.add_get("/health", health)
     app.router.add_get("/v1/jobs/j", get_job)
     app.router.add_get("/v1/jobs/j/outputs/0", npy)
     app.router.add_get("/v1/jobs/j/outputs/0/trajectory/{name}", npy)
@@ -84,3 +88,13 @@ def test_a_live_update_with_no_daemon_names_the_daemons_socket(tmp_path: Path) -
             # review44-f 3: a daemon started as told must be the one the client looks for, at sock, not sock.out
             assert info.value.socket_path == sock
             assert f"--socket {sock}`" in str(info.value) and f"{sock}.out" in info.value.reason, str(info.value)
+
+
+async def test_a_health_503_not_in_the_daemons_shape_is_still_a_daemon_error(
+        fake: tuple[str, dict[str, bytes]]) -> None:
+    """review44-f 6: an ``error`` that was not an object raised a raw AttributeError out of ``health()``."""
+    sock, _ = fake
+    async with AsyncClient(sock, zero_copy=False) as c:
+        with pytest.raises(DaemonError) as err:
+            await c.health()
+    assert err.value.status == 503 and "not an object" in str(err.value)

@@ -277,8 +277,12 @@ class AsyncClient:
         async with self._request("GET", "/health", ok=(200, 503)) as resp:
             body = await resp.read()
             report = parse_json(body, resp.status)
-            if resp.status == 503 and "error" in report:
-                raise error_of(report, resp)
+            if resp.status == 503 and isinstance(report, dict) and "error" in report:
+                try:
+                    error = error_of(report, resp)
+                except (KeyError, TypeError, AttributeError):  # not the daemon's shape: still one of the tree
+                    error = DaemonError(503, "http_503", body.decode(errors="replace").strip()[:200])
+                raise error
         return report
 
     async def ready(self) -> bool:
