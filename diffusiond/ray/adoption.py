@@ -262,13 +262,15 @@ class Adoption:
         return total
 
     def stop_all(self, timeout_s: float) -> None:
-        """SIGTERM to every adopted daemon at once (each drains its own grace), then wait for each:
-        the replica's stop must fit in Serve's graceful shutdown, however many it adopted."""
+        """SIGTERM to every adopted daemon at once (each drains its own grace), then wait for them against one
+        deadline: the replica's stop must fit in Serve's graceful shutdown, however many it adopted (each had
+        the whole timeout of its own: review44-e 6)."""
+        deadline = time.monotonic() + timeout_s
         daemons = list(self.daemons.values())
         for d in daemons:
             if d.proc is not None and d.proc.poll() is None:
                 d.proc.send_signal(signal.SIGTERM)
         for d in daemons:
-            d.stop(timeout_s)
+            d.stop(max(0.0, deadline - time.monotonic()))
             d.claim.release()
 
