@@ -221,3 +221,14 @@ async def test_a_chunked_body_over_the_limit_is_refused_without_being_read_whole
     assert await gateway._body_within_limit(_request("/v1/jobs", chunks=(b"12345", b"67890", b"!"))) is None
     told = _request("/v1/jobs", chunks=(b"1",), headers=((b"content-length", b"11"),))
     assert await gateway._body_within_limit(told) is None
+
+
+def test_batch_keys_carry_a_pictures_digest_not_the_picture() -> None:
+    """review44-e 5: a control's base64 picture went into the key whole (8 MB for an 8 MiB picture), crossed Ray
+    beside the body and sat in the router's remembered keys; two different pictures must still stay apart."""
+    base = {"prompt": "a", "model": "sd"}
+    one, two = "A" * 8_000_000, "A" * 7_999_999 + "B"
+    key = ids.batch_key({**base, "control": [{"name": "canny", "image": one, "scale": 1.0}]})
+    assert key is not None and len(key) < 1000 and "canny" in key
+    assert key != ids.batch_key({**base, "control": [{"name": "canny", "image": two, "scale": 1.0}]})
+    assert key == ids.batch_key({**base, "prompt": "b", "control": [{"name": "canny", "image": one, "scale": 1.0}]})

@@ -9,6 +9,7 @@ when a gateway restarts. Pure functions, no Ray, so they are tested without a cl
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -144,7 +145,20 @@ def batch_key(body: Any) -> str | None:
                                    "guidance_scale", "scheduler", "noise_level", "eta", "output_dtype", "num_frames",
                                    "loras", "strength", "trajectory", "control", "ip_adapter", "upscale",
                                    "hires")]
-    return repr(parts)
+    return repr(_digested(parts))
+
+
+def _digested(value: Any) -> Any:
+    """``value`` with every long string (a control's or a reference's picture in base64) as its digest: the key
+    keeps requests with different pictures apart, as the daemon does, without carrying megabytes of them across
+    Ray a second time and in each of the router's remembered keys (review44-e 5)."""
+    if isinstance(value, str) and len(value) > 256:
+        return "sha256:" + hashlib.sha256(value.encode(errors="surrogatepass")).hexdigest()
+    if isinstance(value, dict):
+        return {k: _digested(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_digested(v) for v in value]
+    return value
 
 
 def model_of(body: Any) -> str | None:
