@@ -262,25 +262,26 @@ async def test_openai_client_sends_loras_in_extra_body(sock: Path) -> None:
 # admission ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("loras", "status", "code", "words"), [
-    ([{"name": "nope"}], 404, "lora_not_found", "no LoRA named 'nope'"),
-    ([{"name": "ink", "weight": 4.5}], 400, "invalid_request", "between -4 and 4, got 4.5"),
-    ([{"name": "ink", "weight": -9}], 400, "invalid_request", "between -4 and 4"),
-    ([{"name": "ink"}, {"name": "ink", "weight": 0.5}], 400, "invalid_request", "named twice"),
-    ([{"name": "ink"}, {"name": "dots"}, {"name": "ink-kohya"}], 400, "invalid_request", "the limit is 2"),
-    ([{"name": 3}], 400, "invalid_request", "Expected `str`"),
-    ([{"name": "ink", "scale": 1}], 400, "invalid_request", "unknown field"),
-    ("ink", 400, "invalid_request", "Expected `array"),
+@pytest.mark.parametrize(("loras", "status", "code", "words", "field"), [
+    ([{"name": "nope"}], 404, "lora_not_found", "no LoRA named 'nope'", "loras"),
+    ([{"name": "ink", "weight": 4.5}], 400, "invalid_request", "between -4 and 4, got 4.5", "loras"),
+    ([{"name": "ink", "weight": -9}], 400, "invalid_request", "between -4 and 4", "loras"),
+    ([{"name": "ink"}, {"name": "ink", "weight": 0.5}], 400, "invalid_request", "named twice", "loras"),
+    ([{"name": "ink"}, {"name": "dots"}, {"name": "ink-kohya"}], 400, "invalid_request", "the limit is 2", "loras"),
+    # the entry and its key, where the shape is wrong (review44-b 9)
+    ([{"name": 3}], 400, "invalid_request", "Expected `str`", "loras[0].name"),
+    ([{"name": "ink", "scale": 1}], 400, "invalid_request", "unknown field", "loras[0]"),
+    ("ink", 400, "invalid_request", "Expected `array", "loras"),
 ])
 async def test_bad_loras_are_refused_naming_the_field(sock: Path, loras: Any, status: int, code: str,
-                                                      words: str) -> None:
+                                                      words: str, field: str) -> None:
     async with http(sock) as s:
         for path, body in (("/v1/jobs", {**FAST, "loras": loras}),
                            ("/v1/images/generations", {"prompt": "x", "size": "64x64", "loras": loras})):
             got, answer = await post(s, path, body)
             assert got == status, (path, answer)
             assert answer["error"]["code"] == code
-            assert answer["error"]["field"] == "loras"
+            assert answer["error"]["field"] == field
             assert words in answer["error"]["message"]
 
 
