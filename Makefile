@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt --no-deps spandrel einops
 	touch $(STAMP)
 
+# JOBS test processes (pytest-xdist; tests/conftest.py says how files are shared out); JOBS=0 runs in this one.
+JOBS ?= 2
+
 test: lint browser
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --durations=25
 
 # The browser tests (tests/test_web_page.py) drive the distribution's Chromium through Playwright,
 # never Playwright's own download (no network on many workstations). Installed here when missing

@@ -27,6 +27,19 @@ def memfd_maps(pid: int | str = "self") -> list[str]:
         return []
 
 
+# `make test` spreads the suite over processes (pytest-xdist, `--dist loadgroup`): each file stays on one, so its
+# module-scoped daemons start once. These files watch or start what the whole machine shares (names in /dev/shm, a
+# Ray cluster, Chromium), so they run one after another on one process, never beside each other.
+MACHINE_WIDE = {"test_daemon_lifecycle.py", "test_faults.py", "test_hardening_shutdown.py", "test_ipc_arena.py",
+                "test_ipc_channel.py", "test_worker.py", "test_ray.py", "test_ray_adopt.py", "test_web_page.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("machine-wide" if name in MACHINE_WIDE else name))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def state_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Daemons that tests start without a --state-dir keep their jobs here, never in the
