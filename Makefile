@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 JOBS ?= 2
 
 test: lint browser
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --durations=25
 
 # The browser tests (tests/test_web_page.py) drive the distribution's Chromium through Playwright,
 # never Playwright's own download (no network on many workstations). Installed here when missing

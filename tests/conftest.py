@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,17 +29,27 @@ def memfd_maps(pid: int | str = "self") -> list[str]:
         return []
 
 
-# `make test` spreads the suite over processes (pytest-xdist, `--dist loadgroup`): each file stays on one, so its
-# module-scoped daemons start once. These files watch or start what the whole machine shares (names in /dev/shm, a
-# Ray cluster, Chromium), so they run one after another on one process, never beside each other.
+# `make test` spreads the suite over processes (pytest-xdist, `--dist loadfile`: each file stays on one, so its
+# module-scoped daemons start once). These files watch or start what the whole machine shares (names in /dev/shm, a
+# Ray cluster, Chromium), so each holds a lock that all the processes share while it runs: they never run beside
+# each other. (xdist's own groups, `--dist loadgroup`, silently group nothing with pytest 9.2: xdist issue 1386.)
 MACHINE_WIDE = {"test_daemon_lifecycle.py", "test_faults.py", "test_hardening_shutdown.py", "test_ipc_arena.py",
                 "test_ipc_channel.py", "test_worker.py", "test_ray.py", "test_ray_adopt.py", "test_web_page.py"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("machine-wide" if name in MACHINE_WIDE else name))
+@pytest.fixture(scope="module", autouse=True)
+def machine_wide(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Autouse, so it is set up before the module's own fixtures (its cluster, its browser) and torn down after."""
+    if request.path.name not in MACHINE_WIDE:
+        yield
+        return
+    # the run's folder: every xdist process's basetemp (popen-gwN) lies in it; without xdist it is the user's
+    with open(tmp_path_factory.getbasetemp().parent / "machine-wide.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session", autouse=True)
