@@ -319,8 +319,7 @@ def _add_serve(sub: Any) -> None:
     add("--preimport", choices=("auto", "on", "off"),
         help="fork workers from a template process that imported torch, diffusers and transformers once, as the "
              "daemon started, rather than start each as a fresh interpreter (seconds of imports on every model "
-             "load and restart): on, off, or auto (default: CPU workers only; not yet run on a GPU, so CUDA "
-             "workers start fresh until it has)")
+             "load and restart): on, off, or auto (the default: CPU and CUDA workers)")
     add("--test-fault", dest="fault", help=argparse.SUPPRESS)  # fault injection for the test suite only
     add("--test-state-fault", dest="state_fault", help=argparse.SUPPRESS)
     p.set_defaults(func=None)

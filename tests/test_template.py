@@ -134,8 +134,8 @@ def test_preimport_refuses_values_it_does_not_know(capsys: Any) -> None:
         build_config({"preimport": "maybe"}, {})
     assert build_config({"preimport": "off"}, {}).preimport == "off"
     assert build_config({}, {}).preimport == "auto"
-    # auto forks CPU workers only until the fork has run on a GPU; on forks every worker, off none
-    assert [enabled(p, d) for p in ("auto", "on", "off") for d in ("cpu", "cuda:0")] == [
-        True, False, True, True, False, False]
+    # auto forks the device kinds a forked worker has run on (CPU, CUDA); on forks every worker, off none
+    assert [enabled(p, d) for p in ("auto", "on", "off") for d in ("cpu", "cuda:0", "cuda", "xpu:0")] == [
+        True, True, True, False, True, True, True, True, False, False, False, False]
     assert main(["serve", "--preimport", "maybe"]) == 2
     assert "argument --preimport: invalid choice: 'maybe'" in capsys.readouterr().err

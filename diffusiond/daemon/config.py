@@ -155,7 +155,7 @@ class DaemonConfig:
     # "normal": an accepted job survives any crash of the daemon; "full": a power cut too (an fsync per job)
     state_sync: str = "normal"
     # Workers forked from a template that did their imports once (issue 27's cold start; workers/template.py):
-    # on, off, or auto (CPU workers only until the fork has run on a GPU).
+    # on, off, or auto (CPU and CUDA workers: the device kinds a forked worker has run on).
     preimport: str = "auto"
 
     # Edits on /v1/jobs may name an input image by path only inside this folder (None: no paths).

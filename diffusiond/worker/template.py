@@ -38,6 +38,8 @@ import sys
 import threading
 import time
 import traceback
+import types
+from collections.abc import Iterator
 from typing import NoReturn
 
 import diffusiond.worker.startup as startup
@@ -73,7 +75,8 @@ def _imports(libraries: bool, quiet: bool) -> None:
     if quiet:  # as the worker's main does for any model: diffusers' utilities (torch._dynamo with them)
         startup.quiet_libraries()
     if libraries:  # as its start does for a model that is not synthetic
-        startup.import_libraries()
+        with _device_queries_from_nvml():
+            startup.import_libraries()
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised during the imports; a forked worker could not use it")
     if threading.active_count() > 1:
@@ -86,6 +89,66 @@ def _imports(libraries: bool, quiet: bool) -> None:
                  len(native), ", ".join(native))
     gc.collect()
     gc.freeze()  # the children share these objects' pages: their collections leave them alone
+
+
+@contextlib.contextmanager
+def _device_queries_from_nvml() -> Iterator[None]:
+    """Libraries ask the device what it can do as they are imported, and ``torch.cuda`` answers only by
+    initialising CUDA: torchao (imported with diffusers' quantizers) calls ``has_triton()``, which reads the
+    device's properties, and ``torch.cuda.get_device_capability()`` to choose its kernels. On the H100 that made
+    every template unusable (issue 27). For the imports, both are answered from NVML (no CUDA context): the cache
+    of device properties torch keeps for its compile workers, and ``get_device_capability``; both are put back
+    after, so a forked worker reads the device's real properties. With several devices the weakest answers for
+    all (a library then leaves out kernels only the stronger ones run). Where NVML cannot say, nothing is changed,
+    and the check after the imports says why the template cannot fork."""
+    capabilities = _nvml_capabilities()
+    try:
+        import torch
+        from torch._dynamo import device_interface
+    except ImportError:
+        capabilities = []
+    if not capabilities:
+        yield
+        return
+    props, current = device_interface.caching_worker_device_properties, device_interface.caching_worker_current_devices
+    cached = "cuda" in props or "cuda" in current
+    weakest = capabilities[0]
+    if not cached:  # has_triton() reads .major of the current device's properties from here
+        props["cuda"], current["cuda"] = [types.SimpleNamespace(major=c[0], minor=c[1]) for c in capabilities], 0
+    real = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: weakest
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = real
+        if not cached:
+            props.pop("cuda", None)
+            current.pop("cuda", None)
+
+
+def _nvml_capabilities() -> list[tuple[int, int]]:
+    """The compute capability of every device NVML sees (through the driver's library, as torch's own NVML
+    checks do: no CUDA context), weakest first; empty when NVML is not there."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return []
+        try:
+            count = ctypes.c_uint()
+            if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+                return []
+            found = []
+            for i in range(count.value):
+                handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+                if (nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0 or
+                        nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+                    return []
+                found.append((major.value, minor.value))
+            return sorted(found)
+        finally:
+            nvml.nvmlShutdown()
+    except (OSError, AttributeError):
+        return []
 
 
 def _native_threads() -> list[str]:

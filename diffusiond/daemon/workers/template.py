@@ -44,9 +44,9 @@ EXIT_GRACE_S = 3.0
 
 
 def enabled(preimport: str, device: str) -> bool:
-    """``auto`` forks CPU workers only: forking workers that then initialise CUDA has not run on a GPU yet (issue
-    27: the next GPU session measures it, and ``auto`` turns on for CUDA once it passes there)."""
-    return preimport == "on" or (preimport == "auto" and device == "cpu")
+    """``auto`` forks the workers of the device kinds a forked worker has run on: CPU, and CUDA since
+    tests/test_gpu_template.py passed on an H100 (issue 27, 2026-12-06); ``on`` forks every worker."""
+    return preimport == "on" or (preimport == "auto" and device.split(":")[0] in ("cpu", "cuda"))
 
 
 def unknown_exit(why: str) -> str:
