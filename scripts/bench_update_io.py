@@ -4,6 +4,11 @@ both sides did it before (through a mapping, and torch's ``isfinite``), alternat
 
     python scripts/bench_update_io.py --preset flux-dev --component transformer --rank 64 --rounds 5
 
+``--kind weights`` times a whole component's update instead (``update_weights``: SDXL's UNet with ``--preset sdxl
+--component unet --dtype float16``): the pack in one thread against the pack now, and the worker's copy from the
+memfd into the component's parameters through a private writable mapping (before) against the shared,
+populated one now (``mapped_tensors``), the parameters on this machine's CPU.
+
 Prints one JSON object: the medians in seconds, and the bytes.
 """
 
@@ -22,14 +27,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_live import lora_state
+from bench_live import full_state, lora_state
 
+import diffusiond.client.weights as client_weights
 from diffusiond.client.weights import pack
-from diffusiond.ipc.messages import UpdateLora
+from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.pipelines.preset_tables import get_preset
 from diffusiond.pipelines.presets import build_part
-from diffusiond.worker.weights import read_tensors
+from diffusiond.worker.weights import mapped_tensors, read_tensors
 
 
 def pack_mapped(state: dict[str, torch.Tensor]) -> tuple[int, list]:
@@ -58,6 +64,42 @@ def read_mapped(msg: UpdateLora, fd: int) -> None:
     os.close(fd)
 
 
+def copy_private(msg: UpdateWeights, fd: int, into: dict[str, torch.Tensor]) -> None:
+    """The worker's copy before: the memfd mapped private and writable, each tensor copied from it."""
+    size = os.fstat(fd).st_size
+    mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    for t in msg.tensors:
+        dtype = into[t.name].dtype
+        into[t.name].copy_(torch.frombuffer(mm, dtype=dtype, count=int(np.prod(t.shape)), offset=t.offset)
+                           .view(t.shape))
+    os.close(fd)
+
+
+def weights_rounds(state: dict[str, torch.Tensor], rounds: int) -> dict[str, list[float]]:
+    into = {k: torch.empty_like(v) for k, v in state.items()}
+    times: dict[str, list[float]] = {"pack_one_thread": [], "pack_now": [], "copy_before": [], "copy_now": []}
+    for _ in range(rounds):
+        threads = client_weights._THREADS
+        client_weights._THREADS = 1
+        t0 = time.perf_counter()
+        fd, _ = pack(state)
+        t1 = time.perf_counter()
+        client_weights._THREADS = threads
+        os.close(fd)
+        fd, tensors = pack(state)
+        t2 = time.perf_counter()
+        msg = UpdateWeights("bench", "component", tensors)
+        copy_private(msg, os.dup(fd), into)
+        t3 = time.perf_counter()
+        with mapped_tensors(msg, fd) as views:
+            for key, view in views.items():
+                into[key].copy_(view)
+        t4 = time.perf_counter()
+        for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[key].append(seconds)
+    return times
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="flux-dev")
@@ -65,8 +107,17 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kind", choices=("lora", "weights"), default="lora")
     args = ap.parse_args()
     component = build_part(get_preset(args.preset).parts[args.component], "meta")
+    if args.kind == "weights":
+        state = full_state(component, getattr(torch, args.dtype), "cpu")
+        times = weights_rounds(state, args.rounds)
+        print(json.dumps({"kind": "weights", "preset": args.preset, "component": args.component, "tensors": len(state),
+                          "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+                          "cpus": os.cpu_count(), "rounds": args.rounds,
+                          **{k: round(statistics.median(v), 4) for k, v in times.items()}}))
+        return 0
     state = lora_state(component, args.component, args.rank, getattr(torch, args.dtype))
     times: dict[str, list[float]] = {"pack_before": [], "pack_now": [], "read_before": [], "read_now": []}
     for _ in range(args.rounds):

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+import diffusiond.client.weights as client_weights
 from diffusiond.client.weights import pack
 from diffusiond.ipc.messages import UpdateWeights
 from diffusiond.worker.weights import apply_weights, mapped_tensors, read_tensors
@@ -29,6 +30,26 @@ def test_a_non_finite_value_anywhere_is_refused_before_anything_is_sent(dtype: t
     t[where] = bad
     with pytest.raises(ValueError, match=r"tensor 'unet.w' holds NaN or infinite values"):
         pack({"unet.ok": torch.ones(2, dtype=dtype), "unet.w": t.view(3, 4096)})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensors_written_in_chunks_by_threads_arrive_whole_and_the_first_bad_one_is_named(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pack`` checks and writes chunks on a few threads (a 4.8 GB UNet took seconds on one): with chunks of 4 KiB,
+    every tensor spans several, and they still arrive in order, each where its header says."""
+    monkeypatch.setattr(client_weights, "_CHUNK", 4096)
+    monkeypatch.setattr(client_weights, "_THREADS", 4)
+    state = {f"unet.w{i}": torch.randn(7, 1000 + i, dtype=dtype) for i in range(5)}
+    fd, tensors = pack(state)
+    try:
+        got = read_tensors(UpdateWeights("m", "unet", tensors, 1), os.dup(fd))
+    finally:
+        os.close(fd)
+    assert all(torch.equal(got[name], value) for name, value in state.items())
+    state["unet.w3"].view(-1)[-1] = float("nan")  # in its last chunk
+    state["unet.w4"].view(-1)[0] = float("inf")
+    with pytest.raises(ValueError, match=r"tensor 'unet.w3' holds NaN"):
+        pack(state)
 
 
 def test_an_empty_tensor_is_finite() -> None:
