@@ -8,7 +8,9 @@ It imports diffusiond.ray, and so Ray: test_ray.py imports it after setting
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import random
 import re
 import socket
 import time
@@ -30,9 +32,24 @@ LONG_STEPS = 60
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for Serve's proxy that the cluster starting after it is picked will not take: one the kernel hands
+    out for port 0 (as the test first did) is in the ephemeral range, where Ray's own processes and every other
+    test's listeners bind as they start, and one bound that way between the pick and the proxy's start failed
+    the module ("Failed to bind to address '127.0.0.1:40053'", with the suite on two processes). Ray's workers
+    take 10002-19999 by default, the kernel's ephemeral range starts at 32768 by default: this picks between."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, min(low, 32768)))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and the ephemeral range for Serve's proxy")
 
 
 def cmdline(pid: int | str) -> str:

@@ -16,7 +16,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -32,6 +31,7 @@ serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pi
 
 import aiohttp  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from raykit import free_port  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
 from diffusiond.ray import build, claims  # noqa: E402
@@ -46,12 +46,6 @@ SLOT = {"diffusiond_slot": 1}
 # the GCS declares a killed node dead after a second or two, not Ray's default 15 s
 FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                    "health_check_failure_threshold": 3}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proc_parent(pid: int) -> int | None:
