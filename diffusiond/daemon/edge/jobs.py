@@ -16,9 +16,9 @@ from aiohttp import web
 
 from diffusiond.daemon import errors
 from diffusiond.daemon.core.jobs import Job, Preview
-from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, sizes, upscale, views
+from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, sizes, streaming, upscale, views
 from diffusiond.daemon.edge.status import ENGINE
-from diffusiond.daemon.errors import JobNotFound
+from diffusiond.daemon.errors import JobNotFound, OutputNotFound, OutputReleased
 from diffusiond.daemon.outputs import sound
 from diffusiond.protocol import AUDIO_ARRAY, FORMATS, TERMINAL_EVENTS, Event, JobStatus
 
@@ -30,7 +30,6 @@ SSE_HEARTBEAT_S = 15.0
 # would be dropped. Events are small; this holds a few previews, so a lagging reader's stream
 # backs up here, where the newest preview replaces the older one.
 SSE_SNDBUF = 16 << 10
-STREAM_CHUNK = 4 << 20
 
 async def create_job(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
@@ -112,8 +111,10 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     job = await engine.history.find(request.match_info["job_id"])
     metrics = engine.metrics
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if request.method == "HEAD":  # the headers only: no stream, no previews (review45-c 3)
+        return web.Response(headers=headers)
+    resp = web.StreamResponse(headers=headers)
     sock: socket.socket | None = request.transport.get_extra_info("socket") if request.transport else None
     if sock is not None and job.request.preview is not None:
         with contextlib.suppress(OSError):
@@ -163,7 +164,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             await resp.write(chunk)
             if e in TERMINAL_EVENTS:
                 return resp
-    except ConnectionResetError:  # the client left (or sent HEAD and closed): no one to answer, nothing to log
+    except ConnectionError:  # the client left (a reset, or aiohttp's "Connection lost"): nothing to log (review45-c 8)
         return resp
     finally:
         job.listeners.discard(listener)
@@ -204,6 +205,8 @@ async def job_output(request: web.Request) -> web.StreamResponse:
     k = _index(request.match_info["k"])
     headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
                "Content-Type": FORMATS[job.request.output_format].content_type}
+    if request.method == "HEAD":
+        return _output_head(job, k, headers)
     async with engine.open_output(job, k) as read:
         headers["X-Seed"] = str(job.items[k].seed)
         if not read.header:
@@ -211,22 +214,24 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers=headers)
         resp.content_length = len(read)
         await resp.prepare(request)
-        stall = engine.config.stream_stall_s
-        try:
-            await asyncio.wait_for(resp.write(read.header), stall)
-            for off in range(0, len(read.payload), STREAM_CHUNK):
-                await asyncio.wait_for(resp.write(read.payload[off : off + STREAM_CHUNK]), stall)
-        except ConnectionResetError:  # the client left mid-download: the slot is released as for a stall
-            return resp
-        except TimeoutError:
-            # A reader that stopped reading must not pin shared memory for ever: drop it.
-            log.warning("client stopped reading output %d of job %s for %gs; closing", k, job.id, stall)
-            if request.transport is not None:
-                request.transport.close()
-            return resp
-        await resp.write_eof()
-        read.complete = True
+        # the slot stays pinned until every byte left the transport (or it was aborted): review45-c 1
+        read.complete = await streaming.send(request, resp, (read.header, read.payload),
+                                             engine.config.stream_stall_s, f"output {k} of job {job.id}")
         return resp
+
+
+def _output_head(job: Job, k: int, headers: dict[str, str]) -> web.Response:
+    """HEAD of an output: what a GET would answer, from the job's record alone. Nothing is opened,
+    pinned or read, and an npy's one delivery is left for the GET (review45-c 3)."""
+    if not 0 <= k < len(job.items):
+        raise OutputNotFound(f"job {job.id} has outputs 0..{len(job.items) - 1}")
+    item = job.items[k]
+    item.check_ready()
+    if item.desc is None and item.data is None and item.file is None:
+        raise OutputReleased(f"output {k} of job {job.id} was already streamed: npy outputs are sent once, straight "
+                             "from shared memory, and then released; fetch it once, or ask for png/webp/mp4 to keep "
+                             "an encoded copy")
+    return web.Response(headers={**headers, "X-Seed": str(item.seed), "Content-Length": str(item.nbytes)})
 
 
 async def job_audio(request: web.Request) -> web.Response:
@@ -247,20 +252,14 @@ async def job_trajectory(request: web.Request) -> web.StreamResponse:
     job = await engine.history.find(request.match_info["job_id"])
     k, name = _index(request.match_info["k"]), request.match_info["name"]
     async with engine.open_trajectory(job, k, name) as (header, payload):
-        resp = web.StreamResponse(headers={"Content-Type": FORMATS["npy"].content_type,
-                                           "Content-Disposition": f'inline; filename="{job.id}-{k}-{name}.npy"'})
+        headers = {"Content-Type": FORMATS["npy"].content_type,
+                   "Content-Disposition": f'inline; filename="{job.id}-{k}-{name}.npy"'}
+        if request.method == "HEAD":  # a trajectory is not used up by a read: its length, and no body (review45-c 3)
+            return web.Response(headers={**headers, "Content-Length": str(len(header) + len(payload))})
+        resp = web.StreamResponse(headers=headers)
         resp.content_length = len(header) + len(payload)
         await resp.prepare(request)
-        try:
-            await asyncio.wait_for(resp.write(header), engine.config.stream_stall_s)
-            for off in range(0, len(payload), STREAM_CHUNK):
-                await asyncio.wait_for(resp.write(payload[off : off + STREAM_CHUNK]), engine.config.stream_stall_s)
-        except ConnectionResetError:  # the client left mid-download
-            return resp
-        except TimeoutError:
-            log.warning("client stopped reading the trajectory of output %d of job %s; closing", k, job.id)
-            if request.transport is not None:
-                request.transport.close()
-            return resp
-        await resp.write_eof()
+        # pinned until every byte left the transport, or it was aborted (review45-c 1)
+        await streaming.send(request, resp, (header, payload), engine.config.stream_stall_s,
+                             f"the trajectory of output {k} of job {job.id}")
         return resp

@@ -1,0 +1,97 @@
+"""Writing a body that lies in shared memory (an npy output, a trajectory's array) to an HTTP client.
+
+The transport does not copy what it is given: the part of a write the kernel did not take yet stays
+in its write buffer as a view of the worker's memory. Two rules follow (review45-c 1):
+
+- The read stays pinned until the write buffer is empty: only then has every byte left the view.
+  Once the handler returns the slot can go back and the worker write another output there.
+- Every other exit (a stall, a hang-up, a cancelled handler) aborts the transport. A graceful
+  close would flush the buffer later, from memory that may by then hold another job's output.
+
+``--stream-stall-s`` times the absence of progress, as docs/api.md promises ("reads nothing for
+this long"), not the writing of a whole chunk: a reader that reads slowly but steadily is never
+cut off (review45-c 7). Progress is bytes the kernel took off the transport's buffer, checked by a
+watchdog a few times per stall period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+# Small enough that the transport never holds much more than its high-water mark beyond what the
+# kernel takes; large enough that a multi-GiB output is not thousands of writes per second.
+PIECE = 1 << 20
+POLL_MAX_S = 1.0  # the watchdog looks at least this often (a stall is seen within stall_s + this)
+EMPTY_POLL_S = (0.001, 0.05)  # waiting for the last bytes to leave: first and longest sleep
+
+
+class _Watchdog:
+    """Aborts the transport when the kernel takes none of its buffered bytes for ``stall_s``. The
+    server cancels a handler whose connection is lost, so the abort may end ``send`` with a
+    CancelledError rather than a failed write: either way the read is not complete."""
+
+    def __init__(self, transport: asyncio.Transport, stall_s: float, what: str) -> None:
+        self.transport = transport
+        self.stall_s = stall_s
+        self.what = what
+        self.handed = 0  # bytes given to the transport; minus its buffer: bytes the kernel took
+        self._task = asyncio.ensure_future(self._watch())
+
+    def sent(self) -> int:
+        return self.handed - self.transport.get_write_buffer_size()
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        poll = min(POLL_MAX_S, self.stall_s / 4)
+        last, deadline = self.sent(), loop.time() + self.stall_s
+        while not self.transport.is_closing():
+            await asyncio.sleep(poll)
+            now, sent = loop.time(), self.sent()
+            if sent > last:  # monotonic: ``handed`` grows in the same step as the transport's buffer
+                last, deadline = sent, now + self.stall_s
+            elif now >= deadline:  # logged here: the abort cancels the handler (handler_cancellation)
+                log.warning("client stopped reading %s for %gs; closing", self.what, self.stall_s)
+                self.transport.abort()  # wakes a write waiting to drain; the next one raises
+                return
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def send(request: web.Request, resp: web.StreamResponse, parts: Sequence[bytes | memoryview],
+               stall_s: float, what: str) -> bool:
+    """Write ``parts`` as the body of the prepared ``resp``; True once every byte left the transport's
+    buffer (the caller may then let go of the views), False if the client went or stalled (the
+    transport is then aborted: nothing more is sent from the views). ``what`` names the body in the log."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        return False  # the client left before the first byte: nothing was handed over
+    watchdog = _Watchdog(transport, stall_s, what)
+    done = False
+    try:
+        for part in parts:
+            for off in range(0, len(part), PIECE):
+                piece = part[off : off + PIECE]
+                watchdog.handed += len(piece)  # in the same step as the transport takes it (no await before)
+                await resp.write(piece)
+        await resp.write_eof()
+        delay = EMPTY_POLL_S[0]
+        while transport.get_write_buffer_size() and not transport.is_closing():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, EMPTY_POLL_S[1])
+        done = not transport.is_closing() and not transport.get_write_buffer_size()
+    except ConnectionError:  # the client left mid-download (ConnectionResetError, aiohttp's "Connection lost")
+        pass
+    finally:
+        watchdog.stop()
+        if not done:  # a stall, a hang-up, or the handler cancelled: drop the buffered views now
+            with contextlib.suppress(Exception):
+                transport.abort()
+    return done
