@@ -307,6 +307,8 @@ class SqliteStore(Store):
     def _update(self, row: dict[str, Any]) -> None:
         # Only a live record moves: a job ends once, across restarts too.
         self.faults.check_space()
+        if self.faults.update_delay_ms:
+            time.sleep(self.faults.update_delay_ms / 1000)
         sets = ", ".join(f"{k} = :{k}" for k in row if k not in ("id", "created", "model", "request", "seeds"))
         self._db().execute(f"UPDATE jobs SET {sets} WHERE id = :id AND status IN {LIVE}", row)
 
