@@ -16,7 +16,6 @@ here; ``edge/views.py`` draws the JSON).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
@@ -27,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from diffusiond.daemon.config import DaemonConfig
-from diffusiond.daemon.core import power, resume
+from diffusiond.daemon.core import endings, power, resume
 from diffusiond.daemon.core.controls import ControlRegistry
 from diffusiond.daemon.core.file_checks import FileChecks
 from diffusiond.daemon.core.flights import Flights
@@ -440,20 +439,12 @@ class Engine(OutputAccess):
                                                             "stage": stage_label}
         if not job.end(status, error):
             return
-        self.store.update(job)
+        endings.record(self.store, job)  # listeners are told once it is on disk (review45-b 1)
         job.request.close_inputs()  # batches already sent hold their own fds
         self.scheduler.remove(job)
         self.keeper.unqueue(job.request.model, sum(1 for i in job.items if i.batch_id is None))
         if status != JobStatus.SUCCEEDED:
-            cancels: dict[WorkerLink, list[str]] = collections.defaultdict(list)
-            for item in job.items:
-                if item.worker is not None and not item.done and item.desc is None:
-                    cancels[item.worker].append(item.request_id)
-            self.outputs.discard(job)
-            for worker, ids in cancels.items():
-                with contextlib.suppress(Exception):
-                    worker.cancel(ids)
-            self.flights.jobs_ended(cancels)
+            endings.stop_work(job, self.outputs, self.flights)
             log.info("job %s %s: %s", job.id, status.value, message)
         self.metrics.jobs_total.labels(status.value).inc()
         asyncio.get_running_loop().call_later(self.config.retention_s, self._expire, job.id)

@@ -6,7 +6,8 @@ outputs are ``Item``s: the unit of batching, copying and encoding (``RequestSpec
 
 Status moves forward only: queued -> running -> succeeded | failed | cancelled, and the terminal
 transition happens exactly once (``Job.end``); listeners (SSE streams, waiting handlers) learn
-about it through ``Job.listeners`` (called on the loop, in order) and ``Job.finished``. What a
+about it through ``Job.listeners`` (called on the loop, in order) and ``Job.finished``, once the
+ending is on disk (``Job.announce``, review45-b 1). What a
 client sees of a job (its JSON, its URLs) is drawn by the HTTP layer (``views.py``), not here.
 """
 
@@ -232,7 +233,8 @@ class Job:
     sync: bool = False  # submitted through the synchronous endpoint
     attempts: int = 1  # runs started: a job that was running when the daemon died runs again from the start
     listeners: set[Listener] = field(default_factory=set)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # set by ``announce``, not by ``end``
+    recorded: asyncio.Future[None] | None = None  # the write of its ending to the state dir (None: nothing to wait)
     deadline: asyncio.TimerHandle | None = None
     last_preview: Preview | None = None  # what a PREVIEW event is about, while it is emitted
     held: str | None = None  # queued, and why: "loading", "waiting_for_memory" or "waiting_for_turn"
@@ -279,7 +281,9 @@ class Job:
             listener(event, self)
 
     def end(self, status: JobStatus, error: dict[str, Any] | None = None) -> bool:
-        """The one terminal transition. Returns False if the job had already ended."""
+        """The one terminal transition, in memory. Returns False if the job had already ended.
+        Nobody is told yet: the engine calls ``announce`` once the ending is on disk, so a client
+        told "cancelled" or "done" never meets the job running again after a restart."""
         if self.terminal:
             return False
         self.status = status
@@ -289,9 +293,14 @@ class Job:
             self.deadline.cancel()
             self.deadline = None
         self.timings_ms["total"] = round((self.ended_at - self.t0) * 1000, 3)
-        self.emit(Event.DONE if status == JobStatus.SUCCEEDED else Event.ERROR)
-        self.finished.set()
         return True
+
+    def announce(self) -> None:
+        """Tell listeners and waiters how the job ended (after ``end``, once it is recorded)."""
+        if self.finished.is_set():
+            return
+        self.emit(Event.DONE if self.status == JobStatus.SUCCEEDED else Event.ERROR)
+        self.finished.set()
 
 
 def agreed(each: Iterable[dict[str, int] | None]) -> dict[str, int] | None:

@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon import errors
+from diffusiond.daemon.core import endings
 from diffusiond.daemon.core.jobs import Job, Preview
 from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, sizes, streaming, upscale, views
 from diffusiond.daemon.edge.status import ENGINE
@@ -98,12 +99,19 @@ async def get_job(request: web.Request) -> web.Response:
 
 async def delete_job(request: web.Request) -> web.Response:
     """Cancel a job that has not finished; delete a finished one (record and output files).
-    ``?finished=keep`` only cancels: 409 for a finished job (what a client's cancel sends)."""
+    ``?finished=keep`` only cancels: 409 for a finished job (what a client's cancel sends), one that
+    is no longer in memory too (review45-b 7). A cancel is answered once it is on disk (review45-b 1)."""
     engine = request.app[ENGINE]
     job_id = request.match_info["job_id"]
     if request.query.get("finished") == "keep":
-        return web.json_response({**views.job(engine.cancel(job_id)), "deleted": False})
-    job, deleted = await engine.history.remove(job_id)
+        job = await engine.history.find(job_id)  # memory, else the state dir: a finished job is a 409, not a 404
+        if job.terminal:
+            raise errors.JobFinished(f"job {job_id} already finished ({job.status.value})")
+        job, deleted = engine.cancel(job_id), False
+    else:
+        job, deleted = await engine.history.remove(job_id)
+    if not deleted:  # cancelled: "cancelled" must outlive a crash before the client is told
+        await endings.recorded(job)
     return web.json_response({**views.job(job), "deleted": deleted})
 
 
@@ -142,7 +150,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     job.listeners.add(listener)
     try:
         await resp.write(_sse(Event.STATUS, views.job(job)))  # a late subscriber gets the current state first
-        if job.terminal:
+        if job.finished.is_set():  # a job that ended but is not yet on disk is told when it is (review45-b 1)
             final = Event.DONE if job.status == JobStatus.SUCCEEDED else Event.ERROR
             await resp.write(_sse(final, views.job(job)))
             return resp

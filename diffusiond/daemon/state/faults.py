@@ -18,10 +18,13 @@ class StateFaults:
     ``enospc_file=PATH``: while PATH exists, every write to the state dir fails with ENOSPC (a
     full disk, switched on and off by the test). ``write_delay_ms=N``: each output file write
     stops N ms half-way through (a crash there must leave no partial file served).
+    ``update_delay_ms=N``: each write of a job's status waits N ms first (a slow disk: a crash
+    must never undo an ending a client was told of, review45-b 1).
     """
 
     enospc_file: str | None = None
     write_delay_ms: int = 0
+    update_delay_ms: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> StateFaults:
@@ -32,6 +35,8 @@ class StateFaults:
                 f.enospc_file = value
             elif key == "write_delay_ms":
                 f.write_delay_ms = int(value)
+            elif key == "update_delay_ms":
+                f.update_delay_ms = int(value)
             else:
                 raise ValueError(f"unknown state fault {key!r}")
         return f

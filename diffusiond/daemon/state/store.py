@@ -2,7 +2,8 @@
 
 The engine keeps its jobs in memory and tells one collaborator, the store, what happened to
 them: ``add`` (awaited before the 202 goes out, so an accepted job is on disk), ``update``
-(started, ended: fire-and-forget, written in order), ``write_output`` (an output's encoded
+(started, ended: written in order; it returns the write's future, which the engine waits for
+before it tells anyone a job ended, review45-b 1), ``write_output`` (an output's encoded
 bytes, in the encode pool) and, at start, ``open`` (the jobs a crash interrupted). ``Store``
 itself does nothing: it is ``--no-persist`` and what the engine tests use. ``SqliteStore`` keeps
 them in ``DIR/jobs.db`` (SQLite, WAL; commits fsynced with ``--state-sync full``) and ``DIR/outputs/``.
@@ -89,8 +90,10 @@ class Store:
     async def add(self, job: Job) -> None:
         """Record a newly admitted job; returns once it is on disk."""
 
-    def update(self, job: Job) -> None:
-        """Record a job's new status (started, ended); written in order, without waiting."""
+    def update(self, job: Job) -> asyncio.Future[None] | None:
+        """Record a job's new status (started, ended), written in order; the write's future (its
+        error a domain error), or None where nothing is written."""
+        return None
 
     async def load(self, job_id: str) -> Job | None:
         """A job that is no longer in memory, from disk."""
@@ -133,6 +136,10 @@ class SqliteStore(Store):
         self._con: sqlite3.Connection | None = None
         self._pending: set[asyncio.Future[Any]] = set()
         self._closed = False
+        # Endings whose write failed (a full disk), by job id: the store's thread alone touches it. Each is
+        # written again after the next write that succeeds and at close (review45-b 1): until then the row
+        # says queued or running, and a restart would run a job a client was told had ended.
+        self._unwritten: dict[str, dict[str, Any]] = {}
 
     # the one thread ---------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -237,21 +244,39 @@ class SqliteStore(Store):
     def _db_execute(self, sql: str, params: tuple[Any, ...]) -> None:
         self._db().execute(sql, params)
 
-    def _later(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _later(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[None] | None:
         """Run ``fn`` in the store's thread after what is already queued; log a failure."""
         if self._closed:  # the daemon is stopping: a late change (a job failed by the shutdown) is not kept
             log.warning("the state database is closed; a late change to a job was not recorded")
-            return
+            return None
         # submitted now, not from a task that starts later: the thread runs writes in call order
-        fut = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(self._thread, self._then_retry, fn, *args)
         self._pending.add(fut)
         fut.add_done_callback(self._updated)
+        return fut
+
+    def _then_retry(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn``, then (it succeeded: the disk takes writes again) the endings that could not be written."""
+        fn(*args)
+        if self._unwritten:
+            self._write_unwritten()
+
+    def _write_unwritten(self) -> None:
+        for job_id, row in list(self._unwritten.items()):
+            try:
+                self._update(row)
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("the end of job %s is still not recorded in %s (%s)", job_id, self.db_path, exc)
+                return
+            del self._unwritten[job_id]
+            log.info("recorded the end of job %s (%s) in %s, which had failed before", job_id, row["status"],
+                     self.db_path)
 
     # jobs ---------------------------------------------------------------------------------------
     async def add(self, job: Job) -> None:
         row = to_row(job)
         try:
-            await self._run(self._insert, row)
+            await self._run(self._then_retry, self._insert, row)
         except (OSError, sqlite3.Error) as exc:
             raise self._failure(exc, f"record job {job.id}") from None
 
@@ -260,16 +285,30 @@ class SqliteStore(Store):
         names = ", ".join(row)
         self._db().execute(f"INSERT INTO jobs ({names}) VALUES ({', '.join(':' + k for k in row)})", row)
 
-    def update(self, job: Job) -> None:
-        self._later(self._update, to_row(job))
+    def update(self, job: Job) -> asyncio.Future[None] | None:
+        return self._later(self._record, to_row(job))
 
     def _updated(self, fut: asyncio.Future[Any]) -> None:
         self._pending.discard(fut)
         if not fut.cancelled() and fut.exception() is not None:
             log.error("could not write to %s: %s", self.db_path, fut.exception())
 
+    def _record(self, row: dict[str, Any]) -> None:
+        try:
+            self._update(row)
+        except (OSError, sqlite3.Error) as exc:
+            if row["status"] in LIVE:  # a start not recorded: the job runs again after a crash, as it would anyway
+                raise self._failure(exc, f"record that job {row['id']} started") from None
+            self._unwritten[row["id"]] = row
+            raise self._failure(exc, f"record that job {row['id']} ended ({row['status']}); it stays "
+                                f"{row['status']} here and is recorded after the next write that succeeds, but "
+                                "a restart before that runs it again") from None
+
     def _update(self, row: dict[str, Any]) -> None:
         # Only a live record moves: a job ends once, across restarts too.
+        self.faults.check_space()
+        if self.faults.update_delay_ms:
+            time.sleep(self.faults.update_delay_ms / 1000)
         sets = ", ".join(f"{k} = :{k}" for k in row if k not in ("id", "created", "model", "request", "seeds"))
         self._db().execute(f"UPDATE jobs SET {sets} WHERE id = :id AND status IN {LIVE}", row)
 
@@ -355,10 +394,30 @@ class SqliteStore(Store):
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._con is not None:
+            await self._run(self._last_try)
             con, self._con = self._con, None
             await self._run(con.close)
         self._thread.shutdown(wait=True)
         self._lock.release()
+
+    def _last_try(self) -> None:
+        """The endings not yet written, once more; those still not on disk are named: the next start
+        runs them again, though their clients were told they had ended (review45-b 1)."""
+        if not self._unwritten:
+            return
+        self._write_unwritten()
+        ids = list(self._unwritten)
+        if not ids:
+            return
+        with contextlib.suppress(sqlite3.Error):  # only those whose record is still live will run again
+            marks = ", ".join("?" * len(ids))
+            live = self._db().execute(f"SELECT id FROM jobs WHERE id IN ({marks}) AND status IN {LIVE}", ids)
+            ids = [r[0] for r in live]
+        if ids:
+            log.error("could not record in %s that job(s) %s ended: the next start runs them again, though their "
+                      "clients were told they had ended; free space on the disk holding %s before restarting",
+                      self.db_path, ", ".join(ids), self.dir)
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
