@@ -77,7 +77,7 @@ async def test_a_database_another_process_holds_locked_is_refused_and_kept_even_
     holder = sqlite3.connect(tmp_path / "jobs.db", isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        with pytest.raises(StateDirError, match="another process holds .*jobs.db open"):
+        with pytest.raises(StateDirError, match=r"another process holds .*jobs\.db open"):
             await SqliteStore(tmp_path, reset=True).open()  # SQLite's own 5 s wait first
     finally:
         holder.close()

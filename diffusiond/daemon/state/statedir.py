@@ -48,8 +48,9 @@ class StateLock:
             raise StateDirError(
                 f"the state dir {self.path.parent} is in use by another diffusiond (pid {holder}); stop it, or give "
                 "this one its own --state-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # the pid only names the holder: a full disk must not stop the start here
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:

@@ -325,10 +325,16 @@ class SqliteStore(Store):
         return row
 
     async def page(self, status: str | None, model: str | None, before: str | None, limit: int) -> Page:
-        rows = await self._run(self._page, status, model, before, limit + 1)
-        jobs = [j for r in rows[:limit] if (j := self._decode(r)) is not None]
-        # the cursor is the page's last row, read or not: a row left out is still a place in the history
-        return Page(jobs, rows[limit - 1]["id"] if len(rows) > limit else None)
+        jobs: list[Job] = []
+        while True:  # more than once only where a row does not decode: it is left out, and the page filled on
+            rows = await self._run(self._page, status, model, before, limit - len(jobs) + 1)
+            taken = rows[:limit - len(jobs)]
+            jobs += [j for r in taken if (j := self._decode(r)) is not None]
+            more = len(rows) > len(taken)
+            if not more or len(jobs) == limit:
+                # the cursor is the last row taken, read or not: a row left out is still a place in the history
+                return Page(jobs, taken[-1]["id"] if more else None)
+            before = taken[-1]["id"]
 
     def _page(self, status: str | None, model: str | None, before: str | None, limit: int) -> list[sqlite3.Row]:
         return self._db().execute(
