@@ -100,8 +100,21 @@ def _without_input(request: JobRequest) -> JobRequest:
     return dataclasses.replace(request, edit=None, control=None, ip_adapter=None)
 
 
+class UnreadableRow(ValueError):
+    """A row that does not decode as a job: a value damaged inside (which ``quick_check`` does not see), or a
+    status or stage a newer diffusiond wrote. The store leaves it out rather than fail a start or a page."""
+
+
 def from_row(row: sqlite3.Row) -> Job:
-    """A job read back from its row: an unfinished one queued again, a finished one as it ended."""
+    """A job read back from its row: an unfinished one queued again, a finished one as it ended; raises
+    ``UnreadableRow`` where it does not decode (review45-b 6)."""
+    try:
+        return _from_row(row)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, msgspec.MsgspecError) as exc:
+        raise UnreadableRow(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _from_row(row: sqlite3.Row) -> Job:
     request = msgspec.json.decode(row["request"], type=JobRequest)
     status = JobStatus(row["status"])
     job = Job(request, id=row["id"], created=row["created"], status=status, sync=bool(row["sync"]),
@@ -122,3 +135,11 @@ def from_row(row: sqlite3.Row) -> Job:
     if status.terminal:
         job.finished.set()
     return job
+
+
+def row_id(row: sqlite3.Row) -> str:
+    """A stored row's job id, where even that cannot be read (review45-b 6)."""
+    try:
+        return str(row["id"])
+    except (IndexError, KeyError):
+        return "(no id)"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -41,10 +40,27 @@ import msgspec
 from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.errors import InsufficientStorage, StateWriteFailed
 from diffusiond.daemon.state.faults import StateFaults
-from diffusiond.daemon.state.rows import APPLICATION_ID, SCHEMA, SCHEMA_VERSION, from_row, to_row
-from diffusiond.daemon.state.statedir import StateDirError, StateLock, move_aside, prepare
+from diffusiond.daemon.state.rows import (
+    APPLICATION_ID,
+    SCHEMA,
+    SCHEMA_VERSION,
+    UnreadableRow,
+    from_row,
+    row_id,
+    to_row,
+)
+from diffusiond.daemon.state.statedir import (
+    ForeignDatabase,
+    StateDirError,
+    StateLock,
+    disk_full,
+    fsync_dir,
+    move_aside,
+    prepare,
+    start_problem,
+)
 from diffusiond.ipc.messages import Capabilities
-from diffusiond.protocol import JobStatus
+from diffusiond.protocol import ErrorCode, JobStatus
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,6 +156,7 @@ class SqliteStore(Store):
         # written again after the next write that succeeds and at close (review45-b 1): until then the row
         # says queued or running, and a restart would run a job a client was told had ended.
         self._unwritten: dict[str, dict[str, Any]] = {}
+        self._unreadable: set[str] = set()  # rows already warned of: a page read every second warns once
 
     # the one thread ---------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -151,9 +168,7 @@ class SqliteStore(Store):
 
     def _failure(self, exc: Exception, what: str) -> Exception:
         """The domain error for a failed write: a full disk names the state dir (507)."""
-        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-            isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL)
-        if full:
+        if disk_full(exc):
             return InsufficientStorage(f"the disk holding the state dir {self.root} is full: could not {what}; free "
                                        "space there (or lower --keep-gb / --keep-days) and retry")
         return StateWriteFailed(f"could not {what} in the state dir {self.root}: {exc}")
@@ -164,27 +179,62 @@ class SqliteStore(Store):
         self._lock.acquire()
         try:
             rows = await self._run(self._open)
+            jobs = [(r, self._decode(r)) for r in rows]
+            # an unfinished job whose record does not read cannot run again; ended here, so that it does not stop
+            # this start nor warn at every later one (review45-b 6)
+            await self._run(self._fail_unreadable, [r["id"] for r, j in jobs if j is None])
         except BaseException:
             self._lock.release()
             raise
-        self.lost_inputs = frozenset(r["id"] for r in rows if r["edit"])
-        return [from_row(r) for r in rows]
+        self.lost_inputs = frozenset(r["id"] for r, j in jobs if j is not None and r["edit"])
+        return [j for _, j in jobs if j is not None]
 
     def _open(self) -> list[sqlite3.Row]:
         for leftover in self.outputs_dir.glob(".*.tmp"):  # a write a crash cut short: never served
             leftover.unlink(missing_ok=True)
         try:
             con = self._connect()
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
+            # a good database SQLite cannot open now (full disk, owner, lock) is never moved aside (review45-b 3)
+            if (problem := start_problem(self.db_path, exc)) is not None:
+                raise problem from None
             if not self.reset:
                 raise StateDirError(
                     f"{self.db_path} is not a diffusiond state database ({exc}); move it away, or start with "
                     "--reset-state to have it moved aside") from None
             aside = move_aside(self.db_path)
             log.warning("moved the unreadable state database %s aside to %s (%s)", self.db_path, aside, exc)
-            con = self._connect()
+            try:
+                con = self._connect()
+            except sqlite3.Error as again:
+                raise (start_problem(self.db_path, again) or StateDirError(
+                    f"a new state database {self.db_path} could not be made ({again})")) from None
         self._con = con
         return con.execute(f"SELECT * FROM jobs WHERE status IN {LIVE} ORDER BY seq").fetchall()
+
+    def _decode(self, row: sqlite3.Row) -> Job | None:
+        """The job a row holds, or None (logged once) where it does not decode: damage inside a value, which
+        ``quick_check`` does not see, or a status a newer diffusiond wrote. One such row must not stop a start
+        or make every history page that holds it a 500 (review45-b 6)."""
+        try:
+            return from_row(row)
+        except UnreadableRow as exc:
+            job_id = row_id(row)
+            if job_id not in self._unreadable:
+                self._unreadable.add(job_id)
+                log.warning("the record of job %s in %s does not read (%s); it is left out of the history",
+                            job_id, self.db_path, exc)
+            return None
+
+    def _fail_unreadable(self, ids: list[str]) -> None:
+        error = {"code": str(ErrorCode.STATE_FAILED), "stage": "queued",
+                 "message": f"the record of this job in {self.db_path} does not read, so it cannot run again after "
+                            "the restart: submit it again"}
+        for job_id in ids:
+            self._db().execute(f"UPDATE jobs SET status = ?, error = ?, ended = ? WHERE id = ? AND status IN {LIVE}",
+                               (JobStatus.FAILED.value, json.dumps(error), time.time(), job_id))
+            log.warning("job %s was accepted by the last run and did not finish, but its record in %s does not read: "
+                        "it is ended failed (state_failed)", job_id, self.db_path)
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
@@ -193,11 +243,11 @@ class SqliteStore(Store):
             app = con.execute("PRAGMA application_id").fetchone()[0]
             tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
             if app != APPLICATION_ID and tables:
-                raise sqlite3.DatabaseError(f"it holds tables {', '.join(tables)} and no diffusiond mark")
+                raise ForeignDatabase(f"it holds tables {', '.join(tables)} and no diffusiond mark")
             if app == APPLICATION_ID:
                 check = con.execute("PRAGMA quick_check").fetchone()[0]
                 if check != "ok":
-                    raise sqlite3.DatabaseError(f"integrity check: {check}")
+                    raise ForeignDatabase(f"integrity check: {check}")
             con.execute("PRAGMA journal_mode = WAL")
             # NORMAL: a commit is in the WAL (the OS has it) before the 202: it survives any crash of the
             # daemon. FULL also fsyncs each commit: it survives a power cut too, at ~2 ms per job here.
@@ -314,16 +364,23 @@ class SqliteStore(Store):
 
     async def load(self, job_id: str) -> Job | None:
         row = await self._run(self._get, job_id)
-        return None if row is None else from_row(row)
+        return None if row is None else self._decode(row)
 
     def _get(self, job_id: str) -> sqlite3.Row | None:
         row: sqlite3.Row | None = self._db().execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return row
 
     async def page(self, status: str | None, model: str | None, before: str | None, limit: int) -> Page:
-        rows = await self._run(self._page, status, model, before, limit + 1)
-        jobs = [from_row(r) for r in rows[:limit]]
-        return Page(jobs, jobs[-1].id if len(rows) > limit else None)
+        jobs: list[Job] = []
+        while True:  # more than once only where a row does not decode: it is left out, and the page filled on
+            rows = await self._run(self._page, status, model, before, limit - len(jobs) + 1)
+            taken = rows[:limit - len(jobs)]
+            jobs += [j for r in taken if (j := self._decode(r)) is not None]
+            more = len(rows) > len(taken)
+            if not more or len(jobs) == limit:
+                # the cursor is the last row taken, read or not: a row left out is still a place in the history
+                return Page(jobs, taken[-1]["id"] if more else None)
+            before = taken[-1]["id"]
 
     def _page(self, status: str | None, model: str | None, before: str | None, limit: int) -> list[sqlite3.Row]:
         return self._db().execute(
@@ -334,7 +391,28 @@ class SqliteStore(Store):
     async def delete(self, job: Job) -> None:
         files = [i.file for i in job.items if i.file]
         files += [f["file"] for i in job.items for f in (i.trajectory_files or {}).values()]
-        await self._run(self._delete, job.id, files)
+        try:
+            await self._run(self._delete_checked, job.id, files)
+        except (OSError, sqlite3.Error) as exc:
+            if not disk_full(exc):
+                raise self._failure(exc, f"delete job {job.id}") from None
+            # The row's DELETE needs room in the WAL: the job's files go first (nobody starts reading them, the job
+            # is in ``files.deleting``), so that deleting finished jobs can empty a full disk (review45-b 2).
+            log.warning("the disk holding %s is full: job %s's files are deleted before its record", self.dir, job.id)
+            try:
+                await self._run(self._unlink, files)
+                await self._run(self._delete_checked, job.id, files)
+            except (OSError, sqlite3.Error) as again:
+                raise self._failure(again, f"delete job {job.id} (its files are deleted, its record is "
+                                           "not: DELETE it again once there is room)") from None
+
+    def _delete_checked(self, job_id: str, files: list[str]) -> None:
+        self.faults.check_space()  # --test-state-fault enospc_file: a full disk for the tests
+        self._delete(job_id, files)
+
+    def _unlink(self, files: list[str]) -> None:
+        for name in files:
+            (self.outputs_dir / name).unlink(missing_ok=True)
 
     def _delete(self, job_id: str, files: list[str]) -> None:
         self._db().execute("DELETE FROM jobs WHERE id = ?", (job_id,))  # first: nobody finds the files after
@@ -343,7 +421,7 @@ class SqliteStore(Store):
 
     async def expired(self, keep_days: float, keep_bytes: int) -> list[Job]:
         rows = await self._run(self._expired, keep_days, keep_bytes)
-        return [from_row(r) for r in rows]
+        return [j for r in rows if (j := self._decode(r)) is not None]
 
     def _expired(self, keep_days: float, keep_bytes: int) -> list[sqlite3.Row]:
         rows = self._db().execute(f"SELECT * FROM jobs WHERE status NOT IN {LIVE} ORDER BY seq").fetchall()
@@ -383,7 +461,7 @@ class SqliteStore(Store):
             if isinstance(exc, OSError):
                 raise self._failure(exc, f"write output {index} of job {job_id}") from None
             raise
-        _fsync_dir(self.outputs_dir)
+        fsync_dir(self.outputs_dir)
         return name, size
 
     def read_output(self, name: str) -> bytes:
@@ -417,11 +495,3 @@ class SqliteStore(Store):
             log.error("could not record in %s that job(s) %s ended: the next start runs them again, though their "
                       "clients were told they had ended; free space on the disk holding %s before restarting",
                       self.db_path, ", ".join(ids), self.dir)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
