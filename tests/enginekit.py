@@ -93,6 +93,10 @@ class FakeWorker:
     def held_bytes(self) -> int:
         return sum(self.held.values())
 
+    @property
+    def arena_held_bytes(self) -> int:
+        return self.held_bytes  # every fake output lies in the arena
+
     async def start(self, timeout: float) -> Ready:
         await asyncio.sleep(0)
         if self.fail_start:

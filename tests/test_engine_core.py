@@ -265,6 +265,30 @@ async def test_a_waiting_copy_gets_room_by_spilling_the_oldest_unfetched_output(
     assert h.worker.returned == [0], "the oldest output was spilled, and only it"
     spilled = np.load(io.BytesIO(await read(h, jobs[0], 0)))
     assert spilled.shape == (64, 64, 3) and (spilled == 128).all()
+    with pytest.raises(errors.OutputReleased):  # the spilled copy is delivered once, as its slot (review45-c 5)
+        await read(h, jobs[0], 0)
+    assert jobs[0].items[0].data is None
+
+
+async def test_an_output_read_while_it_is_being_spilled_keeps_no_copy(h: Harness) -> None:
+    """A read that completes while the spill copies the slot was the output's one delivery: the spill's
+    copy is not kept (before, it was, and served again until retention ended)."""
+    jobs = [h.submit(output_format="npy") for _ in range(2)]
+    for j, batch_no in zip(jobs, range(2), strict=True):
+        h.worker.finish(h.worker.executed[batch_no])
+        await h.settle(j)
+    item = jobs[0].items[0]
+    h.worker.slot_wait(h.worker.arena_capacity - h.worker.held_bytes + 1)
+    await asyncio.sleep(0)  # the spill's task starts, and waits for its copy
+    assert item.spilling
+    await read(h, jobs[0], 0)  # never yields to the loop: done before the copy comes back
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if not item.spilling:
+            break
+    assert not item.spilling and item.data is None and h.worker.returned == [0]
+    with pytest.raises(errors.OutputReleased):
+        await read(h, jobs[0], 0)
 
 
 async def test_retention_end_gives_every_slot_back() -> None:

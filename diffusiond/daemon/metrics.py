@@ -39,6 +39,9 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("diffusiond_departed_arena_bytes", "Shared-memory arenas of workers gone (stopped "
                                 "or lost) still mapped for outputs held; unmapped with the last",
                                 value=s["departed_arena_bytes"])
+        yield GaugeMetricFamily("diffusiond_output_memory_bytes", "Output bytes held in the engine's own memory: "
+                                "encoded outputs (without a state dir) and outputs and trajectories spilled out of "
+                                "shared memory", value=s["output_memory_bytes"])
         workers = GaugeMetricFamily("diffusiond_workers", "Workers by state", labels=["model", "state"])
         for w in s["workers"]:
             workers.add_metric([w["model"], w["state"]], 1)

@@ -296,6 +296,8 @@ def health(engine: Engine) -> dict[str, Any]:
         "arena_bytes_in_use": sum(w.held_bytes for _, w in workers),
         # arenas of workers gone (a level-2 sleep, residency, a crash) that outputs still held keep mapped
         "departed_arena_bytes": sum(w.arena_capacity for w in pool.departed_arenas()),
+        # outputs in the engine's own memory: encoded ones without a state dir, and spills (review45-c 5)
+        "output_memory_bytes": engine.outputs.memory_bytes(engine.jobs.values()),
     }
 
 

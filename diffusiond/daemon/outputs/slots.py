@@ -17,7 +17,10 @@ handed back: a release while pinned is deferred to the last unpin.
 Outputs that nobody fetches would hold their slots until retention ends; when they take more
 than half of a worker's arena, or a worker waits for room (SLOT_WAIT), the oldest are spilled
 (copied once into engine memory, off the loop) so the arena never fills for good and new
-outputs keep the zero-copy path.
+outputs keep the zero-copy path. Only arena slots count and are spilled: an output larger than
+the arena lies in a memfd of its own, which holds no arena room, so it stays there, mappable by
+fd, until its one delivery (review45-c 5). A spilled npy is still delivered once: its copy is
+dropped after its first complete read, as its slot would have gone back.
 
 When jobs persist (``store.py``), every output is also written to a file in the state dir before
 it counts as ready (encoded bytes, or an npy's header and slot), in the same thread pool: the
@@ -33,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -137,6 +140,10 @@ class Outputs:
         """Read one output; its slot stays pinned until the block ends."""
         item.check_ready()
         job = item.job
+        if item.data is not None and job.request.output_format == "npy":
+            async with self._open_spilled(item, item.data) as read:
+                yield read
+            return
         if item.data is not None:
             yield OutputRead(b"", item.data)
             return
@@ -158,6 +165,19 @@ class Outputs:
             self._unpin(item)
             if complete:
                 self._free(item)
+
+    @asynccontextmanager
+    async def _open_spilled(self, item: Item, data: bytes) -> AsyncIterator[OutputRead]:
+        """A spilled npy, streamed as from its slot (header, then the rest) so the reader says when every
+        byte went out: that was its one delivery, and the copy goes (review45-c 5)."""
+        split = 10 + int.from_bytes(data[8:10], "little")  # npy 1.0: magic, version, header length, header
+        read = OutputRead(data[:split], memoryview(data)[split:])
+        try:
+            yield read
+        finally:
+            if read.complete and item.data is data:
+                item.data = None
+                log.info("spilled output %s delivered; its copy dropped", item.request_id)
 
     def lease(self, item: Item) -> tuple[TensorDesc, int, int]:
         """Pin an npy output for a program on this machine that maps it: its descriptor, the fd
@@ -304,11 +324,11 @@ class Outputs:
         """Spill the oldest unfetched npy outputs, then the oldest trajectories: while they hold over half of
         the worker's arena, or (``need`` > 0, the worker is waiting for a slot) until ``need`` more bytes are free."""
         capacity = worker.arena_capacity
-        excess = max(need, worker.held_bytes - capacity // 2)
+        excess = max(need, worker.arena_held_bytes - capacity // 2)  # a dedicated memfd holds no arena room
         if not capacity or excess <= 0:
             return
-        held = [i for i in self._holding
-                if i.worker is worker and i.desc is not None and i.done and not i.pins and not i.spilling]
+        held = [i for i in self._holding if i.worker is worker and i.desc is not None and not i.desc.dedicated
+                and i.done and not i.pins and not i.spilling]
         for item in sorted(held, key=lambda i: i.enqueued_at):
             if excess <= 0:
                 break
@@ -340,12 +360,20 @@ class Outputs:
             header, payload = self._npy_parts(item)
             data = await asyncio.get_running_loop().run_in_executor(self.executor, _join, header, payload)
             payload.release()
-            item.data = data
+            if not item.release_pending:  # else it was delivered (or its job ended) meanwhile: keep no copy
+                item.data = data
         finally:
             self._unpin(item)
             item.spilling = False
         self._free(item)
-        log.info("spilled output %s (%d bytes) out of the arena", item.request_id, len(data))
+        if item.data is data:
+            log.info("spilled output %s (%d bytes) out of the arena", item.request_id, len(data))
+
+    @staticmethod
+    def memory_bytes(jobs: Iterable[Job]) -> int:
+        """Output bytes held in the engine's own memory: encoded outputs (without a state dir) and what was
+        spilled out of shared memory, outputs and trajectories (``/metrics`` ``diffusiond_output_memory_bytes``)."""
+        return sum(len(i.data or b"") + len(i.trajectory_data or b"") for j in jobs for i in j.items)
 
     def _keep(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -267,8 +267,10 @@ class WorkerHandle:
             self._unmap_when_unused()
 
     def _unmap_when_unused(self) -> None:
-        """A dead worker's outputs stay readable (the mapping keeps the memory) until released."""
-        if self.arena is not None and not self.held and self.arena.close():
+        """A dead worker's outputs stay readable (the mapping keeps the memory) until released; one in a
+        dedicated memfd has its own mapping and keeps no arena mapped."""
+        in_arena = any(slot_id not in self.dedicated for slot_id in self.held)
+        if self.arena is not None and not in_arena and self.arena.close():
             self.arena = None
 
     @property
@@ -277,7 +279,14 @@ class WorkerHandle:
 
     @property
     def held_bytes(self) -> int:
+        """Shared memory outputs hold: arena slots and dedicated memfds (``/health``'s ``arena_bytes_in_use``)."""
         return sum(self.held.values())
+
+    @property
+    def arena_held_bytes(self) -> int:
+        """Of ``held_bytes``, the arena's slots: all that spilling can give back to a worker waiting for
+        room, a dedicated memfd holding none of it (review45-c 5)."""
+        return sum(n for slot_id, n in self.held.items() if slot_id not in self.dedicated)
 
     # channel callbacks ----------------------------------------------------------------------
     def ping(self) -> None:
