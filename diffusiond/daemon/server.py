@@ -36,6 +36,7 @@ from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.upscalers import UpscalerProbeError
 from diffusiond.daemon.edge.api import WebAddress, create_app
 from diffusiond.daemon.edge.handoff import OutputSocket
+from diffusiond.daemon.edge.views import model_state
 from diffusiond.daemon.edge.web import bind_tcp, create_web_app, sign_in_url
 from diffusiond.daemon.edge.webauth import host_port
 from diffusiond.daemon.state.statedir import StateDirError
@@ -236,7 +237,7 @@ async def _serve(engine: Engine, stop: asyncio.Event, where: str, *,
         preload.result()
         if loading:
             systemd.notify(f"STATUS=serving on {where}; the start's preload is done")
-            log.info("preload done: %s", ", ".join(f"{m.name} {m.state.value}" for m in engine.models()))
+            log.info("preload done: %s", ", ".join(f"{m.name} {model_state(engine, m)}" for m in engine.models()))
         await stop.wait()
         return engine.config.drain_grace_s, ()
     finally:
