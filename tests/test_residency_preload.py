@@ -169,3 +169,26 @@ def test_a_first_load_that_fails_is_a_503_naming_the_model_and_the_daemon_goes_o
             await until(no_worker_left, 30, "the failed workers to exit")
 
     asyncio.run(go())
+
+
+def test_a_model_waiting_its_turn_in_the_preload_is_unloaded_not_unavailable(daemon_factory: Any) -> None:
+    """The start loads a, then b: until b's turn it has no worker, and its job would load it; GET /v1/models must
+    not call it ``unavailable`` meanwhile, as it did (review45-a 3). Each load is slowed so that b waits."""
+    d: Daemon = daemon_factory("--model", "a=tiny", "--model", "b=tiny", "--no-persist", "--preload", "a,b",
+                               "--test-fault", "load_delay_ms=3000", start=False)
+    d.start(loaded=False)
+
+    async def go() -> list[dict[str, str]]:
+        seen = []
+        async with http(d.socket) as s:
+            while True:
+                _, ready = await get(s, "/ready")
+                seen.append({name: m["state"] for name, m in (await models_by_name(s)).items()})
+                if ready["preload"]["state"] == "done":
+                    return seen
+                await asyncio.sleep(0.2)
+
+    seen = asyncio.run(go())
+    assert not any("unavailable" in states.values() for states in seen), seen
+    assert any(states["b"] == "unloaded" and states["a"] != "ready" for states in seen), seen
+    assert seen[-1] == {"a": "ready", "b": "ready"}, seen
