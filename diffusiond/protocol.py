@@ -298,12 +298,15 @@ class WorkerState(enum.StrEnum):
 
 
 class ModelState(enum.StrEnum):
-    """A model as ``/v1/models`` shows it: the best state among its workers."""
+    """A model as ``/v1/models`` shows it: the best state among its workers, else why it has none (docs/api.md)."""
 
     READY = "ready"
     SLEEPING = "sleeping"
     STARTING = "starting"
-    UNAVAILABLE = "unavailable"
+    # no worker because it is not loaded (on disk, or waiting its turn in the start's preload): its next job
+    # loads it. Apart from ``unavailable``, which a user read as "cannot serve" for every idle model (review45-a 3)
+    UNLOADED = "unloaded"
+    UNAVAILABLE = "unavailable"  # its last load failed, or its workers died and are not back (yet)
 
 
 class Task(enum.StrEnum):

@@ -348,6 +348,8 @@ async def test_a_second_daemon_on_the_same_state_dir_refuses_naming_the_first(
     assert first.proc is not None
     log = refused(daemon_factory(*serve_args(state), env=ENV, start=False))
     assert f"{state} is in use by another diffusiond (pid {first.proc.pid})" in log
+    # the journal must not read as a start that served: only the one that locked the dir says it (review45-a 9)
+    assert "listening on" not in log and "listening on" in first.log(), log
     async with http(first.socket) as s:  # the first one is untouched
         assert (await wait_job(s, (await submit(s, {**BODY, "prompt": "x"}))["id"]))["status"] == "succeeded"
 

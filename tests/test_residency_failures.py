@@ -89,6 +89,7 @@ def test_a_model_that_cannot_load_at_start_stays_on_disk_with_the_reason_and_the
             c = (await models_by_name(s))["c"]
             assert c["residency"] == "disk" and c["residency_reason"].startswith("load failed: "), c
             assert "safetensors" in c["residency_reason"].lower(), c
+            assert c["state"] == "unavailable", c  # failed, not merely unloaded (review45-a 3)
             assert (await run(s, "a"))["status"] == "succeeded"
 
     asyncio.run(go())
@@ -104,6 +105,8 @@ def test_a_known_model_whose_files_break_fails_its_jobs_with_the_reason_without_
         async with http(d.socket) as s:
             assert (await run(s, "b"))["status"] == "succeeded"  # b is known: its size is in the books
             await on_disk(s, "b")
+            # its keep-alive sent it to disk: no worker, and nothing wrong with it (review45-a 3)
+            assert (await models_by_name(s))["b"]["state"] == "unloaded"
             truncate(unet)
             before = loads(d, "b")
             jobs = [await submit(s, {**JOB, "model": "b", "seed": k}) for k in range(2)]
@@ -116,6 +119,7 @@ def test_a_known_model_whose_files_break_fails_its_jobs_with_the_reason_without_
                 assert "safetensors" in error["message"].lower(), error
             b = (await models_by_name(s))["b"]
             assert b["residency"] == "disk" and b["residency_reason"].startswith("load failed: "), b
+            assert b["state"] == "unavailable", b
             assert (await run(s, "a"))["status"] == "succeeded", "the other model serves meanwhile"
             assert loads(d, "b") == before + 1, "one load for the jobs that waited, and none tried again since"
             # by hand: the worker's reason, not a timeout
@@ -126,6 +130,7 @@ def test_a_known_model_whose_files_break_fails_its_jobs_with_the_reason_without_
             assert loads(d, "b") == before + 2
             unet.write_bytes(sound)  # fixed: the next job tries the load again, and runs
             assert (await run(s, "b"))["status"] == "succeeded"
+            assert (await models_by_name(s))["b"]["state"] in ("ready", "unloaded")  # no failure left behind
             assert loads(d, "b") == before + 3
 
     try:

@@ -42,7 +42,8 @@ def test_preload_none_is_ready_with_nothing_loaded_and_the_first_job_loads_the_m
             status, health = await get(s, "/health")
             assert status == 200 and health["workers"] == [] and health["status"] == "ok", health
             tiny = (await models_by_name(s))["tiny"]
-            assert tiny["residency"] == "disk" and tiny["device_bytes"] == 0, tiny
+            # not loaded is no fault: "unloaded", its job loads it, not "unavailable" (review45-a 3)
+            assert tiny["residency"] == "disk" and tiny["device_bytes"] == 0 and tiny["state"] == "unloaded", tiny
             job = await submit(s, JOB)
             # admission started its load: the job waits in "loading", for the weights the state dir remembers
             assert job["status"] == "queued" and job["stage"] == "loading", job
@@ -55,7 +56,7 @@ def test_preload_none_is_ready_with_nothing_loaded_and_the_first_job_loads_the_m
             end = await wait_job(s, job["id"])
             assert end["status"] == "succeeded" and end["loading"] is None, end
             tiny = (await models_by_name(s))["tiny"]
-            assert tiny["residency"] == "device" and tiny["device_bytes"] == total, tiny
+            assert tiny["residency"] == "device" and tiny["device_bytes"] == total and tiny["state"] == "ready", tiny
         assert len(d.worker_pids()) == 1
 
     asyncio.run(go())
@@ -90,14 +91,26 @@ def test_preload_one_of_two_loads_it_and_the_other_waits_on_disk_for_its_job(dae
         async with http(d.socket) as s:
             models = await models_by_name(s)
             assert models["a"]["residency"] == "device" and models["b"]["residency"] == "disk", models
+            assert models["a"]["state"] == "ready" and models["b"]["state"] == "unloaded", models
             async with s.post("/v1/models/b/unload") as r:  # never loaded: nothing to send away
                 body = await r.json()
-                assert r.status == 200 and body["residency"] == "disk", body
+                assert r.status == 200 and body["residency"] == "disk" and body["state"] == "unloaded", body
             end = await wait_job(s, (await submit(s, {**JOB, "model": "b"}))["id"])
             assert end["status"] == "succeeded", end
             models = await models_by_name(s)
             assert models["a"]["residency"] == "device" and models["b"]["residency"] == "device", models
-        assert len(d.worker_pids()) == 2
+            assert models["b"]["state"] == "ready", models
+            async with s.post("/v1/models/a/unload") as r:  # sent away by hand: not loaded, still no fault
+                body = await r.json()
+                assert r.status == 200 and body["residency"] == "disk" and body["state"] == "unloaded", body
+        assert len(d.worker_pids()) == 1
+        # what `diffusiond models` prints, the word a user reads (review45-a 3)
+        cli = subprocess.run([sys.executable, "-m", "diffusiond", "models", "--socket", str(d.socket)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        rows = {line.split()[0]: line.split() for line in cli.stdout.splitlines()[1:] if line.strip()}
+        assert "unloaded" in rows["a"] and "ready" in rows["b"], cli.stdout
+        assert "unavailable" not in cli.stdout, cli.stdout
 
     asyncio.run(go())
 
@@ -145,7 +158,10 @@ def test_a_first_load_that_fails_is_a_503_naming_the_model_and_the_daemon_goes_o
                 assert err["code"] == "model_load_failed" and "'tiny' could not be loaded" in err["message"], err
                 assert "injected start-up failure" in err["message"], err
             assert (await get(s, "/ready"))[0] == 200
-            assert (await models_by_name(s))["tiny"]["residency"] == "disk"
+            tiny = (await models_by_name(s))["tiny"]
+            # its load failed: "unavailable", with the reason, not "unloaded" as if the next job would run
+            assert tiny["residency"] == "disk" and tiny["state"] == "unavailable", tiny
+            assert "injected start-up failure" in tiny["residency_reason"], tiny
 
             async def no_worker_left() -> bool:  # a worker whose start failed exits by itself (exit 1)
                 return d.worker_pids() == []
@@ -153,3 +169,26 @@ def test_a_first_load_that_fails_is_a_503_naming_the_model_and_the_daemon_goes_o
             await until(no_worker_left, 30, "the failed workers to exit")
 
     asyncio.run(go())
+
+
+def test_a_model_waiting_its_turn_in_the_preload_is_unloaded_not_unavailable(daemon_factory: Any) -> None:
+    """The start loads a, then b: until b's turn it has no worker, and its job would load it; GET /v1/models must
+    not call it ``unavailable`` meanwhile, as it did (review45-a 3). Each load is slowed so that b waits."""
+    d: Daemon = daemon_factory("--model", "a=tiny", "--model", "b=tiny", "--no-persist", "--preload", "a,b",
+                               "--test-fault", "load_delay_ms=3000", start=False)
+    d.start(loaded=False)
+
+    async def go() -> list[dict[str, str]]:
+        seen = []
+        async with http(d.socket) as s:
+            while True:
+                _, ready = await get(s, "/ready")
+                seen.append({name: m["state"] for name, m in (await models_by_name(s)).items()})
+                if ready["preload"]["state"] == "done":
+                    return seen
+                await asyncio.sleep(0.2)
+
+    seen = asyncio.run(go())
+    assert not any("unavailable" in states.values() for states in seen), seen
+    assert any(states["b"] == "unloaded" and states["a"] != "ready" for states in seen), seen
+    assert seen[-1] == {"a": "ready", "b": "ready"}, seen

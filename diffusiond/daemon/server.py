@@ -1,7 +1,8 @@
 """``diffusiond serve``: wire the engine, the HTTP API, the sockets, signals and systemd together.
 
 Order matters and is deliberate: the listening socket comes first (so /health and /ready answer
-503 "starting" while models load), then the state dir (its lock, the jobs a crash left), then job
+503 "starting" while models load), then the state dir (its lock, the jobs a crash left; only then is
+"listening" logged, so a start refused there never reads as one that listened), then job
 admission (jobs that come while models load wait in the queue), then the workers, then READY=1. SIGTERM or SIGINT stops
 admission (503), lets accepted jobs finish within the drain grace, stops the workers, removes the
 socket and exits 0; a second signal skips the rest of the grace.
@@ -35,6 +36,7 @@ from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.upscalers import UpscalerProbeError
 from diffusiond.daemon.edge.api import WebAddress, create_app
 from diffusiond.daemon.edge.handoff import OutputSocket
+from diffusiond.daemon.edge.views import model_state
 from diffusiond.daemon.edge.web import bind_tcp, create_web_app, sign_in_url
 from diffusiond.daemon.edge.webauth import host_port
 from diffusiond.daemon.state.statedir import StateDirError
@@ -168,19 +170,6 @@ async def run(config: DaemonConfig) -> int:
         if config.web is not None:
             web_runner, bound = await _start_web(engine, config.web, token, web_address)
             where += f" and the web page on {bound}"
-        log.info("diffusiond %s listening on %s; models %s; %s", __version__, where,
-                 ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models),
-                 f"jobs kept in {config.state_path}" if config.persist else "jobs kept in memory only (--no-persist)")
-        for m in config.models:
-            if m.offload_reason:
-                log.info("model %s: %s", m.name, m.offload_reason)
-            if m.max_batch is not None and m.max_batch != config.max_batch:
-                log.info("model %s: batches of up to %d (its max_batch; the daemon's is %d)", m.name, m.max_batch,
-                         config.max_batch)
-            if (sizes := config.batch_sizes_of(m)) != tuple(range(1, config.max_batch_of(m) + 1)):
-                log.info("model %s: batches of %s only (%s)", m.name, ", ".join(map(str, sizes)),
-                         f"--batch-sizes {config.batch_sizes}" if m.batch_sizes is None
-                         else f"its batch_sizes {m.batch_sizes}")
         systemd.notify("STATUS=starting")
         watchdog = systemd.watchdog_interval()
         watchdog_task = asyncio.ensure_future(systemd.watchdog_loop(watchdog)) if watchdog else None
@@ -233,6 +222,7 @@ async def _serve(engine: Engine, stop: asyncio.Event, where: str, *,
             opening.cancel()
             return 0.0, ()
         opening.result()
+        _announce(engine.config, where)
         loading = list(engine.keeper.preloading.models)
         systemd.notify("READY=1", f"STATUS=serving on {where}" + (f"; loading {', '.join(loading)}" if loading else ""))
         log.info("ready: admitting jobs%s", f" while the start loads {', '.join(loading)}" if loading else "")
@@ -247,11 +237,29 @@ async def _serve(engine: Engine, stop: asyncio.Event, where: str, *,
         preload.result()
         if loading:
             systemd.notify(f"STATUS=serving on {where}; the start's preload is done")
-            log.info("preload done: %s", ", ".join(f"{m.name} {m.state.value}" for m in engine.models()))
+            log.info("preload done: %s", ", ".join(f"{m.name} {model_state(engine, m)}" for m in engine.models()))
         await stop.wait()
         return engine.config.drain_grace_s, ()
     finally:
         stopper.cancel()
+
+
+def _announce(config: DaemonConfig, where: str) -> None:
+    """Logged once the state dir is locked and recovered (``engine.open``), not when the socket is bound: a start
+    refused for a state dir in use must not read as "listening" first in the journal (review45-a 9)."""
+    log.info("diffusiond %s listening on %s; models %s; %s", __version__, where,
+             ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models),
+             f"jobs kept in {config.state_path}" if config.persist else "jobs kept in memory only (--no-persist)")
+    for m in config.models:
+        if m.offload_reason:
+            log.info("model %s: %s", m.name, m.offload_reason)
+        if m.max_batch is not None and m.max_batch != config.max_batch:
+            log.info("model %s: batches of up to %d (its max_batch; the daemon's is %d)", m.name, m.max_batch,
+                     config.max_batch)
+        if (sizes := config.batch_sizes_of(m)) != tuple(range(1, config.max_batch_of(m) + 1)):
+            log.info("model %s: batches of %s only (%s)", m.name, ", ".join(map(str, sizes)),
+                     f"--batch-sizes {config.batch_sizes}" if m.batch_sizes is None
+                     else f"its batch_sizes {m.batch_sizes}")
 
 
 async def _start_web(engine: Engine, address: str, token: str | None,

@@ -231,7 +231,8 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
     now_wall, now = time.time(), time.monotonic()
     until = where.keep_alive_until if where is not None else None
     return {"id": m.name, "object": "model", "owned_by": "diffusiond", "task": m.task, "spec": m.config.spec,
-            "device": ",".join(m.config.devices), "dtype": m.config.dtype, "state": m.state.value,
+            "device": ",".join(m.config.devices), "dtype": m.config.dtype,
+            "state": model_state(engine, m).value,
             "synthetic": m.capabilities.synthetic_weights or is_synthetic(m.config.spec),
             "edits": list(m.capabilities.edits), "size_step": m.capabilities.size_step,
             "max_input_images": m.capabilities.max_input_images,  # pictures one edit takes (``images``, issue 30)
@@ -255,6 +256,18 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "working_memory": engine.keeper.working(m),
             # component -> why a live update kept for its start was refused there (core/weights.py)
             "weight_errors": engine.live_components.weight_errors(m.name)}
+
+
+def model_state(engine: Engine, m: Model) -> ModelState:
+    """``m.state``, with what only the keeper knows: a model whose last load failed is retired like one merely
+    unloaded, but its next job may fail the same way (``unavailable``, the reason in ``residency_reason``); one
+    waiting its turn in the start's preload has no worker yet and is loaded all the same (``unloaded``)."""
+    state = m.state
+    if state == ModelState.UNLOADED and m.name in engine.keeper.failed:
+        return ModelState.UNAVAILABLE
+    if state == ModelState.UNAVAILABLE and not m.workers and m.name in engine.keeper.preloading.models:
+        return ModelState.UNLOADED
+    return state
 
 
 def defaults(c: Capabilities) -> dict[str, Any]:

@@ -79,7 +79,9 @@ class Model:
         for best in (WorkerState.READY, WorkerState.SLEEPING, WorkerState.STARTING):
             if best in states:
                 return ModelState(best.value)
-        return ModelState.UNAVAILABLE
+        # residency stopped its workers, or never started them: not a fault, a job loads it (review45-a 3); a
+        # failed load is retired too, and shown ``unavailable`` by the listing, which knows (``views.model_state``)
+        return ModelState.UNLOADED if self.retired else ModelState.UNAVAILABLE
 
     def can_take_jobs(self) -> bool:
         """A worker is up, starting or on its way back: a job admitted now will be run."""
