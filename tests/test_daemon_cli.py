@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -248,6 +249,37 @@ def test_no_daemon_exits_3_and_says_how_to_start_one(tmp_path: Path, command: li
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert path in r.stderr and f"diffusiond serve --socket {path}" in r.stderr
     assert r.stdout == ""
+    if command[0] == "generate":  # it waited for a daemon that might have been starting, said so once, and gave up
+        assert r.stderr.count(f"waiting for a daemon at {path} (No such file or directory; up to 10 s) ...") == 1
+        assert "(No such file or directory, still after 10 s)" in r.stderr, r.stderr
+
+
+def test_generate_waits_for_a_daemon_that_binds_its_socket_a_moment_later(sock: str, tmp_path: Path) -> None:
+    """README's ``serve &`` then ``generate`` at once (review45-a 1): the path holds first a stale socket file nothing
+    listens on (refused), then nothing (ENOENT), then the daemon's socket. generate waits, says so once, and
+    writes the image; before, it was exit 3, "start one", for the daemon just started."""
+    path = tmp_path / "late.sock"
+    out = tmp_path / "late.png"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))  # bound, never listening: connect() is refused
+    gen = subprocess.Popen([sys.executable, "-m", "diffusiond", "generate", "a fox", "--socket", str(path), *FAST,
+                            "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert gen.stderr is not None
+        first = gen.stderr.readline()  # generate has met the refusal and waits
+        assert first.startswith(f"waiting for a daemon at {path} (Connection refused; up to 10 s)"), first
+        stale.close()
+        path.unlink()
+        os.symlink(sock, path)  # the daemon's socket appears at the path
+        stdout, stderr = gen.communicate(timeout=120)
+    finally:
+        stale.close()
+        if gen.poll() is None:
+            gen.kill()
+            gen.wait()
+    assert gen.returncode == 0, stderr
+    assert seeds(stdout).keys() == {str(out)} and image(out).format == "PNG"
+    assert "waiting for a daemon" not in stderr  # once, not a line per attempt
 
 
 # status, models, cancel, sleep, wake ----------------------------------------------------------
