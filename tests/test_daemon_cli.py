@@ -191,6 +191,19 @@ def test_rejected_request_exits_1_with_the_daemons_message(
     assert not list(tmp_path.iterdir())
 
 
+def test_a_refused_format_names_where_it_came_from(sock: str, tmp_path: Path) -> None:
+    """review45-a 7: a format -o's extension chose was refused as "field output_format: --format", a flag never
+    given."""
+    clip = tmp_path / "clip.mp4"
+    r = cli("generate", "a fox", "--socket", sock, "-o", str(clip), *FAST)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "output_format 'mp4' is not available for text-to-image" in r.stderr, r.stderr
+    assert f"field output_format: -o {clip}'s extension (or --format))" in r.stderr, r.stderr
+    r = cli("generate", "a fox", "--socket", sock, "--format", "mp4", "-o", str(tmp_path / "clip"), *FAST)
+    assert r.returncode == 1 and "field output_format: --format)" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_failed_job_exits_1_with_the_reason_and_stage(sock: str, tmp_path: Path) -> None:
     r = cli("generate", "x", "--socket", sock, *HOLD_JOB, "--timeout", "1", "-o", str(tmp_path / "x.png"))
     assert r.returncode == 1, (r.stdout, r.stderr)
