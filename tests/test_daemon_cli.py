@@ -344,6 +344,17 @@ def test_cancel(sock: str) -> None:
     assert f"job {job_id} already finished (cancelled)" in r.stderr
 
 
+def test_history_of_a_model_not_served_says_so(sock: str) -> None:
+    """review45-a 10: "no jobs", exit 0, for a mistyped model, which every other command refuses. History may list an
+    earlier run's model, so it stays exit 0, with a hint."""
+    r = cli("history", "--model", "nosuch", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ("no jobs ('nosuch' is not served now (models: tiny, hold); its jobs from earlier runs would be "
+                        "listed here)\n"), r.stdout
+    r = cli("history", "--model", "nosuch", "--json", "--socket", sock)
+    assert r.returncode == 0 and json.loads(r.stdout)["data"] == [], r.stdout
+
+
 @pytest.mark.parametrize(("command", "reader"), [("status", "head -1"), ("models --json", "head -c1")])
 def test_output_into_a_reader_that_stops_early_ends_quietly(sock: str, command: str, reader: str) -> None:
     """A shell pipeline, as people type it: whether the CLI still writes after the reader has gone

@@ -155,6 +155,7 @@ async def cancel(args: argparse.Namespace, client: AsyncClient) -> int:
 async def history(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         page = await client.history(status=args.status, model=args.model, before=args.before, limit=args.limit)
+        unserved = None if args.json or page.get("data") or not args.model else await _unserved(client, args.model)
     if args.json:
         print(json.dumps(page))
         return EXIT_OK
@@ -163,10 +164,22 @@ async def history(args: argparse.Namespace, client: AsyncClient) -> int:
              j.get("model", ""), _status(j),
              str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
             for j in page.get("data") or []]
-    print(table(rows, keys) if rows else "no jobs")
+    print(table(rows, keys) if rows else "no jobs" + (f" ({unserved})" if unserved else ""))
     if page.get("next_before"):
         print(f"more: diffusiond history --before {page['next_before']}")
     return EXIT_OK
+
+
+async def _unserved(client: AsyncClient, model: str) -> str | None:
+    """Why ``history --model NAME`` may be empty: NAME is not served now (a typo, most likely; every other command
+    refuses it). Only a hint: history rightly lists an earlier run's model, so no refusal (review45-a 10)."""
+    try:
+        served = [str(m.get("id")) for m in (await client.models()).get("data") or []]
+    except DaemonError:
+        return None
+    if model in served:
+        return None
+    return f"{model!r} is not served now (models: {', '.join(served)}); its jobs from earlier runs would be listed here"
 
 
 def _status(job: dict[str, Any]) -> str:
