@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--negative", metavar="TEXT", help="negative prompt")
     g.add_argument("--seed", type=int, metavar="S", help="the same seed and settings make the same output "
                                                          "(default: a random one, printed with each file)")
-    g.add_argument("--format", choices=tuple(FORMATS), help="output format (default: from -o's extension, else png)")
+    g.add_argument("--format", choices=tuple(FORMATS),
+                   help="output format (default: from -o's extension, else the model's own: png for images, mp4 "
+                        "for videos)")
     g.add_argument("--frames", type=positive_int, metavar="N", help="number of frames (video models)")
     g.add_argument("--fps", type=positive_int, metavar="N", help=f"frames per second of a video (default: {own})")
     g.add_argument("--no-audio", dest="audio", action="store_const", const=False,
@@ -204,7 +206,8 @@ def _add_fit(sub: Any) -> None:
     p.add_argument("--device-memory", metavar="SIZE",
                    help="the device budget (24GiB, or 0.8 of the device's total); without it, only list")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
-                   help="the dtype the model would be loaded at (default: serve's, float32)")
+                   help="the dtype the model would be loaded at (default: serve's for --device: bfloat16 on cuda, "
+                        "float32 on cpu)")
     p.add_argument("--working", metavar="SIZE",
                    help="working memory counted beside the weights (default: residency's estimate at --size; 0: none)")
     p.add_argument("--size", default="1024x1024", metavar="WxH", help="output size of the working estimate (1024x1024)")
@@ -380,7 +383,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except ClientError as exc:  # DaemonError: the daemon answered, and refused (generate's: with the field's flag)
-        shown = with_flag(str(exc), getattr(exc, "field", None)) if args.command == "generate" else str(exc)
+        shown = (with_flag(str(exc), getattr(exc, "field", None), None if args.format else args.output)
+                 if args.command == "generate" else str(exc))
         print(f"error: {shown}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

@@ -97,7 +97,8 @@ class StubDaemon:
 
     async def health(self, request: web.Request) -> web.Response:
         worker = {"id": "tiny-0", "model": "tiny", "device": "cpu", "state": "ready", "pid": 42, "restarts": 0}
-        return web.json_response({"status": "ok", "version": "0.1.0", "workers": [worker], "queue_depth": 0,
+        starting = {"id": "tiny-1", "model": "tiny", "device": "cpu", "state": "starting", "pid": None, "restarts": 0}
+        return web.json_response({"status": "ok", "version": "0.1.0", "workers": [worker, starting], "queue_depth": 0,
                                   "jobs": {"succeeded": 3}, "arena_bytes_in_use": 1 << 20,
                                   "preload": {"state": "running", "models": ["tiny"]}})  # fmt: skip
 
@@ -236,7 +237,9 @@ def test_a_second_ctrl_c_exits_when_the_daemon_does_not_answer_the_cancel(stub: 
 def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
     assert main(["status", "--socket", stub.path]) == 0
     out = capsys.readouterr().out
-    assert "0.1.0" in out and "tiny-0" in out and "succeeded=3" in out
+    assert "0.1.0" in out and "tiny-0" in out and "jobs in memory: succeeded=3" in out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["tiny-1", "tiny", "cpu", "starting", "-", "0"] in rows, out  # no pid yet: "-", not "None" (review45-a 8)
     assert ": ok, ready, preloading tiny" in out, out  # ready means admitting (issue 27): what still loads is said
     assert main(["status", "--socket", stub.path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ready"] is True

@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -190,6 +191,19 @@ def test_rejected_request_exits_1_with_the_daemons_message(
     assert not list(tmp_path.iterdir())
 
 
+def test_a_refused_format_names_where_it_came_from(sock: str, tmp_path: Path) -> None:
+    """review45-a 7: a format -o's extension chose was refused as "field output_format: --format", a flag never
+    given."""
+    clip = tmp_path / "clip.mp4"
+    r = cli("generate", "a fox", "--socket", sock, "-o", str(clip), *FAST)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "output_format 'mp4' is not available for text-to-image" in r.stderr, r.stderr
+    assert f"field output_format: -o {clip}'s extension (or --format))" in r.stderr, r.stderr
+    r = cli("generate", "a fox", "--socket", sock, "--format", "mp4", "-o", str(tmp_path / "clip"), *FAST)
+    assert r.returncode == 1 and "field output_format: --format)" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_failed_job_exits_1_with_the_reason_and_stage(sock: str, tmp_path: Path) -> None:
     r = cli("generate", "x", "--socket", sock, *HOLD_JOB, "--timeout", "1", "-o", str(tmp_path / "x.png"))
     assert r.returncode == 1, (r.stdout, r.stderr)
@@ -248,6 +262,37 @@ def test_no_daemon_exits_3_and_says_how_to_start_one(tmp_path: Path, command: li
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert path in r.stderr and f"diffusiond serve --socket {path}" in r.stderr
     assert r.stdout == ""
+    if command[0] == "generate":  # it waited for a daemon that might have been starting, said so once, and gave up
+        assert r.stderr.count(f"waiting for a daemon at {path} (No such file or directory; up to 10 s) ...") == 1
+        assert "(No such file or directory, still after 10 s)" in r.stderr, r.stderr
+
+
+def test_generate_waits_for_a_daemon_that_binds_its_socket_a_moment_later(sock: str, tmp_path: Path) -> None:
+    """README's ``serve &`` then ``generate`` at once (review45-a 1): the path holds first a stale socket file nothing
+    listens on (refused), then nothing (ENOENT), then the daemon's socket. generate waits, says so once, and
+    writes the image; before, it was exit 3, "start one", for the daemon just started."""
+    path = tmp_path / "late.sock"
+    out = tmp_path / "late.png"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))  # bound, never listening: connect() is refused
+    gen = subprocess.Popen([sys.executable, "-m", "diffusiond", "generate", "a fox", "--socket", str(path), *FAST,
+                            "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert gen.stderr is not None
+        first = gen.stderr.readline()  # generate has met the refusal and waits
+        assert first.startswith(f"waiting for a daemon at {path} (Connection refused; up to 10 s)"), first
+        stale.close()
+        path.unlink()
+        os.symlink(sock, path)  # the daemon's socket appears at the path
+        stdout, stderr = gen.communicate(timeout=120)
+    finally:
+        stale.close()
+        if gen.poll() is None:
+            gen.kill()
+            gen.wait()
+    assert gen.returncode == 0, stderr
+    assert seeds(stdout).keys() == {str(out)} and image(out).format == "PNG"
+    assert "waiting for a daemon" not in stderr  # once, not a line per attempt
 
 
 # status, models, cancel, sleep, wake ----------------------------------------------------------
@@ -297,6 +342,17 @@ def test_cancel(sock: str) -> None:
     r = cli("cancel", job_id, "--socket", sock)
     assert r.returncode == 1
     assert f"job {job_id} already finished (cancelled)" in r.stderr
+
+
+def test_history_of_a_model_not_served_says_so(sock: str) -> None:
+    """review45-a 10: "no jobs", exit 0, for a mistyped model, which every other command refuses. History may list an
+    earlier run's model, so it stays exit 0, with a hint."""
+    r = cli("history", "--model", "nosuch", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ("no jobs ('nosuch' is not served now (models: tiny, hold); its jobs from earlier runs would be "
+                        "listed here)\n"), r.stdout
+    r = cli("history", "--model", "nosuch", "--json", "--socket", sock)
+    assert r.returncode == 0 and json.loads(r.stdout)["data"] == [], r.stdout
 
 
 @pytest.mark.parametrize(("command", "reader"), [("status", "head -1"), ("models --json", "head -c1")])

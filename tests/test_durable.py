@@ -271,7 +271,7 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
     out = subprocess.run([sys.executable, "-m", "diffusiond", "status", "--socket", str(d.socket)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr  # its first run: history holds only its own jobs (review 42)
-    assert "jobs in this run: " in out.stdout and "history keeps earlier ones" not in out.stdout, out.stdout
+    assert "jobs in memory: " in out.stdout and "`diffusiond history` lists more" not in out.stdout, out.stdout
 
     d.stop()
     again = daemon_factory(*serve_args(state), env=ENV)
@@ -281,7 +281,27 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
     out = subprocess.run([sys.executable, "-m", "diffusiond", "status", "--socket", str(again.socket)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr  # the restarted daemon holds no job of its own, history does
-    assert "jobs in this run: none; history keeps earlier ones (`diffusiond history`)" in out.stdout, out.stdout
+    assert "jobs in memory: none; `diffusiond history` lists more" in out.stdout, out.stdout
+
+
+async def test_status_in_one_run_says_its_counts_are_the_jobs_in_memory(daemon_factory: Factory,
+                                                                        tmp_path: Path) -> None:
+    """review45-a 2: a finished job leaves memory after --retention-s, so /health's counts go down within one run;
+    status said "jobs in this run" and "history keeps earlier ones" on a first run, where there was no earlier."""
+    d = daemon_factory(*serve_args(tmp_path / "state", "--retention-s", "1"), env=ENV)
+    async with http(d.socket) as s:
+        await wait_job(s, (await submit(s, {**BODY, "prompt": "kept"}))["id"])
+
+        async def left_memory() -> bool:
+            return not any((await get(s, "/health"))[1]["jobs"].values())
+
+        await until(left_memory, 60, "the finished job leaving memory after --retention-s 1")
+    out = subprocess.run([sys.executable, "-m", "diffusiond", "status", "--socket", str(d.socket)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "jobs in memory: none; `diffusiond history` lists more (a finished job leaves memory after serve's " \
+           "--retention-s" in out.stdout, out.stdout
+    assert "this run" not in out.stdout and "earlier" not in out.stdout, out.stdout
 
 
 async def test_retention_deletes_old_finished_jobs_and_their_files(daemon_factory: Factory, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallba
 from diffusiond.client.outputs import Mapped, read_npy, torch_views
 from diffusiond.client.params import JobParams, Output, check_finite, job_body, params_for, pil_needs_a_format
 from diffusiond.client.transport import (
+    SOCKET_WAIT_S,
     SSEParser,
     decode_event,
     error_from,
@@ -34,6 +35,7 @@ from diffusiond.client.transport import (
     parse_json,
     quote_id,
     reason,
+    until_bound,
 )
 from diffusiond.protocol import (
     AUDIO_ARRAY,
@@ -157,24 +159,31 @@ class AsyncClient:
 
     # jobs ----------------------------------------------------------------------------------
     async def create_job(self, body: dict[str, Any], *, wait_start_s: float = START_WAIT_S,
-                         on_wait: Callable[[], None] | None = None) -> dict[str, Any]:
+                         on_wait: Callable[[], None] | None = None, wait_socket_s: float | None = None,
+                         on_socket_wait: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Submit a job; returns it (``queued``) as soon as the daemon has admitted it.
 
-        A daemon still loading its models answers 503: the job is offered again, every second,
-        for up to ``wait_start_s`` seconds while ``/ready`` says it is starting, so that
-        ``diffusiond serve &`` followed at once by a request works. ``on_wait`` is called once,
-        when the waiting begins. A daemon that is draining, or that failed to start, is an error
-        at once. A NaN or an infinity in ``body`` is a ValueError naming its field, before anything is sent."""
+        So that ``diffusiond serve &`` followed at once by a request works: a socket that is not
+        there yet or refuses (not bound yet) is tried again for up to ``wait_socket_s`` seconds
+        (None: ``SOCKET_WAIT_S``), ``on_socket_wait`` called once with the reason as that waiting
+        begins (review45-a 1); then a daemon still loading its models answers 503: the job is offered
+        again, every second, for up to ``wait_start_s`` seconds while ``/ready`` says it is starting,
+        ``on_wait`` called once as that waiting begins. A daemon that is draining, or that failed to
+        start, is an error at once. A NaN or an infinity in ``body`` is a ValueError naming its field,
+        before anything is sent."""
         check_finite(body, "")
         deadline = time.monotonic() + wait_start_s
+        socket_s = SOCKET_WAIT_S if wait_socket_s is None else wait_socket_s
         while True:
             try:
-                return await self._json("POST", "/v1/jobs", ok=(202,), json=body)
+                return await until_bound(lambda: self._json("POST", "/v1/jobs", ok=(202,), json=body),
+                                         socket_s, on_socket_wait)
             except DaemonError as exc:
                 if exc.status != 503 or exc.code != ErrorCode.UNAVAILABLE or time.monotonic() >= deadline:
                     raise
                 if not await self._starting():
                     raise
+            socket_s = 0.0  # it answered: from here on a socket gone is a daemon gone
             if on_wait is not None:
                 on_wait()
                 on_wait = None

@@ -46,9 +46,10 @@ async def _until_ready(client: AsyncClient, seconds: float) -> None:
 
 
 async def status(args: argparse.Namespace, client: AsyncClient) -> int:
-    """The health report in words. /health counts the jobs this daemon process holds; after a
-    restart those are none while history still lists earlier ones, so the line says which it
-    counts and points at history when it has jobs (one page of one job tells)."""
+    """The health report in words. /health counts the jobs this daemon process holds in memory: a finished
+    one leaves after serve's --retention-s (and none survives a restart), so in one run the counts go down
+    while history keeps them all. The line says what it counts, and points at history when it lists more
+    (review45-a 2: "jobs in this run", "earlier ones" read as the whole run and an earlier one)."""
     async with client:
         if args.wait:
             await _until_ready(client, args.wait)
@@ -69,29 +70,31 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
     workers = health.get("workers") or []
     if workers:
         keys = ["id", "model", "device", "state", "pid", "restarts"]
-        print(table([[str(w.get(k, "")) for k in keys] for w in workers], keys))
+        # a starting worker has no pid yet: JSON null, not "None" (review45-a 8)
+        print(table([["-" if w.get(k) is None else str(w[k]) for k in keys] for w in workers], keys))
     else:
         print("no workers")
     print(f"queue depth: {health.get('queue_depth', '?')}")
     jobs = health.get("jobs") or {}
-    line = "jobs in this run: " + (", ".join(f"{k}={v}" for k, v in jobs.items() if v) or "none")
-    print(line + ("; history keeps earlier ones (`diffusiond history`)" if kept else ""))
+    line = "jobs in memory: " + (", ".join(f"{k}={v}" for k, v in jobs.items() if v) or "none")
+    print(line + ("; `diffusiond history` lists more (a finished job leaves memory after serve's --retention-s, "
+                  "600 s by default, and at a restart)" if kept else ""))
     if "arena_bytes_in_use" in health:
         print(f"arena in use: {_mib(health['arena_bytes_in_use'])}")
     return EXIT_OK
 
 
-async def _history_kept(client: AsyncClient, this_run: int) -> bool:
-    """Whether history lists more jobs than the ``this_run`` this process holds (its newest): earlier ones, from
-    a run before a restart (said on a first run, it pointed at none). A daemon without a history endpoint (an
-    older one) has none to show; past a page's bound (1,000) it is not worth the pages to tell."""
-    if this_run >= 1000:
+async def _history_kept(client: AsyncClient, held: int) -> bool:
+    """Whether history lists more jobs than the ``held`` this process has in memory (its newest): ones past
+    --retention-s, or from before a restart. A daemon without a history endpoint (an older one) has none to
+    show; past a page's bound (1,000) it is not worth the pages to tell."""
+    if held >= 1000:
         return False
     try:
-        page = await client.history(limit=max(1, this_run))
+        page = await client.history(limit=max(1, held))
     except DaemonError:
         return False
-    return bool(page.get("next_before")) if this_run else bool(page.get("data"))
+    return bool(page.get("next_before")) if held else bool(page.get("data"))
 
 
 async def models(args: argparse.Namespace, client: AsyncClient) -> int:
@@ -152,6 +155,7 @@ async def cancel(args: argparse.Namespace, client: AsyncClient) -> int:
 async def history(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         page = await client.history(status=args.status, model=args.model, before=args.before, limit=args.limit)
+        unserved = None if args.json or page.get("data") or not args.model else await _unserved(client, args.model)
     if args.json:
         print(json.dumps(page))
         return EXIT_OK
@@ -160,10 +164,22 @@ async def history(args: argparse.Namespace, client: AsyncClient) -> int:
              j.get("model", ""), _status(j),
              str(len(j.get("outputs") or [])), str(j.get("attempts", 1)), _clip(j.get("request", {}).get("prompt", ""))]
             for j in page.get("data") or []]
-    print(table(rows, keys) if rows else "no jobs")
+    print(table(rows, keys) if rows else "no jobs" + (f" ({unserved})" if unserved else ""))
     if page.get("next_before"):
         print(f"more: diffusiond history --before {page['next_before']}")
     return EXIT_OK
+
+
+async def _unserved(client: AsyncClient, model: str) -> str | None:
+    """Why ``history --model NAME`` may be empty: NAME is not served now (a typo, most likely; every other command
+    refuses it). Only a hint: history rightly lists an earlier run's model, so no refusal (review45-a 10)."""
+    try:
+        served = [str(m.get("id")) for m in (await client.models()).get("data") or []]
+    except DaemonError:
+        return None
+    if model in served:
+        return None
+    return f"{model!r} is not served now (models: {', '.join(served)}); its jobs from earlier runs would be listed here"
 
 
 def _status(job: dict[str, Any]) -> str:

@@ -22,8 +22,12 @@ FLAG_OF = {
 """Request field (its top level: ``control[0].image`` is ``control``'s) -> the ``generate`` flag that sets it."""
 
 
-def with_flag(text: str, field: str | None) -> str:
+def with_flag(text: str, field: str | None, output: str | None = None) -> str:
     """``text`` (a refusal as ``DaemonError`` prints it: ``... (invalid_request, HTTP 400, field mask)``) with the
-    flag of its field beside the field's name."""
-    flag = FLAG_OF.get(re.split(r"[\[.]", field, maxsplit=1)[0]) if field else None
+    flag of its field beside the field's name. ``output``: the ``-o`` given without ``--format``, whose extension
+    then chose the format, so a refused format names it rather than a --format never given (review45-a 7)."""
+    top = re.split(r"[\[.]", field, maxsplit=1)[0] if field else None
+    flag = FLAG_OF.get(top) if top else None
+    if top == "output_format" and output:
+        flag = f"-o {output}'s extension (or --format)"
     return text if flag is None else text.replace(f"field {field}", f"field {field}: {flag}", 1)

@@ -21,6 +21,7 @@ from typing import Any
 
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout
 from diffusiond.client.params import image_b64
+from diffusiond.client.transport import SOCKET_WAIT_S
 from diffusiond.commands import EXIT_UNREACHABLE
 from diffusiond.commands.follow import LostDaemon, follow
 from diffusiond.commands.preview import PREVIEW_FORMAT, PreviewPane, pane_for
@@ -289,7 +290,9 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     fmt = choose_format(args.format, args.output)
     pane = pane_for(sys.stderr) if getattr(args, "preview", None) else None
     job = await client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
-        "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr))
+        "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr),
+        on_socket_wait=lambda why: print(  # `serve &` a moment ago (review45-a 1); else the usual error follows
+            f"waiting for a daemon at {client.socket_path} ({why}; up to {SOCKET_WAIT_S:g} s) ...", file=sys.stderr))
     job_id = state.job_id = str(job["id"])
     bar.job_id = job_id
     if await asleep(client):
