@@ -46,6 +46,8 @@ async def recover(self: Engine) -> None:
     finish. One that had started runs again from the start (its seeds are fixed, so its
     outputs are the ones it would have made) and counts the attempt."""
     jobs = await self.store.open()
+    # before any job runs again (each rewrites its files from the start): files no finished job lists go
+    await self.store.sweep_outputs()
     remembered = await self.store.capabilities()
     for model in self.pool.models.values():
         caps = remembered.get(model_key(model))

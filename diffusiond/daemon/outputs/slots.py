@@ -216,24 +216,39 @@ class Outputs:
 
     async def _read_file(self, item: Item) -> bytes:
         assert item.file is not None
-        return await self.files.read(item.job.id, item.file, f"output {item.index}")
+        return await self.files.read(item.job.id, item.file, f"output {item.index}", item.nbytes)
 
     async def _write_file(self, item: Item, parts: list[bytes | memoryview]) -> bool:
         """Write an output's file; False (and the job failed) if it could not be written."""
         job = item.job
         ext = FORMATS[job.request.output_format].extension
+        loop = asyncio.get_running_loop()
+        written: list[str] = []
         try:
-            name, size = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.store.write_output, job.id, item.index, ext, parts)
-            item.file = name
+            name, size = await loop.run_in_executor(self.executor, self.store.write_output, job.id, item.index, ext,
+                                                    parts)
+            written.append(name)
             await self.trajectories.save(item)  # its arrays beside it (trajectory_files.py)
         except Exception as exc:
+            await self._unwrite(item, written)
             code = exc.code if isinstance(exc, EngineError) else ErrorCode.OUTPUT_FAILED
             message = exc.message if isinstance(exc, EngineError) else f"writing the output file failed: {exc}"
             self._on_failed(item, message, Stage.ENCODING, code)
             return False
-        item.file, item.nbytes = name, size
+        if job.terminal:
+            # cancelled or past its deadline while its files were written: its record, written when it ended,
+            # lists none of them, so nothing would ever delete them (review45-b 5)
+            await self._unwrite(item, written)
+            return False
+        item.file, item.nbytes = name, size  # only now: a record written from here on lists them
         return True
+
+    async def _unwrite(self, item: Item, written: list[str]) -> None:
+        """Remove the files of an output that will not be listed (its trajectory's too)."""
+        names = written + [f["file"] for f in (item.trajectory_files or {}).values()]
+        item.trajectory_files = None
+        if names:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.store.discard_outputs, names)
 
     async def _persist_npy(self, item: Item) -> None:
         header, payload = self._npy_parts(item)

@@ -54,4 +54,4 @@ def listed(item: Item) -> dict[str, tuple[list[int], str]]:
 async def read(item: Item, name: str, files: FileReads) -> bytes:
     """A saved array's whole npy file (a 404 if its job is being deleted or the file went meanwhile)."""
     entry = (item.trajectory_files or {})[name]
-    return await files.read(item.job.id, entry["file"], f"the {name} of output {item.index}")
+    return await files.read(item.job.id, entry["file"], f"the {name} of output {item.index}", entry.get("bytes"))

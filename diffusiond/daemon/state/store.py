@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import tempfile
 import time
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+_OUTPUT_NAME = re.compile(r"j_[0-9a-f]+-\d+\..+")  # <job>-<k>.<ext> and <job>-<k>.<array>.npy, never a .tmp
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,13 @@ class Store:
 
     def read_output(self, name: str) -> bytes:
         raise FileNotFoundError(name)
+
+    def discard_outputs(self, names: Sequence[str]) -> None:
+        """Unlink files just written for a job that ended meanwhile: its record lists none of them."""
+
+    async def sweep_outputs(self) -> int:
+        """At start, before any job runs: remove the output files no finished job's record lists; how many."""
+        return 0
 
     async def close(self) -> None:
         pass
@@ -416,8 +425,10 @@ class SqliteStore(Store):
 
     def _delete(self, job_id: str, files: list[str]) -> None:
         self._db().execute("DELETE FROM jobs WHERE id = ?", (job_id,))  # first: nobody finds the files after
-        for name in files:
-            (self.outputs_dir / name).unlink(missing_ok=True)
+        # every file named for the job, listed or not: a job read back from its row knows only a succeeded run's
+        # files, and a first run's output can outlive a second that failed (review45-b 5)
+        for path in {*(self.outputs_dir / name for name in files), *self.outputs_dir.glob(f"{job_id}-*")}:
+            path.unlink(missing_ok=True)
 
     async def expired(self, keep_days: float, keep_bytes: int) -> list[Job]:
         rows = await self._run(self._expired, keep_days, keep_bytes)
@@ -429,7 +440,10 @@ class SqliteStore(Store):
         total = sum(r["bytes"] for r in rows)
         out = []
         for r in rows:
-            if (cutoff is not None and r["created"] < cutoff) or (keep_bytes and total > keep_bytes):
+            # age from the job's end, not its creation: a job that waited long in the queue, or a clock set back
+            # since it was created, must not be deleted the moment it finishes (review45-b 9)
+            ended = r["ended"] if r["ended"] is not None else r["created"]
+            if (cutoff is not None and ended < cutoff) or (keep_bytes and total > keep_bytes):
                 out.append(r)
                 total -= r["bytes"]
         return out
@@ -466,6 +480,41 @@ class SqliteStore(Store):
 
     def read_output(self, name: str) -> bytes:
         return (self.outputs_dir / name).read_bytes()
+
+    def discard_outputs(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                (self.outputs_dir / name).unlink(missing_ok=True)
+            except OSError as exc:  # the next start's sweep takes it
+                log.warning("could not remove %s, which no job lists: %s", self.outputs_dir / name, exc)
+
+    async def sweep_outputs(self) -> int:
+        return await self._run(self._sweep_outputs)
+
+    def _sweep_outputs(self) -> int:
+        """Files a record does not list are never served, deleted or counted by --keep-gb: a job's file written
+        as it was cancelled (older diffusiond), a row deleted while its file was being written, a first run's
+        output whose job is about to run again from the start (review45-b 5). Only a finished job's listed
+        files are kept; a row whose outputs do not read keeps every file named for it."""
+        keep: set[str] = set()
+        unread: list[str] = []
+        for job_id, outputs in self._db().execute(f"SELECT id, outputs FROM jobs WHERE status NOT IN {LIVE}"):
+            try:
+                for out in json.loads(outputs):
+                    keep.add(out["file"])
+                    keep.update(f["file"] for f in (out.get("trajectory") or {}).values())
+            except (ValueError, TypeError, KeyError, AttributeError):
+                unread.append(f"{job_id}-")
+        removed = 0
+        for path in self.outputs_dir.iterdir():
+            name = path.name
+            if _OUTPUT_NAME.fullmatch(name) and name not in keep and not name.startswith(tuple(unread)):
+                path.unlink(missing_ok=True)
+                removed += 1
+        if removed:
+            log.info("removed %d file(s) from %s that no finished job's record lists (left by a crash, or by a "
+                     "job that ended while its output was written)", removed, self.outputs_dir)
+        return removed
 
     async def close(self) -> None:
         self._closed = True
