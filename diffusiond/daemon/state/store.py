@@ -25,10 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import re
 import sqlite3
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +37,7 @@ import msgspec
 
 from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.errors import InsufficientStorage, StateWriteFailed
+from diffusiond.daemon.state import output_files
 from diffusiond.daemon.state.faults import StateFaults
 from diffusiond.daemon.state.rows import (
     APPLICATION_ID,
@@ -55,7 +53,6 @@ from diffusiond.daemon.state.statedir import (
     StateDirError,
     StateLock,
     disk_full,
-    fsync_dir,
     move_aside,
     prepare,
     start_problem,
@@ -67,7 +64,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-_OUTPUT_NAME = re.compile(r"j_[0-9a-f]+-\d+\..+")  # <job>-<k>.<ext> and <job>-<k>.<array>.npy, never a .tmp
 
 
 @dataclass(frozen=True)
@@ -451,32 +447,10 @@ class SqliteStore(Store):
     # output files (encode pool threads) -------------------------------------------------------
     def write_output(self, job_id: str, index: int, ext: str, parts: Sequence[bytes | memoryview]) -> tuple[str, int]:
         name = f"{job_id}-{index}.{ext}"
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.outputs_dir)
-        size = 0
         try:
-            with os.fdopen(fd, "wb") as f:
-                for part in parts:
-                    self.faults.check_space()
-                    view = memoryview(part).cast("B")
-                    if self.faults.write_delay_ms:
-                        half = len(view) // 2
-                        f.write(view[:half])
-                        f.flush()
-                        time.sleep(self.faults.write_delay_ms / 1000)
-                        view = view[half:]
-                    f.write(view)
-                    size += len(part) if isinstance(part, bytes) else part.nbytes
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.outputs_dir / name)
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError):
-                raise self._failure(exc, f"write output {index} of job {job_id}") from None
-            raise
-        fsync_dir(self.outputs_dir)
-        return name, size
+            return name, output_files.write(self.outputs_dir, name, parts, self.faults)
+        except OSError as exc:
+            raise self._failure(exc, f"write output {index} of job {job_id}") from None
 
     def read_output(self, name: str) -> bytes:
         return (self.outputs_dir / name).read_bytes()
@@ -492,29 +466,8 @@ class SqliteStore(Store):
         return await self._run(self._sweep_outputs)
 
     def _sweep_outputs(self) -> int:
-        """Files a record does not list are never served, deleted or counted by --keep-gb: a job's file written
-        as it was cancelled (older diffusiond), a row deleted while its file was being written, a first run's
-        output whose job is about to run again from the start (review45-b 5). Only a finished job's listed
-        files are kept; a row whose outputs do not read keeps every file named for it."""
-        keep: set[str] = set()
-        unread: list[str] = []
-        for job_id, outputs in self._db().execute(f"SELECT id, outputs FROM jobs WHERE status NOT IN {LIVE}"):
-            try:
-                for out in json.loads(outputs):
-                    keep.add(out["file"])
-                    keep.update(f["file"] for f in (out.get("trajectory") or {}).values())
-            except (ValueError, TypeError, KeyError, AttributeError):
-                unread.append(f"{job_id}-")
-        removed = 0
-        for path in self.outputs_dir.iterdir():
-            name = path.name
-            if _OUTPUT_NAME.fullmatch(name) and name not in keep and not name.startswith(tuple(unread)):
-                path.unlink(missing_ok=True)
-                removed += 1
-        if removed:
-            log.info("removed %d file(s) from %s that no finished job's record lists (left by a crash, or by a "
-                     "job that ended while its output was written)", removed, self.outputs_dir)
-        return removed
+        rows = self._db().execute(f"SELECT id, outputs FROM jobs WHERE status NOT IN {LIVE}").fetchall()
+        return output_files.sweep(self.outputs_dir, rows)
 
     async def close(self) -> None:
         self._closed = True
