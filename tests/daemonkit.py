@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -296,3 +297,18 @@ async def when_idle(d: Daemon) -> Path:
     async with http(d.socket) as s:
         await until(lambda: idle(s), 60, "the shared daemon to go idle")
     return d.socket
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until its disk is full (a small tmpfs the test mounted), to the last byte."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    with contextlib.suppress(OSError), open(path, "ab") as f:  # the last partial page, byte by byte
+        while True:
+            f.write(b"\0")
+            f.flush()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import io
 import json
 import os
@@ -22,7 +21,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from daemonkit import Daemon, get, http, sigkill, submit, until, wait_job
+from daemonkit import Daemon, fill, get, http, sigkill, submit, until, wait_job
 from PIL import Image
 
 from conftest import ROOT
@@ -325,7 +324,8 @@ async def test_retention_deletes_old_finished_jobs_and_their_files(daemon_factor
 async def test_jobs_are_accepted_while_the_models_load(daemon_factory: Factory, tmp_path: Path) -> None:
     state = tmp_path / "state"
     daemon_factory(*serve_args(state), env=ENV).stop()  # the model has loaded once here: its defaults are known
-    slow = daemon_factory(*serve_args(state, "--test-fault", "load_delay_ms=6000"), env=ENV, start=False)
+    # 15 s: long enough that the preload still runs when /ready first answers on a loaded CI box (6 s was not)
+    slow = daemon_factory(*serve_args(state, "--test-fault", "load_delay_ms=15000"), env=ENV, start=False)
     slow.spawn()
     deadline = time.monotonic() + 60
     while not slow.socket.exists():
@@ -439,13 +439,7 @@ async def test_a_full_tmpfs_state_dir(daemon_factory: Factory, tmp_path: Path) -
         async with http(d.socket) as s:
             first = await wait_job(s, (await submit(s, {**BODY, "prompt": "fits"}))["id"])
             assert first["status"] == "succeeded"
-            with open(mnt / "filler", "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 65536)
-                        f.flush()
-                except OSError as exc:
-                    assert exc.errno == errno.ENOSPC
+            fill(mnt / "filler")
             async with s.post("/v1/jobs", json={**BODY, "prompt": "no room"}) as resp:
                 answer = await resp.json()
             if resp.status == 507:  # the record itself did not fit

@@ -5,7 +5,6 @@ row that does not decode neither stops the start nor makes history a 500."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import sqlite3
@@ -15,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemonkit import Daemon, delete, get, http, submit, wait_job
+from daemonkit import Daemon, delete, fill, get, http, submit, wait_job
 
 from conftest import ROOT
 
@@ -33,20 +32,6 @@ def refused(d: Daemon) -> str:
     assert d.proc is not None
     assert d.proc.wait(120) == 1, d.log()
     return d.log()
-
-
-def fill(path: Path) -> None:
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-    with contextlib.suppress(OSError), open(path, "ab") as f:  # the last partial page, byte by byte
-        while True:
-            f.write(b"\0")
-            f.flush()
 
 
 @contextlib.contextmanager
