@@ -284,7 +284,6 @@ def test_a_job_past_its_retention_is_not_shared_and_the_client_reads_it_over_htt
     import json
 
     from diffusiond import AsyncClient
-    from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
     from diffusiond.ipc.messages import Fetch, Refused
 
     def in_memory(d: Daemon) -> int:
@@ -305,11 +304,12 @@ def test_a_job_past_its_retention_is_not_shared_and_the_client_reads_it_over_htt
             assert exc.value.status == 404 and exc.value.code == "job_not_found"
             fetches = [Fetch(old, 0), Fetch("j_0123456789abcdef", 1), Fetch(recent, 9)]  # the last answered at once
             with m._lock:  # pipelined, as the one-at-a-time OutputMapper never sends them
-                m._sock.sendall(b"".join(FrameEncoder().encode(f) for f in fetches))
-                decoder, answers = FrameDecoder(), []
+                m._sock.sendall(b"".join(m._encoder.encode(f) for f in fetches))  # its sequence numbers go on
+                answers: list[object] = []
                 while len(answers) < 3:
                     data = m._sock.recv(65536)
-                    answers += [msg for _kind, _seq, _n, msg in decoder.feed(data)]
+                    assert data, f"the daemon hung up after {answers}"
+                    answers += [msg for _kind, _seq, _n, msg in m._decoder.feed(data)]
             assert all(isinstance(r, Refused) for r in answers)
             assert [(r.job_id, r.index, r.code) for r in answers] == [
                 (old, 0, "not_shared"), ("j_0123456789abcdef", 1, "job_not_found"), (recent, 9, "output_not_found")]
