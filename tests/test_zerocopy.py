@@ -252,3 +252,72 @@ def test_a_daemon_that_cannot_make_its_output_socket_still_serves_over_http(tmp_
         with Client(str(d.socket)) as c:
             [a] = c.generate("a lighthouse", seed=1, output="array")
             assert a.shape == (128, 128, 3) and a.flags.writeable, "came over HTTP, into the client's memory"
+
+
+def test_a_fetch_that_timed_out_never_hands_its_answer_to_the_next_call(daemon: Daemon) -> None:
+    """review45-c 2: the engine stopped past the mapper's timeout answers the FETCH late; that answer (job a's
+    output) must not be taken for the next call's (job b's). The mapper hangs up instead."""
+    a, b, same_as_b = run_job(daemon, seed=11), run_job(daemon, seed=22), run_job(daemon, seed=22)
+    expected_b = np.load(io.BytesIO(call(daemon, "GET", f"/v1/jobs/{same_as_b}/outputs/0")[1]))
+    assert daemon.proc is not None
+    with OutputMapper(str(daemon.socket), timeout=1.0) as m:
+        daemon.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(ZeroCopyUnavailable, match="did not answer in time"):
+                m.array(a, 0)
+        finally:
+            daemon.signal(signal.SIGCONT)
+        time.sleep(0.5)  # the late answer, were the connection still open, would be waiting in it by now
+        with pytest.raises(ZeroCopyUnavailable, match=r"closed .*did not answer in time"):
+            m.array(b, 0)
+    with OutputMapper(str(daemon.socket)) as fresh:
+        assert np.array_equal(fresh.array(b, 0), expected_b), "b is still b's, unleased"
+    wait_for(lambda: arena_in_use(daemon) == 0, "the late lease of a to be taken back with its connection")
+
+
+def test_a_job_past_its_retention_is_not_shared_and_the_client_reads_it_over_http(
+        tmp_path: Path, model_cache: Path) -> None:
+    """review45-c 4: a persistent daemon still serves a job's outputs from its state dir once the job has left
+    memory; the output socket says not_shared (not job_not_found), so the default client falls back to HTTP.
+    Answers keep the order of the FETCHes, the one that waits for the state dir included."""
+    import asyncio
+    import json
+
+    from diffusiond import AsyncClient
+    from diffusiond.ipc.messages import Fetch, Refused
+
+    def in_memory(d: Daemon) -> int:
+        return sum(json.loads(call(d, "GET", "/health")[1])["jobs"].values())
+
+    args = ["--model", "tiny", "--retention-s", "3"]  # and a state dir, which keeps the outputs
+    with shared_daemon(tmp_path, args, model_cache, {"OMP_NUM_THREADS": "1"}) as d:
+        old = run_job(d, seed=5)
+        wait_for(lambda: in_memory(d) == 0, "the job's retention to end")
+        assert call(d, "GET", f"/v1/jobs/{old}")[0] == 200, "HTTP still has it"
+        recent = run_job(d, seed=6)
+        with OutputMapper(str(d.socket)) as m:
+            with pytest.raises(DaemonError) as exc:
+                m.array(old, 0)
+            assert exc.value.status == 409 and exc.value.code == "not_shared" and "HTTP" in exc.value.message
+            with pytest.raises(DaemonError) as exc:
+                m.array("j_0123456789abcdef", 0)
+            assert exc.value.status == 404 and exc.value.code == "job_not_found"
+            fetches = [Fetch(old, 0), Fetch("j_0123456789abcdef", 1), Fetch(recent, 9)]  # the last answered at once
+            with m._lock:  # pipelined, as the one-at-a-time OutputMapper never sends them
+                m._sock.sendall(b"".join(m._encoder.encode(f) for f in fetches))  # its sequence numbers go on
+                answers: list[object] = []
+                while len(answers) < 3:
+                    data = m._sock.recv(65536)
+                    assert data, f"the daemon hung up after {answers}"
+                    answers += [msg for _kind, _seq, _n, msg in m._decoder.feed(data)]
+            assert all(isinstance(r, Refused) for r in answers)
+            assert [(r.job_id, r.index, r.code) for r in answers] == [
+                (old, 0, "not_shared"), ("j_0123456789abcdef", 1, "job_not_found"), (recent, 9, "output_not_found")]
+
+        async def through_the_client() -> np.ndarray:
+            async with AsyncClient(str(d.socket)) as c:  # zero_copy=None, the default
+                return await c.array(old, 0)
+
+        got = asyncio.run(through_the_client())
+        again = np.load(io.BytesIO(call(d, "GET", f"/v1/jobs/{old}/outputs/0")[1]))
+        assert got.shape == (128, 128, 3) and np.array_equal(got, again)

@@ -65,6 +65,7 @@ class OutputMapper:
         self._encoder = FrameEncoder()
         self._decoder = FrameDecoder()
         self.closed = False
+        self._why = "close() was called"
 
     def __enter__(self) -> OutputMapper:
         return self
@@ -103,28 +104,38 @@ class OutputMapper:
     def _lease(self, fetch: Fetch) -> tuple[Lease, int]:
         with self._lock:
             if self.closed:
-                raise ZeroCopyUnavailable("this OutputMapper is closed")
+                raise ZeroCopyUnavailable(f"this OutputMapper is closed ({self._why}); make a new one")
+            # Any failure below leaves the stream out of step with our requests: an answer that came late
+            # (a timeout), half a frame (an OSError mid-read), or bytes that do not decode. The next FETCH
+            # would read this one's answer and map another job's output as its own (review45-c 2), so the
+            # connection goes; the daemon takes back whatever it leased on it.
             try:
                 self._sock.sendall(self._encoder.encode(fetch))
                 msg, fds = self._receive()
                 self._send_unpins()
             except TimeoutError:
-                raise ZeroCopyUnavailable(f"the output socket {self.path} did not answer in time") from None
+                raise self._hang_up(f"the output socket {self.path} did not answer in time") from None
             except OSError as exc:
-                raise ZeroCopyUnavailable(f"the output socket {self.path} failed: {exc}") from None
-            except IPCError as exc:  # a frame that does not decode: the stream is out of step for good
-                self.closed = True
-                self._sock.close()
-                raise ZeroCopyUnavailable(f"the output socket {self.path} sent a bad frame: {exc}") from None
-        if isinstance(msg, Refused):
+                raise self._hang_up(f"the output socket {self.path} failed: {exc}") from None
+            except IPCError as exc:
+                raise self._hang_up(f"the output socket {self.path} sent a bad frame: {exc}") from None
+            if isinstance(msg, Lease) and len(fds) == 1:
+                return msg, fds[0]
             for fd in fds:
                 os.close(fd)
-            raise DaemonError(msg.status, msg.code, msg.message)
-        if not isinstance(msg, Lease) or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise ZeroCopyUnavailable(f"unexpected answer from {self.path}: {type(msg).__name__}")
-        return msg, fds[0]
+            if not isinstance(msg, Refused):
+                raise self._hang_up(f"unexpected answer from {self.path}: {type(msg).__name__}")
+            if (msg.job_id, msg.index) != (fetch.job_id, fetch.index):  # REFUSED names what it refuses
+                raise self._hang_up(f"the output socket {self.path} answered for output {msg.index} of job "
+                                    f"{msg.job_id}, not the one asked for")
+        raise DaemonError(msg.status, msg.code, msg.message)
+
+    def _hang_up(self, why: str) -> ZeroCopyUnavailable:
+        """Close the connection (the lock is held) and say why to this call and every later one."""
+        self.closed = True
+        self._why = why
+        self._sock.close()
+        return ZeroCopyUnavailable(f"{why}; this OutputMapper is closed now (make a new one)")
 
     def _receive(self) -> tuple[object, list[int]]:
         fds: list[int] = []
@@ -182,8 +193,9 @@ class OutputMapper:
                 continue  # hung up: the daemon took back everything this connection held
             try:
                 self._sock.sendall(self._encoder.encode(Unpin(lease)))
-            except OSError:
+            except OSError as exc:
                 self.closed = True  # the daemon is gone, and with it what we held
+                self._why = f"the output socket {self.path} failed: {exc}"
 
 
 def _release(mapper: weakref.ref[OutputMapper], lease: int) -> None:

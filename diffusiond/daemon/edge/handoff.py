@@ -28,6 +28,7 @@ What keeps it safe:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -118,7 +119,8 @@ class _Connection:
         self.channel = channel
         self.leases: dict[int, tuple[Item, bool]] = {}  # lease -> its item, and whether of its trajectory
         self._next = 0
-        self._updates: set[asyncio.Task[None]] = set()
+        self._updates: set[asyncio.Task[None]] = set()  # and the state-dir look-up, while one runs
+        self._waiting: collections.deque[Fetch] = collections.deque()  # FETCHes behind that look-up, in order
 
     async def _update(self, msg: UpdateLora | UpdateWeights, fds: list[int]) -> None:
         """Runs to its end even if the client hangs up: the workers finish the update either way
@@ -154,7 +156,13 @@ class _Connection:
         for fd in frame.fds:  # a client has no business sending fds
             os.close(fd)
         if isinstance(msg, Fetch):
-            self._fetch(msg)
+            if self._waiting:  # behind a FETCH that looks in the state dir: answers keep the order of FETCHes
+                self._waiting.append(msg)
+            elif not self._fetch(msg):
+                self._waiting.append(msg)
+                task = asyncio.ensure_future(self._look_up())
+                self._updates.add(task)
+                task.add_done_callback(self._updates.discard)
         elif isinstance(msg, Unpin):
             lease = self.leases.pop(msg.lease, None)
             if lease is not None:
@@ -162,7 +170,9 @@ class _Connection:
         else:
             self.channel.close(ValueError(f"unexpected {type(msg).__name__} on the output socket"))
 
-    def _fetch(self, msg: Fetch) -> None:
+    def _fetch(self, msg: Fetch) -> bool:
+        """Answer a FETCH of a job in memory; False: the job is not in memory but the state dir may hold it,
+        which only ``_look_up`` (awaiting the store) can tell."""
         engine = self.server.engine
         arrays: dict[str, TensorDesc] = {}
         try:
@@ -171,18 +181,43 @@ class _Connection:
             else:
                 item, desc, fd, size = engine.lease_output(msg.job_id, msg.index)
         except JobNotFound as missing:
-            err: EngineError = missing
-            if msg.part != "output" and engine.store.persistent:  # perhaps in the state dir: over HTTP
-                err = NotShared(f"job {msg.job_id!r} is not in memory; a {msg.part} kept in the state dir is "
-                                "served over HTTP (GET its URLs)")
-            self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
-            return
+            if engine.store.persistent:
+                return False
+            self._refuse(msg, missing)
+            return True
         except EngineError as refused:
-            self.channel.post(Refused(msg.job_id, msg.index, status_of(refused), str(refused.code), refused.message))
-            return
+            self._refuse(msg, refused)
+            return True
         self._next += 1
         self.leases[self._next] = (item, msg.part != "output")
         self.channel.post(Lease(self._next, desc, size, arrays), [fd])
+        return True
+
+    async def _look_up(self) -> None:
+        """Answer the waiting FETCHes in order, the first of them for a job that is not in memory. HTTP still
+        serves such a job's outputs from the state dir (past ``--retention-s``, or after a restart), so the
+        answer is what lets the client fall back to it: ``not_shared`` when the job is there, and the 404
+        HTTP would give when it is not (review45-c 4)."""
+        engine = self.server.engine
+        while self._waiting and not self.channel.closed:
+            msg = self._waiting[0]
+            try:
+                await engine.history.find(msg.job_id)
+            except EngineError as err:
+                self._refuse(msg, err)
+            except Exception:  # an unreadable state dir, say: still an answer, or the client waits for ever
+                self._refuse(msg, unexpected(f"the look-up of job {msg.job_id!r} for the output socket"))
+            else:
+                self._refuse(msg, NotShared(f"job {msg.job_id} is no longer in memory, so its {msg.part} is not in "
+                                            "shared memory; it is served from the state dir over HTTP (GET its URL)"))
+            self._waiting.popleft()
+            while self._waiting and not self.channel.closed and self._fetch(self._waiting[0]):
+                self._waiting.popleft()
+        self._waiting.clear()  # the client hung up: nobody to answer
+
+    def _refuse(self, msg: Fetch, err: EngineError) -> None:
+        with contextlib.suppress(ChannelClosed):  # the client went away meanwhile
+            self.channel.post(Refused(msg.job_id, msg.index, status_of(err), str(err.code), err.message))
 
     def _end(self, item: Item, trajectory: bool) -> None:
         if trajectory:
