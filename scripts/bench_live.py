@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import faulthandler
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -156,7 +157,13 @@ def main() -> int:
             except BaseException:
                 print(log.read_text()[-3000:], file=sys.stderr)
                 raise
-    print(json.dumps({"kind": args.kind, "preset": args.preset, "component": args.component, "rank": args.rank,
+            # the worker's line per update names where its share went (mapped, pinned, checked, copied)
+            result["worker_phases"] = [line.split("diffusiond.worker: ", 1)[-1].strip() for line in
+                                       log.read_text().splitlines() if f"update_{args.kind} " in line]
+            print("\n".join(result["worker_phases"]), file=sys.stderr)
+    pinned = os.environ.get("DIFFUSIOND_PIN_UPDATES", "1") != "0"
+    print(json.dumps({"kind": args.kind, "pinned": pinned, "preset": args.preset, "component": args.component,
+                      "rank": args.rank,
                       "dtype": args.dtype, "tensors": len(states[0]), "bytes": nbytes, "made_s": made, **result}))
     return 0
 

@@ -73,7 +73,10 @@ for s in "$@"; do
       step lora 240 python3 scripts/bench_live.py lora --preset flux-dev --component transformer --rank 64 \
         --dtype bfloat16 --rounds 5 ;;
     weights)  # issue 29: update_weights of the SDXL UNet
-      step weights 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 --rounds 3 ;;
+      step weights 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 --rounds 3
+      # the same from pageable pages (the worker's switch for this comparison; pinned is the default)
+      DIFFUSIOND_PIN_UPDATES=0 step weights-pageable 200 python3 scripts/bench_live.py weights --preset sdxl \
+        --component unet --dtype float16 --rounds 3 ;;
     controlnet)  # issue 30: a ControlNet's cost against the plain job (SD 1.5, ControlNet from its UNet)
       python3 - <<'PY' > "$out/controlnet-build.log" 2>&1
 import numpy as np, torch
@@ -130,6 +133,8 @@ PY
     template-test)  # issue 27: a worker forked from the template uses CUDA and makes a fresh worker's pictures
       # (--preimport auto forks CUDA workers once this passes)
       step template-test 240 python3 -m pytest -q -x tests/test_gpu_template.py -p no:cacheprovider ;;
+    updates-test)  # issue 29: a whole component's update copied through the pinned mapping lands exactly
+      step updates-test 120 python3 -m pytest -q -x tests/test_gpu_updates.py -p no:cacheprovider ;;
     hostkeep-test)  # issue 27: a woken model's kept host copy freed (unpinned) and made again by the next sleep
       step hostkeep-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "released" -p no:cacheprovider ;;
     attention)  # issue 31: FLUX.1-dev 1024² 28 steps on each attention backend that runs here, against the default;

@@ -68,8 +68,9 @@ class LiveAdapters:
         phases = Phases()
         try:
             if isinstance(msg, UpdateWeights):
-                with mapped_tensors(msg, fds[0]) as views:  # copied once, from the memfd into the parameters
-                    why = apply_weights(self.pipeline, msg, views)
+                with mapped_tensors(msg, fds[0], phases.mark) as views:  # copied once, memfd to parameters
+                    why = apply_weights(self.pipeline, msg, views, phases.mark)
+                phases.mark("copied")
                 if not why:
                     self.weight_versions[msg.component] = msg.version
             else:
@@ -77,7 +78,7 @@ class LiveAdapters:
                 phases.mark("read")
                 why = unsupported(self.pipeline) if self.adapters is None else \
                     apply_update(self.adapters, self.pipeline.name, msg, state)
-            phases.mark("checked and applied")
+                phases.mark("checked and applied")
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         self.post(Ack(command=kind, ok=not why, message=why, ack_id=msg.ack_id))
