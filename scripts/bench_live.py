@@ -161,8 +161,8 @@ def main() -> int:
             result["worker_phases"] = [line.split("diffusiond.worker: ", 1)[-1].strip() for line in
                                        log.read_text().splitlines() if f"update_{args.kind} " in line]
             print("\n".join(result["worker_phases"]), file=sys.stderr)
-    pinned = os.environ.get("DIFFUSIOND_PIN_UPDATES", "1") != "0"
-    print(json.dumps({"kind": args.kind, "pinned": pinned, "preset": args.preset, "component": args.component,
+    copy = os.environ.get("DIFFUSIOND_UPDATE_COPY", "pinned")
+    print(json.dumps({"kind": args.kind, "update_copy": copy, "preset": args.preset, "component": args.component,
                       "rank": args.rank,
                       "dtype": args.dtype, "tensors": len(states[0]), "bytes": nbytes, "made_s": made, **result}))
     return 0

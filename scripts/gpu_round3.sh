@@ -74,8 +74,10 @@ for s in "$@"; do
         --dtype bfloat16 --rounds 5 ;;
     weights)  # issue 29: update_weights of the SDXL UNet
       step weights 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 --rounds 3
-      # the same from pageable pages (the worker's switch for this comparison; pinned is the default)
-      DIFFUSIOND_PIN_UPDATES=0 step weights-pageable 200 python3 scripts/bench_live.py weights --preset sdxl \
+      # the same staged through two pinned buffers, and from pageable pages (update_copy.py: the bench's switch)
+      DIFFUSIOND_UPDATE_COPY=staged step weights-staged 200 python3 scripts/bench_live.py weights --preset sdxl \
+        --component unet --dtype float16 --rounds 3
+      DIFFUSIOND_UPDATE_COPY=pageable step weights-pageable 200 python3 scripts/bench_live.py weights --preset sdxl \
         --component unet --dtype float16 --rounds 3 ;;
     controlnet)  # issue 30: a ControlNet's cost against the plain job (SD 1.5, ControlNet from its UNet)
       python3 - <<'PY' > "$out/controlnet-build.log" 2>&1

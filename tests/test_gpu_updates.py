@@ -1,7 +1,7 @@
 """GPU tests of live weight updates (issue 29), run on the GPU machine through the device tool (skipped without CUDA).
 
 A whole component's update is copied from the client's memfd into the parameters through a pinned mapping
-(``worker/weights.py``): the copies are asynchronous DMA, so what matters is that every value lands, that the
+(``worker/update_copy.py``): the copies are asynchronous DMA, so what matters is that every value lands, that the
 mapping is unpinned only after the copies, and that a refused update changes nothing.
 """
 
@@ -15,6 +15,7 @@ import torch
 from diffusiond.client.weights import pack
 from diffusiond.ipc import cuda_host
 from diffusiond.ipc.messages import UpdateWeights
+from diffusiond.worker import update_copy
 from diffusiond.worker.weights import apply_weights, mapped_tensors
 
 pytestmark = [
@@ -24,8 +25,10 @@ pytestmark = [
 
 
 def component() -> torch.nn.Module:
-    """Large enough (about 150 MB in bf16) that the worker pins its update's mapping."""
-    return torch.nn.Sequential(*(torch.nn.Linear(4096, 4096) for _ in range(4))).to("cuda", torch.bfloat16)
+    """Large enough (about 190 MB in bf16) that the worker pins its update's mapping or stages it, with tensors
+    that do not divide the staging buffer (pieces of one tensor in two buffers, several tensors in one)."""
+    layers = [torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 9001), torch.nn.Linear(9001, 3)]
+    return torch.nn.Sequential(*layers).to("cuda", torch.bfloat16)
 
 
 def update(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[str, list[str]]:
@@ -40,23 +43,27 @@ def update(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[str,
     return why, marks
 
 
-def test_gpu_a_whole_component_update_lands_exactly_through_the_pinned_mapping() -> None:
+@pytest.mark.parametrize("mode", ["pinned", "staged", "pageable"])
+def test_gpu_a_whole_component_update_lands_exactly_each_way_it_can_be_copied(mode: str,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(update_copy, "MODE", mode)
     model = component()
     state = {k: torch.randn(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
+    state["0.bias"] = state["0.bias"].float()  # another dtype: copied converting, beside the staged bytes
     why, marks = update(model, state)
     assert why == ""
-    assert "pinned" in marks, marks  # the DMA path, not the pageable one
+    assert ("pinned" in marks) == (mode == "pinned"), marks
     for key, value in model.state_dict().items():
-        assert torch.equal(value.cpu(), state[key]), key
+        assert torch.equal(value.cpu(), state[key].to(value.dtype)), key
 
 
 def test_gpu_a_refused_update_leaves_every_parameter_as_it_was() -> None:
     model = component()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = {k: torch.randn(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
-    state["3.bias"] = torch.zeros(7, dtype=torch.bfloat16)  # the last tensor misfits: nothing may be copied
+    state["2.bias"] = torch.zeros(7, dtype=torch.bfloat16)  # the last tensor misfits: nothing may be copied
     why, _ = update(model, state)
-    assert "3.bias" in why
+    assert "2.bias" in why
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
 

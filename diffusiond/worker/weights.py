@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import math
 import mmap
 import os
@@ -36,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusiond.ipc import cuda_host
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 from diffusiond.ipc.params import ComponentTable, LayerRow, ParamRow, ParamTable
 from diffusiond.ipc.tensors import numpy_dtype
@@ -53,8 +51,7 @@ from diffusiond.pipelines.live_checks import (
 )
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.pipelines.streaming import weights_changed
-
-log = logging.getLogger("diffusiond.worker")
+from diffusiond.worker import update_copy
 
 
 def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Tensor]:
@@ -89,11 +86,6 @@ def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Te
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-_PIN_FROM = 64 << 20  # smaller updates: pinning the mapping costs about what the pageable copy would lose
-# A benchmark's switch (scripts/bench_live.py runs both ways in one call), not a setting: 0 copies from pageable pages.
-_PIN = os.environ.get("DIFFUSIOND_PIN_UPDATES", "1") != "0"
-
-
 def _nothing(what: str) -> None:
     pass
 
@@ -111,9 +103,8 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int,
     a view kept past it holds the mapping.
     A client that shrinks its memfd during the copy kills this worker with SIGBUS (``read_tensors`` refuses that
     instead); such a client is its own user's, who could kill the worker anyway: the update is lost, not others'.
-    Where CUDA is up, a large mapping is also pinned (``cudaHostRegister``, read-only) for the block, so the copies
-    into the parameters are DMA at the link's speed rather than the driver's staged pageable copies (the SDXL UNet's
-    4.8 GB took 3.6 s on an H100 host unpinned: issue 29); the block's copies are waited for before it is unpinned."""
+    Where CUDA is up, a large mapping may also be pinned for the block (``update_copy``: how the bytes reach the
+    device); the block's copies are waited for before it is unpinned."""
     views: dict[str, torch.Tensor] = {}
     mm = None
     pinned = 0
@@ -122,8 +113,8 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int,
         if size:
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
             mark("mapped")
-            if _PIN and size >= _PIN_FROM and torch.cuda.is_initialized():
-                pinned = _pin(mm, size)
+            if update_copy.wants_pin(size):
+                pinned = update_copy.pin(mm, size)
                 mark("pinned" if pinned else "not pinned")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -139,21 +130,9 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int,
         # mapping goes when its last view does, at once where none is kept.
         views.clear()
         if pinned:
-            torch.cuda.synchronize()  # no copy may still read the pages when they are unpinned
-            cuda_host.unregister(pinned, size)
+            update_copy.unpin(pinned, size)
         del mm
         os.close(fd)
-
-
-def _pin(mm: mmap.mmap, size: int) -> int:
-    """The mapping's address, pinned for CUDA; 0 where the driver refused (the copies are then pageable)."""
-    address = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
-    try:
-        cuda_host.register(address, size, read_only=True)
-    except RuntimeError as exc:
-        log.warning("an update's %d MB could not be pinned (%s); copied from pageable memory", size >> 20, exc)
-        return 0
-    return address
 
 
 def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[str, torch.Tensor]) -> str:
@@ -240,8 +219,7 @@ def unreachable(own: Mapping[str, torch.Tensor]) -> bool:
 def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.Tensor],
                   mark: Callable[[str], None] = _nothing) -> str:
     """Copy ``state`` into component ``msg.component`` in place, all checked first; '' or why not. The copies
-    are queued without waiting for each (``non_blocking``: from a pinned mapping they overlap one another, from
-    pageable memory the driver copies before it returns anyway); ``mapped_tensors`` waits for them."""
+    may be left queued (``update_copy.copy_into``); ``mapped_tensors`` waits for them."""
     components = torch_components(weights_pipe(pipeline))
     component = components.get(msg.component)
     if component is None:
@@ -256,9 +234,7 @@ def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.T
         if why:
             return why
     mark("checked")
-    with torch.no_grad():
-        for key, value in state.items():
-            own[key].copy_(value, non_blocking=True)
+    update_copy.copy_into([(own[key], value) for key, value in state.items()])
     mark("copies queued")
     weights_changed(component)  # offload=stream: its ring's copies of the old values are dropped
     return ""
