@@ -10,21 +10,14 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemonkit import Daemon, delete, fill, get, http, submit, wait_job
+from test_durable import BODY, ENV, Factory, serve_args
 
 from conftest import ROOT
-
-BODY = {"model": "tiny", "width": 64, "height": 64, "steps": 2, "output_format": "png"}
-ENV = {"OMP_NUM_THREADS": "1"}
-Factory = Callable[..., Daemon]
-
-
-def serve_args(state: Path, *extra: str) -> list[str]:
-    return ["--model", "tiny", "--state-dir", str(state), "--max-batch", "1", "--job-timeout", "300", *extra]
 
 
 def refused(d: Daemon) -> str:

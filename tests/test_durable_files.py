@@ -5,23 +5,10 @@ outside diffusiond is an error naming it rather than a short 200, and --keep-day
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Callable
 from pathlib import Path
 
-from daemonkit import Daemon, get, http, submit, until, wait_job
-
-BODY = {"model": "tiny", "width": 64, "height": 64, "steps": 2, "output_format": "png"}
-ENV = {"OMP_NUM_THREADS": "1"}
-Factory = Callable[..., Daemon]
-
-
-def serve_args(state: Path, *extra: str) -> list[str]:
-    return ["--model", "tiny", "--state-dir", str(state), "--max-batch", "1", "--job-timeout", "300", *extra]
-
-
-def files(state: Path) -> list[str]:
-    return sorted(os.listdir(state / "outputs"))
+from daemonkit import get, http, submit, until, wait_job
+from test_durable import BODY, ENV, Factory, files, serve_args
 
 
 async def test_a_job_cancelled_while_its_file_is_written_leaves_no_file(daemon_factory: Factory,

@@ -1,7 +1,7 @@
 """The bytes of a whole-component update (issue 29): ``bench_live.py weights`` on SDXL's UNet printed nothing in
 200 s. The client's check for NaN and infinity wrote a mask as large as each tensor (12 s of a CPU's time for a
 UNet), and the worker copied the whole update out of the memfd before copying it again into the parameters. Now
-one reduction checks each tensor, and the worker copies from the memfd straight into the parameters; these tests
+each tensor is checked chunk by chunk, and the worker copies from the memfd straight into the parameters; these tests
 hold what that must keep: every non-finite value is still caught, the values applied are the ones sent, in each
 dtype, and the memfd is closed after, with nothing holding its mapping.
 """

@@ -9,6 +9,7 @@ with the template killed, workers start as fresh interpreters and jobs go on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -139,3 +140,28 @@ def test_preimport_refuses_values_it_does_not_know(capsys: Any) -> None:
         True, True, True, False, True, True, True, True, False, False, False, False]
     assert main(["serve", "--preimport", "maybe"]) == 2
     assert "argument --preimport: invalid choice: 'maybe'" in capsys.readouterr().err
+
+
+# the imports' device queries ---------------------------------------------------------------------------------
+
+def test_device_queries_answered_from_nvml_during_the_imports_are_put_back_even_when_they_fail(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template answers torchao's import-time queries from NVML (issue 27); a forked worker must then read the
+    device's real properties, whether the imports succeeded or raised."""
+    import torch
+    from torch._dynamo import device_interface
+
+    from diffusiond.worker import template
+
+    monkeypatch.setattr(template, "_nvml_capabilities", lambda: [(8, 0), (9, 0)])
+    real = torch.cuda.get_device_capability
+    for fails in (False, True):
+        with contextlib.suppress(RuntimeError), template._device_queries_from_nvml():
+            assert torch.cuda.get_device_capability() == (8, 0), "the weakest device answers for all"
+            assert [p.major for p in device_interface.caching_worker_device_properties["cuda"]] == [8, 9]
+            assert device_interface.caching_worker_current_devices["cuda"] == 0
+            if fails:
+                raise RuntimeError("an import failed")
+        assert torch.cuda.get_device_capability is real
+        assert "cuda" not in device_interface.caching_worker_device_properties
+        assert "cuda" not in device_interface.caching_worker_current_devices

@@ -321,3 +321,21 @@ def test_a_job_past_its_retention_is_not_shared_and_the_client_reads_it_over_htt
         got = asyncio.run(through_the_client())
         again = np.load(io.BytesIO(call(d, "GET", f"/v1/jobs/{old}/outputs/0")[1]))
         assert got.shape == (128, 128, 3) and np.array_equal(got, again)
+
+
+def test_an_unpin_the_daemon_can_no_longer_take_closes_the_connection(tmp_path: Path) -> None:
+    """The daemon went away (and took back every lease with the connection): an UNPIN that cannot be sent closes
+    the mapper, its socket included, and every later call says why."""
+    import socket
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp_path / "d.sock.out"))
+    server.listen(1)
+    with server, OutputMapper(str(tmp_path / "d.sock")) as m:
+        peer, _ = server.accept()
+        peer.close()  # the daemon's end of the connection
+        m._unpin(1)  # as the garbage collector does once an array is dropped
+        assert m.closed
+        assert m._sock.fileno() == -1, "the socket is closed with the mapper, not left to the garbage collector"
+        with pytest.raises(ZeroCopyUnavailable, match=r"closed \(the output socket .* failed: .*Broken pipe"):
+            m.array("j_0123456789abcdef", 0)

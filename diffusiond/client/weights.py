@@ -61,14 +61,10 @@ def pack(state_dict: Mapping[str, Any]) -> tuple[int, list[WeightTensor]]:
         chunks = [(name, dtype, arr.reshape(-1).view(np.uint8)[start:start + _CHUNK], t.offset + start)
                   for t, (name, dtype, arr) in zip(tensors, arrays, strict=True)
                   for start in range(0, arr.nbytes, _CHUNK)]
-        threads = min(_THREADS, os.cpu_count() or 1, len(chunks))
-        if threads > 1 and offset > _CHUNK:
-            with ThreadPoolExecutor(threads, thread_name_prefix="diffusiond-pack") as pool:
-                for _ in pool.map(lambda c: _check_and_write(fd, *c), chunks):
-                    pass
-        else:
-            for chunk in chunks:
-                _check_and_write(fd, *chunk)
+        threads = max(1, min(_THREADS, os.cpu_count() or 1, len(chunks)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="diffusiond-pack") as pool:
+            for _ in pool.map(lambda c: _check_and_write(fd, *c), chunks):  # raises the first chunk's error
+                pass
     except BaseException:
         os.close(fd)
         raise
@@ -88,8 +84,8 @@ def _check_and_write(fd: int, name: str, dtype: str, data: np.ndarray, at: int) 
         done += os.pwrite(fd, view[done:], at + done)
 
 
-# The exponent bits of each dtype sent, read as integers: all ones is an infinity or a NaN. One integer
-# mask over the whole tensor is a tenth of torch's isfinite on bfloat16 on a CPU (issue 29).
+# The exponent bits of each dtype sent, read as integers: all ones is an infinity or a NaN. An integer
+# mask is a tenth of torch's isfinite on bfloat16 on a CPU (issue 29).
 _EXPONENT = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00), "float32": (np.uint32, 0x7F800000)}
 
 
@@ -103,9 +99,8 @@ def _finite(dtype: str, data: np.ndarray) -> bool:
 def _as_array(name: object, value: Any) -> tuple[str, np.ndarray]:
     """The dtype's name as the daemon reads it, and a C-contiguous array of the value in this machine's
     byte order (the daemon reads the memfd in it: a big-endian array's raw bytes would be garbage
-    there). What the daemon would take wrongly or not at all is refused here, the tensor named: a
-    dtype other than the three (TypeError; some, float8 say, have no numpy form to send) and NaN or
-    infinite values (ValueError: they would reach every image the adapter touches)."""
+    there). A dtype the daemon would not take is refused here, the tensor named (TypeError; some, float8
+    say, have no numpy form to send); NaN and infinite values are refused by ``pack`` as it writes them."""
     if type(value).__module__.startswith("torch"):  # no torch import for callers who send numpy
         t = value.detach().cpu().contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
@@ -122,7 +117,7 @@ def _as_array(name: object, value: Any) -> tuple[str, np.ndarray]:
         arr = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
     else:
         raise TypeError(f"tensor {name!r} is a {type(value).__name__}; give torch tensors or numpy arrays")
-    return dtype, arr  # checked for NaN and infinities as it is written (pack)
+    return dtype, arr
 
 
 def _check_dtype(name: object, dtype: str) -> None:

@@ -193,9 +193,8 @@ class OutputMapper:
                 continue  # hung up: the daemon took back everything this connection held
             try:
                 self._sock.sendall(self._encoder.encode(Unpin(lease)))
-            except OSError as exc:
-                self.closed = True  # the daemon is gone, and with it what we held
-                self._why = f"the output socket {self.path} failed: {exc}"
+            except OSError as exc:  # the daemon is gone, and with it what we held
+                self._hang_up(f"the output socket {self.path} failed: {exc}")
 
 
 def _release(mapper: weakref.ref[OutputMapper], lease: int) -> None:

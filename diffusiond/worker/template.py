@@ -102,26 +102,23 @@ def _device_queries_from_nvml() -> Iterator[None]:
     all (a library then leaves out kernels only the stronger ones run). Where NVML cannot say, nothing is changed,
     and the check after the imports says why the template cannot fork."""
     capabilities = _nvml_capabilities()
-    try:
-        import torch
-        from torch._dynamo import device_interface
-    except ImportError:
-        capabilities = []
     if not capabilities:
         yield
         return
+    import torch
+    from torch._dynamo import device_interface
+
     props, current = device_interface.caching_worker_device_properties, device_interface.caching_worker_current_devices
-    cached = "cuda" in props or "cuda" in current
-    weakest = capabilities[0]
-    if not cached:  # has_triton() reads .major of the current device's properties from here
-        props["cuda"], current["cuda"] = [types.SimpleNamespace(major=c[0], minor=c[1]) for c in capabilities], 0
-    real = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda device=None: weakest
+    fill = "cuda" not in props and "cuda" not in current  # real properties already there are the better answer
+    real, weakest = torch.cuda.get_device_capability, capabilities[0]
     try:
+        if fill:  # has_triton() reads .major of the current device's properties from here
+            props["cuda"], current["cuda"] = [types.SimpleNamespace(major=c[0], minor=c[1]) for c in capabilities], 0
+        torch.cuda.get_device_capability = lambda device=None: weakest
         yield
     finally:
         torch.cuda.get_device_capability = real
-        if not cached:
+        if fill:
             props.pop("cuda", None)
             current.pop("cuda", None)
 

@@ -32,6 +32,13 @@ class OutputAccess:
         """Read output ``k`` of ``job`` (see ``Outputs.open``)."""
         return self.outputs.open(self._item(job, k))
 
+    def readable_output(self, job: Job, k: int) -> Item:
+        """Output ``k`` of ``job`` if a read of it would start (``Outputs.check_readable``), opening nothing:
+        HEAD answers from it, and leaves an npy's one delivery for the GET (review45-c 3)."""
+        item = self._item(job, k)
+        self.outputs.check_readable(item)
+        return item
+
     def lease_output(self, job_id: str, k: int) -> tuple[Item, TensorDesc, int, int]:
         """Pin output ``k`` of a job for a local client that maps it (the output socket)."""
         item = self._item(self.get(job_id), k)

@@ -120,7 +120,7 @@ class _Connection:
         self.leases: dict[int, tuple[Item, bool]] = {}  # lease -> its item, and whether of its trajectory
         self._next = 0
         self._updates: set[asyncio.Task[None]] = set()  # and the state-dir look-up, while one runs
-        self._waiting: collections.deque[Fetch] = collections.deque()  # FETCHes behind that look-up, in order
+        self._waiting: collections.deque[Fetch] = collections.deque()  # FETCHes not answered yet, in order
 
     async def _update(self, msg: UpdateLora | UpdateWeights, fds: list[int]) -> None:
         """Runs to its end even if the client hangs up: the workers finish the update either way
@@ -156,13 +156,9 @@ class _Connection:
         for fd in frame.fds:  # a client has no business sending fds
             os.close(fd)
         if isinstance(msg, Fetch):
-            if self._waiting:  # behind a FETCH that looks in the state dir: answers keep the order of FETCHes
-                self._waiting.append(msg)
-            elif not self._fetch(msg):
-                self._waiting.append(msg)
-                task = asyncio.ensure_future(self._look_up())
-                self._updates.add(task)
-                task.add_done_callback(self._updates.discard)
+            self._waiting.append(msg)
+            if len(self._waiting) == 1:  # else it waits behind a look-up in the state dir, which answers it
+                self._answer_waiting()
         elif isinstance(msg, Unpin):
             lease = self.leases.pop(msg.lease, None)
             if lease is not None:
@@ -193,27 +189,33 @@ class _Connection:
         self.channel.post(Lease(self._next, desc, size, arrays), [fd])
         return True
 
-    async def _look_up(self) -> None:
-        """Answer the waiting FETCHes in order, the first of them for a job that is not in memory. HTTP still
-        serves such a job's outputs from the state dir (past ``--retention-s``, or after a restart), so the
-        answer is what lets the client fall back to it: ``not_shared`` when the job is there, and the 404
-        HTTP would give when it is not (review45-c 4)."""
-        engine = self.server.engine
+    def _answer_waiting(self) -> None:
+        """Answer the waiting FETCHes in order (a LEASE does not say which FETCH it answers), until one needs
+        the state dir: that one's look-up answers it and goes on from there."""
         while self._waiting and not self.channel.closed:
-            msg = self._waiting[0]
-            try:
-                await engine.history.find(msg.job_id)
-            except EngineError as err:
-                self._refuse(msg, err)
-            except Exception:  # an unreadable state dir, say: still an answer, or the client waits for ever
-                self._refuse(msg, unexpected(f"the look-up of job {msg.job_id!r} for the output socket"))
-            else:
-                self._refuse(msg, NotShared(f"job {msg.job_id} is no longer in memory, so its {msg.part} is not in "
-                                            "shared memory; it is served from the state dir over HTTP (GET its URL)"))
+            if not self._fetch(self._waiting[0]):
+                task = asyncio.ensure_future(self._look_up(self._waiting[0]))
+                self._updates.add(task)
+                task.add_done_callback(self._updates.discard)
+                return
             self._waiting.popleft()
-            while self._waiting and not self.channel.closed and self._fetch(self._waiting[0]):
-                self._waiting.popleft()
         self._waiting.clear()  # the client hung up: nobody to answer
+
+    async def _look_up(self, msg: Fetch) -> None:
+        """Answer a FETCH for a job that is not in memory. HTTP still serves such a job's outputs from the state
+        dir (past ``--retention-s``, or after a restart), so the answer is what lets the client fall back to it:
+        ``not_shared`` when the job is there, and the 404 HTTP would give when it is not (review45-c 4)."""
+        try:
+            await self.server.engine.history.find(msg.job_id)
+        except EngineError as err:
+            self._refuse(msg, err)
+        except Exception:  # an unreadable state dir, say: still an answer, or the client waits for ever
+            self._refuse(msg, unexpected(f"the look-up of job {msg.job_id!r} for the output socket"))
+        else:
+            self._refuse(msg, NotShared(f"job {msg.job_id} is no longer in memory, so its {msg.part} is not in "
+                                        "shared memory; it is served from the state dir over HTTP (GET its URL)"))
+        self._waiting.popleft()
+        self._answer_waiting()
 
     def _refuse(self, msg: Fetch, err: EngineError) -> None:
         with contextlib.suppress(ChannelClosed):  # the client went away meanwhile

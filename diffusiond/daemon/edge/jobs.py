@@ -19,7 +19,7 @@ from diffusiond.daemon.core import endings
 from diffusiond.daemon.core.jobs import Job, Preview
 from diffusiond.daemon.edge import bodies, controls, ip_adapters, requests, sizes, streaming, upscale, views
 from diffusiond.daemon.edge.status import ENGINE
-from diffusiond.daemon.errors import JobNotFound, OutputNotFound, OutputReleased
+from diffusiond.daemon.errors import JobNotFound
 from diffusiond.daemon.outputs import sound
 from diffusiond.protocol import AUDIO_ARRAY, FORMATS, TERMINAL_EVENTS, Event, JobStatus
 
@@ -213,8 +213,9 @@ async def job_output(request: web.Request) -> web.StreamResponse:
     k = _index(request.match_info["k"])
     headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
                "Content-Type": FORMATS[job.request.output_format].content_type}
-    if request.method == "HEAD":
-        return _output_head(job, k, headers)
+    if request.method == "HEAD":  # from the job's record alone: nothing opened, pinned or read (review45-c 3)
+        item = engine.readable_output(job, k)
+        return web.Response(headers={**headers, "X-Seed": str(item.seed), "Content-Length": str(item.nbytes)})
     async with engine.open_output(job, k) as read:
         headers["X-Seed"] = str(job.items[k].seed)
         if not read.header:
@@ -226,20 +227,6 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         read.complete = await streaming.send(request, resp, (read.header, read.payload),
                                              engine.config.stream_stall_s, f"output {k} of job {job.id}")
         return resp
-
-
-def _output_head(job: Job, k: int, headers: dict[str, str]) -> web.Response:
-    """HEAD of an output: what a GET would answer, from the job's record alone. Nothing is opened,
-    pinned or read, and an npy's one delivery is left for the GET (review45-c 3)."""
-    if not 0 <= k < len(job.items):
-        raise OutputNotFound(f"job {job.id} has outputs 0..{len(job.items) - 1}")
-    item = job.items[k]
-    item.check_ready()
-    if item.desc is None and item.data is None and item.file is None:
-        raise OutputReleased(f"output {k} of job {job.id} was already streamed: npy outputs are sent once, straight "
-                             "from shared memory, and then released; fetch it once, or ask for png/webp/mp4 to keep "
-                             "an encoded copy")
-    return web.Response(headers={**headers, "X-Seed": str(item.seed), "Content-Length": str(item.nbytes)})
 
 
 async def job_audio(request: web.Request) -> web.Response:

@@ -138,23 +138,17 @@ class Outputs:
     @asynccontextmanager
     async def open(self, item: Item) -> AsyncIterator[OutputRead]:
         """Read one output; its slot stays pinned until the block ends."""
-        item.check_ready()
-        job = item.job
-        if item.data is not None and job.request.output_format == "npy":
+        self.check_readable(item)
+        if item.data is not None and item.job.request.output_format == "npy":
             async with self._open_spilled(item, item.data) as read:
                 yield read
             return
         if item.data is not None:
             yield OutputRead(b"", item.data)
             return
-        if item.desc is None and item.file is not None:
+        if item.desc is None:  # so its file (check_readable)
             yield OutputRead(b"", await self._read_file(item))
             return
-        if item.desc is None:
-            raise OutputReleased(
-                f"output {item.index} of job {job.id} was already streamed: npy outputs are sent once, straight "
-                "from shared memory, and then released; fetch it once, or ask for png/webp/mp4 to keep an "
-                "encoded copy")
         self._pin(item)
         read = OutputRead(*self._npy_parts(item))
         try:
@@ -165,6 +159,17 @@ class Outputs:
             self._unpin(item)
             if complete:
                 self._free(item)
+
+    @staticmethod
+    def check_readable(item: Item) -> None:
+        """What ``open`` refuses before it reads anything, for HEAD too: an output not ready yet, or an npy
+        already delivered (it is sent once, then released)."""
+        item.check_ready()
+        if item.desc is None and item.data is None and item.file is None:
+            raise OutputReleased(
+                f"output {item.index} of job {item.job.id} was already streamed: npy outputs are sent once, straight "
+                "from shared memory, and then released; fetch it once, or ask for png/webp/mp4 to keep an "
+                "encoded copy")
 
     @asynccontextmanager
     async def _open_spilled(self, item: Item, data: bytes) -> AsyncIterator[OutputRead]:

@@ -86,16 +86,19 @@ def unwritable(path: Path) -> str | None:
     if os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
         return None
     if st.st_uid != os.getuid():
-        return (f"{path} is not writable by uid {os.getuid()} (it belongs to uid {st.st_uid}); the state dir's files "
-                f"must belong to the daemon's user: chown -R {os.getuid()} {path.parent}")
+        return f"{path} is not writable by uid {os.getuid()} (it belongs to uid {st.st_uid}); {_chown(path.parent)}"
     return (f"{path} is not writable by uid {os.getuid()} (mode {st.st_mode & 0o777:o}, or a read-only mount); make "
             "it writable")
 
 
+def _chown(state_dir: Path) -> str:
+    uid = os.getuid()
+    return f"the state dir's files must belong to uid {uid}, the daemon's user: chown -R {uid} {state_dir}"
+
+
 def _fix(path: Path, exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM):
-        return (f"the state dir's files must belong to uid {os.getuid()}, the daemon's user: chown -R {os.getuid()} "
-                f"{path.parent}")
+        return _chown(path.parent)
     if exc.errno == errno.EROFS:
         return "it is on a read-only mount: choose another --state-dir"
     return "move it away, or choose another --state-dir"
@@ -135,8 +138,7 @@ def start_problem(db: Path, exc: sqlite3.Error) -> StateDirError | None:
                 return StateDirError(f"{problem} ({exc})")
         if db.exists() and not db.is_file():
             return StateDirError(f"{db} is not a file ({exc}): move it away")
-        return StateDirError(f"{db} cannot be opened for writing by uid {os.getuid()} ({exc}); the state dir's "
-                             f"files must belong to the daemon's user: chown -R {os.getuid()} {where}")
+        return StateDirError(f"{db} cannot be opened for writing by uid {os.getuid()} ({exc}); {_chown(where)}")
     if primary in _IN_USE:
         return StateDirError(f"another process holds {db} open ({exc}); stop it (fuser {db} names it) and start again")
     return StateDirError(f"{db} cannot be opened ({exc}; SQLite code {code}); the database is kept as it is")
