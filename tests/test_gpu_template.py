@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from daemonkit import http, shared_daemon, wait_job
+from test_gpu import COMPILE_TOLERANCE_LEVELS, COMPILE_TOLERANCE_MEAN
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,10 +25,10 @@ pytestmark = [
 JOB = {"prompt": "a lighthouse", "width": 64, "height": 64, "steps": 3, "seed": 5, "output_format": "npy"}
 
 
-def _picture(tmp: Path, model_cache: Path, preimport: str, *extra: str) -> tuple[bytes, str]:
-    folder = tmp / "-".join((preimport, *extra))
+def _picture(tmp: Path, model_cache: Path, preimport: str, *extra: str, dtype: str = "float16") -> tuple[bytes, str]:
+    folder = tmp / "-".join((preimport, dtype, *extra))
     folder.mkdir()
-    with shared_daemon(folder, ["--model", "tiny", "--device", "cuda:0", "--dtype", "float16",
+    with shared_daemon(folder, ["--model", "tiny", "--device", "cuda:0", "--dtype", dtype,
                                 "--preimport", preimport, "--no-persist", *extra], model_cache) as d:
         async def go() -> bytes:
             async with http(d.socket) as s:
@@ -53,9 +54,12 @@ def test_gpu_a_forked_worker_uses_cuda_and_makes_the_pictures_a_fresh_one_makes(
 def test_gpu_a_forked_worker_compiles_and_its_pictures_are_the_eager_ones_up_to_rounding(tmp_path: Path,
                                                                                         model_cache: Path) -> None:
     """The template answered torchao's import-time device queries from NVML (its ``has_triton()`` stays cached
-    in the child): the child's compile must still see the real device."""
-    eager, _ = _picture(tmp_path, model_cache, "on")
-    compiled, log = _picture(tmp_path, model_cache, "on", "--compile", "default")
+    in the child): the child's compile must still see the real device. In float32, where test_gpu.py's bounds on
+    compile's rounding hold for this model (in float16 a fused kernel moved single pixels by 16 levels on an H100)."""
+    eager, _ = _picture(tmp_path, model_cache, "on", dtype="float32")
+    compiled, log = _picture(tmp_path, model_cache, "on", "--compile", "default", dtype="float32")
     assert "forked from the template" in log, log[-3000:]
-    a, b = (np.load(io.BytesIO(x)).astype(np.float32) for x in (eager, compiled))
-    assert a.shape == b.shape and float(np.abs(a - b).max()) < 0.05
+    a, b = (np.load(io.BytesIO(x)).astype(np.int16) for x in (eager, compiled))  # pixel levels, 0..255
+    diff = np.abs(a - b)
+    assert a.shape == b.shape
+    assert diff.max() <= COMPILE_TOLERANCE_LEVELS and diff.mean() <= COMPILE_TOLERANCE_MEAN, (diff.max(), diff.mean())
