@@ -86,3 +86,34 @@ def test_daemon_refuses_tcp_without_a_token_file(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "diffusiond", "serve", "--tcp", "127.0.0.1:0", "--socket",
                           str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "token" in out.stderr
+
+
+def test_the_socket_path_appears_only_once_it_accepts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that connects as soon as the path exists (a script polling for it, the test kit) was refused
+    in the instant between bind and listen (fix46-flake): the path now appears listening, with its mode."""
+    import diffusiond.daemon.server as server
+
+    path = tmp_path / "d.sock"
+    answers: list[str] = []
+    chmod = os.chmod
+
+    def chmod_then_connect(target: str, mode: int) -> None:  # between bind and listen: a client connects now
+        chmod(target, mode)
+        if path.exists():
+            with socket.socket(socket.AF_UNIX) as c:
+                try:
+                    c.connect(str(path))
+                    answers.append("accepted")
+                except ConnectionRefusedError:
+                    answers.append("refused")
+
+    monkeypatch.setattr(os, "chmod", chmod_then_connect)
+    sock = server.bind_unix(str(path), 0o600, None)
+    try:
+        assert "refused" not in answers
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(path))
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert os.listdir(tmp_path) == ["d.sock"]  # the temporary name it was bound under is gone
+    finally:
+        sock.close()

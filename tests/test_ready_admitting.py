@@ -281,3 +281,32 @@ async def test_a_queued_job_for_a_model_its_load_shows_too_large_fails_with_the_
     assert job.error["code"] == ErrorCode.MODEL_TOO_LARGE, job.error
     assert "'m' cannot fit on cuda:0" in job.error["message"], job.error
     await h.close()
+
+
+@pytest.mark.parametrize("budget", ["8GiB", None], ids=["a budget", "no budget"])
+async def test_a_job_admitted_before_the_preload_begins_waits_for_its_load_and_ready_says_it_runs(
+        budget: str | None, gate: asyncio.Event) -> None:
+    """A job that waited at admission for the state dir's recovery is admitted (and dispatched) as ``open`` ends,
+    before the preload's first step. For a model the state dir remembers, that dispatch used to start a load of
+    its own: the preload then found the model "loading", left it, and ``/ready`` said ``done`` with nothing
+    loaded while the load went on (the flaky test_durable.py::test_jobs_are_accepted_while_the_models_load).
+    The preload loads what it chose; the job waits in ``loading`` for that one load."""
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),),
+                **({"device_memory": budget} if budget else {}))
+    model = h.engine.pool.models["m"]
+    model.known, model.capabilities = True, msgspec.structs.replace(CAPS, weight_bytes=G)  # remembered
+    await h.engine.open()
+    job = h.submit()  # as server._serve runs: admitted between ``open`` and the preload's first step
+    preload = asyncio.ensure_future(h.engine.preload())
+    await h.settle()
+    assert h.engine.keeper.preloading.view() == {"state": "running", "models": ["m"]}
+    assert job.status == JobStatus.QUEUED and job.stage_label == "loading", job.stage_label
+    assert len(h.spawned) == 1, "a second load of m beside the preload's"
+    gate.set()
+    await preload
+    assert h.engine.keeper.preloading.view() == {"state": "done", "models": []}
+    await asyncio.wait_for(_executed(h.worker), 5)
+    h.worker.finish(h.worker.executed[0])
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED and len(h.spawned) == 1
+    await h.close()

@@ -54,7 +54,9 @@ class StartupError(Exception):
 
 def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
     """Create the listening socket with its final mode from the first instant (umask), refusing to
-    take over a socket another daemon is still serving."""
+    take over a socket another daemon is still serving. Bound under a temporary name and linked into
+    place once it listens: a client that connects as soon as the path exists (a script polling for it)
+    must not be refused in the instant between bind and listen (fix46-flake)."""
     p = Path(path)
     if not p.parent.exists():
         p.parent.mkdir(mode=0o700, parents=True)
@@ -71,27 +73,38 @@ def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = str(p.with_name(f".{p.name}.{os.getpid()}.tmp"))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(bound)  # a start of ours that was killed here, whose pid came round again
     old = os.umask(0o177)
     try:
-        sock.bind(path)
+        sock.bind(bound)
     except OSError as exc:
         sock.close()
         raise StartupError(f"cannot create the socket {path}: {exc.strerror}") from None
     finally:
         os.umask(old)
     try:
-        os.chmod(path, mode)
+        os.chmod(bound, mode)
         if group:
             try:
-                os.chown(path, -1, grp.getgrnam(group).gr_gid)
+                os.chown(bound, -1, grp.getgrnam(group).gr_gid)
             except KeyError:
                 raise StartupError(f"--socket-group {group!r} does not exist") from None
         sock.listen(512)
+        try:
+            os.link(bound, path)  # not a rename: a daemon that took the path meanwhile keeps it
+        except FileExistsError:
+            raise StartupError(f"another daemon is already listening on {path}; stop it or choose another "
+                               "--socket") from None
+        except OSError as exc:
+            raise StartupError(f"cannot create the socket {path}: {exc.strerror}") from None
     except BaseException:  # leave no socket file behind that nothing serves
         sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
         raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(bound)
     return sock
 
 

@@ -315,6 +315,8 @@ class Keeper:
                 self._start_learning(model)
                 return False
             return True  # not loaded yet at start: the pool's start brings it
+        if name in self.preloading.models:  # loaded, or left on disk, by the preload in its turn: a load for a job
+            return False  # beside it made the preload skip it and /ready say "done" while it loaded (fix46-flake)
         states = {w.state for w in model.workers}
         replaced = model.replacing or WorkerState.STARTING in states
         if not model.retired and replaced and (WorkerState.READY not in states or self.policy.tier(name) != "device"):
