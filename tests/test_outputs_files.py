@@ -167,3 +167,37 @@ async def test_a_reader_still_reading_when_its_job_is_deleted_gets_every_byte(da
     assert body == whole, "a reader cut short or given other bytes by the DELETE of its job"
     await until(lambda: _closed(daemon.proc.pid, _file_of(job)), 10,  # type: ignore[union-attr]
                 "the engine to close the deleted file once its reader was done")
+
+
+async def test_the_output_of_a_job_read_back_from_the_state_dir_is_streamed_the_same_way(daemon_factory: Any) -> None:
+    """A job that left memory (--retention-s) is served from its record and file: exact bytes for a reader, a cut
+    after --stream-stall-s for one that stalls."""
+    d = daemon_factory("--model", "synthetic:compute_ms=1", "--arena-mb", "64", "--retention-s", "1",
+                       "--stream-stall-s", str(STALL_S), env={"OMP_NUM_THREADS": "1"})
+    async with http(d.socket) as s:
+        job = await wait_job(s, (await submit(s, {**NPY, "seed": 5, "width": 1024, "height": 1024}))["id"])
+        assert job["status"] == "succeeded", job
+
+        async def left_memory() -> bool:
+            async with s.get("/health") as r:
+                return not any((await r.json())["jobs"].values())
+
+        await until(left_memory, 60, "the finished job leaving memory after --retention-s 1")
+        assert d.state_dir is not None
+        on_disk = (d.state_dir / "outputs" / _file_of(job)).read_bytes()
+        async with s.get(job["outputs"][0]["url"]) as r:
+            assert r.status == 200 and await r.read() == on_disk
+    reader, writer = await _open(d.socket, f"GET {job['outputs'][0]['url']} HTTP/1.1\r\nHost: d\r\n\r\n")
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        await until(lambda: _logged(d, f"client stopped reading output 0 of job {job['id']}"), 30,
+                    "the daemon to cut the stalled reader off")
+        rest = await asyncio.wait_for(reader.read(), 30)
+        assert len(rest) < _length(head) == len(on_disk), "the stalled reader was not cut off"
+        assert on_disk.startswith(rest), "the stalled reader got bytes that are not its output's"
+    finally:
+        writer.close()
+
+
+async def _logged(d: Daemon, text: str) -> bool:
+    return text in d.log()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 
 from aiohttp import web
 
@@ -76,7 +76,7 @@ class _Watchdog:
 Body = Sequence[bytes | memoryview] | AsyncIterable[bytes]
 
 
-async def _pieces(body: Body) -> AsyncIterator[bytes | memoryview]:
+async def _pieces(body: Body) -> AsyncGenerator[bytes | memoryview, None]:
     """The body in pieces of at most ``PIECE``: views of the parts in memory, or a file's reads as they come."""
     if isinstance(body, AsyncIterable):
         async for chunk in body:
@@ -84,8 +84,9 @@ async def _pieces(body: Body) -> AsyncIterator[bytes | memoryview]:
                 yield chunk[off : off + PIECE]
         return
     for part in body:
-        for off in range(0, len(part), PIECE):
-            yield part[off : off + PIECE]
+        view = memoryview(part)  # a slice of bytes would be a copy; the view keeps them alive while buffered
+        for off in range(0, len(view), PIECE):
+            yield view[off : off + PIECE]
 
 
 async def send(request: web.Request, resp: web.StreamResponse, body: Body, stall_s: float, what: str) -> bool:
@@ -100,9 +101,10 @@ async def send(request: web.Request, resp: web.StreamResponse, body: Body, stall
     watchdog = _Watchdog(transport, stall_s, what)
     done = False
     try:
-        async for piece in _pieces(body):
-            watchdog.handed += len(piece)  # in the same step as the transport takes it (no await between)
-            await resp.write(piece)
+        async with contextlib.aclosing(_pieces(body)) as pieces:  # a file's reader ends here, not at GC
+            async for piece in pieces:
+                watchdog.handed += len(piece)  # in the same step as the transport takes it (no await between)
+                await resp.write(piece)
         await resp.write_eof()
         delay = EMPTY_POLL_S[0]
         while transport.get_write_buffer_size() and not transport.is_closing():
