@@ -218,14 +218,14 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         return web.Response(headers={**headers, "X-Seed": str(item.seed), "Content-Length": str(item.nbytes)})
     async with engine.open_output(job, k) as read:
         headers["X-Seed"] = str(job.items[k].seed)
-        if not read.header:
-            return web.Response(body=read.payload, headers=headers)
         resp = web.StreamResponse(headers=headers)
         resp.content_length = len(read)
         await resp.prepare(request)
-        # the slot stays pinned until every byte left the transport (or it was aborted): review45-c 1
-        read.complete = await streaming.send(request, resp, (read.header, read.payload),
-                                             engine.config.stream_stall_s, f"output {k} of job {job.id}")
+        # the slot stays pinned, or the file open and its job counted as read, until every byte left the
+        # transport (or it was aborted): review45-c 1, 6. A file goes a piece at a time, read as it is sent.
+        body = (read.header, read.payload) if read.file is None else read.file.pieces(streaming.PIECE)
+        read.complete = await streaming.send(request, resp, body, engine.config.stream_stall_s,
+                                             f"output {k} of job {job.id}")
         return resp
 
 

@@ -25,8 +25,9 @@ dropped after its first complete read, as its slot would have gone back.
 When jobs persist (``store.py``), every output is also written to a file in the state dir before
 it counts as ready (encoded bytes, or an npy's header and slot), in the same thread pool: the
 memory copy of an encoded output is dropped, and an npy's slot serves the zero-copy paths until
-it goes back. From then on reads come from the file (whole, off the loop), so an output is
-fetchable any number of times, after its slot went back, and after a restart. ``reading``
+it goes back. From then on reads come from the file (over HTTP a piece at a time as it is sent, off
+the loop, review45-c 6), so an output is fetchable any number of times, after its slot went back, and
+after a restart. ``reading``
 counts the reads of each job's files under way; retention and DELETE skip or wait for nothing
 else (``deleting`` stops new reads of a job being deleted).
 """
@@ -47,7 +48,7 @@ from diffusiond.daemon.errors import EngineError, NotShared, OutputReleased
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs import sound
 from diffusiond.daemon.outputs.encoders import EncodeOptions, encode, npy_header, npy_size
-from diffusiond.daemon.outputs.file_reads import FileReads
+from diffusiond.daemon.outputs.file_reads import FileRead, FileReads
 from diffusiond.daemon.outputs.metadata import file_metadata
 from diffusiond.daemon.outputs.trajectories import Trajectories
 from diffusiond.daemon.state.store import Store
@@ -61,7 +62,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class OutputRead:
-    """One read of an output: ``header`` then ``payload`` (a view of shared memory for npy).
+    """One read of an output: ``header`` then ``payload`` (a view of shared memory for npy), or ``file``,
+    its file in the state dir, open, to be read a piece at a time as it is sent (review45-c 6).
 
     The reader sets ``complete`` once every byte went out: an npy slot has then done its job and
     goes back to the worker when the read ends."""
@@ -69,9 +71,10 @@ class OutputRead:
     header: bytes
     payload: bytes | memoryview
     complete: bool = False
+    file: FileRead | None = None
 
     def __len__(self) -> int:
-        return len(self.header) + len(self.payload)
+        return len(self.header) + len(self.payload) + (self.file.size if self.file is not None else 0)
 
 
 class Outputs:
@@ -146,8 +149,10 @@ class Outputs:
         if item.data is not None:
             yield OutputRead(b"", item.data)
             return
-        if item.desc is None:  # so its file (check_readable)
-            yield OutputRead(b"", await self._read_file(item))
+        if item.desc is None:  # so its file (check_readable): open, and counted in ``reading``, until the read ends
+            assert item.file is not None
+            async with self.files.open(item.job.id, item.file, f"output {item.index}", item.nbytes) as file:
+                yield OutputRead(b"", b"", file=file)
             return
         self._pin(item)
         read = OutputRead(*self._npy_parts(item))
