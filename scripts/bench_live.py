@@ -157,11 +157,11 @@ def main() -> int:
             except BaseException:
                 print(log.read_text()[-3000:], file=sys.stderr)
                 raise
-            # the worker's line per update names where its share went (mapped, pinned, checked, copied)
+            # the worker's line per update names where its share went (mapped, checked, copied)
             result["worker_phases"] = [line.split("diffusiond.worker: ", 1)[-1].strip() for line in
                                        log.read_text().splitlines() if f"update_{args.kind} " in line]
             print("\n".join(result["worker_phases"]), file=sys.stderr)
-    copy = os.environ.get("DIFFUSIOND_UPDATE_COPY", "pinned")
+    copy = os.environ.get("DIFFUSIOND_UPDATE_COPY", "staged")
     print(json.dumps({"kind": args.kind, "update_copy": copy, "preset": args.preset, "component": args.component,
                       "rank": args.rank,
                       "dtype": args.dtype, "tensors": len(states[0]), "bytes": nbytes, "made_s": made, **result}))

@@ -15,7 +15,6 @@ log = logging.getLogger(__name__)
 
 _REGISTERED: set[int] = set()
 _PORTABLE = 1  # cudaHostRegisterPortable: usable from every CUDA context of the process
-_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads it (a read-only mapping cannot be pinned otherwise)
 
 
 def cuda_available() -> bool:
@@ -26,13 +25,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def register(address: int, nbytes: int, read_only: bool = False) -> bool:
+def register(address: int, nbytes: int) -> bool:
     """Pin [address, address + nbytes) for CUDA; returns False when there is no CUDA."""
     if not cuda_available():
         return False
     import torch
 
-    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE | (_READ_ONLY if read_only else 0))
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE)
     code = int(getattr(err, "value", err))
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed with CUDA error {code}")

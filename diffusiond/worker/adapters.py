@@ -70,7 +70,6 @@ class LiveAdapters:
             if isinstance(msg, UpdateWeights):
                 with mapped_tensors(msg, fds[0], phases.mark) as views:  # copied once, memfd to parameters
                     why = apply_weights(self.pipeline, msg, views, phases.mark)
-                phases.mark("copied")
                 if not why:
                     self.weight_versions[msg.component] = msg.version
             else:

@@ -1,67 +1,38 @@
 """How a whole component's update gets from the client's memfd into the parameters on the device (issue 29).
 
 The memfd's pages are ordinary shared memory, so a plain ``copy_`` to CUDA is a pageable copy: the driver stages
-it through a small buffer of its own, one tensor at a time, synchronously (the SDXL UNet's 4.8 GB took 3.6 s in all
-on an H100 host). Two ways around that, compared by ``scripts/bench_live.py`` in one device call (the
-``DIFFUSIOND_UPDATE_COPY`` switch is the benchmark's, not a setting; the faster becomes the only one):
+it through a small buffer of its own, one tensor at a time, and waits for each. Here the CPU copies the mapping
+into two pinned buffers of ``_STAGE`` bytes in turn (torch's copy runs on its math threads) while the GPU's copy
+engine empties the other. Measured on an H100 host for the SDXL UNet's 4.9 GB (docs/benchmarks.md, 2026-12-06,
+``scripts/gpu_round3.sh weights``): 0.22 s staged, 0.57 s pageable, and 0.37 s with the whole mapping page-locked
+in place (``cudaHostRegister``, which walks every page of every update; dropped for that).
 
-- ``pinned``: the mapping itself is page-locked (``cudaHostRegister``, read-only) and every tensor is one DMA,
-  queued without waiting; the pinning walks every page once.
-- ``staged``: the CPU copies the mapping into two pinned buffers of ``_STAGE`` bytes in turn (torch's copy runs on
-  its math threads) while the GPU's copy engine empties the other; nothing is pinned per update.
-
-Small updates (under ``_FROM``) and destinations off CUDA copy directly: neither way pays for itself there.
+``DIFFUSIOND_UPDATE_COPY=pageable`` is the benchmark's switch for that comparison, not a setting. Small updates
+(under ``_FROM``), other dtypes (converted as they are copied) and destinations off CUDA copy directly.
 """
 
 from __future__ import annotations
 
-import logging
-import mmap
 import os
 
-import numpy as np
 import torch
 
-from diffusiond.ipc import cuda_host
-
-log = logging.getLogger("diffusiond.worker")
-
-MODE = os.environ.get("DIFFUSIOND_UPDATE_COPY", "pinned")  # pinned | staged | pageable
-_FROM = 64 << 20
+STAGED = os.environ.get("DIFFUSIOND_UPDATE_COPY", "staged") != "pageable"
+_FROM = 64 << 20  # below this, the two buffers' allocation costs about what staging saves
 _STAGE = 64 << 20
 
 
-def wants_pin(size: int) -> bool:
-    return MODE == "pinned" and size >= _FROM and torch.cuda.is_initialized()
-
-
-def pin(mm: mmap.mmap, size: int) -> int:
-    """The mapping's address, pinned for CUDA; 0 where the driver refused (the copies are then pageable)."""
-    address = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
-    try:
-        cuda_host.register(address, size, read_only=True)
-    except RuntimeError as exc:
-        log.warning("an update's %d MB could not be pinned (%s); copied from pageable memory", size >> 20, exc)
-        return 0
-    return address
-
-
-def unpin(address: int, size: int) -> None:
-    torch.cuda.synchronize()  # no copy may still read the pages when they are unpinned
-    cuda_host.unregister(address, size)
-
-
 def copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Each source's values into its destination (same shapes, checked by the caller); returns with every copy
-    done or, from a pinned mapping, queued (``unpin`` waits for those)."""
-    staged = [(d, s) for d, s in pairs if MODE == "staged" and _stageable(d, s)]
+    """Each source's values into its destination (same shapes, checked by the caller); every copy is done when
+    this returns, so the sources' mapping may go."""
+    staged = [(d, s) for d, s in pairs if STAGED and _stageable(d, s)]
     if sum(s.nbytes for _, s in staged) < _FROM:
         staged = []
     chosen = {id(d) for d, _ in staged}
     with torch.no_grad():
         for dst, src in pairs:
             if id(dst) not in chosen:
-                dst.copy_(src, non_blocking=True)
+                dst.copy_(src)
         if staged:
             _staged(staged)
 
@@ -100,4 +71,4 @@ def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             used += piece.numel()
     if pending:
         flush()
-    stream.synchronize()
+    stream.synchronize()  # the buffers and the sources' mapping go when this returns

@@ -103,19 +103,14 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int,
     a view kept past it holds the mapping.
     A client that shrinks its memfd during the copy kills this worker with SIGBUS (``read_tensors`` refuses that
     instead); such a client is its own user's, who could kill the worker anyway: the update is lost, not others'.
-    Where CUDA is up, a large mapping may also be pinned for the block (``update_copy``: how the bytes reach the
-    device); the block's copies are waited for before it is unpinned."""
+    How the bytes then reach the device is ``update_copy``'s."""
     views: dict[str, torch.Tensor] = {}
     mm = None
-    pinned = 0
     try:
         size = os.fstat(fd).st_size
         if size:
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
             mark("mapped")
-            if update_copy.wants_pin(size):
-                pinned = update_copy.pin(mm, size)
-                mark("pinned" if pinned else "not pinned")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for t in msg.tensors:
@@ -129,8 +124,6 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int,
         # under a view that outlived the block (a crash on its next read; review42b-rest 4). Dropped, the
         # mapping goes when its last view does, at once where none is kept.
         views.clear()
-        if pinned:
-            update_copy.unpin(pinned, size)
         del mm
         os.close(fd)
 
@@ -219,7 +212,7 @@ def unreachable(own: Mapping[str, torch.Tensor]) -> bool:
 def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.Tensor],
                   mark: Callable[[str], None] = _nothing) -> str:
     """Copy ``state`` into component ``msg.component`` in place, all checked first; '' or why not. The copies
-    may be left queued (``update_copy.copy_into``); ``mapped_tensors`` waits for them."""
+    are done when it returns (``update_copy.copy_into``)."""
     components = torch_components(weights_pipe(pipeline))
     component = components.get(msg.component)
     if component is None:
@@ -235,7 +228,7 @@ def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.T
             return why
     mark("checked")
     update_copy.copy_into([(own[key], value) for key, value in state.items()])
-    mark("copies queued")
+    mark("copied")
     weights_changed(component)  # offload=stream: its ring's copies of the old values are dropped
     return ""
 
