@@ -17,6 +17,7 @@ from diffusiond.pipelines.spec import (
     ACCEPTED_FORMS,
     ModelSpec,
     check_options,
+    loads_libraries,
     model_name_for,
     offload_mode,
     parse_model_arg,
@@ -163,3 +164,13 @@ def test_offload_stream_options_that_are_accepted() -> None:
     check_options({"offload": "stream", "resident_blocks": "0"})
     check_options({"offload": "stream", "quant": "text_encoder_2:fp8-storage"})  # the encoders may be quantized
     assert offload_mode({"offload": "stream", "resident_blocks": "40"}) == "stream"
+
+
+@pytest.mark.parametrize(("spec", "libraries"), [
+    ("synthetic:compute_ms=5", False), ("random:sd15,save=0", True), ("tiny", True), ("/models/sd15", True),
+    ("/models/flux1-dev-Q8_0.gguf", True),
+])
+def test_the_template_imports_the_model_libraries_for_every_model_but_synthetic(spec: str, libraries: bool) -> None:
+    """A random preset is a diffusers model: taken as synthetic, its worker paid diffusers' and transformers' model
+    imports inside its load, after the fork, where the template could have paid them before (issue 27/31)."""
+    assert loads_libraries(spec) is libraries

@@ -372,6 +372,13 @@ def is_synthetic(spec: str) -> bool:
     return spec.startswith(("synthetic", "random:"))
 
 
+def loads_libraries(spec: str) -> bool:
+    """Whether loading the spec imports diffusers' and transformers' models: every spec but ``synthetic`` (the
+    random presets too, which are diffusers models; taken as synthetic here, their workers and the template skipped
+    those imports and paid them inside the model's load, out of the template's reach)."""
+    return not spec.startswith("synthetic")
+
+
 def model_name_for(spec: str) -> str:
     """A short, stable name for a model spec: what clients put in ``"model"``."""
     if spec.startswith("synthetic"):

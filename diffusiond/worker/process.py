@@ -52,7 +52,7 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.pipelines.base import host_weight_bytes, weight_bytes
 from diffusiond.pipelines.phases import Phases
-from diffusiond.pipelines.spec import is_synthetic
+from diffusiond.pipelines.spec import loads_libraries
 from diffusiond.worker.compute import ComputeThread, Control, Edit, LiveUpdate
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.finish import Finisher
@@ -214,7 +214,7 @@ class Worker:
         self.channel.post(Hello(config.worker_id, os.getpid(), self.arena.capacity), [self.arena.fd])
         t0 = time.perf_counter()
         progress = _Progress(self.channel.post_threadsafe, faults.load_delay_ms if faults is not None else 0)
-        if not is_synthetic(config.model_spec):
+        if loads_libraries(config.model_spec):
             await asyncio.to_thread(startup.import_libraries)
             phases.mark("imports (diffusers, transformers)")
         try:

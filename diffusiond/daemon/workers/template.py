@@ -30,7 +30,7 @@ import msgspec
 
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.ipc.template import MAX_MESSAGE, Exited, Fork, Forked, Status, decode_reply, encode, socketpair
-from diffusiond.pipelines.spec import is_synthetic
+from diffusiond.pipelines.spec import loads_libraries
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ def spawn(config: DaemonConfig) -> None:
     global _SPAWNED
     if not any(enabled(config.preimport, d) for m in config.models for d in m.devices):
         return
-    libraries = any(not is_synthetic(m.spec) for m in config.models)
+    libraries = any(loads_libraries(m.spec) for m in config.models)
     mine, theirs = socketpair()
     argv = [sys.executable, "-m", "diffusiond.worker.template", "--fd", str(theirs.fileno()),
             "--log-level", config.log_level.upper(), *(["--libraries"] if libraries else [])]
