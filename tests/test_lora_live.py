@@ -171,7 +171,7 @@ def _raw_update(sock: Path, msg: UpdateLora | UpdateWeights, fd: int | None, *, 
 async def test_a_client_dying_mid_update_leaves_the_daemon_serving(sock: Path, dots_state: dict[str, Any]) -> None:
     async with AsyncClient(str(sock)) as c, http(sock) as s:
         v = await c.update_lora("dying", dots_state)
-        fd, tensors = pack({k: v * 5 for k, v in dots_state.items()})
+        (fd,), tensors = pack({k: v * 5 for k, v in dots_state.items()})
         try:
             # half a frame, then gone: nothing is applied
             await asyncio.to_thread(_raw_update, sock, UpdateLora("dying", tensors), fd, cut=20, answer=False)
