@@ -195,7 +195,8 @@ _NAMES = st.sampled_from(["unet.a.lora_A.weight", "unet.down_blocks.0.attentions
        tensors=st.lists(st.builds(WeightTensor, _NAMES,
                                   st.sampled_from(["float32", "bfloat16", "int8", "", "float64", "complex"]),
                                   st.lists(st.integers(-2, 1 << 33), max_size=5),
-                                  st.integers(-10, 1 << 40)), max_size=4),
+                                  st.integers(-10, 1 << 40),
+                                  st.sampled_from([0, 1, -1, 7, 1 << 40])), max_size=4),
        with_fd=st.booleans(),
        component=st.none() | st.tuples(st.sampled_from(["tiny", "", "nope"]),
                                         st.sampled_from(["unet", "vae2", "", "a b", "x" * 100])))

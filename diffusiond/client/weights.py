@@ -46,15 +46,15 @@ def pack(state_dict: Mapping[str, Any]) -> tuple[list[int], list[WeightTensor]]:
     latency; ``scripts/bench_update_io.py``). Each part is checked for NaN and infinities and written in chunks
     (a whole tensor's check made temporaries of its size) by a thread of its own: numpy's ufuncs and ``pwrite``
     let go of the GIL, but ``pwrite`` to one shmem file holds its inode's lock, so threads sharing one memfd
-    took turns (1 GB: 0.40 s on one thread and on two; 0.21 s on two memfds). Parts are at least ``_PART``
-    bytes, so a LoRA's few MB stay one memfd. Tensors go largest first to the least-filled part, so the threads
-    finish together."""
+    took turns (1 GB: 0.40 s on one thread and on two; 0.21 s on two memfds). There is a part per ``_PART``
+    bytes (so a LoRA's few MB stay one memfd), per core, per tensor, up to ``_MAX_PARTS``. Tensors go largest
+    first to the least-filled part, so the threads finish together."""
     arrays: list[tuple[str, str, np.ndarray]] = []
     for name, value in state_dict.items():
         dtype, arr = _as_array(name, value)
         arrays.append((str(name), dtype, arr))
     total = sum(_aligned(arr.nbytes) for _, _, arr in arrays)
-    count = max(1, min(_MAX_PARTS, os.cpu_count() or 1, -(-total // _PART)))
+    count = max(1, min(_MAX_PARTS, os.cpu_count() or 1, -(-total // _PART), len(arrays)))
     sizes = [0] * count
     placed: dict[int, WeightTensor] = {}
     members: list[list[tuple[int, int]]] = [[] for _ in range(count)]  # each part's (tensor's index, offset)
