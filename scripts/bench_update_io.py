@@ -5,7 +5,8 @@ both sides did it before (through a mapping, and torch's ``isfinite``), alternat
     python scripts/bench_update_io.py --preset flux-dev --component transformer --rank 64 --rounds 5
 
 ``--kind weights`` times a whole component's update instead (``update_weights``: SDXL's UNet with ``--preset sdxl
---component unet --dtype float16``): the pack in one thread against the pack now, and the worker's copy from the
+--component unet --dtype float16``): the pack into one memfd by one thread against the pack now (several memfds,
+a thread each), and the worker's copy from the
 memfd into the component's parameters through a private writable mapping (before) against the shared,
 populated one now (``mapped_tensors``), the parameters on this machine's CPU.
 
@@ -56,42 +57,43 @@ def pack_mapped(state: dict[str, torch.Tensor]) -> tuple[int, list]:
     return fd, offsets
 
 
-def read_mapped(msg: UpdateLora, fd: int) -> None:
-    """The worker's read before: a copy of each tensor out of a mapping."""
-    with mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-        for t in msg.tensors:
-            np.frombuffer(mm, dtype=numpy_dtype(t.dtype), count=int(np.prod(t.shape)), offset=t.offset).copy()
-    os.close(fd)
+def read_mapped(msg: UpdateLora, fds: list[int]) -> None:
+    """The worker's read before: a copy of each tensor out of a mapping (the fds are left open)."""
+    for part, fd in enumerate(fds):
+        with mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            for t in msg.tensors:
+                if t.part == part:
+                    np.frombuffer(mm, dtype=numpy_dtype(t.dtype), count=int(np.prod(t.shape)), offset=t.offset).copy()
 
 
-def copy_private(msg: UpdateWeights, fd: int, into: dict[str, torch.Tensor]) -> None:
-    """The worker's copy before: the memfd mapped private and writable, each tensor copied from it."""
-    size = os.fstat(fd).st_size
-    mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+def copy_private(msg: UpdateWeights, fds: list[int], into: dict[str, torch.Tensor]) -> None:
+    """The worker's copy before: the memfds mapped private and writable, each tensor copied from them (the fds
+    are left open)."""
+    maps = [mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE) for fd in fds]
     for t in msg.tensors:
         dtype = into[t.name].dtype
-        into[t.name].copy_(torch.frombuffer(mm, dtype=dtype, count=int(np.prod(t.shape)), offset=t.offset)
+        into[t.name].copy_(torch.frombuffer(maps[t.part], dtype=dtype, count=int(np.prod(t.shape)), offset=t.offset)
                            .view(t.shape))
-    os.close(fd)
 
 
 def weights_rounds(state: dict[str, torch.Tensor], rounds: int) -> dict[str, list[float]]:
     into = {k: torch.empty_like(v) for k, v in state.items()}
     times: dict[str, list[float]] = {"pack_one_thread": [], "pack_now": [], "copy_before": [], "copy_now": []}
     for _ in range(rounds):
-        threads = client_weights._THREADS
-        client_weights._THREADS = 1
+        parts = client_weights._MAX_PARTS
+        client_weights._MAX_PARTS = 1  # one memfd, so one thread
         t0 = time.perf_counter()
-        fd, _ = pack(state)
+        fds, _ = pack(state)
         t1 = time.perf_counter()
-        client_weights._THREADS = threads
-        os.close(fd)
-        fd, tensors = pack(state)
+        client_weights._MAX_PARTS = parts
+        for fd in fds:
+            os.close(fd)
+        fds, tensors = pack(state)
         t2 = time.perf_counter()
         msg = UpdateWeights("bench", "component", tensors)
-        copy_private(msg, os.dup(fd), into)
+        copy_private(msg, fds, into)
         t3 = time.perf_counter()
-        with mapped_tensors(msg, fd) as views:
+        with mapped_tensors(msg, fds) as views:
             for key, view in views.items():
                 into[key].copy_(view)
         t4 = time.perf_counter()
@@ -125,12 +127,12 @@ def main() -> int:
         fd, _ = pack_mapped(state)
         t1 = time.perf_counter()
         os.close(fd)
-        fd, tensors = pack(state)
+        fds, tensors = pack(state)
         t2 = time.perf_counter()
         msg = UpdateLora("bench", tensors)
-        read_mapped(msg, os.dup(fd))
+        read_mapped(msg, fds)
         t3 = time.perf_counter()
-        read_tensors(msg, fd)
+        read_tensors(msg, fds)
         t4 = time.perf_counter()
         for key, seconds in zip(times, (t1 - t0, t2 - t1, t4 - t3, t3 - t2), strict=True):
             times[key].append(seconds)

@@ -31,10 +31,10 @@ def component() -> torch.nn.Module:
 
 
 def update(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str:
-    fd, tensors = pack(state)
+    fds, tensors = pack(state)
     msg = UpdateWeights("m", "unet", tensors, version=1)
     pipeline = SimpleNamespace(pipe=SimpleNamespace(components={"unet": model}))
-    with mapped_tensors(msg, fd) as views:
+    with mapped_tensors(msg, fds) as views:
         return apply_weights(pipeline, msg, views)
 
 

@@ -42,8 +42,8 @@ async def test_a_kept_update_refused_at_the_start_falls_back_to_the_last_good_on
     model = FakeModel("tiny", [])
 
     async def send(value: float) -> int:
-        fd, tensors = pack({"conv_out.weight": np.full((4, 4), value, np.float32)})
-        return await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+        fds, tensors = pack({"conv_out.weight": np.full((4, 4), value, np.float32)})
+        return await components.update(UpdateWeights("tiny", "unet", tensors), fds, lambda _: model, 5)  # type: ignore[arg-type,return-value]
 
     model.workers.append(FakeWorker("w0"))
     assert await send(1) == 1  # proven: a worker applied it

@@ -38,13 +38,12 @@ def test_tensors_written_in_chunks_by_threads_arrive_whole_and_the_first_bad_one
     """``pack`` checks and writes chunks on a few threads (a 4.8 GB UNet took seconds on one): with chunks of 4 KiB,
     every tensor spans several, and they still arrive in order, each where its header says."""
     monkeypatch.setattr(client_weights, "_CHUNK", 4096)
-    monkeypatch.setattr(client_weights, "_THREADS", 4)
+    monkeypatch.setattr(client_weights, "_PART", 8192)
+    monkeypatch.setattr(client_weights.os, "cpu_count", lambda: 4)
     state = {f"unet.w{i}": torch.randn(7, 1000 + i, dtype=dtype) for i in range(5)}
-    fd, tensors = pack(state)
-    try:
-        got = read_tensors(UpdateWeights("m", "unet", tensors, 1), os.dup(fd))
-    finally:
-        os.close(fd)
+    fds, tensors = pack(state)
+    assert len(fds) == 4 and {t.part for t in tensors} == {0, 1, 2, 3}
+    got = read_tensors(UpdateWeights("m", "unet", tensors, 1), fds)
     assert all(torch.equal(got[name], value) for name, value in state.items())
     state["unet.w3"].view(-1)[-1] = float("nan")  # in its last chunk
     state["unet.w4"].view(-1)[0] = float("inf")
@@ -53,7 +52,7 @@ def test_tensors_written_in_chunks_by_threads_arrive_whole_and_the_first_bad_one
 
 
 def test_an_empty_tensor_is_finite() -> None:
-    fd, tensors = pack({"w": torch.empty(0, 4, dtype=torch.bfloat16)})
+    (fd,), tensors = pack({"w": torch.empty(0, 4, dtype=torch.bfloat16)})
     os.close(fd)
     assert tensors[0].shape == [0, 4]
 
@@ -71,11 +70,11 @@ def test_an_update_is_applied_from_the_memfd_with_the_values_sent_and_the_memfd_
     unet = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8, bias=False))
     state = {"0.weight": torch.randn(32, 64, dtype=sent), "0.bias": torch.randn(32, dtype=sent),
              "1.weight": torch.randn(8, 32, dtype=sent)}
-    fd, tensors = pack(state)
+    (fd,), tensors = pack(state)
     keep = os.dup(fd)  # the update's memfd, to write after and to see that the worker let go of its fd
     msg = UpdateWeights("m", "unet", tensors, 1)
     try:
-        with mapped_tensors(msg, fd) as views:
+        with mapped_tensors(msg, [fd]) as views:
             assert apply_weights(_Pipe(unet), msg, views) == ""
         assert views == {}  # emptied: no view keeps the mapping
         with pytest.raises(OSError):
@@ -83,7 +82,7 @@ def test_an_update_is_applied_from_the_memfd_with_the_values_sent_and_the_memfd_
         os.pwrite(keep, b"\xff" * 64, tensors[0].offset)  # the client's pages after: the model keeps what was sent
         for name, value in state.items():
             assert torch.equal(unet.state_dict()[name], value.float()), name
-        assert {k: v.dtype for k, v in read_tensors(msg, os.dup(keep)).items()} == dict.fromkeys(state, sent)
+        assert {k: v.dtype for k, v in read_tensors(msg, [os.dup(keep)]).items()} == dict.fromkeys(state, sent)
     finally:
         os.close(keep)
 
@@ -92,7 +91,7 @@ def test_a_view_kept_past_the_mapping_block_still_reads_what_was_sent() -> None:
     """The mapping is dropped, not closed, at the block's end: torch.frombuffer holds the mapping object without a
     buffer export, so a close unmapped under a surviving view, and its next read crashed the worker."""
     state = {"w": torch.arange(4096, dtype=torch.float32)}
-    fd, tensors = pack(state)
-    with mapped_tensors(UpdateWeights("m", "unet", tensors, 1), fd) as views:
+    fds, tensors = pack(state)
+    with mapped_tensors(UpdateWeights("m", "unet", tensors, 1), fds) as views:
         kept = views["w"]
     assert torch.equal(kept, state["w"])

@@ -62,8 +62,8 @@ class FakeModel:
 
 
 async def lora_update(live: LiveLoras, name: str, models: list[FakeModel], state: dict[str, Any] = STATE) -> int:
-    fd, tensors = pack(state)
-    return await live.update(UpdateLora(name, tensors), [fd], models, 5)  # type: ignore[arg-type]
+    fds, tensors = pack(state)
+    return await live.update(UpdateLora(name, tensors), fds, models, 5)  # type: ignore[arg-type]
 
 
 async def until(cond: Any) -> None:
@@ -103,7 +103,7 @@ async def test_a_worker_starting_while_the_first_update_is_in_flight_gets_it() -
 
 async def test_a_worker_starting_while_the_first_component_update_is_in_flight_gets_it() -> None:
     live = LiveComponents()
-    fd, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
+    (fd,), tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
     assert await race(live, lambda model: live.update(UpdateWeights("tiny", "unet", tensors), [fd],
                                                       lambda _name: model, 5)) == [1, 1]
 
@@ -134,14 +134,14 @@ async def test_versions_count_accepted_updates_only() -> None:
 
     components = LiveComponents()
     worker.refuse = "tensor 'conv_out.nope': unet of model tiny has no parameter of that name"
-    fd, tensors = pack({"conv_out.nope": np.zeros((4, 4), np.float32)})
+    fds, tensors = pack({"conv_out.nope": np.zeros((4, 4), np.float32)})
     try:
-        await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+        await components.update(UpdateWeights("tiny", "unet", tensors), fds, lambda _: model, 5)  # type: ignore[arg-type,return-value]
     except InvalidRequest as exc:
         assert "conv_out.nope" in exc.message
     worker.refuse = ""
-    fd, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
-    assert await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5) == 1  # type: ignore[arg-type,return-value]
+    fds, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
+    assert await components.update(UpdateWeights("tiny", "unet", tensors), fds, lambda _: model, 5) == 1  # type: ignore[arg-type,return-value]
 
 
 async def test_an_update_no_running_model_can_check_is_kept_for_the_model_that_starts_next() -> None:
@@ -172,8 +172,8 @@ async def test_a_component_update_for_a_model_with_no_worker_is_kept_and_checked
     model = FakeModel("tiny", [])
 
     async def send(name: str) -> int:
-        fd, tensors = pack({name: np.zeros((4, 4), np.float32)})
-        return await components.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+        fds, tensors = pack({name: np.zeros((4, 4), np.float32)})
+        return await components.update(UpdateWeights("tiny", "unet", tensors), fds, lambda _: model, 5)  # type: ignore[arg-type,return-value]
 
     assert [await send("conv_out.weight"), await send("conv_out.nope"), await send("conv_in.weight")] == [1, 2, 3]
     worker = FakeWorker("w0", WorkerState.STARTING, refuse="")
@@ -221,7 +221,7 @@ async def test_a_late_ack_answers_its_own_command_not_the_next_of_its_kind() -> 
                           on_frame=lambda *a: None, on_lost=lambda *a: None)
     channel = Channel()
     handle.channel = channel  # type: ignore[assignment]
-    fd, tensors = pack(STATE)
+    (fd,), tensors = pack(STATE)
     try:
         with pytest.raises(TimeoutError):
             await handle.command(UpdateLora("trainer", tensors, 1), 0.01, [os.dup(fd)])
@@ -244,8 +244,8 @@ def two_workers(second: FakeWorker) -> FakeModel:
 
 
 async def component_update(live: LiveComponents, model: FakeModel) -> int:
-    fd, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
-    return await live.update(UpdateWeights("tiny", "unet", tensors), [fd], lambda _: model, 5)  # type: ignore[arg-type,return-value]
+    fds, tensors = pack({"conv_out.weight": np.zeros((4, 4), np.float32)})
+    return await live.update(UpdateWeights("tiny", "unet", tensors), fds, lambda _: model, 5)  # type: ignore[arg-type,return-value]
 
 
 @pytest.mark.parametrize("second", ["refuses", "does not answer"])
@@ -372,7 +372,7 @@ def test_the_client_sends_values_not_raw_bytes_and_refuses_what_it_cannot_send()
     import torch
 
     values = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
-    fd, tensors = pack({"unet.a.lora_A.weight": values.astype(">f4"), "unet.a.lora_B.weight": values.T.copy()})
+    (fd,), tensors = pack({"unet.a.lora_A.weight": values.astype(">f4"), "unet.a.lora_B.weight": values.T.copy()})
     try:
         with mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
             got = [np.frombuffer(mm, np.float32, count=12, offset=t.offset).reshape(t.shape).copy() for t in tensors]
@@ -403,18 +403,19 @@ def test_the_worker_reads_back_what_the_client_packed_and_refuses_a_memfd_shrunk
     state = {"unet.a.lora_A.weight": torch.tensor([[3.3895e38, -0.0, 1.0]], dtype=torch.bfloat16),
              "unet.a.lora_B.weight": np.array([[65504.0], [-65504.0], [6e-8]], np.float16),
              "unet.b.lora_A.weight": np.array([[np.finfo(np.float32).max, -np.finfo(np.float32).tiny]], np.float32)}
-    fd, tensors = pack(state)
-    got = read_tensors(UpdateLora("t", tensors), fd)
+    fds, tensors = pack(state)
+    got = read_tensors(UpdateLora("t", tensors), fds)
     assert torch.equal(got["unet.a.lora_A.weight"], state["unet.a.lora_A.weight"])
     for key in ("unet.a.lora_B.weight", "unet.b.lora_A.weight"):
         assert np.array_equal(got[key].numpy(), state[key]) and got[key].numpy().dtype == state[key].dtype
     for bad in (torch.tensor([[1.0, float("-inf")]], dtype=torch.bfloat16), np.array([1.0, np.nan], np.float32)):
         with pytest.raises(ValueError, match="holds NaN or infinite values"):
             pack({"unet.a.lora_A.weight": bad})
-    fd, tensors = pack(state)
-    os.ftruncate(fd, tensors[-1].offset + 2)
+    (fd,), tensors = pack(state)
+    last = max(tensors, key=lambda t: t.offset)
+    os.ftruncate(fd, last.offset + 2)
     with pytest.raises(ValueError) as err:
-        read_tensors(UpdateLora("t", tensors), fd)
-    assert "'unet.b.lora_A.weight'" in str(err.value) and "shrank" in str(err.value)
+        read_tensors(UpdateLora("t", tensors), [fd])
+    assert f"{last.name!r}" in str(err.value) and "shrank" in str(err.value)
     with pytest.raises(OSError):
         os.fstat(fd)  # closed by the read, whatever happened

@@ -1,13 +1,13 @@
 """Live weights from a trainer: ``update_lora(name, state_dict)`` (and ``update_weights(model,
 component, state_dict)`` for a whole component's parameters) without files or JSON.
 
-The tensors are written once, into an anonymous memfd (``os.memfd_create``: no file on disk, gone
-when the last fd closes), and the fd travels to the daemon over its output socket with SCM_RIGHTS,
-together with a msgspec header naming each tensor's dtype, shape and offset (UPDATE_LORA). The
-daemon hands duplicates of the same fd to its workers; each copies the tensors out once into its
-model. Why the output socket and not an HTTP request: an fd only travels with ``sendmsg`` on a
-Unix socket read by hand, which aiohttp's transports do not expose; the output socket already is
-that socket (``daemon/edge/handoff.py``), with the same same-user rule.
+The tensors are written once, into anonymous memfds (``os.memfd_create``: no file on disk, gone when the last fd
+closes; several "parts" for a large update, written in parallel: see ``pack``), and the fds travel to the daemon
+over its output socket with SCM_RIGHTS in one frame, together with a msgspec header naming each tensor's dtype,
+shape, part and offset (UPDATE_LORA). The daemon hands duplicates of the same fds to its workers; each copies
+the tensors out once into its model. Why the output socket and not an HTTP request: an fd only travels with
+``sendmsg`` on a Unix socket read by hand, which aiohttp's transports do not expose; the output socket already
+is that socket (``daemon/edge/handoff.py``), with the same same-user rule.
 
 The call is blocking and returns the adapter's new version once every live worker applied it
 (between two batches: no batch mixes versions; a model with no worker running gets it when it
@@ -37,42 +37,71 @@ from diffusiond.protocol import MODEL_DTYPES, output_socket_path
 _ALIGN = 64  # each tensor starts on a cache line
 
 
-def pack(state_dict: Mapping[str, Any]) -> tuple[int, list[WeightTensor]]:
-    """A memfd holding every tensor of ``state_dict`` (torch tensors or numpy arrays) back to back,
-    and the header that says where each lies. The caller owns (and closes) the fd.
+def pack(state_dict: Mapping[str, Any]) -> tuple[list[int], list[WeightTensor]]:
+    """Memfds ("parts") holding every tensor of ``state_dict`` (torch tensors or numpy arrays), and the header
+    that says where each lies: its part and its offset there. The caller owns (and closes) the fds.
 
-    Written with ``pwrite``, not through a mapping: the kernel fills the memfd's fresh pages without a
-    page fault per 4 KiB in this process, which took about as long as the copy itself (issue 29's
-    ``update_lora`` latency; ``scripts/bench_update_io.py``). Each tensor is checked for NaN and infinities and
-    written in chunks by a few threads (numpy's ufuncs and ``pwrite`` let go of the GIL): a 4.8 GB UNet's whole
-    update took 3.6 s on the H100 host with one, and a whole tensor's check made temporaries of its size."""
+    Written with ``pwrite``, not through a mapping: the kernel fills the memfd's fresh pages without a page
+    fault per 4 KiB in this process, which took about as long as the copy itself (issue 29's ``update_lora``
+    latency; ``scripts/bench_update_io.py``). Each part is checked for NaN and infinities and written in chunks
+    (a whole tensor's check made temporaries of its size) by a thread of its own: numpy's ufuncs and ``pwrite``
+    let go of the GIL, but ``pwrite`` to one shmem file holds its inode's lock, so threads sharing one memfd
+    took turns (1 GB: 0.40 s on one thread and on two; 0.21 s on two memfds). There is a part per ``_PART``
+    bytes (so a LoRA's few MB stay one memfd), per core, per tensor, up to ``_MAX_PARTS``. Tensors go largest
+    first to the least-filled part, so the threads finish together."""
     arrays: list[tuple[str, str, np.ndarray]] = []
     for name, value in state_dict.items():
         dtype, arr = _as_array(name, value)
         arrays.append((str(name), dtype, arr))
-    tensors: list[WeightTensor] = []
-    offset = 0
-    for name, dtype, arr in arrays:
-        tensors.append(WeightTensor(name, dtype, list(arr.shape), offset))
-        offset += -(-arr.nbytes // _ALIGN) * _ALIGN
-    fd = os.memfd_create("diffusiond-lora-update", os.MFD_CLOEXEC)
+    total = sum(_aligned(arr.nbytes) for _, _, arr in arrays)
+    count = max(1, min(_MAX_PARTS, os.cpu_count() or 1, -(-total // _PART), len(arrays)))
+    sizes = [0] * count
+    placed: dict[int, WeightTensor] = {}
+    members: list[list[tuple[int, int]]] = [[] for _ in range(count)]  # each part's (tensor's index, offset)
+    for i in sorted(range(len(arrays)), key=lambda i: -arrays[i][2].nbytes):
+        name, dtype, arr = arrays[i]
+        part = sizes.index(min(sizes))
+        placed[i] = WeightTensor(name, dtype, list(arr.shape), sizes[part], part)
+        members[part].append((i, sizes[part]))
+        sizes[part] += _aligned(arr.nbytes)
+    fds: list[int] = []
     try:
-        os.ftruncate(fd, offset)
-        chunks = [(name, dtype, arr.reshape(-1).view(np.uint8)[start:start + _CHUNK], t.offset + start)
-                  for t, (name, dtype, arr) in zip(tensors, arrays, strict=True)
-                  for start in range(0, arr.nbytes, _CHUNK)]
-        threads = max(1, min(_THREADS, os.cpu_count() or 1, len(chunks)))
-        with ThreadPoolExecutor(threads, thread_name_prefix="diffusiond-pack") as pool:
-            for _ in pool.map(lambda c: _check_and_write(fd, *c), chunks):  # raises the first chunk's error
-                pass
+        for size in sizes:
+            fds.append(os.memfd_create("diffusiond-lora-update", os.MFD_CLOEXEC))
+            os.ftruncate(fds[-1], size)
+        with ThreadPoolExecutor(count, thread_name_prefix="diffusiond-pack") as pool:
+            bad = [b for b in pool.map(lambda fd, m: _write_part(fd, arrays, m), fds, members) if b is not None]
+        if bad:  # each part's first, so the first of all: the one the state dict names first
+            raise min(bad, key=lambda b: b[0])[1]
     except BaseException:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
         raise
-    return fd, tensors
+    return fds, [placed[i] for i in range(len(arrays))]
 
 
-_CHUNK = 32 << 20  # bytes one thread checks and writes at a time: a multiple of every dtype's size
-_THREADS = 8  # past that the memory bus, not the cores, sets the pace
+_PART = 64 << 20  # the least bytes worth a memfd and a thread of their own
+_MAX_PARTS = 8  # past that the memory bus, not the cores, sets the pace (at most ipc.updates.MAX_PARTS)
+_CHUNK = 32 << 20  # bytes checked and written at a time: a multiple of every dtype's size
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _write_part(fd: int, arrays: list[tuple[str, str, np.ndarray]],
+                members: list[tuple[int, int]]) -> tuple[int, ValueError] | None:
+    """One part's tensors, in the state dict's order, up to the first holding NaN or infinities: its index and
+    the error naming it, for ``pack`` to raise the first of all parts'."""
+    for i, at in sorted(members):
+        name, dtype, arr = arrays[i]
+        data = arr.reshape(-1).view(np.uint8)
+        for start in range(0, arr.nbytes, _CHUNK):
+            try:
+                _check_and_write(fd, name, dtype, data[start:start + _CHUNK], at + start)
+            except ValueError as exc:
+                return i, exc
+    return None
 
 
 def _check_and_write(fd: int, name: str, dtype: str, data: np.ndarray, at: int) -> None:
@@ -128,19 +157,22 @@ def _check_dtype(name: object, dtype: str) -> None:
 
 def update_lora(socket_path: str, name: str, state_dict: Mapping[str, Any], timeout: float | None) -> int:
     """Send the update and wait for its answer; the new version. See the module docstring."""
-    fd, tensors = pack(state_dict)
-    return _send(socket_path, UpdateLora(name, tensors), fd, f"updating LoRA {name!r}", timeout)
+    fds, tensors = pack(state_dict)
+    return _send(socket_path, UpdateLora(name, tensors), fds, f"updating LoRA {name!r}", timeout)
 
 
 def update_weights(socket_path: str, model: str, component: str, state_dict: Mapping[str, Any],
                    timeout: float | None) -> int:
     """The same for whole parameters of one component of ``model`` (names of its ``state_dict``)."""
-    fd, tensors = pack(state_dict)
-    return _send(socket_path, UpdateWeights(model, component, tensors), fd,
+    fds, tensors = pack(state_dict)
+    return _send(socket_path, UpdateWeights(model, component, tensors), fds,
                  f"updating {component} of {model}", timeout)
 
 
-def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str, timeout: float | None) -> int:
+def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fds: list[int], what: str,
+          timeout: float | None) -> int:
+    """Send ``msg`` with all its parts in one frame (SCM_RIGHTS), and wait for the answer; ``fds`` are closed
+    here, whatever happens."""
     path = output_socket_path(socket_path)
     sock: socket.socket | None = None
     try:
@@ -148,10 +180,9 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str,
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # EMFILE here too is a ClientError
             sock.settimeout(timeout)
             sock.connect(path)
-            frame = FrameEncoder().encode(msg, 1)
-            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-            os.close(fd)  # the daemon has its own now
-            fd = -1
+            frame = FrameEncoder().encode(msg, len(fds))
+            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            _close(fds)  # the daemon has its own now
             answer = _receive(sock)
         except TimeoutError:
             raise ClientTimeout(socket_path, what, timeout) from None
@@ -163,13 +194,17 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fd: int, what: str,
             if sock is not None:
                 sock.close()
     finally:
-        if fd >= 0:
-            os.close(fd)
+        _close(fds)
     if isinstance(answer, UpdateRefused):
         raise update_error(answer.status, answer.code, answer.message, answer.field)
     if not isinstance(answer, Updated):
         raise DaemonError(502, "bad_answer", f"unexpected answer to an update: {type(answer).__name__}")
     return answer.version
+
+
+def _close(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 def _receive(sock: socket.socket) -> object:

@@ -12,20 +12,29 @@ import msgspec
 LIVE_PATH = "(live: weights from update_lora)"  # the path a live adapter is listed with: it has no file
 
 
+MAX_PARTS = 8  # memfds one update may come in: all travel with its one frame, whose fds are at most frames.MAX_FDS
+
+
 class WeightTensor(msgspec.Struct, frozen=True):
-    """One tensor of an update, ``nbytes(dtype, shape)`` bytes at ``offset`` of the attached memfd.
-    Unchecked on decode (no ``__post_init__``): the engine checks it and names the bad one."""
+    """One tensor of an update, ``nbytes(dtype, shape)`` bytes at ``offset`` of the memfd ``part`` (its index
+    among the frame's fds). An update comes in several memfds, "parts", because the client writes each from a
+    thread of its own: ``pwrite`` to one shmem file holds its inode's lock, so threads writing one memfd took
+    turns, and a 4.8 GB UNet's pack stayed over a second (issue 29). ``part`` defaults to 0, so a client that
+    sends one memfd and no ``part`` still speaks the protocol. Unchecked on decode (no ``__post_init__``): the
+    engine checks it and names the bad one."""
 
     name: str
     dtype: str
     shape: list[int]
     offset: int
+    part: int = 0
 
 
 class UpdateLora(msgspec.Struct, frozen=True):
     """New weights for adapter ``name``, in diffusers/PEFT naming; the tensors lie in the attached
-    memfd (one fd). From a local client to the engine (``version`` unset), then from the engine to
-    each worker with the version it assigned; a worker applies it between batches and answers ACK."""
+    memfds (``WeightTensor.part`` says which). From a local client to the engine (``version`` unset),
+    then from the engine to each worker with the version it assigned; a worker applies it between
+    batches and answers ACK."""
 
     name: str
     tensors: list[WeightTensor]
@@ -35,7 +44,7 @@ class UpdateLora(msgspec.Struct, frozen=True):
 
 class UpdateWeights(msgspec.Struct, frozen=True):
     """New values for parameters of one component (``unet``, ``transformer``...) of ``model``, by their
-    names in its ``state_dict``; the tensors lie in the attached memfd, as for UPDATE_LORA."""
+    names in its ``state_dict``; the tensors lie in the attached memfds, as for UPDATE_LORA."""
 
     model: str
     component: str

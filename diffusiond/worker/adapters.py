@@ -58,22 +58,27 @@ class LiveAdapters:
         self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why, ack_id=item.ack_id))
 
     def update(self, msg: UpdateLora | UpdateWeights, fds: list[int]) -> None:
-        """Apply a live LoRA or component update between batches: ACK ok, or not ok naming the first bad tensor."""
-        for extra in fds[1:]:
-            os.close(extra)
+        """Apply a live LoRA or component update between batches (``fds``: its parts, all closed here): ACK ok,
+        or not ok naming the first bad tensor."""
         kind = Kind.UPDATE_WEIGHTS if isinstance(msg, UpdateWeights) else Kind.UPDATE_LORA
-        if not fds:
-            self.post(Ack(command=kind, ok=False, message="the update came without its memfd", ack_id=msg.ack_id))
+        # the engine checked every part against these fds; a mismatch here is a bug, said, not a crash
+        bad = next((t.name for t in msg.tensors if not 0 <= t.part < len(fds)), None)
+        if not fds or bad is not None:
+            for fd in fds:
+                os.close(fd)
+            why = "the update came without its memfd" if not fds else \
+                f"tensor {bad!r} lies in a part the update did not bring ({len(fds)} memfd(s) came)"
+            self.post(Ack(command=kind, ok=False, message=why, ack_id=msg.ack_id))
             return
         phases = Phases()
         try:
             if isinstance(msg, UpdateWeights):
-                with mapped_tensors(msg, fds[0], phases.mark) as views:  # copied once, memfd to parameters
+                with mapped_tensors(msg, fds, phases.mark) as views:  # copied once, memfd to parameters
                     why = apply_weights(self.pipeline, msg, views, phases.mark)
                 if not why:
                     self.weight_versions[msg.component] = msg.version
             else:
-                state = read_tensors(msg, fds[0])
+                state = read_tensors(msg, fds)
                 phases.mark("read")
                 why = unsupported(self.pipeline) if self.adapters is None else \
                     apply_update(self.adapters, self.pipeline.name, msg, state)

@@ -1,10 +1,10 @@
-"""Live LoRA updates in a worker (UPDATE_LORA): read the memfd, check against the model, apply.
+"""Live LoRA updates in a worker (UPDATE_LORA): read the memfds, check against the model, apply.
 
-The engine forwards the client's memfd as it came (no copy in between); the compute thread takes
-it between batches, so a batch runs entirely before or entirely after an update. The tensors are
-copied out of the mapping first and the fd closed, then checked in full against the model, and
-only then is anything in the model changed: a refused update leaves the adapter as it was, and
-an update is never seen half applied (there is no forward in between either way).
+The engine forwards the client's memfds (the update's parts, ``WeightTensor.part``) as they came (no copy in
+between); the compute thread takes it between batches, so a batch runs entirely before or entirely after an
+update. The tensors are copied out of the memfds first and the fds closed, then checked in full against the
+model, and only then is anything in the model changed: a refused update leaves the adapter as it was, and an
+update is never seen half applied (there is no forward in between either way).
 
 What is checked here, because only the model knows it: each key's component and module exist,
 and its shape fits. A new adapter's ``lora_A`` must be ``(rank, in_features)`` and ``lora_B``
@@ -15,7 +15,7 @@ replaces values; a new structure is a new adapter). The first bad tensor is name
 UPDATE_WEIGHTS is the same for a whole component: each tensor names a parameter or buffer of its
 ``state_dict`` (LoRA layers of adapters are not part of it, and a layer they wrap keeps its base
 name), must have its shape, and is copied into it in place, so a compiled model keeps its graph.
-Its tensors are not copied out first: all are checked against the model while the memfd is mapped,
+Its tensors are not copied out first: all are checked against the model while the memfds are mapped,
 then each is copied from the mapping straight into its parameter (``mapped_tensors``).
 The refusals' words are ``pipelines/live_checks.py``'s, which the engine also uses when it checks an
 update for a model with no worker against that model's files.
@@ -54,9 +54,9 @@ from diffusiond.pipelines.streaming import weights_changed
 from diffusiond.worker import update_copy
 
 
-def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Tensor]:
-    """The update's tensors, read out of the memfd (closed here, whatever happens). The engine
-    checked that each lies inside it; the copy makes later writes by the client harmless.
+def read_tensors(msg: UpdateLora | UpdateWeights, fds: list[int]) -> dict[str, torch.Tensor]:
+    """The update's tensors, read out of its memfds (all closed here, whatever happens). The engine
+    checked that each lies inside its part; the copy makes later writes by the client harmless.
 
     Read with ``preadv`` into each tensor's own array, not through a mapping: a client that shrinks its
     memfd after the engine's check gives a short read, which refuses the update, where a mapping's read
@@ -71,7 +71,7 @@ def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Te
             data = arr.reshape(-1).view(np.uint8).data
             done = 0
             while done < len(data):  # a read may return less than asked
-                got = os.preadv(fd, [data[done:]], t.offset + done)
+                got = os.preadv(fds[t.part], [data[done:]], t.offset + done)
                 if got == 0:
                     raise ValueError(f"tensor {t.name!r} ends past the end of the update's memfd, which shrank "
                                      "after it was sent; send the update again without changing its memfd")
@@ -80,6 +80,11 @@ def read_tensors(msg: UpdateLora | UpdateWeights, fd: int) -> dict[str, torch.Te
             out[t.name] = tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
         return out
     finally:
+        _close(fds)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
         os.close(fd)
 
 
@@ -91,10 +96,10 @@ def _nothing(what: str) -> None:
 
 
 @contextlib.contextmanager
-def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int,
+def mapped_tensors(msg: UpdateLora | UpdateWeights, fds: list[int],
                    mark: Callable[[str], None] = _nothing) -> Iterator[dict[str, torch.Tensor]]:
-    """The update's tensors as views of the memfd, mapped for the ``with`` block (the fd closed here, whatever
-    happens). A whole component's update is copied from these straight into its parameters: copied out first,
+    """The update's tensors as views of its memfds, each part mapped for the ``with`` block (the fds closed here,
+    whatever happens). A whole component's update is copied from these straight into its parameters: copied out first,
     a 5 GB UNet took twice the time (the pages of a fresh copy faulted in, then copied again) and its size again
     in the worker's memory (issue 29). Mapped shared and read-only, its pages populated as it is mapped
     (``MAP_POPULATE``: one pass in the kernel, not a page fault per 4 KiB as the copy reads them, ~1.2 million for
@@ -105,27 +110,27 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fd: int,
     instead); such a client is its own user's, who could kill the worker anyway: the update is lost, not others'.
     How the bytes then reach the device is ``update_copy``'s."""
     views: dict[str, torch.Tensor] = {}
-    mm = None
+    maps: list[mmap.mmap | None] = []
     try:
-        size = os.fstat(fd).st_size
-        if size:
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
-            mark("mapped")
+        for fd in fds:
+            size = os.fstat(fd).st_size
+            maps.append(mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ) if size else None)
+        mark("mapped")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for t in msg.tensors:
                 count, dtype = math.prod(t.shape), _DTYPES[t.dtype]  # the engine took only these (check_tensors)
-                flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=t.offset) if count else \
+                flat = torch.frombuffer(maps[t.part], dtype=dtype, count=count, offset=t.offset) if count else \
                     torch.empty(0, dtype=dtype)
                 views[t.name] = flat.view(t.shape)
         yield views
     finally:
         # not mm.close(): torch.frombuffer holds the mapping object, not a buffer export, so a close would unmap
-        # under a view that outlived the block (a crash on its next read; review42b-rest 4). Dropped, the
+        # under a view that outlived the block (a crash on its next read; review42b-rest 4). Dropped, each
         # mapping goes when its last view does, at once where none is kept.
         views.clear()
-        del mm
-        os.close(fd)
+        maps.clear()
+        _close(fds)
 
 
 def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[str, torch.Tensor]) -> str:

@@ -1,9 +1,9 @@
 """The live updates the engine keeps for workers that start later (issue 29), and which of them are proven.
 
-Each adapter (``update_lora``) or model component (``update_weights``) has a chain of kept updates, in the
-order they were accepted, each with a duplicate of its memfd; a new worker gets the chain in order. A
-later update that names every tensor of an earlier one makes it useless, and its memfd is closed, so what
-is kept stays bounded by the tensors the trainer sends.
+Each adapter (``update_lora``) or model component (``update_weights``) has a chain of kept updates, in the order
+they were accepted, each with a duplicate of each of its memfds (its parts); a new worker gets the chain in
+order. A later update that names every tensor of an earlier one makes it useless, and its memfds are closed, so
+what is kept stays bounded by the tensors the trainer sends.
 
 An update is *proven* once a worker applied it. One accepted while no worker could check it (its model on
 disk, asleep at level 2) is kept on trust: the model's last table or its files' headers passed it
@@ -17,7 +17,7 @@ generation of each tensor waits behind the proven one.
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights
@@ -27,7 +27,7 @@ Update = UpdateLora | UpdateWeights
 
 class Kept(NamedTuple):
     msg: Update
-    fd: int
+    fds: tuple[int, ...]  # the engine's own duplicates of the update's parts, in the frame's order
     proven: bool  # a worker applied it (else kept on trust, checked when its model next starts)
 
 
@@ -38,17 +38,36 @@ def _names(msg: Update) -> set[str]:
     return {t.name for t in msg.tensors}
 
 
-def keep(kept: Chains, key: Hashable, msg: Update, fd: int, *, proven: bool) -> None:
-    """Remember ``msg`` (with a duplicate of its memfd) at the end of ``key``'s chain; earlier updates whose
-    every tensor it names again are closed, unless they are proven and it is not."""
+def dups(fds: Sequence[int]) -> list[int]:
+    """A duplicate of each of ``fds`` (an update's parts, for a worker or for ``keep``); none left open if one
+    cannot be made (EMFILE)."""
+    out: list[int] = []
+    try:
+        for fd in fds:
+            out.append(os.dup(fd))
+    except BaseException:
+        close(out)
+        raise
+    return out
+
+
+def close(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def keep(kept: Chains, key: Hashable, msg: Update, fds: Sequence[int], *, proven: bool) -> None:
+    """Remember ``msg`` (with a duplicate of each of its memfds) at the end of ``key``'s chain; earlier updates
+    whose every tensor it names again are closed, unless they are proven and it is not."""
     names = _names(msg)
+    mine = tuple(dups(fds))  # first: a failure leaves the chain as it was
     chain = []
     for entry in kept.get(key, []):
         if _names(entry.msg) <= names and (proven or not entry.proven):
-            os.close(entry.fd)
+            close(entry.fds)
         else:
             chain.append(entry)
-    kept[key] = [*chain, Kept(msg, os.dup(fd), proven)]
+    kept[key] = [*chain, Kept(msg, mine, proven)]
 
 
 def prove(chain: list[Kept], entry: Kept) -> None:
@@ -57,7 +76,7 @@ def prove(chain: list[Kept], entry: Kept) -> None:
     at = chain.index(entry)
     for old in chain[:at]:
         if _names(old.msg) <= names:
-            os.close(old.fd)
+            close(old.fds)
             chain.remove(old)
     chain[chain.index(entry)] = entry._replace(proven=True)
 
@@ -68,6 +87,6 @@ def drop(chain: list[Kept], entry: Kept) -> str:
     names = _names(entry.msg)
     at = chain.index(entry)
     chain.remove(entry)
-    os.close(entry.fd)
+    close(entry.fds)
     earlier = [old.msg.version for old in chain[:at] if _names(old.msg) & names]
     return f"version {max(earlier)}" if earlier else "the files' values"

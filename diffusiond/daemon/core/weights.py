@@ -1,19 +1,19 @@
 """Live LoRA updates (``Client.update_lora``): a trainer's adapter weights into the workers, no files.
 
-The tensors arrive in a memfd a local client filled, with a msgspec header (UPDATE_LORA: each
-tensor's name, dtype, shape and offset) on the output socket (``edge/handoff.py``): the one socket
-where fds travel. Everything that needs no model is checked here, first bad tensor named: the
-adapter's name, that it is not a file-registered adapter, each tensor's name (diffusers/PEFT:
-``<component>.<module>.lora_A.weight`` / ``lora_B``), dtype, shape and that it lies inside the
-memfd. Then each live worker gets a duplicate of the fd with the version this update makes; it
-copies the tensors out, checks them against its model and applies them between batches (see
-``worker/weights.py``), and ACKs. The engine never maps or copies the tensors itself.
+The tensors arrive in memfds a local client filled (1 to ``MAX_PARTS`` "parts", written in parallel), with a
+msgspec header (UPDATE_LORA: each tensor's name, dtype, shape, part and offset) on the output socket
+(``edge/handoff.py``): the one socket where fds travel. Everything that needs no model is checked here, first
+bad tensor named: the adapter's name, that it is not a file-registered adapter, each tensor's name
+(diffusers/PEFT: ``<component>.<module>.lora_A.weight`` / ``lora_B``), dtype, shape and that it lies inside its
+part's memfd. Then each live worker gets a duplicate of every fd with the version this update makes; it copies
+the tensors out, checks them against its model and applies them between batches (see ``worker/weights.py``), and
+ACKs. The engine never maps or copies the tensors itself.
 
 An adapter created this way is registered like a file one (same admission, same ``GET
 /v1/loras`` entry, path ``LIVE_PATH``). A worker started later (a replacement for one that died, a
 model loaded on demand or again after an unload, a wake from a level-2 sleep) gets every accepted
 update again before it takes a job (``replay``, called by the pool between the worker's READY and
-its first batch): the engine keeps a duplicate of each update's memfd, dropping one as soon as a
+its first batch): the engine keeps a duplicate of each update's memfds, dropping them as soon as a
 later update of the same adapter or component names all of its tensors, so what is kept is bounded
 by the tensors the trainer sends, and the new worker ends at the same versions as the others.
 
@@ -39,7 +39,7 @@ import stat
 from collections.abc import Awaitable, Callable, Iterable
 
 from diffusiond.daemon.core.file_checks import Checks
-from diffusiond.daemon.core.kept import Chains, Kept, drop, keep, prove
+from diffusiond.daemon.core.kept import Chains, Kept, close, drop, dups, keep, prove
 from diffusiond.daemon.core.loras import (
     Answers,
     LoraInfo,
@@ -55,6 +55,7 @@ from diffusiond.daemon.errors import InvalidRequest, Unavailable, UpdateSplit
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import nbytes
+from diffusiond.ipc.updates import MAX_PARTS
 from diffusiond.pipelines.live_checks import KINDS, Shape, adapter_misfit
 from diffusiond.protocol import MODEL_DTYPES
 
@@ -108,7 +109,7 @@ class LiveLoras:
         the worker keeps the last version it took."""
         for entry in list(chain):
             try:
-                ack = await worker.command(entry.msg, timeout, [os.dup(entry.fd)])
+                ack = await worker.command(entry.msg, timeout, dups(entry.fds))
             except Exception as exc:
                 return f"the worker did not answer: {exc}"
             if ack.ok:
@@ -127,20 +128,16 @@ class LiveLoras:
         return self.versions.get(name, 0)
 
     async def update(self, msg: UpdateLora, fds: list[int], models: Iterable[ModelLoras], timeout: float) -> int:
-        """Apply ``msg`` (tensors in ``fds[0]``, closed here) to every live worker that holds or can
+        """Apply ``msg`` (tensors in ``fds``, its parts, closed here) to every live worker that holds or can
         hold the adapter; the new version. A refusal raises a 4xx naming the first bad tensor."""
         try:
-            if len(fds) != 1:
-                raise InvalidRequest(f"an update carries exactly one memfd; this one came with {len(fds)}",
-                                     field="fd")
-            check_header(msg, fds[0], self.registry.loras.get(msg.name))
+            check_header(msg, fds, self.registry.loras.get(msg.name))
             async with self.registry._adding:
-                return await self._send(msg, fds[0], list(models), timeout)
+                return await self._send(msg, fds, list(models), timeout)
         finally:
-            for fd in fds:
-                os.close(fd)
+            close(fds)
 
-    async def _send(self, msg: UpdateLora, fd: int, models: list[ModelLoras], timeout: float) -> int:
+    async def _send(self, msg: UpdateLora, fds: list[int], models: list[ModelLoras], timeout: float) -> int:
         name = msg.name
         new = name not in self.registry.loras
         if not new and name not in self.versions:  # registered from a file meanwhile
@@ -160,7 +157,7 @@ class LiveLoras:
                                  field="tensors")
         version = max(self.versions.get(name, 0), self._drawn.get(name, 0)) + 1
         forward = UpdateLora(name, msg.tensors, version)
-        answers = await ask_each(live_workers(targets), lambda w: w.command(forward, timeout, [os.dup(fd)]),
+        answers = await ask_each(live_workers(targets), lambda w: w.command(forward, timeout, dups(fds)),
                                  timeout)
         # checked when it next starts; one whose workers all stopped meanwhile too (review44-c 5)
         idle = [m for m in targets if m.name not in answers.asked]
@@ -206,29 +203,24 @@ class LiveLoras:
         if accepted:
             self.refused.pop(name, None)
         self.versions[name] = self._drawn[name] = version
-        keep(self.kept, name, forward, fd, proven=bool(accepted))
+        keep(self.kept, name, forward, fds, proven=bool(accepted))
         return version
 
 
-def check_header(msg: UpdateLora, fd: int, registered: LoraInfo | None) -> None:
-    """What needs no model: the name, the tensors' names, dtypes, shapes and places in the memfd."""
+def check_header(msg: UpdateLora, fds: list[int], registered: LoraInfo | None) -> None:
+    """What needs no model: the name, the tensors' names, dtypes, shapes and places in the memfds."""
     why = check_name(msg.name)
     if why:
         raise InvalidRequest(why, field="name")
     if registered is not None and registered.path != LIVE_PATH:
         raise _file_registered(registered)
-    check_tensors(msg.tensors, fd, lora=True)
+    check_tensors(msg.tensors, fds, lora=True)
 
 
-def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
-    """Each tensor's name, dtype, shape and place in the memfd (``lora``: LoRA naming and shapes)."""
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        raise InvalidRequest(f"the update's fd cannot be read: {exc.strerror or exc}", field="fd") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidRequest("the update's fd is not a memfd or regular file (a pipe or socket cannot be mapped)",
-                             field="fd")
+def check_tensors(tensors: list[WeightTensor], fds: list[int], *, lora: bool) -> None:
+    """How many memfds came, and each tensor's name, dtype, shape and place in its part's memfd (``lora``: LoRA
+    naming and shapes)."""
+    sizes = _part_sizes(fds)
     if not tensors:
         raise InvalidRequest("the update holds no tensors; give a state dict", field="tensors")
     seen: set[str] = set()
@@ -254,10 +246,31 @@ def check_tensors(tensors: list[WeightTensor], fd: int, *, lora: bool) -> None:
         if not lora and (len(t.shape) > 8 or any(not 0 <= d < 1 << 31 for d in t.shape)):
             raise InvalidRequest(f"{where} has shape {t.shape[:9]}; give at most 8 dimensions, none negative",
                                  field="tensors")
-        size = nbytes(t.dtype, t.shape)
-        if t.offset < 0 or t.offset + size > st.st_size:
-            raise InvalidRequest(f"{where} ({size} bytes at offset {t.offset}) does not lie inside the "
-                                 f"update's memfd of {st.st_size} bytes", field="tensors")
+        if not 0 <= t.part < len(sizes):
+            raise InvalidRequest(f"{where} lies in part {t.part}; the update came with {len(sizes)} memfd(s), "
+                                 f"parts 0 to {len(sizes) - 1}", field="tensors")
+        size, end = nbytes(t.dtype, t.shape), sizes[t.part]
+        if t.offset < 0 or t.offset + size > end:
+            raise InvalidRequest(f"{where} ({size} bytes at offset {t.offset} of part {t.part}) does not lie inside "
+                                 f"that part's memfd of {end} bytes", field="tensors")
+
+
+def _part_sizes(fds: list[int]) -> list[int]:
+    """The size of each of an update's memfds; a count outside 1..MAX_PARTS or an fd that is no file is refused."""
+    if not 1 <= len(fds) <= MAX_PARTS:
+        raise InvalidRequest(f"an update carries 1 to {MAX_PARTS} memfds (its parts); this one came with "
+                             f"{len(fds)}", field="fd")
+    sizes = []
+    for i, fd in enumerate(fds):
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise InvalidRequest(f"the update's fd {i} cannot be read: {exc.strerror or exc}", field="fd") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRequest(f"the update's fd {i} is not a memfd or regular file (a pipe or socket cannot be "
+                                 "mapped)", field="fd")
+        sizes.append(st.st_size)
+    return sizes
 
 
 class LiveComponents:
@@ -304,7 +317,7 @@ class LiveComponents:
                     for entry in list(chain):
                         msg = entry.msg
                         try:
-                            ack = await worker.command(msg, timeout, [os.dup(entry.fd)])
+                            ack = await worker.command(msg, timeout, dups(entry.fds))
                         except Exception as exc:  # the worker runs the files' weights there: it is replaced
                             log.error("%s of model %s was not restored on %s: the worker did not answer: %s",
                                       key[1], model.name, worker.name, exc)
@@ -338,19 +351,16 @@ class LiveComponents:
         """``models`` finds the served model by name (ModelNotFound otherwise)."""
         try:
             model = models(msg.model)
-            if len(fds) != 1:
-                raise InvalidRequest(f"an update carries exactly one memfd; this one came with {len(fds)}",
-                                     field="fd")
             if not 1 <= len(msg.component) <= 64 or not msg.component.isidentifier():
                 raise InvalidRequest(f"component {msg.component[:80]!r} is not a component's name (e.g. unet, "
                                      "transformer, text_encoder)", field="component")
-            check_tensors(msg.tensors, fds[0], lora=False)
+            check_tensors(msg.tensors, fds, lora=False)
             async with self._lock:
                 key = (model.name, msg.component)
                 version = max(self.versions.get(key, 0), self._drawn.get(key, 0)) + 1
                 forward = UpdateWeights(msg.model, msg.component, msg.tensors, version)
                 live = live_workers([model])
-                answers = await ask_each(live, lambda w: w.command(forward, timeout, [os.dup(fds[0])]), timeout)
+                answers = await ask_each(live, lambda w: w.command(forward, timeout, dups(fds)), timeout)
                 ran = bool(answers.asked)  # every live worker stopped meanwhile: as if none ran (review44-c 5)
                 files = None if ran else await self.files(model.name)
                 why = files.weights_misfit(msg.component, msg.tensors) if files is not None else ""
@@ -365,11 +375,10 @@ class LiveComponents:
                     log.info("%s of model %s version %d kept: no worker runs, applied when one starts",
                              msg.component, model.name, version)
                 self.versions[key] = self._drawn[key] = version
-                keep(self.kept, key, forward, fds[0], proven=ran)
+                keep(self.kept, key, forward, fds, proven=ran)
                 return version
         finally:
-            for fd in fds:
-                os.close(fd)
+            close(fds)
 
 
 def _refuse_split(what: str, model: str, version: int, answers: Answers) -> None:

@@ -1,0 +1,203 @@
+"""Live updates packed into several memfds, "parts" (issue 29): one real daemon on ``tiny``, one worker, the real
+output socket. ``pack`` writes a large update's parts in parallel (writes to one memfd take turns in the kernel);
+a test forces several parts on tiny's small tensors by making any size worth a part. What a user depends on: the
+weights land exactly as one memfd would have brought them, a worker started later gets them again, a header that
+points outside its parts is refused naming the tensor, and the engine holds no fd an update does not need.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from daemonkit import Daemon, fds_named, health, http, shared_daemon, submit, until, wait_job, when_idle
+
+import diffusiond.client.weights as client_weights
+from diffusiond.client import AsyncClient
+from diffusiond.client.weights import pack
+from diffusiond.ipc.channel import recv_with_fds
+from diffusiond.ipc.frames import MAX_FDS, FrameDecoder, FrameEncoder
+from diffusiond.ipc.messages import UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
+from diffusiond.ipc.updates import MAX_PARTS
+from diffusiond.protocol import output_socket_path
+
+PARTS = 4
+FAST = {"model": "tiny", "width": 64, "height": 64, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
+        "output_format": "npy"}
+MEMFD = "diffusiond-lora-update"  # the name pack gives its memfds: /proc/PID/fd shows it
+
+
+@pytest.fixture(scope="module")
+def parts_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
+                 lora_files: dict[str, Path]) -> Iterator[Daemon]:
+    args = ["--model", "tiny", "--workers", "1", "--max-loras", "3", "--job-timeout", "300",
+            "--lora", f"dots={lora_files['dots']}"]
+    with shared_daemon(tmp_path_factory.mktemp("update-parts"), args, model_cache) as d:
+        yield d
+
+
+@pytest.fixture
+async def sock(parts_daemon: Daemon) -> Path:
+    return await when_idle(parts_daemon)
+
+
+@pytest.fixture
+def in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every update ``pack`` makes from here is split over ``PARTS`` memfds (one per tensor when it has fewer)."""
+    monkeypatch.setattr(client_weights, "_PART", 1)
+    monkeypatch.setattr(client_weights.os, "cpu_count", lambda: PARTS)
+
+
+@pytest.fixture(scope="module")
+def unet_state() -> dict[str, np.ndarray]:
+    """Some of tiny's UNet parameters, changed: its output moves when they land."""
+    from safetensors import safe_open
+
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
+        names = [k for k in f.keys() if k.startswith(("conv_out.", "conv_in.", "up_blocks.0."))][:12]  # noqa: SIM118
+        return {k: f.get_tensor(k) for k in names}
+
+
+@pytest.fixture(scope="module")
+def dots_state(lora_files: dict[str, Path]) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(lora_files["dots"] / "pytorch_lora_weights.safetensors"))
+
+
+async def run(s: Any, lora: str | None = None) -> tuple[bytes, dict[str, Any]]:
+    body = {**FAST, "loras": [{"name": lora, "weight": 1.0}]} if lora else FAST
+    job = await wait_job(s, (await submit(s, body))["id"])
+    assert job["status"] == "succeeded", job
+    async with s.get(job["outputs"][0]["url"]) as r:
+        return await r.read(), job
+
+
+def changed(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v * np.float32(0.5) + np.float32(0.01) for k, v in state.items()}
+
+
+async def replace_worker(s: Any) -> None:
+    """SIGKILL the one worker and wait for its replacement, which the engine's kept updates reach first."""
+    (old,) = [x["pid"] for x in (await health(s))["workers"]]
+    os.kill(old, signal.SIGKILL)
+
+    async def replaced() -> bool:
+        workers = (await health(s))["workers"]
+        return [x["state"] for x in workers] == ["ready"] and workers[0]["pid"] not in (old, None)
+
+    await until(replaced, 120, "the killed worker's replacement to be ready")
+
+
+def test_a_frame_brings_every_part() -> None:
+    assert MAX_PARTS <= MAX_FDS and client_weights._MAX_PARTS <= MAX_PARTS
+
+
+async def test_weights_in_parts_land_as_one_memfd_would_bring_them_and_are_replayed_into_a_new_worker(
+        sock: Path, parts_daemon: Daemon, unet_state: dict[str, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = parts_daemon.proc.pid if parts_daemon.proc is not None else 0
+    new = changed(unet_state)
+    async with AsyncClient(str(sock)) as c, http(sock) as s:
+        base, _ = await run(s)
+        try:
+            await c.update_weights("tiny", "unet", new)  # one memfd: what the parts must match
+            one, _ = await run(s)
+            await c.update_weights("tiny", "unet", unet_state)
+            assert (await run(s))[0] == base
+            held = len(fds_named(engine, MEMFD))  # the one memfd kept of tiny's unet, and any adapter's
+            monkeypatch.setattr(client_weights, "_PART", 1)
+            monkeypatch.setattr(client_weights.os, "cpu_count", lambda: PARTS)
+            fds, tensors = pack(new)
+            for fd in fds:
+                os.close(fd)
+            assert len(fds) == PARTS and {t.part for t in tensors} == set(range(PARTS))
+            version = await c.update_weights("tiny", "unet", new)
+            parted, job = await run(s)
+            assert parted == one != base and job["weight_versions"] == {"unet": version}
+            # kept for later workers: the parts of this update, and nothing else of the earlier ones
+            assert len(fds_named(engine, MEMFD)) == held - 1 + PARTS
+            await replace_worker(s)
+            again, job = await run(s)
+            assert again == one and job["weight_versions"] == {"unet": version}
+        finally:
+            monkeypatch.undo()
+            await c.update_weights("tiny", "unet", unet_state)  # as the module found it
+        assert len(fds_named(engine, MEMFD)) == held  # the restoring update's one memfd, kept for later workers
+
+
+async def test_a_lora_in_parts_serves_as_its_file_does_before_and_after_a_new_worker(
+        sock: Path, parts_daemon: Daemon, dots_state: dict[str, Any], in_parts: None) -> None:
+    engine = parts_daemon.proc.pid if parts_daemon.proc is not None else 0
+    before = len(fds_named(engine, MEMFD))
+    async with AsyncClient(str(sock)) as c, http(sock) as s:
+        version = await c.update_lora("parted", dots_state)
+        filed, _ = await run(s, "dots")
+        parted, job = await run(s, "parted")
+        assert parted == filed and job["lora_versions"] == {"parted": version}
+        assert len(fds_named(engine, MEMFD)) == before + min(PARTS, len(dots_state))
+        await replace_worker(s)
+        again, job = await run(s, "parted")
+        assert again == filed and job["lora_versions"] == {"parted": version}
+
+
+def _raw(sock: Path, msg: UpdateLora | UpdateWeights, fds: list[int]) -> object:
+    """Send an update frame with ``fds`` by hand; the answer."""
+    frame = FrameEncoder().encode(msg, len(fds))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(output_socket_path(str(sock)))
+        s.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        decoder = FrameDecoder()
+        while True:
+            data, got = recv_with_fds(s)
+            for extra in got:
+                os.close(extra)
+            assert data, "the daemon hung up instead of answering"
+            frames = decoder.feed(data)
+            if frames:
+                return frames[0][3]
+
+
+async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_behind(
+        sock: Path, parts_daemon: Daemon, unet_state: dict[str, np.ndarray]) -> None:
+    """Part 0 is large enough for the tensor and part 1 is not: each part's own size bounds its tensors."""
+    engine = parts_daemon.proc.pid if parts_daemon.proc is not None else 0
+    big, small = os.memfd_create("parts-big"), os.memfd_create("parts-small")
+    try:
+        os.ftruncate(big, 1 << 16)
+        os.ftruncate(small, 256)
+        weight = "conv_out.weight"
+        before = len(fds_named(engine, "parts-"))
+        for name, shape in ((weight, list(unet_state[weight].shape)), ("unet.conv_out.lora_A.weight", [4, 32])):
+            size = int(np.prod(shape)) * 4
+            assert 256 < size <= 1 << 16
+            for part, says in [
+                (2, f"tensor {name!r} lies in part 2; the update came with 2 memfd(s), parts 0 to 1"),
+                (-1, f"tensor {name!r} lies in part -1;"),
+                (1 << 40, f"tensor {name!r} lies in part {1 << 40};"),
+                (1, f"tensor {name!r} ({size} bytes at offset 0 of part 1) does not lie inside that part's memfd "
+                    "of 256 bytes"),
+            ]:
+                tensors = [WeightTensor(name, "float32", shape, 0, part)]
+                msg = UpdateWeights("tiny", "unet", tensors) if name == weight else UpdateLora("parts", tensors)
+                answer = await asyncio.to_thread(_raw, sock, msg, [big, small])
+                assert isinstance(answer, UpdateRefused), answer
+                assert answer.status == 400 and answer.field == "tensors" and says in answer.message, answer
+        answer = await asyncio.to_thread(_raw, sock, UpdateWeights("tiny", "unet", [
+            WeightTensor(weight, "float32", list(unet_state[weight].shape), 0)]), [])
+        assert isinstance(answer, UpdateRefused) and answer.status == 400 and answer.field == "fd", answer
+        assert "an update carries 1 to 8 memfds (its parts); this one came with 0" in answer.message
+        assert len(fds_named(engine, "parts-")) == before  # every fd of a refused update closed
+    finally:
+        os.close(big)
+        os.close(small)
