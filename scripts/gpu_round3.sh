@@ -73,8 +73,8 @@ for s in "$@"; do
       step lora 240 python3 scripts/bench_live.py lora --preset flux-dev --component transformer --rank 64 \
         --dtype bfloat16 --rounds 5 ;;
     weights)  # issue 29: update_weights of the SDXL UNet
-      step weights 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 --rounds 3
-      # the same from pageable pages (worker/update_copy.py: the bench's switch; staged is the default)
+      step weights 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 --rounds 3 ;;
+    weights-pageable)  # the same from pageable pages (worker/update_copy.py: the bench's switch; staged is the default)
       DIFFUSIOND_UPDATE_COPY=pageable step weights-pageable 200 python3 scripts/bench_live.py weights --preset sdxl \
         --component unet --dtype float16 --rounds 3 ;;
     controlnet)  # issue 30: a ControlNet's cost against the plain job (SD 1.5, ControlNet from its UNet)
