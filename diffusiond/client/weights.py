@@ -20,8 +20,10 @@ infinite values) raises TypeError or ValueError here, naming the tensor, before 
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import socket
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable, update_error
+from diffusiond.client.transport import SOCKET_WAIT_S
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
@@ -177,9 +180,7 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fds: list[int], wha
     sock: socket.socket | None = None
     try:
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # EMFILE here too is a ClientError
-            sock.settimeout(timeout)
-            sock.connect(path)
+            sock = _connect(socket_path, path, timeout)
             frame = FrameEncoder().encode(msg, len(fds))
             sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             _close(fds)  # the daemon has its own now
@@ -205,6 +206,33 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fds: list[int], wha
 def _close(fds: list[int]) -> None:
     while fds:
         os.close(fds.pop())
+
+
+def _connect(socket_path: str, path: str, timeout: float | None) -> socket.socket:
+    """The output socket, waited for up to ``SOCKET_WAIT_S`` while it is not bound yet (no file, or nothing
+    listening): a daemon started a moment ago binds it just after its own socket, and a socket-activated one
+    only once something connected to its own socket, which this does once (a trainer's first call is often
+    an update). A daemon that never comes is reported after the wait, as a submit's is."""
+    deadline = time.monotonic() + SOCKET_WAIT_S
+    woken = False
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # EMFILE here too is a ClientError
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        if not woken:
+            woken = True
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                wake.connect(socket_path)
+        time.sleep(0.1)
 
 
 def _receive(sock: socket.socket) -> object:
