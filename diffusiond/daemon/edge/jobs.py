@@ -223,9 +223,11 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         await resp.prepare(request)
         # the slot stays pinned, or the file open and its job counted as read, until every byte left the
         # transport (or it was aborted): review45-c 1, 6. A file goes a piece at a time, read as it is sent.
-        body = (read.header, read.payload) if read.file is None else read.file.pieces(streaming.PIECE)
-        read.complete = await streaming.send(request, resp, body, engine.config.stream_stall_s,
-                                             f"output {k} of job {job.id}")
+        # The body is no local: one would hold a view of the slot while the block's exit gives it back, and a
+        # stopped worker's arena cannot be unmapped under a view (it then stayed mapped for good).
+        read.complete = await streaming.send(
+            request, resp, (read.header, read.payload) if read.file is None else read.file.pieces(streaming.PIECE),
+            engine.config.stream_stall_s, f"output {k} of job {job.id}")
         return resp
 
 
