@@ -117,3 +117,35 @@ def test_the_socket_path_appears_only_once_it_accepts(tmp_path: Path, monkeypatc
         assert os.listdir(tmp_path) == ["d.sock"]  # the temporary name it was bound under is gone
     finally:
         sock.close()
+
+
+def _path_of(tmp_path: Path, nbytes: int) -> Path:
+    """A socket path of exactly ``nbytes`` bytes in a directory of ``tmp_path``'s (a Unix socket's limit is 107)."""
+    room = nbytes - len(os.fsencode(str(tmp_path))) - len("/d/") - len("s")
+    assert room > 0, "pytest's temporary directory is already too long for this test"
+    (tmp_path / "d").mkdir()
+    return tmp_path / "d" / ("x" * room + "s")
+
+
+def test_a_socket_path_at_the_limit_still_binds(tmp_path: Path) -> None:
+    """Bound under a temporary name first, which must not make a path that fits the limit fail to start
+    (``make demo`` under pytest's long temporary directory did)."""
+    import diffusiond.daemon.server as server
+
+    path = _path_of(tmp_path, server.SUN_PATH_MAX)
+    sock = server.bind_unix(str(path), 0o600, None)
+    try:
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(path))
+        assert os.listdir(path.parent) == [path.name]
+    finally:
+        sock.close()
+
+
+def test_a_socket_path_over_the_limit_is_refused_naming_the_limit(tmp_path: Path) -> None:
+    import diffusiond.daemon.server as server
+
+    path = _path_of(tmp_path, server.SUN_PATH_MAX + 1)
+    with pytest.raises(server.StartupError, match=r"at most 107: choose a shorter --socket"):
+        server.bind_unix(str(path), 0o600, None)
+    assert os.listdir(path.parent) == []

@@ -72,16 +72,17 @@ def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
             raise StartupError(f"another daemon is already listening on {path}; stop it or choose another --socket")
         finally:
             probe.close()
+    bound = _temporary_name(p)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    bound = str(p.with_name(f".{p.name}.{os.getpid()}.tmp"))
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(bound)  # a start of ours that was killed here, whose pid came round again
+        if stat.S_ISSOCK(os.lstat(bound).st_mode):  # never another program's file of that name
+            os.unlink(bound)  # a start of ours that was killed here, whose pid came round again
     old = os.umask(0o177)
     try:
         sock.bind(bound)
     except OSError as exc:
         sock.close()
-        raise StartupError(f"cannot create the socket {path}: {exc.strerror}") from None
+        raise StartupError(f"cannot create the socket {path}: {exc.strerror or exc}") from None
     finally:
         os.umask(old)
     try:
@@ -98,7 +99,7 @@ def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
             raise StartupError(f"another daemon is already listening on {path}; stop it or choose another "
                                "--socket") from None
         except OSError as exc:
-            raise StartupError(f"cannot create the socket {path}: {exc.strerror}") from None
+            raise StartupError(f"cannot create the socket {path}: {exc.strerror or exc}") from None
     except BaseException:  # leave no socket file behind that nothing serves
         sock.close()
         raise
@@ -106,6 +107,25 @@ def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(bound)
     return sock
+
+
+SUN_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the terminating NUL)
+
+
+def _temporary_name(p: Path) -> str:
+    """Where ``bind_unix`` binds before the socket listens: beside ``p`` (a link is within one filesystem),
+    named after it and this process where that fits the path limit, else after the process alone (a path
+    near the limit that fit once must still fit: 2026-12-06's fresh-clone run, ``make demo`` under pytest's
+    long temporary directory)."""
+    if len(os.fsencode(str(p))) > SUN_PATH_MAX:
+        raise StartupError(f"the socket path {str(p)!r} is {len(os.fsencode(str(p)))} bytes; a Unix socket's path "
+                           f"may have at most {SUN_PATH_MAX}: choose a shorter --socket")
+    for name in (f".{p.name}.{os.getpid()}.tmp", f".{os.getpid():x}"):
+        bound = str(p.with_name(name))
+        if len(os.fsencode(bound)) <= SUN_PATH_MAX:
+            return bound
+    raise StartupError(f"the socket path {str(p)!r} is within a few bytes of the {SUN_PATH_MAX} a Unix socket's "
+                       "path may have, too close to bind it first under a temporary name: choose a shorter --socket")
 
 
 def read_token(path: str) -> str:
