@@ -6,6 +6,7 @@ import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,6 +136,27 @@ def lora_files(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> d
     (root / "text.safetensors").write_text("hello")
     return {"ink": ink, "dots": dots, "ink-kohya": kohya, "misfit": root / "misfit",
             "not-a-lora": root / "not-a-lora.safetensors", "text": root / "text.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def live_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
+                lora_files: dict[str, Path]) -> Iterator[Any]:
+    """A daemon on tiny for a module of live-update tests (test_lora_live, test_update_parts): one worker, and
+    the file LoRA ``dots`` to compare a trainer's copy of it against."""
+    from daemonkit import shared_daemon
+
+    args = ["--model", "tiny", "--workers", "1", "--max-loras", "3", "--job-timeout", "300",
+            "--lora", f"dots={lora_files['dots']}"]
+    with shared_daemon(tmp_path_factory.mktemp("live-updates"), args, model_cache) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def dots_state(lora_files: dict[str, Path]) -> dict[str, Any]:
+    """The ``dots`` adapter's tensors as a trainer holds them (torch tensors, PEFT naming)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(lora_files["dots"] / "pytorch_lora_weights.safetensors"))
 
 
 def pytest_asyncio_loop_factories(config, item):  # type: ignore[no-untyped-def]

@@ -14,13 +14,12 @@ import os
 import re
 import signal
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from daemonkit import Daemon, health, http, shared_daemon, submit, until, wait_job, when_idle
+from daemonkit import Daemon, health, http, submit, until, wait_job, when_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,25 +35,9 @@ FAST = {"model": "tiny", "width": SIZE, "height": SIZE, "steps": 2, "prompt": "a
         "output_format": "npy"}
 
 
-@pytest.fixture(scope="module")
-def live_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
-                lora_files: dict[str, Path]) -> Iterator[Daemon]:
-    args = ["--model", "tiny", "--workers", "1", "--max-loras", "3", "--job-timeout", "300",
-            "--lora", f"dots={lora_files['dots']}"]
-    with shared_daemon(tmp_path_factory.mktemp("live-lora"), args, model_cache) as d:
-        yield d
-
-
 @pytest.fixture
 async def sock(live_daemon: Daemon) -> Path:
     return await when_idle(live_daemon)
-
-
-@pytest.fixture(scope="module")
-def dots_state(lora_files: dict[str, Path]) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    return load_file(str(lora_files["dots"] / "pytorch_lora_weights.safetensors"))
 
 
 async def run(s: Any, name: str) -> tuple[bytes, dict[str, Any]]:

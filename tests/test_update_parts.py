@@ -12,13 +12,13 @@ import asyncio
 import os
 import signal
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from daemonkit import Daemon, fds_named, health, http, shared_daemon, submit, until, wait_job, when_idle
+from daemonkit import Daemon, fds_named, health, http, submit, until, wait_job, when_idle
+from test_lora_live import FAST
 
 import diffusiond.client.weights as client_weights
 from diffusiond.client import AsyncClient
@@ -30,23 +30,12 @@ from diffusiond.ipc.updates import MAX_PARTS
 from diffusiond.protocol import output_socket_path
 
 PARTS = 4
-FAST = {"model": "tiny", "width": 64, "height": 64, "steps": 2, "prompt": "a lighthouse at dusk", "seed": 7,
-        "output_format": "npy"}
 MEMFD = "diffusiond-lora-update"  # the name pack gives its memfds: /proc/PID/fd shows it
 
 
-@pytest.fixture(scope="module")
-def parts_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path,
-                 lora_files: dict[str, Path]) -> Iterator[Daemon]:
-    args = ["--model", "tiny", "--workers", "1", "--max-loras", "3", "--job-timeout", "300",
-            "--lora", f"dots={lora_files['dots']}"]
-    with shared_daemon(tmp_path_factory.mktemp("update-parts"), args, model_cache) as d:
-        yield d
-
-
 @pytest.fixture
-async def sock(parts_daemon: Daemon) -> Path:
-    return await when_idle(parts_daemon)
+async def sock(live_daemon: Daemon) -> Path:
+    return await when_idle(live_daemon)
 
 
 @pytest.fixture
@@ -66,13 +55,6 @@ def unet_state() -> dict[str, np.ndarray]:
     with safe_open(str(ensure_tiny() / "unet" / "diffusion_pytorch_model.safetensors"), "np") as f:
         names = [k for k in f.keys() if k.startswith(("conv_out.", "conv_in.", "up_blocks.0."))][:12]  # noqa: SIM118
         return {k: f.get_tensor(k) for k in names}
-
-
-@pytest.fixture(scope="module")
-def dots_state(lora_files: dict[str, Path]) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    return load_file(str(lora_files["dots"] / "pytorch_lora_weights.safetensors"))
 
 
 async def run(s: Any, lora: str | None = None) -> tuple[bytes, dict[str, Any]]:
@@ -104,8 +86,8 @@ def test_a_frame_brings_every_part() -> None:
 
 
 async def test_weights_in_parts_land_as_one_memfd_would_bring_them_and_are_replayed_into_a_new_worker(
-        sock: Path, parts_daemon: Daemon, unet_state: dict[str, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = parts_daemon.proc.pid if parts_daemon.proc is not None else 0
+        sock: Path, live_daemon: Daemon, unet_state: dict[str, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = live_daemon.proc.pid if live_daemon.proc is not None else 0
     new = changed(unet_state)
     async with AsyncClient(str(sock)) as c, http(sock) as s:
         base, _ = await run(s)
@@ -136,8 +118,8 @@ async def test_weights_in_parts_land_as_one_memfd_would_bring_them_and_are_repla
 
 
 async def test_a_lora_in_parts_serves_as_its_file_does_before_and_after_a_new_worker(
-        sock: Path, parts_daemon: Daemon, dots_state: dict[str, Any], in_parts: None) -> None:
-    engine = parts_daemon.proc.pid if parts_daemon.proc is not None else 0
+        sock: Path, live_daemon: Daemon, dots_state: dict[str, Any], in_parts: None) -> None:
+    engine = live_daemon.proc.pid if live_daemon.proc is not None else 0
     before = len(fds_named(engine, MEMFD))
     async with AsyncClient(str(sock)) as c, http(sock) as s:
         version = await c.update_lora("parted", dots_state)
@@ -169,9 +151,9 @@ def _raw(sock: Path, msg: UpdateLora | UpdateWeights, fds: list[int]) -> object:
 
 
 async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_behind(
-        sock: Path, parts_daemon: Daemon, unet_state: dict[str, np.ndarray]) -> None:
+        sock: Path, live_daemon: Daemon, unet_state: dict[str, np.ndarray]) -> None:
     """Part 0 is large enough for the tensor and part 1 is not: each part's own size bounds its tensors."""
-    engine = parts_daemon.proc.pid if parts_daemon.proc is not None else 0
+    engine = live_daemon.proc.pid if live_daemon.proc is not None else 0
     big, small = os.memfd_create("parts-big"), os.memfd_create("parts-small")
     try:
         os.ftruncate(big, 1 << 16)
