@@ -129,21 +129,21 @@ async def test_refusals_name_the_first_bad_tensor(sock: Path, dots_state: dict[s
     assert "fresh" not in {e["name"] for e in models["data"]}  # a refused new adapter is not registered
 
 
-def _raw_update(sock: Path, msg: UpdateLora | UpdateWeights, fd: int | None, *, cut: int | None = None,
-                answer: bool = True) -> object:
-    """Send UPDATE_LORA by hand (optionally cut short, or without waiting for the answer)."""
-    frame = FrameEncoder().encode(msg, 0 if fd is None else 1)
+def raw_update(sock: Path, msg: UpdateLora | UpdateWeights, fds: list[int], *, cut: int | None = None,
+               answer: bool = True) -> object:
+    """Send an update frame with ``fds`` by hand (optionally cut short, or without waiting for the answer)."""
+    frame = FrameEncoder().encode(msg, len(fds))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(60)
         s.connect(output_socket_path(str(sock)))
-        anc = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         s.sendmsg([frame[:cut] if cut is not None else frame], anc)
         if not answer:
             return None
         decoder = FrameDecoder()
         while True:
-            data, fds = recv_with_fds(s)
-            for extra in fds:
+            data, got = recv_with_fds(s)
+            for extra in got:
                 os.close(extra)
             assert data, "the daemon hung up instead of answering"
             frames = decoder.feed(data)
@@ -157,9 +157,9 @@ async def test_a_client_dying_mid_update_leaves_the_daemon_serving(sock: Path, d
         (fd,), tensors = pack({k: v * 5 for k, v in dots_state.items()})
         try:
             # half a frame, then gone: nothing is applied
-            await asyncio.to_thread(_raw_update, sock, UpdateLora("dying", tensors), fd, cut=20, answer=False)
+            await asyncio.to_thread(raw_update, sock, UpdateLora("dying", tensors), [fd], cut=20, answer=False)
             # the whole frame, then gone before the answer: the update still completes, whole
-            await asyncio.to_thread(_raw_update, sock, UpdateLora("dying", tensors), fd, answer=False)
+            await asyncio.to_thread(raw_update, sock, UpdateLora("dying", tensors), [fd], answer=False)
         finally:
             os.close(fd)
         latest = await c.update_lora("dying", dots_state)
@@ -194,7 +194,7 @@ def test_fuzz_update_headers_get_an_answer_never_a_hangup(live_daemon: Daemon, n
     try:
         if fd is not None:
             os.ftruncate(fd, 4096)
-        answer = _raw_update(sock, msg, fd)
+        answer = raw_update(sock, msg, [] if fd is None else [fd])
     finally:
         if fd is not None:
             os.close(fd)

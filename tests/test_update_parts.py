@@ -7,27 +7,23 @@ points outside its parts is refused naming the tensor, and the engine holds no f
 
 from __future__ import annotations
 
-import array
 import asyncio
 import os
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from daemonkit import Daemon, fds_named, health, http, submit, until, wait_job, when_idle
-from test_lora_live import FAST
+from test_lora_live import FAST, raw_update
 
 import diffusiond.client.weights as client_weights
 from diffusiond.client import AsyncClient
 from diffusiond.client.weights import pack
-from diffusiond.ipc.channel import recv_with_fds
-from diffusiond.ipc.frames import MAX_FDS, FrameDecoder, FrameEncoder
+from diffusiond.ipc.frames import MAX_FDS
 from diffusiond.ipc.messages import UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
 from diffusiond.ipc.updates import MAX_PARTS
-from diffusiond.protocol import output_socket_path
 
 PARTS = 4
 MEMFD = "diffusiond-lora-update"  # the name pack gives its memfds: /proc/PID/fd shows it
@@ -132,24 +128,6 @@ async def test_a_lora_in_parts_serves_as_its_file_does_before_and_after_a_new_wo
         assert again == filed and job["lora_versions"] == {"parted": version}
 
 
-def _raw(sock: Path, msg: UpdateLora | UpdateWeights, fds: list[int]) -> object:
-    """Send an update frame with ``fds`` by hand; the answer."""
-    frame = FrameEncoder().encode(msg, len(fds))
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(60)
-        s.connect(output_socket_path(str(sock)))
-        s.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        decoder = FrameDecoder()
-        while True:
-            data, got = recv_with_fds(s)
-            for extra in got:
-                os.close(extra)
-            assert data, "the daemon hung up instead of answering"
-            frames = decoder.feed(data)
-            if frames:
-                return frames[0][3]
-
-
 async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_behind(
         sock: Path, live_daemon: Daemon, unet_state: dict[str, np.ndarray]) -> None:
     """Part 0 is large enough for the tensor and part 1 is not: each part's own size bounds its tensors."""
@@ -172,10 +150,10 @@ async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_b
             ]:
                 tensors = [WeightTensor(name, "float32", shape, 0, part)]
                 msg = UpdateWeights("tiny", "unet", tensors) if name == weight else UpdateLora("parts", tensors)
-                answer = await asyncio.to_thread(_raw, sock, msg, [big, small])
+                answer = await asyncio.to_thread(raw_update, sock, msg, [big, small])
                 assert isinstance(answer, UpdateRefused), answer
                 assert answer.status == 400 and answer.field == "tensors" and says in answer.message, answer
-        answer = await asyncio.to_thread(_raw, sock, UpdateWeights("tiny", "unet", [
+        answer = await asyncio.to_thread(raw_update, sock, UpdateWeights("tiny", "unet", [
             WeightTensor(weight, "float32", list(unet_state[weight].shape), 0)]), [])
         assert isinstance(answer, UpdateRefused) and answer.status == 400 and answer.field == "fd", answer
         assert "an update carries 1 to 8 memfds (its parts); this one came with 0" in answer.message
