@@ -129,6 +129,18 @@ async def test_refusals_name_the_first_bad_tensor(sock: Path, dots_state: dict[s
     assert "fresh" not in {e["name"] for e in models["data"]}  # a refused new adapter is not registered
 
 
+async def replace_worker(s: Any) -> None:
+    """SIGKILL the one worker and wait for its replacement, which the engine's kept updates reach first."""
+    (old,) = [x["pid"] for x in (await health(s))["workers"]]
+    os.kill(old, signal.SIGKILL)
+
+    async def replaced() -> bool:
+        workers = (await health(s))["workers"]
+        return [x["state"] for x in workers] == ["ready"] and workers[0]["pid"] not in (old, None)
+
+    await until(replaced, 120, "the killed worker's replacement to be ready")
+
+
 def raw_update(sock: Path, msg: UpdateLora | UpdateWeights, fds: list[int], *, cut: int | None = None,
                answer: bool = True) -> object:
     """Send an update frame with ``fds`` by hand (optionally cut short, or without waiting for the answer)."""
@@ -255,14 +267,7 @@ async def test_a_replacement_worker_gets_the_live_adapter_and_weights_before_its
             w = await c.update_weights("tiny", "unet", {"conv_out.weight": original * 0.25})
             before, job = await run(s, "survivor")
             assert job["lora_versions"] == {"survivor": v} and job["weight_versions"] == {"unet": w}
-            (old,) = [x["pid"] for x in (await health(s))["workers"]]
-            os.kill(old, signal.SIGKILL)
-
-            async def replaced() -> bool:
-                workers = (await health(s))["workers"]
-                return [x["state"] for x in workers] == ["ready"] and workers[0]["pid"] not in (old, None)
-
-            await until(replaced, 120, "the killed worker's replacement to be ready")
+            await replace_worker(s)
             after, job2 = await run(s, "survivor")
             assert job2["lora_versions"] == {"survivor": v} and job2["weight_versions"] == {"unet": w}
             assert after == before  # the updated adapter and component, not the files' weights

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from daemonkit import Daemon, fds_named, health, http, submit, until, wait_job, when_idle
-from test_lora_live import FAST, raw_update
+from daemonkit import Daemon, fds_named, http, submit, wait_job, when_idle
+from test_lora_live import FAST, raw_update, replace_worker
 
 import diffusiond.client.weights as client_weights
 from diffusiond.client import AsyncClient
@@ -63,18 +62,6 @@ async def run(s: Any, lora: str | None = None) -> tuple[bytes, dict[str, Any]]:
 
 def changed(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v * np.float32(0.5) + np.float32(0.01) for k, v in state.items()}
-
-
-async def replace_worker(s: Any) -> None:
-    """SIGKILL the one worker and wait for its replacement, which the engine's kept updates reach first."""
-    (old,) = [x["pid"] for x in (await health(s))["workers"]]
-    os.kill(old, signal.SIGKILL)
-
-    async def replaced() -> bool:
-        workers = (await health(s))["workers"]
-        return [x["state"] for x in workers] == ["ready"] and workers[0]["pid"] not in (old, None)
-
-    await until(replaced, 120, "the killed worker's replacement to be ready")
 
 
 def test_a_frame_brings_every_part() -> None:
