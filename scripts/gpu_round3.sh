@@ -38,6 +38,9 @@ step() {  # name timeout command...: its stdout's last line (the JSON) to $out/N
   local t0=$SECONDS
   timeout "$t" "$@" > "$out/$name.json" 2> "$out/$name.log"
   echo "== $name rc=$? $((SECONDS - t0))s"; tail -c 1500 "$out/$name.json"; echo; grep -v "^{" "$out/$name.log" | grep -v "should be kept in float32" | tail -12
+  # what has run so far, under one name: a call killed at the device budget's end still returns it (2026-12-06's
+  # last call returned nothing: killed before its `pack`, its output held behind a pipe into tail)
+  tar czf "${OUT:-.}/r3-partial.tgz" --exclude="*.npy" --exclude="*.png" --exclude="*.gguf" -C /tmp r3-out
 }
 for s in "$@"; do
   case $s in
