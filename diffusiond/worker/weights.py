@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusiond.ipc.messages import UpdateLora, UpdateWeights
+from diffusiond.ipc.messages import UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.params import ComponentTable, LayerRow, ParamRow, ParamTable
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.pipelines.live_checks import (
@@ -66,22 +66,33 @@ def read_tensors(msg: UpdateLora | UpdateWeights, fds: list[int]) -> dict[str, t
     kept (``Adapters.states``), so they must not be the client's pages; a whole component's are copied straight
     into its parameters instead (``mapped_tensors``)."""
     try:
-        out: dict[str, torch.Tensor] = {}
+        parts: dict[int, list[WeightTensor]] = {}
         for t in msg.tensors:
-            arr = np.empty(t.shape, dtype=numpy_dtype(t.dtype))
-            data = arr.reshape(-1).view(np.uint8).data
-            done = 0
-            while done < len(data):  # a read may return less than asked
-                got = os.preadv(fds[t.part], [data[done:]], t.offset + done)
-                if got == 0:
-                    raise ValueError(f"tensor {t.name!r} ends past the end of the update's memfd, which shrank "
-                                     "after it was sent; send the update again without changing its memfd")
-                done += got
-            tensor = torch.from_numpy(arr)
-            out[t.name] = tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
-        return out
+            parts.setdefault(t.part, []).append(t)
+        # a thread per part, as the client wrote them (preadv lets go of the GIL, and reads take no file lock)
+        with ThreadPoolExecutor(max(1, len(parts)), thread_name_prefix="diffusiond-read") as pool:
+            reads = [pool.submit(_read_part, fds[part], tensors) for part, tensors in parts.items()]
+            got = {name: tensor for read in reads for name, tensor in read.result().items()}
+        return {t.name: got[t.name] for t in msg.tensors}  # in the order sent
     finally:
         _close(fds)
+
+
+def _read_part(fd: int, tensors: list[WeightTensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for t in tensors:
+        arr = np.empty(t.shape, dtype=numpy_dtype(t.dtype))
+        data = arr.reshape(-1).view(np.uint8).data
+        done = 0
+        while done < len(data):  # a read may return less than asked
+            got = os.preadv(fd, [data[done:]], t.offset + done)
+            if got == 0:
+                raise ValueError(f"tensor {t.name!r} ends past the end of the update's memfd, which shrank "
+                                 "after it was sent; send the update again without changing its memfd")
+            done += got
+        tensor = torch.from_numpy(arr)
+        out[t.name] = tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
+    return out
 
 
 def _close(fds: list[int]) -> None:
