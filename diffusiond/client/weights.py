@@ -35,6 +35,7 @@ from diffusiond.client.transport import SOCKET_WAIT_S
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
+from diffusiond.ipc.updates import MAX_PARTS
 from diffusiond.protocol import MODEL_DTYPES, output_socket_path
 
 _ALIGN = 64  # each tensor starts on a cache line
@@ -84,7 +85,7 @@ def pack(state_dict: Mapping[str, Any]) -> tuple[list[int], list[WeightTensor]]:
 
 
 _PART = 64 << 20  # the least bytes worth a memfd and a thread of their own
-_MAX_PARTS = 8  # past that the memory bus, not the cores, sets the pace (at most ipc.updates.MAX_PARTS)
+_MAX_PARTS = MAX_PARTS  # what one update may bring (ipc/updates.py); past 8 the memory bus sets the pace anyway
 _CHUNK = 32 << 20  # bytes checked and written at a time: a multiple of every dtype's size
 
 

@@ -82,7 +82,7 @@ class FileReads:
             del self.reading[job_id]
 
     def _path(self, file: str) -> Path:
-        return self.store.root / "outputs" / file if self.store.root is not None else Path(file)
+        return self.store.outputs_dir / file if self.store.outputs_dir is not None else Path(file)
 
     @staticmethod
     def _gone(job_id: str, what: str) -> OutputNotFound:

@@ -79,6 +79,7 @@ class Store:
 
     persistent = False
     root: Path | None = None
+    outputs_dir: Path | None = None  # where the output files lie (SqliteStore); the one place that says so
     lost_inputs: frozenset[str] = frozenset()  # unfinished edits from ``open``: their input images were not kept
 
     async def open(self) -> list[Job]:
@@ -148,7 +149,7 @@ class SqliteStore(Store):
         self.dir = Path(root)
         self.root = self.dir
         self.db_path = self.dir / "jobs.db"
-        self.outputs_dir = self.dir / "outputs"
+        self.outputs_dir: Path = self.dir / "outputs"
         self.reset = reset
         self.sync = sync  # "normal" or "full" (config.STATE_SYNC)
         self.faults = StateFaults.parse(faults)
