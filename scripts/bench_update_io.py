@@ -6,9 +6,9 @@ both sides did it before (through a mapping, and torch's ``isfinite``), alternat
 
 ``--kind weights`` times a whole component's update instead (``update_weights``: SDXL's UNet with ``--preset sdxl
 --component unet --dtype float16``): the pack into one memfd by one thread against the pack now (several memfds,
-a thread each), and the worker's copy from the
-memfd into the component's parameters through a private writable mapping (before) against the shared,
-populated one now (``mapped_tensors``), the parameters on this machine's CPU.
+a thread each), and the worker's copy from the memfds into the component's parameters: through a private writable
+mapping (first), a shared populated one (until 2026-12-06's third session), and read in place now
+(``worker/update_copy.py``), the parameters on this machine's CPU.
 
 Prints one JSON object: the medians in seconds, and the bytes.
 """
@@ -36,7 +36,8 @@ from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.pipelines.preset_tables import get_preset
 from diffusiond.pipelines.presets import build_part
-from diffusiond.worker.weights import mapped_tensors, read_tensors
+from diffusiond.worker import update_copy
+from diffusiond.worker.weights import read_tensors
 
 
 def pack_mapped(state: dict[str, torch.Tensor]) -> tuple[int, list]:
@@ -76,9 +77,19 @@ def copy_private(msg: UpdateWeights, fds: list[int], into: dict[str, torch.Tenso
                            .view(t.shape))
 
 
+def copy_mapped(msg: UpdateWeights, fds: list[int], into: dict[str, torch.Tensor]) -> None:
+    """The worker's copy until the memfds were sealed: mapped shared and populated, each tensor copied out."""
+    maps = [mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ) for fd in fds]
+    for t in msg.tensors:
+        dtype = into[t.name].dtype
+        into[t.name].copy_(torch.frombuffer(maps[t.part], dtype=dtype, count=int(np.prod(t.shape)), offset=t.offset)
+                           .view(t.shape))
+
+
 def weights_rounds(state: dict[str, torch.Tensor], rounds: int) -> dict[str, list[float]]:
     into = {k: torch.empty_like(v) for k, v in state.items()}
-    times: dict[str, list[float]] = {"pack_one_thread": [], "pack_now": [], "copy_before": [], "copy_now": []}
+    times: dict[str, list[float]] = {"pack_one_thread": [], "pack_now": [], "copy_before": [], "copy_mapped": [],
+                                     "copy_now": []}
     for _ in range(rounds):
         parts = client_weights._MAX_PARTS
         client_weights._MAX_PARTS = 1  # one memfd, so one thread
@@ -93,11 +104,13 @@ def weights_rounds(state: dict[str, torch.Tensor], rounds: int) -> dict[str, lis
         msg = UpdateWeights("bench", "component", tensors)
         copy_private(msg, fds, into)
         t3 = time.perf_counter()
-        with mapped_tensors(msg, fds) as views:
-            for key, view in views.items():
-                into[key].copy_(view)
+        copy_mapped(msg, fds, into)
         t4 = time.perf_counter()
-        for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+        update_copy.copy_into([(into[t.name], update_copy.Source(fds[t.part], t)) for t in tensors])
+        t5 = time.perf_counter()
+        for fd in fds:
+            os.close(fd)
+        for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             times[key].append(seconds)
     return times
 

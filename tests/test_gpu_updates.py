@@ -1,12 +1,14 @@
 """GPU tests of live weight updates (issue 29), run on the GPU machine through the device tool (skipped without CUDA).
 
-A whole component's update is copied from the client's memfd into the parameters through two pinned buffers in
-turn (``worker/update_copy.py``): the copies are asynchronous DMA, so what matters is that every value lands
-(pieces of a tensor in two buffers, several tensors in one) and that a refused update changes nothing.
+A whole component's update is read from the client's memfds into two pinned buffers in turn, by several threads,
+and copied from there to the parameters (``worker/update_copy.py``): the copies are asynchronous DMA, so what
+matters is that every value lands (pieces of a tensor in two buffers, several tensors in one, the buffers used
+again by the next update) and that a refused update changes nothing.
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 from diffusiond.client.weights import pack
 from diffusiond.ipc.messages import UpdateWeights
 from diffusiond.worker import update_copy
-from diffusiond.worker.weights import apply_weights, mapped_tensors
+from diffusiond.worker.weights import apply_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,8 +36,11 @@ def update(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str:
     fds, tensors = pack(state)
     msg = UpdateWeights("m", "unet", tensors, version=1)
     pipeline = SimpleNamespace(pipe=SimpleNamespace(components={"unet": model}))
-    with mapped_tensors(msg, fds) as views:
-        return apply_weights(pipeline, msg, views)
+    try:
+        return apply_weights(pipeline, msg, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @pytest.mark.parametrize("staged", [True, False])
@@ -45,9 +50,11 @@ def test_gpu_a_whole_component_update_lands_exactly_staged_or_not(staged: bool,
     model = component()
     state = {k: torch.randn(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
     state["0.bias"] = state["0.bias"].float()  # another dtype: copied converting, beside the staged bytes
-    assert update(model, state) == ""
-    for key, value in model.state_dict().items():
-        assert torch.equal(value.cpu(), state[key].to(value.dtype)), key
+    for _ in range(2):  # the second through the staging buffers the first left behind
+        state = {k: v.clone().uniform_() if v.is_floating_point() else v for k, v in state.items()}
+        assert update(model, state) == ""
+        for key, value in model.state_dict().items():
+            assert torch.equal(value.cpu(), state[key].to(value.dtype)), key
 
 
 def test_gpu_a_refused_update_leaves_every_parameter_as_it_was() -> None:

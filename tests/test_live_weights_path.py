@@ -1,9 +1,9 @@
 """The bytes of a whole-component update (issue 29): ``bench_live.py weights`` on SDXL's UNet printed nothing in
 200 s. The client's check for NaN and infinity wrote a mask as large as each tensor (12 s of a CPU's time for a
 UNet), and the worker copied the whole update out of the memfd before copying it again into the parameters. Now
-each tensor is checked chunk by chunk, and the worker copies from the memfd straight into the parameters; these tests
+each tensor is checked chunk by chunk, and the worker reads from the memfd straight into the parameters; these tests
 hold what that must keep: every non-finite value is still caught, the values applied are the ones sent, in each
-dtype, and the memfd is closed after, with nothing holding its mapping.
+dtype, and the memfd is sealed, so what a worker started later reads again is what was sent.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import diffusiond.client.weights as client_weights
 from diffusiond.client.weights import pack
 from diffusiond.ipc.messages import UpdateWeights
-from diffusiond.worker.weights import apply_weights, mapped_tensors, read_tensors
+from diffusiond.worker.weights import apply_weights, read_tensors
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -66,32 +66,36 @@ class _Pipe:
 
 
 @pytest.mark.parametrize("sent", DTYPES)
-def test_an_update_is_applied_from_the_memfd_with_the_values_sent_and_the_memfd_released(sent: torch.dtype) -> None:
+def test_an_update_is_applied_with_the_values_sent_and_its_memfd_cannot_change_after(sent: torch.dtype) -> None:
+    """The parameters are on the CPU (read into in place) and one of them is strided (read, then copied)."""
     unet = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8, bias=False))
+    unet[1].weight = torch.nn.Parameter(torch.zeros(32, 8).t())  # not contiguous
     state = {"0.weight": torch.randn(32, 64, dtype=sent), "0.bias": torch.randn(32, dtype=sent),
              "1.weight": torch.randn(8, 32, dtype=sent)}
     (fd,), tensors = pack(state)
-    keep = os.dup(fd)  # the update's memfd, to write after and to see that the worker let go of its fd
     msg = UpdateWeights("m", "unet", tensors, 1)
     try:
-        with mapped_tensors(msg, [fd]) as views:
-            assert apply_weights(_Pipe(unet), msg, views) == ""
-        assert views == {}  # emptied: no view keeps the mapping
-        with pytest.raises(OSError):
-            os.fstat(fd)  # closed by the worker's side
-        os.pwrite(keep, b"\xff" * 64, tensors[0].offset)  # the client's pages after: the model keeps what was sent
+        assert apply_weights(_Pipe(unet), msg, [fd]) == ""
         for name, value in state.items():
             assert torch.equal(unet.state_dict()[name], value.float()), name
-        assert {k: v.dtype for k, v in read_tensors(msg, [os.dup(keep)]).items()} == dict.fromkeys(state, sent)
+        with pytest.raises(PermissionError):  # sealed: a later worker's read (replay) gets what was sent
+            os.pwrite(fd, b"\xff" * 64, tensors[0].offset)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        assert {k: v.dtype for k, v in read_tensors(msg, [os.dup(fd)]).items()} == dict.fromkeys(state, sent)
     finally:
-        os.close(keep)
+        os.close(fd)
 
 
-def test_a_view_kept_past_the_mapping_block_still_reads_what_was_sent() -> None:
-    """The mapping is dropped, not closed, at the block's end: torch.frombuffer holds the mapping object without a
-    buffer export, so a close unmapped under a surviving view, and its next read crashed the worker."""
-    state = {"w": torch.arange(4096, dtype=torch.float32)}
+def test_a_misfit_anywhere_leaves_every_parameter_as_it_was() -> None:
+    unet = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8, bias=False))
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    state = {"0.weight": torch.randn(32, 64), "0.bias": torch.randn(32), "1.weight": torch.randn(8, 33)}
     fds, tensors = pack(state)
-    with mapped_tensors(UpdateWeights("m", "unet", tensors, 1), fds) as views:
-        kept = views["w"]
-    assert torch.equal(kept, state["w"])
+    try:
+        why = apply_weights(_Pipe(unet), UpdateWeights("m", "unet", tensors, 1), fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert "1.weight" in why
+    assert all(torch.equal(unet.state_dict()[k], v) for k, v in before.items())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import io
 import os
 import re
@@ -28,6 +29,7 @@ from diffusiond.client.weights import pack
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
+from diffusiond.ipc.updates import SEALS
 from diffusiond.protocol import output_socket_path
 
 SIZE = 64
@@ -141,6 +143,15 @@ async def replace_worker(s: Any) -> None:
     await until(replaced, 120, "the killed worker's replacement to be ready")
 
 
+def memfd(name: str, size: int, *, sealed: bool = True) -> int:
+    """A memfd of ``size`` zero bytes, sealed as ``Client`` seals an update's parts (``ipc/updates.SEALS``)."""
+    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    return fd
+
+
 def raw_update(sock: Path, msg: UpdateLora | UpdateWeights, fds: list[int], *, cut: int | None = None,
                answer: bool = True) -> object:
     """Send an update frame with ``fds`` by hand (optionally cut short, or without waiting for the answer)."""
@@ -192,20 +203,18 @@ _NAMES = st.sampled_from(["unet.a.lora_A.weight", "unet.down_blocks.0.attentions
                                   st.lists(st.integers(-2, 1 << 33), max_size=5),
                                   st.integers(-10, 1 << 40),
                                   st.sampled_from([0, 1, -1, 7, 1 << 40])), max_size=4),
-       with_fd=st.booleans(),
+       with_fd=st.booleans(), sealed=st.booleans(),
        component=st.none() | st.tuples(st.sampled_from(["tiny", "", "nope"]),
                                         st.sampled_from(["unet", "vae2", "", "a b", "x" * 100])))
 def test_fuzz_update_headers_get_an_answer_never_a_hangup(live_daemon: Daemon, name: str,
                                                           tensors: list[WeightTensor], with_fd: bool,
-                                                          component: tuple[str, str] | None) -> None:
+                                                          sealed: bool, component: tuple[str, str] | None) -> None:
     """UPDATE_LORA and UPDATE_WEIGHTS headers of every shape: each gets its answer (a refusal in the
     HTTP API's statuses), never a dropped connection; none of these names can change tiny."""
     sock = live_daemon.socket
     msg = UpdateLora(name, tensors) if component is None else UpdateWeights(*component, tensors)
-    fd = os.memfd_create("fuzz") if with_fd else None
+    fd = memfd("fuzz", 4096, sealed=sealed) if with_fd else None
     try:
-        if fd is not None:
-            os.ftruncate(fd, 4096)
         answer = raw_update(sock, msg, [] if fd is None else [fd])
     finally:
         if fd is not None:

@@ -412,8 +412,13 @@ def test_the_worker_reads_back_what_the_client_packed_and_refuses_a_memfd_shrunk
         with pytest.raises(ValueError, match="holds NaN or infinite values"):
             pack({"unet.a.lora_A.weight": bad})
     (fd,), tensors = pack(state)
+    with pytest.raises(PermissionError):  # sealed: the client itself cannot shrink it after sending
+        os.ftruncate(fd, 0)
     last = max(tensors, key=lambda t: t.offset)
-    os.ftruncate(fd, last.offset + 2)
+    unsealed = os.memfd_create("unsealed")  # what the engine refuses; a read that met one still refuses
+    os.sendfile(unsealed, fd, 0, last.offset + 2)
+    os.close(fd)
+    fd = unsealed
     with pytest.raises(ValueError) as err:
         read_tensors(UpdateLora("t", tensors), [fd])
     assert f"{last.name!r}" in str(err.value) and "shrank" in str(err.value)

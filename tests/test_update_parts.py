@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from daemonkit import Daemon, fds_named, http, submit, wait_job, when_idle
-from test_lora_live import FAST, raw_update, replace_worker
+from test_lora_live import FAST, memfd, raw_update, replace_worker
 
 import diffusiond.client.weights as client_weights
 from diffusiond.client import AsyncClient
@@ -119,10 +119,8 @@ async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_b
         sock: Path, live_daemon: Daemon, unet_state: dict[str, np.ndarray]) -> None:
     """Part 0 is large enough for the tensor and part 1 is not: each part's own size bounds its tensors."""
     engine = live_daemon.proc.pid if live_daemon.proc is not None else 0
-    big, small = os.memfd_create("parts-big"), os.memfd_create("parts-small")
+    big, small = memfd("parts-big", 1 << 16), memfd("parts-small", 256)
     try:
-        os.ftruncate(big, 1 << 16)
-        os.ftruncate(small, 256)
         weight = "conv_out.weight"
         before = len(fds_named(engine, "parts-"))
         for name, shape in ((weight, list(unet_state[weight].shape)), ("unet.conv_out.lora_A.weight", [4, 32])):
@@ -148,3 +146,24 @@ async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_b
     finally:
         os.close(big)
         os.close(small)
+
+
+async def test_an_unsealed_part_is_refused_saying_how_to_seal_it_and_leaves_no_fd_behind(
+        sock: Path, live_daemon: Daemon, unet_state: dict[str, np.ndarray]) -> None:
+    """The workers read an update after the call and a later worker reads the engine's copy again: a memfd its
+    client could still write or shrink would give them other bytes than were checked, or a short read mid-copy."""
+    engine = live_daemon.proc.pid if live_daemon.proc is not None else 0
+    weight = "conv_out.weight"
+    size = int(np.prod(unet_state[weight].shape)) * 4
+    sealed, unsealed = memfd("parts-sealed", size), memfd("parts-open", size, sealed=False)
+    try:
+        before = len(fds_named(engine, "parts-"))
+        tensors = [WeightTensor(weight, "float32", list(unet_state[weight].shape), 0, 0)]
+        answer = await asyncio.to_thread(raw_update, sock, UpdateWeights("tiny", "unet", tensors), [sealed, unsealed])
+        assert isinstance(answer, UpdateRefused) and answer.status == 400 and answer.field == "fd", answer
+        assert "memfd 1 is not sealed against writes and shrinking" in answer.message
+        assert "F_SEAL_SHRINK | F_SEAL_WRITE" in answer.message
+        assert len(fds_named(engine, "parts-")) == before
+    finally:
+        os.close(sealed)
+        os.close(unsealed)

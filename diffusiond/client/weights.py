@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import fcntl
 import os
 import socket
 import time
@@ -35,7 +36,7 @@ from diffusiond.client.transport import SOCKET_WAIT_S
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
-from diffusiond.ipc.updates import MAX_PARTS
+from diffusiond.ipc.updates import MAX_PARTS, SEALS
 from diffusiond.protocol import MODEL_DTYPES, output_socket_path
 
 _ALIGN = 64  # each tensor starts on a cache line
@@ -71,12 +72,14 @@ def pack(state_dict: Mapping[str, Any]) -> tuple[list[int], list[WeightTensor]]:
     fds: list[int] = []
     try:
         for size in sizes:
-            fds.append(os.memfd_create("diffusiond-lora-update", os.MFD_CLOEXEC))
+            fds.append(os.memfd_create("diffusiond-lora-update", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
             os.ftruncate(fds[-1], size)
         with ThreadPoolExecutor(count, thread_name_prefix="diffusiond-pack") as pool:
             bad = [b for b in pool.map(lambda fd, m: _write_part(fd, arrays, m), fds, members) if b is not None]
         if bad:  # each part's first, so the first of all: the one the state dict names first
             raise min(bad, key=lambda b: b[0])[1]
+        for fd in fds:  # what was checked is what every worker reads, now and when one starts later
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -86,7 +89,9 @@ def pack(state_dict: Mapping[str, Any]) -> tuple[list[int], list[WeightTensor]]:
 
 _PART = 64 << 20  # the least bytes worth a memfd and a thread of their own
 _MAX_PARTS = MAX_PARTS  # what one update may bring (ipc/updates.py); past 8 the memory bus sets the pace anyway
-_CHUNK = 32 << 20  # bytes checked and written at a time: a multiple of every dtype's size
+_CHUNK = 4 << 20  # bytes checked and written at a time, a multiple of every dtype's size: small enough that the
+# check's temporaries stay in the CPU's cache (at 32 MiB a 1 GiB pack took 0.33-1.4 s on the 2-core box, at 4 MiB
+# 0.33-0.35 s)
 
 
 def _aligned(nbytes: int) -> int:

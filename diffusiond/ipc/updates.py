@@ -7,12 +7,19 @@ protocol of their own, spoken on the output socket as well as the worker channel
 
 from __future__ import annotations
 
+import fcntl
+
 import msgspec
 
 LIVE_PATH = "(live: weights from update_lora)"  # the path a live adapter is listed with: it has no file
 
 
 MAX_PARTS = 8  # memfds one update may come in: all travel with its one frame, whose fds are at most frames.MAX_FDS
+
+# What each part must be sealed against (``fcntl(fd, F_ADD_SEALS, ...)``, a memfd made with MFD_ALLOW_SEALING)
+# before it is sent: the workers read it after the call, and a worker started later reads it again from the
+# engine's copy of the fd, so its bytes must stay what was sent, and a read never runs past a shrunk end.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE
 
 
 class WeightTensor(msgspec.Struct, frozen=True):

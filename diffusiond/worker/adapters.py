@@ -19,7 +19,7 @@ from diffusiond.ipc.tensors import nbytes
 from diffusiond.pipelines.base import Pipeline, PipelineError
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.pipelines.phases import Phases
-from diffusiond.worker.weights import apply_update, apply_weights, mapped_tensors, read_tensors
+from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
 
 log = logging.getLogger("diffusiond.worker")
 
@@ -73,8 +73,11 @@ class LiveAdapters:
         phases = Phases()
         try:
             if isinstance(msg, UpdateWeights):
-                with mapped_tensors(msg, fds, phases.mark) as views:  # copied once, memfd to parameters
-                    why = apply_weights(self.pipeline, msg, views, phases.mark)
+                try:  # read once, memfd to parameters
+                    why = apply_weights(self.pipeline, msg, fds, phases.mark)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
                 if not why:
                     self.weight_versions[msg.component] = msg.version
             else:

@@ -1,74 +1,148 @@
-"""How a whole component's update gets from the client's memfd into the parameters on the device (issue 29).
+"""How a whole component's update gets from the client's memfds into the parameters (issue 29).
 
-The memfd's pages are ordinary shared memory, so a plain ``copy_`` to CUDA is a pageable copy: the driver stages
-it through a small buffer of its own, one tensor at a time, and waits for each. Here the CPU copies the mapping
-into two pinned buffers of ``_STAGE`` bytes in turn (torch's copy runs on its math threads) while the GPU's copy
-engine empties the other. Measured on an H100 host for the SDXL UNet's 4.9 GB (docs/benchmarks.md, 2026-12-06,
-``scripts/gpu_round3.sh weights``): 0.22 s staged, 0.57 s pageable, and 0.37 s with the whole mapping page-locked
-in place (``cudaHostRegister``, which walks every page of every update; dropped for that).
+The bytes are read with ``preadv`` straight from the memfds (sealed against writes and shrinking: the engine
+checks, ``ipc/updates.SEALS``), never mapped: populating a mapping of the SDXL UNet's 4.9 GB took 0.45-0.5 s on an
+H200 host before a byte was copied (its page tables, 1.2 million entries), and the copy out of the mapping was
+the CPU's memcpy again. A read is the kernel's one copy, and reads of one memfd take no lock, so threads share it.
 
-``DIFFUSIOND_UPDATE_COPY=pageable`` is the benchmark's switch for that comparison, not a setting. Small updates
-(under ``_FROM``), other dtypes (converted as they are copied) and destinations off CUDA copy directly.
+- A parameter on the CPU, contiguous and of the dtype sent, is read into in place: one copy in all.
+- One on CUDA goes through two pinned buffers of ``_STAGE`` bytes, kept for the worker's life: a pool of threads
+  reads the next buffer's pieces side by side while the GPU's copy engine empties the other. A plain ``copy_``
+  from pageable memory is the driver's own staging, one tensor at a time and waited for (0.57 s against 0.22 s
+  for the staged copy out of a mapping on an H100 host, docs/benchmarks.md 2026-12-06).
+- Anything else (another dtype, converted as it is copied; a strided destination) is read into an array, then
+  copied.
+
+``DIFFUSIOND_UPDATE_COPY=pageable`` is the benchmark's switch (every CUDA destination the third way), not a
+setting. Small updates (under ``_FROM``) skip the staging buffers too.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from diffusiond.ipc.messages import WeightTensor
+from diffusiond.ipc.tensors import numpy_dtype
+
 STAGED = os.environ.get("DIFFUSIOND_UPDATE_COPY", "staged") != "pageable"
-_FROM = 64 << 20  # below this, the two buffers' allocation costs about what staging saves
+_FROM = 64 << 20  # below this, filling the buffers costs about what staging saves
 _STAGE = 64 << 20
+_READ = 8 << 20  # the most one thread reads at a time: a buffer's 64 MiB is read by up to 8 threads at once
+_THREADS = max(1, min(8, os.cpu_count() or 1))
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Each source's values into its destination (same shapes, checked by the caller); every copy is done when
-    this returns, so the sources' mapping may go."""
-    staged = [(d, s) for d, s in pairs if STAGED and _stageable(d, s)]
-    if sum(s.nbytes for _, s in staged) < _FROM:
-        staged = []
-    chosen = {id(d) for d, _ in staged}
-    with torch.no_grad():
-        for dst, src in pairs:
-            if id(dst) not in chosen:
-                dst.copy_(src)
+class Source(NamedTuple):
+    """Where one tensor of an update lies: its part's fd and the header's entry."""
+
+    fd: int
+    tensor: WeightTensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.tensor.shape, dtype=np.int64)) * _DTYPES[self.tensor.dtype].itemsize
+
+
+def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
+    """Each source's values into its destination (shapes checked by the caller); every copy is done when this
+    returns, so the fds may close."""
+    direct, staged, other = [], [], []
+    for dst, src in pairs:
+        same = dst.dtype == _DTYPES[src.tensor.dtype] and dst.is_contiguous()
+        if same and dst.device.type == "cpu":
+            direct.append((dst, src))
+        elif same and dst.is_cuda and STAGED:
+            staged.append((dst, src))
+        else:
+            other.append((dst, src))
+    if sum(src.nbytes for _, src in staged) < _FROM:
+        other, staged = other + staged, []
+    with torch.no_grad(), ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
+        reads = [pool.submit(_read_into, _bytes_of(dst), src.fd, src.tensor.offset, src.tensor.name)
+                 for dst, src in direct]
+        for dst, src in other:
+            dst.copy_(read_array(src.fd, src.tensor))
         if staged:
-            _staged(staged)
+            _staged(staged, pool)
+        for read in reads:
+            read.result()
 
 
-def _stageable(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Bytes can go as they are: same dtype, both contiguous, the destination on CUDA."""
-    return dst.is_cuda and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (a parameter's storage, written in place)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
-def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _read_into(into: memoryview, fd: int, at: int, name: str) -> None:
+    done = 0
+    while done < len(into):  # a read may return less than asked
+        got = os.preadv(fd, [into[done:]], at + done)
+        if got == 0:  # the engine refuses unsealed memfds; a caller that skipped it gets this
+            raise ValueError(f"tensor {name!r} ends past the end of the update's memfd, which shrank after it was "
+                             "sent; seal the memfd and send the update again")
+        done += got
+
+
+def read_array(fd: int, t: WeightTensor) -> torch.Tensor:
+    """Tensor ``t`` of an update, read out of its part ``fd`` into memory of its own."""
+    arr = np.empty(t.shape, dtype=numpy_dtype(t.dtype))
+    _read_into(arr.reshape(-1).view(np.uint8).data, fd, t.offset, t.name)
+    tensor = torch.from_numpy(arr)
+    return tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
+
+
+_buffers: list[torch.Tensor] = []
+_buffers_lock = threading.Lock()
+
+
+def _pinned() -> list[torch.Tensor]:
+    """The two staging buffers, made on the first update and kept: pinning 128 MiB costs about what copying it
+    does, every update."""
+    with _buffers_lock:
+        if not _buffers:
+            _buffers.extend(torch.empty(_STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+        return _buffers
+
+
+def _staged(pairs: list[tuple[torch.Tensor, Source]], pool: ThreadPoolExecutor) -> None:
+    """Fill one buffer (its pieces read side by side), queue its copies to the device, fill the other while they
+    run; a buffer is filled again only once the GPU has read it."""
     stream = torch.cuda.current_stream()
-    bufs = [torch.empty(_STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    bufs = _pinned()
+    views = [b.numpy().data for b in bufs]
     emptied: list[torch.cuda.Event | None] = [None, None]
     k, used = 0, 0
-    pending: list[tuple[torch.Tensor, int, int]] = []
+    pending: list[tuple[torch.Tensor, int, int, Source, int]] = []  # dst piece, buffer span, source, its offset
 
     def flush() -> None:
         nonlocal k, used, pending
-        for dst, a, b in pending:
+        waiting = emptied[k]
+        if waiting is not None:
+            waiting.synchronize()  # the GPU is done reading the buffer filled now
+        reads = [pool.submit(_read_into, views[k][a + s:min(b, a + s + _READ)], src.fd, at + s, src.tensor.name)
+                 for _, a, b, src, at in pending for s in range(0, b - a, _READ)]
+        for read in reads:
+            read.result()
+        for dst, a, b, _, _ in pending:
             dst.copy_(bufs[k][a:b], non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
         emptied[k], k, used, pending = event, k ^ 1, 0, []
-        reading = emptied[k]
-        if reading is not None:
-            reading.synchronize()  # the GPU is done reading the buffer the CPU fills next
 
     for dst, src in pairs:
-        d, s = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
-        for start in range(0, s.numel(), _STAGE):
-            piece = s[start:start + _STAGE]
-            if used + piece.numel() > _STAGE:
+        d = dst.reshape(-1).view(torch.uint8)
+        for start in range(0, src.nbytes, _STAGE):
+            size = min(_STAGE, src.nbytes - start)
+            if used + size > _STAGE:
                 flush()
-            bufs[k][used:used + piece.numel()].copy_(piece)
-            pending.append((d[start:start + piece.numel()], used, used + piece.numel()))
-            used += piece.numel()
+            pending.append((d[start:start + size], used, used + size, src, src.tensor.offset + start))
+            used += size
     if pending:
         flush()
-    stream.synchronize()  # the buffers and the sources' mapping go when this returns
+    stream.synchronize()  # the buffers are free for the next update, and the parameters hold the new values

@@ -15,30 +15,24 @@ replaces values; a new structure is a new adapter). The first bad tensor is name
 UPDATE_WEIGHTS is the same for a whole component: each tensor names a parameter or buffer of its
 ``state_dict`` (LoRA layers of adapters are not part of it, and a layer they wrap keeps its base
 name), must have its shape, and is copied into it in place, so a compiled model keeps its graph.
-Its tensors are not copied out first: all are checked against the model while the memfds are mapped,
-then each is copied from the mapping straight into its parameter (``mapped_tensors``).
+Its tensors are not copied out first: all are checked against the model from the header, then each is read
+from its memfd straight into its parameter, or through pinned buffers onto the device (``update_copy``).
 The refusals' words are ``pipelines/live_checks.py``'s, which the engine also uses when it checks an
 update for a model with no worker against that model's files.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
-import mmap
 import os
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.params import ComponentTable, LayerRow, ParamRow, ParamTable
-from diffusiond.ipc.tensors import numpy_dtype
 from diffusiond.pipelines.live_checks import (
     KINDS,
     Layer,
@@ -56,15 +50,11 @@ from diffusiond.worker import update_copy
 
 
 def read_tensors(msg: UpdateLora | UpdateWeights, fds: list[int]) -> dict[str, torch.Tensor]:
-    """The update's tensors, read out of its memfds (all closed here, whatever happens). The engine
-    checked that each lies inside its part; the copy makes later writes by the client harmless.
-
-    Read with ``preadv`` into each tensor's own array, not through a mapping: a client that shrinks its
-    memfd after the engine's check gives a short read, which refuses the update, where a mapping's read
-    past the end would kill the worker with SIGBUS; and the kernel's copy costs no page fault per 4 KiB
-    of the mapping (issue 29's ``update_lora`` latency; ``scripts/bench_update_io.py``). A LoRA's tensors are
-    kept (``Adapters.states``), so they must not be the client's pages; a whole component's are copied straight
-    into its parameters instead (``mapped_tensors``)."""
+    """A LoRA update's tensors, read out of its memfds into arrays of their own (all fds closed here, whatever
+    happens): the adapter keeps them (``Adapters.states``). The engine checked that each lies inside its part of a
+    sealed memfd. Read with ``preadv``, not through a mapping: the kernel's copy costs no page fault per 4 KiB
+    (issue 29's ``update_lora`` latency; ``scripts/bench_update_io.py``). A whole component's tensors are read
+    straight into its parameters instead (``apply_weights``)."""
     try:
         parts: dict[int, list[WeightTensor]] = {}
         for t in msg.tensors:
@@ -79,20 +69,7 @@ def read_tensors(msg: UpdateLora | UpdateWeights, fds: list[int]) -> dict[str, t
 
 
 def _read_part(fd: int, tensors: list[WeightTensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for t in tensors:
-        arr = np.empty(t.shape, dtype=numpy_dtype(t.dtype))
-        data = arr.reshape(-1).view(np.uint8).data
-        done = 0
-        while done < len(data):  # a read may return less than asked
-            got = os.preadv(fd, [data[done:]], t.offset + done)
-            if got == 0:
-                raise ValueError(f"tensor {t.name!r} ends past the end of the update's memfd, which shrank "
-                                 "after it was sent; send the update again without changing its memfd")
-            done += got
-        tensor = torch.from_numpy(arr)
-        out[t.name] = tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
-    return out
+    return {t.name: update_copy.read_array(fd, t) for t in tensors}
 
 
 def _close(fds: list[int]) -> None:
@@ -100,55 +77,8 @@ def _close(fds: list[int]) -> None:
         os.close(fd)
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def _nothing(what: str) -> None:
     pass
-
-
-@contextlib.contextmanager
-def mapped_tensors(msg: UpdateLora | UpdateWeights, fds: list[int],
-                   mark: Callable[[str], None] = _nothing) -> Iterator[dict[str, torch.Tensor]]:
-    """The update's tensors as views of its memfds, each part mapped for the ``with`` block (the fds closed here,
-    whatever happens). A whole component's update is copied from these straight into its parameters: copied out first,
-    a 5 GB UNet took twice the time (the pages of a fresh copy faulted in, then copied again) and its size again
-    in the worker's memory (issue 29). Mapped shared and read-only, its pages populated as it is mapped
-    (``MAP_POPULATE``: one pass in the kernel, not a page fault per 4 KiB as the copy reads them, ~1.2 million for
-    a 4.8 GB UNet); a private writable mapping would have had the kernel copy every page to populate it. The
-    views are read-only tensors (torch warns of that; nothing writes them). The dict is emptied after the block:
-    a view kept past it holds the mapping.
-    A client that shrinks its memfd during the copy kills this worker with SIGBUS (``read_tensors`` refuses that
-    instead); such a client is its own user's, who could kill the worker anyway: the update is lost, not others'.
-    How the bytes then reach the device is ``update_copy``'s."""
-    views: dict[str, torch.Tensor] = {}
-    maps: list[mmap.mmap | None] = []
-    try:
-        # the parts mapped side by side: populating a 4.9 GB UNet's pages took 0.29 s in one thread on an H100
-        # host (mmap lets go of the GIL; each part is a mapping of its own)
-        with ThreadPoolExecutor(max(1, len(fds)), thread_name_prefix="diffusiond-map") as pool:
-            maps.extend(pool.map(_map, fds))
-        mark("mapped")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for t in msg.tensors:
-                count, dtype = math.prod(t.shape), _DTYPES[t.dtype]  # the engine took only these (check_tensors)
-                flat = torch.frombuffer(maps[t.part], dtype=dtype, count=count, offset=t.offset) if count else \
-                    torch.empty(0, dtype=dtype)
-                views[t.name] = flat.view(t.shape)
-        yield views
-    finally:
-        # not mm.close(): torch.frombuffer holds the mapping object, not a buffer export, so a close would unmap
-        # under a view that outlived the block (a crash on its next read; review42b-rest 4). Dropped, each
-        # mapping goes when its last view does, at once where none is kept.
-        views.clear()
-        maps.clear()
-        _close(fds)
-
-
-def _map(fd: int) -> mmap.mmap | None:
-    size = os.fstat(fd).st_size
-    return mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ) if size else None
 
 
 def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[str, torch.Tensor]) -> str:
@@ -232,10 +162,9 @@ def unreachable(own: Mapping[str, torch.Tensor]) -> bool:
     return any(t.is_meta for t in own.values())
 
 
-def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.Tensor],
-                  mark: Callable[[str], None] = _nothing) -> str:
-    """Copy ``state`` into component ``msg.component`` in place, all checked first; '' or why not. The copies
-    are done when it returns (``update_copy.copy_into``)."""
+def apply_weights(pipeline: Any, msg: UpdateWeights, fds: list[int], mark: Callable[[str], None] = _nothing) -> str:
+    """Copy the update's tensors (in ``fds``, its parts, which the caller closes) into component ``msg.component``
+    in place, all checked first; '' or why not. The copies are done when it returns (``update_copy.copy_into``)."""
     components = torch_components(weights_pipe(pipeline))
     component = components.get(msg.component)
     if component is None:
@@ -243,14 +172,14 @@ def apply_weights(pipeline: Any, msg: UpdateWeights, state: Mapping[str, torch.T
     own = own_parameters(component)
     if unreachable(own):
         return out_of_reach(msg.model, msg.component)
-    for key, value in state.items():
-        target = own.get(key)
+    for t in msg.tensors:
+        target = own.get(t.name)
         have, keeps = (None, "") if target is None else (tuple(target.shape), kept_as(target))
-        why = parameter_misfit(key, tuple(value.shape), msg.model, msg.component, have, keeps)
+        why = parameter_misfit(t.name, tuple(t.shape), msg.model, msg.component, have, keeps)
         if why:
             return why
     mark("checked")
-    update_copy.copy_into([(own[key], value) for key, value in state.items()])
+    update_copy.copy_into([(own[t.name], update_copy.Source(fds[t.part], t)) for t in msg.tensors])
     mark("copied")
     weights_changed(component)  # offload=stream: its ring's copies of the old values are dropped
     return ""

@@ -33,6 +33,7 @@ and an update of an adapter being registered by ``POST /v1/loras`` must not race
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import stat
@@ -55,7 +56,7 @@ from diffusiond.daemon.errors import InvalidRequest, Unavailable, UpdateSplit
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import nbytes
-from diffusiond.ipc.updates import MAX_PARTS
+from diffusiond.ipc.updates import MAX_PARTS, SEALS
 from diffusiond.pipelines.live_checks import KINDS, Shape, adapter_misfit
 from diffusiond.protocol import MODEL_DTYPES
 
@@ -267,8 +268,17 @@ def _part_sizes(fds: list[int]) -> list[int]:
         except OSError as exc:
             raise InvalidRequest(f"the update's fd {i} cannot be read: {exc.strerror or exc}", field="fd") from None
         if not stat.S_ISREG(st.st_mode):
-            raise InvalidRequest(f"the update's fd {i} is not a memfd or regular file (a pipe or socket cannot be "
-                                 "mapped)", field="fd")
+            raise InvalidRequest(f"the update's fd {i} is not a memfd (a pipe or socket cannot be read at an "
+                                 "offset)", field="fd")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # a file on disk: it has no seals
+            seals = 0
+        if seals & SEALS != SEALS:
+            raise InvalidRequest(f"the update's memfd {i} is not sealed against writes and shrinking: make it with "
+                                 "MFD_ALLOW_SEALING and, once written, seal it (fcntl F_ADD_SEALS with F_SEAL_SHRINK "
+                                 "| F_SEAL_WRITE), as diffusiond.Client does; the workers read it after the call, "
+                                 "and a worker started later reads it again", field="fd")
         sizes.append(st.st_size)
     return sizes
 
