@@ -63,6 +63,7 @@ CONFIGS = {
     "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built: compiles (fp8-storage is refused with --compile)
     "cache-fbc": ({"cache": "fbc"}, False),  # step caches (eager: refused with --compile), PSNR against resident
     "cache-taylorseer": ({"cache": "taylorseer"}, False),
+    "cache-taylorseer-lite": ({"cache": "taylorseer-lite"}, False),  # blocks skipped whole between full steps
     "q8": ({}, False),
     "q4": ({}, False),
 }

@@ -170,10 +170,11 @@ PY
       # (2026-12-06: fp8's compile and warm-up ran past a 260 s bound; resident took 75 s in all, so fp8 gets the rest)
       step flux-fp8-compiled 580 python3 scripts/bench_bigger.py --out $out/flux-fp8-compiled \
         --configs resident,fp8-mm-full --compile default --images 2 --timeout 460 --deadline 570 ;;
-    step-cache)  # issue 31: First Block Cache and TaylorSeer (eager: refused with --compile) against resident,
+    step-cache)  # issue 31: TaylorSeer lite and full (eager: refused with --compile) against resident (CACHES= adds
+      # cache-fbc, which never skipped a step on the random weights, 2026-12-06),
       # FLUX.1-dev 1024² 28 steps, time per image and PSNR of images and latents
       step step-cache 560 python3 scripts/bench_bigger.py --out $out/step-cache \
-        --configs resident,cache-fbc,cache-taylorseer --images 2 --timeout 200 --deadline 540 ;;
+        --configs resident,${CACHES:-cache-taylorseer-lite,cache-taylorseer} --images 2 --timeout 200 --deadline 540 ;;
     ready-flux)  # issue 31 compile time: FLUX.1-dev cold start to ready, regional compile, one 1024² shape (target
       # <= 60 s; building the random weights can take minutes). The compile cache is in --state-dir
       rm -rf /tmp/r3-state-flux

@@ -40,10 +40,11 @@ def run(pipe: object, seeds: list[int], fail_at: int = 0) -> torch.Tensor:
         return torch.stack(pipe.run(PARAMS, reqs, on_step))  # type: ignore[attr-defined]
 
 
-def test_a_failed_batch_leaves_no_cache_state_behind() -> None:
+@pytest.mark.parametrize("cache", ["taylorseer:2", "taylorseer-lite:2"])
+def test_a_failed_batch_leaves_no_cache_state_behind(cache: str) -> None:
     """The batch after a failed one (here: its own retry at half the size) gives the output a fresh
     model gives, not one computed from the failed batch's cached features."""
-    pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options={"cache": "taylorseer:2"})
+    pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options={"cache": cache})
     fresh = run(pipe, [7])
     with pytest.raises(RuntimeError, match="injected"):
         run(pipe, [7, 8], fail_at=2)
@@ -70,3 +71,27 @@ def test_the_compiled_pipeline_refuses_a_step_cache_itself() -> None:
     pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options={"cache": "fbc"})
     with pytest.raises(PipelineError, match="--compile with cache=fbc is refused"):
         CompiledPipeline(pipe, "default", {"cache": "fbc", "compile_backend": "eager"})
+
+
+def test_taylorseer_lite_skips_the_blocks_between_full_steps_and_says_so() -> None:
+    """What the lite mode is for (issue 31's >= 2.5x with a step cache): the full mode predicts attention only,
+    so each block's feed-forward still runs at every step; the lite mode runs it only on the full steps (the
+    first three, then every INTERVAL-th), and the output names the approximation."""
+    params = m.BatchParams(width=64, height=64, steps=16, guidance=3.5)
+    ran = {}
+    for cache in ("taylorseer:4", "taylorseer-lite:4"):
+        pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options={"cache": cache})
+        count = [0]
+        for name, module in pipe._pipe.transformer.named_modules():  # type: ignore[attr-defined]
+            if name.endswith(".ff"):
+                module.register_forward_pre_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
+        reqs = [m.RequestSpec(request_id="1", prompt="a red fox", seed=7)]
+        with torch.inference_mode():
+            pipe.run(params, reqs, lambda step, total: True)  # type: ignore[attr-defined]
+        ran[cache] = count[0]
+        named = pipe.capabilities.approximations[0]
+        assert named.startswith("taylorseer-cache(interval=4") and ("lite" in named) == ("lite" in cache), named
+    feed_forwards = ran["taylorseer:4"] // 16  # per step
+    assert ran["taylorseer:4"] == 16 * feed_forwards > 0
+    full_steps = 3 + -(-(16 - 3) // 4)  # diffusers' default: the first 3 steps, then at most every 4th
+    assert 0 < ran["taylorseer-lite:4"] <= full_steps * feed_forwards

@@ -6,7 +6,10 @@
   on what it is batched with (tiny-flux, 8 steps, alone and in a batch of 4: 0.005 apart at threshold
   0.5, where a decision flips); its name says so. TaylorSeer predicts per element and has no such dependence;
 - ``cache=taylorseer[:INTERVAL]``: diffusers' TaylorSeer cache (predict features between full steps
-  every INTERVAL steps, default 5);
+  every INTERVAL steps, default 5). It predicts the attention modules' outputs only, so every step still runs
+  each block's feed-forward: 1.52x on FLUX.1-dev at 28 steps (H100, docs/benchmarks.md);
+- ``cache=taylorseer-lite[:INTERVAL]``: its lite mode: between full steps the blocks are skipped whole and only
+  the transformer's output projection is predicted, so a predicted step costs little more than the embeddings;
 - ``fp8=1``: float8 weights and activations for the denoiser's linear layers through torchao, on
   GPUs with fp8 matrix units (compute capability 8.9+: Ada, Hopper). torchao is not a dependency:
   the option says so when it is missing.
@@ -47,10 +50,13 @@ def _cache_config(value: str) -> tuple[Any, str]:
         threshold = _number(f"cache={value}", arg, float) if arg else 0.05
         name = f"first-block-cache(threshold={threshold:g}, decided per batch)"  # see the module's docstring
         return diffusers.FirstBlockCacheConfig(threshold=threshold), name
-    if kind == "taylorseer":
+    if kind in ("taylorseer", "taylorseer-lite"):
         interval = int(_number(f"cache={value}", arg, int)) if arg else 5
-        return diffusers.TaylorSeerCacheConfig(cache_interval=interval), f"taylorseer-cache(interval={interval})"
-    raise PipelineError(f"cache={value!r}: known caches are fbc[:THRESHOLD] and taylorseer[:INTERVAL]")
+        lite = kind == "taylorseer-lite"
+        return (diffusers.TaylorSeerCacheConfig(cache_interval=interval, use_lite_mode=lite),
+                f"taylorseer-cache(interval={interval}{', lite: blocks skipped between full steps' if lite else ''})")
+    raise PipelineError(f"cache={value!r}: known caches are fbc[:THRESHOLD], taylorseer[:INTERVAL] and "
+                        "taylorseer-lite[:INTERVAL]")
 
 
 def _fp8(denoiser: Any, device: torch.device) -> str:
