@@ -59,6 +59,7 @@ def test_gpu_a_forked_worker_compiles_and_its_pictures_are_the_eager_ones_up_to_
     eager, _ = _picture(tmp_path, model_cache, "on", dtype="float32")
     compiled, log = _picture(tmp_path, model_cache, "on", "--compile", "default", dtype="float32")
     assert "forked from the template" in log, log[-3000:]
+    assert "torch's compiler imported" in log, log[-3000:]  # and imported without CUDA (issue 31)
     a, b = (np.load(io.BytesIO(x)).astype(np.int16) for x in (eager, compiled))  # pixel levels, 0..255
     diff = np.abs(a - b)
     assert a.shape == b.shape

@@ -165,3 +165,22 @@ def test_device_queries_answered_from_nvml_during_the_imports_are_put_back_even_
         assert torch.cuda.get_device_capability is real
         assert "cuda" not in device_interface.caching_worker_device_properties
         assert "cuda" not in device_interface.caching_worker_current_devices
+
+
+def test_a_compiling_daemons_template_imports_torchs_compiler_and_the_start_line_names_it(
+        tmp_path: Path, model_cache: Path) -> None:
+    """torch.compile's first call imported inductor inside the model's phase, unnamed, in every worker (issue 31:
+    most of 6.5 s no span named in an H200's SD 1.5 load): the template imports it once, and each worker's start
+    line names that import, the compile wrapper's set-up and what ran before the load's first span."""
+    with shared_daemon(tmp_path, ["--model", "tiny", "--preload", "tiny", "--preimport", "on", "--no-persist",
+                                  "--compile", "default"], model_cache) as d:
+        async def ready() -> int:
+            async with http(d.socket) as s:
+                return (await asyncio.wait_for(_worker(s), 120))["pid"]  # type: ignore[no-any-return]
+
+        pid = asyncio.run(ready())
+        log = d.log()
+    assert "torch's compiler imported); workers are forked from here" in log, log
+    assert re.search(rf"worker\[{pid}\] .* ready in .*: forked from the template .*, imports \(torch's compiler\) "
+                     r"\d+ ms, model \(spec and cache lookup \d+ ms, import \d+ ms, files \d+ ms, .*, "
+                     r"compile set-up \d+ ms(, other \d+ ms)?\) \d+ ms, ", log), log

@@ -217,6 +217,9 @@ class Worker:
         if loads_libraries(config.model_spec):
             await asyncio.to_thread(startup.import_libraries)
             phases.mark("imports (diffusers, transformers)")
+        if config.compile:
+            await asyncio.to_thread(startup.import_compiler)
+            phases.mark("imports (torch's compiler)")
         try:
             pipeline = await asyncio.to_thread(self._load, config, progress)
         except Exception as exc:
@@ -228,7 +231,7 @@ class Worker:
                                   f"{config.model_name!r} makes sizes in multiples of {step}, at least {smallest} "
                                   "a side; warm such a size")
         load = getattr(getattr(pipeline, "inner", pipeline), "load_phases", None)  # a compiled one wraps it
-        phases.mark(f"model ({load})" if isinstance(load, Phases) and load.parts else "model")
+        phases.model(load if isinstance(load, Phases) else None)
         adapters, lora_errors = await asyncio.to_thread(self._load_loras, pipeline, config)
         controlnets = await asyncio.to_thread(self._load_controlnets, pipeline, config)
         ip_adapters = await asyncio.to_thread(self._load_ip_adapters, pipeline, config)
@@ -320,7 +323,11 @@ class Worker:
         from diffusiond.pipelines.compile import CompiledPipeline, set_cache_dir
 
         set_cache_dir(config.compile_cache_dir)
-        return CompiledPipeline(pipeline, config.compile, options)
+        compiled = CompiledPipeline(pipeline, config.compile, options)
+        load = getattr(pipeline, "load_phases", None)
+        if isinstance(load, Phases):
+            load.mark("compile set-up")
+        return compiled
 
 
     @staticmethod

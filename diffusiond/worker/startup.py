@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from diffusiond.pipelines.phases import Phases
 
@@ -60,6 +61,24 @@ class StartPhases(Phases):
         elif age is not None:
             self.parts.append(f"spawn to init {age * 1000:.0f} ms")
 
+    def model(self, load: Phases | None) -> None:
+        """The model's phase, its load's own spans in brackets, with what ran before the first of them and after
+        the last named too: on an H200, 6.5 s of SD 1.5's 7.9 s compiled load was in none (issue 31). On a CPU
+        host those seconds were imports: diffusers' pipeline modules, by the load's progress hook, before the
+        first span (~0.5 s), and torch's compiler, by ``torch.compile``, after the last (~1 s); both are done
+        before the load now (``import_libraries``, ``import_compiler``), in the template where there is one."""
+        if load is None or not load.parts:
+            self.mark("model")
+            return
+        # a loader that names its file reading (a folder's, the models built in code) leaves the spec and the
+        # cache lookup before it; the others (a hub id, a single file, a GGUF) read their files there too
+        lead = "spec and cache lookup" if any(p.startswith("files ") for p in load.parts) else "spec and files"
+        parts = [f"{lead} {(load.t0 - self.last) * 1000:.0f} ms", *load.parts]
+        rest = (time.perf_counter() - load.last) * 1000
+        if rest >= 1:  # so the brackets add up to the phase whatever comes to run there unnamed
+            parts.append(f"other {rest:.0f} ms")
+        self.mark(f"model ({', '.join(parts)})")
+
     def report(self, model: str) -> None:
         """The headline is the whole start, the process's own included, which the parts list first: the time
         since INIT alone read smaller than the parts it headed (review42-ux 7)."""
@@ -91,6 +110,17 @@ def quiet_libraries() -> None:
 
 def import_libraries() -> None:
     """diffusers' and transformers' model modules, imported as a phase of their own: on a GPU host they were most of
-    a cold start's unnamed seconds (with torchao installed, diffusers imports it too). Any load needs them."""
-    import diffusers.models.modeling_utils  # noqa: F401
+    a cold start's unnamed seconds (with torchao installed, diffusers imports it too). Any load needs them, and
+    diffusers' pipeline modules (``from_pretrained``'s, which import every model class diffusers has, and peft):
+    the load's progress hook imported them inside the model's phase, unnamed (~0.5 s on a CPU host; issue 31), in
+    every forked worker instead of once in the template."""
+    import diffusers.models.modeling_utils
+    import diffusers.pipelines.pipeline_utils  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
+
+
+def import_compiler() -> None:
+    """What ``torch.compile``'s first call imports (inductor's ``compile_fx``: ~1 s on a CPU host, more with
+    triton on a GPU one), for a worker that compiles its model: a phase of its own rather than unnamed seconds
+    inside the model's (issue 31), and done once in the template when the daemon compiles any model."""
+    import torch._inductor.compile_fx  # noqa: F401

@@ -66,7 +66,7 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
-def _imports(libraries: bool, quiet: bool) -> None:
+def _imports(libraries: bool, quiet: bool, compiler: bool = False) -> None:
     """What a worker imports before it reads its model; raises with why the template cannot fork."""
     import torch
 
@@ -77,6 +77,8 @@ def _imports(libraries: bool, quiet: bool) -> None:
     if libraries:  # as its start does for a model that is not synthetic
         with _device_queries_from_nvml():
             startup.import_libraries()
+            if compiler:  # a model compiles: torch.compile's own imports, else each worker's (issue 31)
+                startup.import_compiler()
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised during the imports; a forked worker could not use it")
     if threading.active_count() > 1:
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="inherited socket to the engine")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--libraries", action="store_true", help="import diffusers and transformers too")
+    parser.add_argument("--compiler", action="store_true", help="and torch's compiler (with --libraries)")
     args = parser.parse_args(argv)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine handles Ctrl-C for the process group
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     quiet = logging.getLogger().getEffectiveLevel() > logging.DEBUG
     try:
-        _imports(args.libraries, quiet)
+        _imports(args.libraries, quiet, args.compiler)
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
         # said here too, not only to the engine, which may be gone or not reading (review44-a 4); the traceback
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if not _send(sock, Status(True, pid=os.getpid())):
         return 0  # the engine stopped during the imports
     log.info("ready in %.0f ms (torch%s imported); workers are forked from here", (time.perf_counter() - t0) * 1000,
-             ", diffusers' utilities" * quiet + ", diffusers' and transformers' models" * args.libraries)
+             ", diffusers' utilities" * quiet + ", diffusers' and transformers' models" * args.libraries
+             + ", torch's compiler" * (args.libraries and args.compiler))
     return _serve(sock, env_before)
 
 

@@ -336,9 +336,11 @@ def spawn(config: DaemonConfig) -> None:
     if not any(enabled(config.preimport, d) for m in config.models for d in m.devices):
         return
     libraries = any(loads_libraries(m.spec) for m in config.models)
+    compiler = any(m.compile and loads_libraries(m.spec) for m in config.models)  # issue 31: ~1 s a worker
     mine, theirs = socketpair()
     argv = [sys.executable, "-m", "diffusiond.worker.template", "--fd", str(theirs.fileno()),
-            "--log-level", config.log_level.upper(), *(["--libraries"] if libraries else [])]
+            "--log-level", config.log_level.upper(), *(["--libraries"] if libraries else []),
+            *(["--compiler"] if compiler else [])]
     # systemd's socket activation describes the engine's fds, not the template's or its children's (review44-a 8;
     # a spawned worker never sees them either: systemd.listen_fds pops them, but only after this spawn)
     env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")}
