@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,15 @@ def _offload_refused(pipeline: Any) -> str:
     return mode if mode in ("group", "sequential", "stream") else ""
 
 
+Copy = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]  # values into parameters, done when it returns
+
+
+def _each(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+
+
 class Adapters:
     """The adapters of one diffusers pipeline: registered (name -> path) and loaded (an LRU)."""
 
@@ -129,14 +138,13 @@ class Adapters:
             self.versions[name] = version
         return why
 
-    def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int, copy: Copy = _each) -> None:
         """New values for some of live adapter ``name``'s tensors (checked to match it already):
-        copied into its parameters in place where it is loaded, kept for a reload where not."""
+        copied into its parameters in place where it is loaded (by ``copy``: the worker stages them through
+        pinned buffers), kept for a reload where not."""
         self.states[name] = {**self.states[name], **state}
         if name in self.loaded:
-            with torch.no_grad():
-                for key, value in state.items():
-                    self._parameter(key, name).copy_(value)
+            copy([(self._parameter(key, name), value) for key, value in state.items()])
         self.versions[name] = version
 
     def _parameter(self, key: str, adapter: str) -> torch.Tensor:
@@ -298,9 +306,9 @@ class HotSwapAdapters(Adapters):
             return fit_reason(exc)
         return ""
 
-    def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """A compiled model: the slots holding ``name`` take the new weights by hot-swap (in place,
-        the graph untouched); the next batch sets its scalings again."""
+    def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int, copy: Copy = _each) -> None:
+        """A compiled model (``copy`` unused: peft's hot-swap copies): the slots holding ``name`` take the new
+        weights by hot-swap (in place, the graph untouched); the next batch sets its scalings again."""
         old = self.states[name]
         self.states[name] = {**old, **state}
         try:

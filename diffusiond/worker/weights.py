@@ -93,7 +93,7 @@ def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[st
     if old is None:
         return adapters.register_live(msg.name, state, msg.version)
     try:
-        adapters.update_live(msg.name, state, msg.version)
+        adapters.update_live(msg.name, state, msg.version, update_copy.copy_tensors)
     except Exception as exc:  # checked above; a failure here is the model's (a hot-swap refusal, say)
         return f"{type(exc).__name__}: {exc}"
     return ""
