@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from diffusiond.ipc.messages import WeightTensor
-from diffusiond.ipc.tensors import numpy_dtype
+from diffusiond.ipc.tensors import nbytes, numpy_dtype
 
 STAGED = os.environ.get("DIFFUSIOND_UPDATE_COPY", "staged") != "pageable"
 _FROM = 64 << 20  # below this, filling the buffers costs about what staging saves
@@ -47,7 +47,7 @@ class Source(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.tensor.shape, dtype=np.int64)) * _DTYPES[self.tensor.dtype].itemsize
+        return nbytes(self.tensor.dtype, self.tensor.shape)
 
 
 def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
