@@ -2,12 +2,12 @@
 component, state_dict)`` for a whole component's parameters) without files or JSON.
 
 The tensors are written once, into anonymous memfds (``os.memfd_create``: no file on disk, gone when the last fd
-closes; several "parts" for a large update, written in parallel: see ``pack``), and the fds travel to the daemon
-over its output socket with SCM_RIGHTS in one frame, together with a msgspec header naming each tensor's dtype,
-shape, part and offset (UPDATE_LORA). The daemon hands duplicates of the same fds to its workers; each copies
-the tensors out once into its model. Why the output socket and not an HTTP request: an fd only travels with
-``sendmsg`` on a Unix socket read by hand, which aiohttp's transports do not expose; the output socket already
-is that socket (``daemon/edge/handoff.py``), with the same same-user rule.
+closes; several "parts" for a large update, written in parallel, then sealed against writes and shrinking: see
+``pack``), and the fds travel to the daemon over its output socket with SCM_RIGHTS in one frame, together with a
+msgspec header naming each tensor's dtype, shape, part and offset (UPDATE_LORA). The daemon hands duplicates of
+the same fds to its workers; each reads the tensors out once into its model. Why the output socket and not an
+HTTP request: an fd only travels with ``sendmsg`` on a Unix socket read by hand, which aiohttp's transports do not
+expose; the output socket already is that socket (``daemon/edge/handoff.py``), with the same same-user rule.
 
 The call is blocking and returns the adapter's new version once every live worker applied it
 (between two batches: no batch mixes versions; a model with no worker running gets it when it
