@@ -60,8 +60,7 @@ CONFIGS = {
     "fp8-mm": ({"fp8": "1", "quant": "text_encoder_2:fp8-storage"}, True),
     "te-fp8": ({"quant": "text_encoder:fp8-storage", "offload": "auto"}, True),  # the daemon's auto: offloads
     "model": ({"offload": "model"}, True),
-    "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built (fp8-storage was refused with --compile then)
-    "fp8-full": ({"quant": "transformer:fp8-storage"}, False),  # fp8 storage, no offload: compiles since 2026-12-06
+    "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built: compiles (fp8-storage is refused with --compile)
     "cache-fbc": ({"cache": "fbc"}, False),  # step caches (eager: refused with --compile), PSNR against resident
     "cache-taylorseer": ({"cache": "taylorseer"}, False),
     "cache-taylorseer-lite": ({"cache": "taylorseer-lite"}, False),  # blocks skipped whole between full steps

@@ -166,13 +166,12 @@ PY
         --size 1024x1024 --steps 28 --batch 1 --requests 3 --modes limit,limit-compiled \
         --compile ${FLUX_COMPILE:-default} --rounds 1 --no-flops --json ;;
     flux-fp8-compiled)  # issue 31: FLUX in fp8 (torchao, weights and activations) compiled, against resident
-      # compiled, image and latent PSNR (bench_bigger); T5 stays bf16. FP8_CONFIGS=resident,fp8-full times fp8
-      # storage compiled instead (issue 28's >= 0.95x bf16, compiled since 2026-12-06's third session)
+      # compiled, image and latent PSNR (bench_bigger); T5 stays bf16: fp8-storage is refused with --compile
       # (2026-12-06: fp8's compile and warm-up ran past a 260 s bound; resident took 75 s in all, so fp8 gets the rest)
       # (2026-12-06, third session: past 460 s again on an H200, dynamo in the VAE decoder when killed; the recompiles
       # and graph breaks are logged now, to tell a recompile per block from one slow compile)
       TORCH_LOGS=recompiles,graph_breaks step flux-fp8-compiled 580 python3 scripts/bench_bigger.py --out $out/flux-fp8-compiled \
-        --configs ${FP8_CONFIGS:-resident,fp8-mm-full} --compile default --images 2 --timeout 460 --deadline 570 ;;
+        --configs resident,fp8-mm-full --compile default --images 2 --timeout 460 --deadline 570 ;;
     step-cache)  # issue 31: TaylorSeer lite and full (eager: refused with --compile) against resident (CACHES= adds
       # cache-fbc, which never skipped a step on the random weights, 2026-12-06),
       # FLUX.1-dev 1024² 28 steps, time per image and PSNR of images and latents

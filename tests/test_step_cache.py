@@ -51,17 +51,19 @@ def test_a_failed_batch_leaves_no_cache_state_behind(cache: str) -> None:
     assert torch.equal(run(pipe, [7]), fresh)
 
 
-@pytest.mark.parametrize("cache", ["fbc:0.2", "taylorseer-lite"])
-def test_compile_refuses_a_step_cache_at_start_and_takes_fp8_storage(cache: str) -> None:
-    """At start, in the spec or in the model's table, before a worker loads anything. fp8 storage was refused
-    too while it was diffusers' casting hooks; its own cast compiles (tests/test_fp8_storage.py)."""
+@pytest.mark.parametrize(("options", "words"), [
+    ({"cache": "fbc:0.2"}, ["--compile with cache=fbc:0.2", "drop cache="]),
+    ({"quant": "unet:fp8-storage"}, ["--compile with quant=unet:fp8-storage", "drop --compile"]),
+])  # fmt: skip
+def test_compile_refuses_a_step_cache_and_fp8_storage_at_start(options: dict[str, str], words: list[str]) -> None:
+    """At start, in the spec or in the model's table, before a worker loads anything."""
+    spec = "t=tiny," + ",".join(f"{k}={v}" for k, v in options.items())
     with pytest.raises(ConfigError) as exc:
-        build_config({}, {"model": [f"t=tiny,cache={cache}"], "compile": "default"})
-    assert f"--compile with cache={cache}" in str(exc.value) and "drop cache=" in str(exc.value), str(exc.value)
-    table = {"models": [{"name": "t", "spec": "tiny", "compile": "default", "options": {"cache": cache}}]}
+        build_config({}, {"model": [spec], "compile": "default"})
+    assert all(w in str(exc.value) for w in words), str(exc.value)
+    table = {"models": [{"name": "t", "spec": "tiny", "compile": "default", "options": options}]}
     with pytest.raises(ConfigError, match="--compile with"):
         build_config(table, {})
-    build_config({}, {"model": ["t=tiny,quant=unet:fp8-storage"], "compile": "default"})
 
 
 def test_the_compiled_pipeline_refuses_a_step_cache_itself() -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import parse_quant
+
 __all__ = ["compile_refusal"]
 
 
@@ -18,12 +21,23 @@ def compile_refusal(options: Mapping[str, str]) -> str:
     - A step cache (``cache=``): diffusers' cache hooks call a ``torch.compiler.disable``d function
       inside each block, and the blocks are compiled ``fullgraph`` (pipelines/compile.py), so every
       job would fail with a dynamo error after the model reports ready.
-    ``fp8-storage`` was refused too while it was diffusers' layerwise casting (dynamo recompiled its hooks layer
-    by layer); its own cast in each layer's forward (``fp8_storage.py``) compiles like any forward.
+    - ``fp8-storage``: diffusers' layerwise casting hooks re-cast each layer around its forward;
+      dynamo recompiles the hook per layer until its recompile limit and then runs it eager, so the
+      model is neither compiled nor told so.
     """
     cache = options.get("cache")
     if cache:
         return (f"--compile with cache={cache} is refused: the step cache's hooks cannot be traced inside the "
                 "compiled blocks, so every job would fail; drop cache= (compiled, exact) or --compile (cached, "
                 "eager)")
+    try:
+        quant = parse_quant(options["quant"]) if options.get("quant") else {}
+    except PipelineError:
+        return ""  # a malformed quant= is refused with its own message by the option check
+    stored = sorted(c for c, method in quant.items() if method == "fp8-storage")
+    if stored:
+        named = ",".join(f"{c}:fp8-storage" for c in stored)
+        return (f"--compile with quant={named} is refused: its per-layer casting hooks make torch.compile "
+                "recompile each layer until its limit and then run eager; drop --compile, or give those "
+                "components another method (int8, fp8: torchao) or none")
     return ""

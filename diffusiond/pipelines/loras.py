@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from diffusiond.ipc.messages import LIVE_PATH, LoraRef
-from diffusiond.pipelines import fp8_storage
 from diffusiond.pipelines.errors import PipelineError, fit_reason
 
 log = logging.getLogger(__name__)
@@ -456,8 +455,7 @@ _STORAGE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _compute_dtype(component: torch.nn.Module) -> torch.dtype:
-    """The dtype the fp8-stored component computes in (``fp8_storage.py``), else its parameters' as diffusers
-    reads it."""
+    """The dtype the layerwise-cast component computes in: its hooks' own, as diffusers reads it."""
     from diffusers.models.modeling_utils import get_parameter_dtype
 
-    return fp8_storage.compute_dtype(component) or get_parameter_dtype(component)
+    return get_parameter_dtype(component)

@@ -5,8 +5,8 @@ Quantization is how a model bigger than the card fits without offloading: FLUX.1
 parses the option, refuses what cannot work on the device before any weight is read, and names what is in
 force, because every quantized output differs from the model's own and says so in its ``approximations``.
 
-- ``fp8-storage``: the weights are kept in float8 (e4m3) and each layer casts its weight to the model's dtype
-  as its forward reads it (``fp8_storage.py``). No extra package, any device, and it applies to any
+- ``fp8-storage``: the weights are kept in float8 (e4m3) and each layer is cast to the model's dtype for
+  its forward (diffusers' layerwise casting). No extra package, any device, and it applies to any
   component (the T5 encoder included); norms, embeddings and the first and last projections stay as
   loaded (diffusers' default skip list and the model's own ``_keep_in_fp32_modules``), as they are the
   layers most sensitive to rounding.
@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from diffusiond.pipelines import fp8_storage
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import AT_LOAD, METHODS, parse_quant
 
@@ -83,9 +82,12 @@ def apply_quant(pipe: Any, quant: Mapping[str, str], device: torch.device, dtype
                                 f"its model components: {', '.join(models)}")
         compute = str(dtype).removeprefix("torch.")
         if method == "fp8-storage":
+            from diffusers.hooks import apply_layerwise_casting
+
             if dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 raise PipelineError(f"quant {component}:fp8-storage computes in the model's dtype, which is {compute}")
-            fp8_storage.apply(module, dtype, _skipped(module))
+            apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn, compute_dtype=dtype,
+                                    skip_modules_pattern=_skipped(module), skip_modules_classes=(torch.nn.Embedding,))
             names.append(f"fp8-storage({component}, computed in {compute})")
         elif method in ("int8", "fp8"):
             names.append(_torchao(module, component, method, device))
@@ -99,11 +101,10 @@ def apply_quant(pipe: Any, quant: Mapping[str, str], device: torch.device, dtype
 
 
 def _skipped(module: torch.nn.Module) -> tuple[str, ...]:
-    """diffusers' default skip list for its layerwise casting, plus the layers the model itself keeps in higher
-    precision (``_keep_in_fp32_modules``: T5's ``wo``, whose forward casts its input to the weight's dtype).
-    Embeddings stay too (only linear and convolution layers are stored in fp8): a lookup costs nothing to keep,
-    and transformers reads a model's dtype off its first parameter, the token embedding, which pipelines then
-    cast prompts to."""
+    """diffusers' default skip list, plus the layers the model itself keeps in higher precision
+    (``_keep_in_fp32_modules``: T5's ``wo``, whose forward casts its input to the weight's dtype).
+    Embeddings stay too (``skip_modules_classes``): a lookup costs nothing to keep, and transformers reads a
+    model's dtype off its first parameter, the token embedding, which pipelines then cast prompts to."""
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
     keep = getattr(module, "_keep_in_fp32_modules", None) or ()
