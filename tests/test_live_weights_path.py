@@ -15,7 +15,9 @@ import torch
 
 import diffusiond.client.weights as client_weights
 from diffusiond.client.weights import pack
-from diffusiond.ipc.messages import UpdateWeights
+from diffusiond.ipc.messages import Ack, UpdateWeights
+from diffusiond.worker import update_copy
+from diffusiond.worker.adapters import LiveAdapters
 from diffusiond.worker.weights import apply_weights, read_tensors
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -99,3 +101,70 @@ def test_a_misfit_anywhere_leaves_every_parameter_as_it_was() -> None:
             os.close(fd)
     assert "1.weight" in why
     assert all(torch.equal(unet.state_dict()[k], v) for k, v in before.items())
+
+
+def _failing_read(monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    """``update_copy``'s reads fail from the ``after``-th on (counted from 0)."""
+    real, calls = update_copy._read_into, [0]
+
+    def read(*args: object) -> None:
+        calls[0] += 1
+        if calls[0] > after:
+            raise OSError(5, "Input/output error")
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(update_copy, "_read_into", read)
+
+
+def test_a_copy_that_fails_once_writing_began_is_half_applied_and_the_worker_says_it_restarts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """review47-a 2: a failure after the first byte was written is not a refusal (a refusal means nothing changed):
+    the worker answers why, then raises so that its compute thread exits and the pool replaces it."""
+    unet = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8, bias=False))
+    state = {"0.weight": torch.randn(32, 64), "0.bias": torch.randn(32), "1.weight": torch.randn(8, 32)}
+    fds, tensors = pack(state)
+    _failing_read(monkeypatch, after=1)
+    posted: list[Ack] = []
+    live = LiveAdapters(_Pipe(unet), None, posted.append)  # type: ignore[arg-type]
+    with pytest.raises(update_copy.HalfApplied, match="Input/output error"):
+        live.update(UpdateWeights("m", "unet", tensors, 1), fds)
+    assert [a.ok for a in posted] == [False] and "the worker restarts" in posted[0].message
+    assert live.weight_versions == {}
+    with pytest.raises(OSError):
+        os.fstat(fds[0])  # closed all the same
+
+
+def test_a_conversion_that_fails_before_any_write_is_a_refusal_that_changed_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values to convert (another dtype) are read before anything is written, so their failure refuses cleanly."""
+    unet = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    fds, tensors = pack({"0.weight": torch.randn(32, 64, dtype=torch.float16), "0.bias": torch.randn(32)})
+    _failing_read(monkeypatch, after=0)
+    posted: list[Ack] = []
+    LiveAdapters(_Pipe(unet), None, posted.append).update(  # type: ignore[arg-type]
+        UpdateWeights("m", "unet", tensors, 1), fds)
+    assert [a.ok for a in posted] == [False] and "Input/output error" in posted[0].message
+    assert all(torch.equal(unet.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_live_lora_keeps_its_old_values_when_their_copy_fails() -> None:
+    """Kept values are what a reload loads: they change only once the loaded copy took the new ones."""
+    from diffusiond.pipelines.loras import Adapters
+
+    class _Loaded(Adapters):
+        def __init__(self) -> None:  # only what update_live reads
+            self.states = {"a": {"k": torch.zeros(2)}}
+            self.loaded = {"a": None}  # type: ignore[assignment]
+            self.versions = {"a": 1}
+
+        def _parameter(self, key: str, adapter: str) -> torch.Tensor:
+            return torch.zeros(2)
+
+    def failing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        raise update_copy.HalfApplied("RuntimeError: injected")
+
+    adapters = _Loaded()
+    with pytest.raises(update_copy.HalfApplied):
+        adapters.update_live("a", {"k": torch.ones(2)}, 2, failing)
+    assert torch.equal(adapters.states["a"]["k"], torch.zeros(2)) and adapters.versions["a"] == 1

@@ -149,7 +149,7 @@ async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_b
 
 
 async def test_an_unsealed_part_is_refused_saying_how_to_seal_it_and_leaves_no_fd_behind(
-        sock: Path, live_daemon: Daemon, unet_state: dict[str, np.ndarray]) -> None:
+        sock: Path, live_daemon: Daemon, unet_state: dict[str, np.ndarray], tmp_path: Path) -> None:
     """The workers read an update after the call and a later worker reads the engine's copy again: a memfd its
     client could still write or shrink would give them other bytes than were checked, or a short read mid-copy."""
     engine = live_daemon.proc.pid if live_daemon.proc is not None else 0
@@ -164,6 +164,12 @@ async def test_an_unsealed_part_is_refused_saying_how_to_seal_it_and_leaves_no_f
         assert "memfd 1 is not sealed against writes and shrinking" in answer.message
         assert "F_SEAL_SHRINK | F_SEAL_WRITE" in answer.message
         assert len(fds_named(engine, "parts-")) == before
+        with open(tmp_path / "update.bin", "w+b") as file:  # a file cannot be sealed: said so, not "seal it"
+            file.truncate(size)
+            answer = await asyncio.to_thread(raw_update, sock, UpdateWeights("tiny", "unet", tensors),
+                                             [file.fileno()])
+        assert isinstance(answer, UpdateRefused) and answer.status == 400 and answer.field == "fd", answer
+        assert "the update's fd 0 is a file, not a memfd" in answer.message, answer.message
     finally:
         os.close(sealed)
         os.close(unsealed)

@@ -141,9 +141,9 @@ class Adapters:
         """New values for some of live adapter ``name``'s tensors (checked to match it already):
         copied into its parameters in place where it is loaded (by ``copy``: the worker stages them through
         pinned buffers), kept for a reload where not."""
-        self.states[name] = {**self.states[name], **state}
-        if name in self.loaded:
+        if name in self.loaded:  # copied first: a copy that fails leaves the kept values the version in force
             copy([(self._parameter(key, name), value) for key, value in state.items()])
+        self.states[name] = {**self.states[name], **state}
         self.versions[name] = version
 
     def _parameter(self, key: str, adapter: str) -> torch.Tensor:

@@ -53,7 +53,9 @@ from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.failures import first_line, is_fatal, is_oom, oom_message, oom_shape
 from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
 from diffusiond.worker.memory import PeakMeter
+from diffusiond.worker.startup import bind_thread
 from diffusiond.worker.state import SharedState
+from diffusiond.worker.update_copy import HalfApplied
 from diffusiond.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,9 @@ class ComputeThread:
         self.thread.start()
 
     def _run(self) -> None:
+        if self.cuda:  # torch's current device is per thread: the main thread's set_device does not reach here,
+            # and events, streams and pinned buffers made here would be cuda:0's (review47-a 1)
+            bind_thread(self.pipeline.device)
         try:
             warm_up(self.pipeline, self.warmup, self.cuda)
         except BaseException as exc:
@@ -158,7 +163,13 @@ class ComputeThread:
                 self.adapters.add(item)
                 continue
             if isinstance(item, LiveUpdate):
-                self.adapters.update(item.msg, item.fds)
+                try:
+                    self.adapters.update(item.msg, item.fds)
+                except HalfApplied as exc:  # answered; the weights are neither version: a replacement starts over
+                    log.error("a live update failed half-way, the worker exits: %s", exc)
+                    self.post(Fatal(message=f"a live update failed half-way: {exc}"))
+                    self.on_exit(70)
+                    return
                 continue
             batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
             try:

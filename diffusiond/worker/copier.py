@@ -40,6 +40,7 @@ from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, describe, nbytes_of, write_tensor
 from diffusiond.protocol import AUDIO_ARRAY, SIDE_ARRAYS
 from diffusiond.worker.previews import PendingPreview, PreviewOutbox
+from diffusiond.worker.startup import bind_thread
 from diffusiond.worker.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,8 @@ class Copier:
             self.submit(preview)
 
     def _run(self) -> None:
+        if self.cuda:
+            bind_thread(self.device)  # as the compute thread does
         while True:  # a daemon thread: it ends with the process
             job = self.queue.get()
             try:

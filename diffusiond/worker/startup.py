@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 from diffusiond.pipelines.phases import Phases
 
@@ -124,3 +125,14 @@ def import_compiler() -> None:
     triton on a GPU one), for a worker that compiles its model: a phase of its own rather than unnamed seconds
     inside the model's (issue 31), and done once in the template when the daemon compiles any model."""
     import torch._inductor.compile_fx  # noqa: F401
+
+
+def bind_thread(device: Any) -> None:
+    """Make ``device`` (a ``torch.device``) this thread's current CUDA device. torch keeps the current device per
+    thread, and the worker's main thread sets it; without this, a ``cuda:1`` worker's compute and copy threads
+    recorded their events on cuda:0's stream, where the work they were to wait for does not run, and made a
+    context on cuda:0 (review47-a 1)."""
+    import torch
+
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)

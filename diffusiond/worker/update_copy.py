@@ -19,6 +19,7 @@ setting. Small updates (under ``_FROM``) skip the staging buffers too.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -31,8 +32,11 @@ import torch
 from diffusiond.ipc.messages import WeightTensor
 from diffusiond.ipc.tensors import nbytes, numpy_dtype
 
+log = logging.getLogger(__name__)
+
 STAGED = os.environ.get("DIFFUSIOND_UPDATE_COPY", "staged") != "pageable"
 _FROM = 64 << 20  # below this, filling the buffers costs about what staging saves
+_FROM_HOST = 16 << 20  # the same for host tensors (a LoRA's), which need no read: a copy per tensor waits for each
 _STAGE = 64 << 20
 _READ = 8 << 20  # the most one thread reads at a time: a buffer's 64 MiB is read by up to 8 threads at once
 _THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -50,9 +54,16 @@ class Source(NamedTuple):
         return nbytes(self.tensor.dtype, self.tensor.shape)
 
 
+class HalfApplied(RuntimeError):
+    """A copy failed after the first byte was written: the destinations hold parts of two versions, which no
+    refusal can undo. The worker reports it and exits, and its replacement starts from the files and the updates
+    accepted before (review47-a 2)."""
+
+
 def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
     """Each source's values into its destination (shapes checked by the caller); every copy is done when this
-    returns, so the fds may close."""
+    returns, so the fds may close. What can fail without writing fails first (the staging buffers, the reads of
+    values to convert); a failure once writing began is ``HalfApplied``."""
     direct, staged, other = [], [], []
     for dst, src in pairs:
         same = dst.dtype == _DTYPES[src.tensor.dtype] and dst.is_contiguous()
@@ -62,17 +73,21 @@ def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
             staged.append((dst, src))
         else:
             other.append((dst, src))
-    if sum(src.nbytes for _, src in staged) < _FROM:
+    if staged and (sum(src.nbytes for _, src in staged) < _FROM or not _pinned(staged[0][0].device)):
         other, staged = other + staged, []
+    converted = [(dst, read_array(src.fd, src.tensor)) for dst, src in other]
     with torch.no_grad(), ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
-        reads = [pool.submit(_read_into, _bytes_of(dst), src.fd, src.tensor.offset, src.tensor.name)
-                 for dst, src in direct]
-        for dst, src in other:
-            dst.copy_(read_array(src.fd, src.tensor))
-        if staged:
-            _staged(staged, pool)
-        for read in reads:
-            read.result()
+        try:
+            reads = [pool.submit(_read_into, _bytes_of(dst), src.fd, src.tensor.offset, src.tensor.name)
+                     for dst, src in direct]
+            for dst, value in converted:
+                dst.copy_(value)
+            if staged:
+                _staged(staged, pool)
+            for read in reads:
+                read.result()
+        except Exception as exc:
+            raise HalfApplied(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -102,12 +117,18 @@ _buffers: list[torch.Tensor] = []
 _buffers_lock = threading.Lock()
 
 
-def _pinned() -> list[torch.Tensor]:
-    """The two staging buffers, made on the first update and kept: pinning 128 MiB costs about what copying it
-    does, every update."""
+def _pinned(device: torch.device) -> list[torch.Tensor]:
+    """The two staging buffers (made on ``device``'s context at the first staged update and kept: pinning 128 MiB
+    costs about what copying it does, every update; host memory residency does not count), or none where pinning
+    fails, for the plain copies instead."""
     with _buffers_lock:
         if not _buffers:
-            _buffers.extend(torch.empty(_STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+            try:
+                with torch.cuda.device(device):
+                    _buffers.extend(torch.empty(_STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+            except RuntimeError:
+                log.warning("no pinned staging buffers (%d MiB could not be page-locked): updates copy pageable",
+                            2 * _STAGE >> 20)
         return _buffers
 
 
@@ -135,21 +156,27 @@ def copy_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     ``update_lora``). Every copy is done when this returns."""
     staged = [(d, s) for d, s in pairs if STAGED and d.is_cuda and d.dtype == s.dtype and d.is_contiguous()
               and s.device.type == "cpu"]
+    if staged and (sum(s.nbytes for _, s in staged) < _FROM_HOST or not _pinned(staged[0][0].device)):
+        staged = []
     chosen = {id(d) for d, _ in staged}
     with torch.no_grad():
-        for dst, src in pairs:
-            if id(dst) not in chosen:
-                dst.copy_(src)
-        if staged:
-            with ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
-                _staged([(d, s.contiguous().reshape(-1).view(torch.uint8)) for d, s in staged], pool)
+        try:
+            for dst, src in pairs:
+                if id(dst) not in chosen:
+                    dst.copy_(src)
+            if staged:
+                with ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
+                    _staged([(d, s.contiguous().reshape(-1).view(torch.uint8)) for d, s in staged], pool)
+        except Exception as exc:
+            raise HalfApplied(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: ThreadPoolExecutor) -> None:
     """Fill one buffer (its pieces side by side, ``_READ`` bytes a task), queue its copies to the device, fill the
     other while they run; a buffer is filled again only once the GPU has read it."""
-    stream = torch.cuda.current_stream()
-    bufs = _pinned()
+    device = pairs[0][0].device  # one component's, on one device
+    stream = torch.cuda.current_stream(device)
+    bufs = _pinned(device)
     views = [b.numpy().data for b in bufs]
     emptied: list[torch.cuda.Event | None] = [None, None]
     k, used = 0, 0
@@ -167,7 +194,7 @@ def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: T
         for p in pending:
             p.dst.copy_(bufs[k][p.a:p.b], non_blocking=True)
         event = torch.cuda.Event()
-        event.record(stream)
+        event.record(stream)  # made on the stream's device
         emptied[k], k, used, pending = event, k ^ 1, 0, []
 
     for dst, src in pairs:

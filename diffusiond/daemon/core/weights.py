@@ -270,16 +270,17 @@ def _part_sizes(fds: list[int]) -> list[int]:
         if not stat.S_ISREG(st.st_mode):
             raise InvalidRequest(f"the update's fd {i} is not a memfd (a pipe or socket cannot be read at an "
                                  "offset)", field="fd")
+        how = ("make it with memfd_create(MFD_ALLOW_SEALING) and, once written, seal it (fcntl F_ADD_SEALS with "
+               "F_SEAL_SHRINK | F_SEAL_WRITE), as diffusiond.Client does; the workers read it after the call, and a "
+               "worker started later reads it again")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:  # a file on disk: it has no seals
-            seals = 0
+        except OSError:  # a file on disk: it cannot be sealed
+            raise InvalidRequest(f"the update's fd {i} is a file, not a memfd: {how}", field="fd") from None
         if seals & SEALS != SEALS:
-            raise InvalidRequest(f"the update's memfd {i} is not sealed against writes and shrinking: make it with "
-                                 "MFD_ALLOW_SEALING and, once written, seal it (fcntl F_ADD_SEALS with F_SEAL_SHRINK "
-                                 "| F_SEAL_WRITE), as diffusiond.Client does; the workers read it after the call, "
-                                 "and a worker started later reads it again", field="fd")
-        sizes.append(st.st_size)
+            raise InvalidRequest(f"the update's memfd {i} is not sealed against writes and shrinking: {how}",
+                                 field="fd")
+        sizes.append(os.fstat(fd).st_size)  # read once sealed: a size read before could still shrink
     return sizes
 
 
