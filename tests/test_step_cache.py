@@ -95,3 +95,22 @@ def test_taylorseer_lite_skips_the_blocks_between_full_steps_and_says_so() -> No
     assert ran["taylorseer:4"] == 16 * feed_forwards > 0
     full_steps = 3 + -(-(16 - 3) // 4)  # diffusers' default: the first 3 steps, then at most every 4th
     assert 0 < ran["taylorseer-lite:4"] <= full_steps * feed_forwards
+
+
+def test_taylorseer_lite_is_refused_where_an_output_head_would_run_on_the_skipped_blocks_zeros() -> None:
+    """review47-b 6: LTX-2's transformer has an audio head beside proj_out; the lite mode predicts only proj_out,
+    so its sound would come from zeros at every predicted step. Refused at load, with what to use instead; the
+    models it fits load (tiny-flux above)."""
+    from accelerate import init_empty_weights
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from diffusiond.pipelines.speedups import apply_speedups
+
+    with init_empty_weights():
+        ltx2 = LTX2VideoTransformer3DModel()
+
+    pipe = type("Pipe", (), {"transformer": ltx2, "components": {"transformer": ltx2}})()
+    with pytest.raises(PipelineError) as exc:
+        apply_speedups(pipe, {"cache": "taylorseer-lite"}, torch.device("cpu"))
+    assert "audio_proj_out" in str(exc.value) and "use cache=taylorseer" in str(exc.value), str(exc.value)
+    assert not ltx2.is_cache_enabled  # refused before any hook

@@ -9,7 +9,8 @@
   every INTERVAL steps, default 5). It predicts the attention modules' outputs only, so every step still runs
   each block's feed-forward: 1.52x on FLUX.1-dev at 28 steps (H100, docs/benchmarks.md);
 - ``cache=taylorseer-lite[:INTERVAL]``: its lite mode: between full steps the blocks are skipped whole and only
-  the transformer's output projection is predicted, so a predicted step costs little more than the embeddings;
+  the transformer's output projection is predicted, so a predicted step costs little more than the embeddings.
+  Refused at load where that would be wrong: another output head (LTX-2's audio), no ``proj_out``, no blocks;
 - ``fp8=1``: float8 weights and activations for the denoiser's linear layers through torchao, on
   GPUs with fp8 matrix units (compute capability 8.9+: Ada, Hopper). torchao is not a dependency:
   the option says so when it is missing.
@@ -90,8 +91,35 @@ def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) 
                     f"cache={cache}: the model's {attr} ({kind}) has no diffusers cache hooks; they exist on "
                     "transformer models (Flux, SD3, Wan, LTX, ...), not on UNet models (SD 1.5, SDXL)"
                 )
+        if cache.partition(":")[0] == "taylorseer-lite":
+            for attr, denoiser in found:
+                why = _lite_misfit(denoiser)
+                if why:
+                    raise PipelineError(f"cache={cache}: the model's {attr} ({type(denoiser).__name__}) {why}; use "
+                                        "cache=taylorseer, which predicts each attention module instead")
         name = _cache_config(cache)[1]
         for _, denoiser in found:
             denoiser.enable_cache(_cache_config(cache)[0])  # a config each: a hook keeps its state per module
         names.append(name)
     return tuple(names)
+
+
+def _lite_misfit(denoiser: Any) -> str:
+    """Why TaylorSeer's lite mode would give wrong outputs on ``denoiser`` ('' if it fits). Between full steps it
+    skips every block (its output zeros) and predicts only ``proj_out``: an output head of another name (LTX-2's
+    ``audio_proj_out``) would run on the zeros, and a model with no ``proj_out`` or no matching block would run
+    uncached under the cache's name (review47-b 6). The patterns are diffusers' own."""
+    import re
+
+    from diffusers.hooks.taylorseer_cache import _BLOCK_IDENTIFIERS, _PROJ_OUT_IDENTIFIERS
+
+    heads = sorted(n for n, _ in denoiser.named_children() if n.endswith("proj_out"))
+    predicted = [n for n in heads if any(re.fullmatch(p, n) for p in _PROJ_OUT_IDENTIFIERS)]
+    if not predicted:
+        return "has no output projection named proj_out for the lite mode to predict"
+    if heads != predicted:
+        return (f"has output heads the lite mode does not predict ({', '.join(sorted(set(heads) - set(predicted)))}"
+                "), which would run on the skipped blocks' zeros")
+    if not any(re.fullmatch(p, n) for n, _ in denoiser.named_modules() for p in _BLOCK_IDENTIFIERS):
+        return "has no blocks the lite mode knows to skip"
+    return ""
