@@ -114,3 +114,19 @@ def test_taylorseer_lite_is_refused_where_an_output_head_would_run_on_the_skippe
         apply_speedups(pipe, {"cache": "taylorseer-lite"}, torch.device("cpu"))
     assert "audio_proj_out" in str(exc.value) and "use cache=taylorseer" in str(exc.value), str(exc.value)
     assert not ltx2.is_cache_enabled  # refused before any hook
+
+
+@pytest.mark.parametrize("cache", ["taylorseer:2", "taylorseer-lite:2", "fbc:0.2"])
+def test_a_cached_flux_model_edits_images(cache: str) -> None:
+    """review47-b 7: FluxImg2ImgPipeline and FluxInpaintPipeline set no cache context, which diffusers' cache hooks
+    require, so every edit job on a cached FLUX model failed as if the request were at fault."""
+    import numpy as np
+
+    pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options={"cache": cache})
+    params = m.BatchParams(width=64, height=64, steps=4, guidance=3.5, edit="image-to-image", strength=0.8)
+    reqs = [m.RequestSpec(request_id="e", prompt="a red barn", seed=3)]
+    inputs = [(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8), None)]
+    with torch.inference_mode():
+        (out,) = pipe.edit(params, reqs, inputs, lambda _s, _t: True)  # type: ignore[attr-defined]
+    assert out.isfinite().all()
+    assert torch.equal(run(pipe, [7]), run(pipe, [7]))  # and the text-to-image path after it, as before

@@ -45,7 +45,7 @@ from diffusiond.pipelines.pipeline_classes import FRAME_ARGS, call_args, task_fo
 from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.quant import apply_quant, parse_quant
 from diffusiond.pipelines.spec import offload_mode, resident_blocks
-from diffusiond.pipelines.speedups import apply_speedups
+from diffusiond.pipelines.speedups import apply_speedups, step_cache_context
 from diffusiond.pipelines.streaming import BlockStreamer
 from diffusiond.pipelines.trajectories import LatentRecorder
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, VIDEO_TASKS, schedulers_for
@@ -343,7 +343,8 @@ class DiffusersPipeline:
         kwargs["callback_on_step_end"] = step_end
         try:  # a batch that wants no sound skips its decode (ltx2.py); VAE tiles fit the size (vae_tiles.py)
             with ltx2.without_sound(pipe, [r.audio for r in requests]), vae_tiles.fitted(pipe, params.height,
-                                                                                         params.width):
+                                                                                         params.width), \
+                    step_cache_context(pipe):
                 out = pipe(**kwargs)
         except BaseException as exc:  # its own cleanup was skipped: the step cache's state (else the next batch,
             pipe.maybe_free_model_hooks()  # or an OOM retry, starts from it) and offload=model's hooks are reset

@@ -22,7 +22,8 @@ LTX, ...); a UNet model (SD 1.5, SDXL) refuses the option at load, naming the re
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ import torch
 from diffusiond.pipelines.denoisers import denoisers
 from diffusiond.pipelines.errors import PipelineError
 
-__all__ = ["apply_speedups"]
+__all__ = ["apply_speedups", "step_cache_context"]
 
 
 def _number(option: str, text: str, kind: type[float] | type[int]) -> float:
@@ -89,7 +90,7 @@ def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) 
                 kind = type(denoiser).__name__
                 raise PipelineError(
                     f"cache={cache}: the model's {attr} ({kind}) has no diffusers cache hooks; they exist on "
-                    "transformer models (Flux, SD3, Wan, LTX, ...), not on UNet models (SD 1.5, SDXL)"
+                    "some transformer models (Flux, Wan, LTX, Qwen-Image, ...), not on UNet models (SD 1.5, SDXL)"
                 )
         if cache.partition(":")[0] == "taylorseer-lite":
             for attr, denoiser in found:
@@ -123,3 +124,17 @@ def _lite_misfit(denoiser: Any) -> str:
     if not any(re.fullmatch(p, n) for n, _ in denoiser.named_modules() for p in _BLOCK_IDENTIFIERS):
         return "has no blocks the lite mode knows to skip"
     return ""
+
+
+@contextlib.contextmanager
+def step_cache_context(pipe: Any) -> Iterator[None]:
+    """Around a pipeline call: diffusers' cache hooks need the denoiser's ``cache_context`` set at each of its
+    calls. FluxPipeline, Wan, LTX and Qwen-Image set one; their image-to-image and inpainting siblings
+    (FluxImg2ImgPipeline, FluxInpaintPipeline, ...) do not, so every edit job on a cached model failed
+    (review47-b 7). One context around the whole call serves those; a pipeline that sets its own sets it at each
+    of its calls, as without this."""
+    with contextlib.ExitStack() as stack:
+        for _, denoiser in denoisers(pipe):
+            if getattr(denoiser, "is_cache_enabled", False):
+                stack.enter_context(denoiser.cache_context("cond"))
+        yield
