@@ -1,4 +1,5 @@
-"""How a whole component's update gets from the client's memfds into the parameters (issue 29).
+"""How a live update's values get into the parameters (issue 29): a whole component's from the client's memfds
+(``copy_into``), a loaded LoRA's from the host tensors the worker keeps (``copy_tensors``).
 
 The bytes are read with ``preadv`` straight from the memfds (sealed against writes and shrinking: the engine
 checks, ``ipc/updates.SEALS``), never mapped: populating a mapping of the SDXL UNet's 4.9 GB took 0.45-0.5 s on an
