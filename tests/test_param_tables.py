@@ -25,6 +25,7 @@ from test_live_refusals import tiny_entry, to_disk
 import diffusiond
 import diffusiond.daemon.state.params as params
 from diffusiond.client import AsyncClient, DaemonError
+from diffusiond.client.weights import pack as pack_update
 from diffusiond.daemon.core.file_checks import FileChecks, ModelFiles, ModelTable
 from diffusiond.daemon.model_config import ModelConfig
 from diffusiond.daemon.state.params import ParamTables
@@ -58,8 +59,12 @@ def test_the_table_refuses_what_the_worker_refuses_in_the_same_words(tiny: Any) 
                ("transformer", {"x.weight": conv_out.detach()}),
                ("unet", {"conv_out.weight": conv_out.detach().clone()})]  # fits: '' from both
     for component, state in weights:
-        tensors = [WeightTensor(k, "float32", list(v.shape), 0) for k, v in state.items()]
-        worker = apply_weights(tiny, UpdateWeights("tiny", component, tensors), state)
+        fds, tensors = pack_update(state)  # what the worker reads: the client's sealed memfds
+        try:
+            worker = apply_weights(tiny, UpdateWeights("tiny", component, tensors), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         assert table.weights_misfit(component, tensors) == worker, (component, state.keys(), worker)
     linear, lin = _first(unet, torch.nn.Linear)
     conv, cv = _first(unet, torch.nn.Conv2d)
