@@ -104,7 +104,12 @@ def test_update_weights_under_sequential_offload_is_refused_not_lost(model_cache
     zero = {"conv_out.weight": torch.zeros(unet.conv_out.weight.shape)}
     tensors = [WeightTensor("conv_out.weight", "float32", list(unet.conv_out.weight.shape), 0)]
     before = unet.conv_out._hf_hook.weights_map["weight"].clone()
-    why = apply_weights(pipe, UpdateWeights("tiny", "unet", tensors), zero)
+    fds, tensors = pack_update(zero)
+    try:
+        why = apply_weights(pipe, UpdateWeights("tiny", "unet", tensors), fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
     assert why.startswith("unet of model tiny runs with offload=sequential") and "offload=model, group or none" in why
     assert torch.equal(unet.conv_out._hf_hook.weights_map["weight"], before)
     table = ModelTable("tiny", unpack(pack(param_table(pipe, None))))
@@ -113,8 +118,14 @@ def test_update_weights_under_sequential_offload_is_refused_not_lost(model_cache
                        sequential=True)
     assert files.weights_misfit("unet", tensors) == why  # and before the model ever loaded
     vae = pipe.pipe.vae
-    fits = {"decoder.conv_out.bias": torch.zeros(vae.decoder.conv_out.bias.shape)}
-    assert apply_weights(pipe, UpdateWeights("tiny", "vae", []), fits) == ""
+    with torch.no_grad():
+        vae.decoder.conv_out.bias.fill_(1.0)
+    fds, fitting = pack_update({"decoder.conv_out.bias": torch.zeros(vae.decoder.conv_out.bias.shape)})
+    try:
+        assert apply_weights(pipe, UpdateWeights("tiny", "vae", fitting), fds) == ""
+    finally:
+        for fd in fds:
+            os.close(fd)
     assert not vae.decoder.conv_out.bias.any()
 
 
