@@ -136,8 +136,10 @@ PY
     template-test)  # issue 27: a worker forked from the template uses CUDA and makes a fresh worker's pictures
       # (--preimport auto forks CUDA workers once this passes)
       step template-test 240 python3 -m pytest -q -x tests/test_gpu_template.py -p no:cacheprovider ;;
-    updates-test)  # issue 29: a whole component's update copied through the pinned mapping lands exactly
+    updates-test)  # issue 29: a whole component's update and a LoRA's values staged through the pinned buffers land
       step updates-test 120 python3 -m pytest -q -x tests/test_gpu_updates.py -p no:cacheprovider ;;
+    memfd-writes)  # issue 29: whether more parts than 8 (ipc.updates.MAX_PARTS) would speed the client's pack
+      step memfd-writes 120 python3 scripts/bench_memfd_writes.py --gib 4 --threads ${MEMFD_THREADS:-16} --rounds 2 ;;
     hostkeep-test)  # issue 27: a woken model's kept host copy freed (unpinned) and made again by the next sleep
       step hostkeep-test 240 python3 -m pytest -q -x tests/test_gpu_residency.py -k "released" -p no:cacheprovider ;;
     attention)  # issue 31: FLUX.1-dev 1024² 28 steps on each attention backend that runs here, against the default;
