@@ -148,8 +148,7 @@ class ComputeThread:
             warm_up(self.pipeline, self.warmup, self.cuda)
         except BaseException as exc:
             log.exception("warm-up failed")
-            self.post(Fatal(message=f"warm-up failed: {type(exc).__name__}: {exc}"))
-            self.on_exit(1)
+            self._die(f"warm-up failed: {type(exc).__name__}: {exc}", 1)
             return
         if self.on_ready is not None:
             self.on_ready()
@@ -167,8 +166,7 @@ class ComputeThread:
                     self.adapters.update(item.msg, item.fds)
                 except HalfApplied as exc:  # answered; the weights are neither version: a replacement starts over
                     log.error("a live update failed half-way, the worker exits: %s", exc)
-                    self.post(Fatal(message=f"a live update failed half-way: {exc}"))
-                    self.on_exit(70)
+                    self._die(f"a live update failed half-way: {exc}", 70)
                     return
                 continue
             batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
@@ -176,9 +174,13 @@ class ComputeThread:
                 self._execute(batch, fds)
             except BaseException as exc:  # a device error: this process is done
                 log.exception("unrecoverable error in batch %d", batch.batch_id)
-                self.post(Fatal(message=f"unrecoverable device error in batch {batch.batch_id}: {exc}"))
-                self.on_exit(70)
+                self._die(f"unrecoverable device error in batch {batch.batch_id}: {exc}", 70)
                 return
+
+    def _die(self, why: str, code: int) -> None:
+        """This process is done: the engine hears why (FATAL), and the worker exits with ``code``."""
+        self.post(Fatal(message=why))
+        self.on_exit(code)
 
     def _execute(self, batch: Execute, fds: list[int]) -> None:
         self._ended.clear()

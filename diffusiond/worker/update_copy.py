@@ -20,10 +20,11 @@ setting. Small updates (under ``_FROM``) skip the staging buffers too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from diffusiond.ipc.messages import WeightTensor
-from diffusiond.ipc.tensors import nbytes, numpy_dtype
+from diffusiond.ipc.tensors import dtype_name, nbytes, numpy_dtype
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ _FROM_HOST = 16 << 20  # the same for host tensors (a LoRA's), which need no rea
 _STAGE = 64 << 20
 _READ = 8 << 20  # the most one thread reads at a time: a buffer's 64 MiB is read by up to 8 threads at once
 _THREADS = max(1, min(8, os.cpu_count() or 1))
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Source(NamedTuple):
@@ -67,28 +67,40 @@ def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
     values to convert); a failure once writing began is ``HalfApplied``."""
     direct, staged, other = [], [], []
     for dst, src in pairs:
-        same = dst.dtype == _DTYPES[src.tensor.dtype] and dst.is_contiguous()
+        same = dtype_name(dst) == src.tensor.dtype and dst.is_contiguous()
         if same and dst.device.type == "cpu":
             direct.append((dst, src))
         elif same and dst.is_cuda and STAGED:
             staged.append((dst, src))
         else:
             other.append((dst, src))
-    if staged and (sum(src.nbytes for _, src in staged) < _FROM or not _pinned(staged[0][0].device)):
+    if not _worth_staging(staged, sum(src.nbytes for _, src in staged), _FROM):
         other, staged = other + staged, []
     converted = [(dst, read_array(src.fd, src.tensor)) for dst, src in other]
-    with torch.no_grad(), ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
-        try:
-            reads = [pool.submit(_read_into, _bytes_of(dst), src.fd, src.tensor.offset, src.tensor.name)
-                     for dst, src in direct]
-            for dst, value in converted:
-                dst.copy_(value)
-            if staged:
-                _staged(staged, pool)
-            for read in reads:
-                read.result()
-        except Exception as exc:
-            raise HalfApplied(f"{type(exc).__name__}: {exc}") from exc
+    with torch.no_grad(), ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool, _writing():
+        reads = [pool.submit(_read_into, _bytes_of(dst), src.fd, src.tensor.offset, src.tensor.name)
+                 for dst, src in direct]
+        for dst, value in converted:
+            dst.copy_(value)
+        if staged:
+            _staged(staged, pool)
+        for read in reads:
+            read.result()
+
+
+def _worth_staging(staged: Sequence[tuple[torch.Tensor, object]], nbytes: int, floor: int) -> bool:
+    """Whether the CUDA destinations ``staged`` (``nbytes`` in all) go through the pinned buffers: enough bytes,
+    and buffers to be had."""
+    return bool(staged) and nbytes >= floor and bool(_pinned(staged[0][0].device))
+
+
+@contextlib.contextmanager
+def _writing() -> Iterator[None]:
+    """Around the writes: a failure once they began is ``HalfApplied``."""
+    try:
+        yield
+    except Exception as exc:
+        raise HalfApplied(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -157,19 +169,16 @@ def copy_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     ``update_lora``). Every copy is done when this returns."""
     staged = [(d, s) for d, s in pairs if STAGED and d.is_cuda and d.dtype == s.dtype and d.is_contiguous()
               and s.device.type == "cpu"]
-    if staged and (sum(s.nbytes for _, s in staged) < _FROM_HOST or not _pinned(staged[0][0].device)):
+    if not _worth_staging(staged, sum(s.nbytes for _, s in staged), _FROM_HOST):
         staged = []
     chosen = {id(d) for d, _ in staged}
-    with torch.no_grad():
-        try:
-            for dst, src in pairs:
-                if id(dst) not in chosen:
-                    dst.copy_(src)
-            if staged:
-                with ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
-                    _staged([(d, s.contiguous().reshape(-1).view(torch.uint8)) for d, s in staged], pool)
-        except Exception as exc:
-            raise HalfApplied(f"{type(exc).__name__}: {exc}") from exc
+    with torch.no_grad(), _writing():
+        for dst, src in pairs:
+            if id(dst) not in chosen:
+                dst.copy_(src)
+        if staged:
+            with ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
+                _staged([(d, s.contiguous().reshape(-1).view(torch.uint8)) for d, s in staged], pool)
 
 
 def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: ThreadPoolExecutor) -> None:
