@@ -11,8 +11,9 @@ the component, PEFT naming, random weights; ``weights``: every parameter of the 
 random values. The tensors are made in this process (CPU, the model's dtype) before the clock starts.
 Each round: ``update_*`` (the call returns once every worker applied the update), then one job at the
 smallest size and 1 step whose record must carry the new version; reported are the call alone and the
-call plus that job (its own compute measured alone at the end, so the difference is the update's share).
-Prints one JSON object.
+call plus that job (its own compute measured alone at the end, so the difference is the update's share), and of
+the call, the client's pack (its memfds written and sealed: ``pack_s``). ``--parts N`` caps the memfds one update
+is written into (the client's default is ``ipc.updates.MAX_PARTS``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from diffusiond.bench.procs import process, wait_ready
 from diffusiond.client import AsyncClient
+from diffusiond.client import weights as client_weights
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.modelcache import BUILT_FOLDERS
 from diffusiond.pipelines.preset_tables import get_preset
@@ -74,7 +76,21 @@ async def job(c: AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
     return done
 
 
+_packs: list[float] = []
+_pack = client_weights.pack
+
+
+def _timed_pack(state_dict: Any) -> Any:
+    """The client's pack, its seconds kept: the share of the call spent before anything reaches the daemon."""
+    t0 = time.perf_counter()
+    try:
+        return _pack(state_dict)
+    finally:
+        _packs.append(time.perf_counter() - t0)
+
+
 async def drive(sock: Path, args: argparse.Namespace, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    client_weights.pack = _timed_pack  # update_lora and update_weights look it up as they run
     body: dict[str, Any] = {"size": args.size, "steps": 1, "output_format": "npy"}
     calls, to_job = [], []
     async with AsyncClient(str(sock), timeout=900) as c:
@@ -93,8 +109,8 @@ async def drive(sock: Path, args: argparse.Namespace, states: list[dict[str, tor
             done = await job(c, run_body)
             t2 = time.perf_counter()
             seen = done.get("lora_versions" if args.kind == "lora" else "weight_versions")
-            print(f"round {i}: version {version}, call {t1 - t0:.3f} s, to first job done {t2 - t0:.3f} s, "
-                  f"job says {seen}", file=sys.stderr, flush=True)
+            print(f"round {i}: version {version}, call {t1 - t0:.3f} s (pack {_packs[-1]:.3f} s), to first job done "
+                  f"{t2 - t0:.3f} s, job says {seen}", file=sys.stderr, flush=True)
             if i:  # round 0 makes the adapter (PEFT layers injected): reported apart
                 calls.append(t1 - t0)
                 to_job.append(t2 - t0)
@@ -105,7 +121,8 @@ async def drive(sock: Path, args: argparse.Namespace, states: list[dict[str, tor
             t0 = time.perf_counter()
             await job(c, dict(body, loras=[(args.name, 1.0)]) if args.kind == "lora" else body)
             alone.append(time.perf_counter() - t0)
-    return {"first_round": first, "call_s": calls, "to_job_s": to_job, "call_s_median": statistics.median(calls),
+    return {"first_round": first, "call_s": calls, "to_job_s": to_job, "pack_s": _packs[1:],
+            "pack_s_median": statistics.median(_packs[1:]), "call_s_median": statistics.median(calls),
             "to_job_s_median": statistics.median(to_job), "job_alone_s_median": statistics.median(alone)}
 
 
@@ -120,12 +137,17 @@ def main() -> int:
     ap.add_argument("--size", default="256x256")
     ap.add_argument("--name", default="trainer")
     ap.add_argument("--serve-extra", default="")
+    ap.add_argument("--parts", type=int, default=client_weights.MAX_PARTS,
+                    help="the most memfds the client writes an update into (1..MAX_PARTS)")
     ap.add_argument("--device", default="cuda", help="the daemon's --device (cpu: a dry run with a small preset)")
     ap.add_argument("--stacks-every", type=float, default=0.0,
                     help="every N seconds, every thread's stack on stderr (faulthandler): where a slow run is")
     args = ap.parse_args()
     if args.rounds < 2:
         ap.error("--rounds must be at least 2: round 0 (the adapter made, the first copy) is reported apart")
+    if not 1 <= args.parts <= client_weights.MAX_PARTS:
+        ap.error(f"--parts must be 1 to {client_weights.MAX_PARTS}")
+    client_weights._MAX_PARTS = args.parts
     if args.stacks_every > 0:
         faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     dtype = getattr(torch, args.dtype)
@@ -162,7 +184,8 @@ def main() -> int:
                                        log.read_text().splitlines() if f"update_{args.kind} " in line]
             print("\n".join(result["worker_phases"]), file=sys.stderr)
     copy = os.environ.get("DIFFUSIOND_UPDATE_COPY", "staged")
-    print(json.dumps({"kind": args.kind, "update_copy": copy, "preset": args.preset, "component": args.component,
+    print(json.dumps({"kind": args.kind, "update_copy": copy, "parts": args.parts, "preset": args.preset,
+                      "component": args.component,
                       "rank": args.rank,
                       "dtype": args.dtype, "tensors": len(states[0]), "bytes": nbytes, "made_s": made, **result}))
     return 0

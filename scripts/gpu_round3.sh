@@ -75,8 +75,14 @@ for s in "$@"; do
     lora)  # issue 29: update_lora of a rank-64 adapter on the FLUX.1-dev transformer
       step lora 240 python3 scripts/bench_live.py lora --preset flux-dev --component transformer --rank 64 \
         --dtype bfloat16 --rounds 5 ;;
-    weights)  # issue 29: update_weights of the SDXL UNet
-      step weights 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 --rounds 3 ;;
+    weights)  # issue 29: update_weights of the SDXL UNet, written into PARTS memfds (each count in turn, one daemon each)
+      for n in ${PARTS:-16}; do
+        step weights-p$n 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 \
+          --rounds 3 --parts $n
+      done ;;
+    lora-pageable)  # the LoRA's values copied as one pageable copy each (copy_tensors' switch), against `lora`
+      DIFFUSIOND_UPDATE_COPY=pageable step lora-pageable 240 python3 scripts/bench_live.py lora --preset flux-dev \
+        --component transformer --rank 64 --dtype bfloat16 --rounds 5 ;;
     weights-pageable)  # the same from pageable pages (worker/update_copy.py: the bench's switch; staged is the default)
       DIFFUSIOND_UPDATE_COPY=pageable step weights-pageable 200 python3 scripts/bench_live.py weights --preset sdxl \
         --component unet --dtype float16 --rounds 3 ;;

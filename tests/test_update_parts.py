@@ -141,7 +141,7 @@ async def test_a_tensor_outside_its_part_is_refused_naming_it_and_leaves_no_fd_b
         answer = await asyncio.to_thread(raw_update, sock, UpdateWeights("tiny", "unet", [
             WeightTensor(weight, "float32", list(unet_state[weight].shape), 0)]), [])
         assert isinstance(answer, UpdateRefused) and answer.status == 400 and answer.field == "fd", answer
-        assert "an update carries 1 to 8 memfds (its parts); this one came with 0" in answer.message
+        assert f"an update carries 1 to {MAX_PARTS} memfds (its parts); this one came with 0" in answer.message
         assert len(fds_named(engine, "parts-")) == before  # every fd of a refused update closed
     finally:
         os.close(big)

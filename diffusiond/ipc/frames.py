@@ -30,7 +30,7 @@ VERSION = 1
 HEADER = struct.Struct("!4sBBHQII")
 HEADER_SIZE = HEADER.size
 KIND_OFFSET = 5  # byte offset of ``kind`` in the header (fault injection in tests reads it)
-MAX_FDS = 8
+MAX_FDS = 16  # an update's parts (updates.MAX_PARTS); a batch's edit inputs, one each
 DEFAULT_MAX_BODY = 4 << 20  # frames carry descriptors; 4 MiB is far above any real one
 
 
