@@ -288,3 +288,30 @@ async def test_a_model_that_ran_before_has_updates_checked_at_once_from_its_tabl
             assert await c.update_lora("trainer", NORM) == 1  # the stale table is not used: kept on trust
     finally:
         d.stop()
+
+
+class _Quantized(torch.Tensor):
+    """A weight held by a tensor subclass, as torchao's quantized weights are (``Int8Tensor``, ``Float8Tensor``):
+    they report bfloat16 and hold int8 or float8, so their dtype alone cannot tell they are not plain values."""
+
+
+def test_a_weight_kept_by_a_tensor_subclass_is_refused_before_anything_is_written(model_cache: Path) -> None:
+    """review48-a 2: such a weight passed the check, the copy failed half-way and the worker restarted; now the
+    update is refused in the worker's words and in its table's, naming the tensor and what keeps it."""
+    pipe = load_pipeline("tiny", name="tiny", device="cpu", dtype="float32")
+    unet = pipe.pipe.unet
+    bias = unet.conv_out.bias.detach().clone()
+    unet.conv_out.weight = torch.nn.Parameter(unet.conv_out.weight.detach().as_subclass(_Quantized),
+                                              requires_grad=False)
+    state = {"conv_out.bias": torch.ones_like(bias), "conv_out.weight": torch.ones(unet.conv_out.weight.shape)}
+    fds, tensors = pack_update(state)
+    try:
+        why = apply_weights(pipe, UpdateWeights("tiny", "unet", tensors), fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert why == ("tensor 'conv_out.weight': unet keeps it as a _Quantized (quantized, or another tensor "
+                   "subclass), which is not updated in place"), why
+    assert torch.equal(unet.conv_out.bias, bias)  # refused whole: not even the bias before it
+    table = ModelTable("tiny", unpack(pack(param_table(pipe, None))))
+    assert table.weights_misfit("unet", tensors) == why

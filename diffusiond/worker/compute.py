@@ -141,9 +141,13 @@ class ComputeThread:
         self.thread.start()
 
     def _run(self) -> None:
-        if self.cuda:  # torch's current device is per thread: the main thread's set_device does not reach here,
-            # and events, streams and pinned buffers made here would be cuda:0's (review47-a 1)
-            bind_thread(self.pipeline.device)
+        try:
+            if self.cuda:  # torch's current device is per thread: the main thread's set_device does not reach here,
+                # and events, streams and pinned buffers made here would be cuda:0's (review47-a 1)
+                bind_thread(self.pipeline.device)
+        except BaseException as exc:  # a thread dying alone would leave the worker never ready (review48-a 7)
+            self._die(f"the compute thread could not use {self.pipeline.device}: {type(exc).__name__}: {exc}", 1)
+            return
         try:
             warm_up(self.pipeline, self.warmup, self.cuda)
         except BaseException as exc:

@@ -180,9 +180,17 @@ class Copier:
         self.previews = PreviewOutbox(arena, state, post, cuda=self.cuda)
         self.queue: queue.Queue[CopyJob | PendingPreview] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="copy", daemon=True)
+        self._bound = threading.Event()
+        self._unbound: BaseException | None = None
 
     def start(self) -> None:
+        """Start the copy thread, once it is bound to the worker's device: a device that cannot be made current
+        there (fallen off the bus, reset) fails the worker's start with the reason, where a thread dying alone
+        would leave every output copy waiting (review48-a 7)."""
         self.thread.start()
+        self._bound.wait()
+        if self._unbound is not None:
+            raise RuntimeError(f"the copy thread could not use {self.device}: {self._unbound}") from self._unbound
 
     def submit(self, job: CopyJob | PendingPreview) -> None:
         self.state.copy_queued()
@@ -194,8 +202,14 @@ class Copier:
             self.submit(preview)
 
     def _run(self) -> None:
-        if self.cuda:
-            bind_thread(self.device)  # as the compute thread does
+        try:
+            if self.cuda:
+                bind_thread(self.device)  # as the compute thread does
+        except BaseException as exc:
+            self._unbound = exc
+            return
+        finally:
+            self._bound.set()
         while True:  # a daemon thread: it ends with the process
             job = self.queue.get()
             try:

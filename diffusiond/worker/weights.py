@@ -146,8 +146,12 @@ def own_parameters(component: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def kept_as(tensor: torch.Tensor) -> str:
-    """The dtype ``tensor`` is kept in when an update cannot be copied into it in place (an integer or 8-bit
-    storage: a quantized weight), else ''."""
+    """What ``tensor`` is kept as when an update cannot be copied into it in place, else '': an integer or 8-bit
+    storage (a quantized weight), or a tensor subclass. torchao's quantized weights (``quant=C:int8``, ``fp8=1``)
+    are subclasses that report their values' dtype (bfloat16) while holding int8 or float8 data: a byte copy
+    into one fails half-way, which cost the worker (review48-a 2)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a {type(tensor).__name__} (quantized, or another tensor subclass)"
     return "" if tensor.dtype.is_floating_point and tensor.dtype.itemsize >= 2 else str(tensor.dtype)
 
 

@@ -1,0 +1,54 @@
+"""A worker's compute and copy threads each make the worker's CUDA device their current one (torch keeps it per
+thread: worker/startup.bind_thread). Where that fails (a device fallen off the bus, reset), the worker must fail
+with the reason instead of losing a thread silently: a dead copy thread left every output copy waiting, a dead
+compute thread a worker never ready (review48-a 7). CPU devices bind nothing, so the threads are told they are on
+CUDA and the binding is made to fail as a lost device's would."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from diffusiond.ipc.arena import Arena
+from diffusiond.ipc.messages import Fatal
+from diffusiond.worker import compute as compute_mod
+from diffusiond.worker import copier as copier_mod
+from diffusiond.worker.compute import ComputeThread
+from diffusiond.worker.copier import Copier
+from diffusiond.worker.state import SharedState
+
+CPU = torch.device("cpu")
+
+
+def _lost(device: Any) -> None:
+    raise RuntimeError("CUDA error: unspecified launch failure")
+
+
+def test_a_copy_thread_that_cannot_use_its_device_fails_the_start_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    copier = Copier(Arena(1 << 20), SharedState(), lambda *a, **k: None, device=CPU, slot_timeout_s=1.0)
+    copier.cuda = True
+    monkeypatch.setattr(copier_mod, "bind_thread", _lost)
+    with pytest.raises(RuntimeError, match="the copy thread could not use cpu: CUDA error: unspecified launch"):
+        copier.start()
+    assert not copier.thread.is_alive()
+
+
+def test_a_compute_thread_that_cannot_use_its_device_says_so_and_exits_the_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    posted: list[Any] = []
+    exits: list[int] = []
+    pipe = SimpleNamespace(name="m", device=CPU, capabilities=SimpleNamespace(offload="none", task="text-to-image"))
+    copier = Copier(Arena(1 << 20), SharedState(), lambda *a, **k: None, device=CPU, slot_timeout_s=1.0)
+    compute = ComputeThread(pipe, copier, SharedState(), lambda msg, *a, **k: posted.append(msg),  # type: ignore[arg-type]
+                            sync_output=True, progress_interval_s=0.0, drain_timeout_s=1.0, on_exit=exits.append,
+                            on_ready=lambda: posted.append("ready"))
+    compute.cuda = True
+    monkeypatch.setattr(compute_mod, "bind_thread", _lost)
+    compute.start()
+    compute.thread.join(10)
+    assert not compute.thread.is_alive() and exits == [1] and "ready" not in posted
+    fatal = [p for p in posted if isinstance(p, Fatal)]
+    assert len(fatal) == 1 and "the compute thread could not use cpu: RuntimeError: CUDA error" in fatal[0].message
