@@ -115,21 +115,68 @@ def test_a_typo_in_quant_stops_the_daemon_at_start_with_the_reason(tmp_path: Pat
 
 
 def test_a_lora_on_an_fp8_stored_model_computes_in_the_models_dtype(tmp_path: Path, model_cache: Path) -> None:
-    """peft would make the adapter's matrices float8 like the layer it wraps; they are kept in float32, so
-    the adapter applies and does what it does on the unquantized model, to rounding."""
+    """peft would make the adapter's matrices float8 like the layer it wraps, and diffusers would copy the
+    file's values into them, rounded to e4m3 (review47-b item 4); they are made in float32 instead, so the
+    adapter holds exactly the file's values and does what it does on the unquantized model, to rounding."""
     from lorakit import build_lora
+    from safetensors.torch import load_file
 
     from diffusiond.pipelines.loras import adapters_for
 
     lora = build_lora(tmp_path / "ink", seed=11, rank=4, text_encoder=True)
+    file = load_file(str(lora / "pytorch_lora_weights.safetensors"))
+    assert {k.split(".")[0] for k in file} == {"unet", "text_encoder"}
     out = {}
     for label, options in (("plain", {}), ("fp8", {"quant": "unet:fp8-storage,text_encoder:fp8-storage"})):
         pipe = load_pipeline("tiny", device="cpu", dtype="float32", options=options)
         adapters = adapters_for(pipe, {}, 2)
         assert adapters is not None and adapters.register("ink", str(lora)) == ""
+        for key, value in file.items():
+            held = adapters._parameter(key, "ink")
+            assert held.dtype == torch.float32 and torch.equal(held, value), f"{label}: {key} is not the file's"
         base = run(pipe)
         adapters.activate((m.LoraRef("ink", 1.0),))
         out[label] = run(pipe)
         assert not torch.equal(out[label], base)  # the adapter changed the picture
     psnr = 10 * torch.log10(1 / torch.mean((out["fp8"] - out["plain"]) ** 2))
     assert psnr > 10, f"the adapter on fp8 storage is not the adapter: PSNR {psnr:.1f} dB"
+
+
+def test_a_lora_on_an_fp8_stored_bfloat16_model_holds_the_files_values_in_bfloat16(tmp_path: Path,
+                                                                                    model_cache: Path) -> None:
+    """The adapter is made in the dtype its layer computes in, whatever the model's dtype: the file's float32
+    values rounded once, to bfloat16, as on the unquantized model, and never through e4m3."""
+    from lorakit import build_lora
+    from safetensors.torch import load_file
+
+    from diffusiond.pipelines.loras import adapters_for
+
+    lora = build_lora(tmp_path / "ink", seed=12, rank=4, text_encoder=True)
+    file = load_file(str(lora / "pytorch_lora_weights.safetensors"))
+    pipe = load_pipeline("tiny", device="cpu", dtype="bfloat16",
+                         options={"quant": "unet:fp8-storage,text_encoder:fp8-storage"})
+    adapters = adapters_for(pipe, {}, 2)
+    assert adapters is not None and adapters.register("ink", str(lora)) == ""
+    for key, value in file.items():
+        held = adapters._parameter(key, "ink")
+        assert held.dtype == torch.bfloat16 and torch.equal(held, value.to(torch.bfloat16)), key
+
+
+def test_a_peft_that_cannot_be_steered_still_gets_a_computing_adapter_and_a_warning(
+        tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Should a peft release rename what lora_dtypes steers, the adapter is still lifted out of float8 (no
+    matmul takes it) and the log says its values were rounded, rather than the LoRA failing or silently
+    differing."""
+    from lorakit import build_lora
+
+    from diffusiond.pipelines import lora_dtypes
+    from diffusiond.pipelines.loras import adapters_for
+
+    monkeypatch.setattr(lora_dtypes, "_PATCHED", "_a_method_peft_does_not_have")
+    lora = build_lora(tmp_path / "dots", seed=13, rank=4, text_encoder=False)
+    pipe = load_pipeline("tiny", device="cpu", dtype="float32", options={"quant": "unet:fp8-storage"})
+    adapters = adapters_for(pipe, {}, 2)
+    assert adapters is not None and adapters.register("dots", str(lora)) == ""
+    held = [p for n, p in pipe.pipe.unet.named_parameters() if ".lora_" in n]
+    assert held and all(p.dtype == torch.float32 for p in held)
+    assert any("rounded to e4m3" in r.getMessage() for r in caplog.records), caplog.text

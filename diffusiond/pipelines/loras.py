@@ -31,6 +31,7 @@ import torch
 
 from diffusiond.ipc.messages import LIVE_PATH, LoraRef
 from diffusiond.pipelines.errors import PipelineError, fit_reason
+from diffusiond.pipelines.lora_dtypes import adapters_in_compute_dtype, lift_from_storage_dtype
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,8 @@ class Adapters:
         where, kwargs = self._where(name, path)
         before = self._adapter_names()
         try:
-            self.pipe.load_lora_weights(where, adapter_name=name, **kwargs)
+            with adapters_in_compute_dtype():  # an fp8-stored layer's adapter keeps the file's values exactly
+                self.pipe.load_lora_weights(where, adapter_name=name, **kwargs)
             if name not in self._adapter_names() - before:
                 raise PipelineError(f"no module of {self.model_name} matched the LoRA's weights")
             self._refuse_a_lost_denoiser_part(name, path)
@@ -207,7 +209,7 @@ class Adapters:
             if name in self._adapter_names():
                 self.pipe.delete_adapters([name])
             raise
-        _lift_from_storage_dtype(self.pipe, name)
+        lift_from_storage_dtype(self.pipe, name)
         self.loaded[name] = None
         self.active = ()  # loading may change which adapters the model has active
         self.pipe.disable_lora()
@@ -432,30 +434,3 @@ class HotSwapAdapters(Adapters):
 _ENCODER_PREFIXES = ("text_encoder", "lora_te")
 _DENOISER_COMPONENTS = ("unet", "transformer")  # pipeline components diffusers loads a denoiser part into
 
-
-def _lift_from_storage_dtype(pipe: Any, name: str) -> None:
-    """peft makes an adapter's matrices in its base layer's dtype, which under ``quant=...:fp8-storage``
-    (pipelines/quant.py) is float8: a dtype no matmul takes. The adapter is small, so it is kept in the
-    dtype its layer computes in instead, which is also what the adapter was trained in."""
-    for component in pipe.components.values():
-        if not isinstance(component, torch.nn.Module):
-            continue
-        for module in component.modules():
-            for attr in ("lora_A", "lora_B"):
-                layer = getattr(module, attr, None)
-                if not isinstance(layer, torch.nn.ModuleDict) or name not in layer:
-                    continue
-                inner = layer[name]
-                weight = getattr(inner, "weight", None)
-                if isinstance(weight, torch.Tensor) and weight.dtype in _STORAGE_DTYPES:
-                    inner.to(_compute_dtype(component))
-
-
-_STORAGE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _compute_dtype(component: torch.nn.Module) -> torch.dtype:
-    """The dtype the layerwise-cast component computes in: its hooks' own, as diffusers reads it."""
-    from diffusers.models.modeling_utils import get_parameter_dtype
-
-    return get_parameter_dtype(component)
