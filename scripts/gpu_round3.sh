@@ -161,6 +161,12 @@ PY
       step batch-curve 570 python3 -m diffusiond bench --model random:sd15,save=0 --dtype float16 --size 512x512 \
         --steps 4 --format png --batch ${BSZ_MAX:-8} --requests ${BSZ_REQUESTS:-96} --concurrency ${BSZ_MAX:-8} \
         --sweep ${BSZ_SWEEP:-4,32} --compile reduce-overhead --modes async --rounds 1 --no-flops --json ;;
+    batch-profile)  # issue 31: where a batch of 8 at 512², 4 steps goes on the GPU (eager: kernels by family, the
+      # top 25; a compiled forward fuses the rest, not the convolutions and products), two forwards traced
+      DIFFUSIOND_TORCH_PROFILE=/tmp/r3-prof:3:2 step batch-profile 200 python3 -m diffusiond bench \
+        --model random:sd15,save=0 --dtype float16 --size 512x512 --steps 4 --format png --batch 8 --requests 48 \
+        --concurrency 16 --modes async --rounds 1 --no-flops --json
+      python3 scripts/profile_summary.py /tmp/r3-prof --kernels 25 > "$out/batch-profile.txt" 2>&1; tail -40 "$out/batch-profile.txt" ;;
     sdxl)  # issue 31: SDXL 1024² 30 steps exact, compiled (UNet whole, default mode) against eager, in one process
       # (bench's limit and limit-compiled: the forward-only ceiling, absolute seconds per image in the JSON)
       step sdxl 570 python3 -m diffusiond bench --model random:sdxl,save=0 --dtype float16 --size 1024x1024 \

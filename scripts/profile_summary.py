@@ -12,6 +12,10 @@ is a stall). Then the longest gaps on the forward stream of one trace per group,
 with the kernels on either side: a cost that previews add and the kernels do not account for
 shows up there. The forward stream is the stream with the most busy time.
 
+``--kernels N`` lists the N kernels (by name, over all traces of a group) that took the most of the forward
+stream's time, and that time by family (convolution, matrix product, attention, the rest): what a faster
+forward must make faster, before any guess at it.
+
 ``--host-op NAME`` (default ``aten::linear``) adds the host side: how long the forward thread's
 NAME ops took, overall and in the 5 ms after another thread of the worker made a CUDA call. An
 eager forward is bound by its host thread, so a thread that slows it there costs the forward
@@ -89,7 +93,41 @@ def summarize(events: list[dict[str, Any]], gaps_wanted: int) -> dict[str, Any] 
         "other_busy_ms": other_busy / 1000, "other_in_gaps_ms": in_gaps / 1000, "syncs": len(syncs),
         "sync_names": sorted(set(syncs)),
         "top_gaps": [(round(g[0] / 1000, 3), around(g[1])) for g in sorted(gaps, reverse=True)[:gaps_wanted]],
+        "kernel_us": _by_name(by_stream[main]),
     }
+
+
+def _by_name(kernels: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        out[k["name"][:90]] += k["dur"]
+    return out
+
+
+# Kernel names by family, first match wins: cuDNN's and CUTLASS's convolutions, cuBLAS's and Triton's matrix
+# products, flash/cuDNN/efficient attention; the rest (norms, activations, copies, fused elementwise)
+_FAMILIES = [("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
+             ("convolution", re.compile(r"conv|implicit_gemm|cudnn|winograd|fft|dgrad|wgrad|fprop", re.I)),
+             ("matrix product", re.compile(r"gemm|matmul|mm_|_mm|cublas|cutlass|sm90_xmma|xmma", re.I))]
+
+
+def family(name: str) -> str:
+    return next((f for f, rx in _FAMILIES if rx.search(name)), "other")
+
+
+def print_kernels(name: str, rows: list[dict[str, Any]], top: int) -> None:
+    total: dict[str, float] = defaultdict(float)
+    for r in rows:
+        for k, us in r["kernel_us"].items():
+            total[k] += us / len(rows)
+    busy = sum(total.values()) or 1.0
+    fams: dict[str, float] = defaultdict(float)
+    for k, us in total.items():
+        fams[family(k)] += us
+    print(f"\n{name}: the forward stream's time by family (per trace): " + ", ".join(
+        f"{f} {us / 1000:.2f} ms ({100 * us / busy:.0f} %)" for f, us in sorted(fams.items(), key=lambda x: -x[1])))
+    for k, us in sorted(total.items(), key=lambda x: -x[1])[:top]:
+        print(f"  {us / 1000:8.3f} ms {100 * us / busy:5.1f} %  [{family(k)}] {k}")
 
 
 def host_ops(events: list[dict[str, Any]], name: str) -> dict[str, float] | None:
@@ -119,6 +157,7 @@ def main() -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("--gaps", type=int, default=8, help="longest gaps to list per group")
     p.add_argument("--host-op", default="aten::linear", help="the forward thread's op to time (host side)")
+    p.add_argument("--kernels", type=int, default=0, help="list the N kernels that took the most time")
     args = p.parse_args()
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     hosts: dict[str, list[dict[str, float]]] = defaultdict(list)
@@ -148,6 +187,9 @@ def main() -> None:
         print(f"\n{name}: synchronising calls {rows[0]['sync_names'] or 'none'}; longest gaps on the forward stream:")
         for ms, where in rows[0]["top_gaps"]:
             print(f"  {ms:8.3f} ms  {where}")
+    for name, rows in sorted(groups.items()):
+        if args.kernels:
+            print_kernels(name, rows, args.kernels)
     if hosts:
         print(f"\n| previews | traces | {args.host_op} ops | median µs | ops within 5 ms after another thread's "
               "CUDA call | their median µs | the others' median µs |")
