@@ -9,6 +9,8 @@ dtype, and the memfd is sealed, so what a worker started later reads again is wh
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -157,8 +159,10 @@ def test_a_live_lora_keeps_its_old_values_when_their_copy_fails() -> None:
             self.states = {"a": {"k": torch.zeros(2)}}
             self.loaded = {"a": None}  # type: ignore[assignment]
             self.versions = {"a": 1}
+            self.pipe = SimpleNamespace(components={})
 
-        def _parameter(self, key: str, adapter: str) -> torch.Tensor:
+        @staticmethod
+        def _parameter(components: Any, key: str, adapter: str) -> torch.Tensor:
             return torch.zeros(2)
 
     def failing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

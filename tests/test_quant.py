@@ -132,7 +132,7 @@ def test_a_lora_on_an_fp8_stored_model_computes_in_the_models_dtype(tmp_path: Pa
         adapters = adapters_for(pipe, {}, 2)
         assert adapters is not None and adapters.register("ink", str(lora)) == ""
         for key, value in file.items():
-            held = adapters._parameter(key, "ink")
+            held = adapters._parameter(adapters.pipe.components, key, "ink")
             assert held.dtype == torch.float32 and torch.equal(held, value), f"{label}: {key} is not the file's"
         base = run(pipe)
         adapters.activate((m.LoraRef("ink", 1.0),))
@@ -158,7 +158,7 @@ def test_a_lora_on_an_fp8_stored_bfloat16_model_holds_the_files_values_in_bfloat
     adapters = adapters_for(pipe, {}, 2)
     assert adapters is not None and adapters.register("ink", str(lora)) == ""
     for key, value in file.items():
-        held = adapters._parameter(key, "ink")
+        held = adapters._parameter(adapters.pipe.components, key, "ink")
         assert held.dtype == torch.bfloat16 and torch.equal(held, value.to(torch.bfloat16)), key
 
 

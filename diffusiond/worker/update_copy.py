@@ -197,8 +197,14 @@ def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: T
         waiting = emptied[k]
         if waiting is not None:
             waiting.synchronize()  # the GPU is done reading the buffer filled now
+        # a host tensor's small piece is copied here: a task of the pool costs more than its copy (a LoRA's
+        # 532 matrices of 0.4 MB); reads, and large pieces, go to the pool side by side
+        inline = [p for p in pending if not isinstance(p.src, Source) and p.b - p.a <= _READ]
         tasks = [pool.submit(p.fill, bufs[k], views[k], s, min(_READ, p.b - p.a - s))
-                 for p in pending for s in range(0, p.b - p.a, _READ)]
+                 for p in pending if isinstance(p.src, Source) or p.b - p.a > _READ
+                 for s in range(0, p.b - p.a, _READ)]
+        for p in inline:
+            p.fill(bufs[k], views[k], 0, p.b - p.a)
         for task in tasks:
             task.result()
         for p in pending:

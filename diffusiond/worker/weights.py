@@ -103,15 +103,15 @@ def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[st
 
 def _check(pipe: Any, model: str, adapter: str, state: Mapping[str, torch.Tensor],
            old: Mapping[str, torch.Tensor] | None) -> str:
+    components = torch_components(pipe)  # once: diffusers' ``components`` inspects a signature at each call
     return adapter_misfit(adapter, {k: tuple(v.shape) for k, v in state.items()},
                           None if old is None else {k: tuple(v.shape) for k, v in old.items()},
-                          lambda key, shape: _fits(pipe, model, key, shape))
+                          lambda key, shape: _fits(components, model, key, shape))
 
 
-def _fits(pipe: Any, model: str, key: str, shape: tuple[int, ...]) -> str:
+def _fits(components: dict[str, torch.nn.Module], model: str, key: str, shape: tuple[int, ...]) -> str:
     """Why tensor ``key`` of a new adapter does not fit the model ('' if it does)."""
     component_name, _, rest = key.partition(".")
-    components = torch_components(pipe)
     component = components.get(component_name)
     if component is None:
         return no_lora_component(key, model, component_name, sorted(components))
