@@ -129,6 +129,7 @@ def test_a_copy_that_fails_once_writing_began_is_half_applied_and_the_worker_say
     with pytest.raises(update_copy.HalfApplied, match="Input/output error"):
         live.update(UpdateWeights("m", "unet", tensors, 1), fds)
     assert [a.ok for a in posted] == [False] and "the worker restarts" in posted[0].message
+    assert posted[0].restarts  # the engine keeps the update for the replacement (review48-a 1)
     assert live.weight_versions == {}
     with pytest.raises(OSError):
         os.fstat(fds[0])  # closed all the same
@@ -168,3 +169,44 @@ def test_a_live_lora_keeps_its_old_values_when_their_copy_fails() -> None:
     with pytest.raises(update_copy.HalfApplied):
         adapters.update_live("a", {"k": torch.ones(2)}, 2, failing)
     assert torch.equal(adapters.states["a"]["k"], torch.zeros(2)) and adapters.versions["a"] == 1
+
+
+def test_a_part_the_worker_cannot_read_is_a_refusal_that_changed_nothing() -> None:
+    """review48-a 5: a sealed memfd reopened write-only fails at its first read, before a byte is written: a
+    plain refusal, not ``HalfApplied`` (which makes the worker exit and every queued job fail)."""
+    unet = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    (fd,), tensors = pack({"0.weight": torch.randn(32, 64), "0.bias": torch.randn(32)})
+    write_only = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+    os.close(fd)
+    posted: list[Ack] = []
+    LiveAdapters(_Pipe(unet), None, posted.append).update(  # type: ignore[arg-type]
+        UpdateWeights("m", "unet", tensors, 1), [write_only])
+    assert [(a.ok, a.restarts) for a in posted] == [(False, False)] and "Bad file descriptor" in posted[0].message
+    assert all(torch.equal(unet.state_dict()[k], v) for k, v in before.items())
+
+
+def test_staging_buffers_are_two_or_none(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """review48-a 6: when the second buffer cannot be page-locked, the first is not kept (``_staged`` alternates
+    between two: one alone failed every large update half-way, for the worker's life), and the next update tries
+    again."""
+    import contextlib
+
+    real, pins = torch.empty, [0]
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        if kwargs.pop("pin_memory", False):
+            pins[0] += 1
+            if pins[0] == 2:
+                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real(*args, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(update_copy, "_buffers", [])
+    dst = torch.zeros(4)
+    assert not update_copy._worth_staging([(dst, None)], 1 << 30, 0)
+    assert update_copy._buffers == []
+    assert "buffer 2 of 2 (64 MiB) could not be page-locked" in caplog.text
+    assert update_copy._worth_staging([(dst, None)], 1 << 30, 0)  # tried again: both this time
+    assert len(update_copy._buffers) == 2

@@ -33,10 +33,7 @@ and an update of an adapter being registered by ``POST /v1/loras`` must not race
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
-import os
-import stat
 from collections.abc import Awaitable, Callable, Iterable
 
 from diffusiond.daemon.core.file_checks import Checks
@@ -52,11 +49,11 @@ from diffusiond.daemon.core.loras import (
     refusals,
     split_message,
 )
+from diffusiond.daemon.core.update_fds import part_sizes
 from diffusiond.daemon.errors import InvalidRequest, Unavailable, UpdateSplit
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import nbytes
-from diffusiond.ipc.updates import MAX_PARTS, SEALS
 from diffusiond.pipelines.live_checks import KINDS, Shape, adapter_misfit
 from diffusiond.protocol import MODEL_DTYPES
 
@@ -243,7 +240,7 @@ def check_header(msg: UpdateLora, fds: list[int], registered: LoraInfo | None) -
 def check_tensors(tensors: list[WeightTensor], fds: list[int], *, lora: bool) -> None:
     """How many memfds came, and each tensor's name, dtype, shape and place in its part's memfd (``lora``: LoRA
     naming and shapes)."""
-    sizes = _part_sizes(fds)
+    sizes = part_sizes(fds)
     if not tensors:
         raise InvalidRequest("the update holds no tensors; give a state dict", field="tensors")
     seen: set[str] = set()
@@ -276,34 +273,6 @@ def check_tensors(tensors: list[WeightTensor], fds: list[int], *, lora: bool) ->
         if t.offset < 0 or t.offset + size > end:
             raise InvalidRequest(f"{where} ({size} bytes at offset {t.offset} of part {t.part}) does not lie inside "
                                  f"that part's memfd of {end} bytes", field="tensors")
-
-
-def _part_sizes(fds: list[int]) -> list[int]:
-    """The size of each of an update's memfds; a count outside 1..MAX_PARTS or an fd that is no file is refused."""
-    if not 1 <= len(fds) <= MAX_PARTS:
-        raise InvalidRequest(f"an update carries 1 to {MAX_PARTS} memfds (its parts); this one came with "
-                             f"{len(fds)}", field="fd")
-    sizes = []
-    for i, fd in enumerate(fds):
-        try:
-            st = os.fstat(fd)
-        except OSError as exc:
-            raise InvalidRequest(f"the update's fd {i} cannot be read: {exc.strerror or exc}", field="fd") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidRequest(f"the update's fd {i} is not a memfd (a pipe or socket cannot be read at an "
-                                 "offset)", field="fd")
-        how = ("make it with memfd_create(MFD_ALLOW_SEALING) and, once written, seal it (fcntl F_ADD_SEALS with "
-               "F_SEAL_SHRINK | F_SEAL_WRITE), as diffusiond.Client does; the workers read it after the call, and a "
-               "worker started later reads it again")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:  # a file on disk: it cannot be sealed
-            raise InvalidRequest(f"the update's fd {i} is a file, not a memfd: {how}", field="fd") from None
-        if seals & SEALS != SEALS:
-            raise InvalidRequest(f"the update's memfd {i} is not sealed against writes and shrinking: {how}",
-                                 field="fd")
-        sizes.append(os.fstat(fd).st_size)  # read once sealed: a size read before could still shrink
-    return sizes
 
 
 class LiveComponents:
