@@ -129,3 +129,76 @@ async def test_updates_for_a_model_on_disk_are_checked_against_its_files(
         assert job["weight_versions"] == {"unet": 1} and job["lora_versions"] == {"trainer": 1}, job
         models = (await c._json("GET", "/v1/models"))["data"]
         assert next(m for m in models if m["id"] == "tiny")["weight_errors"] == {}
+
+
+HALF = ("the copy failed after it began (OSError: [Errno 5] Input/output error); the worker restarts from the files "
+        "and the updates accepted before this one")
+
+
+def half_applying(worker: FakeWorker, version: int) -> None:
+    """``worker`` fails half-way through copying update ``version`` (an I/O error, not a refusal) and exits."""
+    real = worker.command
+
+    async def command(msg: Any, timeout: float, fds: Any = ()) -> Ack:
+        ack = await real(msg, timeout, fds)
+        return Ack(0, False, HALF, restarts=True) if msg.version == version else ack
+
+    worker.command = command  # type: ignore[method-assign]
+
+
+async def test_a_worker_that_fails_half_way_through_a_kept_update_at_its_start_leaves_it_kept() -> None:
+    """review48-a 1: the replacement of a worker whose copy failed half-way must get the update again, not the
+    files' values while the model's other workers run it; only a crash loop drops it, saying so."""
+    from diffusiond.daemon.core.kept import MAX_RESTARTS
+
+    components = LiveComponents()
+    model = FakeModel("tiny", [FakeWorker("w0")])
+
+    async def send(value: float) -> int:
+        fds, tensors = pack({"conv_out.weight": np.full((4, 4), value, np.float32)})
+        return await components.update(UpdateWeights("tiny", "unet", tensors), fds, lambda _: model, 5)  # type: ignore[arg-type,return-value]
+
+    assert [await send(1), await send(2)] == [1, 2]
+    chain = components.kept[("tiny", "unet")]
+    for n in range(1, MAX_RESTARTS):
+        started = FakeWorker(f"w{n}", WorkerState.STARTING)
+        half_applying(started, 2)
+        await components.replay(model, started, 5)  # type: ignore[arg-type]
+        assert [(e.msg.version, e.proven) for e in chain] == [(2, True)]  # kept for its replacement
+        assert components.weight_errors("tiny") == {}
+    replacement = FakeWorker("r", WorkerState.STARTING)
+    await components.replay(model, replacement, 5)  # type: ignore[arg-type]
+    assert [m.version for m in replacement.got] == [2]
+    last = FakeWorker("w9", WorkerState.STARTING)
+    half_applying(last, 2)
+    await components.replay(model, last, 5)  # type: ignore[arg-type]
+    assert components.kept[("tiny", "unet")] == []  # the bound: a model does not restart forever
+    assert components.weight_errors("tiny")["unet"] == (
+        f"update version 2 was dropped: {MAX_RESTARTS} workers failed while copying it when they started (the "
+        f"last: {HALF}); in force instead: the files' values")
+
+
+async def test_a_worker_that_fails_half_way_through_a_kept_adapter_update_leaves_it_kept() -> None:
+    """review48-a 1, for an adapter: an update kept on trust is not dropped, the worker is sent nothing more (it
+    exits), and the model still serves the adapter."""
+    from diffusiond.daemon.core.kept import MAX_RESTARTS
+
+    live = LiveLoras(LoraRegistry({}, 3))
+    model = FakeModel("tiny", [FakeWorker("w0")])
+    assert await lora_update(live, "trainer", [model]) == 1
+    model.workers.clear()
+    assert await lora_update(live, "trainer", [model], {k: v * 2 for k, v in STATE.items()}) == 2
+    for n in range(1, MAX_RESTARTS):
+        started = FakeWorker(f"w{n}", WorkerState.STARTING)
+        half_applying(started, 2)
+        await live.replay(model, started, 5)  # type: ignore[arg-type]
+        assert [(e.msg.version, e.proven) for e in live.kept["trainer"]] == [(1, True), (2, False)]
+        assert "trainer" not in live.refused and "trainer" not in model.lora_errors
+    last = FakeWorker("w9", WorkerState.STARTING)
+    half_applying(last, 2)
+    await live.replay(model, last, 5)  # type: ignore[arg-type]
+    assert [e.msg.version for e in live.kept["trainer"]] == [1]
+    assert live.refused["trainer"].startswith(f"update version 2 was dropped: {MAX_RESTARTS} workers failed while "
+                                              "copying it when they started (the last of model tiny: the copy")
+    assert live.refused["trainer"].endswith("in force instead: version 1")
+    assert "trainer" not in model.lora_errors

@@ -131,6 +131,7 @@ def test_a_copy_that_fails_once_writing_began_is_half_applied_and_the_worker_say
     with pytest.raises(update_copy.HalfApplied, match="Input/output error"):
         live.update(UpdateWeights("m", "unet", tensors, 1), fds)
     assert [a.ok for a in posted] == [False] and "the worker restarts" in posted[0].message
+    assert posted[0].restarts  # the engine keeps the update for the replacement (review48-a 1)
     assert live.weight_versions == {}
     with pytest.raises(OSError):
         os.fstat(fds[0])  # closed all the same
@@ -172,3 +173,76 @@ def test_a_live_lora_keeps_its_old_values_when_their_copy_fails() -> None:
     with pytest.raises(update_copy.HalfApplied):
         adapters.update_live("a", {"k": torch.ones(2)}, 2, failing)
     assert torch.equal(adapters.states["a"]["k"], torch.zeros(2)) and adapters.versions["a"] == 1
+
+
+def test_a_part_the_worker_cannot_read_is_a_refusal_that_changed_nothing() -> None:
+    """review48-a 5: a sealed memfd reopened write-only fails at its first read, before a byte is written: a
+    plain refusal, not ``HalfApplied`` (which makes the worker exit and every queued job fail)."""
+    unet = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    (fd,), tensors = pack({"0.weight": torch.randn(32, 64), "0.bias": torch.randn(32)})
+    write_only = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+    os.close(fd)
+    posted: list[Ack] = []
+    LiveAdapters(_Pipe(unet), None, posted.append).update(  # type: ignore[arg-type]
+        UpdateWeights("m", "unet", tensors, 1), [write_only])
+    assert [(a.ok, a.restarts) for a in posted] == [(False, False)] and "Bad file descriptor" in posted[0].message
+    assert all(torch.equal(unet.state_dict()[k], v) for k, v in before.items())
+
+
+def test_staging_buffers_are_two_or_none(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """review48-a 6: when the second buffer cannot be page-locked, the first is not kept (``_staged`` alternates
+    between two: one alone failed every large update half-way, for the worker's life), and the next update tries
+    again."""
+    import contextlib
+
+    real, pins = torch.empty, [0]
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        if kwargs.pop("pin_memory", False):
+            pins[0] += 1
+            if pins[0] == 2:
+                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real(*args, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(update_copy, "_buffers", [])
+    dst = torch.zeros(4)
+    assert not update_copy._worth_staging([(dst, None)], 1 << 30, 0)
+    assert update_copy._buffers == []
+    assert "buffer 2 of 2 (64 MiB) could not be page-locked" in caplog.text
+    assert update_copy._worth_staging([(dst, None)], 1 << 30, 0)  # tried again: both this time
+    assert len(update_copy._buffers) == 2
+
+
+def test_a_compiled_model_whose_hot_swap_fails_after_a_slot_took_it_is_half_applied() -> None:
+    """review48-a 9: the first slot keeps the new values once swapped, so a failure at the next is not a refusal
+    ("nothing applied"); one before any slot swapped still is."""
+    from diffusiond.pipelines.loras import HotSwapAdapters
+
+    def adapters(fail_at: int) -> HotSwapAdapters:
+        a = HotSwapAdapters.__new__(HotSwapAdapters)  # only what update_live reads
+        a.states = {"a": {"k": torch.zeros(2)}}
+        a.versions = {"a": 1}
+        a.in_slot = {"s0": "a", "s1": "a"}
+        swaps = [0]
+
+        def swap(slot: str, name: str) -> None:
+            if swaps[0] == fail_at:
+                raise RuntimeError("hot-swap refused")
+            swaps[0] += 1
+
+        a._check = lambda name: None  # type: ignore[method-assign]
+        a._swap = swap  # type: ignore[method-assign]
+        a._set_scales = lambda weights: None  # type: ignore[method-assign]
+        return a
+
+    half = adapters(fail_at=1)
+    with pytest.raises(update_copy.HalfApplied, match=r"1 LoRA slot\(s\) took version 2 of .a. before the hot-swap"):
+        half.update_live("a", {"k": torch.ones(2)}, 2)
+    refused = adapters(fail_at=0)
+    with pytest.raises(RuntimeError, match="hot-swap refused") as err:
+        refused.update_live("a", {"k": torch.ones(2)}, 2)
+    assert not isinstance(err.value, update_copy.HalfApplied)
+    assert refused.versions["a"] == 1 and torch.equal(refused.states["a"]["k"], torch.zeros(2))

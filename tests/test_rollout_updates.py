@@ -424,3 +424,38 @@ def test_the_worker_reads_back_what_the_client_packed_and_refuses_a_memfd_shrunk
     assert f"{last.name!r}" in str(err.value) and "shrank" in str(err.value)
     with pytest.raises(OSError):
         os.fstat(fd)  # closed by the read, whatever happened
+
+
+def half_applied(worker: FakeWorker) -> FakeWorker:
+    """``worker`` fails half-way through copying every update (an I/O error, not a refusal) and exits."""
+    async def command(msg: Any, timeout: float, fds: Any = ()) -> Ack:
+        for fd in fds:
+            os.close(fd)
+        worker.got.append(msg)
+        return Ack(0, False, "the copy failed after it began (OSError: [Errno 5] Input/output error); the worker "
+                             "restarts from the files and the updates accepted before this one", restarts=True)
+
+    worker.command = command  # type: ignore[method-assign]
+    return worker
+
+
+async def test_a_live_update_a_worker_failed_half_way_through_is_unavailable_not_refused() -> None:
+    """review48-a 4: not a 400 on ``tensors`` (a trainer stops on that), but a 503: nothing of it is in force on
+    that worker, send it again. Where another worker of the model took it, it is still a 409 split."""
+    from diffusiond.daemon.edge.status import status_of
+    from diffusiond.daemon.errors import Unavailable, UpdateSplit
+
+    live, loras = LiveComponents(), LiveLoras(LoraRegistry({}, 3))
+    model = FakeModel("tiny", [half_applied(FakeWorker("w0"))])
+    for send in (lambda: component_update(live, model), lambda: lora_update(loras, "trainer", [model])):
+        with pytest.raises(Unavailable) as err:
+            await send()
+        assert status_of(err.value) == 503 and err.value.code == "unavailable" and err.value.retry_after_s == 5
+        message = err.value.message
+        assert "update version 1 was not applied: w0 failed while copying it: the copy failed after it began" \
+            in message, message
+        assert "nothing of version 1 is in force on that worker" in message and "send the update again" in message
+    assert live.kept == {} and loras.kept == {}
+    with pytest.raises(UpdateSplit) as split:
+        await component_update(live, two_workers(half_applied(FakeWorker("w1"))))
+    assert status_of(split.value) == 409 and "applied by 1 of 2 workers" in split.value.message

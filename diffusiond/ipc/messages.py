@@ -391,6 +391,10 @@ class Ack(msgspec.Struct, frozen=True):
     # out (an update waits for the batch in progress) answered the next command of its kind (review44-c 3).
     # 0: the heartbeat's PING, which nothing waits for.
     ack_id: int = 0
+    # UPDATE_LORA, UPDATE_WEIGHTS: not ok because the copy failed once writing began (``HalfApplied``), not a
+    # refusal: the worker exits and its replacement starts over from the files and the accepted updates, so the
+    # engine keeps the update and says "send it again" rather than "refused" (review48-a 1, 4)
+    restarts: bool = False
 
 
 class Fatal(msgspec.Struct, frozen=True):

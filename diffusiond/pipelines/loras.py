@@ -312,15 +312,25 @@ class HotSwapAdapters(Adapters):
 
     def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int, copy: Copy = _each) -> None:
         """A compiled model (``copy`` unused: peft's hot-swap copies): the slots holding ``name`` take the new
-        weights by hot-swap (in place, the graph untouched); the next batch sets its scalings again."""
+        weights by hot-swap (in place, the graph untouched); the next batch sets its scalings again. A failure
+        once a slot took them cannot be undone (that slot keeps the new values, the others the old): it is
+        ``HalfApplied``, and the worker exits as for a failed copy, not a refusal (review48-a 9)."""
+        # the worker's word for it, imported here: no pipelines module imports the worker's at load
+        from diffusiond.worker.update_copy import HalfApplied
+
         old = self.states[name]
         self.states[name] = {**old, **state}
+        swapped = 0
         try:
             self._check(name)
             for slot in [s for s, n in self.in_slot.items() if n == name]:
                 self._swap(slot, name)
-        except BaseException:
+                swapped += 1
+        except BaseException as exc:
             self.states[name] = old
+            if swapped and isinstance(exc, Exception):
+                raise HalfApplied(f"{swapped} LoRA slot(s) took version {version} of {name!r} before the hot-swap "
+                                  f"failed: {type(exc).__name__}: {exc}") from exc
             raise
         finally:
             self._set_scales({})

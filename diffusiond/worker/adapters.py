@@ -88,7 +88,7 @@ class LiveAdapters:
                     apply_update(self.adapters, self.pipeline.name, msg, state)
                 phases.mark("checked and applied")
         except update_copy.HalfApplied as exc:  # the model holds parts of two versions: this worker is done
-            self.post(Ack(command=kind, ok=False, ack_id=msg.ack_id,
+            self.post(Ack(command=kind, ok=False, ack_id=msg.ack_id, restarts=True,
                           message=f"the copy failed after it began ({exc}); the worker restarts from the files and "
                                   "the updates accepted before this one"))
             raise

@@ -61,6 +61,13 @@ class HalfApplied(RuntimeError):
     accepted before (review47-a 2)."""
 
 
+class _Written:
+    """Whether a byte reached a destination yet: a failure before is a plain refusal, which changed nothing (a
+    memfd the worker cannot read, a staging buffer's first fill), not a worker's exit (review48-a 5)."""
+
+    began = False
+
+
 def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
     """Each source's values into its destination (shapes checked by the caller); every copy is done when this
     returns, so the fds may close. What can fail without writing fails first (the staging buffers, the reads of
@@ -77,13 +84,17 @@ def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
     if not _worth_staging(staged, sum(src.nbytes for _, src in staged), _FROM):
         other, staged = other + staged, []
     converted = [(dst, read_array(src.fd, src.tensor)) for dst, src in other]
-    with torch.no_grad(), ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool, _writing():
-        reads = [pool.submit(_read_into, _bytes_of(dst), src.fd, src.tensor.offset, src.tensor.name)
+    written = _Written()
+    # the pool is shut down (every read done) before ``_writing`` asks whether one wrote
+    with torch.no_grad(), _writing(written), ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") \
+            as pool:
+        reads = [pool.submit(_read_into, _bytes_of(dst), src.fd, src.tensor.offset, src.tensor.name, written)
                  for dst, src in direct]
         for dst, value in converted:
+            written.began = True  # a copy_ that fails may have written part of it
             dst.copy_(value)
         if staged:
-            _staged(staged, pool)
+            _staged(staged, pool, written)
         for read in reads:
             read.result()
 
@@ -91,15 +102,17 @@ def copy_into(pairs: list[tuple[torch.Tensor, Source]]) -> None:
 def _worth_staging(staged: Sequence[tuple[torch.Tensor, object]], nbytes: int, floor: int) -> bool:
     """Whether the CUDA destinations ``staged`` (``nbytes`` in all) go through the pinned buffers: enough bytes,
     and buffers to be had."""
-    return bool(staged) and nbytes >= floor and bool(_pinned(staged[0][0].device))
+    return bool(staged) and nbytes >= floor and len(_pinned(staged[0][0].device)) == 2
 
 
 @contextlib.contextmanager
-def _writing() -> Iterator[None]:
-    """Around the writes: a failure once they began is ``HalfApplied``."""
+def _writing(written: _Written) -> Iterator[None]:
+    """Around the writes: a failure once one began is ``HalfApplied``; one before is raised as it is."""
     try:
         yield
     except Exception as exc:
+        if not written.began:
+            raise
         raise HalfApplied(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -108,10 +121,13 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return t.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
-def _read_into(into: memoryview, fd: int, at: int, name: str) -> None:
+def _read_into(into: memoryview, fd: int, at: int, name: str, written: _Written | None = None) -> None:
+    """``written``: ``into`` is a destination's own bytes, so a read that returned any changed it."""
     done = 0
     while done < len(into):  # a read may return less than asked
         got = os.preadv(fd, [into[done:]], at + done)
+        if got and written is not None:
+            written.began = True
         if got == 0:  # the engine refuses unsealed memfds; a caller that skipped it gets this
             raise ValueError(f"tensor {name!r} ends past the end of the update's memfd, which shrank after it was "
                              "sent; seal the memfd and send the update again")
@@ -136,12 +152,16 @@ def _pinned(device: torch.device) -> list[torch.Tensor]:
     fails, for the plain copies instead."""
     with _buffers_lock:
         if not _buffers:
+            made: list[torch.Tensor] = []  # both or none: ``_staged`` alternates between two (review48-a 6)
             try:
                 with torch.cuda.device(device):
-                    _buffers.extend(torch.empty(_STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(2))
-            except RuntimeError:
-                log.warning("no pinned staging buffers (%d MiB could not be page-locked): updates copy pageable",
-                            2 * _STAGE >> 20)
+                    for _ in range(2):
+                        made.append(torch.empty(_STAGE, dtype=torch.uint8, pin_memory=True))
+            except RuntimeError as exc:
+                log.warning("no pinned staging buffers: buffer %d of 2 (%d MiB) could not be page-locked (%s); "
+                            "this update copies pageable, the next tries again", len(made) + 1, _STAGE >> 20, exc)
+            else:
+                _buffers.extend(made)
         return _buffers
 
 
@@ -172,16 +192,19 @@ def copy_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if not _worth_staging(staged, sum(s.nbytes for _, s in staged), _FROM_HOST):
         staged = []
     chosen = {id(d) for d, _ in staged}
-    with torch.no_grad(), _writing():
+    written = _Written()
+    with torch.no_grad(), _writing(written):
         for dst, src in pairs:
             if id(dst) not in chosen:
+                written.began = True
                 dst.copy_(src)
         if staged:
             with ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
-                _staged([(d, s.contiguous().reshape(-1).view(torch.uint8)) for d, s in staged], pool)
+                _staged([(d, s.contiguous().reshape(-1).view(torch.uint8)) for d, s in staged], pool, written)
 
 
-def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: ThreadPoolExecutor) -> None:
+def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: ThreadPoolExecutor,
+            written: _Written) -> None:
     """Fill one buffer (its pieces side by side, ``_READ`` bytes a task), queue its copies to the device, fill the
     other while they run; a buffer is filled again only once the GPU has read it."""
     device = pairs[0][0].device  # one component's, on one device
@@ -207,6 +230,7 @@ def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: T
             p.fill(bufs[k], views[k], 0, p.b - p.a)
         for task in tasks:
             task.result()
+        written.began = True  # the fills only wrote the buffer; these copies write the destinations
         for p in pending:
             p.dst.copy_(bufs[k][p.a:p.b], non_blocking=True)
         event = torch.cuda.Event()

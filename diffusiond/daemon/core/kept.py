@@ -12,6 +12,10 @@ update on trust never supersedes a proven one: the last proven values stay kept 
 back to them if the start refuses the newer one, and only once a worker takes it (``prove``) is the older one
 dropped. Updates on trust supersede each other (the trainer's newest is the one it wants), so at most one
 generation of each tensor waits behind the proven one.
+
+A worker that fails half-way through copying a kept update at its start (an I/O or device error, ``Ack.restarts``)
+did not refuse it: it exits, and its replacement gets the same chain. Only after ``MAX_RESTARTS`` such failures of
+one update is it dropped, so that a model does not restart forever (review48-a 1).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from typing import NamedTuple
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 
 Update = UpdateLora | UpdateWeights
+MAX_RESTARTS = 3  # workers that fail half-way through one kept update at their start before it is dropped
 
 
 class Kept(NamedTuple):
     msg: Update
     fds: tuple[int, ...]  # the engine's own duplicates of the update's parts, in the frame's order
     proven: bool  # a worker applied it (else kept on trust, checked when its model next starts)
+    restarts: int = 0  # workers that failed half-way through it at their start, and exited
 
 
 Chains = dict[Hashable, list[Kept]]
@@ -90,3 +96,11 @@ def drop(chain: list[Kept], entry: Kept) -> str:
     close(entry.fds)
     earlier = [old.msg.version for old in chain[:at] if _names(old.msg) & names]
     return f"version {max(earlier)}" if earlier else "the files' values"
+
+
+def restarted(chain: list[Kept], entry: Kept) -> Kept:
+    """A worker failed half-way through ``entry`` at its start and exits; ``entry`` stays, counted (the caller
+    drops it once ``MAX_RESTARTS`` workers did)."""
+    at = chain.index(entry)
+    chain[at] = entry._replace(restarts=entry.restarts + 1)
+    return chain[at]

@@ -183,6 +183,9 @@ class Answers:
     # model -> each worker that did not take it, named, and why (a split's message lists them)
     failed: dict[str, list[str]] = field(default_factory=dict)
     refused: set[str] = field(default_factory=set)  # the models where a worker answered with a refusal
+    # model -> why a worker of it failed half-way through the copy and restarts: nothing of the update is in
+    # force there once it has, and sending it again is the remedy, not a refusal (review48-a 4)
+    restarted: dict[str, str] = field(default_factory=dict)
     unanswered: bool = False  # a worker did not answer: it may still apply the update
 
     def split(self, model: str) -> bool:
@@ -202,7 +205,10 @@ async def ask_each(live: Sequence[tuple[ModelLoras, WorkerLink]], send: Callable
         if isinstance(ack, Ack) and ack.ok:
             out.took[m.name] = out.took.get(m.name, 0) + 1
             continue
-        if isinstance(ack, Ack):
+        if isinstance(ack, Ack) and ack.restarts:
+            why = whose = f"{w.name} failed while copying it: {ack.message}"
+            out.restarted.setdefault(m.name, why)
+        elif isinstance(ack, Ack):
             why, whose = ack.message, f"{w.name} refused it: {ack.message}"
             out.refused.add(m.name)
         else:

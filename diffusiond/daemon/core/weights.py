@@ -33,14 +33,11 @@ and an update of an adapter being registered by ``POST /v1/loras`` must not race
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
-import os
-import stat
 from collections.abc import Awaitable, Callable, Iterable
 
 from diffusiond.daemon.core.file_checks import Checks
-from diffusiond.daemon.core.kept import Chains, Kept, close, drop, dups, keep, prove
+from diffusiond.daemon.core.kept import MAX_RESTARTS, Chains, Kept, close, drop, dups, keep, prove, restarted
 from diffusiond.daemon.core.loras import (
     Answers,
     LoraInfo,
@@ -52,11 +49,11 @@ from diffusiond.daemon.core.loras import (
     refusals,
     split_message,
 )
+from diffusiond.daemon.core.update_fds import part_sizes
 from diffusiond.daemon.errors import InvalidRequest, Unavailable, UpdateSplit
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import LIVE_PATH, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import nbytes
-from diffusiond.ipc.updates import MAX_PARTS, SEALS
 from diffusiond.pipelines.live_checks import KINDS, Shape, adapter_misfit
 from diffusiond.protocol import MODEL_DTYPES
 
@@ -96,6 +93,8 @@ class LiveLoras:
             for name, chain in self.kept.items():
                 assert isinstance(name, str)
                 why = await self._resend(model, worker, name, chain, timeout)
+                if why is None:  # it failed half-way through an update and exits: its replacement starts over
+                    return
                 if why:
                     log.warning("live LoRA %r was not restored on %s: %s", name, worker.name, why)
                     model.lora_errors[name] = why
@@ -103,16 +102,34 @@ class LiveLoras:
                     model.lora_errors.pop(name, None)
 
     async def _resend(self, model: ModelLoras, worker: WorkerLink, name: str, chain: list[Kept],
-                      timeout: float) -> str:
+                      timeout: float) -> str | None:
         """Send a kept chain to one worker, in order, each after the last's ACK; '' or why the adapter is
-        not there. A later update kept on trust that the worker refuses is bad on every model (it was
-        checked against the adapter's own tensors, which are the same everywhere): it is dropped, and
-        the worker keeps the last version it took."""
+        not there, None where the worker failed half-way through one and exits (it is kept: review48-a 1).
+        A later update kept on trust that the worker refuses is bad on every model (it was checked against
+        the adapter's own tensors, which are the same everywhere): it is dropped, and the worker keeps the
+        last version it took."""
+        if not chain:  # its only update was dropped after workers failed copying it
+            return self.refused.get(name, "no update of it is kept")
         for entry in list(chain):
             try:
                 ack = await worker.command(entry.msg, timeout, dups(entry.fds))
             except Exception as exc:
                 return f"the worker did not answer: {exc}"
+            if ack.restarts:
+                entry = restarted(chain, entry)
+                if entry.restarts < MAX_RESTARTS:
+                    log.error("live LoRA %r: %s failed while copying update version %d at its start (%d of %d "
+                              "before it is dropped): %s", name, worker.name, entry.msg.version, entry.restarts,
+                              MAX_RESTARTS, ack.message)
+                    return None
+                instead = drop(chain, entry)
+                if not chain:
+                    instead = "nothing (send the adapter whole again)"
+                self.refused[name] = (f"update version {entry.msg.version} was dropped: {MAX_RESTARTS} workers "
+                                      f"failed while copying it when they started (the last of model {model.name}: "
+                                      f"{ack.message}); in force instead: {instead}")
+                log.error("live LoRA %r: %s", name, self.refused[name])
+                return None
             if ack.ok:
                 if not entry.proven:
                     prove(chain, entry)
@@ -183,6 +200,8 @@ class LiveLoras:
                 message = " / ".join(split_message(f"LoRA {name!r}", sm, version, answers) for sm in split)
                 log.error("%s", message)
                 raise UpdateSplit(message)
+            if set(whys) <= set(answers.restarted):
+                raise _restarts(f"LoRA {name!r}", version, refusals(whys))
             raise InvalidRequest(f"LoRA {name!r} update refused: {refusals(whys)}", field="tensors")
         for split_model in split:  # taken elsewhere: the call returns a version, the split is logged and shown
             log.error("%s", split_message(f"LoRA {name!r}", split_model, version, answers))
@@ -221,7 +240,7 @@ def check_header(msg: UpdateLora, fds: list[int], registered: LoraInfo | None) -
 def check_tensors(tensors: list[WeightTensor], fds: list[int], *, lora: bool) -> None:
     """How many memfds came, and each tensor's name, dtype, shape and place in its part's memfd (``lora``: LoRA
     naming and shapes)."""
-    sizes = _part_sizes(fds)
+    sizes = part_sizes(fds)
     if not tensors:
         raise InvalidRequest("the update holds no tensors; give a state dict", field="tensors")
     seen: set[str] = set()
@@ -254,34 +273,6 @@ def check_tensors(tensors: list[WeightTensor], fds: list[int], *, lora: bool) ->
         if t.offset < 0 or t.offset + size > end:
             raise InvalidRequest(f"{where} ({size} bytes at offset {t.offset} of part {t.part}) does not lie inside "
                                  f"that part's memfd of {end} bytes", field="tensors")
-
-
-def _part_sizes(fds: list[int]) -> list[int]:
-    """The size of each of an update's memfds; a count outside 1..MAX_PARTS or an fd that is no file is refused."""
-    if not 1 <= len(fds) <= MAX_PARTS:
-        raise InvalidRequest(f"an update carries 1 to {MAX_PARTS} memfds (its parts); this one came with "
-                             f"{len(fds)}", field="fd")
-    sizes = []
-    for i, fd in enumerate(fds):
-        try:
-            st = os.fstat(fd)
-        except OSError as exc:
-            raise InvalidRequest(f"the update's fd {i} cannot be read: {exc.strerror or exc}", field="fd") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidRequest(f"the update's fd {i} is not a memfd (a pipe or socket cannot be read at an "
-                                 "offset)", field="fd")
-        how = ("make it with memfd_create(MFD_ALLOW_SEALING) and, once written, seal it (fcntl F_ADD_SEALS with "
-               "F_SEAL_SHRINK | F_SEAL_WRITE), as diffusiond.Client does; the workers read it after the call, and a "
-               "worker started later reads it again")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:  # a file on disk: it cannot be sealed
-            raise InvalidRequest(f"the update's fd {i} is a file, not a memfd: {how}", field="fd") from None
-        if seals & SEALS != SEALS:
-            raise InvalidRequest(f"the update's memfd {i} is not sealed against writes and shrinking: {how}",
-                                 field="fd")
-        sizes.append(os.fstat(fd).st_size)  # read once sealed: a size read before could still shrink
-    return sizes
 
 
 class LiveComponents:
@@ -340,11 +331,28 @@ class LiveComponents:
                             if not entry.proven:
                                 prove(chain, entry)
                             continue
+                        if ack.restarts:  # not a refusal: kept for its replacement, within a bound (review48-a 1)
+                            self._restarted(chain, entry, mine, worker, ack.message)
+                            return  # the worker exits
                         instead = drop(chain, entry)
                         why = (f"update version {msg.version} was refused when the model started, and dropped: "
                                f"{ack.message}; in force instead: {instead}")
                         log.error("%s of model %s: %s", key[1], model.name, why)
                         self.errors[mine] = (self._drawn.get(mine, msg.version), why)
+
+    def _restarted(self, chain: list[Kept], entry: Kept, key: tuple[str, str], worker: WorkerLink,
+                   message: str) -> None:
+        """``worker`` failed half-way through ``entry`` at its start: kept, unless ``MAX_RESTARTS`` workers did."""
+        entry = restarted(chain, entry)
+        what, version = f"{key[1]} of model {key[0]}", entry.msg.version
+        if entry.restarts < MAX_RESTARTS:
+            log.error("%s: %s failed while copying update version %d at its start (%d of %d before it is "
+                      "dropped): %s", what, worker.name, version, entry.restarts, MAX_RESTARTS, message)
+            return
+        why = (f"update version {version} was dropped: {MAX_RESTARTS} workers failed while copying it when they "
+               f"started (the last: {message}); in force instead: {drop(chain, entry)}")
+        log.error("%s: %s", what, why)
+        self.errors[key] = (self._drawn.get(key, version), why)
 
     def _refuse(self, key: tuple[str, str], version: int, answers: Answers, why: str) -> None:
         """Raise for an update a worker (or the files) did not take. A split stays in the model's
@@ -400,9 +408,19 @@ def _refuse_split(what: str, model: str, version: int, answers: Answers) -> None
         message = split_message(what, model, version, answers)
         log.error("%s", message)
         raise UpdateSplit(message)
+    if model in answers.restarted and model not in answers.refused:
+        raise _restarts(what, version, answers.restarted[model])
     if model in answers.whys and model not in answers.refused:
         raise Unavailable(f"{what}: update version {version} was not applied: {answers.whys[model]}; "
                           "send the update again", retry_after_s=5)
+
+
+def _restarts(what: str, version: int, why: str) -> Unavailable:
+    """A worker failed half-way through copying the update and restarts (review48-a 4): the tensors were not
+    refused, and its replacement starts from the updates accepted before, so sending it again is the remedy."""
+    return Unavailable(f"{what}: update version {version} was not applied: {why}; nothing of version {version} is "
+                       "in force on that worker, whose replacement starts from the updates accepted before: send "
+                       "the update again", retry_after_s=5)
 
 
 def _tensors(chain: list[Kept]) -> dict[str, Shape]:
