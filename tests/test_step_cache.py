@@ -177,3 +177,22 @@ def test_a_sibling_that_cannot_run_the_cache_is_refused_before_it_runs(tiny_chro
     pipe.transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=2))
     with pytest.raises(PipelineError, match=r"ChromaPipeline .*without cache="), step_cache_context(pipe):
         pass
+
+
+def test_which_pipeline_classes_run_a_step_cache_and_how(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The classes the daemon serves with cache=: their own contexts, one around the call (declared to call the
+    denoiser once a step as the daemon calls them), or refused. A FLUX edit class would make a second call under
+    true CFG, so it is refused once the daemon passes it true_cfg_scale."""
+    import diffusers
+
+    from diffusiond.pipelines import call_defaults, speedups
+
+    def plan(name: str) -> str:
+        return speedups._context_plan(getattr(diffusers, name))
+
+    assert {plan(n) for n in ("FluxPipeline", "QwenImagePipeline", "WanPipeline", "LTXPipeline")} == {"own"}
+    assert {plan(n) for n in speedups.ONE_CALL_A_STEP} == {"one"}
+    assert "not known to call its denoiser once a step" in plan("Kandinsky5T2IPipeline")
+    monkeypatch.setattr(call_defaults, "TRUE_CFG", ("QwenImage", "Flux"))
+    monkeypatch.setattr(speedups, "_PLANS", {})
+    assert "twice a step where true_cfg_scale > 1" in plan("FluxImg2ImgPipeline")

@@ -17,7 +17,8 @@
 
 Each applies to every denoiser the pipeline has (both of Wan 2.2 A14B's experts: pipelines/denoisers.py).
 Both cache hooks exist only on diffusers' transformer denoisers (``CacheMixin``: Flux, SD3, Wan,
-LTX, ...); a UNet model (SD 1.5, SDXL) refuses the option at load, naming the reason.
+LTX, ...); a UNet model (SD 1.5, SDXL) refuses the option at load, naming the reason, and so does a pipeline class
+whose denoiser calls of one step would share one cache state (``_context_plan``: ChromaPipeline's CFG passes).
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ ONE_CALL_A_STEP = {
     "FluxInpaintPipeline": "true_cfg_scale",
     "FluxKontextPipeline": "true_cfg_scale",
     "FluxKontextInpaintPipeline": "true_cfg_scale",
+    "FluxControlNetPipeline": "true_cfg_scale",  # the ControlNet siblings of a FLUX model (pipelines/controlnet.py)
+    "FluxControlNetImg2ImgPipeline": "",
+    "FluxControlNetInpaintPipeline": "",
     "AllegroPipeline": "",
     "LattePipeline": "",
     "BriaPipeline": "",
