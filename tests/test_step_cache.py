@@ -130,3 +130,69 @@ def test_a_cached_flux_model_edits_images(cache: str) -> None:
         (out,) = pipe.edit(params, reqs, inputs, lambda _s, _t: True)  # type: ignore[attr-defined]
     assert out.isfinite().all()
     assert torch.equal(run(pipe, [7]), run(pipe, [7]))  # and the text-to-image path after it, as before
+
+
+@pytest.fixture(scope="module")
+def tiny_chroma(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
+    """A ChromaPipeline folder on tiny-flux's T5, VAE and scheduler: a pipeline that sets no cache context and runs
+    its classifier-free guidance as two denoiser calls a step."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FluxPipeline
+
+    from diffusiond.pipelines.tiny_flux import ensure_tiny_flux
+
+    flux = FluxPipeline.from_pretrained(str(ensure_tiny_flux()))
+    torch.manual_seed(0)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=8, approximator_hidden_dim=32,
+        approximator_layers=1)
+    out = tmp_path_factory.mktemp("chroma") / "tiny-chroma"
+    chroma = ChromaPipeline(scheduler=flux.scheduler, vae=flux.vae, text_encoder=flux.text_encoder_2,
+                            tokenizer=flux.tokenizer_2, transformer=transformer)
+    chroma.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+@pytest.mark.parametrize("cache", ["taylorseer:2", "taylorseer-lite:2", "fbc:0.2"])
+def test_a_step_cache_is_refused_at_load_where_cfg_passes_would_share_its_state(tiny_chroma: Path, cache: str) -> None:
+    """review48-a 3: ChromaPipeline (and Kandinsky 5) set no cache context and call the denoiser twice a step for
+    CFG; one context around the call made both passes share one cache state (silently wrong images). Refused at
+    load, naming the class and what to do; the same folder loads without cache=."""
+    with pytest.raises(PipelineError) as exc:
+        load_pipeline(str(tiny_chroma), device="cpu", dtype="float32", options={"cache": cache})
+    said = str(exc.value)
+    assert f"cache={cache}:" in said and "ChromaPipeline" in said and "without cache=" in said, said
+    pipe = load_pipeline(str(tiny_chroma), device="cpu", dtype="float32")
+    assert pipe.capabilities.approximations == ()
+
+
+def test_a_sibling_that_cannot_run_the_cache_is_refused_before_it_runs(tiny_chroma: Path) -> None:
+    """Edit siblings are not checked at load (only the model's own class is): a cached denoiser under a class that
+    sets no context and is not known to call it once a step is refused at the call, not run in one state."""
+    from diffusers import TaylorSeerCacheConfig
+
+    from diffusiond.pipelines.speedups import step_cache_context
+
+    pipe = load_pipeline(str(tiny_chroma), device="cpu", dtype="float32")._pipe  # type: ignore[attr-defined]
+    pipe.transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=2))
+    with pytest.raises(PipelineError, match=r"ChromaPipeline .*without cache="), step_cache_context(pipe):
+        pass
+
+
+def test_which_pipeline_classes_run_a_step_cache_and_how(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The classes the daemon serves with cache=: their own contexts, one around the call (declared to call the
+    denoiser once a step as the daemon calls them), or refused. A FLUX edit class would make a second call under
+    true CFG, so it is refused once the daemon passes it true_cfg_scale."""
+    import diffusers
+
+    from diffusiond.pipelines import call_defaults, speedups
+
+    def plan(name: str) -> str:
+        return speedups._context_plan(getattr(diffusers, name))
+
+    assert {plan(n) for n in ("FluxPipeline", "QwenImagePipeline", "WanPipeline", "LTXPipeline")} == {"own"}
+    assert {plan(n) for n in speedups.ONE_CALL_A_STEP} == {"one"}
+    assert "not known to call its denoiser once a step" in plan("Kandinsky5T2IPipeline")
+    monkeypatch.setattr(call_defaults, "TRUE_CFG", ("QwenImage", "Flux"))
+    monkeypatch.setattr(speedups, "_PLANS", {})
+    assert "twice a step where true_cfg_scale > 1" in plan("FluxImg2ImgPipeline")

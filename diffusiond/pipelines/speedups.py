@@ -17,12 +17,14 @@
 
 Each applies to every denoiser the pipeline has (both of Wan 2.2 A14B's experts: pipelines/denoisers.py).
 Both cache hooks exist only on diffusers' transformer denoisers (``CacheMixin``: Flux, SD3, Wan,
-LTX, ...); a UNet model (SD 1.5, SDXL) refuses the option at load, naming the reason.
+LTX, ...); a UNet model (SD 1.5, SDXL) refuses the option at load, naming the reason, and so does a pipeline class
+whose denoiser calls of one step would share one cache state (``_context_plan``: ChromaPipeline's CFG passes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,7 +33,7 @@ import torch
 from diffusiond.pipelines.denoisers import denoisers
 from diffusiond.pipelines.errors import PipelineError
 
-__all__ = ["apply_speedups", "step_cache_context"]
+__all__ = ["ONE_CALL_A_STEP", "apply_speedups", "step_cache_context", "step_cache_refusal"]
 
 
 def _number(option: str, text: str, kind: type[float] | type[int]) -> float:
@@ -98,6 +100,8 @@ def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) 
                 if why:
                     raise PipelineError(f"cache={cache}: the model's {attr} ({type(denoiser).__name__}) {why}; use "
                                         "cache=taylorseer, which predicts each attention module instead")
+        if (refusal := step_cache_refusal(f"cache={cache}", pipe)) is not None:
+            raise refusal  # review48-a 3: before any hook, as the checks above
         name = _cache_config(cache)[1]
         for _, denoiser in found:
             denoiser.enable_cache(_cache_config(cache)[0])  # a config each: a hook keeps its state per module
@@ -126,15 +130,93 @@ def _lite_misfit(denoiser: Any) -> str:
     return ""
 
 
+# Pipeline classes that set no cache context and make one denoiser call a step as the daemon calls them, so one
+# context around the whole call is right (review47-b 7), each with the argument that would add a second call
+# ('' for none). FLUX's second call is its true CFG's negative pass (``true_cfg_scale > 1``), which the daemon
+# passes only to call_defaults.TRUE_CFG families and which defaults to 1: _context_plan checks both still hold.
+# Allegro's, Latte's and Bria's CFG runs both passes as one batch (``torch.cat([latents] * 2)``): one call.
+ONE_CALL_A_STEP = {
+    "FluxImg2ImgPipeline": "true_cfg_scale",
+    "FluxInpaintPipeline": "true_cfg_scale",
+    "FluxKontextPipeline": "true_cfg_scale",
+    "FluxKontextInpaintPipeline": "true_cfg_scale",
+    "FluxControlNetPipeline": "true_cfg_scale",  # the ControlNet siblings of a FLUX model (pipelines/controlnet.py)
+    "FluxControlNetImg2ImgPipeline": "",
+    "FluxControlNetInpaintPipeline": "",
+    "AllegroPipeline": "",
+    "LattePipeline": "",
+    "BriaPipeline": "",
+}
+
+
+_PLANS: dict[type, str] = {}  # by class: reading a __call__'s source costs a file read and a parse
+
+
+def _context_plan(cls: type) -> str:
+    """How a step cache runs under ``cls``: 'own' (its ``__call__`` sets the contexts itself: FluxPipeline, Wan,
+    LTX, Qwen-Image), 'one' (one context around the call: ``ONE_CALL_A_STEP``), else why it cannot.
+
+    The first is read off the class's source, so a class diffusers adds or mends is served as it comes. Whether a
+    class without contexts makes one denoiser call a step is declared, not read: two calls a step (ChromaPipeline's
+    and Kandinsky 5's CFG passes) in one context share one cache state, so every predicted or skipped step is
+    computed from the other pass's features (review48-a 3: 0.65 off on a tiny Chroma at output scale 2, silently),
+    and the source cannot tell a concatenated CFG batch (one call) from a loop over the conditions or a call in a
+    helper method. A class left out of the table is refused with its name: loud, where a wrong guess is silent."""
+    if cls not in _PLANS:
+        _PLANS[cls] = _read_plan(cls)
+    return _PLANS[cls]
+
+
+def _read_plan(cls: Any) -> str:
+    from diffusiond.pipelines.call_defaults import true_cfg
+
+    try:
+        source = inspect.getsource(cls.__call__)
+    except (OSError, TypeError, AttributeError):
+        source = ""
+    if "cache_context" in source:
+        return "own"
+    second = ONE_CALL_A_STEP.get(cls.__name__)
+    if second is None:
+        return "sets no step-cache context and is not known to call its denoiser once a step"
+    if second:
+        declared = inspect.signature(cls.__call__).parameters.get(second)
+        default = getattr(declared, "default", None)
+        if true_cfg(cls) or not isinstance(default, int | float) or default > 1:
+            return (f"calls its denoiser twice a step where {second} > 1, as the daemon calls it, and sets no "
+                    "step-cache context")
+    return "one"
+
+
+def step_cache_refusal(option: str, pipe: Any) -> PipelineError | None:
+    """The error for ``option`` (``cache=...``) on ``pipe`` if its class cannot run a step cache right
+    (``_context_plan``)."""
+    plan = _context_plan(type(pipe))
+    if plan in ("own", "one"):
+        return None
+    return PipelineError(
+        f"{option}: the pipeline class {type(pipe).__name__} {plan}; its denoiser calls of one step (such as "
+        "the conditional and unconditional passes of classifier-free guidance) would share one cache state and the "
+        "outputs would be wrong. Load this model without cache= (pipelines that set their own contexts take it: "
+        "FLUX, Wan, LTX, Qwen-Image, ...)"
+    )
+
+
 @contextlib.contextmanager
 def step_cache_context(pipe: Any) -> Iterator[None]:
     """Around a pipeline call: diffusers' cache hooks need the denoiser's ``cache_context`` set at each of its
-    calls. FluxPipeline, Wan, LTX and Qwen-Image set one; their image-to-image and inpainting siblings
-    (FluxImg2ImgPipeline, FluxInpaintPipeline, ...) do not, so every edit job on a cached model failed
-    (review47-b 7). One context around the whole call serves those; a pipeline that sets its own sets it at each
-    of its calls, as without this."""
+    calls. A pipeline that sets its own is left to it; one in ``ONE_CALL_A_STEP`` (FLUX's image-to-image and
+    inpainting siblings, whose edit jobs on a cached model all failed: review47-b 7) runs in one context around
+    the call. Any other was refused at load (``apply_speedups``) when it is the model's own class; an edit sibling
+    of another class is refused here, before it runs, rather than run with its passes in one state (review48-a 3)."""
+    cached = [d for _, d in denoisers(pipe) if getattr(d, "is_cache_enabled", False)]
+    plan = _context_plan(type(pipe)) if cached else "own"
+    if plan not in ("own", "one"):
+        refusal = step_cache_refusal("cache= (the model's step cache)", pipe)
+        assert refusal is not None
+        raise refusal
     with contextlib.ExitStack() as stack:
-        for _, denoiser in denoisers(pipe):
-            if getattr(denoiser, "is_cache_enabled", False):
+        if plan == "one":
+            for denoiser in cached:
                 stack.enter_context(denoiser.cache_context("cond"))
         yield
