@@ -158,7 +158,8 @@ PY
       # compiled cold before ready, about 100 s each: 5 shapes at 16 do not fit one call with the runs. Run it twice,
       # each call on its own: BSZ_MAX=8 (4 shapes, the default), then BSZ_MAX=16 BSZ_SWEEP=32,64. Each run's row is
       # on bench's stderr as it ends ("bench: row {...}" in batch-curve.log), so a timeout still leaves figures
-      step batch-curve 570 python3 -m diffusiond bench --model random:sd15,save=0 --dtype float16 --size 512x512 \
+      # BSZ_OPTS=",channels_last=1": spec options added to the model (the curve with and without, on one machine)
+      step batch-curve${BSZ_OPTS:-} 570 python3 -m diffusiond bench --model random:sd15,save=0${BSZ_OPTS:-} --dtype float16 --size 512x512 \
         --steps 4 --format png --batch ${BSZ_MAX:-8} --requests ${BSZ_REQUESTS:-96} --concurrency ${BSZ_MAX:-8} \
         --sweep ${BSZ_SWEEP:-4,32} --compile reduce-overhead --modes async --rounds 1 --no-flops --json ;;
     batch-profile)  # issue 31: where a batch of 8 at 512², 4 steps goes on the GPU (eager: kernels by family, the
