@@ -401,6 +401,9 @@ class Fatal(msgspec.Struct, frozen=True):
     """The worker is about to exit because of an unrecoverable error."""
 
     message: str
+    # it exits between two batches (a live update failed half-way): none of the batches it has not delivered
+    # started, or what of them ran is not delivered, so they can run again from the start elsewhere
+    between_batches: bool = False
 
 
 class SlotWait(msgspec.Struct, frozen=True):

@@ -170,7 +170,7 @@ class ComputeThread:
                     self.adapters.update(item.msg, item.fds)
                 except HalfApplied as exc:  # answered; the weights are neither version: a replacement starts over
                     log.error("a live update failed half-way, the worker exits: %s", exc)
-                    self._die(f"a live update failed half-way: {exc}", 70)
+                    self._die(f"a live update failed half-way: {exc}", 70, between_batches=True)
                     return
                 continue
             batch, fds = (item.batch, item.fds) if isinstance(item, Edit) else (item, [])
@@ -181,9 +181,10 @@ class ComputeThread:
                 self._die(f"unrecoverable device error in batch {batch.batch_id}: {exc}", 70)
                 return
 
-    def _die(self, why: str, code: int) -> None:
-        """This process is done: the engine hears why (FATAL), and the worker exits with ``code``."""
-        self.post(Fatal(message=why))
+    def _die(self, why: str, code: int, *, between_batches: bool = False) -> None:
+        """This process is done: the engine hears why (FATAL), and the worker exits with ``code``;
+        ``between_batches``: the batches behind never started, and go back to the engine's queue."""
+        self.post(Fatal(message=why, between_batches=between_batches))
         self.on_exit(code)
 
     def _execute(self, batch: Execute, fds: list[int]) -> None:

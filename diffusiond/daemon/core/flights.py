@@ -289,14 +289,17 @@ class Flights:
         """A worker ended: forget its batches, and return the items it had not delivered. A worker the engine
         killed for a batch no job wanted (``jobs_ended``) ran nothing else of use: the items of its other batches
         (the one behind, which may have started as the kill went out) go back to the head of the queue, for the
-        worker that replaces it or another, instead of failing with it (review44-d 2)."""
+        worker that replaces it or another, instead of failing with it (review44-d 2). So do those of a worker that
+        exited between two batches (a live update failed half-way in it: ``Fatal.between_batches``): the batches
+        behind the update never started (review48-a 4)."""
         undelivered, requeue = [], []
         orphan = self._orphans_killed.pop(worker, None)
+        between = bool(getattr(worker, "fatal_between_batches", False))
         for batch in list(self.batches.values()):
             if batch.worker is not worker:
                 continue
             open_items = [i for i in batch.items if not i.job.terminal and i.desc is None and not i.done]
-            if orphan is not None and batch.id != orphan:  # run again from the start: nothing of it was delivered
+            if between or (orphan is not None and batch.id != orphan):  # run again from the start: none delivered
                 requeue += open_items
             else:
                 undelivered += open_items

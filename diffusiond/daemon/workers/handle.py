@@ -90,6 +90,7 @@ class WorkerHandle:
         self.held: dict[int, int] = {}  # slot id -> bytes, for outputs the engine has not released
         self.ready: Ready | None = None
         self.fatal: str | None = None
+        self.fatal_between_batches = False  # its FATAL said it exits between batches (flights.lost requeues)
         self.lost_reason: str | None = None
         self.started_at = time.monotonic()
         self._ready_fut: asyncio.Future[Ready] | None = None
@@ -334,6 +335,7 @@ class WorkerHandle:
                 self.state = WorkerState.READY
         elif isinstance(msg, Fatal):
             self.fatal = msg.message
+            self.fatal_between_batches = msg.between_batches
             log.error("%s: %s", self.name, msg.message)
             if self._ready_fut and not self._ready_fut.done():
                 self._ready_fut.set_exception(WorkerStartError(msg.message))
