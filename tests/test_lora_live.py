@@ -203,17 +203,21 @@ _NAMES = st.sampled_from(["unet.a.lora_A.weight", "unet.down_blocks.0.attentions
                                   st.lists(st.integers(-2, 1 << 33), max_size=5),
                                   st.integers(-10, 1 << 40),
                                   st.sampled_from([0, 1, -1, 7, 1 << 40])), max_size=4),
-       with_fd=st.booleans(), sealed=st.booleans(),
+       with_fd=st.booleans(), sealed=st.booleans(), access=st.sampled_from([None, os.O_WRONLY, os.O_PATH]),
        component=st.none() | st.tuples(st.sampled_from(["tiny", "", "nope"]),
                                         st.sampled_from(["unet", "vae2", "", "a b", "x" * 100])))
 def test_fuzz_update_headers_get_an_answer_never_a_hangup(live_daemon: Daemon, name: str,
                                                           tensors: list[WeightTensor], with_fd: bool,
-                                                          sealed: bool, component: tuple[str, str] | None) -> None:
+                                                          sealed: bool, access: int | None,
+                                                          component: tuple[str, str] | None) -> None:
     """UPDATE_LORA and UPDATE_WEIGHTS headers of every shape: each gets its answer (a refusal in the
     HTTP API's statuses), never a dropped connection; none of these names can change tiny."""
     sock = live_daemon.socket
     msg = UpdateLora(name, tensors) if component is None else UpdateWeights(*component, tensors)
     fd = memfd("fuzz", 4096, sealed=sealed) if with_fd else None
+    if fd is not None and access is not None:  # the memfd reopened write-only or as a path (review48-a 5)
+        made, fd = fd, os.open(f"/proc/self/fd/{fd}", access)
+        os.close(made)
     try:
         answer = raw_update(sock, msg, [] if fd is None else [fd])
     finally:
