@@ -43,6 +43,17 @@ def tiny(model_cache: Path) -> Any:
     return load_pipeline("tiny", name="tiny", device="cpu", dtype="float32")
 
 
+def _applied(pipe: Any, component: str, state: dict[str, torch.Tensor]) -> tuple[str, list[WeightTensor]]:
+    """``state`` sent to the worker's update of ``component`` as a client sends it (its sealed memfds): the worker's
+    answer ('' when applied) and the header the engine's table is asked about."""
+    fds, tensors = pack_update(state)
+    try:
+        return apply_weights(pipe, UpdateWeights("tiny", component, tensors), fds), tensors
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _first(component: torch.nn.Module, kind: type) -> tuple[str, torch.nn.Module]:
     return next((n, m) for n, m in component.named_modules() if type(m) is kind)
 
@@ -59,12 +70,7 @@ def test_the_table_refuses_what_the_worker_refuses_in_the_same_words(tiny: Any) 
                ("transformer", {"x.weight": conv_out.detach()}),
                ("unet", {"conv_out.weight": conv_out.detach().clone()})]  # fits: '' from both
     for component, state in weights:
-        fds, tensors = pack_update(state)  # what the worker reads: the client's sealed memfds
-        try:
-            worker = apply_weights(tiny, UpdateWeights("tiny", component, tensors), fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        worker, tensors = _applied(tiny, component, state)
         assert table.weights_misfit(component, tensors) == worker, (component, state.keys(), worker)
     linear, lin = _first(unet, torch.nn.Linear)
     conv, cv = _first(unet, torch.nn.Conv2d)
@@ -104,12 +110,7 @@ def test_update_weights_under_sequential_offload_is_refused_not_lost(model_cache
     zero = {"conv_out.weight": torch.zeros(unet.conv_out.weight.shape)}
     tensors = [WeightTensor("conv_out.weight", "float32", list(unet.conv_out.weight.shape), 0)]
     before = unet.conv_out._hf_hook.weights_map["weight"].clone()
-    fds, tensors = pack_update(zero)
-    try:
-        why = apply_weights(pipe, UpdateWeights("tiny", "unet", tensors), fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    why, tensors = _applied(pipe, "unet", zero)
     assert why.startswith("unet of model tiny runs with offload=sequential") and "offload=model, group or none" in why
     assert torch.equal(unet.conv_out._hf_hook.weights_map["weight"], before)
     table = ModelTable("tiny", unpack(pack(param_table(pipe, None))))
@@ -304,12 +305,7 @@ def test_a_weight_kept_by_a_tensor_subclass_is_refused_before_anything_is_writte
     unet.conv_out.weight = torch.nn.Parameter(unet.conv_out.weight.detach().as_subclass(_Quantized),
                                               requires_grad=False)
     state = {"conv_out.bias": torch.ones_like(bias), "conv_out.weight": torch.ones(unet.conv_out.weight.shape)}
-    fds, tensors = pack_update(state)
-    try:
-        why = apply_weights(pipe, UpdateWeights("tiny", "unet", tensors), fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    why, tensors = _applied(pipe, "unet", state)
     assert why == ("tensor 'conv_out.weight': unet keeps it as a _Quantized (quantized, or another tensor "
                    "subclass), which is not updated in place"), why
     assert torch.equal(unet.conv_out.bias, bias)  # refused whole: not even the bias before it

@@ -6,11 +6,11 @@ CUDA and the binding is made to fail as a lost device's would."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from workerkit import bare_compute
 
 from diffusiond.ipc.arena import Arena
 from diffusiond.ipc.messages import Fatal
@@ -40,11 +40,8 @@ def test_a_compute_thread_that_cannot_use_its_device_says_so_and_exits_the_worke
         monkeypatch: pytest.MonkeyPatch) -> None:
     posted: list[Any] = []
     exits: list[int] = []
-    pipe = SimpleNamespace(name="m", device=CPU, capabilities=SimpleNamespace(offload="none", task="text-to-image"))
-    copier = Copier(Arena(1 << 20), SharedState(), lambda *a, **k: None, device=CPU, slot_timeout_s=1.0)
-    compute = ComputeThread(pipe, copier, SharedState(), lambda msg, *a, **k: posted.append(msg),  # type: ignore[arg-type]
-                            sync_output=True, progress_interval_s=0.0, drain_timeout_s=1.0, on_exit=exits.append,
-                            on_ready=lambda: posted.append("ready"))
+    compute: ComputeThread = bare_compute(posted, exits)  # type: ignore[assignment]
+    compute.on_ready = lambda: posted.append("ready")
     compute.cuda = True
     monkeypatch.setattr(compute_mod, "bind_thread", _lost)
     compute.start()

@@ -8,22 +8,16 @@ fake workers (tests/enginekit.py), and the worker's compute thread, which says s
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from enginekit import Harness
+from workerkit import bare_compute
 
-from diffusiond.ipc.arena import Arena
 from diffusiond.ipc.messages import Fatal, UpdateWeights
 from diffusiond.protocol import ErrorCode, JobStatus, WorkerState
 from diffusiond.worker.compute import ComputeThread, LiveUpdate
-from diffusiond.worker.copier import Copier
-from diffusiond.worker.state import SharedState
 from diffusiond.worker.update_copy import HalfApplied
-
-CPU = torch.device("cpu")
 
 
 async def _replaced(h: Harness) -> None:
@@ -70,10 +64,7 @@ def test_the_compute_thread_says_it_exits_between_batches_when_an_update_half_ap
         monkeypatch: pytest.MonkeyPatch) -> None:
     posted: list[Any] = []
     exits: list[int] = []
-    pipe = SimpleNamespace(name="m", device=CPU, capabilities=SimpleNamespace(offload="none", task="text-to-image"))
-    copier = Copier(Arena(1 << 20), SharedState(), lambda *a, **k: None, device=CPU, slot_timeout_s=1.0)
-    compute = ComputeThread(pipe, copier, SharedState(), lambda msg, *a, **k: posted.append(msg),  # type: ignore[arg-type]
-                            sync_output=True, progress_interval_s=0.0, drain_timeout_s=1.0, on_exit=exits.append)
+    compute: ComputeThread = bare_compute(posted, exits)  # type: ignore[assignment]
 
     def half(msg: Any, fds: Any) -> None:
         raise HalfApplied("OSError: [Errno 5] Input/output error")

@@ -120,3 +120,23 @@ def config(spec: str = "tiny", **kw: object) -> m.WorkerConfig:
 
 def events(ack: m.Ack) -> list[tuple[str, int]]:
     return [(e.name, e.batch_id) for e in ack.trace]
+
+
+def bare_compute(posted: list[object], exits: list[int]) -> object:
+    """A worker's compute thread, not started, on a stand-in model (CPU, no weights) and a copier: for what the
+    thread does around its batches (binding its device, dying with a reason). What it posts goes to ``posted``,
+    its exit codes to ``exits``."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from diffusiond.ipc.arena import Arena
+    from diffusiond.worker.compute import ComputeThread
+    from diffusiond.worker.copier import Copier
+    from diffusiond.worker.state import SharedState
+
+    cpu = torch.device("cpu")
+    pipe = SimpleNamespace(name="m", device=cpu, capabilities=SimpleNamespace(offload="none", task="text-to-image"))
+    copier = Copier(Arena(1 << 20), SharedState(), lambda *a, **k: None, device=cpu, slot_timeout_s=1.0)
+    return ComputeThread(pipe, copier, SharedState(), lambda msg, *a, **k: posted.append(msg),  # type: ignore[arg-type]
+                         sync_output=True, progress_interval_s=0.0, drain_timeout_s=1.0, on_exit=exits.append)
