@@ -148,7 +148,9 @@ def half_applying(worker: FakeWorker, version: int) -> None:
 
 async def test_a_worker_that_fails_half_way_through_a_kept_update_at_its_start_leaves_it_kept() -> None:
     """review48-a 1: the replacement of a worker whose copy failed half-way must get the update again, not the
-    files' values while the model's other workers run it; only a crash loop drops it, saying so."""
+    files' values while the model's other workers run it; only a crash loop drops it, saying so. review48-b 3:
+    only failures in a row are one (a start that took it in between starts the count over), and the message says
+    that the workers running it keep it."""
     from diffusiond.daemon.core.kept import MAX_RESTARTS
 
     components = LiveComponents()
@@ -169,13 +171,27 @@ async def test_a_worker_that_fails_half_way_through_a_kept_update_at_its_start_l
     replacement = FakeWorker("r", WorkerState.STARTING)
     await components.replay(model, replacement, 5)  # type: ignore[arg-type]
     assert [m.version for m in replacement.got] == [2]
+    for n in range(1, MAX_RESTARTS):  # the start that took it ended the run of failures before
+        started = FakeWorker(f"v{n}", WorkerState.STARTING)
+        half_applying(started, 2)
+        await components.replay(model, started, 5)  # type: ignore[arg-type]
+        assert [(e.msg.version, e.restarts) for e in components.kept[("tiny", "unet")]] == [(2, n)]
     last = FakeWorker("w9", WorkerState.STARTING)
     half_applying(last, 2)
     await components.replay(model, last, 5)  # type: ignore[arg-type]
     assert components.kept[("tiny", "unet")] == []  # the bound: a model does not restart forever
     assert components.weight_errors("tiny")["unet"] == (
-        f"update version 2 was dropped: {MAX_RESTARTS} workers failed while copying it when they started (the "
-        f"last: {HALF}); in force instead: the files' values")
+        f"update version 2 was dropped: {MAX_RESTARTS} workers in a row failed while copying it when they started "
+        f"(the last: {HALF}); in force instead: the files' values on workers that start from now on, while the "
+        "workers already running (w0) keep version 2")
+    model.workers.clear()  # with no worker running it, the files' values are all there is
+    assert await send(3) == 3
+    for n in range(MAX_RESTARTS):
+        started = FakeWorker(f"x{n}", WorkerState.STARTING)
+        half_applying(started, 3)
+        await components.replay(model, started, 5)  # type: ignore[arg-type]
+    assert components.weight_errors("tiny")["unet"].endswith(f"(the last: {HALF}); in force instead: the files' "
+                                                            "values")
 
 
 async def test_a_worker_that_fails_half_way_through_a_kept_adapter_update_leaves_it_kept() -> None:
@@ -198,7 +214,84 @@ async def test_a_worker_that_fails_half_way_through_a_kept_adapter_update_leaves
     half_applying(last, 2)
     await live.replay(model, last, 5)  # type: ignore[arg-type]
     assert [e.msg.version for e in live.kept["trainer"]] == [1]
-    assert live.refused["trainer"].startswith(f"update version 2 was dropped: {MAX_RESTARTS} workers failed while "
-                                              "copying it when they started (the last of model tiny: the copy")
+    assert live.refused["trainer"].startswith(f"update version 2 was dropped: {MAX_RESTARTS} workers in a row failed "
+                                              "while copying it when they started (the last of model tiny: the copy")
     assert live.refused["trainer"].endswith("in force instead: version 1")
     assert "trainer" not in model.lora_errors
+
+
+async def test_a_proven_adapter_update_dropped_at_the_bound_counts_failures_in_a_row_and_says_who_keeps_it() -> None:
+    """review48-b 3, for an adapter: a start that took the update ends a run of failures; once a run reaches the
+    bound, the message says that the workers already running keep the dropped version."""
+    from diffusiond.daemon.core.kept import MAX_RESTARTS
+
+    live = LiveLoras(LoraRegistry({}, 3))
+    model = FakeModel("tiny", [FakeWorker("w0")])
+    assert await lora_update(live, "trainer", [model]) == 1
+    b_only = {"unet.a.to_q.lora_B.weight": STATE["unet.a.to_q.lora_B.weight"] * 2}
+    assert await lora_update(live, "trainer", [model], b_only) == 2  # proven: w0 runs it
+
+    async def start(name: str, fails: bool) -> None:
+        started = FakeWorker(name, WorkerState.STARTING)
+        if fails:
+            half_applying(started, 2)
+        await live.replay(model, started, 5)  # type: ignore[arg-type]
+
+    for n, fails in enumerate([True, True, False, True, True]):
+        await start(f"w{n + 1}", fails)
+    assert [(e.msg.version, e.restarts) for e in live.kept["trainer"]] == [(1, 0), (2, MAX_RESTARTS - 1)]
+    assert "trainer" not in live.refused
+    await start("w9", True)
+    assert [e.msg.version for e in live.kept["trainer"]] == [1]
+    assert live.refused["trainer"].endswith("in force instead: version 1 on workers that start from now on, while "
+                                            "the workers already running keep version 2"), live.refused
+
+
+async def test_an_adapter_whose_only_kept_update_is_dropped_at_the_bound_is_served_again_once_sent_whole() -> None:
+    """review48-b 2: dropping the one update that holds an adapter's tensors must not leave the name refusing
+    every update (nor new workers building a part of it from later ones): the models' next starts refuse it, the
+    message says to send all of its tensors, and such an update serves it everywhere again."""
+    from diffusiond.daemon.core.kept import MAX_RESTARTS
+
+    live = LiveLoras(LoraRegistry({}, 3))
+    model = FakeModel("tiny", [FakeWorker("w0")])
+    assert await lora_update(live, "trainer", [model]) == 1
+    for n in range(1, MAX_RESTARTS + 1):
+        started = FakeWorker(f"w{n}", WorkerState.STARTING)
+        half_applying(started, 1)
+        await live.replay(model, started, 5)  # type: ignore[arg-type]
+    assert live.kept["trainer"] == []
+    why = live.refused["trainer"]
+    assert why.endswith("no kept update holds all of the adapter now, so workers that start from now on run without "
+                        "it and their models refuse it (workers already running keep version 1): send all of its 2 "
+                        "tensors in one update_lora of 'trainer' to serve it everywhere again"), why
+    await live.replay(model, FakeWorker("r", WorkerState.STARTING), 5)  # type: ignore[arg-type]
+    assert model.lora_errors["trainer"] == why  # the replacement runs without it: the model refuses it
+    with pytest.raises(Exception, match=r"it holds 1 of the 2 tensors of LoRA 'trainer', .* send all 2 in one update"):
+        await lora_update(live, "trainer", [model], {"unet.a.to_q.lora_B.weight": STATE["unet.a.to_q.lora_B.weight"]})
+    assert await lora_update(live, "trainer", [model], {k: v * 3 for k, v in STATE.items()}) == 2
+    assert "trainer" not in model.lora_errors and "trainer" not in live.refused
+    assert [(e.msg.version, e.proven) for e in live.kept["trainer"]] == [(2, True)]
+    later = FakeWorker("w9", WorkerState.STARTING)
+    await live.replay(model, later, 5)  # type: ignore[arg-type]
+    assert [m.version for m in later.got] == [2] and "trainer" not in model.lora_errors
+    b_only = {"unet.a.to_q.lora_B.weight": STATE["unet.a.to_q.lora_B.weight"]}
+    assert await lora_update(live, "trainer", [model], b_only) == 3  # a part of it is an update again
+
+
+def test_retiring_an_update_closes_each_of_its_memfds_and_logs_one_that_fails(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """review48-b 6: a failing close (EBADF: a double close elsewhere) is logged with the update and the fd, and
+    does not leave the update's other memfds, and their pages, open."""
+    import os
+
+    from diffusiond.daemon.core import kept
+
+    good = os.memfd_create("part")
+    bad = 1 << 20  # no such fd
+    msg = UpdateWeights("tiny", "unet", [], 4)
+    kept.retire(kept.Kept(msg, (bad, good), proven=True))
+    kept._closer.submit(lambda: None).result(10)  # one thread: the retire ran before
+    with pytest.raises(OSError):
+        os.fstat(good)
+    assert f"closing memfd {bad} of the kept unet of model tiny update version 4 failed" in caplog.text

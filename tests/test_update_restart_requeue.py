@@ -76,3 +76,46 @@ def test_the_compute_thread_says_it_exits_between_batches_when_an_update_half_ap
     assert exits == [70]
     [fatal] = [p for p in posted if isinstance(p, Fatal)]
     assert fatal.between_batches and "a live update failed half-way" in fatal.message
+
+
+async def test_a_worker_that_fails_half_way_through_a_kept_update_at_its_start_is_not_announced_ready(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """review48-b 7: a replacement whose copy of a kept update failed half-way answers so and exits. The engine
+    may handle its loss before the start resumes; announcing it ready then would put the dead worker back among
+    those batches go to. Its own replacement takes the model's jobs."""
+    import numpy as np
+    from enginekit import FakeWorker
+
+    from diffusiond.client.weights import pack
+    from diffusiond.ipc.messages import KIND_OF, Ack
+
+    h = Harness(max_batch=1)
+    await h.engine.start()
+    fds, tensors = pack({"conv_out.weight": np.ones((4, 4), np.float32)})
+    models = h.engine.pool.models
+    assert await h.engine.live_components.update(UpdateWeights("m", "unet", tensors), fds, models.__getitem__, 5) == 1
+    plain = FakeWorker.command
+
+    async def command(self: FakeWorker, msg: Any, timeout: float, fds: Any = ()) -> Ack:
+        if isinstance(msg, UpdateWeights) and self is h.spawned[1]:  # its FATAL and its channel's close come first
+            self.die("exited with code 70 (a live update failed half-way)")
+            return Ack(KIND_OF[type(msg)], False, "the copy failed after it began (OSError)", restarts=True)
+        return await plain(self, msg, timeout, fds)
+
+    monkeypatch.setattr(FakeWorker, "command", command)
+    h.spawned[0].die()
+
+    async def third() -> None:
+        while len(h.spawned) < 3 or h.worker.state != WorkerState.READY or h.worker not in h.engine.flights.in_flight:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(third(), 5)
+    half = h.spawned[1]
+    assert half.state == WorkerState.DEAD and half not in h.engine.flights.in_flight
+    job = h.submit()
+    await h.settle()
+    assert not half.executed and len(h.worker.executed) == 1
+    h.worker.finish(h.worker.executed[0])
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED
+    await h.close()

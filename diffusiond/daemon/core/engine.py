@@ -356,12 +356,14 @@ class Engine(OutputAccess):
         self.flights.dispatch()
 
     # frames from workers --------------------------------------------------------------------
-    async def _prepare_worker(self, model: Model, worker: WorkerLink) -> None:
-        """A worker that starts after live updates gets them before its first batch (core/weights.py)."""
+    async def _prepare_worker(self, model: Model, worker: WorkerLink) -> bool:
+        """A worker that starts after live updates gets them before its first batch (core/weights.py); True
+        when it failed half-way through one and exits (review48-b 7)."""
         timeout = self.config.worker_start_timeout_s
+        exits = False
         try:
-            await self.live_loras.replay(model, worker, timeout)
-            await self.live_components.replay(model, worker, timeout)
+            exits = await self.live_loras.replay(model, worker, timeout) or \
+                await self.live_components.replay(model, worker, timeout)
         except Exception:  # a worker lost meanwhile is replaced (and prepared) again: nothing to fail here
             log.exception("restoring live weights on %s failed", worker.name)
         # jobs admitted while the model ran no worker, naming an adapter this start refused, fail now as
@@ -372,6 +374,7 @@ class Engine(OutputAccess):
             except EngineError as err:
                 self._end(job, JobStatus.FAILED, err.code, f"{err.message} (found when the model started, "
                           "after this job was queued)", stage=job.stage_label)
+        return exits
 
     def _on_worker_ready(self, worker: WorkerLink) -> None:
         self.flights.worker_ready(worker)

@@ -15,11 +15,13 @@ generation of each tensor waits behind the proven one.
 
 A worker that fails half-way through copying a kept update at its start (an I/O or device error, ``Ack.restarts``)
 did not refuse it: it exits, and its replacement gets the same chain. Only after ``MAX_RESTARTS`` such failures of
-one update is it dropped, so that a model does not restart forever (review48-a 1).
+one update in a row, with no worker applying it in between, is it dropped, so that a model does not restart forever
+(review48-a 1); failures spread over starts that took it are no crash loop (review48-b 3).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,15 +29,17 @@ from typing import NamedTuple
 
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights
 
+log = logging.getLogger(__name__)
+
 Update = UpdateLora | UpdateWeights
-MAX_RESTARTS = 3  # workers that fail half-way through one kept update at their start before it is dropped
+MAX_RESTARTS = 3  # workers in a row that fail half-way through one kept update at their start before it is dropped
 
 
 class Kept(NamedTuple):
     msg: Update
     fds: tuple[int, ...]  # the engine's own duplicates of the update's parts, in the frame's order
     proven: bool  # a worker applied it (else kept on trust, checked when its model next starts)
-    restarts: int = 0  # workers that failed half-way through it at their start, and exited
+    restarts: int = 0  # workers in a row that failed half-way through it at their start, and exited
 
 
 Chains = dict[Hashable, list[Kept]]
@@ -66,12 +70,27 @@ def close(fds: Iterable[int]) -> None:
 _closer = ThreadPoolExecutor(1, thread_name_prefix="diffusiond-kept-close")
 
 
-def retire(fds: Iterable[int]) -> None:
+def retire(entry: Kept) -> None:
     """Close a superseded update's memfds on a thread of their own. Once the client and the workers closed theirs,
     the engine's are the last: closing them frees the pages, and for an SDXL UNet's 4.9 GB that took 0.37-0.51 s
     of each ``update_weights`` call after the first on an H100 host (docs/benchmarks.md), on the event loop and
     before the answer."""
-    _closer.submit(close, tuple(fds))
+    _closer.submit(_close_each, entry.msg, entry.fds)
+
+
+def _what(msg: Update) -> str:
+    where = f"LoRA {msg.name!r}" if isinstance(msg, UpdateLora) else f"{msg.component} of model {msg.model}"
+    return f"{where} update version {msg.version}"
+
+
+def _close_each(msg: Update, fds: tuple[int, ...]) -> None:
+    """Every fd, whatever the others do: one that fails (EBADF would be a double close elsewhere) must not leave
+    the rest of the update's pages held, and nobody waits on this thread to hear of it (review48-b 6)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            log.error("closing memfd %d of the kept %s failed: %s", fd, _what(msg), exc)
 
 
 def keep(kept: Chains, key: Hashable, msg: Update, fds: Sequence[int], *, proven: bool) -> None:
@@ -82,21 +101,22 @@ def keep(kept: Chains, key: Hashable, msg: Update, fds: Sequence[int], *, proven
     chain = []
     for entry in kept.get(key, []):
         if _names(entry.msg) <= names and (proven or not entry.proven):
-            retire(entry.fds)
+            retire(entry)
         else:
             chain.append(entry)
     kept[key] = [*chain, Kept(msg, mine, proven)]
 
 
 def prove(chain: list[Kept], entry: Kept) -> None:
-    """A worker applied ``entry``: it is proven, and the earlier updates it covers are dropped."""
+    """A worker applied ``entry``: it is proven, the earlier updates it covers are dropped, and the failures
+    before are no crash loop any more (review48-b 3)."""
     names = _names(entry.msg)
     at = chain.index(entry)
     for old in chain[:at]:
         if _names(old.msg) <= names:
-            retire(old.fds)
+            retire(old)
             chain.remove(old)
-    chain[chain.index(entry)] = entry._replace(proven=True)
+    chain[chain.index(entry)] = entry._replace(proven=True, restarts=0)
 
 
 def drop(chain: list[Kept], entry: Kept) -> str:
@@ -105,9 +125,19 @@ def drop(chain: list[Kept], entry: Kept) -> str:
     names = _names(entry.msg)
     at = chain.index(entry)
     chain.remove(entry)
-    retire(entry.fds)
+    retire(entry)
     earlier = [old.msg.version for old in chain[:at] if _names(old.msg) & names]
     return f"version {max(earlier)}" if earlier else "the files' values"
+
+
+def in_force(instead: str, held: int, who: str = "") -> str:
+    """What runs instead of an update dropped at the bound. The workers running (``who``, where known) applied it
+    before (version ``held``, 0: none did) and keep it until they restart, unlike those that start from now on
+    (review48-b 3)."""
+    if not held:
+        return f"in force instead: {instead}"
+    return (f"in force instead: {instead} on workers that start from now on, while the workers already running"
+            f"{f' ({who})' if who else ''} keep version {held}")
 
 
 def restarted(chain: list[Kept], entry: Kept) -> Kept:
@@ -116,3 +146,15 @@ def restarted(chain: list[Kept], entry: Kept) -> Kept:
     at = chain.index(entry)
     chain[at] = entry._replace(restarts=entry.restarts + 1)
     return chain[at]
+
+
+def holds_alone(chain: list[Kept], entry: Kept) -> bool:
+    """Whether ``entry`` holds a tensor no other kept update of its chain does: without it, a worker that starts
+    would build a live adapter from the rest, a part of it (review48-b 2)."""
+    return bool(_names(entry.msg) - {name for other in chain if other is not entry for name in _names(other.msg)})
+
+
+def clear(chain: list[Kept]) -> None:
+    for entry in chain:
+        retire(entry)
+    chain.clear()

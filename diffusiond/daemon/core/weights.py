@@ -37,7 +37,20 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 
 from diffusiond.daemon.core.file_checks import Checks
-from diffusiond.daemon.core.kept import MAX_RESTARTS, Chains, Kept, close, drop, dups, keep, prove, restarted
+from diffusiond.daemon.core.kept import (
+    MAX_RESTARTS,
+    Chains,
+    Kept,
+    clear,
+    close,
+    drop,
+    dups,
+    holds_alone,
+    in_force,
+    keep,
+    prove,
+    restarted,
+)
 from diffusiond.daemon.core.loras import (
     Answers,
     LoraInfo,
@@ -83,23 +96,27 @@ class LiveLoras:
         # (adapter, model): the model did not take the adapter's last update only because a worker of it did
         # not answer, or took it on some workers only: the next update goes to it again (review44-c 4)
         self._retry: set[tuple[str, str]] = set()
+        # adapter -> its tensors' shapes, once no kept update holds all of it (``MAX_RESTARTS`` dropped the one
+        # that did): its next update must hold all of them, and goes to every model (review48-b 2)
+        self._gone: dict[str, dict[str, Shape]] = {}
 
-    async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
+    async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> bool:
         """Every live adapter's kept updates into a worker that started after them (under the lock, so
         no update overtakes them); the model's entry says whether it fits there. ``kept`` is read
         under the lock: an update in flight when the worker came up, too early to reach it among the
-        live ones, is kept by the time the lock is free, so it is sent here."""
+        live ones, is kept by the time the lock is free, so it is sent here. True: the worker exits."""
         async with self.registry._adding:
             for name, chain in self.kept.items():
                 assert isinstance(name, str)
                 why = await self._resend(model, worker, name, chain, timeout)
                 if why is None:  # it failed half-way through an update and exits: its replacement starts over
-                    return
+                    return True
                 if why:
                     log.warning("live LoRA %r was not restored on %s: %s", name, worker.name, why)
                     model.lora_errors[name] = why
                 else:
                     model.lora_errors.pop(name, None)
+        return False
 
     async def _resend(self, model: ModelLoras, worker: WorkerLink, name: str, chain: list[Kept],
                       timeout: float) -> str | None:
@@ -108,7 +125,7 @@ class LiveLoras:
         A later update kept on trust that the worker refuses is bad on every model (it was checked against
         the adapter's own tensors, which are the same everywhere): it is dropped, and the worker keeps the
         last version it took."""
-        if not chain:  # its only update was dropped after workers failed copying it
+        if not chain:  # the update holding all of it was dropped after workers failed copying it
             return self.refused.get(name, "no update of it is kept")
         for entry in list(chain):
             try:
@@ -122,17 +139,13 @@ class LiveLoras:
                               "before it is dropped): %s", name, worker.name, entry.msg.version, entry.restarts,
                               MAX_RESTARTS, ack.message)
                     return None
-                instead = drop(chain, entry)
-                if not chain:
-                    instead = "nothing (send the adapter whole again)"
-                self.refused[name] = (f"update version {entry.msg.version} was dropped: {MAX_RESTARTS} workers "
-                                      f"failed while copying it when they started (the last of model {model.name}: "
-                                      f"{ack.message}); in force instead: {instead}")
+                self.refused[name] = (f"update version {entry.msg.version} was dropped: {MAX_RESTARTS} workers in a "
+                                      f"row failed while copying it when they started (the last of model "
+                                      f"{model.name}: {ack.message}); {self._dropped(name, chain, entry)}")
                 log.error("live LoRA %r: %s", name, self.refused[name])
                 return None
             if ack.ok:
-                if not entry.proven:
-                    prove(chain, entry)
+                prove(chain, entry)  # proven, and a count of failures before starts over (review48-b 3)
                 continue
             if entry.proven or entry is chain[0]:  # the adapter itself does not fit this model
                 return ack.message
@@ -141,6 +154,21 @@ class LiveLoras:
                                   f"started, and dropped: {ack.message}; in force instead: {instead}")
             log.error("live LoRA %r: %s", name, self.refused[name])
         return ""
+
+    def _dropped(self, name: str, chain: list[Kept], entry: Kept) -> str:
+        """Drop ``entry`` at the bound; what runs instead, in words. Workers that run it keep it (review48-b 3).
+        Without the only update holding some of the adapter's tensors, the rest would build a part of it in a
+        new worker: all go, and the adapter's next update must hold all of it (review48-b 2)."""
+        if not holds_alone(chain, entry):
+            instead = drop(chain, entry)
+            return in_force(instead, entry.msg.version if entry.proven else 0)
+        held = max((e.msg.version for e in chain if e.proven), default=0)
+        self._gone[name] = _tensors(chain)
+        clear(chain)
+        running = f"workers already running keep version {held}" if held else "no worker runs it"
+        return (f"no kept update holds all of the adapter now, so workers that start from now on run without it and "
+                f"their models refuse it ({running}): send all of its {len(self._gone[name])} tensors in one "
+                f"update_lora of {name!r} to serve it everywhere again")
 
     def version(self, name: str) -> int:
         return self.versions.get(name, 0)
@@ -160,8 +188,10 @@ class LiveLoras:
         new = name not in self.registry.loras
         if not new and name not in self.versions:  # registered from a file meanwhile
             raise _file_registered(self.registry.loras[name])
+        gone = self._gone.get(name)  # no kept update holds all of it: one that does goes everywhere, as a new one
+        fresh = new or gone is not None
         # a model that did not take an update only because a worker did not answer or split it is asked again
-        targets = [m for m in models if new or name not in m.lora_errors or (name, m.name) in self._retry]
+        targets = [m for m in models if fresh or name not in m.lora_errors or (name, m.name) in self._retry]
         if not targets:
             raise InvalidRequest(f"LoRA {name!r} is served by no model here "
                                  f"({refusals({m.name: m.lora_errors[name] for m in models})}); send the "
@@ -169,7 +199,11 @@ class LiveLoras:
         shapes = {t.name: tuple(t.shape) for t in msg.tensors}
         # an update of an existing adapter is checked against the adapter's tensors, whatever the model:
         # here, so that one for models that run no worker is refused at once, not kept
-        why = "" if new else adapter_misfit(name, shapes, _tensors(self.kept.get(name, [])), _no_model)
+        why = "" if new else adapter_misfit(name, shapes, gone or _tensors(self.kept.get(name, [])), _no_model)
+        if not why and gone is not None and len(shapes) < len(gone):
+            why = (f"it holds {len(shapes)} of the {len(gone)} tensors of LoRA {name!r}, and no kept update holds the "
+                   "others (one was dropped after workers failed copying it: `refused` in GET /v1/loras); send all "
+                   f"{len(gone)} in one update")
         if why:
             raise InvalidRequest(f"LoRA {name!r} update refused: {refusals({m.name: why for m in targets})}",
                                  field="tensors")
@@ -191,7 +225,7 @@ class LiveLoras:
         split = [m for m in answers.asked if answers.split(m)]
         # A refusal of a new adapter may be the model's (no such component): an idle model may still
         # take it. One of an existing adapter is about the adapter, which is the same on every model.
-        if not accepted and (not idle or (whys and not new)):
+        if not accepted and (not idle or (whys and not fresh)):
             if answers.unanswered or split:  # a worker may hold it: the number is never given again
                 self._drawn[name] = version
             if len(whys) == 1:  # one model: a split or a worker that did not answer is said as such
@@ -212,7 +246,7 @@ class LiveLoras:
                     if m.name in split else whys[m.name]
                 if m.name in split or (m.name in answers.whys and m.name not in answers.refused):
                     self._retry.add((name, m.name))
-            elif new or (name, m.name) in self._retry:
+            elif fresh or (name, m.name) in self._retry:
                 m.lora_errors.pop(name, None)
                 self._retry.discard((name, m.name))
         if idle:
@@ -220,8 +254,9 @@ class LiveLoras:
                      version, ", ".join(m.name for m in idle))
         if new:
             self.registry.loras[name] = _info(msg)
-        if accepted:
+        if accepted or gone is not None:
             self.refused.pop(name, None)
+        self._gone.pop(name, None)
         self.versions[name] = self._drawn[name] = version
         keep(self.kept, name, forward, fds, proven=bool(accepted))
         return version
@@ -310,9 +345,9 @@ class LiveComponents:
         if key in self.errors and version > self.errors[key][0]:
             del self.errors[key]
 
-    async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> None:
+    async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> bool:
         """The model's kept component updates into a worker that started after them (``kept`` read
-        under the lock, as for ``LiveLoras.replay``)."""
+        under the lock, as for ``LiveLoras.replay``). True: the worker exits."""
         async with self._lock:
             for key, chain in self.kept.items():
                 if isinstance(key, tuple) and key[0] == model.name:
@@ -328,29 +363,34 @@ class LiveComponents:
                         mine = (model.name, msg.component)
                         if ack.ok:
                             self._accepted(mine, msg.version)
-                            if not entry.proven:
-                                prove(chain, entry)
+                            prove(chain, entry)  # and failures before it are no crash loop (review48-b 3)
                             continue
                         if ack.restarts:  # not a refusal: kept for its replacement, within a bound (review48-a 1)
-                            self._restarted(chain, entry, mine, worker, ack.message)
-                            return  # the worker exits
+                            self._restarted(chain, entry, model, worker, ack.message)
+                            return True
                         instead = drop(chain, entry)
                         why = (f"update version {msg.version} was refused when the model started, and dropped: "
                                f"{ack.message}; in force instead: {instead}")
                         log.error("%s of model %s: %s", key[1], model.name, why)
                         self.errors[mine] = (self._drawn.get(mine, msg.version), why)
+        return False
 
-    def _restarted(self, chain: list[Kept], entry: Kept, key: tuple[str, str], worker: WorkerLink,
+    def _restarted(self, chain: list[Kept], entry: Kept, model: ModelLoras, worker: WorkerLink,
                    message: str) -> None:
-        """``worker`` failed half-way through ``entry`` at its start: kept, unless ``MAX_RESTARTS`` workers did."""
+        """``worker`` failed half-way through ``entry`` at its start: kept, unless ``MAX_RESTARTS`` workers in a
+        row did. The model's running workers applied a proven one, and keep it: said so (review48-b 3)."""
         entry = restarted(chain, entry)
+        assert isinstance(entry.msg, UpdateWeights)
+        key = (model.name, entry.msg.component)
         what, version = f"{key[1]} of model {key[0]}", entry.msg.version
         if entry.restarts < MAX_RESTARTS:
             log.error("%s: %s failed while copying update version %d at its start (%d of %d before it is "
                       "dropped): %s", what, worker.name, version, entry.restarts, MAX_RESTARTS, message)
             return
-        why = (f"update version {version} was dropped: {MAX_RESTARTS} workers failed while copying it when they "
-               f"started (the last: {message}); in force instead: {drop(chain, entry)}")
+        running = [w.name for _, w in live_workers([model]) if w is not worker] if entry.proven else []
+        why = (f"update version {version} was dropped: {MAX_RESTARTS} workers in a row failed while copying it when "
+               f"they started (the last: {message}); "
+               f"{in_force(drop(chain, entry), version if running else 0, ', '.join(running))}")
         log.error("%s: %s", what, why)
         self.errors[key] = (self._drawn.get(key, version), why)
 

@@ -43,7 +43,7 @@ WORKER_STOP_S = 10.0
 
 
 Spawn = Callable[[WorkerConfig, dict[str, str], FrameCallback, LostCallback], WorkerLink]
-Prepare = Callable[["Model", WorkerLink], Awaitable[None]]
+Prepare = Callable[["Model", WorkerLink], Awaitable[bool]]  # True: the worker exits (it failed during it)
 
 
 def spawn_process(config: WorkerConfig, env: dict[str, str], on_frame: FrameCallback,
@@ -254,9 +254,13 @@ class WorkerPool:
         if self._prepare is not None:
             self.preparing.add(handle)
             try:
-                await self._prepare(model, handle)
+                exits = await self._prepare(model, handle)
             finally:
                 self.preparing.discard(handle)
+            # it failed half-way through a live update and exits: announced ready, a loss the engine has already
+            # handled would put it back among the workers batches go to (review48-b 7); its loss replaces it
+            if exits:
+                return
         if self.sleep_level >= 2:
             await self._stop_asleep(model, handle)
         if self.paused:
