@@ -214,35 +214,3 @@ def test_staging_buffers_are_two_or_none(monkeypatch: pytest.MonkeyPatch, caplog
     assert "buffer 2 of 2 (64 MiB) could not be page-locked" in caplog.text
     assert update_copy._worth_staging([(dst, None)], 1 << 30, 0)  # tried again: both this time
     assert len(update_copy._buffers) == 2
-
-
-def test_a_compiled_model_whose_hot_swap_fails_after_a_slot_took_it_is_half_applied() -> None:
-    """review48-a 9: the first slot keeps the new values once swapped, so a failure at the next is not a refusal
-    ("nothing applied"); one before any slot swapped still is."""
-    from diffusiond.pipelines.loras import HotSwapAdapters
-
-    def adapters(fail_at: int) -> HotSwapAdapters:
-        a = HotSwapAdapters.__new__(HotSwapAdapters)  # only what update_live reads
-        a.states = {"a": {"k": torch.zeros(2)}}
-        a.versions = {"a": 1}
-        a.in_slot = {"s0": "a", "s1": "a"}
-        swaps = [0]
-
-        def swap(slot: str, name: str) -> None:
-            if swaps[0] == fail_at:
-                raise RuntimeError("hot-swap refused")
-            swaps[0] += 1
-
-        a._check = lambda name: None  # type: ignore[method-assign]
-        a._swap = swap  # type: ignore[method-assign]
-        a._set_scales = lambda weights: None  # type: ignore[method-assign]
-        return a
-
-    half = adapters(fail_at=1)
-    with pytest.raises(update_copy.HalfApplied, match=r"1 LoRA slot\(s\) took version 2 of .a. before the hot-swap"):
-        half.update_live("a", {"k": torch.ones(2)}, 2)
-    refused = adapters(fail_at=0)
-    with pytest.raises(RuntimeError, match="hot-swap refused") as err:
-        refused.update_live("a", {"k": torch.ones(2)}, 2)
-    assert not isinstance(err.value, update_copy.HalfApplied)
-    assert refused.versions["a"] == 1 and torch.equal(refused.states["a"]["k"], torch.zeros(2))

@@ -107,6 +107,92 @@ def test_what_cannot_be_hot_swapped_is_refused_at_registration_saying_why(unet_l
     assert "--lora NAME=PATH" in unsupported(compiled_tiny())
 
 
+def _fail_hot_swap_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """peft's hot-swap raises part-way through the slot's layers (its ``call``-th scaling update), as a device
+    error would: tensors before it were copied already."""
+    import peft.utils.hotswap as hotswap
+
+    real, calls = hotswap._update_scaling, [0]
+
+    def failing(*args: object, **kwargs: object) -> None:
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError("injected failure in the hot-swap")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(hotswap, "_update_scaling", failing)
+
+
+def test_a_live_update_whose_hot_swap_fails_part_way_is_half_applied_and_names_the_cause(
+        unet_loras: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """review48-b 1: an adapter is in one slot, and a hot-swap that fails after the check leaves that slot deleted
+    by diffusers (or half-written): the worker must restart (``HalfApplied``), not answer a refusal and keep
+    serving an adapter that is gone; and the error raised is the hot-swap's, not a KeyError for the lost slot."""
+    from safetensors.torch import load_file
+
+    from diffusiond.pipelines.errors import PipelineError
+    from diffusiond.worker.update_copy import HalfApplied
+
+    state = load_file(str(unet_loras["a"] / "pytorch_lora_weights.safetensors"))
+    pipe = compiled_tiny()
+    adapters = adapters_for(pipe, {}, 1, target_rank=4)
+    assert isinstance(adapters, HotSwapAdapters)
+    assert adapters.register_live("live", dict(state), 1) == ""
+    base = run(pipe)
+    _fail_hot_swap_at(monkeypatch, 5)
+    with pytest.raises(HalfApplied, match=r"hot-swap of version 2 of LoRA 'live' failed after it began.*"
+                                          r"injected failure in the hot-swap"):
+        adapters.update_live("live", {k: v * 3 for k, v in state.items()}, 2)
+    assert adapters.versions["live"] == 1 and all(torch.equal(adapters.states["live"][k], v) for k, v in state.items())
+    assert adapters.slots == [] and "live" not in adapters.loaded  # nothing claims the lost slot any more
+    adapters.activate(())
+    assert torch.equal(run(pipe), base)  # what is left of the slot adds nothing
+    with pytest.raises(PipelineError, match=r"1 slot\(s\) were lost to failed hot-swaps.*restart the daemon"):
+        adapters.activate((m.LoraRef("live", 1.0),))
+
+
+def test_a_hot_swap_that_fails_when_an_adapter_enters_a_slot_loses_only_that_slot(
+        unet_loras: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """review48-b 1's related paths: ``register`` (and ``activate``, through the same ``_swap``) hitting a hot-swap
+    failure. The slot is dropped and the worker serves on with the others, the base model exact; an adapter that
+    does not fit the slots (a layer they lack, another size) is refused before anything is copied and costs none."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(unet_loras["a"] / "pytorch_lora_weights.safetensors"))
+    odd = {k.replace(".to_q.", ".to_qx.", 1) if ".to_q." in k else k: v for k, v in weights.items()}
+    (tmp_path / "odd").mkdir()
+    save_file(odd, str(tmp_path / "odd" / "pytorch_lora_weights.safetensors"))
+    key = next(k for k in sorted(weights) if ".lora_A." in k)
+    wide = dict(weights, **{key: torch.zeros(weights[key].shape[0], weights[key].shape[1] + 8)})
+    (tmp_path / "wide").mkdir()
+    save_file(wide, str(tmp_path / "wide" / "pytorch_lora_weights.safetensors"))
+
+    pipe = compiled_tiny()
+    adapters = adapters_for(pipe, {}, 2, target_rank=4)
+    assert isinstance(adapters, HotSwapAdapters)
+    assert adapters.register("a", str(unet_loras["a"])) == ""
+    base = run(pipe)
+    adapters.activate(A)
+    with_a = run(pipe)
+    assert "is for a layer the LoRA slots lack" in adapters.register("odd", str(tmp_path / "odd"))
+    assert "size mismatch" in adapters.register("wide", str(tmp_path / "wide"))
+    assert len(adapters.slots) == 2 and not adapters.lost  # refused before peft touched a slot
+
+    _fail_hot_swap_at(monkeypatch, 3)
+    why = adapters.register("b", str(unet_loras["b"]))
+    assert "injected failure in the hot-swap" in why
+    monkeypatch.undo()
+    assert adapters.slots == ["diffusiond_slot0"] and list(adapters.loaded) == ["a"]
+    for loras, want in (((), base), (A, with_a), ((), base)):  # later batches: the other slot and the base model
+        adapters.activate(loras)
+        assert torch.allclose(run(pipe), want, atol=ADAPTER_ATOL, rtol=0), loras
+    assert adapters.register("b", str(unet_loras["b"])) == ""  # into the slot left, "a" out of it
+    adapters.activate(B)
+    run(pipe)
+    with pytest.raises(Exception, match=r"this compiled model has 1 LoRA slots.*1 slot\(s\) were lost"):
+        adapters.activate(AB)
+
+
 async def test_compiled_daemon_swaps_adapters_per_request_like_the_uncompiled_model(
         tmp_path: Path, model_cache: Path, unet_loras: dict[str, Path]) -> None:
     """One daemon, tiny twice: ``plain`` eager and ``fast`` compiled; the same adapters on both."""

@@ -193,6 +193,13 @@ def test_which_pipeline_classes_run_a_step_cache_and_how(monkeypatch: pytest.Mon
     assert {plan(n) for n in ("FluxPipeline", "QwenImagePipeline", "WanPipeline", "LTXPipeline")} == {"own"}
     assert {plan(n) for n in speedups.ONE_CALL_A_STEP} == {"one"}
     assert "not known to call its denoiser once a step" in plan("Kandinsky5T2IPipeline")
+    # review48-b 5: true CFG off by default, as the daemon calls it: one call a step, served as before review48-a 3;
+    # the Skyreels sibling's defaults to 6 with the negative prompt the daemon always passes: two, refused
+    assert plan("HunyuanVideoImageToVideoPipeline") == "one"
+    assert "not known to call its denoiser once a step" in plan("HunyuanSkyreelsImageToVideoPipeline")
     monkeypatch.setattr(call_defaults, "TRUE_CFG", ("QwenImage", "Flux"))
     monkeypatch.setattr(speedups, "_PLANS", {})
     assert "twice a step where true_cfg_scale > 1" in plan("FluxImg2ImgPipeline")
+    monkeypatch.setattr(call_defaults, "TRUE_CFG", ("QwenImage", "HunyuanVideo"))
+    monkeypatch.setattr(speedups, "_PLANS", {})
+    assert "twice a step where true_cfg_scale > 1" in plan("HunyuanVideoImageToVideoPipeline")

@@ -31,6 +31,7 @@ import torch
 
 from diffusiond.ipc.messages import LIVE_PATH, LoraRef
 from diffusiond.pipelines.errors import PipelineError, fit_reason
+from diffusiond.pipelines.hotswap_check import hotswap_misfit
 from diffusiond.pipelines.lora_dtypes import adapters_in_compute_dtype, lift_from_storage_dtype
 
 log = logging.getLogger(__name__)
@@ -284,6 +285,16 @@ class HotSwapAdapters(Adapters):
     Limits, from diffusers/peft: the text encoder cannot be hot-swapped (it is compiled too), so an
     adapter with text-encoder weights is refused; an adapter's rank must not exceed ``target_rank``
     and it may target only modules the first adapter targets (others: peft's "unexpected keys").
+
+    A hot-swap that fails once ``_check`` passed cannot be undone: peft may have copied some of the slot's tensors,
+    and diffusers then deletes the slot from every layer (review48-b 1). In ``update_live`` that is ``HalfApplied``:
+    the adapter's weights are neither version and the worker restarts. In ``register`` and ``activate`` (no update
+    was accepted) the slot is dropped instead and the worker keeps serving: the other slots and the base model are
+    intact, and a restart would cost every queued job and a model load for one slot; what is left of the slot
+    stays at scale 0, and its adapter counts as not loaded. The model has a slot fewer (its next forward traces
+    once more: the structure changed); with none left, a batch with adapters is refused saying why. What peft
+    refuses for the adapter itself (a module the slots lack, a shape) ``_check`` refuses first, so a misfit costs
+    no slot.
     """
 
     def __init__(self, pipe: Any, model_name: str, registered: Mapping[str, str], slots: int,
@@ -293,12 +304,13 @@ class HotSwapAdapters(Adapters):
         self.slots = [f"diffusiond_slot{i}" for i in range(self.max_loaded)]
         self.in_slot: dict[str, str] = {}  # slot -> adapter name in it; a slot not here is free
         self.scalings: dict[str, list[tuple[Any, float]]] = {}  # slot -> (LoRA layer, its scaling at weight 1)
+        self.lost: list[str] = []  # why each slot dropped after a failed hot-swap (see the class's docstring)
 
     def register(self, name: str, path: str) -> str:
         self.paths[name] = path
         try:
             self._check(name)
-            if not self.scalings:
+            if not self.scalings and not self.lost:
                 self._make_slots(name)
             else:
                 slot = self._free_slot(keep=set())
@@ -311,29 +323,31 @@ class HotSwapAdapters(Adapters):
         return ""
 
     def update_live(self, name: str, state: Mapping[str, torch.Tensor], version: int, copy: Copy = _each) -> None:
-        """A compiled model (``copy`` unused: peft's hot-swap copies): the slots holding ``name`` take the new
-        weights by hot-swap (in place, the graph untouched); the next batch sets its scalings again. A failure
-        once a slot took them cannot be undone (that slot keeps the new values, the others the old): it is
-        ``HalfApplied``, and the worker exits as for a failed copy, not a refusal (review48-a 9)."""
+        """A compiled model (``copy`` unused: peft's hot-swap copies): the slot holding ``name`` takes the new
+        weights by hot-swap (in place, the graph untouched); the next batch sets its scalings again. Once ``_check``
+        passed, any failure of the hot-swap is ``HalfApplied`` (review48-b 1): peft may have copied part of the
+        slot and diffusers deleted it, so the worker exits as for a failed copy, not a refusal."""
         # the worker's word for it, imported here: no pipelines module imports the worker's at load
         from diffusiond.worker.update_copy import HalfApplied
 
         old = self.states[name]
         self.states[name] = {**old, **state}
-        swapped = 0
         try:
-            self._check(name)
+            self._check(name)  # a refusal: nothing in the model changed
+        except BaseException:
+            self.states[name] = old
+            raise
+        try:
             for slot in [s for s, n in self.in_slot.items() if n == name]:
                 self._swap(slot, name)
-                swapped += 1
         except BaseException as exc:
             self.states[name] = old
-            if swapped and isinstance(exc, Exception):
-                raise HalfApplied(f"{swapped} LoRA slot(s) took version {version} of {name!r} before the hot-swap "
-                                  f"failed: {type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, Exception):
+                raise HalfApplied(f"the hot-swap of version {version} of LoRA {name!r} failed after it began, and "
+                                  f"its slot is lost: {type(exc).__name__}: {exc}") from exc
             raise
         finally:
-            self._set_scales({})
+            self._set_scales({})  # a lost slot left ``scalings`` already: no KeyError hides the error
             self.active = ()
         self.versions[name] = version
 
@@ -343,7 +357,7 @@ class HotSwapAdapters(Adapters):
             return
         if len(wanted) > len(self.slots):
             raise PipelineError(f"{len(wanted)} LoRA adapters in one batch; this compiled model has "
-                                f"{len(self.slots)} LoRA slots (--max-loras)")
+                                f"{len(self.slots)} LoRA slots (--max-loras){self._lost_note()}")
         names = {r.name for r in wanted}
         weights: dict[str, float] = {}
         try:
@@ -382,6 +396,12 @@ class HotSwapAdapters(Adapters):
             raise PipelineError(f"its rank {max(ranks)} is above {self.target_rank}, the largest rank of the adapters "
                                 f"registered when compiled model {self.model_name} started (its LoRA slots are that "
                                 "size); register it at start (--lora) so the slots are made large enough")
+        if self.scalings:  # peft refuses these only after copying some tensors, and diffusers deletes the slot
+            why = hotswap_misfit(self.pipe.unet, self.slots[0], state)
+            if why:
+                raise PipelineError(f"{why}; compiled model {self.model_name}'s LoRA slots have the layers and "
+                                    "sizes of the first adapter registered: register this one at start (--lora), "
+                                    "or serve the model without --compile")
 
     def _make_slots(self, first: str) -> None:
         """Inject ``first`` into every slot, then pad and make scalings tensors. The modules are
@@ -414,13 +434,40 @@ class HotSwapAdapters(Adapters):
         for name in self.loaded:  # oldest use first
             if name not in keep:
                 return next(s for s, n in self.in_slot.items() if n == name)
-        raise PipelineError("no LoRA slot is free for this batch")
+        raise PipelineError(f"no LoRA slot of compiled model {self.model_name} is free for this batch"
+                            f"{self._lost_note()}")
 
     def _swap(self, slot: str, name: str) -> None:
+        """Hot-swap ``name`` into ``slot``; a failure loses the slot (see the class's docstring) and is raised."""
         where, kwargs = self._source(name)
-        self.pipe.load_lora_weights(where, adapter_name=slot, hotswap=True, **kwargs)
+        try:
+            self.pipe.load_lora_weights(where, adapter_name=slot, hotswap=True, **kwargs)
+        except BaseException as exc:
+            self._lose(slot, exc)
+            raise
         self._record(slot, name)
         log.info("hot-swapped LoRA %s into %s", name, slot)
+
+    def _lose(self, slot: str, exc: BaseException) -> None:
+        """Drop ``slot`` from use: its adapter is no longer loaded, and what diffusers left of it (in every layer
+        unless the failure escaped diffusers' cleanup) stays at scale 0, so it adds exactly nothing."""
+        gone = self.in_slot.pop(slot, None)
+        if gone is not None and gone not in self.in_slot.values():
+            self.loaded.pop(gone, None)
+        if slot in self.slots:
+            self.slots.remove(slot)
+        left = [(m, s) for m, s in self.scalings.pop(slot, []) if slot in m.scaling]
+        for module, _ in left:
+            module.scaling[slot].fill_(0.0)
+        self.lost.append(f"{slot} ({type(exc).__name__}: {exc})")
+        log.error("LoRA slot %s of %s is lost after a failed hot-swap of %s (%d slot(s) left): %s: %s",
+                  slot, self.model_name, gone or "an adapter", len(self.slots), type(exc).__name__, exc)
+
+    def _lost_note(self) -> str:
+        if not self.lost:
+            return ""
+        return (f"; {len(self.lost)} slot(s) were lost to failed hot-swaps ({'; '.join(self.lost)}): restart "
+                "the daemon to have them again")
 
     def _record(self, slot: str, name: str) -> None:
         """Keep the slot's scalings at weight 1 (what the hot-swap set: alpha / rank per layer)."""

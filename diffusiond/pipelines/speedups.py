@@ -135,6 +135,10 @@ def _lite_misfit(denoiser: Any) -> str:
 # ('' for none). FLUX's second call is its true CFG's negative pass (``true_cfg_scale > 1``), which the daemon
 # passes only to call_defaults.TRUE_CFG families and which defaults to 1: _context_plan checks both still hold.
 # Allegro's, Latte's and Bria's CFG runs both passes as one batch (``torch.cat([latents] * 2)``): one call.
+# HunyuanVideo image-to-video's second call is the same true CFG (default 1; ran with cache= before review48-a 3:
+# review48-b 5). Its Skyreels sibling is left out, refused: its true_cfg_scale defaults to 6, and the daemon passes
+# every class that takes ``negative_prompt`` one (``""`` where the request has none: diffusers_pipeline.py), so
+# ``do_true_cfg`` holds and it calls the transformer twice a step.
 ONE_CALL_A_STEP = {
     "FluxImg2ImgPipeline": "true_cfg_scale",
     "FluxInpaintPipeline": "true_cfg_scale",
@@ -146,6 +150,7 @@ ONE_CALL_A_STEP = {
     "AllegroPipeline": "",
     "LattePipeline": "",
     "BriaPipeline": "",
+    "HunyuanVideoImageToVideoPipeline": "true_cfg_scale",
 }
 
 
