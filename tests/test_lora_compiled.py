@@ -107,6 +107,77 @@ def test_what_cannot_be_hot_swapped_is_refused_at_registration_saying_why(unet_l
     assert "--lora NAME=PATH" in unsupported(compiled_tiny())
 
 
+def test_an_adapter_whose_settings_differ_from_the_slots_is_refused_and_costs_no_slot(
+        unet_loras: dict[str, Path], tmp_path: Path) -> None:
+    """review48-c 2: per-layer alphas (a kohya file's) differ from the slots' settings; diffusers finds that only
+    inside the try that deletes the slot, so each try cost a slot, and the third a serving adapter's."""
+    from lorakit import to_kohya
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(to_kohya(unet_loras["b"], tmp_path / "b.safetensors")))
+    alphas = sorted(k for k in weights if k.endswith(".alpha"))
+    for key in alphas[: len(alphas) // 2 + 1]:
+        weights[key] = torch.tensor(1.0)  # half the layers at alpha 1, the rest at the file's
+    save_file(weights, str(tmp_path / "mixed.safetensors"))
+    adapters = adapters_for(compiled_tiny(), {}, 3, target_rank=4)
+    assert isinstance(adapters, HotSwapAdapters) and adapters.register("a", str(unet_loras["a"])) == ""
+    for _ in range(4):
+        why = adapters.register("mixed", str(tmp_path / "mixed.safetensors"))
+        assert "its settings differ from the slots'" in why and "alpha_pattern" in why, why
+    assert len(adapters.slots) == 3 and not adapters.lost and "mixed" not in adapters.paths
+    adapters.activate(A)  # "a" keeps its slot
+
+
+def test_a_kohya_sdxl_file_with_sgm_block_names_swaps_into_a_slot(tmp_path: Path) -> None:
+    """review48-c 1: kohya's SDXL files name the UNet's blocks as SGM does (``input_blocks_4_1``); the check read
+    them without the UNet's config, so diffusers did not map them, and a file that swaps in fine was refused."""
+    import re
+
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    config = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64),
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), norm_num_groups=8,
+                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=64,
+                  attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+                  addition_time_embed_dim=8, transformer_layers_per_block=(1, 2),
+                  projection_class_embeddings_input_dim=80)
+    unet = UNet2DConditionModel(**config)
+    pipe = StableDiffusionXLPipeline(vae=None, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                     tokenizer_2=None, unet=unet, scheduler=None)
+
+    def lora(seed: int) -> dict[str, torch.Tensor]:
+        u = UNet2DConditionModel(**config)
+        torch.manual_seed(seed)
+        u.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                 init_lora_weights=False))
+        return {"unet." + k: v.contiguous() for k, v in get_peft_model_state_dict(u).items()}
+
+    def sgm(key: str) -> str:  # the module's diffusers name as kohya's SDXL files spell it
+        module, _, kind = key.removeprefix("unet.").rpartition(".lora_")
+        down = re.match(r"down_blocks\.(\d+)\.attentions\.(\d+)\.(.*)", module)
+        up = re.match(r"up_blocks\.(\d+)\.attentions\.(\d+)\.(.*)", module)
+        if down:  # layers_per_block 2: three SGM input blocks per diffusers down block, after the conv_in one
+            module = f"input_blocks.{1 + 3 * int(down[1]) + int(down[2])}.1.{down[3]}"
+        elif up:
+            module = f"output_blocks.{3 * int(up[1]) + int(up[2])}.1.{up[3]}"
+        module = module.replace("mid_block.attentions.0.", "middle_block.1.")
+        return f"lora_unet_{module.replace('.', '_')}.lora_{'down' if kind.startswith('A') else 'up'}.weight"
+
+    second = lora(2)
+    kohya = {sgm(k): v for k, v in second.items()}
+    kohya |= {k.replace("lora_down.weight", "alpha"): torch.tensor(4.0) for k in list(kohya) if "lora_down" in k}
+    save_file(kohya, str(tmp_path / "sgm.safetensors"))
+    adapters = HotSwapAdapters(pipe, "sdxl", {}, 2, 4)
+    assert adapters.register_live("first", lora(1), 1) == ""
+    assert adapters.register("kohya", str(tmp_path / "sgm.safetensors")) == ""
+    slot = next(s for s, n in adapters.in_slot.items() if n == "kohya")
+    key = "down_blocks.1.attentions.1.transformer_blocks.0.attn1.to_q"
+    held = dict(unet.named_parameters())[f"{key}.lora_A.{slot}.weight"]
+    assert torch.equal(held[:4], second[f"unet.{key}.lora_A.weight"])
+
+
 def _fail_hot_swap_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
     """peft's hot-swap raises part-way through the slot's layers (its ``call``-th scaling update), as a device
     error would: tensors before it were copied already."""
@@ -147,7 +218,7 @@ def test_a_live_update_whose_hot_swap_fails_part_way_is_half_applied_and_names_t
     assert adapters.slots == [] and "live" not in adapters.loaded  # nothing claims the lost slot any more
     adapters.activate(())
     assert torch.equal(run(pipe), base)  # what is left of the slot adds nothing
-    with pytest.raises(PipelineError, match=r"1 slot\(s\) were lost to failed hot-swaps.*restart the daemon"):
+    with pytest.raises(PipelineError, match=r"1 slot\(s\) were lost to failed hot-swaps.*unload and load tiny again"):
         adapters.activate((m.LoraRef("live", 1.0),))
 
 

@@ -31,7 +31,7 @@ import torch
 
 from diffusiond.ipc.messages import LIVE_PATH, LoraRef
 from diffusiond.pipelines.errors import PipelineError, fit_reason
-from diffusiond.pipelines.hotswap_check import hotswap_misfit
+from diffusiond.pipelines.hotswap_check import hotswap_misfit, read_adapter
 from diffusiond.pipelines.lora_dtypes import adapters_in_compute_dtype, lift_from_storage_dtype
 
 log = logging.getLogger(__name__)
@@ -384,9 +384,7 @@ class HotSwapAdapters(Adapters):
 
     def _check(self, name: str) -> None:
         """Refuse what cannot be hot-swapped, before anything in the model changes."""
-        where, kwargs = self._source(name)
-        state = self.pipe.lora_state_dict(where, **kwargs)
-        state = state[0] if isinstance(state, tuple) else state
+        state, alphas, metadata = read_adapter(self.pipe, *self._source(name))
         if any(not k.startswith("unet.") for k in state):
             raise PipelineError(f"model {self.model_name} is compiled (--compile) and only the UNet's LoRA layers "
                                 "can be hot-swapped; this adapter also has text-encoder weights: serve the model "
@@ -397,7 +395,7 @@ class HotSwapAdapters(Adapters):
                                 f"registered when compiled model {self.model_name} started (its LoRA slots are that "
                                 "size); register it at start (--lora) so the slots are made large enough")
         if self.scalings:  # peft refuses these only after copying some tensors, and diffusers deletes the slot
-            why = hotswap_misfit(self.pipe.unet, self.slots[0], state)
+            why = hotswap_misfit(self.pipe.unet, self.slots[0], state, alphas, metadata)
             if why:
                 raise PipelineError(f"{why}; compiled model {self.model_name}'s LoRA slots have the layers and "
                                     "sizes of the first adapter registered: register this one at start (--lora), "
@@ -466,8 +464,8 @@ class HotSwapAdapters(Adapters):
     def _lost_note(self) -> str:
         if not self.lost:
             return ""
-        return (f"; {len(self.lost)} slot(s) were lost to failed hot-swaps ({'; '.join(self.lost)}): restart "
-                "the daemon to have them again")
+        return (f"; {len(self.lost)} slot(s) were lost to failed hot-swaps ({'; '.join(self.lost)}): unload and "
+                f"load {self.model_name} again (diffusiond unload/load) to have them again")
 
     def _record(self, slot: str, name: str) -> None:
         """Keep the slot's scalings at weight 1 (what the hot-swap set: alpha / rank per layer)."""
