@@ -18,6 +18,7 @@ import torch
 import diffusiond.client.weights as client_weights
 from diffusiond.client.weights import pack
 from diffusiond.ipc.messages import Ack, UpdateWeights
+from diffusiond.pipelines.errors import HalfApplied
 from diffusiond.worker import update_copy
 from diffusiond.worker.adapters import LiveAdapters
 from diffusiond.worker.weights import apply_weights, read_tensors
@@ -128,7 +129,7 @@ def test_a_copy_that_fails_once_writing_began_is_half_applied_and_the_worker_say
     _failing_read(monkeypatch, after=1)
     posted: list[Ack] = []
     live = LiveAdapters(_Pipe(unet), None, posted.append)  # type: ignore[arg-type]
-    with pytest.raises(update_copy.HalfApplied, match="Input/output error"):
+    with pytest.raises(HalfApplied, match="Input/output error"):
         live.update(UpdateWeights("m", "unet", tensors, 1), fds)
     assert [a.ok for a in posted] == [False] and "the worker restarts" in posted[0].message
     assert posted[0].restarts  # the engine keeps the update for the replacement (review48-a 1)
@@ -167,10 +168,10 @@ def test_a_live_lora_keeps_its_old_values_when_their_copy_fails() -> None:
             return torch.zeros(2)
 
     def failing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        raise update_copy.HalfApplied("RuntimeError: injected")
+        raise HalfApplied("RuntimeError: injected")
 
     adapters = _Loaded()
-    with pytest.raises(update_copy.HalfApplied):
+    with pytest.raises(HalfApplied):
         adapters.update_live("a", {"k": torch.ones(2)}, 2, failing)
     assert torch.equal(adapters.states["a"]["k"], torch.zeros(2)) and adapters.versions["a"] == 1
 

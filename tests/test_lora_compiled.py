@@ -201,8 +201,7 @@ def test_a_live_update_whose_hot_swap_fails_part_way_is_half_applied_and_names_t
     serving an adapter that is gone; and the error raised is the hot-swap's, not a KeyError for the lost slot."""
     from safetensors.torch import load_file
 
-    from diffusiond.pipelines.errors import PipelineError
-    from diffusiond.worker.update_copy import HalfApplied
+    from diffusiond.pipelines.errors import HalfApplied, PipelineError
 
     state = load_file(str(unet_loras["a"] / "pytorch_lora_weights.safetensors"))
     pipe = compiled_tiny()

@@ -15,9 +15,9 @@ from enginekit import Harness
 from workerkit import bare_compute
 
 from diffusiond.ipc.messages import Fatal, UpdateWeights
+from diffusiond.pipelines.errors import HalfApplied
 from diffusiond.protocol import ErrorCode, JobStatus, WorkerState
 from diffusiond.worker.compute import ComputeThread, LiveUpdate
-from diffusiond.worker.update_copy import HalfApplied
 
 
 async def _replaced(h: Harness) -> None:

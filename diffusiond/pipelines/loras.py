@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from diffusiond.ipc.messages import LIVE_PATH, LoraRef
-from diffusiond.pipelines.errors import PipelineError, fit_reason
+from diffusiond.pipelines.errors import HalfApplied, PipelineError, fit_reason
 from diffusiond.pipelines.hotswap_check import hotswap_misfit, read_adapter
 from diffusiond.pipelines.lora_dtypes import adapters_in_compute_dtype, lift_from_storage_dtype
 
@@ -328,7 +328,6 @@ class HotSwapAdapters(Adapters):
         passed, any failure of the hot-swap is ``HalfApplied`` (review48-b 1): peft may have copied part of the
         slot and diffusers deleted it, so the worker exits as for a failed copy, not a refusal."""
         # the worker's word for it, imported here: no pipelines module imports the worker's at load
-        from diffusiond.worker.update_copy import HalfApplied
 
         old = self.states[name]
         self.states[name] = {**old, **state}

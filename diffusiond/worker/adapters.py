@@ -17,9 +17,9 @@ from collections.abc import Callable
 from diffusiond.ipc.messages import Ack, AddLora, Kind, LoraRef, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.tensors import nbytes
 from diffusiond.pipelines.base import Pipeline, PipelineError
+from diffusiond.pipelines.errors import HalfApplied
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.pipelines.phases import Phases
-from diffusiond.worker import update_copy
 from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
 
 log = logging.getLogger("diffusiond.worker")
@@ -87,7 +87,7 @@ class LiveAdapters:
                 why = unsupported(self.pipeline) if self.adapters is None else \
                     apply_update(self.adapters, self.pipeline.name, msg, state)
                 phases.mark("checked and applied")
-        except update_copy.HalfApplied as exc:  # the model holds parts of two versions: this worker is done
+        except HalfApplied as exc:  # the model holds parts of two versions: this worker is done
             self.post(Ack(command=kind, ok=False, ack_id=msg.ack_id, restarts=True,
                           message=f"the copy failed after it began ({exc}); the worker restarts from the files and "
                                   "the updates accepted before this one"))

@@ -44,6 +44,7 @@ from diffusiond.ipc.messages import (
 )
 from diffusiond.pipelines.base import EditArrays, EditingPipeline, Interrupted, Pipeline, PipelineError
 from diffusiond.pipelines.controlnet import ControlNets
+from diffusiond.pipelines.errors import HalfApplied
 from diffusiond.pipelines.ip_adapter import IpAdapters
 from diffusiond.pipelines.loras import Adapters
 from diffusiond.protocol import ErrorCode
@@ -55,7 +56,6 @@ from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
 from diffusiond.worker.memory import PeakMeter
 from diffusiond.worker.startup import bind_thread
 from diffusiond.worker.state import SharedState
-from diffusiond.worker.update_copy import HalfApplied
 from diffusiond.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)

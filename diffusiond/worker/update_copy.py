@@ -33,6 +33,7 @@ import torch
 
 from diffusiond.ipc.messages import WeightTensor
 from diffusiond.ipc.tensors import dtype_name, nbytes, numpy_dtype
+from diffusiond.pipelines.errors import HalfApplied
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,6 @@ class Source(NamedTuple):
     @property
     def nbytes(self) -> int:
         return nbytes(self.tensor.dtype, self.tensor.shape)
-
-
-class HalfApplied(RuntimeError):
-    """A copy failed after the first byte was written: the destinations hold parts of two versions, which no
-    refusal can undo. The worker reports it and exits, and its replacement starts from the files and the updates
-    accepted before (review47-a 2)."""
 
 
 class _Written:

@@ -33,6 +33,7 @@ import torch
 
 from diffusiond.ipc.messages import UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.params import ComponentTable, LayerRow, ParamRow, ParamTable
+from diffusiond.pipelines.errors import HalfApplied
 from diffusiond.pipelines.live_checks import (
     KINDS,
     Layer,
@@ -94,7 +95,7 @@ def apply_update(adapters: Adapters, model: str, msg: UpdateLora, state: dict[st
         return adapters.register_live(msg.name, state, msg.version)
     try:
         adapters.update_live(msg.name, state, msg.version, update_copy.copy_tensors)
-    except update_copy.HalfApplied:
+    except HalfApplied:
         raise  # not a refusal: the worker exits (worker/compute.py)
     except Exception as exc:  # checked above; a failure here is the model's (a hot-swap refusal, say)
         return f"{type(exc).__name__}: {exc}"
