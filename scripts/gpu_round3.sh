@@ -80,9 +80,6 @@ for s in "$@"; do
         step weights-p$n 200 python3 scripts/bench_live.py weights --preset sdxl --component unet --dtype float16 \
           --rounds 3 --parts $n
       done ;;
-    lora-pageable)  # the LoRA's values copied as one pageable copy each (copy_tensors' switch), against `lora`
-      DIFFUSIOND_UPDATE_COPY=pageable step lora-pageable 240 python3 scripts/bench_live.py lora --preset flux-dev \
-        --component transformer --rank 64 --dtype bfloat16 --rounds 5 ;;
     weights-pageable)  # the same from pageable pages (worker/update_copy.py: the bench's switch; staged is the default)
       DIFFUSIOND_UPDATE_COPY=pageable step weights-pageable 200 python3 scripts/bench_live.py weights --preset sdxl \
         --component unet --dtype float16 --rounds 3 ;;

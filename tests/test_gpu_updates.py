@@ -68,9 +68,9 @@ def test_gpu_a_refused_update_leaves_every_parameter_as_it_was() -> None:
 
 
 
-def test_gpu_host_tensors_staged_onto_the_device_land_exactly() -> None:
-    """A live LoRA's tensors (``update_copy.copy_tensors``): many small ones in one buffer, one larger than a
-    buffer, and one of another dtype (converted, not staged)."""
+def test_gpu_host_tensors_copied_onto_the_device_land_exactly() -> None:
+    """A live LoRA's tensors (``update_copy.copy_tensors``): many small ones, one of 74 MB, and one of another
+    dtype (converted as it is copied)."""
     shapes = [(64, 3072)] * 40 + [(9001, 4096), (5, 7)]
     dsts = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     srcs = [torch.randn(s).to(torch.bfloat16) for s in shapes[:-1]] + [torch.randn(shapes[-1])]

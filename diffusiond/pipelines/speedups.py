@@ -215,13 +215,10 @@ def step_cache_context(pipe: Any) -> Iterator[None]:
     the call. Any other was refused at load (``apply_speedups``) when it is the model's own class; an edit sibling
     of another class is refused here, before it runs, rather than run with its passes in one state (review48-a 3)."""
     cached = [d for _, d in denoisers(pipe) if getattr(d, "is_cache_enabled", False)]
-    plan = _context_plan(type(pipe)) if cached else "own"
-    if plan not in ("own", "one"):
-        refusal = step_cache_refusal("cache= (the model's step cache)", pipe)
-        assert refusal is not None
+    if cached and (refusal := step_cache_refusal("cache= (the model's step cache)", pipe)) is not None:
         raise refusal
     with contextlib.ExitStack() as stack:
-        if plan == "one":
+        if cached and _context_plan(type(pipe)) == "one":
             for denoiser in cached:
                 stack.enter_context(denoiser.cache_context("cond"))
         yield

@@ -1,5 +1,5 @@
 """How a live update's values get into the parameters (issue 29): a whole component's from the client's memfds
-(``copy_into``), a loaded LoRA's from the host tensors the worker keeps (``copy_tensors``).
+(``copy_into``), a loaded LoRA's from the host tensors the worker keeps (``copy_tensors``, plain copies).
 
 The bytes are read with ``preadv`` straight from the memfds (sealed against writes and shrinking: the engine
 checks, ``ipc/updates.SEALS``), never mapped: populating a mapping of the SDXL UNet's 4.9 GB took 0.45-0.5 s on an
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 STAGED = os.environ.get("DIFFUSIOND_UPDATE_COPY", "staged") != "pageable"
 _FROM = 64 << 20  # below this, filling the buffers costs about what staging saves
-_FROM_HOST = 16 << 20  # the same for host tensors (a LoRA's), which need no read: a copy per tensor waits for each
 _STAGE = 64 << 20
 _READ = 8 << 20  # the most one thread reads at a time: a buffer's 64 MiB is read by up to 8 threads at once
 _THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -162,44 +161,32 @@ def _pinned(device: torch.device) -> list[torch.Tensor]:
 
 class _Piece(NamedTuple):
     """Up to a buffer's worth of one tensor: where it goes on the device, its span of the buffer, and where its
-    bytes come from (an update's part at ``at``, or a host tensor's bytes from ``at``)."""
+    bytes come from (its update's part, at ``at``)."""
 
     dst: torch.Tensor
     a: int
     b: int
-    src: Source | torch.Tensor
+    src: Source
     at: int
 
-    def fill(self, buf: torch.Tensor, view: memoryview, s: int, n: int) -> None:
+    def fill(self, view: memoryview, s: int, n: int) -> None:
         """Bytes ``s`` to ``s + n`` of the piece into the buffer."""
-        if isinstance(self.src, Source):
-            _read_into(view[self.a + s:self.a + s + n], self.src.fd, self.at + s, self.src.tensor.name)
-        else:
-            buf[self.a + s:self.a + s + n].copy_(self.src[self.at + s:self.at + s + n])
+        _read_into(view[self.a + s:self.a + s + n], self.src.fd, self.at + s, self.src.tensor.name)
 
 
 def copy_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Host tensors into their destinations (same shapes), through the staging buffers where the destination is
-    on CUDA: a live LoRA's 532 tensors for FLUX took ~60 ms as as many pageable copies, each waited for (issue 29's
-    ``update_lora``). Every copy is done when this returns."""
-    staged = [(d, s) for d, s in pairs if STAGED and d.is_cuda and d.dtype == s.dtype and d.is_contiguous()
-              and s.device.type == "cpu"]
-    if not _worth_staging(staged, sum(s.nbytes for _, s in staged), _FROM_HOST):
-        staged = []
-    chosen = {id(d) for d, _ in staged}
+    """Host tensors into their destinations (same shapes): a loaded live LoRA's. Plain copies: staged through the
+    pinned buffers, a rank-64 FLUX adapter's 532 tensors applied in 44-48 ms against 44-55 ms (an H100 host,
+    docs/benchmarks.md 2026-12-06, fourth session), the copies were never the cost. A failure once one began is
+    ``HalfApplied``."""
     written = _Written()
     with torch.no_grad(), _writing(written):
         for dst, src in pairs:
-            if id(dst) not in chosen:
-                written.began = True
-                dst.copy_(src)
-        if staged:
-            with ThreadPoolExecutor(_THREADS, thread_name_prefix="diffusiond-update") as pool:
-                _staged([(d, s.contiguous().reshape(-1).view(torch.uint8)) for d, s in staged], pool, written)
+            written.began = True
+            dst.copy_(src)
 
 
-def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: ThreadPoolExecutor,
-            written: _Written) -> None:
+def _staged(pairs: Sequence[tuple[torch.Tensor, Source]], pool: ThreadPoolExecutor, written: _Written) -> None:
     """Fill one buffer (its pieces side by side, ``_READ`` bytes a task), queue its copies to the device, fill the
     other while they run; a buffer is filled again only once the GPU has read it."""
     device = pairs[0][0].device  # one component's, on one device
@@ -215,14 +202,8 @@ def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: T
         waiting = emptied[k]
         if waiting is not None:
             waiting.synchronize()  # the GPU is done reading the buffer filled now
-        # a host tensor's small piece is copied here: a task of the pool costs more than its copy (a LoRA's
-        # 532 matrices of 0.4 MB); reads, and large pieces, go to the pool side by side
-        inline = [p for p in pending if not isinstance(p.src, Source) and p.b - p.a <= _READ]
-        tasks = [pool.submit(p.fill, bufs[k], views[k], s, min(_READ, p.b - p.a - s))
-                 for p in pending if isinstance(p.src, Source) or p.b - p.a > _READ
-                 for s in range(0, p.b - p.a, _READ)]
-        for p in inline:
-            p.fill(bufs[k], views[k], 0, p.b - p.a)
+        tasks = [pool.submit(p.fill, views[k], s, min(_READ, p.b - p.a - s))
+                 for p in pending for s in range(0, p.b - p.a, _READ)]
         for task in tasks:
             task.result()
         written.began = True  # the fills only wrote the buffer; these copies write the destinations
@@ -234,12 +215,11 @@ def _staged(pairs: Sequence[tuple[torch.Tensor, Source | torch.Tensor]], pool: T
 
     for dst, src in pairs:
         d = dst.reshape(-1).view(torch.uint8)
-        nbytes, base = (src.nbytes, src.tensor.offset) if isinstance(src, Source) else (src.numel(), 0)
-        for start in range(0, nbytes, _STAGE):
-            size = min(_STAGE, nbytes - start)
+        for start in range(0, src.nbytes, _STAGE):
+            size = min(_STAGE, src.nbytes - start)
             if used + size > _STAGE:
                 flush()
-            pending.append(_Piece(d[start:start + size], used, used + size, src, base + start))
+            pending.append(_Piece(d[start:start + size], used, used + size, src, src.tensor.offset + start))
             used += size
     if pending:
         flush()

@@ -140,12 +140,19 @@ def in_force(instead: str, held: int, who: str = "") -> str:
             f"{f' ({who})' if who else ''} keep version {held}")
 
 
-def restarted(chain: list[Kept], entry: Kept) -> Kept:
-    """A worker failed half-way through ``entry`` at its start and exits; ``entry`` stays, counted (the caller
-    drops it once ``MAX_RESTARTS`` workers did)."""
+def restarted(chain: list[Kept], entry: Kept, what: str, worker: str, message: str,
+              last: str = "the last") -> tuple[Kept, str]:
+    """A worker failed half-way through ``entry`` at its start and exits (``message``: why). ``entry`` stays,
+    counted, and '' says so (logged); once ``MAX_RESTARTS`` workers in a row did, the start of the message saying it
+    is dropped, which the caller does (what runs instead differs for adapters and components)."""
     at = chain.index(entry)
-    chain[at] = entry._replace(restarts=entry.restarts + 1)
-    return chain[at]
+    chain[at] = entry = entry._replace(restarts=entry.restarts + 1)
+    if entry.restarts < MAX_RESTARTS:
+        log.error("%s: %s failed while copying update version %d at its start (%d of %d before it is dropped): %s",
+                  what, worker, entry.msg.version, entry.restarts, MAX_RESTARTS, message)
+        return entry, ""
+    return entry, (f"update version {entry.msg.version} was dropped: {MAX_RESTARTS} workers in a row failed while "
+                   f"copying it when they started ({last}: {message})")
 
 
 def holds_alone(chain: list[Kept], entry: Kept) -> bool:

@@ -38,7 +38,6 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from diffusiond.daemon.core.file_checks import Checks
 from diffusiond.daemon.core.kept import (
-    MAX_RESTARTS,
     Chains,
     Kept,
     clear,
@@ -133,16 +132,11 @@ class LiveLoras:
             except Exception as exc:
                 return f"the worker did not answer: {exc}"
             if ack.restarts:
-                entry = restarted(chain, entry)
-                if entry.restarts < MAX_RESTARTS:
-                    log.error("live LoRA %r: %s failed while copying update version %d at its start (%d of %d "
-                              "before it is dropped): %s", name, worker.name, entry.msg.version, entry.restarts,
-                              MAX_RESTARTS, ack.message)
-                    return None
-                self.refused[name] = (f"update version {entry.msg.version} was dropped: {MAX_RESTARTS} workers in a "
-                                      f"row failed while copying it when they started (the last of model "
-                                      f"{model.name}: {ack.message}); {self._dropped(name, chain, entry)}")
-                log.error("live LoRA %r: %s", name, self.refused[name])
+                entry, dropped = restarted(chain, entry, f"live LoRA {name!r}", worker.name, ack.message,
+                                           f"the last of model {model.name}")
+                if dropped:
+                    self.refused[name] = f"{dropped}; {self._dropped(name, chain, entry)}"
+                    log.error("live LoRA %r: %s", name, self.refused[name])
                 return None
             if ack.ok:
                 prove(chain, entry)  # proven, and a count of failures before starts over (review48-b 3)
@@ -379,18 +373,14 @@ class LiveComponents:
                    message: str) -> None:
         """``worker`` failed half-way through ``entry`` at its start: kept, unless ``MAX_RESTARTS`` workers in a
         row did. The model's running workers applied a proven one, and keep it: said so (review48-b 3)."""
-        entry = restarted(chain, entry)
         assert isinstance(entry.msg, UpdateWeights)
         key = (model.name, entry.msg.component)
         what, version = f"{key[1]} of model {key[0]}", entry.msg.version
-        if entry.restarts < MAX_RESTARTS:
-            log.error("%s: %s failed while copying update version %d at its start (%d of %d before it is "
-                      "dropped): %s", what, worker.name, version, entry.restarts, MAX_RESTARTS, message)
+        entry, dropped = restarted(chain, entry, what, worker.name, message)
+        if not dropped:
             return
         running = [w.name for _, w in live_workers([model]) if w is not worker] if entry.proven else []
-        why = (f"update version {version} was dropped: {MAX_RESTARTS} workers in a row failed while copying it when "
-               f"they started (the last: {message}); "
-               f"{in_force(drop(chain, entry), version if running else 0, ', '.join(running))}")
+        why = f"{dropped}; {in_force(drop(chain, entry), version if running else 0, ', '.join(running))}"
         log.error("%s: %s", what, why)
         self.errors[key] = (self._drawn.get(key, version), why)
 
