@@ -159,6 +159,16 @@ PY
       step batch-curve${BSZ_OPTS:-} 570 python3 -m diffusiond bench --model random:sd15,save=0${BSZ_OPTS:-} --dtype float16 --size 512x512 \
         --steps 4 --format png --batch ${BSZ_MAX:-8} --requests ${BSZ_REQUESTS:-96} --concurrency ${BSZ_MAX:-8} \
         --sweep ${BSZ_SWEEP:-4,32} --compile reduce-overhead --modes async --rounds 1 --no-flops --json ;;
+    batch8-layout)  # issue 31: the compiled forward alone (bench's limit-compiled), batch 8 at 512², 4 steps, SD 1.5
+      # size, NCHW against channels_last=1 (one process each, one shape compiled each: cheaper than two curves)
+      for o in "" ",channels_last=1"; do
+        step batch8-layout$o 280 python3 -m diffusiond bench --model random:sd15,save=0$o --dtype float16 \
+          --size 512x512 --steps 4 --batch 8 --requests 48 --modes limit,limit-compiled --compile reduce-overhead \
+          --rounds 2 --no-flops --json
+      done ;;
+    fp8-linear)  # issue 28: ways to run FLUX's linear layers from fp8 weights against bf16, one process (the
+      # transformer's forward at 1024²: diffusers' casting, one cast, rowwise fp8 matmuls eager and quantizer compiled)
+      step fp8-linear 300 python3 scripts/bench_fp8_linear.py --rounds 3 --forwards 4 ;;
     batch-profile)  # issue 31: where a batch of 8 at 512², 4 steps goes on the GPU (eager: kernels by family, the
       # top 25; a compiled forward fuses the rest, not the convolutions and products), two forwards traced
       DIFFUSIOND_TORCH_PROFILE=/tmp/r3-prof:3:2 step batch-profile 200 python3 -m diffusiond bench \
