@@ -248,11 +248,18 @@ def test_a_hot_swap_that_fails_when_an_adapter_enters_a_slot_loses_only_that_slo
     assert "size mismatch" in adapters.register("wide", str(tmp_path / "wide"))
     assert len(adapters.slots) == 2 and not adapters.lost  # refused before peft touched a slot
 
+    assert not pipe.will_compile(TINY, 1)
     _fail_hot_swap_at(monkeypatch, 3)
     why = adapters.register("b", str(unet_loras["b"]))
     assert "injected failure in the hot-swap" in why
     monkeypatch.undo()
     assert adapters.slots == ["diffusiond_slot0"] and list(adapters.loaded) == ["a"]
+    # review48-c 3: the slot's modules went, so the next batch traces again, and the worker must say so
+    assert pipe.will_compile(TINY, 1)
+    before = compilations()
+    adapters.activate(())
+    assert torch.allclose(run(pipe), base, atol=ADAPTER_ATOL, rtol=0)
+    assert compilations() > before and not pipe.will_compile(TINY, 1)
     for loras, want in (((), base), (A, with_a), ((), base)):  # later batches: the other slot and the base model
         adapters.activate(loras)
         assert torch.allclose(run(pipe), want, atol=ADAPTER_ATOL, rtol=0), loras

@@ -227,6 +227,7 @@ class CompiledPipeline:
         self.max_shapes = compile_shapes(opts)
         self.capabilities: Capabilities = msgspec.structs.replace(inner.capabilities, compiled=mode)
         self._seen: set[tuple[int, int, int, int, bool, int]] = set()
+        self._retraces = 0  # forget_shapes
         self._guidance_is_shape = guidance_is_shape(pipe)
         self._fps = ltx2.default_fps(type(pipe)) if ltx2.conditions_on_fps(type(pipe)) else 0  # a warm-up's: None
         self.compiled: list[str] = []  # which modules, for the log and the tests
@@ -340,6 +341,14 @@ class CompiledPipeline:
         if len(self._seen) < self.max_shapes:
             self._seen.add(self._key(params, len(requests)))
         return outputs
+
+    def forget_shapes(self) -> None:
+        """The compiled modules changed structure (a LoRA slot lost, ``loras.HotSwapAdapters._lose``): each shape
+        traces again on its next batch, which must then show ``compiling`` (review48-c 3), and dynamo needs room
+        for those graphs beside the old ones, which stay in its cache unusable."""
+        self._seen.clear()
+        self._retraces += 1
+        _bound_recompiles(self.max_shapes * (1 + self._retraces))
 
     def sleep(self) -> None:
         self.inner.sleep()

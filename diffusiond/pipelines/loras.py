@@ -62,7 +62,9 @@ def adapters_for(pipeline: Any, registered: Mapping[str, str], max_loaded: int,
     if compiled:
         if target_rank < 1 or getattr(pipe, "unet", None) is None:
             return None
-        return HotSwapAdapters(pipe, name, registered, max_loaded, target_rank)
+        hot = HotSwapAdapters(pipe, name, registered, max_loaded, target_rank)
+        hot.restructured = pipeline.forget_shapes
+        return hot
     return Adapters(pipe, name, registered, max_loaded)
 
 
@@ -291,10 +293,10 @@ class HotSwapAdapters(Adapters):
     the adapter's weights are neither version and the worker restarts. In ``register`` and ``activate`` (no update
     was accepted) the slot is dropped instead and the worker keeps serving: the other slots and the base model are
     intact, and a restart would cost every queued job and a model load for one slot; what is left of the slot
-    stays at scale 0, and its adapter counts as not loaded. The model has a slot fewer (its next forward traces
-    once more: the structure changed); with none left, a batch with adapters is refused saying why. What peft
-    refuses for the adapter itself (a module the slots lack, a shape) ``_check`` refuses first, so a misfit costs
-    no slot.
+    stays at scale 0, and its adapter counts as not loaded. The model has a slot fewer (each shape traces once
+    more, shown as compiling: the structure changed); with none left, a batch with adapters is refused saying
+    why. What peft refuses for the adapter itself (a module the slots lack, a shape) ``_check`` refuses first, so a
+    misfit costs no slot.
     """
 
     def __init__(self, pipe: Any, model_name: str, registered: Mapping[str, str], slots: int,
@@ -305,6 +307,7 @@ class HotSwapAdapters(Adapters):
         self.in_slot: dict[str, str] = {}  # slot -> adapter name in it; a slot not here is free
         self.scalings: dict[str, list[tuple[Any, float]]] = {}  # slot -> (LoRA layer, its scaling at weight 1)
         self.lost: list[str] = []  # why each slot dropped after a failed hot-swap (see the class's docstring)
+        self.restructured: Callable[[], None] = lambda: None  # adapters_for: the compiled model's forget_shapes
 
     def register(self, name: str, path: str) -> str:
         self.paths[name] = path
@@ -457,6 +460,7 @@ class HotSwapAdapters(Adapters):
         for module, _ in left:
             module.scaling[slot].fill_(0.0)
         self.lost.append(f"{slot} ({type(exc).__name__}: {exc})")
+        self.restructured()  # the compiled model's forget_shapes: its next batches retrace, announced
         log.error("LoRA slot %s of %s is lost after a failed hot-swap of %s (%d slot(s) left): %s: %s",
                   slot, self.model_name, gone or "an adapter", len(self.slots), type(exc).__name__, exc)
 
