@@ -53,7 +53,7 @@ KNOWN_OPTIONS = frozenset(
         "save",  # random:<preset>: "0" builds on the device and skips the save/load round trip
         "cache",  # approximate: "fbc[:threshold]" or "taylorseer[:interval]" (pipelines/speedups.py)
         "attention",  # the denoiser's attention kernel, a diffusers dispatch backend (pipelines/attention.py)
-        "fp8",  # approximate: "1": fp8 denoiser through torchao (pipelines/speedups.py)
+        "fp8",  # approximate: "1" (torchao) or "rowwise": fp8 denoiser matmuls (pipelines/speedups.py)
         "quant",  # approximate: COMPONENT:METHOD,... weights in fewer bits per component (pipelines/quant.py)
         "compile_backend",  # --compile: torch.compile backend (default inductor; aot_eager for CPU tests)
         "compile_shapes",  # --compile: at most this many shapes compiled per module (default 8)
@@ -201,9 +201,10 @@ def resident_blocks(options: Mapping[str, str]) -> int | None:
 
 def _stream_refusals(options: Mapping[str, str]) -> None:
     """What offload=stream cannot carry: weights that are not plain tensors or that other hooks move."""
-    if options.get("fp8") == "1":
-        raise PipelineError("offload=stream with fp8=1 is refused: torchao's float8 weights are not plain tensors "
-                            "a block's slot can hold; drop one of the two (offload=group takes fp8=1)")
+    if options.get("fp8") in ("1", "rowwise"):
+        raise PipelineError(f"offload=stream with fp8={options['fp8']} is refused: a block's slots are made for "
+                            "the model's own weights, not float8 ones with their scales; drop one of the two "
+                            "(offload=group takes fp8)")
     named = parse_quant(options["quant"]) if options.get("quant") else {}
     for denoiser in ("transformer", "unet"):
         if denoiser in named:

@@ -13,7 +13,9 @@
   Refused at load where that would be wrong: another output head (LTX-2's audio), no ``proj_out``, no blocks;
 - ``fp8=1``: float8 weights and activations for the denoiser's linear layers through torchao, on
   GPUs with fp8 matrix units (compute capability 8.9+: Ada, Hopper). torchao is not a dependency:
-  the option says so when it is missing.
+  the option says so when it is missing;
+- ``fp8=rowwise``: the same arithmetic without torchao, scaled per row, as plain tensors that compile
+  (pipelines/fp8_rows.py says why it exists beside ``fp8=1``).
 
 Each applies to every denoiser the pipeline has (both of Wan 2.2 A14B's experts: pipelines/denoisers.py).
 Both cache hooks exist only on diffusers' transformer denoisers (``CacheMixin``: Flux, SD3, Wan,
@@ -78,11 +80,19 @@ def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) 
     """Apply the approximate speed-ups ``options`` ask for; their names, for every output's metadata."""
     names: list[str] = []
     found = denoisers(pipe)  # Wan 2.2 A14B's two experts each run part of every job's steps
-    if options.get("fp8") == "1":
+    fp8 = options.get("fp8", "")
+    if fp8 not in ("", "0", "1", "rowwise"):
+        raise PipelineError(f"fp8={fp8!r}: use fp8=1 (torchao) or fp8=rowwise (diffusiond's own, no extra package)")
+    if fp8 in ("1", "rowwise"):
         if not found:
-            raise PipelineError(f"fp8=1: {type(pipe).__name__} has no denoiser to quantize")
-        quantized = {_fp8(denoiser, device) for _, denoiser in found}
-        names.extend(sorted(quantized))
+            raise PipelineError(f"fp8={fp8}: {type(pipe).__name__} has no denoiser to quantize")
+        if fp8 == "1":
+            names.extend(sorted({_fp8(denoiser, device) for _, denoiser in found}))
+        else:
+            from diffusiond.pipelines.fp8_rows import to_fp8_rowwise
+
+            layers = sum(to_fp8_rowwise(denoiser, device) for _, denoiser in found)
+            names.append(f"fp8-rowwise(weights and activations in fp8, scaled per row: {layers} linear layers)")
     cache = options.get("cache")
     if cache:
         from diffusers.models.cache_utils import CacheMixin

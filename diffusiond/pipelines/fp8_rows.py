@@ -1,0 +1,97 @@
+"""``fp8=rowwise``: the denoiser's linear layers multiply in fp8 on the matrix units, scaled per row.
+
+Each linear layer's weight is stored in float8 (e4m3) with one scale per output row, and its forward quantizes
+the input per token row and multiplies with ``torch._scaled_mm``, out in the model's dtype. A matrix product of
+FLUX's size then runs at the fp8 rate of a Hopper or Ada GPU, about twice bf16's, and the weights take half the
+memory. Row scales keep each token's and each output channel's largest value exact, where one scale a tensor
+lets one outlier token coarsen all the others.
+
+Why not torchao's ``Float8DynamicActivationFloat8WeightConfig`` (``fp8=1``): its weights are a tensor subclass
+whose every op dispatches through Python, so eager it ran FLUX.1-dev at 0.61x bf16, and dynamo, tracing the
+subclass op by op, had not compiled the model after 460 s (docs/benchmarks.md, issues 28 and 31). Here the
+weight is a plain tensor and the forward five torch ops around one product, which compile fuses into one
+quantizing kernel, and a LoRA, an offload or a weight update sees an fp8 tensor it can refuse by its dtype.
+
+The layers converted are those fp8 storage would cast (diffusers' skip list: norms, embeddings, the first and
+last projections stay as loaded), with both dimensions multiples of 16, which the fp8 product needs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from diffusiond.pipelines.errors import PipelineError
+
+__all__ = ["Fp8RowwiseLinear", "to_fp8_rowwise"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+TINY = 1e-12  # an all-zero row's scale: its quantized values are 0 whatever it is
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (rows, k) as fp8 and each row's scale (rows, 1), float32: the row's largest magnitude maps to 448."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=TINY) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8RowwiseLinear(torch.nn.Module):
+    """A linear layer from fp8 weights scaled per output row; see the module's docstring."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scale = _rows(linear.weight.detach())
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale: torch.Tensor
+        self.register_buffer("weight_scale", scale.t().contiguous())  # (1, out): the scale of b = weight.t()
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, xs = _rows(x.reshape(-1, shape[-1]))
+        wide = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-scaled product writes bf16 only
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=wide)
+        if self.bias is not None:
+            out = out + self.bias
+        out = out.to(x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def to_fp8_rowwise(module: torch.nn.Module, device: torch.device) -> int:
+    """Replace ``module``'s eligible linear layers in place; how many were replaced. A GPU needs fp8 matrix
+    units (compute capability 8.9+); on a CPU torch's own fp8 product runs (slowly: for tests and checks)."""
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise PipelineError(f"fp8=rowwise needs a GPU with fp8 matrix units (compute capability 8.9+: Ada, Hopper); "
+                            f"this one has {major}.{minor}")
+    if device.type not in ("cuda", "cpu"):
+        raise PipelineError(f"fp8=rowwise runs on CUDA GPUs (and on the CPU, slowly), not on {device.type}")
+    replaced = 0
+
+    def visit(parent: torch.nn.Module, prefix: str) -> None:
+        nonlocal replaced
+        for name, child in list(parent.named_children()):
+            full = f"{prefix}{name}"
+            if any(re.search(p, full) for p in DEFAULT_SKIP_MODULES_PATTERN):
+                continue
+            if type(child) is torch.nn.Linear:
+                if child.in_features % 16 == 0 and child.out_features % 16 == 0 and child.weight.dtype in _FLOATS:
+                    setattr(parent, name, Fp8RowwiseLinear(child))
+                    replaced += 1
+            else:
+                visit(child, f"{full}.")
+
+    visit(module, "")
+    return replaced
+
+
+_FLOATS: Any = (torch.bfloat16, torch.float16, torch.float32)
