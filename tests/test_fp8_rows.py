@@ -7,17 +7,23 @@ for is the GPU's (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from fluxkit import build_flux
+from daemonkit import http, submit, wait_job
+from fluxkit import build_flux, tiny_transformer, write_gguf
 
+from diffusiond.daemon.residency.fit import fit
 from diffusiond.ipc import messages as m
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.compile import CompiledPipeline, compilations
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.fp8_rows import Fp8RowwiseLinear
+from diffusiond.pipelines.spec import check_options
 
 PARAMS = m.BatchParams(width=64, height=64, steps=2, guidance=3.5)
 
@@ -61,8 +67,10 @@ def test_the_option_converts_the_transformers_linear_layers_names_itself_and_sta
     converted = [n for n, mod in transformer.named_modules() if isinstance(mod, Fp8RowwiseLinear)]
     (name,) = fp8.capabilities.approximations
     assert name.startswith("fp8-rowwise(") and f": {len(converted)} linear layers)" in name and converted
-    assert not any("norm" in n or n == "proj_out" for n in converted)  # diffusers' skip list, as fp8 storage
-    assert type(transformer.proj_out) is torch.nn.Linear and transformer.proj_out.weight.dtype == torch.float32
+    assert not any("norm" in n or "embed" in n or n == "proj_out" for n in converted)  # fp8_rows.KEEP
+    for kept in (transformer.proj_out, transformer.x_embedder, transformer.context_embedder,
+                 transformer.time_text_embed.timestep_embedder.linear_1):  # review49-a 7: embedders stay too
+        assert type(kept) is torch.nn.Linear and kept.weight.dtype == torch.float32
     want, got = run(exact), run(fp8)
     assert not torch.equal(got, want)  # an approximation, hence its name
     psnr = 10 * torch.log10(1 / torch.mean((got.float() - want.float()) ** 2))
@@ -81,10 +89,75 @@ def test_a_compiled_model_traces_the_fp8_layers_and_makes_the_same_picture(flux:
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
+def test_an_input_without_rows_gives_an_empty_output() -> None:
+    layer = Fp8RowwiseLinear(torch.nn.Linear(32, 16))
+    assert layer(torch.randn(2, 0, 32)).shape == (2, 0, 16)  # review49-a 8: _scaled_mm refuses an empty scale
+
+
 @pytest.mark.parametrize(("options", "words"), [
     ({"fp8": "2"}, r"fp8='2': use fp8=1 \(torchao\) or fp8=rowwise"),
     ({"fp8": "rowwise", "offload": "stream"}, "offload=stream with fp8=rowwise is refused"),
+    ({"fp8": "rowwise", "offload": "sequential"}, "fp8=rowwise with offload=sequential is refused"),
+    ({"fp8": "rowwise", "fuse_qkv": "1"}, "fp8=rowwise with fuse_qkv=1 is refused"),
+    ({"fp8": "rowwise", "quant": "transformer:fp8-storage"},
+     "fp8=rowwise with quant=transformer:fp8-storage is refused: the transformer is quantized already"),
 ])
-def test_what_cannot_work_is_refused_at_load_naming_the_value(flux: Path, options: dict[str, str], words: str) -> None:
+def test_what_cannot_work_is_refused_before_a_load_naming_the_values(flux: Path, options: dict[str, str],
+                                                                     words: str) -> None:
+    """review49-a 3-5: refused where the daemon checks a model's options at start (``check_options``), so a
+    daemon with ``--preload none`` does not start and then fail every job; a load refuses the same."""
+    with pytest.raises(PipelineError, match=words):
+        check_options(options)
     with pytest.raises(PipelineError, match=words):
         load_pipeline(str(flux), device="cpu", dtype="float32", options=options)
+
+
+def test_a_gguf_transformer_is_refused_naming_its_quantized_layers(flux: Path, tmp_path: Path) -> None:
+    """review49-a 4: nothing plain to convert, so the option is refused rather than named on every output."""
+    pytest.importorskip("gguf")
+    path = tmp_path / "t.gguf"
+    write_gguf(tiny_transformer(), path)
+    with pytest.raises(PipelineError, match=r"fp8=rowwise: the model.s transformer .*its linear layers are GGUFLinear"):
+        load_pipeline(f"{path},base={flux}", device="cpu", dtype="float32", options={"fp8": "rowwise"})
+
+
+def test_fit_counts_the_fp8_layers_as_loaded_and_lists_only_what_runs_with_them(flux: Path) -> None:
+    """review49-a 2: sized at full width, fp8 did not help a model fit; and the configurations it refuses
+    (fp8 storage of the denoiser, offload=stream, offload=sequential) are not offered."""
+    pipe = load_pipeline(str(flux), device="cpu", dtype="float32", options={"fp8": "rowwise"})
+    modules = [c for c in pipe.pipe.components.values() if isinstance(c, torch.nn.Module)]  # type: ignore[attr-defined]
+    loaded = sum(t.numel() * t.element_size() for c in modules for t in [*c.parameters(), *c.buffers()])
+    scales = sum(b.numel() * 4 for c in modules for n, b in c.named_buffers() if n.endswith("weight_scale"))
+    report = fit(f"{flux},fp8=rowwise", dtype="float32", working=0)
+    plain = fit(str(flux), dtype="float32", working=0)
+    rows = {c.name: c for c in report.configurations}
+    assert list(rows) == ["none", "group", "model"]
+    assert 0 <= loaded - scales - rows["none"].device_bytes <= 2 * 77 * 8  # CLIP's position ids: not in the files
+    assert rows["none"].device_bytes < {c.name: c for c in plain.configurations}["none"].device_bytes
+    assert all(c.approximations and c.approximations[-1].startswith("fp8-rowwise(") for c in rows.values())
+
+
+def test_a_daemon_admits_the_model_in_a_budget_only_its_fp8_form_fits(flux: Path, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """review49-a 2: under a budget between the two sizes, the fp8 model is admitted and makes its picture."""
+    small = {c.name: c for c in fit(f"{flux},fp8=rowwise", dtype="float32", working=0).configurations}["none"]
+    big = {c.name: c for c in fit(str(flux), dtype="float32", working=0).configurations}["none"]
+    budget = (small.device_bytes + big.device_bytes) // 2 + 16384  # + the scales and position ids fit left out
+    assert budget < big.device_bytes
+    d = daemon_factory("--model", f"fx={flux},fp8=rowwise", "--device", "cpu", "--dtype", "float32",
+                       "--device-memory", str(budget), "--preload", "none", "--job-timeout", "120")
+
+    async def go() -> dict:  # type: ignore[type-arg]
+        async with http(d.socket) as s:
+            return await wait_job(s, (await submit(s, {"prompt": "a fox", "steps": 2, "width": 64, "height": 64}))["id"])
+
+    job = asyncio.run(go())
+    assert job["status"] == "succeeded", job
+    assert any(a.startswith("fp8-rowwise(") for a in job["approximations"])
+
+
+def test_a_daemon_with_a_bad_fp8_value_does_not_start(flux: Path, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "diffusiond", "serve", "--socket", str(tmp_path / "s"), "--model",
+                          f"fx={flux},fp8=2", "--device", "cpu", "--preload", "none"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "fp8='2': use fp8=1 (torchao) or fp8=rowwise" in out.stderr
+    assert "Traceback" not in out.stderr

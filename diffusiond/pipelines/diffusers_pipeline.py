@@ -45,7 +45,7 @@ from diffusiond.pipelines.pipeline_classes import FRAME_ARGS, call_args, task_fo
 from diffusiond.pipelines.previews import Previewer, make_previewer
 from diffusiond.pipelines.quant import apply_quant, parse_quant
 from diffusiond.pipelines.spec import offload_mode, resident_blocks
-from diffusiond.pipelines.speedups import apply_speedups, step_cache_context
+from diffusiond.pipelines.speedups import apply_fp8_rows, apply_speedups, step_cache_context
 from diffusiond.pipelines.streaming import BlockStreamer
 from diffusiond.pipelines.trajectories import LatentRecorder
 from diffusiond.protocol import EDIT_TASKS, FLOW_SCHEDULERS, VIDEO_TASKS, schedulers_for
@@ -176,6 +176,7 @@ class DiffusersPipeline:
                     raise PipelineError(f"{option}=1: {type(pipe).__name__} has no VAE that supports it")
                 getattr(vae, method)()
         quantized = apply_quant(pipe, parse_quant(options["quant"]), self.device, dtype) if options.get("quant") else ()
+        quantized = (*quantized, *apply_fp8_rows(pipe, options, self.device, resident=not self._offload))
         self._streamer: BlockStreamer | None = None  # offload=stream's: its resident part sleeps and wakes
         if self._offload:
             self._streamer = apply_offload(pipe, mode, self.device, resident_blocks(options))

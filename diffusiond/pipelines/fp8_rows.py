@@ -12,8 +12,9 @@ subclass op by op, had not compiled the model after 460 s (docs/benchmarks.md, i
 weight is a plain tensor and the forward five torch ops around one product, which compile fuses into one
 quantizing kernel, and a LoRA, an offload or a weight update sees an fp8 tensor it can refuse by its dtype.
 
-The layers converted are those fp8 storage would cast (diffusers' skip list: norms, embeddings, the first and
-last projections stay as loaded), with both dimensions multiples of 16, which the fp8 product needs.
+The layers converted are the denoiser's blocks' (``KEEP``: norms, the embedders, the first and last projections
+stay as loaded), with both dimensions multiples of 16, which the fp8 product needs. It is applied while the
+model is on the host, before offload hooks are made and before the move (``speedups.apply_fp8_rows``).
 """
 
 from __future__ import annotations
@@ -39,36 +40,50 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8RowwiseLinear(torch.nn.Module):
-    """A linear layer from fp8 weights scaled per output row; see the module's docstring."""
+    """A linear layer from fp8 weights scaled per output row; see the module's docstring. Quantized on ``work``
+    (the GPU: seconds for FLUX, where the CPU takes minutes) and kept on ``keep``."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, work: torch.device | None = None,
+                 keep: torch.device | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scale = _rows(linear.weight.detach())
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        source = linear.weight.detach()
+        keep = keep or source.device
+        weight, scale = _rows(source.to(work or source.device))
+        self.weight = torch.nn.Parameter(weight.to(keep), requires_grad=False)
         self.weight_scale: torch.Tensor
-        self.register_buffer("weight_scale", scale.t().contiguous())  # (1, out): the scale of b = weight.t()
-        self.bias = linear.bias
+        self.register_buffer("weight_scale", scale.t().contiguous().to(keep))  # (1, out): the scale of weight.t()
+        bias = linear.bias
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(keep), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if x.numel() == 0:  # no rows: nothing to scale (an empty scale's strides are refused by _scaled_mm)
+            return x.new_zeros(*shape[:-1], self.out_features)
         xq, xs = _rows(x.reshape(-1, shape[-1]))
         wide = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-scaled product writes bf16 only
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=wide)
         if self.bias is not None:
             out = out + self.bias
-        out = out.to(x.dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def to_fp8_rowwise(module: torch.nn.Module, device: torch.device) -> int:
-    """Replace ``module``'s eligible linear layers in place; how many were replaced. A GPU needs fp8 matrix
-    units (compute capability 8.9+); on a CPU torch's own fp8 product runs (slowly: for tests and checks)."""
-    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+# diffusers' skip list for fp8 storage, and the embedders: the first projection (x_embedder, FLUX's; proj_in is
+# the list's) and the timestep and text embedders are small or run once a step, and the input side is where
+# rounding hurts most (review49-a 7)
+KEEP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$", "embed")
 
+
+def to_fp8_rowwise(module: torch.nn.Module, device: torch.device, what: str = "the denoiser",
+                   resident: bool = True) -> int:
+    """Replace ``module``'s eligible linear layers in place; how many were replaced. Each is quantized on
+    ``device`` and kept there when ``resident``, else where it was. A GPU needs fp8 matrix units (compute
+    capability 8.9+); on a CPU torch's own fp8 product runs (slowly: for tests and checks). A module whose
+    layers are quantized already (GGUF's, torchao's, bitsandbytes') is refused: nothing plain is left to convert,
+    and the name would claim what did not happen (review49-a 4)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise PipelineError(f"fp8=rowwise needs a GPU with fp8 matrix units (compute capability 8.9+: Ada, Hopper); "
@@ -76,22 +91,29 @@ def to_fp8_rowwise(module: torch.nn.Module, device: torch.device) -> int:
     if device.type not in ("cuda", "cpu"):
         raise PipelineError(f"fp8=rowwise runs on CUDA GPUs (and on the CPU, slowly), not on {device.type}")
     replaced = 0
+    other: set[str] = set()
 
     def visit(parent: torch.nn.Module, prefix: str) -> None:
         nonlocal replaced
         for name, child in list(parent.named_children()):
             full = f"{prefix}{name}"
-            if any(re.search(p, full) for p in DEFAULT_SKIP_MODULES_PATTERN):
+            if any(re.search(p, full) for p in KEEP):
                 continue
-            if type(child) is torch.nn.Linear:
-                if child.in_features % 16 == 0 and child.out_features % 16 == 0 and child.weight.dtype in _FLOATS:
-                    setattr(parent, name, Fp8RowwiseLinear(child))
-                    replaced += 1
-            else:
+            if not isinstance(child, torch.nn.Linear):
                 visit(child, f"{full}.")
+            elif child.weight.dtype not in _FLOATS or type(child.weight) not in _PLAIN:  # quantized by another
+                other.add(f"{type(child).__name__} ({child.weight.dtype})".replace("torch.", ""))
+            elif type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:
+                setattr(parent, name, Fp8RowwiseLinear(child, device, device if resident else None))
+                replaced += 1
 
     visit(module, "")
+    if other or not replaced:
+        found = f"its linear layers are {', '.join(sorted(other))}" if other else "it has no linear layer to convert"
+        raise PipelineError(f"fp8=rowwise: {what} ({type(module).__name__}) is not a plain float model ({found}); "
+                            "load it unquantized to use fp8=rowwise, or drop fp8=rowwise")
     return replaced
 
 
 _FLOATS: Any = (torch.bfloat16, torch.float16, torch.float32)
+_PLAIN: Any = (torch.nn.Parameter, torch.Tensor)

@@ -149,6 +149,31 @@ def check_options(options: Mapping[str, str]) -> None:
         check_attention(options["attention"])
     if "quant" in options:
         parse_quant(options["quant"])
+    _fp8_refusals(options)
+
+
+FP8_VALUES: Final = ("", "0", "1", "rowwise")
+
+
+def _fp8_refusals(options: Mapping[str, str]) -> None:
+    """What ``fp8=`` cannot combine with, refused at start (review49-a 3-5): each would load and then fail on
+    the first job, or be named on every output while changing nothing."""
+    fp8 = options.get("fp8", "")
+    if fp8 not in FP8_VALUES:
+        raise PipelineError(f"fp8={fp8!r}: use fp8=1 (torchao) or fp8=rowwise (diffusiond's own, no extra package)")
+    if fp8 not in ("1", "rowwise"):
+        return
+    named = parse_quant(options["quant"]) if options.get("quant") else {}
+    for denoiser in ("transformer", "transformer_2", "unet"):
+        if denoiser in named:
+            raise PipelineError(f"fp8={fp8} with quant={denoiser}:{named[denoiser]} is refused: the {denoiser} is "
+                                "quantized already, so fp8 would find no plain layer to convert; keep one of the two")
+    if fp8 == "rowwise" and options.get("fuse_qkv") == "1":
+        raise PipelineError("fp8=rowwise with fuse_qkv=1 is refused: the fused projection would be made from the "
+                            "fp8 layers without their scales; drop fuse_qkv (the fp8 products are the faster part)")
+    if fp8 == "rowwise" and offload_mode(options) == "sequential":
+        raise PipelineError("fp8=rowwise with offload=sequential is refused: accelerate keeps each layer's "
+                            "weights in its own hooks, which the fp8 layers do not carry; use offload=group or model")
 
 
 def offload_mode(options: Mapping[str, str]) -> str:
@@ -203,8 +228,7 @@ def _stream_refusals(options: Mapping[str, str]) -> None:
     """What offload=stream cannot carry: weights that are not plain tensors or that other hooks move."""
     if options.get("fp8") in ("1", "rowwise"):
         raise PipelineError(f"offload=stream with fp8={options['fp8']} is refused: a block's slots are made for "
-                            "the model's own weights, not float8 ones with their scales; drop one of the two "
-                            "(offload=group takes fp8)")
+                            "the model's own weights, not float8 ones with their scales; drop one of the two")
     named = parse_quant(options["quant"]) if options.get("quant") else {}
     for denoiser in ("transformer", "unet"):
         if denoiser in named:

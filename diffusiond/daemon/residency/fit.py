@@ -126,7 +126,7 @@ def model_tensors(spec: str, options: Mapping[str, str] | None = None,
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}
     components, notes = _files(spec, parsed, opts, dtype)
-    return quantize(components, opts.get("quant", ""), notes), notes
+    return quantize(components, opts.get("quant", ""), notes, opts.get("fp8", "")), notes
 
 
 def _files(spec: str, parsed: ModelSpec, opts: Mapping[str, str], dtype: str,
@@ -255,7 +255,9 @@ def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget
     denoiser = next((c for c in DENOISERS if c in components), None)
     rows: list[tuple[str, str, int, int, tuple[str, ...], str]] = [
         ("none", "offload=none", total, 0, base_approx, "everything resident")]
-    if denoiser and not quantized:
+    # fp8=rowwise: refused beside fp8 storage of its denoiser, offload=stream and offload=sequential (spec.py)
+    rows8 = denoiser is not None and any(t.kind == "fp8-rowwise" for t in components[denoiser])
+    if denoiser and not quantized and not rows8:
         floats = [t for t in components[denoiser] if t.kind in FLOATS]
         fp8 = total - sum(t.bytes_at(dtype) for t in floats) + sum(t.elements for t in floats)
         rows.append(("fp8", f"quant={denoiser}:fp8-storage", fp8, 0, (f"fp8-storage({denoiser}, computed in {dtype})",),
@@ -271,13 +273,13 @@ def configurations(components: Mapping[str, list[Tensor]], dtype: str, *, budget
             ("model", "offload=model", max(at.values(), default=0), total, base_approx,
              f"one component at a time (the largest: {max(at, key=lambda k: at[k]) if at else '-'})"),
             ("sequential", "offload=sequential", leaf, total, base_approx, "one layer at a time (slowest)"),
-        ]
+        ][:2 if rows8 else 3]
     out = []
     for name, option, device, host, approx, note in rows:
         work = default_working(device, shape) if working is None else working
         fits = None if budget is None else device + work <= budget
         out.append(Configuration(name, option, device, host, work, approx + approximations, fits, note))
-    streamed = None if on_cpu or quantized else stream_configuration(components, dtype, budget=budget,
+    streamed = None if on_cpu or quantized or rows8 else stream_configuration(components, dtype, budget=budget,
                                                                      working=working, shape=shape)
     if streamed is not None:
         out.insert(len([c for c in out if c.name in ("none", "fp8")]),

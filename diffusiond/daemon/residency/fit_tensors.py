@@ -31,7 +31,7 @@ class Tensor:
 
 
 QUANT_WIDTH: Final = {"fp8-storage": (8, 0), "int8": (8, 0), "fp8": (8, 0), "bnb8": (8, 0), "nf4": (4, 64),
-                      "fp4": (4, 64)}
+                      "fp4": (4, 64), "fp8-rowwise": (8, 0)}
 """``quant=`` method -> (bits per weight, elements per fp32 scale): what a quantized weight takes on the device.
 bitsandbytes' 4-bit formats keep an absmax per block of 64 (double quantization makes that less: an
 over-count of about 3%); the 8-bit ones' per-row scales are left out (an under-count under 1%)."""
@@ -42,12 +42,20 @@ _KEPT: Final = re.compile(r"norm|pos_embed|patch_embed|embed_tokens|embeddings\.
 skip list) and token embedding tables (``nn.Embedding``)."""
 
 
+_KEPT_ROWS: Final = re.compile(r"norm|embed|^proj_(in|out)\.")
+"""What ``fp8=rowwise`` leaves at the dtype (pipelines/fp8_rows.KEEP): also the embedders, the first and last
+projections; its per-row scales (4 bytes a row) are left out, under 1 %."""
+
+DENOISERS: Final = ("transformer", "transformer_2", "unet")
+
+
 def quantized(t: Tensor, method: str) -> Tensor:
     """One tensor at its quantized width: the weights of linear and convolution layers (fp8-storage casts
-    their biases too); norms and embeddings stay at the dtype (as each method leaves them, near enough)."""
+    their biases too); norms and embeddings stay at the dtype (as each method leaves them, near enough).
+    ``fp8-rowwise`` converts linear layers only: a UNet's convolutions, counted here too, stay at the dtype."""
     bits, block = QUANT_WIDTH[method]
     weight = t.name.endswith(".weight") or (method == "fp8-storage" and t.name.endswith(".bias"))
-    if t.kind not in FLOATS or not weight or _KEPT.search(t.name):
+    if t.kind not in FLOATS or not weight or (_KEPT_ROWS if method == "fp8-rowwise" else _KEPT).search(t.name):
         return t
     return Tensor(t.name, method, -(-t.elements * bits // 8) + (4 * -(-t.elements // block) if block else 0),
                   t.elements)
@@ -56,18 +64,27 @@ def quantized(t: Tensor, method: str) -> Tensor:
 def quant_approximations(options: Mapping[str, str], dtype: str) -> tuple[str, ...]:
     """The ``quant=`` methods a model's rows count at their stored width, named as the loaded model names them
     (pipelines/quant.py) plus the width counted."""
+    rows = ("fp8-rowwise(weights and activations in fp8, scaled per row) at ~1 byte/weight",) \
+        if options.get("fp8") == "rowwise" else ()
     if not options.get("quant"):
-        return ()
+        return rows
     names = {"fp8-storage": "fp8-storage({c}, computed in {d})", "int8": "torchao-int8-weights({c})",
              "fp8": "torchao-fp8-weights({c})"}
-    return tuple(names.get(m, "bitsandbytes-{m}({c}, computed in {d})").format(c=c, m=m, d=dtype)
-                 + f" at ~{QUANT_WIDTH[m][0] / 8:g} byte/weight" for c, m in parse_quant(options["quant"]).items())
+    named = tuple(names.get(m, "bitsandbytes-{m}({c}, computed in {d})").format(c=c, m=m, d=dtype)
+                  + f" at ~{QUANT_WIDTH[m][0] / 8:g} byte/weight" for c, m in parse_quant(options["quant"]).items())
+    return named + rows
 
 
 
-def quantize(components: dict[str, list[Tensor]], quant: str, notes: list[str]) -> dict[str, list[Tensor]]:
-    """``components`` with each one a ``quant=`` option names at its quantized width; a component it names that is
-    not among them is noted in ``notes``."""
+def quantize(components: dict[str, list[Tensor]], quant: str, notes: list[str],
+             fp8: str = "") -> dict[str, list[Tensor]]:
+    """``components`` with each one a ``quant=`` option names at its quantized width, and the denoisers at fp8's
+    with ``fp8=rowwise`` (review49-a 2: counted at full width, it did not help a model fit); a component
+    ``quant=`` names that is not among them is noted in ``notes``."""
+    if fp8 == "rowwise":
+        for component in DENOISERS:
+            if component in components:
+                components[component] = [quantized(t, "fp8-rowwise") for t in components[component]]
     for component, method in (parse_quant(quant).items() if quant else ()):
         if component in components:
             components[component] = [quantized(t, method) for t in components[component]]
