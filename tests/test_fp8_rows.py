@@ -148,7 +148,8 @@ def test_a_daemon_admits_the_model_in_a_budget_only_its_fp8_form_fits(flux: Path
 
     async def go() -> dict:  # type: ignore[type-arg]
         async with http(d.socket) as s:
-            return await wait_job(s, (await submit(s, {"prompt": "a fox", "steps": 2, "width": 64, "height": 64}))["id"])
+            job = await submit(s, {"prompt": "a fox", "steps": 2, "width": 64, "height": 64})
+            return await wait_job(s, job["id"])
 
     job = asyncio.run(go())
     assert job["status"] == "succeeded", job
