@@ -49,3 +49,21 @@ def test_a_compute_thread_that_cannot_use_its_device_says_so_and_exits_the_worke
     assert not compute.thread.is_alive() and exits == [1] and "ready" not in posted
     fatal = [p for p in posted if isinstance(p, Fatal)]
     assert len(fatal) == 1 and "the compute thread could not use cpu: RuntimeError: CUDA error" in fatal[0].message
+
+
+def test_the_load_threads_make_the_workers_device_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's load runs on the worker loop's executor threads (``asyncio.to_thread``); each binds the worker's
+    device as it starts, as the compute and copy threads do, so a cuda:1 worker's load makes nothing on cuda:0.
+    torch.cuda.set_device is recorded, not called: this box has no second GPU."""
+    import threading
+
+    from diffusiond.worker import startup
+
+    bound: list[tuple[int, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: bound.append((threading.get_ident(), index)))
+    pool = startup.device_executor(torch.device("cuda", 1))
+    try:
+        ran = {pool.submit(threading.get_ident).result() for _ in range(4)}
+    finally:
+        pool.shutdown()
+    assert ran and ran <= {thread for thread, _ in bound} and {index for _, index in bound} == {1}

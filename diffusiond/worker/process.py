@@ -203,6 +203,7 @@ class Worker:
             import torch
 
             torch.cuda.set_device(torch.device(config.device))
+            asyncio.get_running_loop().set_default_executor(startup.device_executor(torch.device(config.device)))
             if faults is not None and faults.memory_fraction:  # tests only: a real out-of-memory, on a big GPU
                 torch.cuda.set_per_process_memory_fraction(faults.memory_fraction)
             phases.mark("cuda init")

@@ -136,3 +136,14 @@ def bind_thread(device: Any) -> None:
 
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device.index)
+
+
+def device_executor(device: Any) -> Any:
+    """The worker loop's default executor (``asyncio.to_thread``): threads bound to ``device`` when they start.
+    The model's load, its adapters', ControlNets' and upscalers' run there, and a ``cuda:1`` worker's load
+    otherwise made a context on cuda:0 and put what diffusers allocates on the current device there (review47-a 1,
+    left for the load threads until now). A binding that fails breaks the pool: the load fails saying so."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(thread_name_prefix="diffusiond-load", initializer=bind_thread, initargs=(device,))
+
