@@ -19,6 +19,7 @@ model is on the host, before offload hooks are made and before the move (``speed
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -27,6 +28,8 @@ import torch
 from diffusiond.pipelines.errors import PipelineError
 
 __all__ = ["Fp8RowwiseLinear", "to_fp8_rowwise"]
+
+log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -37,6 +40,28 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (rows, k) as fp8 and each row's scale (rows, 1), float32: the row's largest magnitude maps to 448."""
     scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=TINY) / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+_FUSED: list[Any] = []  # the compiled quantizer, made at the first CUDA forward; None in it: compiling failed
+
+
+def _quantizer(x: torch.Tensor) -> Any:
+    """``_rows`` as one fused kernel on a GPU. Eager, its six torch ops each read and write the whole input (in
+    float32): about 0.5 GB a layer at FLUX's size, more traffic than the fp8 product saves. Compiled once with
+    dynamic shapes, it is one reduction and one pass. Inside a compiled model the model's compile fuses it anyway;
+    on a CPU, and where compiling fails (no C compiler for Triton, say: logged once), it runs eager."""
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return _rows
+    if not _FUSED:
+        try:
+            fused = torch.compile(_rows, dynamic=True, fullgraph=True)
+            fused(x)  # compiles now (a size of 1 would be specialised), so that a failure falls back here
+            _FUSED.append(fused)
+        except Exception as exc:  # any compiler failure: the eager ops give the same numbers
+            log.warning("fp8=rowwise: the fused quantizer did not compile (%s: %s); quantizing with eager ops, "
+                        "which costs speed", type(exc).__name__, exc)
+            _FUSED.append(None)
+    return _FUSED[0] or _rows
 
 
 class Fp8RowwiseLinear(torch.nn.Module):
@@ -60,7 +85,8 @@ class Fp8RowwiseLinear(torch.nn.Module):
         shape = x.shape
         if x.numel() == 0:  # no rows: nothing to scale (an empty scale's strides are refused by _scaled_mm)
             return x.new_zeros(*shape[:-1], self.out_features)
-        xq, xs = _rows(x.reshape(-1, shape[-1]))
+        flat = x.reshape(-1, shape[-1])
+        xq, xs = _quantizer(flat)(flat)
         wide = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-scaled product writes bf16 only
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=wide)
         if self.bias is not None:
