@@ -23,7 +23,8 @@ from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.compile import CompiledPipeline, compilations
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.fp8_rows import Fp8RowwiseLinear
-from diffusiond.pipelines.spec import check_options
+from diffusiond.pipelines.spec import FP8_ROWS_NAME, check_options, check_spec
+from diffusiond.pipelines.tiny import ensure_tiny
 
 PARAMS = m.BatchParams(width=64, height=64, steps=2, guidance=3.5)
 
@@ -66,7 +67,7 @@ def test_the_option_converts_the_transformers_linear_layers_names_itself_and_sta
     transformer = fp8.pipe.transformer  # type: ignore[attr-defined]
     converted = [n for n, mod in transformer.named_modules() if isinstance(mod, Fp8RowwiseLinear)]
     (name,) = fp8.capabilities.approximations
-    assert name.startswith("fp8-rowwise(") and f": {len(converted)} linear layers)" in name and converted
+    assert name == FP8_ROWS_NAME and converted
     assert not any("norm" in n or "embed" in n or n == "proj_out" for n in converted)  # fp8_rows.KEEP
     for kept in (transformer.proj_out, transformer.x_embedder, transformer.context_embedder,
                  transformer.time_text_embed.timestep_embedder.linear_1):  # review49-a 7: embedders stay too
@@ -112,29 +113,41 @@ def test_what_cannot_work_is_refused_before_a_load_naming_the_values(flux: Path,
         load_pipeline(str(flux), device="cpu", dtype="float32", options=options)
 
 
-def test_a_gguf_transformer_is_refused_naming_its_quantized_layers(flux: Path, tmp_path: Path) -> None:
-    """review49-a 4: nothing plain to convert, so the option is refused rather than named on every output."""
+def test_a_gguf_transformer_is_refused_at_start_by_fit_and_at_load(flux: Path, tmp_path: Path) -> None:
+    """review49-a 4, review49-b 2-3: nothing plain to convert, so the option is refused where the daemon checks a
+    spec at start and by ``fit``, rather than named on every output; a load (the engine checked nothing, say)
+    names the quantized layers."""
     pytest.importorskip("gguf")
     path = tmp_path / "t.gguf"
     write_gguf(tiny_transformer(), path)
+    for check in (lambda: check_spec(f"{path},base={flux}", {"fp8": "rowwise"}),
+                  lambda: fit(f"{path},base={flux},fp8=rowwise", dtype="float32")):
+        with pytest.raises(PipelineError, match="fp8=rowwise with a GGUF transformer is refused"):
+            check()
     with pytest.raises(PipelineError, match=r"fp8=rowwise: the model.s transformer .*its linear layers are GGUFLinear"):
         load_pipeline(f"{path},base={flux}", device="cpu", dtype="float32", options={"fp8": "rowwise"})
+    with pytest.raises(PipelineError, match=r"fp8='2': use fp8=1"):
+        fit(f"{flux},fp8=2", dtype="float32")
 
 
-def test_fit_counts_the_fp8_layers_as_loaded_and_lists_only_what_runs_with_them(flux: Path) -> None:
+@pytest.mark.parametrize("kind", ["flux", "unet"])
+def test_fit_counts_the_fp8_layers_as_loaded_and_lists_only_what_runs_with_them(flux: Path, kind: str) -> None:
     """review49-a 2: sized at full width, fp8 did not help a model fit; and the configurations it refuses
-    (fp8 storage of the denoiser, offload=stream, offload=sequential) are not offered."""
-    pipe = load_pipeline(str(flux), device="cpu", dtype="float32", options={"fp8": "rowwise"})
+    (fp8 storage of the denoiser, offload=stream, offload=sequential) are not offered. A UNet's convolutions
+    stay at full width, as loaded (review49-b 1: counted at 1 byte, admission let in a model that then overran)."""
+    folder = flux if kind == "flux" else ensure_tiny()
+    pipe = load_pipeline(str(folder), device="cpu", dtype="float32", options={"fp8": "rowwise"})
+    assert pipe.capabilities.approximations == (FP8_ROWS_NAME,)
     modules = [c for c in pipe.pipe.components.values() if isinstance(c, torch.nn.Module)]  # type: ignore[attr-defined]
     loaded = sum(t.numel() * t.element_size() for c in modules for t in [*c.parameters(), *c.buffers()])
     scales = sum(b.numel() * 4 for c in modules for n, b in c.named_buffers() if n.endswith("weight_scale"))
-    report = fit(f"{flux},fp8=rowwise", dtype="float32", working=0)
-    plain = fit(str(flux), dtype="float32", working=0)
+    report = fit(f"{folder},fp8=rowwise", dtype="float32", working=0)
+    plain = fit(str(folder), dtype="float32", working=0)
     rows = {c.name: c for c in report.configurations}
     assert list(rows) == ["none", "group", "model"]
     assert 0 <= loaded - scales - rows["none"].device_bytes <= 2 * 77 * 8  # CLIP's position ids: not in the files
     assert rows["none"].device_bytes < {c.name: c for c in plain.configurations}["none"].device_bytes
-    assert all(c.approximations and c.approximations[-1].startswith("fp8-rowwise(") for c in rows.values())
+    assert all(c.approximations[-1] == f"{FP8_ROWS_NAME} at ~1 byte/weight" for c in rows.values())
 
 
 def test_a_daemon_admits_the_model_in_a_budget_only_its_fp8_form_fits(flux: Path, daemon_factory) -> None:  # type: ignore[no-untyped-def]
@@ -153,7 +166,7 @@ def test_a_daemon_admits_the_model_in_a_budget_only_its_fp8_form_fits(flux: Path
 
     job = asyncio.run(go())
     assert job["status"] == "succeeded", job
-    assert any(a.startswith("fp8-rowwise(") for a in job["approximations"])
+    assert FP8_ROWS_NAME in job["approximations"]
 
 
 def test_a_daemon_with_a_bad_fp8_value_does_not_start(flux: Path, tmp_path: Path) -> None:

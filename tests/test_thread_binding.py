@@ -67,3 +67,16 @@ def test_the_load_threads_make_the_workers_device_theirs(monkeypatch: pytest.Mon
     finally:
         pool.shutdown()
     assert ran and ran <= {thread for thread, _ in bound} and {index for _, index in bound} == {1}
+
+
+def test_a_load_thread_that_cannot_use_its_device_fails_its_work_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusiond.worker import startup
+
+    monkeypatch.setattr(startup, "bind_thread", _lost)
+    pool = startup.device_executor(torch.device("cuda", 1))
+    try:
+        with pytest.raises(RuntimeError, match="a load thread could not use cuda:1: RuntimeError: CUDA error: "
+                                               "unspecified launch failure"):
+            pool.submit(lambda: None).result()
+    finally:
+        pool.shutdown()

@@ -153,6 +153,8 @@ def check_options(options: Mapping[str, str]) -> None:
 
 
 FP8_VALUES: Final = ("", "0", "1", "rowwise")
+FP8_ROWS_NAME: Final = "fp8-rowwise(weights and activations in fp8, scaled per row)"
+"""How ``fp8=rowwise`` is named in every output's ``approximations`` and by ``fit`` (review49-b 4)."""
 
 
 def _fp8_refusals(options: Mapping[str, str]) -> None:
@@ -321,6 +323,10 @@ def check_spec(spec: str, options: Mapping[str, str] | None = None) -> None:
         get_preset(parsed.target)  # an unknown name: the list of presets
     if parsed.kind in ("checkpoint", "gguf") and not Path(parsed.target).is_file():
         raise PipelineError(f"{parsed.target} does not exist; {_WHAT_TO_GIVE}")
+    if parsed.kind == "gguf" and opts.get("fp8") in ("1", "rowwise"):  # review49-b 2: at start, not per job
+        raise PipelineError(f"fp8={opts['fp8']} with a GGUF transformer is refused: its layers are quantized "
+                            "already, so fp8 would find no plain layer to convert; drop fp8 or load the model "
+                            "from its folder")
     if parsed.kind == "gguf" and opts.get("base"):
         check_spec(opts["base"])
     check_second_expert(parsed.kind, opts)

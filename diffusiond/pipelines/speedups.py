@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -34,8 +35,11 @@ import torch
 
 from diffusiond.pipelines.denoisers import denoisers
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import FP8_ROWS_NAME
 
-__all__ = ["ONE_CALL_A_STEP", "apply_speedups", "step_cache_context", "step_cache_refusal"]
+__all__ = ["ONE_CALL_A_STEP", "apply_fp8_rows", "apply_speedups", "step_cache_context", "step_cache_refusal"]
+
+log = logging.getLogger(__name__)
 
 
 def _number(option: str, text: str, kind: type[float] | type[int]) -> float:
@@ -89,7 +93,8 @@ def apply_fp8_rows(pipe: Any, options: Mapping[str, str], device: torch.device, 
     if not found:
         raise PipelineError(f"fp8=rowwise: {type(pipe).__name__} has no denoiser to quantize")
     layers = sum(to_fp8_rowwise(denoiser, device, f"the model's {attr}", resident) for attr, denoiser in found)
-    return (f"fp8-rowwise(weights and activations in fp8, scaled per row: {layers} linear layers)",)
+    log.info("fp8=rowwise: %d linear layers converted", layers)
+    return (FP8_ROWS_NAME,)
 
 
 def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) -> tuple[str, ...]:

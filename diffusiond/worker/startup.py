@@ -142,8 +142,27 @@ def device_executor(device: Any) -> Any:
     """The worker loop's default executor (``asyncio.to_thread``): threads bound to ``device`` when they start.
     The model's load, its adapters', ControlNets' and upscalers' run there, and a ``cuda:1`` worker's load
     otherwise made a context on cuda:0 and put what diffusers allocates on the current device there (review47-a 1,
-    left for the load threads until now). A binding that fails breaks the pool: the load fails saying so."""
+    left for the load threads until now). A thread that cannot bind fails each call it is given, saying why
+    (review49-b 5: a failing initializer breaks the pool with no cause but "an initializer failed")."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(thread_name_prefix="diffusiond-load", initializer=bind_thread, initargs=(device,))
+    failed = threading.local()
 
+    def bind() -> None:
+        try:
+            bind_thread(device)
+        except Exception as exc:
+            failed.error = exc
+
+    def checked(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        error = getattr(failed, "error", None)
+        if error is not None:
+            raise RuntimeError(f"a load thread could not use {device}: {type(error).__name__}: {error}") from error
+        return fn(*args, **kwargs)
+
+    class Bound(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return super().submit(checked, fn, *args, **kwargs)
+
+    return Bound(thread_name_prefix="diffusiond-load", initializer=bind)

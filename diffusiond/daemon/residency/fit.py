@@ -58,7 +58,7 @@ from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.modelcache import cache_root, is_complete
 from diffusiond.pipelines.preset_tables import folder_name, get_preset
-from diffusiond.pipelines.spec import ModelSpec, offload_mode, parse_spec
+from diffusiond.pipelines.spec import ModelSpec, check_spec, offload_mode, parse_spec
 
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
@@ -123,6 +123,7 @@ def model_tensors(spec: str, options: Mapping[str, str] | None = None,
     """Component -> tensors of the model a spec names, read from headers, its ``quant=`` components' weights at
     their quantized width; and notes on what was assumed. Specs built in code (tiny, random:, synthetic) have
     no files to read: a WeightsError says so."""
+    check_spec(spec, options)  # what serve refuses at start, fit refuses too (review49-b 3)
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}
     components, notes = _files(spec, parsed, opts, dtype)
@@ -179,8 +180,8 @@ def gguf_tensors(path: Path) -> list[Tensor]:
 
 
 def _safetensors(path: Path) -> list[Tensor]:
-    return [Tensor(name, kind, nbytes, nbytes * 8 // DTYPE_BITS[kind])
-            for name, (kind, nbytes) in read_tensors(path).items()]
+    return [Tensor(name, kind, nbytes, nbytes * 8 // DTYPE_BITS[kind], dims)
+            for name, (kind, nbytes, dims) in read_tensors(path).items()]
 
 
 def _folder(path: Path, dtype: str) -> dict[str, list[Tensor]]:

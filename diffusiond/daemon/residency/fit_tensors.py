@@ -13,7 +13,7 @@ from typing import Final
 
 from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES
 from diffusiond.daemon.residency.sizes import FLOATS, TARGET_BYTES
-from diffusiond.pipelines.spec import parse_quant
+from diffusiond.pipelines.spec import FP8_ROWS_NAME, parse_quant
 
 __all__ = ["QUANT_WIDTH", "Tensor", "quant_approximations", "quantize"]
 
@@ -24,6 +24,7 @@ class Tensor:
     kind: str  # a safetensors dtype (BF16, F32, ...) or a ggml type (Q8_0, F16, ...)
     stored: int  # bytes in the file
     elements: int
+    dims: tuple[int, ...] = ()  # a safetensors header's shape; () where unknown (GGUF)
 
     def bytes_at(self, dtype: str) -> int:
         """On the device at the model's dtype: floats converted, quantized and integer tensors as stored."""
@@ -42,9 +43,13 @@ _KEPT: Final = re.compile(r"norm|pos_embed|patch_embed|embed_tokens|embeddings\.
 skip list) and token embedding tables (``nn.Embedding``)."""
 
 
-_KEPT_ROWS: Final = re.compile(r"norm|embed|^proj_(in|out)\.")
+_KEPT_ROWS: Final = re.compile(r"norm|embed|^proj_(in|out)\.|_mod\.|modulation|^(img|txt|time|vector|guidance)_in\."
+                               r"|^final_layer\.|label_emb")
 """What ``fp8=rowwise`` leaves at the dtype (pipelines/fp8_rows.KEEP): also the embedders, the first and last
-projections; its per-row scales (4 bytes a row) are left out, under 1 %."""
+projections, as diffusers names them and as a single file does (BFL's FLUX: ``img_in``, ``*_mod``, ``modulation``
+and ``final_layer`` are diffusers' ``x_embedder``, ``norm*.linear`` and ``proj_out``; LDM's ``label_emb``). Only
+linear layers' weights (two dimensions, each a multiple of 16) are converted: a UNet's convolutions stay
+(review49-b 1). Its per-row scales (4 bytes a row) are left out, under 1 %."""
 
 DENOISERS: Final = ("transformer", "transformer_2", "unet")
 
@@ -57,6 +62,8 @@ def quantized(t: Tensor, method: str) -> Tensor:
     weight = t.name.endswith(".weight") or (method == "fp8-storage" and t.name.endswith(".bias"))
     if t.kind not in FLOATS or not weight or (_KEPT_ROWS if method == "fp8-rowwise" else _KEPT).search(t.name):
         return t
+    if method == "fp8-rowwise" and not (len(t.dims) == 2 and t.dims[0] % 16 == 0 and t.dims[1] % 16 == 0):
+        return t
     return Tensor(t.name, method, -(-t.elements * bits // 8) + (4 * -(-t.elements // block) if block else 0),
                   t.elements)
 
@@ -64,7 +71,7 @@ def quantized(t: Tensor, method: str) -> Tensor:
 def quant_approximations(options: Mapping[str, str], dtype: str) -> tuple[str, ...]:
     """The ``quant=`` methods a model's rows count at their stored width, named as the loaded model names them
     (pipelines/quant.py) plus the width counted."""
-    rows = ("fp8-rowwise(weights and activations in fp8, scaled per row) at ~1 byte/weight",) \
+    rows = (f"{FP8_ROWS_NAME} at ~1 byte/weight",) \
         if options.get("fp8") == "rowwise" else ()
     if not options.get("quant"):
         return rows

@@ -204,11 +204,12 @@ def read_header(path: str | os.PathLike[str]) -> WeightFile:
     return _read(path)[1]
 
 
-def read_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, int]]:
-    """Each tensor's (dtype, bytes as stored), by name: what ``fit`` groups into blocks and modules to size
-    offloaded configurations. The header is checked exactly as ``read_header`` checks it."""
+def read_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """Each tensor's (dtype, bytes as stored, shape), by name: what ``fit`` groups into blocks and modules to size
+    offloaded configurations (the shape: which are a linear layer's, for ``fp8=rowwise``). The header is checked
+    exactly as ``read_header`` checks it."""
     header, _ = _read(path)
-    return {name: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0])
+    return {name: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0], tuple(e["shape"]))
             for name, e in header.items() if name != "__metadata__"}
 
 
