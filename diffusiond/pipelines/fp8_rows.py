@@ -45,23 +45,27 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _FUSED: list[Any] = []  # the compiled quantizer, made at the first CUDA forward; None in it: compiling failed
 
 
-def _quantizer(x: torch.Tensor) -> Any:
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``_rows`` as one fused kernel on a GPU. Eager, its six torch ops each read and write the whole input (in
     float32): about 0.5 GB a layer at FLUX's size, more traffic than the fp8 product saves. Compiled once with
     dynamic shapes, it is one reduction and one pass. Inside a compiled model the model's compile fuses it anyway;
-    on a CPU, and where compiling fails (no C compiler for Triton, say: logged once), it runs eager."""
-    if not x.is_cuda or torch.compiler.is_compiling():
-        return _rows
+    on a CPU, for a single row (which a dynamic graph would specialise, and which costs nothing eager), and once
+    compiling has failed (no C compiler for Triton, a recompile past dynamo's limit: logged once; review49-c 2),
+    it runs eager, with the same numbers."""
+    if not x.is_cuda or x.shape[0] < 2 or torch.compiler.is_compiling():
+        return _rows(x)
     if not _FUSED:
+        _FUSED.append(torch.compile(_rows, dynamic=True, fullgraph=True))
+    if _FUSED[0] is not None:
         try:
-            fused = torch.compile(_rows, dynamic=True, fullgraph=True)
-            fused(x)  # compiles now (a size of 1 would be specialised), so that a failure falls back here
-            _FUSED.append(fused)
-        except Exception as exc:  # any compiler failure: the eager ops give the same numbers
-            log.warning("fp8=rowwise: the fused quantizer did not compile (%s: %s); quantizing with eager ops, "
+            return _FUSED[0](x)
+        except torch.OutOfMemoryError:
+            raise  # the eager ops need more memory, not less
+        except Exception as exc:  # any compiler failure, at the first call or a recompile
+            log.warning("fp8=rowwise: the fused quantizer failed (%s: %s); quantizing with eager ops from now on, "
                         "which costs speed", type(exc).__name__, exc)
-            _FUSED.append(None)
-    return _FUSED[0] or _rows
+            _FUSED[0] = None
+    return _rows(x)
 
 
 class Fp8RowwiseLinear(torch.nn.Module):
@@ -85,8 +89,7 @@ class Fp8RowwiseLinear(torch.nn.Module):
         shape = x.shape
         if x.numel() == 0:  # no rows: nothing to scale (an empty scale's strides are refused by _scaled_mm)
             return x.new_zeros(*shape[:-1], self.out_features)
-        flat = x.reshape(-1, shape[-1])
-        xq, xs = _quantizer(flat)(flat)
+        xq, xs = _quantize(x.reshape(-1, shape[-1]))
         wide = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-scaled product writes bf16 only
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=wide)
         if self.bias is not None:

@@ -43,18 +43,19 @@ _KEPT: Final = re.compile(r"norm|pos_embed|patch_embed|embed_tokens|embeddings\.
 skip list) and token embedding tables (``nn.Embedding``)."""
 
 
-_KEPT_ROWS: Final = re.compile(r"norm|embed|^proj_(in|out)\.|_mod\.|modulation|^(img|txt|time|vector|guidance)_in\."
-                               r"|^final_layer\.|label_emb")
+_KEPT_ROWS: Final = re.compile(r"norm|embed|^proj_(in|out)\.|label_emb")
+_KEPT_BFL: Final = re.compile(r"_mod\.|modulation|^(img|txt|time|vector|guidance)_in\.|^final_layer\.")
 """What ``fp8=rowwise`` leaves at the dtype (pipelines/fp8_rows.KEEP): also the embedders, the first and last
-projections, as diffusers names them and as a single file does (BFL's FLUX: ``img_in``, ``*_mod``, ``modulation``
-and ``final_layer`` are diffusers' ``x_embedder``, ``norm*.linear`` and ``proj_out``; LDM's ``label_emb``). Only
-linear layers' weights (two dimensions, each a multiple of 16) are converted: a UNet's convolutions stay
-(review49-b 1). Its per-row scales (4 bytes a row) are left out, under 1 %."""
+projections, as diffusers names them (and LDM's ``label_emb``); in a BFL-layout FLUX file (``double_blocks.``),
+``img_in``, ``*_mod``, ``modulation`` and ``final_layer`` are diffusers' ``x_embedder``, ``norm*.linear`` and
+``proj_out`` (only there: Qwen-Image's ``img_mod`` and ``img_in`` are converted: review49-c 1). Only linear
+layers' weights (two dimensions, each a multiple of 16) are converted: a UNet's convolutions stay (review49-b 1).
+Its per-row scales (4 bytes a row) are left out, under 1 %."""
 
 DENOISERS: Final = ("transformer", "transformer_2", "unet")
 
 
-def quantized(t: Tensor, method: str) -> Tensor:
+def quantized(t: Tensor, method: str, bfl: bool = False) -> Tensor:
     """One tensor at its quantized width: the weights of linear and convolution layers (fp8-storage casts
     their biases too); norms and embeddings stay at the dtype (as each method leaves them, near enough).
     ``fp8-rowwise`` converts linear layers only: a UNet's convolutions, counted here too, stay at the dtype."""
@@ -62,7 +63,8 @@ def quantized(t: Tensor, method: str) -> Tensor:
     weight = t.name.endswith(".weight") or (method == "fp8-storage" and t.name.endswith(".bias"))
     if t.kind not in FLOATS or not weight or (_KEPT_ROWS if method == "fp8-rowwise" else _KEPT).search(t.name):
         return t
-    if method == "fp8-rowwise" and not (len(t.dims) == 2 and t.dims[0] % 16 == 0 and t.dims[1] % 16 == 0):
+    if method == "fp8-rowwise" and (not (len(t.dims) == 2 and t.dims[0] % 16 == 0 and t.dims[1] % 16 == 0)
+                                    or (bfl and _KEPT_BFL.search(t.name))):
         return t
     return Tensor(t.name, method, -(-t.elements * bits // 8) + (4 * -(-t.elements // block) if block else 0),
                   t.elements)
@@ -91,7 +93,8 @@ def quantize(components: dict[str, list[Tensor]], quant: str, notes: list[str],
     if fp8 == "rowwise":
         for component in DENOISERS:
             if component in components:
-                components[component] = [quantized(t, "fp8-rowwise") for t in components[component]]
+                bfl = any(t.name.startswith("double_blocks.") for t in components[component])
+                components[component] = [quantized(t, "fp8-rowwise", bfl) for t in components[component]]
     for component, method in (parse_quant(quant).items() if quant else ()):
         if component in components:
             components[component] = [quantized(t, method) for t in components[component]]
