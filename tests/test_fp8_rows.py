@@ -180,3 +180,29 @@ def test_a_daemon_with_a_bad_fp8_value_does_not_start(flux: Path, tmp_path: Path
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "fp8='2': use fp8=1 (torchao) or fp8=rowwise" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_fused_quantizer_falls_back_to_the_eager_ops_at_any_failure(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """review49-c 2: a compile failure after the first call (a recompile past dynamo's limit) failed every later
+    job. Here the fused kernel (CUDA only) is a stand-in that fails on its second call."""
+    from diffusiond.pipelines import fp8_rows
+
+    calls: list[int] = []
+
+    def fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(x.shape[0])
+        if len(calls) > 1:
+            raise RuntimeError("recompile limit hit")
+        return fp8_rows._rows(x)
+
+    monkeypatch.setattr(fp8_rows, "_FUSED", [fused])
+    fp8_rows._quantize(torch.randn(1, 32), fuse=True)  # a single row stays eager: a dynamic graph specialises it
+    assert calls == []
+    x = torch.randn(8, 32)
+    want = fp8_rows._rows(x)
+    for _ in range(3):
+        got = fp8_rows._quantize(x, fuse=True)
+        assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
+    assert calls == [8, 8] and fp8_rows._FUSED == [None]  # failed once, eager from then on
+    assert "the fused quantizer failed (RuntimeError: recompile limit hit)" in caplog.text

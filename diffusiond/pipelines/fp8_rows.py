@@ -45,14 +45,14 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _FUSED: list[Any] = []  # the compiled quantizer, made at the first CUDA forward; None in it: compiling failed
 
 
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, fuse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``_rows`` as one fused kernel on a GPU. Eager, its six torch ops each read and write the whole input (in
     float32): about 0.5 GB a layer at FLUX's size, more traffic than the fp8 product saves. Compiled once with
     dynamic shapes, it is one reduction and one pass. Inside a compiled model the model's compile fuses it anyway;
     on a CPU, for a single row (which a dynamic graph would specialise, and which costs nothing eager), and once
     compiling has failed (no C compiler for Triton, a recompile past dynamo's limit: logged once; review49-c 2),
-    it runs eager, with the same numbers."""
-    if not x.is_cuda or x.shape[0] < 2 or torch.compiler.is_compiling():
+    it runs eager, with the same numbers. ``fuse``: whether to try the fused kernel (default: on CUDA)."""
+    if not (x.is_cuda if fuse is None else fuse) or x.shape[0] < 2 or torch.compiler.is_compiling():
         return _rows(x)
     if not _FUSED:
         _FUSED.append(torch.compile(_rows, dynamic=True, fullgraph=True))
