@@ -206,3 +206,13 @@ def test_the_fused_quantizer_falls_back_to_the_eager_ops_at_any_failure(monkeypa
         assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
     assert calls == [8, 8] and fp8_rows._FUSED == [None]  # failed once, eager from then on
     assert "the fused quantizer failed (RuntimeError: recompile limit hit)" in caplog.text
+
+
+def test_adapters_and_weight_updates_are_refused_naming_the_option(flux: Path) -> None:
+    """review49-d 1: peft's own refusal named a class the user never chose; the model's option is named instead."""
+    from diffusiond.pipelines.loras import adapters_for, unsupported
+
+    pipe = load_pipeline(str(flux), name="fx", device="cpu", dtype="float32", options={"fp8": "rowwise"})
+    assert adapters_for(pipe, {}, 2) is None
+    assert unsupported(pipe) == ("model fx runs with fp8=rowwise, whose fp8 linear layers take no LoRA layers (peft "
+                                 "wraps torch's own): serve it without fp8=rowwise to use adapters")

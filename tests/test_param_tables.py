@@ -307,7 +307,8 @@ def test_a_weight_kept_by_a_tensor_subclass_is_refused_before_anything_is_writte
     state = {"conv_out.bias": torch.ones_like(bias), "conv_out.weight": torch.ones(unet.conv_out.weight.shape)}
     why, tensors = _applied(pipe, "unet", state)
     assert why == ("tensor 'conv_out.weight': unet keeps it as a _Quantized (quantized, or another tensor "
-                   "subclass), which is not updated in place"), why
+                   "subclass), which is not updated in place: serve the model without its quantization (quant=, "
+                   "fp8=) to update this tensor"), why
     assert torch.equal(unet.conv_out.bias, bias)  # refused whole: not even the bias before it
     table = ModelTable("tiny", unpack(pack(param_table(pipe, None))))
     assert table.weights_misfit("unet", tensors) == why

@@ -107,5 +107,6 @@ def parameter_misfit(key: str, shape: Shape, model: str, component: str, have: S
     if tuple(shape) != tuple(have):
         return f"tensor {key!r} has shape {list(shape)}; {component} has {list(have)} there"
     if keeps:
-        return f"tensor {key!r}: {component} keeps it as {keeps}, which is not updated in place"
+        return (f"tensor {key!r}: {component} keeps it as {keeps}, which is not updated in place: serve the model "
+                "without its quantization (quant=, fp8=) to update this tensor")  # review49-d 1
     return ""

@@ -7,10 +7,9 @@ diffusers computes exactly as the base model (no residue of an earlier batch). A
 ``max_loaded`` adapters stay in the model: the least recently used one not needed by the current
 batch is deleted to make room.
 
-An adapter can also be live (``update_lora``, worker/weights.py): its weights come from a trainer,
-not a file. Its latest state dict stays here (``states``), so an eviction reloads it from memory,
-and an update copies the new values into the loaded adapter's own parameters, in place: no
-reload, and a compiled model's hot-swap slot keeps its structure. ``versions`` counts the updates.
+An adapter can also be live (``update_lora``, worker/weights.py): its weights come from a trainer, not a file;
+its state dict stays here (``states``), an eviction reloads it from memory, and an update copies the new values
+into its parameters in place (a hot-swap slot keeps its structure). ``versions`` counts the updates.
 
 ``activate`` is the one place a batch's adapters take effect: the compute thread calls it right
 before the forward. A compiled model cannot switch that way (injecting, deleting or activating an
@@ -33,6 +32,7 @@ from diffusiond.ipc.messages import LIVE_PATH, LoraRef
 from diffusiond.pipelines.errors import HalfApplied, PipelineError, fit_reason
 from diffusiond.pipelines.hotswap_check import hotswap_misfit, read_adapter
 from diffusiond.pipelines.lora_dtypes import adapters_in_compute_dtype, lift_from_storage_dtype
+from diffusiond.pipelines.spec import FP8_ROWS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def adapters_for(pipeline: Any, registered: Mapping[str, str], max_loaded: int,
     pipe = getattr(inner if compiled else pipeline, "pipe", None)
     if pipe is None or not Adapters.supported(pipe) or importlib.util.find_spec("peft") is None:
         return None
-    if _offload_refused(pipeline):
+    if _refusal(pipeline):
         return None
     name = str(getattr(pipeline, "name", "the model"))
     if compiled:
@@ -76,19 +76,21 @@ def unsupported(pipeline: Any) -> str:
         return (f"model {pipeline.name} is compiled (--compile) and its LoRA slots were not made at start: "
                 "hot-swapping needs at least one adapter registered when the daemon starts (--lora NAME=PATH); "
                 "its rank bounds the ranks of those added later")
-    mode = _offload_refused(pipeline)
-    if mode:
-        return (f"model {getattr(pipeline, 'name', '?')} runs with offload={mode}, whose hooks move each layer's "
-                "weights in and out; diffusiond does not add LoRA layers under them (unverified to keep the adapter "
-                "on the layer's device): serve it with offload=model or none to use adapters")
-    pipe = getattr(pipeline, "pipe", pipeline)
-    return f"model {getattr(pipeline, 'name', '?')} ({type(pipe).__name__}) takes no LoRA adapters"
+    kind = type(getattr(pipeline, "pipe", pipeline)).__name__
+    return _refusal(pipeline) or f"model {getattr(pipeline, 'name', '?')} ({kind}) takes no LoRA adapters"
 
 
-def _offload_refused(pipeline: Any) -> str:
-    """The offload mode under which adapters are refused (group, sequential, stream), else ""."""
-    mode = str(getattr(getattr(pipeline, "inner", pipeline), "offload", "none"))
-    return mode if mode in ("group", "sequential", "stream") else ""
+def _refusal(pipeline: Any) -> str:
+    """Why adapters are refused on a model that could take them: an offload whose hooks move each layer's weights
+    (group, sequential, stream), or fp8=rowwise, whose layers peft cannot wrap (review49-d 1); else ""."""
+    name, mode = getattr(pipeline, "name", "?"), str(getattr(getattr(pipeline, "inner", pipeline), "offload", "none"))
+    if mode in ("group", "sequential", "stream"):
+        return (f"model {name} runs with offload={mode}, whose hooks move each layer's weights in and out; diffusiond "
+                "does not add LoRA layers under them: serve it with offload=model or none to use adapters")
+    if FP8_ROWS_NAME in getattr(getattr(pipeline, "capabilities", None), "approximations", ()):
+        return (f"model {name} runs with fp8=rowwise, whose fp8 linear layers take no LoRA layers (peft wraps "
+                "torch's own): serve it without fp8=rowwise to use adapters")
+    return ""
 
 
 Copy = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]  # values into parameters, done when it returns
