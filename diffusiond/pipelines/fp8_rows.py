@@ -9,7 +9,7 @@ lets one outlier token coarsen all the others.
 Why not torchao's ``Float8DynamicActivationFloat8WeightConfig`` (``fp8=1``): its weights are a tensor subclass
 whose every op dispatches through Python, so eager it ran FLUX.1-dev at 0.61x bf16, and dynamo, tracing the
 subclass op by op, had not compiled the model after 460 s (docs/benchmarks.md, issues 28 and 31). Here the
-weight is a plain tensor and the forward five torch ops around one product, which compile fuses into one
+weight is a plain tensor and the forward a few torch ops around one product, which compile fuses into one
 quantizing kernel, and a LoRA, an offload or a weight update sees an fp8 tensor it can refuse by its dtype.
 
 The layers converted are the denoiser's blocks' (``KEEP``: norms, the embedders, the first and last projections
@@ -46,7 +46,7 @@ _FUSED: list[Any] = []  # the compiled quantizer, made at the first CUDA forward
 
 
 def _quantize(x: torch.Tensor, fuse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_rows`` as one fused kernel on a GPU. Eager, its six torch ops each read and write the whole input (in
+    """``_rows`` as one fused kernel on a GPU. Eager, its torch ops each read and write the whole input (in
     float32): about 0.5 GB a layer at FLUX's size, more traffic than the fp8 product saves. Compiled once with
     dynamic shapes, it is one reduction and one pass. Inside a compiled model the model's compile fuses it anyway;
     on a CPU, for a single row (which a dynamic graph would specialise, and which costs nothing eager), and once
@@ -70,7 +70,7 @@ def _quantize(x: torch.Tensor, fuse: bool | None = None) -> tuple[torch.Tensor, 
 
 class Fp8RowwiseLinear(torch.nn.Module):
     """A linear layer from fp8 weights scaled per output row; see the module's docstring. Quantized on ``work``
-    (the GPU: seconds for FLUX, where the CPU takes minutes) and kept on ``keep``."""
+    (the compute device, not the host's cores) and kept on ``keep``."""
 
     def __init__(self, linear: torch.nn.Linear, work: torch.device | None = None,
                  keep: torch.device | None = None) -> None:
@@ -100,9 +100,9 @@ class Fp8RowwiseLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-# diffusers' skip list for fp8 storage, and the embedders: the first projection (x_embedder, FLUX's; proj_in is
-# the list's) and the timestep and text embedders are small or run once a step, and the input side is where
-# rounding hurts most (review49-a 7)
+# diffusers' skip list for fp8 storage, and the embedders (review49-a 7): the first projection (x_embedder, FLUX's;
+# proj_in is the list's) and the timestep and text embedders are small or run once a step, so converting them
+# would round for little speed
 KEEP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$", "embed")
 
 

@@ -72,17 +72,18 @@ def unsupported(pipeline: Any) -> str:
     """Why a pipeline takes no LoRA: for the error of each adapter registered for it."""
     if importlib.util.find_spec("peft") is None:  # diffusers' LoRA loading runs on PEFT
         return "LoRA adapters need the peft package: pip install 'diffusiond[lora]'"
+    if why := _refusal(pipeline):  # before the compiled case: slots made at start would not help either
+        return why
     if getattr(pipeline, "inner", None) is not None and getattr(pipeline, "mode", None):  # CompiledPipeline
         return (f"model {pipeline.name} is compiled (--compile) and its LoRA slots were not made at start: "
                 "hot-swapping needs at least one adapter registered when the daemon starts (--lora NAME=PATH); "
                 "its rank bounds the ranks of those added later")
     kind = type(getattr(pipeline, "pipe", pipeline)).__name__
-    return _refusal(pipeline) or f"model {getattr(pipeline, 'name', '?')} ({kind}) takes no LoRA adapters"
+    return f"model {getattr(pipeline, 'name', '?')} ({kind}) takes no LoRA adapters"
 
 
 def _refusal(pipeline: Any) -> str:
-    """Why adapters are refused on a model that could take them: an offload whose hooks move each layer's weights
-    (group, sequential, stream), or fp8=rowwise, whose layers peft cannot wrap (review49-d 1); else ""."""
+    """Why a model that could take adapters refuses them: an offload moving each layer's weights, or fp8=rowwise."""
     name, mode = getattr(pipeline, "name", "?"), str(getattr(getattr(pipeline, "inner", pipeline), "offload", "none"))
     if mode in ("group", "sequential", "stream"):
         return (f"model {name} runs with offload={mode}, whose hooks move each layer's weights in and out; diffusiond "
