@@ -117,7 +117,7 @@ Load = list[asyncio.Task[tuple[int, dict[str, Any]]]]
 
 async def load_until(s: aiohttp.ClientSession, running: dict[str, int], prompt: str, seed: int,
                      enough: Callable[[dict[str, int]], bool], what: str, first: int = 8, most: int = 32,
-                     timeout: float = 120.0) -> tuple[Load, dict[str, int]]:
+                     timeout: float = 120.0, steps: int = LONG_STEPS) -> tuple[Load, dict[str, int]]:
     """Long synchronous requests through the proxy until the work the daemons hold is ``enough``.
 
     Which replica takes a request is the router's choice (least loaded, batch affinity, routing
@@ -129,7 +129,7 @@ async def load_until(s: aiohttp.ClientSession, running: dict[str, int], prompt: 
 
     def send() -> None:
         n = seed + len(load)
-        load.append(asyncio.create_task(generate(s, n, steps=LONG_STEPS, prompt=prompt)))
+        load.append(asyncio.create_task(generate(s, n, steps=steps, prompt=prompt)))
 
     for _ in range(first):
         send()
