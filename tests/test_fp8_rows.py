@@ -68,7 +68,7 @@ def test_the_option_converts_the_transformers_linear_layers_names_itself_and_sta
     converted = [n for n, mod in transformer.named_modules() if isinstance(mod, Fp8RowwiseLinear)]
     (name,) = fp8.capabilities.approximations
     assert name == FP8_ROWS_NAME and converted
-    assert not any("norm" in n or "embed" in n or n == "proj_out" for n in converted)  # fp8_rows.KEEP
+    assert not any("norm" in n or "embed" in n or n == "proj_out" for n in converted)  # spec.FP8_ROWS_KEEP
     for kept in (transformer.proj_out, transformer.x_embedder, transformer.context_embedder,
                  transformer.time_text_embed.timestep_embedder.linear_1):  # review49-a 7: embedders stay too
         assert type(kept) is torch.nn.Linear and kept.weight.dtype == torch.float32

@@ -12,20 +12,20 @@ subclass op by op, had not compiled the model after 460 s (docs/benchmarks.md, i
 weight is a plain tensor and the forward a few torch ops around one product, which compile fuses into one
 quantizing kernel, and a LoRA, an offload or a weight update sees an fp8 tensor it can refuse by its dtype.
 
-The layers converted are the denoiser's blocks' (``KEEP``: norms, the embedders, the first and last projections
-stay as loaded), with both dimensions multiples of 16, which the fp8 product needs. It is applied while the
+The layers converted are the denoiser's blocks' (``spec.FP8_ROWS_KEEP``: norms, the embedders, the first and last
+projections stay as loaded), with both dimensions multiples of 16, which the fp8 product needs. It is applied while the
 model is on the host, before offload hooks are made and before the move (``speedups.apply_fp8_rows``).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import torch
 
 from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import fp8_rows_kept
 
 __all__ = ["Fp8RowwiseLinear", "to_fp8_rowwise"]
 
@@ -100,12 +100,6 @@ class Fp8RowwiseLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-# diffusers' skip list for fp8 storage, and the embedders (review49-a 7): the first projection (x_embedder, FLUX's;
-# proj_in is the list's) and the timestep and text embedders are small or run once a step, so converting them
-# would round for little speed
-KEEP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$", "embed")
-
-
 def to_fp8_rowwise(module: torch.nn.Module, device: torch.device, what: str = "the denoiser",
                    resident: bool = True) -> int:
     """Replace ``module``'s eligible linear layers in place; how many were replaced. Each is quantized on
@@ -126,7 +120,7 @@ def to_fp8_rowwise(module: torch.nn.Module, device: torch.device, what: str = "t
         nonlocal replaced
         for name, child in list(parent.named_children()):
             full = f"{prefix}{name}"
-            if any(re.search(p, full) for p in KEEP):
+            if fp8_rows_kept(full):
                 continue
             if not isinstance(child, torch.nn.Linear):
                 visit(child, f"{full}.")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Final, Literal
 
 from diffusiond.pipelines.attention import check_attention
+from diffusiond.pipelines.denoisers import DENOISERS
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.preset_tables import get_preset
 
@@ -155,6 +156,16 @@ def check_options(options: Mapping[str, str]) -> None:
 FP8_VALUES: Final = ("", "0", "1", "rowwise")
 FP8_ROWS_NAME: Final = "fp8-rowwise(weights and activations in fp8, scaled per row)"
 """How ``fp8=rowwise`` is named in every output's ``approximations`` and by ``fit`` (review49-b 4)."""
+FP8_ROWS_KEEP: Final = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$", "embed")
+"""The modules ``fp8=rowwise`` leaves as loaded, by name (``re.search``), for the load (pipelines/fp8_rows.py) and
+``fit`` alike: diffusers' skip list for fp8 storage, and the embedders (review49-a 7): the first projection
+(FLUX's x_embedder) and the timestep and text embedders are small or run once a step, so converting them would
+round for little speed."""
+
+
+def fp8_rows_kept(module: str) -> bool:
+    """Whether ``fp8=rowwise`` leaves the module of this dotted name as loaded (``FP8_ROWS_KEEP``)."""
+    return any(re.search(p, module) for p in FP8_ROWS_KEEP)
 
 
 def _fp8_refusals(options: Mapping[str, str]) -> None:
@@ -166,7 +177,7 @@ def _fp8_refusals(options: Mapping[str, str]) -> None:
     if fp8 not in ("1", "rowwise"):
         return
     named = parse_quant(options["quant"]) if options.get("quant") else {}
-    for denoiser in ("transformer", "transformer_2", "unet"):
+    for denoiser in DENOISERS:
         if denoiser in named:
             raise PipelineError(f"fp8={fp8} with quant={denoiser}:{named[denoiser]} is refused: the {denoiser} is "
                                 "quantized already, so fp8 would find no plain layer to convert; keep one of the two")

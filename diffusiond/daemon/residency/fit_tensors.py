@@ -13,7 +13,8 @@ from typing import Final
 
 from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES
 from diffusiond.daemon.residency.sizes import FLOATS, TARGET_BYTES
-from diffusiond.pipelines.spec import FP8_ROWS_NAME, parse_quant
+from diffusiond.pipelines.denoisers import DENOISERS
+from diffusiond.pipelines.spec import FP8_ROWS_NAME, fp8_rows_kept, parse_quant
 
 __all__ = ["QUANT_WIDTH", "Tensor", "quant_approximations", "quantize"]
 
@@ -43,16 +44,13 @@ _KEPT: Final = re.compile(r"norm|pos_embed|patch_embed|embed_tokens|embeddings\.
 skip list) and token embedding tables (``nn.Embedding``)."""
 
 
-_KEPT_ROWS: Final = re.compile(r"norm|embed|^proj_(in|out)\.|label_emb")
 _KEPT_BFL: Final = re.compile(r"_mod\.|modulation|^(img|txt|time|vector|guidance)_in\.|^final_layer\.")
-"""What ``fp8=rowwise`` leaves at the dtype (pipelines/fp8_rows.KEEP): also the embedders, the first and last
-projections, as diffusers names them (and LDM's ``label_emb``); in a BFL-layout FLUX file (``double_blocks.``),
-``img_in``, ``*_mod``, ``modulation`` and ``final_layer`` are diffusers' ``x_embedder``, ``norm*.linear`` and
-``proj_out`` (only there: Qwen-Image's ``img_mod`` and ``img_in`` are converted: review49-c 1). Only linear
-layers' weights (two dimensions, each a multiple of 16) are converted: a UNet's convolutions stay (review49-b 1).
-Its per-row scales (4 bytes a row) are left out, under 1 %."""
-
-DENOISERS: Final = ("transformer", "transformer_2", "unet")
+"""``fp8=rowwise`` leaves at the dtype what ``spec.fp8_rows_kept`` names (by module: the tensor's name less its
+last part), and in a single file the same modules under their file names: LDM's ``label_emb``, and in a
+BFL-layout FLUX file (``double_blocks.``) ``img_in``, ``*_mod``, ``modulation`` and ``final_layer``, diffusers'
+``x_embedder``, ``norm*.linear`` and ``proj_out`` (only there: Qwen-Image's ``img_mod`` and ``img_in`` are
+converted: review49-c 1). Only linear layers' weights (two dimensions, each a multiple of 16) are converted: a
+UNet's convolutions stay (review49-b 1). Its per-row scales (4 bytes a row) are left out, under 1 %."""
 
 
 def quantized(t: Tensor, method: str, bfl: bool = False) -> Tensor:
@@ -61,10 +59,11 @@ def quantized(t: Tensor, method: str, bfl: bool = False) -> Tensor:
     ``fp8-rowwise`` converts linear layers only: a UNet's convolutions, counted here too, stay at the dtype."""
     bits, block = QUANT_WIDTH[method]
     weight = t.name.endswith(".weight") or (method == "fp8-storage" and t.name.endswith(".bias"))
-    if t.kind not in FLOATS or not weight or (_KEPT_ROWS if method == "fp8-rowwise" else _KEPT).search(t.name):
+    if t.kind not in FLOATS or not weight or (method != "fp8-rowwise" and _KEPT.search(t.name)):
         return t
     if method == "fp8-rowwise" and (not (len(t.dims) == 2 and t.dims[0] % 16 == 0 and t.dims[1] % 16 == 0)
-                                    or (bfl and _KEPT_BFL.search(t.name))):
+                                    or fp8_rows_kept(t.name.rsplit(".", 1)[0])
+                                    or "label_emb" in t.name or (bfl and _KEPT_BFL.search(t.name))):
         return t
     return Tensor(t.name, method, -(-t.elements * bits // 8) + (4 * -(-t.elements // block) if block else 0),
                   t.elements)
@@ -92,7 +91,7 @@ def quantize(components: dict[str, list[Tensor]], quant: str, notes: list[str],
     ``quant=`` names that is not among them is noted in ``notes``."""
     if fp8 == "rowwise":
         for component in DENOISERS:
-            if component in components:
+            if component in components:  # the load converts every denoiser (speedups.apply_fp8_rows)
                 bfl = any(t.name.startswith("double_blocks.") for t in components[component])
                 components[component] = [quantized(t, "fp8-rowwise", bfl) for t in components[component]]
     for component, method in (parse_quant(quant).items() if quant else ()):
