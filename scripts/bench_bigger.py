@@ -31,7 +31,8 @@ needs the full model on the GPU once), so a configuration that overruns it reall
 - ``fp8-mm``: ``fp8=1,quant=text_encoder_2:fp8-storage`` (torchao's float8 weights and dynamic float8
   activations, so the transformer's matmuls run in fp8; the T5 encoder, used once per image, stored in fp8);
 - ``fp8-rows``: ``fp8=rowwise,quant=text_encoder_2:fp8-storage`` (the same arithmetic scaled per row, without
-  torchao: pipelines/fp8_rows.py); ``fp8-rows-full`` and ``fp8-mm-full`` leave T5 as built (for ``--compile``);
+  torchao: pipelines/fp8_rows.py; under ``--compile`` T5 in fp8 storage runs eager); ``fp8-rows-full`` and
+  ``fp8-mm-full`` leave T5 as built;
 - ``q8``, ``q4``: the transformer quantized to GGUF Q8_0 / Q4_0 (written here from the random weights with
   the ``gguf`` package's writer; the blocks are quantized with torch on the GPU, by the ggml formulas) and
   loaded back through diffusers' GGUF support as the daemon's loader does; no budget.
@@ -62,9 +63,9 @@ CONFIGS = {
     "fp8-mm": ({"fp8": "1", "quant": "text_encoder_2:fp8-storage"}, True),
     "te-fp8": ({"quant": "text_encoder:fp8-storage", "offload": "auto"}, True),  # the daemon's auto: offloads
     "model": ({"offload": "model"}, True),
-    "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built: compiles (fp8-storage is refused with --compile)
+    "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built, no budget
     "fp8-rows": ({"fp8": "rowwise", "quant": "text_encoder_2:fp8-storage"}, True),  # diffusiond's own fp8 matmuls
-    "fp8-rows-full": ({"fp8": "rowwise"}, False),  # the same with T5 as built, for --compile
+    "fp8-rows-full": ({"fp8": "rowwise"}, False),  # the same with T5 as built, no budget
     "cache-fbc": ({"cache": "fbc"}, False),  # step caches (eager: refused with --compile), PSNR against resident
     "cache-taylorseer": ({"cache": "taylorseer"}, False),
     "cache-taylorseer-lite": ({"cache": "taylorseer-lite"}, False),  # blocks skipped whole between full steps

@@ -160,12 +160,13 @@ PY
         --steps 4 --format png --batch ${BSZ_MAX:-8} --requests ${BSZ_REQUESTS:-96} --concurrency ${BSZ_MAX:-8} \
         --sweep ${BSZ_SWEEP:-4,32} --compile reduce-overhead --modes async --rounds 1 --no-flops --json ;;
     fp8-rows)  # issues 28 and 31: fp8=rowwise (diffusiond's own fp8 matmuls) against resident, FLUX.1-dev 1024² 28 steps,
-      # eager within 24 GiB (T5 in fp8 storage), then both compiled (FP8_ROWS_COMPILE=0 skips that half)
+      # eager within 24 GiB (T5 in fp8 storage), then both compiled (FP8_ROWS_COMPILE=0 skips that half), fp8 within
+      # 24 GiB again (T5 in fp8 storage left eager: compile_rules.left_eager)
       step fp8-rows 300 python3 scripts/bench_bigger.py --out $out/fp8-rows --configs resident,fp8-rows --images 2 \
         --timeout 200 --deadline 290
       [ "${FP8_ROWS_COMPILE:-1}" = 1 ] && step fp8-rows-compiled 420 python3 scripts/bench_bigger.py \
-        --out $out/fp8-rows-compiled --configs resident,fp8-rows-full --compile default --images 2 --timeout 300 \
-        --deadline 410 ;;
+        --out $out/fp8-rows-compiled --configs resident,${FP8_ROWS_CONFIG:-fp8-rows} --compile default --images 2 \
+        --timeout 300 --deadline 410 ;;
     batch8-layout)  # issue 31: the compiled forward alone (bench's limit-compiled), batch 8 at 512², 4 steps, SD 1.5
       # size, NCHW against channels_last=1 (one process each, one shape compiled each: cheaper than two curves)
       for o in "" ",channels_last=1"; do

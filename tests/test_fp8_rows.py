@@ -19,6 +19,7 @@ from fluxkit import build_flux, tiny_transformer, write_gguf
 
 from diffusiond.daemon.residency.fit import fit
 from diffusiond.ipc import messages as m
+from diffusiond.pipelines import compile as compile_module
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.compile import CompiledPipeline, compilations
 from diffusiond.pipelines.errors import PipelineError
@@ -76,6 +77,21 @@ def test_the_option_converts_the_transformers_linear_layers_names_itself_and_sta
     assert not torch.equal(got, want)  # an approximation, hence its name
     psnr = 10 * torch.log10(1 / torch.mean((got.float() - want.float()) ** 2))
     assert psnr > 25, f"fp8 rowwise moved the picture beyond rounding: PSNR {psnr:.1f} dB"
+
+
+def test_the_qkv_projections_are_fused_before_quantizing_and_make_the_unfused_picture(
+        flux: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attention's query, key and value become one fp8 product, so their common input is quantized once; with
+    row scales that changes no number beyond the products' summation order (the same model unfused, here with
+    the fusion refused as a model that cannot fuse is)."""
+    fused = load_pipeline(str(flux), device="cpu", dtype="float32", options={"fp8": "rowwise"})
+    attentions = [mod for mod in fused.pipe.transformer.modules() if hasattr(mod, "to_qkv")]  # type: ignore[attr-defined]
+    assert attentions and all(isinstance(a.to_qkv, Fp8RowwiseLinear) and not hasattr(a, "to_q") for a in attentions)
+    monkeypatch.setattr(compile_module, "_fuse_denoisers", lambda *_a, **_k: (_ for _ in ()).throw(
+        PipelineError("fuse_qkv=1: cannot fuse")))
+    apart = load_pipeline(str(flux), device="cpu", dtype="float32", options={"fp8": "rowwise"})
+    assert not any(hasattr(mod, "to_qkv") for mod in apart.pipe.transformer.modules())  # type: ignore[attr-defined]
+    assert torch.allclose(run(fused), run(apart), atol=1e-4, rtol=0)
 
 
 def test_a_compiled_model_traces_the_fp8_layers_and_makes_the_same_picture(flux: Path) -> None:

@@ -8,7 +8,7 @@ forward with one launch. What is compiled, and how:
 - a transformer denoiser (DiT: Flux, SD3, Wan, LTX) regionally, ``compile_repeated_blocks``:
   its blocks are one code object compiled once, so compiling takes seconds instead of minutes;
 - a UNet whole: its blocks differ, and the whole graph is what fuses across them;
-- the VAE decoder and the text encoders whole.
+- the VAE decoder and the text encoders whole (not a text encoder stored in fp8: ``compile_rules.left_eager``).
 
 Shapes are static (``dynamic=False``): each (batch, size, frames, and guidance on/off where guidance
 doubles the denoiser's batch) is a graph of its own, exact for that shape and replayable as a CUDA
@@ -47,15 +47,14 @@ import diffusiond.pipelines.ltx2 as ltx2
 from diffusiond.ipc.messages import BatchParams, Capabilities, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, PreviewSink, StepCallback, Task
 from diffusiond.pipelines.call_defaults import true_cfg
-from diffusiond.pipelines.compile_rules import compile_refusal
+from diffusiond.pipelines.compile_rules import TEXT_ENCODERS, compile_refusal, left_eager
 from diffusiond.pipelines.denoisers import denoisers
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
-__all__ = ["CompiledPipeline", "cache_report", "compilations", "fuse_qkv", "guidance_is_shape", "set_cache_dir",
-           "shape_key"]
+__all__ = ["CompiledPipeline", "cache_report", "compilations", "fuse_denoisers_qkv", "fuse_qkv", "guidance_is_shape",
+           "set_cache_dir", "shape_key"]
 
-_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that record CUDA graphs
 
 
@@ -167,7 +166,25 @@ def _drop_unfused(module: torch.nn.Module) -> None:
                 delattr(attn, name)
 
 
-def _fuse_denoisers(pipe: Any, cls: str) -> None:
+def fuse_denoisers_qkv(pipe: Any) -> str | None:
+    """``fp8=rowwise``'s fusion (pipelines/fp8_rows.py), made before its layers are quantized: each attention's
+    input is then quantized once, not three times, and multiplied in one product three times as wide. Row scales
+    make it free of any rounding of its own: a fused row keeps the scale it had apart, and the input's rows are
+    scaled as they were. Why not, where a denoiser cannot fuse (for the log); its projections then stay apart,
+    unfused again, and are converted one by one, as before."""
+    try:
+        _fuse_denoisers(pipe, type(pipe).__name__, vae=False)
+    except PipelineError as exc:
+        for _, module in denoisers(pipe):
+            if hasattr(module, "unfuse_qkv_projections"):
+                module.unfuse_qkv_projections()
+        return str(exc)
+    for _, module in denoisers(pipe):
+        _drop_unfused(module)
+    return None
+
+
+def _fuse_denoisers(pipe: Any, cls: str, vae: bool = True) -> None:
     found = denoisers(pipe)
     if not found or not all(hasattr(module, "fuse_qkv_projections") for _, module in found):
         raise PipelineError(f"fuse_qkv=1: {cls} cannot fuse its QKV projections; drop fuse_qkv=1 for this model")
@@ -181,9 +198,9 @@ def _fuse_denoisers(pipe: Any, cls: str) -> None:
         if unread is not None:
             raise PipelineError(f"fuse_qkv=1: {cls}'s {name} cannot fuse its QKV projections: {unread}; "
                                 "drop fuse_qkv=1 for this model")
-    vae: Any = getattr(pipe, "vae", None)
-    if hasattr(vae, "fuse_qkv_projections"):
-        vae.fuse_qkv_projections()
+    decoder: Any = getattr(pipe, "vae", None) if vae else None
+    if hasattr(decoder, "fuse_qkv_projections"):
+        decoder.fuse_qkv_projections()
 
 
 def _unread_fusions(module: torch.nn.Module) -> str | None:
@@ -231,6 +248,7 @@ class CompiledPipeline:
         self._guidance_is_shape = guidance_is_shape(pipe)
         self._fps = ltx2.default_fps(type(pipe)) if ltx2.conditions_on_fps(type(pipe)) else 0  # a warm-up's: None
         self.compiled: list[str] = []  # which modules, for the log and the tests
+        self._eager = left_eager(opts)
         self._prepare(pipe, opts)
         self.compile(pipe)
 
@@ -263,9 +281,9 @@ class CompiledPipeline:
             # compiled, they recompile per tile. Left eager.
             decoder.compile(**kw)
             self.compiled.append("vae.decoder")
-        for name in _TEXT_ENCODERS:
+        for name in TEXT_ENCODERS:
             encoder = getattr(pipe, name, None)
-            if isinstance(encoder, torch.nn.Module):
+            if isinstance(encoder, torch.nn.Module) and name not in self._eager:
                 encoder.compile(**kw)
                 self.compiled.append(name)
 

@@ -12,7 +12,21 @@ from collections.abc import Mapping
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import parse_quant
 
-__all__ = ["compile_refusal"]
+__all__ = ["TEXT_ENCODERS", "compile_refusal", "left_eager"]
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+"""The components ``--compile`` compiles whole beside the denoisers and the VAE decoder, unless ``left_eager``."""
+
+
+def left_eager(options: Mapping[str, str]) -> tuple[str, ...]:
+    """The text encoders stored in fp8 (``quant=text_encoder_2:fp8-storage``), which ``--compile`` leaves eager:
+    their casting hooks cannot be compiled (``compile_refusal``), and an encoder runs once an image, so compiling
+    it buys little. A 24 GiB card holds FLUX.1-dev's transformer in fp8, compiled, only beside T5 in fp8."""
+    try:
+        quant = parse_quant(options["quant"]) if options.get("quant") else {}
+    except PipelineError:
+        return ()
+    return tuple(c for c in TEXT_ENCODERS if quant.get(c) == "fp8-storage")
 
 
 def compile_refusal(options: Mapping[str, str]) -> str:
@@ -21,9 +35,10 @@ def compile_refusal(options: Mapping[str, str]) -> str:
     - A step cache (``cache=``): diffusers' cache hooks call a ``torch.compiler.disable``d function
       inside each block, and the blocks are compiled ``fullgraph`` (pipelines/compile.py), so every
       job would fail with a dynamo error after the model reports ready.
-    - ``fp8-storage``: diffusers' layerwise casting hooks re-cast each layer around its forward;
-      dynamo recompiles the hook per layer until its recompile limit and then runs it eager, so the
-      model is neither compiled nor told so.
+    - ``fp8-storage`` on a denoiser or the VAE: diffusers' layerwise casting hooks re-cast each layer around
+      its forward; dynamo recompiles the hook per layer until its recompile limit and then runs it eager, so
+      the model is neither compiled nor told so. A text encoder in fp8 storage is left eager instead
+      (``left_eager``).
     """
     cache = options.get("cache")
     if cache:
@@ -34,7 +49,7 @@ def compile_refusal(options: Mapping[str, str]) -> str:
         quant = parse_quant(options["quant"]) if options.get("quant") else {}
     except PipelineError:
         return ""  # a malformed quant= is refused with its own message by the option check
-    stored = sorted(c for c, method in quant.items() if method == "fp8-storage")
+    stored = sorted(c for c, method in quant.items() if method == "fp8-storage" and c not in TEXT_ENCODERS)
     if stored:
         named = ",".join(f"{c}:fp8-storage" for c in stored)
         return (f"--compile with quant={named} is refused: its per-layer casting hooks make torch.compile "

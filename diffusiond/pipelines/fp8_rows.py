@@ -14,12 +14,15 @@ quantizing kernel, and a LoRA, an offload or a weight update sees an fp8 tensor 
 
 The layers converted are the denoiser's blocks' (``spec.FP8_ROWS_KEEP``: norms, the embedders, the first and last
 projections stay as loaded), with both dimensions multiples of 16, which the fp8 product needs. It is applied while the
-model is on the host, before offload hooks are made and before the move (``speedups.apply_fp8_rows``).
+model is on the host, before offload hooks are made and before the move (``speedups.apply_fp8_rows``), after each
+attention's query, key and value projections are fused into one (``compile.fuse_denoisers_qkv``), so that their
+common input is quantized once: row scales make the fusion free of rounding of its own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,13 +30,17 @@ import torch
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import fp8_rows_kept
 
-__all__ = ["Fp8RowwiseLinear", "to_fp8_rowwise"]
+__all__ = ["Fp8RowwiseLinear", "check_device", "check_plain", "to_fp8_rowwise"]
 
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # an all-zero row's scale: its quantized values are 0 whatever it is
+FAST_ACCUM = True
+"""The GPU's fast fp8 accumulation: a product's sums stay in the matrix units' own accumulator, where the slower mode
+adds them into float32 every few steps of the inner dimension. fp8 inference kernels run it (torchao's forward
+among them); its rounding is part of what the option's PSNR figures measure (docs/benchmarks.md)."""
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,9 +98,12 @@ class Fp8RowwiseLinear(torch.nn.Module):
             return x.new_zeros(*shape[:-1], self.out_features)
         xq, xs = _quantize(x.reshape(-1, shape[-1]))
         wide = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-scaled product writes bf16 only
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=wide)
-        if self.bias is not None:
-            out = out + self.bias
+        bias = self.bias
+        inside = bias is not None and bias.dtype == wide  # the product adds a bias of its output's dtype
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
+                               bias=bias if inside else None, out_dtype=wide, use_fast_accum=FAST_ACCUM)
+        if bias is not None and not inside:
+            out = out + bias
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -105,37 +115,54 @@ def to_fp8_rowwise(module: torch.nn.Module, device: torch.device, what: str = "t
     """Replace ``module``'s eligible linear layers in place; how many were replaced. Each is quantized on
     ``device`` and kept there when ``resident``, else where it was. A GPU needs fp8 matrix units (compute
     capability 8.9+); on a CPU torch's own fp8 product runs (slowly: for tests and checks). A module whose
-    layers are quantized already (GGUF's, torchao's, bitsandbytes') is refused: nothing plain is left to convert,
-    and the name would claim what did not happen (review49-a 4)."""
+    layers are quantized already is refused (``check_plain``)."""
+    check_device(device)
+    check_plain(module, what)
+    replaced = 0
+    for parent, name, child in _linears(module):
+        if type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:
+            setattr(parent, name, Fp8RowwiseLinear(child, device, device if resident else None))
+            replaced += 1
+    if not replaced:
+        raise PipelineError(f"fp8=rowwise: {what} ({type(module).__name__}) has no linear layer to convert; "
+                            "drop fp8=rowwise for this model")
+    return replaced
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse a device without fp8 products, before anything is changed."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise PipelineError(f"fp8=rowwise needs a GPU with fp8 matrix units (compute capability 8.9+: Ada, Hopper); "
                             f"this one has {major}.{minor}")
     if device.type not in ("cuda", "cpu"):
         raise PipelineError(f"fp8=rowwise runs on CUDA GPUs (and on the CPU, slowly), not on {device.type}")
-    replaced = 0
-    other: set[str] = set()
 
-    def visit(parent: torch.nn.Module, prefix: str) -> None:
-        nonlocal replaced
-        for name, child in list(parent.named_children()):
-            full = f"{prefix}{name}"
-            if fp8_rows_kept(full):
-                continue
-            if not isinstance(child, torch.nn.Linear):
-                visit(child, f"{full}.")
-            elif child.weight.dtype not in _FLOATS or type(child.weight) not in _PLAIN:  # quantized by another
-                other.add(f"{type(child).__name__} ({child.weight.dtype})".replace("torch.", ""))
-            elif type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:
-                setattr(parent, name, Fp8RowwiseLinear(child, device, device if resident else None))
-                replaced += 1
 
-    visit(module, "")
-    if other or not replaced:
-        found = f"its linear layers are {', '.join(sorted(other))}" if other else "it has no linear layer to convert"
-        raise PipelineError(f"fp8=rowwise: {what} ({type(module).__name__}) is not a plain float model ({found}); "
-                            "load it unquantized to use fp8=rowwise, or drop fp8=rowwise")
-    return replaced
+def check_plain(module: torch.nn.Module, what: str) -> None:
+    """Refuse a module whose layers are quantized already (GGUF's, torchao's, bitsandbytes'): nothing plain is
+    left to convert, and the name would claim what did not happen (review49-a 4). Checked before the QKV fusion
+    too, which would concatenate quantized blocks as if they were weights."""
+    other = {f"{type(child).__name__} ({child.weight.dtype})".replace("torch.", "")
+             for _, _, child in _linears(module)
+             if child.weight.dtype not in _FLOATS or type(child.weight) not in _PLAIN}
+    if other:
+        raise PipelineError(f"fp8=rowwise: {what} ({type(module).__name__}) is not a plain float model (its linear "
+                            f"layers are {', '.join(sorted(other))}); load it unquantized to use fp8=rowwise, or drop "
+                            "fp8=rowwise")
+
+
+def _linears(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """Each linear layer under ``module`` that fp8=rowwise does not keep (``spec.FP8_ROWS_KEEP``), with its parent
+    and its name there; a kept module's children are not visited."""
+    for name, child in list(module.named_children()):
+        full = f"{prefix}{name}"
+        if fp8_rows_kept(full):
+            continue
+        if isinstance(child, torch.nn.Linear):
+            yield module, name, child
+        else:
+            yield from _linears(child, f"{full}.")
 
 
 _FLOATS: Any = (torch.bfloat16, torch.float16, torch.float32)

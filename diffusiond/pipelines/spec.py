@@ -182,8 +182,8 @@ def _fp8_refusals(options: Mapping[str, str]) -> None:
             raise PipelineError(f"fp8={fp8} with quant={denoiser}:{named[denoiser]} is refused: the {denoiser} is "
                                 "quantized already, so fp8 would find no plain layer to convert; keep one of the two")
     if fp8 == "rowwise" and options.get("fuse_qkv") == "1":
-        raise PipelineError("fp8=rowwise with fuse_qkv=1 is refused: the fused projection would be made from the "
-                            "fp8 layers without their scales; drop fuse_qkv (the fp8 products are the faster part)")
+        raise PipelineError("fp8=rowwise with fuse_qkv=1 is refused: fp8=rowwise fuses the QKV projections itself "
+                            "before it quantizes them, where the model's attention can; drop fuse_qkv=1")
     if fp8 == "rowwise" and offload_mode(options) == "sequential":
         raise PipelineError("fp8=rowwise with offload=sequential is refused: accelerate keeps each layer's "
                             "weights in its own hooks, which the fp8 layers do not carry; use offload=group or model")

@@ -87,11 +87,19 @@ def apply_fp8_rows(pipe: Any, options: Mapping[str, str], device: torch.device, 
     quantized on ``device`` and left there when the model will be ``resident``, else back on the host."""
     if options.get("fp8") != "rowwise":
         return ()
-    from diffusiond.pipelines.fp8_rows import to_fp8_rowwise
+    from diffusiond.pipelines.compile import fuse_denoisers_qkv
+    from diffusiond.pipelines.fp8_rows import check_device, check_plain, to_fp8_rowwise
 
     found = denoisers(pipe)
     if not found:
         raise PipelineError(f"fp8=rowwise: {type(pipe).__name__} has no denoiser to quantize")
+    check_device(device)
+    for attr, denoiser in found:
+        check_plain(denoiser, f"the model's {attr}")
+    unfused = fuse_denoisers_qkv(pipe)
+    if unfused:
+        log.info("fp8=rowwise: the QKV projections stay apart, each quantizing its input (the fusion refused: %s)",
+                 unfused)
     layers = sum(to_fp8_rowwise(denoiser, device, f"the model's {attr}", resident) for attr, denoiser in found)
     log.info("fp8=rowwise: %d linear layers converted", layers)
     return (FP8_ROWS_NAME,)
