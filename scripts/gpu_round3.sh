@@ -167,6 +167,10 @@ PY
       [ "${FP8_ROWS_COMPILE:-1}" = 1 ] && step fp8-rows-compiled 420 python3 scripts/bench_bigger.py \
         --out $out/fp8-rows-compiled --configs resident,${FP8_ROWS_CONFIG:-fp8-rows} --compile default --images 2 \
         --timeout 300 --deadline 410 ;;
+    fp8-rows-expandable)  # issue 28: fp8-rows' eager half again with the allocator's expandable segments (at 24 GiB
+      # fp8-rows reserved 23.8 GiB, 1.3 GiB over what it held: whether the cap's cache flushes cost the 0.88x)
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step fp8-rows-expandable 300 python3 scripts/bench_bigger.py \
+        --out $out/fp8-rows-expandable --configs resident,fp8-rows --images 2 --timeout 200 --deadline 290 ;;
     batch8-layout)  # issue 31: the compiled forward alone (bench's limit-compiled), batch 8 at 512², 4 steps, SD 1.5
       # size, NCHW against channels_last=1 (one process each, one shape compiled each: cheaper than two curves)
       for o in "" ",channels_last=1"; do
