@@ -49,11 +49,12 @@ from diffusiond.pipelines.base import EditArrays, Pipeline, PipelineError, Previ
 from diffusiond.pipelines.call_defaults import true_cfg
 from diffusiond.pipelines.compile_rules import TEXT_ENCODERS, compile_refusal, left_eager
 from diffusiond.pipelines.denoisers import denoisers
+from diffusiond.pipelines.fusion import fuse_qkv
 from diffusiond.pipelines.spec import compile_shapes
 from diffusiond.protocol import COMPILE_MODES
 
-__all__ = ["CompiledPipeline", "cache_report", "compilations", "fuse_denoisers_qkv", "fuse_qkv", "guidance_is_shape",
-           "set_cache_dir", "shape_key"]
+__all__ = ["CompiledPipeline", "cache_report", "compilations", "fuse_qkv", "guidance_is_shape", "set_cache_dir",
+           "shape_key"]
 
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that record CUDA graphs
 
@@ -128,96 +129,6 @@ def _bound_recompiles(max_shapes: int) -> None:
             setattr(config, name, max_shapes)
     if hasattr(config, "accumulated_recompile_limit"):
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * max_shapes)
-
-
-def fuse_qkv(pipe: Any) -> None:
-    """``fuse_qkv=1``: each attention's query, key and value projections as one matrix (one GEMM instead of three).
-
-    diffusers keeps a pipeline method for this only where the pipeline has a ``unet`` (it sets the UNet's and
-    the VAE's fused processors); a DiT pipeline has none in diffusers 0.42 (FLUX, SD3, Wan: issue 31), and its
-    denoiser's own method is what the pipeline method used to call: the transformer's attentions build fused
-    projections that their processors read in place of the separate ones (``attn.fused_projections``). The VAE
-    is fused too where it has the method, as the pipeline method did. A denoiser that fuses nothing, or whose
-    processors would never read what was fused (its projections held twice for no gain), is refused by name."""
-    cls = type(pipe).__name__
-    if hasattr(pipe, "fuse_qkv_projections"):
-        pipe.fuse_qkv_projections()
-    else:
-        _fuse_denoisers(pipe, cls)
-    for component in getattr(pipe, "components", {}).values():
-        if isinstance(component, torch.nn.Module):
-            _drop_unfused(component)
-
-
-def _drop_unfused(module: torch.nn.Module) -> None:
-    """The separate projections a fusion copied, deleted: the fused attentions never read them again, so a LoRA or
-    an ``update_weights`` naming them was taken and changed nothing, and they held the projections' bytes twice
-    (4.3 GB of FLUX.1-dev in bf16; review42b-rest 1). Deleted, an update naming one is refused as naming no such
-    module, by the checks every update goes through. A cross-attention fuses only its key and value (``to_kv``)."""
-    for attn in list(module.modules()):
-        if not getattr(attn, "fused_projections", False):
-            continue
-        names: tuple[str, ...] = ("to_q", "to_k", "to_v") if hasattr(attn, "to_qkv") else \
-            ("to_k", "to_v") if hasattr(attn, "to_kv") else ()
-        if hasattr(attn, "to_added_qkv"):
-            names += ("add_q_proj", "add_k_proj", "add_v_proj")
-        for name in names:
-            if isinstance(getattr(attn, name, None), torch.nn.Module):
-                delattr(attn, name)
-
-
-def fuse_denoisers_qkv(pipe: Any) -> str | None:
-    """``fp8=rowwise``'s fusion (pipelines/fp8_rows.py), made before its layers are quantized: each attention's
-    input is then quantized once, not three times, and multiplied in one product three times as wide. Row scales
-    make it free of any rounding of its own: a fused row keeps the scale it had apart, and the input's rows are
-    scaled as they were. Why not, where a denoiser cannot fuse (for the log); its projections then stay apart,
-    unfused again, and are converted one by one, as before."""
-    try:
-        _fuse_denoisers(pipe, type(pipe).__name__, vae=False)
-    except PipelineError as exc:
-        for _, module in denoisers(pipe):
-            if hasattr(module, "unfuse_qkv_projections"):
-                module.unfuse_qkv_projections()
-        return str(exc)
-    for _, module in denoisers(pipe):
-        _drop_unfused(module)
-    return None
-
-
-def _fuse_denoisers(pipe: Any, cls: str, vae: bool = True) -> None:
-    found = denoisers(pipe)
-    if not found or not all(hasattr(module, "fuse_qkv_projections") for _, module in found):
-        raise PipelineError(f"fuse_qkv=1: {cls} cannot fuse its QKV projections; drop fuse_qkv=1 for this model")
-    for name, module in found:
-        try:
-            module.fuse_qkv_projections()
-        except ValueError as exc:  # diffusers refuses attentions with added KV projections (IP-Adapter's)
-            raise PipelineError(f"fuse_qkv=1: {cls}'s {name} cannot fuse its QKV projections ({exc}); "
-                                "drop fuse_qkv=1 for this model") from exc
-        unread = _unread_fusions(module)
-        if unread is not None:
-            raise PipelineError(f"fuse_qkv=1: {cls}'s {name} cannot fuse its QKV projections: {unread}; "
-                                "drop fuse_qkv=1 for this model")
-    decoder: Any = getattr(pipe, "vae", None) if vae else None
-    if hasattr(decoder, "fuse_qkv_projections"):
-        decoder.fuse_qkv_projections()
-
-
-def _unread_fusions(module: torch.nn.Module) -> str | None:
-    """Why the fusion just made in ``module`` does nothing, or None where its attentions' processors read it:
-    fused (``fused_projections``) by some attention, and each fused attention's processor comes from code that
-    knows fused projections (diffusers' processors that do read ``fused_projections`` or ``to_qkv``)."""
-    import inspect
-    import sys
-
-    fused = [m for m in module.modules() if getattr(m, "fused_projections", False)]
-    if not fused:
-        return "none of its attentions has projections to fuse"
-    for kind in {type(getattr(attn, "processor", None)) for attn in fused}:
-        source = inspect.getsource(sys.modules[kind.__module__]) if kind is not type(None) else ""
-        if "fused_projections" not in source and "to_qkv" not in source:
-            return f"its attention processor {kind.__name__} does not read fused projections"
-    return None
 
 
 class CompiledPipeline:

@@ -21,7 +21,8 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 def left_eager(options: Mapping[str, str]) -> tuple[str, ...]:
     """The text encoders stored in fp8 (``quant=text_encoder_2:fp8-storage``), which ``--compile`` leaves eager:
     their casting hooks cannot be compiled (``compile_refusal``), and an encoder runs once an image, so compiling
-    it buys little. A 24 GiB card holds FLUX.1-dev's transformer in fp8, compiled, only beside T5 in fp8."""
+    it buys little. FLUX.1-dev with its transformer in fp8 needs T5 in fp8 too to fit a 24 GiB card (fp8=rowwise
+    with T5 as built peaked at 24.7 GiB compiled on an H100, docs/benchmarks.md)."""
     try:
         quant = parse_quant(options["quant"]) if options.get("quant") else {}
     except PipelineError:

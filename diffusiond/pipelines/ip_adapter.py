@@ -50,6 +50,7 @@ from diffusiond.ipc.messages import BatchParams, RequestSpec
 from diffusiond.pipelines.base import EditArrays, PipelineError, PreviewSink, StepCallback
 from diffusiond.pipelines.controlnet import ControlNets, eager, not_diffusers, plain_base
 from diffusiond.pipelines.errors import fit_reason
+from diffusiond.pipelines.spec import FP8_ROWS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ def unsupported(pipeline: Any) -> str | None:
     family = type(base.pipe).__name__
     if family not in FAMILIES:
         return f"model {base.name} is a {family}; IP-Adapters are served for {', '.join(FAMILIES)} models"
+    if family in UNET_FAMILIES and FP8_ROWS_NAME in base.capabilities.approximations:
+        # diffusers' UNet loader ends with the UNet's own .to(dtype), which would cast the fp8 weights back to
+        # full width without their scales, and every later job would fail (review51-a 2)
+        return (f"model {base.name} runs with fp8=rowwise, and diffusers' IP-Adapter load casts its UNet's fp8 "
+                "layers back to full width without their scales: serve it without fp8=rowwise to use IP-Adapters")
     return None
 
 

@@ -87,8 +87,8 @@ def apply_fp8_rows(pipe: Any, options: Mapping[str, str], device: torch.device, 
     quantized on ``device`` and left there when the model will be ``resident``, else back on the host."""
     if options.get("fp8") != "rowwise":
         return ()
-    from diffusiond.pipelines.compile import fuse_denoisers_qkv
     from diffusiond.pipelines.fp8_rows import check_device, check_plain, to_fp8_rowwise
+    from diffusiond.pipelines.fusion import fuse_for_fp8
 
     found = denoisers(pipe)
     if not found:
@@ -96,12 +96,9 @@ def apply_fp8_rows(pipe: Any, options: Mapping[str, str], device: torch.device, 
     check_device(device)
     for attr, denoiser in found:
         check_plain(denoiser, f"the model's {attr}")
-    unfused = fuse_denoisers_qkv(pipe)
-    if unfused:
-        log.info("fp8=rowwise: the QKV projections stay apart, each quantizing its input (the fusion refused: %s)",
-                 unfused)
+    fused = fuse_for_fp8(pipe)
     layers = sum(to_fp8_rowwise(denoiser, device, f"the model's {attr}", resident) for attr, denoiser in found)
-    log.info("fp8=rowwise: %d linear layers converted", layers)
+    log.info("fp8=rowwise: %d linear layers converted, the QKV projections of %d attentions fused", layers, fused)
     return (FP8_ROWS_NAME,)
 
 
