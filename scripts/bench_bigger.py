@@ -190,6 +190,9 @@ def one(a: argparse.Namespace) -> None:
     def image() -> tuple[float, Any]:
         sync()
         s = time.perf_counter()
+        if a.compile in ("reduce-overhead", "max-autotune"):  # as CompiledPipeline.run: each call a new graph step
+            torch.compiler.cudagraph_mark_step_begin()  # (without it: "accessing tensor output of CUDAGraphs that
+            # has been overwritten", 2026-12-06 sixth session, h100-2026-12-06-s13/after-fusion/reduce-overhead)
         out = dp.pipe(prompt="a red fox in the snow", num_inference_steps=a.steps, height=height, width=width,
                       **({"num_frames": a.frames} if a.frames else {}),
                       guidance_scale=3.5, generator=torch.Generator(a.device).manual_seed(0), output_type="pt",
