@@ -26,6 +26,7 @@ from diffusiond.daemon.residency.gguf_header import BLOCK, read_gguf
 from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.pipelines import offload
 from diffusiond.pipelines.base import weight_bytes
+from diffusiond.pipelines.spec import check_options
 from diffusiond.pipelines.streaming import BlockStreamer
 
 gguf = pytest.importorskip("gguf")
@@ -167,6 +168,22 @@ def test_auto_takes_the_fastest_exact_configuration_that_fits(flux: Path) -> Non
     assert chosen == "sequential" and "nothing fits" in why and "offload=group" in why
     assert choose_auto(str(flux), {}, "bfloat16", on_cpu=True, budget=10)[0] == "none"
     assert choose_auto("tiny", {}, "bfloat16", on_cpu=False, budget=10)[0] == "none"  # not sizable: resident
+
+
+@pytest.mark.parametrize(("options", "dropped"), [
+    ({"quant": "transformer:int8"}, {"fp8", "stream"}),  # offload=stream refuses a quantized denoiser
+    ({"quant": "transformer:fp8-storage"}, {"fp8", "stream"}),  # stored in fp8 already
+    ({"fp8": "1"}, {"fp8", "stream"}),
+    ({"quant": "text_encoder_2:fp8-storage"}, set()),  # the encoders may be quantized beside either
+])  # fmt: skip
+def test_fit_lists_no_configuration_the_models_own_options_would_refuse_to_load(
+        flux: Path, options: dict[str, str], dropped: set[str]) -> None:
+    """Listed, a refused configuration is one ``offload=auto`` (or a user reading ``fit``) would choose and the
+    worker would then refuse to load; each listed one passes the load's option check with the model's options."""
+    names = {c.name for c in fit(str(flux), working=0, options=options).configurations}
+    assert names == {"none", "fp8", "stream", "group", "model", "sequential"} - dropped
+    for name in names - {"none", "fp8"}:
+        check_options({**options, "offload": name})
 
 
 def test_a_model_nothing_fits_has_its_jobs_refused_naming_every_configuration_tried(flux: Path) -> None:

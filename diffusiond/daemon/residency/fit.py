@@ -58,15 +58,18 @@ from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.modelcache import cache_root, is_complete
 from diffusiond.pipelines.preset_tables import folder_name, get_preset
-from diffusiond.pipelines.spec import ModelSpec, check_spec, offload_mode, parse_spec
+from diffusiond.pipelines.spec import ModelSpec, check_options, check_spec, offload_mode, parse_quant, parse_spec
 
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
 ORDER: Final = ("none", "fp8", "stream", "group", "model", "sequential")
 """Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping ``AUTO_SKIPS``)."""
-AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "not yet measured on a GPU"}
-"""Listed by ``fit`` but never chosen by ``auto``: fp8 changes outputs; stream's CUDA path (streams, events,
-the ring) has run only in its CPU form so far, and auto will take it once docs/benchmarks.md has its figure."""
+AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "measured on FLUX.1-dev only"}
+"""Listed by ``fit`` but never chosen by ``auto``: fp8 changes outputs. ``stream`` ran FLUX.1-dev inside 24 GiB at
+0.923x resident where group ran at 0.33x (docs/benchmarks.md, 2026-12-05), but it keeps every other component on
+the device, and its row sizes the working memory of one 1024² image: for Wan 1.3B in 12 GiB it would keep the
+11 GB UMT5 encoder beside 81 frames' activations, where group, which auto takes, was measured inside the budget.
+Asked for by name it is used; auto takes it once a video model's working memory is counted by its frames."""
 DENOISERS: Final = ("transformer", "unet")
 # LIST.INDEX of a denoiser's block; FLUX's and Wan's blocks under ComfyUI's prefix (a GGUF as downloaded) are
 # grouped as without it, as diffusers loads them (an LDM UNet's input_blocks under the same prefix are not
@@ -354,8 +357,25 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
     components, notes = model_tensors(spec, options, dtype)
     rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu,
                           approximations=spec_approximations(spec, options, dtype))
+    opts = {**parse_spec(spec).options, **(options or {})}
+    rows = tuple(c for c in rows if not _refused(c, opts))
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     return FitReport(spec, dtype, budget, at, rows, tuple(notes))
+
+
+def _refused(c: Configuration, opts: Mapping[str, str]) -> bool:
+    """Whether the model's own options rule this configuration out, as a load with both would refuse them
+    (``spec.check_options``): ``offload=stream`` beside ``quant=`` on the denoiser or ``fp8=``, fp8 storage of a
+    denoiser already quantized. Listed, ``auto`` would choose a configuration the worker then refuses to load."""
+    if c.name == "fp8":
+        named = parse_quant(opts["quant"]) if opts.get("quant") else {}
+        return any(d in named for d in DENOISERS) or opts.get("fp8") in ("1", "rowwise")
+    trial = {k: v for k, v in opts.items() if k not in ("offload", "cpu_offload", "resident_blocks")}
+    try:
+        check_options({**trial, "offload": c.name})
+    except PipelineError:
+        return True
+    return False
 
 
 def plan_stream(spec: str, options: Mapping[str, str], dtype: str, budget: int,
