@@ -114,6 +114,7 @@ def test_an_input_without_rows_gives_an_empty_output() -> None:
     ({"fp8": "2"}, r"fp8='2': use fp8=1 \(torchao\) or fp8=rowwise"),
     ({"fp8": "rowwise", "offload": "stream"}, "offload=stream with fp8=rowwise is refused"),
     ({"fp8": "rowwise", "offload": "sequential"}, "fp8=rowwise with offload=sequential is refused"),
+    ({"fp8": "1", "offload": "group"}, "fp8=1 with offload=group is refused: torchao swaps each linear layer's"),
     ({"fp8": "rowwise", "fuse_qkv": "1"}, "fp8=rowwise with fuse_qkv=1 is refused"),
     ({"fp8": "rowwise", "quant": "transformer:fp8-storage"},
      "fp8=rowwise with quant=transformer:fp8-storage is refused: the transformer is quantized already"),

@@ -184,6 +184,10 @@ def _fp8_refusals(options: Mapping[str, str]) -> None:
     if fp8 == "rowwise" and options.get("fuse_qkv") == "1":
         raise PipelineError("fp8=rowwise with fuse_qkv=1 is refused: fp8=rowwise fuses the QKV projections itself "
                             "before it quantizes them, where the model's attention can; drop fuse_qkv=1")
+    if fp8 == "1" and offload_mode(options) in ("group", "sequential"):
+        raise PipelineError(f"fp8=1 with offload={offload_mode(options)} is refused: torchao swaps each linear layer's "
+                            "weight after the offload's hooks are made, and the hooks would go on moving the old "
+                            "weights; use fp8=rowwise (applied before the hooks) or offload=model, or drop one")
     if fp8 == "rowwise" and offload_mode(options) == "sequential":
         raise PipelineError("fp8=rowwise with offload=sequential is refused: accelerate keeps each layer's "
                             "weights in its own hooks, which the fp8 layers do not carry; use offload=group or model")
