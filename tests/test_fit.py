@@ -186,6 +186,14 @@ def test_fit_lists_no_configuration_the_models_own_options_would_refuse_to_load(
         check_options({**options, "offload": name})
 
 
+def test_fit_lists_neither_stream_nor_fp8_storage_beside_an_unquantized_gguf(flux: Path, tmp_path: Path) -> None:
+    """review51-b 3: an F16 GGUF transformer counts as plain floats, yet its load refuses both."""
+    path = tmp_path / "t.gguf"
+    write_gguf(tiny_transformer(), path, "F16")
+    names = [c.name for c in fit(f"{path},base={flux}", working=0).configurations]
+    assert names == ["none", "group", "model", "sequential"]
+
+
 def test_a_model_nothing_fits_has_its_jobs_refused_naming_every_configuration_tried(flux: Path) -> None:
     config = build_config({}, {"model": [f"f={flux}"], "offload": "auto", "device_memory": "1KB",
                                "device": "cuda:0"})

@@ -243,3 +243,4 @@ def test_an_ip_adapter_on_a_unet_model_in_fp8_is_refused_naming_the_option() -> 
                                         "UNet's fp8 layers back to full width without their scales: serve it without "
                                         "fp8=rowwise to use IP-Adapters"}
     assert any(isinstance(mod, Fp8RowwiseLinear) for mod in pipe.pipe.unet.modules())  # type: ignore[attr-defined]
+

@@ -52,9 +52,8 @@ def fuse_for_fp8(pipe: Any) -> int:
     """``fp8=rowwise``'s fusion: row scales make it free of rounding of its own (a fused row keeps the scale it had
     apart, and the input's rows are scaled as they were). Attention by attention, and only where the model's own
     processor reads fused projections: diffusers' UNet and SD3 fusions swap in other processors, and SD3's skips
-    SD3.5's query and key norms (review51-a 1). Not where an attention has added key and value projections without
-    an added query (Wan 2.1 I2V's image ones, which its processor needs in place: review51-a 3). Each attention's
-    separate projections go as soon as it fuses, so the host holds at most one attention's twice (review51-a 4).
+    SD3.5's query and key norms (review51-a 1). Each attention's separate projections go as soon as it fuses, so
+    the host holds at most one attention's twice (review51-a 4).
     How many attentions fused."""
     fused = 0
     for _, denoiser in denoisers(pipe):
@@ -71,8 +70,6 @@ def fuse_for_fp8(pipe: Any) -> int:
 def _fuses_in_place(attn: torch.nn.Module) -> bool:
     if not callable(getattr(attn, "fuse_projections", None)) or getattr(attn, "fused_projections", False):
         return False
-    if getattr(attn, "add_k_proj", None) is not None and getattr(attn, "add_q_proj", None) is None:
-        return False
     processor = getattr(attn, "processor", None)
     if processor is None:
         return False
@@ -87,16 +84,30 @@ def _drop_separate(attn: torch.nn.Module) -> None:
     """The separate projections a fusion copied, deleted: the fused attention never reads them again, so a LoRA or
     an ``update_weights`` naming them was taken and changed nothing, and they held the projections' bytes twice
     (4.3 GB of FLUX.1-dev in bf16; review42b-rest 1). Deleted, an update naming one is refused as naming no such
-    module, by the checks every update goes through. A cross-attention fuses only its key and value (``to_kv``)."""
+    module, by the checks every update goes through. A cross-attention fuses only its key and value (``to_kv``).
+    Wan 2.1 I2V's image key and value (``to_added_kv``): its processor tests ``add_k_proj`` for None to know it has
+    an image branch, so a weightless stand-in keeps that answer (review51-a 3, review51-b 2)."""
     if not getattr(attn, "fused_projections", False):
         return
     names: tuple[str, ...] = ("to_q", "to_k", "to_v") if hasattr(attn, "to_qkv") else \
         ("to_k", "to_v") if hasattr(attn, "to_kv") else ()
     if hasattr(attn, "to_added_qkv"):
         names += ("add_q_proj", "add_k_proj", "add_v_proj")
+    elif hasattr(attn, "to_added_kv"):
+        names += ("add_k_proj", "add_v_proj")
     for name in names:
         if isinstance(getattr(attn, name, None), torch.nn.Module):
             delattr(attn, name)
+    if hasattr(attn, "to_added_kv") and not hasattr(attn, "to_added_qkv"):
+        attn.add_k_proj = FusedAway()
+
+
+class FusedAway(torch.nn.Module):
+    """A projection fused into another, kept only as an answer to ``is not None``; it has no weights, and a call
+    to it is a bug that must not pass unseen."""
+
+    def forward(self, *_args: Any) -> torch.Tensor:
+        raise RuntimeError("this projection was fused into another (fused_projections); the processor must call that")
 
 
 def _fuse_denoisers(pipe: Any, cls: str) -> None:

@@ -357,16 +357,20 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
     components, notes = model_tensors(spec, options, dtype)
     rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu,
                           approximations=spec_approximations(spec, options, dtype))
-    opts = {**parse_spec(spec).options, **(options or {})}
-    rows = tuple(c for c in rows if not _refused(c, opts))
+    parsed = parse_spec(spec)
+    opts = {**parsed.options, **(options or {})}
+    rows = tuple(c for c in rows if not _refused(c, opts, gguf=parsed.kind == "gguf"))
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     return FitReport(spec, dtype, budget, at, rows, tuple(notes))
 
 
-def _refused(c: Configuration, opts: Mapping[str, str]) -> bool:
+def _refused(c: Configuration, opts: Mapping[str, str], gguf: bool) -> bool:
     """Whether the model's own options rule this configuration out, as a load with both would refuse them
     (``spec.check_options``): ``offload=stream`` beside ``quant=`` on the denoiser or ``fp8=``, fp8 storage of a
-    denoiser already quantized. Listed, ``auto`` would choose a configuration the worker then refuses to load."""
+    denoiser already quantized, either beside a GGUF transformer, even an unquantized F16 one (model_config's and
+    the GGUF loader's refusals; review51-b 3). Listed, ``auto`` or a user would choose one the load refuses."""
+    if gguf and c.name in ("stream", "fp8"):
+        return True
     if c.name == "fp8":
         named = parse_quant(opts["quant"]) if opts.get("quant") else {}
         return any(d in named for d in DENOISERS) or opts.get("fp8") in ("1", "rowwise")
