@@ -13,6 +13,7 @@ Either way the separate projections a fusion copied are deleted (``_drop_separat
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any
@@ -71,10 +72,15 @@ def _fuses_in_place(attn: torch.nn.Module) -> bool:
     if not callable(getattr(attn, "fuse_projections", None)) or getattr(attn, "fused_projections", False):
         return False
     processor = getattr(attn, "processor", None)
-    if processor is None:
-        return False
+    return processor is not None and _reads_fused(type(processor))
+
+
+@functools.cache
+def _reads_fused(kind: type) -> bool:
+    """Whether a processor class reads fused projections itself (diffusers' ``_get_qkv_projections`` helpers
+    choose between fused and separate by ``attn.fused_projections``); read once per class, not per attention."""
     try:
-        source = inspect.getsource(type(processor))
+        source = inspect.getsource(kind)
     except (OSError, TypeError):
         return False
     return "fused_projections" in source or "_get_qkv_projections" in source
