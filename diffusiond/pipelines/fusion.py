@@ -13,7 +13,6 @@ Either way the separate projections a fusion copied are deleted (``_drop_separat
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 from typing import Any
@@ -75,15 +74,19 @@ def _fuses_in_place(attn: torch.nn.Module) -> bool:
     return processor is not None and _reads_fused(type(processor))
 
 
-@functools.cache
+_READS: dict[type, bool] = {}
+
+
 def _reads_fused(kind: type) -> bool:
     """Whether a processor class reads fused projections itself (diffusers' ``_get_qkv_projections`` helpers
     choose between fused and separate by ``attn.fused_projections``); read once per class, not per attention."""
-    try:
-        source = inspect.getsource(kind)
-    except (OSError, TypeError):
-        return False
-    return "fused_projections" in source or "_get_qkv_projections" in source
+    if kind not in _READS:
+        try:
+            source = inspect.getsource(kind)
+        except (OSError, TypeError):
+            source = ""
+        _READS[kind] = "fused_projections" in source or "_get_qkv_projections" in source
+    return _READS[kind]
 
 
 def _drop_separate(attn: torch.nn.Module) -> None:
