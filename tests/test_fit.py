@@ -192,6 +192,8 @@ def test_fit_lists_neither_stream_nor_fp8_storage_beside_an_unquantized_gguf(flu
     write_gguf(tiny_transformer(), path, "F16")
     names = [c.name for c in fit(f"{path},base={flux}", working=0).configurations]
     assert names == ["none", "group", "model", "sequential"]
+    listed = json.loads(_cli(f"{path},base={flux}", "--working", "0", "--json").stdout)  # review51-c 1: the command
+    assert [c["name"] for c in listed["configurations"]] == names
 
 
 def test_a_model_nothing_fits_has_its_jobs_refused_naming_every_configuration_tried(flux: Path) -> None:

@@ -58,8 +58,9 @@ def wan_i2v() -> torch.nn.Module:
 
 
 def wan_inputs() -> dict[str, Any]:
+    """512 text tokens: Wan's I2V processor takes what comes before the last 512 as the image's (review51-c 2)."""
     return {"hidden_states": torch.randn(1, 4, 1, 8, 8), "timestep": torch.tensor([500]),
-            "encoder_hidden_states": torch.randn(1, 8, 32), "encoder_hidden_states_image": torch.randn(1, 4, 32)}
+            "encoder_hidden_states": torch.randn(1, 512, 32), "encoder_hidden_states_image": torch.randn(1, 4, 32)}
 
 
 def flux() -> torch.nn.Module:
@@ -121,6 +122,11 @@ def test_fuse_qkv_holds_wan_i2vs_image_projections_once_and_keeps_its_numbers() 
     fuse_qkv(pipeline_of(model))
     assert any(hasattr(m, "to_added_kv") for m in model.modules()) and count(model) == count(apart)
     assert torch.allclose(forward(model, args), forward(apart, args), atol=1e-5, rtol=0)
+    blind = copy.deepcopy(apart)  # the image branch counts in these inputs: without it the output moves
+    for m in blind.modules():
+        if getattr(m, "add_k_proj", None) is not None:
+            m.add_k_proj = None
+    assert not torch.allclose(forward(blind, args), forward(apart, args), atol=1e-3, rtol=0)
 
 
 def test_an_ip_adapter_on_a_unet_model_with_fused_projections_is_refused_naming_the_option() -> None:

@@ -74,19 +74,28 @@ def _fuses_in_place(attn: torch.nn.Module) -> bool:
     return processor is not None and _reads_fused(type(processor))
 
 
-_READS: dict[type, bool] = {}
+_SOURCES: dict[type, tuple[str, str]] = {}
+
+
+def _sources(kind: type) -> tuple[str, str]:
+    """A processor class's own source and its module's, read once per class, not once per attention ('' for none
+    or where Python cannot find it)."""
+    if kind not in _SOURCES:
+        own = module = ""
+        if kind is not type(None):
+            try:
+                own, module = inspect.getsource(kind), inspect.getsource(sys.modules[kind.__module__])
+            except (OSError, TypeError, KeyError):
+                pass
+        _SOURCES[kind] = (own, module)
+    return _SOURCES[kind]
 
 
 def _reads_fused(kind: type) -> bool:
     """Whether a processor class reads fused projections itself (diffusers' ``_get_qkv_projections`` helpers
-    choose between fused and separate by ``attn.fused_projections``); read once per class, not per attention."""
-    if kind not in _READS:
-        try:
-            source = inspect.getsource(kind)
-        except (OSError, TypeError):
-            source = ""
-        _READS[kind] = "fused_projections" in source or "_get_qkv_projections" in source
-    return _READS[kind]
+    choose between fused and separate by ``attn.fused_projections``)."""
+    own = _sources(kind)[0]
+    return "fused_projections" in own or "_get_qkv_projections" in own
 
 
 def _drop_separate(attn: torch.nn.Module) -> None:
@@ -149,10 +158,9 @@ def _unread_fusions(module: torch.nn.Module) -> str | None:
         return "none of its attentions has projections to fuse"
     for attn in fused:
         kind = type(getattr(attn, "processor", None))
-        source = inspect.getsource(sys.modules[kind.__module__]) if kind is not type(None) else ""
+        own, source = _sources(kind)
         if "fused_projections" not in source and "to_qkv" not in source:
             return f"its attention processor {kind.__name__} does not read fused projections"
-        own = inspect.getsource(kind) if kind is not type(None) else ""
         if "_get_qkv_projections" in own or "_get_fused_projections" in own:
             continue  # the model's own processor, norms and all
         if any(getattr(attn, n, None) is not None for n in _NORMS) and "norm_q" not in own:

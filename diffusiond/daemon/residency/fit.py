@@ -66,10 +66,11 @@ ORDER: Final = ("none", "fp8", "stream", "group", "model", "sequential")
 """Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping ``AUTO_SKIPS``)."""
 AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "measured on FLUX.1-dev only"}
 """Listed by ``fit`` but never chosen by ``auto``: fp8 changes outputs. ``stream`` ran FLUX.1-dev inside 24 GiB at
-0.923x resident where group ran at 0.33x (docs/benchmarks.md, 2026-12-05), but it keeps every other component on
-the device, and its row sizes the working memory of one 1024² image: for Wan 1.3B in 12 GiB it would keep the
-11 GB UMT5 encoder beside 81 frames' activations, where group, which auto takes, was measured inside the budget.
-Asked for by name it is used; auto takes it once a video model's working memory is counted by its frames."""
+0.923x resident on an H100 (docs/benchmarks.md, 2026-12-05; group ran at 0.33x on the H200, 2026-12-02), but it
+was measured on FLUX only, and its plan fills the budget with resident blocks less the working memory of one
+1024² image: for Wan 1.3B in 12 GiB (11.3 GiB planned) 81 frames' activations may not fit beside them
+(unmeasured), where group, which auto takes, was measured inside the budget. Asked for by name it is used;
+auto takes it once a video model's working memory is counted by its frames."""
 DENOISERS: Final = ("transformer", "unet")
 # LIST.INDEX of a denoiser's block; FLUX's and Wan's blocks under ComfyUI's prefix (a GGUF as downloaded) are
 # grouped as without it, as diffusers loads them (an LDM UNet's input_blocks under the same prefix are not
@@ -352,10 +353,11 @@ def spec_approximations(spec: str, options: Mapping[str, str] | None = None,
 
 
 def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, working: int | None = None,
-        options: Mapping[str, str] | None = None, on_cpu: bool = False) -> FitReport:
-    """``diffusiond fit``: the model's configurations from its headers, fastest first."""
+        options: Mapping[str, str] | None = None, on_cpu: bool = False, shape: Shape | None = None) -> FitReport:
+    """``diffusiond fit``: the model's configurations from its headers, fastest first, without those its own
+    options would refuse to load (the command and ``offload=auto`` alike: review51-c 1)."""
     components, notes = model_tensors(spec, options, dtype)
-    rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu,
+    rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu, shape=shape,
                           approximations=spec_approximations(spec, options, dtype))
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}

@@ -22,14 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from diffusiond.daemon.residency.budget import resolve
-from diffusiond.daemon.residency.fit import (
-    FitReport,
-    choose_offload,
-    configurations,
-    model_tensors,
-    spec_approximations,
-    tried,
-)
+from diffusiond.daemon.residency.fit import choose_offload, fit, tried
 from diffusiond.daemon.residency.sizes import WeightsError, default_dtype
 from diffusiond.daemon.residency.units import format_bytes, parse_size
 from diffusiond.daemon.residency.working import Shape
@@ -74,14 +67,11 @@ def run(args: argparse.Namespace) -> int:
         working = _size(args.working, "--working") if args.working is not None else None
         shape = _shape(args.size)
         _check_file(args.spec)
-        components, notes = model_tensors(args.spec, {}, dtype)
-        rows = configurations(components, dtype, budget=budget, working=working, shape=shape,
-                              on_cpu=args.device == "cpu", approximations=spec_approximations(args.spec, {}, dtype))
+        report = fit(args.spec, dtype=dtype, budget=budget, working=working, shape=shape, on_cpu=args.device == "cpu")
     except (WeightsError, PipelineError, ValueError) as exc:
         print(f"diffusiond fit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
-    report = FitReport(args.spec, dtype, budget, at, rows, tuple(notes))
+    at, rows, notes = report.components, report.configurations, report.notes
     chosen, why = choose_offload(report)
     fitting = report.fitting
     if args.json:
