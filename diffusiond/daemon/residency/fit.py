@@ -63,16 +63,14 @@ from diffusiond.pipelines.spec import ModelSpec, check_options, check_spec, offl
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
 ORDER: Final = ("none", "fp8", "stream", "group", "model", "sequential")
-"""Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping ``auto_skips``)."""
-AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "measured on FLUX-layout transformers only"}
-"""Listed by ``fit`` but not chosen by ``auto``: fp8 never (it changes outputs); ``stream`` except for a
-denoiser laid out as FLUX's (``STREAM_MEASURED``), where it was measured: FLUX.1-dev inside 24 GiB at 0.923x
-resident with byte-equal pictures on an H100 (docs/benchmarks.md, 2026-12-05), where group ran at 0.33x (H200,
-2026-12-02). Elsewhere its plan, which fills the budget with resident blocks less one 1024² image's working memory,
-is unmeasured, and for a video model (Wan 1.3B in 12 GiB: 11.3 GiB planned) 81 frames' activations may not fit
-beside them, where group, which auto takes there, was measured inside the budget. Asked for by name it is used."""
-STREAM_MEASURED: Final = frozenset({"transformer_blocks", "single_transformer_blocks"})
-"""The block lists of the denoiser ``offload=stream`` was measured on (FLUX's), which ``auto`` may stream."""
+"""Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping ``AUTO_SKIPS``)."""
+AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "measured on FLUX.1-dev only"}
+"""Listed by ``fit`` but never chosen by ``auto``: fp8 changes outputs. ``stream`` ran FLUX.1-dev inside 24 GiB at
+0.923x resident on an H100 (docs/benchmarks.md, 2026-12-05; group ran at 0.33x on the H200, 2026-12-02), but it
+was measured on FLUX only, and its plan fills the budget with resident blocks less the working memory of one
+1024² image: for Wan 1.3B in 12 GiB (11.3 GiB planned) 81 frames' activations may not fit beside them
+(unmeasured), where group, which auto takes, was measured inside the budget. Asked for by name it is used;
+auto takes it once a video model's working memory is counted by its frames."""
 DENOISERS: Final = ("transformer", "unet")
 # LIST.INDEX of a denoiser's block; FLUX's and Wan's blocks under ComfyUI's prefix (a GGUF as downloaded) are
 # grouped as without it, as diffusers loads them (an LDM UNet's input_blocks under the same prefix are not
@@ -113,7 +111,6 @@ class FitReport:
     components: Mapping[str, int]  # bytes at the dtype, per component
     configurations: tuple[Configuration, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
-    auto_skips: Mapping[str, str] = field(default_factory=lambda: dict(AUTO_SKIPS))  # this model's (auto_skips)
 
     @property
     def fitting(self) -> tuple[Configuration, ...]:
@@ -366,15 +363,7 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
     opts = {**parsed.options, **(options or {})}
     rows = tuple(c for c in rows if not _refused(c, opts, gguf=parsed.kind == "gguf"))
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
-    return FitReport(spec, dtype, budget, at, rows, tuple(notes), auto_skips(components, dtype))
-
-
-def auto_skips(components: Mapping[str, list[Tensor]], dtype: str) -> dict[str, str]:
-    """``AUTO_SKIPS`` for this model: without ``stream`` where its denoiser is laid out as the one stream was
-    measured on (``STREAM_MEASURED``)."""
-    inputs = stream_inputs(components, dtype)
-    lists = {name.partition(".")[0] for name in inputs[0]} if inputs is not None else set()
-    return {k: v for k, v in AUTO_SKIPS.items() if not (k == "stream" and lists == STREAM_MEASURED)}
+    return FitReport(spec, dtype, budget, at, rows, tuple(notes))
 
 
 def _refused(c: Configuration, opts: Mapping[str, str], gguf: bool) -> bool:
@@ -415,7 +404,7 @@ def choose_offload(report: FitReport) -> tuple[str, str]:
     """``offload=auto``: the fastest exact configuration that fits (fp8 is never chosen for the user: it
     changes outputs), and why. Nothing fitting gives ``sequential``, the least on the device, and a reason
     naming every configuration and what it needed: residency then refuses the model's jobs as too large."""
-    exact = [c for c in report.configurations if c.name not in report.auto_skips]
+    exact = [c for c in report.configurations if c.name not in AUTO_SKIPS]
     if report.budget is None:
         return "none", "no --device-memory budget: everything stays resident"
     for c in exact:
@@ -447,11 +436,10 @@ def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bo
     except (WeightsError, PipelineError) as exc:
         return "none", f"none: the model's size is not known before it loads ({exc})", ""
     chosen, why = choose_offload(report)
-    skips = report.auto_skips
-    if any(c.fits for c in report.configurations if c.name not in skips):
+    if any(c.fits for c in report.configurations if c.name not in AUTO_SKIPS):
         return chosen, why, ""
-    hint = "".join(f"; {c.option} ({skips[c.name]}) would fit: ask for it" for c in report.configurations
-                   if c.name in skips and c.fits)
+    hint = "".join(f"; {c.option} ({AUTO_SKIPS[c.name]}) would fit: ask for it" for c in report.configurations
+                   if c.name in AUTO_SKIPS and c.fits)
     return chosen, why, (f"nothing fits the --device-memory budget of {format_bytes(budget)} with offload=auto: "
                          f"{tried(report)}{hint}")
 
