@@ -42,8 +42,7 @@ TINY = 1e-12  # an all-zero row's scale: its quantized values are 0 whatever it 
 FAST_ACCUM = True
 """The GPU's fast fp8 accumulation: a product's sums stay in the matrix units' own accumulator, where the slower mode
 adds them into float32 every few steps of the inner dimension. fp8 inference kernels run it (torchao's forward
-among them). On an H100 (review51-a, one 8192x3072 by 3072x9216 bf16 product) it took the relative error against
-the full-precision product from 1.67e-3 to 1.96e-3; the option's PSNR figures include it (docs/benchmarks.md)."""
+among them); the option's PSNR figures include its rounding (docs/benchmarks.md)."""
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
