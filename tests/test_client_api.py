@@ -129,9 +129,15 @@ def test_cancel_and_a_failed_job(sock: str) -> None:
         with pytest.raises(JobFailed) as info:
             handle.outputs()
         assert info.value.code == "cancelled" and info.value.job_id == handle.id
+
+
+def test_generate_raises_the_daemons_deadline_naming_the_stage_it_passed_in(sock: str) -> None:
+    # Its own test, so it starts on an idle worker (the fixture waits): a worker still winding down
+    # a cancelled job held this one queued past its deadline on a loaded 2-core CI machine.
+    with Client(sock) as c:
         # generate raises; the daemon's deadline error arrives before the client's own bound
         with pytest.raises(JobFailed) as failed:
-            c.generate("too slow", timeout_s=1, **HOLD)  # type: ignore[arg-type]
+            c.generate("too slow", timeout_s=3, **HOLD)  # type: ignore[arg-type]
         assert failed.value.code == "deadline_exceeded" and failed.value.stage == "computing", failed.value
 
 
