@@ -227,6 +227,7 @@ def auto_offload(pipe: Any, options: dict[str, str], a: argparse.Namespace) -> t
     as their files' headers would be, ``quant=`` included: the offload the daemon would run this model with."""
     import torch
 
+    from diffusiond.daemon.residency.auto_skips import skips
     from diffusiond.daemon.residency.fit import FitReport, choose_offload, configurations
     from diffusiond.daemon.residency.fit_tensors import Tensor, quantize
 
@@ -237,7 +238,8 @@ def auto_offload(pipe: Any, options: dict[str, str], a: argparse.Namespace) -> t
     budget = int(a.budget_gib * 2**30)
     rows = configurations(components, dtype, budget=budget, on_cpu=a.device == "cpu")
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
-    chosen, why = choose_offload(FitReport(a.preset, dtype, budget, at, rows))
+    report = FitReport(a.preset, dtype, budget, at, rows, auto_skips=skips(type(pipe).__name__))
+    chosen, why = choose_offload(report)
     print(f"offload=auto chose {why}", file=sys.stderr, flush=True)
     rest = {k: v for k, v in options.items() if k != "offload"}
     return ({**rest, "offload": chosen} if chosen != "none" else rest), why

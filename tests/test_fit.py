@@ -21,7 +21,7 @@ from fluxkit import build_flux, tiny_transformer, write_gguf
 
 from conftest import ROOT
 from diffusiond.daemon.config import ConfigError, build_config
-from diffusiond.daemon.residency.fit import choose_auto, choose_offload, fit, model_tensors
+from diffusiond.daemon.residency.fit import choose_auto, choose_offload, device_weights, fit, model_tensors
 from diffusiond.daemon.residency.gguf_header import BLOCK, read_gguf
 from diffusiond.daemon.residency.sizes import WeightsError
 from diffusiond.pipelines import offload
@@ -156,11 +156,11 @@ def test_fit_on_a_single_safetensors_file(tmp_path: Path) -> None:
 def test_auto_takes_the_fastest_exact_configuration_that_fits(flux: Path) -> None:
     rows = {c.name: c.device_bytes for c in fit(str(flux), working=0).configurations}
     assert rows["stream"] < rows["none"]
-    for budget, want in [(rows["none"], "none"), (rows["none"] - 1, "group"), (rows["stream"] - 1, "group"),
+    # a FluxPipeline folder: the pipeline stream was measured on (auto_skips.py), so auto streams it where it fits
+    for budget, want in [(rows["none"], "none"), (rows["none"] - 1, "stream"), (rows["stream"] - 1, "group"),
                          (rows["group"] - 1, "sequential")]:
         chosen, why = choose_offload(fit(str(flux), budget=budget, working=0))
         assert chosen == want, (budget, why)
-    # stream fits below none and fit lists it, but auto does not take it until its GPU figure exists
     listed = {c.name: c for c in fit(str(flux), budget=rows["none"] - 1, working=0).configurations}
     assert listed["stream"].fits and listed["stream"].device_bytes > rows["group"]
     assert rows["fp8"] < rows["none"]  # fp8 would fit at none - 1, yet auto never picks an approximation
@@ -366,9 +366,16 @@ def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(deep_flux
     assert len(seen) >= 3, seen
     auto = build_config({}, {"model": [f"f={deep_flux},offload=auto"], "device_memory": str(needs[0]),
                              "device": "cuda:0", "dtype": "float32"}).models[0]
-    # auto does not take stream before its GPU figure exists (fit.AUTO_SKIPS): group, which fits here too
-    assert auto.options["offload"] == "group" and "resident_blocks" not in auto.options, auto
-    assert auto.offload_reason.startswith("offload=auto chose group")
+    # a FluxPipeline folder: auto takes stream, with the blocks the budget holds (none here)
+    assert auto.options["offload"] == "stream" and auto.options["resident_blocks"] == "0", auto
+    assert auto.offload_reason.startswith("offload=auto chose stream")
+    # and residency places it from its headers before its first load, at the plan's figure (review51-d 2)
+    given = build_config({}, {"model": [f"f={deep_flux},offload=stream,resident_blocks=3"], "device": "cuda:0",
+                              "dtype": "float32"}).models[0]
+    for m, count in ((auto, 0), (given, 3)):
+        placed = device_weights(m.spec, m.options, "float32", on_cpu=False)
+        assert placed == stream_plan.plan(*inputs, count).device_bytes, (m.spec, placed)
+    assert device_weights(str(deep_flux), {"offload": "stream"}, "float32", on_cpu=False) is None  # no count yet
     tight = build_config({}, {"model": [f"f={deep_flux}"], "offload": "stream", "device_memory": "1KB",
                               "device": "cuda:0"}).models[0]
     assert tight.nothing_fits.startswith("offload=stream does not fit the --device-memory budget of 1000 B: at its "
@@ -405,3 +412,51 @@ def test_offload_stream_of_a_model_without_headers_or_of_a_gguf(flux: Path, q8: 
     with pytest.raises(ConfigError, match="offload=stream is refused for a GGUF transformer"):
         build_config({}, {"model": [f"g={q8[0]},base={flux}"], "offload": "stream", "device_memory": "8GB",
                           "device": "cuda:0"})
+
+
+# which pipelines auto streams (auto_skips.py) ----------------------------------------------------
+def test_auto_streams_only_the_pipeline_stream_was_measured_on(flux: Path, tmp_path: Path) -> None:
+    """A FluxKontextPipeline folder holds FLUX's very transformer, but an edit's reference picture doubles its
+    tokens, which stream's plan does not count: auto takes group for it, and names stream when only that fits."""
+    kontext = tmp_path / "kontext"
+    shutil.copytree(flux, kontext)
+    index = json.loads((kontext / "model_index.json").read_text())
+    (kontext / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxKontextPipeline"}))
+    rows = {c.name: c.device_bytes for c in fit(str(kontext), working=0).configurations}
+    report = fit(str(kontext), budget=rows["none"] - 1, working=0)
+    assert "stream" in report.auto_skips and "stream" not in fit(str(flux), working=0).auto_skips
+    assert choose_offload(report)[0] == "group"
+    assert {"stream", "group"} <= {c.name for c in report.configurations if c.fits}  # stream listed, not taken
+
+
+def _bfl_file(path: Path, guided: bool, in_features: int | None = None) -> Path:
+    from diffusers import FluxTransformer2DModel
+    from fluxkit import TRANSFORMER, bfl_state_dict
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    sd = bfl_state_dict(FluxTransformer2DModel(**{**TRANSFORMER, "guidance_embeds": guided, "num_layers": 3,
+                                                  "num_single_layers": 4}),
+                        "model.diffusion_model.")
+    if in_features is not None:  # Fill's and Depth's wider latent input, under FLUX.1-dev's layout otherwise
+        inner = sd["model.diffusion_model.img_in.weight"].shape[0]
+        sd["model.diffusion_model.img_in.weight"] = torch.zeros(inner, in_features)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    return path
+
+
+@pytest.mark.parametrize(("guided", "in_features", "streamed"), [
+    (True, None, True),  # flux-dev as downloaded (ComfyUI's prefix)
+    (False, None, True),  # flux-schnell: no guidance embedding
+    (True, 384, False),  # flux-fill: FluxFillPipeline's, not the measured one
+    (True, 128, False),  # flux-depth
+])
+def test_a_single_file_streams_when_the_loader_would_build_flux1s_text_to_image_pipeline(
+        tmp_path: Path, guided: bool, in_features: int | None, streamed: bool) -> None:
+    spec = str(_bfl_file(tmp_path / "flux.safetensors", guided, in_features))
+    rows = {c.name: c.device_bytes for c in fit(spec, working=0).configurations}
+    chosen, why = choose_offload(fit(spec, budget=rows["none"] - 1, working=0))
+    assert chosen == ("stream" if streamed else "group"), why
+    # pipeline_class= names what the loader builds, whatever the file's layout says
+    named = fit(spec, budget=rows["none"] - 1, working=0, options={"pipeline_class": "FluxFillPipeline"})
+    assert choose_offload(named)[0] == "group"

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Final
 
 import diffusiond.pipelines.stream_plan as stream_plan
+from diffusiond.daemon.residency import auto_skips as skipped
 from diffusiond.daemon.residency.fit_tensors import QUANT_WIDTH, Tensor, quant_approximations, quantize
 from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES, STORED_BF16, read_gguf
 from diffusiond.daemon.residency.sizes import (
@@ -58,19 +59,20 @@ from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.modelcache import cache_root, is_complete
 from diffusiond.pipelines.preset_tables import folder_name, get_preset
-from diffusiond.pipelines.spec import ModelSpec, check_options, check_spec, offload_mode, parse_quant, parse_spec
+from diffusiond.pipelines.spec import (
+    ModelSpec,
+    check_options,
+    check_spec,
+    offload_mode,
+    parse_quant,
+    parse_spec,
+    resident_blocks,
+)
 
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
 ORDER: Final = ("none", "fp8", "stream", "group", "model", "sequential")
-"""Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping ``AUTO_SKIPS``)."""
-AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "measured on FLUX.1-dev only"}
-"""Listed by ``fit`` but never chosen by ``auto``: fp8 changes outputs. ``stream`` ran FLUX.1-dev inside 24 GiB at
-0.923x resident on an H100 (docs/benchmarks.md, 2026-12-05; group ran at 0.33x on the H200, 2026-12-02), but it
-was measured on FLUX only, and its plan fills the budget with resident blocks less the working memory of one
-1024² image: for Wan 1.3B in 12 GiB (11.3 GiB planned) 81 frames' activations may not fit beside them
-(unmeasured), where group, which auto takes, was measured inside the budget. Asked for by name it is used;
-auto takes it once a video model's working memory is counted by its frames."""
+"""Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping the report's ``auto_skips``)."""
 DENOISERS: Final = ("transformer", "unet")
 # LIST.INDEX of a denoiser's block; FLUX's and Wan's blocks under ComfyUI's prefix (a GGUF as downloaded) are
 # grouped as without it, as diffusers loads them (an LDM UNet's input_blocks under the same prefix are not
@@ -111,6 +113,9 @@ class FitReport:
     components: Mapping[str, int]  # bytes at the dtype, per component
     configurations: tuple[Configuration, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # what auto passes over for this model (auto_skips.py): required, so that no report built by hand falls back
+    # to another model's rule (review51-d 4)
+    auto_skips: Mapping[str, str] = field(kw_only=True)
 
     @property
     def fitting(self) -> tuple[Configuration, ...]:
@@ -363,7 +368,17 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
     opts = {**parsed.options, **(options or {})}
     rows = tuple(c for c in rows if not _refused(c, opts, gguf=parsed.kind == "gguf"))
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
-    return FitReport(spec, dtype, budget, at, rows, tuple(notes))
+    pipeline = skipped.pipeline_of(parsed.kind, _index_folder(parsed), opts, components)
+    return FitReport(spec, dtype, budget, at, rows, tuple(notes), auto_skips=skipped.skips(pipeline))
+
+
+def _index_folder(parsed: ModelSpec) -> Path | None:
+    """The folder whose ``model_index.json`` names the spec's pipeline (``_files`` read its weights there)."""
+    if parsed.kind == "random":
+        return preset_folder(parsed.target)
+    if parsed.kind == "hub":
+        return hub_folder(parsed.target)
+    return Path(parsed.target) if parsed.kind == "folder" else None
 
 
 def _refused(c: Configuration, opts: Mapping[str, str], gguf: bool) -> bool:
@@ -404,7 +419,7 @@ def choose_offload(report: FitReport) -> tuple[str, str]:
     """``offload=auto``: the fastest exact configuration that fits (fp8 is never chosen for the user: it
     changes outputs), and why. Nothing fitting gives ``sequential``, the least on the device, and a reason
     naming every configuration and what it needed: residency then refuses the model's jobs as too large."""
-    exact = [c for c in report.configurations if c.name not in AUTO_SKIPS]
+    exact = [c for c in report.configurations if c.name not in report.auto_skips]
     if report.budget is None:
         return "none", "no --device-memory budget: everything stays resident"
     for c in exact:
@@ -436,10 +451,11 @@ def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bo
     except (WeightsError, PipelineError) as exc:
         return "none", f"none: the model's size is not known before it loads ({exc})", ""
     chosen, why = choose_offload(report)
-    if any(c.fits for c in report.configurations if c.name not in AUTO_SKIPS):
+    skips = report.auto_skips
+    if any(c.fits for c in report.configurations if c.name not in skips):
         return chosen, why, ""
-    hint = "".join(f"; {c.option} ({AUTO_SKIPS[c.name]}) would fit: ask for it" for c in report.configurations
-                   if c.name in AUTO_SKIPS and c.fits)
+    hint = "".join(f"; {c.option} ({skips[c.name]}) would fit: ask for it" for c in report.configurations
+                   if c.name in skips and c.fits)
     return chosen, why, (f"nothing fits the --device-memory budget of {format_bytes(budget)} with offload=auto: "
                          f"{tried(report)}{hint}")
 
@@ -450,16 +466,28 @@ def device_weights(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu:
     of loaded to learn its size (the worker's count replaces it at READY). The row of the model's offload
     (made concrete at start, ``model_config.resolve_offload``). None where the files cannot tell: a hub id or
     preset (sized by its first load), a model built in code, an unreadable file, ``offload=stream`` (its
-    resident blocks are the worker's)."""
+    ``offload=stream`` is its plan for the ``resident_blocks`` resolved at start (review51-d 2: a FLUX folder was
+    otherwise unknown to the policy until it loaded, and its first load could run out beside a resident model)."""
     try:
         parsed = parse_spec(spec)
         if parsed.kind not in ("folder", "checkpoint", "gguf"):
             return None
         mode = "none" if on_cpu else offload_mode({**parsed.options, **options})
+        if mode == "stream":
+            return _stream_bytes(spec, options, dtype)
         report = fit(spec, dtype=dtype, working=0, options=options, on_cpu=on_cpu)
     except (WeightsError, PipelineError, OSError):
         return None
-    return next((c.device_bytes for c in report.configurations if c.name == mode and mode != "stream"), None)
+    return next((c.device_bytes for c in report.configurations if c.name == mode), None)
+
+
+def _stream_bytes(spec: str, options: Mapping[str, str], dtype: str) -> int | None:
+    """An ``offload=stream`` model's device figure for its ``resident_blocks`` (None without one)."""
+    count = resident_blocks({**parse_spec(spec).options, **options})
+    inputs = stream_inputs(model_tensors(spec, options, dtype)[0], dtype)
+    if count is None or inputs is None:
+        return None
+    return stream_plan.plan(*inputs, min(count, len(inputs[0]))).device_bytes
 
 
 def too_large_hints(spec: str, on_cpu: bool) -> tuple[str, ...]:

@@ -138,6 +138,14 @@ def model_weights(path: str | os.PathLike[str], dtype: str = "float32", variant:
     return ModelWeights(p, components)
 
 
+def pipeline_class_name(folder: Path) -> str | None:
+    """The pipeline class a diffusers folder's ``model_index.json`` names (what the loader builds), None where it
+    names none; a WeightsError where the file is unreadable."""
+    entries = _load_json(folder / "model_index.json", MAX_INDEX_BYTES, "model_index.json")
+    name = entries.get("_class_name") if isinstance(entries, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def choose_variant(available: set[str], dtype: str, variant: str | None = None) -> str | None:
     """Which variant of a component's weights to count; ``""`` is the files without a variant.
 
