@@ -211,6 +211,8 @@ def _add_fit(sub: Any) -> None:
     p.add_argument("--working", metavar="SIZE",
                    help="working memory counted beside the weights (default: residency's estimate at --size; 0: none)")
     p.add_argument("--size", default="1024x1024", metavar="WxH", help="output size of the working estimate (1024x1024)")
+    p.add_argument("--batch", default="1", metavar="N",
+                   help="images in one forward for the working estimate (1; the daemon batches up to --max-batch)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cuda (default), or cpu: nothing can be offloaded there, so only resident ones are listed")
     p.add_argument("--json", action="store_true", help="one JSON object")

@@ -167,8 +167,9 @@ def one(a: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.empty_cache()
     plan: dict[str, Any] = {}
-    if options.get("offload") == "stream":
-        options, plan = stream_options(pipe, a)
+    if options.get("offload") == "stream":  # the plan's options beside the others (te-fp8's quant=: review52-a 5)
+        streamed, plan = stream_options(pipe, a)
+        options = {**options, **streamed}
     dp = DiffusersPipeline(pipe, name="flux", device=a.device, dtype=dtype, options=options)
     if a.compile:  # the daemon's --compile (regional for the transformer); the warm-up image compiles
         from diffusiond.pipelines.compile import CompiledPipeline

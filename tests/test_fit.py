@@ -344,7 +344,8 @@ def test_stream_keeps_the_most_blocks_the_budget_has_room_for(deep_flux: Path) -
     assert short.fits is False and short.device_bytes == least and short.resident_blocks == 0
 
 
-def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(deep_flux: Path) -> None:
+def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(
+        deep_flux: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from diffusiond.daemon.residency.fit import stream_inputs
     from diffusiond.daemon.residency.working import Shape, default_working
     from diffusiond.pipelines import stream_plan
@@ -376,10 +377,64 @@ def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(deep_flux
         placed = device_weights(m.spec, m.options, "float32", on_cpu=False)
         assert placed == stream_plan.plan(*inputs, count).device_bytes, (m.spec, placed)
     assert device_weights(str(deep_flux), {"offload": "stream"}, "float32", on_cpu=False) is None  # no count yet
+    # a hub id in the HF cache is placed the same way: a stream plan fills the budget (review52-a 3)
+    import huggingface_hub.constants
+
+    cache = deep_flux.parent / "hub-cache"
+    repo = cache / "models--org--flux"
+    if not repo.exists():
+        (repo / "snapshots").mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("abc")
+        (repo / "snapshots" / "abc").symlink_to(deep_flux, target_is_directory=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    hub = device_weights("org/flux", {"offload": "stream", "resident_blocks": "3"}, "float32", on_cpu=False)
+    assert hub == stream_plan.plan(*inputs, 3).device_bytes
+    assert device_weights("org/flux", {"offload": "group"}, "float32", on_cpu=False) is None  # its first load tells
     tight = build_config({}, {"model": [f"f={deep_flux}"], "offload": "stream", "device_memory": "1KB",
                               "device": "cuda:0"}).models[0]
     assert tight.nothing_fits.startswith("offload=stream does not fit the --device-memory budget of 1000 B: at its "
                                          "least (0 of 7 denoiser blocks resident"), tight.nothing_fits
+
+
+def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_nothing_unsized(
+        deep_flux: Path, tmp_path: Path) -> None:
+    """Every configured ControlNet (IP-Adapter, upscaler) stays on the worker's device beside the model, so a stream
+    plan, which fills what it is given, plans against the budget less them (review52-a 1)."""
+    from safetensors.torch import save_file
+
+    from diffusiond.daemon.residency.fit import stream_inputs
+    from diffusiond.daemon.residency.too_large import too_large_hints
+    from diffusiond.daemon.residency.units import format_bytes
+    from diffusiond.daemon.residency.working import Shape, default_working
+    from diffusiond.pipelines import stream_plan
+
+    control = tmp_path / "control.safetensors"
+    save_file({"w": torch.zeros(60_000)}, str(control))  # 240 KB at float32: more than one of the blocks
+    inputs = stream_inputs(model_tensors(str(deep_flux), {}, "float32")[0], "float32")
+    assert inputs is not None
+    every = stream_plan.plan(*inputs, 7).device_bytes
+    budget = every + default_working(every, Shape(1024, 1024))  # all 7 resident, alone
+    flags = {"device_memory": str(budget), "device": "cuda:0", "dtype": "float32"}
+    alone = build_config({}, {"model": [f"f={deep_flux},offload=auto"], **flags}).models[0]
+    beside = build_config({}, {"model": [f"f={deep_flux},offload=auto"], "controlnet": [f"c={control}"],
+                               **flags}).models[0]
+    assert alone.options["offload"] == beside.options["offload"] == "stream", (alone, beside)
+    assert int(beside.options["resident_blocks"]) < int(alone.options["resident_blocks"]) == 7
+    assert f"budget of {format_bytes(budget)} less the ControlNets' 234.38 KiB, kept beside it" in beside.offload_reason
+    # an upscaler whose size no header tells (a pickle), or a model pinned on the device: auto keeps to group
+    pth = tmp_path / "x4.pth"
+    pth.write_bytes(b"not read by the engine")
+    unsized = build_config({}, {"model": [f"f={deep_flux},offload=auto"], "upscaler": [f"up={pth}"],
+                                **flags}).models[0]
+    assert unsized.options["offload"] == "group" and "x4.pth" not in unsized.options.values()
+    pinned = build_config({}, {"model": [f"f={deep_flux},offload=auto", f"g={deep_flux},offload=group"],
+                               "pin": ["g"], **flags}).models[0]
+    assert pinned.options["offload"] == "group", pinned
+    # what a refusal or an out-of-memory failure tells a stream model: keep fewer blocks, or group
+    assert "resident_blocks=N" in too_large_hints(str(deep_flux), False, beside.options)[0]
+    assert "offload=auto" in too_large_hints(str(deep_flux), False, {})[0]
+    assert "offload=auto" not in too_large_hints(str(deep_flux), False, {"offload": "group"})[0]
 
 
 @pytest.mark.parametrize(("table", "flags", "match"), [

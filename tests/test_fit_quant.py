@@ -104,6 +104,13 @@ def test_the_fit_command_defaults_to_serves_dtype_and_refuses_what_it_cannot_siz
     assert all(any(a.startswith("bitsandbytes-nf4(transformer") for a in r["approximations"]) for r in rows)
     big = _cli(str(flux), "--size", "99999999x99999999")
     assert big.returncode == 2 and "width and height must each be 8 to 16384" in big.stderr, big.stderr
+    # the working estimate for a batch (the daemon batches up to --max-batch): four images' counted beside the weights
+    one, four = (json.loads(_cli(str(flux), "--batch", n, "--json").stdout)["configurations"][0]["working_bytes"]
+                 for n in ("1", "4"))
+    assert four > one > 0
+    for bad in ("0", "x", "257"):
+        out = _cli(str(flux), "--batch", bad)
+        assert out.returncode == 2 and "--batch" in out.stderr and "from 1 to 256" in out.stderr, out.stderr
     passwd = _cli("/etc/passwd")
     assert passwd.returncode == 2 and "a file, but not one fit can size" in passwd.stderr, passwd.stderr
 

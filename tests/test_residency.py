@@ -243,6 +243,10 @@ def test_out_of_memory_evicts_idle_models_retries_splits_and_then_fails_the_job_
     assert "halves" in fail.reason
     single = r.on_oom("a", S, attempt=1)
     assert isinstance(single, dec.OomFail) and "64x64, batch 1" in single.reason
+    # a model's own hints close the failure, as they close its model_too_large refusal (a stream model's: keep
+    # fewer blocks; too_large.too_large_hints)
+    r.add("s", "cuda:0", 2 * G, hints=("fewer resident blocks (resident_blocks=N)",))
+    assert r.on_oom("s", S, attempt=1).reason.endswith(", or fewer resident blocks (resident_blocks=N)")
 
 
 def test_measurements_are_used_and_round_trip_through_the_state_dir() -> None:

@@ -21,6 +21,7 @@ from diffusiond.daemon.core.scheduler import batch_sizes
 from diffusiond.daemon.devices import auto_device, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
 from diffusiond.daemon.model_config import resolve_offload
+from diffusiond.daemon.residency.beside import Beside, beside
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
 from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
 from diffusiond.daemon.residency.budget import resolve as resolve_budget
@@ -348,6 +349,17 @@ def start_budgets(config: DaemonConfig) -> tuple[tuple[str, int, str], ...]:
     return tuple(out)
 
 
+def _kept(config: DaemonConfig, m: ModelConfig) -> Beside:
+    return beside((c.path for c in config.controlnets.values()), config.ip_adapters.values(),
+                  (u.path for u in config.upscalers.values()), m.dtype)
+
+
+def _pinned_beside(config: DaemonConfig, m: ModelConfig) -> str:
+    """A model pinned on one of ``m``'s devices (its name; "" for none)."""
+    return next((o.name for o in config.models if o.pinned and o.name != m.name and set(o.devices) & set(m.devices)),
+                "")
+
+
 def _bound(nbytes: int) -> int | None:
     return None if nbytes >= NO_BUDGET else nbytes
 
@@ -465,8 +477,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
     config = replace(config, budgets=start_budgets(config))
-    # offload=auto plans against the smallest budget of the model's devices: each of its workers must fit
-    models = [resolve_offload(m, _bound(min(config.budget_of(d).nbytes for d in m.devices))) for m in config.models]
+    # offload=auto plans against the smallest budget of the model's devices: each of its workers must fit, beside
+    # what it keeps there (residency/beside.py) and any model pinned there
+    models = [resolve_offload(m, _bound(min(config.budget_of(d).nbytes for d in m.devices)), _kept(config, m),
+                              _pinned_beside(config, m)) for m in config.models]
     return replace(config, models=tuple(replace(m, warmup=resolve_warmup(
         m.name, m.warmup, config.batch_sizes_of(m), m.compile, model_options(m.spec, m.options)))
         for m in models))

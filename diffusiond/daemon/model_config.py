@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside
 from diffusiond.daemon.residency.fit import choose_auto, model_tensors, plan_stream, stream_inputs
 from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes
@@ -39,10 +40,14 @@ class ModelConfig:
     nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
 
 
-def resolve_offload(m: ModelConfig, budget: int | None) -> ModelConfig:
+def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_BESIDE,
+                    pinned_beside: str = "") -> ModelConfig:
     """``offload=auto`` made concrete from the files' headers and the device budget (residency/fit.py), so the
     worker is told what to do and residency counts what it will hold; other modes checked against the rest.
-    ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given."""
+    ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given.
+    Both plan against the budget less what the worker keeps beside the model (``kept``: residency/beside.py). Auto
+    does not stream where that is unknown or where ``pinned_beside`` names a model pinned on the same device: a
+    stream plan fills its budget, and either would take the activations' room."""
     parsed = parse_spec(m.spec)
     options = model_options(m.spec, m.options)  # a spec's own options (SPEC,offload=stream) count as the table's
     try:
@@ -59,22 +64,31 @@ def resolve_offload(m: ModelConfig, budget: int | None) -> ModelConfig:
     if mode != "none" and mode != "auto" and on_cpu:
         raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
                           "host memory already, so there is nothing to offload to (use offload=none or auto)")
+    room = None if budget is None else max(0, budget - (kept.nbytes or 0))
     if mode == "stream":
         if parsed.kind == "gguf":
             raise ConfigError(f"model {m.name!r}: offload=stream is refused for a GGUF transformer: its quantized "
                               "tensors are not plain ones a ring slot can hold; use offload=group (or none)")
-        return resolve_stream(m, options, budget, "")
+        return resolve_stream(m, options, room, "", kept.note(budget))
     if mode != "auto":
         return m
-    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget)
+    skips = {"stream": f"{pinned_beside} is pinned on its device"} if pinned_beside else {}
+    if kept.nbytes is None:
+        skips = {"stream": kept.what}
+    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=room, skips=skips)
     auto = "offload=auto (the default under a --device-memory budget)" if defaulted else "offload=auto"
-    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"{auto} chose {reason}",
-                nothing_fits=unfit)
-    return resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason) if chosen == "stream" else m
+    note = kept.note(budget)
+    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"{auto} chose {reason}{note}",
+                nothing_fits=unfit + note if unfit else "")
+    if chosen != "stream":
+        return m
+    return resolve_stream(m, {**options, "offload": chosen}, room, m.offload_reason, note)
 
 
-def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str) -> ModelConfig:
-    """``resident_blocks`` for an ``offload=stream`` model: given, or the most the budget has room for."""
+def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str,
+                   note: str = "") -> ModelConfig:
+    """``resident_blocks`` for an ``offload=stream`` model: given, or the most the budget (the room left beside
+    what the worker keeps there, ``note`` says so) has room for."""
     given = options.get("resident_blocks")
     if given is not None:
         try:
@@ -96,9 +110,9 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
                           f"({exc}); give resident_blocks=N") from None
     except PipelineError as exc:
         raise ConfigError(f"model {m.name!r}: {exc}") from None
-    reason = why or f"offload=stream: {plan.describe()}"
+    reason = why or f"offload=stream: {plan.describe()}{note}"
     unfit = m.nothing_fits if row.fits else (
-        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}: at its least "
+        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}{note}: at its least "
         f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
         f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
     return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},

@@ -437,17 +437,19 @@ def tried(report: FitReport) -> str:
                      for c in report.configurations)
 
 
-def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bool,
-                budget: int | None) -> tuple[str, str, str]:
+def choose_auto(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu: bool, budget: int | None,
+                skips: Mapping[str, str] | None = None) -> tuple[str, str, str]:
     """What ``offload=auto`` runs a configured model with, why (logged at the daemon's start), and, when no
     configuration fits the budget, the message its jobs are refused with (``model_too_large``): every
-    configuration tried and what it needed. Empty when one fits, or when the model cannot be sized."""
+    configuration tried and what it needed. Empty when one fits, or when the model cannot be sized. ``skips``:
+    more configurations to pass over for this start, and why (model_config.resolve_offload's)."""
     if on_cpu:
         return "none", "none: a CPU device holds the weights in host memory already", ""
     if budget is None:
         return "none", "none: no --device-memory budget to fit", ""
     try:
         report = fit(spec, dtype=dtype, budget=budget, options=options)
+        report = replace(report, auto_skips={**report.auto_skips, **(skips or {})})
     except (WeightsError, PipelineError) as exc:
         return "none", f"none: the model's size is not known before it loads ({exc})", ""
     chosen, why = choose_offload(report)
@@ -464,17 +466,17 @@ def device_weights(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu:
     """What a configured model keeps on its device, from its files' headers: residency places it with this
     before its first load, so one larger than the budget is refused at admission with the numbers instead
     of loaded to learn its size (the worker's count replaces it at READY). The row of the model's offload
-    (made concrete at start, ``model_config.resolve_offload``). None where the files cannot tell: a hub id or
-    preset (sized by its first load), a model built in code, an unreadable file, ``offload=stream`` (its
-    ``offload=stream`` is its plan for the ``resident_blocks`` resolved at start (review51-d 2: a FLUX folder was
-    otherwise unknown to the policy until it loaded, and its first load could run out beside a resident model)."""
+    (made concrete at start, ``model_config.resolve_offload``); for ``offload=stream``, its plan at the
+    ``resident_blocks`` chosen then, a hub id's and a saved preset's too: that plan fills the budget, so a first
+    load unplaced could run out beside a resident model (review51-d 2, review52-a 3). None where the files
+    cannot tell: a hub id or preset under another offload (sized by its first load), a model built in code."""
     try:
         parsed = parse_spec(spec)
+        mode = "none" if on_cpu else offload_mode({**parsed.options, **options})
+        if mode == "stream" and parsed.kind in ("folder", "checkpoint", "hub", "random"):
+            return _stream_bytes(spec, options, dtype)
         if parsed.kind not in ("folder", "checkpoint", "gguf"):
             return None
-        mode = "none" if on_cpu else offload_mode({**parsed.options, **options})
-        if mode == "stream":
-            return _stream_bytes(spec, options, dtype)
         report = fit(spec, dtype=dtype, working=0, options=options, on_cpu=on_cpu)
     except (WeightsError, PipelineError, OSError):
         return None
@@ -488,11 +490,3 @@ def _stream_bytes(spec: str, options: Mapping[str, str], dtype: str) -> int | No
     if count is None or inputs is None:
         return None
     return stream_plan.plan(*inputs, min(count, len(inputs[0]))).device_bytes
-
-
-def too_large_hints(spec: str, on_cpu: bool) -> tuple[str, ...]:
-    """What would make a model fit, for its ``model_too_large`` refusal: what ``fit`` would tell."""
-    see = f"`diffusiond fit {spec}{' --device cpu' if on_cpu else ''} --device-memory SIZE` lists what fits"
-    if on_cpu:
-        return (f"a smaller --dtype or quant= (on a CPU nothing can be offloaded); {see}",)
-    return (f"offload=auto (the fastest offload that fits, chosen at start); {see}",)

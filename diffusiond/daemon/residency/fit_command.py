@@ -32,6 +32,7 @@ from diffusiond.pipelines.spec import not_a_model_file
 MIN_SIDE, MAX_SIDE = 8, 16384
 """The sides ``--size`` takes: a latent's least, and four times the daemon's default request limit (the
 daemon's own is its configuration's ``limits.max_size``, which this command does not read)."""
+MAX_BATCH = 256  # past any batch a request or --max-batch forms
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # commands/__init__.py's codes (the daemon may not import them)
 
 
@@ -42,14 +43,17 @@ def _size(text: str, flag: str) -> int:
     return size.nbytes
 
 
-def _shape(text: str) -> Shape:
-    """``--size``, within what any model makes: a side past ``MAX_SIDE`` gives an estimate past any device."""
+def _shape(text: str, batch: str = "1") -> Shape:
+    """``--size`` and ``--batch``, within what any model makes: a side past ``MAX_SIDE`` gives an estimate past
+    any device, as a batch past ``MAX_BATCH`` does."""
     w, x, h = text.partition("x")
-    if not (x and w.isdigit() and h.isdigit()):
+    if not (x and w.isascii() and w.isdigit() and h.isascii() and h.isdigit()):
         raise ValueError(f"--size {text!r}: expected WxH, e.g. 1024x1024")
     if not (MIN_SIDE <= int(w) <= MAX_SIDE and MIN_SIDE <= int(h) <= MAX_SIDE):
         raise ValueError(f"--size {text!r}: width and height must each be {MIN_SIDE} to {MAX_SIDE} pixels")
-    return Shape(int(w), int(h))
+    if not (batch.isascii() and batch.isdigit() and 1 <= int(batch) <= MAX_BATCH):
+        raise ValueError(f"--batch {batch[:40]!r}: give a whole number of images from 1 to {MAX_BATCH}")
+    return Shape(int(w), int(h), int(batch))
 
 
 def _check_file(spec: str) -> None:
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         device = "cpu" if args.device == "cpu" else "cuda:0"  # a share is of the device serve would use
         budget = resolve(args.device_memory, None, device).nbytes if args.device_memory else None
         working = _size(args.working, "--working") if args.working is not None else None
-        shape = _shape(args.size)
+        shape = _shape(args.size, args.batch)
         _check_file(args.spec)
         report = fit(args.spec, dtype=dtype, budget=budget, working=working, shape=shape, on_cpu=args.device == "cpu")
     except (WeightsError, PipelineError, ValueError) as exc:

@@ -50,11 +50,12 @@ from diffusiond.daemon.residency.decisions import (
     TooLarge,
     Wait,
 )
-from diffusiond.daemon.residency.fit import device_weights, too_large_hints
+from diffusiond.daemon.residency.fit import device_weights
 from diffusiond.daemon.residency.load_reports import LoadReports
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
 from diffusiond.daemon.residency.preload import Preloading
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
+from diffusiond.daemon.residency.too_large import too_large_hints
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape
@@ -149,7 +150,7 @@ class Keeper:
                                                                                       on_cpu=on_cpu)
         if weights is not None:  # else a hub id or preset: its first load tells (``learn``)
             self.policy.add(model.name, c.devices, weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
-                            hints=too_large_hints(c.spec, on_cpu), host_bytes=model.capabilities.host_bytes)
+                            hints=too_large_hints(c.spec, on_cpu, c.options), host_bytes=model.capabilities.host_bytes)
             waiting = self.queued(model.name)
             if waiting:
                 self.policy.queue(model.name, waiting)

@@ -287,7 +287,7 @@ class Residency:
                              f"and retrying{split}: the budget is {format_bytes(self.budgets[m.device])} "
                              f"({format_bytes(m.weight_bytes)} of it the weights; working memory {est.how}: "
                              f"{format_bytes(est.nbytes)}). Try a smaller size or batch, a larger --device-memory, "
-                             "or fewer programs on the GPU")
+                             f"fewer programs on the GPU{''.join(f', or {h}' for h in m.hints)}")
 
     def evict(self, name: str, reason: str, *, queued_ok: bool = False) -> Evict | Wait:
         """By hand (``unload``, ``sleep``): off the device even if pinned, or out of host memory; not while it has

@@ -3,10 +3,14 @@ budget leaves it, and what would make it fit. Split off ``policy.py``, which dec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from diffusiond.daemon.residency.decisions import TooLarge
 from diffusiond.daemon.residency.entry import ModelEntry
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Estimate, Shape
+from diffusiond.pipelines.errors import PipelineError
+from diffusiond.pipelines.spec import offload_mode, parse_spec
 
 
 def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, known: int, est: Estimate,
@@ -32,3 +36,24 @@ def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, know
                f"({format_bytes(m.size(device))} of weights{each}{working}) and the budget there is "
                f"{format_bytes(budget)}{beside}. What would make it fit: {'; '.join(hints)}")
     return TooLarge(m.name, need, budget, tuple(hints), message, device=device)
+
+
+def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """What would make a model fit, for its ``model_too_large`` refusal and its out-of-memory failure: what
+    ``fit`` would tell, for the offload the model runs with (``options``, made concrete at start): offload=auto
+    is no hint to a model auto already placed (review52-a 1), and a stream plan gives room by keeping fewer
+    blocks."""
+    see = f"`diffusiond fit {spec}{' --device cpu' if on_cpu else ''} --device-memory SIZE` lists what fits"
+    if on_cpu:
+        return (f"a smaller --dtype or quant= (on a CPU nothing can be offloaded); {see}",)
+    try:
+        mode = offload_mode({**parse_spec(spec).options, **(options or {})})
+    except PipelineError:
+        mode = "none"
+    if mode == "stream":
+        return ("fewer resident blocks (resident_blocks=N; `diffusiond fit "
+                f"{spec} --device-memory SIZE --size WxH --batch N` prints N for a size and batch), or "
+                "offload=group, which leaves the budget to activations",)
+    if mode in ("none", "auto"):
+        return (f"offload=auto (the fastest offload that fits, chosen at start); {see}",)
+    return (f"an offload that keeps less on the device, or quant=; {see}",)
