@@ -62,6 +62,7 @@ CONFIGS = {
     "fp8-wo": ({"quant": "transformer:fp8,text_encoder_2:fp8-storage"}, True),
     "fp8-mm": ({"fp8": "1", "quant": "text_encoder_2:fp8-storage"}, True),
     "te-fp8": ({"quant": "text_encoder:fp8-storage", "offload": "auto"}, True),  # the daemon's auto: offloads
+    "auto": ({"offload": "auto"}, True),  # what the daemon's default offload runs the preset with inside the budget
     "model": ({"offload": "model"}, True),
     "fp8-mm-full": ({"fp8": "1"}, False),  # fp8-mm with T5 as built, no budget
     "fp8-rows": ({"fp8": "rowwise", "quant": "text_encoder_2:fp8-storage"}, True),  # diffusiond's own fp8 matmuls
