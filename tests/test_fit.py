@@ -397,43 +397,64 @@ def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(
                                          "least (0 of 7 denoiser blocks resident"), tight.nothing_fits
 
 
-def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_nothing_unsized(
-        deep_flux: Path, tmp_path: Path) -> None:
-    """Every configured ControlNet (IP-Adapter, upscaler) stays on the worker's device beside the model, so a stream
-    plan, which fills what it is given, plans against the budget less them (review52-a 1)."""
+def _control(folder: Path, cls: str, promax: bool = False) -> Path:
+    """A ControlNet folder of ``cls``'s family with 240 KB of float32 weights (a union one's second file too)."""
     from safetensors.torch import save_file
 
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_class_name": cls}))
+    for name in ("diffusion_pytorch_model", *(["diffusion_pytorch_model_promax"] if promax else [])):
+        save_file({"w": torch.zeros(60_000)}, str(folder / f"{name}.safetensors"))
+    return folder
+
+
+def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_nothing_unsized(
+        deep_flux: Path, tmp_path: Path) -> None:
+    """The ControlNets of the model's family (IP-Adapters, upscalers) stay on the worker's device beside the model,
+    so a stream plan, which fills what it is given, plans in the budget less them (review52-a 1), and placement
+    before the first load counts them; another family's, which the worker refuses unloaded, are not (review53-a 1)."""
+    from diffusiond.daemon.residency import beside as kept
     from diffusiond.daemon.residency.fit import stream_inputs
     from diffusiond.daemon.residency.too_large import too_large_hints
     from diffusiond.daemon.residency.units import format_bytes
     from diffusiond.daemon.residency.working import Shape, default_working
-    from diffusiond.pipelines import stream_plan
+    from diffusiond.pipelines import controlnet, ip_adapter, stream_plan
 
-    control = tmp_path / "control.safetensors"
-    save_file({"w": torch.zeros(60_000)}, str(control))  # 240 KB at float32: more than one of the blocks
+    assert set(controlnet.FAMILIES) == kept.CONTROL_FAMILIES and set(ip_adapter.FAMILIES) == kept.ADAPTER_FAMILIES
+    flux_cn = _control(tmp_path / "flux-cn", "FluxControlNetModel", promax=True)  # counted once: from_pretrained's
+    unet_cn = _control(tmp_path / "sd-cn", "ControlNetModel")
     inputs = stream_inputs(model_tensors(str(deep_flux), {}, "float32")[0], "float32")
     assert inputs is not None
     every = stream_plan.plan(*inputs, 7).device_bytes
     budget = every + default_working(every, Shape(1024, 1024))  # all 7 resident, alone
     flags = {"device_memory": str(budget), "device": "cuda:0", "dtype": "float32"}
-    alone = build_config({}, {"model": [f"f={deep_flux},offload=auto"], **flags}).models[0]
-    beside = build_config({}, {"model": [f"f={deep_flux},offload=auto"], "controlnet": [f"c={control}"],
-                               **flags}).models[0]
+    model = [f"f={deep_flux},offload=auto"]
+    alone = build_config({}, {"model": model, **flags}).models[0]
+    other = build_config({}, {"model": model, "controlnet": [f"c={unet_cn}"], **flags}).models[0]
+    beside = build_config({}, {"model": model, "controlnet": [f"c={flux_cn}", f"d={unet_cn}"], **flags}).models[0]
     assert alone.options["offload"] == beside.options["offload"] == "stream", (alone, beside)
+    assert other.options == alone.options and other.beside_bytes == 0  # an SD ControlNet: not FLUX's
     assert int(beside.options["resident_blocks"]) < int(alone.options["resident_blocks"]) == 7
-    assert f"budget of {format_bytes(budget)} less the ControlNets' 234.38 KiB, kept beside it" in beside.offload_reason
-    # an upscaler whose size no header tells (a pickle), or a model pinned on the device: auto keeps to group
+    assert beside.beside_bytes == 240_000, beside
+    assert (f"planned in {format_bytes(budget - 240_000)}: the --device-memory budget of {format_bytes(budget)} less "
+            "the ControlNets' 234.38 KiB, kept beside it") in beside.offload_reason, beside.offload_reason
+    # an upscaler whose size no header tells (a pickle), or a model pinned on the device: auto keeps to group,
+    # and its start line says why FLUX is not streamed
     pth = tmp_path / "x4.pth"
     pth.write_bytes(b"not read by the engine")
-    unsized = build_config({}, {"model": [f"f={deep_flux},offload=auto"], "upscaler": [f"up={pth}"],
+    unsized = build_config({}, {"model": model, "upscaler": [f"up={pth}"], "controlnet": [f"c={flux_cn}"],
                                 **flags}).models[0]
-    assert unsized.options["offload"] == "group" and "x4.pth" not in unsized.options.values()
-    pinned = build_config({}, {"model": [f"f={deep_flux},offload=auto", f"g={deep_flux},offload=group"],
-                               "pin": ["g"], **flags}).models[0]
-    assert pinned.options["offload"] == "group", pinned
-    # what a refusal or an out-of-memory failure tells a stream model: keep fewer blocks, or group
-    assert "resident_blocks=N" in too_large_hints(str(deep_flux), False, beside.options)[0]
+    assert unsized.options["offload"] == "group" and unsized.beside_bytes == 240_000  # the ControlNet still counts
+    assert "stream passed over: what is kept beside it is not all sized: " in unsized.offload_reason
+    assert "x4.pth" in unsized.offload_reason, unsized.offload_reason
+    pinned = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["g"], **flags}).models[0]
+    assert pinned.options["offload"] == "group" and "stream passed over: g is pinned on the same device" in \
+        pinned.offload_reason, pinned.offload_reason
+    # what a refusal or an out-of-memory failure tells a model, by the offload it runs with
+    assert "resident_blocks=K" in too_large_hints(str(deep_flux), False, beside.options, auto=True)[0]
     assert "offload=auto" in too_large_hints(str(deep_flux), False, {})[0]
+    placed = too_large_hints(str(deep_flux), False, {"offload": "none"}, auto=True)[0]  # auto chose none already
+    assert "offload=auto" not in placed and "offload=group" in placed
     assert "offload=auto" not in too_large_hints(str(deep_flux), False, {"offload": "group"})[0]
 
 

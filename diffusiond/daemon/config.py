@@ -21,10 +21,11 @@ from diffusiond.daemon.core.scheduler import batch_sizes
 from diffusiond.daemon.devices import auto_device, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
 from diffusiond.daemon.model_config import resolve_offload
-from diffusiond.daemon.residency.beside import Beside, beside
+from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside, beside
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
 from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
 from diffusiond.daemon.residency.budget import resolve as resolve_budget
+from diffusiond.daemon.residency.fit import pipeline_class
 from diffusiond.daemon.residency.preload import check_preload
 from diffusiond.daemon.residency.sizes import default_dtype
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
@@ -350,8 +351,11 @@ def start_budgets(config: DaemonConfig) -> tuple[tuple[str, int, str], ...]:
 
 
 def _kept(config: DaemonConfig, m: ModelConfig) -> Beside:
+    if not (config.controlnets or config.ip_adapters or config.upscalers):
+        return NOTHING_BESIDE
     return beside((c.path for c in config.controlnets.values()), config.ip_adapters.values(),
-                  (u.path for u in config.upscalers.values()), m.dtype)
+                  (u.path for u in config.upscalers.values()), m.dtype,
+                  pipeline_class(m.spec, model_options(m.spec, m.options), m.dtype))
 
 
 def _pinned_beside(config: DaemonConfig, m: ModelConfig) -> str:

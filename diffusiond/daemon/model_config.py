@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from diffusiond.daemon.residency.auto_skips import STREAM_MEASURED
 from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside
-from diffusiond.daemon.residency.fit import choose_auto, model_tensors, plan_stream, stream_inputs
+from diffusiond.daemon.residency.fit import choose_auto, model_tensors, pipeline_class, plan_stream, stream_inputs
 from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.values import ConfigError
@@ -38,16 +39,18 @@ class ModelConfig:
     batch_sizes: str | None = None
     offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
     nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
+    beside_bytes: int = 0  # what its worker keeps beside it on each device (residency/beside.py): placed with it
 
 
 def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_BESIDE,
                     pinned_beside: str = "") -> ModelConfig:
     """``offload=auto`` made concrete from the files' headers and the device budget (residency/fit.py), so the
     worker is told what to do and residency counts what it will hold; other modes checked against the rest.
-    ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given.
-    Both plan against the budget less what the worker keeps beside the model (``kept``: residency/beside.py). Auto
-    does not stream where that is unknown or where ``pinned_beside`` names a model pinned on the same device: a
-    stream plan fills its budget, and either would take the activations' room."""
+    ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given,
+    planned in the budget less what the worker keeps beside the model (``kept``: residency/beside.py), since
+    its plan fills what it is given. Auto chooses against the whole budget, as the worker's other offloads
+    leave it to activations, and does not stream where what is kept beside is not all known, where
+    ``pinned_beside`` names a model pinned on the same device, or where stream does not fit beside them."""
     parsed = parse_spec(m.spec)
     options = model_options(m.spec, m.options)  # a spec's own options (SPEC,offload=stream) count as the table's
     try:
@@ -64,31 +67,42 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     if mode != "none" and mode != "auto" and on_cpu:
         raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
                           "host memory already, so there is nothing to offload to (use offload=none or auto)")
-    room = None if budget is None else max(0, budget - (kept.nbytes or 0))
+    m = replace(m, beside_bytes=kept.nbytes)
     if mode == "stream":
         if parsed.kind == "gguf":
             raise ConfigError(f"model {m.name!r}: offload=stream is refused for a GGUF transformer: its quantized "
                               "tensors are not plain ones a ring slot can hold; use offload=group (or none)")
-        return resolve_stream(m, options, room, "", kept.note(budget))
+        return resolve_stream(m, options, budget, "", kept)
     if mode != "auto":
         return m
-    skips = {"stream": f"{pinned_beside} is pinned on its device"} if pinned_beside else {}
-    if kept.nbytes is None:
-        skips = {"stream": kept.what}
-    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=room, skips=skips)
+    skips = {"stream": f"{pinned_beside} is pinned on the same device"} if pinned_beside else {}
+    if kept.unknown:
+        skips["stream"] = f"what is kept beside it is not all sized: {kept.unknown}"
+    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
+    if chosen == "stream" and budget is not None and not _stream_fits(m, options, kept.room(budget)):
+        skips["stream"] = f"its least plan does not fit the {format_bytes(kept.room(budget))} left beside {kept.what}"
+        chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
+    if "stream" in skips and pipeline_class(m.spec, options, m.dtype) in STREAM_MEASURED:
+        reason += f"; stream passed over: {skips['stream']}"
     auto = "offload=auto (the default under a --device-memory budget)" if defaulted else "offload=auto"
-    note = kept.note(budget)
-    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"{auto} chose {reason}{note}",
-                nothing_fits=unfit + note if unfit else "")
+    m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"{auto} chose {reason}",
+                nothing_fits=unfit)
     if chosen != "stream":
         return m
-    return resolve_stream(m, {**options, "offload": chosen}, room, m.offload_reason, note)
+    return resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason, kept)
+
+
+def _stream_fits(m: ModelConfig, options: Mapping[str, str], room: int) -> bool:
+    try:
+        return bool(plan_stream(m.spec, {**options, "offload": "stream"}, m.dtype, room)[1].fits)
+    except (WeightsError, PipelineError):
+        return False
 
 
 def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str,
-                   note: str = "") -> ModelConfig:
-    """``resident_blocks`` for an ``offload=stream`` model: given, or the most the budget (the room left beside
-    what the worker keeps there, ``note`` says so) has room for."""
+                   kept: Beside = NOTHING_BESIDE) -> ModelConfig:
+    """``resident_blocks`` for an ``offload=stream`` model: given, or the most the budget has room for beside
+    what the worker keeps there (``kept``)."""
     given = options.get("resident_blocks")
     if given is not None:
         try:
@@ -103,17 +117,22 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
         raise ConfigError(f"model {m.name!r}: offload=stream keeps as many denoiser blocks on the device as "
                           "--device-memory has room for: give --device-memory SIZE, or resident_blocks=N "
                           "(diffusiond fit SPEC --device-memory SIZE prints N)")
+    room = kept.room(budget)
     try:
-        plan, row = plan_stream(m.spec, options, m.dtype, budget)
+        plan, row = plan_stream(m.spec, options, m.dtype, room)
     except WeightsError as exc:
         raise ConfigError(f"model {m.name!r}: offload=stream cannot choose resident_blocks from the files "
                           f"({exc}); give resident_blocks=N") from None
     except PipelineError as exc:
         raise ConfigError(f"model {m.name!r}: {exc}") from None
-    reason = why or f"offload=stream: {plan.describe()}{note}"
+    note = kept.note(budget) + (f" (not counted, its size unknown: {kept.unknown})" if kept.unknown else "")
+    reason = why or f"offload=stream: {plan.describe()}"
+    where = f"the --device-memory budget of {format_bytes(budget)}" + (
+        f" less {kept.what} kept beside it ({format_bytes(room)} left)" if kept.nbytes else "")
     unfit = m.nothing_fits if row.fits else (
-        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}{note}: at its least "
+        f"offload=stream does not fit {where}: at its least "
         f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
         f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
     return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},
-                   offload_reason=f"{reason} ({plan.describe()})" if why else reason, nothing_fits=unfit)
+                   offload_reason=f"{reason} ({plan.describe()}){note}" if why else f"{reason}{note}",
+                   nothing_fits=unfit)

@@ -1,65 +1,129 @@
 """What a model's worker keeps on its device beside the pipeline, from the files' headers, before it loads.
 
-Each worker loads every configured ControlNet, IP-Adapter (its weights and image encoder) and upscaler once and
-keeps them on its device (worker/process.py counts them in its READY figure). ``offload=auto`` and
-``offload=stream``'s plan choose at the start from the budget, so they take these out of it first: a stream plan
-fills what it is given with resident blocks, and a 6.6 GB union ControlNet beside FLUX.1-dev in 24 GiB left
-1.4 GiB for activations when it was not counted (review52-a 1). Every configured one is counted, including those
-a worker finds do not fit its model (it names them, after loading them): the count errs high, which costs
-resident blocks, not a failed job. A file whose size the headers cannot tell (an upscaler's ``.pth``, a pickle the
-engine does not open) makes the whole figure unknown, and auto then keeps to what leaves the budget to activations.
+Each worker loads the configured ControlNets of its model's family and the image encoders of its family's
+IP-Adapters once, and keeps them on its device with every upscaler (worker/process.py counts them in its READY
+figure); an IP-Adapter's own weights join the UNet's or transformer's attention while a batch uses them.
+``offload=stream``'s plan fills the budget it is given with resident blocks, so it is given the budget less these:
+a 6.6 GB union ControlNet beside FLUX.1-dev in 24 GiB left 1.4 GiB for activations when it was not counted
+(review52-a 1). Residency places a model with them too, before its first load. Only those of the model's family
+are counted, as the worker keeps them: a FLUX ControlNet is refused by an SDXL model before it loads (review53-a 1).
+Where the model's pipeline is not known from its files, all are counted (high: fewer resident blocks, not a failed
+job). A file whose size the headers cannot tell (an upscaler's ``.pth``, a pickle the engine does not open) is
+named in ``unknown``: what could be read is still counted, and auto does not stream beside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
-from diffusiond.daemon.residency.sizes import WeightsError, model_weights
+from diffusiond.daemon.residency.sizes import (
+    DTYPE_BITS,
+    FLOATS,
+    TARGET_BYTES,
+    WeightsError,
+    model_weights,
+    read_tensors,
+)
 from diffusiond.daemon.residency.units import format_bytes
+from diffusiond.daemon.values import controlnet_config
 
-UPSCALER_DTYPE = "float32"  # pipelines/upscalers.py runs them in float32, whatever the model's dtype
+UPSCALER_DTYPE: Final = "float32"  # pipelines/upscalers.py runs them in float32, whatever the model's dtype
+CONTROL_FAMILIES: Final = frozenset({
+    "StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline",
+    "StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline",
+    "FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"})
+"""The pipelines ControlNets are served for (``pipelines/controlnet.FAMILIES``' keys; tests/test_fit.py checks)."""
+ADAPTER_FAMILIES: Final = frozenset({"StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline"})
+"""The pipelines IP-Adapters are served for (``pipelines/ip_adapter.FAMILIES``; tests/test_fit.py checks)."""
+CONTROL_WEIGHTS: Final = "diffusion_pytorch_model.safetensors"  # what from_pretrained reads of a ControlNet folder
+ENCODER_WEIGHTS: Final = "model.safetensors"  # and of an image encoder's
+ENCODER_TENSORS: Final = ("vision_model.", "visual_projection.")  # CLIPVisionModelWithProjection's, of a whole CLIP
 
 
 @dataclass(frozen=True)
 class Beside:
-    """The bytes kept beside the pipeline on each of its devices (None: not known from the headers), and what."""
+    """The bytes kept beside the pipeline on each of its devices, what they are, and what could not be sized."""
 
-    nbytes: int | None = 0
+    nbytes: int = 0
     what: str = ""
+    unknown: str = ""  # the files whose size the headers do not tell ("": none)
+
+    def room(self, budget: int) -> int:
+        return max(0, budget - self.nbytes)
 
     def note(self, budget: int | None) -> str:
-        """Words for the start's offload reason: where the budget the plan was given came from."""
+        """Words for the start's log line: the room a plan was given, and from what."""
         if not self.nbytes or budget is None:
             return ""
-        return f" (the --device-memory budget of {format_bytes(budget)} less {self.what}, kept beside it)"
+        return (f" (planned in {format_bytes(self.room(budget))}: the --device-memory budget of "
+                f"{format_bytes(budget)} less {self.what}, kept beside it)")
 
 
 NOTHING_BESIDE: Final = Beside()
 
 
 def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], upscalers: Iterable[str],
-           dtype: str) -> Beside:
-    """ControlNets' paths, IP-Adapters' (weights, image encoder) and upscalers' paths, at the model's ``dtype``
-    (upscalers at theirs)."""
+           dtype: str, pipeline: str | None) -> Beside:
+    """ControlNets' paths, IP-Adapters' (weights, image encoder) and upscalers' paths, those of ``pipeline``'s
+    family (None: not known, all), at the model's ``dtype`` (upscalers at theirs)."""
+    flux = None if pipeline is None else pipeline.startswith("Flux")
     counted: dict[str, int] = {}
+    unknown: list[str] = []
+
+    def add(kind: str, sized: Iterable[str], size: Callable[[str], int]) -> None:
+        for path in sized:
+            try:
+                counted[kind] = counted.get(kind, 0) + size(path)
+            except WeightsError as exc:
+                unknown.append(f"{path} ({exc})")
+
+    if pipeline is None or pipeline in CONTROL_FAMILIES:
+        add("ControlNets", [p for p in controlnets if flux is None or _flux_control(p) == flux],
+            lambda p: _folder_bytes(Path(p), CONTROL_WEIGHTS, dtype, ()))
+    if pipeline is None or pipeline in ADAPTER_FAMILIES:
+        adapters = [(w, e) for w, e in ip_adapters if flux is None or _flux_adapter(w) in (flux, None)]
+        add("IP-Adapters", [w for w, _ in adapters], lambda p: model_weights(p, dtype).bytes_at(dtype))
+        add("IP-Adapters", [e for _, e in adapters], lambda p: _folder_bytes(Path(p), ENCODER_WEIGHTS, dtype,
+                                                                             ENCODER_TENSORS))
+    add("upscalers", upscalers, lambda p: model_weights(p, UPSCALER_DTYPE).bytes_at(UPSCALER_DTYPE))
+    what = " and ".join(f"the {kind}' {format_bytes(n)}" for kind, n in counted.items() if n)
+    return Beside(sum(counted.values()), what, "; ".join(unknown))
+
+
+def _flux_control(path: str) -> bool:
+    """A FLUX ControlNet: a folder whose config names a Flux class (a single file is the UNet families':
+    diffusers reads FLUX's from folders only)."""
+    named = controlnet_config(path).get("_class_name")
+    return isinstance(named, str) and named.startswith("Flux")
+
+
+def _flux_adapter(path: str) -> bool | None:
+    """XLabs' FLUX adapter (its double-stream blocks' layers) or a UNet family's; None where unreadable."""
     try:
-        for path in controlnets:
-            _add(counted, "ControlNets", model_weights(path, dtype).bytes_at(dtype))
-        for weights, encoder in ip_adapters:
-            _add(counted, "IP-Adapters", model_weights(weights, dtype).bytes_at(dtype)
-                 + model_weights(encoder, dtype).bytes_at(dtype))
-        for path in upscalers:
-            _add(counted, "upscalers", model_weights(path, UPSCALER_DTYPE).bytes_at(UPSCALER_DTYPE))
-    except WeightsError as exc:
-        return Beside(None, f"what is configured beside the model, whose size its files do not tell ({exc})")
-    return Beside(sum(counted.values()), _words(counted))
+        names = read_tensors(path)
+    except WeightsError:
+        return None
+    return any(n.startswith("double_blocks.") or n.endswith("to_k_ip.bias") for n in names)
 
 
-def _add(counted: dict[str, int], kind: str, nbytes: int) -> None:
-    counted[kind] = counted.get(kind, 0) + nbytes
+def _folder_bytes(path: Path, main: str, dtype: str, only: tuple[str, ...]) -> int:
+    """What ``from_pretrained`` reads of a component folder: its ``main`` weights file where it has one (a union
+    ControlNet's folder may hold a second, ``_promax``, file: review53-a 6), only the tensors named ``only``
+    where given and present (a whole CLIP's text tower is not loaded by its vision model); else every weights
+    file, as ``sizes.model_weights`` counts a folder."""
+    file = path / main if path.is_dir() else path
+    if not file.is_file():
+        return model_weights(path, dtype).bytes_at(dtype)
+    if only:
+        tensors = read_tensors(file)
+        picked = [(kind, n) for name, (kind, n, _) in tensors.items() if name.startswith(only)]
+        if picked:
+            return sum(_at(kind, n, dtype) for kind, n in picked)
+    return model_weights(file, dtype).bytes_at(dtype)
 
 
-def _words(counted: Mapping[str, int]) -> str:
-    return " and ".join(f"the {kind}' {format_bytes(n)}" for kind, n in counted.items())
+def _at(kind: str, nbytes: int, dtype: str) -> int:
+    return nbytes * 8 // DTYPE_BITS[kind] * TARGET_BYTES[dtype] if kind in FLOATS else nbytes

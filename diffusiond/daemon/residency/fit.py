@@ -1,10 +1,8 @@
 """Which configurations of a model fit a device, from its files' headers alone (``diffusiond fit``, ``offload=auto``).
 
-A model too big for the card can still run: fp8 storage halves the denoiser, group offloading keeps only a few
-blocks on the device while the next ones are copied in on a side stream, model offloading keeps one component,
-sequential offloading one layer. Which of these fits is arithmetic over the tensors' sizes, so it is answered
-before anything loads, in the command line process and the engine (neither loads torch): safetensors headers
-(``sizes.read_tensors``) and GGUF headers (``gguf_header.read_gguf``).
+A model too big for the card can still run (fp8 storage, offloading of blocks, components or layers). Which way
+fits is arithmetic over the tensors' sizes, so it is answered before anything loads, in the command line process
+and the engine (neither loads torch): safetensors headers (``sizes.read_tensors``) and GGUF headers (``gguf_header``).
 
 What each configuration keeps on the device, and the rule the worker counts by too (pipelines/offload.py, on
 the loaded modules, so that residency's budget and this page agree):
@@ -26,8 +24,8 @@ the loaded modules, so that residency's budget and this page agree):
   the largest whose figure and its working memory fit the budget; without a budget (or when nothing fits)
   the row shows the least it runs with (none resident, unless the ring would outweigh the blocks). Not
   offered for a quantized denoiser (GGUF), whose tensors cannot stream.
-- ``model``: the largest component (diffusers' model offload moves one whole component at a time).
-- ``sequential``: the largest leaf module (accelerate moves each layer's weights in for its forward).
+- ``model``: the largest component (diffusers' model offload moves one whole component at a time);
+  ``sequential``: the largest leaf module (accelerate moves each layer's weights in for its forward).
 
 Working memory (activations) is counted beside the weights as residency does (``working.default_working`` at a
 1024x1024 image unless told), because a configuration whose weights fit but whose forward does not is no fit.
@@ -370,6 +368,16 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     pipeline = skipped.pipeline_of(parsed.kind, _index_folder(parsed), opts, components)
     return FitReport(spec, dtype, budget, at, rows, tuple(notes), auto_skips=skipped.skips(pipeline))
+
+
+def pipeline_class(spec: str, options: Mapping[str, str], dtype: str) -> str | None:
+    """The pipeline class the loader builds for ``spec`` (``auto_skips.pipeline_of``); None where unknown."""
+    try:
+        parsed = parse_spec(spec)
+        tensors = model_tensors(spec, options, dtype)[0] if parsed.kind == "checkpoint" else {}
+        return skipped.pipeline_of(parsed.kind, _index_folder(parsed), {**parsed.options, **options}, tensors)
+    except (WeightsError, PipelineError, OSError):
+        return None
 
 
 def _index_folder(parsed: ModelSpec) -> Path | None:

@@ -32,7 +32,7 @@ from diffusiond.pipelines.spec import not_a_model_file
 MIN_SIDE, MAX_SIDE = 8, 16384
 """The sides ``--size`` takes: a latent's least, and four times the daemon's default request limit (the
 daemon's own is its configuration's ``limits.max_size``, which this command does not read)."""
-MAX_BATCH = 256  # past any batch a request or --max-batch forms
+MAX_BATCH = 256  # a bound on the estimate's input, as MAX_SIDE is: an estimate past it is past any device
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # commands/__init__.py's codes (the daemon may not import them)
 
 
@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
         if budget is not None and fitting:
-            print(f"offload=auto would run it with {why}")
+            where = "" if shape == Shape(1024, 1024) else (
+                f" (at {shape}; the daemon's offload=auto chooses at its 1024x1024, batch 1 estimate)")
+            print(f"offload=auto would run it with {why}{where}")
     if budget is not None and not fitting:
         print(f"diffusiond fit: nothing fits {format_bytes(budget)}: {tried(report)}", file=sys.stderr)
         return EXIT_FAILED

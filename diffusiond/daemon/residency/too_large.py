@@ -38,11 +38,11 @@ def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, know
     return TooLarge(m.name, need, budget, tuple(hints), message, device=device)
 
 
-def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """What would make a model fit, for its ``model_too_large`` refusal and its out-of-memory failure: what
-    ``fit`` would tell, for the offload the model runs with (``options``, made concrete at start): offload=auto
-    is no hint to a model auto already placed (review52-a 1), and a stream plan gives room by keeping fewer
-    blocks."""
+def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None = None,
+                    auto: bool = False) -> tuple[str, ...]:
+    """What would make a model fit, for its ``model_too_large`` refusal and its out-of-memory failure, for the
+    offload it runs with (``options``, made concrete at start; ``auto``: chosen by offload=auto, which is then no
+    hint: review52-a 1, review53-a 4). A stream plan gives room by keeping fewer blocks."""
     see = f"`diffusiond fit {spec}{' --device cpu' if on_cpu else ''} --device-memory SIZE` lists what fits"
     if on_cpu:
         return (f"a smaller --dtype or quant= (on a CPU nothing can be offloaded); {see}",)
@@ -51,9 +51,14 @@ def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None =
     except PipelineError:
         mode = "none"
     if mode == "stream":
-        return ("fewer resident blocks (resident_blocks=N; `diffusiond fit "
-                f"{spec} --device-memory SIZE --size WxH --batch N` prints N for a size and batch), or "
-                "offload=group, which leaves the budget to activations",)
-    if mode in ("none", "auto"):
+        return ("fewer resident blocks (resident_blocks=K: `diffusiond fit "
+                f"{spec} --device-memory SIZE --size WxH --batch N` prints K, with SIZE the room the start's log line "
+                "names: the budget less the ControlNets, IP-Adapters and upscalers kept beside it), or offload=group, "
+                "which leaves the budget to activations",)
+    if mode in ("none", "auto") and not auto:
         return (f"offload=auto (the fastest offload that fits, chosen at start); {see}",)
-    return (f"an offload that keeps less on the device, or quant=; {see}",)
+    if mode in ("none", "fp8"):
+        return (f"offload=group, which keeps a few blocks on the device and leaves the budget to activations; {see}",)
+    if mode == "sequential":
+        return (f"quant= or a smaller --dtype (offload=sequential keeps the least already); {see}",)
+    return (f"an offload that keeps less on the device (offload=sequential), or quant=; {see}",)
