@@ -39,7 +39,6 @@ class ModelConfig:
     batch_sizes: str | None = None
     offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
     nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
-    beside_bytes: int = 0  # what its worker keeps beside it on each device (residency/beside.py): placed with it
 
 
 def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_BESIDE,
@@ -67,7 +66,6 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     if mode != "none" and mode != "auto" and on_cpu:
         raise ConfigError(f"model {m.name!r}: offload={mode} needs an accelerator device; on cpu the weights are in "
                           "host memory already, so there is nothing to offload to (use offload=none or auto)")
-    m = replace(m, beside_bytes=kept.nbytes)
     if mode == "stream":
         if parsed.kind == "gguf":
             raise ConfigError(f"model {m.name!r}: offload=stream is refused for a GGUF transformer: its quantized "
@@ -82,9 +80,13 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     if chosen == "stream" and budget is not None and not _stream_fits(m, options, kept.room(budget)):
         skips["stream"] = f"its least plan does not fit the {format_bytes(kept.room(budget))} left beside {kept.what}"
         chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
-    if "stream" in skips and pipeline_class(m.spec, options, m.dtype) in STREAM_MEASURED:
+    # why FLUX is not streamed, where it would have been (group or slower chosen instead): something to act on
+    if "stream" in skips and chosen in ("group", "model", "sequential") and \
+            pipeline_class(m.spec, options, m.dtype) in STREAM_MEASURED:
         reason += f"; stream passed over: {skips['stream']}"
     auto = "offload=auto (the default under a --device-memory budget)" if defaulted else "offload=auto"
+    if chosen == "stream":  # the figures are the plan's in the room beside what is kept (resolve_stream's)
+        reason = f"stream at {m.dtype}"
     m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"{auto} chose {reason}",
                 nothing_fits=unfit)
     if chosen != "stream":
@@ -134,5 +136,6 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
         f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
         f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
     return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},
-                   offload_reason=f"{reason} ({plan.describe()}){note}" if why else f"{reason}{note}",
+                   offload_reason=(f"{why}: needs {format_bytes(row.needs)} on the device ({plan.describe()}){note}"
+                                   if why else f"{reason}{note}"),
                    nothing_fits=unfit)

@@ -5,11 +5,14 @@ IP-Adapters once, and keeps them on its device with every upscaler (worker/proce
 figure); an IP-Adapter's own weights join the UNet's or transformer's attention while a batch uses them.
 ``offload=stream``'s plan fills the budget it is given with resident blocks, so it is given the budget less these:
 a 6.6 GB union ControlNet beside FLUX.1-dev in 24 GiB left 1.4 GiB for activations when it was not counted
-(review52-a 1). Residency places a model with them too, before its first load. Only those of the model's family
-are counted, as the worker keeps them: a FLUX ControlNet is refused by an SDXL model before it loads (review53-a 1).
-Where the model's pipeline is not known from its files, all are counted (high: fewer resident blocks, not a failed
-job). A file whose size the headers cannot tell (an upscaler's ``.pth``, a pickle the engine does not open) is
-named in ``unknown``: what could be read is still counted, and auto does not stream beside it.
+(review52-a 1). Only a stream plan is made in that room: the other configurations leave the budget to
+activations, and residency learns their extras from READY, as before. The count errs high, which costs a stream
+plan resident blocks (or auto's stream, for group), never a job: those of the model's family are counted (a FLUX
+ControlNet is refused by an SDXL model before it loads: review53-a 1), but SD 1.5's and SDXL's ControlNets share a
+class and both count, IP-Adapter weights count though they join the denoiser only while used, and where the
+model's pipeline is not known from its files (a single file, a GGUF) all are counted. A file whose size the
+headers cannot tell (an upscaler's ``.pth``, a pickle the engine does not open) is named in ``unknown``: what
+could be read is still counted, and auto does not stream beside it.
 """
 
 from __future__ import annotations
