@@ -397,12 +397,14 @@ def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(
                                          "least (0 of 7 denoiser blocks resident"), tight.nothing_fits
 
 
-def _control(folder: Path, cls: str, promax: bool = False) -> Path:
-    """A ControlNet folder of ``cls``'s family with 240 KB of float32 weights (a union one's second file too)."""
+def _control(folder: Path, cls: str, promax: bool = False, width: int | None = None) -> Path:
+    """A ControlNet folder of ``cls``'s family (and text ``width``) with 240 KB of float32 weights (a union
+    one's second file too)."""
     from safetensors.torch import save_file
 
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"_class_name": cls}))
+    config = {"_class_name": cls, **({"cross_attention_dim": width} if width else {})}
+    (folder / "config.json").write_text(json.dumps(config))
     for name in ("diffusion_pytorch_model", *(["diffusion_pytorch_model_promax"] if promax else [])):
         save_file({"w": torch.zeros(60_000)}, str(folder / f"{name}.safetensors"))
     return folder
@@ -422,7 +424,15 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
 
     assert set(controlnet.FAMILIES) == kept.CONTROL_FAMILIES and set(ip_adapter.FAMILIES) == kept.ADAPTER_FAMILIES
     flux_cn = _control(tmp_path / "flux-cn", "FluxControlNetModel", promax=True)  # counted once: from_pretrained's
-    unet_cn = _control(tmp_path / "sd-cn", "ControlNetModel")
+    unet_cn = _control(tmp_path / "sd-cn", "ControlNetModel", width=768)
+    sdxl_cn = _control(tmp_path / "sdxl-cn", "ControlNetModel", width=2048)
+    single = tmp_path / "canny.safetensors"
+    shutil.copy(unet_cn / "diffusion_pytorch_model.safetensors", single)
+    # SD 1.5's and SDXL's share a class and are told apart by their text width; a single file is a UNet family's
+    for pipeline, counted in [("StableDiffusionXLPipeline", 480_000), ("StableDiffusionPipeline", 480_000),
+                              ("FluxPipeline", 240_000), (None, 960_000), ("WanPipeline", 0)]:
+        got = kept.beside([str(flux_cn), str(unet_cn), str(sdxl_cn), str(single)], [], [], "float32", pipeline)
+        assert got.nbytes == counted, (pipeline, got)
     inputs = stream_inputs(model_tensors(str(deep_flux), {}, "float32")[0], "float32")
     assert inputs is not None
     every = stream_plan.plan(*inputs, 7).device_bytes
@@ -435,6 +445,12 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     assert alone.options["offload"] == beside.options["offload"] == "stream", (alone, beside)
     assert other.options == alone.options and other.offload_reason == alone.offload_reason  # an SD ControlNet
     assert int(beside.options["resident_blocks"]) < int(alone.options["resident_blocks"]) == 7
+    # auto chooses in the room beside them too: resident weights that fit the budget alone do not fit beside one
+    whole = next(c for c in fit(str(deep_flux), dtype="float32").configurations if c.name == "none")
+    exact = {**flags, "device_memory": str(whole.needs)}
+    assert build_config({}, {"model": model, **exact}).models[0].options["offload"] == "none"
+    crowded = build_config({}, {"model": model, "controlnet": [f"c={flux_cn}"], **exact}).models[0]
+    assert crowded.options["offload"] == "stream", crowded
     assert (f"planned in {format_bytes(budget - 240_000)}: the --device-memory budget of {format_bytes(budget)} less "
             "the ControlNets' 234.38 KiB, kept beside it") in beside.offload_reason, beside.offload_reason
     # an upscaler whose size no header tells (a pickle), or a model pinned on the device: auto keeps to group,

@@ -47,9 +47,10 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     worker is told what to do and residency counts what it will hold; other modes checked against the rest.
     ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given,
     planned in the budget less what the worker keeps beside the model (``kept``: residency/beside.py), since
-    its plan fills what it is given. Auto chooses against the whole budget, as the worker's other offloads
-    leave it to activations, and does not stream where what is kept beside is not all known, where
-    ``pinned_beside`` names a model pinned on the same device, or where stream does not fit beside them."""
+    its plan fills what it is given. Auto chooses in that room too, and against the whole budget, as before,
+    where nothing fits there (the count errs high: beside.py); it does not stream where what is kept beside is
+    not all known, where ``pinned_beside`` names a model pinned on the same device, or where stream does not fit
+    beside them."""
     parsed = parse_spec(m.spec)
     options = model_options(m.spec, m.options)  # a spec's own options (SPEC,offload=stream) count as the table's
     try:
@@ -76,7 +77,12 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     skips = {"stream": f"{pinned_beside} is pinned on the same device"} if pinned_beside else {}
     if kept.unknown:
         skips["stream"] = f"what is kept beside it is not all sized: {kept.unknown}"
-    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
+    room = None if budget is None else kept.room(budget)
+    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=room, skips=skips)
+    if room != budget and not unfit:
+        reason += kept.note(budget)
+    if unfit and room != budget:  # nothing fits beside what is kept (a count that errs high): as before, the budget
+        chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
     if chosen == "stream" and budget is not None and not _stream_fits(m, options, kept.room(budget)):
         skips["stream"] = f"its least plan does not fit the {format_bytes(kept.room(budget))} left beside {kept.what}"
         chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)

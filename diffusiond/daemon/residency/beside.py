@@ -8,9 +8,10 @@ a 6.6 GB union ControlNet beside FLUX.1-dev in 24 GiB left 1.4 GiB for activatio
 (review52-a 1). Only a stream plan is made in that room: the other configurations leave the budget to
 activations, and residency learns their extras from READY, as before. The count errs high, which costs a stream
 plan resident blocks (or auto's stream, for group), never a job: those of the model's family are counted (a FLUX
-ControlNet is refused by an SDXL model before it loads: review53-a 1), but SD 1.5's and SDXL's ControlNets share a
-class and both count, IP-Adapter weights count though they join the denoiser only while used, and where the
-model's pipeline is not known from its files (a single file, a GGUF) all are counted. A file whose size the
+ControlNet is refused by an SDXL model before it loads: review53-a 1; SD 1.5's and SDXL's, one class, are told apart
+by the text width their config names), but a single-file ControlNet counts for both UNet families, IP-Adapter
+weights count though they join the denoiser only while used, and where the model's pipeline is not known from its
+files (a single file, a GGUF) all are counted. A file whose size the
 headers cannot tell (an upscaler's ``.pth``, a pickle the engine does not open) is named in ``unknown``: what
 could be read is still counted, and auto does not stream beside it.
 """
@@ -41,6 +42,7 @@ CONTROL_FAMILIES: Final = frozenset({
 """The pipelines ControlNets are served for (``pipelines/controlnet.FAMILIES``' keys; tests/test_fit.py checks)."""
 ADAPTER_FAMILIES: Final = frozenset({"StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline"})
 """The pipelines IP-Adapters are served for (``pipelines/ip_adapter.FAMILIES``; tests/test_fit.py checks)."""
+SDXL_TEXT_WIDTH: Final = 2048  # SDXL's UNet and ControlNets attend to text this wide (SD 1.5's 768, 2.x's 1024)
 CONTROL_WEIGHTS: Final = "diffusion_pytorch_model.safetensors"  # what from_pretrained reads of a ControlNet folder
 ENCODER_WEIGHTS: Final = "model.safetensors"  # and of an image encoder's
 ENCODER_TENSORS: Final = ("vision_model.", "visual_projection.")  # CLIPVisionModelWithProjection's, of a whole CLIP
@@ -72,7 +74,8 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
            dtype: str, pipeline: str | None) -> Beside:
     """ControlNets' paths, IP-Adapters' (weights, image encoder) and upscalers' paths, those of ``pipeline``'s
     family (None: not known, all), at the model's ``dtype`` (upscalers at theirs)."""
-    flux = None if pipeline is None else pipeline.startswith("Flux")
+    family = None if pipeline is None else _family(pipeline)
+    flux = None if family is None else family == "flux"
     counted: dict[str, int] = {}
     unknown: list[str] = []
 
@@ -84,7 +87,7 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
                 unknown.append(f"{path} ({exc})")
 
     if pipeline is None or pipeline in CONTROL_FAMILIES:
-        add("ControlNets", [p for p in controlnets if flux is None or _flux_control(p) == flux],
+        add("ControlNets", [p for p in controlnets if _kept_by(family, p)],
             lambda p: _folder_bytes(Path(p), CONTROL_WEIGHTS, dtype, ()))
     if pipeline is None or pipeline in ADAPTER_FAMILIES:
         adapters = [(w, e) for w, e in ip_adapters if flux is None or _flux_adapter(w) in (flux, None)]
@@ -96,11 +99,26 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
     return Beside(sum(counted.values()), what, "; ".join(unknown))
 
 
-def _flux_control(path: str) -> bool:
-    """A FLUX ControlNet: a folder whose config names a Flux class (a single file is the UNet families':
-    diffusers reads FLUX's from folders only)."""
-    named = controlnet_config(path).get("_class_name")
-    return isinstance(named, str) and named.startswith("Flux")
+def _family(pipeline: str) -> str:
+    return "flux" if pipeline.startswith("Flux") else "sdxl" if pipeline.startswith("StableDiffusionXL") else "sd"
+
+
+def _kept_by(family: str | None, path: str) -> bool:
+    """Whether a model of ``family`` (None: not known) keeps ControlNet ``path`` (a single file: a UNet family)."""
+    of = _control_family(path)
+    return family is None or of == family or (of is None and family != "flux")
+
+
+def _control_family(path: str) -> str | None:
+    """A ControlNet folder's family from its config: FLUX's by class, SDXL's and SD's (one class) by the width of
+    the text they attend to; None for a single file (the UNet families': diffusers reads FLUX's from folders)."""
+    config = controlnet_config(path)
+    named, width = config.get("_class_name"), config.get("cross_attention_dim")
+    if isinstance(named, str) and named.startswith("Flux"):
+        return "flux"
+    if named == "ControlNetUnionModel" or width == SDXL_TEXT_WIDTH:
+        return "sdxl"
+    return "sd" if isinstance(width, int) else None
 
 
 def _flux_adapter(path: str) -> bool | None:
