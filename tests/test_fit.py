@@ -445,14 +445,28 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     assert alone.options["offload"] == beside.options["offload"] == "stream", (alone, beside)
     assert other.options == alone.options and other.offload_reason == alone.offload_reason  # an SD ControlNet
     assert int(beside.options["resident_blocks"]) < int(alone.options["resident_blocks"]) == 7
-    # auto chooses in the room beside them too: resident weights that fit the budget alone do not fit beside one
-    whole = next(c for c in fit(str(deep_flux), dtype="float32").configurations if c.name == "none")
-    exact = {**flags, "device_memory": str(whole.needs)}
-    assert build_config({}, {"model": model, **exact}).models[0].options["offload"] == "none"
-    crowded = build_config({}, {"model": model, "controlnet": [f"c={flux_cn}"], **exact}).models[0]
-    assert crowded.options["offload"] == "stream", crowded
+    assert alone.offload_reason.startswith("offload=auto chose stream at float32: needs "), alone.offload_reason
     assert (f"planned in {format_bytes(budget - 240_000)}: the --device-memory budget of {format_bytes(budget)} less "
             "the ControlNets' 234.38 KiB, kept beside it") in beside.offload_reason, beside.offload_reason
+    # auto's choice among the configurations is the whole budget's, as before: they leave it to activations
+    whole = next(c for c in fit(str(deep_flux), dtype="float32").configurations if c.name == "none")
+    exact = {**flags, "device_memory": str(whole.needs)}
+    for controlnets in ([], [f"c={flux_cn}"]):
+        m = build_config({}, {"model": model, "controlnet": controlnets, **exact}).models[0]
+        assert m.options["offload"] == "none" and "stream passed over" not in m.offload_reason, m
+    # a stream plan that does not fit beside them at its least is made in the whole budget, as before they were
+    # counted (the count may be a guess), and says so: it never costs the model
+    least = _stream_row(deep_flux, None, None)
+    tight = {**flags, "device_memory": str(least.needs + 100_000)}  # less room than the ControlNet's 240 KB
+    asked = build_config({}, {"model": [f"f={deep_flux},offload=stream"], "controlnet": [f"c={flux_cn}"],
+                              **tight}).models[0]
+    assert asked.nothing_fits == "" and asked.options["offload"] == "stream", asked
+    assert int(asked.options["resident_blocks"]) >= (least.resident_blocks or 0), asked
+    assert "planned in the whole --device-memory budget: at its least it does not fit beside the ControlNets'" in \
+        asked.offload_reason, asked.offload_reason
+    auto = build_config({}, {"model": model, "controlnet": [f"c={flux_cn}"], **tight}).models[0]
+    assert auto.options["offload"] == "group", auto  # auto takes group rather than stream over the room
+    assert "stream passed over: its least plan does not fit the " in auto.offload_reason, auto.offload_reason
     # an upscaler whose size no header tells (a pickle), or a model pinned on the device: auto keeps to group,
     # and its start line says why FLUX is not streamed
     pth = tmp_path / "x4.pth"

@@ -47,10 +47,9 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     worker is told what to do and residency counts what it will hold; other modes checked against the rest.
     ``offload=stream`` (given, or auto's choice) gets its ``resident_blocks`` the same way unless it is given,
     planned in the budget less what the worker keeps beside the model (``kept``: residency/beside.py), since
-    its plan fills what it is given. Auto chooses in that room too, and against the whole budget, as before,
-    where nothing fits there (the count errs high: beside.py); it does not stream where what is kept beside is
-    not all known, where ``pinned_beside`` names a model pinned on the same device, or where stream does not fit
-    beside them."""
+    its plan fills what it is given. Auto chooses against the whole budget, as the other configurations leave it
+    to activations, and does not stream where what is kept beside is not all known, where ``pinned_beside``
+    names a model pinned on the same device, or where stream does not fit beside them (group then)."""
     parsed = parse_spec(m.spec)
     options = model_options(m.spec, m.options)  # a spec's own options (SPEC,offload=stream) count as the table's
     try:
@@ -77,12 +76,7 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     skips = {"stream": f"{pinned_beside} is pinned on the same device"} if pinned_beside else {}
     if kept.unknown:
         skips["stream"] = f"what is kept beside it is not all sized: {kept.unknown}"
-    room = None if budget is None else kept.room(budget)
-    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=room, skips=skips)
-    if room != budget and not unfit:
-        reason += kept.note(budget)
-    if unfit and room != budget:  # nothing fits beside what is kept (a count that errs high): as before, the budget
-        chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
+    chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
     if chosen == "stream" and budget is not None and not _stream_fits(m, options, kept.room(budget)):
         skips["stream"] = f"its least plan does not fit the {format_bytes(kept.room(budget))} left beside {kept.what}"
         chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
@@ -125,20 +119,22 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
         raise ConfigError(f"model {m.name!r}: offload=stream keeps as many denoiser blocks on the device as "
                           "--device-memory has room for: give --device-memory SIZE, or resident_blocks=N "
                           "(diffusiond fit SPEC --device-memory SIZE prints N)")
-    room = kept.room(budget)
     try:
-        plan, row = plan_stream(m.spec, options, m.dtype, room)
+        plan, row = plan_stream(m.spec, options, m.dtype, kept.room(budget))
+        note = kept.note(budget)
+        if not row.fits and kept.nbytes:  # the count errs high (beside.py): a guess costs blocks, never the model
+            plan, row = plan_stream(m.spec, options, m.dtype, budget)
+            note = (f" (planned in the whole --device-memory budget: at its least it does not fit beside "
+                    f"{kept.what}, which are counted kept beside it)")
     except WeightsError as exc:
         raise ConfigError(f"model {m.name!r}: offload=stream cannot choose resident_blocks from the files "
                           f"({exc}); give resident_blocks=N") from None
     except PipelineError as exc:
         raise ConfigError(f"model {m.name!r}: {exc}") from None
-    note = kept.note(budget) + (f" (not counted, its size unknown: {kept.unknown})" if kept.unknown else "")
+    note += f" (not counted, its size unknown: {kept.unknown})" if kept.unknown else ""
     reason = why or f"offload=stream: {plan.describe()}"
-    where = f"the --device-memory budget of {format_bytes(budget)}" + (
-        f" less {kept.what} kept beside it ({format_bytes(room)} left)" if kept.nbytes else "")
     unfit = m.nothing_fits if row.fits else (
-        f"offload=stream does not fit {where}: at its least "
+        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}: at its least "
         f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
         f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
     return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},

@@ -2,18 +2,20 @@
 
 Each worker loads the configured ControlNets of its model's family and the image encoders of its family's
 IP-Adapters once, and keeps them on its device with every upscaler (worker/process.py counts them in its READY
-figure); an IP-Adapter's own weights join the UNet's or transformer's attention while a batch uses them.
-``offload=stream``'s plan fills the budget it is given with resident blocks, so it is given the budget less these:
-a 6.6 GB union ControlNet beside FLUX.1-dev in 24 GiB left 1.4 GiB for activations when it was not counted
-(review52-a 1). Only a stream plan is made in that room: the other configurations leave the budget to
-activations, and residency learns their extras from READY, as before. The count errs high, which costs a stream
-plan resident blocks (or auto's stream, for group), never a job: those of the model's family are counted (a FLUX
-ControlNet is refused by an SDXL model before it loads: review53-a 1; SD 1.5's and SDXL's, one class, are told apart
-by the text width their config names), but a single-file ControlNet counts for both UNet families, IP-Adapter
-weights count though they join the denoiser only while used, and where the model's pipeline is not known from its
-files (a single file, a GGUF) all are counted. A file whose size the
-headers cannot tell (an upscaler's ``.pth``, a pickle the engine does not open) is named in ``unknown``: what
-could be read is still counted, and auto does not stream beside it.
+figure; an IP-Adapter's own weights join the denoiser only while a batch uses them, and are not counted there
+nor here). ``offload=stream``'s plan fills the budget it is given with resident blocks, so it is given the budget
+less these: a 6.6 GB union ControlNet beside FLUX.1-dev in 24 GiB left 1.4 GiB for activations when it was not
+counted (review52-a 1). Nothing else is planned in that room: auto chooses among the configurations against the
+whole budget, as they leave it to activations, and residency learns their extras from READY.
+
+Only those of the model's family are counted (a FLUX ControlNet is refused by an SDXL model before it loads:
+review53-a 1; SD 1.5's and SDXL's, one class, are told apart by the text width their config names). The count
+still errs high where a family is assumed: a single-file ControlNet counts for both UNet families, and where the
+model's pipeline is not known from its files (a single file, a GGUF) all are counted. So a stream plan that does
+not fit beside them is made in the whole budget, as before they were counted (model_config.resolve_stream): a
+guess costs resident blocks, never the model. A file whose size the headers cannot tell (an upscaler's ``.pth``,
+a pickle the engine does not open) is named in ``unknown``: what could be read is still counted, and auto does
+not stream beside it.
 """
 
 from __future__ import annotations
@@ -91,7 +93,6 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
             lambda p: _folder_bytes(Path(p), CONTROL_WEIGHTS, dtype, ()))
     if pipeline is None or pipeline in ADAPTER_FAMILIES:
         adapters = [(w, e) for w, e in ip_adapters if flux is None or _flux_adapter(w) in (flux, None)]
-        add("IP-Adapters", [w for w, _ in adapters], lambda p: model_weights(p, dtype).bytes_at(dtype))
         add("IP-Adapters", [e for _, e in adapters], lambda p: _folder_bytes(Path(p), ENCODER_WEIGHTS, dtype,
                                                                              ENCODER_TENSORS))
     add("upscalers", upscalers, lambda p: model_weights(p, UPSCALER_DTYPE).bytes_at(UPSCALER_DTYPE))
