@@ -359,9 +359,13 @@ def _kept(config: DaemonConfig, m: ModelConfig) -> Beside:
 
 
 def _pinned_beside(config: DaemonConfig, m: ModelConfig) -> str:
-    """A model pinned on one of ``m``'s devices (its name; "" for none)."""
-    return next((o.name for o in config.models if o.pinned and o.name != m.name and set(o.devices) & set(m.devices)),
-                "")
+    """Why a stream plan, which fills the budget, would crowd a pinned model: one pinned on ``m``'s device, or
+    ``m`` pinned beside others there, which could never take its room back (review56-a 1); "" for neither."""
+    near = [o for o in config.models if o.name != m.name and set(o.devices) & set(m.devices)]
+    pinned = next((o.name for o in near if o.pinned), "")
+    if pinned:
+        return f"{pinned} is pinned on the same device"
+    return f"it is pinned beside {near[0].name}" if m.pinned and near else ""
 
 
 def _bound(nbytes: int) -> int | None:

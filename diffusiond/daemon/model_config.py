@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from diffusiond.daemon.residency.auto_skips import STREAM_MEASURED
+from diffusiond.daemon.residency.auto_skips import AUTO_STREAM_RESIDENT, STREAM_MEASURED
 from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside
 from diffusiond.daemon.residency.fit import choose_auto, model_tensors, pipeline_class, plan_stream, stream_inputs
 from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
@@ -17,6 +17,7 @@ from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.values import ConfigError
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import model_options, offload_mode, parse_spec
+from diffusiond.pipelines.stream_plan import StreamPlan
 
 
 @dataclass(frozen=True)
@@ -73,16 +74,18 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
         return resolve_stream(m, options, budget, "", kept)
     if mode != "auto":
         return m
-    skips = {"stream": f"{pinned_beside} is pinned on the same device"} if pinned_beside else {}
+    skips = {"stream": pinned_beside} if pinned_beside else {}
     if kept.unknown:
         skips["stream"] = f"what is kept beside it is not all sized: {kept.unknown}"
     chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
-    if chosen == "stream" and budget is not None and not _stream_fits(m, options, kept.room(budget)):
-        skips["stream"] = f"its least plan does not fit the {format_bytes(kept.room(budget))} left beside {kept.what}"
-        chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
+    if chosen == "stream" and budget is not None:
+        why_not = _stream_short(m, options, kept, budget)
+        if why_not:
+            skips["stream"] = why_not
+            chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
     # why FLUX is not streamed, where it would have been (group or slower chosen instead): something to act on
-    if "stream" in skips and chosen in ("group", "model", "sequential") and \
-            pipeline_class(m.spec, options, m.dtype) in STREAM_MEASURED:
+    if "stream" in skips and chosen in ("group", "model", "sequential") and budget is not None and \
+            _stream_plan(m, options, budget)[1] and pipeline_class(m.spec, options, m.dtype) in STREAM_MEASURED:
         reason += f"; stream passed over: {skips['stream']}"
     auto = "offload=auto (the default under a --device-memory budget)" if defaulted else "offload=auto"
     if chosen == "stream":  # the figures are the plan's in the room beside what is kept (resolve_stream's)
@@ -94,11 +97,26 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     return resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason, kept)
 
 
-def _stream_fits(m: ModelConfig, options: Mapping[str, str], room: int) -> bool:
+def _stream_plan(m: ModelConfig, options: Mapping[str, str], room: int) -> tuple[StreamPlan | None, bool]:
+    """The stream plan in ``room`` and whether it fits (None, False where the files cannot tell)."""
     try:
-        return bool(plan_stream(m.spec, {**options, "offload": "stream"}, m.dtype, room)[1].fits)
+        plan, row = plan_stream(m.spec, {**options, "offload": "stream"}, m.dtype, room)
     except (WeightsError, PipelineError):
-        return False
+        return None, False
+    return plan, bool(row.fits)
+
+
+def _stream_short(m: ModelConfig, options: Mapping[str, str], kept: Beside, budget: int) -> str:
+    """Why auto's stream falls short ("" where it does not): it does not fit beside what is kept, or it would keep
+    too few blocks resident to stream clearly less than group moves (``AUTO_STREAM_RESIDENT``)."""
+    plan, fits = _stream_plan(m, options, kept.room(budget))
+    if plan is None or not fits:
+        beside = f" left beside {kept.what}" if kept.nbytes else ""
+        return f"its least plan does not fit the {format_bytes(kept.room(budget))}{beside}"
+    if plan.resident_blocks < AUTO_STREAM_RESIDENT * plan.blocks:
+        return (f"only {plan.resident_blocks} of {plan.blocks} denoiser blocks would stay resident, streaming about "
+                f"what group moves (auto streams from {AUTO_STREAM_RESIDENT:.0%} resident; ask for it by name)")
+    return ""
 
 
 def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str,
@@ -122,10 +140,10 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
     try:
         plan, row = plan_stream(m.spec, options, m.dtype, kept.room(budget))
         note = kept.note(budget)
-        if not row.fits and kept.nbytes:  # the count errs high (beside.py): a guess costs blocks, never the model
-            plan, row = plan_stream(m.spec, options, m.dtype, budget)
-            note = (f" (planned in the whole --device-memory budget: at its least it does not fit beside "
-                    f"{kept.what}, which are counted kept beside it)")
+        if not row.fits and kept.nbytes and row.needs <= budget:  # the count errs high (beside.py): the least plan,
+            row = replace(row, fits=True)  # which fits the budget alone, costs blocks, not the model
+            note = (f" (the least plan: it does not fit beside {kept.what}, counted kept beside it, which a worker "
+                    "keeps only where they fit its model)")
     except WeightsError as exc:
         raise ConfigError(f"model {m.name!r}: offload=stream cannot choose resident_blocks from the files "
                           f"({exc}); give resident_blocks=N") from None

@@ -24,6 +24,10 @@ AUTO_SKIPS: Final = {"fp8": "approximate", "stream": "measured on FLUX.1's text-
 """Listed by ``fit``, passed over by ``auto``, and why (the words of the hint when nothing else fits)."""
 STREAM_MEASURED: Final = frozenset({"FluxPipeline"})
 """The pipelines auto may stream: those ``offload=stream`` was measured on."""
+AUTO_STREAM_RESIDENT: Final = 0.25
+"""The least share of the denoiser's blocks auto's stream keeps resident. It was measured at 36 of 57 (24 GiB);
+with few resident it moves about what group moves over the bus each step (group is bus-bound: docs/benchmarks.md)
+and keeps its ring's slots on the device besides, room that activations lose (review56-a 3)."""
 FLUX1_MARK: Final = "double_blocks.0.img_attn.norm.key_norm.scale"
 """What marks a single file as FLUX's (diffusers' ``CHECKPOINT_KEY_NAMES["flux"]``, ComfyUI's prefix stripped)."""
 NOT_FLUX1: Final = ("single_stream_modulation.lin.weight", "early_stream_modulations.image.lin.weight",

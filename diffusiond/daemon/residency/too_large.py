@@ -51,9 +51,9 @@ def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None =
     except PipelineError:
         mode = "none"
     if mode == "stream":
-        return (f"fewer resident blocks (resident_blocks=K: `diffusiond fit {spec} --device-memory SIZE --size WxH "
-                "--batch N` prints K, with SIZE the budget less the ControlNets, IP-Adapters and upscalers kept "
-                "beside it), or offload=group, which leaves the budget to activations",)
+        return (f"fewer resident blocks (offload=stream,resident_blocks=K: `diffusiond fit {spec} --device-memory "
+                "SIZE --size WxH --batch N` prints K, with SIZE the budget less the ControlNets, IP-Adapters and "
+                "upscalers kept beside it), or offload=group, which leaves the budget to activations",)
     if mode in ("none", "auto") and not auto:
         return (f"offload=auto (the fastest offload that fits, chosen at start); {see}",)
     if mode in ("none", "fp8"):
