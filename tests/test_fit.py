@@ -372,6 +372,7 @@ def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(
     # a FluxPipeline folder: auto takes stream where a quarter of the blocks or more stay resident, else group,
     # which moves about as much (auto_skips.AUTO_STREAM_RESIDENT)
     few = auto_at(needs[0])
+    assert choose_offload(fit(str(deep_flux), dtype="float32", budget=needs[0]))[0] == "group"  # fit says the same
     assert few.options["offload"] == "group" and "only 0 of 7 denoiser blocks would stay resident" in \
         few.offload_reason, few.offload_reason
     budget = next(b for b in sorted(needs.values()) if (_stream_row(deep_flux, b, None).resident_blocks or 0) >= 2)
@@ -462,19 +463,28 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     for controlnets in ([], [f"c={flux_cn}"]):
         m = build_config({}, {"model": model, "controlnet": controlnets, **exact}).models[0]
         assert m.options["offload"] == "none" and "stream passed over" not in m.offload_reason, m
-    # a stream plan asked for that does not fit beside them at its least is the least plan, which fits the budget
-    # (the count may be a guess: a worker keeps a ControlNet only where it fits its model), and says so
+    # a stream plan asked for that does not fit at its least beside what is surely kept is refused at start, saying
+    # so; where the count is a guess (here the model's pipeline is not known, so every family's ControlNet counts)
+    # it is the least plan, which fits the budget alone, and says so
     least = _stream_row(deep_flux, None, None)
     tight = {**flags, "device_memory": str(least.needs + 10_000)}  # less room than the ControlNet's 20 KB
-    asked = build_config({}, {"model": [f"f={deep_flux},offload=stream"], "controlnet": [f"c={flux_cn}"],
-                              **tight}).models[0]
-    assert asked.nothing_fits == "" and asked.options["offload"] == "stream", asked
-    assert asked.options["resident_blocks"] == str(least.resident_blocks), asked  # the least: more would not fit
-    assert "(the least plan: it does not fit beside the ControlNets' 19.53 KiB" in asked.offload_reason, asked
-    # and a model pinned beside others keeps to group: a stream plan fills the budget, which they could not take back
-    alone_pinned = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["f"],
-                                     **flags}).models[0]
-    assert alone_pinned.options["offload"] == "group" and "it is pinned beside g" in alone_pinned.offload_reason
+    sure = build_config({}, {"model": [f"f={deep_flux},offload=stream"], "controlnet": [f"c={flux_cn}"],
+                             **tight}).models[0]
+    assert "does not fit the --device-memory budget of" in sure.nothing_fits, sure
+    assert "beside the ControlNets' 19.53 KiB kept with it" in sure.nothing_fits
+    assert "offload=group" in sure.nothing_fits
+    alone_least = _stream_row(deep_flux / "transformer", None, None)
+    guessed = build_config({}, {"model": [f"f={deep_flux / 'transformer'},offload=stream"],
+                                "controlnet": [f"c={unet_cn}"], **flags,
+                                "device_memory": str(alone_least.needs + 10_000)}).models[0]
+    assert guessed.nothing_fits == "" and guessed.options["offload"] == "stream", guessed
+    assert guessed.options["resident_blocks"] == str(alone_least.resident_blocks), guessed  # the least
+    assert "(the least plan: it does not fit beside the ControlNets' 19.53 KiB" in guessed.offload_reason, guessed
+    # a pinned model's stream plan leaves room for the largest model beside it, which could never take it back
+    pinned_f = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["f"],
+                                 **flags}).models[0]
+    assert pinned_f.options["offload"] == "group", pinned_f  # here the rest of the budget is too small for stream
+    assert "left beside g (the largest model beside it, resident)'s " in pinned_f.offload_reason, pinned_f
     # where stream would not fit at all, the start line does not send anyone to unpin for it
     group = next(c for c in fit(str(deep_flux), dtype="float32").configurations if c.name == "group")
     small = {**flags, "device_memory": str((group.needs + least.needs) // 2)}
@@ -482,7 +492,8 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     assert crowded.options["offload"] == "group" and "passed over" not in crowded.offload_reason, crowded
     auto = build_config({}, {"model": model, "controlnet": [f"c={flux_cn}"], **tight}).models[0]
     assert auto.options["offload"] == "group", auto  # auto takes group rather than stream over the room
-    assert "stream passed over: its least plan does not fit the " in auto.offload_reason, auto.offload_reason
+    # and its start line gives the reason that holds with the ControlNet gone too: too few blocks would stay resident
+    assert "stream passed over: only 0 of 7 denoiser blocks would stay resident" in auto.offload_reason, auto
     # an upscaler whose size no header tells (a pickle), or a model pinned on the device: auto keeps to group,
     # and its start line says why FLUX is not streamed
     pth = tmp_path / "x4.pth"

@@ -151,7 +151,8 @@ def test_no_import_cycle_in_the_package() -> None:
     ({"offload": "stream", "resident_blocks": "x"}, r"resident_blocks='x': give a whole number of blocks"),
     ({"offload": "stream", "resident_blocks": "1e3"}, r"resident_blocks='1e3'"),
     ({"offload": "stream", "resident_blocks": "100001"}, r"resident_blocks='100001'"),
-    ({"resident_blocks": "3"}, "resident_blocks=3 applies to offload=stream only, and offload=none is given"),
+    ({"resident_blocks": "3"}, "resident_blocks=3 applies to offload=stream only, and no offload is given"),
+    ({"resident_blocks": "3", "offload": "group"}, "offload=stream only, and offload=group is given"),
     ({"offload": "stream", "fp8": "1"}, "offload=stream with fp8=1 is refused"),
     ({"offload": "stream", "quant": "text_encoder_2:int8,unet:fp8-storage"}, r"quant=unet:\.\.\. is refused"),
 ])

@@ -20,12 +20,10 @@ from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
 from diffusiond.daemon.devices import auto_device, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
-from diffusiond.daemon.model_config import resolve_offload
-from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside, beside
+from diffusiond.daemon.model_config import kept_beside, pinned_beside, resolve_offload
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
 from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
 from diffusiond.daemon.residency.budget import resolve as resolve_budget
-from diffusiond.daemon.residency.fit import pipeline_class
 from diffusiond.daemon.residency.preload import check_preload
 from diffusiond.daemon.residency.sizes import default_dtype
 from diffusiond.daemon.residency.units import FOREVER, parse_duration, parse_size
@@ -350,24 +348,6 @@ def start_budgets(config: DaemonConfig) -> tuple[tuple[str, int, str], ...]:
     return tuple(out)
 
 
-def _kept(config: DaemonConfig, m: ModelConfig) -> Beside:
-    if not (config.controlnets or config.ip_adapters or config.upscalers):
-        return NOTHING_BESIDE
-    return beside((c.path for c in config.controlnets.values()), config.ip_adapters.values(),
-                  (u.path for u in config.upscalers.values()), m.dtype,
-                  pipeline_class(m.spec, model_options(m.spec, m.options), m.dtype))
-
-
-def _pinned_beside(config: DaemonConfig, m: ModelConfig) -> str:
-    """Why a stream plan, which fills the budget, would crowd a pinned model: one pinned on ``m``'s device, or
-    ``m`` pinned beside others there, which could never take its room back (review56-a 1); "" for neither."""
-    near = [o for o in config.models if o.name != m.name and set(o.devices) & set(m.devices)]
-    pinned = next((o.name for o in near if o.pinned), "")
-    if pinned:
-        return f"{pinned} is pinned on the same device"
-    return f"it is pinned beside {near[0].name}" if m.pinned and near else ""
-
-
 def _bound(nbytes: int) -> int | None:
     return None if nbytes >= NO_BUDGET else nbytes
 
@@ -487,8 +467,11 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     config = replace(config, budgets=start_budgets(config))
     # offload=auto plans against the smallest budget of the model's devices: each of its workers must fit, beside
     # what it keeps there (residency/beside.py) and any model pinned there
-    models = [resolve_offload(m, _bound(min(config.budget_of(d).nbytes for d in m.devices)), _kept(config, m),
-                              _pinned_beside(config, m)) for m in config.models]
+    models = [resolve_offload(m, _bound(min(config.budget_of(d).nbytes for d in m.devices)),
+                              kept_beside(m, config.models, [c.path for c in config.controlnets.values()],
+                                          list(config.ip_adapters.values()),
+                                          [u.path for u in config.upscalers.values()]),
+                              pinned_beside(m, config.models)) for m in config.models]
     return replace(config, models=tuple(replace(m, warmup=resolve_warmup(
         m.name, m.warmup, config.batch_sizes_of(m), m.compile, model_options(m.spec, m.options)))
         for m in models))

@@ -6,12 +6,19 @@ config.py, which assembles the daemon's configuration around the models and re-e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from diffusiond.daemon.residency.auto_skips import AUTO_STREAM_RESIDENT, STREAM_MEASURED
-from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside
-from diffusiond.daemon.residency.fit import choose_auto, model_tensors, pipeline_class, plan_stream, stream_inputs
+from diffusiond.daemon.residency.auto_skips import AUTO_STREAM_RESIDENT, STREAM_MEASURED, too_few_resident
+from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside, beside
+from diffusiond.daemon.residency.fit import (
+    choose_auto,
+    device_weights,
+    model_tensors,
+    pipeline_class,
+    plan_stream,
+    stream_inputs,
+)
 from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.values import ConfigError
@@ -84,9 +91,8 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
             skips["stream"] = why_not
             chosen, reason, unfit = choose_auto(m.spec, options, m.dtype, on_cpu=on_cpu, budget=budget, skips=skips)
     # why FLUX is not streamed, where it would have been (group or slower chosen instead): something to act on
-    if "stream" in skips and chosen in ("group", "model", "sequential") and budget is not None and \
-            _stream_plan(m, options, budget)[1] and pipeline_class(m.spec, options, m.dtype) in STREAM_MEASURED:
-        reason += f"; stream passed over: {skips['stream']}"
+    if chosen in ("group", "model", "sequential") and budget is not None:
+        reason += _passed_over(m, options, budget, skips.get("stream", ""))
     auto = "offload=auto (the default under a --device-memory budget)" if defaulted else "offload=auto"
     if chosen == "stream":  # the figures are the plan's in the room beside what is kept (resolve_stream's)
         reason = f"stream at {m.dtype}"
@@ -106,6 +112,24 @@ def _stream_plan(m: ModelConfig, options: Mapping[str, str], room: int) -> tuple
     return plan, bool(row.fits)
 
 
+def _passed_over(m: ModelConfig, options: Mapping[str, str], budget: int, skipped: str) -> str:
+    """Why FLUX.1 is not streamed, for its start line, where stream fits the budget: something to act on (a pin,
+    a file, what is kept beside it), or that too few blocks would stay resident; "" for another model."""
+    if pipeline_class(m.spec, options, m.dtype) not in STREAM_MEASURED:
+        return ""
+    plan, fits = _stream_plan(m, options, budget)
+    if plan is None or not fits:
+        return ""
+    if too_few_resident(plan.resident_blocks, plan.blocks):
+        skipped = _too_few(plan)
+    return f"; stream passed over: {skipped}" if skipped else ""
+
+
+def _too_few(plan: StreamPlan) -> str:
+    return (f"only {plan.resident_blocks} of {plan.blocks} denoiser blocks would stay resident, streaming about "
+            f"what group moves (auto streams from {AUTO_STREAM_RESIDENT:.0%} resident; ask for it by name)")
+
+
 def _stream_short(m: ModelConfig, options: Mapping[str, str], kept: Beside, budget: int) -> str:
     """Why auto's stream falls short ("" where it does not): it does not fit beside what is kept, or it would keep
     too few blocks resident to stream clearly less than group moves (``AUTO_STREAM_RESIDENT``)."""
@@ -113,10 +137,7 @@ def _stream_short(m: ModelConfig, options: Mapping[str, str], kept: Beside, budg
     if plan is None or not fits:
         beside = f" left beside {kept.what}" if kept.nbytes else ""
         return f"its least plan does not fit the {format_bytes(kept.room(budget))}{beside}"
-    if plan.resident_blocks < AUTO_STREAM_RESIDENT * plan.blocks:
-        return (f"only {plan.resident_blocks} of {plan.blocks} denoiser blocks would stay resident, streaming about "
-                f"what group moves (auto streams from {AUTO_STREAM_RESIDENT:.0%} resident; ask for it by name)")
-    return ""
+    return _too_few(plan) if too_few_resident(plan.resident_blocks, plan.blocks) else ""
 
 
 def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | None, why: str,
@@ -140,10 +161,10 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
     try:
         plan, row = plan_stream(m.spec, options, m.dtype, kept.room(budget))
         note = kept.note(budget)
-        if not row.fits and kept.nbytes and row.needs <= budget:  # the count errs high (beside.py): the least plan,
-            row = replace(row, fits=True)  # which fits the budget alone, costs blocks, not the model
-            note = (f" (the least plan: it does not fit beside {kept.what}, counted kept beside it, which a worker "
-                    "keeps only where they fit its model)")
+        if not row.fits and kept.assumed and row.needs <= budget:  # a count that may be high (beside.py): the
+            row = replace(row, fits=True)  # least plan, which fits the budget alone, costs blocks, not the model
+            note = (f" (the least plan: it does not fit beside {kept.what} counted kept beside it, some of which "
+                    "were counted by an assumed family and may not be kept)")
     except WeightsError as exc:
         raise ConfigError(f"model {m.name!r}: offload=stream cannot choose resident_blocks from the files "
                           f"({exc}); give resident_blocks=N") from None
@@ -151,11 +172,36 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
         raise ConfigError(f"model {m.name!r}: {exc}") from None
     note += f" (not counted, its size unknown: {kept.unknown})" if kept.unknown else ""
     reason = why or f"offload=stream: {plan.describe()}"
+    beside = f" beside {kept.what} kept with it" if kept.nbytes else ""
     unfit = m.nothing_fits if row.fits else (
-        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}: at its least "
+        f"offload=stream does not fit the --device-memory budget of {format_bytes(budget)}{beside}: at its least "
         f"({plan.describe()}) it needs {format_bytes(row.needs)} on the device ({format_bytes(plan.device_bytes)} "
-        f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=model or sequential")
+        f"of weights and ring, {format_bytes(row.working_bytes)} working); try offload=group, model or sequential")
     return replace(m, options={**m.options, "offload": "stream", "resident_blocks": str(plan.resident_blocks)},
                    offload_reason=(f"{why}: needs {format_bytes(row.needs)} on the device ({plan.describe()}){note}"
                                    if why else f"{reason}{note}"),
                    nothing_fits=unfit)
+
+
+def kept_beside(m: ModelConfig, models: Sequence[ModelConfig], controlnets: Sequence[str],
+                ip_adapters: Sequence[tuple[str, str]], upscalers: Sequence[str]) -> Beside:
+    """What ``m``'s stream plan leaves room for (residency/beside.py); pinned, also the largest model sharing its
+    device, which could never take its room back from it (review56-a 1, review57-a 2)."""
+    kept = NOTHING_BESIDE
+    if controlnets or ip_adapters or upscalers:
+        kept = beside(controlnets, ip_adapters, upscalers, m.dtype,
+                      pipeline_class(m.spec, model_options(m.spec, m.options), m.dtype))
+    near = [o for o in models if o.name != m.name and set(o.devices) & set(m.devices)]
+    if m.pinned and near:
+        sizes = {o.name: device_weights(o.spec, {**model_options(o.spec, o.options), "offload": "none"}, o.dtype,
+                                        on_cpu=False) for o in near}
+        unsized = [n for n, v in sizes.items() if v is None]
+        name = unsized[0] if unsized else max(sizes, key=lambda n: sizes[n] or 0)
+        kept = kept.plus(f"{name} (the largest model beside it, resident)", sizes[name])
+    return kept
+
+
+def pinned_beside(m: ModelConfig, models: Sequence[ModelConfig]) -> str:
+    """A model pinned on ``m``'s device, which a stream plan filling the budget would crowd ("" for none)."""
+    pinned = next((o.name for o in models if o.pinned and o.name != m.name and set(o.devices) & set(m.devices)), "")
+    return f"{pinned} is pinned on the same device" if pinned else ""

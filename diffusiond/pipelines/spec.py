@@ -208,8 +208,9 @@ def offload_mode(options: Mapping[str, str]) -> str:
         mode = "model"
     mode = mode or "none"
     if resident_blocks(options) is not None and mode != "stream":
+        given = f"offload={mode} is given" if options.get("offload") or legacy == "1" else "no offload is given"
         raise PipelineError(f"resident_blocks={options['resident_blocks']} applies to offload=stream only, and "
-                            f"offload={mode} is given; add offload=stream or drop resident_blocks")
+                            f"{given}; add offload=stream or drop resident_blocks")
     if mode == "stream":
         _stream_refusals(options)
     return mode

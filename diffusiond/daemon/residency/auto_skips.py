@@ -37,6 +37,11 @@ NOT_TEXT_TO_IMAGE: Final = {384: "flux-fill", 128: "flux-depth"}
 """``img_in``'s input width of the guidance-distilled files diffusers infers as another model than flux-dev."""
 
 
+def too_few_resident(resident: int | None, blocks: int | None) -> bool:
+    """A stream plan auto passes over: fewer than ``AUTO_STREAM_RESIDENT`` of its denoiser's blocks resident."""
+    return resident is not None and bool(blocks) and resident < AUTO_STREAM_RESIDENT * (blocks or 0)
+
+
 def skips(pipeline: str | None) -> dict[str, str]:
     """``AUTO_SKIPS`` for a model whose pipeline class is ``pipeline`` (None: not known from its files)."""
     return {k: v for k, v in AUTO_SKIPS.items() if not (k == "stream" and pipeline in STREAM_MEASURED)}

@@ -21,7 +21,7 @@ read is still counted, and auto does not stream beside it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -57,9 +57,17 @@ class Beside:
     nbytes: int = 0
     what: str = ""
     unknown: str = ""  # the files whose size the headers do not tell ("": none)
+    assumed: bool = False  # some counted by an assumed family (a single file's): the count may be high
 
     def room(self, budget: int) -> int:
         return max(0, budget - self.nbytes)
+
+    def plus(self, what: str, nbytes: int | None) -> Beside:
+        """With ``what`` (``nbytes``; None: not known) kept beside too."""
+        if nbytes is None:
+            return replace(self, unknown="; ".join(filter(None, (self.unknown, f"{what}, not sized before it loads"))))
+        return replace(self, nbytes=self.nbytes + nbytes,
+                       what=" and ".join(filter(None, (self.what, f"{what}'s {format_bytes(nbytes)}"))))
 
     def note(self, budget: int | None) -> str:
         """Words for the start's log line: the room a plan was given, and from what."""
@@ -78,6 +86,7 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
     family (None: not known, all), at the model's ``dtype`` (upscalers at theirs)."""
     family = None if pipeline is None else _family(pipeline)
     flux = None if family is None else family == "flux"
+    controls = list(controlnets)
     counted: dict[str, int] = {}
     unknown: list[str] = []
 
@@ -89,7 +98,7 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
                 unknown.append(f"{path} ({exc})")
 
     if pipeline is None or pipeline in CONTROL_FAMILIES:
-        add("ControlNets", [p for p in controlnets if _kept_by(family, p)],
+        add("ControlNets", [p for p in controls if _kept_by(family, p)],
             lambda p: _folder_bytes(Path(p), CONTROL_WEIGHTS, dtype, ()))
     if pipeline is None or pipeline in ADAPTER_FAMILIES:
         adapters = [(w, e) for w, e in ip_adapters if flux is None or _flux_adapter(w) in (flux, None)]
@@ -97,7 +106,10 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
                                                                              ENCODER_TENSORS))
     add("upscalers", upscalers, lambda p: model_weights(p, UPSCALER_DTYPE).bytes_at(UPSCALER_DTYPE))
     what = " and ".join(f"the {kind}' {format_bytes(n)}" for kind, n in counted.items() if n)
-    return Beside(sum(counted.values()), what, "; ".join(unknown))
+    # a guess: another family's may be counted where the model's is not known, or a single-file ControlNet's
+    assumed = (family is None and bool(counted.get("ControlNets") or counted.get("IP-Adapters"))) or (
+        family in ("sd", "sdxl") and any(_control_family(p) is None for p in controls))
+    return Beside(sum(counted.values()), what, "; ".join(unknown), assumed)
 
 
 def _family(pipeline: str) -> str:

@@ -27,8 +27,7 @@ the loaded modules, so that residency's budget and this page agree):
 - ``model``: the largest component (diffusers' model offload moves one whole component at a time);
   ``sequential``: the largest leaf module (accelerate moves each layer's weights in for its forward).
 
-Working memory (activations) is counted beside the weights as residency does (``working.default_working`` at a
-1024x1024 image unless told), because a configuration whose weights fit but whose forward does not is no fit.
+Working memory is counted beside the weights as residency does (``working.default_working``, 1024x1024 unless told).
 """
 
 from __future__ import annotations
@@ -97,6 +96,7 @@ class Configuration:
     fits: bool | None = None  # None: no budget was given
     note: str = ""
     resident_blocks: int | None = None  # stream: the denoiser blocks it keeps on the device
+    blocks: int | None = None  # stream: of how many
 
     @property
     def needs(self) -> int:
@@ -340,7 +340,7 @@ def stream_configuration(components: Mapping[str, list[Tensor]], dtype: str, *, 
     note = plan.describe() + ("" if budget is not None else "; without a budget, the least it runs with: the "
                               "daemon keeps as many resident as --device-memory has room for")
     row = Configuration("stream", "offload=stream", plan.device_bytes, host, work(plan.device_bytes), (), fits, note,
-                        plan.resident_blocks)
+                        plan.resident_blocks, plan.blocks)
     return row, plan
 
 
@@ -382,10 +382,8 @@ def pipeline_class(spec: str, options: Mapping[str, str], dtype: str) -> str | N
 
 def _index_folder(parsed: ModelSpec) -> Path | None:
     """The folder whose ``model_index.json`` names the spec's pipeline (``_files`` read its weights there)."""
-    if parsed.kind == "random":
-        return preset_folder(parsed.target)
-    if parsed.kind == "hub":
-        return hub_folder(parsed.target)
+    if parsed.kind in ("random", "hub"):
+        return preset_folder(parsed.target) if parsed.kind == "random" else hub_folder(parsed.target)
     return Path(parsed.target) if parsed.kind == "folder" else None
 
 
@@ -426,8 +424,10 @@ def plan_stream(spec: str, options: Mapping[str, str], dtype: str, budget: int,
 def choose_offload(report: FitReport) -> tuple[str, str]:
     """``offload=auto``: the fastest exact configuration that fits (fp8 is never chosen for the user: it
     changes outputs), and why. Nothing fitting gives ``sequential``, the least on the device, and a reason
-    naming every configuration and what it needed: residency then refuses the model's jobs as too large."""
-    exact = [c for c in report.configurations if c.name not in report.auto_skips]
+    naming every configuration and what it needed: residency then refuses the model's jobs as too large. A
+    stream plan with too few blocks resident is passed over (``auto_skips.too_few_resident``)."""
+    exact = [c for c in report.configurations
+             if c.name not in report.auto_skips and not skipped.too_few_resident(c.resident_blocks, c.blocks)]
     if report.budget is None:
         return "none", "no --device-memory budget: everything stays resident"
     for c in exact:
