@@ -371,6 +371,8 @@ def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(
 
     # a FluxPipeline folder: auto takes stream where a quarter of the blocks or more stay resident, else group,
     # which moves about as much (auto_skips.AUTO_STREAM_RESIDENT)
+    one = auto_at(needs[1])  # 1 of 7 (14 %) resident: under the quarter
+    assert one.options["offload"] == "group" and "only 1 of 7 denoiser blocks" in one.offload_reason, one
     few = auto_at(needs[0])
     assert choose_offload(fit(str(deep_flux), dtype="float32", budget=needs[0]))[0] == "group"  # fit says the same
     assert few.options["offload"] == "group" and "only 0 of 7 denoiser blocks would stay resident" in \
@@ -442,6 +444,8 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
                               ("FluxPipeline", 20_000), (None, 80_000), ("WanPipeline", 0)]:
         got = kept.beside([str(flux_cn), str(unet_cn), str(sdxl_cn), str(single)], [], [], "float32", pipeline)
         assert got.nbytes == counted, (pipeline, got)
+        # a guess where a single file's family is assumed, or the model's is not known; not for Wan, which keeps none
+        assert got.assumed == (pipeline in ("StableDiffusionXLPipeline", "StableDiffusionPipeline", None)), got
     inputs = stream_inputs(model_tensors(str(deep_flux), {}, "float32")[0], "float32")
     assert inputs is not None
     every = stream_plan.plan(*inputs, 7).device_bytes
@@ -484,7 +488,16 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     pinned_f = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["f"],
                                  **flags}).models[0]
     assert pinned_f.options["offload"] == "group", pinned_f  # here the rest of the budget is too small for stream
-    assert "left beside g (the largest model beside it, resident)'s " in pinned_f.offload_reason, pinned_f
+    assert "left beside g (the largest model beside it)'s " in pinned_f.offload_reason, pinned_f
+    # sized at the neighbour's own offload (group keeps little: review58-a 1): with room for it, the pinned one streams
+    roomy = {**flags, "device_memory": str(budget + 600_000)}  # resident alone would not fit: auto streams
+    for mode in ("stream", "auto"):
+        pinned_s = build_config({}, {"model": [f"f={deep_flux},offload={mode}", f"g={deep_flux},offload=group"],
+                                     "pin": ["f"], **roomy}).models[0]
+        assert pinned_s.options["offload"] == "stream" and pinned_s.nothing_fits == "", pinned_s
+        group_bytes = next(c.device_bytes for c in fit(str(deep_flux), dtype="float32").configurations
+                           if c.name == "group")
+        assert f"less g (the largest model beside it)'s {format_bytes(group_bytes)}" in pinned_s.offload_reason
     # where stream would not fit at all, the start line does not send anyone to unpin for it
     group = next(c for c in fit(str(deep_flux), dtype="float32").configurations if c.name == "group")
     small = {**flags, "device_memory": str((group.needs + least.needs) // 2)}

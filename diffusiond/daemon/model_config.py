@@ -57,7 +57,8 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     planned in the budget less what the worker keeps beside the model (``kept``: residency/beside.py), since
     its plan fills what it is given. Auto chooses against the whole budget, as the other configurations leave it
     to activations, and does not stream where what is kept beside is not all known, where ``pinned_beside``
-    names a model pinned on the same device, or where stream does not fit beside them (group then)."""
+    names another model pinned on the same device, or where stream does not fit beside what is kept (group then);
+    ``kept`` holds, for a pinned model, the largest model beside it too (``kept_beside``)."""
     parsed = parse_spec(m.spec)
     options = model_options(m.spec, m.options)  # a spec's own options (SPEC,offload=stream) count as the table's
     try:
@@ -193,12 +194,24 @@ def kept_beside(m: ModelConfig, models: Sequence[ModelConfig], controlnets: Sequ
                       pipeline_class(m.spec, model_options(m.spec, m.options), m.dtype))
     near = [o for o in models if o.name != m.name and set(o.devices) & set(m.devices)]
     if m.pinned and near:
-        sizes = {o.name: device_weights(o.spec, {**model_options(o.spec, o.options), "offload": "none"}, o.dtype,
-                                        on_cpu=False) for o in near}
-        unsized = [n for n, v in sizes.items() if v is None]
-        name = unsized[0] if unsized else max(sizes, key=lambda n: sizes[n] or 0)
-        kept = kept.plus(f"{name} (the largest model beside it, resident)", sizes[name])
+        sizes = {o.name: _neighbour(o) for o in near}
+        unsized = [n for n, (v, _) in sizes.items() if v is None]
+        name = unsized[0] if unsized else max(sizes, key=lambda n: sizes[n][0] or 0)
+        nbytes, sure = sizes[name]
+        kept = kept.plus(f"{name} (the largest model beside it)", nbytes, assumed=not sure)
     return kept
+
+
+def _neighbour(o: ModelConfig) -> tuple[int | None, bool]:
+    """What a model keeps on the device, from its headers, and whether that is sure: at its own offload where it
+    gives one that sizes (review58-a 1: a neighbour under group holds 1.3 GiB, not its 31); else (auto, the
+    default, or a stream plan not made yet) resident, which may be high."""
+    options = model_options(o.spec, o.options)
+    if options.get("offload", "auto") != "auto" or options.get("cpu_offload") == "1":
+        own = device_weights(o.spec, options, o.dtype, on_cpu=False)
+        if own is not None:
+            return own, True
+    return device_weights(o.spec, {**options, "offload": "none"}, o.dtype, on_cpu=False), False
 
 
 def pinned_beside(m: ModelConfig, models: Sequence[ModelConfig]) -> str:

@@ -62,11 +62,11 @@ class Beside:
     def room(self, budget: int) -> int:
         return max(0, budget - self.nbytes)
 
-    def plus(self, what: str, nbytes: int | None) -> Beside:
-        """With ``what`` (``nbytes``; None: not known) kept beside too."""
+    def plus(self, what: str, nbytes: int | None, assumed: bool = False) -> Beside:
+        """With ``what`` (``nbytes``; None: not known; ``assumed``: a figure that may be high) kept beside too."""
         if nbytes is None:
             return replace(self, unknown="; ".join(filter(None, (self.unknown, f"{what}, not sized before it loads"))))
-        return replace(self, nbytes=self.nbytes + nbytes,
+        return replace(self, nbytes=self.nbytes + nbytes, assumed=self.assumed or assumed,
                        what=" and ".join(filter(None, (self.what, f"{what}'s {format_bytes(nbytes)}"))))
 
     def note(self, budget: int | None) -> str:
@@ -108,7 +108,7 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
     what = " and ".join(f"the {kind}' {format_bytes(n)}" for kind, n in counted.items() if n)
     # a guess: another family's may be counted where the model's is not known, or a single-file ControlNet's
     assumed = (family is None and bool(counted.get("ControlNets") or counted.get("IP-Adapters"))) or (
-        family in ("sd", "sdxl") and any(_control_family(p) is None for p in controls))
+        pipeline in CONTROL_FAMILIES and family in ("sd", "sdxl") and any(_control_family(p) is None for p in controls))
     return Beside(sum(counted.values()), what, "; ".join(unknown), assumed)
 
 
