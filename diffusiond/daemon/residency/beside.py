@@ -11,9 +11,11 @@ whole budget, as they leave it to activations, and residency learns their extras
 Only those of the model's family are counted (a FLUX ControlNet is refused by an SDXL model before it loads:
 review53-a 1; SD 1.5's and SDXL's, one class, are told apart by the text width their config names). The count
 still errs high where a family is assumed: a single-file ControlNet counts for both UNet families, and where the
-model's pipeline is not known from its files (a single file, a GGUF) all are counted. So a stream plan asked for
-whose least does not fit beside them is that least plan, where it fits the budget alone
-(model_config.resolve_stream): a guess costs resident blocks, not the model. A file whose size the headers
+model's pipeline is not known from its files (a single file, a GGUF) all are counted (``assumed``). So a stream
+plan asked for whose least does not fit beside such a guess is that least plan, where it fits the budget alone
+(model_config.resolve_stream): a guess costs resident blocks, not the model; beside a sure count it is refused at
+start with the figures. A pinned model's plan also leaves room for the largest model beside it
+(model_config.kept_beside: ``plus``). A file whose size the headers
 cannot tell (an upscaler's ``.pth``, a pickle the engine does not open) is named in ``unknown``: what could be
 read is still counted, and auto does not stream beside it.
 """
