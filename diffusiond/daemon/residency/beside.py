@@ -27,14 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
-from diffusiond.daemon.residency.sizes import (
-    DTYPE_BITS,
-    FLOATS,
-    TARGET_BYTES,
-    WeightsError,
-    model_weights,
-    read_tensors,
-)
+from diffusiond.daemon.residency.sizes import WeightFile, WeightsError, model_weights, read_tensors
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.values import controlnet_config
 
@@ -88,7 +81,7 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
     family (None: not known, all), at the model's ``dtype`` (upscalers at theirs)."""
     family = None if pipeline is None else _family(pipeline)
     flux = None if family is None else family == "flux"
-    controls = list(controlnets)
+    controls = {p: _control_family(p) for p in controlnets}  # each config.json read once
     counted: dict[str, int] = {}
     unknown: list[str] = []
 
@@ -100,7 +93,7 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
                 unknown.append(f"{path} ({exc})")
 
     if pipeline is None or pipeline in CONTROL_FAMILIES:
-        add("ControlNets", [p for p in controls if _kept_by(family, p)],
+        add("ControlNets", [p for p, of in controls.items() if _kept_by(family, of)],
             lambda p: _folder_bytes(Path(p), CONTROL_WEIGHTS, dtype, ()))
     if pipeline is None or pipeline in ADAPTER_FAMILIES:
         adapters = [(w, e) for w, e in ip_adapters if flux is None or _flux_adapter(w) in (flux, None)]
@@ -110,7 +103,7 @@ def beside(controlnets: Iterable[str], ip_adapters: Iterable[tuple[str, str]], u
     what = " and ".join(f"the {kind}' {format_bytes(n)}" for kind, n in counted.items() if n)
     # a guess: another family's may be counted where the model's is not known, or a single-file ControlNet's
     assumed = (family is None and bool(counted.get("ControlNets") or counted.get("IP-Adapters"))) or (
-        pipeline in CONTROL_FAMILIES and family in ("sd", "sdxl") and any(_control_family(p) is None for p in controls))
+        pipeline in CONTROL_FAMILIES and family in ("sd", "sdxl") and None in controls.values())
     return Beside(sum(counted.values()), what, "; ".join(unknown), assumed)
 
 
@@ -118,9 +111,9 @@ def _family(pipeline: str) -> str:
     return "flux" if pipeline.startswith("Flux") else "sdxl" if pipeline.startswith("StableDiffusionXL") else "sd"
 
 
-def _kept_by(family: str | None, path: str) -> bool:
-    """Whether a model of ``family`` (None: not known) keeps ControlNet ``path`` (a single file: a UNet family)."""
-    of = _control_family(path)
+def _kept_by(family: str | None, of: str | None) -> bool:
+    """Whether a model of ``family`` (None: not known) keeps a ControlNet of family ``of`` (None, a single file: a
+    UNet family's)."""
     return family is None or of == family or (of is None and family != "flux")
 
 
@@ -155,11 +148,10 @@ def _folder_bytes(path: Path, main: str, dtype: str, only: tuple[str, ...]) -> i
         return model_weights(path, dtype).bytes_at(dtype)
     if only:
         tensors = read_tensors(file)
-        picked = [(kind, n) for name, (kind, n, _) in tensors.items() if name.startswith(only)]
-        if picked:
-            return sum(_at(kind, n, dtype) for kind, n in picked)
+        picked = [(kind, nbytes) for name, (kind, nbytes, _) in tensors.items() if name.startswith(only)]
+        by_dtype: dict[str, int] = {}
+        for kind, nbytes in picked:
+            by_dtype[kind] = by_dtype.get(kind, 0) + nbytes
+        if picked:  # counted as sizes counts a file, by dtype
+            return WeightFile(file, by_dtype, len(picked)).bytes_at(dtype)
     return model_weights(file, dtype).bytes_at(dtype)
-
-
-def _at(kind: str, nbytes: int, dtype: str) -> int:
-    return nbytes * 8 // DTYPE_BITS[kind] * TARGET_BYTES[dtype] if kind in FLOATS else nbytes
