@@ -501,7 +501,8 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     # where stream would not fit at all, the start line does not send anyone to unpin for it
     group = next(c for c in fit(str(deep_flux), dtype="float32").configurations if c.name == "group")
     small = {**flags, "device_memory": str((group.needs + least.needs) // 2)}
-    crowded = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["g"], **small}).models[0]
+    crowded, given = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["g"],
+                                       **small}).models
     assert crowded.options["offload"] == "group" and "passed over" not in crowded.offload_reason, crowded
     auto = build_config({}, {"model": model, "controlnet": [f"c={flux_cn}"], **tight}).models[0]
     assert auto.options["offload"] == "group", auto  # auto takes group rather than stream over the room
@@ -525,6 +526,8 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     placed = too_large_hints(str(deep_flux), False, {"offload": "none"}, auto=True)[0]  # auto chose none already
     assert "offload=auto" not in placed and "offload=group" in placed
     assert "offload=auto" not in too_large_hints(str(deep_flux), False, {"offload": "group"})[0]
+    # which of the two the keeper asks for: a model auto placed, not one whose offload was given
+    assert auto.auto_placed and crowded.auto_placed and not given.auto_placed
 
 
 @pytest.mark.parametrize(("table", "flags", "match"), [

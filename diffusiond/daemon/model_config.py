@@ -45,7 +45,8 @@ class ModelConfig:
     # read through DaemonConfig.max_batch_of and batch_sizes_of, never directly
     max_batch: int | None = None
     batch_sizes: str | None = None
-    offload_reason: str = ""  # why offload=auto chose what it did (logged at start)
+    offload_reason: str = ""  # why offload=auto chose what it did, or stream's plan (logged at start)
+    auto_placed: bool = False  # offload=auto chose the offload: refusals' hints then name the mode it chose
     nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
 
 
@@ -98,7 +99,7 @@ def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_B
     if chosen == "stream":  # the figures are the plan's in the room beside what is kept (resolve_stream's)
         reason = f"stream at {m.dtype}"
     m = replace(m, options={**m.options, "offload": chosen}, offload_reason=f"{auto} chose {reason}",
-                nothing_fits=unfit)
+                nothing_fits=unfit, auto_placed=True)
     if chosen != "stream":
         return m
     return resolve_stream(m, {**options, "offload": chosen}, budget, m.offload_reason, kept)

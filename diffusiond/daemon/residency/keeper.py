@@ -149,7 +149,7 @@ class Keeper:
         weights = model.capabilities.weight_bytes if model.known else device_weights(c.spec, c.options, c.dtype,
                                                                                       on_cpu=on_cpu)
         if weights is not None:  # else a hub id or preset: its first load tells (``learn``)
-            hints = too_large_hints(c.spec, on_cpu, c.options, c.offload_reason.startswith("offload=auto"))
+            hints = too_large_hints(c.spec, on_cpu, c.options, c.auto_placed)
             self.policy.add(model.name, c.devices, weights, pinned=c.pinned, keep_alive_s=c.keep_alive_s,
                             hints=hints, host_bytes=model.capabilities.host_bytes)
             waiting = self.queued(model.name)
