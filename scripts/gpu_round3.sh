@@ -182,6 +182,14 @@ PY
           --size 512x512 --steps 4 --batch 8 --requests 48 --modes limit,limit-compiled --compile reduce-overhead \
           --rounds 2 --no-flops --json
       done ;;
+    batch16)  # issue 31: the compiled forward alone at batch 16 (512², 4 steps, SD 1.5 size, channels_last=1), the
+      # eager limit beside it; INDUCTOR_ENV="VAR=1 ..." runs it again with those inductor settings (one process each)
+      for e in "" ${INDUCTOR_ENV:-}; do
+        timeout 280 env ${e:+"$e"} python3 -m diffusiond bench --model random:sd15,save=0,channels_last=1 --dtype float16 --size 512x512 \
+          --steps 4 --batch 16 --requests 96 --modes limit,limit-compiled --compile reduce-overhead --rounds 2 \
+          --no-flops --json > "$out/batch16${e:+-$e}.json" 2> "$out/batch16${e:+-$e}.log"
+        echo "== batch16 $e rc=$?"; grep '"throughput"' "$out/batch16${e:+-$e}.json" | head -2
+      done ;;
     fp8-linear)  # issue 28: ways to run FLUX's linear layers from fp8 weights against bf16, one process (the
       # transformer's forward at 1024²: diffusers' casting, one cast, rowwise fp8 matmuls eager and quantizer compiled)
       step fp8-linear 300 python3 scripts/bench_fp8_linear.py --rounds 3 --forwards 4 ;;
