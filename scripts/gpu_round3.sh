@@ -190,6 +190,14 @@ PY
           --no-flops --json > "$out/batch16${e:+-$e}.json" 2> "$out/batch16${e:+-$e}.log"
         echo "== batch16 $e rc=$?"; grep '"throughput"' "$out/batch16${e:+-$e}.json" | head -2
       done ;;
+    floor)  # issue 31: each target's model against its kernels' floor (scripts/kernel_floor.py: the heavy calls alone,
+      # summed): FLUX.1-dev exact (compiled regional, default mode), SD 1.5 size at batch 16 (reduce-overhead), SDXL
+      step floor-flux 240 python3 scripts/kernel_floor.py --model random:flux-dev,save=0 --dtype bfloat16 \
+        --size 1024 --steps 28 --compile default
+      step floor-sd15 200 python3 scripts/kernel_floor.py --model random:sd15,save=0,channels_last=1 --dtype float16 \
+        --size 512 --steps 4 --batch ${FLOOR_BATCH:-16} --compile reduce-overhead
+      step floor-sdxl 120 python3 scripts/kernel_floor.py --model random:sdxl,save=0 --dtype float16 --size 1024 \
+        --steps 30 ;;
     fp8-linear)  # issue 28: ways to run FLUX's linear layers from fp8 weights against bf16, one process (the
       # transformer's forward at 1024²: diffusers' casting, one cast, rowwise fp8 matmuls eager and quantizer compiled)
       step fp8-linear 300 python3 scripts/bench_fp8_linear.py --rounds 3 --forwards 4 ;;
