@@ -191,11 +191,12 @@ PY
         echo "== batch16 $e rc=$?"; grep '"throughput"' "$out/batch16${e:+-$e}.json" | head -2
       done ;;
     floor)  # issue 31: each target's model against its kernels' floor (scripts/kernel_floor.py: the heavy calls alone,
-      # summed): FLUX.1-dev exact (compiled regional, default mode), SD 1.5 size at batch 16 (reduce-overhead), SDXL
-      step floor-flux 240 python3 scripts/kernel_floor.py --model random:flux-dev,save=0 --dtype bfloat16 \
-        --size 1024 --steps 28 --compile default
+      # summed) and its eager forward in the same process: FLUX.1-dev exact, SD 1.5 size at batch 16, SDXL
+      # (FLOOR_COMPILE=MODE times the compiled forward too, at the cost of its compile)
+      step floor-flux 200 python3 scripts/kernel_floor.py --model random:flux-dev,save=0 --dtype bfloat16 \
+        --size 1024 --steps 28 ${FLOOR_COMPILE:+--compile $FLOOR_COMPILE}
       step floor-sd15 200 python3 scripts/kernel_floor.py --model random:sd15,save=0,channels_last=1 --dtype float16 \
-        --size 512 --steps 4 --batch ${FLOOR_BATCH:-16} --compile reduce-overhead
+        --size 512 --steps 4 --batch ${FLOOR_BATCH:-16} ${FLOOR_COMPILE:+--compile $FLOOR_COMPILE}
       step floor-sdxl 120 python3 scripts/kernel_floor.py --model random:sdxl,save=0 --dtype float16 --size 1024 \
         --steps 30 ;;
     fp8-linear)  # issue 28: ways to run FLUX's linear layers from fp8 weights against bf16, one process (the
