@@ -173,6 +173,16 @@ PY
       step fp8-rows-graphs 450 python3 scripts/bench_bigger.py --out $out/fp8-rows-graphs \
         --configs resident,${FP8_ROWS_CONFIG:-fp8-rows} \
         --compile reduce-overhead --images 2 --timeout 320 --deadline 440 ;;
+    vs-eager)  # issue 31's fp8 target and issue 28's auto in one call, each against the eager limit (resident bf16
+      # eager, run first into the same out dir, which bench_bigger's driver compares every later configuration with):
+      # fp8 compiled with CUDA graphs (no budget, T5 as built; then inside 24 GiB), then offload=auto inside 24 GiB
+      step limit-eager 200 python3 scripts/bench_bigger.py --out $out/vs-eager --configs resident --images 2 \
+        --timeout 190 --deadline 195
+      step fp8-graphs 330 python3 scripts/bench_bigger.py --out $out/vs-eager \
+        --configs ${FP8_ROWS_CONFIG:-fp8-rows-full,fp8-rows} --compile reduce-overhead --images 2 --timeout 165 \
+        --deadline 325
+      step auto-24 200 python3 scripts/bench_bigger.py --out $out/vs-eager --configs auto --images 2 --timeout 190 \
+        --deadline 195 ;;
     fp8-rows-expandable)  # issue 28: fp8-rows' eager half again with the allocator's expandable segments (at 24 GiB
       # fp8-rows reserved 23.8 GiB, 1.3 GiB over what it held: whether the cap's cache flushes cost the 0.88x)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step fp8-rows-expandable 300 python3 scripts/bench_bigger.py \
