@@ -46,3 +46,38 @@ def test_device_bytes_count_controlnets_ip_adapter_encoders_and_upscalers(
               _bytes(load(str(upscaler_file)).model)]
     assert entry["residency"] == "device"
     assert entry["device_bytes"] == model + sum(extras), (entry["device_bytes"], model, extras)
+
+
+def test_a_model_whose_controlnet_leaves_it_no_room_is_named_in_the_log_and_refused(
+        tmp_path: Path, model_cache: Path, controlnet_dir: Path) -> None:
+    """Its files' headers fit the budget, so it is placed and loaded; what its worker keeps beside it (counted from
+    its READY on) does not. Its jobs are refused with the figures, and the log says why once (review55-a 3)."""
+    import shutil
+
+    from diffusiond.daemon.residency.sizes import model_weights
+    from diffusiond.daemon.residency.units import format_bytes
+    from diffusiond.pipelines.tiny import ensure_tiny
+
+    folder = tmp_path / "big"
+    shutil.copytree(ensure_tiny(), folder)
+    alone = model_weights(folder, "float32").bytes_at("float32")
+    from diffusers import ControlNetModel
+
+    cn = _bytes(ControlNetModel.from_pretrained(str(controlnet_dir)))
+    budget = alone + cn // 2
+    args = ["--model", f"big={folder}", "--controlnet", f"edges={controlnet_dir}", "--device-memory", str(budget),
+            "--no-persist"]
+
+    async def job() -> tuple[int, dict]:  # type: ignore[type-arg]
+        async with http(d.socket) as s, s.post("/v1/jobs", json={"prompt": "x", "model": "big", "width": 64,
+                                                                 "height": 64, "steps": 1}) as r:
+            return r.status, await r.json()
+
+    (tmp_path / "d").mkdir()
+    with shared_daemon(tmp_path / "d", args, model_cache) as d:
+        status, body = asyncio.run(job())
+        log = d.log()
+    assert status == 400 and body["error"]["code"] == "model_too_large", body
+    said = (f"model big holds {format_bytes(alone + cn)} on cpu once loaded (its files' headers counted "
+            f"{format_bytes(alone)}), more than the budget of {format_bytes(budget)} there")
+    assert log.count(said) == 1, log

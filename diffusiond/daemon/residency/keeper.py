@@ -55,7 +55,7 @@ from diffusiond.daemon.residency.load_reports import LoadReports
 from diffusiond.daemon.residency.policy import Residency, ResidencyError
 from diffusiond.daemon.residency.preload import Preloading
 from diffusiond.daemon.residency.pressure import FreeReader, PressureWatch
-from diffusiond.daemon.residency.too_large import too_large_hints
+from diffusiond.daemon.residency.too_large import past_budget, too_large_hints
 from diffusiond.daemon.residency.turns import Ended, Hold, Standing, Turns
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape
@@ -143,7 +143,10 @@ class Keeper:
         c = model.config
         if self.policy.has(model.name):
             if model.known and model.capabilities.weight_bytes:  # the worker's count over the files' estimate
-                self.policy.resize(model.name, model.capabilities.weight_bytes, model.capabilities.host_bytes)
+                before = self.policy.resize(model.name, model.capabilities.weight_bytes, model.capabilities.host_bytes)
+                for line in past_budget(model.name, c.devices, model.capabilities.weight_bytes, before,
+                                        self.policy.budgets):
+                    log.warning("%s", line)
             return
         on_cpu = c.devices[0].startswith("cpu")
         weights = model.capabilities.weight_bytes if model.known else device_weights(c.spec, c.options, c.dtype,

@@ -476,10 +476,13 @@ class Residency:
             raise ValueError(f"model {name!r}: kept host bytes {nbytes} is negative")
         self._get(name).kept = nbytes
 
-    def resize(self, name: str, weight_bytes: int, host_bytes: int = 0) -> None:
-        """The worker's count of a model placed by its files' headers (an estimate) before it loaded."""
+    def resize(self, name: str, weight_bytes: int, host_bytes: int = 0) -> int:
+        """The worker's count of a model placed by its files' headers (an estimate) before it loaded; returns the
+        count it replaces."""
         m = self._get(name)
+        before = m.weight_bytes
         if m.resident:
             for d in m.places:
                 self._adjust(d, (m.weight_bytes - weight_bytes) * (m.devices.count(d) - m.lost.count(d)))
         m.weight_bytes, m.host_bytes = weight_bytes, host_bytes
+        return before

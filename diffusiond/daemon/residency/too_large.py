@@ -3,7 +3,7 @@ budget leaves it, and what would make it fit. Split off ``policy.py``, which dec
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from diffusiond.daemon.residency.decisions import TooLarge
 from diffusiond.daemon.residency.entry import ModelEntry
@@ -61,3 +61,13 @@ def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None =
     if mode == "sequential":
         return (f"quant= or a smaller --dtype (offload=sequential keeps the least already); {see}",)
     return (f"an offload that keeps less on the device (offload=sequential), or quant=; {see}",)
+
+
+def past_budget(name: str, devices: Sequence[str], held: int, estimate: int, budgets: Mapping[str, int]) -> list[str]:
+    """The log's words where a worker's count of a model leaves it no room in a budget that its files' headers
+    fitted (what it keeps beside, such as ControlNets, is counted only once it has loaded): from then on its jobs
+    are refused, and nothing at the start said so (review55-a 3)."""
+    return [f"model {name} holds {format_bytes(held)} on {device} once loaded (its files' headers counted "
+            f"{format_bytes(estimate)}), more than the budget of {format_bytes(budgets[device])} there: its jobs are "
+            "refused with model_too_large; give a larger --device-memory, or an offload that keeps less on the device"
+            for device in dict.fromkeys(devices) if device in budgets and held > budgets[device] >= estimate]
