@@ -174,13 +174,16 @@ PY
         --configs resident,${FP8_ROWS_CONFIG:-fp8-rows} \
         --compile reduce-overhead --images 2 --timeout 320 --deadline 440 ;;
     vs-eager)  # issue 31's fp8 target and issue 28's auto in one call, each against the eager limit (resident bf16
-      # eager, run first into the same out dir, which bench_bigger's driver compares every later configuration with):
-      # fp8 compiled with CUDA graphs (no budget, T5 as built; then inside 24 GiB), then offload=auto inside 24 GiB
+      # eager, run first into the same out dir, which bench_bigger's driver compares every later configuration with)
+      bash "$0" limit-eager fp8-graphs auto-24 ;;
+    limit-eager)
       step limit-eager 200 python3 scripts/bench_bigger.py --out $out/vs-eager --configs resident --images 2 \
-        --timeout 190 --deadline 195
+        --timeout 190 --deadline 195 ;;
+    fp8-graphs)  # fp8 compiled with CUDA graphs (no budget, T5 as built; then inside 24 GiB) against limit-eager
       step fp8-graphs 330 python3 scripts/bench_bigger.py --out $out/vs-eager \
         --configs ${FP8_ROWS_CONFIG:-fp8-rows-full,fp8-rows} --compile reduce-overhead --images 2 --timeout 165 \
-        --deadline 325
+        --deadline 325 ;;
+    auto-24)  # offload=auto inside 24 GiB (stream, for FLUX.1) against limit-eager
       step auto-24 200 python3 scripts/bench_bigger.py --out $out/vs-eager --configs auto --images 2 --timeout 190 \
         --deadline 195 ;;
     fp8-rows-expandable)  # issue 28: fp8-rows' eager half again with the allocator's expandable segments (at 24 GiB
@@ -205,10 +208,14 @@ PY
     floor)  # issue 31: each target's model against its kernels' floor (scripts/kernel_floor.py: the heavy calls alone,
       # summed) and its eager forward in the same process: FLUX.1-dev exact, SD 1.5 size at batch 16, SDXL
       # (FLOOR_COMPILE=MODE times the compiled forward too, at the cost of its compile)
+      bash "$0" floor-flux floor-sd15 floor-sdxl ;;
+    floor-flux)
       step floor-flux 200 python3 scripts/kernel_floor.py --model random:flux-dev,save=0 --dtype bfloat16 \
-        --size 1024 --steps 28 ${FLOOR_COMPILE:+--compile $FLOOR_COMPILE}
+        --size 1024 --steps 28 ${FLOOR_COMPILE:+--compile $FLOOR_COMPILE} ;;
+    floor-sd15)
       step floor-sd15 200 python3 scripts/kernel_floor.py --model random:sd15,save=0,channels_last=1 --dtype float16 \
-        --size 512 --steps 4 --batch ${FLOOR_BATCH:-16} ${FLOOR_COMPILE:+--compile $FLOOR_COMPILE}
+        --size 512 --steps 4 --batch ${FLOOR_BATCH:-16} ${FLOOR_COMPILE:+--compile $FLOOR_COMPILE} ;;
+    floor-sdxl)
       step floor-sdxl 120 python3 scripts/kernel_floor.py --model random:sdxl,save=0 --dtype float16 --size 1024 \
         --steps 30 ;;
     fp8-linear)  # issue 28: ways to run FLUX's linear layers from fp8 weights against bf16, one process (the
