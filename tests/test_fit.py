@@ -500,7 +500,7 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
         assert f"less g (the largest model beside it)'s {format_bytes(group_bytes)}" in pinned_s.offload_reason
     # where stream would not fit at all, the start line does not send anyone to unpin for it
     group = next(c for c in fit(str(deep_flux), dtype="float32").configurations if c.name == "group")
-    small = {**flags, "device_memory": str((group.needs + least.needs) // 2)}
+    small = {**flags, "device_memory": str((group.needs + least.needs) // 2 + group.device_bytes)}  # g's, pinned
     crowded, given = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["g"],
                                        **small}).models
     assert crowded.options["offload"] == "group" and "passed over" not in crowded.offload_reason, crowded
@@ -517,7 +517,8 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
     assert unsized.options["offload"] == "group", unsized
     assert "stream passed over: what is kept beside it is not all sized: " in unsized.offload_reason
     assert "x4.pth" in unsized.offload_reason, unsized.offload_reason
-    pinned = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["g"], **flags}).models[0]
+    pinned = build_config({}, {"model": [*model, f"g={deep_flux},offload=group"], "pin": ["g"], **flags,
+                               "device_memory": str(budget + group.device_bytes)}).models[0]  # g's own, pinned
     assert pinned.options["offload"] == "group" and "stream passed over: g is pinned on the same device" in \
         pinned.offload_reason, pinned.offload_reason
     # what a refusal or an out-of-memory failure tells a model, by the offload it runs with

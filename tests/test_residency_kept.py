@@ -255,8 +255,6 @@ async def test_a_copy_freed_by_its_workers_death_during_a_release_is_counted_onc
         weighs_a_gib: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Review41 engine 5: the worker dies while a RELEASE is under way; its death frees the copy (``worker_died``),
     and the release, which freed nothing, does not count it again as ``host_memory_full``."""
-    import diffusiond.daemon.residency.leaving as leaving
-
     h = await _woken_keeping_its_copy()
     try:
         assert h.engine.keeper.snapshot()["a"].kept_bytes == G
@@ -266,7 +264,7 @@ async def test_a_copy_freed_by_its_workers_death_during_a_release_is_counted_onc
             raise RuntimeError("worker died")
 
         monkeypatch.setattr(h.engine.pool, "release_host", dies)
-        await leaving.release(h.engine.keeper, Release("a", "device", "device", "host memory full"), booked=False)
+        await h.engine.keeper._carry((Release("a", "device", "device", "host memory full"),))
         assert released(h, "worker_died") == (1, G)
         assert released(h, "host_memory_full") == (0, 0)
     finally:

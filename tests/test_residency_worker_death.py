@@ -1,5 +1,6 @@
-"""One worker of a model with several dies (review44-c 1): only its copy of the weights leaves the books, the
-others serve on with their runs still counted, and the model is on disk only once none of its workers is left.
+"""One worker of a model with several dies (review44-c 1): only its copy of the weights leaves what the model holds
+(the budget keeps its room for the pool's replacement: review59-b 3), the others serve on with their runs still
+counted, and the model is on disk only once none of its workers is left.
 Before, the whole model was booked as gone: the next job's plan loaded it from disk, and ``revive`` started a
 full second set of workers beside the survivors and the pool's replacement (4 workers for a model of 2), whose
 copies no budget counted. The room's rule, then the engine with fake workers on two fake GPUs; the real daemon
@@ -33,7 +34,8 @@ def test_a_dead_worker_frees_its_copy_only_and_the_survivor_serves_with_its_run_
     r.start("m", S, now=1, device="cuda:1")
     r.worker_died("m", "cuda:0", "killed by SIGKILL")
     assert r.tier("m") == "device" and "a worker on cuda:0 died: killed by SIGKILL" in r.snapshot()[0].reason
-    assert (r.device_used("cuda:0"), r.device_used("cuda:1")) == (0, 5 * G), "the survivor's run stays booked"
+    assert r.snapshot()[0].per_device == {"cuda:0": 0, "cuda:1": 5 * G}, "the survivor's run stays booked"
+    assert r.device_used("cuda:0") == 4 * G, "the room its replacement will take back stays booked (review59-b 3)"
     r.queue("m")
     plan = r.plan("m", S)
     assert isinstance(plan, Fits) and plan.load_from is None, "no load from disk beside the survivor"
@@ -55,11 +57,12 @@ def test_two_workers_on_one_device_lose_one_copy_and_the_dead_ones_run_ends_as_t
     r.start("m", S, now=1, device="cuda:0")
     r.start("m", S, now=1, device="cuda:0")
     r.worker_died("m", "cuda:0", "killed")
-    assert r.device_used("cuda:0") == 4 * G + 2 * G, "which run was the dead worker's is the engine's to say"
+    held = lambda: r.snapshot()[0].per_device["cuda:0"]  # noqa: E731 - what it holds; the budget counts the copy
+    assert held() == 4 * G + 2 * G, "which run was the dead worker's is the engine's to say"
     r.finish("m", S, now=2, device="cuda:0")  # the engine fails the dead worker's batch (flights.lost)
-    assert r.device_used("cuda:0") == 5 * G and r.snapshot()[0].running == 1
+    assert held() == 5 * G and r.snapshot()[0].running == 1
     r.finish("m", S, now=3, device="cuda:0")
-    assert r.device_used("cuda:0") == 4 * G and r.snapshot()[0].per_device == {"cuda:0": 4 * G}
+    assert held() == 4 * G and r.device_used("cuda:0") == 8 * G, "its replacement's room stays booked"
 
 
 def test_a_dead_workers_kept_host_copy_leaves_and_the_others_stay() -> None:

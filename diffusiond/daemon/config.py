@@ -20,7 +20,7 @@ from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
 from diffusiond.daemon.devices import auto_device, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
-from diffusiond.daemon.model_config import kept_beside, pinned_beside, resolve_offload
+from diffusiond.daemon.model_config import auto_budget, kept_beside, pinned_beside, resolve_offload
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
 from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
 from diffusiond.daemon.residency.budget import resolve as resolve_budget
@@ -348,10 +348,6 @@ def start_budgets(config: DaemonConfig) -> tuple[tuple[str, int, str], ...]:
     return tuple(out)
 
 
-def _bound(nbytes: int) -> int | None:
-    return None if nbytes >= NO_BUDGET else nbytes
-
-
 def load_toml(path: str | Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -467,7 +463,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     config = replace(config, budgets=start_budgets(config))
     # offload=auto plans against the smallest budget of the model's devices: each of its workers must fit, beside
     # what it keeps there (residency/beside.py) and any model pinned there
-    models = [resolve_offload(m, _bound(min(config.budget_of(d).nbytes for d in m.devices)),
+    models = [resolve_offload(m, auto_budget(m, config.models, lambda d: config.budget_of(d).nbytes, NO_BUDGET),
                               kept_beside(m, config.models, [c.path for c in config.controlnets.values()],
                                           list(config.ip_adapters.values()),
                                           [u.path for u in config.upscalers.values()]),

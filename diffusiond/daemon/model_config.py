@@ -6,7 +6,7 @@ config.py, which assembles the daemon's configuration around the models and re-e
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from diffusiond.daemon.residency.auto_skips import AUTO_STREAM_RESIDENT, STREAM_MEASURED, too_few_resident
@@ -193,7 +193,8 @@ def kept_beside(m: ModelConfig, models: Sequence[ModelConfig], controlnets: Sequ
     if controlnets or ip_adapters or upscalers:
         kept = beside(controlnets, ip_adapters, upscalers, m.dtype,
                       pipeline_class(m.spec, model_options(m.spec, m.options), m.dtype))
-    near = [o for o in models if o.name != m.name and set(o.devices) & set(m.devices)]
+    # a pinned neighbour is left out of the budget already (``auto_budget``)
+    near = [o for o in models if o.name != m.name and set(o.devices) & set(m.devices) and not o.pinned]
     if m.pinned and near:
         sizes = {o.name: _neighbour(o) for o in near}
         unsized = [n for n, (v, _) in sizes.items() if v is None]
@@ -219,3 +220,19 @@ def pinned_beside(m: ModelConfig, models: Sequence[ModelConfig]) -> str:
     """A model pinned on ``m``'s device, which a stream plan filling the budget would crowd ("" for none)."""
     pinned = next((o.name for o in models if o.pinned and o.name != m.name and set(o.devices) & set(m.devices)), "")
     return f"{pinned} is pinned on the same device" if pinned else ""
+
+
+def auto_budget(m: ModelConfig, models: Sequence[ModelConfig], budget_of: Callable[[str], int],
+                unbounded: int) -> int | None:
+    """What ``offload=auto`` plans one worker of ``m`` in: the smallest of its devices' budgets, each shared by
+    its workers there (``--device cuda:0,cuda:0`` holds two copies) and less the models pinned there, which never
+    leave (review59-b 5, 6: either way auto chose ``none`` and residency then refused every job). None where no
+    device has a budget (``unbounded`` or more)."""
+    rooms = []
+    for d in dict.fromkeys(m.devices):
+        if budget_of(d) >= unbounded:
+            continue
+        pinned = sum((_neighbour(o)[0] or 0) * o.devices.count(d) for o in models
+                     if o.pinned and o.name != m.name and d in o.devices)
+        rooms.append(max(budget_of(d) // m.devices.count(d) - pinned, 0))
+    return min(rooms, default=None)

@@ -39,7 +39,7 @@ class Keeper(Protocol):
     unloads: dict[str, str]
 
     def may_dispatch(self, model: Model, shape: Any) -> bool: ...
-    def _move(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
+    def _carry(self, moves: tuple[Move, ...]) -> Coroutine[Any, Any, None]: ...
     def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
 
 
@@ -77,9 +77,8 @@ async def unload(k: Keeper, model: Model, reason: str, *, later: bool = True) ->
         log.info("%s leaves once its work is done (%s): %s", name, got.reason, reason)
         return
     k.unloads.pop(name, None)
-    if isinstance(got, Evict):
-        for move in got.moves:  # in order: the room in host memory first (another model's drop or free)
-            await k._move(k.pool.models[move.model], move)
+    if isinstance(got, Evict):  # booked at once (a job admitted meanwhile waits for its load), carried in order
+        await k._carry(got.moves)
 
 
 def pending(k: Keeper) -> None:

@@ -65,6 +65,11 @@ class ModelEntry:
         weights = self.frees(device) if self.resident else 0
         return weights + sum(r for _, r, _, d in self.running if d == device)
 
+    def booked(self, device: str) -> int:
+        """What the budget counts of it on ``device``: what it holds (``on``) and, while resident, the copy of each
+        lost worker there, which the pool's replacement will load again without asking the room (review59-b 3)."""
+        return self.on(device) + (self.weight_bytes * self.lost.count(device) if self.resident else 0)
+
     def frees(self, device: str) -> int:
         """What its weights leaving would free on ``device``: a copy per live worker there."""
         return self.weight_bytes * (self.devices.count(device) - self.lost.count(device))

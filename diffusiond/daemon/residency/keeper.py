@@ -46,7 +46,6 @@ from diffusiond.daemon.residency.decisions import (
     ModelStatus,
     Move,
     OomRetry,
-    Release,
     TooLarge,
     Wait,
 )
@@ -433,6 +432,11 @@ class Keeper:
                 await self.pool.revive(model)
         except Exception as exc:
             log.log(logging.INFO if isinstance(exc, Asleep) else logging.ERROR, "loading %s failed: %s", name, exc)
+            if src == "host" and model.workers:
+                # a worker whose WAKE failed (out of memory as it copied back) sleeps on, holding its host copy,
+                # and another may have woken: stopped, so the model is on disk as the books now say, and the next
+                # job's load starts its workers anew (review59-b 4: it found the device taken, and waited forever)
+                await self.pool.retire(model)
             self.policy.load_failed(name, str(exc))
             for e in self.turns.release_for(name, f"{name} failed to load"):
                 self._log_end(e)
@@ -467,13 +471,11 @@ class Keeper:
         load is, and carried in their order: a copy into host memory only once the drops out of it that make
         its room are done, so host memory stays within ``--host-memory`` at every moment, not only in the books."""
         if moves:
-            self._start(leaving.carry_in_order(self, moves))
+            self._start(leaving.carry_booked(self, leaving.book(self, moves)))
 
-    async def _move(self, model: Model, move: Move) -> None:
-        if isinstance(move, Release):
-            await leaving.release(self, move, booked=False)
-        elif self._book(model, move):
-            await leaving.carry(self, model, move)
+    async def _carry(self, moves: tuple[Move, ...]) -> None:
+        """A decision's moves, booked at once and carried in order, awaited (an unload by hand answers after)."""
+        await leaving.carry_in_order(self, moves)
 
     def _book(self, model: Model, move: Move) -> bool:
         name = model.name

@@ -101,18 +101,32 @@ async def sleep(k: Keeper, model: Model, level: int, reason: str) -> None:
 async def carry_in_order(k: Keeper, moves: tuple[Move, ...]) -> None:
     """Book every move at once (a plan meanwhile sees them), then carry them side by side, but a copy into
     host memory only once the drops out of host memory are done: it counts on the room they make."""
+    await carry_booked(k, book(k, moves))
+
+
+Booked = tuple[list[tuple[Model, Move]], list[Release]]
+
+
+def book(k: Keeper, moves: tuple[Move, ...]) -> Booked:
+    """Every move booked with the policy now, in the caller's step: between a decision and its booking a job
+    could be admitted and dispatched for a model the decision sends away (review59-b 1). Those the policy
+    refuses (the books moved on since the decision) are said and left out."""
     frees = [m for m in moves if isinstance(m, Release) and m.model in k.pool.models]
     booked = [(k.pool.models[m.model], m) for m in moves if m.model in k.pool.models and not isinstance(m, Release)]
-    booked = [(model, m) for model, m in booked if k._book(model, m)]
-    drops = [(model, m) for model, m in booked if m.src == "host"]
-    into_host = [(model, m) for model, m in booked if m.dst == "host"]
-    frees = [m for m in frees if _book_release(k, m)]
+    return [(model, m) for model, m in booked if k._book(model, m)], [m for m in frees if _book_release(k, m)]
+
+
+async def carry_booked(k: Keeper, booked: Booked) -> None:
+    """Moves ``book`` booked: side by side, but a copy into host memory only after the drops and frees."""
+    moves, frees = booked
+    drops = [(model, m) for model, m in moves if m.src == "host"]
+    into_host = [(model, m) for model, m in moves if m.dst == "host"]
 
     async def after_drops() -> None:
         await asyncio.gather(*(carry(k, model, m) for model, m in drops), *(release(k, m) for m in frees))
         await asyncio.gather(*(carry(k, model, m) for model, m in into_host))
 
-    await asyncio.gather(after_drops(), *(carry(k, model, m) for model, m in booked
+    await asyncio.gather(after_drops(), *(carry(k, model, m) for model, m in moves
                                           if (model, m) not in drops and (model, m) not in into_host))
 
 
@@ -154,12 +168,10 @@ def _book_release(k: Keeper, move: Release) -> bool:
     return True
 
 
-async def release(k: Keeper, move: Release, booked: bool = True) -> None:
+async def release(k: Keeper, move: Release) -> None:
     """The model's workers free the host copy of its weights they keep (booked by ``_book_release``); it stays
     on its device, serving, and is not ``moving``. What they keep after, said in their answers, is counted."""
     model = k.pool.models[move.model]
-    if not booked and not _book_release(k, move):
-        return
     before = k.policy.kept(move.model)
     failed = None
     try:
@@ -183,8 +195,8 @@ async def expire_forever(k: Keeper, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         moves = tuple(m for m in k.policy.expired(time.monotonic()) if _may_leave(k, m))
-        if moves:
-            k._start(carry_in_order(k, moves))
+        if moves:  # booked in this step, as they were decided; carried in a task
+            k._start(carry_booked(k, book(k, moves)))
 
 
 def _may_leave(k: Keeper, move: Move) -> bool:

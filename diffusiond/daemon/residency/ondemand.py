@@ -51,7 +51,7 @@ class Keeper(Protocol):
 
     def _register(self, model: Model) -> None: ...
     def worker_ready(self, model: Model) -> None: ...
-    def _move(self, model: Model, move: Move) -> Coroutine[Any, Any, None]: ...
+    def _carry(self, moves: tuple[Move, ...]) -> Coroutine[Any, Any, None]: ...
     def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
 
 log = logging.getLogger("diffusiond.daemon.residency.keeper")  # one logger for residency's moves
@@ -144,7 +144,7 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
         over = any(k.policy.device_used(d) > k.policy.budgets[d] for d in model.config.devices)
         if over or isinstance(plan, TooLarge):
             move = Move(model.name, "device", "disk", "preload: it does not fit beside the models before it")
-            await k._move(model, move)
+            await k._carry((move,))
     await _best_effort(k, tried)
 
 
@@ -185,7 +185,7 @@ async def _best_effort(k: Keeper, tried: list[tuple[Model, BaseException | None]
         reason = str(exc)
         log.error("%s stays on disk: loading it at start failed: %s", model.name, reason)
         if k.policy.has(model.name) and k.policy.tier(model.name) == "device":
-            await k._move(model, Move(model.name, "device", "disk", f"it failed to load on another device: {reason}"))
+            await k._carry((Move(model.name, "device", "disk", f"it failed to load on another device: {reason}"),))
         elif model.workers:
             await k.pool.retire(model)
         on_disk(k, model)
@@ -245,7 +245,6 @@ async def _learn(k: Keeper, model: Model) -> str | None:
     if isinstance(plan, Evict):
         k._spawn_moves(plan.moves)
     elif plan is not None and not isinstance(plan, Fits):
-        await k._move(model, Move(name, "device", "disk", f"its first load showed it does not fit: "
-                                                             f"{plan.reason}"))
+        await k._carry((Move(name, "device", "disk", f"its first load showed it does not fit: {plan.reason}"),))
     k.on_change()
     return None

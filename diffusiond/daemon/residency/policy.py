@@ -115,8 +115,9 @@ class Residency:
     # ---- accounting --------------------------------------------------------------------------------------
 
     def device_used(self, device: str) -> int:
-        """Bytes the room counts as held on ``device``: resident weights plus running jobs' working memory."""
-        return sum(m.on(device) for m in self._models.values())
+        """Bytes the room counts as held on ``device``: resident weights plus running jobs' working memory, and the
+        copies of lost workers whose replacements come up."""
+        return sum(m.booked(device) for m in self._models.values())
 
     def host_used(self) -> int:
         return host_memory.used(self._models.values())
@@ -176,11 +177,15 @@ class Residency:
         if all(need[d] <= soon[d] for d in m.places):
             return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {dev}",
                         short=lacking)
-        idle = self._idle_on(m.places, but=name)
+        # who frees something where it is short: on several devices, one with room keeps its models (review59-b 7)
+        idle = [c for c in self._idle_on(m.places, but=name)
+                if any(c.frees(d) for d in m.places if soon[d] < need[d])]
         picked, room = [], dict(soon)
         for c in idle:
             if all(room[d] >= need[d] for d in m.places):
                 break
+            if not any(c.frees(d) for d in m.places if room[d] < need[d]):
+                continue  # the devices it would free have room now
             picked.append(c)
             room = {d: room[d] + c.frees(d) for d in m.places}
         if all(room[d] >= need[d] for d in m.places):
@@ -254,7 +259,13 @@ class Residency:
         programs by sending idle models away. Also remembered: ``plan`` spends no more than it leaves."""
         if device not in self.budgets:
             raise ResidencyError(f"device {device!r} has no budget (devices: {', '.join(self.budgets)})")
-        self._headroom[device] = free_bytes - reserve_bytes
+        # what moves under way will change has been counted since it was booked, and may not show in the reading
+        # yet: a load's workers still starting, a leaving model's still stopping. As if neither had happened, so
+        # that ``loaded`` and ``unloaded`` are counted once (review59-b 2: a second load planned into the bytes
+        # of one booked before the reading)
+        self._headroom[device] = free_bytes - reserve_bytes - sum(
+            m.frees(device) for m in self._models.values() if m.tier == "loading"
+            or (m.leaving is not None and m.leaving.src == "device"))
         deficit = reserve_bytes - free_bytes - self._leaving_bytes(device)
         state = f"{format_bytes(free_bytes)} free on {device}, reserve {format_bytes(reserve_bytes)}"
         if deficit <= 0:
@@ -423,6 +434,8 @@ class Residency:
         if m.tier != move.src or m.leaving is not None or isinstance(move, Release):
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} starts but the model is {m.tier}"
                                  f"{' and already leaving' if m.leaving else ''}")
+        if move.src == "device" and m.running:  # no decision sends away a model under a run (review59-b 1)
+            raise ResidencyError(f"{move.model}: a move off {m.where} starts under {len(m.running)} run(s)")
         m.leaving = move
 
     def unloaded(self, move: Move) -> None:
