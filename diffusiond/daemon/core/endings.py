@@ -14,12 +14,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 from diffusiond.daemon.core.flights import Flights
 from diffusiond.daemon.core.jobs import Job
+from diffusiond.daemon.errors import EngineError
 from diffusiond.daemon.outputs.slots import Outputs
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
+from diffusiond.protocol import ErrorCode, JobStatus, Stage
+
+
+def admitted(store: Store, job: Job, end: Callable[..., Any]) -> asyncio.Future[None]:
+    """A new job's record, started now; the caller shields it, so it lands also when its client has gone. One the
+    store refuses (a full disk: 507, a broken database) ends the job with the store's reason, whether or not
+    anyone still waits (review59-c 2); a waiting caller gets the error too."""
+    adding = asyncio.ensure_future(store.add(job))
+
+    def refused(f: asyncio.Future[None]) -> None:
+        err = None if f.cancelled() else f.exception()
+        if err is not None and not job.terminal:
+            code = err.code if isinstance(err, EngineError) else ErrorCode.STATE_FAILED
+            end(job, JobStatus.FAILED, code, str(err))
+
+    adding.add_done_callback(refused)
+    return adding
 
 
 def record(store: Store, job: Job) -> None:
@@ -44,7 +64,7 @@ def stop_work(job: Job, outputs: Outputs, flights: Flights) -> None:
     """A job that did not succeed: give back what its outputs hold and cancel what workers still run of it."""
     cancels: dict[WorkerLink, list[str]] = collections.defaultdict(list)
     for item in job.items:
-        if item.worker is not None and not item.done and item.desc is None:
+        if item.worker is not None and item.stage < Stage.ENCODING:  # delivered from ENCODING on
             cancels[item.worker].append(item.request_id)
     outputs.discard(job)
     for worker, ids in cancels.items():

@@ -98,7 +98,9 @@ class Engine(OutputAccess):
         self.keeper = Keeper(config, self.pool, self.metrics, on_change=self.dispatch, oldest=self.scheduler.oldest,
                              queued=self.scheduler.outputs, fail=functools.partial(fail_queued, self))
         self.flights = Flights(self.pool, self.scheduler, self.outputs, self.store, self.metrics,
-                               held=lambda: self.paused or self.stopping, changed=self._changed, keeper=self.keeper)
+                               held=lambda: self.paused or self.stopping, changed=self._changed, keeper=self.keeper,
+                               unsendable=lambda item, why: self._end(item.job, JobStatus.FAILED,
+                                                                      ErrorCode.GENERATION_FAILED, why, stage="queued"))
         self.previews = Previews(self.executor, self.metrics, on_preview=self._on_preview)
         self.history = History(config, self.jobs, self.store, self.outputs, cancel=self.cancel, expire=self._expire)
         self.accepting = False
@@ -186,9 +188,15 @@ class Engine(OutputAccess):
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         """Every model off its device through residency once running work ends (``power.py``): level 1 to host
-        memory, level 2 to disk with its workers stopped (CUDA contexts freed, for a trainer's whole card)."""
-        async with self._power:
-            return await power.sleep(self, level)
+        memory, level 2 to disk with its workers stopped (CUDA contexts freed, for a trainer's whole card).
+        Carried to its end when its caller leaves (a client's timeout): cut short in its drain, it left the daemon
+        paused at level 0 for good (review59-c 4); a failure then is logged (``power.unread``)."""
+        task = asyncio.ensure_future(power.locked(self._power, power.sleep(self, level)))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(power.unread)
+            raise
 
     async def wake(self) -> None:
         """Jobs queued meanwhile run, and the models come back as the start's preload brought them."""
@@ -248,11 +256,12 @@ class Engine(OutputAccess):
     async def accept(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job and return once it is recorded (on disk when jobs persist): what a 202 promises."""
         job = self.submit(req, sync=sync)
-        try:
-            await self.store.add(job)
-        except EngineError as err:
-            self._end(job, JobStatus.FAILED, err.code, err.message)
-            raise
+        try:  # recorded whatever the caller does: what is in memory is on disk (review59-c 2)
+            await asyncio.shield(endings.admitted(self.store, job, self._end))
+        except asyncio.CancelledError:
+            if sync and not job.terminal:  # the client left (aiohttp cancels its handler): nobody will read it
+                self._end(job, JobStatus.CANCELLED, ErrorCode.CANCELLED, "the client left before it was accepted")
+            raise  # a job of /v1/jobs stays: it may have been the client's timeout, and listing finds it
         return job
 
     async def load_model(self, name: str) -> None:

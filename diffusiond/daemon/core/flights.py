@@ -31,6 +31,7 @@ from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.daemon.workers.pool import Model, WorkerPool
+from diffusiond.ipc.errors import ArenaError, FrameTooLarge
 from diffusiond.ipc.messages import ComputeDone, Execute, OutputReady, Progress, RequestSpec
 from diffusiond.protocol import Event, JobStatus, Stage, WorkerState
 
@@ -53,11 +54,13 @@ class Batch:
 
 class Flights:
     def __init__(self, pool: WorkerPool, scheduler: Scheduler, outputs: Outputs, store: Store, metrics: Metrics,
-                 *, held: Callable[[], bool], changed: asyncio.Event, keeper: Keeper) -> None:
+                 *, held: Callable[[], bool], changed: asyncio.Event, keeper: Keeper,
+                 unsendable: Callable[[Item, str], None] = lambda item, why: None) -> None:
         self.pool, self.scheduler, self.outputs, self.store, self.metrics = pool, scheduler, outputs, store, metrics
         self.held = held  # sleeping or stopping: nothing is dispatched
         self.changed = changed
         self.keeper = keeper  # residency: whether a model may take work now, and what its batches hold
+        self.unsendable = unsendable  # the engine fails an item whose batch cannot be sent for its own fault
         self.batches: dict[int, Batch] = {}
         self.in_flight: dict[WorkerLink, collections.deque[Batch]] = {}
         self._batch_ids = 0
@@ -130,7 +133,8 @@ class Flights:
                 job.emit(Event.STATUS)
 
     def _send(self, worker: WorkerLink, items: list[Item]) -> bool:
-        """Send a batch; False when it could not be sent (its items are back at the head of the queue)."""
+        """Send a batch; False when the worker could not take it (its items are back at the head of the queue).
+        A batch that cannot be sent for its own fault ends its jobs (``unsendable``) and counts as sent."""
         self._batch_ids += 1
         batch = Batch(self._batch_ids, worker, items, open_items=len(items))
         req = items[0].job.request
@@ -139,10 +143,18 @@ class Flights:
             msg = Execute(batch.id, req.batch_params(), self._specs(items, fds))
             worker.execute(msg, fds)
         except Exception as exc:
-            log.warning("could not send batch to %s: %s", worker.name, exc)
             for fd in fds:  # sent frames close theirs; these never left
                 with contextlib.suppress(OSError):
                     os.close(fd)
+            if isinstance(exc, FrameTooLarge | ArenaError):
+                # the batch's own fault (an input closed, a frame past the limit), not the worker's: put back at
+                # the head of the queue, it blocked its model's queue pass after pass until its deadline
+                # (review59-c 3); its jobs fail, and the worker is free for the next batch
+                log.error("a batch for %s cannot be sent: %s", worker.name, exc)
+                for i in items:
+                    self.unsendable(i, f"its batch could not be sent to the worker: {exc}")
+                return True
+            log.warning("could not send batch to %s: %s", worker.name, exc)
             self.scheduler.requeue_front(items)
             return False
         self.batches[batch.id] = batch
@@ -298,7 +310,9 @@ class Flights:
         for batch in list(self.batches.values()):
             if batch.worker is not worker:
                 continue
-            open_items = [i for i in batch.items if not i.job.terminal and i.desc is None and not i.done]
+            # delivered from ENCODING on: an encoded output's slot goes back before its file is written, so
+            # ``desc is None`` does not tell a delivered output from one never sent (review59-c 1)
+            open_items = [i for i in batch.items if not i.job.terminal and i.stage < Stage.ENCODING]
             if between or (orphan is not None and batch.id != orphan):  # run again from the start: none delivered
                 requeue += open_items
             else:

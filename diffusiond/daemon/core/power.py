@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from diffusiond.daemon.config import DaemonConfig
@@ -60,6 +60,17 @@ def tier(engine: Engine, model: Model) -> str:
     if engine.keeper.known(model.name):
         return engine.keeper.policy.tier(model.name)
     return "disk" if model.retired or not model.workers else "loading"
+
+
+async def locked(lock: asyncio.Lock, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    async with lock:
+        return await work
+
+
+def unread(task: asyncio.Future[Any]) -> None:
+    """A sleep whose caller left before it ended: its failure, which no answer carries, is logged."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("sleep failed after its caller left: %s", task.exception())
 
 
 async def sleep(engine: Engine, level: int) -> dict[str, Any]:

@@ -474,8 +474,13 @@ class Keeper:
             self._start(leaving.carry_booked(self, leaving.book(self, moves)))
 
     async def _carry(self, moves: tuple[Move, ...]) -> None:
-        """A decision's moves, booked at once and carried in order, awaited (an unload by hand answers after)."""
-        await leaving.carry_in_order(self, moves)
+        """A decision's moves, booked in the caller's step and carried in order, awaited (an unload by hand
+        answers after); carried to their end when the caller is cancelled (a client that hung up): cut short, a
+        move left its model booked as leaving while its workers were gone, and its jobs waited (review59-c 5)."""
+        task = asyncio.ensure_future(leaving.carry_booked(self, leaving.book(self, moves)))
+        self._moves.add(task)
+        task.add_done_callback(self._moves.discard)
+        await asyncio.shield(task)
 
     def _book(self, model: Model, move: Move) -> bool:
         name = model.name

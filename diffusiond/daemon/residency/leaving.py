@@ -58,6 +58,7 @@ class Keeper(Protocol):
     def snapshot(self) -> dict[str, ModelStatus]: ...
     def may_dispatch(self, model: Model, shape: Shape | None) -> bool: ...
     def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
+    def _carry(self, moves: tuple[Move, ...]) -> Coroutine[Any, Any, None]: ...
     def _start(self, coro: Coroutine[Any, Any, None]) -> None: ...
     def _book(self, model: Model, move: Move) -> bool: ...
     def _pending_unloads(self) -> None: ...
@@ -95,13 +96,7 @@ async def sleep(k: Keeper, model: Model, level: int, reason: str) -> None:
     if not isinstance(got, Evict):
         return  # still running, loading or leaving: the sleep says what stayed
     moves = got.moves if level < 2 or not got.moves else (Move(name, k.policy.tier(name), "disk", reason),)
-    await carry_in_order(k, moves)
-
-
-async def carry_in_order(k: Keeper, moves: tuple[Move, ...]) -> None:
-    """Book every move at once (a plan meanwhile sees them), then carry them side by side, but a copy into
-    host memory only once the drops out of host memory are done: it counts on the room they make."""
-    await carry_booked(k, book(k, moves))
+    await k._carry(moves)
 
 
 Booked = tuple[list[tuple[Model, Move]], list[Release]]
@@ -191,7 +186,7 @@ async def release(k: Keeper, move: Release) -> None:
 
 async def expire_forever(k: Keeper, every_s: float) -> None:
     """Every ``every_s``, the models whose keep-alive ran out leave, in a task of their own (the
-    next check does not wait for a slow copy; ``carry_in_order`` keeps host memory within its bound)."""
+    next check does not wait for a slow copy; ``carry_booked`` keeps host memory within its bound)."""
     while True:
         await asyncio.sleep(every_s)
         moves = tuple(m for m in k.policy.expired(time.monotonic()) if _may_leave(k, m))
