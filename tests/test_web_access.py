@@ -13,8 +13,9 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from http.cookies import SimpleCookie
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
@@ -24,7 +25,7 @@ from conftest import ROOT
 from diffusiond.daemon.config import ConfigError, parse_host_port
 from diffusiond.daemon.edge import webauth
 
-TOKEN = "web-test-token-0123456789abcdef"
+TOKEN = "web+test/token-0123456789abcdef="  # as `openssl rand -base64` makes them: + / = (review59-a 1)
 HOLD = {"model": "hold", "prompt": "held", "width": 64, "height": 64, "steps": 500}
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_daemon_lifecycle.py
 
@@ -135,7 +136,7 @@ def cancel_all(d: Daemon, jobs: list[dict[str, object]]) -> None:
 def test_web_url_prints_the_one_logged_url_with_the_token_file_s_token(web_daemon: Daemon, base: str) -> None:
     r = web_url_cli(web_daemon.socket)
     url = r.stdout.strip()
-    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/\?token=" + re.escape(TOKEN), url), url
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/\?token=" + re.escape(quote(TOKEN, safe="")), url), url
     assert int(urlsplit(url).port or 0) > 0  # port 0 was asked for: the URL has the real one
     assert web_daemon.log().count(url) == 1, web_daemon.log()
 
@@ -143,11 +144,12 @@ def test_web_url_prints_the_one_logged_url_with_the_token_file_s_token(web_daemo
 def test_the_token_url_sets_an_httponly_samesite_strict_cookie_and_counts_a_session(base: str) -> None:
     with httpx.Client(base_url=base) as c:
         before = _metric(c, "diffusiond_web_sessions_total")
-        r = c.get(f"/?token={TOKEN}")
+        r = c.get(f"/?token={quote(TOKEN, safe='')}")
         assert r.status_code == 303 and r.headers["Location"] == "/"  # the token leaves the address bar
         cookie = r.headers["Set-Cookie"]
         port = urlsplit(base).port
-        assert cookie.startswith(f"diffusiond_token_{port}={TOKEN};"), cookie
+        jar = SimpleCookie(cookie)
+        assert jar[f"diffusiond_token_{port}"].value == TOKEN, cookie
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie, cookie
         assert c.get("/v1/models").status_code == 200  # the cookie alone signs the client in
         assert _metric(c, "diffusiond_web_sessions_total") == before + 1

@@ -82,6 +82,23 @@ def _read_index(path: Path) -> dict[str, Any]:
     return index
 
 
+def _why_not_loaded(exc: BaseException, path: Path, options: Mapping[str, str]) -> str:
+    """What diffusers' message leaves out: the first cause (a truncated file's "file not fully covered" lay three
+    exceptions down, under "Unable to load weights"), and the .bin hint only where the folder has such weights
+    (it was given for any message naming a path, and every path names its .safetensors: review59-a 2)."""
+    root: BaseException = exc
+    while (nxt := root.__cause__ or root.__context__) is not None and nxt is not root:
+        root = nxt
+    said = f" ({type(root).__name__}: {root})" if root is not exc and str(root) not in str(exc) else ""
+    if "SafetensorError" in said:
+        said += "; `diffusiond fit FOLDER` checks each file's header and names the one that is truncated or corrupt"
+    unsafe = [p for p in path.glob("*/*") if p.suffix in (".bin", ".pt", ".ckpt")]
+    if unsafe and options.get("allow_unsafe_weights") != "1":
+        said += (f"; {unsafe[0].relative_to(path)} is not read: only safetensors weights load by default "
+                 "(allow_unsafe_weights=1 permits .bin, which is a pickle that can run code)")
+    return said
+
+
 def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str],
                  device: torch.device, root: Path | None) -> dict[str, Any]:
     """from_pretrained arguments shared by folder and hub loads; ``quant=``'s bitsandbytes methods are
@@ -123,10 +140,8 @@ def load_folder(
     try:
         pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options, device, path))
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
-        hint = ""
-        if "safetensors" in str(exc) and options.get("allow_unsafe_weights") != "1":
-            hint = " (only safetensors weights load by default; allow_unsafe_weights=1 permits .bin)"
-        raise PipelineError(f"cannot load {cls.__name__} from {str(path)!r}: {exc}{hint}") from exc
+        raise PipelineError(f"cannot load {cls.__name__} from {str(path)!r}: {exc}"
+                            f"{_why_not_loaded(exc, path, options)}") from exc
     phases.mark("files")
     return DiffusersPipeline(
         pipe,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 from pathlib import Path
+from urllib.parse import quote
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -56,7 +57,9 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 
 def sign_in_url(listen_host: str, port: int, token: str) -> str:
-    return f"http://{webauth.host_port(webauth.url_host(listen_host), port)}/?token={token}"
+    """Percent-encoded: a token from ``openssl rand -base64`` holds ``+`` and ``/``, and a query reads ``+`` as a
+    space, so the URL printed did not sign in (review59-a 1)."""
+    return f"http://{webauth.host_port(webauth.url_host(listen_host), port)}/?token={quote(token, safe='')}"
 
 
 def make_web_access(token: str, listen_host: str, metrics: Metrics) -> Middleware:
