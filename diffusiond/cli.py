@@ -41,9 +41,11 @@ from diffusiond.commands.argtypes import (
     ip_adapter_arg,
     job_id_arg,
     lora_arg,
+    non_negative_float,
     parse_size,
     positive_float,
     positive_int,
+    whole_number,
 )
 from diffusiond.commands.flags import with_flag
 from diffusiond.commands.follow import lost_daemon
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=positive_int, metavar="N", help=f"denoising steps (default: {own})")
     g.add_argument("--guidance", type=finite_float, metavar="G", help=f"guidance scale (default: {own})")
     g.add_argument("--negative", metavar="TEXT", help="negative prompt")
-    g.add_argument("--seed", type=int, metavar="S", help="the same seed and settings make the same output "
+    g.add_argument("--seed", type=whole_number, metavar="S", help="the same seed and settings make the same output "
                                                          "(default: a random one, printed with each file)")
     g.add_argument("--format", choices=tuple(FORMATS),
                    help="output format (default: from -o's extension, else the model's own: png for images, mp4 "
@@ -151,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", parents=[sock], help="show the daemon's health, workers and queue")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--wait", type=finite_float, metavar="SECONDS", default=0.0,
+    s.add_argument("--wait", type=non_negative_float, metavar="SECONDS", default=0.0,
                    help="first wait up to this long for the daemon to be up and ready (for scripts that start one)")
     s.set_defaults(func=status)
     m = sub.add_parser("models", parents=[sock], help="list every model the daemon serves, loaded or not")

@@ -43,6 +43,9 @@ def assert_unreachable_message(err: str, path: str) -> None:
         (["generate"], "PROMPT"),
         ([], "COMMAND"),
         (["serve", "--socket-mode", "999"], "octal"),
+        (["generate", "x", "--seed", "abc"], "--seed: expected a whole number, got 'abc'"),
+        (["status", "--wait", "-1"], "--wait: must be 0 or more, got -1"),
+        (["generate", "x", "-o", "out.tif"], "-o out.tif: .tif is not a format diffusiond writes"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -194,7 +197,10 @@ def test_format_choice() -> None:
         choose_format("mp4", "clip.png")  # MP4 bytes in a .png: refused, naming both
     assert choose_format(None, "x.JPG") == "jpeg"
     assert choose_format(None, "x.mp4") == "mp4"
-    assert choose_format(None, "x.unknown") is None
+    assert choose_format(None, "x.unknown") is None  # a name: the model's default format is written under it
+    with pytest.raises(UsageError, match=r"-o out.tif: .tif is not a format diffusiond writes \(.*png.*\)"):
+        choose_format(None, "out.tif")  # PNG bytes under a .tif name (review59-a 6)
+    assert choose_format("png", "out.tif") == "png"  # asked for by name: written as asked
     assert choose_format(None, None) is None
     assert extension_for(None) == "png"
     assert extension_for(None, "video/mp4") == "mp4"

@@ -1,6 +1,8 @@
 """The queue-full answer of docs/api.md (429 ``queue_full`` with ``Retry-After``, counted in
 /metrics, room again once a queued job is cancelled), against a daemon of its own with a one-job
-queue. The rest of the HTTP API is test_daemon_api.py's, on a daemon the module shares.
+queue; and which errors tell OpenAI's SDKs to send again (``x-should-retry``: a queue full may, a
+synchronous job past its deadline may not, or it runs twice more for nothing). The rest of the HTTP
+API is test_daemon_api.py's, on a daemon the module shares.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ async def test_queue_full_is_429_with_retry_after(daemon_factory: Any) -> None:
             assert rejected is not None, "a one-job queue never filled"
             status, answer, headers = rejected
             assert status == 429 and answer["error"]["code"] == "queue_full", answer
-            assert float(headers["Retry-After"]) > 0
+            assert float(headers["Retry-After"]) > 0 and headers["x-should-retry"] == "true"
             assert accepted
             _, health = await get_json(s, "/health")
             assert health["queue_depth"] == 1
@@ -44,3 +46,8 @@ async def test_queue_full_is_429_with_retry_after(daemon_factory: Any) -> None:
             for job_id in accepted:
                 async with s.delete(f"/v1/jobs/{job_id}"):
                     pass
+        # a synchronous job past its deadline: 504, and an SDK that retries 5xx is told not to
+        status, answer, headers = await post(s, "/v1/images/generations",
+                                             {"prompt": "x", "size": f"{SIZE}x{SIZE}", "timeout_s": 1})
+        assert status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
+        assert headers["x-should-retry"] == "false"

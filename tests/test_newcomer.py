@@ -139,10 +139,15 @@ def test_progress_lines_name_each_stage_and_again_every_5_s_while_it_lasts() -> 
         now[0] += 1
         bar.tick()
     bar.update(stage="waiting_for_memory")
-    bar.update(1, 4, "computing")
+    bar.update(0, 4, "computing")  # a first step that takes minutes (a large image on a CPU: review59-a 5)
+    for _ in range(6):
+        now[0] += 1
+        bar.tick()
+    bar.update(1, 4)  # a progress event: no stage, the step says it
     bar.update(stage="encoding")
     assert out.getvalue().splitlines() == ["job j_1 queued", "job j_1 loading", "job j_1 still loading (5 s)",
                                            "job j_1 still loading (10 s)", "job j_1 waiting_for_memory",
+                                           "job j_1 computing", "job j_1 still computing (5 s)",
                                            "job j_1 step 1/4 (25 %)", "job j_1 encoding"]
     quiet = io.StringIO()
     bar = ProgressBar(quiet, enabled=True)  # on a terminal the bar shows the stage, and ticks add nothing

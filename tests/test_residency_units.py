@@ -60,14 +60,14 @@ def test_bad_sizes_name_the_text_and_the_accepted_forms(text: str) -> None:
 @pytest.mark.parametrize(("text", "seconds"), [
     ("0", 0.0), ("0s", 0.0), ("30", 30.0), ("2.5", 2.5), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0),
     ("1h30m", 5400.0), ("1h30m15s", 5415.0), ("250ms", 0.25), ("1.5h", 5400.0), ("+5m", 300.0), ("100us", 1e-4),
-    ("-0", 0.0),
+    ("-0", 0.0), ("2.5e2", 250.0), ("1E3", 1000.0),
 ])
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("value", ["-1", "-5m", "-1s", -1, -0.5])
-def test_any_negative_duration_is_forever(value: str | int | float) -> None:
+@pytest.mark.parametrize("value", ["-1", "-5m", "-1s", -1, -0.5, "1e17", 1e17, "99999999999h"])  # api.md's forms
+def test_any_negative_duration_or_one_past_a_century_is_forever(value: str | int | float) -> None:
     assert parse_duration(value) == FOREVER == math.inf
 
 
@@ -81,7 +81,8 @@ def test_numbers_from_toml_or_json_are_seconds() -> None:
         parse_duration(False)
 
 
-@pytest.mark.parametrize("text", ["", "-", "m", "5x", "5m30", "1d", "5 m", "h1", "1h-30m", "1..5s", "1" * 100])
+@pytest.mark.parametrize("text", ["", "-", "m", "5x", "5m30", "1d", "5 m", "h1", "1h-30m", "1..5s", "1" * 100, "1e",
+                                  "e5", "1e5m"])
 def test_bad_durations_name_the_text_and_the_accepted_forms(text: str) -> None:
     with pytest.raises(ValueError) as err:
         parse_duration(text)

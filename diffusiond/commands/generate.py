@@ -59,6 +59,12 @@ class GenerateState:
     stopped_by: int = signal.SIGINT  # the signal that stopped it: the exit status is 128 + it
 
 
+OTHER_MEDIA = frozenset({".tif", ".tiff", ".bmp", ".avif", ".heic", ".heif", ".jxl", ".exr", ".mov", ".mkv", ".avi",
+                         ".webm", ".mpg", ".mpeg", ".m4v"})
+"""Suffixes of picture and video formats diffusiond does not write: ``-o`` naming one is refused without --format.
+Any other suffix (``run.v2``) is a name, not a format, and the model's default format is written under it."""
+
+
 def choose_format(fmt: str | None, output: str | None) -> str | None:
     """--format, else what -o's extension says; None lets the daemon pick its model's default.
 
@@ -67,9 +73,14 @@ def choose_format(fmt: str | None, output: str | None) -> str | None:
 
     A ``--format`` that -o's extension contradicts (``--format mp4 -o clip.png``) is a usage
     error naming both: writing MP4 bytes under a .png name would mislead every program that
-    opens the file by its name.
+    opens the file by its name; so is an extension that names no format, without ``--format``.
     """
     named = FORMAT_OF_SUFFIX.get(Path(output).suffix.lower()) if output and not names_a_directory(output) else None
+    suffix = Path(output).suffix.lower() if output and not names_a_directory(output) else ""
+    if named is None and suffix in OTHER_MEDIA and not fmt:  # PNG bytes went into out.tif, silently (review59-a 6)
+        known = ", ".join(sorted({f.extension for f in FORMATS.values()}))
+        raise UsageError(f"-o {output}: {suffix} is not a format diffusiond writes ({known}); name the file with "
+                         "one of them, or give --format to write that format under this name")
     if fmt:
         if named is not None and named != fmt:
             raise UsageError(f"--format {fmt} and -o {output} disagree ({Path(output or '').suffix} is {named}); "

@@ -5,8 +5,9 @@ only on a terminal: when stderr is a file or a pipe, carriage-return animation i
 someone's log. There a plain line comes now and then instead (``job j_... step 5/20 (25 %)``),
 at each tenth of the steps but at most once a second, and at least every ``LOG_EVERY_S`` while
 steps come: a five-minute job in a script's log must not look hung. Before and after the steps, a
-line names each stage the job enters (``job j_... loading``, ``waiting_for_memory``, ``encoding``) and
-again every ``LOG_EVERY_S`` while it stays there (``tick``): a model loading for minutes is no quieter.
+line names each stage the job enters (``job j_... loading``, ``waiting_for_memory``, ``computing`` until its
+first step ends, ``encoding``) and again every ``LOG_EVERY_S`` while it stays there (``tick``): a model loading
+for minutes, or a first step that takes them, is no quieter.
 """
 
 from __future__ import annotations
@@ -56,11 +57,15 @@ class ProgressBar:
     def update(self, step: int | None = None, total: int | None = None, stage: str | None = None) -> None:
         if step is not None:
             self._step = step
+            if step > 0 and self._stage == "computing":  # its steps say it from now on
+                self._stage = ""
         if total is not None:
             self._total = total
         if stage is not None:
-            # Mid-compute the steps say it all; other stages (queued, encoding) are worth naming.
-            stage = "" if stage in ("computing", "done") else stage
+            # Mid-compute the steps say it all; other stages (queued, encoding) are worth naming, and so is
+            # computing before its first step ends, in a log (minutes for a large image on a CPU: review59-a 5)
+            first = stage == "computing" and self._step == 0 and self.lines
+            stage = "" if stage in ("computing", "done") and not first else stage
             if stage != self._stage:
                 self._stage, self._stage_since = stage, self._clock()
         self._draw()

@@ -56,6 +56,12 @@ STATUS_OF_FAILURE: dict[str, int] = {
 }
 STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 
+# What a client may send again as it was: the daemon is busy, starting or stopping, not the request at fault.
+# Every other error says ``x-should-retry: false``, which OpenAI's SDKs obey: they retry any 5xx, 408, 409 and
+# 429 twice by default, and a job that passed its deadline (504) ran twice more for nothing (review59-a 3).
+RETRYABLE: frozenset[str] = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.UNAVAILABLE, ErrorCode.SHUTTING_DOWN,
+                                       ErrorCode.NO_WORKER, ErrorCode.WORKER_UNAVAILABLE})
+
 
 class HttpError(EngineError):
     """An error that only the HTTP edge can have (access control, aiohttp's own refusals)."""
@@ -80,6 +86,8 @@ def error_response(err: EngineError) -> web.Response:
     headers = dict(err.headers) if isinstance(err, HttpError) else {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = f"{err.retry_after_s:g}"
+    headers.setdefault("x-should-retry", "true" if err.code in RETRYABLE or err.retry_after_s is not None
+                       else "false")
     return web.json_response(err.body(), status=status_of(err), headers=headers)
 
 

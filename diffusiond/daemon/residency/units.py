@@ -131,7 +131,7 @@ def parse_duration(value: str | int | float) -> float:
     body = text[1:] if text[:1] in "+-" else text
     if not body:
         raise ValueError(f"duration {text!r} is empty; expected {_DURATION_FORMS}")
-    if re.fullmatch(r"\d+(?:\.\d*)?|\.\d+", body):
+    if re.fullmatch(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", body):  # 300, 2.5, 1e17 (api.md's forever)
         seconds = float(body)
     else:
         pos, seconds = 0, 0.0
