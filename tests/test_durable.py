@@ -103,6 +103,37 @@ async def test_sigkill_of_the_engine_then_restart_every_job_succeeds_once_with_i
     assert files(state) == sorted(f"{j['id']}-0.png" for j in jobs + again), "duplicate or stray output files"
 
 
+async def test_a_synchronous_request_cut_off_by_a_sigkill_ends_at_the_next_start(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    """Its caller's connection ended with the daemon: run again, nobody would read it. It fails, saying why."""
+    state = tmp_path / "state"
+    first = daemon_factory(*serve_args(state, "--test-fault", "copy_delay_ms=3000"), env=ENV)
+    async with http(first.socket) as s:
+        busy = await submit(s, {**BODY, "prompt": "ahead"})
+
+        async def sync_call() -> None:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with s.post("/v1/images/generations", json={"model": "tiny", "prompt": "cut off",
+                                                                  "size": "64x64", "num_inference_steps": 2}):
+                    pass
+
+        call = asyncio.ensure_future(sync_call())
+
+        async def recorded() -> str | None:
+            listed = (await get(s, "/v1/jobs?limit=10"))[1]["data"]
+            return next((j["id"] for j in listed if j["request"]["prompt"] == "cut off"), None)
+
+        cut = await until(recorded, 60, "the synchronous request's job")
+        sigkill(first)
+        await asyncio.wait_for(call, 30)
+    second = daemon_factory(*serve_args(state), env=ENV)
+    async with http(second.socket) as s:
+        end = await wait_job(s, cut, timeout=120)
+        assert end["status"] == "failed" and end["error"]["code"] == "shutting_down", end
+        assert "send the request again" in end["error"]["message"]
+        assert (await wait_job(s, busy["id"], timeout=300))["status"] == "succeeded"
+
+
 async def test_a_clean_shutdown_keeps_unfinished_jobs_for_the_next_start(
         daemon_factory: Factory, tmp_path: Path) -> None:
     """SIGTERM (a restart, a reboot) with jobs that cannot finish within the grace: the async ones

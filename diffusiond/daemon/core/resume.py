@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 async def recover(self: Engine) -> None:
     """Queue again, in their admission order, the jobs the last run accepted and did not
     finish. One that had started runs again from the start (its seeds are fixed, so its
-    outputs are the ones it would have made) and counts the attempt."""
+    outputs are the ones it would have made) and counts the attempt. A synchronous one (a crash
+    left it: a stop does not keep them) ends, saying why: its caller is gone."""
     jobs = await self.store.open()
     # before any job runs again (each rewrites its files from the start): files no finished job lists go
     await self.store.sweep_outputs()
@@ -68,6 +69,11 @@ async def recover(self: Engine) -> None:
             self._end(job, JobStatus.FAILED, ErrorCode.INPUT_LOST,
                       "the daemon stopped before this edit finished, and an edit's input image is not kept in "
                       "the state dir: submit it again")
+            continue
+        if job.sync:  # its caller's connection ended with the last run: nobody would read it (review59-c)
+            self._end(job, JobStatus.FAILED, ErrorCode.SHUTTING_DOWN,
+                      "the daemon stopped before this synchronous request finished, and the request's connection "
+                      "ended with it: send the request again")
             continue
         if job.request.model not in self.pool.models:
             self._end(job, JobStatus.FAILED, ErrorCode.MODEL_NOT_FOUND,
