@@ -235,3 +235,28 @@ async def test_arena_peer_killed_with_sigkill_leaves_nothing_in_dev_shm() -> Non
     assert shm_entries() == before
     assert view.close()
     assert not any("diffusiond-arena" in line for line in memfd_maps())
+
+
+async def test_a_frame_whose_handling_fails_loses_none_read_with_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Frames arrive several to a read: an exception in one's handler dropped the rest of the read (an
+    OUTPUT_READY among them would have held its slot and left its job waiting until its deadline)."""
+    a, b = await pair()
+    Inbox(a)
+    got: list[int] = []
+
+    def handle(frame: Frame) -> None:
+        got.append(frame.msg.step)
+        if frame.msg.step == 0:
+            raise RuntimeError("a bug in the first frame's handler")
+
+    b.start(handle, lambda reason: None)
+    for i in range(3):
+        a.post(m.Progress(batch_id=1, step=i, total=3))
+    for _ in range(300):
+        if len(got) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert got == [0, 1, 2] and not b.closed
+    assert "handling PROGRESS frame" in caplog.text and "a bug in the first frame's handler" in caplog.text
+    a.close()
+    b.close()

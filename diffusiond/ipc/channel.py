@@ -186,7 +186,10 @@ class Channel:
                     raise ProtocolError(f"{kind.name} frame {seq} announces {nfds} fds, {len(self._in_fds)} arrived")
                 fds = [self._in_fds.popleft() for _ in range(nfds)]
                 assert self._on_frame is not None
-                self._on_frame(Frame(kind, seq, msg, fds))
+                try:
+                    self._on_frame(Frame(kind, seq, msg, fds))
+                except Exception:  # a bug in one frame's handling: the frames read with it are not lost
+                    log.exception("%s: handling %s frame %d failed", self.name, kind.name, seq)
                 if self.closed:
                     return
         except ProtocolError as exc:
