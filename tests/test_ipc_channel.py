@@ -260,3 +260,25 @@ async def test_a_frame_whose_handling_fails_loses_none_read_with_it(caplog: pyte
     assert "handling PROGRESS frame" in caplog.text and "a bug in the first frame's handler" in caplog.text
     a.close()
     b.close()
+
+
+async def test_drain_below_0_returns_once_every_queued_frame_is_sent() -> None:
+    """What a worker awaits before it exits: ``drain()`` alone returned under the high-water mark with frames
+    still queued, which the exit then lost (review59-d)."""
+    a, b = await pair()
+    a.start(lambda frame: None, lambda reason: None)
+    posted = 0
+    while a.pending_bytes < 256 * 1024:  # past the socket's buffer: the peer reads nothing yet
+        a.post(m.Progress(batch_id=1, step=posted, total=1))
+        posted += 1
+    await asyncio.wait_for(a.drain(), 5)  # under the high-water mark: returns with bytes queued
+    assert a.pending_bytes > 0
+    flushed = asyncio.ensure_future(a.drain(below=0))
+    await asyncio.sleep(0.1)
+    assert not flushed.done(), "nothing was read: bytes are still queued"
+    inbox = Inbox(b)
+    await asyncio.wait_for(flushed, 30)
+    assert a.pending_bytes == 0
+    assert len(await inbox.wait_for(posted)) == posted
+    a.close()
+    b.close()

@@ -124,9 +124,10 @@ class Channel:
         except ChannelClosed:
             log.debug("%s: dropped %s after close", self.name, type(msg).__name__)
 
-    async def drain(self) -> None:
-        """Wait until the local queue is under the high-water mark (socket back-pressure)."""
-        while self._out_bytes > HIGH_WATER and not self.closed:
+    async def drain(self, below: int = HIGH_WATER) -> None:
+        """Wait until the local queue is under the high-water mark (socket back-pressure); ``below=0``: until all
+        of it is sent (a process about to exit: what is still queued then is lost)."""
+        while self._out_bytes > below and not self.closed:
             self._drained.clear()
             await self._drained.wait()
         if self.closed and self.close_reason is not None:

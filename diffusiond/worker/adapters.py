@@ -55,7 +55,10 @@ class LiveAdapters:
 
     def add(self, item: AddLora) -> None:
         """Register an adapter between batches: ACK ok, or not ok with why it does not fit."""
-        why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
+        try:
+            why = unsupported(self.pipeline) if self.adapters is None else self.adapters.register(item.name, item.path)
+        except Exception as exc:  # answered: raised, it ended the compute thread and every batch after waited
+            why = f"registering adapter {item.name!r} failed: {type(exc).__name__}: {exc}"
         self.post(Ack(command=Kind.ADD_LORA, ok=not why, message=why, ack_id=item.ack_id))
 
     def update(self, msg: UpdateLora | UpdateWeights, fds: list[int]) -> None:

@@ -218,6 +218,8 @@ class ComputeThread:
 
         previews = self.copier.previews
 
+        running = live_ids  # what the forward under way runs: a retried half's own requests (forward sets it)
+
         def on_step(step: int, total: int) -> bool:
             nonlocal last_post
             previews.flush()
@@ -225,7 +227,8 @@ class ComputeThread:
             if step == total or now - last_post >= self.progress_interval_s:
                 last_post = now
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
-            return not self.state.all_cancelled(live_ids)
+            # of the whole batch, a cancelled half never stopped: the other half's requests never all are
+            return not self.state.all_cancelled(running)  # (review59-d 3)
 
         def sink_for(requests: list[RequestSpec]) -> Callable[[int, int, list[tuple[int, torch.Tensor]]], None]:
             def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
@@ -240,6 +243,8 @@ class ComputeThread:
         sides = batch.params.trajectory is not None or any(r.audio for r in live)
 
         def forward(requests: list[RequestSpec], arrays: list[EditArrays]) -> list[torch.Tensor]:
+            nonlocal running
+            running = [r.request_id for r in requests]
             outputs = run(requests, arrays)
             if batch.params.hires is not None or batch.params.upscale is not None:
                 every = any(r.preview_every for r in requests)
@@ -404,14 +409,24 @@ class ComputeThread:
     def _control(self, item: Control) -> bool:
         """Drain copies (bounded), then act. Returns True when the thread should end."""
         if item.command == "release":  # the host copy is no copy's source or target: nothing to drain
-            hostcopy.release_all()
-            self.post(Ack(command=Kind.RELEASE, ok=True, host_kept=hostcopy.kept(), ack_id=item.ack_id))
+            try:
+                hostcopy.release_all()
+                self.post(Ack(command=Kind.RELEASE, ok=True, host_kept=hostcopy.kept(), ack_id=item.ack_id))
+            except Exception as exc:  # answered: an exception here ended the thread, and every batch after waited
+                self.post(Ack(command=Kind.RELEASE, ok=False, message=f"release failed: {type(exc).__name__}: "
+                              f"{exc}", host_kept=hostcopy.kept(), ack_id=item.ack_id))
             return False
         self.state.record(f"drain_start_{item.command}", 0)
         drained = self.state.drain(self.drain_timeout_s)
         self.state.record(f"drain_end_{item.command}", 0)
         message = "" if drained else f"copy thread did not drain within {self.drain_timeout_s}s"
         ok = drained
+        if not drained and item.command in ("sleep", "wake"):
+            # nothing moves: an answer "not ok" over a model that had moved anyway left the engine sending batches
+            # to a sleeping model, each failing, and its wakes to no one (review59-d 1); the engine may ask again
+            self.post(Ack(command=_KIND[item.command], ok=False, message=message, host_kept=hostcopy.kept(),
+                          ack_id=item.ack_id))
+            return False
         try:
             if item.command == "sleep":
                 if self.ip_adapters is not None:  # out of the UNet before its weights move
@@ -429,6 +444,10 @@ class ComputeThread:
                 self.finish.place(asleep=False)
         except Exception as exc:
             ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
+            if item.command == "sleep" and not self._undo_sleep():  # half moved: neither asleep nor awake
+                self._die(f"sleep failed half-way and its weights could not be put back: {message}", 70,
+                          between_batches=True)
+                return True
         self.state.record(item.command, 0)
         self.post(Ack(command=_KIND[item.command], ok=ok, message=message, host_kept=hostcopy.kept(),
                      ack_id=item.ack_id))
@@ -436,6 +455,20 @@ class ComputeThread:
             self.on_exit(0 if drained else 1)
             return True
         return False
+
+    def _undo_sleep(self) -> bool:
+        """After a sleep that raised part-way, everything back on the device as before (the engine keeps the
+        worker READY and sends it batches); False where that fails too."""
+        try:
+            self.pipeline.wake()
+            for part in (self.controlnets, self.ip_adapters):
+                if part is not None:
+                    part.place(asleep=False)
+            self.finish.place(asleep=False)
+        except Exception:
+            log.exception("putting the weights back after a failed sleep failed")
+            return False
+        return True
 
     def _fail_all(self, batch_id: int, request_ids: list[str], message: str) -> None:
         for rid in request_ids:

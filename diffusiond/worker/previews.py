@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from diffusiond.ipc.arena import Arena
+from diffusiond.ipc.errors import ArenaError
 from diffusiond.ipc.messages import PreviewReady
 from diffusiond.ipc.tensors import describe, nbytes_of, write_tensor
 from diffusiond.worker.state import SharedState
@@ -74,7 +75,10 @@ class PreviewOutbox:
         """Queue ``picture`` (uint8 (H, W, 3), any device) for the engine; False: skipped."""
         if self.state.is_cancelled(request_id) or self.in_flight >= PREVIEW_SLOTS:
             return False
-        slot = self.arena.try_allocate(nbytes_of(picture))
+        try:
+            slot = self.arena.try_allocate(nbytes_of(picture))
+        except ArenaError:  # larger than the whole arena: an output goes to a memfd of its own, a preview is skipped
+            return False  # (raised, it failed the job: review59-d 2)
         if slot is None:  # the arena is busy with outputs: they come first
             return False
         try:

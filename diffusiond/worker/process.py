@@ -86,8 +86,8 @@ class Worker:
         self.exit_code = loop.create_future()
         self.channel.start(self._on_frame, self._on_close)
         code = await self.exit_code
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.channel.drain(), 5)
+        with contextlib.suppress(Exception):  # all of it: the last outputs' frames, a FATAL (review59-d)
+            await asyncio.wait_for(self.channel.drain(below=0), 5)
         return code
 
     def exit(self, code: int) -> None:
