@@ -339,3 +339,54 @@ def test_an_unpin_the_daemon_can_no_longer_take_closes_the_connection(tmp_path: 
         assert m._sock.fileno() == -1, "the socket is closed with the mapper, not left to the garbage collector"
         with pytest.raises(ZeroCopyUnavailable, match=r"closed \(the output socket .* failed: .*Broken pipe"):
             m.array("j_0123456789abcdef", 0)
+
+
+def _outlives(daemon: Daemon, a: np.ndarray, what: str) -> None:
+    """``a`` keeps its bytes while jobs after it take slots (one of them would be its slot, given back)."""
+    copy = a.copy()
+    for seed in range(40, 46):
+        run_job(daemon, seed=seed)
+    assert np.array_equal(a, copy), f"the memory under a live array was reused after {what}"
+
+
+def test_an_array_keeps_its_memory_when_its_mapper_is_collected(daemon: Daemon) -> None:
+    """review59-e 1: the release held the mapper weakly; collected, it closed its socket, and the daemon took back
+    the memory of every array it had handed out."""
+    job = run_job(daemon, seed=31)
+    a = OutputMapper(str(daemon.socket)).array(job, 0)  # the mapper is kept by no one but its arrays
+    gc.collect()
+    _outlives(daemon, a, "its mapper was collected")
+
+
+def test_a_forked_child_dropping_its_copy_of_an_array_leaves_the_parents_alone(daemon: Daemon) -> None:
+    """review59-e 5: the child inherited the connection, and its copy's finalizer unpinned the parent's lease."""
+    job = run_job(daemon, seed=32)
+    with OutputMapper(str(daemon.socket)) as m:
+        a = m.array(job, 0)
+        pid = os.fork()
+        if pid == 0:  # the child: drops its copy (a DataLoader worker would), then leaves
+            del a
+            gc.collect()
+            with pytest.raises(ZeroCopyUnavailable, match="does not cross a fork"):
+                m.array(job, 0)
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        _outlives(daemon, a, "a forked child dropped its copy")
+
+
+def test_a_failed_fetch_keeps_the_arrays_handed_out_before_it(daemon: Daemon) -> None:
+    """review59-e 2: a fetch that timed out hung up the connection, and the daemon took back the memory of every
+    array the mapper had handed out; it now keeps the connection, for their UNPINs only, until the last is gone."""
+    held, late = run_job(daemon, seed=33), run_job(daemon, seed=34)
+    m = OutputMapper(str(daemon.socket), timeout=1.0)
+    a = m.array(held, 0)
+    assert daemon.proc is not None
+    daemon.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(ZeroCopyUnavailable, match="did not answer in time"):
+            m.array(late, 0)
+    finally:
+        daemon.signal(signal.SIGCONT)
+    _outlives(daemon, a, "a later fetch failed")
+    del a
+    wait_for(lambda: m._live == 0 and not m._sock_open, "the last array's UNPIN, then the connection's end")

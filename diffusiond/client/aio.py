@@ -416,7 +416,9 @@ class AsyncClient:
             self._give_up_zero_copy()
             return None
         except DaemonError as exc:
-            if exc.code != ErrorCode.NOT_SHARED or self.zero_copy:
+            if exc.code == ErrorCode.NOT_SHARED and self.zero_copy:  # the documented error (review59-e 4)
+                raise ZeroCopyUnavailable(f"zero_copy=True, but {exc.message}") from exc
+            if exc.code != ErrorCode.NOT_SHARED:
                 raise
             return None
         return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)
@@ -459,7 +461,8 @@ class AsyncClient:
                     self._no_zero_copy = True
                     return None
                 try:
-                    self._mapper = Mapped(await asyncio.to_thread(OutputMapper, self.socket_path, timeout=30.0))
+                    self._mapper = Mapped(await asyncio.to_thread(  # the client's own timeout (review59-e 3)
+                        OutputMapper, self.socket_path, timeout=min(self.timeout or 30.0, 30.0)))
                 except ZeroCopyUnavailable:
                     if self.zero_copy:
                         raise

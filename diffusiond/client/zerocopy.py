@@ -64,7 +64,10 @@ class OutputMapper:
         self._unpins: collections.deque[int] = collections.deque()
         self._encoder = FrameEncoder()
         self._decoder = FrameDecoder()
-        self.closed = False
+        self.closed = False  # no fetch more: close() was called, or a fetch failed (``_hang_up``)
+        self._sock_open = True
+        self._live = 0  # leases mapped and not yet unpinned: a failed fetch keeps the socket for them
+        self._pid = os.getpid()  # a forked child's copy must not unpin its parent's arrays (review59-e 5)
         self._why = "close() was called"
 
     def __enter__(self) -> OutputMapper:
@@ -78,9 +81,13 @@ class OutputMapper:
         handed out stay readable (the mapping is ours), but the memory may be reused under them,
         so drop them first."""
         with self._lock:
-            if not self.closed:
-                self.closed = True
-                self._sock.close()
+            self.closed = True
+            self._close_sock()
+
+    def _close_sock(self) -> None:
+        if self._sock_open and os.getpid() == self._pid:
+            self._sock_open = False
+            self._sock.close()
 
     def array(self, job_id: str, k: int) -> np.ndarray:
         """Output ``k`` of a finished npy job, as a read-only array over the daemon's memory."""
@@ -103,6 +110,9 @@ class OutputMapper:
 
     def _lease(self, fetch: Fetch) -> tuple[Lease, int]:
         with self._lock:
+            if os.getpid() != self._pid:
+                raise ZeroCopyUnavailable("an OutputMapper does not cross a fork (its arrays are its parent's): make "
+                                          "a new one in this process")
             if self.closed:
                 raise ZeroCopyUnavailable(f"this OutputMapper is closed ({self._why}); make a new one")
             # Any failure below leaves the stream out of step with our requests: an answer that came late
@@ -131,10 +141,13 @@ class OutputMapper:
         raise DaemonError(msg.status, msg.code, msg.message)
 
     def _hang_up(self, why: str) -> ZeroCopyUnavailable:
-        """Close the connection (the lock is held) and say why to this call and every later one."""
+        """No fetch more on this connection (the lock is held), said to this call and every later one. Its socket
+        stays open while arrays it handed out live, for their UNPINs: closed, it gave the daemon back the memory
+        under them, which it then reused while they were read (review59-e 2)."""
         self.closed = True
         self._why = why
-        self._sock.close()
+        if not self._live:
+            self._close_sock()
         return ZeroCopyUnavailable(f"{why}; this OutputMapper is closed now (make a new one)")
 
     def _receive(self) -> tuple[object, list[int]]:
@@ -155,6 +168,8 @@ class OutputMapper:
             raise
 
     def _map(self, lease: Lease, fd: int) -> np.ndarray:
+        with self._lock:
+            self._live += 1  # until its UNPIN is sent (``_send_unpins``), whichever way it goes
         desc = lease.tensor
         start = desc.offset - desc.offset % _PAGE
         length = desc.offset + desc.nbytes - start
@@ -168,7 +183,9 @@ class OutputMapper:
         # Every array over this memory (views, slices, tensors made from them) holds the mapping
         # alive through its buffer; when the last one goes, the mapping is unmapped and collected,
         # and only then is the daemon told it may reuse the memory.
-        release = weakref.finalize(mm, _release, weakref.ref(self), lease.lease)
+        # the mapper itself, not a weak reference: collected with arrays alive, its socket closed and the daemon
+        # reused their memory (review59-e 1)
+        release = weakref.finalize(mm, OutputMapper._unpin, self, lease.lease)
         try:
             raw = np.frombuffer(mm, dtype=np.uint8, count=desc.nbytes, offset=desc.offset - start)
             return raw.view(numpy_dtype(desc.dtype)).reshape(desc.shape)
@@ -178,7 +195,10 @@ class OutputMapper:
 
     def _unpin(self, lease: int) -> None:
         """Called by the garbage collector, in whatever thread it runs, perhaps inside ``array``
-        of this very mapper: so never wait for the lock. Whoever holds it sends the queue."""
+        of this very mapper: so never wait for the lock. Whoever holds it sends the queue. Not in a forked child:
+        the lease is its parent's."""
+        if os.getpid() != self._pid:
+            return
         self._unpins.append(lease)
         while self._unpins and self._lock.acquire(blocking=False):
             try:
@@ -189,15 +209,13 @@ class OutputMapper:
     def _send_unpins(self) -> None:
         while self._unpins:
             lease = self._unpins.popleft()
-            if self.closed:
-                continue  # hung up: the daemon took back everything this connection held
+            self._live -= 1
+            if not self._sock_open:
+                continue  # closed: the daemon took back everything this connection held
             try:
                 self._sock.sendall(self._encoder.encode(Unpin(lease)))
             except OSError as exc:  # the daemon is gone, and with it what we held
-                self._hang_up(f"the output socket {self.path} failed: {exc}")
-
-
-def _release(mapper: weakref.ref[OutputMapper], lease: int) -> None:
-    m = mapper()
-    if m is not None:
-        m._unpin(lease)
+                self.closed, self._why = True, f"the output socket {self.path} failed: {exc}"
+                self._close_sock()
+        if self.closed and not self._live:  # hung up after a failed fetch: the last array is gone
+            self._close_sock()
