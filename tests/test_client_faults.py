@@ -4,9 +4,11 @@ ClientError tree (docs/api.md, "Python client"), with a message that fits what h
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,3 +100,25 @@ async def test_a_health_503_not_in_the_daemons_shape_is_still_a_daemon_error(
         with pytest.raises(DaemonError) as err:
             await c.health()
     assert err.value.status == 503 and "not an object" in str(err.value)
+
+
+async def test_generate_cut_off_by_a_dead_daemon_names_the_job_that_will_resume(daemon_factory: Any,
+                                                                               tmp_path: Path) -> None:
+    """review59-e 6: the error had no job id; the job ran again when the daemon restarted, and a caller who
+    submitted again ran it twice. It names the job now, to wait on or cancel."""
+    from daemonkit import get, http, sigkill, until
+
+    d = daemon_factory("--model", "synthetic:compute_ms=20000", "--state-dir", str(tmp_path / "state"))
+    async with AsyncClient(str(d.socket)) as c:
+        cut = asyncio.ensure_future(c.generate("a lighthouse", output="bytes"))
+        async with http(d.socket) as s:
+            async def running() -> str | None:
+                listed = (await get(s, "/v1/jobs?limit=5"))[1]["data"]
+                return next((j["id"] for j in listed if j["status"] == "running"), None)
+
+            job_id = await until(running, 60, "the job to run")
+        sigkill(d)
+        with pytest.raises(DaemonUnreachable) as info:
+            await asyncio.wait_for(cut, 60)
+    assert info.value.job_id == job_id
+    assert job_id in str(info.value) and "rather than submit it again" in str(info.value)

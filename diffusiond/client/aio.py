@@ -364,6 +364,9 @@ class AsyncClient:
         except ClientTimeout:
             await job._cancel_on_the_way_out()
             raise
+        except DaemonUnreachable as exc:
+            exc.job_id = job.id  # it resumes with the daemon: the caller may wait on it instead of resubmitting
+            raise
         return await job._fetch(output, final)
 
     async def array(self, job_id: str, k: int) -> NDArray[Any]:

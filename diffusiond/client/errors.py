@@ -80,6 +80,9 @@ class DaemonUnreachable(ClientError):
         self.socket_path = socket_path
         self.reason = reason
         self.not_a_socket = not_a_socket(socket_path)
+        # the job ``generate`` had submitted when the daemon went away: kept in its state dir, it runs again
+        # when the daemon restarts, so wait on it or cancel it rather than submit again (review59-e 6)
+        self.job_id: str | None = None
         super().__init__(socket_path, reason)
 
     def __str__(self) -> str:
@@ -89,6 +92,10 @@ class DaemonUnreachable(ClientError):
                 "Point the client at the daemon's socket with --socket PATH or $DIFFUSIOND_SOCKET "
                 "(`diffusiond socket` prints the default one)."
             )
+        if self.job_id is not None:
+            return (f"the daemon at {self.socket_path} went away while job {self.job_id} ran ({self.reason}). A daemon "
+                    "with a state dir runs the job again when it restarts: wait for it (client.wait, `diffusiond "
+                    "history`) or cancel it (`diffusiond cancel JOB_ID`), rather than submit it again")
         return (
             f"no diffusiond reachable at {self.socket_path} ({self.reason}).\n"
             f"Start one with `diffusiond serve --socket {self.socket_path}` or "

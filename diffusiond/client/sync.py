@@ -14,11 +14,11 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
-from diffusiond.client.aio import AsyncClient, EventCallback
+from diffusiond.client.aio import START_WAIT_S, AsyncClient, EventCallback
 from diffusiond.client.errors import ClientError
 from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle
 from diffusiond.client.params import JobParams, Output
@@ -158,8 +158,13 @@ class Client:
         return self._call(self._async.generate(prompt, output=output, on_event=on_event, **params))
 
     # the job API and the service ----------------------------------------------------------
-    def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call(self._async.create_job(body))
+    def create_job(self, body: dict[str, Any], *, wait_start_s: float = START_WAIT_S,
+                   on_wait: Callable[[], None] | None = None, wait_socket_s: float | None = None,
+                   on_socket_wait: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """``AsyncClient.create_job``, blocking, with its keywords (review59-e 7: a sync caller could not shorten
+        the wait for a starting daemon); ``on_wait`` and ``on_socket_wait`` run on the client's thread."""
+        return self._call(self._async.create_job(body, wait_start_s=wait_start_s, on_wait=on_wait,
+                                                 wait_socket_s=wait_socket_s, on_socket_wait=on_socket_wait))
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call(self._async.job(job_id))
