@@ -254,19 +254,24 @@ def test_a_daemon_that_cannot_make_its_output_socket_still_serves_over_http(tmp_
             assert a.shape == (128, 128, 3) and a.flags.writeable, "came over HTTP, into the client's memory"
 
 
+def _fetch_while_stopped(daemon: Daemon, m: OutputMapper, job: str) -> None:
+    """A fetch of ``job`` while the daemon is stopped (SIGSTOP): it times out, and the mapper hangs up."""
+    assert daemon.proc is not None
+    daemon.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(ZeroCopyUnavailable, match="did not answer in time"):
+            m.array(job, 0)
+    finally:
+        daemon.signal(signal.SIGCONT)
+
+
 def test_a_fetch_that_timed_out_never_hands_its_answer_to_the_next_call(daemon: Daemon) -> None:
     """review45-c 2: the engine stopped past the mapper's timeout answers the FETCH late; that answer (job a's
     output) must not be taken for the next call's (job b's). The mapper hangs up instead."""
     a, b, same_as_b = run_job(daemon, seed=11), run_job(daemon, seed=22), run_job(daemon, seed=22)
     expected_b = np.load(io.BytesIO(call(daemon, "GET", f"/v1/jobs/{same_as_b}/outputs/0")[1]))
-    assert daemon.proc is not None
     with OutputMapper(str(daemon.socket), timeout=1.0) as m:
-        daemon.signal(signal.SIGSTOP)
-        try:
-            with pytest.raises(ZeroCopyUnavailable, match="did not answer in time"):
-                m.array(a, 0)
-        finally:
-            daemon.signal(signal.SIGCONT)
+        _fetch_while_stopped(daemon, m, a)
         time.sleep(0.5)  # the late answer, were the connection still open, would be waiting in it by now
         with pytest.raises(ZeroCopyUnavailable, match=r"closed .*did not answer in time"):
             m.array(b, 0)
@@ -380,13 +385,7 @@ def test_a_failed_fetch_keeps_the_arrays_handed_out_before_it(daemon: Daemon) ->
     held, late = run_job(daemon, seed=33), run_job(daemon, seed=34)
     m = OutputMapper(str(daemon.socket), timeout=1.0)
     a = m.array(held, 0)
-    assert daemon.proc is not None
-    daemon.signal(signal.SIGSTOP)
-    try:
-        with pytest.raises(ZeroCopyUnavailable, match="did not answer in time"):
-            m.array(late, 0)
-    finally:
-        daemon.signal(signal.SIGCONT)
+    _fetch_while_stopped(daemon, m, late)
     _outlives(daemon, a, "a later fetch failed")
     del a
     wait_for(lambda: m._live == 0 and not m._sock_open, "the last array's UNPIN, then the connection's end")
