@@ -282,3 +282,25 @@ async def test_drain_below_0_returns_once_every_queued_frame_is_sent() -> None:
     assert len(await inbox.wait_for(posted)) == posted
     a.close()
     b.close()
+
+
+def test_received_fds_are_close_on_exec() -> None:
+    """An output's memfd received by a program must not pass to the programs it runs (review59-e)."""
+    import fcntl
+
+    from diffusiond.ipc.channel import recv_with_fds
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r, w = os.pipe()
+    try:
+        os.set_inheritable(r, True)
+        socket.send_fds(a, [b"x"], [r])
+        data, fds = recv_with_fds(b)
+        assert data == b"x" and len(fds) == 1
+        assert fcntl.fcntl(fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        os.close(fds[0])
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
