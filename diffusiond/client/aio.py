@@ -364,8 +364,8 @@ class AsyncClient:
         except ClientTimeout:
             await job._cancel_on_the_way_out()
             raise
-        except DaemonUnreachable as exc:
-            exc.job_id = job.id  # it resumes with the daemon: the caller may wait on it instead of resubmitting
+        except DaemonUnreachable as exc:  # it resumes with the daemon: to wait on, not to submit again
+            exc.job_id = job.id
             raise
         return await job._fetch(output, final)
 
@@ -419,24 +419,21 @@ class AsyncClient:
             self._give_up_zero_copy()
             return None
         except DaemonError as exc:
-            if exc.code == ErrorCode.NOT_SHARED and self.zero_copy:  # the documented error (review59-e 4)
-                raise ZeroCopyUnavailable(f"zero_copy=True, but {exc.message}") from exc
             if exc.code != ErrorCode.NOT_SHARED:
                 raise
+            if self.zero_copy:  # the documented error (review59-e 4)
+                raise ZeroCopyUnavailable(f"zero_copy=True, but {exc.message}") from exc
             return None
         return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)
 
     async def _trajectory_over_http(self, job_id: str, k: int) -> dict[str, NDArray[Any]]:
-        entries = await self._trajectory_entries(job_id, k)
+        entries = await self._side_entry(job_id, k, "trajectory")
         arrays = {}
         for name, entry in entries.items():
             async with self._request("GET", str(entry["url"])) as resp:
                 arrays[name] = await read_npy(resp.content)
                 arrays[name].flags.writeable = False  # as the mapped ones: a trajectory is a record
         return arrays
-
-    async def _trajectory_entries(self, job_id: str, k: int) -> dict[str, Any]:
-        return await self._side_entry(job_id, k, "trajectory")
 
     async def _side_entry(self, job_id: str, k: int, key: str) -> dict[str, Any]:
         """What the job's JSON says of output ``k``'s ``trajectory`` or ``audio``."""
@@ -449,7 +446,7 @@ class AsyncClient:
         raise DaemonError(404, ErrorCode.OUTPUT_NOT_FOUND.value, f"output {k} of job {job_id} has no {what}")
 
     async def _dtypes(self, job_id: str, k: int) -> dict[str, str]:
-        entries = await self._trajectory_entries(job_id, k)
+        entries = await self._side_entry(job_id, k, "trajectory")
         return {name: str(e.get("dtype")) for name, e in entries.items()}
 
     async def _zero_copy_mapper(self) -> Mapped | None:
@@ -464,8 +461,8 @@ class AsyncClient:
                     self._no_zero_copy = True
                     return None
                 try:
-                    self._mapper = Mapped(await asyncio.to_thread(  # the client's own timeout (review59-e 3)
-                        OutputMapper, self.socket_path, timeout=min(self.timeout or 30.0, 30.0)))
+                    wait = min(self.timeout or 30.0, 30.0)  # the client's own timeout (review59-e 3)
+                    self._mapper = Mapped(await asyncio.to_thread(OutputMapper, self.socket_path, timeout=wait))
                 except ZeroCopyUnavailable:
                     if self.zero_copy:
                         raise

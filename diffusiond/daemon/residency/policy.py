@@ -259,10 +259,8 @@ class Residency:
         programs by sending idle models away. Also remembered: ``plan`` spends no more than it leaves."""
         if device not in self.budgets:
             raise ResidencyError(f"device {device!r} has no budget (devices: {', '.join(self.budgets)})")
-        # what moves under way will change has been counted since it was booked, and may not show in the reading
-        # yet: a load's workers still starting, a leaving model's still stopping. As if neither had happened, so
-        # that ``loaded`` and ``unloaded`` are counted once (review59-b 2: a second load planned into the bytes
-        # of one booked before the reading)
+        # moves under way are counted since booked, and may not show in the reading yet (a load's workers starting,
+        # a leaving model's stopping): left out, so each is counted once (review59-b 2)
         self._headroom[device] = free_bytes - reserve_bytes - sum(
             m.frees(device) for m in self._models.values() if m.tier == "loading"
             or (m.leaving is not None and m.leaving.src == "device"))
