@@ -185,3 +185,35 @@ async def test_an_unload_whose_caller_leaves_is_carried_to_its_end(monkeypatch: 
     finally:
         stopping.set()
         await h.close()
+
+
+async def test_a_job_asked_for_while_the_start_recovers_is_the_one_that_runs(tmp_path: Path) -> None:
+    """review59-f: the socket answers before the start's recovery ends. A request for an unfinished job then read
+    it from disk, a copy nothing would ever change: a client following its events after a restart (`diffusiond
+    generate`) waited past the job's end. Such a request now waits for the recovery and gets the job in memory."""
+    first = Harness(store=SqliteStore(tmp_path), max_batch=1)
+    await first.engine.start()
+    job_id = (await first.engine.accept(REQ)).id
+    await first.close()  # a clean stop leaves the unfinished job in the state dir
+    second = Harness(store=SqliteStore(tmp_path), max_batch=1)
+    gate = asyncio.Event()
+    sweep = second.engine.store.sweep_outputs
+
+    async def slow_sweep() -> object:  # the store is open, its unfinished jobs read, not yet in memory
+        await gate.wait()
+        return await sweep()
+
+    second.engine.store.sweep_outputs = slow_sweep  # type: ignore[method-assign]
+    starting = asyncio.ensure_future(second.engine.start())
+    try:
+        await asyncio.sleep(0.05)
+        asked = asyncio.ensure_future(second.engine.history.find(job_id))
+        await asyncio.sleep(0.05)
+        assert not asked.done(), "an unfinished job was read from disk while the recovery had not taken it"
+        gate.set()
+        await starting
+        assert await asked is second.engine.jobs[job_id]
+    finally:
+        gate.set()
+        await asyncio.gather(starting, return_exceptions=True)
+        await second.close()

@@ -14,6 +14,7 @@ from typing import Protocol
 from diffusiond.daemon.core.jobs import Item, Job
 from diffusiond.daemon.core.scheduler import Scheduler
 from diffusiond.daemon.residency.keeper import Keeper
+from diffusiond.daemon.state.history import History
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.pool import Model, WorkerPool
 from diffusiond.protocol import ErrorCode, Event, JobStatus
@@ -27,6 +28,7 @@ class Engine(Protocol):
     pool: WorkerPool
     scheduler: Scheduler
     keeper: Keeper
+    history: History
     jobs: dict[str, Job]
     items: dict[str, Item]
     accepting: bool
@@ -85,6 +87,7 @@ async def recover(self: Engine) -> None:
         self.store.update(job)
     if jobs:
         log.info("resuming %d job(s) the last run did not finish", len(jobs))
+    self.history.recovered.set()  # a request for one of them waited for this (History.find)
 
 async def drain(self: Engine, grace: float, why: str | None = None, unloaded: Collection[str] = ()) -> None:
     """Stop admitting; give accepted jobs ``grace`` seconds to finish; then what is left either

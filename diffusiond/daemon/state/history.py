@@ -33,12 +33,20 @@ class History:
         self.outputs = outputs
         self._cancel = cancel
         self._expire = expire
+        # set once the start's recovery has taken the unfinished jobs into ``jobs`` (``resume.recover``)
+        self.recovered = asyncio.Event()
 
     async def find(self, job_id: str) -> Job:
         """A job in memory, else (a finished one) from the state dir."""
         job = self.jobs.get(job_id)
         if job is None and job_id not in self.outputs.files.deleting:
             job = await self.store.load(job_id)
+            if job is not None and not job.terminal:
+                # unfinished on disk: the start's recovery is taking it into memory (the socket answers before
+                # that ends). Its copy from disk would never change: a client following its events after a
+                # restart waited for an end that only the copy in memory reached (review59-f)
+                await self.recovered.wait()
+                job = self.jobs.get(job_id, job)
         if job is None or job.id in self.outputs.files.deleting:
             raise JobNotFound(f"no job {job_id!r} (unknown, deleted, or its retention ended)")
         return job
