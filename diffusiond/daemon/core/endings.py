@@ -23,7 +23,7 @@ from diffusiond.daemon.errors import EngineError
 from diffusiond.daemon.outputs.slots import Outputs
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
-from diffusiond.protocol import ErrorCode, JobStatus, Stage
+from diffusiond.protocol import ErrorCode, JobStatus
 
 
 def admitted(store: Store, job: Job, end: Callable[..., Any]) -> asyncio.Future[None]:
@@ -64,7 +64,7 @@ def stop_work(job: Job, outputs: Outputs, flights: Flights) -> None:
     """A job that did not succeed: give back what its outputs hold and cancel what workers still run of it."""
     cancels: dict[WorkerLink, list[str]] = collections.defaultdict(list)
     for item in job.items:
-        if item.worker is not None and item.stage < Stage.ENCODING:  # delivered from ENCODING on
+        if item.worker is not None and not item.delivered:
             cancels[item.worker].append(item.request_id)
     outputs.discard(job)
     for worker, ids in cancels.items():

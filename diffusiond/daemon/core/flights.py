@@ -274,7 +274,7 @@ class Flights:
         """An output of a batch landed: hand it to the outputs, or straight back when its job has
         ended or it came twice."""
         batch = self.batches.get(msg.batch_id)
-        if item is None or item.job.terminal or item.desc is not None or item.stage >= Stage.ENCODING:
+        if item is None or item.job.terminal or item.desc is not None or item.delivered:
             self.outputs.drop_late(worker, msg.tensor)
             if msg.trajectory is not None:
                 self.outputs.drop_late(worker, msg.trajectory.region)
@@ -310,9 +310,7 @@ class Flights:
         for batch in list(self.batches.values()):
             if batch.worker is not worker:
                 continue
-            # delivered from ENCODING on: an encoded output's slot goes back before its file is written, so
-            # ``desc is None`` does not tell a delivered output from one never sent (review59-c 1)
-            open_items = [i for i in batch.items if not i.job.terminal and i.stage < Stage.ENCODING]
+            open_items = [i for i in batch.items if not i.job.terminal and not i.delivered]
             if between or (orphan is not None and batch.id != orphan):  # run again from the start: none delivered
                 requeue += open_items
             else:

@@ -201,6 +201,12 @@ class Item:
         return f"{self.job.id}/{self.index}"
 
     @property
+    def delivered(self) -> bool:
+        """Its output has left the worker: from ENCODING on (an encoded output's slot goes back before its file
+        is written, so ``desc`` does not tell it; review59-c 1)."""
+        return self.stage >= Stage.ENCODING
+
+    @property
     def done(self) -> bool:
         """Its output can be served to clients."""
         return self.stage == Stage.DONE

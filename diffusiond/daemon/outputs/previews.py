@@ -20,7 +20,6 @@ from diffusiond.daemon.outputs.encoders import EncodeOptions, encode
 from diffusiond.daemon.workers.link import WorkerLink
 from diffusiond.ipc.messages import PreviewReady
 from diffusiond.ipc.tensors import as_numpy
-from diffusiond.protocol import Stage
 
 log = logging.getLogger(__name__)
 
@@ -96,4 +95,4 @@ class Previews:
 def _wanted(item: Item | None) -> bool:
     """A preview still means something: its output is still being made."""
     return (item is not None and item.job.request.preview is not None and not item.job.terminal
-            and item.stage < Stage.ENCODING)
+            and not item.delivered)
