@@ -151,6 +151,8 @@ async def test_different_upscales_are_not_batched_together(sock: Path) -> None:
     ({"hires": {"upscaler": "nope"}}, "hires.upscaler", "not served"),
     ({"hires": {"scale": 3}, "width": 2048, "height": 2048}, "hires.scale", "largest side"),
     ({"hires": {}, "model": "plain"}, "hires", "image-to-image"),
+    ({"upscale": {"name": "esr", "scale": 8}, "width": 2048, "height": 256, "output_format": "webp"}, "upscale.scale",
+     "webp holds at most 16383"),
 ])
 async def test_bad_upscale_and_hires_are_400s_naming_the_field(sock: Path, extra: dict[str, Any], field: str,
                                                                 words: str) -> None:

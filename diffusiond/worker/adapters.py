@@ -20,9 +20,15 @@ from diffusiond.pipelines.base import Pipeline, PipelineError
 from diffusiond.pipelines.errors import HalfApplied
 from diffusiond.pipelines.loras import Adapters, unsupported
 from diffusiond.pipelines.phases import Phases
+from diffusiond.worker.failures import first_line, is_oom
 from diffusiond.worker.weights import apply_update, apply_weights, read_tensors
 
 log = logging.getLogger("diffusiond.worker")
+
+
+class AdapterOutOfMemory(PipelineError):
+    """A batch's LoRA did not fit in what the device had left as it was loaded: the batch's jobs end
+    ``out_of_memory`` (the job's problem, as a forward's), with this message, not ``generation_failed``."""
 
 
 def _nbytes(t: WeightTensor) -> int:
@@ -49,7 +55,18 @@ class LiveAdapters:
         """The batch's LoRA adapters, and only those, act on its forward (none: the base model).
         The one place adapters change; here, between forwards, so no batch sees another's."""
         if self.adapters is not None:
-            self.adapters.activate(loras)
+            # what this batch loads, which is what can run out (all of them: the switch itself ran out)
+            new = [r.name for r in loras if r.name not in self.adapters.loaded] or [r.name for r in loras]
+            try:
+                self.adapters.activate(loras)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                what = f"LoRA{'s' if len(new) > 1 else ''} {', '.join(repr(n) for n in new)}"
+                raise AdapterOutOfMemory(
+                    f"out of memory loading {what} into model {self.pipeline.name} on {self.pipeline.device}: "
+                    f"{first_line(exc)}. What would help: fewer LoRAs kept loaded (--max-loras), fewer models or "
+                    "other programs on the device (--device-memory), or a LoRA of a lower rank") from exc
         elif loras:
             raise PipelineError(unsupported(self.pipeline))
 

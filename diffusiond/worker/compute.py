@@ -49,7 +49,7 @@ from diffusiond.pipelines.ip_adapter import IpAdapters
 from diffusiond.pipelines.loras import Adapters
 from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
-from diffusiond.worker.adapters import LiveAdapters
+from diffusiond.worker.adapters import AdapterOutOfMemory, LiveAdapters
 from diffusiond.worker.copier import Copier, CopyJob
 from diffusiond.worker.failures import first_line, is_fatal, is_oom, oom_message, oom_shape
 from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
@@ -314,8 +314,7 @@ class ComputeThread:
         except Exception as exc:
             if is_fatal(exc):
                 raise
-            log.exception("batch %d failed", batch.batch_id)
-            self._fail_all(batch.batch_id, live_ids, f"{type(exc).__name__}: {exc}")
+            self._failed(batch.batch_id, live_ids, exc)
             return
         finally:
             self.copier.submit_previews()  # ahead of the outputs' CopyJob
@@ -350,10 +349,10 @@ class ComputeThread:
         halves when it holds more than one request (seeds are per request, so a half gives what it
         would alone). What still runs out fails with ``out_of_memory``; the rest goes on. A half whose
         requests are all cancelled (the finisher asks about the requests it was handed) ends those
-        ``cancelled`` and the other half keeps its outputs. Returns the
-        requests that have outputs, and those outputs. The engine hears of the retry (``oom_retry``)
-        and sends idle models on this device away; the retry does not wait for that (the other
-        models' workers are other processes): it helps the halves and the jobs after."""
+        ``cancelled``, one that fails another way ends them with its error, and the other half keeps its
+        outputs either way. Returns the requests that have outputs, and those outputs. The engine hears of
+        the retry (``oom_retry``) and sends idle models on this device away; the retry does not wait for that
+        (the other models' workers are other processes): it helps the halves and the jobs after."""
         try:
             return live, forward(live, inputs)
         except Exception as exc:
@@ -377,8 +376,11 @@ class ComputeThread:
                 self._cancelled(batch.batch_id, [r.request_id for r in requests], exc)
                 continue
             except Exception as exc:
-                if not is_oom(exc):
+                if is_fatal(exc):
                     raise
+                if not is_oom(exc):  # this half's own failure: the other half's outputs stand
+                    self._failed(batch.batch_id, [r.request_id for r in requests], exc)
+                    continue
                 self._empty_cache()
                 message = oom_message(self.pipeline, batch, len(live), len(requests) if split else 0, exc)
                 log.warning("batch %d: %s", batch.batch_id, message)
@@ -473,6 +475,17 @@ class ComputeThread:
     def _fail_all(self, batch_id: int, request_ids: list[str], message: str) -> None:
         for rid in request_ids:
             self._end(batch_id, rid, "failed", message)
+
+    def _failed(self, batch_id: int, request_ids: list[str], exc: Exception) -> None:
+        """A failure of these requests' forward that leaves the device sound: each ends with it, in its own words;
+        a LoRA that did not fit in the device's memory ends them ``out_of_memory``, saying what would help."""
+        log.error("batch %d: %s failed", batch_id, ", ".join(request_ids), exc_info=exc)
+        oom = isinstance(exc, AdapterOutOfMemory)
+        if oom:
+            self._empty_cache()  # the half-loaded adapter's blocks: back before the next batch
+        for rid in request_ids:
+            self._end(batch_id, rid, "failed", str(exc) if oom else f"{type(exc).__name__}: {exc}",
+                      code=ErrorCode.OUT_OF_MEMORY if oom else "")
 
     def _cancelled(self, batch_id: int, request_ids: list[str], exc: Interrupted) -> None:
         for rid in request_ids:

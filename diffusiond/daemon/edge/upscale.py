@@ -16,6 +16,7 @@ import msgspec
 
 from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.daemon.errors import OutputTooLarge, invalid, shown
+from diffusiond.daemon.outputs.encoders import MAX_SIDE as FORMAT_MAX_SIDE
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec, hires_schedule
 from diffusiond.protocol import VIDEO_TASKS, Task
@@ -108,6 +109,15 @@ def _upscale(engine: Engine, body: UpscaleBody, size: tuple[int, int]) -> Upscal
     return UpscaleSpec(name=body.name, scale=scale, width=width, height=height)
 
 
+def _check_format_side(req: JobRequest, field: str) -> None:
+    """Refused here, not after the whole upscale has run and the encoder found the side too long for its format."""
+    side = max(req.output_size)
+    if side > (limit := FORMAT_MAX_SIDE.get(req.output_format, side)):
+        raise invalid(f"{req.output_format} holds at most {limit} pixels a side and the output would be "
+                      f"{req.output_size[0]}x{req.output_size[1]}: ask for png (or npy), or a smaller scale",
+                      field=field)
+
+
 def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
     """``req`` with its ``hires`` and ``upscale`` settled (unchanged when it has neither)."""
     hires_body = _body(fields.get("hires"), HiresBody, "hires")
@@ -122,6 +132,7 @@ def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) 
     req = dataclasses.replace(req, hires=hires)
     upscale = _upscale(engine, upscale_body, req.work_size) if upscale_body is not None else None
     req = dataclasses.replace(req, upscale=upscale)
+    _check_format_side(req, "upscale.scale" if upscale is not None else "hires.scale")
     width, height = req.output_size
     elem = itemsize(req.output_dtype)
     out_bytes = req.n * width * height * 3 * elem

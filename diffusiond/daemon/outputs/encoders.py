@@ -61,6 +61,9 @@ _H264_CANDIDATES: Final[tuple[str, ...]] = (
 # libjpeg's COM marker holds at most this many bytes; a longer comment is left out, not truncated.
 _JPEG_MAX_COMMENT: Final[int] = 65533
 
+# The largest side each format's header holds (an upscale may reach 16384); png's and mp4's are beyond any output.
+MAX_SIDE: Final[Mapping[str, int]] = MappingProxyType({"webp": 16383, "jpeg": 65535, "gif": 65535})
+
 # PNG tEXt keywords are 1-79 Latin-1 printable characters (PNG spec 11.3.4.3).
 _PNG_KEYWORD_MAX: Final[int] = 79
 
@@ -163,7 +166,7 @@ def encode(array: np.ndarray, fmt: str, options: EncodeOptions = DEFAULT_OPTIONS
     content_type(fmt)
     if fmt == "npy":
         return npy_header(array.dtype, array.shape) + npy_payload(np.ascontiguousarray(array))
-    _check_pixels(array)
+    _check_pixels(array, fmt)
     if array.ndim == 3 or (array.shape[0] == 1 and fmt in _STILL_ENCODERS):
         if fmt not in _STILL_ENCODERS:
             raise ValueError(
@@ -173,17 +176,18 @@ def encode(array: np.ndarray, fmt: str, options: EncodeOptions = DEFAULT_OPTIONS
         image = array if array.ndim == 3 else array[0]
         return _STILL_ENCODERS[fmt](to_uint8(image), options)
     if fmt not in _VIDEO_ENCODERS:
-        raise ValueError(
-            f"format {fmt!r} takes an image (H, W, 3), got a video of shape {array.shape}; "
-            f"videos go to: {_names(VIDEO_FORMATS)}"
-        )
+        raise ValueError(f"format {fmt!r} takes an image (H, W, 3), got a video of shape {array.shape}; "
+                         f"videos go to: {_names(VIDEO_FORMATS)}")
     return _VIDEO_ENCODERS[fmt](array, options)
 
 
-def _check_pixels(array: np.ndarray) -> None:
+def _check_pixels(array: np.ndarray, fmt: str) -> None:
     """Fail early, naming the shape or dtype, instead of letting Pillow or FFmpeg fail obscurely."""
     if array.ndim not in (3, 4) or array.shape[-1] != 3:
         raise ValueError(f"expected an image (H, W, 3) or a video (F, H, W, 3), got shape {array.shape}")
+    if max(array.shape[-3:-1]) > (limit := MAX_SIDE.get(fmt, 1 << 31)):  # libwebp says only "encoding error 5"
+        raise ValueError(f"{fmt} holds at most {limit} pixels a side and this output is {array.shape[-2]}x"
+                         f"{array.shape[-3]}: ask for png (or npy), or a smaller size or upscale")
     if array.size == 0:
         raise ValueError(f"cannot encode an empty array of shape {array.shape}")
     if array.dtype != np.uint8 and not np.issubdtype(array.dtype, np.floating):
