@@ -38,14 +38,7 @@ from diffusiond.daemon.core.scheduler import Scheduler
 from diffusiond.daemon.core.unrunnable import fail_queued
 from diffusiond.daemon.core.upscalers import UpscalerRegistry
 from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
-from diffusiond.daemon.errors import (
-    EngineError,
-    JobFinished,
-    ModelTooLarge,
-    NotAccepting,
-    NoWorker,
-    QueueFull,
-)
+from diffusiond.daemon.errors import EngineError, JobFinished, ModelTooLarge, NotAccepting, NoWorker, QueueFull
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.outputs.previews import Previews
 from diffusiond.daemon.outputs.slots import Outputs
@@ -181,8 +174,8 @@ class Engine(OutputAccess):
         await self.pool.stop()
         self.previews.close()
         self.outputs.close()
-        # off the loop: an output file may be half-way through its write
-        await asyncio.get_running_loop().run_in_executor(
+        await self.outputs.settled()  # before the pool it uses shuts
+        await asyncio.get_running_loop().run_in_executor(  # off the loop: a read of a file may still be under way
             None, functools.partial(self.executor.shutdown, wait=True, cancel_futures=True))
         await self.store.close()
 
@@ -355,6 +348,10 @@ class Engine(OutputAccess):
         job = self.get(job_id)
         if job.terminal:
             raise JobFinished(f"job {job_id} already finished ({job.status.value})")
+        if job.id in self._suspended:  # ``_end`` leaves it as it is: a 200 cancelled nothing, the next start ran it
+            raise NotAccepting(f"the daemon is shutting down and keeps job {job_id} in its state dir for its next "
+                               "start, where it runs again: cancel it once the daemon is back",
+                               code=ErrorCode.SHUTTING_DOWN)
         self._end(job, JobStatus.CANCELLED, ErrorCode.CANCELLED, "cancelled by the client")
         return job
 

@@ -107,9 +107,10 @@ async def sleep(engine: Engine, level: int) -> dict[str, Any]:
             await asyncio.sleep(MOVES_POLL_S)
         results += await asyncio.gather(*(one(m) for m in late), return_exceptions=True)
     failed = [(m.name, e) for m, e in zip([*models, *late], results, strict=True) if isinstance(e, BaseException)]
-    if failed:
-        raise PowerFailed(f"sleep could not move {failed[0][0]} off its device: {failed[0][1]}",
-                          code=ErrorCode.SLEEP_FAILED)
+    if failed:  # the level stays in force, so the answer says so: a 500 read as "still awake" left jobs waiting
+        raise PowerFailed(f"sleep could not move {failed[0][0]} off its device: {failed[0][1]}; the daemon is asleep "
+                          f"at level {level} all the same (nothing runs, jobs wait): sleep again to retry, or wake it "
+                          "(`diffusiond wake`, POST /v1/admin/wake)", code=ErrorCode.SLEEP_FAILED)
     answer = placed(engine)
     status = keeper.snapshot()
     answer["stayed"] = {m.name: _why_stayed(m, level, status.get(m.name)) for m in models

@@ -137,6 +137,12 @@ class Outputs:
         for item in list(self.trajectories.held):
             self.trajectories.free(item)
 
+    async def settled(self) -> None:
+        """Every encode and write under way has ended: waited, never cancelled (an encode reads a slot), because a
+        write goes on to its clean-up in the engine's pool, which a pool already shut refused, the error logged."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
     # reading ------------------------------------------------------------------------------------
     @asynccontextmanager
     async def open(self, item: Item) -> AsyncIterator[OutputRead]:

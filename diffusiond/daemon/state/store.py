@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from diffusiond.daemon.core.jobs import Job
-from diffusiond.daemon.errors import InsufficientStorage, StateWriteFailed
+from diffusiond.daemon.errors import InsufficientStorage, NotAccepting, StateWriteFailed
 from diffusiond.daemon.state import output_files
 from diffusiond.daemon.state.faults import StateFaults
 from diffusiond.daemon.state.rows import (
@@ -139,15 +139,14 @@ class Store:
         return 0
 
     async def close(self) -> None:
-        pass
+        """Write what is pending; reads after it are refused as the daemon's shutdown (503)."""
 
 
 class SqliteStore(Store):
     persistent = True
 
     def __init__(self, root: str | Path, *, reset: bool = False, faults: str = "", sync: str = "normal") -> None:
-        self.dir = Path(root)
-        self.root = self.dir
+        self.dir = self.root = Path(root)
         self.db_path = self.dir / "jobs.db"
         self.outputs_dir: Path = self.dir / "outputs"
         self.reset = reset
@@ -158,14 +157,16 @@ class SqliteStore(Store):
         self._con: sqlite3.Connection | None = None
         self._pending: set[asyncio.Future[Any]] = set()
         self._closed = False
-        # Endings whose write failed (a full disk), by job id: the store's thread alone touches it. Each is
-        # written again after the next write that succeeds and at close (review45-b 1): until then the row
-        # says queued or running, and a restart would run a job a client was told had ended.
+        self._shut = False  # the connection's close is queued: what the thread would run after it has no database
+        # Endings whose write failed (a full disk), by job id, touched by the store's thread alone: each is written anew
+        # after the next write that succeeds and at close, or a restart runs a job its client saw end (review45-b 1).
         self._unwritten: dict[str, dict[str, Any]] = {}
         self._unreadable: set[str] = set()  # rows already warned of: a page read every second warns once
 
     # the one thread ---------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._shut:  # the HTTP server answers until the engine has stopped: a read then is a 503, not a 500
+            raise NotAccepting("the daemon is shutting down; ask again once it is back", code=ErrorCode.SHUTTING_DOWN)
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _db(self) -> sqlite3.Connection:
@@ -476,19 +477,18 @@ class SqliteStore(Store):
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._con is not None:
             await self._run(self._last_try)
-            con, self._con = self._con, None
-            await self._run(con.close)
+        self._shut = True  # reads queued before this still run, first: the thread takes them in order
+        if self._con is not None:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._con.close)
         self._thread.shutdown(wait=True)
         self._lock.release()
 
     def _last_try(self) -> None:
         """The endings not yet written, once more; those still not on disk are named: the next start
         runs them again, though their clients were told they had ended (review45-b 1)."""
-        if not self._unwritten:
-            return
-        self._write_unwritten()
-        ids = list(self._unwritten)
-        if not ids:
+        if self._unwritten:
+            self._write_unwritten()
+        if not (ids := list(self._unwritten)):
             return
         with contextlib.suppress(sqlite3.Error):  # only those whose record is still live will run again
             marks = ", ".join("?" * len(ids))

@@ -333,9 +333,10 @@ class WorkerPool:
     async def release_host(self, model: Model) -> None:
         """Its awake workers free the host copies of its weights they keep (issue 27); each answers what it keeps."""
         targets = [w for w in model.workers if w.state == WorkerState.READY]
-        acks = await asyncio.gather(*(w.command(Release([], host_copy=True), self.config.worker_start_timeout_s)
-                                      for w in targets), return_exceptions=True)
-        bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
+        timeout = self.config.worker_start_timeout_s
+        acks = await asyncio.gather(*(w.command(Release([], host_copy=True), timeout) for w in targets),
+                                    return_exceptions=True)
+        bad = failures(targets, acks, timeout)
         if bad:
             raise WorkerUnavailable(f"{len(bad)} worker(s) of {model.name} did not free their host copy: {bad[0]}")
 
@@ -362,7 +363,7 @@ class WorkerPool:
                        models: list[Model] | None = None) -> None:
         targets = [w for m in (models or list(self.models.values())) for w in m.workers if w.state == state]
         acks = await asyncio.gather(*(w.command(msg, timeout) for w in targets), return_exceptions=True)
-        bad = [a for a in acks if isinstance(a, BaseException) or not a.ok]
+        bad = failures(targets, acks, timeout)
         if bad:
             verb = "sleep" if isinstance(msg, Sleep) else "wake"
             raise PowerFailed(f"{verb} failed on {len(bad)} worker(s): {bad[0]}", code=code)
@@ -385,3 +386,15 @@ class WorkerPool:
                 raise WorkerUnavailable(f"{w.name} did not send its trace: {ack}")
             out.append((w, ack))
         return out
+
+
+def failures(workers: list[WorkerLink], answers: list[Ack | BaseException], timeout: float) -> list[str]:
+    """Each worker whose command failed, with its own reason: an answer's message, not the whole ACK's repr, and a
+    timeout named as one (its text is empty), for the error a client reads."""
+    out = []
+    for w, a in zip(workers, answers, strict=True):
+        if isinstance(a, TimeoutError):
+            out.append(f"{w.name} did not answer within {timeout:g}s")
+        elif isinstance(a, BaseException) or not a.ok:
+            out.append(f"{w.name}: {a if isinstance(a, BaseException) else a.message or 'failed, saying nothing'}")
+    return out
