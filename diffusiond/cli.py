@@ -36,6 +36,7 @@ from diffusiond.commands.admin import cancel, history, models, sleep, status, wa
 from diffusiond.commands.argtypes import (
     HISTORY_MAX_LIMIT,
     control_arg,
+    dash_values,
     finite_float,
     int_between,
     ip_adapter_arg,
@@ -355,7 +356,7 @@ def _quiet_stdout() -> None:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
-        args, extras = parser.parse_known_args(argv)
+        args, extras = parser.parse_known_args(dash_values(parser, sys.argv[1:] if argv is None else argv))
         if extras:
             unknown_arguments(parser, args.command, extras)
     except SystemExit as exc:  # argparse's own usage errors (2), --help and --version (0)

@@ -31,7 +31,7 @@ the job; ``generate`` asked for images, so it raises JobFailed. Writing an outpu
 still raise ``OSError``; that is the caller's file, not the daemon.
 
 Nothing here imports the daemon, the workers or torch (tests/test_layout.py holds it); only
-``zerocopy.py`` reaches into ``ipc`` for its frames and descriptors.
+``zerocopy.py`` and ``weights.py`` reach into ``ipc``, for its frames and descriptors.
 """
 
 from __future__ import annotations

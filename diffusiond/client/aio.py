@@ -24,7 +24,7 @@ import aiohttp
 
 from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback
-from diffusiond.client.outputs import Mapped, read_npy, torch_views
+from diffusiond.client.outputs import Mapped, open_mapper, read_npy, torch_views
 from diffusiond.client.params import JobParams, Output, check_finite, job_body, params_for, pil_needs_a_format
 from diffusiond.client.transport import (
     SOCKET_WAIT_S,
@@ -66,16 +66,21 @@ START_WAIT_S = 900.0
 default bound on a model load)."""
 
 
-
-
 class AsyncClient:
     """One connection pool to one daemon. Use ``async with AsyncClient() as c:`` or ``close()``.
 
     ``timeout`` bounds every request, an event stream included, so leave it ``None`` when
     following jobs that may run long (``wait`` takes its own bound); connecting is bounded
-    either way. ``zero_copy`` picks how arrays come over: ``None`` maps the daemon's shared
-    memory when it is on this machine and falls back to the HTTP ``npy`` stream for good the
-    first time it cannot, ``False`` always streams, ``True`` raises rather than stream.
+    either way (30 s at most). With ``None`` nothing else is: a daemon that took the connection
+    and then stopped answering (SIGSTOP, a wedged process) holds the call until it answers, as
+    silence is no sign of that (a ``sleep`` that drains, a ``load``, an update answer only once
+    done). Bound what must end: ``timeout``, ``wait(timeout=)``, ``generate(timeout_s=)`` (which
+    cancels the job too) or ``asyncio.timeout``.
+
+    ``zero_copy`` picks how arrays come over: ``None`` maps the daemon's shared memory when it is
+    on this machine and falls back to the HTTP ``npy`` stream for good the first time it cannot,
+    ``False`` always streams, ``True`` raises rather than stream (and connects afresh on the next
+    call after one whose connection failed).
     """
 
     def __init__(
@@ -104,12 +109,10 @@ class AsyncClient:
         """Close the pool, after giving the cancels of dropped or interrupted jobs their few seconds."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=CANCEL_GRACE_S)
-        mapper, self._mapper = self._mapper, None
-        if mapper is not None:
-            mapper.close()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
+        await self._drop_mapper(self._mapper)  # last: it may wait for a fetch under way (up to its timeout)
 
     def _open(self) -> aiohttp.ClientSession:
         # Created lazily, inside the running loop: aiohttp binds a session to the loop it starts on.
@@ -415,8 +418,11 @@ class AsyncClient:
             got = await asyncio.to_thread(read, mapper.mapper)
         except ZeroCopyUnavailable:
             if self.zero_copy:
+                if mapper.mapper.closed:  # hung up (a timeout, a bad frame): the next call connects afresh
+                    await self._drop_mapper(mapper)
                 raise
-            self._give_up_zero_copy()
+            self._no_zero_copy = True
+            await self._drop_mapper(mapper)
             return None
         except DaemonError as exc:
             if exc.code != ErrorCode.NOT_SHARED:
@@ -453,27 +459,17 @@ class AsyncClient:
         """The output mapper, opened once; None once zero-copy is off or known not to work here."""
         async with self._mapper_lock:
             if self._mapper is None and not self._no_zero_copy:
-                try:
-                    from diffusiond.client.zerocopy import OutputMapper, ZeroCopyUnavailable
-                except ImportError as exc:  # an install without the module: HTTP is the only path
-                    if self.zero_copy:
-                        raise ClientError(f"zero-copy outputs are not available here: {exc}") from exc
-                    self._no_zero_copy = True
-                    return None
-                try:
-                    wait = min(self.timeout or 30.0, 30.0)  # the client's own timeout (review59-e 3)
-                    self._mapper = Mapped(await asyncio.to_thread(OutputMapper, self.socket_path, timeout=wait))
-                except ZeroCopyUnavailable:
-                    if self.zero_copy:
-                        raise
-                    self._no_zero_copy = True
+                self._mapper = await open_mapper(self.socket_path, self.timeout, self.zero_copy)
+                self._no_zero_copy = self._mapper is None
             return self._mapper
 
-    def _give_up_zero_copy(self) -> None:
-        self._no_zero_copy = True
-        mapper, self._mapper = self._mapper, None
+    async def _drop_mapper(self, mapper: Mapped | None) -> None:
+        """Close ``mapper`` off the loop's thread: closing waits for a fetch under way in another thread, up to
+        the mapper's timeout, and every other task of the program would stand still meanwhile."""
         if mapper is not None:
-            mapper.close()
+            if self._mapper is mapper:
+                self._mapper = None
+            await asyncio.to_thread(mapper.close)
 
     def cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]:
         """Start a bounded, quiet cancel that outlives the caller's own cancellation."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from diffusiond.client.errors import DaemonError
+from diffusiond.client.errors import ClientError, DaemonError
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -132,6 +132,24 @@ class Mapped:
             now = self._live == 0
         if now:
             self.mapper.close()
+
+
+async def open_mapper(socket_path: str, timeout: float | None, required: bool | None) -> Mapped | None:
+    """``AsyncClient``'s zero-copy mapper, connected in a worker thread; None where that path does not work here
+    (no output socket: a daemon over TCP, on another machine, of another user), or ``required`` raises."""
+    try:
+        from diffusiond.client.zerocopy import OutputMapper, ZeroCopyUnavailable
+    except ImportError as exc:  # an install without the module: HTTP is the only path
+        if required:
+            raise ClientError(f"zero-copy outputs are not available here: {exc}") from exc
+        return None
+    try:
+        wait = min(timeout or 30.0, 30.0)  # the client's own timeout (review59-e 3)
+        return Mapped(await asyncio.to_thread(OutputMapper, socket_path, timeout=wait))
+    except ZeroCopyUnavailable:
+        if required:
+            raise
+        return None
 
 
 def torch_views(arrays: dict[str, NDArray[Any]], dtypes: dict[str, str]) -> dict[str, Any]:

@@ -40,7 +40,8 @@ def _keep(task: asyncio.Future[Any]) -> None:
 
 class Client:
     """One daemon, one connection pool, one background thread. Use ``with Client() as c:`` or
-    call ``close()``; the parameters are ``AsyncClient``'s. Safe to share between threads."""
+    call ``close()``; the parameters are ``AsyncClient``'s (whose docstring says what ``timeout=None`` leaves
+    unbounded: a daemon that stopped answering holds a call until it answers). Safe to share between threads."""
 
     def __init__(
         self, socket_path: str | None = None, timeout: float | None = None, *, zero_copy: bool | None = None

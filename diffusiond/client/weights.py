@@ -34,6 +34,7 @@ import numpy as np
 from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable, update_error
 from diffusiond.client.transport import SOCKET_WAIT_S
 from diffusiond.ipc.channel import recv_with_fds
+from diffusiond.ipc.errors import ProtocolError
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
 from diffusiond.ipc.updates import MAX_PARTS, SEALS
@@ -198,6 +199,9 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fds: list[int], wha
             # The daemon's own socket, not the output one (review44-f 3): the message says to start a
             # daemon on this path, and one started on <socket>.out would listen in the wrong place.
             raise DaemonUnreachable(socket_path, f"its output socket {path}: {exc.strerror or exc}") from None
+        except ProtocolError as exc:  # an IPCError: outside the client's tree, which callers catch
+            raise DaemonError(502, "bad_answer", f"the answer to {what} from {path} does not decode ({exc}); "
+                              "is a diffusiond of this version listening there?") from None
         finally:
             if sock is not None:
                 sock.close()

@@ -20,11 +20,13 @@ machine, or of another user): use the HTTP npy stream, as ``diffusiond.Client`` 
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import os
 import socket
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
@@ -80,7 +82,7 @@ class OutputMapper:
         """Hang up: the daemon takes back every output this mapper still holds. Arrays already
         handed out stay readable (the mapping is ours), but the memory may be reused under them,
         so drop them first."""
-        with self._lock:
+        with self._locked():
             self.closed = True
             self._close_sock()
 
@@ -109,7 +111,7 @@ class OutputMapper:
             raise ZeroCopyUnavailable(f"the lease from {self.path} does not describe its region: {exc}") from None
 
     def _lease(self, fetch: Fetch) -> tuple[Lease, int]:
-        with self._lock:
+        with self._locked():
             if os.getpid() != self._pid:
                 raise ZeroCopyUnavailable("an OutputMapper does not cross a fork (its arrays are its parent's): make "
                                           "a new one in this process")
@@ -168,7 +170,7 @@ class OutputMapper:
             raise
 
     def _map(self, lease: Lease, fd: int) -> np.ndarray:
-        with self._lock:
+        with self._locked():
             self._live += 1  # until its UNPIN is sent (``_send_unpins``), whichever way it goes
         desc = lease.tensor
         start = desc.offset - desc.offset % _PAGE
@@ -200,6 +202,21 @@ class OutputMapper:
         if os.getpid() != self._pid:
             return
         self._unpins.append(lease)
+        self._drain()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock, and on its release the UNPINs queued while it was held: an ``_unpin`` that found it taken
+        left its lease to the holder, which may have sent the queue already; unsent, the daemon kept the slot
+        pinned until this mapper's next fetch, for as long as the program was idle (or forever, after a fetch
+        that failed)."""
+        try:
+            with self._lock:
+                yield
+        finally:
+            self._drain()
+
+    def _drain(self) -> None:
         while self._unpins and self._lock.acquire(blocking=False):
             try:
                 self._send_unpins()

@@ -11,16 +11,45 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["HISTORY_MAX_LIMIT", "MODE_CHARS", "control_arg", "finite_float", "int_between", "ip_adapter_arg",
-           "job_id_arg", "lora_arg", "parse_size", "positive_float", "positive_int"]
+__all__ = ["HISTORY_MAX_LIMIT", "MODE_CHARS", "control_arg", "dash_values", "finite_float", "int_between",
+           "ip_adapter_arg", "job_id_arg", "lora_arg", "parse_size", "positive_float", "positive_int"]
 
 
 HISTORY_MAX_LIMIT = 1000
 """The most jobs a history page holds: the daemon's bound (daemon/edge/jobs.py, which the client side must not
 import; a test holds the two equal), for ``history --limit``'s help and check."""
+
+
+def dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--flag -value`` written ``--flag=-value`` where ``-value`` is no flag of the command.
+
+    argparse takes a word that begins with '-' (and is no negative number) for a flag, so ``--size -128x128``
+    was "argument --size: expected one argument", naming neither the value nor what a size must be; given to
+    the flag, the value meets the flag's own check (``parse_size``: "expected WxH with positive integers"),
+    and a text flag gets what was typed (``--negative -blurry``). A word that may be a flag is left alone:
+    ``--anything``, and ``-n``, ``-n4`` and the like where the command has ``-n``; past ``--`` nothing is."""
+    commands = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    at = next((i for i, word in enumerate(argv) if commands and word in commands.choices), None)
+    if commands is None or at is None:
+        return list(argv)
+    flags = {f: a for a in commands.choices[argv[at]]._actions for f in a.option_strings}
+    out = list(argv[: at + 1])
+    words = iter(argv[at + 1 :])
+    for word in words:
+        action = flags.get(word)
+        value = next(words, None) if action is not None and action.nargs is None else None
+        if value is None:
+            out.append(word)
+            if word == "--":
+                out.extend(words)
+        elif value.startswith("-") and not value.startswith("--") and len(value) > 1 and value[:2] not in flags:
+            out.append(f"{word}={value}")
+        else:
+            out += [word, value]
+    return out
 
 
 def parse_size(text: str) -> tuple[int, int]:
