@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from diffusiond.daemon.residency.decisions import Move, Release
+from diffusiond.daemon.residency.decisions import WAITING_FOR_MEMORY, Evict, Fits, Move, Release, Tier, Wait
 from diffusiond.daemon.residency.entry import ModelEntry as _Model
 from diffusiond.daemon.residency.units import format_bytes
 
@@ -91,16 +91,34 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
     return tuple(moves)
 
 
-def room_for(models: Iterable[_Model], m: _Model, budget: int) -> tuple[Move, ...]:
-    """Room for what ``m`` (loading from disk) keeps in host memory while on its device: the copies models on
-    their devices keep there freed first (``keepers``), then the least recently used idle models of the host tier
-    to disk, until it fits the budget; none where it fits already (counting what is being freed: ``freeing``), or
-    where all that would not do (the load goes ahead then: a host budget never refuses a model)."""
+def fits(models: Iterable[_Model], m: _Model, load_from: Tier | None, budget: int, reason: str) -> Fits | Evict | Wait:
+    """``m`` fits its devices: Fits once host memory has room for what it keeps there while on them (offloaded),
+    made before its load from disk and after a first load that told its share (the files' headers give only the
+    device's; s54 2). A load from disk waits for the room being freed, as a copy into host memory does
+    (``leaving.carry_booked``): begun at once, it read its weights while the dropped model's worker still held its
+    own. A model on its device holds its share already, and waits for nothing."""
+    drops = room_for(models, m, budget) if load_from in ("disk", None) else ()
+    why = f"{m.name} keeps {format_bytes(m.host_bytes)} in host memory while on {m.device} (offloaded)"
+    if drops:
+        return Evict(m.name, drops, f"{why}: making room there first")
+    if drops is None and load_from == "disk":
+        return Wait(m.name, WAITING_FOR_MEMORY, f"{why}: waiting for the models leaving host memory for it")
+    return Fits(m.name, load_from, reason)
+
+
+def room_for(models: Iterable[_Model], m: _Model, budget: int) -> tuple[Move, ...] | None:
+    """Room for what ``m`` keeps in host memory while on its device (from disk, or there already): the copies models
+    on their devices keep there freed first (``keepers``), then the least recently used idle models of the host tier
+    to disk, until it fits the budget; none where it fits already, or where all that would not do (the load goes
+    ahead then: a host budget never refuses a model); None where it fits once what is being freed is (``freeing``)."""
     everyone = list(models)
-    free = budget - used(everyone) + freeing(everyone)
-    need = m.host_bytes * len(m.devices)
+    need = m.host_bytes * len(m.devices)  # its share: a copy it keeps beside counts as held, not as a need
+    free = budget - used(everyone) + (m.host_bytes * m.workers if m.tier in ("device", "loading") else 0)
     if not need or free >= need:
         return ()
+    if free + freeing(everyone) >= need:
+        return None
+    free += freeing(everyone)
     moves: list[Move] = []
     why = f"{m.name}, offloaded, keeps {format_bytes(m.host_bytes)} there while it runs"
     for d in keepers(everyone, but=[m]):

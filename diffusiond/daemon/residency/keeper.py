@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import diffusiond.daemon.residency.batches as batches
 import diffusiond.daemon.residency.byhand as byhand
 import diffusiond.daemon.residency.leaving as leaving
 import diffusiond.daemon.residency.ondemand as ondemand
@@ -333,9 +334,8 @@ class Keeper:
             return False
         plan = self.policy.plan(name, shape)
         if isinstance(plan, Fits):
-            if plan.load_from is None:
-                self._held.pop(name, None)
-                return True
+            if plan.load_from is None:  # its first output fits; the batch the queue forms is planned too
+                return batches.room(self, model, shape)
             self._begin_load(model, plan.load_from, plan.reason)
         elif isinstance(plan, Evict):
             self._spawn_moves(plan.moves)
@@ -432,10 +432,10 @@ class Keeper:
                 await self.pool.revive(model)
         except Exception as exc:
             log.log(logging.INFO if isinstance(exc, Asleep) else logging.ERROR, "loading %s failed: %s", name, exc)
-            if src == "host" and model.workers:
-                # a worker whose WAKE failed (out of memory as it copied back) sleeps on, holding its host copy,
-                # and another may have woken: stopped, so the model is on disk as the books now say, and the next
-                # job's load starts its workers anew (review59-b 4: it found the device taken, and waited forever)
+            if model.workers:  # stopped, so the model is on disk as the books now say and the next job's load
+                # starts every worker anew: one whose WAKE failed sleeps on with its host copy (review59-b 4: it
+                # found the device taken, and waited forever), and one that came up beside a start that died holds
+                # its device's memory uncounted (s54 3)
                 await self.pool.retire(model)
             self.policy.load_failed(name, str(exc))
             for e in self.turns.release_for(name, f"{name} failed to load"):

@@ -138,6 +138,8 @@ async def carry(k: Keeper, model: Model, move: Move) -> None:
     except Exception as exc:
         log.error("moving %s to %s failed: %s", name, move.dst, exc)
         k.policy.unload_failed(move, str(exc))
+        if move.dst == "host" and any(w.state == WorkerState.SLEEPING for w in model.workers):
+            await _to_disk(k, model, move, str(exc))
         ended = k.turns.release(name, f"its move off {move.src} failed", time.monotonic())
         if ended is not None:
             k._log_end(ended)
@@ -151,6 +153,25 @@ async def carry(k: Keeper, model: Model, move: Move) -> None:
         k.moving.discard(name)
         k._pending_unloads()
         k.on_change()
+
+
+async def _to_disk(k: Keeper, model: Model, move: Move, reason: str) -> None:
+    """A move into host memory that some of the model's workers made and another did not (it died, or refused):
+    the books said "on its devices", a worker left asleep was never woken (batches go to awake ones) and its host
+    copy went uncounted. All of them stop, so the model is on disk as the books then say, and its next job loads
+    it anew on every device (s54 3)."""
+    drop = Move(model.name, "device", "disk", f"{move.reason}; its move to host memory failed on a worker ({reason}), "
+                                              "so it went to disk")
+    kept = k.policy.kept(model.name)
+    try:
+        k.policy.unloading(drop)
+    except ResidencyError as exc:  # the books moved on (it runs): said, and left as they are
+        log.error("residency: %s", exc)
+        return
+    await k.pool.retire(model)
+    k.policy.unloaded(drop)
+    k.metrics.kept_released("disk", kept)
+    k.metrics.model_evictions_total.labels(model.name, reason_label(move.reason)).inc()
 
 
 def _book_release(k: Keeper, move: Release) -> bool:

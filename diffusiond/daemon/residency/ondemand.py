@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.residency.budget import NO_BUDGET
-from diffusiond.daemon.residency.decisions import Evict, Fits, Move, TooLarge
+from diffusiond.daemon.residency.decisions import Evict, Fits, Move, Release, TooLarge
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.preload import Preloading, choose
 from diffusiond.daemon.residency.working import Shape
@@ -122,6 +122,12 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
         if not model.known or model.capabilities.weight_bytes:
             k._register(model)  # its remembered size, or its files' headers' (a hub id: neither, it learns)
         first = k.policy.plan(model.name, None) if k.policy.has(model.name) else None
+        if isinstance(first, Evict) and all(m.src == "host" or isinstance(m, Release) for m in first.moves):
+            # room in host memory for what it keeps there (offloaded), made as any load from disk makes it: the
+            # preload sends no model off its device, but one parked in host memory (by a keep-alive that ended, an
+            # unload) goes to disk for it, rather than the model stay on disk (s54 5)
+            await k._carry(first.moves)
+            first = k.policy.plan(model.name, None)
         # one never seen that fits alone still loads once, to learn its defaults (its requests need them)
         if first is not None and not isinstance(first, Fits) and (model.known or isinstance(first, TooLarge)):
             model.retired = True
@@ -226,6 +232,8 @@ async def _learn(k: Keeper, model: Model) -> str | None:
         await k.pool.revive(model)  # its READY registers it in the policy, on disk (``worker_ready``)
     except Exception as exc:
         log.error("loading %s failed: %s", name, exc)
+        if model.workers:  # one came up beside a start that died: on disk, as the books say, is without workers
+            await k.pool.retire(model)
         if placed:
             k.policy.load_failed(name, str(exc))
         k.moving.discard(name)

@@ -230,13 +230,8 @@ class Residency:
             short += f" (other programs leave {format_bytes(max(self._headroom[dev], 0))} beyond the reserve)"
         return Wait(name, WAITING_FOR_MEMORY, short + ": waiting for memory", short=lacking)
 
-    def _fits(self, m: ModelEntry, load_from: Tier | None, reason: str) -> Fits | Evict:
-        """Fits, once host memory has room for what an offloaded model loading from disk keeps there."""
-        drops = host_memory.room_for(self._models.values(), m, self.host_budget) if load_from == "disk" else ()
-        if drops:
-            return Evict(m.name, drops, f"{m.name} keeps {format_bytes(m.host_bytes)} in host memory while on "
-                                        f"{m.device} (offloaded): making room there first")
-        return Fits(m.name, load_from, reason)
+    def _fits(self, m: ModelEntry, load_from: Tier | None, reason: str) -> Fits | Evict | Wait:
+        return host_memory.fits(self._models.values(), m, load_from, self.host_budget, reason)
 
     def _least_run(self, m: ModelEntry) -> int:
         """A lower bound of the working memory of any run of ``m``: its smallest measured peak (or 0)."""
