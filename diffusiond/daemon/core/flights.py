@@ -222,7 +222,7 @@ class Flights:
         batch = self.batches.get(msg.batch_id)
         items = batch.items if batch else []
         if msg.oom_retry and batch is not None:  # the worker runs it again: idle models on its device leave
-            self.keeper.on_oom(batch.worker.config.model_name, _shape(batch.items))
+            self.keeper.on_oom(batch.worker.config.model_name, _shape(batch.items), batch.worker.config.device)
         # COMPILING is entered from COMPUTING when the worker says the shape is new, and left
         # at the first step: a stage change is a STATUS event, so clients see it as it happens.
         stage, old = (Stage.COMPILING, Stage.COMPUTING) if msg.compiling else (Stage.COMPUTING, Stage.COMPILING)

@@ -243,13 +243,13 @@ class Keeper:
             self.policy.worker_died(name, worker.config.device, reason, kept=worker.host_kept)
             self.metrics.kept_released("worker_died", kept - self.policy.kept(name))
 
-    def on_oom(self, name: str, shape: Shape) -> None:
-        """A worker ran out of memory running ``shape`` and retries (worker/compute.py): the idle models
-        on its device leave (``policy.on_oom``), so the retry's halves and the jobs after find room.
-        The worker does not wait for them: a job's retry costs no round trip to the engine."""
+    def on_oom(self, name: str, shape: Shape, device: str) -> None:
+        """A worker on ``device`` ran out of memory running ``shape`` and retries (worker/compute.py): the idle
+        models there leave (``policy.on_oom``; not those on its model's other devices), so the retry's halves and
+        the jobs after find room. The worker does not wait for them: a retry costs no round trip to the engine."""
         if not self.known(name):
             return
-        decision = self.policy.on_oom(name, shape, 0)
+        decision = self.policy.on_oom(name, shape, 0, device=device)
         log.warning("%s: %s", name, decision.reason)
         if isinstance(decision, OomRetry):
             self._spawn_moves(decision.moves)

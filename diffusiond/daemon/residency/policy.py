@@ -275,12 +275,13 @@ class Residency:
                                                  "model gone; new jobs wait for memory")
         return Pressure(device, moves, False, f"{state}: {len(picked)} idle model(s) leave")
 
-    def on_oom(self, name: str, shape: Shape, attempt: int) -> OomDecision:
-        """A run of ``shape`` ran out of device memory; ``attempt`` 0 for its first run, 1 for the retry,
-        2 for a half of a split batch. Only the job pays: the worker and the other models go on."""
+    def on_oom(self, name: str, shape: Shape, attempt: int, device: str | None = None) -> OomDecision:
+        """A run of ``shape`` ran out of device memory on ``device`` (None: any of the model's); ``attempt`` 0 for
+        its first run, 1 for the retry, 2 for a half of a split batch. Only the job pays: the worker and the other
+        models go on, those idle on the model's other devices too (review s54-pool 2)."""
         m = self._get(name)
         if attempt == 0:
-            idle = self._idle_on(m.places, but=name)
+            idle = self._idle_on((device,) if device in m.places else m.places, but=name)
             return OomRetry(name, self._moves_off_device(idle, f"{name} ran out of memory at {shape}"),
                             f"out of memory at {shape}: {len(idle)} idle model(s) leave, then it runs again")
         if attempt == 1 and shape.batch > 1:

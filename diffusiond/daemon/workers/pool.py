@@ -236,10 +236,11 @@ class WorkerPool:
         try:
             ready = await handle.start(self.config.worker_start_timeout_s)
         except BaseException:
-            # put things back as they were: the caller decides whether to try again
-            if replacing is not None:
+            # put things back as they were: the caller decides whether to try again; a retire meanwhile (which
+            # stopped it) already took it out, and a ValueError here would hide why the start failed
+            if handle in model.workers and replacing is not None:
                 model.workers[model.workers.index(handle)] = replacing
-            else:
+            elif handle in model.workers:
                 model.workers.remove(handle)
             raise
         model.capabilities = ready.capabilities
@@ -349,15 +350,32 @@ class WorkerPool:
 
     async def revive(self, model: Model) -> None:
         """Start a worker on each of its devices that has none: one that lives, or one lost that the pool is
-        replacing (it keeps its place in ``workers`` until then), is not doubled (review44-c 1)."""
+        replacing (it keeps its place in ``workers`` until then), is not doubled (review44-c 1). All or none: it
+        ends once every start it began has, and if one failed, the workers that came up are stopped and the error
+        of several starts names the failed one's device (a worker's FATAL does not). Ending at the first failure
+        left the other starts running behind the caller's clean-up, which stopped them mid-start (review s54-pool 1)."""
         missing = list(model.config.devices)
         for w in model.workers:
             if w.config.device in missing:
                 missing.remove(w.config.device)
+        before = list(model.workers)
         try:
-            await asyncio.gather(*(self._start_worker(model, d) for d in missing))
+            results = await asyncio.gather(*(self._start_worker(model, d) for d in missing), return_exceptions=True)
+            failed = [(d, r) for d, r in zip(missing, results, strict=True) if isinstance(r, BaseException)]
+            if not failed:
+                return
+            came_up = [w for w in model.workers if w not in before]
+            model.workers = [w for w in model.workers if w not in came_up]
+            self._depart(came_up)
+            await asyncio.gather(*(w.stop(WORKER_STOP_S) for w in came_up), return_exceptions=True)
         finally:
             model.retired = not model.workers
+        device, exc = next(((d, e) for d, e in failed if not isinstance(e, Asleep)), failed[0])
+        if isinstance(exc, Asleep) or not isinstance(exc, Exception) or len(missing) == 1:
+            raise exc
+        stopped = f" (stopped the one(s) that came up on {', '.join(w.config.device for w in came_up)})" \
+            if came_up else ""
+        raise WorkerStartError(f"its worker on {device} did not start: {exc}{stopped}") from exc
 
     async def _fan_out(self, msg: Sleep | Wake, state: WorkerState, timeout: float, code: ErrorCode,
                        models: list[Model] | None = None) -> None:
