@@ -169,12 +169,26 @@ MIN_TOKEN_CHARS: Final = 16
 BEARER_NEEDED: Final = "this listener needs 'Authorization: Bearer <token>'"
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (None for another scheme, or none). The scheme
+    is read in any case, as HTTP defines it (RFC 9110 11.1: clients and proxies that send ``bearer`` were
+    refused), and spaces around the token are not part of it. The one rule of the daemon's listeners and the
+    Ray gateway."""
+    scheme, _, rest = (authorization or "").strip().partition(" ")
+    given = rest.strip()
+    return given if scheme.lower() == "bearer" and given else None
+
+
+def same_token(given: str | None, token: str) -> bool:
+    """Constant-time, on bytes (``hmac.compare_digest`` refuses non-ASCII str). A header's bytes that are not
+    UTF-8 arrive as lone surrogates (aiohttp decodes with surrogateescape), which ``str.encode`` refuses: they
+    are encoded back to the bytes that were sent, so such a value is simply not the token."""
+    return given is not None and hmac.compare_digest(given.encode(errors="surrogateescape"), token.encode())
+
+
 def bearer_authorized(authorization: str | None, token: str) -> bool:
-    """``Authorization: Bearer <token>``, compared in constant time on bytes (a header's bytes
-    that are not UTF-8 arrive as lone surrogates and are encoded back to what was sent, so such a
-    value is simply not the token)."""
-    given = (authorization or "").encode(errors="surrogateescape")
-    return hmac.compare_digest(given, f"Bearer {token}".encode())
+    """``Authorization: Bearer <token>`` names ``token``."""
+    return same_token(bearer_token(authorization), token)
 
 
 class JobStatus(enum.StrEnum):

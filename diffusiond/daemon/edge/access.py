@@ -30,7 +30,7 @@ def socket_peer_uid(sock: socket.socket) -> int:
 
 def make_access_middleware(allow_uid: tuple[int, ...], token: str | None) -> Any:
     """Unix-socket peers are checked by uid (SO_PEERCRED) when ``allow_uid`` is set; TCP peers
-    must send ``Authorization: Bearer <token>`` (constant-time compare)."""
+    must send ``Authorization: Bearer <token>`` (constant-time compare), read as the web listener reads it."""
     allowed = set(allow_uid) | {os.getuid()}
 
     @web.middleware

@@ -14,7 +14,8 @@ import dataclasses
 import functools
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
@@ -66,6 +67,33 @@ def image_source(at: str, image: str | None, image_path: str | None) -> Source:
     if image is not None:
         return Source(field=f"{at}.image", b64=image)
     return Source(field=f"{at}.image_path", path=image_path)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+Decoded = TypeVar("Decoded", bound=_Closable)
+
+
+async def decode_in_pool(engine: Engine, work: Callable[[], Decoded]) -> Decoded:
+    """``work()``, a decode of a request's pictures into a sealed memfd, in the engine's pool: an edit's
+    image (``bodies.decode_edit``), control images, IP-Adapter references. Here beside ``image_source``,
+    which those fields share too. A client that hangs up gets its handler cancelled (aiohttp's
+    ``handler_cancellation``), but not the thread: the decode ends anyway, and what it returns, which
+    nobody owned any more, kept an fd and the pictures' memory for the daemon's life. It is closed as it
+    comes instead."""
+    future = asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_close_unowned)
+        raise
+
+
+def _close_unowned(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 def check_scale(at: str, scale: float, top: float) -> None:
@@ -161,7 +189,7 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
     joined = req.edit.buffer if req.edit is not None else None  # the edit's image and mask join the pictures
     work = functools.partial(decode_controls, entries, width=req.width, height=req.height, limits=cfg.limits,
                              input_dir=cfg.input_dir, joined=joined)
-    decoded = await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    decoded = await decode_in_pool(engine, work)
     if joined is not None:
         joined.close()  # the edit's close() is then a no-op; the job closes the new one with the rest
     return dataclasses.replace(req, control=decoded,

@@ -51,6 +51,8 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     control: list[ControlBody] | None = None
     upscale: UpscaleBody | None = None
     hires: HiresBody | None = None
+    # OpenAI's partial images as a stream of events: refused when true (``openai_fields``), never ignored
+    stream: bool | None = None
     # OpenAI fields with no meaning for a local diffusion model: accepted, ignored.
     quality: Any = None
     style: Any = None
@@ -58,8 +60,7 @@ class ImagesBody(msgspec.Struct, forbid_unknown_fields=True):
     background: Any = None
     moderation: Any = None
     output_compression: Any = None
-    stream: Any = None
-    partial_images: Any = None
+    partial_images: Any = None  # partial pictures of a stream; without one, OpenAI ignores it too
 
 
 class EditsForm(ImagesBody):
@@ -83,6 +84,10 @@ def images_body(body: bytes) -> ImagesBody:
 def openai_fields(req: dict[str, Any]) -> dict[str, Any]:
     """The OpenAI-shaped fields (``size``, ``num_inference_steps``, ``response_format``) in the
     names ``check`` reads."""
+    if req.get("stream"):  # ignored, the SDK's stream found no event in the one JSON answer: the picture was lost
+        raise invalid("stream is not available here: this endpoint answers once its job has ended, with the whole "
+                      "result; leave stream out (stream=False), or send the job to POST /v1/jobs and follow its "
+                      "progress and previews on GET /v1/jobs/{id}/events", field="stream")
     if req["response_format"] not in ("b64_json", "url"):
         raise invalid("response_format must be 'b64_json' or 'url'", field="response_format")
     size = req.get("size")

@@ -12,7 +12,6 @@ not kept twice for the job's life).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,7 @@ import msgspec
 
 from diffusiond.daemon.core.ip_adapters import MAX_IP_ADAPTERS, MAX_SCALE, IpAdapterEntry, decode_references
 from diffusiond.daemon.core.jobs import JobRequest
-from diffusiond.daemon.edge.controls import check_scale, image_source
+from diffusiond.daemon.edge.controls import check_scale, decode_in_pool, image_source
 from diffusiond.daemon.errors import invalid
 from diffusiond.protocol import Task
 
@@ -66,7 +65,7 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
     cfg = engine.config
     joined = req.buffer  # an edit's image and mask, or control images: they travel in the new buffer
     work = functools.partial(decode_references, entries, limits=cfg.limits, input_dir=cfg.input_dir, joined=joined)
-    decoded = await asyncio.get_running_loop().run_in_executor(engine.executor, work)
+    decoded = await decode_in_pool(engine, work)
     if joined is not None:
         joined.close()  # its owner's close() is then a no-op; the job closes the new one with the rest
     return dataclasses.replace(req, ip_adapter=decoded,

@@ -103,7 +103,12 @@ async def delete_job(request: web.Request) -> web.Response:
     is no longer in memory too (review45-b 7). A cancel is answered once it is on disk (review45-b 1)."""
     engine = request.app[ENGINE]
     job_id = request.match_info["job_id"]
-    if request.query.get("finished") == "keep":
+    finished = request.query.get("finished")
+    if finished not in (None, "keep"):  # a mistyped keep (KEEP, kep, true) deleted a finished job for good
+        raise errors.invalid(f"finished {finished[:40]!r} is not a value DELETE takes: send finished=keep to only "
+                             "cancel (a finished job is then a 409 and stays), or leave finished out to cancel a "
+                             "job that has not finished and delete one that has", "finished")
+    if finished == "keep":
         job = await engine.history.find(job_id)  # memory, else the state dir: a finished job is a 409, not a 404
         if job.terminal:
             raise errors.JobFinished(f"job {job_id} already finished ({job.status.value})")

@@ -106,7 +106,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status < 400:
             raise
         code = STATUS_OF_HTTP_ERROR_CODE.get(exc.status, ErrorCode.HTTP_ERROR)
-        return error_response(HttpError(exc.status, code, f"{exc.reason}: {request.method} {request.path}"))
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405 must say (RFC 9110)
+        return error_response(HttpError(exc.status, code, f"{exc.reason}: {request.method} {request.path}",
+                                         headers=allow))
     except Exception:  # the last resort: see the module's docstring
         return internal_error(request)
 

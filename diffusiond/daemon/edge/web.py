@@ -25,7 +25,7 @@ from diffusiond.daemon.edge import webauth
 from diffusiond.daemon.edge.api import add_api_routes, admin_web
 from diffusiond.daemon.edge.status import ENGINE, Handler, HttpError, errors_middleware
 from diffusiond.daemon.metrics import Metrics
-from diffusiond.protocol import ErrorCode
+from diffusiond.protocol import ErrorCode, same_token
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def make_web_access(token: str, listen_host: str, metrics: Metrics) -> Middlewar
                          f"requests from the page of {origin!r} are refused; only this listener's own page may call it")
         cookie = webauth.cookie_name(int(local[1]))
         if request.path == "/" and "token" in request.query:
-            if not webauth.same_token(request.query["token"], token):
+            if not same_token(request.query["token"], token):
                 raise refuse(401, ErrorCode.UNAUTHORIZED, f"the token in this URL is not this daemon's; {SIGN_IN}")
             metrics.web_sessions.inc()
             resp = web.Response(status=303, headers={"Location": "/"})

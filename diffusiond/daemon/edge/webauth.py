@@ -19,9 +19,10 @@ applies them to requests.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 from urllib.parse import urlsplit
+
+from diffusiond.protocol import bearer_authorized, same_token
 
 COOKIE_PREFIX = "diffusiond_token_"
 PUBLIC_PREFIX = "/static/"
@@ -84,22 +85,9 @@ def origin_allowed(origin: str, hosts: frozenset[str]) -> bool:
     return netloc.lower() in hosts
 
 
-def same_token(given: str | None, token: str) -> bool:
-    """Constant-time, on bytes (``hmac.compare_digest`` refuses non-ASCII str). A header's bytes
-    that are not UTF-8 reach us as lone surrogates (aiohttp decodes with surrogateescape), which
-    ``str.encode`` refuses: they are encoded back to the bytes that were sent, so such a value is
-    simply not the token."""
-    return given is not None and hmac.compare_digest(given.encode(errors="surrogateescape"),
-                                                     token.encode())
-
-
 def authorized(token: str, cookie: str | None, authorization: str | None) -> bool:
     """The sign-in cookie or a bearer token."""
-    if same_token(cookie, token):
-        return True
-    if authorization is None or not authorization.startswith("Bearer "):
-        return False
-    return same_token(authorization.removeprefix("Bearer ").strip(), token)
+    return same_token(cookie, token) or bearer_authorized(authorization, token)
 
 
 def is_public(method: str, path: str) -> bool:
