@@ -6,8 +6,9 @@ take no callback. Each component goes through one module-level function of diffu
 only passes through, except in a thread inside ``reporting``: there each component loaded adds its weight
 bytes (parameters and buffers, counted as ``base.weight_bytes`` counts a model) to the load's running total,
 and the listener gets that total. One call per component, not per tensor, so it costs nothing next to the
-read. A component loaded outside these functions (a GGUF transformer, a model built in code) is not seen
-here; the worker's own count at the end of the load covers it.
+read. A component a loader reads itself, outside these functions (a GGUF transformer, the components a
+single-file checkpoint lacks), is handed to ``loaded`` and counts the same way; a model built in code is not
+seen here, and the worker's own count at the end of the load covers it.
 """
 
 from __future__ import annotations
@@ -74,13 +75,18 @@ def _install() -> None:
         _installed = True
 
 
+def loaded(component: Any) -> None:
+    """``component`` was read by a loader itself: its bytes count toward this thread's load, if one reports."""
+    load: _Load | None = getattr(_local, "load", None)
+    if load is not None and isinstance(component, torch.nn.Module):
+        load.add(component)
+
+
 def _counted(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_component(*args: Any, **kwargs: Any) -> Any:
         component = original(*args, **kwargs)
-        load: _Load | None = getattr(_local, "load", None)
-        if load is not None and isinstance(component, torch.nn.Module):
-            load.add(component)
+        loaded(component)
         return component
 
     return load_component

@@ -10,18 +10,21 @@ cannot serve before any weights load, and loads safetensors only unless ``allow_
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 
 from diffusiond.pipelines.base import PipelineError, RequestDefaults, _tensor_bytes
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_class
+from diffusiond.pipelines.load_progress import loaded
 from diffusiond.pipelines.phases import Phases
+from diffusiond.pipelines.pipeline_classes import check_components, components, weights_variant
+from diffusiond.pipelines.pipeline_classes import pipeline_class as _pipeline_class
+from diffusiond.pipelines.pipeline_classes import read_index as _read_index
 from diffusiond.pipelines.quant import load_time_config, parse_quant
 from diffusiond.pipelines.qwen_edit import processor_kwargs
 from diffusiond.pipelines.spec import check_second_expert, second_expert_refusal
@@ -58,30 +61,6 @@ def _hub_offline() -> bool:
     return flag in {"1", "ON", "YES", "TRUE"} or bool(constants.HF_HUB_OFFLINE)
 
 
-def _pipeline_class(class_name: str, where: str) -> type[Any]:
-    """The diffusers class named by a model_index.json, refused before any weights load."""
-    import diffusers
-
-    cls = getattr(diffusers, class_name, None) if class_name else None
-    if not isinstance(cls, type):
-        raise PipelineError(
-            f"{where} names pipeline class {class_name!r}, which diffusers {diffusers.__version__} does not have "
-            "(custom or newer pipeline?)"
-        )
-    task_for_class(cls)  # raises PipelineError naming the class when we cannot serve it
-    return cls
-
-
-def _read_index(path: Path) -> dict[str, Any]:
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PipelineError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(index, dict):
-        raise PipelineError(f"{path} is not a diffusers model index (not a JSON object)")
-    return index
-
-
 def _why_not_loaded(exc: BaseException, path: Path, options: Mapping[str, str]) -> str:
     """What diffusers' message leaves out: the first cause (a truncated file's "file not fully covered" lay three
     exceptions down, under "Unable to load weights"), and the .bin hint only where the folder has such weights
@@ -99,6 +78,9 @@ def _why_not_loaded(exc: BaseException, path: Path, options: Mapping[str, str]) 
     return said
 
 
+_VARIANTS = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the weights files a dtype reads where a folder has them
+
+
 def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str],
                  device: torch.device, root: Path | None) -> dict[str, Any]:
     """from_pretrained arguments shared by folder and hub loads; ``quant=``'s bitsandbytes methods are
@@ -111,6 +93,9 @@ def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str
             kwargs["quantization_config"] = config
     # safetensors only, unless explicitly allowed: .bin weights are pickles and can run code.
     kwargs["use_safetensors"] = None if opts.get("allow_unsafe_weights") == "1" else True
+    if root is not None:
+        suffixes = (".safetensors", ".bin") if kwargs["use_safetensors"] is None else (".safetensors",)
+        kwargs["variant"] = weights_variant(root, index, _VARIANTS.get(dtype, ""), suffixes)
     if "safety_checker" in index:
         # Skip loading a component we would discard anyway.
         kwargs["safety_checker"] = None
@@ -137,8 +122,10 @@ def load_folder(
     phases = Phases()
     cls = _pipeline_class(str(index.get("_class_name", "")), str(index_path))
     phases.mark("import")
+    kwargs = _load_kwargs(index, dtype, options, device, path)
+    check_components(path, index, kwargs)
     try:
-        pipe = cls.from_pretrained(str(path), **_load_kwargs(index, dtype, options, device, path))
+        pipe = cls.from_pretrained(str(path), **kwargs)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         raise PipelineError(f"cannot load {cls.__name__} from {str(path)!r}: {exc}"
                             f"{_why_not_loaded(exc, path, options)}") from exc
@@ -251,6 +238,8 @@ def load_single_file(
     if cls.__name__.startswith("StableDiffusion"):
         kwargs["safety_checker"] = None
     try:
+        if options.get("config") and (Path(options["config"]) / "model_index.json").is_file():
+            kwargs.update(_absent_components(path, Path(options["config"]), dtype))
         pipe = cls.from_single_file(str(path), **kwargs)
     except Exception as exc:  # conversion, config download and key mismatches raise many types
         from huggingface_hub import constants
@@ -261,6 +250,35 @@ def load_single_file(
             "or a local diffusers folder given as option config=<folder>"
         ) from exc
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options)
+
+
+def _absent_components(path: Path, folder: Path, dtype: torch.dtype) -> dict[str, Any]:
+    """The text encoders and VAE that checkpoint ``path`` lacks (as diffusers decides it, from the tensor names), read
+    from ``config=``'s diffusers folder: diffusers looks there only for weights named diffusion_pytorch_model.*, and
+    a VAE only in the file, so a file of the transformer alone (BFL's flux1-dev.safetensors) did not load with it."""
+    import transformers
+    from diffusers.loaders.single_file_utils import LDM_VAE_KEYS, is_clip_model_in_single_file, is_t5_in_single_file
+    from packaging.version import Version
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+    new_transformers = Version(Version(transformers.__version__).base_version) >= Version("4.56")
+    absent: dict[str, Any] = {}
+    for name, (library, class_name) in components(_read_index(folder / "model_index.json")).items():
+        cls = getattr(importlib.import_module(library), class_name, None) if library in ("diffusers",
+                                                                                         "transformers") else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            if is_clip_model_in_single_file(cls, keys) or is_t5_in_single_file(keys):
+                continue
+            dtype_kwarg: dict[str, torch.dtype] = {"dtype" if new_transformers else "torch_dtype": dtype}
+        elif not isinstance(cls, type) or name != "vae" or any(k.startswith(tuple(LDM_VAE_KEYS)) for k in keys):
+            continue
+        else:
+            dtype_kwarg = _dtype_kwarg(dtype)
+        absent[name] = cast(Any, cls).from_pretrained(str(folder), subfolder=name, use_safetensors=True, **dtype_kwarg)
+        loaded(absent[name])
+    return absent
 
 
 def _base_folder(base: str, path: Path) -> Path:
@@ -314,6 +332,8 @@ def load_gguf(
     if importlib.util.find_spec("gguf") is None:
         raise PipelineError("GGUF models need the gguf package: pip install 'diffusiond[gguf]' (or pip install gguf)")
     experts = {component: _gguf_transformer(file, tcls, root, component, dtype) for component, file in files.items()}
+    for expert in experts.values():
+        loaded(expert)  # read outside diffusers' component loaders, which the load's progress counts
     try:
         pipe = cls.from_pretrained(str(root), **experts, **_load_kwargs(index, dtype, options, device, root))
     except PipelineError:

@@ -1,20 +1,18 @@
 """LoRA adapters in a worker: load on first use, keep a bounded set loaded, activate per batch.
 
-Switching adapters between batches must cost no pipeline reload, so adapters stay injected in
-the model (PEFT layers, one per adapter name) and a batch only changes which are active and at
-what weight (``set_adapters``); a batch without adapters runs with the LoRA layers disabled, which
-diffusers computes exactly as the base model (no residue of an earlier batch). At most
-``max_loaded`` adapters stay in the model: the least recently used one not needed by the current
+Switching adapters between batches must cost no pipeline reload, so adapters stay injected in the model (PEFT layers,
+one per adapter name) and a batch only changes which are active and at what weight (``set_adapters``); a batch without
+adapters runs with the LoRA layers disabled, which diffusers computes exactly as the base model (no residue of an
+earlier batch). At most ``max_loaded`` adapters stay in the model: the least recently used one not needed by the current
 batch is deleted to make room.
 
-An adapter can also be live (``update_lora``, worker/weights.py): its weights come from a trainer, not a file;
-its state dict stays here (``states``), an eviction reloads it from memory, and an update copies the new values
-into its parameters in place (a hot-swap slot keeps its structure). ``versions`` counts the updates.
+An adapter can also be live (``update_lora``, worker/weights.py): its weights come from a trainer, not a file; its state
+dict stays here (``states``), an eviction reloads it from memory, and an update copies the new values into its
+parameters in place (a hot-swap slot keeps its structure). ``versions`` counts the updates.
 
-``activate`` is the one place a batch's adapters take effect: the compute thread calls it right
-before the forward. A compiled model cannot switch that way (injecting, deleting or activating an
-adapter changes the traced graph: a recompile each time), so ``HotSwapAdapters`` keeps a fixed
-set of slots instead, see there.
+``activate`` is the one place a batch's adapters take effect: the compute thread calls it right before the forward. A
+compiled model cannot switch that way (injecting, deleting or activating an adapter changes the traced graph: a
+recompile each time), so ``HotSwapAdapters`` keeps a fixed set of slots instead, see there.
 """
 
 from __future__ import annotations
@@ -54,9 +52,7 @@ def adapters_for(pipeline: Any, registered: Mapping[str, str], max_loaded: int,
     inner = getattr(pipeline, "inner", None)
     compiled = inner is not None and bool(getattr(pipeline, "mode", ""))
     pipe = getattr(inner if compiled else pipeline, "pipe", None)
-    if pipe is None or not Adapters.supported(pipe) or importlib.util.find_spec("peft") is None:
-        return None
-    if _refusal(pipeline):
+    if pipe is None or not Adapters.supported(pipe) or importlib.util.find_spec("peft") is None or _refusal(pipeline):
         return None
     name = str(getattr(pipeline, "name", "the model"))
     if compiled:
@@ -195,10 +191,7 @@ class Adapters:
 
     # loading --------------------------------------------------------------------------------
     def _make_room(self, keep: set[str]) -> None:
-        while len(self.loaded) >= self.max_loaded:
-            victim = next((n for n in self.loaded if n not in keep), None)
-            if victim is None:
-                return
+        while len(self.loaded) >= self.max_loaded and (victim := next((n for n in self.loaded if n not in keep), None)):
             self._unload(victim)
 
     def _load(self, name: str) -> None:
@@ -214,9 +207,11 @@ class Adapters:
             if name not in self._adapter_names() - before:
                 raise PipelineError(f"no module of {self.model_name} matched the LoRA's weights")
             self._refuse_a_lost_denoiser_part(name, path)
-        except Exception:
+        except Exception as exc:
             if name in self._adapter_names():
                 self.pipe.delete_adapters([name])
+            if why := _unsaid(exc, None if name in self.states else path, self.model_name):
+                raise PipelineError(why) from exc
             raise
         lift_from_storage_dtype(self.pipe, name)
         self.loaded[name] = None
@@ -276,30 +271,28 @@ class Adapters:
 
 
 class HotSwapAdapters(Adapters):
-    """The adapters of a compiled model: ``slots`` adapter slots in the UNet, made once before the
-    first forward and never changed in structure, so a switch never recompiles.
+    """The adapters of a compiled model: ``slots`` adapter slots in the UNet, made once before the first forward and
+    never changed in structure, so a switch never recompiles.
 
-    The slots are made from the first adapter registered: it is injected once per slot, padded to
-    ``target_rank`` and its scalings made tensors (peft's ``prepare_model_for_compiled_hotswap``,
-    what diffusers' ``enable_lora_hotswap`` runs, but over every slot). From then on an adapter
-    enters a slot by ``load_lora_weights(..., hotswap=True)`` (weights copied in place), and a batch
-    sets each slot's scaling tensor in place: the adapter's own scaling times the request's weight,
-    or 0 for a slot the batch does not use. "No LoRA" is every slot at 0, which adds exactly 0 to each
+    The slots are made from the first adapter registered: it is injected once per slot, padded to ``target_rank`` and
+    its scalings made tensors (peft's ``prepare_model_for_compiled_hotswap``, what diffusers' ``enable_lora_hotswap``
+    runs, but over every slot). From then on an adapter enters a slot by ``load_lora_weights(..., hotswap=True)``
+    (weights copied in place), and a batch sets each slot's scaling tensor in place: the adapter's own scaling times the
+    request's weight, or 0 for a slot the batch does not use. "No LoRA" is every slot at 0, which adds exactly 0 to each
     base output (LoRA layers stay enabled: disabling them would be another graph).
 
-    Limits, from diffusers/peft: the text encoder cannot be hot-swapped (it is compiled too), so an
-    adapter with text-encoder weights is refused; an adapter's rank must not exceed ``target_rank``
-    and it may target only modules the first adapter targets (others: peft's "unexpected keys").
+    Limits, from diffusers/peft: the text encoder cannot be hot-swapped (it is compiled too), so an adapter with
+    text-encoder weights is refused; an adapter's rank must not exceed ``target_rank`` and it may target only modules
+    the first adapter targets (others: peft's "unexpected keys").
 
-    A hot-swap that fails once ``_check`` passed cannot be undone: peft may have copied some of the slot's tensors,
-    and diffusers then deletes the slot from every layer (review48-b 1). In ``update_live`` that is ``HalfApplied``:
-    the adapter's weights are neither version and the worker restarts. In ``register`` and ``activate`` (no update
-    was accepted) the slot is dropped instead and the worker keeps serving: the other slots and the base model are
-    intact, and a restart would cost every queued job and a model load for one slot; what is left of the slot
-    stays at scale 0, and its adapter counts as not loaded. The model has a slot fewer (each shape traces once
-    more, shown as compiling: the structure changed); with none left, a batch with adapters is refused saying
-    why. What peft refuses for the adapter itself (a module the slots lack, a shape) ``_check`` refuses first, so a
-    misfit costs no slot.
+    A hot-swap that fails once ``_check`` passed cannot be undone: peft may have copied some of the slot's tensors, and
+    diffusers then deletes the slot from every layer (review48-b 1). In ``update_live`` that is ``HalfApplied``: the
+    adapter's weights are neither version and the worker restarts. In ``register`` and ``activate`` (no update was
+    accepted) the slot is dropped instead and the worker keeps serving: the other slots and the base model are intact,
+    and a restart would cost every queued job and a model load for one slot; what is left of the slot stays at scale 0,
+    and its adapter counts as not loaded. The model has a slot fewer (each shape traces once more, shown as compiling:
+    the structure changed); with none left, a batch with adapters is refused saying why. What peft refuses for the
+    adapter itself (a module the slots lack, a shape) ``_check`` refuses first, so a misfit costs no slot.
     """
 
     def __init__(self, pipe: Any, model_name: str, registered: Mapping[str, str], slots: int,
@@ -319,8 +312,7 @@ class HotSwapAdapters(Adapters):
             if not self.scalings and not self.lost:
                 self._make_slots(name)
             else:
-                slot = self._free_slot(keep=set())
-                self._swap(slot, name)
+                self._swap(self._free_slot(keep=set()), name)
                 self._set_scales({})
                 self.active = ()
         except Exception as exc:
@@ -333,8 +325,6 @@ class HotSwapAdapters(Adapters):
         weights by hot-swap (in place, the graph untouched); the next batch sets its scalings again. Once ``_check``
         passed, any failure of the hot-swap is ``HalfApplied`` (review48-b 1): peft may have copied part of the
         slot and diffusers deleted it, so the worker exits as for a failed copy, not a refusal."""
-        # the worker's word for it, imported here: no pipelines module imports the worker's at load
-
         old = self.states[name]
         self.states[name] = {**old, **state}
         try:
@@ -498,3 +488,13 @@ class HotSwapAdapters(Adapters):
 _ENCODER_PREFIXES = ("text_encoder", "lora_te")
 _DENOISER_COMPONENTS = ("unet", "transformer")  # pipeline components diffusers loads a denoiser part into
 
+
+def _unsaid(exc: BaseException, path: str | None, model: str) -> str:
+    """What diffusers' error leaves out: the cause of "Unable to load weights" (safetensors'), or another base model."""
+    root: BaseException = exc
+    while (nxt := root.__cause__ or root.__context__) is not None and nxt is not root:
+        root = nxt
+    if path is not None and "Safetensor" in type(root).__name__:
+        folder, kwargs = lora_source(path)
+        return f"{Path(folder, kwargs['weight_name'])} is truncated or corrupt ({root}): download it again"
+    return f"it was made for another base model than {model}: {exc}" if "size mismatch" in str(exc) else ""

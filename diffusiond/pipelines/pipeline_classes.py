@@ -1,10 +1,17 @@
 """Which diffusers pipeline classes diffusiond serves, and as what task: decided from the class alone (its name and
 its ``__call__``'s arguments), before any weights load, so that a folder we cannot drive is refused at once with why.
+What a folder's ``model_index.json`` promises is checked here too, as far as the files show it: each component's
+folder there, and which variant of the weights (``*.fp16.safetensors``) to read.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 from diffusiond.pipelines.base import PipelineError, Task
 from diffusiond.pipelines.edit_pipes import EDIT_CLASSES, NOT_SERVED
@@ -73,3 +80,69 @@ def task_for_class(cls: type) -> Task:
     if "Video" in name or any(a in args for a in FRAME_ARGS):
         return Task.TEXT_TO_VIDEO
     return Task.TEXT_TO_IMAGE
+
+
+def pipeline_class(class_name: str, where: str) -> type[Any]:
+    """The diffusers class named by a model_index.json, refused before any weights load."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None) if class_name else None
+    if not isinstance(cls, type):
+        raise PipelineError(
+            f"{where} names pipeline class {class_name!r}, which diffusers {diffusers.__version__} does not have: "
+            "if it is newer, pip install -U diffusers; custom pipeline code (custom_pipeline=) is not served"
+        )
+    task_for_class(cls)  # raises PipelineError naming the class when we cannot serve it
+    return cls
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(index, dict):
+        raise PipelineError(f"{path} is not a diffusers model index (not a JSON object)")
+    return index
+
+
+def components(index: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The index's components that are read from a folder of their own: [library, class], both named."""
+    return {k: v for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, str) and x for x in v)}
+
+
+def check_components(folder: Path, index: Mapping[str, Any], passed: dict[str, Any]) -> None:
+    """Refuse a folder without a component its index names (a download cut short, files left out): diffusers
+    named the model's folder instead of the component's, or, for a tokenizer, built one of two tokens that
+    serves every prompt as the same unknown words. ``passed`` holds what the loader gives instead of reading
+    it (the safety checker); an SD image processor left out with the safety checker is given as None there:
+    only that checker reads it, and an IP-Adapter brings its own."""
+    for name, (library, cls) in components(index).items():
+        if name in passed or (folder / name).is_dir():
+            continue
+        if name == "feature_extractor" and passed.get("safety_checker", False) is None \
+                and "image_encoder" not in components(index):
+            passed[name] = None
+            continue
+        raise PipelineError(f"{str(folder)!r} has no {name}/ folder, which its model_index.json names ({library} "
+                            f"{cls}): the model is incomplete; download {name}/ too (for a hub model, "
+                            f"`hf download ORG/NAME --include '{name}/*'`)")
+
+
+_WEIGHTS = re.compile(r"[^.]+(?:\.([A-Za-z]\w*))?(?:-\d+-of-\d+)?\.(?:safetensors|bin)")
+
+
+def weights_variant(folder: Path, index: Mapping[str, Any], wanted: str, suffixes: tuple[str, ...]) -> str | None:
+    """The ``variant=`` to load ``folder`` with, by the rule the engine sizes it by (daemon/residency/sizes.py's
+    ``choose_variant``): ``wanted`` (the dtype's, ``fp16`` for float16) where a component has it, else the plain
+    files, else (a component with variant files only, ``hf download --include "*.fp16.safetensors"``) its
+    variant. diffusers reads each component's plain files where it lacks the variant asked for."""
+    found = []
+    for name in components(index):
+        files = [f.name for f in (folder / name).glob("*") if f.suffix in suffixes] if (folder / name).is_dir() else []
+        if variants := {m.group(1) or "" for f in files if (m := _WEIGHTS.fullmatch(f))}:
+            found.append(variants)
+    if wanted and any(wanted in v for v in found):
+        return wanted
+    return next((min(v) for v in found if "" not in v), None)
