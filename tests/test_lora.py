@@ -339,6 +339,18 @@ async def test_post_lora_adds_one_at_run_time_and_a_bad_one_fails_alone(
         assert await run(s, [{"name": "ink", "weight": 1.0}]) != await run(s)  # the daemon goes on
 
 
+def test_a_lora_cut_short_is_refused_from_its_header_naming_the_bytes(lora_files: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    """Found by the engine as it registers the file, before any worker loads it (and fails at a job's first use)."""
+    from diffusiond.daemon.core.loras import LoraFileError, read_lora
+
+    whole = (lora_files["ink"] / "pytorch_lora_weights.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(whole[: len(whole) - 100])  # a download cut short
+    assert read_lora("whole", str(lora_files["ink"])).rank == 4
+    with pytest.raises(LoraFileError, match=r"cut.safetensors\) is truncated: its header describes \d+ bytes"):
+        read_lora("cut", str(tmp_path / "cut.safetensors"))
+
+
 # start-up ---------------------------------------------------------------------------------------
 
 

@@ -112,7 +112,19 @@ def read_lora(name: str, path: str) -> LoraInfo:
     if file.suffix != ".safetensors":
         # diffusers would read another suffix with torch.load (pickle): only safetensors are served
         raise LoraFileError(f"{where} is not a .safetensors file; LoRA files are read as safetensors only")
+    _check_whole(where, header, st.st_size - 8 - n)
     return _describe(name, path, where, header)
+
+
+def _check_whole(where: str, header: dict[str, object], held: int) -> None:
+    """A download cut short keeps its header: refused here, naming the file, rather than by every worker that
+    loads it with safetensors' "incomplete metadata" at its first job."""
+    ends = [e["data_offsets"][1] for e in header.values() if isinstance(e, dict)
+            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+            and isinstance(e["data_offsets"][1], int)]
+    if ends and max(ends) > held:
+        raise LoraFileError(f"{where} is truncated: its header describes {max(ends)} bytes of tensors and the file "
+                            f"holds {held}; download or write it again")
 
 
 def _describe(name: str, path: str, where: str, header: dict[str, object]) -> LoraInfo:
