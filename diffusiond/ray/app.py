@@ -7,14 +7,19 @@ go through ``Options.parse``, which names the argument and what it accepts when 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import math
 import shlex
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from diffusiond.ray.auth import exposure_refusal, read_token
 
 ARGS_HELP = {
-    "model": "model spec(s) for `diffusiond serve --model`, comma-separated (default tiny)",
+    "model": "model spec(s) for `diffusiond serve --model`, comma-separated (default tiny, or with config the "
+             "file's models)",
     "replicas": "a number of replicas, or 'auto' to scale on the daemons' queue length (default 1)",
     "min_replicas": "with replicas=auto: the fewest replicas, 0 scales to zero (default 1)",
     "max_replicas": "with replicas=auto: the most replicas (default 4)",
@@ -42,7 +47,7 @@ ARGS_HELP = {
 
 @dataclass(frozen=True)
 class Options:
-    model: tuple[str, ...] = ("tiny",)
+    model: tuple[str, ...] | None = None  # None: tiny, or the config file's own models
     replicas: int | None = 1  # None: autoscaling
     min_replicas: int = 1
     max_replicas: int = 4
@@ -81,6 +86,11 @@ class Options:
         if opts.replicas is None and not 0 <= opts.min_replicas <= opts.max_replicas:
             raise ValueError(f"min_replicas={opts.min_replicas} and max_replicas={opts.max_replicas}: "
                              "need 0 <= min_replicas <= max_replicas")
+        autoscaling = [name for name in AUTOSCALING_ONLY if name in args]
+        if opts.replicas is not None and autoscaling:
+            raise ValueError(f"{', '.join(autoscaling)} with replicas={opts.replicas}: they bound autoscaling, which "
+                             "runs only with replicas=auto; give replicas=auto, or leave them out for a fixed count")
+        check_daemon_command(opts)
         return opts
 
     def serve_args(self) -> list[str]:
@@ -88,7 +98,8 @@ class Options:
         out: list[str] = []
         if self.config:
             out += ["--config", self.config]
-        for m in self.model:
+        # a config file's [[models]] are its own unless `model` replaces them (--model does, as on one machine)
+        for m in self.model if self.model is not None else () if self.config else ("tiny",):
             out += ["--model", m]
         device = self.device or ("cuda" if self.gpus_per_replica > 0 else "cpu")
         return [*out, "--device", device, *self.daemon_args]
@@ -124,10 +135,66 @@ def _convert(name: str, raw: Any) -> Any:
         value = int(str(raw)) if integer else float(str(raw))
     except ValueError:
         raise bad("an integer" if integer else "a number") from None
+    if not math.isfinite(value):  # nan passed every bound below, and Ray or Serve refused it in a traceback
+        raise bad("a finite number")
     low = 1 if name in ("replicas", "max_replicas", "max_ongoing_requests", "batch_affinity", "model_affinity") else 0
     if value < low or (name in ("health_check_period_s", "start_timeout_s", "target_load") and value <= 0):
         raise bad(f"a value >= {low}" if value < low else "a positive number")
     return value
+
+
+AUTOSCALING_ONLY = ("min_replicas", "max_replicas", "target_load")
+# flags of `diffusiond serve` the replica sets itself: given again in daemon_args the later one won, and the
+# replica waited start_timeout_s for a daemon on its own socket that listened elsewhere
+REPLICA_OWNS = {"--socket": "the replica starts its daemon on a private socket of its own and speaks to it there"}
+
+
+def check_daemon_command(opts: Options) -> None:
+    """Refuse, when the application is built, a daemon command line that cannot work: read by the daemon's own
+    parser, so a typo in ``daemon_args`` is one line here and not a daemon that exits in every replica Serve
+    starts and retries; and a CUDA device the replica's GPUs cannot give. Paths (models, ``config``) are not
+    looked at: they are on the replicas' nodes, which need not be the one that builds."""
+    owned = [a for a in opts.daemon_args if a.split("=", 1)[0] in REPLICA_OWNS]
+    if owned:
+        flag = owned[0].split("=", 1)[0]
+        raise ValueError(f"daemon_args={shlex.join(opts.daemon_args)!r}: {flag} is not for daemon_args: "
+                         f"{REPLICA_OWNS[flag]}; leave it out")
+    _parse_serve(list(opts.daemon_args), f"daemon_args={shlex.join(opts.daemon_args)!r}")
+    whole = _parse_serve(opts.serve_args(), "the daemon's command line (model, device, config, daemon_args)")
+    device = str(whole.device or "")
+    parts = [d.strip() for d in device.split(",") if d.strip().startswith("cuda")]
+    gpus = math.ceil(opts.gpus_per_replica)
+    if parts and gpus == 0:
+        raise ValueError(f"device {device!r} with gpus_per_replica={opts.gpus_per_replica:g}: Ray gives each replica "
+                         "no GPU, so its daemon sees none (CUDA_VISIBLE_DEVICES is empty); give gpus_per_replica=N, "
+                         "or device=cpu")
+    beyond = [d for d in parts if d[5:].isdigit() and int(d[5:]) >= gpus]
+    if beyond:
+        raise ValueError(f"device {device!r} with gpus_per_replica={opts.gpus_per_replica:g}: the daemon sees the "
+                         f"replica's {gpus} GPU(s) as cuda:0 to cuda:{gpus - 1}, and has no {', '.join(beyond)}; "
+                         "give device=cuda (all of them), or more gpus_per_replica")
+
+
+def _parse_serve(argv: list[str], what: str) -> argparse.Namespace:
+    """``argv`` read as ``diffusiond serve`` reads it (``cli._main``), its usage errors raised as ValueError."""
+    from diffusiond.cli import build_parser, unknown_arguments  # the flags alone: no daemon code, no torch
+    from diffusiond.commands.argtypes import dash_values
+
+    parser = build_parser()
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(f"{what}: `diffusiond serve` refuses it: {message}")
+
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    parser.error = serve.error = refuse  # type: ignore[method-assign]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # --help would print the whole usage into serve's log
+            args, extras = parser.parse_known_args(dash_values(parser, ["serve", *argv]))
+        if extras:
+            unknown_arguments(parser, "serve", extras)
+    except SystemExit:  # --help among them: argparse printed and would exit
+        refuse("--help prints the flags and exits; leave it out")
+    return args
 
 
 def _resources(raw: Any, bad: Any) -> tuple[tuple[str, float], ...]:
@@ -151,6 +218,15 @@ ROUTING_STATS_PERIOD_S = 2.0
 # A report older than this (the replica stopped reporting: busy, hung, or its stats call fails)
 # says nothing the router trusts about where a model is; its load is still counted.
 ROUTING_STATS_STALE_S = 3 * ROUTING_STATS_PERIOD_S
+
+
+# When Serve kills a replica (its stop outlasted graceful_shutdown_timeout_s: a client still following a job's
+# events, say) or someone ray.kills it, Ray SIGKILLs the processes the replica started as its worker exits, before
+# the kernel's SIGTERM (PR_SET_PDEATHSIG, replica.py) can reach the daemon: it never drained, and its sockets were
+# left behind. With this off, the SIGTERM comes, and the daemon drains and stops as on Serve's graceful stop (the
+# process is still one the replica started: nothing is left running). Ray merges these with the application's own
+# runtime_env variables.
+LET_THE_DAEMON_DRAIN = {"RAY_kill_child_processes_on_worker_exit": "false"}
 
 
 def proxy_host() -> str | None:
@@ -191,6 +267,7 @@ def build(args: dict[str, Any]) -> Any:
         name="diffusiond",
         max_ongoing_requests=opts.max_ongoing_requests,
         ray_actor_options={"num_cpus": opts.cpus_per_replica, "num_gpus": opts.gpus_per_replica,
+                           "runtime_env": {"env_vars": LET_THE_DAEMON_DRAIN},
                            **({"resources": dict(opts.resources_per_replica)} if opts.resources_per_replica else {})},
         health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=max(30.0, opts.health_check_period_s),

@@ -9,10 +9,10 @@ headers, msgpack), then the body in chunks, so SSE progress and output bytes flo
 
 Lifetime: the daemon dies with the replica. ``__del__`` (Serve's graceful stop) sends SIGTERM,
 which drains and stops the workers, and waits; the daemon also gets SIGTERM from the kernel if
-the replica's process dies without a goodbye (``PR_SET_PDEATHSIG``), so a killed actor leaves no
-daemon and no workers behind (and the next health check of a replica on that node removes its
-private directory). ``check_health`` fails once the daemon has exited, and Serve then replaces
-the replica.
+the replica's process dies without a goodbye (``PR_SET_PDEATHSIG``; ``app.LET_THE_DAEMON_DRAIN``
+keeps Ray from SIGKILLing it first), so a killed actor leaves no daemon and no workers behind (and
+the next health check of a replica on that node removes its private directory). ``check_health``
+fails once the daemon has exited, and Serve then replaces the replica.
 """
 
 from __future__ import annotations
@@ -171,9 +171,10 @@ class DaemonReplica:
                 if b" 200 " in c.recv(4096).split(b"\r\n", 1)[0]:
                     return
             time.sleep(0.2)
+        # the log first: stopping removes the private directory it is in, and with it the only word of why
+        message = f"replica {self.replica}: the daemon was not ready after {timeout_s:g}s:\n{self.daemon_log()}"
         self._stop()
-        raise RuntimeError(f"replica {self.replica}: the daemon was not ready after {timeout_s:g}s:\n"
-                           f"{self.daemon_log()}")
+        raise RuntimeError(message)
 
     def daemon_log(self) -> str:
         try:
