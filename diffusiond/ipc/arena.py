@@ -181,6 +181,13 @@ class Arena:
             return size
 
     @property
+    def largest_free(self) -> int:
+        """The largest request that fits now. Allocation is first-fit over contiguous ranges, so the free bytes
+        (``capacity - in_use``) may be in pieces that each hold less than a waiting output."""
+        with self._cond:
+            return max((size for _, size in self._free), default=0)
+
+    @property
     def slots_in_use(self) -> int:
         with self._cond:
             return len(self._slots)

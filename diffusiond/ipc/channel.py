@@ -193,6 +193,8 @@ class Channel:
                     log.exception("%s: handling %s frame %d failed", self.name, kind.name, seq)
                 if self.closed:
                     return
+            if self._decoder.broken is not None:  # after the frames that came before it
+                raise self._decoder.broken
         except ProtocolError as exc:
             log.error("%s: %s", self.name, exc)
             self.close(exc)

@@ -76,15 +76,30 @@ class FrameDecoder:
         self.expected_seq = 0
         self._buf = bytearray()
         self._decoders = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in TYPE_OF.items()}
+        # the violation found behind whole frames of the same read: those are returned first, since everything
+        # before a violation is as trustworthy as ever (an output announced there is real); then raised for good
+        self.broken: ProtocolError | None = None
 
     @property
     def buffered(self) -> int:
         return len(self._buf)
 
     def feed(self, data: bytes | memoryview) -> list[tuple[Kind, int, int, msgspec.Struct]]:
-        """Returns ``(kind, seq, nfds, msg)`` for each frame completed by ``data``."""
+        """Returns ``(kind, seq, nfds, msg)`` for each frame completed by ``data``. A violation after whole frames
+        returns those and is kept in ``broken`` (raised by the next call); the caller handles them, then checks."""
+        if self.broken is not None:
+            raise self.broken
         self._buf += data
-        out = []
+        out: list[tuple[Kind, int, int, msgspec.Struct]] = []
+        try:
+            self._decode(out)
+        except ProtocolError as exc:
+            if not out:
+                raise
+            self.broken = exc
+        return out
+
+    def _decode(self, out: list[tuple[Kind, int, int, msgspec.Struct]]) -> None:
         while len(self._buf) >= HEADER_SIZE:
             magic, version, kind_no, nfds, seq, body_len, crc = HEADER.unpack_from(self._buf)
             if magic != MAGIC:
@@ -119,4 +134,3 @@ class FrameDecoder:
             del self._buf[:end]
             self.expected_seq += 1
             out.append((kind, seq, nfds, msg))
-        return out

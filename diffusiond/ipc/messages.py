@@ -408,7 +408,9 @@ class Fatal(msgspec.Struct, frozen=True):
 
 class SlotWait(msgspec.Struct, frozen=True):
     """The copy thread is waiting for ``nbytes`` of arena: the engine should give slots back
-    (it spills outputs nobody has fetched). Back-pressure made visible, not a failure."""
+    (it spills outputs nobody has fetched). Back-pressure made visible, not a failure. ``in_use`` is the
+    arena this request cannot use (all but its largest free range), so ``nbytes - (capacity - in_use)`` is the
+    room still missing even when the free bytes are in pieces."""
 
     request_id: str
     nbytes: int

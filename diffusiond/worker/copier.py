@@ -306,10 +306,7 @@ class Copier:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx, torch.inference_mode():
             try:
-                slot = self.arena.try_allocate(total)
-                if slot is None:
-                    self.post(SlotWait(request_id, total, self.arena.in_use, self.arena.capacity))
-                    slot = self.arena.allocate(total, timeout=self.slot_timeout_s)
+                slot = self._slot(total, request_id)
             except SlotTooLarge:
                 slot = None
             dedicated = DedicatedBuffer(total, name="diffusiond-trajectory") if slot is None else None
@@ -355,14 +352,23 @@ class Copier:
             host = to_output_layout(out, job.params.output_dtype)
             nbytes = nbytes_of(host)
             try:
-                slot = self.arena.try_allocate(nbytes)
-                if slot is None:
-                    self.post(SlotWait(request_id, nbytes, self.arena.in_use, self.arena.capacity))
-                    slot = self.arena.allocate(nbytes, timeout=self.slot_timeout_s)
+                slot = self._slot(nbytes, request_id)
             except SlotTooLarge:
                 return self._copy_dedicated(host, nbytes)
             self._fill(slot, host)
             return describe(host, slot.id, slot.offset), None
+
+    def _slot(self, nbytes: int, request_id: str) -> Slot:
+        """An arena slot, waiting (bounded) for the engine to give some back. ``SlotWait`` reports as in use what
+        this request cannot use: all but the largest free range. With the arena's plain bytes in use, free room in
+        pieces each too small (fragmentation) looked like enough, so the engine spilled nothing and the job
+        failed with ArenaFull after the timeout although unfetched outputs could have made room."""
+        slot = self.arena.try_allocate(nbytes)
+        if slot is None:
+            unusable = self.arena.capacity - self.arena.largest_free
+            self.post(SlotWait(request_id, nbytes, unusable, self.arena.capacity))
+            slot = self.arena.allocate(nbytes, timeout=self.slot_timeout_s)
+        return slot
 
     def _copy_dedicated(self, host: torch.Tensor, nbytes: int) -> tuple[TensorDesc, int]:
         buf = DedicatedBuffer(nbytes)
