@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import os
 import secrets
 import signal
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,9 +131,33 @@ def check_output_dir(output: str | None, n: int | None = None, as_json: bool = F
     if names_a_directory(output):
         if not Path(output).is_dir():
             raise UsageError(_not_a_directory(Path(output), output, output))
-        return
-    if not Path(output).parent.is_dir():
+    elif not Path(output).parent.is_dir():
         raise UsageError(_not_a_directory(Path(output).parent, str(Path(output).parent), output))
+    if refusal := _not_writable(output):
+        raise UsageError(refusal)
+
+
+def _not_writable(output: str) -> str | None:
+    """Why -o's outputs could not be written for want of permission, found before the job rather than after
+    minutes of it; None when they can (or when only trying will tell: ``download`` then says which file).
+    A new or regular file is made in its directory (the temp file, renamed); anything else is written into."""
+    target = Path(output)
+    if names_a_directory(output):
+        directory = Path(os.path.abspath(target))
+    else:
+        try:
+            regular = stat.S_ISREG(os.stat(target).st_mode)
+        except FileNotFoundError:
+            regular = True
+        except OSError:
+            return None
+        if not regular:
+            return None if os.access(target, os.W_OK) else f"no permission to write {output!r} (-o {output})"
+        directory = Path(os.path.realpath(target)).parent
+    if not directory.is_dir() or os.access(directory, os.W_OK | os.X_OK):
+        return None
+    return (f"no permission to create files in directory {str(directory)!r} (-o {output}); "
+            "give -o a path in a directory you can write to")
 
 
 def names_a_directory(output: str) -> bool:
@@ -230,7 +256,19 @@ def describe_failure(job: dict[str, Any]) -> str:
 
 
 async def download(client: AsyncClient, job_id: str, index: int, path: Path) -> int:
-    """Stream one output to a temp file beside ``path``, then rename: never a half-written file."""
+    """Stream one output to a temp file beside ``path``, then rename: never a half-written file.
+
+    Not for what is no regular file (``-o /dev/null``, ``/dev/stdout``, a FIFO): the rename put a regular
+    file in its place (as root, /dev/null itself) or failed after the job, for want of a temp file in /dev; it
+    is written into as it is. A symlink keeps pointing where it did: the file it names is the one replaced."""
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:  # a new file, or a symlink to one not there yet: made by the rename
+        regular = True
+    if not regular:
+        with open(path, "wb") as f:
+            return await client.stream_output(job_id, index, f)
+    path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
     # Not mkstemp: its 0600 would stick to the output; 0666 here lets the umask decide, as for any file.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -352,15 +390,27 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
             return 1
         except OSError as exc:  # the user's disk or directory, not the daemon: say which file
-            print(f"error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"error: cannot write {path}: {exc.strerror or exc}; job {job_id} keeps its outputs in the daemon "
+                  f"(GET /v1/jobs/{job_id}/outputs/{index}) until its retention ends", file=sys.stderr)
             return 1
+        stdout_too = not stdout and _is_stdout(path)
         files.append({"path": str(path), "seed": out.get("seed"), "bytes": size})
         if not args.json:  # with -o -, the line goes beside the bytes, to stderr
             print(f"{'stdout' if stdout else path}  seed={out.get('seed')}", flush=True,
-                  file=sys.stderr if stdout else sys.stdout)
+                  file=sys.stderr if stdout or stdout_too else sys.stdout)
     if args.json:
         print(json.dumps({"job": job, "files": files}))
     return 0
+
+
+def _is_stdout(path: Path) -> bool:
+    """Whether ``path`` is where stdout goes (``-o /dev/stdout | convert - ...``, as ``-o -``): the line naming
+    it then goes to stderr, not after the output's bytes into the pipe or file that reads them."""
+    try:
+        here, there = os.fstat(sys.stdout.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False
+    return os.path.samestat(here, there) and (stat.S_ISFIFO(here.st_mode) or stat.S_ISREG(here.st_mode))
 
 
 async def asleep(client: AsyncClient) -> bool:

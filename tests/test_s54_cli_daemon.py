@@ -1,0 +1,49 @@
+"""``generate`` against a real daemon on ``tiny``, writing where no ordinary new file is: ``-o /dev/stdout``
+into a pipe gets the output's bytes alone (the ``PATH  seed=S`` line went after them, into the picture), and
+``-o /dev/null`` leaves /dev/null a device (the temp file's rename once replaced it, as root)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemonkit import shared_daemon
+
+from conftest import ROOT
+
+ENV = {"OMP_NUM_THREADS": "1"}
+PNG_END = b"IEND\xaeB`\x82"
+
+
+@pytest.fixture(scope="module")
+def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[str]:
+    with shared_daemon(tmp_path_factory.mktemp("s54cli"), ["--model", "tiny"], model_cache, ENV) as d:
+        yield str(d.socket)
+
+
+def generate(sock: str, output: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "diffusiond", "generate", "a", "--socket", sock, "--size", "64x64", "--steps", "1",
+         "--seed", "3", "-o", output],
+        capture_output=True, cwd=ROOT, env={**os.environ, **ENV}, timeout=120, check=False)
+
+
+def test_output_to_dev_stdout_in_a_pipe_is_the_bytes_alone(sock: str) -> None:
+    done = generate(sock, "/dev/stdout")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(b"\x89PNG") and done.stdout.endswith(PNG_END), done.stdout[-80:]
+    assert b"/dev/stdout  seed=3" in done.stderr
+
+
+def test_output_to_dev_null_leaves_it_a_device(sock: str) -> None:
+    before = os.stat("/dev/null")
+    done = generate(sock, "/dev/null")
+    assert done.returncode == 0, done.stderr
+    after = os.stat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev
+    assert b"/dev/null  seed=3" in done.stdout
