@@ -26,16 +26,18 @@ DEFAULT_WEB_ADDRESS: Final = "127.0.0.1:7860"
 """Where ``serve --web`` listens when no HOST:PORT is given (the port Gradio UIs use)."""
 
 
-def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+def default_socket_path(env: Mapping[str, str] | None = None, *, serving: bool = False) -> str:
     """The socket path when none is given, in the order docs/api.md fixes.
 
     Here, not in the daemon's config, because client and daemon must agree on it and the
-    client must not load the daemon to find out.
+    client must not load the daemon to find out. ``$RUNTIME_DIRECTORY`` is the daemon's alone
+    (``serving``): systemd sets it for any unit with ``RuntimeDirectory=``, so a client run inside
+    another service (a trainer's) looked for the daemon in that service's folder.
     """
     env = os.environ if env is None else env
     if env.get(SOCKET_ENV):
         return env[SOCKET_ENV]
-    if env.get("RUNTIME_DIRECTORY"):  # set by systemd's RuntimeDirectory=
+    if serving and env.get("RUNTIME_DIRECTORY"):  # set by systemd's RuntimeDirectory=
         return str(Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / SOCKET_NAME)
     if env.get("XDG_RUNTIME_DIR"):
         return str(Path(env["XDG_RUNTIME_DIR"]) / "diffusiond" / SOCKET_NAME)
@@ -60,15 +62,16 @@ class OutputFormat:
     extension: str
     image: bool  # takes an image (H, W, 3), and a one-frame video as its image
     video: bool  # takes a video (F, H, W, 3)
+    max_side: int = 1 << 31  # the largest side its header holds (png's and mp4's are beyond any output)
 
 
 FORMATS: Final[Mapping[str, OutputFormat]] = MappingProxyType({
     f.name: f
     for f in (
         OutputFormat("png", "image/png", "png", image=True, video=False),
-        OutputFormat("jpeg", "image/jpeg", "jpg", image=True, video=False),
-        OutputFormat("webp", "image/webp", "webp", image=True, video=True),  # animated for videos
-        OutputFormat("gif", "image/gif", "gif", image=False, video=True),
+        OutputFormat("jpeg", "image/jpeg", "jpg", image=True, video=False, max_side=65535),
+        OutputFormat("webp", "image/webp", "webp", image=True, video=True, max_side=16383),  # animated for videos
+        OutputFormat("gif", "image/gif", "gif", image=False, video=True, max_side=65535),
         OutputFormat("mp4", "video/mp4", "mp4", image=False, video=True),
         OutputFormat("npy", "application/x-npy", "npy", image=True, video=True),  # raw, not encoded
     )

@@ -106,7 +106,8 @@ def test_socket_resolution_order(tmp_path: Path, clean_env: pytest.MonkeyPatch, 
     assert default_socket_path() == f"/tmp/diffusiond-{os.getuid()}/diffusiond.sock"
     steps = [
         ("XDG_RUNTIME_DIR", str(tmp_path / "xdg"), str(tmp_path / "xdg" / "diffusiond" / "diffusiond.sock")),
-        ("RUNTIME_DIRECTORY", str(tmp_path / "rt"), str(tmp_path / "rt" / "diffusiond.sock")),
+        # another unit's RuntimeDirectory= (a trainer's): the client looks where the daemon is, not there
+        ("RUNTIME_DIRECTORY", str(tmp_path / "rt"), str(tmp_path / "xdg" / "diffusiond" / "diffusiond.sock")),
         ("DIFFUSIOND_SOCKET", str(tmp_path / "env.sock"), str(tmp_path / "env.sock")),
     ]
     for key, value, expected in steps:  # each step outranks the ones set before it
@@ -123,7 +124,7 @@ def test_socket_resolution_order(tmp_path: Path, clean_env: pytest.MonkeyPatch, 
 
 def test_runtime_directory_uses_the_first_entry(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("RUNTIME_DIRECTORY", f"{tmp_path}/a:{tmp_path}/b")
-    assert default_socket_path() == f"{tmp_path}/a/diffusiond.sock"
+    assert default_socket_path(serving=True) == f"{tmp_path}/a/diffusiond.sock"
 
 
 # serve's configuration -----------------------------------------------------------------------

@@ -70,7 +70,6 @@ def test_config_model_names() -> None:
 
 def test_config_socket_path_order() -> None:
     assert default_socket_path({"DIFFUSIOND_SOCKET": "/a", "XDG_RUNTIME_DIR": "/x"}) == "/a"
-    assert default_socket_path({"RUNTIME_DIRECTORY": "/run/diffusiond"}) == "/run/diffusiond/diffusiond.sock"
     assert default_socket_path({"XDG_RUNTIME_DIR": "/x"}) == "/x/diffusiond/diffusiond.sock"
     assert default_socket_path({}).startswith("/tmp/diffusiond-")
 

@@ -84,7 +84,10 @@ def test_frame_count_neighbours(frames: int, step: int, expected: tuple[int, int
 
 def test_socket_path_rules() -> None:
     assert default_socket_path({"DIFFUSIOND_SOCKET": "/a", "XDG_RUNTIME_DIR": "/x"}) == "/a"
-    assert default_socket_path({"RUNTIME_DIRECTORY": "/run/d:/run/e"}) == "/run/d/diffusiond.sock"
+    assert default_socket_path({"RUNTIME_DIRECTORY": "/run/d:/run/e"}, serving=True) == "/run/d/diffusiond.sock"
+    # a client inside another unit with RuntimeDirectory= (a trainer's) looks where the daemon is, not there
+    assert default_socket_path({"RUNTIME_DIRECTORY": "/run/trainer", "XDG_RUNTIME_DIR": "/x"}) == \
+        "/x/diffusiond/diffusiond.sock"
     assert default_socket_path({"XDG_RUNTIME_DIR": "/x"}) == "/x/diffusiond/diffusiond.sock"
     assert default_socket_path({}) == f"/tmp/diffusiond-{os.getuid()}/diffusiond.sock"
 

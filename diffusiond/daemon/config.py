@@ -220,7 +220,7 @@ class DaemonConfig:
 
     @property
     def socket_path(self) -> str:
-        return self.socket or default_socket_path()
+        return self.socket or default_socket_path(serving=True)
 
     def validate(self) -> DaemonConfig:
         if not self.models:

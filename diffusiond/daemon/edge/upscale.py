@@ -16,10 +16,9 @@ import msgspec
 
 from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.daemon.errors import OutputTooLarge, invalid, shown
-from diffusiond.daemon.outputs.encoders import MAX_SIDE as FORMAT_MAX_SIDE
 from diffusiond.ipc.tensors import itemsize
 from diffusiond.ipc.upscale import HiresSpec, UpscaleSpec, hires_schedule
-from diffusiond.protocol import VIDEO_TASKS, Task
+from diffusiond.protocol import FORMATS, VIDEO_TASKS, Task
 
 if TYPE_CHECKING:
     from diffusiond.daemon.core.engine import Engine
@@ -112,7 +111,7 @@ def _upscale(engine: Engine, body: UpscaleBody, size: tuple[int, int]) -> Upscal
 def _check_format_side(req: JobRequest, field: str) -> None:
     """Refused here, not after the whole upscale has run and the encoder found the side too long for its format."""
     side = max(req.output_size)
-    if side > (limit := FORMAT_MAX_SIDE.get(req.output_format, side)):
+    if side > (limit := FORMATS[req.output_format].max_side):
         raise invalid(f"{req.output_format} holds at most {limit} pixels a side and the output would be "
                       f"{req.output_size[0]}x{req.output_size[1]}: ask for png (or npy), or a smaller scale",
                       field=field)

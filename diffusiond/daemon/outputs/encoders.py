@@ -61,9 +61,6 @@ _H264_CANDIDATES: Final[tuple[str, ...]] = (
 # libjpeg's COM marker holds at most this many bytes; a longer comment is left out, not truncated.
 _JPEG_MAX_COMMENT: Final[int] = 65533
 
-# The largest side each format's header holds (an upscale may reach 16384); png's and mp4's are beyond any output.
-MAX_SIDE: Final[Mapping[str, int]] = MappingProxyType({"webp": 16383, "jpeg": 65535, "gif": 65535})
-
 # PNG tEXt keywords are 1-79 Latin-1 printable characters (PNG spec 11.3.4.3).
 _PNG_KEYWORD_MAX: Final[int] = 79
 
@@ -185,7 +182,7 @@ def _check_pixels(array: np.ndarray, fmt: str) -> None:
     """Fail early, naming the shape or dtype, instead of letting Pillow or FFmpeg fail obscurely."""
     if array.ndim not in (3, 4) or array.shape[-1] != 3:
         raise ValueError(f"expected an image (H, W, 3) or a video (F, H, W, 3), got shape {array.shape}")
-    if max(array.shape[-3:-1]) > (limit := MAX_SIDE.get(fmt, 1 << 31)):  # libwebp says only "encoding error 5"
+    if max(array.shape[-3:-1]) > (limit := FORMATS[fmt].max_side):  # libwebp says only "encoding error 5"
         raise ValueError(f"{fmt} holds at most {limit} pixels a side and this output is {array.shape[-2]}x"
                          f"{array.shape[-3]}: ask for png (or npy), or a smaller size or upscale")
     if array.size == 0:
