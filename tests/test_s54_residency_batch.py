@@ -17,6 +17,13 @@ from diffusiond.daemon.residency.working import Shape
 from diffusiond.protocol import JobStatus, WorkerState
 
 
+def _two_models(monkeypatch: pytest.MonkeyPatch) -> Harness:
+    """a and b, 2 GiB of weights each, in a 6 GiB budget, batches of up to 4."""
+    hold_starts(monkeypatch, weight_bytes=2 * G).set()
+    return Harness(models=tuple(ModelConfig(name=n, spec="fake", devices=("cuda:0",)) for n in "ab"),
+                   device_memory="6GiB", host_memory="0", max_batch=4)
+
+
 def _worker(h: Harness, model: str) -> FakeWorker:
     return [w for w in h.spawned if w.config.model_name == model][-1]
 
@@ -25,9 +32,7 @@ async def test_an_idle_model_leaves_for_the_batch_that_runs_not_only_for_its_fir
         monkeypatch: pytest.MonkeyPatch) -> None:
     """a and b, 2 GiB each, share a 6 GiB budget: a's batch of 1 needs 1 GiB beside them (measured), its batch of 4
     3 GiB, which only b's leaving makes. b leaves before the batch of 4 is sent, and the batch holds its 3 GiB."""
-    hold_starts(monkeypatch, weight_bytes=2 * G).set()
-    h = Harness(models=tuple(ModelConfig(name=n, spec="fake", devices=("cuda:0",)) for n in "ab"),
-                device_memory="6GiB", host_memory="0", max_batch=4)
+    h = _two_models(monkeypatch)
     await h.engine.start()
     try:
         keeper = h.engine.keeper
@@ -53,9 +58,7 @@ async def test_an_idle_model_leaves_for_the_batch_that_runs_not_only_for_its_fir
 async def test_a_batch_waits_for_another_models_run_to_give_its_room_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """b runs a batch (1 GiB) beside a: a's batch of 1 would fit in what is left, its batch of 4 (2 GiB) does not,
     so it is sent only once b's run has ended, and then as one batch of 4 within the budget."""
-    hold_starts(monkeypatch, weight_bytes=2 * G).set()
-    h = Harness(models=tuple(ModelConfig(name=n, spec="fake", devices=("cuda:0",)) for n in "ab"),
-                device_memory="6GiB", host_memory="0", max_batch=4)
+    h = _two_models(monkeypatch)
     await h.engine.start()
     try:
         keeper = h.engine.keeper

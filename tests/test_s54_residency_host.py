@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
@@ -24,18 +25,26 @@ from diffusiond.ipc.messages import Ready
 from diffusiond.protocol import WorkerState
 
 
-async def test_a_first_load_that_keeps_weights_in_host_memory_drops_what_it_has_no_room_beside(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """x (1 GiB) waits in host memory; o, never seen, keeps 2 GiB there while on its device (offloaded): with 2.5 GiB
-    of host budget, x goes to disk once o's first load says so."""
+def _o_offloaded(b_starts: asyncio.Event | None = None) -> Callable[[FakeWorker, float], Awaitable[Ready]]:
+    """Workers that start at once (b's once ``b_starts`` is set) with 1 GiB of weights each; o keeps 2 GiB in host
+    memory while on its device (offloaded)."""
     async def start(self: FakeWorker, timeout: float) -> Ready:
+        if b_starts is not None and self.config.model_name == "b":
+            await b_starts.wait()
         await asyncio.sleep(0)
         self.state = WorkerState.READY
         host = 2 * G if self.config.model_name == "o" else 0
         return Ready(self.config.model_name, self.config.device, 1.0,
                      msgspec.structs.replace(CAPS, weight_bytes=G, host_bytes=host))
 
-    monkeypatch.setattr(FakeWorker, "start", start)
+    return start
+
+
+async def test_a_first_load_that_keeps_weights_in_host_memory_drops_what_it_has_no_room_beside(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """x (1 GiB) waits in host memory; o, never seen, keeps 2 GiB there while on its device (offloaded): with 2.5 GiB
+    of host budget, x goes to disk once o's first load says so."""
+    monkeypatch.setattr(FakeWorker, "start", _o_offloaded())
     h = Harness(models=(ModelConfig(name="x", spec="fake", devices=("cuda:0",)),
                         ModelConfig(name="o", spec="fake", devices=("cuda:0",), preload=False)),
                 device_memory="8GiB", host_memory="2560MiB", max_batch=1)
@@ -79,17 +88,7 @@ async def test_the_preload_drops_an_idle_model_from_host_memory_for_what_an_offl
     there); a is sent to host memory while b loads (by hand here; a keep-alive that ends during a long preload does
     the same). o's load drops a to disk for its room, as any load from disk does, rather than stay on disk."""
     b_starts = asyncio.Event()
-
-    async def start(self: FakeWorker, timeout: float) -> Ready:
-        if self.config.model_name == "b":
-            await b_starts.wait()
-        await asyncio.sleep(0)
-        self.state = WorkerState.READY
-        host = 2 * G if self.config.model_name == "o" else 0
-        return Ready(self.config.model_name, self.config.device, 1.0,
-                     msgspec.structs.replace(CAPS, weight_bytes=G, host_bytes=host))
-
-    monkeypatch.setattr(FakeWorker, "start", start)
+    monkeypatch.setattr(FakeWorker, "start", _o_offloaded(b_starts))
     h = Harness(models=tuple(ModelConfig(name=n, spec="fake", devices=("cuda:0",)) for n in "abo"),
                 device_memory="8GiB", host_memory="2560MiB", max_batch=1)
     o = h.engine.pool.models["o"]
