@@ -36,7 +36,7 @@ def memfd_maps(pid: int | str = "self") -> list[str]:
 # each other. (xdist's own groups, `--dist loadgroup`, silently group nothing with pytest 9.2: xdist issue 1386.)
 MACHINE_WIDE = {"test_daemon_lifecycle.py", "test_faults.py", "test_hardening_shutdown.py", "test_ipc_arena.py",
                 "test_ipc_channel.py", "test_worker.py", "test_ray.py", "test_ray_adopt.py", "test_web_page.py",
-                "test_s54_ray_deploy.py"}
+                "test_ray_deploy.py"}
 
 
 @pytest.fixture(scope="module", autouse=True)

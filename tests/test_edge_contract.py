@@ -10,7 +10,7 @@ answer otherwise:
   case-insensitive (RFC 9110 11.1) and the web listener took extra spaces;
 - a 405 carried no ``Allow`` header, which HTTP requires of it;
 - an edit whose client hung up while its picture was decoded kept its input memfd for the daemon's life (the
-  same in process, every time: tests/test_s54_edge_pool.py).
+  same in process, every time: tests/test_edge_decode_cancel.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# Ray reads this when it is imported, and this module may be collected before test_s54_ray_deploy.py, whose
+# Ray reads this when it is imported, and this module may be collected before test_ray_deploy.py, whose
 # cluster must stay on 127.0.0.1 (see test_ray.py)
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'diffusiond[ray]')")

@@ -6,7 +6,7 @@ owned that memfd any more, so each hang-up at that moment kept an fd and the pic
 daemon's life (a busy pool, where decodes wait behind encodes, made it common: clients time out there).
 Each image-carrying field is decoded at its own call site (an edit's image, control images, IP-Adapter
 references); each must close what its cancelled decode returns. In process, with the decode held on an
-event, so the cancel lands inside it every time; against a real daemon: tests/test_s54_edge_api.py.
+event, so the cancel lands inside it every time; against a real daemon: tests/test_edge_contract.py.
 """
 
 from __future__ import annotations
