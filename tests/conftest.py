@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,19 @@ def machine_wide(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def sigint_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Ctrl-C stays Python's in every test process: a test that left SIGINT ignored or taken (a handler a library
+    installs and does not give back) made a later test's KeyboardInterrupt never come, and that test ran to its
+    job's deadline (test_client_api's interrupt test, 300 s, in a full run on 2026-12-07). Put back, and named."""
+    yield
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler and \
+            threading.current_thread() is threading.main_thread():
+        changed = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler as {changed!r}; put back", stacklevel=1)
 
 
 @pytest.fixture(scope="session", autouse=True)
