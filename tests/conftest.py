@@ -67,7 +67,8 @@ def sigint_kept(request: pytest.FixtureRequest) -> Iterator[None]:
             threading.current_thread() is threading.main_thread():
         changed = signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        warnings.warn(f"{request.node.nodeid} left SIGINT's handler as {changed!r}; put back", stacklevel=1)
+        warnings.warn(f"SIGINT's handler was {changed!r} after {request.node.nodeid} (or the teardown of the module "
+                      "this process ran before it); put back", stacklevel=1)
 
 
 @pytest.fixture(scope="session", autouse=True)
