@@ -38,6 +38,10 @@ _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 HIGH_WATER = 1 << 20  # bytes queued locally before drain() waits
 
 FrameHandler = Callable[[Frame], None]
+"""Owns the frame's fds from the call on, also when it raises: only the handler knows which it has handed on
+(a mapping, a queue), so the channel closing them after a failure could close a number already reused. The
+channel closes only the fds no handler was given: those of a frame that failed its checks or never came whole,
+and those of frames behind a close."""
 CloseHandler = Callable[[BaseException | None], None]
 
 
