@@ -12,6 +12,8 @@ import os
 import socket
 from collections.abc import Callable
 
+from workerkit import config
+
 from diffusiond.ipc import messages as m
 from diffusiond.ipc.channel import Channel, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError
@@ -103,3 +105,28 @@ async def test_the_fds_of_a_frame_cut_off_by_a_hang_up_are_closed_with_the_chann
     reason = await asyncio.wait_for(closed, 10)
     assert isinstance(reason, ChannelClosed) and "peer closed" in str(reason)
     assert open_copies("cut-off-frame") == 0
+
+
+class _Closed:
+    def __init__(self) -> None:
+        self.reasons: list[BaseException | None] = []
+
+    def close(self, reason: BaseException | None = None) -> None:
+        self.reasons.append(reason)
+
+
+def test_the_engine_closes_the_fds_of_an_output_frame_it_refuses() -> None:
+    """An output frame whose descriptors do not match its dedicated buffers is a protocol error; the engine's
+    handle is the only one holding those descriptors then, so it closes them as it refuses the frame."""
+    from diffusiond.daemon.workers.handle import WorkerHandle
+    from diffusiond.ipc.tensors import TensorDesc
+
+    handle = WorkerHandle(config(), on_frame=lambda *_: None,
+                          on_lost=lambda *_: None)
+    closed = _Closed()
+    handle.channel = closed  # type: ignore[assignment]
+    desc = TensorDesc(dtype="uint8", shape=(4,), nbytes=4, slot_id=1, dedicated=True)
+    fds = [os.memfd_create("refused-output") for _ in range(2)]  # one buffer, two descriptors
+    handle._on_frame(Frame(m.Kind.OUTPUT_READY, 0, m.OutputReady(request_id="r", batch_id=1, tensor=desc), fds))
+    assert isinstance(closed.reasons[0], ProtocolError)
+    assert open_copies("refused-output") == 0

@@ -306,14 +306,18 @@ class WorkerHandle:
         if out is not None and any(d.dedicated for d in regions):
             mine = [d for d in regions if d.dedicated]  # the output's fd first, then the trajectory's
             if len(frame.fds) != len(mine):
+                _close_all(frame.fds)  # the frame is refused, so no one else will close them
                 self._protocol_error(f"output {out.request_id} with {len(mine)} dedicated buffers arrived with "
                                      f"{len(frame.fds)} fds")
                 return
-            for d, fd in zip(mine, frame.fds, strict=True):
-                self.dedicated[d.slot_id] = MappedView(fd, d.nbytes, close_fd=not is_sealed(fd))
+            for i, (d, fd) in enumerate(zip(mine, frame.fds, strict=True)):
+                try:
+                    self.dedicated[d.slot_id] = MappedView(fd, d.nbytes, close_fd=not is_sealed(fd))
+                except BaseException:  # MappedView closed its own fd; the ones after it are still ours
+                    _close_all(frame.fds[i + 1 :])
+                    raise
         elif frame.fds:
-            for fd in frame.fds[1 if isinstance(msg, Hello) else 0 :]:
-                os.close(fd)
+            _close_all(frame.fds[1 if isinstance(msg, Hello) else 0 :])
         if isinstance(msg, Hello):
             if not frame.fds:
                 self._protocol_error("HELLO arrived without the arena fd")
@@ -420,3 +424,8 @@ def _kind_name(kind: int) -> str:
 def _regions(msg: OutputReady) -> list[TensorDesc]:
     """The memory an output frame hands over: its tensor's, and its trajectory's region."""
     return [msg.tensor] if msg.trajectory is None else [msg.tensor, msg.trajectory.region]
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
