@@ -57,11 +57,20 @@ def machine_wide(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C is Python's in every test process from its start: a run started in the background of a shell without
+    job control (``make test > log &``) inherits SIGINT ignored, as POSIX has such a shell do, and Python keeps an
+    inherited SIG_IGN; the tests that interrupt themselves (test_client_api's Ctrl-C) then wait out their deadline.
+    Only an ignored SIGINT is taken back: a handler installed on purpose is left alone."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def sigint_kept(request: pytest.FixtureRequest) -> Iterator[None]:
     """Ctrl-C stays Python's in every test process: a test that left SIGINT ignored or taken (a handler a library
-    installs and does not give back) made a later test's KeyboardInterrupt never come, and that test ran to its
-    job's deadline (test_client_api's interrupt test, 300 s, in a full run on 2026-12-07). Put back, and named."""
+    installs and does not give back) would make a later test's KeyboardInterrupt never come, and that test run to
+    its job's deadline. Put back, and named. (A process that started with it ignored is ``pytest_configure``'s.)"""
     yield
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler and \
             threading.current_thread() is threading.main_thread():

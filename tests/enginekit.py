@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -259,3 +260,19 @@ def hold_starts(monkeypatch: Any, *, models: Sequence[str] | None = None, weight
 
     monkeypatch.setattr(FakeWorker, "start", start)
     return opened
+
+
+def gate_writes(h: Harness, wait_s: float) -> tuple[threading.Event, threading.Event]:
+    """The store's ``write_output`` held at its start: returns ``(gate, writing)``. ``writing`` is set once an
+    output's write has begun; the write then waits for ``gate`` (at most ``wait_s``), so a test acts (a stop, a
+    worker's death) while an output's file is being written. Set ``gate`` in a ``finally``."""
+    gate, writing = threading.Event(), threading.Event()
+    write = h.engine.store.write_output
+
+    def slow_write(*args: Any, **kw: Any) -> Any:
+        writing.set()
+        gate.wait(wait_s)
+        return write(*args, **kw)
+
+    h.engine.store.write_output = slow_write  # type: ignore[method-assign]
+    return gate, writing

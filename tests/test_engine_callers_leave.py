@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sqlite3
-import threading
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, gate_writes
 from test_review_engine import until
 
 from diffusiond.daemon.config import ModelConfig
@@ -33,15 +32,7 @@ async def test_an_output_delivered_as_its_worker_dies_is_not_failed(tmp_path: Pa
     B's output, in the same batch: A failed with ``worker_lost``."""
     h = Harness(store=SqliteStore(tmp_path), max_batch=2, batch_wait_ms=50)
     await h.engine.start()
-    gate, writing = threading.Event(), threading.Event()
-    write = h.engine.store.write_output
-
-    def slow_write(*args: object, **kw: object) -> object:
-        writing.set()
-        gate.wait(5)
-        return write(*args, **kw)  # type: ignore[arg-type]
-
-    h.engine.store.write_output = slow_write  # type: ignore[method-assign]
+    gate, writing = gate_writes(h, 5)
     try:
         a, b = h.submit(), h.submit(seed=2)
         await until(lambda: bool(h.worker.executed))

@@ -13,12 +13,10 @@ import dataclasses
 import gc
 import logging
 import sqlite3
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
-from enginekit import Harness
+from enginekit import Harness, gate_writes
 from test_review_engine import until
 
 from diffusiond.daemon.core.jobs import JobRequest
@@ -37,15 +35,7 @@ async def test_a_stop_while_an_output_is_written_ends_cleanly_and_keeps_the_jobs
     the stop logs no error."""
     h = Harness(store=SqliteStore(tmp_path), max_batch=1)
     await h.engine.start()
-    gate, writing = threading.Event(), threading.Event()
-    write = h.engine.store.write_output
-
-    def slow_write(*args: Any, **kw: Any) -> Any:
-        writing.set()
-        gate.wait(10)
-        return write(*args, **kw)
-
-    h.engine.store.write_output = slow_write  # type: ignore[method-assign]
+    gate, writing = gate_writes(h, 10)
     close, outputs = h.engine.outputs.close, h.engine.outputs
 
     def close_then_let_the_write_end() -> None:  # the stop is under way: its workers are stopped
