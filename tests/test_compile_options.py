@@ -1,5 +1,5 @@
-"""Compile options (``compile_backend``, ``compile_shapes``, ``fuse_qkv``, ``channels_last``) written in a
-model spec reach the compiled pipeline the worker builds, as the same options in a ``[[models]]`` table do:
+"""Compile options (``compile_backend``, ``compile_shapes``, ``fuse_qkv``, ``channels_last``, ``compile_encoders``)
+written in a model spec reach the compiled pipeline the worker builds, as the same options in a ``[[models]]`` table do:
 the engine holds ``--warmup`` to the spec's ``compile_shapes`` at start, so the worker must use it too."""
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ def test_compile_options_in_the_spec_reach_the_compiled_pipeline() -> None:
     pipe = load(config("tiny,compile_backend=eager,fuse_qkv=1,compile_shapes=3", compile="default"))
     assert (pipe.backend, pipe.max_shapes) == ("eager", 3)  # type: ignore[attr-defined]
     assert fused(pipe)
+
+
+def test_compile_encoders_0_leaves_the_text_encoder_eager_and_compiles_the_rest() -> None:
+    """A cold start pays for every module compiled; an encoder that runs once an image may not be worth it."""
+    pipe = load(config("tiny,compile_backend=eager,compile_encoders=0", compile="default"))
+    assert "text_encoder" not in pipe.compiled and {"unet", "vae.decoder"} <= set(pipe.compiled)  # type: ignore[attr-defined]
+    assert isinstance(run(pipe, m.BatchParams(width=64, height=64, steps=2, guidance=5.0)), torch.Tensor)
 
 
 def test_the_table_options_win_over_the_spec_s() -> None:

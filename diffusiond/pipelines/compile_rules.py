@@ -19,10 +19,13 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def left_eager(options: Mapping[str, str]) -> tuple[str, ...]:
-    """The text encoders stored in fp8 (``quant=text_encoder_2:fp8-storage``), which ``--compile`` leaves eager:
-    their casting hooks cannot be compiled (``compile_refusal``), and an encoder runs once an image, so compiling
-    it buys little. FLUX.1-dev with its transformer in fp8 needs T5 in fp8 too to fit a 24 GiB card (fp8=rowwise
-    with T5 as built peaked at 24.7 GiB compiled on an H100, docs/benchmarks.md)."""
+    """The text encoders ``--compile`` leaves eager: all of them with ``compile_encoders=0``, and those stored in fp8
+    (``quant=text_encoder_2:fp8-storage``), whose casting hooks cannot be compiled (``compile_refusal``). An encoder
+    runs once an image, so compiling it buys little where the denoiser's steps dominate, and compiling T5-XXL whole
+    costs a cold start seconds. FLUX.1-dev with its transformer in fp8 needs T5 in fp8 too to fit a 24 GiB card
+    (fp8=rowwise with T5 as built peaked at 24.7 GiB compiled on an H100, docs/benchmarks.md)."""
+    if options.get("compile_encoders") == "0":
+        return TEXT_ENCODERS
     try:
         quant = parse_quant(options["quant"]) if options.get("quant") else {}
     except PipelineError:
