@@ -98,7 +98,8 @@ class Flights:
                     break
                 worker = min(ready, key=lambda w: len(self.in_flight[w]))
                 # An idle worker takes whatever is there; a busy one only a full batch (see Scheduler).
-                got = self.scheduler.next_batch(model.name, now, partial_ok=not self.in_flight[worker])
+                got = self.scheduler.next_batch(model.name, now, partial_ok=not self.in_flight[worker],
+                                                most=self.keeper.most.get(model.name))
                 if got is None:
                     break
                 if isinstance(got, Wait):

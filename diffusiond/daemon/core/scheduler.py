@@ -123,11 +123,14 @@ class Scheduler:
         """The most items one of ``model``'s batches takes: its largest size."""
         return max(self.sizes[model]) if model in self.sizes else self.max_batch
 
-    def next_batch(self, model: str, now: float, *, partial_ok: bool = True) -> list[Item] | Wait | None:
+    def next_batch(self, model: str, now: float, *, partial_ok: bool = True,
+                   most: int | None = None) -> list[Item] | Wait | None:
+        """``most``: the most items the batch may take now (residency: the largest batch that fits the device), which
+        is then a full batch: nothing that could join it would fit."""
         q = self._pending[model]
         if not q:
             return None
-        full = self.full_batch(model)
+        full = self.full_batch(model) if most is None else max(1, min(most, self.full_batch(model)))
         head = q[0]
         key = head.job.request.batch_params()
         batch = [head]

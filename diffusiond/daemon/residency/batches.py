@@ -5,58 +5,65 @@ a batch of up to the model's ``max_batch`` from what waits: planned at batch 1, 
 one whose room a batch of 8 then took, past ``--device-memory`` (the books hold only what was free, so they never
 showed it). So once batch 1 fits, the batch the queue can form (its outputs, up to the model's largest batch: an
 upper bound, as the default estimate errs towards evicting more) is planned too: idle models leave for it, and it
-waits for other models' runs or moves that will give its room back. Where nothing will (memory other programs
-hold, a batch whose measured floor is past the budget), it goes as before, tried on what is free: the worker's
-out-of-memory retry runs it as halves, and waiting would hold the queue for good.
+waits for other models' runs or moves that will give its room back. Where nothing will (a pinned model, one with
+queued work, memory other programs hold, a batch whose measured floor is past the budget), waiting would hold the
+queue for good, and the full batch would run past the budget (or into the worker's out-of-memory retry): the batch
+goes at the largest size whose working memory fits what is free (``Go.most``), and the rest follows in batches of
+that size.
+
+Pure, as ``policy.py`` is: it reads the books and answers with a decision, which the keeper carries out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Collection
+from dataclasses import dataclass
 
-from diffusiond.daemon.config import DaemonConfig
-from diffusiond.daemon.residency.decisions import Evict, Move, Wait
+from diffusiond.daemon.residency.decisions import Evict, Fits, Wait
 from diffusiond.daemon.residency.policy import Residency
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model
 
 
-class Keeper(Protocol):
-    """What this needs of ``keeper.Keeper`` (named here so the two modules do not import each other)."""
+@dataclass(frozen=True)
+class Go:
+    """The model takes batches now, of at most ``most`` outputs (None: as many as its ``max_batch``)."""
 
-    config: DaemonConfig
-    policy: Residency
-    moving: set[str]
-    queued: Callable[[str], int]
-    _held: dict[str, str]
-    _short: dict[str, tuple[str, ...]]
-
-    def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
+    most: int | None = None
 
 
-def room(k: Keeper, model: Model, shape: Shape | None) -> bool:
-    """``model``, which fits at ``shape``, may take a batch now: True, or False once the moves that make its
-    batch's room have started, or while runs and moves of other models will give that room back."""
-    name = model.name
-    batch = min(k.queued(name), k.config.max_batch_of(model.config))
-    if shape is not None and batch > shape.batch:
-        plan = k.policy.plan(name, dataclasses.replace(shape, batch=batch))
-        if isinstance(plan, Evict):
-            k._spawn_moves(plan.moves)
-            k._held.pop(name, None)
-            return False
-        if isinstance(plan, Wait) and _others_busy(k, model):
-            k._held[name], k._short[name] = plan.stage, plan.short
-            return False
-    k._held.pop(name, None)
-    return True
+def room(policy: Residency, model: Model, shape: Shape | None, batch: int,
+         moving: Collection[str]) -> Go | Evict | Wait:
+    """``model``, which fits at ``shape`` (None: no job asks), with ``batch`` outputs for its next batch (its queue,
+    up to its largest batch): Go; or Evict, the moves that make its batch's room, after which it is asked again; or
+    Wait, while runs and moves (``moving``) of other models will give that room back."""
+    if shape is None or batch <= shape.batch:
+        return Go()
+    plan = policy.plan(model.name, dataclasses.replace(shape, batch=batch))
+    if isinstance(plan, Fits):
+        return Go()
+    if isinstance(plan, Evict) or (isinstance(plan, Wait) and _others_busy(policy, model, moving)):
+        return plan
+    return Go(_most(policy, model, shape, batch))
 
 
-def _others_busy(k: Keeper, model: Model) -> bool:
+def _others_busy(policy: Residency, model: Model, moving: Collection[str]) -> bool:
     """Another model on one of its devices runs or moves: its end gives memory back and dispatches again. The
     model's own runs do not count: a worker computes one batch at a time, and its next waits behind it."""
     devices = set(model.config.devices)
-    return any(s.name != model.name and (s.running or s.name in k.moving) and devices & set(s.per_device)
-               for s in k.policy.snapshot())
+    return any(s.name != model.name and (s.running or s.name in moving) and devices & set(s.per_device)
+               for s in policy.snapshot())
+
+
+def _most(policy: Residency, model: Model, shape: Shape, batch: int) -> int:
+    """The largest batch, up to ``batch``, whose working memory (as a plan estimates it) fits what is free on each
+    of the model's devices; at least 1, which the plan let go. The model's own runs on a device its one worker there
+    computes count as free: the batch sent behind them starts once they are done, with their memory."""
+    devices = model.config.devices
+    free = min(policy.free(d) + (policy.running_on(model.name, d) if devices.count(d) == 1 else 0)
+               for d in set(devices))
+    most = 1
+    while most < batch and policy.estimate(model.name, dataclasses.replace(shape, batch=most + 1)).nbytes <= free:
+        most += 1
+    return most

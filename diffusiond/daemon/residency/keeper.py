@@ -35,6 +35,7 @@ from typing import Any
 import diffusiond.daemon.residency.batches as batches
 import diffusiond.daemon.residency.byhand as byhand
 import diffusiond.daemon.residency.leaving as leaving
+import diffusiond.daemon.residency.measuring as measuring
 import diffusiond.daemon.residency.ondemand as ondemand
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.metrics import Metrics
@@ -47,6 +48,7 @@ from diffusiond.daemon.residency.decisions import (
     ModelStatus,
     Move,
     OomRetry,
+    Plan,
     TooLarge,
     Wait,
 )
@@ -106,6 +108,7 @@ class Keeper:
         self.oldest = oldest
         self.queued = queued
         self._asked: dict[str, Shape] = {}  # model -> the shape of the last batch it asked to run
+        self.most: dict[str, int | None] = {}  # model -> the most outputs its batches take now (``batches.Go``)
         self.fail = fail
         self.failed: dict[str, str] = {}  # model -> why its last load failed; none is tried until a job asks
         self.unloads: dict[str, str] = {}  # model -> an unload by hand that waits for its work (``unload``)
@@ -254,32 +257,15 @@ class Keeper:
         if isinstance(decision, OomRetry):
             self._spawn_moves(decision.moves)
 
-    # working memory, measured (worker/memory.py) and remembered (the state dir) -----------------------
+    # working memory, measured (worker/memory.py) and remembered (the state dir): ``measuring.py`` -------------
     def measured(self, name: str, shape: Shape, peak_bytes: int) -> dict[str, Any] | None:
-        """A worker measured a run's working memory: later plans for the shape use it. Returns the model's
-        measurements when they changed (a new shape, a larger peak), for the engine to keep in the state
-        dir; None when they did not, so a steady stream of batches writes nothing."""
-        if not self.known(name):
-            return None
-        measurements = self.policy.measurements
-        before = measurements.entry(name)
-        self.policy.measured(name, shape, peak_bytes)
-        after = measurements.entry(name)
-        return after if after != before else None
+        return measuring.measured(self.policy, name, shape, peak_bytes)
 
     def remembered(self, entries: dict[str, Any]) -> None:
-        """At start, the measurements the last run kept (model name -> ``Measurements.entry``), so the first
-        plans use them; one that does not read is logged and measured again."""
-        for name, entry in entries.items():
-            try:
-                self.policy.measurements.load(name, entry)
-            except ValueError as exc:
-                log.warning("%s; it is measured again as it runs", exc)
+        measuring.remembered(self.policy, entries)
 
     def working(self, model: Model) -> dict[str, int]:
-        """The model's measured working bytes per shape key (``WxHxBATCHxFRAMES``), for its weights now."""
-        peaks = self.policy.measurements.peaks(model.name, model.capabilities.weight_bytes)
-        return {s.key: p for s, p in sorted(peaks.items())}
+        return measuring.working(self.policy, model)
 
     # what the engine asks ---------------------------------------------------------------------------
     def review(self) -> None:
@@ -332,10 +318,15 @@ class Keeper:
         if hold is not None:
             self._yield(model, hold)
             return False
-        plan = self.policy.plan(name, shape)
-        if isinstance(plan, Fits):
-            if plan.load_from is None:  # its first output fits; the batch the queue forms is planned too
-                return batches.room(self, model, shape)
+        plan: Plan | batches.Go = self.policy.plan(name, shape)
+        if isinstance(plan, Fits) and plan.load_from is None:  # its first output fits; the batch the queue forms?
+            outputs = min(self.queued(name), self.config.max_batch_of(model.config))
+            plan = batches.room(self.policy, model, shape, outputs, self.moving)
+        if isinstance(plan, batches.Go):
+            self.most[name] = plan.most
+            self._held.pop(name, None)
+            return True
+        if isinstance(plan, Fits) and plan.load_from is not None:
             self._begin_load(model, plan.load_from, plan.reason)
         elif isinstance(plan, Evict):
             self._spawn_moves(plan.moves)
@@ -345,7 +336,7 @@ class Keeper:
             return False
         elif isinstance(weights := self.policy.plan(name, None), TooLarge):  # its load showed it larger than
             self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE, None)  # admission knew: no job would run
-        elif shape is not None:  # the model fits, this size no longer does: measured since (issue 27)
+        elif isinstance(plan, TooLarge) and shape is not None:  # this size, measured since, does not fit (issue 27)
             self.fail(name, f"this job's size no longer fits: its model's working memory, measured after the job "
                             f"was queued, makes it too large even with every other model evicted. "
                             f"{self._budget_said(plan)}", ErrorCode.MODEL_TOO_LARGE, shape)

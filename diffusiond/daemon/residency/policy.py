@@ -27,7 +27,6 @@ from diffusiond.daemon.residency.decisions import (
     ModelStatus,
     Move,
     OomDecision,
-    OomFail,
     OomRetry,
     OomSplit,
     Plan,
@@ -38,7 +37,7 @@ from diffusiond.daemon.residency.decisions import (
     failed_load,
 )
 from diffusiond.daemon.residency.entry import ModelEntry
-from diffusiond.daemon.residency.too_large import too_large
+from diffusiond.daemon.residency.too_large import out_of_memory, too_large
 from diffusiond.daemon.residency.units import FOREVER, format_bytes
 from diffusiond.daemon.residency.working import Estimate, Measurements, Shape, default_working
 
@@ -128,9 +127,15 @@ class Residency:
         m = self._get(name)
         return m.kept if m.tier == "device" else 0
 
-    def _free(self, device: str) -> int:
+    def free(self, device: str) -> int:
+        """What a run may take on ``device`` now: its budget less what the books hold, within what other programs
+        leave (``pressure``)."""
         free = self.budgets[device] - self.device_used(device)
         return min(free, self._headroom[device]) if device in self._headroom else free
+
+    def running_on(self, name: str, device: str) -> int:
+        """What ``name``'s runs hold on ``device``."""
+        return sum(r for _, r, _, d in self._get(name).running if d == device)
 
     def _leaving_bytes(self, device: str) -> int:
         return sum(m.frees(device) for m in self._models.values()
@@ -167,7 +172,7 @@ class Residency:
         load_from = None if m.tier == "device" else m.tier
         weights = 0 if load_from is None else m.weight_bytes
         need = {d: weights * m.devices.count(d) + est.nbytes for d in m.places}
-        free = {d: self._free(d) for d in m.places}
+        free = {d: self.free(d) for d in m.places}
         soon = {d: free[d] + self._leaving_bytes(d) for d in m.places}
         dev = min(m.places, key=lambda d: (free[d] - need[d], m.places.index(d)))  # the shortest, for messages
         lacking = tuple(d for d in m.places if need[d] > free[d])  # where a turn may send a model away
@@ -286,13 +291,7 @@ class Residency:
                             f"out of memory at {shape}: {len(idle)} idle model(s) leave, then it runs again")
         if attempt == 1 and shape.batch > 1:
             return OomSplit(name, shape.halves(), f"out of memory again at {shape}: running it as two halves")
-        est = self.estimate(name, shape)
-        split = ", and as halves of a larger batch" if attempt >= 2 else ""
-        return OomFail(name, f"out of memory running {name} on {m.device} at {shape}, after evicting idle models "
-                             f"and retrying{split}: the budget is {format_bytes(self.budgets[m.device])} "
-                             f"({format_bytes(m.weight_bytes)} of it the weights; working memory {est.how}: "
-                             f"{format_bytes(est.nbytes)}). Try a smaller size or batch, a larger --device-memory, "
-                             f"fewer programs on the GPU{''.join(f', or {h}' for h in m.hints)}")
+        return out_of_memory(m, shape, attempt, self.estimate(name, shape), self.budgets[m.device])
 
     def evict(self, name: str, reason: str, *, queued_ok: bool = False) -> Evict | Wait:
         """By hand (``unload``, ``sleep``): off the device even if pinned, or out of host memory; not while it has
@@ -310,7 +309,7 @@ class Residency:
 
     def preload(self, names: Sequence[str]) -> list[str]:
         """Of ``names`` (in the order configured), those whose weights fit together in their budgets."""
-        free = {d: self._free(d) for d in self.budgets}
+        free = {d: self.free(d) for d in self.budgets}
         chosen = []
         for name in names:
             m = self._get(name)
@@ -364,7 +363,7 @@ class Residency:
                                  f"{' and leaving' if m.leaving else ''}, not on {m.device}")
         self.unqueue(name, jobs)
         # a run tried on less than its estimate (a guess, or memory taken since its plan) holds what was free
-        reserved = min(self.estimate(name, shape).nbytes, max(self._free(device), 0))
+        reserved = min(self.estimate(name, shape).nbytes, max(self.free(device), 0))
         m.running.append((shape, reserved, jobs, device))
         m.last_used = now
         self._adjust(device, -reserved)

@@ -1,11 +1,12 @@
 """The words of a ``model_too_large`` refusal: what the model (and a job's size) needs on the device, what the
-budget leaves it, and what would make it fit. Split off ``policy.py``, which decides when it applies."""
+budget leaves it, and what would make it fit; and those of a run that failed out of memory after its retries. Split
+off ``policy.py``, which decides when each applies."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from diffusiond.daemon.residency.decisions import TooLarge
+from diffusiond.daemon.residency.decisions import OomFail, TooLarge
 from diffusiond.daemon.residency.entry import ModelEntry
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Estimate, Shape
@@ -36,6 +37,16 @@ def too_large(m: ModelEntry, device: str, budget: int, shape: Shape | None, know
                f"({format_bytes(m.size(device))} of weights{each}{working}) and the budget there is "
                f"{format_bytes(budget)}{beside}. What would make it fit: {'; '.join(hints)}")
     return TooLarge(m.name, need, budget, tuple(hints), message, device=device)
+
+
+def out_of_memory(m: ModelEntry, shape: Shape, attempt: int, est: Estimate, budget: int) -> OomFail:
+    """A run of ``shape`` out of memory on ``m``'s device at ``attempt`` (``Residency.on_oom``), past its retries."""
+    split = ", and as halves of a larger batch" if attempt >= 2 else ""
+    return OomFail(m.name, f"out of memory running {m.name} on {m.device} at {shape}, after evicting idle models "
+                           f"and retrying{split}: the budget is {format_bytes(budget)} "
+                           f"({format_bytes(m.weight_bytes)} of it the weights; working memory {est.how}: "
+                           f"{format_bytes(est.nbytes)}). Try a smaller size or batch, a larger --device-memory, "
+                           f"fewer programs on the GPU{''.join(f', or {h}' for h in m.hints)}")
 
 
 def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None = None,
