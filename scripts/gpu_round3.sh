@@ -17,6 +17,7 @@
 #   timeout 585 scripts/gpu_round3.sh setup attention pack   (issue 31; flash-attn, sageattention wheels in .whl/ if wanted)
 #   timeout 585 scripts/gpu_round3.sh setup batch-curve pack   (issue 31: 512² compiled throughput curve, batches in
 #     powers of two up to 8, every size warmed by --warmup 512x512:all; then BSZ_MAX=16 BSZ_SWEEP=32,64 in a call of its own)
+#   timeout 585 scripts/gpu_round3.sh setup encoders-flux pack   (issue 31: FLUX's cold start with eager text encoders)
 #   timeout 585 scripts/gpu_round3.sh setup sdxl pack; ... flux-compiled pack; ... flux-fp8-compiled pack;
 #     ... step-cache pack; ... ready-flux pack; ... ready-sd15 pack   (issue 31: one call each)
 # Each call's figures are written up in docs/benchmarks.md before the next (a machine can stop answering).
@@ -255,6 +256,16 @@ PY
       # <= 60 s; building the random weights can take minutes). The compile cache is in --state-dir
       rm -rf /tmp/r3-state-flux
       ready flux flux-dev,save=0 1024x1024 bfloat16 530 ;;
+    encoders-flux)  # issue 31 compile time: FLUX.1-dev cold start with its text encoders eager (compile_encoders=0)
+      # against compiled (the default), fresh state dirs; then the compiled forward (limit-compiled) of each, 3 images
+      rm -rf /tmp/r3-state-fluxenc0 /tmp/r3-state-fluxenc1
+      ready fluxenc0 flux-dev,save=0,compile_encoders=0 1024x1024 bfloat16 200
+      ready fluxenc1 flux-dev,save=0 1024x1024 bfloat16 200
+      for opt in ,compile_encoders=0 ""; do
+        step "encoders-flux-bench${opt#,}" 150 python3 -m diffusiond bench --model random:flux-dev,save=0$opt \
+          --dtype bfloat16 --size 1024x1024 --steps 28 --batch 1 --requests 3 --modes limit-compiled --compile default \
+          --rounds 1 --no-flops --json
+      done ;;
     ready-sd15)  # issue 31: SD 1.5, --compile reduce-overhead --warmup 512x512:1, started twice on one state dir: the
       # second is the warm restart (target <= 15 s). A user's restart loads a folder, so the first start builds the
       # random weights and saves them (save=1, into $cache/models/random-sd15-v1) with a cold compile cache, and the
