@@ -251,7 +251,9 @@ async def test_a_model_that_cannot_load_fails_start_with_the_workers_reason() ->
     await h.close()
 
 
-async def test_a_waiting_copy_gets_room_by_spilling_the_oldest_unfetched_output(h: Harness) -> None:
+async def test_a_waiting_copy_gets_room_by_spilling_the_unfetched_output_beside_the_free_range(h: Harness) -> None:
+    """The two outputs lie at the arena's start, the newer one against the free range: only its slot, spilled,
+    makes that range long enough (the oldest's would be free apart from it; tests/test_outputs_fragmented_room.py)."""
     jobs = [h.submit(output_format="npy") for _ in range(2)]
     for j, batch_no in zip(jobs, range(2), strict=True):  # a busy worker is sent only full batches
         h.worker.finish(h.worker.executed[batch_no])
@@ -262,12 +264,12 @@ async def test_a_waiting_copy_gets_room_by_spilling_the_oldest_unfetched_output(
         await asyncio.sleep(0.01)
         if len(h.worker.held) == 1:
             break
-    assert h.worker.returned == [0], "the oldest output was spilled, and only it"
-    spilled = np.load(io.BytesIO(await read(h, jobs[0], 0)))
+    assert h.worker.returned == [1], "the output beside the free range was spilled, and only it"
+    spilled = np.load(io.BytesIO(await read(h, jobs[1], 0)))
     assert spilled.shape == (64, 64, 3) and (spilled == 128).all()
     with pytest.raises(errors.OutputReleased):  # the spilled copy is delivered once, as its slot (review45-c 5)
-        await read(h, jobs[0], 0)
-    assert jobs[0].items[0].data is None
+        await read(h, jobs[1], 0)
+    assert jobs[1].items[0].data is None
 
 
 async def test_an_output_read_while_it_is_being_spilled_keeps_no_copy(h: Harness) -> None:
@@ -277,18 +279,18 @@ async def test_an_output_read_while_it_is_being_spilled_keeps_no_copy(h: Harness
     for j, batch_no in zip(jobs, range(2), strict=True):
         h.worker.finish(h.worker.executed[batch_no])
         await h.settle(j)
-    item = jobs[0].items[0]
+    item = jobs[1].items[0]  # the one whose slot makes room (the test above)
     h.worker.slot_wait(h.worker.arena_capacity - h.worker.held_bytes + 1)
     await asyncio.sleep(0)  # the spill's task starts, and waits for its copy
     assert item.spilling
-    await read(h, jobs[0], 0)  # never yields to the loop: done before the copy comes back
+    await read(h, jobs[1], 0)  # never yields to the loop: done before the copy comes back
     for _ in range(50):
         await asyncio.sleep(0.01)
         if not item.spilling:
             break
-    assert not item.spilling and item.data is None and h.worker.returned == [0]
+    assert not item.spilling and item.data is None and h.worker.returned == [1]
     with pytest.raises(errors.OutputReleased):
-        await read(h, jobs[0], 0)
+        await read(h, jobs[1], 0)
 
 
 async def test_retention_end_gives_every_slot_back() -> None:

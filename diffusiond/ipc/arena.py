@@ -130,13 +130,14 @@ class Arena:
                     return slot
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise ArenaFull(
-                        f"no free slot of {nbytes} bytes after {timeout:.1f}s: {self.in_use} of "
-                        f"{self.capacity} bytes in use in {len(self._slots)} slots, largest free range "
-                        f"{max((s for _, s in self._free), default=0)} bytes; raise --arena-mb or fetch "
-                        "and release outputs sooner"
-                    )
+                    raise ArenaFull(self.full(nbytes, timeout or 0.0))
                 self._cond.wait(remaining)
+
+    def full(self, nbytes: int, waited: float) -> str:
+        """Why no slot of ``nbytes`` came after ``waited`` seconds, and what to do."""
+        return (f"no free slot of {nbytes} bytes after {waited:.1f}s: {self.in_use} of {self.capacity} bytes in use "
+                f"in {len(self._slots)} slots, largest free range {self.largest_free} bytes; raise --arena-mb or fetch "
+                "and release outputs sooner")
 
     def try_allocate(self, nbytes: int) -> Slot | None:
         need = _align(max(nbytes, 1))

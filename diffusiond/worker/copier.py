@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ from diffusiond.protocol import AUDIO_ARRAY, SIDE_ARRAYS
 from diffusiond.worker.previews import PendingPreview, PreviewOutbox
 from diffusiond.worker.startup import bind_thread
 from diffusiond.worker.state import SharedState
+
+ASK_AGAIN_S = 1.0  # how often a copy waiting for arena room asks the engine again (``_slot``)
 
 log = logging.getLogger(__name__)
 
@@ -359,15 +362,21 @@ class Copier:
             return describe(host, slot.id, slot.offset), None
 
     def _slot(self, nbytes: int, request_id: str) -> Slot:
-        """An arena slot, waiting (bounded) for the engine to give some back. ``SlotWait`` reports as in use what
-        this request cannot use: all but the largest free range. With the arena's plain bytes in use, free room in
-        pieces each too small (fragmentation) looked like enough, so the engine spilled nothing and the job
-        failed with ArenaFull after the timeout although unfetched outputs could have made room."""
+        """An arena slot, waiting (bounded by ``slot_timeout_s``) for the engine to give some back. ``SlotWait``
+        reports as in use what this request cannot use: all but the largest free range, since free room in pieces
+        each too small is no room. It is sent again every ``ASK_AGAIN_S`` while the wait lasts: what the engine
+        spilled for the first may free bytes that do not join up with the free range, and the engine, which sees
+        only the slots announced to it, learns what is still missing only when asked again."""
         slot = self.arena.try_allocate(nbytes)
-        if slot is None:
-            unusable = self.arena.capacity - self.arena.largest_free
-            self.post(SlotWait(request_id, nbytes, unusable, self.arena.capacity))
-            slot = self.arena.allocate(nbytes, timeout=self.slot_timeout_s)
+        deadline = time.monotonic() + self.slot_timeout_s
+        while slot is None:
+            self.post(SlotWait(request_id, nbytes, self.arena.capacity - self.arena.largest_free, self.arena.capacity))
+            remaining = deadline - time.monotonic()
+            try:
+                slot = self.arena.allocate(nbytes, timeout=max(0.0, min(ASK_AGAIN_S, remaining)))
+            except ArenaFull:
+                if remaining <= ASK_AGAIN_S:
+                    raise ArenaFull(self.arena.full(nbytes, self.slot_timeout_s)) from None
         return slot
 
     def _copy_dedicated(self, host: torch.Tensor, nbytes: int) -> tuple[TensorDesc, int]:

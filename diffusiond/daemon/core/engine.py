@@ -404,9 +404,9 @@ class Engine(OutputAccess):
         elif isinstance(msg, ComputeDone):
             self.flights.on_compute_done(msg)
         elif isinstance(msg, SlotWait):
-            log.info("%s waits for %d bytes of arena (%d of %d in use); spilling unfetched outputs",
-                     worker.name, msg.nbytes, msg.in_use, msg.capacity)
-            self.outputs.relieve(worker, need=msg.nbytes - (msg.capacity - msg.in_use))
+            log.info("%s waits for %d bytes of arena (largest free range %d of %d); spilling unfetched outputs",
+                     worker.name, msg.nbytes, msg.capacity - msg.in_use, msg.capacity)
+            self.outputs.relieve(worker, need=msg.nbytes - (msg.capacity - msg.in_use), size=msg.nbytes)
         elif isinstance(msg, RequestEnded):
             ended = self.items.get(msg.request_id)
             if ended is not None and not ended.job.terminal:

@@ -15,12 +15,14 @@ outputs are not encoded: the HTTP layer streams a header and then the slot's own
 handed back: a release while pinned is deferred to the last unpin.
 
 Outputs that nobody fetches would hold their slots until retention ends; when they take more
-than half of a worker's arena, or a worker waits for room (SLOT_WAIT), the oldest are spilled
-(copied once into engine memory, off the loop) so the arena never fills for good and new
-outputs keep the zero-copy path. Only arena slots count and are spilled: an output larger than
-the arena lies in a memfd of its own, which holds no arena room, so it stays there, mappable by
-fd, until its one delivery (review45-c 5). A spilled npy is still delivered once: its copy is
-dropped after its first complete read, as its slot would have gone back.
+than half of a worker's arena, the oldest are spilled (copied once into engine memory, off the
+loop) so the arena never fills for good and new outputs keep the zero-copy path. A worker that
+waits for room (SLOT_WAIT) needs one free range as long as its slot, not free bytes in pieces:
+for it, those are spilled whose slots open such a range for the fewest bytes. Only arena slots
+count and are spilled: an output larger than the arena lies in a memfd of its own, which holds
+no arena room, so it stays there, mappable by fd, until its one delivery (review45-c 5). A
+spilled npy is still delivered once: its copy is dropped after its first complete read, as its
+slot would have gone back.
 
 When jobs persist (``store.py``), every output is also written to a file in the state dir before
 it counts as ready (encoded bytes, or an npy's header and slot), in the same thread pool: the
@@ -53,6 +55,7 @@ from diffusiond.daemon.outputs.metadata import file_metadata
 from diffusiond.daemon.outputs.trajectories import Trajectories
 from diffusiond.daemon.state.store import Store
 from diffusiond.daemon.workers.link import WorkerLink
+from diffusiond.ipc.arena import ALIGN
 from diffusiond.ipc.sidearrays import TrajectoryDesc
 from diffusiond.ipc.tensors import TensorDesc, as_numpy, numpy_dtype
 from diffusiond.protocol import FORMATS, ErrorCode, Stage, WorkerState
@@ -351,30 +354,73 @@ class Outputs:
         if item.worker is not None:
             item.worker.return_slot(desc)
 
-    def relieve(self, worker: WorkerLink, need: int = 0) -> None:
+    def relieve(self, worker: WorkerLink, need: int = 0, size: int = 0) -> None:
         """Spill the oldest unfetched npy outputs, then the oldest trajectories: while they hold over half of
-        the worker's arena, or (``need`` > 0, the worker is waiting for a slot) until ``need`` more bytes are free."""
+        the worker's arena, or (``need`` > 0, the worker is waiting for a slot of ``size`` bytes) until ``need`` more
+        bytes are free. A waiting worker needs them in one range: ``_room`` picks what to spill for that."""
         capacity = worker.arena_capacity
-        excess = max(need, worker.arena_held_bytes - capacity // 2)  # a dedicated memfd holds no arena room
-        if not capacity or excess <= 0:
+        if not capacity:
             return
-        held = [i for i in self._holding if i.worker is worker and i.desc is not None and not i.desc.dedicated
-                and i.done and not i.pins and not i.spilling]
-        for item in sorted(held, key=lambda i: i.enqueued_at):
+        excess = worker.arena_held_bytes - capacity // 2  # a dedicated memfd holds no arena room
+        room = self._room(worker, size) if need > 0 and size > 0 else None
+        for item, side in room or ():
+            excess -= self._spill_one(item, side)
+        if need > 0 and room is None:
+            excess = max(excess, need)
+        for item in sorted(self._spillable(worker), key=lambda i: i.enqueued_at):
             if excess <= 0:
                 break
-            assert item.desc is not None
-            excess -= item.desc.nbytes
-            if item.file is not None:  # already on disk: the slot can simply go back
-                self._free(item)
-            else:
-                self._keep(self._spill(item))
+            excess -= self._spill_one(item, side=False)
         for item in self.trajectories.spillable(worker):
             if excess <= 0:
                 break
+            excess -= self._spill_one(item, side=True)
+
+    def _spillable(self, worker: WorkerLink) -> list[Item]:
+        return [i for i in self._holding if i.worker is worker and i.desc is not None and not i.desc.dedicated
+                and i.done and not i.pins and not i.spilling]
+
+    def _spill_one(self, item: Item, side: bool) -> int:
+        """Start giving back the item's output slot (``side``: its trajectory's region), marked as being spilled at
+        once so that no later choice takes it again before its task starts; the bytes it frees."""
+        if side:
             assert item.trajectory is not None
-            excess -= item.trajectory.region.nbytes
             self._keep(self.trajectories.spill(item))
+            return item.trajectory.region.nbytes
+        assert item.desc is not None
+        nbytes = item.desc.nbytes
+        if item.file is not None:  # already on disk: the slot can simply go back
+            self._free(item)
+        else:
+            item.spilling = True
+            self._keep(self._spill(item))
+        return nbytes
+
+    def _room(self, worker: WorkerLink, size: int) -> list[tuple[Item, bool]] | None:
+        """What to spill so that one free range of ``size`` bytes opens in the worker's arena: the fewest bytes, the
+        oldest among equals. The worker asks once, then waits for releases until --slot-timeout-s: spilled slots
+        that do not join up with free room leave it waiting for nothing. None where the ranges held here cannot
+        open one, or where one is open already as far as the engine knows (the worker holds slots it has not
+        announced yet, this output's trajectory or a preview, or has not read releases on their way): then the
+        bytes missing are all there is to go by."""
+        size = _taken(0, size)[1]  # as the arena reserves it
+        outputs, sides = set(self._spillable(worker)), set(self.trajectories.spillable(worker))
+        ranges = [(*_taken(d.offset, d.nbytes), (i, False) if i in outputs else None) for i in self._holding
+                  if i.worker is worker and (d := i.desc) is not None and not d.dedicated
+                  and not i.spilling]  # one being spilled frees its range by itself
+        ranges += [(*_taken(r.offset, r.nbytes), (i, True) if i in sides else None)
+                   for i, r in self.trajectories.regions(worker)]
+        best: tuple[int, float, int] | None = None
+        chosen: list[tuple[Item, bool]] = []
+        for start in {0, *(hi for _, hi, _ in ranges)}:  # a cheapest range can start at 0 or where one ends
+            inside = [(hi - lo, what) for lo, hi, what in ranges if lo < start + size and hi > start]
+            if start + size > worker.arena_capacity or any(what is None for _, what in inside):
+                continue
+            spilled = [what for _, what in inside if what is not None]
+            key = (sum(n for n, _ in inside), max((i.enqueued_at for i, _ in spilled), default=0.0), start)
+            if best is None or key < best:
+                best, chosen = key, spilled
+        return chosen if best is not None and best[0] > 0 else None
 
     def _leave_stopped(self) -> None:
         """Copy what outputs hold in a stopped worker's arena out, so it is unmapped: each LTX-2 output's sound track
@@ -385,7 +431,10 @@ class Outputs:
                 self.relieve(worker, need=worker.arena_capacity)
 
     async def _spill(self, item: Item) -> None:
-        item.spilling = True
+        """Copy an npy output out of the arena (``relieve`` chose it, and marked it ``spilling``)."""
+        if item.desc is None:  # given back since it was chosen (a read, its job's end, the engine stopping)
+            item.spilling = False
+            return
         self._pin(item)
         try:
             header, payload = self._npy_parts(item)
@@ -410,6 +459,11 @@ class Outputs:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _taken(offset: int, nbytes: int) -> tuple[int, int]:
+    """The arena range a slot of ``nbytes`` at ``offset`` reserves (``Arena`` rounds each up to ``ALIGN``)."""
+    return offset, offset + -(-nbytes // ALIGN) * ALIGN
 
 
 def _join(header: bytes, payload: memoryview) -> bytes:

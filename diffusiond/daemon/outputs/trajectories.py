@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from diffusiond.daemon.core.jobs import Item
 from diffusiond.daemon.errors import NotShared, OutputNotFound, OutputReleased
@@ -156,11 +157,23 @@ class Trajectories:
                  and not i.trajectory.region.dedicated]  # its own memfd frees no arena
         return sorted(items, key=lambda i: i.enqueued_at)
 
-    async def spill(self, item: Item) -> None:
-        """Copy a trajectory out of the arena (it held room a worker needs); HTTP reads it from here on."""
-        assert item.trajectory is not None and item.worker is not None
-        region = item.trajectory.region
+    def regions(self, worker: WorkerLink) -> list[tuple[Item, TensorDesc]]:
+        """The worker's arena ranges that regions held here take (those being spilled free theirs by themselves)."""
+        return [(i, i.trajectory.region) for i in self.held if i.worker is worker and i.trajectory is not None
+                and i.trajectory_data is None and not i.trajectory.region.dedicated and i not in self._spilling]
+
+    def spill(self, item: Item) -> Coroutine[Any, Any, None]:
+        """Copy a trajectory out of the arena (it held room a worker needs); HTTP reads it from here on. Marked as
+        being spilled now, so that no later choice takes it again; copied by the coroutine, a loop iteration later."""
         self._spilling.add(item)
+        return self._spill(item)
+
+    async def _spill(self, item: Item) -> None:
+        if item.trajectory is None or item.trajectory_data is not None:
+            self._spilling.discard(item)  # given back since it was chosen (retention, the engine stopping)
+            return
+        assert item.worker is not None
+        region = item.trajectory.region
         item.trajectory_pins += 1
         try:
             view = item.worker.buffer(region)[region.offset : region.offset + region.nbytes]
