@@ -23,7 +23,7 @@ from lorakit import build_lora
 
 from diffusiond.ipc.messages import LoraRef
 from diffusiond.pipelines import load_pipeline
-from diffusiond.pipelines.loras import adapters_for
+from diffusiond.pipelines.hotswap import adapters_for
 
 
 def main() -> None:

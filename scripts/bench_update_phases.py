@@ -65,7 +65,7 @@ def lora(rounds: int) -> None:
     from diffusers import FluxTransformer2DModel
 
     from diffusiond.pipelines import load_pipeline
-    from diffusiond.pipelines.loras import adapters_for
+    from diffusiond.pipelines.hotswap import adapters_for
     from diffusiond.pipelines.tiny_flux import TRANSFORMER
     from diffusiond.worker.weights import apply_update, read_tensors
 

@@ -226,7 +226,8 @@ def test_the_fused_quantizer_falls_back_to_the_eager_ops_at_any_failure(monkeypa
 
 def test_adapters_and_weight_updates_are_refused_naming_the_option(flux: Path) -> None:
     """review49-d 1: peft's own refusal named a class the user never chose; the model's option is named instead."""
-    from diffusiond.pipelines.loras import adapters_for, unsupported
+    from diffusiond.pipelines.hotswap import adapters_for
+    from diffusiond.pipelines.loras import unsupported
 
     pipe = load_pipeline(str(flux), name="fx", device="cpu", dtype="float32", options={"fp8": "rowwise"})
     assert adapters_for(pipe, {}, 2) is None

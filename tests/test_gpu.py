@@ -159,7 +159,8 @@ def test_gpu_lora_hot_swap_on_an_inductor_compiled_model_never_recompiles(
 
     from diffusiond.pipelines import load_pipeline
     from diffusiond.pipelines.compile import CompiledPipeline, compilations
-    from diffusiond.pipelines.loras import Adapters, HotSwapAdapters, adapters_for
+    from diffusiond.pipelines.hotswap import HotSwapAdapters, adapters_for
+    from diffusiond.pipelines.loras import Adapters
 
     root = Path(str(tmp_path))
     files = {"a": build_lora(root / "a", seed=11, rank=4, text_encoder=False),

@@ -23,7 +23,8 @@ from lorakit import build_lora
 from diffusiond.ipc import messages as m
 from diffusiond.pipelines import load_pipeline
 from diffusiond.pipelines.compile import CompiledPipeline, compilations
-from diffusiond.pipelines.loras import Adapters, HotSwapAdapters, adapters_for, unsupported
+from diffusiond.pipelines.hotswap import HotSwapAdapters, adapters_for
+from diffusiond.pipelines.loras import Adapters, unsupported
 
 EAGER_BACKEND = {"compile_backend": "eager"}
 TINY = m.BatchParams(width=64, height=64, steps=2, guidance=5.0)

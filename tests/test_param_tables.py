@@ -32,7 +32,8 @@ from diffusiond.daemon.state.params import ParamTables
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import Kind, UpdateLora, UpdateWeights, WeightTensor
 from diffusiond.ipc.params import ParamTableFrame, pack, unpack
-from diffusiond.pipelines.loras import adapters_for, unsupported
+from diffusiond.pipelines.hotswap import adapters_for
+from diffusiond.pipelines.loras import unsupported
 from diffusiond.pipelines.preset_tables import PRESETS
 from diffusiond.pipelines.registry import load_pipeline
 from diffusiond.worker.weights import apply_update, apply_weights, param_table

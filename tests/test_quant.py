@@ -121,7 +121,7 @@ def test_a_lora_on_an_fp8_stored_model_computes_in_the_models_dtype(tmp_path: Pa
     from lorakit import build_lora
     from safetensors.torch import load_file
 
-    from diffusiond.pipelines.loras import adapters_for
+    from diffusiond.pipelines.hotswap import adapters_for
 
     lora = build_lora(tmp_path / "ink", seed=11, rank=4, text_encoder=True)
     file = load_file(str(lora / "pytorch_lora_weights.safetensors"))
@@ -149,7 +149,7 @@ def test_a_lora_on_an_fp8_stored_bfloat16_model_holds_the_files_values_in_bfloat
     from lorakit import build_lora
     from safetensors.torch import load_file
 
-    from diffusiond.pipelines.loras import adapters_for
+    from diffusiond.pipelines.hotswap import adapters_for
 
     lora = build_lora(tmp_path / "ink", seed=12, rank=4, text_encoder=True)
     file = load_file(str(lora / "pytorch_lora_weights.safetensors"))
@@ -170,7 +170,7 @@ def test_a_peft_that_cannot_be_steered_still_gets_a_computing_adapter_and_a_warn
     from lorakit import build_lora
 
     from diffusiond.pipelines import lora_dtypes
-    from diffusiond.pipelines.loras import adapters_for
+    from diffusiond.pipelines.hotswap import adapters_for
 
     monkeypatch.setattr(lora_dtypes, "_PATCHED", "_a_method_peft_does_not_have")
     lora = build_lora(tmp_path / "dots", seed=13, rank=4, text_encoder=False)

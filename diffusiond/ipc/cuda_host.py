@@ -4,12 +4,15 @@
 ``non_blocking`` copy into it is then a true async DMA. Registration is slow (it pins every
 page), so it happens once per arena, never per output, and is undone before the unmap.
 
-Used as the arena's ``on_map``/``on_unmap`` hooks; a no-op without CUDA.
+Used as the arena's ``on_map``/``on_unmap`` hooks; a no-op without CUDA. ``register_for`` ties a
+registration to the object that owns the memory (a model's host copy of its weights).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +54,16 @@ def unregister(address: int, nbytes: int) -> None:
 
 def is_registered(address: int) -> bool:
     return address in _REGISTERED
+
+
+def register_for(owner: object, address: int, nbytes: int) -> Callable[[], None]:
+    """Pin [address, address + nbytes), memory ``owner`` holds, until ``owner`` is collected or the returned
+    callable (idempotent) is called, whichever comes first: the caller's way to unpin before it frees the memory.
+
+    CUDA keeps a registration after the memory under it is freed, and the next block the allocator put at those
+    addresses then failed to register ("already mapped", CUDA error 712: a second model in one process). The
+    finalizer runs when ``owner`` goes, before the attributes that hold the memory are cleared."""
+    register(address, nbytes)
+    done = weakref.finalize(owner, unregister, address, nbytes)
+    done.atexit = False  # at exit the process's mappings go with it
+    return done

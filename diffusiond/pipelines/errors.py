@@ -1,5 +1,5 @@
-"""The two exceptions a pipeline raises, and the one-line reason an adapter does not fit, in a
-module without torch.
+"""The two exceptions a pipeline raises, the one-line reason an adapter does not fit, and the first cause of a
+failure that libraries wrapped, in a module without torch.
 
 They live apart from ``base`` so that code which only reads model specs (the daemon's config, the
 CLI) can raise and catch them without loading torch.
@@ -26,6 +26,16 @@ class Interrupted(Exception):
         super().__init__(f"stopped at step {step} of {total}")
         self.step = step
         self.total = total
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first exception of ``exc``'s chain: diffusers and transformers wrap the one that says what is wrong
+    (safetensors' "file not fully covered" lay three exceptions down, under "Unable to load weights")."""
+    root, seen = exc, {id(exc)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        root = nxt
+        seen.add(id(nxt))
+    return root
 
 
 # diffusers' advice to whoever calls its loaders, not to someone choosing an adapter for a model

@@ -24,7 +24,7 @@ Kept, the block is host memory the model holds while back on its device, which r
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -64,12 +64,6 @@ def tensors_of(modules: Sequence[torch.nn.Module], shallow: Sequence[torch.nn.Mo
                     yield module, name, b, False
 
 
-def _unregister(spans: list[tuple[int, int]]) -> None:
-    for address, nbytes in spans:
-        cuda_host.unregister(address, nbytes)
-    spans.clear()
-
-
 class HostCopy:
     """The pinned host side of one model's weights; ``leave`` and ``come_back`` move them."""
 
@@ -82,11 +76,7 @@ class HostCopy:
         self._blocks: list[torch.Tensor] = []  # kept alive (and registered) for the model's life
         self.nbytes = 0
         _LIVE.add(self)
-        # A copy dropped with its model frees its blocks, but CUDA keeps their pages registered: the allocator's
-        # next block at those addresses then failed to register ("already mapped", CUDA error 712: a second model
-        # with offload=stream in one process). Unregistered first: a finalizer runs before the blocks go.
-        self._spans: list[tuple[int, int]] = []
-        weakref.finalize(self, _unregister, self._spans).atexit = False
+        self._unpins: list[Callable[[], None]] = []  # per block: ``release`` unpins before it frees them
 
     def _carve(self, tensors: list[torch.Tensor]) -> None:
         """One host block for every tensor still without one, registered with CUDA; a view each."""
@@ -98,9 +88,8 @@ class HostCopy:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         block = torch.empty(total, dtype=torch.uint8)
-        if self.device.type == "cuda":
-            cuda_host.register(block.data_ptr(), total)
-            self._spans.append((block.data_ptr(), total))
+        if self.device.type == "cuda":  # unpinned when this copy goes with its model, if not released before
+            self._unpins.append(cuda_host.register_for(self, block.data_ptr(), total))
         for t, off in zip(todo, offsets, strict=True):
             n = t.numel() * t.element_size()
             self._pinned[id(t)] = block[off:off + n].view(t.dtype).view(t.shape)
@@ -114,7 +103,9 @@ class HostCopy:
         spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in self._blocks]
         if any(lo <= t.data_ptr() < hi for _, _, t, _ in tensors_of(self.modules, self.shallow) for lo, hi in spans):
             return 0
-        _unregister(self._spans)
+        for unpin in self._unpins:
+            unpin()
+        self._unpins.clear()
         freed, self.nbytes = self.nbytes, 0
         self._blocks.clear()
         self._pinned.clear()

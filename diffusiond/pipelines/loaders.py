@@ -1,4 +1,5 @@
-"""Loaders for diffusers models on disk or in the HF cache: a folder, a hub id, a single checkpoint.
+"""Loaders for diffusers models on disk or in the HF cache: a folder, a hub id, a GGUF transformer in a base
+pipeline (a single checkpoint: ``single_file.py``).
 
 Every model diffusiond serves through diffusers ends up here, including the ones built in code
 (the ``tiny`` models and ``random:<preset>`` are saved and loaded back through ``load_folder``),
@@ -14,12 +15,13 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import torch
 
 from diffusiond.pipelines.base import PipelineError, RequestDefaults, _tensor_bytes
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_class
+from diffusiond.pipelines.errors import root_cause
 from diffusiond.pipelines.load_progress import loaded
 from diffusiond.pipelines.phases import Phases
 from diffusiond.pipelines.pipeline_classes import check_components, components, weights_variant
@@ -31,29 +33,14 @@ from diffusiond.pipelines.spec import check_second_expert, second_expert_refusal
 
 log = logging.getLogger(__name__)
 
-# Single-file checkpoint model types (diffusers' own inference) -> pipeline class to load with.
-_SINGLE_FILE_CLASSES: tuple[tuple[str, str], ...] = (
-    ("xl_base", "StableDiffusionXLPipeline"),
-    ("playground-v2-5", "StableDiffusionXLPipeline"),
-    ("v1", "StableDiffusionPipeline"),
-    ("v2", "StableDiffusionPipeline"),
-    ("sd3", "StableDiffusion3Pipeline"),
-    ("sd35_large", "StableDiffusion3Pipeline"),
-    ("sd35_medium", "StableDiffusion3Pipeline"),
-    ("flux-dev", "FluxPipeline"),
-    ("flux-schnell", "FluxPipeline"),
-    ("ltx-video", "LTXPipeline"),
-)
-
-
-def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
     """diffusers renamed ``torch_dtype`` to ``dtype`` (the old name warns); pass whichever it wants."""
     from diffusers.utils import deprecation_utils
 
     return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     """Read at call time: the hub libraries read HF_HUB_OFFLINE once, at import."""
     from huggingface_hub import constants
 
@@ -62,12 +49,9 @@ def _hub_offline() -> bool:
 
 
 def _why_not_loaded(exc: BaseException, path: Path, options: Mapping[str, str]) -> str:
-    """What diffusers' message leaves out: the first cause (a truncated file's "file not fully covered" lay three
-    exceptions down, under "Unable to load weights"), and the .bin hint only where the folder has such weights
-    (it was given for any message naming a path, and every path names its .safetensors: review59-a 2)."""
-    root: BaseException = exc
-    while (nxt := root.__cause__ or root.__context__) is not None and nxt is not root:
-        root = nxt
+    """What diffusers' message leaves out: the first cause (``root_cause``), and the .bin hint only where the folder
+    has such weights (it was given for any message naming a path, and every path names its .safetensors)."""
+    root = root_cause(exc)
     said = f" ({type(root).__name__}: {root})" if root is not exc and str(root) not in str(exc) else ""
     if "SafetensorError" in said:
         said += "; `diffusiond fit FOLDER` checks each file's header and names the one that is truncated or corrupt"
@@ -86,7 +70,7 @@ def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str
     """from_pretrained arguments shared by folder and hub loads; ``quant=``'s bitsandbytes methods are
     applied here, while the files are read (pipelines/quant.py); a Qwen2-VL processor in the folder at ``root``
     is loaded without torchvision (pipelines/qwen_edit.py)."""
-    kwargs: dict[str, Any] = {**_dtype_kwarg(dtype), **processor_kwargs(index, root)}
+    kwargs: dict[str, Any] = {**dtype_kwarg(dtype), **processor_kwargs(index, root)}
     if opts.get("quant"):
         config = load_time_config(parse_quant(opts["quant"]), index, dtype, device)
         if config is not None:
@@ -97,9 +81,12 @@ def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str
         suffixes = (".safetensors", ".bin") if kwargs["use_safetensors"] is None else (".safetensors",)
         kwargs["variant"] = weights_variant(root, index, _VARIANTS.get(dtype, ""), suffixes)
     if "safety_checker" in index:
-        # Skip loading a component we would discard anyway.
+        # Skip loading a component we would discard anyway, and its image processor, which only it reads (SD folders
+        # lack both where people deleted them), unless an image encoder uses that too; an IP-Adapter brings its own.
         kwargs["safety_checker"] = None
         kwargs["requires_safety_checker"] = False
+        if "feature_extractor" in components(index) and "image_encoder" not in components(index):
+            kwargs["feature_extractor"] = None
     return kwargs
 
 
@@ -155,7 +142,7 @@ def load_hub(
         f"download it first, e.g. `hf download {repo_id}` (older hubs: `huggingface-cli download {repo_id}`), "
         "or pass a local folder"
     )
-    local_only = options.get("local_files_only") == "1" or _hub_offline()
+    local_only = options.get("local_files_only") == "1" or hub_offline()
     downloading = not isinstance(cached_index, str)
     if downloading and local_only:
         raise PipelineError(not_cached)
@@ -170,7 +157,7 @@ def load_hub(
     index = _read_index(Path(cached_index))  # refuse an unservable class before fetching any weights
     _pipeline_class(str(index.get("_class_name", "")), f"{repo_id}/model_index.json")
     if index.get("processor") and not (Path(cached_index).parent / "processor").is_dir() and not local_only:
-        try:  # a download cut short after the index (review41c): the processor too, before diffusers builds one
+        try:  # a download cut short after the index: the processor too, before diffusers builds one
             cached_index = str(Path(_fetch_head(repo_id)) / "model_index.json")
         except Exception as exc:
             raise PipelineError(f"model {repo_id!r} has no processor/ in the Hugging Face cache ({cache}) and it "
@@ -194,91 +181,10 @@ def load_hub(
 def _fetch_head(repo_id: str) -> str:
     """Download a hub model's ``model_index.json`` and ``processor/`` (small files) into the cache, and return its
     snapshot folder: a Qwen-Image-Edit's processor must be loaded from it without torchvision (qwen_edit.py) before
-    diffusers fetches the rest, or its first start fails on the import (review41b new 2)."""
+    diffusers fetches the rest, or its first start fails on the import."""
     from huggingface_hub import snapshot_download
 
     return str(snapshot_download(repo_id, allow_patterns=["model_index.json", "processor/*"]))
-
-
-def _single_file_class(path: Path, options: Mapping[str, str]) -> type[Any]:
-    """Pick the class for a checkpoint from its tensor names and shapes (read lazily, no weights)."""
-    explicit = options.get("pipeline_class")
-    if explicit:
-        return _pipeline_class(explicit, "option pipeline_class")
-    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}  # noqa: SIM118
-        model_type = infer_diffusers_model_type(shapes)
-    except Exception as exc:
-        raise PipelineError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
-    for prefix, class_name in _SINGLE_FILE_CLASSES:
-        if model_type == prefix or model_type.startswith(prefix + "-"):
-            return _pipeline_class(class_name, f"checkpoint type {model_type!r}")
-    raise PipelineError(
-        f"checkpoint {str(path)!r} looks like a {model_type!r} model, which diffusiond does not load from a "
-        "single file; set option pipeline_class=<diffusers class> or use a diffusers folder"
-    )
-
-
-def load_single_file(
-    path: Path, *, name: str, device: torch.device, dtype: torch.dtype, options: Mapping[str, str]
-) -> DiffusersPipeline:
-    """A single ``.safetensors`` checkpoint; diffusers needs the model's configs beside it (``config``)."""
-    cls = _single_file_class(path, options)
-    if not hasattr(cls, "from_single_file"):
-        raise PipelineError(f"diffusers cannot load {cls.__name__} from a single file; use a diffusers folder")
-    kwargs: dict[str, Any] = _dtype_kwarg(dtype)
-    if _hub_offline():
-        kwargs["local_files_only"] = True
-    if options.get("config"):
-        kwargs["config"] = options["config"]
-    if cls.__name__.startswith("StableDiffusion"):
-        kwargs["safety_checker"] = None
-    try:
-        if options.get("config") and (Path(options["config"]) / "model_index.json").is_file():
-            kwargs.update(_absent_components(path, Path(options["config"]), dtype))
-        pipe = cls.from_single_file(str(path), **kwargs)
-    except Exception as exc:  # conversion, config download and key mismatches raise many types
-        from huggingface_hub import constants
-
-        raise PipelineError(
-            f"cannot load {cls.__name__} from single file {str(path)!r}: {type(exc).__name__}: {exc}. "
-            f"diffusers needs the model's configs: from the HF cache ({constants.HF_HUB_CACHE}) or the network, "
-            "or a local diffusers folder given as option config=<folder>"
-        ) from exc
-    return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options)
-
-
-def _absent_components(path: Path, folder: Path, dtype: torch.dtype) -> dict[str, Any]:
-    """The text encoders and VAE that checkpoint ``path`` lacks (as diffusers decides it, from the tensor names), read
-    from ``config=``'s diffusers folder: diffusers looks there only for weights named diffusion_pytorch_model.*, and
-    a VAE only in the file, so a file of the transformer alone (BFL's flux1-dev.safetensors) did not load with it."""
-    import transformers
-    from diffusers.loaders.single_file_utils import LDM_VAE_KEYS, is_clip_model_in_single_file, is_t5_in_single_file
-    from packaging.version import Version
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-    new_transformers = Version(Version(transformers.__version__).base_version) >= Version("4.56")
-    absent: dict[str, Any] = {}
-    for name, (library, class_name) in components(_read_index(folder / "model_index.json")).items():
-        cls = getattr(importlib.import_module(library), class_name, None) if library in ("diffusers",
-                                                                                         "transformers") else None
-        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
-            if is_clip_model_in_single_file(cls, keys) or is_t5_in_single_file(keys):
-                continue
-            dtype_kwarg: dict[str, torch.dtype] = {"dtype" if new_transformers else "torch_dtype": dtype}
-        elif not isinstance(cls, type) or name != "vae" or any(k.startswith(tuple(LDM_VAE_KEYS)) for k in keys):
-            continue
-        else:
-            dtype_kwarg = _dtype_kwarg(dtype)
-        absent[name] = cast(Any, cls).from_pretrained(str(folder), subfolder=name, use_safetensors=True, **dtype_kwarg)
-        loaded(absent[name])
-    return absent
 
 
 def _base_folder(base: str, path: Path) -> Path:
@@ -373,7 +279,7 @@ def _gguf_transformer(path: Path, tcls: type[Any], root: Path, component: str, d
         return tcls.from_single_file(
             _gguf_weights(path, tcls, root, component),
             quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
-            config=str(root), subfolder=component, **_dtype_kwarg(dtype))
+            config=str(root), subfolder=component, **dtype_kwarg(dtype))
     except PipelineError:
         raise
     except Exception as exc:  # conversion and key mismatches raise many types

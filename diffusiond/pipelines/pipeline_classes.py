@@ -112,18 +112,13 @@ def components(index: Mapping[str, Any]) -> dict[str, list[str]]:
             and all(isinstance(x, str) and x for x in v)}
 
 
-def check_components(folder: Path, index: Mapping[str, Any], passed: dict[str, Any]) -> None:
+def check_components(folder: Path, index: Mapping[str, Any], passed: Mapping[str, Any]) -> None:
     """Refuse a folder without a component its index names (a download cut short, files left out): diffusers
     named the model's folder instead of the component's, or, for a tokenizer, built one of two tokens that
     serves every prompt as the same unknown words. ``passed`` holds what the loader gives instead of reading
-    it (the safety checker); an SD image processor left out with the safety checker is given as None there:
-    only that checker reads it, and an IP-Adapter brings its own."""
+    it (the safety checker and its image processor, loaders.py's ``_load_kwargs``): no folder is needed there."""
     for name, (library, cls) in components(index).items():
         if name in passed or (folder / name).is_dir():
-            continue
-        if name == "feature_extractor" and passed.get("safety_checker", False) is None \
-                and "image_encoder" not in components(index):
-            passed[name] = None
             continue
         raise PipelineError(f"{str(folder)!r} has no {name}/ folder, which its model_index.json names ({library} "
                             f"{cls}): the model is incomplete; download {name}/ too (for a hub model, "

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from diffusiond.pipelines.base import Pipeline, PipelineError
-from diffusiond.pipelines.loaders import load_folder, load_gguf, load_hub, load_single_file
+from diffusiond.pipelines.loaders import load_folder, load_gguf, load_hub
 from diffusiond.pipelines.presets import load_preset
+from diffusiond.pipelines.single_file import load_single_file
 from diffusiond.pipelines.spec import check_options, check_second_expert, parse_spec
 from diffusiond.pipelines.synthetic import SyntheticPipeline
 from diffusiond.pipelines.tiny import DEFAULTS as TINY_DEFAULTS

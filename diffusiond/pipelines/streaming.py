@@ -35,7 +35,6 @@ bookkeeping runs with plain copies, no streams, no events: the tests check it th
 from __future__ import annotations
 
 import functools
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,11 +178,8 @@ class BlockStreamer:
         """Every streamed tensor copied into one host buffer (registered with CUDA) and pointed at its view."""
         total = sum(b.size for b in self.blocks)
         flat = torch.empty(total, dtype=torch.uint8)
-        if self.device.type == "cuda" and total:
-            cuda_host.register(flat.data_ptr(), total)
-            # unregistered before the buffer is freed with this streamer: CUDA kept the pages registered, and the
-            # next model's buffer at those addresses failed to register (error 712, "already mapped")
-            weakref.finalize(self, cuda_host.unregister, flat.data_ptr(), total).atexit = False
+        if self.device.type == "cuda" and total:  # unpinned when this streamer goes, before the buffer is freed
+            cuda_host.register_for(self, flat.data_ptr(), total)
         self.host_bytes = total
         self._host = flat  # kept (and registered) for the model's life
         start = 0

@@ -349,7 +349,8 @@ class Worker:
     def _load_loras(pipeline: Pipeline, config: WorkerConfig) -> tuple[Adapters | None, dict[str, str]]:
         """Check every configured adapter against the model by loading it; name -> why for those
         that do not fit (the engine decides whether that stops the daemon)."""
-        from diffusiond.pipelines.loras import adapters_for, unsupported
+        from diffusiond.pipelines.hotswap import adapters_for
+        from diffusiond.pipelines.loras import unsupported
 
         adapters = adapters_for(pipeline, {}, config.max_loras, config.lora_target_rank)
         if adapters is None:
