@@ -190,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("wake", parents=[sock], help="take device memory back and reload").set_defaults(func=wake)
     sub.add_parser("web-url", parents=[sock], help="print the web page's sign-in URL (serve --web)").set_defaults(
         func=web_url)
-    sub.add_parser("socket", parents=[sock], help="print the socket path the other commands use "
-                   "(--socket, $DIFFUSIOND_SOCKET, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/diffusiond, else "
-                   "/tmp/diffusiond-$UID)")
+    # $RUNTIME_DIRECTORY is left out: only serve reads it (protocol.default_socket_path says why)
+    where = ("print the socket path the other commands use (--socket, $DIFFUSIOND_SOCKET, "
+             "$XDG_RUNTIME_DIR/diffusiond, else /tmp/diffusiond-$UID)")
+    sub.add_parser("socket", parents=[sock], help=where, description=where)
     from diffusiond.bench import add_parser as add_bench
 
     add_bench(sub)

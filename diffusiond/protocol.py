@@ -62,14 +62,15 @@ class OutputFormat:
     extension: str
     image: bool  # takes an image (H, W, 3), and a one-frame video as its image
     video: bool  # takes a video (F, H, W, 3)
-    max_side: int = 1 << 31  # the largest side its header holds (png's and mp4's are beyond any output)
+    max_side: int = 1 << 31  # the largest side it encodes (png's and mp4's are beyond any output)
 
 
 FORMATS: Final[Mapping[str, OutputFormat]] = MappingProxyType({
     f.name: f
     for f in (
         OutputFormat("png", "image/png", "png", image=True, video=False),
-        OutputFormat("jpeg", "image/jpeg", "jpg", image=True, video=False, max_side=65535),
+        # its header holds 65535, but libjpeg refuses past 65500 ("broken data stream" from Pillow)
+        OutputFormat("jpeg", "image/jpeg", "jpg", image=True, video=False, max_side=65500),
         OutputFormat("webp", "image/webp", "webp", image=True, video=True, max_side=16383),  # animated for videos
         OutputFormat("gif", "image/gif", "gif", image=False, video=True, max_side=65535),
         OutputFormat("mp4", "video/mp4", "mp4", image=False, video=True),

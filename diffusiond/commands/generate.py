@@ -146,18 +146,27 @@ def _not_writable(output: str) -> str | None:
         directory = Path(os.path.abspath(target))
     else:
         try:
-            regular = stat.S_ISREG(os.stat(target).st_mode)
-        except FileNotFoundError:
-            regular = True
+            replaced = _replaced_by_rename(target)
         except OSError:
             return None
-        if not regular:
+        if not replaced:
             return None if os.access(target, os.W_OK) else f"no permission to write {output!r} (-o {output})"
         directory = Path(os.path.realpath(target)).parent
     if not directory.is_dir() or os.access(directory, os.W_OK | os.X_OK):
         return None
     return (f"no permission to create files in directory {str(directory)!r} (-o {output}); "
             "give -o a path in a directory you can write to")
+
+
+def _replaced_by_rename(path: Path) -> bool:
+    """Whether an output at ``path`` is written beside it and renamed over it: a regular file, or none yet (a new
+    file, or a symlink to one not there yet). Anything else (``/dev/null``, ``/dev/stdout``, a FIFO) is written
+    into, so the check before the job and the download after it agree. An OSError other than a missing file is
+    the caller's to judge."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return True
 
 
 def names_a_directory(output: str) -> bool:
@@ -261,11 +270,7 @@ async def download(client: AsyncClient, job_id: str, index: int, path: Path) -> 
     Not for what is no regular file (``-o /dev/null``, ``/dev/stdout``, a FIFO): the rename put a regular
     file in its place (as root, /dev/null itself) or failed after the job, for want of a temp file in /dev; it
     is written into as it is. A symlink keeps pointing where it did: the file it names is the one replaced."""
-    try:
-        regular = stat.S_ISREG(os.stat(path).st_mode)
-    except FileNotFoundError:  # a new file, or a symlink to one not there yet: made by the rename
-        regular = True
-    if not regular:
+    if not _replaced_by_rename(path):
         with open(path, "wb") as f:
             return await client.stream_output(job_id, index, f)
     path = Path(os.path.realpath(path))

@@ -1,7 +1,8 @@
 """An edit's input image and mask: from the bytes a client sent to a sealed buffer for the worker.
 
 Decoding, resizing and checking an image costs milliseconds to seconds, so it all runs in the
-encode thread pool (``decode_edit`` is called there), never on the event loop. What a client can
+encode thread pool (``decode_in_pool`` runs ``decode_edit`` there, and the control and reference
+images' decoders, which read their bytes here too), never on the event loop. What a client can
 get wrong here is answered with an ``InvalidRequest`` naming the field: bytes that are not an
 image, an image over the pixel limit, a mask whose size differs from the image, a path outside
 ``--input-dir`` or one no file can have (a NUL byte, too long, a symlink loop). Pictures are
@@ -16,14 +17,16 @@ worker gets the mask as one uint8 channel, 255 where to repaint.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -61,6 +64,32 @@ class EditInput:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+class _Owner(Protocol):
+    def close(self) -> None: ...
+
+
+Decoded = TypeVar("Decoded", bound=_Owner)
+
+
+async def decode_in_pool(executor: Executor, work: Callable[[], Decoded]) -> Decoded:
+    """``work()`` in the encode pool: a decode of a request's pictures into a sealed buffer (an edit's
+    ``EditInput``, control images, IP-Adapter references). A client that hangs up gets its handler
+    cancelled (aiohttp's ``handler_cancellation``), but not the thread: the decode ends anyway, and what
+    it returns, owned by nobody, kept an fd and the pictures' memory for the daemon's life. It is closed
+    as it comes instead."""
+    future = asyncio.get_running_loop().run_in_executor(executor, work)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_close_unowned)
+        raise
+
+
+def _close_unowned(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 def _bytes_of(src: Source, limits: Limits, input_dir: str | None) -> bytes:

@@ -21,7 +21,7 @@ from diffusiond.daemon import errors
 from diffusiond.daemon.core import inputs
 from diffusiond.daemon.core.engine import Engine
 from diffusiond.daemon.core.inputs import EditInput
-from diffusiond.daemon.edge import controls, edits, pictures, sizes
+from diffusiond.daemon.edge import edits, pictures, sizes
 from diffusiond.daemon.errors import UploadTooLarge
 
 ENCODINGS = ("gzip", "x-gzip", "deflate")
@@ -126,7 +126,7 @@ async def decode_edit(engine: Engine, fields: dict[str, Any], model: Any, *, ima
                              width=fields.get("width"), height=fields.get("height"), limits=cfg.limits,
                              input_dir=cfg.input_dir, step=sizes.side_step(model),
                              floor=sizes.side_floor(model, cfg.limits), pictures=earlier)
-    edit = await controls.decode_in_pool(engine, work)  # closed there if the client hangs up meanwhile
+    edit = await inputs.decode_in_pool(engine.executor, work)  # closed there if the client hangs up meanwhile
     if fields.get("width") is None or fields.get("height") is None:  # a side taken from the picture
         try:
             sizes.check_inherited(edit.width, edit.height, image.field, model, cfg.limits)

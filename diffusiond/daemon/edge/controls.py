@@ -9,13 +9,11 @@ the edit's own is closed at once. Every mistake is a 400 naming the entry and fi
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -28,7 +26,7 @@ from diffusiond.daemon.core.controls import (
     cv2_missing,
     decode_controls,
 )
-from diffusiond.daemon.core.inputs import Source
+from diffusiond.daemon.core.inputs import Source, decode_in_pool
 from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.daemon.errors import invalid, shown
 from diffusiond.daemon.values import UNION_CLASS
@@ -67,33 +65,6 @@ def image_source(at: str, image: str | None, image_path: str | None) -> Source:
     if image is not None:
         return Source(field=f"{at}.image", b64=image)
     return Source(field=f"{at}.image_path", path=image_path)
-
-
-class _Closable(Protocol):
-    def close(self) -> None: ...
-
-
-Decoded = TypeVar("Decoded", bound=_Closable)
-
-
-async def decode_in_pool(engine: Engine, work: Callable[[], Decoded]) -> Decoded:
-    """``work()``, a decode of a request's pictures into a sealed memfd, in the engine's pool: an edit's
-    image (``bodies.decode_edit``), control images, IP-Adapter references. Here beside ``image_source``,
-    which those fields share too. A client that hangs up gets its handler cancelled (aiohttp's
-    ``handler_cancellation``), but not the thread: the decode ends anyway, and what it returns, which
-    nobody owned any more, kept an fd and the pictures' memory for the daemon's life. It is closed as it
-    comes instead."""
-    future = asyncio.get_running_loop().run_in_executor(engine.executor, work)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        future.add_done_callback(_close_unowned)
-        raise
-
-
-def _close_unowned(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().close()
 
 
 def check_scale(at: str, scale: float, top: float) -> None:
@@ -189,7 +160,7 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
     joined = req.edit.buffer if req.edit is not None else None  # the edit's image and mask join the pictures
     work = functools.partial(decode_controls, entries, width=req.width, height=req.height, limits=cfg.limits,
                              input_dir=cfg.input_dir, joined=joined)
-    decoded = await decode_in_pool(engine, work)
+    decoded = await decode_in_pool(engine.executor, work)
     if joined is not None:
         joined.close()  # the edit's close() is then a no-op; the job closes the new one with the rest
     return dataclasses.replace(req, control=decoded,

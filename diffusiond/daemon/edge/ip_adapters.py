@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from diffusiond.daemon.core.inputs import decode_in_pool
 from diffusiond.daemon.core.ip_adapters import MAX_IP_ADAPTERS, MAX_SCALE, IpAdapterEntry, decode_references
 from diffusiond.daemon.core.jobs import JobRequest
-from diffusiond.daemon.edge.controls import check_scale, decode_in_pool, image_source
+from diffusiond.daemon.edge.controls import check_scale, image_source
 from diffusiond.daemon.errors import invalid
 from diffusiond.protocol import Task
 
@@ -65,7 +66,7 @@ async def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobReq
     cfg = engine.config
     joined = req.buffer  # an edit's image and mask, or control images: they travel in the new buffer
     work = functools.partial(decode_references, entries, limits=cfg.limits, input_dir=cfg.input_dir, joined=joined)
-    decoded = await decode_in_pool(engine, work)
+    decoded = await decode_in_pool(engine.executor, work)
     if joined is not None:
         joined.close()  # its owner's close() is then a no-op; the job closes the new one with the rest
     return dataclasses.replace(req, ip_adapter=decoded,

@@ -1,9 +1,10 @@
 """A job's ``upscale`` and ``hires`` fields: their shape, their upscalers, and the sizes they make.
 
-Runs after ``requests.check`` and the control images, because both fields start from the output
+Runs after ``requests.check`` and before the control images, because both fields start from the output
 size the request (or the model's defaults) decided. The sizes are settled here, so the worker never
-rounds one and the output limit counts what the job will really hand back. Every mistake is a 400
-naming the field (``upscale.name``, ``hires.scale``).
+rounds one and the output limit counts what the job will really hand back; every request passes here,
+so its final size is checked against its format here too, with these fields or without. Every mistake
+is a 400 naming the field (``upscale.name``, ``hires.scale``, ``output_format``).
 """
 
 from __future__ import annotations
@@ -108,21 +109,35 @@ def _upscale(engine: Engine, body: UpscaleBody, size: tuple[int, int]) -> Upscal
     return UpscaleSpec(name=body.name, scale=scale, width=width, height=height)
 
 
-def _check_format_side(req: JobRequest, field: str) -> None:
-    """Refused here, not after the whole upscale has run and the encoder found the side too long for its format."""
-    side = max(req.output_size)
-    if side > (limit := FORMATS[req.output_format].max_side):
-        raise invalid(f"{req.output_format} holds at most {limit} pixels a side and the output would be "
-                      f"{req.output_size[0]}x{req.output_size[1]}: ask for png (or npy), or a smaller scale",
-                      field=field)
+def _check_format_side(req: JobRequest) -> None:
+    """Refused at admission, not after the job computed and the encoder found the side too long for its format
+    (webp's 16383, libjpeg's 65500): with ``limits.max_size`` raised, a plain size is enough. The field named is
+    what made the output that large, else its format; the formats offered instead are those that hold the side."""
+    width, height = req.output_size
+    fmt, side = FORMATS[req.output_format], max(width, height)
+    if side <= fmt.max_side:
+        return
+    video = req.num_frames is not None
+    holding = " or ".join(f.name for f in FORMATS.values() if (f.video if video else f.image) and f.max_side >= side)
+    field = "upscale.scale" if req.upscale else "hires.scale" if req.hires else "output_format"
+    smaller = "a smaller scale" if req.upscale or req.hires else "a smaller size"
+    raise invalid(f"{fmt.name} holds at most {fmt.max_side} pixels a side and the output would be {width}x{height}: "
+                  f"ask for {holding} (output_format), or {smaller}", field=field)
 
 
 def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) -> JobRequest:
-    """``req`` with its ``hires`` and ``upscale`` settled (unchanged when it has neither)."""
+    """``req`` with its ``hires`` and ``upscale`` settled (unchanged when it has neither), its output's side
+    checked against its format: every endpoint runs this, and nothing attached later changes the size."""
     hires_body = _body(fields.get("hires"), HiresBody, "hires")
     upscale_body = _body(fields.get("upscale"), UpscaleBody, "upscale")
-    if hires_body is None and upscale_body is None:
-        return req
+    if hires_body is not None or upscale_body is not None:
+        req = _settled(engine, hires_body, upscale_body, model, req)
+    _check_format_side(req)
+    return req
+
+
+def _settled(engine: Engine, hires_body: HiresBody | None, upscale_body: UpscaleBody | None, model: Any,
+             req: JobRequest) -> JobRequest:
     video = model.capabilities.task in VIDEO_TASKS or (req.edit is not None and req.edit.task is Task.IMAGE_TO_VIDEO)
     if video:
         raise invalid(f"model {model.name!r} makes videos; upscale and hires apply to images",
@@ -131,7 +146,6 @@ def attach(engine: Engine, fields: dict[str, Any], model: Any, req: JobRequest) 
     req = dataclasses.replace(req, hires=hires)
     upscale = _upscale(engine, upscale_body, req.work_size) if upscale_body is not None else None
     req = dataclasses.replace(req, upscale=upscale)
-    _check_format_side(req, "upscale.scale" if upscale is not None else "hires.scale")
     width, height = req.output_size
     elem = itemsize(req.output_dtype)
     out_bytes = req.n * width * height * 3 * elem
