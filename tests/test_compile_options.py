@@ -56,6 +56,17 @@ def test_compile_encoders_0_leaves_the_text_encoder_eager_and_compiles_the_rest(
     assert isinstance(run(pipe, m.BatchParams(width=64, height=64, steps=2, guidance=5.0)), torch.Tensor)
 
 
+@pytest.mark.parametrize(("asked", "compiled"), [("", False), ("1", True), ("0", False)])
+def test_beside_a_regionally_compiled_transformer_the_encoders_stay_eager_unless_asked(asked: str,
+                                                                                       compiled: bool) -> None:
+    """Each start (and each load on demand) pays for compiling T5 and CLIP, for forwards that run once an image."""
+    options = {**EAGER, **({"compile_encoders": asked} if asked else {})}
+    flux = CompiledPipeline(load_pipeline("tiny-flux", device="cpu", dtype="float32"), "default", options)
+    assert any(c.startswith("transformer (regional") for c in flux.compiled)
+    assert ({"text_encoder", "text_encoder_2"} <= set(flux.compiled)) is compiled
+    assert "vae.decoder" in flux.compiled
+
+
 def test_the_table_options_win_over_the_spec_s() -> None:
     pipe = load(config("tiny,compile_backend=inductor,compile_shapes=3", compile="default",
                                options={"compile_backend": "eager", "compile_shapes": "5"}))

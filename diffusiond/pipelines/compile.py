@@ -8,7 +8,7 @@ forward with one launch. What is compiled, and how:
 - a transformer denoiser (DiT: Flux, SD3, Wan, LTX) regionally, ``compile_repeated_blocks``:
   its blocks are one code object compiled once, so compiling takes seconds instead of minutes;
 - a UNet whole: its blocks differ, and the whole graph is what fuses across them;
-- the VAE decoder and the text encoders whole (not a text encoder stored in fp8: ``compile_rules.left_eager``).
+- the VAE decoder whole, and the text encoders whole beside a UNet (``compile_rules.left_eager`` says when not).
 
 Shapes are static (``dynamic=False``): each (batch, size, frames, and guidance on/off where guidance
 doubles the denoiser's batch) is a graph of its own, exact for that shape and replayable as a CUDA
@@ -30,7 +30,7 @@ shapes before it reports ready, and for any other new shape it tells the engine 
 
 LoRA on a compiled model: its hot-swap slots must be in the modules before they are traced.
 Marking a module (``module.compile``) traces nothing, so the worker makes the slots after this
-(``pipelines/loras.HotSwapAdapters``) and before its warm-up, the first forward.
+(``pipelines/hotswap.HotSwapAdapters``) and before its warm-up, the first forward.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class CompiledPipeline:
         self._guidance_is_shape = guidance_is_shape(pipe)
         self._fps = ltx2.default_fps(type(pipe)) if ltx2.conditions_on_fps(type(pipe)) else 0  # a warm-up's: None
         self.compiled: list[str] = []  # which modules, for the log and the tests
-        self._eager = left_eager(opts)
+        self._options = opts
         self._prepare(pipe, opts)
         self.compile(pipe)
 
@@ -179,10 +179,12 @@ class CompiledPipeline:
         kw: dict[str, Any] = {"backend": self.backend, "dynamic": False}
         if self.backend == "inductor":
             kw["mode"] = self.mode
+        regional = False
         for name, denoiser in denoisers(pipe):  # both of Wan 2.2 A14B's experts (pipelines/denoisers.py)
             if name != "unet" and getattr(denoiser, "_repeated_blocks", None):  # a UNet whole (see above)
                 denoiser.compile_repeated_blocks(fullgraph=True, **kw)
                 self.compiled.append(f"{name} (regional: " + ", ".join(denoiser._repeated_blocks) + ")")
+                regional = True
             else:
                 denoiser.compile(**kw)
                 self.compiled.append(name)
@@ -194,7 +196,7 @@ class CompiledPipeline:
             self.compiled.append("vae.decoder")
         for name in TEXT_ENCODERS:
             encoder = getattr(pipe, name, None)
-            if isinstance(encoder, torch.nn.Module) and name not in self._eager:
+            if isinstance(encoder, torch.nn.Module) and name not in left_eager(self._options, regional):
                 encoder.compile(**kw)
                 self.compiled.append(name)
 
@@ -272,7 +274,7 @@ class CompiledPipeline:
         return outputs
 
     def forget_shapes(self) -> None:
-        """The compiled modules changed structure (a LoRA slot lost, ``loras.HotSwapAdapters._lose``): each shape
+        """The compiled modules changed structure (a LoRA slot lost, ``hotswap.HotSwapAdapters._lose``): each shape
         traces again on its next batch, which must then show ``compiling`` (review48-c 3), and dynamo needs room
         for those graphs beside the old ones, which stay in its cache unusable."""
         self._seen.clear()

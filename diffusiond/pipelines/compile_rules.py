@@ -18,13 +18,16 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 """The components ``--compile`` compiles whole beside the denoisers and the VAE decoder, unless ``left_eager``."""
 
 
-def left_eager(options: Mapping[str, str]) -> tuple[str, ...]:
-    """The text encoders ``--compile`` leaves eager: all of them with ``compile_encoders=0``, and those stored in fp8
-    (``quant=text_encoder_2:fp8-storage``), whose casting hooks cannot be compiled (``compile_refusal``). An encoder
-    runs once an image, so compiling it buys little where the denoiser's steps dominate, and compiling T5-XXL whole
-    costs a cold start seconds. FLUX.1-dev with its transformer in fp8 needs T5 in fp8 too to fit a 24 GiB card
-    (fp8=rowwise with T5 as built peaked at 24.7 GiB compiled on an H100, docs/benchmarks.md)."""
-    if options.get("compile_encoders") == "0":
+def left_eager(options: Mapping[str, str], regional: bool) -> tuple[str, ...]:
+    """The text encoders ``--compile`` leaves eager. An encoder runs once an image, so compiling it buys little, and
+    each start pays for it: with ``compile_encoders`` unset, beside a denoiser compiled regionally (a transformer,
+    where the steps dominate and a regional compile is chosen for its compile time) they stay eager; beside a UNet
+    (small images, launch-bound) they are compiled. Measured on an H100 for FLUX.1-dev (docs/benchmarks.md): the
+    cold start 57.1 s eager against 90.8 s compiled, each image 0.9 % slower. ``compile_encoders=1|0`` decides
+    instead. Those stored in fp8 (``quant=text_encoder_2:fp8-storage``) stay eager whatever is asked: their
+    casting hooks cannot be compiled (``compile_refusal``)."""
+    asked = options.get("compile_encoders")
+    if asked == "0" or (asked != "1" and regional):
         return TEXT_ENCODERS
     try:
         quant = parse_quant(options["quant"]) if options.get("quant") else {}

@@ -60,7 +60,7 @@ KNOWN_OPTIONS = frozenset(
         "compile_shapes",  # --compile: at most this many shapes compiled per module (default 8)
         "fuse_qkv",  # --compile: "1": fuse the attention QKV projections
         "channels_last",  # --compile: "1": channels_last memory format for the UNet and the VAE decoder
-        "compile_encoders",  # --compile: "0": the text encoders stay eager (compile_rules.left_eager)
+        "compile_encoders",  # --compile: "1"|"0": compile the text encoders or not (compile_rules.left_eager)
     }
 )
 ACCEPTED_FORMS = (
