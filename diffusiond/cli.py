@@ -437,7 +437,7 @@ def _generate(args: argparse.Namespace, socket_path: str) -> int:
     except DaemonUnreachable:
         if state.job_id is None:  # it never answered: "start one" is the right advice
             raise
-        # It answered a moment ago and took the job: not "start one" (review44-b 8).
+        # It answered a moment ago and took the job: not "start one".
         print(f"error: {lost_daemon(state.job_id, state.finished)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except KeyboardInterrupt:

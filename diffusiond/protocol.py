@@ -266,7 +266,7 @@ class ErrorCode(enum.StrEnum):
     LORA_NOT_FOUND = "lora_not_found"
     LORA_EXISTS = "lora_exists"
     # 409: a live update reached some workers of a model and not others, which now run different weights: send
-    # it again (review44-c 4)
+    # it again
     UPDATE_SPLIT = "update_split"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FINISHED = "job_finished"
@@ -322,7 +322,7 @@ class ModelState(enum.StrEnum):
     SLEEPING = "sleeping"
     STARTING = "starting"
     # no worker because it is not loaded (on disk, or waiting its turn in the start's preload): its next job
-    # loads it. Apart from ``unavailable``, which a user read as "cannot serve" for every idle model (review45-a 3)
+    # loads it. Apart from ``unavailable``, which a user read as "cannot serve" for every idle model
     UNLOADED = "unloaded"
     UNAVAILABLE = "unavailable"  # its last load failed, or its workers died and are not back (yet)
 

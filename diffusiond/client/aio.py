@@ -169,7 +169,7 @@ class AsyncClient:
         So that ``diffusiond serve &`` followed at once by a request works: a socket that is not
         there yet or refuses (not bound yet) is tried again for up to ``wait_socket_s`` seconds
         (None: ``SOCKET_WAIT_S``), ``on_socket_wait`` called once with the reason as that waiting
-        begins (review45-a 1); then a daemon still loading its models answers 503: the job is offered
+        begins; then a daemon still loading its models answers 503: the job is offered
         again, every second, for up to ``wait_start_s`` seconds while ``/ready`` says it is starting,
         ``on_wait`` called once as that waiting begins. A daemon that is draining, or that failed to
         start, is an error at once. A NaN or an infinity in ``body`` is a ValueError naming its field,
@@ -378,7 +378,7 @@ class AsyncClient:
         if mapped is not None:
             return cast("NDArray[Any]", mapped)
         async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
-            return await read_npy(resp.content)  # a short body: DaemonError bad_response (review44-f 2)
+            return await read_npy(resp.content)  # a short body: DaemonError bad_response
 
     async def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]:
         """Output ``k``'s trajectory (a job sent with ``trajectory``): name -> read-only array, mapped from
@@ -427,7 +427,7 @@ class AsyncClient:
         except DaemonError as exc:
             if exc.code != ErrorCode.NOT_SHARED:
                 raise
-            if self.zero_copy:  # the documented error (review59-e 4)
+            if self.zero_copy:  # the documented error
                 raise ZeroCopyUnavailable(f"zero_copy=True, but {exc.message}") from exc
             return None
         return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)

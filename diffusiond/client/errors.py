@@ -81,12 +81,12 @@ class DaemonUnreachable(ClientError):
         self.reason = reason
         self.not_a_socket = not_a_socket(socket_path)
         # the job ``generate`` had submitted when the daemon went away: kept in its state dir, it runs again
-        # when the daemon restarts, so wait on it or cancel it rather than submit again (review59-e 6)
+        # when the daemon restarts, so wait on it or cancel it rather than submit again
         self.job_id: str | None = None
         super().__init__(socket_path, reason)
 
     def __str__(self) -> str:
-        if self.not_a_socket:  # no daemon can be started there either: serve refuses such a path (review44-b 9)
+        if self.not_a_socket:  # no daemon can be started there either: serve refuses such a path
             return (
                 f"{self.socket_path} is {self.not_a_socket}, not a socket: no diffusiond listens there.\n"
                 "Point the client at the daemon's socket with --socket PATH or $DIFFUSIOND_SOCKET "

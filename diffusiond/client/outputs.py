@@ -54,8 +54,8 @@ async def read_npy(stream: aiohttp.StreamReader) -> NDArray[Any]:
     one would unpickle.
 
     A body that is not a whole ``.npy`` (it ends early, or its header does not parse) is the daemon's
-    answer, complete as HTTP, so a DaemonError ``bad_response``, never a raw asyncio or numpy error
-    (review44-f 2). A connection lost midway is aiohttp's payload error: the caller's DaemonUnreachable."""
+    answer, complete as HTTP, so a DaemonError ``bad_response``, never a raw asyncio or numpy error.
+    A connection lost midway is aiohttp's payload error: the caller's DaemonUnreachable."""
     import numpy as np
     from numpy.lib import format as npy
 
@@ -144,7 +144,7 @@ async def open_mapper(socket_path: str, timeout: float | None, required: bool | 
             raise ClientError(f"zero-copy outputs are not available here: {exc}") from exc
         return None
     try:
-        wait = min(timeout or 30.0, 30.0)  # the client's own timeout (review59-e 3)
+        wait = min(timeout or 30.0, 30.0)  # the client's own timeout
         return Mapped(await asyncio.to_thread(OutputMapper, socket_path, timeout=wait))
     except ZeroCopyUnavailable:
         if required:

@@ -113,7 +113,7 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
 def check_finite(value: Any, where: str) -> None:
     """A ValueError naming ``where`` (``guidance_scale``, ``loras[0].weight``) for a NaN or an infinity inside
     ``value``. JSON has no words for them: Python's encoder writes ``NaN``, which the daemon refuses as a body
-    that is not JSON at all, naming no field (review44-b 6)."""
+    that is not JSON at all, naming no field."""
     if isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"{where or 'a parameter'} must be a finite number, got {value!r}")
@@ -165,7 +165,7 @@ def _size(size: Any) -> tuple[int, int]:
 def pil_needs_a_format(output: Output, asked: JobParams) -> Iterator[None]:
     """``output="pil"`` asks for PNG where no ``output_format`` is given, which a video model refuses (a 400 on
     ``output_format``, before any job exists): a ValueError that says what to pass, rather than a DaemonError
-    about a PNG the caller never asked for (review 42, finding 12)."""
+    about a PNG the caller never asked for."""
     try:
         yield
     except DaemonError as exc:

@@ -51,7 +51,7 @@ class Client:
         self._thread = threading.Thread(target=_serve, args=(self._loop,), name="diffusiond-client", daemon=True)
         self._thread.start()
         self._closed = False
-        # The calls under way in other threads (review44-f 1): close() ends them before it stops the loop,
+        # The calls under way in other threads: close() ends them before it stops the loop,
         # and the lock keeps a call from being scheduled onto a loop that close() is stopping.
         self._lock = threading.Lock()
         self._in_flight: set[tuple[concurrent.futures.Future[Any], threading.Event]] = set()
@@ -82,7 +82,7 @@ class Client:
             self._closed = True
             calls = list(self._in_flight)
         try:
-            # Before the pool closes and the loop stops (review44-f 1): a wait left suspended there would
+            # Before the pool closes and the loop stops: a wait left suspended there would
             # get a raw RuntimeError from shutdown_asyncgens, or never be answered at all.
             for future, _ in calls:
                 future.cancel()
@@ -162,7 +162,7 @@ class Client:
     def create_job(self, body: dict[str, Any], *, wait_start_s: float = START_WAIT_S,
                    on_wait: Callable[[], None] | None = None, wait_socket_s: float | None = None,
                    on_socket_wait: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """``AsyncClient.create_job``, blocking, with its keywords (review59-e 7: a sync caller could not shorten
+        """``AsyncClient.create_job``, blocking, with its keywords (a sync caller could not shorten
         the wait for a starting daemon); ``on_wait`` and ``on_socket_wait`` run on the client's thread."""
         return self._call(self._async.create_job(body, wait_start_s=wait_start_s, on_wait=on_wait,
                                                  wait_socket_s=wait_socket_s, on_socket_wait=on_socket_wait))

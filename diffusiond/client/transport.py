@@ -18,7 +18,7 @@ from diffusiond.client.errors import DaemonError, DaemonUnreachable
 
 SOCKET_WAIT_S = 10.0
 """How long a submit waits for a socket that is not there yet, or refuses: ``diffusiond serve &`` and a
-request straight after (review45-a 1). The daemon binds its socket once its interpreter has imported
+request straight after. The daemon binds its socket once its interpreter has imported
 what it serves with: 0.6 to 4 s measured on the 2-core box, under other work. A daemon that never
 comes is still reported after this, and the caller's ``on_wait`` says at once what it waits for."""
 _SOCKET_POLL_S = 0.1

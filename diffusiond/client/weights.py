@@ -196,7 +196,7 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fds: list[int], wha
         except TimeoutError:
             raise ClientTimeout(socket_path, what, timeout) from None
         except OSError as exc:
-            # The daemon's own socket, not the output one (review44-f 3): the message says to start a
+            # The daemon's own socket, not the output one: the message says to start a
             # daemon on this path, and one started on <socket>.out would listen in the wrong place.
             raise DaemonUnreachable(socket_path, f"its output socket {path}: {exc.strerror or exc}") from None
         except ProtocolError as exc:  # an IPCError: outside the client's tree, which callers catch

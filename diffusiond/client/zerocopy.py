@@ -69,7 +69,7 @@ class OutputMapper:
         self.closed = False  # no fetch more: close() was called, or a fetch failed (``_hang_up``)
         self._sock_open = True
         self._live = 0  # leases mapped and not yet unpinned: a failed fetch keeps the socket for them
-        self._pid = os.getpid()  # a forked child's copy must not unpin its parent's arrays (review59-e 5)
+        self._pid = os.getpid()  # a forked child's copy must not unpin its parent's arrays
         self._why = "close() was called"
 
     def __enter__(self) -> OutputMapper:
@@ -107,7 +107,7 @@ class OutputMapper:
         try:
             return {name: region[d.offset - base : d.offset - base + d.nbytes].view(numpy_dtype(d.dtype))
                     .reshape(d.shape) for name, d in lease.arrays.items()}
-        except (ValueError, TypeError, KeyError) as exc:  # arrays that do not fit the region (review44-f 5)
+        except (ValueError, TypeError, KeyError) as exc:  # arrays that do not fit the region
             raise ZeroCopyUnavailable(f"the lease from {self.path} does not describe its region: {exc}") from None
 
     def _lease(self, fetch: Fetch) -> tuple[Lease, int]:
@@ -119,7 +119,7 @@ class OutputMapper:
                 raise ZeroCopyUnavailable(f"this OutputMapper is closed ({self._why}); make a new one")
             # Any failure below leaves the stream out of step with our requests: an answer that came late
             # (a timeout), half a frame (an OSError mid-read), or bytes that do not decode. The next FETCH
-            # would read this one's answer and map another job's output as its own (review45-c 2), so the
+            # would read this one's answer and map another job's output as its own, so the
             # connection goes; the daemon takes back whatever it leased on it.
             try:
                 self._sock.sendall(self._encoder.encode(fetch))
@@ -145,7 +145,7 @@ class OutputMapper:
     def _hang_up(self, why: str) -> ZeroCopyUnavailable:
         """No fetch more on this connection (the lock is held), said to this call and every later one. Its socket
         stays open while arrays it handed out live, for their UNPINs: closed, it gave the daemon back the memory
-        under them, which it then reused while they were read (review59-e 2)."""
+        under them, which it then reused while they were read."""
         self.closed = True
         self._why = why
         if not self._live:
@@ -164,7 +164,7 @@ class OutputMapper:
                 if frames:
                     _kind, _seq, _nfds, msg = frames[0]
                     return msg, fds
-        except BaseException:  # no message, so nobody else will close what came (review44-f 5)
+        except BaseException:  # no message, so nobody else will close what came
             for fd in fds:
                 os.close(fd)
             raise
@@ -177,7 +177,7 @@ class OutputMapper:
         length = desc.offset + desc.nbytes - start
         try:
             mm = mmap.mmap(fd, max(length, 1), mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ, offset=start)
-        except (OSError, ValueError) as exc:  # ENOMEM, a lease past the memfd's end (review44-f 5)
+        except (OSError, ValueError) as exc:  # ENOMEM, a lease past the memfd's end
             self._unpin(lease.lease)  # nothing maps it: the daemon may have it back now
             raise ZeroCopyUnavailable(f"cannot map the output from {self.path}: {exc}") from None
         finally:
@@ -186,12 +186,12 @@ class OutputMapper:
         # alive through its buffer; when the last one goes, the mapping is unmapped and collected,
         # and only then is the daemon told it may reuse the memory.
         # the mapper itself, not a weak reference: collected with arrays alive, its socket closed and the daemon
-        # reused their memory (review59-e 1)
+        # reused their memory
         release = weakref.finalize(mm, OutputMapper._unpin, self, lease.lease)
         try:
             raw = np.frombuffer(mm, dtype=np.uint8, count=desc.nbytes, offset=desc.offset - start)
             return raw.view(numpy_dtype(desc.dtype)).reshape(desc.shape)
-        except (ValueError, TypeError, KeyError) as exc:  # a lease that does not fit its memory (review44-f 5)
+        except (ValueError, TypeError, KeyError) as exc:  # a lease that does not fit its memory
             release()  # no array escapes: the daemon may have the memory back now
             raise ZeroCopyUnavailable(f"the lease from {self.path} does not fit its memory: {exc}") from None
 

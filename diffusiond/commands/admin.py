@@ -49,7 +49,7 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
     """The health report in words. /health counts the jobs this daemon process holds in memory: a finished
     one leaves after serve's --retention-s (and none survives a restart), so in one run the counts go down
     while history keeps them all. The line says what it counts, and points at history when it lists more
-    (review45-a 2: "jobs in this run", "earlier ones" read as the whole run and an earlier one)."""
+    ("jobs in this run", "earlier ones" read as the whole run and an earlier one)."""
     async with client:
         if args.wait:
             await _until_ready(client, args.wait)
@@ -70,7 +70,7 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
     workers = health.get("workers") or []
     if workers:
         keys = ["id", "model", "device", "state", "pid", "restarts"]
-        # a starting worker has no pid yet: JSON null, not "None" (review45-a 8)
+        # a starting worker has no pid yet: JSON null, not "None"
         print(table([["-" if w.get(k) is None else str(w[k]) for k in keys] for w in workers], keys))
     else:
         print("no workers")
@@ -172,7 +172,7 @@ async def history(args: argparse.Namespace, client: AsyncClient) -> int:
 
 async def _unserved(client: AsyncClient, model: str) -> str | None:
     """Why ``history --model NAME`` may be empty: NAME is not served now (a typo, most likely; every other command
-    refuses it). Only a hint: history rightly lists an earlier run's model, so no refusal (review45-a 10)."""
+    refuses it). Only a hint: history rightly lists an earlier run's model, so no refusal."""
     try:
         served = [str(m.get("id")) for m in (await client.models()).get("data") or []]
     except DaemonError:

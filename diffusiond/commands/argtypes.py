@@ -1,7 +1,7 @@
 """argparse types of the command line's flags: a bad value is a usage error (exit 2) that names the flag,
 before any request is built.
 
-Every float a flag takes goes through ``finite_float`` (review44-b 6): Python's ``float()`` reads ``nan``
+Every float a flag takes goes through ``finite_float``: Python's ``float()`` reads ``nan``
 and ``inf``, which JSON has no words for, so they reached the daemon as a body it could not parse, and the
 refusal named neither the flag nor the value. Apart from ``generate.py`` because ``serve``, ``history`` and
 ``bench`` use them too, and generate.py is near the 500-line bound.
@@ -77,7 +77,7 @@ def positive_int(text: str) -> int:
 
 def int_between(low: int, high: int) -> Callable[[str], int]:
     """A whole number in [low, high], refused here rather than by the daemon, whose refusal names its
-    query field and not the flag (review44-b 9: ``history --limit 100000``)."""
+    query field and not the flag (``history --limit 100000``)."""
 
     def parse(text: str) -> int:
         try:
@@ -118,7 +118,7 @@ def positive_float(text: str) -> float:
 
 def job_id_arg(text: str) -> str:
     """A job id as ``cancel`` takes it: an empty one would be ``DELETE /v1/jobs/``, which the daemon answers
-    with a 404 about a path the user never typed (review44-b 9)."""
+    with a 404 about a path the user never typed."""
     if not text.strip():
         raise argparse.ArgumentTypeError("JOB_ID is empty; `diffusiond history` lists the jobs and their ids")
     return text.strip()

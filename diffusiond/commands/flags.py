@@ -1,5 +1,5 @@
 """The ``generate`` flag behind each request field, so a refusal the daemon words for its HTTP API names the
-flag a CLI user gives (``field mask: --mask``) rather than leaving them to guess (review 42, finding 5).
+flag a CLI user gives (``field mask: --mask``) rather than leaving them to guess.
 
 Apart from ``generate.py`` because ``cli.py`` prints the daemon's refusals, and from ``client/`` because only
 the command line has flags.
@@ -25,7 +25,7 @@ FLAG_OF = {
 def with_flag(text: str, field: str | None, output: str | None = None) -> str:
     """``text`` (a refusal as ``DaemonError`` prints it: ``... (invalid_request, HTTP 400, field mask)``) with the
     flag of its field beside the field's name. ``output``: the ``-o`` given without ``--format``, whose extension
-    then chose the format, so a refused format names it rather than a --format never given (review45-a 7)."""
+    then chose the format, so a refused format names it rather than a --format never given."""
     top = re.split(r"[\[.]", field, maxsplit=1)[0] if field else None
     flag = FLAG_OF.get(top) if top else None
     if top == "output_format" and output:

@@ -4,7 +4,7 @@ and starts again meanwhile.
 A daemon stopped by SIGTERM (a restart, ``systemctl restart``, a reboot) keeps its queued and running jobs in
 the state dir and runs them when it starts again (docs/architecture.md, "Durable jobs"). A ``generate``
 following one of them used to end there, telling the user to start a daemon, and the output it was waiting
-for was never written (review44-b 8). Now it waits a bounded time for the daemon to come back, follows the
+for was never written. Now it waits a bounded time for the daemon to come back, follows the
 job again, and writes its output as if nothing had happened; if none comes back, it names the job so the
 user can fetch the result later.
 """
@@ -67,7 +67,7 @@ async def follow(client: AsyncClient, job_id: str, bar: ProgressBar, timeout: fl
     goes away, waiting up to ``RECONNECT_S`` for it to come back (LostDaemon if it does not). ``timeout``
     bounds the whole, waits included (ClientTimeout)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    for attempt in range(RECONNECTS + 1):  # a daemon said to be back is followed again (review44-d 3)
+    for attempt in range(RECONNECTS + 1):  # a daemon said to be back is followed again
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return await follow_events(client, job_id, bar, left, pane)

@@ -79,7 +79,7 @@ def choose_format(fmt: str | None, output: str | None) -> str | None:
     """
     named = FORMAT_OF_SUFFIX.get(Path(output).suffix.lower()) if output and not names_a_directory(output) else None
     suffix = Path(output).suffix.lower() if output and not names_a_directory(output) else ""
-    if named is None and suffix in OTHER_MEDIA and not fmt:  # PNG bytes went into out.tif, silently (review59-a 6)
+    if named is None and suffix in OTHER_MEDIA and not fmt:  # PNG bytes went into out.tif, silently
         known = ", ".join(sorted({f.extension for f in FORMATS.values()}))
         raise UsageError(f"-o {output}: {suffix} is not a format diffusiond writes ({known}); name the file with "
                          "one of them, or give --format to write that format under this name")
@@ -122,7 +122,7 @@ def check_output_dir(output: str | None, n: int | None = None, as_json: bool = F
         if (n or 1) > 1 or as_json:
             raise UsageError(f"-o - writes one output to stdout; {'--json prints there too' if as_json else f'-n {n}'}"
                              ": give a file name (-o out.png; -n N makes out-0.png, out-1.png, ...)")
-        if sys.stdout.isatty():  # an image's bytes on a terminal garble it (review42b-rest 7)
+        if sys.stdout.isatty():  # an image's bytes on a terminal garble it
             raise UsageError("-o - writes the output's bytes to stdout, which is a terminal here: pipe it "
                              "(-o - | display) or redirect it (-o - > out.png)")
         return
@@ -172,7 +172,7 @@ def _replaced_by_rename(path: Path) -> bool:
 def names_a_directory(output: str) -> bool:
     """``-o`` means a directory to put default-named outputs in: one that exists, or a name that says so by
     its trailing separator (``newdir/``), or ``.`` and ``..``. Path() drops the trailing separator, so
-    ``-o newdir/`` once wrote a file named ``newdir`` (review44-b 7)."""
+    ``-o newdir/`` once wrote a file named ``newdir``."""
     ends = tuple(sep for sep in (os.sep, os.altsep) if sep)
     return output.endswith(ends) or os.path.basename(output) in (".", "..") or Path(output).is_dir()
 
@@ -234,7 +234,7 @@ def build_body(args: argparse.Namespace, fmt: str | None, pane: PreviewPane | No
 
 
 def read_picture(flag: str, path: str, stdin: list[str]) -> str:
-    """A picture flag's file as base64; ``-`` reads stdin, as ``-o -`` writes stdout (review44-b 9), once a
+    """A picture flag's file as base64; ``-`` reads stdin, as ``-o -`` writes stdout, once a
     run (``stdin`` records which flag read it). ``flag`` is what the messages print before the path."""
     if not path:
         raise UsageError(f"{flag.strip()} needs a file name (or - for the picture on stdin)")
@@ -345,7 +345,7 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     pane = pane_for(sys.stderr) if getattr(args, "preview", None) else None
     job = await client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
         "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr),
-        on_socket_wait=lambda why: print(  # `serve &` a moment ago (review45-a 1); else the usual error follows
+        on_socket_wait=lambda why: print(  # `serve &` a moment ago; else the usual error follows
             f"waiting for a daemon at {client.socket_path} ({why}; up to {SOCKET_WAIT_S:g} s) ...", file=sys.stderr))
     job_id = state.job_id = str(job["id"])
     bar.job_id = job_id

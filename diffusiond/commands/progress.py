@@ -63,7 +63,7 @@ class ProgressBar:
             self._total = total
         if stage is not None:
             # Mid-compute the steps say it all; other stages (queued, encoding) are worth naming, and so is
-            # computing before its first step ends, in a log (minutes for a large image on a CPU: review59-a 5)
+            # computing before its first step ends, in a log (minutes for a large image on a CPU)
             first = stage == "computing" and self._step == 0 and self.lines
             stage = "" if stage in ("computing", "done") and not first else stage
             if stage != self._stage:

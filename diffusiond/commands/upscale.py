@@ -36,7 +36,7 @@ def hires_arg(text: str) -> dict[str, Any]:
 
 
 def _number(value: str, what: str, text: str, kind: type[float] | type[int]) -> Any:
-    """``nan`` and ``inf`` are refused here: ``float()`` reads them, JSON cannot carry them (review44-b 6)."""
+    """``nan`` and ``inf`` are refused here: ``float()`` reads them, JSON cannot carry them."""
     try:
         number = kind(value)
     except ValueError:

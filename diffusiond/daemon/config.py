@@ -225,7 +225,7 @@ class DaemonConfig:
     def validate(self) -> DaemonConfig:
         if not self.models:
             raise ConfigError("no model configured; give --model tiny (or a folder, hub id or .safetensors file)")
-        for f in fields(self):  # a TOML file's nan or inf, which the flags refuse (review44-b 6); inf only where it
+        for f in fields(self):  # a TOML file's nan or inf, which the flags refuse; inf only where it
             value = getattr(self, f.name)  # means something: a keep-alive's "stay" (-1), max_keep_alive_s's "no cap"
             if isinstance(value, float) and not math.isfinite(value) and not (value == math.inf
                                                                                and "keep_alive" in f.name):

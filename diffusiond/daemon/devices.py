@@ -81,7 +81,7 @@ def parse_devices(device: str, workers: int) -> tuple[str, ...]:
 def auto_device() -> tuple[int, str]:
     """How many GPUs ``--device auto`` (the default) uses, and why, without loading torch: none where no NVIDIA
     driver is loaded or torch is a CPU build (its workers could not use one), else every visible GPU. A GPU
-    user who gave no ``--device`` ran on the CPU without a word before (review42-docs 5)."""
+    user who gave no ``--device`` ran on the CPU without a word before."""
     if not os.path.isdir("/proc/driver/nvidia/gpus") or not os.listdir("/proc/driver/nvidia/gpus"):
         return 0, "no NVIDIA GPU on this machine"
     cuda = _torch_cuda_version()

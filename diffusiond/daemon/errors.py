@@ -90,7 +90,7 @@ class Conflict(EngineError):
 
 
 class UpdateSplit(Conflict):
-    """A live update applied by some workers of a model and not by others (review44-c 4)."""
+    """A live update applied by some workers of a model and not by others."""
 
     default_code = ErrorCode.UPDATE_SPLIT
 

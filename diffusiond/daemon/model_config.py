@@ -188,7 +188,7 @@ def resolve_stream(m: ModelConfig, options: Mapping[str, str], budget: int | Non
 def kept_beside(m: ModelConfig, models: Sequence[ModelConfig], controlnets: Sequence[str],
                 ip_adapters: Sequence[tuple[str, str]], upscalers: Sequence[str]) -> Beside:
     """What ``m``'s stream plan leaves room for (residency/beside.py); pinned, also the largest model sharing its
-    device, which could never take its room back from it (review56-a 1, review57-a 2)."""
+    device, which could never take its room back from it."""
     kept = NOTHING_BESIDE
     if controlnets or ip_adapters or upscalers:
         kept = beside(controlnets, ip_adapters, upscalers, m.dtype,
@@ -206,7 +206,7 @@ def kept_beside(m: ModelConfig, models: Sequence[ModelConfig], controlnets: Sequ
 
 def _neighbour(o: ModelConfig) -> tuple[int | None, bool]:
     """What a model keeps on the device, from its headers, and whether that is sure: at its own offload where it
-    gives one that sizes (review58-a 1: a neighbour under group holds 1.3 GiB, not its 31); else (auto, the
+    gives one that sizes (a neighbour under group holds 1.3 GiB, not its 31); else (auto, the
     default, or a stream plan not made yet) resident, which may be high."""
     options = model_options(o.spec, o.options)
     if options.get("offload", "auto") != "auto" or options.get("cpu_offload") == "1":
@@ -226,7 +226,7 @@ def auto_budget(m: ModelConfig, models: Sequence[ModelConfig], budget_of: Callab
                 unbounded: int) -> int | None:
     """What ``offload=auto`` plans one worker of ``m`` in: the smallest of its devices' budgets, each shared by
     its workers there (``--device cuda:0,cuda:0`` holds two copies) and less the models pinned there, which never
-    leave (review59-b 5, 6: either way auto chose ``none`` and residency then refused every job). None where no
+    leave (either way auto chose ``none`` and residency then refused every job). None where no
     device has a budget (``unbounded`` or more)."""
     rooms = []
     for d in dict.fromkeys(m.devices):

@@ -279,7 +279,7 @@ async def _serve(engine: Engine, stop: asyncio.Event, where: str, *,
 
 def _announce(config: DaemonConfig, where: str) -> None:
     """Logged once the state dir is locked and recovered (``engine.open``), not when the socket is bound: a start
-    refused for a state dir in use must not read as "listening" first in the journal (review45-a 9)."""
+    refused for a state dir in use must not read as "listening" first in the journal."""
     log.info("diffusiond %s listening on %s; models %s; %s", __version__, where,
              ", ".join(f"{m.name}={m.spec} on {','.join(m.devices)}" for m in config.models),
              f"jobs kept in {config.state_path}" if config.persist else "jobs kept in memory only (--no-persist)")

@@ -211,7 +211,7 @@ def recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
     """One ``recvmsg``: the bytes, and the fds that came with them (SCM_RIGHTS), in order.
     Also the blocking read of a peer that is not a ``Channel`` (``diffusiond.client.zerocopy``)."""
     # close-on-exec as they arrive: a program that runs another between receiving an output's memfd and mapping
-    # it would hand it on (review59-e)
+    # it would hand it on
     data, anc, _flags, _addr = sock.recvmsg(_RECV_BYTES, _ANC_SPACE, _CLOEXEC)
     fds: list[int] = []
     for level, type_, payload in anc:

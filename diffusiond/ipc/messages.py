@@ -388,12 +388,12 @@ class Ack(msgspec.Struct, frozen=True):
     loras_loaded: list[str] = []  # adapters loaded in the worker now (PING answers), for GET /v1/loras
     host_kept: int = 0  # SLEEP, WAKE: bytes of page-locked host copy of its weights it keeps now (issue 27)
     # the command's ``ack_id``: what it answers. Matched by kind alone, the late answer to a command that timed
-    # out (an update waits for the batch in progress) answered the next command of its kind (review44-c 3).
+    # out (an update waits for the batch in progress) answered the next command of its kind.
     # 0: the heartbeat's PING, which nothing waits for.
     ack_id: int = 0
     # UPDATE_LORA, UPDATE_WEIGHTS: not ok because the copy failed once writing began (``HalfApplied``), not a
     # refusal: the worker exits and its replacement starts over from the files and the accepted updates, so the
-    # engine keeps the update and says "send it again" rather than "refused" (review48-a 1, 4)
+    # engine keeps the update and says "send it again" rather than "refused"
     restarts: bool = False
 
 

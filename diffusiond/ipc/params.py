@@ -40,7 +40,7 @@ class ComponentTable(msgspec.Struct, frozen=True, array_like=True):
     params: list[ParamRow]
     layers: list[LayerRow]
     # its parameters are on the meta device (offload=sequential): ``update_weights`` cannot write them
-    # (review44-c 2). Last and defaulted, so a table kept before it was added still reads.
+    #. Last and defaulted, so a table kept before it was added still reads.
     out_of_reach: bool = False
 
 

@@ -275,7 +275,7 @@ class CompiledPipeline:
 
     def forget_shapes(self) -> None:
         """The compiled modules changed structure (a LoRA slot lost, ``hotswap.HotSwapAdapters._lose``): each shape
-        traces again on its next batch, which must then show ``compiling`` (review48-c 3), and dynamo needs room
+        traces again on its next batch, which must then show ``compiling``, and dynamo needs room
         for those graphs beside the old ones, which stay in its cache unusable."""
         self._seen.clear()
         self._retraces += 1

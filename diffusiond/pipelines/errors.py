@@ -15,7 +15,7 @@ class PipelineError(Exception):
 class HalfApplied(RuntimeError):
     """A live update failed after the first byte was written (a copy, or a compiled model's hot-swap): the weights
     hold parts of two versions, which no refusal can undo. The worker reports it and exits, and its replacement
-    starts from the files and the updates accepted before (review47-a 2). Here, not in the worker, because a
+    starts from the files and the updates accepted before. Here, not in the worker, because a
     pipeline's adapters raise it too, and pipelines know nothing of the processes."""
 
 

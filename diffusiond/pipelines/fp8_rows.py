@@ -59,7 +59,7 @@ def _quantize(x: torch.Tensor, fuse: bool | None = None) -> tuple[torch.Tensor, 
     float32): about 0.5 GB a layer at FLUX's size, more traffic than the fp8 product saves. Compiled once with
     dynamic shapes, it is one reduction and one pass. Inside a compiled model the model's compile fuses it anyway;
     on a CPU, for a single row (which a dynamic graph would specialise, and which costs nothing eager), and once
-    compiling has failed (no C compiler for Triton, a recompile past dynamo's limit: logged once; review49-c 2),
+    compiling has failed (no C compiler for Triton, a recompile past dynamo's limit: logged once),
     it runs eager, with the same numbers. ``fuse``: whether to try the fused kernel (default: on CUDA)."""
     if not (x.is_cuda if fuse is None else fuse) or x.shape[0] < 2 or torch.compiler.is_compiling():
         return _rows(x)
@@ -143,7 +143,7 @@ def check_device(device: torch.device) -> None:
 
 def check_plain(module: torch.nn.Module, what: str) -> None:
     """Refuse a module whose layers are quantized already (GGUF's, torchao's, bitsandbytes'): nothing plain is
-    left to convert, and the name would claim what did not happen (review49-a 4). Checked before the QKV fusion
+    left to convert, and the name would claim what did not happen. Checked before the QKV fusion
     too, which would concatenate quantized blocks as if they were weights."""
     other = {f"{type(child).__name__} ({child.weight.dtype})".replace("torch.", "")
              for _, _, child in _linears(module)

@@ -52,8 +52,8 @@ def fuse_for_fp8(pipe: Any) -> int:
     """``fp8=rowwise``'s fusion: row scales make it free of rounding of its own (a fused row keeps the scale it had
     apart, and the input's rows are scaled as they were). Attention by attention, and only where the model's own
     processor reads fused projections: diffusers' UNet and SD3 fusions swap in other processors, and SD3's skips
-    SD3.5's query and key norms (review51-a 1). Each attention's separate projections go as soon as it fuses, so
-    the host holds at most one attention's twice (review51-a 4).
+    SD3.5's query and key norms. Each attention's separate projections go as soon as it fuses, so
+    the host holds at most one attention's twice.
     How many attentions fused."""
     fused = 0
     for _, denoiser in denoisers(pipe):
@@ -101,10 +101,10 @@ def _reads_fused(kind: type) -> bool:
 def _drop_separate(attn: torch.nn.Module) -> None:
     """The separate projections a fusion copied, deleted: the fused attention never reads them again, so a LoRA or
     an ``update_weights`` naming them was taken and changed nothing, and they held the projections' bytes twice
-    (4.3 GB of FLUX.1-dev in bf16; review42b-rest 1). Deleted, an update naming one is refused as naming no such
+    (4.3 GB of FLUX.1-dev in bf16). Deleted, an update naming one is refused as naming no such
     module, by the checks every update goes through. A cross-attention fuses only its key and value (``to_kv``).
     Wan 2.1 I2V's image key and value (``to_added_kv``): its processor tests ``add_k_proj`` for None to know it has
-    an image branch, so a weightless stand-in keeps that answer (review51-a 3, review51-b 2)."""
+    an image branch, so a weightless stand-in keeps that answer."""
     if not getattr(attn, "fused_projections", False):
         return
     names: tuple[str, ...] = ("to_q", "to_k", "to_v") if hasattr(attn, "to_qkv") else \
@@ -152,7 +152,7 @@ def _unread_fusions(module: torch.nn.Module) -> str | None:
     read it: fused (``fused_projections``) by some attention, each fused attention's processor from code that knows
     fused projections (diffusers' processors that do read ``fused_projections`` or ``to_qkv``), applying the
     attention's query and key norms where it has them, and finding the added projections it reads (SD3's fused
-    processor skips SD3.5's norms and reads the text's projections in an attention without them: review51-a 1)."""
+    processor skips SD3.5's norms and reads the text's projections in an attention without them)."""
     fused = [m for m in module.modules() if getattr(m, "fused_projections", False)]
     if not fused:
         return "none of its attentions has projections to fuse"

@@ -4,9 +4,9 @@ peft (``hotswap_adapter_from_state_dict``) finds a tensor for a layer the slot l
 slot's other than in rank, only while it copies, after earlier tensors were written; and diffusers checks the
 adapter's settings against the slot's (``check_hotswap_configs_compatible``: rsLoRA, dropout, per-layer alphas,
 DoRA) inside the same ``try``. Either failure makes diffusers delete the slot from every layer. Asked first, a
-misfit adapter is a refusal that costs no slot (review48-b 1, review48-c 2). The adapter is read as the
+misfit adapter is a refusal that costs no slot. The adapter is read as the
 pipeline's own loader reads it (``read_adapter``), or a kohya SDXL file's block names would not be mapped to the
-model's, and a file that swaps in fine would be refused (review48-c 1).
+model's, and a file that swaps in fine would be refused.
 """
 
 from __future__ import annotations

@@ -73,12 +73,12 @@ def unsupported(pipeline: Any) -> str | None:
         return f"model {base.name} is a {family}; IP-Adapters are served for {', '.join(FAMILIES)} models"
     if family in UNET_FAMILIES and FP8_ROWS_NAME in base.capabilities.approximations:
         # diffusers' UNet loader ends with the UNet's own .to(dtype), which would cast the fp8 weights back to
-        # full width without their scales, and every later job would fail (review51-a 2)
+        # full width without their scales, and every later job would fail
         return (f"model {base.name} runs with fp8=rowwise, and diffusers' IP-Adapter load casts its UNet's fp8 "
                 "layers back to full width without their scales: serve it without fp8=rowwise to use IP-Adapters")
     unet: Any = getattr(base.pipe, "unet", None)
     if unet is not None and any(getattr(m, "fused_projections", False) for m in unet.modules()):
-        # fusion.fuse_qkv deleted the separate projections diffusers' IP-Adapter processors read (review51-b 1)
+        # fusion.fuse_qkv deleted the separate projections diffusers' IP-Adapter processors read
         return (f"model {base.name} runs with fuse_qkv=1, whose fused attentions keep no separate query, key and "
                 "value projections, which diffusers' IP-Adapter processors read: serve it without fuse_qkv=1 to use "
                 "IP-Adapters")

@@ -93,7 +93,7 @@ def no_component(model: str, component: str, modules: Iterable[str]) -> str:
 def out_of_reach(model: str, component: str) -> str:
     """``update_weights`` of a component under ``offload=sequential``: accelerate's hooks hold its weights and copy
     them into each layer for its forward only, leaving its parameters on the meta device. A copy into those writes
-    nowhere and raises nothing, so such an update was taken, versioned and changed nothing (review44-c 2)."""
+    nowhere and raises nothing, so such an update was taken, versioned and changed nothing."""
     return (f"{component} of model {model} runs with offload=sequential, which keeps its weights in accelerate's "
             "offload hooks (its parameters are on the meta device), where an update cannot reach them: serve "
             f"{model} with offload=model, group or none to update {component} live")
@@ -108,5 +108,5 @@ def parameter_misfit(key: str, shape: Shape, model: str, component: str, have: S
         return f"tensor {key!r} has shape {list(shape)}; {component} has {list(have)} there"
     if keeps:
         return (f"tensor {key!r}: {component} keeps it as {keeps}, which is not updated in place: serve the model "
-                "without its quantization (quant=, fp8=) to update this tensor")  # review49-d 1
+                "without its quantization (quant=, fp8=) to update this tensor")
     return ""

@@ -1,4 +1,4 @@
-"""A LoRA's own matrices on a component stored in fp8 (``quant=...:fp8-storage``, issue 28, review47-b item 4).
+"""A LoRA's own matrices on a component stored in fp8 (``quant=...:fp8-storage``, issue 28).
 
 peft makes an adapter's matrices in the dtype of the layer it wraps (``_move_adapter_to_device_of_base_layer``
 reads it off the base weight, through ``_get_base_layer_device_and_dtype``), and diffusers then ``copy_``s the

@@ -156,10 +156,10 @@ def check_options(options: Mapping[str, str]) -> None:
 
 FP8_VALUES: Final = ("", "0", "1", "rowwise")
 FP8_ROWS_NAME: Final = "fp8-rowwise(weights and activations in fp8, scaled per row)"
-"""How ``fp8=rowwise`` is named in every output's ``approximations`` and by ``fit`` (review49-b 4)."""
+"""How ``fp8=rowwise`` is named in every output's ``approximations`` and by ``fit``."""
 FP8_ROWS_KEEP: Final = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$", "embed")
 """The modules ``fp8=rowwise`` leaves as loaded, by name (``re.search``), for the load (pipelines/fp8_rows.py) and
-``fit`` alike: diffusers' skip list for fp8 storage, and the embedders (review49-a 7): the first projection
+``fit`` alike: diffusers' skip list for fp8 storage, and the embedders: the first projection
 (FLUX's x_embedder) and the timestep and text embedders are small or run once a step, so converting them would
 round for little speed."""
 
@@ -170,7 +170,7 @@ def fp8_rows_kept(module: str) -> bool:
 
 
 def _fp8_refusals(options: Mapping[str, str]) -> None:
-    """What ``fp8=`` cannot combine with, refused at start (review49-a 3-5): each would load and then fail on
+    """What ``fp8=`` cannot combine with, refused at start: each would load and then fail on
     the first job, or be named on every output while changing nothing."""
     fp8 = options.get("fp8", "")
     if fp8 not in FP8_VALUES:
@@ -331,7 +331,7 @@ def check_spec(spec: str, options: Mapping[str, str] | None = None) -> None:
     line and exit 2 before the start, instead of a worker's traceback per attempt (the loaders
     raise the same errors later; this only moves them forward). The hub cache is read with
     ``try_to_load_from_cache``, which looks at the cache folder and never at the network. ``options``: those
-    given beside the spec (a ``[[models]]`` table's), checked with its own as the loaders merge them (review41c).
+    given beside the spec (a ``[[models]]`` table's), checked with its own as the loaders merge them.
     """
     parsed = parse_spec(spec)
     opts = model_options(spec, options)
@@ -340,7 +340,7 @@ def check_spec(spec: str, options: Mapping[str, str] | None = None) -> None:
         get_preset(parsed.target)  # an unknown name: the list of presets
     if parsed.kind in ("checkpoint", "gguf") and not Path(parsed.target).is_file():
         raise PipelineError(f"{parsed.target} does not exist; {_WHAT_TO_GIVE}")
-    if parsed.kind == "gguf" and opts.get("fp8") in ("1", "rowwise"):  # review49-b 2: at start, not per job
+    if parsed.kind == "gguf" and opts.get("fp8") in ("1", "rowwise"):  # at start, not per job
         raise PipelineError(f"fp8={opts['fp8']} with a GGUF transformer is refused: its layers are quantized "
                             "already, so fp8 would find no plain layer to convert; drop fp8 or load the model "
                             "from its folder")

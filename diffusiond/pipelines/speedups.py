@@ -82,7 +82,7 @@ def _fp8(denoiser: Any, device: torch.device) -> str:
 
 def apply_fp8_rows(pipe: Any, options: Mapping[str, str], device: torch.device, resident: bool) -> tuple[str, ...]:
     """``fp8=rowwise``, applied while the model is still on the host, before any offload hooks are made and
-    before the move: those hooks are made for the layers they find (review49-a 1), and the device then holds
+    before the move: those hooks are made for the layers they find, and the device then holds
     fp8, never the full-precision denoiser (FLUX.1-dev's 24 GB would not load on a 24 GiB card). Each layer is
     quantized on ``device`` and left there when the model will be ``resident``, else back on the host."""
     if options.get("fp8") != "rowwise":
@@ -128,7 +128,7 @@ def apply_speedups(pipe: Any, options: Mapping[str, str], device: torch.device) 
                     raise PipelineError(f"cache={cache}: the model's {attr} ({type(denoiser).__name__}) {why}; use "
                                         "cache=taylorseer, which predicts each attention module instead")
         if (refusal := step_cache_refusal(f"cache={cache}", pipe)) is not None:
-            raise refusal  # review48-a 3: before any hook, as the checks above
+            raise refusal  # before any hook, as the checks above
         name = _cache_config(cache)[1]
         for _, denoiser in found:
             denoiser.enable_cache(_cache_config(cache)[0])  # a config each: a hook keeps its state per module
@@ -140,7 +140,7 @@ def _lite_misfit(denoiser: Any) -> str:
     """Why TaylorSeer's lite mode would give wrong outputs on ``denoiser`` ('' if it fits). Between full steps it
     skips every block (its output zeros) and predicts only ``proj_out``: an output head of another name (LTX-2's
     ``audio_proj_out``) would run on the zeros, and a model with no ``proj_out`` or no matching block would run
-    uncached under the cache's name (review47-b 6). The patterns are diffusers' own."""
+    uncached under the cache's name. The patterns are diffusers' own."""
     import re
 
     from diffusers.hooks.taylorseer_cache import _BLOCK_IDENTIFIERS, _PROJ_OUT_IDENTIFIERS
@@ -158,14 +158,14 @@ def _lite_misfit(denoiser: Any) -> str:
 
 
 # Pipeline classes that set no cache context and make one denoiser call a step as the daemon calls them, so one
-# context around the whole call is right (review47-b 7), each with the argument that would add a second call
+# context around the whole call is right, each with the argument that would add a second call
 # ('' for none). FLUX's second call is its true CFG's negative pass (``true_cfg_scale > 1``), which the daemon
 # passes only to call_defaults.TRUE_CFG families and which defaults to 1: _context_plan checks both still hold.
 # Allegro's, Latte's and Bria's CFG runs both passes as one batch (``torch.cat([latents] * 2)``): one call.
-# HunyuanVideo image-to-video's second call is the same true CFG (default 1; ran with cache= before review48-a 3:
-# review48-b 5). Its Skyreels sibling is left out, refused: its true_cfg_scale defaults to 6, and the daemon passes
-# every class that takes ``negative_prompt`` one (``""`` where the request has none: diffusers_pipeline.py), so
-# ``do_true_cfg`` holds and it calls the transformer twice a step.
+# HunyuanVideo image-to-video's second call is the same true CFG (default 1). Its Skyreels sibling is left out,
+# refused: its true_cfg_scale defaults to 6, and the daemon passes every class that takes ``negative_prompt`` one
+# (``""`` where the request has none: diffusers_pipeline.py), so ``do_true_cfg`` holds and it calls the transformer
+# twice a step.
 ONE_CALL_A_STEP = {
     "FluxImg2ImgPipeline": "true_cfg_scale",
     "FluxInpaintPipeline": "true_cfg_scale",
@@ -191,7 +191,7 @@ def _context_plan(cls: type) -> str:
     The first is read off the class's source, so a class diffusers adds or mends is served as it comes. Whether a
     class without contexts makes one denoiser call a step is declared, not read: two calls a step (ChromaPipeline's
     and Kandinsky 5's CFG passes) in one context share one cache state, so every predicted or skipped step is
-    computed from the other pass's features (review48-a 3: 0.65 off on a tiny Chroma at output scale 2, silently),
+    computed from the other pass's features (0.65 off on a tiny Chroma at output scale 2, silently),
     and the source cannot tell a concatenated CFG batch (one call) from a loop over the conditions or a call in a
     helper method. A class left out of the table is refused with its name: loud, where a wrong guess is silent."""
     if cls not in _PLANS:
@@ -238,9 +238,9 @@ def step_cache_refusal(option: str, pipe: Any) -> PipelineError | None:
 def step_cache_context(pipe: Any) -> Iterator[None]:
     """Around a pipeline call: diffusers' cache hooks need the denoiser's ``cache_context`` set at each of its
     calls. A pipeline that sets its own is left to it; one in ``ONE_CALL_A_STEP`` (FLUX's image-to-image and
-    inpainting siblings, whose edit jobs on a cached model all failed: review47-b 7) runs in one context around
+    inpainting siblings, whose edit jobs on a cached model all failed) runs in one context around
     the call. Any other was refused at load (``apply_speedups``) when it is the model's own class; an edit sibling
-    of another class is refused here, before it runs, rather than run with its passes in one state (review48-a 3)."""
+    of another class is refused here, before it runs, rather than run with its passes in one state."""
     cached = [d for _, d in denoisers(pipe) if getattr(d, "is_cache_enabled", False)]
     if cached and (refusal := step_cache_refusal("cache= (the model's step cache)", pipe)) is not None:
         raise refusal

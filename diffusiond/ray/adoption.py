@@ -264,7 +264,7 @@ class Adoption:
     def stop_all(self, timeout_s: float) -> None:
         """SIGTERM to every adopted daemon at once (each drains its own grace), then wait for them against one
         deadline: the replica's stop must fit in Serve's graceful shutdown, however many it adopted (each had
-        the whole timeout of its own: review44-e 6)."""
+        the whole timeout of its own)."""
         deadline = time.monotonic() + timeout_s
         daemons = list(self.daemons.values())
         for d in daemons:

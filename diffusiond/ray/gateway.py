@@ -27,7 +27,7 @@ MAX_BODY_BYTES = 64 << 20
 
 def _own_path(request: Request) -> str:
     """The path below the application's ``route_prefix``: Serve keeps the whole path in ``scope["path"]`` and the
-    prefix in ``root_path``, so with a prefix other than ``/`` every route read as unknown (review44-e 8)."""
+    prefix in ``root_path``, so with a prefix other than ``/`` every route read as unknown."""
     path: str = request.scope["path"]
     prefix: str = request.scope.get("root_path", "") or ""
     return path[len(prefix):] or "/" if prefix and path.startswith(prefix) else path
@@ -35,7 +35,7 @@ def _own_path(request: Request) -> str:
 
 async def _body_within_limit(request: Request) -> bytes | None:
     """The body, or None once it passes ``MAX_BODY_BYTES``: counted as it comes, since a chunked upload has no
-    Content-Length to refuse it by, and was read into the gateway's memory whole (review44-e 7)."""
+    Content-Length to refuse it by, and was read into the gateway's memory whole."""
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         return None
     parts, size = [], 0

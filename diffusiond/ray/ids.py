@@ -28,7 +28,7 @@ UNBOUND_ROUTES = frozenset({
     ("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/loras"), ("GET", "/health"), ("GET", "/ready"),
     ("GET", "/metrics"), ("GET", "/v1/controlnets"), ("GET", "/v1/ip-adapters"),
-    ("GET", "/v1/upscalers"),  # review44-e 4: missing since upscalers came (3e1227d), so no client could list them
+    ("GET", "/v1/upscalers"),  # missing since upscalers came (3e1227d), so no client could list them
 })
 _MODEL_RESIDENCY = re.compile(r"/v1/models/[^/]+/(?:load|unload)")
 BOUND_METHODS = {"": ("GET", "DELETE"), "/events": ("GET",), "/outputs": ("GET",), "/preview": ("GET",)}
@@ -73,7 +73,7 @@ def route(method: str, path: str) -> tuple[str | None, str]:
         methods = sorted(mm for mm, p in UNBOUND_ROUTES if p == path)
         raise RouteError(405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} {path}: allowed are {', '.join(methods)}")
     if _MODEL_RESIDENCY.fullmatch(path):
-        # review44-e 4: not an admin route, so the old message misled; through Ray the router places
+        # not an admin route, so the old message misled; through Ray the router places
         # models by where the daemons hold them, and a load here would reach one replica picked by load
         raise RouteError(404, ErrorCode.NOT_FOUND,
                          f"{method} {path} is not forwarded through Ray Serve: it moves a model in one daemon's "
@@ -86,7 +86,7 @@ def route(method: str, path: str) -> tuple[str | None, str]:
 
 def route_query(method: str, path: str, query: str) -> tuple[str | None, str]:
     """(replica, query to send) for a job list's page: ``before=REPLICA.j_HEX`` (the ``next_before``
-    a page through the gateway gave) names the replica whose list it continues (review44-e 3), and the
+    a page through the gateway gave) names the replica whose list it continues, and the
     daemon is sent its own id. Any other request keeps its query and goes where ``route`` sends it."""
     if (method, path) != ("GET", "/v1/jobs") or "before" not in query:
         return None, query
@@ -113,7 +113,7 @@ def bind_document(doc: Any, replica: str) -> Any:
         return doc
     out: dict[str, Any] = {}
     for key, value in doc.items():
-        # next_before: the cursor of a job list's page (review44-e 3), bound so the next page reaches that replica
+        # next_before: the cursor of a job list's page, bound so the next page reaches that replica
         if key in ("id", "job_id", "next_before") and isinstance(value, str) and _DAEMON_ID.fullmatch(value):
             out[key] = bind(replica, value)
         elif key == "url" and isinstance(value, str) and value.startswith("/v1/jobs/j_"):
@@ -151,7 +151,7 @@ def batch_key(body: Any) -> str | None:
 def _digested(value: Any) -> Any:
     """``value`` with every long string (a control's or a reference's picture in base64) as its digest: the key
     keeps requests with different pictures apart, as the daemon does, without carrying megabytes of them across
-    Ray a second time and in each of the router's remembered keys (review44-e 5)."""
+    Ray a second time and in each of the router's remembered keys."""
     if isinstance(value, str) and len(value) > 256:
         return "sha256:" + hashlib.sha256(value.encode(errors="surrogatepass")).hexdigest()
     if isinstance(value, dict):

@@ -250,7 +250,7 @@ class DaemonReplica:
 
     def _stop(self) -> None:
         """Every daemon, its own and the adopted ones, told at once and waited for against one deadline: one
-        after the other they took up to twice ``stop_timeout_s``, past Serve's graceful shutdown (review44-e 6)."""
+        after the other they took up to twice ``stop_timeout_s``, past Serve's graceful shutdown."""
         deadline = time.monotonic() + self.stop_timeout_s
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -374,7 +374,7 @@ async def relay_sse(chunks: AsyncIterator[bytes], store: str) -> AsyncIterator[b
     """An event stream as it comes, its ``data:`` lines bound to ``store``. Lines are cut here from
     the bytes, with no length limit: aiohttp's own line reader refuses a line over 512 KiB, and a
     preview's PNG in base64 (max_side up to 1024) is longer, which cut the stream before its
-    terminal event (review44-e 2). The daemon is this replica's own, so its lines are trusted."""
+    terminal event. The daemon is this replica's own, so its lines are trusted."""
     pending = bytearray()
     async for chunk in chunks:
         pending += chunk
@@ -397,7 +397,7 @@ def own_state_dir(serve_args: list[str], private: Path, replica: str) -> list[st
     Given none, the daemon keeps its jobs in memory (``--no-persist``, its compile cache in the
     private directory): a store there would be removed with that directory at the replica's stop,
     so a job the daemon left in it for its next start would never end, and its event stream would
-    close with no terminal event (review44-e 1). In memory, the daemon's drain on SIGTERM ends each
+    close with no terminal event. In memory, the daemon's drain on SIGTERM ends each
     job it could not finish ``failed shutting_down`` with the reason, as on one machine."""
     args = list(serve_args)
     if "--no-persist" in args:

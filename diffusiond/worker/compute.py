@@ -143,9 +143,9 @@ class ComputeThread:
     def _run(self) -> None:
         try:
             if self.cuda:  # torch's current device is per thread: the main thread's set_device does not reach here,
-                # and events, streams and pinned buffers made here would be cuda:0's (review47-a 1)
+                # and events, streams and pinned buffers made here would be cuda:0's
                 bind_thread(self.pipeline.device)
-        except BaseException as exc:  # a thread dying alone would leave the worker never ready (review48-a 7)
+        except BaseException as exc:  # a thread dying alone would leave the worker never ready
             self._die(f"the compute thread could not use {self.pipeline.device}: {type(exc).__name__}: {exc}", 1)
             return
         try:
@@ -228,7 +228,7 @@ class ComputeThread:
                 last_post = now
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
             # of the whole batch, a cancelled half never stopped: the other half's requests never all are
-            return not self.state.all_cancelled(running)  # (review59-d 3)
+            return not self.state.all_cancelled(running)  #
 
         def sink_for(requests: list[RequestSpec]) -> Callable[[int, int, list[tuple[int, torch.Tensor]]], None]:
             def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
@@ -425,7 +425,7 @@ class ComputeThread:
         ok = drained
         if not drained and item.command in ("sleep", "wake"):
             # nothing moves: an answer "not ok" over a model that had moved anyway left the engine sending batches
-            # to a sleeping model, each failing, and its wakes to no one (review59-d 1); the engine may ask again
+            # to a sleeping model, each failing, and its wakes to no one; the engine may ask again
             self.post(Ack(command=_KIND[item.command], ok=False, message=message, host_kept=hostcopy.kept(),
                           ack_id=item.ack_id))
             return False

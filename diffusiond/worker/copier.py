@@ -116,9 +116,9 @@ def _float32(out: torch.Tensor) -> np.ndarray:
 def finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
     """Whether each tensor holds only finite numbers. The cast to uint8 would turn NaN into black pixels and
     the job would succeed with them; a scheduler dividing by zero over too few steps, or a half-precision
-    overflow, must fail its job with the reason instead (review41b). Each tensor's smallest and largest value
+    overflow, must fail its job with the reason instead. Each tensor's smallest and largest value
     are enough (both are NaN when one element is, one of them inf when one is), so nothing as large as an
-    output is allocated, on a device where memory was never counted for it (review41c), and a device's answers
+    output is allocated, on a device where memory was never counted for it, and a device's answers
     are read back once, waiting on a blocking event rather than spinning (``Copier._sync`` says why)."""
     flags = [True] * len(tensors)
     ends: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
@@ -143,7 +143,7 @@ def finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
 def finite_or_assumed(tensors: Sequence[torch.Tensor],
                       check: Callable[[Sequence[torch.Tensor]], list[bool]] = finite) -> list[bool]:
     """``check``'s answer; when the check itself fails (a device error, a bug), the tensors taken as finite
-    after logging why: a check that cannot run must not cost the job, nor the copy thread (review41c)."""
+    after logging why: a check that cannot run must not cost the job, nor the copy thread."""
     try:
         return check(tensors)
     except Exception:
@@ -189,7 +189,7 @@ class Copier:
     def start(self) -> None:
         """Start the copy thread, once it is bound to the worker's device: a device that cannot be made current
         there (fallen off the bus, reset) fails the worker's start with the reason, where a thread dying alone
-        would leave every output copy waiting (review48-a 7)."""
+        would leave every output copy waiting."""
         self.thread.start()
         self._bound.wait()
         if self._unbound is not None:
@@ -228,7 +228,7 @@ class Copier:
     def process(self, job: CopyJob) -> None:
         """Copy a batch's outputs. A failure of one copy fails that request alone (``_copy_one``); any other
         failure fails the batch's requests not yet answered, with the reason, rather than leaving them to
-        wait for their timeout (review41c)."""
+        wait for their timeout."""
         try:
             self._process(job)
         except Exception as exc:

@@ -29,7 +29,7 @@ minutes on outputs nobody will read. Each upscaled output is made smaller as soo
 
 Both make a picture of levels, which a NaN first pass would turn into black pixels (the hires pass's input, an
 upscaled uint8 output) that pass for a result. An output that is not finite skips them and goes to the copy as it
-is, which fails its request with the reason (``copier.NOT_FINITE``; review41c); the others go on.
+is, which fails its request with the reason (``copier.NOT_FINITE``); the others go on.
 """
 
 from __future__ import annotations

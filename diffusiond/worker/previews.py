@@ -78,7 +78,7 @@ class PreviewOutbox:
         try:
             slot = self.arena.try_allocate(nbytes_of(picture))
         except ArenaError:  # larger than the whole arena: an output goes to a memfd of its own, a preview is skipped
-            return False  # (raised, it failed the job: review59-d 2)
+            return False  # (raised, it failed the job)
         if slot is None:  # the arena is busy with outputs: they come first
             return False
         try:

@@ -86,7 +86,7 @@ class Worker:
         self.exit_code = loop.create_future()
         self.channel.start(self._on_frame, self._on_close)
         code = await self.exit_code
-        with contextlib.suppress(Exception):  # all of it: the last outputs' frames, a FATAL (review59-d)
+        with contextlib.suppress(Exception):  # all of it: the last outputs' frames, a FATAL
             await asyncio.wait_for(self.channel.drain(below=0), 5)
         return code
 

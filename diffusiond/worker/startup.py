@@ -82,7 +82,7 @@ class StartPhases(Phases):
 
     def report(self, model: str) -> None:
         """The headline is the whole start, the process's own included, which the parts list first: the time
-        since INIT alone read smaller than the parts it headed (review42-ux 7)."""
+        since INIT alone read smaller than the parts it headed."""
         self.mark("warm-up")
         age = _age_s()
         since = "its fork" if _FORKED else "its spawn"
@@ -131,7 +131,7 @@ def bind_thread(device: Any) -> None:
     """Make ``device`` (a ``torch.device``) this thread's current CUDA device. torch keeps the current device per
     thread, and the worker's main thread sets it; without this, a ``cuda:1`` worker's compute and copy threads
     recorded their events on cuda:0's stream, where the work they were to wait for does not run, and made a
-    context on cuda:0 (review47-a 1)."""
+    context on cuda:0."""
     import torch
 
     if device.type == "cuda" and device.index is not None:
@@ -141,9 +141,9 @@ def bind_thread(device: Any) -> None:
 def device_executor(device: Any) -> Any:
     """The worker loop's default executor (``asyncio.to_thread``): threads bound to ``device`` when they start.
     The model's load, its adapters', ControlNets' and upscalers' run there, and a ``cuda:1`` worker's load
-    otherwise made a context on cuda:0 and put what diffusers allocates on the current device there (review47-a 1,
-    left for the load threads until now). A thread that cannot bind fails each call it is given, saying why
-    (review49-b 5: a failing initializer breaks the pool with no cause but "an initializer failed")."""
+    otherwise made a context on cuda:0 and put what diffusers allocates on the current device there. A thread
+    that cannot bind fails each call it is given, saying why (a failing initializer breaks the pool with no cause
+    but "an initializer failed")."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 

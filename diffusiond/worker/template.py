@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         _imports(args.libraries, quiet, args.compiler)
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
-        # said here too, not only to the engine, which may be gone or not reading (review44-a 4); the traceback
+        # said here too, not only to the engine, which may be gone or not reading; the traceback
         # only at DEBUG, as the reason names what to do
         log.warning("cannot fork workers: %s; workers start as fresh interpreters", why,
                     exc_info=log.isEnabledFor(logging.DEBUG))

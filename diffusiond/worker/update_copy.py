@@ -57,7 +57,7 @@ class Source(NamedTuple):
 
 class _Written:
     """Whether a byte reached a destination yet: a failure before is a plain refusal, which changed nothing (a
-    memfd the worker cannot read, a staging buffer's first fill), not a worker's exit (review48-a 5)."""
+    memfd the worker cannot read, a staging buffer's first fill), not a worker's exit."""
 
     began = False
 
@@ -146,7 +146,7 @@ def _pinned(device: torch.device) -> list[torch.Tensor]:
     fails, for the plain copies instead."""
     with _buffers_lock:
         if not _buffers:
-            made: list[torch.Tensor] = []  # both or none: ``_staged`` alternates between two (review48-a 6)
+            made: list[torch.Tensor] = []  # both or none: ``_staged`` alternates between two
             try:
                 with torch.cuda.device(device):
                     for _ in range(2):

@@ -150,7 +150,7 @@ def kept_as(tensor: torch.Tensor) -> str:
     """What ``tensor`` is kept as when an update cannot be copied into it in place, else '': an integer or 8-bit
     storage (a quantized weight), or a tensor subclass. torchao's quantized weights (``quant=C:int8``, ``fp8=1``)
     are subclasses that report their values' dtype (bfloat16) while holding int8 or float8 data: a byte copy
-    into one fails half-way, which cost the worker (review48-a 2)."""
+    into one fails half-way, which cost the worker."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return f"a {type(tensor).__name__} (quantized, or another tensor subclass)"
     return "" if tensor.dtype.is_floating_point and tensor.dtype.itemsize >= 2 else str(tensor.dtype)
@@ -165,7 +165,7 @@ def weights_pipe(pipeline: Any) -> Any:
 def unreachable(own: Mapping[str, torch.Tensor]) -> bool:
     """The component's weights are not in its parameters: ``offload=sequential`` (accelerate's ``cpu_offload``)
     leaves them on the meta device and keeps the values in its hooks, and a copy into a meta tensor does
-    nothing, silently (review44-c 2)."""
+    nothing, silently."""
     return any(t.is_meta for t in own.values())
 
 

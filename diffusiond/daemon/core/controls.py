@@ -150,7 +150,7 @@ def decode_controls(entries: Sequence[ControlEntry], *, width: int, height: int,
         buffer = InputBuffer(None, None, controls=pictures, name="diffusiond-control")
     else:
         image, mask = read_inputs([joined.fd], joined.ref(0))
-        earlier = read_pictures([joined.fd], joined.ref(0))  # a several-picture edit's (review42b-rest 8)
+        earlier = read_pictures([joined.fd], joined.ref(0))  # a several-picture edit's
         buffer = InputBuffer(image, mask, controls=pictures, pictures=earlier, name=joined.name)
     return ControlInput(entries=tuple(entries), refs=tuple(refs), buffer=buffer)
 

@@ -3,7 +3,7 @@ disk, and the work still out on workers that nobody wants now.
 
 Apart from ``engine.py``, which keeps the one ending (``Engine._end``) and calls these in order.
 
-Why the announcement waits for the record (review45-b 1): a client told "done" or "cancelled" (an SSE
+Why the announcement waits for the record: a client told "done" or "cancelled" (an SSE
 ``done``/``error``, a synchronous answer, a DELETE's 200) must never meet the job running again after a
 crash, and a job whose row still says queued or running is resumed at the next start. The status in memory
 changes at once (a GET may show it a moment before the commit); only the telling waits.
@@ -29,7 +29,7 @@ from diffusiond.protocol import ErrorCode, JobStatus
 def admitted(store: Store, job: Job, end: Callable[..., Any]) -> asyncio.Future[None]:
     """A new job's record, started now; the caller shields it, so it lands also when its client has gone. One the
     store refuses (a full disk: 507, a broken database) ends the job with the store's reason, whether or not
-    anyone still waits (review59-c 2); a waiting caller gets the error too."""
+    anyone still waits; a waiting caller gets the error too."""
     adding = asyncio.ensure_future(store.add(job))
 
     def refused(f: asyncio.Future[None]) -> None:

@@ -183,7 +183,7 @@ class Engine(OutputAccess):
         """Every model off its device through residency once running work ends (``power.py``): level 1 to host
         memory, level 2 to disk with its workers stopped (CUDA contexts freed, for a trainer's whole card).
         Carried to its end when its caller leaves (a client's timeout): cut short in its drain, it left the daemon
-        paused at level 0 for good (review59-c 4); a failure then is logged (``power.unread``)."""
+        paused at level 0 for good; a failure then is logged (``power.unread``)."""
         task = asyncio.ensure_future(power.locked(self._power, power.sleep(self, level)))
         try:
             return await asyncio.shield(task)
@@ -249,7 +249,7 @@ class Engine(OutputAccess):
     async def accept(self, req: JobRequest, *, sync: bool = False) -> Job:
         """Admit a job and return once it is recorded (on disk when jobs persist): what a 202 promises."""
         job = self.submit(req, sync=sync)
-        try:  # recorded whatever the caller does: what is in memory is on disk (review59-c 2)
+        try:  # recorded whatever the caller does: what is in memory is on disk
             await asyncio.shield(endings.admitted(self.store, job, self._end))
         except asyncio.CancelledError:
             if sync and not job.terminal:  # the client left (aiohttp cancels its handler): nobody will read it
@@ -364,7 +364,7 @@ class Engine(OutputAccess):
     # frames from workers --------------------------------------------------------------------
     async def _prepare_worker(self, model: Model, worker: WorkerLink) -> bool:
         """A worker that starts after live updates gets them before its first batch (core/weights.py); True
-        when it failed half-way through one and exits (review48-b 7)."""
+        when it failed half-way through one and exits."""
         timeout = self.config.worker_start_timeout_s
         exits = False
         try:
@@ -448,7 +448,7 @@ class Engine(OutputAccess):
                                                             "stage": stage_label}
         if not job.end(status, error):
             return
-        endings.record(self.store, job)  # listeners are told once it is on disk (review45-b 1)
+        endings.record(self.store, job)  # listeners are told once it is on disk
         job.request.close_inputs()  # batches already sent hold their own fds
         self.scheduler.remove(job)
         self.keeper.unqueue(job.request.model, sum(1 for i in job.items if i.batch_id is None))

@@ -241,7 +241,7 @@ class FileChecks:
             found = None if config is None else await asyncio.to_thread(self._find, config)
             if found is None and config is not None and _built_in(config):
                 return self._read.get(model)  # not built yet: read again next time
-            # a load's table that came while the files were read is newer than what they said (review41 engine 4)
+            # a load's table that came while the files were read is newer than what they said
             return self._read.setdefault(model, found)
         return self._read[model]
 

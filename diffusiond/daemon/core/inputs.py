@@ -210,7 +210,7 @@ def decode_edit(image: Source, mask: Source | None, *, task: Task, strength: flo
 
 
 MAX_PICTURE_RATIO = 100  # an earlier picture of an edit is resized by the pipeline to a fixed area; past ~144:1 a side
-# of Qwen-Image-Edit Plus's 384x384 condition area rounds to 0 and the batch failed (review42b-rest 2)
+# of Qwen-Image-Edit Plus's 384x384 condition area rounds to 0 and the batch failed
 
 
 def _picture(img: Image.Image, field: str) -> Image.Image:

@@ -7,7 +7,7 @@ outputs are ``Item``s: the unit of batching, copying and encoding (``RequestSpec
 Status moves forward only: queued -> running -> succeeded | failed | cancelled, and the terminal
 transition happens exactly once (``Job.end``); listeners (SSE streams, waiting handlers) learn
 about it through ``Job.listeners`` (called on the loop, in order) and ``Job.finished``, once the
-ending is on disk (``Job.announce``, review45-b 1). What a
+ending is on disk (``Job.announce``). What a
 client sees of a job (its JSON, its URLs) is drawn by the HTTP layer (``views.py``), not here.
 """
 
@@ -203,7 +203,7 @@ class Item:
     @property
     def delivered(self) -> bool:
         """Its output has left the worker: from ENCODING on (an encoded output's slot goes back before its file
-        is written, so ``desc`` does not tell it; review59-c 1)."""
+        is written, so ``desc`` does not tell it)."""
         return self.stage >= Stage.ENCODING
 
     @property

@@ -15,8 +15,8 @@ generation of each tensor waits behind the proven one.
 
 A worker that fails half-way through copying a kept update at its start (an I/O or device error, ``Ack.restarts``)
 did not refuse it: it exits, and its replacement gets the same chain. Only after ``MAX_RESTARTS`` such failures of
-one update in a row, with no worker applying it in between, is it dropped, so that a model does not restart forever
-(review48-a 1); failures spread over starts that took it are no crash loop (review48-b 3).
+one update in a row, with no worker applying it in between, is it dropped, so that a model does not restart forever;
+failures spread over starts that took it are no crash loop.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _what(msg: Update) -> str:
 
 def _close_each(msg: Update, fds: tuple[int, ...]) -> None:
     """Every fd, whatever the others do: one that fails (EBADF would be a double close elsewhere) must not leave
-    the rest of the update's pages held, and nobody waits on this thread to hear of it (review48-b 6)."""
+    the rest of the update's pages held, and nobody waits on this thread to hear of it."""
     for fd in fds:
         try:
             os.close(fd)
@@ -109,7 +109,7 @@ def keep(kept: Chains, key: Hashable, msg: Update, fds: Sequence[int], *, proven
 
 def prove(chain: list[Kept], entry: Kept) -> None:
     """A worker applied ``entry``: it is proven, the earlier updates it covers are dropped, and the failures
-    before are no crash loop any more (review48-b 3)."""
+    before are no crash loop any more."""
     names = _names(entry.msg)
     at = chain.index(entry)
     for old in chain[:at]:
@@ -132,8 +132,7 @@ def drop(chain: list[Kept], entry: Kept) -> str:
 
 def in_force(instead: str, held: int, who: str = "") -> str:
     """What runs instead of an update dropped at the bound. The workers running (``who``, where known) applied it
-    before (version ``held``, 0: none did) and keep it until they restart, unlike those that start from now on
-    (review48-b 3)."""
+    before (version ``held``, 0: none did) and keep it until they restart, unlike those that start from now on."""
     if not held:
         return f"in force instead: {instead}"
     return (f"in force instead: {instead} on workers that start from now on, while the workers already running"
@@ -157,7 +156,7 @@ def restarted(chain: list[Kept], entry: Kept, what: str, worker: str, message: s
 
 def holds_alone(chain: list[Kept], entry: Kept) -> bool:
     """Whether ``entry`` holds a tensor no other kept update of its chain does: without it, a worker that starts
-    would build a live adapter from the rest, a part of it (review48-b 2)."""
+    would build a live adapter from the rest, a part of it."""
     return bool(_names(entry.msg) - {name for other in chain if other is not entry for name in _names(other.msg)})
 
 

@@ -186,8 +186,8 @@ async def ask_all(live: Sequence[tuple[ModelLoras, WorkerLink]],
 class Answers:
     """Each live worker's answer to one update, by model (``ask_each``). A worker that went away meanwhile
     because the engine stopped it (an unload, a keep_alive) is not counted: the update is for the workers
-    that run, and one that starts later replays it (review44-c 5). One that crashed or did not answer in
-    time is: it may hold the update or not, so the model's workers may now differ (review44-c 4)."""
+    that run, and one that starts later replays it. One that crashed or did not answer in
+    time is: it may hold the update or not, so the model's workers may now differ."""
 
     asked: dict[str, int] = field(default_factory=dict)  # model -> its workers still there to answer
     took: dict[str, int] = field(default_factory=dict)  # model -> its workers that applied it
@@ -196,7 +196,7 @@ class Answers:
     failed: dict[str, list[str]] = field(default_factory=dict)
     refused: set[str] = field(default_factory=set)  # the models where a worker answered with a refusal
     # model -> why a worker of it failed half-way through the copy and restarts: nothing of the update is in
-    # force there once it has, and sending it again is the remedy, not a refusal (review48-a 4)
+    # force there once it has, and sending it again is the remedy, not a refusal
     restarted: dict[str, str] = field(default_factory=dict)
     unanswered: bool = False  # a worker did not answer: it may still apply the update
 

@@ -34,7 +34,7 @@ class OutputAccess:
 
     def readable_output(self, job: Job, k: int) -> Item:
         """Output ``k`` of ``job`` if a read of it would start (``Outputs.check_readable``), opening nothing:
-        HEAD answers from it, and leaves an npy's one delivery for the GET (review45-c 3)."""
+        HEAD answers from it, and leaves an npy's one delivery for the GET."""
         item = self._item(job, k)
         self.outputs.check_readable(item)
         return item

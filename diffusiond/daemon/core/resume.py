@@ -72,7 +72,7 @@ async def recover(self: Engine) -> None:
                       "the daemon stopped before this edit finished, and an edit's input image is not kept in "
                       "the state dir: submit it again")
             continue
-        if job.sync:  # its caller's connection ended with the last run: nobody would read it (review59-c)
+        if job.sync:  # its caller's connection ended with the last run: nobody would read it
             self._end(job, JobStatus.FAILED, ErrorCode.SHUTTING_DOWN,
                       "the daemon stopped before this synchronous request finished, and the request's connection "
                       "ended with it: send the request again")

@@ -44,7 +44,7 @@ def part_sizes(fds: list[int]) -> list[int]:
 
 
 def _readable(fd: int, i: int) -> None:
-    """Refuse an fd the workers cannot read (review48-a 5): ``open("/proc/self/fd/N", O_WRONLY)`` of a sealed memfd
+    """Refuse an fd the workers cannot read: ``open("/proc/self/fd/N", O_WRONLY)`` of a sealed memfd
     passes every other check, and its first read in a worker fails."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     if flags & getattr(os, "O_PATH", 0):

@@ -93,10 +93,10 @@ class LiveLoras:
         # an update sent after it is accepted
         self.refused: dict[str, str] = {}
         # (adapter, model): the model did not take the adapter's last update only because a worker of it did
-        # not answer, or took it on some workers only: the next update goes to it again (review44-c 4)
+        # not answer, or took it on some workers only: the next update goes to it again
         self._retry: set[tuple[str, str]] = set()
         # adapter -> its tensors' shapes, once no kept update holds all of it (``MAX_RESTARTS`` dropped the one
-        # that did): its next update must hold all of them, and goes to every model (review48-b 2)
+        # that did): its next update must hold all of them, and goes to every model
         self._gone: dict[str, dict[str, Shape]] = {}
 
     async def replay(self, model: ModelLoras, worker: WorkerLink, timeout: float) -> bool:
@@ -120,7 +120,7 @@ class LiveLoras:
     async def _resend(self, model: ModelLoras, worker: WorkerLink, name: str, chain: list[Kept],
                       timeout: float) -> str | None:
         """Send a kept chain to one worker, in order, each after the last's ACK; '' or why the adapter is
-        not there, None where the worker failed half-way through one and exits (it is kept: review48-a 1).
+        not there, None where the worker failed half-way through one and exits (it is kept).
         A later update kept on trust that the worker refuses is bad on every model (it was checked against
         the adapter's own tensors, which are the same everywhere): it is dropped, and the worker keeps the
         last version it took."""
@@ -139,7 +139,7 @@ class LiveLoras:
                     log.error("live LoRA %r: %s", name, self.refused[name])
                 return None
             if ack.ok:
-                prove(chain, entry)  # proven, and a count of failures before starts over (review48-b 3)
+                prove(chain, entry)  # proven, and a count of failures before starts over
                 continue
             if entry.proven or entry is chain[0]:  # the adapter itself does not fit this model
                 return ack.message
@@ -150,9 +150,9 @@ class LiveLoras:
         return ""
 
     def _dropped(self, name: str, chain: list[Kept], entry: Kept) -> str:
-        """Drop ``entry`` at the bound; what runs instead, in words. Workers that run it keep it (review48-b 3).
+        """Drop ``entry`` at the bound; what runs instead, in words. Workers that run it keep it.
         Without the only update holding some of the adapter's tensors, the rest would build a part of it in a
-        new worker: all go, and the adapter's next update must hold all of it (review48-b 2)."""
+        new worker: all go, and the adapter's next update must hold all of it."""
         if not holds_alone(chain, entry):
             instead = drop(chain, entry)
             return in_force(instead, entry.msg.version if entry.proven else 0)
@@ -205,7 +205,7 @@ class LiveLoras:
         forward = UpdateLora(name, msg.tensors, version)
         answers = await ask_each(live_workers(targets), lambda w: w.command(forward, timeout, dups(fds)),
                                  timeout)
-        # checked when it next starts; one whose workers all stopped meanwhile too (review44-c 5)
+        # checked when it next starts; one whose workers all stopped meanwhile too
         idle = [m for m in targets if m.name not in answers.asked]
         misfits = {}  # a new adapter against the files of the models that run no worker, where they tell
         for m in idle if new else ():
@@ -308,8 +308,8 @@ class LiveComponents:
     """``update_weights``: whole parameters of one component, in place in every live worker of a model. A model's
     workers run the same weights, so each must accept. Where some applied it and one refused or did not answer, the
     call is a 409 saying how many took it (send it again), the split is logged and shown in ``weight_errors``; where
-    the only answer missing is a worker's that timed out, a 503, not a refusal of the tensors (review44-c 4). A
-    worker the engine stopped meanwhile is not counted (review44-c 5). A model with no live worker has it checked
+    the only answer missing is a worker's that timed out, a 503, not a refusal of the tensors. A
+    worker the engine stopped meanwhile is not counted. A model with no live worker has it checked
     against the table its last load reported, else its files' headers (``file_checks.py``: a refusal there is the
     400 a worker gives), then takes it on trust: it is kept, behind the last proven update of the same tensors
     (``kept.py``), and checked by the model when it next starts; one refused then is dropped, since no worker of
@@ -357,9 +357,9 @@ class LiveComponents:
                         mine = (model.name, msg.component)
                         if ack.ok:
                             self._accepted(mine, msg.version)
-                            prove(chain, entry)  # and failures before it are no crash loop (review48-b 3)
+                            prove(chain, entry)  # and failures before it are no crash loop
                             continue
-                        if ack.restarts:  # not a refusal: kept for its replacement, within a bound (review48-a 1)
+                        if ack.restarts:  # not a refusal: kept for its replacement, within a bound
                             self._restarted(chain, entry, model, worker, ack.message)
                             return True
                         instead = drop(chain, entry)
@@ -372,7 +372,7 @@ class LiveComponents:
     def _restarted(self, chain: list[Kept], entry: Kept, model: ModelLoras, worker: WorkerLink,
                    message: str) -> None:
         """``worker`` failed half-way through ``entry`` at its start: kept, unless ``MAX_RESTARTS`` workers in a
-        row did. The model's running workers applied a proven one, and keep it: said so (review48-b 3)."""
+        row did. The model's running workers applied a proven one, and keep it: said so."""
         assert isinstance(entry.msg, UpdateWeights)
         key = (model.name, entry.msg.component)
         what, version = f"{key[1]} of model {key[0]}", entry.msg.version
@@ -410,7 +410,7 @@ class LiveComponents:
                 forward = UpdateWeights(msg.model, msg.component, msg.tensors, version)
                 live = live_workers([model])
                 answers = await ask_each(live, lambda w: w.command(forward, timeout, dups(fds)), timeout)
-                ran = bool(answers.asked)  # every live worker stopped meanwhile: as if none ran (review44-c 5)
+                ran = bool(answers.asked)  # every live worker stopped meanwhile: as if none ran
                 files = None if ran else await self.files(model.name)
                 why = files.weights_misfit(msg.component, msg.tensors) if files is not None else ""
                 whys = answers.whys if ran else {model.name: why} if why else {}  # no worker: the files answer
@@ -431,7 +431,7 @@ class LiveComponents:
 
 
 def _refuse_split(what: str, model: str, version: int, answers: Answers) -> None:
-    """Raise the error for an update that some of ``model``'s workers did not take (review44-c 4): a 409 when
+    """Raise the error for an update that some of ``model``'s workers did not take: a 409 when
     others did, a 503 when none refused and one did not answer (nothing is wrong with the tensors); else
     return, for the caller's 400."""
     if answers.split(model):
@@ -446,7 +446,7 @@ def _refuse_split(what: str, model: str, version: int, answers: Answers) -> None
 
 
 def _restarts(what: str, version: int, why: str) -> Unavailable:
-    """A worker failed half-way through copying the update and restarts (review48-a 4): the tensors were not
+    """A worker failed half-way through copying the update and restarts: the tensors were not
     refused, and its replacement starts from the updates accepted before, so sending it again is the remedy."""
     return Unavailable(f"{what}: update version {version} was not applied: {why}; nothing of version {version} is "
                        "in force on that worker, whose replacement starts from the updates accepted before: send "

@@ -204,7 +204,7 @@ class _Connection:
     async def _look_up(self, msg: Fetch) -> None:
         """Answer a FETCH for a job that is not in memory. HTTP still serves such a job's outputs from the state
         dir (past ``--retention-s``, or after a restart), so the answer is what lets the client fall back to it:
-        ``not_shared`` when the job is there, and the 404 HTTP would give when it is not (review45-c 4)."""
+        ``not_shared`` when the job is there, and the 404 HTTP would give when it is not."""
         try:
             await self.server.engine.history.find(msg.job_id)
         except EngineError as err:

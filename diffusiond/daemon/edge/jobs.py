@@ -82,7 +82,7 @@ async def list_jobs(request: web.Request) -> web.Response:
                              f"from 1 to {HISTORY_MAX_LIMIT}", "limit")
     history = request.app[ENGINE].history
     before = q.get("before") or None
-    if before is not None:  # an unknown cursor read as the end of history: "no jobs", exit 0 (review44-b 9)
+    if before is not None:  # an unknown cursor read as the end of history: "no jobs", exit 0
         try:
             await history.find(before)
         except JobNotFound:
@@ -100,7 +100,7 @@ async def get_job(request: web.Request) -> web.Response:
 async def delete_job(request: web.Request) -> web.Response:
     """Cancel a job that has not finished; delete a finished one (record and output files).
     ``?finished=keep`` only cancels: 409 for a finished job (what a client's cancel sends), one that
-    is no longer in memory too (review45-b 7). A cancel is answered once it is on disk (review45-b 1)."""
+    is no longer in memory too. A cancel is answered once it is on disk."""
     engine = request.app[ENGINE]
     job_id = request.match_info["job_id"]
     finished = request.query.get("finished")
@@ -125,7 +125,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     job = await engine.history.find(request.match_info["job_id"])
     metrics = engine.metrics
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    if request.method == "HEAD":  # the headers only: no stream, no previews (review45-c 3)
+    if request.method == "HEAD":  # the headers only: no stream, no previews
         return web.Response(headers=headers)
     resp = web.StreamResponse(headers=headers)
     sock: socket.socket | None = request.transport.get_extra_info("socket") if request.transport else None
@@ -155,7 +155,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     job.listeners.add(listener)
     try:
         await resp.write(_sse(Event.STATUS, views.job(job)))  # a late subscriber gets the current state first
-        if job.finished.is_set():  # a job that ended but is not yet on disk is told when it is (review45-b 1)
+        if job.finished.is_set():  # a job that ended but is not yet on disk is told when it is
             final = Event.DONE if job.status == JobStatus.SUCCEEDED else Event.ERROR
             await resp.write(_sse(final, views.job(job)))
             return resp
@@ -177,7 +177,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             await resp.write(chunk)
             if e in TERMINAL_EVENTS:
                 return resp
-    except ConnectionError:  # the client left (a reset, or aiohttp's "Connection lost"): nothing to log (review45-c 8)
+    except ConnectionError:  # the client left (a reset, or aiohttp's "Connection lost"): nothing to log
         return resp
     finally:
         job.listeners.discard(listener)
@@ -218,7 +218,7 @@ async def job_output(request: web.Request) -> web.StreamResponse:
     k = _index(request.match_info["k"])
     headers = {"Content-Disposition": f'inline; filename="{views.output_filename(job, k)}"',
                "Content-Type": FORMATS[job.request.output_format].content_type}
-    if request.method == "HEAD":  # from the job's record alone: nothing opened, pinned or read (review45-c 3)
+    if request.method == "HEAD":  # from the job's record alone: nothing opened, pinned or read
         item = engine.readable_output(job, k)
         return web.Response(headers={**headers, "X-Seed": str(item.seed), "Content-Length": str(item.nbytes)})
     async with engine.open_output(job, k) as read:
@@ -227,7 +227,7 @@ async def job_output(request: web.Request) -> web.StreamResponse:
         resp.content_length = len(read)
         await resp.prepare(request)
         # the slot stays pinned, or the file open and its job counted as read, until every byte left the
-        # transport (or it was aborted): review45-c 1, 6. A file goes a piece at a time, read as it is sent.
+        # transport (or it was aborted). A file goes a piece at a time, read as it is sent.
         # The body is no local: one would hold a view of the slot while the block's exit gives it back, and a
         # stopped worker's arena cannot be unmapped under a view (it then stayed mapped for good).
         read.complete = await streaming.send(
@@ -256,12 +256,12 @@ async def job_trajectory(request: web.Request) -> web.StreamResponse:
     async with engine.open_trajectory(job, k, name) as (header, payload):
         headers = {"Content-Type": FORMATS["npy"].content_type,
                    "Content-Disposition": f'inline; filename="{job.id}-{k}-{name}.npy"'}
-        if request.method == "HEAD":  # a trajectory is not used up by a read: its length, and no body (review45-c 3)
+        if request.method == "HEAD":  # a trajectory is not used up by a read: its length, and no body
             return web.Response(headers={**headers, "Content-Length": str(len(header) + len(payload))})
         resp = web.StreamResponse(headers=headers)
         resp.content_length = len(header) + len(payload)
         await resp.prepare(request)
-        # pinned until every byte left the transport, or it was aborted (review45-c 1)
+        # pinned until every byte left the transport, or it was aborted
         await streaming.send(request, resp, (header, payload), engine.config.stream_stall_s,
                              f"the trajectory of output {k} of job {job.id}")
         return resp

@@ -84,7 +84,7 @@ async def images_edits(request: web.Request) -> web.Response:
     text fields; one job, as OpenAI's answers one edit. Several pictures are that edit's pictures, as OpenAI reads
     them, on a model that takes several (``pictures.form_pictures``); a model that takes one refuses them, where it
     used to run one unrelated job per picture and, when a later one was refused, end those already admitted as
-    "cancelled by the client" (review44-b 4, 5)."""
+    "cancelled by the client"."""
     engine = request.app[ENGINE]
     text, images, mask = await bodies.read_edit_form(request, engine.config.limits.max_upload_bytes)
     fields = edits_form(text)

@@ -11,7 +11,7 @@ own sizes (``inputs.decode_edit``).
 
 ``/v1/images/edits`` sends its several ``image[]`` files here too, as OpenAI's edits endpoint reads them: one
 edit's pictures (``form_pictures``), named ``image[i]``; the count is checked before anything is decoded or
-admitted, so a refused form leaves no job behind (review44-b 4, 5).
+admitted, so a refused form leaves no job behind.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def form_pictures(images: list[tuple[str, bytes]], mask: bytes | None, model: Mo
     """The edits form's image files as the fields ``/v1/jobs`` reads: one is ``image`` (with the mask); several
     are one edit's ``images``, as OpenAI's endpoint reads them (gpt-image-1's reference pictures), on a model that
     takes several. A model that takes one is told so rather than given one unrelated edit per file, which is
-    what this endpoint did before (review44-b 4). Counted here, before any picture is decoded or any job
-    admitted (review44-b 5)."""
+    what this endpoint did before. Counted here, before any picture is decoded or any job
+    admitted."""
     name = model.name
     if len(images) == 1:
         return {"image_bytes": images[0][1], "mask_bytes": mask}

@@ -54,7 +54,7 @@ ModelResolver = Callable[[str | None], ModelLike]
 
 T = TypeVar("T")
 MIN_PREVIEW_SIDE, MAX_PREVIEW_SIDE = 16, 1024  # previews are glimpses; the output is the full picture
-# the path msgspec names, entries' indices kept: `$.images[0]` is images[0], not images (review44-b 9)
+# the path msgspec names, entries' indices kept: `$.images[0]` is images[0], not images
 FIELD_PATH = re.compile(r"`\$\.?([A-Za-z_](?:[\w.]|\[\d+\])*)")
 MISSING_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")  # msgspec's wording
 UNKNOWN_TOP = re.compile(r"^Object contains unknown field `([^`]+)`$")  # one at the body's top level
@@ -214,7 +214,7 @@ def check(
         mask = " and a mask (mask; --mask FILE)" if model.capabilities.task == Task.INPAINTING.value else ""
         top = model.capabilities.max_input_images
         several = (f", or up to {top} pictures for one edit (images on /v1/jobs, several image[] on /v1/images/edits, "
-                   "--image repeated on the CLI)") if top > 1 else ""  # review44-b 9
+                   "--image repeated on the CLI)") if top > 1 else ""
         raise invalid(f"model {model.name!r} does {model.capabilities.task} only: send an image (image on /v1/jobs, "
                       f"/v1/images/edits; --image FILE on the CLI){mask}{several}", field="image")
     prompt = req["prompt"]

@@ -83,7 +83,7 @@ def check_side(name: str, v: int, limits: Limits, size_field: str | None = None,
 INHERITED_PIXELS = 4
 """An edit that sends no size runs at its picture's: up to this many times the model's default pixel count
 (2048x2048 on a 1024x1024 model, 256x256 on tiny). Past it one picture (a 4000x4000 PNG is 75 KB) held a
-worker in a forward for longer than any deadline, and a deadline cannot stop a forward (review44-b 2); a
+worker in a forward for longer than any deadline, and a deadline cannot stop a forward; a
 larger output stays one ``size`` away, up to ``limits.max_size``."""
 
 

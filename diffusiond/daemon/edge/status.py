@@ -58,7 +58,7 @@ STATUS_OF_HTTP_ERROR_CODE = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT
 
 # What a client may send again as it was: the daemon is busy, starting or stopping, not the request at fault.
 # Every other error says ``x-should-retry: false``, which OpenAI's SDKs obey: they retry any 5xx, 408, 409 and
-# 429 twice by default, and a job that passed its deadline (504) ran twice more for nothing (review59-a 3).
+# 429 twice by default, and a job that passed its deadline (504) ran twice more for nothing.
 RETRYABLE: frozenset[str] = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.UNAVAILABLE, ErrorCode.SHUTTING_DOWN,
                                        ErrorCode.NO_WORKER, ErrorCode.WORKER_UNAVAILABLE})
 

@@ -2,7 +2,7 @@
 array), in engine memory, or in a file of the state dir, which is read a piece at a time as it is sent.
 
 The transport does not copy what it is given: the part of a write the kernel did not take yet stays
-in its write buffer as a view of the worker's memory. Two rules follow (review45-c 1):
+in its write buffer as a view of the worker's memory. Two rules follow:
 
 - The read stays pinned until the write buffer is empty: only then has every byte left the view.
   Once the handler returns the slot can go back and the worker write another output there.
@@ -11,11 +11,11 @@ in its write buffer as a view of the worker's memory. Two rules follow (review45
 
 ``--stream-stall-s`` times the absence of progress, as docs/api.md promises ("reads nothing for
 this long"), not the writing of a whole chunk: a reader that reads slowly but steadily is never
-cut off (review45-c 7). Progress is bytes the kernel took off the transport's buffer, checked by a
+cut off. Progress is bytes the kernel took off the transport's buffer, checked by a
 watchdog a few times per stall period; while the buffer is empty the client is waiting for us (a file's
 next piece is read), which is never its stall.
 
-A file is sent the same way, through the same watchdog (review45-c 6): each piece is read off the loop
+A file is sent the same way, through the same watchdog: each piece is read off the loop
 only once the one before it went into the transport, so a reader holds at most a piece or two in the
 engine's memory, however large the file and however many read it, and a stalled one is cut off too.
 """

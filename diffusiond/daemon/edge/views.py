@@ -74,7 +74,7 @@ def output_filename(job: Job, k: int) -> str:
 
 def stage(j: Job) -> str:
     """The stage a client reads: an ended job's is the one its error names, the stage it ended in. A job cancelled
-    while residency held it back said ``waiting_for_memory`` on top and ``queued`` in its error (review44-b 9)."""
+    while residency held it back said ``waiting_for_memory`` on top and ``queued`` in its error."""
     ended = j.error.get("stage") if j.terminal and j.error else None
     return ended if isinstance(ended, str) else j.stage_label
 
@@ -309,7 +309,7 @@ def health(engine: Engine) -> dict[str, Any]:
         "arena_bytes_in_use": sum(w.held_bytes for _, w in workers),
         # arenas of workers gone (a level-2 sleep, residency, a crash) that outputs still held keep mapped
         "departed_arena_bytes": sum(w.arena_capacity for w in pool.departed_arenas()),
-        # outputs in the engine's own memory: encoded ones without a state dir, and spills (review45-c 5)
+        # outputs in the engine's own memory: encoded ones without a state dir, and spills
         "output_memory_bytes": engine.outputs.memory_bytes(engine.jobs.values()),
     }
 

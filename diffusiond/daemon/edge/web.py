@@ -58,7 +58,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 def sign_in_url(listen_host: str, port: int, token: str) -> str:
     """Percent-encoded: a token from ``openssl rand -base64`` holds ``+`` and ``/``, and a query reads ``+`` as a
-    space, so the URL printed did not sign in (review59-a 1)."""
+    space, so the URL printed did not sign in."""
     return f"http://{webauth.host_port(webauth.url_host(listen_host), port)}/?token={quote(token, safe='')}"
 
 

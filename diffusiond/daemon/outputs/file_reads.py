@@ -1,12 +1,12 @@
 """Reads of the files a durable job keeps in the state dir, against DELETE and retention removing them.
 
 Every such read (an output's file, a saved trajectory array, a saved sound track) goes through ``FileReads.read``
-(the whole file) or ``FileReads.open`` (an output sent over HTTP a piece at a time, review45-c 6): one that starts
+(the whole file) or ``FileReads.open`` (an output sent over HTTP a piece at a time): one that starts
 after its job's deletion began is refused, one under way keeps retention off its job until its next pass
 (``state/history.py``), and a file gone meanwhile is a 404 naming the output, never a 500. A file whose
 size is not the one its record holds is a ``500 state_failed`` naming it: the daemon writes its files whole, so
 only damage from outside (a truncation, a file put in its place) makes them differ, and a short body served as
-a 200 would pass for the output (review45-b 8).
+a 200 would pass for the output.
 """
 
 from __future__ import annotations

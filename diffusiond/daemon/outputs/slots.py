@@ -20,7 +20,7 @@ loop) so the arena never fills for good and new outputs keep the zero-copy path.
 waits for room (SLOT_WAIT) needs one free range as long as its slot, not free bytes in pieces:
 for it, those are spilled whose slots open such a range for the fewest bytes. Only arena slots
 count and are spilled: an output larger than the arena lies in a memfd of its own, which holds
-no arena room, so it stays there, mappable by fd, until its one delivery (review45-c 5). A
+no arena room, so it stays there, mappable by fd, until its one delivery. A
 spilled npy is still delivered once: its copy is dropped after its first complete read, as its
 slot would have gone back.
 
@@ -28,7 +28,7 @@ When jobs persist (``store.py``), every output is also written to a file in the 
 it counts as ready (encoded bytes, or an npy's header and slot), in the same thread pool: the
 memory copy of an encoded output is dropped, and an npy's slot serves the zero-copy paths until
 it goes back. From then on reads come from the file (over HTTP a piece at a time as it is sent, off
-the loop, review45-c 6), so an output is fetchable any number of times, after its slot went back, and
+the loop), so an output is fetchable any number of times, after its slot went back, and
 after a restart. ``reading``
 counts the reads of each job's files under way; retention and DELETE skip or wait for nothing
 else (``deleting`` stops new reads of a job being deleted).
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class OutputRead:
     """One read of an output: ``header`` then ``payload`` (a view of shared memory for npy), or ``file``,
-    its file in the state dir, open, to be read a piece at a time as it is sent (review45-c 6).
+    its file in the state dir, open, to be read a piece at a time as it is sent.
 
     The reader sets ``complete`` once every byte went out: an npy slot has then done its job and
     goes back to the worker when the read ends."""
@@ -188,7 +188,7 @@ class Outputs:
     @asynccontextmanager
     async def _open_spilled(self, item: Item, data: bytes) -> AsyncIterator[OutputRead]:
         """A spilled npy, streamed as from its slot (header, then the rest) so the reader says when every
-        byte went out: that was its one delivery, and the copy goes (review45-c 5)."""
+        byte went out: that was its one delivery, and the copy goes."""
         split = 10 + int.from_bytes(data[8:10], "little")  # npy 1.0: magic, version, header length, header
         read = OutputRead(data[:split], memoryview(data)[split:])
         try:
@@ -256,7 +256,7 @@ class Outputs:
             return False
         if job.terminal:
             # cancelled or past its deadline while its files were written: its record, written when it ended,
-            # lists none of them, so nothing would ever delete them (review45-b 5)
+            # lists none of them, so nothing would ever delete them
             await self._unwrite(item, written)
             return False
         item.file, item.nbytes = name, size  # only now: a record written from here on lists them

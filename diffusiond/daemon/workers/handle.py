@@ -118,7 +118,7 @@ class WorkerHandle:
         deadline = loop.time() + timeout  # one bound for the template's imports, the fork and the load
         self._ready_fut = loop.create_future()
         # a start that timed out or was cancelled no longer awaits it when _reap fails it: read here, or asyncio
-        # logs "Future exception was never retrieved" with a traceback (review44-a 7)
+        # logs "Future exception was never retrieved" with a traceback
         self._ready_fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._exited = loop.create_future()
         mine, theirs = socketpair()
@@ -133,7 +133,7 @@ class WorkerHandle:
                     mine.close()
                     theirs.close()
                     mine, theirs = socketpair()
-                    deadline = loop.time() + timeout  # its own, whatever the template took (review44-a 3)
+                    deadline = loop.time() + timeout  # its own, whatever the template took
             if self.proc is None:
                 self.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
@@ -166,7 +166,7 @@ class WorkerHandle:
     async def stop(self, timeout: float) -> None:
         """Graceful: SHUTDOWN (the worker drains its copies first), then wait; SIGKILL once ``timeout`` has
         passed since the call, the answer and the exit together (each had its own, so a worker inside a long
-        forward took twice the timeout to be killed: review44-b 3)."""
+        forward took twice the timeout to be killed)."""
         if self.state == WorkerState.DEAD:
             return
         self.state = WorkerState.STOPPING
@@ -208,7 +208,7 @@ class WorkerHandle:
         Each command gets an ``ack_id`` its ACK echoes. A command that times out stays queued in the worker
         (an update waits for the batch in progress), so its ACK comes later: with nothing but the kind to go
         by, it answered the next command of that kind, which could then be reported applied before the
-        worker read it (review44-c 3). Now it finds no waiter and is dropped (``_on_ack``)."""
+        worker read it. Now it finds no waiter and is dropped (``_on_ack``)."""
         kind = KIND_OF[type(msg)]
         self._last_ack_id += 1
         ack_id = self._last_ack_id
@@ -231,7 +231,7 @@ class WorkerHandle:
     def _unconnected(self) -> str:
         if self.lost_reason:
             return self.lost_reason
-        return "not started" if self.channel is None else "its channel closed"  # review44-a 1: it had started
+        return "not started" if self.channel is None else "its channel closed"  # it had started
 
     def _post(self, msg: Execute | Cancel | Command) -> None:
         if self.channel is None or self.channel.closed:
@@ -286,7 +286,7 @@ class WorkerHandle:
     @property
     def arena_held_bytes(self) -> int:
         """Of ``held_bytes``, the arena's slots: all that spilling can give back to a worker waiting for
-        room, a dedicated memfd holding none of it (review45-c 5)."""
+        room, a dedicated memfd holding none of it."""
         return sum(n for slot_id, n in self.held.items() if slot_id not in self.dedicated)
 
     # channel callbacks ----------------------------------------------------------------------
@@ -377,7 +377,7 @@ class WorkerHandle:
         self.channel.close(ProtocolError(text))
 
     def _on_close(self, reason: BaseException | None) -> None:
-        # no batch or command for it from now on, though reaping its process takes a while (review44-a 1: left
+        # no batch or command for it from now on, though reaping its process takes a while (left
         # READY, it took every batch dispatch sent, each failing and requeued, with the loop never yielding)
         live = self.state in (WorkerState.READY, WorkerState.SLEEPING)
         if live:
@@ -407,7 +407,7 @@ class WorkerHandle:
             self._ready_fut.set_exception(WorkerStartError(self.lost_reason))
         if not self._exited.done():
             self._exited.set_result(rc)
-        if live:  # a crash seen at the close, before any stop() (review44-d 4); one that never became ready: start()
+        if live:  # a crash seen at the close, before any stop(); one that never became ready: start()
             self.on_lost(self, self.lost_reason)
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()

@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 
 FORK_TIMEOUT_S = 30.0  # a fork answers in milliseconds; past this the template is wedged
 # A template's imports take seconds (~13 s on an H100 host): one still importing after this is hung, and waiting
-# the worker's whole start timeout (900 s by default) for it cost the first start all of it (review44-a 3).
+# the worker's whole start timeout (900 s by default) for it cost the first start all of it.
 IMPORTS_TIMEOUT_S = 180.0
 # The template reports a child's end (EXITED) in milliseconds once the child's pidfd says it ended: past this it
-# is not answering (stopped, frozen, wedged), and the child's end is taken from its pidfd alone (review44-a 2).
+# is not answering (stopped, frozen, wedged), and the child's end is taken from its pidfd alone.
 EXIT_GRACE_S = 3.0
 
 
@@ -50,7 +50,7 @@ def enabled(preimport: str, device: str) -> bool:
 
 
 def unknown_exit(why: str) -> str:
-    """A forked worker's end when its template can no longer say how it ended (review44-a 6: one sentence)."""
+    """A forked worker's end when its template can no longer say how it ended (one sentence)."""
     return f"ended; its exit status is unknown (its worker template stopped: {why})"
 
 
@@ -60,7 +60,7 @@ class ForkedProcess:
     A pidfd names the process itself, so ``kill`` never hits a reused pid. The template opens it right after its
     fork, before it can have reaped the child, and sends it with FORKED (issue 27: one opened here, later, could
     miss a child that had already exited, or name another process). It is watched from then on: its end is seen
-    there whether or not the template reports it (review44-a 2: a stopped template sent no EXITED, so a dead
+    there whether or not the template reports it (a stopped template sent no EXITED, so a dead
     worker was never reaped, reported lost or replaced, and the daemon's stop waited for it for good). Its status
     comes from the template's EXITED when that follows within ``EXIT_GRACE_S``; else it is unknown, and
     ``unreported`` breaks the template, which no longer answers. None where the kernel has no pidfds (kill by pid;
@@ -158,7 +158,7 @@ class Template:
         """A worker on ``fd`` forked from the template, or None (the reason logged once) to spawn it directly.
 
         ``timeout`` is the worker's start timeout. A hung template must not spend it all, or the fresh interpreter
-        started in its place has none left (review44-a 3): its imports get at most ``IMPORTS_TIMEOUT_S``, and the
+        started in its place has none left: its imports get at most ``IMPORTS_TIMEOUT_S``, and the
         fork at most what is left of ``timeout``; the caller gives the fresh interpreter a timeout of its own."""
         if self.broken is not None:
             return None
@@ -186,7 +186,7 @@ class Template:
             try:
                 socket.send_fds(self.sock, [encode(Fork(self._seq, env, log_level))], [fd])
                 forked = await asyncio.wait_for(reply, wait)
-            except TimeoutError:  # str(TimeoutError()) is empty: the message says what timed out (review44-a 6)
+            except TimeoutError:  # str(TimeoutError()) is empty: the message says what timed out
                 self._break(f"it did not answer a fork request within {wait:.1f}s")
                 return None
             except OSError as exc:
@@ -202,7 +202,7 @@ class Template:
 
     def attach(self) -> None:
         """Read the template from now on, on the running loop: its status, its death and its reaping are handled
-        whether or not a worker is ever forked (review44-a 5: attached at the first fork only, a template that
+        whether or not a worker is ever forked (attached at the first fork only, a template that
         died or was unusable before it stayed <defunct>, unlogged, until then)."""
         if self._status is not None or self.sock.fileno() < 0:
             return
@@ -242,7 +242,7 @@ class Template:
             if self._status is not None and not self._status.done():
                 self._status.set_result(msg)
             if not msg.ready:  # broken here, not at the next fork: its EOF, right behind, said only "it died"
-                self._break(f"it is unusable: {msg.why}", gone=True)  # (review44-a 4); it exits on its own
+                self._break(f"it is unusable: {msg.why}", gone=True)  #; it exits on its own
         elif isinstance(msg, Forked):
             fut = self._replies.get(msg.seq)
             if fut is not None and not fut.done():
@@ -341,7 +341,7 @@ def spawn(config: DaemonConfig) -> None:
     argv = [sys.executable, "-m", "diffusiond.worker.template", "--fd", str(theirs.fileno()),
             "--log-level", config.log_level.upper(), *(["--libraries"] if libraries else []),
             *(["--compiler"] if compiler else [])]
-    # systemd's socket activation describes the engine's fds, not the template's or its children's (review44-a 8;
+    # systemd's socket activation describes the engine's fds, not the template's or its children's (and
     # a spawned worker never sees them either: systemd.listen_fds pops them, but only after this spawn)
     env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")}
     try:
