@@ -257,8 +257,8 @@ def edits_multipart(draw: st.DrawFn, ctx: Ctx) -> Req:
         else:
             extra.append(_part(draw(st.sampled_from([b"prompt", b"model", b"size", b"n"])), b"2"))  # twice
     parts = [_part(k, v) for k, v in fields.items()] + extra
-    # mostly one picture; else several image[] (one edit's pictures, review44-b 4), which tiny refuses, up to
-    # hundreds of files (a form that used to admit a job per file, review44-b 5), the last ones copies of the first
+    # mostly one picture; else several image[] (one edit's pictures), which tiny refuses, up to
+    # hundreds of files (a form that used to admit a job per file), the last ones copies of the first
     pictures = draw(st.sampled_from([1, 1, 1, 2, 3, 4, 300]))
     drawn = [_part(draw(st.sampled_from([b"image", b"image[]", b"image\xff"])), draw(image_bytes()),
                    draw(st.sampled_from([b"f.png", b"\xff.png", b"", b"../../x"])),

@@ -26,7 +26,7 @@ def test_each_run_s_row_is_on_stderr_as_it_ends(model_cache: Path) -> None:
 
 def test_bench_leaves_the_libraries_chatter_out_and_says_each_run_in_words(model_cache: Path) -> None:
     """Its in-process pipeline flooded stderr with transformers' warnings, diffusers' progress bars and raw JSON rows
-    (review 42, finding 6): quieted as the daemon's workers are (``--verbose`` keeps it), rows as JSON only with
+: quieted as the daemon's workers are (``--verbose`` keeps it), rows as JSON only with
     ``--json``."""
     env = {**os.environ, "DIFFUSIOND_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "diffusiond", "bench", "--model", "tiny", "--size", "64x64", "--steps", "1",

@@ -200,7 +200,7 @@ def test_format_choice() -> None:
     assert choose_format(None, "x.mp4") == "mp4"
     assert choose_format(None, "x.unknown") is None  # a name: the model's default format is written under it
     with pytest.raises(UsageError, match=r"-o out.tif: .tif is not a format diffusiond writes \(.*png.*\)"):
-        choose_format(None, "out.tif")  # PNG bytes under a .tif name (review59-a 6)
+        choose_format(None, "out.tif")  # PNG bytes under a .tif name
     assert choose_format("png", "out.tif") == "png"  # asked for by name: written as asked
     assert choose_format(None, None) is None
     assert extension_for(None) == "png"

@@ -239,14 +239,14 @@ def test_status_models_cancel(stub: StubDaemon, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "0.1.0" in out and "tiny-0" in out and "jobs in memory: succeeded=3" in out
     rows = [line.split() for line in out.splitlines()]
-    assert ["tiny-1", "tiny", "cpu", "starting", "-", "0"] in rows, out  # no pid yet: "-", not "None" (review45-a 8)
+    assert ["tiny-1", "tiny", "cpu", "starting", "-", "0"] in rows, out  # no pid yet: "-", not "None"
     assert ": ok, ready, preloading tiny" in out, out  # ready means admitting (issue 27): what still loads is said
     assert main(["status", "--socket", stub.path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ready"] is True
     assert main(["status", "--socket", stub.path, "--wait", "5", "--json"]) == 0  # ready at once: no wait
     assert json.loads(capsys.readouterr().out)["ready"] is True
     assert main(["models", "--socket", stub.path]) == 0
-    lines = capsys.readouterr().out.splitlines()  # edits "?" while not known, not "-" (none): review 42's finding 10
+    lines = capsys.readouterr().out.splitlines()  # edits "?" while not known, not "-" (none)
     assert lines[0].split() == ["id", "task", "device", "state", "offload", "edits", "defaults", "approximations"]
     assert lines[1].split() == ["tiny", "text-to-image", "cpu", "ready", "-", "-", "128x128,", "4", "steps,",
                                 "guidance", "5", "-"], lines

@@ -1,4 +1,4 @@
-"""What the command line and the Python client refuse before anything is sent (review44-b 6, 7 and 9's CLI parts):
+"""What the command line and the Python client refuse before anything is sent:
 numbers JSON cannot carry, ``-o`` naming a directory that is not there, an empty job id, a history page
 larger than the daemon serves, and a ``--socket`` that is no socket. No daemon: each of these must be
 caught on this side, with the flag or the parameter named, and nothing written.
@@ -24,7 +24,7 @@ from diffusiond.commands.argtypes import HISTORY_MAX_LIMIT
 from diffusiond.commands.generate import UsageError, build_body, check_output_dir, output_paths
 
 
-# non-finite numbers (review44-b 6) ----------------------------------------------------------------------
+# non-finite numbers ----------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["nan", "inf", "NaN", "Infinity", "1e999"])
 @pytest.mark.parametrize(
     ("flags", "named"),
@@ -107,7 +107,7 @@ def test_client_generate_and_create_job_refuse_nan_before_sending(tmp_path: Path
         asyncio.run(submit())
 
 
-# -o naming a directory (review44-b 7) -------------------------------------------------------------------
+# -o naming a directory -------------------------------------------------------------------
 def test_o_with_a_trailing_slash_names_a_directory(tmp_path: Path) -> None:
     out = tmp_path / "outdir"
     out.mkdir()
@@ -139,7 +139,7 @@ def test_o_under_a_file_says_the_file_is_not_a_directory(output: str, tmp_path: 
         check_output_dir(f"{tmp_path}/{output}")  # not tmp_path / output: Path drops the trailing /
 
 
-# the other usage errors (review44-b 9) ------------------------------------------------------------------
+# the other usage errors ------------------------------------------------------------------
 @pytest.mark.parametrize("job_id", ["", "  "])
 def test_cancel_with_an_empty_job_id_is_a_usage_error(
     job_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

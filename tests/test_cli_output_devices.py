@@ -22,7 +22,7 @@ PNG_END = b"IEND\xaeB`\x82"
 
 @pytest.fixture(scope="module")
 def sock(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[str]:
-    with shared_daemon(tmp_path_factory.mktemp("s54cli"), ["--model", "tiny"], model_cache, ENV) as d:
+    with shared_daemon(tmp_path_factory.mktemp("cli-devices"), ["--model", "tiny"], model_cache, ENV) as d:
         yield str(d.socket)
 
 

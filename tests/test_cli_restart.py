@@ -1,4 +1,4 @@
-"""``generate`` through a daemon restart (review44-b 8), against real daemons on one state dir: the daemon is
+"""``generate`` through a daemon restart, against real daemons on one state dir: the daemon is
 SIGTERMed while ``generate`` follows its job, which it keeps in the state dir. Started again, it runs the job,
 and ``generate`` follows it there and writes the file; not started again, ``generate`` gives up after its
 bound and names the job, and never tells the user to start a daemon (one answered a moment ago).
@@ -112,7 +112,7 @@ def test_generate_names_its_job_when_the_daemon_does_not_come_back(
 
 async def test_a_daemon_said_to_be_back_is_followed_again_even_after_the_last_loss_allowed(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """review44-d 3: after its fifth loss generate waited for the daemon, said it was back, and gave up without
+    """After its fifth loss generate waited for the daemon, said it was back, and gave up without
     following the job; the losses it allows are waited out, and the one after them gives up at once."""
     import diffusiond.commands.follow as follow
     from diffusiond.client.errors import DaemonUnreachable

@@ -226,7 +226,7 @@ async def test_a_dropped_async_handle_cancels_its_job(sock: str) -> None:
 
 
 def test_closing_a_shared_client_ends_another_threads_wait_with_a_client_error(sock: str) -> None:
-    # review44-f 1: the waiter got a raw RuntimeError from the loop's shutdown (or, outside a generator,
+    # the waiter got a raw RuntimeError from the loop's shutdown (or, outside a generator,
     # would have waited forever); a handle's wait ended this way cancels its job, as an interrupt does
     c = Client(sock)
     handle = c.submit("close under me", **HOLD)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """What the client raises when the daemon's answer is wrong or nobody answers: always the documented
 ClientError tree (docs/api.md, "Python client"), with a message that fits what happened. A fake daemon
-(aiohttp on a Unix socket) gives the broken answers a real one does not (review44-f 2, 3)."""
+(aiohttp on a Unix socket) gives the broken answers a real one does not."""
 
 from __future__ import annotations
 
@@ -87,14 +87,14 @@ def test_a_live_update_with_no_daemon_names_the_daemons_socket(tmp_path: Path) -
                        lambda: c.update_weights("tiny", "unet", {"w": np.zeros((2,), np.float32)})):
             with pytest.raises(DaemonUnreachable) as info:
                 update()
-            # review44-f 3: a daemon started as told must be the one the client looks for, at sock, not sock.out
+            # a daemon started as told must be the one the client looks for, at sock, not sock.out
             assert info.value.socket_path == sock
             assert f"--socket {sock}`" in str(info.value) and f"{sock}.out" in info.value.reason, str(info.value)
 
 
 async def test_a_health_503_not_in_the_daemons_shape_is_still_a_daemon_error(
         fake: tuple[str, dict[str, bytes]]) -> None:
-    """review44-f 6: an ``error`` that was not an object raised a raw AttributeError out of ``health()``."""
+    """An ``error`` that was not an object raised a raw AttributeError out of ``health()``."""
     sock, _ = fake
     async with AsyncClient(sock, zero_copy=False) as c:
         with pytest.raises(DaemonError) as err:
@@ -104,7 +104,7 @@ async def test_a_health_503_not_in_the_daemons_shape_is_still_a_daemon_error(
 
 async def test_generate_cut_off_by_a_dead_daemon_names_the_job_that_will_resume(daemon_factory: Any,
                                                                                tmp_path: Path) -> None:
-    """review59-e 6: the error had no job id; the job ran again when the daemon restarted, and a caller who
+    """The error had no job id; the job ran again when the daemon restarted, and a caller who
     submitted again ran it twice. It names the job now, to wait on or cancel."""
     from daemonkit import get, http, sigkill, until
 

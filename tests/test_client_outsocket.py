@@ -58,7 +58,7 @@ class Peer:
 
     def lease(self, lease: int) -> None:
         """A LEASE of 4 KiB of a memfd of its own."""
-        fd = os.memfd_create("diffusiond-s54-lease")
+        fd = os.memfd_create("diffusiond-test-lease")
         os.ftruncate(fd, 4096)
         desc = TensorDesc(dtype="uint8", shape=(4096,), nbytes=4096, slot_id=0, offset=0)
         frame = self.encoder.encode(Lease(lease=lease, tensor=desc, map_bytes=4096), 1)

@@ -1,4 +1,4 @@
-"""The blocking ``Client`` takes what ``AsyncClient`` takes, method by method (review59-e 7: its ``create_job``
+"""The blocking ``Client`` takes what ``AsyncClient`` takes, method by method (its ``create_job``
 had none of the keywords docs/api.md names, so a sync caller could not shorten the wait for a starting daemon)."""
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ async def test_a_warmup_size_off_the_model_s_own_step_stops_the_worker_naming_th
 def test_fuse_qkv_on_flux_fuses_the_transformer_and_the_vae_and_keeps_the_image() -> None:
     """FluxPipeline has no fuse_qkv_projections in diffusers 0.42 (issue 31): fuse_qkv=1 fuses through the
     transformer and the VAE. The separate projections are gone after the fusion (they were never read again, so a
-    LoRA or a weight update naming them did nothing: review42b-rest 1), and the image equals the unfused one."""
+    LoRA or a weight update naming them did nothing), and the image equals the unfused one."""
     reference = run(load_pipeline("tiny-flux", device="cpu", dtype="float32"), FLUX)
     pipe = load(config("tiny-flux,compile_backend=eager,fuse_qkv=1", compile="default"))
     flux = pipe.inner.pipe  # type: ignore[attr-defined]

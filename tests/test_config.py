@@ -45,7 +45,7 @@ def test_config_errors_name_the_setting(overrides: dict[str, object], words: str
 
 
 def test_a_config_files_nan_or_inf_is_refused_naming_the_setting(tmp_path: Path) -> None:
-    """TOML has nan and inf, which the flags refuse (review44-b 6): a grace of nan made a stop wait forever."""
+    """TOML has nan and inf, which the flags refuse: a grace of nan made a stop wait forever."""
     for text, name in (("drain_grace_s = nan", "drain_grace_s"), ("orphan_grace_s = inf", "orphan_grace_s"),
                        ("job_timeout_s = -inf", "job_timeout_s")):
         f = tmp_path / "c.toml"
@@ -199,7 +199,7 @@ def test_the_default_device_is_every_gpu_only_where_torch_can_use_them(monkeypat
 
 
 def test_a_models_dtype_defaults_to_bfloat16_on_a_gpu_and_float32_on_the_cpu(tmp_path: Path) -> None:
-    """float32 on a GPU doubled every model's memory for nothing its pictures show (review42b-rest 3); a given
+    """Float32 on a GPU doubled every model's memory for nothing its pictures show; a given
     dtype, top level or per table, wins."""
     assert build_config({}, {"model": ["x=tiny"], "device": "cpu"}).models[0].dtype == "float32"
     assert build_config({}, {"model": ["x=tiny"], "device": "cuda:0"}).models[0].dtype == "bfloat16"

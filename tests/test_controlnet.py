@@ -302,7 +302,7 @@ def test_client_sends_control_images_as_base64() -> None:
 
 def test_control_images_joined_to_a_several_picture_edit_keep_its_earlier_pictures() -> None:
     """The buffer rebuilt with a job's control images carries the edit's image, mask and earlier pictures alike:
-    the pictures were dropped (review42b-rest 8)."""
+    the pictures were dropped."""
     import io
 
     import numpy as np

@@ -51,7 +51,7 @@ def test_device_bytes_count_controlnets_ip_adapter_encoders_and_upscalers(
 def test_a_model_whose_controlnet_leaves_it_no_room_is_named_in_the_log_and_refused(
         tmp_path: Path, model_cache: Path, controlnet_dir: Path) -> None:
     """Its files' headers fit the budget, so it is placed and loaded; what its worker keeps beside it (counted from
-    its READY on) does not. Its jobs are refused with the figures, and the log says why once (review55-a 3)."""
+    its READY on) does not. Its jobs are refused with the figures, and the log says why once."""
     import shutil
 
     from diffusiond.daemon.residency.sizes import model_weights

@@ -149,7 +149,7 @@ def test_generate_without_o_names_the_file_after_the_job(sock: str, tmp_path: Pa
 
 
 def test_generate_o_dir_slash_writes_default_names_inside_it(sock: str, tmp_path: Path) -> None:
-    """Once ``-o outdir/`` wrote a PNG named ``outdir`` when outdir did not exist (review44-b 7); now a missing one
+    """Once ``-o outdir/`` wrote a PNG named ``outdir`` when outdir did not exist; now a missing one
     is refused before the job is sent, and an existing one gets ``<job id>.png`` inside."""
     r = cli("generate", "a fox", "--socket", sock, *FAST, "-o", f"{tmp_path}/outdir/")
     assert r.returncode == 2 and "directory" in r.stderr and "does not exist; create it first" in r.stderr, r.stderr
@@ -162,7 +162,7 @@ def test_generate_o_dir_slash_writes_default_names_inside_it(sock: str, tmp_path
 
 
 def test_generate_image_dash_reads_the_picture_from_stdin(sock: str, tmp_path: Path) -> None:
-    """``--image -`` as ``-o -``: once ``--image -: No such file or directory`` (review44-b 9)."""
+    """``--image -`` as ``-o -``: once ``--image -: No such file or directory``."""
     picture = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 30, 30)).save(picture, "PNG")
     out = tmp_path / "edit.png"
@@ -192,7 +192,7 @@ def test_rejected_request_exits_1_with_the_daemons_message(
 
 
 def test_a_refused_format_names_where_it_came_from(sock: str, tmp_path: Path) -> None:
-    """review45-a 7: a format -o's extension chose was refused as "field output_format: --format", a flag never
+    """A format -o's extension chose was refused as "field output_format: --format", a flag never
     given."""
     clip = tmp_path / "clip.mp4"
     r = cli("generate", "a fox", "--socket", sock, "-o", str(clip), *FAST)
@@ -268,7 +268,7 @@ def test_no_daemon_exits_3_and_says_how_to_start_one(tmp_path: Path, command: li
 
 
 def test_generate_waits_for_a_daemon_that_binds_its_socket_a_moment_later(sock: str, tmp_path: Path) -> None:
-    """README's ``serve &`` then ``generate`` at once (review45-a 1): the path holds first a stale socket file nothing
+    """README's ``serve &`` then ``generate`` at once: the path holds first a stale socket file nothing
     listens on (refused), then nothing (ENOENT), then the daemon's socket. generate waits, says so once, and
     writes the image; before, it was exit 3, "start one", for the daemon just started."""
     path = tmp_path / "late.sock"
@@ -345,7 +345,7 @@ def test_cancel(sock: str) -> None:
 
 
 def test_history_of_a_model_not_served_says_so(sock: str) -> None:
-    """review45-a 10: "no jobs", exit 0, for a mistyped model, which every other command refuses. History may list an
+    """"no jobs", exit 0, for a mistyped model, which every other command refuses. History may list an
     earlier run's model, so it stays exit 0, with a hint."""
     r = cli("history", "--model", "nosuch", "--socket", sock)
     assert r.returncode == 0, r.stderr

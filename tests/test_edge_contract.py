@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-TOKEN = "s54-edge-token-of-enough-length"
+TOKEN = "edge-contract-token-of-enough-length"
 FAST = {"model": "tiny", "prompt": "a lighthouse", "width": 64, "height": 64, "steps": 1}
 IMAGES = {"model": "tiny", "prompt": "a lighthouse", "size": "64x64", "num_inference_steps": 1}
 EDIT = {**IMAGES, "num_inference_steps": 2}  # an edit's default strength, 0.8, runs no step of one
@@ -40,7 +40,7 @@ EDIT = {**IMAGES, "num_inference_steps": 2}  # an edit's default strength, 0.8, 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Daemon]:
-    tmp = tmp_path_factory.mktemp("s54-edge")
+    tmp = tmp_path_factory.mktemp("edge-contract")
     (tmp / "token").write_text(TOKEN + "\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

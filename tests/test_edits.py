@@ -145,7 +145,7 @@ async def test_openai_inpaint_repaints_the_transparent_area_and_keeps_the_rest(s
 async def test_several_images_on_a_one_picture_model_are_refused_before_any_job_exists(sock: Path) -> None:
     """Several image[] are one edit's pictures, as OpenAI reads them; tiny takes one, so the form is a 400 naming
     image[], through the official client too. It used to run one job per file, and a form refused partway (300
-    files: queue_full) left the jobs it had admitted in history as "cancelled by the client" (review44-b 4, 5)."""
+    files: queue_full) left the jobs it had admitted in history as "cancelled by the client"."""
     a, b = png_bytes(blocky(3)), png_bytes(blocky(4))
     import openai
 
@@ -181,7 +181,7 @@ async def post_pictures(s: aiohttp.ClientSession, fields: dict[str, str], pictur
 
 async def test_an_edit_sent_no_size_takes_its_pictures_only_up_to_four_times_the_models_pixels(sock: Path) -> None:
     """tiny makes 128x128: a 264x264 picture sent without a size is refused naming it, with a size to send, since
-    an edit at a huge inherited size held the worker past any deadline (review44-b 2); with a size it runs, resized;
+    an edit at a huge inherited size held the worker past any deadline; with a size it runs, resized;
     a picture of 256x256, 4 times tiny's pixels, still runs at its own size."""
     big = png_bytes(np.zeros((264, 264, 3), dtype=np.uint8))
     b64 = base64.b64encode(big).decode()
@@ -323,7 +323,7 @@ async def test_the_dedicated_inpainting_model_inpaints_and_does_nothing_else(soc
         status, body = await post_job(s, {"model": "tiny-inpaint", "prompt": "x"})
         assert status == 400 and body["error"]["field"] == "image" and "inpainting" in body["error"]["message"]
         status, body = await post_form(s, {"prompt": "x", "model": "tiny-inpaint"}, {"image": png_bytes(src)})
-        # an inpainting model given an image alone is told what it lacks: the mask (review 42, finding 5)
+        # an inpainting model given an image alone is told what it lacks: the mask
         assert status == 400 and body["error"]["field"] == "mask" and "mask" in body["error"]["message"], body
 
 

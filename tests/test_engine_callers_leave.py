@@ -1,5 +1,5 @@
 """Jobs and moves whose caller leaves half-way, and outputs delivered as their worker dies, against the engine with
-fake workers (review59-c): each ended with a job failed that had succeeded, a job no one would read left running,
+fake workers: each ended with a job failed that had succeeded, a job no one would read left running,
 a model's queue blocked until a deadline, the daemon paused for good, or a model booked as leaving forever.
 """
 
@@ -179,7 +179,7 @@ async def test_an_unload_whose_caller_leaves_is_carried_to_its_end(monkeypatch: 
 
 
 async def test_a_job_asked_for_while_the_start_recovers_is_the_one_that_runs(tmp_path: Path) -> None:
-    """review59-f: the socket answers before the start's recovery ends. A request for an unfinished job then read
+    """The socket answers before the start's recovery ends. A request for an unfinished job then read
     it from disk, a copy nothing would ever change: a client following its events after a restart (`diffusiond
     generate`) waited past the job's end. Such a request now waits for the recovery and gets the job in memory."""
     first = Harness(store=SqliteStore(tmp_path), max_batch=1)

@@ -267,7 +267,7 @@ async def test_a_waiting_copy_gets_room_by_spilling_the_unfetched_output_beside_
     assert h.worker.returned == [1], "the output beside the free range was spilled, and only it"
     spilled = np.load(io.BytesIO(await read(h, jobs[1], 0)))
     assert spilled.shape == (64, 64, 3) and (spilled == 128).all()
-    with pytest.raises(errors.OutputReleased):  # the spilled copy is delivered once, as its slot (review45-c 5)
+    with pytest.raises(errors.OutputReleased):  # the spilled copy is delivered once, as its slot
         await read(h, jobs[1], 0)
     assert jobs[1].items[0].data is None
 

@@ -1,5 +1,5 @@
 """A first pass that is not finite fails its request with the reason through an upscale or a hires pass too
-(review41c): both make a picture of levels (an upscaled uint8 output, the hires pass's input), in which NaN
+: both make a picture of levels (an upscaled uint8 output, the hires pass's input), in which NaN
 became black pixels that succeeded. Driven through the worker's compute thread, its finisher on a real ESRGAN
 file (tests/upscalekit.py) and its copier, with a stand-in model whose picture for seed 0 is NaN."""
 

@@ -187,12 +187,12 @@ def test_fit_lists_no_configuration_the_models_own_options_would_refuse_to_load(
 
 
 def test_fit_lists_neither_stream_nor_fp8_storage_beside_an_unquantized_gguf(flux: Path, tmp_path: Path) -> None:
-    """review51-b 3: an F16 GGUF transformer counts as plain floats, yet its load refuses both."""
+    """An F16 GGUF transformer counts as plain floats, yet its load refuses both."""
     path = tmp_path / "t.gguf"
     write_gguf(tiny_transformer(), path, "F16")
     names = [c.name for c in fit(f"{path},base={flux}", working=0).configurations]
     assert names == ["none", "group", "model", "sequential"]
-    listed = json.loads(_cli(f"{path},base={flux}", "--working", "0", "--json").stdout)  # review51-c 1: the command
+    listed = json.loads(_cli(f"{path},base={flux}", "--working", "0", "--json").stdout)  # the command
     assert [c["name"] for c in listed["configurations"]] == names
 
 
@@ -381,14 +381,14 @@ def test_offload_stream_at_start_takes_resident_blocks_from_the_budget(
     auto, count = auto_at(budget), _stream_row(deep_flux, budget, None).resident_blocks
     assert auto.options["offload"] == "stream" and auto.options["resident_blocks"] == str(count), auto
     assert auto.offload_reason.startswith("offload=auto chose stream")
-    # and residency places it from its headers before its first load, at the plan's figure (review51-d 2)
+    # and residency places it from its headers before its first load, at the plan's figure
     given = build_config({}, {"model": [f"f={deep_flux},offload=stream,resident_blocks=3"], "device": "cuda:0",
                               "dtype": "float32"}).models[0]
     for m, held in ((auto, count), (given, 3)):
         placed = device_weights(m.spec, m.options, "float32", on_cpu=False)
         assert placed == stream_plan.plan(*inputs, held).device_bytes, (m.spec, placed)
     assert device_weights(str(deep_flux), {"offload": "stream"}, "float32", on_cpu=False) is None  # no count yet
-    # a hub id in the HF cache is placed the same way: a stream plan fills the budget (review52-a 3)
+    # a hub id in the HF cache is placed the same way: a stream plan fills the budget
     import huggingface_hub.constants
 
     cache = deep_flux.parent / "hub-cache"
@@ -424,8 +424,8 @@ def _control(folder: Path, cls: str, promax: bool = False, width: int | None = N
 def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_nothing_unsized(
         deep_flux: Path, tmp_path: Path) -> None:
     """The ControlNets of the model's family (IP-Adapters, upscalers) stay on the worker's device beside the model,
-    so a stream plan, which fills what it is given, plans in the budget less them (review52-a 1); another
-    family's, which the worker refuses unloaded, are not counted (review53-a 1)."""
+    so a stream plan, which fills what it is given, plans in the budget less them; another
+    family's, which the worker refuses unloaded, are not counted."""
     from diffusiond.daemon.residency import beside as kept
     from diffusiond.daemon.residency.fit import stream_inputs
     from diffusiond.daemon.residency.too_large import too_large_hints
@@ -489,7 +489,7 @@ def test_the_plan_leaves_room_for_what_the_worker_keeps_beside_and_auto_streams_
                                  **flags}).models[0]
     assert pinned_f.options["offload"] == "group", pinned_f  # here the rest of the budget is too small for stream
     assert "left beside g (the largest model beside it)'s " in pinned_f.offload_reason, pinned_f
-    # sized at the neighbour's own offload (group keeps little: review58-a 1): with room for it, the pinned one streams
+    # sized at the neighbour's own offload (group keeps little): with room for it, the pinned one streams
     roomy = {**flags, "device_memory": str(budget + 600_000)}  # resident alone would not fit: auto streams
     for mode in ("stream", "auto"):
         pinned_s = build_config({}, {"model": [f"f={deep_flux},offload={mode}", f"g={deep_flux},offload=group"],

@@ -71,7 +71,7 @@ def test_the_option_converts_the_transformers_linear_layers_names_itself_and_sta
     assert name == FP8_ROWS_NAME and converted
     assert not any("norm" in n or "embed" in n or n == "proj_out" for n in converted)  # spec.FP8_ROWS_KEEP
     for kept in (transformer.proj_out, transformer.x_embedder, transformer.context_embedder,
-                 transformer.time_text_embed.timestep_embedder.linear_1):  # review49-a 7: embedders stay too
+                 transformer.time_text_embed.timestep_embedder.linear_1):  # embedders stay too
         assert type(kept) is torch.nn.Linear and kept.weight.dtype == torch.float32
     want, got = run(exact), run(fp8)
     assert not torch.equal(got, want)  # an approximation, hence its name
@@ -107,7 +107,7 @@ def test_a_compiled_model_traces_the_fp8_layers_and_makes_the_same_picture(flux:
 
 def test_an_input_without_rows_gives_an_empty_output() -> None:
     layer = Fp8RowwiseLinear(torch.nn.Linear(32, 16))
-    assert layer(torch.randn(2, 0, 32)).shape == (2, 0, 16)  # review49-a 8: _scaled_mm refuses an empty scale
+    assert layer(torch.randn(2, 0, 32)).shape == (2, 0, 16)  # _scaled_mm refuses an empty scale
 
 
 @pytest.mark.parametrize(("options", "words"), [
@@ -121,7 +121,7 @@ def test_an_input_without_rows_gives_an_empty_output() -> None:
 ])
 def test_what_cannot_work_is_refused_before_a_load_naming_the_values(flux: Path, options: dict[str, str],
                                                                      words: str) -> None:
-    """review49-a 3-5: refused where the daemon checks a model's options at start (``check_options``), so a
+    """Refused where the daemon checks a model's options at start (``check_options``), so a
     daemon with ``--preload none`` does not start and then fail every job; a load refuses the same."""
     with pytest.raises(PipelineError, match=words):
         check_options(options)
@@ -130,7 +130,7 @@ def test_what_cannot_work_is_refused_before_a_load_naming_the_values(flux: Path,
 
 
 def test_a_gguf_transformer_is_refused_at_start_by_fit_and_at_load(flux: Path, tmp_path: Path) -> None:
-    """review49-a 4, review49-b 2-3: nothing plain to convert, so the option is refused where the daemon checks a
+    """Nothing plain to convert, so the option is refused where the daemon checks a
     spec at start and by ``fit``, rather than named on every output; a load (the engine checked nothing, say)
     names the quantized layers."""
     pytest.importorskip("gguf")
@@ -149,10 +149,10 @@ def test_a_gguf_transformer_is_refused_at_start_by_fit_and_at_load(flux: Path, t
 @pytest.mark.parametrize("kind", ["flux", "unet", "qwen"])
 def test_fit_counts_the_fp8_layers_as_loaded_and_lists_only_what_runs_with_them(
         flux: Path, kind: str, tmp_path: Path) -> None:
-    """review49-a 2: sized at full width, fp8 did not help a model fit; and the configurations it refuses
+    """Sized at full width, fp8 did not help a model fit; and the configurations it refuses
     (fp8 storage of the denoiser, offload=stream, offload=sequential) are not offered. A UNet's convolutions
-    stay at full width, as loaded (review49-b 1: counted at 1 byte, admission let in a model that then overran),
-    and Qwen-Image's img_mod and img_in are converted (review49-c 1: counted as kept, by BFL FLUX's names)."""
+    stay at full width, as loaded (counted at 1 byte, admission let in a model that then overran),
+    and Qwen-Image's img_mod and img_in are converted (counted as kept, by BFL FLUX's names)."""
     from qwenkit import build_qwen_edit
 
     folder = {"flux": lambda: flux, "unet": ensure_tiny, "qwen": lambda: build_qwen_edit(tmp_path / "qwen")}[kind]()
@@ -172,7 +172,7 @@ def test_fit_counts_the_fp8_layers_as_loaded_and_lists_only_what_runs_with_them(
 
 
 def test_a_daemon_admits_the_model_in_a_budget_only_its_fp8_form_fits(flux: Path, daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    """review49-a 2: under a budget between the two sizes, the fp8 model is admitted and makes its picture."""
+    """Under a budget between the two sizes, the fp8 model is admitted and makes its picture."""
     small = {c.name: c for c in fit(f"{flux},fp8=rowwise", dtype="float32", working=0).configurations}["none"]
     big = {c.name: c for c in fit(str(flux), dtype="float32", working=0).configurations}["none"]
     budget = (small.device_bytes + big.device_bytes) // 2 + 16384  # + the scales and position ids fit left out
@@ -200,7 +200,7 @@ def test_a_daemon_with_a_bad_fp8_value_does_not_start(flux: Path, tmp_path: Path
 
 def test_the_fused_quantizer_falls_back_to_the_eager_ops_at_any_failure(monkeypatch: pytest.MonkeyPatch,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """review49-c 2: a compile failure after the first call (a recompile past dynamo's limit) failed every later
+    """A compile failure after the first call (a recompile past dynamo's limit) failed every later
     job. Here the fused kernel (CUDA only) is a stand-in that fails on its second call."""
     from diffusiond.pipelines import fp8_rows
 
@@ -225,7 +225,7 @@ def test_the_fused_quantizer_falls_back_to_the_eager_ops_at_any_failure(monkeypa
 
 
 def test_adapters_and_weight_updates_are_refused_naming_the_option(flux: Path) -> None:
-    """review49-d 1: peft's own refusal named a class the user never chose; the model's option is named instead."""
+    """Peft's own refusal named a class the user never chose; the model's option is named instead."""
     from diffusiond.pipelines.hotswap import adapters_for
     from diffusiond.pipelines.loras import unsupported
 
@@ -236,7 +236,7 @@ def test_adapters_and_weight_updates_are_refused_naming_the_option(flux: Path) -
 
 
 def test_an_ip_adapter_on_a_unet_model_in_fp8_is_refused_naming_the_option() -> None:
-    """review51-a 2: diffusers' UNet IP-Adapter load casts the whole UNet to its dtype, the fp8 weights back to full
+    """Diffusers' UNet IP-Adapter load casts the whole UNet to its dtype, the fp8 weights back to full
     width without their scales, so after the start's fit test every job of the model failed, plain ones too."""
     pipe = load_pipeline("tiny", name="t", device="cpu", dtype="float32", options={"fp8": "rowwise"})
     adapters = IpAdapters(pipe, {"style": ("/nonexistent/ip.safetensors", "/nonexistent/encoder")})

@@ -1,4 +1,4 @@
-"""A protocol violation behind whole frames in the same read (s54): the frames before it are handled, then the
+"""A protocol violation behind whole frames in the same read: the frames before it are handled, then the
 channel closes with the violation. Before, the decoder raised and dropped them, so an output that had landed
 (its OUTPUT_READY was intact) failed its job with the worker's protocol error."""
 

@@ -58,7 +58,7 @@ def wan_i2v() -> torch.nn.Module:
 
 
 def wan_inputs() -> dict[str, Any]:
-    """512 text tokens: Wan's I2V processor takes what comes before the last 512 as the image's (review51-c 2)."""
+    """512 text tokens: Wan's I2V processor takes what comes before the last 512 as the image's."""
     return {"hidden_states": torch.randn(1, 4, 1, 8, 8), "timestep": torch.tensor([500]),
             "encoder_hidden_states": torch.randn(1, 512, 32), "encoder_hidden_states_image": torch.randn(1, 4, 32)}
 
@@ -94,7 +94,7 @@ def count(model: torch.nn.Module) -> int:
 ])  # fmt: skip
 def test_fp8s_fusion_keeps_the_models_numbers_and_holds_each_weight_once(
         build: Callable[[], torch.nn.Module], inputs: Callable[[], dict[str, Any]], fused: bool) -> None:
-    """review51-a 1 and 3: SD3.5 fused gave another picture (Large) or failed every job (Medium); Wan 2.1 I2V held
+    """SD3.5 fused gave another picture (Large) or failed every job (Medium); Wan 2.1 I2V held
     its image projections twice, uncounted by ``fit``."""
     model = build()
     apart = copy.deepcopy(model)
@@ -114,7 +114,7 @@ def test_fuse_qkv_refuses_sd35_whose_fused_processor_would_skip_its_norms(dual: 
 
 
 def test_fuse_qkv_holds_wan_i2vs_image_projections_once_and_keeps_its_numbers() -> None:
-    """review51-b 2: ``fuse_qkv=1`` kept ``add_k_proj``/``add_v_proj`` beside the fused ``to_added_kv`` (about 4 GB
+    """``fuse_qkv=1`` kept ``add_k_proj``/``add_v_proj`` beside the fused ``to_added_kv`` (about 4 GB
     of Wan 2.1 I2V 14B held twice); the processor reads ``add_k_proj`` only as a flag, which a stand-in keeps."""
     model = wan_i2v()
     apart = copy.deepcopy(model)
@@ -130,7 +130,7 @@ def test_fuse_qkv_holds_wan_i2vs_image_projections_once_and_keeps_its_numbers() 
 
 
 def test_an_ip_adapter_on_a_unet_model_with_fused_projections_is_refused_naming_the_option() -> None:
-    """review51-b 1: ``fuse_qkv=1`` (with ``--compile``) deletes the separate projections diffusers' IP-Adapter
+    """``fuse_qkv=1`` (with ``--compile``) deletes the separate projections diffusers' IP-Adapter
     processors read, so every job with a reference failed after a start that reported nothing."""
     pipe = load_pipeline("tiny", name="t", device="cpu", dtype="float32")
     compiled = CompiledPipeline(pipe, "default", {"compile_backend": "eager", "fuse_qkv": "1"})

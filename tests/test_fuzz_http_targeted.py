@@ -132,7 +132,7 @@ def test_scheduler_is_checked_at_admission(sock: Path, model: str, scheduler: st
 
 def test_a_negative_prompt_the_model_would_ignore_is_a_400(sock: Path) -> None:
     """FLUX reads a negative prompt only at a true CFG scale the daemon never sets: one was dropped silently
-    and still written into the job's request and the PNG's metadata as if it had acted (review 42's finding 1).
+    and still written into the job's request and the PNG's metadata as if it had acted.
     GET /v1/models says which models take one; an empty one is no negative prompt, so it is taken."""
     status, listing = call_json(sock, "GET", "/v1/models")
     takes = {m["id"]: m["negative_prompt"] for m in listing["data"]}
@@ -156,7 +156,7 @@ def test_a_negative_prompt_the_model_would_ignore_is_a_400(sock: Path) -> None:
 ])
 def test_the_other_endpoints_spelling_is_told_this_ones(sock: Path, path: str, sent: str, takes: str) -> None:
     """/v1/jobs says ``steps``, the OpenAI-style endpoints ``num_inference_steps`` (and the CLI ``--guidance``): a
-    body in the other spelling got only msgspec's "unknown field" (review 42, finding 3). No alias: it is refused."""
+    body in the other spelling got only msgspec's "unknown field". No alias: it is refused."""
     if path == "/v1/images/edits":
         body, headers = multipart([(b"prompt", b"x", False), (sent.encode(), b"2", False),
                                    (b"image", _png((64, 64)), True)])
@@ -209,7 +209,7 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
     "a mask of another size, with control": ({**TINY, "image": P64, "mask": _pic((72, 72), "L"),
                                               "control": [EDGES]}, "mask"),
     "a mask without an image, with control": ({**TINY, "mask": L64, "control": [EDGES]}, "mask"),
-    "mode on an IP-Adapter entry": ({**TINY, "ip_adapter": [REF(mode=1)]}, "ip_adapter[0]"),  # review44-b 9
+    "mode on an IP-Adapter entry": ({**TINY, "ip_adapter": [REF(mode=1)]}, "ip_adapter[0]"),
     "mode on a single-mode ControlNet": ({**TINY, "control": [{**EDGES, "mode": 0}]}, "control[0].mode"),
     "a union ControlNet without mode": ({**FLUX, "control": [{**UNION, "mode": None}]}, "control[0].mode"),
     "a mode past the union's": ({**FLUX, "control": [{**UNION, "mode": 3}]}, "control[0].mode"),
@@ -230,7 +230,7 @@ COMBINED: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
                                              "ip_adapter": [REF()]}, "ip_adapter"),
     "control + image-to-image on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64,
                                                           "strength": 0.7, "control": [EDGES]}, "mask"),
-    # review 42, finding 5: an inpainting model given only an image needs a mask, not another model
+    # an inpainting model given only an image needs a mask, not another model
     "an image without a mask on the inpainting model": ({**TINY, "model": "tiny-inpaint", "image": P64}, "mask"),
     "no image on the inpainting model": ({**TINY, "model": "tiny-inpaint"}, "image"),
     "NaN scale": (json.dumps({**TINY, "control": [{**EDGES, "scale": math.nan}]}).encode(), "invalid_json"),

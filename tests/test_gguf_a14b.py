@@ -170,7 +170,7 @@ def test_a_low_noise_file_lacking_weights_is_the_one_named(files: dict[str, Path
 def test_a_models_tables_base_and_second_expert_are_checked_at_start_and_fingerprinted(
         files: dict[str, Path], tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
     """``base=`` and ``transformer_2=`` given in a ``[[models]]`` table's ``options`` are the spec's own to the
-    loaders, so to the start's checks and to the parameter table's fingerprint too (review41c): a one-expert base
+    loaders, so to the start's checks and to the parameter table's fingerprint too: a one-expert base
     is refused at start, and a second expert replaced in place is a new table."""
     import os
     import sys

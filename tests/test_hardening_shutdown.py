@@ -150,7 +150,7 @@ async def test_sigterm_with_a_worker_inside_one_long_step_stops_within_the_grace
     """A worker inside a forward answers nothing until it ends (one synthetic step of five minutes here, as a
     4000² edit on a small model was): the daemon waits its drain grace, then the worker's own 10 s, then kills it,
     which systemd's TimeoutStopSec (docs/systemd.md) is set above. It waited the grace three times before
-    (review44-b 3): past the unit's 60 s with the default 30 s grace, so systemd killed the engine mid-stop."""
+: past the unit's 60 s with the default 30 s grace, so systemd killed the engine mid-stop."""
     grace = 12.0
     d: Daemon = daemon_factory("--model", "hold=synthetic:compute_ms=300000", "--drain-grace-s", str(grace),
                                "--job-timeout", "600", env=ENV)

@@ -139,7 +139,7 @@ async def refused(s: aiohttp.ClientSession, ip_adapter: Any, **extra: Any) -> tu
      "does not fit model 'tiny'"),
     ([{"name": "style", "image": png(1)}, {"name": "style", "image": "x", "scale": 5}], {}, "ip_adapter[1].scale",
      "from 0 to"),
-    ([{"name": "style", "image": "x", "weight": 1}], {}, "ip_adapter[0]", "unknown field `weight`"),  # review44-b 9
+    ([{"name": "style", "image": "x", "weight": 1}], {}, "ip_adapter[0]", "unknown field `weight`"),
 ])
 async def test_bad_ip_adapter_entries_are_400s_naming_the_field(sock: Path, ip_adapter: Any, extra: dict[str, Any],
                                                                 field: str, words: str) -> None:

@@ -264,7 +264,7 @@ async def test_a_frame_whose_handling_fails_loses_none_read_with_it(caplog: pyte
 
 async def test_drain_below_0_returns_once_every_queued_frame_is_sent() -> None:
     """What a worker awaits before it exits: ``drain()`` alone returned under the high-water mark with frames
-    still queued, which the exit then lost (review59-d)."""
+    still queued, which the exit then lost."""
     a, b = await pair()
     a.start(lambda frame: None, lambda reason: None)
     posted = 0
@@ -285,7 +285,7 @@ async def test_drain_below_0_returns_once_every_queued_frame_is_sent() -> None:
 
 
 def test_received_fds_are_close_on_exec() -> None:
-    """An output's memfd received by a program must not pass to the programs it runs (review59-e)."""
+    """An output's memfd received by a program must not pass to the programs it runs."""
     import fcntl
 
     from diffusiond.ipc.channel import recv_with_fds

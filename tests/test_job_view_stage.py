@@ -1,6 +1,6 @@
 """A job's ``stage`` as clients read it, once the job has ended: the stage it ended in, which its ``error.stage``
 names too. A job cancelled while residency held it back read ``waiting_for_memory`` on top and ``queued`` in its
-error (review44-b 9). The engine runs with fake workers (tests/test_residency_turns.py's two models, of which the
+error. The engine runs with fake workers (tests/test_residency_turns.py's two models, of which the
 budget holds one), since a real daemon on a CPU holds a job back only under a crafted budget; what is checked is
 the JSON ``views.job`` renders for every endpoint that shows a job."""
 

@@ -147,8 +147,8 @@ def half_applying(worker: FakeWorker, version: int) -> None:
 
 
 async def test_a_worker_that_fails_half_way_through_a_kept_update_at_its_start_leaves_it_kept() -> None:
-    """review48-a 1: the replacement of a worker whose copy failed half-way must get the update again, not the
-    files' values while the model's other workers run it; only a crash loop drops it, saying so. review48-b 3:
+    """The replacement of a worker whose copy failed half-way must get the update again, not the
+    files' values while the model's other workers run it; only a crash loop drops it, saying so.
     only failures in a row are one (a start that took it in between starts the count over), and the message says
     that the workers running it keep it."""
     from diffusiond.daemon.core.kept import MAX_RESTARTS
@@ -195,7 +195,7 @@ async def test_a_worker_that_fails_half_way_through_a_kept_update_at_its_start_l
 
 
 async def test_a_worker_that_fails_half_way_through_a_kept_adapter_update_leaves_it_kept() -> None:
-    """review48-a 1, for an adapter: an update kept on trust is not dropped, the worker is sent nothing more (it
+    """For an adapter: an update kept on trust is not dropped, the worker is sent nothing more (it
     exits), and the model still serves the adapter."""
     from diffusiond.daemon.core.kept import MAX_RESTARTS
 
@@ -221,7 +221,7 @@ async def test_a_worker_that_fails_half_way_through_a_kept_adapter_update_leaves
 
 
 async def test_a_proven_adapter_update_dropped_at_the_bound_counts_failures_in_a_row_and_says_who_keeps_it() -> None:
-    """review48-b 3, for an adapter: a start that took the update ends a run of failures; once a run reaches the
+    """For an adapter: a start that took the update ends a run of failures; once a run reaches the
     bound, the message says that the workers already running keep the dropped version."""
     from diffusiond.daemon.core.kept import MAX_RESTARTS
 
@@ -248,7 +248,7 @@ async def test_a_proven_adapter_update_dropped_at_the_bound_counts_failures_in_a
 
 
 async def test_an_adapter_whose_only_kept_update_is_dropped_at_the_bound_is_served_again_once_sent_whole() -> None:
-    """review48-b 2: dropping the one update that holds an adapter's tensors must not leave the name refusing
+    """Dropping the one update that holds an adapter's tensors must not leave the name refusing
     every update (nor new workers building a part of it from later ones): the models' next starts refuse it, the
     message says to send all of its tensors, and such an update serves it everywhere again."""
     from diffusiond.daemon.core.kept import MAX_RESTARTS
@@ -281,7 +281,7 @@ async def test_an_adapter_whose_only_kept_update_is_dropped_at_the_bound_is_serv
 
 def test_retiring_an_update_closes_each_of_its_memfds_and_logs_one_that_fails(
         caplog: pytest.LogCaptureFixture) -> None:
-    """review48-b 6: a failing close (EBADF: a double close elsewhere) is logged with the update and the fd, and
+    """A failing close (EBADF: a double close elsewhere) is logged with the update and the fd, and
     does not leave the update's other memfds, and their pages, open."""
     import os
 

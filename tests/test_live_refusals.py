@@ -64,7 +64,7 @@ async def test_updates_refused_at_the_models_start_show_and_fail_the_jobs_queued
     misfit = {"unet.conv_norm_out.lora_A.weight": np.ones((2, 32), np.float32),
               "unet.conv_norm_out.lora_B.weight": np.ones((32, 2), np.float32)}
     async with AsyncClient(str(cold.socket)) as c, http(cold.socket) as s:
-        # never loaded, nothing remembered: its defaults are not known yet, rather than generic ones (review41c)
+        # never loaded, nothing remembered: its defaults are not known yet, rather than generic ones
         assert (await tiny_entry(s))["defaults"] is None
         first = await wait_job(s, (await submit(s, SMALL))["id"], 300)
         assert first["status"] == "succeeded", first

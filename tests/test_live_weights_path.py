@@ -121,7 +121,7 @@ def _failing_read(monkeypatch: pytest.MonkeyPatch, after: int) -> None:
 
 def test_a_copy_that_fails_once_writing_began_is_half_applied_and_the_worker_says_it_restarts(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """review47-a 2: a failure after the first byte was written is not a refusal (a refusal means nothing changed):
+    """A failure after the first byte was written is not a refusal (a refusal means nothing changed):
     the worker answers why, then raises so that its compute thread exits and the pool replaces it."""
     unet = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8, bias=False))
     state = {"0.weight": torch.randn(32, 64), "0.bias": torch.randn(32), "1.weight": torch.randn(8, 32)}
@@ -132,7 +132,7 @@ def test_a_copy_that_fails_once_writing_began_is_half_applied_and_the_worker_say
     with pytest.raises(HalfApplied, match="Input/output error"):
         live.update(UpdateWeights("m", "unet", tensors, 1), fds)
     assert [a.ok for a in posted] == [False] and "the worker restarts" in posted[0].message
-    assert posted[0].restarts  # the engine keeps the update for the replacement (review48-a 1)
+    assert posted[0].restarts  # the engine keeps the update for the replacement
     assert live.weight_versions == {}
     with pytest.raises(OSError):
         os.fstat(fds[0])  # closed all the same
@@ -177,7 +177,7 @@ def test_a_live_lora_keeps_its_old_values_when_their_copy_fails() -> None:
 
 
 def test_a_part_the_worker_cannot_read_is_a_refusal_that_changed_nothing() -> None:
-    """review48-a 5: a sealed memfd reopened write-only fails at its first read, before a byte is written: a
+    """A sealed memfd reopened write-only fails at its first read, before a byte is written: a
     plain refusal, not ``HalfApplied`` (which makes the worker exit and every queued job fail)."""
     unet = torch.nn.Sequential(torch.nn.Linear(64, 32))
     before = {k: v.clone() for k, v in unet.state_dict().items()}
@@ -192,7 +192,7 @@ def test_a_part_the_worker_cannot_read_is_a_refusal_that_changed_nothing() -> No
 
 
 def test_staging_buffers_are_two_or_none(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """review48-a 6: when the second buffer cannot be page-locked, the first is not kept (``_staged`` alternates
+    """When the second buffer cannot be page-locked, the first is not kept (``_staged`` alternates
     between two: one alone failed every large update half-way, for the worker's life), and the next update tries
     again."""
     import contextlib

@@ -1,4 +1,4 @@
-"""What a folder that does not load says, through the loading code a worker runs (review59-a 2): a truncated
+"""What a folder that does not load says, through the loading code a worker runs: a truncated
 safetensors file was reported as "Unable to load weights" with a hint to allow .bin weights, which the folder did
 not have; the cause (the file shorter than its header says) lay three exceptions down, unsaid.
 """

@@ -109,7 +109,7 @@ def test_an_offloaded_loads_total_is_what_its_reports_reach_not_its_device_share
 
 
 def test_generate_in_a_pipe_says_its_job_waits_for_the_load(cold: Daemon, tmp_path: Path) -> None:
-    """``diffusiond generate`` off a terminal printed nothing until step 1, however long the load took (review 42)."""
+    """``diffusiond generate`` off a terminal printed nothing until step 1, however long the load took."""
     from test_daemon_cli import cli
 
     async def unloaded() -> None:

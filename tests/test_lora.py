@@ -268,7 +268,7 @@ async def test_openai_client_sends_loras_in_extra_body(sock: Path) -> None:
     ([{"name": "ink", "weight": -9}], 400, "invalid_request", "between -4 and 4", "loras"),
     ([{"name": "ink"}, {"name": "ink", "weight": 0.5}], 400, "invalid_request", "named twice", "loras"),
     ([{"name": "ink"}, {"name": "dots"}, {"name": "ink-kohya"}], 400, "invalid_request", "the limit is 2", "loras"),
-    # the entry and its key, where the shape is wrong (review44-b 9)
+    # the entry and its key, where the shape is wrong
     ([{"name": 3}], 400, "invalid_request", "Expected `str`", "loras[0].name"),
     ([{"name": "ink", "scale": 1}], 400, "invalid_request", "unknown field", "loras[0]"),
     ("ink", 400, "invalid_request", "Expected `array", "loras"),

@@ -110,7 +110,7 @@ def test_what_cannot_be_hot_swapped_is_refused_at_registration_saying_why(unet_l
 
 def test_an_adapter_whose_settings_differ_from_the_slots_is_refused_and_costs_no_slot(
         unet_loras: dict[str, Path], tmp_path: Path) -> None:
-    """review48-c 2: per-layer alphas (a kohya file's) differ from the slots' settings; diffusers finds that only
+    """Per-layer alphas (a kohya file's) differ from the slots' settings; diffusers finds that only
     inside the try that deletes the slot, so each try cost a slot, and the third a serving adapter's."""
     from lorakit import to_kohya
     from safetensors.torch import load_file, save_file
@@ -130,7 +130,7 @@ def test_an_adapter_whose_settings_differ_from_the_slots_is_refused_and_costs_no
 
 
 def test_a_kohya_sdxl_file_with_sgm_block_names_swaps_into_a_slot(tmp_path: Path) -> None:
-    """review48-c 1: kohya's SDXL files name the UNet's blocks as SGM does (``input_blocks_4_1``); the check read
+    """Kohya's SDXL files name the UNet's blocks as SGM does (``input_blocks_4_1``); the check read
     them without the UNet's config, so diffusers did not map them, and a file that swaps in fine was refused."""
     import re
 
@@ -197,7 +197,7 @@ def _fail_hot_swap_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
 
 def test_a_live_update_whose_hot_swap_fails_part_way_is_half_applied_and_names_the_cause(
         unet_loras: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """review48-b 1: an adapter is in one slot, and a hot-swap that fails after the check leaves that slot deleted
+    """An adapter is in one slot, and a hot-swap that fails after the check leaves that slot deleted
     by diffusers (or half-written): the worker must restart (``HalfApplied``), not answer a refusal and keep
     serving an adapter that is gone; and the error raised is the hot-swap's, not a KeyError for the lost slot."""
     from safetensors.torch import load_file
@@ -224,7 +224,7 @@ def test_a_live_update_whose_hot_swap_fails_part_way_is_half_applied_and_names_t
 
 def test_a_hot_swap_that_fails_when_an_adapter_enters_a_slot_loses_only_that_slot(
         unet_loras: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """review48-b 1's related paths: ``register`` (and ``activate``, through the same ``_swap``) hitting a hot-swap
+    """``register`` (and ``activate``, through the same ``_swap``) hitting a hot-swap
     failure. The slot is dropped and the worker serves on with the others, the base model exact; an adapter that
     does not fit the slots (a layer they lack, another size) is refused before anything is copied and costs none."""
     from safetensors.torch import load_file, save_file
@@ -238,7 +238,7 @@ def test_a_hot_swap_that_fails_when_an_adapter_enters_a_slot_loses_only_that_slo
     (tmp_path / "wide").mkdir()
     save_file(wide, str(tmp_path / "wide" / "pytorch_lora_weights.safetensors"))
 
-    # one shape at most (dynamo's recompile bound 1): the retrace after the loss needs the bound to grow (review49-a 6);
+    # one shape at most (dynamo's recompile bound 1): the retrace after the loss needs the bound to grow;
     # dynamo's caches emptied first, as in a worker, which compiles one model (the UNet class's code is shared)
     torch._dynamo.reset()
     pipe = CompiledPipeline(load_pipeline("tiny", device="cpu", dtype="float32"), "default",
@@ -259,7 +259,7 @@ def test_a_hot_swap_that_fails_when_an_adapter_enters_a_slot_loses_only_that_slo
     assert "injected failure in the hot-swap" in why
     monkeypatch.undo()
     assert adapters.slots == ["diffusiond_slot0"] and list(adapters.loaded) == ["a"]
-    # review48-c 3: the slot's modules went, so the next batch traces again, and the worker must say so
+    # the slot's modules went, so the next batch traces again, and the worker must say so
     assert pipe.will_compile(TINY, 1)
     before = compilations()
     adapters.activate(())

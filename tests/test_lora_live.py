@@ -215,7 +215,7 @@ def test_fuzz_update_headers_get_an_answer_never_a_hangup(live_daemon: Daemon, n
     sock = live_daemon.socket
     msg = UpdateLora(name, tensors) if component is None else UpdateWeights(*component, tensors)
     fd = memfd("fuzz", 4096, sealed=sealed) if with_fd else None
-    if fd is not None and access is not None:  # the memfd reopened write-only or as a path (review48-a 5)
+    if fd is not None and access is not None:  # the memfd reopened write-only or as a path
         made, fd = fd, os.open(f"/proc/self/fd/{fd}", access)
         os.close(made)
     try:

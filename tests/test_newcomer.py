@@ -63,7 +63,7 @@ def test_generate_off_a_terminal_prints_a_progress_line_now_and_then(sock: str, 
 
 
 def test_generate_o_dash_writes_the_one_output_to_stdout(sock: str, tmp_path: Path) -> None:
-    """``-o -`` wrote a file named ``-`` and its "path seed" line to stdout (review 42, finding 8)."""
+    """``-o -`` wrote a file named ``-`` and its "path seed" line to stdout."""
     env = {k: v for k, v in os.environ.items() if k != "DIFFUSIOND_SOCKET"}
     argv = [sys.executable, "-m", "diffusiond", "generate", "a fox", "--socket", sock, *FAST, "--seed", "3", "-o", "-"]
     r = subprocess.run(argv, capture_output=True, cwd=tmp_path, env={**env, **ENV}, timeout=120, check=False)
@@ -74,7 +74,7 @@ def test_generate_o_dash_writes_the_one_output_to_stdout(sock: str, tmp_path: Pa
         assert refused.returncode == 2 and "-o - writes one output to stdout" in refused.stderr, refused.stderr
     assert not (tmp_path / "-").exists()
     # a terminal on stdout is refused before the job (the bytes would garble it), and a reader that goes away
-    # mid-stream ends the command quietly, without a traceback (review42b-rest 7)
+    # mid-stream ends the command quietly, without a traceback
     import pty
 
     leader, follower = pty.openpty()
@@ -92,7 +92,7 @@ def test_generate_o_dash_writes_the_one_output_to_stdout(sock: str, tmp_path: Pa
 
 
 def test_the_python_clients_pil_on_a_video_model_is_a_value_error_saying_what_to_pass(sock: str) -> None:
-    """It failed deep in a traceback about a PNG the caller never asked for (review 42, finding 12); no job is made."""
+    """It failed deep in a traceback about a PNG the caller never asked for; no job is made."""
     import diffusiond
 
     with diffusiond.Client(sock) as c:
@@ -126,7 +126,7 @@ def test_progress_lines_come_at_tenths_and_at_most_once_a_second() -> None:
 
 
 def test_progress_lines_name_each_stage_and_again_every_5_s_while_it_lasts() -> None:
-    """Off a terminal nothing was printed before step 1: a model loading for minutes looked hung (review 42)."""
+    """Off a terminal nothing was printed before step 1: a model loading for minutes looked hung."""
     from diffusiond.commands.progress import ProgressBar
 
     now = [0.0]
@@ -139,7 +139,7 @@ def test_progress_lines_name_each_stage_and_again_every_5_s_while_it_lasts() -> 
         now[0] += 1
         bar.tick()
     bar.update(stage="waiting_for_memory")
-    bar.update(0, 4, "computing")  # a first step that takes minutes (a large image on a CPU: review59-a 5)
+    bar.update(0, 4, "computing")  # a first step that takes minutes (a large image on a CPU)
     for _ in range(6):
         now[0] += 1
         bar.tick()
@@ -324,7 +324,7 @@ def test_an_inpainting_only_model_says_what_it_does_once() -> None:
 
 def test_generate_on_the_inpainting_model_names_the_flag_it_lacks(sock: str, tmp_path: Path) -> None:
     """An image without a mask on an inpainting-only model was told to pick another model, in HTTP's words
-    (review 42, finding 5): it needs a mask, and a CLI user reads the flags (``--image``, ``--mask``) to give."""
+: it needs a mask, and a CLI user reads the flags (``--image``, ``--mask``) to give."""
     from diffusiond.client.errors import DaemonError
     from diffusiond.commands.flags import with_flag
 

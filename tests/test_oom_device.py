@@ -1,8 +1,8 @@
-"""An out-of-memory retry makes room on the device that ran out, not on every device of its model (review s54-pool,
-suspicion 2): a model on cuda:0 and cuda:1 whose worker on one of them reports ``oom_retry`` sent the idle models
-of both devices away, and the one on the other device, which had nothing to do with it, loaded again for its next
-job. The policy with the residency fakes, and the engine with fake workers on two fake GPUs (the worker's device
-goes from flights through the keeper).
+"""An out-of-memory retry makes room on the device that ran out, not on every device of its model: a model on
+cuda:0 and cuda:1 whose worker on one of them reports ``oom_retry`` sent the idle models of both devices away, and
+the one on the other device, which had nothing to do with it, loaded again for its next job. The policy with the
+residency fakes, and the engine with fake workers on two fake GPUs (the worker's device goes from flights through
+the keeper).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A batch whose jobs all ended while its worker computes it (review44-b 2): the worker sees a cancel only at its
+"""A batch whose jobs all ended while its worker computes it: the worker sees a cancel only at its
 next step, and one step of a large forward can take minutes, during which the model served no one and the jobs
 behind read ``waiting_for_memory``. After ``orphan_grace_s`` the engine kills such a worker; the pool replaces it,
 and the batch it had not started goes back to the queue instead of failing. The engine with fake workers here;
@@ -66,7 +66,7 @@ async def test_a_worker_whose_batch_still_serves_a_job_or_that_finishes_in_time_
 
 async def test_with_no_job_waiting_the_worker_is_left_to_finish_until_one_comes() -> None:
     """A decode or a compile has no step to stop at, and a reload of a large model can cost more than it saves:
-    no kill while no one waits for the model (review44-d 1); one is due a grace after a job comes."""
+    no kill while no one waits for the model; one is due a grace after a job comes."""
     h = Harness(max_batch=1, orphan_grace_s=0.1)
     await h.engine.start()
     stuck = h.submit(timeout_s=0.05)
@@ -87,7 +87,7 @@ async def test_with_no_job_waiting_the_worker_is_left_to_finish_until_one_comes(
 
 async def test_the_batch_behind_that_started_as_the_kill_went_out_is_requeued_not_failed(monkeypatch: Any) -> None:
     """The orphan's COMPUTE_DONE already in the socket when the kill is sent starts the batch behind it, which
-    the killed worker never ran (review44-d 2): it goes back to the queue with the rest."""
+    the killed worker never ran: it goes back to the queue with the rest."""
     h = Harness(max_batch=1, orphan_grace_s=0.1)
     await h.engine.start()
     stuck = h.submit(timeout_s=0.05)

@@ -1,4 +1,4 @@
-"""Outputs served from their files in the state dir, against one real persistent daemon (review45-c 6).
+"""Outputs served from their files in the state dir, against one real persistent daemon.
 
 An npy output's first fetch comes from shared memory; every later one, and every encoded output's,
 from its file. Those are sent a piece at a time as the client takes them, so:

@@ -1,4 +1,4 @@
-"""Outputs and the arena's pressure rule (review45-c 5), against real daemons with a 1 MiB arena.
+"""Outputs and the arena's pressure rule, against real daemons with a 1 MiB arena.
 
 An output larger than the arena lies in a memfd of its own, which holds no arena room: spilling it
 (copying it into the engine's memory) would free nothing a worker waits for, so it stays where it is,

@@ -1,4 +1,4 @@
-"""Outputs streamed from shared memory over HTTP, against one real daemon (review45-c 1, 3, 7, 8).
+"""Outputs streamed from shared memory over HTTP, against one real daemon.
 
 - A reader cut off by ``--stream-stall-s`` never receives the bytes of the output that later takes
   its slot (the transport is aborted, not closed gracefully with views of the slot in its buffer).

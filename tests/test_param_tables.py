@@ -96,7 +96,7 @@ def test_the_table_refuses_what_the_worker_refuses_in_the_same_words(tiny: Any) 
 
 
 def test_update_weights_under_sequential_offload_is_refused_not_lost(model_cache: Path) -> None:
-    """review44-c 2: accelerate's ``cpu_offload`` (what ``enable_sequential_cpu_offload`` puts on each component)
+    """Accelerate's ``cpu_offload`` (what ``enable_sequential_cpu_offload`` puts on each component)
     leaves the parameters on the meta device and keeps the weights in its hooks; a copy into them wrote
     nowhere, raised nothing, and the update was versioned. The worker, its table and the files refuse it
     in one wording; a component without the hook still takes updates."""
@@ -150,7 +150,7 @@ async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_f
     os.utime(folder / "model_index.json", ns=(1, 1))  # the files changed since: their headers answer
     assert tables.key(made) != key
     assert tables.load("m", tables.key(made) or "") is None
-    # a single file's configs come from its config= folder, whose files count as its own (review41b moves 4)
+    # a single file's configs come from its config= folder, whose files count as its own
     (tmp_path / "one.safetensors").write_bytes(b"x")
     single = ModelConfig(name="s", spec=f"{tmp_path / 'one.safetensors'},config={folder}")
     before = tables.key(single)
@@ -298,7 +298,7 @@ class _Quantized(torch.Tensor):
 
 
 def test_a_weight_kept_by_a_tensor_subclass_is_refused_before_anything_is_written(model_cache: Path) -> None:
-    """review48-a 2: such a weight passed the check, the copy failed half-way and the worker restarted; now the
+    """Such a weight passed the check, the copy failed half-way and the worker restarted; now the
     update is refused in the worker's words and in its table's, naming the tensor and what keeps it."""
     pipe = load_pipeline("tiny", name="tiny", device="cpu", dtype="float32")
     unet = pipe.pipe.unet

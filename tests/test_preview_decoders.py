@@ -267,7 +267,7 @@ def test_previews_still_in_flight_after_a_forward_are_posted_by_the_copy_thread(
 
 
 def test_an_output_that_is_not_finite_fails_its_request_with_the_reason_and_the_others_are_copied() -> None:
-    """NaN cast to uint8 is a black picture that would pass for a result (a one-step Qwen-Image; review41b)."""
+    """NaN cast to uint8 is a black picture that would pass for a result (a one-step Qwen-Image)."""
     copier, posted = _outbox(16 << 20)
     copier.state.admit(["r1"])
     good = torch.rand(3, 16, 16)
@@ -284,7 +284,7 @@ def test_an_output_that_is_not_finite_fails_its_request_with_the_reason_and_the_
 
 def test_a_copy_thread_whose_batch_fails_answers_its_requests_and_copies_the_next() -> None:
     """Any failure of a batch's copy beyond one request's copy fails the requests not yet answered with the
-    reason, and the copy thread lives on (review41c)."""
+    reason, and the copy thread lives on."""
     copier, posted = _outbox(16 << 20)
     params = BatchParams(width=16, height=16, steps=1, guidance=1.0)
     broken = CopyJob(1, params, [_spec("r0")], [torch.rand(3, 16, 16)], None, trajectories=[{}, {}])  # one too many
@@ -300,7 +300,7 @@ def test_a_copy_thread_whose_batch_fails_answers_its_requests_and_copies_the_nex
 
 
 def test_a_sound_track_that_is_not_finite_fails_its_request_as_a_picture_would() -> None:
-    """LTX-2's sound rides with the side arrays; NaN there is no more a result than NaN pixels (review41c)."""
+    """LTX-2's sound rides with the side arrays; NaN there is no more a result than NaN pixels."""
     copier, posted = _outbox(16 << 20)
     copier.state.admit(["r1"])
     params = BatchParams(width=16, height=16, steps=1, guidance=1.0)

@@ -116,7 +116,7 @@ def test_a_typo_in_quant_stops_the_daemon_at_start_with_the_reason(tmp_path: Pat
 
 def test_a_lora_on_an_fp8_stored_model_computes_in_the_models_dtype(tmp_path: Path, model_cache: Path) -> None:
     """peft would make the adapter's matrices float8 like the layer it wraps, and diffusers would copy the
-    file's values into them, rounded to e4m3 (review47-b item 4); they are made in float32 instead, so the
+    file's values into them, rounded to e4m3; they are made in float32 instead, so the
     adapter holds exactly the file's values and does what it does on the unquantized model, to rounding."""
     from lorakit import build_lora
     from safetensors.torch import load_file

@@ -40,7 +40,7 @@ def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qwen_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, qwen_folder: Path) -> Iterator[Daemon]:
     args = ["--model", f"qwen-edit={qwen_folder}", "--workers", "1", "--job-timeout", "120",
-            "--warmup", f"{W}x{H}:1"]  # an edit-only model warms up through its edit path (review41b new 5)
+            "--warmup", f"{W}x{H}:1"]  # an edit-only model warms up through its edit path
     with shared_daemon(tmp_path_factory.mktemp("qwen-edit"), args, model_cache) as d:
         yield d
 
@@ -75,7 +75,7 @@ def test_a_hub_id_not_in_the_cache_yet_loads_its_processor_without_torchvision_o
 def test_a_hub_id_cached_without_its_processor_fetches_it_before_loading(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, qwen_folder: Path) -> None:
     """A download cut short after model_index.json (the case ``serve`` lets through: the index is cached): the
-    processor is fetched too, rather than built by diffusers, which needs torchvision (review41c)."""
+    processor is fetched too, rather than built by diffusers, which needs torchvision."""
     import huggingface_hub
     from huggingface_hub import constants
 

@@ -72,7 +72,7 @@ async def test_the_plus_model_edits_from_image_alone_and_refuses_what_it_cannot_
             "both": await job(s, {**BASE, "image": picture(1), "images": [picture(2)]}),
             "empty": await job(s, {**BASE, "images": []}),
             "unreadable": await job(s, {**BASE, "images": [picture(1), base64.b64encode(b"not a png").decode()]}),
-            # a side the pipeline's working area would round to 0: it failed the whole batch (review42b-rest 2)
+            # a side the pipeline's working area would round to 0: it failed the whole batch
             "a sliver": await job(s, {**BASE, "images": [picture(1, 808, 8), picture(2)]}),
         }
     assert one.shape[:2] == (H, W)
@@ -87,7 +87,7 @@ async def test_the_plus_model_edits_from_image_alone_and_refuses_what_it_cannot_
 async def test_the_openai_clients_several_images_are_one_edits_pictures_as_images_on_jobs(plus_daemon: Daemon) -> None:
     """``images.edit(image=[a, b])`` is one two-picture edit, as OpenAI reads an image list: one output, the pixels
     of the same ``images`` on /v1/jobs. It was two unrelated one-picture edits, and 4 files on a model that takes
-    3 were 4 jobs (review44-b 4)."""
+    3 were 4 jobs."""
     import openai
 
     pics = [base64.b64decode(picture(1)), base64.b64decode(picture(2, W2, H2))]
@@ -110,7 +110,7 @@ async def test_the_openai_clients_several_images_are_one_edits_pictures_as_image
 
 async def test_the_plus_models_refusals_name_images_where_the_mistake_is(plus_daemon: Daemon) -> None:
     """No picture at all: the message names ``images`` beside ``image``; an unknown key inside an entry is a 400
-    on ``images[0]``, not ``images`` (review44-b 9)."""
+    on ``images[0]``, not ``images``."""
     async with http(plus_daemon.socket) as s:
         none = await job(s, {**BASE})
         extra = await job(s, {**BASE, "images": [{"image": picture(1), "extra": 1}]})
@@ -142,7 +142,7 @@ def test_the_cli_sends_repeated_image_flags_and_the_client_images_as_one_edit(pl
 
 
 def test_a_batch_edited_one_call_a_request_reports_its_steps_in_one_rising_count() -> None:
-    """Each request's call ran steps 1..N again, so a batch's progress went N of N, then 1 of N (review42b-rest 5)."""
+    """Each request's call ran steps 1..N again, so a batch's progress went N of N, then 1 of N."""
     import numpy as np
     import torch
 

@@ -25,7 +25,7 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
     assert ids.route("GET", "/v1/jobs/k3x9q2ab.j_0a/preview/0") == ("k3x9q2ab", "/v1/jobs/j_0a/preview/0")
     assert ids.route("GET", "/v1/loras") == (None, "/v1/loras")
     assert ids.route("GET", "/v1/ip-adapters") == (None, "/v1/ip-adapters")
-    assert ids.route("GET", "/v1/upscalers") == (None, "/v1/upscalers")  # review44-e 4
+    assert ids.route("GET", "/v1/upscalers") == (None, "/v1/upscalers")
     assert ids.route("POST", "/v1/jobs") == (None, "/v1/jobs")
     assert ids.route("POST", "/v1/images/generations") == (None, "/v1/images/generations")
 
@@ -36,7 +36,7 @@ def test_a_jobs_routes_reach_the_replica_its_id_names_with_the_daemons_own_id() 
     ("POST", "/v1/jobs/k3x9q2ab.j_0a/events", 405, "allowed are GET"),
     ("DELETE", "/v1/jobs", 405, "allowed are GET, POST"),
     ("POST", "/v1/admin/sleep", 404, "use its socket"),
-    # review44-e 4: not an admin route, and said so
+    # not an admin route, and said so
     ("POST", "/v1/models/tiny/load", 404, "not forwarded through Ray Serve: it moves a model in one daemon"),
     ("POST", "/v1/models/tiny/unload", 404, "the router decides where models load"),
 ])
@@ -60,7 +60,7 @@ def test_job_ids_and_urls_are_bound_to_the_replica_and_the_prompt_is_left_as_sen
 
 
 def test_a_job_lists_next_page_goes_to_the_replica_that_listed_it_with_the_daemons_own_cursor() -> None:
-    """review44-e 3: ``next_before`` was left bare, so the next page went to any replica by load."""
+    """``next_before`` was left bare, so the next page went to any replica by load."""
     page = {"object": "list", "data": [{"id": "j_00ab"}], "has_more": True, "next_before": "j_00ab"}
     bound = ids.bind_document(page, "k3x9q2ab")
     assert bound["next_before"] == "k3x9q2ab.j_00ab"
@@ -203,7 +203,7 @@ def _request(path: str, root_path: str = "", chunks: tuple[bytes, ...] = (),
 
 
 def test_routes_are_read_below_the_applications_route_prefix() -> None:
-    """review44-e 8: Serve keeps the whole path in ``path`` and the prefix in ``root_path``; with a prefix
+    """Serve keeps the whole path in ``path`` and the prefix in ``root_path``; with a prefix
     other than ``/`` every route read as unknown."""
     from diffusiond.ray.gateway import _own_path
 
@@ -213,7 +213,7 @@ def test_routes_are_read_below_the_applications_route_prefix() -> None:
 
 
 async def test_a_chunked_body_over_the_limit_is_refused_without_being_read_whole(monkeypatch: Any) -> None:
-    """review44-e 7: only Content-Length was checked, so a chunked upload was read into memory without bound."""
+    """Only Content-Length was checked, so a chunked upload was read into memory without bound."""
     import diffusiond.ray.gateway as gateway
 
     monkeypatch.setattr(gateway, "MAX_BODY_BYTES", 10)
@@ -224,7 +224,7 @@ async def test_a_chunked_body_over_the_limit_is_refused_without_being_read_whole
 
 
 def test_batch_keys_carry_a_pictures_digest_not_the_picture() -> None:
-    """review44-e 5: a control's base64 picture went into the key whole (8 MB for an 8 MiB picture), crossed Ray
+    """A control's base64 picture went into the key whole (8 MB for an 8 MiB picture), crossed Ray
     beside the body and sat in the router's remembered keys; two different pictures must still stay apart."""
     base = {"prompt": "a", "model": "sd"}
     one, two = "A" * 8_000_000, "A" * 7_999_999 + "B"

@@ -1,6 +1,6 @@
 """The replica's parts that need no Ray cluster: the daemon it starts ends every job it cannot
-finish with a reason when Serve stops it (review44-e 1), and the event stream it relays passes
-lines of any length with their ids bound (review44-e 2)."""
+finish with a reason when Serve stops it, and the event stream it relays passes
+lines of any length with their ids bound."""
 
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ async def test_a_component_update_for_a_model_with_no_worker_is_kept_and_checked
 
 
 async def test_a_late_ack_answers_its_own_command_not_the_next_of_its_kind() -> None:
-    """review44-c 3: an update that timed out (the worker was in a long batch) is still queued in the worker;
+    """An update that timed out (the worker was in a long batch) is still queued in the worker;
     its ACK, when it comes, must not answer the retry, which the worker has not read yet."""
     import types
 
@@ -250,7 +250,7 @@ async def component_update(live: LiveComponents, model: FakeModel) -> int:
 
 @pytest.mark.parametrize("second", ["refuses", "does not answer"])
 async def test_a_component_update_some_workers_took_is_a_conflict_that_says_so(second: str) -> None:
-    """review44-c 4: w0 applied it, w1 did not: not a 400 on tensors saying it was refused, but a 409 saying
+    """W0 applied it, w1 did not: not a 400 on tensors saying it was refused, but a 409 saying
     how many applied it and to send it again; the split shows in weight_errors until an update after it
     is accepted, and its version is never given again."""
     from diffusiond.daemon.edge.status import status_of
@@ -280,7 +280,7 @@ async def test_a_component_update_some_workers_took_is_a_conflict_that_says_so(s
 
 
 async def test_a_component_update_its_only_worker_did_not_answer_is_unavailable_not_refused() -> None:
-    """review44-c 3/4: nothing is wrong with the tensors; the worker may still apply it: a 503, send it again."""
+    """Nothing is wrong with the tensors; the worker may still apply it: a 503, send it again."""
     from diffusiond.daemon.errors import Unavailable
 
     live = LiveComponents()
@@ -310,7 +310,7 @@ async def test_a_lora_update_some_workers_of_a_model_took_is_a_conflict_and_the_
 
 @pytest.mark.parametrize("asked_to_stop", [True, False])
 async def test_a_worker_that_goes_away_mid_update(asked_to_stop: bool) -> None:
-    """review44-c 5: one the engine stopped (keep_alive, unload) leaves the model with no live worker: the
+    """One the engine stopped (keep_alive, unload) leaves the model with no live worker: the
     update is kept for the next one, as for a model on disk. One that crashed may have applied it: a 503."""
     from diffusiond.daemon.errors import Unavailable
     from diffusiond.ipc.errors import ChannelClosed
@@ -440,7 +440,7 @@ def half_applied(worker: FakeWorker) -> FakeWorker:
 
 
 async def test_a_live_update_a_worker_failed_half_way_through_is_unavailable_not_refused() -> None:
-    """review48-a 4: not a 400 on ``tensors`` (a trainer stops on that), but a 503: nothing of it is in force on
+    """Not a 400 on ``tensors`` (a trainer stops on that), but a 503: nothing of it is in force on
     that worker, send it again. Where another worker of the model took it, it is still a 409 split."""
     from diffusiond.daemon.edge.status import status_of
     from diffusiond.daemon.errors import Unavailable, UpdateSplit

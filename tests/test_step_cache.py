@@ -112,7 +112,7 @@ def test_taylorseer_lite_skips_the_blocks_between_full_steps_and_says_so() -> No
 
 
 def test_taylorseer_lite_is_refused_where_an_output_head_would_run_on_the_skipped_blocks_zeros() -> None:
-    """review47-b 6: LTX-2's transformer has an audio head beside proj_out; the lite mode predicts only proj_out,
+    """LTX-2's transformer has an audio head beside proj_out; the lite mode predicts only proj_out,
     so its sound would come from zeros at every predicted step. Refused at load, with what to use instead; the
     models it fits load (tiny-flux above)."""
     from accelerate import init_empty_weights
@@ -132,7 +132,7 @@ def test_taylorseer_lite_is_refused_where_an_output_head_would_run_on_the_skippe
 
 @pytest.mark.parametrize("cache", ["taylorseer:2", "taylorseer-lite:2", "fbc:0.2"])
 def test_a_cached_flux_model_edits_images(cache: str) -> None:
-    """review47-b 7: FluxImg2ImgPipeline and FluxInpaintPipeline set no cache context, which diffusers' cache hooks
+    """FluxImg2ImgPipeline and FluxInpaintPipeline set no cache context, which diffusers' cache hooks
     require, so every edit job on a cached FLUX model failed as if the request were at fault."""
     import numpy as np
 
@@ -169,7 +169,7 @@ def tiny_chroma(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> 
 
 @pytest.mark.parametrize("cache", ["taylorseer:2", "taylorseer-lite:2", "fbc:0.2"])
 def test_a_step_cache_is_refused_at_load_where_cfg_passes_would_share_its_state(tiny_chroma: Path, cache: str) -> None:
-    """review48-a 3: ChromaPipeline (and Kandinsky 5) set no cache context and call the denoiser twice a step for
+    """ChromaPipeline (and Kandinsky 5) set no cache context and call the denoiser twice a step for
     CFG; one context around the call made both passes share one cache state (silently wrong images). Refused at
     load, naming the class and what to do; the same folder loads without cache=."""
     with pytest.raises(PipelineError) as exc:
@@ -207,7 +207,7 @@ def test_which_pipeline_classes_run_a_step_cache_and_how(monkeypatch: pytest.Mon
     assert {plan(n) for n in ("FluxPipeline", "QwenImagePipeline", "WanPipeline", "LTXPipeline")} == {"own"}
     assert {plan(n) for n in speedups.ONE_CALL_A_STEP} == {"one"}
     assert "not known to call its denoiser once a step" in plan("Kandinsky5T2IPipeline")
-    # review48-b 5: true CFG off by default, as the daemon calls it: one call a step, served as before review48-a 3;
+    # true CFG off by default, as the daemon calls it: one call a step, served as before;
     # the Skyreels sibling's defaults to 6 with the negative prompt the daemon always passes: two, refused
     assert plan("HunyuanVideoImageToVideoPipeline") == "one"
     assert "not known to call its denoiser once a step" in plan("HunyuanSkyreelsImageToVideoPipeline")

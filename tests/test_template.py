@@ -113,7 +113,7 @@ async def test_with_the_template_killed_workers_start_fresh_and_jobs_go_on(daemo
         new = (await asyncio.wait_for(_worker(s, other_than=pid), 60))["pid"]
         assert _parent(new) == daemon.proc.pid  # a fresh interpreter, spawned by the engine itself
         assert (await wait_job(s, await _submit(s), timeout=60))["status"] == "succeeded"
-    # the whole sentence (review44-a 6: it read "... (the worker template it was forked from it died)")
+    # the whole sentence (it read "... (the worker template it was forked from it died)")
     assert re.search(rf"worker \d+ \(pid {pid}, cpu\) ended; its exit status is unknown \(its worker template "
                      r"stopped: it was killed by signal SIGKILL\)", daemon.log()), daemon.log()[-3000:]
 

@@ -259,7 +259,7 @@ def _forks_then_goes_quiet(fake: Fake, fork: Fork) -> None:
 @pytest.mark.parametrize("end", ["dies", "is stopped"])
 async def test_a_forked_worker_whose_end_its_template_never_reports_is_still_seen_to_end(  # type: ignore[no-untyped-def]
         fake_of, monkeypatch, end: str) -> None:
-    """review44-a 2: its end was seen only through EXITED, so with the template stopped a dead worker stayed
+    """Its end was seen only through EXITED, so with the template stopped a dead worker stayed
     ``ready`` and was never replaced, and the daemon's stop waited for one it had stopped, for good."""
     monkeypatch.setattr(templates, "EXIT_GRACE_S", 0.2)
     fake = fake_of(Status(True, pid=1), _forks_then_goes_quiet)
@@ -287,7 +287,7 @@ async def test_a_forked_worker_whose_end_its_template_never_reports_is_still_see
 
 
 async def test_a_template_whose_imports_hang_leaves_the_fresh_worker_a_whole_start_timeout(fake_of) -> None:  # type: ignore[no-untyped-def]
-    """review44-a 3: the template's imports took the worker's whole start timeout, then the fresh interpreter
+    """The template's imports took the worker's whole start timeout, then the fresh interpreter
     started in its place got the 0 s left and was killed at once, failing the daemon's start."""
     fake = fake_of(None, _exits_at_once)  # it never says READY
     driver = Driver(config("synthetic:compute_ms=1"), start_timeout=20)
@@ -301,7 +301,7 @@ async def test_a_template_whose_imports_hang_leaves_the_fresh_worker_a_whole_sta
 
 
 async def test_a_hung_templates_imports_and_fork_are_bounded_on_their_own_terms(fake_of, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """review44-a 3 and 6: the imports' wait is bounded whatever the start timeout (900 s by default), the fork's
+    """The imports' wait is bounded whatever the start timeout (900 s by default), the fork's
     by what is left of it, and each says what timed out (``str(TimeoutError())`` is empty)."""
     monkeypatch.setattr(templates, "IMPORTS_TIMEOUT_S", 0.5)
     channel = os.open(os.devnull, os.O_RDONLY)
@@ -326,7 +326,7 @@ ENDS_BEFORE_A_FORK = {
 @pytest.mark.parametrize("end", ENDS_BEFORE_A_FORK)
 async def test_a_template_that_ends_before_any_fork_is_reaped_and_says_why(  # type: ignore[no-untyped-def]
         fake_of, monkeypatch, caplog, end: str) -> None:
-    """review44-a 4 and 5: read from the first fork only, it stayed <defunct> with nothing logged until then (with
+    """Read from the first fork only, it stayed <defunct> with nothing logged until then (with
     ``--preload none``, maybe for good), and an unusable one's reason, queued with its EOF, was logged as "it died"."""
     status, stand_in, why = ENDS_BEFORE_A_FORK[end]
     fake = fake_of(status, _exits_at_once, stand_in)
@@ -343,7 +343,7 @@ async def test_a_template_that_ends_before_any_fork_is_reaped_and_says_why(  # t
 
 
 async def test_a_start_that_times_out_leaves_no_exception_unretrieved(caplog) -> None:  # type: ignore[no-untyped-def]
-    """review44-a 7: the worker is reaped after its start gave up waiting, and the exception its READY future
+    """The worker is reaped after its start gave up waiting, and the exception its READY future
     then got was logged by asyncio with a traceback, as an error ("Future exception was never retrieved")."""
     handle = WorkerHandle(config("synthetic:compute_ms=1"), on_frame=lambda *_: None, on_lost=lambda *_: None)
     with pytest.raises(WorkerStartError, match=r"did not load 'synthetic:compute_ms=1'"):

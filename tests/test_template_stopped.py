@@ -1,4 +1,4 @@
-"""A worker template that stops answering (SIGSTOP, a cgroup freezer, a debugger), on a real daemon (review44-a).
+"""A worker template that stops answering (SIGSTOP, a cgroup freezer, a debugger), on a real daemon.
 
 Its forked workers' ends were seen only through its EXITED: with it stopped, a worker killed under it stayed
 ``ready`` for good, the next job sent the engine into a loop that never yielded (``Flights.dispatch`` picked that
@@ -67,7 +67,7 @@ async def test_a_worker_killed_under_a_stopped_template_is_lost_and_replaced(
         async with http(d.socket) as s:
             pid = (await _worker(s))["pid"]
             assert _parent(pid) == template
-            # review44-a 8: neither the template nor its forks inherit fds they do not have
+            # neither the template nor its forks inherit fds they do not have
             assert not set(LISTEN) & (_environ(template) | _environ(pid))
             os.kill(template, signal.SIGSTOP)
             os.kill(pid, signal.SIGKILL)
@@ -105,7 +105,7 @@ async def test_the_daemon_stops_with_its_template_stopped(tmp_path: Path, model_
 
 
 async def test_dispatch_leaves_out_a_worker_it_could_not_send_to() -> None:
-    """review44-a 1: a READY worker whose channel had closed failed each send, its batch went back to the queue's
+    """A READY worker whose channel had closed failed each send, its batch went back to the queue's
     head, and the same pass picked the same worker again, for ever, never yielding to the loop that would reap
     it. The handle now leaves READY as its channel closes; dispatch, should a send fail anyway, leaves that
     worker out for the rest of its pass."""

@@ -1,7 +1,7 @@
 """A worker's compute and copy threads each make the worker's CUDA device their current one (torch keeps it per
 thread: worker/startup.bind_thread). Where that fails (a device fallen off the bus, reset), the worker must fail
 with the reason instead of losing a thread silently: a dead copy thread left every output copy waiting, a dead
-compute thread a worker never ready (review48-a 7). CPU devices bind nothing, so the threads are told they are on
+compute thread a worker never ready. CPU devices bind nothing, so the threads are told they are on
 CUDA and the binding is made to fail as a lost device's would."""
 
 from __future__ import annotations

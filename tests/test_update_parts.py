@@ -179,7 +179,7 @@ async def test_an_unsealed_part_is_refused_saying_how_to_seal_it_and_leaves_no_f
                                              [file.fileno()])
         assert isinstance(answer, UpdateRefused) and answer.status == 400 and answer.field == "fd", answer
         assert "the update's fd 0 is a file, not a memfd" in answer.message, answer.message
-        # review48-a 5: a sealed memfd reopened write-only (or O_PATH) passed, and every worker failed reading it
+        # a sealed memfd reopened write-only (or O_PATH) passed, and every worker failed reading it
         for flags, says in ((os.O_WRONLY, "the update's fd 1 was opened write-only, and the workers read it"),
                             (os.O_PATH, "the update's fd 1 cannot be read (opened with O_PATH)")):
             unreadable = os.open(f"/proc/self/fd/{sealed}", flags)

@@ -1,7 +1,7 @@
 """A worker that exits because a live update failed half-way in it (``HalfApplied``: its weights are neither
 version) does so between two batches: the batches the engine had sent behind the update never started. They go
 back to the queue and run on the replacement, which starts from the files and the accepted updates, instead of
-failing with ``worker_lost`` (review48-a 4). A worker lost any other way still fails what it had. The engine with
+failing with ``worker_lost``. A worker lost any other way still fails what it had. The engine with
 fake workers (tests/enginekit.py), and the worker's compute thread, which says so in its ``Fatal``.
 """
 
@@ -80,7 +80,7 @@ def test_the_compute_thread_says_it_exits_between_batches_when_an_update_half_ap
 
 async def test_a_worker_that_fails_half_way_through_a_kept_update_at_its_start_is_not_announced_ready(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """review48-b 7: a replacement whose copy of a kept update failed half-way answers so and exits. The engine
+    """A replacement whose copy of a kept update failed half-way answers so and exits. The engine
     may handle its loss before the start resumes; announcing it ready then would put the dead worker back among
     those batches go to. Its own replacement takes the model's jobs."""
     import numpy as np

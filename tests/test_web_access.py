@@ -25,7 +25,7 @@ from conftest import ROOT
 from diffusiond.daemon.config import ConfigError, parse_host_port
 from diffusiond.daemon.edge import webauth
 
-TOKEN = "web+test/token-0123456789abcdef="  # as `openssl rand -base64` makes them: + / = (review59-a 1)
+TOKEN = "web+test/token-0123456789abcdef="  # as `openssl rand -base64` makes them: + / =
 HOLD = {"model": "hold", "prompt": "held", "width": 64, "height": 64, "steps": 500}
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_daemon_lifecycle.py
 

@@ -62,7 +62,7 @@ def test_the_boxes_are_offered_only_for_models_their_adapters_fit() -> None:
 
 
 def test_the_steps_input_starts_at_the_models_fewest_steps() -> None:
-    """A model whose scheduler cannot run one step (min_steps 2 in /v1/models, review41b new 4) says so on the page."""
+    """A model whose scheduler cannot run one step (min_steps 2 in /v1/models) says so on the page."""
     assert [s["steps_min"] for s in page([{"model": m} for m in ("tiny", "clip", "tiny")])["steps"]] == ["1", "2", "1"]
 
 
@@ -237,7 +237,7 @@ def test_the_models_panel_shows_each_models_attention_and_approximations() -> No
 
 
 def test_previews_follow_each_models_flag_and_one_refusal_turns_off_no_other_model() -> None:
-    # review44-f 4: one model's refusal used to turn previews off for every model until a reload
+    # one model's refusal used to turn previews off for every model until a reload
     models = {"object": "list", "data": [
         {"id": "tiny", "task": "text-to-image", "edits": [], "state": "ready", "previews": True},
         {"id": "sd3", "task": "text-to-image", "edits": [], "state": "ready", "previews": False}]}

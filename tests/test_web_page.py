@@ -193,7 +193,7 @@ def test_sign_in_generate_on_tiny_watch_progress_then_gallery_download_and_reuse
 def test_cancel_a_long_job_from_the_page(page: Any, web_daemon: Daemon) -> None:
     page.select_option("#model", "hold")
     fill(page, prompt="a job that computes until cancelled", width="64", height="64", steps="500", seed="")
-    # a synthetic model shows no previews, as its /v1/models entry says: the page offers none (review44-f 4)
+    # a synthetic model shows no previews, as its /v1/models entry says: the page offers none
     assert page.is_disabled("#previews")
     assert page.get_attribute("label:has(#previews)", "title") == "hold shows no previews"
     page.click("#generate")

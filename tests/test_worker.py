@@ -170,7 +170,7 @@ async def test_worker_failed_copy_fails_that_request() -> None:
 
 
 async def test_worker_whose_finite_check_fails_still_answers_that_job_and_the_next() -> None:
-    """The check for NaN outputs raising once must not end the copy thread (review41c): before, the batch
+    """The check for NaN outputs raising once must not end the copy thread: before, the batch
     and every later one waited for their timeout."""
     params = m.BatchParams(width=32, height=32, steps=1, guidance=1.0)
     async with Driver(config("synthetic:compute_ms=1", fault="finite_error")) as d:

@@ -1,4 +1,4 @@
-"""A worker where review59-d found it answering one thing and doing another: a sleep whose copies did not drain in
+"""A worker answering one thing and doing another: a sleep whose copies did not drain in
 time moved the model anyway while it answered "not ok" (the engine went on sending batches to a sleeping model,
 each failing); a preview larger than the whole arena failed its job instead of being skipped; and after an
 out-of-memory split, cancelling the half that ran did not stop it. Real worker processes for the first two

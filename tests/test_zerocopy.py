@@ -266,7 +266,7 @@ def _fetch_while_stopped(daemon: Daemon, m: OutputMapper, job: str) -> None:
 
 
 def test_a_fetch_that_timed_out_never_hands_its_answer_to_the_next_call(daemon: Daemon) -> None:
-    """review45-c 2: the engine stopped past the mapper's timeout answers the FETCH late; that answer (job a's
+    """The engine stopped past the mapper's timeout answers the FETCH late; that answer (job a's
     output) must not be taken for the next call's (job b's). The mapper hangs up instead."""
     a, b, same_as_b = run_job(daemon, seed=11), run_job(daemon, seed=22), run_job(daemon, seed=22)
     expected_b = np.load(io.BytesIO(call(daemon, "GET", f"/v1/jobs/{same_as_b}/outputs/0")[1]))
@@ -282,7 +282,7 @@ def test_a_fetch_that_timed_out_never_hands_its_answer_to_the_next_call(daemon: 
 
 def test_a_job_past_its_retention_is_not_shared_and_the_client_reads_it_over_http(
         tmp_path: Path, model_cache: Path) -> None:
-    """review45-c 4: a persistent daemon still serves a job's outputs from its state dir once the job has left
+    """A persistent daemon still serves a job's outputs from its state dir once the job has left
     memory; the output socket says not_shared (not job_not_found), so the default client falls back to HTTP.
     Answers keep the order of the FETCHes, the one that waits for the state dir included."""
     import asyncio
@@ -355,7 +355,7 @@ def _outlives(daemon: Daemon, a: np.ndarray, what: str) -> None:
 
 
 def test_an_array_keeps_its_memory_when_its_mapper_is_collected(daemon: Daemon) -> None:
-    """review59-e 1: the release held the mapper weakly; collected, it closed its socket, and the daemon took back
+    """The release held the mapper weakly; collected, it closed its socket, and the daemon took back
     the memory of every array it had handed out."""
     job = run_job(daemon, seed=31)
     a = OutputMapper(str(daemon.socket)).array(job, 0)  # the mapper is kept by no one but its arrays
@@ -364,7 +364,7 @@ def test_an_array_keeps_its_memory_when_its_mapper_is_collected(daemon: Daemon) 
 
 
 def test_a_forked_child_dropping_its_copy_of_an_array_leaves_the_parents_alone(daemon: Daemon) -> None:
-    """review59-e 5: the child inherited the connection, and its copy's finalizer unpinned the parent's lease."""
+    """The child inherited the connection, and its copy's finalizer unpinned the parent's lease."""
     job = run_job(daemon, seed=32)
     with OutputMapper(str(daemon.socket)) as m:
         a = m.array(job, 0)
@@ -380,7 +380,7 @@ def test_a_forked_child_dropping_its_copy_of_an_array_leaves_the_parents_alone(d
 
 
 def test_a_failed_fetch_keeps_the_arrays_handed_out_before_it(daemon: Daemon) -> None:
-    """review59-e 2: a fetch that timed out hung up the connection, and the daemon took back the memory of every
+    """A fetch that timed out hung up the connection, and the daemon took back the memory of every
     array the mapper had handed out; it now keeps the connection, for their UNPINs only, until the last is gone."""
     held, late = run_job(daemon, seed=33), run_job(daemon, seed=34)
     m = OutputMapper(str(daemon.socket), timeout=1.0)

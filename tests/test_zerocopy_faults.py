@@ -1,4 +1,4 @@
-"""The zero-copy path when the output socket's answer cannot be mapped or decoded (review44-f 5): the
+"""The zero-copy path when the output socket's answer cannot be mapped or decoded: the
 caller gets ZeroCopyUnavailable (for which ``diffusiond.Client`` falls back to HTTP), never a raw
 OSError, ValueError or decode error, and no fd that came with the broken answer stays open.
 
