@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,12 +24,13 @@ from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_
 from diffusiond.pipelines.errors import root_cause
 from diffusiond.pipelines.load_progress import loaded
 from diffusiond.pipelines.phases import Phases
-from diffusiond.pipelines.pipeline_classes import check_components, components, weights_variant
+from diffusiond.pipelines.pipeline_classes import check_components, components
 from diffusiond.pipelines.pipeline_classes import pipeline_class as _pipeline_class
 from diffusiond.pipelines.pipeline_classes import read_index as _read_index
 from diffusiond.pipelines.quant import load_time_config, parse_quant
 from diffusiond.pipelines.qwen_edit import processor_kwargs
 from diffusiond.pipelines.spec import check_second_expert, second_expert_refusal
+from diffusiond.pipelines.variants import NOT_LOADED, pipeline_variants
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,13 @@ def _why_not_loaded(exc: BaseException, path: Path, options: Mapping[str, str]) 
     return said
 
 
-_VARIANTS = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the weights files a dtype reads where a folder has them
-
-
 def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str],
-                 device: torch.device, root: Path | None) -> dict[str, Any]:
+                 device: torch.device, root: Path | None, passed: Collection[str] = ()) -> dict[str, Any]:
     """from_pretrained arguments shared by folder and hub loads; ``quant=``'s bitsandbytes methods are
     applied here, while the files are read (pipelines/quant.py); a Qwen2-VL processor in the folder at ``root``
-    is loaded without torchvision (pipelines/qwen_edit.py)."""
+    is loaded without torchvision (pipelines/qwen_edit.py). With its files at ``root``, each component reads
+    the weights variant the engine sized it by (pipelines/variants.py): one ``variant=`` for most, and the
+    components it would read from other files loaded here. ``passed``: components the caller gives itself."""
     kwargs: dict[str, Any] = {**dtype_kwarg(dtype), **processor_kwargs(index, root)}
     if opts.get("quant"):
         config = load_time_config(parse_quant(opts["quant"]), index, dtype, device)
@@ -77,17 +77,59 @@ def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str
             kwargs["quantization_config"] = config
     # safetensors only, unless explicitly allowed: .bin weights are pickles and can run code.
     kwargs["use_safetensors"] = None if opts.get("allow_unsafe_weights") == "1" else True
-    if root is not None:
-        suffixes = (".safetensors", ".bin") if kwargs["use_safetensors"] is None else (".safetensors",)
-        kwargs["variant"] = weights_variant(root, index, _VARIANTS.get(dtype, ""), suffixes)
+    # Skip loading a component we would discard anyway (the engine does not count it either), and the safety
+    # checker's image processor, which only it reads (SD folders lack both where people deleted them), unless an
+    # image encoder uses that too; an IP-Adapter brings its own.
+    kwargs.update(dict.fromkeys(NOT_LOADED & index.keys()))
     if "safety_checker" in index:
-        # Skip loading a component we would discard anyway, and its image processor, which only it reads (SD folders
-        # lack both where people deleted them), unless an image encoder uses that too; an IP-Adapter brings its own.
-        kwargs["safety_checker"] = None
         kwargs["requires_safety_checker"] = False
         if "feature_extractor" in components(index) and "image_encoder" not in components(index):
             kwargs["feature_extractor"] = None
+    if root is not None:
+        suffixes = (".safetensors", ".bin") if kwargs["use_safetensors"] is None else (".safetensors",)
+        names = [n for n in components(index) if n not in kwargs and n not in passed]
+        kwargs["variant"], apart = pipeline_variants(root, names, str(dtype).removeprefix("torch."), suffixes)
+        for name, variant in apart.items():
+            kwargs[name] = _component(root, name, index[name], variant, dtype, kwargs, opts)
     return kwargs
+
+
+def _component(root: Path, name: str, entry: list[str], variant: str, dtype: torch.dtype,
+               kwargs: Mapping[str, Any], opts: Mapping[str, str]) -> Any:
+    """Component ``name`` of the folder ``root`` read from its ``variant`` files ("" the plain ones), given what
+    diffusers gives the others (the dtype, the safetensors rule, its quantization): the one ``variant=``
+    diffusers takes for a whole pipeline would read other files of it."""
+    import diffusers
+    import transformers
+    from packaging.version import Version
+
+    library, class_name = entry
+    module = importlib.import_module(library) if library in ("diffusers", "transformers") else \
+        getattr(diffusers.pipelines, library, None)
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise PipelineError(f"{str(root / 'model_index.json')!r} names {library} {class_name} for its {name}, which "
+                            "diffusers cannot load: the folder is of a newer diffusers or transformers (pip install -U "
+                            "diffusers transformers) or is damaged")
+    if issubclass(cls, transformers.PreTrainedModel):
+        new = Version(Version(transformers.__version__).base_version) >= Version("4.56")
+        extra: dict[str, Any] = {"dtype" if new else "torch_dtype": dtype}
+    else:
+        extra = dtype_kwarg(dtype)
+    quant = getattr(kwargs.get("quantization_config"), "quant_mapping", None) or {}
+    if name in quant:
+        extra["quantization_config"] = quant[name]
+    try:
+        component = cls.from_pretrained(str(root / name), variant=variant or None,
+                                        use_safetensors=kwargs["use_safetensors"], **extra)
+    except Exception as exc:  # a missing file, a truncated one, a config of another class: many types
+        files = f"{variant} variant files (*.{variant}.*)" if variant else "files without a variant"
+        raise PipelineError(f"cannot load the {name} ({class_name}) of {str(root)!r} from its {files}: {exc}"
+                            f"{_why_not_loaded(exc, root, opts)}; its {name}/ folder is damaged or incomplete: "
+                            f"download {name}/ again (for a hub model, `hf download ORG/NAME --include "
+                            f"'{name}/*'`)") from exc
+    loaded(component)
+    return component
 
 
 def load_folder(
@@ -241,7 +283,7 @@ def load_gguf(
     for expert in experts.values():
         loaded(expert)  # read outside diffusers' component loaders, which the load's progress counts
     try:
-        pipe = cls.from_pretrained(str(root), **experts, **_load_kwargs(index, dtype, options, device, root))
+        pipe = cls.from_pretrained(str(root), **experts, **_load_kwargs(index, dtype, options, device, root, files))
     except PipelineError:
         raise
     except Exception as exc:

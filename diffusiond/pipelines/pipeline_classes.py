@@ -1,14 +1,13 @@
 """Which diffusers pipeline classes diffusiond serves, and as what task: decided from the class alone (its name and
 its ``__call__``'s arguments), before any weights load, so that a folder we cannot drive is refused at once with why.
 What a folder's ``model_index.json`` promises is checked here too, as far as the files show it: each component's
-folder there, and which variant of the weights (``*.fp16.safetensors``) to read.
+folder there (which variant of its weights to read is pipelines/variants.py's rule, which the engine shares).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -123,21 +122,3 @@ def check_components(folder: Path, index: Mapping[str, Any], passed: Mapping[str
         raise PipelineError(f"{str(folder)!r} has no {name}/ folder, which its model_index.json names ({library} "
                             f"{cls}): the model is incomplete; download {name}/ too (for a hub model, "
                             f"`hf download ORG/NAME --include '{name}/*'`)")
-
-
-_WEIGHTS = re.compile(r"[^.]+(?:\.([A-Za-z]\w*))?(?:-\d+-of-\d+)?\.(?:safetensors|bin)")
-
-
-def weights_variant(folder: Path, index: Mapping[str, Any], wanted: str, suffixes: tuple[str, ...]) -> str | None:
-    """The ``variant=`` to load ``folder`` with, by the rule the engine sizes it by (daemon/residency/sizes.py's
-    ``choose_variant``): ``wanted`` (the dtype's, ``fp16`` for float16) where a component has it, else the plain
-    files, else (a component with variant files only, ``hf download --include "*.fp16.safetensors"``) its
-    variant. diffusers reads each component's plain files where it lacks the variant asked for."""
-    found = []
-    for name in components(index):
-        files = [f.name for f in (folder / name).glob("*") if f.suffix in suffixes] if (folder / name).is_dir() else []
-        if variants := {m.group(1) or "" for f in files if (m := _WEIGHTS.fullmatch(f))}:
-            found.append(variants)
-    if wanted and any(wanted in v for v in found):
-        return wanted
-    return next((min(v) for v in found if "" not in v), None)

@@ -6,20 +6,22 @@ tensor's dtype, shape and byte range. Reading a header costs one small read per 
 size. The files are untrusted (a download, a hand-edited folder), so every header is bounded before it is
 parsed: its length, its nesting and its numbers, and each fault is an error that names the file.
 
-A diffusers folder is sized component by component (``model_index.json`` names them). When a component
-holds several variants of its weights, the one counted follows ``choose_variant``'s rule.
+A diffusers folder is sized component by component (``model_index.json`` names them), each by the files its
+worker will read: where a component holds several variants of its weights, the loader's own rule chooses
+(pipelines/variants.py), and a component the loader does not read (the safety checker) is not counted.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+
+from diffusiond.pipelines.variants import NOT_LOADED, choose_variant, weight_names
 
 MAX_HEADER_BYTES: Final = 100_000_000
 """The safetensors library's own limit, far above any real header (FLUX.1's transformer: about 100 kB). A
@@ -64,10 +66,6 @@ def default_dtype(devices: tuple[str, ...] | str) -> str:
     worker would need the pool to resolve it per device and residency to size the model per device."""
     names = (devices,) if isinstance(devices, str) else devices
     return "bfloat16" if any(d.startswith("cuda") for d in names) else DEFAULT_DTYPE
-
-
-VARIANT_OF_DTYPE: Final[Mapping[str, str]] = {"float16": "fp16", "bfloat16": "bf16", "float32": ""}
-
 
 
 class WeightsError(ValueError):
@@ -132,7 +130,8 @@ def model_weights(path: str | os.PathLike[str], dtype: str = "float32", variant:
     components: dict[str, tuple[WeightFile, ...]] = {}
     for name, spec in sorted(entries.items()):
         # components look like "unet": ["diffusers", "UNet2DConditionModel"]; a [null, null] one is absent
-        if name.startswith("_") or not isinstance(spec, list) or None in spec or not (p / name).is_dir():
+        if (name.startswith("_") or name in NOT_LOADED or not isinstance(spec, list) or None in spec
+                or not (p / name).is_dir()):
             continue
         components[name] = component_files(p / name, dtype, variant)
     return ModelWeights(p, components)
@@ -146,22 +145,6 @@ def pipeline_class_name(folder: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def choose_variant(available: set[str], dtype: str, variant: str | None = None) -> str | None:
-    """Which variant of a component's weights to count; ``""`` is the files without a variant.
-
-    The rule: an explicit ``variant`` when it exists; else the variant the dtype implies (``fp16`` for
-    float16, ``bf16`` for bfloat16), the one diffusers loads with ``variant=`` and the fewest bytes to read;
-    else the files without a variant; else the first variant by name. The bytes on the device are counted
-    at ``dtype`` whichever is chosen, so the choice changes what a load reads, not what it holds.
-    """
-    if not available:
-        return None
-    for pick in (variant, VARIANT_OF_DTYPE.get(dtype), ""):
-        if pick is not None and pick in available:
-            return pick
-    return sorted(available)[0]
-
-
 def component_files(folder: Path, dtype: str = "float32", variant: str | None = None) -> tuple[WeightFile, ...]:
     """The weight files one component loads: a sharded index's shards, or single files, of one variant."""
     sets = _weight_sets(folder)
@@ -172,22 +155,12 @@ def component_files(folder: Path, dtype: str = "float32", variant: str | None = 
 
 
 def _weight_sets(folder: Path) -> dict[str, set[Path]]:
-    """Variant -> the files that make up that variant's weights in one folder."""
+    """Variant -> the files that make up that variant's weights in one folder (a sharded index: its shards)."""
     sets: dict[str, set[Path]] = {}
-    sharded: set[Path] = set()
-    for index in sorted(folder.glob("*.safetensors.index*.json")):
-        # diffusers names a variant's index  <name>.safetensors.index.<variant>.json
-        variant = index.name.split(".safetensors.index", 1)[1].removesuffix(".json").lstrip(".")
-        shards = _shards(index)
-        sets.setdefault(variant, set()).update(shards)
-        sharded |= shards
-    for f in sorted(folder.glob("*.safetensors")):
-        if f in sharded or re.search(r"-\d+-of-\d+\.safetensors$", f.name):
-            continue  # a shard belongs to its index, and a shard without one is counted by no variant
-        stem = f.name.removesuffix(".safetensors")
-        tail = stem.rsplit(".", 1)[1] if "." in stem else ""
-        variant = tail if re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", tail) else ""  # fp16, bf16; not "0" of "sd_1.0"
-        sets.setdefault(variant, set()).add(f)
+    for variant, names in weight_names(f.name for f in folder.iterdir()).items():
+        for name in names:
+            files = _shards(folder / name) if name.endswith(".json") else {folder / name}
+            sets.setdefault(variant, set()).update(files)
     return sets
 
 
