@@ -13,7 +13,8 @@ must never wait for a disk. A single-thread executor is that thread and its queu
 run one at a time in the order the loop sent them, so an update can never overtake the insert
 of the same job, and each call gives the loop a future.
 
-What a row holds, and why the request is msgspec JSON, is ``rows.py``'s. Output files are
+What a row holds, and why the request is msgspec JSON, is ``rows.py``'s; what the start does with the file it
+finds (use it, make it, refuse it, move it aside) is ``database.py``'s. Output files are
 written whole to a temp file, fsynced, renamed over their final name (``<job>-<k>.<ext>``, so
 a second run of a job replaces its file and never makes a second one) and the folder fsynced:
 a file under its final name is always complete.
@@ -37,33 +38,16 @@ import msgspec
 
 from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.errors import InsufficientStorage, NotAccepting, StateWriteFailed
-from diffusiond.daemon.state import output_files
+from diffusiond.daemon.state import database, output_files
+from diffusiond.daemon.state.database import LIVE
 from diffusiond.daemon.state.faults import StateFaults
-from diffusiond.daemon.state.rows import (
-    APPLICATION_ID,
-    SCHEMA,
-    SCHEMA_VERSION,
-    UnreadableRow,
-    from_row,
-    row_id,
-    to_row,
-)
-from diffusiond.daemon.state.statedir import (
-    ForeignDatabase,
-    StateDirError,
-    StateLock,
-    disk_full,
-    move_aside,
-    prepare,
-    start_problem,
-)
+from diffusiond.daemon.state.rows import UnreadableRow, from_row, row_id, to_row
+from diffusiond.daemon.state.statedir import StateLock, disk_full, prepare
 from diffusiond.ipc.messages import Capabilities
-from diffusiond.protocol import ErrorCode, JobStatus
+from diffusiond.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-LIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 
 
 @dataclass(frozen=True)
@@ -139,7 +123,10 @@ class Store:
         return 0
 
     async def close(self) -> None:
-        """Write what is pending; reads after it are refused as the daemon's shutdown (503)."""
+        """Let the state dir go once what is pending is written. Here nothing is kept, so nothing changes: reads
+        still answer "nothing kept" and the edge answers from the engine's memory (an unknown job is a 404, as it
+        is after a restart, where a 503's "ask again" would promise a job that never comes back). ``SqliteStore``
+        refuses every call from its close on as the shutdown (503)."""
 
 
 class SqliteStore(Store):
@@ -154,20 +141,25 @@ class SqliteStore(Store):
         self.faults = StateFaults.parse(faults)
         self._lock = StateLock(self.dir)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="state-db")
-        self._con: sqlite3.Connection | None = None
+        self._con: sqlite3.Connection | None = None  # None until open, and again once closed
         self._pending: set[asyncio.Future[Any]] = set()
-        self._closed = False
-        self._shut = False  # the connection's close is queued: what the thread would run after it has no database
+        self._closing = False  # from close's start on, every call is refused (``_submit``)
         # Endings whose write failed (a full disk), by job id, touched by the store's thread alone: each is written anew
         # after the next write that succeeds and at close, or a restart runs a job its client saw end (review45-b 1).
         self._unwritten: dict[str, dict[str, Any]] = {}
         self._unreadable: set[str] = set()  # rows already warned of: a page read every second warns once
 
     # the one thread ---------------------------------------------------------------------------
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._shut:  # the HTTP server answers until the engine has stopped: a read then is a 503, not a 500
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn`` queued in the store's thread, behind what is already there. Refused once close has begun: the HTTP
+        server answers until the engine has stopped, and a call then is the shutdown's 503, where the thread, shut
+        or about to close the connection, would make it a 500. What was queued before still runs, in order."""
+        if self._closing:
             raise NotAccepting("the daemon is shutting down; ask again once it is back", code=ErrorCode.SHUTTING_DOWN)
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        return asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._submit(fn, *args)
 
     def _db(self) -> sqlite3.Connection:
         assert self._con is not None, "the store is not open"
@@ -189,7 +181,8 @@ class SqliteStore(Store):
             jobs = [(r, self._decode(r)) for r in rows]
             # an unfinished job whose record does not read cannot run again; ended here, so that it does not stop
             # this start nor warn at every later one (review45-b 6)
-            await self._run(self._fail_unreadable, [r["id"] for r, j in jobs if j is None])
+            unreadable = [r["id"] for r, j in jobs if j is None]
+            await self._run(database.fail_unreadable, self._db(), self.db_path, unreadable)
         except BaseException:
             self._lock.release()
             raise
@@ -199,25 +192,8 @@ class SqliteStore(Store):
     def _open(self) -> list[sqlite3.Row]:
         for leftover in self.outputs_dir.glob(".*.tmp"):  # a write a crash cut short: never served
             leftover.unlink(missing_ok=True)
-        try:
-            con = self._connect()
-        except sqlite3.Error as exc:
-            # a good database SQLite cannot open now (full disk, owner, lock) is never moved aside (review45-b 3)
-            if (problem := start_problem(self.db_path, exc)) is not None:
-                raise problem from None
-            if not self.reset:
-                raise StateDirError(
-                    f"{self.db_path} is not a diffusiond state database ({exc}); move it away, or start with "
-                    "--reset-state to have it moved aside") from None
-            aside = move_aside(self.db_path)
-            log.warning("moved the unreadable state database %s aside to %s (%s)", self.db_path, aside, exc)
-            try:
-                con = self._connect()
-            except sqlite3.Error as again:
-                raise (start_problem(self.db_path, again) or StateDirError(
-                    f"a new state database {self.db_path} could not be made ({again})")) from None
-        self._con = con
-        return con.execute(f"SELECT * FROM jobs WHERE status IN {LIVE} ORDER BY seq").fetchall()
+        self._con = database.open_database(self.db_path, reset=self.reset, sync=self.sync)
+        return database.unfinished(self._con)
 
     def _decode(self, row: sqlite3.Row) -> Job | None:
         """The job a row holds, or None (logged once) where it does not decode: damage inside a value, which
@@ -232,40 +208,6 @@ class SqliteStore(Store):
                 log.warning("the record of job %s in %s does not read (%s); it is left out of the history",
                             job_id, self.db_path, exc)
             return None
-
-    def _fail_unreadable(self, ids: list[str]) -> None:
-        error = {"code": str(ErrorCode.STATE_FAILED), "stage": "queued",
-                 "message": f"the record of this job in {self.db_path} does not read, so it cannot run again after "
-                            "the restart: submit it again"}
-        for job_id in ids:
-            self._db().execute(f"UPDATE jobs SET status = ?, error = ?, ended = ? WHERE id = ? AND status IN {LIVE}",
-                               (JobStatus.FAILED.value, json.dumps(error), time.time(), job_id))
-            log.warning("job %s was accepted by the last run and did not finish, but its record in %s does not read: "
-                        "it is ended failed (state_failed)", job_id, self.db_path)
-
-    def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
-        try:
-            con.row_factory = sqlite3.Row
-            app = con.execute("PRAGMA application_id").fetchone()[0]
-            tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-            if app != APPLICATION_ID and tables:
-                raise ForeignDatabase(f"it holds tables {', '.join(tables)} and no diffusiond mark")
-            if app == APPLICATION_ID:
-                check = con.execute("PRAGMA quick_check").fetchone()[0]
-                if check != "ok":
-                    raise ForeignDatabase(f"integrity check: {check}")
-            con.execute("PRAGMA journal_mode = WAL")
-            # NORMAL: a commit is in the WAL (the OS has it) before the 202: it survives any crash of the
-            # daemon. FULL also fsyncs each commit: it survives a power cut too, at ~2 ms per job here.
-            con.execute(f"PRAGMA synchronous = {self.sync.upper()}")  # a 202 means the job survives a power cut too
-            con.executescript(SCHEMA)
-            con.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        except BaseException:
-            con.close()
-            raise
-        return con
 
     # models -------------------------------------------------------------------------------------
     async def capabilities(self) -> dict[str, Capabilities]:
@@ -303,11 +245,13 @@ class SqliteStore(Store):
 
     def _later(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[None] | None:
         """Run ``fn`` in the store's thread after what is already queued; log a failure."""
-        if self._closed:  # the daemon is stopping: a late change (a job failed by the shutdown) is not kept
-            log.warning("the state database is closed; a late change to a job was not recorded")
+        try:
+            # submitted now, not from a task that starts later: the thread runs writes in call order
+            fut = self._submit(self._then_retry, fn, *args)
+        except NotAccepting:  # the daemon is stopping: a late change (a job failed by the shutdown) is not kept
+            log.warning("the state database %s is closing: a late change to a job or model was not recorded",
+                        self.db_path)
             return None
-        # submitted now, not from a task that starts later: the thread runs writes in call order
-        fut = asyncio.get_running_loop().run_in_executor(self._thread, self._then_retry, fn, *args)
         self._pending.add(fut)
         fut.add_done_callback(self._updated)
         return fut
@@ -472,16 +416,25 @@ class SqliteStore(Store):
         return output_files.sweep(self.outputs_dir, rows)
 
     async def close(self) -> None:
-        self._closed = True
+        """Write what is pending, then close the database. From its start on every call is the shutdown's 503
+        (``_submit``) and a late ``update`` is dropped with a warning; what was queued before it still lands, in
+        order. A second close does nothing."""
+        if self._closing:
+            return
+        self._closing = True
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
-        if self._con is not None:
-            await self._run(self._last_try)
-        self._shut = True  # reads queued before this still run, first: the thread takes them in order
-        if self._con is not None:
-            await asyncio.get_running_loop().run_in_executor(self._thread, self._con.close)
+        if self._con is not None:  # behind every call queued before the close: the thread takes them in order
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._close_db)
         self._thread.shutdown(wait=True)
         self._lock.release()
+
+    def _close_db(self) -> None:
+        try:
+            self._last_try()
+        finally:
+            con, self._con = self._db(), None
+            con.close()
 
     def _last_try(self) -> None:
         """The endings not yet written, once more; those still not on disk are named: the next start
