@@ -84,8 +84,9 @@ class Flights:
             ready = [w for w in model.workers if w.state == WorkerState.READY and w not in self.pool.preparing]
             if ready and all(len(self.in_flight.get(w, ())) >= MAX_BATCHES_PER_WORKER for w in ready):
                 continue  # nothing could be sent now: asking residency could send an idle model away for nothing
-            head = waiting[0].request
-            if not self.keeper.may_dispatch(model, shape_of(*head.work_size, 1, head.num_frames)):
+            head = waiting[0].request  # and the batch the scheduler would send now: residency makes its room
+            if not self.keeper.may_dispatch(model, shape_of(*head.work_size, self.scheduler.forming(model.name),
+                                                            head.num_frames)):
                 why = self.keeper.why_waiting(model.name)
                 self._hold(waiting, why, self.keeper.load_bytes(model) if why == LOADING else (None, None))
                 continue

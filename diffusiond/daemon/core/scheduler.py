@@ -123,6 +123,12 @@ class Scheduler:
         """The most items one of ``model``'s batches takes: its largest size."""
         return max(self.sizes[model]) if model in self.sizes else self.max_batch
 
+    def forming(self, model: str) -> int:
+        """How many outputs ``model``'s next batch takes, were it sent now: residency plans its room (only items of
+        one batch key go together, so a queue of mixed sizes forms no batch of its whole length)."""
+        q = self._pending.get(model)
+        return self._sized(model, len(self._gather(q, self.full_batch(model)))) if q else 0
+
     def next_batch(self, model: str, now: float, *, partial_ok: bool = True,
                    most: int | None = None) -> list[Item] | Wait | None:
         """``most``: the most items the batch may take now (residency: the largest batch that fits the device), which
@@ -131,6 +137,25 @@ class Scheduler:
         if not q:
             return None
         full = self.full_batch(model) if most is None else max(1, min(most, self.full_batch(model)))
+        head = q[0]
+        batch = self._gather(q, full)
+        if len(batch) < full and not partial_ok:
+            return None
+        if len(batch) < full and self.batch_wait_s > 0:
+            until = head.enqueued_at + self.batch_wait_s
+            if now < until:
+                return Wait(until)
+        batch = batch[:self._sized(model, len(batch))]  # the items after it keep their places
+        taken = {id(i) for i in batch}
+        self._pending[model] = collections.deque(i for i in q if id(i) not in taken)
+        for job in {i.job.id: i.job for i in batch}.values():
+            if not any(i.job is job for i in self._pending[model]):
+                self._queued_jobs.pop(job.id, None)
+        return batch
+
+    @staticmethod
+    def _gather(q: collections.deque[Item], full: int) -> list[Item]:
+        """The oldest item and those behind it that share its batch key, up to ``full``."""
         head = q[0]
         key = head.job.request.batch_params()
         batch = [head]
@@ -144,17 +169,8 @@ class Scheduler:
                         continue
                     inputs.add(item.job.id)
                 batch.append(item)
-        if len(batch) < full and not partial_ok:
-            return None
-        if len(batch) < full and self.batch_wait_s > 0:
-            until = head.enqueued_at + self.batch_wait_s
-            if now < until:
-                return Wait(until)
-        if model in self.sizes:  # the largest size that fits; the items after it keep their places
-            batch = batch[:max(s for s in self.sizes[model] if s <= len(batch))]
-        taken = {id(i) for i in batch}
-        self._pending[model] = collections.deque(i for i in q if id(i) not in taken)
-        for job in {i.job.id: i.job for i in batch}.values():
-            if not any(i.job is job for i in self._pending[model]):
-                self._queued_jobs.pop(job.id, None)
         return batch
+
+    def _sized(self, model: str, n: int) -> int:
+        """The largest of the sizes ``model``'s batches form in that takes at most ``n`` items."""
+        return max(s for s in self.sizes[model] if s <= n) if model in self.sizes else n

@@ -1,15 +1,15 @@
 """Room for the batch a dispatch sends, not only for its first output (``Keeper.may_dispatch``).
 
-The engine asks before each dispatch with its oldest queued output's shape, batch 1, and the scheduler then forms
-a batch of up to the model's ``max_batch`` from what waits: planned at batch 1, a model was let in beside an idle
-one whose room a batch of 8 then took, past ``--device-memory`` (the books hold only what was free, so they never
-showed it). So once batch 1 fits, the batch the queue can form (its outputs, up to the model's largest batch: an
-upper bound, as the default estimate errs towards evicting more) is planned too: idle models leave for it, and it
-waits for other models' runs or moves that will give its room back. Where nothing will (a pinned model, one with
-queued work, memory other programs hold, a batch whose measured floor is past the budget), waiting would hold the
-queue for good, and the full batch would run past the budget (or into the worker's out-of-memory retry): the batch
-goes at the largest size whose working memory fits what is free (``Go.most``), and the rest follows in batches of
-that size.
+Planned at batch 1 alone, a model was let in beside an idle one whose room a batch of 8 then took, past
+``--device-memory`` (the books hold only what was free, so they never showed it). So the engine asks before each
+dispatch with its oldest queued output's shape and the number of outputs the scheduler would send with it
+(``Scheduler.forming``: those behind it of the same size and parameters, up to the model's largest batch; not the
+whole queue, whose outputs of other sizes go in batches of their own, for which idle models would leave for
+nothing). Once batch 1 fits, that batch is planned too: idle models leave for it, and it waits for other models'
+runs or moves that will give its room back. Where nothing will (a pinned model, one with queued work, memory other
+programs hold, a batch whose measured floor is past the budget), waiting would hold the queue for good, and the full
+batch would run past the budget (or into the worker's out-of-memory retry): the batch goes at the largest size whose
+working memory fits what is free (``Go.most``), and the rest follows in batches of that size.
 
 Pure, as ``policy.py`` is: it reads the books and answers with a decision, which the keeper carries out.
 """
@@ -35,8 +35,8 @@ class Go:
 
 def room(policy: Residency, model: Model, shape: Shape | None, batch: int,
          moving: Collection[str]) -> Go | Evict | Wait:
-    """``model``, which fits at ``shape`` (None: no job asks), with ``batch`` outputs for its next batch (its queue,
-    up to its largest batch): Go; or Evict, the moves that make its batch's room, after which it is asked again; or
+    """``model``, which fits at ``shape`` (None: no job asks), with ``batch`` outputs for its next batch (as many as
+    the scheduler would send): Go; or Evict, the moves that make its batch's room, after which it is asked again; or
     Wait, while runs and moves (``moving``) of other models will give that room back."""
     if shape is None or batch <= shape.batch:
         return Go()

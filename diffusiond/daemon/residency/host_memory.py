@@ -96,29 +96,26 @@ def fits(models: Iterable[_Model], m: _Model, load_from: Tier | None, budget: in
     made before its load from disk and after a first load that told its share (the files' headers give only the
     device's; s54 2). A load from disk waits for the room being freed, as a copy into host memory does
     (``leaving.carry_booked``): begun at once, it read its weights while the dropped model's worker still held its
-    own. A model on its device holds its share already, and waits for nothing."""
-    drops = room_for(models, m, budget) if load_from in ("disk", None) else ()
-    why = f"{m.name} keeps {format_bytes(m.host_bytes)} in host memory while on {m.device} (offloaded)"
-    if drops:
-        return Evict(m.name, drops, f"{why}: making room there first")
-    if drops is None and load_from == "disk":
-        return Wait(m.name, WAITING_FOR_MEMORY, f"{why}: waiting for the models leaving host memory for it")
-    return Fits(m.name, load_from, reason)
-
-
-def room_for(models: Iterable[_Model], m: _Model, budget: int) -> tuple[Move, ...] | None:
-    """Room for what ``m`` keeps in host memory while on its device (from disk, or there already): the copies models
-    on their devices keep there freed first (``keepers``), then the least recently used idle models of the host tier
-    to disk, until it fits the budget; none where it fits already, or where all that would not do (the load goes
-    ahead then: a host budget never refuses a model); None where it fits once what is being freed is (``freeing``)."""
+    own. A model on its device holds its share already, and waits for nothing; one in host memory holds all of it."""
+    go = Fits(m.name, load_from, reason)
     everyone = list(models)
     need = m.host_bytes * len(m.devices)  # its share: a copy it keeps beside counts as held, not as a need
     free = budget - used(everyone) + (m.host_bytes * m.workers if m.tier in ("device", "loading") else 0)
-    if not need or free >= need:
-        return ()
-    if free + freeing(everyone) >= need:
-        return None
-    free += freeing(everyone)
+    if load_from == "host" or not need or free >= need:
+        return go
+    why = f"{m.name} keeps {format_bytes(m.host_bytes)} in host memory while on {m.device} (offloaded)"
+    if free + freeing(everyone) >= need:  # room once what is on its way out is out
+        return Wait(m.name, WAITING_FOR_MEMORY, f"{why}: waiting for the models leaving host memory for it") \
+            if load_from == "disk" else go
+    drops = _drops(everyone, m, budget, need, free + freeing(everyone))
+    # where no drop makes room enough, the load goes ahead all the same: a host budget never refuses a model
+    return Evict(m.name, drops, f"{why}: making room there first") if drops else go
+
+
+def _drops(everyone: list[_Model], m: _Model, budget: int, need: int, free: int) -> tuple[Move, ...]:
+    """The moves that give ``m`` the ``need`` bytes of host memory it keeps while on its devices, ``free`` being
+    free: the copies models on their devices keep there freed first (``keepers``), then the least recently used idle
+    models of the host tier to disk; none where all of them together would not make room enough."""
     moves: list[Move] = []
     why = f"{m.name}, offloaded, keeps {format_bytes(m.host_bytes)} there while it runs"
     for d in keepers(everyone, but=[m]):

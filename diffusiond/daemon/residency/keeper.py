@@ -297,7 +297,8 @@ class Keeper:
         log.info("%s takes batches again: %s", e.hold.model, e.reason)
 
     def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
-        """May ``model`` take a batch of ``shape`` now? If not, the moves that will let it are started."""
+        """May ``model`` take a batch of ``shape`` now (its oldest queued output's size, and as many outputs as the
+        scheduler's next batch takes: ``Scheduler.forming``)? If not, the moves that will let it are started."""
         name = model.name
         if name in self.moving or name in self.failed:
             return False  # a move ends with a dispatch of its own; a failed load waits for a new job to ask
@@ -318,10 +319,10 @@ class Keeper:
         if hold is not None:
             self._yield(model, hold)
             return False
-        plan: Plan | batches.Go = self.policy.plan(name, shape)
-        if isinstance(plan, Fits) and plan.load_from is None:  # its first output fits; the batch the queue forms?
-            outputs = min(self.queued(name), self.config.max_batch_of(model.config))
-            plan = batches.room(self.policy, model, shape, outputs, self.moving)
+        first = None if shape is None else dataclasses.replace(shape, batch=1)
+        plan: Plan | batches.Go = self.policy.plan(name, first)
+        if isinstance(plan, Fits) and plan.load_from is None:  # its first output fits; the whole batch?
+            plan = batches.room(self.policy, model, first, 1 if shape is None else shape.batch, self.moving)
         if isinstance(plan, batches.Go):
             self.most[name] = plan.most
             self._held.pop(name, None)
@@ -336,10 +337,10 @@ class Keeper:
             return False
         elif isinstance(weights := self.policy.plan(name, None), TooLarge):  # its load showed it larger than
             self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE, None)  # admission knew: no job would run
-        elif isinstance(plan, TooLarge) and shape is not None:  # this size, measured since, does not fit (issue 27)
+        elif isinstance(plan, TooLarge) and first is not None:  # this size, measured since, does not fit (issue 27)
             self.fail(name, f"this job's size no longer fits: its model's working memory, measured after the job "
                             f"was queued, makes it too large even with every other model evicted. "
-                            f"{self._budget_said(plan)}", ErrorCode.MODEL_TOO_LARGE, shape)
+                            f"{self._budget_said(plan)}", ErrorCode.MODEL_TOO_LARGE, first)
             asyncio.get_running_loop().call_soon(self.on_change)  # its jobs of other sizes are asked in turn
         self._held.pop(name, None)
         return False
@@ -422,12 +423,8 @@ class Keeper:
             else:
                 await self.pool.revive(model)
         except Exception as exc:
+            # the pool left no worker (``wake_model`` and ``revive`` are all or none): on disk, as the books now say
             log.log(logging.INFO if isinstance(exc, Asleep) else logging.ERROR, "loading %s failed: %s", name, exc)
-            if model.workers:  # stopped, so the model is on disk as the books now say and the next job's load
-                # starts every worker anew: one whose WAKE failed sleeps on with its host copy (review59-b 4: it
-                # found the device taken, and waited forever), and one that came up beside a start that died holds
-                # its device's memory uncounted (s54 3)
-                await self.pool.retire(model)
             self.policy.load_failed(name, str(exc))
             for e in self.turns.release_for(name, f"{name} failed to load"):
                 self._log_end(e)

@@ -138,40 +138,43 @@ async def carry(k: Keeper, model: Model, move: Move) -> None:
     except Exception as exc:
         log.error("moving %s to %s failed: %s", name, move.dst, exc)
         k.policy.unload_failed(move, str(exc))
-        if move.dst == "host" and any(w.state == WorkerState.SLEEPING for w in model.workers):
-            await _to_disk(k, model, move, str(exc))
+        if (drop := _to_disk(k, model, move, str(exc))) is not None:
+            _left(k, drop, move, t0)
         ended = k.turns.release(name, f"its move off {move.src} failed", time.monotonic())
         if ended is not None:
             k._log_end(ended)
     else:
-        kept = k.policy.kept(name) if move.dst == "disk" else 0  # its workers stopped: their copy went with them
-        k.policy.unloaded(move)
-        log.info("%s left %s for %s in %.0f ms", name, move.src, move.dst, (time.monotonic() - t0) * 1000)
-        k.metrics.kept_released("disk", kept)
-        k.metrics.model_evictions_total.labels(name, reason_label(move.reason)).inc()
+        _left(k, move, move, t0)
     finally:
         k.moving.discard(name)
         k._pending_unloads()
         k.on_change()
 
 
-async def _to_disk(k: Keeper, model: Model, move: Move, reason: str) -> None:
-    """A move into host memory that some of the model's workers made and another did not (it died, or refused):
-    the books said "on its devices", a worker left asleep was never woken (batches go to awake ones) and its host
-    copy went uncounted. All of them stop, so the model is on disk as the books then say, and its next job loads
-    it anew on every device (s54 3)."""
+def _left(k: Keeper, done: Move, asked: Move, t0: float) -> None:
+    """``done`` is over (``asked``, or the drop to disk that a half-done ``asked`` became): booked, and counted under
+    the reason it was asked for."""
+    kept = k.policy.kept(done.model) if done.dst == "disk" else 0  # its workers stopped: their copy went with them
+    k.policy.unloaded(done)
+    log.info("%s left %s for %s in %.0f ms", done.model, done.src, done.dst, (time.monotonic() - t0) * 1000)
+    k.metrics.kept_released("disk", kept)
+    k.metrics.model_evictions_total.labels(done.model, reason_label(asked.reason)).inc()
+
+
+def _to_disk(k: Keeper, model: Model, move: Move, reason: str) -> Move | None:
+    """A move into host memory that some of the model's workers made and another did not: the pool stopped them
+    all (``WorkerPool.sleep_model``), so the model is on disk, booked so here, and its next job loads it anew on
+    every device. None where its workers stand where they were (none moved)."""
+    if move.dst != "host" or not model.retired:
+        return None
     drop = Move(model.name, "device", "disk", f"{move.reason}; its move to host memory failed on a worker ({reason}), "
                                               "so it went to disk")
-    kept = k.policy.kept(model.name)
     try:
         k.policy.unloading(drop)
     except ResidencyError as exc:  # the books moved on (it runs): said, and left as they are
         log.error("residency: %s", exc)
-        return
-    await k.pool.retire(model)
-    k.policy.unloaded(drop)
-    k.metrics.kept_released("disk", kept)
-    k.metrics.model_evictions_total.labels(model.name, reason_label(move.reason)).inc()
+        return None
+    return drop
 
 
 def _book_release(k: Keeper, move: Release) -> bool:

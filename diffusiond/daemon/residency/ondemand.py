@@ -231,9 +231,7 @@ async def _learn(k: Keeper, model: Model) -> str | None:
     try:
         await k.pool.revive(model)  # its READY registers it in the policy, on disk (``worker_ready``)
     except Exception as exc:
-        log.error("loading %s failed: %s", name, exc)
-        if model.workers:  # one came up beside a start that died: on disk, as the books say, is without workers
-            await k.pool.retire(model)
+        log.error("loading %s failed: %s", name, exc)  # ``revive`` left no worker: on disk, as the books say
         if placed:
             k.policy.load_failed(name, str(exc))
         k.moving.discard(name)

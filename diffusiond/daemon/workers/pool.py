@@ -323,13 +323,15 @@ class WorkerPool:
 
     # one model's workers, for residency (daemon/residency/keeper.py) ------------------------------
     async def sleep_model(self, model: Model) -> None:
-        """Its weights leave the device for its workers' host memory (they stay up, so waking is a copy)."""
-        await self._fan_out(Sleep(), WorkerState.READY, self.config.worker_start_timeout_s, ErrorCode.SLEEP_FAILED,
-                            [model])
+        """Its weights leave the device for its workers' host memory (they stay up, so waking is a copy). All or
+        none: a worker that refuses puts its weights back (worker/compute.py), so where none moved the model is on
+        its devices as before; where some did and another did not, all of them stop (``_stop_half_moved``)."""
+        await self._move(model, Sleep(), WorkerState.READY, WorkerState.SLEEPING, ErrorCode.SLEEP_FAILED)
 
     async def wake_model(self, model: Model) -> None:
-        await self._fan_out(Wake(), WorkerState.SLEEPING, self.config.worker_start_timeout_s, ErrorCode.WAKE_FAILED,
-                            [model])
+        """Its weights back onto the device from its workers' host memory. All or none: a worker whose WAKE failed
+        does not undo it (part of its weights may be on the device), so any failure stops them all."""
+        await self._move(model, Wake(), WorkerState.SLEEPING, WorkerState.READY, ErrorCode.WAKE_FAILED)
 
     async def release_host(self, model: Model) -> None:
         """Its awake workers free the host copies of its weights they keep (issue 27); each answers what it keeps."""
@@ -377,14 +379,33 @@ class WorkerPool:
             if came_up else ""
         raise WorkerStartError(f"its worker on {device} did not start: {exc}{stopped}") from exc
 
-    async def _fan_out(self, msg: Sleep | Wake, state: WorkerState, timeout: float, code: ErrorCode,
-                       models: list[Model] | None = None) -> None:
-        targets = [w for m in (models or list(self.models.values())) for w in m.workers if w.state == state]
+    async def _move(self, model: Model, msg: Sleep | Wake, src: WorkerState, dst: WorkerState,
+                    code: ErrorCode) -> None:
+        targets = [w for w in model.workers if w.state == src]
+        timeout = self.config.worker_start_timeout_s
         acks = await asyncio.gather(*(w.command(msg, timeout) for w in targets), return_exceptions=True)
         bad = failures(targets, acks, timeout)
-        if bad:
-            verb = "sleep" if isinstance(msg, Sleep) else "wake"
-            raise PowerFailed(f"{verb} failed on {len(bad)} worker(s): {bad[0]}", code=code)
+        if not bad:
+            return
+        error = f"{'sleep' if isinstance(msg, Sleep) else 'wake'} failed on {len(bad)} worker(s): {bad[0]}"
+        if isinstance(msg, Sleep) and not any(w.state == dst for w in targets):
+            raise PowerFailed(error, code=code)
+        stopped = await self._stop_half_moved(model, error)
+        raise PowerFailed(f"{error}; so that none is left half moved, {model.name}'s {stopped} worker(s) were "
+                          f"stopped: it is on disk now, and its next job loads it anew", code=code)
+
+    async def _stop_half_moved(self, model: Model, error: str) -> int:
+        """Stop every worker of a model whose move some of them made and another did not: a worker left asleep is
+        never woken (batches go to awake ones) and its host copy goes uncounted. Each is told to the engine as lost:
+        residency, whose own move it was, books the model on disk itself (it lets a moving model's losses pass), but
+        the daemon's sleep and wake, which pause a CPU model in place, book nothing, and without the loss the books
+        would keep the model on its devices with no worker to send its jobs to. A job a worker held ends with the
+        reason. Returns how many there were."""
+        live = [w for w in model.workers if w.state != WorkerState.DEAD]  # a dead one was told already
+        await self.retire(model)
+        for w in live:
+            self._on_lost(w, f"{w.name} was stopped: {error}")
+        return len(live)
 
     def _depart(self, workers: list[WorkerLink]) -> None:
         self._departed = [w for w in self._departed if w.arena_capacity] + workers  # the unmapped ones go
