@@ -266,7 +266,7 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
         assert [j["id"] for j in only["data"]] == [held["id"]]
         _, none = await get(s, "/v1/jobs?model=other")
         assert none["data"] == []
-        # an unknown cursor is a 400, not an empty page that reads as the end of history (review44-b 9)
+        # an unknown cursor is a 400, not an empty page that reads as the end of history
         for query, field in (("status=finished", "status"), ("limit=0", "limit"), ("limit=x", "limit"),
                              ("before=j_doesnotexist", "before")):
             status, err = await get(s, f"/v1/jobs?{query}")
@@ -300,7 +300,7 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
 
     out = subprocess.run([sys.executable, "-m", "diffusiond", "status", "--socket", str(d.socket)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 0, out.stderr  # its first run: history holds only its own jobs (review 42)
+    assert out.returncode == 0, out.stderr  # its first run: history holds only its own jobs
     assert "jobs in memory: " in out.stdout and "`diffusiond history` lists more" not in out.stdout, out.stdout
 
     d.stop()
@@ -316,7 +316,7 @@ async def test_history_pages_newest_first_filters_and_delete_removes_record_and_
 
 async def test_status_in_one_run_says_its_counts_are_the_jobs_in_memory(daemon_factory: Factory,
                                                                         tmp_path: Path) -> None:
-    """review45-a 2: a finished job leaves memory after --retention-s, so /health's counts go down within one run;
+    """a finished job leaves memory after --retention-s, so /health's counts go down within one run;
     status said "jobs in this run" and "history keeps earlier ones" on a first run, where there was no earlier."""
     d = daemon_factory(*serve_args(tmp_path / "state", "--retention-s", "1"), env=ENV)
     async with http(d.socket) as s:
@@ -402,7 +402,7 @@ async def test_a_second_daemon_on_the_same_state_dir_refuses_naming_the_first(
     assert first.proc is not None
     log = refused(daemon_factory(*serve_args(state), env=ENV, start=False))
     assert f"{state} is in use by another diffusiond (pid {first.proc.pid})" in log
-    # the journal must not read as a start that served: only the one that locked the dir says it (review45-a 9)
+    # the journal must not read as a start that served: only the one that locked the dir says it
     assert "listening on" not in log and "listening on" in first.log(), log
     async with http(first.socket) as s:  # the first one is untouched
         assert (await wait_job(s, (await submit(s, {**BODY, "prompt": "x"}))["id"]))["status"] == "succeeded"

@@ -1,7 +1,7 @@
 """A job's end against a real daemon: on disk before anyone is told, so a client told "cancelled" or
-"done" never meets the job running again after a crash (review45-b 1); a failed write of an ending
+"done" never meets the job running again after a crash; a failed write of an ending
 retried, and named at shutdown when it cannot be; a cancel of a finished job read back from the state
-dir is the 409 api.md promises (review45-b 7)."""
+dir is the 409 api.md promises."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def rows(state: Path) -> dict[str, str]:
 
 async def test_jobs_answered_cancelled_stay_cancelled_after_a_sigkill(daemon_factory: Factory,
                                                                       tmp_path: Path) -> None:
-    """review45-b 1 (a): every DELETE ?finished=keep answered 200 "cancelled", then a SIGKILL at once:
+    """Every DELETE ?finished=keep answered 200 "cancelled", then a SIGKILL at once:
     each job is cancelled on disk and after the restart, none runs. A slow disk (each status write
     held 150 ms) is what left the answers ahead of the writes; the event stream's ``error`` also
     comes only once the row says so."""
@@ -62,7 +62,7 @@ async def test_jobs_answered_cancelled_stay_cancelled_after_a_sigkill(daemon_fac
 
 async def test_an_ending_a_full_disk_refused_is_written_after_the_next_write_that_succeeds(
         daemon_factory: Factory, tmp_path: Path) -> None:
-    """review45-b 1 (b): a cancel whose record does not fit is a 507 saying the job is cancelled in this
+    """A cancel whose record does not fit is a 507 saying the job is cancelled in this
     run (not a 200 a crash would undo); its stream still ends; once the disk takes writes again (the
     next job's record) the cancel is written too, and a SIGKILL then leaves it cancelled."""
     state = tmp_path / "state"
@@ -94,7 +94,7 @@ async def test_an_ending_a_full_disk_refused_is_written_after_the_next_write_tha
 
 async def test_an_ending_still_unwritten_at_shutdown_is_tried_again_and_else_named(
         daemon_factory: Factory, tmp_path: Path) -> None:
-    """review45-b 1: at a clean shutdown an unwritten ending is tried once more; a disk still full gets an
+    """at a clean shutdown an unwritten ending is tried once more; a disk still full gets an
     ERROR naming the job the next start runs again (and it does), one with room again keeps the cancel."""
     state = tmp_path / "state"
     full = tmp_path / "disk-is-full"
@@ -127,7 +127,7 @@ async def test_an_ending_still_unwritten_at_shutdown_is_tried_again_and_else_nam
 
 async def test_cancel_of_a_finished_job_no_longer_in_memory_is_409(daemon_factory: Factory,
                                                                    tmp_path: Path) -> None:
-    """review45-b 7: DELETE ?finished=keep (what `diffusiond cancel` and the clients send) of a job that
+    """DELETE ?finished=keep (what `diffusiond cancel` and the clients send) of a job that
     finished and left memory (--retention-s) is 409 job_finished, as of one still in memory, not a 404."""
     d = daemon_factory(*serve_args(tmp_path / "state", "--retention-s", "0.1"), env=ENV)
     async with http(d.socket) as s:

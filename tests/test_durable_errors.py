@@ -1,4 +1,4 @@
-"""The state dir's errors against a real daemon (review45-b 2, 3, 4, 6): a full disk can be emptied through
+"""The state dir's errors against a real daemon: a full disk can be emptied through
 DELETE, a start on a full disk or with a file of another user says what to do and keeps the database, and a
 row that does not decode neither stops the start nor makes history a 500."""
 

@@ -1,4 +1,4 @@
-"""The state dir's output files against a real daemon (review45-b 5, 8, 9): no file outlives what lists it (a job
+"""The state dir's output files against a real daemon: no file outlives what lists it (a job
 cancelled while its file is written, a job read back from its row, a file no row names at start), a file damaged
 outside diffusiond is an error naming it rather than a short 200, and --keep-days counts from a job's end."""
 
@@ -126,7 +126,7 @@ async def test_a_damaged_output_file_is_an_error_naming_it_not_a_short_200(daemo
 
 async def test_keep_days_counts_from_the_jobs_end(daemon_factory: Factory, tmp_path: Path) -> None:
     """A job that took longer than --keep-days to finish is kept that long after it finished, not deleted at
-    once (review45-b 9): kept 4 s (0.0000463 days), its copy alone held 6 s."""
+    once: kept 4 s (0.0000463 days), its copy alone held 6 s."""
     state = tmp_path / "state"
     d = daemon_factory(*serve_args(state, "--keep-days", "0.0000463", "--retention-check-s", "0.3",
                                    "--test-fault", "copy_delay_ms=6000"), env=ENV)

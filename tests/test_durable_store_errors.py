@@ -1,5 +1,5 @@
 """The store on its own: what a state dir SQLite cannot use says at start, what a failed delete says, and a
-row that does not decode (review45-b 2, 3, 4, 6). Real SQLite files and real errors where they can be made
+row that does not decode. Real SQLite files and real errors where they can be made
 here; a full disk's codes, which need a full disk, are given to the classification directly."""
 
 from __future__ import annotations

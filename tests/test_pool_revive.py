@@ -1,4 +1,4 @@
-"""A load from disk of a model on two devices whose worker fails to start on one (review s54-pool, suspicion 1).
+"""A load from disk of a model on two devices whose worker fails to start on one.
 
 ``WorkerPool.revive`` gave up at the first failed start while the other device's start still ran: that start was
 left to finish on its own (stopped under it by the keeper's clean-up, it then failed putting itself back in a list

@@ -1,4 +1,4 @@
-"""Room for the batch that runs, not for its first output (review s54, suspicion 1): the engine asked residency at
+"""Room for the batch that runs, not for its first output: the engine asked residency at
 batch 1 and then sent a batch of up to ``--max-batch``, so a model was let run a batch of 4 beside an idle model
 whose room that batch needed, past ``--device-memory``."""
 

@@ -1,4 +1,4 @@
-"""The room's books against what the workers really hold, where review59-b found them apart: a pressure poll taken
+"""The room's books against what the workers really hold, where they came apart: a pressure poll taken
 while a load's workers were still starting made its bytes free twice; a lost worker's replacement came back into
 room another model had taken meanwhile; a model on two devices sent away models from the one that had room; and
 ``offload=auto`` chose a configuration that residency then refused, for a model with two workers on one GPU or

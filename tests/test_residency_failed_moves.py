@@ -1,4 +1,4 @@
-"""A worker that dies during a move (review s54, suspicion 3), with the engine and fake workers on two fake GPUs: the
+"""A worker that dies during a move, with the engine and fake workers on two fake GPUs: the
 books end where the workers are, and the jobs that waited end with the reason or run after.
 
 - a load from disk of a model on two devices, one of whose workers dies as it starts: its jobs failed, and the books

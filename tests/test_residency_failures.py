@@ -89,7 +89,7 @@ def test_a_model_that_cannot_load_at_start_stays_on_disk_with_the_reason_and_the
             c = (await models_by_name(s))["c"]
             assert c["residency"] == "disk" and c["residency_reason"].startswith("load failed: "), c
             assert "safetensors" in c["residency_reason"].lower(), c
-            assert c["state"] == "unavailable", c  # failed, not merely unloaded (review45-a 3)
+            assert c["state"] == "unavailable", c  # failed, not merely unloaded
             assert (await run(s, "a"))["status"] == "succeeded"
 
     asyncio.run(go())
@@ -105,7 +105,7 @@ def test_a_known_model_whose_files_break_fails_its_jobs_with_the_reason_without_
         async with http(d.socket) as s:
             assert (await run(s, "b"))["status"] == "succeeded"  # b is known: its size is in the books
             await on_disk(s, "b")
-            # its keep-alive sent it to disk: no worker, and nothing wrong with it (review45-a 3)
+            # its keep-alive sent it to disk: no worker, and nothing wrong with it
             assert (await models_by_name(s))["b"]["state"] == "unloaded"
             truncate(unet)
             before = loads(d, "b")

@@ -1,4 +1,4 @@
-"""``--host-memory`` while an offloaded model loads (review s54, suspicion 2).
+"""``--host-memory`` while an offloaded model loads.
 
 - a first load (a model never seen, ``Keeper.learn``) of a model that keeps weights in host memory while on its
   device: its share was not known before (its files' headers give the device's), and once its READY said it, nothing

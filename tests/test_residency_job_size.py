@@ -85,7 +85,7 @@ def test_a_size_is_too_large_only_when_evicting_every_other_model_would_not_make
 def test_only_a_run_no_larger_than_the_size_makes_it_too_large() -> None:
     """What the keeper fails a queued job on: 4 GiB of weights and 10 GiB budget. 2 GiB measured at 512x512
     extrapolates past the budget at 1024x1024 but refuses nothing; 7 GiB measured at a larger size (or a larger
-    batch) bounds 1024x1024 from above only and refuses nothing either (review41b 1); 7 GiB measured at a size no
+    batch) bounds 1024x1024 from above only and refuses nothing either; 7 GiB measured at a size no
     larger in any dimension (768x1024, batch 1) proves it, and the message says where it was measured."""
     g = 1 << 30
     r = Residency({"cuda:0": 10 * g}, 64 * g)
@@ -104,7 +104,7 @@ def test_only_a_run_no_larger_than_the_size_makes_it_too_large() -> None:
 
 def test_a_size_measured_as_fitting_is_never_refused_for_a_smaller_size_peak() -> None:
     """A small shape may peak higher than a larger one (an upscaler's tiles rode with it): 7 GiB measured at 512x512
-    and 1 GiB at 1024x1024 leave 1024x1024 its own 1 GiB, and 768x768 at most that (review41c)."""
+    and 1 GiB at 1024x1024 leave 1024x1024 its own 1 GiB, and 768x768 at most that."""
     g = 1 << 30
     r = Residency({"cuda:0": 10 * g}, 64 * g)
     r.add("a", "cuda:0", 4 * g)

@@ -42,7 +42,7 @@ def test_preload_none_is_ready_with_nothing_loaded_and_the_first_job_loads_the_m
             status, health = await get(s, "/health")
             assert status == 200 and health["workers"] == [] and health["status"] == "ok", health
             tiny = (await models_by_name(s))["tiny"]
-            # not loaded is no fault: "unloaded", its job loads it, not "unavailable" (review45-a 3)
+            # not loaded is no fault: "unloaded", its job loads it, not "unavailable"
             assert tiny["residency"] == "disk" and tiny["device_bytes"] == 0 and tiny["state"] == "unloaded", tiny
             job = await submit(s, JOB)
             # admission started its load: the job waits in "loading", for the weights the state dir remembers
@@ -104,7 +104,7 @@ def test_preload_one_of_two_loads_it_and_the_other_waits_on_disk_for_its_job(dae
                 body = await r.json()
                 assert r.status == 200 and body["residency"] == "disk" and body["state"] == "unloaded", body
         assert len(d.worker_pids()) == 1
-        # what `diffusiond models` prints, the word a user reads (review45-a 3)
+        # what `diffusiond models` prints, the word a user reads
         cli = subprocess.run([sys.executable, "-m", "diffusiond", "models", "--socket", str(d.socket)],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stderr
@@ -173,7 +173,7 @@ def test_a_first_load_that_fails_is_a_503_naming_the_model_and_the_daemon_goes_o
 
 def test_a_model_waiting_its_turn_in_the_preload_is_unloaded_not_unavailable(daemon_factory: Any) -> None:
     """The start loads a, then b: until b's turn it has no worker, and its job would load it; GET /v1/models must
-    not call it ``unavailable`` meanwhile, as it did (review45-a 3). Each load is slowed so that b waits."""
+    not call it ``unavailable`` meanwhile, as it did. Each load is slowed so that b waits."""
     d: Daemon = daemon_factory("--model", "a=tiny", "--model", "b=tiny", "--no-persist", "--preload", "a,b",
                                "--test-fault", "load_delay_ms=3000", start=False)
     d.start(loaded=False)

@@ -1,5 +1,5 @@
-"""Moves against jobs, with the engine and fake workers on a fake GPU (``cuda:0``), where review59-b found a job run
-on a model that was then sent away under it, or wait forever:
+"""Moves against jobs, with the engine and fake workers on a fake GPU (``cuda:0``), where a job could
+run on a model that was then sent away under it, or wait forever:
 
 - a decision's moves were booked in a task's first step, or (an unload by hand) one after another as each ended;
   a job admitted in between was dispatched to a model the decision had already sent away;

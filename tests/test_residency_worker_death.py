@@ -1,5 +1,5 @@
-"""One worker of a model with several dies (review44-c 1): only its copy of the weights leaves what the model holds
-(the budget keeps its room for the pool's replacement: review59-b 3), the others serve on with their runs still
+"""One worker of a model with several dies: only its copy of the weights leaves what the model holds
+(the budget keeps its room for the pool's replacement), the others serve on with their runs still
 counted, and the model is on disk only once none of its workers is left.
 Before, the whole model was booked as gone: the next job's plan loaded it from disk, and ``revive`` started a
 full second set of workers beside the survivors and the pool's replacement (4 workers for a model of 2), whose
@@ -35,7 +35,7 @@ def test_a_dead_worker_frees_its_copy_only_and_the_survivor_serves_with_its_run_
     r.worker_died("m", "cuda:0", "killed by SIGKILL")
     assert r.tier("m") == "device" and "a worker on cuda:0 died: killed by SIGKILL" in r.snapshot()[0].reason
     assert r.snapshot()[0].per_device == {"cuda:0": 0, "cuda:1": 5 * G}, "the survivor's run stays booked"
-    assert r.device_used("cuda:0") == 4 * G, "the room its replacement will take back stays booked (review59-b 3)"
+    assert r.device_used("cuda:0") == 4 * G, "the room its replacement will take back stays booked"
     r.queue("m")
     plan = r.plan("m", S)
     assert isinstance(plan, Fits) and plan.load_from is None, "no load from disk beside the survivor"

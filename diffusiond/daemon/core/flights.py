@@ -107,7 +107,7 @@ class Flights:
                     wake_at = got.until if wake_at is None else min(wake_at, got.until)
                     break
                 if not self._send(worker, got):
-                    # review44-a 1: picked again at once, a READY worker whose channel had closed took the
+                    # picked again at once, a READY worker whose channel had closed took the
                     # requeued batch again, for ever, and the loop never yielded to reap it
                     failed.add(worker)
         if wake_at is not None:
@@ -151,7 +151,7 @@ class Flights:
             if isinstance(exc, FrameTooLarge | ArenaError):
                 # the batch's own fault (an input closed, a frame past the limit), not the worker's: put back at
                 # the head of the queue, it blocked its model's queue pass after pass until its deadline
-                # (review59-c 3); its jobs fail, and the worker is free for the next batch
+                #; its jobs fail, and the worker is free for the next batch
                 log.error("a batch for %s cannot be sent: %s", worker.name, exc)
                 for i in items:
                     self.unsendable(i, f"its batch could not be sent to the worker: {exc}")
@@ -303,9 +303,9 @@ class Flights:
         """A worker ended: forget its batches, and return the items it had not delivered. A worker the engine
         killed for a batch no job wanted (``jobs_ended``) ran nothing else of use: the items of its other batches
         (the one behind, which may have started as the kill went out) go back to the head of the queue, for the
-        worker that replaces it or another, instead of failing with it (review44-d 2). So do those of a worker that
+        worker that replaces it or another, instead of failing with it. So do those of a worker that
         exited between two batches (a live update failed half-way in it: ``Fatal.between_batches``): the batches
-        behind the update never started (review48-a 4)."""
+        behind the update never started."""
         undelivered, requeue = [], []
         orphan = self._orphans_killed.pop(worker, None)
         between = bool(getattr(worker, "fatal_between_batches", False))
@@ -326,20 +326,20 @@ class Flights:
             self.scheduler.requeue_front(requeue)
         return undelivered
 
-    # a batch whose jobs all ended, which its worker still computes (review44-b 2) ----------------------
+    # a batch whose jobs all ended, which its worker still computes ----------------------
     def jobs_ended(self, workers: Iterable[WorkerLink]) -> None:
         """Jobs running on ``workers`` ended (cancelled, past their deadline), and each was told. A worker sees
         it at its next step, but one step of a large forward can take minutes (a 4000² edit on a small model
         took over ten), while the model serves no one: a worker whose computing batch serves no job
         ``orphan_grace_s`` later, while other jobs wait for its model, is killed, and the pool replaces it. With
         none waiting it is left to finish (a decode or a compile has no step to stop at, and a reload of a large
-        model can cost more than it saves: review44-d 1), and looked at again a grace later."""
+        model can cost more than it saves), and looked at again a grace later."""
         grace = self.pool.config.orphan_grace_s
         if grace <= 0:
             return
         for worker in workers:
             batch = self._orphaned(worker)
-            if batch is not None and batch.id not in self._orphan_timers:  # one timer a batch (review44-d 5)
+            if batch is not None and batch.id not in self._orphan_timers:  # one timer a batch
                 self._orphan_timers.add(batch.id)
                 asyncio.get_running_loop().call_later(grace, self._kill_orphaned, worker, batch, grace)
 

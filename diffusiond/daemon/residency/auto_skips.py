@@ -7,7 +7,7 @@ held for FLUX.1-dev's text-to-image pipeline: inside 24 GiB at 0.923x resident w
 H100 (docs/benchmarks.md, 2026-12-05), where group, auto's choice before, ran at 0.33x (H200, 2026-12-02).
 Denoisers laid out alike but with more tokens an image were not measured, and their activations may not fit
 beside the blocks: HunyuanVideo's and MotifVideo's frames, Kontext's reference picture, Fill's and the control
-models' (review51-d 1). So the rule goes by the pipeline class the loader would build, read from the files as
+models'. So the rule goes by the pipeline class the loader would build, read from the files as
 it reads them, not by the denoiser's layout: other pipelines keep group, and ask for stream by name.
 """
 
@@ -27,7 +27,7 @@ STREAM_MEASURED: Final = frozenset({"FluxPipeline"})
 AUTO_STREAM_RESIDENT: Final = 0.25
 """The least share of the denoiser's blocks auto's stream keeps resident. It was measured at 36 of 57 (24 GiB);
 with few resident it moves about what group moves over the bus each step (group is bus-bound: docs/benchmarks.md)
-and keeps its ring's slots on the device besides, room that activations lose (review56-a 3)."""
+and keeps its ring's slots on the device besides, room that activations lose."""
 FLUX1_MARK: Final = "double_blocks.0.img_attn.norm.key_norm.scale"
 """What marks a single file as FLUX's (diffusers' ``CHECKPOINT_KEY_NAMES["flux"]``, ComfyUI's prefix stripped)."""
 NOT_FLUX1: Final = ("single_stream_modulation.lin.weight", "early_stream_modulations.image.lin.weight",

@@ -5,11 +5,11 @@ IP-Adapters once, and keeps them on its device with every upscaler (worker/proce
 figure; an IP-Adapter's own weights join the denoiser only while a batch uses them, and are not counted there
 nor here). ``offload=stream``'s plan fills the budget it is given with resident blocks, so it is given the budget
 less these: a 6.6 GB union ControlNet beside FLUX.1-dev in 24 GiB left 1.4 GiB for activations when it was not
-counted (review52-a 1). Nothing else is planned in that room: auto chooses among the configurations against the
+counted. Nothing else is planned in that room: auto chooses among the configurations against the
 whole budget, as they leave it to activations, and residency learns their extras from READY.
 
-Only those of the model's family are counted (a FLUX ControlNet is refused by an SDXL model before it loads:
-review53-a 1; SD 1.5's and SDXL's, one class, are told apart by the text width their config names). The count
+Only those of the model's family are counted (a FLUX ControlNet is refused by an SDXL model before it loads;
+SD 1.5's and SDXL's, one class, are told apart by the text width their config names). The count
 still errs high where a family is assumed: a single-file ControlNet counts for both UNet families, and where the
 model's pipeline is not known from its files (a single file, a GGUF) all are counted (``assumed``). So a stream
 plan asked for whose least does not fit beside such a guess is that least plan, where it fits the budget alone
@@ -140,7 +140,7 @@ def _flux_adapter(path: str) -> bool | None:
 
 def _folder_bytes(path: Path, main: str, dtype: str, only: tuple[str, ...]) -> int:
     """What ``from_pretrained`` reads of a component folder: its ``main`` weights file where it has one (a union
-    ControlNet's folder may hold a second, ``_promax``, file: review53-a 6), only the tensors named ``only``
+    ControlNet's folder may hold a second, ``_promax``, file), only the tensors named ``only``
     where given and present (a whole CLIP's text tower is not loaded by its vision model); else every weights
     file, as ``sizes.model_weights`` counts a folder."""
     file = path / main if path.is_dir() else path

@@ -7,7 +7,7 @@ copies, and each worker parked in host memory keeps its own copy there (issue 27
 (``kept``: the page-locked copy is made once and reused by every later move). A run takes the working memory of
 the one device whose worker runs it.
 
-One worker of several may die while the others serve on (review44-c 1): its copy leaves the books (``lost``) and
+One worker of several may die while the others serve on: its copy leaves the books (``lost``) and
 comes back with its replacement's READY, so the books count the copies the live workers hold, no more, no less.
 """
 
@@ -67,7 +67,7 @@ class ModelEntry:
 
     def booked(self, device: str) -> int:
         """What the budget counts of it on ``device``: what it holds (``on``) and, while resident, the copy of each
-        lost worker there, which the pool's replacement will load again without asking the room (review59-b 3)."""
+        lost worker there, which the pool's replacement will load again without asking the room."""
         return self.on(device) + (self.weight_bytes * self.lost.count(device) if self.resident else 0)
 
     def frees(self, device: str) -> int:

@@ -112,7 +112,7 @@ class FitReport:
     configurations: tuple[Configuration, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
     # what auto passes over for this model (auto_skips.py): required, so that no report built by hand falls back
-    # to another model's rule (review51-d 4)
+    # to another model's rule
     auto_skips: Mapping[str, str] = field(kw_only=True)
 
     @property
@@ -130,7 +130,7 @@ def model_tensors(spec: str, options: Mapping[str, str] | None = None,
     """Component -> tensors of the model a spec names, read from headers, its ``quant=`` components' weights at
     their quantized width; and notes on what was assumed. Specs built in code (tiny, random:, synthetic) have
     no files to read: a WeightsError says so."""
-    check_spec(spec, options)  # what serve refuses at start, fit refuses too (review49-b 3)
+    check_spec(spec, options)  # what serve refuses at start, fit refuses too
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}
     components, notes = _files(spec, parsed, opts, dtype)
@@ -358,7 +358,7 @@ def spec_approximations(spec: str, options: Mapping[str, str] | None = None,
 def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, working: int | None = None,
         options: Mapping[str, str] | None = None, on_cpu: bool = False, shape: Shape | None = None) -> FitReport:
     """``diffusiond fit``: the model's configurations from its headers, fastest first, without those its own
-    options would refuse to load (the command and ``offload=auto`` alike: review51-c 1)."""
+    options would refuse to load (the command and ``offload=auto`` alike)."""
     components, notes = model_tensors(spec, options, dtype)
     rows = configurations(components, dtype, budget=budget, working=working, on_cpu=on_cpu, shape=shape,
                           approximations=spec_approximations(spec, options, dtype))
@@ -391,7 +391,7 @@ def _refused(c: Configuration, opts: Mapping[str, str], gguf: bool) -> bool:
     """Whether the model's own options rule this configuration out, as a load with both would refuse them
     (``spec.check_options``): ``offload=stream`` beside ``quant=`` on the denoiser or ``fp8=``, fp8 storage of a
     denoiser already quantized, either beside a GGUF transformer, even an unquantized F16 one (model_config's and
-    the GGUF loader's refusals; review51-b 3). Listed, ``auto`` or a user would choose one the load refuses."""
+    the GGUF loader's refusals). Listed, ``auto`` or a user would choose one the load refuses."""
     if gguf and c.name in ("stream", "fp8"):
         return True
     if c.name == "fp8":
@@ -476,7 +476,7 @@ def device_weights(spec: str, options: Mapping[str, str], dtype: str, *, on_cpu:
     of loaded to learn its size (the worker's count replaces it at READY). The row of the model's offload
     (made concrete at start, ``model_config.resolve_offload``); for ``offload=stream``, its plan at the
     ``resident_blocks`` chosen then, a hub id's and a saved preset's too: that plan fills the budget, so a first
-    load unplaced could run out beside a resident model (review51-d 2, review52-a 3). None where the files
+    load unplaced could run out beside a resident model. None where the files
     cannot tell: a hub id or preset under another offload (sized by its first load), a model built in code."""
     try:
         parsed = parse_spec(spec)

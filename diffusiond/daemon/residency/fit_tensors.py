@@ -49,8 +49,8 @@ _KEPT_BFL: Final = re.compile(r"_mod\.|modulation|^(img|txt|time|vector|guidance
 last part), and in a single file the same modules under their file names: LDM's ``label_emb``, and in a
 BFL-layout FLUX file (``double_blocks.``) ``img_in``, ``*_mod``, ``modulation`` and ``final_layer``, diffusers'
 ``x_embedder``, ``norm*.linear`` and ``proj_out`` (only there: Qwen-Image's ``img_mod`` and ``img_in`` are
-converted: review49-c 1). Only linear layers' weights (two dimensions, each a multiple of 16) are converted: a
-UNet's convolutions stay (review49-b 1). Its per-row scales (4 bytes a row) are left out, under 1 %."""
+converted). Only linear layers' weights (two dimensions, each a multiple of 16) are converted: a
+UNet's convolutions stay. Its per-row scales (4 bytes a row) are left out, under 1 %."""
 
 
 def quantized(t: Tensor, method: str, bfl: bool = False) -> Tensor:
@@ -87,7 +87,7 @@ def quant_approximations(options: Mapping[str, str], dtype: str) -> tuple[str, .
 def quantize(components: dict[str, list[Tensor]], quant: str, notes: list[str],
              fp8: str = "") -> dict[str, list[Tensor]]:
     """``components`` with each one a ``quant=`` option names at its quantized width, and the denoisers at fp8's
-    with ``fp8=rowwise`` (review49-a 2: counted at full width, it did not help a model fit); a component
+    with ``fp8=rowwise`` (counted at full width, it did not help a model fit); a component
     ``quant=`` names that is not among them is noted in ``notes``."""
     if fp8 == "rowwise":
         for component in DENOISERS:

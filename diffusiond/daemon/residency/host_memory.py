@@ -94,7 +94,7 @@ def moves_off_device(models: Iterable[_Model], leaving: Iterable[_Model], budget
 def fits(models: Iterable[_Model], m: _Model, load_from: Tier | None, budget: int, reason: str) -> Fits | Evict | Wait:
     """``m`` fits its devices: Fits once host memory has room for what it keeps there while on them (offloaded),
     made before its load from disk and after a first load that told its share (the files' headers give only the
-    device's; s54 2). A load from disk waits for the room being freed, as a copy into host memory does
+    device's). A load from disk waits for the room being freed, as a copy into host memory does
     (``leaving.carry_booked``): begun at once, it read its weights while the dropped model's worker still held its
     own. A model on its device holds its share already, and waits for nothing; one in host memory holds all of it."""
     go = Fits(m.name, load_from, reason)

@@ -164,7 +164,7 @@ class Keeper:
 
     def worker_ready(self, model: Model, device: str | None = None) -> None:
         """A worker (on ``device``) has the model's weights on its device (at start, after a move back, or in a
-        lost worker's place, whose copy is counted again: review44-c 1)."""
+        lost worker's place, whose copy is counted again)."""
         name = model.name
         self._register(model)
         self.kept(model)
@@ -239,7 +239,7 @@ class Keeper:
                 asyncio.get_running_loop().call_soon(self.on_change)
 
     def worker_lost(self, worker: WorkerLink, reason: str) -> None:
-        """Only its own share leaves the books while other workers of its model serve on (review44-c 1)."""
+        """Only its own share leaves the books while other workers of its model serve on."""
         name = worker.config.model_name
         if self.known(name) and name not in self.moving:
             kept = self.policy.kept(name)
@@ -312,7 +312,7 @@ class Keeper:
         states = {w.state for w in model.workers}
         replaced = model.replacing or WorkerState.STARTING in states
         if not model.retired and replaced and (WorkerState.READY not in states or self.policy.tier(name) != "device"):
-            return False  # a worker that died is being replaced by the pool: its READY dispatches (review44-c 1)
+            return False  # a worker that died is being replaced by the pool: its READY dispatches
         if shape is not None:
             self._asked[name] = shape
         hold = self.turns.held(name)
@@ -464,7 +464,7 @@ class Keeper:
     async def _carry(self, moves: tuple[Move, ...]) -> None:
         """A decision's moves, booked in the caller's step and carried in order, awaited (an unload by hand
         answers after); carried to their end when the caller is cancelled (a client that hung up): cut short, a
-        move left its model booked as leaving while its workers were gone, and its jobs waited (review59-c 5)."""
+        move left its model booked as leaving while its workers were gone, and its jobs waited."""
         task = asyncio.ensure_future(leaving.carry_booked(self, leaving.book(self, moves)))
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)

@@ -104,7 +104,7 @@ Booked = tuple[list[tuple[Model, Move]], list[Release]]
 
 def book(k: Keeper, moves: tuple[Move, ...]) -> Booked:
     """Every move booked with the policy now, in the caller's step: between a decision and its booking a job
-    could be admitted and dispatched for a model the decision sends away (review59-b 1). Those the policy
+    could be admitted and dispatched for a model the decision sends away. Those the policy
     refuses (the books moved on since the decision) are said and left out."""
     frees = [m for m in moves if isinstance(m, Release) and m.model in k.pool.models]
     booked = [(k.pool.models[m.model], m) for m in moves if m.model in k.pool.models and not isinstance(m, Release)]
@@ -205,7 +205,7 @@ async def release(k: Keeper, move: Release) -> None:
             k.policy.unload_failed(move, failed)
     k.kept(model)
     if k.policy.tier(move.model) == "device":  # else a death or a move to disk freed the copy, and counted it
-        k.metrics.kept_released("host_memory_full", before - k.policy.kept(move.model))  # (review41 engine 5)
+        k.metrics.kept_released("host_memory_full", before - k.policy.kept(move.model))  #
 
 
 async def expire_forever(k: Keeper, every_s: float) -> None:

@@ -125,7 +125,7 @@ async def _preload(k: Keeper, chosen: list[Model]) -> None:
         if isinstance(first, Evict) and all(m.src == "host" or isinstance(m, Release) for m in first.moves):
             # room in host memory for what it keeps there (offloaded), made as any load from disk makes it: the
             # preload sends no model off its device, but one parked in host memory (by a keep-alive that ended, an
-            # unload) goes to disk for it, rather than the model stay on disk (s54 5)
+            # unload) goes to disk for it, rather than the model stay on disk
             await k._carry(first.moves)
             first = k.policy.plan(model.name, None)
         # one never seen that fits alone still loads once, to learn its defaults (its requests need them)

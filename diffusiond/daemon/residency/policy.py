@@ -182,7 +182,7 @@ class Residency:
         if all(need[d] <= soon[d] for d in m.places):
             return Wait(name, WAITING_FOR_MEMORY, f"{name} needs {what}: waiting for models leaving {dev}",
                         short=lacking)
-        # who frees something where it is short: on several devices, one with room keeps its models (review59-b 7)
+        # who frees something where it is short: on several devices, one with room keeps its models
         idle = [c for c in self._idle_on(m.places, but=name)
                 if any(c.frees(d) for d in m.places if soon[d] < need[d])]
         picked, room = [], dict(soon)
@@ -260,7 +260,7 @@ class Residency:
         if device not in self.budgets:
             raise ResidencyError(f"device {device!r} has no budget (devices: {', '.join(self.budgets)})")
         # moves under way are counted since booked, and may not show in the reading yet (a load's workers starting,
-        # a leaving model's stopping): left out, so each is counted once (review59-b 2)
+        # a leaving model's stopping): left out, so each is counted once
         self._headroom[device] = free_bytes - reserve_bytes - sum(
             m.frees(device) for m in self._models.values() if m.tier == "loading"
             or (m.leaving is not None and m.leaving.src == "device"))
@@ -283,7 +283,7 @@ class Residency:
     def on_oom(self, name: str, shape: Shape, attempt: int, device: str | None = None) -> OomDecision:
         """A run of ``shape`` ran out of device memory on ``device`` (None: any of the model's); ``attempt`` 0 for
         its first run, 1 for the retry, 2 for a half of a split batch. Only the job pays: the worker and the other
-        models go on, those idle on the model's other devices too (review s54-pool 2)."""
+        models go on, those idle on the model's other devices too."""
         m = self._get(name)
         if attempt == 0:
             idle = self._idle_on((device,) if device in m.places else m.places, but=name)
@@ -427,7 +427,7 @@ class Residency:
         if m.tier != move.src or m.leaving is not None or isinstance(move, Release):
             raise ResidencyError(f"{move.model}: a move {move.src} -> {move.dst} starts but the model is {m.tier}"
                                  f"{' and already leaving' if m.leaving else ''}")
-        if move.src == "device" and m.running:  # no decision sends away a model under a run (review59-b 1)
+        if move.src == "device" and m.running:  # no decision sends away a model under a run
             raise ResidencyError(f"{move.model}: a move off {m.where} starts under {len(m.running)} run(s)")
         m.leaving = move
 
@@ -456,7 +456,7 @@ class Residency:
 
     def worker_died(self, name: str, device: str, reason: str, kept: int = 0) -> None:
         """A worker of ``name`` on ``device`` ended, with what it held there and in its host buffers (``kept``).
-        While others of the model serve on, only its copy leaves (``ModelEntry.lose``; review44-c 1); the last
+        While others of the model serve on, only its copy leaves (``ModelEntry.lose``); the last
         one takes the model back to disk, and its runs with it (the engine fails their jobs). Jobs still queued
         stay queued for the next worker."""
         m = self._get(name)

@@ -58,11 +58,11 @@ agree)."""
 
 def default_dtype(devices: tuple[str, ...] | str) -> str:
     """A model's dtype when none is given: bfloat16 on a GPU (float32 there doubled every model's memory and
-    halved its speed for nothing a diffusion model's outputs show: review42b-rest 3), float32 on a CPU, where
+    halved its speed for nothing a diffusion model's outputs show), float32 on a CPU, where
     half precision is slow. ``--dtype float16`` for GPUs without bfloat16 (before Ampere).
 
     One dtype per model, all its workers and its sizing alike: a list that mixes the CPU and GPUs gets the GPUs'
-    (review44-a 9: its CPU worker runs bfloat16, slowly; docs/api.md says so and how to avoid it). A dtype per
+    (its CPU worker runs bfloat16, slowly; docs/api.md says so and how to avoid it). A dtype per
     worker would need the pool to resolve it per device and residency to size the model per device."""
     names = (devices,) if isinstance(devices, str) else devices
     return "bfloat16" if any(d.startswith("cuda") for d in names) else DEFAULT_DTYPE

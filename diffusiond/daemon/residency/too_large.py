@@ -53,7 +53,7 @@ def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None =
                     auto: bool = False) -> tuple[str, ...]:
     """What would make a model fit, for its ``model_too_large`` refusal and its out-of-memory failure, for the
     offload it runs with (``options``, made concrete at start; ``auto``: chosen by offload=auto, which is then no
-    hint: review52-a 1, review53-a 4). A stream plan gives room by keeping fewer blocks."""
+    hint). A stream plan gives room by keeping fewer blocks."""
     see = f"`diffusiond fit {spec}{' --device cpu' if on_cpu else ''} --device-memory SIZE` lists what fits"
     if on_cpu:
         return (f"a smaller --dtype or quant= (on a CPU nothing can be offloaded); {see}",)
@@ -77,7 +77,7 @@ def too_large_hints(spec: str, on_cpu: bool, options: Mapping[str, str] | None =
 def past_budget(name: str, devices: Sequence[str], held: int, estimate: int, budgets: Mapping[str, int]) -> list[str]:
     """The log's words where a worker's count of a model leaves it no room in a budget that its files' headers
     fitted (what it keeps beside, such as ControlNets, is counted only once it has loaded): from then on its jobs
-    are refused, and nothing at the start said so (review55-a 3)."""
+    are refused, and nothing at the start said so."""
     return [f"model {name} holds {format_bytes(held)} on {device} once loaded (its files' headers counted "
             f"{format_bytes(estimate)}), more than the budget of {format_bytes(budgets[device])} there: its jobs are "
             "refused with model_too_large; give a larger --device-memory, or an offload that keeps less on the device"

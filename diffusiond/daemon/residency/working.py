@@ -84,7 +84,7 @@ class Estimate:
     and frames (working memory grows with each) capped by the smallest of one no smaller in any (``_floor``), named
     by ``floor_how``. Only the floor refuses or fails a job: a larger shape's peak bounds
     the job from above and an extrapolation overestimates (a small shape's peak is mostly fixed costs), so both plan
-    a job and neither refuses one (review41 engine 1)."""
+    a job and neither refuses one."""
 
     nbytes: int
     measured: bool
@@ -102,7 +102,7 @@ def _floor(peaks: Mapping[Shape, int], shape: Shape) -> tuple[int, str]:
     """What an unmeasured ``shape`` needs at least, and where that was measured: the largest peak of a shape no
     larger in any way, but never more than the smallest peak of one no smaller in any way, which ran in that
     much. A run's peak covers what rode with it (an upscaler's tiles at the upscaled size, a ControlNet, an
-    IP-Adapter), so a small shape may have peaked higher than a larger one without them (review41c)."""
+    IP-Adapter), so a small shape may have peaked higher than a larger one without them."""
     below = [(peak, s) for s, peak in peaks.items() if s.within(shape)]
     if not below:
         return 0, ""

@@ -19,7 +19,7 @@ class StateFaults:
     full disk, switched on and off by the test). ``write_delay_ms=N``: each output file write
     stops N ms half-way through (a crash there must leave no partial file served).
     ``update_delay_ms=N``: each write of a job's status waits N ms first (a slow disk: a crash
-    must never undo an ending a client was told of, review45-b 1).
+    must never undo an ending a client was told of).
     """
 
     enospc_file: str | None = None

@@ -44,7 +44,7 @@ class History:
             if job is not None and not job.terminal:
                 # unfinished on disk: the start's recovery is taking it into memory (the socket answers before
                 # that ends). Its copy from disk would never change: a client following its events after a
-                # restart waited for an end that only the copy in memory reached (review59-f)
+                # restart waited for an end that only the copy in memory reached
                 await self.recovered.wait()
                 job = self.jobs.get(job_id, job)
         if job is None or job.id in self.outputs.files.deleting:
@@ -101,7 +101,7 @@ class History:
                 await self._delete(job)
             except (InsufficientStorage, StateWriteFailed) as exc:
                 # on to the next: on a full disk each job's files go before its record, so the later ones
-                # make the room the earlier ones' records needed (review45-b 2)
+                # make the room the earlier ones' records needed
                 failed.append(exc.message)
                 continue
             deleted += 1

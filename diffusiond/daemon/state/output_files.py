@@ -57,7 +57,7 @@ def write(outputs_dir: Path, name: str, parts: Sequence[bytes | memoryview], fau
 def sweep(outputs_dir: Path, finished: Sequence[sqlite3.Row | tuple[str, str]]) -> int:
     """Files a record does not list are never served, deleted or counted by --keep-gb: a job's file written
     as it was cancelled (older diffusiond), a row deleted while its file was being written, a first run's
-    output whose job is about to run again from the start (review45-b 5). Only the listed files of the
+    output whose job is about to run again from the start. Only the listed files of the
     ``finished`` jobs' (id, outputs) are kept; a row whose outputs do not read keeps every file named for it."""
     keep: set[str] = set()
     unread: list[str] = []

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 TABLE_REVISION = 1
 """Bumped with any change to diffusiond's own part of what a load holds: what ``worker/weights.param_table`` reads,
 how the loaders name parameters (single files, GGUF, ``own_parameters``), an option's effect at load. Its version
-number never changes in a checkout, so a table made by older code would otherwise still answer (review41b moves 4)."""
+number never changes in a checkout, so a table made by older code would otherwise still answer."""
 
 LOADERS = ("diffusers", "transformers", "peft", "torch")
 """The packages a worker's load goes through: another version of any may name or take parameters otherwise."""

@@ -107,7 +107,7 @@ class UnreadableRow(ValueError):
 
 def from_row(row: sqlite3.Row) -> Job:
     """A job read back from its row: an unfinished one queued again, a finished one as it ended; raises
-    ``UnreadableRow`` where it does not decode (review45-b 6)."""
+    ``UnreadableRow`` where it does not decode."""
     try:
         return _from_row(row)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError, msgspec.MsgspecError) as exc:
@@ -138,7 +138,7 @@ def _from_row(row: sqlite3.Row) -> Job:
 
 
 def row_id(row: sqlite3.Row) -> str:
-    """A stored row's job id, where even that cannot be read (review45-b 6)."""
+    """A stored row's job id, where even that cannot be read."""
     try:
         return str(row["id"])
     except (IndexError, KeyError):

@@ -10,7 +10,7 @@ stops the start with its path: silently starting empty would look like every job
 ``--reset-state`` moves it aside (kept, renamed, never deleted) and starts afresh. Only a file that
 is not ours is: a database SQLite cannot open for another reason (a full disk, a file of another
 user, a lock held by another program) is good, and moving it aside would hide every job it holds,
-so those stop the start with what to do instead (``start_problem``; review45-b 3).
+so those stop the start with what to do instead (``start_problem``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class StateLock:
     def acquire(self) -> None:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:  # e.g. left behind by a run under sudo (review45-b 4)
+        except OSError as exc:  # e.g. left behind by a run under sudo
             raise StateDirError(f"cannot open {self.path}: {exc.strerror}; {_fix(self.path, exc)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,7 +69,7 @@ def prepare(root: Path) -> None:
                             "or --no-persist") from None
     if not os.access(root, os.W_OK | os.X_OK):
         raise StateDirError(f"the state dir {root} is not writable by uid {os.getuid()}; choose another --state-dir")
-    # its files too: one the daemon cannot write fails later, deep in SQLite or at the first output (review45-b 4)
+    # its files too: one the daemon cannot write fails later, deep in SQLite or at the first output
     for path in (root / "lock", root / "outputs", *(root / f"jobs.db{s}" for s in ("", "-wal", "-shm"))):
         if problem := unwritable(path):
             raise StateDirError(problem)
@@ -118,7 +118,7 @@ class ForeignDatabase(sqlite3.DatabaseError):
 def start_problem(db: Path, exc: sqlite3.Error) -> StateDirError | None:
     """What stops SQLite from opening a good ``db`` at start, as a refusal saying what to do; None where the
     file itself is not a diffusiond database (what ``--reset-state`` is for). Decided by SQLite's own code,
-    never by its message (review45-b 3)."""
+    never by its message."""
     code = getattr(exc, "sqlite_errorcode", None)
     if isinstance(exc, ForeignDatabase) or (code is not None and code & 0xFF in _NOT_OURS):
         return None

@@ -3,7 +3,7 @@
 The engine keeps its jobs in memory and tells one collaborator, the store, what happened to
 them: ``add`` (awaited before the 202 goes out, so an accepted job is on disk), ``update``
 (started, ended: written in order; it returns the write's future, which the engine waits for
-before it tells anyone a job ended, review45-b 1), ``write_output`` (an output's encoded
+before it tells anyone a job ended), ``write_output`` (an output's encoded
 bytes, in the encode pool) and, at start, ``open`` (the jobs a crash interrupted). ``Store``
 itself does nothing: it is ``--no-persist`` and what the engine tests use. ``SqliteStore`` keeps
 them in ``DIR/jobs.db`` (SQLite, WAL; commits fsynced with ``--state-sync full``) and ``DIR/outputs/``.
@@ -145,7 +145,7 @@ class SqliteStore(Store):
         self._pending: set[asyncio.Future[Any]] = set()
         self._closing = False  # from close's start on, every call is refused (``_submit``)
         # Endings whose write failed (a full disk), by job id, touched by the store's thread alone: each is written anew
-        # after the next write that succeeds and at close, or a restart runs a job its client saw end (review45-b 1).
+        # after the next write that succeeds and at close, or a restart runs a job its client saw end.
         self._unwritten: dict[str, dict[str, Any]] = {}
         self._unreadable: set[str] = set()  # rows already warned of: a page read every second warns once
 
@@ -180,7 +180,7 @@ class SqliteStore(Store):
             rows = await self._run(self._open)
             jobs = [(r, self._decode(r)) for r in rows]
             # an unfinished job whose record does not read cannot run again; ended here, so that it does not stop
-            # this start nor warn at every later one (review45-b 6)
+            # this start nor warn at every later one
             unreadable = [r["id"] for r, j in jobs if j is None]
             await self._run(database.fail_unreadable, self._db(), self.db_path, unreadable)
         except BaseException:
@@ -198,7 +198,7 @@ class SqliteStore(Store):
     def _decode(self, row: sqlite3.Row) -> Job | None:
         """The job a row holds, or None (logged once) where it does not decode: damage inside a value, which
         ``quick_check`` does not see, or a status a newer diffusiond wrote. One such row must not stop a start
-        or make every history page that holds it a 500 (review45-b 6)."""
+        or make every history page that holds it a 500."""
         try:
             return from_row(row)
         except UnreadableRow as exc:
@@ -348,7 +348,7 @@ class SqliteStore(Store):
             if not disk_full(exc):
                 raise self._failure(exc, f"delete job {job.id}") from None
             # The row's DELETE needs room in the WAL: the job's files go first (nobody starts reading them, the job
-            # is in ``files.deleting``), so that deleting finished jobs can empty a full disk (review45-b 2).
+            # is in ``files.deleting``), so that deleting finished jobs can empty a full disk.
             log.warning("the disk holding %s is full: job %s's files are deleted before its record", self.dir, job.id)
             try:
                 await self._run(self._unlink, files)
@@ -368,7 +368,7 @@ class SqliteStore(Store):
     def _delete(self, job_id: str, files: list[str]) -> None:
         self._db().execute("DELETE FROM jobs WHERE id = ?", (job_id,))  # first: nobody finds the files after
         # every file named for the job, listed or not: a job read back from its row knows only a succeeded run's
-        # files, and a first run's output can outlive a second that failed (review45-b 5)
+        # files, and a first run's output can outlive a second that failed
         for path in {*(self.outputs_dir / name for name in files), *self.outputs_dir.glob(f"{job_id}-*")}:
             path.unlink(missing_ok=True)
 
@@ -383,7 +383,7 @@ class SqliteStore(Store):
         out = []
         for r in rows:
             # age from the job's end, not its creation: a job that waited long in the queue, or a clock set back
-            # since it was created, must not be deleted the moment it finishes (review45-b 9)
+            # since it was created, must not be deleted the moment it finishes
             ended = r["ended"] if r["ended"] is not None else r["created"]
             if (cutoff is not None and ended < cutoff) or (keep_bytes and total > keep_bytes):
                 out.append(r)
@@ -438,7 +438,7 @@ class SqliteStore(Store):
 
     def _last_try(self) -> None:
         """The endings not yet written, once more; those still not on disk are named: the next start
-        runs them again, though their clients were told they had ended (review45-b 1)."""
+        runs them again, though their clients were told they had ended."""
         if self._unwritten:
             self._write_unwritten()
         if not (ids := list(self._unwritten)):

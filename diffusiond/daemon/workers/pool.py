@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 PING_INTERVAL_S = 1.0
 # A worker's own stop, SHUTDOWN answered and the process gone, before SIGKILL: apart from the drain grace, which
 # has already been waited by the time the daemon stops its workers, and which a worker inside a long forward (it
-# answers nothing until the forward ends) made the stop wait twice, past the unit's TimeoutStopSec (review44-b 3).
+# answers nothing until the forward ends) made the stop wait twice, past the unit's TimeoutStopSec.
 WORKER_STOP_S = 10.0
 
 
@@ -79,7 +79,7 @@ class Model:
         for best in (WorkerState.READY, WorkerState.SLEEPING, WorkerState.STARTING):
             if best in states:
                 return ModelState(best.value)
-        # residency stopped its workers, or never started them: not a fault, a job loads it (review45-a 3); a
+        # residency stopped its workers, or never started them: not a fault, a job loads it; a
         # failed load is retired too, and shown ``unavailable`` by the listing, which knows (``views.model_state``)
         return ModelState.UNLOADED if self.retired else ModelState.UNAVAILABLE
 
@@ -259,7 +259,7 @@ class WorkerPool:
             finally:
                 self.preparing.discard(handle)
             # it failed half-way through a live update and exits: announced ready, a loss the engine has already
-            # handled would put it back among the workers batches go to (review48-b 7); its loss replaces it
+            # handled would put it back among the workers batches go to; its loss replaces it
             if exits:
                 return
         if self.sleep_level >= 2:
@@ -352,10 +352,10 @@ class WorkerPool:
 
     async def revive(self, model: Model) -> None:
         """Start a worker on each of its devices that has none: one that lives, or one lost that the pool is
-        replacing (it keeps its place in ``workers`` until then), is not doubled (review44-c 1). All or none: it
+        replacing (it keeps its place in ``workers`` until then), is not doubled. All or none: it
         ends once every start it began has, and if one failed, the workers that came up are stopped and the error
         of several starts names the failed one's device (a worker's FATAL does not). Ending at the first failure
-        left the other starts running behind the caller's clean-up, which stopped them mid-start (review s54-pool 1)."""
+        left the other starts running behind the caller's clean-up, which stopped them mid-start."""
         missing = list(model.config.devices)
         for w in model.workers:
             if w.config.device in missing:
