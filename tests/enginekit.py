@@ -14,11 +14,12 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
+import pytest
 
 from diffusiond.daemon.config import DaemonConfig, ModelConfig
 from diffusiond.daemon.core.engine import Engine
@@ -276,3 +277,18 @@ def gate_writes(h: Harness, wait_s: float) -> tuple[threading.Event, threading.E
 
     h.engine.store.write_output = slow_write  # type: ignore[method-assign]
     return gate, writing
+
+
+def job(h: Harness, model: str) -> Job:
+    """A 64x64 job of ``model``, submitted straight to the engine."""
+    return h.engine.submit(JobRequest(model=model, prompt="x", n=1, width=64, height=64, steps=2, guidance=1.0,
+                                      output_format="png", seed=1))
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Wait (at most 5 s) for ``check`` to come true, letting the loop run; fail the test if it does not."""
+    for _ in range(500):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail("timed out")

@@ -13,8 +13,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from enginekit import CAPS, FakeWorker, Harness, gate_writes
-from test_review_engine import until
+from enginekit import CAPS, FakeWorker, Harness, gate_writes, until
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.core.inputs import EditInput

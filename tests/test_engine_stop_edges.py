@@ -16,8 +16,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from enginekit import Harness, gate_writes
-from test_review_engine import until
+from enginekit import Harness, gate_writes, until
 
 from diffusiond.daemon.core.jobs import JobRequest
 from diffusiond.daemon.errors import NotAccepting

@@ -11,9 +11,8 @@ import asyncio
 
 import msgspec
 import pytest
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, until
 from residencykit import Engine, G, S
-from test_review_engine import until
 
 import diffusiond.daemon.residency.decisions as dec
 from diffusiond.daemon.config import ModelConfig

@@ -5,9 +5,8 @@ the full batch tried past ``--device-memory`` (or into an out-of-memory retry on
 from __future__ import annotations
 
 import pytest
-from enginekit import FakeWorker, Harness, hold_starts
+from enginekit import FakeWorker, Harness, hold_starts, until
 from residencykit import G
-from test_review_engine import until
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.core.jobs import Job, JobRequest

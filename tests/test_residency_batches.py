@@ -7,9 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from enginekit import FakeWorker, Harness, hold_starts
+from enginekit import FakeWorker, Harness, hold_starts, until
 from residencykit import G
-from test_review_engine import until
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.core.jobs import JobRequest

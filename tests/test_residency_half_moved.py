@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 import msgspec
 import pytest
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, until
 from residencykit import G
-from test_review_engine import until
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.core.jobs import Job, JobRequest

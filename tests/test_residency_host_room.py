@@ -14,9 +14,8 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, until
 from residencykit import G, S
-from test_review_engine import until
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.residency.decisions import WAITING_FOR_MEMORY, Evict, Fits, Move, Wait

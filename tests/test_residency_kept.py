@@ -12,9 +12,8 @@ from collections.abc import Sequence
 
 import msgspec
 import pytest
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, job, until
 from residencykit import Engine, G, room, tier
-from test_review_engine import job, until
 
 import diffusiond.daemon.edge.views as views
 from diffusiond.daemon.config import ModelConfig

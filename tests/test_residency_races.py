@@ -13,9 +13,8 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-from enginekit import KIND_OF, FakeWorker, Harness, hold_starts
+from enginekit import KIND_OF, FakeWorker, Harness, hold_starts, job, until
 from residencykit import G
-from test_review_engine import job, until
 
 from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.workers.link import Command

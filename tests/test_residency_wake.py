@@ -12,9 +12,8 @@ from collections.abc import Sequence
 
 import msgspec
 import pytest
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, job, until  # a job for a model; a check that comes true soon
 from residencykit import G
-from test_review_engine import job, until  # a job for a model; a check that comes true soon
 
 from diffusiond.commands.admin import asleep_line
 from diffusiond.daemon.config import ModelConfig

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from enginekit import FakeWorker, Harness
-from test_review_engine import until
+from enginekit import FakeWorker, Harness, until
 
 from diffusiond.daemon.edge import views
 from diffusiond.daemon.errors import PowerFailed

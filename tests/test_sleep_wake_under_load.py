@@ -12,17 +12,16 @@ memory only once the model dropped to make its room has stopped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
-from enginekit import CAPS, FakeWorker, Harness
+from enginekit import CAPS, FakeWorker, Harness, job, until
 from residencykit import G, tier
 from test_odds_expiry import _Model  # a model of the fake pool: a name and a worker
 
 import diffusiond.daemon.residency.keeper as keeper
 from diffusiond.daemon.config import DaemonConfig, ModelConfig
-from diffusiond.daemon.core.jobs import Job, JobRequest
 from diffusiond.daemon.errors import EngineError, PowerFailed
 from diffusiond.daemon.metrics import Metrics
 from diffusiond.daemon.residency.budget import resolve
@@ -70,19 +69,6 @@ def residency(h: Harness) -> dict[str, str]:
 
 def live(h: Harness, model: str) -> list[FakeWorker]:
     return [w for w in h.spawned if w.config.model_name == model and w.state != WorkerState.DEAD]
-
-
-def job(h: Harness, model: str) -> Job:
-    return h.engine.submit(JobRequest(model=model, prompt="x", n=1, width=64, height=64, steps=2, guidance=1.0,
-                                      output_format="png", seed=1))
-
-
-async def until(check: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    pytest.fail("timed out")
 
 
 async def test_a_level_2_sleep_during_a_jobs_load_lets_the_job_run_after_the_wake(

@@ -1,4 +1,4 @@
-"""The worker-side defects found by the review of 2026-12-05, each held by a test.
+"""The worker's compute thread where a batch is split, cancelled or compiled beside a hires pass.
 
 #1: a batch that runs out of memory runs again as two halves; a cancel of the second half while it upscales
 used to end the whole batch ``cancelled``, the first half's finished pictures with it. Driven through the
