@@ -114,6 +114,18 @@ def test_fit_on_a_folder_matches_the_loaded_modules(flux: Path, dtype: str) -> N
     assert rows["sequential"].device_bytes < rows["group"].device_bytes < total
 
 
+def test_fit_does_not_count_a_safety_checker_the_loader_never_reads(flux: Path, tmp_path: Path) -> None:
+    """SD 1.5's folders carry a 1.2 GB safety checker the loader passes as None: counted, a model that fits a budget
+    would be refused it."""
+    import shutil
+
+    folder = tmp_path / "with-checker"
+    shutil.copytree(flux, folder)
+    shutil.copytree(folder / "vae", folder / "safety_checker")
+    assert fit(str(folder), dtype="float32", working=0).components == \
+        fit(str(flux), dtype="float32", working=0).components
+
+
 SLACK = 2 * 77 * 8  # non-persistent buffers (position ids), counted by torch, absent from the files
 
 

@@ -65,6 +65,7 @@ from diffusiond.pipelines.spec import (
     parse_spec,
     resident_blocks,
 )
+from diffusiond.pipelines.variants import NOT_LOADED
 
 MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
@@ -196,7 +197,7 @@ def _folder(path: Path, dtype: str) -> dict[str, list[Tensor]]:
     if not index.is_file():  # one component's folder
         return {path.name: [t for f in component_files(path, dtype) for t in _safetensors(f.path)]}
     components = {}
-    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
+    for sub in sorted(p for p in path.iterdir() if p.is_dir() and p.name not in NOT_LOADED):  # the loader skips them
         files = component_files(sub, dtype)
         if files:
             components[sub.name] = [t for f in files for t in _safetensors(f.path)]
