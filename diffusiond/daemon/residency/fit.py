@@ -26,7 +26,6 @@ the loaded modules, so that residency's budget and this page agree):
   offered for a quantized denoiser (GGUF), whose tensors cannot stream.
 - ``model``: the largest component (diffusers' model offload moves one whole component at a time);
   ``sequential``: the largest leaf module (accelerate moves each layer's weights in for its forward).
-
 Working memory is counted beside the weights as residency does (``working.default_working``, 1024x1024 unless told).
 """
 
