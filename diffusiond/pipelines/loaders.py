@@ -41,6 +41,17 @@ def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
 
 
+def dtype_kwarg_of(cls: type, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``dtype_kwarg`` for a component class of either library: transformers renamed it in 4.56."""
+    import transformers
+    from packaging.version import Version
+
+    if issubclass(cls, transformers.PreTrainedModel):
+        return {"dtype" if Version(Version(transformers.__version__).base_version) >= Version("4.56")
+                else "torch_dtype": dtype}
+    return dtype_kwarg(dtype)
+
+
 def hub_offline() -> bool:
     """Read at call time: the hub libraries read HF_HUB_OFFLINE once, at import."""
     from huggingface_hub import constants
@@ -100,8 +111,6 @@ def _component(root: Path, name: str, entry: list[str], variant: str, dtype: tor
     diffusers gives the others (the dtype, the safetensors rule, its quantization): the one ``variant=``
     diffusers takes for a whole pipeline would read other files of it."""
     import diffusers
-    import transformers
-    from packaging.version import Version
 
     library, class_name = entry
     module = importlib.import_module(library) if library in ("diffusers", "transformers") else \
@@ -111,11 +120,7 @@ def _component(root: Path, name: str, entry: list[str], variant: str, dtype: tor
         raise PipelineError(f"{str(root / 'model_index.json')!r} names {library} {class_name} for its {name}, which "
                             "diffusers cannot load: the folder is of a newer diffusers or transformers (pip install -U "
                             "diffusers transformers) or is damaged")
-    if issubclass(cls, transformers.PreTrainedModel):
-        new = Version(Version(transformers.__version__).base_version) >= Version("4.56")
-        extra: dict[str, Any] = {"dtype" if new else "torch_dtype": dtype}
-    else:
-        extra = dtype_kwarg(dtype)
+    extra: dict[str, Any] = dtype_kwarg_of(cls, dtype)
     quant = getattr(kwargs.get("quantization_config"), "quant_mapping", None) or {}
     if name in quant:
         extra["quantization_config"] = quant[name]

@@ -19,7 +19,7 @@ from diffusiond.pipelines.base import PipelineError
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
 from diffusiond.pipelines.errors import root_cause
 from diffusiond.pipelines.load_progress import loaded
-from diffusiond.pipelines.loaders import dtype_kwarg, hub_offline
+from diffusiond.pipelines.loaders import dtype_kwarg, dtype_kwarg_of, hub_offline
 from diffusiond.pipelines.pipeline_classes import components
 from diffusiond.pipelines.pipeline_classes import pipeline_class as _pipeline_class
 from diffusiond.pipelines.pipeline_classes import read_index as _read_index
@@ -109,9 +109,7 @@ def _absent_components(path: Path, keys: set[str], folder: Path, dtype: torch.dt
     flux1-dev.safetensors) did not load with it."""
     import transformers
     from diffusers.loaders.single_file_utils import LDM_VAE_KEYS, is_clip_model_in_single_file, is_t5_in_single_file
-    from packaging.version import Version
 
-    new_transformers = Version(Version(transformers.__version__).base_version) >= Version("4.56")
     absent: dict[str, Any] = {}
     for name, (library, class_name) in components(_read_index(folder / "model_index.json")).items():
         cls = getattr(importlib.import_module(library), class_name, None) if library in ("diffusers",
@@ -119,14 +117,11 @@ def _absent_components(path: Path, keys: set[str], folder: Path, dtype: torch.dt
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             if is_clip_model_in_single_file(cls, keys) or is_t5_in_single_file(keys):
                 continue
-            dtype_arg: dict[str, torch.dtype] = {"dtype" if new_transformers else "torch_dtype": dtype}
         elif not isinstance(cls, type) or name != "vae" or any(k.startswith(tuple(LDM_VAE_KEYS)) for k in keys):
             continue
-        else:
-            dtype_arg = dtype_kwarg(dtype)
         try:
             absent[name] = cast(Any, cls).from_pretrained(str(folder), subfolder=name, use_safetensors=True,
-                                                          **dtype_arg)
+                                                          **dtype_kwarg_of(cls, dtype))
         except Exception as exc:  # a missing file, a truncated one, a config of another class: many types
             root = root_cause(exc)
             cause = f" ({type(root).__name__}: {root})" if root is not exc and str(root) not in str(exc) else ""
