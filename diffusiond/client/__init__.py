@@ -1,6 +1,8 @@
 """The client library: how any program on the machine talks to a running diffusiond.
 
     aio.py        AsyncClient: HTTP over the Unix socket, SSE, outputs as PIL, numpy or bytes
+    connection.py the pool under it, and each request's failure made one of the tree below
+    arrays.py     outputs as arrays (npy, trajectories, sound): shared memory where it works, else HTTP
     handle.py     AsyncJobHandle: one submitted job (a dropped, unfinished handle cancels it)
     sync.py       Client and JobHandle: the same on a private loop in a background thread
     params.py     the job parameters a caller may pass, and the body they make

@@ -4,7 +4,9 @@ The CLI is a thin shell over this module, and Python users (a training loop, a n
 directly instead of hand-writing HTTP: it knows the socket-path rules, turns the daemon's JSON errors
 into exceptions (the tree is in ``diffusiond.client``'s docstring), follows a job's Server-Sent
 Events, streams outputs to files without holding a whole video in memory, and hands outputs over as
-PIL images, numpy arrays or bytes. A submitted job is an ``AsyncJobHandle`` (``handle.py``).
+PIL images, numpy arrays or bytes. A submitted job is an ``AsyncJobHandle`` (``handle.py``); the
+pool and the mapping of a request's failures are ``connection.py``'s, outputs read as arrays
+(shared memory or HTTP) ``arrays.py``'s.
 
 It depends on nothing of the daemon (the socket-path rules are in ``diffusiond.protocol``), so
 importing it never pulls in torch, the engine, or the encoders; numpy and PIL are imported only
@@ -15,30 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, Callable, Mapping
+from contextlib import aclosing
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, cast, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, overload
 
-import aiohttp
-
+from diffusiond.client.arrays import ArrayReader
+from diffusiond.client.connection import BASE_URL, Connection
 from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback
-from diffusiond.client.outputs import Mapped, open_mapper, read_npy, torch_views
 from diffusiond.client.params import JobParams, Output, check_finite, job_body, params_for, pil_needs_a_format
 from diffusiond.client.transport import (
     SOCKET_WAIT_S,
     SSEParser,
     decode_event,
-    error_from,
     error_of,
     parse_json,
     quote_id,
-    reason,
     until_bound,
 )
 from diffusiond.protocol import (
-    AUDIO_ARRAY,
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
     ErrorCode,
@@ -49,15 +47,9 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
     from PIL import Image
 
-    from diffusiond.client.zerocopy import OutputMapper
-
 __all__ = ["BASE_URL", "AsyncClient", "EventCallback"]
 
-BASE_URL = "http://diffusiond"
-"""The host part is ignored on a Unix socket; a fixed name keeps URLs readable in logs."""
-
 _CHUNK = 256 * 1024
-_CONNECT_TIMEOUT_S = 30.0
 _RESUBSCRIBE = 3
 """How often ``wait`` re-opens an event stream the daemon closed before the job ended."""
 
@@ -66,7 +58,7 @@ START_WAIT_S = 900.0
 default bound on a model load)."""
 
 
-class AsyncClient:
+class AsyncClient(Connection):
     """One connection pool to one daemon. Use ``async with AsyncClient() as c:`` or ``close()``.
 
     ``timeout`` bounds every request, an event stream included, so leave it ``None`` when
@@ -86,14 +78,9 @@ class AsyncClient:
     def __init__(
         self, socket_path: str | None = None, timeout: float | None = None, *, zero_copy: bool | None = None
     ) -> None:
-        self.socket_path = socket_path or default_socket_path()
-        self.timeout = timeout
+        super().__init__(socket_path or default_socket_path(), timeout)  # the pool (connection.py)
         self.zero_copy = zero_copy
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._mapper: Mapped | None = None
-        self._mapper_lock = asyncio.Lock()
-        self._no_zero_copy = zero_copy is False
+        self._arrays = ArrayReader(self)  # array, trajectory, audio: mapped or over HTTP (arrays.py)
         self._background: set[asyncio.Task[Any]] = set()  # cancels on their way out
 
     async def __aenter__(self) -> AsyncClient:
@@ -109,56 +96,8 @@ class AsyncClient:
         """Close the pool, after giving the cancels of dropped or interrupted jobs their few seconds."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=CANCEL_GRACE_S)
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
-        await self._drop_mapper(self._mapper)  # last: it may wait for a fetch under way (up to its timeout)
-
-    def _open(self) -> aiohttp.ClientSession:
-        # Created lazily, inside the running loop: aiohttp binds a session to the loop it starts on.
-        if self._session is None:
-            self._loop = asyncio.get_running_loop()
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=self.socket_path),
-                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=self._connect_s()),
-            )
-        return self._session
-
-    # plumbing --------------------------------------------------------------------------------
-    @asynccontextmanager
-    async def _request(
-        self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A response whose status is in ``ok``; any other status becomes a DaemonError.
-
-        aiohttp's and asyncio's exceptions, raised before the answer or while its body is read
-        inside the ``async with``, become this module's own (see the tree at the top).
-        """
-        session = self._open()
-        try:
-            async with session.request(method, BASE_URL + path, **kwargs) as resp:
-                if resp.status not in ok:
-                    raise await error_from(resp)
-                yield resp
-        except ClientError:
-            raise
-        except aiohttp.ConnectionTimeoutError as exc:  # the socket is there; its backlog did not move
-            raise ClientTimeout(self.socket_path, f"connecting for {method} {path}", self._connect_s()) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise DaemonUnreachable(self.socket_path, reason(exc)) from exc
-        except TimeoutError as exc:  # aiohttp's timeouts are also connection errors: the clearer of the two
-            raise ClientTimeout(self.socket_path, f"{method} {path}", self.timeout) from exc
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise DaemonUnreachable(self.socket_path, f"connection lost: {reason(exc)}") from exc
-        except aiohttp.ClientError as exc:  # something answered, but not in HTTP that makes sense
-            raise DaemonUnreachable(self.socket_path, f"not a diffusiond answer: {reason(exc)}") from exc
-
-    def _connect_s(self) -> float:
-        return _CONNECT_TIMEOUT_S if self.timeout is None else min(self.timeout, _CONNECT_TIMEOUT_S)
-
-    async def _json(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> dict[str, Any]:
-        async with self._request(method, path, ok=ok, **kwargs) as resp:
-            return parse_json(await resp.read(), resp.status)
+        await self._close_pool()
+        await self._arrays.close()  # last: it may wait for a fetch under way (up to its timeout)
 
     # jobs ----------------------------------------------------------------------------------
     async def create_job(self, body: dict[str, Any], *, wait_start_s: float = START_WAIT_S,
@@ -374,102 +313,19 @@ class AsyncClient:
 
     async def array(self, job_id: str, k: int) -> NDArray[Any]:
         """An npy output: mapped from shared memory where possible, else streamed over HTTP."""
-        mapped = await self._shared(lambda m: m.array(job_id, k))
-        if mapped is not None:
-            return cast("NDArray[Any]", mapped)
-        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
-            return await read_npy(resp.content)  # a short body: DaemonError bad_response
+        return await self._arrays.array(job_id, k)
 
     async def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]:
         """Output ``k``'s trajectory (a job sent with ``trajectory``): name -> read-only array, mapped from
         the daemon's shared memory where possible (else read over HTTP); ``as_torch``: CPU tensors over
         the same memory (bfloat16 latents come as torch.bfloat16; numpy shows their raw uint16 words)."""
-        mapped = await self._shared(lambda m: m.trajectory(job_id, k, "trajectory"))
-        arrays: dict[str, NDArray[Any]] = await self._trajectory_over_http(job_id, k) if mapped is None else {
-            name: a for name, a in mapped.items() if name != AUDIO_ARRAY}  # the region holds the sound track too
-        if not as_torch:
-            return arrays
-        words = any(a.dtype.kind == "u" and a.dtype.itemsize == 2 for a in arrays.values())  # bfloat16, maybe
-        return torch_views(arrays, await self._dtypes(job_id, k) if words else {})
+        return await self._arrays.trajectory(job_id, k, as_torch=as_torch)
 
     async def audio(self, job_id: str, k: int) -> tuple[NDArray[Any], int]:
         """Output ``k``'s sound track (issue 30: a model that makes one, a job not sent with ``"audio": false``)
         and its sample rate: a read-only float32 array ``(channels, samples)`` in [-1, 1], mapped from the
         daemon's shared memory where possible, else read over HTTP (the exact floats, not the WAV's 16 bits)."""
-        entry = await self._side_entry(job_id, k, "audio")
-        mapped = await self._shared(lambda m: m.trajectory(job_id, k, "audio"))
-        if mapped is not None:
-            return mapped[AUDIO_ARRAY], int(entry["sample_rate"])
-        async with self._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}/trajectory/audio") as resp:
-            waveform = await read_npy(resp.content)
-        waveform.flags.writeable = False  # as the mapped one
-        return waveform, int(entry["sample_rate"])
-
-    async def _shared(self, read: Callable[[OutputMapper], Any]) -> Any:
-        """``read``'s array (or name -> array) over the daemon's shared memory, handed out; None: read it over
-        HTTP instead (no output socket here, or this one is not in shared memory: spilled under arena pressure,
-        or an old kernel; the next may be mapped again)."""
-        mapper = await self._zero_copy_mapper()
-        if mapper is None:
-            return None
-        from diffusiond.client.zerocopy import ZeroCopyUnavailable
-
-        try:
-            got = await asyncio.to_thread(read, mapper.mapper)
-        except ZeroCopyUnavailable:
-            if self.zero_copy:
-                if mapper.mapper.closed:  # hung up (a timeout, a bad frame): the next call connects afresh
-                    await self._drop_mapper(mapper)
-                raise
-            self._no_zero_copy = True
-            await self._drop_mapper(mapper)
-            return None
-        except DaemonError as exc:
-            if exc.code != ErrorCode.NOT_SHARED:
-                raise
-            if self.zero_copy:  # the documented error
-                raise ZeroCopyUnavailable(f"zero_copy=True, but {exc.message}") from exc
-            return None
-        return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)
-
-    async def _trajectory_over_http(self, job_id: str, k: int) -> dict[str, NDArray[Any]]:
-        entries = await self._side_entry(job_id, k, "trajectory")
-        arrays = {}
-        for name, entry in entries.items():
-            async with self._request("GET", str(entry["url"])) as resp:
-                arrays[name] = await read_npy(resp.content)
-                arrays[name].flags.writeable = False  # as the mapped ones: a trajectory is a record
-        return arrays
-
-    async def _side_entry(self, job_id: str, k: int, key: str) -> dict[str, Any]:
-        """What the job's JSON says of output ``k``'s ``trajectory`` or ``audio``."""
-        job = await self.job(job_id)
-        for out in job.get("outputs") or []:
-            if int(out.get("index", -1)) == int(k) and out.get(key):
-                return dict(out[key])
-        what = "trajectory (not finished, or none asked for)" if key == "trajectory" else \
-            "sound track (not finished, its model makes none, or it was sent with audio: false)"
-        raise DaemonError(404, ErrorCode.OUTPUT_NOT_FOUND.value, f"output {k} of job {job_id} has no {what}")
-
-    async def _dtypes(self, job_id: str, k: int) -> dict[str, str]:
-        entries = await self._side_entry(job_id, k, "trajectory")
-        return {name: str(e.get("dtype")) for name, e in entries.items()}
-
-    async def _zero_copy_mapper(self) -> Mapped | None:
-        """The output mapper, opened once; None once zero-copy is off or known not to work here."""
-        async with self._mapper_lock:
-            if self._mapper is None and not self._no_zero_copy:
-                self._mapper = await open_mapper(self.socket_path, self.timeout, self.zero_copy)
-                self._no_zero_copy = self._mapper is None
-            return self._mapper
-
-    async def _drop_mapper(self, mapper: Mapped | None) -> None:
-        """Close ``mapper`` off the loop's thread: closing waits for a fetch under way in another thread, up to
-        the mapper's timeout, and every other task of the program would stand still meanwhile."""
-        if mapper is not None:
-            if self._mapper is mapper:
-                self._mapper = None
-            await asyncio.to_thread(mapper.close)
+        return await self._arrays.audio(job_id, k)
 
     def cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]:
         """Start a bounded, quiet cancel that outlives the caller's own cancellation."""

@@ -6,7 +6,9 @@ queued, so the GPU goes from one forward straight into the next. Control items (
 SHUTDOWN) travel through the same queue, so they run after the batches sent before them.
 
 Warm-up (``--warmup``, ``warmup.py``) runs on this thread too, before READY; what each forward runs
-with (its LoRA adapters, live updates between batches) is ``adapters.py``'s.
+with (its LoRA adapters, live updates between batches) is ``adapters.py``'s; the control items are
+``power.py``'s, a forward that runs out of memory ``retry.py``'s, and each request's one ending
+``endings.py``'s.
 """
 
 from __future__ import annotations
@@ -19,24 +21,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
-import diffusiond.pipelines.hostcopy as hostcopy
 from diffusiond.ipc.errors import ArenaError
 from diffusiond.ipc.inputs import read_controls, read_inputs, read_pictures, read_references
 from diffusiond.ipc.messages import (
-    Ack,
     AddLora,
     ComputeDone,
-    EndStatus,
     Execute,
     Fatal,
-    Kind,
     Progress,
-    RequestEnded,
     RequestSpec,
     UpdateLora,
     UpdateWeights,
@@ -47,24 +43,20 @@ from diffusiond.pipelines.controlnet import ControlNets
 from diffusiond.pipelines.errors import HalfApplied
 from diffusiond.pipelines.ip_adapter import IpAdapters
 from diffusiond.pipelines.loras import Adapters
-from diffusiond.protocol import ErrorCode
 from diffusiond.worker import profile
-from diffusiond.worker.adapters import AdapterOutOfMemory, LiveAdapters
+from diffusiond.worker.adapters import LiveAdapters
 from diffusiond.worker.copier import Copier, CopyJob
-from diffusiond.worker.failures import first_line, is_fatal, is_oom, oom_message, oom_shape
+from diffusiond.worker.endings import Endings
+from diffusiond.worker.failures import is_fatal
 from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
 from diffusiond.worker.memory import PeakMeter
+from diffusiond.worker.power import Control, Power
+from diffusiond.worker.retry import run_or_retry
 from diffusiond.worker.startup import bind_thread
 from diffusiond.worker.state import SharedState
 from diffusiond.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Control:
-    command: Literal["sleep", "wake", "shutdown", "release"]
-    ack_id: int = 0  # the command's, echoed in its ACK
 
 
 @dataclass(frozen=True)
@@ -82,9 +74,6 @@ class LiveUpdate:
 
     msg: UpdateLora | UpdateWeights
     fds: list[int]
-
-
-_KIND = {"sleep": Kind.SLEEP, "wake": Kind.WAKE, "shutdown": Kind.SHUTDOWN, "release": Kind.RELEASE}
 
 
 def close_fds(fds: list[int]) -> None:
@@ -128,8 +117,9 @@ class ComputeThread:
         self.warmup = list(warmup)
         self.on_ready = on_ready
         self.before_forward = before_forward  # tests only (worker/faults.py): e.g. an injected out-of-memory
-        self._ended: set[str] = set()  # the current batch's requests already ended: each ends exactly once
-        self._retried = False  # the current batch ran out of memory once: its peak is not its need
+        # SLEEP, WAKE, RELEASE, SHUTDOWN (worker/power.py)
+        self.power = Power(pipeline, self.finish, state, post, controlnets=controlnets, ip_adapters=ip_adapters,
+                           drain_timeout_s=drain_timeout_s, on_exit=on_exit, die=self._die)
         # each batch's working memory, for residency (worker/memory.py)
         self.meter = PeakMeter(pipeline.device, offloaded=pipeline.capabilities.offload != "none")
         self.cuda = pipeline.device.type == "cuda"
@@ -159,7 +149,7 @@ class ComputeThread:
         while True:
             item = self.queue.get()
             if isinstance(item, Control):
-                if self._control(item):
+                if self.power(item):
                     return
                 continue
             if isinstance(item, AddLora):
@@ -188,11 +178,11 @@ class ComputeThread:
         self.on_exit(code)
 
     def _execute(self, batch: Execute, fds: list[int]) -> None:
-        self._ended.clear()
+        endings = Endings(batch.batch_id, self.state, self.post, self._empty_cache)  # each request ends once
         live = [r for r in batch.requests if not self.state.is_cancelled(r.request_id)]
         for r in batch.requests:
             if r not in live:
-                self._end(batch.batch_id, r.request_id, "cancelled", "cancelled while queued on the worker")
+                endings.end(r.request_id, "cancelled", "cancelled while queued on the worker")
         if not live:
             close_fds(fds)
             return
@@ -210,7 +200,7 @@ class ComputeThread:
             if batch.params.ip_adapters:  # IP-Adapter reference images, in the same kind of buffer
                 references = {r.request_id: read_references(fds, r.input) for r in live if r.input is not None}
         except (ArenaError, OSError, ValueError) as exc:
-            self._fail_all(batch.batch_id, live_ids, f"could not read the input image: {exc}")
+            endings.fail_all(live_ids, f"could not read the input image: {exc}")
             return
         finally:
             close_fds(fds)
@@ -302,19 +292,20 @@ class ComputeThread:
         self.state.record_gpu("compute_start", batch.batch_id)
         t0 = time.perf_counter()
         ran = len(live)
-        self._retried = False
         upscaler_retries = self.finish.oom_retries
         try:
             self.adapters.activate(batch.params.loras)  # before the meter: an adapter's weights are not working memory
             self.meter.start()
-            live, outputs = self._run_or_retry(batch, live, inputs, forward)
+            # out of memory: retried, in halves (worker/retry.py); retried, its peak is not its need
+            live, outputs, retried = run_or_retry(batch, live, inputs, forward, pipeline=self.pipeline,
+                                                  endings=endings, post=self.post, empty_cache=self._empty_cache)
         except Interrupted as exc:
-            self._cancelled(batch.batch_id, live_ids, exc)
+            endings.cancelled(live_ids, exc)
             return
         except Exception as exc:
             if is_fatal(exc):
                 raise
-            self._failed(batch.batch_id, live_ids, exc)
+            endings.failed(live_ids, exc)
             return
         finally:
             self.copier.submit_previews()  # ahead of the outputs' CopyJob
@@ -328,7 +319,7 @@ class ComputeThread:
         compute_ms = (time.perf_counter() - t0) * 1000
         # a peak after running out of memory, or while compiling, is not what the shape needs: not reported
         working = self.meter.stop(outputs)
-        retried = self._retried or self.finish.oom_retries != upscaler_retries  # the upscaler's own retry too
+        retried = retried or self.finish.oom_retries != upscaler_retries  # the upscaler's own retry too
         measured = working is not None and not retried and not compiling
         self.state.record("compute_end", batch.batch_id)
         self.post(ComputeDone(batch_id=batch.batch_id, compute_ms=compute_ms,
@@ -340,55 +331,6 @@ class ComputeThread:
             self.copier.process(job)
         else:
             self.copier.submit(job)
-
-    def _run_or_retry(
-        self, batch: Execute, live: list[RequestSpec], inputs: list[EditArrays],
-        forward: Callable[[list[RequestSpec], list[EditArrays]], list[torch.Tensor]],
-    ) -> tuple[list[RequestSpec], list[torch.Tensor]]:
-        """The batch's forward; out of memory, once more after emptying the allocator's cache, as two
-        halves when it holds more than one request (seeds are per request, so a half gives what it
-        would alone). What still runs out fails with ``out_of_memory``; the rest goes on. A half whose
-        requests are all cancelled (the finisher asks about the requests it was handed) ends those
-        ``cancelled``, one that fails another way ends them with its error, and the other half keeps its
-        outputs either way. Returns the requests that have outputs, and those outputs. The engine hears of
-        the retry (``oom_retry``) and sends idle models on this device away; the retry does not wait for that
-        (the other models' workers are other processes): it helps the halves and the jobs after."""
-        try:
-            return live, forward(live, inputs)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            first = exc
-        self._retried = True
-        self._empty_cache()
-        split = len(live) > 1
-        log.warning("batch %d (%s) ran out of memory; retrying%s: %s", batch.batch_id, oom_shape(batch, len(live)),
-                    " as two halves" if split else "", first_line(first))
-        self.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, oom_retry=True))
-        mid = (len(live) + 1) // 2
-        parts = [(live[:mid], inputs[:mid]), (live[mid:], inputs[mid:])] if split else [(live, inputs)]
-        done: list[RequestSpec] = []
-        outputs: list[torch.Tensor] = []
-        for requests, arrays in parts:
-            try:
-                outputs.extend(forward(requests, arrays))
-            except Interrupted as exc:
-                self._cancelled(batch.batch_id, [r.request_id for r in requests], exc)
-                continue
-            except Exception as exc:
-                if is_fatal(exc):
-                    raise
-                if not is_oom(exc):  # this half's own failure: the other half's outputs stand
-                    self._failed(batch.batch_id, [r.request_id for r in requests], exc)
-                    continue
-                self._empty_cache()
-                message = oom_message(self.pipeline, batch, len(live), len(requests) if split else 0, exc)
-                log.warning("batch %d: %s", batch.batch_id, message)
-                for r in requests:
-                    self._end(batch.batch_id, r.request_id, "failed", message, code=ErrorCode.OUT_OF_MEMORY)
-                continue
-            done.extend(requests)
-        return done, outputs
 
     def _empty_cache(self) -> None:
         """Give the allocator's cached blocks back, so the retry starts from what is really in use."""
@@ -407,93 +349,3 @@ class ComputeThread:
                 raise ValueError(f"request {r.request_id} of an edit batch has no input image")
             result.append(read_inputs(fds, r.input))
         return result
-
-    def _control(self, item: Control) -> bool:
-        """Drain copies (bounded), then act. Returns True when the thread should end."""
-        if item.command == "release":  # the host copy is no copy's source or target: nothing to drain
-            try:
-                hostcopy.release_all()
-                self.post(Ack(command=Kind.RELEASE, ok=True, host_kept=hostcopy.kept(), ack_id=item.ack_id))
-            except Exception as exc:  # answered: an exception here ended the thread, and every batch after waited
-                self.post(Ack(command=Kind.RELEASE, ok=False, message=f"release failed: {type(exc).__name__}: "
-                              f"{exc}", host_kept=hostcopy.kept(), ack_id=item.ack_id))
-            return False
-        self.state.record(f"drain_start_{item.command}", 0)
-        drained = self.state.drain(self.drain_timeout_s)
-        self.state.record(f"drain_end_{item.command}", 0)
-        message = "" if drained else f"copy thread did not drain within {self.drain_timeout_s}s"
-        ok = drained
-        if not drained and item.command in ("sleep", "wake"):
-            # nothing moves: an answer "not ok" over a model that had moved anyway left the engine sending batches
-            # to a sleeping model, each failing, and its wakes to no one; the engine may ask again
-            self.post(Ack(command=_KIND[item.command], ok=False, message=message, host_kept=hostcopy.kept(),
-                          ack_id=item.ack_id))
-            return False
-        try:
-            if item.command == "sleep":
-                if self.ip_adapters is not None:  # out of the UNet before its weights move
-                    self.ip_adapters.place(asleep=True)
-                self.pipeline.sleep()
-                if self.controlnets is not None:
-                    self.controlnets.place(asleep=True)
-                self.finish.place(asleep=True)
-            elif item.command == "wake":
-                self.pipeline.wake()
-                if self.controlnets is not None:
-                    self.controlnets.place(asleep=False)
-                if self.ip_adapters is not None:
-                    self.ip_adapters.place(asleep=False)
-                self.finish.place(asleep=False)
-        except Exception as exc:
-            ok, message = False, f"{item.command} failed: {type(exc).__name__}: {exc}"
-            if item.command == "sleep" and not self._undo_sleep():  # half moved: neither asleep nor awake
-                self._die(f"sleep failed half-way and its weights could not be put back: {message}", 70,
-                          between_batches=True)
-                return True
-        self.state.record(item.command, 0)
-        self.post(Ack(command=_KIND[item.command], ok=ok, message=message, host_kept=hostcopy.kept(),
-                     ack_id=item.ack_id))
-        if item.command == "shutdown":
-            self.on_exit(0 if drained else 1)
-            return True
-        return False
-
-    def _undo_sleep(self) -> bool:
-        """After a sleep that raised part-way, everything back on the device as before (the engine keeps the
-        worker READY and sends it batches); False where that fails too."""
-        try:
-            self.pipeline.wake()
-            for part in (self.controlnets, self.ip_adapters):
-                if part is not None:
-                    part.place(asleep=False)
-            self.finish.place(asleep=False)
-        except Exception:
-            log.exception("putting the weights back after a failed sleep failed")
-            return False
-        return True
-
-    def _fail_all(self, batch_id: int, request_ids: list[str], message: str) -> None:
-        for rid in request_ids:
-            self._end(batch_id, rid, "failed", message)
-
-    def _failed(self, batch_id: int, request_ids: list[str], exc: Exception) -> None:
-        """A failure of these requests' forward that leaves the device sound: each ends with it, in its own words;
-        a LoRA that did not fit in the device's memory ends them ``out_of_memory``, saying what would help."""
-        log.error("batch %d: %s failed", batch_id, ", ".join(request_ids), exc_info=exc)
-        oom = isinstance(exc, AdapterOutOfMemory)
-        if oom:
-            self._empty_cache()  # the half-loaded adapter's blocks: back before the next batch
-        for rid in request_ids:
-            self._end(batch_id, rid, "failed", str(exc) if oom else f"{type(exc).__name__}: {exc}",
-                      code=ErrorCode.OUT_OF_MEMORY if oom else "")
-
-    def _cancelled(self, batch_id: int, request_ids: list[str], exc: Interrupted) -> None:
-        for rid in request_ids:
-            self._end(batch_id, rid, "cancelled", f"cancelled during compute ({exc})")
-
-    def _end(self, batch_id: int, request_id: str, status: EndStatus, message: str, code: str = "") -> None:
-        if request_id in self._ended:  # ended by the out-of-memory path already: once only
-            return
-        self._ended.add(request_id)
-        self.state.finish(request_id)
-        self.post(RequestEnded(request_id, batch_id, status, message, "computing", code=code))

@@ -247,7 +247,7 @@ class Keeper:
             self.metrics.kept_released("worker_died", kept - self.policy.kept(name))
 
     def on_oom(self, name: str, shape: Shape, device: str) -> None:
-        """A worker on ``device`` ran out of memory running ``shape`` and retries (worker/compute.py): the idle
+        """A worker on ``device`` ran out of memory running ``shape`` and retries (worker/retry.py): the idle
         models there leave (``policy.on_oom``; not those on its model's other devices), so the retry's halves and
         the jobs after find room. The worker does not wait for them: a retry costs no round trip to the engine."""
         if not self.known(name):
