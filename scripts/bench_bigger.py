@@ -168,7 +168,7 @@ def one(a: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.empty_cache()
     plan: dict[str, Any] = {}
-    if options.get("offload") == "stream":  # the plan's options beside the others (te-fp8's quant=: review52-a 5)
+    if options.get("offload") == "stream":  # the plan's options beside the others (te-fp8's quant=)
         streamed, plan = stream_options(pipe, a)
         options = {**options, **streamed}
     dp = DiffusersPipeline(pipe, name="flux", device=a.device, dtype=dtype, options=options)

@@ -260,7 +260,7 @@ def test_sse_waits_for_the_blank_line() -> None:
 
 
 def test_every_generate_and_serve_flag_says_what_it_does_and_serves_defaults_are_the_configs() -> None:
-    """Review 42's finding 9: ``--model``, ``-n``, ``--size``, ``--steps``, ``--guidance``, ``--seed`` and eleven serve
+    """``--model``, ``-n``, ``--size``, ``--steps``, ``--guidance``, ``--seed`` and eleven serve
     flags had no help, and ``models`` was said to list the loaded models (it lists all of them)."""
     import argparse
     import re

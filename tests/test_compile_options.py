@@ -128,3 +128,11 @@ def test_a_model_whose_attention_would_not_read_fused_projections_is_refused_by_
     with pytest.raises(PipelineError, match=r"fuse_qkv=1: LTXPipeline's transformer cannot fuse its QKV projections: "
                                             r"its attention processor \w+ does not read fused projections"):
         fuse_qkv(video.pipe)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2"])
+def test_a_compile_encoders_value_other_than_0_or_1_is_refused_at_start_by_its_value(value: str) -> None:
+    """``compile_encoders=yes`` read as unset would compile (or not) against what was asked, and say nothing."""
+    with pytest.raises(ConfigError) as exc:
+        build_config({}, {"model": [f"tiny,compile_encoders={value}"], "compile": "default"})
+    assert f"compile_encoders={value!r}" in str(exc.value) and "give 1" in str(exc.value), str(exc.value)

@@ -90,7 +90,7 @@ def test_daemon_refuses_tcp_without_a_token_file(tmp_path: Path) -> None:
 
 def test_the_socket_path_appears_only_once_it_accepts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that connects as soon as the path exists (a script polling for it, the test kit) was refused
-    in the instant between bind and listen (fix46-flake): the path now appears listening, with its mode."""
+    in the instant between bind and listen: the path now appears listening, with its mode."""
     import diffusiond.daemon.server as server
 
     path = tmp_path / "d.sock"

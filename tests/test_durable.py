@@ -364,7 +364,7 @@ async def test_jobs_are_accepted_while_the_models_load(daemon_factory: Factory, 
     async with http(slow.socket) as s:
         # sent at once, so it mostly comes while the start still recovers the state dir: admitted as admission
         # opens, before the preload's first step. Its dispatch used to load tiny itself, the preload then skipped
-        # tiny ("stays on disk at start: tiny is loading") and /ready said done with nothing loaded (fix46-flake)
+        # tiny ("stays on disk at start: tiny is loading") and /ready said done with nothing loaded
         async with s.post("/v1/jobs", json={"prompt": "early", "seed": 3}) as r:
             job = await r.json()
         assert r.status == 202 and job["status"] == "queued" and job["stage"] == "loading", job

@@ -198,7 +198,7 @@ async def test_outputs_versions_are_kept_and_a_record_without_them_still_reads(t
 
 
 async def test_a_saved_trajectory_read_racing_its_deletion_is_a_404_not_a_500(tmp_path: Path) -> None:
-    """Review41b moves 3: a saved trajectory array (or sound track) read as DELETE or retention removes its job's
+    """A saved trajectory array (or sound track) read as DELETE or retention removes its job's
     files is refused from the deletion's start, and one whose file went meanwhile is OutputNotFound (404), as an
     output's file read is; its reads under way keep retention off the job."""
     from concurrent.futures import ThreadPoolExecutor

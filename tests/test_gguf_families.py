@@ -274,7 +274,7 @@ def test_a_wan_gguf_with_another_variants_base_names_base(files: dict[str, Path]
 
 
 def test_a_wan22_i2v_gguf_on_a_wan21_i2v_base_names_the_base_it_needs(files: dict[str, Path], tmp_path: Path) -> None:
-    """Review41 pipes 4: a Wan 2.2 I2V A14B file (QuantStack's) has no CLIP embedding but takes the image's latents
+    """A Wan 2.2 I2V A14B file (QuantStack's) has no CLIP embedding but takes the image's latents
     in its input; on a Wan 2.1 I2V base it was told to use a T2V base, which cannot run it."""
     from diffusiond.pipelines.errors import PipelineError
     from diffusiond.pipelines.loaders import load_gguf
@@ -290,7 +290,7 @@ def test_a_wan22_i2v_gguf_on_a_wan21_i2v_base_names_the_base_it_needs(files: dic
 
 
 def test_a_damaged_base_component_is_not_blamed_on_the_gguf_file(files: dict[str, Path], tmp_path: Path) -> None:
-    """Review41 pipes 5: a shape error in the base's VAE (its config edited, its weights not) said the GGUF file did
+    """A shape error in the base's VAE (its config edited, its weights not) said the GGUF file did
     not fit the base's transformer, and that base= named another variant."""
     import shutil
 

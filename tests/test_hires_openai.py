@@ -155,7 +155,7 @@ async def test_images_edit_on_a_video_model_answers_an_mp4_without_being_asked_f
 
 
 async def test_one_step_where_the_model_takes_two_is_the_same_400_on_the_openai_endpoints(sock: Path) -> None:
-    """Review41b new 4: tiny-video's scheduler stretches its last step (min_steps 2); the OpenAI field is named."""
+    """tiny-video's scheduler stretches its last step (min_steps 2); the OpenAI field is named."""
     async with http(sock) as s:
         async with s.post("/v1/images/generations", json={"model": "tiny-video", "prompt": "a boat", "size": "64x64",
                                                           "num_inference_steps": 1}) as r:
@@ -168,7 +168,7 @@ async def test_one_step_where_the_model_takes_two_is_the_same_400_on_the_openai_
 
 
 def test_a_hires_pass_shorter_than_the_model_takes_is_refused_naming_hires_steps() -> None:
-    """Review41b new 4: the hires schedule (steps / strength) is checked against min_steps as the steps are; no
+    """The hires schedule (steps / strength) is checked against min_steps as the steps are; no
     served model here has both an image-to-image pipeline and two steps as its fewest (Qwen-Image does), so the
     check runs on its own."""
     from diffusiond.daemon.config import DaemonConfig

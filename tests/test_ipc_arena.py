@@ -97,7 +97,7 @@ def test_arena_random_allocations_never_overlap(ops: list[tuple[bool, int]]) -> 
 
 
 def test_arena_view_of_batch_tensor_moves_only_its_own_bytes() -> None:
-    """Seed 001 defect 1 in its new form: a per-request view of a 32-request batch tensor."""
+    """A per-request view of a 32-request batch tensor."""
     batch = torch.rand(32, 3, 128, 128)
     arena = Arena(8 << 20)
     view = batch[17]

@@ -93,7 +93,7 @@ async def test_channel_post_off_loop_thread_is_refused() -> None:
 
 
 async def test_channel_concurrent_posters_never_interleave_or_lose() -> None:
-    """Seed 001 defect 3 in its new form: many threads post at once through the single writer."""
+    """Many threads post at once through the single writer."""
     a, b = await pair()
     Inbox(a)
     inbox = Inbox(b)
@@ -141,7 +141,7 @@ async def test_channel_outputs_of_32_requests_of_900kb_all_delivered() -> None:
 
 
 async def test_channel_frame_sent_before_reader_started_is_delivered() -> None:
-    """Seed 001 defect 4 in its new form: an output that arrives before anyone waits is kept."""
+    """An output that arrives before anyone waits is kept."""
     a, b = await pair()
     Inbox(a)
     a.post(m.OutputReady("early", 0, describe_fake()))

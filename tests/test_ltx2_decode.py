@@ -67,7 +67,7 @@ def test_a_batch_that_wants_no_sound_skips_the_vocoder_and_makes_the_same_video(
 
 
 def test_the_warm_up_decodes_the_sound_a_default_job_does(ltx2: DiffusersPipeline, vocoder_calls: list[int]) -> None:
-    """Review41 pipes 3: a job that leaves ``audio`` out gets the sound track, so the warm-up (which measures the
+    """A job that leaves ``audio`` out gets the sound track, so the warm-up (which measures the
     shape's working memory and pays its first run) runs the vocoder too; so do the benchmarks (``as_served``)."""
     from diffusiond.ipc.messages import WarmupShape
     from diffusiond.worker.warmup import warm_up

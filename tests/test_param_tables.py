@@ -163,7 +163,7 @@ async def test_a_table_is_used_only_for_the_spec_options_and_files_it_was_made_f
 
 
 def test_a_table_is_used_only_with_the_same_software_and_preset_revision(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review41 engine 2, 3: a table made without peft (which refuses every LoRA), or under another diffusers or
+    """A table made without peft (which refuses every LoRA), or under another diffusers or
     diffusiond release, or from an earlier revision of a ``random:`` preset, does not answer for this one."""
     tables = ParamTables(None)
     made = ModelConfig(name="m", spec="random:ltx-2")
@@ -189,7 +189,7 @@ def test_a_table_is_used_only_with_the_same_software_and_preset_revision(monkeyp
 
 async def test_a_table_that_comes_while_the_files_are_read_answers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review41 engine 4: a load's PARAM_TABLE that arrives while an update's check reads the model's files (a
+    """A load's PARAM_TABLE that arrives while an update's check reads the model's files (a
     hub folder's take a while) is what answers, then and for the rest of the run, not the files' older word."""
     folder = tmp_path / "model"
     folder.mkdir()
@@ -215,7 +215,7 @@ async def test_a_table_that_comes_while_the_files_are_read_answers(
 
 
 async def test_a_misspelt_preset_has_no_table_and_every_update_gets_an_answer() -> None:
-    """Review41b moves 2: ``random:nope`` raised out of the fingerprint, the update's task died and the trainer (no
+    """``random:nope`` raised out of the fingerprint, the update's task died and the trainer (no
     timeout by default) waited forever. Serve refuses the name at start now (test_newcomer.py); here, what the update
     path does with it or with any failure it did not foresee: it answers."""
     from diffusiond.daemon.edge.handoff import _Connection

@@ -47,7 +47,7 @@ def qwen_daemon(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, qwe
 
 def test_a_hub_id_not_in_the_cache_yet_loads_its_processor_without_torchvision_on_the_first_start(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, qwen_folder: Path) -> None:
-    """Review41b new 2: with nothing cached, diffusers downloaded the snapshot and built transformers' processor
+    """With nothing cached, diffusers downloaded the snapshot and built transformers' processor
     itself, which needs torchvision; the start failed saying the model could not be downloaded. The hub here is a
     function that puts the folder in the cache as a download would (no network in tests)."""
     import huggingface_hub

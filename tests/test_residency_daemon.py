@@ -227,7 +227,7 @@ def test_a_model_with_two_workers_on_a_device_counts_a_copy_of_its_weights_per_w
 
 
 def test_one_of_two_workers_killed_the_survivor_serves_and_the_model_keeps_two_workers(daemon_factory: Any) -> None:
-    """Review44-c 1: one worker of two dies and a job comes while the pool replaces it. Only the dead worker's
+    """One worker of two dies and a job comes while the pool replaces it. Only the dead worker's
     copy left the books, so the job runs on the survivor; before, the model was booked as gone, the job loaded it
     "from disk", and two more workers started beside the survivor and the replacement (4 ready for 2)."""
     d = started(daemon_factory, "--model", "tiny", "--workers", "2", "--no-persist", "--keep-alive", "-1")

@@ -252,7 +252,7 @@ async def test_an_unload_by_hand_that_drops_another_model_for_room_stops_that_mo
 
 async def test_a_copy_freed_by_its_workers_death_during_a_release_is_counted_once(
         weighs_a_gib: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review41 engine 5: the worker dies while a RELEASE is under way; its death frees the copy (``worker_died``),
+    """The worker dies while a RELEASE is under way; its death frees the copy (``worker_died``),
     and the release, which freed nothing, does not count it again as ``host_memory_full``."""
     h = await _woken_keeping_its_copy()
     try:

@@ -41,7 +41,7 @@ def test_models_on_devices_they_do_not_share_take_no_turns() -> None:
 
 
 def test_a_model_in_the_way_only_on_a_device_the_waiting_model_has_room_on_is_not_held() -> None:
-    """Review41 engine 6: w (on cuda:0 and cuda:1) is short of memory on cuda:1 only, where c runs; b, on cuda:0
+    """Model w (on cuda:0 and cuda:1) is short of memory on cuda:1 only, where c runs; b, on cuda:0
     alone, has waited least, but sending it away frees nothing w lacks: c is held, for cuda:1."""
     w = dataclasses.replace(on("w", "cuda:0", "cuda:1", tier="host", oldest=0.0, blocked=True), short=("cuda:1",))
     b = st("b", device="cuda:0", running=True)

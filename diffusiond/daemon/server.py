@@ -56,7 +56,7 @@ def bind_unix(path: str, mode: int, group: str | None) -> socket.socket:
     """Create the listening socket with its final mode from the first instant (umask), refusing to
     take over a socket another daemon is still serving. Bound under a temporary name and linked into
     place once it listens: a client that connects as soon as the path exists (a script polling for it)
-    must not be refused in the instant between bind and listen (fix46-flake)."""
+    must not be refused in the instant between bind and listen."""
     p = Path(path)
     if not p.parent.exists():
         p.parent.mkdir(mode=0o700, parents=True)

@@ -242,7 +242,7 @@ class Template:
             if self._status is not None and not self._status.done():
                 self._status.set_result(msg)
             if not msg.ready:  # broken here, not at the next fork: its EOF, right behind, said only "it died"
-                self._break(f"it is unusable: {msg.why}", gone=True)  #; it exits on its own
+                self._break(f"it is unusable: {msg.why}", gone=True)  # it exits on its own
         elif isinstance(msg, Forked):
             fut = self._replies.get(msg.seq)
             if fut is not None and not fut.done():
@@ -341,8 +341,8 @@ def spawn(config: DaemonConfig) -> None:
     argv = [sys.executable, "-m", "diffusiond.worker.template", "--fd", str(theirs.fileno()),
             "--log-level", config.log_level.upper(), *(["--libraries"] if libraries else []),
             *(["--compiler"] if compiler else [])]
-    # systemd's socket activation describes the engine's fds, not the template's or its children's (and
-    # a spawned worker never sees them either: systemd.listen_fds pops them, but only after this spawn)
+    # systemd's socket activation describes the engine's fds, not the template's or its children's; and
+    # a spawned worker never sees them either: systemd.listen_fds pops them, but only after this spawn
     env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")}
     try:
         proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
