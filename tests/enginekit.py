@@ -285,10 +285,10 @@ def job(h: Harness, model: str) -> Job:
                                       output_format="png", seed=1))
 
 
-async def until(check: Callable[[], bool]) -> None:
-    """Wait (at most 5 s) for ``check`` to come true, letting the loop run; fail the test if it does not."""
-    for _ in range(500):
-        if check():
-            return
+async def until(check: Callable[[], object], timeout: float = 5.0, what: str = "the condition") -> None:
+    """Let the loop run until ``check()`` is truthy; fail the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.01)
-    pytest.fail("timed out")

@@ -5,10 +5,10 @@ end when the test says, sends every expired model off at once, and a quick move 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from enginekit import until
 from residencykit import Engine, G, S, tier
 
 import diffusiond.daemon.residency.keeper as keeper
@@ -52,15 +52,7 @@ class _Pool:
     sleep_model = retire
 
 
-async def _until(check: Callable[[], bool], what: str) -> None:
-    async def poll() -> None:
-        while not check():
-            await asyncio.sleep(0.01)
 
-    try:
-        await asyncio.wait_for(poll(), 10)
-    except TimeoutError:
-        pytest.fail(f"timed out waiting for {what}")
 
 
 async def test_a_slow_expiry_holds_no_other_model_past_its_keep_alive(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,11 +68,11 @@ async def test_a_slow_expiry_holds_no_other_model_past_its_keep_alive(monkeypatc
         e.run(name, keep_alive_s=0)
     k.started()
     try:
-        await _until(lambda: tier(room, "b") == tier(room, "c") == "disk", "b and c to leave while a's move runs")
+        await until(lambda: tier(room, "b") == tier(room, "c") == "disk", 10, "b and c to leave while a's move runs")
         assert pool.begun[0] == "a" and sorted(pool.begun) == ["a", "b", "c"], pool.begun
         assert k.moving == {"a"} and tier(room, "a") == "device"  # still leaving: counted where it was
         pool.gates["a"].set()
-        await _until(lambda: tier(room, "a") == "disk", "a's move to end")
+        await until(lambda: tier(room, "a") == "disk", 10, "a's move to end")
         assert not k.moving
     finally:
         k.stop()

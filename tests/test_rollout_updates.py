@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from daemonkit import Daemon, http, shared_daemon, submit, wait_job
+from enginekit import until
 
 from diffusiond.client import AsyncClient
 from diffusiond.client.weights import pack
@@ -66,12 +67,7 @@ async def lora_update(live: LiveLoras, name: str, models: list[FakeModel], state
     return await live.update(UpdateLora(name, tensors), fds, models, 5)  # type: ignore[arg-type]
 
 
-async def until(cond: Any) -> None:
-    for _ in range(1000):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the condition never held")
+
 
 
 async def race(live: LiveLoras | LiveComponents, send: Any) -> list[int]:

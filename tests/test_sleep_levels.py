@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from daemonkit import Daemon, get, health, http, shared_daemon, submit, until, wait_job
 from enginekit import CAPS, FakeWorker, Harness, hold_starts
+from enginekit import until as until_true
 
 from diffusiond.commands.admin import asleep_line
 from diffusiond.daemon.config import ModelConfig
@@ -111,11 +112,11 @@ async def test_a_worker_that_comes_up_during_a_level_2_sleep_is_stopped_not_slep
     h = gpu
     release = hold_starts(monkeypatch)
     live(h, "a")[0].die()  # its replacement starts and takes its time
-    await until_true(lambda: h.engine.pool.models["a"].replacing == 1 and len(h.spawned) == 3)
+    await until_true(lambda: h.engine.pool.models["a"].replacing == 1 and len(h.spawned) == 3, 2)
     replacement = h.spawned[-1]
     await h.engine.sleep(2)
     release.set()
-    await until_true(lambda: h.engine.pool.models["a"].replacing == 0)
+    await until_true(lambda: h.engine.pool.models["a"].replacing == 0, 2)
     assert replacement.state == WorkerState.DEAD and not any(isinstance(c, Sleep) for c in replacement.commands)
     assert not live(h, "a") and h.engine.pool.models["a"].retired
     await h.engine.wake()
@@ -138,12 +139,7 @@ async def test_no_worker_starts_at_level_2_a_never_seen_model_is_a_503_that_says
         await h.close()
 
 
-async def until_true(check: Any, tries: int = 200) -> None:
-    for _ in range(tries):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("never became true")
+
 
 
 async def test_a_job_that_passes_its_deadline_asleep_says_the_daemon_sleeps_and_how_to_wake_it() -> None:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from enginekit import until
 from workerkit import Driver, config
 
 import diffusiond.daemon.workers.template as templates
@@ -233,12 +234,7 @@ async def test_a_worker_the_template_cannot_fork_starts_fresh_and_runs_its_job(f
     assert fake.template.broken is None if broken is None else re.match(broken, fake.template.broken or "")
 
 
-async def _until(check: Callable[[], object], timeout: float = 30) -> None:
-    async def poll() -> None:
-        while not check():
-            await asyncio.sleep(0.02)
 
-    await asyncio.wait_for(poll(), timeout)
 
 
 def _forks_then_goes_quiet(fake: Fake, fork: Fork) -> None:
@@ -274,7 +270,7 @@ async def test_a_forked_worker_whose_end_its_template_never_reports_is_still_see
         (worker,) = fake.workers
         if end == "dies":
             worker.kill()
-            await _until(lambda: driver.lost)
+            await until(lambda: driver.lost, 30, "the worker's loss to be reported")
         else:  # the daemon stops: SHUTDOWN, and the worker exits
             await asyncio.wait_for(driver.handle.stop(timeout=10), 30)
     assert driver.handle.state == WorkerState.DEAD
@@ -337,7 +333,7 @@ async def test_a_template_that_ends_before_any_fork_is_reaped_and_says_why(  # t
     assert templates.claim() is fake.template  # as the pool takes it, on the loop: no fork needed from here
     line = (f"the worker template (pid {fake.stand_in.pid}) stopped forking workers: {why}; workers start as "
             "fresh interpreters from now on")
-    await _until(lambda: line in caplog.text)
+    await until(lambda: line in caplog.text, 30, repr(line))
     assert fake.stand_in.returncode is not None  # reaped
     assert fake.template.broken == why
 
