@@ -101,3 +101,22 @@ async def test_what_one_slot_frees_is_enough_the_oldest_goes_first(h: Harness) -
     assert h.worker.returned == [slots[0]] and jobs[0].items[0].data is not None
     assert arena.try_allocate(2 * UNIT) is not None
     arena.close()
+
+
+async def test_asked_again_while_the_spill_is_under_way_nothing_more_is_spilled(h: Harness) -> None:
+    """The copier asks again every second while it waits. A second ask that comes before B's spill ended finds B's
+    range already left out (it frees itself): that range is on its way, so spilling the oldest output as well
+    would cost A's slot for no room."""
+    arena = Arena(ARENA)
+    jobs, slots = await held_at(h, arena, [0, 1, 4, 6, 9, 12, 15])
+    _, p1, _, *pinned = jobs
+    async with AsyncExitStack() as downloads:
+        for job in (p1, *pinned):
+            await downloads.enter_async_context(h.engine.open_output(job, 0))
+        ask = SlotWait("r", 3 * UNIT, ARENA - arena.largest_free, ARENA)
+        h.worker.send(ask)
+        h.worker.send(ask)  # before B's spill ended: the worker has not seen its slot come back yet
+        await h.engine.outputs.settled()
+        assert h.worker.returned == [slots[2]], "only B needed spilling"
+        assert jobs[0].items[0].desc is not None, "A's slot stays in the arena"
+    arena.close()

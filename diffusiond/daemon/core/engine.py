@@ -105,6 +105,7 @@ class Engine(OutputAccess):
         # is still draining must not finish first and then be undone by that sleep's SLEEP commands
         self._power = asyncio.Lock()
         self._slept: list[Model] = []  # the models on a device when a sleep began: its wake brings them back
+        self._waiting: dict[int, str] = {}  # by worker id, the request whose copy last asked for arena room
         self._socket_activated = False  # the start's preload choice, which a wake makes again
         self._preloads: list[Model] = []  # what ``open`` chose for ``preload`` to load
         self._retention: asyncio.Task[None] | None = None
@@ -403,9 +404,11 @@ class Engine(OutputAccess):
             self.previews.deliver(worker, self.items.get(msg.request_id), msg)
         elif isinstance(msg, ComputeDone):
             self.flights.on_compute_done(msg)
-        elif isinstance(msg, SlotWait):
-            log.info("%s waits for %d bytes of arena (largest free range %d of %d); spilling unfetched outputs",
-                     worker.name, msg.nbytes, msg.capacity - msg.in_use, msg.capacity)
+        elif isinstance(msg, SlotWait):  # asked again every second while it waits: only its first ask is news
+            level = logging.DEBUG if self._waiting.get(worker.id) == msg.request_id else logging.INFO
+            self._waiting[worker.id] = msg.request_id
+            log.log(level, "%s waits for %d bytes of arena (largest free range %d of %d); spilling unfetched outputs",
+                    worker.name, msg.nbytes, msg.capacity - msg.in_use, msg.capacity)
             self.outputs.relieve(worker, need=msg.nbytes - (msg.capacity - msg.in_use), size=msg.nbytes)
         elif isinstance(msg, RequestEnded):
             ended = self.items.get(msg.request_id)

@@ -402,25 +402,37 @@ class Outputs:
         that do not join up with free room leave it waiting for nothing. None where the ranges held here cannot
         open one, or where one is open already as far as the engine knows (the worker holds slots it has not
         announced yet, this output's trajectory or a preview, or has not read releases on their way): then the
-        bytes missing are all there is to go by."""
+        bytes missing are all there is to go by. Empty where every range that looks open is only opening, through
+        spills still under way: the worker asks again while it waits, and those spills are the room it asked for."""
         size = _taken(0, size)[1]  # as the arena reserves it
         outputs, sides = set(self._spillable(worker)), set(self.trajectories.spillable(worker))
         ranges = [(*_taken(d.offset, d.nbytes), (i, False) if i in outputs else None) for i in self._holding
                   if i.worker is worker and (d := i.desc) is not None and not d.dedicated
                   and not i.spilling]  # one being spilled frees its range by itself
-        ranges += [(*_taken(r.offset, r.nbytes), (i, True) if i in sides else None)
-                   for i, r in self.trajectories.regions(worker)]
+        regions = self.trajectories.regions(worker)
+        ranges += [(*_taken(r.offset, r.nbytes), (i, True) if i in sides else None) for i, r in regions]
+        leaving = [_taken(d.offset, d.nbytes) for i in self._holding if i.worker is worker
+                   and (d := i.desc) is not None and not d.dedicated and i.spilling]
+        kept = {i for i, _ in regions}  # the worker's regions held here, less those being spilled
+        leaving += [_taken(t.region.offset, t.region.nbytes) for i in self.trajectories.held if i.worker is worker
+                    and (t := i.trajectory) is not None and i.trajectory_data is None and not t.region.dedicated
+                    and i not in kept]
         best: tuple[int, float, int] | None = None
         chosen: list[tuple[Item, bool]] = []
+        open_now = False  # a range free as far as the engine knows, with no spill under way in it
         for start in {0, *(hi for _, hi, _ in ranges)}:  # a cheapest range can start at 0 or where one ends
             inside = [(hi - lo, what) for lo, hi, what in ranges if lo < start + size and hi > start]
             if start + size > worker.arena_capacity or any(what is None for _, what in inside):
                 continue
+            if not inside and not any(lo < start + size and hi > start for lo, hi in leaving):
+                open_now = True
             spilled = [what for _, what in inside if what is not None]
             key = (sum(n for n, _ in inside), max((i.enqueued_at for i, _ in spilled), default=0.0), start)
             if best is None or key < best:
                 best, chosen = key, spilled
-        return chosen if best is not None and best[0] > 0 else None
+        if best is None or open_now:
+            return None
+        return chosen  # empty where spills under way open the range: nothing more to spill
 
     def _leave_stopped(self) -> None:
         """Copy what outputs hold in a stopped worker's arena out, so it is unmapped: each LTX-2 output's sound track
