@@ -24,7 +24,7 @@ from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline, task_for_
 from diffusiond.pipelines.errors import root_cause
 from diffusiond.pipelines.load_progress import loaded
 from diffusiond.pipelines.phases import Phases
-from diffusiond.pipelines.pipeline_classes import check_components, components
+from diffusiond.pipelines.pipeline_classes import check_components, components, fetch_component
 from diffusiond.pipelines.pipeline_classes import pipeline_class as _pipeline_class
 from diffusiond.pipelines.pipeline_classes import read_index as _read_index
 from diffusiond.pipelines.quant import load_time_config, parse_quant
@@ -74,13 +74,22 @@ def _why_not_loaded(exc: BaseException, path: Path, options: Mapping[str, str]) 
     return said
 
 
-def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str],
-                 device: torch.device, root: Path | None, passed: Collection[str] = ()) -> dict[str, Any]:
+def component_damaged(what: str, name: str, folder: Path, exc: BaseException, options: Mapping[str, str]) -> str:
+    """Why component ``name`` (described by ``what``) did not load from its subfolder of ``folder``, and that
+    the subfolder is to be fetched again: the folder loaders and a single file's ``config=`` say it alike."""
+    return (f"cannot load {what}: {type(exc).__name__}: {exc}{_why_not_loaded(exc, folder, options)}; its {name}/ "
+            f"folder is damaged or incomplete: {fetch_component(name)}")
+
+
+def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str, str], device: torch.device,
+                 root: Path | None, passed: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, str]]:
     """from_pretrained arguments shared by folder and hub loads; ``quant=``'s bitsandbytes methods are
     applied here, while the files are read (pipelines/quant.py); a Qwen2-VL processor in the folder at ``root``
     is loaded without torchvision (pipelines/qwen_edit.py). With its files at ``root``, each component reads
-    the weights variant the engine sized it by (pipelines/variants.py): one ``variant=`` for most, and the
-    components it would read from other files loaded here. ``passed``: components the caller gives itself."""
+    the weights variant the engine sized it by (pipelines/variants.py): one ``variant=`` for most; the
+    components it would read from other files come back apart, each with its variant, for ``_read_apart``, which
+    the caller runs only once the folder is known whole (they may be gigabytes). ``passed``: components the
+    caller gives itself."""
     kwargs: dict[str, Any] = {**dtype_kwarg(dtype), **processor_kwargs(index, root)}
     if opts.get("quant"):
         config = load_time_config(parse_quant(opts["quant"]), index, dtype, device)
@@ -96,13 +105,18 @@ def _load_kwargs(index: Mapping[str, Any], dtype: torch.dtype, opts: Mapping[str
         kwargs["requires_safety_checker"] = False
         if "feature_extractor" in components(index) and "image_encoder" not in components(index):
             kwargs["feature_extractor"] = None
+    apart: dict[str, str] = {}
     if root is not None:
         suffixes = (".safetensors", ".bin") if kwargs["use_safetensors"] is None else (".safetensors",)
         names = [n for n in components(index) if n not in kwargs and n not in passed]
         kwargs["variant"], apart = pipeline_variants(root, names, str(dtype).removeprefix("torch."), suffixes)
-        for name, variant in apart.items():
-            kwargs[name] = _component(root, name, index[name], variant, dtype, kwargs, opts)
-    return kwargs
+    return kwargs, apart
+
+
+def _read_apart(root: Path, index: Mapping[str, Any], apart: Mapping[str, str], dtype: torch.dtype,
+                kwargs: Mapping[str, Any], opts: Mapping[str, str]) -> dict[str, Any]:
+    """The components ``_load_kwargs`` left apart, read from their own variants, as from_pretrained arguments."""
+    return {name: _component(root, name, index[name], variant, dtype, kwargs, opts) for name, variant in apart.items()}
 
 
 def _component(root: Path, name: str, entry: list[str], variant: str, dtype: torch.dtype,
@@ -129,10 +143,8 @@ def _component(root: Path, name: str, entry: list[str], variant: str, dtype: tor
                                         use_safetensors=kwargs["use_safetensors"], **extra)
     except Exception as exc:  # a missing file, a truncated one, a config of another class: many types
         files = f"{variant} variant files (*.{variant}.*)" if variant else "files without a variant"
-        raise PipelineError(f"cannot load the {name} ({class_name}) of {str(root)!r} from its {files}: {exc}"
-                            f"{_why_not_loaded(exc, root, opts)}; its {name}/ folder is damaged or incomplete: "
-                            f"download {name}/ again (for a hub model, `hf download ORG/NAME --include "
-                            f"'{name}/*'`)") from exc
+        raise PipelineError(component_damaged(f"the {name} ({class_name}) of {str(root)!r} from its {files}", name,
+                                              root, exc, opts)) from exc
     loaded(component)
     return component
 
@@ -156,8 +168,9 @@ def load_folder(
     phases = Phases()
     cls = _pipeline_class(str(index.get("_class_name", "")), str(index_path))
     phases.mark("import")
-    kwargs = _load_kwargs(index, dtype, options, device, path)
+    kwargs, apart = _load_kwargs(index, dtype, options, device, path)
     check_components(path, index, kwargs)
+    kwargs.update(_read_apart(path, index, apart, dtype, kwargs, options))
     try:
         pipe = cls.from_pretrained(str(path), **kwargs)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
@@ -211,7 +224,8 @@ def load_hub(
                                 f"could not be downloaded: {type(exc).__name__}: {exc}; finish the download "
                                 f"(`hf download {repo_id}`)") from exc
     try:
-        kwargs = _load_kwargs(index, dtype, options, device, Path(cached_index).parent)
+        kwargs, apart = _load_kwargs(index, dtype, options, device, Path(cached_index).parent)
+        kwargs.update(_read_apart(Path(cached_index).parent, index, apart, dtype, kwargs, options))
         if local_only:
             kwargs["local_files_only"] = True
         pipe = DiffusionPipeline.from_pretrained(repo_id, **kwargs)
@@ -288,7 +302,9 @@ def load_gguf(
     for expert in experts.values():
         loaded(expert)  # read outside diffusers' component loaders, which the load's progress counts
     try:
-        pipe = cls.from_pretrained(str(root), **experts, **_load_kwargs(index, dtype, options, device, root, files))
+        kwargs, apart = _load_kwargs(index, dtype, options, device, root, files)
+        kwargs.update(_read_apart(root, index, apart, dtype, kwargs, options))
+        pipe = cls.from_pretrained(str(root), **experts, **kwargs)
     except PipelineError:
         raise
     except Exception as exc:

@@ -120,5 +120,10 @@ def check_components(folder: Path, index: Mapping[str, Any], passed: Mapping[str
         if name in passed or (folder / name).is_dir():
             continue
         raise PipelineError(f"{str(folder)!r} has no {name}/ folder, which its model_index.json names ({library} "
-                            f"{cls}): the model is incomplete; download {name}/ too (for a hub model, "
-                            f"`hf download ORG/NAME --include '{name}/*'`)")
+                            f"{cls}): the model is incomplete; {fetch_component(name)}")
+
+
+def fetch_component(name: str) -> str:
+    """What to do about a component folder a download left out or cut short: fetch that folder alone, as the
+    rest of the model is whole and may be tens of gigabytes."""
+    return f"download {name}/ again (for a hub model, `hf download ORG/NAME --include '{name}/*'`)"

@@ -17,9 +17,8 @@ import torch
 
 from diffusiond.pipelines.base import PipelineError
 from diffusiond.pipelines.diffusers_pipeline import DiffusersPipeline
-from diffusiond.pipelines.errors import root_cause
 from diffusiond.pipelines.load_progress import loaded
-from diffusiond.pipelines.loaders import dtype_kwarg, dtype_kwarg_of, hub_offline
+from diffusiond.pipelines.loaders import component_damaged, dtype_kwarg, dtype_kwarg_of, hub_offline
 from diffusiond.pipelines.pipeline_classes import components
 from diffusiond.pipelines.pipeline_classes import pipeline_class as _pipeline_class
 from diffusiond.pipelines.pipeline_classes import read_index as _read_index
@@ -88,7 +87,7 @@ def load_single_file(
     if cls.__name__.startswith("StableDiffusion"):
         kwargs["safety_checker"] = None
     if options.get("config") and (Path(options["config"]) / "model_index.json").is_file():
-        kwargs.update(_absent_components(path, set(shapes), Path(options["config"]), dtype))
+        kwargs.update(_absent_components(path, set(shapes), Path(options["config"]), dtype, options))
     try:
         pipe = cls.from_single_file(str(path), **kwargs)
     except Exception as exc:  # conversion, config download and key mismatches raise many types
@@ -102,15 +101,18 @@ def load_single_file(
     return DiffusersPipeline(pipe, name=name, device=device, dtype=dtype, options=options)
 
 
-def _absent_components(path: Path, keys: set[str], folder: Path, dtype: torch.dtype) -> dict[str, Any]:
+def _absent_components(path: Path, keys: set[str], folder: Path, dtype: torch.dtype,
+                       options: Mapping[str, str]) -> dict[str, Any]:
     """The text encoders and VAE that checkpoint ``path`` lacks (as diffusers decides it, from its tensor names
     ``keys``), read from ``config=``'s diffusers folder: diffusers looks there only for weights named
     diffusion_pytorch_model.*, and a VAE only in the file, so a file of the transformer alone (BFL's
-    flux1-dev.safetensors) did not load with it."""
+    flux1-dev.safetensors) did not load with it. Safetensors only, unless ``allow_unsafe_weights=1``, as a
+    folder's components."""
     import transformers
     from diffusers.loaders.single_file_utils import LDM_VAE_KEYS, is_clip_model_in_single_file, is_t5_in_single_file
 
     absent: dict[str, Any] = {}
+    unsafe = options.get("allow_unsafe_weights") == "1"
     for name, (library, class_name) in components(_read_index(folder / "model_index.json")).items():
         cls = getattr(importlib.import_module(library), class_name, None) if library in ("diffusers",
                                                                                          "transformers") else None
@@ -120,15 +122,11 @@ def _absent_components(path: Path, keys: set[str], folder: Path, dtype: torch.dt
         elif not isinstance(cls, type) or name != "vae" or any(k.startswith(tuple(LDM_VAE_KEYS)) for k in keys):
             continue
         try:
-            absent[name] = cast(Any, cls).from_pretrained(str(folder), subfolder=name, use_safetensors=True,
+            absent[name] = cast(Any, cls).from_pretrained(str(folder), subfolder=name,
+                                                          use_safetensors=None if unsafe else True,
                                                           **dtype_kwarg_of(cls, dtype))
         except Exception as exc:  # a missing file, a truncated one, a config of another class: many types
-            root = root_cause(exc)
-            cause = f" ({type(root).__name__}: {root})" if root is not exc and str(root) not in str(exc) else ""
-            raise PipelineError(
-                f"cannot load the {name} ({class_name}) that {path.name} lacks from config={folder}, its {name}/ "
-                f"folder: {type(exc).__name__}: {exc}{cause}; that folder is damaged or incomplete (its weights must "
-                f"be safetensors): download {name}/ again (for a hub model, `hf download ORG/NAME --include "
-                f"'{name}/*'`)") from exc
+            raise PipelineError(component_damaged(f"the {name} ({class_name}) that {path.name} lacks from "
+                                                  f"config={folder}", name, folder, exc, options)) from exc
         loaded(absent[name])
     return absent

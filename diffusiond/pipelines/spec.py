@@ -151,6 +151,10 @@ def check_options(options: Mapping[str, str]) -> None:
         check_attention(options["attention"])
     if "quant" in options:
         parse_quant(options["quant"])
+    encoders = options.get("compile_encoders", "")
+    if encoders not in ("", "0", "1"):
+        raise PipelineError(f"compile_encoders={encoders[:40]!r}: give 1 (compile the text encoders with --compile) "
+                            "or 0 (leave them eager), or leave it out (eager beside a transformer, else compiled)")
     _fp8_refusals(options)
 
 

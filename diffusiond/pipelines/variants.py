@@ -72,20 +72,20 @@ def diffusers_reads(names: Iterable[str], variant: str | None) -> bool:
     return any(n.split(".")[1].startswith(variant) for n in names if "." in n)
 
 
-def pipeline_variants(folder: Path, names: Iterable[str], dtype: str, suffixes: tuple[str, ...] = (".safetensors",),
-                      variant: str | None = None) -> tuple[str | None, dict[str, str]]:
+def pipeline_variants(folder: Path, names: Iterable[str], dtype: str,
+                      suffixes: tuple[str, ...] = (".safetensors",)) -> tuple[str | None, dict[str, str]]:
     """The ``variant=`` to load the components ``names`` of ``folder`` with, and the components it would read
     from other files than ``choose_variant``'s, each with the variant to read ("" the plain files). The variant
-    that leaves the fewest such components wins, ties going to ``variant``, then the dtype's, then none; one that
-    no component has is no candidate (diffusers refuses it)."""
+    that leaves the fewest such components wins, ties going to the dtype's, then none; one that no component
+    has is no candidate (diffusers refuses it)."""
     listings = {n: sorted(p.name for p in (folder / n).iterdir()) if (folder / n).is_dir() else [] for n in names}
     picks = {n: p for n, files in listings.items()
-             if (p := choose_variant(set(weight_names(files, suffixes)), dtype, variant)) is not None}
+             if (p := choose_variant(set(weight_names(files, suffixes)), dtype)) is not None}
 
     def apart(v: str | None) -> dict[str, str]:
         return {n: p for n, p in picks.items() if p != (v if diffusers_reads(listings[n], v) else "")}
 
-    preferred = (variant, VARIANT_OF_DTYPE.get(dtype), None, *sorted(set(picks.values())))
+    preferred = (VARIANT_OF_DTYPE.get(dtype), None, *sorted(set(picks.values())))
     candidates = [v for v in dict.fromkeys(preferred)
                   if v is None or (v and any(diffusers_reads(files, v) for files in listings.values()))]
     best = min(candidates, key=lambda v: len(apart(v)))
