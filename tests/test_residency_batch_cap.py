@@ -25,9 +25,9 @@ def _harness(monkeypatch: pytest.MonkeyPatch, *, pin_a: bool = False, **override
 
 def _measure_b(keeper: Keeper) -> None:
     """b's batch of 1 takes 0.5 GiB, of 2 1.5 GiB, of 4 3 GiB: in the 2 GiB beside both models' weights, 2 fit."""
-    keeper.measured("b", Shape(64, 64, 1), G // 2)
-    keeper.measured("b", Shape(64, 64, 2), 3 * G // 2)
-    keeper.measured("b", Shape(64, 64, 4), 3 * G)
+    keeper.policy.measured("b", Shape(64, 64, 1), G // 2)
+    keeper.policy.measured("b", Shape(64, 64, 2), 3 * G // 2)
+    keeper.policy.measured("b", Shape(64, 64, 4), 3 * G)
 
 
 def _worker(h: Harness, model: str) -> FakeWorker:

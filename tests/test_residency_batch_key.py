@@ -31,9 +31,9 @@ async def test_jobs_of_two_sizes_queued_together_send_no_idle_model_away(monkeyp
     await h.engine.start()
     try:
         keeper = h.engine.keeper
-        keeper.measured("a", Shape(64, 64, 1), G)
-        keeper.measured("a", Shape(64, 64, 2), 3 * G)
-        keeper.measured("a", Shape(128, 128, 1), G)
+        keeper.policy.measured("a", Shape(64, 64, 1), G)
+        keeper.policy.measured("a", Shape(64, 64, 2), 3 * G)
+        keeper.policy.measured("a", Shape(128, 128, 1), G)
         assert h.engine.scheduler.forming("a") == 0
         small, large = _submit(h, 64), _submit(h, 128)
         assert h.engine.scheduler.forming("a") == 1, "the next batch takes the 64-pixel job alone"

@@ -36,8 +36,8 @@ async def test_an_idle_model_leaves_for_the_batch_that_runs_not_only_for_its_fir
     try:
         keeper = h.engine.keeper
         assert {s.name: s.residency for s in keeper.snapshot().values()} == {"a": "device", "b": "device"}
-        keeper.measured("a", Shape(64, 64, 1), G)  # as a worker's COMPUTE_DONE reports each shape's peak
-        keeper.measured("a", Shape(64, 64, 4), 3 * G)
+        keeper.policy.measured("a", Shape(64, 64, 1), G)  # as a worker's COMPUTE_DONE reports each shape's peak
+        keeper.policy.measured("a", Shape(64, 64, 4), 3 * G)
         job = h.engine.submit(JobRequest(model="a", prompt="x", n=4, width=64, height=64, steps=2, guidance=1.0,
                                          output_format="png", seed=1))
         a = _worker(h, "a")
@@ -61,9 +61,9 @@ async def test_a_batch_waits_for_another_models_run_to_give_its_room_back(monkey
     await h.engine.start()
     try:
         keeper = h.engine.keeper
-        keeper.measured("b", Shape(64, 64, 1), G)
-        keeper.measured("a", Shape(64, 64, 1), G // 2)
-        keeper.measured("a", Shape(64, 64, 4), 2 * G)
+        keeper.policy.measured("b", Shape(64, 64, 1), G)
+        keeper.policy.measured("a", Shape(64, 64, 1), G // 2)
+        keeper.policy.measured("a", Shape(64, 64, 4), 2 * G)
         b_job = h.engine.submit(JobRequest(model="b", prompt="x", n=1, width=64, height=64, steps=2, guidance=1.0,
                                            output_format="png", seed=1))
         b = _worker(h, "b")

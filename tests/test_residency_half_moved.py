@@ -35,6 +35,7 @@ class Refusals:
     def __init__(self) -> None:
         self.command: type[Sleep] | type[Wake] | None = None
         self.worker = 1
+        self.times_out = False  # every worker's answer to ``command`` never comes (the command stays queued there)
 
 
 @pytest.fixture
@@ -48,6 +49,9 @@ def refusals(monkeypatch: pytest.MonkeyPatch) -> Refusals:
         return Ready(self.config.model_name, self.config.device, 1.0, msgspec.structs.replace(CAPS, weight_bytes=G))
 
     async def refusing(self: FakeWorker, msg: Command, timeout: float, fds: Sequence[int] = ()) -> Ack:
+        if r.command is not None and isinstance(msg, r.command) and r.times_out:
+            self.commands.append(msg)
+            raise TimeoutError
         if r.command is not None and isinstance(msg, r.command) and self.id == r.worker:
             self.commands.append(msg)
             verb = "sleep" if isinstance(msg, Sleep) else "wake"
@@ -90,6 +94,24 @@ async def test_a_move_into_host_memory_that_one_of_two_workers_refuses_ends_on_d
         assert status.residency == "disk" and status.per_device == {"cuda:0": 0, "cuda:1": 0}, status
         assert WHY in status.reason and h.engine.keeper.policy.host_used() == 0, status
         assert "m" not in h.engine.keeper.moving
+        refusals.command = None
+        await _runs_on_two_new_workers(h, _job(h))
+    finally:
+        await h.close()
+
+
+async def test_a_move_into_host_memory_whose_answers_time_out_ends_on_disk(refusals: Refusals) -> None:
+    """A SLEEP unanswered in time may still run in the worker, so the move may have been made: not "none moved"."""
+    h = Harness(models=GPUS, device_memory="8GiB", host_memory="8GiB", max_batch=1)
+    await h.engine.start()
+    try:
+        refusals.command, refusals.times_out = Sleep, True
+        await h.engine.unload_model("m")
+        await h.settle()
+        assert _live(h) == [], "no worker left to fall asleep later, while the books say it is on its devices"
+        status = h.engine.keeper.snapshot()["m"]
+        assert status.residency == "disk" and "did not answer within" in status.reason, status
+        assert "m" not in h.engine.keeper.moving and h.engine.keeper.policy.host_used() == 0
         refusals.command = None
         await _runs_on_two_new_workers(h, _job(h))
     finally:

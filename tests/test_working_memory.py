@@ -130,20 +130,21 @@ async def test_a_measured_peak_reaches_residency_the_state_dir_and_a_restarted_e
     model = h.engine.model("m")
     assert not keeper.policy.estimate("m", Shape(64, 64)).measured
     await run_one(h, 12 * MIB)
-    assert keeper.working(model) == {"64x64x1x1": 12 * MIB}
+    assert keeper.policy.measurements.keyed("m", model.capabilities.weight_bytes) == {"64x64x1x1": 12 * MIB}
     est = keeper.policy.estimate("m", Shape(64, 64))
     assert est.measured and est.nbytes == 12 * MIB
     await run_one(h, 3 * MIB)  # a smaller peak of the same shape: the larger one stands
     await run_one(h, None)  # not measured (a retry, a compile): nothing changes
-    assert keeper.working(model) == {"64x64x1x1": 12 * MIB}
-    assert keeper.measured("m", Shape(64, 64), 2 * MIB) is None, "an unchanged entry is not written again"
+    assert keeper.policy.measurements.keyed("m", model.capabilities.weight_bytes) == {"64x64x1x1": 12 * MIB}
+    assert keeper.policy.measured("m", Shape(64, 64), 2 * MIB) is None, "an unchanged entry is not written again"
     await h.close()
 
     restarted = Harness(store=SqliteStore(tmp_path))
     await restarted.engine.start()
     est = restarted.engine.keeper.policy.estimate("m", Shape(64, 64))
     assert est.measured and est.nbytes == 12 * MIB, est
-    assert restarted.engine.keeper.working(restarted.engine.model("m")) == {"64x64x1x1": 12 * MIB}
+    weights = restarted.engine.model("m").capabilities.weight_bytes
+    assert restarted.engine.keeper.policy.measurements.keyed("m", weights) == {"64x64x1x1": 12 * MIB}
     await restarted.close()
 
     # the same name serving another spec is another model: it does not inherit the measurement

@@ -85,8 +85,9 @@ class Flights:
             if ready and all(len(self.in_flight.get(w, ())) >= MAX_BATCHES_PER_WORKER for w in ready):
                 continue  # nothing could be sent now: asking residency could send an idle model away for nothing
             head = waiting[0].request  # and the batch the scheduler would send now: residency makes its room
-            if not self.keeper.may_dispatch(model, shape_of(*head.work_size, self.scheduler.forming(model.name),
-                                                            head.num_frames)):
+            go = self.keeper.may_dispatch(model, shape_of(*head.work_size, self.scheduler.forming(model.name),
+                                                          head.num_frames))
+            if go is None:
                 why = self.keeper.why_waiting(model.name)
                 self._hold(waiting, why, self.keeper.load_bytes(model) if why == LOADING else (None, None))
                 continue
@@ -100,7 +101,7 @@ class Flights:
                 worker = min(ready, key=lambda w: len(self.in_flight[w]))
                 # An idle worker takes whatever is there; a busy one only a full batch (see Scheduler).
                 got = self.scheduler.next_batch(model.name, now, partial_ok=not self.in_flight[worker],
-                                                most=self.keeper.most.get(model.name))
+                                                most=go.most)
                 if got is None:
                     break
                 if isinstance(got, Wait):
@@ -150,8 +151,8 @@ class Flights:
                     os.close(fd)
             if isinstance(exc, FrameTooLarge | ArenaError):
                 # the batch's own fault (an input closed, a frame past the limit), not the worker's: put back at
-                # the head of the queue, it blocked its model's queue pass after pass until its deadline
-                #; its jobs fail, and the worker is free for the next batch
+                # the head of the queue, it blocked its model's queue pass after pass until its deadline; its jobs
+                # fail, and the worker is free for the next batch
                 log.error("a batch for %s cannot be sent: %s", worker.name, exc)
                 for i in items:
                     self.unsendable(i, f"its batch could not be sent to the worker: {exc}")
@@ -267,7 +268,7 @@ class Flights:
         the state dir keeps it (filed as the model's capabilities are) for the next start."""
         req = batch.items[0].job.request
         name = batch.worker.config.model_name
-        entry = self.keeper.measured(name, shape_of(*req.work_size, ran, req.num_frames), working_bytes)
+        entry = self.keeper.policy.measured(name, shape_of(*req.work_size, ran, req.num_frames), working_bytes)
         model = self.pool.models.get(name)
         if entry is not None and model is not None:
             self.store.remember_working(model_key(model), entry)

@@ -58,8 +58,8 @@ async def recover(self: Engine) -> None:
             model.capabilities, model.known = caps, True
     # and what their runs were measured to need (filed like the capabilities: another spec, another model)
     working = await self.store.working_memory()
-    self.keeper.remembered({m.name: working[model_key(m)] for m in self.pool.models.values()
-                            if model_key(m) in working})
+    self.keeper.policy.measurements.remember({m.name: working[model_key(m)] for m in self.pool.models.values()
+                                              if model_key(m) in working})
     for job in jobs:
         if job.status == JobStatus.RUNNING:
             job.attempts += 1

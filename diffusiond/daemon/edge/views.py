@@ -253,7 +253,7 @@ def model(engine: Engine, m: Model, where: ModelStatus | None = None) -> dict[st
             "running": where.running if where is not None else 0,
             "residency_reason": where.reason if where is not None else "",
             "unload": "pending" if where is not None and where.unload_pending else None,
-            "working_memory": engine.keeper.working(m),
+            "working_memory": engine.keeper.policy.measurements.keyed(m.name, m.capabilities.weight_bytes),
             # component -> why a live update kept for its start was refused there (core/weights.py)
             "weight_errors": engine.live_components.weight_errors(m.name)}
 

@@ -20,6 +20,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from diffusiond.daemon.config import DaemonConfig
+from diffusiond.daemon.residency.batches import Go
 from diffusiond.daemon.residency.decisions import Evict, Fits, ModelStatus, Move, TooLarge, Wait, failed_load
 from diffusiond.daemon.residency.ondemand import LoadFailed
 from diffusiond.daemon.residency.policy import Residency
@@ -38,7 +39,7 @@ class Keeper(Protocol):
     failed: dict[str, str]
     unloads: dict[str, str]
 
-    def may_dispatch(self, model: Model, shape: Any) -> bool: ...
+    def may_dispatch(self, model: Model, shape: Any) -> Go | None: ...
     def _carry(self, moves: tuple[Move, ...]) -> Coroutine[Any, Any, None]: ...
     def _spawn_moves(self, moves: tuple[Move, ...]) -> None: ...
 

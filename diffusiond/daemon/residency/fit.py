@@ -26,6 +26,7 @@ the loaded modules, so that residency's budget and this page agree):
   offered for a quantized denoiser (GGUF), whose tensors cannot stream.
 - ``model``: the largest component (diffusers' model offload moves one whole component at a time);
   ``sequential``: the largest leaf module (accelerate moves each layer's weights in for its forward).
+
 Working memory is counted beside the weights as residency does (``working.default_working``, 1024x1024 unless told).
 """
 
@@ -39,7 +40,8 @@ from typing import Final
 
 import diffusiond.pipelines.stream_plan as stream_plan
 from diffusiond.daemon.residency import auto_skips as skipped
-from diffusiond.daemon.residency.fit_tensors import QUANT_WIDTH, Tensor, quant_approximations, quantize
+from diffusiond.daemon.residency.fit_options import DENOISERS, refused, spec_approximations
+from diffusiond.daemon.residency.fit_tensors import QUANT_WIDTH, Tensor, quantize
 from diffusiond.daemon.residency.gguf_header import FLOAT_TYPES, STORED_BF16, read_gguf
 from diffusiond.daemon.residency.sizes import (
     DTYPE_BITS,
@@ -51,16 +53,13 @@ from diffusiond.daemon.residency.sizes import (
 )
 from diffusiond.daemon.residency.units import format_bytes
 from diffusiond.daemon.residency.working import Shape, default_working
-from diffusiond.pipelines.attention import check_attention
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.modelcache import cache_root, is_complete
 from diffusiond.pipelines.preset_tables import folder_name, get_preset
 from diffusiond.pipelines.spec import (
     ModelSpec,
-    check_options,
     check_spec,
     offload_mode,
-    parse_quant,
     parse_spec,
     resident_blocks,
 )
@@ -70,7 +69,6 @@ MODES: Final = ("none", "model", "group", "sequential", "stream", "auto")
 """The values of the ``offload`` model option (docs/api.md)."""
 ORDER: Final = ("none", "fp8", "stream", "group", "model", "sequential")
 """Fastest first: what ``fit`` lists and the order ``auto`` tries (skipping the report's ``auto_skips``)."""
-DENOISERS: Final = ("transformer", "unet")
 # LIST.INDEX of a denoiser's block; FLUX's and Wan's blocks under ComfyUI's prefix (a GGUF as downloaded) are
 # grouped as without it, as diffusers loads them (an LDM UNet's input_blocks under the same prefix are not
 # diffusers' blocks), and the original Wan layout's embeddings (nn.Sequential, so ``time_embedding.0.``) are
@@ -344,17 +342,6 @@ def stream_configuration(components: Mapping[str, list[Tensor]], dtype: str, *, 
     return row, plan
 
 
-def spec_approximations(spec: str, options: Mapping[str, str] | None = None,
-                        dtype: str = "bfloat16") -> tuple[str, ...]:
-    """What a spec's options approximate in every configuration, named as the loaded model names it in its
-    ``approximations``: SageAttention's int8 attention (``attention=sage*``; pipelines/attention.py), and
-    the ``quant=`` methods (``quant_approximations``)."""
-    opts = {**parse_spec(spec).options, **(options or {})}
-    name = opts.get("attention", "")
-    quantized = check_attention(name).quantized if name else ""
-    return ((quantized,) if quantized else ()) + quant_approximations(opts, dtype)
-
-
 def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, working: int | None = None,
         options: Mapping[str, str] | None = None, on_cpu: bool = False, shape: Shape | None = None) -> FitReport:
     """``diffusiond fit``: the model's configurations from its headers, fastest first, without those its own
@@ -364,7 +351,7 @@ def fit(spec: str, *, dtype: str = "bfloat16", budget: int | None = None, workin
                           approximations=spec_approximations(spec, options, dtype))
     parsed = parse_spec(spec)
     opts = {**parsed.options, **(options or {})}
-    rows = tuple(c for c in rows if not _refused(c, opts, gguf=parsed.kind == "gguf"))
+    rows = tuple(c for c in rows if not refused(c.name, opts, gguf=parsed.kind == "gguf"))
     at = {name: sum(t.bytes_at(dtype) for t in ts) for name, ts in components.items()}
     pipeline = skipped.pipeline_of(parsed.kind, _index_folder(parsed), opts, components)
     return FitReport(spec, dtype, budget, at, rows, tuple(notes), auto_skips=skipped.skips(pipeline))
@@ -385,24 +372,6 @@ def _index_folder(parsed: ModelSpec) -> Path | None:
     if parsed.kind in ("random", "hub"):
         return preset_folder(parsed.target) if parsed.kind == "random" else hub_folder(parsed.target)
     return Path(parsed.target) if parsed.kind == "folder" else None
-
-
-def _refused(c: Configuration, opts: Mapping[str, str], gguf: bool) -> bool:
-    """Whether the model's own options rule this configuration out, as a load with both would refuse them
-    (``spec.check_options``): ``offload=stream`` beside ``quant=`` on the denoiser or ``fp8=``, fp8 storage of a
-    denoiser already quantized, either beside a GGUF transformer, even an unquantized F16 one (model_config's and
-    the GGUF loader's refusals). Listed, ``auto`` or a user would choose one the load refuses."""
-    if gguf and c.name in ("stream", "fp8"):
-        return True
-    if c.name == "fp8":
-        named = parse_quant(opts["quant"]) if opts.get("quant") else {}
-        return any(d in named for d in DENOISERS) or opts.get("fp8") in ("1", "rowwise")
-    trial = {k: v for k, v in opts.items() if k not in ("offload", "cpu_offload", "resident_blocks")}
-    try:
-        check_options({**trial, "offload": c.name})
-    except PipelineError:
-        return True
-    return False
 
 
 def plan_stream(spec: str, options: Mapping[str, str], dtype: str, budget: int,

@@ -35,7 +35,6 @@ from typing import Any
 import diffusiond.daemon.residency.batches as batches
 import diffusiond.daemon.residency.byhand as byhand
 import diffusiond.daemon.residency.leaving as leaving
-import diffusiond.daemon.residency.measuring as measuring
 import diffusiond.daemon.residency.ondemand as ondemand
 from diffusiond.daemon.config import DaemonConfig
 from diffusiond.daemon.metrics import Metrics
@@ -108,7 +107,6 @@ class Keeper:
         self.oldest = oldest
         self.queued = queued
         self._asked: dict[str, Shape] = {}  # model -> the shape of the last batch it asked to run
-        self.most: dict[str, int | None] = {}  # model -> the most outputs its batches take now (``batches.Go``)
         self.fail = fail
         self.failed: dict[str, str] = {}  # model -> why its last load failed; none is tried until a job asks
         self.unloads: dict[str, str] = {}  # model -> an unload by hand that waits for its work (``unload``)
@@ -257,16 +255,6 @@ class Keeper:
         if isinstance(decision, OomRetry):
             self._spawn_moves(decision.moves)
 
-    # working memory, measured (worker/memory.py) and remembered (the state dir): ``measuring.py`` -------------
-    def measured(self, name: str, shape: Shape, peak_bytes: int) -> dict[str, Any] | None:
-        return measuring.measured(self.policy, name, shape, peak_bytes)
-
-    def remembered(self, entries: dict[str, Any]) -> None:
-        measuring.remembered(self.policy, entries)
-
-    def working(self, model: Model) -> dict[str, int]:
-        return measuring.working(self.policy, model)
-
     # what the engine asks ---------------------------------------------------------------------------
     def review(self) -> None:
         """Before each dispatch: whose turn it is on each device (``turns.py``). Each hold that begins or ends
@@ -296,37 +284,38 @@ class Keeper:
     def _log_end(e: Ended) -> None:
         log.info("%s takes batches again: %s", e.hold.model, e.reason)
 
-    def may_dispatch(self, model: Model, shape: Shape | None) -> bool:
+    def may_dispatch(self, model: Model, shape: Shape | None) -> batches.Go | None:
         """May ``model`` take a batch of ``shape`` now (its oldest queued output's size, and as many outputs as the
-        scheduler's next batch takes: ``Scheduler.forming``)? If not, the moves that will let it are started."""
+        scheduler's next batch takes: ``Scheduler.forming``)? Go says how many outputs its batches may take now,
+        answered with the yes itself so that no earlier answer's cap outlives it; None is not now, and the moves
+        that will let it are started."""
         name = model.name
         if name in self.moving or name in self.failed:
-            return False  # a move ends with a dispatch of its own; a failed load waits for a new job to ask
+            return None  # a move ends with a dispatch of its own; a failed load waits for a new job to ask
         if not self.known(name):
             if model.retired:  # on disk and never placed: its first load tells the policy its size
                 self._start_learning(model)
-                return False
-            return True  # not loaded yet at start: the pool's start brings it
+                return None
+            return batches.Go()  # not loaded yet at start: the pool's start brings it
         if name in self.preloading.models:  # loaded, or left on disk, by the preload in its turn: a load for a job
-            return False  # beside it made the preload skip it and /ready say "done" while it loaded (fix46-flake)
+            return None  # beside it made the preload skip it and /ready say "done" while it loaded
         states = {w.state for w in model.workers}
         replaced = model.replacing or WorkerState.STARTING in states
         if not model.retired and replaced and (WorkerState.READY not in states or self.policy.tier(name) != "device"):
-            return False  # a worker that died is being replaced by the pool: its READY dispatches
+            return None  # a worker that died is being replaced by the pool: its READY dispatches
         if shape is not None:
             self._asked[name] = shape
         hold = self.turns.held(name)
         if hold is not None:
             self._yield(model, hold)
-            return False
+            return None
         first = None if shape is None else dataclasses.replace(shape, batch=1)
         plan: Plan | batches.Go = self.policy.plan(name, first)
         if isinstance(plan, Fits) and plan.load_from is None:  # its first output fits; the whole batch?
             plan = batches.room(self.policy, model, first, 1 if shape is None else shape.batch, self.moving)
         if isinstance(plan, batches.Go):
-            self.most[name] = plan.most
             self._held.pop(name, None)
-            return True
+            return plan
         if isinstance(plan, Fits) and plan.load_from is not None:
             self._begin_load(model, plan.load_from, plan.reason)
         elif isinstance(plan, Evict):
@@ -334,7 +323,7 @@ class Keeper:
         elif isinstance(plan, Wait):
             log.debug("%s waits: %s", name, plan.reason)
             self._held[name], self._short[name] = plan.stage, plan.short
-            return False
+            return None
         elif isinstance(weights := self.policy.plan(name, None), TooLarge):  # its load showed it larger than
             self.fail(name, weights.reason, ErrorCode.MODEL_TOO_LARGE, None)  # admission knew: no job would run
         elif isinstance(plan, TooLarge) and first is not None:  # this size, measured since, does not fit (issue 27)
@@ -343,7 +332,7 @@ class Keeper:
                             f"{self._budget_said(plan)}", ErrorCode.MODEL_TOO_LARGE, first)
             asyncio.get_running_loop().call_soon(self.on_change)  # its jobs of other sizes are asked in turn
         self._held.pop(name, None)
-        return False
+        return None
 
     def _yield(self, model: Model, hold: Hold) -> None:
         leaving.yield_turn(self, model, hold)

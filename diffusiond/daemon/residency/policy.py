@@ -17,6 +17,7 @@ same bytes. Time is passed in, never read, so every rule can be tested step by s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import diffusiond.daemon.residency.host_memory as host_memory
 from diffusiond.daemon.residency.decisions import (
@@ -381,9 +382,12 @@ class Residency:
             raise ResidencyError(f"{name}: a run of {shape} ({jobs} job(s)) finished that was not running")
         self.touch(name, keep_alive_s, now)
 
-    def measured(self, name: str, shape: Shape, peak_bytes: int) -> None:
-        """A worker's peak for a run, above the weights: later plans for the shape use it."""
-        self.measurements.record(name, self._get(name).weight_bytes, shape, peak_bytes)
+    def measured(self, name: str, shape: Shape, peak_bytes: int) -> dict[str, Any] | None:
+        """A worker's peak for a run, above the weights: later plans for the shape use it. Returns the model's
+        measurements where they changed, for the state dir to keep; None where not, or the model is not known."""
+        if self.has(name) and self.measurements.record(name, self._get(name).weight_bytes, shape, peak_bytes):
+            return self.measurements.entry(name)
+        return None
 
     # ---- reports: moves ----------------------------------------------------------------------------------
 

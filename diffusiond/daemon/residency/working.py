@@ -9,10 +9,13 @@ default stands in.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PER_MEGAPIXEL: Final = 3 * 1024**3
 """Default working bytes per million output pixels (per frame, per batch item): above SDXL's and FLUX's
@@ -121,19 +124,26 @@ class Measurements:
     def __init__(self) -> None:
         self._models: dict[str, tuple[int, dict[Shape, int]]] = {}
 
-    def record(self, model: str, weight_bytes: int, shape: Shape, peak_bytes: int) -> None:
-        """Keep the largest peak seen for the shape: a plan built on it should not fail the next run."""
+    def record(self, model: str, weight_bytes: int, shape: Shape, peak_bytes: int) -> bool:
+        """Keep the largest peak seen for the shape: a plan built on it should not fail the next run. True where
+        that changed the model's ``entry`` (a new shape, a larger peak), so a steady stream of runs writes nothing."""
         if peak_bytes < 0:
             raise ValueError(f"{model}: a peak of {peak_bytes} working bytes for {shape} is negative")
         known, peaks = self._models.get(model, (weight_bytes, {}))
         if known != weight_bytes:
             peaks = {}  # another model under the same name: its measurements say nothing about this one
+        before = peaks.get(shape)
         peaks[shape] = max(peak_bytes, peaks.get(shape, 0))
         self._models[model] = (weight_bytes, peaks)
+        return peaks[shape] != before
 
     def peaks(self, model: str, weight_bytes: int) -> Mapping[Shape, int]:
         known, peaks = self._models.get(model, (weight_bytes, {}))
         return peaks if known == weight_bytes else {}
+
+    def keyed(self, model: str, weight_bytes: int) -> dict[str, int]:
+        """The peaks by shape key (``WxHxBATCHxFRAMES``), for the weights now: what ``GET /v1/models`` shows."""
+        return {s.key: p for s, p in sorted(self.peaks(model, weight_bytes).items())}
 
     def estimate(self, model: str, weight_bytes: int, shape: Shape) -> Estimate:
         """From this shape's peak; else the smallest peak of a larger shape (working memory grows with
@@ -181,6 +191,15 @@ class Measurements:
                 raise ValueError(f"{where}: model {model!r}: {exc}") from None
         for shape, peak in checked:
             self.record(model, wb, shape, peak)
+
+    def remember(self, entries: Mapping[str, Any]) -> None:
+        """At start, the entries the last run kept (model name -> ``entry``), so the first plans use them. One that
+        does not read is logged and left out: the model's runs measure it again, which a start must not fail for."""
+        for name, entry in entries.items():
+            try:
+                self.load(name, entry)
+            except ValueError as exc:
+                log.warning("%s; it is measured again as it runs", exc)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": FORMAT_VERSION,

@@ -324,8 +324,10 @@ class WorkerPool:
     # one model's workers, for residency (daemon/residency/keeper.py) ------------------------------
     async def sleep_model(self, model: Model) -> None:
         """Its weights leave the device for its workers' host memory (they stay up, so waking is a copy). All or
-        none: a worker that refuses puts its weights back (worker/compute.py), so where none moved the model is on
-        its devices as before; where some did and another did not, all of them stop (``_stop_half_moved``)."""
+        none: a worker that refuses puts its weights back (worker/control_items.py), so where none moved the model
+        is on its devices as before; where some did and another did not, all of them stop (``_stop_half_moved``).
+        A worker that did not answer in time counts as one that may have moved: its SLEEP stays queued there and
+        can still run."""
         await self._move(model, Sleep(), WorkerState.READY, WorkerState.SLEEPING, ErrorCode.SLEEP_FAILED)
 
     async def wake_model(self, model: Model) -> None:
@@ -388,7 +390,8 @@ class WorkerPool:
         if not bad:
             return
         error = f"{'sleep' if isinstance(msg, Sleep) else 'wake'} failed on {len(bad)} worker(s): {bad[0]}"
-        if isinstance(msg, Sleep) and not any(w.state == dst for w in targets):
+        if isinstance(msg, Sleep) and not any(w.state == dst or isinstance(a, TimeoutError)
+                                              for w, a in zip(targets, acks, strict=True)):
             raise PowerFailed(error, code=code)
         stopped = await self._stop_half_moved(model, error)
         raise PowerFailed(f"{error}; so that none is left half moved, {model.name}'s {stopped} worker(s) were "
