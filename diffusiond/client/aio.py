@@ -80,7 +80,7 @@ class AsyncClient(Connection):
     ) -> None:
         super().__init__(socket_path or default_socket_path(), timeout)  # the pool (connection.py)
         self.zero_copy = zero_copy
-        self._arrays = ArrayReader(self)  # array, trajectory, audio: mapped or over HTTP (arrays.py)
+        self._arrays = ArrayReader(self, self.job, zero_copy)  # array, trajectory, audio: mapped or over HTTP
         self._background: set[asyncio.Task[Any]] = set()  # cancels on their way out
 
     async def __aenter__(self) -> AsyncClient:

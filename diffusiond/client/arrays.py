@@ -11,12 +11,10 @@ names), so both live here side by side.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
 
-import aiohttp
-
+from diffusiond.client.connection import Connection
 from diffusiond.client.errors import DaemonError
 from diffusiond.client.outputs import Mapped, open_mapper, read_npy, torch_views
 from diffusiond.client.transport import quote_id
@@ -28,28 +26,19 @@ if TYPE_CHECKING:
     from diffusiond.client.zerocopy import OutputMapper
 
 
-class ArrayOwner(Protocol):
-    """What the reader needs of the client that holds it (``AsyncClient``), read at each call: named here, so
-    this module does not import the client that imports it."""
-
-    socket_path: str
-    timeout: float | None
-    zero_copy: bool | None
-
-    def _request(self, method: str, path: str, *, ok: tuple[int, ...] = ...,
-                 **kwargs: Any) -> AbstractAsyncContextManager[aiohttp.ClientResponse]: ...
-    async def job(self, job_id: str) -> dict[str, Any]: ...
-
-
 class ArrayReader:
     """``AsyncClient.array``, ``trajectory`` and ``audio`` (their docstrings are the contract), and the output
-    mapper they share."""
+    mapper they share: over the client's ``connection`` (its pool, socket and timeout), with its ``job`` (a job's
+    JSON, which names a trajectory's or a sound track's arrays) and its ``zero_copy``."""
 
-    def __init__(self, client: ArrayOwner) -> None:
-        self.client = client
+    def __init__(self, connection: Connection, job: Callable[[str], Awaitable[dict[str, Any]]],
+                 zero_copy: bool | None) -> None:
+        self.connection = connection
+        self.job = job
+        self.zero_copy = zero_copy
         self._mapper: Mapped | None = None
         self._mapper_lock = asyncio.Lock()
-        self._no_zero_copy = client.zero_copy is False
+        self._no_zero_copy = zero_copy is False
 
     async def close(self) -> None:
         await self._drop_mapper(self._mapper)  # it may wait for a fetch under way (up to its timeout)
@@ -58,7 +47,7 @@ class ArrayReader:
         mapped = await self._shared(lambda m: m.array(job_id, k))
         if mapped is not None:
             return cast("NDArray[Any]", mapped)
-        async with self.client._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
+        async with self.connection._request("GET", f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}") as resp:
             return await read_npy(resp.content)  # a short body: DaemonError bad_response
 
     async def trajectory(self, job_id: str, k: int, *, as_torch: bool = False) -> dict[str, Any]:
@@ -76,7 +65,7 @@ class ArrayReader:
         if mapped is not None:
             return mapped[AUDIO_ARRAY], int(entry["sample_rate"])
         path = f"/v1/jobs/{quote_id(job_id)}/outputs/{int(k)}/trajectory/audio"
-        async with self.client._request("GET", path) as resp:
+        async with self.connection._request("GET", path) as resp:
             waveform = await read_npy(resp.content)
         waveform.flags.writeable = False  # as the mapped one
         return waveform, int(entry["sample_rate"])
@@ -93,7 +82,7 @@ class ArrayReader:
         try:
             got = await asyncio.to_thread(read, mapper.mapper)
         except ZeroCopyUnavailable:
-            if self.client.zero_copy:
+            if self.zero_copy:
                 if mapper.mapper.closed:  # hung up (a timeout, a bad frame): the next call connects afresh
                     await self._drop_mapper(mapper)
                 raise
@@ -103,7 +92,7 @@ class ArrayReader:
         except DaemonError as exc:
             if exc.code != ErrorCode.NOT_SHARED:
                 raise
-            if self.client.zero_copy:  # the documented error
+            if self.zero_copy:  # the documented error
                 raise ZeroCopyUnavailable(f"zero_copy=True, but {exc.message}") from exc
             return None
         return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)
@@ -112,14 +101,14 @@ class ArrayReader:
         entries = await self._side_entry(job_id, k, "trajectory")
         arrays = {}
         for name, entry in entries.items():
-            async with self.client._request("GET", str(entry["url"])) as resp:
+            async with self.connection._request("GET", str(entry["url"])) as resp:
                 arrays[name] = await read_npy(resp.content)
                 arrays[name].flags.writeable = False  # as the mapped ones: a trajectory is a record
         return arrays
 
     async def _side_entry(self, job_id: str, k: int, key: str) -> dict[str, Any]:
         """What the job's JSON says of output ``k``'s ``trajectory`` or ``audio``."""
-        job = await self.client.job(job_id)
+        job = await self.job(job_id)
         for out in job.get("outputs") or []:
             if int(out.get("index", -1)) == int(k) and out.get(key):
                 return dict(out[key])
@@ -135,7 +124,7 @@ class ArrayReader:
         """The output mapper, opened once; None once zero-copy is off or known not to work here."""
         async with self._mapper_lock:
             if self._mapper is None and not self._no_zero_copy:
-                self._mapper = await open_mapper(self.client.socket_path, self.client.timeout, self.client.zero_copy)
+                self._mapper = await open_mapper(self.connection.socket_path, self.connection.timeout, self.zero_copy)
                 self._no_zero_copy = self._mapper is None
             return self._mapper
 

@@ -7,8 +7,8 @@ SHUTDOWN) travel through the same queue, so they run after the batches sent befo
 
 Warm-up (``--warmup``, ``warmup.py``) runs on this thread too, before READY; what each forward runs
 with (its LoRA adapters, live updates between batches) is ``adapters.py``'s; the control items are
-``power.py``'s, a forward that runs out of memory ``retry.py``'s, and each request's one ending
-``endings.py``'s.
+``control_items.py``'s, a forward that runs out of memory ``retry.py``'s, and each request's one ending
+``request_endings.py``'s.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ from diffusiond.pipelines.ip_adapter import IpAdapters
 from diffusiond.pipelines.loras import Adapters
 from diffusiond.worker import profile
 from diffusiond.worker.adapters import LiveAdapters
+from diffusiond.worker.control_items import Control, Power
 from diffusiond.worker.copier import Copier, CopyJob
-from diffusiond.worker.endings import Endings
 from diffusiond.worker.failures import is_fatal
 from diffusiond.worker.finish import Finisher, first_pass, first_pass_previews
 from diffusiond.worker.memory import PeakMeter
-from diffusiond.worker.power import Control, Power
+from diffusiond.worker.request_endings import Endings
 from diffusiond.worker.retry import run_or_retry
 from diffusiond.worker.startup import bind_thread
 from diffusiond.worker.state import SharedState
@@ -112,12 +112,11 @@ class ComputeThread:
         self.post = post
         self.sync_output = sync_output
         self.progress_interval_s = progress_interval_s
-        self.drain_timeout_s = drain_timeout_s
         self.on_exit = on_exit
         self.warmup = list(warmup)
         self.on_ready = on_ready
         self.before_forward = before_forward  # tests only (worker/faults.py): e.g. an injected out-of-memory
-        # SLEEP, WAKE, RELEASE, SHUTDOWN (worker/power.py)
+        # SLEEP, WAKE, RELEASE, SHUTDOWN (worker/control_items.py)
         self.power = Power(pipeline, self.finish, state, post, controlnets=controlnets, ip_adapters=ip_adapters,
                            drain_timeout_s=drain_timeout_s, on_exit=on_exit, die=self._die)
         # each batch's working memory, for residency (worker/memory.py)
@@ -217,8 +216,9 @@ class ComputeThread:
             if step == total or now - last_post >= self.progress_interval_s:
                 last_post = now
                 self.post(Progress(batch_id=batch.batch_id, step=step, total=total))
-            # of the whole batch, a cancelled half never stopped: the other half's requests never all are
-            return not self.state.all_cancelled(running)  #
+            # asked of the running half, not the whole batch: a half whose requests were all cancelled must stop,
+            # though the other half's requests keep the batch as a whole from ever being all cancelled
+            return not self.state.all_cancelled(running)
 
         def sink_for(requests: list[RequestSpec]) -> Callable[[int, int, list[tuple[int, torch.Tensor]]], None]:
             def on_preview(step: int, total: int, pictures: list[tuple[int, torch.Tensor]]) -> None:
@@ -297,8 +297,7 @@ class ComputeThread:
             self.adapters.activate(batch.params.loras)  # before the meter: an adapter's weights are not working memory
             self.meter.start()
             # out of memory: retried, in halves (worker/retry.py); retried, its peak is not its need
-            live, outputs, retried = run_or_retry(batch, live, inputs, forward, pipeline=self.pipeline,
-                                                  endings=endings, post=self.post, empty_cache=self._empty_cache)
+            live, outputs, retried = run_or_retry(batch, live, inputs, forward, pipeline=self.pipeline, endings=endings)
         except Interrupted as exc:
             endings.cancelled(live_ids, exc)
             return

@@ -54,9 +54,9 @@ from diffusiond.pipelines.base import host_weight_bytes, weight_bytes
 from diffusiond.pipelines.phases import Phases
 from diffusiond.pipelines.spec import loads_libraries
 from diffusiond.worker.compute import ComputeThread, Edit, LiveUpdate
+from diffusiond.worker.control_items import Control
 from diffusiond.worker.copier import Copier
 from diffusiond.worker.finish import Finisher
-from diffusiond.worker.power import Control
 from diffusiond.worker.state import SharedState
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ import torch
 from diffusiond.ipc.messages import Execute, Progress, RequestSpec
 from diffusiond.pipelines.base import EditArrays, Interrupted, Pipeline
 from diffusiond.protocol import ErrorCode
-from diffusiond.worker.endings import Endings
 from diffusiond.worker.failures import first_line, is_fatal, is_oom, oom_message, oom_shape
+from diffusiond.worker.request_endings import Endings
 
 log = logging.getLogger("diffusiond.worker.compute")  # the compute thread's lines, named as they always were
 
@@ -29,7 +29,7 @@ Forward = Callable[[list[RequestSpec], list[EditArrays]], list[torch.Tensor]]
 
 def run_or_retry(
     batch: Execute, live: list[RequestSpec], inputs: list[EditArrays], forward: Forward, *,
-    pipeline: Pipeline, endings: Endings, post: Callable[..., None], empty_cache: Callable[[], None],
+    pipeline: Pipeline, endings: Endings,
 ) -> tuple[list[RequestSpec], list[torch.Tensor], bool]:
     """The batch's forward; out of memory, once more after emptying the allocator's cache, as two
     halves when it holds more than one request (seeds are per request, so a half gives what it
@@ -46,11 +46,11 @@ def run_or_retry(
         if not is_oom(exc):
             raise
         first = exc
-    empty_cache()
+    endings.empty_cache()
     split = len(live) > 1
     log.warning("batch %d (%s) ran out of memory; retrying%s: %s", batch.batch_id, oom_shape(batch, len(live)),
                 " as two halves" if split else "", first_line(first))
-    post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, oom_retry=True))
+    endings.post(Progress(batch_id=batch.batch_id, step=0, total=batch.params.steps, oom_retry=True))
     mid = (len(live) + 1) // 2
     parts = [(live[:mid], inputs[:mid]), (live[mid:], inputs[mid:])] if split else [(live, inputs)]
     done: list[RequestSpec] = []
@@ -67,7 +67,7 @@ def run_or_retry(
             if not is_oom(exc):  # this half's own failure: the other half's outputs stand
                 endings.failed([r.request_id for r in requests], exc)
                 continue
-            empty_cache()
+            endings.empty_cache()
             message = oom_message(pipeline, batch, len(live), len(requests) if split else 0, exc)
             log.warning("batch %d: %s", batch.batch_id, message)
             for r in requests:

@@ -23,7 +23,8 @@ log = logging.getLogger("diffusiond.worker.compute")  # the compute thread's lin
 class Endings:
     """The endings of one batch's requests (``batch_id``): each posts its RequestEnded once, stage ``computing``.
 
-    ``empty_cache`` gives the allocator's cached blocks back (the compute thread's)."""
+    ``post`` and ``empty_cache`` (the allocator's cached blocks back) are the compute thread's; the out-of-memory
+    retry posts its ``oom_retry`` and empties the cache through them too, so it needs nothing else of the thread."""
 
     def __init__(self, batch_id: int, state: SharedState, post: Callable[..., None],
                  empty_cache: Callable[[], None]) -> None:
