@@ -76,12 +76,13 @@ def test_the_compiled_pipeline_refuses_a_step_cache_itself() -> None:
 def test_compile_leaves_a_text_encoder_stored_in_fp8_eager_and_compiles_the_rest() -> None:
     """A 24 GiB card holds FLUX.1-dev compiled in fp8 only beside T5 in fp8 storage (issue 28): its casting hooks
     cannot be compiled, so the encoder, run once an image, runs eager while the denoiser compiles, and the
-    picture is the uncompiled model's."""
+    picture is the uncompiled model's. Even where the encoders are asked to compile (``compile_encoders=1``; beside
+    a transformer they stay eager by default)."""
     options = {"quant": "text_encoder_2:fp8-storage"}
     build_config({}, {"model": ["t=tiny-flux,quant=text_encoder_2:fp8-storage"], "compile": "default"})  # admitted
     pipe = load_pipeline("tiny-flux", device="cpu", dtype="float32", options=options)
     want = run(pipe, [7])
-    compiled = CompiledPipeline(pipe, "default", {**options, "compile_backend": "eager"})
+    compiled = CompiledPipeline(pipe, "default", {**options, "compile_backend": "eager", "compile_encoders": "1"})
     assert "text_encoder_2" not in compiled.compiled and "text_encoder" in compiled.compiled
     assert any(name.startswith("transformer") for name in compiled.compiled)
     assert torch.allclose(run(compiled, [7]), want, atol=1e-5, rtol=0)
