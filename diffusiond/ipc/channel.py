@@ -86,9 +86,9 @@ class Channel:
                 with contextlib.suppress(Exception):
                     self._loop.remove_writer(self.sock.fileno())
         for _, _, owned in self._out:
-            _close_fds(owned)
+            close_all(owned)
         self._out.clear()
-        _close_fds(list(self._in_fds))
+        close_all(list(self._in_fds))
         self._in_fds.clear()
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -110,7 +110,7 @@ class Channel:
             )
         if self.closed:
             if close_fds:
-                _close_fds(list(fds))
+                close_all(list(fds))
             raise ChannelClosed(f"{self.name} is closed: {self.close_reason}")
         data = self.encoder.encode(msg, len(fds))  # raises FrameTooLarge before anything is queued
         self._out.append((memoryview(data), list(fds), list(fds) if close_fds else []))
@@ -156,7 +156,7 @@ class Channel:
                     self._out[0] = (buf[n:], [], owned)
                     raise BlockingIOError
                 self._out.popleft()
-                _close_fds(owned)
+                close_all(owned)
         except (BlockingIOError, InterruptedError):
             if not self._writing and self._loop is not None:
                 self._loop.add_writer(self.sock.fileno(), self._flush)
@@ -222,7 +222,8 @@ def recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
     return data, fds
 
 
-def _close_fds(fds: list[int]) -> None:
+def close_all(fds: Sequence[int]) -> None:
+    """Close each of ``fds``, whatever the others do: one already gone must not keep the rest open."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

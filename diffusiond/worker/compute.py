@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffusiond.ipc.channel import close_all
 from diffusiond.ipc.errors import ArenaError
 from diffusiond.ipc.inputs import read_controls, read_inputs, read_pictures, read_references
 from diffusiond.ipc.messages import (
@@ -74,12 +74,6 @@ class LiveUpdate:
 
     msg: UpdateLora | UpdateWeights
     fds: list[int]
-
-
-def close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 class ComputeThread:
@@ -183,7 +177,7 @@ class ComputeThread:
             if r not in live:
                 endings.end(r.request_id, "cancelled", "cancelled while queued on the worker")
         if not live:
-            close_fds(fds)
+            close_all(fds)
             return
         live_ids = [r.request_id for r in live]
         inputs: list[EditArrays] = []
@@ -202,7 +196,7 @@ class ComputeThread:
             endings.fail_all(live_ids, f"could not read the input image: {exc}")
             return
         finally:
-            close_fds(fds)
+            close_all(fds)
         last_post = 0.0
 
         previews = self.copier.previews

@@ -28,7 +28,7 @@ import msgspec
 from diffusiond.daemon.workers.link import Command, FrameCallback, LostCallback, WorkerStartError
 from diffusiond.daemon.workers.template import ForkedProcess, Template
 from diffusiond.ipc.arena import MappedView, is_sealed
-from diffusiond.ipc.channel import Channel, socketpair
+from diffusiond.ipc.channel import Channel, close_all, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError
 from diffusiond.ipc.frames import Frame
 from diffusiond.ipc.messages import (
@@ -218,8 +218,7 @@ class WorkerHandle:
         try:
             if fds:
                 if self.channel is None or self.channel.closed:
-                    for fd in fds:
-                        os.close(fd)
+                    close_all(fds)
                     raise ChannelClosed(f"{self.name} is not connected ({self._unconnected()})")
                 self.channel.post(msg, fds, close_fds=True)
             else:
@@ -306,7 +305,7 @@ class WorkerHandle:
         if out is not None and any(d.dedicated for d in regions):
             mine = [d for d in regions if d.dedicated]  # the output's fd first, then the trajectory's
             if len(frame.fds) != len(mine):
-                _close_all(frame.fds)  # the frame is refused, so no one else will close them
+                close_all(frame.fds)  # the frame is refused, so no one else will close them
                 self._protocol_error(f"output {out.request_id} with {len(mine)} dedicated buffers arrived with "
                                      f"{len(frame.fds)} fds")
                 return
@@ -314,10 +313,10 @@ class WorkerHandle:
                 try:
                     self.dedicated[d.slot_id] = MappedView(fd, d.nbytes, close_fd=not is_sealed(fd))
                 except BaseException:  # MappedView closed its own fd; the ones after it are still ours
-                    _close_all(frame.fds[i + 1 :])
+                    close_all(frame.fds[i + 1 :])
                     raise
         elif frame.fds:
-            _close_all(frame.fds[1 if isinstance(msg, Hello) else 0 :])
+            close_all(frame.fds[1 if isinstance(msg, Hello) else 0 :])
         if isinstance(msg, Hello):
             if not frame.fds:
                 self._protocol_error("HELLO arrived without the arena fd")
@@ -424,8 +423,3 @@ def _kind_name(kind: int) -> str:
 def _regions(msg: OutputReady) -> list[TensorDesc]:
     """The memory an output frame hands over: its tensor's, and its trajectory's region."""
     return [msg.tensor] if msg.trajectory is None else [msg.tensor, msg.trajectory.region]
-
-
-def _close_all(fds: Sequence[int]) -> None:
-    for fd in fds:
-        os.close(fd)
