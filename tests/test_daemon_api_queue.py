@@ -46,10 +46,12 @@ async def test_queue_full_is_429_with_retry_after(daemon_factory: Any) -> None:
             for job_id in accepted:
                 async with s.delete(f"/v1/jobs/{job_id}"):
                     pass
-        # a synchronous job past its deadline: 504, and an SDK that retries 5xx is told not to. The deadline is far
-        # below the batch's 3 s: the synthetic model calibrates its work at load, and on a box busy then (a full
-        # run's other tests) a batch can take a fraction of it, which finished a job under a 1 s deadline
+        # a synchronous job past its deadline: 504, and an SDK that retries 5xx is told not to. It waits in the queue
+        # of a daemon put to sleep, so the deadline passes whatever the box's speed (the synthetic model calibrates
+        # its work at load: on a box busy then, a "3000 ms" batch ran in under 0.1 s and beat the deadline)
+        async with s.post("/v1/admin/sleep") as r:
+            assert r.status == 200, await r.text()
         status, answer, headers = await post(s, "/v1/images/generations",
-                                             {"prompt": "x", "size": f"{SIZE}x{SIZE}", "timeout_s": 0.1})
+                                             {"prompt": "x", "size": f"{SIZE}x{SIZE}", "timeout_s": 0.5})
         assert status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
         assert headers["x-should-retry"] == "false"
