@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 
 # Puts the inherited socket at fd 3 and sets LISTEN_PID to the pid that exec keeps.
@@ -115,3 +117,36 @@ def test_daemon_pings_the_watchdog_from_its_loop(tmp_path: Path, model_cache: Pa
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         notify.close()
+
+
+def test_into_the_journal_the_web_page_is_logged_without_its_token(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Groups adm and systemd-journal read the journal; the token opens the page and the API. systemd
+    says which stream is the journal in JOURNAL_STREAM (device:inode): here the daemon's log file."""
+    from diffusiond import Client
+
+    d = daemon_factory("--model", "tiny", "--web", "127.0.0.1:0", env={"OMP_NUM_THREADS": "1"}, start=False)
+    d.log_path.touch()  # the daemon's stderr: spawn opens it again, the same inode
+    st = d.log_path.stat()
+    d.env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    d.start()
+    with Client(str(d.socket)) as c:
+        url = c.web_url()
+    page, token = url.split("?token=", 1)
+    log = d.log()
+    assert token and token not in log, log
+    assert f"web page: {page} " in log and "diffusiond web-url" in log, log
+
+
+def test_a_journal_stream_inherited_by_another_stream_is_not_the_journal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shell started from a service (a terminal under a user manager) inherits JOURNAL_STREAM while
+    writing to a terminal: its user still needs the URL with the token."""
+    from diffusiond.daemon.edge.web import sign_in_url
+
+    st = os.fstat(2)
+    for value, journal in ((f"{st.st_dev}:{st.st_ino}", True), (f"{st.st_dev}:{st.st_ino + 1}", False),
+                           ("", False), ("garbage", False)):
+        monkeypatch.setenv("JOURNAL_STREAM", value)
+        logged = sign_in_url("127.0.0.1", 7860, "t+k", for_log=True)
+        assert ("?token=t%2Bk" not in logged) is journal, (value, logged)
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    assert sign_in_url("127.0.0.1", 7860, "t+k") == "http://127.0.0.1:7860/?token=t%2Bk"  # web-url's is whole

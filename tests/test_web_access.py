@@ -224,6 +224,17 @@ def test_the_page_may_not_be_framed_or_load_from_elsewhere(base: str) -> None:
     assert not re.search(r"(src|href)=\"(https?:)?//", r.text)  # nothing from a CDN
 
 
+def test_the_pages_scripts_are_revalidated_so_an_upgrade_serves_the_new_ones(base: str) -> None:
+    """The page (never cached) and its scripts must come from the same daemon: a browser may reuse a
+    file that names no Cache-Control for a while by its own rule, and old scripts under a new page break it."""
+    for name in ("app.js", "steer.js", "style.css"):
+        r = httpx.get(f"{base}/static/{name}")
+        assert r.status_code == 200 and r.headers.get("Cache-Control") == "no-cache", (name, r.headers)
+        again = httpx.get(f"{base}/static/{name}", headers={"If-None-Match": r.headers["ETag"]})
+        assert again.status_code == 304, (name, again.status_code)  # unchanged: not sent again
+    assert httpx.get(f"{base}/").headers["Cache-Control"] == "no-store"
+
+
 def test_web_url_is_not_given_over_the_web_listener_itself(base: str) -> None:
     r = httpx.get(f"{base}/v1/admin/web", headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text  # docs/api.md: 403

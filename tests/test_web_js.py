@@ -39,14 +39,15 @@ SERVED = {"/v1/models": MODELS, "/v1/loras": {"data": []}, "/v1/jobs": {"data": 
           "/v1/upscalers": {"data": [{"name": "esrgan", "object": "upscaler", "scale": 4}]}}
 
 
-def page(steps: list[dict[str, Any]], answers: dict[str, Any] = SERVED) -> dict[str, Any]:
+def page(steps: list[dict[str, Any]], answers: dict[str, Any] = SERVED, *, ready: bool = True) -> dict[str, Any]:
+    """ready: that the page started (models listed) before the first step."""
     assert NODE is not None
     done = subprocess.run([NODE, str(HARNESS), str(WEB), json.dumps(answers), json.dumps(steps)],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     out: dict[str, Any] = json.loads(done.stdout)
     assert "error" not in out, out["error"]
-    assert out["ready"], out
+    assert out["ready"] is ready, out
     return out
 
 

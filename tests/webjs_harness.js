@@ -1,7 +1,8 @@
 // Runs the page's scripts (those index.html names, in its order) in Node against a stand-in DOM and API
 // (tests/test_web_js.py drives it).
 // Not a browser: no layout, no real events, no real HTTP. What it checks is the page's own logic
-// (which boxes it shows for which model, the job body it builds) where no Chromium is installed.
+// (which boxes it shows for which model, the job body it builds, what it does when the daemon refuses or
+// does not answer) where no Chromium is installed.
 "use strict";
 const fs = require("fs");
 const vm = require("vm");
@@ -57,8 +58,17 @@ const document = {
   body: { dataset: {} },
 };
 const answers = JSON.parse(process.argv[3]);  // path -> the JSON the daemon gives
+// answers.fail: path -> the statuses its next requests get before it answers again (0: no answer at all)
+const failing = answers.fail || {};
+const fetched = {};  // path -> how many requests it got
 const posted = [];
 async function fetch(path, init) {
+  fetched[path] = (fetched[path] || 0) + 1;
+  const status = (failing[path] || []).shift();
+  if (status === 0) throw new TypeError("Failed to fetch");
+  if (status !== undefined) {
+    return { ok: false, status, json: async () => ({ error: { message: `refused with ${status}` } }) };
+  }
   if (init && init.method === "POST") {
     posted.push(JSON.parse(init.body));
     const body = posted[posted.length - 1];  // answers.refuse_preview: the models whose jobs refuse the field
@@ -76,8 +86,21 @@ class FileReader {
     setTimeout(() => { this.result = `data:image/png;base64,${file.b64}`; this.onload(); }, 5);
   }
 }
-class EventSource { addEventListener() {} close() {} }
-const ctx = vm.createContext({ document, fetch, FileReader, EventSource, setTimeout, setInterval: () => 0,
+// The page's event streams, each refused or fed by a step.
+const streams = [];
+class EventSource {
+  constructor(url) { Object.assign(this, { url, readyState: 0, listeners: {}, onerror: null }); streams.push(this); }
+  addEventListener(name, fn) { (this.listeners[name] ||= []).push(fn); }
+  close() { this.readyState = EventSource.CLOSED; }
+}
+EventSource.CLOSED = 2;
+// The page's timers run only when a step says "tick" (each due once), so a wait of seconds takes none.
+let timers = [];
+let lastTimer = 0;
+const addTimer = (every) => (fn, ms) => { timers.push({ id: ++lastTimer, fn, ms: ms || 0, every }); return lastTimer; };
+const clearTimer = (id) => { timers = timers.filter((t) => t.id !== id); };
+const ctx = vm.createContext({ document, fetch, FileReader, EventSource, setTimeout: addTimer(false),
+                               setInterval: addTimer(true), clearTimeout: clearTimer, clearInterval: clearTimer,
                                console, crypto: globalThis.crypto, JSON, Promise, Number, String, Object,
                                Boolean, Date, Math, Error, Map, Uint32Array, encodeURIComponent });
 const html = fs.readFileSync(`${process.argv[2]}/index.html`, "utf8");
@@ -107,13 +130,33 @@ const shown = () => ({ control: !byId("control").hidden, reference: !byId("refer
                        references: rowsOf("reference"), can_add: !byId("reference-add").disabled,
                        error: byId("error").hidden ? "" : byId("error").textContent,
                        residency: byId("residency-rows").children.map((tr) => tr.children.map((td) => td.textContent)),
+                       ready: document.body.dataset.ready === "true", signed_out: byId("app").hidden,  // showSignIn()
+                       status: byId("status").textContent, status_code: byId("status").dataset.status || "",
+                       generate_disabled: byId("generate").disabled, streams: streams.filter((e) => e.readyState !== 2).length,
+                       opened: streams.length, timers: timers.map((t) => ({ ms: t.ms, every: t.every })),
+                       fetched: { ...fetched },
                        cards: byId("gallery").children.map((card) => card.children.map((c) => c.textContent || "")) });
 const choose = (id, value) => { byId(id).value = value; byId(id).fire("change"); };
 
 (async () => {
-  for (let i = 0; i < 200 && document.body.dataset.ready !== "true"; i++) await sleep(5);
+  const waiting = () => timers.some((t) => !t.every);  // the page waits to try again
+  for (let i = 0; i < 200 && document.body.dataset.ready !== "true" && !waiting(); i++) await sleep(5);
   const out = { ready: document.body.dataset.ready === "true", steps: [] };
   for (const step of JSON.parse(process.argv[4])) {
+    Object.assign(answers, step.serve || {});
+    Object.assign(failing, step.fail || {});
+    if (step.refuse_stream) {  // the stream's reconnect got a non-200: closed for good
+      const events = streams[streams.length - 1];
+      events.readyState = EventSource.CLOSED;
+      events.onerror({});
+    }
+    for (let i = 0; i < (step.tick || 0); i++) {
+      const due = timers;
+      timers = timers.filter((t) => t.every);
+      for (const t of due) t.fn();
+      await sleep(20);  // what they started
+    }
+    if (step.refuse_stream) await sleep(20);
     if (step.model) choose("model", step.model);
     if (step.reuse) ctx.fillForm(step.reuse);  // a gallery card's "Use these settings"
     for (const id of step.click || []) byId(id).click();

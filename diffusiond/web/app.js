@@ -13,6 +13,12 @@ const VIDEO_TASKS = ["text-to-video", "image-to-video"];
 const STRENGTH_TASKS = ["image-to-image", "inpainting"];
 // files: each file input's picture as a data: URL (read when chosen); reading: those still being read
 const state = { job: null, events: null, previews: true, models: [], files: {}, reading: {} };
+const FINAL = ["succeeded", "failed", "cancelled"];
+
+// The wait before the next try of something the daemon refused or did not answer (it may be restarting):
+// doubling from 1 s, at most 15 s, so a page left open finds the daemon soon after it is back.
+const backoff = (attempt) => Math.min(1000 * 2 ** attempt, 15000);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 class ApiError extends Error {
   constructor(message, status, error) { super(message); this.status = status; this.error = error || {}; }
@@ -69,8 +75,8 @@ function selectedModel() {
   return state.models.find((m) => m.id === $("model").value);
 }
 
-// Whether a job on `model` may ask for previews: /v1/models says so per model (review44-f 4: some models
-// cannot preview, docs/api.md "Live previews"); only a daemon whose entries lack the flag is judged as a whole.
+// Whether a job on `model` may ask for previews: /v1/models says so per model (some models cannot preview,
+// docs/api.md "Live previews"); only a daemon whose entries lack the flag is judged as a whole.
 function previewsFor(model) {
   return model && typeof model.previews === "boolean" ? model.previews : state.previews;
 }
@@ -279,7 +285,7 @@ async function submit(body) {
     return await api("POST", "/v1/jobs", body);
   } catch (err) {
     // A refused preview: send this job without. Only a daemon that does not say which models preview
-    // (no `previews` flag) is taken to have none at all; else the next model may well (review44-f 4).
+    // (no `previews` flag) is taken to have none at all; else the next model may well.
     if (body.preview && err.status === 400 && String(err.error.field || "").startsWith("preview")) {
       const model = state.models.find((m) => m.id === body.model);
       if (!(model && typeof model.previews === "boolean")) {
@@ -305,9 +311,16 @@ function follow(job) {
   preview.hidden = true;
   preview.removeAttribute("src");
   preview.dataset.count = "0";
+  listen(job, 0);
+}
 
+// The job's event stream; `attempt`: how many were refused before it.
+function listen(job, attempt) {
+  const bar = $("progress");
+  const preview = $("preview");
   const events = new EventSource(`/v1/jobs/${encodeURIComponent(job.id)}/events`);
   state.events = events;
+  events.addEventListener("open", () => { attempt = 0; });
   events.addEventListener("status", (ev) => setStatus(JSON.parse(ev.data)));
   events.addEventListener("progress", (ev) => {
     const p = JSON.parse(ev.data);
@@ -327,16 +340,37 @@ function follow(job) {
     // "error" is also EventSource's own event for a broken connection (no data): onerror handles that
     events.addEventListener(name, (ev) => { if (ev.data) finish(JSON.parse(ev.data)); });
   }
+  // A dropped connection is retried by the EventSource itself; a refused one (any answer but 200: signed out,
+  // the daemon restarting, a proxy's 502) closes it for good, so ask for the job and, unfinished, follow again.
   events.onerror = async () => {
-    if (events.readyState !== EventSource.CLOSED || state.job !== job) return;
-    try {  // the stream was refused (signed out, daemon restarted): ask for the job once
-      const now = await api("GET", `/v1/jobs/${encodeURIComponent(job.id)}`);
-      if (["succeeded", "failed", "cancelled"].includes(now.status)) finish(now);
+    if (events.readyState !== EventSource.CLOSED || state.events !== events) return;
+    let now;
+    try {
+      now = await api("GET", `/v1/jobs/${encodeURIComponent(job.id)}`);
     } catch (err) {
-      showError(`lost the job's event stream: ${err.message}`);
-      finish(job);
+      if (state.events === events) lost(job, err);
+      return;
     }
+    if (state.events !== events) return;
+    if (FINAL.includes(now.status)) return finish(now);
+    const wait = backoff(attempt);
+    setStatus(now);
+    $("status").textContent += ` · its event stream was refused; following again in ${wait / 1000} s`;
+    await sleep(wait);
+    if (state.events === events) listen(job, attempt + 1);
   };
+}
+
+// Neither the stream nor the job's record answers: its status is unknown, not the one it had when sent.
+function lost(job, err) {
+  if (state.events) state.events.close();
+  state.events = null;
+  state.job = null;
+  $("status").textContent = "status unknown";
+  $("status").dataset.status = "unknown";
+  showError(`lost job ${job.id}: its event stream was refused and asking for it failed (${err.message}); ` +
+            "press ↻ by Recent jobs once the daemon answers to see how it ended");
+  setBusy(false);
 }
 
 function finish(job) {
@@ -419,51 +453,6 @@ async function refreshGallery() {
   }
 }
 
-// what is where: the residency panel ----------------------------------------------------------
-
-const RESIDENCY_EVERY_MS = 3000;
-
-function formatBytes(n) {
-  if (!n) return "0";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let k = 0;
-  while (n >= 1024 && k < units.length - 1) { n /= 1024; k += 1; }
-  return `${k === 0 ? n : n.toFixed(1)} ${units[k]}`;
-}
-
-function keptUntil(m) {
-  if (m.keep_alive_forever) return "forever";
-  if (m.keep_alive_until === null || m.keep_alive_until === undefined) return "—";
-  const when = new Date(m.keep_alive_until * 1000);
-  if (Number.isNaN(when.getTime())) return "forever";  // past what a Date holds: a daemon before the 100-year horizon
-  const left = Math.max(0, Math.round(m.keep_alive_until - Date.now() / 1000));
-  const at = when.toLocaleTimeString();
-  return `${at} (in ${left >= 120 ? Math.round(left / 60) + " min" : left + " s"})`;
-}
-
-function showResidency(models) {
-  $("residency-rows").replaceChildren(...models.map((m) => {
-    const cell = (text, cls) => el("td", { textContent: String(text), className: cls || "" });
-    const row = el("tr", { title: m.residency_reason || "" },
-      cell(m.id), cell(m.device), cell(m.residency || "?", "where"), cell(formatBytes(m.device_bytes), "num device"),
-      cell(formatBytes(m.host_bytes), "num host"), cell(keptUntil(m), "until"), cell(m.pinned ? "pinned" : "", "pinned"),
-      cell(m.queued || 0, "num queued"), cell(m.running || 0, "num running"),
-      cell(m.attention || "default", "attention"), cell((m.approximations || []).join(", ") || "none", "approximations"));
-    row.dataset.model = m.id;
-    row.dataset.residency = m.residency || "";
-    return row;
-  }));
-  $("residency-updated").textContent = `· ${new Date().toLocaleTimeString()}`;
-}
-
-async function refreshResidency() {
-  try {
-    showResidency((await api("GET", "/v1/models")).data || []);
-  } catch (err) {
-    $("residency-updated").textContent = err.status === 401 ? "" : `· not updated: ${err.message}`;
-  }
-}
-
 // start ----------------------------------------------------------------------------------------
 
 async function start() {
@@ -480,14 +469,20 @@ async function start() {
       generate();
     }
   });
-  try {
-    await loadModels();
-  } catch (err) {
-    if (err.status !== 401) showError(err.message);
-    return;
+  for (let attempt = 0; ; attempt += 1) {  // a daemon restarting (or not yet started) answers later
+    try {
+      await loadModels();
+      break;
+    } catch (err) {
+      if (err.status === 401) return;  // api() shows how to sign in
+      const wait = backoff(attempt);
+      showError(`could not list the models: ${err.message}; trying again in ${wait / 1000} s`);
+      await sleep(wait);
+    }
   }
+  showError("");
   await Promise.all([loadHealth(), loadLoras(), loadSteers(), loadUpscalers(), refreshGallery()]);
-  setInterval(refreshResidency, RESIDENCY_EVERY_MS);
+  startResidency();
   document.body.dataset.ready = "true";
 }
 

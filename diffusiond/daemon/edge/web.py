@@ -3,9 +3,9 @@
 Browsers cannot reach a Unix socket, so this listener is TCP, and anything on the machine (or, on
 a non-loopback address, the network) can connect; the page and every API route are therefore
 behind a token, as Jupyter does it: without ``--token-file`` the daemon makes a random one and
-logs one URL that carries it. Opening that URL sets an HttpOnly, SameSite=Strict cookie and
-redirects to ``/`` (so the token leaves the address bar and the history). The rules themselves
-(Host, Origin, cookie or bearer) are in ``webauth.py``; this module applies them, serves the page
+logs one URL that carries it (a journal gets the address alone). Opening that URL sets an HttpOnly,
+SameSite=Strict cookie and redirects to ``/`` (so the token leaves the address bar and the history).
+The rules themselves (Host, Origin, cookie or bearer) are in ``webauth.py``; this module applies them, serves the page
 from the package (``diffusiond/web/``, plain files, no build step) and reuses the API's handlers
 through ``api.add_api_routes``.
 """
@@ -13,6 +13,7 @@ through ``api.add_api_routes``.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from pathlib import Path
 from urllib.parse import quote
@@ -56,10 +57,27 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def sign_in_url(listen_host: str, port: int, token: str) -> str:
+def sign_in_url(listen_host: str, port: int, token: str, *, for_log: bool = False) -> str:
     """Percent-encoded: a token from ``openssl rand -base64`` holds ``+`` and ``/``, and a query reads ``+`` as a
-    space, so the URL printed did not sign in."""
-    return f"http://{webauth.host_port(webauth.url_host(listen_host), port)}/?token={quote(token, safe='')}"
+    space, so the URL printed did not sign in.
+
+    ``for_log``: what the daemon logs. Into the journal not the token: groups adm and systemd-journal read
+    it, and the token is the page's and the API's key. A terminal's user gets the URL itself."""
+    page_url = f"http://{webauth.host_port(webauth.url_host(listen_host), port)}/"
+    if for_log and stderr_is_the_journal():
+        return f"{page_url} (sign in with the URL `diffusiond web-url` prints; its token is kept out of the journal)"
+    return f"{'open ' if for_log else ''}{page_url}?token={quote(token, safe='')}"
+
+
+def stderr_is_the_journal() -> bool:
+    """systemd.exec(5)'s test: JOURNAL_STREAM is the device:inode of the stream it connected. A shell started
+    from a service (a terminal under a user manager) inherits the variable, not the stream."""
+    try:
+        device, inode = (int(part) for part in os.environ.get("JOURNAL_STREAM", "").split(":"))
+        stat = os.fstat(2)
+    except (ValueError, OSError):
+        return False
+    return (stat.st_dev, stat.st_ino) == (device, inode)
 
 
 def make_web_access(token: str, listen_host: str, metrics: Metrics) -> Middleware:
@@ -117,7 +135,9 @@ async def static(request: web.Request) -> web.FileResponse:
     path = STATIC.get(request.match_info["name"])
     if path is None:
         raise web.HTTPNotFound()
-    return web.FileResponse(path)
+    # no-cache: revalidated (ETag) on every load. Without it a browser may reuse an upgraded daemon's old
+    # scripts under its new page (index.html is never cached) for a while, and the two do not fit.
+    return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
 
 
 async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
