@@ -167,6 +167,18 @@ def test_serve_missing_config_file(tmp_path: Path, capsys: Any) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_serve_config_that_is_no_readable_file_is_a_usage_error_naming_it(tmp_path: Path, capsys: Any) -> None:
+    """A directory (and, for a user without root, a file without read permission) raised a bare OSError out of
+    serve: a traceback instead of exit 2 naming the path."""
+    assert main(["serve", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {tmp_path} cannot be read (Is a directory)" in err and "Traceback" not in err, err
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'log_level = "caf\xe9"\n')
+    assert main(["serve", "--config", str(latin)]) == 2
+    assert f"config file {latin} is not UTF-8 text" in capsys.readouterr().err
+
+
 def test_serve_flags_reach_the_config(tmp_path: Path, monkeypatch: Any) -> None:
     got: list[Any] = []
     fake = type(sys)("diffusiond.daemon.server")

@@ -37,6 +37,7 @@ class StubDaemon:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.subscribed = threading.Event()
         self.deleting = threading.Event()
+        self.admitted = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -53,6 +54,9 @@ class StubDaemon:
             return web.json_response({"error": err}, status=400)
         job_id = f"j_{len(self.jobs) + 1}"
         self.jobs[job_id] = body
+        if body["prompt"] == "slow-admit":  # admitted, and the answer that names it on its way
+            self.admitted.set()
+            await asyncio.sleep(1.0)
         return web.json_response(self.job_json(job_id, "queued"), status=202)
 
     async def events(self, request: web.Request) -> web.StreamResponse:
@@ -64,7 +68,7 @@ class StubDaemon:
         if body["prompt"] == "fail":
             err = {"code": "worker_crashed", "message": "the worker died", "stage": "computing"}
             text += f"event: error\ndata: {json.dumps(self.job_json(job_id, 'failed', error=err))}\n\n"
-        elif body["prompt"] not in ("hang", "stuck"):
+        elif body["prompt"] not in ("hang", "stuck", "slow-admit"):
             n = body.get("n", 1)
             outputs = [{"index": k, "url": f"/v1/jobs/{job_id}/outputs/{k}", "content_type": "image/png",
                         "seed": 100 + k, "bytes": 6} for k in range(n)]  # fmt: skip
@@ -73,7 +77,7 @@ class StubDaemon:
         for i in range(0, len(data), 7):  # awkward chunks on the wire too
             await resp.write(data[i : i + 7])
         self.subscribed.set()
-        if body["prompt"] in ("hang", "stuck"):
+        if body["prompt"] in ("hang", "stuck", "slow-admit"):
             await asyncio.sleep(3600)
         return resp
 
@@ -179,7 +183,7 @@ def test_no_audio_asks_the_daemon_to_leave_the_sound_track_out(
 
 def test_generate_failure_exits_1_with_the_daemons_message(stub: StubDaemon, capsys: Any) -> None:
     assert main(["generate", "fail", "--socket", stub.path]) == 1
-    assert "error: the worker died (stage: computing)" in capsys.readouterr().err
+    assert "error: job j_1 failed: the worker died (worker_crashed, stage computing)" in capsys.readouterr().err
 
 
 def test_generate_rejected_exits_1(stub: StubDaemon, capsys: Any) -> None:
@@ -189,10 +193,28 @@ def test_generate_rejected_exits_1(stub: StubDaemon, capsys: Any) -> None:
 
 
 def test_generate_timeout_cancels(stub: StubDaemon, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("diffusiond.commands.generate.CLIENT_GRACE_S", 0.0)
+    monkeypatch.setattr("diffusiond.commands.generate.CANCEL_GRACE_S", 0.0)
     assert main(["generate", "hang", "--socket", stub.path, "--timeout", "0.5"]) == 1
     assert "did not finish within 0.5 s" in capsys.readouterr().err
     assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_a_connect_timeout_without_timeout_exits_3_and_leaves_the_job_alone(
+    stub: StubDaemon, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stubbed where the timeout comes from: on Linux a Unix socket's connect is done or refused at once, under
+    uvloop and asyncio alike (a full backlog is EAGAIN, DaemonUnreachable), so the 30 s connect bound cannot be
+    made to pass for real. Without --timeout the user bounded nothing: no cancel of their job, and the
+    ClientTimeout's own message, not a TypeError's traceback from formatting the missing bound."""
+
+    async def slow(client: AsyncClient, job_id: str, *args: Any) -> dict[str, Any]:
+        raise ClientTimeout(client.socket_path, f"connecting for GET /v1/jobs/{job_id}/events", 30.0)
+
+    monkeypatch.setattr("diffusiond.commands.generate.follow", slow)
+    assert main(["generate", "hang", "--socket", stub.path]) == 3
+    err = capsys.readouterr().err
+    assert f"error: connecting for GET /v1/jobs/j_1/events (daemon at {stub.path}) took longer than 30 s" in err, err
+    assert not any(method == "DELETE" for method, _, _ in stub.requests)
 
 
 def test_ctrl_c_cancels_the_job(stub: StubDaemon, tmp_path: Path) -> None:
@@ -211,6 +233,26 @@ def test_ctrl_c_cancels_the_job(stub: StubDaemon, tmp_path: Path) -> None:
         pytest.fail(f"generate ignored Ctrl-C for 30 s; its stderr: {err!r}")
     assert proc.returncode == 130, err
     assert "cancelled job j_1" in err
+    assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_ctrl_c_between_the_daemons_admission_and_its_answer_still_cancels_the_job(
+        stub: StubDaemon, tmp_path: Path) -> None:
+    """The interrupt cancelled the submit with the daemon's 202 unread: no job id, so no cancel, and the daemon
+    ran the job for nobody."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffusiond", "generate", "slow-admit", "--socket", stub.path],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert stub.admitted.wait(60)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "cancelled job j_1" in err, err
     assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
 
 
@@ -281,6 +323,15 @@ def test_a_daemon_that_does_not_answer_exits_3_with_a_one_line_timeout(
     assert main(["status", "--socket", silent_socket]) == 3
     err = capsys.readouterr().err
     assert err == f"error: GET /health (daemon at {silent_socket}) took longer than 0.3 s\n", err
+
+
+def test_status_wait_on_a_daemon_that_does_not_answer_gives_up_when_the_wait_ends(
+    silent_socket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each ask of the wait took the 30 s request bound whatever --wait said, and its timeout ended the wait."""
+    assert main(["status", "--socket", silent_socket, "--wait", "0.5"]) == 3
+    err = capsys.readouterr().err
+    assert err == f"error: waiting for the daemon to be ready (daemon at {silent_socket}) took longer than 0.5 s\n", err
 
 
 def test_client_timeout_is_a_client_error(silent_socket: str) -> None:

@@ -50,3 +50,19 @@ def test_output_to_a_device_leaves_it_a_device(sock: str, tmp_path: Path) -> Non
     after = os.stat(null)
     assert stat.S_ISCHR(after.st_mode) and after.st_rdev == os.makedev(1, 3)
     assert f"{null}  seed=3".encode() in done.stdout
+
+
+def test_output_to_stdout_into_a_pipe_nobody_reads_exits_141(sock: str) -> None:
+    """``generate -o - | head -c 0``: the reader is gone before the bytes come. The exit status is 128 + SIGPIPE,
+    what the shell reports for any other tool the closed pipe ended, so ``set -o pipefail`` scripts see the same."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "diffusiond", "generate", "a", "--socket", sock, "--size", "64x64", "--steps", "1",
+             "-o", "-"], stdout=write, stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, **ENV}, timeout=120,
+            check=False)
+    finally:
+        os.close(write)
+    assert done.returncode == 141, done.stderr
+    assert b"Traceback" not in done.stderr, done.stderr

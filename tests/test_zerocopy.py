@@ -389,3 +389,34 @@ def test_a_failed_fetch_keeps_the_arrays_handed_out_before_it(daemon: Daemon) ->
     _outlives(daemon, a, "a later fetch failed")
     del a
     wait_for(lambda: m._live == 0 and not m._sock_open, "the last array's UNPIN, then the connection's end")
+
+
+def test_closing_the_mapper_leaves_the_arrays_it_handed_out_their_memory(daemon: Daemon) -> None:
+    """close() hung up at once, and the daemon gave the memory of every array still held to the next jobs;
+    ``Client`` closes its mapper that way when zero-copy turns out not to work (zero_copy=None)."""
+    job = run_job(daemon, seed=35)
+    m = OutputMapper(str(daemon.socket))
+    a = m.array(job, 0)
+    m.close()
+    with pytest.raises(ZeroCopyUnavailable, match="closed"):
+        m.array(job, 0)
+    _outlives(daemon, a, "its mapper was closed")
+    del a
+    wait_for(lambda: m._live == 0 and not m._sock_open, "the last array's UNPIN, then the connection's end")
+
+
+def test_a_lease_received_but_not_yet_mapped_is_kept_through_another_threads_failed_fetch(daemon: Daemon) -> None:
+    """Two threads share a mapper: one has its LEASE and is about to map it when the other's fetch fails and hangs
+    up. The lease counted only once mapped, the hang-up saw none live and ended the connection, and the first
+    thread's array lay over memory the daemon had taken back. The two steps of the first thread are run here
+    around the second's failure, in the order the race takes."""
+    from diffusiond.ipc.messages import Fetch
+
+    held, late = run_job(daemon, seed=36), run_job(daemon, seed=37)
+    m = OutputMapper(str(daemon.socket), timeout=1.0)
+    lease, fd = m._lease(Fetch(held, 0))
+    _fetch_while_stopped(daemon, m, late)
+    a = m._map(lease, fd)
+    _outlives(daemon, a, "another thread's fetch failed between its lease and its mapping")
+    del a
+    wait_for(lambda: m._live == 0 and not m._sock_open, "the last array's UNPIN, then the connection's end")

@@ -16,6 +16,7 @@ when an output is asked for as an array or an image.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
@@ -257,14 +258,14 @@ class AsyncClient(Connection):
         memfd passed by fd, same machine and user only (``client/weights.py``)."""
         from diffusiond.client.weights import update_lora  # numpy: only for callers who use it
 
-        return await asyncio.to_thread(update_lora, self.socket_path, name, state_dict, self.timeout)
+        return await _in_daemon_thread(update_lora, self.socket_path, name, state_dict, self.timeout)
 
     async def update_weights(self, model: str, component: str, state_dict: Mapping[str, Any]) -> int:
         """New values for parameters of one component (``"unet"``, ``"transformer"``...) of ``model``,
         named and shaped as in its ``state_dict``; copied in place between batches; the new version."""
         from diffusiond.client.weights import update_weights
 
-        return await asyncio.to_thread(update_weights, self.socket_path, model, component, state_dict,
+        return await _in_daemon_thread(update_weights, self.socket_path, model, component, state_dict,
                                        self.timeout)
 
     async def web_url(self) -> str:
@@ -350,3 +351,33 @@ class AsyncClient(Connection):
             return await asyncio.wait_for(self.cancel(job_id), CANCEL_GRACE_S)
         except (ClientError, TimeoutError):  # finished already (409), or the daemon is gone
             return None
+
+
+async def _in_daemon_thread(call: Callable[..., int], *args: Any) -> int:
+    """``call(*args)`` in a thread of its own that the interpreter does not wait for. Not ``asyncio.to_thread``:
+    on Ctrl-C ``asyncio.run`` waits for its executor's threads, and an update waiting for the daemon's answer
+    (no timeout) held the program's exit for as long as the daemon took, or forever. Sent by then, the update
+    completes in the daemon all the same (``weights.py``)."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[int] = loop.create_future()
+
+    def settle(value: int | None, exc: BaseException | None) -> None:
+        if answer.done():  # cancelled: the caller went
+            return
+        if exc is not None:
+            answer.set_exception(exc)
+        else:
+            answer.set_result(int(value or 0))
+
+    def run() -> None:
+        try:
+            value, exc = call(*args), None
+        except BaseException as error:  # handed to the awaiting task, raised there
+            value, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for the answer
+            pass
+
+    threading.Thread(target=run, name="diffusiond-update", daemon=True).start()
+    return await answer

@@ -4,8 +4,10 @@ memory where that works, else read over HTTP.
 Apart from ``aio.py`` because the choice between the two paths is a state of its own, kept for the client's life:
 the output mapper is opened once and closed off the loop's thread; ``zero_copy=None`` falls back to HTTP for good
 the first time mapping cannot work here, and for one output at a time when the daemon says ``not_shared``;
-``zero_copy=True`` raises instead. The HTTP path must give what the mapped one gives (read-only arrays, the same
-names), so both live here side by side.
+``zero_copy=True`` raises instead. The HTTP path gives what the mapped one gives (the same values, the same names,
+trajectories and sound tracks read-only, as records), so both live here side by side; one difference is kept: an
+``npy`` output read over HTTP is the caller's own copy and stays writeable (read-only, editing it in place would
+cost a copy of the whole output for nothing), where a mapped one is the daemon's memory and cannot be.
 """
 
 from __future__ import annotations

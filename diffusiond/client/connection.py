@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from diffusiond.client.errors import ClientError, ClientTimeout, DaemonUnreachable
+from diffusiond.client.errors import OTHER_USER, ClientError, ClientTimeout, DaemonUnreachable, permission_denied
 from diffusiond.client.transport import error_from, parse_json, reason
 
 BASE_URL = "http://diffusiond"
@@ -32,9 +32,12 @@ class Connection:
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     def _open(self) -> aiohttp.ClientSession:
         # Created lazily, inside the running loop: aiohttp binds a session to the loop it starts on.
+        if self._closed:  # a pool opened now would be closed by nobody (aiohttp's "Unclosed client session")
+            raise ClientError(f"the client of {self.socket_path} is closed; make a new AsyncClient")
         if self._session is None:
             self._loop = asyncio.get_running_loop()
             self._session = aiohttp.ClientSession(
@@ -44,6 +47,7 @@ class Connection:
         return self._session
 
     async def _close_pool(self) -> None:
+        self._closed = True
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
@@ -68,7 +72,8 @@ class Connection:
         except aiohttp.ConnectionTimeoutError as exc:  # the socket is there; its backlog did not move
             raise ClientTimeout(self.socket_path, f"connecting for {method} {path}", self._connect_s()) from exc
         except aiohttp.ClientConnectorError as exc:
-            raise DaemonUnreachable(self.socket_path, reason(exc)) from exc
+            raise DaemonUnreachable(self.socket_path, reason(exc), OTHER_USER if permission_denied(exc) else None) \
+                from exc
         except TimeoutError as exc:  # aiohttp's timeouts are also connection errors: the clearer of the two
             raise ClientTimeout(self.socket_path, f"{method} {path}", self.timeout) from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:

@@ -8,6 +8,7 @@ is in ``diffusiond.client``'s docstring and docs/api.md.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import Any
@@ -46,7 +47,7 @@ class DaemonError(ClientError):
         super().__init__(status, code, message, field, stage)
 
     def __str__(self) -> str:
-        details = [self.code, f"HTTP {self.status}"]
+        details = [self.code, f"HTTP {self.status}"] if self.status else [self.code]  # 0: found on this side
         if self.field:
             details.append(f"field {self.field}")
         if self.stage:
@@ -76,9 +77,12 @@ class DaemonUnreachable(ClientError):
     that none is running, or that client and daemon disagree about the path.
     """
 
-    def __init__(self, socket_path: str, reason: str) -> None:
+    def __init__(self, socket_path: str, reason: str, denied: str | None = None) -> None:
         self.socket_path = socket_path
         self.reason = reason
+        # the socket is there and its permissions keep this user out (EACCES): a daemon runs, another user's, and
+        # "start one" would send the user to a path taken; what to do instead
+        self.denied = denied
         self.not_a_socket = not_a_socket(socket_path)
         # the job ``generate`` had submitted when the daemon went away: kept in its state dir, it runs again
         # when the daemon restarts, so wait on it or cancel it rather than submit again
@@ -92,6 +96,8 @@ class DaemonUnreachable(ClientError):
                 "Point the client at the daemon's socket with --socket PATH or $DIFFUSIOND_SOCKET "
                 "(`diffusiond socket` prints the default one)."
             )
+        if self.denied is not None:
+            return f"{self.socket_path} refuses this user ({self.reason}): {self.denied}"
         if self.job_id is not None:
             return (f"the daemon at {self.socket_path} went away while job {self.job_id} ran ({self.reason}). A daemon "
                     "with a state dir runs the job again when it restarts: wait for it (client.wait, `diffusiond "
@@ -102,6 +108,18 @@ class DaemonUnreachable(ClientError):
             "`systemctl --user start diffusiond.socket`,\n"
             "or point the client at a running daemon with --socket PATH or $DIFFUSIOND_SOCKET."
         )
+
+
+OTHER_USER = ("the daemon listening there runs as another user, and its socket lets only that user in: run this "
+              "as that user, or have the daemon started with --socket-group GROUP --socket-mode 0660 (or --allow-uid "
+              f"{os.getuid()} with a socket mode that lets this user reach it)")
+"""What to do about a daemon's socket that refused this user."""
+
+
+def permission_denied(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or aiohttp's wrapper of one) is a socket's permissions refusing this user."""
+    err = exc if isinstance(exc, OSError) and exc.errno else getattr(exc, "os_error", None)
+    return isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM)
 
 
 def not_a_socket(path: str) -> str | None:

@@ -148,7 +148,8 @@ class AsyncJobHandle:
                 found.append(array if output == "array" else image_of(array))
                 continue
             data = await self.client.output(self.id, k)
-            found.append(data if output == "bytes" else decoded(data, output == "array"))
+            found.append(data if output == "bytes" else
+                         decoded(data, output == "array", f"output {k} of job {self.id} ({ctype or 'no type'})"))
         return found
 
     async def _interruptible(self, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:

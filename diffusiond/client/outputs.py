@@ -24,13 +24,25 @@ if TYPE_CHECKING:
 _CHUNK = 256 * 1024
 
 
-def decoded(data: bytes, as_array: bool) -> Any:
-    from PIL import Image
+def decoded(data: bytes, as_array: bool, what: str) -> Any:
+    """``what`` (output ``k`` of job ``j``, its content type) as a PIL image, or its pixels; a ValueError saying
+    what to ask for instead where it is no picture PIL reads (mp4), or, for an array, more than one (an animated
+    GIF or WebP: its first frame alone, returned as the whole, dropped the rest without a word)."""
+    from PIL import Image, UnidentifiedImageError
 
-    image = Image.open(io.BytesIO(data))
-    image.load()
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except UnidentifiedImageError:
+        raise ValueError(f"{what} is no picture to decode: fetch it with output='bytes', or ask for "
+                         "output_format='npy' (output='array' on generate) for its frames as an array") from None
     if not as_array:
         return image
+    frames = int(getattr(image, "n_frames", 1))
+    if frames > 1:
+        raise ValueError(f"{what} has {frames} frames, and an array of one would drop the others: ask for "
+                         "output_format='npy' (output='array' on generate) for all of them as one array, or "
+                         "output='pil' to seek() through them")
     import numpy as np
 
     return np.asarray(image.convert("RGB"))

@@ -43,7 +43,8 @@ class JobParams(TypedDict, total=False):
     timeout_s: float
     model: str
     preview: dict[str, Any]  # {"every": N, "format": "jpeg"|"webp"|"png", "max_side": 256}: preview events
-    loras: Mapping[str, float] | Sequence[tuple[str, float]]  # LoRA name -> weight (GET /v1/loras)
+    # LoRA name -> weight (GET /v1/loras), or (name, weight) pairs, or {"name", "weight"} entries as in the HTTP API
+    loras: Mapping[str, float] | Sequence[tuple[str, float] | Mapping[str, Any]]
     # edits: the input image (and mask) as the file's bytes or a local file's path (sent base64), base64 or a
     # data: URL (sent as they are), or a path the daemon reads itself under its --input-dir (image_path, mask_path)
     image: ImageInput
@@ -89,8 +90,7 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
         if key == "size":
             body["width"], body["height"] = _size(value)
         elif key == "loras":
-            pairs: Any = value.items() if isinstance(value, Mapping) else value
-            body["loras"] = [{"name": str(name), "weight": float(weight)} for name, weight in pairs]
+            body["loras"] = _loras(value)
         elif key == "trajectory":
             body[key] = dict(cast(Mapping[str, Any], value))
         elif key in ("image", "mask"):
@@ -108,6 +108,25 @@ def job_body(prompt: str, params: JobParams) -> dict[str, Any]:
         else:
             body[key] = value
     return body
+
+
+def _loras(value: Any) -> list[dict[str, Any]]:
+    """``loras`` as the daemon takes it, from any of the forms a caller writes: {name: weight}, (name, weight)
+    pairs, or the HTTP API's own {"name": ..., "weight": ...} entries (sent as they are, for the daemon to check
+    each key). Anything else is a ValueError naming the entry, not a failed float() of some part of it."""
+    entries: Any = value.items() if isinstance(value, Mapping) else value
+    loras = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, Mapping):
+            loras.append(dict(entry))
+            continue
+        try:
+            name, weight = entry
+            loras.append({"name": str(name), "weight": float(weight)})
+        except (TypeError, ValueError):
+            raise ValueError(f"loras[{i}] is {entry!r}; give loras as {{name: weight}}, as (name, weight) pairs, "
+                             "or as {'name': name, 'weight': weight} entries") from None
+    return loras
 
 
 def check_finite(value: Any, where: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable, update_error
+from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable, permission_denied, update_error
 from diffusiond.client.transport import SOCKET_WAIT_S
 from diffusiond.ipc.channel import recv_with_fds
 from diffusiond.ipc.errors import ProtocolError
@@ -190,15 +190,22 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fds: list[int], wha
         try:
             sock = _connect(socket_path, path, timeout)
             frame = FrameEncoder().encode(msg, len(fds))
-            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             _close(fds)  # the daemon has its own now
+            # With a timeout the socket is non-blocking, and one send takes only what fits its buffer: a header
+            # of a few thousand tensors did not, and the daemon waited for the rest of its frame forever.
+            if sent < len(frame):  # an empty send to a daemon that already answered and hung up is EPIPE
+                sock.sendall(frame[sent:])
             answer = _receive(sock)
         except TimeoutError:
             raise ClientTimeout(socket_path, what, timeout) from None
         except OSError as exc:
             # The daemon's own socket, not the output one: the message says to start a
             # daemon on this path, and one started on <socket>.out would listen in the wrong place.
-            raise DaemonUnreachable(socket_path, f"its output socket {path}: {exc.strerror or exc}") from None
+            denied = (f"live updates go through the daemon's output socket {path}, which only the daemon's own user "
+                      "may use (--socket-mode, --socket-group and --allow-uid open the HTTP socket alone): send "
+                      "them from a process of that user") if permission_denied(exc) else None
+            raise DaemonUnreachable(socket_path, f"its output socket {path}: {exc.strerror or exc}", denied) from None
         except ProtocolError as exc:  # an IPCError: outside the client's tree, which callers catch
             raise DaemonError(502, "bad_answer", f"the answer to {what} from {path} does not decode ({exc}); "
                               "is a diffusiond of this version listening there?") from None

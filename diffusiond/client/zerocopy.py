@@ -7,8 +7,9 @@ read-only, and returns a numpy array over them: no byte is copied between the GP
 shared memory and your program reading the array (``torch.from_numpy`` keeps it that way).
 
 The daemon keeps that memory for you until every array over it (views and tensors made from it
-included) has been garbage-collected: then the mapping is closed and the daemon told. If your
-program dies, the kernel closes the connection and the daemon takes the memory back.
+included) has been garbage-collected: then the mapping is closed and the daemon told. ``close()``
+keeps the connection for the arrays still alive, until the last of them goes. If your program
+dies, the kernel closes the connection and the daemon takes the memory back.
 
 ``OutputMapper.trajectory(job_id, k)`` does the same for the arrays of an output's trajectory
 (latents, log_probs, timesteps, sigmas: docs/api.md, "Trajectories"), all over one mapping.
@@ -79,12 +80,13 @@ class OutputMapper:
         self.close()
 
     def close(self) -> None:
-        """Hang up: the daemon takes back every output this mapper still holds. Arrays already
-        handed out stay readable (the mapping is ours), but the memory may be reused under them,
-        so drop them first."""
+        """No fetch more. The connection ends once every array handed out is gone (at once if none lives), and the
+        daemon then takes back what it held: closed under a live array, it gave back the memory the array reads,
+        and the next job wrote into it."""
         with self._locked():
             self.closed = True
-            self._close_sock()
+            if not self._live:
+                self._close_sock()
 
     def _close_sock(self) -> None:
         if self._sock_open and os.getpid() == self._pid:
@@ -132,6 +134,9 @@ class OutputMapper:
             except IPCError as exc:
                 raise self._hang_up(f"the output socket {self.path} sent a bad frame: {exc}") from None
             if isinstance(msg, Lease) and len(fds) == 1:
+                # counted here, under the lock that received it: counted in ``_map`` instead, a hang-up or a
+                # close() in another thread in between saw no lease live and closed the connection under it
+                self._live += 1  # until its UNPIN is sent (``_send_unpins``), whichever way it goes
                 return msg, fds[0]
             for fd in fds:
                 os.close(fd)
@@ -170,8 +175,6 @@ class OutputMapper:
             raise
 
     def _map(self, lease: Lease, fd: int) -> np.ndarray:
-        with self._locked():
-            self._live += 1  # until its UNPIN is sent (``_send_unpins``), whichever way it goes
         desc = lease.tensor
         start = desc.offset - desc.offset % _PAGE
         length = desc.offset + desc.nbytes - start
@@ -234,5 +237,5 @@ class OutputMapper:
             except OSError as exc:  # the daemon is gone, and with it what we held
                 self.closed, self._why = True, f"the output socket {self.path} failed: {exc}"
                 self._close_sock()
-        if self.closed and not self._live:  # hung up after a failed fetch: the last array is gone
+        if self.closed and not self._live:  # closed, or hung up after a failed fetch: the last array is gone
             self._close_sock()

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from diffusiond.client import AsyncClient, DaemonError, DaemonUnreachable
+from diffusiond.client import AsyncClient, ClientTimeout, DaemonError, DaemonUnreachable
 from diffusiond.commands import EXIT_FAILED, EXIT_OK
 
 
@@ -34,12 +34,16 @@ async def _until_ready(client: AsyncClient, seconds: float) -> None:
     start (0.6 CPU-seconds here), which slows the very start it waits for on a small machine."""
     deadline = time.monotonic() + seconds
     while True:
-        try:
-            if await client.ready():
-                return
+        try:  # each ask within the time left (the last one gets a moment): a silent daemon is not up yet
+            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                if await client.ready():
+                    return
         except DaemonUnreachable:
             if time.monotonic() >= deadline:
                 raise
+        except TimeoutError as exc:  # the client's own ClientTimeout too
+            if time.monotonic() >= deadline:
+                raise ClientTimeout(client.socket_path, "waiting for the daemon to be ready", seconds) from exc
         if time.monotonic() >= deadline:
             return  # up but not ready: the report below says so, and the exit code is 0 as without --wait
         await asyncio.sleep(0.2)

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffusiond.client import AsyncClient, ClientError, ClientTimeout
+from diffusiond.client import AsyncClient, ClientError, ClientTimeout, JobFailed
+from diffusiond.client.handle import CANCEL_GRACE_S
 from diffusiond.client.params import image_b64
 from diffusiond.client.transport import SOCKET_WAIT_S
-from diffusiond.commands import EXIT_UNREACHABLE
+from diffusiond.commands import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from diffusiond.commands.follow import LostDaemon, follow
 from diffusiond.commands.preview import PREVIEW_FORMAT, PreviewPane, pane_for
 from diffusiond.commands.progress import ProgressBar
@@ -36,11 +37,6 @@ from diffusiond.protocol import (
     JobStatus,
 )
 
-CLIENT_GRACE_S = 5.0
-"""Extra client-side wait beyond --timeout, so the daemon's own deadline error (with its stage)
-normally arrives first and the client-side bound only catches a daemon that stopped answering."""
-
-EXIT_INTERRUPTED = 130
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Each ends generate as Ctrl-C does: the job is cancelled (nobody will read its outputs), the exit
 status is 128 + the signal, as a shell reports a process that signal ended. ``timeout 60 diffusiond
@@ -255,15 +251,6 @@ def read_picture(flag: str, path: str, stdin: list[str]) -> str:
     return image_b64(data)
 
 
-def describe_failure(job: dict[str, Any]) -> str:
-    err = job.get("error") or {}
-    message = err.get("message") if isinstance(err, dict) else str(err)
-    if not message:
-        message = f"job {job.get('id')} {job.get('status', 'failed')}"
-    stage = err.get("stage") if isinstance(err, dict) else None
-    return f"{message} (stage: {stage})" if stage else message
-
-
 async def download(client: AsyncClient, job_id: str, index: int, path: Path) -> int:
     """Stream one output to a temp file beside ``path``, then rename: never a half-written file.
 
@@ -323,6 +310,10 @@ async def run_generate(args: argparse.Namespace, state: GenerateState) -> int:
                 stop.cancel()
                 if not work.done():
                     work.cancel()
+            if interrupt.is_set() and state.job_id is None:  # a submit under way: its answer names the job
+                quit_now = asyncio.ensure_future(give_up.wait())
+                await asyncio.wait({work, quit_now}, return_when=asyncio.FIRST_COMPLETED)
+                quit_now.cancel()
             if not interrupt.is_set() or (work.done() and not work.cancelled()):
                 return work.result()
             bar.close()
@@ -343,33 +334,44 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     check_output_dir(args.output, args.n, args.json)
     fmt = choose_format(args.format, args.output)
     pane = pane_for(sys.stderr) if getattr(args, "preview", None) else None
-    job = await client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
+    create = asyncio.ensure_future(client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
         "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr),
         on_socket_wait=lambda why: print(  # `serve &` a moment ago; else the usual error follows
-            f"waiting for a daemon at {client.socket_path} ({why}; up to {SOCKET_WAIT_S:g} s) ...", file=sys.stderr))
+            f"waiting for a daemon at {client.socket_path} ({why}; up to {SOCKET_WAIT_S:g} s) ...", file=sys.stderr)))
+    try:
+        job = await asyncio.shield(create)
+    except asyncio.CancelledError:
+        # Interrupted with the POST sent: the daemon may have admitted the job, and only its answer names it.
+        # Given a moment to come, the id lets ``interrupted`` cancel the job; lost, it ran for nobody.
+        with contextlib.suppress(ClientError, TimeoutError):
+            state.job_id = str((await asyncio.wait_for(create, CANCEL_GRACE_S))["id"])
+        raise
     job_id = state.job_id = str(job["id"])
     bar.job_id = job_id
     if await asleep(client):
         print(f"diffusiond is asleep: job {job_id} waits in its queue until `diffusiond wake`", file=sys.stderr)
     bar.update_from_job(job)
     try:
-        job = await follow(client, job_id, bar, None if args.timeout is None else args.timeout + CLIENT_GRACE_S, pane)
+        # past the daemon's own deadline by the grace, so its error (with its stage) normally arrives first
+        job = await follow(client, job_id, bar, None if args.timeout is None else args.timeout + CANCEL_GRACE_S, pane)
     except LostDaemon as exc:
         bar.close()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except ClientTimeout:
         bar.close()
+        if args.timeout is None:  # not the user's bound (connecting took too long): no job of theirs to cancel
+            raise
         ended = await cancel_quietly(client, job_id)
         what = ("cancelled it" if ended == JobStatus.CANCELLED else f"it had {ended} meanwhile" if ended
                 else f"the daemon did not confirm its cancel (`diffusiond cancel {job_id}`)")
         print(f"error: job {job_id} did not finish within {args.timeout:g} s; {what}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     state.finished = True
     bar.close()
     if job.get("status") != JobStatus.SUCCEEDED:
-        print(f"error: {describe_failure(job)}", file=sys.stderr)
-        return 1
+        print(f"error: {JobFailed(job)}", file=sys.stderr)
+        return EXIT_FAILED
 
     outputs = sorted(job.get("outputs") or [], key=lambda o: int(o.get("index", 0)))
     count = max([args.n or 1, len(outputs)] + [int(o.get("index", 0)) + 1 for o in outputs])
@@ -377,7 +379,7 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     stdout = args.output == "-"
     if stdout and count != 1:  # a model that made more than the one asked for: nothing written half
         print(f"error: -o - writes one output to stdout; job {job_id} made {count}: give a file name", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     paths = output_paths(job_id, args.output, ext, count)
     files = []
     for out in outputs:
@@ -393,11 +395,11 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
         except BrokenPipeError:  # -o - | head: the reader went away; the job is done, nothing to say
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
-            return 1
+            return EXIT_BROKEN_PIPE
         except OSError as exc:  # the user's disk or directory, not the daemon: say which file
             print(f"error: cannot write {path}: {exc.strerror or exc}; job {job_id} keeps its outputs in the daemon "
                   f"(GET /v1/jobs/{job_id}/outputs/{index}) until its retention ends", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
         stdout_too = not stdout and _is_stdout(path)
         files.append({"path": str(path), "seed": out.get("seed"), "bytes": size})
         if not args.json:  # with -o -, the line goes beside the bytes, to stderr
@@ -405,7 +407,7 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
                   file=sys.stderr if stdout or stdout_too else sys.stdout)
     if args.json:
         print(json.dumps({"job": job, "files": files}))
-    return 0
+    return EXIT_OK
 
 
 def _is_stdout(path: Path) -> bool:

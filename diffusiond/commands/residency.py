@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
-from diffusiond.client import AsyncClient
-from diffusiond.commands import EXIT_OK
+from diffusiond.client import AsyncClient, ClientError
+from diffusiond.commands import EXIT_FAILED, EXIT_OK
 from diffusiond.commands.admin import table, with_attention
 
 KEYS = ["name", "device", "residency", "on device", "in host", "until", "pinned", "queued", "running", "offload",
@@ -77,11 +78,22 @@ async def load(args: argparse.Namespace, client: AsyncClient) -> int:
 async def unload(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         names = [str(m["id"]) for m in (await client.models()).get("data") or []] if args.all else [args.model]
-        for name in names:
-            m = await client.unload(name)
-            # with work queued or running, it leaves once that is done (docs/api.md)
-            pending = "; unload pending: it leaves once its work is done" if m.get("unload") == "pending" else ""
-            print(f"{m.get('id', name)}: {m.get('residency')}{_took(m)}{pending}")
+        if not args.all:
+            return _unloaded(args.model, await client.unload(args.model))
+        failed = 0
+        for name in names:  # each model on its own: one that fails leaves the others to go
+            try:
+                _unloaded(name, await client.unload(name))
+            except ClientError as exc:
+                failed += 1
+                print(f"error: {name}: {exc}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _unloaded(name: str, m: dict[str, object]) -> int:
+    # with work queued or running, it leaves once that is done (docs/api.md)
+    pending = "; unload pending: it leaves once its work is done" if m.get("unload") == "pending" else ""
+    print(f"{m.get('id', name)}: {m.get('residency')}{_took(m)}{pending}")
     return EXIT_OK
 
 

@@ -8,7 +8,6 @@ traceback is a bad first experience.
 
 from __future__ import annotations
 
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from diffusiond.daemon.values import (
     ControlNetSetting,
     check_batching,
     check_controlnet,
+    check_fields,
     check_ip_adapter,
     check_mode_names,
     check_upscaler,
@@ -44,6 +44,7 @@ from diffusiond.daemon.values import (
     parse_loras,
     parse_upscalers,
     preload_value,
+    whole,
 )
 from diffusiond.daemon.warmup import resolve_warmup, warmup_value
 from diffusiond.ipc.upscale import UpscalerSetting
@@ -225,11 +226,7 @@ class DaemonConfig:
     def validate(self) -> DaemonConfig:
         if not self.models:
             raise ConfigError("no model configured; give --model tiny (or a folder, hub id or .safetensors file)")
-        for f in fields(self):  # a TOML file's nan or inf, which the flags refuse; inf only where it
-            value = getattr(self, f.name)  # means something: a keep-alive's "stay" (-1), max_keep_alive_s's "no cap"
-            if isinstance(value, float) and not math.isfinite(value) and not (value == math.inf
-                                                                               and "keep_alive" in f.name):
-                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+        check_fields(self)  # each setting's type, before anything below compares or computes with it
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ConfigError(f"model names must be unique, got {names}; use --model NAME=SPEC")
@@ -261,14 +258,20 @@ class DaemonConfig:
                      "stream_stall_s", "keep_days", "keep_gb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.job_timeout_s <= 0:
-            raise ConfigError(f"job_timeout_s must be positive, got {self.job_timeout_s}")
+        for name in ("job_timeout_s", "worker_start_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.restart_backoff_s or min(self.restart_backoff_s) < 0:
+            raise ConfigError(f"restart_backoff_s must list one or more waits in seconds, none negative (the wait "
+                              f"before each replacement of a crashed worker; the last repeats), like [0.5, 1, 5]; "
+                              f"got {list(self.restart_backoff_s)}")
         if not 0 <= self.png_compress_level <= 9:
             raise ConfigError(f"png_compress_level must be 0-9, got {self.png_compress_level}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-        if not 0 <= self.socket_mode <= 0o777:
-            raise ConfigError(f"socket_mode {self.socket_mode:o} is not a permission mode (0000-0777)")
+        if not 0 <= self.socket_mode <= 0o777:  # a TOML socket_mode = 600 is decimal: octal 1130
+            raise ConfigError(f"socket_mode {self.socket_mode} (octal {self.socket_mode:o}) is not a permission mode "
+                              "(0000-0777); in the config file write it as a string, \"0600\", or as 0o600")
         if self.preview_decoder and not Path(self.preview_decoder).expanduser().is_dir():
             raise ConfigError(f"preview_decoder {self.preview_decoder!r} is not a folder; give a diffusers "
                               "AutoencoderTiny folder (with its config.json), or leave it out for built-in previews")
@@ -298,8 +301,8 @@ class DaemonConfig:
         for name, setting in self.upscalers.items():
             if (why := check_upscaler(name, setting.path)) is not None:
                 raise ConfigError(why)
-        if self.tcp and ":" not in self.tcp:
-            raise ConfigError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
+        if self.tcp is not None:
+            parse_host_port(self.tcp, "--tcp")
         if self.web is not None:
             parse_host_port(self.web, "--web")
         for name in ("device_memory", "host_memory", "reserve_memory"):
@@ -331,6 +334,17 @@ class DaemonConfig:
         return self
 
 
+def _limits(table: Any) -> Limits:
+    """The ``[limits]`` table: a name not among the limits is refused naming the ones there are."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"limits must be a table ([limits] in the config file), got {table!r}")
+    known = [f.name for f in fields(Limits)]
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown [limits] setting(s) {', '.join(map(str, unknown))}; known: {', '.join(known)}")
+    return replace(Limits(), **dict(table))
+
+
 def _bytes(value: str | None) -> int:
     return NO_BUDGET if value is None else parse_size(value).resolve(None)
 
@@ -356,6 +370,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text, which TOML is: {exc}") from None
+    except OSError as exc:  # a directory, a file this user may not read
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc}): give --config a "
+                          "readable TOML file") from None
 
 
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> DaemonConfig:
@@ -377,7 +396,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         gpus, why = auto_device()
         device = ",".join(f"cuda:{i}" for i in range(gpus)) or "cpu"
         device_auto = f"{device} ({why})"
-    workers = int(values.pop("workers", 1))
+    workers = whole(values.pop("workers", 1), "workers")
     given = values.pop("dtype", None)  # None: each model's by its devices (devices.default_dtype)
     dtype = str(given) if given is not None else None
     compile_mode = parse_compile_mode(values.pop("compile", ""))
@@ -401,7 +420,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
                 ModelConfig(
                     name=str(t.get("name") or model_name_for(t["spec"])),
                     spec=str(t["spec"]),
-                    devices=(own := parse_devices(str(t.get("device", device)), int(t.get("workers", workers)))),
+                    devices=(own := parse_devices(str(t.get("device", device)),
+                                                  whole(t.get("workers", workers), "[[models]] workers"))),
                     dtype=str(t.get("dtype", dtype or default_dtype(own))),
                     options={str(k): str(v) for k, v in dict(t.get("options", {})).items()}
                     | ({"offload": str(t["offload"])} if "offload" in t else {}),
@@ -437,7 +457,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     if upscale_args is not None or "upscalers" in values:
         values["upscalers"] = parse_upscalers(upscale_args if upscale_args is not None else values["upscalers"])
     if "limits" in values:
-        values["limits"] = replace(Limits(), **dict(values["limits"]))
+        values["limits"] = _limits(values["limits"])
     for key in ("keep_alive", "max_keep_alive"):  # durations: 5m, 300, 0, -1 (forever)
         if key in values:
             values[f"{key}_s"] = duration(values.pop(key), key)
@@ -450,6 +470,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
         models = [replace(m, pinned=m.pinned or m.name in values["pin"]) for m in models]
     for key in ("allow_uid", "restart_backoff_s"):
         if key in values:
+            if not isinstance(values[key], list | tuple):
+                raise ConfigError(f"{key} must be a list, like {key} = [{values[key]!r}]; got {values[key]!r}")
             values[key] = tuple(values[key])
     if isinstance(values.get("socket_mode"), str):
         try:
