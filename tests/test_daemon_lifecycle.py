@@ -350,3 +350,15 @@ async def test_worker_killed_mid_job_fails_the_job_and_is_replaced(daemon_factor
         after = await wait_job(s, (await submit(s, SLOW))["id"])
         assert after["status"] == "succeeded", after
     assert shm_entries() - before == set()
+
+
+def test_closing_the_terminal_stops_the_daemon_as_sigterm_does(daemon_factory: Any) -> None:
+    """``diffusiond serve`` in a terminal that is closed gets SIGHUP: it killed the engine with no drain, its
+    workers orphaned and the socket file left behind."""
+    d: Daemon = daemon_factory("--model", "quick=synthetic:compute_ms=1", "--no-persist", env=ENV)
+    workers = d.worker_pids()
+    d.signal(signal.SIGHUP)
+    assert d.wait(60) == 0, d.log()
+    assert "received SIGHUP; draining" in d.log()
+    assert not d.socket.exists()
+    assert all(gone(pid) for pid in workers), [p for p in workers if not gone(p)]

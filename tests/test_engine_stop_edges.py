@@ -30,8 +30,9 @@ REQ = JobRequest(model="m", prompt="x", n=1, width=64, height=64, steps=2, guida
 async def test_a_stop_while_an_output_is_written_ends_cleanly_and_keeps_the_jobs_record(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, sync: bool) -> None:
     """A synchronous job the drain fails while its output is written: its failure is recorded and the file that
-    no record lists is gone. A job of /v1/jobs is left to the next start: its record stays unfinished. Either way
-    the stop logs no error."""
+    no record lists is gone. A job of /v1/jobs, left to the next start, is done once its output lands during the
+    stop: its record says so and lists the file (it stayed unfinished, and the next start ran it again from
+    scratch). Either way the stop logs no error."""
     h = Harness(store=SqliteStore(tmp_path), max_batch=1)
     await h.engine.start()
     gate, writing = gate_writes(h, 10)
@@ -72,7 +73,8 @@ async def test_a_stop_while_an_output_is_written_ends_cleanly_and_keeps_the_jobs
         assert row[0] == JobStatus.FAILED.value and ErrorCode.SHUTTING_DOWN.value in row[1]
         assert files == [], "an output file no record lists was left behind"
     else:
-        assert row[0] in (JobStatus.QUEUED.value, JobStatus.RUNNING.value), "left to the next start"
+        assert row[0] == JobStatus.SUCCEEDED.value, "the next start runs it again"
+        assert len(files) == 1, files
 
 
 async def test_a_cancel_of_a_job_the_stop_keeps_for_the_next_start_is_refused_saying_so(tmp_path: Path) -> None:
@@ -108,3 +110,22 @@ async def test_a_history_read_after_the_store_closed_is_refused_as_the_shutdown_
             await read
         assert caught.value.code == ErrorCode.SHUTTING_DOWN
         assert "ask again" in str(caught.value)
+
+
+async def test_a_stop_whose_workers_stop_fails_still_closes_the_state_dir(tmp_path: Path) -> None:
+    """The workers' stop raised (the template's reaper did, on a signal with no name): the engine's stop ended
+    there, its outputs unsettled, its encode pool running and its state dir still locked and unwritten."""
+    h = Harness(store=SqliteStore(tmp_path), max_batch=1)
+    await h.engine.start()
+    stop = h.engine.pool.stop
+
+    async def failing_stop() -> None:
+        await stop()
+        raise ValueError("35 is not a valid Signals")
+
+    h.engine.pool.stop = failing_stop  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="35"):
+        await h.engine.stop()
+    again = Harness(store=SqliteStore(tmp_path), max_batch=1)
+    await again.engine.start()  # the state dir was let go: the next start takes it
+    await again.close()

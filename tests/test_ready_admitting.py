@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import msgspec
@@ -261,6 +262,40 @@ async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
     await h.close()
 
 
+async def test_a_stop_during_the_preload_ends_with_the_running_jobs_when_the_rest_stay_on_disk(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Where jobs persist, the job queued for ``n`` is left in the state dir at once and stays queued there: the
+    drain waited for it too, its whole grace after the running job had finished, and left it a second time."""
+    opened = asyncio.Event()
+    plain = FakeWorker.start
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        if self.config.model_name == "n":
+            await opened.wait()
+        return await plain(self, timeout)
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    caplog.set_level(logging.INFO, logger="diffusiond.daemon.core.resume")
+    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")),
+                drain_grace_s=600.0, store=SqliteStore(tmp_path))
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(server._serve(h.engine, stop, "a test", socket_activated=False))
+    await asyncio.wait_for(_spawned(h, "n"), 5)
+    running, waiting = h.submit(), h.submit(model="n")
+    [worker] = [w for w in h.spawned if w.config.model_name == "m"]
+    await asyncio.wait_for(_executed(worker), 5)
+    stop.set()
+    grace, unloaded = await serving
+    drain = asyncio.ensure_future(h.engine.drain(grace, unloaded=unloaded))
+    await h.settle()
+    worker.finish(worker.executed[0])
+    await asyncio.wait_for(drain, 5)  # not the 600 s grace
+    assert running.status == JobStatus.SUCCEEDED and waiting.status == JobStatus.QUEUED
+    assert caplog.text.count(f"job {waiting.id} (") == 1  # "... stays in the state dir", once
+    opened.set()
+    await h.close()
+
+
 async def test_a_queued_job_for_a_model_its_load_shows_too_large_fails_with_the_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Admitted on the 1 GiB remembered, ``m``'s load reports 9 GiB, over the 8 GiB budget: its job fails with
@@ -309,4 +344,22 @@ async def test_a_job_admitted_before_the_preload_begins_waits_for_its_load_and_r
     h.worker.finish(h.worker.executed[0])
     await h.settle(job)
     assert job.status == JobStatus.SUCCEEDED and len(h.spawned) == 1
+    await h.close()
+
+
+async def test_a_job_that_passes_its_deadline_while_its_model_loads_says_it_was_loading(gate: asyncio.Event) -> None:
+    """Shown as ``loading`` while it waited, it failed "while queued", in stage ``queued``: the reason it was held
+    back was lost from its error."""
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cuda:0",)),), device_memory="8GiB")
+    model = h.engine.pool.models["m"]
+    model.known, model.capabilities = True, msgspec.structs.replace(CAPS, weight_bytes=G)
+    await h.engine.open()
+    job = h.submit(timeout_s=0.2)
+    preload = asyncio.ensure_future(h.engine.preload())
+    await h.settle(job)
+    assert job.status == JobStatus.FAILED and job.error is not None
+    assert job.error["stage"] == "loading", job.error
+    assert "passed its deadline of 0.2s while loading" in job.error["message"], job.error
+    gate.set()
+    await preload
     await h.close()

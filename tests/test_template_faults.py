@@ -12,6 +12,7 @@ import asyncio
 import gc
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -316,7 +317,11 @@ ENDS_BEFORE_A_FORK = {
                  ("sh", "-c", "exit 1"), "it is unusable: RuntimeError: the imports started threads (x); "
                  "a fork copies only one"),
     "killed": (Status(True, pid=7), ("sleep", "60"), "it was killed by signal SIGKILL"),
+    # a real-time signal has no name in ``signal.Signals``: naming it raised in the reaping task, and the daemon's
+    # stop, which awaits that task, ended there, its outputs unsettled and its store left open
+    "killed by signal 35": (Status(True, pid=7), ("sleep", "60"), "it was killed by signal 35"),
 }
+KILLS = {"killed": signal.SIGKILL, "killed by signal 35": 35}
 
 
 @pytest.mark.parametrize("end", ENDS_BEFORE_A_FORK)
@@ -326,8 +331,8 @@ async def test_a_template_that_ends_before_any_fork_is_reaped_and_says_why(  # t
     ``--preload none``, maybe for good), and an unusable one's reason, queued with its EOF, was logged as "it died"."""
     status, stand_in, why = ENDS_BEFORE_A_FORK[end]
     fake = fake_of(status, _exits_at_once, stand_in)
-    if end == "killed":
-        fake.stand_in.kill()
+    if end in KILLS:
+        os.kill(fake.stand_in.pid, KILLS[end])
     fake.close()  # its EOF, queued behind its status
     monkeypatch.setattr(templates, "_SPAWNED", fake.template)
     assert templates.claim() is fake.template  # as the pool takes it, on the loop: no fork needed from here
@@ -349,3 +354,17 @@ async def test_a_start_that_times_out_leaves_no_exception_unretrieved(caplog) ->
     gc.collect()
     await asyncio.sleep(0)
     assert "never retrieved" not in caplog.text
+
+
+async def test_a_worker_stopped_while_its_template_still_imports_never_comes_up(fake_of) -> None:  # type: ignore[no-untyped-def]
+    """The pool stops a worker whose start still waits for the template (the daemon's stop, a retire): its stop
+    waited for good on a channel that did not exist yet, and the start, once the fork came, set it READY."""
+    fake = fake_of(None, _exits_at_once)  # its imports never finish
+    handle = WorkerHandle(config("synthetic:compute_ms=1"), on_frame=lambda *_: None, on_lost=lambda *_: None,
+                          template=fake.template)
+    start = asyncio.ensure_future(handle.start(timeout=600))
+    await asyncio.sleep(0.2)  # the start waits in the template's fork
+    await asyncio.wait_for(handle.stop(10), 20)
+    with pytest.raises(WorkerStartError, match=r"worker 0 \(pid None, cpu\) was stopped while it started"):
+        await asyncio.wait_for(start, 20)
+    assert handle.state == WorkerState.DEAD and handle.proc is None  # no fresh interpreter started in its place

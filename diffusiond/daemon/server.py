@@ -3,9 +3,9 @@
 Order matters and is deliberate: the listening socket comes first (so /health and /ready answer
 503 "starting" while models load), then the state dir (its lock, the jobs a crash left; only then is
 "listening" logged, so a start refused there never reads as one that listened), then job
-admission (jobs that come while models load wait in the queue), then the workers, then READY=1. SIGTERM or SIGINT stops
-admission (503), lets accepted jobs finish within the drain grace, stops the workers, removes the
-socket and exits 0; a second signal skips the rest of the grace.
+admission (jobs that come while models load wait in the queue), then the workers, then READY=1. SIGTERM, SIGINT
+or SIGHUP (its terminal closed) stops admission (503), lets accepted jobs finish within the drain grace, stops the
+workers, removes the socket and exits 0; a second signal skips the rest of the grace.
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ async def run(config: DaemonConfig) -> int:
         log.info("received %s%s", sig.name, "; stopping now" if signals > 1 else "; draining")
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed; it killed the engine
+        loop.add_signal_handler(sig, on_signal, sig)  # undrained, and left the socket file behind
 
     token = read_token(config.token_file) if config.token_file and (config.tcp or config.web) else None
     store = SqliteStore(config.state_path, reset=config.reset_state, faults=config.state_fault,
@@ -194,9 +194,9 @@ async def run(config: DaemonConfig) -> int:
                             output_socket.path, exc.strerror or exc)
                 output_socket = None
         if config.tcp:
-            host, _, port = config.tcp.rpartition(":")
+            host, port = parse_host_port(config.tcp, "--tcp")
             try:
-                await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+                await web.TCPSite(runner, host or "127.0.0.1", port).start()
             except OSError as exc:
                 raise StartupError(f"cannot listen on tcp {config.tcp}: {exc.strerror or exc}") from None
             where += f" and tcp {config.tcp} (bearer token required)"
@@ -317,7 +317,7 @@ async def _start_web(engine: Engine, address: str, token: str | None,
         raise
     port = sock.getsockname()[1]  # the real one when --web asked for port 0
     web_address.url = sign_in_url(host, port, token)
-    log.info("web page: open %s", web_address.url)
+    log.info("web page: %s", sign_in_url(host, port, token, for_log=True))
     return runner, host_port(host or "0.0.0.0", port)
 
 

@@ -9,9 +9,13 @@ the names other modules import from it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,61 @@ from diffusiond.protocol import BATCH_SIZES, DEFAULT_WEB_ADDRESS
 
 class ConfigError(ValueError):
     pass
+
+
+def check_fields(settings: Any, prefix: str = "") -> None:
+    """Each setting of a configuration dataclass (and of one inside it, as ``limits.``) holds the type it declares,
+    and a number is finite (inf only for a keep-alive's "forever"). A TOML file gives any type: "10", 1.5 or nan
+    reached the comparisons and arithmetic after, which failed naming no setting, or not at all."""
+    hints = typing.get_type_hints(type(settings))
+    for f in dataclasses.fields(settings):
+        value, key = getattr(settings, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_fields(value, f"{key}.")
+            continue
+        want = _wanted(value, hints[f.name])
+        shown = list(value) if isinstance(value, tuple) else value
+        if want is not None:
+            raise ConfigError(f"{key} must be {want}, got {shown!r} ({type(shown).__name__}); "
+                              "correct it in the config file or on the command line")
+        numbers = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) and not (v == math.inf and "keep_alive" in key)
+               for v in numbers):
+            raise ConfigError(f"{key} must be a finite number, got {shown}")
+
+
+def _wanted(value: Any, hint: Any) -> str | None:
+    """What ``hint`` wants, where ``value`` is not that; None where it is, or where the value's own reader checks
+    it (a Literal's words, a table, a model)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "a whole number"
+    if hint is float:
+        return None if isinstance(value, int | float) and not isinstance(value, bool) else "a number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if hint is type(None):
+        return None if value is None else ""
+    if origin in (typing.Union, types.UnionType):
+        wants = [_wanted(value, a) for a in args]
+        return None if None in wants else " or ".join(w for w in wants if w)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, tuple):
+            return "a list"
+        item = next((w for w in (_wanted(v, args[0]) for v in value) if w is not None), None)
+        return None if item is None else f"a list, each item {item}"
+    return None
+
+
+def whole(value: Any, key: str) -> int:
+    """A count as TOML or a flag gives it: 2 or "2", nothing else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise ConfigError(f"{key} must be a whole number, like 2; got {value!r}")
 
 
 def duration(value: Any, name: str) -> float:

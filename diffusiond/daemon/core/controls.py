@@ -57,14 +57,20 @@ class ControlRegistry:
 
     def resolve(self, model: ModelControls, names: Sequence[str]) -> None:
         """Admission: each named ControlNet is served and fits ``model``."""
-        for i, name in enumerate(names):
-            if name not in self.paths:
-                known = ", ".join(sorted(self.paths)) or "none are served (serve --controlnet NAME=PATH)"
-                raise InvalidRequest(f"no ControlNet named {name!r}; known: {known}", field=f"control[{i}].name")
-            why = model.controlnet_errors.get(name)
-            if why is not None:
-                raise InvalidRequest(f"ControlNet {name!r} does not fit model {model.name!r}: {why}",
-                                     field=f"control[{i}].name")
+        resolve_names(names, self.paths, model.controlnet_errors, model.name, "ControlNet", "--controlnet", "control")
+
+
+def resolve_names(names: Sequence[str], served: Mapping[str, object], errors: Mapping[str, str], model: str,
+                  what: str, flag: str, field: str) -> None:
+    """Admission of a request's add-ons by name (ControlNets, IP-Adapters): each is served and fits the model.
+    A name echoed back is cut at 64 characters: the request chose its length, and the error went to the log."""
+    for i, name in enumerate(names):
+        if name not in served:
+            known = ", ".join(sorted(served)) or f"none are served (serve {flag} NAME=PATH)"
+            raise InvalidRequest(f"no {what} named {name[:64]!r}; known: {known}", field=f"{field}[{i}].name")
+        why = errors.get(name)
+        if why is not None:
+            raise InvalidRequest(f"{what} {name!r} does not fit model {model!r}: {why}", field=f"{field}[{i}].name")
 
 
 def control_class(path: str) -> str:

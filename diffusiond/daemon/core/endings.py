@@ -71,3 +71,13 @@ def stop_work(job: Job, outputs: Outputs, flights: Flights) -> None:
         with contextlib.suppress(Exception):
             worker.cancel(ids)
     flights.jobs_ended(cancels)
+
+
+def deadline_passed(job: Job, timeout: float, asleep: int | None) -> str:
+    """Why a job ended at its deadline: the stage it was held in (residency's reason where that held it), the
+    workers it was on, or the sleep (``asleep``: its level) that it waited out, with how to end that."""
+    where = f" on {', '.join(job.workers())}" if job.workers() else ""
+    if asleep is not None and not job.workers():  # it waited for a wake that did not come
+        where += (f" (the daemon is asleep, sleep level {asleep}: nothing runs until it wakes; "
+                  "wake it with `diffusiond wake` or POST /v1/admin/wake)")
+    return f"job {job.id} passed its deadline of {timeout:g}s while {job.stage_label}{where}"

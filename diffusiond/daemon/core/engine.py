@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from diffusiond.daemon.config import DaemonConfig
-from diffusiond.daemon.core import endings, power, resume
+from diffusiond.daemon.core import endings, power, resume, unrunnable
 from diffusiond.daemon.core.controls import ControlRegistry
 from diffusiond.daemon.core.file_checks import FileChecks
 from diffusiond.daemon.core.flights import Flights
@@ -35,7 +35,6 @@ from diffusiond.daemon.core.jobs import Item, Job, JobRequest
 from diffusiond.daemon.core.loras import LoraInfo, LoraRegistry
 from diffusiond.daemon.core.output_access import OutputAccess
 from diffusiond.daemon.core.scheduler import Scheduler
-from diffusiond.daemon.core.unrunnable import fail_queued
 from diffusiond.daemon.core.upscalers import UpscalerRegistry
 from diffusiond.daemon.core.weights import LiveComponents, LiveLoras
 from diffusiond.daemon.errors import EngineError, JobFinished, ModelTooLarge, NotAccepting, NoWorker, QueueFull
@@ -76,8 +75,8 @@ class Engine(OutputAccess):
         files = FileChecks.of(config, self.store.root)  # what updates for a model with no worker meet (issue 29)
         self.live_loras, self.live_components = LiveLoras(self.loras, files), LiveComponents(files)  # update_*
         self.pool = WorkerPool(config, self.metrics, on_frame=files.watching(self._on_frame), on_lost=self._on_lost,
-                               on_ready=self._on_worker_ready, spawn=spawn,
-                               prepare=self._prepare_worker)
+                               on_ready=self._on_worker_ready, spawn=spawn, prepare=self._prepare_worker,
+                               on_unreplaced=functools.partial(unrunnable.unreplaced, self))
         self.pool.lora_target_rank = self.loras.start_rank
         self.jobs: dict[str, Job] = {}
         self.items: dict[str, Item] = {}
@@ -89,7 +88,7 @@ class Engine(OutputAccess):
         self.outputs = Outputs(self.executor, self.metrics, png_compress_level=config.png_compress_level,
                                on_ready=self._on_item_ready, on_failed=self._on_item_failed, store=self.store)
         self.keeper = Keeper(config, self.pool, self.metrics, on_change=self.dispatch, oldest=self.scheduler.oldest,
-                             queued=self.scheduler.outputs, fail=functools.partial(fail_queued, self))
+                             queued=self.scheduler.outputs, fail=functools.partial(unrunnable.fail_queued, self))
         self.flights = Flights(self.pool, self.scheduler, self.outputs, self.store, self.metrics,
                                held=lambda: self.paused or self.stopping, changed=self._changed, keeper=self.keeper,
                                unsendable=lambda item, why: self._end(item.job, JobStatus.FAILED,
@@ -99,7 +98,7 @@ class Engine(OutputAccess):
         self.accepting = False
         self.started = False  # the start's preload has ended (``keeper.preloading`` says what it still loads)
         self.draining = False
-        self.stopping = False
+        self.stopping: bool = False
         self.started_at = time.time()
         # sleep and wake run one at a time, in the order they came: a wake that arrives while a sleep
         # is still draining must not finish first and then be undone by that sleep's SLEEP commands
@@ -172,13 +171,15 @@ class Engine(OutputAccess):
         self.keeper.stop()
         if self._retention is not None:
             self._retention.cancel()
-        await self.pool.stop()
-        self.previews.close()
-        self.outputs.close()
-        await self.outputs.settled()  # before the pool it uses shuts
-        await asyncio.get_running_loop().run_in_executor(  # off the loop: a read of a file may still be under way
-            None, functools.partial(self.executor.shutdown, wait=True, cancel_futures=True))
-        await self.store.close()
+        try:  # whatever the workers' stop raised, what outputs are being written lands and the store closes
+            await self.pool.stop()
+        finally:
+            self.previews.close()
+            self.outputs.close()
+            await self.outputs.settled()  # before the pool it uses shuts
+            await asyncio.get_running_loop().run_in_executor(  # off the loop: a file may still be being read
+                None, functools.partial(self.executor.shutdown, wait=True, cancel_futures=True))
+            await self.store.close()
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         """Every model off its device through residency once running work ends (``power.py``): level 1 to host
@@ -444,9 +445,10 @@ class Engine(OutputAccess):
     # endings --------------------------------------------------------------------------------
     def _end(self, job: Job, status: JobStatus, code: ErrorCode | None = None, message: str = "",
              stage: str | None = None) -> None:
-        if job.id in self._suspended:  # left to the next start: its record must stay as it is
+        if job.id in self._suspended and status != JobStatus.SUCCEEDED:  # left to the next start: its record stays
             return
-        stage_label = stage or job.stage.label
+        self._suspended.discard(job.id)  # done during the stop after all: the next start must not run it again
+        stage_label = stage or job.stage_label
         error = None if status == JobStatus.SUCCEEDED else {"code": str(code), "message": message,
                                                             "stage": stage_label}
         if not job.end(status, error):
@@ -464,13 +466,8 @@ class Engine(OutputAccess):
 
     def _on_deadline(self, job: Job, timeout: float) -> None:
         job.deadline = None
-        stage = job.stage.label
-        where = f" on {', '.join(job.workers())}" if job.workers() else ""
-        if self.paused and not job.workers():  # it waited for a wake that did not come
-            where += (f" (the daemon is asleep, sleep level {self.pool.sleep_level}: nothing runs until it wakes; "
-                      "wake it with `diffusiond wake` or POST /v1/admin/wake)")
         self._end(job, JobStatus.FAILED, ErrorCode.DEADLINE_EXCEEDED,
-                  f"job {job.id} passed its deadline of {timeout:g}s while {stage}{where}", stage=stage)
+                  endings.deadline_passed(job, timeout, self.pool.sleep_level if self.paused else None))
 
     def _expire(self, job_id: str) -> None:
         job = self.jobs.pop(job_id, None)

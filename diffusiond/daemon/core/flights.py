@@ -61,6 +61,7 @@ class Flights:
         self.changed = changed
         self.keeper = keeper  # residency: whether a model may take work now, and what its batches hold
         self.unsendable = unsendable  # the engine fails an item whose batch cannot be sent for its own fault
+        pool.on_departed = self.departed
         self.batches: dict[int, Batch] = {}
         self.in_flight: dict[WorkerLink, collections.deque[Batch]] = {}
         self._batch_ids = 0
@@ -326,6 +327,14 @@ class Flights:
         if requeue:
             self.scheduler.requeue_front(requeue)
         return undelivered
+
+    def departed(self, workers: Iterable[WorkerLink]) -> None:
+        """Workers gone (stopped on purpose, or lost): their empty queues go. One stopped on purpose is never
+        ``lost``, and kept its entry for the daemon's life (a trainer sleeping at level 2 each round added one a
+        round). A queue with batches in it stays for ``lost``, which ends or requeues them."""
+        for w in workers:
+            if not self.in_flight.get(w, True):
+                del self.in_flight[w]
 
     # a batch whose jobs all ended, which its worker still computes ----------------------
     def jobs_ended(self, workers: Iterable[WorkerLink]) -> None:

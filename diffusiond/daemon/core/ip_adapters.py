@@ -27,8 +27,8 @@ import numpy as np
 
 from diffusiond.daemon.config import Limits
 from diffusiond.daemon.core import images
+from diffusiond.daemon.core.controls import resolve_names
 from diffusiond.daemon.core.inputs import Source, _bytes_of
-from diffusiond.daemon.errors import InvalidRequest
 from diffusiond.ipc.inputs import InputBuffer
 from diffusiond.ipc.messages import IpAdapterRef
 
@@ -53,15 +53,8 @@ class IpAdapterRegistry:
 
     def resolve(self, model: ModelIpAdapters, names: Sequence[str]) -> None:
         """Admission: each named IP-Adapter is served and fits ``model``."""
-        for i, name in enumerate(names):
-            if name not in self.paths:
-                known = ", ".join(sorted(self.paths)) or "none are served (serve --ip-adapter NAME=PATH)"
-                raise InvalidRequest(f"no IP-Adapter named {name[:64]!r}; known: {known}",
-                                     field=f"ip_adapter[{i}].name")
-            why = model.ip_adapter_errors.get(name)
-            if why is not None:
-                raise InvalidRequest(f"IP-Adapter {name!r} does not fit model {model.name!r}: {why}",
-                                     field=f"ip_adapter[{i}].name")
+        resolve_names(names, self.paths, model.ip_adapter_errors, model.name, "IP-Adapter", "--ip-adapter",
+                      "ip_adapter")
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,13 @@ async def drain(self: Engine, grace: float, why: str | None = None, unloaded: Co
     self.draining = True
     _leave(self, [j for j in self.jobs.values() if not j.terminal and j.status == JobStatus.QUEUED
                   and j.request.model in unloaded], grace, why)
-    await self._wait_until(lambda: not any(not j.terminal for j in self.jobs.values()), grace)
-    _leave(self, [j for j in self.jobs.values() if not j.terminal], grace, why)
+    await self._wait_until(lambda: not any(_waited(self, j) for j in self.jobs.values()), grace)
+    _leave(self, [j for j in self.jobs.values() if _waited(self, j)], grace, why)
+
+
+def _waited(self: Engine, job: Job) -> bool:
+    """A job the drain gives its grace: one left to the next start already stays queued, yet nothing here runs it."""
+    return not job.terminal and job.id not in self._suspended
 
 
 def _leave(self: Engine, jobs: list[Job], grace: float, why: str | None) -> None:

@@ -12,15 +12,18 @@ from typing import Protocol
 
 from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.core.scheduler import Scheduler
-from diffusiond.daemon.residency.keeper import shape_of
+from diffusiond.daemon.residency import ondemand
+from diffusiond.daemon.residency.keeper import Keeper, shape_of
 from diffusiond.daemon.residency.working import Shape
-from diffusiond.protocol import ErrorCode, JobStatus
+from diffusiond.daemon.workers.pool import Model
+from diffusiond.protocol import ErrorCode, JobStatus, WorkerState
 
 
 class Engine(Protocol):
     """What of the engine (``engine.Engine``) this module uses, named here so that it does not import it."""
 
     scheduler: Scheduler
+    keeper: Keeper
 
     def _end(self, job: Job, status: JobStatus, code: ErrorCode | None = None, message: str = "",
              stage: str | None = None) -> None: ...
@@ -31,3 +34,15 @@ def fail_queued(engine: Engine, model: str, message: str, code: ErrorCode, shape
     for job in engine.scheduler.waiting(model):
         if shape is None or shape_of(*job.request.work_size, 1, job.request.num_frames) == shape:
             engine._end(job, JobStatus.FAILED, code, message, stage=job.stage_label)
+
+
+def unreplaced(engine: Engine, model: Model, why: str, gave_up: bool) -> None:
+    """A lost worker's replacement did not start (the pool's ``on_unreplaced``). Its model's queued jobs fail with
+    why, unless another of its workers runs them: they waited for it, then passed their deadline saying only that.
+    Once the pool gives up, the model is on disk with the reason, as after a failed load: its next job loads it."""
+    if gave_up:
+        ondemand.load_failed(engine.keeper, model, why)
+    elif not any(w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers):
+        fail_queued(engine, model.name, f"model {model.name!r} cannot run jobs now: {why}. The daemon tries again "
+                    "after a back-off: submit the job again once `diffusiond models` shows it ready",
+                    ErrorCode.MODEL_LOAD_FAILED, None)

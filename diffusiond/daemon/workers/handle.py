@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from collections.abc import Sequence
 import msgspec
 
 from diffusiond.daemon.workers.link import Command, FrameCallback, LostCallback, WorkerStartError
-from diffusiond.daemon.workers.template import ForkedProcess, Template
+from diffusiond.daemon.workers.template import ForkedProcess, Template, describe_exit
 from diffusiond.ipc.arena import MappedView, is_sealed
 from diffusiond.ipc.channel import Channel, close_all, socketpair
 from diffusiond.ipc.errors import ChannelClosed, ProtocolError
@@ -52,18 +51,6 @@ from diffusiond.ipc.tensors import TensorDesc
 from diffusiond.protocol import WorkerState
 
 log = logging.getLogger(__name__)
-
-
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "is still running"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = str(-returncode)
-        return f"was killed by signal {name}"
-    return f"exited with code {returncode}"
 
 
 class WorkerHandle:
@@ -99,6 +86,7 @@ class WorkerHandle:
         self._last_ack_id = 0
         self.asked_to_stop = False  # stop() was called: a command it then fails is the engine's doing, not a crash
         self._exited: asyncio.Future[int] | None = None
+        self._forking: asyncio.Future[ForkedProcess | None] | None = None  # the template's fork, while it runs
         self.last_frame_at = time.monotonic()
         self.loras_loaded: list[str] = []
         self.host_kept = 0  # host copy of its weights it keeps (hostcopy.py), as its last SLEEP/WAKE/RELEASE said
@@ -126,7 +114,13 @@ class WorkerHandle:
         try:
             if self.template is not None and self.template.serves(self.config.device):
                 level = self.env.get("DIFFUSIOND_LOG_LEVEL", "INFO")
-                self.proc = await self.template.fork(self.env, level, theirs.fileno(), timeout)
+                # a stop() cancels it: the template's imports can take minutes, and a worker forked after its stop
+                # came back as READY with nothing left to stop it
+                self._forking = asyncio.ensure_future(self.template.fork(self.env, level, theirs.fileno(), timeout))
+                try:
+                    self.proc = await self._forking
+                finally:
+                    self._forking = None
                 if self.proc is not None:
                     log.info("%s forked from the worker template", self.name)
                 else:  # a child of a template that broke mid-fork may hold this pair: a new one
@@ -134,13 +128,18 @@ class WorkerHandle:
                     theirs.close()
                     mine, theirs = socketpair()
                     deadline = loop.time() + timeout  # its own, whatever the template took
-            if self.proc is None:
+            if self.proc is None and not self.asked_to_stop:
                 self.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "diffusiond.worker", "--fd", str(theirs.fileno()),
                     pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
                 )
-        except BaseException:  # a cancelled start: the worker, if any was forked, sees EOF and leaves
+            if self.asked_to_stop:
+                raise WorkerStartError(f"{self.name} was stopped while it started")
+        except BaseException as exc:  # a cancelled start: the worker, if any was forked, sees EOF and leaves
             mine.close()
+            await self._never_started(exc)
+            if isinstance(exc, asyncio.CancelledError) and self.asked_to_stop and not _cancelling():
+                raise WorkerStartError(f"{self.name} was stopped while it started") from None
             raise
         finally:
             theirs.close()
@@ -153,10 +152,25 @@ class WorkerHandle:
             self.kill()
             spec = self.config.model_spec
             raise WorkerStartError(f"{self.name} did not load {spec!r} within {timeout:.0f}s") from None
+        if self.asked_to_stop:  # its READY came while stop() was killing it: it is not coming back
+            raise WorkerStartError(f"{self.name} was stopped while it started")
         self.state = WorkerState.READY
         log.info("%s ready: %s on %s in %.0f ms, %.0f ms after its spawn", self.name, self.ready.model_name,
                  self.ready.device, self.ready.load_ms, (time.monotonic() - self.started_at) * 1000)
         return self.ready
+
+    async def _never_started(self, exc: BaseException) -> None:
+        """A start that ended before its channel existed: no ``_reap`` will resolve ``_exited``, which a
+        stop() waits on, so it is resolved here, once the process (if any was made) is gone."""
+        rc = -1
+        if self.proc is not None:
+            self.kill()
+            rc = await self.proc.wait()
+        self.state = WorkerState.DEAD
+        self.lost_reason = self.lost_reason or (f"{self.name} was stopped while it started" if self.asked_to_stop
+                                                else f"{self.name} did not start: {type(exc).__name__}: {exc}")
+        if self._exited is not None and not self._exited.done():
+            self._exited.set_result(rc)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -171,6 +185,11 @@ class WorkerHandle:
             return
         self.state = WorkerState.STOPPING
         self.asked_to_stop = True
+        if self._exited is None:  # never started: nothing to wait for
+            self.state = WorkerState.DEAD
+            return
+        if self._forking is not None:
+            self._forking.cancel()  # start() sees it and resolves _exited
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         with contextlib.suppress(Exception):
@@ -411,6 +430,12 @@ class WorkerHandle:
         for slot_id in [s for s in self.dedicated if s not in self.held]:
             self.dedicated.pop(slot_id).close()
         self._unmap_when_unused()
+
+
+def _cancelling() -> bool:
+    """The start itself is being cancelled (not only the fork a stop() cancelled): the cancel must go on."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _kind_name(kind: int) -> str:

@@ -40,10 +40,15 @@ PING_INTERVAL_S = 1.0
 # has already been waited by the time the daemon stops its workers, and which a worker inside a long forward (it
 # answers nothing until the forward ends) made the stop wait twice, past the unit's TimeoutStopSec.
 WORKER_STOP_S = 10.0
+# Starts of a lost worker's replacement that may fail in a row before the pool stops trying: one that fails this
+# often fails for a reason a retry does not change (its files, its device), and the model's jobs must hear it.
+REPLACE_ATTEMPTS = 5
 
 
 Spawn = Callable[[WorkerConfig, dict[str, str], FrameCallback, LostCallback], WorkerLink]
 Prepare = Callable[["Model", WorkerLink], Awaitable[bool]]  # True: the worker exits (it failed during it)
+# a lost worker's replacement did not start: the model, why, and whether the pool gave up (the model is on disk)
+Unreplaced = Callable[["Model", str, bool], None]
 
 
 def spawn_process(config: WorkerConfig, env: dict[str, str], on_frame: FrameCallback,
@@ -100,7 +105,8 @@ class Asleep(WorkerStartError):
 class WorkerPool:
     def __init__(self, config: DaemonConfig, metrics: Metrics, *, on_frame: FrameCallback,
                  on_lost: LostCallback, on_ready: Callable[[WorkerLink], None],
-                 spawn: Spawn = spawn_process, prepare: Prepare | None = None) -> None:
+                 spawn: Spawn = spawn_process, prepare: Prepare | None = None,
+                 on_unreplaced: Unreplaced = lambda model, why, gave_up: None) -> None:
         self.config = config
         self.metrics = metrics
         self.models = {m.name: Model(m) for m in config.models}
@@ -115,6 +121,10 @@ class WorkerPool:
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._on_ready = on_ready
+        self._on_unreplaced = on_unreplaced
+        # each worker gone (stopped on purpose, or lost): what the engine kept for it goes (``Flights`` sets it)
+        self.on_departed: Callable[[list[WorkerLink]], None] = lambda workers: None
+        self._ready_at: dict[WorkerLink, float] = {}  # each live worker's READY: its life, for the crash streak
         # the worker template ``diffusiond serve`` started (workers/template.py), for real processes only
         self.template = templates.claim() if spawn is spawn_process else None
         self._spawn = spawn if self.template is None else functools.partial(spawn_process, template=self.template)
@@ -236,13 +246,9 @@ class WorkerPool:
         try:
             ready = await handle.start(self.config.worker_start_timeout_s)
         except BaseException:
-            # put things back as they were: the caller decides whether to try again; a retire meanwhile (which
-            # stopped it) already took it out, and a ValueError here would hide why the start failed
-            if handle in model.workers and replacing is not None:
-                model.workers[model.workers.index(handle)] = replacing
-            elif handle in model.workers:
-                model.workers.remove(handle)
+            self._unplace(model, handle, replacing)
             raise
+        self._ready_at[handle] = time.monotonic()
         model.capabilities = ready.capabilities
         model.controlnet_errors = dict(ready.controlnet_errors)
         model.ip_adapter_errors = dict(ready.ip_adapter_errors)
@@ -265,14 +271,39 @@ class WorkerPool:
         if self.sleep_level >= 2:
             await self._stop_asleep(model, handle)
         if self.paused:
-            await handle.command(Sleep(), self.config.drain_grace_s)
+            await self._join_sleep(model, handle, replacing)
         self._on_ready(handle)
+
+    @staticmethod
+    def _unplace(model: Model, handle: WorkerLink, replacing: WorkerLink | None) -> None:
+        """Put things back as they were before a start that failed: the caller decides whether to try again; a
+        retire meanwhile (which stopped it) already took it out, and a ValueError here would hide why it failed."""
+        if handle in model.workers and replacing is not None:
+            model.workers[model.workers.index(handle)] = replacing
+        elif handle in model.workers:
+            model.workers.remove(handle)
+
+    async def _join_sleep(self, model: Model, handle: WorkerLink, replacing: WorkerLink | None) -> None:
+        """A worker that came up while the daemon sleeps at level 1 sleeps too, given as long as a model's sleep
+        (``_move``). One that does not is stopped, as a half-moved model's are: left awake, it would hold the device
+        the sleep promised free, with no batch sent to it until the wake."""
+        timeout = self.config.worker_start_timeout_s
+        try:
+            answer: Ack | BaseException = await handle.command(Sleep(), timeout)
+        except Exception as exc:
+            answer = exc
+        bad = failures([handle], [answer], timeout)
+        if not bad:
+            return
+        self._unplace(model, handle, replacing)
+        self._depart([handle])
+        await handle.stop(WORKER_STOP_S)
+        raise WorkerStartError(f"it came up while the daemon sleeps at level 1 and did not go to sleep: {bad[0]}")
 
     async def _stop_asleep(self, model: Model, handle: WorkerLink) -> None:
         """A worker that came up while the daemon sleeps at level 2 (an on-demand load, a replacement, a
         start begun before the sleep) is stopped, not slept at level 1: level 2 promised the whole card."""
-        if handle in model.workers:
-            model.workers.remove(handle)
+        self._unplace(model, handle, None)
         model.retired = not model.workers
         self._depart([handle])
         await handle.stop(WORKER_STOP_S)
@@ -282,11 +313,14 @@ class WorkerPool:
     def _lost(self, worker: WorkerLink, reason: str) -> None:
         """A worker ended: the engine fails what it held, then it is replaced (unless stopping)."""
         log.error("%s", reason)
+        model = self.models[worker.config.model_name]
+        # died within a minute of its READY, not of its spawn: a model whose load takes a minute never grew it
+        died_young = time.monotonic() - self._ready_at.get(worker, time.monotonic()) < 60
         self._depart([worker])
         self._on_lost(worker, reason)
         if self.stopping:
             return
-        model = self.models[worker.config.model_name]
+        model.crash_streak = model.crash_streak + 1 if died_young else 0
         model.restarts += 1
         self.metrics.worker_restarts.labels(model.name).inc()
         model.replacing += 1  # now, not when the task starts: admission must see it at once
@@ -294,23 +328,33 @@ class WorkerPool:
 
     async def _restart(self, model: Model, old: WorkerLink) -> None:
         backoff = self.config.restart_backoff_s
-        model.crash_streak = model.crash_streak + 1 if time.monotonic() - old.started_at < 60 else 0
         attempt = model.crash_streak
+        device = old.config.device
         try:
-            while not self.stopping:
+            for tries in range(1, REPLACE_ATTEMPTS + 1):
                 await asyncio.sleep(backoff[min(attempt, len(backoff) - 1)])
-                if old not in model.workers:  # residency stopped the model's workers meanwhile (``retire``): a
-                    return  # load starts them all again (``revive``), and one more here would be a worker too many
+                if self.stopping or old not in model.workers:  # residency stopped the model's workers meanwhile
+                    return  # (``retire``): ``revive`` starts them all again, and one more here would be one too many
                 try:
-                    await self._start_worker(model, old.config.device, replacing=old)
+                    await self._start_worker(model, device, replacing=old)
                     log.info("replaced %s", old.name)
                     return
                 except Asleep:  # not replaced while everything is freed: the wake, or a job after it, loads it
                     self._give_up(model, old)
                     return
-                except (WorkerStartError, OSError) as exc:
-                    log.error("restarting a worker for %s failed: %s", model.name, exc)
+                except Exception as exc:  # whatever it was, the model must not be left waiting for a start that died
+                    why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, WorkerStartError) else str(exc)
                     attempt += 1
+                    if tries == REPLACE_ATTEMPTS:
+                        log.error("replacing %s's worker on %s failed %d times in a row; it is not tried again until "
+                                  "a job loads the model: %s", model.name, device, tries, why)
+                        self._give_up(model, old)
+                    else:
+                        log.error("replacing %s's worker on %s failed (try %d of %d): %s", model.name, device, tries,
+                                  REPLACE_ATTEMPTS, why)
+                    self._on_unreplaced(model, f"its worker on {device} was lost, and its replacement did not "
+                                               f"start ({tries} of {REPLACE_ATTEMPTS} tries): {why}",
+                                        tries == REPLACE_ATTEMPTS)
         finally:
             model.replacing -= 1
 
@@ -412,6 +456,9 @@ class WorkerPool:
 
     def _depart(self, workers: list[WorkerLink]) -> None:
         self._departed = [w for w in self._departed if w.arena_capacity] + workers  # the unmapped ones go
+        for w in workers:
+            self._ready_at.pop(w, None)
+        self.on_departed(workers)
 
     def departed_arenas(self) -> list[WorkerLink]:
         """Workers gone (stopped or lost) whose arena is still mapped for outputs the engine holds."""

@@ -286,7 +286,7 @@ class Template:
         """The template reaped (no <defunct> for the daemon's life), then why it broke logged, with its signal."""
         rc = await asyncio.to_thread(self._wait)
         if gone and rc < 0 and why.startswith("it died"):  # a signal says more; a reason it gave says more still
-            why = self.broken = f"it was killed by signal {signal.Signals(-rc).name}"
+            why = self.broken = f"it {describe_exit(rc)}"
         log.warning("the worker template (pid %d) stopped forking workers: %s; workers start as fresh "
                     "interpreters from now on", self.proc.pid, why)
 
@@ -322,6 +322,20 @@ class Template:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             await asyncio.to_thread(self.proc.wait)
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a process (a worker, the template) ended, for a sentence that names it first. A signal with no name
+    here (a real-time one, 35) is given by its number: naming it raised, in the task that reaps the template."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with code {returncode}"
 
 
 _SPAWNED: Template | None = None
