@@ -9,8 +9,8 @@ finished ones from its history, so a gone replica's jobs are exactly a crash on 
 serves finished outputs with none loaded.
 
 Its daemon is started at once for a store with jobs to run again (``claims.scan``, at the
-replica's start and with every routing report), or when a request names a store with only
-finished jobs; it is stopped again once it holds no job and has answered nothing for
+replica's start and with every routing report, and again by the next report when it dies), or when a
+request names a store with only finished jobs; it is stopped again once it holds no job and has answered nothing for
 ``IDLE_STOP_S`` (the claim stays: the next request starts it again), so old stores cost no
 worker while no one asks for them.
 """
@@ -57,6 +57,23 @@ def spawn(args: list[str], socket: Path, log_path: Path, env: dict[str, str], pa
         return subprocess.Popen([sys.executable, "-m", "diffusiond", "serve", "--socket", str(socket), *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 pass_fds=pass_fds, preexec_fn=preexec)
+
+
+def daemon_load(health: dict[str, Any]) -> int:
+    """Jobs a daemon holds, queued plus running, from its ``/health``: what routing and
+    autoscaling weigh replicas by (Serve's own count is of calls in flight, and a job submitted
+    through ``POST /v1/jobs`` stops being one at its 202)."""
+    return int(health.get("queue_depth", 0)) + int((health.get("jobs") or {}).get("running", 0))
+
+
+def unix_session(socket: Path, current: aiohttp.ClientSession | None) -> aiohttp.ClientSession:
+    """``current`` while it is open, else a new session on the daemon's ``socket`` (no total timeout: an
+    event stream lasts as long as its job)."""
+    if current is not None and not current.closed:
+        return current
+    return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket), limit=0),
+                                 base_url="http://diffusiond",
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
 
 
 def log_tail(path: Path, lines: int = 3) -> str:
@@ -118,34 +135,33 @@ class StoreDaemon:
         return None
 
     def http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            conn = aiohttp.UnixConnector(path=str(self.socket), limit=0)
-            self._session = aiohttp.ClientSession(connector=conn, base_url="http://diffusiond",
-                                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._session = unix_session(self.socket, self._session)
         return self._session
 
-    async def load(self) -> int:
-        """Jobs it holds, queued plus running (0 when it is not running or not answering yet)."""
+    async def load(self) -> int | None:
+        """Jobs it holds, queued plus running: 0 when it is not running, None when it runs and does not
+        answer (starting, or too busy to): not known to be idle."""
         if self.exited() is not None or self.proc is None:
             return 0
         try:
             async with self.http().get("/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 h: dict[str, Any] = await r.json()
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return 0
-        return int(h.get("queue_depth", 0)) + int((h.get("jobs") or {}).get("running", 0))
+            return None
+        return daemon_load(h)
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM and wait: it drains (a job still running is left in its store, as on a restart)."""
         self.stopped = True
         self.ready = False
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        proc = self.proc  # a request may start the next process once this one has ended: wait on this one only
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout_s)
+                proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
 
 
 class Adoption:
@@ -203,18 +219,21 @@ class Adoption:
         if d is None:
             d = self._adopt_now(store)
         if d.stopped:  # idle, or never started: once an idle stop has finished, start it again
-            while d.exited() is None and d.proc is not None:
+            # a request that came during the stop waits for it; of several, the first starts the daemon and the
+            # others see it started (they waited for the old process to end, and now the new one ran till idle)
+            while d.stopped and d.proc is not None and d.exited() is None:
                 await asyncio.sleep(0.1)
-            d.start(self.env, self.preexec())
+            if d.stopped:
+                d.start(self.env, self.preexec())
         elif d.exited() is not None:  # died under us: it resumes its jobs again, a few times
             d.restarts += 1
             if d.restarts > MOST_RESTARTS:
-                self._fail(d, f"its daemon died {MOST_RESTARTS + 1} times: {log_tail(d.log_path)}")
+                await self._fail(d, f"its daemon died {MOST_RESTARTS + 1} times: {log_tail(d.log_path)}")
             d.start(self.env, self.preexec())
         d.used = time.monotonic()
         why = await d.wait_ready(self.start_timeout_s)
         if why is not None:
-            self._fail(d, why)
+            await self._fail(d, why)
         d.used = time.monotonic()
         return d
 
@@ -236,30 +255,47 @@ class Adoption:
         log.info("replica %s adopts gone replica store %s for a request", self.me, store)
         return self._take(claim)
 
-    def _fail(self, d: StoreDaemon, why: str) -> None:
+    async def _fail(self, d: StoreDaemon, why: str) -> None:
         message = f"the job's replica {d.store} is gone, and replica {self.me} could not open its state: {why}"
         self.failed[d.store] = message
-        d.stop(10.0)
+        await asyncio.to_thread(d.stop, 10.0)  # off the loop: every request of this replica waited on it
         with contextlib.suppress(OSError):
             claims.write_marker(self.root, d.store, self.me, failed=message)
         log.warning("%s", message)
         raise Refusal(410, ErrorCode.REPLICA_GONE, message)
 
     async def tick(self) -> int:
-        """With each routing report: adopt what is newly free, stop daemons idle for
-        ``IDLE_STOP_S``; returns the jobs the adopted daemons hold (the replica's load too)."""
-        self.start(await asyncio.to_thread(self.scan))
+        """With each routing report: adopt what is newly free, start the daemons that should run and do not,
+        stop daemons idle for ``IDLE_STOP_S``; returns the jobs the adopted daemons hold (the replica's load
+        too)."""
+        await asyncio.to_thread(self.scan)
         total = 0
         for d in list(self.daemons.values()):
             if d.store in self.failed:
                 continue
+            await self._revive(d)
             n = await d.load()
-            total += n
+            total += n or 0
             if (n == 0 and d.inflight == 0 and not d.stopped and d.exited() is None
                     and time.monotonic() - d.used > IDLE_STOP_S):
                 log.info("replica %s stops the idle daemon of adopted store %s", self.me, d.store)
                 await asyncio.to_thread(d.stop, 30.0)
         return total
+
+    async def _revive(self, d: StoreDaemon) -> None:
+        """Start ``d`` if its store's jobs have no daemon running them: one claimed by a scan whose tick was
+        cancelled before it started (Serve's stats call timed out), or one that died under us. Left to the next
+        request, resumed jobs waited for a client to ask; a daemon that keeps dying is given up on."""
+        if d.proc is not None and (d.stopped or d.exited() is None):
+            return
+        if d.proc is not None:
+            d.restarts += 1
+            if d.restarts > MOST_RESTARTS:
+                with contextlib.suppress(Refusal):
+                    await self._fail(d, f"its daemon died {MOST_RESTARTS + 1} times: {log_tail(d.log_path)}")
+                return
+            log.warning("replica %s restarts the daemon of adopted store %s: %s", self.me, d.store, d.gone_reason())
+        d.start(self.env, self.preexec())
 
     def stop_all(self, timeout_s: float) -> None:
         """SIGTERM to every adopted daemon at once (each drains its own grace), then wait for them against one

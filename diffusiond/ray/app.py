@@ -79,7 +79,8 @@ class Options:
         for name, raw in args.items():
             values[name] = _convert(name, raw)
         opts = cls(**values)
-        if opts.shared_state_dir is not None and ({"--state-dir", "--no-persist"} & set(opts.daemon_args)):
+        flags = {a.split("=", 1)[0] for a in opts.daemon_args}  # --state-dir=DIR is --state-dir DIR to the daemon
+        if opts.shared_state_dir is not None and ({"--state-dir", "--no-persist"} & flags):
             raise ValueError(f"shared_state_dir={opts.shared_state_dir!r} and --state-dir or --no-persist in "
                              "daemon_args: give the state dir one way (shared_state_dir gives each replica "
                              "PATH/<replica id>)")
@@ -102,7 +103,20 @@ class Options:
         for m in self.model if self.model is not None else () if self.config else ("tiny",):
             out += ["--model", m]
         device = self.device or ("cuda" if self.gpus_per_replica > 0 else "cpu")
+        given = {a.split("=", 1)[0] for a in self.daemon_args}
+        if self.shared_state_dir is not None and "--state-sync" not in given:
+            # a lost node is a power cut to its store: with `normal` the jobs it accepted last may not be there for
+            # the replica that adopts them (docs/scaling.md)
+            out += ["--state-sync", "full"]
         return [*out, "--device", device, *self.daemon_args]
+
+    def stop_timeout_s(self) -> float:
+        """How long a replica's stop waits for its daemon before it kills it: the daemon's drain grace, then its
+        workers' stop. Read from the flags; a config file's ``drain_grace_s`` is on the replicas' nodes, not here."""
+        from diffusiond.ray.replica import STOP_TIMEOUT_S, WORKER_STOP_S
+
+        grace = _parse_serve(self.serve_args(), "the daemon's command line").drain_grace_s
+        return STOP_TIMEOUT_S if grace is None else max(STOP_TIMEOUT_S, float(grace) + WORKER_STOP_S)
 
 
 def _convert(name: str, raw: Any) -> Any:
@@ -146,7 +160,14 @@ def _convert(name: str, raw: Any) -> Any:
 AUTOSCALING_ONLY = ("min_replicas", "max_replicas", "target_load")
 # flags of `diffusiond serve` the replica sets itself: given again in daemon_args the later one won, and the
 # replica waited start_timeout_s for a daemon on its own socket that listened elsewhere
-REPLICA_OWNS = {"--socket": "the replica starts its daemon on a private socket of its own and speaks to it there"}
+REPLICA_OWNS = {
+    "--socket": "the replica starts its daemon on a private socket of its own and speaks to it there",
+    # on every replica: the second on a node cannot bind the address, and each opens the whole API beside the gateway
+    "--web": "the gateway is the way in through Ray; use one daemon's own --web on a workstation",
+    "--tcp": "the gateway is the way in through Ray (Serve's proxy, behind token_file or token_env)",
+}
+# Serve's graceful shutdown waits this much past the replica's own stop, for the replica to end after its daemon.
+SHUTDOWN_MARGIN_S = 30.0
 
 
 def check_daemon_command(opts: Options) -> None:
@@ -271,7 +292,7 @@ def build(args: dict[str, Any]) -> Any:
                            **({"resources": dict(opts.resources_per_replica)} if opts.resources_per_replica else {})},
         health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=max(30.0, opts.health_check_period_s),
-        graceful_shutdown_timeout_s=90.0,  # the daemon's own drain grace (30 s by default), then its workers stop
+        graceful_shutdown_timeout_s=opts.stop_timeout_s() + SHUTDOWN_MARGIN_S,
         request_router_config={
             "request_router_class": JobRouter, "request_router_kwargs": {
                 "batch_affinity": opts.batch_affinity, "model_affinity": opts.model_affinity,
@@ -280,6 +301,6 @@ def build(args: dict[str, Any]) -> Any:
         **scaling,
     )(DaemonReplica)
     gateway = serve.deployment(name="gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)(Gateway)
-    return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s,
+    return gateway.bind(daemons.bind(opts.serve_args(), opts.start_timeout_s, opts.stop_timeout_s(),
                                      shared_state_dir=opts.shared_state_dir), opts.token_file, opts.token_env,
                         opts.shared_state_dir is not None)

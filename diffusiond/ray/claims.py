@@ -26,12 +26,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("diffusiond.ray")
 
 LOCK = "adopt.lock"
 MARKER = "adopted.json"
@@ -66,6 +69,9 @@ def try_claim(root: Path, store: str) -> Claim | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return Claim(store, fd)
@@ -160,10 +166,14 @@ def adopt(root: Path, store: str, me: str) -> Claim | None:
     claim = try_claim(root, store)
     if claim is None:
         return None
-    if not daemon_lock_free(root, store):
-        claim.release()
-        return None
-    write_marker(root, store, me)
+    try:
+        if not daemon_lock_free(root, store):
+            claim.release()
+            return None
+        write_marker(root, store, me)
+    except OSError:
+        claim.release()  # held with no daemon on it, the store would be no one's for this replica's life
+        raise
     return claim
 
 
@@ -173,9 +183,14 @@ def scan(root: Path, me: str, held: set[str]) -> list[Claim]:
     outputs are read on demand, and a daemon is not started for each old store at every start."""
     taken = []
     for store in stores(root):
-        if store in held or unfinished(root, store) == 0:
+        try:
+            if store in held or unfinished(root, store) == 0:
+                continue
+            claim = adopt(root, store, me)
+        except OSError as exc:  # a store this replica cannot open (another owner's files, a bad volume) stops no other
+            log.warning("replica %s skips store %s of the shared state dir %s: %s; fix its permissions or remove it",
+                        me, store, root, exc)
             continue
-        claim = adopt(root, store, me)
         if claim is not None:
             taken.append(claim)
     return taken

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -47,6 +48,18 @@ async def _body_within_limit(request: Request) -> bytes | None:
     return b"".join(parts)
 
 
+def unanswered(exc: BaseException, replica: str | None, adopts: bool) -> str:
+    """Why a call got no answer from its replica, for the 503: a replica's death says what became of its jobs;
+    anything else (Serve's backpressure, an error in the replica) is named as it is, since the replica lives on
+    and its jobs with it."""
+    which = f"replica {replica}" if replica else "the replica that took this request"
+    if not isinstance(exc, RayActorError):
+        return f"{which} could not answer: {type(exc).__name__}: {exc}"[:2000] + "; retry in a few seconds"
+    fate = ("Its jobs are adopted by another replica from the shared state dir: retry in a few seconds"
+            if adopts else "A job it held is lost with it: submit again")
+    return f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. {fate}"
+
+
 class Gateway:
     """The body of the ingress deployment; ``daemons`` is the handle to the daemon deployment."""
 
@@ -77,21 +90,19 @@ class Gateway:
         if replica is None and request.method == "POST":
             try:
                 doc = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):  # deep nesting is a RecursionError, and was a 500 here
                 doc = None  # the daemon answers 400 invalid_json naming what is wrong (or it is a form)
             key = ids.batch_key(doc)
             model = ids.model_of(doc)
-        call = Call(request.method, path, query, request.headers.get("content-type"), body, replica)
+        call = Call(request.method, path, query, request.headers.get("content-type"), body, replica,
+                    ids.url_prefix(request.scope.get("root_path", "") or ""))
         stream = self.daemons.forward.remote(msgspec.msgpack.encode(call), replica=replica, batch_key=key,
                                              model=model)
         try:
             head = msgspec.msgpack.decode(await stream.__anext__(), type=Head)
-        except Exception as exc:  # the replica's process died (RayActorError, ...) before it answered
-            which = f"replica {replica}" if replica else "the replica that took this request"
-            fate = ("Its jobs are adopted by another replica from the shared state dir: retry in a few seconds"
-                    if self.adopts else "A job it held is lost with it: submit again")
-            message = f"{which} ended before it answered ({type(exc).__name__}); Serve replaces it. {fate}"
-            return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE, message), status_code=503)
+        except Exception as exc:  # the replica's process died (RayActorError, ...), or Serve refused the call
+            return JSONResponse(ids.error_body(ErrorCode.REPLICA_UNAVAILABLE, unanswered(exc, replica, self.adopts)),
+                                status_code=503)
 
         if head.status != 200 or dict(head.headers).get("content-type", "").startswith("application/json"):
             # a document, not a stream: whole or not at all, so a replica lost between its head and

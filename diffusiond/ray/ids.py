@@ -9,6 +9,7 @@ when a gateway restarts. Pure functions, no Ray, so they are tested without a cl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from typing import Any
@@ -48,17 +49,28 @@ def bind(replica: str, daemon_id: str) -> str:
     return f"{replica}{SEP}{daemon_id}"
 
 
-def unbind(job_id: str) -> tuple[str, str]:
-    """(replica, daemon's id) of a client's job id, or RouteError 404 naming the id."""
+def split(job_id: str) -> tuple[str, str] | None:
+    """(replica, daemon's id) of a job id as the gateway gives them out, None for anything else."""
     replica, sep, daemon_id = job_id.partition(SEP)
     if not sep or not _REPLICA.fullmatch(replica) or not _DAEMON_ID.fullmatch(daemon_id):
+        return None
+    return replica, daemon_id
+
+
+def unbind(job_id: str) -> tuple[str, str]:
+    """(replica, daemon's id) of a client's job id, or RouteError 404 naming the id."""
+    parts = split(job_id)
+    if parts is None:
         raise RouteError(404, ErrorCode.JOB_NOT_FOUND,
                          f"no job {job_id!r}: job ids here look like REPLICA.j_HEX, as POST /v1/jobs returned them")
-    return replica, daemon_id
+    return parts
 
 
 def route(method: str, path: str) -> tuple[str | None, str]:
     """(replica the request must reach or None for any, the path to send to that daemon)."""
+    if method == "HEAD":  # the daemon answers HEAD on every GET route, and so does the gateway
+        with contextlib.suppress(RouteError):  # not a GET route: refused below, naming HEAD
+            return route("GET", path)
     m = _JOB_PATH.fullmatch(path)
     if m is not None:
         rest = m["rest"]
@@ -88,46 +100,58 @@ def route_query(method: str, path: str, query: str) -> tuple[str | None, str]:
     """(replica, query to send) for a job list's page: ``before=REPLICA.j_HEX`` (the ``next_before``
     a page through the gateway gave) names the replica whose list it continues, and the
     daemon is sent its own id. Any other request keeps its query and goes where ``route`` sends it."""
-    if (method, path) != ("GET", "/v1/jobs") or "before" not in query:
+    if method not in ("GET", "HEAD") or path != "/v1/jobs" or "before" not in query:
         return None, query
     pairs = parse_qsl(query, keep_blank_values=True)
     befores = [v for k, v in pairs if k == "before"]
     if not befores or not befores[0]:  # the daemon reads the first, and an empty one as none
         return None, query
-    replica, sep, daemon_id = befores[0].partition(SEP)
-    if not sep or not _REPLICA.fullmatch(replica) or not _DAEMON_ID.fullmatch(daemon_id):
+    parts = split(befores[0])
+    if parts is None:
         raise RouteError(400, ErrorCode.INVALID_REQUEST,
                          f"before={befores[0][:60]!r}: through Ray Serve it is a job id REPLICA.j_HEX, as a page's "
                          "next_before gave it (a list continues on the replica that listed it)", field="before")
+    replica, daemon_id = parts
     return replica, urlencode([(k, daemon_id if k == "before" else v) for k, v in pairs])
 
 
-def bind_document(doc: Any, replica: str) -> Any:
-    """The daemon's JSON with every job id and job URL it names bound to ``replica``.
+def bind_document(doc: Any, replica: str, prefix: str = "") -> Any:
+    """The daemon's JSON with every job id and job URL it names bound to ``replica``, the URLs under
+    ``prefix`` (the application's ``route_prefix``, where the client reaches them).
 
     Only the fields that hold ids are touched (``id``/``job_id`` values that are job ids, job
     ``url``s), so a prompt that happens to contain ``j_...`` goes through as written."""
     if isinstance(doc, list):
-        return [bind_document(v, replica) for v in doc]
+        return [bind_document(v, replica, prefix) for v in doc]
     if not isinstance(doc, dict):
         return doc
     out: dict[str, Any] = {}
+    # an ``id`` is a job's unless the object says it is something else: a model may be named j_1
+    id_keys = ("id", "job_id", "next_before") if doc.get("object", "job") == "job" else ("job_id", "next_before")
     for key, value in doc.items():
         # next_before: the cursor of a job list's page, bound so the next page reaches that replica
-        if key in ("id", "job_id", "next_before") and isinstance(value, str) and _DAEMON_ID.fullmatch(value):
+        if key in id_keys and isinstance(value, str) and _DAEMON_ID.fullmatch(value):
             out[key] = bind(replica, value)
         elif key == "url" and isinstance(value, str) and value.startswith("/v1/jobs/j_"):
-            out[key] = "/v1/jobs/" + bind(replica, value.removeprefix("/v1/jobs/"))
+            out[key] = prefix + "/v1/jobs/" + bind(replica, value.removeprefix("/v1/jobs/"))
         elif key == "request":  # what the client sent: kept as it was
             out[key] = value
         else:
-            out[key] = bind_document(value, replica)
+            out[key] = bind_document(value, replica, prefix)
     return out
 
 
-def bind_header(value: str, replica: str) -> str:
-    """``Location`` and ``Content-Disposition`` name the daemon's id: bind it there too."""
-    return _DAEMON_ID.sub(lambda m: bind(replica, m[0]), value, count=1)
+def bind_header(value: str, replica: str, prefix: str = "") -> str:
+    """``Location`` and ``Content-Disposition`` name the daemon's id: bind it there too, and put a
+    path (``Location``'s) under ``prefix``."""
+    bound = _DAEMON_ID.sub(lambda m: bind(replica, m[0]), value, count=1)
+    return prefix + bound if bound.startswith("/v1/") else bound
+
+
+def url_prefix(root_path: str) -> str:
+    """What goes before the daemon's paths in the URLs a client is given: the application's
+    ``route_prefix`` as Serve passes it (``root_path``; empty, or ``/`` as some servers give it, for none)."""
+    return root_path.rstrip("/")
 
 
 def batch_key(body: Any) -> str | None:

@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,13 +37,17 @@ import msgspec
 
 from diffusiond.protocol import ErrorCode
 from diffusiond.ray import claims, ids
-from diffusiond.ray.adoption import Adoption, Refusal, StoreDaemon
+from diffusiond.ray.adoption import Adoption, Refusal, StoreDaemon, daemon_load, spawn, unix_session
 
 log = logging.getLogger("diffusiond.ray")
 
 CHUNK = 256 << 10
 BIG_JSON = 1 << 20
 PR_SET_PDEATHSIG = 1
+# What a daemon's workers take to stop once its drain grace is over: a replica's stop waits for that too.
+WORKER_STOP_S = 30.0
+# The least a replica's stop waits for its daemon: the daemon's default drain grace and its workers' stop fit in it.
+STOP_TIMEOUT_S = 60.0
 # headers that belong to one hop, or that are wrong once a body is rewritten
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"})
 
@@ -58,6 +61,7 @@ class Call(msgspec.Struct, frozen=True):
     content_type: str | None = None
     body: bytes = b""
     replica: str | None = None  # the replica the job id named; None for any
+    prefix: str = ""  # the application's route prefix, put before the job URLs the client is given
 
 
 class Head(msgspec.Struct, frozen=True):
@@ -69,13 +73,6 @@ def encode_error(status: int, code: ErrorCode, message: str) -> list[bytes]:
     """The head and body of an error the replica answers itself."""
     head = Head(status, [("content-type", "application/json")])
     return [msgspec.msgpack.encode(head), json.dumps(ids.error_body(code, message)).encode()]
-
-
-def daemon_load(health: dict[str, Any]) -> int:
-    """Jobs a daemon holds, queued plus running, from its ``/health``: what routing and
-    autoscaling weigh replicas by (Serve's own count is of calls in flight, and a job submitted
-    through ``POST /v1/jobs`` stops being one at its 202)."""
-    return int(health.get("queue_depth", 0)) + int((health.get("jobs") or {}).get("running", 0))
 
 
 def remove_stale_dirs(tmp: Path) -> None:
@@ -114,7 +111,7 @@ def _die_with(parent: int) -> Callable[[], None]:
 class DaemonReplica:
     """The body of the Serve deployment (``app.build`` wraps it in ``serve.deployment``)."""
 
-    def __init__(self, serve_args: list[str], start_timeout_s: float = 600.0, stop_timeout_s: float = 60.0,
+    def __init__(self, serve_args: list[str], start_timeout_s: float = 600.0, stop_timeout_s: float = STOP_TIMEOUT_S,
                  shared_state_dir: str | None = None) -> None:
         import ray
         from ray import serve
@@ -139,12 +136,7 @@ class DaemonReplica:
             args = [*serve_args, "--state-dir", str(root / self.store)]
             self.adoption = Adoption(root, self.replica, self.store, list(serve_args), self.dir, env,
                                      lambda: _die_with(os.getpid()), start_timeout_s)
-        self._log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - closed in __del__
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diffusiond", "serve", "--socket", str(self.socket), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            pass_fds=pass_fds, preexec_fn=_die_with(os.getpid()),
-        )
+        self.proc = spawn(args, self.socket, self.dir / "daemon.log", env, pass_fds, _die_with(os.getpid()))
         (self.dir / "daemon.pid").write_text(str(self.proc.pid))
         log.info("replica %s: daemon pid %d on %s (GPUs %s, store %s)", self.replica, self.proc.pid, self.socket,
                  gpus or "none", self.store)
@@ -190,10 +182,7 @@ class DaemonReplica:
         return f"replica {self.replica}: its diffusiond daemon {how}; Serve will replace the replica"
 
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            conn = aiohttp.UnixConnector(path=str(self.socket), limit=0)
-            self._session = aiohttp.ClientSession(connector=conn, base_url="http://diffusiond",
-                                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._session = unix_session(self.socket, self._session)
         return self._session
 
     async def _health(self) -> dict[str, Any] | None:
@@ -265,8 +254,6 @@ class DaemonReplica:
                 self.proc.wait()
         if self.adoption is not None:
             self._claim.release()  # its daemon is gone: the store may be adopted now
-        with contextlib.suppress(Exception):
-            self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # requests --------------------------------------------------------------------------------------
@@ -320,7 +307,7 @@ class DaemonReplica:
         started = False
         try:
             async with session.request(call.method, url, data=call.body or None, headers=headers) as resp:
-                async for part in self._relay(resp, store):
+                async for part in self._relay(resp, store, call.prefix):
                     started = True
                     yield part
         except aiohttp.ClientConnectionError as exc:
@@ -332,28 +319,29 @@ class DaemonReplica:
                 yield part
 
     @staticmethod
-    def _bind(body: bytes, store: str) -> bytes:
+    def _bind(body: bytes, store: str, prefix: str = "") -> bytes:
         try:
-            return json.dumps(ids.bind_document(json.loads(body), store), separators=(",", ":")).encode()
+            return json.dumps(ids.bind_document(json.loads(body), store, prefix), separators=(",", ":")).encode()
         except ValueError:
             return body
 
-    async def _relay(self, resp: aiohttp.ClientResponse, store: str) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: aiohttp.ClientResponse, store: str, prefix: str = "") -> AsyncIterator[bytes]:
         ctype = resp.headers.get("Content-Type", "")
         rewrite = ctype.startswith(("application/json", "text/event-stream"))
-        headers = [(k.lower(), ids.bind_header(v, store) if k.lower() in ("location", "content-disposition")
+        headers = [(k.lower(), ids.bind_header(v, store, prefix) if k.lower() in ("location", "content-disposition")
                     else v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS]
         if not rewrite and resp.content_length is not None:
             headers.append(("content-length", str(resp.content_length)))
         if ctype.startswith("application/json"):
             body = await resp.read()
             # b64 images make a synchronous answer megabytes of JSON: parse those off the loop
-            body = await asyncio.to_thread(self._bind, body, store) if len(body) > BIG_JSON else self._bind(body, store)
+            body = (await asyncio.to_thread(self._bind, body, store, prefix) if len(body) > BIG_JSON
+                    else self._bind(body, store, prefix))
             yield msgspec.msgpack.encode(Head(resp.status, headers))
             yield body
         elif ctype.startswith("text/event-stream"):
             yield msgspec.msgpack.encode(Head(resp.status, headers))
-            async for part in relay_sse(resp.content.iter_any(), store):
+            async for part in relay_sse(resp.content.iter_any(), store, prefix):
                 yield part
         else:
             yield msgspec.msgpack.encode(Head(resp.status, headers))
@@ -361,16 +349,16 @@ class DaemonReplica:
                 yield chunk
 
 
-def _bind_sse_line(line: bytes, store: str) -> bytes:
-    """One SSE line, its ``data:`` JSON with the job's ids bound to ``store``."""
+def _bind_sse_line(line: bytes, store: str, prefix: str = "") -> bytes:
+    """One SSE line, its ``data:`` JSON with the job's ids bound to ``store`` (URLs under ``prefix``)."""
     if line.startswith(b"data: "):
         with contextlib.suppress(ValueError):
-            doc = ids.bind_document(json.loads(line[6:]), store)
+            doc = ids.bind_document(json.loads(line[6:]), store, prefix)
             return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n"
     return line
 
 
-async def relay_sse(chunks: AsyncIterator[bytes], store: str) -> AsyncIterator[bytes]:
+async def relay_sse(chunks: AsyncIterator[bytes], store: str, prefix: str = "") -> AsyncIterator[bytes]:
     """An event stream as it comes, its ``data:`` lines bound to ``store``. Lines are cut here from
     the bytes, with no length limit: aiohttp's own line reader refuses a line over 512 KiB, and a
     preview's PNG in base64 (max_side up to 1024) is longer, which cut the stream before its
@@ -383,9 +371,9 @@ async def relay_sse(chunks: AsyncIterator[bytes], store: str) -> AsyncIterator[b
             continue
         whole, pending = bytes(pending[:end + 1]), pending[end + 1:]
         lines = [line + b"\n" for line in whole[:-1].split(b"\n")]
-        yield b"".join(_bind_sse_line(line, store) for line in lines)
+        yield b"".join(_bind_sse_line(line, store, prefix) for line in lines)
     if pending:  # a stream cut mid-line: what came is passed on as it came
-        yield _bind_sse_line(bytes(pending), store)
+        yield _bind_sse_line(bytes(pending), store, prefix)
 
 
 def own_state_dir(serve_args: list[str], private: Path, replica: str) -> list[str]:
@@ -402,9 +390,11 @@ def own_state_dir(serve_args: list[str], private: Path, replica: str) -> list[st
     args = list(serve_args)
     if "--no-persist" in args:
         return args
-    if "--state-dir" in args:
-        i = args.index("--state-dir") + 1
-        if i < len(args):
-            args[i] = str(Path(args[i]) / replica)
-        return args
+    for i, arg in enumerate(args):
+        if arg == "--state-dir" and i + 1 < len(args):
+            args[i + 1] = str(Path(args[i + 1]) / replica)
+            return args
+        if arg.startswith("--state-dir="):  # the daemon reads it as --state-dir DIR; added after, ours won
+            args[i] = f"--state-dir={Path(arg.split('=', 1)[1]) / replica}"
+            return args
     return [*args, "--no-persist", "--state-dir", str(private / "state")]

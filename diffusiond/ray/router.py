@@ -6,8 +6,9 @@ Why a request router (Ray Serve's ``RequestRouter``, set in the deployment's
 would be a 404 from a daemon that never heard of it. The router is handed every running replica
 and returns the ones a request may go to, so a request about a job goes to the replica its id
 names and to no other (it waits for a free slot there rather than spill). When that replica is
-not among the running ones any more it is gone for good (Serve never reuses a replica id): the
-request then goes to any replica, which answers 410 naming the replica that held the job.
+not among the running ones any more it is gone for good (Serve never reuses a replica id, and sends a
+replica whose stop has begun nothing new): the request then goes to any replica, which answers 410 naming
+the replica that held the job, or with a shared state dir serves it from that replica's store.
 
 New work goes by load, and load is the jobs a daemon holds, not Serve's count of calls in flight:
 a job submitted through ``POST /v1/jobs`` stops being a call at its 202 and goes on queueing in
