@@ -24,7 +24,7 @@ from daemonkit import Daemon, shared_daemon
 
 from conftest import ROOT
 from diffusiond.client import DaemonError
-from diffusiond.client.zerocopy import OutputMapper, ZeroCopyUnavailable
+from diffusiond.client.zerocopy import OutputMapper, ZeroCopyUnavailable, receive
 from diffusiond.ipc.arena import is_sealed
 
 VIDEO = "video=synthetic:task=video,compute_ms=5"
@@ -153,7 +153,7 @@ def test_no_writable_mapping_can_be_had_from_the_fd(daemon: Daemon) -> None:
 
         with m._lock:  # the raw lease, as a hostile client would hold it
             m._sock.sendall(m._encoder.encode(Fetch(job, 0)))
-            msg, fds = m._receive()
+            msg, fds = receive(m._sock, m._decoder)
         assert isinstance(msg, Lease) and len(fds) == 1
         fd = fds[0]
         try:

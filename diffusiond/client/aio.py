@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Unpack, overload
 from diffusiond.client.arrays import ArrayReader
 from diffusiond.client.connection import BASE_URL, Connection
 from diffusiond.client.errors import ClientError, ClientTimeout, DaemonError, DaemonUnreachable
-from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback
+from diffusiond.client.handle import CANCEL_GRACE_S, AsyncJobHandle, EventCallback, cancel_or_ended
 from diffusiond.client.params import JobParams, Output, check_finite, job_body, params_for, pil_needs_a_format
 from diffusiond.client.transport import (
     SOCKET_WAIT_S,
@@ -229,12 +229,8 @@ class AsyncClient(Connection):
         async with self._request("GET", "/health", ok=(200, 503)) as resp:
             body = await resp.read()
             report = parse_json(body, resp.status)
-            if resp.status == 503 and isinstance(report, dict) and "error" in report:
-                try:
-                    error = error_of(report, resp)
-                except (KeyError, TypeError, AttributeError):  # not the daemon's shape: still one of the tree
-                    error = DaemonError(503, "http_503", body.decode(errors="replace").strip()[:200])
-                raise error
+            if resp.status == 503 and "error" in report:
+                raise error_of(body.decode(errors="replace"), resp)
         return report
 
     async def ready(self) -> bool:
@@ -329,7 +325,8 @@ class AsyncClient(Connection):
         return await self._arrays.audio(job_id, k)
 
     def cancel_soon(self, job_id: str) -> asyncio.Task[dict[str, Any] | None]:
-        """Start a bounded, quiet cancel that outlives the caller's own cancellation."""
+        """Start a bounded, quiet cancel that outlives the caller's own cancellation: the task's result is the
+        job as cancelled, or as it had ended (``AsyncJobHandle.cancel``), None when the daemon did not say."""
         task = asyncio.ensure_future(self._cancel_quietly(job_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -348,8 +345,8 @@ class AsyncClient(Connection):
 
     async def _cancel_quietly(self, job_id: str) -> dict[str, Any] | None:
         try:
-            return await asyncio.wait_for(self.cancel(job_id), CANCEL_GRACE_S)
-        except (ClientError, TimeoutError):  # finished already (409), or the daemon is gone
+            return await asyncio.wait_for(cancel_or_ended(self, job_id), CANCEL_GRACE_S)
+        except (ClientError, TimeoutError):  # the daemon is gone, or too slow to say
             return None
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from diffusiond.client.connection import Connection
 from diffusiond.client.errors import DaemonError
-from diffusiond.client.outputs import Mapped, open_mapper, read_npy, torch_views
+from diffusiond.client.outputs import open_mapper, read_npy, torch_views
 from diffusiond.client.transport import quote_id
 from diffusiond.protocol import AUDIO_ARRAY, ErrorCode
 
@@ -38,7 +38,7 @@ class ArrayReader:
         self.connection = connection
         self.job = job
         self.zero_copy = zero_copy
-        self._mapper: Mapped | None = None
+        self._mapper: OutputMapper | None = None
         self._mapper_lock = asyncio.Lock()
         self._no_zero_copy = zero_copy is False
 
@@ -73,7 +73,7 @@ class ArrayReader:
         return waveform, int(entry["sample_rate"])
 
     async def _shared(self, read: Callable[[OutputMapper], Any]) -> Any:
-        """``read``'s array (or name -> array) over the daemon's shared memory, handed out; None: read it over
+        """``read``'s array (or name -> array) over the daemon's shared memory; None: read it over
         HTTP instead (no output socket here, or this one is not in shared memory: spilled under arena pressure,
         or an old kernel; the next may be mapped again)."""
         mapper = await self._zero_copy_mapper()
@@ -82,10 +82,10 @@ class ArrayReader:
         from diffusiond.client.zerocopy import ZeroCopyUnavailable
 
         try:
-            got = await asyncio.to_thread(read, mapper.mapper)
+            return await asyncio.to_thread(read, mapper)
         except ZeroCopyUnavailable:
             if self.zero_copy:
-                if mapper.mapper.closed:  # hung up (a timeout, a bad frame): the next call connects afresh
+                if mapper.closed:  # hung up (a timeout, a bad frame): the next call connects afresh
                     await self._drop_mapper(mapper)
                 raise
             self._no_zero_copy = True
@@ -97,7 +97,6 @@ class ArrayReader:
             if self.zero_copy:  # the documented error
                 raise ZeroCopyUnavailable(f"zero_copy=True, but {exc.message}") from exc
             return None
-        return {name: mapper.hand_out(a) for name, a in got.items()} if isinstance(got, dict) else mapper.hand_out(got)
 
     async def _trajectory_over_http(self, job_id: str, k: int) -> dict[str, NDArray[Any]]:
         entries = await self._side_entry(job_id, k, "trajectory")
@@ -122,7 +121,7 @@ class ArrayReader:
         entries = await self._side_entry(job_id, k, "trajectory")
         return {name: str(e.get("dtype")) for name, e in entries.items()}
 
-    async def _zero_copy_mapper(self) -> Mapped | None:
+    async def _zero_copy_mapper(self) -> OutputMapper | None:
         """The output mapper, opened once; None once zero-copy is off or known not to work here."""
         async with self._mapper_lock:
             if self._mapper is None and not self._no_zero_copy:
@@ -130,7 +129,7 @@ class ArrayReader:
                 self._no_zero_copy = self._mapper is None
             return self._mapper
 
-    async def _drop_mapper(self, mapper: Mapped | None) -> None:
+    async def _drop_mapper(self, mapper: OutputMapper | None) -> None:
         """Close ``mapper`` off the loop's thread: closing waits for a fetch under way in another thread, up to
         the mapper's timeout, and every other task of the program would stand still meanwhile."""
         if mapper is not None:

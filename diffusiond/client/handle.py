@@ -98,12 +98,7 @@ class AsyncJobHandle:
 
     async def cancel(self) -> dict[str, Any]:
         """Cancel the job and return it; a job that had already finished is returned as it ended."""
-        try:
-            return self._seen(await self.client.cancel(self.id))
-        except DaemonError as exc:
-            if exc.status != 409:
-                raise
-        return await self.refresh()
+        return self._seen(await cancel_or_ended(self.client, self.id))
 
     @overload
     async def outputs(self, output: Literal["pil"] = ...) -> list[Image.Image]: ...
@@ -162,6 +157,18 @@ class AsyncJobHandle:
     async def _cancel_on_the_way_out(self) -> None:
         self._finalizer.detach()  # one cancel is enough
         await asyncio.wait({self.client.cancel_soon(self.id)}, timeout=CANCEL_GRACE_S)
+
+
+async def cancel_or_ended(client: JobOwner, job_id: str) -> dict[str, Any]:
+    """Cancel the job and return it. A cancel refused with 409 means the job had already ended (perhaps
+    cancelled: a race with another cancel, or with its deadline), so it is asked for and returned as it ended:
+    a caller is told what became of it rather than an error."""
+    try:
+        return await client.cancel(job_id)
+    except DaemonError as exc:
+        if exc.status != 409:
+            raise
+    return await client.job(job_id)
 
 
 def _cancel_dropped(client: JobOwner, job_id: str) -> None:

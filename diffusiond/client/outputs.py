@@ -1,5 +1,4 @@
-"""How a job's outputs become PIL images and numpy arrays on the client's side, and how long
-the daemon memory under a zero-copy array stays the array's.
+"""How a job's outputs become PIL images and numpy arrays on the client's side.
 
 Apart from ``aio.py`` so that numpy and PIL stay out of it: each is imported inside the
 function that needs it, the first time an output is asked for in that form.
@@ -9,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -20,6 +17,8 @@ from diffusiond.client.errors import ClientError, DaemonError
 if TYPE_CHECKING:
     from numpy.typing import NDArray
     from PIL import Image
+
+    from diffusiond.client.zerocopy import OutputMapper
 
 _CHUNK = 256 * 1024
 
@@ -107,48 +106,10 @@ def _bad(what: str) -> DaemonError:
     return DaemonError(200, "bad_response", f"the daemon's array output {what}")
 
 
-class Mapped:
-    """A zero-copy mapper, kept open while any array it handed out lives.
-
-    Closing the mapper lets the daemon reuse the memory under its arrays, and an array kept past
-    ``with Client() as c:`` must not change under its reader: so closing the client only marks
-    the mapper, and the last array's end closes it. Each array's memory (the root of its
-    ``base`` chain) holds this object through a finalizer.
-    """
-
-    def __init__(self, mapper: Any) -> None:
-        self.mapper = mapper
-        self._live = 0
-        self._closing = False
-        self._lock = threading.RLock()  # reentrant: the GC may run ``_gone`` inside ``hand_out``
-
-    def hand_out(self, array: NDArray[Any]) -> NDArray[Any]:
-        root: Any = array
-        while getattr(root, "base", None) is not None:
-            root = root.base
-        with self._lock:
-            self._live += 1
-        weakref.finalize(root, self._gone)
-        return array
-
-    def _gone(self) -> None:
-        with self._lock:
-            self._live -= 1
-            last = self._closing and self._live == 0
-        if last:  # in the GC's thread, maybe inside the mapper's own lock: close from elsewhere
-            threading.Thread(target=self.mapper.close, name="diffusiond-unmap", daemon=True).start()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closing = True
-            now = self._live == 0
-        if now:
-            self.mapper.close()
-
-
-async def open_mapper(socket_path: str, timeout: float | None, required: bool | None) -> Mapped | None:
+async def open_mapper(socket_path: str, timeout: float | None, required: bool | None) -> OutputMapper | None:
     """``AsyncClient``'s zero-copy mapper, connected in a worker thread; None where that path does not work here
-    (no output socket: a daemon over TCP, on another machine, of another user), or ``required`` raises."""
+    (no output socket: a daemon over TCP, on another machine, of another user), or ``required`` raises. Closing
+    it leaves the memory under the arrays it handed out theirs until the last of them goes (``OutputMapper``)."""
     try:
         from diffusiond.client.zerocopy import OutputMapper, ZeroCopyUnavailable
     except ImportError as exc:  # an install without the module: HTTP is the only path
@@ -157,7 +118,7 @@ async def open_mapper(socket_path: str, timeout: float | None, required: bool | 
         return None
     try:
         wait = min(timeout or 30.0, 30.0)  # the client's own timeout
-        return Mapped(await asyncio.to_thread(OutputMapper, socket_path, timeout=wait))
+        return await asyncio.to_thread(OutputMapper, socket_path, timeout=wait)
     except ZeroCopyUnavailable:
         if required:
             raise

@@ -170,12 +170,20 @@ def image_text(value: ImageInput, field: str) -> str:
     return image_b64(value)
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """``WxH`` -> (width, height): the client's ``size`` as text, and the command line's ``--size``."""
+    w, sep, h = text.lower().partition("x")
+    if not sep or not w.strip().isdecimal() or not h.strip().isdecimal() or int(w) <= 0 or int(h) <= 0:
+        raise ValueError(f"expected WxH with positive integers, e.g. 512x512, got {text!r}")
+    return int(w), int(h)
+
+
 def _size(size: Any) -> tuple[int, int]:
     if isinstance(size, str):
-        w, sep, h = size.lower().partition("x")
-        if sep and w.strip().isdigit() and h.strip().isdigit():
-            return int(w), int(h)
-        raise ValueError(f"size must be (width, height) or 'WxH', got {size!r}")
+        try:
+            return parse_size(size)
+        except ValueError as exc:
+            raise ValueError(f"size: {exc} (or a (width, height) pair)") from None
     width, height = size
     return int(width), int(height)
 

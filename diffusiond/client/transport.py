@@ -118,28 +118,27 @@ def reason(exc: BaseException) -> str:
 
 
 async def error_from(resp: aiohttp.ClientResponse) -> DaemonError:
-    """The daemon's ``{"error": {...}}`` body as a DaemonError; anything else still gets a message."""
-    text = await resp.text(errors="replace")
+    """The response's body as a DaemonError (``error_of``)."""
+    return error_of(await resp.text(errors="replace"), resp)
+
+
+def error_of(text: str, resp: aiohttp.ClientResponse) -> DaemonError:
+    """An error body already read (``health`` reads its body before it knows it is one) as a DaemonError: the
+    daemon's ``{"error": {...}}``; anything else (a proxy's page, a truncated body) still gets a message."""
     try:
-        return error_of(json.loads(text), resp)
+        err = json.loads(text)["error"]
+        field, stage = err.get("field"), err.get("stage")
+        return DaemonError(
+            resp.status,
+            str(err.get("code") or f"http_{resp.status}"),
+            str(err.get("message") or resp.reason or ""),
+            None if field is None else str(field),
+            None if stage is None else str(stage),
+            retry_after(resp),
+        )
     except (ValueError, KeyError, TypeError, AttributeError):
         message = text.strip()[:200] or resp.reason or "error"
         return DaemonError(resp.status, f"http_{resp.status}", message, retry_after=retry_after(resp))
-
-
-def error_of(body: Any, resp: aiohttp.ClientResponse) -> DaemonError:
-    """An error document already read (``health`` reads its body before it knows) as a DaemonError;
-    KeyError and friends when the body is not one."""
-    err = body["error"]
-    field, stage = err.get("field"), err.get("stage")
-    return DaemonError(
-        resp.status,
-        str(err.get("code") or f"http_{resp.status}"),
-        str(err.get("message") or resp.reason or ""),
-        None if field is None else str(field),
-        None if stage is None else str(stage),
-        retry_after(resp),
-    )
 
 
 def retry_after(resp: aiohttp.ClientResponse) -> float | None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from diffusiond.client.errors import ClientTimeout, DaemonError, DaemonUnreachable, permission_denied, update_error
 from diffusiond.client.transport import SOCKET_WAIT_S
-from diffusiond.ipc.channel import recv_with_fds
+from diffusiond.client.zerocopy import connect, receive
 from diffusiond.ipc.errors import ProtocolError
 from diffusiond.ipc.frames import FrameDecoder, FrameEncoder
 from diffusiond.ipc.messages import Updated, UpdateLora, UpdateRefused, UpdateWeights, WeightTensor
@@ -196,7 +196,8 @@ def _send(socket_path: str, msg: UpdateLora | UpdateWeights, fds: list[int], wha
             # of a few thousand tensors did not, and the daemon waited for the rest of its frame forever.
             if sent < len(frame):  # an empty send to a daemon that already answered and hung up is EPIPE
                 sock.sendall(frame[sent:])
-            answer = _receive(sock)
+            answer, extra = receive(sock, FrameDecoder())
+            _close(extra)  # an answer to an update brings none
         except TimeoutError:
             raise ClientTimeout(socket_path, what, timeout) from None
         except OSError as exc:
@@ -234,33 +235,13 @@ def _connect(socket_path: str, path: str, timeout: float | None) -> socket.socke
     deadline = time.monotonic() + SOCKET_WAIT_S
     woken = False
     while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # EMFILE here too is a ClientError
-        sock.settimeout(timeout)
         try:
-            sock.connect(path)
-            return sock
+            return connect(path, timeout)  # EMFILE too is a ClientError, by ``_send``
         except (FileNotFoundError, ConnectionRefusedError):
-            sock.close()
             if time.monotonic() >= deadline:
                 raise
-        except BaseException:
-            sock.close()
-            raise
         if not woken:
             woken = True
             with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
                 wake.connect(socket_path)
         time.sleep(0.1)
-
-
-def _receive(sock: socket.socket) -> object:
-    decoder = FrameDecoder()
-    while True:
-        data, fds = recv_with_fds(sock)
-        for extra in fds:
-            os.close(extra)
-        if not data:
-            raise ConnectionResetError("the daemon closed the output socket before answering")
-        frames = decoder.feed(data)
-        if frames:
-            return frames[0][3]

@@ -16,6 +16,9 @@ dies, the kernel closes the connection and the daemon takes the memory back.
 
 ``ZeroCopyUnavailable`` means there is no such path here (a daemon reached over TCP, on another
 machine, or of another user): use the HTTP npy stream, as ``diffusiond.Client`` does by itself.
+
+``connect`` and ``receive`` are the output socket's connection and message loop; live updates (``weights.py``)
+go over the same socket with them.
 """
 
 from __future__ import annotations
@@ -55,14 +58,10 @@ class OutputMapper:
 
     def __init__(self, socket_path: str | None = None, *, timeout: float | None = 30.0) -> None:
         self.path = output_socket_path(socket_path or default_socket_path())
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
         try:
-            sock.connect(self.path)
+            self._sock = connect(self.path, timeout)
         except OSError as exc:
-            sock.close()
             raise ZeroCopyUnavailable(f"no output socket at {self.path} ({exc.strerror or exc})") from None
-        self._sock = sock
         self._lock = threading.Lock()
         self._unpins: collections.deque[int] = collections.deque()
         self._encoder = FrameEncoder()
@@ -125,7 +124,7 @@ class OutputMapper:
             # connection goes; the daemon takes back whatever it leased on it.
             try:
                 self._sock.sendall(self._encoder.encode(fetch))
-                msg, fds = self._receive()
+                msg, fds = receive(self._sock, self._decoder)
                 self._send_unpins()
             except TimeoutError:
                 raise self._hang_up(f"the output socket {self.path} did not answer in time") from None
@@ -156,23 +155,6 @@ class OutputMapper:
         if not self._live:
             self._close_sock()
         return ZeroCopyUnavailable(f"{why}; this OutputMapper is closed now (make a new one)")
-
-    def _receive(self) -> tuple[object, list[int]]:
-        fds: list[int] = []
-        try:
-            while True:
-                data, got = recv_with_fds(self._sock)
-                fds.extend(got)
-                if not data:
-                    raise ConnectionResetError("the daemon closed the output socket")
-                frames = self._decoder.feed(data)
-                if frames:
-                    _kind, _seq, _nfds, msg = frames[0]
-                    return msg, fds
-        except BaseException:  # no message, so nobody else will close what came
-            for fd in fds:
-                os.close(fd)
-            raise
 
     def _map(self, lease: Lease, fd: int) -> np.ndarray:
         desc = lease.tensor
@@ -239,3 +221,36 @@ class OutputMapper:
                 self._close_sock()
         if self.closed and not self._live:  # closed, or hung up after a failed fetch: the last array is gone
             self._close_sock()
+
+
+def connect(path: str, timeout: float | None) -> socket.socket:
+    """A connection to the output socket at ``path``, for a mapper and for a live update (``weights.py``), which
+    waits for a socket not bound yet where a mapper falls back to HTTP at once."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def receive(sock: socket.socket, decoder: FrameDecoder) -> tuple[object, list[int]]:
+    """The next message on the output socket and the fds that came with it (the caller's to close); on any
+    failure, the fds that came are closed here, as no message names them."""
+    fds: list[int] = []
+    try:
+        while True:
+            data, got = recv_with_fds(sock)
+            fds.extend(got)
+            if not data:
+                raise ConnectionResetError("the daemon closed the output socket before answering")
+            frames = decoder.feed(data)
+            if frames:
+                _kind, _seq, _nfds, msg = frames[0]
+                return msg, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise

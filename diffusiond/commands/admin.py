@@ -24,8 +24,21 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
-def _mib(n: object) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if isinstance(n, int | float) else "?"
+def size(n: object) -> str:
+    """Bytes in the largest unit that keeps a whole number in front (``1.5 GiB``, not ``1536.0 MiB``); ``-``
+    for none, or for a field a daemon did not send."""
+    if not isinstance(n, int | float) or not n:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def took(answer: dict[str, Any]) -> str:
+    """How long a move or a sleep took, as the daemon measured it (``took_ms``)."""
+    ms = answer.get("took_ms")
+    return f" (took {ms / 1000:.1f} s)" if isinstance(ms, int | float) else ""
 
 
 async def _until_ready(client: AsyncClient, seconds: float) -> None:
@@ -84,7 +97,7 @@ async def status(args: argparse.Namespace, client: AsyncClient) -> int:
     print(line + ("; `diffusiond history` lists more (a finished job leaves memory after serve's --retention-s, "
                   "600 s by default, and at a restart)" if kept else ""))
     if "arena_bytes_in_use" in health:
-        print(f"arena in use: {_mib(health['arena_bytes_in_use'])}")
+        print(f"arena in use: {size(health['arena_bytes_in_use'])}")
     return EXIT_OK
 
 
@@ -211,7 +224,7 @@ def asleep_line(answer: dict[str, Any], asked: int) -> str:
     """What the sleep did, from where the daemon says each model is now: on a CPU device a level-1 sleep
     moves nothing (its memory is the host's), and a line saying "device memory freed" would be false."""
     level = answer.get("level", asked)
-    head = f"daemon asleep at level {level}{_took(answer)}"
+    head = f"daemon asleep at level {level}{took(answer)}"
     if level != asked:
         head += f" (level {level} was in force already)"
     models = answer.get("models")
@@ -241,7 +254,7 @@ def asleep_line(answer: dict[str, Any], asked: int) -> str:
 async def wake(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         answer = await client.wake()
-    print(f"daemon awake{_took(answer)}")
+    print(f"daemon awake{took(answer)}")
     return EXIT_OK
 
 
@@ -250,8 +263,3 @@ async def web_url(args: argparse.Namespace, client: AsyncClient) -> int:
         url = await client.web_url()
     print(url)
     return EXIT_OK
-
-
-def _took(answer: dict[str, Any]) -> str:
-    took = answer.get("took_ms")
-    return f" (took {took / 1000:.1f} s)" if isinstance(took, int | float) else ""

@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from diffusiond.client import params
+
 __all__ = ["HISTORY_MAX_LIMIT", "MODE_CHARS", "control_arg", "dash_values", "finite_float", "int_between",
            "ip_adapter_arg", "job_id_arg", "lora_arg", "parse_size", "positive_float", "positive_int"]
 
@@ -53,11 +55,12 @@ def dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[st
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """``WxH`` -> (width, height)."""
-    w, sep, h = text.lower().partition("x")
-    if not sep or not w.strip().isdigit() or not h.strip().isdigit() or int(w) <= 0 or int(h) <= 0:
-        raise argparse.ArgumentTypeError(f"expected WxH with positive integers, e.g. 512x512, got {text!r}")
-    return int(w), int(h)
+    """``WxH`` -> (width, height), read as the client reads ``size``; its message kept (argparse drops a
+    ValueError's for "invalid parse_size value")."""
+    try:
+        return params.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def whole_number(text: str) -> int:

@@ -431,35 +431,21 @@ async def asleep(client: AsyncClient) -> bool:
 
 
 async def cancel_quietly(client: AsyncClient, job_id: str, give_up: asyncio.Event | None = None) -> str | None:
-    """Best-effort cancel on the way out; the status the job ended with, None when unknown.
-
-    Bounded (5 s for the cancel, 5 more to ask), and ``give_up`` (a second Ctrl-C) ends the wait
-    at once. A cancel refused with 409 means the job had already ended, perhaps cancelled
-    (the race with a cancel of its own, or with its deadline): the job is then asked for, so
-    the user is told what became of it, not that the daemon "did not confirm".
-    """
-    call = asyncio.ensure_future(client.cancel(job_id))
-    waits: set[asyncio.Future[Any]] = {call}
+    """Best-effort cancel on the way out (``AsyncClient.cancel_soon``: bounded, and a job that had already ended
+    is asked for, so the user is told what became of it, not that the daemon "did not confirm"); the status the
+    job ended with, None when unknown. ``give_up`` (a second Ctrl-C) ends the wait at once, the cancel with it:
+    left running, it held the client's close for its few seconds."""
+    call = client.cancel_soon(job_id)
     stop = asyncio.ensure_future(give_up.wait()) if give_up is not None else None
-    if stop is not None:
-        waits.add(stop)
-    ask: asyncio.Future[dict[str, Any]] | None = None
     try:
-        done, _ = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
-        if call in done and call.exception() is None:
-            return str(call.result().get("status") or JobStatus.CANCELLED)
-        if stop is not None and stop.done():
-            return None
-        ask = asyncio.ensure_future(client.job(job_id))
-        waits = {ask} if stop is None else {ask, stop}
-        done, _ = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
-        if ask in done and ask.exception() is None and ask.result().get("status") in TERMINAL_STATUSES:
-            return str(ask.result()["status"])
-        return None
+        await asyncio.wait({call} if stop is None else {call, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (call, stop, ask):
+        for task in (call, stop):
             if task is not None and not task.done():
                 task.cancel()
+    job = call.result() if call.done() and not call.cancelled() and call.exception() is None else None
+    status = None if job is None else str(job.get("status") or JobStatus.CANCELLED)
+    return status if status in TERMINAL_STATUSES else None
 
 
 async def interrupted(client: AsyncClient, state: GenerateState, give_up: asyncio.Event | None = None) -> int:

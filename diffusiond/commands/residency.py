@@ -16,19 +16,10 @@ import time
 
 from diffusiond.client import AsyncClient, ClientError
 from diffusiond.commands import EXIT_FAILED, EXIT_OK
-from diffusiond.commands.admin import table, with_attention
+from diffusiond.commands.admin import size, table, took, with_attention
 
 KEYS = ["name", "device", "residency", "on device", "in host", "until", "pinned", "queued", "running", "offload",
         "approximations"]
-
-
-def _size(n: object) -> str:
-    if not isinstance(n, int | float) or not n:
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _until(m: dict[str, object]) -> str:
@@ -52,7 +43,7 @@ async def ps(args: argparse.Namespace, client: AsyncClient) -> int:
         print(json.dumps(models))
         return EXIT_OK
     rows = [[str(m.get("id", "")), str(m.get("device", "")), str(m.get("residency", "")),
-             _size(m.get("device_bytes")), _size(m.get("host_bytes")), _until(m), "yes" if m.get("pinned") else "no",
+             size(m.get("device_bytes")), size(m.get("host_bytes")), _until(m), "yes" if m.get("pinned") else "no",
              str(m.get("queued", 0)), str(m.get("running", 0)), str(m.get("offload") or "none"), _approx(m)]
             for m in models]
     print(table(*with_attention(rows, KEYS, models)))
@@ -71,7 +62,7 @@ def _approx(m: dict[str, object]) -> str:
 async def load(args: argparse.Namespace, client: AsyncClient) -> int:
     async with client:
         m = await client.load(args.model)
-    print(f"{m.get('id', args.model)}: {m.get('residency')} on {m.get('device')}{_took(m)}")
+    print(f"{m.get('id', args.model)}: {m.get('residency')} on {m.get('device')}{took(m)}")
     return EXIT_OK
 
 
@@ -93,10 +84,5 @@ async def unload(args: argparse.Namespace, client: AsyncClient) -> int:
 def _unloaded(name: str, m: dict[str, object]) -> int:
     # with work queued or running, it leaves once that is done (docs/api.md)
     pending = "; unload pending: it leaves once its work is done" if m.get("unload") == "pending" else ""
-    print(f"{m.get('id', name)}: {m.get('residency')}{_took(m)}{pending}")
+    print(f"{m.get('id', name)}: {m.get('residency')}{took(m)}{pending}")
     return EXIT_OK
-
-
-def _took(m: dict[str, object]) -> str:
-    took = m.get("took_ms")
-    return f" (took {took / 1000:.1f} s)" if isinstance(took, int | float) else ""
