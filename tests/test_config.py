@@ -233,3 +233,26 @@ def test_a_models_dtype_defaults_to_bfloat16_on_a_gpu_and_float32_on_the_cpu(tmp
                  '[[models]]\nname = "h"\nspec = "tiny"\ndevice = "cuda:0"\ndtype = "float16"\n')
     cfg = build_config(load_toml(f), {"device": "cpu"})
     assert {m.name: m.dtype for m in cfg.models} == {"g": "bfloat16", "c": "float32", "h": "float16"}
+
+
+def test_a_misspelled_key_in_a_models_table_refuses_the_start_naming_the_model_the_key_and_the_right_one(
+        tmp_path: Path) -> None:
+    """A key a [[models]] table does not take was dropped without a word: ``max_bach = 16`` served the model at the
+    daemon's batch and ``pinned = true`` left it unpinned. Refused like an unknown top-level setting, with the key
+    it was likely meant to be and every key a table takes."""
+    f = tmp_path / "d.toml"
+    f.write_text('[[models]]\nname = "sd"\nspec = "tiny"\nmax_bach = 16\npinned = true\n')
+    with pytest.raises(ConfigError) as caught:
+        build_config(load_toml(f), {"device": "cpu"})
+    message = str(caught.value)
+    assert message.startswith("model 'sd': unknown key(s) in its [[models]] table: max_bach (did you mean "
+                              "max_batch?), pinned (did you mean pin?); fix or remove them"), message
+    assert "takes max_batch, pin, name, spec, device," in message and "batch_sizes" in message
+    with pytest.raises(ConfigError, match=r"^\[\[models\]\] entry 1 is 'tiny', not a table"):
+        build_config({"models": ["tiny"]}, {"device": "cpu"})
+    # every key it takes still goes through
+    f.write_text('[[models]]\nname = "sd"\nspec = "tiny"\nmax_batch = 16\npin = true\nworkers = 1\ndtype = "float32"\n'
+                 'keep_alive = "5m"\npreload = false\nbatch_sizes = "any"\ncompile = false\nwarmup = ""\n'
+                 'offload = "none"\n[models.options]\n')
+    (m,) = build_config(load_toml(f), {"device": "cpu"}).models
+    assert (m.name, m.max_batch, m.pinned, m.keep_alive_s, m.preload) == ("sd", 16, True, 300.0, False)

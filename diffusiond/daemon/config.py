@@ -19,7 +19,7 @@ from diffusiond.daemon.core.loras import LoraFileError, read_lora
 from diffusiond.daemon.core.scheduler import batch_sizes
 from diffusiond.daemon.devices import auto_device, parse_devices
 from diffusiond.daemon.model_config import ModelConfig as ModelConfig  # re-exported: what --model and [[models]] make
-from diffusiond.daemon.model_config import auto_budget, kept_beside, pinned_beside, resolve_offload
+from diffusiond.daemon.model_config import auto_budget, check_table, kept_beside, pinned_beside, resolve_offload
 from diffusiond.daemon.residency.budget import ACCELERATOR_RESERVE, Budget
 from diffusiond.daemon.residency.budget import NO_BUDGET as NO_BUDGET  # re-exported: tests and units name it
 from diffusiond.daemon.residency.budget import resolve as resolve_budget
@@ -413,7 +413,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
             models.append(ModelConfig(name=name, spec=spec, devices=devices, dtype=dtype or default_dtype(devices),
                                       compile=compile_mode, warmup=warmup))
     elif tables:
-        for t in tables:
+        for index, t in enumerate(tables):
+            check_table(t, index)
             if "spec" not in t:
                 raise ConfigError(f"[[models]] entry {t} has no spec")
             models.append(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from difflib import get_close_matches
+from typing import Any
 
 from diffusiond.daemon.residency.auto_skips import AUTO_STREAM_RESIDENT, STREAM_MEASURED, too_few_resident
 from diffusiond.daemon.residency.beside import NOTHING_BESIDE, Beside, beside
@@ -48,6 +50,30 @@ class ModelConfig:
     offload_reason: str = ""  # why offload=auto chose what it did, or stream's plan (logged at start)
     auto_placed: bool = False  # offload=auto chose the offload: refusals' hints then name the mode it chose
     nothing_fits: str = ""  # offload=auto found no configuration within the budget: its jobs' refusal
+
+
+TABLE_KEYS = ("name", "spec", "device", "workers", "dtype", "options", "offload", "compile", "warmup", "keep_alive",
+              "pin", "preload", "max_batch", "batch_sizes")
+"""The keys a ``[[models]]`` table takes (config.build_config reads each of them)."""
+
+
+def check_table(table: Any, index: int) -> None:
+    """Refuse a ``[[models]]`` entry that is not a table, or holds a key not in ``TABLE_KEYS``: a misspelled key
+    (``max_bach``, ``pinned``) would otherwise be dropped without a word and the model served without it, as an
+    unknown top-level setting is refused. The message names the model, the key and the keys there are, close
+    matches first."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[[models]] entry {index + 1} is {table!r}, not a table: give each model as a [[models]] "
+                          'table with spec = "..." (and name, device, options ...)')
+    unknown = [str(k) for k in table if k not in TABLE_KEYS]
+    if not unknown:
+        return
+    who = table.get("name") or table.get("spec") or f"#{index + 1}"
+    guesses = {k: get_close_matches(k, TABLE_KEYS, n=2) for k in unknown}
+    named = ", ".join(f"{k} (did you mean {' or '.join(g)}?)" if g else k for k, g in guesses.items())
+    close = list(dict.fromkeys(c for g in guesses.values() for c in g))
+    raise ConfigError(f"model {str(who)!r}: unknown key(s) in its [[models]] table: {named}; fix or remove them "
+                      f"(a [[models]] table takes {', '.join(close + [k for k in TABLE_KEYS if k not in close])})")
 
 
 def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_BESIDE,

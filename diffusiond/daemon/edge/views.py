@@ -121,6 +121,9 @@ def job(j: Job) -> dict[str, Any]:
             "guidance_scale": r.guidance,
             "output_format": r.output_format,
             "num_frames": r.num_frames,
+            # the frame rate the video is encoded at (and an fps-conditioned model runs at), the model's default when
+            # left out; null for pictures, which have none (JobRequest's fps is set for every job)
+            "fps": r.fps if r.num_frames is not None else None,
             "audio": r.audio_rate > 0,
             "seed": r.seed,
             "scheduler": r.scheduler,
