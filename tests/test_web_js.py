@@ -230,6 +230,17 @@ def test_a_gallery_card_names_every_control_entry() -> None:
     assert "control edges:0.5 canny · control union@1:0.75[0.2-0.8]" in " ".join(card)
 
 
+def test_a_gallery_card_shows_the_jobs_wall_time_not_its_stages_added_up() -> None:
+    """The stages' times overlap (a batch's copy runs beside the next forward) and ``total`` is among them: their
+    sum was about twice the job's real time."""
+    job = {"id": "j_1", "model": "tiny", "status": "succeeded", "created": 0, "outputs": [],
+           "timings_ms": {"queued": 100.0, "computing": 1500.0, "encoding": 400.0, "total": 2000.0},
+           "request": {"prompt": "p", "width": 64, "height": 64, "steps": 2, "guidance_scale": 7}}
+    [step] = page([{"model": "tiny"}], {**SERVED, "/v1/jobs": {"data": [job]}})["steps"]
+    [card] = step["cards"]
+    assert " · 2.0 s" in " ".join(card) and "4.0 s" not in " ".join(card)
+
+
 def test_the_models_panel_shows_each_models_attention_and_approximations() -> None:
     [step] = page([{"model": "tiny"}])["steps"]
     rows = {cells[0]: cells[-2:] for cells in step["residency"]}

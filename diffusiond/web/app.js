@@ -421,7 +421,8 @@ function jobCard(job) {
   reuse.addEventListener("click", () => fillForm(job));
   links.append(reuse);
   const seeds = (job.outputs || []).map((o) => o.seed).join(", ") || (r.seed ?? "random");
-  const took = Object.values(job.timings_ms || {}).reduce((a, b) => a + b, 0);
+  // the job's wall time (``total``, created to ended); its stages overlap and would add up to more
+  const took = (job.timings_ms || {}).total || 0;
   const meta = [job.model, `${r.width}×${r.height}`, `${r.steps} steps`, `guidance ${r.guidance_scale}`,
                 `seed ${seeds}`, new Date(job.created * 1000).toLocaleTimeString()];
   for (const c of r.control || []) meta.push(`control ${controlText(c)}`);  // steer.js
