@@ -228,10 +228,8 @@ async def test_a_job_sent_during_the_preload_for_a_model_too_large_is_refused_as
     await h.close()
 
 
-async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A restart while ``n`` still preloads: ``m``'s running job has ``--drain-grace-s`` to finish (it is not
-    failed at once), while the job queued for ``n``, which will not load now, ends at once."""
+def n_held(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Model ``n``'s worker starts only once the returned event is set: a preload still under way."""
     opened = asyncio.Event()
     plain = FakeWorker.start
 
@@ -241,6 +239,14 @@ async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
         return await plain(self, timeout)
 
     monkeypatch.setattr(FakeWorker, "start", start)
+    return opened
+
+
+async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart while ``n`` still preloads: ``m``'s running job has ``--drain-grace-s`` to finish (it is not
+    failed at once), while the job queued for ``n``, which will not load now, ends at once."""
+    n_held(monkeypatch)
     h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")))
     stop = asyncio.Event()
     serving = asyncio.ensure_future(server._serve(h.engine, stop, "a test", socket_activated=False))
@@ -266,15 +272,7 @@ async def test_a_stop_during_the_preload_ends_with_the_running_jobs_when_the_res
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Where jobs persist, the job queued for ``n`` is left in the state dir at once and stays queued there: the
     drain waited for it too, its whole grace after the running job had finished, and left it a second time."""
-    opened = asyncio.Event()
-    plain = FakeWorker.start
-
-    async def start(self: FakeWorker, timeout: float) -> Ready:
-        if self.config.model_name == "n":
-            await opened.wait()
-        return await plain(self, timeout)
-
-    monkeypatch.setattr(FakeWorker, "start", start)
+    opened = n_held(monkeypatch)
     caplog.set_level(logging.INFO, logger="diffusiond.daemon.core.resume")
     h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")),
                 drain_grace_s=600.0, store=SqliteStore(tmp_path))
