@@ -44,14 +44,21 @@ def test_config_file_models_and_flag_overrides(tmp_path: Path) -> None:
         ({"png_compress_level": 4.5}, "png_compress_level must be a whole number"),
         ({"queue_size": "10"}, "queue_size must be a whole number, got '10'"),
         ({"persist": "no"}, "persist must be true or false"),
-        ({"allow_uid": 1000}, r"allow_uid must be a list, like allow_uid = \[1000\]"),
+        ({"allow_uid": 1000}, r"allow_uid must be a list, like allow_uid = \[1000\], got 1000 \(int\)"),
         ({"allow_uid": ["me"]}, "allow_uid must be a list, each item a whole number"),
         ({"restart_backoff_s": 5}, "restart_backoff_s must be a list"),
         ({"restart_backoff_s": []}, r"restart_backoff_s must list one or more waits .* got \[\]"),
         ({"restart_backoff_s": ["a"]}, "restart_backoff_s must be a list, each item a number"),
         ({"restart_backoff_s": [1.0, -1.0]}, "restart_backoff_s must list one or more waits in seconds, none negative"),
         ({"restart_backoff_s": [float("nan")]}, "restart_backoff_s must be a finite number"),
-        ({"limits": {"bogus": 1}}, r"unknown \[limits\] setting\(s\) bogus; known: max_prompt_chars"),
+        ({"limits": {"bogus": 1}}, r"unknown \[limits\] setting\(s\): bogus; fix or remove them \(known: max_prom"),
+        ({"limits": {"max_stpes": 1}},
+         r"max_stpes \(did you mean max_steps or max_size\?\); .* \(known: max_steps, max_size, max_prom"),
+        ({"max_bach": 1}, r"unknown setting\(s\): max_bach \(did you mean max_batch\?\); fix or remove them"),
+        ({"device_memory": True}, r"device_memory must be a string or a number, got True \(bool\)"),
+        ({"host_memory": 0.5}, "host_memory 0.5: a share is for --device-memory only"),
+        ({"models": {"spec": "tiny"}}, r"models must be an array of tables, got \{'spec': 'tiny'\}: .* \[\[models\]\]"),
+        ({"models": [{"name": "sd", "spec": "tiny", "workers": "two"}]}, "model 'sd': workers must be a whole number"),
         ({"limits": {"max_n": "4"}}, "limits.max_n must be a whole number"),
         ({"limits": {"max_timeout_s": float("nan")}}, "limits.max_timeout_s must be a finite number"),
         ({"workers": "two"}, "workers must be a whole number, like 2; got 'two'"),
@@ -245,9 +252,9 @@ def test_a_misspelled_key_in_a_models_table_refuses_the_start_naming_the_model_t
     with pytest.raises(ConfigError) as caught:
         build_config(load_toml(f), {"device": "cpu"})
     message = str(caught.value)
-    assert message.startswith("model 'sd': unknown key(s) in its [[models]] table: max_bach (did you mean "
+    assert message.startswith("unknown key(s) in the [[models]] table of model 'sd': max_bach (did you mean "
                               "max_batch?), pinned (did you mean pin?); fix or remove them"), message
-    assert "takes max_batch, pin, name, spec, device," in message and "batch_sizes" in message
+    assert "(known: max_batch, pin, name, spec, device," in message and "batch_sizes" in message
     with pytest.raises(ConfigError, match=r"^\[\[models\]\] entry 1 is 'tiny', not a table"):
         build_config({"models": ["tiny"]}, {"device": "cpu"})
     # every key it takes still goes through
@@ -256,3 +263,39 @@ def test_a_misspelled_key_in_a_models_table_refuses_the_start_naming_the_model_t
                  'offload = "none"\n[models.options]\n')
     (m,) = build_config(load_toml(f), {"device": "cpu"}).models
     assert (m.name, m.max_batch, m.pinned, m.keep_alive_s, m.preload) == ("sd", 16, True, 300.0, False)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # sizes as parse_size reads them: a TOML int is bytes, a float a share of the device (docs/api.md's 0.8)
+        ("device_memory = 0.8", {"device_memory": 0.8}),
+        ("device_memory = 8000000000", {"device_memory": 8_000_000_000}),
+        ('device_memory = "8GiB"', {"device_memory": "8GiB"}),
+        ("host_memory = 16000000000", {"host_memory_bytes": 16_000_000_000}),
+        ("reserve_memory = 2000000000", {"reserve_memory_bytes": 2_000_000_000}),
+        # durations as parse_duration reads them: seconds or text with units
+        ("keep_alive = 300", {"keep_alive_s": 300.0}),
+        ('keep_alive = "5m"', {"keep_alive_s": 300.0}),
+        ("keep_alive = -1", {"keep_alive_s": float("inf")}),
+        ('max_keep_alive = "1h"', {"max_keep_alive_s": 3600.0}),
+        ("max_model_wait = 45", {"max_model_wait_s": 45.0}),
+        ('max_model_wait = "2m"', {"max_model_wait_s": 120.0}),
+        # whole numbers where a number is declared, lists where the field is a tuple, one word for a list
+        ("job_timeout_s = 10\nkeep_days = 1\nbatch_wait_ms = 5", {"job_timeout_s": 10, "keep_days": 1}),
+        ("restart_backoff_s = [1, 2.5]\nallow_uid = [1000]", {"restart_backoff_s": (1, 2.5), "allow_uid": (1000,)}),
+        ('pin = "tiny"', {"pin": ("tiny",)}),
+        ('pin = ["tiny"]\npreload = "tiny"', {"pin": ("tiny",), "preload": ("tiny",)}),
+        ('socket_mode = "0660"', {"socket_mode": 0o660}),
+        ("[limits]\nmax_timeout_s = 100\nmax_lora_weight = 2", {}),
+        ('[[models]]\nspec = "tiny"\nworkers = "2"\nkeep_alive = 60', {}),
+    ],
+)
+def test_every_form_a_settings_reader_takes_starts_the_daemon(tmp_path: Path, text: str,
+                                                               expected: dict[str, object]) -> None:
+    """A TOML file hands numbers over typed: the type check before validation refused device_memory = 0.8, which
+    the size reader takes (and the docs show) as a share of the device, and stopped the start."""
+    f = tmp_path / "c.toml"
+    f.write_text(text + "\n")
+    cfg = build_config(load_toml(f), {"device": "cpu"})
+    assert {k: getattr(cfg, k) for k in expected} == expected

@@ -44,6 +44,7 @@ from diffusiond.daemon.values import (
     parse_loras,
     parse_upscalers,
     preload_value,
+    unknown_keys,
     whole,
 )
 from diffusiond.daemon.warmup import resolve_warmup, warmup_value
@@ -165,14 +166,15 @@ class DaemonConfig:
     # may ask for (math.inf: forever), and the bytes models may take on each device and off it.
     keep_alive_s: float = 300.0
     max_keep_alive_s: float = FOREVER
-    device_memory: str | None = None  # a size (8GiB) or a share of the device (0.8); None: its free memory at start
-    host_memory: str | None = None  # weights kept in host memory off their devices; None: no bound
+    # sizes as parse_size reads them: a flag's text (8GiB, 0.8) or a TOML number (an int is bytes, a float a share)
+    device_memory: str | int | float | None = None  # a size or a share of the device; None: its free memory at start
+    host_memory: str | int | float | None = None  # weights kept in host memory off their devices; None: no bound
     pin: tuple[str, ...] = ()
     # Which models the start loads (residency/preload.py): names, ("all",) or ("none",); None: the default
     # (those that fit, in order; none in a socket-activated daemon). The others load when a job needs them.
     preload: tuple[str, ...] | None = None
     # Free memory kept for other programs on each GPU (residency/pressure.py); None: 1 GiB.
-    reserve_memory: str | None = None
+    reserve_memory: str | int | float | None = None
     # How long a job may wait behind another model's jobs for their device before that model yields it
     # (residency/turns.py): a duration as keep_alive is written (30s, 2m); -1: no bound.
     max_model_wait: str | float = "30s"
@@ -338,14 +340,11 @@ def _limits(table: Any) -> Limits:
     """The ``[limits]`` table: a name not among the limits is refused naming the ones there are."""
     if not isinstance(table, Mapping):
         raise ConfigError(f"limits must be a table ([limits] in the config file), got {table!r}")
-    known = [f.name for f in fields(Limits)]
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown [limits] setting(s) {', '.join(map(str, unknown))}; known: {', '.join(known)}")
+    unknown_keys(table, [f.name for f in fields(Limits)], "[limits] setting(s)")
     return replace(Limits(), **dict(table))
 
 
-def _bytes(value: str | None) -> int:
+def _bytes(value: str | int | float | None) -> int:
     return NO_BUDGET if value is None else parse_size(value).resolve(None)
 
 
@@ -387,9 +386,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     known = {f.name for f in fields(DaemonConfig)} - {"budgets", "device_auto"} | {
         "model", "device", "workers", "dtype", "compile", "warmup", "lora", "keep_alive", "max_keep_alive", "offload",
         "controlnet", "ip_adapter", "upscaler"}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    unknown_keys(sorted(values), sorted(known), "setting(s)")
     device = str(values.pop("device", "auto"))
     device_auto = ""
     if device == "auto":  # once: every model without a device of its own uses what it found
@@ -413,16 +410,20 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
             models.append(ModelConfig(name=name, spec=spec, devices=devices, dtype=dtype or default_dtype(devices),
                                       compile=compile_mode, warmup=warmup))
     elif tables:
+        if not isinstance(tables, list | tuple):  # models = {spec = "tiny"}: a dict would iterate its keys
+            raise ConfigError(f"models must be an array of tables, got {tables!r}: write each model as its own "
+                              '[[models]] table, with spec = "..." (and name, device, options ...)')
         for index, t in enumerate(tables):
             check_table(t, index)
             if "spec" not in t:
                 raise ConfigError(f"[[models]] entry {t} has no spec")
+            name = str(t.get("name") or model_name_for(t["spec"]))
             models.append(
                 ModelConfig(
-                    name=str(t.get("name") or model_name_for(t["spec"])),
+                    name=name,
                     spec=str(t["spec"]),
                     devices=(own := parse_devices(str(t.get("device", device)),
-                                                  whole(t.get("workers", workers), "[[models]] workers"))),
+                                                  whole(t.get("workers", workers), f"model {name!r}: workers"))),
                     dtype=str(t.get("dtype", dtype or default_dtype(own))),
                     options={str(k): str(v) for k, v in dict(t.get("options", {})).items()}
                     | ({"offload": str(t["offload"])} if "offload" in t else {}),
@@ -469,11 +470,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Daem
     if "pin" in values:
         values["pin"] = tuple(values["pin"]) if isinstance(values["pin"], list | tuple) else (str(values["pin"]),)
         models = [replace(m, pinned=m.pinned or m.name in values["pin"]) for m in models]
-    for key in ("allow_uid", "restart_backoff_s"):
-        if key in values:
-            if not isinstance(values[key], list | tuple):
-                raise ConfigError(f"{key} must be a list, like {key} = [{values[key]!r}]; got {values[key]!r}")
-            values[key] = tuple(values[key])
+    # TOML's lists as the fields' tuples; validate's check_fields refuses any other value, saying what to write
+    values.update({k: tuple(values[k]) for k in ("allow_uid", "restart_backoff_s") if isinstance(values.get(k), list)})
     if isinstance(values.get("socket_mode"), str):
         try:
             values["socket_mode"] = int(values["socket_mode"], 8)

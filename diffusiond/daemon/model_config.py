@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from difflib import get_close_matches
 from typing import Any
 
 from diffusiond.daemon.residency.auto_skips import AUTO_STREAM_RESIDENT, STREAM_MEASURED, too_few_resident
@@ -23,7 +22,7 @@ from diffusiond.daemon.residency.fit import (
 )
 from diffusiond.daemon.residency.sizes import DEFAULT_DTYPE, WeightsError
 from diffusiond.daemon.residency.units import format_bytes
-from diffusiond.daemon.values import ConfigError
+from diffusiond.daemon.values import ConfigError, unknown_keys
 from diffusiond.pipelines.errors import PipelineError
 from diffusiond.pipelines.spec import model_options, offload_mode, parse_spec
 from diffusiond.pipelines.stream_plan import StreamPlan
@@ -65,15 +64,8 @@ def check_table(table: Any, index: int) -> None:
     if not isinstance(table, Mapping):
         raise ConfigError(f"[[models]] entry {index + 1} is {table!r}, not a table: give each model as a [[models]] "
                           'table with spec = "..." (and name, device, options ...)')
-    unknown = [str(k) for k in table if k not in TABLE_KEYS]
-    if not unknown:
-        return
     who = table.get("name") or table.get("spec") or f"#{index + 1}"
-    guesses = {k: get_close_matches(k, TABLE_KEYS, n=2) for k in unknown}
-    named = ", ".join(f"{k} (did you mean {' or '.join(g)}?)" if g else k for k, g in guesses.items())
-    close = list(dict.fromkeys(c for g in guesses.values() for c in g))
-    raise ConfigError(f"model {str(who)!r}: unknown key(s) in its [[models]] table: {named}; fix or remove them "
-                      f"(a [[models]] table takes {', '.join(close + [k for k in TABLE_KEYS if k not in close])})")
+    unknown_keys(table, TABLE_KEYS, f"key(s) in the [[models]] table of model {str(who)!r}")
 
 
 def resolve_offload(m: ModelConfig, budget: int | None, kept: Beside = NOTHING_BESIDE,

@@ -16,7 +16,9 @@ import os
 import re
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,8 @@ def check_fields(settings: Any, prefix: str = "") -> None:
         want = _wanted(value, hints[f.name])
         shown = list(value) if isinstance(value, tuple) else value
         if want is not None:
-            raise ConfigError(f"{key} must be {want}, got {shown!r} ({type(shown).__name__}); "
+            like = f", like {key} = [{json.dumps(shown, default=str)}]" if want == "a list" else ""
+            raise ConfigError(f"{key} must be {want}{like}, got {shown!r} ({type(shown).__name__}); "
                               "correct it in the config file or on the command line")
         numbers = value if isinstance(value, tuple) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) and not (v == math.inf and "keep_alive" in key)
@@ -68,13 +71,32 @@ def _wanted(value: Any, hint: Any) -> str | None:
         return None if value is None else ""
     if origin in (typing.Union, types.UnionType):
         wants = [_wanted(value, a) for a in args]
-        return None if None in wants else " or ".join(w for w in wants if w)
+        if None in wants:
+            return None
+        if "a number" in wants:  # a float's field takes whole numbers too: naming both says nothing more
+            wants.remove("a whole number")
+        return " or ".join(w for w in wants if w)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if not isinstance(value, tuple):
             return "a list"
         item = next((w for w in (_wanted(v, args[0]) for v in value) if w is not None), None)
         return None if item is None else f"a list, each item {item}"
     return None
+
+
+def unknown_keys(given: Iterable[Any], known: Sequence[str], where: str) -> None:
+    """Refuse the keys of ``given`` not in ``known`` (``where``: which table, for the message), with the close
+    matches of each and every known key, close ones first. A misspelled key (``max_bach``, ``pinned``) would
+    otherwise be dropped without a word and the daemon served without it, so the top level, ``[limits]`` and each
+    ``[[models]]`` table refuse them alike."""
+    unknown = [str(k) for k in given if k not in known]
+    if not unknown:
+        return
+    guesses = {k: get_close_matches(k, known, n=2) for k in unknown}
+    named = ", ".join(f"{k} (did you mean {' or '.join(g)}?)" if g else k for k, g in guesses.items())
+    close = list(dict.fromkeys(c for g in guesses.values() for c in g))
+    raise ConfigError(f"unknown {where}: {named}; fix or remove them (known: "
+                      f"{', '.join(close + [k for k in known if k not in close])})")
 
 
 def whole(value: Any, key: str) -> int:

@@ -70,14 +70,14 @@ def _nvml(device: str) -> tuple[int, int] | str:
         return f"NVML cannot read {device} ({exc})"
 
 
-def reserve_bytes(reserve_memory: str | None, device: str) -> int:
+def reserve_bytes(reserve_memory: str | int | float | None, device: str) -> int:
     """What is kept free for other programs on ``device`` (``--reserve-memory``, given or its default)."""
     if reserve_memory is not None:
         return parse_size(reserve_memory).resolve(None)
     return 0 if device.startswith("cpu") else ACCELERATOR_RESERVE
 
 
-def resolve(device_memory: str | None, reserve_memory: str | None, device: str,
+def resolve(device_memory: str | int | float | None, reserve_memory: str | int | float | None, device: str,
             read: MemoryReader = read_memory) -> Budget:
     """``device``'s budget: the size given; a share of its total; else its free memory less the reserve.
     A ValueError (the start's error) where a share is given and the total cannot be read."""
