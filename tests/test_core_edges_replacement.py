@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from enginekit import FakeWorker, Harness, until
 
+from diffusiond.daemon.config import ModelConfig
 from diffusiond.daemon.edge.views import model_state
-from diffusiond.daemon.workers.link import Command
+from diffusiond.daemon.workers.link import Command, WorkerStartError
 from diffusiond.daemon.workers.pool import REPLACE_ATTEMPTS
-from diffusiond.ipc.messages import Ack, Sleep
+from diffusiond.ipc.messages import Ack, Ready, Sleep
 from diffusiond.protocol import ErrorCode, JobStatus, ModelState, WorkerState
 
 NO_CUDA = "CUDA error: no CUDA-capable device is detected"
@@ -99,4 +100,52 @@ async def test_a_worker_stopped_on_purpose_leaves_nothing_behind_in_the_engine()
     assert worker in h.engine.flights.in_flight
     await h.engine.pool.retire(h.engine.pool.models["m"])
     assert worker not in h.engine.flights.in_flight
+    await h.close()
+
+
+async def test_a_replacement_that_residency_stops_mid_start_leaves_the_queued_job_to_the_next_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Residency stopped the model's workers (an unload, a level-2 sleep: ``retire``) while the replacement still
+    started; its stop counted as a failed try and failed the job queued for the model, which should have waited
+    for the model's next load (a job, a wake)."""
+    h = Harness()
+    await h.engine.start()
+    plain = FakeWorker.start
+
+    async def start(self: FakeWorker, timeout: float) -> Ready:
+        if self is h.spawned[1]:  # the replacement: still starting when residency stops it
+            await until(lambda: self.asked_to_stop, what="residency to stop the replacement")
+            raise WorkerStartError(f"{self.name} was stopped while it started")
+        return await plain(self, timeout)
+
+    monkeypatch.setattr(FakeWorker, "start", start)
+    model = h.engine.pool.models["m"]
+    h.worker.die()
+    job = h.submit(timeout_s=60)  # admitted: the worker is on its way back
+    await until(lambda: len(h.spawned) == 2, what="the replacement's start")
+    await h.engine.pool.retire(model)
+    await until(lambda: model.replacing == 0, what="the replacement's start to end")
+    await h.settle()
+    assert job.status == JobStatus.QUEUED, job.error
+    assert "m" not in h.engine.keeper.failed and model.retired
+    await h.close()
+
+
+async def test_giving_up_on_one_devices_replacement_leaves_the_model_serving_on_the_other() -> None:
+    """With a worker of the model still up on another device, giving up marked the model failed: its queued jobs
+    failed, and residency sent nothing more to the live worker."""
+    h = Harness(models=(ModelConfig(name="m", spec="fake", devices=("cpu", "cpu")),),
+                fail_starts=[None, None] + [NO_CUDA] * REPLACE_ATTEMPTS)
+    await h.engine.start()
+    model = h.engine.pool.models["m"]
+    live = h.spawned[1]
+    h.spawned[0].die()
+    await until(lambda: model.replacing == 0, what="the pool to stop trying")
+    assert len(h.spawned) == 2 + REPLACE_ATTEMPTS
+    assert "m" not in h.engine.keeper.failed
+    job = h.submit()
+    await until(lambda: bool(live.executed), what="the job to reach the live worker")
+    live.finish(live.executed[0])
+    await h.settle(job)
+    assert job.status == JobStatus.SUCCEEDED, job.error
     await h.close()

@@ -368,3 +368,17 @@ async def test_a_worker_stopped_while_its_template_still_imports_never_comes_up(
     with pytest.raises(WorkerStartError, match=r"worker 0 \(pid None, cpu\) was stopped while it started"):
         await asyncio.wait_for(start, 20)
     assert handle.state == WorkerState.DEAD and handle.proc is None  # no fresh interpreter started in its place
+
+
+async def test_a_worker_stopped_before_its_start_ran_never_waits_for_the_template(fake_of) -> None:  # type: ignore[no-untyped-def]
+    """A stop that came before the start's task first ran returned at once, and the start then still waited for the
+    template's imports (up to minutes) before it saw the stop."""
+    fake = fake_of(None, _exits_at_once)  # its imports never finish
+    handle = WorkerHandle(config("synthetic:compute_ms=1"), on_frame=lambda *_: None, on_lost=lambda *_: None,
+                          template=fake.template)
+    start = asyncio.ensure_future(handle.start(timeout=600))
+    await handle.stop(10)  # the start's task has not run yet
+    with pytest.raises(WorkerStartError, match=r"worker 0 \(pid None, cpu\) was stopped before it started"):
+        await asyncio.wait_for(start, 20)
+    assert handle.state == WorkerState.DEAD and handle.proc is None
+    assert await asyncio.wait_for(handle.wait_lost(), 20) == "worker 0 (pid None, cpu) was stopped while it started"

@@ -8,6 +8,7 @@ model's other jobs may still fit, and are asked about in turn.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from diffusiond.daemon.core.jobs import Job
@@ -17,6 +18,8 @@ from diffusiond.daemon.residency.keeper import Keeper, shape_of
 from diffusiond.daemon.residency.working import Shape
 from diffusiond.daemon.workers.pool import Model
 from diffusiond.protocol import ErrorCode, JobStatus, WorkerState
+
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -38,11 +41,15 @@ def fail_queued(engine: Engine, model: str, message: str, code: ErrorCode, shape
 
 def unreplaced(engine: Engine, model: Model, why: str, gave_up: bool) -> None:
     """A lost worker's replacement did not start (the pool's ``on_unreplaced``). Its model's queued jobs fail with
-    why, unless another of its workers runs them: they waited for it, then passed their deadline saying only that.
-    Once the pool gives up, the model is on disk with the reason, as after a failed load: its next job loads it."""
-    if gave_up:
+    why, unless another of its workers (another device) runs them: they waited for it, then passed their deadline
+    saying only that. Once the pool gives up on a model with no worker left, the model is on disk with the reason,
+    as after a failed load: its next job loads it. One still serving on another device is not marked failed: that
+    would fail its jobs and keep the live worker from being sent any."""
+    if any(w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers):
+        log.warning("%s serves on with its workers on its other devices: %s", model.name, why)
+    elif gave_up:
         ondemand.load_failed(engine.keeper, model, why)
-    elif not any(w.state in (WorkerState.READY, WorkerState.SLEEPING) for w in model.workers):
+    else:
         fail_queued(engine, model.name, f"model {model.name!r} cannot run jobs now: {why}. The daemon tries again "
                     "after a back-off: submit the job again once `diffusiond models` shows it ready",
                     ErrorCode.MODEL_LOAD_FAILED, None)

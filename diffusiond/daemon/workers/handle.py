@@ -103,12 +103,15 @@ class WorkerHandle:
     async def start(self, timeout: float) -> Ready:
         """Spawn, send INIT, wait for HELLO and READY. Raises WorkerStartError with the cause."""
         loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        if self.asked_to_stop:  # stopped before this ran: a template's fork would wait out its imports for nothing
+            await self._never_started(WorkerStartError("stopped"))
+            raise WorkerStartError(f"{self.name} was stopped before it started")
         deadline = loop.time() + timeout  # one bound for the template's imports, the fork and the load
         self._ready_fut = loop.create_future()
         # a start that timed out or was cancelled no longer awaits it when _reap fails it: read here, or asyncio
         # logs "Future exception was never retrieved" with a traceback
         self._ready_fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._exited = loop.create_future()
         mine, theirs = socketpair()
         env = {**os.environ, **self.env}
         try:

@@ -122,7 +122,8 @@ class WorkerPool:
         self._on_lost = on_lost
         self._on_ready = on_ready
         self._on_unreplaced = on_unreplaced
-        # each worker gone (stopped on purpose, or lost): what the engine kept for it goes (``Flights`` sets it)
+        # each worker gone (stopped on purpose, or lost): what the engine kept for it goes. Set by ``Flights``, not
+        # passed in as ``on_unreplaced`` is: Flights is built from the pool, so it cannot exist before it
         self.on_departed: Callable[[list[WorkerLink]], None] = lambda workers: None
         self._ready_at: dict[WorkerLink, float] = {}  # each live worker's READY: its life, for the crash streak
         # the worker template ``diffusiond serve`` started (workers/template.py), for real processes only
@@ -343,6 +344,8 @@ class WorkerPool:
                     self._give_up(model, old)
                     return
                 except Exception as exc:  # whatever it was, the model must not be left waiting for a start that died
+                    if self.stopping or old not in model.workers:  # stopped on purpose mid-start (a level-2 sleep,
+                        return  # an unload): no failed try, and its jobs wait for the wake or the load, not fail
                     why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, WorkerStartError) else str(exc)
                     attempt += 1
                     if tries == REPLACE_ATTEMPTS:
