@@ -26,8 +26,14 @@ from aiohttp import web
 from diffusiond.cli import main
 from diffusiond.client import AsyncClient, ClientError, ClientTimeout, DaemonError, DaemonUnreachable
 
-
 # generate and friends against a stand-in daemon ----------------------------------------------
+FAILURES: dict[str, Any] = {  # prompt -> the error the job fails with
+    "fail": {"code": "worker_crashed", "message": "the worker died", "stage": "computing"},
+    "late": {"code": "deadline_exceeded", "message": "job j_1 passed its deadline of 3 s", "stage": "queued"},
+    "plain": "the worker ran out of memory",  # an error given as a plain string, not an object
+}
+
+
 class StubDaemon:
     """Just enough of docs/api.md's job endpoints to drive the client; the prompt picks the behaviour."""
 
@@ -38,6 +44,8 @@ class StubDaemon:
         self.subscribed = threading.Event()
         self.deleting = threading.Event()
         self.admitted = threading.Event()
+        self.refused = threading.Event()  # a POST answered "still starting"
+        self.starting = False
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -49,6 +57,11 @@ class StubDaemon:
     async def create(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(("POST", request.path, body))
+        if body["prompt"] == "starting":  # a daemon loading its models, as it answers every submit then
+            self.starting = True
+            self.refused.set()
+            err = {"code": "unavailable", "message": "diffusiond is starting"}
+            return web.json_response({"error": err}, status=503)
         if body["prompt"] == "reject":
             err = {"code": "invalid_request", "message": "width must be a multiple of 8", "field": "width"}
             return web.json_response({"error": err}, status=400)
@@ -65,8 +78,8 @@ class StubDaemon:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         text = "".join(f"event: progress\ndata: {json.dumps({'step': s, 'total': 4})}\n\n" for s in range(1, 3))
-        if body["prompt"] == "fail":
-            err = {"code": "worker_crashed", "message": "the worker died", "stage": "computing"}
+        if body["prompt"] in FAILURES:
+            err = FAILURES[body["prompt"]]
             text += f"event: error\ndata: {json.dumps(self.job_json(job_id, 'failed', error=err))}\n\n"
         elif body["prompt"] not in ("hang", "stuck", "slow-admit"):
             n = body.get("n", 1)
@@ -107,6 +120,8 @@ class StubDaemon:
                                   "preload": {"state": "running", "models": ["tiny"]}})  # fmt: skip
 
     async def ready(self, request: web.Request) -> web.Response:
+        if self.starting:
+            return web.json_response({"ready": False, "reason": "starting"}, status=503)
         return web.Response(text="ready")
 
     async def models(self, request: web.Request) -> web.Response:
@@ -186,6 +201,17 @@ def test_generate_failure_exits_1_with_the_daemons_message(stub: StubDaemon, cap
     assert "error: job j_1 failed: the worker died (worker_crashed, stage computing)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("prompt", "line"), [
+    ("late", "error: job j_1 passed its deadline of 3 s (deadline_exceeded, stage queued)\n"),  # the id said once
+    ("plain", "error: job j_1 failed: the worker ran out of memory\n"),  # the daemon's words, not dropped
+])
+def test_generate_failure_line_names_the_job_once_with_the_daemons_message(
+        stub: StubDaemon, capsys: Any, prompt: str, line: str) -> None:
+    assert main(["generate", prompt, "--socket", stub.path]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(line), err  # the whole line: the id in it once
+
+
 def test_generate_rejected_exits_1(stub: StubDaemon, capsys: Any) -> None:
     assert main(["generate", "reject", "--socket", stub.path]) == 1
     err = capsys.readouterr().err
@@ -254,6 +280,28 @@ def test_ctrl_c_between_the_daemons_admission_and_its_answer_still_cancels_the_j
     assert proc.returncode == 130, err
     assert "cancelled job j_1" in err, err
     assert ("DELETE", "/v1/jobs/j_1", None) in stub.requests
+
+
+def test_ctrl_c_while_the_daemon_is_starting_submits_nothing_more(stub: StubDaemon, tmp_path: Path) -> None:
+    """Nothing was admitted when Ctrl-C came between two offers of the job: generate stops offering it and exits at
+    once, rather than offer it again for the grace a submit's answer is given, a job admitted then running for
+    nobody."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffusiond", "generate", "starting", "--socket", stub.path],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert stub.refused.wait(60)
+        posts = sum(method == "POST" for method, _, _ in stub.requests)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    assert sum(method == "POST" for method, _, _ in stub.requests) == posts, stub.requests
 
 
 def test_a_second_ctrl_c_exits_when_the_daemon_does_not_answer_the_cancel(stub: StubDaemon, tmp_path: Path) -> None:

@@ -103,7 +103,8 @@ class AsyncClient(Connection):
     # jobs ----------------------------------------------------------------------------------
     async def create_job(self, body: dict[str, Any], *, wait_start_s: float = START_WAIT_S,
                          on_wait: Callable[[], None] | None = None, wait_socket_s: float | None = None,
-                         on_socket_wait: Callable[[str], None] | None = None) -> dict[str, Any]:
+                         on_socket_wait: Callable[[str], None] | None = None,
+                         on_posting: Callable[[bool], None] | None = None) -> dict[str, Any]:
         """Submit a job; returns it (``queued``) as soon as the daemon has admitted it.
 
         So that ``diffusiond serve &`` followed at once by a request works: a socket that is not
@@ -113,14 +114,25 @@ class AsyncClient(Connection):
         again, every second, for up to ``wait_start_s`` seconds while ``/ready`` says it is starting,
         ``on_wait`` called once as that waiting begins. A daemon that is draining, or that failed to
         start, is an error at once. A NaN or an infinity in ``body`` is a ValueError naming its field,
-        before anything is sent."""
+        before anything is sent. ``on_posting(True)``/``(False)`` bracket each POST: only one in flight
+        may have the job admitted with its answer still to come, so an interrupted caller knows whether
+        to await that answer (to cancel the job it names) or to stop at once, nothing admitted."""
         check_finite(body, "")
+
+        async def post() -> dict[str, Any]:
+            if on_posting is not None:
+                on_posting(True)
+            try:
+                return await self._json("POST", "/v1/jobs", ok=(202,), json=body)
+            finally:
+                if on_posting is not None:
+                    on_posting(False)
+
         deadline = time.monotonic() + wait_start_s
         socket_s = SOCKET_WAIT_S if wait_socket_s is None else wait_socket_s
         while True:
             try:
-                return await until_bound(lambda: self._json("POST", "/v1/jobs", ok=(202,), json=body),
-                                         socket_s, on_socket_wait)
+                return await until_bound(post, socket_s, on_socket_wait)
             except DaemonError as exc:
                 if exc.status != 503 or exc.code != ErrorCode.UNAVAILABLE or time.monotonic() >= deadline:
                     raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from typing import Any
 
@@ -167,10 +168,18 @@ class JobFailed(ClientError):
         error = job.get("error")
         err: dict[str, Any] = error if isinstance(error, dict) else {}
         self.code = str(err.get("code") or self.status)
-        self.message = str(err.get("message") or f"job {self.job_id} {self.status}")
+        # an error given as a plain string is the daemon's message all the same
+        said = err.get("message") if isinstance(error, dict) else error
+        self.message = str(said or f"job {self.job_id} {self.status}")
         self.stage = None if err.get("stage") is None else str(err["stage"])
         super().__init__(job)
 
     def __str__(self) -> str:
-        stage = f", stage {self.stage}" if self.stage else ""
-        return f"job {self.job_id} {self.status}: {self.message} ({self.code}{stage})"
+        """One line for a person: the job named once (the daemon's message often names it already, as a
+        deadline's does), then the code where it says more than the status, and the stage it ended in."""
+        named = re.search(rf"\bjob {re.escape(self.job_id)}\b", self.message) is not None
+        head = self.message if named else f"job {self.job_id} {self.status}: {self.message}"
+        details = [self.code] if self.code != self.status else []
+        if self.stage:
+            details.append(f"stage {self.stage}")
+        return f"{head} ({', '.join(details)})" if details else head

@@ -334,17 +334,17 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     check_output_dir(args.output, args.n, args.json)
     fmt = choose_format(args.format, args.output)
     pane = pane_for(sys.stderr) if getattr(args, "preview", None) else None
+    answered = asyncio.Event()  # clear while a POST is in flight, its answer to come
+    answered.set()
     create = asyncio.ensure_future(client.create_job(build_body(args, fmt, pane), on_wait=lambda: print(
         "diffusiond is loading its models; the job is submitted as soon as it is ready", file=sys.stderr),
         on_socket_wait=lambda why: print(  # `serve &` a moment ago; else the usual error follows
-            f"waiting for a daemon at {client.socket_path} ({why}; up to {SOCKET_WAIT_S:g} s) ...", file=sys.stderr)))
+            f"waiting for a daemon at {client.socket_path} ({why}; up to {SOCKET_WAIT_S:g} s) ...", file=sys.stderr),
+        on_posting=lambda flight: answered.clear() if flight else answered.set()))
     try:
         job = await asyncio.shield(create)
     except asyncio.CancelledError:
-        # Interrupted with the POST sent: the daemon may have admitted the job, and only its answer names it.
-        # Given a moment to come, the id lets ``interrupted`` cancel the job; lost, it ran for nobody.
-        with contextlib.suppress(ClientError, TimeoutError):
-            state.job_id = str((await asyncio.wait_for(create, CANCEL_GRACE_S))["id"])
+        await _settle_submit(create, answered, state)
         raise
     job_id = state.job_id = str(job["id"])
     bar.job_id = job_id
@@ -408,6 +408,22 @@ async def _generate(client: AsyncClient, args: argparse.Namespace, state: Genera
     if args.json:
         print(json.dumps({"job": job, "files": files}))
     return EXIT_OK
+
+
+async def _settle_submit(create: asyncio.Future[dict[str, Any]], answered: asyncio.Event, state: GenerateState) -> None:
+    """Interrupted while submitting. With a POST in flight the daemon may have admitted the job, and only its
+    answer names it: given a moment to come, the id lets ``interrupted`` cancel the job; lost, it ran for nobody.
+    Between POSTs (a daemon still starting, a socket not bound yet) nothing was admitted: the submit stops at
+    once, as it would otherwise offer the job again, and a job admitted then would run for nobody."""
+    if not answered.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(answered.wait(), CANCEL_GRACE_S)
+    if not create.done():  # between offers, or past the grace: no further offer
+        create.cancel()
+        await asyncio.wait({create}, timeout=CANCEL_GRACE_S)  # bounded: a cancel swallowed below must not hang
+    if create.done() and not create.cancelled() and create.exception() is None:
+        with contextlib.suppress(KeyError, TypeError):
+            state.job_id = str(create.result()["id"])
 
 
 def _is_stdout(path: Path) -> bool:
