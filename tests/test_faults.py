@@ -119,8 +119,8 @@ async def test_worker_killed_while_idle_is_replaced_and_no_job_is_touched(daemon
 
 async def test_failing_restarts_back_off_without_duplicating_workers(daemon_factory, model_cache, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The replacement of a dead worker cannot load its model (the folder went away): the
-    daemon keeps trying with growing back-off, never runs two replacements at once, and
-    recovers once the model is back."""
+    daemon tries again with growing back-off (up to ``REPLACE_ATTEMPTS``), never runs two
+    replacements at once, and recovers once the model is back."""
     import shutil
 
     from diffusiond.pipelines.tiny import ensure_tiny
@@ -134,15 +134,18 @@ async def test_failing_restarts_back_off_without_duplicating_workers(daemon_fact
         os.kill(pid, signal.SIGKILL)
 
         async def failures(n: int) -> None:
-            while d.log().count("restarting a worker for m failed") < n:
+            while d.log().count("replacing m's worker on cpu failed") < n:
                 await asyncio.sleep(0.1)
 
         await asyncio.wait_for(failures(2), 60)
         h = await _health(s)
         assert len(h["workers"]) == 1 and h["workers"][0]["state"] == "dead", h
         assert len(d.worker_pids()) <= 1  # at most the one replacement being tried
-        job_id = await _submit(s, {**FAST, "model": "m"})  # accepted: a replacement is on its way
         shutil.move(tmp_path / "away", folder)
-        job = await wait_job(s, job_id, timeout=90)
+        job = await wait_job(s, await _submit(s, {**FAST, "model": "m"}), timeout=90)  # accepted: one is on its way
+        if job["status"] == "failed":  # a try begun before the folder came back failed: the job was told why
+            assert job["error"]["code"] == "model_load_failed", job
+            assert "its replacement did not start" in job["error"]["message"], job
+            job = await wait_job(s, await _submit(s, {**FAST, "model": "m"}), timeout=90)
         assert job["status"] == "succeeded", job
         assert (await _health(s))["workers"][0]["state"] == "ready"

@@ -228,6 +228,8 @@ class DaemonConfig:
     def validate(self) -> DaemonConfig:
         if not self.models:
             raise ConfigError("no model configured; give --model tiny (or a folder, hub id or .safetensors file)")
+        if (why := check_batching(None, self.max_batch, self.batch_sizes)) is not None:  # its own words, as a model's
+            raise ConfigError(why)
         check_fields(self)  # each setting's type, before anything below compares or computes with it
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
@@ -249,8 +251,6 @@ class DaemonConfig:
                 if batch > self.max_batch_of(m):
                     raise ConfigError(f"model {m.name!r}: warmup {w}x{h}:{batch} is a batch larger than its "
                                       f"max_batch {self.max_batch_of(m)}; no request would run that shape")
-        if (why := check_batching(None, self.max_batch, self.batch_sizes)) is not None:
-            raise ConfigError(why)
         if self.output_mode not in OUTPUT_MODES:
             raise ConfigError(f"output_mode {self.output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
         for name in ("queue_size", "arena_mb", "encode_threads", "max_loras"):
