@@ -161,11 +161,14 @@ class Client:
     # the job API and the service ----------------------------------------------------------
     def create_job(self, body: dict[str, Any], *, wait_start_s: float = START_WAIT_S,
                    on_wait: Callable[[], None] | None = None, wait_socket_s: float | None = None,
-                   on_socket_wait: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   on_socket_wait: Callable[[str], None] | None = None,
+                   on_posting: Callable[[bool], None] | None = None) -> dict[str, Any]:
         """``AsyncClient.create_job``, blocking, with its keywords (a sync caller could not shorten
-        the wait for a starting daemon); ``on_wait`` and ``on_socket_wait`` run on the client's thread."""
+        the wait for a starting daemon); ``on_wait``, ``on_socket_wait`` and ``on_posting`` run on the client's
+        thread."""
         return self._call(self._async.create_job(body, wait_start_s=wait_start_s, on_wait=on_wait,
-                                                 wait_socket_s=wait_socket_s, on_socket_wait=on_socket_wait))
+                                                 wait_socket_s=wait_socket_s, on_socket_wait=on_socket_wait,
+                                                 on_posting=on_posting))
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call(self._async.job(job_id))
