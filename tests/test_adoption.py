@@ -7,41 +7,22 @@ stops that daemon when it idles, and starts it again for the next request."""
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
 import pytest
+from adoptkit import SERVE_ARGS, env, ready, replicas_daemon
 from daemonkit import http, until
 
-from conftest import ROOT
 from diffusiond.protocol import ErrorCode
 from diffusiond.ray import adoption, claims
 
-SERVE_ARGS = ["--model", "tiny", "--device", "cpu", "--max-batch", "1"]
 JOB = {"model": "tiny", "width": 64, "height": 64, "steps": 2, "prompt": "kept", "seed": 3}
-
-
-def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1",
-                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-
-
-async def ready(socket: Path) -> bool:
-    try:
-        async with http(socket) as s, s.get("/ready") as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 async def test_a_finished_store_is_adopted_on_demand_served_stopped_when_idle_and_started_again(
         model_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    root = tmp_path / "shared"
-    owner = claims.claim_own(root, "gone0001")
-    sock = tmp_path / "gone.sock"
-    proc = adoption.spawn([*SERVE_ARGS, "--state-dir", str(root / "gone0001")], sock, tmp_path / "gone.log",
-                          env(), (owner.fd,), None)
+    root, owner, sock, proc = replicas_daemon(tmp_path)
     try:
         await until(lambda: ready(sock), timeout=120, what="the first daemon ready")
         async with http(sock) as s:

@@ -13,31 +13,17 @@ import signal
 from pathlib import Path
 
 import pytest
+from adoptkit import SERVE_ARGS, env, ready, replicas_daemon
 from daemonkit import http, until
 
-from conftest import ROOT
 from diffusiond.ray import adoption, claims
 
-SERVE_ARGS = ["--model", "tiny", "--device", "cpu", "--max-batch", "1"]
 JOB = {"model": "tiny", "width": 64, "height": 64, "prompt": "kept", "seed": 3}
-
-
-def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1",
-                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
 def adopter(root: Path, private: Path, me: str = "adopter1") -> adoption.Adoption:
     private.mkdir(parents=True, exist_ok=True)
     return adoption.Adoption(root, me, me, SERVE_ARGS, private, env(), lambda: (lambda: None), 120.0)
-
-
-async def ready(socket: Path) -> bool:
-    try:
-        async with http(socket) as s, s.get("/ready") as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 async def succeeded(d: adoption.StoreDaemon, job: str) -> bool:
@@ -87,11 +73,7 @@ async def test_requests_that_come_while_an_idle_daemon_stops_all_get_it_started_
 
 async def test_a_gone_replicas_jobs_run_with_no_one_asking_though_their_daemon_never_started_or_died(
         model_cache: Path, tmp_path: Path) -> None:
-    root = tmp_path / "shared"
-    owner = claims.claim_own(root, "gone0001")
-    sock = tmp_path / "gone.sock"
-    proc = adoption.spawn([*SERVE_ARGS, "--state-dir", str(root / "gone0001")], sock, tmp_path / "gone.log",
-                          env(), (owner.fd,), None)
+    root, owner, sock, proc = replicas_daemon(tmp_path)
     try:
         await until(lambda: ready(sock), timeout=120, what="the first daemon ready")
         async with http(sock) as s:

@@ -26,6 +26,7 @@ from residencykit import G
 import diffusiond.daemon.edge.api as api
 import diffusiond.daemon.server as server
 from diffusiond.daemon.config import ModelConfig
+from diffusiond.daemon.core.jobs import Job
 from diffusiond.daemon.edge.status import ENGINE
 from diffusiond.daemon.errors import ModelTooLarge
 from diffusiond.daemon.state.store import SqliteStore
@@ -242,12 +243,9 @@ def n_held(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     return opened
 
 
-async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A restart while ``n`` still preloads: ``m``'s running job has ``--drain-grace-s`` to finish (it is not
-    failed at once), while the job queued for ``n``, which will not load now, ends at once."""
-    n_held(monkeypatch)
-    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")))
+async def stopped_in_preload(h: Harness) -> tuple[Job, Job, FakeWorker, float, tuple[str, ...]]:
+    """A stop while ``n`` still preloads (``n_held``), with a job running on ``m`` and one queued for ``n``: the
+    two jobs, ``m``'s worker, and the grace and the models left unloaded that the stop hands to the drain."""
     stop = asyncio.Event()
     serving = asyncio.ensure_future(server._serve(h.engine, stop, "a test", socket_activated=False))
     await asyncio.wait_for(_spawned(h, "n"), 5)
@@ -256,6 +254,16 @@ async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
     await asyncio.wait_for(_executed(worker), 5)
     stop.set()
     grace, unloaded = await serving
+    return running, waiting, worker, grace, unloaded
+
+
+async def test_a_stop_during_the_preload_gives_the_running_jobs_the_drain_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart while ``n`` still preloads: ``m``'s running job has ``--drain-grace-s`` to finish (it is not
+    failed at once), while the job queued for ``n``, which will not load now, ends at once."""
+    n_held(monkeypatch)
+    h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")))
+    running, waiting, worker, grace, unloaded = await stopped_in_preload(h)
     assert (grace, unloaded) == (h.engine.config.drain_grace_s, ("n",))
     drain = asyncio.ensure_future(h.engine.drain(grace, unloaded=unloaded))
     await h.settle()
@@ -276,14 +284,7 @@ async def test_a_stop_during_the_preload_ends_with_the_running_jobs_when_the_res
     caplog.set_level(logging.INFO, logger="diffusiond.daemon.core.resume")
     h = Harness(models=(ModelConfig(name="m", spec="fake"), ModelConfig(name="n", spec="fake")),
                 drain_grace_s=600.0, store=SqliteStore(tmp_path))
-    stop = asyncio.Event()
-    serving = asyncio.ensure_future(server._serve(h.engine, stop, "a test", socket_activated=False))
-    await asyncio.wait_for(_spawned(h, "n"), 5)
-    running, waiting = h.submit(), h.submit(model="n")
-    [worker] = [w for w in h.spawned if w.config.model_name == "m"]
-    await asyncio.wait_for(_executed(worker), 5)
-    stop.set()
-    grace, unloaded = await serving
+    running, waiting, worker, grace, unloaded = await stopped_in_preload(h)
     drain = asyncio.ensure_future(h.engine.drain(grace, unloaded=unloaded))
     await h.settle()
     worker.finish(worker.executed[0])
